@@ -1,0 +1,156 @@
+"""RLHF algorithm math on plain tensors: advantages, KL estimators, policy/value losses, importance weights.
+
+Pure torch: no Ray, vLLM or Megatron import, so every formula here is unit-tested in milliseconds
+(`pytest tests/unit/test_rlhf_algorithms.py`) and reused unchanged by the GRPO and PPO engines.
+
+Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T) that is
+1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
+"""
+import torch
+
+
+def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Sum of `x` where `mask` is 1 (over all elements, or along `dim`)."""
+    return (x * mask).sum() if dim is None else (x * mask).sum(dim)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
+    """Mean of `x` over the positions where `mask` is 1; 0 where the mask is empty (no NaN from 0/0)."""
+    return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, eps: float = 1e-8):
+    """(x - mean) / std over the masked positions; with shift_mean=False the mean is added back."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    return whitened if shift_mean else whitened + mean
+
+
+def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
+                     eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages: each reward minus the mean of its group, divided by the group's std.
+
+    rewards: (P * group_size,) with the `group_size` samples of each prompt contiguous.
+    Returns (P * group_size,). A group whose samples all got the same reward gets advantage 0 (no signal).
+    The std is the unbiased sample std (as in DeepSeekMath's GRPO); normalize_std=False gives Dr. GRPO.
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    centred = grouped - grouped.mean(dim=1, keepdim=True)
+    if normalize_std and group_size > 1:
+        centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
+    return centred.reshape(-1)
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
+        lam: float = 0.95):
+    """Generalised advantage estimation over response tokens.
+
+    rewards, values, mask: (B, T). Token t's TD error is r_t + gamma * V_{t+1} - V_t with V past the last
+    unmasked token taken as 0 (the episode ends there). Returns (advantages, returns), both (B, T), zero on
+    masked positions; returns = advantages + values is the value-function target.
+    """
+    B, T = rewards.shape
+    advantages = torch.zeros_like(rewards)
+    next_value = torch.zeros(B, dtype=rewards.dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    for t in reversed(range(T)):
+        m = mask[:, t]
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        adv = delta + gamma * lam * next_adv
+        # On padding keep carrying the values from the right (which are zeros past the sequence end).
+        advantages[:, t] = adv * m
+        next_value = torch.where(m > 0, values[:, t], next_value)
+        next_adv = torch.where(m > 0, adv, next_adv)
+    returns = (advantages + values) * mask
+    return advantages, returns
+
+
+def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+
+    k1: log r with log r = logp - logp_ref; unbiased, can be negative.
+    k2: (log r)^2 / 2; biased, non-negative.
+    k3: exp(-log r) - 1 + log r; unbiased, non-negative (the GRPO paper's choice).
+    """
+    log_ratio = logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k2":
+        return 0.5 * log_ratio ** 2
+    if kind == "k3":
+        # Clamp keeps exp() finite when the two policies disagree wildly early in training.
+        return torch.exp(-log_ratio.clamp(-20, 20)) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}: use 'k1', 'k2' or 'k3'")
+
+
+def truncated_importance_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
+                                 cap: float = 2.0) -> torch.Tensor:
+    """Truncated importance-sampling weights for the train/inference mismatch (Yao et al., "TIS").
+
+    The samples come from the inference engine's distribution (inference_logprobs) while the loss treats
+    them as samples of the trainer's (old_logprobs): weight = min(pi_train / pi_infer, cap), per token,
+    detached. Equal log-probs give weight 1 exactly.
+    """
+    return torch.exp(old_logprobs - inference_logprobs).clamp(max=cap).detach()
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor = None,
+                kl_coef: float = 0.0, kl_kind: str = "k3", is_weights: torch.Tensor = None):
+    """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
+
+    logprobs: (B, T) under the policy being trained (requires grad); old_logprobs: (B, T) under the policy
+    that sampled (before this train step); advantages: (B, T) or (B,) (broadcast over tokens);
+    ref_logprobs: (B, T) under the frozen reference, used when kl_coef > 0; is_weights: (B, T) optional
+    per-token weights (truncated_importance_weights). The loss is the mean over all unmasked tokens.
+    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference).
+    """
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1).expand_as(logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    per_token = -torch.minimum(unclipped, clipped)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    stats = {}
+    if ref_logprobs is not None:
+        kl = kl_estimate(logprobs, ref_logprobs, kl_kind)
+        stats["kl"] = masked_mean(kl.detach(), mask)
+        if kl_coef:
+            per_token = per_token + kl_coef * kl
+    loss = masked_mean(per_token, mask)
+    with torch.no_grad():
+        stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
+        stats["approx_kl"] = masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask)
+    return loss, stats
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_eps: float = 0.2):
+    """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), mean over unmasked tokens.
+
+    values: (B, T) requires grad; old_values, returns: (B, T). Returns (loss, stats) with clip_fraction.
+    """
+    clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    loss_unclipped = (values - returns) ** 2
+    loss_clipped = (clipped_values - returns) ** 2
+    loss = 0.5 * masked_mean(torch.maximum(loss_unclipped, loss_clipped), mask)
+    with torch.no_grad():
+        clip_fraction = masked_mean((loss_clipped > loss_unclipped).float(), mask)
+    return loss, {"value_clip_fraction": clip_fraction}
+
+
+def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
+                      mask: torch.Tensor, kl_coef: float, kl_kind: str = "k1") -> torch.Tensor:
+    """PPO token rewards: -kl_coef * KL per token, plus the sequence score on its last unmasked token.
+
+    scores: (B,); logprobs, ref_logprobs, mask: (B, T). Returns (B, T), zero on masked positions.
+    """
+    rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
+    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (mask > 0)  # (B, T) one-hot or empty
+    return rewards + last.to(rewards.dtype) * scores.unsqueeze(1)
