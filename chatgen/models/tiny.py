@@ -1,0 +1,206 @@
+"""`chatgen make-tiny-model`: build a tiny Llama- or Qwen2-architecture model as a Hugging Face directory.
+
+    chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output outputs/tiny-llama
+    chatgen make-tiny-model --config configs/models/tiny_qwen2.yaml --output outputs/tiny-qwen2 num_key_value_heads=1
+
+The directory holds `config.json`, `model.safetensors` (fp32), `generation_config.json` and a sentencepiece
+tokenizer (`tokenizer.model`, plus the `tokenizer.json` transformers converts it to) trained on the corpus
+shipped in `chatgen/data/tiny_corpus.txt`. Nothing is downloaded. The result loads with
+`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and with `vllm.LLM(DIR)`, the same loading code
+as a real checkpoint.
+
+Norm weights and (Qwen2) QKV biases are randomised rather than left at ones/zeros, so that a layout bug
+in a conversion or a weight sync changes the logits instead of hiding behind a constant.
+"""
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import yaml
+
+CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
+SPECIAL_TOKENS = {"unk": ("<unk>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "pad": ("<pad>", 3)}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+
+
+@dataclasses.dataclass
+class TinyModelSpec:
+    """The few dials of a tiny model; everything else is derived (head_dim = hidden_size / heads)."""
+
+    architecture: str = "llama"  # llama | qwen2 (qwen2 = QKV bias)
+    vocab_size: int = 512  # tokenizer vocabulary; the model's embedding has exactly this many rows
+    hidden_size: int = 128
+    intermediate_size: int = 352
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    max_position_embeddings: int = 512
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    init_std: float = 0.02
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+# vLLM's CPU attention kernels accept only these head sizes.
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+
+def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
+    errors = []
+    if spec.architecture not in ARCHITECTURES:
+        errors.append(f"architecture: {spec.architecture!r} is not supported; use one of {sorted(ARCHITECTURES)}")
+    if spec.hidden_size % spec.num_attention_heads:
+        errors.append("hidden_size: must be divisible by num_attention_heads")
+    elif spec.head_dim not in VLLM_CPU_HEAD_SIZES:
+        errors.append(
+            f"hidden_size/num_attention_heads: head size {spec.head_dim} is not supported by vLLM's CPU "
+            f"attention; pick sizes giving one of {VLLM_CPU_HEAD_SIZES}"
+        )
+    if spec.num_attention_heads % spec.num_key_value_heads:
+        errors.append("num_key_value_heads: must divide num_attention_heads")
+    if spec.vocab_size < 260:
+        errors.append("vocab_size: must be >= 260 (256 byte-fallback pieces + 4 special tokens)")
+    if errors:
+        raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
+
+
+def load_spec(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TinyModelSpec:
+    """Read a spec YAML (flat keys of TinyModelSpec) and apply `key=value` overrides."""
+    values = {}
+    if path is not None:
+        values = yaml.safe_load(Path(path).read_text()) or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ValueError(f"override {item!r}: expected key=value, e.g. num_hidden_layers=4")
+        key, raw = item.split("=", 1)
+        values[key.strip()] = yaml.safe_load(raw)
+    known = {f.name for f in dataclasses.fields(TinyModelSpec)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        import difflib
+
+        hints = [f"{k} (did you mean {difflib.get_close_matches(k, known, 1)[0]!r}?)"
+                 if difflib.get_close_matches(k, known, 1) else k for k in unknown]
+        raise ValueError(f"{path or 'overrides'}: unknown key(s): {', '.join(hints)}; valid keys: {sorted(known)}")
+    for f in dataclasses.fields(TinyModelSpec):
+        if f.type in ("float", float) and isinstance(values.get(f.name), (int, str)):
+            values[f.name] = float(values[f.name])  # YAML reads `5e5` as a string and `10000` as an int
+    spec = TinyModelSpec(**values)
+    validate_spec(spec, str(path or "overrides"))
+    return spec
+
+
+def train_tokenizer(out_dir: Path, vocab_size: int, corpus: Path = CORPUS) -> None:
+    """Train a BPE sentencepiece model (digits split, byte fallback) and write transformers' files."""
+    import sentencepiece as spm
+
+    spm.SentencePieceTrainer.train(
+        input=str(corpus),
+        model_prefix=str(out_dir / "tokenizer"),
+        vocab_size=vocab_size,
+        model_type="bpe",
+        split_digits=True,  # every digit is its own token: arithmetic/sorting tasks stay learnable
+        byte_fallback=True,  # no <unk> on unseen characters
+        character_coverage=1.0,
+        num_threads=1,
+        minloglevel=2,
+        **{f"{name}_id": idx for name, (_, idx) in SPECIAL_TOKENS.items()},
+        **{f"{name}_piece": piece for name, (piece, _) in SPECIAL_TOKENS.items()},
+    )
+    (out_dir / "tokenizer.vocab").unlink()
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "model_max_length": 1 << 20,
+        **{f"{name}_token": piece for name, (piece, _) in SPECIAL_TOKENS.items()},
+    }
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
+    # Let transformers convert the sentencepiece model once, so loaders find a ready tokenizer.json.
+    from transformers import AutoTokenizer
+
+    AutoTokenizer.from_pretrained(str(out_dir)).save_pretrained(str(out_dir))
+
+
+def hf_config(spec: TinyModelSpec):
+    """The transformers config object for a spec."""
+    from transformers import LlamaConfig, Qwen2Config
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        rope_theta=spec.rope_theta,
+        rms_norm_eps=spec.rms_norm_eps,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        initializer_range=spec.init_std,
+        bos_token_id=SPECIAL_TOKENS["bos"][1],
+        eos_token_id=SPECIAL_TOKENS["eos"][1],
+        pad_token_id=SPECIAL_TOKENS["pad"][1],
+        dtype="float32",
+    )
+    if spec.architecture == "llama":
+        return LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=spec.head_dim, **common)
+    return Qwen2Config(use_sliding_window=False, **common)
+
+
+def build_model(spec: TinyModelSpec):
+    """A randomly initialised transformers model (fp32) with non-trivial norms and biases."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(spec.init_std * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def make_tiny_model(spec: TinyModelSpec, output: str | os.PathLike, corpus: Path = CORPUS) -> Path:
+    """Write the model directory atomically (built in a temp dir, then renamed into place)."""
+    output = Path(output)
+    if output.exists():
+        raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is meant to be shared
+    try:
+        train_tokenizer(tmp, spec.vocab_size, corpus)
+        build_model(spec).save_pretrained(str(tmp), safe_serialization=True)
+        (tmp / "chatgen_tiny_model.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        os.replace(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--config", help="spec YAML (keys of TinyModelSpec); default: built-in tiny Llama")
+    parser.add_argument("--output", required=True, help="directory to create (must not exist)")
+    parser.add_argument("--corpus", default=str(CORPUS), help="text file to train the tokenizer on")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="spec overrides, e.g. num_hidden_layers=4")
+
+
+def run(args) -> int:
+    spec = load_spec(args.config, args.overrides)
+    out = make_tiny_model(spec, args.output, Path(args.corpus))
+    print(f"wrote {spec.architecture} tiny model to {out} ({json.dumps(dataclasses.asdict(spec))})")
+    return 0
