@@ -1,0 +1,169 @@
+"""Llama family: HF config -> Megatron model config, and the HF <-> Megatron parameter mapping, side by side.
+
+Llama = RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, tied or untied embeddings, no biases.
+Qwen2 (chatgen/models/qwen2.py) is the same with a QKV bias. The mapping names each Megatron parameter,
+the HF tensors it is made of and its layout kind (see chatgen/param_sync/layout.py for what each kind
+means under tensor parallelism). `{i}` in a name is the layer number: local to the pipeline stage on the
+Megatron side, global on the HF side.
+
+Pure data and tensor shapes; imports neither Megatron nor vLLM:
+
+    spec = llama.spec_from_hf(json.load(open("DIR/config.json")))
+    llama.transformer_config_kwargs(spec)   # -> megatron TransformerConfig keyword arguments
+    llama.param_mappings(spec)              # -> [ParamMapping(megatron, hf, kind), ...]
+"""
+import dataclasses
+import math
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSpec:
+    """The architecture facts both sides need, read from an HF config.json."""
+
+    family: str
+    num_layers: int
+    hidden_size: int
+    ffn_hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int  # = HF num_key_value_heads
+    head_dim: int  # = Megatron kv_channels
+    vocab_size: int  # HF rows of embed_tokens / lm_head (Megatron pads this, see padded_vocab_size)
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
+        """Megatron's vocab padding: round up to a multiple of divisible_by * TP."""
+        multiple = divisible_by * tp
+        return int(math.ceil(self.vocab_size / multiple) * multiple)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamMapping:
+    megatron: str  # e.g. "decoder.layers.{i}.self_attention.linear_qkv.weight"
+    hf: tuple  # HF names it is made of, in the order the layout kind expects
+    kind: str  # replicated | column | row | vocab | qkv | gate_up
+
+
+def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False) -> ModelSpec:
+    """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot express."""
+    unsupported = []
+    if hf_config.get("rope_scaling") not in (None, {}) and (hf_config["rope_scaling"] or {}).get(
+            "rope_type", hf_config["rope_scaling"].get("type")) not in (None, "default"):
+        unsupported.append(f"rope_scaling={hf_config['rope_scaling']} (only plain RoPE is mapped)")
+    if hf_config.get("mlp_bias"):
+        unsupported.append("mlp_bias=true")
+    if family == "llama" and hf_config.get("attention_bias"):
+        unsupported.append("attention_bias=true (o_proj bias has no Megatron counterpart here)")
+    if hf_config.get("hidden_act", "silu") != "silu":
+        unsupported.append(f"hidden_act={hf_config['hidden_act']!r} (SwiGLU needs 'silu')")
+    if unsupported:
+        raise ValueError(f"{family} config: unsupported feature(s): {'; '.join(unsupported)}")
+    heads = hf_config["num_attention_heads"]
+    rope = hf_config.get("rope_theta", (hf_config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return ModelSpec(
+        family=family,
+        num_layers=hf_config["num_hidden_layers"],
+        hidden_size=hf_config["hidden_size"],
+        ffn_hidden_size=hf_config["intermediate_size"],
+        num_attention_heads=heads,
+        num_query_groups=hf_config.get("num_key_value_heads") or heads,
+        head_dim=hf_config.get("head_dim") or hf_config["hidden_size"] // heads,
+        vocab_size=hf_config["vocab_size"],
+        rms_norm_eps=hf_config.get("rms_norm_eps", 1e-6),
+        rope_theta=float(rope),
+        max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+    )
+
+
+def transformer_config_kwargs(spec: ModelSpec) -> dict:
+    """megatron.core TransformerConfig arguments reproducing the HF model exactly (no dropout, no fusions)."""
+    import torch
+
+    return dict(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        ffn_hidden_size=spec.ffn_hidden_size,
+        num_attention_heads=spec.num_attention_heads,
+        num_query_groups=spec.num_query_groups,
+        kv_channels=spec.head_dim,
+        layernorm_epsilon=spec.rms_norm_eps,
+        normalization="RMSNorm",
+        gated_linear_unit=True,  # SwiGLU: linear_fc1 = [gate; up]
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attention_softmax_in_fp32=True,
+    )
+
+
+def gpt_model_kwargs(spec: ModelSpec) -> dict:
+    """megatron.core GPTModel arguments (vocab_size is filled in padded by the caller)."""
+    return dict(
+        max_sequence_length=spec.max_position_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(spec.rope_theta),
+        rotary_percent=1.0,
+        share_embeddings_and_output_weights=spec.tie_word_embeddings,
+    )
+
+
+def param_mappings(spec: ModelSpec) -> tuple[list[ParamMapping], list[ParamMapping]]:
+    """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order."""
+    attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
+    layer = [
+        ParamMapping("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",),
+                     "replicated"),
+        ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
+                     (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), "qkv"),
+    ]
+    if spec.qkv_bias:
+        layer.append(ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.bias",
+                                  (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), "qkv"))
+    layer += [
+        ParamMapping("decoder.layers.{i}.self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
+        ParamMapping("decoder.layers.{i}.pre_mlp_layernorm.weight",
+                     ("model.layers.{i}.post_attention_layernorm.weight",), "replicated"),
+        ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+                     "gate_up"),
+        ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "row"),
+    ]
+    model = [
+        ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
+        ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+    ]
+    if not spec.tie_word_embeddings:
+        model.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return model, layer
+
+
+def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
+    """Every HF tensor name -> shape, in checkpoint order: the manifest a sync must deliver exactly."""
+    h, kv = spec.hidden_size, spec.num_query_groups * spec.head_dim
+    q = spec.num_attention_heads * spec.head_dim
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if spec.qkv_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (spec.ffn_hidden_size, h)
+        shapes[p + "mlp.up_proj.weight"] = (spec.ffn_hidden_size, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, spec.ffn_hidden_size)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes

@@ -1,0 +1,110 @@
+"""HF <-> Megatron conversion (chatgen/param_sync/layout.py, chatgen/models/llama.py, qwen2.py): pure tensors.
+
+    python -m pytest tests/unit/test_convert.py
+"""
+import pytest
+import torch
+
+from chatgen.models import llama, qwen2
+from chatgen.param_sync import layout
+
+
+def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8):
+    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=heads * head_dim, intermediate_size=48,
+               num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied)
+    return layout.spec_from_hf_config(cfg)
+
+
+def random_hf_state(spec, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = layout.family(spec).hf_param_shapes(spec)
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+LAYOUTS = [  # (family, heads, groups, tied, tp, pp)
+    ("llama", 4, 2, False, 1, 1),
+    ("llama", 4, 2, False, 2, 1),
+    ("llama", 4, 2, False, 2, 2),
+    ("llama", 4, 1, False, 2, 1),  # num_query_groups < TP
+    ("llama", 8, 2, False, 4, 2),  # num_query_groups < TP, PP
+    ("llama", 4, 4, True, 4, 4),   # tied embeddings across 4 stages
+    ("qwen2", 4, 2, True, 2, 2),   # QKV bias + tied + PP
+    ("qwen2", 4, 1, False, 4, 1),  # QKV bias with num_query_groups < TP
+]
+
+
+@pytest.mark.parametrize("family,heads,groups,tied,tp,pp", LAYOUTS)
+def test_round_trip_is_bit_exact(family, heads, groups, tied, tp, pp):
+    spec = make_spec(family, heads, groups, tied=tied)
+    hf = random_hf_state(spec)
+    padded = spec.padded_vocab_size(tp, divisible_by=16)
+    shards = layout.hf_to_megatron(hf, spec, tp, pp, padded)
+    assert sorted(shards) == [(p, t) for p in range(pp) for t in range(tp)]
+    back = layout.megatron_to_hf(shards, spec, tp, pp)
+    assert list(back) == list(hf) or sorted(back) == sorted(hf)
+    for name, t in hf.items():
+        assert back[name].shape == t.shape, name
+        assert torch.equal(back[name], t), name
+
+
+def test_padded_vocab_rows_are_zero_and_split_evenly():
+    spec = make_spec(vocab=250)
+    padded = spec.padded_vocab_size(2, divisible_by=128)
+    assert padded == 256
+    shards = layout.hf_to_megatron(random_hf_state(spec), spec, tp=2, pp=1, padded_vocab=padded)
+    emb = torch.cat([shards[(0, t)]["embedding.word_embeddings.weight"] for t in range(2)])
+    assert emb.shape[0] == 256 and shards[(0, 0)]["embedding.word_embeddings.weight"].shape[0] == 128
+    assert torch.all(emb[250:] == 0)
+
+
+def test_qkv_interleaves_per_query_group():
+    # 4 query heads, 2 groups, head_dim 1: rows labelled by head id
+    spec = make_spec(heads=4, groups=2, head_dim=1)
+    q = torch.tensor([[10.], [11.], [12.], [13.]])
+    k, v = torch.tensor([[20.], [21.]]), torch.tensor([[30.], [31.]])
+    fused = layout.qkv_to_megatron(q, k, v, spec.num_query_groups)
+    assert fused.flatten().tolist() == [10, 11, 20, 30, 12, 13, 21, 31]
+    # TP=2 with 2 groups: each rank holds one whole group
+    shards = layout.to_megatron_shards("qkv", [q, k, v], spec, tp=2, padded_vocab=0)
+    assert [s.flatten().tolist() for s in shards] == [[10, 11, 20, 30], [12, 13, 21, 31]]
+
+
+def test_gate_up_rank_holds_its_gate_and_up_slices():
+    spec = make_spec()
+    gate, up = torch.arange(4.).view(4, 1), torch.arange(10., 14.).view(4, 1)
+    shards = layout.to_megatron_shards("gate_up", [gate, up], spec, tp=2, padded_vocab=0)
+    assert [s.flatten().tolist() for s in shards] == [[0, 1, 10, 11], [2, 3, 12, 13]]
+
+
+def test_stage_params_offsets_layers_and_tied_copy():
+    spec = make_spec(tied=True, layers=4)
+    last = layout.stage_params(spec, pp=2, pp_rank=1)
+    names = {p.local_name: p for p in last}
+    assert names["decoder.layers.0.input_layernorm.weight"].hf_names == ("model.layers.2.input_layernorm.weight",)
+    assert names["output_layer.weight"].duplicate and "embedding.word_embeddings.weight" not in names
+    first = {p.local_name for p in layout.stage_params(spec, pp=2, pp_rank=0)}
+    assert "embedding.word_embeddings.weight" in first and "output_layer.weight" not in first
+
+
+def test_qwen2_maps_qkv_bias_and_llama_does_not():
+    assert any(m.megatron.endswith("linear_qkv.bias") for m in qwen2.param_mappings(make_spec("qwen2"))[1])
+    assert not any(m.megatron.endswith("bias") for m in llama.param_mappings(make_spec("llama"))[1])
+
+
+def test_layout_that_does_not_fit_names_every_problem():
+    spec = make_spec(heads=6, groups=3, head_dim=8, layers=3)
+    with pytest.raises(ValueError) as err:
+        layout.hf_to_megatron(random_hf_state(spec), spec, tp=4, pp=2, padded_vocab=256)
+    for needle in ("num_attention_heads=6", "num_key_value_heads=3", "must divide num_layers=3"):
+        assert needle in str(err.value)
+
+
+def test_unsupported_config_features_raise():
+    with pytest.raises(ValueError, match="rope_scaling"):
+        llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                                vocab_size=8, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="not supported"):
+        layout.spec_from_hf_config({"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="must divide num_layers"):
+        layout.stage_params(make_spec(layers=3), pp=2, pp_rank=0)
