@@ -46,3 +46,15 @@ def tiny_llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir() -> Path:
     return build_tiny_model("tiny_qwen2")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need CUDA; elsewhere they are skipped with the reason, never silently dropped."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
