@@ -9,6 +9,7 @@ import sys
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "config": ("chatgen.config.cli", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
     "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2 HF checkpoint + sentencepiece tokenizer"),
 }
 

@@ -1,0 +1,71 @@
+"""`chatgen config`: check a config before launching anything and print it resolved.
+
+    chatgen config configs/grpo.yaml runtime.num_episode=3 policy.temperature=0.5   # a main YAML
+    chatgen config --schema vllm configs/policy.yaml temperature=0                  # one per-model YAML
+    chatgen config --reference                                                      # key reference (markdown)
+
+Exit status 1 with every problem listed (file, key, fix) when the config is invalid.
+"""
+import dataclasses
+import sys
+import typing
+
+from chatgen.config.loader import ConfigError, _type_name, format_config, load_config, load_model_config, to_dict
+from chatgen.config.schema import AlgorithmConfig, MegatronConfig, ModelEntry, RuntimeConfig, VLLMConfig
+
+SECTIONS = [
+    ("runtime", "main YAML, `runtime:`", RuntimeConfig),
+    ("runtime.algorithm", "main YAML, `runtime: {algorithm: ...}`", AlgorithmConfig),
+    ("models.<name>", "main YAML, one entry per model", ModelEntry),
+    ("vllm", "per-model YAML of a `backend: vllm` model", VLLMConfig),
+    ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
+]
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("path", nargs="?", help="main YAML (runtime: + models:), or a per-model YAML with --schema")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. runtime.num_episode=3")
+    parser.add_argument("--schema", help="validate PATH as one per-model YAML: vllm, megatron, python or "
+                                         "package.module:DataclassName")
+    parser.add_argument("--reference", action="store_true", help="print the key reference of every section")
+
+
+def key_reference() -> str:
+    """Markdown tables of every section's keys: type, default, meaning (pasted into docs/configuration.md)."""
+    out = []
+    for title, where, cls in SECTIONS:
+        out += [f"### `{title}` ({where})", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                default = f"`{f.default!r}`".replace("None", "null").replace("True", "true").replace("False", "false")
+            elif f.default_factory is not dataclasses.MISSING:
+                value = f.default_factory()
+                default = "(section)" if dataclasses.is_dataclass(value) else f"`{value!r}`"
+            else:
+                default = "required"
+            kind = _type_name(hints[f.name]).replace("|", "or")
+            doc = f.metadata.get("doc", "").replace("|", "\\|")
+            out.append(f"| `{f.name}` | {kind} | {default} | {doc} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    if args.reference:
+        print(key_reference())
+        return 0
+    if args.path is None:
+        print("chatgen config: give a YAML path (or --reference)", file=sys.stderr)
+        return 2
+    try:
+        if args.schema:
+            import yaml
+
+            print(yaml.safe_dump(to_dict(load_model_config(args.path, args.schema, args.overrides)), sort_keys=False))
+        else:
+            print(format_config(load_config(args.path, args.overrides)))
+    except ConfigError as e:
+        print(e, file=sys.stderr)
+        return 1
+    return 0

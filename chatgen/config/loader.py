@@ -1,0 +1,499 @@
+"""Load a chatgen config: YAML files + `includes:` + `${VAR:default}` + command-line `key=value` overrides.
+
+    cfg = load_config("configs/grpo.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
+    vllm_cfg = load_model_config("configs/policy.yaml", "vllm", ["temperature=0"])
+
+Layers, lowest first: included files (in list order), the including file, command-line overrides. Mappings
+merge key by key; anything else is replaced whole. `${VAR}` is substituted after merging, so only the values
+that survive need their variables. Validation runs against the dataclasses in schema.py and collects every
+problem into one ConfigError, one line each: `<file>: <dotted.key>: <problem>; <fix>`.
+"""
+import dataclasses
+import difflib
+import importlib
+import os
+import re
+import types
+import typing
+from typing import Any, Literal
+
+import yaml
+
+from chatgen.config.schema import (
+    MODEL_NAMES,
+    SCHEMAS,
+    ChatgenConfig,
+    MegatronConfig,
+    ModelEntry,
+    RuntimeConfig,
+    VLLMConfig,
+)
+
+CLI = "command line"
+RESOLVED_NAME = "resolved_config.yaml"
+
+
+class ConfigError(ValueError):
+    """Every problem found in a config, one per line; `.errors` holds the lines."""
+
+    def __init__(self, errors: list[str]):
+        self.errors = list(errors)
+        super().__init__(f"{len(self.errors)} config error(s):\n" + "\n".join(f"  {e}" for e in self.errors))
+
+
+class _Loader(yaml.SafeLoader):
+    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings."""
+
+
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+)
+
+
+def _yaml(text):
+    return yaml.load(text, Loader=_Loader)
+
+
+def _show(path: str) -> str:
+    """A path as the user would type it: relative to the current directory when below it."""
+    rel = os.path.relpath(path)
+    return path if rel.startswith("..") else rel
+
+
+# --- provenance: `where` maps a key path (tuple) to (file, shown key prefix) -------------------------------
+
+
+def _at(where: dict, path: tuple) -> str:
+    """'<file>: <dotted.key>' for error lines; the file is the one that set the key (or its nearest parent)."""
+    file, prefix = next(where[path[:i]] for i in range(len(path), -1, -1) if path[:i] in where)
+    return f"{file}: {prefix}{'.'.join(map(str, path))}" if path else file
+
+
+def _paths(data: dict, prefix: tuple = ()):
+    for key, value in data.items():
+        yield (*prefix, key)
+        if isinstance(value, dict):
+            yield from _paths(value, (*prefix, key))
+
+
+def _merge(dst: dict, dst_where: dict, src: dict, src_where: dict, prefix: tuple = ()) -> None:
+    """Deep-merge `src` into `dst` in place: `src` wins; mappings merge key by key, other values are replaced."""
+    for key, value in src.items():
+        path = (*prefix, key)
+        if isinstance(value, dict) and isinstance(dst.get(key), dict):
+            _merge(dst[key], dst_where, value, src_where, path)
+            continue
+        dst[key] = value
+        for old in [p for p in dst_where if p[: len(path)] == path]:
+            del dst_where[old]
+        dst_where.update((p, w) for p, w in src_where.items() if p[: len(path)] == path)
+
+
+# --- reading files ------------------------------------------------------------------------------------------
+
+
+def _read(path: str, errors: list, files: list, ref: str | None = None, stack: tuple = ()) -> tuple[dict, dict]:
+    """(data, where) of one YAML file with its `includes:` merged under it (the including file wins)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    if path in stack:
+        cycle = " -> ".join(_show(p) for p in (*stack[stack.index(path):], path))
+        errors.append(f"{_show(stack[-1])}: includes: include cycle {cycle}; remove one of these includes")
+        return {}, {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = _yaml(f)
+    except OSError as e:
+        errors.append(f"{ref or _show(path)}: cannot read {_show(path)} ({e.strerror}); fix the path "
+                      "(relative paths resolve against the directory of the file that names them)")
+        return {}, {}
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        line = f"line {mark.line + 1}: " if mark else ""
+        problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
+        errors.append(f"{_show(path)}: {line}YAML syntax error: {problem}; fix the YAML syntax")
+        return {}, {}
+    files.append(path)
+    shown = _show(path)
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        errors.append(f"{shown}: the top level is a {type(data).__name__}; write a mapping of `key: value` lines")
+        return {}, {(): (shown, "")}
+    includes = _substitute(data.pop("includes", None) or [], {(): (shown, "includes")}, errors)
+    if isinstance(includes, str):
+        includes = [includes]
+    if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
+        errors.append(f"{shown}: includes: expected a file name or a list of them; write `includes: [base.yaml]`")
+        includes = []
+    merged, where = {}, {}
+    for include in includes:
+        target = os.path.join(os.path.dirname(path), os.path.expanduser(include))
+        sub, sub_where = _read(target, errors, files, f"{shown}: includes", (*stack, path))
+        _merge(merged, where, sub, sub_where)
+    _merge(merged, where, data, dict.fromkeys(_paths(data), (shown, "")))
+    where[()] = (shown, "")
+    return merged, where
+
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
+
+
+def _substitute(value, where: dict, errors: list, path: tuple = ()):
+    """Replace `${VAR}` / `${VAR:default}`; a value that is one whole `${...}` gets the YAML type of its text."""
+    if isinstance(value, dict):
+        return {k: _substitute(v, where, errors, (*path, k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_substitute(v, where, errors, path) for v in value]
+    if not isinstance(value, str) or "${" not in value:
+        return value
+
+    def replace(match):
+        name, default = match.groups()
+        if name in os.environ:
+            return os.environ[name]
+        if default is not None:
+            return default
+        errors.append(f"{_at(where, path)}: environment variable {name} is not set and has no default; "
+                      f"export {name}=... or write ${{{name}:default}}")
+        return ""
+
+    text = _ENV.sub(replace, value)
+    if not _ENV.fullmatch(value):
+        return text  # inside a longer string: stays a string
+    try:
+        return _yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+    except yaml.YAMLError:
+        return text
+
+
+def parse_overrides(items: list[str]) -> dict:
+    """`["a.b=1", "x=[1,2]"]` -> `{"a": {"b": 1}, "x": [1, 2]}`; values are typed as YAML reads them."""
+    errors = []
+    out = _parse_overrides(items, errors)
+    if errors:
+        raise ConfigError(errors)
+    return out
+
+
+def _parse_overrides(items, errors: list) -> dict:
+    out = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        keys = key.strip().split(".")
+        if not sep or not all(keys):
+            errors.append(f"{CLI}: {item!r}: not a key=value override; write e.g. runtime.num_episode=3")
+            continue
+        try:
+            value = _yaml(raw)
+        except yaml.YAMLError:
+            value = raw
+        node = out
+        for k in keys[:-1]:
+            if not isinstance(node.get(k), dict):
+                node[k] = {}
+            node = node[k]
+        node[keys[-1]] = value
+    return out
+
+
+# --- validation against the dataclasses ---------------------------------------------------------------------
+
+
+def _closest(word, choices, what="keys") -> str:
+    choices = sorted(map(str, choices))
+    match = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
+    return f"did you mean {match[0]!r}?" if match else f"valid {what}: {', '.join(choices)}"
+
+
+def _type_name(tp) -> str:
+    if tp is type(None):
+        return "null"
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(map(repr, typing.get_args(tp)))
+    return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp).replace("typing.", "")
+
+
+def _convert(value, tp) -> tuple[bool, Any]:
+    """(ok, value) for `value` read from YAML against annotation `tp`; ints pass as floats, bools never as ints."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if tp is Any:
+        return True, value
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return type(None) in args, None
+        for arg in args:
+            ok, converted = _convert(value, arg)
+            if ok:
+                return True, converted
+        return False, value
+    if origin is Literal:
+        return value in args, value
+    if origin in (list, dict):
+        if not isinstance(value, origin):
+            return False, value
+        if not args:
+            return True, value
+        if origin is dict:
+            items = [_convert(v, args[1]) for v in value.values()]
+            return all(ok for ok, _ in items), dict(zip(value, (v for _, v in items)))
+        items = [_convert(v, args[0]) for v in value]
+        return all(ok for ok, _ in items), [v for _, v in items]
+    if isinstance(value, bool) and tp is not bool:
+        return False, value
+    if tp is float and isinstance(value, int):
+        return True, float(value)
+    return isinstance(value, tp), value
+
+
+def _type_error(value, tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        hint = _closest(value, typing.get_args(tp), "values") if isinstance(value, str) else ""
+        return f"{value!r} is not {_type_name(tp)}; use one of those" + (f" ({hint})" if "mean" in hint else "")
+    fix = f"set it to {_type_name(tp)}"
+    if isinstance(value, str):
+        try:
+            if _convert(_yaml(value), tp)[0]:
+                fix = "remove the quotes"
+        except yaml.YAMLError:
+            pass
+    return f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}; {fix}"
+
+
+def _build(cls, data, where: dict, errors: list, path: tuple = ()):
+    """An instance of dataclass `cls` from mapping `data` (None if it has errors); `dict` = any mapping."""
+    if not isinstance(data, dict):
+        errors.append(f"{_at(where, path)}: expected a mapping of `key: value`, got {type(data).__name__} "
+                      f"{data!r}; write the keys indented under it")
+        return None
+    if cls is dict:
+        return data
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    before = len(errors)
+    kwargs = {}
+    for key, value in data.items():
+        key_path = (*path, key)
+        if key not in fields:
+            errors.append(f"{_at(where, key_path)}: unknown key; {_closest(key, fields)}")
+        elif dataclasses.is_dataclass(hints[key]):
+            kwargs[key] = _build(hints[key], value, where, errors, key_path)
+        else:
+            ok, kwargs[key] = _convert(value, hints[key])
+            if not ok:
+                errors.append(f"{_at(where, key_path)}: {_type_error(value, hints[key])}")
+    for name, f in fields.items():
+        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            doc = f.metadata.get("doc")
+            errors.append(f"{_at(where, (*path, name))}: required key is missing; add `{name}: ...`"
+                          + (f" ({doc})" if doc else ""))
+    if len(errors) > before:
+        return None
+    obj = cls(**kwargs)
+    for key, problem in getattr(obj, "check", tuple)():
+        errors.append(f"{_at(where, (*path, key))}: {problem}")
+    return obj
+
+
+def resolve_schema(schema):
+    """A schema class from a backend name ('vllm', 'megatron', 'python'), 'package.module:Class', or a class."""
+    if not isinstance(schema, str):
+        return schema
+    if schema in SCHEMAS:
+        return SCHEMAS[schema]
+    module, _, name = schema.partition(":")
+    if not name:
+        raise ValueError(f"schema {schema!r}: use one of {', '.join(SCHEMAS)} or 'package.module:DataclassName'")
+    return getattr(importlib.import_module(module), name)
+
+
+# --- public entry points ------------------------------------------------------------------------------------
+
+
+def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] = ()):
+    """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema`.
+
+    `path=None` starts from the schema's defaults (overrides only). Raises ConfigError listing every problem.
+    """
+    schema = resolve_schema(schema)
+    errors, files = [], []
+    data, where = _read(os.fspath(path), errors, files) if path is not None else ({}, {(): (CLI, "")})
+    overrides_tree = _parse_overrides(overrides, errors)
+    _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (CLI, "")))
+    data = _substitute(data, where, errors)
+    obj = _build(schema, data, where, errors)
+    if errors:
+        raise ConfigError(errors)
+    return obj
+
+
+def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> ChatgenConfig:
+    """The main YAML (`runtime:` + `models:`), each model's `model_config_file`, and `key=value` overrides.
+
+    Override paths: `runtime.num_episode=3`, `models.policy.num_gpu=1` (entry keys), `models.policy.temperature=0.5`
+    or its shortcut `policy.temperature=0.5` (per-model keys). Raises ConfigError listing every problem.
+    """
+    errors, files = [], []
+    main_yaml = os.path.abspath(os.fspath(main_yaml))
+    data, where = _read(main_yaml, errors, files)
+    overrides_tree = _route_overrides(_parse_overrides(overrides, errors), data, errors)
+    _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (CLI, "")))
+    data = _substitute(data, where, errors)
+
+    for key in data:
+        if key not in ("runtime", "models"):
+            from_cli = where.get((key,), ("",))[0] == CLI
+            models = data.get("models") if from_cli and isinstance(data.get("models"), dict) else {}
+            choices = ("runtime", "models", *models)
+            errors.append(f"{_at(where, (key,))}: unknown top-level key; {_closest(key, choices)}")
+    runtime = _build(RuntimeConfig, data.get("runtime") or {}, where, errors, ("runtime",))
+    if runtime is not None and runtime.train_global_batch_size is None:
+        runtime.train_global_batch_size = runtime.sample_per_episode
+    models_data = data.get("models")
+    if not isinstance(models_data, dict) or not models_data:
+        errors.append(f"{_at(where, ('models',))}: no models; add e.g. `models: {{policy: {{backend: vllm, "
+                      "model_config_file: policy.yaml}}`")
+        models_data = {}
+    models = {}
+    for name, entry_data in models_data.items():
+        entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, where, errors, files)
+        if entry is not None:
+            models[name] = entry
+    if runtime is not None:
+        _check_colocation(runtime, models, where, errors)
+    if errors:
+        raise ConfigError(errors)
+    return ChatgenConfig(runtime=runtime, models=models, path=main_yaml, overrides=list(overrides),
+                         files=list(dict.fromkeys(files)))
+
+
+def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
+    """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
+    models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    shortcuts = {key: tree.pop(key) for key in list(tree) if key not in ("runtime", "models") and key in models}
+    if shortcuts:
+        tree.setdefault("models", {})
+    if not isinstance(tree.get("models"), dict):
+        return tree  # no model overrides, or `models=<not a mapping>` (reported by the validation)
+    _merge(tree["models"], {}, shortcuts, {})
+    entry_keys = [f.name for f in dataclasses.fields(ModelEntry)]
+    for name, sub in tree["models"].items():
+        if not isinstance(sub, dict) or not isinstance(sub.get("config", {}), dict):
+            continue
+        extra = {k: sub.pop(k) for k in list(sub) if k not in entry_keys}
+        backend = models[name].get("backend") if isinstance(models.get(name), dict) else None
+        for key in extra:
+            # a python model's keys are free: a near-miss of an entry key would vanish into them unnoticed
+            if backend == "python" and difflib.get_close_matches(key, entry_keys, n=1, cutoff=0.8):
+                errors.append(f"{CLI}: models.{name}.{key}: unknown model entry key; {_closest(key, entry_keys)} "
+                              f"(a python model's own keys go under models.{name}.config.{key})")
+        _merge(sub.setdefault("config", {}), {}, extra, {})
+    return tree
+
+
+def _load_entry(name, entry_data, main_dir: str, runtime, where: dict, errors: list, files: list):
+    path = ("models", name)
+    if name not in MODEL_NAMES:
+        errors.append(f"{_at(where, path)}: unknown model name; {_closest(name, MODEL_NAMES, 'model names')}")
+        return None
+    if not isinstance(entry_data, dict):
+        return _build(ModelEntry, entry_data, where, errors, path)  # reports the non-mapping
+    entry_data = dict(entry_data)
+    inline = entry_data.pop("config", None) or {}
+    if not isinstance(inline, dict):
+        errors.append(f"{_at(where, (*path, 'config'))}: expected a mapping of per-model keys, got "
+                      f"{type(inline).__name__}; write the keys indented under `config:`")
+        return None
+    entry_keys = {f.name for f in dataclasses.fields(ModelEntry)}
+    schema = SCHEMAS.get(entry_data.get("backend"), dict)
+    for key in [k for k in entry_data if k not in entry_keys]:
+        if schema is not dict and key in {f.name for f in dataclasses.fields(schema)}:
+            del entry_data[key]
+            errors.append(f"{_at(where, (*path, key))}: a per-model key, not a model entry key; move it into "
+                          f"the model_config_file or under models.{name}.config")
+    entry = _build(ModelEntry, entry_data, where, errors, path)
+    if entry is None:
+        return None
+
+    data, model_where = {}, {(): where[()]}
+    if entry.model_config_file:
+        target = os.path.join(main_dir, os.path.expanduser(entry.model_config_file))
+        data, model_where = _read(target, errors, files, _at(where, (*path, "model_config_file")))
+        data = _substitute(data, model_where, errors)
+    inline_where = {p[3:]: (file, f"{prefix}models.{name}.config.") for p, (file, prefix) in where.items()
+                    if p[:3] == (*path, "config") and len(p) > 3}
+    _merge(data, model_where, inline, inline_where)
+    entry.config = _build(SCHEMAS[entry.backend], data, model_where, errors)
+    if runtime is not None and entry.config is not None:
+        _derive(entry, runtime, model_where, errors)
+    return entry
+
+
+def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:
+    """Fill a model's batch dials left at None from the runtime; a trainer's explicit ones must agree."""
+    cfg = entry.config
+    if isinstance(cfg, VLLMConfig) and cfg.generation_batch_size is None:
+        cfg.generation_batch_size = runtime.generation_batch_size
+    if isinstance(cfg, MegatronConfig):
+        for key, runtime_key in (("micro_batch_size", "train_micro_batch_size"),
+                                 ("global_batch_size", "train_global_batch_size")):
+            runtime_value = getattr(runtime, runtime_key)
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, runtime_value)
+            elif entry.trainable and getattr(cfg, key) != runtime_value:
+                errors.append(f"{_at(where, (key,))}: {getattr(cfg, key)} disagrees with runtime.{runtime_key}="
+                              f"{runtime_value}; remove it (a trainer takes the runtime's value)")
+
+
+def _check_colocation(runtime: RuntimeConfig, models: dict, where: dict, errors: list) -> None:
+    seen = set()
+    for group in runtime.colocation:
+        for name in group:
+            if name not in models:
+                errors.append(f"{_at(where, ('runtime', 'colocation'))}: {name!r} is not a configured model; "
+                              f"{_closest(name, models, 'models')}")
+            elif name in seen:
+                errors.append(f"{_at(where, ('runtime', 'colocation'))}: {name!r} is in two groups; "
+                              "put each model in one group")
+            seen.add(name)
+
+
+def to_dict(cfg) -> dict:
+    """Plain dicts/lists/scalars of a ChatgenConfig (runtime + models) or of any schema dataclass."""
+    if isinstance(cfg, ChatgenConfig):
+        return {"runtime": dataclasses.asdict(cfg.runtime),
+                "models": {name: dataclasses.asdict(entry) for name, entry in cfg.models.items()}}
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+def format_config(cfg) -> str:
+    """The resolved config as YAML text, for the log at start (`logger.info("%s", format_config(cfg))`)."""
+    head = ""
+    if isinstance(cfg, ChatgenConfig) and cfg.path:
+        head = f"# resolved from {' '.join([_show(cfg.path), *cfg.overrides])}\n"
+    return head + yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def save_resolved(cfg: ChatgenConfig, out_dir: str | os.PathLike | None = None) -> str:
+    """Write `<out_dir>/resolved_config.yaml` (default out_dir: runtime.output_dir); returns its path.
+
+    Every include, ${VAR} and override is applied and each model's keys are inline under `config:`, so
+    `load_config(<that file>)` gives back the same config without the original files.
+    """
+    out_dir = os.fspath(out_dir if out_dir is not None else cfg.runtime.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, RESOLVED_NAME)
+    data = to_dict(cfg)
+    for entry in data["models"].values():
+        entry["model_config_file"] = None  # its keys are all inline now
+    source = " ".join([_show(cfg.path), *cfg.overrides]) if cfg.path else "(built in code)"
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(f"# chatgen config {_show(out)}\n# resolved from: {source}\n"
+                f"# files read: {', '.join(_show(p) for p in cfg.files) or '-'}\n")
+        yaml.safe_dump(data, f, sort_keys=False, allow_unicode=True)
+    return out

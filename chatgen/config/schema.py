@@ -1,0 +1,235 @@
+"""Typed sections of a chatgen config: one dataclass per YAML mapping, one line per key.
+
+A field is `name: type = opt(default, "one-line doc")`; adding a key is a one-line change here (and a row in
+docs/configuration.md, which `chatgen config --reference` prints). `check()` yields `(key, "problem; fix")`
+for range and cross-key rules that a type alone cannot say. The loader (loader.py) checks types, enums
+(`Literal`) and unknown keys for every field, so a dataclass here never validates its own types.
+
+    main YAML   runtime: -> RuntimeConfig (algorithm: -> AlgorithmConfig)
+                models:  -> {name: ModelEntry}, each with a per-model YAML of flat keys:
+    per-model   backend vllm -> VLLMConfig, megatron -> MegatronConfig, python -> free dict
+"""
+import copy
+import dataclasses
+from typing import Any, Literal, Optional
+
+REQUIRED = dataclasses.MISSING
+MODEL_NAMES = ("policy", "reference", "reward", "value", "policy_trainer", "value_trainer")
+DTYPES = Literal["float32", "float16", "bfloat16"]
+
+
+def opt(default, doc: str):
+    """A dataclass field with its one-line doc; list/dict/dataclass defaults are copied per instance."""
+    meta = {"doc": doc}
+    if default is REQUIRED:
+        return dataclasses.field(metadata=meta)
+    if isinstance(default, type) and dataclasses.is_dataclass(default):
+        return dataclasses.field(default_factory=default, metadata=meta)
+    if isinstance(default, (list, dict)):
+        return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    name: Literal["grpo", "ppo"] = opt("grpo", "grpo (group-relative advantages) or ppo (value model + GAE)")
+    kl_coef: float = opt(0.0, "weight of the KL(policy, reference) penalty; 0 = no reference model needed")
+    clip_eps: float = opt(0.2, "PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] are clipped")
+
+    def check(self):
+        if self.kl_coef < 0:
+            yield "kl_coef", f"must be >= 0, got {self.kl_coef}; use 0 to disable the KL penalty"
+        if self.clip_eps <= 0:
+            yield "clip_eps", f"must be > 0, got {self.clip_eps}; 0.2 is the usual value"
+
+
+@dataclasses.dataclass(kw_only=True)
+class RuntimeConfig:
+    num_episode: int = opt(1, "episodes to run; one episode = generate sample_per_episode samples, then train on them")
+    sample_per_episode: int = opt(16, "samples (prompt + response pairs) generated per episode")
+    num_training_epoch: int = opt(1, "passes of the trainer over each episode's samples")
+    train_micro_batch_size: int = opt(1, "samples per trainer forward/backward")
+    train_global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = sample_per_episode")
+    generation_batch_size: int = opt(8, "prompts handed to a generation model per call (its default when unset)")
+    save_episode_interval: Optional[int] = opt(None, "save a checkpoint every N episodes; null = never")
+    eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
+    data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)")
+    eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation")
+    output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml")
+    colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
+    ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray")
+    seed: int = opt(1234, "global random seed")
+    log_interval: int = opt(1, "log metrics every N training steps")
+    algorithm: AlgorithmConfig = opt(AlgorithmConfig, "algorithm knobs (the `algorithm:` sub-mapping)")
+
+    def check(self):
+        for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
+                    "generation_batch_size", "log_interval"):
+            if getattr(self, key) < 1:
+                yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        for key in ("train_global_batch_size", "save_episode_interval", "eval_episode_interval"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null to turn it off"
+        gbs = self.train_global_batch_size or self.sample_per_episode
+        if self.train_micro_batch_size >= 1 and gbs >= 1:
+            if gbs % self.train_micro_batch_size:
+                yield "train_global_batch_size", (f"{gbs} is not a multiple of train_micro_batch_size="
+                                                  f"{self.train_micro_batch_size}; make it one")
+            if self.sample_per_episode % gbs:
+                yield "sample_per_episode", (f"{self.sample_per_episode} is not a multiple of the global batch "
+                                             f"size {gbs}; make it one so every episode is whole optimizer steps")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelEntry:
+    backend: Literal["vllm", "megatron", "python"] = opt(
+        REQUIRED, "vllm (generation), megatron (training, forward), python (user code, e.g. a rule reward)")
+    model_config_file: Optional[str] = opt(None, "per-model YAML of flat keys, relative to the main YAML; null = none")
+    model_class: Optional[str] = opt(None, "'package.module:ClassName' of the model; null = the backend's default")
+    trainable: bool = opt(False, "whether this model is trained (its weights are then synced to the generation model)")
+    num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
+    num_cpu: int = opt(1, "CPU cores for this model's actors")
+    config: Any = opt(None, "per-model keys inline (win over model_config_file); once loaded: the typed config")
+
+    def check(self):
+        if self.trainable and self.backend == "vllm":
+            yield "trainable", "a vllm model cannot be trained; set trainable: false or backend: megatron"
+        if self.num_gpu < 0 or self.num_cpu < 0:
+            yield "num_gpu" if self.num_gpu < 0 else "num_cpu", "must be >= 0; set a non-negative integer"
+
+
+@dataclasses.dataclass(kw_only=True)
+class VLLMConfig:
+    load: Optional[str] = opt(None, "Hugging Face model directory to load (required by the vLLM module)")
+    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
+    dtype: DTYPES = opt("float32", "weights and activations dtype")
+    seed: int = opt(1234, "sampling seed")
+    # sampling
+    n: int = opt(1, "responses per prompt (the GRPO group size)")
+    temperature: float = opt(1.0, "sampling temperature; 0 = greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep the smallest token set with this much probability; 1.0 = off")
+    top_k: int = opt(-1, "keep the k most likely tokens; -1 = off")
+    min_p: float = opt(0.0, "drop tokens below min_p times the top token's probability; 0 = off")
+    ignore_eos: bool = opt(False, "keep generating after EOS (until the token limit)")
+    use_beam_search: bool = opt(False, "beam search instead of sampling")
+    eval_temperature: Optional[float] = opt(None, "temperature in evaluation; null = temperature")
+    eval_top_p: Optional[float] = opt(None, "top_p in evaluation; null = top_p")
+    eval_top_k: Optional[int] = opt(None, "top_k in evaluation; null = top_k")
+    stop_token_list: str = opt("", "stop strings separated by ';', e.g. '</answer>;\\n\\n'; '' = EOS only")
+    new_token_limit: bool = opt(False, "True: stop at max_new_tokens; False: generate until seq_length")
+    max_new_tokens: int = opt(512, "generated tokens per response when new_token_limit is true")
+    seq_length: int = opt(2048, "prompt + response tokens at most; prompts are cut to seq_length - max_new_tokens")
+    prompt_logprobs: Optional[int] = opt(None, "logprobs of prompt tokens (top-N; 0 = the token only); null = off")
+    logprobs_mode: Literal["raw", "processed"] = opt(
+        "processed", "logprobs of the raw logits, or of the distribution after temperature/top-p/top-k")
+    # scheduler
+    max_num_batched_tokens: Optional[int] = opt(None, "tokens per engine step at most; null = vLLM's default")
+    generation_batch_size: Optional[int] = opt(
+        None, "sequences scheduled together at most; null = runtime.generation_batch_size")
+    max_paddings: Optional[int] = opt(None, "old vLLM scheduler knob, not supported (vLLM V1 packs without padding)")
+    # cache
+    block_size: int = opt(16, "KV cache block size in tokens")
+    gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may use, in (0, 1]")
+    swap_space: float = opt(4.0, "CPU swap space for the KV cache, GiB")
+    sliding_window: Optional[int] = opt(None, "sliding-window attention size; null = the model's own")
+    kv_cache_memory_bytes: Optional[int] = opt(
+        None, "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)")
+    # parallelism
+    tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
+    enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
+
+    def check(self):
+        if self.temperature < 0:
+            yield "temperature", f"must be >= 0, got {self.temperature}; use 0 for greedy decoding"
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            yield "eval_temperature", f"must be >= 0, got {self.eval_temperature}; use 0 for greedy decoding"
+        for key in ("top_p", "eval_top_p"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= 1:
+                yield key, f"must be in (0, 1], got {value}; use 1.0 to turn top-p off"
+        for key in ("top_k", "eval_top_k"):
+            value = getattr(self, key)
+            if value is not None and (value == 0 or value < -1):
+                yield key, f"must be -1 (off) or >= 1, got {value}; use -1 to turn top-k off"
+        if not 0 <= self.min_p <= 1:
+            yield "min_p", f"must be in [0, 1], got {self.min_p}; use 0 to turn min-p off"
+        if self.n < 1:
+            yield "n", f"must be >= 1, got {self.n}; set responses per prompt"
+        if self.max_new_tokens < 1:
+            yield "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}; set a positive token count"
+        elif self.max_new_tokens >= self.seq_length:
+            yield "max_new_tokens", (f"{self.max_new_tokens} leaves no room for a prompt in seq_length="
+                                     f"{self.seq_length}; raise seq_length or lower max_new_tokens")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            yield "prompt_logprobs", f"must be >= 0 or null, got {self.prompt_logprobs}; use null to turn it off"
+        if self.max_paddings is not None:
+            yield "max_paddings", ("not supported: vLLM's V1 scheduler packs sequences without padding; remove it "
+                                   "and bound a step with max_num_batched_tokens instead")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            yield "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is usual"
+        for key in ("block_size", "tensor_parallel_size"):
+            if getattr(self, key) < 1:
+                yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        for key in ("max_num_batched_tokens", "generation_batch_size", "sliding_window", "kv_cache_memory_bytes"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null for the default"
+
+
+@dataclasses.dataclass(kw_only=True)
+class MegatronConfig:
+    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from")
+    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
+    dtype: DTYPES = opt("float32", "parameter and compute dtype")
+    seed: int = opt(1234, "initialisation and dropout seed")
+    tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")
+    pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
+    seq_length: int = opt(2048, "longest sample (prompt + response) in tokens")
+    micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
+    global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = runtime.train_global_batch_size")
+    lr: float = opt(1e-6, "peak learning rate")
+    min_lr: float = opt(0.0, "learning rate at the end of the decay")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    adam_beta1: float = opt(0.9, "AdamW beta1")
+    adam_beta2: float = opt(0.999, "AdamW beta2")
+    adam_eps: float = opt(1e-8, "AdamW epsilon")
+    clip_grad: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
+    lr_warmup_iters: int = opt(0, "optimizer steps of linear warm-up")
+    save: Optional[str] = opt(None, "checkpoint directory; null = <runtime.output_dir>/checkpoints/<model name>")
+    make_vocab_size_divisible_by: int = opt(128, "pad the embedding rows to a multiple of this (times TP size)")
+
+    def check(self):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "seq_length",
+                    "make_vocab_size_divisible_by"):
+            if getattr(self, key) < 1:
+                yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        for key in ("micro_batch_size", "global_batch_size"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                yield key, f"must be >= 1 or null, got {getattr(self, key)}; null takes the runtime's value"
+        if self.micro_batch_size and self.global_batch_size and self.global_batch_size % self.micro_batch_size:
+            yield "global_batch_size", (f"{self.global_batch_size} is not a multiple of micro_batch_size="
+                                        f"{self.micro_batch_size}; make it one")
+        if self.lr <= 0:
+            yield "lr", f"must be > 0, got {self.lr}; e.g. 1e-6"
+        if not 0 <= self.min_lr <= self.lr:
+            yield "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}; lower it"
+        for key in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                yield key, f"must be in [0, 1), got {getattr(self, key)}; 0.9 / 0.999 are usual"
+        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters"):
+            if getattr(self, key) < 0:
+                yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
+
+
+# backend -> schema of its per-model YAML; `dict` = free mapping of user keys (not validated)
+SCHEMAS = {"vllm": VLLMConfig, "megatron": MegatronConfig, "python": dict}
+
+
+@dataclasses.dataclass
+class ChatgenConfig:
+    """A loaded main config: `runtime` and the `models` (each entry's `.config` holds its typed per-model config)."""
+
+    runtime: RuntimeConfig
+    models: dict[str, ModelEntry]
+    path: Optional[str] = None  # the main YAML
+    overrides: list[str] = dataclasses.field(default_factory=list)  # command-line key=value, as given
+    files: list[str] = dataclasses.field(default_factory=list)  # every YAML read (main, includes, model files)
