@@ -99,31 +99,35 @@ def _merge(dst: dict, dst_where: dict, src: dict, src_where: dict, prefix: tuple
 def _read(path: str, errors: list, files: list, ref: str | None = None, stack: tuple = ()) -> tuple[dict, dict]:
     """(data, where) of one YAML file with its `includes:` merged under it (the including file wins)."""
     path = os.path.abspath(os.path.expanduser(path))
+    shown = _show(path)
+    empty = {}, {(): (shown, "")}
     if path in stack:
         cycle = " -> ".join(_show(p) for p in (*stack[stack.index(path):], path))
         errors.append(f"{_show(stack[-1])}: includes: include cycle {cycle}; remove one of these includes")
-        return {}, {}
+        return empty
     try:
         with open(path, encoding="utf-8") as f:
             data = _yaml(f)
     except OSError as e:
-        errors.append(f"{ref or _show(path)}: cannot read {_show(path)} ({e.strerror}); fix the path "
+        errors.append(f"{ref or shown}: cannot read {shown} ({e.strerror}); fix the path "
                       "(relative paths resolve against the directory of the file that names them)")
-        return {}, {}
+        return empty
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         line = f"line {mark.line + 1}: " if mark else ""
         problem = getattr(e, "problem", None) or str(e).replace("\n", " ")
-        errors.append(f"{_show(path)}: {line}YAML syntax error: {problem}; fix the YAML syntax")
-        return {}, {}
+        errors.append(f"{shown}: {line}YAML syntax error: {problem}; fix the YAML syntax")
+        return empty
     files.append(path)
-    shown = _show(path)
     if data is None:
         data = {}
     if not isinstance(data, dict):
         errors.append(f"{shown}: the top level is a {type(data).__name__}; write a mapping of `key: value` lines")
-        return {}, {(): (shown, "")}
-    includes = _substitute(data.pop("includes", None) or [], {(): (shown, "includes")}, errors)
+        return empty
+    before = len(errors)
+    includes = _substitute(data.pop("includes", None) or [], {(): (shown, "")}, errors, ("includes",))
+    if len(errors) > before:
+        includes = []  # a missing variable: the path is not known
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
@@ -315,16 +319,19 @@ def resolve_schema(schema):
 # --- public entry points ------------------------------------------------------------------------------------
 
 
-def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] = ()):
+def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] | dict = ()):
     """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema`.
 
-    `path=None` starts from the schema's defaults (overrides only). Raises ConfigError listing every problem.
+    `path=None` starts from the schema's defaults. `overrides` may also be a dict of typed values (keys set
+    from code, e.g. `load_model_config(None, VLLMConfig, {"load": d, "n": 4})`), checked the same way.
+    Raises ConfigError listing every problem.
     """
     schema = resolve_schema(schema)
     errors, files = [], []
-    data, where = _read(os.fspath(path), errors, files) if path is not None else ({}, {(): (CLI, "")})
-    overrides_tree = _parse_overrides(overrides, errors)
-    _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (CLI, "")))
+    source = "overrides" if isinstance(overrides, dict) else CLI
+    data, where = _read(os.fspath(path), errors, files) if path is not None else ({}, {(): (source, "")})
+    overrides_tree = dict(overrides) if isinstance(overrides, dict) else _parse_overrides(overrides, errors)
+    _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (source, "")))
     data = _substitute(data, where, errors)
     obj = _build(schema, data, where, errors)
     if errors:
@@ -341,6 +348,8 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     errors, files = [], []
     main_yaml = os.path.abspath(os.fspath(main_yaml))
     data, where = _read(main_yaml, errors, files)
+    if errors and not data:
+        raise ConfigError(errors)  # nothing to validate: the main YAML is missing, empty or unreadable
     overrides_tree = _route_overrides(_parse_overrides(overrides, errors), data, errors)
     _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (CLI, "")))
     data = _substitute(data, where, errors)
@@ -349,6 +358,9 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
         if key not in ("runtime", "models"):
             from_cli = where.get((key,), ("",))[0] == CLI
             models = data.get("models") if from_cli and isinstance(data.get("models"), dict) else {}
+            if key in MODEL_NAMES and from_cli:
+                errors.append(f"{CLI}: {key}: no model {key!r} under models; configured: {', '.join(models)}")
+                continue
             choices = ("runtime", "models", *models)
             errors.append(f"{_at(where, (key,))}: unknown top-level key; {_closest(key, choices)}")
     runtime = _build(RuntimeConfig, data.get("runtime") or {}, where, errors, ("runtime",))

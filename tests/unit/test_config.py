@@ -144,6 +144,25 @@ def test_missing_include_and_model_file_name_the_referrer(main_yaml, tmp_path):
     assert errors[1].startswith("main.yaml: models.policy_trainer.model_config_file: cannot read models/trainr.yaml")
 
 
+def test_missing_main_yaml_is_one_clear_error(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (error,) = errors_of(load_config, "nope.yaml", ["runtime.seed=1"])
+    assert error.startswith("nope.yaml: cannot read nope.yaml (No such file or directory); fix the path")
+
+
+def test_diamond_includes_are_not_a_cycle_and_includes_take_env_vars(tmp_path, monkeypatch):
+    monkeypatch.setenv("CG_BASE", "base")
+    monkeypatch.delenv("CG_NOPE", raising=False)
+    write(tmp_path / "base.yaml", "top_k: 3\n")
+    write(tmp_path / "a.yaml", "includes: ${CG_BASE}.yaml\nn: 2\n")
+    write(tmp_path / "b.yaml", "includes: base.yaml\nn: 5\n")
+    cfg = load_model_config(write(tmp_path / "p.yaml", "includes: [a.yaml, b.yaml]\n"), "vllm")
+    assert (cfg.top_k, cfg.n) == (3, 5)
+    monkeypatch.chdir(tmp_path)
+    (error,) = errors_of(load_model_config, write(tmp_path / "q.yaml", "includes: ${CG_NOPE}.yaml\n"), "vllm")
+    assert error.startswith("q.yaml: includes: environment variable CG_NOPE is not set")
+
+
 def test_yaml_syntax_error_names_file_and_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "bad.yaml", "n: 1\ntemperature: [0.5\n")
@@ -210,6 +229,8 @@ def test_overrides_win_over_files_and_route_to_the_model(main_yaml):
     assert cfg.models["policy"].num_gpu == 2  # an entry key stays on the entry
     assert cfg.models["reward"].config == {"answer_key": "label"}
     assert load_config(main_yaml).models["policy"].config.temperature == 0.7  # the files are untouched
+    (error,) = errors_of(load_config, main_yaml, ["value.lr=1"])
+    assert error == "command line: value: no model 'value' under models; configured: policy, policy_trainer, reward"
 
 
 def test_model_config_overrides_and_no_file(tmp_path):
@@ -217,6 +238,9 @@ def test_model_config_overrides_and_no_file(tmp_path):
     assert (cfg.load, cfg.temperature, cfg.stop_token_list) == ("/m", 0.0, "</a>;<b>")
     (error,) = errors_of(load_model_config, None, "vllm", ["temprature=0"])
     assert error == "command line: temprature: unknown key; did you mean 'temperature'?"
+    assert load_model_config(None, VLLMConfig, {"load": "/m", "n": 4}) == VLLMConfig(load="/m", n=4)
+    (error,) = errors_of(load_model_config, None, VLLMConfig, {"top_p": 2.0})
+    assert error == "overrides: top_p: must be in (0, 1], got 2.0; use 1.0 to turn top-p off"
 
 
 # --- validation ----------------------------------------------------------------------------------------------
