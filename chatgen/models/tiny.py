@@ -73,27 +73,14 @@ def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
 
 
 def load_spec(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TinyModelSpec:
-    """Read a spec YAML (flat keys of TinyModelSpec) and apply `key=value` overrides."""
-    values = {}
-    if path is not None:
-        values = yaml.safe_load(Path(path).read_text()) or {}
-    for item in overrides:
-        if "=" not in item:
-            raise ValueError(f"override {item!r}: expected key=value, e.g. num_hidden_layers=4")
-        key, raw = item.split("=", 1)
-        values[key.strip()] = yaml.safe_load(raw)
-    known = {f.name for f in dataclasses.fields(TinyModelSpec)}
-    unknown = sorted(set(values) - known)
-    if unknown:
-        import difflib
+    """Read a spec YAML (flat keys of TinyModelSpec, `includes:` and `${VAR}` allowed) plus `key=value` overrides.
 
-        hints = [f"{k} (did you mean {difflib.get_close_matches(k, known, 1)[0]!r}?)"
-                 if difflib.get_close_matches(k, known, 1) else k for k in unknown]
-        raise ValueError(f"{path or 'overrides'}: unknown key(s): {', '.join(hints)}; valid keys: {sorted(known)}")
-    for f in dataclasses.fields(TinyModelSpec):
-        if f.type in ("float", float) and isinstance(values.get(f.name), (int, str)):
-            values[f.name] = float(values[f.name])  # YAML reads `5e5` as a string and `10000` as an int
-    spec = TinyModelSpec(**values)
+    Goes through chatgen's config loader, so an unknown key names the closest valid one and every problem is
+    reported at once (ConfigError); checks that need the whole spec (head size, divisibility) follow.
+    """
+    from chatgen.config import load_model_config
+
+    spec = load_model_config(path, TinyModelSpec, list(overrides))
     validate_spec(spec, str(path or "overrides"))
     return spec
 

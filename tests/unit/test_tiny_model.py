@@ -17,7 +17,7 @@ def test_spec_rejects_unsupported_head_size_and_names_the_fix(tmp_path):
 def test_spec_unknown_key_names_closest(tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text("num_hiden_layers: 3\n")
-    with pytest.raises(ValueError, match=r"num_hiden_layers \(did you mean 'num_hidden_layers'\?\)"):
+    with pytest.raises(ValueError, match=r"spec.yaml: num_hiden_layers: unknown key; did you mean 'num_hidden_layers'\?"):
         tiny.load_spec(path)
 
 
