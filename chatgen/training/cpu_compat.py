@@ -9,7 +9,12 @@ process and only when CUDA is absent:
 3. gloo has no reduce-scatter: `reduce_scatter_tensor` / `_reduce_scatter_base` are emulated with
    all-reduce + slice. Megatron needs it in the backward of the all-gather that attention uses when
    `num_query_groups < TP`.
-4. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
+4. While a model is built (`building_model()`), `Tensor.cuda()` returns the tensor itself: with tied
+   embeddings and PP > 1, megatron moves the last stage's embedding copy with `.cuda()` before the
+   all-reduce that makes it equal to the first stage's.
+5. megatron's pipeline schedules allocate their token counter with `device="cuda"` (hard-coded): the
+   schedules module sees a `torch` whose `zeros` maps "cuda" to "cpu" (every other name is torch's).
+6. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
    the inference tracker, whose `fork()` is a no-op (dropout draws from torch's CPU generator).
 
 Two more rules that are not patches, followed by `MegatronModule`: models are built with
@@ -17,10 +22,23 @@ Two more rules that are not patches, followed by `MegatronModule`: models are bu
 receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
 `tests/integration/test_megatron_module.py` fails loudly when an upgrade breaks one of these.
 """
+import contextlib
+
 import torch
 import torch.distributed as dist
 
 _APPLIED = False
+
+
+class _TorchWithCpuZeros:
+    """`torch`, except that zeros(..., device="cuda") allocates on the CPU (for megatron's schedules)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def zeros(*args, device=None, **kwargs):
+        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
 
 def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
@@ -47,6 +65,9 @@ def apply() -> bool:
 
     # megatron binds the function at import time
     mappings.dist_reduce_scatter_func = _reduce_scatter_via_all_reduce
+    from megatron.core.pipeline_parallel import schedules
+
+    schedules.torch = _TorchWithCpuZeros()
     _APPLIED = True
     return True
 
@@ -60,3 +81,17 @@ def initialize_rng(seed: int) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         tensor_parallel.random.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
+@contextlib.contextmanager
+def building_model():
+    """Within this block `Tensor.cuda()` is the identity when CUDA is absent (see point 4 above)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    original = torch.Tensor.cuda
+    torch.Tensor.cuda = lambda self, *args, **kwargs: self
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda = original

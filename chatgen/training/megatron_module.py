@@ -1,0 +1,517 @@
+"""`chatgen.MegatronModule`: the trainer side of chatgen, a megatron-core GPTModel with RLHF-shaped hooks.
+
+    from chatgen import MegatronModule
+    trainer = MegatronModule(dict(load="outputs/tiny-llama", tensor_model_parallel_size=1, lr=1e-5))
+    trainer.init()                                              # distributed + model + optimizer + setup()
+    logprobs = trainer.compute_logprobs(input_ids)              # (B, T) -> (B, T-1)
+    metrics = trainer.train_step(batch, loss_fn)                # one optimizer step
+    trainer.sync_to(llm)                                        # weights -> a vLLM engine (chatgen.param_sync)
+
+Run with several ranks (`torchrun`, `chatgen.training.launcher.run_distributed`, or Ray actors setting RANK /
+WORLD_SIZE / MASTER_ADDR / MASTER_PORT): `init()` joins torch.distributed (gloo on CPU, NCCL on GPU) and
+builds megatron-core's TP x PP x DP groups, DP = world / (TP * PP). Every method is collective: call it on
+every rank with that rank's data (ranks of one DP replica get the same batch).
+
+Subclass and override the hooks (`model_provider`, `setup`, `forward_step`, `train_step`,
+`save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (Llama or
+Qwen2 family), converted on the fly. The optimizer is plain `torch.optim.AdamW` over this rank's shards
+(gradients averaged over DP and the tied embedding summed across the first and last pipeline stage by
+`_finalize_grads`), which runs the same on CPU and GPU; docs/megatron_module.md says more.
+"""
+import dataclasses
+import json
+import math
+import os
+import shutil
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from chatgen.param_sync import layout
+from chatgen.training import cpu_compat
+
+CHECKPOINT_META = "chatgen_megatron.json"
+
+
+def _megatron_config_class():
+    from chatgen.config.schema import MegatronConfig
+
+    return MegatronConfig
+
+
+def init_distributed(tp: int, pp: int) -> None:
+    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups."""
+    from megatron.core import parallel_state as ps
+
+    cpu_compat.apply()
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if "RANK" in os.environ and "MASTER_PORT" in os.environ:
+            dist.init_process_group(backend)
+        else:  # a single process: a private one-rank world
+            from chatgen.training.launcher import free_port
+
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
+                         f"pipeline_model_parallel_size={pp}; launch a multiple of {tp * pp} ranks")
+    if ps.model_parallel_is_initialized():
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
+        if have != (tp, pp):
+            raise RuntimeError(f"megatron parallel state already built with TP, PP = {have}, not {(tp, pp)}; "
+                               "call megatron.core.parallel_state.destroy_model_parallel() first")
+        return
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+
+
+def read_hf_config(path) -> dict:
+    """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint."""
+    path = Path(path)
+    if (path / CHECKPOINT_META).exists():
+        return json.loads((path / CHECKPOINT_META).read_text())["hf_config"]
+    if (path / "config.json").exists():
+        return json.loads((path / "config.json").read_text())
+    raise FileNotFoundError(f"load={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
+                            f"Megatron checkpoint ({CHECKPOINT_META}); point `load` at one of them")
+
+
+class MegatronModule:
+    """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
+
+    Lifecycle (the framework calls these): `__init__(config)` stores the config only; `init()` starts
+    torch.distributed, builds the model with `model_provider`, loads `config.load`, builds the optimizer
+    and finally calls `setup()`. Then `forward_step` / `train_step` per batch, `save_checkpoint` when asked.
+    """
+
+    def __init__(self, config=None, name: str = "policy_trainer", **overrides):
+        cls = _megatron_config_class()
+        if config is None:
+            config = cls()
+        elif isinstance(config, dict):
+            config = cls(**config)
+        self.config = dataclasses.replace(config, **overrides) if overrides else config
+        self.name = name
+        self.model = None  # this rank's GPTModel chunk
+        self.optimizer = None
+        self.iteration = 0  # optimizer steps taken
+
+    # ---- lifecycle --------------------------------------------------------------------------------
+
+    def init(self) -> "MegatronModule":
+        """Join torch.distributed, build and load the model and the optimizer, then call `setup()`."""
+        from megatron.core import parallel_state as ps
+
+        cfg = self.config
+        if cfg.load is None:
+            raise ValueError(f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)")
+        self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+        init_distributed(self.tp, self.pp)
+        cpu_compat.initialize_rng(cfg.seed)
+        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+        self.hf_config = read_hf_config(cfg.load)
+        self.spec = layout.spec_from_hf_config(self.hf_config)
+        layout.check_layout(self.spec, self.tp, self.pp)
+        self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
+        self.dtype = getattr(torch, cfg.dtype)
+        self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
+        with cpu_compat.building_model():
+            self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
+        if torch.cuda.is_available():
+            self.model.cuda()
+        self.load_checkpoint(cfg.load)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.setup()
+        return self
+
+    # ---- user hooks -------------------------------------------------------------------------------
+
+    def model_provider(self, pre_process: bool, post_process: bool):
+        """Build this rank's model chunk; called once by `init()`.
+
+        pre_process: this pipeline stage holds the embedding; post_process: the final norm + output layer.
+        Must return a megatron-core `GPTModel` whose parameter names follow the local layer spec (the names
+        the parameter mapping in chatgen/models/<family>.py uses). Default: the `config.load` architecture,
+        local spec on CPU, Transformer Engine spec where TE is installed.
+        """
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.transformer import TransformerConfig
+
+        fam = layout.family(self.spec)
+        on_gpu = torch.cuda.is_available()
+        tconfig = TransformerConfig(
+            **fam.transformer_config_kwargs(self.spec),
+            tensor_model_parallel_size=self.tp,
+            pipeline_model_parallel_size=self.pp,
+            params_dtype=self.dtype,
+            pipeline_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            use_cpu_initialization=not on_gpu,
+            perform_initialization=False,  # every weight is loaded from config.load right after
+            gradient_accumulation_fusion=False,
+            bias_activation_fusion=False,
+            masked_softmax_fusion=False,
+            persist_layer_norm=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+        )
+        return GPTModel(tconfig, self._layer_spec(), vocab_size=self.padded_vocab_size,
+                        pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
+
+    def setup(self) -> None:
+        """Called once at the end of `init()`, after the model and optimizer exist: build datasets, metrics."""
+
+    def forward_step(self, data: dict) -> dict:
+        """Inference forward for a batch; the framework calls it for reference / old-policy log-probs.
+
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding}.
+        Returns {"logprobs": (B, T-1) float32}: log p(input_ids[:, t+1] | input_ids[:, :t+1]), on every rank.
+        """
+        return {"logprobs": self.compute_logprobs(data["input_ids"], data.get("attention_mask"))}
+
+    def train_step(self, data: dict, loss_fn) -> dict:
+        """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches.
+
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample tensors
+        (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,), "loss_mask" (B, T-1)}.
+        loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b, ...) slices) -> (loss scalar,
+        {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks.
+        Returns {metric: float} averaged over micro-batches and DP ranks, plus "grad_norm" and "lr".
+        """
+        mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
+        micro_batches = _split_batch(data, mbs)
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        grad_norm = self._finalize_grads()
+        if self.config.clip_grad > 0 and math.isfinite(grad_norm) and grad_norm > self.config.clip_grad:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(self.config.clip_grad / (grad_norm + 1e-6))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.iteration += 1
+        metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"])
+        return metrics
+
+    def save_checkpoint(self, path) -> str:
+        """Write model shards (+ optimizer state) to directory `path` atomically; returns the path.
+
+        Layout: chatgen_megatron.json (HF config, TP, PP, iteration), model_tp{t}_pp{p}.safetensors,
+        optim_tp{t}_pp{p}.pt (torch.save of tensors only; read back with weights_only=True). Ranks write into
+        `path.tmp`, then rank 0 renames it, so a crash never leaves a half-written `path`.
+        """
+        path = Path(path)
+        tmp = path.with_name(path.name + ".tmp")
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        dist.barrier()
+        if self.dp_rank == 0:
+            tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
+            save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
+                      str(tmp / f"model_{tag}.safetensors"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       tmp / f"optim_{tag}.pt")
+        if dist.get_rank() == 0:
+            (tmp / CHECKPOINT_META).write_text(json.dumps(dict(
+                hf_config=self.hf_config, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
+                padded_vocab_size=self.padded_vocab_size, iteration=self.iteration), indent=1))
+        dist.barrier()
+        if dist.get_rank() == 0:
+            old = path.with_name(path.name + ".old")
+            if path.exists():
+                path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old, ignore_errors=True)
+        dist.barrier()
+        return str(path)
+
+    def load_checkpoint(self, path) -> None:
+        """Load weights from an HF directory (converted to this rank's shard) or a chatgen checkpoint.
+
+        A chatgen checkpoint must have this run's TP and PP (convert it with `chatgen convert` otherwise);
+        its optimizer state is restored when an optimizer exists.
+        """
+        path = Path(path)
+        if (path / CHECKPOINT_META).exists():
+            meta = json.loads((path / CHECKPOINT_META).read_text())
+            have = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
+            if have != (self.tp, self.pp):
+                raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
+                                 f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
+            tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
+            with safe_open(str(path / f"model_{tag}.safetensors"), "pt") as f:
+                state = {k: f.get_tensor(k) for k in f.keys()}
+            self._load_canonical_state(state, source=str(path))
+            self.iteration = meta.get("iteration", 0)
+            optim = path / f"optim_{tag}.pt"
+            if self.optimizer is not None and optim.exists():
+                saved = torch.load(optim, weights_only=True)
+                self.optimizer.load_state_dict(saved["optimizer"])
+                self.scheduler.load_state_dict(saved["scheduler"])
+            return
+        state = {}
+        params = layout.stage_params(self.spec, self.pp, self.pp_rank)
+        needed = {n for sp in params for n in sp.hf_names}
+        hf = {}
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path}: no *.safetensors weights; chatgen loads HF checkpoints in safetensors")
+        for file in files:
+            with safe_open(str(file), "pt") as f:
+                for k in f.keys():
+                    if k in needed:
+                        hf[k] = f.get_tensor(k)
+        if self.spec.tie_word_embeddings and "model.embed_tokens.weight" not in hf and "lm_head.weight" in hf:
+            hf["model.embed_tokens.weight"] = hf["lm_head.weight"]
+        for sp in params:
+            missing = [n for n in sp.hf_names if n not in hf]
+            if missing:
+                raise KeyError(f"{path}: HF checkpoint lacks {missing} (Megatron {sp.local_name})")
+            shards = layout.to_megatron_shards(sp.kind, [hf[n] for n in sp.hf_names], self.spec, self.tp,
+                                               self.padded_vocab_size, what=sp.hf_names[0])
+            state[sp.local_name] = shards[self.tp_rank]
+        self._load_canonical_state(state, source=str(path))
+
+    # ---- library API ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """log p(input_ids[:, t+1] | prefix) as (B, T-1) float32 on every rank (padding positions: garbage,
+        mask them). attention_mask (B, T): 1 = token, 0 = padding (left or right)."""
+        self.model.eval()
+        data = {"input_ids": input_ids}
+        if attention_mask is not None:
+            data["attention_mask"] = attention_mask
+        mbs = self.config.micro_batch_size or input_ids.shape[0]
+        outputs = self._run_schedule(_split_batch(data, mbs), loss_fn=None, forward_only=True)
+        return outputs
+
+    def named_hf_tensors(self, bucket_bytes: int = 256 << 20):
+        """Yield this model's weights as HF `(name, tensor)` pairs, full (TP-gathered) tensors, on every rank.
+
+        Collective over all ranks. Streams in buckets of about `bucket_bytes`: at most one gathered bucket
+        is alive at a time, never a second copy of the model. See chatgen/param_sync/gather.py.
+        """
+        from chatgen.param_sync.gather import iter_hf_buckets
+
+        for bucket in iter_hf_buckets(self, bucket_bytes):
+            yield from bucket
+
+    def hf_state_dict(self) -> dict:
+        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`)."""
+        return {k: v.clone() for k, v in self.named_hf_tensors()}
+
+    def sync_to(self, target, **kwargs):
+        """Copy this model's weights into a vLLM engine (an `LLM`, a `VLLMModule`, or a `SyncSender` for an
+        engine in another process); see chatgen.param_sync.sync_weights. Returns the sync report."""
+        from chatgen.param_sync import sync_weights
+
+        return sync_weights(self, target, **kwargs)
+
+    # ---- internals --------------------------------------------------------------------------------
+
+    def _layer_spec(self):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        if torch.cuda.is_available():
+            try:
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+                import transformer_engine  # noqa: F401
+
+                return get_gpt_layer_with_transformer_engine_spec()
+            except ImportError:
+                pass
+        return get_gpt_layer_local_spec(normalization="RMSNorm")
+
+    # Transformer Engine fuses the norms into the next linear; chatgen's mappings use the local-spec names.
+    _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+    def _to_module_name(self, name: str) -> str:
+        for local, te in self._TE_NAMES.items():
+            if name.endswith(local) and name not in self._params:
+                return name[: -len(local)] + te
+        return name
+
+    @property
+    def _params(self) -> dict:
+        return dict(self.model.named_parameters())
+
+    def local_param(self, canonical_name: str) -> torch.Tensor:
+        """This rank's shard of a Megatron parameter by its local-spec name (used by param_sync)."""
+        params = self._params
+        name = canonical_name if canonical_name in params else self._to_module_name(canonical_name)
+        return params[name]
+
+    def _canonical_state(self) -> dict:
+        return {sp.local_name: self.local_param(sp.local_name)
+                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+
+    @torch.no_grad()
+    def _load_canonical_state(self, state: dict, source: str) -> None:
+        params = self._params
+        expected = {self._to_module_name(sp.local_name): sp.local_name
+                    for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        missing = sorted(set(params) - set(expected))
+        if missing:
+            raise RuntimeError(f"{source}: model parameters {missing} have no mapping in chatgen/models/"
+                               f"{self.spec.family}.py; extend its param_mappings")
+        for module_name, canonical in expected.items():
+            if canonical not in state:
+                raise KeyError(f"{source}: no tensor for {canonical} (stage {self.pp_rank}, TP rank {self.tp_rank})")
+            src, dst = state[canonical], params[module_name]
+            if tuple(src.shape) != tuple(dst.shape):
+                raise ValueError(f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
+                                 f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})")
+            dst.copy_(src)
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
+            return (step + 1) / cfg.lr_warmup_iters
+        decay = getattr(cfg, "lr_decay_iters", None)
+        if not decay:
+            return 1.0
+        progress = min(1.0, (step - cfg.lr_warmup_iters) / decay)
+        min_ratio = cfg.min_lr / cfg.lr
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    def _device(self):
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool):
+        """Run megatron's pipeline schedule over micro-batches (all the same T).
+
+        forward_only: returns logprobs (B, T-1) gathered over micro-batches, on every rank.
+        Otherwise runs backward too and returns the loss_fn metrics averaged over micro-batches and DP.
+        """
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        device = self._device()
+        micro_batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in micro_batches]
+        b, t = micro_batches[0]["input_ids"].shape
+        collected = []
+
+        def forward_step_func(data_iterator, model):
+            mb = next(data_iterator)
+            ids = mb["input_ids"]
+            position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
+            logits = model(ids, position_ids, mask)
+            if not self.is_last_stage:
+                return logits, None
+            logprobs = self._token_logprobs(logits, ids)
+
+            def loss_func(output):
+                if loss_fn is None:
+                    collected.append(output.detach())
+                    return output.sum() * 0, {}
+                loss, metrics = loss_fn(output, mb)
+                collected.append({k: float(v.detach() if torch.is_tensor(v) else v)
+                                  for k, v in {"loss": loss, **metrics}.items()})
+                return loss, {}
+
+            return logprobs, loss_func
+
+        get_forward_backward_func()(
+            forward_step_func=forward_step_func, data_iterator=iter(micro_batches), model=[self.model],
+            num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=forward_only)
+
+        if forward_only:  # logprobs live on the last stage: send them to every stage
+            out = torch.cat(collected) if self.is_last_stage else torch.empty(
+                sum(mb["input_ids"].shape[0] for mb in micro_batches), t - 1, dtype=torch.float32, device=device)
+            if self.pp > 1:
+                dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(),
+                               group=ps.get_pipeline_model_parallel_group())
+            return out.cpu()
+        keys = sorted(collected[0]) if collected else []
+        n_keys = torch.tensor([len(keys)], device=device)
+        if self.pp > 1:
+            dist.broadcast(n_keys, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        values = torch.tensor([sum(c[k] for c in collected) / len(collected) for k in keys] if keys
+                              else [0.0] * int(n_keys), dtype=torch.float64, device=device)
+        if self.pp > 1:
+            names = [keys]
+            dist.broadcast_object_list(names, ps.get_pipeline_model_parallel_last_rank(),
+                                       group=ps.get_pipeline_model_parallel_group())
+            keys = names[0]
+            dist.broadcast(values, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
+        if self.dp > 1:
+            dist.all_reduce(values, group=ps.get_data_parallel_group())
+            values /= self.dp
+        return dict(zip(keys, values.tolist()))
+
+    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Vocab-parallel log-softmax gathered at the next tokens: (b, T, V/TP) -> (b, T-1) float32.
+        Padded vocab rows (ids >= the HF vocab) get -inf-like logits, so the distribution is HF's."""
+        from megatron.core import tensor_parallel
+
+        logits = logits[:, :-1].float()
+        shard = logits.shape[-1]
+        first = self.tp_rank * shard
+        if first + shard > self.spec.vocab_size:
+            col = torch.arange(first, first + shard, device=logits.device)
+            logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
+        labels = input_ids[:, 1:].contiguous()
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+    @torch.no_grad()
+    def _finalize_grads(self) -> float:
+        """Average grads over DP, sum the tied embedding's grads across first/last stage; return the global
+        grad norm (counting TP-replicated params once)."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.dp > 1:
+            for p in params:
+                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                p.grad /= self.dp
+        if self.pp > 1 and self.spec.tie_word_embeddings and (self.is_first_stage or self.is_last_stage):
+            w = self.model.shared_embedding_or_output_weight()
+            if w.grad is None:
+                w.grad = torch.zeros_like(w)
+            dist.all_reduce(w.grad, group=ps.get_embedding_group())
+        sq = torch.zeros(1, dtype=torch.float64, device=self._device())
+        for p in params:
+            if param_is_not_tensor_parallel_duplicate(p) and not (getattr(p, "shared_embedding", False)
+                                                                  and not self.is_first_stage):
+                sq += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq, group=ps.get_model_parallel_group())
+        return float(sq.sqrt())
+
+
+def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:
+    n = data["input_ids"].shape[0]
+    if n % micro_batch_size:
+        raise ValueError(f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}")
+    return [{k: (v[i:i + micro_batch_size] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
+             for k, v in data.items()} for i in range(0, n, micro_batch_size)]
+
+
+def _positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
+    """Position ids (b, T) and megatron's boolean mask (b, 1, T, T), True = do not attend: causal, plus
+    padding keys when attention_mask is given (positions then count real tokens, so left padding works)."""
+    b, t = input_ids.shape
+    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
+    if attention_mask is None:
+        return torch.arange(t, device=input_ids.device).expand(b, t), causal.view(1, 1, t, t)
+    keep = attention_mask.bool()
+    positions = (keep.long().cumsum(-1) - 1).clamp(min=0)
+    mask = causal.view(1, 1, t, t) | ~keep.view(b, 1, 1, t)
+    return positions, mask
