@@ -1,0 +1,85 @@
+"""`chatgen generate`: batch generation from a JSONL file through the step-driven VLLMModule.
+
+    chatgen generate --model outputs/tiny-llama --input prompts.jsonl --output out.jsonl --max-new-tokens 32
+    chatgen generate --model DIR --input IN.jsonl --output OUT.jsonl --n 4 --temperature 0.8 top_p=0.9
+
+Input lines: {"prompt_ids": [1, 52, ...]} or {"prompt": "text"} (needs a tokenizer in the model directory).
+Output: one line per sample (n per input line, in input order): {"index": input line, "sample": 0..n-1,
+"prompt_ids", "output_ids" (generated tokens only), "logprobs" (one per generated token), "finish_reason",
+"text" (when the model has a tokenizer)}. Trailing `key=value` arguments set any per-model key
+(docs/generation_keys.md); --config starts from a per-model YAML.
+"""
+import json
+import sys
+
+FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model directory (the `load` key)")
+    parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
+    parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
+    parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
+    parser.add_argument("--max-new-tokens", type=int, help="tokens per response (sets new_token_limit=true)")
+    parser.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy")
+    parser.add_argument("--n", type=int, help="samples per prompt")
+    parser.add_argument("--seed", type=int, help="sampling seed")
+    parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. top_p=0.9")
+
+
+def read_prompts(path) -> list:
+    """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the bad line."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); write one JSON object per line") from None
+            if not isinstance(record, dict) or ("prompt_ids" not in record and not isinstance(record.get("prompt"), str)):
+                raise ValueError(f"{path}:{lineno}: needs \"prompt_ids\" (list of ints) or \"prompt\" (string)")
+            ids, text = record.get("prompt_ids"), record.get("prompt")
+            if ids is not None and not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
+                raise ValueError(f"{path}:{lineno}: \"prompt_ids\" must be a non-empty list of ints")
+            rows.append((ids, text))
+    if not rows:
+        raise ValueError(f"{path}: no prompts; write one JSON object per line")
+    return rows
+
+
+def run(args) -> int:
+    from chatgen.config import VLLMConfig, format_config, load_model_config
+    from chatgen.generation.vllm_module import VLLMModule
+
+    rows = read_prompts(args.input)
+    overrides = [f"load={args.model}"]
+    for key in FLAGS:
+        if getattr(args, key) is not None:
+            overrides.append(f"{key}={getattr(args, key)}")
+    if args.max_new_tokens is not None:
+        overrides.append("new_token_limit=true")
+    config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides))
+    print(format_config(config), file=sys.stderr)
+
+    module = VLLMModule(config)
+    module.setup()
+    items = []
+    for ids, text in rows:
+        items.append({"input_ids": ids, "prompt": text} if ids is not None else module.build_dataset([text])[0])
+    out = module.run_generation(items)
+    samples_per_prompt = len(out["output_ids"]) // len(items)
+    with open(args.output, "w", encoding="utf-8") as f:
+        for s in range(len(out["output_ids"])):
+            record = {"index": s // samples_per_prompt, "sample": s % samples_per_prompt}
+            record.update({key: out[key][s] for key in ("prompt_ids", "output_ids", "logprobs", "finish_reason")})
+            if module.tokenizer is not None:
+                record["text"] = out["str_outputs"][s]
+            f.write(json.dumps(record) + "\n")
+    m = module.metrics
+    print(f"wrote {len(out['output_ids'])} samples to {args.output}: {m['generation_tokens']} tokens in "
+          f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.1f} generated tokens/s, "
+          f"peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%", file=sys.stderr)
+    module.shutdown()
+    return 0

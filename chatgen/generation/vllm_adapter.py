@@ -1,0 +1,259 @@
+"""The one place in chatgen that touches vLLM internals (written against vLLM 0.32).
+
+`VLLMModule` drives vLLM one engine step at a time so that the framework, not vLLM, owns the loop. The public
+`LLMEngine.step()` fuses "schedule" and "run the model"; this module splits them:
+
+    schedule(llm)            -> ScheduledBatch     scheduler.schedule()
+    execute(llm, batch)      -> [RequestOutput]    executor.execute_model + sample_tokens,
+                                                   scheduler.update_from_output, output_processor
+
+which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.step()` for an in-process,
+single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `SamplingParams`,
+`LLMEngine.add_request`, `collective_rpc`).
+
+`check_internals(llm)` asserts every private attribute this relies on; `build_llm` calls it, and
+tests/integration/test_generation_adapter.py checks it and compares a split-step run with `LLM.generate`
+token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
+
+Weight sync (chatgen.param_sync) uses `load_weights(llm, named_tensors)` and `checkpoint_manifest(model_dir)`.
+"""
+import dataclasses
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterable
+
+# The engine core must live in this process: the framework steps it and syncs weights into it in place.
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+import torch  # noqa: E402
+import vllm  # noqa: E402
+from vllm import LLM, SamplingParams  # noqa: E402
+from vllm.inputs import TokensPrompt  # noqa: E402
+from vllm.outputs import RequestOutput  # noqa: E402
+from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+TESTED_VLLM = "0.32"
+
+__all__ = [
+    "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
+    "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
+    "abort", "shutdown", "kv_cache_usage", "sleep", "wake_up", "is_sleeping", "sleep_frees_memory",
+    "load_weights", "named_parameter_shapes", "checkpoint_manifest",
+]
+
+
+@dataclasses.dataclass
+class ScheduledBatch:
+    """What the scheduler picked for one engine step; `forward_step` receives it.
+
+    request_ids: the engine request ids scheduled this step (a prefill chunk or one decode token each).
+    num_tokens: {request id: tokens to run this step}; prefills > 1, decodes == 1.
+    scheduler_output: vLLM's `SchedulerOutput`, opaque to user code: hand it back via `execute_step`.
+    """
+
+    request_ids: list
+    num_tokens: dict
+    scheduler_output: object
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens.values())
+
+
+def _engine_core(llm: LLM):
+    return llm.llm_engine.engine_core.engine_core
+
+
+def check_internals(llm: LLM) -> None:
+    """Raise a RuntimeError naming each vLLM internal that the split step needs and that is missing."""
+    problems = []
+    engine = llm.llm_engine
+    client = getattr(engine, "engine_core", None)
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        problems.append(
+            "LLM.llm_engine.engine_core.engine_core (in-process EngineCore) is missing: the engine runs in a "
+            "separate process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before vllm is imported"
+        )
+    else:
+        for owner, attrs in (
+            (core, ("scheduler", "model_executor", "step", "step_fn", "post_step", "_process_aborts_queue",
+                    "batch_queue", "async_scheduling")),
+            (getattr(core, "scheduler", None), ("schedule", "update_from_output", "get_grammar_bitmask",
+                                                "has_requests", "kv_cache_manager")),
+            (getattr(core, "model_executor", None), ("execute_model", "sample_tokens")),
+            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request")),
+        ):
+            for attr in attrs:
+                if not hasattr(owner, attr):
+                    problems.append(f"{type(owner).__name__}.{attr} is missing")
+        if not problems:
+            if core.batch_queue is not None or core.step_fn != core.step:
+                problems.append("EngineCore uses a batch queue (pipeline parallel?): the split step supports "
+                                "only EngineCore.step; use pipeline_parallel_size=1")
+            if core.async_scheduling:
+                problems.append("async scheduling is on: the split step needs synchronous scheduling")
+    if problems:
+        raise RuntimeError(
+            f"chatgen's vLLM adapter (tested with vLLM {TESTED_VLLM}) does not fit vLLM {vllm.__version__}:\n  "
+            + "\n  ".join(problems)
+            + "\nUpdate chatgen/generation/vllm_adapter.py (schedule/execute mirror EngineCore.step)."
+        )
+
+
+def build_llm(model: str, **engine_kwargs) -> LLM:
+    """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals we use.
+
+    Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there.
+    """
+    from vllm.platforms import current_platform
+
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in ("0", "false", "False"):
+        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the step-driven VLLMModule; "
+                           "unset it or set it to 0 before importing chatgen.generation")
+    engine_kwargs.setdefault("enable_sleep_mode", current_platform.is_sleep_mode_available())
+    llm = LLM(model, **engine_kwargs)
+    check_internals(llm)
+    return llm
+
+
+def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None) -> None:
+    """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters."""
+    params.output_kind = RequestOutputKind.FINAL_ONLY  # we read only finished requests, as LLM.generate does
+    prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
+    if prompt_text is not None:
+        prompt["prompt"] = prompt_text
+    llm.llm_engine.add_request(request_id, prompt, params)
+
+
+def has_unfinished_requests(llm: LLM) -> bool:
+    return llm.llm_engine.has_unfinished_requests()
+
+
+def abort(llm: LLM, request_ids: list) -> None:
+    """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty engine."""
+    llm.llm_engine.abort_request(list(request_ids))
+
+
+def shutdown(llm: LLM) -> None:
+    """Stop the engine's workers and free its memory now rather than at garbage collection."""
+    llm.llm_engine.engine_core.shutdown()
+
+
+def schedule(llm: LLM) -> ScheduledBatch:
+    """Ask vLLM's scheduler which requests run next and how many tokens each (first half of EngineCore.step)."""
+    out = _engine_core(llm).scheduler.schedule()
+    return ScheduledBatch(list(out.num_scheduled_tokens), out.num_scheduled_tokens, out)
+
+
+def execute(llm: LLM, batch: ScheduledBatch) -> list:
+    """Run the model on a scheduled batch, sample, and update request states (second half of EngineCore.step).
+
+    Returns the `RequestOutput`s this step finished (requests are added with FINAL_ONLY output).
+    """
+    engine = llm.llm_engine
+    core = _engine_core(llm)
+    so = batch.scheduler_output
+    future = core.model_executor.execute_model(so, non_block=True)
+    grammar_output = core.scheduler.get_grammar_bitmask(so)
+    model_output = future.result()
+    if model_output is None:
+        model_output = core.model_executor.sample_tokens(grammar_output)
+    core._process_aborts_queue()
+    core_outputs = core.scheduler.update_from_output(so, model_output)
+    core.post_step(model_executed=so.total_num_scheduled_tokens > 0)
+    core_outputs = core_outputs.get(0)
+    if core_outputs is None:
+        return []
+    processed = engine.output_processor.process_outputs(
+        core_outputs.outputs, engine_core_timestamp=core_outputs.timestamp, iteration_stats=None
+    )
+    engine.output_processor.update_scheduler_stats(core_outputs.scheduler_stats)
+    # Requests that hit a stop string finish in the output processor; the core must drop them too.
+    if processed.reqs_to_abort:
+        core.abort_requests(processed.reqs_to_abort)
+    return processed.request_outputs
+
+
+def kv_cache_usage(llm: LLM) -> float:
+    """Fraction of KV-cache blocks in use right now (0..1)."""
+    return _engine_core(llm).scheduler.kv_cache_manager.usage
+
+
+def sleep_frees_memory() -> bool:
+    """True where vLLM's sleep mode releases memory (CUDA); on CPU vLLM 0.32's CPUWorker.sleep is a no-op."""
+    from vllm.platforms import current_platform
+
+    return current_platform.is_sleep_mode_available()
+
+
+def sleep(llm: LLM, level: int = 1) -> None:
+    """Pause the engine and (on GPU) discard the KV cache and offload weights (level 1) or drop them (level 2).
+
+    On CPU this pauses scheduling and clears the prefix cache; memory stays allocated.
+    """
+    llm.sleep(level=level)
+
+
+def wake_up(llm: LLM) -> None:
+    llm.wake_up()
+
+
+def is_sleeping(llm: LLM) -> bool:
+    return llm.llm_engine.is_sleeping()
+
+
+def _in_process_workers(llm: LLM) -> bool:
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    return isinstance(_engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
+
+
+def load_weights(llm: LLM, named_tensors: Iterable) -> None:
+    """Write HF-format `(name, tensor)` pairs into the running engine, in place, on every rank.
+
+    Names and layouts are those of the HF checkpoint (`model.layers.0.self_attn.q_proj.weight`, unfused q/k/v
+    and gate/up, full unsharded tensors): vLLM's own loader fuses, shards and (on CPU) repacks them. With an
+    in-process executor (uniproc, external_launcher) the iterable is consumed lazily, so a generator streams
+    without holding a second copy; with the multiprocess executor it is materialised and pickled to each worker.
+    A subset of the weights is fine. Afterwards the prefix cache is reset so no KV computed with the old
+    weights is reused.
+    """
+    weights = named_tensors if _in_process_workers(llm) else list(named_tensors)
+    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    llm.reset_prefix_cache()
+
+
+def named_parameter_shapes(llm: LLM) -> list:
+    """Per rank, {vLLM parameter name: shape} of the engine's model, in vLLM naming (fused `qkv_proj`,
+    `gate_up_proj`, TP-sharded). On CPU, repacked linears report shape (0,): compare against
+    `checkpoint_manifest` for the HF-side expectation instead."""
+    return llm.collective_rpc(_param_shapes)
+
+
+def _param_shapes(worker) -> dict:
+    model = worker.model_runner.get_model()
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def checkpoint_manifest(model_dir) -> dict:
+    """{HF parameter name: (shape, dtype)} of an HF checkpoint directory, read from the safetensors headers
+    (no tensor is loaded). This is what `load_weights` expects to receive, name for name."""
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors files; chatgen reads HF checkpoints in safetensors")
+    manifest = {}
+    for path in files:
+        with open(path, "rb") as f:
+            (header_len,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(header_len))
+        for name, info in header.items():
+            if name != "__metadata__":
+                manifest[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]))
+    return manifest

