@@ -2,6 +2,7 @@
 
     from chatgen.training.launcher import run_distributed
     results = run_distributed(my_fn, world_size=2, args=(x,))   # [result of rank 0, result of rank 1]
+    job = DistributedJob(my_fn, 2, args=(q,)); ...parent work...; results = job.join()
 
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, plus `env`,
 then calls `fn(*args)`; `fn` must be importable (module level) and return something picklable. If a
@@ -32,31 +33,55 @@ def _child(rank, world_size, port, env, fn, args, results):
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 600.0):
-    """Run `fn(*args)` on `world_size` spawned ranks; returns the list of per-rank results."""
-    env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_child, args=(r, world_size, port, env, fn, args, results), daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        while len(out) < world_size:
-            try:
-                rank, ok, value = results.get(timeout=timeout)
-            except queue.Empty:
-                raise TimeoutError(f"run_distributed({fn.__name__}): no answer within {timeout:.0f}s "
-                                   f"from ranks {sorted(set(range(world_size)) - set(out))}") from None
-            if not ok:
-                raise RuntimeError(f"rank {rank} of {world_size} failed in {fn.__name__}:\n{value}")
-            out[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if len(out) == world_size else 0.1)
+class DistributedJob:
+    """`fn(*args)` running on `world_size` spawned ranks; `join()` returns the per-rank results.
+
+    Start it, do the parent's side of the work (e.g. host an inference engine the ranks talk to), join.
+    Pass `ctx_queue()` queues in `args` to exchange data with the ranks while they run.
+    """
+
+    context = mp.get_context("spawn")
+
+    def __init__(self, fn, world_size: int, args: tuple = (), env: dict | None = None):
+        self.fn, self.world_size = fn, world_size
+        env = {"OMP_NUM_THREADS": "1", **(env or {})}
+        self._results = self.context.Queue()
+        port = free_port()
+        self._procs = [self.context.Process(target=_child, args=(r, world_size, port, env, fn, args, self._results),
+                                            daemon=True) for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def join(self, timeout: float = 600.0) -> list:
+        out = {}
+        try:
+            while len(out) < self.world_size:
+                try:
+                    rank, ok, value = self._results.get(timeout=timeout)
+                except queue.Empty:
+                    raise TimeoutError(f"{self.fn.__name__}: no answer within {timeout:.0f}s from ranks "
+                                       f"{sorted(set(range(self.world_size)) - set(out))}") from None
+                if not ok:
+                    raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
+                out[rank] = value
+        finally:
+            self.stop(grace=5 if len(out) == self.world_size else 0.1)
+        return [out[r] for r in range(self.world_size)]
+
+    def stop(self, grace: float = 0.1) -> None:
+        """Stop the ranks that are still running (this job's own processes only)."""
+        for p in self._procs:
+            p.join(timeout=grace)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [out[r] for r in range(world_size)]
+
+
+def ctx_queue():
+    """A queue that can be passed to the ranks of a DistributedJob."""
+    return DistributedJob.context.Queue()
+
+
+def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 600.0) -> list:
+    """Run `fn(*args)` on `world_size` spawned ranks; returns the list of per-rank results."""
+    return DistributedJob(fn, world_size, args, env).join(timeout)

@@ -158,7 +158,7 @@ class MegatronModule:
             bf16=self.dtype == torch.bfloat16,
             fp16=self.dtype == torch.float16,
             use_cpu_initialization=not on_gpu,
-            perform_initialization=False,  # every weight is loaded from config.load right after
+            perform_initialization=True,  # also marks TP-sharded params (grad norm, optimizers rely on it)
             gradient_accumulation_fusion=False,
             bias_activation_fusion=False,
             masked_softmax_fusion=False,
