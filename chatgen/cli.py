@@ -10,6 +10,7 @@ import sys
 # name -> (module, one-line help)
 COMMANDS = {
     "config": ("chatgen.config.cli", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
+    "generate": ("chatgen.generation.cli", "generate from a JSONL of prompts with the step-driven VLLMModule"),
     "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2 HF checkpoint + sentencepiece tokenizer"),
 }
 

@@ -39,7 +39,7 @@ TESTED_VLLM = "0.32"
 __all__ = [
     "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
-    "abort", "shutdown", "kv_cache_usage", "sleep", "wake_up", "is_sleeping", "sleep_frees_memory",
+    "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping", "sleep_frees_memory",
     "load_weights", "named_parameter_shapes", "checkpoint_manifest",
 ]
 
@@ -180,6 +180,12 @@ def execute(llm: LLM, batch: ScheduledBatch) -> list:
 def kv_cache_usage(llm: LLM) -> float:
     """Fraction of KV-cache blocks in use right now (0..1)."""
     return _engine_core(llm).scheduler.kv_cache_manager.usage
+
+
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 def sleep_frees_memory() -> bool:

@@ -15,18 +15,13 @@ The vLLM engine stays in this process (no engine subprocess), so a trainer in th
 weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
-import functools
 import itertools
-import json
 import time
 from pathlib import Path
 
-import torch
-
 from chatgen.config import ConfigError, VLLMConfig, load_model_config
-from chatgen.generation import vllm_adapter as adapter
-
-_LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+from chatgen.generation import engine_config, vllm_adapter as adapter
+from chatgen.generation.batching import generation_output, iter_samples, sample_logprobs, unpad_batch
 
 
 class VLLMModule:
@@ -38,17 +33,18 @@ class VLLMModule:
         None = vLLM's default (one process for TP=1).
 
     Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one),
-    `pad_token_id`, `metrics` (figures of the last generation call).
+    `pad_token_id`, `metrics` (figures of the last generation call), `config`. Sampling keys are read at
+    every call (changing `module.config.temperature` between calls takes effect); engine keys at `setup()`.
     """
 
     def __init__(self, config, *, distributed_executor_backend=None):
         if isinstance(config, (str, Path)):
             config = load_model_config(config, VLLMConfig)
         elif isinstance(config, dict):  # through the loader: unknown keys and types are checked the same way
-            config = load_model_config(None, VLLMConfig, [f"{k}={json.dumps(v)}" for k, v in config.items()])
+            config = load_model_config(None, VLLMConfig, config)
         elif not isinstance(config, VLLMConfig):
             raise TypeError(f"VLLMModule(config): expected a VLLMConfig, dict or YAML path, got {type(config).__name__}")
-        check_vllm_config(config)
+        engine_config.check_vllm_config(config, cpu=adapter.on_cpu())
         self.config = config
         self.distributed_executor_backend = distributed_executor_backend
         self.engine = None
@@ -56,6 +52,7 @@ class VLLMModule:
         self.pad_token_id = 0
         self.metrics = {}
         self._request_ids = itertools.count()
+        self._queued = []  # request ids added during the current call, aborted if it fails
 
     # ------------------------------------------------------------------ user hooks
 
@@ -78,9 +75,8 @@ class VLLMModule:
         self.engine = adapter.build_llm(self.model_provider(), **self.engine_kwargs())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
-        tok = self.tokenizer
-        self.pad_token_id = next((t for t in (getattr(tok, "pad_token_id", None), getattr(tok, "eos_token_id", None))
-                                  if t is not None), 0)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id = pad if pad is not None else getattr(self.tokenizer, "eos_token_id", None) or 0
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
@@ -150,76 +146,32 @@ class VLLMModule:
     # ------------------------------------------------------------------ framework API
 
     def engine_kwargs(self) -> dict:
-        """Keyword arguments for `vllm.LLM`, derived from the config (every key is honoured or was rejected)."""
-        cfg, model = self.config, self.model_provider()
-        tokenizer = cfg.tokenizer or model
-        kwargs = dict(
-            tokenizer=tokenizer,
-            skip_tokenizer_init=not has_tokenizer(tokenizer),
-            dtype=cfg.dtype,
-            seed=cfg.seed,
-            max_model_len=cfg.seq_length,
-            tensor_parallel_size=cfg.tensor_parallel_size,
-            enforce_eager=cfg.enforce_eager,
-            gpu_memory_utilization=cfg.gpu_memory_utilization,
-            kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-            logprobs_mode=_LOGPROBS_MODES[cfg.logprobs_mode],
-            max_num_seqs=cfg.generation_batch_size,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            block_size=cfg.block_size,
-        )
-        if kwargs["kv_cache_memory_bytes"] is None and on_cpu():
-            kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model, cfg)
-        if self.distributed_executor_backend:
-            kwargs["distributed_executor_backend"] = self.distributed_executor_backend
-        return {k: v for k, v in kwargs.items() if v is not None}
-
-    def max_tokens(self, prompt_len: int) -> int:
-        """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
-        if self.config.new_token_limit:
-            return self.config.max_new_tokens
-        return self.config.seq_length - prompt_len
+        """Keyword arguments for `vllm.LLM`, derived from the config (see engine_config.engine_kwargs)."""
+        return engine_config.engine_kwargs(self.config, self.model_provider(), adapter.on_cpu(),
+                                           self.distributed_executor_backend)
 
     def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
-        """vLLM `SamplingParams` for one prompt of `prompt_len` tokens.
+        """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see engine_config.sampling_kwargs).
 
-        Train: n, temperature, top_p, top_k, min_p. Eval: eval_temperature / eval_top_p / eval_top_k where set.
-        Greedy (greedy=True or a temperature of 0) yields one response per prompt. Logprobs: the sampled
-        token's (raw or processed per logprobs_mode); prompt_logprobs if set.
+        Train: n, temperature, top_p, top_k, min_p; eval: eval_temperature / eval_top_p / eval_top_k where
+        set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`.
         """
-        cfg = self.config
-        pick = lambda key: getattr(cfg, f"eval_{key}") if is_eval and getattr(cfg, f"eval_{key}") is not None \
-            else getattr(cfg, key)  # noqa: E731
-        temperature = 0.0 if greedy else pick("temperature")
-        config_stop_strings, stop_token_ids = parse_stop_list(cfg.stop_token_list, self.tokenizer)
-        stop = [*config_stop_strings, *stop_strings]
+        config_strings, stop_token_ids = engine_config.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
             raise ValueError(f"stop strings {stop} need a tokenizer to match text; this model has none: "
-                             "use stop token ids (special tokens in stop_token_list) or add a tokenizer")
-        return adapter.SamplingParams(
-            n=1 if temperature == 0 else cfg.n,
-            temperature=temperature,
-            top_p=pick("top_p"),
-            top_k=max(pick("top_k"), 0),  # vLLM: 0 = off; chatgen keeps ChatLearn's -1
-            min_p=cfg.min_p,
-            ignore_eos=cfg.ignore_eos,
-            max_tokens=self.max_tokens(prompt_len),
-            stop=stop,
-            stop_token_ids=list(stop_token_ids),
-            logprobs=0,  # the sampled token's logprob only
-            prompt_logprobs=cfg.prompt_logprobs,
-            detokenize=self.tokenizer is not None,
-        )
+                             "use special tokens in stop_token_list (stop on ids) or add a tokenizer")
+        kwargs = engine_config.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy,
+                                               stop_strings=stop, stop_token_ids=stop_token_ids)
+        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None)
 
     def add_request(self, prompt_ids, params, prompt_text=None) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id."""
         if not prompt_ids:
             raise ValueError("add_request: empty prompt; every prompt needs at least one token (e.g. BOS)")
-        if len(prompt_ids) >= self.config.seq_length:
-            raise ValueError(f"add_request: prompt of {len(prompt_ids)} tokens leaves no room to generate in "
-                             f"seq_length={self.config.seq_length}; shorten it or raise seq_length")
         request_id = str(next(self._request_ids))
         adapter.add_request(self.engine, request_id, prompt_ids, params, prompt_text)
+        self._queued.append(request_id)
         return request_id
 
     def execute_step(self, data):
@@ -311,16 +263,17 @@ class VLLMModule:
         if adapter.is_sleeping(self.engine):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
         start = time.perf_counter()
-        request_ids, finished, steps, kv_peak = [], [], 0, 0.0
+        finished, steps, kv_peak = [], 0, 0.0
+        self._queued = []
         try:
-            request_ids = add_requests()
+            add_requests()
             while adapter.has_unfinished_requests(self.engine):
                 scheduled = adapter.schedule(self.engine)
                 kv_peak = max(kv_peak, adapter.kv_cache_usage(self.engine))
                 finished += [o for o in self.forward_step(scheduled, steps) if o.finished]
                 steps += 1
-        except BaseException:
-            adapter.abort(self.engine, request_ids)
+        except BaseException:  # leave the engine empty for the next call
+            adapter.abort(self.engine, self._queued)
             raise
         elapsed = time.perf_counter() - start
         finished.sort(key=lambda o: int(o.request_id))
@@ -338,133 +291,3 @@ class VLLMModule:
             "kv_cache_usage_peak": kv_peak,
         }
         return finished
-
-
-# ---------------------------------------------------------------------- helpers (pure, unit-tested)
-
-def check_vllm_config(cfg) -> None:
-    """Reject keys that vLLM 0.32 (V1 engine) cannot honour, all in one ConfigError naming key and fix."""
-    problems = list(cfg.check()) if hasattr(cfg, "check") else []
-    if cfg.swap_space is not None:
-        problems.append(("swap_space", "not supported: vLLM V1 recomputes preempted requests instead of swapping "
-                                       "their KV cache to CPU; remove the key (size the KV cache with "
-                                       "gpu_memory_utilization or kv_cache_memory_bytes)"))
-    if cfg.sliding_window is not None:
-        problems.append(("sliding_window", "not supported: vLLM V1 takes the sliding window from the model's "
-                                           "config.json; remove the key and set `sliding_window` there"))
-    if cfg.use_beam_search:
-        problems.append(("use_beam_search", "not supported: vLLM V1 has no beam search in its step-driven engine "
-                                            "(LLM.beam_search is a separate offline API); set it to false and "
-                                            "use n > 1 sampling"))
-    if cfg.temperature == 0 and cfg.n > 1:
-        problems.append(("n", f"n={cfg.n} with temperature 0 would give {cfg.n} identical responses (vLLM rejects "
-                              "it); set temperature > 0 or n: 1"))
-    if cfg.block_size is not None and on_cpu() and cfg.block_size % 32:
-        problems.append(("block_size", f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a "
-                                       "multiple of 32; use 128 (vLLM's CPU default) or remove the key"))
-    if problems:
-        raise ConfigError([f"{key}: {msg}" for key, msg in problems])
-
-
-@functools.lru_cache(maxsize=16)
-def parse_stop_list(stop_token_list: str, tokenizer) -> tuple:
-    """Split `stop_token_list` ("a;b;c") into (stop strings, stop token ids).
-
-    An entry that is one of the tokenizer's special tokens (e.g. "</s>", "<|im_end|>") stops on that token
-    id: special tokens are left out of the decoded text, so a string match could never see them. Any other
-    entry is a stop string matched on the decoded text.
-    """
-    entries = [s for s in (stop_token_list or "").split(";") if s]
-    special = {}
-    if tokenizer is not None:
-        special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
-        special.update(tokenizer.get_added_vocab())
-    return tuple(s for s in entries if s not in special), tuple(special[s] for s in entries if s in special)
-
-
-def unpad_batch(batch, pad_token_id) -> list:
-    """Right-padded (B, T) `input_ids` + (B,) `input_lengths` -> B lists of prompt token ids, or a ValueError
-    naming the first bad row."""
-    for key in ("input_ids", "input_lengths"):
-        if key not in batch:
-            raise ValueError(f"generate(): batch has no {key!r}; pass right-padded input_ids (B, T) and "
-                             "input_lengths (B,)")
-    ids, lengths = torch.as_tensor(batch["input_ids"]), torch.as_tensor(batch["input_lengths"])
-    if ids.dim() != 2 or lengths.shape != (ids.shape[0],):
-        raise ValueError(f"generate(): input_ids must be (B, T) and input_lengths (B,); got {tuple(ids.shape)} "
-                         f"and {tuple(lengths.shape)}")
-    stops = batch.get("stop_strings")
-    if stops is not None and len(stops) != ids.shape[0]:
-        raise ValueError(f"generate(): stop_strings has {len(stops)} entries for {ids.shape[0]} rows; give one "
-                         "list (or None) per row")
-    prompts = []
-    for i, (row, n) in enumerate(zip(ids.tolist(), lengths.tolist())):
-        if not 1 <= n <= len(row):
-            raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{len(row)}")
-        if any(t != pad_token_id for t in row[n:]):
-            raise ValueError(f"generate(): row {i} is not right-padded: input_lengths[{i}]={n} but "
-                             f"input_ids[{i}, {n}:] holds tokens other than pad_token_id={pad_token_id}; put "
-                             "the prompt first and the padding after it")
-        prompts.append(row[:n])
-    return prompts
-
-
-def iter_samples(request_outputs):
-    """(RequestOutput, CompletionOutput) for every sample, prompt-major, samples in index order."""
-    for request in request_outputs:
-        for sample in sorted(request.outputs, key=lambda s: s.index):
-            yield request, sample
-
-
-def sample_logprobs(sample) -> list:
-    """The logprob of each generated token of a `CompletionOutput` (requested with logprobs=0)."""
-    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
-
-
-def generation_output(request_outputs, input_width, pad_token_id, dtype=torch.long) -> dict:
-    """Finished `RequestOutput`s -> the token-in/token-out output dict of `VLLMModule.generate`."""
-    samples = list(iter_samples(request_outputs))
-    width = input_width + max((len(s.token_ids) for _, s in samples), default=0)
-    output_ids = torch.full((len(samples), width), pad_token_id, dtype=dtype)
-    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
-    gen_lengths = torch.zeros(len(samples), dtype=torch.long)
-    prompt_lengths = torch.zeros(len(samples), dtype=torch.long)
-    truncated = torch.zeros(len(samples), dtype=torch.bool)
-    for row, (request, sample) in enumerate(samples):
-        p, g = len(request.prompt_token_ids), len(sample.token_ids)
-        output_ids[row, :p] = torch.tensor(request.prompt_token_ids, dtype=dtype)
-        if g:
-            output_ids[row, p:p + g] = torch.tensor(sample.token_ids, dtype=dtype)
-            logprobs[row, p:p + g] = torch.tensor(sample_logprobs(sample), dtype=torch.float32)
-        gen_lengths[row], prompt_lengths[row] = g, p
-        truncated[row] = sample.finish_reason == "length"
-    return {
-        "output_ids": output_ids,
-        "logprobs": logprobs,
-        "generation_lengths": gen_lengths,
-        "unpadded_sequence_lengths": prompt_lengths + gen_lengths,
-        "truncated": truncated,
-    }
-
-
-def has_tokenizer(directory) -> bool:
-    """Whether an HF directory holds a tokenizer (else the engine runs token-only)."""
-    d = Path(directory)
-    return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-
-
-def on_cpu() -> bool:
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
-    """KV cache for (generation_batch_size or 8) full sequences of seq_length tokens: vLLM's CPU default
-    would reserve most of the machine's RAM."""
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    elem = torch.finfo(getattr(torch, cfg.dtype)).bits // 8
-    per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * elem
-    return per_token * cfg.seq_length * (cfg.generation_batch_size or 8)

@@ -231,13 +231,15 @@ def test_bad_prompts_are_rejected(module, monkeypatch):
     long_prompt = " ".join(["word"] * 200)
     with pytest.raises(ValueError, match="prompt 0 has .* tokens, over the budget"):
         module.build_dataset([long_prompt])
-    monkeypatch.setattr(module.config, "new_token_limit", False)
-    cut = module.build_dataset([long_prompt])[0]["input_ids"]
-    assert len(cut) == module.config.seq_length - module.config.max_new_tokens
     with pytest.raises(ValueError, match="input_lengths"):
         module.generate({"input_ids": torch.ones(2, 3, dtype=torch.long)})
-    # the engine is left clean after errors
-    assert not adapter.has_unfinished_requests(module.engine)
+    with pytest.raises(ValueError, match="leaves no room to generate"):  # second item fails after the first is queued
+        module.run_generation([{"input_ids": [1, 5, 6]}, {"input_ids": [1] * module.config.seq_length}])
+    assert not adapter.has_unfinished_requests(module.engine), "a failed call must leave the engine empty"
+    assert module.generate(padded(module, PROMPTS[:1]), greedy=True)["generation_lengths"].tolist() == [MAX_NEW]
+    monkeypatch.setattr(module.config, "new_token_limit", False)  # ChatLearn's rule: cut prompts to the budget
+    cut = module.build_dataset([long_prompt])[0]["input_ids"]
+    assert len(cut) == module.config.seq_length - module.config.max_new_tokens
 
 
 def test_unsupported_keys_are_rejected_before_starting(tiny_llama_dir):

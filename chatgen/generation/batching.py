@@ -1,0 +1,67 @@
+"""Token batches in and out of `VLLMModule.generate`: right-padding checks and the output tensors (no vLLM).
+
+Input: right-padded `input_ids` (B, T) + `input_lengths` (B,). Output: S = B x n rows, sample j of prompt i at
+row i * n + j, each prompt + generation right-padded to T + the longest generation. Unit-tested in
+tests/unit/test_generation.py on stand-ins for vLLM's RequestOutput.
+"""
+import torch
+
+
+def unpad_batch(batch, pad_token_id) -> list:
+    """B lists of prompt token ids, or a ValueError naming the first bad row and the fix."""
+    for key in ("input_ids", "input_lengths"):
+        if key not in batch:
+            raise ValueError(f"generate(): batch has no {key!r}; pass right-padded input_ids (B, T) and "
+                             "input_lengths (B,)")
+    ids, lengths = torch.as_tensor(batch["input_ids"]), torch.as_tensor(batch["input_lengths"])
+    if ids.dim() != 2 or lengths.shape != (ids.shape[0],):
+        raise ValueError(f"generate(): input_ids must be (B, T) and input_lengths (B,); got {tuple(ids.shape)} "
+                         f"and {tuple(lengths.shape)}")
+    stops = batch.get("stop_strings")
+    if stops is not None and len(stops) != ids.shape[0]:
+        raise ValueError(f"generate(): stop_strings has {len(stops)} entries for {ids.shape[0]} rows; give one "
+                         "list (or None) per row")
+    prompts = []
+    for i, (row, n) in enumerate(zip(ids.tolist(), lengths.tolist())):
+        if not 1 <= n <= len(row):
+            raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{len(row)}")
+        if any(t != pad_token_id for t in row[n:]):
+            raise ValueError(f"generate(): row {i} is not right-padded: input_lengths[{i}]={n} but "
+                             f"input_ids[{i}, {n}:] holds tokens other than pad_token_id={pad_token_id}; put "
+                             "the prompt first and the padding after it")
+        prompts.append(row[:n])
+    return prompts
+
+
+def iter_samples(request_outputs):
+    """(RequestOutput, CompletionOutput) for every sample: prompts in the given order, samples by index."""
+    for request in request_outputs:
+        for sample in sorted(request.outputs, key=lambda s: s.index):
+            yield request, sample
+
+
+def sample_logprobs(sample) -> list:
+    """The logprob of each generated token of a `CompletionOutput` (requested with logprobs=0)."""
+    return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
+
+
+def generation_output(request_outputs, input_width: int, pad_token_id: int, dtype=torch.long) -> dict:
+    """Finished requests (sorted) -> output_ids / logprobs (S, L), generation_lengths /
+    unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation."""
+    samples = list(iter_samples(request_outputs))
+    width = input_width + max((len(s.token_ids) for _, s in samples), default=0)
+    output_ids = torch.full((len(samples), width), pad_token_id, dtype=dtype)
+    logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
+    prompt_lengths = torch.tensor([len(r.prompt_token_ids) for r, _ in samples], dtype=torch.long)
+    generation_lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.long)
+    for row, (request, sample) in enumerate(samples):
+        p, g = len(request.prompt_token_ids), len(sample.token_ids)
+        output_ids[row, :p + g] = torch.tensor([*request.prompt_token_ids, *sample.token_ids], dtype=dtype)
+        logprobs[row, p:p + g] = torch.tensor(sample_logprobs(sample), dtype=torch.float32)
+    return {
+        "output_ids": output_ids,
+        "logprobs": logprobs,
+        "generation_lengths": generation_lengths,
+        "unpadded_sequence_lengths": prompt_lengths + generation_lengths,
+        "truncated": torch.tensor([s.finish_reason == "length" for _, s in samples], dtype=torch.bool),
+    }

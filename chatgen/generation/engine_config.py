@@ -1,0 +1,128 @@
+"""From a per-model `VLLMConfig` to vLLM's engine and sampling arguments (pure: imports neither vLLM nor torch).
+
+Every key of docs/generation_keys.md is either mapped here or rejected by `check_vllm_config` with the reason
+and the fix; nothing is silently ignored. Unit-tested in tests/unit/test_generation.py.
+"""
+import functools
+import json
+from pathlib import Path
+
+from chatgen.config import ConfigError
+
+# logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
+LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def check_vllm_config(cfg, cpu: bool) -> None:
+    """Raise one ConfigError listing every key that vLLM 0.32 (V1 engine) cannot honour, with the fix."""
+    problems = list(cfg.check())
+    if cfg.swap_space is not None:
+        problems.append(("swap_space", "not supported: vLLM V1 recomputes preempted requests instead of swapping "
+                                       "their KV cache to CPU; remove the key (size the KV cache with "
+                                       "gpu_memory_utilization or kv_cache_memory_bytes)"))
+    if cfg.sliding_window is not None:
+        problems.append(("sliding_window", "not supported: vLLM V1 takes the sliding window from the model's "
+                                           "config.json; remove the key and set `sliding_window` there"))
+    if cfg.use_beam_search:
+        problems.append(("use_beam_search", "not supported: vLLM V1 has no beam search in its step-driven engine "
+                                            "(LLM.beam_search is a separate offline API); set it to false and "
+                                            "use n > 1 sampling"))
+    if cfg.temperature == 0 and cfg.n > 1:
+        problems.append(("n", f"n={cfg.n} with temperature 0 would give {cfg.n} identical responses (vLLM rejects "
+                              "it); set temperature > 0 or n: 1"))
+    if cpu and cfg.block_size is not None and cfg.block_size % 32:
+        problems.append(("block_size", f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a "
+                                       "multiple of 32; use 128 (vLLM's CPU default) or remove the key"))
+    if problems:
+        raise ConfigError([f"{key}: {msg}" for key, msg in problems])
+
+
+def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
+    """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's defaults."""
+    tokenizer = cfg.tokenizer or model_dir
+    kwargs = dict(
+        tokenizer=str(tokenizer),
+        skip_tokenizer_init=not has_tokenizer(tokenizer),  # token-only engine for a model without one
+        dtype=cfg.dtype,
+        seed=cfg.seed,
+        max_model_len=cfg.seq_length,
+        tensor_parallel_size=cfg.tensor_parallel_size,
+        distributed_executor_backend=distributed_executor_backend,
+        enforce_eager=cfg.enforce_eager,
+        gpu_memory_utilization=cfg.gpu_memory_utilization,
+        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.generation_batch_size,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode],
+    )
+    if cpu and cfg.kv_cache_memory_bytes is None:
+        kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model_dir, cfg)
+    return {key: value for key, value in kwargs.items() if value is not None}
+
+
+def max_tokens(cfg, prompt_len: int) -> int:
+    """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
+    if prompt_len >= cfg.seq_length:
+        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate in seq_length="
+                         f"{cfg.seq_length}; shorten it or raise seq_length")
+    return cfg.max_new_tokens if cfg.new_token_limit else cfg.seq_length - prompt_len
+
+
+def sampling_kwargs(cfg, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()) -> dict:
+    """Keyword arguments for `vllm.SamplingParams` for one prompt of `prompt_len` tokens.
+
+    Train: n, temperature, top_p, top_k, min_p. Eval: eval_temperature / eval_top_p / eval_top_k where set,
+    else the train values. Greedy (greedy=True or an effective temperature of 0) yields one response.
+    """
+    def pick(key):
+        value = getattr(cfg, f"eval_{key}") if is_eval else None
+        return getattr(cfg, key) if value is None else value
+
+    temperature = 0.0 if greedy else pick("temperature")
+    return dict(
+        n=1 if temperature == 0 else cfg.n,
+        temperature=temperature,
+        top_p=pick("top_p"),
+        top_k=max(pick("top_k"), 0),  # chatgen (ChatLearn) -1 = off; vLLM 0 = off
+        min_p=cfg.min_p,
+        ignore_eos=cfg.ignore_eos,
+        max_tokens=max_tokens(cfg, prompt_len),
+        stop=list(stop_strings),
+        stop_token_ids=list(stop_token_ids),
+        logprobs=0,  # the sampled token's logprob only
+        prompt_logprobs=cfg.prompt_logprobs,
+    )
+
+
+@functools.lru_cache(maxsize=16)
+def parse_stop_list(stop_token_list: str, tokenizer) -> tuple:
+    """Split `stop_token_list` ("a;b;c") into (stop strings, stop token ids).
+
+    An entry that is one of the tokenizer's special tokens (e.g. "</s>", "<|im_end|>") stops on that token id:
+    special tokens are left out of the decoded text, so a string match would never see them. Any other entry
+    is a stop string matched on the decoded text.
+    """
+    entries = [s for s in (stop_token_list or "").split(";") if s]
+    special = {}
+    if tokenizer is not None:
+        special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
+        special.update(tokenizer.get_added_vocab())
+    return tuple(s for s in entries if s not in special), tuple(special[s] for s in entries if s in special)
+
+
+def has_tokenizer(directory) -> bool:
+    """Whether an HF directory holds a tokenizer (else the engine runs token-only)."""
+    d = Path(directory)
+    return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
+
+
+def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
+    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens. vLLM's own CPU default
+    reserves most of the machine's RAM."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+    per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[cfg.dtype]
+    return per_token * cfg.seq_length * (cfg.generation_batch_size or 8)

@@ -1,0 +1,146 @@
+"""Pure logic of chatgen.generation (no vLLM): config -> engine/sampling arguments, token batches in and out.
+
+    .venv/bin/python -m pytest tests/unit/test_generation.py
+"""
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from chatgen.config import ConfigError, VLLMConfig
+from chatgen.generation import engine_config
+from chatgen.generation.batching import generation_output, unpad_batch
+
+
+def config(**values) -> VLLMConfig:
+    return VLLMConfig(**{"load": "/m", "swap_space": None, "block_size": 128, **values})
+
+
+# ---------------------------------------------------------------- config checks and mapping
+
+@pytest.mark.parametrize("key, value, message", [
+    ("swap_space", 4.0, "recomputes preempted requests"),
+    ("sliding_window", 4096, "config.json"),
+    ("use_beam_search", True, "n > 1 sampling"),
+    ("block_size", 16, "multiple of 32"),
+])
+def test_unsupported_keys_are_rejected_with_the_fix(key, value, message):
+    cfg = dataclasses.replace(config(), **{key: value})
+    with pytest.raises(ConfigError, match=message) as err:
+        engine_config.check_vllm_config(cfg, cpu=True)
+    assert err.value.errors[0].startswith(f"{key}: ")
+
+
+def test_all_problems_are_reported_at_once():
+    cfg = dataclasses.replace(config(), swap_space=1.0, use_beam_search=True, temperature=0.0, n=4, top_p=0.0)
+    with pytest.raises(ConfigError) as err:
+        engine_config.check_vllm_config(cfg, cpu=True)
+    assert sorted(e.split(":")[0] for e in err.value.errors) == ["n", "swap_space", "top_p", "use_beam_search"]
+
+
+def test_block_size_16_is_fine_on_gpu():
+    engine_config.check_vllm_config(dataclasses.replace(config(), block_size=16), cpu=False)
+
+
+def test_engine_kwargs_map_every_engine_key(tmp_path):
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = config(load=str(tmp_path), dtype="bfloat16", seed=7, seq_length=512, tensor_parallel_size=2,
+                 enforce_eager=True, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20, block_size=32,
+                 generation_batch_size=16, max_num_batched_tokens=1024, logprobs_mode="raw")
+    kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True, distributed_executor_backend="external_launcher")
+    assert kwargs == dict(tokenizer=str(tmp_path), skip_tokenizer_init=False, dtype="bfloat16", seed=7,
+                          max_model_len=512, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
+                          enforce_eager=True, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20,
+                          block_size=32, max_num_seqs=16, max_num_batched_tokens=1024, logprobs_mode="raw_logprobs")
+
+
+def test_engine_kwargs_defaults_without_tokenizer_and_cpu_kv_cache(tmp_path):
+    hf = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=3)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    cfg = config(load=str(tmp_path), block_size=None, seq_length=256)
+    kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True)
+    assert kwargs["skip_tokenizer_init"] is True
+    assert "block_size" not in kwargs and "max_num_seqs" not in kwargs and "distributed_executor_backend" not in kwargs
+    # K and V, 3 layers, 2 KV heads of 32 dims, fp32, for 8 sequences of 256 tokens
+    assert kwargs["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256 * 8
+    assert "kv_cache_memory_bytes" not in engine_config.engine_kwargs(cfg, str(tmp_path), cpu=False)
+
+
+def test_sampling_train_eval_and_greedy():
+    cfg = config(n=4, temperature=0.8, top_p=0.9, top_k=-1, min_p=0.05, eval_temperature=0.0, eval_top_k=5,
+                 new_token_limit=True, max_new_tokens=32, prompt_logprobs=1)
+    train = engine_config.sampling_kwargs(cfg, 10)
+    assert (train["n"], train["temperature"], train["top_p"], train["top_k"], train["min_p"]) == (4, 0.8, 0.9, 0, 0.05)
+    assert train["max_tokens"] == 32 and train["logprobs"] == 0 and train["prompt_logprobs"] == 1
+    evaluated = engine_config.sampling_kwargs(cfg, 10, is_eval=True)
+    assert (evaluated["n"], evaluated["temperature"], evaluated["top_p"], evaluated["top_k"]) == (1, 0.0, 0.9, 5)
+    greedy = engine_config.sampling_kwargs(cfg, 10, greedy=True)
+    assert (greedy["n"], greedy["temperature"]) == (1, 0.0)
+
+
+def test_max_tokens_follow_new_token_limit():
+    assert engine_config.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 30) == 16
+    assert engine_config.max_tokens(config(new_token_limit=False, max_new_tokens=16, seq_length=100), 30) == 70
+    with pytest.raises(ValueError, match="100 tokens leaves no room to generate in seq_length=100"):
+        engine_config.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 100)
+
+
+class SpecialTokens:
+    """The three tokenizer methods parse_stop_list reads, on a 2-token special vocabulary + 1 added token."""
+
+    all_special_tokens = ["<s>", "</s>"]
+
+    def convert_tokens_to_ids(self, token):
+        return {"<s>": 1, "</s>": 2}[token]
+
+    def get_added_vocab(self):
+        return {"<|im_end|>": 9}
+
+
+def test_stop_list_splits_special_tokens_from_strings():
+    tokenizer = SpecialTokens()
+    strings, ids = engine_config.parse_stop_list("</s>;\n\n;<|im_end|>;Answer:", tokenizer)
+    assert strings == ("\n\n", "Answer:") and ids == (2, 9)
+    assert engine_config.parse_stop_list("", tokenizer) == ((), ())
+    assert engine_config.parse_stop_list("</s>", None) == (("</s>",), ())
+
+
+# ---------------------------------------------------------------- token batches
+
+def test_unpad_batch_and_errors_name_the_row():
+    ids = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]])
+    assert unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([3, 2])}, 0) == [[1, 5, 6], [1, 7]]
+    left = torch.tensor([[1, 5, 6, 0], [0, 0, 1, 7]])
+    with pytest.raises(ValueError, match=r"row 1 is not right-padded: input_lengths\[1\]=2"):
+        unpad_batch({"input_ids": left, "input_lengths": torch.tensor([3, 2])}, 0)
+    with pytest.raises(ValueError, match=r"row 0: input_lengths\[0\]=0 is outside 1..4"):
+        unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([0, 2])}, 0)
+    with pytest.raises(ValueError, match="must be \\(B, T\\)"):
+        unpad_batch({"input_ids": ids[0], "input_lengths": torch.tensor([3])}, 0)
+    with pytest.raises(ValueError, match="stop_strings has 1 entries for 2 rows"):
+        unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([3, 2]), "stop_strings": [["x"]]}, 0)
+
+
+def sample(index, tokens, logprobs, finish):
+    steps = [{t: SimpleNamespace(logprob=lp), t + 1000: SimpleNamespace(logprob=-99.0)} for t, lp in zip(tokens, logprobs)]
+    return SimpleNamespace(index=index, token_ids=tokens, logprobs=steps, finish_reason=finish)
+
+
+def test_generation_output_layout():
+    requests = [
+        SimpleNamespace(prompt_token_ids=[1, 5, 6], outputs=[sample(1, [9], [-0.5], "stop"),
+                                                             sample(0, [7, 8, 2], [-1.0, -2.0, -3.0], "stop")]),
+        SimpleNamespace(prompt_token_ids=[1, 4], outputs=[sample(0, [3, 3, 3, 3], [-0.1] * 4, "length"),
+                                                          sample(1, [], [], "length")]),
+    ]
+    out = generation_output(requests, input_width=3, pad_token_id=0)
+    assert out["output_ids"].tolist() == [[1, 5, 6, 7, 8, 2, 0], [1, 5, 6, 9, 0, 0, 0],
+                                          [1, 4, 3, 3, 3, 3, 0], [1, 4, 0, 0, 0, 0, 0]]
+    assert out["logprobs"][0].tolist() == [0, 0, 0, -1.0, -2.0, -3.0, 0]
+    assert out["logprobs"][1].tolist() == [0, 0, 0, -0.5, 0, 0, 0]
+    assert torch.allclose(out["logprobs"][2], torch.tensor([0, 0, -0.1, -0.1, -0.1, -0.1, 0]))
+    assert out["generation_lengths"].tolist() == [3, 1, 4, 0]
+    assert out["unpadded_sequence_lengths"].tolist() == [6, 4, 6, 2]
+    assert out["truncated"].tolist() == [False, False, True, True]
