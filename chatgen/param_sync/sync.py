@@ -155,12 +155,16 @@ def sync_weights(trainer, target, bucket_bytes: int = gather.DEFAULT_BUCKET_BYTE
 # ---- across processes -------------------------------------------------------------------------------
 
 _TIMEOUT = datetime.timedelta(minutes=10)
+_READY_KEY = "chatgen_sync_sender_ready"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
-def _process_group(host: str, port: int, rank: int, is_server: bool):
+def _store(host: str, port: int, is_server: bool):
+    return dist.TCPStore(host, port, 2, is_server, timeout=_TIMEOUT, wait_for_workers=False)
+
+
+def _process_group(store, rank: int):
     """A private 2-member group (0 = trainer rank 0, 1 = engine), independent of any default group."""
-    store = dist.TCPStore(host, port, 2, is_server, timeout=_TIMEOUT)
     if torch.cuda.is_available():
         return dist.ProcessGroupNCCL(store, rank, 2)
     return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
@@ -199,7 +203,9 @@ class SyncSender:
         start = time.perf_counter()
         me = dist.get_rank()
         if me == 0 and self._pg is None:
-            self._pg = _process_group(self.host, self.port, 0, is_server=False)
+            store = _store(self.host, self.port, is_server=False)
+            store.set(_READY_KEY, "1")
+            self._pg = _process_group(store, 0)
         plan = gather.trainer_plan(trainer, bucket_bytes)
         header = {"dtype": str(trainer.dtype), "buckets": [[[n, list(s)] for n, s in b.hf] for b in plan],
                   "validate": validate, "fingerprints": None}
@@ -247,7 +253,8 @@ def _share(obj):
 
 
 class SyncReceiver:
-    """Engine end of a cross-process sync. Hosts the rendezvous on `port` (0 = pick a free one)."""
+    """Engine end of a cross-process sync. Hosts the rendezvous on host:port (port 0 = a free one), so
+    create it before the trainer ranks start and hand them `.port`."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         if port == 0:
@@ -255,12 +262,21 @@ class SyncReceiver:
 
             port = free_port()
         self.host, self.port, self._pg = host, port, None
+        self._store = _store(host, port, is_server=True)
 
-    def receive_into(self, llm) -> SyncReport:
-        """Receive one sync from the trainer and load it into `llm` (or `x.llm`); blocks until it arrives."""
+    def receive_into(self, llm, alive=None) -> SyncReport:
+        """Receive one sync from the trainer and load it into `llm` (or `x.llm`); blocks until it arrives.
+
+        alive: optional callable polled while waiting for the trainer to connect; it should raise (or
+        return False) when the trainer processes died, so a failed trainer does not leave us waiting.
+        """
         llm = getattr(llm, "llm", llm)
         if self._pg is None:
-            self._pg = _process_group(self.host, self.port, 1, is_server=True)
+            while not self._store.check([_READY_KEY]):
+                if alive is not None and alive() is False:
+                    raise SyncError("the trainer stopped before connecting; the engine keeps its old weights")
+                time.sleep(0.2)
+            self._pg = _process_group(self._store, 1)
         start = time.perf_counter()
         header = _send_json(self._pg, None, root=0, me=1)
         sent = {n: tuple(s) for b in header["buckets"] for n, s in b}

@@ -46,14 +46,28 @@ class DistributedJob:
         self.fn, self.world_size = fn, world_size
         env = {"OMP_NUM_THREADS": "1", **(env or {})}
         self._results = self.context.Queue()
+        self._done = {}
         port = free_port()
         self._procs = [self.context.Process(target=_child, args=(r, world_size, port, env, fn, args, self._results),
                                             daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
 
+    def poll(self) -> bool:
+        """True while the ranks run; raises the traceback of a rank that failed (without waiting)."""
+        while True:
+            try:
+                rank, ok, value = self._results.get_nowait()
+            except queue.Empty:
+                break
+            if not ok:
+                self.stop()
+                raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
+            self._done[rank] = value
+        return len(self._done) < self.world_size and any(p.is_alive() for p in self._procs)
+
     def join(self, timeout: float = 600.0) -> list:
-        out = {}
+        out = self._done
         try:
             while len(out) < self.world_size:
                 try:

@@ -1,0 +1,171 @@
+"""`chatgen check-sync`: prove that a weight sync leaves vLLM computing exactly what the trainer computes.
+
+    chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
+        --input prompts.jsonl --output check.json --max-new-tokens 16
+
+Loads the checkpoint into Megatron with the training layout (TP x PP ranks), starts a vLLM engine with
+the inference TP and *random* weights (load_format=dummy), syncs the trainer's weights into it, generates
+greedily for each `{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the
+trainer. Writes {"samples": [{"prompt_ids", "output_ids", "vllm_logprobs", "trainer_logprobs"}],
+"max_abs_logprob_diff", "sync_seconds", ...} and exits 1 when the diff is above --threshold.
+
+A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the trainer
+ranks as child processes that stream to the engine in this process over torch.distributed (the
+cross-process path of chatgen.param_sync). docs/check_sync.md explains the output.
+"""
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+
+def add_arguments(p):
+    p.add_argument("--hf-checkpoint", required=True, help="HF model directory (Llama or Qwen2 family)")
+    p.add_argument("--train-tp", type=int, default=1, help="trainer tensor-parallel size")
+    p.add_argument("--train-pp", type=int, default=1, help="trainer pipeline-parallel size")
+    p.add_argument("--infer-tp", type=int, default=1, help="vLLM tensor-parallel size")
+    p.add_argument("--input", required=True, help='JSONL of {"prompt_ids": [...]} lines')
+    p.add_argument("--output", required=True, help="where to write the JSON report")
+    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--bucket-mb", type=float, default=256, help="sync bucket size in MiB")
+    p.add_argument("--validate", action="store_true", help="also compare every synced tensor bit for bit")
+    p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM KV cache size (CPU)")
+
+
+def read_prompts(path) -> list:
+    prompts = []
+    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)["prompt_ids"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f'{path}:{i}: expected a JSON object {{"prompt_ids": [int, ...]}}, got {line[:80]!r}')
+        if not ids or not all(isinstance(t, int) for t in ids):
+            raise ValueError(f"{path}:{i}: prompt_ids must be a non-empty list of token ids")
+        prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path}: no prompts")
+    return prompts
+
+
+def _trainer_config(args) -> dict:
+    return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
+                pipeline_model_parallel_size=args.train_pp, dtype=args.dtype)
+
+
+def _score(trainer, sequences) -> list:
+    """Trainer log-probs of each sequence's generated tokens: [(prompt, output) -> [float] * len(output)]."""
+    import torch
+
+    out = []
+    for prompt, output in sequences:
+        lp = trainer.compute_logprobs(torch.tensor([prompt + output]))[0]
+        out.append(lp[len(prompt) - 1:].tolist())
+    return out
+
+
+def _trainer_rank(config, port, bucket_bytes, validate, to_trainer, from_trainer):
+    """A trainer rank of the cross-process check: sync, then score what the engine generated."""
+    import torch.distributed as dist
+
+    from chatgen.param_sync import SyncSender
+    from chatgen.training.megatron_module import MegatronModule
+
+    trainer = MegatronModule(config).init()
+    trainer.sync_to(SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
+    box = [to_trainer.get() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    scores = _score(trainer, box[0])
+    if dist.get_rank() == 0:
+        from_trainer.put(scores)
+    return None
+
+
+def _engine(args):
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from chatgen.generation import vllm_adapter
+
+    kwargs = dict(load_format="dummy", enforce_eager=True, skip_tokenizer_init=True, dtype=args.dtype, seed=0,
+                  tensor_parallel_size=args.infer_tp)
+    import torch
+
+    if not torch.cuda.is_available():
+        kwargs["kv_cache_memory_bytes"] = args.kv_cache_bytes
+    if args.infer_tp > 1:
+        kwargs["distributed_executor_backend"] = "mp"
+        if not torch.cuda.is_available():
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i) for i in range(args.infer_tp)))
+    return vllm_adapter.build_llm(args.hf_checkpoint, **kwargs)
+
+
+def _generate(llm, prompts, max_new_tokens):
+    from chatgen.generation.vllm_adapter import SamplingParams
+
+    params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    result = []
+    for o in outs:
+        c = o.outputs[0]
+        result.append((list(c.token_ids), [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs)]))
+    return result
+
+
+def check_sync(args) -> dict:
+    prompts = read_prompts(args.input)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    config = _trainer_config(args)
+    world = args.train_tp * args.train_pp
+    if world == 1 and args.infer_tp == 1:
+        mode = "colocated"
+        from chatgen.training.megatron_module import MegatronModule
+
+        trainer = MegatronModule(config).init()
+        llm = _engine(args)
+        report = trainer.sync_to(llm, bucket_bytes=bucket_bytes, validate=args.validate)
+        generated = _generate(llm, prompts, args.max_new_tokens)
+        scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
+    else:
+        mode = "cross-process"
+        from chatgen.param_sync import SyncReceiver
+        from chatgen.training.launcher import DistributedJob, ctx_queue
+
+        llm = _engine(args)
+        rx = SyncReceiver()
+        to_trainer, from_trainer = ctx_queue(), ctx_queue()
+        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, bucket_bytes, args.validate, to_trainer,
+                                                         from_trainer))
+        try:
+            report = rx.receive_into(llm, alive=job.poll)
+            generated = _generate(llm, prompts, args.max_new_tokens)
+            to_trainer.put([(p, g[0]) for p, g in zip(prompts, generated)])
+            scores = from_trainer.get(timeout=600)
+            job.join()
+        finally:
+            job.stop()
+    samples, worst = [], 0.0
+    for prompt, (output, vllm_lp), trainer_lp in zip(prompts, generated, scores):
+        worst = max([worst] + [abs(a - b) for a, b in zip(vllm_lp, trainer_lp)])
+        samples.append(dict(prompt_ids=prompt, output_ids=output, vllm_logprobs=vllm_lp, trainer_logprobs=trainer_lp))
+    return dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
+                sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
+                validated=report.validated, mode=mode, train_tp=args.train_tp, train_pp=args.train_pp,
+                infer_tp=args.infer_tp, dtype=args.dtype, threshold=args.threshold)
+
+
+def run(args) -> int:
+    start = time.perf_counter()
+    result = check_sync(args)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    ok = result["max_abs_logprob_diff"] <= args.threshold
+    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp} -> infer TP={args.infer_tp}: "
+          f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
+          f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
+          f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
+          f"{'OK' if ok else 'FAILED'}", file=sys.stderr if not ok else sys.stdout)
+    return 0 if ok else 1
