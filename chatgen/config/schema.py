@@ -115,7 +115,7 @@ class VLLMConfig:
     eval_temperature: Optional[float] = opt(None, "temperature in evaluation; null = temperature")
     eval_top_p: Optional[float] = opt(None, "top_p in evaluation; null = top_p")
     eval_top_k: Optional[int] = opt(None, "top_k in evaluation; null = top_k")
-    stop_token_list: str = opt("", "stop strings separated by ';', e.g. '</answer>;\\n\\n'; '' = EOS only")
+    stop_token_list: str = opt("", "stops separated by ';', e.g. '</answer>;\\n\\n'; a special token (e.g. '</s>') stops on its id; '' = EOS only")
     new_token_limit: bool = opt(False, "True: stop at max_new_tokens; False: generate until seq_length")
     max_new_tokens: int = opt(512, "generated tokens per response when new_token_limit is true")
     seq_length: int = opt(2048, "prompt + response tokens at most; prompts are cut to seq_length - max_new_tokens")
@@ -128,9 +128,9 @@ class VLLMConfig:
         None, "sequences scheduled together at most; null = runtime.generation_batch_size")
     max_paddings: Optional[int] = opt(None, "old vLLM scheduler knob, not supported (vLLM V1 packs without padding)")
     # cache
-    block_size: int = opt(16, "KV cache block size in tokens")
+    block_size: Optional[int] = opt(None, "KV cache block size in tokens; None = vLLM's default (128 on CPU, which needs a multiple of 32)")
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may use, in (0, 1]")
-    swap_space: float = opt(4.0, "CPU swap space for the KV cache, GiB")
+    swap_space: Optional[float] = opt(None, "old vLLM KV swap space (GiB), not supported (vLLM V1 recomputes preempted requests)")
     sliding_window: Optional[int] = opt(None, "sliding-window attention size; null = the model's own")
     kv_cache_memory_bytes: Optional[int] = opt(
         None, "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)")
@@ -168,7 +168,7 @@ class VLLMConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             yield "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is usual"
         for key in ("block_size", "tensor_parallel_size"):
-            if getattr(self, key) < 1:
+            if getattr(self, key) is not None and getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         for key in ("max_num_batched_tokens", "generation_batch_size", "sliding_window", "kv_cache_memory_bytes"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
