@@ -133,3 +133,11 @@ def test_tp2_pp2_match_hf_and_tp1_training(models):
                 assert res["loss"] == pytest.approx(train_refs[name]["loss"], rel=1e-5), (name, tp, pp)
                 assert res["grad_norm"] == pytest.approx(train_refs[name]["grad_norm"], rel=1e-4), (name, tp, pp)
                 assert res["after_diff"] < TOL, (name, tp, pp, res)
+
+
+def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):
+    from chatgen.training.convert import hf_to_megatron_dir
+
+    ckpt = hf_to_megatron_dir(models["qwen2_v500"], tmp_path / "meg", tp=1, pp=1)
+    ids = batch()
+    assert (build(ckpt).compute_logprobs(ids) - hf_logprobs(models["qwen2_v500"], ids)).abs().max() < TOL

@@ -1,0 +1,55 @@
+"""`chatgen convert` both ways on a random HF directory: HF -> Megatron (TP x PP) -> HF is bit-exact.
+
+    python -m pytest tests/unit/test_convert_cli.py
+"""
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from chatgen.cli import main
+from chatgen.param_sync import layout
+
+from test_convert import make_spec, random_hf_state
+
+
+@pytest.fixture
+def hf_dir(tmp_path):
+    spec = make_spec("qwen2", heads=4, groups=2, layers=4, vocab=250, tied=False)
+    config = dict(model_type="qwen2", num_hidden_layers=4, hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=8, vocab_size=250, rms_norm_eps=1e-6, rope_theta=10000.0,
+                  max_position_embeddings=64, tie_word_embeddings=False)
+    d = tmp_path / "hf"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(config))
+    (d / "tokenizer_config.json").write_text("{}")
+    save_file(random_hf_state(spec), str(d / "model.safetensors"))
+    return d
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (4, 1)])
+def test_convert_round_trip_is_bit_exact(hf_dir, tmp_path, tp, pp):
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    assert main(["convert", "--to", "megatron", "--input", str(hf_dir), "--output", str(meg), "--tp", str(tp),
+                 "--pp", str(pp), "--make-vocab-size-divisible-by", "16"]) == 0
+    meta = json.loads((meg / "chatgen_megatron.json").read_text())
+    assert (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]) == (tp, pp)
+    assert meta["padded_vocab_size"] == 256 and len(list(meg.glob("model_tp*_pp*.safetensors"))) == tp * pp
+    shard = load_file(str(meg / "model_tp0_pp0.safetensors"))
+    assert shard["embedding.word_embeddings.weight"].shape == (256 // tp, 32)
+    assert main(["convert", "--to", "hf", "--input", str(meg), "--output", str(back)]) == 0
+    original, restored = load_file(str(hf_dir / "model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert sorted(original) == sorted(restored)
+    assert all(torch.equal(original[k], restored[k]) for k in original)
+    assert json.loads((back / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
+    assert (back / "tokenizer_config.json").exists()
+
+
+def test_convert_refuses_existing_output_and_bad_layout(hf_dir, tmp_path):
+    with pytest.raises(SystemExit, match="exists"):
+        main(["convert", "--to", "megatron", "--input", str(hf_dir), "--output", str(hf_dir)])
+    with pytest.raises(ValueError, match="TP=3"):
+        main(["convert", "--to", "megatron", "--input", str(hf_dir), "--output", str(tmp_path / "x"), "--tp", "3"])
+    with pytest.raises(FileNotFoundError, match="not a chatgen Megatron checkpoint"):
+        main(["convert", "--to", "hf", "--input", str(hf_dir), "--output", str(tmp_path / "y")])

@@ -1,0 +1,99 @@
+"""Sync logic that needs neither vLLM nor Megatron: bucket plans, the manifest check, stream checks,
+the JSON channel protocol over a real 2-process gloo group, and the launcher.
+
+    python -m pytest tests/unit/test_param_sync.py
+"""
+import pytest
+import torch
+
+from chatgen.param_sync import SyncError, check_manifest, gather, layout, sync
+from chatgen.training import launcher
+
+from test_convert import make_spec
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
+def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
+    spec = make_spec(heads=8, groups=2, layers=4, tied=True)
+    padded = spec.padded_vocab_size(tp, 16)
+    bucket_bytes = 20_000
+    plan = gather.plan_buckets(spec, tp, pp, padded, itemsize=4, bucket_bytes=bucket_bytes)
+    shapes = layout.family(spec).hf_param_shapes(spec)
+    assert gather.manifest(plan) == {n: tuple(s) for n, s in shapes.items()}
+    assert len(plan) > pp  # small buckets: several per stage
+    for b in plan:
+        gathered = sum(gather._numel(s) * tp * 4 for s in b.shard_shapes)
+        assert gathered <= bucket_bytes or len(b.params) == 1  # only a single oversize param may exceed
+        assert all(sp.local_name.startswith(("decoder", "embedding", "output")) for sp in b.params)
+    stages = [b.stage for b in plan]
+    assert stages == sorted(stages) and set(stages) == set(range(pp))
+
+
+def test_plan_shard_shapes_match_the_conversion():
+    spec = make_spec(heads=4, groups=1)
+    tp = 2
+    padded = spec.padded_vocab_size(tp, 16)
+    plan = gather.plan_buckets(spec, tp, 1, padded, itemsize=4, bucket_bytes=1 << 30)
+    hf = {n: torch.zeros(s) for n, s in layout.family(spec).hf_param_shapes(spec).items()}
+    real = layout.hf_to_megatron(hf, spec, tp, 1, padded)[(0, 0)]
+    (bucket,) = plan
+    assert {sp.local_name: s for sp, s in zip(bucket.params, bucket.shard_shapes)} == \
+        {k: tuple(v.shape) for k, v in real.items()}
+
+
+def test_manifest_check_names_each_parameter_and_both_shapes():
+    expected = {"a.weight": (4, 2), "b.weight": (3,), "c.bias": (3,)}
+    sent = {"a.weight": (2, 4), "b.weight": (3,), "extra.weight": (1,)}
+    with pytest.raises(SyncError) as err:
+        check_manifest(sent, expected)
+    msg = str(err.value)
+    assert "keeps its old weights" in msg and "3 mismatch(es)" in msg
+    assert "a.weight: trainer sends shape (2, 4), the engine expects (4, 2)" in msg
+    assert "c.bias: the engine expects shape (3,), the trainer sends nothing" in msg
+    assert "extra.weight: trainer sends shape (1,), the engine has no such parameter" in msg
+    check_manifest(expected, dict(expected))  # equal manifests pass
+
+
+def test_stream_check_catches_reordering_and_value_changes():
+    plan = [gather.Bucket(0, [], [], [("x", (2,)), ("y", (2,))])]
+    good = [[("x", torch.ones(2)), ("y", torch.zeros(2))]]
+    fps = {"x": sync._fingerprint(torch.ones(2)), "y": sync._fingerprint(torch.zeros(2))}
+    assert list(sync._checked(iter(good), plan, fingerprints=fps)) == good
+    with pytest.raises(SyncError, match="out of step"):
+        list(sync._checked(iter([[("y", torch.zeros(2)), ("x", torch.ones(2))]]), plan))
+    with pytest.raises(SyncError, match="validation: x arrived different"):
+        list(sync._checked(iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]), plan, fingerprints=fps))
+    # a permutation keeps the plain sum but not the position-weighted one
+    assert sync._fingerprint(torch.tensor([1.0, 2.0])) != sync._fingerprint(torch.tensor([2.0, 1.0]))
+
+
+def _channel_peer(port, payload):
+    s = sync._store("127.0.0.1", port, is_server=False)
+    pg = sync._process_group(s, 0)
+    sync._send_json(pg, payload, root=0, me=0)
+    return sync._send_json(pg, None, root=1, me=0)
+
+
+def test_json_channel_round_trip_over_a_private_gloo_group():
+    port = launcher.free_port()
+    store = sync._store("127.0.0.1", port, is_server=True)
+    payload = {"buckets": [[["w", [2, 3]]]], "dtype": "torch.float32", "text": "é"}
+    job = launcher.DistributedJob(_channel_peer, 1, args=(port, payload))
+    pg = sync._process_group(store, 1)
+    assert sync._send_json(pg, None, root=0, me=1) == payload
+    sync._send_json(pg, {"error": None}, root=1, me=1)
+    assert job.join() == [{"error": None}]
+
+
+def _fails_on_rank_1(x):
+    import os
+
+    if os.environ["RANK"] == "1":
+        raise ValueError("boom on purpose")
+    return x * 2
+
+
+def test_launcher_returns_results_and_reports_the_failing_rank():
+    assert launcher.run_distributed(_fails_on_rank_1, 1, args=(21,)) == [42]
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed(.|\n)*boom on purpose"):
+        launcher.run_distributed(_fails_on_rank_1, 2, args=(1,))
