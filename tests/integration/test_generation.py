@@ -6,13 +6,16 @@ Sampling keys are read at every call, so tests change `module.config` (monkeypat
 engines. Greedy tokens and logprobs are checked against a full fp32 forward pass of HF transformers.
 """
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 pytestmark = pytest.mark.integration
 
-from chatgen.config import ConfigError, VLLMConfig  # noqa: E402
+from chatgen.config import ConfigError  # noqa: E402
 from chatgen.generation import vllm_adapter as adapter  # noqa: E402
 from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
 
@@ -20,12 +23,10 @@ PROMPTS = ["Once upon a time", "The cat sat on the mat", "hello", "A tiny model 
 MAX_NEW = 12
 
 
-def tiny_config(model_dir, **overrides) -> VLLMConfig:
-    values = dict(load=str(model_dir), swap_space=None, block_size=128, kv_cache_memory_bytes=64 << 20,
-                  enforce_eager=True, seq_length=128, new_token_limit=True, max_new_tokens=MAX_NEW,
-                  logprobs_mode="raw", ignore_eos=True, temperature=1.0, seed=0)
-    values.update(overrides)
-    return VLLMConfig(**values)
+def tiny_config(model_dir, **overrides) -> dict:
+    return dict(load=str(model_dir), kv_cache_memory_bytes=64 << 20, enforce_eager=True, seq_length=128,
+                new_token_limit=True, max_new_tokens=MAX_NEW, logprobs_mode="raw", ignore_eos=True,
+                temperature=1.0, seed=0, **overrides)
 
 
 @pytest.fixture(scope="module")
@@ -282,3 +283,26 @@ def test_checkpoint_manifest_and_parameter_names(module, tiny_llama_dir):
     assert sum(name.endswith("q_proj.weight") for name in manifest) == cfg["num_hidden_layers"]
     (shapes,) = adapter.named_parameter_shapes(module.engine)
     assert "model.layers.0.self_attn.qkv_proj.weight" in shapes  # vLLM naming: fused q/k/v
+
+
+# ---------------------------------------------------------------- chatgen generate (its own process)
+
+def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
+    """The real entry point in a subprocess (vLLM keeps process-wide state: one engine per process)."""
+    ids = module.build_dataset(PROMPTS[:1])[0]["input_ids"]
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_ids": ids}) + "\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n")
+    proc = subprocess.run([sys.executable, "-m", "chatgen.cli", "generate", "--model", str(tiny_llama_dir), "--input", str(tmp_path / "in.jsonl"),
+               "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", str(MAX_NEW), "--temperature", "0",
+               "kv_cache_memory_bytes=67108864", "enforce_eager=true", "seq_length=128", "ignore_eos=true",
+               "logprobs_mode=raw"], capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "engine steps" in proc.stderr
+    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (1, 0)]
+    expected = module.generate(padded(module, PROMPTS[:2]), greedy=True)
+    for row, record in enumerate(lines):
+        p = expected["unpadded_sequence_lengths"][row].item() - MAX_NEW
+        assert record["prompt_ids"] == expected["output_ids"][row, :p].tolist()
+        assert record["output_ids"] == expected["output_ids"][row, p:p + MAX_NEW].tolist()
+        assert record["logprobs"] == pytest.approx(expected["logprobs"][row, p:p + MAX_NEW].tolist(), abs=1e-5)
+        assert record["finish_reason"] == "length" and isinstance(record["text"], str)

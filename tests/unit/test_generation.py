@@ -9,13 +9,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatgen.config import ConfigError, VLLMConfig
+from chatgen.config import ConfigError, VLLMConfig, load_model_config
 from chatgen.generation import engine_config
 from chatgen.generation.batching import generation_output, unpad_batch
 
 
 def config(**values) -> VLLMConfig:
-    return VLLMConfig(**{"load": "/m", "swap_space": None, "block_size": 128, **values})
+    return load_model_config(None, VLLMConfig, {"load": "/m", **values})
 
 
 # ---------------------------------------------------------------- config checks and mapping
@@ -46,7 +46,7 @@ def test_block_size_16_is_fine_on_gpu():
 
 def test_engine_kwargs_map_every_engine_key(tmp_path):
     (tmp_path / "tokenizer.json").write_text("{}")
-    cfg = config(load=str(tmp_path), dtype="bfloat16", seed=7, seq_length=512, tensor_parallel_size=2,
+    cfg = config(load=str(tmp_path), dtype="bfloat16", seed=7, seq_length=512, max_new_tokens=64, tensor_parallel_size=2,
                  enforce_eager=True, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20, block_size=32,
                  generation_batch_size=16, max_num_batched_tokens=1024, logprobs_mode="raw")
     kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True, distributed_executor_backend="external_launcher")
@@ -59,7 +59,7 @@ def test_engine_kwargs_map_every_engine_key(tmp_path):
 def test_engine_kwargs_defaults_without_tokenizer_and_cpu_kv_cache(tmp_path):
     hf = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=3)
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    cfg = config(load=str(tmp_path), block_size=None, seq_length=256)
+    cfg = config(load=str(tmp_path), seq_length=256, max_new_tokens=64)
     kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True)
     assert kwargs["skip_tokenizer_init"] is True
     assert "block_size" not in kwargs and "max_num_seqs" not in kwargs and "distributed_executor_backend" not in kwargs
@@ -144,3 +144,20 @@ def test_generation_output_layout():
     assert out["generation_lengths"].tolist() == [3, 1, 4, 0]
     assert out["unpadded_sequence_lengths"].tolist() == [6, 4, 6, 2]
     assert out["truncated"].tolist() == [False, False, True, True]
+
+
+# ---------------------------------------------------------------- chatgen generate input
+
+def test_cli_input_errors_name_the_line(tmp_path):
+    from chatgen.generation.cli import read_prompts
+
+    good = tmp_path / "good.jsonl"
+    good.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt": "hi"}\n')
+    assert read_prompts(good) == [([1, 2], None), (None, "hi")]
+    for text, message in [('{"prompt_ids": [1, 2]}\n{"text": "x"}\n', "bad.jsonl:2: needs"),
+                          ('{"prompt_ids": []}\n', "bad.jsonl:1: \"prompt_ids\" must be a non-empty list"),
+                          ("not json\n", "bad.jsonl:1: not JSON"),
+                          ("\n", "no prompts")]:
+        (tmp_path / "bad.jsonl").write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_prompts(tmp_path / "bad.jsonl")
