@@ -348,7 +348,9 @@ class MegatronModule:
 
     @property
     def _params(self) -> dict:
-        return dict(self.model.named_parameters())
+        if getattr(self, "_param_cache", (None,))[0] is not self.model:
+            self._param_cache = (self.model, dict(self.model.named_parameters()))
+        return self._param_cache[1]
 
     def local_param(self, canonical_name: str) -> torch.Tensor:
         """This rank's shard of a Megatron parameter by its local-spec name (used by param_sync)."""
