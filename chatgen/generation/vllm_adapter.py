@@ -12,7 +12,7 @@ single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `
 `LLMEngine.add_request`, `collective_rpc`).
 
 `check_internals(llm)` asserts every private attribute this relies on; `build_llm` calls it, and
-tests/integration/test_generation_adapter.py checks it and compares a split-step run with `LLM.generate`
+tests/integration/test_generation_engine.py checks it and compares a split-step run with `LLM.generate`
 token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
 
 Weight sync (chatgen.param_sync) uses `load_weights(llm, named_tensors)` and `checkpoint_manifest(model_dir)`.
@@ -39,8 +39,8 @@ TESTED_VLLM = "0.32"
 __all__ = [
     "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
-    "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping", "sleep_frees_memory",
-    "load_weights", "named_parameter_shapes", "checkpoint_manifest",
+    "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
+    "load_weights", "in_process_workers", "named_parameter_shapes", "checkpoint_manifest",
 ]
 
 
@@ -188,13 +188,6 @@ def on_cpu() -> bool:
     return current_platform.is_cpu()
 
 
-def sleep_frees_memory() -> bool:
-    """True where vLLM's sleep mode releases memory (CUDA); on CPU vLLM 0.32's CPUWorker.sleep is a no-op."""
-    from vllm.platforms import current_platform
-
-    return current_platform.is_sleep_mode_available()
-
-
 def sleep(llm: LLM, level: int = 1) -> None:
     """Pause the engine and (on GPU) discard the KV cache and offload weights (level 1) or drop them (level 2).
 
@@ -211,10 +204,15 @@ def is_sleeping(llm: LLM) -> bool:
     return llm.llm_engine.is_sleeping()
 
 
-def _in_process_workers(llm: LLM) -> bool:
+def in_process_workers(llm: LLM) -> bool:
+    """True when the engine's workers run in this process (uniproc, external_launcher): tensors handed to
+    `load_weights` are then used directly, never pickled."""
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     return isinstance(_engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
+
+
+_in_process_workers = in_process_workers  # old name, still used by chatgen/param_sync/sync.py
 
 
 def load_weights(llm: LLM, named_tensors: Iterable) -> None:
@@ -224,12 +222,23 @@ def load_weights(llm: LLM, named_tensors: Iterable) -> None:
     and gate/up, full unsharded tensors): vLLM's own loader fuses, shards and (on CPU) repacks them. With an
     in-process executor (uniproc, external_launcher) the iterable is consumed lazily, so a generator streams
     without holding a second copy; with the multiprocess executor it is materialised and pickled to each worker.
-    A subset of the weights is fine. Afterwards the prefix cache is reset so no KV computed with the old
-    weights is reused.
+    A subset of the weights is fine. Afterwards a tied LM head is re-packed (CPU) and the prefix cache is
+    reset, so no KV computed with the old weights is reused.
     """
-    weights = named_tensors if _in_process_workers(llm) else list(named_tensors)
+    weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    llm.collective_rpc(_refresh_tied_lm_head)
     llm.reset_prefix_cache()
+
+
+def _refresh_tied_lm_head(worker) -> None:
+    """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload writes
+    embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
+    Re-run its post-load processing (idempotent; a no-op on GPU)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
 
 
 def named_parameter_shapes(llm: LLM) -> list:

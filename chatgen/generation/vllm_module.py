@@ -230,6 +230,11 @@ class VLLMModule:
         """Before the next episode: re-allocate weights and KV cache (GPU) and resume scheduling."""
         adapter.wake_up(self.engine)
 
+    @property
+    def llm(self):
+        """The same `vllm.LLM` as `engine` (the name chatgen.param_sync.sync_weights looks for)."""
+        return self.engine
+
     def is_sleeping(self) -> bool:
         return adapter.is_sleeping(self.engine)
 
