@@ -1,0 +1,85 @@
+"""Unit tests for chatgen.rlhf.tasks (pytest tests/unit/test_rlhf_tasks.py)."""
+import json
+
+import pytest
+
+from chatgen.rlhf import tasks
+
+
+def test_sort_digits_records_are_deterministic_and_correct():
+    a = tasks.sort_digits_records(50, seed=7)
+    assert a == tasks.sort_digits_records(50, seed=7)
+    assert a != tasks.sort_digits_records(50, seed=8)
+    for r in a:
+        digits = r["prompt"].removeprefix("sort: ").removesuffix(" =").split()
+        assert 3 <= len(digits) <= 6
+        assert r["answer"].split() == sorted(digits)
+        assert tasks.sort_digits_reward(r["answer"], r["answer"]) == 1.0
+
+
+def test_split_has_no_overlap_and_exact_sizes():
+    train, held_out = tasks.sort_digits_split(3000, 200, seed=0)
+    assert len(train) == 3000 and len(held_out) == 200
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    assert tasks.sort_digits_split(3000, 200, seed=0) == (train, held_out)
+
+
+@pytest.mark.parametrize("response, expected", [
+    (" 1 1 3 4 5", 1.0),
+    ("1 1 3 4 5", 1.0),       # spacing is free
+    ("11345", 1.0),
+    (" 1 1 3 4 9", 4 / 5),    # one wrong position
+    (" 1 1 3", 3 / 5),        # too short
+    (" 1 1 3 4 5 5", 5 / 6),  # too long: extra digits never help
+    (" 5 4 3 1 1", 1 / 5),    # reversed: only the middle matches
+    ("no digits", 0.0),
+    ("", 0.0),
+])
+def test_sort_digits_reward(response, expected):
+    assert tasks.sort_digits_reward(response, " 1 1 3 4 5") == pytest.approx(expected)
+
+
+def test_sort_digits_reward_range_and_exact_match_only_for_correct():
+    import random
+    rng = random.Random(0)
+    for r in tasks.sort_digits_records(200, seed=3):
+        guess = " ".join(str(rng.randrange(10)) for _ in range(rng.randint(0, 8)))
+        value = tasks.sort_digits_reward(guess, r["answer"])
+        assert 0.0 <= value <= 1.0
+        assert (value == 1.0) == (guess.split() == r["answer"].split())
+
+
+@pytest.mark.parametrize("response, answer, expected", [
+    ("so the total is 42", "#### 42", 1.0),
+    ("3 + 4 = 7, then 1,200 apples", "#### 1200", 1.0),
+    ("it is 41", "#### 42", 0.0),
+    ("I don't know", "#### 42", 0.0),
+    ("half: 0.5", "0.50", 1.0),
+])
+def test_final_number_reward(response, answer, expected):
+    assert tasks.final_number_reward(response, answer) == expected
+
+
+def test_get_reward_fn_names_valid_rules():
+    assert tasks.get_reward_fn("sort_digits") is tasks.sort_digits_reward
+    with pytest.raises(ValueError, match="final_number"):
+        tasks.get_reward_fn("sort")
+
+
+def test_jsonl_roundtrip_and_errors(tmp_path):
+    records = tasks.sort_digits_records(5, seed=1)
+    tasks.write_jsonl(tmp_path / "d" / "x.jsonl", records)
+    assert tasks.read_jsonl(tmp_path / "d" / "x.jsonl") == records
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "a"}) + "\n{oops\n")
+    with pytest.raises(ValueError, match="bad.jsonl:2"):
+        tasks.read_jsonl(bad)
+    bad.write_text(json.dumps({"question": "a"}) + "\n")
+    with pytest.raises(ValueError, match='"prompt"'):
+        tasks.read_jsonl(bad)
+
+
+def test_cli_writes_files(tmp_path):
+    assert tasks.main(["--output", str(tmp_path), "--n-train", "40", "--n-eval", "8"]) == 0
+    assert len(tasks.read_jsonl(tmp_path / "train.jsonl")) == 40
+    assert len(tasks.read_jsonl(tmp_path / "eval.jsonl")) == 8
