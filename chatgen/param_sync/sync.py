@@ -81,7 +81,7 @@ def _fingerprint(t: torch.Tensor) -> list:
 def _load(llm, buckets) -> int:
     """Feed bucket lists into the engine; returns tensors written. One reload call for an in-process
     engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers)."""
-    from chatgen.generation import vllm_adapter  # TODO: use a public in-process check once the adapter has one
+    from chatgen.generation import vllm_adapter
 
     written = [0]
 
@@ -92,12 +92,11 @@ def _load(llm, buckets) -> int:
                 yield item
 
     try:
-        if vllm_adapter._in_process_workers(llm):
+        if vllm_adapter.in_process_workers(llm):
             vllm_adapter.load_weights(llm, stream(buckets))
         else:
             for bucket in buckets:
                 vllm_adapter.load_weights(llm, list(stream([bucket])))
-        llm.collective_rpc(_refresh_tied_lm_head)
     except SyncError:
         raise
     except Exception as e:
@@ -105,17 +104,6 @@ def _load(llm, buckets) -> int:
             f"is PARTIALLY updated ({written[0]} tensors written); sync again before generating")
         raise SyncError(f"weight sync failed, the engine {state}: {type(e).__name__}: {e}") from e
     return written[0]
-
-
-def _refresh_tied_lm_head(worker) -> None:
-    """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings the reload writes
-    embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
-    Re-run its post-load processing (a no-op on GPU). TODO(lead): move into vllm_adapter.load_weights."""
-    model = worker.model_runner.get_model()
-    head = getattr(model, "lm_head", None)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if tied and head is not None and hasattr(head, "quant_method"):
-        head.quant_method.process_weights_after_loading(head)
 
 
 def _checked(buckets_iter, plan, trainer=None, validate=False, fingerprints=None):

@@ -111,27 +111,28 @@ def _parallel_layouts(models, cases, refs):
     return out
 
 
-def test_tp2_pp2_match_hf_and_tp1_training(models):
+def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
+    """One 2-process job: TP=2, TP=2 with 1 KV head, PP=2, DP=2, padded vocab, Qwen2 tied across stages."""
     from chatgen.training.launcher import run_distributed
 
-    cases = [("llama", 2, 1), ("llama_1kv", 2, 1), ("llama", 1, 2), ("qwen2_v500", 2, 1), ("qwen2", 1, 2)]
-    refs, train_refs = [], {}
-    for name, tp, pp in cases:
-        ids = batch()
-        train_ref = None
-        if name in ("llama", "qwen2") and name not in train_refs:  # TP=1 reference for one training step
-            trainer = build(models[name], lr=1e-4)
-            metrics = trainer.train_step({"input_ids": ids}, nll_loss)
-            train_refs[name] = metrics
-            train_ref = trainer.compute_logprobs(ids)
-        refs.append((ids, hf_logprobs(models[name], ids), train_ref))
+    cases = [("llama", 2, 1), ("llama_1kv", 2, 1), ("llama", 1, 2), ("llama", 1, 1), ("qwen2_v500", 2, 1),
+             ("qwen2", 1, 2)]
+    ids = batch()
+    train_refs = {}
+    for name in ("llama", "qwen2"):  # TP=1 references for one training step
+        trainer = build(models[name], lr=1e-4)
+        metrics = trainer.train_step({"input_ids": ids}, nll_loss)
+        train_refs[name] = (metrics, trainer.compute_logprobs(ids))
+    refs = [(ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
+            for name, _, _ in cases]
     results = run_distributed(_parallel_layouts, 2, args=(models, cases, refs))
     for rank_results in results:
         for (name, tp, pp), res in zip(cases, rank_results):
             assert res["logprob_diff"] < TOL, (name, tp, pp, res)
             if "loss" in res:
-                assert res["loss"] == pytest.approx(train_refs[name]["loss"], rel=1e-5), (name, tp, pp)
-                assert res["grad_norm"] == pytest.approx(train_refs[name]["grad_norm"], rel=1e-4), (name, tp, pp)
+                metrics = train_refs[name][0]
+                assert res["loss"] == pytest.approx(metrics["loss"], rel=1e-5), (name, tp, pp)
+                assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (name, tp, pp)
                 assert res["after_diff"] < TOL, (name, tp, pp, res)
 
 
