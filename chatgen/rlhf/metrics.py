@@ -1,0 +1,135 @@
+"""What a run reports: per-phase timers, a progress bar per phase, JSONL + TensorBoard metrics, a PNG plot.
+
+    timer = PhaseTimer()
+    with timer("generate"):
+        ...
+    logger = MetricsLogger("outputs/run", phases=["generate", "train"], num_episodes=50)
+    logger.log(episode, {"reward/mean": 0.4, **timer.pop()})
+    logger.close()   # writes outputs/run/metrics.png (reward and KL per episode)
+
+Files under the run directory: metrics.jsonl (one object per episode, {"episode": k, ...}),
+tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resuming from episode k keeps
+the records up to k and drops the later ones (they are about to be redone).
+"""
+import json
+import math
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets."""
+
+    def __init__(self):
+        self.seconds = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    def pop(self) -> dict:
+        out = {f"time/{k}": v for k, v in self.seconds.items()}
+        self.seconds = {}
+        return out
+
+
+def read_jsonl_metrics(path) -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class MetricsLogger:
+    """Writes each episode's metrics to JSONL and TensorBoard and moves one progress bar per phase.
+
+    The bars show on a terminal; when stdout is not one (a log file, CI) each episode prints one line instead.
+    `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming from k).
+    """
+
+    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1, tensorboard: bool = True):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.jsonl = self.out_dir / "metrics.jsonl"
+        kept = [r for r in read_jsonl_metrics(self.jsonl) if r["episode"] < start_episode]
+        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.writer = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            # purge_step drops events at or after start_episode that a crashed run left behind
+            self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_episode)
+        self.interactive = sys.stderr.isatty()
+        self.bars = {}
+        if self.interactive:
+            width = max(map(len, phases))
+            for i, phase in enumerate(phases):
+                self.bars[phase] = tqdm(total=num_episodes, initial=start_episode - 1, position=i,
+                                        desc=phase.ljust(width), unit="ep", dynamic_ncols=True, leave=True)
+
+    def log(self, episode: int, metrics: dict) -> None:
+        record = {"episode": episode, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.jsonl, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self.writer is not None:
+            for key, value in record.items():
+                if key != "episode" and math.isfinite(value):
+                    self.writer.add_scalar(key, value, episode)
+            self.writer.flush()
+        if self.interactive:
+            for phase, bar in self.bars.items():
+                seconds = metrics.get(f"time/{phase}")
+                if seconds is not None:
+                    bar.set_postfix_str(f"{seconds:.2f}s", refresh=False)
+                bar.update(1)
+        else:
+            print(f"episode {episode}: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())), flush=True)
+
+    def close(self) -> Path | None:
+        """Close bars and writer; plot the run's reward and KL per episode to metrics.png (None if no data)."""
+        for bar in self.bars.values():
+            bar.close()
+        if self.writer is not None:
+            self.writer.close()
+        return plot_metrics(self.jsonl, self.out_dir / "metrics.png")
+
+
+def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl",))) -> Path | None:
+    """One panel per group of `keys`: the metrics of that group against episode. A key matches exactly or as
+    the suffix after '/', so ("kl",) plots "policy/kl". Returns png_path, or None when nothing was logged."""
+    records = read_jsonl_metrics(jsonl_path)
+    if not records:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    def matching(want):
+        names = sorted({k for r in records for k in r if k != "episode"})
+        return [n for n in names if n == want or n.endswith("/" + want)]
+
+    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 3 * len(keys)), sharex=True, squeeze=False)
+    for ax, group in zip(axes[:, 0], keys):
+        for want in group:
+            for name in matching(want):
+                points = [(r["episode"], r[name]) for r in records if name in r]
+                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
+        ax.set_ylabel(" / ".join(group))
+        ax.grid(alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=8)
+    axes[-1, 0].set_xlabel("episode")
+    fig.tight_layout()
+    png_path = Path(png_path)
+    tmp = png_path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    tmp.replace(png_path)
+    return png_path

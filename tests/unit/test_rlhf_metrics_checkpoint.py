@@ -1,0 +1,112 @@
+"""Unit tests for chatgen.rlhf.metrics and chatgen.rlhf.checkpoint (pytest tests/unit/test_rlhf_metrics_checkpoint.py)."""
+import json
+import os
+import random
+import time
+
+import pytest
+import torch
+
+from chatgen.rlhf import checkpoint as ckpt
+from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, plot_metrics, read_jsonl_metrics
+
+
+def test_phase_timer_accumulates_and_resets():
+    timer = PhaseTimer()
+    with timer("generate"):
+        time.sleep(0.02)
+    with timer("generate"):
+        time.sleep(0.02)
+    with pytest.raises(RuntimeError):
+        with timer("train"):
+            raise RuntimeError("boom")  # a failing phase is still timed
+    out = timer.pop()
+    assert set(out) == {"time/generate", "time/train"}
+    assert out["time/generate"] >= 0.04
+    assert timer.pop() == {}
+
+
+def test_metrics_logger_writes_jsonl_tensorboard_png(tmp_path, capsys):
+    logger = MetricsLogger(tmp_path, phases=["generate", "train"], num_episodes=3)
+    for ep in (1, 2, 3):
+        logger.log(ep, {"reward/mean": 0.1 * ep, "policy/kl": 0.01 * ep, "time/generate": 0.5})
+    png = logger.close()
+    records = read_jsonl_metrics(tmp_path / "metrics.jsonl")
+    assert [r["episode"] for r in records] == [1, 2, 3]
+    assert records[2]["reward/mean"] == pytest.approx(0.3)
+    assert png == tmp_path / "metrics.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
+    assert "episode 2:" in capsys.readouterr().out  # not a TTY: one line per episode
+
+
+def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
+    logger = MetricsLogger(tmp_path, ["train"], 5, tensorboard=False)
+    for ep in (1, 2, 3):
+        logger.log(ep, {"reward/mean": ep})
+    logger.close()
+    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)  # resume from 2
+    resumed.log(3, {"reward/mean": 30})
+    resumed.close()
+    assert [(r["episode"], r["reward/mean"]) for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == \
+        [(1, 1), (2, 2), (3, 30)]
+
+
+def test_plot_metrics_nothing_logged(tmp_path):
+    assert plot_metrics(tmp_path / "missing.jsonl", tmp_path / "x.png") is None
+
+
+def test_checkpoint_commit_and_latest(tmp_path):
+    assert ckpt.latest_checkpoint(tmp_path) is None
+    for ep in (2, 4):
+        tmp = ckpt.begin_checkpoint(tmp_path, ep)
+        (tmp / "policy_trainer").mkdir()
+        (tmp / "policy_trainer" / "w.bin").write_bytes(b"x" * ep)
+        final = ckpt.commit_checkpoint(tmp, {"episode": ep})
+        assert final.name == ckpt.episode_dir_name(ep) and not tmp.exists()
+    latest = ckpt.latest_checkpoint(tmp_path)
+    assert latest == tmp_path / "episode_000004"
+    assert ckpt.load_state(latest) == {"episode": 4}
+    assert (latest / "policy_trainer" / "w.bin").read_bytes() == b"xxxx"
+
+
+def test_crash_while_writing_keeps_last_good_checkpoint(tmp_path):
+    tmp = ckpt.begin_checkpoint(tmp_path, 1)
+    ckpt.commit_checkpoint(tmp, {"episode": 1})
+    crashed = ckpt.begin_checkpoint(tmp_path, 2)
+    (crashed / "half_written").write_bytes(b"partial")  # then the process dies: no commit
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "episode_000001"
+    # A stale `latest` (pointing at a missing dir) falls back to the newest complete directory.
+    (tmp_path / "latest").write_text("episode_000009\n")
+    assert ckpt.latest_checkpoint(tmp_path) == tmp_path / "episode_000001"
+    # The next attempt at episode 2 starts from a clean temporary directory.
+    again = ckpt.begin_checkpoint(tmp_path, 2)
+    assert list(again.iterdir()) == []
+
+
+def test_rng_state_roundtrip_through_json():
+    random.seed(1)
+    torch.manual_seed(1)
+    state = json.loads(json.dumps(ckpt.rng_state()))
+    expected = (random.random(), torch.rand(3))
+    random.seed(99)
+    torch.manual_seed(99)
+    ckpt.set_rng_state(state)
+    assert random.random() == expected[0]
+    assert torch.equal(torch.rand(3), expected[1])
+
+
+def test_prompt_sampler_resume_gives_same_batches():
+    a = ckpt.PromptSampler(10, 3, seed=5)
+    batches = [a.next_batch() for _ in range(7)]
+    assert all(len(b) == 3 for b in batches)
+    assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # no repeat within a pass
+    b = ckpt.PromptSampler(10, 3, seed=5)
+    for _ in range(4):
+        b.next_batch()
+    c = ckpt.PromptSampler(10, 3, seed=5)
+    c.load_state_dict(json.loads(json.dumps(b.state_dict())))
+    assert [c.next_batch() for _ in range(3)] == batches[4:]
+    other = ckpt.PromptSampler(10, 3, seed=6)
+    assert [other.next_batch() for _ in range(3)] != batches[:3]
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        ckpt.PromptSampler(2, 3, seed=0)
