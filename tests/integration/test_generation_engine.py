@@ -5,6 +5,7 @@
 Sampling keys are read at every call, so tests change `module.config` (monkeypatch) instead of starting
 engines. Greedy tokens and logprobs are checked against a full fp32 forward pass of HF transformers.
 """
+import importlib.util
 import json
 import subprocess
 import sys
@@ -19,6 +20,7 @@ from chatgen.config import ConfigError  # noqa: E402
 from chatgen.generation import vllm_adapter as adapter  # noqa: E402
 from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
 
+REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "The cat sat on the mat", "hello", "A tiny model learns to count: one, two,"]
 MAX_NEW = 12
 
@@ -52,6 +54,13 @@ def padded(module, prompts=PROMPTS):
     for i, row in enumerate(ids):
         input_ids[i, :len(row)] = torch.tensor(row)
     return {"input_ids": input_ids, "input_lengths": torch.tensor([len(r) for r in ids])}
+
+
+def on_shared_engine(cls, module):
+    """An instance of a VLLMModule subclass that drives the file's engine (vLLM: one engine per process)."""
+    other = cls(module.config)
+    other.engine, other.tokenizer, other.pad_token_id = module.engine, module.tokenizer, module.pad_token_id
+    return other
 
 
 def hf_logprobs(hf_model, tokens):
@@ -178,8 +187,7 @@ def test_run_generation_goes_through_the_hooks(module):
             calls.append([o.request_id for o in batched_outputs])
             return super().decode_internal(batched_outputs)
 
-    rec = Recording(module.config)
-    rec.engine, rec.tokenizer, rec.pad_token_id = module.engine, module.tokenizer, module.pad_token_id
+    rec = on_shared_engine(Recording, module)
     items = rec.build_dataset(PROMPTS)
     out = rec.run_generation(items)
     steps, order = calls[:-1], calls[-1]
@@ -193,6 +201,24 @@ def test_run_generation_goes_through_the_hooks(module):
     assert m["generation_tokens"] == len(PROMPTS) * MAX_NEW
     assert m["prompt_tokens"] == sum(len(it["input_ids"]) for it in items)
     assert m["generation_tokens_per_s"] > 0 and 0 < m["kv_cache_usage_peak"] <= 1
+
+
+def test_policy_inference_example(module, monkeypatch):
+    """examples/policy_inference.py: the trainer's tensors line up with the prompts and the samples."""
+    spec = importlib.util.spec_from_file_location("policy_inference", REPO / "examples" / "policy_inference.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    monkeypatch.setattr(module.config, "n", 2)
+    policy = on_shared_engine(example.PolicyInference, module)
+    items = policy.build_dataset(["two plus two?", "a colour"])
+    out = policy.run_generation(items)
+    assert out["all_tokens"].shape[0] == 4 and out["response_lengths"].tolist() == [MAX_NEW] * 4
+    for row in range(4):
+        p = out["prompt_lengths"][row].item()
+        assert out["all_tokens"][row, :p].tolist() == items[row // 2]["input_ids"]
+        assert out["loss_mask"][row].nonzero().flatten().tolist() == list(range(p, p + MAX_NEW))
+        assert torch.equal(out["old_logprobs"][row] != 0, out["loss_mask"][row] == 1)
+    assert out["prompt_str"][0] == example.TEMPLATE.format(question="two plus two?")
 
 
 def test_text_path(module):
@@ -294,7 +320,7 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
     proc = subprocess.run([sys.executable, "-m", "chatgen.cli", "generate", "--model", str(tiny_llama_dir), "--input", str(tmp_path / "in.jsonl"),
                "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", str(MAX_NEW), "--temperature", "0",
                "kv_cache_memory_bytes=67108864", "enforce_eager=true", "seq_length=128", "ignore_eos=true",
-               "logprobs_mode=raw"], capture_output=True, text=True, timeout=300, cwd=Path(__file__).resolve().parents[2])
+               "logprobs_mode=raw"], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "engine steps" in proc.stderr
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]

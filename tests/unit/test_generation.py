@@ -161,3 +161,11 @@ def test_cli_input_errors_name_the_line(tmp_path):
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(ValueError, match=message):
             read_prompts(tmp_path / "bad.jsonl")
+
+
+def test_shipped_policy_yaml_is_accepted_by_the_generation_module():
+    from pathlib import Path
+
+    cfg = load_model_config(Path(__file__).resolve().parents[2] / "configs" / "policy_inference.yaml", VLLMConfig)
+    engine_config.check_vllm_config(cfg, cpu=True)
+    assert (cfg.n, cfg.eval_temperature, cfg.logprobs_mode) == (4, 0.0, "raw")
