@@ -45,9 +45,16 @@ def sample_logprobs(sample) -> list:
     return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
 
 
+def prompt_logprobs(request) -> list:
+    """log p(prompt[t] | prompt[:t]) for every prompt position, 0.0 at t = 0 (requires prompt_logprobs set)."""
+    steps, tokens = request.prompt_logprobs, request.prompt_token_ids
+    return [0.0] + [steps[t][tokens[t]].logprob for t in range(1, len(tokens))]
+
+
 def generation_output(request_outputs, input_width: int, pad_token_id: int, dtype=torch.long) -> dict:
     """Finished requests (sorted) -> output_ids / logprobs (S, L), generation_lengths /
-    unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation."""
+    unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation; plus
+    prompt_logprobs (S, L) (0 outside the prompt) when the requests asked for them."""
     samples = list(iter_samples(request_outputs))
     width = input_width + max((len(s.token_ids) for _, s in samples), default=0)
     output_ids = torch.full((len(samples), width), pad_token_id, dtype=dtype)
@@ -58,10 +65,15 @@ def generation_output(request_outputs, input_width: int, pad_token_id: int, dtyp
         p, g = len(request.prompt_token_ids), len(sample.token_ids)
         output_ids[row, :p + g] = torch.tensor([*request.prompt_token_ids, *sample.token_ids], dtype=dtype)
         logprobs[row, p:p + g] = torch.tensor(sample_logprobs(sample), dtype=torch.float32)
-    return {
+    out = {
         "output_ids": output_ids,
         "logprobs": logprobs,
         "generation_lengths": generation_lengths,
         "unpadded_sequence_lengths": prompt_lengths + generation_lengths,
         "truncated": torch.tensor([s.finish_reason == "length" for _, s in samples], dtype=torch.bool),
     }
+    if samples and samples[0][0].prompt_logprobs is not None:
+        out["prompt_logprobs"] = torch.zeros((len(samples), width), dtype=torch.float32)
+        for row, (request, _) in enumerate(samples):
+            out["prompt_logprobs"][row, :len(request.prompt_token_ids)] = torch.tensor(prompt_logprobs(request))
+    return out

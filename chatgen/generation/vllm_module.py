@@ -21,7 +21,13 @@ from pathlib import Path
 
 from chatgen.config import ConfigError, VLLMConfig, load_model_config
 from chatgen.generation import engine_config, vllm_adapter as adapter
-from chatgen.generation.batching import generation_output, iter_samples, sample_logprobs, unpad_batch
+from chatgen.generation.batching import (
+    generation_output,
+    iter_samples,
+    prompt_logprobs,
+    sample_logprobs,
+    unpad_batch,
+)
 
 
 class VLLMModule:
@@ -132,6 +138,7 @@ class VLLMModule:
             prompt_ids  list[list[int]]    prompt tokens          output_ids  list[list[int]]  generated tokens
             logprobs    list[list[float]]  one per output token   finish_reason  list[str]  "stop" | "length"
             prompt      list[str | None]   str_outputs  list[str]  (text, "" without a tokenizer)
+            prompt_logprobs  list[list[float]]  per prompt token, 0.0 first (only when prompt_logprobs is set)
         """
         out = {"prompt_ids": [], "prompt": [], "output_ids": [], "logprobs": [], "finish_reason": [], "str_outputs": []}
         for request, sample in iter_samples(batched_outputs):
@@ -141,6 +148,8 @@ class VLLMModule:
             out["logprobs"].append(sample_logprobs(sample))
             out["finish_reason"].append(sample.finish_reason)
             out["str_outputs"].append(sample.text or "")
+            if request.prompt_logprobs is not None:
+                out.setdefault("prompt_logprobs", []).append(prompt_logprobs(request))
         return out
 
     # ------------------------------------------------------------------ framework API
@@ -198,6 +207,8 @@ class VLLMModule:
             generation_lengths         (S,)   long   generated tokens
             unpadded_sequence_lengths  (S,)   long   prompt + generated tokens
             truncated                  (S,)   bool   stopped by the token limit, not by EOS / a stop
+            prompt_logprobs            (S, L) float  only when prompt_logprobs is set: logprob of each prompt
+                                                     token after the first, 0 elsewhere
         """
         prompts = unpad_batch(batch, self.pad_token_id)
         budget = self.config.seq_length - (self.config.max_new_tokens if self.config.new_token_limit else 1)

@@ -91,6 +91,18 @@ def test_greedy_tokens_and_logprobs_match_hf(module, hf_model):
     assert worst <= 1e-4, f"max |dlogprob| vs HF = {worst:.2e}"
 
 
+def test_prompt_logprobs_match_hf(module, hf_model, monkeypatch):
+    monkeypatch.setattr(module.config, "prompt_logprobs", 0)
+    batch = padded(module, PROMPTS[:2])
+    out = module.generate(batch, greedy=True)
+    listed = module.run_generation(module.build_dataset(PROMPTS[:2]))["prompt_logprobs"]
+    for row, p in enumerate(batch["input_lengths"].tolist()):
+        ref_logp, _ = hf_logprobs(hf_model, batch["input_ids"][row, :p].tolist())
+        assert out["prompt_logprobs"][row, 0] == 0 and torch.all(out["prompt_logprobs"][row, p:] == 0)
+        assert (out["prompt_logprobs"][row, 1:p] - ref_logp).abs().max().item() <= 1e-4
+        assert listed[row] == pytest.approx(out["prompt_logprobs"][row, :p].tolist(), abs=1e-6)
+
+
 def test_sampled_logprobs_match_hf(module, hf_model, monkeypatch):
     """raw logprobs of sampled (temperature 1) tokens are the model's own log-softmax, as the trainer computes."""
     monkeypatch.setattr(module.config, "n", 2)

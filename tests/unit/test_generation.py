@@ -130,9 +130,9 @@ def sample(index, tokens, logprobs, finish):
 
 def test_generation_output_layout():
     requests = [
-        SimpleNamespace(prompt_token_ids=[1, 5, 6], outputs=[sample(1, [9], [-0.5], "stop"),
+        SimpleNamespace(prompt_token_ids=[1, 5, 6], prompt_logprobs=None, outputs=[sample(1, [9], [-0.5], "stop"),
                                                              sample(0, [7, 8, 2], [-1.0, -2.0, -3.0], "stop")]),
-        SimpleNamespace(prompt_token_ids=[1, 4], outputs=[sample(0, [3, 3, 3, 3], [-0.1] * 4, "length"),
+        SimpleNamespace(prompt_token_ids=[1, 4], prompt_logprobs=None, outputs=[sample(0, [3, 3, 3, 3], [-0.1] * 4, "length"),
                                                           sample(1, [], [], "length")]),
     ]
     out = generation_output(requests, input_width=3, pad_token_id=0)
@@ -144,6 +144,15 @@ def test_generation_output_layout():
     assert out["generation_lengths"].tolist() == [3, 1, 4, 0]
     assert out["unpadded_sequence_lengths"].tolist() == [6, 4, 6, 2]
     assert out["truncated"].tolist() == [False, False, True, True]
+    assert "prompt_logprobs" not in out
+
+
+def test_generation_output_prompt_logprobs():
+    steps = [None, {5: SimpleNamespace(logprob=-1.5)}, {6: SimpleNamespace(logprob=-2.5)}]
+    request = SimpleNamespace(prompt_token_ids=[1, 5, 6], prompt_logprobs=steps,
+                              outputs=[sample(0, [7], [-0.5], "length")])
+    out = generation_output([request], input_width=4, pad_token_id=0)
+    assert out["prompt_logprobs"].tolist() == [[0.0, -1.5, -2.5, 0.0, 0.0]]
 
 
 # ---------------------------------------------------------------- chatgen generate input
