@@ -439,24 +439,17 @@ class MegatronModule:
                 dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(),
                                group=ps.get_pipeline_model_parallel_group())
             return out.cpu()
-        keys = sorted(collected[0]) if collected else []
-        n_keys = torch.tensor([len(keys)], device=device)
-        if self.pp > 1:
-            dist.broadcast(n_keys, ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
-        values = torch.tensor([sum(c[k] for c in collected) / len(collected) for k in keys] if keys
-                              else [0.0] * int(n_keys), dtype=torch.float64, device=device)
-        if self.pp > 1:
-            names = [keys]
-            dist.broadcast_object_list(names, ps.get_pipeline_model_parallel_last_rank(),
+        metrics = {k: sum(c[k] for c in collected) / len(collected) for k in collected[0]} if collected else None
+        if self.pp > 1:  # metrics live on the last stage
+            box = [metrics]
+            dist.broadcast_object_list(box, ps.get_pipeline_model_parallel_last_rank(),
                                        group=ps.get_pipeline_model_parallel_group())
-            keys = names[0]
-            dist.broadcast(values, ps.get_pipeline_model_parallel_last_rank(),
-                           group=ps.get_pipeline_model_parallel_group())
+            metrics = box[0]
         if self.dp > 1:
+            values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
             dist.all_reduce(values, group=ps.get_data_parallel_group())
-            values /= self.dp
-        return dict(zip(keys, values.tolist()))
+            metrics = dict(zip(metrics, (values / self.dp).tolist()))
+        return metrics
 
     def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Vocab-parallel log-softmax gathered at the next tokens: (b, T, V/TP) -> (b, T-1) float32.
