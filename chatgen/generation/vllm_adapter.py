@@ -212,8 +212,6 @@ def in_process_workers(llm: LLM) -> bool:
     return isinstance(_engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
 
 
-_in_process_workers = in_process_workers  # old name, still used by chatgen/param_sync/sync.py
-
 
 def load_weights(llm: LLM, named_tensors: Iterable) -> None:
     """Write HF-format `(name, tensor)` pairs into the running engine, in place, on every rank.
