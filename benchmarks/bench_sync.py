@@ -111,10 +111,11 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
         t = time.perf_counter()
         fresh = engine(str(naive_dir), load_format="auto")
         naive_parts["engine_start_s"] = time.perf_counter() - t
-        del fresh
+        vllm_adapter.shutdown(fresh)
 
     naive_s = timed(naive)
     shutil.rmtree(naive_dir, ignore_errors=True)
+    vllm_adapter.shutdown(llm)
     del llm, trainer, hf_state
     gc.collect()
     # best-of-N: other processes only ever add time, so the minimum is the least noisy estimate

@@ -115,6 +115,8 @@ def _generate(llm, prompts, max_new_tokens):
 
 
 def check_sync(args) -> dict:
+    from chatgen.generation import vllm_adapter
+
     prompts = read_prompts(args.input)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
@@ -125,9 +127,12 @@ def check_sync(args) -> dict:
 
         trainer = MegatronModule(config).init()
         llm = _engine(args)
-        report = trainer.sync_to(llm, bucket_bytes=bucket_bytes, validate=args.validate)
-        generated = _generate(llm, prompts, args.max_new_tokens)
-        scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
+        try:
+            report = trainer.sync_to(llm, bucket_bytes=bucket_bytes, validate=args.validate)
+            generated = _generate(llm, prompts, args.max_new_tokens)
+            scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
+        finally:
+            vllm_adapter.shutdown(llm)
     else:
         mode = "cross-process"
         from chatgen.param_sync import SyncReceiver
@@ -146,6 +151,7 @@ def check_sync(args) -> dict:
             job.join()
         finally:
             job.stop()
+            vllm_adapter.shutdown(llm)
     samples, worst = [], 0.0
     for prompt, (output, vllm_lp), trainer_lp in zip(prompts, generated, scores):
         worst = max([worst] + [abs(a - b) for a, b in zip(vllm_lp, trainer_lp)])

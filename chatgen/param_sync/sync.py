@@ -18,7 +18,7 @@ written, so the engine keeps its old weights. Then buckets stream into `vllm_ada
 (HF names, checkpoint format; vLLM fuses / shards / repacks). An error after the first write raises a
 `SyncError` saying the engine is now partially updated. `validate=True` (meant for the first syncs)
 recomputes every tensor by an independent unbucketed gather and compares bit for bit; across processes
-the receiver also checks a float64 fingerprint of every tensor it received.
+the receiver also checks an exact integer fingerprint of every tensor it received.
 """
 import dataclasses
 import datetime
@@ -71,11 +71,15 @@ def engine_manifest(llm) -> dict:
     return layout.family(spec).hf_param_shapes(spec)
 
 
+_INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def _fingerprint(t: torch.Tensor) -> list:
-    """Two float64 sums (plain, position-weighted): equal data in the same order gives equal numbers."""
-    x = t.detach().reshape(-1).double()
-    w = torch.arange(x.numel(), dtype=torch.float64, device=x.device) % 9973 + 1
-    return [float(x.sum()), float((x * w).sum())]
+    """Two integer sums over the tensor's bit patterns (plain and position-weighted, wrapping in int64):
+    exact and independent of summation order or thread count, and a permutation changes the second."""
+    bits = t.detach().contiguous().reshape(-1).view(_INT_VIEW[t.element_size()]).long()
+    w = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % 9973 + 1
+    return [int(bits.sum()), int((bits * w).sum())]
 
 
 def _load(llm, buckets) -> int:

@@ -79,7 +79,7 @@ class DistributedJob:
                     raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
                 out[rank] = value
         finally:
-            self.stop(grace=5 if len(out) == self.world_size else 0.1)
+            self.stop(grace=60 if len(out) == self.world_size else 0.1)  # let finished ranks clean up (vLLM shm)
         return [out[r] for r in range(self.world_size)]
 
     def stop(self, grace: float = 0.1) -> None:

@@ -76,9 +76,12 @@ def models(make_tiny):
 
 @pytest.fixture(scope="module")
 def engines(models):
+    from chatgen.generation import vllm_adapter
+
     llms = {name: engine(models[name]) for name in ("llama", "qwen2")}
     yield llms
-    llms.clear()
+    for llm in llms.values():
+        vllm_adapter.shutdown(llm)
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: QKV bias + tied embeddings
@@ -178,6 +181,7 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models):
         job.join()
     finally:
         job.stop()
+        vllm_adapter.shutdown(llm)
 
 
 def _colocated_tp2(model_dir, prompts):
@@ -189,7 +193,11 @@ def _colocated_tp2(model_dir, prompts):
     llm = engine(model_dir, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     before = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
     report = module.sync_to(llm, validate=True)
-    return before, max_diff_vs_trainer(module, generate(llm, prompts), prompts), report.tensors
+    after = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
+    from chatgen.generation import vllm_adapter
+
+    vllm_adapter.shutdown(llm)  # frees vLLM's shared-memory segments before the process exits
+    return before, after, report.tensors
 
 
 def test_colocated_tp2_to_vllm_tp2(models):
