@@ -117,6 +117,9 @@ def _generate(llm, prompts, max_new_tokens):
 def check_sync(args) -> dict:
     from chatgen.generation import vllm_adapter
 
+    if not (Path(args.hf_checkpoint) / "config.json").exists():
+        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
+                         "directory (e.g. one from `chatgen make-tiny-model`)")
     prompts = read_prompts(args.input)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
