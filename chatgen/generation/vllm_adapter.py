@@ -114,9 +114,40 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the step-driven VLLMModule; "
                            "unset it or set it to 0 before importing chatgen.generation")
     engine_kwargs.setdefault("enable_sleep_mode", current_platform.is_sleep_mode_available())
+    if current_platform.is_cpu() and engine_kwargs.get("distributed_executor_backend") == "external_launcher":
+        _job_unique_cpu_shm_names()
     llm = LLM(model, **engine_kwargs)
     check_internals(llm)
     return llm
+
+
+def _job_unique_cpu_shm_names() -> None:
+    """Per-job names for the CPU shared memory of a TP group, unlinked once every rank has opened them.
+
+    vLLM 0.32 on CPU names that memory after the init method, the constant "env://" under external_launcher:
+    two such jobs on one machine, or the leftovers of a killed one, collide with "create shm in SHMManager
+    failed. errno: 17". So MASTER_PORT (one per job, the same on all its ranks) is appended to the name. And
+    vLLM never unlinks the segments when ranks end with os._exit (multiprocessing, Ray): each rank unlinks
+    its own right after vLLM's join barrier, when the name is no longer needed (the mapping stays).
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    if getattr(_CPUSHMDistributed, "chatgen_per_job", False):
+        return
+    make_name, init_shm = _CPUSHMDistributed.make_group_name, _CPUSHMDistributed._init_cpu_shm
+
+    def make_group_name(communicator):
+        return f"{make_name(communicator)}-{os.environ['MASTER_PORT']}"
+
+    def init_cpu_shm(self):
+        handle = init_shm(self)  # ends with a barrier after every rank joined every segment
+        segment = Path("/dev/shm") / f"{os.path.basename(self.group_name)}_{self.communicator.rank}"
+        segment.unlink(missing_ok=True)
+        return handle
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _CPUSHMDistributed._init_cpu_shm = init_cpu_shm
+    _CPUSHMDistributed.chatgen_per_job = True
 
 
 def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None) -> None:

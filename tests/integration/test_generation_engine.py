@@ -323,6 +323,28 @@ def test_checkpoint_manifest_and_parameter_names(module, tiny_llama_dir):
     assert "model.layers.0.self_attn.qkv_proj.weight" in shapes  # vLLM naming: fused q/k/v
 
 
+# ---------------------------------------------------------------- tensor parallel (two processes)
+
+def _tp2_generate(config, batch):
+    """One rank of a 2-process job: VLLMModule with TP=2 through external_launcher (the colocation mode)."""
+    module = VLLMModule({**config, "tensor_parallel_size": 2}, distributed_executor_backend="external_launcher")
+    module.setup()
+    out = module.generate(batch, greedy=True)
+    return out["output_ids"].tolist(), out["logprobs"].tolist(), module.metrics["engine_steps"]  # lists: picklable
+
+
+def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir):
+    from chatgen.training.launcher import run_distributed
+
+    batch = padded(module, PROMPTS[:2])
+    expected = module.generate(batch, greedy=True)
+    results = run_distributed(_tp2_generate, 2, args=(tiny_config(tiny_llama_dir), batch),
+                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    for output_ids, logprobs, steps in results:  # every rank runs the same loop and gets the same answer
+        assert output_ids == expected["output_ids"].tolist() and steps == MAX_NEW
+        assert (torch.tensor(logprobs) - expected["logprobs"]).abs().max().item() <= 1e-4
+
+
 # ---------------------------------------------------------------- chatgen generate (its own process)
 
 def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
