@@ -50,20 +50,23 @@ def read_prompts(path) -> list:
 
 
 def run(args) -> int:
-    from chatgen.config import VLLMConfig, format_config, load_model_config
+    from chatgen.config import ConfigError, VLLMConfig, format_config, load_model_config
     from chatgen.generation.vllm_module import VLLMModule
 
-    rows = read_prompts(args.input)
     overrides = [f"load={args.model}"]
     for key in FLAGS:
         if getattr(args, key) is not None:
             overrides.append(f"{key}={getattr(args, key)}")
     if args.max_new_tokens is not None:
         overrides.append("new_token_limit=true")
-    config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides))
+    try:  # bad input or config: the message, not a traceback
+        rows = read_prompts(args.input)
+        config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides))
+        module = VLLMModule(config)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"chatgen generate: {e}", file=sys.stderr)
+        return 1
     print(format_config(config), file=sys.stderr)
-
-    module = VLLMModule(config)
     module.setup()
     items = []
     for ids, text in rows:
