@@ -15,19 +15,16 @@ single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `
 tests/integration/test_generation_engine.py checks it and compares a split-step run with `LLM.generate`
 token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
 
-Weight sync (chatgen.param_sync) uses `load_weights(llm, named_tensors)` and `checkpoint_manifest(model_dir)`.
+Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)`.
 """
 import dataclasses
-import json
 import os
-import struct
 from pathlib import Path
 from typing import Iterable
 
 # The engine core must live in this process: the framework steps it and syncs weights into it in place.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
@@ -40,7 +37,7 @@ __all__ = [
     "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
-    "load_weights", "in_process_workers", "named_parameter_shapes", "checkpoint_manifest",
+    "load_weights", "in_process_workers",
 ]
 
 
@@ -48,14 +45,16 @@ __all__ = [
 class ScheduledBatch:
     """What the scheduler picked for one engine step; `forward_step` receives it.
 
-    request_ids: the engine request ids scheduled this step (a prefill chunk or one decode token each).
-    num_tokens: {request id: tokens to run this step}; prefills > 1, decodes == 1.
-    scheduler_output: vLLM's `SchedulerOutput`, opaque to user code: hand it back via `execute_step`.
+    num_tokens: {request id: tokens to run this step}: a prefill chunk (> 1) or one decode token each.
+    scheduler_output: vLLM's `SchedulerOutput`, opaque to user code: hand the batch to `execute_step`.
     """
 
-    request_ids: list
     num_tokens: dict
     scheduler_output: object
+
+    @property
+    def request_ids(self) -> list:
+        return list(self.num_tokens)
 
     @property
     def total_tokens(self) -> int:
@@ -106,7 +105,8 @@ def check_internals(llm: LLM) -> None:
 def build_llm(model: str, **engine_kwargs) -> LLM:
     """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals we use.
 
-    Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there.
+    Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there; on CPU
+    with external_launcher, TP groups get per-job shared memory (see `_per_job_cpu_shm`).
     """
     from vllm.platforms import current_platform
 
@@ -115,13 +115,13 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
                            "unset it or set it to 0 before importing chatgen.generation")
     engine_kwargs.setdefault("enable_sleep_mode", current_platform.is_sleep_mode_available())
     if current_platform.is_cpu() and engine_kwargs.get("distributed_executor_backend") == "external_launcher":
-        _job_unique_cpu_shm_names()
+        _per_job_cpu_shm()
     llm = LLM(model, **engine_kwargs)
     check_internals(llm)
     return llm
 
 
-def _job_unique_cpu_shm_names() -> None:
+def _per_job_cpu_shm() -> None:
     """Per-job names for the CPU shared memory of a TP group, unlinked once every rank has opened them.
 
     vLLM 0.32 on CPU names that memory after the init method, the constant "env://" under external_launcher:
@@ -176,7 +176,7 @@ def shutdown(llm: LLM) -> None:
 def schedule(llm: LLM) -> ScheduledBatch:
     """Ask vLLM's scheduler which requests run next and how many tokens each (first half of EngineCore.step)."""
     out = _engine_core(llm).scheduler.schedule()
-    return ScheduledBatch(list(out.num_scheduled_tokens), out.num_scheduled_tokens, out)
+    return ScheduledBatch(out.num_scheduled_tokens, out)
 
 
 def execute(llm: LLM, batch: ScheduledBatch) -> list:
@@ -243,7 +243,6 @@ def in_process_workers(llm: LLM) -> bool:
     return isinstance(_engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
 
 
-
 def load_weights(llm: LLM, named_tensors: Iterable) -> None:
     """Write HF-format `(name, tensor)` pairs into the running engine, in place, on every rank.
 
@@ -268,36 +267,3 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
-
-
-def named_parameter_shapes(llm: LLM) -> list:
-    """Per rank, {vLLM parameter name: shape} of the engine's model, in vLLM naming (fused `qkv_proj`,
-    `gate_up_proj`, TP-sharded). On CPU, repacked linears report shape (0,): compare against
-    `checkpoint_manifest` for the HF-side expectation instead."""
-    return llm.collective_rpc(_param_shapes)
-
-
-def _param_shapes(worker) -> dict:
-    model = worker.model_runner.get_model()
-    return {name: tuple(p.shape) for name, p in model.named_parameters()}
-
-
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
-                       "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-
-
-def checkpoint_manifest(model_dir) -> dict:
-    """{HF parameter name: (shape, dtype)} of an HF checkpoint directory, read from the safetensors headers
-    (no tensor is loaded). This is what `load_weights` expects to receive, name for name."""
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{model_dir}: no *.safetensors files; chatgen reads HF checkpoints in safetensors")
-    manifest = {}
-    for path in files:
-        with open(path, "rb") as f:
-            (header_len,) = struct.unpack("<Q", f.read(8))
-            header = json.loads(f.read(header_len))
-        for name, info in header.items():
-            if name != "__metadata__":
-                manifest[name] = (tuple(info["shape"]), _SAFETENSORS_DTYPES.get(info["dtype"], info["dtype"]))
-    return manifest

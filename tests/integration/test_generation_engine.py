@@ -314,15 +314,6 @@ def test_split_step_equals_llm_generate(module):
                [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
 
 
-def test_checkpoint_manifest_and_parameter_names(module, tiny_llama_dir):
-    manifest = adapter.checkpoint_manifest(tiny_llama_dir)
-    cfg = json.loads((tiny_llama_dir / "config.json").read_text())
-    assert manifest["model.embed_tokens.weight"] == ((cfg["vocab_size"], cfg["hidden_size"]), torch.float32)
-    assert sum(name.endswith("q_proj.weight") for name in manifest) == cfg["num_hidden_layers"]
-    (shapes,) = adapter.named_parameter_shapes(module.engine)
-    assert "model.layers.0.self_attn.qkv_proj.weight" in shapes  # vLLM naming: fused q/k/v
-
-
 # ---------------------------------------------------------------- tensor parallel (two processes)
 
 def _tp2_generate(config, batch):
