@@ -154,3 +154,25 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
     last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (mask > 0)  # (B, T) one-hot or empty
     return rewards + last.to(rewards.dtype) * scores.unsqueeze(1)
+
+
+# ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
+# Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
+
+def policy_loss_fn(logprobs, mb, clip_eps=0.2, kl_coef=0.0, kl_kind="k3"):
+    """GRPO/PPO policy loss on a micro-batch with old_logprobs, advantages, loss_mask (all (b, T-1) or (b,)),
+    optional ref_logprobs (KL term) and is_weights (truncated importance sampling)."""
+    loss, stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], clip_eps=clip_eps,
+                              ref_logprobs=mb.get("ref_logprobs"), kl_coef=kl_coef, kl_kind=kl_kind,
+                              is_weights=mb.get("is_weights"))
+    return loss, stats
+
+
+def value_loss_fn(values, mb, clip_eps=0.2):
+    """PPO critic loss on a micro-batch with old_values, returns, loss_mask (b, T-1)."""
+    return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip_eps=clip_eps)
+
+
+def nll_loss_fn(logprobs, mb):
+    """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b, T-1) is 1."""
+    return -masked_mean(logprobs, mb["loss_mask"]), {}

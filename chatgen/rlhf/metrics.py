@@ -5,7 +5,7 @@
         ...
     logger = MetricsLogger("outputs/run", phases=["generate", "train"], num_episodes=50)
     logger.log(episode, {"reward/mean": 0.4, **timer.pop()})
-    logger.close()   # writes outputs/run/metrics.png (reward and KL per episode)
+    logger.close()   # writes outputs/run/metrics.png (reward and KL to the reference per episode)
 
 Files under the run directory: metrics.jsonl (one object per episode, {"episode": k, ...}),
 tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resuming from episode k keeps
@@ -83,7 +83,7 @@ class MetricsLogger:
                 if key != "episode" and math.isfinite(value):
                     self.writer.add_scalar(key, value, episode)
             self.writer.flush()
-        if self.interactive:
+        if self.interactive and episode > 0:  # episode 0 = the evaluation before training
             for phase, bar in self.bars.items():
                 seconds = metrics.get(f"time/{phase}")
                 if seconds is not None:
@@ -101,9 +101,9 @@ class MetricsLogger:
         return plot_metrics(self.jsonl, self.out_dir / "metrics.png")
 
 
-def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl",))) -> Path | None:
-    """One panel per group of `keys`: the metrics of that group against episode. A key matches exactly or as
-    the suffix after '/', so ("kl",) plots "policy/kl". Returns png_path, or None when nothing was logged."""
+def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",))) -> Path | None:
+    """One panel per group of `keys`: those metrics against episode (keys never logged are skipped).
+    Returns png_path, or None when nothing was logged."""
     records = read_jsonl_metrics(jsonl_path)
     if not records:
         return None
@@ -111,15 +111,11 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    def matching(want):
-        names = sorted({k for r in records for k in r if k != "episode"})
-        return [n for n in names if n == want or n.endswith("/" + want)]
-
     fig, axes = plt.subplots(len(keys), 1, figsize=(7, 3 * len(keys)), sharex=True, squeeze=False)
     for ax, group in zip(axes[:, 0], keys):
-        for want in group:
-            for name in matching(want):
-                points = [(r["episode"], r[name]) for r in records if name in r]
+        for name in group:
+            points = [(r["episode"], r[name]) for r in records if name in r]
+            if points:
                 ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
         ax.set_ylabel(" / ".join(group))
         ax.grid(alpha=0.3)

@@ -29,7 +29,7 @@ def test_phase_timer_accumulates_and_resets():
 def test_metrics_logger_writes_jsonl_tensorboard_png(tmp_path, capsys):
     logger = MetricsLogger(tmp_path, phases=["generate", "train"], num_episodes=3)
     for ep in (1, 2, 3):
-        logger.log(ep, {"reward/mean": 0.1 * ep, "policy/kl": 0.01 * ep, "time/generate": 0.5})
+        logger.log(ep, {"reward/mean": 0.1 * ep, "kl/reference": 0.01 * ep, "time/generate": 0.5})
     png = logger.close()
     records = read_jsonl_metrics(tmp_path / "metrics.jsonl")
     assert [r["episode"] for r in records] == [1, 2, 3]

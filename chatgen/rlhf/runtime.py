@@ -1,0 +1,292 @@
+"""The Ray runtime: each model of the main YAML runs as a group of Ray actors with ranks and a master address.
+
+    runtime = Runtime.start(cfg)          # ray.init (local, or runtime.ray_address), actors, model init
+    runtime["policy_trainer"].call("train_step", batch, loss_fn)     # on every rank -> [result per rank]
+    runtime.shutdown()                    # kill the actors; stop Ray if we started it
+
+Colocation (`runtime.colocation: [[policy, policy_trainer, reference]]`) puts the models of one group in the
+SAME actor processes: rank r of the group hosts rank r of each of its models, on the same device(s). On GPUs
+they take turns on the memory (vLLM sleeps while the trainer trains) and the weight sync is an in-process
+copy; on a machine without a GPU they share the CPU cores. A model in no group gets actors of its own, and
+its weights travel to the policy over a private torch.distributed channel (chatgen.param_sync).
+
+Ranks: a group has world size = the Megatron world (num_gpu on GPU; TP x PP on CPU) or 1 for vLLM/python
+models; rank 0 picks MASTER_ADDR / MASTER_PORT and every actor gets RANK, WORLD_SIZE, LOCAL_RANK. An
+exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback; the driver
+then kills every actor (see `Runtime.shutdown`), so nothing is left running.
+"""
+import importlib
+import os
+import socket
+import time
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+DEFAULT_CLASSES = {"vllm": "chatgen.generation.vllm_module:VLLMModule",
+                   "megatron": "chatgen.training.megatron_module:MegatronModule"}
+
+
+class ActorFailure(RuntimeError):
+    """A model's actor raised or died; the message names the model and carries the actor's traceback."""
+
+
+def import_class(path: str):
+    """'package.module:ClassName' -> the class (a clear error names the path)."""
+    module, _, name = path.partition(":")
+    if not name:
+        raise ValueError(f"model_class {path!r}: write it as 'package.module:ClassName'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"model_class {path!r} cannot be imported ({e}); check the module path and that it "
+                         "is importable from the directory you run in") from e
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+class ModelWorker:
+    """One actor process: hosts rank `rank` of every model of its group (`self.models[name]`)."""
+
+    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
+        os.environ.update(env)
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        import torch
+
+        torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
+        self.rank, self.models = rank, {}
+
+    def address(self):
+        return ray.util.get_node_ip_address(), free_port()
+
+    def setup(self, master_addr: str, master_port: int, specs: list) -> None:
+        """Build and initialise this rank of each model: specs = [(name, backend, model_class, config)].
+
+        Megatron models first: they start torch.distributed, which a colocated vLLM engine then joins.
+        """
+        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
+        order = {"megatron": 0, "vllm": 1, "python": 2}
+        for name, backend, model_class, config in sorted(specs, key=lambda s: order[s[1]]):
+            cls = import_class(model_class or DEFAULT_CLASSES[backend])
+            if backend == "megatron":
+                model = cls(config, name=name)
+                model.init()
+            elif backend == "vllm":
+                world = int(os.environ["WORLD_SIZE"])
+                model = cls(config, distributed_executor_backend="external_launcher" if world > 1 else None)
+                model.setup()
+            else:
+                model = cls(config)
+                if hasattr(model, "setup"):
+                    model.setup()
+            self.models[name] = model
+
+    def call(self, name: str, method: str, *args, **kwargs):
+        return getattr(self.models[name], method)(*args, **kwargs)
+
+    def run(self, fn, *args, **kwargs):
+        """fn(models: {name: model}, *args, **kwargs) in this process (module-level functions only)."""
+        return fn(self.models, *args, **kwargs)
+
+    def shutdown(self) -> None:
+        for model in self.models.values():
+            if hasattr(model, "shutdown"):
+                model.shutdown()
+
+
+class ActorGroup:
+    """The Ray actors of one colocation group: `world_size` ModelWorkers in one placement group.
+
+    Each bundle holds one rank's devices ({"GPU": g, "CPU": c}); the actor of rank r is pinned to bundle r.
+    """
+
+    def __init__(self, names: list, world_size: int, num_gpus: float, num_cpus: float, env: dict):
+        self.names, self.world_size = list(names), world_size
+        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
+        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=600)
+        if not ready:
+            raise RuntimeError(f"Ray could not place {'+'.join(names)}: {world_size} x {bundle} is more than the "
+                               f"cluster has ({ray.cluster_resources()}); lower num_gpu / num_cpu or add nodes")
+        threads = max(1, int(num_cpus))
+        worker = ray.remote(ModelWorker)
+        self.actors = [
+            worker.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env},
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
+            .remote(r, world_size, threads, env)
+            for r in range(world_size)
+        ]
+        self.master_addr, self.master_port = self.get([self.actors[0].address.remote()], "start")[0]
+
+    def get(self, refs: list, what: str):
+        """ray.get with the failing actor's traceback turned into an ActorFailure naming this group."""
+        try:
+            return ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            raise ActorFailure(f"{'+'.join(self.names)}: {what} failed in an actor:\n{e}") from None
+        except ray.exceptions.RayActorError as e:
+            raise ActorFailure(f"{'+'.join(self.names)}: an actor died during {what}:\n{e}") from None
+
+    def setup(self, specs: list) -> None:
+        self.get([a.setup.remote(self.master_addr, self.master_port, specs) for a in self.actors], "setup")
+
+    def call_async(self, name: str, method: str, *args, **kwargs) -> list:
+        return [a.call.remote(name, method, *args, **kwargs) for a in self.actors]
+
+    def run_async(self, fn, *args, **kwargs) -> list:
+        return [a.run.remote(fn, *args, **kwargs) for a in self.actors]
+
+    def kill(self) -> None:
+        for actor in self.actors:
+            ray.kill(actor, no_restart=True)
+        remove_placement_group(self.pg)
+
+
+class ModelHandle:
+    """One model as the engine sees it: calls go to every rank of its group; results come back per rank."""
+
+    def __init__(self, name: str, entry, group: ActorGroup):
+        self.name, self.entry, self.group = name, entry, group
+        self.backend, self.config = entry.backend, entry.config
+        self.dp_ranks = None  # Megatron: data-parallel rank of each actor (set by Runtime.start)
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        return self.group.get(self.group.call_async(self.name, method, *args, **kwargs), f"{self.name}.{method}")
+
+    def call_async(self, method: str, *args, **kwargs) -> list:
+        return self.group.call_async(self.name, method, *args, **kwargs)
+
+    def first(self, method: str, *args, **kwargs):
+        """Call on every rank (collective), return rank 0's result."""
+        return self.call(method, *args, **kwargs)[0]
+
+    def get(self, refs, what):
+        return self.group.get(refs, f"{self.name}.{what}")
+
+    @property
+    def colocated_with(self) -> list:
+        return [n for n in self.group.names if n != self.name]
+
+
+def _model_world_size(entry) -> int:
+    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU, one DP replica of TP x PP on CPU), else 1."""
+    if entry.backend != "megatron":
+        return 1
+    model_parallel = entry.config.tensor_model_parallel_size * entry.config.pipeline_model_parallel_size
+    return entry.num_gpu if entry.num_gpu else model_parallel
+
+
+def plan_groups(cfg) -> list:
+    """[(model names, world size, GPUs per rank, CPUs per rank)]: colocation groups first, then lone models.
+
+    Raises ValueError naming the models when a group's members need different world sizes.
+    """
+    grouped = [list(g) for g in cfg.runtime.colocation]
+    grouped += [[name] for name in cfg.models if not any(name in g for g in grouped)]
+    plans = []
+    for names in grouped:
+        entries = [cfg.models[n] for n in names]
+        worlds = {n: _model_world_size(cfg.models[n]) for n in names}
+        world = max(worlds.values())
+        odd = {n: w for n, w in worlds.items() if cfg.models[n].backend == "megatron" and w != world}
+        if odd:
+            raise ValueError(f"runtime.colocation: {names} need different numbers of ranks {worlds}; colocated "
+                             "Megatron models need the same num_gpu (GPU) or TP x PP (CPU)")
+        for n in names:
+            e = cfg.models[n]
+            if e.backend == "vllm" and world > 1 and e.config.tensor_parallel_size != world:
+                raise ValueError(f"models.{n}: tensor_parallel_size={e.config.tensor_parallel_size} but it is "
+                                 f"colocated with {world} trainer ranks; a colocated vLLM engine spans all of them: "
+                                 f"set tensor_parallel_size: {world}")
+        gpus = max((e.num_gpu for e in entries), default=0)
+        cpus = max((e.num_cpu for e in entries), default=1)
+        plans.append((names, world, gpus / world if gpus else 0, max(cpus / world, 0.01)))
+    return plans
+
+
+class Runtime:
+    """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
+
+    def __init__(self, groups: list, handles: dict, started_ray: bool):
+        self.groups, self.handles, self.started_ray = groups, handles, started_ray
+
+    def __getitem__(self, name: str) -> ModelHandle:
+        return self.handles[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.handles
+
+    @classmethod
+    def start(cls, cfg, log=print) -> "Runtime":
+        plans = plan_groups(cfg)
+        started = init_ray(cfg.runtime.ray_address, sum(w * c for _, w, _, c in plans))
+        groups, handles = [], {}
+        try:
+            env = worker_env()
+            for names, world, gpus, cpus in plans:
+                t0 = time.perf_counter()
+                group = ActorGroup(names, world, gpus, cpus, env)
+                groups.append(group)
+                group.setup([(n, cfg.models[n].backend, cfg.models[n].model_class, cfg.models[n].config)
+                             for n in names])
+                for n in names:
+                    handles[n] = ModelHandle(n, cfg.models[n], group)
+                log(f"[chatgen] started {'+'.join(names)}: {world} rank(s) x ({cpus:g} CPU"
+                    f"{f', {gpus:g} GPU' if gpus else ''}) in {time.perf_counter() - t0:.1f}s")
+            for h in handles.values():
+                if h.backend == "megatron":
+                    h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
+        except BaseException:
+            cls(groups, handles, started).shutdown()
+            raise
+        return cls(groups, handles, started)
+
+    def shutdown(self) -> None:
+        """Kill every actor of this run and stop Ray if this run started it; safe to call twice."""
+        for group in self.groups:
+            try:
+                group.kill()
+            except Exception:  # noqa: BLE001 - already dead / Ray going down: nothing left to free
+                pass
+        self.groups = []
+        if self.started_ray and ray.is_initialized():
+            ray.shutdown()
+        self.started_ray = False
+
+
+def _dp_rank(models, name):
+    return models[name].dp_rank
+
+
+def worker_env() -> dict:
+    """Environment of every actor, set before its process starts: the driver's import path (so examples/ and
+    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has, quieter vLLM logs, and passive
+    OpenMP waiting (on shared CPU cores, spinning OpenMP threads slow a tiny model's steps ~10x)."""
+    path = [os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_WAIT_POLICY": "PASSIVE"}
+    env.update({k: v for k, v in os.environ.items()
+                if k.startswith(("CHATGEN_", "VLLM_", "HF_")) or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
+    return env
+
+
+def init_ray(address: str | None, num_cpus_needed: float) -> bool:
+    """Connect to `address` (a cluster), or start a local Ray sized for this run. Returns True if started here."""
+    if ray.is_initialized():
+        return False
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
+                  runtime_env={"env_vars": {"PYTHONPATH": worker_env()["PYTHONPATH"]}})
+    if address:
+        ray.init(address=address, **kwargs)
+    else:
+        # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
+        # turns on the same cores, so over-subscribing the logical count is what we want).
+        ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), **kwargs)
+    return True

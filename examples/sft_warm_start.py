@@ -1,0 +1,89 @@
+# .venv/bin/python examples/sft_warm_start.py --load outputs/tiny-llama --data outputs/sort_digits/train.jsonl --output outputs/tiny-llama-sft --steps 35
+"""Supervised warm start before RL: a few steps of next-token training on (prompt, answer) pairs with the
+Megatron trainer (MegatronModule.train_step + chatgen.rlhf.algorithms.nll_loss_fn), saved as an HF directory
+that vLLM and the RLHF trainers then load.
+
+RL needs a policy that sometimes gets it right; a short warm start gives the format (digits, then EOS)
+without solving the task, and GRPO does the rest (examples/train_grpo_tiny.sh). One process, CPU or one GPU.
+"""
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+
+def sft_batch(tokenizer, records) -> dict:
+    """Right-padded BOS + prompt + answer + EOS, with loss_mask (B, T-1) = 1 where the next token is answer/EOS."""
+    rows, masks = [], []
+    for r in records:
+        prompt = tokenizer.encode(r["prompt"])
+        answer = tokenizer.encode(r["answer"], add_special_tokens=False) + [tokenizer.eos_token_id]
+        rows.append(prompt + answer)
+        masks.append([0] * (len(prompt) - 1) + [1] * len(answer))
+    width = max(map(len, rows))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention = torch.zeros(len(rows), width, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), width - 1)
+    for i, (row, mask) in enumerate(zip(rows, masks)):
+        ids[i, :len(row)] = torch.tensor(row)
+        attention[i, :len(row)] = 1
+        loss_mask[i, :len(mask)] = torch.tensor(mask, dtype=torch.float)
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--load", required=True, help="HF model directory to start from")
+    parser.add_argument("--data", required=True, help="JSONL with prompt and answer fields")
+    parser.add_argument("--output", required=True, help="HF directory to write (replaced if it exists)")
+    parser.add_argument("--steps", type=int, default=35)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+
+    from transformers import AutoTokenizer
+
+    from chatgen import MegatronModule
+    from chatgen.rlhf.algorithms import nll_loss_fn
+    from chatgen.rlhf.tasks import read_jsonl
+    from chatgen.training.convert import megatron_to_hf_dir
+
+    torch.manual_seed(args.seed)
+    records = read_jsonl(args.data)
+    tokenizer = AutoTokenizer.from_pretrained(args.load)
+    trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
+                                  micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).init()
+    start = time.perf_counter()
+    order = torch.randperm(len(records)).tolist()
+    for step in range(args.steps):
+        index = order[(step * args.batch_size) % len(records):][: args.batch_size]
+        stats = trainer.train_step(sft_batch(tokenizer, [records[i] for i in index]), nll_loss_fn)
+        if step % 10 == 0 or step == args.steps - 1:
+            print(f"sft step {step + 1}/{args.steps}: loss {stats['loss']:.3f} ({time.perf_counter() - start:.1f}s)",
+                  flush=True)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as tmp:
+        ckpt = trainer.save_checkpoint(os.path.join(tmp, "megatron"))
+        hf_tmp = megatron_to_hf_dir(ckpt, os.path.join(tmp, "hf"))
+        for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json"):
+            src = os.path.join(args.load, name)
+            if os.path.exists(src) and not os.path.exists(os.path.join(hf_tmp, name)):
+                with open(src, "rb") as f_in, open(os.path.join(hf_tmp, name), "wb") as f_out:
+                    f_out.write(f_in.read())
+        (hf_tmp / "chatgen_sft.json").write_text(json.dumps(vars(args), indent=1))
+        if os.path.exists(args.output):
+            import shutil
+            shutil.rmtree(args.output)
+        os.replace(hf_tmp, args.output)
+    print(f"wrote the warm-started model to {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
