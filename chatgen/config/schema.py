@@ -165,6 +165,21 @@ class VLLMConfig:
         if self.max_paddings is not None:
             yield "max_paddings", ("not supported: vLLM's V1 scheduler packs sequences without padding; remove it "
                                    "and bound a step with max_num_batched_tokens instead")
+        # Keys vLLM V1 cannot honour: rejected here, with the fix, so they come out with every other error.
+        if self.swap_space is not None:
+            yield "swap_space", ("not supported: vLLM V1 recomputes preempted requests instead of swapping their KV "
+                                 "cache to CPU; remove the key (size the KV cache with gpu_memory_utilization or "
+                                 "kv_cache_memory_bytes)")
+        if self.sliding_window is not None:
+            yield "sliding_window", ("not supported: vLLM V1 takes the sliding window from the model's config.json; "
+                                     "remove the key and set `sliding_window` there")
+        if self.use_beam_search:
+            yield "use_beam_search", ("not supported: vLLM V1 has no beam search in its step-driven engine "
+                                      "(LLM.beam_search is a separate offline API); set it to false and use n > 1 "
+                                      "sampling")
+        if self.temperature == 0 and self.n > 1:
+            yield "n", (f"n={self.n} with temperature 0 would give {self.n} identical responses (vLLM rejects it); "
+                        "set temperature > 0 or n: 1")
         if not 0 < self.gpu_memory_utilization <= 1:
             yield "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is usual"
         for key in ("block_size", "tensor_parallel_size"):

@@ -15,22 +15,9 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 def check_vllm_config(cfg, cpu: bool) -> None:
-    """Raise one ConfigError listing every key that vLLM 0.32 (V1 engine) cannot honour, with the fix."""
+    """Raise one ConfigError listing every problem: the schema's checks (VLLMConfig.check, which also rejects
+    the keys vLLM V1 cannot honour) plus the platform-dependent ones."""
     problems = list(cfg.check())
-    if cfg.swap_space is not None:
-        problems.append(("swap_space", "not supported: vLLM V1 recomputes preempted requests instead of swapping "
-                                       "their KV cache to CPU; remove the key (size the KV cache with "
-                                       "gpu_memory_utilization or kv_cache_memory_bytes)"))
-    if cfg.sliding_window is not None:
-        problems.append(("sliding_window", "not supported: vLLM V1 takes the sliding window from the model's "
-                                           "config.json; remove the key and set `sliding_window` there"))
-    if cfg.use_beam_search:
-        problems.append(("use_beam_search", "not supported: vLLM V1 has no beam search in its step-driven engine "
-                                            "(LLM.beam_search is a separate offline API); set it to false and "
-                                            "use n > 1 sampling"))
-    if cfg.temperature == 0 and cfg.n > 1:
-        problems.append(("n", f"n={cfg.n} with temperature 0 would give {cfg.n} identical responses (vLLM rejects "
-                              "it); set temperature > 0 or n: 1"))
     if cpu and cfg.block_size is not None and cfg.block_size % 32:
         problems.append(("block_size", f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a "
                                        "multiple of 32; use 128 (vLLM's CPU default) or remove the key"))

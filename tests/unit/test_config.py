@@ -460,3 +460,13 @@ def test_shipped_model_yaml_is_validated(path, monkeypatch):
 def test_importing_the_config_system_stays_light():
     code = "import sys, chatgen.config; print(sorted({'torch', 'vllm', 'megatron', 'ray'} & set(sys.modules)))"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "[]\n"
+
+
+def test_keys_vllm_v1_cannot_honour_come_out_with_the_other_errors(main_yaml, tmp_path):
+    # One run of the loader reports the typo and every unsupported vLLM key together, not in two rounds.
+    write(tmp_path / "models" / "policy.yaml",
+          "load: /m\ntempreature: 0.7\nswap_space: 4\nuse_beam_search: true\nsliding_window: 128\n")
+    errors = errors_of(load_config, main_yaml)
+    keys = sorted(e.split(": ")[1] for e in errors)
+    assert keys == ["sliding_window", "swap_space", "tempreature", "use_beam_search"]
+    assert all(e.startswith("models/policy.yaml: ") for e in errors)
