@@ -280,28 +280,41 @@ def _build(cls, data, where: dict, errors: list, path: tuple = ()):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     before = len(errors)
-    kwargs = {}
+    kwargs, bad = {}, set()  # bad: keys whose value failed; they take their default for the range checks
     for key, value in data.items():
         key_path = (*path, key)
         if key not in fields:
             errors.append(f"{_at(where, key_path)}: unknown key; {_closest(key, fields)}")
-        elif dataclasses.is_dataclass(hints[key]):
-            kwargs[key] = _build(hints[key], value, where, errors, key_path)
+            continue
+        if dataclasses.is_dataclass(hints[key]):
+            ok, built = True, _build(hints[key], value, where, errors, key_path)
+            ok = built is not None
         else:
-            ok, kwargs[key] = _convert(value, hints[key])
+            ok, built = _convert(value, hints[key])
             if not ok:
                 errors.append(f"{_at(where, key_path)}: {_type_error(value, hints[key])}")
-    for name, f in fields.items():
-        if name not in data and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            doc = f.metadata.get("doc")
+        if ok:
+            kwargs[key] = built
+        else:
+            bad.add(key)
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for name in required:
+        if name not in data:
+            doc = fields[name].metadata.get("doc")
             errors.append(f"{_at(where, (*path, name))}: required key is missing; add `{name}: ...`"
                           + (f" ({doc})" if doc else ""))
-    if len(errors) > before:
+    if any(name not in kwargs for name in required):
         return None
+    # Run the range checks even when other keys were wrong, so that one load reports every problem.
+    # The object is returned only when every key was read; failing range checks alone still return it, so the
+    # checks that look across sections (colocation, batch sizes) also run.
+    complete = len(errors) == before
     obj = cls(**kwargs)
     for key, problem in getattr(obj, "check", tuple)():
-        errors.append(f"{_at(where, (*path, key))}: {problem}")
-    return obj
+        if key not in bad:
+            errors.append(f"{_at(where, (*path, key))}: {problem}")
+    return obj if complete else None
 
 
 def resolve_schema(schema):
