@@ -28,6 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from chatgen.distributed import tcp_store
 from chatgen.param_sync import gather, layout
 
 
@@ -152,7 +153,7 @@ _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
 def _store(host: str, port: int, is_server: bool):
-    return dist.TCPStore(host, port, 2, is_server, timeout=_TIMEOUT, wait_for_workers=False)
+    return tcp_store(host, port, 2, is_server, timeout=_TIMEOUT)  # loopback host -> loopback-only listener
 
 
 def _process_group(store, rank: int):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from chatgen.distributed import init_process_group
 from chatgen.param_sync import layout
 from chatgen.training import cpu_compat
 
@@ -52,12 +53,14 @@ def init_distributed(tp: int, pp: int) -> None:
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ and "MASTER_PORT" in os.environ:
-            dist.init_process_group(backend)
+        if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # launched: env:// semantics, loopback-safe
+            env = os.environ
+            init_process_group(backend, int(env["RANK"]), int(env["WORLD_SIZE"]),
+                               env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]))
         else:  # a single process: a private one-rank world
             from chatgen.training.launcher import free_port
 
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+            init_process_group(backend, 0, 1, "127.0.0.1", free_port())
     world = dist.get_world_size()
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
