@@ -117,8 +117,9 @@ class VLLMConfig:
     eval_top_k: Optional[int] = opt(None, "top_k in evaluation; null = top_k")
     stop_token_list: str = opt("", "stops separated by ';', e.g. '</answer>;\\n\\n'; a special token (e.g. '</s>') stops on its id; '' = EOS only")
     new_token_limit: bool = opt(False, "True: stop at max_new_tokens; False: generate until seq_length")
-    max_new_tokens: int = opt(512, "generated tokens per response when new_token_limit is true")
-    seq_length: int = opt(2048, "prompt + response tokens at most; prompts are cut to seq_length - max_new_tokens")
+    max_new_tokens: int = opt(256, "generated tokens per response when new_token_limit is true")
+    seq_length: Optional[int] = opt(
+        None, "prompt + response tokens at most; null = the model's max_position_embeddings")
     prompt_logprobs: Optional[int] = opt(None, "logprobs of prompt tokens (top-N; 0 = the token only); null = off")
     logprobs_mode: Literal["raw", "processed"] = opt(
         "processed", "logprobs of the raw logits, or of the distribution after temperature/top-p/top-k")
@@ -157,7 +158,7 @@ class VLLMConfig:
             yield "n", f"must be >= 1, got {self.n}; set responses per prompt"
         if self.max_new_tokens < 1:
             yield "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}; set a positive token count"
-        elif self.max_new_tokens >= self.seq_length:
+        elif self.seq_length is not None and self.max_new_tokens >= self.seq_length:
             yield "max_new_tokens", (f"{self.max_new_tokens} leaves no room for a prompt in seq_length="
                                      f"{self.seq_length}; raise seq_length or lower max_new_tokens")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:

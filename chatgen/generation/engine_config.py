@@ -3,6 +3,7 @@
 Every key of docs/generation_keys.md is either mapped here or rejected by `check_vllm_config` with the reason
 and the fix; nothing is silently ignored. Unit-tested in tests/unit/test_generation.py.
 """
+import dataclasses
 import functools
 import json
 from pathlib import Path
@@ -51,6 +52,9 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
 
 def max_tokens(cfg, prompt_len: int) -> int:
     """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
+    if cfg.seq_length is None:
+        raise ValueError("seq_length is not resolved yet: VLLMModule.setup() sets it from the model "
+                         "(or set seq_length in the config)")
     if prompt_len >= cfg.seq_length:
         raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate in seq_length="
                          f"{cfg.seq_length}; shorten it or raise seq_length")
@@ -97,6 +101,25 @@ def parse_stop_list(stop_token_list: str, tokenizer) -> tuple:
         special = {t: tokenizer.convert_tokens_to_ids(t) for t in tokenizer.all_special_tokens}
         special.update(tokenizer.get_added_vocab())
     return tuple(s for s in entries if s not in special), tuple(special[s] for s in entries if s in special)
+
+
+def resolve_seq_length(cfg, model_dir):
+    """`cfg` with `seq_length` set: null means the model's own limit (config.json max_position_embeddings).
+
+    A longer seq_length than the model's positions is an error naming both (RoPE past its trained range
+    gives garbage; vLLM refuses it too).
+    """
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    limit = hf.get("max_position_embeddings")
+    if cfg.seq_length is None:
+        if limit is None:
+            raise ConfigError([f"seq_length: {model_dir}/config.json has no max_position_embeddings; set seq_length"])
+        cfg = dataclasses.replace(cfg, seq_length=int(limit))
+    elif limit is not None and cfg.seq_length > limit:
+        raise ConfigError([f"seq_length: {cfg.seq_length} is longer than the model's max_position_embeddings="
+                           f"{limit} ({model_dir}/config.json); set seq_length <= {limit} or leave it null"])
+    check_vllm_config(cfg, cpu=False)  # max_new_tokens against the now-known seq_length
+    return cfg
 
 
 def has_tokenizer(directory) -> bool:

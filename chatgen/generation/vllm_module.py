@@ -78,6 +78,7 @@ class VLLMModule:
         Default: starts `vllm.LLM(self.model_provider(), **self.engine_kwargs())` in this process and reads
         the tokenizer. Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
         """
+        self.config = engine_config.resolve_seq_length(self.config, self.model_provider())
         self.engine = adapter.build_llm(self.model_provider(), **self.engine_kwargs())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()

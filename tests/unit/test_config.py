@@ -270,7 +270,7 @@ def test_every_error_is_collected_into_one_message(main_yaml, tmp_path):
 
 
 def test_range_checks_name_key_and_fix(tmp_path):
-    path = write(tmp_path / "p.yaml", "temperature: -1\ntop_p: 0\ntop_k: 0\nmax_new_tokens: 4096\nmax_paddings: 8\n")
+    path = write(tmp_path / "p.yaml", "temperature: -1\ntop_p: 0\ntop_k: 0\nseq_length: 2048\nmax_new_tokens: 4096\nmax_paddings: 8\n")
     errors = errors_of(load_model_config, path, "vllm")
     assert [e.split(": ")[1] for e in errors] == ["temperature", "top_p", "top_k", "max_new_tokens", "max_paddings"]
     assert "use 0 for greedy decoding" in errors[0] and "use 1.0 to turn top-p off" in errors[1]

@@ -70,7 +70,7 @@ def test_engine_kwargs_defaults_without_tokenizer_and_cpu_kv_cache(tmp_path):
 
 def test_sampling_train_eval_and_greedy():
     cfg = config(n=4, temperature=0.8, top_p=0.9, top_k=-1, min_p=0.05, eval_temperature=0.0, eval_top_k=5,
-                 new_token_limit=True, max_new_tokens=32, prompt_logprobs=1)
+                 new_token_limit=True, max_new_tokens=32, prompt_logprobs=1, seq_length=2048)
     train = engine_config.sampling_kwargs(cfg, 10)
     assert (train["n"], train["temperature"], train["top_p"], train["top_k"], train["min_p"]) == (4, 0.8, 0.9, 0, 0.05)
     assert train["max_tokens"] == 32 and train["logprobs"] == 0 and train["prompt_logprobs"] == 1
@@ -178,3 +178,13 @@ def test_shipped_policy_yaml_is_accepted_by_the_generation_module():
     cfg = load_model_config(Path(__file__).resolve().parents[2] / "configs" / "policy_inference.yaml", VLLMConfig)
     engine_config.check_vllm_config(cfg, cpu=True)
     assert (cfg.n, cfg.eval_temperature, cfg.logprobs_mode) == (4, 0.0, "raw")
+
+
+def test_seq_length_defaults_to_the_models_positions_and_longer_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
+    assert engine_config.resolve_seq_length(config(load=str(tmp_path)), tmp_path).seq_length == 512
+    assert engine_config.resolve_seq_length(config(load=str(tmp_path), seq_length=300), tmp_path).seq_length == 300
+    with pytest.raises(ConfigError, match=r"seq_length: 1024 is longer than the model's max_position_embeddings=512"):
+        engine_config.resolve_seq_length(config(load=str(tmp_path), seq_length=1024), tmp_path)
+    with pytest.raises(ConfigError, match="max_new_tokens: 600 leaves no room"):
+        engine_config.resolve_seq_length(config(load=str(tmp_path), max_new_tokens=600), tmp_path)
