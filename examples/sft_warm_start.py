@@ -1,4 +1,4 @@
-# .venv/bin/python examples/sft_warm_start.py --load outputs/tiny-llama --data outputs/sort_digits/train.jsonl --output outputs/tiny-llama-sft --steps 35
+# .venv/bin/python examples/sft_warm_start.py --load outputs/tiny-llama --data outputs/sort_digits/sft.jsonl --output outputs/tiny-llama-sft --steps 300
 """Supervised warm start before RL: a few steps of next-token training on (prompt, answer) pairs with the
 Megatron trainer (MegatronModule.train_step + chatgen.rlhf.algorithms.nll_loss_fn), saved as an HF directory
 that vLLM and the RLHF trainers then load.
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
     parser.add_argument("--load", required=True, help="HF model directory to start from")
     parser.add_argument("--data", required=True, help="JSONL with prompt and answer fields")
     parser.add_argument("--output", required=True, help="HF directory to write (replaced if it exists)")
-    parser.add_argument("--steps", type=int, default=35)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)

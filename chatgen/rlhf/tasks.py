@@ -1,6 +1,6 @@
 """Prompt datasets with rule-based rewards: the synthetic sort-digits task and a final-number (GSM8K-style) check.
 
-    python -m chatgen.rlhf.tasks --output outputs/sort_digits   # writes train.jsonl and eval.jsonl
+    python -m chatgen.rlhf.tasks --output outputs/sort_digits   # writes train.jsonl, eval.jsonl, sft.jsonl
 
 A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the model's
 response text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere:
@@ -9,6 +9,11 @@ inside the reward actor, in a unit test, or on a held-out set after training.
 sort-digits: "sort: 3 1 4 1 5 =" -> " 1 1 3 4 5". A 2-layer model learns it in minutes on a CPU, which makes
 it the task of `examples/train_grpo_tiny.sh`. Its reward gives partial credit (the fraction of positions
 right) so that GRPO sees a signal before the first fully correct answer.
+
+sft.jsonl holds demonstrations for the supervised warm start, as mixed as real ones: the same prompts, but
+most answers sorted the other way (descending; `--sft-descending-fraction`, default 0.7). The warm-started
+model can sort both ways and mostly picks descending; the rule reward asks for ascending, and RL has to
+find that out (the way RLHF turns a model that can do what users want into one that does it).
 """
 import argparse
 import json
@@ -41,6 +46,13 @@ def sort_digits_split(n_train: int, n_eval: int, seed: int = 0, **kwargs) -> tup
         train += [r for r in batch if r["prompt"] not in held_out][: n_train - len(train)]
         k += 1
     return train, eval_records
+
+
+def mixed_direction(records: list[dict], descending_fraction: float, seed: int) -> list[dict]:
+    """Copies of sort-digits records whose answer is sorted descending with probability descending_fraction."""
+    rng = random.Random(seed)
+    return [dict(r, answer=" " + " ".join(sorted(r["answer"].split(), reverse=True)))
+            if rng.random() < descending_fraction else dict(r) for r in records]
 
 
 def sort_digits_reward(response: str, answer: str) -> float:
@@ -113,12 +125,15 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-digits", type=int, default=3)
     parser.add_argument("--max-digits", type=int, default=6)
+    parser.add_argument("--sft-descending-fraction", type=float, default=0.7,
+                        help="share of sft.jsonl answers sorted the other way")
     args = parser.parse_args(argv)
     train, held_out = sort_digits_split(args.n_train, args.n_eval, args.seed,
                                         min_digits=args.min_digits, max_digits=args.max_digits)
     write_jsonl(Path(args.output) / "train.jsonl", train)
     write_jsonl(Path(args.output) / "eval.jsonl", held_out)
-    print(f"wrote {len(train)} train and {len(held_out)} eval sort-digits records to {args.output}")
+    write_jsonl(Path(args.output) / "sft.jsonl", mixed_direction(train, args.sft_descending_fraction, args.seed))
+    print(f"wrote {len(train)} train (+ sft.jsonl) and {len(held_out)} eval sort-digits records to {args.output}")
     return 0
 
 

@@ -79,7 +79,21 @@ def test_jsonl_roundtrip_and_errors(tmp_path):
         tasks.read_jsonl(bad)
 
 
+def test_mixed_direction():
+    records = tasks.sort_digits_records(2000, seed=4)
+    mixed = tasks.mixed_direction(records, 0.7, seed=0)
+    assert [r["prompt"] for r in mixed] == [r["prompt"] for r in records]
+    flipped = [m["answer"] != r["answer"] for m, r in zip(mixed, records)]
+    assert 0.6 < sum(flipped) / len(flipped) < 0.75  # 0.7 minus the answers that read the same both ways
+    for m, r in zip(mixed, records):
+        digits = r["answer"].split()
+        assert m["answer"].split() in (digits, digits[::-1])  # ascending or descending, same digits
+    assert all(m == r for m, r in zip(tasks.mixed_direction(records, 0.0, seed=0), records))
+
+
 def test_cli_writes_files(tmp_path):
     assert tasks.main(["--output", str(tmp_path), "--n-train", "40", "--n-eval", "8"]) == 0
     assert len(tasks.read_jsonl(tmp_path / "train.jsonl")) == 40
     assert len(tasks.read_jsonl(tmp_path / "eval.jsonl")) == 8
+    sft = tasks.read_jsonl(tmp_path / "sft.jsonl")
+    assert [r["prompt"] for r in sft] == [r["prompt"] for r in tasks.read_jsonl(tmp_path / "train.jsonl")]
