@@ -118,11 +118,11 @@ def _sync_colocated(models, trainer, policy, validate):
     return models[trainer].sync_to(models[policy], validate=validate).seconds
 
 
-def _open_receiver(models, policy):
+def _open_receiver(models, policy, multi_node):
     from chatgen.param_sync import SyncReceiver
+    from chatgen.rlhf.runtime import rendezvous_host
 
-    import ray
-    models[policy]._chatgen_receiver = SyncReceiver(host=ray.util.get_node_ip_address())
+    models[policy]._chatgen_receiver = SyncReceiver(host=rendezvous_host(multi_node))
     return models[policy]._chatgen_receiver.host, models[policy]._chatgen_receiver.port
 
 
@@ -257,7 +257,8 @@ class Run:
         self._policy_sleeps = self._colocated and policy.entry.num_gpu > 0  # CPU: sleep frees nothing
         self._syncs = 0
         if not self._colocated:
-            host, port = policy.get(policy.group.run_async(_open_receiver, policy.name), "open sync")[0]
+            host, port = policy.get(policy.group.run_async(_open_receiver, policy.name, policy.group.multi_node),
+                                    "open sync")[0]
             trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
 
     def sync_policy(self) -> float:

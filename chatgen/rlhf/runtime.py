@@ -44,10 +44,16 @@ def import_class(path: str):
                          "is importable from the directory you run in") from e
 
 
-def free_port() -> int:
+def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def rendezvous_host(multi_node: bool) -> str:
+    """Where this process's torch.distributed rendezvous listens: loopback on one machine (reachable from this
+    machine only), the node's address on a cluster."""
+    return ray.util.get_node_ip_address() if multi_node else "127.0.0.1"
 
 
 class ModelWorker:
@@ -62,8 +68,9 @@ class ModelWorker:
         torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
         self.rank, self.models = rank, {}
 
-    def address(self):
-        return ray.util.get_node_ip_address(), free_port()
+    def address(self, multi_node: bool):
+        host = rendezvous_host(multi_node)
+        return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int, specs: list) -> None:
         """Build and initialise this rank of each model: specs = [(name, backend, model_class, config)].
@@ -106,7 +113,8 @@ class ActorGroup:
     Each bundle holds one rank's devices ({"GPU": g, "CPU": c}); the actor of rank r is pinned to bundle r.
     """
 
-    def __init__(self, names: list, world_size: int, num_gpus: float, num_cpus: float, env: dict):
+    def __init__(self, names: list, world_size: int, num_gpus: float, num_cpus: float, env: dict,
+                 multi_node: bool = False):
         self.names, self.world_size = list(names), world_size
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
@@ -122,7 +130,8 @@ class ActorGroup:
             .remote(r, world_size, threads, env)
             for r in range(world_size)
         ]
-        self.master_addr, self.master_port = self.get([self.actors[0].address.remote()], "start")[0]
+        self.multi_node = multi_node
+        self.master_addr, self.master_port = self.get([self.actors[0].address.remote(multi_node)], "start")[0]
 
     def get(self, refs: list, what: str):
         """ray.get with the failing actor's traceback turned into an ActorFailure naming this group."""
@@ -231,7 +240,7 @@ class Runtime:
             env = worker_env()
             for names, world, gpus, cpus in plans:
                 t0 = time.perf_counter()
-                group = ActorGroup(names, world, gpus, cpus, env)
+                group = ActorGroup(names, world, gpus, cpus, env, multi_node=bool(cfg.runtime.ray_address))
                 groups.append(group)
                 group.setup([(n, cfg.models[n].backend, cfg.models[n].model_class, cfg.models[n].config)
                              for n in names])

@@ -22,7 +22,6 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     from chatgen.rlhf.engine import check_config
-    from chatgen.rlhf.runtime import ActorFailure
 
     try:
         cfg = load_config(args.config, args.overrides)
@@ -30,6 +29,8 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
+    from chatgen.rlhf.runtime import ActorFailure  # imports Ray: only once the config is known to be good
+
     if cfg.runtime.algorithm.name == "grpo":
         from chatgen.rlhf.grpo import train
     else:

@@ -1,5 +1,6 @@
 """Unit tests of the RLHF engine's pure parts: config checks, batch building, actor-group planning, and the
 `chatgen train` failure path for a bad YAML (no Ray, vLLM or Megatron starts). pytest tests/unit/test_rlhf_engine.py"""
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,19 +66,17 @@ def test_check_config_data_paths(tmp_path):
     assert "runtime.data_path:" in msg and "missing.jsonl does not exist" in msg
 
 
-def test_train_cli_bad_yaml_fails_before_ray(tmp_path, capsys):
-    import ray
-
+def test_train_cli_bad_yaml_fails_before_ray(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text((REPO / "configs/grpo_tiny.yaml").read_text().replace("num_episode:", "num_episodes:")
                    .replace("model_config_file: grpo_tiny/", f"model_config_file: {REPO}/configs/grpo_tiny/"))
-    from chatgen.cli import main
-
-    assert main(["train", str(bad)]) == 2
-    err = capsys.readouterr().err
-    assert "runtime.num_episodes: unknown key; did you mean 'num_episode'?" in err
-    assert not ray.is_initialized()
-    assert "vllm" not in sys.modules and "megatron.core" not in sys.modules
+    # A fresh interpreter: nothing heavy may have been imported, and Ray must not have started.
+    code = ("import sys; from chatgen.cli import main; rc = main(['train', sys.argv[1]]); "
+            "heavy = [m for m in ('ray', 'vllm', 'megatron.core') if m in sys.modules]; "
+            "import ray; print('RESULT', rc, ray.is_initialized(), heavy)")
+    out = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=120)
+    assert "RESULT 2 False []" in out.stdout, out.stdout + out.stderr
+    assert "runtime.num_episodes: unknown key; did you mean 'num_episode'?" in out.stderr
 
 
 def fake_generation():

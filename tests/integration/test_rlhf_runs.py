@@ -1,6 +1,6 @@
 """RLHF engines end to end on CPU with real Ray actors, vLLM, megatron-core and the tiny Llama.
 
-    python -m pytest tests/integration/test_rlhf_engine.py
+    python -m pytest tests/integration/test_rlhf_runs.py
 
 One Ray instance serves all tests. GRPO: a 3-episode run whose reward model fails in episode 3 (the run
 stops with the actor's error; checkpoints 1 and 2 stay intact), then `--resume` runs episode 3 from checkpoint
@@ -95,7 +95,7 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     out = tmp_path / "grpo"
     common = overrides(tiny_llama_dir, data_dir, out)
     # Reward calls: eval at 0, then per episode the samples and the eval -> call 6 is episode 3's samples.
-    failing = ["models.reward.model_class=test_rlhf_engine:FailingReward", "reward.fail_on_call=6",
+    failing = ["models.reward.model_class=test_rlhf_runs:FailingReward", "reward.fail_on_call=6",
                "runtime.num_episode=3"]
     assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *common, *failing]) == 1
     err = capsys.readouterr().err
