@@ -3,8 +3,9 @@
 Megatron trainer (MegatronModule.train_step + chatgen.rlhf.algorithms.nll_loss_fn), saved as an HF directory
 that vLLM and the RLHF trainers then load.
 
-RL needs a policy that sometimes gets it right; a short warm start gives the format (digits, then EOS)
-without solving the task, and GRPO does the rest (examples/train_grpo_tiny.sh). One process, CPU or one GPU.
+RL needs a policy that sometimes gets it right. examples/train_grpo_tiny.sh warm-starts on sft.jsonl of the
+sort-digits task (mixed demonstrations: 70% sorted descending), so the model can sort but mostly the wrong
+way, and GRPO does the rest. One process, CPU or one GPU; 300 steps take ~30 s on 2 CPU cores.
 """
 import argparse
 import json
