@@ -301,8 +301,11 @@ class Run:
         self.log(f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}")
 
     def evaluate(self) -> dict:
-        """Greedy (eval sampling) responses to every held-out prompt, scored: eval/reward, eval/solved."""
-        rewards = self.score(self.eval_records, self.generate(self.eval_items, is_eval=True), n=1)
+        """Responses to every held-out prompt with the eval sampling keys (greedy when eval_temperature is 0),
+        scored: eval/reward, eval/solved."""
+        batch = self.generate(self.eval_items, is_eval=True)
+        n = len(batch["str_outputs"]) // len(self.eval_records)  # 1 when greedy, else the policy's n
+        rewards = self.score(self.eval_records, batch, n=n)
         return {"eval/reward": rewards.mean().item(), "eval/solved": (rewards >= 1.0).float().mean().item()}
 
     def close(self) -> Path | None:
@@ -315,7 +318,7 @@ def sample_metrics(rewards: torch.Tensor, batch: dict) -> dict:
     """Reward, length and train/inference mismatch figures of one episode's samples."""
     mask = batch["loss_mask"]
     diff = (batch["old_logprobs"] - batch["infer_logprobs"]).abs() * mask
-    return {
+    metrics = {
         "reward/mean": rewards.mean().item(),
         "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
         "reward/solved": (rewards >= 1.0).float().mean().item(),
@@ -323,6 +326,10 @@ def sample_metrics(rewards: torch.Tensor, batch: dict) -> dict:
         "mismatch/logprob_max_abs": diff.max().item(),
         "mismatch/logprob_mean_abs": (diff.sum() / mask.sum().clamp(min=1)).item(),
     }
+    if "is_weights" in batch:  # truncated importance sampling on: how far from 1 the weights are
+        metrics["mismatch/is_weight_mean"] = (batch["is_weights"] * mask).sum().item() / max(mask.sum().item(), 1)
+        metrics["mismatch/is_weight_min"] = batch["is_weights"][mask > 0].min().item()
+    return metrics
 
 
 def prefixed(prefix: str, stats: dict) -> dict:
