@@ -13,7 +13,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="${CHATGEN_VENV:-$PWD/.venv}/bin:$PATH"
 export OMP_WAIT_POLICY=PASSIVE   # shared CPU cores: spinning OpenMP threads slow the tiny model's steps ~10x
 
 MODEL=${MODEL:-outputs/tiny-llama}

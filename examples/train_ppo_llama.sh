@@ -9,6 +9,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${POLICY_LOAD:?set POLICY_LOAD to the HF checkpoint directory of the policy}"
 : "${DATASET_PATH:?set DATASET_PATH to a directory with train.jsonl and test.jsonl}"
 CHATGEN_REQUIREMENTS=${CHATGEN_REQUIREMENTS:-requirements-gpu.txt} bash scripts/setup_env.sh
-export PATH="$PWD/.venv/bin:$PATH"
+export PATH="${CHATGEN_VENV:-$PWD/.venv}/bin:$PATH"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/ppo_llama/$(date +%Y%m%d-%H%M%S)}
 chatgen train configs/ppo_llama.yaml "$@"
