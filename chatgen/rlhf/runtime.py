@@ -275,11 +275,12 @@ def _dp_rank(models, name):
 
 def worker_env() -> dict:
     """Environment of every actor, set before its process starts: the driver's import path (so examples/ and
-    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has, quieter vLLM logs, and passive
-    OpenMP waiting (on shared CPU cores, spinning OpenMP threads slow a tiny model's steps ~10x)."""
+    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has, vLLM logging errors only (export
+    VLLM_LOGGING_LEVEL=INFO to see more), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
+    threads slow a tiny model's steps ~10x)."""
     path = [os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_LOGGING_LEVEL": "WARNING", "OMP_WAIT_POLICY": "PASSIVE"}
+           "VLLM_LOGGING_LEVEL": "ERROR", "OMP_WAIT_POLICY": "PASSIVE"}
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith(("CHATGEN_", "VLLM_", "HF_")) or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
     return env
