@@ -115,7 +115,7 @@ def select(batch: dict, index: torch.Tensor) -> dict:
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
 
 def _sync_colocated(models, trainer, policy, validate):
-    return models[trainer].sync_to(models[policy], validate=validate).seconds
+    models[trainer].sync_to(models[policy], validate=validate)
 
 
 def _open_receiver(models, policy, multi_node):
@@ -127,7 +127,7 @@ def _open_receiver(models, policy, multi_node):
 
 
 def _receive(models, policy):
-    return models[policy]._chatgen_receiver.receive_into(models[policy]).seconds
+    models[policy]._chatgen_receiver.receive_into(models[policy])
 
 
 def _connect_sender(models, trainer, host, port):
@@ -137,7 +137,7 @@ def _connect_sender(models, trainer, host, port):
 
 
 def _send(models, trainer, validate):
-    return models[trainer].sync_to(models[trainer]._chatgen_sender, validate=validate).seconds
+    models[trainer].sync_to(models[trainer]._chatgen_sender, validate=validate)
 
 
 class Run:
@@ -193,11 +193,13 @@ class Run:
 
     def generate(self, items: list, is_eval: bool = False) -> dict:
         """Sample n responses per item with the policy -> trainer batch plus "str_outputs" (S texts)."""
+        self._wake_policy()
         gen = self.policy.first("run_generation", items, is_eval)
         batch = trainer_batch(gen)
         batch["str_outputs"] = list(gen["str_outputs"])
-        if self._policy_sleeps:
+        if self._policy_sleeps:  # colocated on GPUs: free the engine's memory for the trainers
             self.policy.call("sleep")
+            self._asleep = True
         return batch
 
     def score(self, records: list, batch: dict, n: int = None) -> torch.Tensor:
@@ -255,26 +257,29 @@ class Run:
         trainer, policy = self.runtime["policy_trainer"], self.policy
         self._colocated = trainer.group is policy.group
         self._policy_sleeps = self._colocated and policy.entry.num_gpu > 0  # CPU: sleep frees nothing
+        self._asleep = False
         self._syncs = 0
         if not self._colocated:
             host, port = policy.get(policy.group.run_async(_open_receiver, policy.name, policy.group.multi_node),
                                     "open sync")[0]
             trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
 
-    def sync_policy(self) -> float:
-        """policy_trainer's weights -> the policy's vLLM engine. The first sync of a run validates every tensor.
-        Returns the seconds the copy took (inside the actors)."""
+    def _wake_policy(self) -> None:
+        if self._asleep:
+            self.policy.call("wake_up")
+            self._asleep = False
+
+    def sync_policy(self) -> None:
+        """policy_trainer's weights -> the policy's vLLM engine. The first sync of a run validates every tensor."""
         trainer, policy = self.runtime["policy_trainer"], self.policy
         validate = self._syncs == 0
-        if self._policy_sleeps:
-            policy.call("wake_up")
+        self._wake_policy()
         if self._colocated:
-            seconds = trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, policy.name, validate), "sync")
+            trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, policy.name, validate), "sync")
         else:
             refs = policy.group.run_async(_receive, policy.name) + trainer.group.run_async(_send, trainer.name, validate)
-            seconds = trainer.get(refs, "sync")
+            trainer.get(refs, "sync")
         self._syncs += 1
-        return max(seconds)
 
     # ---- checkpoint, resume, eval, log ---------------------------------------------------------------
 
@@ -286,8 +291,7 @@ class Run:
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
-        state = {"episode": episode, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state(),
-                 "syncs": self._syncs}
+        state = {"episode": episode, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()}
         return ckpt.commit_checkpoint(tmp, state)
 
     def _resume(self, path: Path) -> None:

@@ -61,8 +61,7 @@ class ModelWorker:
 
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # Ray: own devices
         import torch
 
         torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
@@ -101,11 +100,6 @@ class ModelWorker:
         """fn(models: {name: model}, *args, **kwargs) in this process (module-level functions only)."""
         return fn(self.models, *args, **kwargs)
 
-    def shutdown(self) -> None:
-        for model in self.models.values():
-            if hasattr(model, "shutdown"):
-                model.shutdown()
-
 
 class ActorGroup:
     """The Ray actors of one colocation group: `world_size` ModelWorkers in one placement group.
@@ -118,7 +112,7 @@ class ActorGroup:
         self.names, self.world_size = list(names), world_size
         bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-        ready, _ = ray.wait([self.pg.ready()], timeout=600)
+        ready, _ = ray.wait([self.pg.ready()], timeout=300)
         if not ready:
             raise RuntimeError(f"Ray could not place {'+'.join(names)}: {world_size} x {bundle} is more than the "
                                f"cluster has ({ray.cluster_resources()}); lower num_gpu / num_cpu or add nodes")
@@ -162,14 +156,11 @@ class ModelHandle:
 
     def __init__(self, name: str, entry, group: ActorGroup):
         self.name, self.entry, self.group = name, entry, group
-        self.backend, self.config = entry.backend, entry.config
+        self.backend = entry.backend
         self.dp_ranks = None  # Megatron: data-parallel rank of each actor (set by Runtime.start)
 
     def call(self, method: str, *args, **kwargs) -> list:
         return self.group.get(self.group.call_async(self.name, method, *args, **kwargs), f"{self.name}.{method}")
-
-    def call_async(self, method: str, *args, **kwargs) -> list:
-        return self.group.call_async(self.name, method, *args, **kwargs)
 
     def first(self, method: str, *args, **kwargs):
         """Call on every rank (collective), return rank 0's result."""
@@ -177,10 +168,6 @@ class ModelHandle:
 
     def get(self, refs, what):
         return self.group.get(refs, f"{self.name}.{what}")
-
-    @property
-    def colocated_with(self) -> list:
-        return [n for n in self.group.names if n != self.name]
 
 
 def _model_world_size(entry) -> int:
