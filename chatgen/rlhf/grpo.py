@@ -7,6 +7,7 @@ model scores them; each response's advantage is its reward relative to the other
 the trainer (Megatron) takes clipped policy-gradient steps with a KL penalty to the reference; the new weights
 are synced into vLLM; then checkpoint, eval and log. Models and their roles: docs/rlhf_engine.md.
 """
+import time
 from functools import partial
 
 from chatgen.rlhf import algorithms as A
@@ -32,6 +33,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
                 run.logger.log(0, run.evaluate())  # where the policy starts
             timer.pop()
         for episode in range(run.start_episode, cfg.runtime.num_episode + 1):
+            start = time.perf_counter()
             records, items = run.next_prompts()
             with timer("generate"):
                 batch = run.generate(items)  # S = len(items) * n samples, prompt-major
@@ -60,7 +62,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             if run.eval_records and run.should(cfg.runtime.eval_episode_interval, episode):
                 with timer("eval"):
                     metrics.update(run.evaluate())
-            metrics.update(timer.pop())
+            metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
             run.logger.log(episode, metrics)
     finally:
         plot = run.close()

@@ -8,6 +8,7 @@ the critic (value_trainer) gives per-token values; GAE turns rewards and values 
 the policy trainer takes clipped policy-gradient steps and the critic clipped value steps; the policy's
 new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
 """
+import time
 from functools import partial
 
 from chatgen.rlhf import algorithms as A
@@ -34,6 +35,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
                 run.logger.log(0, run.evaluate())  # where the policy starts
             timer.pop()
         for episode in range(run.start_episode, cfg.runtime.num_episode + 1):
+            start = time.perf_counter()
             records, items = run.next_prompts()
             with timer("generate"):
                 batch = run.generate(items)
@@ -72,7 +74,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             if run.eval_records and run.should(cfg.runtime.eval_episode_interval, episode):
                 with timer("eval"):
                     metrics.update(run.evaluate())
-            metrics.update(timer.pop())
+            metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
             run.logger.log(episode, metrics)
     finally:
         plot = run.close()
