@@ -35,12 +35,27 @@ class AlgorithmConfig:
     name: Literal["grpo", "ppo"] = opt("grpo", "grpo (group-relative advantages) or ppo (value model + GAE)")
     kl_coef: float = opt(0.0, "weight of the KL(policy, reference) penalty; 0 = no reference model needed")
     clip_eps: float = opt(0.2, "PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] are clipped")
+    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(
+        None, "KL estimator (Schulman's k1/k2/k3); null = k3 for grpo (in the loss), k1 for ppo (in the reward)")
+    importance_sampling_cap: Optional[float] = opt(
+        None, "truncated importance weight cap for the train/inference mismatch (e.g. 2.0); null = off")
+    gamma: float = opt(1.0, "ppo: discount factor of GAE")
+    lam: float = opt(0.95, "ppo: GAE lambda")
+    value_clip_eps: float = opt(0.2, "ppo: value-function clip around the old values")
 
     def check(self):
         if self.kl_coef < 0:
             yield "kl_coef", f"must be >= 0, got {self.kl_coef}; use 0 to disable the KL penalty"
         if self.clip_eps <= 0:
             yield "clip_eps", f"must be > 0, got {self.clip_eps}; 0.2 is the usual value"
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
+            yield "importance_sampling_cap", (f"must be >= 1 or null, got {self.importance_sampling_cap}; "
+                                              "2.0 is usual, null turns the correction off")
+        for key in ("gamma", "lam"):
+            if not 0 <= getattr(self, key) <= 1:
+                yield key, f"must be in [0, 1], got {getattr(self, key)}; 1.0 and 0.95 are the usual values"
+        if self.value_clip_eps <= 0:
+            yield "value_clip_eps", f"must be > 0, got {self.value_clip_eps}; 0.2 is the usual value"
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -32,11 +32,6 @@ NEEDS = {  # algorithm -> {model name: backend}
 OPTIONAL = {"reference": "megatron"}
 
 
-def algorithm_knob(cfg, key: str, default):
-    """An algorithm setting from runtime.algorithm, or its default where the schema has no such key yet."""
-    return getattr(cfg.runtime.algorithm, key, default)
-
-
 def check_config(cfg) -> None:
     """Problems a schema cannot see (which models an algorithm needs, how they fit together), all at once,
     before any actor starts. Raises ConfigError."""

@@ -11,7 +11,7 @@ import time
 from functools import partial
 
 from chatgen.rlhf import algorithms as A
-from chatgen.rlhf.engine import Run, algorithm_knob, prefixed, sample_metrics
+from chatgen.rlhf.engine import Run, prefixed, sample_metrics
 
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
@@ -19,8 +19,8 @@ PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "c
 def train(cfg, resume: bool = False, log=print) -> dict:
     """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
     algo = cfg.runtime.algorithm
-    kl_kind = algorithm_knob(cfg, "kl_estimator", "k3")
-    tis_cap = algorithm_knob(cfg, "importance_sampling_cap", None)  # None: no train/inference correction
+    kl_kind = algo.kl_estimator or "k3"
+    tis_cap = algo.importance_sampling_cap  # None: no train/inference correction
     loss_fn = partial(A.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=kl_kind)
     train_keys = ("old_logprobs", "advantages", "loss_mask") + (("ref_logprobs",) if algo.kl_coef else ()) \
         + (("is_weights",) if tis_cap else ())

@@ -12,7 +12,7 @@ import time
 from functools import partial
 
 from chatgen.rlhf import algorithms as A
-from chatgen.rlhf.engine import Run, algorithm_knob, prefixed, sample_metrics
+from chatgen.rlhf.engine import Run, prefixed, sample_metrics
 
 PHASES = ["generate", "reward", "reference", "old_logprobs", "values", "train", "sync", "checkpoint", "eval"]
 
@@ -20,11 +20,11 @@ PHASES = ["generate", "reward", "reference", "old_logprobs", "values", "train", 
 def train(cfg, resume: bool = False, log=print) -> dict:
     """Run PPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
     algo = cfg.runtime.algorithm
-    gamma, lam = algorithm_knob(cfg, "gamma", 1.0), algorithm_knob(cfg, "lam", 0.95)
-    kl_kind = algorithm_knob(cfg, "kl_estimator", "k1")  # k1 in the reward: the classic RLHF penalty
-    tis_cap = algorithm_knob(cfg, "importance_sampling_cap", None)
+    gamma, lam = algo.gamma, algo.lam
+    kl_kind = algo.kl_estimator or "k1"  # k1 in the reward: the classic RLHF penalty
+    tis_cap = algo.importance_sampling_cap
     policy_loss_fn = partial(A.policy_loss_fn, clip_eps=algo.clip_eps)  # the KL is in the rewards
-    value_loss_fn = partial(A.value_loss_fn, clip_eps=algorithm_knob(cfg, "value_clip_eps", 0.2))
+    value_loss_fn = partial(A.value_loss_fn, clip_eps=algo.value_clip_eps)
     policy_keys = ("old_logprobs", "advantages", "loss_mask") + (("is_weights",) if tis_cap else ())
 
     run = Run(cfg, resume, PHASES, log)

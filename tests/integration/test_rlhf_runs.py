@@ -145,9 +145,10 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
     cfg = load_config(REPO / "configs/ppo_tiny.yaml",
                       [*overrides(tiny_llama_dir, data_dir, out, **{"value_trainer.load": tiny_llama_dir,
                                                                    "runtime.num_episode": 2,
-                                                                   "runtime.save_episode_interval": 2})])
+                                                                   "runtime.save_episode_interval": 2,
+                                                                   "runtime.algorithm.importance_sampling_cap": 2.0})])
     assert cfg.runtime.colocation == [["policy", "reward"], ["policy_trainer", "reference", "value_trainer"]]
-    cfg.runtime.algorithm.importance_sampling_cap = 2.0  # truncated IS on (no schema key yet: set in code)
+    assert cfg.runtime.algorithm.importance_sampling_cap == 2.0  # truncated IS on, as a user would set it
     ppo.train(cfg, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]

@@ -472,3 +472,13 @@ def test_keys_vllm_v1_cannot_honour_come_out_with_the_other_errors(main_yaml, tm
     keys = sorted(e.split(": ")[1] for e in errors)
     assert keys == ["sliding_window", "swap_space", "tempreature", "use_beam_search"]
     assert all(e.startswith("models/policy.yaml: ") for e in errors)
+
+
+def test_algorithm_knobs_are_typed_and_checked(main_yaml):
+    cfg = load_config(main_yaml, ["runtime.algorithm.importance_sampling_cap=2", "runtime.algorithm.kl_estimator=k1"])
+    assert cfg.runtime.algorithm.importance_sampling_cap == 2.0 and cfg.runtime.algorithm.kl_estimator == "k1"
+    errors = errors_of(load_config, main_yaml, ["runtime.algorithm.gamma=1.5", "runtime.algorithm.kl_estimator=k4",
+                                                "runtime.algorithm.importance_sampling_cap=0.5"])
+    assert sorted(e.split(": ")[1] for e in errors) == ["runtime.algorithm.gamma",
+                                                        "runtime.algorithm.importance_sampling_cap",
+                                                        "runtime.algorithm.kl_estimator"]
