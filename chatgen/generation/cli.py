@@ -12,6 +12,8 @@ Output: one line per sample (n per input line, in input order): {"index": input 
 import json
 import sys
 
+from chatgen.jsonl import is_token_ids, read_records
+
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
 
@@ -27,26 +29,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. top_p=0.9")
 
 
+def _prompt_problem(record):
+    if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
+        return 'needs "prompt_ids" (list of ints) or "prompt" (string)'
+    if "prompt_ids" in record and not is_token_ids(record["prompt_ids"]):
+        return '"prompt_ids" must be a non-empty list of ints'
+    return None
+
+
 def read_prompts(path) -> list:
     """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the bad line."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); write one JSON object per line") from None
-            if not isinstance(record, dict) or ("prompt_ids" not in record and not isinstance(record.get("prompt"), str)):
-                raise ValueError(f"{path}:{lineno}: needs \"prompt_ids\" (list of ints) or \"prompt\" (string)")
-            ids, text = record.get("prompt_ids"), record.get("prompt")
-            if ids is not None and not (isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)):
-                raise ValueError(f"{path}:{lineno}: \"prompt_ids\" must be a non-empty list of ints")
-            rows.append((ids, text))
-    if not rows:
-        raise ValueError(f"{path}: no prompts; write one JSON object per line")
-    return rows
+    return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, _prompt_problem, "prompts")]
 
 
 def run(args) -> int:

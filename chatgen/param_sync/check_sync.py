@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from chatgen.jsonl import is_token_ids, read_records
+
 
 def add_arguments(p):
     p.add_argument("--hf-checkpoint", required=True, help="HF model directory (Llama or Qwen2 family)")
@@ -36,20 +38,11 @@ def add_arguments(p):
 
 
 def read_prompts(path) -> list:
-    prompts = []
-    for i, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            ids = json.loads(line)["prompt_ids"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise ValueError(f'{path}:{i}: expected a JSON object {{"prompt_ids": [int, ...]}}, got {line[:80]!r}')
-        if not ids or not all(isinstance(t, int) for t in ids):
-            raise ValueError(f"{path}:{i}: prompt_ids must be a non-empty list of token ids")
-        prompts.append(ids)
-    if not prompts:
-        raise ValueError(f"{path}: no prompts")
-    return prompts
+    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line."""
+    def check(record):
+        return None if is_token_ids(record.get("prompt_ids")) else 'needs "prompt_ids": a non-empty list of token ids'
+
+    return [r["prompt_ids"] for r in read_records(path, check, "prompts")]
 
 
 def _trainer_config(args) -> dict:

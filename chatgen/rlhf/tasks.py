@@ -21,6 +21,8 @@ import random
 import re
 from pathlib import Path
 
+from chatgen.jsonl import read_records
+
 DIGITS = re.compile(r"\d")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
 
@@ -93,21 +95,7 @@ def get_reward_fn(name: str):
 
 def read_jsonl(path) -> list[dict]:
     """Records of a JSONL prompt file; each line must have "prompt" (and "answer" for rule rewards)."""
-    records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict) or "prompt" not in record:
-                raise ValueError(f"{path}:{lineno}: each line must be an object with a \"prompt\" key")
-            records.append(record)
-    if not records:
-        raise ValueError(f"{path}: no records")
-    return records
+    return read_records(path, lambda r: None if "prompt" in r else 'each line must be an object with a "prompt" key')
 
 
 def write_jsonl(path, records) -> None:

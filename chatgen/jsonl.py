@@ -1,0 +1,32 @@
+"""JSON Lines input files (prompts, datasets): one object per line, errors that name the file and line."""
+import json
+
+
+def read_records(path, check=None, what: str = "records") -> list[dict]:
+    """The objects of a JSONL file, blank lines skipped.
+
+    `check(record)` returns None or a problem ("needs ..."), raised as `ValueError("<path>:<line>: <problem>")`.
+    A line that is not a JSON object, and a file with no records, are errors too.
+    """
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); write one JSON object per line") from None
+            problem = "not a JSON object; write one {...} per line" if not isinstance(record, dict) else \
+                check(record) if check else None
+            if problem:
+                raise ValueError(f"{path}:{lineno}: {problem}")
+            records.append(record)
+    if not records:
+        raise ValueError(f"{path}: no {what}; write one JSON object per line")
+    return records
+
+
+def is_token_ids(value) -> bool:
+    """A non-empty list of ints (bools excluded)."""
+    return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
