@@ -14,6 +14,7 @@ Trainer batches: input_ids (S, L) right-padded, attention_mask (S, L), and per-t
 aligned with the trainer's log-probs (entry t scores token t+1): loss_mask (1 on response tokens),
 infer_logprobs (vLLM's), old_logprobs / ref_logprobs (trainer / reference before the update).
 """
+import time
 from pathlib import Path
 
 import torch
@@ -306,6 +307,26 @@ class Run:
         n = len(batch["str_outputs"]) // len(self.eval_records)  # 1 when greedy, else the policy's n
         rewards = self.score(self.eval_records, batch, n=n)
         return {"eval/reward": rewards.mean().item(), "eval/solved": (rewards >= 1.0).float().mean().item()}
+
+    def evaluate_start(self) -> None:
+        """On a fresh run with evaluation on, log the held-out reward before any training as episode 0."""
+        if self.start_episode == 1 and self.eval_records and self.cfg.runtime.eval_episode_interval:
+            with self.timer("eval"):
+                self.logger.log(0, self.evaluate())
+            self.timer.pop()
+
+    def end_episode(self, episode: int, metrics: dict, start: float) -> dict:
+        """Every algorithm's episode tail: checkpoint, evaluate, add the phase times, log one line."""
+        rt, timer = self.cfg.runtime, self.timer
+        if self.should(rt.save_episode_interval, episode):
+            with timer("checkpoint"):
+                self.save(episode)
+        if self.eval_records and self.should(rt.eval_episode_interval, episode):
+            with timer("eval"):
+                metrics.update(self.evaluate())
+        metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
+        self.logger.log(episode, metrics)
+        return metrics
 
     def close(self) -> Path | None:
         """Stop the actors, close the logs, write the plot; returns the plot's path."""

@@ -30,10 +30,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
     run = Run(cfg, resume, PHASES, log)
     timer, metrics = run.timer, {}
     try:
-        if run.start_episode == 1 and run.eval_records and cfg.runtime.eval_episode_interval:
-            with timer("eval"):
-                run.logger.log(0, run.evaluate())  # where the policy starts
-            timer.pop()
+        run.evaluate_start()  # episode 0: where the policy starts
         for episode in range(run.start_episode, cfg.runtime.num_episode + 1):
             start = time.perf_counter()
             records, items = run.next_prompts()
@@ -68,14 +65,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             if "ref_logprobs" in batch:
                 metrics["kl/reference"] = A.masked_mean(
                     A.kl_estimate(batch["old_logprobs"], batch["ref_logprobs"], kl_kind), mask).item()
-            if run.should(cfg.runtime.save_episode_interval, episode):
-                with timer("checkpoint"):
-                    run.save(episode)
-            if run.eval_records and run.should(cfg.runtime.eval_episode_interval, episode):
-                with timer("eval"):
-                    metrics.update(run.evaluate())
-            metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
-            run.logger.log(episode, metrics)
+            run.end_episode(episode, metrics, start)  # checkpoint, eval, log
     finally:
         plot = run.close()
     if plot:
