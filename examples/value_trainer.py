@@ -18,7 +18,7 @@ VALUE_TOKEN = 0
 
 
 class ValueTrainer(MegatronModule):
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """(b, T, V/TP) vocab-parallel logits -> (b, T-1) float32 values, with gradient."""
         from megatron.core import tensor_parallel
 

@@ -418,7 +418,7 @@ class MegatronModule:
             logits = model(ids, position_ids, mask)
             if not self.is_last_stage:
                 return logits, None
-            logprobs = self._token_logprobs(logits, ids)
+            logprobs = self.token_outputs(logits, ids)
 
             def loss_func(output):
                 if loss_fn is None:
@@ -454,9 +454,15 @@ class MegatronModule:
             metrics = dict(zip(metrics, (values / self.dp).tolist()))
         return metrics
 
-    def _token_logprobs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Vocab-parallel log-softmax gathered at the next tokens: (b, T, V/TP) -> (b, T-1) float32.
-        Padded vocab rows (ids >= the HF vocab) get -inf-like logits, so the distribution is HF's."""
+    def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
+        `forward_step`, `compute_logprobs` and `train_step` (with gradient).
+
+        logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T).
+        Returns (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
+        log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is HF's).
+        Override for a head that is not a token distribution, e.g. a PPO critic (examples/value_trainer.py).
+        """
         from megatron.core import tensor_parallel
 
         logits = logits[:, :-1].float()
