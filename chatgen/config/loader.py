@@ -269,7 +269,7 @@ def _type_error(value, tp) -> str:
     return f"expected {_type_name(tp)}, got {type(value).__name__} {value!r}; {fix}"
 
 
-def _build(cls, data, where: dict, errors: list, path: tuple = ()):
+def _build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=None):
     """An instance of dataclass `cls` from mapping `data` (None if it has errors); `dict` = any mapping."""
     if not isinstance(data, dict):
         errors.append(f"{_at(where, path)}: expected a mapping of `key: value`, got {type(data).__name__} "
@@ -311,7 +311,8 @@ def _build(cls, data, where: dict, errors: list, path: tuple = ()):
     # checks that look across sections (colocation, batch sizes) also run.
     complete = len(errors) == before
     obj = cls(**kwargs)
-    for key, problem in getattr(obj, "check", tuple)():
+    problems = [*getattr(obj, "check", tuple)(), *(extra_check(obj) if extra_check else ())]
+    for key, problem in problems:
         if key not in bad:
             errors.append(f"{_at(where, (*path, key))}: {problem}")
     return obj if complete else None
@@ -332,12 +333,14 @@ def resolve_schema(schema):
 # --- public entry points ------------------------------------------------------------------------------------
 
 
-def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] | dict = ()):
+def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] | dict = (),
+                      extra_check=None):
     """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema`.
 
     `path=None` starts from the schema's defaults. `overrides` may also be a dict of typed values (keys set
     from code, e.g. `load_model_config(None, VLLMConfig, {"load": d, "n": 4})`), checked the same way.
-    Raises ConfigError listing every problem.
+    `extra_check(obj)` yields (key, problem) pairs for checks that need more than the config (e.g. the
+    platform it runs on); they are reported with every other problem. Raises ConfigError listing them all.
     """
     schema = resolve_schema(schema)
     errors, files = [], []
@@ -346,7 +349,7 @@ def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: 
     overrides_tree = dict(overrides) if isinstance(overrides, dict) else _parse_overrides(overrides, errors)
     _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (source, "")))
     data = _substitute(data, where, errors)
-    obj = _build(schema, data, where, errors)
+    obj = _build(schema, data, where, errors, extra_check=extra_check)
     if errors:
         raise ConfigError(errors)
     return obj

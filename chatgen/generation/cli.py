@@ -9,6 +9,7 @@ Output: one line per sample (n per input line, in input order): {"index": input 
 "text" (when the model has a tokenizer)}. Trailing `key=value` arguments set any per-model key
 (docs/generation_keys.md); --config starts from a per-model YAML.
 """
+import functools
 import json
 import sys
 
@@ -44,6 +45,7 @@ def read_prompts(path) -> list:
 
 def run(args) -> int:
     from chatgen.config import ConfigError, VLLMConfig, format_config, load_model_config
+    from chatgen.generation import engine_config, vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
 
     overrides = [f"load={args.model}"]
@@ -54,7 +56,8 @@ def run(args) -> int:
         overrides.append("new_token_limit=true")
     try:  # bad input or config: the message, not a traceback
         rows = read_prompts(args.input)
-        config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides))
+        platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
+        config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides), extra_check=platform)
         module = VLLMModule(config)
     except (ConfigError, ValueError, OSError) as e:
         print(f"chatgen generate: {e}", file=sys.stderr)

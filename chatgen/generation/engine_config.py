@@ -15,13 +15,17 @@ LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
-def check_vllm_config(cfg, cpu: bool) -> None:
-    """Raise one ConfigError listing every problem: the schema's checks (VLLMConfig.check, which also rejects
-    the keys vLLM V1 cannot honour) plus the platform-dependent ones."""
-    problems = list(cfg.check())
+def platform_problems(cfg, cpu: bool):
+    """(key, problem) pairs for keys this platform cannot honour (the loader's `extra_check`)."""
     if cpu and cfg.block_size is not None and cfg.block_size % 32:
-        problems.append(("block_size", f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a "
-                                       "multiple of 32; use 128 (vLLM's CPU default) or remove the key"))
+        yield "block_size", (f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a multiple of 32; "
+                             "use 128 (vLLM's CPU default) or remove the key")
+
+
+def check_vllm_config(cfg, cpu: bool) -> None:
+    """Raise one ConfigError listing every problem of a config built in code: the schema's checks
+    (VLLMConfig.check, which also rejects the keys vLLM V1 cannot honour) plus the platform's."""
+    problems = [*cfg.check(), *platform_problems(cfg, cpu)]
     if problems:
         raise ConfigError([f"{key}: {msg}" for key, msg in problems])
 

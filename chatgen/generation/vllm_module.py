@@ -15,6 +15,7 @@ The vLLM engine stays in this process (no engine subprocess), so a trainer in th
 weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
+import functools
 import itertools
 import time
 from pathlib import Path
@@ -44,10 +45,11 @@ class VLLMModule:
     """
 
     def __init__(self, config, *, distributed_executor_backend=None):
+        platform = functools.partial(engine_config.platform_problems, cpu=adapter.on_cpu())
         if isinstance(config, (str, Path)):
-            config = load_model_config(config, VLLMConfig)
+            config = load_model_config(config, VLLMConfig, extra_check=platform)
         elif isinstance(config, dict):  # through the loader: unknown keys and types are checked the same way
-            config = load_model_config(None, VLLMConfig, config)
+            config = load_model_config(None, VLLMConfig, config, extra_check=platform)
         elif not isinstance(config, VLLMConfig):
             raise TypeError(f"VLLMModule(config): expected a VLLMConfig, dict or YAML path, got {type(config).__name__}")
         engine_config.check_vllm_config(config, cpu=adapter.on_cpu())
