@@ -18,6 +18,7 @@ token for token, so a vLLM upgrade that moves any of it fails loudly there inste
 Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)`.
 """
 import dataclasses
+import logging
 import os
 from pathlib import Path
 from typing import Iterable
@@ -118,6 +119,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         _per_job_cpu_shm()
     llm = LLM(model, **engine_kwargs)
     check_internals(llm)
+    llm.collective_rpc(_install_reload_log_filter)
     return llm
 
 
@@ -257,6 +259,25 @@ def load_weights(llm: LLM, named_tensors: Iterable) -> None:
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     llm.collective_rpc(_refresh_tied_lm_head)
     llm.reset_prefix_cache()
+
+
+class _ComputedBufferReloadFilter(logging.Filter):
+    """Drops vLLM 0.32's "RotaryEmbedding: Failed to load weights" warning, logged on every reload: the layer's
+    only tensor is its cos/sin cache, computed at start, which no checkpoint carries. Other layers' warnings
+    pass (and chatgen.param_sync's manifest check already refuses a sync that misses a parameter)."""
+
+    LAYERS = ("RotaryEmbedding",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith(self.LAYERS))
+
+
+def _install_reload_log_filter(worker=None) -> None:
+    """Install the filter in this process (called in each worker through collective_rpc); idempotent."""
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ComputedBufferReloadFilter) for f in reload_logger.filters):
+        reload_logger.addFilter(_ComputedBufferReloadFilter())
 
 
 def _refresh_tied_lm_head(worker) -> None:
