@@ -17,10 +17,21 @@ want="$(cat "$reqs" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
 
 check_imports() {
   # The four must import together in one process: this is what the torchvision trap breaks.
-  "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen" 2>/dev/null
+  (cd / && "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen") 2>/dev/null
+}
+
+# The venv may be shared between clones (CHATGEN_VENV): its editable `chatgen` must be this checkout's.
+points_here() {
+  # (from /, so that a `chatgen` folder in the current directory does not answer for the installed one)
+  [[ "$(cd / && "$venv/bin/python" -c 'import chatgen, os; print(os.path.dirname(os.path.dirname(os.path.realpath(chatgen.__file__))))' 2>/dev/null)" == "$(realpath "$repo")" ]]
 }
 
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] && check_imports; then
+  if ! points_here; then
+    echo "[chatgen] pointing $venv at this checkout ($repo)" >&2
+    "$venv/bin/python" -m pip install -q --no-deps --no-build-isolation -e "$repo" >/dev/null 2>&1
+    points_here || { echo "[chatgen] could not install $repo into $venv" >&2; exit 1; }
+  fi
   exit 0
 fi
 
