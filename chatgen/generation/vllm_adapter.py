@@ -258,7 +258,10 @@ def load_weights(llm: LLM, named_tensors: Iterable) -> None:
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     llm.collective_rpc(_refresh_tied_lm_head)
-    llm.reset_prefix_cache()
+    if llm.reset_prefix_cache() is False:  # vLLM refuses while requests hold cache blocks
+        raise RuntimeError("weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
+                           "cached prompts would reuse KV computed with the old weights; sync only between "
+                           "generation calls, when no request is running")
 
 
 class _ComputedBufferReloadFilter(logging.Filter):

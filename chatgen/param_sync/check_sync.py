@@ -45,6 +45,15 @@ def read_prompts(path) -> list:
     return [r["prompt_ids"] for r in read_records(path, check, "prompts")]
 
 
+def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
+    """Largest |a_i - b_i| (and `worst`); NaN when any side is NaN, which then fails every threshold.
+    (Python's max() would keep 0.0 over a NaN: a sync that wrote NaN weights must not pass.)"""
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    if len(a) != len(b) or any(d != d for d in diffs):  # NaN != NaN
+        return float("nan")
+    return max([worst, *diffs])
+
+
 def _trainer_config(args) -> dict:
     return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
                 pipeline_model_parallel_size=args.train_pp, dtype=args.dtype)
@@ -150,7 +159,7 @@ def check_sync(args) -> dict:
             vllm_adapter.shutdown(llm)
     samples, worst = [], 0.0
     for prompt, (output, vllm_lp), trainer_lp in zip(prompts, generated, scores):
-        worst = max([worst] + [abs(a - b) for a, b in zip(vllm_lp, trainer_lp)])
+        worst = max_abs_diff(vllm_lp, trainer_lp, worst)
         samples.append(dict(prompt_ids=prompt, output_ids=output, vllm_logprobs=vllm_lp, trainer_logprobs=trainer_lp))
     return dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
                 sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,

@@ -102,9 +102,9 @@ def _load(llm, buckets) -> int:
         else:
             for bucket in buckets:
                 vllm_adapter.load_weights(llm, list(stream([bucket])))
-    except SyncError:
-        raise
-    except Exception as e:
+    except Exception as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
+        if isinstance(e, SyncError) and written[0] == 0:
+            raise
         state = "keeps its old weights" if written[0] == 0 else (
             f"is PARTIALLY updated ({written[0]} tensors written); sync again before generating")
         raise SyncError(f"weight sync failed, the engine {state}: {type(e).__name__}: {e}") from e

@@ -135,6 +135,14 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
     monkeypatch.setattr(gather, "iter_hf_buckets", broken)
     with pytest.raises(SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*peer went away"):
         tr.sync_to(llm, bucket_bytes=300_000)
+
+    def corrupted(*args, **kwargs):  # a bucket that arrives wrong: the validation check's own SyncError
+        for i, bucket in enumerate(real(*args, **kwargs)):
+            yield [(name, t + 1.0) for name, t in bucket] if i == 2 else bucket
+
+    monkeypatch.setattr(gather, "iter_hf_buckets", corrupted)
+    with pytest.raises(SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*validation"):
+        tr.sync_to(llm, bucket_bytes=300_000, validate=True)
     monkeypatch.undo()
     tr.sync_to(llm)  # a full sync repairs it
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL

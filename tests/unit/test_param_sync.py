@@ -97,3 +97,15 @@ def test_launcher_returns_results_and_reports_the_failing_rank():
     assert launcher.run_distributed(_fails_on_rank_1, 1, args=(21,)) == [42]
     with pytest.raises(RuntimeError, match=r"rank 1 of 2 failed(.|\n)*boom on purpose"):
         launcher.run_distributed(_fails_on_rank_1, 2, args=(1,))
+
+
+def test_check_sync_max_abs_diff_never_hides_nan():
+    from chatgen.param_sync.check_sync import max_abs_diff
+
+    assert max_abs_diff([-1.0, -2.0], [-1.5, -2.0]) == 0.5
+    assert max_abs_diff([-1.0], [-1.25], worst=0.5) == 0.5
+    nan = float("nan")
+    assert max_abs_diff([-1.0, nan], [-1.0, -2.0]) != max_abs_diff([-1.0, nan], [-1.0, -2.0])  # NaN
+    assert not max_abs_diff([nan], [0.0]) <= 1e-4  # fails the threshold check
+    assert not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4  # a NaN from an earlier sample sticks
+    assert not max_abs_diff([-1.0, -2.0], [-1.0]) <= 1e-4  # misaligned scores fail too
