@@ -1,6 +1,7 @@
 """Llama family: HF config -> Megatron model config, and the HF <-> Megatron parameter mapping, side by side.
 
-Llama = RMSNorm, SwiGLU MLP, RoPE, grouped-query attention, tied or untied embeddings, no biases.
+Llama = RMSNorm, SwiGLU MLP, RoPE (plain, or Llama-3.1 "llama3" frequency scaling), grouped-query
+attention, tied or untied embeddings, no biases.
 Qwen2 (chatgen/models/qwen2.py) is the same with a QKV bias. The mapping names each Megatron parameter,
 the HF tensors it is made of and its layout kind (see chatgen/param_sync/layout.py for what each kind
 means under tensor parallelism). `{i}` in a name is the layer number: local to the pipeline stage on the
@@ -33,6 +34,7 @@ class ModelSpec:
     max_position_embeddings: int
     tie_word_embeddings: bool
     qkv_bias: bool
+    rope_scaling_factor: float | None = None  # Llama-3.1 "llama3" RoPE scaling; None = plain RoPE
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: round up to a multiple of divisible_by * TP."""
@@ -47,12 +49,38 @@ class ParamMapping:
     kind: str  # replicated | column | row | vocab | qkv | gate_up
 
 
+# megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
+# GPTModel(rope_scaling_factor=...); these three are fixed defaults there. Configs with other values are refused.
+MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def _rope_scaling(hf_config: dict, problems: list) -> float | None:
+    """The "llama3" scaling factor of an HF config, None for plain RoPE; appends to `problems` what Megatron
+    cannot express. transformers 5 spells the block `rope_parameters`, 4.x `rope_scaling`; both are read."""
+    for key in ("rope_parameters", "rope_scaling"):
+        block = hf_config.get(key) or {}
+        rope_type = block.get("rope_type", block.get("type", "default"))
+        if rope_type == "default":
+            continue
+        if rope_type != "llama3":
+            problems.append(f"{key}.rope_type={rope_type!r} (only plain RoPE and Llama-3.1 'llama3' scaling "
+                            "are mapped)")
+            return None
+        for name, value in MEGATRON_LLAMA3_ROPE.items():
+            if block.get(name) != value:
+                problems.append(f"{key}.{name}={block.get(name)} (megatron-core's llama3 RoPE scaling fixes "
+                                f"{name}={value})")
+        if not isinstance(block.get("factor"), (int, float)):
+            problems.append(f"{key}.factor={block.get('factor')} (llama3 RoPE scaling needs a number)")
+            return None
+        return float(block["factor"])
+    return None
+
+
 def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False) -> ModelSpec:
     """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot express."""
     unsupported = []
-    if hf_config.get("rope_scaling") not in (None, {}) and (hf_config["rope_scaling"] or {}).get(
-            "rope_type", hf_config["rope_scaling"].get("type")) not in (None, "default"):
-        unsupported.append(f"rope_scaling={hf_config['rope_scaling']} (only plain RoPE is mapped)")
+    rope_scaling_factor = _rope_scaling(hf_config, unsupported)
     if hf_config.get("mlp_bias"):
         unsupported.append("mlp_bias=true")
     if family == "llama" and hf_config.get("attention_bias"):
@@ -77,6 +105,7 @@ def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False)
         max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
+        rope_scaling_factor=rope_scaling_factor,
     )
 
 
@@ -105,13 +134,16 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict:
 
 def gpt_model_kwargs(spec: ModelSpec) -> dict:
     """megatron.core GPTModel arguments (vocab_size is filled in padded by the caller)."""
-    return dict(
+    kwargs = dict(
         max_sequence_length=spec.max_position_embeddings,
         position_embedding_type="rope",
         rotary_base=int(spec.rope_theta),
         rotary_percent=1.0,
         share_embeddings_and_output_weights=spec.tie_word_embeddings,
     )
+    if spec.rope_scaling_factor is not None:
+        kwargs.update(rope_scaling=True, rope_scaling_factor=spec.rope_scaling_factor)
+    return kwargs
 
 
 def param_mappings(spec: ModelSpec) -> tuple[list[ParamMapping], list[ParamMapping]]:

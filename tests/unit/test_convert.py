@@ -100,10 +100,37 @@ def test_layout_that_does_not_fit_names_every_problem():
         assert needle in str(err.value)
 
 
+LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}  # Llama-3.1-8B-Instruct's config.json
+
+
+@pytest.mark.parametrize("rope", [  # config.json as transformers 4.x / 5.x write it
+    dict(rope_theta=500000.0, rope_scaling=dict(LLAMA31_ROPE, factor=32.0)),
+    dict(rope_parameters=dict(LLAMA31_ROPE, factor=32.0, rope_theta=500000.0))])
+def test_llama3_rope_scaling_maps_to_megatron(rope):
+    spec = llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                                   vocab_size=8, **rope))
+    assert spec.rope_theta == 500000.0 and spec.rope_scaling_factor == 32.0
+    kwargs = llama.gpt_model_kwargs(spec)
+    assert kwargs["rope_scaling"] is True and kwargs["rope_scaling_factor"] == 32.0
+    assert "rope_scaling" not in llama.gpt_model_kwargs(make_spec())
+
+
+@pytest.mark.parametrize("key, value", [("original_max_position_embeddings", 64), ("low_freq_factor", 2.0),
+                                        ("high_freq_factor", None)])
+def test_llama3_rope_scaling_megatron_cannot_express_is_refused(key, value):
+    with pytest.raises(ValueError, match=f"rope_parameters.{key}={value} .*fixes {key}="):
+        llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                                vocab_size=8, rope_parameters=dict(LLAMA31_ROPE, **{key: value})))
+
+
 def test_unsupported_config_features_raise():
     with pytest.raises(ValueError, match="rope_scaling"):
         llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
                                 vocab_size=8, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match="rope_parameters.rope_type='linear'"):
+        llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
+                                vocab_size=8, rope_parameters={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ValueError, match="not supported"):
         layout.spec_from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="must divide num_layers"):
