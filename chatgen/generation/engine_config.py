@@ -33,6 +33,9 @@ def check_vllm_config(cfg, cpu: bool) -> None:
 def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
     """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's defaults."""
     tokenizer = cfg.tokenizer or model_dir
+    if cfg.tokenizer and not has_tokenizer(cfg.tokenizer):  # a typo must not silently give a token-only engine
+        raise ConfigError([f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json, tokenizer.model or "
+                           "tokenizer_config.json); fix the path, or remove the key to use the model's own"])
     kwargs = dict(
         tokenizer=str(tokenizer),
         skip_tokenizer_init=not has_tokenizer(tokenizer),  # token-only engine for a model without one
@@ -132,11 +135,17 @@ def has_tokenizer(directory) -> bool:
     return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
 
 
+CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM 0.32's CPU attention default
+
+
 def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
-    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens. vLLM's own CPU default
+    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens, each rounded up to whole
+    KV blocks (vLLM refuses a cache that cannot hold one full-length sequence). vLLM's own CPU default
     reserves most of the machine's RAM."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
     per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[cfg.dtype]
-    return per_token * cfg.seq_length * (cfg.generation_batch_size or 8)
+    block = cfg.block_size or CPU_DEFAULT_BLOCK_SIZE
+    tokens_per_sequence = -(-cfg.seq_length // block) * block
+    return per_token * tokens_per_sequence * (cfg.generation_batch_size or 8)

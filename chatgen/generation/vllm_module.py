@@ -71,17 +71,18 @@ class VLLMModule:
         config.json). Default: the `load` key. Override to pick the model in code.
         """
         if not self.config.load:
-            raise ConfigError("load: not set; set it to the Hugging Face model directory vLLM should run")
+            raise ConfigError(["load: not set; set it to the Hugging Face model directory vLLM should run"])
         return self.config.load
 
     def setup(self) -> None:
         """Build the engine. Called once, before the first generation call.
 
-        Default: starts `vllm.LLM(self.model_provider(), **self.engine_kwargs())` in this process and reads
+        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in this process and reads
         the tokenizer. Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
         """
-        self.config = engine_config.resolve_seq_length(self.config, self.model_provider())
-        self.engine = adapter.build_llm(self.model_provider(), **self.engine_kwargs())
+        model_dir = self.model_provider()
+        self.config = engine_config.resolve_seq_length(self.config, model_dir)
+        self.engine = adapter.build_llm(model_dir, **self.engine_kwargs(model_dir))
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -157,10 +158,9 @@ class VLLMModule:
 
     # ------------------------------------------------------------------ framework API
 
-    def engine_kwargs(self) -> dict:
-        """Keyword arguments for `vllm.LLM`, derived from the config (see engine_config.engine_kwargs)."""
-        return engine_config.engine_kwargs(self.config, self.model_provider(), adapter.on_cpu(),
-                                           self.distributed_executor_backend)
+    def engine_kwargs(self, model_dir) -> dict:
+        """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config (engine_config.engine_kwargs)."""
+        return engine_config.engine_kwargs(self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend)
 
     def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see engine_config.sampling_kwargs).

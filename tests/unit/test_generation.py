@@ -66,6 +66,25 @@ def test_engine_kwargs_defaults_without_tokenizer_and_cpu_kv_cache(tmp_path):
     # K and V, 3 layers, 2 KV heads of 32 dims, fp32, for 8 sequences of 256 tokens
     assert kwargs["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256 * 8
     assert "kv_cache_memory_bytes" not in engine_config.engine_kwargs(cfg, str(tmp_path), cpu=False)
+    # a sequence length that is not a whole number of KV blocks (128 on CPU) is rounded up: one 200-token
+    # sequence needs 2 blocks, else vLLM refuses to start
+    short = config(load=str(tmp_path), seq_length=200, max_new_tokens=64, generation_batch_size=1)
+    assert engine_config.engine_kwargs(short, str(tmp_path), cpu=True)["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256
+
+
+def test_explicit_tokenizer_without_tokenizer_files_is_an_error(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(dict(num_attention_heads=4, hidden_size=128, num_hidden_layers=1)))
+    cfg = config(load=str(tmp_path), seq_length=512, tokenizer=str(tmp_path / "typo"))
+    with pytest.raises(ConfigError, match=r"tokenizer: .*typo holds no tokenizer"):
+        engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True)
+
+
+def test_missing_load_is_one_readable_error():
+    from chatgen.generation.vllm_module import VLLMModule
+
+    with pytest.raises(ConfigError) as err:
+        VLLMModule.model_provider(SimpleNamespace(config=SimpleNamespace(load=None)))
+    assert err.value.errors == ["load: not set; set it to the Hugging Face model directory vLLM should run"]
 
 
 def test_sampling_train_eval_and_greedy():
