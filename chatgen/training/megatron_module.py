@@ -16,7 +16,8 @@ Subclass and override the hooks (`model_provider`, `setup`, `forward_step`, `tra
 `save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (Llama or
 Qwen2 family), converted on the fly. The optimizer is plain `torch.optim.AdamW` over this rank's shards
 (gradients averaged over DP and the tied embedding summed across the first and last pipeline stage by
-`_finalize_grads`), which runs the same on CPU and GPU; docs/megatron_module.md says more.
+`_finalize_grads`; fp32 master copies when the model is bf16/fp16), which runs the same on CPU and GPU;
+docs/megatron_module.md says more.
 """
 import dataclasses
 import json
@@ -103,6 +104,7 @@ class MegatronModule:
         self.name = name
         self.model = None  # this rank's GPTModel chunk
         self.optimizer = None
+        self._masters = None  # fp32 master copies of the trainable params when dtype is not float32
         self.iteration = 0  # optimizer steps taken
 
     # ---- lifecycle --------------------------------------------------------------------------------
@@ -130,8 +132,13 @@ class MegatronModule:
         if torch.cuda.is_available():
             self.model.cuda()
         self.load_checkpoint(cfg.load)
+        self._train_params = [p for p in self.model.parameters() if p.requires_grad]
+        # bf16/fp16 weights cannot take small updates (lr 1e-6 on a weight of 0.02 is below half its bf16 step, so
+        # it rounds away): AdamW then steps fp32 master copies, with fp32 moments, and the model gets them cast
+        # back after every step (as megatron's mixed-precision optimizer does). None in fp32.
+        self._masters = None if self.dtype == torch.float32 else [p.detach().float() for p in self._train_params]
         self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad], lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+            self._masters or self._train_params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.setup()
@@ -195,14 +202,22 @@ class MegatronModule:
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         micro_batches = _split_batch(data, mbs)
         self.model.train()
+        self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)
         grad_norm = self._finalize_grads()
+        if self._masters is not None:  # grads into the fp32 masters; clipping and the step happen there
+            for master, p in zip(self._masters, self._train_params):
+                master.grad = None if p.grad is None else p.grad.float()
         if self.config.clip_grad > 0 and math.isfinite(grad_norm) and grad_norm > self.config.clip_grad:
-            for p in self.model.parameters():
+            for p in self.optimizer.param_groups[0]["params"]:
                 if p.grad is not None:
                     p.grad.mul_(self.config.clip_grad / (grad_norm + 1e-6))
         self.optimizer.step()
+        if self._masters is not None:
+            with torch.no_grad():
+                for master, p in zip(self._masters, self._train_params):
+                    p.copy_(master)
         self.scheduler.step()
         self.iteration += 1
         metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"])
@@ -225,8 +240,8 @@ class MegatronModule:
             tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
             save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
                       str(tmp / f"model_{tag}.safetensors"))
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
-                       tmp / f"optim_{tag}.pt")
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "master_params": self._masters}, tmp / f"optim_{tag}.pt")
         if dist.get_rank() == 0:
             (tmp / CHECKPOINT_META).write_text(json.dumps(dict(
                 hf_config=self.hf_config, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
@@ -264,6 +279,10 @@ class MegatronModule:
                 saved = torch.load(optim, weights_only=True)
                 self.optimizer.load_state_dict(saved["optimizer"])
                 self.scheduler.load_state_dict(saved["scheduler"])
+                if self._masters is not None and saved.get("master_params") is not None:
+                    with torch.no_grad():  # the fp32 masters keep the bits the bf16 weights lost
+                        for master, value in zip(self._masters, saved["master_params"]):
+                            master.copy_(value)
             return
         state = {}
         params = layout.stage_params(self.spec, self.pp, self.pp_rank)
@@ -382,6 +401,9 @@ class MegatronModule:
                 raise ValueError(f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
                                  f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})")
             dst.copy_(src)
+        if getattr(self, "_masters", None) is not None:  # the optimizer steps the masters: refresh them too
+            for master, p in zip(self._masters, self._train_params):
+                master.copy_(p)
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
