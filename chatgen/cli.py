@@ -1,10 +1,13 @@
 """The `chatgen` console entry point: `chatgen --help` lists the subcommands.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; only the
-chosen one is imported, so `chatgen --help` does not pay for importing vLLM or Megatron.
+chosen one is imported, so `chatgen --help` does not pay for importing vLLM or Megatron. Bad input
+(ValueError, including ConfigError, and OSError such as a missing file) is reported here, once for every
+subcommand, as `chatgen <command>: <message>` with exit code 1 (2 for config errors).
 """
 import argparse
 import importlib
+import os
 import sys
 
 # name -> (module, one-line help)
@@ -30,7 +33,13 @@ def main(argv=None) -> int:
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
     args = parser.parse_args(argv)
-    return int(args._run(args) or 0)
+    try:
+        return int(args._run(args) or 0)
+    except (ValueError, OSError) as e:  # bad input (config, file, argument): the message, not a traceback
+        if os.environ.get("CHATGEN_DEBUG"):
+            raise
+        print(f"chatgen {args.command}: {e}\n(set CHATGEN_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 2 if type(e).__name__ == "ConfigError" else 1
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ Output: one line per sample (n per input line, in input order): {"index": input 
 import functools
 import json
 import sys
+from pathlib import Path
 
 from chatgen.jsonl import is_token_ids, read_records
 
@@ -44,7 +45,12 @@ def read_prompts(path) -> list:
 
 
 def run(args) -> int:
-    from chatgen.config import ConfigError, VLLMConfig, format_config, load_model_config
+    # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"--model {args.model}: no config.json there; point it at a Hugging Face model directory "
+                         "(e.g. one made by `chatgen make-tiny-model --output DIR`)")
+    rows = read_prompts(args.input)
+    from chatgen.config import VLLMConfig, format_config, load_model_config
     from chatgen.generation import engine_config, vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
 
@@ -54,14 +60,9 @@ def run(args) -> int:
             overrides.append(f"{key}={getattr(args, key)}")
     if args.max_new_tokens is not None:
         overrides.append("new_token_limit=true")
-    try:  # bad input or config: the message, not a traceback
-        rows = read_prompts(args.input)
-        platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
-        config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides), extra_check=platform)
-        module = VLLMModule(config)
-    except (ConfigError, ValueError, OSError) as e:
-        print(f"chatgen generate: {e}", file=sys.stderr)
-        return 1
+    platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
+    config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides), extra_check=platform)
+    module = VLLMModule(config)
     print(format_config(config), file=sys.stderr)
     module.setup()
     items = []

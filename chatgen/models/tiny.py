@@ -57,6 +57,11 @@ def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
     errors = []
     if spec.architecture not in ARCHITECTURES:
         errors.append(f"architecture: {spec.architecture!r} is not supported; use one of {sorted(ARCHITECTURES)}")
+    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+             "num_key_value_heads", "max_position_embeddings")
+    errors += [f"{key}: must be a positive integer, got {getattr(spec, key)}" for key in sizes if getattr(spec, key) < 1]
+    if errors:
+        raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
     if spec.hidden_size % spec.num_attention_heads:
         errors.append("hidden_size: must be divisible by num_attention_heads")
     elif spec.head_dim not in VLLM_CPU_HEAD_SIZES:
