@@ -90,8 +90,8 @@ class MegatronModule:
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
     Lifecycle (the framework calls these): `__init__(config)` stores the config only; `init()` starts
-    torch.distributed, builds the model with `model_provider`, loads `config.load`, builds the optimizer
-    and finally calls `setup()`. Then `forward_step` / `train_step` per batch, `save_checkpoint` when asked.
+    torch.distributed, builds the model with `model_provider` and the optimizer, loads `config.load`
+    (weights; from a chatgen checkpoint also iteration, optimizer and LR schedule) and finally calls `setup()`. Then `forward_step` / `train_step` per batch, `save_checkpoint` when asked.
     """
 
     def __init__(self, config=None, name: str = "policy_trainer", **overrides):
@@ -131,7 +131,6 @@ class MegatronModule:
             self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
         if torch.cuda.is_available():
             self.model.cuda()
-        self.load_checkpoint(cfg.load)
         self._train_params = [p for p in self.model.parameters() if p.requires_grad]
         # bf16/fp16 weights cannot take small updates (lr 1e-6 on a weight of 0.02 is below half its bf16 step, so
         # it rounds away): AdamW then steps fp32 master copies, with fp32 moments, and the model gets them cast
@@ -141,6 +140,7 @@ class MegatronModule:
             self._masters or self._train_params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
             eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
         self.setup()
         return self
 

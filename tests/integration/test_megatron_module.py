@@ -105,6 +105,30 @@ def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):
     print(f"bf16 elements changed by 3 steps at lr 1e-5: {changed:.2f}")
 
 
+def test_load_of_a_checkpoint_restores_optimizer_and_lr_schedule(models, tmp_path):
+    """`load=<chatgen checkpoint>` in init() == an explicit load_checkpoint() after init(): Adam moments, fp32
+    masters (bf16), LR position in the warm-up."""
+    ids = batch()
+    kw = dict(dtype="bfloat16", lr=1e-5, lr_warmup_iters=10)
+    trainer = build(models["llama"], **kw)
+    for _ in range(3):
+        trainer.train_step({"input_ids": ids}, nll_loss)
+    path = trainer.save_checkpoint(tmp_path / "ckpt")
+    explicit = build(models["llama"], **kw)
+    explicit.load_checkpoint(path)
+    resumed = build(path, **kw)
+    for other in (explicit, resumed):
+        assert other.iteration == 3
+        assert other.optimizer.param_groups[0]["lr"] == pytest.approx(4e-6)  # warm-up step 4 of 10
+        assert len(other.optimizer.state) == len(trainer.optimizer.state) > 0
+        for a, b in zip(other.optimizer.state.values(), trainer.optimizer.state.values()):
+            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
+        assert all(torch.equal(a, b) for a, b in zip(other._masters, trainer._masters))
+    assert resumed.train_step({"input_ids": ids}, nll_loss)["lr"] == trainer.train_step({"input_ids": ids},
+                                                                                         nll_loss)["lr"]
+    assert all(torch.equal(a, b) for a, b in zip(resumed._masters, trainer._masters))
+
+
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
     path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")
     trainer = build(models["llama"])
