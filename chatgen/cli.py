@@ -35,6 +35,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:  # output piped into `head` and the like: not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except (ValueError, OSError) as e:  # bad input (config, file, argument): the message, not a traceback
         if os.environ.get("CHATGEN_DEBUG"):
             raise

@@ -1,10 +1,10 @@
 """chatgen's config system: YAML + `includes:` + `${VAR:default}` + `key=value` overrides, typed by dataclasses.
 
     from chatgen.config import load_config, format_config, save_resolved
-    cfg = load_config("configs/grpo.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
+    cfg = load_config("configs/grpo_tiny.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
     cfg.runtime.num_episode, cfg.models["policy"].config.temperature
 
-Check a config from the shell (prints it resolved, or every error): `chatgen config configs/grpo.yaml`.
+Check a config from the shell (prints it resolved, or every error): `chatgen config configs/grpo_tiny.yaml`.
 Layout and key reference: docs/configuration.md.
 """
 from chatgen.config.loader import (
@@ -15,6 +15,7 @@ from chatgen.config.loader import (
     parse_overrides,
     resolve_schema,
     save_resolved,
+    schema_marker,
     to_dict,
 )
 from chatgen.config.schema import (
@@ -29,7 +30,7 @@ from chatgen.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "load_config", "load_model_config", "parse_overrides", "resolve_schema", "to_dict",
+    "ConfigError", "load_config", "load_model_config", "parse_overrides", "resolve_schema", "schema_marker", "to_dict",
     "format_config", "save_resolved", "MODEL_NAMES", "SCHEMAS", "AlgorithmConfig", "ChatgenConfig",
     "MegatronConfig", "ModelEntry", "RuntimeConfig", "VLLMConfig",
 ]

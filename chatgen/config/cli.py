@@ -1,7 +1,8 @@
 """`chatgen config`: check a config before launching anything and print it resolved.
 
-    chatgen config configs/grpo.yaml runtime.num_episode=3 policy.temperature=0.5   # a main YAML
-    chatgen config --schema vllm configs/policy.yaml temperature=0                  # one per-model YAML
+    chatgen config configs/grpo_tiny.yaml runtime.num_episode=3 policy.temperature=0.5   # a main YAML
+    chatgen config configs/grpo_tiny/policy.yaml temperature=0    # a per-model YAML (schema from its main YAML's
+    chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)
 
 Exit status 1 with every problem listed (file, key, fix) when the config is invalid.
@@ -10,7 +11,8 @@ import dataclasses
 import sys
 import typing
 
-from chatgen.config.loader import ConfigError, _type_name, format_config, load_config, load_model_config, to_dict
+from chatgen.config.loader import (ConfigError, _type_name, format_config, load_config, load_model_config,
+                                   schema_marker, to_dict)
 from chatgen.config.schema import AlgorithmConfig, MegatronConfig, ModelEntry, RuntimeConfig, VLLMConfig
 
 SECTIONS = [
@@ -51,6 +53,17 @@ def key_reference() -> str:
     return "\n".join(out)
 
 
+def _is_main_yaml(path) -> bool:
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return True  # let load_config report the problem with its file and line
+    return isinstance(data, dict) and bool({"runtime", "models"} & set(data))
+
+
 def run(args) -> int:
     if args.reference:
         print(key_reference())
@@ -58,11 +71,19 @@ def run(args) -> int:
     if args.path is None:
         print("chatgen config: give a YAML path (or --reference)", file=sys.stderr)
         return 2
+    schema = args.schema
+    if schema is None and not _is_main_yaml(args.path):
+        marker = schema_marker(args.path)
+        if marker is None or marker[0] == "none":
+            print(f"chatgen config: {args.path} is not a main YAML (runtime: + models:) and names no schema; pass "
+                  "--schema vllm|megatron|python|package.module:DataclassName", file=sys.stderr)
+            return 2
+        schema = marker[0]
     try:
-        if args.schema:
+        if schema:
             import yaml
 
-            print(yaml.safe_dump(to_dict(load_model_config(args.path, args.schema, args.overrides)), sort_keys=False))
+            print(yaml.safe_dump(to_dict(load_model_config(args.path, schema, args.overrides)), sort_keys=False))
         else:
             print(format_config(load_config(args.path, args.overrides)))
     except ConfigError as e:

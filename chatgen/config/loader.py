@@ -1,7 +1,7 @@
 """Load a chatgen config: YAML files + `includes:` + `${VAR:default}` + command-line `key=value` overrides.
 
-    cfg = load_config("configs/grpo.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
-    vllm_cfg = load_model_config("configs/policy.yaml", "vllm", ["temperature=0"])
+    cfg = load_config("configs/grpo_tiny.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
+    vllm_cfg = load_model_config("configs/grpo_tiny/policy.yaml", "vllm", ["temperature=0"])
 
 Layers, lowest first: included files (in list order), the including file, command-line overrides. Mappings
 merge key by key; anything else is replaced whole. `${VAR}` is substituted after merging, so only the values
@@ -316,6 +316,23 @@ def _build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=N
         if key not in bad:
             errors.append(f"{_at(where, (*path, key))}: {problem}")
     return obj if complete else None
+
+
+SCHEMA_MARKER = re.compile(r"#\s*chatgen-schema:\s*(\S+)\s*(.*)")
+
+
+def schema_marker(path) -> tuple | None:
+    """(schema, reason) from a `# chatgen-schema: <schema> [reason]` line in a YAML's first 5 lines, else None.
+
+    A per-model YAML that no main YAML reads names its schema this way (`vllm`, `megatron`, `python`,
+    `package.module:DataclassName`, or `none <why>` for a YAML that is not a chatgen config), so that
+    `chatgen config FILE` and the shipped-config test know how to validate it.
+    """
+    with open(path, encoding="utf-8") as f:
+        for _, line in zip(range(5), f):
+            if m := SCHEMA_MARKER.match(line.strip()):
+                return m.group(1), m.group(2)
+    return None
 
 
 def resolve_schema(schema):

@@ -23,6 +23,7 @@ from chatgen.config import (
     load_model_config,
     parse_overrides,
     save_resolved,
+    schema_marker,
     to_dict,
 )
 from chatgen.config.cli import SECTIONS, key_reference
@@ -391,7 +392,6 @@ def test_every_key_has_a_doc_and_is_in_docs_configuration_md():
 
 
 SHIPPED = sorted(p for d in ("configs", "examples") for p in (REPO / d).rglob("*") if p.suffix in (".yaml", ".yml"))
-MARKER = re.compile(r"#\s*chatgen-schema:\s*(\S+)\s*(.*)")
 
 
 def _rel(path: Path) -> str:
@@ -404,13 +404,6 @@ def _is_main(path: Path) -> bool:
     except yaml.YAMLError:
         return False
     return isinstance(data, dict) and bool({"runtime", "models"} & set(data))
-
-
-def _marker(path: Path):
-    for line in path.read_text().splitlines()[:5]:
-        if m := MARKER.match(line.strip()):
-            return m.group(1), m.group(2)
-    return None
 
 
 MAINS = [p for p in SHIPPED if _is_main(p)]
@@ -446,7 +439,7 @@ def test_shipped_model_yaml_is_validated(path, monkeypatch):
     read, failed = _files_read_by_mains()
     if path in read:
         return  # validated by test_shipped_main_config_loads with its model's backend
-    marker = _marker(path)
+    marker = schema_marker(path)
     if marker is None:
         if failed:
             pytest.skip(f"main YAML(s) {failed} do not load; fix them first")
@@ -482,3 +475,14 @@ def test_algorithm_knobs_are_typed_and_checked(main_yaml):
     assert sorted(e.split(": ")[1] for e in errors) == ["runtime.algorithm.gamma",
                                                         "runtime.algorithm.importance_sampling_cap",
                                                         "runtime.algorithm.kl_estimator"]
+
+
+def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
+    from chatgen.cli import main
+
+    path = write(tmp_path / "p.yaml", "# chatgen config p.yaml\n# chatgen-schema: vllm\nload: /m\ntemperature: 0.5\n")
+    assert main(["config", str(path)]) == 0 and "temperature: 0.5" in capsys.readouterr().out
+    path.write_text("# chatgen-schema: vllm\ntempreature: 0.5\n")
+    assert main(["config", str(path)]) == 1 and "did you mean 'temperature'" in capsys.readouterr().err
+    path.write_text("load: /m\n")  # neither a main YAML nor a marker: says how to name the schema
+    assert main(["config", str(path)]) == 2 and "--schema" in capsys.readouterr().err
