@@ -106,6 +106,7 @@ class MegatronModule:
         self.optimizer = None
         self._masters = None  # fp32 master copies of the trainable params when dtype is not float32
         self.iteration = 0  # optimizer steps taken
+        self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -197,7 +198,9 @@ class MegatronModule:
         (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,), "loss_mask" (B, T-1)}.
         loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b, ...) slices) -> (loss scalar,
         {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks.
-        Returns {metric: float} averaged over micro-batches and DP ranks, plus "grad_norm" and "lr".
+        Returns {metric: float} averaged over micro-batches and DP ranks, plus "grad_norm", "lr" and
+        "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
+        iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         micro_batches = _split_batch(data, mbs)
@@ -206,10 +209,15 @@ class MegatronModule:
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)
         grad_norm = self._finalize_grads()
+        if not math.isfinite(grad_norm):  # a NaN/inf grad would poison the weights, and vLLM after the sync
+            self.model.zero_grad(set_to_none=True)
+            self.skipped_steps += 1
+            metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], skipped_step=1.0)
+            return metrics
         if self._masters is not None:  # grads into the fp32 masters; clipping and the step happen there
             for master, p in zip(self._masters, self._train_params):
                 master.grad = None if p.grad is None else p.grad.float()
-        if self.config.clip_grad > 0 and math.isfinite(grad_norm) and grad_norm > self.config.clip_grad:
+        if self.config.clip_grad > 0 and grad_norm > self.config.clip_grad:
             for p in self.optimizer.param_groups[0]["params"]:
                 if p.grad is not None:
                     p.grad.mul_(self.config.clip_grad / (grad_norm + 1e-6))
@@ -220,7 +228,7 @@ class MegatronModule:
                     p.copy_(master)
         self.scheduler.step()
         self.iteration += 1
-        metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"])
+        metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], skipped_step=0.0)
         return metrics
 
     def save_checkpoint(self, path) -> str:

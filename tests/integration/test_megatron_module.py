@@ -3,6 +3,8 @@ training and checkpoints work, the CPU compatibility patches still fit megatron-
 
     python -m pytest tests/integration/test_megatron_module.py
 """
+import math
+
 import pytest
 import torch
 
@@ -127,6 +129,23 @@ def test_load_of_a_checkpoint_restores_optimizer_and_lr_schedule(models, tmp_pat
     assert resumed.train_step({"input_ids": ids}, nll_loss)["lr"] == trainer.train_step({"input_ids": ids},
                                                                                          nll_loss)["lr"]
     assert all(torch.equal(a, b) for a, b in zip(resumed._masters, trainer._masters))
+
+
+def test_nan_gradient_skips_the_step(models):
+    ids = batch()
+    trainer = build(models["llama"], lr=1e-3)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if torch.is_tensor(v)}
+
+    def nan_loss(logprobs, micro_batch):
+        return -logprobs.mean() * float("nan"), {}
+
+    metrics = trainer.train_step({"input_ids": ids}, nan_loss)
+    assert metrics["skipped_step"] == 1.0 and not math.isfinite(metrics["grad_norm"])
+    assert trainer.skipped_steps == 1 and trainer.iteration == 0 and not trainer.optimizer.state
+    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items() if torch.is_tensor(v))
+    metrics = trainer.train_step({"input_ids": ids}, nll_loss)  # the next good step trains as usual
+    assert metrics["skipped_step"] == 0.0 and math.isfinite(metrics["grad_norm"]) and trainer.iteration == 1
+    assert torch.isfinite(trainer.compute_logprobs(ids)).all()
 
 
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
