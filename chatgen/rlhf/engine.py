@@ -6,7 +6,7 @@ checkpoint, evaluate, log. The loops themselves live in grpo.py and ppo.py, each
     batch = run.generate(items)                  # tokens, masks, vLLM log-probs, texts   (S = prompts x n)
     rewards = run.score(records, batch)          # (S,)
     batch["old_logprobs"] = run.logprobs("policy_trainer", batch)
-    stats = run.train("policy_trainer", batch, loss_fn)
+    stats = run.train("policy_trainer", batch, loss_fn, keys=("old_logprobs", "advantages", "loss_mask"))
     run.sync_policy()
     run.close()
 

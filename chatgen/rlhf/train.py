@@ -7,9 +7,14 @@
 The whole config is loaded and checked before Ray or any actor starts, so a bad YAML fails in a second with
 every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
 """
+import importlib
 import sys
 
 from chatgen.config import ConfigError, load_config
+
+# runtime.algorithm.name -> the module whose `train(cfg, resume)` runs it (add a new algorithm here and to
+# AlgorithmConfig.name in chatgen/config/schema.py; docs/extending.md walks through it)
+ALGORITHMS = {"grpo": "chatgen.rlhf.grpo", "ppo": "chatgen.rlhf.ppo"}
 
 
 def add_arguments(parser) -> None:
@@ -31,10 +36,7 @@ def run(args) -> int:
         return 2
     from chatgen.rlhf.runtime import ActorFailure  # imports Ray: only once the config is known to be good
 
-    if cfg.runtime.algorithm.name == "grpo":
-        from chatgen.rlhf.grpo import train
-    else:
-        from chatgen.rlhf.ppo import train
+    train = importlib.import_module(ALGORITHMS[cfg.runtime.algorithm.name]).train
     try:
         train(cfg, resume=args.resume)
     except ActorFailure as e:
