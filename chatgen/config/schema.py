@@ -65,7 +65,8 @@ class RuntimeConfig:
     num_training_epoch: int = opt(1, "passes of the trainer over each episode's samples")
     train_micro_batch_size: int = opt(1, "samples per trainer forward/backward")
     train_global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = sample_per_episode")
-    generation_batch_size: int = opt(8, "prompts handed to a generation model per call (its default when unset)")
+    generation_batch_size: int = opt(
+        8, "sequences a vLLM engine runs together per step (its max_num_seqs); the default of every vllm model's generation_batch_size")
     save_episode_interval: Optional[int] = opt(None, "save a checkpoint every N episodes; null = never")
     eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
     data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)")
@@ -141,7 +142,7 @@ class VLLMConfig:
     # scheduler
     max_num_batched_tokens: Optional[int] = opt(None, "tokens per engine step at most; null = vLLM's default")
     generation_batch_size: Optional[int] = opt(
-        None, "sequences scheduled together at most; null = runtime.generation_batch_size")
+        None, "sequences scheduled together per engine step (vLLM max_num_seqs; each prompt makes n); null = runtime.generation_batch_size in a run, vLLM's default (256) standalone")
     max_paddings: Optional[int] = opt(None, "old vLLM scheduler knob, not supported (vLLM V1 packs without padding)")
     # cache
     block_size: Optional[int] = opt(None, "KV cache block size in tokens; None = vLLM's default (128 on CPU, which needs a multiple of 32)")
