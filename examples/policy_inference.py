@@ -7,6 +7,7 @@
 It overrides two hooks (docs/vllm_module.md walks through them):
   build_dataset    wraps each question in a prompt template before tokenizing
   decode_internal  turns finished requests into the trainer's tensors: tokens, loss mask, old logprobs
+                   (from chatgen.generation.batching.generation_output, the layout generate() returns)
 and keeps the framework's defaults for model_provider, setup, _add_request and forward_step.
 """
 import argparse
@@ -16,13 +17,14 @@ import torch
 
 from chatgen import VLLMModule
 from chatgen.config import load_model_config, VLLMConfig
+from chatgen.generation.batching import generation_output, iter_samples
 
 TEMPLATE = "Question: {question}\nAnswer:"
 
 
 class PolicyInference(VLLMModule):
     def build_dataset(self, prompts, is_eval=False):
-        """Questions -> dataset items of the templated prompt (the default tokenizes and checks the budget)."""
+        """Questions -> dataset items of the templated prompt (the default tokenizes and cuts to the prompt budget)."""
         items = super().build_dataset([TEMPLATE.format(question=q) for q in prompts], is_eval)
         for item, question in zip(items, prompts):
             item["question"] = question
@@ -37,25 +39,22 @@ class PolicyInference(VLLMModule):
             old_logprobs   (S, L) float  vLLM's logprob of each response token at its position, else 0
             str_outputs    list[str]     response texts;  prompt_str list[str]  the prompts
         """
-        out = super().decode_internal(batched_outputs)  # per-sample lists, prompt-major
-        lengths = [len(p) + len(r) for p, r in zip(out["prompt_ids"], out["output_ids"])]
-        shape = (len(lengths), max(lengths))
-        all_tokens = torch.full(shape, self.pad_token_id, dtype=torch.long)
-        loss_mask = torch.zeros(shape)
-        old_logprobs = torch.zeros(shape)
-        for row, (prompt, response, logprobs) in enumerate(zip(out["prompt_ids"], out["output_ids"], out["logprobs"])):
-            p, r = len(prompt), len(response)
-            all_tokens[row, :p + r] = torch.tensor(prompt + response)
-            loss_mask[row, p:p + r] = 1.0
-            old_logprobs[row, p:p + r] = torch.tensor(logprobs)
+        # output_ids / logprobs (S, T + longest response), prompt-major, right-padded: trimmed to L below
+        out = generation_output(batched_outputs, max(len(r.prompt_token_ids) for r in batched_outputs),
+                                self.pad_token_id)
+        ends = out["unpadded_sequence_lengths"]                       # (S,) prompt + response
+        starts = ends - out["generation_lengths"]                     # (S,) prompt lengths
+        positions = torch.arange(int(ends.max()))                     # (L,)
+        width = len(positions)
+        samples = list(iter_samples(batched_outputs))
         return {
-            "all_tokens": all_tokens,
-            "prompt_lengths": torch.tensor([len(p) for p in out["prompt_ids"]]),
-            "response_lengths": torch.tensor([len(r) for r in out["output_ids"]]),
-            "loss_mask": loss_mask,
-            "old_logprobs": old_logprobs,
-            "str_outputs": out["str_outputs"],
-            "prompt_str": out["prompt"],
+            "all_tokens": out["output_ids"][:, :width],
+            "prompt_lengths": starts,
+            "response_lengths": out["generation_lengths"],
+            "loss_mask": ((positions >= starts[:, None]) & (positions < ends[:, None])).float(),
+            "old_logprobs": out["logprobs"][:, :width],
+            "str_outputs": [sample.text or "" for _, sample in samples],
+            "prompt_str": [request.prompt for request, _ in samples],
         }
 
 

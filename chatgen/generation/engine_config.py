@@ -57,14 +57,29 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
     return {key: value for key, value in kwargs.items() if value is not None}
 
 
-def max_tokens(cfg, prompt_len: int) -> int:
-    """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
+def prompt_budget(cfg) -> int:
+    """Prompt tokens at most: seq_length - max_new_tokens, whatever new_token_limit says (ChatLearn's
+    max_prompt_length). A prompt within it always leaves a response at least max_new_tokens: exactly that with
+    new_token_limit: true, the rest of seq_length with false. The one rule of build_dataset (which cuts longer
+    prompts), run_generation and generate (which refuse them)."""
     if cfg.seq_length is None:
         raise ValueError("seq_length is not resolved yet: VLLMModule.setup() sets it from the model "
                          "(or set seq_length in the config)")
-    if prompt_len >= cfg.seq_length:
-        raise ValueError(f"a prompt of {prompt_len} tokens leaves no room to generate in seq_length="
-                         f"{cfg.seq_length}; shorten it or raise seq_length")
+    return cfg.seq_length - cfg.max_new_tokens
+
+
+def check_prompt_length(cfg, prompt_len: int, name: str) -> None:
+    """ValueError naming the prompt (`name`, e.g. "generate(): row 3") when it is over `prompt_budget`."""
+    budget = prompt_budget(cfg)
+    if prompt_len > budget:
+        raise ValueError(f"{name} has {prompt_len} prompt tokens, over the prompt budget seq_length - "
+                         f"max_new_tokens = {cfg.seq_length} - {cfg.max_new_tokens} = {budget}; shorten it, "
+                         "raise seq_length or lower max_new_tokens (build_dataset cuts text prompts to the budget)")
+
+
+def max_tokens(cfg, prompt_len: int) -> int:
+    """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
+    check_prompt_length(cfg, prompt_len, "a prompt")
     return cfg.max_new_tokens if cfg.new_token_limit else cfg.seq_length - prompt_len
 
 
@@ -127,6 +142,20 @@ def resolve_seq_length(cfg, model_dir):
                            f"{limit} ({model_dir}/config.json); set seq_length <= {limit} or leave it null"])
     check_vllm_config(cfg, cpu=False)  # max_new_tokens against the now-known seq_length
     return cfg
+
+
+def pad_token_id(tokenizer, model_dir) -> int:
+    """The id that pads token batches: the tokenizer's pad token, else its EOS. A token-only model (no
+    tokenizer) uses its own: pad_token_id, else eos_token_id (the first of a list), from generation_config.json
+    then config.json; 0 if neither file names one."""
+    if tokenizer is not None:
+        ids = [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
+    else:
+        files = [Path(model_dir) / name for name in ("generation_config.json", "config.json")]
+        hf = [json.loads(f.read_text()) for f in files if f.exists()]
+        ids = [d.get(key) for key in ("pad_token_id", "eos_token_id") for d in hf]
+    ids = [i[0] if isinstance(i, list) and i else i for i in ids]
+    return next((i for i in ids if isinstance(i, int)), 0)
 
 
 def has_tokenizer(directory) -> bool:

@@ -17,6 +17,7 @@ Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
 import functools
 import itertools
+import logging
 import time
 from pathlib import Path
 
@@ -29,6 +30,8 @@ from chatgen.generation.batching import (
     sample_logprobs,
     unpad_batch,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMModule:
@@ -85,33 +88,33 @@ class VLLMModule:
         self.engine = adapter.build_llm(model_dir, **self.engine_kwargs(model_dir))
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        self.pad_token_id = pad if pad is not None else getattr(self.tokenizer, "eos_token_id", None) or 0
+        self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
 
         prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int] (tokenized with the
-        model's tokenizer, BOS included), "prompt": str}. Prompt budget: seq_length - max_new_tokens tokens.
-        An empty prompt is an error; a longer prompt is cut to the budget when new_token_limit is false
-        (ChatLearn's rule: seq_length bounds prompt + response) and is an error when it is true.
+        model's tokenizer, BOS included), "prompt": str (as given)}. An empty prompt is an error. A prompt over
+        the budget seq_length - max_new_tokens tokens (`engine_config.prompt_budget`) is cut to it, keeping its
+        beginning as ChatLearn does (`prompt[:max_prompt_length]`); one warning per call gives the count.
         """
         if self.tokenizer is None:
             raise RuntimeError("build_dataset needs a tokenizer; this model has none: pass token ids to generate()")
-        budget = self.config.seq_length - self.config.max_new_tokens
-        items = []
+        budget = engine_config.prompt_budget(self.config)
+        items, cut = [], []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
             ids = self.tokenizer.encode(prompt)
             if len(ids) > budget:
-                if self.config.new_token_limit:
-                    raise ValueError(
-                        f"build_dataset: prompt {i} has {len(ids)} tokens, over the budget seq_length - "
-                        f"max_new_tokens = {budget}; shorten it, raise seq_length, or set new_token_limit: false "
-                        f"to cut prompts to the budget")
+                cut.append(i)
                 ids = ids[:budget]
             items.append({"input_ids": ids, "prompt": prompt})
+        if cut:
+            logger.warning("build_dataset: cut %d of %d prompts to the prompt budget seq_length - max_new_tokens = "
+                           "%d tokens, keeping their beginning (prompts %s); raise seq_length or lower "
+                           "max_new_tokens to keep them whole", len(cut), len(items), budget,
+                           ", ".join(map(str, cut[:10])) + (", ..." if len(cut) > 10 else ""))
         return items
 
     def _add_request(self, data, is_eval=False) -> list:
@@ -171,8 +174,9 @@ class VLLMModule:
         config_strings, stop_token_ids = engine_config.parse_stop_list(self.config.stop_token_list, self.tokenizer)
         stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {stop} need a tokenizer to match text; this model has none: "
-                             "use special tokens in stop_token_list (stop on ids) or add a tokenizer")
+            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
+                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
+                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
         kwargs = engine_config.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy,
                                                stop_strings=stop, stop_token_ids=stop_token_ids)
         return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None)
@@ -193,8 +197,9 @@ class VLLMModule:
     def run_generation(self, data, is_eval=False):
         """Generate for a batch of dataset items with the hooks: the framework-owned loop.
 
-        data: list of items from `build_dataset`. Returns `decode_internal(...)`; `self.metrics` has the
-        call's figures.
+        data: list of items from `build_dataset`. An item over the prompt budget seq_length - max_new_tokens
+        is an error naming it (never cut here). Returns `decode_internal(...)`; `self.metrics` has the call's
+        figures.
         """
         return self.decode_internal(self._drive(lambda: self._add_request(data, is_eval)))
 
@@ -214,12 +219,8 @@ class VLLMModule:
                                                      token after the first, 0 elsewhere
         """
         prompts = unpad_batch(batch, self.pad_token_id)
-        budget = self.config.seq_length - (self.config.max_new_tokens if self.config.new_token_limit else 1)
-        for i, ids in enumerate(prompts):
-            if len(ids) > budget:
-                raise ValueError(f"generate(): row {i} has {len(ids)} prompt tokens, over the budget of {budget} "
-                                 f"(seq_length={self.config.seq_length}, new_token_limit="
-                                 f"{self.config.new_token_limit}); shorten it or raise seq_length")
+        for i, ids in enumerate(prompts):  # all rows before any is queued; never cut: the trainer owns them
+            engine_config.check_prompt_length(self.config, len(ids), f"generate(): row {i}")
         stops = batch.get("stop_strings") or [None] * len(prompts)
         items = [{"input_ids": ids, "stop_strings": stop} for ids, stop in zip(prompts, stops)]
         outputs = self._drive(lambda: self._queue(items, greedy=greedy))
@@ -265,14 +266,16 @@ class VLLMModule:
     # ------------------------------------------------------------------ the loop
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
-        """add_request for each dataset item, with its own prompt length and stop strings; returns request ids."""
-        return [
-            self.add_request(item["input_ids"],
-                             self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
-                                                  stop_strings=item.get("stop_strings") or ()),
-                             prompt_text=item.get("prompt"))
-            for item in items
-        ]
+        """add_request for each dataset item, with its own prompt length and stop strings; returns request ids.
+        An item over the prompt budget is an error naming it."""
+        request_ids = []
+        for i, item in enumerate(items):
+            n = len(item["input_ids"])
+            engine_config.check_prompt_length(self.config, n, f"run_generation: item {i}")
+            params = self.sampling_params(n, is_eval=is_eval, greedy=greedy,
+                                          stop_strings=item.get("stop_strings") or ())
+            request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
+        return request_ids
 
     def _drive(self, add_requests) -> list:
         """Queue requests with `add_requests()`, step the engine until all finish; returns the finished

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.integration
 
 from chatgen.config import ConfigError  # noqa: E402
 from chatgen.generation import vllm_adapter as adapter  # noqa: E402
+from chatgen.generation.batching import generation_output  # noqa: E402
 from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -221,9 +222,16 @@ def test_policy_inference_example(module, monkeypatch):
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     monkeypatch.setattr(module.config, "n", 2)
+    layouts = []  # the example lays its tensors out with batching.generation_output (generate()'s layout)
+    monkeypatch.setattr(example, "generation_output", lambda *a: layouts.append(generation_output(*a)) or layouts[-1])
     policy = on_shared_engine(example.PolicyInference, module)
     items = policy.build_dataset(["two plus two?", "a colour"])
     out = policy.run_generation(items)
+    assert len(layouts) == 1
+    width = out["all_tokens"].shape[1]
+    assert width == max(len(it["input_ids"]) for it in items) + MAX_NEW
+    assert torch.equal(out["all_tokens"], layouts[0]["output_ids"][:, :width])
+    assert torch.equal(out["old_logprobs"], layouts[0]["logprobs"][:, :width])
     assert out["all_tokens"].shape[0] == 4 and out["response_lengths"].tolist() == [MAX_NEW] * 4
     for row in range(4):
         p = out["prompt_lengths"][row].item()
@@ -264,21 +272,33 @@ def test_left_padded_batch_is_rejected_naming_the_row(module):
         module.generate(batch)
 
 
-def test_bad_prompts_are_rejected(module, monkeypatch):
+def test_bad_prompts_are_rejected(module, monkeypatch, caplog):
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         module.build_dataset(["fine", ""])
-    long_prompt = " ".join(["word"] * 200)
-    with pytest.raises(ValueError, match="prompt 0 has .* tokens, over the budget"):
-        module.build_dataset([long_prompt])
     with pytest.raises(ValueError, match="input_lengths"):
         module.generate({"input_ids": torch.ones(2, 3, dtype=torch.long)})
-    with pytest.raises(ValueError, match="leaves no room to generate"):  # second item fails after the first is queued
-        module.run_generation([{"input_ids": [1, 5, 6]}, {"input_ids": [1] * module.config.seq_length}])
-    assert not adapter.has_unfinished_requests(module.engine), "a failed call must leave the engine empty"
+    budget = module.config.seq_length - module.config.max_new_tokens  # the one prompt budget
+    long_prompt = " ".join(["word"] * 200)
+    for limit in (True, False):  # whatever new_token_limit says
+        monkeypatch.setattr(module.config, "new_token_limit", limit)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="chatgen.generation.vllm_module"):
+            items = module.build_dataset([long_prompt, "hello"])  # ChatLearn: cut, keeping the beginning
+        assert items[0]["input_ids"] == module.tokenizer.encode(long_prompt)[:budget]
+        assert "cut 1 of 2 prompts" in caplog.text and "(prompts 0)" in caplog.text
+        # run_generation and generate never cut: an over-budget prompt is an error naming it
+        with pytest.raises(ValueError, match=f"run_generation: item 1 has {budget + 1} prompt tokens, over the "
+                                             f"prompt budget"):  # fails after item 0 is queued
+            module.run_generation([{"input_ids": [1, 5, 6]}, {"input_ids": [1] * (budget + 1)}])
+        assert not adapter.has_unfinished_requests(module.engine), "a failed call must leave the engine empty"
+        row = {"input_ids": torch.ones(1, budget + 1, dtype=torch.long), "input_lengths": torch.tensor([budget + 1])}
+        with pytest.raises(ValueError, match=f"generate\\(\\): row 0 has {budget + 1} prompt tokens"):
+            module.generate(row)
+    # new_token_limit: false: the response takes the rest of seq_length (ChatLearn's rule)
+    out = module.run_generation([{"input_ids": [1] * budget}, {"input_ids": [1] * 10}])
+    assert [len(ids) for ids in out["output_ids"]] == [MAX_NEW, module.config.seq_length - 10]
+    monkeypatch.setattr(module.config, "new_token_limit", True)
     assert module.generate(padded(module, PROMPTS[:1]), greedy=True)["generation_lengths"].tolist() == [MAX_NEW]
-    monkeypatch.setattr(module.config, "new_token_limit", False)  # ChatLearn's rule: cut prompts to the budget
-    cut = module.build_dataset([long_prompt])[0]["input_ids"]
-    assert len(cut) == module.config.seq_length - module.config.max_new_tokens
 
 
 def test_unsupported_keys_are_rejected_before_starting(tiny_llama_dir):

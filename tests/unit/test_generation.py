@@ -102,8 +102,74 @@ def test_sampling_train_eval_and_greedy():
 def test_max_tokens_follow_new_token_limit():
     assert engine_config.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 30) == 16
     assert engine_config.max_tokens(config(new_token_limit=False, max_new_tokens=16, seq_length=100), 30) == 70
-    with pytest.raises(ValueError, match="100 tokens leaves no room to generate in seq_length=100"):
-        engine_config.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 100)
+    for limit in (True, False):  # one prompt budget, seq_length - max_new_tokens = 84, whatever new_token_limit
+        cfg = config(new_token_limit=limit, max_new_tokens=16, seq_length=100)
+        assert engine_config.prompt_budget(cfg) == 84
+        assert engine_config.max_tokens(cfg, 84) == 16
+        with pytest.raises(ValueError, match=r"a prompt has 85 prompt tokens, over the prompt budget seq_length - "
+                                             r"max_new_tokens = 100 - 16 = 84"):
+            engine_config.max_tokens(cfg, 85)
+
+
+class Chars:
+    """A tokenizer stand-in: one token per character."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize("new_token_limit", [True, False])
+def test_build_dataset_cuts_to_the_budget_keeping_the_beginning_and_counts(new_token_limit, caplog):
+    from chatgen.generation.vllm_module import VLLMModule
+
+    module = SimpleNamespace(tokenizer=Chars(), config=config(seq_length=20, max_new_tokens=12,
+                                                               new_token_limit=new_token_limit))
+    prompts = ["Instruction first, then a long context", "short", "exactly8", "123456789"]
+    with caplog.at_level("WARNING", logger="chatgen.generation.vllm_module"):
+        items = VLLMModule.build_dataset(module, prompts)
+    assert [item["input_ids"] for item in items] == [Chars().encode(p[:8]) for p in prompts]  # ChatLearn: p[:max]
+    assert [item["prompt"] for item in items] == prompts
+    assert [r.getMessage() for r in caplog.records] == [
+        "build_dataset: cut 2 of 4 prompts to the prompt budget seq_length - max_new_tokens = 8 tokens, keeping "
+        "their beginning (prompts 0, 3); raise seq_length or lower max_new_tokens to keep them whole"]
+
+
+@pytest.mark.parametrize("new_token_limit", [True, False])
+def test_generate_refuses_a_row_over_the_budget_before_queueing(new_token_limit):
+    from chatgen.generation.vllm_module import VLLMModule
+
+    module = SimpleNamespace(pad_token_id=0, config=config(seq_length=20, max_new_tokens=12,
+                                                           new_token_limit=new_token_limit))
+    batch = {"input_ids": torch.tensor([[1] * 8 + [0], [1] * 9]), "input_lengths": torch.tensor([8, 9])}
+    with pytest.raises(ValueError, match=r"generate\(\): row 1 has 9 prompt tokens, over the prompt budget .* = 8"):
+        VLLMModule.generate(module, batch)  # a stand-in without an engine: it must fail before using one
+
+
+def test_pad_token_id_of_a_token_only_model_comes_from_its_config(tmp_path):
+    write = lambda name, d: (tmp_path / name).write_text(json.dumps(d))  # noqa: E731
+    assert engine_config.pad_token_id(None, tmp_path) == 0  # no file names one
+    write("config.json", {"eos_token_id": [2, 7]})
+    assert engine_config.pad_token_id(None, tmp_path) == 2
+    write("config.json", {"pad_token_id": 3, "eos_token_id": 2})
+    assert engine_config.pad_token_id(None, tmp_path) == 3
+    write("generation_config.json", {"pad_token_id": 5})
+    assert engine_config.pad_token_id(None, tmp_path) == 5
+    # a batch padded with the model's own pad id is accepted
+    assert unpad_batch({"input_ids": torch.tensor([[1, 4, 5, 5]]), "input_lengths": torch.tensor([2])},
+                       engine_config.pad_token_id(None, tmp_path)) == [[1, 4]]
+    # with a tokenizer: its pad token, else its EOS
+    assert engine_config.pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=9), tmp_path) == 9
+    assert engine_config.pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=9), tmp_path) == 0
+
+
+def test_stop_strings_without_a_tokenizer_say_to_add_one():
+    from chatgen.generation.vllm_module import VLLMModule
+
+    module = SimpleNamespace(tokenizer=None, config=config(stop_token_list="</s>", seq_length=64, max_new_tokens=8))
+    with pytest.raises(ValueError, match=r"need a tokenizer .* add one \(tokenizer files in the model directory, "
+                                         r"or the `tokenizer` key\)") as err:
+        VLLMModule.sampling_params(module, 4)
+    assert "stop on ids" not in str(err.value)
 
 
 class SpecialTokens:
@@ -207,3 +273,76 @@ def test_seq_length_defaults_to_the_models_positions_and_longer_is_refused(tmp_p
         engine_config.resolve_seq_length(config(load=str(tmp_path), seq_length=1024), tmp_path)
     with pytest.raises(ConfigError, match="max_new_tokens: 600 leaves no room"):
         engine_config.resolve_seq_length(config(load=str(tmp_path), max_new_tokens=600), tmp_path)
+
+
+# ---------------------------------------------------------------- every VLLMConfig key goes somewhere
+
+# key: (where it goes, a non-default value). "engine" = an argument of vllm.LLM (engine_kwargs), "sampling" =
+# vllm.SamplingParams (sampling_kwargs, train or eval) or the prompt budget, "stop list" = the module's
+# sampling_params (parse_stop_list -> stop / stop_token_ids), "model" = model_provider(), "rejected" =
+# VLLMConfig.check / platform_problems refuse the value. A new key must be added here with where it goes.
+KEY_DESTINATIONS = {
+    "load": ({"model"}, "/other"),
+    "tokenizer": ({"engine"}, "OTHER_TOKENIZER"),
+    "dtype": ({"engine"}, "bfloat16"),
+    "seed": ({"engine"}, 7),
+    "n": ({"sampling"}, 2),
+    "temperature": ({"sampling"}, 0.5),
+    "top_p": ({"sampling"}, 0.5),
+    "top_k": ({"sampling"}, 5),
+    "min_p": ({"sampling"}, 0.1),
+    "ignore_eos": ({"sampling"}, True),
+    "use_beam_search": ({"rejected"}, True),
+    "eval_temperature": ({"sampling"}, 0.5),
+    "eval_top_p": ({"sampling"}, 0.5),
+    "eval_top_k": ({"sampling"}, 5),
+    "stop_token_list": ({"stop list"}, "</s>;\n\n"),
+    "new_token_limit": ({"sampling"}, True),
+    "max_new_tokens": ({"sampling"}, 32),
+    "seq_length": ({"engine", "sampling"}, 256),
+    "prompt_logprobs": ({"sampling"}, 1),
+    "logprobs_mode": ({"engine"}, "raw"),
+    "max_num_batched_tokens": ({"engine"}, 1024),
+    "generation_batch_size": ({"engine"}, 16),
+    "max_paddings": ({"rejected"}, 8),
+    "block_size": ({"engine"}, 64),
+    "gpu_memory_utilization": ({"engine"}, 0.5),
+    "swap_space": ({"rejected"}, 4.0),
+    "sliding_window": ({"rejected"}, 4096),
+    "kv_cache_memory_bytes": ({"engine"}, 1 << 20),
+    "tensor_parallel_size": ({"engine"}, 2),
+    "enforce_eager": ({"engine"}, True),
+}
+
+
+def test_every_config_key_is_passed_on_or_rejected(tmp_path):
+    """Changing any VLLMConfig key changes what vLLM receives, or is refused: no key is silently ignored."""
+    from chatgen.generation.vllm_module import VLLMModule
+
+    fields = {f.name for f in dataclasses.fields(VLLMConfig)}
+    assert fields == set(KEY_DESTINATIONS), (f"VLLMConfig keys without a destination here: "
+                                             f"{sorted(fields - set(KEY_DESTINATIONS))}; listed but gone: "
+                                             f"{sorted(set(KEY_DESTINATIONS) - fields)}")
+    for d in (tmp_path / "model", tmp_path / "tok"):
+        d.mkdir()
+        (d / "tokenizer.json").write_text("{}")
+    probes = {
+        "engine": lambda c: engine_config.engine_kwargs(c, str(tmp_path / "model"), cpu=False),
+        "sampling": lambda c: (engine_config.sampling_kwargs(c, 10), engine_config.sampling_kwargs(c, 10, is_eval=True),
+                               engine_config.prompt_budget(c)),
+        "stop list": lambda c: engine_config.parse_stop_list(c.stop_token_list, SpecialTokens()),
+        "model": lambda c: VLLMModule.model_provider(SimpleNamespace(config=c)),
+    }
+    base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
+    engine_config.check_vllm_config(base, cpu=True)
+    for key, (destinations, value) in KEY_DESTINATIONS.items():
+        value = str(tmp_path / "tok") if value == "OTHER_TOKENIZER" else value
+        assert value != getattr(base, key), key
+        changed = dataclasses.replace(base, **{key: value})
+        if destinations == {"rejected"}:
+            with pytest.raises(ConfigError, match=f"{key}: "):
+                engine_config.check_vllm_config(changed, cpu=True)
+            continue
+        engine_config.check_vllm_config(changed, cpu=False)
+        for where in destinations:
+            assert probes[where](changed) != probes[where](base), f"{key}={value!r} does not reach the {where}"
