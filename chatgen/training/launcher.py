@@ -6,12 +6,14 @@
 
 Each child gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, plus `env`,
 then calls `fn(*args)`; `fn` must be importable (module level) and return something picklable. If a
-rank raises, the others are stopped and a RuntimeError carries that rank's traceback. Used by the
+rank raises, the others are stopped and a RuntimeError carries that rank's traceback; a rank that dies
+without one (killed by the OS) is reported within about a second, with its exit code. Used by the
 multi-process tests and by `chatgen check-sync` for layouts that need several trainer ranks.
 """
 import os
 import queue
 import socket
+import time
 import traceback
 
 import torch.multiprocessing as mp
@@ -64,17 +66,32 @@ class DistributedJob:
                 self.stop()
                 raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
             self._done[rank] = value
+        self._raise_if_a_rank_died()
         return len(self._done) < self.world_size and any(p.is_alive() for p in self._procs)
+
+    def _raise_if_a_rank_died(self) -> None:
+        """A rank that exited without a result (killed by the OS, os._exit): stop the others and say which."""
+        dead = [r for r, p in enumerate(self._procs) if r not in self._done and not p.is_alive()]
+        if dead and self._results.empty():  # a rank's result is in the queue before its process ends
+            self.stop()
+            code = self._procs[dead[0]].exitcode
+            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+            raise RuntimeError(f"rank {dead[0]} of {self.world_size} died in {self.fn.__name__} without a result "
+                               f"({why}; -9 is often the OOM killer); see its output above")
 
     def join(self, timeout: float = 600.0) -> list:
         out = self._done
+        deadline = time.monotonic() + timeout
         try:
             while len(out) < self.world_size:
-                try:
-                    rank, ok, value = self._results.get(timeout=timeout)
+                try:  # short waits, so a dead rank is noticed within a second, not after `timeout`
+                    rank, ok, value = self._results.get(timeout=1.0)
                 except queue.Empty:
-                    raise TimeoutError(f"{self.fn.__name__}: no answer within {timeout:.0f}s from ranks "
-                                       f"{sorted(set(range(self.world_size)) - set(out))}") from None
+                    self._raise_if_a_rank_died()
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{self.fn.__name__}: no answer within {timeout:.0f}s from ranks "
+                                           f"{sorted(set(range(self.world_size)) - set(out))}") from None
+                    continue
                 if not ok:
                     raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
                 out[rank] = value

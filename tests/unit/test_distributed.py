@@ -50,3 +50,21 @@ def test_plain_torch_store_would_listen_everywhere():
         assert listening and not listening[0].startswith("127.0.0.1:"), listening
     finally:
         del store
+
+
+def _rank_1_dies():
+    import time
+
+    if os.environ["RANK"] == "1":
+        os._exit(3)  # as if killed by the OS: no traceback, no result
+    time.sleep(60)  # rank 0 would wait on rank 1 in a collective
+    return "unreachable"
+
+
+def test_a_rank_that_dies_is_reported_in_seconds_with_its_exit_code():
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 of 2 died in _rank_1_dies without a result \(exit code 3"):
+        run_distributed(_rank_1_dies, 2, timeout=120)
+    assert time.monotonic() - start < 30
