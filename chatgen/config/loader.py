@@ -191,17 +191,29 @@ def _parse_overrides(items, errors: list) -> dict:
         if not sep or not all(keys):
             errors.append(f"{CLI}: {item!r}: not a key=value override; write e.g. runtime.num_episode=3")
             continue
-        try:
-            value = _yaml(raw)
-        except yaml.YAMLError:
-            value = raw
         node = out
         for k in keys[:-1]:
             if not isinstance(node.get(k), dict):
                 node[k] = {}
             node = node[k]
-        node[keys[-1]] = value
+        node[keys[-1]] = _override_value(raw)
     return out
+
+
+def _override_value(raw: str):
+    """A command-line value typed as YAML reads it (3 -> int, true -> bool, [1, 2] -> list), except where YAML
+    would silently change the text: `Question: ;</s>` (a mapping), `#dir` (a comment, i.e. null) or a YAML
+    syntax error stay the string as typed. Write `{a: 1}` for a mapping and `null` for null."""
+    text = raw.strip()
+    try:
+        value = _yaml(raw)
+    except yaml.YAMLError:
+        return raw
+    if isinstance(value, dict) and not text.startswith("{"):
+        return raw
+    if value is None and text not in ("", "~", "null", "Null", "NULL"):
+        return raw
+    return value
 
 
 # --- validation against the dataclasses ---------------------------------------------------------------------

@@ -486,3 +486,12 @@ def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
     assert main(["config", str(path)]) == 1 and "did you mean 'temperature'" in capsys.readouterr().err
     path.write_text("load: /m\n")  # neither a main YAML nor a marker: says how to name the schema
     assert main(["config", str(path)]) == 2 and "--schema" in capsys.readouterr().err
+
+
+def test_override_values_keep_text_yaml_would_change():
+    tree = parse_overrides(["stop_token_list=Question: ;</s>", "load=#dir", "n=4", "top_p=0.9", "x=[1, 2]",
+                            "m={a: 1}", "tokenizer=null", "flag=true"])
+    assert tree == {"stop_token_list": "Question: ;</s>", "load": "#dir", "n": 4, "top_p": 0.9, "x": [1, 2],
+                    "m": {"a": 1}, "tokenizer": None, "flag": True}
+    cfg = load_model_config(None, VLLMConfig, ["load=/m", "stop_token_list=Question: ;</s>"])
+    assert cfg.stop_token_list == "Question: ;</s>"
