@@ -37,6 +37,19 @@ def sft_batch(tokenizer, records) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
+def batch_indices(num_records: int, batch_size: int, steps: int, generator: torch.Generator):
+    """`steps` lists of `batch_size` record indices: a fresh shuffle per pass over the data, full batches only
+    (a pass's remainder is dropped, so every batch splits into micro-batches)."""
+    if batch_size > num_records:
+        raise ValueError(f"--batch-size {batch_size} is larger than the {num_records} records; lower it")
+    per_pass = num_records // batch_size
+    for step in range(steps):
+        if step % per_pass == 0:
+            order = torch.randperm(num_records, generator=generator).tolist()
+        start = (step % per_pass) * batch_size
+        yield order[start:start + batch_size]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--load", required=True, help="HF model directory to start from")
@@ -61,9 +74,8 @@ def main(argv=None) -> int:
     trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
                                   micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).init()
     start = time.perf_counter()
-    order = torch.randperm(len(records)).tolist()
-    for step in range(args.steps):
-        index = order[(step * args.batch_size) % len(records):][: args.batch_size]
+    batches = batch_indices(len(records), args.batch_size, args.steps, torch.Generator().manual_seed(args.seed))
+    for step, index in enumerate(batches):
         stats = trainer.train_step(sft_batch(tokenizer, [records[i] for i in index]), nll_loss_fn)
         if step % 10 == 0 or step == args.steps - 1:
             print(f"sft step {step + 1}/{args.steps}: loss {stats['loss']:.3f} ({time.perf_counter() - start:.1f}s)",
