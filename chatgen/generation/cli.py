@@ -65,9 +65,9 @@ def run(args) -> int:
     module = VLLMModule(config)
     print(format_config(config), file=sys.stderr)
     module.setup()
-    items = []
-    for ids, text in rows:
-        items.append({"input_ids": ids, "prompt": text} if ids is not None else module.build_dataset([text])[0])
+    text_prompts = [text for ids, text in rows if ids is None]
+    texts = iter(module.build_dataset(text_prompts) if text_prompts else [])  # one call: one count of cut prompts
+    items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
     out = module.run_generation(items)
     samples_per_prompt = len(out["output_ids"]) // len(items)
     with open(args.output, "w", encoding="utf-8") as f:
