@@ -71,6 +71,25 @@ def check_config(cfg) -> None:
                           f"of policy n={pc.n} (samples per prompt); make it one")
         if name == "grpo" and pc.n < 2:
             errors.append(f"{where}: models.policy.n: GRPO compares the n samples of a prompt; set n >= 2")
+    rt = cfg.runtime
+    for model, entry in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
+        if entry.backend != "megatron" or entry.config is None:
+            continue
+        mc = entry.config
+        model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
+        world = entry.num_gpu or model_parallel  # as runtime.plan_groups places it
+        if world % model_parallel:
+            continue  # init_distributed names this one
+        dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
+        how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
+               f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")
+        gbs = rt.train_global_batch_size or rt.sample_per_episode
+        if entry.trainable and gbs % (micro * dp):
+            errors.append(f"{where}: runtime.train_global_batch_size: {gbs} does not split into whole micro-batches "
+                          f"on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
+        elif rt.sample_per_episode % (micro * dp):
+            errors.append(f"{where}: runtime.sample_per_episode: {rt.sample_per_episode} does not split into whole "
+                          f"micro-batches on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
     if not cfg.runtime.data_path:
         errors.append(f"{where}: runtime.data_path: required (a JSONL file of {{\"prompt\": ..., \"answer\": ...}})")
     elif not Path(cfg.runtime.data_path).is_file():

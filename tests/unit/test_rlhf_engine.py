@@ -134,3 +134,17 @@ def test_plan_groups_rejects_mismatched_colocation(data):
     with pytest.raises(ValueError, match="set tensor_parallel_size: 2"):
         plan_groups(load("grpo_tiny.yaml", *data, "policy_trainer.tensor_model_parallel_size=2",
                          "reference.tensor_model_parallel_size=2"))
+
+
+def test_batch_sizes_must_split_over_data_parallel_ranks(data):
+    # 2 GPUs with TP=PP=1: DP=2, so a global batch of 128 is 64 per rank, less than the micro batch of 128
+    dp2 = [*data, "models.policy_trainer.num_gpu=2", "models.reference.num_gpu=2"]
+    msg = errors_of(load("grpo_tiny.yaml", *dp2))
+    assert ("runtime.train_global_batch_size: 128 does not split into whole micro-batches on every data-parallel "
+            "rank (models.policy_trainer has DP = 2 ranks / (TP 1 x PP 1) = 2 and micro batch 128); make it a "
+            "multiple of 256") in msg
+    check_config(load("grpo_tiny.yaml", *dp2, "runtime.train_micro_batch_size=64"))
+    # a frozen model only runs forward passes: the episode's samples must split
+    msg = errors_of(load("grpo_tiny.yaml", *dp2, "runtime.train_micro_batch_size=64", "reference.micro_batch_size=48"))
+    assert "runtime.sample_per_episode: 256 does not split into whole micro-batches" in msg
+    assert "models.reference has DP = 2" in msg and "make it a multiple of 96" in msg
