@@ -210,14 +210,15 @@ class VLLMConfig:
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
     load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from")
-    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
-    dtype: DTYPES = opt("float32", "parameter and compute dtype")
+    dtype: DTYPES = opt("float32", "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)")
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
-    seq_length: int = opt(2048, "longest sample (prompt + response) in tokens")
+    seq_length: Optional[int] = opt(
+        None, "longest sample (prompt + response) in tokens; longer batches are an error; null = max_position_embeddings")
     micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
-    global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = runtime.train_global_batch_size")
+    global_batch_size: Optional[int] = opt(
+        None, "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size")
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -227,14 +228,14 @@ class MegatronConfig:
     clip_grad: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     lr_warmup_iters: int = opt(0, "optimizer steps of linear warm-up")
     lr_decay_iters: Optional[int] = opt(None, "optimizer steps of cosine decay from lr to min_lr after warm-up; None = constant lr")
-    save: Optional[str] = opt(None, "checkpoint directory; null = <runtime.output_dir>/checkpoints/<model name>")
     make_vocab_size_divisible_by: int = opt(128, "pad the embedding rows to a multiple of this (times TP size)")
 
     def check(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "seq_length",
-                    "make_vocab_size_divisible_by"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        if self.seq_length is not None and self.seq_length < 1:
+            yield "seq_length", f"must be >= 1 or null, got {self.seq_length}; null takes max_position_embeddings"
         for key in ("micro_batch_size", "global_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 yield key, f"must be >= 1 or null, got {getattr(self, key)}; null takes the runtime's value"

@@ -126,6 +126,11 @@ class MegatronModule:
         self.spec = layout.spec_from_hf_config(self.hf_config)
         layout.check_layout(self.spec, self.tp, self.pp)
         self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
+        max_positions = self.hf_config.get("max_position_embeddings")
+        if cfg.seq_length and max_positions and cfg.seq_length > max_positions:
+            raise ValueError(f"{self.name}: seq_length={cfg.seq_length} is longer than the model's "
+                             f"max_position_embeddings={max_positions}; lower it (or null)")
+        self.seq_length = cfg.seq_length or max_positions  # longest batch forward_step / train_step accept
         self.dtype = getattr(torch, cfg.dtype)
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
         with cpu_compat.building_model():
@@ -202,7 +207,11 @@ class MegatronModule:
         "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
-        mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
+        gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
+        if gbs and n * self.dp != gbs:
+            raise ValueError(f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
+                             f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
+        mbs = self.config.micro_batch_size or n
         micro_batches = _split_batch(data, mbs)
         self.model.train()
         self.model.zero_grad(set_to_none=True)
@@ -436,6 +445,11 @@ class MegatronModule:
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
+        t = micro_batches[0]["input_ids"].shape[1]
+        if self.seq_length and t > self.seq_length:
+            raise ValueError(f"{self.name}: a batch of {t} tokens per sample is longer than seq_length="
+                             f"{self.seq_length}; raise seq_length in this model's config (up to the model's "
+                             "max_position_embeddings) or cut prompts / responses")
         device = self._device()
         micro_batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in micro_batches]
         b, t = micro_batches[0]["input_ids"].shape

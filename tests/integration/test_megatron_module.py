@@ -148,6 +148,18 @@ def test_nan_gradient_skips_the_step(models):
     assert torch.isfinite(trainer.compute_logprobs(ids)).all()
 
 
+def test_seq_length_and_global_batch_size_are_enforced(models):
+    trainer = build(models["llama"], seq_length=8, global_batch_size=4)
+    assert trainer.compute_logprobs(batch(t=8)).shape == (2, 7)
+    with pytest.raises(ValueError, match="a batch of 12 tokens per sample is longer than seq_length=8"):
+        trainer.compute_logprobs(batch(t=12))
+    with pytest.raises(ValueError, match="2 samples x 1 data-parallel ranks != global_batch_size=4"):
+        trainer.train_step({"input_ids": batch(t=8)}, nll_loss)
+    assert trainer.train_step({"input_ids": batch(b=4, t=8)}, nll_loss)["skipped_step"] == 0.0
+    with pytest.raises(ValueError, match="seq_length=4096 is longer than the model's max_position_embeddings=512"):
+        build(models["llama"], seq_length=4096)
+
+
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
     path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")
     trainer = build(models["llama"])
