@@ -28,7 +28,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from chatgen.distributed import tcp_store
+from chatgen.distributed import free_port, tcp_store
 from chatgen.param_sync import gather, layout
 
 
@@ -251,7 +251,6 @@ class SyncReceiver:
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0):
         if port == 0:
-            from chatgen.training.launcher import free_port
 
             port = free_port()
         self.host, self.port, self._pg = host, port, None

@@ -17,12 +17,13 @@ then kills every actor (see `Runtime.shutdown`), so nothing is left running.
 """
 import importlib
 import os
-import socket
 import time
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from chatgen.distributed import free_port
 
 DEFAULT_CLASSES = {"vllm": "chatgen.generation.vllm_module:VLLMModule",
                    "megatron": "chatgen.training.megatron_module:MegatronModule"}
@@ -42,12 +43,6 @@ def import_class(path: str):
     except (ImportError, AttributeError) as e:
         raise ValueError(f"model_class {path!r} cannot be imported ({e}); check the module path and that it "
                          "is importable from the directory you run in") from e
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def rendezvous_host(multi_node: bool) -> str:

@@ -12,17 +12,12 @@ multi-process tests and by `chatgen check-sync` for layouts that need several tr
 """
 import os
 import queue
-import socket
 import time
 import traceback
 
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from chatgen.distributed import free_port
 
 
 def _child(rank, world_size, port, env, fn, args, results):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from chatgen.distributed import init_process_group
+from chatgen.distributed import free_port, init_process_group
 from chatgen.param_sync import layout
 from chatgen.training import cpu_compat
 
@@ -59,8 +59,6 @@ def init_distributed(tp: int, pp: int) -> None:
             init_process_group(backend, int(env["RANK"]), int(env["WORLD_SIZE"]),
                                env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]))
         else:  # a single process: a private one-rank world
-            from chatgen.training.launcher import free_port
-
             init_process_group(backend, 0, 1, "127.0.0.1", free_port())
     world = dist.get_world_size()
     if world % (tp * pp):

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chatgen.distributed import init_process_group
-from chatgen.training.launcher import free_port, run_distributed
+from chatgen.distributed import free_port, init_process_group
+from chatgen.training.launcher import run_distributed
 
 
 def _listening_addresses(pid: int) -> list:

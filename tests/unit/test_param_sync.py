@@ -6,6 +6,7 @@ the JSON channel protocol over a real 2-process gloo group, and the launcher.
 import pytest
 import torch
 
+from chatgen.distributed import free_port
 from chatgen.param_sync import SyncError, check_manifest, gather, layout, sync
 from chatgen.training import launcher
 
@@ -75,7 +76,7 @@ def _channel_peer(port, payload):
 
 
 def test_json_channel_round_trip_over_a_private_gloo_group():
-    port = launcher.free_port()
+    port = free_port()
     store = sync._store("127.0.0.1", port, is_server=True)
     payload = {"buckets": [[["w", [2, 3]]]], "dtype": "torch.float32", "text": "é"}
     job = launcher.DistributedJob(_channel_peer, 1, args=(port, payload))
