@@ -227,7 +227,7 @@ class MegatronConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     lr_warmup_iters: int = opt(0, "optimizer steps of linear warm-up")
-    lr_decay_iters: Optional[int] = opt(None, "optimizer steps of cosine decay from lr to min_lr after warm-up; None = constant lr")
+    lr_decay_iters: Optional[int] = opt(None, "optimizer steps of cosine decay from lr to min_lr after warm-up; null = constant lr")
     make_vocab_size_divisible_by: int = opt(128, "pad the embedding rows to a multiple of this (times TP size)")
 
     def check(self):

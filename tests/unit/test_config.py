@@ -387,8 +387,9 @@ def test_every_key_has_a_doc_and_is_in_docs_configuration_md():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc: write `opt(default, \"doc\")`"
             assert f"| `{f.name}` |" in reference
-            assert f"`{f.name}`" in docs, (f"docs/configuration.md misses {cls.__name__}.{f.name}: paste the "
-                                           "output of `chatgen config --reference` into its key reference")
+    # The tables in the docs are exactly what the code says (defaults, types, docs), not merely the names.
+    assert reference.strip() in docs, ("docs/configuration.md's key reference differs from the schema: replace it "
+                                       "with the output of `chatgen config --reference`")
 
 
 SHIPPED = sorted(p for d in ("configs", "examples") for p in (REPO / d).rglob("*") if p.suffix in (".yaml", ".yml"))
