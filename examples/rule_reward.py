@@ -1,4 +1,4 @@
-# Used by the RLHF configs: `reward: {backend: python, model_class: examples.rule_reward:RuleReward}`
+# chatgen train configs/grpo_tiny.yaml   (loads this as `reward: {backend: python, model_class: examples.rule_reward:RuleReward}`)
 """A rule-based reward model (backend: python): scores each response text against its prompt's "answer".
 
 The rule is one of chatgen.rlhf.tasks.REWARDS, picked with the model's `rule` key:

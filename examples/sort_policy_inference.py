@@ -1,4 +1,4 @@
-# Used by configs/grpo_tiny.yaml and configs/ppo_tiny.yaml: `policy: {model_class: examples.sort_policy_inference:SortPolicyInference}`
+# chatgen train configs/grpo_tiny.yaml   (loads this as `policy: {model_class: examples.sort_policy_inference:SortPolicyInference}`; ppo_tiny too)
 """Policy inference for the sort-digits task: PolicyInference (examples/policy_inference.py) without its
 question template, because the task's prompts ("sort: 3 1 4 =") are already what the model sees.
 

@@ -1,4 +1,4 @@
-# Used by the PPO configs: `value_trainer: {backend: megatron, model_class: examples.value_trainer:ValueTrainer}`
+# chatgen train configs/ppo_tiny.yaml   (loads this as `value_trainer: {backend: megatron, model_class: examples.value_trainer:ValueTrainer}`)
 """A PPO critic on megatron-core: the policy's architecture whose output at each position is a value, not a
 distribution over tokens.
 
