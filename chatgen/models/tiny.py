@@ -15,11 +15,11 @@ in a conversion or a weight sync changes the logits instead of hiding behind a c
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import yaml
+
+from chatgen.checkpoint_io import atomic_directory
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = {"unk": ("<unk>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "pad": ("<pad>", 3)}
@@ -170,17 +170,10 @@ def make_tiny_model(spec: TinyModelSpec, output: str | os.PathLike, corpus: Path
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is meant to be shared
-    try:
+    with atomic_directory(output) as tmp:
         train_tokenizer(tmp, spec.vocab_size, corpus)
         build_model(spec).save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "chatgen_tiny_model.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
-        os.replace(tmp, output)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return output
 
 

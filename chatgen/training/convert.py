@@ -13,12 +13,12 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from chatgen.checkpoint_io import MEGATRON_META as META
+from chatgen.checkpoint_io import atomic_directory, megatron_shard_file, read_hf_safetensors, read_megatron_shard
 from chatgen.param_sync import layout
 
-META = "chatgen_megatron.json"
 HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "generation_config.json")
 
@@ -33,17 +33,6 @@ def add_arguments(p):
                    help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
 
 
-def read_safetensors_dir(path: Path) -> dict:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors")
-    state = {}
-    for file in files:
-        with safe_open(str(file), "pt") as f:
-            state.update({k: f.get_tensor(k) for k in f.keys()})
-    return state
-
-
 def _copy_side_files(src: Path, dst: Path) -> None:
     for name in HF_SIDE_FILES:
         if (src / name).exists():
@@ -54,21 +43,16 @@ def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> P
     src, dst = Path(src), Path(dst)
     hf_config = json.loads((src / "config.json").read_text())
     spec = layout.spec_from_hf_config(hf_config)
-    hf = read_safetensors_dir(src)
-    if spec.tie_word_embeddings and "model.embed_tokens.weight" not in hf and "lm_head.weight" in hf:
-        hf["model.embed_tokens.weight"] = hf["lm_head.weight"]
+    hf = read_hf_safetensors(src, spec.tie_word_embeddings)
     padded = spec.padded_vocab_size(tp, divisible_by)
     shards = layout.hf_to_megatron(hf, spec, tp, pp, padded)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    for (p, t), state in shards.items():
-        save_file({k: v.contiguous().clone() for k, v in state.items()}, str(tmp / f"model_tp{t}_pp{p}.safetensors"))
-    (tmp / META).write_text(json.dumps(dict(hf_config=hf_config, tensor_model_parallel_size=tp,
-                                            pipeline_model_parallel_size=pp, padded_vocab_size=padded,
-                                            iteration=0), indent=1))
-    _copy_side_files(src, tmp)
-    tmp.rename(dst)
+    with atomic_directory(dst) as tmp:
+        for (p, t), state in shards.items():
+            save_file({k: v.contiguous().clone() for k, v in state.items()}, str(megatron_shard_file(tmp, t, p)))
+        (tmp / META).write_text(json.dumps(dict(hf_config=hf_config, tensor_model_parallel_size=tp,
+                                                pipeline_model_parallel_size=pp, padded_vocab_size=padded,
+                                                iteration=0), indent=1))
+        _copy_side_files(src, tmp)
     return dst
 
 
@@ -79,20 +63,13 @@ def megatron_to_hf_dir(src, dst) -> Path:
     meta = json.loads((src / META).read_text())
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     spec = layout.spec_from_hf_config(meta["hf_config"])
-    shards = {}
-    for p in range(pp):
-        for t in range(tp):
-            with safe_open(str(src / f"model_tp{t}_pp{p}.safetensors"), "pt") as f:
-                shards[(p, t)] = {k: f.get_tensor(k) for k in f.keys()}
+    shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     hf = layout.megatron_to_hf(shards, spec, tp, pp)
-    tmp = dst.with_name(dst.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
-              metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-    _copy_side_files(src, tmp)
-    tmp.rename(dst)
+    with atomic_directory(dst) as tmp:
+        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
+        _copy_side_files(src, tmp)
     return dst
 
 

@@ -29,14 +29,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from chatgen.checkpoint_io import MEGATRON_META as CHECKPOINT_META
+from chatgen.checkpoint_io import megatron_shard_file, read_hf_safetensors, read_megatron_shard
 from chatgen.distributed import free_port, init_process_group
 from chatgen.param_sync import layout
 from chatgen.training import cpu_compat
-
-CHECKPOINT_META = "chatgen_megatron.json"
 
 
 def _megatron_config_class():
@@ -252,11 +251,10 @@ class MegatronModule:
             tmp.mkdir(parents=True)
         dist.barrier()
         if self.dp_rank == 0:
-            tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
             save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
-                      str(tmp / f"model_{tag}.safetensors"))
+                      str(megatron_shard_file(tmp, self.tp_rank, self.pp_rank)))
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "master_params": self._masters}, tmp / f"optim_{tag}.pt")
+                        "master_params": self._masters}, tmp / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt")
         if dist.get_rank() == 0:
             (tmp / CHECKPOINT_META).write_text(json.dumps(dict(
                 hf_config=self.hf_config, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
@@ -284,12 +282,9 @@ class MegatronModule:
             if have != (self.tp, self.pp):
                 raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
                                  f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
-            tag = f"tp{self.tp_rank}_pp{self.pp_rank}"
-            with safe_open(str(path / f"model_{tag}.safetensors"), "pt") as f:
-                state = {k: f.get_tensor(k) for k in f.keys()}
-            self._load_canonical_state(state, source=str(path))
+            self._load_canonical_state(read_megatron_shard(path, self.tp_rank, self.pp_rank), source=str(path))
             self.iteration = meta.get("iteration", 0)
-            optim = path / f"optim_{tag}.pt"
+            optim = path / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"
             if self.optimizer is not None and optim.exists():
                 saved = torch.load(optim, weights_only=True)
                 self.optimizer.load_state_dict(saved["optimizer"])
@@ -301,18 +296,7 @@ class MegatronModule:
             return
         state = {}
         params = layout.stage_params(self.spec, self.pp, self.pp_rank)
-        needed = {n for sp in params for n in sp.hf_names}
-        hf = {}
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path}: no *.safetensors weights; chatgen loads HF checkpoints in safetensors")
-        for file in files:
-            with safe_open(str(file), "pt") as f:
-                for k in f.keys():
-                    if k in needed:
-                        hf[k] = f.get_tensor(k)
-        if self.spec.tie_word_embeddings and "model.embed_tokens.weight" not in hf and "lm_head.weight" in hf:
-            hf["model.embed_tokens.weight"] = hf["lm_head.weight"]
+        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
         for sp in params:
             missing = [n for n in sp.hf_names if n not in hf]
             if missing:
