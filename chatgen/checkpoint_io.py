@@ -38,6 +38,8 @@ def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors")
+    if names is not None and tie_word_embeddings and "model.embed_tokens.weight" in names:
+        names = {*names, "lm_head.weight"}  # the tied matrix may be stored under the head's name only
     hf = {}
     for file in files:
         with safe_open(str(file), "pt") as f:

@@ -32,6 +32,10 @@ def test_read_hf_safetensors_merges_files_filters_and_unties(tmp_path):
     assert torch.equal(tied["model.embed_tokens.weight"], emb) and torch.equal(tied["model.norm.weight"], norm)
     assert "model.embed_tokens.weight" not in read_hf_safetensors(tmp_path, tie_word_embeddings=False)
     assert set(read_hf_safetensors(tmp_path, False, names={"model.norm.weight"})) == {"model.norm.weight"}
+    # a stage that asks only for the embedding (MegatronModule reads just its stage's names) still gets the
+    # tied matrix stored under the head's name
+    only_emb = read_hf_safetensors(tmp_path, True, names={"model.embed_tokens.weight"})
+    assert torch.equal(only_emb["model.embed_tokens.weight"], emb)
 
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
         read_hf_safetensors(tmp_path / "missing", tie_word_embeddings=False)
