@@ -49,13 +49,14 @@ class VLLMModule:
 
     def __init__(self, config, *, distributed_executor_backend=None):
         platform = functools.partial(engine_config.platform_problems, cpu=adapter.on_cpu())
-        if isinstance(config, (str, Path)):
+        if isinstance(config, VLLMConfig):  # built elsewhere (and perhaps changed since): check it here
+            engine_config.check_vllm_config(config, cpu=adapter.on_cpu())
+        elif isinstance(config, (str, Path)):  # the loader runs every check, the platform's included
             config = load_model_config(config, VLLMConfig, extra_check=platform)
         elif isinstance(config, dict):  # through the loader: unknown keys and types are checked the same way
             config = load_model_config(None, VLLMConfig, config, extra_check=platform)
-        elif not isinstance(config, VLLMConfig):
+        else:
             raise TypeError(f"VLLMModule(config): expected a VLLMConfig, dict or YAML path, got {type(config).__name__}")
-        engine_config.check_vllm_config(config, cpu=adapter.on_cpu())
         self.config = config
         self.distributed_executor_backend = distributed_executor_backend
         self.engine = None
