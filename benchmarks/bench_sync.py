@@ -3,7 +3,7 @@
 
 For each size (random Llama-architecture weights written straight to safetensors, fp32, on CPU):
 
-    chatgen      `MegatronModule.sync_to(llm)`: gather + HF layout + manifest check + streaming reload,
+    chatgen      `sync_weights(MegatronModule, llm)`: gather + HF layout + manifest check + streaming reload,
                  trainer (TP=1) and engine colocated in this process
     lower_bound  `vllm_adapter.load_weights(llm, hf_state_dict)` from an HF state dict already in memory
                  (vLLM's own reload: copy + CPU repack; no sync can be faster)
@@ -42,7 +42,7 @@ SIZES = {  # name -> HF config overrides (Llama, GQA, head_dim 64/128 as vLLM's 
 
 
 def make_model(path: Path, overrides: dict) -> int:
-    from chatgen.models import llama
+    from chatgen import models
 
     config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, rms_norm_eps=1e-5,
                   rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False, hidden_act="silu",
@@ -50,7 +50,7 @@ def make_model(path: Path, overrides: dict) -> int:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
-    shapes = llama.hf_param_shapes(llama.spec_from_hf(config))
+    shapes = models.hf_param_shapes(models.spec_from_hf_config(config))
     state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
     save_file(state, str(path / "model.safetensors"))
     return sum(t.numel() for t in state.values())
@@ -109,6 +109,7 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     from megatron.core import parallel_state as ps
 
     from chatgen.generation import vllm_adapter
+    from chatgen.param_sync import sync_weights
     from chatgen.training.megatron_module import MegatronModule
 
     model_dir = workdir / name
@@ -116,12 +117,12 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     nbytes = params * 4
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    trainer = MegatronModule(dict(load=str(model_dir))).init()
+    trainer = MegatronModule(dict(load=str(model_dir))).start()
     llm = engine(str(model_dir))
-    trainer.sync_to(llm)  # warm-up (first reload records vLLM's layer metadata)
+    sync_weights(trainer, llm)  # warm-up (first reload records vLLM's layer metadata)
     hf_state = trainer.hf_state_dict()  # a separate copy, as a lower bound would have it
     vllm_adapter.load_weights(llm, iter(hf_state.items()))
-    runs = interleaved({"chatgen": lambda: trainer.sync_to(llm),
+    runs = interleaved({"chatgen": lambda: sync_weights(trainer, llm),
                         "lower": lambda: vllm_adapter.load_weights(llm, iter(hf_state.items()))}, repeats)
     chatgen_s, lower_s = runs["chatgen"], runs["lower"]
 

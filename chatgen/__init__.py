@@ -1,9 +1,9 @@
 """chatgen: RLHF post-training with a step-driven vLLM generation module and a Megatron-core trainer.
 
 Importing `chatgen` is cheap: the classes that pull in vLLM, Megatron or Ray load on first use, so the
-algorithm math (`chatgen.rlhf.algorithms`) and the config system import without them.
+algorithm math (`chatgen.rlhf.losses`), the rollout contract and the config system import without them.
 
-    from chatgen import VLLMModule, MegatronModule
+    from chatgen import VLLMModule, MegatronModule, Module, RolloutBatch
 """
 import importlib
 
@@ -12,6 +12,8 @@ __version__ = "0.1.0"
 _LAZY = {
     "VLLMModule": "chatgen.generation.vllm_module",
     "MegatronModule": "chatgen.training.megatron_module",
+    "Module": "chatgen.module",
+    "RolloutBatch": "chatgen.rollout",
 }
 
 
@@ -21,4 +23,4 @@ def __getattr__(name):
     raise AttributeError(f"module 'chatgen' has no attribute {name!r}")
 
 
-__all__ = ["VLLMModule", "MegatronModule", "__version__"]
+__all__ = [*_LAZY, "__version__"]

@@ -1,22 +1,53 @@
-"""Checkpoint file I/O shared by the trainer, `chatgen convert` and `chatgen make-tiny-model`.
+"""Checkpoint file I/O shared by the trainer, the RLHF runs, `chatgen convert` and the model makers, and the
+one way chatgen writes anything that must never be seen half-written.
 
-    from chatgen.checkpoint_io import atomic_directory, read_hf_safetensors, read_megatron_shard
+    from chatgen.checkpoint_io import atomic_directory, atomic_file, read_hf_safetensors, read_megatron_shard
     hf = read_hf_safetensors("outputs/tiny-llama", tie_word_embeddings=False)   # {HF name: tensor}
     shard = read_megatron_shard("outputs/tiny-llama-tp2pp2", t=1, p=0)          # {Megatron name: tensor}
     with atomic_directory("outputs/new-model") as tmp:                          # renamed into place on success
         ...
+    with atomic_file("outputs/run/metrics.png") as tmp:                         # a file, the same way
+        fig.savefig(tmp)
 
+Atomic writes: everything is written under a hidden staging name beside the target (`.NAME.tmp`) and renamed
+into place with os.replace once complete, so a crash at any point leaves the previous version (or nothing)
+under the final name. Processes that write one directory together (the ranks of a trainer, the actors of
+a run) use `begin_directory` / `commit_directory`, the two halves of `atomic_directory`.
 Weights are read with safetensors only (never pickle). Imports neither Megatron nor vLLM.
 """
 import contextlib
+import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 from safetensors import safe_open
 
 MEGATRON_META = "chatgen_megatron.json"  # HF config, TP, PP, padded vocab, iteration of a chatgen Megatron checkpoint
+# Tokenizer and generation files an HF directory carries beside the weights (copied by whatever derives a new
+# HF directory from an old one: convert, the SFT warm start).
+HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "generation_config.json", "chat_template.jinja")
+
+
+def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int) -> None:
+    """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read)."""
+    (Path(directory) / MEGATRON_META).write_text(json.dumps(dict(
+        hf_config=hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        padded_vocab_size=padded_vocab_size, iteration=iteration), indent=1))
+
+
+def read_megatron_meta(directory) -> dict | None:
+    """The chatgen_megatron.json of `directory`, or None when it is not a chatgen Megatron checkpoint."""
+    path = Path(directory) / MEGATRON_META
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def copy_hf_side_files(src, dst) -> None:
+    """Copy the tokenizer / generation files of HF directory `src` that `dst` does not have yet."""
+    for name in HF_SIDE_FILES:
+        if (Path(src) / name).exists() and not (Path(dst) / name).exists():
+            shutil.copy(Path(src) / name, Path(dst) / name)
 
 
 def megatron_shard_file(path, t: int, p: int) -> Path:
@@ -49,20 +80,67 @@ def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
     return hf
 
 
-@contextlib.contextmanager
-def atomic_directory(path):
-    """Yield a fresh hidden directory beside `path`, renamed to `path` when the block succeeds.
-
-    On an exception the directory is removed, so `path` is either complete or absent. `path` must not
-    exist (or be an empty directory); its parent is created.
-    """
+def staging_path(path) -> Path:
+    """Where the directory `path` is written before `commit_directory` moves it into place (the same name in every
+    process, so the ranks of a job find it)."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it private; a model directory is meant to be shared
+    return path.with_name(f".{path.name}.tmp")
+
+
+def begin_directory(path) -> Path:
+    """Create (fresh) the staging directory for `path` and return it; its parent is created. The name is
+    derived from `path`, so every process writing into it finds the same one."""
+    path = Path(path)
+    tmp = staging_path(path)
+    if tmp.exists():  # left over from a crash while writing
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    tmp.chmod(0o755)
+    return tmp
+
+
+def commit_directory(path) -> Path:
+    """Move the complete staging directory of `path` into place, replacing an existing `path` (the old one
+    is renamed away first and removed last, so `path` is never missing a file it had)."""
+    path = Path(path)
+    old = path.with_name(f".{path.name}.old")
+    if old.exists():
+        shutil.rmtree(old)
+    if path.exists():
+        os.replace(path, old)
+    os.replace(staging_path(path), path)
+    shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_directory(path, replace: bool = False):
+    """Yield a fresh staging directory, moved to `path` when the block succeeds and removed when it fails,
+    so `path` is either complete or as it was. An existing `path` is an error unless `replace`."""
+    path = Path(path)
+    if path.exists() and not replace:
+        raise FileExistsError(f"{path} exists; remove it or choose another path")
+    tmp = begin_directory(path)
     try:
         yield tmp
-        os.replace(tmp, path)
+        commit_directory(path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path):
+    """Yield a staging path for one file beside `path`; it replaces `path` (fsynced) when the block succeeds
+    and is removed when it fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # keeps the suffix: writers pick formats by it
+    try:
+        yield tmp
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise

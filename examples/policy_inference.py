@@ -1,61 +1,45 @@
 # .venv/bin/python examples/policy_inference.py --config configs/policy_inference.yaml load=outputs/tiny-llama
-"""A policy-inference module: the VLLMModule subclass an RLHF loop uses to sample responses for training.
+"""A policy-inference module: a VLLMModule subclass that shapes its prompts and its samples with two hooks.
 
     chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output outputs/tiny-llama
     .venv/bin/python examples/policy_inference.py --config configs/policy_inference.yaml load=outputs/tiny-llama
 
-It overrides two hooks (docs/vllm_module.md walks through them):
-  build_dataset    wraps each question in a prompt template before tokenizing
-  decode_internal  turns finished requests into the trainer's tensors: tokens, loss mask, old logprobs
-                   (from chatgen.generation.batching.generation_output, the layout generate() returns)
-and keeps the framework's defaults for model_provider, setup, _add_request and forward_step.
+It overrides (docs/vllm_module.md walks through them):
+  build_dataset    wraps each question in a few-shot prompt before tokenizing (a one-line `prompt_template`
+                   in the YAML covers the simple case; code covers anything else)
+  decode_internal  takes the framework's RolloutBatch and stops training on what follows the first line of each
+                   response (loss_mask = 0 there), the kind of shaping a task with a one-line answer wants
+and keeps the framework's defaults for model_provider, setup, _add_request and forward_step. Name it in a main
+YAML as `model_class: examples.policy_inference:PolicyInference` (run from the repository root).
 """
 import argparse
 import sys
 
-import torch
-
 from chatgen import VLLMModule
-from chatgen.config import load_model_config, VLLMConfig
-from chatgen.generation.batching import generation_output, iter_samples
 
-TEMPLATE = "Question: {question}\nAnswer:"
+FEW_SHOT = "Question: What is one plus one?\nAnswer: two\n\nQuestion: {question}\nAnswer:"
 
 
 class PolicyInference(VLLMModule):
     def build_dataset(self, prompts, is_eval=False):
-        """Questions -> dataset items of the templated prompt (the default tokenizes and cuts to the prompt budget)."""
-        items = super().build_dataset([TEMPLATE.format(question=q) for q in prompts], is_eval)
+        """Questions -> dataset items of the few-shot prompt (the default tokenizes and cuts to the prompt budget)."""
+        items = super().build_dataset([FEW_SHOT.format(question=q) for q in prompts], is_eval)
         for item, question in zip(items, prompts):
-            item["question"] = question
+            item["prompt"] = question  # what rewards and logs see
         return items
 
     def decode_internal(self, batched_outputs):
-        """Finished requests -> what the trainer consumes, S = prompts x n samples, L = longest sequence:
-
-            all_tokens     (S, L) long   prompt + response, right-padded with pad_token_id
-            prompt_lengths (S,)   long   response_lengths (S,) long
-            loss_mask      (S, L) float  1 on response tokens (the ones the policy is trained on), else 0
-            old_logprobs   (S, L) float  vLLM's logprob of each response token at its position, else 0
-            str_outputs    list[str]     response texts;  prompt_str list[str]  the prompts
-        """
-        # output_ids / logprobs (S, T + longest response), prompt-major, right-padded: trimmed to L below
-        out = generation_output(batched_outputs, max(len(r.prompt_token_ids) for r in batched_outputs),
-                                self.pad_token_id)
-        ends = out["unpadded_sequence_lengths"]                       # (S,) prompt + response
-        starts = ends - out["generation_lengths"]                     # (S,) prompt lengths
-        positions = torch.arange(int(ends.max()))                     # (L,)
-        width = len(positions)
-        samples = list(iter_samples(batched_outputs))
-        return {
-            "all_tokens": out["output_ids"][:, :width],
-            "prompt_lengths": starts,
-            "response_lengths": out["generation_lengths"],
-            "loss_mask": ((positions >= starts[:, None]) & (positions < ends[:, None])).float(),
-            "old_logprobs": out["logprobs"][:, :width],
-            "str_outputs": [sample.text or "" for _, sample in samples],
-            "prompt_str": [request.prompt for request, _ in samples],
-        }
+        """The default RolloutBatch (S = prompts x n samples), with loss_mask zeroed after each response's first
+        newline token: entry t of loss_mask (S, L-1) trains token t+1."""
+        batch = super().decode_internal(batched_outputs)
+        newline = self.tokenizer.convert_tokens_to_ids("<0x0A>") if self.tokenizer is not None else None
+        for s in range(len(batch)):
+            start, end = int(batch.prompt_lengths[s]), int(batch.prompt_lengths[s] + batch.response_lengths[s])
+            tokens = batch.input_ids[s, start:end].tolist()
+            if newline in tokens:
+                cut = start + tokens.index(newline) + 1  # keep the newline itself
+                batch.loss_mask[s, cut - 1:] = 0.0
+        return batch
 
 
 def main(argv=None) -> int:
@@ -64,18 +48,21 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="per-model keys, e.g. load=DIR n=2")
     args = parser.parse_args(argv)
 
-    policy = PolicyInference(load_model_config(args.config, VLLMConfig, args.overrides))
-    policy.setup()
+    from chatgen.config import VLLMConfig, load_model_config
+
+    policy = PolicyInference(load_model_config(args.config, VLLMConfig, args.overrides)).start()
     questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?"]
     batch = policy.run_generation(policy.build_dataset(questions))
     m = policy.metrics
-    print(f"{len(questions)} prompts x n={policy.config.n}: all_tokens {tuple(batch['all_tokens'].shape)}, "
-          f"{int(batch['loss_mask'].sum())} response tokens in {m['engine_steps']} engine steps, "
-          f"{m['generation_tokens_per_s']:.0f} tokens/s, peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%")
-    for prompt, text in zip(batch["prompt_str"][::policy.config.n], batch["str_outputs"][::policy.config.n]):
-        print(f"  {prompt!r} -> {text!r}")
+    print(f"{len(questions)} prompts x n={policy.config.n}: input_ids {tuple(batch.input_ids.shape)}, "
+          f"{int(batch.loss_mask.sum())} trained response tokens of {int(batch.response_lengths.sum())} in "
+          f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.0f} tokens/s, peak KV-cache use "
+          f"{100 * m['kv_cache_usage_peak']:.1f}%")
+    for i in range(0, len(batch), policy.config.n):
+        print(f"  {questions[int(batch.prompt_index[i])]!r} -> {batch.texts[i]!r}")
     evaluation = policy.run_generation(policy.build_dataset(questions, is_eval=True), is_eval=True)
-    print(f"eval (greedy, one response each): {evaluation['str_outputs']}")
+    print(f"eval (greedy, one response each): {evaluation.texts}")
+    policy.shutdown()
     return 0
 
 

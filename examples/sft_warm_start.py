@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from chatgen import MegatronModule
-    from chatgen.rlhf.algorithms import nll_loss_fn
+    from chatgen.checkpoint_io import atomic_file
+    from chatgen.rlhf.losses import nll_loss_fn
     from chatgen.rlhf.tasks import read_jsonl
     from chatgen.training.convert import megatron_to_hf_dir
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     records = read_jsonl(args.data)
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
-                                  micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).init()
+                                  micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).start()
     start = time.perf_counter()
     batches = batch_indices(len(records), args.batch_size, args.steps, torch.Generator().manual_seed(args.seed))
     for step, index in enumerate(batches):
@@ -82,18 +83,9 @@ def main(argv=None) -> int:
                   flush=True)
     with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as tmp:
         ckpt = trainer.save_checkpoint(os.path.join(tmp, "megatron"))
-        hf_tmp = megatron_to_hf_dir(ckpt, os.path.join(tmp, "hf"))
-        for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json"):
-            src = os.path.join(args.load, name)
-            if os.path.exists(src) and not os.path.exists(os.path.join(hf_tmp, name)):
-                with open(src, "rb") as f_in, open(os.path.join(hf_tmp, name), "wb") as f_out:
-                    f_out.write(f_in.read())
-        (hf_tmp / "chatgen_sft.json").write_text(json.dumps(vars(args), indent=1))
-        if os.path.exists(args.output):
-            import shutil
-            shutil.rmtree(args.output)
-        os.replace(hf_tmp, args.output)
+        out = megatron_to_hf_dir(ckpt, args.output, replace=True, side_files_from=args.load)
+    with atomic_file(out / "chatgen_sft.json") as f:
+        f.write_text(json.dumps(vars(args), indent=1))
     print(f"wrote the warm-started model to {args.output}")
     return 0
 

@@ -2,7 +2,7 @@
 # POLICY_LOAD=/models/Llama-3.1-8B-Instruct DATASET_PATH=/data/gsm8k bash examples/train_ppo_llama.sh [key=value ...]
 #
 # PPO on one GPU node (or a Ray cluster: RAY_ADDRESS=auto): the GRPO setup (see train_grpo_llama.sh for the
-# variables) plus a critic, value_trainer, initialised from POLICY_LOAD (examples/value_trainer.py).
+# variables) plus a critic, value_trainer, initialised from POLICY_LOAD (chatgen.training.critic:CriticModule).
 #   VALUE_LR (5e-6)  the critic's learning rate;  SAMPLES_PER_PROMPT (2)  responses per prompt
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

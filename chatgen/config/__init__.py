@@ -19,18 +19,20 @@ from chatgen.config.loader import (
     to_dict,
 )
 from chatgen.config.schema import (
-    MODEL_NAMES,
+    DEFAULT_MODEL_CLASSES,
     SCHEMAS,
     AlgorithmConfig,
     ChatgenConfig,
     MegatronConfig,
     ModelEntry,
+    Role,
     RuntimeConfig,
     VLLMConfig,
+    opt,
 )
 
 __all__ = [
     "ConfigError", "load_config", "load_model_config", "parse_overrides", "resolve_schema", "schema_marker", "to_dict",
-    "format_config", "save_resolved", "MODEL_NAMES", "SCHEMAS", "AlgorithmConfig", "ChatgenConfig",
-    "MegatronConfig", "ModelEntry", "RuntimeConfig", "VLLMConfig",
+    "format_config", "save_resolved", "DEFAULT_MODEL_CLASSES", "SCHEMAS", "AlgorithmConfig", "ChatgenConfig",
+    "MegatronConfig", "ModelEntry", "Role", "RuntimeConfig", "VLLMConfig", "opt",
 ]

@@ -13,15 +13,21 @@ import typing
 
 from chatgen.config.loader import (ConfigError, _type_name, format_config, load_config, load_model_config,
                                    schema_marker, to_dict)
-from chatgen.config.schema import AlgorithmConfig, MegatronConfig, ModelEntry, RuntimeConfig, VLLMConfig
+from chatgen.config.schema import MegatronConfig, ModelEntry, RuntimeConfig, VLLMConfig
 
-SECTIONS = [
-    ("runtime", "main YAML, `runtime:`", RuntimeConfig),
-    ("runtime.algorithm", "main YAML, `runtime: {algorithm: ...}`", AlgorithmConfig),
-    ("models.<name>", "main YAML, one entry per model", ModelEntry),
-    ("vllm", "per-model YAML of a `backend: vllm` model", VLLMConfig),
-    ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
-]
+
+def sections() -> list:
+    """(title, where, dataclass) of every config section, the shipped algorithms' sections included."""
+    from chatgen.rlhf import algorithms
+
+    return [
+        ("runtime", "main YAML, `runtime:`", RuntimeConfig),
+        *[(f"runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", algorithms.load(name).Config)
+          for name in algorithms.available()],
+        ("models.<name>", "main YAML, one entry per model", ModelEntry),
+        ("vllm", "per-model YAML of a `backend: vllm` model", VLLMConfig),
+        ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
+    ]
 
 
 def add_arguments(parser) -> None:
@@ -35,7 +41,7 @@ def add_arguments(parser) -> None:
 def key_reference() -> str:
     """Markdown tables of every section's keys: type, default, meaning (pasted into docs/configuration.md)."""
     out = []
-    for title, where, cls in SECTIONS:
+    for title, where, cls in sections():
         out += [f"### `{title}` ({where})", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):

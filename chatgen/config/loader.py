@@ -20,7 +20,6 @@ from typing import Any, Literal
 import yaml
 
 from chatgen.config.schema import (
-    MODEL_NAMES,
     SCHEMAS,
     ChatgenConfig,
     MegatronConfig,
@@ -399,18 +398,22 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (CLI, "")))
     data = _substitute(data, where, errors)
 
+    runtime_data = data.get("runtime") or {}
+    algorithm, roles = _load_algorithm(runtime_data, where, errors)
     for key in data:
         if key not in ("runtime", "models"):
             from_cli = where.get((key,), ("",))[0] == CLI
             models = data.get("models") if from_cli and isinstance(data.get("models"), dict) else {}
-            if key in MODEL_NAMES and from_cli:
+            if key in roles and from_cli:
                 errors.append(f"{CLI}: {key}: no model {key!r} under models; configured: {', '.join(models)}")
                 continue
             choices = ("runtime", "models", *models)
             errors.append(f"{_at(where, (key,))}: unknown top-level key; {_closest(key, choices)}")
-    runtime = _build(RuntimeConfig, data.get("runtime") or {}, where, errors, ("runtime",))
-    if runtime is not None and runtime.train_global_batch_size is None:
-        runtime.train_global_batch_size = runtime.sample_per_episode
+    runtime = _build(RuntimeConfig, runtime_data, where, errors, ("runtime",))
+    if runtime is not None:
+        runtime.algorithm = algorithm
+        if runtime.train_global_batch_size is None:
+            runtime.train_global_batch_size = runtime.sample_per_episode
     models_data = data.get("models")
     if not isinstance(models_data, dict) or not models_data:
         errors.append(f"{_at(where, ('models',))}: no models; add e.g. `models: {{policy: {{backend: vllm, "
@@ -418,7 +421,7 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
         models_data = {}
     models = {}
     for name, entry_data in models_data.items():
-        entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, where, errors, files)
+        entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, roles, where, errors, files)
         if entry is not None:
             models[name] = entry
     if runtime is not None:
@@ -431,7 +434,10 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
 
 def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
     """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
-    models = data.get("models") if isinstance(data.get("models"), dict) else {}
+    models = dict(data.get("models")) if isinstance(data.get("models"), dict) else {}
+    if isinstance(tree.get("models"), dict):  # a model added on the command line takes shortcuts too
+        for name, sub in tree["models"].items():
+            models.setdefault(name, sub)
     shortcuts = {key: tree.pop(key) for key in list(tree) if key not in ("runtime", "models") and key in models}
     if shortcuts:
         tree.setdefault("models", {})
@@ -453,10 +459,27 @@ def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
     return tree
 
 
-def _load_entry(name, entry_data, main_dir: str, runtime, where: dict, errors: list, files: list):
+def _load_algorithm(runtime_data, where: dict, errors: list):
+    """(the algorithm's typed section, its MODELS roles) from `runtime.algorithm` (popped from runtime_data)."""
+    from chatgen.rlhf import algorithms
+
+    section = runtime_data.pop("algorithm", None) if isinstance(runtime_data, dict) else None
+    section = {} if section is None else section
+    name = section.get("name", "grpo") if isinstance(section, dict) else "grpo"
+    try:
+        module = algorithms.load(name)
+    except ValueError as e:
+        errors.append(f"{_at(where, ('runtime', 'algorithm', 'name'))}: {e}")
+        return None, {}
+    return _build(module.Config, section, where, errors, ("runtime", "algorithm")), module.MODELS
+
+
+def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: dict, errors: list, files: list):
     path = ("models", name)
-    if name not in MODEL_NAMES:
-        errors.append(f"{_at(where, path)}: unknown model name; {_closest(name, MODEL_NAMES, 'model names')}")
+    if roles and name not in roles:
+        algorithm = runtime.algorithm.name if runtime is not None and runtime.algorithm is not None else "the algorithm"
+        errors.append(f"{_at(where, path)}: not a model of {algorithm}; "
+                      f"{_closest(name, roles, 'model names')}")
         return None
     if not isinstance(entry_data, dict):
         return _build(ModelEntry, entry_data, where, errors, path)  # reports the non-mapping
@@ -485,10 +508,26 @@ def _load_entry(name, entry_data, main_dir: str, runtime, where: dict, errors: l
     inline_where = {p[3:]: (file, f"{prefix}models.{name}.config.") for p, (file, prefix) in where.items()
                     if p[:3] == (*path, "config") and len(p) > 3}
     _merge(data, model_where, inline, inline_where)
-    entry.config = _build(SCHEMAS[entry.backend], data, model_where, errors)
+    schema = SCHEMAS[entry.backend] if entry.backend != "python" else _class_schema(entry, where, path, errors)
+    if schema is None:
+        return None
+    entry.config = _build(schema, data, model_where, errors)
     if runtime is not None and entry.config is not None:
         _derive(entry, runtime, model_where, errors)
     return entry
+
+
+def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
+    """A python model's config schema: its class's `config_class` (chatgen.Module), imported here in the driver so
+    that a bad key fails before anything starts."""
+    from chatgen.module import import_class
+
+    try:
+        cls = import_class(entry.model_class)
+    except ValueError as e:
+        errors.append(f"{_at(where, (*path, 'model_class'))}: {e}")
+        return None
+    return getattr(cls, "config_class", dict)
 
 
 def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:

@@ -5,16 +5,18 @@ docs/configuration.md, which `chatgen config --reference` prints). `check()` yie
 for range and cross-key rules that a type alone cannot say. The loader (loader.py) checks types, enums
 (`Literal`) and unknown keys for every field, so a dataclass here never validates its own types.
 
-    main YAML   runtime: -> RuntimeConfig (algorithm: -> AlgorithmConfig)
-                models:  -> {name: ModelEntry}, each with a per-model YAML of flat keys:
-    per-model   backend vllm -> VLLMConfig, megatron -> MegatronConfig, python -> free dict
+    main YAML   runtime: -> RuntimeConfig (algorithm: -> the algorithm's own Config, a subclass of AlgorithmConfig
+                         declared in its file, chatgen/rlhf/algorithms/<name>.py)
+                models:  -> {name: ModelEntry} (the names the algorithm's MODELS declares), each with a per-model
+                         YAML of flat keys:
+    per-model   backend vllm -> VLLMConfig, megatron -> MegatronConfig, python -> the class's `config_class`
+                (a dataclass, or a free dict)
 """
 import copy
 import dataclasses
 from typing import Any, Literal, Optional
 
 REQUIRED = dataclasses.MISSING
-MODEL_NAMES = ("policy", "reference", "reward", "value", "policy_trainer", "value_trainer")
 DTYPES = Literal["float32", "float16", "bfloat16"]
 
 
@@ -32,30 +34,22 @@ def opt(default, doc: str):
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    name: Literal["grpo", "ppo"] = opt("grpo", "grpo (group-relative advantages) or ppo (value model + GAE)")
-    kl_coef: float = opt(0.0, "weight of the KL(policy, reference) penalty; 0 = no reference model needed")
-    clip_eps: float = opt(0.2, "PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] are clipped")
-    kl_estimator: Optional[Literal["k1", "k2", "k3"]] = opt(
-        None, "KL estimator (Schulman's k1/k2/k3); null = k3 for grpo (in the loss), k1 for ppo (in the reward)")
-    importance_sampling_cap: Optional[float] = opt(
-        None, "truncated importance weight cap for the train/inference mismatch (e.g. 2.0); null = off")
-    gamma: float = opt(1.0, "ppo: discount factor of GAE")
-    lam: float = opt(0.95, "ppo: GAE lambda")
-    value_clip_eps: float = opt(0.2, "ppo: value-function clip around the old values")
+    """Base of every algorithm's own `runtime.algorithm:` section (chatgen/rlhf/algorithms/<name>.py: Config)."""
 
-    def check(self):
-        if self.kl_coef < 0:
-            yield "kl_coef", f"must be >= 0, got {self.kl_coef}; use 0 to disable the KL penalty"
-        if self.clip_eps <= 0:
-            yield "clip_eps", f"must be > 0, got {self.clip_eps}; 0.2 is the usual value"
-        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
-            yield "importance_sampling_cap", (f"must be >= 1 or null, got {self.importance_sampling_cap}; "
-                                              "2.0 is usual, null turns the correction off")
-        for key in ("gamma", "lam"):
-            if not 0 <= getattr(self, key) <= 1:
-                yield key, f"must be in [0, 1], got {getattr(self, key)}; 1.0 and 0.95 are the usual values"
-        if self.value_clip_eps <= 0:
-            yield "value_clip_eps", f"must be > 0, got {self.value_clip_eps}; 0.2 is the usual value"
+    name: str = opt("grpo", "the algorithm: a module of chatgen/rlhf/algorithms (grpo, ppo, dpo, online_dpo) or the "
+                            "dotted path of your own")
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it may be left out,
+    and the model its weights are synced into after each update."""
+
+    backend: Literal["vllm", "megatron", "python"]
+    trainable: Optional[bool] = None  # True: must be trainable; False: must be frozen; None: either
+    optional: bool = False
+    syncs_to: Optional[str] = None  # e.g. policy_trainer -> "policy"
+    doc: str = ""
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -76,7 +70,9 @@ class RuntimeConfig:
     ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray")
     seed: int = opt(1234, "global random seed")
     log_interval: int = opt(1, "log metrics every N training steps")
-    algorithm: AlgorithmConfig = opt(AlgorithmConfig, "algorithm knobs (the `algorithm:` sub-mapping)")
+    solved_reward: Optional[float] = opt(
+        1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
+    algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")
 
     def check(self):
         for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
@@ -101,7 +97,8 @@ class ModelEntry:
     backend: Literal["vllm", "megatron", "python"] = opt(
         REQUIRED, "vllm (generation), megatron (training, forward), python (user code, e.g. a rule reward)")
     model_config_file: Optional[str] = opt(None, "per-model YAML of flat keys, relative to the main YAML; null = none")
-    model_class: Optional[str] = opt(None, "'package.module:ClassName' of the model; null = the backend's default")
+    model_class: Optional[str] = opt(None, "'package.module:ClassName' of the model; null = the backend's default "
+                                           "(VLLMModule, MegatronModule; a python model must name its class)")
     trainable: bool = opt(False, "whether this model is trained (its weights are then synced to the generation model)")
     num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
     num_cpu: int = opt(1, "CPU cores for this model's actors")
@@ -110,6 +107,9 @@ class ModelEntry:
     def check(self):
         if self.trainable and self.backend == "vllm":
             yield "trainable", "a vllm model cannot be trained; set trainable: false or backend: megatron"
+        if self.backend == "python" and not self.model_class:
+            yield "model_class", ("a python model runs your class: set model_class: 'package.module:ClassName' (e.g. "
+                                  "chatgen.rlhf.rewards:RuleReward)")
         if self.num_gpu < 0 or self.num_cpu < 0:
             yield "num_gpu" if self.num_gpu < 0 else "num_cpu", "must be >= 0; set a non-negative integer"
 
@@ -120,6 +120,11 @@ class VLLMConfig:
     tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
     dtype: DTYPES = opt("float32", "weights and activations dtype")
     seed: int = opt(1234, "sampling seed")
+    # prompts (build_dataset)
+    prompt_template: Optional[str] = opt(
+        None, "format of each text prompt before tokenizing, with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'; null = as is")
+    chat_template: bool = opt(False, "render each text prompt as one user message with the tokenizer's chat template "
+                                     "(instruct models), after prompt_template")
     # sampling
     n: int = opt(1, "responses per prompt (the GRPO group size)")
     temperature: float = opt(1.0, "sampling temperature; 0 = greedy")
@@ -156,6 +161,9 @@ class VLLMConfig:
     enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
 
     def check(self):
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            yield "prompt_template", (f"{self.prompt_template!r} has no {{prompt}}; write where the prompt goes, e.g. "
+                                      "'Question: {prompt}\\nAnswer:'")
         if self.temperature < 0:
             yield "temperature", f"must be >= 0, got {self.temperature}; use 0 for greedy decoding"
         if self.eval_temperature is not None and self.eval_temperature < 0:
@@ -254,8 +262,12 @@ class MegatronConfig:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
 
 
-# backend -> schema of its per-model YAML; `dict` = free mapping of user keys (not validated)
+# backend -> schema of its per-model YAML; `dict` = free mapping of user keys (not validated). A python model's
+# schema is its class's `config_class` (chatgen.Module), resolved by the loader from `model_class`.
 SCHEMAS = {"vllm": VLLMConfig, "megatron": MegatronConfig, "python": dict}
+# backend -> the class a model entry without `model_class` runs (a python model must name its class)
+DEFAULT_MODEL_CLASSES = {"vllm": "chatgen.generation.vllm_module:VLLMModule",
+                         "megatron": "chatgen.training.megatron_module:MegatronModule"}
 
 
 @dataclasses.dataclass

@@ -77,3 +77,16 @@ def generation_output(request_outputs, input_width: int, pad_token_id: int, dtyp
         for row, (request, _) in enumerate(samples):
             out["prompt_logprobs"][row, :len(request.prompt_token_ids)] = torch.tensor(prompt_logprobs(request))
     return out
+
+
+def rollout_batch(request_outputs, pad_token_id: int):
+    """Finished requests (sorted by request id = prompt order) -> a `chatgen.rollout.RolloutBatch`, prompt-major."""
+    from chatgen.rollout import RolloutBatch, Sample
+
+    samples = [Sample(prompt_ids=list(request.prompt_token_ids), response_ids=list(sample.token_ids),
+                      response_logprobs=sample_logprobs(sample), prompt_index=k, text=sample.text or "",
+                      prompt_text=request.prompt, finish_reason=sample.finish_reason or "abort",
+                      prompt_logprobs=prompt_logprobs(request) if request.prompt_logprobs is not None else None)
+               for k, request in enumerate(request_outputs)
+               for sample in sorted(request.outputs, key=lambda s: s.index)]
+    return RolloutBatch.from_samples(samples, pad_token_id)

@@ -64,21 +64,24 @@ def run(args) -> int:
     config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides), extra_check=platform)
     module = VLLMModule(config)
     print(format_config(config), file=sys.stderr)
-    module.setup()
+    module.start()
     text_prompts = [text for ids, text in rows if ids is None]
     texts = iter(module.build_dataset(text_prompts) if text_prompts else [])  # one call: one count of cut prompts
     items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
-    out = module.run_generation(items)
-    samples_per_prompt = len(out["output_ids"]) // len(items)
+    out = module.run_generation(items)  # a RolloutBatch, prompt-major
     with open(args.output, "w", encoding="utf-8") as f:
-        for s in range(len(out["output_ids"])):
-            record = {"index": s // samples_per_prompt, "sample": s % samples_per_prompt}
-            record.update({key: out[key][s] for key in ("prompt_ids", "output_ids", "logprobs", "finish_reason")})
+        for s in range(len(out)):
+            p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
+            index = int(out.prompt_index[s])
+            record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
+                      "prompt_ids": out.input_ids[s, :p].tolist(), "output_ids": out.input_ids[s, p:p + r].tolist(),
+                      "logprobs": out.infer_logprobs[s, p - 1:p - 1 + r].tolist(),
+                      "finish_reason": out.finish_reasons[s]}
             if module.tokenizer is not None:
-                record["text"] = out["str_outputs"][s]
+                record["text"] = out.texts[s]
             f.write(json.dumps(record) + "\n")
     m = module.metrics
-    print(f"wrote {len(out['output_ids'])} samples to {args.output}: {m['generation_tokens']} tokens in "
+    print(f"wrote {len(out)} samples to {args.output}: {m['generation_tokens']} tokens in "
           f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.1f} generated tokens/s, "
           f"peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%", file=sys.stderr)
     module.shutdown()

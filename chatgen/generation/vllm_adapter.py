@@ -38,7 +38,7 @@ __all__ = [
     "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
-    "load_weights", "in_process_workers",
+    "load_weights", "in_process_workers", "hf_config",
 ]
 
 
@@ -291,3 +291,8 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def hf_config(llm: LLM) -> dict:
+    """The HF config (config.json as a dict) the engine was started with."""
+    return llm.llm_engine.model_config.hf_config.to_dict()

@@ -1,8 +1,8 @@
 """`chatgen.VLLMModule`: vLLM generation that the framework drives one engine step at a time, in this process.
 
     from chatgen import VLLMModule
-    module = VLLMModule({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16})
-    module.setup()                                                   # builds the vLLM engine
+    module = VLLMModule({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16}).start()
+    batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.rollout.RolloutBatch
     out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
     texts = module.generate_text(["Once upon a time"])              # text in / text out (demos)
 
@@ -15,56 +15,56 @@ The vLLM engine stays in this process (no engine subprocess), so a trainer in th
 weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
-import functools
 import itertools
 import logging
+import os
 import time
-from pathlib import Path
 
-from chatgen.config import ConfigError, VLLMConfig, load_model_config
+from chatgen.config import ConfigError, VLLMConfig
 from chatgen.generation import engine_config, vllm_adapter as adapter
 from chatgen.generation.batching import (
     generation_output,
     iter_samples,
-    prompt_logprobs,
-    sample_logprobs,
+    rollout_batch,
     unpad_batch,
 )
+from chatgen.module import Module
 
 logger = logging.getLogger(__name__)
 
 
-class VLLMModule:
-    """A vLLM generation model. Construct with its per-model config, call `setup()`, then generate.
+class VLLMModule(Module):
+    """A vLLM generation model. Construct with its per-model config, `start()` it, then generate.
 
     config: a `VLLMConfig`, a dict of its keys, or the path of a per-model YAML (docs/generation_keys.md).
-    distributed_executor_backend: vLLM's executor; "external_launcher" runs one engine rank in each process
-        of an existing torch.distributed job (colocation with a Megatron TP group, env RANK/WORLD_SIZE set);
-        None = vLLM's default (one process for TP=1).
+    Lifecycle (chatgen.module): `init()` picks vLLM's executor: "external_launcher" (one engine rank in each
+    process of an existing torch.distributed job, e.g. colocated with a Megatron TP group) when the process
+    has WORLD_SIZE > 1, else vLLM's default; `setup()` builds the engine.
 
     Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one),
     `pad_token_id`, `metrics` (figures of the last generation call), `config`. Sampling keys are read at
     every call (changing `module.config.temperature` between calls takes effect); engine keys at `setup()`.
     """
 
-    def __init__(self, config, *, distributed_executor_backend=None):
-        platform = functools.partial(engine_config.platform_problems, cpu=adapter.on_cpu())
-        if isinstance(config, VLLMConfig):  # built elsewhere (and perhaps changed since): check it here
-            engine_config.check_vllm_config(config, cpu=adapter.on_cpu())
-        elif isinstance(config, (str, Path)):  # the loader runs every check, the platform's included
-            config = load_model_config(config, VLLMConfig, extra_check=platform)
-        elif isinstance(config, dict):  # through the loader: unknown keys and types are checked the same way
-            config = load_model_config(None, VLLMConfig, config, extra_check=platform)
-        else:
-            raise TypeError(f"VLLMModule(config): expected a VLLMConfig, dict or YAML path, got {type(config).__name__}")
-        self.config = config
-        self.distributed_executor_backend = distributed_executor_backend
+    config_class = VLLMConfig
+
+    def __init__(self, config=None, *, name: str | None = None):
+        super().__init__(config, name=name)
+        self.distributed_executor_backend = None
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
         self.metrics = {}
         self._request_ids = itertools.count()
         self._queued = []  # request ids added during the current call, aborted if it fails
+
+    def config_problems(self, config):
+        return engine_config.platform_problems(config, cpu=adapter.on_cpu())
+
+    def init(self) -> None:
+        """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else one engine."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self.distributed_executor_backend = "external_launcher"
 
     # ------------------------------------------------------------------ user hooks
 
@@ -89,24 +89,35 @@ class VLLMModule:
         self.engine = adapter.build_llm(model_dir, **self.engine_kwargs(model_dir))
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
+        if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
+                               "false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
 
-        prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int] (tokenized with the
-        model's tokenizer, BOS included), "prompt": str (as given)}. An empty prompt is an error. A prompt over
-        the budget seq_length - max_new_tokens tokens (`engine_config.prompt_budget`) is cut to it, keeping its
-        beginning as ChatLearn does (`prompt[:max_prompt_length]`); one warning per call gives the count.
+        prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int], "prompt": str (as given)}.
+        Each prompt is put into `prompt_template` (if set), rendered as a user message with the tokenizer's chat
+        template when `chat_template` is true, then tokenized with the model's tokenizer (BOS included). An empty
+        prompt is an error. A prompt over the budget seq_length - max_new_tokens tokens
+        (`engine_config.prompt_budget`) is cut to it, keeping its beginning as ChatLearn does
+        (`prompt[:max_prompt_length]`); one warning per call gives the count.
         """
         if self.tokenizer is None:
             raise RuntimeError("build_dataset needs a tokenizer; this model has none: pass token ids to generate()")
         budget = engine_config.prompt_budget(self.config)
+        template = self.config.prompt_template
         items, cut = [], []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
-            ids = self.tokenizer.encode(prompt)
+            text = template.replace("{prompt}", prompt) if template else prompt
+            if self.config.chat_template:
+                ids = list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                                              add_generation_prompt=True, tokenize=True))
+            else:
+                ids = self.tokenizer.encode(text)
             if len(ids) > budget:
                 cut.append(i)
                 ids = ids[:budget]
@@ -136,29 +147,17 @@ class VLLMModule:
         """
         return self.execute_step(data)
 
-    def decode_internal(self, batched_outputs) -> dict:
+    def decode_internal(self, batched_outputs):
         """Turn the finished requests of a call into the module's output. Called once per `run_generation`.
 
         batched_outputs: list of vLLM `RequestOutput`, sorted by request id (= batch order); each has
         `prompt_token_ids`, `prompt` (text or None) and `outputs` (n `CompletionOutput`s with `token_ids`,
-        `logprobs`, `text`, `finish_reason`). Default returns per-sample lists, S = prompts x n samples
-        (sample j of prompt i at i * n + j):
-            prompt_ids  list[list[int]]    prompt tokens          output_ids  list[list[int]]  generated tokens
-            logprobs    list[list[float]]  one per output token   finish_reason  list[str]  "stop" | "length"
-            prompt      list[str | None]   str_outputs  list[str]  (text, "" without a tokenizer)
-            prompt_logprobs  list[list[float]]  per prompt token, 0.0 first (only when prompt_logprobs is set)
+        `logprobs`, `text`, `finish_reason`). Default: a `chatgen.rollout.RolloutBatch` of S = prompts x n
+        samples (sample j of prompt i at row i * n + j), what every RLHF algorithm consumes. Override to return
+        something else for your own loop, or to post-process the batch (e.g. zero `loss_mask` on tokens the
+        policy should not be trained on).
         """
-        out = {"prompt_ids": [], "prompt": [], "output_ids": [], "logprobs": [], "finish_reason": [], "str_outputs": []}
-        for request, sample in iter_samples(batched_outputs):
-            out["prompt_ids"].append(list(request.prompt_token_ids))
-            out["prompt"].append(request.prompt)
-            out["output_ids"].append(list(sample.token_ids))
-            out["logprobs"].append(sample_logprobs(sample))
-            out["finish_reason"].append(sample.finish_reason)
-            out["str_outputs"].append(sample.text or "")
-            if request.prompt_logprobs is not None:
-                out.setdefault("prompt_logprobs", []).append(prompt_logprobs(request))
-        return out
+        return rollout_batch(batched_outputs, self.pad_token_id)
 
     # ------------------------------------------------------------------ framework API
 
@@ -245,11 +244,6 @@ class VLLMModule:
     def wake_up(self) -> None:
         """Before the next episode: re-allocate weights and KV cache (GPU) and resume scheduling."""
         adapter.wake_up(self.engine)
-
-    @property
-    def llm(self):
-        """The same `vllm.LLM` as `engine` (the name chatgen.param_sync.sync_weights looks for)."""
-        return self.engine
 
     def is_sleeping(self) -> bool:
         return adapter.is_sleeping(self.engine)

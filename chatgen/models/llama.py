@@ -1,52 +1,19 @@
-"""Llama family: HF config -> Megatron model config, and the HF <-> Megatron parameter mapping, side by side.
+"""Llama family (HF model_type "llama"): HF config -> Megatron model config, and the HF <-> Megatron parameter
+mapping, side by side. A family is this one file: chatgen.models finds it by model_type.
 
 Llama = RMSNorm, SwiGLU MLP, RoPE (plain, or Llama-3.1 "llama3" frequency scaling), grouped-query
-attention, tied or untied embeddings, no biases.
-Qwen2 (chatgen/models/qwen2.py) is the same with a QKV bias. The mapping names each Megatron parameter,
-the HF tensors it is made of and its layout kind (see chatgen/param_sync/layout.py for what each kind
-means under tensor parallelism). `{i}` in a name is the layer number: local to the pipeline stage on the
-Megatron side, global on the HF side.
+attention, tied or untied embeddings, no biases. Qwen2 (qwen2.py) and Qwen3 (qwen3.py) reuse this mapping.
+The mapping names each Megatron parameter, the HF tensors it is made of with their shapes, and its layout
+kind (chatgen/models/layout.py says what each kind means under tensor parallelism). `{i}` in a name is the
+layer number: local to the pipeline stage on the Megatron side, global on the HF side.
 
 Pure data and tensor shapes; imports neither Megatron nor vLLM:
 
     spec = llama.spec_from_hf(json.load(open("DIR/config.json")))
     llama.transformer_config_kwargs(spec)   # -> megatron TransformerConfig keyword arguments
-    llama.param_mappings(spec)              # -> [ParamMapping(megatron, hf, kind), ...]
+    llama.param_mappings(spec)              # -> ([ParamMapping(megatron, {hf name: shape}, kind)], per-layer ones)
 """
-import dataclasses
-import math
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelSpec:
-    """The architecture facts both sides need, read from an HF config.json."""
-
-    family: str
-    num_layers: int
-    hidden_size: int
-    ffn_hidden_size: int
-    num_attention_heads: int
-    num_query_groups: int  # = HF num_key_value_heads
-    head_dim: int  # = Megatron kv_channels
-    vocab_size: int  # HF rows of embed_tokens / lm_head (Megatron pads this, see padded_vocab_size)
-    rms_norm_eps: float
-    rope_theta: float
-    max_position_embeddings: int
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    rope_scaling_factor: float | None = None  # Llama-3.1 "llama3" RoPE scaling; None = plain RoPE
-
-    def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
-        """Megatron's vocab padding: round up to a multiple of divisible_by * TP."""
-        multiple = divisible_by * tp
-        return int(math.ceil(self.vocab_size / multiple) * multiple)
-
-
-@dataclasses.dataclass(frozen=True)
-class ParamMapping:
-    megatron: str  # e.g. "decoder.layers.{i}.self_attention.linear_qkv.weight"
-    hf: tuple  # HF names it is made of, in the order the layout kind expects
-    kind: str  # replicated | column | row | vocab | qkv | gate_up
+from chatgen.models.spec import ModelSpec, ParamMapping
 
 
 # megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
@@ -77,7 +44,7 @@ def _rope_scaling(hf_config: dict, problems: list) -> float | None:
     return None
 
 
-def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False) -> ModelSpec:
+def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False, qk_norm: bool = False) -> ModelSpec:
     """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot express."""
     unsupported = []
     rope_scaling_factor = _rope_scaling(hf_config, unsupported)
@@ -105,6 +72,7 @@ def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False)
         max_position_embeddings=hf_config.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
+        qk_norm=qk_norm,
         rope_scaling_factor=rope_scaling_factor,
     )
 
@@ -126,6 +94,7 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict:
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec.qkv_bias,
+        qk_layernorm=spec.qk_norm,  # the layer spec is built with the same flag (MegatronModule._layer_spec)
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
@@ -147,55 +116,38 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict:
 
 
 def param_mappings(spec: ModelSpec) -> tuple[list[ParamMapping], list[ParamMapping]]:
-    """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order."""
+    """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order, each HF name once."""
+    h, ffn, hd = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
+    q, kv = spec.num_attention_heads * hd, spec.num_query_groups * hd
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     layer = [
-        ParamMapping("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",),
+        ParamMapping("decoder.layers.{i}.input_layernorm.weight", {"model.layers.{i}.input_layernorm.weight": (h,)},
                      "replicated"),
         ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
-                     (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"), "qkv"),
+                     {attn + "q_proj.weight": (q, h), attn + "k_proj.weight": (kv, h), attn + "v_proj.weight": (kv, h)},
+                     "qkv"),
     ]
     if spec.qkv_bias:
         layer.append(ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.bias",
-                                  (attn + "q_proj.bias", attn + "k_proj.bias", attn + "v_proj.bias"), "qkv"))
+                                  {attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)},
+                                  "qkv"))
+    if spec.qk_norm:  # one RMSNorm of head_dim, shared by every head
+        layer += [ParamMapping("decoder.layers.{i}.self_attention.q_layernorm.weight", {attn + "q_norm.weight": (hd,)},
+                               "replicated"),
+                  ParamMapping("decoder.layers.{i}.self_attention.k_layernorm.weight", {attn + "k_norm.weight": (hd,)},
+                               "replicated")]
     layer += [
-        ParamMapping("decoder.layers.{i}.self_attention.linear_proj.weight", (attn + "o_proj.weight",), "row"),
+        ParamMapping("decoder.layers.{i}.self_attention.linear_proj.weight", {attn + "o_proj.weight": (h, q)}, "row"),
         ParamMapping("decoder.layers.{i}.pre_mlp_layernorm.weight",
-                     ("model.layers.{i}.post_attention_layernorm.weight",), "replicated"),
-        ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                     "gate_up"),
-        ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", (mlp + "down_proj.weight",), "row"),
+                     {"model.layers.{i}.post_attention_layernorm.weight": (h,)}, "replicated"),
+        ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
+                     {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)}, "gate_up"),
+        ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", {mlp + "down_proj.weight": (h, ffn)}, "row"),
     ]
     model = [
-        ParamMapping("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab"),
-        ParamMapping("decoder.final_layernorm.weight", ("model.norm.weight",), "replicated"),
+        ParamMapping("embedding.word_embeddings.weight", {"model.embed_tokens.weight": (spec.vocab_size, h)}, "vocab"),
+        ParamMapping("decoder.final_layernorm.weight", {"model.norm.weight": (h,)}, "replicated"),
     ]
     if not spec.tie_word_embeddings:
-        model.append(ParamMapping("output_layer.weight", ("lm_head.weight",), "vocab"))
+        model.append(ParamMapping("output_layer.weight", {"lm_head.weight": (spec.vocab_size, h)}, "vocab"))
     return model, layer
-
-
-def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
-    """Every HF tensor name -> shape, in checkpoint order: the manifest a sync must deliver exactly."""
-    h, kv = spec.hidden_size, spec.num_query_groups * spec.head_dim
-    q = spec.num_attention_heads * spec.head_dim
-    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h)}
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
-        if spec.qkv_bias:
-            shapes[p + "self_attn.q_proj.bias"] = (q,)
-            shapes[p + "self_attn.k_proj.bias"] = (kv,)
-            shapes[p + "self_attn.v_proj.bias"] = (kv,)
-        shapes[p + "self_attn.o_proj.weight"] = (h, q)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (spec.ffn_hidden_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (spec.ffn_hidden_size, h)
-        shapes[p + "mlp.down_proj.weight"] = (h, spec.ffn_hidden_size)
-    shapes["model.norm.weight"] = (h,)
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
-    return shapes

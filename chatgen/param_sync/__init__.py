@@ -1,10 +1,22 @@
-"""Megatron -> vLLM parameter sync (the bridge: the only package importing both sides, lazily).
+"""Trainer -> vLLM parameter sync (the bridge between the trainer side and the engine side).
 
     from chatgen.param_sync import sync_weights, SyncSender, SyncReceiver, SyncError
 
-layout.py: pure HF <-> Megatron tensor layouts; gather.py: sharded trainer -> HF tensor buckets;
-sync.py: manifest check, streaming into vLLM, validation, cross-process channel. docs/param_sync.md.
+sync.py: weight sources (a MegatronModule's `hf_weights()`, a torch.nn.Module, (name, tensor) pairs), the
+manifest and finiteness checks, streaming into vLLM, validation, the cross-process channel;
+check_sync.py: `chatgen check-sync`. It reads the trainer only through `MegatronModule.hf_weights()` and
+the engine only through chatgen.generation (VLLMModule.load_weights / vllm_adapter). docs/param_sync.md.
 """
-from chatgen.param_sync.sync import SyncError, SyncReceiver, SyncReport, SyncSender, check_manifest, sync_weights
+from chatgen.param_sync.sync import (
+    LocalWeights,
+    SyncError,
+    SyncReceiver,
+    SyncReport,
+    SyncSender,
+    check_manifest,
+    sync_weights,
+    weight_source,
+)
 
-__all__ = ["sync_weights", "SyncSender", "SyncReceiver", "SyncReport", "SyncError", "check_manifest"]
+__all__ = ["sync_weights", "weight_source", "LocalWeights", "SyncSender", "SyncReceiver", "SyncReport", "SyncError",
+           "check_manifest"]

@@ -23,7 +23,7 @@ from chatgen.jsonl import is_token_ids, read_records
 
 
 def add_arguments(p):
-    p.add_argument("--hf-checkpoint", required=True, help="HF model directory (Llama or Qwen2 family)")
+    p.add_argument("--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)")
     p.add_argument("--train-tp", type=int, default=1, help="trainer tensor-parallel size")
     p.add_argument("--train-pp", type=int, default=1, help="trainer pipeline-parallel size")
     p.add_argument("--infer-tp", type=int, default=1, help="vLLM tensor-parallel size")
@@ -65,7 +65,7 @@ def _score(trainer, sequences) -> list:
 
     out = []
     for prompt, output in sequences:
-        lp = trainer.compute_logprobs(torch.tensor([prompt + output]))[0]
+        lp = trainer.forward_tokens({"input_ids": torch.tensor([prompt + output])})[0]
         out.append(lp[len(prompt) - 1:].tolist())
     return out
 
@@ -74,11 +74,11 @@ def _trainer_rank(config, port, bucket_bytes, validate, to_trainer, from_trainer
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     import torch.distributed as dist
 
-    from chatgen.param_sync import SyncSender
+    from chatgen.param_sync import SyncSender, sync_weights
     from chatgen.training.megatron_module import MegatronModule
 
-    trainer = MegatronModule(config).init()
-    trainer.sync_to(SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
+    trainer = MegatronModule(config).start()
+    sync_weights(trainer, SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     scores = _score(trainer, box[0])
@@ -128,12 +128,13 @@ def check_sync(args) -> dict:
     world = args.train_tp * args.train_pp
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
+        from chatgen.param_sync import sync_weights
         from chatgen.training.megatron_module import MegatronModule
 
-        trainer = MegatronModule(config).init()
+        trainer = MegatronModule(config).start()
         llm = _engine(args)
         try:
-            report = trainer.sync_to(llm, bucket_bytes=bucket_bytes, validate=args.validate)
+            report = sync_weights(trainer, llm, bucket_bytes=bucket_bytes, validate=args.validate)
             generated = _generate(llm, prompts, args.max_new_tokens)
             scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
         finally:

@@ -1,24 +1,29 @@
-"""Megatron -> vLLM weight sync: manifest check, bucketed streaming into vLLM's reload path, validation.
+"""Trainer -> vLLM weight sync: manifest check, bucketed streaming into vLLM's reload path, validation.
 
 Colocated (trainer and engine in the same process(es), sharing memory):
 
-    report = sync_weights(trainer, llm)             # on every trainer rank, each with its engine rank
+    report = sync_weights(trainer, policy)          # on every trainer rank, each with its engine rank
 
 Across processes (trainer actor(s) -> an inference actor, over a private torch.distributed group: gloo on
 CPU, NCCL on GPU):
 
     # inference process                          # every trainer rank
     rx = SyncReceiver()                           tx = SyncSender(rx_host, rx.port)
-    rx.receive_into(llm)                          sync_weights(trainer, tx)
+    rx.receive_into(policy)                       sync_weights(trainer, tx)
 
-Either way: the trainer's manifest ({HF name: shape}, from the plan in gather.py) is first checked
-against the engine's architecture (every expected parameter exactly once, nothing unexpected, same
-shapes); a mismatch raises `SyncError` naming each parameter and both shapes before a single byte is
-written, so the engine keeps its old weights. Then buckets stream into `vllm_adapter.load_weights`
-(HF names, checkpoint format; vLLM fuses / shards / repacks). An error after the first write raises a
-`SyncError` saying the engine is now partially updated. `validate=True` (meant for the first syncs)
-recomputes every tensor by an independent unbucketed gather and compares bit for bit; across processes
-the receiver also checks an exact integer fingerprint of every tensor it received.
+The source is anything that yields HF-named weights (`weight_source`): a chatgen `MegatronModule` (its public
+`hf_weights()` stream, gathered over TP and PP), a `torch.nn.Module` with Hugging Face parameter names (a
+transformers model; DDP / FSDP / torch.compile wrappers unwrapped), or an iterable of (name, tensor). The
+target is a `VLLMModule`, a `vllm.LLM`, or a `SyncSender` for an engine in another process.
+
+Before a single byte is written: the source's manifest ({HF name: shape}) is checked against the engine's
+architecture (every expected parameter exactly once, nothing unexpected, same shapes), and every weight is
+checked to be finite; either failure raises `SyncError` naming the parameters, and the engine keeps its old
+weights. Then buckets stream into the engine's reload path (HF names, checkpoint format; vLLM fuses / shards /
+repacks). An error after the first write raises a `SyncError` saying the engine is now partially updated and
+must be synced again. `validate=True` (meant for the first syncs) recomputes every tensor by an independent
+unbucketed path and compares bit for bit; across processes the receiver also checks an exact integer
+fingerprint of every tensor it received.
 """
 import dataclasses
 import datetime
@@ -28,8 +33,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from chatgen import models
 from chatgen.distributed import free_port, tcp_store
-from chatgen.param_sync import gather, layout
+
+DEFAULT_BUCKET_BYTES = 256 << 20
 
 
 class SyncError(RuntimeError):
@@ -67,9 +74,115 @@ def check_manifest(sent: dict, expected: dict, where: str = "engine") -> None:
 
 def engine_manifest(llm) -> dict:
     """{HF name: shape} the engine's architecture needs, from the HF config it was started with."""
-    hf_config = llm.llm_engine.model_config.hf_config.to_dict()
-    spec = layout.spec_from_hf_config(hf_config)
-    return layout.family(spec).hf_param_shapes(spec)
+    from chatgen.generation import vllm_adapter
+
+    return models.hf_param_shapes(models.spec_from_hf_config(vllm_adapter.hf_config(llm)))
+
+
+def plan_manifest(plan: list) -> dict:
+    """{HF name: shape} of a bucket plan ([[(name, shape)] per bucket]); a name sent twice is a SyncError."""
+    out = {}
+    for bucket in plan:
+        for name, shape in bucket:
+            if name in out:
+                raise SyncError(f"weight sync refused, the engine keeps its old weights: the source sends {name} twice")
+            out[name] = tuple(shape)
+    return out
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
+    out, offset = [], 0
+    for shape in shapes:
+        out.append(flat[offset:offset + _numel(shape)].view(shape))
+        offset += _numel(shape)
+    return out
+
+
+# ---- weight sources ---------------------------------------------------------------------------------
+# A source is an object with: `plan` ([[(hf name, shape)] per bucket], the same on every rank of the source),
+# `dtype`, `buckets()` (yields [(hf name, tensor)] per bucket of the plan; collective over the source's ranks),
+# `reference(i)` (bucket i by an independent path, for validation) and `nonfinite()` (HF names of parameters
+# holding NaN/inf). `MegatronModule.hf_weights()` is one; `LocalWeights` wraps tensors held in this process.
+
+
+class LocalWeights:
+    """HF-named tensors held whole in this process (a transformers model, a list of pairs) as a weight source."""
+
+    def __init__(self, named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self._tensors = [(name, t.detach()) for name, t in named_tensors]
+        if not self._tensors:
+            raise SyncError("weight sync refused, the engine keeps its old weights: the source holds no tensors")
+        dtypes = {t.dtype for _, t in self._tensors}
+        if len(dtypes) > 1:
+            raise SyncError(f"weight sync refused, the engine keeps its old weights: the source mixes dtypes "
+                            f"{sorted(map(str, dtypes))}; cast the model to one dtype")
+        self.dtype = dtypes.pop()
+        self._buckets, size = [[]], 0
+        for name, t in self._tensors:
+            nbytes = t.numel() * t.element_size()
+            if self._buckets[-1] and size + nbytes > bucket_bytes:
+                self._buckets.append([])
+                size = 0
+            self._buckets[-1].append((name, t))
+            size += nbytes
+        self.plan = [[(name, tuple(t.shape)) for name, t in bucket] for bucket in self._buckets]
+
+    def buckets(self):
+        yield from self._buckets
+
+    def reference(self, index: int) -> list[torch.Tensor]:
+        return [t for _, t in self._buckets[index]]
+
+    def nonfinite(self) -> list[str]:
+        return [name for name, t in self._tensors if not torch.isfinite(t.float().sum())]
+
+
+_WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _module_tensors(module: torch.nn.Module):
+    """(HF name, full tensor) of a model's parameters, wrappers (DDP/FSDP `.module`, torch.compile) unwrapped."""
+    while isinstance(getattr(module, "module", None), torch.nn.Module):  # DDP, FSDP1
+        module = module.module
+    module = getattr(module, "_orig_mod", module)  # torch.compile
+    for name, p in module.named_parameters():
+        for prefix in _WRAPPER_PREFIXES:
+            name = name.replace(prefix, "")
+        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)  # FSDP2 DTensor -> whole tensor
+
+
+def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+    """The weight source (see above) of a MegatronModule, a torch.nn.Module, or an iterable of (name, tensor)."""
+    if hasattr(source, "hf_weights"):  # chatgen.MegatronModule
+        return source.hf_weights(bucket_bytes)
+    if isinstance(source, torch.nn.Module):
+        return LocalWeights(_module_tensors(source), bucket_bytes)
+    if isinstance(source, dict):
+        return LocalWeights(source.items(), bucket_bytes)
+    try:
+        pairs = list(source)
+    except TypeError:
+        raise TypeError(f"sync_weights: cannot read weights from a {type(source).__name__}; pass a MegatronModule, "
+                        "a torch.nn.Module with HF parameter names, or an iterable of (name, tensor)") from None
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and torch.is_tensor(p[1])
+               for p in pairs):
+        raise TypeError("sync_weights: an iterable source must yield (HF name, tensor) pairs")
+    return LocalWeights(pairs, bucket_bytes)
+
+
+def _check_finite(weights) -> None:
+    bad = weights.nonfinite()
+    if bad:
+        raise SyncError(f"weight sync refused, the engine keeps its old weights: {len(bad)} parameter(s) hold NaN or "
+                        f"inf: {', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; the training step that made "
+                        "them diverged (lower the learning rate, check the loss)")
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -83,11 +196,18 @@ def _fingerprint(t: torch.Tensor) -> list:
     return [int(bits.sum()), int((bits * w).sum())]
 
 
-def _load(llm, buckets) -> int:
+def _engine(target):
+    """The `vllm.LLM` of a target: a VLLMModule's engine, or the LLM itself."""
+    return getattr(target, "engine", None) or target
+
+
+def _load(target, buckets) -> int:
     """Feed bucket lists into the engine; returns tensors written. One reload call for an in-process
     engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers)."""
     from chatgen.generation import vllm_adapter
 
+    llm = _engine(target)
+    write = target.load_weights if target is not llm else (lambda pairs: vllm_adapter.load_weights(llm, pairs))
     written = [0]
 
     def stream(bucket_iter):
@@ -98,30 +218,31 @@ def _load(llm, buckets) -> int:
 
     try:
         if vllm_adapter.in_process_workers(llm):
-            vllm_adapter.load_weights(llm, stream(buckets))
+            write(stream(buckets))
         else:
             for bucket in buckets:
-                vllm_adapter.load_weights(llm, list(stream([bucket])))
+                write(list(stream([bucket])))
     except Exception as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
         if isinstance(e, SyncError) and written[0] == 0:
             raise
         state = "keeps its old weights" if written[0] == 0 else (
-            f"is PARTIALLY updated ({written[0]} tensors written); sync again before generating")
+            f"is PARTIALLY updated ({written[0]} tensors written) and must be synced again before it generates")
         raise SyncError(f"weight sync failed, the engine {state}: {type(e).__name__}: {e}") from e
     return written[0]
 
 
-def _checked(buckets_iter, plan, trainer=None, validate=False, fingerprints=None):
-    """Pass buckets through, checking names/shapes against the plan and, when asked, every value."""
-    for bucket, items in zip(plan, buckets_iter):
-        reference = gather.reference_hf_tensors(trainer, bucket) if validate and trainer is not None else None
-        for i, ((name, shape), (got_name, t)) in enumerate(zip(bucket.hf, items)):
+def _checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None):
+    """Pass buckets through, checking names/shapes against the plan and, when asked, every value (against
+    `weights.reference(i)`, or the sender's `fingerprints`)."""
+    for index, (bucket, items) in enumerate(zip(plan, buckets_iter)):
+        reference = weights.reference(index) if validate and weights is not None else None
+        for i, ((name, shape), (got_name, t)) in enumerate(zip(bucket, items)):
             if got_name != name or tuple(t.shape) != tuple(shape):
                 raise SyncError(f"stream out of step with the manifest: expected {name} {tuple(shape)}, "
                                 f"got {got_name} {tuple(t.shape)}")
             if reference is not None and not torch.equal(reference[i], t):
                 diff = (reference[i].double() - t.double()).abs().max().item()
-                raise SyncError(f"validation: {name} differs from the trainer's unbucketed gather "
+                raise SyncError(f"validation: {name} differs from the source's independent read "
                                 f"(max |diff| {diff:.3g})")
             if fingerprints is not None and _fingerprint(t) != fingerprints[name]:
                 raise SyncError(f"validation: {name} arrived different from what the trainer sent "
@@ -129,20 +250,21 @@ def _checked(buckets_iter, plan, trainer=None, validate=False, fingerprints=None
         yield items
 
 
-def sync_weights(trainer, target, bucket_bytes: int = gather.DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
-    """Copy `trainer`'s weights (a MegatronModule) into `target`: a vLLM `LLM` or anything with an `.llm`
-    (colocated: call on every trainer rank with that rank's engine), or a `SyncSender` (the engine lives in
-    another process). Collective over the trainer's ranks."""
+def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
+    """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name, tensor) pairs; see
+    `weight_source`) into `target`: a `VLLMModule` or `vllm.LLM` in this process (colocated: call on every
+    trainer rank with that rank's engine), or a `SyncSender` (the engine lives in another process).
+    Collective over the source's ranks."""
     if isinstance(target, SyncSender):
-        return target.send(trainer, bucket_bytes, validate)
-    llm = getattr(target, "llm", target)
+        return target.send(source, bucket_bytes, validate)
     start = time.perf_counter()
-    plan = gather.trainer_plan(trainer, bucket_bytes)
-    check_manifest(gather.manifest(plan), engine_manifest(llm))
-    stream = _checked(gather.iter_hf_buckets(trainer, bucket_bytes, plan), plan, trainer, validate)
-    n = _load(llm, stream)
-    itemsize = torch.empty((), dtype=trainer.dtype).element_size()
-    return SyncReport(time.perf_counter() - start, sum(b.hf_numel for b in plan) * itemsize, n, len(plan), validate)
+    weights = weight_source(source, bucket_bytes)
+    check_manifest(plan_manifest(weights.plan), engine_manifest(_engine(target)))
+    _check_finite(weights)
+    n = _load(target, _checked(weights.buckets(), weights.plan, weights, validate))
+    itemsize = torch.empty((), dtype=weights.dtype).element_size()
+    return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in weights.plan for _, s in b) * itemsize,
+                      n, len(weights.plan), validate)
 
 
 # ---- across processes -------------------------------------------------------------------------------
@@ -192,20 +314,21 @@ class SyncSender:
     def __init__(self, host: str, port: int):
         self.host, self.port, self._pg = host, port, None
 
-    def send(self, trainer, bucket_bytes: int = gather.DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
+    def send(self, source, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
         start = time.perf_counter()
-        me = dist.get_rank()
+        me = dist.get_rank() if dist.is_initialized() else 0
         if me == 0 and self._pg is None:
             store = _store(self.host, self.port, is_server=False)
             store.set(_READY_KEY, "1")
             self._pg = _process_group(store, 0)
-        plan = gather.trainer_plan(trainer, bucket_bytes)
-        header = {"dtype": str(trainer.dtype), "buckets": [[[n, list(s)] for n, s in b.hf] for b in plan],
-                  "validate": validate, "fingerprints": None}
+        weights = weight_source(source, bucket_bytes)
+        plan = weights.plan
+        header = {"dtype": str(weights.dtype), "buckets": [[[n, list(s)] for n, s in b] for b in plan],
+                  "validate": validate, "fingerprints": None, "nonfinite": weights.nonfinite()}
         if validate:  # reference fingerprints by the independent path, sent ahead of the data
             fps = {}
-            for b in plan:
-                for (name, _), t in zip(b.hf, gather.reference_hf_tensors(trainer, b)):
+            for i, b in enumerate(plan):
+                for (name, _), t in zip(b, weights.reference(i)):
                     fps[name] = _fingerprint(t)
             header["fingerprints"] = fps
         verdict = None
@@ -217,7 +340,7 @@ class SyncSender:
             raise SyncError(verdict["error"])
         n = 0
         try:
-            for items in _checked(gather.iter_hf_buckets(trainer, bucket_bytes, plan), plan, trainer, validate):
+            for items in _checked(weights.buckets(), plan, weights, validate):
                 if me == 0:  # status 0: a bucket follows
                     _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device()), root=0)
                     _bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(_device()), root=0)
@@ -231,9 +354,9 @@ class SyncSender:
         result = _share(result)
         if result["error"]:
             raise SyncError(result["error"])
-        itemsize = torch.empty((), dtype=trainer.dtype).element_size()
-        return SyncReport(time.perf_counter() - start, sum(b.hf_numel for b in plan) * itemsize, n, len(plan),
-                          validate)
+        itemsize = torch.empty((), dtype=weights.dtype).element_size()
+        return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in plan for _, s in b) * itemsize, n,
+                          len(plan), validate)
 
 
 def _share(obj):
@@ -256,13 +379,13 @@ class SyncReceiver:
         self.host, self.port, self._pg = host, port, None
         self._store = _store(host, port, is_server=True)
 
-    def receive_into(self, llm, alive=None) -> SyncReport:
-        """Receive one sync from the trainer and load it into `llm` (or `x.llm`); blocks until it arrives.
+    def receive_into(self, target, alive=None) -> SyncReport:
+        """Receive one sync from the trainer and load it into `target` (a VLLMModule or `vllm.LLM`); blocks until
+        it arrives.
 
         alive: optional callable polled while waiting for the trainer to connect; it should raise (or
         return False) when the trainer processes died, so a failed trainer does not leave us waiting.
         """
-        llm = getattr(llm, "llm", llm)
         if self._pg is None:
             while not self._store.check([_READY_KEY]):
                 if alive is not None and alive() is False:
@@ -276,7 +399,12 @@ class SyncReceiver:
             if sum(len(b) for b in header["buckets"]) != len(sent):
                 raise SyncError("weight sync refused, the engine keeps its old weights: the trainer's manifest "
                                 "names a parameter twice")
-            check_manifest(sent, engine_manifest(llm))
+            check_manifest(sent, engine_manifest(_engine(target)))
+            if header["nonfinite"]:
+                raise SyncError(f"weight sync refused, the engine keeps its old weights: "
+                                f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
+                                f"{', '.join(header['nonfinite'][:10])}; the training step that made them diverged "
+                                "(lower the learning rate, check the loss)")
         except SyncError as e:
             _send_json(self._pg, {"error": str(e)}, root=1, me=1)
             raise
@@ -289,7 +417,7 @@ class SyncReceiver:
             if int(status):
                 received["aborted"] = True
                 raise SyncError(f"the trainer aborted the sync: {_send_json(self._pg, None, root=0, me=1)}")
-            flat = torch.empty(sum(gather._numel(s) for s in shapes), dtype=dtype, device=_device())
+            flat = torch.empty(sum(_numel(s) for s in shapes), dtype=dtype, device=_device())
             _bcast(self._pg, flat, root=0)
             received["buckets"] += 1
             received["bytes"] += flat.numel() * flat.element_size()
@@ -298,11 +426,11 @@ class SyncReceiver:
         def buckets():
             for bucket in header["buckets"]:
                 shapes = [tuple(s) for _, s in bucket]
-                yield [(n, t) for (n, _), t in zip(bucket, gather.unflatten(next_flat(shapes), shapes))]
+                yield [(n, t) for (n, _), t in zip(bucket, _unflatten(next_flat(shapes), shapes))]
 
-        plan = [gather.Bucket(-1, [], [], [(n, tuple(s)) for n, s in b]) for b in header["buckets"]]
+        plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
-            n = _load(llm, _checked(buckets(), plan, fingerprints=header["fingerprints"]))
+            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]))
         except SyncError as e:
             if received["aborted"]:  # the trainer raised too; nothing more on the wire
                 raise

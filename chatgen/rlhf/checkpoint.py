@@ -7,18 +7,18 @@ Layout under `save_dir`:
         policy_trainer/ ...      whatever each trainable model's save(path) wrote (weights, optimizer, RNG)
     latest                       text file naming the newest complete checkpoint ("episode_000010")
 
-A checkpoint is written into a hidden temporary directory and renamed into place with os.replace, and
-`latest` is replaced the same way, so a crash at any point leaves the previous checkpoint intact and
-`latest` pointing at it. The trainer actors write into the temporary directory, so on a multi-node cluster
+A checkpoint is written into a hidden staging directory and moved into place once complete, and `latest` is
+replaced the same way (chatgen.checkpoint_io's atomic writes), so a crash at any point leaves the previous
+checkpoint intact and `latest` pointing at it. The trainer actors write into the temporary directory, so on a multi-node cluster
 `save_dir` must be on a filesystem every node sees.
 """
 import json
-import os
 import random
-import shutil
 from pathlib import Path
 
 import torch
+
+from chatgen.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
 
 STATE_FILE = "engine_state.json"
 
@@ -28,30 +28,22 @@ def episode_dir_name(episode: int) -> str:
 
 
 def begin_checkpoint(save_dir, episode: int) -> Path:
-    """Create (fresh) the temporary directory the checkpoint of `episode` is written into."""
-    save_dir = Path(save_dir)
-    tmp = save_dir / f".{episode_dir_name(episode)}.tmp"
-    if tmp.exists():  # left over from a crash while writing
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    return tmp
+    """Create (fresh) the staging directory the checkpoint of `episode` is written into; returns it."""
+    return begin_directory(Path(save_dir) / episode_dir_name(episode))
 
 
-def commit_checkpoint(tmp_dir, state: dict) -> Path:
-    """Write `state` as engine_state.json, rename tmp_dir into place, then point `latest` at it."""
-    tmp_dir = Path(tmp_dir)
-    save_dir = tmp_dir.parent
-    final = save_dir / episode_dir_name(state["episode"])
-    with open(tmp_dir / STATE_FILE, "w", encoding="utf-8") as f:
-        json.dump(state, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    if final.exists():  # re-running an episode after a resume: the new checkpoint replaces the old one
-        shutil.rmtree(final)
-    os.replace(tmp_dir, final)
-    latest_tmp = save_dir / ".latest.tmp"
-    latest_tmp.write_text(final.name + "\n")
-    os.replace(latest_tmp, save_dir / "latest")
+def commit_checkpoint(staging: Path, state: dict) -> Path:
+    """Write `state` as engine_state.json into the staged checkpoint (from `begin_checkpoint`), move it into place
+    (replacing the same episode's checkpoint after a resume), then point `latest` at it."""
+    final = Path(staging).parent / episode_dir_name(state["episode"])
+    if Path(staging) != staging_path(final):
+        raise ValueError(f"{staging} is not the staging directory of episode {state['episode']}")
+    save_dir = final.parent
+    with atomic_file(Path(staging) / STATE_FILE) as tmp:
+        tmp.write_text(json.dumps(state, indent=1))
+    commit_directory(final)
+    with atomic_file(Path(save_dir) / "latest") as tmp:
+        tmp.write_text(final.name + "\n")
     return final
 
 

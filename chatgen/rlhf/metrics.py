@@ -20,6 +20,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from chatgen.checkpoint_io import atomic_file
+
 
 class PhaseTimer:
     """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets."""
@@ -124,8 +126,9 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
     axes[-1, 0].set_xlabel("episode")
     fig.tight_layout()
     png_path = Path(png_path)
-    tmp = png_path.with_suffix(".tmp.png")
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    tmp.replace(png_path)
+    try:
+        with atomic_file(png_path) as tmp:
+            fig.savefig(tmp, dpi=100)
+    finally:
+        plt.close(fig)
     return png_path

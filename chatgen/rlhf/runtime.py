@@ -15,7 +15,6 @@ models; rank 0 picks MASTER_ADDR / MASTER_PORT and every actor gets RANK, WORLD_
 exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback; the driver
 then kills every actor (see `Runtime.shutdown`), so nothing is left running.
 """
-import importlib
 import os
 import time
 
@@ -23,26 +22,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from chatgen.config import DEFAULT_MODEL_CLASSES
 from chatgen.distributed import free_port
-
-DEFAULT_CLASSES = {"vllm": "chatgen.generation.vllm_module:VLLMModule",
-                   "megatron": "chatgen.training.megatron_module:MegatronModule"}
 
 
 class ActorFailure(RuntimeError):
     """A model's actor raised or died; the message names the model and carries the actor's traceback."""
-
-
-def import_class(path: str):
-    """'package.module:ClassName' -> the class (a clear error names the path)."""
-    module, _, name = path.partition(":")
-    if not name:
-        raise ValueError(f"model_class {path!r}: write it as 'package.module:ClassName'")
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"model_class {path!r} cannot be imported ({e}); check the module path and that it "
-                         "is importable from the directory you run in") from e
 
 
 def rendezvous_host(multi_node: bool) -> str:
@@ -67,26 +52,22 @@ class ModelWorker:
         return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int, specs: list) -> None:
-        """Build and initialise this rank of each model: specs = [(name, backend, model_class, config)].
+        """Build and start this rank of each model of the group: specs = [(name, model_class, config)], each the
+        same way (chatgen.module: `cls(config, name=name).start()`). With several ranks the group's
+        torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
+        machine), and every model of the group uses it."""
+        from chatgen.distributed import init_process_group
+        from chatgen.module import import_class
 
-        Megatron models first: they start torch.distributed, which a colocated vLLM engine then joins.
-        """
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
-        order = {"megatron": 0, "vllm": 1, "python": 2}
-        for name, backend, model_class, config in sorted(specs, key=lambda s: order[s[1]]):
-            cls = import_class(model_class or DEFAULT_CLASSES[backend])
-            if backend == "megatron":
-                model = cls(config, name=name)
-                model.init()
-            elif backend == "vllm":
-                world = int(os.environ["WORLD_SIZE"])
-                model = cls(config, distributed_executor_backend="external_launcher" if world > 1 else None)
-                model.setup()
-            else:
-                model = cls(config)
-                if hasattr(model, "setup"):
-                    model.setup()
-            self.models[name] = model
+        world = int(os.environ["WORLD_SIZE"])
+        if world > 1:
+            import torch
+
+            init_process_group("nccl" if torch.cuda.is_available() else "gloo", self.rank, world, master_addr,
+                               master_port)
+        for name, model_class, config in specs:
+            self.models[name] = import_class(model_class)(config, name=name).start()
 
     def call(self, name: str, method: str, *args, **kwargs):
         return getattr(self.models[name], method)(*args, **kwargs)
@@ -224,15 +205,14 @@ class Runtime:
                 t0 = time.perf_counter()
                 group = ActorGroup(names, world, gpus, cpus, env, multi_node=bool(cfg.runtime.ray_address))
                 groups.append(group)
-                group.setup([(n, cfg.models[n].backend, cfg.models[n].model_class, cfg.models[n].config)
-                             for n in names])
+                group.setup([(n, cfg.models[n].model_class or DEFAULT_MODEL_CLASSES[cfg.models[n].backend],
+                              cfg.models[n].config) for n in names])
                 for n in names:
                     handles[n] = ModelHandle(n, cfg.models[n], group)
                 log(f"[chatgen] started {'+'.join(names)}: {world} rank(s) x ({cpus:g} CPU"
                     f"{f', {gpus:g} GPU' if gpus else ''}) in {time.perf_counter() - t0:.1f}s")
-            for h in handles.values():
-                if h.backend == "megatron":
-                    h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
+            for h in handles.values():  # data-parallel rank of each actor (None for a model without DP)
+                h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
         except BaseException:
             cls(groups, handles, started).shutdown()
             raise
@@ -252,7 +232,7 @@ class Runtime:
 
 
 def _dp_rank(models, name):
-    return models[name].dp_rank
+    return getattr(models[name], "dp_rank", None)
 
 
 def worker_env() -> dict:

@@ -1,4 +1,4 @@
-"""`chatgen train`: run the RLHF job of a main YAML (GRPO or PPO, per runtime.algorithm.name).
+"""`chatgen train`: run the RLHF job of a main YAML (the algorithm named by runtime.algorithm.name).
 
     chatgen train configs/grpo_tiny.yaml                         # fresh run into runtime.output_dir
     chatgen train configs/grpo_tiny.yaml runtime.num_episode=5 policy.n=4
@@ -7,14 +7,9 @@
 The whole config is loaded and checked before Ray or any actor starts, so a bad YAML fails in a second with
 every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
 """
-import importlib
 import sys
 
 from chatgen.config import ConfigError, load_config
-
-# runtime.algorithm.name -> the module whose `train(cfg, resume)` runs it (add a new algorithm here and to
-# AlgorithmConfig.name in chatgen/config/schema.py; docs/extending.md walks through it)
-ALGORITHMS = {"grpo": "chatgen.rlhf.grpo", "ppo": "chatgen.rlhf.ppo"}
 
 
 def add_arguments(parser) -> None:
@@ -26,19 +21,20 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from chatgen.rlhf.engine import check_config
+    from chatgen.rlhf import algorithms
+    from chatgen.rlhf.run import check_config
 
     try:
         cfg = load_config(args.config, args.overrides)
-        check_config(cfg)
+        algorithm = algorithms.load(cfg.runtime.algorithm.name)
+        check_config(cfg, algorithm)
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
     from chatgen.rlhf.runtime import ActorFailure  # imports Ray: only once the config is known to be good
 
-    train = importlib.import_module(ALGORITHMS[cfg.runtime.algorithm.name]).train
     try:
-        train(cfg, resume=args.resume)
+        algorithm.train(cfg, resume=args.resume)
     except ActorFailure as e:
         print(f"chatgen train: stopped: {e}", file=sys.stderr)
         return 1

@@ -6,21 +6,25 @@
 A chatgen Megatron checkpoint is what `MegatronModule.save_checkpoint` writes and `load` accepts:
 chatgen_megatron.json (HF config, TP, PP, padded vocab) + model_tp{t}_pp{p}.safetensors per rank, with
 megatron-core local-spec parameter names and local layer numbers. Pure tensor index arithmetic
-(chatgen/param_sync/layout.py): HF -> Megatron -> HF is bit-exact. Imports neither Megatron nor vLLM.
+(chatgen/models/layout.py): HF -> Megatron -> HF is bit-exact. Imports neither Megatron nor vLLM.
 To change the layout of a Megatron checkpoint, convert it to HF and back.
 """
 import json
-import shutil
 from pathlib import Path
 
 from safetensors.torch import save_file
 
-from chatgen.checkpoint_io import MEGATRON_META as META
-from chatgen.checkpoint_io import atomic_directory, megatron_shard_file, read_hf_safetensors, read_megatron_shard
-from chatgen.param_sync import layout
-
-HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json")
+from chatgen import models
+from chatgen.checkpoint_io import (
+    atomic_directory,
+    copy_hf_side_files,
+    megatron_shard_file,
+    read_hf_safetensors,
+    read_megatron_meta,
+    read_megatron_shard,
+    write_megatron_meta,
+)
+from chatgen.models import layout
 
 
 def add_arguments(p):
@@ -33,43 +37,37 @@ def add_arguments(p):
                    help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
 
 
-def _copy_side_files(src: Path, dst: Path) -> None:
-    for name in HF_SIDE_FILES:
-        if (src / name).exists():
-            shutil.copy(src / name, dst / name)
-
-
 def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> Path:
     src, dst = Path(src), Path(dst)
     hf_config = json.loads((src / "config.json").read_text())
-    spec = layout.spec_from_hf_config(hf_config)
+    spec = models.spec_from_hf_config(hf_config)
     hf = read_hf_safetensors(src, spec.tie_word_embeddings)
     padded = spec.padded_vocab_size(tp, divisible_by)
     shards = layout.hf_to_megatron(hf, spec, tp, pp, padded)
     with atomic_directory(dst) as tmp:
         for (p, t), state in shards.items():
             save_file({k: v.contiguous().clone() for k, v in state.items()}, str(megatron_shard_file(tmp, t, p)))
-        (tmp / META).write_text(json.dumps(dict(hf_config=hf_config, tensor_model_parallel_size=tp,
-                                                pipeline_model_parallel_size=pp, padded_vocab_size=padded,
-                                                iteration=0), indent=1))
-        _copy_side_files(src, tmp)
+        write_megatron_meta(tmp, hf_config, tp, pp, padded, iteration=0)
+        copy_hf_side_files(src, tmp)
     return dst
 
 
-def megatron_to_hf_dir(src, dst) -> Path:
+def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None) -> Path:
+    """A chatgen Megatron checkpoint -> an HF directory `dst` (written atomically; an existing one is replaced
+    only with `replace`), with the tokenizer files of `src` or of the HF directory `side_files_from`."""
     src, dst = Path(src), Path(dst)
-    if not (src / META).exists():
-        raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no {META})")
-    meta = json.loads((src / META).read_text())
+    meta = read_megatron_meta(src)
+    if meta is None:
+        raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json)")
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
-    spec = layout.spec_from_hf_config(meta["hf_config"])
+    spec = models.spec_from_hf_config(meta["hf_config"])
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     hf = layout.megatron_to_hf(shards, spec, tp, pp)
-    with atomic_directory(dst) as tmp:
+    with atomic_directory(dst, replace=replace) as tmp:
         save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-        _copy_side_files(src, tmp)
+        copy_hf_side_files(side_files_from or src, tmp)
     return dst
 
 

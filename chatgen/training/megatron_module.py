@@ -2,46 +2,49 @@
 
     from chatgen import MegatronModule
     trainer = MegatronModule(dict(load="outputs/tiny-llama", tensor_model_parallel_size=1, lr=1e-5))
-    trainer.init()                                              # distributed + model + optimizer + setup()
-    logprobs = trainer.compute_logprobs(input_ids)              # (B, T) -> (B, T-1)
+    trainer.start()                                             # init(): distributed; setup(): model + optimizer
+    logprobs = trainer.forward_tokens({"input_ids": ids})    # (B, T) -> (B, T-1) log-probs
     metrics = trainer.train_step(batch, loss_fn)                # one optimizer step
-    trainer.sync_to(llm)                                        # weights -> a vLLM engine (chatgen.param_sync)
+    for bucket in trainer.hf_weights().buckets(): ...           # weights as HF tensors (chatgen.param_sync)
 
 Run with several ranks (`torchrun`, `chatgen.training.launcher.run_distributed`, or Ray actors setting RANK /
 WORLD_SIZE / MASTER_ADDR / MASTER_PORT): `init()` joins torch.distributed (gloo on CPU, NCCL on GPU) and
 builds megatron-core's TP x PP x DP groups, DP = world / (TP * PP). Every method is collective: call it on
 every rank with that rank's data (ranks of one DP replica get the same batch).
 
-Subclass and override the hooks (`model_provider`, `setup`, `forward_step`, `train_step`,
-`save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (Llama or
-Qwen2 family), converted on the fly. The optimizer is plain `torch.optim.AdamW` over this rank's shards
+Subclass and override the hooks (`model_provider`, `setup`, `token_outputs`, `train_step`,
+`save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (any family
+of chatgen/models), converted on the fly. The optimizer is plain `torch.optim.AdamW` over this rank's shards
 (gradients averaged over DP and the tied embedding summed across the first and last pipeline stage by
 `_finalize_grads`; fp32 master copies when the model is bf16/fp16), which runs the same on CPU and GPU;
 docs/megatron_module.md says more.
 """
-import dataclasses
 import json
 import math
 import os
-import shutil
-from functools import partial
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from chatgen.checkpoint_io import MEGATRON_META as CHECKPOINT_META
-from chatgen.checkpoint_io import megatron_shard_file, read_hf_safetensors, read_megatron_shard
+from chatgen import models
+from chatgen.checkpoint_io import (
+    begin_directory,
+    commit_directory,
+    megatron_shard_file,
+    read_hf_safetensors,
+    read_megatron_meta,
+    read_megatron_shard,
+    staging_path,
+    write_megatron_meta,
+)
+from chatgen.config import MegatronConfig
 from chatgen.distributed import free_port, init_process_group
-from chatgen.param_sync import layout
+from chatgen.models import layout
+from chatgen.module import Module
 from chatgen.training import cpu_compat
-
-
-def _megatron_config_class():
-    from chatgen.config.schema import MegatronConfig
-
-    return MegatronConfig
+from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights
 
 
 def init_distributed(tp: int, pp: int) -> None:
@@ -75,30 +78,29 @@ def init_distributed(tp: int, pp: int) -> None:
 def read_hf_config(path) -> dict:
     """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint."""
     path = Path(path)
-    if (path / CHECKPOINT_META).exists():
-        return json.loads((path / CHECKPOINT_META).read_text())["hf_config"]
+    meta = read_megatron_meta(path)
+    if meta is not None:
+        return meta["hf_config"]
     if (path / "config.json").exists():
         return json.loads((path / "config.json").read_text())
     raise FileNotFoundError(f"load={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
-                            f"Megatron checkpoint ({CHECKPOINT_META}); point `load` at one of them")
+                            "Megatron checkpoint (chatgen_megatron.json); point `load` at one of them")
 
 
-class MegatronModule:
+class MegatronModule(Module):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
-    Lifecycle (the framework calls these): `__init__(config)` stores the config only; `init()` starts
-    torch.distributed, builds the model with `model_provider` and the optimizer, loads `config.load`
-    (weights; from a chatgen checkpoint also iteration, optimizer and LR schedule) and finally calls `setup()`. Then `forward_step` / `train_step` per batch, `save_checkpoint` when asked.
+    Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
+    torch.distributed and builds megatron-core's parallel groups; `setup()` builds the model with
+    `model_provider` and the optimizer, and loads `config.load` (weights; from a chatgen checkpoint also
+    iteration, optimizer and LR schedule). `start()` does both. Then `forward_tokens` / `train_step` per
+    batch, `save_checkpoint` when asked, `hf_weights()` for a weight sync.
     """
 
-    def __init__(self, config=None, name: str = "policy_trainer", **overrides):
-        cls = _megatron_config_class()
-        if config is None:
-            config = cls()
-        elif isinstance(config, dict):
-            config = cls(**config)
-        self.config = dataclasses.replace(config, **overrides) if overrides else config
-        self.name = name
+    config_class = MegatronConfig
+
+    def __init__(self, config=None, *, name: str = "policy_trainer"):
+        super().__init__(config, name=name)
         self.model = None  # this rank's GPTModel chunk
         self.optimizer = None
         self._masters = None  # fp32 master copies of the trainable params when dtype is not float32
@@ -107,8 +109,8 @@ class MegatronModule:
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
-    def init(self) -> "MegatronModule":
-        """Join torch.distributed, build and load the model and the optimizer, then call `setup()`."""
+    def init(self) -> None:
+        """Framework: join torch.distributed and build the TP x PP x DP groups; read the model's architecture."""
         from megatron.core import parallel_state as ps
 
         cfg = self.config
@@ -120,16 +122,23 @@ class MegatronModule:
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.hf_config = read_hf_config(cfg.load)
-        self.spec = layout.spec_from_hf_config(self.hf_config)
+        self.spec = models.spec_from_hf_config(self.hf_config)
         layout.check_layout(self.spec, self.tp, self.pp)
         self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
         max_positions = self.hf_config.get("max_position_embeddings")
         if cfg.seq_length and max_positions and cfg.seq_length > max_positions:
             raise ValueError(f"{self.name}: seq_length={cfg.seq_length} is longer than the model's "
                              f"max_position_embeddings={max_positions}; lower it (or null)")
-        self.seq_length = cfg.seq_length or max_positions  # longest batch forward_step / train_step accept
+        self.seq_length = cfg.seq_length or max_positions  # longest batch forward_tokens / train_step accept
         self.dtype = getattr(torch, cfg.dtype)
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
+
+    def setup(self) -> None:
+        """Build this rank's model (`model_provider`) and optimizer, then load `config.load` into them.
+
+        Override to add work around it (datasets, metrics, extra modules) and call `super().setup()`.
+        """
+        cfg = self.config
         with cpu_compat.building_model():
             self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
         if torch.cuda.is_available():
@@ -144,13 +153,11 @@ class MegatronModule:
             eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
-        self.setup()
-        return self
 
     # ---- user hooks -------------------------------------------------------------------------------
 
     def model_provider(self, pre_process: bool, post_process: bool):
-        """Build this rank's model chunk; called once by `init()`.
+        """Build this rank's model chunk; called once by `setup()`.
 
         pre_process: this pipeline stage holds the embedding; post_process: the final norm + output layer.
         Must return a megatron-core `GPTModel` whose parameter names follow the local layer spec (the names
@@ -160,7 +167,7 @@ class MegatronModule:
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
 
-        fam = layout.family(self.spec)
+        fam = models.family(self.spec)
         on_gpu = torch.cuda.is_available()
         tconfig = TransformerConfig(
             **fam.transformer_config_kwargs(self.spec),
@@ -179,19 +186,22 @@ class MegatronModule:
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
         )
-        return GPTModel(tconfig, self._layer_spec(), vocab_size=self.padded_vocab_size,
+        return GPTModel(tconfig, self._layer_spec(tconfig), vocab_size=self.padded_vocab_size,
                         pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
 
-    def setup(self) -> None:
-        """Called once at the end of `init()`, after the model and optimizer exist: build datasets, metrics."""
-
-    def forward_step(self, data: dict) -> dict:
-        """Inference forward for a batch; the framework calls it for reference / old-policy log-probs.
+    @torch.no_grad()
+    def forward_tokens(self, data: dict) -> torch.Tensor:
+        """The model's per-token outputs for a batch, without gradient: what the framework asks a trainer or
+        a reference for (old / reference log-probs; a critic's values, see `token_outputs`).
 
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding}.
-        Returns {"logprobs": (B, T-1) float32}: log p(input_ids[:, t+1] | input_ids[:, :t+1]), on every rank.
+        Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
+        log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
-        return {"logprobs": self.compute_logprobs(data["input_ids"], data.get("attention_mask"))}
+        self.model.eval()
+        mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
+        batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
+        return self._run_schedule(_split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches.
@@ -242,30 +252,24 @@ class MegatronModule:
 
         Layout: chatgen_megatron.json (HF config, TP, PP, iteration), model_tp{t}_pp{p}.safetensors,
         optim_tp{t}_pp{p}.pt (torch.save of tensors only; read back with weights_only=True). Ranks write into
-        `path.tmp`, then rank 0 renames it, so a crash never leaves a half-written `path`.
+        the staging directory of chatgen.checkpoint_io, then rank 0 moves it into place, so a crash never
+        leaves a half-written `path`.
         """
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
         if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
+            begin_directory(path)
         dist.barrier()
+        tmp = staging_path(path)
         if self.dp_rank == 0:
             save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
                       str(megatron_shard_file(tmp, self.tp_rank, self.pp_rank)))
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                         "master_params": self._masters}, tmp / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt")
         if dist.get_rank() == 0:
-            (tmp / CHECKPOINT_META).write_text(json.dumps(dict(
-                hf_config=self.hf_config, tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
-                padded_vocab_size=self.padded_vocab_size, iteration=self.iteration), indent=1))
+            write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration)
         dist.barrier()
         if dist.get_rank() == 0:
-            old = path.with_name(path.name + ".old")
-            if path.exists():
-                path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old, ignore_errors=True)
+            commit_directory(path)
         dist.barrier()
         return str(path)
 
@@ -276,8 +280,8 @@ class MegatronModule:
         its optimizer state is restored when an optimizer exists.
         """
         path = Path(path)
-        if (path / CHECKPOINT_META).exists():
-            meta = json.loads((path / CHECKPOINT_META).read_text())
+        meta = read_megatron_meta(path)
+        if meta is not None:
             have = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
             if have != (self.tp, self.pp):
                 raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
@@ -308,43 +312,19 @@ class MegatronModule:
 
     # ---- library API ------------------------------------------------------------------------------
 
-    @torch.no_grad()
-    def compute_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """log p(input_ids[:, t+1] | prefix) as (B, T-1) float32 on every rank (padding positions: garbage,
-        mask them). attention_mask (B, T): 1 = token, 0 = padding (left or right)."""
-        self.model.eval()
-        data = {"input_ids": input_ids}
-        if attention_mask is not None:
-            data["attention_mask"] = attention_mask
-        mbs = self.config.micro_batch_size or input_ids.shape[0]
-        outputs = self._run_schedule(_split_batch(data, mbs), loss_fn=None, forward_only=True)
-        return outputs
-
-    def named_hf_tensors(self, bucket_bytes: int = 256 << 20):
-        """Yield this model's weights as HF `(name, tensor)` pairs, full (TP-gathered) tensors, on every rank.
-
-        Collective over all ranks. Streams in buckets of about `bucket_bytes`: at most one gathered bucket
-        is alive at a time, never a second copy of the model. See chatgen/param_sync/gather.py.
-        """
-        from chatgen.param_sync.gather import iter_hf_buckets
-
-        for bucket in iter_hf_buckets(self, bucket_bytes):
-            yield from bucket
+    def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> HFWeights:
+        """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP), bucket by bucket:
+        the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
+        every rank; at most about two buckets of extra memory, never a copy of the model."""
+        return HFWeights(self, bucket_bytes)
 
     def hf_state_dict(self) -> dict:
-        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`)."""
-        return {k: v.clone() for k, v in self.named_hf_tensors()}
-
-    def sync_to(self, target, **kwargs):
-        """Copy this model's weights into a vLLM engine (an `LLM`, a `VLLMModule`, or a `SyncSender` for an
-        engine in another process); see chatgen.param_sync.sync_weights. Returns the sync report."""
-        from chatgen.param_sync import sync_weights
-
-        return sync_weights(self, target, **kwargs)
+        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`). Collective."""
+        return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
 
     # ---- internals --------------------------------------------------------------------------------
 
-    def _layer_spec(self):
+    def _layer_spec(self, tconfig):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         if torch.cuda.is_available():
@@ -352,10 +332,10 @@ class MegatronModule:
                 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
                 import transformer_engine  # noqa: F401
 
-                return get_gpt_layer_with_transformer_engine_spec()
+                return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tconfig.qk_layernorm)
             except ImportError:
                 pass
-        return get_gpt_layer_local_spec(normalization="RMSNorm")
+        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
 
     # Transformer Engine fuses the norms into the next linear; chatgen's mappings use the local-spec names.
     _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -415,7 +395,9 @@ class MegatronModule:
         min_ratio = cfg.min_lr / cfg.lr
         return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    def _device(self):
+    @property
+    def device(self) -> torch.device:
+        """Where this rank's parameters live (the current CUDA device, or the CPU)."""
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool):
@@ -432,7 +414,7 @@ class MegatronModule:
             raise ValueError(f"{self.name}: a batch of {t} tokens per sample is longer than seq_length="
                              f"{self.seq_length}; raise seq_length in this model's config (up to the model's "
                              "max_position_embeddings) or cut prompts / responses")
-        device = self._device()
+        device = self.device
         micro_batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in micro_batches]
         b, t = micro_batches[0]["input_ids"].shape
         collected = []
@@ -482,12 +464,12 @@ class MegatronModule:
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
-        `forward_step`, `compute_logprobs` and `train_step` (with gradient).
+        `forward_tokens` and `train_step` (with gradient).
 
         logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T).
         Returns (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
         log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is HF's).
-        Override for a head that is not a token distribution, e.g. a PPO critic (examples/value_trainer.py).
+        Override for a head that is not a token distribution, e.g. a PPO critic (chatgen/training/critic.py).
         """
         from megatron.core import tensor_parallel
 
@@ -517,7 +499,7 @@ class MegatronModule:
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=ps.get_embedding_group())
-        sq = torch.zeros(1, dtype=torch.float64, device=self._device())
+        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p) and not (getattr(p, "shared_embedding", False)
                                                                   and not self.is_first_stage):

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.integration
 
 from chatgen.config import ConfigError  # noqa: E402
 from chatgen.generation import vllm_adapter as adapter  # noqa: E402
-from chatgen.generation.batching import generation_output  # noqa: E402
 from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,8 +33,7 @@ def tiny_config(model_dir, **overrides) -> dict:
 
 @pytest.fixture(scope="module")
 def module(tiny_llama_dir):
-    m = VLLMModule(tiny_config(tiny_llama_dir))
-    m.setup()
+    m = VLLMModule(tiny_config(tiny_llama_dir)).start()
     yield m
     m.shutdown()
 
@@ -97,12 +95,13 @@ def test_prompt_logprobs_match_hf(module, hf_model, monkeypatch):
     monkeypatch.setattr(module.config, "prompt_logprobs", 0)
     batch = padded(module, PROMPTS[:2])
     out = module.generate(batch, greedy=True)
-    listed = module.run_generation(module.build_dataset(PROMPTS[:2]))["prompt_logprobs"]
+    rollout = module.run_generation(module.build_dataset(PROMPTS[:2]))  # RolloutBatch: entry t scores token t+1
     for row, p in enumerate(batch["input_lengths"].tolist()):
         ref_logp, _ = hf_logprobs(hf_model, batch["input_ids"][row, :p].tolist())
         assert out["prompt_logprobs"][row, 0] == 0 and torch.all(out["prompt_logprobs"][row, p:] == 0)
         assert (out["prompt_logprobs"][row, 1:p] - ref_logp).abs().max().item() <= 1e-4
-        assert listed[row] == pytest.approx(out["prompt_logprobs"][row, :p].tolist(), abs=1e-6)
+        assert rollout.infer_logprobs[row, :p - 1].tolist() == pytest.approx(out["prompt_logprobs"][row, 1:p].tolist(),
+                                                                              abs=1e-6)
 
 
 def test_sampled_logprobs_match_hf(module, hf_model, monkeypatch):
@@ -141,8 +140,8 @@ def test_eval_uses_eval_sampling(module, monkeypatch):
     trained = module.run_generation(items, is_eval=False)
     for i, item in enumerate(items):
         p = len(item["input_ids"])
-        assert evaluated["output_ids"][i] == greedy["output_ids"][i, p:p + MAX_NEW].tolist()
-        assert trained["output_ids"][i] != evaluated["output_ids"][i]
+        assert evaluated.input_ids[i, p:p + MAX_NEW].tolist() == greedy["output_ids"][i, p:p + MAX_NEW].tolist()
+        assert trained.input_ids[i, p:p + MAX_NEW].tolist() != evaluated.input_ids[i, p:p + MAX_NEW].tolist()
     assert module.sampling_params(4, is_eval=True).temperature == 0.0
     assert module.sampling_params(4).temperature == 1.0
 
@@ -209,7 +208,9 @@ def test_run_generation_goes_through_the_hooks(module):
     assert steps[0][1] == sum(len(it["input_ids"]) for it in items)  # first step: all prompts prefilled
     assert all(tokens == n_req for _, tokens, n_req in steps[1:])  # then one token per running request
     assert order == sorted(order, key=int) and len(order) == len(PROMPTS)
-    assert out["prompt"] == PROMPTS and out["prompt_ids"] == [it["input_ids"] for it in items]
+    assert out.prompt_texts == PROMPTS
+    assert [out.input_ids[i, :p].tolist() for i, p in enumerate(out.prompt_lengths.tolist())] == \
+        [it["input_ids"] for it in items]
     m = rec.metrics
     assert m["engine_steps"] == len(steps) == MAX_NEW
     assert m["generation_tokens"] == len(PROMPTS) * MAX_NEW
@@ -217,29 +218,39 @@ def test_run_generation_goes_through_the_hooks(module):
     assert m["generation_tokens_per_s"] > 0 and 0 < m["kv_cache_usage_peak"] <= 1
 
 
+def test_default_decode_internal_is_the_rollout_contract(module, monkeypatch):
+    """VLLMModule's default output is the RolloutBatch every algorithm trains on: it lines up with generate()."""
+    monkeypatch.setattr(module.config, "n", 2)
+    items = module.build_dataset(["two plus two?", "a colour"])
+    out = module.run_generation(items)
+    width = max(len(it["input_ids"]) for it in items) + MAX_NEW
+    assert out.input_ids.shape == (4, width) and out.infer_logprobs.shape == (4, width - 1)
+    assert out.response_lengths.tolist() == [MAX_NEW] * 4 and out.prompt_index.tolist() == [0, 0, 1, 1]
+    for row in range(4):
+        p = out.prompt_lengths[row].item()
+        assert out.input_ids[row, :p].tolist() == items[row // 2]["input_ids"]
+        # entry t of loss_mask / infer_logprobs scores token t+1: the response tokens are p .. p+MAX_NEW-1
+        assert out.loss_mask[row].nonzero().flatten().tolist() == list(range(p - 1, p - 1 + MAX_NEW))
+        assert torch.all(out.infer_logprobs[row, p - 1:p - 1 + MAX_NEW] < 0)
+    assert len(out.texts) == 4 and out.finish_reasons == ["length"] * 4
+
+
 def test_policy_inference_example(module, monkeypatch):
-    """examples/policy_inference.py: the trainer's tensors line up with the prompts and the samples."""
+    """examples/policy_inference.py: its hooks shape the prompts and the loss mask of the RolloutBatch."""
     spec = importlib.util.spec_from_file_location("policy_inference", REPO / "examples" / "policy_inference.py")
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    monkeypatch.setattr(module.config, "n", 2)
-    layouts = []  # the example lays its tensors out with batching.generation_output (generate()'s layout)
-    monkeypatch.setattr(example, "generation_output", lambda *a: layouts.append(generation_output(*a)) or layouts[-1])
     policy = on_shared_engine(example.PolicyInference, module)
-    items = policy.build_dataset(["two plus two?", "a colour"])
+    items = policy.build_dataset(["two plus two?"])
+    assert items[0]["prompt"] == "two plus two?"
+    assert policy.tokenizer.decode(items[0]["input_ids"], skip_special_tokens=True).endswith(
+        "Question: two plus two?\nAnswer:")
     out = policy.run_generation(items)
-    assert len(layouts) == 1
-    width = out["all_tokens"].shape[1]
-    assert width == max(len(it["input_ids"]) for it in items) + MAX_NEW
-    assert torch.equal(out["all_tokens"], layouts[0]["output_ids"][:, :width])
-    assert torch.equal(out["old_logprobs"], layouts[0]["logprobs"][:, :width])
-    assert out["all_tokens"].shape[0] == 4 and out["response_lengths"].tolist() == [MAX_NEW] * 4
-    for row in range(4):
-        p = out["prompt_lengths"][row].item()
-        assert out["all_tokens"][row, :p].tolist() == items[row // 2]["input_ids"]
-        assert out["loss_mask"][row].nonzero().flatten().tolist() == list(range(p, p + MAX_NEW))
-        assert torch.equal(out["old_logprobs"][row] != 0, out["loss_mask"][row] == 1)
-    assert out["prompt_str"][0] == example.TEMPLATE.format(question="two plus two?")
+    newline = policy.tokenizer.convert_tokens_to_ids("<0x0A>")
+    p, r = out.prompt_lengths[0].item(), out.response_lengths[0].item()
+    response = out.input_ids[0, p:p + r].tolist()
+    trained = int(out.loss_mask[0].sum())
+    assert trained == (response.index(newline) + 1 if newline in response else r)
 
 
 def test_text_path(module):
@@ -297,7 +308,7 @@ def test_bad_prompts_are_rejected(module, monkeypatch, caplog):
             module.generate(row)
     # new_token_limit: false: the response takes the rest of seq_length (ChatLearn's rule)
     out = module.run_generation([{"input_ids": [1] * budget}, {"input_ids": [1] * 10}])
-    assert [len(ids) for ids in out["output_ids"]] == [MAX_NEW, module.config.seq_length - 10]
+    assert out.response_lengths.tolist() == [MAX_NEW, module.config.seq_length - 10]
     monkeypatch.setattr(module.config, "new_token_limit", True)
     assert module.generate(padded(module, PROMPTS[:1]), greedy=True)["generation_lengths"].tolist() == [MAX_NEW]
 
@@ -360,8 +371,7 @@ def test_split_step_equals_llm_generate(module):
 
 def _tp2_generate(config, batch):
     """One rank of a 2-process job: VLLMModule with TP=2 through external_launcher (the colocation mode)."""
-    module = VLLMModule({**config, "tensor_parallel_size": 2}, distributed_executor_backend="external_launcher")
-    module.setup()
+    module = VLLMModule({**config, "tensor_parallel_size": 2}).start()  # WORLD_SIZE=2: external_launcher
     out = module.generate(batch, greedy=True)
     return out["output_ids"].tolist(), out["logprobs"].tolist(), module.metrics["engine_steps"]  # lists: picklable
 

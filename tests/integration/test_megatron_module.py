@@ -38,7 +38,7 @@ def build(model_dir, **kw):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return MegatronModule(dict(load=str(model_dir), **kw)).init()
+    return MegatronModule(dict(load=str(model_dir), **kw)).start()
 
 
 @pytest.fixture(scope="module")
@@ -55,30 +55,30 @@ def models(make_tiny):
 def test_tp1_logprobs_match_hf_transformers(models, name):
     ids = batch()
     trainer = build(models[name])
-    got = trainer.compute_logprobs(ids)
+    got = trainer.forward_tokens({"input_ids": ids})
     assert got.shape == (2, 11) and got.dtype == torch.float32
     assert (got - hf_logprobs(models[name], ids)).abs().max() < TOL
     # left padding: the first 3 tokens of row 0 are padding
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
-    got = trainer.compute_logprobs(ids, mask)
+    got = trainer.forward_tokens({"input_ids": ids, "attention_mask": mask})
     assert (got - hf_logprobs(models[name], ids, mask))[:, 3:].abs().max() < TOL
 
 
 def test_train_step_and_checkpoint_round_trip(models, tmp_path):
     ids = batch()
     trainer = build(models["llama"], lr=1e-3, clip_grad=0.0)
-    before = trainer.compute_logprobs(ids)
+    before = trainer.forward_tokens({"input_ids": ids})
     m1 = trainer.train_step({"input_ids": ids}, nll_loss)
     m2 = trainer.train_step({"input_ids": ids}, nll_loss)
     assert m2["loss"] < m1["loss"] and m1["grad_norm"] > 0 and set(m1) >= {"loss", "nll", "grad_norm", "lr"}
-    after = trainer.compute_logprobs(ids)
+    after = trainer.forward_tokens({"input_ids": ids})
     assert after.mean() > before.mean()
     path = trainer.save_checkpoint(tmp_path / "ckpt")
     assert not (tmp_path / "ckpt.tmp").exists()
     resumed = build(path, lr=1e-3, clip_grad=0.0)
     assert resumed.iteration == 2
-    assert torch.equal(resumed.compute_logprobs(ids), after)
+    assert torch.equal(resumed.forward_tokens({"input_ids": ids}), after)
     # the optimizer state came back too: the next step is the same on both
     assert resumed.train_step({"input_ids": ids}, nll_loss)["loss"] == pytest.approx(
         trainer.train_step({"input_ids": ids}, nll_loss)["loss"], rel=1e-6)
@@ -145,14 +145,14 @@ def test_nan_gradient_skips_the_step(models):
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items() if torch.is_tensor(v))
     metrics = trainer.train_step({"input_ids": ids}, nll_loss)  # the next good step trains as usual
     assert metrics["skipped_step"] == 0.0 and math.isfinite(metrics["grad_norm"]) and trainer.iteration == 1
-    assert torch.isfinite(trainer.compute_logprobs(ids)).all()
+    assert torch.isfinite(trainer.forward_tokens({"input_ids": ids})).all()
 
 
 def test_seq_length_and_global_batch_size_are_enforced(models):
     trainer = build(models["llama"], seq_length=8, global_batch_size=4)
-    assert trainer.compute_logprobs(batch(t=8)).shape == (2, 7)
+    assert trainer.forward_tokens({"input_ids": batch(t=8)}).shape == (2, 7)
     with pytest.raises(ValueError, match="a batch of 12 tokens per sample is longer than seq_length=8"):
-        trainer.compute_logprobs(batch(t=12))
+        trainer.forward_tokens({"input_ids": batch(t=12)})
     with pytest.raises(ValueError, match="2 samples x 1 data-parallel ranks != global_batch_size=4"):
         trainer.train_step({"input_ids": batch(t=8)}, nll_loss)
     assert trainer.train_step({"input_ids": batch(b=4, t=8)}, nll_loss)["skipped_step"] == 0.0
@@ -179,12 +179,12 @@ def _parallel_layouts(models, cases, refs):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         trainer = MegatronModule(dict(load=str(models[name]), tensor_model_parallel_size=tp,
-                                      pipeline_model_parallel_size=pp, lr=1e-4)).init()
-        result = {"logprob_diff": float((trainer.compute_logprobs(ids) - ref).abs().max())}
+                                      pipeline_model_parallel_size=pp, lr=1e-4)).start()
+        result = {"logprob_diff": float((trainer.forward_tokens({"input_ids": ids}) - ref).abs().max())}
         if train_ref is not None:
             metrics = trainer.train_step({"input_ids": ids}, nll_loss)
             result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                          after_diff=float((trainer.compute_logprobs(ids) - train_ref).abs().max()))
+                          after_diff=float((trainer.forward_tokens({"input_ids": ids}) - train_ref).abs().max()))
         out.append(result)
     return out
 
@@ -200,7 +200,7 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
     for name in ("llama", "qwen2"):  # TP=1 references for one training step
         trainer = build(models[name], lr=1e-4)
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
-        train_refs[name] = (metrics, trainer.compute_logprobs(ids))
+        train_refs[name] = (metrics, trainer.forward_tokens({"input_ids": ids}))
     refs = [(ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
             for name, _, _ in cases]
     results = run_distributed(_parallel_layouts, 2, args=(models, cases, refs))
@@ -219,4 +219,4 @@ def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):
 
     ckpt = hf_to_megatron_dir(models["qwen2_v500"], tmp_path / "meg", tp=1, pp=1)
     ids = batch()
-    assert (build(ckpt).compute_logprobs(ids) - hf_logprobs(models["qwen2_v500"], ids)).abs().max() < TOL
+    assert (build(ckpt).forward_tokens({"input_ids": ids}) - hf_logprobs(models["qwen2_v500"], ids)).abs().max() < TOL

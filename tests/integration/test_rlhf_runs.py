@@ -22,20 +22,24 @@ REPO = Path(__file__).resolve().parents[2]
 SYNC_TOL = 1e-4  # fp32: vLLM vs Megatron log-probs of the same weights differ by ~1e-6
 
 
-class FailingReward:
+from chatgen.module import Module  # noqa: E402
+
+
+class FailingReward(Module):
     """The rule reward, except that its `fail_on_call`-th call raises (imported inside the Ray actor)."""
 
-    def __init__(self, config):
-        from examples.rule_reward import RuleReward
+    def setup(self):
+        from chatgen.rlhf.rewards import RuleReward
 
+        config = dict(self.config)
         self.fail_on_call, self.calls = config.pop("fail_on_call"), 0
-        self.inner = RuleReward(config)
+        self.inner = RuleReward(config).start()
 
-    def forward_step(self, data):
+    def score(self, data):
         self.calls += 1
         if self.calls == self.fail_on_call:
             raise RuntimeError(f"injected reward failure on call {self.calls}")
-        return self.inner.forward_step(data)
+        return self.inner.score(data)
 
 
 @pytest.fixture(scope="module")
@@ -90,17 +94,20 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
 
     from chatgen.cli import main
     from chatgen.config import load_config
-    from chatgen.rlhf import grpo
+    from chatgen.rlhf.algorithms import grpo
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "grpo"
-    common = overrides(tiny_llama_dir, data_dir, out)
+    # grpo_tiny plus a reference in the same process (kl_coef stays 0: it reports kl/reference)
+    common = [*overrides(tiny_llama_dir, data_dir, out), "models.reference.backend=megatron",
+              f"models.reference.model_config_file={REPO}/configs/grpo_tiny/trainer.yaml",
+              "runtime.colocation=[[policy, policy_trainer, reference, reward]]"]
     # Reward calls: eval at 0, then per episode the samples and the eval -> call 6 is episode 3's samples.
     failing = ["models.reward.model_class=test_rlhf_runs:FailingReward", "reward.fail_on_call=6",
                "runtime.num_episode=3"]
     assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *common, *failing]) == 1
     err = capsys.readouterr().err
-    assert "injected reward failure on call 6" in err and "reward.forward_step" in err
+    assert "injected reward failure on call 6" in err and "reward.score" in err
     assert ray.available_resources().get("CPU") == ray.cluster_resources()["CPU"]  # every actor was stopped
 
     metrics = read_metrics(out)
@@ -138,7 +145,7 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
 
 def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
     from chatgen.config import load_config
-    from chatgen.rlhf import ppo
+    from chatgen.rlhf.algorithms import ppo
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "ppo"

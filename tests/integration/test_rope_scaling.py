@@ -67,14 +67,14 @@ def trainer(models):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return MegatronModule(dict(load=str(models["llama3"]))).init()
+    return MegatronModule(dict(load=str(models["llama3"]))).start()
 
 
 def test_megatron_matches_hf_with_llama3_rope_scaling(models, trainer):
     assert trainer.model.rotary_pos_emb.inv_freq.shape == (16,)
     scaled, plain = hf_logprobs(models["llama3"], IDS), hf_logprobs(models["plain"], IDS)
     assert (scaled - plain).abs().max() > 100 * TOL  # the scaling really changes the model
-    megatron = trainer.compute_logprobs(IDS)
+    megatron = trainer.forward_tokens({"input_ids": IDS})
     assert (megatron - scaled).abs().max() < TOL
 
 
@@ -83,18 +83,19 @@ def test_vllm_after_sync_matches_trainer_with_llama3_rope_scaling(models, traine
     from vllm import SamplingParams
 
     from chatgen.generation import vllm_adapter
+    from chatgen.param_sync import sync_weights
 
     llm = vllm_adapter.build_llm(str(models["llama3"]), load_format="dummy", enforce_eager=True,
                                  skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=512,
                                  kv_cache_memory_bytes=32 << 20)
     try:  # shutting the engine down tears down torch.distributed: the trainer's forward comes first
-        trainer.sync_to(llm)
+        sync_weights(trainer, llm)
         prompt = IDS[0, :250].tolist()
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.0, logprobs=0),
                            use_tqdm=False)[0].outputs[0]
         new = list(out.token_ids)
         full = torch.tensor([prompt + new])
-        ref = trainer.compute_logprobs(full)[0, len(prompt) - 1:]
+        ref = trainer.forward_tokens({"input_ids": full})[0, len(prompt) - 1:]
     finally:
         vllm_adapter.shutdown(llm)
     vllm_lp = torch.tensor([lp[t].logprob for t, lp in zip(new, out.logprobs)])

@@ -12,6 +12,8 @@ import torch
 
 pytestmark = pytest.mark.integration
 
+from chatgen.param_sync import sync_weights  # noqa: E402
+
 TOL = 1e-4
 PROMPTS = [[5, 17, 99, 200], [1, 2, 3, 4, 5, 6, 7]]
 NEW_TOKENS = 6
@@ -41,7 +43,7 @@ def _worst(diffs) -> float:
 
 
 def max_diff_vs_trainer(trainer, generated, prompts=PROMPTS) -> float:
-    return _worst(trainer.compute_logprobs(torch.tensor([prompt + ids]))[0, len(prompt) - 1:] - torch.tensor(vllm_lp)
+    return _worst(trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1:] - torch.tensor(vllm_lp)
                   for prompt, (ids, vllm_lp) in zip(prompts, generated))
 
 
@@ -65,7 +67,7 @@ def trainer(model_dir, **kw):
 
     if ps.model_parallel_is_initialized():
         ps.destroy_model_parallel()
-    return MegatronModule(dict(load=str(model_dir), **kw)).init()
+    return MegatronModule(dict(load=str(model_dir), **kw)).start()
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +91,7 @@ def engines(models):
 def test_colocated_tp1_sync_matches_trainer(models, engines, name):
     llm, tr = engines[name], trainer(models[name], lr=1e-2)
     assert max_diff_vs_trainer(tr, generate(llm)) > 1e-2  # random engine weights: far off
-    report = tr.sync_to(llm, validate=True)
+    report = sync_weights(tr, llm, validate=True)
     assert report.validated and report.tensors == 21 + 5 * (name == "qwen2") and report.bytes > 1e6
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
     # after a training step the engine must follow the trainer's new weights, not the checkpoint's
@@ -99,7 +101,7 @@ def test_colocated_tp1_sync_matches_trainer(models, engines, name):
     tr.train_step({"input_ids": torch.tensor([PROMPTS[1] * 2])}, loss_fn)
     stale = generate(llm)
     assert max_diff_vs_trainer(tr, stale) > 1e-3
-    tr.sync_to(llm, bucket_bytes=300_000)  # several buckets
+    sync_weights(tr, llm, bucket_bytes=300_000)  # several buckets
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
 
 
@@ -108,24 +110,25 @@ def test_wrong_architecture_or_shape_is_refused_and_engine_keeps_weights(models,
 
     llm = engines["llama"]
     tr = trainer(models["llama"])
-    tr.sync_to(llm)
+    sync_weights(tr, llm)
     before = generate(llm)
     with pytest.raises(SyncError) as err:  # llama trainer -> qwen2 engine: no biases sent
-        trainer(models["llama"]).sync_to(engines["qwen2"])
+        sync_weights(trainer(models["llama"]), engines["qwen2"])
     assert "model.layers.0.self_attn.q_proj.bias: the engine expects shape (128,), the trainer sends nothing" in str(err.value)
     assert "keeps its old weights" in str(err.value)
     with pytest.raises(SyncError) as err:  # same family, different MLP width
-        trainer(models["llama_ffn256"]).sync_to(llm)
+        sync_weights(trainer(models["llama_ffn256"]), llm)
     assert ("model.layers.0.mlp.gate_proj.weight: trainer sends shape (256, 128), the engine expects (352, 128)"
             in str(err.value))
     assert generate(llm) == before
 
 
 def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, monkeypatch):
-    from chatgen.param_sync import SyncError, gather
+    from chatgen.param_sync import SyncError
+    from chatgen.training.hf_export import HFWeights
 
     llm, tr = engines["llama"], trainer(models["llama"])
-    real = gather.iter_hf_buckets
+    real = HFWeights.buckets
 
     def broken(*args, **kwargs):
         for i, bucket in enumerate(real(*args, **kwargs)):
@@ -133,19 +136,19 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
                 raise ConnectionError("peer went away")
             yield bucket
 
-    monkeypatch.setattr(gather, "iter_hf_buckets", broken)
+    monkeypatch.setattr(HFWeights, "buckets", broken)
     with pytest.raises(SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*peer went away"):
-        tr.sync_to(llm, bucket_bytes=300_000)
+        sync_weights(tr, llm, bucket_bytes=300_000)
 
     def corrupted(*args, **kwargs):  # a bucket that arrives wrong: the validation check's own SyncError
         for i, bucket in enumerate(real(*args, **kwargs)):
             yield [(name, t + 1.0) for name, t in bucket] if i == 2 else bucket
 
-    monkeypatch.setattr(gather, "iter_hf_buckets", corrupted)
+    monkeypatch.setattr(HFWeights, "buckets", corrupted)
     with pytest.raises(SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*validation"):
-        tr.sync_to(llm, bucket_bytes=300_000, validate=True)
+        sync_weights(tr, llm, bucket_bytes=300_000, validate=True)
     monkeypatch.undo()
-    tr.sync_to(llm)  # a full sync repairs it
+    sync_weights(tr, llm)  # a full sync repairs it
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
 
 
@@ -161,8 +164,8 @@ def _cross_process_trainer(model_dir, layouts, port):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp)).init()
-        module.sync_to(tx, validate=True, bucket_bytes=300_000)
+                                     pipeline_model_parallel_size=pp)).start()
+        sync_weights(module, tx, validate=True, bucket_bytes=300_000)
 
 
 def test_cross_process_tp2_and_pp2_to_tp1_engine(models):
@@ -198,10 +201,10 @@ def _colocated_tp2(model_dir, prompts):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from chatgen.training.megatron_module import MegatronModule
 
-    module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=2)).init()
+    module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=2)).start()
     llm = engine(model_dir, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
     before = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
-    report = module.sync_to(llm, validate=True)
+    report = sync_weights(module, llm, validate=True)
     after = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
     from chatgen.generation import vllm_adapter
 

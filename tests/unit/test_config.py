@@ -26,7 +26,7 @@ from chatgen.config import (
     schema_marker,
     to_dict,
 )
-from chatgen.config.cli import SECTIONS, key_reference
+from chatgen.config.cli import key_reference, sections
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -66,7 +66,7 @@ def main_yaml(tmp_path, monkeypatch):
         models:
           policy: {backend: vllm, model_config_file: models/policy.yaml}
           policy_trainer: {backend: megatron, trainable: true, model_config_file: models/trainer.yaml}
-          reward: {backend: python, config: {answer_key: answer}}
+          reward: {backend: python, model_class: chatgen.module:Module, config: {answer_key: answer}}
     """)
 
 
@@ -230,8 +230,9 @@ def test_overrides_win_over_files_and_route_to_the_model(main_yaml):
     assert cfg.models["policy"].num_gpu == 2  # an entry key stays on the entry
     assert cfg.models["reward"].config == {"answer_key": "label"}
     assert load_config(main_yaml).models["policy"].config.temperature == 0.7  # the files are untouched
-    (error,) = errors_of(load_config, main_yaml, ["value.lr=1"])
-    assert error == "command line: value: no model 'value' under models; configured: policy, policy_trainer, reward"
+    (error,) = errors_of(load_config, main_yaml, ["reference.lr=1"])  # a GRPO model this YAML does not have
+    assert error == ("command line: reference: no model 'reference' under models; configured: policy, "
+                     "policy_trainer, reward")
 
 
 def test_model_config_overrides_and_no_file(tmp_path):
@@ -292,7 +293,7 @@ def test_ints_pass_as_floats_but_bools_never_as_numbers(tmp_path):
 def test_unknown_model_name_names_closest(main_yaml):
     main_yaml.write_text(main_yaml.read_text().replace("  reward:", "  rewrd:"))
     (error,) = errors_of(load_config, main_yaml)
-    assert error == "main.yaml: models.rewrd: unknown model name; did you mean 'reward'?"
+    assert error == "main.yaml: models.rewrd: not a model of grpo; did you mean 'reward'?"
 
 
 def test_model_entry_checks(main_yaml):
@@ -383,7 +384,7 @@ def test_cli_prints_resolved_config_or_every_error(main_yaml, capsys):
 def test_every_key_has_a_doc_and_is_in_docs_configuration_md():
     docs = (REPO / "docs" / "configuration.md").read_text()
     reference = key_reference()
-    for _, _, cls in SECTIONS:
+    for _, _, cls in sections():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc: write `opt(default, \"doc\")`"
             assert f"| `{f.name}` |" in reference

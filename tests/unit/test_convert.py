@@ -1,4 +1,4 @@
-"""HF <-> Megatron conversion (chatgen/param_sync/layout.py, chatgen/models/llama.py, qwen2.py): pure tensors.
+"""HF <-> Megatron conversion (chatgen/models/layout.py, chatgen/models/llama.py, qwen2.py): pure tensors.
 
     python -m pytest tests/unit/test_convert.py
 """
@@ -6,19 +6,20 @@ import pytest
 import torch
 
 from chatgen.models import llama, qwen2
-from chatgen.param_sync import layout
+from chatgen import models
+from chatgen.models import layout
 
 
 def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8):
     cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=heads * head_dim, intermediate_size=48,
                num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
                rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied)
-    return layout.spec_from_hf_config(cfg)
+    return models.spec_from_hf_config(cfg)
 
 
 def random_hf_state(spec, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = layout.family(spec).hf_param_shapes(spec)
+    shapes = models.hf_param_shapes(spec)
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 
@@ -132,6 +133,6 @@ def test_unsupported_config_features_raise():
         llama.spec_from_hf(dict(num_hidden_layers=1, hidden_size=8, intermediate_size=8, num_attention_heads=1,
                                 vocab_size=8, rope_parameters={"rope_type": "linear", "factor": 2.0}))
     with pytest.raises(ValueError, match="not supported"):
-        layout.spec_from_hf_config({"model_type": "gpt2"})
+        models.spec_from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="must divide num_layers"):
         layout.stage_params(make_spec(layers=3), pp=2, pp_rank=0)

@@ -9,7 +9,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from chatgen.cli import main
-from chatgen.param_sync import layout
+from chatgen import models
+from chatgen.models import layout
 
 from test_convert import make_spec, random_hf_state
 

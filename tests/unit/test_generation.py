@@ -283,6 +283,8 @@ def test_seq_length_defaults_to_the_models_positions_and_longer_is_refused(tmp_p
 # VLLMConfig.check / platform_problems refuse the value. A new key must be added here with where it goes.
 KEY_DESTINATIONS = {
     "load": ({"model"}, "/other"),
+    "prompt_template": ({"dataset"}, "Q: {prompt} A:"),
+    "chat_template": ({"dataset"}, True),
     "tokenizer": ({"engine"}, "OTHER_TOKENIZER"),
     "dtype": ({"engine"}, "bfloat16"),
     "seed": ({"engine"}, 7),
@@ -315,6 +317,29 @@ KEY_DESTINATIONS = {
 }
 
 
+class CharTokenizer:
+    """Stand-in tokenizer: one id per character; a chat turn is wrapped in markers."""
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+        return self.encode(f"<user>{messages[0]['content']}</user><assistant>")
+
+
+def test_build_dataset_applies_prompt_template_then_chat_template():
+    from chatgen.generation.vllm_module import VLLMModule
+
+    module = SimpleNamespace(config=config(load="/m", seq_length=64, max_new_tokens=8,
+                                           prompt_template="Q: {prompt} A:", chat_template=True),
+                             tokenizer=CharTokenizer())
+    (item,) = VLLMModule.build_dataset(module, ["2+2 {x}"])
+    assert item["prompt"] == "2+2 {x}"  # as given: what rewards and logs see
+    assert "".join(map(chr, item["input_ids"])) == "<user>Q: 2+2 {x} A:</user><assistant>"
+    with pytest.raises(ConfigError, match=r"prompt_template: 'Q:' has no \{prompt\}"):
+        config(load="/m", prompt_template="Q:")
+
+
 def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     """Changing any VLLMConfig key changes what vLLM receives, or is refused: no key is silently ignored."""
     from chatgen.generation.vllm_module import VLLMModule
@@ -332,6 +357,7 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
                                engine_config.prompt_budget(c)),
         "stop list": lambda c: engine_config.parse_stop_list(c.stop_token_list, SpecialTokens()),
         "model": lambda c: VLLMModule.model_provider(SimpleNamespace(config=c)),
+        "dataset": lambda c: VLLMModule.build_dataset(SimpleNamespace(config=c, tokenizer=CharTokenizer()), ["hi"]),
     }
     base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
     engine_config.check_vllm_config(base, cpu=True)

@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from chatgen.distributed import free_port
-from chatgen.param_sync import SyncError, check_manifest, gather, layout, sync
-from chatgen.training import launcher
+from chatgen import models
+from chatgen.models import layout
+from chatgen.param_sync import LocalWeights, SyncError, check_manifest, sync, weight_source
+from chatgen.training import hf_export, launcher
 
 from test_convert import make_spec
 
@@ -18,12 +20,12 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     spec = make_spec(heads=8, groups=2, layers=4, tied=True)
     padded = spec.padded_vocab_size(tp, 16)
     bucket_bytes = 20_000
-    plan = gather.plan_buckets(spec, tp, pp, padded, itemsize=4, bucket_bytes=bucket_bytes)
-    shapes = layout.family(spec).hf_param_shapes(spec)
-    assert gather.manifest(plan) == {n: tuple(s) for n, s in shapes.items()}
+    plan = hf_export.plan_buckets(spec, tp, pp, padded, itemsize=4, bucket_bytes=bucket_bytes)
+    shapes = models.hf_param_shapes(spec)
+    assert sync.plan_manifest([b.hf for b in plan]) == {n: tuple(s) for n, s in shapes.items()}
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
-        gathered = sum(gather._numel(s) * tp * 4 for s in b.shard_shapes)
+        gathered = sum(hf_export._numel(s) * tp * 4 for s in b.shard_shapes)
         assert gathered <= bucket_bytes or len(b.params) == 1  # only a single oversize param may exceed
         assert all(sp.local_name.startswith(("decoder", "embedding", "output")) for sp in b.params)
     stages = [b.stage for b in plan]
@@ -34,8 +36,8 @@ def test_plan_shard_shapes_match_the_conversion():
     spec = make_spec(heads=4, groups=1)
     tp = 2
     padded = spec.padded_vocab_size(tp, 16)
-    plan = gather.plan_buckets(spec, tp, 1, padded, itemsize=4, bucket_bytes=1 << 30)
-    hf = {n: torch.zeros(s) for n, s in layout.family(spec).hf_param_shapes(spec).items()}
+    plan = hf_export.plan_buckets(spec, tp, 1, padded, itemsize=4, bucket_bytes=1 << 30)
+    hf = {n: torch.zeros(s) for n, s in models.hf_param_shapes(spec).items()}
     real = layout.hf_to_megatron(hf, spec, tp, 1, padded)[(0, 0)]
     (bucket,) = plan
     assert {sp.local_name: s for sp, s in zip(bucket.params, bucket.shard_shapes)} == \
@@ -56,7 +58,7 @@ def test_manifest_check_names_each_parameter_and_both_shapes():
 
 
 def test_stream_check_catches_reordering_and_value_changes():
-    plan = [gather.Bucket(0, [], [], [("x", (2,)), ("y", (2,))])]
+    plan = [[("x", (2,)), ("y", (2,))]]
     good = [[("x", torch.ones(2)), ("y", torch.zeros(2))]]
     fps = {"x": sync._fingerprint(torch.ones(2)), "y": sync._fingerprint(torch.zeros(2))}
     assert list(sync._checked(iter(good), plan, fingerprints=fps)) == good
@@ -66,6 +68,38 @@ def test_stream_check_catches_reordering_and_value_changes():
         list(sync._checked(iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]), plan, fingerprints=fps))
     # a permutation keeps the plain sum but not the position-weighted one
     assert sync._fingerprint(torch.tensor([1.0, 2.0])) != sync._fingerprint(torch.tensor([2.0, 1.0]))
+
+
+def test_plan_manifest_refuses_a_name_sent_twice():
+    with pytest.raises(SyncError, match="sends x twice"):
+        sync.plan_manifest([[("x", (2,))], [("x", (2,))]])
+
+
+def test_local_weights_bucket_by_size_name_nonfinite_tensors_and_unwrap_models():
+    pairs = [("a", torch.ones(4)), ("b", torch.ones(4)), ("c", torch.ones(4))]
+    weights = LocalWeights(pairs, bucket_bytes=32)  # two float32[4] per bucket
+    assert weights.plan == [[("a", (4,)), ("b", (4,))], [("c", (4,))]]
+    assert [[n for n, _ in b] for b in weights.buckets()] == [["a", "b"], ["c"]]
+    assert weights.nonfinite() == []
+    bad = LocalWeights([("a", torch.tensor([1.0, float("nan")])), ("b", torch.tensor([float("inf")])),
+                        ("c", torch.ones(1))])
+    assert bad.nonfinite() == ["a", "b"]
+    with pytest.raises(SyncError, match="mixes dtypes"):
+        LocalWeights([("a", torch.ones(1)), ("b", torch.ones(1, dtype=torch.bfloat16))])
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm_head = torch.nn.Linear(2, 3, bias=False)
+
+    wrapped = torch.nn.Module()
+    wrapped.module = Tiny()  # what DistributedDataParallel looks like from outside
+    assert weight_source(wrapped).plan == [[("lm_head.weight", (3, 2))]]
+    assert weight_source({"x": torch.ones(2)}).plan == [[("x", (2,))]]
+    with pytest.raises(TypeError, match=r"\(HF name, tensor\) pairs"):
+        weight_source([("x", 1.0)])
+    with pytest.raises(TypeError, match="cannot read weights from a int"):
+        weight_source(3)
 
 
 def _channel_peer(port, payload):

@@ -1,6 +1,6 @@
 """HF <-> Megatron parameter layouts under tensor (TP) and pipeline (PP) parallelism: pure tensor functions.
 
-Layout kinds (chatgen/models/llama.py names one per Megatron parameter):
+Layout kinds (a family's `param_mappings`, e.g. chatgen/models/llama.py, names one per Megatron parameter):
 
     replicated  same tensor on every TP rank (RMSNorm weights)
     column      split along dim 0 (output features)
@@ -21,26 +21,11 @@ Every function here is index arithmetic only, so HF -> Megatron -> HF gives back
 (tests/unit/test_convert.py). Imports neither Megatron nor vLLM.
 """
 import dataclasses
-import importlib
 
 import torch
 
-from chatgen.models.llama import ModelSpec, ParamMapping
-
-FAMILIES = {"llama": "chatgen.models.llama", "qwen2": "chatgen.models.qwen2"}
-
-
-def family(spec_or_model_type) -> object:
-    """The family module (chatgen.models.llama / qwen2) for a ModelSpec or an HF `model_type`."""
-    name = getattr(spec_or_model_type, "family", spec_or_model_type)
-    if name not in FAMILIES:
-        raise ValueError(f"model_type {name!r} is not supported; chatgen maps {sorted(FAMILIES)}")
-    return importlib.import_module(FAMILIES[name])
-
-
-def spec_from_hf_config(hf_config: dict) -> ModelSpec:
-    """ModelSpec from an HF config.json dict (dispatches on `model_type`)."""
-    return family(hf_config.get("model_type")).spec_from_hf(hf_config)
+from chatgen.models import family
+from chatgen.models.spec import ModelSpec, ParamMapping
 
 
 def _split(t: torch.Tensor, n: int, dim: int, what: str) -> list[torch.Tensor]:
@@ -117,9 +102,13 @@ class StageParam:
     """One Megatron parameter of one pipeline stage, with the HF tensors it maps to."""
 
     local_name: str  # name in that stage's state dict
-    hf_names: tuple
+    hf: dict  # {HF name: shape}, in the order the layout kind expects
     kind: str
     duplicate: bool = False  # tied output_layer copy on the last stage: not part of the HF checkpoint
+
+    @property
+    def hf_names(self) -> tuple:
+        return tuple(self.hf)
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
@@ -154,7 +143,8 @@ def stage_params(spec: ModelSpec, pp: int, pp_rank: int) -> list[StageParam]:
     def add(m: ParamMapping, local: int | None = None, layer_id: int | None = None, duplicate=False):
         fmt = (lambda s: s.format(i=local)) if local is not None else (lambda s: s)
         hf_fmt = (lambda s: s.format(i=layer_id)) if layer_id is not None else (lambda s: s)
-        out.append(StageParam(fmt(m.megatron), tuple(hf_fmt(h) for h in m.hf), m.kind, duplicate))
+        out.append(StageParam(fmt(m.megatron), {hf_fmt(h): tuple(shape) for h, shape in m.hf.items()}, m.kind,
+                              duplicate))
 
     if first:
         add(by_name["embedding.word_embeddings.weight"])
@@ -166,7 +156,8 @@ def stage_params(spec: ModelSpec, pp: int, pp_rank: int) -> list[StageParam]:
         if "output_layer.weight" in by_name:
             add(by_name["output_layer.weight"])
         elif not first:  # tied embeddings, PP > 1: the last stage's copy of the embedding
-            add(ParamMapping("output_layer.weight", ("model.embed_tokens.weight",), "vocab"), duplicate=True)
+            add(ParamMapping("output_layer.weight", by_name["embedding.word_embeddings.weight"].hf, "vocab"),
+                duplicate=True)
     return out
 
 

@@ -1,23 +1,23 @@
-# chatgen train configs/ppo_tiny.yaml   (loads this as `value_trainer: {backend: megatron, model_class: examples.value_trainer:ValueTrainer}`)
-"""A PPO critic on megatron-core: the policy's architecture whose output at each position is a value, not a
-distribution over tokens.
+"""A PPO critic on megatron-core (`value_trainer: {backend: megatron, model_class:
+chatgen.training.critic:CriticModule}`): the policy's architecture whose output at each position is a value,
+not a distribution over tokens.
 
 The value head is one row of the output layer: V(prefix up to t) = logit of token `VALUE_TOKEN` at position t,
 i.e. a linear head on the final hidden state. Reusing a row keeps everything else of MegatronModule as is:
 loading the HF checkpoint, TP/PP sharding, checkpoints, the optimizer. The row of a rarely used token (<unk>,
 id 0) is spent on it; this model is a separate copy, so the policy keeps its own.
 
-forward_step / compute_logprobs therefore return values (B, T-1) under the key "logprobs", aligned with
-the policy's log-probs: entry t is the value of the prefix that token t+1 is sampled from.
+`forward_tokens` therefore returns values (B, T-1), aligned with the policy's log-probs: entry t is the value
+of the prefix that token t+1 is sampled from.
 """
 import torch
 
-from chatgen import MegatronModule
+from chatgen.training.megatron_module import MegatronModule
 
 VALUE_TOKEN = 0
 
 
-class ValueTrainer(MegatronModule):
+class CriticModule(MegatronModule):
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """(b, T, V/TP) vocab-parallel logits -> (b, T-1) float32 values, with gradient."""
         from megatron.core import tensor_parallel

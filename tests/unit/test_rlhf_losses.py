@@ -1,4 +1,4 @@
-"""Unit tests for chatgen.rlhf.algorithms: hand-checkable cases and properties (pytest tests/unit/test_rlhf_algorithms.py)."""
+"""Unit tests for chatgen.rlhf.losses: hand-checkable cases and properties (pytest tests/unit/test_rlhf_losses.py)."""
 import math
 import subprocess
 import sys
@@ -6,11 +6,11 @@ import sys
 import pytest
 import torch
 
-from chatgen.rlhf import algorithms as A
+from chatgen.rlhf import losses as A
 
 
 def test_imports_no_heavy_dependencies():
-    code = ("import sys, chatgen.rlhf.algorithms; "
+    code = ("import sys, chatgen.rlhf.losses; "
             "bad = [m for m in ('ray', 'vllm', 'megatron') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)

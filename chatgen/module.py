@@ -1,0 +1,81 @@
+"""The one lifecycle of every chatgen model: vLLM generation, Megatron training, plain Python (a reward).
+
+    module = MyModule(config, name="policy")   # config: a dict, a per-model YAML path, or the typed config
+    module.start()                             # = module.init(); module.setup()
+    ...                                        # the role's own calls (generate, train_step, score, ...)
+    module.shutdown()
+
+- `__init__(config, *, name)` stores the config after the config loader has checked it, the same way for
+  every module type: a dict or a YAML path goes through `chatgen.config.load_model_config` against the class's
+  `config_class` (unknown keys, types and ranges reported together, each with its fix).
+- `init()` is the framework's part: whatever must exist before a model is built (Megatron joins
+  torch.distributed and its parallel groups; vLLM picks its executor). Users do not override it.
+- `setup()` is the user hook (ChatLearn's name): build the model / engine and anything around it. The
+  defaults build everything; an override does its own work around `super().setup()`.
+
+The Ray runtime (chatgen/rlhf/runtime.py) constructs every model of a run this way, whatever its backend.
+A reward model is a plain subclass:
+
+    class LengthReward(chatgen.Module):
+        def score(self, data):                       # data: {"texts": [...], record fields...}
+            return torch.tensor([-len(t) / 100 for t in data["texts"]])
+"""
+import dataclasses
+import importlib
+import os
+
+from chatgen.config import load_model_config
+
+
+def import_class(path: str):
+    """'package.module:ClassName' -> the class; a ValueError names the path and what went wrong."""
+    module, _, name = str(path).partition(":")
+    if not name:
+        raise ValueError(f"{path!r}: write a class as 'package.module:ClassName'")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{path!r} cannot be imported ({e}); check the module path and that it is importable "
+                         "from the directory you run in") from e
+
+
+class Module:
+    """Base of VLLMModule, MegatronModule and user Python modules; see the module docstring."""
+
+    config_class = dict  # the schema of this module's per-model config (a dataclass of chatgen.config, or dict)
+
+    def __init__(self, config=None, *, name: str | None = None):
+        self.config = self._checked_config(config)
+        self.name = name or type(self).__name__
+
+    def config_problems(self, config):
+        """(key, problem) pairs beyond the schema's own checks (e.g. what this platform cannot do)."""
+        return ()
+
+    def _checked_config(self, config):
+        schema = self.config_class
+        if config is None:
+            config = {}
+        if isinstance(config, (str, os.PathLike)):
+            return load_model_config(config, schema, extra_check=self.config_problems)
+        if isinstance(config, dict):
+            return load_model_config(None, schema, dict(config), extra_check=self.config_problems)
+        if schema is not dict and isinstance(config, schema):  # built in code (and perhaps changed): re-check
+            return load_model_config(None, schema, dataclasses.asdict(config), extra_check=self.config_problems)
+        expected = "a dict or a YAML path" + ("" if schema is dict else f" or a {schema.__name__}")
+        raise TypeError(f"{type(self).__name__}(config): expected {expected}, got {type(config).__name__}")
+
+    def init(self) -> None:
+        """Framework: prepare what must exist before the model is built. Called once, before `setup()`."""
+
+    def setup(self) -> None:
+        """User hook: build the model (the defaults of VLLMModule / MegatronModule build it). Called once."""
+
+    def start(self):
+        """`init()` then `setup()`: how the framework (and a standalone script) brings a module up. Returns self."""
+        self.init()
+        self.setup()
+        return self
+
+    def shutdown(self) -> None:
+        """Release what `setup()` built (engines, threads). Safe to call twice."""

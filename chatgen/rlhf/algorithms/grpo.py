@@ -1,0 +1,104 @@
+"""GRPO (Group Relative Policy Optimization, DeepSeekMath): the algorithm, its config section and its loop.
+
+    chatgen train configs/grpo_tiny.yaml            # runtime.algorithm.name: grpo
+
+Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n responses to each; the reward
+model scores them; each response's advantage is its reward relative to the other responses to the same prompt;
+the trainer (Megatron) takes clipped policy-gradient steps (with a KL penalty to the reference when kl_coef > 0);
+the new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
+"""
+import dataclasses
+import time
+from functools import partial
+from typing import Literal, Optional
+
+from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.rlhf import losses as L
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config(AlgorithmConfig):
+    kl_coef: float = opt(0.0, "weight of the KL(policy, reference) penalty in the loss; 0 = none (a reference model, "
+                              "if configured, then only reports kl/reference)")
+    clip_eps: float = opt(0.2, "PPO ratio clip: ratios outside [1 - clip_eps, 1 + clip_eps] are clipped")
+    kl_estimator: Literal["k1", "k2", "k3"] = opt("k3", "KL estimator (Schulman's k1/k2/k3) of the penalty")
+    importance_sampling_cap: Optional[float] = opt(
+        None, "truncated importance weight cap for the train/inference mismatch (e.g. 2.0); null = off")
+
+    def check(self):
+        if self.kl_coef < 0:
+            yield "kl_coef", f"must be >= 0, got {self.kl_coef}; use 0 to disable the KL penalty"
+        if self.clip_eps <= 0:
+            yield "clip_eps", f"must be > 0, got {self.clip_eps}; 0.2 is the usual value"
+        if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
+            yield "importance_sampling_cap", (f"must be >= 1 or null, got {self.importance_sampling_cap}; "
+                                              "2.0 is usual, null turns the correction off")
+
+
+MODELS = {
+    "policy": Role("vllm", doc="samples n responses per prompt"),
+    "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
+    "reward": Role("python", doc="scores the responses (e.g. chatgen.rlhf.rewards:RuleReward)"),
+    "reference": Role("megatron", trainable=False, optional=True,
+                      doc="frozen initial policy for the KL penalty (needed when kl_coef > 0)"),
+}
+
+
+def check(cfg):
+    from chatgen.rlhf.run import policy_sampling_problems
+
+    yield from policy_sampling_problems(cfg)
+    if "policy" in cfg.models and cfg.models["policy"].config.n < 2:
+        yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
+    algo = cfg.runtime.algorithm
+    if algo.kl_coef > 0 and "reference" not in cfg.models:
+        yield (f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
+               "false); add one or set kl_coef: 0")
+
+
+PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
+
+
+def train(cfg, resume: bool = False, log=print) -> dict:
+    """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
+    from chatgen.rlhf.run import Run, prefixed, sample_metrics
+
+    algo, rt = cfg.runtime.algorithm, cfg.runtime
+    n = cfg.models["policy"].config.n
+    loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
+    use_reference = "reference" in cfg.models  # for the penalty, or (kl_coef 0) the kl/reference metric only
+
+    run = Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n)
+    timer, metrics = run.timer, {}
+    try:
+        run.evaluate_start()  # episode 0: where the policy starts
+        for episode in range(run.start_episode, rt.num_episode + 1):
+            start = time.perf_counter()
+            with timer("generate"):
+                batch = run.generate(run.next_prompts())  # S = prompts * n samples, prompt-major
+            with timer("reward"):
+                rewards = run.score(batch)  # (S,)
+            data = {**batch.trainer_inputs(), "advantages": L.group_advantages(rewards, n)}  # (S,) per sample
+            if use_reference:
+                with timer("reference"):
+                    data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
+            with timer("old_logprobs"):
+                data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # the weights vLLM sampled with
+            if algo.importance_sampling_cap:
+                data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
+                                                                    algo.importance_sampling_cap)
+            with timer("train"):
+                stats = run.train("policy_trainer", data, loss_fn)
+            with timer("sync"):
+                run.sync_policy()
+            metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], rt.solved_reward,
+                                        data.get("is_weights")), **prefixed("policy", stats)}
+            if use_reference:
+                metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
+                                                                      algo.kl_estimator), batch.loss_mask).item()
+            run.end_episode(episode, metrics, start)  # checkpoint, eval, log
+    finally:
+        plot = run.close()
+    if plot:
+        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {plot}")
+    return metrics

@@ -1,0 +1,124 @@
+"""`RolloutBatch`: the one data contract between generation and every algorithm.
+
+    batch = policy.run_generation(items)          # VLLMModule.decode_internal returns a RolloutBatch
+    batch.input_ids, batch.loss_mask, batch.infer_logprobs, batch.texts, batch.metadata
+    data = {**batch.trainer_inputs(), "old_logprobs": ..., "advantages": ...}   # what a trainer step takes
+
+S samples, sample j of prompt i at row i * n + j (prompt-major, in the order the prompts were given);
+L = the longest prompt + response. Per-token tensors have L - 1 columns, aligned with a trainer's per-token
+outputs (MegatronModule.forward_tokens): entry t belongs to token t + 1, the token predicted from the prefix
+up to t. So `loss_mask[s, t] = 1` says "train on predicting token t + 1 of sample s", and
+`infer_logprobs[s, t]` is vLLM's log-prob of that token when it sampled it.
+
+Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` (the inference engine's, when
+it sampled), `old_logprobs` (the trainer's, before this episode's update), `ref_logprobs` (the frozen
+reference model's). Pure torch: no vLLM, Megatron or Ray import.
+"""
+import dataclasses
+
+import torch
+
+
+@dataclasses.dataclass
+class Sample:
+    """One prompt + response, the unit `RolloutBatch.from_samples` assembles (e.g. from a server's turns)."""
+
+    prompt_ids: list  # list[int]
+    response_ids: list  # list[int]
+    response_logprobs: list  # list[float], one per response token (the engine's)
+    prompt_index: int = 0
+    text: str = ""
+    prompt_text: str | None = None
+    finish_reason: str = "stop"
+    response_mask: list | None = None  # 1/0 per response token (0 = not trained on, e.g. tool output); None = all 1
+    weight_versions: list | None = None  # per response token: the engine's weight version when it was sampled
+    prompt_logprobs: list | None = None  # per prompt token (the first one's is 0), when the engine computed them
+    metadata: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class RolloutBatch:
+    """S generated samples; see the module docstring for the layout."""
+
+    input_ids: torch.Tensor  # (S, L) long: prompt + response, right-padded with the pad token
+    prompt_lengths: torch.Tensor  # (S,) long
+    response_lengths: torch.Tensor  # (S,) long
+    loss_mask: torch.Tensor  # (S, L-1) float: 1 where token t+1 is a response token the loss sees
+    infer_logprobs: torch.Tensor  # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
+    #                               too when the engine computed them: VLLMConfig.prompt_logprobs), else 0
+    prompt_index: torch.Tensor  # (S,) long: which prompt of the call each sample answers
+    texts: list  # list[str]: response texts ("" for a model without a tokenizer)
+    prompt_texts: list  # list[str | None]
+    finish_reasons: list  # list[str]: "stop" (EOS / stop string), "length" (token limit) or "abort"
+    metadata: list  # list[dict]: per-sample fields the caller attaches (e.g. the prompt record's "answer")
+    weight_versions: torch.Tensor | None = None  # (S, L-1) long: engine weight version per sampled token, -1 elsewhere
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """(S, L) long: 1 on prompt and response tokens, 0 on padding."""
+        positions = torch.arange(self.input_ids.shape[1])
+        return (positions[None, :] < (self.prompt_lengths + self.response_lengths)[:, None]).long()
+
+    def trainer_inputs(self) -> dict:
+        """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1)."""
+        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask}
+
+    def select(self, index) -> "RolloutBatch":
+        """The samples at `index` (a list or 1-D tensor of rows), in that order."""
+        index = torch.as_tensor(index, dtype=torch.long)
+        rows = index.tolist()
+        fields = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if torch.is_tensor(value):
+                fields[f.name] = value[index]
+            elif isinstance(value, list):
+                fields[f.name] = [value[i] for i in rows]
+            else:
+                fields[f.name] = value
+        return RolloutBatch(**fields)
+
+    @classmethod
+    def from_samples(cls, samples: list, pad_token_id: int) -> "RolloutBatch":
+        """Right-pad samples into a batch (see `Sample`)."""
+        if not samples:
+            raise ValueError("RolloutBatch.from_samples: no samples")
+        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
+        n = len(samples)
+        input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
+        loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
+        logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
+        versions = None
+        if any(s.weight_versions is not None for s in samples):
+            versions = torch.full((n, width - 1), -1, dtype=torch.long)
+        for row, s in enumerate(samples):
+            p, r = len(s.prompt_ids), len(s.response_ids)
+            if len(s.response_logprobs) != r:
+                raise ValueError(f"sample {row}: {r} response tokens but {len(s.response_logprobs)} log-probs")
+            if p < 1:
+                raise ValueError(f"sample {row}: empty prompt; every prompt needs at least one token (e.g. BOS)")
+            input_ids[row, :p + r] = torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long)
+            # token k of the response sits at position p + k and is predicted at entry p + k - 1
+            loss_mask[row, p - 1:p - 1 + r] = torch.tensor(s.response_mask if s.response_mask is not None
+                                                           else [1.0] * r, dtype=torch.float32)
+            logprobs[row, p - 1:p - 1 + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            if s.prompt_logprobs is not None:
+                logprobs[row, :p - 1] = torch.tensor(s.prompt_logprobs[1:], dtype=torch.float32)
+            if versions is not None and s.weight_versions is not None:
+                versions[row, p - 1:p - 1 + r] = torch.tensor(s.weight_versions, dtype=torch.long)
+        return cls(
+            input_ids=input_ids,
+            prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
+            response_lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
+            loss_mask=loss_mask,
+            infer_logprobs=logprobs,
+            prompt_index=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
+            texts=[s.text for s in samples],
+            prompt_texts=[s.prompt_text for s in samples],
+            finish_reasons=[s.finish_reason for s in samples],
+            metadata=[dict(s.metadata) for s in samples],
+            weight_versions=versions,
+        )
