@@ -30,11 +30,13 @@ HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "
                  "generation_config.json", "chat_template.jinja")
 
 
-def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int) -> None:
-    """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read)."""
+def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int,
+                        optimizer: bool = False) -> None:
+    """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read);
+    `optimizer`: the checkpoint holds optimizer state (optim_tp*_pp*.pt), which a load then requires."""
     (Path(directory) / MEGATRON_META).write_text(json.dumps(dict(
         hf_config=hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        padded_vocab_size=padded_vocab_size, iteration=iteration), indent=1))
+        padded_vocab_size=padded_vocab_size, iteration=iteration, optimizer=optimizer), indent=1))
 
 
 def read_megatron_meta(directory) -> dict | None:

@@ -70,13 +70,24 @@ class RuntimeConfig:
     ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray")
     seed: int = opt(1234, "global random seed")
     log_interval: int = opt(1, "log metrics every N training steps")
+    allow_data_order_change: bool = opt(
+        False, "on --resume, accept another seed / batch size / data file than the checkpoint's (its data position then "
+               "applies to a different order); false = such a resume is refused")
+    max_cut_prompt_fraction: float = opt(
+        0.5, "stop before training when more than this share of the training prompts had to be cut to the prompt "
+             "budget (seq_length - max_new_tokens); 1.0 = never")
+    max_bad_train_steps: int = opt(
+        3, "stop after this many optimizer steps in a row with a zero or non-finite gradient norm (training collapsed "
+           "or diverged)")
     solved_reward: Optional[float] = opt(
         1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
     algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")
 
     def check(self):
+        if not 0 <= self.max_cut_prompt_fraction <= 1:
+            yield "max_cut_prompt_fraction", f"must be in [0, 1], got {self.max_cut_prompt_fraction}; 1.0 turns it off"
         for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
-                    "generation_batch_size", "log_interval"):
+                    "generation_batch_size", "log_interval", "max_bad_train_steps"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         for key in ("train_global_batch_size", "save_episode_interval", "eval_episode_interval"):
@@ -250,8 +261,8 @@ class MegatronConfig:
         if self.micro_batch_size and self.global_batch_size and self.global_batch_size % self.micro_batch_size:
             yield "global_batch_size", (f"{self.global_batch_size} is not a multiple of micro_batch_size="
                                         f"{self.micro_batch_size}; make it one")
-        if self.lr <= 0:
-            yield "lr", f"must be > 0, got {self.lr}; e.g. 1e-6"
+        if not 0 < self.lr <= 1:
+            yield "lr", f"must be in (0, 1], got {self.lr}; LLM fine-tuning uses about 1e-7 to 1e-3 (e.g. 1e-6)"
         if not 0 <= self.min_lr <= self.lr:
             yield "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}; lower it"
         for key in ("adam_beta1", "adam_beta2"):

@@ -97,7 +97,8 @@ class VLLMModule(Module):
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
 
-        prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int], "prompt": str (as given)}.
+        prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int], "prompt": str (as given)},
+        plus "prompt_cut": True on a prompt that was cut (the RLHF run stops when too many are).
         Each prompt is put into `prompt_template` (if set), rendered as a user message with the tokenizer's chat
         template when `chat_template` is true, then tokenized with the model's tokenizer (BOS included). An empty
         prompt is an error. A prompt over the budget seq_length - max_new_tokens tokens
@@ -118,10 +119,11 @@ class VLLMModule(Module):
                                                               add_generation_prompt=True, tokenize=True))
             else:
                 ids = self.tokenizer.encode(text)
+            item = {"input_ids": ids, "prompt": prompt}
             if len(ids) > budget:
                 cut.append(i)
-                ids = ids[:budget]
-            items.append({"input_ids": ids, "prompt": prompt})
+                item.update(input_ids=ids[:budget], prompt_cut=True)
+            items.append(item)
         if cut:
             logger.warning("build_dataset: cut %d of %d prompts to the prompt budget seq_length - max_new_tokens = "
                            "%d tokens, keeping their beginning (prompts %s); raise seq_length or lower "

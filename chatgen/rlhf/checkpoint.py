@@ -3,16 +3,23 @@
 Layout under `save_dir`:
 
     episode_000010/              one complete checkpoint (appears only once everything is in it)
-        engine_state.json        episode, data position, driver RNG state, written last
-        policy_trainer/ ...      whatever each trainable model's save(path) wrote (weights, optimizer, RNG)
+        engine_state.json        episode, data position and order, RNG states of the driver and of every actor
+        manifest.json            every other file of the checkpoint with its size, checked before a resume
+        policy_trainer/ ...      whatever each trainable model's save(path) wrote (weights, optimizer)
     latest                       text file naming the newest complete checkpoint ("episode_000010")
 
 A checkpoint is written into a hidden staging directory and moved into place once complete, and `latest` is
 replaced the same way (chatgen.checkpoint_io's atomic writes), so a crash at any point leaves the previous
-checkpoint intact and `latest` pointing at it. The trainer actors write into the temporary directory, so on a multi-node cluster
-`save_dir` must be on a filesystem every node sees.
+checkpoint intact and `latest` pointing at it. The trainer actors write into the staging directory, so on a
+multi-node cluster `save_dir` must be on a filesystem every node sees. A checkpoint damaged afterwards (a
+file deleted or truncated) is refused at resume with the file named and the previous checkpoint suggested.
+
+`lock_output_dir` keeps two runs from writing into one output directory.
 """
+import fcntl
+import hashlib
 import json
+import os
 import random
 from pathlib import Path
 
@@ -21,6 +28,32 @@ import torch
 from chatgen.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
 
 STATE_FILE = "engine_state.json"
+MANIFEST_FILE = "manifest.json"
+LOCK_FILE = ".chatgen.lock"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be resumed from; the message names the file and the way out."""
+
+
+def lock_output_dir(out_dir):
+    """Hold an exclusive lock on `out_dir` for this process's life (released when it exits, however it exits);
+    a second run into the same directory fails at once naming the first one's pid."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(out_dir / LOCK_FILE, "a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise FileExistsError(f"{out_dir} is in use by another chatgen run (pid {holder}); wait for it to finish or "
+                              "choose another runtime.output_dir") from None
+    handle.truncate(0)
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def episode_dir_name(episode: int) -> str:
@@ -39,7 +72,10 @@ def commit_checkpoint(staging: Path, state: dict) -> Path:
     if Path(staging) != staging_path(final):
         raise ValueError(f"{staging} is not the staging directory of episode {state['episode']}")
     save_dir = final.parent
-    with atomic_file(Path(staging) / STATE_FILE) as tmp:
+    files = {str(f.relative_to(staging)): f.stat().st_size for f in sorted(Path(staging).rglob("*")) if f.is_file()}
+    with atomic_file(Path(staging) / MANIFEST_FILE) as tmp:
+        tmp.write_text(json.dumps(files, indent=1))
+    with atomic_file(Path(staging) / STATE_FILE) as tmp:  # last: its presence marks a complete checkpoint
         tmp.write_text(json.dumps(state, indent=1))
     commit_directory(final)
     with atomic_file(Path(save_dir) / "latest") as tmp:
@@ -60,19 +96,92 @@ def latest_checkpoint(save_dir) -> Path | None:
     return done[-1] if done else None
 
 
+def resume_point(save_dir, resume_from=None) -> Path:
+    """The checkpoint to resume from: `resume_from` (a checkpoint directory, or an episode directory name
+    under save_dir), else the latest. Verified (`verify_checkpoint`); a CheckpointError says what to do."""
+    save_dir = Path(save_dir)
+    if resume_from is not None:
+        path = Path(resume_from)
+        path = path if path.is_dir() else save_dir / str(resume_from)
+        if not path.is_dir():
+            raise CheckpointError(f"--resume-from {resume_from}: no checkpoint there; the checkpoints of this run "
+                                  f"are {', '.join(available(save_dir)) or 'none'}")
+    else:
+        path = latest_checkpoint(save_dir)
+        if path is None:
+            raise CheckpointError(f"--resume: no complete checkpoint under {save_dir}; start without --resume")
+    problems = verify_checkpoint(path)
+    if problems:
+        earlier = [name for name in available(save_dir) if name < path.name]
+        fix = (f"resume from the previous one with --resume-from {earlier[-1]}" if earlier
+               else "no earlier checkpoint exists: start the run again")
+        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}; {fix} (or restore the file)")
+    return path
+
+
+def available(save_dir) -> list[str]:
+    """Names of the complete checkpoints under save_dir, oldest first."""
+    save_dir = Path(save_dir)
+    return sorted(p.name for p in save_dir.glob("episode_*") if (p / STATE_FILE).exists()) if save_dir.exists() else []
+
+
+def verify_checkpoint(path) -> list[str]:
+    """Problems of a checkpoint on disk: unreadable state, files of its manifest missing or of another size."""
+    path = Path(path)
+    try:
+        load_state(path)
+        files = json.loads((path / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as e:
+        return [f"{e.filename or path / MANIFEST_FILE} cannot be read ({type(e).__name__}: {e})"]
+    problems = []
+    for name, size in files.items():
+        f = path / name
+        if not f.is_file():
+            problems.append(f"{f} is missing")
+        elif f.stat().st_size != size:
+            problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
+    return problems
+
+
 def load_state(checkpoint_dir) -> dict:
     with open(Path(checkpoint_dir) / STATE_FILE, encoding="utf-8") as f:
         return json.load(f)
 
 
 def rng_state() -> dict:
-    """The driver's Python and torch RNG state as JSON-safe values."""
-    return {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    """This process's Python, NumPy and torch (CPU and CUDA) RNG states as JSON-safe values."""
+    state = {"python": _to_json(random.getstate()), "torch": torch.get_rng_state().tolist()}
+    if torch.cuda.is_available():
+        state["cuda"] = [s.tolist() for s in torch.cuda.get_rng_state_all()]
+    try:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = np.random.get_state()
+        state["numpy"] = [kind, keys.tolist(), pos, has_gauss, gauss]
+    except ImportError:
+        pass
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     random.setstate(_to_tuple(state["python"]))
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([torch.tensor(s, dtype=torch.uint8) for s in state["cuda"]])
+    if "numpy" in state:
+        import numpy as np
+
+        kind, keys, pos, has_gauss, gauss = state["numpy"]
+        np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+def file_digest(path) -> str:
+    """sha256 of a file (the data order of a run depends on its contents)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _to_json(x):

@@ -1,28 +1,38 @@
 """What every RLHF episode loop shares: start a run, load the data, generate, score, call the trainers, sync,
 checkpoint, evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<name>.py, each top to bottom.
 
-    run = Run(cfg, resume=False, phases=["generate", "reward", "train", "sync"], records_per_episode=32)
-    index = run.next_prompts()                   # record indices of this episode
-    batch = run.generate(index)                  # a chatgen.rollout.RolloutBatch, S = len(index) x n, prompt-major
-    rewards = run.score(batch)                   # (S,) from the reward model
-    old = run.forward_tokens("policy_trainer", batch.trainer_inputs())          # (S, L-1)
-    stats = run.train("policy_trainer", {**batch.trainer_inputs(), "old_logprobs": old, ...}, loss_fn)
-    run.sync_policy()                            # each trainer's weights into the model it syncs to
-    run.end_episode(episode, metrics, start)     # checkpoint, evaluate, log
-    run.close()
+    with Run(cfg, resume=False, phases=["generate", "reward", "train", "sync"], records_per_episode=32) as run:
+        index = run.next_prompts()               # record indices of this episode
+        batch = run.generate(index)              # a chatgen.rollout.RolloutBatch, S = len(index) x n, prompt-major
+        rewards = run.score(batch)               # (S,) from the reward model
+        old = run.forward_tokens("policy_trainer", batch.trainer_inputs())      # (S, L-1)
+        stats = run.train("policy_trainer", {**batch.trainer_inputs(), "old_logprobs": old, ...}, loss_fn)
+        run.sync_policy()                        # each trainer's weights into the model it syncs to
+        run.end_episode(episode, metrics, start) # evaluate, checkpoint, log
+    # leaving the block stops the actors and writes the plot (run.plot), however the loop ended
 
 Nothing here assumes a particular algorithm: which models exist and which syncs into which comes from the
 algorithm's MODELS (chatgen.config.Role); a run without a vLLM policy (offline DPO) never generates.
+
+Health: the run stops with a `RunHealthError` (the message says why and what to change) when more than
+runtime.max_cut_prompt_fraction of the training prompts were cut to the prompt budget, when a reward is NaN,
+and after runtime.max_bad_train_steps optimizer steps in a row with a zero or non-finite gradient norm.
 """
 import time
 from pathlib import Path
 
 import torch
 
+import math
+
 from chatgen.config import ConfigError, format_config, save_resolved
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
 from chatgen.rlhf.tasks import read_jsonl
+
+
+class RunHealthError(RuntimeError):
+    """The run is training on nonsense (cut prompts, NaN rewards, collapsed or diverged gradients)."""
 
 
 def check_config(cfg, algorithm) -> None:
@@ -141,23 +151,44 @@ class Run:
     start_episode.
     """
 
-    def __init__(self, cfg, resume: bool, phases: list, log=print, records_per_episode: int = None, evaluate=None):
+    def __init__(self, cfg, resume=False, phases: list = (), log=print, records_per_episode: int = None,
+                 evaluate=None):
         from chatgen.rlhf import algorithms
-        from chatgen.rlhf.runtime import Runtime
 
         algorithm = algorithms.load(cfg.runtime.algorithm.name)
         check_config(cfg, algorithm)
         self.cfg, self.log = cfg, log
-        rt = cfg.runtime
-        self.out_dir = Path(rt.output_dir)
+        self.out_dir = Path(cfg.runtime.output_dir)
         self.save_dir = self.out_dir / "checkpoints"
-        last = ckpt.latest_checkpoint(self.save_dir)
-        if last is not None and not resume:
-            raise FileExistsError(f"{self.save_dir} holds checkpoints ({last.name}); pass --resume to continue "
-                                  "from the latest, or choose another runtime.output_dir")
+        self._lock = ckpt.lock_output_dir(self.out_dir)  # before anything is written into it
+        try:
+            self._start(cfg, algorithm, resume, phases, log, records_per_episode, evaluate)
+        except BaseException:
+            self._lock.close()
+            raise
+        self.plot = None
+
+    def _start(self, cfg, algorithm, resume, phases, log, records_per_episode, evaluate) -> None:
+        from chatgen.rlhf.runtime import Runtime
+
+        rt = cfg.runtime
+        if resume:  # True: the latest checkpoint; a path or episode directory name: that one
+            last = ckpt.resume_point(self.save_dir, None if resume is True else resume)
+        elif ckpt.latest_checkpoint(self.save_dir) is not None:
+            raise FileExistsError(f"{self.save_dir} holds checkpoints ({', '.join(ckpt.available(self.save_dir))}); "
+                                  "pass --resume to continue from the latest, or choose another runtime.output_dir")
+        else:
+            last = None
         self.records = read_jsonl(rt.data_path)
         self.eval_records = read_jsonl(rt.eval_data_path) if rt.eval_data_path else []
-        self.sampler = ckpt.PromptSampler(len(self.records), records_per_episode or rt.sample_per_episode, rt.seed)
+        per_episode = records_per_episode or rt.sample_per_episode
+        self.sampler = ckpt.PromptSampler(len(self.records), per_episode, rt.seed)
+        # what the order of the training data depends on: a resume with other values is refused (see _resume)
+        self.data_order = {"seed": rt.seed, "records_per_episode": per_episode, "records": len(self.records),
+                           "data_sha256": ckpt.file_digest(rt.data_path)}
+        if last is not None:
+            self._check_data_order(last)
+        self._bad_steps = {}
         self._evaluate = evaluate or Run.evaluate_policy
         # trainer -> the model its weights go to after each update (the algorithm's Role.syncs_to)
         self.sync_pairs = {m: role.syncs_to for m, role in algorithm.MODELS.items()
@@ -175,6 +206,7 @@ class Run:
             if self.policy is not None:
                 self.items = self.policy.first("build_dataset", [r["prompt"] for r in self.records])
                 self.eval_items = self.policy.first("build_dataset", [r["prompt"] for r in self.eval_records], True)
+                self._check_cut_prompts()
             self._setup_sync()
             self.start_episode = 1
             if last is not None:
@@ -185,6 +217,31 @@ class Run:
             self.runtime.shutdown()
             raise
 
+    def __enter__(self) -> "Run":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        """Close however the loop ended; a failure while closing never hides the error that ended the loop."""
+        try:
+            self.close()
+        except Exception as close_error:  # noqa: BLE001
+            if exc is None:
+                raise
+            self.log(f"[chatgen] (closing the run after the error below also failed: {type(close_error).__name__}: "
+                     f"{close_error})")
+        return False
+
+    def _check_cut_prompts(self) -> None:
+        cut = sum(1 for item in self.items if item.get("prompt_cut"))
+        limit = self.cfg.runtime.max_cut_prompt_fraction
+        if cut and cut / len(self.items) > limit:
+            raise RunHealthError(
+                f"{cut} of {len(self.items)} training prompts ({cut / len(self.items):.0%}) are longer than the prompt "
+                f"budget seq_length - max_new_tokens and were cut, more than runtime.max_cut_prompt_fraction={limit}: "
+                "the policy would learn from truncated prompts; raise models.policy seq_length, lower max_new_tokens, "
+                "or shorten the prompts")
+        if cut:
+            self.log(f"[chatgen] WARNING: {cut} of {len(self.items)} training prompts were cut to the prompt budget")
     # ---- data, generation, reward ---------------------------------------------------------------------
 
     def next_prompts(self) -> list:
@@ -212,6 +269,11 @@ class Run:
         if rewards.shape != (len(batch),):
             raise ValueError(f"reward.score returned shape {tuple(rewards.shape)}; it must return one float per "
                              f"response, shape ({len(batch)},)")
+        if not torch.isfinite(rewards).all():
+            bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+            raise RunHealthError(f"reward.score returned NaN/inf for samples {bad[:10]} (e.g. response "
+                                 f"{batch.texts[bad[0]]!r}); fix the reward so it returns a finite number for every "
+                                 "response")
         return rewards
 
     # ---- Megatron models (data parallel over their DP ranks) ------------------------------------------
@@ -254,7 +316,22 @@ class Run:
             for start in range(0, n, rt.train_global_batch_size):
                 shard = select(data, order[start:start + rt.train_global_batch_size])
                 steps.append(self._split_call(name, "train_step", shard, loss_fn)[0])
+                self._check_step(name, steps[-1])
         return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+
+    def _check_step(self, name: str, step: dict) -> None:
+        """Count optimizer steps in a row whose gradient norm is zero (nothing learns) or not finite (skipped)."""
+        bad = step.get("skipped_step", 0.0) > 0 or not math.isfinite(step["grad_norm"]) or step["grad_norm"] == 0
+        self._bad_steps[name] = self._bad_steps.get(name, 0) + 1 if bad else 0
+        if not bad:
+            return
+        what = ", ".join(f"{k}={v:.4g}" for k, v in step.items())
+        limit = self.cfg.runtime.max_bad_train_steps
+        if self._bad_steps[name] >= limit:
+            raise RunHealthError(f"{name}: {self._bad_steps[name]} optimizer steps in a row with a zero or non-finite "
+                                 f"gradient norm (last: {what}), runtime.max_bad_train_steps={limit}: training has "
+                                 f"collapsed or diverged; lower models.{name} lr or check the loss and the data")
+        self.log(f"[chatgen] WARNING: {name} step with a zero or non-finite gradient norm ({what})")
 
     # ---- weight sync ---------------------------------------------------------------------------------
 
@@ -301,18 +378,30 @@ class Run:
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
-        state = {"episode": episode, "sampler": self.sampler.state_dict(), "rng": ckpt.rng_state()}
+        state = {"episode": episode, "sampler": self.sampler.state_dict(), "data_order": self.data_order,
+                 "rng": ckpt.rng_state(), "actor_rng": self.runtime.rng_states()}
         return ckpt.commit_checkpoint(tmp, state)
+
+    def _check_data_order(self, path: Path) -> None:
+        saved = ckpt.load_state(path).get("data_order", {})
+        changed = {k: (saved.get(k), v) for k, v in self.data_order.items() if saved.get(k) != v}
+        if changed and not self.cfg.runtime.allow_data_order_change:
+            raise ckpt.CheckpointError(
+                f"{path} was saved with another data order ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}"
+                "); its data position would apply to a different order of the prompts. Resume with the checkpoint's "
+                "settings, or set runtime.allow_data_order_change=true to accept that")
 
     def _resume(self, path: Path) -> None:
         state = ckpt.load_state(path)
         for name in self.trainers:
             self.runtime[name].call("load_checkpoint", str(path / name))
         self.sampler.load_state_dict(state["sampler"])
-        ckpt.set_rng_state(state["rng"])
         self.start_episode = state["episode"] + 1
         if self.sync_pairs:
             self.sync_policy()
+        # every process continues its random streams (vLLM's sampling included) where the checkpoint left them
+        ckpt.set_rng_state(state["rng"])
+        self.runtime.set_rng_states(state["actor_rng"])
         self.log(f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}")
 
     def evaluate_policy(self) -> dict:
@@ -336,22 +425,27 @@ class Run:
             self.timer.pop()
 
     def end_episode(self, episode: int, metrics: dict, start: float) -> dict:
-        """Every algorithm's episode tail: checkpoint, evaluate, add the phase times, log one line."""
+        """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a resumed run
+        continues every random stream exactly where this one is), add the phase times, log one line."""
         rt, timer = self.cfg.runtime, self.timer
-        if self.should(rt.save_episode_interval, episode):
-            with timer("checkpoint"):
-                self.save(episode)
         if self.eval_records and self.should(rt.eval_episode_interval, episode):
             with timer("eval"):
                 metrics.update(self.evaluate())
+        if self.should(rt.save_episode_interval, episode):
+            with timer("checkpoint"):
+                self.save(episode)
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
         self.logger.log(episode, metrics)
         return metrics
 
     def close(self) -> Path | None:
-        """Stop the actors, close the logs, write the plot; returns the plot's path."""
-        self.runtime.shutdown()
-        return self.logger.close()
+        """Stop the actors, close the logs, write the plot (`self.plot`, also returned); release the output dir."""
+        try:
+            self.runtime.shutdown()
+            self.plot = self.logger.close()
+        finally:
+            self._lock.close()
+        return self.plot
 
 
 def sample_metrics(rewards: torch.Tensor, batch, old_logprobs: torch.Tensor, solved_reward: float | None = 1.0,

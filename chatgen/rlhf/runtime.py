@@ -72,6 +72,17 @@ class ModelWorker:
     def call(self, name: str, method: str, *args, **kwargs):
         return getattr(self.models[name], method)(*args, **kwargs)
 
+    def rng_state(self) -> dict:
+        """This process's RNG states (vLLM samples from torch's global generator): saved with each checkpoint."""
+        from chatgen.rlhf.checkpoint import rng_state
+
+        return rng_state()
+
+    def set_rng_state(self, state: dict) -> None:
+        from chatgen.rlhf.checkpoint import set_rng_state
+
+        set_rng_state(state)
+
     def run(self, fn, *args, **kwargs):
         """fn(models: {name: model}, *args, **kwargs) in this process (module-level functions only)."""
         return fn(self.models, *args, **kwargs)
@@ -193,6 +204,14 @@ class Runtime:
 
     def __contains__(self, name: str) -> bool:
         return name in self.handles
+
+    def rng_states(self) -> list:
+        """Every actor's RNG states, per group, per rank."""
+        return [group.get([a.rng_state.remote() for a in group.actors], "rng state") for group in self.groups]
+
+    def set_rng_states(self, states: list) -> None:
+        for group, ranks in zip(self.groups, states):
+            group.get([a.set_rng_state.remote(s) for a, s in zip(group.actors, ranks)], "rng state")
 
     @classmethod
     def start(cls, cfg, log=print) -> "Runtime":

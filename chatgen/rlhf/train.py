@@ -3,6 +3,7 @@
     chatgen train configs/grpo_tiny.yaml                         # fresh run into runtime.output_dir
     chatgen train configs/grpo_tiny.yaml runtime.num_episode=5 policy.n=4
     chatgen train configs/grpo_tiny.yaml --resume                # continue from the latest checkpoint
+    chatgen train configs/grpo_tiny.yaml --resume-from episode_000020   # from an earlier one (e.g. latest damaged)
 
 The whole config is loaded and checked before Ray or any actor starts, so a bad YAML fails in a second with
 every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
@@ -18,6 +19,9 @@ def add_arguments(parser) -> None:
                         help="overrides, e.g. runtime.num_episode=3 policy.temperature=1.0")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the latest checkpoint in <output_dir>/checkpoints")
+    parser.add_argument("--resume-from", metavar="CHECKPOINT",
+                        help="continue from this checkpoint: a directory, or an episode directory name under "
+                             "<output_dir>/checkpoints (e.g. episode_000020)")
 
 
 def run(args) -> int:
@@ -31,11 +35,13 @@ def run(args) -> int:
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
+    from chatgen.rlhf.checkpoint import CheckpointError
+    from chatgen.rlhf.run import RunHealthError
     from chatgen.rlhf.runtime import ActorFailure  # imports Ray: only once the config is known to be good
 
     try:
-        algorithm.train(cfg, resume=args.resume)
-    except ActorFailure as e:
+        algorithm.train(cfg, resume=args.resume_from or args.resume)
+    except (ActorFailure, RunHealthError, CheckpointError) as e:
         print(f"chatgen train: stopped: {e}", file=sys.stderr)
         return 1
     except FileExistsError as e:

@@ -266,7 +266,8 @@ class MegatronModule(Module):
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                         "master_params": self._masters}, tmp / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt")
         if dist.get_rank() == 0:
-            write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration)
+            write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
+                                optimizer=True)
         dist.barrier()
         if dist.get_rank() == 0:
             commit_directory(path)
@@ -286,11 +287,17 @@ class MegatronModule(Module):
             if have != (self.tp, self.pp):
                 raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
                                  f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
-            self._load_canonical_state(read_megatron_shard(path, self.tp_rank, self.pp_rank), source=str(path))
+            self._load_canonical_state(_read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
+                                       source=str(path))
             self.iteration = meta.get("iteration", 0)
             optim = path / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"
-            if self.optimizer is not None and optim.exists():
-                saved = torch.load(optim, weights_only=True)
+            if self.optimizer is not None and meta.get("optimizer"):  # saved with one: it must come back
+                if not optim.exists():
+                    raise FileNotFoundError(
+                        f"{optim} is missing: this checkpoint was saved with its optimizer state, and training on "
+                        "without it would restart AdamW's moments and LR schedule (a much larger first update); "
+                        "restore the file, or resume from an earlier checkpoint")
+                saved = _read_checkpoint_file(torch.load, optim, weights_only=True)
                 self.optimizer.load_state_dict(saved["optimizer"])
                 self.scheduler.load_state_dict(saved["scheduler"])
                 if self._masters is not None and saved.get("master_params") is not None:
@@ -506,6 +513,17 @@ class MegatronModule(Module):
                 sq += p.grad.double().pow(2).sum()
         dist.all_reduce(sq, group=ps.get_model_parallel_group())
         return float(sq.sqrt())
+
+
+def _read_checkpoint_file(read, path, *args, **kwargs):
+    """`read(path, ...)` with a damaged file reported by its name rather than by the reader's internals."""
+    try:
+        return read(path, *args, **kwargs)
+    except FileNotFoundError:
+        raise
+    except Exception as e:  # noqa: BLE001 - safetensors / torch.load raise many types for a truncated file
+        raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
+                         "an earlier checkpoint or restore the file") from e
 
 
 def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:

@@ -4,6 +4,7 @@ training and checkpoints work, the CPU compatibility patches still fit megatron-
     python -m pytest tests/integration/test_megatron_module.py
 """
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -75,13 +76,31 @@ def test_train_step_and_checkpoint_round_trip(models, tmp_path):
     after = trainer.forward_tokens({"input_ids": ids})
     assert after.mean() > before.mean()
     path = trainer.save_checkpoint(tmp_path / "ckpt")
-    assert not (tmp_path / "ckpt.tmp").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left behind
     resumed = build(path, lr=1e-3, clip_grad=0.0)
     assert resumed.iteration == 2
     assert torch.equal(resumed.forward_tokens({"input_ids": ids}), after)
     # the optimizer state came back too: the next step is the same on both
     assert resumed.train_step({"input_ids": ids}, nll_loss)["loss"] == pytest.approx(
         trainer.train_step({"input_ids": ids}, nll_loss)["loss"], rel=1e-6)
+
+
+@pytest.mark.faults
+def test_a_checkpoint_missing_or_damaging_its_optimizer_state_is_refused(models, tmp_path):
+    trainer = build(models["llama"], lr=1e-3)
+    trainer.train_step({"input_ids": batch()}, nll_loss)
+    path = Path(trainer.save_checkpoint(tmp_path / "ckpt"))
+    (path / "optim_tp0_pp0.pt").write_bytes((path / "optim_tp0_pp0.pt").read_bytes()[:100])  # truncated
+    with pytest.raises(ValueError, match=r"optim_tp0_pp0.pt: cannot be read, the checkpoint is damaged"):
+        build(path)
+    (path / "optim_tp0_pp0.pt").unlink()
+    with pytest.raises(FileNotFoundError, match=r"optim_tp0_pp0.pt is missing: .*restart AdamW"):
+        build(path)  # (before: loaded silently, and the next update was ~11x larger)
+    converted = tmp_path / "converted"  # a weights-only checkpoint (chatgen convert) needs no optimizer state
+    from chatgen.training.convert import hf_to_megatron_dir
+
+    hf_to_megatron_dir(models["llama"], converted, tp=1, pp=1)
+    assert build(converted).iteration == 0
 
 
 def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):

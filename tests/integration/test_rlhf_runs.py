@@ -69,8 +69,7 @@ def overrides(model_dir, data_dir, out_dir, **extra):
         "runtime.data_path": f"{data_dir}/train.jsonl", "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
         "runtime.output_dir": str(out_dir), "runtime.sample_per_episode": 32, "runtime.train_micro_batch_size": 16,
         "runtime.train_global_batch_size": 16, "runtime.eval_episode_interval": 1, "runtime.save_episode_interval": 1,
-        "policy.load": model_dir, "policy.n": 4, "policy_trainer.load": model_dir, "reference.load": model_dir,
-        **extra,
+        "policy.load": model_dir, "policy.n": 4, "policy_trainer.load": model_dir, **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]
 
@@ -101,7 +100,7 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     # grpo_tiny plus a reference in the same process (kl_coef stays 0: it reports kl/reference)
     common = [*overrides(tiny_llama_dir, data_dir, out), "models.reference.backend=megatron",
               f"models.reference.model_config_file={REPO}/configs/grpo_tiny/trainer.yaml",
-              "runtime.colocation=[[policy, policy_trainer, reference, reward]]"]
+              f"reference.load={tiny_llama_dir}", "runtime.colocation=[[policy, policy_trainer, reference, reward]]"]
     # Reward calls: eval at 0, then per episode the samples and the eval -> call 6 is episode 3's samples.
     failing = ["models.reward.model_class=test_rlhf_runs:FailingReward", "reward.fail_on_call=6",
                "runtime.num_episode=3"]
@@ -151,6 +150,7 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
     out = tmp_path / "ppo"
     cfg = load_config(REPO / "configs/ppo_tiny.yaml",
                       [*overrides(tiny_llama_dir, data_dir, out, **{"value_trainer.load": tiny_llama_dir,
+                                                                   "reference.load": tiny_llama_dir,
                                                                    "runtime.num_episode": 2,
                                                                    "runtime.save_episode_interval": 2,
                                                                    "runtime.algorithm.importance_sampling_cap": 2.0})])
@@ -172,3 +172,43 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
     # policy's copy of it.
     policy_w, value_w = trainer_weights(ckpt, "policy_trainer"), trainer_weights(ckpt, "value_trainer")
     assert not torch.equal(policy_w["output_layer.weight"][0], value_w["output_layer.weight"][0])
+
+
+@pytest.mark.faults
+def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, tiny_llama_dir, data_dir, tmp_path,
+                                                                  monkeypatch):
+    """Stopped after episode 2 and resumed, a run's episode 3 equals an uninterrupted run's to the bit: data
+    position, driver and actor RNGs (vLLM's sampling included: the evaluation samples too), trainer weights and
+    optimizer. A resume that would change the data order, or from a damaged checkpoint, is refused."""
+    from chatgen.config import load_config
+    from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.checkpoint import CheckpointError
+
+    monkeypatch.chdir(REPO)
+
+    def config(out, episodes, *extra):
+        return load_config(REPO / "configs/grpo_tiny.yaml", [*overrides(tiny_llama_dir, data_dir, out),
+                                                              f"runtime.num_episode={episodes}",
+                                                              "policy.eval_temperature=1.0", *extra])
+
+    quiet = lambda *_: None  # noqa: E731
+    grpo.train(config(tmp_path / "full", 3), log=quiet)
+    part = tmp_path / "part"
+    grpo.train(config(part, 2), log=quiet)
+    with pytest.raises(FileExistsError, match="pass --resume"):
+        grpo.train(config(part, 3), log=quiet)
+    with pytest.raises(CheckpointError, match="seed: 1234 -> 7"):
+        grpo.train(config(part, 3, "runtime.seed=7"), resume=True, log=quiet)
+    grpo.train(config(part, 3), resume=True, log=quiet)
+    full, resumed = read_metrics(tmp_path / "full"), read_metrics(part)
+    assert sorted(resumed) == [0, 1, 2, 3]
+    for key, value in full[3].items():
+        if not key.startswith("time/"):
+            assert resumed[3][key] == value, key
+    a = trainer_weights(tmp_path / "full" / "checkpoints" / "episode_000003")
+    b = trainer_weights(part / "checkpoints" / "episode_000003")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+    (part / "checkpoints" / "episode_000003" / "policy_trainer" / "optim_tp0_pp0.pt").unlink()
+    with pytest.raises(CheckpointError, match="optim_tp0_pp0.pt is missing.*--resume-from episode_000002"):
+        grpo.train(config(part, 4), resume=True, log=quiet)

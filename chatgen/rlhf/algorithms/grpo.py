@@ -59,8 +59,9 @@ def check(cfg):
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def train(cfg, resume: bool = False, log=print) -> dict:
-    """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
+def train(cfg, resume=False, log=print) -> dict:
+    """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
+    False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
     from chatgen.rlhf.run import Run, prefixed, sample_metrics
 
     algo, rt = cfg.runtime.algorithm, cfg.runtime
@@ -68,9 +69,8 @@ def train(cfg, resume: bool = False, log=print) -> dict:
     loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
     use_reference = "reference" in cfg.models  # for the penalty, or (kl_coef 0) the kl/reference metric only
 
-    run = Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n)
-    timer, metrics = run.timer, {}
-    try:
+    with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run:
+        timer, metrics = run.timer, {}
         run.evaluate_start()  # episode 0: where the policy starts
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()
@@ -96,9 +96,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             if use_reference:
                 metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
                                                                       algo.kl_estimator), batch.loss_mask).item()
-            run.end_episode(episode, metrics, start)  # checkpoint, eval, log
-    finally:
-        plot = run.close()
-    if plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {plot}")
+            run.end_episode(episode, metrics, start)  # eval, checkpoint, log
+    if run.plot:
+        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics

@@ -1,0 +1,83 @@
+"""The run's own safety logic, without actors: health checks, the output-directory lock, checkpoint manifests.
+
+    pytest tests/unit/test_run_health.py
+"""
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from chatgen.rlhf import checkpoint as ckpt
+from chatgen.rlhf.run import Run, RunHealthError
+
+pytestmark = pytest.mark.faults
+
+
+def bare_run(**runtime):
+    run = Run.__new__(Run)  # the checks below read only these attributes
+    run.cfg = SimpleNamespace(runtime=SimpleNamespace(max_bad_train_steps=3, max_cut_prompt_fraction=0.5, **runtime))
+    run.log, run.logged, run._bad_steps = None, [], {}
+    run.log = run.logged.append
+    return run
+
+
+def test_collapsed_or_diverged_training_stops_after_the_configured_steps():
+    run = bare_run()
+    good, zero, nan = dict(grad_norm=1.0, loss=0.1), dict(grad_norm=0.0, loss=0.0), dict(grad_norm=float("nan"))
+    run._check_step("policy_trainer", zero)
+    run._check_step("policy_trainer", zero)
+    run._check_step("policy_trainer", good)  # a good step resets the count
+    run._check_step("policy_trainer", nan)
+    run._check_step("policy_trainer", dict(grad_norm=2.0, skipped_step=1.0))
+    assert len(run.logged) == 4 and all("WARNING" in line for line in run.logged)
+    with pytest.raises(RunHealthError, match=r"policy_trainer: 3 optimizer steps in a row .*runtime.max_bad_train_steps=3"):
+        run._check_step("policy_trainer", zero)
+
+
+def test_too_many_cut_prompts_stop_the_run_before_training():
+    run = bare_run()
+    run.items = [{"input_ids": [1]}, {"input_ids": [1], "prompt_cut": True}]
+    run._check_cut_prompts()  # half: at the limit, a warning
+    assert "1 of 2 training prompts were cut" in run.logged[0]
+    run.items.append({"input_ids": [1], "prompt_cut": True})
+    with pytest.raises(RunHealthError, match="2 of 3 training prompts .*runtime.max_cut_prompt_fraction=0.5"):
+        run._check_cut_prompts()
+
+
+def test_output_directory_lock_refuses_a_second_run_and_frees_on_exit(tmp_path):
+    held = ckpt.lock_output_dir(tmp_path)
+    code = ("import sys; from chatgen.rlhf.checkpoint import lock_output_dir\n"
+            "try:\n    lock_output_dir(sys.argv[1]); print('LOCKED')\n"
+            "except FileExistsError as e:\n    print('REFUSED', e)")
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert other.stdout.startswith("REFUSED") and "in use by another chatgen run" in other.stdout, other.stderr
+    held.close()  # (a killed process releases it the same way: the kernel drops the lock)
+    other = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, timeout=60)
+    assert other.stdout.strip() == "LOCKED"
+
+
+def make_checkpoint(save_dir, episode):
+    tmp = ckpt.begin_checkpoint(save_dir, episode)
+    (tmp / "policy_trainer").mkdir()
+    (tmp / "policy_trainer" / "model_tp0_pp0.safetensors").write_bytes(b"x" * 100)
+    (tmp / "policy_trainer" / "optim_tp0_pp0.pt").write_bytes(b"y" * 50)
+    return ckpt.commit_checkpoint(tmp, {"episode": episode})
+
+
+def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_back(tmp_path):
+    make_checkpoint(tmp_path, 1)
+    latest = make_checkpoint(tmp_path, 2)
+    assert json.loads((latest / "manifest.json").read_text())["policy_trainer/optim_tp0_pp0.pt"] == 50
+    assert ckpt.resume_point(tmp_path) == latest
+    (latest / "policy_trainer" / "optim_tp0_pp0.pt").unlink()
+    with pytest.raises(ckpt.CheckpointError) as err:
+        ckpt.resume_point(tmp_path)
+    assert "optim_tp0_pp0.pt is missing" in str(err.value) and "--resume-from episode_000001" in str(err.value)
+    (tmp_path / "episode_000001" / "policy_trainer" / "model_tp0_pp0.safetensors").write_bytes(b"x" * 10)
+    with pytest.raises(ckpt.CheckpointError, match="has 10 bytes, 100 when saved.*no earlier checkpoint"):
+        ckpt.resume_point(tmp_path, "episode_000001")
+    with pytest.raises(ckpt.CheckpointError, match="no checkpoint there; the checkpoints of this run are "
+                                                   "episode_000001, episode_000002"):
+        ckpt.resume_point(tmp_path, "episode_000007")
