@@ -67,7 +67,10 @@ class RuntimeConfig:
     eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation")
     output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml")
     colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
-    ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray")
+    ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray (when Ray is used)")
+    launcher: Literal["auto", "local", "ray"] = opt(
+        "auto", "ray: every model group runs as Ray actors; local: a run whose models share one process of one rank "
+                "runs in the driver, without Ray; auto: local when possible (and no ray_address), else ray")
     seed: int = opt(1234, "global random seed")
     log_interval: int = opt(1, "log metrics every N training steps")
     allow_data_order_change: bool = opt(

@@ -28,6 +28,7 @@ import math
 from chatgen.config import ConfigError, format_config, save_resolved
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
+from chatgen.rlhf.runtime import call_model
 from chatgen.rlhf.tasks import read_jsonl
 
 
@@ -287,8 +288,8 @@ class Run:
         if n % dp:
             raise ValueError(f"{name}: a batch of {n} samples does not split over {dp} data-parallel ranks")
         shards = [select(data, torch.arange(d * n // dp, (d + 1) * n // dp)) for d in range(dp)]
-        refs = [a.call.remote(name, method, shards[d], *args) for a, d in zip(handle.group.actors, handle.dp_ranks)]
-        results = handle.get(refs, method)
+        results = handle.get(handle.group.run_each(call_model, [(name, method, shards[d], *args)
+                                                                 for d in handle.dp_ranks]), method)
         first = {}
         for d, result in zip(handle.dp_ranks, results):
             first.setdefault(d, result)

@@ -154,6 +154,17 @@ class MegatronModule(Module):
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
 
+    def shutdown(self) -> None:
+        """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
+        start another model, e.g. the next run of a test session. Safe to call twice."""
+        from megatron.core import parallel_state as ps
+
+        self.model = self.optimizer = self._masters = None
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
     # ---- user hooks -------------------------------------------------------------------------------
 
     def model_provider(self, pre_process: bool, post_process: bool):

@@ -187,6 +187,22 @@ def test_plan_groups(data):
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
 
 
+def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data):
+    from chatgen.rlhf.runtime import launcher
+
+    grpo = load("grpo_tiny.yaml", *data)
+    assert launcher(grpo, plan_groups(grpo)) == "local"
+    ppo = load("ppo_tiny.yaml", *data)  # two groups: Ray actors
+    assert launcher(ppo, plan_groups(ppo)) == "ray"
+    cluster = load("grpo_tiny.yaml", *data, "runtime.ray_address=auto")
+    assert launcher(cluster, plan_groups(cluster)) == "ray"
+    forced = load("grpo_tiny.yaml", *data, "runtime.launcher=ray")
+    assert launcher(forced, plan_groups(forced)) == "ray"
+    impossible = load("ppo_tiny.yaml", *data, "runtime.launcher=local")
+    with pytest.raises(ValueError, match="runtime.launcher: local needs every model in one colocation group"):
+        launcher(impossible, plan_groups(impossible))
+
+
 def test_plan_groups_rejects_mismatched_colocation(data):
     with pytest.raises(ValueError, match="need different numbers of ranks"):
         plan_groups(load("ppo_tiny.yaml", *data, "policy_trainer.tensor_model_parallel_size=2"))
