@@ -181,7 +181,10 @@ class VLLMModule(Module):
                              "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
         kwargs = engine_config.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy,
                                                stop_strings=stop, stop_token_ids=stop_token_ids)
-        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None)
+        # Incremental detokenization (and the text of every log-prob entry) costs about a third of a small model's
+        # engine step on CPU; it is needed only to match stop strings. Without any, texts are decoded once at the
+        # end of the call (`_decode_texts`).
+        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(stop))
 
     def add_request(self, prompt_ids, params, prompt_text=None) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id."""
@@ -274,6 +277,16 @@ class VLLMModule(Module):
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
         return request_ids
 
+    def _decode_texts(self, request_outputs) -> None:
+        """Fill the text of samples generated without incremental detokenization (see `sampling_params`), in one
+        batch decode, so that hooks and outputs always see texts."""
+        if self.tokenizer is None:
+            return
+        todo = [s for _, s in iter_samples(request_outputs) if not s.text and s.token_ids]
+        for sample, text in zip(todo, self.tokenizer.batch_decode([list(s.token_ids) for s in todo],
+                                                                  skip_special_tokens=True)):
+            sample.text = text
+
     def _drive(self, add_requests) -> list:
         """Queue requests with `add_requests()`, step the engine until all finish; returns the finished
         `RequestOutput`s sorted by request id and records `self.metrics`."""
@@ -294,8 +307,9 @@ class VLLMModule(Module):
         except BaseException:  # leave the engine empty for the next call
             adapter.abort(self.engine, self._queued)
             raise
-        elapsed = time.perf_counter() - start
         finished.sort(key=lambda o: int(o.request_id))
+        self._decode_texts(finished)
+        elapsed = time.perf_counter() - start
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
         generation_tokens = sum(len(s.token_ids) for _, s in iter_samples(finished))
         self.metrics = {
