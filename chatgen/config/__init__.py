@@ -12,6 +12,7 @@ from chatgen.config.loader import (
     format_config,
     load_config,
     load_model_config,
+    model_args,
     parse_overrides,
     resolve_schema,
     save_resolved,
@@ -32,7 +33,7 @@ from chatgen.config.schema import (
 )
 
 __all__ = [
-    "ConfigError", "load_config", "load_model_config", "parse_overrides", "resolve_schema", "schema_marker", "to_dict",
-    "format_config", "save_resolved", "DEFAULT_MODEL_CLASSES", "SCHEMAS", "AlgorithmConfig", "ChatgenConfig",
-    "MegatronConfig", "ModelEntry", "Role", "RuntimeConfig", "VLLMConfig", "opt",
+    "ConfigError", "load_config", "load_model_config", "model_args", "parse_overrides", "resolve_schema",
+    "schema_marker", "to_dict", "format_config", "save_resolved", "DEFAULT_MODEL_CLASSES", "SCHEMAS",
+    "AlgorithmConfig", "ChatgenConfig", "MegatronConfig", "ModelEntry", "Role", "RuntimeConfig", "VLLMConfig", "opt",
 ]

@@ -7,14 +7,21 @@ Layers, lowest first: included files (in list order), the including file, comman
 merge key by key; anything else is replaced whole. `${VAR}` is substituted after merging, so only the values
 that survive need their variables. Validation runs against the dataclasses in schema.py and collects every
 problem into one ConfigError, one line each: `<file>: <dotted.key>: <problem>; <fix>`.
+
+A per-model YAML written for ChatLearn is read with `dialect="chatlearn"` (`config_dialect: chatlearn` in its
+model entry): Megatron-LM keys are ignored and the user's keys go to `args:` (see `_read_chatlearn`).
 """
+import copy
 import dataclasses
 import difflib
+import functools
 import importlib
+import logging
 import os
 import re
 import types
 import typing
+from pathlib import Path
 from typing import Any, Literal
 
 import yaml
@@ -26,10 +33,14 @@ from chatgen.config.schema import (
     ModelEntry,
     RuntimeConfig,
     VLLMConfig,
+    args_problem,
 )
+
+logger = logging.getLogger(__name__)
 
 CLI = "command line"
 RESOLVED_NAME = "resolved_config.yaml"
+DIALECTS = ("chatgen", "chatlearn")
 
 
 class ConfigError(ValueError):
@@ -66,9 +77,14 @@ def _show(path: str) -> str:
 # --- provenance: `where` maps a key path (tuple) to (file, shown key prefix) -------------------------------
 
 
+def _source(where: dict, path: tuple) -> tuple[str, str]:
+    """(file, shown key prefix) of the file that set the key at `path` (or its nearest parent)."""
+    return next(where[path[:i]] for i in range(len(path), -1, -1) if path[:i] in where)
+
+
 def _at(where: dict, path: tuple) -> str:
     """'<file>: <dotted.key>' for error lines; the file is the one that set the key (or its nearest parent)."""
-    file, prefix = next(where[path[:i]] for i in range(len(path), -1, -1) if path[:i] in where)
+    file, prefix = _source(where, path)
     return f"{file}: {prefix}{'.'.join(map(str, path))}" if path else file
 
 
@@ -146,13 +162,32 @@ _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 
 
 def _substitute(value, where: dict, errors: list, path: tuple = ()):
-    """Replace `${VAR}` / `${VAR:default}`; a value that is one whole `${...}` gets the YAML type of its text."""
+    """Replace `${VAR}` / `${VAR:default}`, reading a whole value the way ChatLearn's YAML parser does.
+
+    A value that is one whole `${...}` gets the YAML type of its text (from the environment, else the
+    default), except that `None` is null as in ChatLearn (`${X:None}`); an unset variable with no default
+    makes it null, with one warning naming the variable and the key. Inside a longer string the result stays
+    a string, and there an unset variable with no default is an error (null cannot be part of a string).
+    """
     if isinstance(value, dict):
         return {k: _substitute(v, where, errors, (*path, k)) for k, v in value.items()}
     if isinstance(value, list):
         return [_substitute(v, where, errors, path) for v in value]
     if not isinstance(value, str) or "${" not in value:
         return value
+    if whole := _ENV.fullmatch(value):
+        name, default = whole.groups()
+        text = os.environ.get(name, default)
+        if text is None:
+            logger.warning("%s: environment variable %s is not set and has no default: read as null (export %s=... "
+                           "or write ${%s:default})", _at(where, path), name, name, name)
+            return None
+        if text.strip() == "None":
+            return None
+        try:
+            return _yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+        except yaml.YAMLError:
+            return text
 
     def replace(match):
         name, default = match.groups()
@@ -160,17 +195,11 @@ def _substitute(value, where: dict, errors: list, path: tuple = ()):
             return os.environ[name]
         if default is not None:
             return default
-        errors.append(f"{_at(where, path)}: environment variable {name} is not set and has no default; "
-                      f"export {name}=... or write ${{{name}:default}}")
+        errors.append(f"{_at(where, path)}: environment variable {name} is not set and has no default, and a "
+                      f"variable inside a longer string cannot be null; export {name}=... or write ${{{name}:default}}")
         return ""
 
-    text = _ENV.sub(replace, value)
-    if not _ENV.fullmatch(value):
-        return text  # inside a longer string: stays a string
-    try:
-        return _yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
-    except yaml.YAMLError:
-        return text
+    return _ENV.sub(replace, value)  # inside a longer string: stays a string
 
 
 def parse_overrides(items: list[str]) -> dict:
@@ -218,10 +247,27 @@ def _override_value(raw: str):
 # --- validation against the dataclasses ---------------------------------------------------------------------
 
 
+def _did_you_mean(word, choices, cutoff=0.6) -> str | None:
+    """The choice closest to `word` (a likely typo of it), or None."""
+    match = difflib.get_close_matches(str(word), sorted(map(str, choices)), n=1, cutoff=cutoff)
+    return match[0] if match else None
+
+
 def _closest(word, choices, what="keys") -> str:
-    choices = sorted(map(str, choices))
-    match = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
-    return f"did you mean {match[0]!r}?" if match else f"valid {what}: {', '.join(choices)}"
+    match = _did_you_mean(word, choices)
+    return f"did you mean {match!r}?" if match else f"valid {what}: {', '.join(sorted(map(str, choices)))}"
+
+
+def _valid_keys(file: str, path: tuple, fields, unknown: list) -> str:
+    """The one line per file that follows its unknown keys: the section's valid keys, and where others go."""
+    section = f" of {'.'.join(map(str, path))}" if path else ""
+    line = f"{file}: valid keys{section}: {', '.join(sorted(fields))}"
+    if "args" in fields:
+        line += "; put your own keys under `args:`"
+        if any(key in megatron_lm_keys() for key in unknown):
+            line += (" (a ChatLearn YAML with Megatron-LM keys loads with `config_dialect: chatlearn`, "
+                     "docs/migrating_from_chatlearn.md)")
+    return line
 
 
 def _type_name(tp) -> str:
@@ -256,7 +302,8 @@ def _convert(value, tp) -> tuple[bool, Any]:
             return True, value
         if origin is dict:
             items = [_convert(v, args[1]) for v in value.values()]
-            return all(ok for ok, _ in items), dict(zip(value, (v for _, v in items)))
+            keys_ok = all(_convert(k, args[0])[0] for k in value)
+            return keys_ok and all(ok for ok, _ in items), dict(zip(value, (v for _, v in items)))
         items = [_convert(v, args[0]) for v in value]
         return all(ok for ok, _ in items), [v for _, v in items]
     if isinstance(value, bool) and tp is not bool:
@@ -292,10 +339,16 @@ def _build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=N
     hints = typing.get_type_hints(cls)
     before = len(errors)
     kwargs, bad = {}, set()  # bad: keys whose value failed; they take their default for the range checks
+    unknown = {}  # file -> its unknown keys with no close match: one line per file lists the valid keys
     for key, value in data.items():
         key_path = (*path, key)
         if key not in fields:
-            errors.append(f"{_at(where, key_path)}: unknown key; {_closest(key, fields)}")
+            megatron = "args" in fields and key in megatron_lm_keys()  # a per-model file written for ChatLearn
+            match = None if megatron else _did_you_mean(key, fields)
+            errors.append(f"{_at(where, key_path)}: unknown key" + (f"; did you mean {match!r}?" if match else "")
+                          + (" (a Megatron-LM argument)" if megatron else ""))
+            if match is None:
+                unknown.setdefault(_source(where, key_path)[0], []).append(key)
             continue
         if dataclasses.is_dataclass(hints[key]):
             ok, built = True, _build(hints[key], value, where, errors, key_path)
@@ -308,6 +361,7 @@ def _build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=N
             kwargs[key] = built
         else:
             bad.add(key)
+    errors.extend(_valid_keys(file, path, fields, keys) for file, keys in unknown.items())
     required = [n for n, f in fields.items()
                 if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     for name in required:
@@ -358,25 +412,125 @@ def resolve_schema(schema):
     return getattr(importlib.import_module(module), name)
 
 
+# --- the chatlearn dialect ----------------------------------------------------------------------------------
+
+
+@functools.cache
+def megatron_lm_keys() -> frozenset:
+    """Megatron-LM's argument names, from megatron_lm_keys.txt (its header says how the list was made)."""
+    text = Path(__file__).with_name("megatron_lm_keys.txt").read_text(encoding="utf-8")
+    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+
+
+# ChatLearn's spellings of chatgen keys: ChatLearn key -> (chatgen key, chatgen value of a ChatLearn value; None =
+# sets nothing). Each applies where the schema has the chatgen key and not the ChatLearn one.
+CHATLEARN_SPELLINGS = {
+    "bf16": ("dtype", lambda on: "bfloat16" if on else None),
+    "fp16": ("dtype", lambda on: "float16" if on else None),
+    "tensor_model_parallel_size": ("tensor_parallel_size", lambda size: size),  # a vLLM model's TP in ChatLearn
+}
+
+
+def _read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) -> dict:
+    """The keys of a ChatLearn-style per-model YAML as chatgen reads them (the chatlearn dialect).
+
+    A key of the schema is read as usual. A ChatLearn spelling of a chatgen key (CHATLEARN_SPELLINGS:
+    `bf16: true` -> `dtype: bfloat16`, a vLLM model's `tensor_model_parallel_size` -> `tensor_parallel_size`)
+    is read as that key unless the file set the chatgen key itself. Any other Megatron-LM argument
+    (megatron_lm_keys.txt) is ignored. Every remaining key is the user's and goes to `args:`, where an explicit
+    `args:` entry wins; a key one typo away from a chatgen key is an error instead. One log line each lists
+    the ignored keys, the spellings read and the keys sent to `args:`.
+    """
+    if schema is dict:
+        return data  # a python model: every key is the user's already
+    fields = {f.name for f in dataclasses.fields(schema)}
+    if "args" not in fields:
+        errors.append(f"{label}: the chatlearn dialect sends unknown keys to `args:`, and {schema.__name__} has no "
+                      "`args` field; read this file with the chatgen dialect")
+        return data
+    out, user, ignored, spelled, routed = {}, {}, [], [], []
+    for key, value in data.items():
+        spelling = CHATLEARN_SPELLINGS.get(key)
+        if key in fields:
+            out[key] = value
+        elif spelling and spelling[0] in fields:
+            target, convert = spelling
+            chatgen_value = convert(_substitute(value, where, errors, (key,)))
+            if chatgen_value is None or target in data:
+                ignored.append(key)  # switched off, or the file sets the chatgen key itself
+            elif target in out and out[target] != chatgen_value:
+                errors.append(f"{_at(where, (key,))}: sets {target} to {chatgen_value!r}, and another ChatLearn key "
+                              f"sets it to {out[target]!r}; keep one of them")
+            else:
+                out[target] = chatgen_value
+                where[(target,)] = _source(where, (key,))
+                spelled.append(f"{key} -> {target}: {chatgen_value}")
+        elif key in megatron_lm_keys():
+            ignored.append(key)
+        elif match := _did_you_mean(key, fields - {"args"}, cutoff=0.85):
+            errors.append(f"{_at(where, (key,))}: unknown key; did you mean {match!r}? (the chatlearn dialect sends "
+                          "unknown keys to `args:`, but not one this close to a chatgen key: fix its spelling, or "
+                          "move it under `args:` if it is yours)")
+        else:
+            user[key] = value
+            where[("args", key)] = _source(where, (key,))
+            routed.append(key)
+    if routed:
+        explicit = data.get("args") or {}
+        out["args"] = {**user, **explicit} if isinstance(explicit, dict) else explicit  # not a mapping: _build says so
+    if ignored:
+        logger.warning("%s (chatlearn dialect): ignored %d Megatron-LM key(s) that %s does not have: %s", label,
+                       len(ignored), schema.__name__, ", ".join(sorted(ignored)))
+    if spelled:
+        logger.info("%s (chatlearn dialect): read ChatLearn's spellings of chatgen keys: %s", label, ", ".join(spelled))
+    if routed:
+        logger.info("%s (chatlearn dialect): %d key(s) chatgen does not know went to `args:` (your keys, in "
+                    "model_args): %s", label, len(routed), ", ".join(sorted(routed)))
+    return out
+
+
+def _read_dialect(dialect: str, data: dict, where: dict, schema, errors: list, label: str) -> dict:
+    if dialect == "chatlearn":
+        return _read_chatlearn(data, where, schema, errors, label)
+    return data
+
+
+def model_args(config) -> dict:
+    """ChatLearn's `model_args` of a per-model config: its typed keys and its `args` keys in one flat dict.
+
+    A new dict (deep copy): changing it leaves the config as it is. A user key that repeats a typed key is an
+    error (the loader refuses it already; this catches a config built in code).
+    """
+    if problem := args_problem(config):
+        raise ConfigError([f"args: {problem}"])
+    typed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "args"}
+    return copy.deepcopy({**typed, **config.args})
+
+
 # --- public entry points ------------------------------------------------------------------------------------
 
 
 def load_model_config(path: str | os.PathLike | None, schema="vllm", overrides: list[str] | dict = (),
-                      extra_check=None):
+                      extra_check=None, dialect: str = "chatgen"):
     """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema`.
 
     `path=None` starts from the schema's defaults. `overrides` may also be a dict of typed values (keys set
     from code, e.g. `load_model_config(None, VLLMConfig, {"load": d, "n": 4})`), checked the same way.
     `extra_check(obj)` yields (key, problem) pairs for checks that need more than the config (e.g. the
-    platform it runs on); they are reported with every other problem. Raises ConfigError listing them all.
+    platform it runs on); they are reported with every other problem. `dialect="chatlearn"` reads a YAML
+    written for ChatLearn (Megatron-LM keys ignored, unknown keys -> `args:`; docs/migrating_from_chatlearn.md).
+    Raises ConfigError listing every problem.
     """
+    if dialect not in DIALECTS:
+        raise ValueError(f"dialect {dialect!r}: use one of {', '.join(DIALECTS)}")
     schema = resolve_schema(schema)
     errors, files = [], []
     source = "overrides" if isinstance(overrides, dict) else CLI
     data, where = _read(os.fspath(path), errors, files) if path is not None else ({}, {(): (source, "")})
     overrides_tree = dict(overrides) if isinstance(overrides, dict) else _parse_overrides(overrides, errors)
     _merge(data, where, overrides_tree, dict.fromkeys(_paths(overrides_tree), (source, "")))
-    data = _substitute(data, where, errors)
+    label = _show(os.path.abspath(os.fspath(path))) if path is not None else source
+    data = _substitute(_read_dialect(dialect, data, where, schema, errors, label), where, errors)
     obj = _build(schema, data, where, errors, extra_check=extra_check)
     if errors:
         raise ConfigError(errors)
@@ -504,13 +658,14 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     if entry.model_config_file:
         target = os.path.join(main_dir, os.path.expanduser(entry.model_config_file))
         data, model_where = _read(target, errors, files, _at(where, (*path, "model_config_file")))
-        data = _substitute(data, model_where, errors)
     inline_where = {p[3:]: (file, f"{prefix}models.{name}.config.") for p, (file, prefix) in where.items()
                     if p[:3] == (*path, "config") and len(p) > 3}
     _merge(data, model_where, inline, inline_where)
     schema = SCHEMAS[entry.backend] if entry.backend != "python" else _class_schema(entry, where, path, errors)
     if schema is None:
         return None
+    data = _read_dialect(entry.config_dialect, data, model_where, schema, errors, f"models.{name}")
+    data = _substitute(data, model_where, errors)  # after the dialect: an ignored key needs no variable
     entry.config = _build(schema, data, model_where, errors)
     if runtime is not None and entry.config is not None:
         _derive(entry, runtime, model_where, errors)

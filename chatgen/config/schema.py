@@ -10,7 +10,7 @@ for range and cross-key rules that a type alone cannot say. The loader (loader.p
                 models:  -> {name: ModelEntry} (the names the algorithm's MODELS declares), each with a per-model
                          YAML of flat keys:
     per-model   backend vllm -> VLLMConfig, megatron -> MegatronConfig, python -> the class's `config_class`
-                (a dataclass, or a free dict)
+                (a dataclass, or a free dict); the user's own keys of a vllm / megatron model go under `args:`
 """
 import copy
 import dataclasses
@@ -30,6 +30,19 @@ def opt(default, doc: str):
     if isinstance(default, (list, dict)):
         return dataclasses.field(default_factory=lambda: copy.deepcopy(default), metadata=meta)
     return dataclasses.field(default=default, metadata=meta)
+
+
+USER_KEYS_DOC = ("your own keys, free-form: chatgen reads none of them (`model_args(config)` gives them with the "
+                 "typed keys in one flat dict); a key of this section may not be repeated here")
+
+
+def args_problem(config) -> str | None:
+    """Why `config.args` (user keys) cannot sit beside the typed keys in one flat `model_args`, or None."""
+    shadowed = sorted(key for key in config.args if key in {f.name for f in dataclasses.fields(config)})
+    if shadowed:
+        return (f"{', '.join(map(repr, shadowed))} {'is a chatgen key' if len(shadowed) == 1 else 'are chatgen keys'} "
+                "of this model; set it at the top level of the file, or give your key another name")
+    return None
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -117,6 +130,8 @@ class ModelEntry:
     num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
     num_cpu: int = opt(1, "CPU cores for this model's actors")
     config: Any = opt(None, "per-model keys inline (win over model_config_file); once loaded: the typed config")
+    config_dialect: Literal["chatgen", "chatlearn"] = opt(
+        "chatgen", "how the per-model keys are read: chatgen (every key checked) or chatlearn (a ChatLearn YAML: Megatron-LM keys ignored, unknown keys -> args; docs/migrating_from_chatlearn.md)")
 
     def check(self):
         if self.trainable and self.backend == "vllm":
@@ -173,6 +188,7 @@ class VLLMConfig:
     # parallelism
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
     enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
+    args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
         if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
@@ -227,6 +243,8 @@ class VLLMConfig:
         for key in ("max_num_batched_tokens", "generation_batch_size", "sliding_window", "kv_cache_memory_bytes"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null for the default"
+        if problem := args_problem(self):
+            yield "args", problem
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -251,6 +269,7 @@ class MegatronConfig:
     lr_warmup_iters: int = opt(0, "optimizer steps of linear warm-up")
     lr_decay_iters: Optional[int] = opt(None, "optimizer steps of cosine decay from lr to min_lr after warm-up; null = constant lr")
     make_vocab_size_divisible_by: int = opt(128, "pad the embedding rows to a multiple of this (times TP size)")
+    args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
@@ -274,6 +293,8 @@ class MegatronConfig:
         for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters"):
             if getattr(self, key) < 0:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
+        if problem := args_problem(self):
+            yield "args", problem
 
 
 # backend -> schema of its per-model YAML; `dict` = free mapping of user keys (not validated). A python model's

@@ -3,6 +3,7 @@
     /work/main/.venv/bin/python -m pytest tests/unit/test_config.py -q
 """
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -17,16 +18,19 @@ from chatgen.config import (
     ConfigError,
     MegatronConfig,
     ModelEntry,
+    RuntimeConfig,
     VLLMConfig,
     format_config,
     load_config,
     load_model_config,
+    model_args,
     parse_overrides,
     save_resolved,
     schema_marker,
     to_dict,
 )
 from chatgen.config.cli import key_reference, sections
+from chatgen.config.loader import megatron_lm_keys
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -195,13 +199,46 @@ def test_env_whole_values_are_typed_and_inner_ones_stay_strings(tmp_path, monkey
     assert load_model_config(write(tmp_path / "r.yaml", "x: ${CG_L:[3]}\n"), "python") == {"x": [1, 2]}
 
 
-def test_missing_env_var_without_default_names_the_variable(tmp_path, monkeypatch):
+def test_unset_env_var_without_default_is_null_with_one_warning(tmp_path, monkeypatch, caplog):
+    """As ChatLearn's parse_value: a whole `${VAR}` with VAR unset is null, and one warning names it."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("CG_TOKENIZER_DIR", raising=False)
+    write(tmp_path / "p.yaml", "load: /m\ntokenizer: ${CG_TOKENIZER_DIR}\n")
+    with caplog.at_level("WARNING", logger="chatgen.config.loader"):
+        assert load_model_config("p.yaml", "vllm").tokenizer is None
+    assert [r.getMessage() for r in caplog.records] == [
+        "p.yaml: tokenizer: environment variable CG_TOKENIZER_DIR is not set and has no default: read as null "
+        "(export CG_TOKENIZER_DIR=... or write ${CG_TOKENIZER_DIR:default})"]
+
+
+def test_unset_env_var_inside_a_string_is_an_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CG_MODEL_DIR", raising=False)
     write(tmp_path / "p.yaml", "load: ${CG_MODEL_DIR}/x\n")
     (error,) = errors_of(load_model_config, "p.yaml", "vllm")
-    assert error == ("p.yaml: load: environment variable CG_MODEL_DIR is not set and has no default; "
-                     "export CG_MODEL_DIR=... or write ${CG_MODEL_DIR:default}")
+    assert error == ("p.yaml: load: environment variable CG_MODEL_DIR is not set and has no default, and a variable "
+                     "inside a longer string cannot be null; export CG_MODEL_DIR=... or write ${CG_MODEL_DIR:default}")
+
+
+def test_env_none_is_null_as_in_chatlearn_and_true_false_are_bools(tmp_path, monkeypatch):
+    for name in ("CG_WINDOW", "CG_LOGPROBS", "CG_EOS", "CG_BEAM"):
+        monkeypatch.delenv(name, raising=False)
+    path = write(tmp_path / "p.yaml", """
+        sliding_window: ${CG_WINDOW:None}
+        prompt_logprobs: ${CG_LOGPROBS:None}
+        ignore_eos: ${CG_EOS:True}
+        use_beam_search: ${CG_BEAM:False}
+        stop_token_list: None
+    """)
+    cfg = load_model_config(path, "vllm")
+    assert (cfg.sliding_window, cfg.prompt_logprobs, cfg.ignore_eos, cfg.use_beam_search) == (None, None, True, False)
+    assert cfg.stop_token_list == "None"  # a plain YAML None is text, in ChatLearn too: only `${...}` values
+    monkeypatch.setenv("CG_LOGPROBS", "None")  # the environment's text is typed like a default's
+    monkeypatch.setenv("CG_WINDOW", "4096")
+    cfg = load_model_config(path, "vllm", ["use_beam_search=false", "sliding_window=null"])
+    assert (cfg.prompt_logprobs, cfg.sliding_window) == (None, None)
+    (error,) = errors_of(load_model_config, path, "vllm")  # a refused key keeps its refusal when it is set
+    assert "sliding_window: not supported" in error
 
 
 def test_env_var_only_needed_where_its_value_survives(tmp_path, monkeypatch):
@@ -245,6 +282,44 @@ def test_model_config_overrides_and_no_file(tmp_path):
     assert error == "overrides: top_p: must be in (0, 1], got 2.0; use 1.0 to turn top-p off"
 
 
+# --- args: the user's own keys -------------------------------------------------------------------------------
+
+
+def test_args_survive_includes_overrides_and_the_resolved_config(main_yaml, tmp_path):
+    write(tmp_path / "models" / "base.yaml", "args: {prompt_key: text, shuffle: {seed: 1, epochs: 2}}\n")
+    policy = write(tmp_path / "models" / "policy.yaml", """
+        includes: base.yaml
+        load: /m
+        args: {shuffle: {epochs: 3}, extra: [1, 2]}
+    """)
+    cfg = load_model_config(policy, "vllm", ["args.prompt_key=question"])
+    assert cfg.args == {"prompt_key": "question", "shuffle": {"seed": 1, "epochs": 3}, "extra": [1, 2]}
+    cfg = load_config(main_yaml, ["policy.args.prompt_key=q", "models.policy_trainer.args.note=x"])
+    assert cfg.models["policy"].config.args == {"prompt_key": "q", "shuffle": {"seed": 1, "epochs": 3}, "extra": [1, 2]}
+    assert cfg.models["policy_trainer"].config.args == {"note": "x"}
+    again = load_config(save_resolved(cfg, tmp_path / "run"))
+    assert again.models["policy"].config.args == cfg.models["policy"].config.args
+
+
+def test_args_may_not_repeat_a_chatgen_key_and_must_have_string_keys():
+    (error,) = errors_of(load_model_config, None, "vllm", {"args": {"seq_length": 8, "mine": 1}})
+    assert error == ("overrides: args: 'seq_length' is a chatgen key of this model; set it at the top level of the "
+                     "file, or give your key another name")
+    (error,) = errors_of(load_model_config, None, "megatron", {"args": {1: "x"}})
+    assert error == "overrides: args: expected dict[str, Any], got dict {1: 'x'}; set it to dict[str, Any]"
+
+
+def test_model_args_is_the_typed_keys_and_the_user_keys_in_one_flat_copy():
+    cfg = load_model_config(None, "vllm", {"load": "/m", "args": {"prompt_key": "q", "nested": {"a": [1]}}})
+    flat = model_args(cfg)
+    assert set(flat) == {f.name for f in dataclasses.fields(VLLMConfig)} - {"args"} | {"prompt_key", "nested"}
+    assert (flat["load"], flat["temperature"], flat["prompt_key"]) == ("/m", 1.0, "q")
+    flat["nested"]["a"].append(2)
+    assert cfg.args["nested"] == {"a": [1]}
+    with pytest.raises(ConfigError, match="args: 'n' is a chatgen key of this model"):
+        model_args(VLLMConfig(args={"n": 2}))  # built in code, past the loader
+
+
 # --- validation ----------------------------------------------------------------------------------------------
 
 
@@ -269,6 +344,29 @@ def test_every_error_is_collected_into_one_message(main_yaml, tmp_path):
         "models/policy.yaml: top_p: must be in (0, 1], got 1.5; use 1.0 to turn top-p off",
         "models/trainer.yaml: lr: expected float, got str 'fast'; set it to float",
     ]
+
+
+def test_unknown_keys_without_a_close_match_list_the_valid_keys_once_per_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "base.yaml", "num_layers: 2\nhidden_size: 8\nmy_key: 1\n")
+    write(tmp_path / "p.yaml", "includes: base.yaml\ntempreature: 0.5\nreward_name: r\nstride: 3\n")
+    valid = ", ".join(sorted(f.name for f in dataclasses.fields(VLLMConfig)))
+    assert errors_of(load_model_config, "p.yaml", "vllm") == [
+        "base.yaml: num_layers: unknown key (a Megatron-LM argument)",
+        "base.yaml: hidden_size: unknown key (a Megatron-LM argument)",
+        "base.yaml: my_key: unknown key",
+        "p.yaml: tempreature: unknown key; did you mean 'temperature'?",
+        "p.yaml: reward_name: unknown key",
+        "p.yaml: stride: unknown key",
+        f"base.yaml: valid keys: {valid}; put your own keys under `args:` (a ChatLearn YAML with Megatron-LM keys "
+        "loads with `config_dialect: chatlearn`, docs/migrating_from_chatlearn.md)",
+        f"p.yaml: valid keys: {valid}; put your own keys under `args:`",
+    ]
+    write(tmp_path / "m.yaml", "runtime: {workers: 1, sed: 2}\nmodels: {policy: {backend: vllm}}\n")
+    runtime_keys = ", ".join(sorted(f.name for f in dataclasses.fields(RuntimeConfig)))
+    assert errors_of(load_config, "m.yaml") == ["m.yaml: runtime.workers: unknown key",
+                                               "m.yaml: runtime.sed: unknown key; did you mean 'seed'?",
+                                               f"m.yaml: valid keys of runtime: {runtime_keys}"]
 
 
 def test_range_checks_name_key_and_fix(tmp_path):
@@ -476,7 +574,8 @@ def test_algorithm_knobs_are_typed_and_checked(main_yaml):
                                                 "runtime.algorithm.importance_sampling_cap=0.5"])
     assert sorted(e.split(": ")[1] for e in errors) == ["runtime.algorithm.gamma",
                                                         "runtime.algorithm.importance_sampling_cap",
-                                                        "runtime.algorithm.kl_estimator"]
+                                                        "runtime.algorithm.kl_estimator",
+                                                        "valid keys of runtime.algorithm"]  # gamma is ppo's, not grpo's
 
 
 def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
@@ -497,3 +596,105 @@ def test_override_values_keep_text_yaml_would_change():
                     "m": {"a": 1}, "tokenizer": None, "flag": True}
     cfg = load_model_config(None, VLLMConfig, ["load=/m", "stop_token_list=Question: ;</s>"])
     assert cfg.stop_token_list == "Question: ;</s>"
+
+
+# --- the chatlearn dialect: a per-model YAML written for ChatLearn -------------------------------------------
+
+CHATLEARN_STYLE = REPO / "tests" / "data" / "chatlearn_style"  # our own chain, in the style of ChatLearn's examples
+SAMPLER, TRAINER = CHATLEARN_STYLE / "sampler.yaml", CHATLEARN_STYLE / "trainer.yaml"
+
+
+@pytest.fixture
+def chatlearn_env(monkeypatch):
+    """cwd = the repository root; none of the chain's variables set."""
+    monkeypatch.chdir(REPO)
+    names = set()
+    for path in CHATLEARN_STYLE.glob("*.yaml"):
+        names |= set(re.findall(r"\$\{(\w+)", path.read_text()))
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    return monkeypatch
+
+
+def load_chatlearn(path, schema, overrides=()):
+    return load_model_config(path, schema, list(overrides), dialect="chatlearn")
+
+
+def test_chatlearn_dialect_ignores_megatron_keys_and_sends_user_keys_to_args(chatlearn_env, caplog):
+    chatlearn_env.setenv("CS_MODEL_DIR", "/models/tiny-llama")
+    chatlearn_env.setenv("CS_SEQ_LEN", "512")
+    chatlearn_env.setenv("CS_QUESTION_KEY", "question")
+    with caplog.at_level("INFO", logger="chatgen.config.loader"):
+        cfg = load_chatlearn(SAMPLER, "vllm")
+    assert (cfg.load, cfg.seq_length, cfg.max_new_tokens, cfg.new_token_limit) == ("/models/tiny-llama", 512, 32, True)
+    assert (cfg.n, cfg.temperature, cfg.top_p, cfg.eval_temperature, cfg.seed) == (2, 0.7, 0.8, 0.2, 7)
+    assert (cfg.tensor_parallel_size, cfg.dtype, cfg.stop_token_list) == (1, "float32", "</s>;###")
+    assert (cfg.prompt_logprobs, cfg.sliding_window, cfg.tokenizer) == (None, None, None)
+    assert cfg.args == {"shuffle_mode": 1, "samples_per_prompt": 3, "kl_target": 0.05, "reward_baseline": "None",
+                        "question_key": "question"}
+    shown = "tests/data/chatlearn_style/sampler.yaml"
+    ignored = ("attention_dropout, bf16, hidden_dropout, hidden_size, inference_batch_times_seqlen_threshold, "
+               "make_vocab_size_divisible_by, max_position_embeddings, no_load_optim, no_load_rng, normalization, "
+               "num_attention_heads, num_layers, position_embedding_type, swiglu, tokenizer_model, tokenizer_type, "
+               "untie_embeddings_and_output_weights, use_distributed_optimizer")
+    # once each; the unset variables of ignored keys (CS_NUM_LAYERS, ...) need no value and get no warning
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{shown} (chatlearn dialect): ignored 18 Megatron-LM key(s) that VLLMConfig does not have: {ignored}",
+        f"{shown} (chatlearn dialect): read ChatLearn's spellings of chatgen keys: "
+        "tensor_model_parallel_size -> tensor_parallel_size: 1",
+        f"{shown} (chatlearn dialect): 5 key(s) chatgen does not know went to `args:` (your keys, in model_args): "
+        "kl_target, question_key, reward_baseline, samples_per_prompt, shuffle_mode",
+        f"{shown}: tokenizer: environment variable CS_TOKENIZER_DIR is not set and has no default: read as null "
+        "(export CS_TOKENIZER_DIR=... or write ${CS_TOKENIZER_DIR:default})",
+    ]
+
+
+def test_chatlearn_dialect_from_a_main_yaml_with_overrides(chatlearn_env):
+    cfg = load_config(CHATLEARN_STYLE / "main.yaml", ["policy.question_key=prompt", "policy.args.samples_per_prompt=5",
+                                                      "policy_trainer.args.kl_target=0.1"])
+    policy, trainer = cfg.models["policy"].config, cfg.models["policy_trainer"].config
+    assert policy.args["question_key"] == "prompt"  # a top-level override of a user key goes to args too
+    assert policy.args["samples_per_prompt"] == 5  # an explicit `args:` entry wins over the routed key
+    assert model_args(policy)["question_key"] == "prompt" and model_args(policy)["seq_length"] == 256
+    assert isinstance(trainer, MegatronConfig)
+    # Megatron-LM keys chatgen's trainer has are read; the others are ignored, not sent to args
+    assert (trainer.lr, trainer.clip_grad, trainer.adam_beta2, trainer.lr_warmup_iters) == (2e-6, 0.5, 0.98, 2)
+    assert (trainer.make_vocab_size_divisible_by, trainer.tensor_model_parallel_size, trainer.seq_length) == (64, 1, 256)
+    assert trainer.args == {"max_new_tokens": 32, "shuffle_mode": 1, "samples_per_prompt": 3, "kl_target": 0.1,
+                            "reward_baseline": "None"}
+
+
+def test_chatlearn_dialect_reads_bf16_as_dtype_unless_dtype_is_set(chatlearn_env):
+    chatlearn_env.setenv("CS_BF16", "True")
+    assert load_chatlearn(SAMPLER, "vllm").dtype == "bfloat16"
+    assert load_chatlearn(TRAINER, "megatron").dtype == "bfloat16"
+    assert load_chatlearn(SAMPLER, "vllm", ["dtype=float32"]).dtype == "float32"
+    (error,) = errors_of(load_chatlearn, SAMPLER, "vllm", ["fp16=true"])
+    assert error == ("command line: fp16: sets dtype to 'float16', and another ChatLearn key sets it to 'bfloat16'; "
+                     "keep one of them")
+
+
+def test_chatlearn_dialect_keeps_refusals_and_catches_typos(chatlearn_env):
+    chatlearn_env.setenv("CS_BEAM", "True")
+    errors = errors_of(load_chatlearn, SAMPLER, "vllm", ["swap_space=4", "max_paddings=256", "tempreature=0.5"])
+    assert sorted(e.split(": ")[1] for e in errors) == ["max_paddings", "swap_space", "tempreature", "use_beam_search"]
+    (typo,) = [e for e in errors if "tempreature" in e]
+    assert typo == ("command line: tempreature: unknown key; did you mean 'temperature'? (the chatlearn dialect sends "
+                    "unknown keys to `args:`, but not one this close to a chatgen key: fix its spelling, or move it "
+                    "under `args:` if it is yours)")
+
+
+def test_chatlearn_dialect_needs_a_schema_with_args():
+    errors = errors_of(load_chatlearn, None, "chatgen.config.schema:RuntimeConfig", ["x=1"])
+    assert errors[0] == ("command line: the chatlearn dialect sends unknown keys to `args:`, and RuntimeConfig has no "
+                     "`args` field; read this file with the chatgen dialect")
+    assert load_chatlearn(None, "python", ["num_layers=2"]) == {"num_layers": 2}  # a python model's keys are its own
+
+
+def test_megatron_lm_key_list_is_sorted_and_names_no_chatlearn_or_vllm_key():
+    lines = [line for line in (REPO / "chatgen/config/megatron_lm_keys.txt").read_text().splitlines()
+             if line and not line.startswith("#")]
+    assert lines == sorted(set(lines)) and set(lines) == megatron_lm_keys()
+    assert {"num_layers", "hidden_size", "bf16", "lr_decay_style", "use_distributed_optimizer", "swiglu"} <= set(lines)
+    assert not {"prompt_key", "init_kl_coef", "load_iteration", "temperature", "top_p", "n", "max_new_tokens",
+                "tokenizer", "stop_token_list"} & set(lines)

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatgen.config import ConfigError, VLLMConfig, load_model_config
+from chatgen.config import ConfigError, VLLMConfig, load_model_config, model_args
 from chatgen.generation import engine_config
 from chatgen.generation.batching import generation_output, unpad_batch
 
@@ -314,6 +314,7 @@ KEY_DESTINATIONS = {
     "kv_cache_memory_bytes": ({"engine"}, 1 << 20),
     "tensor_parallel_size": ({"engine"}, 2),
     "enforce_eager": ({"engine"}, True),
+    "args": ({"user"}, {"prompt_key": "question"}),  # the user's keys: chatgen reads none; model_args has them
 }
 
 
@@ -358,6 +359,7 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
         "stop list": lambda c: engine_config.parse_stop_list(c.stop_token_list, SpecialTokens()),
         "model": lambda c: VLLMModule.model_provider(SimpleNamespace(config=c)),
         "dataset": lambda c: VLLMModule.build_dataset(SimpleNamespace(config=c, tokenizer=CharTokenizer()), ["hi"]),
+        "user": model_args,
     }
     base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
     engine_config.check_vllm_config(base, cpu=True)
