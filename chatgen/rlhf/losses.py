@@ -194,6 +194,24 @@ def pair_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: tor
     return ratios[0::2], ratios[1::2]
 
 
+def best_worst_pairs(rewards: torch.Tensor, group_size: int):
+    """Online DPO's pairs: the best and the worst of each prompt's `group_size` responses.
+
+    rewards: (P * group_size,) with each prompt's responses contiguous. Returns (rows, weights), both (2P,):
+    rows[2k], rows[2k + 1] = the indices of prompt k's highest and lowest reward (the first one on a tie), and
+    weights 1 for both rows of a pair, 0 when all of the prompt's responses got the same reward (no preference:
+    the pair stays in the batch and adds nothing to the loss).
+    """
+    if rewards.dim() != 1 or rewards.numel() % group_size or group_size < 2:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} >= 2 entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    base = torch.arange(grouped.shape[0]) * group_size
+    rows = torch.stack([base + grouped.argmax(dim=1), base + grouped.argmin(dim=1)], dim=1).reshape(-1)
+    preferred = (grouped.max(dim=1).values > grouped.min(dim=1).values).float()
+    return rows, preferred.repeat_interleave(2)
+
+
 # ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
 # Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
 

@@ -202,3 +202,30 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
     assert not (checkpoints / "episode_000002" / "reference").exists()  # the frozen reference is not saved
     assert (out / "metrics.png").exists()
 
+
+def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    from chatgen.config import load_config
+    from chatgen.rlhf.algorithms import online_dpo
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "online_dpo"
+    # 32 samples = 8 prompts x n=4 -> 8 (best, worst) pairs = 16 trainer rows, one optimizer step
+    cfg = load_config(REPO / "configs/online_dpo_tiny.yaml",
+                      overrides(tiny_llama_dir, data_dir, out, **{"runtime.num_episode": 2,
+                                                                  "runtime.train_micro_batch_size": 8}))
+    last = online_dpo.train(cfg, log=lambda *_: None)
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [0, 1, 2]
+    for episode in (1, 2):
+        m = metrics[episode]
+        assert m["mismatch/logprob_max_abs"] < SYNC_TOL  # vLLM sampled with exactly the trainer's weights
+        assert 0 <= m["pairs/no_preference"] < 1 and m["policy/grad_norm"] > 0 and "eval/reward" in m
+    # the first step's pairs are scored by the policy = the reference: all log-ratios 0
+    assert metrics[1]["policy/margin"] == 0.0 and metrics[1]["policy/loss"] == pytest.approx(
+        math.log(2) * (1 - metrics[1]["pairs/no_preference"]), abs=1e-6)
+    assert metrics[2]["policy/margin"] != 0.0  # episode 2's samples came from the trained, synced policy
+    checkpoints = out / "checkpoints"
+    assert iteration(checkpoints / "episode_000002") == 2
+    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert last["reward/mean"] == metrics[2]["reward/mean"]

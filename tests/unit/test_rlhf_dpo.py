@@ -1,5 +1,5 @@
-"""Unit tests of DPO's driver-side parts: preference pairs tokenized into trainer rows, and the config checks
-(no Ray, vLLM or Megatron starts). The loss math is in test_rlhf_losses.py.
+"""Unit tests of DPO's and Online DPO's driver-side parts: preference pairs tokenized into trainer rows, and the
+config checks of both (no Ray, vLLM or Megatron starts). The loss math is in test_rlhf_losses.py.
 
     pytest tests/unit/test_rlhf_dpo.py
 """
@@ -34,7 +34,7 @@ def errors_of(cfg) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("name", ["dpo_tiny.yaml"])
+@pytest.mark.parametrize("name", ["dpo_tiny.yaml", "online_dpo_tiny.yaml"])
 def test_shipped_configs_pass(name, data):
     cfg = load(name, data)
     check_config(cfg, algorithms.load(cfg.runtime.algorithm.name))
@@ -62,6 +62,23 @@ def test_pair_rules(data):
     msg = errors_of(load("dpo_tiny.yaml", data, "runtime.train_micro_batch_size=3",
                          "runtime.train_global_batch_size=6", "runtime.sample_per_episode=12"))
     assert "runtime.train_micro_batch_size: 3 would split a (chosen, rejected) pair across micro-batches" in msg
+    msg = errors_of(load("online_dpo_tiny.yaml", data, "runtime.train_micro_batch_size=3",
+                         "runtime.train_global_batch_size=6", "runtime.sample_per_episode=24"))
+    assert "train_micro_batch_size: 3 would split" in msg
+
+
+def test_online_dpo_batches_count_trainer_rows(data):
+    # 256 samples / n=8 = 32 prompts -> 64 trainer rows per episode: a global batch of 128 does not fit
+    msg = errors_of(load("online_dpo_tiny.yaml", data, "runtime.train_global_batch_size=128"))
+    assert ("runtime.sample_per_episode: 256 gives 64 trainer rows per episode (online_dpo), which is not a multiple "
+            "of runtime.train_global_batch_size=128") in msg
+    msg = errors_of(load("online_dpo_tiny.yaml", data, "policy.n=1", "runtime.sample_per_episode=32",
+                         "runtime.train_global_batch_size=32", "runtime.train_micro_batch_size=32"))
+    assert "models.policy.n: Online DPO pairs the best and worst of a prompt's n responses; set n >= 2" in msg
+    # n=3: 48 samples -> 16 prompts -> 32 rows, one global batch of 32 (which 48 samples would not be whole of)
+    check_config(load("online_dpo_tiny.yaml", data, "policy.n=3", "runtime.sample_per_episode=48",
+                      "runtime.train_global_batch_size=32", "runtime.train_micro_batch_size=32"),
+                 algorithms.load("online_dpo"))
 
 
 def test_dpo_data_must_be_preference_records(data):

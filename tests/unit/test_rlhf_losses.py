@@ -247,3 +247,12 @@ def test_dpo_loss_fn_pairs_rows_and_reads_pair_weights():
     loss.backward()
     assert logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()  # the tied pair adds nothing
 
+
+def test_best_worst_pairs_with_ties():
+    rewards = torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 1.0, 0.0, 1.0])
+    rows, weights = A.best_worst_pairs(rewards, 3)
+    # prompt 0: best 1, worst 0; prompt 1: all tie (row 3 twice, weight 0); prompt 2: first best 6, worst 7
+    assert rows.tolist() == [1, 0, 3, 3, 6, 7]
+    assert weights.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="group_size=1 >= 2"):
+        A.best_worst_pairs(rewards, 1)
