@@ -202,8 +202,10 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
     weights 1 for both rows of a pair, 0 when all of the prompt's responses got the same reward (no preference:
     the pair stays in the batch and adds nothing to the loss).
     """
-    if rewards.dim() != 1 or rewards.numel() % group_size or group_size < 2:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} >= 2 entries, "
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a pair needs at least 2 responses per prompt")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
                          f"got shape {tuple(rewards.shape)}")
     grouped = rewards.view(-1, group_size)
     base = torch.arange(grouped.shape[0]) * group_size

@@ -86,6 +86,10 @@ def test_dpo_data_must_be_preference_records(data):
     assert (f"runtime.data_path: {data}/train.jsonl:1: needs string fields 'chosen', 'rejected'; a DPO record is "
             '{"prompt": ..., "chosen": ..., "rejected": ...}') in msg
     assert "eval_data_path" not in msg  # the preference eval file is fine
+    msg = errors_of(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "reference.load=null"))
+    assert "runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load`" in msg
+    check_config(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "runtime.algorithm.tokenizer=somewhere"),
+                 algorithms.load("dpo"))
     assert "beta: must be > 0" in str(pytest.raises(ConfigError, load, "dpo_tiny.yaml", data,
                                                     "runtime.algorithm.beta=0").value)
 

@@ -254,5 +254,7 @@ def test_best_worst_pairs_with_ties():
     # prompt 0: best 1, worst 0; prompt 1: all tie (row 3 twice, weight 0); prompt 2: first best 6, worst 7
     assert rows.tolist() == [1, 0, 3, 3, 6, 7]
     assert weights.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
-    with pytest.raises(ValueError, match="group_size=1 >= 2"):
+    with pytest.raises(ValueError, match="group_size=1: a pair needs at least 2 responses"):
         A.best_worst_pairs(rewards, 1)
+    with pytest.raises(ValueError, match="multiple of group_size=2"):
+        A.best_worst_pairs(rewards, 2)

@@ -42,11 +42,9 @@ MODELS = {
 
 
 def pair_problems(cfg):
-    """For algorithms whose trainer rows come in (chosen, rejected) pairs: a micro-batch must hold whole pairs
-    (whole micro-batches then also make whole global batches and data-parallel shards)."""
-    entry = cfg.models.get("policy_trainer")
-    micro = (entry.config.micro_batch_size if entry is not None and entry.config is not None else None) \
-        or cfg.runtime.train_micro_batch_size
+    """For algorithms whose trainer rows come in (chosen, rejected) pairs: a micro-batch (the runtime's; a trainer
+    takes it) must hold whole pairs; whole micro-batches then also make whole global batches and DP shards."""
+    micro = cfg.runtime.train_micro_batch_size
     if micro % 2:
         yield (f"runtime.train_micro_batch_size: {micro} would split a (chosen, rejected) pair across micro-batches; "
                "make it even")
@@ -65,6 +63,11 @@ def check(cfg):
     from chatgen.jsonl import read_records
 
     yield from pair_problems(cfg)
+    trainer = cfg.models.get("policy_trainer")
+    if not cfg.runtime.algorithm.tokenizer and trainer is not None and trainer.config is not None \
+            and not trainer.config.load:
+        yield ("runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load` directory "
+               "to take it from; set tokenizer to a Hugging Face tokenizer directory")
     for key in ("data_path", "eval_data_path"):
         path = getattr(cfg.runtime, key)
         if path and Path(path).is_file():  # run.check_config reports a missing file
