@@ -111,12 +111,9 @@ class RuntimeConfig:
                 yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null to turn it off"
         gbs = self.train_global_batch_size or self.sample_per_episode
         if self.train_micro_batch_size >= 1 and gbs >= 1:
-            if gbs % self.train_micro_batch_size:
+            if gbs % self.train_micro_batch_size:  # (that an episode is whole global batches: run.check_config)
                 yield "train_global_batch_size", (f"{gbs} is not a multiple of train_micro_batch_size="
                                                   f"{self.train_micro_batch_size}; make it one")
-            if self.sample_per_episode % gbs:
-                yield "sample_per_episode", (f"{self.sample_per_episode} is not a multiple of the global batch "
-                                             f"size {gbs}; make it one so every episode is whole optimizer steps")
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -1,12 +1,13 @@
-"""RLHF algorithm math on plain tensors: advantages, KL estimators, policy/value losses, importance weights.
+"""RLHF algorithm math on plain tensors: advantages, KL estimators, policy/value/DPO losses, importance weights.
 
 Pure torch: no Ray, vLLM or Megatron import, so every formula here is unit-tested in milliseconds
-(`pytest tests/unit/test_rlhf_algorithms.py`) and reused unchanged by the GRPO and PPO engines.
+(`pytest tests/unit/test_rlhf_losses.py`) and reused unchanged by the algorithms (chatgen/rlhf/algorithms/).
 
 Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T) that is
 1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
 """
 import torch
+import torch.nn.functional as F
 
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
@@ -156,6 +157,63 @@ def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs
     return rewards + last.to(rewards.dtype) * scores.unsqueeze(1)
 
 
+def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float = 0.1,
+             weights: torch.Tensor = None):
+    """DPO loss (Rafailov et al. 2023; TRL's "sigmoid" loss) on P preference pairs.
+
+    chosen_logratios, rejected_logratios: (P,) log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected
+    response, summed over its response tokens (`pair_logratios`). The pair's loss is
+    -log sigmoid(beta * (chosen - rejected)); the loss is its mean over the P pairs, each times its weight
+    (weights: (P,), e.g. 0 for a pair that states no preference; None = all 1).
+    Returns (loss, stats): accuracy (share of pairs whose chosen log-ratio is the larger; a tie counts 0.5),
+    margin (beta * (chosen - rejected)), chosen_reward and rejected_reward (the implicit rewards
+    beta * log-ratio), each a mean over the pairs of nonzero weight.
+    """
+    margins = beta * (chosen_logratios - rejected_logratios)
+    weights = torch.ones_like(margins) if weights is None else weights.to(margins.dtype)
+    loss = (-F.logsigmoid(margins) * weights).mean()
+    with torch.no_grad():
+        counted = (weights > 0).to(margins.dtype)
+
+        def mean(x):
+            return (x * counted).sum() / counted.sum().clamp(min=1)
+
+        stats = {"accuracy": mean((margins > 0).to(margins.dtype) + 0.5 * (margins == 0).to(margins.dtype)),
+                 "margin": mean(margins), "chosen_reward": mean(beta * chosen_logratios.detach()),
+                 "rejected_reward": mean(beta * rejected_logratios.detach())}
+    return loss, stats
+
+
+def pair_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor):
+    """(chosen, rejected) sequence log-ratios, each (P,), of 2P rows holding P pairs: row 2k is pair k's chosen
+    response, row 2k + 1 its rejected one. logprobs, ref_logprobs, mask: (2P, T); a row's log-ratio is the sum
+    of logprobs - ref_logprobs over its masked (response) tokens."""
+    if logprobs.shape[0] % 2:
+        raise ValueError(f"{logprobs.shape[0]} rows do not make (chosen, rejected) pairs; pass an even number")
+    ratios = masked_sum(logprobs - ref_logprobs, mask, dim=1)
+    return ratios[0::2], ratios[1::2]
+
+
+def best_worst_pairs(rewards: torch.Tensor, group_size: int):
+    """Online DPO's pairs: the best and the worst of each prompt's `group_size` responses.
+
+    rewards: (P * group_size,) with each prompt's responses contiguous. Returns (rows, weights), both (2P,):
+    rows[2k], rows[2k + 1] = the indices of prompt k's highest and lowest reward (the first one on a tie), and
+    weights 1 for both rows of a pair, 0 when all of the prompt's responses got the same reward (no preference:
+    the pair stays in the batch and adds nothing to the loss).
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a pair needs at least 2 responses per prompt")
+    if rewards.dim() != 1 or rewards.numel() % group_size:
+        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+                         f"got shape {tuple(rewards.shape)}")
+    grouped = rewards.view(-1, group_size)
+    base = torch.arange(grouped.shape[0]) * group_size
+    rows = torch.stack([base + grouped.argmax(dim=1), base + grouped.argmin(dim=1)], dim=1).reshape(-1)
+    preferred = (grouped.max(dim=1).values > grouped.min(dim=1).values).float()
+    return rows, preferred.repeat_interleave(2)
+
+
 # ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
 # Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
 
@@ -176,3 +234,11 @@ def value_loss_fn(values, mb, clip_eps=0.2):
 def nll_loss_fn(logprobs, mb):
     """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b, T-1) is 1."""
     return -masked_mean(logprobs, mb["loss_mask"]), {}
+
+
+def dpo_loss_fn(logprobs, mb, beta=0.1):
+    """DPO on a micro-batch of (chosen, rejected) row pairs (rows 2k, 2k + 1) with loss_mask and ref_logprobs
+    (b, T-1), and optional pair_weights (b,) (both rows of a pair carry the pair's weight)."""
+    weights = mb.get("pair_weights")
+    chosen, rejected = pair_logratios(logprobs, mb["ref_logprobs"], mb["loss_mask"])
+    return dpo_loss(chosen, rejected, beta, None if weights is None else weights[0::2])

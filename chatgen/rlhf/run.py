@@ -57,6 +57,13 @@ def check_config(cfg, algorithm) -> None:
             errors.append(f"{where}: models.{model}.trainable: must be {str(role.trainable).lower()} ({what})")
     errors += [f"{where}: {problem}" for problem in getattr(algorithm, "check", lambda cfg: ())(cfg)]
     rt = cfg.runtime
+    rows = trainer_rows(cfg, algorithm)  # per episode
+    rows_are = f"runtime.sample_per_episode: {rows}" if rows == rt.sample_per_episode else \
+        f"runtime.sample_per_episode: {rt.sample_per_episode} gives {rows} trainer rows per episode ({name}), which"
+    gbs = rt.train_global_batch_size or rows
+    if rows % gbs:
+        errors.append(f"{where}: {rows_are} is not a multiple of runtime.train_global_batch_size={gbs}; make it one "
+                      "so every episode is whole optimizer steps")
     for model, entry in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
         if entry.backend != "megatron" or entry.config is None:
             continue
@@ -68,13 +75,12 @@ def check_config(cfg, algorithm) -> None:
         dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
         how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
                f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")
-        gbs = rt.train_global_batch_size or rt.sample_per_episode
         if entry.trainable and gbs % (micro * dp):
             errors.append(f"{where}: runtime.train_global_batch_size: {gbs} does not split into whole micro-batches "
                           f"on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
-        elif rt.sample_per_episode % (micro * dp):
-            errors.append(f"{where}: runtime.sample_per_episode: {rt.sample_per_episode} does not split into whole "
-                          f"micro-batches on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
+        elif rows % (micro * dp):
+            errors.append(f"{where}: {rows_are} does not split into whole micro-batches on every data-parallel rank "
+                          f"({how}); make it a multiple of {micro * dp}")
     if not rt.data_path:
         errors.append(f"{where}: runtime.data_path: required (a JSONL file of records, e.g. {{\"prompt\": ..., "
                       "\"answer\": ...}})")
@@ -87,6 +93,12 @@ def check_config(cfg, algorithm) -> None:
         errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
     if errors:
         raise ConfigError(errors)
+
+
+def trainer_rows(cfg, algorithm) -> int:
+    """Rows each trainer call of an episode gets: the algorithm's `trainer_rows(cfg)` where it defines one (e.g.
+    Online DPO trains on one pair per prompt), else sample_per_episode (one row per sample)."""
+    return algorithm.trainer_rows(cfg) if hasattr(algorithm, "trainer_rows") else cfg.runtime.sample_per_episode
 
 
 def policy_sampling_problems(cfg):

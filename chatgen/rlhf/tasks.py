@@ -1,6 +1,6 @@
 """Prompt datasets with rule-based rewards: the synthetic sort-digits task and a final-number (GSM8K-style) check.
 
-    python -m chatgen.rlhf.tasks --output outputs/sort_digits   # writes train.jsonl, eval.jsonl, sft.jsonl
+    python -m chatgen.rlhf.tasks --output outputs/sort_digits   # train, eval, sft, preference_{train,eval}.jsonl
 
 A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the model's
 response text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere:
@@ -14,6 +14,9 @@ sft.jsonl holds demonstrations for the supervised warm start, as mixed as real o
 most answers sorted the other way (descending; `--sft-descending-fraction`, default 0.7). The warm-started
 model can sort both ways and mostly picks descending; the rule reward asks for ascending, and RL has to
 find that out (the way RLHF turns a model that can do what users want into one that does it).
+
+preference_train.jsonl / preference_eval.jsonl hold the same train / held-out prompts as preference pairs for
+DPO: {"prompt", "chosen": the ascending answer, "rejected": sorted descending or a near miss}.
 """
 import argparse
 import json
@@ -55,6 +58,27 @@ def mixed_direction(records: list[dict], descending_fraction: float, seed: int) 
     rng = random.Random(seed)
     return [dict(r, answer=" " + " ".join(sorted(r["answer"].split(), reverse=True)))
             if rng.random() < descending_fraction else dict(r) for r in records]
+
+
+def sort_digits_preferences(records: list[dict], seed: int) -> list[dict]:
+    """Preference records {"prompt", "chosen", "rejected"} of sort-digits records, for DPO: chosen is the right
+    (ascending) answer; rejected is, at random, the answer sorted descending or a near miss (the right answer
+    with one neighbouring pair of different digits swapped). Records whose digits are all equal have no wrong
+    order and are left out."""
+    rng = random.Random(seed)
+    pairs = []
+    for r in records:
+        digits = r["answer"].split()
+        unequal = [i for i in range(len(digits) - 1) if digits[i] != digits[i + 1]]
+        if not unequal:
+            continue
+        if rng.random() < 0.5:
+            wrong = digits[::-1]
+        else:
+            i = rng.choice(unequal)
+            wrong = [*digits[:i], digits[i + 1], digits[i], *digits[i + 2:]]
+        pairs.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": " " + " ".join(wrong)})
+    return pairs
 
 
 def sort_digits_reward(response: str, answer: str) -> float:
@@ -107,7 +131,7 @@ def write_jsonl(path, records) -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="write the sort-digits train/eval JSONL files")
-    parser.add_argument("--output", required=True, help="directory for train.jsonl and eval.jsonl")
+    parser.add_argument("--output", required=True, help="directory for the JSONL files")
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-eval", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
@@ -121,7 +145,10 @@ def main(argv=None) -> int:
     write_jsonl(Path(args.output) / "train.jsonl", train)
     write_jsonl(Path(args.output) / "eval.jsonl", held_out)
     write_jsonl(Path(args.output) / "sft.jsonl", mixed_direction(train, args.sft_descending_fraction, args.seed))
-    print(f"wrote {len(train)} train (+ sft.jsonl) and {len(held_out)} eval sort-digits records to {args.output}")
+    write_jsonl(Path(args.output) / "preference_train.jsonl", sort_digits_preferences(train, args.seed))
+    write_jsonl(Path(args.output) / "preference_eval.jsonl", sort_digits_preferences(held_out, args.seed + 1))
+    print(f"wrote {len(train)} train (+ sft.jsonl, preference_train.jsonl) and {len(held_out)} eval (+ "
+          f"preference_eval.jsonl) sort-digits records to {args.output}")
     return 0
 
 

@@ -10,6 +10,7 @@ What is checked: parameters changed, vLLM's log-probs equal the trainer's after 
 metrics/TensorBoard/plot written, the resumed run continues the data position and optimizer state.
 """
 import json
+import math
 import os
 from pathlib import Path
 
@@ -217,3 +218,59 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     (part / "checkpoints" / "episode_000003" / "policy_trainer" / "optim_tp0_pp0.pt").unlink()
     with pytest.raises(CheckpointError, match="optim_tp0_pp0.pt is missing.*--resume-from episode_000002"):
         grpo.train(config(part, 4), resume=True, log=quiet)
+
+
+def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    from chatgen.cli import main
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "dpo"
+    args = [f"runtime.data_path={data_dir}/preference_train.jsonl",
+            f"runtime.eval_data_path={data_dir}/preference_eval.jsonl", f"runtime.output_dir={out}",
+            "runtime.num_episode=2", "runtime.sample_per_episode=16", "runtime.train_micro_batch_size=8",
+            "runtime.train_global_batch_size=8", "runtime.eval_episode_interval=1", "runtime.save_episode_interval=1",
+            f"policy_trainer.load={tiny_llama_dir}", f"reference.load={tiny_llama_dir}"]
+    assert main(["train", str(REPO / "configs/dpo_tiny.yaml"), *args]) == 0
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [0, 1, 2]
+    # Before training the policy is the reference: every log-ratio is 0, every pair a tie counted 0.5
+    assert metrics[0]["eval/preference_accuracy"] == 0.5 and metrics[0]["eval/reward_margin"] == 0.0
+    for episode in (1, 2):
+        m = metrics[episode]
+        assert m["policy/loss"] > 0 and m["policy/grad_norm"] > 0 and 0 <= m["policy/accuracy"] <= 1
+        assert 0 <= m["eval/preference_accuracy"] <= 1
+    assert metrics[2]["eval/reward_margin"] != 0.0  # the trained policy differs from the reference on held-out pairs
+    checkpoints = out / "checkpoints"
+    assert iteration(checkpoints / "episode_000002") == 4  # 8 pairs an episode, 4 per step
+    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    assert any(not torch.equal(before[k], after[k]) for k in before)  # parameters changed
+    assert not (checkpoints / "episode_000002" / "reference").exists()  # the frozen reference is not saved
+    assert (out / "metrics.png").exists()
+
+
+def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    from chatgen.config import load_config
+    from chatgen.rlhf.algorithms import online_dpo
+
+    monkeypatch.chdir(REPO)
+    out = tmp_path / "online_dpo"
+    # 32 samples = 8 prompts x n=4 -> 8 (best, worst) pairs = 16 trainer rows, one optimizer step
+    cfg = load_config(REPO / "configs/online_dpo_tiny.yaml",
+                      overrides(tiny_llama_dir, data_dir, out, **{"runtime.num_episode": 2,
+                                                                  "runtime.train_micro_batch_size": 8}))
+    last = online_dpo.train(cfg, log=lambda *_: None)
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [0, 1, 2]
+    for episode in (1, 2):
+        m = metrics[episode]
+        assert m["mismatch/logprob_max_abs"] < SYNC_TOL  # vLLM sampled with exactly the trainer's weights
+        assert 0 <= m["pairs/no_preference"] < 1 and m["policy/grad_norm"] > 0 and "eval/reward" in m
+    # the first step's pairs are scored by the policy = the reference: all log-ratios 0
+    assert metrics[1]["policy/margin"] == 0.0 and metrics[1]["policy/loss"] == pytest.approx(
+        math.log(2) * (1 - metrics[1]["pairs/no_preference"]), abs=1e-6)
+    assert metrics[2]["policy/margin"] != 0.0  # episode 2's samples came from the trained, synced policy
+    checkpoints = out / "checkpoints"
+    assert iteration(checkpoints / "episode_000002") == 2
+    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert last["reward/mean"] == metrics[2]["reward/mean"]

@@ -195,3 +195,66 @@ def test_kl_shaped_rewards_puts_score_on_last_token():
     # KL part: -coef * (logp - ref) on unmasked tokens only.
     r2 = A.kl_shaped_rewards(torch.zeros(2), logp + 1.0, ref, mask, kl_coef=0.1)
     assert torch.allclose(r2, -0.1 * mask)
+
+
+# ---- DPO
+
+def test_dpo_loss_hand_checked():
+    chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    loss, stats = A.dpo_loss(chosen, rejected, beta=0.5)  # margins 0.5 * (1 - 0), 0.5 * (0 - 2) = 0.5, -1.0
+    assert loss.item() == pytest.approx((math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 2)
+    assert stats["accuracy"].item() == 0.5 and stats["margin"].item() == pytest.approx(-0.25)
+    assert stats["chosen_reward"].item() == pytest.approx(0.25) and stats["rejected_reward"].item() == 0.5
+    # equal log-ratios (the policy is the reference): loss log 2, and the tie counts half
+    loss, stats = A.dpo_loss(torch.zeros(3), torch.zeros(3), beta=0.1)
+    assert loss.item() == pytest.approx(math.log(2)) and stats["accuracy"].item() == 0.5
+
+
+def test_dpo_loss_weights_drop_pairs_but_keep_the_mean_over_all():
+    chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
+    loss, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.tensor([1.0, 0.0]))
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.5)) / 2)  # mean over both pairs, one weighted 0
+    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(0.5)  # over the counted pair
+    _, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.zeros(2))
+    assert stats["accuracy"].item() == 0.0 and stats["margin"].item() == 0.0  # no counted pair: 0, not NaN
+
+
+def test_dpo_gradient_raises_chosen_and_lowers_rejected():
+    chosen, rejected = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    A.dpo_loss(chosen, rejected, beta=0.1)[0].backward()
+    # d/dc -log sigmoid(beta (c - r)) = -beta sigmoid(-beta (c - r)) = -0.1 * 0.5 at c = r
+    assert chosen.grad.item() == pytest.approx(-0.05) and rejected.grad.item() == pytest.approx(0.05)
+
+
+def test_pair_logratios_sum_response_tokens_of_row_pairs():
+    logprobs = torch.tensor([[-9.0, -1.0, -2.0], [-9.0, -3.0, 0.0], [-9.0, -0.5, -0.5], [-9.0, -4.0, -9.0]])
+    ref = torch.full((4, 3), -1.0)
+    mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
+    chosen, rejected = A.pair_logratios(logprobs, ref, mask)
+    assert chosen.tolist() == [-1.0, 1.0] and rejected.tolist() == [-2.0, -3.0]  # rows 0, 2 and rows 1, 3
+    with pytest.raises(ValueError, match="3 rows do not make"):
+        A.pair_logratios(logprobs[:3], ref[:3], mask[:3])
+
+
+def test_dpo_loss_fn_pairs_rows_and_reads_pair_weights():
+    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]], requires_grad=True)
+    mb = {"ref_logprobs": torch.full((4, 2), -1.5), "loss_mask": torch.ones(4, 2),
+          "pair_weights": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    loss, stats = A.dpo_loss_fn(logprobs, mb, beta=1.0)
+    # pair 0: chosen ratio -3 + 3 = 0, rejected -4 + 3 = -1: margin 1; pair 1 weighted 0
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-1.0)) / 2)
+    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(1.0)
+    loss.backward()
+    assert logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()  # the tied pair adds nothing
+
+
+def test_best_worst_pairs_with_ties():
+    rewards = torch.tensor([0.2, 0.9, 0.5, 0.3, 0.3, 0.3, 1.0, 0.0, 1.0])
+    rows, weights = A.best_worst_pairs(rewards, 3)
+    # prompt 0: best 1, worst 0; prompt 1: all tie (row 3 twice, weight 0); prompt 2: first best 6, worst 7
+    assert rows.tolist() == [1, 0, 3, 3, 6, 7]
+    assert weights.tolist() == [1.0, 1.0, 0.0, 0.0, 1.0, 1.0]
+    with pytest.raises(ValueError, match="group_size=1: a pair needs at least 2 responses"):
+        A.best_worst_pairs(rewards, 1)
+    with pytest.raises(ValueError, match="multiple of group_size=2"):
+        A.best_worst_pairs(rewards, 2)

@@ -222,3 +222,10 @@ def test_batch_sizes_must_split_over_data_parallel_ranks(data):
     msg = errors_of(load("ppo_tiny.yaml", *dp2, "runtime.train_micro_batch_size=64", "reference.micro_batch_size=48"))
     assert "runtime.sample_per_episode: 256 does not split into whole micro-batches" in msg
     assert "models.reference has DP = 2" in msg and "make it a multiple of 96" in msg
+
+
+def test_an_episode_is_whole_optimizer_steps(data):
+    msg = errors_of(load("grpo_tiny.yaml", *data, "runtime.train_micro_batch_size=32",
+                         "runtime.train_global_batch_size=96"))
+    assert ("runtime.sample_per_episode: 256 is not a multiple of runtime.train_global_batch_size=96; make it one so "
+            "every episode is whole optimizer steps") in msg

@@ -10,6 +10,8 @@ itself; nothing else in chatgen lists algorithms:
     MODELS      {model name: chatgen.config.Role(backend, trainable=..., optional=..., syncs_to=...)}: the models
                 it needs; the config is checked against it before anything starts
     check(cfg)  optional: yields "key: problem; fix" strings for rules across models and sections
+    trainer_rows(cfg) -> int   optional: rows each trainer call of an episode gets, when not sample_per_episode
+                (Online DPO: one pair per prompt); the batch-size checks count these
     train(cfg, resume=False, log=print) -> dict   the episode loop, top to bottom (chatgen.rlhf.run.Run
                 gives it data, generation, scoring, trainer calls, sync, checkpoints, eval and logging)
 
