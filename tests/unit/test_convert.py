@@ -93,6 +93,14 @@ def test_qwen2_maps_qkv_bias_and_llama_does_not():
     assert not any(m.megatron.endswith("bias") for m in llama.param_mappings(make_spec("llama"))[1])
 
 
+def test_qwen2_head_dim_vllm_would_ignore_is_refused():
+    cfg = dict(model_type="qwen2", num_hidden_layers=1, hidden_size=128, intermediate_size=8, num_attention_heads=4,
+               vocab_size=8)
+    assert models.spec_from_hf_config(dict(cfg, head_dim=32)).head_dim == 32  # = hidden_size / heads: fine
+    with pytest.raises(ValueError, match="head_dim=64 is not supported: vLLM's Qwen2 ignores head_dim"):
+        models.spec_from_hf_config(dict(cfg, head_dim=64))
+
+
 def test_layout_that_does_not_fit_names_every_problem():
     spec = make_spec(heads=6, groups=3, head_dim=8, layers=3)
     with pytest.raises(ValueError) as err:
