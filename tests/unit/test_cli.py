@@ -48,11 +48,11 @@ def test_make_tiny_model_family_flag_sets_the_family_over_config(tmp_path):
     import json
     from pathlib import Path
 
+    config = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_llama.yaml"
     from chatgen.cli import main
 
-    config = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_llama.yaml"
-    assert main(["make-tiny-model", "--config", str(config), "--family", "qwen2", "--output", str(tmp_path / "m"),
+    assert main(["make-tiny-model", "--config", str(config), "--family", "qwen3", "--output", str(tmp_path / "m"),
                  "num_hidden_layers=1"]) == 0
     hf = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == ("qwen2", ["Qwen2ForCausalLM"], 1)
-    assert hf["tie_word_embeddings"] is False  # the rest from --config
+    assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == ("qwen3", ["Qwen3ForCausalLM"], 1)
+    assert hf["head_dim"] == 32 and hf["tie_word_embeddings"] is False  # the rest from --config
