@@ -16,7 +16,7 @@ COMMANDS = {
     "generate": ("chatgen.generation.cli", "generate from a JSONL of prompts with the step-driven VLLMModule"),
     "convert": ("chatgen.training.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
     "check-sync": ("chatgen.param_sync.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
-    "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2 HF checkpoint + sentencepiece tokenizer"),
+    "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
     "train": ("chatgen.rlhf.train", "run an RLHF job (GRPO or PPO) from a main YAML; --resume continues it"),
 }
 

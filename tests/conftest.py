@@ -1,7 +1,8 @@
 """Shared fixtures: tiny HF-format models built once per machine and cached.
 
 `make_tiny(config_name, **overrides)` returns the directory of a tiny model built from
-`configs/models/<config_name>.yaml` with overrides; `tiny_llama_dir` / `tiny_qwen2_dir` are the defaults.
+`configs/models/<config_name>.yaml` with overrides; `tiny_llama_dir` / `tiny_qwen2_dir` / `tiny_qwen3_dir` are
+the defaults.
 The cache (CHATGEN_TEST_CACHE, default ~/.cache/chatgen/test-models) is keyed by the maker's source, the
 corpus and the spec, so a change to any of them builds a fresh model.
 """
@@ -46,6 +47,11 @@ def tiny_llama_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir() -> Path:
     return build_tiny_model("tiny_qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir() -> Path:
+    return build_tiny_model("tiny_qwen3")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,7 +1,8 @@
-"""`chatgen make-tiny-model`: build a tiny Llama- or Qwen2-architecture model as a Hugging Face directory.
+"""`chatgen make-tiny-model`: build a tiny model of a chatgen family (llama, qwen2, qwen3) as a Hugging Face directory.
 
     chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output outputs/tiny-llama
     chatgen make-tiny-model --config configs/models/tiny_qwen2.yaml --output outputs/tiny-qwen2 num_key_value_heads=1
+    chatgen make-tiny-model --family qwen3 --output outputs/tiny-qwen3     # the built-in defaults, as a Qwen3
 
 The directory holds `config.json`, `model.safetensors` (fp32), `generation_config.json` and a sentencepiece
 tokenizer (`tokenizer.model`, plus the `tokenizer.json` transformers converts it to) trained on the corpus
@@ -9,8 +10,14 @@ shipped in `chatgen/data/tiny_corpus.txt`. Nothing is downloaded. The result loa
 `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and with `vllm.LLM(DIR)`, the same loading code
 as a real checkpoint.
 
-Norm weights and (Qwen2) QKV biases are randomised rather than left at ones/zeros, so that a layout bug
-in a conversion or a weight sync changes the logits instead of hiding behind a constant.
+`--family NAME` sets the spec's `family` (the HF model_type; any of `chatgen.models.supported()`), over
+`--config` and under `key=value` overrides. The HF config is transformers' own class for that model_type
+(`AutoConfig.for_model`), so the maker holds no per-family code; the family module then checks the result
+(`spec_from_hf`), so a spec the family refuses fails here, before anything is built.
+
+Norm weights (including Qwen3's q_norm / k_norm) and QKV biases (Qwen2) are randomised rather than left at
+ones/zeros, so that a layout bug in a conversion or a weight sync changes the logits instead of hiding
+behind a constant.
 """
 import dataclasses
 import json
@@ -23,20 +30,20 @@ from chatgen.checkpoint_io import atomic_directory
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = {"unk": ("<unk>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "pad": ("<pad>", 3)}
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 @dataclasses.dataclass
 class TinyModelSpec:
-    """The few dials of a tiny model; everything else is derived (head_dim = hidden_size / heads)."""
+    """The few dials of a tiny model; everything else is derived."""
 
-    architecture: str = "llama"  # llama | qwen2 (qwen2 = QKV bias)
+    family: str = "llama"  # HF model_type: llama | qwen2 (QKV bias) | qwen3 (QK-norm)
     vocab_size: int = 512  # tokenizer vocabulary; the model's embedding has exactly this many rows
     hidden_size: int = 128
     intermediate_size: int = 352
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: int | None = None  # per attention head; None: hidden_size / num_attention_heads (filled in)
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -44,9 +51,9 @@ class TinyModelSpec:
     init_std: float = 0.02
     seed: int = 0
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+    def __post_init__(self):
+        if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
 
 # vLLM's CPU attention kernels accept only these head sizes.
@@ -54,25 +61,33 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
+    """Every problem of the spec in one ValueError naming the keys, then the family's own check of the HF config."""
+    from chatgen import models
+
     errors = []
-    if spec.architecture not in ARCHITECTURES:
-        errors.append(f"architecture: {spec.architecture!r} is not supported; use one of {sorted(ARCHITECTURES)}")
+    if spec.family not in models.supported():
+        errors.append(f"family: {spec.family!r} is not supported; use one of {models.supported()}")
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
              "num_key_value_heads", "max_position_embeddings")
     errors += [f"{key}: must be a positive integer, got {getattr(spec, key)}" for key in sizes if getattr(spec, key) < 1]
     if errors:
         raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
-    if spec.hidden_size % spec.num_attention_heads:
-        errors.append("hidden_size: must be divisible by num_attention_heads")
+    if spec.head_dim is None:
+        errors.append("hidden_size: must be divisible by num_attention_heads (or set head_dim)")
     elif spec.head_dim not in VLLM_CPU_HEAD_SIZES:
         errors.append(
-            f"hidden_size/num_attention_heads: head size {spec.head_dim} is not supported by vLLM's CPU "
-            f"attention; pick sizes giving one of {VLLM_CPU_HEAD_SIZES}"
+            f"head_dim: head size {spec.head_dim} is not supported by vLLM's CPU attention (head_dim, or "
+            f"hidden_size/num_attention_heads when unset); pick sizes giving one of {VLLM_CPU_HEAD_SIZES}"
         )
     if spec.num_attention_heads % spec.num_key_value_heads:
         errors.append("num_key_value_heads: must divide num_attention_heads")
     if spec.vocab_size < 260:
         errors.append("vocab_size: must be >= 260 (256 byte-fallback pieces + 4 special tokens)")
+    if not errors:
+        try:
+            models.spec_from_hf_config(hf_config(spec).to_dict())
+        except ValueError as e:
+            errors.append(f"family {spec.family}: {e}")
     if errors:
         raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
 
@@ -123,16 +138,18 @@ def train_tokenizer(out_dir: Path, vocab_size: int, corpus: Path = CORPUS) -> No
 
 
 def hf_config(spec: TinyModelSpec):
-    """The transformers config object for a spec."""
-    from transformers import LlamaConfig, Qwen2Config
+    """The transformers config object for a spec: transformers' own config class for `spec.family`."""
+    from transformers import AutoConfig
 
-    common = dict(
+    return AutoConfig.for_model(
+        spec.family,
         vocab_size=spec.vocab_size,
         hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_hidden_layers=spec.num_hidden_layers,
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
         max_position_embeddings=spec.max_position_embeddings,
         rope_theta=spec.rope_theta,
         rms_norm_eps=spec.rms_norm_eps,
@@ -143,9 +160,6 @@ def hf_config(spec: TinyModelSpec):
         pad_token_id=SPECIAL_TOKENS["pad"][1],
         dtype="float32",
     )
-    if spec.architecture == "llama":
-        return LlamaConfig(attention_bias=False, mlp_bias=False, head_dim=spec.head_dim, **common)
-    return Qwen2Config(use_sliding_window=False, **common)
 
 
 def build_model(spec: TinyModelSpec):
@@ -179,13 +193,15 @@ def make_tiny_model(spec: TinyModelSpec, output: str | os.PathLike, corpus: Path
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", help="spec YAML (keys of TinyModelSpec); default: built-in tiny Llama")
+    parser.add_argument("--family", help="model family (HF model_type: llama, qwen2, qwen3); sets the spec's "
+                        "`family` over --config")
     parser.add_argument("--output", required=True, help="directory to create (must not exist)")
     parser.add_argument("--corpus", default=str(CORPUS), help="text file to train the tokenizer on")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="spec overrides, e.g. num_hidden_layers=4")
 
 
 def run(args) -> int:
-    spec = load_spec(args.config, args.overrides)
+    spec = load_spec(args.config, ([f"family={args.family}"] if args.family else []) + args.overrides)
     out = make_tiny_model(spec, args.output, Path(args.corpus))
-    print(f"wrote {spec.architecture} tiny model to {out} ({json.dumps(dataclasses.asdict(spec))})")
+    print(f"wrote {spec.family} tiny model to {out} ({json.dumps(dataclasses.asdict(spec))})")
     return 0

@@ -502,12 +502,18 @@ class MegatronModule(Module):
 
     @torch.no_grad()
     def _finalize_grads(self) -> float:
-        """Average grads over DP, sum the tied embedding's grads across first/last stage; return the global
-        grad norm (counting TP-replicated params once)."""
+        """Sum QK-norm grads over TP, average grads over DP, sum the tied embedding's grads across first/last
+        stage; return the global grad norm (counting TP-replicated params once)."""
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.tp > 1 and self.spec.qk_norm:
+            # q/k_layernorm weights are replicated but each TP rank normalises only its own heads, so each holds
+            # part of the gradient (megatron-core's finalize_model_grads sums them over TP the same way)
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         if self.dp > 1:
             for p in params:
                 dist.all_reduce(p.grad, group=ps.get_data_parallel_group())

@@ -47,12 +47,13 @@ def models(make_tiny):
     return {
         "llama": make_tiny("tiny_llama"),
         "qwen2": make_tiny("tiny_qwen2"),
+        "qwen3": make_tiny("tiny_qwen3"),  # QK-norm, head_dim 64 != hidden_size / heads
         "llama_1kv": make_tiny("tiny_llama", num_key_value_heads=1),  # num_query_groups < TP=2
         "qwen2_v500": make_tiny("tiny_qwen2", vocab_size=500),  # padded vocab (500 -> 512 at TP=2)
     }
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3"])
 def test_tp1_logprobs_match_hf_transformers(models, name):
     ids = batch()
     trainer = build(models[name])
@@ -202,24 +203,28 @@ def _parallel_layouts(models, cases, refs):
         result = {"logprob_diff": float((trainer.forward_tokens({"input_ids": ids}) - ref).abs().max())}
         if train_ref is not None:
             metrics = trainer.train_step({"input_ids": ids}, nll_loss)
+            ref_logprobs, ref_weights = train_ref
+            weights = trainer.hf_state_dict()
             result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                          after_diff=float((trainer.forward_tokens({"input_ids": ids}) - train_ref).abs().max()))
+                          after_diff=float((trainer.forward_tokens({"input_ids": ids}) - ref_logprobs).abs().max()),
+                          weight_diff=max(float((weights[k] - w).abs().max()) for k, w in ref_weights.items()))
         out.append(result)
     return out
 
 
 def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
-    """One 2-process job: TP=2, TP=2 with 1 KV head, PP=2, DP=2, padded vocab, Qwen2 tied across stages."""
+    """One 2-process job: TP=2, TP=2 with 1 KV head, PP=2, DP=2, padded vocab, Qwen2 tied across stages, Qwen3
+    (QK-norm: its replicated weights get grads summed over TP) at TP=2 and PP=2."""
     from chatgen.training.launcher import run_distributed
 
     cases = [("llama", 2, 1), ("llama_1kv", 2, 1), ("llama", 1, 2), ("llama", 1, 1), ("qwen2_v500", 2, 1),
-             ("qwen2", 1, 2)]
+             ("qwen2", 1, 2), ("qwen3", 2, 1), ("qwen3", 1, 2)]
     ids = batch()
     train_refs = {}
-    for name in ("llama", "qwen2"):  # TP=1 references for one training step
+    for name in ("llama", "qwen2", "qwen3"):  # TP=1 references for one training step
         trainer = build(models[name], lr=1e-4)
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
-        train_refs[name] = (metrics, trainer.forward_tokens({"input_ids": ids}))
+        train_refs[name] = (metrics, (trainer.forward_tokens({"input_ids": ids}), trainer.hf_state_dict()))
     refs = [(ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
             for name, _, _ in cases]
     results = run_distributed(_parallel_layouts, 2, args=(models, cases, refs))
@@ -231,6 +236,9 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
                 assert res["loss"] == pytest.approx(metrics["loss"], rel=1e-5), (name, tp, pp)
                 assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (name, tp, pp)
                 assert res["after_diff"] < TOL, (name, tp, pp, res)
+                # the same update as TP=1: AdamW's first step moves a weight by about +-lr = 1e-4, so a partial
+                # grad (QK-norm weights not summed over TP) flips some by 2e-4; TP float noise stays ~2e-6
+                assert res["weight_diff"] < 2e-5, (name, tp, pp, res)
 
 
 def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):

@@ -72,7 +72,7 @@ def trainer(model_dir, **kw):
 
 @pytest.fixture(scope="module")
 def models(make_tiny):
-    return {"llama": make_tiny("tiny_llama"), "qwen2": make_tiny("tiny_qwen2"),
+    return {"llama": make_tiny("tiny_llama"), "qwen2": make_tiny("tiny_qwen2"), "qwen3": make_tiny("tiny_qwen3"),
             "llama_1kv": make_tiny("tiny_llama", num_key_value_heads=1),
             "llama_ffn256": make_tiny("tiny_llama", intermediate_size=256)}
 
@@ -81,18 +81,19 @@ def models(make_tiny):
 def engines(models):
     from chatgen.generation import vllm_adapter
 
-    llms = {name: engine(models[name]) for name in ("llama", "qwen2")}
+    llms = {name: engine(models[name]) for name in ("llama", "qwen2", "qwen3")}
     yield llms
     for llm in llms.values():
         vllm_adapter.shutdown(llm)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2"])  # qwen2: QKV bias + tied embeddings
-def test_colocated_tp1_sync_matches_trainer(models, engines, name):
+# qwen2: QKV bias + tied embeddings; qwen3: QK-norm, head_dim 64 != hidden_size / heads, tied embeddings
+@pytest.mark.parametrize("name, tensors", [("llama", 21), ("qwen2", 21 + 6 - 1), ("qwen3", 21 + 4 - 1)])
+def test_colocated_tp1_sync_matches_trainer(models, engines, name, tensors):
     llm, tr = engines[name], trainer(models[name], lr=1e-2)
     assert max_diff_vs_trainer(tr, generate(llm)) > 1e-2  # random engine weights: far off
     report = sync_weights(tr, llm, validate=True)
-    assert report.validated and report.tensors == 21 + 5 * (name == "qwen2") and report.bytes > 1e6
+    assert report.validated and report.tensors == tensors and report.bytes > 1e6
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
     # after a training step the engine must follow the trainer's new weights, not the checkpoint's
     def loss_fn(lp, mb):
@@ -168,14 +169,15 @@ def _cross_process_trainer(model_dir, layouts, port):
         sync_weights(module, tx, validate=True, bucket_bytes=300_000)
 
 
-def test_cross_process_tp2_and_pp2_to_tp1_engine(models):
-    """TP 2 -> 1 with num_query_groups=1 < TP, then PP 2 -> 1, over a private gloo group."""
+@pytest.mark.parametrize("name", ["llama_1kv", "qwen3"])
+def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
+    """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, over a private gloo group."""
     from chatgen.generation import vllm_adapter
     from chatgen.param_sync import SyncReceiver
     from chatgen.param_sync.sync import engine_manifest
     from chatgen.training.launcher import DistributedJob
 
-    model_dir = models["llama_1kv"]
+    model_dir = models[name]
     llm = engine(model_dir)
     rx = SyncReceiver()
     layouts = [(2, 1), (1, 2)]

@@ -42,3 +42,17 @@ def test_debug_env_shows_the_traceback(tmp_path):
     proc = chatgen("make-tiny-model", "--output", str(tmp_path / "m"), "num_key_value_heads=0",
                    env={"CHATGEN_DEBUG": "1"})
     assert proc.returncode != 0 and "Traceback" in proc.stderr
+
+
+def test_make_tiny_model_family_flag_sets_the_family_over_config(tmp_path):
+    import json
+    from pathlib import Path
+
+    config = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_llama.yaml"
+    from chatgen.cli import main
+
+    assert main(["make-tiny-model", "--config", str(config), "--family", "qwen3", "--output", str(tmp_path / "m"),
+                 "num_hidden_layers=1"]) == 0
+    hf = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == ("qwen3", ["Qwen3ForCausalLM"], 1)
+    assert hf["head_dim"] == 32 and hf["tie_word_embeddings"] is False  # the rest from --config

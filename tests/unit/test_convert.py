@@ -1,17 +1,17 @@
-"""HF <-> Megatron conversion (chatgen/models/layout.py, chatgen/models/llama.py, qwen2.py): pure tensors.
+"""HF <-> Megatron conversion (chatgen/models/layout.py, chatgen/models/llama.py, qwen2.py, qwen3.py): pure tensors.
 
     python -m pytest tests/unit/test_convert.py
 """
 import pytest
 import torch
 
-from chatgen.models import llama, qwen2
+from chatgen.models import llama, qwen2, qwen3
 from chatgen import models
 from chatgen.models import layout
 
 
-def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8):
-    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=heads * head_dim, intermediate_size=48,
+def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):
+    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=hidden or heads * head_dim, intermediate_size=48,
                num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
                rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied)
     return models.spec_from_hf_config(cfg)
@@ -32,12 +32,16 @@ LAYOUTS = [  # (family, heads, groups, tied, tp, pp)
     ("llama", 4, 4, True, 4, 4),   # tied embeddings across 4 stages
     ("qwen2", 4, 2, True, 2, 2),   # QKV bias + tied + PP
     ("qwen2", 4, 1, False, 4, 1),  # QKV bias with num_query_groups < TP
+    ("qwen3", 4, 2, False, 1, 1),  # QK-norm, head_dim * heads != hidden_size
+    ("qwen3", 4, 2, False, 2, 1),
+    ("qwen3", 4, 2, True, 2, 2),   # QK-norm + tied + PP
+    ("qwen3", 4, 1, True, 2, 2),   # QK-norm with num_query_groups < TP
 ]
 
 
 @pytest.mark.parametrize("family,heads,groups,tied,tp,pp", LAYOUTS)
 def test_round_trip_is_bit_exact(family, heads, groups, tied, tp, pp):
-    spec = make_spec(family, heads, groups, tied=tied)
+    spec = make_spec(family, heads, groups, tied=tied, hidden=24 if family == "qwen3" else None)
     hf = random_hf_state(spec)
     padded = spec.padded_vocab_size(tp, divisible_by=16)
     shards = layout.hf_to_megatron(hf, spec, tp, pp, padded)
@@ -91,6 +95,56 @@ def test_stage_params_offsets_layers_and_tied_copy():
 def test_qwen2_maps_qkv_bias_and_llama_does_not():
     assert any(m.megatron.endswith("linear_qkv.bias") for m in qwen2.param_mappings(make_spec("qwen2"))[1])
     assert not any(m.megatron.endswith("bias") for m in llama.param_mappings(make_spec("llama"))[1])
+
+
+def test_qwen2_head_dim_vllm_would_ignore_is_refused():
+    cfg = dict(model_type="qwen2", num_hidden_layers=1, hidden_size=128, intermediate_size=8, num_attention_heads=4,
+               vocab_size=8)
+    assert models.spec_from_hf_config(dict(cfg, head_dim=32)).head_dim == 32  # = hidden_size / heads: fine
+    with pytest.raises(ValueError, match="head_dim=64 is not supported: vLLM's Qwen2 ignores head_dim"):
+        models.spec_from_hf_config(dict(cfg, head_dim=64))
+
+
+def test_qwen3_maps_qk_norm_replicated_per_head_and_megatron_gets_qk_layernorm():
+    spec = make_spec("qwen3", heads=4, groups=2, head_dim=8, hidden=24)
+    assert spec.qk_norm and not spec.qkv_bias and spec.head_dim == 8 and spec.hidden_size == 24
+    layer = {m.megatron: m for m in qwen3.param_mappings(spec)[1]}
+    for side in ("q", "k"):
+        m = layer[f"decoder.layers.{{i}}.self_attention.{side}_layernorm.weight"]
+        assert m.hf == {f"model.layers.{{i}}.self_attn.{side}_norm.weight": (8,)} and m.kind == "replicated"
+    assert layer["decoder.layers.{i}.self_attention.linear_qkv.weight"].hf[
+        "model.layers.{i}.self_attn.q_proj.weight"] == (32, 24)
+    kwargs = qwen3.transformer_config_kwargs(spec)
+    assert kwargs["qk_layernorm"] is True and kwargs["kv_channels"] == 8 and not kwargs["add_qkv_bias"]
+    assert not any("layernorm" in m.megatron and "self_attention" in m.megatron
+                   for m in llama.param_mappings(make_spec("llama"))[1])
+    # TP 2: both ranks hold the whole (replicated) norm weight
+    hf = random_hf_state(spec)
+    shards = layout.hf_to_megatron(hf, spec, tp=2, pp=1, padded_vocab=256)
+    for t in range(2):
+        assert torch.equal(shards[(0, t)]["decoder.layers.0.self_attention.k_layernorm.weight"],
+                           hf["model.layers.0.self_attn.k_norm.weight"])
+
+
+def test_qwen3_head_dim_defaults_like_transformers():
+    # transformers' Qwen3Config.head_dim is 128 when config.json leaves it out (not hidden_size / heads)
+    cfg = dict(model_type="qwen3", num_hidden_layers=1, hidden_size=256, intermediate_size=8, num_attention_heads=4,
+               vocab_size=8)
+    assert models.spec_from_hf_config(cfg).head_dim == 128
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("attention_bias", True, "attention_bias=true"),
+    ("use_sliding_window", True, "use_sliding_window=true"),
+    ("layer_types", ["full_attention", "sliding_attention"], "layer_types ['sliding_attention']"),
+    ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6}, "rope_parameters.rope_type='yarn'"),
+])
+def test_qwen3_features_megatron_cannot_express_are_refused(key, value, needle):
+    cfg = dict(model_type="qwen3", num_hidden_layers=2, hidden_size=32, intermediate_size=8, num_attention_heads=4,
+               head_dim=8, vocab_size=8, **{key: value})
+    with pytest.raises(ValueError, match="qwen3 config: unsupported feature") as err:
+        models.spec_from_hf_config(cfg)
+    assert needle in str(err.value)
 
 
 def test_layout_that_does_not_fit_names_every_problem():

@@ -55,3 +55,19 @@ def test_convert_refuses_existing_output_and_bad_layout(hf_dir, tmp_path, capsys
     assert "TP=3" in capsys.readouterr().err and not (tmp_path / "x").exists()
     assert main(["convert", "--to", "hf", "--input", str(hf_dir), "--output", str(tmp_path / "y")]) == 1
     assert "not a chatgen Megatron checkpoint" in capsys.readouterr().err and not (tmp_path / "y").exists()
+
+
+def test_convert_tiny_qwen3_both_ways(tiny_qwen3_dir, tmp_path):
+    """A transformers-written Qwen3 (QK-norm, head_dim != hidden / heads, tied) through TP 2 x PP 2 and back."""
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    assert main(["convert", "--to", "megatron", "--input", str(tiny_qwen3_dir), "--output", str(meg), "--tp", "2",
+                 "--pp", "2"]) == 0
+    last = load_file(str(meg / "model_tp1_pp1.safetensors"))  # layer 1 as local layer 0, tied output copy
+    original = load_file(str(tiny_qwen3_dir / "model.safetensors"))
+    assert torch.equal(last["decoder.layers.0.self_attention.q_layernorm.weight"],
+                       original["model.layers.1.self_attn.q_norm.weight"])
+    assert "output_layer.weight" in last and "lm_head.weight" not in original
+    assert main(["convert", "--to", "hf", "--input", str(meg), "--output", str(back)]) == 0
+    restored = load_file(str(back / "model.safetensors"))
+    assert sorted(original) == sorted(restored)
+    assert all(torch.equal(original[k], restored[k]) for k in original)

@@ -45,7 +45,7 @@ def test_tokenizer_splits_digits_and_roundtrips(tiny_llama_dir):
     assert len(tok) == tiny.TinyModelSpec().vocab_size
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
 def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
     from transformers import AutoModelForCausalLM
 
@@ -53,15 +53,32 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
     spec = tiny.load_spec(path / "chatgen_tiny_model.yaml")
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     cfg = json.loads((path / "config.json").read_text())
-    assert cfg["architectures"] == [tiny.ARCHITECTURES[spec.architecture]]
+    assert cfg["model_type"] == spec.family and cfg["architectures"] == [type(model).__name__]
     state = model.state_dict()
     assert state["model.embed_tokens.weight"].shape == (spec.vocab_size, spec.hidden_size)
     kv_out = spec.num_key_value_heads * spec.head_dim
     assert state["model.layers.0.self_attn.k_proj.weight"].shape == (kv_out, spec.hidden_size)
     # Norms and biases are randomised so layout bugs cannot hide behind constants.
     assert not torch.allclose(state["model.norm.weight"], torch.ones(spec.hidden_size))
-    if spec.architecture == "qwen2":
+    if spec.family == "qwen2":
         assert state["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
+    if spec.family == "qwen3":  # head_dim is its own dial here: q_proj is wider than the hidden size
+        assert spec.head_dim * spec.num_attention_heads != spec.hidden_size
+        assert state["model.layers.0.self_attn.q_proj.weight"].shape == (spec.num_attention_heads * spec.head_dim,
+                                                                         spec.hidden_size)
+        for norm in ("q_norm", "k_norm"):
+            weight = state[f"model.layers.0.self_attn.{norm}.weight"]
+            assert weight.shape == (spec.head_dim,) and not torch.allclose(weight, torch.ones(spec.head_dim))
+    if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     logits = model(torch.tensor([[1, 5, 9, 20]])).logits
     assert logits.shape == (1, 4, spec.vocab_size) and torch.isfinite(logits).all()
+
+
+def test_spec_the_family_refuses_fails_before_building():
+    with pytest.raises(ValueError, match=r"family: 'gpt2' is not supported; use one of \[.*'qwen3'\]"):
+        tiny.load_spec(None, ["family=gpt2"])
+    # vLLM's Qwen2 ignores head_dim: the qwen2 family refuses one that differs from hidden_size / heads
+    with pytest.raises(ValueError, match=r"family qwen2: qwen2 config: head_dim=64 is not supported"):
+        tiny.load_spec(None, ["family=qwen2", "head_dim=64"])
+    assert tiny.load_spec(None, ["family=qwen3", "head_dim=64"]).head_dim == 64
