@@ -257,7 +257,8 @@ def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path
     # 32 samples = 8 prompts x n=4 -> 8 (best, worst) pairs = 16 trainer rows, one optimizer step
     cfg = load_config(REPO / "configs/online_dpo_tiny.yaml",
                       overrides(tiny_llama_dir, data_dir, out, **{"runtime.num_episode": 2,
-                                                                  "runtime.train_micro_batch_size": 8}))
+                                                                  "runtime.train_micro_batch_size": 8,
+                                                                  "reference.load": tiny_llama_dir}))
     last = online_dpo.train(cfg, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
