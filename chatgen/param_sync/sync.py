@@ -207,7 +207,7 @@ def _load(target, buckets) -> int:
     from chatgen.generation import vllm_adapter
 
     llm = _engine(target)
-    write = target.load_weights if target is not llm else (lambda pairs: vllm_adapter.load_weights(llm, pairs))
+    write = target.update_weights if target is not llm else (lambda pairs: vllm_adapter.load_weights(llm, pairs))
     written = [0]
 
     def stream(bucket_iter):
