@@ -51,6 +51,7 @@ class EngineLoop:
     def __init__(self, llm, threaded: bool = True):
         self.llm = llm
         self.weight_version = 0
+        self.steps_run = 0  # engine steps since the loop started
         self.broken = None  # why generation is refused (a weight write failed midway), until a full update
         self._inbox = queue.SimpleQueue()
         self._calls = {}  # request id -> _Call, for unfinished requests
@@ -254,6 +255,7 @@ class EngineLoop:
         except BaseException as e:  # a hook or the engine failed: every running call gets the error
             self._fail_all(e)
             return
+        self.steps_run += 1
         for call in self._active:
             call.steps += 1
             call.kv_peak = max(call.kv_peak, usage)
@@ -318,7 +320,7 @@ class EngineLoop:
                 call.notify(output)
                 if not call.unfinished:
                     self._finish(call)
-        self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
+            self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
         counts = adapter.output_token_counts(self.llm)
         written = [0]
 

@@ -15,6 +15,7 @@ The vLLM engine stays in this process (no engine subprocess), so a trainer in th
 weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
+import contextlib
 import logging
 import os
 import time
@@ -262,12 +263,13 @@ class VLLMModule(Module):
             for i, request_id in enumerate(self._queue(items, greedy=greedy)):
                 first[request_id] = i
 
-        async for output in self.engine_loop.stream(self, add):
-            self._decode_texts([output])
-            rows = generation_output([output], width, self.pad_token_id, dtype)
-            n = rows["output_ids"].shape[0]
-            for j in range(n):
-                yield first[output.request_id] * n + j, {key: value[j:j + 1] for key, value in rows.items()}
+        async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:  # closed: aborts the rest
+            async for output in outputs:
+                self._decode_texts([output])
+                rows = generation_output([output], width, self.pad_token_id, dtype)
+                n = rows["output_ids"].shape[0]
+                for j in range(n):
+                    yield first[output.request_id] * n + j, {key: value[j:j + 1] for key, value in rows.items()}
 
     def update_weights(self, named_tensors, mode: str = "wait") -> int:
         """Write HF-format (name, tensor) pairs into the engine between two engine steps; returns the new
