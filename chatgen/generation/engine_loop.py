@@ -175,6 +175,9 @@ class EngineLoop:
         def stop():
             self._fail_all(RuntimeError("the engine loop was shut down while this request was running"))
             self._stopped = True
+            with _loops_lock:  # the registry must not keep the engine alive
+                if _loops.get(self.llm) is self:
+                    del _loops[self.llm]
 
         self.call(stop)
         if self._thread is not None and self._thread is not threading.current_thread():

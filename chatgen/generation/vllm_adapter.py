@@ -85,7 +85,9 @@ def check_internals(llm: LLM) -> None:
             (getattr(core, "scheduler", None), ("schedule", "update_from_output", "get_grammar_bitmask",
                                                 "has_requests", "kv_cache_manager")),
             (getattr(core, "model_executor", None), ("execute_model", "sample_tokens")),
-            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request")),
+            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request",
+                      "reset_prefix_cache")),
+            (getattr(engine, "output_processor", None), ("request_states",)),  # abort_with_outputs, token counts
         ):
             for attr in attrs:
                 if not hasattr(owner, attr):
@@ -96,6 +98,10 @@ def check_internals(llm: LLM) -> None:
                                 "only EngineCore.step; use pipeline_parallel_size=1")
             if core.async_scheduling:
                 problems.append("async scheduling is on: the split step needs synchronous scheduling")
+    from vllm.v1.engine.output_processor import RequestState
+
+    if not hasattr(RequestState, "make_request_output"):
+        problems.append("vllm.v1.engine.output_processor.RequestState.make_request_output is missing")
     if problems:
         raise RuntimeError(
             f"chatgen's vLLM adapter (tested with vLLM {TESTED_VLLM}) does not fit vLLM {vllm.__version__}:\n  "
