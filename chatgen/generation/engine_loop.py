@@ -337,9 +337,9 @@ class EngineLoop:
         except BaseException as e:
             if written[0]:
                 self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
-                               f"{e}); the engine holds a mix of old and new weights and refuses to generate "
-                               "until all weights are written again (update_weights / chatgen.param_sync."
-                               "sync_weights with the full set)")
+                               f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
+                               "refuses to generate until all weights are written again (update_weights / "
+                               "chatgen.param_sync.sync_weights with the full set)")
                 self._fail_all(RuntimeError(self.broken))
             raise
         self.broken = None

@@ -337,6 +337,27 @@ def test_a_failed_write_refuses_generation_until_a_full_update(served, weights):
     assert len(greedy(module, [1, 5, 6], 4)[0]) == 4
 
 
+def test_param_sync_goes_through_update_weights(served, weights):
+    from chatgen.param_sync import sync_weights
+
+    module, (original, _, _) = served.module, weights
+    prompt = module.tokenizer.encode("hello there")
+    before, version = greedy(module, prompt, 8), module.weight_version
+    sync_weights(list(original.items()), module, mode="recompute")
+    assert module.weight_version == version + 1 and greedy(module, prompt, 8) == before
+
+
+def test_asleep_means_503_until_prepare_for_generation(served):
+    assert served.module.finish_generation() and served.module.is_sleeping()
+    try:
+        with pytest.raises(openai.APIStatusError, match="asleep") as err:
+            chat(served, [{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 503
+    finally:
+        assert served.module.prepare_for_generation()
+    assert not served.module.is_sleeping() and chat(served, [{"role": "user", "content": "hi"}]).choices
+
+
 def test_update_mode_is_checked(served):
     with pytest.raises(ValueError, match="mode='later'"):
         served.module.update_weights([], mode="later")
@@ -351,3 +372,36 @@ def test_after_shutdown_connections_are_refused(served):
         chat(served, [{"role": "user", "content": "hello"}])
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"{served.url}/health")
+
+
+def test_chatgen_serve_command(tiny_llama_dir):
+    """The real entry point in its own process: loopback only, API key, a completion, stops on SIGTERM."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(tiny_llama_dir),
+                             "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
+                             "enforce_eager=true", "seq_length=128", "max_new_tokens=16",
+                             f"kv_cache_memory_bytes={64 << 20}"], stderr=subprocess.PIPE, text=True)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
+        deadline = time.time() + 120
+        while True:
+            assert proc.poll() is None, proc.stderr.read()[-3000:]
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.time() < deadline, "chatgen serve did not come up"
+                time.sleep(0.5)
+        r = client.completions.create(model="tiny", prompt=[1, 5, 6], max_tokens=4, temperature=0)
+        assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
+        assert "127.0.0.1" in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split(
+            f":{port}")[0].splitlines()[-1]
+    finally:
+        proc.terminate()
+        # uvicorn stops gracefully, then re-raises the signal it caught (its documented behaviour)
+        assert proc.wait(timeout=60) in (0, -15)
+    with pytest.raises(openai.APIConnectionError):
+        client.models.list()
