@@ -22,6 +22,7 @@ import time
 
 from chatgen.config import ConfigError, VLLMConfig
 from chatgen.generation import engine_config, vllm_adapter as adapter
+from chatgen.generation.engine_loop import EngineLoop
 from chatgen.generation.batching import (
     generation_output,
     iter_samples,
@@ -299,8 +300,6 @@ class VLLMModule(Module):
     def engine_loop(self):
         """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
         whose ranks must step in lockstep)."""
-        from chatgen.generation.engine_loop import EngineLoop
-
         return EngineLoop.of(self.engine, threaded=self.distributed_executor_backend != "external_launcher")
 
     def sleep(self, level: int = 1) -> None:
