@@ -137,7 +137,10 @@ class EngineLoop:
 
         def notify(event):
             events.put(event)
-            aio.call_soon_threadsafe(wake.set)
+            try:
+                aio.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the consumer's event loop is closed: nobody reads this call any more
+                self._inbox.put(lambda: self._abort(call))
 
         call = _Call(owner, add, notify)
         self._post(lambda: self._start(call))

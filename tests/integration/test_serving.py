@@ -136,6 +136,20 @@ def test_streaming_text_equals_non_streaming(served):
     assert "".join(c.choices[0].text for c in served.client.completions.create(stream=True, **kwargs)) == whole
 
 
+def test_a_client_that_leaves_a_stream_aborts_its_request(served):
+    module = served.module
+    stream = chat(served, [{"role": "user", "content": "Tell a long story"}], max_tokens=200, stream=True,
+                  extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the connection goes away mid-generation
+    left_at = module.engine_loop.steps_run
+    while module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        time.sleep(0.01)
+    assert module.engine_loop.steps_run - left_at < 100, "the request kept running after its client left"
+
+
 def test_16_concurrent_clients_match_one_at_a_time(served):
     prompts = [f"Story {i}: once upon a time" for i in range(16)]
     alone = [chat(served, [{"role": "user", "content": p}], max_tokens=12).choices[0].message.generation_token_ids
