@@ -18,9 +18,13 @@ Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 import itertools
 import logging
 import os
+import shutil
+import tempfile
 import time
+import types
 
-from chatgen.config import ConfigError, VLLMConfig
+from chatgen.checkpoint_io import copy_hf_side_files, read_megatron_meta
+from chatgen.config import ConfigError, VLLMConfig, model_args
 from chatgen.generation import engine_config, vllm_adapter as adapter
 from chatgen.generation.batching import (
     generation_output,
@@ -41,25 +45,38 @@ class VLLMModule(Module):
     process of an existing torch.distributed job, e.g. colocated with a Megatron TP group) when the process
     has WORLD_SIZE > 1, else vLLM's default; `setup()` builds the engine.
 
-    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one),
-    `pad_token_id`, `metrics` (figures of the last generation call), `config`. Sampling keys are read at
-    every call (changing `module.config.temperature` between calls takes effect); engine keys at `setup()`.
+    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one; also
+    reachable as `tokenizer.tokenizer`, ChatLearn's spelling), `pad_token_id`, `metrics` (figures of the last
+    generation call), `config`, `model_args` (ChatLearn's flat dict of the config's keys and its `args:`
+    keys), `iteration` (engine steps over the module's life, what `forward_step` / `eval_forward` receive).
+    Sampling keys are read at every call (changing `module.config.temperature` between calls takes effect);
+    engine keys at `setup()`.
     """
 
     config_class = VLLMConfig
 
-    def __init__(self, config=None, *, name: str | None = None):
-        super().__init__(config, name=name)
+    def __init__(self, config=None, *, name: str | None = None, config_dialect: str = "chatgen"):
+        super().__init__(config, name=name, config_dialect=config_dialect)
         self.distributed_executor_backend = None
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
         self.metrics = {}
+        self.iteration = 0
         self._request_ids = itertools.count()
         self._queued = []  # request ids added during the current call, aborted if it fails
+        self._collate_fns = {}  # is_eval -> the collate_fn of the dataset build_dataset returned (ChatLearn)
+        self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
 
     def config_problems(self, config):
         return engine_config.platform_problems(config, cpu=adapter.on_cpu())
+
+    @property
+    def model_args(self) -> types.MappingProxyType:
+        """ChatLearn's `model_args`: every key of this model's config, its `args:` (user) keys included, as one
+        flat read-only mapping of the current values (seq_length as resolved by `setup()`). Change a value
+        through `module.config.<key>` (typed keys; sampling keys take effect at the next call)."""
+        return types.MappingProxyType(model_args(self.config))
 
     def init(self) -> None:
         """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else one engine."""
@@ -81,14 +98,31 @@ class VLLMModule(Module):
     def setup(self) -> None:
         """Build the engine. Called once, before the first generation call.
 
-        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in this process and reads
-        the tokenizer. Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
+        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in
+        this process and reads the tokenizer. `model_dir` may also be a chatgen Megatron checkpoint (what
+        `MegatronModule.save_checkpoint` writes, any TP x PP, as ChatLearn's vLLM module starts from its
+        trainer's checkpoint): the engine then starts from its HF config with placeholder weights and the
+        checkpoint's weights are written in through the weight-sync path (`load_weights`), no conversion on disk.
+        Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
         """
         model_dir = self.model_provider()
-        self.config = engine_config.resolve_seq_length(self.config, model_dir)
-        self.engine = adapter.build_llm(model_dir, **self.engine_kwargs(model_dir))
+        megatron = read_megatron_meta(model_dir) is not None
+        engine_dir = self._hf_view(model_dir) if megatron else model_dir
+        self.config = engine_config.resolve_seq_length(self.config, engine_dir)
+        kwargs = self.engine_kwargs(engine_dir)
+        if megatron:
+            kwargs["load_format"] = "dummy"
+        self.engine = adapter.build_llm(str(engine_dir), **kwargs)
+        if megatron:
+            from chatgen.training.convert import megatron_checkpoint_to_hf  # pure tensor code: no Megatron import
+
+            self.load_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
+            try:  # ChatLearn's modules reach the HF tokenizer as self.tokenizer.tokenizer
+                self.tokenizer.tokenizer = self.tokenizer
+            except AttributeError:
+                pass
         if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
                                "false (and use prompt_template), or use a tokenizer that has one"])
@@ -135,19 +169,42 @@ class VLLMModule(Module):
         """Queue a batch in the engine with the train (or eval) sampling parameters.
 
         Called by `run_generation` at the start of a call. data: list of dataset items (dicts with
-        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]). Returns the request
-        ids (in batch order). Override to set per-item sampling; call `self.add_request` for each item.
+        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]); or, when the dataset
+        `build_dataset` returned has a `collate_fn` (ChatLearn), what it made of those items, e.g. a dict of
+        lists {"input_ids": [...], "prompt": [...]}. Returns the request ids (in batch order). Override to set
+        per-item sampling (call `self.add_request` for each item), or call
+        `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's modules do.
         """
+        if isinstance(data, dict):  # a collated batch
+            return self._add_request_internal(data.get("prompt") or [None] * len(data["input_ids"]),
+                                              data["input_ids"], is_eval)
         return self._queue(data, is_eval=is_eval)
 
+    def _add_request_internal(self, prompt_list, prompt_token_id_list, is_eval=False) -> list:
+        """ChatLearn's call: queue prompts (their texts, or None) with their token ids (lists or 1-D tensors)
+        with the train or eval sampling parameters; returns the request ids. A prompt over the budget
+        seq_length - max_new_tokens is an error naming it (cut prompts in `build_dataset`)."""
+        if len(prompt_list) != len(prompt_token_id_list):
+            raise ValueError(f"_add_request_internal: {len(prompt_list)} prompts but {len(prompt_token_id_list)} "
+                             "prompt_token_ids; pass one list of token ids per prompt")
+        items = [{"input_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids), "prompt": text}
+                 for text, ids in zip(prompt_list, prompt_token_id_list)]
+        return self._queue(items, is_eval=is_eval)
+
     def forward_step(self, data, iteration):
-        """Run one engine step on the batch the scheduler picked. Called once per step by the framework.
+        """Run one engine step on the batch the scheduler picked. Called once per step of a train-mode call.
 
         data: `vllm_adapter.ScheduledBatch` (`request_ids`, `num_tokens` {request id: tokens this step},
-        `total_tokens`); iteration: step number within this call, from 0. Must call
-        `self.execute_step(data)` exactly once and return its result (the `RequestOutput`s that finished).
+        `total_tokens`); iteration: `self.iteration`, the engine steps this module has run before this one (over
+        its life, as ChatLearn counts). Must call `self.execute_step(data)` exactly once and return its result
+        (the `RequestOutput`s that finished).
         """
         return self.execute_step(data)
+
+    def eval_forward(self, data, iteration=0):
+        """`forward_step` of an evaluation call (`run_generation(..., is_eval=True)`), as ChatLearn calls it.
+        Default: `forward_step(data, iteration)`."""
+        return self.forward_step(data, iteration)
 
     def decode_internal(self, batched_outputs):
         """Turn the finished requests of a call into the module's output. Called once per `run_generation`.
@@ -199,14 +256,25 @@ class VLLMModule(Module):
         """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
         return adapter.execute(self.engine, data)
 
+    def prepare_dataset(self, prompts, is_eval=False) -> list:
+        """Framework: `build_dataset(prompts, is_eval)` as a list of items. A dataset with a `collate_fn` (a
+        ChatLearn `torch.utils.data.Dataset`) is remembered: `run_generation` then hands `_add_request` the
+        collated batch, as ChatLearn's data loader does."""
+        dataset = self.build_dataset(prompts, is_eval)
+        self._collate_fns[bool(is_eval)] = getattr(dataset, "collate_fn", None)
+        return [dataset[i] for i in range(len(dataset))]
+
     def run_generation(self, data, is_eval=False):
         """Generate for a batch of dataset items with the hooks: the framework-owned loop.
 
-        data: list of items from `build_dataset`. An item over the prompt budget seq_length - max_new_tokens
-        is an error naming it (never cut here). Returns `decode_internal(...)`; `self.metrics` has the call's
-        figures.
+        data: list of items from `build_dataset` (collated first when `prepare_dataset` saw a `collate_fn`). An
+        item over the prompt budget seq_length - max_new_tokens is an error naming it (never cut here). Steps go
+        to `forward_step`, or to `eval_forward` when is_eval. Returns `decode_internal(...)`; `self.metrics`
+        has the call's figures.
         """
-        return self.decode_internal(self._drive(lambda: self._add_request(data, is_eval)))
+        collate = self._collate_fns.get(bool(is_eval))
+        batch = collate(list(data)) if collate is not None else data
+        return self.decode_internal(self._drive(lambda: self._add_request(batch, is_eval), is_eval))
 
     def generate(self, batch, greedy=False) -> dict:
         """Token in, token out (NeMo RL's generation interface), with the train sampling parameters.
@@ -234,7 +302,7 @@ class VLLMModule(Module):
     def generate_text(self, prompts, greedy=False, is_eval=False) -> list:
         """Text in, text out, for demos: list[str] -> list[str] of S = prompts x n responses (n = 1 if greedy)."""
         items = self.build_dataset(prompts, is_eval)
-        return [s.text for _, s in iter_samples(self._drive(lambda: self._queue(items, is_eval, greedy)))]
+        return [s.text for _, s in iter_samples(self._drive(lambda: self._queue(items, is_eval, greedy), is_eval))]
 
     def sleep(self, level: int = 1) -> None:
         """Between episodes: pause the engine and free its GPU memory for the colocated trainer.
@@ -262,6 +330,20 @@ class VLLMModule(Module):
         if self.engine is not None:
             adapter.shutdown(self.engine)
             self.engine = None
+        if self._engine_dir is not None:
+            shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self._engine_dir = None
+
+    def _hf_view(self, checkpoint) -> str:
+        """A temporary HF directory for the engine to start from: the Megatron checkpoint's HF config.json and
+        its tokenizer files (the weights come through `load_weights`)."""
+        import json
+
+        self._engine_dir = tempfile.mkdtemp(prefix="chatgen-vllm-")
+        with open(os.path.join(self._engine_dir, "config.json"), "w") as f:
+            json.dump(read_megatron_meta(checkpoint)["hf_config"], f)
+        copy_hf_side_files(checkpoint, self._engine_dir)
+        return self._engine_dir
 
     # ------------------------------------------------------------------ the loop
 
@@ -287,23 +369,26 @@ class VLLMModule(Module):
                                                                   skip_special_tokens=True)):
             sample.text = text
 
-    def _drive(self, add_requests) -> list:
-        """Queue requests with `add_requests()`, step the engine until all finish; returns the finished
-        `RequestOutput`s sorted by request id and records `self.metrics`."""
+    def _drive(self, add_requests, is_eval=False) -> list:
+        """Queue requests with `add_requests()`, step the engine until all finish (each step through
+        `forward_step`, or `eval_forward` when is_eval); returns the finished `RequestOutput`s sorted by request
+        id and records `self.metrics`."""
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before generating")
         if adapter.is_sleeping(self.engine):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
         start = time.perf_counter()
         finished, steps, kv_peak = [], 0, 0.0
+        step = self.eval_forward if is_eval else self.forward_step
         self._queued = []
         try:
             add_requests()
             while adapter.has_unfinished_requests(self.engine):
                 scheduled = adapter.schedule(self.engine)
                 kv_peak = max(kv_peak, adapter.kv_cache_usage(self.engine))
-                finished += [o for o in self.forward_step(scheduled, steps) if o.finished]
+                finished += [o for o in step(scheduled, self.iteration) if o.finished]
                 steps += 1
+                self.iteration += 1
         except BaseException:  # leave the engine empty for the next call
             adapter.abort(self.engine, self._queued)
             raise
