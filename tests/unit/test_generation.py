@@ -293,6 +293,7 @@ KEY_DESTINATIONS = {
     "top_p": ({"sampling"}, 0.5),
     "top_k": ({"sampling"}, 5),
     "min_p": ({"sampling"}, 0.1),
+    "repetition_penalty": ({"sampling"}, 1.3),
     "ignore_eos": ({"sampling"}, True),
     "use_beam_search": ({"rejected"}, True),
     "eval_temperature": ({"sampling"}, 0.5),
