@@ -109,3 +109,47 @@ def test_refused_sync_keeps_the_old_weights(gen, hf_model, fault):
     with pytest.raises(SyncError, match=expected):
         gen.sync_weights(list(state.items()))
     assert gen.generate(PROMPTS, greedy=True) == before
+
+
+def quick_warm_start(model_dir, sft_records, out, steps=20):
+    """A few plain-torch SFT steps so that the tiny model writes digits: its rewards then vary within a group
+    and GRPO's updates are not zero (a random model scores 0 everywhere)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.sft_warm_start import sft_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(steps):
+        b = sft_batch(tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)])
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_grpo_with_hf_trainer_example_runs(tiny_llama_dir, tmp_path):
+    """examples/grpo_with_hf_trainer.py, two short steps: rewards computed, weights synced (after a sync the
+    engine's log-probs equal the trained model's), held-out reward measured."""
+    from chatgen.rlhf import tasks
+    from examples.grpo_with_hf_trainer import main
+
+    data = tmp_path / "data"
+    tasks.main(["--output", str(data), "--n-train", "64", "--n-eval", "8"])
+    model = quick_warm_start(tiny_llama_dir, tasks.read_jsonl(data / "sft.jsonl"), tmp_path / "model")
+    history = main(["--model", str(model), "--data", str(data), "--steps", "2", "--prompts", "4", "--group", "4",
+                    "--eval-every", "1", "--eval-prompts", "8", "--output", str(tmp_path / "m.jsonl")])
+    assert [r["step"] for r in history] == [0, 1, 2]
+    assert all(0 <= r["eval_reward"] <= 1 for r in history)
+    for r in history[:2]:
+        assert 0 <= r["reward"] <= 1 and r["synced_tensors"] == 21
+    assert history[0]["loss"] != 0  # the rewards varied: step 0 changed the model ...
+    assert history[1]["logprob_mismatch"] < TOL  # ... and its sync reached the engine (without it: ~1)
+    assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3
