@@ -229,7 +229,7 @@ class VLLMModule(Module):
     def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see engine_config.sampling_kwargs).
 
-        Train: n, temperature, top_p, top_k, min_p; eval: eval_temperature / eval_top_p / eval_top_k where
+        Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p / eval_top_k where
         set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`.
         """
         config_strings, stop_token_ids = engine_config.parse_stop_list(self.config.stop_token_list, self.tokenizer)

@@ -104,9 +104,10 @@ def trainer_rows(cfg, algorithm) -> int:
 def policy_sampling_problems(cfg):
     """For policy-gradient algorithms: the policy must sample from the distribution the trainer scores."""
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
-    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0):
-        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0 (got {pc.temperature}, "
-               f"{pc.top_p}, {pc.top_k}, {pc.min_p}): the trainer scores tokens under the untempered distribution, so "
+    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0
+                           or pc.repetition_penalty != 1.0):
+        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
+               f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores tokens under the untempered distribution, so "
                "other settings would make every update off-policy")
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
         yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
