@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+from chatgen.cli import positive_int
 from chatgen.jsonl import is_token_ids, read_records
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
@@ -24,9 +25,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
     parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
     parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens per response (sets new_token_limit=true)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="tokens per response (sets new_token_limit=true)")
     parser.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--n", type=int, help="samples per prompt")
+    parser.add_argument("--n", type=positive_int, help="samples per prompt")
     parser.add_argument("--seed", type=int, help="sampling seed")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. top_p=0.9")
 
