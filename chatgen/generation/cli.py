@@ -8,9 +8,15 @@ Output: one line per sample (n per input line, in input order): {"index": input 
 "prompt_ids", "output_ids" (generated tokens only), "logprobs" (one per generated token), "finish_reason",
 "text" (when the model has a tokenizer)}. Trailing `key=value` arguments set any per-model key
 (docs/generation_keys.md); --config starts from a per-model YAML.
+
+The output path is checked before the model loads (its directory writable, not the input file, not an existing
+file unless --overwrite) and written atomically (a killed run leaves the old file or none, never half of one).
+A model that yields NaN or inf log-probs (weights diverged) is an error (exit 1), with no output written.
 """
 import functools
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -24,6 +30,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="Hugging Face model directory (the `load` key)")
     parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
     parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="tokens per response (sets new_token_limit=true)")
     parser.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy")
@@ -45,12 +52,31 @@ def read_prompts(path) -> list:
     return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, _prompt_problem, "prompts")]
 
 
+def check_output(output, input_path, overwrite: bool) -> None:
+    """Before any work: --output can be written, is not --input, and replaces nothing unless --overwrite."""
+    out = Path(output)
+    if out.exists() and Path(input_path).exists() and out.samefile(input_path):
+        raise ValueError(f"--output {output} is the --input file; write the samples to another file")
+    if out.is_dir():
+        raise ValueError(f"--output {output} is a directory; give a file name")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--output {output} exists; pass --overwrite to replace it, or choose another file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--output {output}: cannot create its directory {out.parent} ({e.strerror})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise PermissionError(f"--output {output}: cannot write in {out.parent}; choose a writable directory")
+
+
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"--model {args.model}: no config.json there; point it at a Hugging Face model directory "
                          "(e.g. one made by `chatgen make-tiny-model --output DIR`)")
+    check_output(args.output, args.input, args.overwrite)
     rows = read_prompts(args.input)
+    from chatgen.checkpoint_io import atomic_file
     from chatgen.config import VLLMConfig, format_config, load_model_config
     from chatgen.generation import engine_config, vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
@@ -70,20 +96,25 @@ def run(args) -> int:
     texts = iter(module.build_dataset(text_prompts) if text_prompts else [])  # one call: one count of cut prompts
     items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
     out = module.run_generation(items)  # a RolloutBatch, prompt-major
-    with open(args.output, "w", encoding="utf-8") as f:
-        for s in range(len(out)):
-            p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
-            index = int(out.prompt_index[s])
-            record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
-                      "prompt_ids": out.input_ids[s, :p].tolist(), "output_ids": out.input_ids[s, p:p + r].tolist(),
-                      "logprobs": out.infer_logprobs[s, p - 1:p - 1 + r].tolist(),
-                      "finish_reason": out.finish_reasons[s]}
-            if module.tokenizer is not None:
-                record["text"] = out.texts[s]
-            f.write(json.dumps(record) + "\n")
+    module.shutdown()
+    records = []
+    for s in range(len(out)):
+        p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
+        index = int(out.prompt_index[s])
+        record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
+                  "prompt_ids": out.input_ids[s, :p].tolist(), "output_ids": out.input_ids[s, p:p + r].tolist(),
+                  "logprobs": out.infer_logprobs[s, p - 1:p - 1 + r].tolist(), "finish_reason": out.finish_reasons[s]}
+        if module.tokenizer is not None:
+            record["text"] = out.texts[s]
+        if not all(map(math.isfinite, record["logprobs"])):
+            print(f"chatgen generate: input line {index + 1}: the model gave NaN or inf log-probs; its weights are "
+                  f"not finite (a diverged training run?): check {args.model}. Nothing was written.", file=sys.stderr)
+            return 1
+        records.append(json.dumps(record) + "\n")
+    with atomic_file(args.output) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(records)
     m = module.metrics
     print(f"wrote {len(out)} samples to {args.output}: {m['generation_tokens']} tokens in "
           f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.1f} generated tokens/s, "
           f"peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%", file=sys.stderr)
-    module.shutdown()
     return 0

@@ -60,3 +60,28 @@ def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
     assert not Path(ray_dir).exists()  # no /tmp/ray session directory left behind
     gone, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert not alive, f"Ray processes left after shutdown: {[p.name() for p in alive]}"
+
+
+def nan_model(model_dir, out, name="model.norm.weight"):
+    """A copy of HF directory `model_dir` whose tensor `name` holds a NaN (a diverged training run's export)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights[name][0] = float("nan")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_generate_on_a_nan_model_fails_and_writes_nothing(tiny_llama_dir, tmp_path, capsys):
+    from chatgen.cli import main
+
+    model = nan_model(tiny_llama_dir, tmp_path / "nan-model")
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 5, 6]}\n{"prompt_ids": [1, 7]}\n')
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(out), "--max-new-tokens",
+               "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    assert rc == 1 and "NaN or inf log-probs" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))

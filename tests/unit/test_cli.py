@@ -87,3 +87,22 @@ def test_sizes_and_layouts_are_usage_errors_with_exit_code_2(tiny_llama_dir, tmp
     for command in (["config", str(bad)], ["train", str(bad)]):  # one exit code for a bad config, any command
         proc = chatgen(*command)
         assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, command
+
+
+@pytest.mark.faults
+def test_generate_checks_its_output_before_loading_the_model(tiny_llama_dir, tmp_path, capsys):
+    """The output path is checked first (no model loads, nothing is lost after a long generation): never the
+    input file, never an existing file without --overwrite."""
+    from chatgen.cli import main
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    common = ["generate", "--model", str(tiny_llama_dir), "--input", str(prompts)]
+    assert main([*common, "--output", str(prompts)]) == 2
+    assert "is the --input file" in capsys.readouterr().err and prompts.read_text() == '{"prompt_ids": [1, 2]}\n'
+    existing = tmp_path / "out.jsonl"
+    existing.write_text("keep me\n")
+    assert main([*common, "--output", str(existing)]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err and existing.read_text() == "keep me\n"
+    assert main([*common, "--output", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+    assert main([*common, "--output", "/proc/nope/out.jsonl"]) == 2 and "--output" in capsys.readouterr().err
