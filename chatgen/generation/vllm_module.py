@@ -57,6 +57,7 @@ class VLLMModule(Module):
         self.metrics = {}
         self._request_ids = itertools.count()
         self._queued = []  # request ids added during the current call, aborted if it fails
+        self.needs_resync = None  # set by chatgen.param_sync when a sync failed half-way: the message says why
 
     def config_problems(self, config):
         return engine_config.platform_problems(config, cpu=adapter.on_cpu())
@@ -294,6 +295,9 @@ class VLLMModule(Module):
             raise RuntimeError(f"{type(self).__name__}: call setup() before generating")
         if adapter.is_sleeping(self.engine):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
+        if self.needs_resync:
+            raise RuntimeError(f"{type(self).__name__} cannot generate until a weight sync completes; the last "
+                               f"one failed half-way: {self.needs_resync}")
         start = time.perf_counter()
         finished, steps, kv_peak = [], 0, 0.0
         self._queued = []

@@ -85,3 +85,54 @@ def test_generate_on_a_nan_model_fails_and_writes_nothing(tiny_llama_dir, tmp_pa
                "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
     assert rc == 1 and "NaN or inf log-probs" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+# ---- one engine for the rest of the file (vLLM: one engine per process) ------------------------------------
+
+@pytest.fixture(scope="module")
+def module(tiny_llama_dir):
+    from chatgen.generation.vllm_module import VLLMModule
+
+    m = VLLMModule(dict(load=str(tiny_llama_dir), kv_cache_memory_bytes=32 << 20, enforce_eager=True,
+                        seq_length=64, new_token_limit=True, max_new_tokens=4, temperature=0.0, seed=0)).start()
+    yield m
+    m.shutdown()
+
+
+def batch(rows, pad):
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
+
+
+def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_llama_dir, monkeypatch):
+    """A NaN weight is refused before anything is written (the engine still generates as before). A sync that
+    fails once vLLM's reload has begun (which releases the old weights) says the engine must be synced again,
+    and generating is refused with that message until a sync completes (it used to fail deep in vLLM with
+    'Meta tensors', or worse, claim the old weights were kept)."""
+    from safetensors.torch import load_file
+
+    from chatgen.param_sync import SyncError, sync, sync_weights
+
+    prompts = batch([[1, 5, 6, 7], [1, 9]], module.pad_token_id)
+    before = module.generate(prompts, greedy=True)["output_ids"]
+    weights = load_file(str(tiny_llama_dir / "model.safetensors"))
+    poisoned = {**weights, "model.norm.weight": weights["model.norm.weight"].clone()}
+    poisoned["model.norm.weight"][3] = float("nan")
+    with pytest.raises(SyncError, match=r"keeps its old weights: 1 parameter\(s\) hold NaN or inf: model.norm.weight"):
+        sync_weights(poisoned, module)
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+
+    real = sync.LocalWeights.reference  # validation sees the first bucket differ from its independent read
+    monkeypatch.setattr(sync.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
+    with pytest.raises(SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"):
+        sync_weights(weights, module, validate=True)
+    with pytest.raises(RuntimeError, match="cannot generate until a weight sync completes; .*PARTIALLY updated"):
+        module.generate(prompts, greedy=True)
+    monkeypatch.undo()
+    sync_weights(weights, module, validate=True)  # a complete sync repairs it
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
