@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from chatgen.cli import positive_int
+from chatgen.generation import engine_config
 from chatgen.jsonl import is_token_ids, read_records
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
@@ -39,17 +40,21 @@ def add_arguments(parser) -> None:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. top_p=0.9")
 
 
-def _prompt_problem(record):
-    if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
-        return 'needs "prompt_ids" (list of ints) or "prompt" (string)'
-    if "prompt_ids" in record and not is_token_ids(record["prompt_ids"]):
-        return '"prompt_ids" must be a non-empty list of ints'
-    return None
-
-
-def read_prompts(path) -> list:
+def read_prompts(path, vocab_size: int) -> list:
     """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the bad line."""
-    return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, _prompt_problem, "prompts")]
+    def problem(record):
+        if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
+            return 'needs "prompt_ids" (list of ints) or "prompt" (string)'
+        if "prompt_ids" in record and not is_token_ids(record["prompt_ids"]):
+            return '"prompt_ids" must be a non-empty list of ints'
+        if "prompt_ids" in record:
+            try:
+                engine_config.check_prompt_ids(record["prompt_ids"], vocab_size, '"prompt_ids"')
+            except ValueError as e:
+                return str(e)
+        return None
+
+    return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, problem, "prompts")]
 
 
 def check_output(output, input_path, overwrite: bool) -> None:
@@ -75,10 +80,10 @@ def run(args) -> int:
         raise ValueError(f"--model {args.model}: no config.json there; point it at a Hugging Face model directory "
                          "(e.g. one made by `chatgen make-tiny-model --output DIR`)")
     check_output(args.output, args.input, args.overwrite)
-    rows = read_prompts(args.input)
+    rows = read_prompts(args.input, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
     from chatgen.checkpoint_io import atomic_file
     from chatgen.config import VLLMConfig, format_config, load_model_config
-    from chatgen.generation import engine_config, vllm_adapter
+    from chatgen.generation import vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
 
     overrides = [f"load={args.model}"]

@@ -54,6 +54,7 @@ class VLLMModule(Module):
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
+        self.vocab_size = None  # the model's vocabulary (config.json vocab_size), read at setup()
         self.metrics = {}
         self._request_ids = itertools.count()
         self._queued = []  # request ids added during the current call, aborted if it fails
@@ -94,6 +95,16 @@ class VLLMModule(Module):
             raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
                                "false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
+        self.vocab_size = adapter.hf_config(self.engine)["vocab_size"]
+        if self.tokenizer is not None:
+            try:
+                mismatch = engine_config.check_vocab(len(self.tokenizer), self.vocab_size,
+                                                     self.config.tokenizer or model_dir, model_dir)
+            except ConfigError:
+                self.shutdown()
+                raise
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
@@ -273,6 +284,7 @@ class VLLMModule(Module):
         for i, item in enumerate(items):
             n = len(item["input_ids"])
             engine_config.check_prompt_length(self.config, n, f"run_generation: item {i}")
+            engine_config.check_prompt_ids(item["input_ids"], self.vocab_size, f"run_generation: item {i}")
             params = self.sampling_params(n, is_eval=is_eval, greedy=greedy,
                                           stop_strings=item.get("stop_strings") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))

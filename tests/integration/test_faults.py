@@ -136,3 +136,58 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
     monkeypatch.undo()
     sync_weights(weights, module, validate=True)  # a complete sync repairs it
     assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+
+
+def resized_vocab(model_dir, out, vocab_size: int):
+    """A copy of HF directory `model_dir` whose model has `vocab_size` embedding / LM-head rows (its tokenizer
+    unchanged): a model paired with another model's tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    old, config["vocab_size"] = config["vocab_size"], vocab_size
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = weights[name]
+        weights[name] = t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[:vocab_size - old]])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, tmp_path, capsys):
+    """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
+    from chatgen.cli import main
+
+    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)  # the tokenizer has 512 tokens
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "9 1 4"}\n')
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+               "--max-new-tokens", "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')  # token ids: checked per input line
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 2 and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)" in \
+        capsys.readouterr().err
+
+
+def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
+    """Out-of-vocabulary ids used to end in a 116-line traceback from the embedding; a bool id tensor came back
+    as bool outputs; a string of stop strings was split into characters."""
+    import torch
+
+    pad = module.pad_token_id
+    with pytest.raises(ValueError, match=r"item 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"):
+        module.generate(batch([[1, 5], [1, 600]], pad), greedy=True)
+    good = batch([[1, 5, 6, 7], [1, 9]], pad)
+    with pytest.raises(ValueError, match="input_ids is a torch.bool tensor"):
+        module.generate({**good, "input_ids": good["input_ids"].bool()})
+    with pytest.raises(ValueError, match=r"stop_strings\[0\] = 'ab'"):
+        module.generate({**good, "stop_strings": ["ab", None]})
+    out = module.generate(good, greedy=True)  # nothing was left queued by the refused calls
+    assert out["output_ids"].dtype == torch.long and out["generation_lengths"].tolist() == [4, 4]
