@@ -337,13 +337,12 @@ class EngineLoop:
 
         try:
             adapter.load_weights(self.llm, counted(), reset_prefix_cache=False)
-        except BaseException as e:
-            if written[0]:
-                self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
-                               f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
-                               "refuses to generate until all weights are written again (update_weights / "
-                               "chatgen.param_sync.sync_weights with the full set)")
-                self._fail_all(RuntimeError(self.broken))
+        except BaseException as e:  # vLLM's reload releases the old weights as it begins: whatever was written
+            self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
+                           f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
+                           "refuses to generate until all weights are written again (update_weights / "
+                           "chatgen.param_sync.sync_weights with the full set)")
+            self._fail_all(RuntimeError(self.broken))
             raise
         self.broken = None
         self.weight_version += 1

@@ -61,6 +61,7 @@ class VLLMModule(Module):
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
+        self.vocab_size = None  # the model's vocabulary (config.json vocab_size), read at setup()
         self.metrics = {}
         self.iteration = 0
         self._queued = []  # request ids added by the call being started (engine thread), aborted if it fails
@@ -126,6 +127,16 @@ class VLLMModule(Module):
             raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
                                "false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
+        self.vocab_size = adapter.hf_config(self.engine)["vocab_size"]
+        if self.tokenizer is not None:
+            try:
+                mismatch = engine_config.check_vocab(len(self.tokenizer), self.vocab_size,
+                                                     self.config.tokenizer or model_dir, model_dir)
+            except ConfigError:
+                self.shutdown()
+                raise
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
@@ -361,6 +372,12 @@ class VLLMModule(Module):
         return self.engine_loop.update_weights(lambda: named_tensors, mode)
 
     @property
+    def needs_resync(self) -> str | None:
+        """Why this module refuses to generate (a weight write failed after vLLM's reload began, leaving a mix of
+        old and new weights), or None. A later complete `update_weights` / sync clears it."""
+        return self.engine_loop.broken if self.engine is not None else None
+
+    @property
     def weight_version(self) -> int:
         """Weight version of the engine: 0 at start, +1 per `update_weights`."""
         return self.engine_loop.weight_version
@@ -432,6 +449,7 @@ class VLLMModule(Module):
         for i, item in enumerate(items):
             n = len(item["input_ids"])
             engine_config.check_prompt_length(self.config, n, f"run_generation: item {i}")
+            engine_config.check_prompt_ids(item["input_ids"], self.vocab_size, f"run_generation: item {i}")
             params = self.sampling_params(n, is_eval=is_eval, greedy=greedy,
                                           stop_strings=item.get("stop_strings") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
