@@ -15,13 +15,22 @@ def unpad_batch(batch, pad_token_id) -> list:
             raise ValueError(f"generate(): batch has no {key!r}; pass right-padded input_ids (B, T) and "
                              "input_lengths (B,)")
     ids, lengths = torch.as_tensor(batch["input_ids"]), torch.as_tensor(batch["input_lengths"])
+    for key, t in (("input_ids", ids), ("input_lengths", lengths)):
+        if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+            raise ValueError(f"generate(): {key} is a {t.dtype} tensor; pass token ids and lengths as an integer "
+                             "tensor (torch.long)")
     if ids.dim() != 2 or lengths.shape != (ids.shape[0],):
         raise ValueError(f"generate(): input_ids must be (B, T) and input_lengths (B,); got {tuple(ids.shape)} "
                          f"and {tuple(lengths.shape)}")
     stops = batch.get("stop_strings")
-    if stops is not None and len(stops) != ids.shape[0]:
-        raise ValueError(f"generate(): stop_strings has {len(stops)} entries for {ids.shape[0]} rows; give one "
-                         "list (or None) per row")
+    if stops is not None and (isinstance(stops, str) or len(stops) != ids.shape[0]):
+        raise ValueError(f"generate(): stop_strings must be a list with one entry per row ({ids.shape[0]}), each a "
+                         f"list of strings or None; got {stops!r}")
+    for i, row_stops in enumerate(stops or ()):
+        if row_stops is not None and (isinstance(row_stops, str) or not isinstance(row_stops, (list, tuple))
+                                      or not all(isinstance(s, str) and s for s in row_stops)):
+            raise ValueError(f"generate(): stop_strings[{i}] = {row_stops!r}; give a list of non-empty strings "
+                             f"(e.g. [{row_stops!r}] for one stop string) or None")
     for i, n in enumerate(lengths.tolist()):
         if not 1 <= n <= ids.shape[1]:
             raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{ids.shape[1]}")

@@ -39,8 +39,8 @@ _loops_lock = threading.Lock()
 class _Call:
     """One submitted generation call: its module (hooks), its request ids and where its outputs go."""
 
-    def __init__(self, owner, add, notify):
-        self.owner, self.add, self.notify = owner, add, notify
+    def __init__(self, owner, add, notify, is_eval=False):
+        self.owner, self.add, self.notify, self.is_eval = owner, add, notify, is_eval
         self.request_ids, self.unfinished = [], set()
         self.steps, self.kv_peak, self.done, self.error = 0, 0.0, False, None
 
@@ -103,12 +103,12 @@ class EngineLoop:
         self._post(command)
         return future.result()
 
-    def run(self, owner, add) -> tuple:
+    def run(self, owner, add, is_eval=False) -> tuple:
         """Submit a call and wait for it: `add()` queues requests through `owner.add_request` (on the engine
-        thread); steps run `owner.forward_step` while it is the oldest call. Returns (finished RequestOutputs
-        sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
+        thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call) while it is the oldest
+        call. Returns (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
         events = queue.SimpleQueue()
-        call = _Call(owner, add, events.put)
+        call = _Call(owner, add, events.put, is_eval)
         self._post(lambda: self._start(call))
         finished = []
         try:
@@ -258,7 +258,10 @@ class EngineLoop:
         try:
             scheduled = adapter.schedule(self.llm)
             usage = adapter.kv_cache_usage(self.llm)
-            outputs = lead.owner.forward_step(scheduled, lead.steps)
+            owner = lead.owner
+            hook = owner.eval_forward if lead.is_eval else owner.forward_step
+            outputs = hook(scheduled, owner.iteration)  # ChatLearn's iteration: steps over the module's life
+            owner.iteration += 1
         except BaseException as e:  # a hook or the engine failed: every running call gets the error
             self._fail_all(e)
             return
@@ -338,13 +341,12 @@ class EngineLoop:
 
         try:
             adapter.load_weights(self.llm, counted(), reset_prefix_cache=False)
-        except BaseException as e:
-            if written[0]:
-                self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
-                               f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
-                               "refuses to generate until all weights are written again (update_weights / "
-                               "chatgen.param_sync.sync_weights with the full set)")
-                self._fail_all(RuntimeError(self.broken))
+        except BaseException as e:  # vLLM's reload releases the old weights as it begins: whatever was written
+            self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
+                           f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
+                           "refuses to generate until all weights are written again (update_weights / "
+                           "chatgen.param_sync.sync_weights with the full set)")
+            self._fail_all(RuntimeError(self.broken))
             raise
         self.broken = None
         self.weight_version += 1

@@ -12,15 +12,19 @@ examples/policy_inference.py. The framework owns the loop (`run_generation`):
     _add_request(batch) -> while requests remain: schedule -> forward_step -> collect finished -> decode_internal
 
 The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can write new
-weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
+weights into it in place (`update_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
 import contextlib
 import logging
 import os
+import shutil
+import tempfile
 import time
+import types
 
-from chatgen.config import ConfigError, VLLMConfig
+from chatgen.checkpoint_io import copy_hf_side_files, read_megatron_meta
+from chatgen.config import ConfigError, VLLMConfig, model_args
 from chatgen.generation import engine_config, vllm_adapter as adapter
 from chatgen.generation.engine_loop import EngineLoop
 from chatgen.generation.batching import (
@@ -42,24 +46,38 @@ class VLLMModule(Module):
     process of an existing torch.distributed job, e.g. colocated with a Megatron TP group) when the process
     has WORLD_SIZE > 1, else vLLM's default; `setup()` builds the engine.
 
-    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one),
-    `pad_token_id`, `metrics` (figures of the last generation call), `config`. Sampling keys are read at
-    every call (changing `module.config.temperature` between calls takes effect); engine keys at `setup()`.
+    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer` (None for a model without one; also
+    reachable as `tokenizer.tokenizer`, ChatLearn's spelling), `pad_token_id`, `metrics` (figures of the last
+    generation call), `config`, `model_args` (ChatLearn's flat dict of the config's keys and its `args:`
+    keys), `iteration` (engine steps over the module's life, what `forward_step` / `eval_forward` receive).
+    Sampling keys are read at every call (changing `module.config.temperature` between calls takes effect);
+    engine keys at `setup()`.
     """
 
     config_class = VLLMConfig
 
-    def __init__(self, config=None, *, name: str | None = None):
-        super().__init__(config, name=name)
+    def __init__(self, config=None, *, name: str | None = None, config_dialect: str = "chatgen"):
+        super().__init__(config, name=name, config_dialect=config_dialect)
         self.distributed_executor_backend = None
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
+        self.vocab_size = None  # the model's vocabulary (config.json vocab_size), read at setup()
         self.metrics = {}
+        self.iteration = 0
         self._queued = []  # request ids added by the call being started (engine thread), aborted if it fails
+        self._collate_fns = {}  # is_eval -> the collate_fn of the dataset build_dataset returned (ChatLearn)
+        self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
 
     def config_problems(self, config):
         return engine_config.platform_problems(config, cpu=adapter.on_cpu())
+
+    @property
+    def model_args(self) -> types.MappingProxyType:
+        """ChatLearn's `model_args`: every key of this model's config, its `args:` (user) keys included, as one
+        flat read-only mapping of the current values (seq_length as resolved by `setup()`). Change a value
+        through `module.config.<key>` (typed keys; sampling keys take effect at the next call)."""
+        return types.MappingProxyType(model_args(self.config))
 
     def init(self) -> None:
         """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else one engine."""
@@ -81,18 +99,45 @@ class VLLMModule(Module):
     def setup(self) -> None:
         """Build the engine. Called once, before the first generation call.
 
-        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in this process and reads
-        the tokenizer. Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
+        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in
+        this process and reads the tokenizer. `model_dir` may also be a chatgen Megatron checkpoint (what
+        `MegatronModule.save_checkpoint` writes, any TP x PP, as ChatLearn's vLLM module starts from its
+        trainer's checkpoint): the engine then starts from its HF config with placeholder weights and the
+        checkpoint's weights are written in through the weight-sync path (`update_weights`), no conversion on disk.
+        Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
         """
         model_dir = self.model_provider()
-        self.config = engine_config.resolve_seq_length(self.config, model_dir)
-        self.engine = adapter.build_llm(model_dir, **self.engine_kwargs(model_dir))
+        megatron = read_megatron_meta(model_dir) is not None
+        engine_dir = self._hf_view(model_dir) if megatron else model_dir
+        self.config = engine_config.resolve_seq_length(self.config, engine_dir)
+        kwargs = self.engine_kwargs(engine_dir)
+        if megatron:
+            kwargs["load_format"] = "dummy"
+        self.engine = adapter.build_llm(str(engine_dir), **kwargs)
+        if megatron:
+            from chatgen.training.convert import megatron_checkpoint_to_hf  # pure tensor code: no Megatron import
+
+            self.update_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
+            try:  # ChatLearn's modules reach the HF tokenizer as self.tokenizer.tokenizer
+                self.tokenizer.tokenizer = self.tokenizer
+            except AttributeError:
+                pass
         if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
                                "false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
+        self.vocab_size = adapter.hf_config(self.engine)["vocab_size"]
+        if self.tokenizer is not None:
+            try:
+                mismatch = engine_config.check_vocab(len(self.tokenizer), self.vocab_size,
+                                                     self.config.tokenizer or model_dir, model_dir)
+            except ConfigError:
+                self.shutdown()
+                raise
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
@@ -115,8 +160,10 @@ class VLLMModule(Module):
                 raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
             text = template.replace("{prompt}", prompt) if template else prompt
             if self.config.chat_template:
+                # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
                 ids = list(self.tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                                              add_generation_prompt=True, tokenize=True))
+                                                              add_generation_prompt=True, tokenize=True,
+                                                              return_dict=False))
             else:
                 ids = self.tokenizer.encode(text)
             item = {"input_ids": ids, "prompt": prompt}
@@ -135,19 +182,42 @@ class VLLMModule(Module):
         """Queue a batch in the engine with the train (or eval) sampling parameters.
 
         Called by `run_generation` at the start of a call. data: list of dataset items (dicts with
-        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]). Returns the request
-        ids (in batch order). Override to set per-item sampling; call `self.add_request` for each item.
+        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]); or, when the dataset
+        `build_dataset` returned has a `collate_fn` (ChatLearn), what it made of those items, e.g. a dict of
+        lists {"input_ids": [...], "prompt": [...]}. Returns the request ids (in batch order). Override to set
+        per-item sampling (call `self.add_request` for each item), or call
+        `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's modules do.
         """
+        if isinstance(data, dict):  # a collated batch
+            return self._add_request_internal(data.get("prompt") or [None] * len(data["input_ids"]),
+                                              data["input_ids"], is_eval)
         return self._queue(data, is_eval=is_eval)
 
+    def _add_request_internal(self, prompt_list, prompt_token_id_list, is_eval=False) -> list:
+        """ChatLearn's call: queue prompts (their texts, or None) with their token ids (lists or 1-D tensors)
+        with the train or eval sampling parameters; returns the request ids. A prompt over the budget
+        seq_length - max_new_tokens is an error naming it (cut prompts in `build_dataset`)."""
+        if len(prompt_list) != len(prompt_token_id_list):
+            raise ValueError(f"_add_request_internal: {len(prompt_list)} prompts but {len(prompt_token_id_list)} "
+                             "prompt_token_ids; pass one list of token ids per prompt")
+        items = [{"input_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids), "prompt": text}
+                 for text, ids in zip(prompt_list, prompt_token_id_list)]
+        return self._queue(items, is_eval=is_eval)
+
     def forward_step(self, data, iteration):
-        """Run one engine step on the batch the scheduler picked. Called once per step by the framework.
+        """Run one engine step on the batch the scheduler picked. Called once per step of a train-mode call.
 
         data: `vllm_adapter.ScheduledBatch` (`request_ids`, `num_tokens` {request id: tokens this step},
-        `total_tokens`); iteration: step number within this call, from 0. Must call
-        `self.execute_step(data)` exactly once and return its result (the `RequestOutput`s that finished).
+        `total_tokens`); iteration: `self.iteration`, the engine steps this module has run before this one (over
+        its life, as ChatLearn counts). Must call `self.execute_step(data)` exactly once and return its result
+        (the `RequestOutput`s that finished).
         """
         return self.execute_step(data)
+
+    def eval_forward(self, data, iteration=0):
+        """`forward_step` of an evaluation call (`run_generation(..., is_eval=True)`), as ChatLearn calls it.
+        Default: `forward_step(data, iteration)`."""
+        return self.forward_step(data, iteration)
 
     def decode_internal(self, batched_outputs):
         """Turn the finished requests of a call into the module's output. Called once per `run_generation`.
@@ -170,7 +240,7 @@ class VLLMModule(Module):
     def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see engine_config.sampling_kwargs).
 
-        Train: n, temperature, top_p, top_k, min_p; eval: eval_temperature / eval_top_p / eval_top_k where
+        Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p / eval_top_k where
         set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`.
         """
         config_strings, stop_token_ids = engine_config.parse_stop_list(self.config.stop_token_list, self.tokenizer)
@@ -206,14 +276,25 @@ class VLLMModule(Module):
         """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
         return adapter.execute(self.engine, data)
 
+    def prepare_dataset(self, prompts, is_eval=False) -> list:
+        """Framework: `build_dataset(prompts, is_eval)` as a list of items. A dataset with a `collate_fn` (a
+        ChatLearn `torch.utils.data.Dataset`) is remembered: `run_generation` then hands `_add_request` the
+        collated batch, as ChatLearn's data loader does."""
+        dataset = self.build_dataset(prompts, is_eval)
+        self._collate_fns[bool(is_eval)] = getattr(dataset, "collate_fn", None)
+        return [dataset[i] for i in range(len(dataset))]
+
     def run_generation(self, data, is_eval=False):
         """Generate for a batch of dataset items with the hooks: the framework-owned loop.
 
-        data: list of items from `build_dataset`. An item over the prompt budget seq_length - max_new_tokens
-        is an error naming it (never cut here). Returns `decode_internal(...)`; `self.metrics` has the call's
-        figures.
+        data: list of items from `build_dataset` (collated first when `prepare_dataset` saw a `collate_fn`). An
+        item over the prompt budget seq_length - max_new_tokens is an error naming it (never cut here). Steps go
+        to `forward_step`, or to `eval_forward` when is_eval. Returns `decode_internal(...)`; `self.metrics`
+        has the call's figures.
         """
-        return self.decode_internal(self._drive(lambda: self._add_request(data, is_eval)))
+        collate = self._collate_fns.get(bool(is_eval))
+        batch = collate(list(data)) if collate is not None else data
+        return self.decode_internal(self._drive(lambda: self._add_request(batch, is_eval), is_eval))
 
     def generate(self, batch, greedy=False) -> dict:
         """Token in, token out (NeMo RL's generation interface), with the train sampling parameters.
@@ -241,7 +322,7 @@ class VLLMModule(Module):
     def generate_text(self, prompts, greedy=False, is_eval=False) -> list:
         """Text in, text out, for demos: list[str] -> list[str] of S = prompts x n responses (n = 1 if greedy)."""
         items = self.build_dataset(prompts, is_eval)
-        return [s.text for _, s in iter_samples(self._drive(lambda: self._queue(items, is_eval, greedy)))]
+        return [s.text for _, s in iter_samples(self._drive(lambda: self._queue(items, is_eval, greedy), is_eval))]
 
     async def generate_async(self, batch, greedy=False):
         """`generate`, streaming: an async iterator of (row index, one-row output), each as soon as its prompt's
@@ -292,6 +373,12 @@ class VLLMModule(Module):
         return self.engine_loop.update_weights(lambda: named_tensors, mode)
 
     @property
+    def needs_resync(self) -> str | None:
+        """Why this module refuses to generate (a weight write failed after vLLM's reload began, leaving a mix of
+        old and new weights), or None. A later complete `update_weights` / sync clears it."""
+        return self.engine_loop.broken if self.engine is not None else None
+
+    @property
     def weight_version(self) -> int:
         """Weight version of the engine: 0 at start, +1 per `update_weights`."""
         return self.engine_loop.weight_version
@@ -337,6 +424,20 @@ class VLLMModule(Module):
             self.engine_loop.shutdown()
             adapter.shutdown(self.engine)
             self.engine = None
+        if self._engine_dir is not None:
+            shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self._engine_dir = None
+
+    def _hf_view(self, checkpoint) -> str:
+        """A temporary HF directory for the engine to start from: the Megatron checkpoint's HF config.json and
+        its tokenizer files (the weights come through `update_weights`)."""
+        import json
+
+        self._engine_dir = tempfile.mkdtemp(prefix="chatgen-vllm-")
+        with open(os.path.join(self._engine_dir, "config.json"), "w") as f:
+            json.dump(read_megatron_meta(checkpoint)["hf_config"], f)
+        copy_hf_side_files(checkpoint, self._engine_dir)
+        return self._engine_dir
 
     # ------------------------------------------------------------------ the loop
 
@@ -347,6 +448,7 @@ class VLLMModule(Module):
         for i, item in enumerate(items):
             n = len(item["input_ids"])
             engine_config.check_prompt_length(self.config, n, f"run_generation: item {i}")
+            engine_config.check_prompt_ids(item["input_ids"], self.vocab_size, f"run_generation: item {i}")
             params = self.sampling_params(n, is_eval=is_eval, greedy=greedy,
                                           stop_strings=item.get("stop_strings") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
@@ -368,13 +470,13 @@ class VLLMModule(Module):
         if adapter.is_sleeping(self.engine):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
 
-    def _drive(self, add_requests) -> list:
-        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine thread) and
-        wait until all its requests finish; returns the finished `RequestOutput`s sorted by request id and
-        records `self.metrics`."""
+    def _drive(self, add_requests, is_eval=False) -> list:
+        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine thread; each
+        step goes through `forward_step`, or `eval_forward` when is_eval) and wait until all its requests
+        finish; returns the finished `RequestOutput`s sorted by request id and records `self.metrics`."""
         self._check_ready()
         start = time.perf_counter()
-        finished, stats = self.engine_loop.run(self, add_requests)
+        finished, stats = self.engine_loop.run(self, add_requests, is_eval)
         self._decode_texts(finished)
         elapsed = time.perf_counter() - start
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)

@@ -20,8 +20,9 @@ Before a single byte is written: the source's manifest ({HF name: shape}) is che
 architecture (every expected parameter exactly once, nothing unexpected, same shapes), and every weight is
 checked to be finite; either failure raises `SyncError` naming the parameters, and the engine keeps its old
 weights. Then buckets stream into the engine's reload path (HF names, checkpoint format; vLLM fuses / shards /
-repacks). An error after the first write raises a `SyncError` saying the engine is now partially updated and
-must be synced again. `validate=True` (meant for the first syncs) recomputes every tensor by an independent
+repacks). vLLM's reload releases the old weights as it begins, so an error once the engine's reload was called
+raises a `SyncError` saying the engine is partially updated and must be synced again (a VLLMModule then refuses
+to generate until a sync completes: `needs_resync`). `validate=True` (meant for the first syncs) recomputes every tensor by an independent
 unbucketed path and compares bit for bit; across processes the receiver also checks an exact integer
 fingerprint of every tensor it received.
 """
@@ -204,15 +205,21 @@ def _engine(target):
 def _load(target, buckets, mode: str = "wait") -> int:
     """Feed bucket lists into the engine; returns tensors written. One reload call for an in-process
     engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers). A VLLMModule is
-    written through its `update_weights` (between two engine steps; `mode` for the requests in flight)."""
+    written through its `update_weights` (between two engine steps; `mode` for the requests in flight); if the
+    write fails once vLLM's reload has begun, the module refuses to generate until a sync completes
+    (`VLLMModule.needs_resync`)."""
     from chatgen.generation import vllm_adapter
 
     llm = _engine(target)
     if target is llm:
-        write = lambda pairs: vllm_adapter.load_weights(llm, pairs)  # noqa: E731
+        load = lambda pairs: vllm_adapter.load_weights(llm, pairs)  # noqa: E731
     else:
-        write = lambda pairs: target.update_weights(pairs, mode=mode)  # noqa: E731
-    written = [0]
+        load = lambda pairs: target.update_weights(pairs, mode=mode)  # noqa: E731
+    written, touched = [0], [False]
+
+    def write(pairs):
+        touched[0] = True  # from here on vLLM may have released the old weights
+        load(pairs)
 
     def stream(bucket_iter):
         for bucket in bucket_iter:
@@ -227,11 +234,12 @@ def _load(target, buckets, mode: str = "wait") -> int:
             for bucket in buckets:
                 write(list(stream([bucket])))
     except Exception as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
-        if isinstance(e, SyncError) and written[0] == 0:
-            raise
-        state = "keeps its old weights" if written[0] == 0 else (
-            f"is PARTIALLY updated ({written[0]} tensors written) and must be synced again before it generates")
-        raise SyncError(f"weight sync failed, the engine {state}: {type(e).__name__}: {e}") from e
+        if not touched[0]:
+            if isinstance(e, SyncError):
+                raise
+            raise SyncError(f"weight sync failed, the engine keeps its old weights: {type(e).__name__}: {e}") from e
+        raise SyncError(f"weight sync failed, the engine is PARTIALLY updated ({written[0]} tensors written) and must "
+                        f"be synced again before it generates: {type(e).__name__}: {e}") from e
     return written[0]
 
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from chatgen import models
+from chatgen.cli import positive_int
 from chatgen.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -31,9 +32,9 @@ def add_arguments(p):
     p.add_argument("--to", required=True, choices=["megatron", "hf"], help="target format")
     p.add_argument("--input", required=True, help="HF directory (--to megatron) or chatgen Megatron checkpoint")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron checkpoint")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the Megatron checkpoint")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
 
 
@@ -56,24 +57,30 @@ def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None) ->
     """A chatgen Megatron checkpoint -> an HF directory `dst` (written atomically; an existing one is replaced
     only with `replace`), with the tokenizer files of `src` or of the HF directory `side_files_from`."""
     src, dst = Path(src), Path(dst)
+    hf_config, hf = megatron_checkpoint_to_hf(src)
+    with atomic_directory(dst, replace=replace) as tmp:
+        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        copy_hf_side_files(side_files_from or src, tmp)
+    return dst
+
+
+def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:
+    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP, in memory."""
+    src = Path(src)
     meta = read_megatron_meta(src)
     if meta is None:
         raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json)")
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     spec = models.spec_from_hf_config(meta["hf_config"])
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
-    hf = layout.megatron_to_hf(shards, spec, tp, pp)
-    with atomic_directory(dst, replace=replace) as tmp:
-        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-        copy_hf_side_files(side_files_from or src, tmp)
-    return dst
+    return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
 
 
 def run(args) -> int:
     if Path(args.output).exists():
-        raise SystemExit(f"--output {args.output} exists; choose a new directory")
+        raise FileExistsError(f"--output {args.output} exists; choose a new directory")
     if args.to == "megatron":
         out = hf_to_megatron_dir(args.input, args.output, args.tp, args.pp, args.make_vocab_size_divisible_by)
         print(f"wrote Megatron checkpoint TP={args.tp} PP={args.pp} to {out}")
