@@ -365,8 +365,9 @@ class VLLMModule(Module):
         Every generated token reports the version it was sampled under (`weight_versions` in the outputs).
         Requests added after the update never reuse prefix-cache blocks computed with older weights. Names and
         layouts: see `vllm_adapter.load_weights`; chatgen.param_sync.sync_weights writes through here. If the
-        write fails after its first tensor, the module refuses to generate (a RuntimeError saying so) until a
-        later update succeeds: sync all weights again.
+        write fails (vLLM's reload releases the old weights as it begins, so any failure leaves a mix), the
+        module refuses to generate (a RuntimeError saying so; `needs_resync` says why) until a later update
+        succeeds: sync all weights again.
         """
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before update_weights")

@@ -261,8 +261,8 @@ class _Server:
         module, index = self.module, {}
         if module.is_sleeping():
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
-        if module.engine_loop.broken:
-            raise APIError(503, module.engine_loop.broken)
+        if module.needs_resync:
+            raise APIError(503, module.needs_resync)
 
         def add():
             for i, ids in enumerate(prompts):
