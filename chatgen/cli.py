@@ -3,7 +3,10 @@
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; only the
 chosen one is imported, so `chatgen --help` does not pay for importing vLLM or Megatron. Bad input
 (ValueError, including ConfigError, and OSError such as a missing file) is reported here, once for every
-subcommand, as `chatgen <command>: <message>` with exit code 1 (2 for config errors).
+subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage error: the
+input must change. Exit code 1 means the input was fine and the work failed (a run stopped, a check failed).
+`key=value` overrides may stand anywhere on the command line (`chatgen train X.yaml --resume a=1` as well as
+`chatgen train X.yaml a=1 --resume`).
 """
 import argparse
 import importlib
@@ -14,6 +17,7 @@ import sys
 COMMANDS = {
     "config": ("chatgen.config.cli", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
     "generate": ("chatgen.generation.cli", "generate from a JSONL of prompts with the step-driven VLLMModule"),
+    "serve": ("chatgen.serving.cli", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
     "convert": ("chatgen.training.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
     "check-sync": ("chatgen.param_sync.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
     "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
@@ -37,7 +41,13 @@ def main(argv=None) -> int:
             module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    overrides = [a for a in extra if "=" in a and not a.startswith("-")]
+    if overrides and isinstance(getattr(args, "overrides", None), list):
+        args.overrides += overrides  # key=value after a flag: argparse leaves them over
+        extra = [a for a in extra if a not in overrides]
+    if extra:
+        parser.parse_args(argv)  # argparse's own "unrecognized arguments" message, exit code 2
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:  # output piped into `head` and the like: not an error
@@ -47,7 +57,18 @@ def main(argv=None) -> int:
         if os.environ.get("CHATGEN_DEBUG"):
             raise
         print(f"chatgen {args.command}: {e}\n(set CHATGEN_DEBUG=1 for the traceback)", file=sys.stderr)
-        return 2 if type(e).__name__ == "ConfigError" else 1
+        return 2
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a size or count flag (--tp, --n, ...): an int >= 1, else a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
 
 
 if __name__ == "__main__":

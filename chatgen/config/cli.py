@@ -5,7 +5,7 @@
     chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)
 
-Exit status 1 with every problem listed (file, key, fix) when the config is invalid.
+Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
 """
 import dataclasses
 import sys
@@ -85,6 +85,11 @@ def run(args) -> int:
                   "--schema vllm|megatron|python|package.module:DataclassName", file=sys.stderr)
             return 2
         schema = marker[0]
+        if ":" in schema and not schema.startswith("chatgen."):  # a YAML file names code to import: chatgen's only
+            print(f"chatgen config: {args.path}: `# chatgen-schema: {schema}` names a module outside chatgen, which "
+                  f"a YAML line may not import; pass it on the command line instead: --schema {schema}",
+                  file=sys.stderr)
+            return 2
     try:
         if schema:
             import yaml
@@ -94,5 +99,5 @@ def run(args) -> int:
             print(format_config(load_config(args.path, args.overrides)))
     except ConfigError as e:
         print(e, file=sys.stderr)
-        return 1
+        return 2
     return 0

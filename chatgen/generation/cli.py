@@ -15,12 +15,20 @@ With --module, text prompts go through the class's `build_dataset` (and its data
 the output is what its `decode_internal` returns: a RolloutBatch as above, or a dict of per-sample values (a
 ChatLearn module's {"all_tokens": (S, L), "str_outputs": [...], ...}), one line per sample with each key's
 entry for that sample.
+
+The output path is checked before the model loads (its directory writable, not the input file, not an existing
+file unless --overwrite) and written atomically (a killed run leaves the old file or none, never half of one).
+A model that yields NaN or inf log-probs (weights diverged) is an error (exit 1), with no output written.
 """
 import functools
 import json
+import math
+import os
 import sys
 from pathlib import Path
 
+from chatgen.cli import positive_int
+from chatgen.generation import engine_config
 from chatgen.jsonl import is_token_ids, read_records
 from chatgen.rollout import RolloutBatch
 
@@ -37,36 +45,57 @@ def add_arguments(parser) -> None:
                              "its Megatron-LM keys ignored; docs/configuration.md)")
     parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
     parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
+    parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
     parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
-    parser.add_argument("--max-new-tokens", type=int, help="tokens per response (sets new_token_limit=true)")
+    parser.add_argument("--max-new-tokens", type=positive_int, help="tokens per response (sets new_token_limit=true)")
     parser.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy")
-    parser.add_argument("--n", type=int, help="samples per prompt")
+    parser.add_argument("--n", type=positive_int, help="samples per prompt")
     parser.add_argument("--seed", type=int, help="sampling seed")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. top_p=0.9")
 
 
-def _prompt_problem(record):
-    if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
-        return 'needs "prompt_ids" (list of ints) or "prompt" (string)'
-    if "prompt_ids" in record and not is_token_ids(record["prompt_ids"]):
-        return '"prompt_ids" must be a non-empty list of ints'
-    return None
-
-
-def read_prompts(path) -> list:
+def read_prompts(path, vocab_size: int) -> list:
     """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the bad line."""
-    return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, _prompt_problem, "prompts")]
+    def problem(record):
+        if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
+            return 'needs "prompt_ids" (list of ints) or "prompt" (string)'
+        if "prompt_ids" in record and not is_token_ids(record["prompt_ids"]):
+            return '"prompt_ids" must be a non-empty list of ints'
+        if "prompt_ids" in record:
+            try:
+                engine_config.check_prompt_ids(record["prompt_ids"], vocab_size, '"prompt_ids"')
+            except ValueError as e:
+                return str(e)
+        return None
+
+    return [(r.get("prompt_ids"), r.get("prompt")) for r in read_records(path, problem, "prompts")]
+
+
+def check_output(output, input_path, overwrite: bool) -> None:
+    """Before any work: --output can be written, is not --input, and replaces nothing unless --overwrite."""
+    out = Path(output)
+    if out.exists() and Path(input_path).exists() and out.samefile(input_path):
+        raise ValueError(f"--output {output} is the --input file; write the samples to another file")
+    if out.is_dir():
+        raise ValueError(f"--output {output} is a directory; give a file name")
+    if out.exists() and not overwrite:
+        raise ValueError(f"--output {output} exists; pass --overwrite to replace it, or choose another file")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OSError(f"--output {output}: cannot create its directory {out.parent} ({e.strerror})") from None
+    if not os.access(out.parent, os.W_OK):
+        raise PermissionError(f"--output {output}: cannot write in {out.parent}; choose a writable directory")
 
 
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
-    if not any((Path(args.model) / name).is_file() for name in ("config.json", "chatgen_megatron.json")):
-        raise ValueError(f"--model {args.model}: no config.json (nor chatgen_megatron.json) there; point it at a "
-                         "Hugging Face model directory (e.g. one made by `chatgen make-tiny-model --output DIR`) or a "
-                         "chatgen Megatron checkpoint")
-    rows = read_prompts(args.input)
+    hf_config = _model_config(args.model)
+    check_output(args.output, args.input, args.overwrite)
+    rows = read_prompts(args.input, hf_config["vocab_size"])
+    from chatgen.checkpoint_io import atomic_file
     from chatgen.config import VLLMConfig, format_config, load_model_config
-    from chatgen.generation import engine_config, vllm_adapter
+    from chatgen.generation import vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
     from chatgen.module import import_class
 
@@ -98,11 +127,12 @@ def run(args) -> int:
         texts = iter(prepared)
         items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
     out = module.run_generation(items)  # the class's decode_internal: a RolloutBatch by default
-    with open(args.output, "w", encoding="utf-8") as f:
-        if not isinstance(out, RolloutBatch):
-            for record in _sample_records(out, args.module):
-                f.write(json.dumps(record) + "\n")
-        for s in range(len(out) if isinstance(out, RolloutBatch) else 0):
+    module.shutdown()
+    if not isinstance(out, RolloutBatch):
+        records = [json.dumps(record) + "\n" for record in _sample_records(out, args.module)]
+    else:
+        records = []
+        for s in range(len(out)):
             p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
             index = int(out.prompt_index[s])
             record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
@@ -111,12 +141,18 @@ def run(args) -> int:
                       "finish_reason": out.finish_reasons[s]}
             if module.tokenizer is not None:
                 record["text"] = out.texts[s]
-            f.write(json.dumps(record) + "\n")
+            if not all(map(math.isfinite, record["logprobs"])):
+                print(f"chatgen generate: input line {index + 1}: the model gave NaN or inf log-probs; its weights are "
+                      f"not finite (a diverged training run?): check {args.model}. Nothing was written.",
+                      file=sys.stderr)
+                return 1
+            records.append(json.dumps(record) + "\n")
+    with atomic_file(args.output) as tmp, open(tmp, "w", encoding="utf-8") as f:
+        f.writelines(records)
     m = module.metrics
     print(f"wrote {m['samples']} samples to {args.output}: {m['generation_tokens']} tokens in "
           f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.1f} generated tokens/s, "
           f"peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%", file=sys.stderr)
-    module.shutdown()
     return 0
 
 
@@ -139,3 +175,18 @@ def _sample_records(out, module_name) -> list:
             record[key] = value.tolist() if hasattr(value, "tolist") else value
         rows.append(record)
     return rows
+
+
+def _model_config(model) -> dict:
+    """The HF config of --model: an HF directory's config.json or a chatgen Megatron checkpoint's."""
+    from chatgen.checkpoint_io import read_megatron_meta
+
+    path = Path(model)
+    meta = read_megatron_meta(path)
+    if meta is not None:
+        return meta["hf_config"]
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json (nor chatgen_megatron.json) there; point it at a Hugging "
+                         "Face model directory (e.g. one made by `chatgen make-tiny-model --output DIR`) or a chatgen "
+                         "Megatron checkpoint")
+    return json.loads((path / "config.json").read_text())

@@ -77,6 +77,31 @@ def check_prompt_length(cfg, prompt_len: int, name: str) -> None:
                          "raise seq_length or lower max_new_tokens (build_dataset cuts text prompts to the budget)")
 
 
+def check_prompt_ids(ids, vocab_size: int, name: str) -> None:
+    """ValueError naming the prompt when a token id is outside the model's vocabulary [0, vocab_size) (the
+    embedding lookup would abort the process)."""
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{name}: token id(s) {bad[:5]} outside the model's vocabulary [0, {vocab_size}); the ids "
+                         "come from another tokenizer or model?")
+
+
+def check_vocab(tokenizer_size: int, vocab_size: int, tokenizer_from, model_dir) -> str | None:
+    """Setup check of the tokenizer against the model. A tokenizer with more tokens than the model has
+    embedding rows is a ConfigError naming both (its ids past the model's vocabulary would abort the process).
+    Fewer is the usual padded vocabulary (Qwen2.5: 151665 tokens, 151936 rows), returned as a warning: a sampled
+    id without text cannot be detokenized."""
+    where = f"the tokenizer of {tokenizer_from} has {tokenizer_size} tokens, the model {model_dir}/config.json " \
+            f"has vocab_size={vocab_size}"
+    if tokenizer_size > vocab_size:
+        raise ConfigError([f"tokenizer: {where}; ids past {vocab_size - 1} have no embedding row. Use the model's "
+                           "own tokenizer (the `tokenizer` key, or the tokenizer files in the model directory)"])
+    if tokenizer_size < vocab_size:
+        return (f"{where}: ids {tokenizer_size}..{vocab_size - 1} have no text (a padded vocabulary is fine; if the "
+                "model samples such an id, vLLM cannot detokenize it)")
+    return None
+
+
 def max_tokens(cfg, prompt_len: int) -> int:
     """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
     check_prompt_length(cfg, prompt_len, "a prompt")

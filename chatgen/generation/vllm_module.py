@@ -12,10 +12,10 @@ examples/policy_inference.py. The framework owns the loop (`run_generation`):
     _add_request(batch) -> while requests remain: schedule -> forward_step -> collect finished -> decode_internal
 
 The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can write new
-weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
+weights into it in place (`update_weights`) and put it to sleep between episodes (`sleep` / `wake_up`).
 Everything that touches vLLM internals is in `chatgen.generation.vllm_adapter`.
 """
-import itertools
+import contextlib
 import logging
 import os
 import shutil
@@ -61,10 +61,10 @@ class VLLMModule(Module):
         self.engine = None
         self.tokenizer = None
         self.pad_token_id = 0
+        self.vocab_size = None  # the model's vocabulary (config.json vocab_size), read at setup()
         self.metrics = {}
         self.iteration = 0
-        self._request_ids = itertools.count()
-        self._queued = []  # request ids added during the current call, aborted if it fails
+        self._queued = []  # request ids added by the call being started (engine thread), aborted if it fails
         self._collate_fns = {}  # is_eval -> the collate_fn of the dataset build_dataset returned (ChatLearn)
         self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
 
@@ -102,7 +102,7 @@ class VLLMModule(Module):
         this process and reads the tokenizer. `model_dir` may also be a chatgen Megatron checkpoint (what
         `MegatronModule.save_checkpoint` writes, any TP x PP, as ChatLearn's vLLM module starts from its
         trainer's checkpoint): the engine then starts from its HF config with placeholder weights and the
-        checkpoint's weights are written in through the weight-sync path (`load_weights`), no conversion on disk.
+        checkpoint's weights are written in through the weight-sync path (`update_weights`), no conversion on disk.
         Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
         """
         model_dir = self.model_provider()
@@ -116,7 +116,7 @@ class VLLMModule(Module):
         if megatron:
             from chatgen.training.convert import megatron_checkpoint_to_hf  # pure tensor code: no Megatron import
 
-            self.load_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
+            self.update_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
             try:  # ChatLearn's modules reach the HF tokenizer as self.tokenizer.tokenizer
@@ -127,6 +127,16 @@ class VLLMModule(Module):
             raise ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set it to "
                                "false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = engine_config.pad_token_id(self.tokenizer, model_dir)
+        self.vocab_size = adapter.hf_config(self.engine)["vocab_size"]
+        if self.tokenizer is not None:
+            try:
+                mismatch = engine_config.check_vocab(len(self.tokenizer), self.vocab_size,
+                                                     self.config.tokenizer or model_dir, model_dir)
+            except ConfigError:
+                self.shutdown()
+                raise
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
 
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
@@ -245,12 +255,19 @@ class VLLMModule(Module):
         # end of the call (`_decode_texts`).
         return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(stop))
 
-    def add_request(self, prompt_ids, params, prompt_text=None) -> str:
-        """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id."""
+    def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
+        """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
+
+        Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new tokens
+        (a DELTA output each step, for `engine_loop.stream`) instead of one output when the request finishes.
+        """
         if not prompt_ids:
             raise ValueError("add_request: empty prompt; every prompt needs at least one token (e.g. BOS)")
-        request_id = str(next(self._request_ids))
-        adapter.add_request(self.engine, request_id, prompt_ids, params, prompt_text)
+        loop = self.engine_loop
+        request_id = loop.next_request_id()
+        kind = adapter.RequestOutputKind.DELTA if stream else adapter.RequestOutputKind.FINAL_ONLY
+        adapter.add_request(self.engine, request_id, prompt_ids, params, prompt_text, cache_salt=loop.cache_salt,
+                            output_kind=kind)
         self._queued.append(request_id)
         return request_id
 
@@ -306,6 +323,73 @@ class VLLMModule(Module):
         items = self.build_dataset(prompts, is_eval)
         return [s.text for _, s in iter_samples(self._drive(lambda: self._queue(items, is_eval, greedy), is_eval))]
 
+    async def generate_async(self, batch, greedy=False):
+        """`generate`, streaming: an async iterator of (row index, one-row output), each as soon as its prompt's
+        samples finish (rows i * n .. i * n + n - 1 of prompt i, one at a time).
+
+        Each output has the keys of `generate` for one row, L = T + that row's generation. Requests of other
+        callers run alongside (continuous batching). Leaving the iterator early aborts this call's requests
+        and frees their KV blocks.
+        """
+        prompts = unpad_batch(batch, self.pad_token_id)
+        for i, ids in enumerate(prompts):
+            engine_config.check_prompt_length(self.config, len(ids), f"generate_async(): row {i}")
+        stops = batch.get("stop_strings") or [None] * len(prompts)
+        items = [{"input_ids": ids, "stop_strings": stop} for ids, stop in zip(prompts, stops)]
+        self._check_ready()
+        first = {}  # request id -> its prompt's row index in the batch
+        width, dtype = batch["input_ids"].shape[1], batch["input_ids"].dtype
+
+        def add():
+            for i, request_id in enumerate(self._queue(items, greedy=greedy)):
+                first[request_id] = i
+
+        async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:  # closed: aborts the rest
+            async for output in outputs:
+                self._decode_texts([output])
+                rows = generation_output([output], width, self.pad_token_id, dtype)
+                n = rows["output_ids"].shape[0]
+                for j in range(n):
+                    yield first[output.request_id] * n + j, {key: value[j:j + 1] for key, value in rows.items()}
+
+    def update_weights(self, named_tensors, mode: str = "wait") -> int:
+        """Write HF-format (name, tensor) pairs into the engine between two engine steps; returns the new
+        weight version (0 = the weights the engine started with, +1 per update).
+
+        mode, for requests in flight when the update arrives:
+            wait       admit nothing new, run them to the end under the old weights, then write
+            keep       write now; they continue under the new weights, keeping the KV already computed
+            recompute  write now; they are re-prefilled (prompt + generated tokens) under the new weights
+            abort      they end now with what they have (finish_reason "abort"), then write
+        Every generated token reports the version it was sampled under (`weight_versions` in the outputs).
+        Requests added after the update never reuse prefix-cache blocks computed with older weights. Names and
+        layouts: see `vllm_adapter.load_weights`; chatgen.param_sync.sync_weights writes through here. If the
+        write fails after its first tensor, the module refuses to generate (a RuntimeError saying so) until a
+        later update succeeds: sync all weights again.
+        """
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before update_weights")
+        return self.engine_loop.update_weights(lambda: named_tensors, mode)
+
+    @property
+    def needs_resync(self) -> str | None:
+        """Why this module refuses to generate (a weight write failed after vLLM's reload began, leaving a mix of
+        old and new weights), or None. A later complete `update_weights` / sync clears it."""
+        return self.engine_loop.broken if self.engine is not None else None
+
+    @property
+    def weight_version(self) -> int:
+        """Weight version of the engine: 0 at start, +1 per `update_weights`."""
+        return self.engine_loop.weight_version
+
+    @property
+    def engine_loop(self):
+        """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
+        whose ranks must step in lockstep)."""
+        from chatgen.generation.engine_loop import EngineLoop
+
+        return EngineLoop.of(self.engine, threaded=self.distributed_executor_backend != "external_launcher")
+
     def sleep(self, level: int = 1) -> None:
         """Between episodes: pause the engine and free its GPU memory for the colocated trainer.
 
@@ -314,22 +398,31 @@ class VLLMModule(Module):
         the prefix cache is cleared; size the CPU cache with kv_cache_memory_bytes. Generating while asleep
         is an error.
         """
-        adapter.sleep(self.engine, level)
+        self.engine_loop.call(lambda: adapter.sleep(self.engine, level))
 
     def wake_up(self) -> None:
         """Before the next episode: re-allocate weights and KV cache (GPU) and resume scheduling."""
-        adapter.wake_up(self.engine)
+        self.engine_loop.call(lambda: adapter.wake_up(self.engine))
 
     def is_sleeping(self) -> bool:
         return adapter.is_sleeping(self.engine)
 
-    def load_weights(self, named_tensors) -> None:
-        """Write HF-format (name, tensor) pairs into the engine in place (see `vllm_adapter.load_weights`)."""
-        adapter.load_weights(self.engine, named_tensors)
+    def prepare_for_generation(self) -> bool:
+        """NeMo RL's name: wake the engine if it sleeps. Returns True."""
+        if self.is_sleeping():
+            self.wake_up()
+        return True
+
+    def finish_generation(self) -> bool:
+        """NeMo RL's name: put the engine to sleep (level 1) so a colocated trainer gets the memory. Returns True."""
+        if not self.is_sleeping():
+            self.sleep()
+        return True
 
     def shutdown(self) -> None:
-        """Stop the engine and release its memory."""
+        """Stop the engine loop and the engine and release its memory."""
         if self.engine is not None:
+            self.engine_loop.shutdown()
             adapter.shutdown(self.engine)
             self.engine = None
         if self._engine_dir is not None:
@@ -338,7 +431,7 @@ class VLLMModule(Module):
 
     def _hf_view(self, checkpoint) -> str:
         """A temporary HF directory for the engine to start from: the Megatron checkpoint's HF config.json and
-        its tokenizer files (the weights come through `load_weights`)."""
+        its tokenizer files (the weights come through `update_weights`)."""
         import json
 
         self._engine_dir = tempfile.mkdtemp(prefix="chatgen-vllm-")
@@ -356,6 +449,7 @@ class VLLMModule(Module):
         for i, item in enumerate(items):
             n = len(item["input_ids"])
             engine_config.check_prompt_length(self.config, n, f"run_generation: item {i}")
+            engine_config.check_prompt_ids(item["input_ids"], self.vocab_size, f"run_generation: item {i}")
             params = self.sampling_params(n, is_eval=is_eval, greedy=greedy,
                                           stop_strings=item.get("stop_strings") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
@@ -371,30 +465,19 @@ class VLLMModule(Module):
                                                                   skip_special_tokens=True)):
             sample.text = text
 
-    def _drive(self, add_requests, is_eval=False) -> list:
-        """Queue requests with `add_requests()`, step the engine until all finish (each step through
-        `forward_step`, or `eval_forward` when is_eval); returns the finished `RequestOutput`s sorted by request
-        id and records `self.metrics`."""
+    def _check_ready(self) -> None:
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before generating")
         if adapter.is_sleeping(self.engine):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
+
+    def _drive(self, add_requests, is_eval=False) -> list:
+        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine thread; each
+        step goes through `forward_step`, or `eval_forward` when is_eval) and wait until all its requests
+        finish; returns the finished `RequestOutput`s sorted by request id and records `self.metrics`."""
+        self._check_ready()
         start = time.perf_counter()
-        finished, steps, kv_peak = [], 0, 0.0
-        step = self.eval_forward if is_eval else self.forward_step
-        self._queued = []
-        try:
-            add_requests()
-            while adapter.has_unfinished_requests(self.engine):
-                scheduled = adapter.schedule(self.engine)
-                kv_peak = max(kv_peak, adapter.kv_cache_usage(self.engine))
-                finished += [o for o in step(scheduled, self.iteration) if o.finished]
-                steps += 1
-                self.iteration += 1
-        except BaseException:  # leave the engine empty for the next call
-            adapter.abort(self.engine, self._queued)
-            raise
-        finished.sort(key=lambda o: int(o.request_id))
+        finished, stats = self.engine_loop.run(self, add_requests, is_eval)
         self._decode_texts(finished)
         elapsed = time.perf_counter() - start
         prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
@@ -404,10 +487,10 @@ class VLLMModule(Module):
             "samples": sum(len(o.outputs) for o in finished),
             "prompt_tokens": prompt_tokens,
             "generation_tokens": generation_tokens,
-            "engine_steps": steps,
+            "engine_steps": stats["engine_steps"],
             "elapsed_s": elapsed,
             "prompt_tokens_per_s": prompt_tokens / elapsed,
             "generation_tokens_per_s": generation_tokens / elapsed,
-            "kv_cache_usage_peak": kv_peak,
+            "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
         }
         return finished

@@ -113,6 +113,8 @@ class StageParam:
 
 def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
     """Raise one error listing every way TP/PP does not fit the model's shapes (Megatron's own rules)."""
+    if tp < 1 or pp < 1:
+        raise ValueError(f"layout TP={tp} PP={pp}: tensor and pipeline parallel sizes must be at least 1")
     errors = []
     if spec.num_attention_heads % tp:
         errors.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by TP={tp}")

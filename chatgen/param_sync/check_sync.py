@@ -19,17 +19,18 @@ import sys
 import time
 from pathlib import Path
 
+from chatgen.cli import positive_int
 from chatgen.jsonl import is_token_ids, read_records
 
 
 def add_arguments(p):
     p.add_argument("--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)")
-    p.add_argument("--train-tp", type=int, default=1, help="trainer tensor-parallel size")
-    p.add_argument("--train-pp", type=int, default=1, help="trainer pipeline-parallel size")
-    p.add_argument("--infer-tp", type=int, default=1, help="vLLM tensor-parallel size")
+    p.add_argument("--train-tp", type=positive_int, default=1, help="trainer tensor-parallel size")
+    p.add_argument("--train-pp", type=positive_int, default=1, help="trainer pipeline-parallel size")
+    p.add_argument("--infer-tp", type=positive_int, default=1, help="vLLM tensor-parallel size")
     p.add_argument("--input", required=True, help='JSONL of {"prompt_ids": [...]} lines')
     p.add_argument("--output", required=True, help="where to write the JSON report")
-    p.add_argument("--max-new-tokens", type=int, default=16)
+    p.add_argument("--max-new-tokens", type=positive_int, default=16)
     p.add_argument("--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bucket-mb", type=float, default=256, help="sync bucket size in MiB")
@@ -117,11 +118,16 @@ def _generate(llm, prompts, max_new_tokens):
 
 
 def check_sync(args) -> dict:
-    from chatgen.generation import vllm_adapter
-
     if not (Path(args.hf_checkpoint) / "config.json").exists():
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
                          "directory (e.g. one from `chatgen make-tiny-model`)")
+    from chatgen import models
+    from chatgen.models import layout
+
+    spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
+    layout.check_layout(spec, args.train_tp, args.train_pp)  # here, once: not in every trainer rank's traceback
+    from chatgen.generation import vllm_adapter
+
     prompts = read_prompts(args.input)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)

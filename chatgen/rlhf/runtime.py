@@ -21,6 +21,7 @@ exception in an actor reaches the driver as `ActorFailure` carrying the actor's 
 then kills every actor (see `Runtime.shutdown`), so nothing is left running.
 """
 import os
+import shutil
 import time
 import traceback
 
@@ -244,8 +245,8 @@ def plan_groups(cfg) -> list:
 class Runtime:
     """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
 
-    def __init__(self, groups: list, handles: dict, started_ray: bool):
-        self.groups, self.handles, self.started_ray = groups, handles, started_ray
+    def __init__(self, groups: list, handles: dict, ray_dir: str | None):
+        self.groups, self.handles, self.ray_dir = groups, handles, ray_dir  # ray_dir: a Ray started by this run
 
     def __getitem__(self, name: str) -> ModelHandle:
         return self.handles[name]
@@ -265,7 +266,7 @@ class Runtime:
     def start(cls, cfg, log=print) -> "Runtime":
         plans = plan_groups(cfg)
         local = launcher(cfg, plans) == "local"
-        started = False if local else init_ray(cfg.runtime.ray_address, sum(w * c for _, w, _, c in plans))
+        started = None if local else init_ray(cfg.runtime.ray_address, sum(w * c for _, w, _, c in plans))
         groups, handles = [], {}
         try:
             env = worker_env()
@@ -291,19 +292,21 @@ class Runtime:
         return cls(groups, handles, started)
 
     def shutdown(self) -> None:
-        """Kill every actor of this run and stop Ray if this run started it; safe to call twice."""
+        """Kill every actor of this run and stop Ray if this run started it (removing its session directory);
+        safe to call twice."""
         for group in self.groups:
             try:
                 group.kill()
             except Exception:  # noqa: BLE001 - already dead / Ray going down: nothing left to free
                 pass
         self.groups = []
-        if self.started_ray:
+        if self.ray_dir:
             import ray
 
             if ray.is_initialized():
                 ray.shutdown()
-        self.started_ray = False
+            shutil.rmtree(self.ray_dir, ignore_errors=True)
+        self.ray_dir = None
 
 
 def _dp_rank(models, name):
@@ -350,19 +353,54 @@ def worker_env() -> dict:
     return env
 
 
-def init_ray(address: str | None, num_cpus_needed: float) -> bool:
-    """Connect to `address` (a cluster), or start a local Ray sized for this run. Returns True if started here."""
+def init_ray(address: str | None, num_cpus_needed: float) -> str | None:
+    """Connect to `address` (a cluster), or start a local Ray sized for this run, listening on loopback only.
+
+    Returns the temporary directory of a Ray started here (its session files and sockets; `Runtime.shutdown`
+    removes it), None when connected to a cluster or when Ray was already up.
+
+    A local Ray binds every server (GCS, raylet, workers' gRPC, the agents, the autoscaler monitor) to 127.0.0.1:
+    `ray.init` itself turns a loopback node address into the machine's routable one, so chatgen switches Ray to
+    the single-machine mode it uses by default on macOS and Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read
+    when Ray resolves the node address) for the start. No dashboard. docs/failure_and_security.md covers a
+    cluster (runtime.ray_address), where Ray must listen on the network: its token authentication and firewall.
+    """
+    import tempfile
+
     import ray
+    from ray._private import ray_constants
 
     if ray.is_initialized():
-        return False
+        return None
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
                   runtime_env={"env_vars": {"PYTHONPATH": worker_env()["PYTHONPATH"]}})
     if address:
         ray.init(address=address, **kwargs)
-    else:
+        return None
+    temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
+    saved = os.environ.get(_RAY_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_RAY_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
         # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
         # turns on the same cores, so over-subscribing the logical count is what we want).
-        ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), **kwargs)
-    return True
+        ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), _temp_dir=temp_dir, **kwargs)
+    except BaseException:
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        if saved[0] is None:
+            os.environ.pop(_RAY_SINGLE_MACHINE)
+        else:
+            os.environ[_RAY_SINGLE_MACHINE] = saved[0]
+    node_ip = ray.util.get_node_ip_address()
+    if node_ip != "127.0.0.1":  # a Ray upgrade changed how the node address is picked: refuse to run exposed
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        raise RuntimeError(f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
+                           f"{_RAY_SINGLE_MACHINE}=0 (see chatgen.rlhf.runtime.init_ray)")
+    return temp_dir
+
+
+_RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"

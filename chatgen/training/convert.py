@@ -15,6 +15,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from chatgen import models
+from chatgen.cli import positive_int
 from chatgen.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -31,9 +32,9 @@ def add_arguments(p):
     p.add_argument("--to", required=True, choices=["megatron", "hf"], help="target format")
     p.add_argument("--input", required=True, help="HF directory (--to megatron) or chatgen Megatron checkpoint")
     p.add_argument("--output", required=True, help="directory to write (must not exist)")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the Megatron checkpoint")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
-    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the Megatron checkpoint")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
 
 
@@ -79,7 +80,7 @@ def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:
 
 def run(args) -> int:
     if Path(args.output).exists():
-        raise SystemExit(f"--output {args.output} exists; choose a new directory")
+        raise FileExistsError(f"--output {args.output} exists; choose a new directory")
     if args.to == "megatron":
         out = hf_to_megatron_dir(args.input, args.output, args.tp, args.pp, args.make_vocab_size_divisible_by)
         print(f"wrote Megatron checkpoint TP={args.tp} PP={args.pp} to {out}")

@@ -45,15 +45,12 @@ class FailingReward(Module):
 
 @pytest.fixture(scope="module")
 def ray_session():
-    import ray
+    from chatgen.rlhf.runtime import Runtime, init_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    started = not ray.is_initialized()
-    if started:
-        ray.init(num_cpus=4, include_dashboard=False, configure_logging=False)
+    ray_dir = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
     yield
-    if started:
-        ray.shutdown()
+    Runtime([], {}, ray_dir).shutdown()
 
 
 @pytest.fixture(scope="module")

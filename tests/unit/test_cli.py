@@ -1,7 +1,9 @@
-"""`chatgen` reports bad input as one line naming the problem, with exit code 1 (2 for config errors), never a
-traceback; CHATGEN_DEBUG=1 brings the traceback back."""
+"""`chatgen` reports bad input as one line naming the problem, with exit code 2 (the input must
+change; 1 means the work failed), never a traceback; CHATGEN_DEBUG=1 brings the traceback back."""
 import subprocess
 import sys
+
+import pytest
 
 
 def chatgen(*args, env=None):
@@ -20,7 +22,7 @@ def test_help_lists_every_subcommand():
 
 def test_bad_spec_is_one_message_not_a_traceback(tmp_path):
     proc = chatgen("make-tiny-model", "--output", str(tmp_path / "m"), "num_key_value_heads=0")
-    assert proc.returncode == 1
+    assert proc.returncode == 2
     assert "chatgen make-tiny-model:" in proc.stderr and "num_key_value_heads: must be a positive integer" in proc.stderr
     assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()
 
@@ -34,7 +36,7 @@ def test_generate_with_a_wrong_model_dir_names_the_flag(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
     proc = chatgen("generate", "--model", str(tmp_path / "nope"), "--input", str(tmp_path / "in.jsonl"),
                    "--output", str(tmp_path / "out.jsonl"))
-    assert proc.returncode == 1 and "--model" in proc.stderr and "no config.json" in proc.stderr
+    assert proc.returncode == 2 and "--model" in proc.stderr and "no config.json" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -56,3 +58,51 @@ def test_make_tiny_model_family_flag_sets_the_family_over_config(tmp_path):
     hf = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == ("qwen3", ["Qwen3ForCausalLM"], 1)
     assert hf["head_dim"] == 32 and hf["tie_word_embeddings"] is False  # the rest from --config
+
+
+@pytest.mark.faults
+def test_overrides_after_a_flag_reach_the_config(tmp_path):
+    """docs/quickstart.md's `bash examples/train_grpo_tiny.sh --resume runtime.num_episode=100`: a key=value after
+    a flag is an override (here a misspelt one, so the config loader stops the run before anything starts)."""
+    proc = chatgen("train", "configs/grpo_tiny.yaml", "--resume", "runtime.num_episod=100")
+    assert proc.returncode == 2 and "did you mean 'num_episode'" in proc.stderr
+    assert "unrecognized arguments" not in proc.stderr
+    proc = chatgen("train", "configs/grpo_tiny.yaml", "--resume", "--bogus-flag")
+    assert proc.returncode == 2 and "unrecognized arguments: --bogus-flag" in proc.stderr
+
+
+@pytest.mark.faults
+def test_sizes_and_layouts_are_usage_errors_with_exit_code_2(tiny_llama_dir, tmp_path):
+    proc = chatgen("convert", "--to", "megatron", "--input", str(tiny_llama_dir), "--output", str(tmp_path / "m"),
+                   "--tp", "0")
+    assert proc.returncode == 2 and "--tp: 0 must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
+    proc = chatgen("check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--train-tp", "3", "--input",
+                   str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "c.json"))
+    # one message, from the driver, before any engine or trainer process starts
+    assert proc.returncode == 2 and proc.stderr.count("layout TP=3 PP=1 does not fit") == 1
+    assert "Traceback" not in proc.stderr and not (tmp_path / "c.json").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("runtime:\n  seed: 1\n  seed: 2\nmodels: {}\n")
+    for command in (["config", str(bad)], ["train", str(bad)]):  # one exit code for a bad config, any command
+        proc = chatgen(*command)
+        assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, command
+
+
+@pytest.mark.faults
+def test_generate_checks_its_output_before_loading_the_model(tiny_llama_dir, tmp_path, capsys):
+    """The output path is checked first (no model loads, nothing is lost after a long generation): never the
+    input file, never an existing file without --overwrite."""
+    from chatgen.cli import main
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n')
+    common = ["generate", "--model", str(tiny_llama_dir), "--input", str(prompts)]
+    assert main([*common, "--output", str(prompts)]) == 2
+    assert "is the --input file" in capsys.readouterr().err and prompts.read_text() == '{"prompt_ids": [1, 2]}\n'
+    existing = tmp_path / "out.jsonl"
+    existing.write_text("keep me\n")
+    assert main([*common, "--output", str(existing)]) == 2
+    assert "pass --overwrite" in capsys.readouterr().err and existing.read_text() == "keep me\n"
+    assert main([*common, "--output", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
+    assert main([*common, "--output", "/proc/nope/out.jsonl"]) == 2 and "--output" in capsys.readouterr().err

@@ -470,7 +470,7 @@ def test_format_config_is_yaml_of_the_resolved_values(main_yaml):
 def test_cli_prints_resolved_config_or_every_error(main_yaml, capsys):
     assert cli.main(["config", str(main_yaml), "policy.temperature=0.1"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["models"]["policy"]["config"]["temperature"] == 0.1
-    assert cli.main(["config", str(main_yaml), "policy.temprature=0.1", "runtime.sed=1"]) == 1
+    assert cli.main(["config", str(main_yaml), "policy.temprature=0.1", "runtime.sed=1"]) == 2
     assert "2 config error(s)" in capsys.readouterr().err
     assert cli.main(["config", "--schema", "vllm", "models/policy.yaml", "n=2"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["n"] == 2
@@ -584,9 +584,37 @@ def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
     path = write(tmp_path / "p.yaml", "# chatgen config p.yaml\n# chatgen-schema: vllm\nload: /m\ntemperature: 0.5\n")
     assert main(["config", str(path)]) == 0 and "temperature: 0.5" in capsys.readouterr().out
     path.write_text("# chatgen-schema: vllm\ntempreature: 0.5\n")
-    assert main(["config", str(path)]) == 1 and "did you mean 'temperature'" in capsys.readouterr().err
+    assert main(["config", str(path)]) == 2 and "did you mean 'temperature'" in capsys.readouterr().err
     path.write_text("load: /m\n")  # neither a main YAML nor a marker: says how to name the schema
     assert main(["config", str(path)]) == 2 and "--schema" in capsys.readouterr().err
+
+
+@pytest.mark.faults
+def test_a_schema_marker_imports_chatgen_modules_only(tmp_path, capsys):
+    """A YAML line must not make `chatgen config` import arbitrary code; the command line may (--schema)."""
+    import sys
+
+    from chatgen.cli import main
+
+    module = write(tmp_path / "planted_schema.py", "import dataclasses\nIMPORTED = True\n"
+                   "@dataclasses.dataclass\nclass S:\n    a: int = 1\n")
+    path = write(tmp_path / "p.yaml", "# chatgen-schema: planted_schema:S\na: 2\n")
+    sys.path.insert(0, str(module.parent))
+    try:
+        assert main(["config", str(path)]) == 2
+        assert "outside chatgen" in capsys.readouterr().err and "planted_schema" not in sys.modules
+        assert main(["config", "--schema", "planted_schema:S", str(path)]) == 0  # explicit: allowed
+        assert "a: 2" in capsys.readouterr().out
+    finally:
+        sys.path.remove(str(module.parent))
+        sys.modules.pop("planted_schema", None)
+
+
+@pytest.mark.faults
+def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
+    path = write(tmp_path / "p.yaml", "load: /m\ntemperature: 0.5\ntop_p: 0.9\ntemperature: 0.7\n")
+    with pytest.raises(ConfigError, match=r"line 4: .*'temperature' appears twice .*lines 2 and 4"):
+        load_model_config(path, VLLMConfig)
 
 
 def test_override_values_keep_text_yaml_would_change():

@@ -204,8 +204,39 @@ def test_unpad_batch_and_errors_name_the_row():
         unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([0, 2])}, 0)
     with pytest.raises(ValueError, match="must be \\(B, T\\)"):
         unpad_batch({"input_ids": ids[0], "input_lengths": torch.tensor([3])}, 0)
-    with pytest.raises(ValueError, match="stop_strings has 1 entries for 2 rows"):
+    with pytest.raises(ValueError, match=r"one entry per row \(2\)"):
         unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([3, 2]), "stop_strings": [["x"]]}, 0)
+
+
+@pytest.mark.faults
+def test_unpad_batch_refuses_inputs_that_used_to_give_silently_wrong_results():
+    """A string where a list of stop strings belongs used to be split into characters (stopping after a token);
+    a bool tensor of ids was accepted and came back as bool outputs."""
+    ids, lengths = torch.tensor([[1, 5, 6, 0], [1, 7, 0, 0]]), torch.tensor([3, 2])
+    with pytest.raises(ValueError, match=r"stop_strings\[1\] = 'abc'; give a list of non-empty strings .*\['abc'\]"):
+        unpad_batch({"input_ids": ids, "input_lengths": lengths, "stop_strings": [None, "abc"]}, 0)
+    with pytest.raises(ValueError, match="stop_strings must be a list with one entry per row"):
+        unpad_batch({"input_ids": ids, "input_lengths": lengths, "stop_strings": "ab"}, 0)  # len("ab") == B
+    with pytest.raises(ValueError, match="input_ids is a torch.bool tensor; pass token ids .* integer tensor"):
+        unpad_batch({"input_ids": ids.bool(), "input_lengths": lengths}, 0)
+    with pytest.raises(ValueError, match="input_lengths is a torch.float32 tensor"):
+        unpad_batch({"input_ids": ids, "input_lengths": lengths.float()}, 0)
+    assert unpad_batch({"input_ids": ids, "input_lengths": lengths, "stop_strings": [["ab"], None]}, 0) == [[1, 5, 6],
+                                                                                                           [1, 7]]
+
+
+@pytest.mark.faults
+def test_tokenizer_and_model_vocabulary_are_checked_against_each_other():
+    from chatgen.config import ConfigError
+    from chatgen.generation import engine_config
+
+    with pytest.raises(ConfigError, match=r"tokenizer of /tok has 512 tokens, the model /m/config.json has "
+                                          r"vocab_size=256; ids past 255 have no embedding row"):
+        engine_config.check_vocab(512, 256, "/tok", "/m")
+    assert "ids 512..1023 have no text" in engine_config.check_vocab(512, 1024, "/tok", "/m")
+    assert engine_config.check_vocab(512, 512, "/tok", "/m") is None
+    with pytest.raises(ValueError, match=r"item 3: token id\(s\) \[-1, 9\] outside the model's vocabulary \[0, 9\)"):
+        engine_config.check_prompt_ids([1, -1, 9], 9, "item 3")
 
 
 def sample(index, tokens, logprobs, finish):
@@ -247,14 +278,16 @@ def test_cli_input_errors_name_the_line(tmp_path):
 
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt": "hi"}\n')
-    assert read_prompts(good) == [([1, 2], None), (None, "hi")]
+    assert read_prompts(good, 512) == [([1, 2], None), (None, "hi")]
     for text, message in [('{"prompt_ids": [1, 2]}\n{"text": "x"}\n', "bad.jsonl:2: needs"),
                           ('{"prompt_ids": []}\n', "bad.jsonl:1: \"prompt_ids\" must be a non-empty list"),
+                          ('{"prompt_ids": [1]}\n\n{"prompt_ids": [1, 512]}\n',
+                           r"bad.jsonl:3: \"prompt_ids\": token id\(s\) \[512\] outside the model's vocabulary \[0, 512\)"),
                           ("not json\n", "bad.jsonl:1: not JSON"),
                           ("\n", "no prompts")]:
         (tmp_path / "bad.jsonl").write_text(text)
         with pytest.raises(ValueError, match=message):
-            read_prompts(tmp_path / "bad.jsonl")
+            read_prompts(tmp_path / "bad.jsonl", 512)
 
 
 def test_shipped_policy_yaml_is_accepted_by_the_generation_module():

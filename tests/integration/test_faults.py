@@ -1,0 +1,194 @@
+"""Fault injection against real engines: what a run listens on, what a bad sync or a bad model leaves behind.
+
+    python -m pytest tests/integration/test_faults.py        # ~1 min on 2 CPU cores
+
+Each test reproduces one finding of issue 13 and asserts the fixed behaviour; docs/failure_and_security.md
+describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
+"""
+import ipaddress
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.faults]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def listeners(root: psutil.Process) -> list:
+    """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
+
+
+def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
+    """Ray as `chatgen train` starts it (runtime.launcher: ray, no ray_address), with a 2-rank actor group that
+    joins its torch.distributed rendezvous: every listening socket of the process tree is on 127.0.0.1, and
+    after shutdown no Ray process and no session directory is left."""
+    import ray
+
+    from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
+
+    if ray.is_initialized():
+        pytest.skip("Ray already runs in this process (started by another test module)")
+    ray_dir = init_ray(None, 2)
+    me = psutil.Process()
+    try:
+        group = ActorGroup(["a"], 2, 0, 0.5, worker_env())
+        group.setup([])  # both ranks join a gloo world on the rendezvous of rank 0
+        found = listeners(me)
+        ray_processes = [p for p in me.children(recursive=True)]
+        names = {name for name, _, _ in found}
+        assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
+        exposed = [entry for entry in found if not is_loopback(entry[1])]
+        assert not exposed, f"listening beyond loopback: {exposed}"
+        assert Path(ray_dir).is_dir() and any(Path(ray_dir).iterdir())
+    finally:
+        Runtime([group] if "group" in locals() else [], {}, ray_dir).shutdown()
+    assert not Path(ray_dir).exists()  # no /tmp/ray session directory left behind
+    gone, alive = psutil.wait_procs(ray_processes, timeout=30)
+    assert not alive, f"Ray processes left after shutdown: {[p.name() for p in alive]}"
+
+
+def nan_model(model_dir, out, name="model.norm.weight"):
+    """A copy of HF directory `model_dir` whose tensor `name` holds a NaN (a diverged training run's export)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    weights[name][0] = float("nan")
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_generate_on_a_nan_model_fails_and_writes_nothing(tiny_llama_dir, tmp_path, capsys):
+    from chatgen.cli import main
+
+    model = nan_model(tiny_llama_dir, tmp_path / "nan-model")
+    prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 5, 6]}\n{"prompt_ids": [1, 7]}\n')
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(out), "--max-new-tokens",
+               "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    assert rc == 1 and "NaN or inf log-probs" in capsys.readouterr().err
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+# ---- one engine for the rest of the file (vLLM: one engine per process) ------------------------------------
+
+@pytest.fixture(scope="module")
+def module(tiny_llama_dir):
+    from chatgen.generation.vllm_module import VLLMModule
+
+    m = VLLMModule(dict(load=str(tiny_llama_dir), kv_cache_memory_bytes=32 << 20, enforce_eager=True,
+                        seq_length=64, new_token_limit=True, max_new_tokens=4, temperature=0.0, seed=0)).start()
+    yield m
+    m.shutdown()
+
+
+def batch(rows, pad):
+    import torch
+
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, :len(row)] = torch.tensor(row)
+    return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
+
+
+def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_llama_dir, monkeypatch):
+    """A NaN weight is refused before anything is written (the engine still generates as before). A sync that
+    fails once vLLM's reload has begun (which releases the old weights) says the engine must be synced again,
+    and generating is refused with that message until a sync completes (it used to fail deep in vLLM with
+    'Meta tensors', or worse, claim the old weights were kept)."""
+    from safetensors.torch import load_file
+
+    from chatgen.param_sync import SyncError, sync, sync_weights
+
+    prompts = batch([[1, 5, 6, 7], [1, 9]], module.pad_token_id)
+    before = module.generate(prompts, greedy=True)["output_ids"]
+    weights = load_file(str(tiny_llama_dir / "model.safetensors"))
+    poisoned = {**weights, "model.norm.weight": weights["model.norm.weight"].clone()}
+    poisoned["model.norm.weight"][3] = float("nan")
+    with pytest.raises(SyncError, match=r"keeps its old weights: 1 parameter\(s\) hold NaN or inf: model.norm.weight"):
+        sync_weights(poisoned, module)
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+
+    real = sync.LocalWeights.reference  # validation sees the first bucket differ from its independent read
+    monkeypatch.setattr(sync.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
+    with pytest.raises(SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"):
+        sync_weights(weights, module, validate=True)
+    assert "needs a re-sync" in module.needs_resync
+    with pytest.raises(RuntimeError, match="a weight update failed .* needs a re-sync: it refuses to generate"):
+        module.generate(prompts, greedy=True)
+    monkeypatch.undo()
+    sync_weights(weights, module, validate=True)  # a complete sync repairs it
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+
+
+def resized_vocab(model_dir, out, vocab_size: int):
+    """A copy of HF directory `model_dir` whose model has `vocab_size` embedding / LM-head rows (its tokenizer
+    unchanged): a model paired with another model's tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    old, config["vocab_size"] = config["vocab_size"], vocab_size
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = weights[name]
+        weights[name] = t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[:vocab_size - old]])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, tmp_path, capsys):
+    """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
+    from chatgen.cli import main
+
+    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)  # the tokenizer has 512 tokens
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "9 1 4"}\n')
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+               "--max-new-tokens", "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')  # token ids: checked per input line
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 2 and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)" in \
+        capsys.readouterr().err
+
+
+def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
+    """Out-of-vocabulary ids used to end in a 116-line traceback from the embedding; a bool id tensor came back
+    as bool outputs; a string of stop strings was split into characters."""
+    import torch
+
+    pad = module.pad_token_id
+    with pytest.raises(ValueError, match=r"item 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"):
+        module.generate(batch([[1, 5], [1, 600]], pad), greedy=True)
+    good = batch([[1, 5, 6, 7], [1, 9]], pad)
+    with pytest.raises(ValueError, match="input_ids is a torch.bool tensor"):
+        module.generate({**good, "input_ids": good["input_ids"].bool()})
+    with pytest.raises(ValueError, match=r"stop_strings\[0\] = 'ab'"):
+        module.generate({**good, "stop_strings": ["ab", None]})
+    out = module.generate(good, greedy=True)  # nothing was left queued by the refused calls
+    assert out["output_ids"].dtype == torch.long and out["generation_lengths"].tolist() == [4, 4]
