@@ -43,13 +43,14 @@ def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
 
     if ray.is_initialized():
         pytest.skip("Ray already runs in this process (started by another test module)")
-    ray_dir = init_ray(None, 2)
     me = psutil.Process()
+    earlier = {p.pid for p in me.children(recursive=True)}  # e.g. compile workers of engines of earlier tests
+    ray_dir = init_ray(None, 2)
     try:
         group = ActorGroup(["a"], 2, 0, 0.5, worker_env())
         group.setup([])  # both ranks join a gloo world on the rendezvous of rank 0
         found = listeners(me)
-        ray_processes = [p for p in me.children(recursive=True)]
+        ray_processes = [p for p in me.children(recursive=True) if p.pid not in earlier]
         names = {name for name, _, _ in found}
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
         exposed = [entry for entry in found if not is_loopback(entry[1])]
@@ -85,6 +86,44 @@ def test_generate_on_a_nan_model_fails_and_writes_nothing(tiny_llama_dir, tmp_pa
                "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
     assert rc == 1 and "NaN or inf log-probs" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def resized_vocab(model_dir, out, vocab_size: int):
+    """A copy of HF directory `model_dir` whose model has `vocab_size` embedding / LM-head rows (its tokenizer
+    unchanged): a model paired with another model's tokenizer."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model_dir, out)
+    config = json.loads((out / "config.json").read_text())
+    old, config["vocab_size"] = config["vocab_size"], vocab_size
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(str(out / "model.safetensors"))
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        t = weights[name]
+        weights[name] = t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[:vocab_size - old]])
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, tmp_path, capsys):
+    """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
+    from chatgen.cli import main
+
+    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)  # the tokenizer has 512 tokens
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt": "9 1 4"}\n')
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
+               "--max-new-tokens", "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    err = capsys.readouterr().err
+    assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')  # token ids: checked per input line
+    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
+    assert rc == 2 and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)" in \
+        capsys.readouterr().err
 
 
 # ---- one engine for the rest of the file (vLLM: one engine per process) ------------------------------------
@@ -137,44 +176,6 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
     monkeypatch.undo()
     sync_weights(weights, module, validate=True)  # a complete sync repairs it
     assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
-
-
-def resized_vocab(model_dir, out, vocab_size: int):
-    """A copy of HF directory `model_dir` whose model has `vocab_size` embedding / LM-head rows (its tokenizer
-    unchanged): a model paired with another model's tokenizer."""
-    import json
-    import shutil
-
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(model_dir, out)
-    config = json.loads((out / "config.json").read_text())
-    old, config["vocab_size"] = config["vocab_size"], vocab_size
-    (out / "config.json").write_text(json.dumps(config))
-    weights = load_file(str(out / "model.safetensors"))
-    for name in ("model.embed_tokens.weight", "lm_head.weight"):
-        t = weights[name]
-        weights[name] = t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[:vocab_size - old]])
-    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
-    return out
-
-
-def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, tmp_path, capsys):
-    """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
-    from chatgen.cli import main
-
-    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)  # the tokenizer has 512 tokens
-    prompts = tmp_path / "in.jsonl"
-    prompts.write_text('{"prompt": "9 1 4"}\n')
-    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
-               "--max-new-tokens", "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
-    err = capsys.readouterr().err
-    assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
-    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')  # token ids: checked per input line
-    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
-    assert rc == 2 and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)" in \
-        capsys.readouterr().err
 
 
 def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
