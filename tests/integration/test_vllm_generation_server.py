@@ -138,6 +138,41 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     assert requests.post(server + "/control/reset_prefix_cache", headers=auth).json() == {"reset": True}
 
 
+def _trainer_rank(rank, url, model_dir, port, seed, results):
+    """One rank of a 2-process torch.distributed trainer that syncs the same model through server mode."""
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from chatgen import VLLMGeneration
+    from chatgen.distributed import init_process_group
+
+    init_process_group("gloo", rank, 2, "127.0.0.1", port)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed)
+    gen = VLLMGeneration(model_dir, "server", server_base_url=url, api_key=KEY)
+    results.put((rank, gen.sync_weights(model).tensors))
+    dist.destroy_process_group()
+
+
+def test_a_two_rank_trainer_syncs_through_rank_0(remote, server, data_and_model):
+    import torch.multiprocessing as mp
+    from transformers import AutoModelForCausalLM
+
+    from chatgen.distributed import free_port
+
+    ctx, port = mp.get_context("spawn"), free_port()
+    results = ctx.Queue()
+    ranks = [ctx.Process(target=_trainer_rank, args=(r, server, str(data_and_model[1]), port, 8, results))
+             for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=120)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert sorted(results.get(timeout=5) for _ in ranks) == [(0, 21), (1, 21)]
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=8)
+    assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
+
+
 def test_grpo_with_hf_trainer_example_in_server_mode(server, data_and_model):
     from examples.grpo_with_hf_trainer import main
 
