@@ -48,9 +48,9 @@ def ray_session():
     from chatgen.rlhf.runtime import Runtime, init_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    ray_dir = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
+    local_ray = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
     yield
-    Runtime([], {}, ray_dir).shutdown()
+    Runtime([], {}, local_ray).shutdown()
 
 
 @pytest.fixture(scope="module")
