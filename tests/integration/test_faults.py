@@ -6,6 +6,7 @@ Each test reproduces one finding of issue 13 and asserts the fixed behaviour; do
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
 import ipaddress
+import os
 from pathlib import Path
 
 import psutil
@@ -114,6 +115,29 @@ def test_a_killed_or_terminated_driver_leaves_no_ray_process_or_session(sig):
         assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[-2000:]
     else:
         assert rc == -9
+
+
+def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
+    """Each `check-sync --infer-tp 2` used to leave 8 Unix sockets of vLLM's IPC in /tmp: a TP 2 engine (vLLM's
+    multiprocess executor, as check-sync starts it) built and shut down through vllm_adapter leaves none."""
+    import shutil
+    import stat
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
+    code = ("from chatgen.generation import vllm_adapter as a; "
+            f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
+            "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
+            "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)")
+    env = {**os.environ, "TMPDIR": str(tmp), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("VLLM_RPC_BASE_PATH", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    left = [str(p) for p in tmp.rglob("*") if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")]
+    shutil.rmtree(tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left, left
 
 
 def nan_model(model_dir, out, name="model.norm.weight"):
