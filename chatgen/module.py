@@ -5,9 +5,10 @@
     ...                                        # the role's own calls (generate, train_step, score, ...)
     module.shutdown()
 
-- `__init__(config, *, name)` stores the config after the config loader has checked it, the same way for
-  every module type: a dict or a YAML path goes through `chatgen.config.load_model_config` against the class's
-  `config_class` (unknown keys, types and ranges reported together, each with its fix).
+- `__init__(config, *, name, config_dialect="chatgen")` stores the config after the config loader has checked
+  it, the same way for every module type: a dict or a YAML path goes through `chatgen.config.load_model_config`
+  against the class's `config_class` (unknown keys, types and ranges reported together, each with its fix);
+  `config_dialect="chatlearn"` reads a YAML path written for ChatLearn.
 - `init()` is the framework's part: whatever must exist before a model is built (Megatron joins
   torch.distributed and its parallel groups; vLLM picks its executor). Users do not override it.
 - `setup()` is the user hook (ChatLearn's name): build the model / engine and anything around it. The
@@ -44,20 +45,20 @@ class Module:
 
     config_class = dict  # the schema of this module's per-model config (a dataclass of chatgen.config, or dict)
 
-    def __init__(self, config=None, *, name: str | None = None):
-        self.config = self._checked_config(config)
+    def __init__(self, config=None, *, name: str | None = None, config_dialect: str = "chatgen"):
+        self.config = self._checked_config(config, config_dialect)
         self.name = name or type(self).__name__
 
     def config_problems(self, config):
         """(key, problem) pairs beyond the schema's own checks (e.g. what this platform cannot do)."""
         return ()
 
-    def _checked_config(self, config):
+    def _checked_config(self, config, dialect: str = "chatgen"):
         schema = self.config_class
         if config is None:
             config = {}
-        if isinstance(config, (str, os.PathLike)):
-            return load_model_config(config, schema, extra_check=self.config_problems)
+        if isinstance(config, (str, os.PathLike)):  # dialect "chatlearn": a ChatLearn per-model YAML
+            return load_model_config(config, schema, extra_check=self.config_problems, dialect=dialect)
         if isinstance(config, dict):
             return load_model_config(None, schema, dict(config), extra_check=self.config_problems)
         if schema is not dict and isinstance(config, schema):  # built in code (and perhaps changed): re-check

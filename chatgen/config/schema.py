@@ -157,6 +157,8 @@ class VLLMConfig:
     top_p: float = opt(1.0, "nucleus sampling: keep the smallest token set with this much probability; 1.0 = off")
     top_k: int = opt(-1, "keep the k most likely tokens; -1 = off")
     min_p: float = opt(0.0, "drop tokens below min_p times the top token's probability; 0 = off")
+    repetition_penalty: float = opt(
+        1.0, "penalise tokens already in the prompt or response (positive logits divided by it, negative ones multiplied); > 1 discourages repeats, 1.0 = off")
     ignore_eos: bool = opt(False, "keep generating after EOS (until the token limit)")
     use_beam_search: bool = opt(False, "beam search instead of sampling")
     eval_temperature: Optional[float] = opt(None, "temperature in evaluation; null = temperature")
@@ -205,6 +207,8 @@ class VLLMConfig:
                 yield key, f"must be -1 (off) or >= 1, got {value}; use -1 to turn top-k off"
         if not 0 <= self.min_p <= 1:
             yield "min_p", f"must be in [0, 1], got {self.min_p}; use 0 to turn min-p off"
+        if self.repetition_penalty <= 0:
+            yield "repetition_penalty", f"must be > 0, got {self.repetition_penalty}; use 1.0 to turn it off"
         if self.n < 1:
             yield "n", f"must be >= 1, got {self.n}; set responses per prompt"
         if self.max_new_tokens < 1:

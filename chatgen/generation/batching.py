@@ -1,4 +1,5 @@
-"""Token batches in and out of `VLLMModule.generate`: right-padding checks and the output tensors (no vLLM).
+"""Token batches in and out of `VLLMModule.generate`: right-padding checks (`verify_right_padding`, public in
+chatgen.generation) and the output tensors (no vLLM).
 
 Input: right-padded `input_ids` (B, T) + `input_lengths` (B,). Output: S = B x n rows, sample j of prompt i at
 row i * n + j, each prompt + generation right-padded to T + the longest generation. Unit-tested in
@@ -30,16 +31,42 @@ def unpad_batch(batch, pad_token_id) -> list:
                                       or not all(isinstance(s, str) and s for s in row_stops)):
             raise ValueError(f"generate(): stop_strings[{i}] = {row_stops!r}; give a list of non-empty strings "
                              f"(e.g. [{row_stops!r}] for one stop string) or None")
-    prompts = []
-    for i, (row, n) in enumerate(zip(ids.tolist(), lengths.tolist())):
-        if not 1 <= n <= len(row):
-            raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{len(row)}")
-        if any(t != pad_token_id for t in row[n:]):
-            raise ValueError(f"generate(): row {i} is not right-padded: input_lengths[{i}]={n} but "
-                             f"input_ids[{i}, {n}:] holds tokens other than pad_token_id={pad_token_id}; put "
-                             "the prompt first and the padding after it")
-        prompts.append(row[:n])
-    return prompts
+    for i, n in enumerate(lengths.tolist()):
+        if not 1 <= n <= ids.shape[1]:
+            raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{ids.shape[1]}")
+    verify_right_padding(batch, pad_token_id, raise_error=True)
+    return [row[:n] for row, n in zip(ids.tolist(), lengths.tolist())]
+
+
+def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) -> tuple:
+    """Check that every row of a batch is right-padded: its tokens first, then only `pad_value`.
+
+    data: {"input_ids" (B, T), "input_lengths" (B,)} (a generation input) or {"output_ids" (B, L),
+    "unpadded_sequence_lengths" (B,)} (a generation output). Returns (True, None), or (False, message) naming
+    each offending row and the positions that hold something other than the pad; raise_error raises a
+    ValueError with that message instead.
+    """
+    for ids_key, lengths_key in (("input_ids", "input_lengths"), ("output_ids", "unpadded_sequence_lengths")):
+        if ids_key in data and lengths_key in data:
+            break
+    else:
+        raise ValueError("verify_right_padding: data needs input_ids + input_lengths or output_ids + "
+                         f"unpadded_sequence_lengths; it has {sorted(data)}")
+    ids, lengths = torch.as_tensor(data[ids_key]), torch.as_tensor(data[lengths_key])
+    positions = torch.arange(ids.shape[1])[None, :]
+    bad = (positions >= lengths[:, None]) & (ids != pad_value)  # (B, T): a non-pad token after the length
+    if not bad.any():
+        return True, None
+    problems = []
+    for row in bad.any(dim=1).nonzero().flatten().tolist():
+        cols = bad[row].nonzero().flatten().tolist()
+        shown = ", ".join(map(str, cols[:8])) + (", ..." if len(cols) > 8 else "")
+        problems.append(f"row {row} is not right-padded: {lengths_key}[{row}]={int(lengths[row])} but "
+                        f"{ids_key}[{row}] holds tokens other than the pad {pad_value} at positions {shown}")
+    message = "; ".join(problems) + "; put each sequence first and the padding after it"
+    if raise_error:
+        raise ValueError(f"generate(): {message}" if ids_key == "input_ids" else message)
+    return False, message
 
 
 def iter_samples(request_outputs):
@@ -63,23 +90,29 @@ def prompt_logprobs(request) -> list:
 def generation_output(request_outputs, input_width: int, pad_token_id: int, dtype=torch.long) -> dict:
     """Finished requests (sorted) -> output_ids / logprobs (S, L), generation_lengths /
     unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation; plus
-    prompt_logprobs (S, L) (0 outside the prompt) when the requests asked for them."""
+    prompt_logprobs (S, L) (0 outside the prompt) when the requests asked for them, and weight_versions (S, L):
+    the engine's weight version of each generated token (`sample.weight_versions`, set by the engine loop),
+    -1 on prompt and padding."""
     samples = list(iter_samples(request_outputs))
     width = input_width + max((len(s.token_ids) for _, s in samples), default=0)
     output_ids = torch.full((len(samples), width), pad_token_id, dtype=dtype)
     logprobs = torch.zeros((len(samples), width), dtype=torch.float32)
     prompt_lengths = torch.tensor([len(r.prompt_token_ids) for r, _ in samples], dtype=torch.long)
     generation_lengths = torch.tensor([len(s.token_ids) for _, s in samples], dtype=torch.long)
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
     for row, (request, sample) in enumerate(samples):
         p, g = len(request.prompt_token_ids), len(sample.token_ids)
         output_ids[row, :p + g] = torch.tensor([*request.prompt_token_ids, *sample.token_ids], dtype=dtype)
         logprobs[row, p:p + g] = torch.tensor(sample_logprobs(sample), dtype=torch.float32)
+        if getattr(sample, "weight_versions", None) is not None:
+            versions[row, p:p + g] = torch.tensor(sample.weight_versions, dtype=torch.long)
     out = {
         "output_ids": output_ids,
         "logprobs": logprobs,
         "generation_lengths": generation_lengths,
         "unpadded_sequence_lengths": prompt_lengths + generation_lengths,
         "truncated": torch.tensor([s.finish_reason == "length" for _, s in samples], dtype=torch.bool),
+        "weight_versions": versions,
     }
     if samples and samples[0][0].prompt_logprobs is not None:
         out["prompt_logprobs"] = torch.zeros((len(samples), width), dtype=torch.float32)
@@ -95,7 +128,8 @@ def rollout_batch(request_outputs, pad_token_id: int):
     samples = [Sample(prompt_ids=list(request.prompt_token_ids), response_ids=list(sample.token_ids),
                       response_logprobs=sample_logprobs(sample), prompt_index=k, text=sample.text or "",
                       prompt_text=request.prompt, finish_reason=sample.finish_reason or "abort",
-                      prompt_logprobs=prompt_logprobs(request) if request.prompt_logprobs is not None else None)
+                      prompt_logprobs=prompt_logprobs(request) if request.prompt_logprobs is not None else None,
+                      weight_versions=getattr(sample, "weight_versions", None))
                for k, request in enumerate(request_outputs)
                for sample in sorted(request.outputs, key=lambda s: s.index)]
     return RolloutBatch.from_samples(samples, pad_token_id)

@@ -2,12 +2,19 @@
 
     chatgen generate --model outputs/tiny-llama --input prompts.jsonl --output out.jsonl --max-new-tokens 32
     chatgen generate --model DIR --input IN.jsonl --output OUT.jsonl --n 4 --temperature 0.8 top_p=0.9
+    chatgen generate --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn \
+        --model DIR --input IN.jsonl --output OUT.jsonl        # your VLLMModule subclass and its YAML
 
 Input lines: {"prompt_ids": [1, 52, ...]} or {"prompt": "text"} (needs a tokenizer in the model directory).
 Output: one line per sample (n per input line, in input order): {"index": input line, "sample": 0..n-1,
 "prompt_ids", "output_ids" (generated tokens only), "logprobs" (one per generated token), "finish_reason",
 "text" (when the model has a tokenizer)}. Trailing `key=value` arguments set any per-model key
 (docs/generation_keys.md); --config starts from a per-model YAML.
+
+With --module, text prompts go through the class's `build_dataset` (and its dataset's collate_fn, if any) and
+the output is what its `decode_internal` returns: a RolloutBatch as above, or a dict of per-sample values (a
+ChatLearn module's {"all_tokens": (S, L), "str_outputs": [...], ...}), one line per sample with each key's
+entry for that sample.
 
 The output path is checked before the model loads (its directory writable, not the input file, not an existing
 file unless --overwrite) and written atomically (a killed run leaves the old file or none, never half of one).
@@ -23,12 +30,19 @@ from pathlib import Path
 from chatgen.cli import positive_int
 from chatgen.generation import engine_config
 from chatgen.jsonl import is_token_ids, read_records
+from chatgen.rollout import RolloutBatch
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (the `load` key)")
+    parser.add_argument("--model", required=True,
+                        help="Hugging Face model directory or chatgen Megatron checkpoint (the `load` key)")
+    parser.add_argument("--module", metavar="PKG.MOD:CLASS",
+                        help="your VLLMModule subclass (importable from the current directory); default VLLMModule")
+    parser.add_argument("--config-dialect", choices=["chatgen", "chatlearn"], default="chatgen",
+                        help="how --config is read: chatlearn reads a ChatLearn per-model YAML (its ${VAR} rules, "
+                             "its Megatron-LM keys ignored; docs/configuration.md)")
     parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
     parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
@@ -76,15 +90,18 @@ def check_output(output, input_path, overwrite: bool) -> None:
 
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
-    if not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; point it at a Hugging Face model directory "
-                         "(e.g. one made by `chatgen make-tiny-model --output DIR`)")
+    hf_config = _model_config(args.model)
     check_output(args.output, args.input, args.overwrite)
-    rows = read_prompts(args.input, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    rows = read_prompts(args.input, hf_config["vocab_size"])
     from chatgen.checkpoint_io import atomic_file
     from chatgen.config import VLLMConfig, format_config, load_model_config
     from chatgen.generation import vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.module import import_class
+
+    cls = import_class(args.module) if args.module else VLLMModule
+    if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
+        raise ValueError(f"--module {args.module}: {cls!r} is not a subclass of chatgen.VLLMModule")
 
     overrides = [f"load={args.model}"]
     for key in FLAGS:
@@ -93,33 +110,83 @@ def run(args) -> int:
     if args.max_new_tokens is not None:
         overrides.append("new_token_limit=true")
     platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
-    config = load_model_config(args.config, VLLMConfig, overrides + list(args.overrides), extra_check=platform)
-    module = VLLMModule(config)
+    config = load_model_config(args.config, cls.config_class if cls.config_class is not dict else VLLMConfig,
+                               overrides + list(args.overrides), extra_check=platform, dialect=args.config_dialect)
+    module = cls(config)
     print(format_config(config), file=sys.stderr)
     module.start()
     text_prompts = [text for ids, text in rows if ids is None]
-    texts = iter(module.build_dataset(text_prompts) if text_prompts else [])  # one call: one count of cut prompts
-    items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
-    out = module.run_generation(items)  # a RolloutBatch, prompt-major
+    prepared = module.prepare_dataset(text_prompts) if text_prompts else []  # one call: one count of cut prompts
+    if len(text_prompts) == len(rows):  # all text: the module's dataset as it built it (it may repeat prompts)
+        items = prepared
+    elif len(prepared) != len(text_prompts):
+        raise ValueError(f"--input {args.input}: {type(module).__name__}.build_dataset made {len(prepared)} items of "
+                         f"{len(text_prompts)} text prompts; mixing prompt_ids lines with text lines needs one item "
+                         "per prompt (give all lines as text, or all as prompt_ids)")
+    else:
+        texts = iter(prepared)
+        items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
+    out = module.run_generation(items)  # the class's decode_internal: a RolloutBatch by default
     module.shutdown()
-    records = []
-    for s in range(len(out)):
-        p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
-        index = int(out.prompt_index[s])
-        record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
-                  "prompt_ids": out.input_ids[s, :p].tolist(), "output_ids": out.input_ids[s, p:p + r].tolist(),
-                  "logprobs": out.infer_logprobs[s, p - 1:p - 1 + r].tolist(), "finish_reason": out.finish_reasons[s]}
-        if module.tokenizer is not None:
-            record["text"] = out.texts[s]
-        if not all(map(math.isfinite, record["logprobs"])):
-            print(f"chatgen generate: input line {index + 1}: the model gave NaN or inf log-probs; its weights are "
-                  f"not finite (a diverged training run?): check {args.model}. Nothing was written.", file=sys.stderr)
-            return 1
-        records.append(json.dumps(record) + "\n")
+    if not isinstance(out, RolloutBatch):
+        records = [json.dumps(record) + "\n" for record in _sample_records(out, args.module)]
+    else:
+        records = []
+        for s in range(len(out)):
+            p, r = int(out.prompt_lengths[s]), int(out.response_lengths[s])
+            index = int(out.prompt_index[s])
+            record = {"index": index, "sample": s - int((out.prompt_index == index).nonzero()[0]),
+                      "prompt_ids": out.input_ids[s, :p].tolist(), "output_ids": out.input_ids[s, p:p + r].tolist(),
+                      "logprobs": out.infer_logprobs[s, p - 1:p - 1 + r].tolist(),
+                      "finish_reason": out.finish_reasons[s]}
+            if module.tokenizer is not None:
+                record["text"] = out.texts[s]
+            if not all(map(math.isfinite, record["logprobs"])):
+                print(f"chatgen generate: input line {index + 1}: the model gave NaN or inf log-probs; its weights are "
+                      f"not finite (a diverged training run?): check {args.model}. Nothing was written.",
+                      file=sys.stderr)
+                return 1
+            records.append(json.dumps(record) + "\n")
     with atomic_file(args.output) as tmp, open(tmp, "w", encoding="utf-8") as f:
         f.writelines(records)
     m = module.metrics
-    print(f"wrote {len(out)} samples to {args.output}: {m['generation_tokens']} tokens in "
+    print(f"wrote {m['samples']} samples to {args.output}: {m['generation_tokens']} tokens in "
           f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.1f} generated tokens/s, "
           f"peak KV-cache use {100 * m['kv_cache_usage_peak']:.1f}%", file=sys.stderr)
     return 0
+
+
+def _sample_records(out, module_name) -> list:
+    """One JSON-ready dict per sample of a decode_internal output that is a dict of per-sample values (lists,
+    or tensors whose first dimension is the sample)."""
+    if not isinstance(out, dict) or not out:
+        raise TypeError(f"--module {module_name}: decode_internal returned {type(out).__name__}; `chatgen generate` "
+                        "writes a RolloutBatch or a dict of per-sample values (lists or tensors of equal length)")
+    lengths = {key: len(value) for key, value in out.items() if hasattr(value, "__len__") and not isinstance(value, str)}
+    sizes = set(lengths.values())
+    if len(sizes) != 1:
+        raise ValueError(f"--module {module_name}: decode_internal's values have different lengths {lengths}; "
+                         "each must hold one entry per sample")
+    rows = []
+    for s in range(sizes.pop()):
+        record = {"index": s}
+        for key in lengths:
+            value = out[key][s]
+            record[key] = value.tolist() if hasattr(value, "tolist") else value
+        rows.append(record)
+    return rows
+
+
+def _model_config(model) -> dict:
+    """The HF config of --model: an HF directory's config.json or a chatgen Megatron checkpoint's."""
+    from chatgen.checkpoint_io import read_megatron_meta
+
+    path = Path(model)
+    meta = read_megatron_meta(path)
+    if meta is not None:
+        return meta["hf_config"]
+    if not (path / "config.json").is_file():
+        raise ValueError(f"--model {model}: no config.json (nor chatgen_megatron.json) there; point it at a Hugging "
+                         "Face model directory (e.g. one made by `chatgen make-tiny-model --output DIR`) or a chatgen "
+                         "Megatron checkpoint")
+    return json.loads((path / "config.json").read_text())

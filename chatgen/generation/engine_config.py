@@ -111,7 +111,7 @@ def max_tokens(cfg, prompt_len: int) -> int:
 def sampling_kwargs(cfg, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()) -> dict:
     """Keyword arguments for `vllm.SamplingParams` for one prompt of `prompt_len` tokens.
 
-    Train: n, temperature, top_p, top_k, min_p. Eval: eval_temperature / eval_top_p / eval_top_k where set,
+    Train: n, temperature, top_p, top_k, min_p, repetition_penalty. Eval: eval_temperature / eval_top_p / eval_top_k where set,
     else the train values. Greedy (greedy=True or an effective temperature of 0) yields one response.
     """
     def pick(key):
@@ -125,6 +125,7 @@ def sampling_kwargs(cfg, prompt_len, *, is_eval=False, greedy=False, stop_string
         top_p=pick("top_p"),
         top_k=max(pick("top_k"), 0),  # chatgen (ChatLearn) -1 = off; vLLM 0 = off
         min_p=cfg.min_p,
+        repetition_penalty=cfg.repetition_penalty,
         ignore_eos=cfg.ignore_eos,
         max_tokens=max_tokens(cfg, prompt_len),
         stop=list(stop_strings),

@@ -40,7 +40,8 @@ __all__ = [
     "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
-    "load_weights", "in_process_workers", "hf_config",
+    "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
+    "output_token_counts", "reset_prefix_cache",
 ]
 
 
@@ -86,7 +87,9 @@ def check_internals(llm: LLM) -> None:
             (getattr(core, "scheduler", None), ("schedule", "update_from_output", "get_grammar_bitmask",
                                                 "has_requests", "kv_cache_manager")),
             (getattr(core, "model_executor", None), ("execute_model", "sample_tokens")),
-            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request")),
+            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request",
+                      "reset_prefix_cache")),
+            (getattr(engine, "output_processor", None), ("request_states",)),  # abort_with_outputs, token counts
         ):
             for attr in attrs:
                 if not hasattr(owner, attr):
@@ -97,6 +100,10 @@ def check_internals(llm: LLM) -> None:
                                 "only EngineCore.step; use pipeline_parallel_size=1")
             if core.async_scheduling:
                 problems.append("async scheduling is on: the split step needs synchronous scheduling")
+    from vllm.v1.engine.output_processor import RequestState
+
+    if not hasattr(RequestState, "make_request_output"):
+        problems.append("vllm.v1.engine.output_processor.RequestState.make_request_output is missing")
     if problems:
         raise RuntimeError(
             f"chatgen's vLLM adapter (tested with vLLM {TESTED_VLLM}) does not fit vLLM {vllm.__version__}:\n  "
@@ -177,12 +184,19 @@ def _eager_token_ranks() -> None:
     sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
 
 
-def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None) -> None:
-    """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters."""
-    params.output_kind = RequestOutputKind.FINAL_ONLY  # we read only finished requests, as LLM.generate does
+def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None,
+                cache_salt=None, output_kind=RequestOutputKind.FINAL_ONLY) -> None:
+    """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters.
+
+    output_kind: FINAL_ONLY (one output when the request finishes, as LLM.generate) or DELTA (every step's new
+    tokens, for streaming). cache_salt: requests share prefix-cache blocks only with requests of the same salt.
+    """
+    params.output_kind = output_kind
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
     llm.llm_engine.add_request(request_id, prompt, params)
 
 
@@ -193,6 +207,34 @@ def has_unfinished_requests(llm: LLM) -> bool:
 def abort(llm: LLM, request_ids: list) -> None:
     """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty engine."""
     llm.llm_engine.abort_request(list(request_ids))
+
+
+def abort_with_outputs(llm: LLM, request_ids: list) -> list:
+    """Abort requests and return, for each, a finished RequestOutput holding what it generated so far
+    (finish_reason "abort"; a request with n samples gives one output with all n)."""
+    from vllm.v1.engine import FinishReason
+
+    wanted, outputs = set(request_ids), []
+    for state in list(llm.llm_engine.output_processor.request_states.values()):
+        if state.external_req_id in wanted:
+            output = state.make_request_output([], None, FinishReason.ABORT, None)
+            if output is not None:
+                outputs.append(output)
+    abort(llm, request_ids)
+    return outputs
+
+
+def output_token_counts(llm: LLM) -> dict:
+    """{(request id, sample index): tokens generated so far} for every unfinished request."""
+    return {(state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
+            for state in llm.llm_engine.output_processor.request_states.values() if state.detokenizer is not None}
+
+
+def reset_prefix_cache(llm: LLM, preempt_running: bool = False) -> bool:
+    """Drop every cached KV block that no request holds; with preempt_running, first preempt the running
+    requests (they re-prefill prompt + generated tokens when next scheduled), so the reset always succeeds.
+    Returns whether the cache was reset (False: running requests hold blocks)."""
+    return llm.reset_prefix_cache(reset_running_requests=preempt_running) is not False
 
 
 def shutdown(llm: LLM) -> None:
@@ -278,20 +320,21 @@ def in_process_workers(llm: LLM) -> bool:
     return isinstance(_engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
 
 
-def load_weights(llm: LLM, named_tensors: Iterable) -> None:
+def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = True) -> None:
     """Write HF-format `(name, tensor)` pairs into the running engine, in place, on every rank.
 
     Names and layouts are those of the HF checkpoint (`model.layers.0.self_attn.q_proj.weight`, unfused q/k/v
     and gate/up, full unsharded tensors): vLLM's own loader fuses, shards and (on CPU) repacks them. With an
     in-process executor (uniproc, external_launcher) the iterable is consumed lazily, so a generator streams
     without holding a second copy; with the multiprocess executor it is materialised and pickled to each worker.
-    A subset of the weights is fine. Afterwards a tied LM head is re-packed (CPU) and the prefix cache is
-    reset, so no KV computed with the old weights is reused.
+    A subset of the weights is fine. Afterwards a tied LM head is re-packed (CPU) and (reset_prefix_cache) the
+    prefix cache is reset, so no KV computed with the old weights is reused; the engine loop passes False and
+    keeps the cache apart itself (chatgen.generation.engine_loop).
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
     llm.collective_rpc(_refresh_tied_lm_head)
-    if llm.reset_prefix_cache() is False:  # vLLM refuses while requests hold cache blocks
+    if reset_prefix_cache and llm.reset_prefix_cache() is False:  # vLLM refuses while requests hold cache blocks
         raise RuntimeError("weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
                            "cached prompts would reuse KV computed with the old weights; sync only between "
                            "generation calls, when no request is running")

@@ -5,7 +5,7 @@
 sync.py: weight sources (a MegatronModule's `hf_weights()`, a torch.nn.Module, (name, tensor) pairs), the
 manifest and finiteness checks, streaming into vLLM, validation, the cross-process channel;
 check_sync.py: `chatgen check-sync`. It reads the trainer only through `MegatronModule.hf_weights()` and
-the engine only through chatgen.generation (VLLMModule.load_weights / vllm_adapter). docs/param_sync.md.
+the engine only through chatgen.generation (VLLMModule.update_weights / vllm_adapter). docs/param_sync.md.
 """
 from chatgen.param_sync.sync import (
     LocalWeights,

@@ -21,8 +21,8 @@ architecture (every expected parameter exactly once, nothing unexpected, same sh
 checked to be finite; either failure raises `SyncError` naming the parameters, and the engine keeps its old
 weights. Then buckets stream into the engine's reload path (HF names, checkpoint format; vLLM fuses / shards /
 repacks). vLLM's reload releases the old weights as it begins, so an error once the engine's reload was called
-raises a `SyncError` saying the engine is partially updated and must be synced again, and marks the target
-(`target.needs_resync` holds that message; a VLLMModule then refuses to generate until a sync completes). `validate=True` (meant for the first syncs) recomputes every tensor by an independent
+raises a `SyncError` saying the engine is partially updated and must be synced again (a VLLMModule then refuses
+to generate until a sync completes: `needs_resync`). `validate=True` (meant for the first syncs) recomputes every tensor by an independent
 unbucketed path and compares bit for bit; across processes the receiver also checks an exact integer
 fingerprint of every tensor it received.
 """
@@ -202,14 +202,19 @@ def _engine(target):
     return getattr(target, "engine", None) or target
 
 
-def _load(target, buckets) -> int:
+def _load(target, buckets, mode: str = "wait") -> int:
     """Feed bucket lists into the engine; returns tensors written. One reload call for an in-process
-    engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers). Sets
-    `target.needs_resync` to the error when the engine was touched and the sync failed, to None when it completed."""
+    engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers). A VLLMModule is
+    written through its `update_weights` (between two engine steps; `mode` for the requests in flight); if the
+    write fails once vLLM's reload has begun, the module refuses to generate until a sync completes
+    (`VLLMModule.needs_resync`)."""
     from chatgen.generation import vllm_adapter
 
     llm = _engine(target)
-    load = target.load_weights if target is not llm else (lambda pairs: vllm_adapter.load_weights(llm, pairs))
+    if target is llm:
+        load = lambda pairs: vllm_adapter.load_weights(llm, pairs)  # noqa: E731
+    else:
+        load = lambda pairs: target.update_weights(pairs, mode=mode)  # noqa: E731
     written, touched = [0], [False]
 
     def write(pairs):
@@ -233,11 +238,8 @@ def _load(target, buckets) -> int:
             if isinstance(e, SyncError):
                 raise
             raise SyncError(f"weight sync failed, the engine keeps its old weights: {type(e).__name__}: {e}") from e
-        message = (f"weight sync failed, the engine is PARTIALLY updated ({written[0]} tensors written) and must be "
-                   f"synced again before it generates: {type(e).__name__}: {e}")
-        target.needs_resync = message
-        raise SyncError(message) from e
-    target.needs_resync = None
+        raise SyncError(f"weight sync failed, the engine is PARTIALLY updated ({written[0]} tensors written) and must "
+                        f"be synced again before it generates: {type(e).__name__}: {e}") from e
     return written[0]
 
 
@@ -260,18 +262,20 @@ def _checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None
         yield items
 
 
-def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
+def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False,
+                 mode: str = "wait") -> SyncReport:
     """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name, tensor) pairs; see
     `weight_source`) into `target`: a `VLLMModule` or `vllm.LLM` in this process (colocated: call on every
-    trainer rank with that rank's engine), or a `SyncSender` (the engine lives in another process).
-    Collective over the source's ranks."""
+    trainer rank with that rank's engine), or a `SyncSender` (the engine lives in another process; its
+    receiver picks the mode). Collective over the source's ranks. mode: what a VLLMModule does with requests
+    in flight (`VLLMModule.update_weights`: wait, keep, recompute, abort)."""
     if isinstance(target, SyncSender):
         return target.send(source, bucket_bytes, validate)
     start = time.perf_counter()
     weights = weight_source(source, bucket_bytes)
     check_manifest(plan_manifest(weights.plan), engine_manifest(_engine(target)))
     _check_finite(weights)
-    n = _load(target, _checked(weights.buckets(), weights.plan, weights, validate))
+    n = _load(target, _checked(weights.buckets(), weights.plan, weights, validate), mode)
     itemsize = torch.empty((), dtype=weights.dtype).element_size()
     return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in weights.plan for _, s in b) * itemsize,
                       n, len(weights.plan), validate)
@@ -389,12 +393,13 @@ class SyncReceiver:
         self.host, self.port, self._pg = host, port, None
         self._store = _store(host, port, is_server=True)
 
-    def receive_into(self, target, alive=None) -> SyncReport:
+    def receive_into(self, target, alive=None, mode: str = "wait") -> SyncReport:
         """Receive one sync from the trainer and load it into `target` (a VLLMModule or `vllm.LLM`); blocks until
         it arrives.
 
         alive: optional callable polled while waiting for the trainer to connect; it should raise (or
         return False) when the trainer processes died, so a failed trainer does not leave us waiting.
+        mode: what a VLLMModule target does with requests in flight (`VLLMModule.update_weights`).
         """
         if self._pg is None:
             while not self._store.check([_READY_KEY]):
@@ -440,7 +445,7 @@ class SyncReceiver:
 
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
-            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]))
+            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
         except SyncError as e:
             if received["aborted"]:  # the trainer raised too; nothing more on the wire
                 raise

@@ -18,18 +18,18 @@ Health: the run stops with a `RunHealthError` (the message says why and what to 
 runtime.max_cut_prompt_fraction of the training prompts were cut to the prompt budget, when a reward is NaN,
 and after runtime.max_bad_train_steps optimizer steps in a row with a zero or non-finite gradient norm.
 """
+import math
 import time
 from pathlib import Path
 
 import torch
-
-import math
 
 from chatgen.config import ConfigError, format_config, save_resolved
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
 from chatgen.rlhf.runtime import call_model
 from chatgen.rlhf.tasks import read_jsonl
+from chatgen.rollout import RolloutBatch
 
 
 class RunHealthError(RuntimeError):
@@ -104,9 +104,10 @@ def trainer_rows(cfg, algorithm) -> int:
 def policy_sampling_problems(cfg):
     """For policy-gradient algorithms: the policy must sample from the distribution the trainer scores."""
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
-    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0):
-        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0 (got {pc.temperature}, "
-               f"{pc.top_p}, {pc.top_k}, {pc.min_p}): the trainer scores tokens under the untempered distribution, so "
+    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0
+                           or pc.repetition_penalty != 1.0):
+        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
+               f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores tokens under the untempered distribution, so "
                "other settings would make every update off-policy")
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
         yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
@@ -217,8 +218,9 @@ class Run:
             self.policy = self.runtime["policy"] if cfg.models.get("policy", None) is not None \
                 and cfg.models["policy"].backend == "vllm" else None
             if self.policy is not None:
-                self.items = self.policy.first("build_dataset", [r["prompt"] for r in self.records])
-                self.eval_items = self.policy.first("build_dataset", [r["prompt"] for r in self.eval_records], True)
+                self.items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.records])
+                self.eval_items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.eval_records],
+                                                   True)
                 self._check_cut_prompts()
             self._setup_sync()
             self.start_episode = 1
@@ -267,6 +269,10 @@ class Run:
         records, items = (self.eval_records, self.eval_items) if is_eval else (self.records, self.items)
         self._wake_policy()
         batch = self.policy.first("run_generation", [items[i] for i in index], is_eval)
+        if not isinstance(batch, RolloutBatch):
+            raise TypeError(f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
+                            "chatgen.rollout.RolloutBatch: return super().decode_internal(batched_outputs) (adjusted "
+                            "as needed) instead of a dict of your own (docs/migrating_from_chatlearn.md)")
         batch.metadata = [records[index[k]] for k in batch.prompt_index.tolist()]
         if self._policy_sleeps:  # colocated on GPUs: free the engine's memory for the trainers
             self.policy.call("sleep")

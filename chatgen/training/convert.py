@@ -57,19 +57,25 @@ def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None) ->
     """A chatgen Megatron checkpoint -> an HF directory `dst` (written atomically; an existing one is replaced
     only with `replace`), with the tokenizer files of `src` or of the HF directory `side_files_from`."""
     src, dst = Path(src), Path(dst)
+    hf_config, hf = megatron_checkpoint_to_hf(src)
+    with atomic_directory(dst, replace=replace) as tmp:
+        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
+                  metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        copy_hf_side_files(side_files_from or src, tmp)
+    return dst
+
+
+def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:
+    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP, in memory."""
+    src = Path(src)
     meta = read_megatron_meta(src)
     if meta is None:
         raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json)")
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     spec = models.spec_from_hf_config(meta["hf_config"])
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
-    hf = layout.megatron_to_hf(shards, spec, tp, pp)
-    with atomic_directory(dst, replace=replace) as tmp:
-        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(meta["hf_config"], indent=2))
-        copy_hf_side_files(side_files_from or src, tmp)
-    return dst
+    return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
 
 
 def run(args) -> int:

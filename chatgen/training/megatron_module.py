@@ -99,8 +99,8 @@ class MegatronModule(Module):
 
     config_class = MegatronConfig
 
-    def __init__(self, config=None, *, name: str = "policy_trainer"):
-        super().__init__(config, name=name)
+    def __init__(self, config=None, *, name: str = "policy_trainer", config_dialect: str = "chatgen"):
+        super().__init__(config, name=name, config_dialect=config_dialect)
         self.model = None  # this rank's GPTModel chunk
         self.optimizer = None
         self._masters = None  # fp32 master copies of the trainable params when dtype is not float32

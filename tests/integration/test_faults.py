@@ -209,7 +209,8 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
     monkeypatch.setattr(sync.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
     with pytest.raises(SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"):
         sync_weights(weights, module, validate=True)
-    with pytest.raises(RuntimeError, match="cannot generate until a weight sync completes; .*PARTIALLY updated"):
+    assert "needs a re-sync" in module.needs_resync
+    with pytest.raises(RuntimeError, match="a weight update failed .* needs a re-sync: it refuses to generate"):
         module.generate(prompts, greedy=True)
     monkeypatch.undo()
     sync_weights(weights, module, validate=True)  # a complete sync repairs it

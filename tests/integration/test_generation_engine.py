@@ -175,13 +175,13 @@ def test_stop_token_from_config(module, monkeypatch, tiny_llama_dir):
     swapped = original.clone()
     swapped[[pad, generated[k]]] = original[[generated[k], pad]]
     try:
-        module.load_weights(iter([("lm_head.weight", swapped)]))
+        module.update_weights(iter([("lm_head.weight", swapped)]))
         monkeypatch.setattr(module.config, "stop_token_list", "<pad>")
         out = module.generate(batch, greedy=True)
         assert out["output_ids"][0, p:p + k + 1].tolist() == generated[:k] + [pad]
         assert out["generation_lengths"][0].item() == k + 1 and not out["truncated"][0]
     finally:
-        module.load_weights([("lm_head.weight", original)])
+        module.update_weights([("lm_head.weight", original)])
     again = module.generate(batch, greedy=True)["output_ids"][0, p:].tolist()
     assert again == generated, "restoring the original lm_head must restore the original generation"
 

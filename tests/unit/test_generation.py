@@ -326,6 +326,7 @@ KEY_DESTINATIONS = {
     "top_p": ({"sampling"}, 0.5),
     "top_k": ({"sampling"}, 5),
     "min_p": ({"sampling"}, 0.1),
+    "repetition_penalty": ({"sampling"}, 1.3),
     "ignore_eos": ({"sampling"}, True),
     "use_beam_search": ({"rejected"}, True),
     "eval_temperature": ({"sampling"}, 0.5),
@@ -357,7 +358,7 @@ class CharTokenizer:
     def encode(self, text):
         return [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
         return self.encode(f"<user>{messages[0]['content']}</user><assistant>")
 
 
@@ -407,3 +408,15 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
         engine_config.check_vllm_config(changed, cpu=False)
         for where in destinations:
             assert probes[where](changed) != probes[where](base), f"{key}={value!r} does not reach the {where}"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(mode="remote"), "mode='remote' is not one of"),
+    (dict(logprobs=5), r"logprobs=5; only 0 \(the sampled token's log-prob\)"),
+    (dict(top_k=-1), "use 0 to turn top-k off"),
+])
+def test_vllm_generation_refuses_bad_arguments_before_starting_an_engine(kwargs, message):
+    from chatgen import VLLMGeneration
+
+    with pytest.raises(ValueError, match=message):
+        VLLMGeneration("/no/such/model", **kwargs)

