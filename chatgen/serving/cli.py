@@ -5,7 +5,7 @@
     chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
 
 Binds to 127.0.0.1 unless --host says otherwise; with --api-key every endpoint needs
-`Authorization: Bearer KEY`. Trailing `key=value` arguments set any per-model key (docs/generation_keys.md).
+`Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing `key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
 import sys
@@ -18,6 +18,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--control", action="store_true",
+                        help="add the /control endpoints (pause, resume, weight updates from a trainer, prefix cache "
+                             "reset; chatgen/serving/control.py); beyond loopback they need --api-key")
     parser.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512")
 
@@ -30,10 +33,16 @@ def run(args) -> int:
 
     from chatgen.generation.cli import build_module
     from chatgen.serving.app import build_app
+    from chatgen.serving.control import check_bind, control_router
+
+    if args.control:
+        check_bind(args.host, args.api_key)  # before the engine starts
 
     module = build_module(args).start()
     try:
-        app = build_app(module, api_key=args.api_key, model_name=args.served_model_name or args.model)
+        routers = [control_router(module, api_key=args.api_key, host=args.host)] if args.control else []
+        app = build_app(module, api_key=args.api_key, model_name=args.served_model_name or args.model,
+                        routers=routers)
         print(f"chatgen serve: http://{args.host}:{args.port}/v1 (model {app.state.model_name!r})", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
