@@ -22,11 +22,11 @@ blocks computed with older weights, whatever still holds those blocks.
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
 import weakref
-import logging
 
 from chatgen.generation import vllm_adapter as adapter
 
@@ -88,7 +88,8 @@ class EngineLoop:
 
     def call(self, fn):
         """Run `fn()` on the engine thread between two steps; return its result or raise its exception."""
-        if self._thread is None:
+        if self._thread is None:  # no thread: commands queued before this one run first, here
+            self._run_commands()
             return fn()
         if threading.current_thread() is self._thread:
             return fn()
@@ -137,7 +138,10 @@ class EngineLoop:
 
         def notify(event):
             events.put(event)
-            aio.call_soon_threadsafe(wake.set)
+            try:
+                aio.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the consumer's event loop is closed: nobody reads this call any more
+                self._inbox.put(lambda: self._abort(call))
 
         call = _Call(owner, add, notify)
         self._post(lambda: self._start(call))
