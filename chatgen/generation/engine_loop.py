@@ -52,6 +52,7 @@ class EngineLoop:
         self.llm = llm
         self.weight_version = 0
         self.steps_run = 0  # engine steps since the loop started
+        self.paused = False  # no engine step while set (`pause`); commands, weight updates included, still run
         self.broken = None  # why generation is refused (a weight write failed midway), until a full update
         self._inbox = queue.SimpleQueue()
         self._calls = {}  # request id -> _Call, for unfinished requests
@@ -171,6 +172,16 @@ class EngineLoop:
             raise ValueError(f"update_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
         return self.call(lambda: self._update(write, mode))
 
+    def pause(self) -> None:
+        """Stop stepping the engine: running requests keep their state and wait, new ones are admitted and wait
+        too. Commands still run, so weights can be updated while paused (an update in mode "wait" would run the
+        waiting requests to their end first: use "keep", "recompute" or "abort"). `resume` undoes it."""
+        self.call(lambda: setattr(self, "paused", True))
+
+    def resume(self) -> None:
+        """Step the engine again after `pause`."""
+        self.call(lambda: setattr(self, "paused", False))
+
     def shutdown(self) -> None:
         """Stop the thread (requests still running are failed); the engine itself is left to its owner."""
         if self._stopped:
@@ -196,8 +207,8 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stopped:
-            self._run_commands(block=not self._active)
-            if self._active and not self._stopped:
+            self._run_commands(block=not self._active or self.paused)
+            if self._active and not self._stopped and not self.paused:
                 self._step()
 
     def _run_commands(self, block: bool = False) -> None:
@@ -318,6 +329,9 @@ class EngineLoop:
 
     def _update(self, write, mode: str) -> int:
         """Apply a weight update on the engine thread (see VLLMModule.update_weights for the modes)."""
+        if mode == "wait" and self.paused:
+            raise RuntimeError('update_weights: the engine is paused, and mode "wait" would run its waiting requests '
+                               'to their end first; use mode "keep", "recompute" or "abort", or resume first')
         start = time.perf_counter()
         if mode == "wait":  # nothing new is admitted meanwhile: later commands wait in the inbox
             while self._active:

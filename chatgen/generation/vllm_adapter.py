@@ -20,6 +20,8 @@ Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, 
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -114,7 +116,9 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals we use.
 
     Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there; on CPU
-    with external_launcher, TP groups get per-job shared memory (see `_per_job_cpu_shm`).
+    with external_launcher, TP groups get per-job shared memory (see `_per_job_cpu_shm`). vLLM's IPC sockets
+    (multiprocess executor, TP > 1) go to a directory of this engine (VLLM_RPC_BASE_PATH, unless set), which
+    `shutdown` removes: vLLM leaves them in /tmp.
     """
     from vllm.platforms import current_platform
 
@@ -126,7 +130,15 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         _per_job_cpu_shm()
     if engine_kwargs.get("enforce_eager"):
         _eager_token_ranks()
-    llm = LLM(model, **engine_kwargs)
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
+    try:
+        llm = LLM(model, **engine_kwargs)
+    except BaseException:
+        _remove_rpc_dir(rpc_dir)
+        raise
+    llm.chatgen_rpc_dir = rpc_dir
     check_internals(llm)
     llm.collective_rpc(_install_reload_log_filter)
     return llm
@@ -237,6 +249,14 @@ def reset_prefix_cache(llm: LLM, preempt_running: bool = False) -> bool:
 def shutdown(llm: LLM) -> None:
     """Stop the engine's workers and free its memory now rather than at garbage collection."""
     llm.llm_engine.engine_core.shutdown()
+    _remove_rpc_dir(getattr(llm, "chatgen_rpc_dir", None))
+
+
+def _remove_rpc_dir(rpc_dir) -> None:
+    if rpc_dir:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        if os.environ.get("VLLM_RPC_BASE_PATH") == rpc_dir:
+            del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 def schedule(llm: LLM) -> ScheduledBatch:
