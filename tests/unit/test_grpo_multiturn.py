@@ -74,3 +74,17 @@ def test_calculator_sorts_the_prompts_digits():
     from examples.calculator_env import calculator
 
     assert calculator("sort: 3 1 4 1 5 =") == " 1 1 3 4 5"
+
+
+def test_the_served_policy_must_be_a_one_rank_engine():
+    from pathlib import Path
+
+    from chatgen.config import ConfigError, load_config
+    from chatgen.rlhf.algorithms import load
+    from chatgen.rlhf.run import check_config
+
+    repo = Path(__file__).resolve().parents[2]
+    cfg = load_config(repo / "configs/grpo_multiturn_tiny.yaml",
+                      ["policy_trainer.tensor_model_parallel_size=2", "policy.tensor_parallel_size=2"])
+    with pytest.raises(ConfigError, match="runtime.colocation: the policy shares a group of 2 ranks"):
+        check_config(cfg, load("grpo_multiturn"))

@@ -51,7 +51,17 @@ MODELS = {
 
 
 def check(cfg):
+    from chatgen.rlhf.runtime import plan_groups
+
     yield from grpo.check(cfg)
+    try:
+        plans = plan_groups(cfg)
+    except ValueError:  # groups that do not fit together: the runtime's own error says so at start
+        return
+    for names, world, _, _ in plans:
+        if "policy" in names and world > 1:
+            yield (f"runtime.colocation: the policy shares a group of {world} ranks ({', '.join(names)}); its "
+                   "server needs a one-rank engine: colocate it only with one-rank models, or give it its own group")
 
 
 @dataclasses.dataclass
