@@ -5,6 +5,7 @@
     batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.rollout.RolloutBatch
     out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
     texts = module.generate_text(["Once upon a time"])              # text in / text out (demos)
+    url = module.serve()                          # OpenAI HTTP on a loopback port (docs/serving.md)
 
 Subclass it and override the hooks to shape what a generation call returns; docs/vllm_module.md walks through
 examples/policy_inference.py. The framework owns the loop (`run_generation`):
