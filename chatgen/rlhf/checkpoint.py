@@ -24,6 +24,7 @@ import random
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from chatgen.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
 
@@ -140,6 +141,12 @@ def verify_checkpoint(path) -> list[str]:
             problems.append(f"{f} is missing")
         elif f.stat().st_size != size:
             problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
+        elif f.suffix == ".safetensors":  # overwritten in place: its header (names, offsets) must still parse
+            try:
+                with safe_open(str(f), framework="pt") as weights:
+                    weights.keys()
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                problems.append(f"{f} is not a readable safetensors file ({type(e).__name__}: {e})")
     return problems
 
 

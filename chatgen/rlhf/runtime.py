@@ -245,8 +245,8 @@ def plan_groups(cfg) -> list:
 class Runtime:
     """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
 
-    def __init__(self, groups: list, handles: dict, ray_dir: str | None):
-        self.groups, self.handles, self.ray_dir = groups, handles, ray_dir  # ray_dir: a Ray started by this run
+    def __init__(self, groups: list, handles: dict, local_ray: "LocalRay | None"):
+        self.groups, self.handles, self.local_ray = groups, handles, local_ray  # the Ray this run started
 
     def __getitem__(self, name: str) -> ModelHandle:
         return self.handles[name]
@@ -292,21 +292,17 @@ class Runtime:
         return cls(groups, handles, started)
 
     def shutdown(self) -> None:
-        """Kill every actor of this run and stop Ray if this run started it (removing its session directory);
-        safe to call twice."""
+        """Kill every actor of this run and stop Ray if this run started it (leaving no Ray process or session
+        file); safe to call twice."""
         for group in self.groups:
             try:
                 group.kill()
             except Exception:  # noqa: BLE001 - already dead / Ray going down: nothing left to free
                 pass
         self.groups = []
-        if self.ray_dir:
-            import ray
-
-            if ray.is_initialized():
-                ray.shutdown()
-            shutil.rmtree(self.ray_dir, ignore_errors=True)
-        self.ray_dir = None
+        if self.local_ray is not None:
+            self.local_ray.stop()
+        self.local_ray = None
 
 
 def _dp_rank(models, name):
@@ -353,19 +349,24 @@ def worker_env() -> dict:
     return env
 
 
-def init_ray(address: str | None, num_cpus_needed: float) -> str | None:
+def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
     """Connect to `address` (a cluster), or start a local Ray sized for this run, listening on loopback only.
 
-    Returns the temporary directory of a Ray started here (its session files and sockets; `Runtime.shutdown`
-    removes it), None when connected to a cluster or when Ray was already up.
+    Returns the `LocalRay` started here (`Runtime.shutdown` stops it), None when connected to a cluster or when
+    Ray was already up.
 
     A local Ray binds every server (GCS, raylet, workers' gRPC, the agents, the autoscaler monitor) to 127.0.0.1:
     `ray.init` itself turns a loopback node address into the machine's routable one, so chatgen switches Ray to
     the single-machine mode it uses by default on macOS and Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read
-    when Ray resolves the node address) for the start. No dashboard. docs/failure_and_security.md covers a
-    cluster (runtime.ray_address), where Ray must listen on the network: its token authentication and firewall.
+    when Ray resolves the node address) for the start. No dashboard. Its session files and sockets live in a
+    temporary directory of this run, not /tmp/ray. Ray's fatal-signal handler is taken off SIGTERM again (it
+    dumped a stack and aborted), so SIGTERM reaches the driver's own handler (chatgen.cli: a clean stop).
+    docs/failure_and_security.md covers a cluster (runtime.ray_address), where Ray must listen on the network:
+    its token authentication and firewall.
     """
+    import signal
     import tempfile
+    import threading
 
     import ray
     from ray._private import ray_constants
@@ -375,32 +376,77 @@ def init_ray(address: str | None, num_cpus_needed: float) -> str | None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
                   runtime_env={"env_vars": {"PYTHONPATH": worker_env()["PYTHONPATH"]}})
+    main_thread = threading.current_thread() is threading.main_thread()
+    sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if address:
         ray.init(address=address, **kwargs)
-        return None
-    temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
-    saved = os.environ.get(_RAY_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
-    os.environ[_RAY_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = "0", False
-    try:
-        # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
-        # turns on the same cores, so over-subscribing the logical count is what we want).
-        ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), _temp_dir=temp_dir, **kwargs)
-    except BaseException:
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
-        if saved[0] is None:
-            os.environ.pop(_RAY_SINGLE_MACHINE)
-        else:
-            os.environ[_RAY_SINGLE_MACHINE] = saved[0]
-    node_ip = ray.util.get_node_ip_address()
-    if node_ip != "127.0.0.1":  # a Ray upgrade changed how the node address is picked: refuse to run exposed
-        ray.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        raise RuntimeError(f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
-                           f"{_RAY_SINGLE_MACHINE}=0 (see chatgen.rlhf.runtime.init_ray)")
-    return temp_dir
+    else:
+        temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
+        env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+        saved = {k: os.environ.get(k) for k in env}, ray_constants.ENABLE_RAY_CLUSTER
+        os.environ.update(env)
+        ray_constants.ENABLE_RAY_CLUSTER = False
+        try:
+            # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
+            # turns on the same cores, so over-subscribing the logical count is what we want).
+            ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), _temp_dir=temp_dir, **kwargs)
+        except BaseException:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            raise
+        finally:
+            ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+            for key, value in saved[0].items():
+                if value is None:
+                    os.environ.pop(key)
+                else:
+                    os.environ[key] = value
+        local = LocalRay(temp_dir)
+        node_ip = ray.util.get_node_ip_address()
+        if node_ip != "127.0.0.1":  # a Ray upgrade changed how the node address is picked: refuse to run exposed
+            local.stop()
+            raise RuntimeError(f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
+                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (see chatgen.rlhf.runtime.init_ray)")
+    if main_thread:
+        signal.signal(signal.SIGTERM, sigterm)
+    return None if address else local
 
 
-_RAY_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+class LocalRay:
+    """The Ray a run started on this machine: its temporary directory, and a reaper process that outlives a
+    killed driver. Ray's GCS and raylet die with the driver, but its agents linger about a minute (they try to
+    report the raylet's death to the dead GCS); the reaper waits for the driver's pipe to close, however the
+    driver ends, then kills every process that holds a file of the session directory open (each Ray process
+    logs there) and removes the directory."""
+
+    # The reaper's code (argv[1]: the session directory); self-contained, so it runs whatever the import path.
+    REAPER = """if True:
+        import os, shutil, sys
+        import psutil
+        spare = {os.getpid(), os.getppid()}  # the driver may still hold a log open after ray.shutdown
+        sys.stdin.buffer.read()  # returns when the driver closes the pipe or dies
+        session = os.path.join(sys.argv[1], "")
+        for p in psutil.process_iter():
+            try:
+                if p.pid not in spare and any(f.path.startswith(session) for f in p.open_files()):
+                    p.kill()
+            except (psutil.Error, OSError):  # gone, or not ours to read
+                pass
+        shutil.rmtree(sys.argv[1], ignore_errors=True)
+    """
+
+    def __init__(self, directory: str):
+        import subprocess
+        import sys
+
+        self.dir = directory
+        self.reaper = subprocess.Popen([sys.executable, "-c", self.REAPER, directory], stdin=subprocess.PIPE,
+                                       start_new_session=True)  # not in the terminal's process group: Ctrl-C
+
+    def stop(self) -> None:
+        """Shut Ray down, then let the reaper check that nothing of the session is left."""
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.reaper.stdin.close()
+        self.reaper.wait(timeout=60)

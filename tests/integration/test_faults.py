@@ -6,6 +6,7 @@ Each test reproduces one finding of issue 13 and asserts the fixed behaviour; do
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
 import ipaddress
+import os
 from pathlib import Path
 
 import psutil
@@ -45,7 +46,7 @@ def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
         pytest.skip("Ray already runs in this process (started by another test module)")
     me = psutil.Process()
     earlier = {p.pid for p in me.children(recursive=True)}  # e.g. compile workers of engines of earlier tests
-    ray_dir = init_ray(None, 2)
+    local_ray = init_ray(None, 2)
     try:
         group = ActorGroup(["a"], 2, 0, 0.5, worker_env())
         group.setup([])  # both ranks join a gloo world on the rendezvous of rank 0
@@ -55,12 +56,89 @@ def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
         assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
         exposed = [entry for entry in found if not is_loopback(entry[1])]
         assert not exposed, f"listening beyond loopback: {exposed}"
-        assert Path(ray_dir).is_dir() and any(Path(ray_dir).iterdir())
+        assert Path(local_ray.dir).is_dir() and any(Path(local_ray.dir).iterdir())
     finally:
-        Runtime([group] if "group" in locals() else [], {}, ray_dir).shutdown()
-    assert not Path(ray_dir).exists()  # no /tmp/ray session directory left behind
+        Runtime([group] if "group" in locals() else [], {}, local_ray).shutdown()
+    assert not Path(local_ray.dir).exists()  # no /tmp/ray session directory left behind
     gone, alive = psutil.wait_procs(ray_processes, timeout=30)
     assert not alive, f"Ray processes left after shutdown: {[p.name() for p in alive]}"
+
+
+# A driver as `chatgen train` is one for signals: chatgen.cli's SIGTERM handler, a Ray started by init_ray, a
+# Runtime shut down on the way out.
+DRIVER = """if True:
+    import signal, sys, time
+    from chatgen.cli import Terminated, _terminate
+    from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
+    signal.signal(signal.SIGTERM, _terminate)
+    runtime = Runtime([], {}, init_ray(None, 2))
+    try:
+        runtime.groups.append(ActorGroup(["a"], 1, 0, 0.5, worker_env()))
+        runtime.groups[0].setup([])
+        print("READY", runtime.local_ray.dir, flush=True)
+        time.sleep(600)
+    except Terminated:
+        sys.exit(143)
+    finally:
+        runtime.shutdown()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_killed_or_terminated_driver_leaves_no_ray_process_or_session(sig):
+    """kill -9 of the driver used to leave Ray's agents alive ~90 s (one listening) and /tmp/ray behind; SIGTERM
+    gave rc 134 and a Ray stack dump. Now: nothing is left within seconds, and SIGTERM is a clean exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, cwd=REPO)
+    ready = driver.stdout.readline()
+    assert ready.startswith("READY"), driver.stderr.read() if driver.poll() is not None else ready
+    session = Path(ready.split()[1])
+    ray_processes = psutil.Process(driver.pid).children(recursive=True)
+    assert any(p.name() == "ray::DashboardAgent" for p in ray_processes)
+    start = time.monotonic()
+    driver.send_signal(getattr(signal, sig))
+    rc = driver.wait(timeout=60)
+    stderr = driver.stderr.read()
+    _, alive = psutil.wait_procs(ray_processes, timeout=20)
+    assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
+    assert time.monotonic() - start < 25
+    for _ in range(20):  # the reaper removes the session directory after the last kill
+        if not session.exists():
+            break
+        time.sleep(0.5)
+    assert not session.exists()
+    if sig == "SIGTERM":
+        assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+    else:
+        assert rc == -9
+
+
+def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
+    """Each `check-sync --infer-tp 2` used to leave 8 Unix sockets of vLLM's IPC in /tmp: a TP 2 engine (vLLM's
+    multiprocess executor, as check-sync starts it) built and shut down through vllm_adapter leaves none."""
+    import shutil
+    import stat
+    import subprocess
+    import sys
+    import tempfile
+
+    tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
+    code = ("from chatgen.generation import vllm_adapter as a; "
+            f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
+            "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
+            "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)")
+    env = {**os.environ, "TMPDIR": str(tmp), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env.pop("VLLM_RPC_BASE_PATH", None)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    left = [str(p) for p in tmp.rglob("*") if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")]
+    shutil.rmtree(tmp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not left, left
 
 
 def nan_model(model_dir, out, name="model.norm.weight"):

@@ -5,17 +5,20 @@
 One Ray instance serves all tests. GRPO: a 3-episode run whose reward model fails in episode 3 (the run
 stops with the actor's error; checkpoints 1 and 2 stay intact), then `--resume` runs episode 3 from checkpoint
 2. PPO: 2 episodes with the policy and the trainers in separate processes (cross-process weight sync) and
-truncated importance sampling on.
+truncated importance sampling on; every socket the PPO run listens on is loopback.
 What is checked: parameters changed, vLLM's log-probs equal the trainer's after each sync (float noise),
 metrics/TensorBoard/plot written, the resumed run continues the data position and optimizer state.
 """
 import json
 import math
 import os
+import threading
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
+from test_faults import is_loopback, listeners
 
 pytestmark = pytest.mark.integration
 
@@ -48,9 +51,9 @@ def ray_session():
     from chatgen.rlhf.runtime import Runtime, init_ray
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    ray_dir = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
+    local_ray = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
     yield
-    Runtime([], {}, ray_dir).shutdown()
+    Runtime([], {}, local_ray).shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +162,22 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
                                                                    "runtime.algorithm.importance_sampling_cap": 2.0})])
     assert cfg.runtime.colocation == [["policy", "reward"], ["policy_trainer", "reference", "value_trainer"]]
     assert cfg.runtime.algorithm.importance_sampling_cap == 2.0  # truncated IS on, as a user would set it
-    ppo.train(cfg, log=lambda *_: None)
+    # Every listening socket of the run's process tree, sampled while it trains: loopback only (issue 13)
+    seen, done = set(), threading.Event()
+
+    def sample():
+        while not done.wait(0.5):
+            seen.update(listeners(psutil.Process()))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        ppo.train(cfg, log=lambda *_: None)
+    finally:
+        done.set()
+        sampler.join()
+    assert any(name.startswith("ray::ModelWorker") for name, _, _ in seen), seen
+    assert not [entry for entry in seen if not is_loopback(entry[1])], seen
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
