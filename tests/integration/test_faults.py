@@ -5,8 +5,10 @@
 Each test reproduces one finding of issue 13 and asserts the fixed behaviour; docs/failure_and_security.md
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
+import contextlib
 import ipaddress
 import os
+import threading
 from pathlib import Path
 
 import psutil
@@ -27,6 +29,25 @@ def listeners(root: psutil.Process) -> list:
         except psutil.NoSuchProcess:
             pass
     return out
+
+
+@contextlib.contextmanager
+def listening_sockets(interval: float = 0.5):
+    """Yields a set that collects, while the block runs, every listening socket of this process tree
+    (`listeners`), sampled every `interval` seconds."""
+    seen, done = set(), threading.Event()
+
+    def sample():
+        while not done.wait(interval):
+            seen.update(listeners(psutil.Process()))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()
 
 
 def is_loopback(ip: str) -> bool:
