@@ -8,6 +8,9 @@ For each size (random Llama-architecture weights written straight to safetensors
                  trainer (TP=1) and engine colocated in this process
     transformers `sync_weights(AutoModelForCausalLM, llm)`: what `VLLMGeneration.sync_weights` does in colocate
                  mode (manifest + finiteness check + streaming reload from the model's parameters)
+    server       the same model through server mode's data path: `SyncSender` -> a private gloo group over
+                 loopback -> `SyncReceiver.receive_into(llm)` on another thread (what `chatgen serve --control`
+                 runs); its two HTTP calls (begin / finish, a few ms) are not included
     lower_bound  `vllm_adapter.load_weights(llm, hf_state_dict)` from an HF state dict already in memory
                  (vLLM's own reload: copy + CPU repack; no sync can be faster)
     naive        save an HF checkpoint to disk, then start a new engine from it in this process (vLLM
@@ -16,7 +19,8 @@ For each size (random Llama-architecture weights written straight to safetensors
                  ready (import + engine start): what restarting a generation worker costs
 
 Reports seconds (median of --repeats interleaved runs, minima too; naive runs once: save + engine start), bytes/s of the weights moved, and the ratios the
-issue targets: chatgen and transformers <= 1.2x lower_bound, naive >= 20x chatgen. Writes JSON to --output.
+issue targets: chatgen and transformers <= 1.2x lower_bound, naive >= 20x chatgen (server: reported, no target:
+it copies every byte through a socket). Writes JSON to --output.
 """
 import argparse
 import gc
@@ -110,6 +114,24 @@ def interleaved(fns: dict, repeats: int) -> dict:
     return runs
 
 
+def server_path(hf_model, llm):
+    """One sync of `hf_model` into `llm` the way server mode moves it: SyncSender -> gloo -> SyncReceiver."""
+    import threading
+
+    from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
+
+    receiver = SyncReceiver()
+    sender = SyncSender("127.0.0.1", receiver.port)
+
+    def once():
+        engine_side = threading.Thread(target=receiver.receive_into, args=(llm,))
+        engine_side.start()
+        sync_weights(hf_model, sender)
+        engine_side.join()
+
+    return once
+
+
 def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
@@ -130,10 +152,14 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     sync_weights(hf_model, llm)
     hf_state = trainer.hf_state_dict()  # a separate copy, as a lower bound would have it
     vllm_adapter.load_weights(llm, iter(hf_state.items()))
+    server = server_path(hf_model, llm)
+    server()  # warm-up: the group is created on the first sync
     runs = interleaved({"chatgen": lambda: sync_weights(trainer, llm),
                         "transformers": lambda: sync_weights(hf_model, llm),
+                        "server": server,
                         "lower": lambda: vllm_adapter.load_weights(llm, iter(hf_state.items()))}, repeats)
     chatgen_s, transformers_s, lower_s = runs["chatgen"], runs["transformers"], runs["lower"]
+    server_s = runs["server"]
 
     naive_dir = workdir / f"{name}-naive"
 
@@ -158,7 +184,7 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     gc.collect()
     # medians of interleaved runs decide the targets; minima (least disturbed by other processes) kept too
     chatgen, lower = statistics.median(chatgen_s), statistics.median(lower_s)
-    transformers = statistics.median(transformers_s)
+    transformers, server = statistics.median(transformers_s), statistics.median(server_s)
     naive_t = naive_parts["save_s"] + naive_parts["engine_start_s"]  # shutting the engine down is not counted
     naive_np = naive_parts["save_s"] + naive_parts["new_process_engine_start_s"]
     return dict(size=name, params=params, bytes=nbytes, config=overrides,
@@ -170,6 +196,8 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
                 transformers_bytes_per_s=nbytes / transformers, transformers_over_lower_bound=transformers / lower,
                 transformers_over_lower_bound_min=min(transformers_s) / min(lower_s),
                 meets_transformers_lower_bound_target=transformers <= 1.2 * lower,
+                server_s=server, server_min_s=min(server_s), server_runs_s=server_s,
+                server_bytes_per_s=nbytes / server, server_over_lower_bound=server / lower,
                 chatgen_bytes_per_s=nbytes / chatgen, lower_bound_bytes_per_s=nbytes / lower,
                 naive_bytes_per_s=nbytes / naive_t,
                 chatgen_over_lower_bound=chatgen / lower, chatgen_over_lower_bound_min=min(chatgen_s) / min(lower_s),
@@ -195,7 +223,8 @@ def main(argv=None) -> int:
             results.append(r)
             print(f"{name:7s} {r['params'] / 1e6:7.1f}M params {r['bytes'] / 1e9:5.2f} GB | chatgen {r['chatgen_s']:.3f}s "
                   f"({r['chatgen_bytes_per_s'] / 1e9:.2f} GB/s) | transformers {r['transformers_s']:.3f}s "
-                  f"({r['transformers_over_lower_bound']:.2f}x lower) | lower bound {r['lower_bound_s']:.3f}s "
+                  f"({r['transformers_over_lower_bound']:.2f}x lower) | server {r['server_s']:.3f}s "
+                  f"({r['server_over_lower_bound']:.2f}x lower) | lower bound {r['lower_bound_s']:.3f}s "
                   f"({r['lower_bound_bytes_per_s'] / 1e9:.2f} GB/s) | naive {r['naive_s']:.2f}s | "
                   f"chatgen/lower {r['chatgen_over_lower_bound']:.2f}x | naive/chatgen {r['naive_over_chatgen']:.0f}x "
                   f"(new process: {r['naive_new_process_s']:.1f}s, {r['naive_new_process_over_chatgen']:.0f}x)",

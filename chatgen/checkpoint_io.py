@@ -45,6 +45,19 @@ def read_megatron_meta(directory) -> dict | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def read_hf_config(path, what: str = "load") -> dict:
+    """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint; a
+    FileNotFoundError naming `what` (the key or flag that gave the path) when it is neither."""
+    path = Path(path)
+    meta = read_megatron_meta(path)
+    if meta is not None:
+        return meta["hf_config"]
+    if (path / "config.json").is_file():
+        return json.loads((path / "config.json").read_text())
+    raise FileNotFoundError(f"{what}={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
+                            f"Megatron checkpoint (chatgen_megatron.json); point {what} at one of them")
+
+
 def copy_hf_side_files(src, dst) -> None:
     """Copy the tokenizer / generation files of HF directory `src` that `dst` does not have yet."""
     for name in HF_SIDE_FILES:

@@ -1,12 +1,17 @@
 # python examples/grpo_with_hf_trainer.py --output outputs/grpo_hf/metrics.jsonl   (bash examples/prepare_tiny.sh first)
+# server mode: chatgen serve --model outputs/tiny-llama-sft --control --api-key KEY seq_length=64 max_new_tokens=16 \
+#                logprobs_mode=raw enforce_eager=true kv_cache_memory_bytes=33554432
+#              python examples/grpo_with_hf_trainer.py --mode server --server-url http://127.0.0.1:8000 --api-key KEY
 """GRPO in plain PyTorch: a transformers model, a torch optimizer, and `chatgen.VLLMGeneration` for sampling.
 
 No Megatron, no Ray, no chatgen run loop: the whole algorithm is the loop in `main`, top to bottom. Each step
 samples `--group` completions of `--prompts` training prompts with vLLM, scores them with chatgen's sort-digits
 rule, turns rewards into group-relative advantages, takes `--updates` clipped policy-gradient steps on the
-transformers model, and syncs its weights into the engine. The engine's log-probs are the "old" log-probs of the
-ratio: with logprobs_mode="raw" they equal the model's own within 1e-4 (`logprob_mismatch`, the largest difference
-over the step's first mini-batch, is logged; tests/integration/test_vllm_generation.py checks it).
+transformers model, and syncs its weights into the engine: in this process (`--mode colocate`), or a
+`chatgen serve --control` server's (`--mode server`, the same loop). The engine's log-probs are the "old"
+log-probs of the ratio: with logprobs_mode="raw" they equal the model's own within 1e-4 (`logprob_mismatch`, the
+largest difference over the step's first mini-batch, is logged; tests/integration/test_vllm_generation*.py
+check it).
 The held-out reward (greedy, 256 prompts the training never sees) is measured every `--eval-every` steps.
 
 On the tiny warm-started Llama of examples/prepare_tiny.sh (sorts, mostly the wrong way) held-out reward goes
@@ -50,6 +55,9 @@ def main(argv=None):
     parser.add_argument("--model", default="outputs/tiny-llama-sft", help="HF model directory to start from")
     parser.add_argument("--data", default="outputs/sort_digits", help="directory with train.jsonl and eval.jsonl")
     parser.add_argument("--output", help="write one JSON line per step here (reward, eval_reward, seconds)")
+    parser.add_argument("--mode", choices=["colocate", "server"], default="colocate")
+    parser.add_argument("--server-url", default="http://127.0.0.1:8000", help="--mode server: the server's address")
+    parser.add_argument("--api-key", help="--mode server: the server's --api-key")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--prompts", type=int, default=32, help="prompts per step")
     parser.add_argument("--group", type=int, default=8, help="completions per prompt (the GRPO group)")
@@ -65,8 +73,13 @@ def main(argv=None):
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
-    gen = VLLMGeneration(args.model, max_completion_length=16, max_model_length=64, logprobs_mode="raw",
-                         enforce_eager=True, kv_cache_memory_bytes=32 << 20, seed=args.seed)
+    if args.mode == "colocate":
+        gen = VLLMGeneration(args.model, max_completion_length=16, max_model_length=64, logprobs_mode="raw",
+                             enforce_eager=True, kv_cache_memory_bytes=32 << 20, seed=args.seed)
+    else:  # the server's engine settings are its own (see the command at the top)
+        gen = VLLMGeneration(args.model, "server", server_base_url=args.server_url, api_key=args.api_key,
+                             max_completion_length=16)
+    gen.sync_weights(policy)  # a server may hold other weights; start both sides from the same ones
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     log = open(args.output, "w") if args.output else None

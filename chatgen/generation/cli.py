@@ -35,18 +35,42 @@ from chatgen.rollout import RolloutBatch
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
 
-def add_arguments(parser) -> None:
+def add_module_arguments(parser) -> None:
+    """The flags that say which VLLMModule to build and from what (`chatgen generate` and `chatgen serve`)."""
     parser.add_argument("--model", required=True,
                         help="Hugging Face model directory or chatgen Megatron checkpoint (the `load` key)")
+    parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
     parser.add_argument("--module", metavar="PKG.MOD:CLASS",
                         help="your VLLMModule subclass (importable from the current directory); default VLLMModule")
     parser.add_argument("--config-dialect", choices=["chatgen", "chatlearn"], default="chatgen",
                         help="how --config is read: chatlearn reads a ChatLearn per-model YAML (its ${VAR} rules, "
                              "its Megatron-LM keys ignored; docs/configuration.md)")
+
+
+def build_module(args, overrides=()):
+    """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value strings from the
+    command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr."""
+    from chatgen.config import VLLMConfig, format_config, load_model_config
+    from chatgen.generation import vllm_adapter
+    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.module import import_class
+
+    cls = import_class(args.module) if args.module else VLLMModule
+    if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
+        raise ValueError(f"--module {args.module}: {cls!r} is not a subclass of chatgen.VLLMModule")
+    platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
+    config = load_model_config(args.config, cls.config_class if cls.config_class is not dict else VLLMConfig,
+                               [f"load={args.model}", *overrides, *args.overrides], extra_check=platform,
+                               dialect=args.config_dialect)
+    print(format_config(config), file=sys.stderr)
+    return cls(config)
+
+
+def add_arguments(parser) -> None:
+    add_module_arguments(parser)
     parser.add_argument("--input", required=True, help="JSONL of {\"prompt_ids\": [...]} or {\"prompt\": \"...\"}")
     parser.add_argument("--output", required=True, help="JSONL to write, one line per sample")
     parser.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
-    parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
     parser.add_argument("--max-new-tokens", type=positive_int, help="tokens per response (sets new_token_limit=true)")
     parser.add_argument("--temperature", type=float, help="sampling temperature; 0 = greedy")
     parser.add_argument("--n", type=positive_int, help="samples per prompt")
@@ -90,31 +114,15 @@ def check_output(output, input_path, overwrite: bool) -> None:
 
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
-    hf_config = _model_config(args.model)
+    from chatgen.checkpoint_io import atomic_file, read_hf_config
+
+    hf_config = read_hf_config(args.model, "--model")
     check_output(args.output, args.input, args.overwrite)
     rows = read_prompts(args.input, hf_config["vocab_size"])
-    from chatgen.checkpoint_io import atomic_file
-    from chatgen.config import VLLMConfig, format_config, load_model_config
-    from chatgen.generation import vllm_adapter
-    from chatgen.generation.vllm_module import VLLMModule
-    from chatgen.module import import_class
-
-    cls = import_class(args.module) if args.module else VLLMModule
-    if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
-        raise ValueError(f"--module {args.module}: {cls!r} is not a subclass of chatgen.VLLMModule")
-
-    overrides = [f"load={args.model}"]
-    for key in FLAGS:
-        if getattr(args, key) is not None:
-            overrides.append(f"{key}={getattr(args, key)}")
+    overrides = [f"{key}={getattr(args, key)}" for key in FLAGS if getattr(args, key) is not None]
     if args.max_new_tokens is not None:
         overrides.append("new_token_limit=true")
-    platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
-    config = load_model_config(args.config, cls.config_class if cls.config_class is not dict else VLLMConfig,
-                               overrides + list(args.overrides), extra_check=platform, dialect=args.config_dialect)
-    module = cls(config)
-    print(format_config(config), file=sys.stderr)
-    module.start()
+    module = build_module(args, overrides).start()
     text_prompts = [text for ids, text in rows if ids is None]
     prepared = module.prepare_dataset(text_prompts) if text_prompts else []  # one call: one count of cut prompts
     if len(text_prompts) == len(rows):  # all text: the module's dataset as it built it (it may repeat prompts)
@@ -176,17 +184,3 @@ def _sample_records(out, module_name) -> list:
         rows.append(record)
     return rows
 
-
-def _model_config(model) -> dict:
-    """The HF config of --model: an HF directory's config.json or a chatgen Megatron checkpoint's."""
-    from chatgen.checkpoint_io import read_megatron_meta
-
-    path = Path(model)
-    meta = read_megatron_meta(path)
-    if meta is not None:
-        return meta["hf_config"]
-    if not (path / "config.json").is_file():
-        raise ValueError(f"--model {model}: no config.json (nor chatgen_megatron.json) there; point it at a Hugging "
-                         "Face model directory (e.g. one made by `chatgen make-tiny-model --output DIR`) or a chatgen "
-                         "Megatron checkpoint")
-    return json.loads((path / "config.json").read_text())

@@ -22,11 +22,11 @@ blocks computed with older weights, whatever still holds those blocks.
 import asyncio
 import concurrent.futures
 import itertools
+import logging
 import queue
 import threading
 import time
 import weakref
-import logging
 
 from chatgen.generation import vllm_adapter as adapter
 
@@ -52,6 +52,7 @@ class EngineLoop:
         self.llm = llm
         self.weight_version = 0
         self.steps_run = 0  # engine steps since the loop started
+        self.paused = False  # no engine step while set (`pause`); commands, weight updates included, still run
         self.broken = None  # why generation is refused (a weight write failed midway), until a full update
         self._inbox = queue.SimpleQueue()
         self._calls = {}  # request id -> _Call, for unfinished requests
@@ -87,7 +88,8 @@ class EngineLoop:
 
     def call(self, fn):
         """Run `fn()` on the engine thread between two steps; return its result or raise its exception."""
-        if self._thread is None:
+        if self._thread is None:  # no thread: commands queued before this one run first, here
+            self._run_commands()
             return fn()
         if threading.current_thread() is self._thread:
             return fn()
@@ -136,7 +138,10 @@ class EngineLoop:
 
         def notify(event):
             events.put(event)
-            aio.call_soon_threadsafe(wake.set)
+            try:
+                aio.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # the consumer's event loop is closed: nobody reads this call any more
+                self._inbox.put(lambda: self._abort(call))
 
         call = _Call(owner, add, notify)
         self._post(lambda: self._start(call))
@@ -167,6 +172,16 @@ class EngineLoop:
             raise ValueError(f"update_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
         return self.call(lambda: self._update(write, mode))
 
+    def pause(self) -> None:
+        """Stop stepping the engine: running requests keep their state and wait, new ones are admitted and wait
+        too. Commands still run, so weights can be updated while paused (an update in mode "wait" would run the
+        waiting requests to their end first: use "keep", "recompute" or "abort"). `resume` undoes it."""
+        self.call(lambda: setattr(self, "paused", True))
+
+    def resume(self) -> None:
+        """Step the engine again after `pause`."""
+        self.call(lambda: setattr(self, "paused", False))
+
     def shutdown(self) -> None:
         """Stop the thread (requests still running are failed); the engine itself is left to its owner."""
         if self._stopped:
@@ -192,8 +207,8 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stopped:
-            self._run_commands(block=not self._active)
-            if self._active and not self._stopped:
+            self._run_commands(block=not self._active or self.paused)
+            if self._active and not self._stopped and not self.paused:
                 self._step()
 
     def _run_commands(self, block: bool = False) -> None:
@@ -314,6 +329,9 @@ class EngineLoop:
 
     def _update(self, write, mode: str) -> int:
         """Apply a weight update on the engine thread (see VLLMModule.update_weights for the modes)."""
+        if mode == "wait" and self.paused:
+            raise RuntimeError('update_weights: the engine is paused, and mode "wait" would run its waiting requests '
+                               'to their end first; use mode "keep", "recompute" or "abort", or resume first')
         start = time.perf_counter()
         if mode == "wait":  # nothing new is admitted meanwhile: later commands wait in the inbox
             while self._active:

@@ -2,33 +2,41 @@
 
     from chatgen import VLLMGeneration
     gen = VLLMGeneration("outputs/tiny-llama-sft", max_completion_length=16)      # colocate: engine in this process
+    gen = VLLMGeneration("outputs/tiny-llama-sft", mode="server", server_base_url="http://127.0.0.1:8000",
+                         api_key=KEY)                                        # a `chatgen serve --control` server
     prompt_ids, completion_ids, logprobs = gen.generate([[1, 77, 5, 9]], num_generations=4)
     ...a training step on a transformers model...
     gen.sync_weights(model)                  # nn.Module (HF names; DDP/FSDP/compile unwrapped), (name, tensor) pairs,
                                              # or a chatgen MegatronModule
 
 The generator knows nothing of the trainer: it is built from generation parameters and fed weights. Colocate mode
-runs a `VLLMModule` in this process and writes weights with `chatgen.param_sync.sync_weights` (manifest and
-finiteness checked before anything is written: a refused sync leaves the engine on its old weights).
-Guide and example: docs/vllm_generation.md, examples/grpo_with_hf_trainer.py.
+runs a `VLLMModule` in this process and writes weights with `chatgen.param_sync.sync_weights`. Server mode sends
+`/v1/completions` requests to a server and pushes weights through its control endpoints
+(chatgen/serving/control.py) over a private torch.distributed group, with the same `sync_weights` on the sending
+side. Either way the manifest and finiteness are checked before anything is written: a refused sync leaves the
+engine on its old weights. Guide and example: docs/vllm_generation.md, examples/grpo_with_hf_trainer.py.
 """
 import dataclasses
 
 import torch
 
-MODES = ("colocate",)
+MODES = ("colocate", "server")
 
 
 class VLLMGeneration:
-    """A vLLM engine on the HF model directory `model`, with sampling fixed at construction.
+    """A vLLM engine on the HF model directory `model` (colocate), or a client of one (server), with sampling
+    fixed at construction.
 
     Sampling: temperature, top_p, top_k (0 = off), min_p, repetition_penalty; max_completion_length tokens per
-    completion, stopping at EOS (kept in the completion). max_model_length: prompt + completion tokens at most
-    (None = the model's max_position_embeddings); a prompt longer than max_model_length - max_completion_length
-    is an error. logprobs: 0 = return the log-prob of each sampled token (the only value supported).
-    engine_kwargs: further per-model generation keys (docs/generation_keys.md), e.g. dtype, seed,
-    kv_cache_memory_bytes, enforce_eager, logprobs_mode ("raw" makes log-probs those of the untempered model,
-    what a trainer computes; the default "processed" is after temperature / top-k / top-p).
+    completion, stopping at EOS (kept in the completion). logprobs: 0 = return the log-prob of each sampled token
+    (the only value supported).
+    Colocate only (a server's engine is configured where it starts): tensor_parallel_size; max_model_length,
+    prompt + completion tokens at most (None = the model's max_position_embeddings; a longer prompt than
+    max_model_length - max_completion_length is an error); engine_kwargs, further per-model generation keys
+    (docs/generation_keys.md), e.g. dtype, seed, kv_cache_memory_bytes, enforce_eager, logprobs_mode ("raw" makes
+    log-probs those of the untempered model, what a trainer computes; the default "processed" is after
+    temperature / top-k / top-p).
+    Server: server_base_url (e.g. "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server.
     """
 
     def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, tensor_parallel_size=1,
@@ -41,9 +49,26 @@ class VLLMGeneration:
                              "supported")
         if top_k < 0:
             raise ValueError(f"VLLMGeneration: top_k={top_k}; use 0 to turn top-k off, or a positive count")
+        self.mode = mode
+        self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                             repetition_penalty=repetition_penalty, max_tokens=max_completion_length)
+        self.module = self.server = None
+        if mode == "server":
+            engine_args = {**engine_kwargs, **({"tensor_parallel_size": tensor_parallel_size}
+                                               if tensor_parallel_size != 1 else {}),
+                           **({"max_model_length": max_model_length} if max_model_length is not None else {})}
+            if engine_args:
+                raise ValueError(f"VLLMGeneration(mode='server'): {', '.join(sorted(engine_args))} configure the "
+                                 "engine, which the server owns; set them where it starts (`chatgen serve "
+                                 "--config ... key=value`)")
+            if not server_base_url:
+                raise ValueError("VLLMGeneration(mode='server') needs server_base_url, e.g. 'http://127.0.0.1:8000' "
+                                 "(a `chatgen serve --control` server)")
+            self.server = _Server(server_base_url, api_key)
+            self._sender = None
+            return
         from chatgen.generation.vllm_module import VLLMModule
 
-        self.mode = mode
         config = dict(load=str(model), tensor_parallel_size=tensor_parallel_size, seq_length=max_model_length,
                       temperature=temperature, top_p=top_p, top_k=top_k or -1, min_p=min_p,
                       repetition_penalty=repetition_penalty, new_token_limit=True,
@@ -67,6 +92,13 @@ class VLLMGeneration:
         for i, p in enumerate(prompts):
             if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):
                 raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids (int), got {p!r:.80}")
+        if self.server is not None:
+            choices = self.server.post("/v1/completions", {
+                "prompt": [list(p) for p in prompts], "n": num_generations,
+                **self.sampling, **({"temperature": 0.0} if greedy else {})})["choices"]
+            choices.sort(key=lambda c: c["index"])  # index = prompt * n + sample: prompt-major
+            return ([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
+                    [c["generation_log_probs"] for c in choices])
         module = self.module
         module.config = dataclasses.replace(module.config, n=num_generations)
         width = max(map(len, prompts))
@@ -83,19 +115,63 @@ class VLLMGeneration:
             logprobs.append(out["logprobs"][row, end - n:end].tolist())
         return prompt_ids, completion_ids, logprobs
 
-    def sync_weights(self, source):
+    def sync_weights(self, source, mode="wait"):
         """Write `source`'s weights into the engine; returns a `chatgen.param_sync.SyncReport`.
 
         source: a `torch.nn.Module` with Hugging Face parameter names (a transformers model; DDP / FSDP /
         torch.compile wrappers unwrapped), an iterable of (HF name, tensor), or a chatgen `MegatronModule`.
         Names, shapes and finiteness are checked before anything is written: on a mismatch a `SyncError` names
-        the parameters and the engine keeps its old weights. The prefix cache is reset after the write (vLLM's
-        reload alone keeps KV computed with the old weights). Call between `generate` calls.
+        the parameters and the engine keeps its old weights. No request is served KV computed with the old
+        weights afterwards. mode: what requests in flight on the engine do (VLLMModule.update_weights: wait,
+        keep, recompute, abort); in colocate mode none are (generate returns when its requests are done).
+        Server mode with a multi-process trainer: call it on every rank (only rank 0 talks to the server).
         """
-        from chatgen.param_sync import sync_weights
+        from chatgen.param_sync import SyncSender, sync_weights, weight_source
 
-        return sync_weights(source, self.module)
+        if self.server is None:
+            return sync_weights(source, self.module, mode=mode)
+        import torch.distributed as dist
+
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return sync_weights(source, SyncSender("", 0))  # the other ranks only take part in rank 0's send
+        weight_source(source)  # a source that cannot be read fails here, before the server waits for its weights
+        held = self._sender.port if self._sender is not None else None
+        endpoint = self.server.post("/control/weights/begin", {"mode": mode, "port": held})
+        if self._sender is None or (self._sender.host, self._sender.port) != (endpoint["host"], endpoint["port"]):
+            self._sender = SyncSender(endpoint["host"], endpoint["port"])  # the group stays open between syncs
+        try:
+            report = sync_weights(source, self._sender)
+        except BaseException:
+            self.server.post("/control/weights/finish", check=False)  # the server saw the failure too
+            raise
+        self.server.post("/control/weights/finish")
+        return report
 
     def shutdown(self) -> None:
-        """Stop the engine and free its memory."""
-        self.module.shutdown()
+        """Stop the engine and free its memory (colocate); close the connection (server)."""
+        if self.module is not None:
+            self.module.shutdown()
+        if self.server is not None:
+            self.server.session.close()
+
+
+class _Server:
+    """HTTP calls to a `chatgen serve` server, with its API key; errors carry the server's message."""
+
+    def __init__(self, base_url: str, api_key=None):
+        import requests
+
+        self.base_url = base_url.rstrip("/")
+        self.session = requests.Session()
+        if api_key is not None:
+            self.session.headers["Authorization"] = f"Bearer {api_key}"
+
+    def post(self, path: str, body=None, check: bool = True) -> dict:
+        response = self.session.post(self.base_url + path, json=body)
+        if check and response.status_code != 200:
+            try:
+                message = response.json()["error"]["message"]
+            except (ValueError, KeyError, TypeError):
+                message = response.text[:500]
+            raise RuntimeError(f"{self.base_url}{path}: HTTP {response.status_code}: {message}")
+        return response.json() if response.content else {}

@@ -41,7 +41,7 @@ __all__ = [
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
     "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
-    "output_token_counts", "reset_prefix_cache",
+    "output_token_counts", "reset_prefix_cache", "vocab_size",
 ]
 
 
@@ -367,6 +367,11 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def vocab_size(llm: LLM) -> int:
+    """Token ids the engine accepts: 0 .. vocab_size - 1."""
+    return llm.llm_engine.model_config.get_vocab_size()
 
 
 def hf_config(llm: LLM) -> dict:

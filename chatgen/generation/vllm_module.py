@@ -26,6 +26,7 @@ import types
 from chatgen.checkpoint_io import copy_hf_side_files, read_megatron_meta
 from chatgen.config import ConfigError, VLLMConfig, model_args
 from chatgen.generation import engine_config, vllm_adapter as adapter
+from chatgen.generation.engine_loop import EngineLoop
 from chatgen.generation.batching import (
     generation_output,
     iter_samples,
@@ -364,8 +365,9 @@ class VLLMModule(Module):
         Every generated token reports the version it was sampled under (`weight_versions` in the outputs).
         Requests added after the update never reuse prefix-cache blocks computed with older weights. Names and
         layouts: see `vllm_adapter.load_weights`; chatgen.param_sync.sync_weights writes through here. If the
-        write fails after its first tensor, the module refuses to generate (a RuntimeError saying so) until a
-        later update succeeds: sync all weights again.
+        write fails (vLLM's reload releases the old weights as it begins, so any failure leaves a mix), the
+        module refuses to generate (a RuntimeError saying so; `needs_resync` says why) until a later update
+        succeeds: sync all weights again.
         """
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before update_weights")
@@ -386,8 +388,6 @@ class VLLMModule(Module):
     def engine_loop(self):
         """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
         whose ranks must step in lockstep)."""
-        from chatgen.generation.engine_loop import EngineLoop
-
         return EngineLoop.of(self.engine, threaded=self.distributed_executor_backend != "external_launcher")
 
     def sleep(self, level: int = 1) -> None:

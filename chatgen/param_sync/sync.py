@@ -375,7 +375,7 @@ class SyncSender:
 
 def _share(obj):
     """Rank 0's object on every trainer rank (the verdicts decide whether all ranks raise)."""
-    if dist.get_world_size() == 1:
+    if not dist.is_initialized() or dist.get_world_size() == 1:  # a trainer without torch.distributed
         return obj
     box = [obj]
     dist.broadcast_object_list(box, 0)

@@ -1,6 +1,8 @@
-"""Prompt datasets with rule-based rewards: the synthetic sort-digits task and a final-number (GSM8K-style) check.
+"""Prompt datasets with rule-based rewards: the synthetic sort-digits and arithmetic tasks, and a final-number
+(GSM8K-style) check.
 
     python -m chatgen.rlhf.tasks --output outputs/sort_digits   # train, eval, sft, preference_{train,eval}.jsonl
+    python -m chatgen.rlhf.tasks --task arithmetic --output outputs/arithmetic   # train, eval.jsonl
 
 A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the model's
 response text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere:
@@ -14,6 +16,12 @@ sft.jsonl holds demonstrations for the supervised warm start, as mixed as real o
 most answers sorted the other way (descending; `--sft-descending-fraction`, default 0.7). The warm-started
 model can sort both ways and mostly picks descending; the rule reward asks for ascending, and RL has to
 find that out (the way RLHF turns a model that can do what users want into one that does it).
+
+arithmetic: "What is 23 + 48? Reply with only the result, as a number." -> "71" (sums and differences of numbers
+up to `max_operand`, never negative), a question for a chat model: the policy renders it with its chat
+template (`chat_template: true`). Scored by `final_number` (1.0 when the last number of the response is the
+answer), so "23 + 48 = 71" counts as much as "71". The task of `examples/train_grpo_smollm2.sh`:
+SmolLM2-135M-Instruct answers about a third of them right before RL, mostly by getting the sum wrong.
 
 preference_train.jsonl / preference_eval.jsonl hold the same train / held-out prompts as preference pairs for
 DPO: {"prompt", "chosen": the ascending answer, "rejected": sorted descending or a near miss}.
@@ -41,13 +49,29 @@ def sort_digits_records(n: int, seed: int, min_digits: int = 3, max_digits: int 
     return records
 
 
-def sort_digits_split(n_train: int, n_eval: int, seed: int = 0, **kwargs) -> tuple[list[dict], list[dict]]:
-    """Train and held-out sets with no prompt in common (eval prompts are drawn first, train skips them)."""
-    eval_records = sort_digits_records(n_eval, seed + 1, **kwargs)
+def arithmetic_records(n: int, seed: int, max_operand: int = 50) -> list[dict]:
+    """`n` problems "What is a + b?" / "What is a - b?" (a >= b) with 1 <= a, b <= max_operand, from `seed`."""
+    rng = random.Random(seed)
+    records = []
+    for _ in range(n):
+        a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
+        if rng.random() < 0.5:
+            question, result = f"{a} + {b}", a + b
+        else:
+            question, result = f"{max(a, b)} - {min(a, b)}", abs(a - b)
+        records.append({"prompt": f"What is {question}? Reply with only the result, as a number.",
+                        "answer": str(result)})
+    return records
+
+
+def held_out_split(make_records, n_train: int, n_eval: int, seed: int = 0, **kwargs) -> tuple[list, list]:
+    """Train and held-out sets of a task (`make_records(n, seed, **kwargs)`, e.g. sort_digits_records) with no
+    prompt in common: eval prompts are drawn first, train skips them (and may repeat a prompt)."""
+    eval_records = make_records(n_eval, seed + 1, **kwargs)
     held_out = {r["prompt"] for r in eval_records}
     train, k = [], 0
     while len(train) < n_train:
-        batch = sort_digits_records(n_train, seed * 1000 + k, **kwargs)
+        batch = make_records(n_train, seed * 1000 + k, **kwargs)
         train += [r for r in batch if r["prompt"] not in held_out][: n_train - len(train)]
         k += 1
     return train, eval_records
@@ -130,25 +154,36 @@ def write_jsonl(path, records) -> None:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="write the sort-digits train/eval JSONL files")
+    parser = argparse.ArgumentParser(description="write a task's train/eval JSONL files")
     parser.add_argument("--output", required=True, help="directory for the JSONL files")
+    parser.add_argument("--task", default="sort_digits", choices=["sort_digits", "arithmetic"],
+                        help="sort_digits: also sft.jsonl and preference_{train,eval}.jsonl; arithmetic: chat questions")
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-eval", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-digits", type=int, default=3)
-    parser.add_argument("--max-digits", type=int, default=6)
+    parser.add_argument("--min-digits", type=int, default=3, help="sort_digits: shortest list")
+    parser.add_argument("--max-digits", type=int, default=6, help="sort_digits: longest list")
+    parser.add_argument("--max-operand", type=int, default=50, help="arithmetic: largest number in a question")
     parser.add_argument("--sft-descending-fraction", type=float, default=0.7,
-                        help="share of sft.jsonl answers sorted the other way")
+                        help="sort_digits: share of sft.jsonl answers sorted the other way")
     args = parser.parse_args(argv)
-    train, held_out = sort_digits_split(args.n_train, args.n_eval, args.seed,
-                                        min_digits=args.min_digits, max_digits=args.max_digits)
-    write_jsonl(Path(args.output) / "train.jsonl", train)
-    write_jsonl(Path(args.output) / "eval.jsonl", held_out)
-    write_jsonl(Path(args.output) / "sft.jsonl", mixed_direction(train, args.sft_descending_fraction, args.seed))
-    write_jsonl(Path(args.output) / "preference_train.jsonl", sort_digits_preferences(train, args.seed))
-    write_jsonl(Path(args.output) / "preference_eval.jsonl", sort_digits_preferences(held_out, args.seed + 1))
+    out = Path(args.output)
+    if args.task == "arithmetic":
+        train, held_out = held_out_split(arithmetic_records, args.n_train, args.n_eval, args.seed,
+                                         max_operand=args.max_operand)
+        write_jsonl(out / "train.jsonl", train)
+        write_jsonl(out / "eval.jsonl", held_out)
+        print(f"wrote {len(train)} train and {len(held_out)} eval arithmetic records to {out}")
+        return 0
+    train, held_out = held_out_split(sort_digits_records, args.n_train, args.n_eval, args.seed,
+                                     min_digits=args.min_digits, max_digits=args.max_digits)
+    write_jsonl(out / "train.jsonl", train)
+    write_jsonl(out / "eval.jsonl", held_out)
+    write_jsonl(out / "sft.jsonl", mixed_direction(train, args.sft_descending_fraction, args.seed))
+    write_jsonl(out / "preference_train.jsonl", sort_digits_preferences(train, args.seed))
+    write_jsonl(out / "preference_eval.jsonl", sort_digits_preferences(held_out, args.seed + 1))
     print(f"wrote {len(train)} train (+ sft.jsonl, preference_train.jsonl) and {len(held_out)} eval (+ "
-          f"preference_eval.jsonl) sort-digits records to {args.output}")
+          f"preference_eval.jsonl) sort-digits records to {out}")
     return 0
 
 

@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
+from chatgen.generation import vllm_adapter as adapter
 from chatgen.generation.chat_tokens import replace_prefix_tokens
 
 # Request fields the server refuses rather than silently ignore: (field, is it set?, why)
@@ -260,8 +261,8 @@ class _Server:
         module, index = self.module, {}
         if module.is_sleeping():
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
-        if module.engine_loop.broken:
-            raise APIError(503, module.engine_loop.broken)
+        if module.needs_resync:
+            raise APIError(503, module.needs_resync)
 
         def add():
             for i, ids in enumerate(prompts):
@@ -354,7 +355,7 @@ class _Server:
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
         if any(not p for p in prompts):
             raise APIError(400, "prompt: every prompt needs at least one token", "prompt")
-        vocab = self.module.engine.llm_engine.model_config.get_vocab_size()
+        vocab = adapter.vocab_size(self.module.engine)
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
         params = self.sampling_params(req, max(map(len, prompts)))

@@ -2,43 +2,47 @@
 
     chatgen serve --model outputs/tiny-llama                       # http://127.0.0.1:8000/v1
     chatgen serve --model DIR --config configs/models/tiny_llama.yaml --port 8001 --api-key KEY seq_length=512
+    chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
 
 Binds to 127.0.0.1 unless --host says otherwise; with --api-key every endpoint needs
-`Authorization: Bearer KEY`. Trailing `key=value` arguments set any per-model key (docs/generation_keys.md).
+`Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing `key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
-import functools
 import sys
-from pathlib import Path
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("--model", required=True, help="Hugging Face model directory (the `load` key)")
-    parser.add_argument("--config", help="per-model YAML to start from (default: the VLLMConfig defaults)")
+    from chatgen.generation.cli import add_module_arguments
+
+    add_module_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
     parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--control", action="store_true",
+                        help="add the /control endpoints (pause, resume, weight updates from a trainer, prefix cache "
+                             "reset; chatgen/serving/control.py); beyond loopback they need --api-key")
     parser.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512")
 
 
 def run(args) -> int:
-    if not (Path(args.model) / "config.json").is_file():
-        raise ValueError(f"--model {args.model}: no config.json there; point it at a Hugging Face model directory")
+    from chatgen.checkpoint_io import read_hf_config
+
+    read_hf_config(args.model, "--model")
     import uvicorn
 
-    from chatgen.config import VLLMConfig, format_config, load_model_config
-    from chatgen.generation import engine_config, vllm_adapter
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.cli import build_module
     from chatgen.serving.app import build_app
+    from chatgen.serving.control import check_bind, control_router
 
-    platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
-    config = load_model_config(args.config, VLLMConfig, [f"load={args.model}", *args.overrides],
-                               extra_check=platform)
-    print(format_config(config), file=sys.stderr)
-    module = VLLMModule(config).start()
+    if args.control:
+        check_bind(args.host, args.api_key)  # before the engine starts
+
+    module = build_module(args).start()
     try:
-        app = build_app(module, api_key=args.api_key, model_name=args.served_model_name or args.model)
+        routers = [control_router(module, api_key=args.api_key, host=args.host)] if args.control else []
+        app = build_app(module, api_key=args.api_key, model_name=args.served_model_name or args.model,
+                        routers=routers)
         print(f"chatgen serve: http://{args.host}:{args.port}/v1 (model {app.state.model_name!r})", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:

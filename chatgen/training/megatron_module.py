@@ -33,6 +33,7 @@ from chatgen.checkpoint_io import (
     begin_directory,
     commit_directory,
     megatron_shard_file,
+    read_hf_config,
     read_hf_safetensors,
     read_megatron_meta,
     read_megatron_shard,
@@ -73,18 +74,6 @@ def init_distributed(tp: int, pp: int) -> None:
                                "call megatron.core.parallel_state.destroy_model_parallel() first")
         return
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
-
-
-def read_hf_config(path) -> dict:
-    """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint."""
-    path = Path(path)
-    meta = read_megatron_meta(path)
-    if meta is not None:
-        return meta["hf_config"]
-    if (path / "config.json").exists():
-        return json.loads((path / "config.json").read_text())
-    raise FileNotFoundError(f"load={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
-                            "Megatron checkpoint (chatgen_megatron.json); point `load` at one of them")
 
 
 class MegatronModule(Module):

@@ -59,6 +59,7 @@ def on_shared_engine(cls, module):
     """An instance of a VLLMModule subclass that drives the file's engine (vLLM: one engine per process)."""
     other = cls(module.config)
     other.engine, other.tokenizer, other.pad_token_id = module.engine, module.tokenizer, module.pad_token_id
+    other.vocab_size = module.vocab_size
     return other
 
 

@@ -75,8 +75,8 @@ def greedy(module, prompt_ids, max_new=MAX_NEW):
     """(tokens, logprobs) of a greedy run on the engine (generate(): the reference path)."""
     module.config.max_new_tokens = max_new
     try:
-        out = module.generate({"input_ids": torch.tensor([prompt_ids]), "input_lengths": torch.tensor([len(prompt_ids)])},
-                              greedy=True)
+        out = module.generate({"input_ids": torch.tensor([prompt_ids]),
+                               "input_lengths": torch.tensor([len(prompt_ids)])}, greedy=True)
     finally:
         module.config.max_new_tokens = MAX_NEW
     p, n = len(prompt_ids), int(out["unpadded_sequence_lengths"][0])
@@ -110,7 +110,8 @@ def test_chat_and_completions_match_the_engine(served):
     assert message.generation_token_ids == tokens
     assert message.generation_log_probs == pytest.approx(logprobs, abs=1e-5)
     # vLLM's detokenizer holds back a trailing incomplete UTF-8 sequence (byte-fallback tokens)
-    assert message.content and served.module.tokenizer.decode(tokens, skip_special_tokens=True).startswith(message.content)
+    decoded = served.module.tokenizer.decode(tokens, skip_special_tokens=True)
+    assert message.content and decoded.startswith(message.content)
     assert response.usage.completion_tokens == 10 and response.choices[0].finish_reason == "length"
 
     prompt_ids = served.module.tokenizer.encode("The cat sat on the mat")
@@ -133,6 +134,20 @@ def test_streaming_text_equals_non_streaming(served):
     kwargs = dict(model="tiny", prompt="hello", max_tokens=20, temperature=0, extra_body={"ignore_eos": True})
     whole = served.client.completions.create(**kwargs).choices[0].text
     assert "".join(c.choices[0].text for c in served.client.completions.create(stream=True, **kwargs)) == whole
+
+
+def test_a_client_that_leaves_a_stream_aborts_its_request(served):
+    module = served.module
+    stream = chat(served, [{"role": "user", "content": "Tell a long story"}], max_tokens=200, stream=True,
+                  extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()  # the connection goes away mid-generation
+    left_at = module.engine_loop.steps_run
+    while module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        time.sleep(0.01)
+    assert module.engine_loop.steps_run - left_at < 100, "the request kept running after its client left"
 
 
 def test_16_concurrent_clients_match_one_at_a_time(served):
@@ -202,7 +217,8 @@ def test_generate_async_yields_rows_as_they_finish_and_aborts_when_left(served, 
     import asyncio
 
     module = served.module
-    monkeypatch.setattr(module.config, "new_token_limit", False)  # each row runs to seq_length: the longer prompt ends first
+    # each row runs to seq_length: the longer prompt ends first
+    monkeypatch.setattr(module.config, "new_token_limit", False)
     ids = [module.tokenizer.encode(p) for p in ("hello", "Once upon a time there was a cat")]
     width = max(map(len, ids))
     batch = {"input_ids": torch.tensor([r + [module.pad_token_id] * (width - len(r)) for r in ids]),

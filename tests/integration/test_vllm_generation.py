@@ -81,16 +81,16 @@ def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_mode
 
 
 def test_vllm_reload_alone_keeps_the_stale_prefix_cache(gen, hf_model):
-    """Why sync_weights resets the prefix cache: vLLM 0.32's reload does not. If this starts failing, vLLM resets
-    it itself and the reset in vllm_adapter.load_weights is redundant."""
-    llm = gen.module.engine
+    """Why a sync resets the prefix cache (engine_loop): vLLM 0.32's reload does not. If this starts failing,
+    vLLM resets it itself and chatgen's reset is redundant."""
+    llm, on_engine_thread = gen.module.engine, gen.module.engine_loop.call
     model = perturbed(hf_model, seed=2)
     gen.generate(PROMPTS, greedy=True)  # cache the long prompt's KV under the current weights
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=list(model.named_parameters()),
-                                                     is_checkpoint_format=True))
+    on_engine_thread(lambda: llm.collective_rpc("reload_weights", kwargs=dict(
+        weights_iterator=list(model.named_parameters()), is_checkpoint_format=True)))
     stale = gen.generate([PROMPTS[0]], greedy=True)
     assert max_diff_vs_hf(model, *stale) > 10 * TOL
-    llm.reset_prefix_cache()
+    on_engine_thread(llm.reset_prefix_cache)
     assert max_diff_vs_hf(model, *gen.generate([PROMPTS[0]], greedy=True)) < TOL
 
 

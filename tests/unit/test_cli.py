@@ -36,7 +36,7 @@ def test_generate_with_a_wrong_model_dir_names_the_flag(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
     proc = chatgen("generate", "--model", str(tmp_path / "nope"), "--input", str(tmp_path / "in.jsonl"),
                    "--output", str(tmp_path / "out.jsonl"))
-    assert proc.returncode == 2 and "--model" in proc.stderr and "no config.json" in proc.stderr
+    assert proc.returncode == 2 and "--model" in proc.stderr and "neither an HF model directory (config.json)" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 

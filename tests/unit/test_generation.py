@@ -414,6 +414,9 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     (dict(mode="remote"), "mode='remote' is not one of"),
     (dict(logprobs=5), r"logprobs=5; only 0 \(the sampled token's log-prob\)"),
     (dict(top_k=-1), "use 0 to turn top-k off"),
+    (dict(mode="server"), "needs server_base_url"),
+    (dict(mode="server", server_base_url="http://127.0.0.1:1", max_model_length=64, enforce_eager=True),
+     r"enforce_eager, max_model_length configure the engine, which the server owns"),
 ])
 def test_vllm_generation_refuses_bad_arguments_before_starting_an_engine(kwargs, message):
     from chatgen import VLLMGeneration

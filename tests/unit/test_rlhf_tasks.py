@@ -18,10 +18,27 @@ def test_sort_digits_records_are_deterministic_and_correct():
 
 
 def test_split_has_no_overlap_and_exact_sizes():
-    train, held_out = tasks.sort_digits_split(3000, 200, seed=0)
+    train, held_out = tasks.held_out_split(tasks.sort_digits_records, 3000, 200, seed=0)
     assert len(train) == 3000 and len(held_out) == 200
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
-    assert tasks.sort_digits_split(3000, 200, seed=0) == (train, held_out)
+    assert tasks.held_out_split(tasks.sort_digits_records, 3000, 200, seed=0) == (train, held_out)
+
+
+def test_arithmetic_records_are_right_and_held_out():
+    import re
+
+    train, held_out = tasks.held_out_split(tasks.arithmetic_records, 2000, 100, seed=0, max_operand=20)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
+    ops = set()
+    for r in train + held_out:
+        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\? Reply with only the result, as a number\.",
+                                r["prompt"]).groups()
+        assert 1 <= int(a) <= 20 and 1 <= int(b) <= 20 and int(r["answer"]) >= 0
+        assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert tasks.final_number_reward(f"{a} {op} {b} = {r['answer']}", r["answer"]) == 1.0
+        ops.add(op)
+    assert ops == {"+", "-"}
+    assert tasks.arithmetic_records(50, seed=3) == tasks.arithmetic_records(50, seed=3)
 
 
 @pytest.mark.parametrize("response, expected", [
