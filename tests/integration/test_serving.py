@@ -417,7 +417,7 @@ def test_chatgen_serve_command(tiny_llama_dir):
             f":{port}")[0].splitlines()[-1]
     finally:
         proc.terminate()
-        # uvicorn stops gracefully, then re-raises the signal it caught (its documented behaviour)
-        assert proc.wait(timeout=60) in (0, -15)
+        # uvicorn stops gracefully, then re-raises the signal it caught; chatgen's SIGTERM handler exits 143
+        assert proc.wait(timeout=60) == 143
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
