@@ -417,7 +417,7 @@ def test_chatgen_serve_command(tiny_llama_dir):
             f":{port}")[0].splitlines()[-1]
     finally:
         proc.terminate()
-        # uvicorn stops gracefully, then re-raises the signal it caught; chatgen's SIGTERM handler exits 143
+        # uvicorn stops gracefully and re-raises the signal it caught; chatgen's CLI exits 143 (chatgen/cli.py)
         assert proc.wait(timeout=60) == 143
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
