@@ -22,11 +22,9 @@ import concurrent.futures
 import dataclasses
 import secrets
 import time
-from functools import partial
 from typing import Optional
 
 from chatgen.config import Role, opt
-from chatgen.rlhf import losses as L
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rollout import RolloutBatch, Sample
 
@@ -128,12 +126,10 @@ def train(cfg, resume=False, log=print) -> dict:
     import torch
 
     from chatgen.module import import_class
-    from chatgen.rlhf.run import Run, RunHealthError, prefixed, sample_metrics
+    from chatgen.rlhf.run import Run, RunHealthError
 
     algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
     n = pc.n
-    loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
-    use_reference = "reference" in cfg.models
     env_class = import_class(algo.environment)
     env = None
 
@@ -164,26 +160,8 @@ def train(cfg, resume=False, log=print) -> dict:
             if not torch.isfinite(rewards).all():
                 raise RunHealthError(f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
                                      "returns a finite number for every episode")
-            data = {**batch.trainer_inputs(), "advantages": L.group_advantages(rewards, n)}
-            if use_reference:
-                with timer("reference"):
-                    data["ref_logprobs"] = run.forward_tokens("reference", data)
-            with timer("old_logprobs"):
-                data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # vs the server's: mismatch/*
-            if algo.importance_sampling_cap:
-                data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
-                                                                    algo.importance_sampling_cap)
-            with timer("train"):
-                stats = run.train("policy_trainer", data, loss_fn)
-            with timer("sync"):
-                run.sync_policy()
-            metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], rt.solved_reward,
-                                        data.get("is_weights")), **prefixed("policy", stats),
-                       **env_metrics(episodes, "env/"),
+            metrics = {**grpo.update(run, batch, rewards, n), **env_metrics(episodes, "env/"),
                        "response/turns": sum(len(e.turns) for e in episodes) / len(episodes)}
-            if use_reference:
-                metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
-                                                                      algo.kl_estimator), batch.loss_mask).item()
             run.end_episode(episode, metrics, start)
     if run.plot:
         log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
