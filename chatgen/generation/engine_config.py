@@ -97,8 +97,9 @@ def check_vocab(tokenizer_size: int, vocab_size: int, tokenizer_from, model_dir)
         raise ConfigError([f"tokenizer: {where}; ids past {vocab_size - 1} have no embedding row. Use the model's "
                            "own tokenizer (the `tokenizer` key, or the tokenizer files in the model directory)"])
     if tokenizer_size < vocab_size:
-        return (f"{where}: ids {tokenizer_size}..{vocab_size - 1} have no text (a padded vocabulary is fine; if the "
-                "model samples such an id, vLLM cannot detokenize it)")
+        return (f"{where}: ids {tokenizer_size}..{vocab_size - 1} have no text. Fine for a padded vocabulary whose "
+                "extra rows are never sampled; otherwise such an id decodes to nothing, and with stop strings "
+                "vLLM's detokenizer fails on it (use the model's own tokenizer)")
     return None
 
 

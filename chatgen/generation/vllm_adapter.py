@@ -17,6 +17,7 @@ token for token, so a vLLM upgrade that moves any of it fails loudly there inste
 
 Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)`.
 """
+import atexit
 import dataclasses
 import logging
 import os
@@ -131,8 +132,11 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     if engine_kwargs.get("enforce_eager"):
         _eager_token_ranks()
     rpc_dir = None
-    if "VLLM_RPC_BASE_PATH" not in os.environ:
+    workers = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+    if (workers > 1 and engine_kwargs.get("distributed_executor_backend") != "external_launcher"
+            and "VLLM_RPC_BASE_PATH" not in os.environ):  # vLLM's multiprocess executor: worker processes, IPC
         rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
+        atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
         llm = LLM(model, **engine_kwargs)
     except BaseException:
@@ -253,7 +257,7 @@ def shutdown(llm: LLM) -> None:
 
 
 def _remove_rpc_dir(rpc_dir) -> None:
-    if rpc_dir:
+    if rpc_dir and os.path.isdir(rpc_dir):
         shutil.rmtree(rpc_dir, ignore_errors=True)
         if os.environ.get("VLLM_RPC_BASE_PATH") == rpc_dir:
             del os.environ["VLLM_RPC_BASE_PATH"]

@@ -5,6 +5,7 @@
     batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.rollout.RolloutBatch
     out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
     texts = module.generate_text(["Once upon a time"])              # text in / text out (demos)
+    url = module.serve()                          # OpenAI HTTP on a loopback port (docs/serving.md)
 
 Subclass it and override the hooks to shape what a generation call returns; docs/vllm_module.md walks through
 examples/policy_inference.py. The framework owns the loop (`run_generation`):
@@ -68,6 +69,7 @@ class VLLMModule(Module):
         self._queued = []  # request ids added by the call being started (engine thread), aborted if it fails
         self._collate_fns = {}  # is_eval -> the collate_fn of the dataset build_dataset returned (ChatLearn)
         self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
+        self._server = self._server_thread = self._server_url = None  # `serve`: uvicorn on a daemon thread
 
     def config_problems(self, config):
         return engine_config.platform_problems(config, cpu=adapter.on_cpu())
@@ -419,8 +421,46 @@ class VLLMModule(Module):
             self.sleep()
         return True
 
+    def serve(self, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+              model_name: str | None = None) -> str:
+        """Serve this module over OpenAI HTTP (chatgen.serving.app.build_app, docs/serving.md) from a daemon
+        thread of this process, e.g. to hand an RLHF run's policy to environments. Returns the base URL
+        (`http://HOST:PORT/v1`, for `openai.OpenAI(base_url=...)`); port 0 picks a free port. `shutdown` stops
+        the server. Binds to loopback unless `host` says otherwise."""
+        import socket
+        import threading
+
+        import uvicorn
+
+        from chatgen.serving.app import build_app
+
+        if self._server is not None:
+            raise RuntimeError(f"{self.name}: already serving at {self._server_url}; one server per module")
+        app = build_app(self, api_key=api_key, model_name=model_name)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name=f"{self.name}-server",
+                                  daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 60
+        while not server.started:
+            if not thread.is_alive() or time.monotonic() > deadline:
+                server.should_exit = True
+                sock.close()
+                raise RuntimeError(f"{self.name}: the OpenAI server did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.01)
+        self._server, self._server_thread = server, thread
+        self._server_url = f"http://{host}:{sock.getsockname()[1]}/v1"
+        return self._server_url
+
     def shutdown(self) -> None:
-        """Stop the engine loop and the engine and release its memory."""
+        """Stop the server (`serve`), the engine loop and the engine and release its memory."""
+        if self._server is not None:
+            self._server.should_exit = True
+            self._server_thread.join(timeout=30)
+            self._server = None
         if self.engine is not None:
             self.engine_loop.shutdown()
             adapter.shutdown(self.engine)

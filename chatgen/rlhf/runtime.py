@@ -382,10 +382,8 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
         ray.init(address=address, **kwargs)
     else:
         temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
-        env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-        saved = {k: os.environ.get(k) for k in env}, ray_constants.ENABLE_RAY_CLUSTER
-        os.environ.update(env)
-        ray_constants.ENABLE_RAY_CLUSTER = False
+        saved = os.environ.get(_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
+        os.environ[_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = "0", False  # the raylet inherits it too
         try:
             # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
             # turns on the same cores, so over-subscribing the logical count is what we want).
@@ -395,20 +393,22 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
             raise
         finally:
             ray_constants.ENABLE_RAY_CLUSTER = saved[1]
-            for key, value in saved[0].items():
-                if value is None:
-                    os.environ.pop(key)
-                else:
-                    os.environ[key] = value
+            if saved[0] is None:
+                del os.environ[_SINGLE_MACHINE]
+            else:
+                os.environ[_SINGLE_MACHINE] = saved[0]
         local = LocalRay(temp_dir)
         node_ip = ray.util.get_node_ip_address()
         if node_ip != "127.0.0.1":  # a Ray upgrade changed how the node address is picked: refuse to run exposed
             local.stop()
             raise RuntimeError(f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
-                               "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (see chatgen.rlhf.runtime.init_ray)")
+                               f"{_SINGLE_MACHINE}=0 (see chatgen.rlhf.runtime.init_ray)")
     if main_thread:
         signal.signal(signal.SIGTERM, sigterm)
     return None if address else local
+
+
+_SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class LocalRay:

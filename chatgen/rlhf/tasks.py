@@ -17,11 +17,12 @@ most answers sorted the other way (descending; `--sft-descending-fraction`, defa
 model can sort both ways and mostly picks descending; the rule reward asks for ascending, and RL has to
 find that out (the way RLHF turns a model that can do what users want into one that does it).
 
-arithmetic: "What is 23 + 48? Reply with only the result, as a number." -> "71" (sums and differences of numbers
+arithmetic: "What is 13 + 8? Reply with only the result, as a number." -> "21" (sums and differences of numbers
 up to `max_operand`, never negative), a question for a chat model: the policy renders it with its chat
 template (`chat_template: true`). Scored by `final_number` (1.0 when the last number of the response is the
-answer), so "23 + 48 = 71" counts as much as "71". The task of `examples/train_grpo_smollm2.sh`:
-SmolLM2-135M-Instruct answers about a third of them right before RL, mostly by getting the sum wrong.
+answer), so "13 + 8 = 21" counts as much as "21". The task of `examples/train_grpo_smollm2.sh`:
+SmolLM2-135M-Instruct answers 38% of the held-out questions right before RL (greedy), mostly by getting
+the arithmetic wrong ("13 - 6 = 1"); GRPO lifts that within a few episodes (docs/models.md).
 
 preference_train.jsonl / preference_eval.jsonl hold the same train / held-out prompts as preference pairs for
 DPO: {"prompt", "chosen": the ascending answer, "rejected": sorted descending or a near miss}.
@@ -49,7 +50,7 @@ def sort_digits_records(n: int, seed: int, min_digits: int = 3, max_digits: int 
     return records
 
 
-def arithmetic_records(n: int, seed: int, max_operand: int = 50) -> list[dict]:
+def arithmetic_records(n: int, seed: int, max_operand: int = 20) -> list[dict]:
     """`n` problems "What is a + b?" / "What is a - b?" (a >= b) with 1 <= a, b <= max_operand, from `seed`."""
     rng = random.Random(seed)
     records = []
@@ -163,7 +164,7 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-digits", type=int, default=3, help="sort_digits: shortest list")
     parser.add_argument("--max-digits", type=int, default=6, help="sort_digits: longest list")
-    parser.add_argument("--max-operand", type=int, default=50, help="arithmetic: largest number in a question")
+    parser.add_argument("--max-operand", type=int, default=20, help="arithmetic: largest number in a question")
     parser.add_argument("--sft-descending-fraction", type=float, default=0.7,
                         help="sort_digits: share of sft.jsonl answers sorted the other way")
     args = parser.parse_args(argv)

@@ -1,12 +1,14 @@
 """Fault injection against real engines: what a run listens on, what a bad sync or a bad model leaves behind.
 
-    python -m pytest tests/integration/test_faults.py        # ~1 min on 2 CPU cores
+    python -m pytest tests/integration/test_faults.py        # ~1.5 min on 2 idle CPU cores
 
 Each test reproduces one finding of issue 13 and asserts the fixed behaviour; docs/failure_and_security.md
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
+import contextlib
 import ipaddress
 import os
+import threading
 from pathlib import Path
 
 import psutil
@@ -29,43 +31,33 @@ def listeners(root: psutil.Process) -> list:
     return out
 
 
+@contextlib.contextmanager
+def listening_sockets(interval: float = 0.5):
+    """Yields a set that collects, while the block runs, every listening socket of this process tree
+    (`listeners`), sampled every `interval` seconds."""
+    seen, done = set(), threading.Event()
+
+    def sample():
+        while not done.wait(interval):
+            seen.update(listeners(psutil.Process()))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()
+
+
 def is_loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip)
     return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
 
 
-def test_a_ray_run_listens_on_loopback_only_and_leaves_nothing():
-    """Ray as `chatgen train` starts it (runtime.launcher: ray, no ray_address), with a 2-rank actor group that
-    joins its torch.distributed rendezvous: every listening socket of the process tree is on 127.0.0.1, and
-    after shutdown no Ray process and no session directory is left."""
-    import ray
-
-    from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
-
-    if ray.is_initialized():
-        pytest.skip("Ray already runs in this process (started by another test module)")
-    me = psutil.Process()
-    earlier = {p.pid for p in me.children(recursive=True)}  # e.g. compile workers of engines of earlier tests
-    local_ray = init_ray(None, 2)
-    try:
-        group = ActorGroup(["a"], 2, 0, 0.5, worker_env())
-        group.setup([])  # both ranks join a gloo world on the rendezvous of rank 0
-        found = listeners(me)
-        ray_processes = [p for p in me.children(recursive=True) if p.pid not in earlier]
-        names = {name for name, _, _ in found}
-        assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
-        exposed = [entry for entry in found if not is_loopback(entry[1])]
-        assert not exposed, f"listening beyond loopback: {exposed}"
-        assert Path(local_ray.dir).is_dir() and any(Path(local_ray.dir).iterdir())
-    finally:
-        Runtime([group] if "group" in locals() else [], {}, local_ray).shutdown()
-    assert not Path(local_ray.dir).exists()  # no /tmp/ray session directory left behind
-    gone, alive = psutil.wait_procs(ray_processes, timeout=30)
-    assert not alive, f"Ray processes left after shutdown: {[p.name() for p in alive]}"
-
-
-# A driver as `chatgen train` is one for signals: chatgen.cli's SIGTERM handler, a Ray started by init_ray, a
-# Runtime shut down on the way out.
+# A driver as `chatgen train` is one with `runtime.launcher: ray`: chatgen.cli's SIGTERM handler, a Ray started
+# by init_ray, a group of two ranks that joined their torch.distributed (gloo) world, a Runtime shut down on the
+# way out.
 DRIVER = """if True:
     import signal, sys, time
     from chatgen.cli import Terminated, _terminate
@@ -73,7 +65,7 @@ DRIVER = """if True:
     signal.signal(signal.SIGTERM, _terminate)
     runtime = Runtime([], {}, init_ray(None, 2))
     try:
-        runtime.groups.append(ActorGroup(["a"], 1, 0, 0.5, worker_env()))
+        runtime.groups.append(ActorGroup(["a"], 2, 0, 0.5, worker_env()))
         runtime.groups[0].setup([])
         print("READY", runtime.local_ray.dir, flush=True)
         time.sleep(600)
@@ -85,28 +77,38 @@ DRIVER = """if True:
 
 
 @pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
-def test_a_killed_or_terminated_driver_leaves_no_ray_process_or_session(sig):
-    """kill -9 of the driver used to leave Ray's agents alive ~90 s (one listening) and /tmp/ray behind; SIGTERM
-    gave rc 134 and a Ray stack dump. Now: nothing is left within seconds, and SIGTERM is a clean exit 143."""
+def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(sig, tmp_path):
+    """Ray used to listen on every interface (GCS, raylet, workers, the agents); kill -9 of the driver left Ray's
+    agents alive ~90 s (one listening) and /tmp/ray behind; SIGTERM gave rc 134 and a Ray stack dump. Now every
+    listening socket of the driver's process tree is loopback, nothing is left within seconds of either signal,
+    and SIGTERM is a clean exit 143."""
     import signal
     import subprocess
     import sys
     import time
 
-    driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, cwd=REPO)
+    log = tmp_path / "driver.err"
+    with open(log, "w") as err:
+        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=err, text=True,
+                                  cwd=REPO)
     ready = driver.stdout.readline()
-    assert ready.startswith("READY"), driver.stderr.read() if driver.poll() is not None else ready
+    assert ready.startswith("READY"), log.read_text()[-3000:]
     session = Path(ready.split()[1])
-    ray_processes = psutil.Process(driver.pid).children(recursive=True)
+    root = psutil.Process(driver.pid)
+    ray_processes = root.children(recursive=True)
     assert any(p.name() == "ray::DashboardAgent" for p in ray_processes)
+    found = listeners(root)
+    names = {name for name, _, _ in found}
+    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
+    assert not [entry for entry in found if not is_loopback(entry[1])], f"listening beyond loopback: {found}"
+    assert session.is_dir() and any(session.iterdir())  # Ray's session files: here, not in /tmp/ray
     start = time.monotonic()
     driver.send_signal(getattr(signal, sig))
     rc = driver.wait(timeout=60)
-    stderr = driver.stderr.read()
+    stderr = log.read_text()
     _, alive = psutil.wait_procs(ray_processes, timeout=20)
     assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
-    assert time.monotonic() - start < 25
+    assert time.monotonic() - start < 45  # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
     for _ in range(20):  # the reaper removes the session directory after the last kill
         if not session.exists():
             break
@@ -204,7 +206,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, t
         capsys.readouterr().err
 
 
-# ---- one engine for the rest of the file (vLLM: one engine per process) ------------------------------------
+# ---- one engine for the rest of the file (vLLM: one engine per process; an engine started and shut
+# down while it lives would end its torch.distributed state, so the tests above with their own engines come first)
 
 @pytest.fixture(scope="module")
 def module(tiny_llama_dir):

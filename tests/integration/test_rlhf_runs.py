@@ -12,13 +12,11 @@ metrics/TensorBoard/plot written, the resumed run continues the data position an
 import json
 import math
 import os
-import threading
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
-from test_faults import is_loopback, listeners
+from test_faults import is_loopback, listening_sockets
 
 pytestmark = pytest.mark.integration
 
@@ -105,7 +103,9 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     # Reward calls: eval at 0, then per episode the samples and the eval -> call 6 is episode 3's samples.
     failing = ["models.reward.model_class=test_rlhf_runs:FailingReward", "reward.fail_on_call=6",
                "runtime.num_episode=3"]
-    assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *common, *failing]) == 1
+    with listening_sockets() as seen:  # in this process (launcher auto -> local): loopback only too
+        assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *common, *failing]) == 1
+    assert seen and not [entry for entry in seen if not is_loopback(entry[1])], seen
     err = capsys.readouterr().err
     assert "injected reward failure on call 6" in err and "reward.score" in err
     # one group of one rank: the run ran in this process (runtime.launcher auto -> local), and it took its models
@@ -162,22 +162,10 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
                                                                    "runtime.algorithm.importance_sampling_cap": 2.0})])
     assert cfg.runtime.colocation == [["policy", "reward"], ["policy_trainer", "reference", "value_trainer"]]
     assert cfg.runtime.algorithm.importance_sampling_cap == 2.0  # truncated IS on, as a user would set it
-    # Every listening socket of the run's process tree, sampled while it trains: loopback only (issue 13)
-    seen, done = set(), threading.Event()
-
-    def sample():
-        while not done.wait(0.5):
-            seen.update(listeners(psutil.Process()))
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
+    with listening_sockets() as seen:  # every socket the run's process tree listens on, while it trains
         ppo.train(cfg, log=lambda *_: None)
-    finally:
-        done.set()
-        sampler.join()
     assert any(name.startswith("ray::ModelWorker") for name, _, _ in seen), seen
-    assert not [entry for entry in seen if not is_loopback(entry[1])], seen
+    assert not [entry for entry in seen if not is_loopback(entry[1])], seen  # loopback only (issue 13)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):

@@ -111,29 +111,3 @@ def test_prompt_sampler_resume_gives_same_batches():
     with pytest.raises(ValueError, match="fewer than one batch"):
         ckpt.PromptSampler(2, 3, seed=0)
 
-
-@pytest.mark.faults
-def test_a_damaged_latest_checkpoint_names_the_file_and_the_previous_one(tmp_path):
-    """Deleted, truncated, or overwritten in place (same size): resume refuses the latest checkpoint, naming the
-    file, and says how to fall back explicitly to the previous one (which `--resume-from` then accepts)."""
-    from safetensors.torch import save_file
-
-    for ep in (1, 2):
-        tmp = ckpt.begin_checkpoint(tmp_path, ep)
-        (tmp / "policy_trainer").mkdir()
-        save_file({"w": torch.full((64,), float(ep))}, str(tmp / "policy_trainer" / "model_tp0_pp0.safetensors"))
-        torch.save({"step": ep}, tmp / "policy_trainer" / "optim_tp0_pp0.pt")
-        ckpt.commit_checkpoint(tmp, {"episode": ep})
-    assert ckpt.resume_point(tmp_path) == tmp_path / "episode_000002"
-    weights = tmp_path / "episode_000002" / "policy_trainer" / "model_tp0_pp0.safetensors"
-    good = weights.read_bytes()
-    damage = {"overwritten": b"\xff" * 16 + good[16:], "truncated": good[:100]}
-    for what, data in damage.items():
-        weights.write_bytes(data)
-        with pytest.raises(ckpt.CheckpointError, match=rf"{weights}.*resume from the previous one with "
-                                                       r"--resume-from episode_000001"):
-            ckpt.resume_point(tmp_path)
-    weights.unlink()
-    with pytest.raises(ckpt.CheckpointError, match=rf"{weights} is missing"):
-        ckpt.resume_point(tmp_path)
-    assert ckpt.resume_point(tmp_path, "episode_000001") == tmp_path / "episode_000001"

@@ -8,6 +8,8 @@ import sys
 from types import SimpleNamespace
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.run import Run, RunHealthError
@@ -61,7 +63,7 @@ def test_output_directory_lock_refuses_a_second_run_and_frees_on_exit(tmp_path):
 def make_checkpoint(save_dir, episode):
     tmp = ckpt.begin_checkpoint(save_dir, episode)
     (tmp / "policy_trainer").mkdir()
-    (tmp / "policy_trainer" / "model_tp0_pp0.safetensors").write_bytes(b"x" * 100)
+    save_file({"w": torch.zeros(16)}, str(tmp / "policy_trainer" / "model_tp0_pp0.safetensors"))
     (tmp / "policy_trainer" / "optim_tp0_pp0.pt").write_bytes(b"y" * 50)
     return ckpt.commit_checkpoint(tmp, {"episode": episode})
 
@@ -75,8 +77,13 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_back(tmp_pa
     with pytest.raises(ckpt.CheckpointError) as err:
         ckpt.resume_point(tmp_path)
     assert "optim_tp0_pp0.pt is missing" in str(err.value) and "--resume-from episode_000001" in str(err.value)
-    (tmp_path / "episode_000001" / "policy_trainer" / "model_tp0_pp0.safetensors").write_bytes(b"x" * 10)
-    with pytest.raises(ckpt.CheckpointError, match="has 10 bytes, 100 when saved.*no earlier checkpoint"):
+    weights = tmp_path / "episode_000001" / "policy_trainer" / "model_tp0_pp0.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(b"\xff" * 16 + good[16:])  # overwritten in place, same size: the header no longer parses
+    with pytest.raises(ckpt.CheckpointError, match="model_tp0_pp0.safetensors is not a readable safetensors file"):
+        ckpt.resume_point(tmp_path, "episode_000001")
+    weights.write_bytes(b"x" * 10)
+    with pytest.raises(ckpt.CheckpointError, match=f"has 10 bytes, {len(good)} when saved.*no earlier checkpoint"):
         ckpt.resume_point(tmp_path, "episode_000001")
     with pytest.raises(ckpt.CheckpointError, match="no checkpoint there; the checkpoints of this run are "
                                                    "episode_000001, episode_000002"):

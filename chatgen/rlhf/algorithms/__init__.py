@@ -1,4 +1,4 @@
-"""RLHF algorithms, one file each: grpo.py, ppo.py, dpo.py, online_dpo.py (or a module of your own).
+"""RLHF algorithms, one file each: grpo.py, grpo_multiturn.py, ppo.py, dpo.py, online_dpo.py (or your own module).
 
 `runtime.algorithm.name` in the main YAML picks one: a name here (`grpo`), or the dotted path of your own module
 (`my_pkg.my_algo`, importable from the directory you run in). An algorithm module declares everything about

@@ -59,16 +59,43 @@ def check(cfg):
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
+def update(run, batch, rewards, n: int) -> dict:
+    """GRPO's step once a batch is sampled and scored: group advantages, reference and old log-probs, clipped
+    policy-gradient steps, sync into the policy. batch: a RolloutBatch of S = prompts x n samples (prompt-major);
+    rewards: (S,). Returns the episode's metrics (rewards, mismatch, trainer, KL). Shared by grpo_multiturn."""
+    from chatgen.rlhf.run import prefixed, sample_metrics
+
+    algo, timer = run.cfg.runtime.algorithm, run.timer
+    use_reference = "reference" in run.cfg.models  # for the penalty, or (kl_coef 0) the kl/reference metric only
+    loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
+    data = {**batch.trainer_inputs(), "advantages": L.group_advantages(rewards, n)}  # (S,) per sample
+    if use_reference:
+        with timer("reference"):
+            data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
+    with timer("old_logprobs"):
+        data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # the weights the engine sampled with
+    if algo.importance_sampling_cap:
+        data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
+                                                            algo.importance_sampling_cap)
+    with timer("train"):
+        stats = run.train("policy_trainer", data, loss_fn)
+    with timer("sync"):
+        run.sync_policy()
+    metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], run.cfg.runtime.solved_reward,
+                                data.get("is_weights")), **prefixed("policy", stats)}
+    if use_reference:
+        metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
+                                                              algo.kl_estimator), batch.loss_mask).item()
+    return metrics
+
+
 def train(cfg, resume=False, log=print) -> dict:
     """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
     False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
-    from chatgen.rlhf.run import Run, prefixed, sample_metrics
+    from chatgen.rlhf.run import Run
 
-    algo, rt = cfg.runtime.algorithm, cfg.runtime
+    rt = cfg.runtime
     n = cfg.models["policy"].config.n
-    loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
-    use_reference = "reference" in cfg.models  # for the penalty, or (kl_coef 0) the kl/reference metric only
-
     with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run:
         timer, metrics = run.timer, {}
         run.evaluate_start()  # episode 0: where the policy starts
@@ -78,24 +105,7 @@ def train(cfg, resume=False, log=print) -> dict:
                 batch = run.generate(run.next_prompts())  # S = prompts * n samples, prompt-major
             with timer("reward"):
                 rewards = run.score(batch)  # (S,)
-            data = {**batch.trainer_inputs(), "advantages": L.group_advantages(rewards, n)}  # (S,) per sample
-            if use_reference:
-                with timer("reference"):
-                    data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
-            with timer("old_logprobs"):
-                data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # the weights vLLM sampled with
-            if algo.importance_sampling_cap:
-                data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
-                                                                    algo.importance_sampling_cap)
-            with timer("train"):
-                stats = run.train("policy_trainer", data, loss_fn)
-            with timer("sync"):
-                run.sync_policy()
-            metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], rt.solved_reward,
-                                        data.get("is_weights")), **prefixed("policy", stats)}
-            if use_reference:
-                metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
-                                                                      algo.kl_estimator), batch.loss_mask).item()
+            metrics = update(run, batch, rewards, n)  # advantages, old log-probs, train, sync
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
     if run.plot:
         log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")

@@ -1,0 +1,168 @@
+"""Multi-turn GRPO: environments talk to the policy over OpenAI HTTP; GRPO trains on the token ids it served.
+
+    chatgen train configs/grpo_multiturn_tiny.yaml    # runtime.algorithm: {name: grpo_multiturn, environment: ...}
+
+The run serves its policy (`VLLMModule.serve`: chatgen's OpenAI-compatible server on a loopback port of the
+process holding the engine). Each episode: take sample_per_episode / n records; run n episodes of the
+environment per record at once (threads, so the server batches their requests); each episode is a chat the
+environment drives with the official `openai` client (user turn, model turn, tool turn, model turn, ...) and
+ends with the episode's reward. Each episode becomes one training sample: its first prompt, then every later
+token, trained on where the model generated it (`response_mask` 1) and not where the chat template or the
+environment wrote it (0), with the server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs,
+clipped policy-gradient steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
+
+An environment is a class named by `runtime.algorithm.environment` ('package.module:Class'):
+
+    class MyEnv:
+        def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
+        def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode: ...
+            # called from many threads at once; reaches the policy only through openai.OpenAI(base_url, api_key)
+"""
+import concurrent.futures
+import dataclasses
+import secrets
+import time
+from typing import Optional
+
+from chatgen.config import Role, opt
+from chatgen.rlhf.algorithms import grpo
+from chatgen.rollout import RolloutBatch, Sample
+
+
+@dataclasses.dataclass(kw_only=True)
+class Config(grpo.Config):
+    environment: Optional[str] = opt(None, "the environment class, 'package.module:Class' (importable from the "
+                                           "directory you run in), e.g. examples.calculator_env:CalculatorEnv")
+
+    def check(self):
+        yield from super().check()
+        if not self.environment or ":" not in self.environment:
+            yield "environment", (f"must name the environment class as 'package.module:Class', got "
+                                  f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv")
+
+
+MODELS = {
+    "policy": Role("vllm", doc="serves the environments' chat requests (OpenAI HTTP)"),
+    "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
+    "reference": grpo.MODELS["reference"],
+}
+
+
+def check(cfg):
+    from chatgen.rlhf.runtime import plan_groups
+
+    yield from grpo.check(cfg)
+    try:
+        plans = plan_groups(cfg)
+    except ValueError:  # groups that do not fit together: the runtime's own error says so at start
+        return
+    for names, world, _, _ in plans:
+        if "policy" in names and world > 1:
+            yield (f"runtime.colocation: the policy shares a group of {world} ranks ({', '.join(names)}); its "
+                   "server needs a one-rank engine: colocate it only with one-rank models, or give it its own group")
+
+
+@dataclasses.dataclass
+class Episode:
+    """What an environment returns for one episode.
+
+    turns: the server's assistant messages, in order, as dicts (`message.model_dump()`): each holds
+    `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (docs/serving.md); every turn's prompt
+    must begin with the previous turn's prompt + generation (send each assistant message back to the server as
+    it came: its token ids keep the chat token-exact). reward: the episode's reward. text: the final reply.
+    metrics: more per-episode numbers to log (averaged, as `env/<key>`).
+    """
+
+    turns: list
+    reward: float
+    text: str = ""
+    metrics: dict = dataclasses.field(default_factory=dict)
+
+
+def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | None = None) -> Sample:
+    """One training Sample of an episode: prompt = the first turn's prompt ids; response = every later token;
+    response_mask 1 on the tokens the model generated (every turn) and 0 on those the template or the
+    environment wrote between them; response_logprobs = the server's (0 where masked)."""
+    if not episode.turns:
+        raise ValueError("the episode has no turns; an environment's episode must call the policy at least once")
+    seen = list(episode.turns[0]["prompt_token_ids"])
+    prompt_len = len(seen)
+    response, mask, logprobs, versions = [], [], [], []
+    for k, turn in enumerate(episode.turns):
+        prompt, generated = list(turn["prompt_token_ids"]), list(turn["generation_token_ids"])
+        if prompt[:len(seen)] != seen:
+            raise ValueError(f"turn {k + 1}'s prompt does not begin with turn {k}'s prompt + generated ids, so the "
+                             "episode is not one token sequence; send each assistant message back to the server as "
+                             "it returned it (with prompt_token_ids and generation_token_ids)")
+        between = prompt[len(seen):]  # template and environment tokens: not trained on
+        response += between + generated
+        mask += [0] * len(between) + [1] * len(generated)
+        logprobs += [0.0] * len(between) + list(turn["generation_log_probs"])
+        versions += [-1] * len(between) + list(turn.get("generation_weight_versions") or [-1] * len(generated))
+        seen = prompt + generated
+    return Sample(prompt_ids=seen[:prompt_len], response_ids=response, response_logprobs=logprobs,
+                  response_mask=mask, weight_versions=versions, prompt_index=prompt_index, text=episode.text,
+                  metadata=metadata or {})
+
+
+def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
+    """n episodes of every record, all at once (one thread each, so the server batches their requests);
+    episode j of record i at index i * n + j."""
+    jobs = [record for record in records for _ in range(n)]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="episode") as pool:
+        return list(pool.map(lambda r: env.episode(r, temperature=temperature, max_tokens=max_tokens), jobs))
+
+
+def env_metrics(episodes: list, prefix: str) -> dict:
+    """The mean of each of the episodes' own `metrics`, as `<prefix><key>`."""
+    return {f"{prefix}{key}": sum(e.metrics[key] for e in episodes) / len(episodes) for key in episodes[0].metrics}
+
+
+PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
+
+
+def train(cfg, resume=False, log=print) -> dict:
+    """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as grpo.train."""
+    import torch
+
+    from chatgen.module import import_class
+    from chatgen.rlhf.run import Run, RunHealthError
+
+    algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
+    n = pc.n
+    env_class = import_class(algo.environment)
+    env = None
+
+    def evaluate(run) -> dict:  # every held-out record, one episode each, at the eval temperature
+        episodes = run_episodes(env, run.eval_records, 1, pc.eval_temperature, pc.max_new_tokens)
+        rewards = torch.tensor([e.reward for e in episodes])
+        metrics = {"eval/reward": rewards.mean().item(), **env_metrics(episodes, "eval/env/")}
+        if rt.solved_reward is not None:
+            metrics["eval/solved"] = (rewards >= rt.solved_reward).float().mean().item()
+        return metrics
+
+    with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate) as run:
+        api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
+        url = run.policy.first("serve", api_key=api_key, model_name="policy")
+        env = env_class(url, api_key, "policy")
+        log(f"[chatgen] policy served at {url}; environment {algo.environment}")
+        timer, metrics = run.timer, {}
+        run.evaluate_start()
+        for episode in range(run.start_episode, rt.num_episode + 1):
+            start = time.perf_counter()
+            index = run.next_prompts()
+            with timer("generate"):
+                records = [run.records[i] for i in index]
+                episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
+            samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
+            batch = RolloutBatch.from_samples(samples, pad_token_id=0)  # right padding: masked everywhere
+            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
+            if not torch.isfinite(rewards).all():
+                raise RunHealthError(f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
+                                     "returns a finite number for every episode")
+            metrics = {**grpo.update(run, batch, rewards, n), **env_metrics(episodes, "env/"),
+                       "response/turns": sum(len(e.turns) for e in episodes) / len(episodes)}
+            run.end_episode(episode, metrics, start)
+    if run.plot:
+        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
+    return metrics

@@ -1,0 +1,84 @@
+"""A multi-turn tool environment for chatgen's multi-turn GRPO (what a user writes): sort digits, ask a calculator.
+
+    python examples/calculator_env.py --write-template outputs/tiny-llama-sft   # give the tiny model a chat template
+    chatgen train configs/grpo_multiturn_tiny.yaml    # runtime.algorithm.environment: examples.calculator_env:CalculatorEnv
+
+One episode, a chat with the policy through the official `openai` client (chatgen serves the policy over
+OpenAI HTTP during the run; this file never touches the engine or the trainer):
+
+    user        sort: 3 1 2 =
+    assistant   (the model's first answer)
+    tool        calculator: 1 2 3          (a real computation on the prompt's digits)
+    user        sort: 3 1 2 =              (the question again)
+    assistant   (the model's final answer)  -> reward: the sort_digits rule on it
+
+Each assistant message goes back to the server as it came (with its prompt_token_ids and
+generation_token_ids), so the server keeps the chat token-exact and the episode is one token sequence the
+trainer can learn from (chatgen/rlhf/algorithms/grpo_multiturn.py). docs/multiturn_rl.md walks through it.
+"""
+import argparse
+import re
+from pathlib import Path
+
+import openai
+
+from chatgen.checkpoint_io import atomic_file
+from chatgen.rlhf.algorithms.grpo_multiturn import Episode
+from chatgen.rlhf.tasks import REWARDS
+
+# A plain-text chat template for the tiny model (its tokenizer has none): turn 1 renders exactly as the task's
+# prompt (what the warm start saw), each assistant turn ends with EOS (the server counts EOS tokens to keep
+# earlier turns token-exact), and a tool message reads " calculator: <result>".
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}"
+    "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
+    "{% elif m['role'] == 'tool' %}{{ ' calculator:' + m['content'] }}"
+    "{% else %}{{ ' ' + m['content'] }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def calculator(prompt: str) -> str:
+    """The tool: the digits of a sort prompt, sorted (" 1 2 3" for "sort: 3 1 2 =")."""
+    return "".join(f" {d}" for d in sorted(re.findall(r"\d", prompt)))
+
+
+class CalculatorEnv:
+    """Two model turns with a calculator call between them; reward = the sort_digits rule on the final reply.
+    One instance per run; `episode` runs on many threads at once (it keeps no state on self)."""
+
+    def __init__(self, base_url: str, api_key: str, model: str):
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        self.model = model
+
+    def reply(self, messages: list, temperature: float, max_tokens: int) -> dict:
+        response = self.client.chat.completions.create(model=self.model, messages=messages,
+                                                       temperature=temperature, max_tokens=max_tokens)
+        return response.choices[0].message.model_dump(exclude_none=True)  # with the token ids and log-probs
+
+    def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:
+        rule = REWARDS["sort_digits"]
+        messages = [{"role": "user", "content": record["prompt"]}]
+        first = self.reply(messages, temperature, max_tokens)
+        messages += [first, {"role": "tool", "content": calculator(record["prompt"])},
+                     {"role": "user", "content": record["prompt"]}]
+        final = self.reply(messages, temperature, max_tokens)
+        return Episode(turns=[first, final], reward=rule(final["content"], record["answer"]), text=final["content"],
+                       metrics={"first_turn_reward": rule(first["content"], record["answer"])})
+
+
+def write_template(model_dir: Path) -> None:
+    """Write CHAT_TEMPLATE as the model's chat_template.jinja (transformers reads it with the tokenizer)."""
+    with atomic_file(model_dir / "chat_template.jinja") as tmp:
+        Path(tmp).write_text(CHAT_TEMPLATE)
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--write-template", type=Path, required=True, metavar="MODEL_DIR",
+                        help="write the environment's chat template into this Hugging Face model directory")
+    args = parser.parse_args()
+    if not (args.write_template / "config.json").is_file():
+        raise SystemExit(f"--write-template {args.write_template}: no config.json there; give a model directory")
+    write_template(args.write_template)
+    print(f"wrote {args.write_template / 'chat_template.jinja'}")

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# bash examples/train_grpo_multiturn_tiny.sh [key=value ...]
+#
+# Multi-turn RL through the OpenAI endpoint, on a CPU: the run serves the tiny Llama's policy over OpenAI HTTP
+# (loopback), the calculator environment (examples/calculator_env.py) chats with it through the `openai`
+# client (answer, read the calculator, answer again), and GRPO trains on the token ids the server returned.
+# examples/prepare_tiny.sh makes the tiny model, the task data and the supervised warm start; this script
+# gives the warm start a chat template, then
+#   chatgen train configs/grpo_multiturn_tiny.yaml   -> $OUTPUT_DIR (metrics.jsonl, metrics.png, checkpoints/);
+#   held-out reward of the final answer every 5 episodes ("eval/reward"); docs/multiturn_rl.md
+# Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20, or --resume with OUTPUT_DIR set).
+source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
+export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_multiturn_tiny/$(date +%Y%m%d-%H%M%S)}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the config names examples.calculator_env:CalculatorEnv
+
+[[ -f $POLICY_LOAD/chat_template.jinja ]] || python examples/calculator_env.py --write-template "$POLICY_LOAD"
+chatgen train configs/grpo_multiturn_tiny.yaml "$@"
+echo "held-out reward of the final answer per evaluation (episode 0 = before GRPO):"
+print_evals "$OUTPUT_DIR/metrics.jsonl" eval/reward eval/solved eval/env/first_turn_reward
