@@ -46,3 +46,38 @@ def test_imported_smollm2_answers_like_hf(smollm2_dir):
         module.shutdown()
     assert answer == hf_answer
     assert "Paris" in answer
+
+
+def test_smollm2_over_the_openai_server(smollm2_dir):
+    """SmolLM2 behind chatgen's OpenAI server (its own ChatML template), with the official `openai` client: the
+    greedy answer names Paris, streaming gives the same text, and a second turn that carries the first turn's
+    token ids gets a prompt that begins with exactly those ids (token-exact multi-turn on a real template)."""
+    import openai
+
+    module = VLLMModule(dict(load=str(smollm2_dir), kv_cache_memory_bytes=128 << 20, enforce_eager=True,
+                             seq_length=512, temperature=1.0, seed=0)).start()
+    try:
+        client = openai.OpenAI(base_url=module.serve(api_key="k", model_name="smollm2"), api_key="k")
+        messages = [{"role": "user", "content": QUESTION}]
+        first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
+        message = first.choices[0].message
+        assert "Paris" in message.content
+        extra = message.model_extra
+        ids = module.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        assert extra["prompt_token_ids"] == list(ids)  # rendered with SmolLM2's own chat template
+        assert len(extra["generation_token_ids"]) == len(extra["generation_log_probs"]) > 0
+
+        streamed = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0,
+                                                  stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == message.content
+
+        follow = [*messages, {"role": "assistant", "content": message.content,
+                              "prompt_token_ids": extra["prompt_token_ids"],
+                              "generation_token_ids": extra["generation_token_ids"]},
+                  {"role": "user", "content": "And of Italy?"}]
+        second = client.chat.completions.create(model="smollm2", messages=follow, max_tokens=16, temperature=0)
+        prefix = extra["prompt_token_ids"] + extra["generation_token_ids"]
+        assert second.choices[0].message.model_extra["prompt_token_ids"][:len(prefix)] == prefix
+        assert "Rome" in second.choices[0].message.content
+    finally:
+        module.shutdown()
