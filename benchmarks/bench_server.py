@@ -26,17 +26,10 @@ import sys
 import time
 from pathlib import Path
 
+from bench_generation import tiny_model  # this directory is on the path of a script run from it
+
 REPO = Path(__file__).resolve().parent.parent
 PYTHON = sys.executable
-
-
-def tiny_model(model_dir) -> Path:
-    from chatgen.models import tiny
-
-    model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        tiny.make_tiny_model(tiny.load_spec(REPO / "configs" / "models" / "tiny_llama.yaml"), model_dir)
-    return model_dir
 
 
 def start_servers(model: Path, seq_length: int, log_dir: Path) -> dict:
