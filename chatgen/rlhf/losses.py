@@ -108,7 +108,9 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     that sampled (before this train step); advantages: (B, T) or (B,) (broadcast over tokens);
     ref_logprobs: (B, T) under the frozen reference, used when kl_coef > 0; is_weights: (B, T) optional
     per-token weights (truncated_importance_weights). The loss is the mean over all unmasked tokens.
-    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference).
+    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference), and
+    old_logprob_diff_max: the largest |logprobs - old_logprobs| over unmasked tokens (before a step's update with
+    old log-probs from the engine, that is the train/inference mismatch).
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
@@ -128,7 +130,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     with torch.no_grad():
         stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
         stats["approx_kl"] = masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask)
+        stats["old_logprob_diff_max"] = ((logprobs.detach() - old_logprobs).abs() * mask).max()
     return loss, stats
+
+
+def reduce_metrics(parts: list) -> dict:
+    """One dict of metrics from the dicts of several micro-batches, ranks or steps: a name ending in `_max` takes
+    the largest value, every other name the mean."""
+    return {k: max(p[k] for p in parts) if k.endswith("_max") else sum(p[k] for p in parts) / len(parts)
+            for k in parts[0]}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

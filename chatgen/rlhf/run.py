@@ -26,6 +26,7 @@ import torch
 
 from chatgen.config import ConfigError, format_config, save_resolved
 from chatgen.rlhf import checkpoint as ckpt
+from chatgen.rlhf.losses import reduce_metrics
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
 from chatgen.rlhf.runtime import call_model
 from chatgen.rlhf.tasks import read_jsonl
@@ -323,7 +324,7 @@ class Run:
         """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),
         in shuffled global batches of train_global_batch_size rows, one optimizer step each. Rows are shuffled in
         whole groups of `group_size` consecutive rows (e.g. 2 for DPO's chosen/rejected pairs), so a group
-        never splits across steps. Returns the steps' mean metrics."""
+        never splits across steps. Returns the steps' metrics, reduced by `reduce_metrics`."""
         rt = self.cfg.runtime
         n = data["input_ids"].shape[0]
         if n % group_size or rt.train_global_batch_size % group_size:
@@ -336,7 +337,7 @@ class Run:
                 shard = select(data, order[start:start + rt.train_global_batch_size])
                 steps.append(self._split_call(name, "train_step", shard, loss_fn)[0])
                 self._check_step(name, steps[-1])
-        return {k: sum(s[k] for s in steps) / len(steps) for k in steps[0]}
+        return reduce_metrics(steps)
 
     def _check_step(self, name: str, step: dict) -> None:
         """Count optimizer steps in a row whose gradient norm is zero (nothing learns) or not finite (skipped)."""
@@ -392,12 +393,13 @@ class Run:
     def should(self, interval, episode: int) -> bool:
         return bool(interval) and (episode % interval == 0 or episode == self.cfg.runtime.num_episode)
 
-    def save(self, episode: int) -> Path:
+    def save(self, episode: int, sampler_state: dict | None = None) -> Path:
         """Checkpoint every trainer and the driver state atomically (chatgen.rlhf.checkpoint)."""
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
-        state = {"episode": episode, "sampler": self.sampler.state_dict(), "data_order": self.data_order,
+        state = {"episode": episode, "sampler": sampler_state or self.sampler.state_dict(),
+                 "data_order": self.data_order,
                  "rng": ckpt.rng_state(), "actor_rng": self.runtime.rng_states()}
         return ckpt.commit_checkpoint(tmp, state)
 
@@ -443,16 +445,18 @@ class Run:
                 self.logger.log(0, self.evaluate())
             self.timer.pop()
 
-    def end_episode(self, episode: int, metrics: dict, start: float) -> dict:
+    def end_episode(self, episode: int, metrics: dict, start: float, sampler_state: dict | None = None) -> dict:
         """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a resumed run
-        continues every random stream exactly where this one is), add the phase times, log one line."""
+        continues every random stream exactly where this one is), add the phase times, log one line.
+        sampler_state: the data position a checkpoint records when the loop already drew the next episode's
+        prompts (`sampler.state_dict()` from before that draw); default: the sampler's current state."""
         rt, timer = self.cfg.runtime, self.timer
         if self.eval_records and self.should(rt.eval_episode_interval, episode):
             with timer("eval"):
                 metrics.update(self.evaluate())
         if self.should(rt.save_episode_interval, episode):
             with timer("checkpoint"):
-                self.save(episode)
+                self.save(episode, sampler_state)
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
         self.logger.log(episode, metrics)
         return metrics

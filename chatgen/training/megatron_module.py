@@ -44,6 +44,7 @@ from chatgen.config import MegatronConfig
 from chatgen.distributed import free_port, init_process_group
 from chatgen.models import layout
 from chatgen.module import Module
+from chatgen.rlhf.losses import reduce_metrics
 from chatgen.training import cpu_compat
 from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights
 
@@ -210,7 +211,8 @@ class MegatronModule(Module):
         (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,), "loss_mask" (B, T-1)}.
         loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b, ...) slices) -> (loss scalar,
         {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks.
-        Returns {metric: float} averaged over micro-batches and DP ranks, plus "grad_norm", "lr" and
+        Returns {metric: float} over micro-batches and DP ranks (the mean; the largest for a name ending in
+        `_max`: chatgen.rlhf.losses.reduce_metrics), plus "grad_norm", "lr" and
         "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
@@ -457,16 +459,16 @@ class MegatronModule(Module):
                 dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(),
                                group=ps.get_pipeline_model_parallel_group())
             return out.cpu()
-        metrics = {k: sum(c[k] for c in collected) / len(collected) for k in collected[0]} if collected else None
+        metrics = reduce_metrics(collected) if collected else None
         if self.pp > 1:  # metrics live on the last stage
             box = [metrics]
             dist.broadcast_object_list(box, ps.get_pipeline_model_parallel_last_rank(),
                                        group=ps.get_pipeline_model_parallel_group())
             metrics = box[0]
         if self.dp > 1:
-            values = torch.tensor(list(metrics.values()), dtype=torch.float64, device=device)
-            dist.all_reduce(values, group=ps.get_data_parallel_group())
-            metrics = dict(zip(metrics, (values / self.dp).tolist()))
+            parts = [None] * self.dp
+            dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
+            metrics = reduce_metrics(parts)
         return metrics
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:

@@ -148,6 +148,46 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     assert last["reward/mean"] == metrics[3]["reward/mean"] and 0 <= metrics[3]["eval/reward"] <= 1
 
 
+def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    """old_logprobs: rollout skips the trainer's old log-prob pass (the mismatch is then measured in the first
+    optimizer step); overlap_generation samples episode k+1 with the weights before episode k's update."""
+    from chatgen.config import load_config
+    from chatgen.rlhf import checkpoint as ckpt
+    from chatgen.rlhf.algorithms import grpo
+
+    monkeypatch.chdir(REPO)
+    one_step = {"runtime.train_global_batch_size": 32, "runtime.algorithm.old_logprobs": "rollout",
+                "runtime.num_episode": 3, "runtime.eval_episode_interval": 3}
+    out = tmp_path / "rollout"
+    grpo.train(load_config(REPO / "configs/grpo_tiny.yaml", overrides(tiny_llama_dir, data_dir, out, **one_step)),
+               log=lambda *_: None)
+    metrics = read_metrics(out)
+    for episode in (1, 2, 3):
+        m = metrics[episode]
+        assert m.get("time/old_logprobs", 0.0) == 0.0  # no trainer pass
+        # sampled with exactly the trainer's weights: the first step's log-probs match the engine's
+        assert m["mismatch/logprob_max_abs"] == m["policy/old_logprob_diff_max"] < SYNC_TOL
+    assert metrics[3]["policy/grad_norm"] > 0
+
+    out = tmp_path / "overlap"
+    grpo.train(load_config(REPO / "configs/grpo_tiny.yaml", overrides(
+        tiny_llama_dir, data_dir, out, **one_step, **{"runtime.algorithm.overlap_generation": True})),
+        log=lambda *_: None)
+    metrics = read_metrics(out)
+    assert sorted(metrics) == [0, 1, 2, 3] and "eval/reward" in metrics[3]
+    # Episode 1 sampled with the starting weights, which the trainer still had; episodes 2 and 3 were sampled
+    # while the trainer was one update ahead: the ratio sees that (and the clip bounds it).
+    assert metrics[1]["policy/old_logprob_diff_max"] < SYNC_TOL
+    for episode in (2, 3):
+        assert metrics[episode]["policy/old_logprob_diff_max"] > 100 * SYNC_TOL
+        assert "mismatch/logprob_max_abs" not in metrics[episode]  # not measurable one step off-policy
+    # A checkpoint records the data position of its own episode, not the prefetched next one.
+    prompts_per_episode = 32 // 4
+    for episode in (1, 2, 3):
+        state = ckpt.load_state(out / "checkpoints" / f"episode_{episode:06d}")
+        assert state["sampler"]["index"] == episode * prompts_per_episode
+
+
 def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
     from chatgen.config import load_config
     from chatgen.rlhf.algorithms import ppo

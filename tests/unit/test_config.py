@@ -578,6 +578,15 @@ def test_algorithm_knobs_are_typed_and_checked(main_yaml):
                                                         "valid keys of runtime.algorithm"]  # gamma is ppo's, not grpo's
 
 
+def test_overlap_generation_needs_a_correction_for_its_stale_samples(main_yaml):
+    errors = errors_of(load_config, main_yaml, ["runtime.algorithm.overlap_generation=true"])
+    assert len(errors) == 1 and "runtime.algorithm.overlap_generation" in errors[0]
+    assert "importance_sampling_cap" in errors[0] and "old_logprobs: rollout" in errors[0]
+    for fix in ("runtime.algorithm.importance_sampling_cap=2", "runtime.algorithm.old_logprobs=rollout"):
+        assert load_config(main_yaml, ["runtime.algorithm.overlap_generation=true", fix]).runtime.algorithm.overlap_generation
+    assert errors_of(load_config, main_yaml, ["runtime.algorithm.old_logprobs=engine"])  # a typo'd choice
+
+
 def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
     from chatgen.cli import main
 

@@ -127,6 +127,19 @@ def test_policy_loss_on_policy_equals_minus_mean_advantage():
     assert stats["approx_kl"].item() == pytest.approx(0.0, abs=1e-7)
 
 
+def test_old_logprob_diff_max_ignores_masked_tokens():
+    old = torch.zeros(2, 3)
+    logp = torch.tensor([[0.1, -0.3, 9.0], [0.05, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float)  # the 9.0 is padding
+    _, stats = A.policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask)
+    assert stats["old_logprob_diff_max"].item() == pytest.approx(0.3)
+
+
+def test_reduce_metrics_takes_the_largest_max_and_the_mean_of_the_rest():
+    parts = [{"loss": 1.0, "old_logprob_diff_max": 0.5}, {"loss": 3.0, "old_logprob_diff_max": 0.25}]
+    assert A.reduce_metrics(parts) == {"loss": 2.0, "old_logprob_diff_max": 0.5}
+
+
 def test_policy_loss_gradient_pushes_toward_positive_advantage():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     logp = old.clone().requires_grad_(True)

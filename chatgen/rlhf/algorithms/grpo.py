@@ -6,7 +6,9 @@ Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n r
 model scores them; each response's advantage is its reward relative to the other responses to the same prompt;
 the trainer (Megatron) takes clipped policy-gradient steps (with a KL penalty to the reference when kl_coef > 0);
 the new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
+With overlap_generation the next episode's samples are generated while the trainer trains (one step off-policy).
 """
+import concurrent.futures
 import dataclasses
 import time
 from functools import partial
@@ -24,6 +26,15 @@ class Config(AlgorithmConfig):
     kl_estimator: Literal["k1", "k2", "k3"] = opt("k3", "KL estimator (Schulman's k1/k2/k3) of the penalty")
     importance_sampling_cap: Optional[float] = opt(
         None, "truncated importance weight cap for the train/inference mismatch (e.g. 2.0); null = off")
+    old_logprobs: Literal["recompute", "rollout"] = opt(
+        "recompute", "where the ratio's old log-probs come from: recompute = a no-grad trainer pass before training "
+                     "(mismatch/* metrics compare it with the engine's); rollout = the engine's own log-probs of the "
+                     "sampled tokens, saving that pass (exact here: the sync is exact, so they equal the trainer's to "
+                     "float noise; mismatch/* is then measured in the first optimizer step)")
+    overlap_generation: bool = opt(
+        False, "one-step off-policy: sample episode k+1 (with the weights before episode k's update) while the "
+               "trainer trains on episode k; the new weights reach the engine when both are done. Needs "
+               "importance_sampling_cap or old_logprobs: rollout to correct for the stale samples")
 
     def check(self):
         if self.kl_coef < 0:
@@ -33,6 +44,9 @@ class Config(AlgorithmConfig):
         if self.importance_sampling_cap is not None and self.importance_sampling_cap < 1:
             yield "importance_sampling_cap", (f"must be >= 1 or null, got {self.importance_sampling_cap}; "
                                               "2.0 is usual, null turns the correction off")
+        if self.overlap_generation and self.old_logprobs == "recompute" and self.importance_sampling_cap is None:
+            yield "overlap_generation", ("samples one step off-policy, and recomputed old log-probs do not see it; "
+                                         "set importance_sampling_cap (e.g. 2.0) or old_logprobs: rollout")
 
 
 MODELS = {
@@ -59,10 +73,11 @@ def check(cfg):
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def update(run, batch, rewards, n: int) -> dict:
+def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
     """GRPO's step once a batch is sampled and scored: group advantages, reference and old log-probs, clipped
-    policy-gradient steps, sync into the policy. batch: a RolloutBatch of S = prompts x n samples (prompt-major);
-    rewards: (S,). Returns the episode's metrics (rewards, mismatch, trainer, KL). Shared by grpo_multiturn."""
+    policy-gradient steps, sync into the policy (unless sync=False: the caller syncs later). batch: a RolloutBatch
+    of S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's metrics (rewards, mismatch,
+    trainer, KL). Shared by grpo_multiturn."""
     from chatgen.rlhf.run import prefixed, sample_metrics
 
     algo, timer = run.cfg.runtime.algorithm, run.timer
@@ -72,17 +87,26 @@ def update(run, batch, rewards, n: int) -> dict:
     if use_reference:
         with timer("reference"):
             data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
-    with timer("old_logprobs"):
-        data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # the weights the engine sampled with
+    if algo.old_logprobs == "rollout":
+        data["old_logprobs"] = batch.infer_logprobs  # the sampling weights' log-probs, as the engine computed them
+    else:
+        with timer("old_logprobs"):
+            data["old_logprobs"] = run.forward_tokens("policy_trainer", data)  # the weights the engine sampled with
     if algo.importance_sampling_cap:
         data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
                                                             algo.importance_sampling_cap)
     with timer("train"):
         stats = run.train("policy_trainer", data, loss_fn)
-    with timer("sync"):
-        run.sync_policy()
+    if sync:
+        with timer("sync"):
+            run.sync_policy()
     metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], run.cfg.runtime.solved_reward,
                                 data.get("is_weights")), **prefixed("policy", stats)}
+    if algo.old_logprobs == "rollout":  # old == infer: the mismatch is what the first step saw before updating
+        del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
+        rt = run.cfg.runtime
+        if rt.num_training_epoch == 1 and len(batch) <= rt.train_global_batch_size and not algo.overlap_generation:
+            metrics["mismatch/logprob_max_abs"] = stats["old_logprob_diff_max"]
     if use_reference:
         metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
                                                               algo.kl_estimator), batch.loss_mask).item()
@@ -96,17 +120,30 @@ def train(cfg, resume=False, log=print) -> dict:
 
     rt = cfg.runtime
     n = cfg.models["policy"].config.n
-    with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run:
-        timer, metrics = run.timer, {}
+    overlap = rt.algorithm.overlap_generation  # one-step off-policy: sample k+1 while training on k
+    with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run, \
+            concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatgen-prefetch") as prefetch:
+        timer, metrics, batch = run.timer, {}, None
         run.evaluate_start()  # episode 0: where the policy starts
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()
-            with timer("generate"):
-                batch = run.generate(run.next_prompts())  # S = prompts * n samples, prompt-major
+            if batch is None:
+                with timer("generate"):
+                    batch = run.generate(run.next_prompts())  # S = prompts * n samples, prompt-major
             with timer("reward"):
                 rewards = run.score(batch)  # (S,)
-            metrics = update(run, batch, rewards, n)  # advantages, old log-probs, train, sync
-            run.end_episode(episode, metrics, start)  # eval, checkpoint, log
+            sampler_state, upcoming = run.sampler.state_dict(), None  # a checkpoint's data position: before k+1
+            if overlap and episode < rt.num_episode:  # the engine still holds the weights that sampled `batch`
+                upcoming = prefetch.submit(run.generate, run.next_prompts())
+            metrics = update(run, batch, rewards, n, sync=upcoming is None)  # advantages, old log-probs, train
+            batch = None
+            if upcoming is not None:
+                with timer("generate"):  # what training did not hide
+                    batch = upcoming.result()
+                with timer("sync"):  # only once the engine is idle
+                    run.sync_policy()
+            run.end_episode(episode, metrics, start, sampler_state)  # eval, checkpoint, log
     if run.plot:
         log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics
+

@@ -36,6 +36,9 @@ class Config(grpo.Config):
 
     def check(self):
         yield from super().check()
+        if self.overlap_generation:
+            yield "overlap_generation", ("grpo_multiturn plays each episode's conversations through the server and "
+                                         "has no one-step off-policy mode; set it false")
         if not self.environment or ":" not in self.environment:
             yield "environment", (f"must name the environment class as 'package.module:Class', got "
                                   f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv")
