@@ -320,11 +320,12 @@ class Run:
         data = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
         return torch.cat(self._split_call(name, "forward_tokens", data))
 
-    def train(self, name: str, data: dict, loss_fn, group_size: int = 1) -> dict:
+    def train(self, name: str, data: dict, loss_fn, group_size: int = 1, per_step: bool = False):
         """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),
         in shuffled global batches of train_global_batch_size rows, one optimizer step each. Rows are shuffled in
         whole groups of `group_size` consecutive rows (e.g. 2 for DPO's chosen/rejected pairs), so a group
-        never splits across steps. Returns the steps' metrics, reduced by `reduce_metrics`."""
+        never splits across steps. Returns the steps' metrics reduced by `reduce_metrics` (per_step: the list of
+        each step's metrics, in order)."""
         rt = self.cfg.runtime
         n = data["input_ids"].shape[0]
         if n % group_size or rt.train_global_batch_size % group_size:
@@ -337,7 +338,7 @@ class Run:
                 shard = select(data, order[start:start + rt.train_global_batch_size])
                 steps.append(self._split_call(name, "train_step", shard, loss_fn)[0])
                 self._check_step(name, steps[-1])
-        return reduce_metrics(steps)
+        return steps if per_step else reduce_metrics(steps)
 
     def _check_step(self, name: str, step: dict) -> None:
         """Count optimizer steps in a row whose gradient norm is zero (nothing learns) or not finite (skipped)."""

@@ -96,7 +96,8 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
         data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
                                                             algo.importance_sampling_cap)
     with timer("train"):
-        stats = run.train("policy_trainer", data, loss_fn)
+        steps = run.train("policy_trainer", data, loss_fn, per_step=True)
+    stats = L.reduce_metrics(steps)
     if sync:
         with timer("sync"):
             run.sync_policy()
@@ -104,9 +105,8 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
                                 data.get("is_weights")), **prefixed("policy", stats)}
     if algo.old_logprobs == "rollout":  # old == infer: the mismatch is what the first step saw before updating
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
-        rt = run.cfg.runtime
-        if rt.num_training_epoch == 1 and len(batch) <= rt.train_global_batch_size and not algo.overlap_generation:
-            metrics["mismatch/logprob_max_abs"] = stats["old_logprob_diff_max"]
+        if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
+            metrics["mismatch/logprob_max_abs"] = steps[0]["old_logprob_diff_max"]
     if use_reference:
         metrics["kl/reference"] = L.masked_mean(L.kl_estimate(data["old_logprobs"], data["ref_logprobs"],
                                                               algo.kl_estimator), batch.loss_mask).item()
