@@ -27,6 +27,10 @@ class Config(AlgorithmConfig):
     value_clip_eps: float = opt(0.2, "value-function clip around the old values")
     importance_sampling_cap: Optional[float] = opt(
         None, "truncated importance weight cap for the train/inference mismatch (e.g. 2.0); null = off")
+    old_logprobs: Literal["recompute", "rollout"] = opt(
+        "recompute", "where the old log-probs (ratio and KL reward) come from: recompute = a no-grad trainer pass; "
+                     "rollout = the engine's log-probs of the sampled tokens, saving that pass (mismatch/* is then "
+                     "measured in the first optimizer step); as in grpo")
 
     def check(self):
         if self.kl_coef < 0:
@@ -82,8 +86,11 @@ def train(cfg, resume=False, log=print) -> dict:
             with timer("reward"):
                 scores = run.score(batch)  # (S,) one score per response
             inputs, mask = batch.trainer_inputs(), batch.loss_mask
-            with timer("old_logprobs"):
-                old = run.forward_tokens("policy_trainer", inputs)  # (S, L-1)
+            if algo.old_logprobs == "rollout":
+                old = batch.infer_logprobs  # (S, L-1) the sampling weights' log-probs, as the engine computed them
+            else:
+                with timer("old_logprobs"):
+                    old = run.forward_tokens("policy_trainer", inputs)  # (S, L-1)
             ref = old
             if "reference" in cfg.models:
                 with timer("reference"):
@@ -97,15 +104,18 @@ def train(cfg, resume=False, log=print) -> dict:
                 policy_data["is_weights"] = L.truncated_importance_weights(old, batch.infer_logprobs,
                                                                            algo.importance_sampling_cap)
             with timer("train"):
-                policy_stats = run.train("policy_trainer", policy_data, policy_loss_fn)
+                policy_steps = run.train("policy_trainer", policy_data, policy_loss_fn, per_step=True)
                 value_stats = run.train("value_trainer", {**inputs, "old_values": old_values, "returns": returns},
                                         value_loss_fn)
             with timer("sync"):
                 run.sync_policy()
             metrics = {**sample_metrics(scores, batch, old, rt.solved_reward, policy_data.get("is_weights")),
-                       **prefixed("policy", policy_stats), **prefixed("value", value_stats),
+                       **prefixed("policy", L.reduce_metrics(policy_steps)), **prefixed("value", value_stats),
                        "value/mean": L.masked_mean(old_values, mask).item(),
                        "returns/mean": L.masked_mean(returns, mask).item()}
+            if algo.old_logprobs == "rollout":  # the first step's log-probs, before any update, against the engine's
+                metrics["mismatch/logprob_max_abs"] = policy_steps[0]["old_logprob_diff_max"]
+                del metrics["mismatch/logprob_mean_abs"]
             if "reference" in cfg.models:
                 metrics["kl/reference"] = L.masked_mean(L.kl_estimate(old, ref, algo.kl_estimator), mask).item()
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
