@@ -410,3 +410,20 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
         assert record["output_ids"] == expected["output_ids"][row, p:p + MAX_NEW].tolist()
         assert record["logprobs"] == pytest.approx(expected["logprobs"][row, p:p + MAX_NEW].tolist(), abs=1e-5)
         assert record["finish_reason"] == "length" and isinstance(record["text"], str)
+
+
+def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
+    """vLLM's gc.collect() calls while building an engine are skipped on CPU (seconds of startup), and only
+    those: young generations still collect, and gc.collect is itself again afterwards."""
+    import gc
+
+    from chatgen.generation import vllm_adapter
+
+    calls = []
+    monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 7)
+    with vllm_adapter._host_memory_only_gc(True):
+        assert gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
+    assert calls == [0, 1]
+    assert gc.collect() == 7 and calls == [0, 1, 2]  # restored
+    with vllm_adapter._host_memory_only_gc(False):  # a GPU hands freed memory back: every collection runs
+        assert gc.collect() == 7
