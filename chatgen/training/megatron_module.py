@@ -133,6 +133,11 @@ class MegatronModule(Module):
             self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
         if torch.cuda.is_available():
             self.model.cuda()
+        self._logits_from, self._slices_logits = 0, False
+        output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
+        if output_layer is not None:  # train_step computes logits only from the first position a loss reads
+            output_layer.register_forward_pre_hook(self._from_first_scored_position)
+            self._slices_logits = True
         self._train_params = [p for p in self.model.parameters() if p.requires_grad]
         # bf16/fp16 weights cannot take small updates (lr 1e-6 on a weight of 0.02 is below half its bf16 step, so
         # it rounds away): AdamW then steps fp32 master copies, with fp32 moments, and the model gets them cast
@@ -210,7 +215,9 @@ class MegatronModule(Module):
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample tensors
         (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,), "loss_mask" (B, T-1)}.
         loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b, ...) slices) -> (loss scalar,
-        {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks.
+        {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks. With a "loss_mask", the
+        logits of positions before the first one it marks in the micro-batch are not computed: logprobs is 0
+        there (a loss reads only masked positions).
         Returns {metric: float} over micro-batches and DP ranks (the mean; the largest for a name ending in
         `_max`: chatgen.rlhf.losses.reduce_metrics), plus "grad_norm", "lr" and
         "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
@@ -432,10 +439,16 @@ class MegatronModule(Module):
             mb = next(data_iterator)
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
+            # Training: no logits before the first position any row's loss reads (the prompt); the output layer
+            # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
+            first = _first_scored_position(mb.get("loss_mask")) if self._slices_logits and not forward_only else 0
+            self._logits_from = first
             logits = model(ids, position_ids, mask)
             if not self.is_last_stage:
                 return logits, None
-            logprobs = self.token_outputs(logits, ids)
+            logprobs = self.token_outputs(logits, ids[:, first:])  # (b, T-1-first): as if the rows began there
+            if first:
+                logprobs = torch.nn.functional.pad(logprobs, (first, 0))  # (b, T-1), 0 where no loss reads
 
             def loss_func(output):
                 if loss_fn is None:
@@ -470,6 +483,13 @@ class MegatronModule(Module):
             dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
             metrics = reduce_metrics(parts)
         return metrics
+
+    def _from_first_scored_position(self, _layer, args):
+        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, from
+        position `self._logits_from` on (set per micro-batch by `_run_schedule`; 0 = all)."""
+        if self._logits_from:
+            return (args[0][self._logits_from:], *args[1:])
+        return None
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
@@ -540,6 +560,15 @@ def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:
         raise ValueError(f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}")
     return [{k: (v[i:i + micro_batch_size] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
              for k, v in data.items()} for i in range(0, n, micro_batch_size)]
+
+
+def _first_scored_position(loss_mask: torch.Tensor | None) -> int:
+    """The first position t whose entry (b, T-1) loss_mask[:, t] is 1 in any row (entry t scores token t+1,
+    predicted from position t); 0 without a mask or when it is empty."""
+    if loss_mask is None:
+        return 0
+    scored = loss_mask.any(dim=0).nonzero()
+    return int(scored[0]) if len(scored) else 0
 
 
 def _positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):

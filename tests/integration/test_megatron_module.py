@@ -86,6 +86,37 @@ def test_train_step_and_checkpoint_round_trip(models, tmp_path):
         trainer.train_step({"input_ids": ids}, nll_loss)["loss"], rel=1e-6)
 
 
+def masked_nll(logprobs, micro_batch):
+    mask = micro_batch["loss_mask"]
+    loss = -(logprobs * mask).sum() / mask.sum()
+    return loss, {"nll": loss.detach(), "unmasked_sum_max": (logprobs * (1 - mask)).abs().sum()}
+
+
+def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
+    """With a loss_mask (responses after a prompt) the output layer runs from the first scored position on:
+    the loss and every gradient equal the full computation's; the positions before it read 0."""
+    ids = batch(t=16)
+    loss_mask = torch.zeros(2, 15)
+    loss_mask[0, 9:] = 1
+    loss_mask[1, 6:13] = 1  # first scored position 6: positions 0-5 get no logits
+    trainer = build(models["llama"], lr=1e-12, clip_grad=0.0)  # an update below fp32 resolution: same weights
+
+    def grads_after(slices):
+        trainer._slices_logits = slices
+        metrics = trainer.train_step({"input_ids": ids, "loss_mask": loss_mask}, masked_nll)
+        return metrics, [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+
+    full, full_grads = grads_after(False)
+    sliced, sliced_grads = grads_after(True)
+    assert sliced["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    assert len(full_grads) == len(sliced_grads)
+    assert max((a - b).abs().max().item() for a, b in zip(full_grads, sliced_grads)) < 1e-6
+    assert sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0  # rows 0/1 outside their masks
+    from chatgen.training.megatron_module import _first_scored_position
+
+    assert _first_scored_position(loss_mask) == 6 and _first_scored_position(torch.zeros(2, 15)) == 0
+
+
 @pytest.mark.faults
 def test_a_checkpoint_missing_or_damaging_its_optimizer_state_is_refused(models, tmp_path):
     trainer = build(models["llama"], lr=1e-3)
