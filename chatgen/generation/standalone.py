@@ -41,8 +41,8 @@ class VLLMGeneration:
     Server: server_base_url (e.g. "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server;
     weight_transport, how sync_weights moves the weights: "shm" (a file in /dev/shm both processes map: one copy;
     the server must be on this machine, run by this user), "group" (a torch.distributed group: gloo over TCP on
-    CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address and the server's
-    /dev/shm directory is visible from here, else group).
+    CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address, CUDA is not in use
+    and the server's /dev/shm directory is reachable from here, else group).
     """
 
     def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, weight_transport="auto",
@@ -82,9 +82,12 @@ class VLLMGeneration:
 
             self.server = _Server(server_base_url, api_key)
             self.weight_transport = weight_transport
-            # auto tries shm with a loopback server, and keeps to the group if the server's file is not reachable
-            self._transport = "group" if weight_transport == "group" or (
-                weight_transport == "auto" and urlparse(self.server.base_url).hostname not in LOOPBACK_HOSTS) else "shm"
+            # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights device to device,
+            # without two trips through host memory); the first sync falls back to the group if the server's
+            # file cannot be created from here
+            shm = weight_transport == "shm" or (weight_transport == "auto" and not torch.cuda.is_available()
+                                                and urlparse(self.server.base_url).hostname in LOOPBACK_HOSTS)
+            self._transport = "shm" if shm else "group"
             self._sender, self._shm = None, ShmSender()
             return
         from chatgen.generation.vllm_module import VLLMModule

@@ -433,8 +433,11 @@ def test_vllm_generation_refuses_bad_arguments_before_starting_an_engine(kwargs,
     ("http://[::1]:8000", "auto", "shm"), ("http://10.1.2.3:8000", "auto", "group"),
     ("http://127.0.0.1:8000", "group", "group"), ("http://10.1.2.3:8000", "shm", "shm"),
 ])
-def test_vllm_generation_picks_shared_memory_for_a_loopback_server(url, weight_transport, expected):
+def test_vllm_generation_picks_shared_memory_for_a_loopback_server(url, weight_transport, expected, monkeypatch):
     from chatgen import VLLMGeneration
 
     gen = VLLMGeneration("/no/such/model", "server", server_base_url=url, weight_transport=weight_transport)
     assert gen._transport == expected  # no request is sent before the first sync
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # on GPUs auto leaves the weights to NCCL
+    gen = VLLMGeneration("/no/such/model", "server", server_base_url=url, weight_transport=weight_transport)
+    assert gen._transport == ("group" if weight_transport == "auto" else expected)
