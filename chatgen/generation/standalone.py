@@ -46,8 +46,8 @@ class VLLMGeneration:
     """
 
     def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, weight_transport="auto",
-                 tensor_parallel_size=1, max_model_length=None, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                 max_completion_length=16, logprobs=0, **engine_kwargs):
+                 tensor_parallel_size=1, max_model_length=None, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                 repetition_penalty=1.0, max_completion_length=16, logprobs=0, **engine_kwargs):
         if mode not in MODES:
             raise ValueError(f"VLLMGeneration: mode={mode!r} is not one of {MODES}")
         if logprobs != 0:
