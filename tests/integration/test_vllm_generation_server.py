@@ -8,6 +8,7 @@ sync keeps the server's weights, no file stays in /dev/shm, pause / resume, and 
 """
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -201,6 +202,37 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     worker.join(timeout=60)
     assert max_diff_vs_hf(model, *done[0]) < TOL  # the held request ran under the new weights
     assert requests.post(server + "/control/reset_prefix_cache", headers=auth).json() == {"reset": True}
+
+
+ANOTHER_SHM_TRAINER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from chatgen import VLLMGeneration
+from test_vllm_generation import perturbed
+url, key, model_dir = sys.argv[1:]
+gen = VLLMGeneration(model_dir, "server", server_base_url=url, api_key=key)
+report = gen.sync_weights(perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), 11))
+print("synced over", gen._transport, report.tensors)
+"""
+
+
+def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(remote, server, server_process,
+                                                                      data_and_model):
+    """A trainer with its own /dev/shm (as in another container; here a mount namespace) cannot create the
+    server's file: "auto" tells the server, falls back to the group, and the sync lands."""
+    from transformers import AutoModelForCausalLM
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give the trainer a /dev/shm of its own")
+    trainer = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" "$@"', sys.executable, "-c",
+         ANOTHER_SHM_TRAINER, server, KEY, str(data_and_model[1])],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert "synced over group 21" in trainer.stdout
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11)
+    assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
+    assert shm_files(server_process[1].pid)[1:] == []  # the file it could not create left nothing behind
 
 
 def _trainer_rank(rank, url, model_dir, port, seed, results):
