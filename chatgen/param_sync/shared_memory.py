@@ -76,8 +76,9 @@ class ShmSender:
         begin(held) -> the path to write: held is the path this sender still maps when the size is unchanged
         (the engine hands it back while it maps it too), else None. finish(body) -> None once the engine loaded
         the weights, or the message saying why it refused (a SyncError here). body, an iterator of bytes: the line
-        b'{"header": <sync_header>}\n', then one byte per tensor once it is in the file (the engine loads each as
-        it comes, while the next is copied); or the line b'{"error": why}\n' alone when this end failed first.
+        b'{"header": <sync_header>}\n', then b"." per tensor once it is in the file (the engine loads each as it
+        comes, while the next is copied), ending with b"!" if reading the source failed (raised here after
+        finish); or the line b'{"error": why}\n' alone when this end could not start.
         """
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
@@ -97,20 +98,26 @@ class ShmSender:
         header = sync_header(weights, validate)
         _share({"error": None})  # the other ranks' SyncSender waits here for the engine's verdict on the manifest
         flat = torch.frombuffer(self._map, dtype=weights.dtype)
-        written = [0]
+        written, failed = [0], []
 
         def body():
             yield _line({"header": header})
             offset = 0
-            for items in _checked(weights.buckets(), weights.plan, weights, validate):
-                for _, t in items:
-                    flat[offset:offset + t.numel()].view(t.shape).copy_(t)
-                    offset += t.numel()
-                    written[0] += 1
-                    yield b"."
+            try:
+                for items in _checked(weights.buckets(), weights.plan, weights, validate):
+                    for _, t in items:
+                        flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+                        offset += t.numel()
+                        written[0] += 1
+                        yield b"."
+            except Exception as e:  # say so rather than leave the engine waiting for the next tensor
+                failed.append(e)
+                yield b"!"
 
-        # a failure while writing ends the body early: the engine then fails too (partially updated if it began)
-        refusal = _share({"error": finish(body())})["error"]
+        refusal = finish(body())
+        if failed:  # the engine failed too (partially updated if its load had begun, as its answer says)
+            raise failed[0]
+        refusal = _share({"error": refusal})["error"]
         if refusal:
             raise SyncError(refusal)
         return SyncReport(time.perf_counter() - start, nbytes, written[0], len(weights.plan), validate)

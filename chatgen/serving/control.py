@@ -137,8 +137,8 @@ class _WeightUpdates:
                     "seconds": report.seconds}
 
     async def _finish_shm(self, request: Request, mode: str) -> dict:
-        """Read the body (a JSON line, then a byte per tensor the trainer has written) while the engine loads each
-        tensor as its byte arrives (ShmSender.send)."""
+        """Read the body (a JSON line, then b"." per tensor the trainer has written, b"!" if it failed) while the
+        engine loads each tensor as its byte arrives (ShmSender.send)."""
         chunks, first = request.stream(), b""
         async for chunk in chunks:
             first += chunk
@@ -155,16 +155,16 @@ class _WeightUpdates:
             return {"error": f"the trainer stopped before the weights were written, the engine keeps its old "
                              f"weights: {body.error}"}
         written = queue.SimpleQueue()
-        for _ in rest:
-            written.put(True)
+        for byte in rest:
+            written.put(byte == ord("."))
         load = asyncio.ensure_future(asyncio.to_thread(
             self.shm.receive_into, self.module, body.header.model_dump(), mode,
             iter(lambda: written.get(timeout=CONNECT_TIMEOUT_S), False)))
         try:
             async for chunk in chunks:
-                for _ in chunk:
-                    written.put(True)
-        except ClientDisconnect:  # the trainer failed mid-write: the loader sees the end
+                for byte in chunk:
+                    written.put(byte == ord("."))  # b"!": the trainer failed, no more tensors (the loader stops)
+        except ClientDisconnect:  # the trainer died mid-write: the loader sees the end
             pass
         written.put(False)
         try:

@@ -168,6 +168,40 @@ def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, 
     assert shm_files(server_process[1].pid)[1:] == []
 
 
+class _DiesMidSync:
+    """A weight source (the protocol of chatgen.param_sync.weight_source) whose second bucket never comes: a
+    trainer that fails while the engine is already loading the first."""
+
+    def __init__(self, model):
+        tensors = [(name, p.detach()) for name, p in model.named_parameters()]
+        self.dtype, self._first = torch.float32, tensors[:10]
+        self.plan = [[(n, tuple(t.shape)) for n, t in tensors[:10]], [(n, tuple(t.shape)) for n, t in tensors[10:]]]
+
+    def hf_weights(self, bucket_bytes):
+        return self
+
+    def nonfinite(self):
+        return []
+
+    def buckets(self):
+        yield self._first
+        raise RuntimeError("the trainer died mid-sync")
+
+
+def test_a_trainer_dying_mid_copy_leaves_the_server_refusing_until_a_full_sync(remote, server_process,
+                                                                               data_and_model):
+    from transformers import AutoModelForCausalLM
+
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=12)
+    with pytest.raises(Exception, match="the trainer died mid-sync"):
+        remote.sync_weights(_DiesMidSync(model))
+    with pytest.raises(RuntimeError, match="HTTP 503: a weight update failed after writing 10 tensors"):
+        remote.generate(PROMPTS, greedy=True)
+    remote.sync_weights(model)
+    assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
+    assert shm_files(server_process[1].pid)[1:] == []
+
+
 def test_shm_updates_need_the_key_and_leave_no_file_when_refused(server):
     auth = {"Authorization": f"Bearer {KEY}"}
     assert requests.post(server + "/control/weights/begin", json={"transport": "shm"}).status_code == 401
