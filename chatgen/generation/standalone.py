@@ -181,10 +181,9 @@ class VLLMGeneration:
         self.server.post("/control/weights/finish")
         return report
 
-    def _finish(self, body) -> str | None:
-        """POST /control/weights/finish of a shm sync, streaming `body` (ShmSender's): None once the weights are
-        in, else the server's reason."""
-        answer = self.server.post("/control/weights/finish", data=body, check=False)
+    def _finish(self, body: dict) -> str | None:
+        """POST /control/weights/finish of a shm sync: None once the weights are in, else the server's reason."""
+        answer = self.server.post("/control/weights/finish", body, check=False)
         return answer["error"]["message"] if "error" in answer else None
 
     def shutdown(self) -> None:
@@ -207,9 +206,8 @@ class _Server:
         if api_key is not None:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
-    def post(self, path: str, body=None, check: bool = True, data=None) -> dict:
-        """POST `body` as JSON, or `data` (bytes, or an iterator of bytes: sent as it comes, chunked)."""
-        response = self.session.post(self.base_url + path, json=body, data=data)
+    def post(self, path: str, body=None, check: bool = True) -> dict:
+        response = self.session.post(self.base_url + path, json=body)
         if check and response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]

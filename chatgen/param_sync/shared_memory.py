@@ -1,14 +1,12 @@
 """Same-host weight sync through shared memory: the trainer copies every weight once into a file in /dev/shm
-that the engine maps, and the engine's reload reads the weights from there, each tensor as soon as it is in the
-file (the copy of the next overlaps the load of this one). Crossing processes then costs one memcpy, mostly
-hidden, against a socket's several copies for the torch.distributed group of sync.py (gloo over loopback).
+that the engine maps, and the engine's reload reads the weights from there. Crossing processes then costs one
+memcpy, against a socket's several copies for the torch.distributed group of sync.py (gloo over loopback).
 
     # engine process (`chatgen serve --control`)       # trainer rank 0, same machine
-    rx = ShmReceiver()                                   tx = ShmSender()
-    path = rx.name(held)                <-- begin --   tx.send(source, begin, finish)
-                                        -- path -->      creates the file, then streams to finish:
-    rx.receive_into(policy, header,     <-- finish --    the header line, a byte per tensor copied
-                    written=<a tick per byte>)
+    rx = ShmReceiver()
+    path = rx.name(held)                <-- begin --   tx = ShmSender()
+                                        -- path -->    tx.send(source, begin, finish)   # writes every bucket
+    rx.receive_into(policy, header)     <-- finish --  (header: the manifest, as the group sends it)
 
 The engine owns the directory (/dev/shm/chatgen-weights-<pid>-XXXX, mode 0700, removed when the receiver is
 collected or its process exits) and hands out the file name; the trainer creates the file there (0600, its
@@ -17,12 +15,10 @@ a name it made, checks the header (`check_header`: dtype, names, shapes, finiten
 checks the file's size against it, then maps the file and unlinks it: from then on the memory lives only in
 the two mappings, so nothing is left in /dev/shm whatever happens to either process. Both ends keep their
 mapping for the next sync of the same size (no page faults, no allocation); any failure drops the engine's
-mapping, and the next sync gets a new file. A refused header leaves the engine's weights alone; a trainer that
-stops mid-copy leaves it partially updated (SyncError says so), as a group sync that breaks off does. The cost:
-one copy of the weights in shared memory while a trainer syncs this way.
+mapping, and the next sync gets a new file. The cost: one copy of the weights in shared memory while a trainer
+syncs this way.
 """
 import contextlib
-import json
 import mmap
 import os
 import secrets
@@ -39,10 +35,10 @@ from chatgen.param_sync.sync import (
     SyncError,
     SyncReport,
     _checked,
-    _fingerprint,
     _load,
     _numel,
     _share,
+    _unflatten,
     check_header,
     sync_header,
     weight_source,
@@ -75,10 +71,8 @@ class ShmSender:
 
         begin(held) -> the path to write: held is the path this sender still maps when the size is unchanged
         (the engine hands it back while it maps it too), else None. finish(body) -> None once the engine loaded
-        the weights, or the message saying why it refused (a SyncError here). body, an iterator of bytes: the line
-        b'{"header": <sync_header>}\n', then b"." per tensor once it is in the file (the engine loads each as it
-        comes, while the next is copied), ending with b"!" if reading the source failed (raised here after
-        finish); or the line b'{"error": why}\n' alone when this end could not start.
+        the weights, or the message saying why it refused (a SyncError here, the engine keeps its old weights).
+        body: {"header": sync_header} once every byte is written, {"error": why} when this end failed.
         """
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
@@ -89,7 +83,7 @@ class ShmSender:
             try:
                 self._map = _create(path, nbytes)
             except OSError as e:
-                finish(iter([_line({"error": f"the trainer could not create {path}"})]))
+                finish({"error": f"the trainer could not create {path}"})
                 raise SharedMemoryUnavailable(
                     f"weight sync over shared memory: cannot create the engine's file {path} ({e}); the engine keeps "
                     "its old weights. The server is on another machine or run by another user, or /dev/shm is full: "
@@ -98,37 +92,24 @@ class ShmSender:
         header = sync_header(weights, validate)
         _share({"error": None})  # the other ranks' SyncSender waits here for the engine's verdict on the manifest
         flat = torch.frombuffer(self._map, dtype=weights.dtype)
-        written, failed = [0], []
-
-        def body():
-            yield _line({"header": header})
-            offset = 0
-            try:
-                for items in _checked(weights.buckets(), weights.plan, weights, validate):
-                    for _, t in items:
-                        flat[offset:offset + t.numel()].view(t.shape).copy_(t)
-                        offset += t.numel()
-                        written[0] += 1
-                        yield b"."
-            except Exception as e:  # say so rather than leave the engine waiting for the next tensor
-                failed.append(e)
-                yield b"!"
-
-        refusal = finish(body())
-        if failed:  # the engine failed too (partially updated if its load had begun, as its answer says)
-            raise failed[0]
-        refusal = _share({"error": refusal})["error"]
+        n, offset = 0, 0
+        try:
+            for items in _checked(weights.buckets(), weights.plan, weights, validate):
+                for _, t in items:
+                    flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+                    offset += t.numel()
+                n += len(items)
+        except Exception as e:
+            finish({"error": f"{type(e).__name__}: {e}"})
+            raise
+        refusal = _share({"error": finish({"header": header})})["error"]
         if refusal:
             raise SyncError(refusal)
-        return SyncReport(time.perf_counter() - start, nbytes, written[0], len(weights.plan), validate)
+        return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
 
     def close(self) -> None:
         """Let go of the mapping (its memory is freed once the engine lets go too)."""
         self.path = self._map = None
-
-
-def _line(obj) -> bytes:
-    return json.dumps(obj).encode() + b"\n"
 
 
 def _create(path: str, nbytes: int) -> mmap.mmap:
@@ -161,38 +142,26 @@ class ShmReceiver:
         self.path = os.path.join(self.directory, f"weights-{secrets.token_hex(8)}")
         return self.path
 
-    def receive_into(self, target, header: dict, mode: str = "wait", written=None) -> SyncReport:
+    def receive_into(self, target, header: dict, mode: str = "wait") -> SyncReport:
         """Check the trainer's `header` (a `sync_header`) against `target` (a VLLMModule or `vllm.LLM`), then load
-        the weights from the file named last. written: an iterator that yields once per tensor the trainer has
-        put in the file, in order (it blocks until the next is there; its end before the last tensor means the
-        trainer stopped); None when the file is complete. Any failure drops the file: a SyncError that says
-        whether the engine kept its old weights."""
+        the weights from the file named last. Any failure drops the file (SyncError; before the load, the engine
+        keeps its old weights)."""
         start = time.perf_counter()
         try:
             check_header(header, target)
             dtype = _DTYPES[header["dtype"]]
             plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
             flat = torch.frombuffer(self._mapping(_plan_bytes(plan, dtype)), dtype=dtype)
-            fingerprints = header["fingerprints"]
-
-            def tensors(bucket, offset):  # lazily: each one only once the trainer has written it
-                for name, shape in bucket:
-                    if written is not None and next(written, None) is None:
-                        raise SyncError(f"the trainer stopped before it wrote {name}")
-                    t = flat[offset:offset + _numel(shape)].view(shape)
-                    if fingerprints is not None and _fingerprint(t) != fingerprints[name]:
-                        raise SyncError(f"validation: {name} arrived different from what the trainer sent "
-                                        f"(fingerprint {_fingerprint(t)} != {fingerprints[name]})")
-                    yield name, t
-                    offset += _numel(shape)
 
             def buckets():
                 offset = 0
                 for bucket in plan:
-                    yield tensors(bucket, offset)
-                    offset += sum(_numel(s) for _, s in bucket)
+                    shapes = [s for _, s in bucket]
+                    size = sum(_numel(s) for s in shapes)
+                    yield [(n, t) for (n, _), t in zip(bucket, _unflatten(flat[offset:offset + size], shapes))]
+                    offset += size
 
-            n = _load(target, buckets(), mode)
+            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
         except BaseException:
             self.drop()
             raise

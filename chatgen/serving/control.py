@@ -12,13 +12,11 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
                                         server's own /dev/shm directory the trainer writes the weights into; a
                                         client that gives the path it holds mapped keeps using it
         ... group: the trainer sends the weights over the group, in buckets: chatgen.param_sync.SyncSender
-    POST /control/weights/finish        group: no body. shm: a streamed body: the line {"header": ...} (dtype,
-                                        names, shapes, non-finite names; checked before anything is written), then
-                                        one byte per tensor as the trainer copies it into the file, which the
-                                        engine then loads (chatgen.param_sync.ShmSender); or the line {"error":
-                                        why} alone if the trainer could not start. -> {"weight_version",
-                                        "tensors", "bytes", "seconds"} once the weights are in the engine, or 409
-                                        with the error (which says whether the engine kept its weights)
+            shm: the trainer writes them into the file: chatgen.param_sync.ShmSender
+    POST /control/weights/finish        group: no body; shm: {"header": ...} once the file is written ({"error":
+                                        why} if the trainer stopped) -> {"weight_version", "tensors", "bytes",
+                                        "seconds"} once the weights are in the engine, or 409 with the error
+                                        (which says whether the engine kept its weights)
     POST /control/reset_prefix_cache    -> {"reset": bool} (false while running requests hold cache blocks)
 
 The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is one of
@@ -30,21 +28,19 @@ control endpoint changes what the server computes, so beyond loopback it needs a
 be built for a non-loopback bind without one.
 """
 import asyncio
-import queue
 import threading
 import time
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
-from starlette.requests import ClientDisconnect
+from pydantic import BaseModel, ConfigDict
 
 from chatgen.distributed import LOOPBACK_HOSTS
 from chatgen.generation.engine_loop import UPDATE_MODES
 from chatgen.serving.app import APIError, api_key_dependency
 
 
-CONNECT_TIMEOUT_S = 600  # how long the server waits for the trainer: to join the group after begin, for a tensor
+CONNECT_TIMEOUT_S = 600  # after begin, how long the server waits for the trainer to join the group
 
 
 class BeginRequest(BaseModel):
@@ -63,16 +59,9 @@ class WeightHeader(BaseModel):  # chatgen.param_sync.sync_header: what the train
     fingerprints: dict[str, list[int]] | None = None
 
 
-class FinishRequest(BaseModel):  # shm: the first line of finish's body: the header, or why the trainer stopped
-    model_config = ConfigDict(extra="forbid")
+class FinishRequest(BaseModel):  # shm only: the header once the file is written, or why the trainer stopped
     header: WeightHeader | None = None
     error: str | None = None
-
-    @model_validator(mode="after")
-    def one_of(self):
-        if (self.header is None) == (self.error is None):
-            raise ValueError('give exactly one of "header" and "error"')
-        return self
 
 
 class _WeightUpdates:
@@ -85,7 +74,7 @@ class _WeightUpdates:
         self.receiver = self.shm = None
         self.pending = None  # ("group", thread, result) or ("shm", mode, deadline)
         self.lock = threading.Lock()
-        self.finishing = asyncio.Lock()
+        self.finishing = threading.Lock()
 
     def begin(self, body: BeginRequest) -> dict:
         from chatgen.param_sync import ShmReceiver, SyncReceiver
@@ -117,17 +106,28 @@ class _WeightUpdates:
         except Exception as e:  # refused or failed: handed to finish
             result["error"] = f"{type(e).__name__}: {e}"
 
-    async def finish(self, request: Request) -> dict:
-        async with self.finishing:  # one finish at a time: a second one then finds nothing in progress
+    def finish(self, body: FinishRequest | None) -> dict:
+        with self.finishing:  # one finish at a time: a second one then finds nothing in progress
             with self.lock:
                 pending = self.pending
             if pending is None:
                 raise APIError(409, "no weight update in progress: begin one first (POST /control/weights/begin)")
+            result = {}
             if pending[0] == "group":
-                await asyncio.to_thread(pending[1].join)
+                pending[1].join()
                 result = pending[2]
+            elif body is None or (body.header is None) == (body.error is None):
+                raise APIError(400, 'a shared-memory weight update finishes with {"header": ...} once the file is '
+                                    'written, or {"error": ...} when the trainer stopped; the update is still open')
+            elif body.error is not None:
+                self.shm.drop()
+                result["error"] = (f"the trainer stopped before the weights were written, the engine keeps its old "
+                                   f"weights: {body.error}")
             else:
-                result = await self._finish_shm(request, mode=pending[1])
+                try:
+                    result["report"] = self.shm.receive_into(self.module, body.header.model_dump(), mode=pending[1])
+                except Exception as e:  # the receiver dropped the file
+                    result["error"] = f"{type(e).__name__}: {e}"
             with self.lock:
                 self.pending = None
             if "error" in result:
@@ -135,42 +135,6 @@ class _WeightUpdates:
             report = result["report"]
             return {"weight_version": self.module.weight_version, "tensors": report.tensors, "bytes": report.bytes,
                     "seconds": report.seconds}
-
-    async def _finish_shm(self, request: Request, mode: str) -> dict:
-        """Read the body (a JSON line, then b"." per tensor the trainer has written, b"!" if it failed) while the
-        engine loads each tensor as its byte arrives (ShmSender.send)."""
-        chunks, first = request.stream(), b""
-        async for chunk in chunks:
-            first += chunk
-            if b"\n" in first:
-                break
-        line, _, rest = first.partition(b"\n")
-        try:
-            body = FinishRequest.model_validate_json(line)
-        except ValidationError as e:
-            raise APIError(400, f"a shared-memory weight update finishes with the line {{\"header\": ...}} (then a "
-                                f"byte per tensor written) or {{\"error\": ...}}; the update is still open: {e}")
-        if body.error is not None:
-            self.shm.drop()
-            return {"error": f"the trainer stopped before the weights were written, the engine keeps its old "
-                             f"weights: {body.error}"}
-        written = queue.SimpleQueue()
-        for byte in rest:
-            written.put(byte == ord("."))
-        load = asyncio.ensure_future(asyncio.to_thread(
-            self.shm.receive_into, self.module, body.header.model_dump(), mode,
-            iter(lambda: written.get(timeout=CONNECT_TIMEOUT_S), False)))
-        try:
-            async for chunk in chunks:
-                for byte in chunk:
-                    written.put(byte == ord("."))  # b"!": the trainer failed, no more tensors (the loader stops)
-        except ClientDisconnect:  # the trainer died mid-write: the loader sees the end
-            pass
-        written.put(False)
-        try:
-            return {"report": await load}
-        except Exception as e:  # the receiver dropped the file
-            return {"error": f"{type(e).__name__}: {e}"}
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -211,8 +175,8 @@ def control_router(module, *, api_key: str | None, host: str) -> APIRouter:
         return answer
 
     @router.post("/weights/finish")
-    async def finish(request: Request):
-        return await updates.finish(request)
+    async def finish(body: FinishRequest | None = None):
+        return await asyncio.to_thread(updates.finish, body)
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache():

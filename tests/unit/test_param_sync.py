@@ -3,8 +3,6 @@ the JSON channel protocol over a real 2-process gloo group, the shared-memory fi
 
     python -m pytest tests/unit/test_param_sync.py
 """
-import json
-
 import pytest
 import torch
 
@@ -155,17 +153,14 @@ def test_shm_sender_refuses_a_file_it_cannot_create_before_writing(tmp_path):
 
     told = []
     with pytest.raises(SharedMemoryUnavailable, match="use weight_transport='group'"):
-        ShmSender().send([("w", torch.ones(4))], lambda held: str(tmp_path / "elsewhere" / "weights-1"),
-                         lambda body: told.extend(body))
-    assert [json.loads(line) for line in told] == [
-        {"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}]
+        ShmSender().send([("w", torch.ones(4))], lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append)
+    assert told == [{"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}]
 
 
 def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_receiver_goes(tmp_path):
-    """The trainer streams a header line then a byte per tensor as it lands in the file; the file goes as soon as
-    the engine maps it (or refuses it); the mapping is reused for a sync of the same size; the directory goes with
-    the receiver. (The load itself, through ShmReceiver.receive_into, is tested against vLLM in
-    tests/integration/test_vllm_generation_server.py.)"""
+    """The file the trainer writes goes as soon as the engine maps it (or refuses it); the mapping is reused for a
+    sync of the same size; the directory goes with the receiver. (The load itself, through ShmReceiver.receive_into,
+    is tested against vLLM in tests/integration/test_vllm_generation_server.py.)"""
     import os
 
     from chatgen.param_sync import ShmReceiver, ShmSender
@@ -174,22 +169,20 @@ def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_rec
     assert oct(os.stat(rx.directory).st_mode & 0o777) == "0o700"
     seen = []
 
-    def finish(body, refuse=None):  # the engine's side of finish, short of the load: map, read as written
-        header = json.loads(next(body))["header"]
+    def finish(body, refuse=None):  # the engine's side of finish, short of the load: map and read, or refuse
         if rx._map is None:  # the first sync on this file: the trainer made it private
             assert oct(os.stat(rx.path).st_mode & 0o777) == "0o600"
         if refuse:
             rx.drop()
             return refuse
-        numel = sum(torch.Size(shape).numel() for bucket in header["buckets"] for _, shape in bucket)
-        mapped = torch.frombuffer(rx._mapping(numel * 4), dtype=torch.float32)
-        seen.append([mapped.tolist() for _ in body])  # the file after each tensor written
+        numel = sum(torch.Size(shape).numel() for bucket in body["header"]["buckets"] for _, shape in bucket)
+        seen.append(torch.frombuffer(rx._mapping(numel * 4), dtype=torch.float32).clone())
 
     tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))], rx.name, finish)
-    assert seen[0] == [[0, 1, 2, 3, 4, 5, 0, 0], [0, 1, 2, 3, 4, 5, 1, 1]] and os.listdir(rx.directory) == []
+    assert seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []  # unlinked once mapped
     path = tx.path
     tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))], rx.name, finish)
-    assert tx.path == path and seen[1][-1] == [0] * 6 + [7, 7]  # the same mapping, rewritten
+    assert tx.path == path and seen[1].tolist() == [0] * 6 + [7, 7]  # the same mapping, rewritten
     with pytest.raises(SyncError, match="refused: why"):
         tx.send([("c", torch.ones(2))], rx.name, lambda body: finish(body, refuse="refused: why"))  # a new file
     assert os.listdir(rx.directory) == [] and rx.path is None and tx.path != path
