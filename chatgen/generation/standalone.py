@@ -12,8 +12,9 @@
 The generator knows nothing of the trainer: it is built from generation parameters and fed weights. Colocate mode
 runs a `VLLMModule` in this process and writes weights with `chatgen.param_sync.sync_weights`. Server mode sends
 `/v1/completions` requests to a server and pushes weights through its control endpoints
-(chatgen/serving/control.py) over a private torch.distributed group, with the same `sync_weights` on the sending
-side. Either way the manifest and finiteness are checked before anything is written: a refused sync leaves the
+(chatgen/serving/control.py): through a file in /dev/shm that both processes map when the server is on this
+machine (`weight_transport="shm"`), else over a private torch.distributed group (`"group"`); `"auto"` picks.
+Either way the manifest and finiteness are checked before anything is written: a refused sync leaves the
 engine on its old weights. Guide and example: docs/vllm_generation.md, examples/grpo_with_hf_trainer.py.
 """
 import dataclasses
@@ -21,6 +22,7 @@ import dataclasses
 import torch
 
 MODES = ("colocate", "server")
+WEIGHT_TRANSPORTS = ("auto", "shm", "group")
 
 
 class VLLMGeneration:
@@ -36,12 +38,16 @@ class VLLMGeneration:
     (docs/generation_keys.md), e.g. dtype, seed, kv_cache_memory_bytes, enforce_eager, logprobs_mode ("raw" makes
     log-probs those of the untempered model, what a trainer computes; the default "processed" is after
     temperature / top-k / top-p).
-    Server: server_base_url (e.g. "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server.
+    Server: server_base_url (e.g. "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server;
+    weight_transport, how sync_weights moves the weights: "shm" (a file in /dev/shm both processes map: one copy;
+    the server must be on this machine, run by this user), "group" (a torch.distributed group: gloo over TCP on
+    CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address, CUDA is not in use
+    and the server's /dev/shm directory is reachable from here, else group).
     """
 
-    def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, tensor_parallel_size=1,
-                 max_model_length=None, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
-                 max_completion_length=16, logprobs=0, **engine_kwargs):
+    def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, weight_transport="auto",
+                 tensor_parallel_size=1, max_model_length=None, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
+                 repetition_penalty=1.0, max_completion_length=16, logprobs=0, **engine_kwargs):
         if mode not in MODES:
             raise ValueError(f"VLLMGeneration: mode={mode!r} is not one of {MODES}")
         if logprobs != 0:
@@ -49,6 +55,11 @@ class VLLMGeneration:
                              "supported")
         if top_k < 0:
             raise ValueError(f"VLLMGeneration: top_k={top_k}; use 0 to turn top-k off, or a positive count")
+        if weight_transport not in WEIGHT_TRANSPORTS:
+            raise ValueError(f"VLLMGeneration: weight_transport={weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
+        if mode == "colocate" and weight_transport != "auto":
+            raise ValueError(f"VLLMGeneration: weight_transport={weight_transport!r} is for mode='server'; in colocate "
+                             "mode the engine is in this process and reads the weights where they are")
         self.mode = mode
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, max_tokens=max_completion_length)
@@ -64,8 +75,20 @@ class VLLMGeneration:
             if not server_base_url:
                 raise ValueError("VLLMGeneration(mode='server') needs server_base_url, e.g. 'http://127.0.0.1:8000' "
                                  "(a `chatgen serve --control` server)")
+            from urllib.parse import urlparse
+
+            from chatgen.distributed import LOOPBACK_HOSTS
+            from chatgen.param_sync import ShmSender
+
             self.server = _Server(server_base_url, api_key)
-            self._sender = None
+            self.weight_transport = weight_transport
+            # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights device to device,
+            # without two trips through host memory); the first sync falls back to the group if the server's
+            # file cannot be created from here
+            shm = weight_transport == "shm" or (weight_transport == "auto" and not torch.cuda.is_available()
+                                                and urlparse(self.server.base_url).hostname in LOOPBACK_HOSTS)
+            self._transport = "shm" if shm else "group"
+            self._sender, self._shm = None, ShmSender()
             return
         from chatgen.generation.vllm_module import VLLMModule
 
@@ -126,7 +149,7 @@ class VLLMGeneration:
         keep, recompute, abort); in colocate mode none are (generate returns when its requests are done).
         Server mode with a multi-process trainer: call it on every rank (only rank 0 talks to the server).
         """
-        from chatgen.param_sync import SyncSender, sync_weights, weight_source
+        from chatgen.param_sync import SharedMemoryUnavailable, SyncSender, sync_weights, weight_source
 
         if self.server is None:
             return sync_weights(source, self.module, mode=mode)
@@ -134,9 +157,20 @@ class VLLMGeneration:
 
         if dist.is_initialized() and dist.get_rank() != 0:
             return sync_weights(source, SyncSender("", 0))  # the other ranks only take part in rank 0's send
+        if self._transport == "shm":
+            def begin(held):
+                return self.server.post("/control/weights/begin", {"mode": mode, "transport": "shm",
+                                                                   "path": held})["path"]
+
+            try:
+                return self._shm.send(source, begin, self._finish)
+            except SharedMemoryUnavailable:  # raised before anything was sent: the group can still carry it
+                if self.weight_transport == "shm":
+                    raise
+                self._transport = "group"
         weight_source(source)  # a source that cannot be read fails here, before the server waits for its weights
         held = self._sender.port if self._sender is not None else None
-        endpoint = self.server.post("/control/weights/begin", {"mode": mode, "port": held})
+        endpoint = self.server.post("/control/weights/begin", {"mode": mode, "transport": "group", "port": held})
         if self._sender is None or (self._sender.host, self._sender.port) != (endpoint["host"], endpoint["port"]):
             self._sender = SyncSender(endpoint["host"], endpoint["port"])  # the group stays open between syncs
         try:
@@ -147,11 +181,17 @@ class VLLMGeneration:
         self.server.post("/control/weights/finish")
         return report
 
+    def _finish(self, body: dict) -> str | None:
+        """POST /control/weights/finish of a shm sync: None once the weights are in, else the server's reason."""
+        answer = self.server.post("/control/weights/finish", body, check=False)
+        return answer["error"]["message"] if "error" in answer else None
+
     def shutdown(self) -> None:
-        """Stop the engine and free its memory (colocate); close the connection (server)."""
+        """Stop the engine and free its memory (colocate); close the connection and the shared memory (server)."""
         if self.module is not None:
             self.module.shutdown()
         if self.server is not None:
+            self._shm.close()
             self.server.session.close()
 
 

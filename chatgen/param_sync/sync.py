@@ -337,14 +337,7 @@ class SyncSender:
             self._pg = _process_group(store, 0)
         weights = weight_source(source, bucket_bytes)
         plan = weights.plan
-        header = {"dtype": str(weights.dtype), "buckets": [[[n, list(s)] for n, s in b] for b in plan],
-                  "validate": validate, "fingerprints": None, "nonfinite": weights.nonfinite()}
-        if validate:  # reference fingerprints by the independent path, sent ahead of the data
-            fps = {}
-            for i, b in enumerate(plan):
-                for (name, _), t in zip(b, weights.reference(i)):
-                    fps[name] = _fingerprint(t)
-            header["fingerprints"] = fps
+        header = sync_header(weights, validate)
         verdict = None
         if me == 0:
             _send_json(self._pg, header, root=0, me=0)
@@ -371,6 +364,36 @@ class SyncSender:
         itemsize = torch.empty((), dtype=weights.dtype).element_size()
         return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in plan for _, s in b) * itemsize, n,
                           len(plan), validate)
+
+
+def sync_header(weights, validate: bool) -> dict:
+    """What a trainer tells an engine in another process before the data (JSON): dtype, the bucket plan
+    [[[name, shape]]], the parameters holding NaN / inf, and (validate) each tensor's fingerprint by the
+    independent path. Collective over the source's ranks (`nonfinite`, `reference`)."""
+    header = {"dtype": str(weights.dtype), "buckets": [[[n, list(s)] for n, s in b] for b in weights.plan],
+              "validated": validate, "fingerprints": None, "nonfinite": weights.nonfinite()}
+    if validate:
+        header["fingerprints"] = {name: _fingerprint(t) for i, b in enumerate(weights.plan)
+                                  for (name, _), t in zip(b, weights.reference(i))}
+    return header
+
+
+def check_header(header: dict, target) -> None:
+    """The engine's checks of a `sync_header` before anything is written: known dtype, no name twice, the
+    manifest against `target`'s architecture, every weight finite. A SyncError names what is wrong."""
+    if header["dtype"] not in _DTYPES:
+        raise SyncError(f"weight sync refused, the engine keeps its old weights: dtype {header['dtype']} is not one "
+                        f"of {sorted(_DTYPES)}")
+    sent = {n: tuple(s) for b in header["buckets"] for n, s in b}
+    if sum(len(b) for b in header["buckets"]) != len(sent):
+        raise SyncError("weight sync refused, the engine keeps its old weights: the trainer's manifest "
+                        "names a parameter twice")
+    check_manifest(sent, engine_manifest(_engine(target)))
+    if header["nonfinite"]:
+        raise SyncError(f"weight sync refused, the engine keeps its old weights: "
+                        f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
+                        f"{', '.join(header['nonfinite'][:10])}; the training step that made them diverged "
+                        "(lower the learning rate, check the loss)")
 
 
 def _share(obj):
@@ -409,17 +432,8 @@ class SyncReceiver:
             self._pg = _process_group(self._store, 1)
         start = time.perf_counter()
         header = _send_json(self._pg, None, root=0, me=1)
-        sent = {n: tuple(s) for b in header["buckets"] for n, s in b}
         try:
-            if sum(len(b) for b in header["buckets"]) != len(sent):
-                raise SyncError("weight sync refused, the engine keeps its old weights: the trainer's manifest "
-                                "names a parameter twice")
-            check_manifest(sent, engine_manifest(_engine(target)))
-            if header["nonfinite"]:
-                raise SyncError(f"weight sync refused, the engine keeps its old weights: "
-                                f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
-                                f"{', '.join(header['nonfinite'][:10])}; the training step that made them diverged "
-                                "(lower the learning rate, check the loss)")
+            check_header(header, target)
         except SyncError as e:
             _send_json(self._pg, {"error": str(e)}, root=1, me=1)
             raise
@@ -454,4 +468,4 @@ class SyncReceiver:
             _send_json(self._pg, {"error": str(e)}, root=1, me=1)
             raise
         _send_json(self._pg, {"error": None}, root=1, me=1)
-        return SyncReport(time.perf_counter() - start, received["bytes"], n, len(plan), bool(header["validate"]))
+        return SyncReport(time.perf_counter() - start, received["bytes"], n, len(plan), bool(header["validated"]))

@@ -3,21 +3,29 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
 
     POST /control/pause                 stop stepping the engine (running and new requests wait)
     POST /control/resume                step it again
-    POST /control/weights/begin         {"mode": "wait", "port": null} -> {"host", "port"}: the server opens the
-                                        rendezvous of a private 2-member torch.distributed group (gloo on CPU,
-                                        NCCL on GPU) and waits there for one weight sync; a client that gives the
-                                        port of the group it already holds keeps using it
-        ... the trainer sends the weights over that group, in buckets: chatgen.param_sync.SyncSender(host, port)
-    POST /control/weights/finish        -> {"weight_version", "tensors", "bytes", "seconds"} once they are in the
-                                        engine, or 409 with the error (which says whether the engine kept its weights)
+    POST /control/weights/begin         {"mode": "wait", "transport": "group", "port": null, "path": null} ->
+                                        group: {"transport", "host", "port"}: the server opens the rendezvous of a
+                                        private 2-member torch.distributed group (gloo on CPU, NCCL on GPU) and
+                                        waits there for one weight sync; a client that gives the port of the group
+                                        it already holds keeps using it.
+                                        shm (a trainer on this machine): {"transport", "path"}: the file in the
+                                        server's own /dev/shm directory the trainer writes the weights into; a
+                                        client that gives the path it holds mapped keeps using it
+        ... group: the trainer sends the weights over the group, in buckets: chatgen.param_sync.SyncSender
+            shm: the trainer writes them into the file: chatgen.param_sync.ShmSender
+    POST /control/weights/finish        group: no body; shm: {"header": ...} once the file is written ({"error":
+                                        why} if the trainer stopped) -> {"weight_version", "tensors", "bytes",
+                                        "seconds"} once the weights are in the engine, or 409 with the error
+                                        (which says whether the engine kept its weights)
     POST /control/reset_prefix_cache    -> {"reset": bool} (false while running requests hold cache blocks)
 
-The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is the
-cross-process channel of chatgen.param_sync (`SyncReceiver.receive_into`): the trainer's manifest and finiteness
-are checked against the engine before anything is written, and the write goes through `module.update_weights`
-in `mode` (wait / keep / recompute / abort, see VLLMModule.update_weights). The group stays open between the
-updates of one client; another client gets a new one. Every control endpoint changes what the server computes,
-so beyond loopback it needs an API key: the router refuses to be built for a non-loopback bind without one.
+The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is one of
+chatgen.param_sync's cross-process channels (`SyncReceiver.receive_into`, `ShmReceiver.receive_into`): the
+trainer's manifest and finiteness are checked against the engine before anything is written, and the write goes
+through `module.update_weights` in `mode` (wait / keep / recompute / abort, see VLLMModule.update_weights). The
+group, or the mapped file, stays open between the updates of one client; another client gets a new one. Every
+control endpoint changes what the server computes, so beyond loopback it needs an API key: the router refuses to
+be built for a non-loopback bind without one.
 """
 import asyncio
 import threading
@@ -25,7 +33,7 @@ import time
 from typing import Literal
 
 from fastapi import APIRouter, Depends, Request
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 from chatgen.distributed import LOOPBACK_HOSTS
 from chatgen.generation.engine_loop import UPDATE_MODES
@@ -37,53 +45,96 @@ CONNECT_TIMEOUT_S = 600  # after begin, how long the server waits for the traine
 
 class BeginRequest(BaseModel):
     mode: Literal[UPDATE_MODES] = "wait"  # VLLMModule.update_weights' modes
-    port: int | None = None  # the group the client holds from an earlier update; reused when it is still the server's
+    transport: Literal["group", "shm"] = "group"
+    port: int | None = None  # group: the group the client holds from an earlier update; reused when still the server's
+    path: str | None = None  # shm: the file the client holds mapped from an earlier update; reused likewise
+
+
+class WeightHeader(BaseModel):  # chatgen.param_sync.sync_header: what the trainer sends before the data
+    model_config = ConfigDict(extra="forbid")
+    dtype: str
+    buckets: list[list[tuple[str, list[int]]]]
+    nonfinite: list[str]
+    validated: bool = False
+    fingerprints: dict[str, list[int]] | None = None
+
+
+class FinishRequest(BaseModel):  # shm only: the header once the file is written, or why the trainer stopped
+    header: WeightHeader | None = None
+    error: str | None = None
 
 
 class _WeightUpdates:
-    """One receiver (rendezvous + group, opened at the first update) and the update in progress, if any."""
+    """The update in progress, if any, and what carries the weights: a group receiver (rendezvous + group,
+    opened at a client's first group update) or a shared-memory receiver (its /dev/shm directory, made at the
+    first shm update, removed when the server exits)."""
 
     def __init__(self, module, host: str):
         self.module, self.host = module, host
-        self.receiver = None
-        self.thread, self.result = None, None
+        self.receiver = self.shm = None
+        self.pending = None  # ("group", thread, result) or ("shm", mode, deadline)
         self.lock = threading.Lock()
+        self.finishing = threading.Lock()
 
-    def begin(self, mode: str, port: int | None) -> int:
-        from chatgen.param_sync import SyncReceiver
+    def begin(self, body: BeginRequest) -> dict:
+        from chatgen.param_sync import ShmReceiver, SyncReceiver
 
         with self.lock:
-            if self.thread is not None:
+            if self.pending is not None and not (self.pending[0] == "shm" and time.monotonic() > self.pending[2]):
                 raise APIError(409, "a weight update is already in progress: finish it (POST /control/weights/finish)")
-            if self.receiver is None or self.receiver.port != port:  # a new client: a new group
+            if self.pending is not None:  # a shm update whose trainer never finished it
+                self.shm.drop()
+            if body.transport == "shm":
+                if self.shm is None:
+                    self.shm = ShmReceiver()
+                self.pending = ("shm", body.mode, time.monotonic() + CONNECT_TIMEOUT_S)  # then a new begin may pass
+                return {"transport": "shm", "path": self.shm.name(body.path)}
+            if self.receiver is None or self.receiver.port != body.port:  # a new client: a new group
                 self.receiver = SyncReceiver(self.host)
-            self.result = {}
-            self.thread = threading.Thread(target=self._receive, args=(mode,), name="chatgen-weight-update",
-                                           daemon=True)
-            self.thread.start()
-            return self.receiver.port
+            result = {}
+            thread = threading.Thread(target=self._receive, args=(body.mode, result), name="chatgen-weight-update",
+                                      daemon=True)
+            self.pending = ("group", thread, result)
+            thread.start()
+            return {"transport": "group", "port": self.receiver.port}
 
-    def _receive(self, mode: str) -> None:
+    def _receive(self, mode: str, result: dict) -> None:
         try:
             deadline = time.monotonic() + CONNECT_TIMEOUT_S  # a client that never connects frees the slot
-            self.result["report"] = self.receiver.receive_into(self.module, alive=lambda: time.monotonic() < deadline,
-                                                               mode=mode)
+            result["report"] = self.receiver.receive_into(self.module, alive=lambda: time.monotonic() < deadline,
+                                                          mode=mode)
         except Exception as e:  # refused or failed: handed to finish
-            self.result["error"] = f"{type(e).__name__}: {e}"
+            result["error"] = f"{type(e).__name__}: {e}"
 
-    def finish(self) -> dict:
-        with self.lock:
-            thread = self.thread
-        if thread is None:
-            raise APIError(409, "no weight update in progress: begin one first (POST /control/weights/begin)")
-        thread.join()
-        with self.lock:
-            self.thread, result = None, self.result
-        if "error" in result:
-            raise APIError(409, result["error"])
-        report = result["report"]
-        return {"weight_version": self.module.weight_version, "tensors": report.tensors, "bytes": report.bytes,
-                "seconds": report.seconds}
+    def finish(self, body: FinishRequest | None) -> dict:
+        with self.finishing:  # one finish at a time: a second one then finds nothing in progress
+            with self.lock:
+                pending = self.pending
+            if pending is None:
+                raise APIError(409, "no weight update in progress: begin one first (POST /control/weights/begin)")
+            result = {}
+            if pending[0] == "group":
+                pending[1].join()
+                result = pending[2]
+            elif body is None or (body.header is None) == (body.error is None):
+                raise APIError(400, 'a shared-memory weight update finishes with {"header": ...} once the file is '
+                                    'written, or {"error": ...} when the trainer stopped; the update is still open')
+            elif body.error is not None:
+                self.shm.drop()
+                result["error"] = (f"the trainer stopped before the weights were written, the engine keeps its old "
+                                   f"weights: {body.error}")
+            else:
+                try:
+                    result["report"] = self.shm.receive_into(self.module, body.header.model_dump(), mode=pending[1])
+                except Exception as e:  # the receiver dropped the file
+                    result["error"] = f"{type(e).__name__}: {e}"
+            with self.lock:
+                self.pending = None
+            if "error" in result:
+                raise APIError(409, result["error"])
+            report = result["report"]
+            return {"weight_version": self.module.weight_version, "tensors": report.tensors, "bytes": report.bytes,
+                    "seconds": report.seconds}
 
 
 def check_bind(host: str, api_key: str | None) -> None:
@@ -118,13 +169,14 @@ def control_router(module, *, api_key: str | None, host: str) -> APIRouter:
 
     @router.post("/weights/begin")
     async def begin(request: Request, body: BeginRequest | None = None):
-        body = body or BeginRequest()
-        port = await asyncio.to_thread(updates.begin, body.mode, body.port)
-        return {"host": host if host in LOOPBACK_HOSTS else request.url.hostname, "port": port}
+        answer = await asyncio.to_thread(updates.begin, body or BeginRequest())
+        if answer["transport"] == "group":
+            answer["host"] = host if host in LOOPBACK_HOSTS else request.url.hostname
+        return answer
 
     @router.post("/weights/finish")
-    async def finish():
-        return await asyncio.to_thread(updates.finish)
+    async def finish(body: FinishRequest | None = None):
+        return await asyncio.to_thread(updates.finish, body)
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache():

@@ -1,11 +1,14 @@
 """`chatgen.VLLMGeneration` in server mode against a live `chatgen serve --control --api-key` (its own process):
 the control endpoints need the key, colocate and server give the same greedy outputs, log-probs equal a
-transformers forward pass after a sync over the network, a refused sync keeps the server's weights,
-pause / resume, and examples/grpo_with_hf_trainer.py --mode server.
+transformers forward pass after a sync through shared memory and over a torch.distributed group, a refused
+sync keeps the server's weights, no file stays in /dev/shm, pause / resume, and examples/grpo_with_hf_trainer.py
+--mode server.
 
     python -m pytest tests/integration/test_vllm_generation_server.py
 """
+import glob
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -35,8 +38,13 @@ def data_and_model(tiny_llama_dir, tmp_path_factory):
     return tmp / "data", quick_warm_start(tiny_llama_dir, tasks.read_jsonl(tmp / "data" / "sft.jsonl"), tmp / "model")
 
 
+def shm_files(pid):
+    """What a server process (pid) has in /dev/shm: its directory, and any file in it."""
+    return sorted(glob.glob(f"/dev/shm/chatgen-weights-{pid}-*") + glob.glob(f"/dev/shm/chatgen-weights-{pid}-*/*"))
+
+
 @pytest.fixture(scope="module")
-def server(data_and_model):
+def server_process(data_and_model):
     from chatgen.distributed import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
@@ -52,9 +60,15 @@ def server(data_and_model):
                 break
         except requests.ConnectionError:
             time.sleep(0.3)
-    yield url
+    yield url, proc
     proc.terminate()
     proc.wait(timeout=30)
+    assert shm_files(proc.pid) == []  # the server removed its /dev/shm directory on the way out
+
+
+@pytest.fixture(scope="module")
+def server(server_process):
+    return server_process[0]
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +76,14 @@ def remote(server, data_and_model):
     from chatgen import VLLMGeneration
 
     return VLLMGeneration(data_and_model[1], "server", server_base_url=server, api_key=KEY, max_completion_length=8)
+
+
+@pytest.fixture(scope="module")
+def remote_group(server, data_and_model):
+    from chatgen import VLLMGeneration
+
+    return VLLMGeneration(data_and_model[1], "server", server_base_url=server, api_key=KEY, max_completion_length=8,
+                          weight_transport="group")
 
 
 @pytest.fixture(scope="module")
@@ -87,35 +109,112 @@ def test_control_endpoints_refuse_a_public_bind_without_a_key():
         control_router(None, api_key=None, host="0.0.0.0")
 
 
-def test_colocate_and_server_agree_and_match_transformers_after_a_sync(remote, local, data_and_model):
+def test_colocate_and_server_agree_and_match_transformers_after_a_sync(remote, local, server_process,
+                                                                      data_and_model):
     from transformers import AutoModelForCausalLM
 
     model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=4)
     before = remote.generate(PROMPTS, greedy=True)
-    remote.sync_weights(model)
+    report = remote.sync_weights(model)
+    assert remote._transport == "shm"  # auto, with a loopback server: shared memory
+    assert report.tensors == 21 and report.bytes == sum(p.numel() * 4 for p in model.parameters())
+    files = shm_files(server_process[1].pid)
+    assert len(files) == 1 and os.path.isdir(files[0])  # the file was unlinked once mapped: only the directory
     local.sync_weights(model)
     after = remote.generate(PROMPTS, greedy=True)
     assert after[2] != before[2]  # the server's weights changed
     assert after[:2] == local.generate(PROMPTS, greedy=True)[:2]  # same greedy tokens
     assert max_diff_vs_hf(model, *after) < TOL
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, num_generations=2)) < TOL  # sampled
+    model, path = perturbed(model, seed=9), remote._shm.path
+    remote.sync_weights(model)
+    assert remote._shm.path == path  # the second sync rewrote the file both ends still map
+    assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
 
-def test_refused_sync_keeps_the_server_weights(remote, data_and_model):
+def test_the_group_transport_matches_transformers_after_a_sync(remote_group, data_and_model):
+    from transformers import AutoModelForCausalLM
+
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=10)
+    assert remote_group.sync_weights(model).tensors == 21 and remote_group._transport == "group"
+    assert max_diff_vs_hf(model, *remote_group.generate(PROMPTS, greedy=True)) < TOL
+
+
+@pytest.mark.parametrize("transport", ["shm", "group"])
+def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, server_process, data_and_model):
     from transformers import AutoModelForCausalLM
 
     from chatgen.param_sync import SyncError
 
-    before = remote.generate(PROMPTS, greedy=True)
+    client = {"shm": remote, "group": remote_group}[transport]
+    before = client.generate(PROMPTS, greedy=True)
     model = AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval()
     state = dict(perturbed(model, seed=5).named_parameters())
     state["model.norm.weight"] = torch.ones(7)
     with pytest.raises(SyncError, match=r"model.norm.weight: trainer sends shape \(7,\), the engine expects"):
-        remote.sync_weights(list(state.items()))
-    assert remote.generate(PROMPTS, greedy=True) == before
+        client.sync_weights(list(state.items()))
+    assert client.generate(PROMPTS, greedy=True) == before
     model = perturbed(model, seed=6)
-    remote.sync_weights(model)  # the channel is still usable
+    client.sync_weights(model)  # the channel is still usable
+    after = client.generate(PROMPTS, greedy=True)
+    assert max_diff_vs_hf(model, *after) < TOL
+    # same shapes, one NaN: the trainer writes it all (over the file the engine just loaded from), the server
+    # refuses on the header; the engine read nothing in place, so it still generates what it did
+    state = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    with pytest.raises(SyncError, match=r"1 parameter\(s\) hold NaN or inf: model.layers.0.mlp.up_proj.weight"):
+        client.sync_weights(list(state.items()))
+    assert client.generate(PROMPTS, greedy=True) == after
+    assert shm_files(server_process[1].pid)[1:] == []
+
+
+class _DiesMidSync:
+    """A weight source (the protocol of chatgen.param_sync.weight_source) whose second bucket never comes: a
+    trainer that fails halfway through copying its weights."""
+
+    def __init__(self, model):
+        tensors = [(name, p.detach()) for name, p in model.named_parameters()]
+        self.dtype, self._first = torch.float32, tensors[:10]
+        self.plan = [[(n, tuple(t.shape)) for n, t in tensors[:10]], [(n, tuple(t.shape)) for n, t in tensors[10:]]]
+
+    def hf_weights(self, bucket_bytes):
+        return self
+
+    def nonfinite(self):
+        return []
+
+    def buckets(self):
+        yield self._first
+        raise RuntimeError("the trainer died mid-sync")
+
+
+def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(remote, server_process, data_and_model):
+    from transformers import AutoModelForCausalLM
+
+    before = remote.generate(PROMPTS, greedy=True)
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=12)
+    with pytest.raises(RuntimeError, match="the trainer died mid-sync"):
+        remote.sync_weights(_DiesMidSync(model))
+    assert remote.generate(PROMPTS, greedy=True) == before  # the engine read nothing of the half-written file
+    assert shm_files(server_process[1].pid)[1:] == []  # the server removed it
+    remote.sync_weights(model)
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
+
+
+def test_shm_updates_need_the_key_and_leave_no_file_when_refused(server):
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert requests.post(server + "/control/weights/begin", json={"transport": "shm"}).status_code == 401
+    path = requests.post(server + "/control/weights/begin", json={"transport": "shm"}, headers=auth).json()["path"]
+    assert os.path.dirname(path).startswith("/dev/shm/chatgen-weights-")
+    with open(path, "wb") as f:  # what a trainer writes there
+        f.write(bytes(64))
+    assert requests.post(server + "/control/weights/finish", json={"header": None}).status_code == 401
+    finish = requests.post(server + "/control/weights/finish", json={}, headers=auth)
+    assert finish.status_code == 400 and '{"header": ...}' in finish.json()["error"]["message"]  # still open
+    finish = requests.post(server + "/control/weights/finish", headers=auth,
+                           json={"header": {"dtype": "torch.float32", "buckets": [], "nonfinite": []}})
+    assert finish.status_code == 409 and "the trainer sends nothing" in finish.json()["error"]["message"]
+    assert not os.path.exists(path)  # the server removed the refused file
 
 
 def test_pause_holds_requests_until_resume(remote, server, data_and_model):
@@ -136,6 +235,37 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     worker.join(timeout=60)
     assert max_diff_vs_hf(model, *done[0]) < TOL  # the held request ran under the new weights
     assert requests.post(server + "/control/reset_prefix_cache", headers=auth).json() == {"reset": True}
+
+
+ANOTHER_SHM_TRAINER = """
+import sys, torch
+from transformers import AutoModelForCausalLM
+from chatgen import VLLMGeneration
+from test_vllm_generation import perturbed
+url, key, model_dir = sys.argv[1:]
+gen = VLLMGeneration(model_dir, "server", server_base_url=url, api_key=key)
+report = gen.sync_weights(perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), 11))
+print("synced over", gen._transport, report.tensors)
+"""
+
+
+def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(remote, server, server_process,
+                                                                      data_and_model):
+    """A trainer with its own /dev/shm (as in another container; here a mount namespace) cannot create the
+    server's file: "auto" tells the server, falls back to the group, and the sync lands."""
+    from transformers import AutoModelForCausalLM
+
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1) to give the trainer a /dev/shm of its own")
+    trainer = subprocess.run(
+        ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" "$@"', sys.executable, "-c",
+         ANOTHER_SHM_TRAINER, server, KEY, str(data_and_model[1])],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+    assert trainer.returncode == 0, trainer.stderr[-3000:]
+    assert "synced over group 21" in trainer.stdout
+    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11)
+    assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
+    assert shm_files(server_process[1].pid)[1:] == []  # the file it could not create left nothing behind
 
 
 def _trainer_rank(rank, url, model_dir, port, seed, results):

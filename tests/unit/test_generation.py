@@ -417,9 +417,27 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     (dict(mode="server"), "needs server_base_url"),
     (dict(mode="server", server_base_url="http://127.0.0.1:1", max_model_length=64, enforce_eager=True),
      r"enforce_eager, max_model_length configure the engine, which the server owns"),
+    (dict(mode="server", server_base_url="http://127.0.0.1:1", weight_transport="nccl"),
+     r"weight_transport='nccl' is not one of \('auto', 'shm', 'group'\)"),
+    (dict(weight_transport="shm"), "weight_transport='shm' is for mode='server'"),
 ])
 def test_vllm_generation_refuses_bad_arguments_before_starting_an_engine(kwargs, message):
     from chatgen import VLLMGeneration
 
     with pytest.raises(ValueError, match=message):
         VLLMGeneration("/no/such/model", **kwargs)
+
+
+@pytest.mark.parametrize("url, weight_transport, expected", [
+    ("http://127.0.0.1:8000", "auto", "shm"), ("http://localhost:8000/", "auto", "shm"),
+    ("http://[::1]:8000", "auto", "shm"), ("http://10.1.2.3:8000", "auto", "group"),
+    ("http://127.0.0.1:8000", "group", "group"), ("http://10.1.2.3:8000", "shm", "shm"),
+])
+def test_vllm_generation_picks_shared_memory_for_a_loopback_server(url, weight_transport, expected, monkeypatch):
+    from chatgen import VLLMGeneration
+
+    gen = VLLMGeneration("/no/such/model", "server", server_base_url=url, weight_transport=weight_transport)
+    assert gen._transport == expected  # no request is sent before the first sync
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # on GPUs auto leaves the weights to NCCL
+    gen = VLLMGeneration("/no/such/model", "server", server_base_url=url, weight_transport=weight_transport)
+    assert gen._transport == ("group" if weight_transport == "auto" else expected)

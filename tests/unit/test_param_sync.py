@@ -1,5 +1,5 @@
 """Sync logic that needs neither vLLM nor Megatron: bucket plans, the manifest check, stream checks,
-the JSON channel protocol over a real 2-process gloo group, and the launcher.
+the JSON channel protocol over a real 2-process gloo group, the shared-memory file's life, and the launcher.
 
     python -m pytest tests/unit/test_param_sync.py
 """
@@ -144,3 +144,48 @@ def test_check_sync_max_abs_diff_never_hides_nan():
     assert not max_abs_diff([nan], [0.0]) <= 1e-4  # fails the threshold check
     assert not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4  # a NaN from an earlier sample sticks
     assert not max_abs_diff([-1.0, -2.0], [-1.0]) <= 1e-4  # misaligned scores fail too
+
+
+def test_shm_sender_refuses_a_file_it_cannot_create_before_writing(tmp_path):
+    """A trainer that cannot create the engine's file (another machine, user or /dev/shm) says so, tells the
+    engine, and raises before any collective, so VLLMGeneration's "auto" can still use the group."""
+    from chatgen.param_sync import SharedMemoryUnavailable, ShmSender
+
+    told = []
+    with pytest.raises(SharedMemoryUnavailable, match="use weight_transport='group'"):
+        ShmSender().send([("w", torch.ones(4))], lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append)
+    assert told == [{"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}]
+
+
+def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_receiver_goes(tmp_path):
+    """The file the trainer writes goes as soon as the engine maps it (or refuses it); the mapping is reused for a
+    sync of the same size; the directory goes with the receiver. (The load itself, through ShmReceiver.receive_into,
+    is tested against vLLM in tests/integration/test_vllm_generation_server.py.)"""
+    import os
+
+    from chatgen.param_sync import ShmReceiver, ShmSender
+
+    rx, tx = ShmReceiver(root=str(tmp_path)), ShmSender()
+    assert oct(os.stat(rx.directory).st_mode & 0o777) == "0o700"
+    seen = []
+
+    def finish(body, refuse=None):  # the engine's side of finish, short of the load: map and read, or refuse
+        if rx._map is None:  # the first sync on this file: the trainer made it private
+            assert oct(os.stat(rx.path).st_mode & 0o777) == "0o600"
+        if refuse:
+            rx.drop()
+            return refuse
+        numel = sum(torch.Size(shape).numel() for bucket in body["header"]["buckets"] for _, shape in bucket)
+        seen.append(torch.frombuffer(rx._mapping(numel * 4), dtype=torch.float32).clone())
+
+    tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))], rx.name, finish)
+    assert seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []  # unlinked once mapped
+    path = tx.path
+    tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))], rx.name, finish)
+    assert tx.path == path and seen[1].tolist() == [0] * 6 + [7, 7]  # the same mapping, rewritten
+    with pytest.raises(SyncError, match="refused: why"):
+        tx.send([("c", torch.ones(2))], rx.name, lambda body: finish(body, refuse="refused: why"))  # a new file
+    assert os.listdir(rx.directory) == [] and rx.path is None and tx.path != path
+    directory = rx.directory
+    del rx
+    assert not os.path.exists(directory)
