@@ -112,10 +112,10 @@ def test_max_tokens_follow_new_token_limit():
 
 
 class Chars:
-    """A tokenizer stand-in: one token per character."""
+    """A tokenizer stand-in: one token per character (called on a batch, as HF tokenizers are)."""
 
-    def encode(self, text):
-        return [ord(c) for c in text]
+    def __call__(self, texts):
+        return {"input_ids": [[ord(c) for c in text] for text in texts]}
 
 
 @pytest.mark.parametrize("new_token_limit", [True, False])
@@ -127,7 +127,7 @@ def test_build_dataset_cuts_to_the_budget_keeping_the_beginning_and_counts(new_t
     prompts = ["Instruction first, then a long context", "short", "exactly8", "123456789"]
     with caplog.at_level("WARNING", logger="chatgen.generation.vllm_module"):
         items = VLLMModule.build_dataset(module, prompts)
-    assert [item["input_ids"] for item in items] == [Chars().encode(p[:8]) for p in prompts]  # ChatLearn: p[:max]
+    assert [item["input_ids"] for item in items] == [[ord(c) for c in p[:8]] for p in prompts]  # ChatLearn: p[:max]
     assert [item["prompt"] for item in items] == prompts
     assert [r.getMessage() for r in caplog.records] == [
         "build_dataset: cut 2 of 4 prompts to the prompt budget seq_length - max_new_tokens = 8 tokens, keeping "
@@ -353,13 +353,13 @@ KEY_DESTINATIONS = {
 
 
 class CharTokenizer:
-    """Stand-in tokenizer: one id per character; a chat turn is wrapped in markers."""
+    """Stand-in tokenizer: one id per character; a chat turn is wrapped in markers (a batch of chats, as HF)."""
 
-    def encode(self, text):
-        return [ord(c) for c in text]
+    def __call__(self, texts):
+        return {"input_ids": [[ord(c) for c in text] for text in texts]}
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize, return_dict):
-        return self.encode(f"<user>{messages[0]['content']}</user><assistant>")
+    def apply_chat_template(self, chats, add_generation_prompt, tokenize, return_dict):
+        return [[ord(c) for c in f"<user>{chat[0]['content']}</user><assistant>"] for chat in chats]
 
 
 def test_build_dataset_applies_prompt_template_then_chat_template():
