@@ -30,7 +30,7 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 | learning rate | lr 5e-4, constant, AdamW (0.9, 0.999, 1e-8), weight decay 0, clip_grad 1.0 | learning_rate 5e-4, lr_scheduler_type constant, optim adamw_torch, weight_decay 0, max_grad_norm 1.0 |
 | loss | clipped surrogate, clip_eps 0.2, mean over the batch's tokens, kl_coef 0 | epsilon 0.2, loss_type bnpo (mean over the batch's tokens), beta 0 |
 | advantages | (r - group mean) / group std | scale_rewards group |
-| policy updates per generation | num_training_epoch 1 (old log-probs recomputed) | num_iterations 1 (old log-probs computed: 2 steps per generation) |
+| policy updates per generation | num_training_epoch 1; old log-probs: the engine's (`old_logprobs: rollout`, exact sync), no pass | num_iterations 1 (old log-probs computed by a pass: 2 steps per generation) |
 | precision, seed | fp32, 1234 | fp32 (no bf16/fp16), seed 1234 |
 | held-out eval | greedy on eval.jsonl every --eval-interval episodes and before the first | the same, in a TrainerCallback with model.generate |
 | checkpoints | none (save_episode_interval null) | save_strategy no |
@@ -48,7 +48,7 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 | new tokens, stop | max_new_tokens 16, stop at SmolLM2's end of turn, im_end (stop_token_list) | max_completion_length 16, eos im_end (id 2, the model's eos) |
 | learning rate | lr 1e-5, constant, AdamW, weight decay 0, clip_grad 1.0 | learning_rate 1e-5, constant, adamw_torch, weight_decay 0, max_grad_norm 1.0 |
 | reward | RuleReward final_number: 1.0 when the response's last number is the answer | `final_number_reward` on the completion's text |
-| policy updates per generation | num_training_epoch 1 (old log-probs recomputed by a forward pass) | num_iterations 1; TRL skips the old log-prob pass (one optimizer step per generation: ratio 1 by construction) |
+| policy updates per generation | num_training_epoch 1; old log-probs: the engine's (`old_logprobs: rollout`, exact sync), no pass | num_iterations 1; TRL skips the old log-prob pass (one optimizer step per generation: ratio 1 by construction) |
 | held-out eval | greedy on the 128 eval.jsonl questions every --eval-interval episodes and before the first | the same 128, model.generate greedy on the same token ids |
 | time to held-out accuracy | 0.6 (0.38 before GRPO, ~0.66 at episode 6 in docs/models.md) | 0.6 |
 
