@@ -83,9 +83,9 @@ def test_multiturn_grpo_trains_on_the_servers_tokens(chat_model_dir, tmp_path, m
     cfg = load_config(REPO / "configs/grpo_multiturn_tiny.yaml", [f"{k}={v}" for k, v in overrides.items()])
     trained, original_train = [], Run.train
 
-    def recording_train(run, name, data, loss_fn, group_size=1):  # what each episode trains on, and when
+    def recording_train(run, name, data, loss_fn, group_size=1, per_step=False):  # what each episode trains on
         trained.append((len(RecordingEnv.episodes), {k: v.clone() for k, v in data.items()}))
-        return original_train(run, name, data, loss_fn, group_size)
+        return original_train(run, name, data, loss_fn, group_size, per_step)
 
     monkeypatch.setattr(Run, "train", recording_train)
     RecordingEnv.requests.clear(), RecordingEnv.episodes.clear()
