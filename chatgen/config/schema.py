@@ -260,6 +260,9 @@ class MegatronConfig:
     micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
     global_batch_size: Optional[int] = opt(
         None, "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size")
+    pack_shared_prefix: bool = opt(
+        True, "train_step runs each prompt a group's samples share once (one packed row per group; same loss and "
+              "gradients); false = one row per sample")
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
     weight_decay: float = opt(0.0, "AdamW weight decay")

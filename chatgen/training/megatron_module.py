@@ -47,6 +47,7 @@ from chatgen.module import Module
 from chatgen.rlhf.losses import reduce_metrics
 from chatgen.training import cpu_compat
 from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights
+from chatgen.training.prefix_packing import pack_shared_prefix
 
 
 def init_distributed(tp: int, pp: int) -> None:
@@ -133,11 +134,21 @@ class MegatronModule(Module):
             self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
         if torch.cuda.is_available():
             self.model.cuda()
-        self._logits_from, self._slices_logits = 0, False
+        self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
-        if output_layer is not None:  # train_step computes logits only from the first position a loss reads
-            output_layer.register_forward_pre_hook(self._from_first_scored_position)
+        if output_layer is not None:  # train_step computes logits only where a loss reads them
+            output_layer.register_forward_pre_hook(self._select_logit_positions)
             self._slices_logits = True
+        # shared-prefix packing needs the output layer's position selection (last stage) and rotary embeddings
+        # that follow position ids (every stage): all stages must decide alike
+        self._packs = cfg.pack_shared_prefix and self._rope_follows_position_ids() and (
+            self._slices_logits or not self.is_last_stage)
+        if self.pp > 1:
+            from megatron.core import parallel_state as ps
+
+            flag = torch.tensor([float(self._packs)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ps.get_pipeline_model_parallel_group())
+            self._packs = bool(flag.item())
         self._train_params = [p for p in self.model.parameters() if p.requires_grad]
         # bf16/fp16 weights cannot take small updates (lr 1e-6 on a weight of 0.02 is below half its bf16 step, so
         # it rounds away): AdamW then steps fp32 master copies, with fp32 moments, and the model gets them cast
@@ -433,10 +444,23 @@ class MegatronModule(Module):
         device = self.device
         micro_batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in micro_batches]
         b, t = micro_batches[0]["input_ids"].shape
+        plans = self._pack(micro_batches) if self._packs and not forward_only else [None] * len(micro_batches)
+        if plans[0] is not None:  # the pipeline schedule exchanges (T, b, H) activations of the packed shape
+            b, t = plans[0].input_ids.shape
         collected = []
 
         def forward_step_func(data_iterator, model):
-            mb = next(data_iterator)
+            mb, plan = next(data_iterator)
+            if plan is not None:  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
+                self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
+                try:
+                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask)
+                finally:
+                    self._rope_positions = None
+                if not self.is_last_stage:
+                    return logits, None
+                logprobs = plan.unpack(self.token_outputs(logits, plan.labels))  # (b, T-1), 0 where unread
+                return logprobs, loss_func_for(mb)
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
             # Training: no logits before the first position any row's loss reads (the prompt); the output layer
@@ -449,7 +473,9 @@ class MegatronModule(Module):
             logprobs = self.token_outputs(logits, ids[:, first:])  # (b, T-1-first): as if the rows began there
             if first:
                 logprobs = torch.nn.functional.pad(logprobs, (first, 0))  # (b, T-1), 0 where no loss reads
+            return logprobs, loss_func_for(mb)
 
+        def loss_func_for(mb):
             def loss_func(output):
                 if loss_fn is None:
                     collected.append(output.detach())
@@ -459,10 +485,10 @@ class MegatronModule(Module):
                                   for k, v in {"loss": loss, **metrics}.items()})
                 return loss, {}
 
-            return logprobs, loss_func
+            return loss_func
 
         get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter(micro_batches), model=[self.model],
+            forward_step_func=forward_step_func, data_iterator=iter(zip(micro_batches, plans)), model=[self.model],
             num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=forward_only)
 
         if forward_only:  # logprobs live on the last stage: send them to every stage
@@ -484,12 +510,52 @@ class MegatronModule(Module):
             metrics = reduce_metrics(parts)
         return metrics
 
-    def _from_first_scored_position(self, _layer, args):
-        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, from
-        position `self._logits_from` on (set per micro-batch by `_run_schedule`; 0 = all)."""
-        if self._logits_from:
-            return (args[0][self._logits_from:], *args[1:])
+    def _pack(self, micro_batches: list) -> list:
+        """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
+        pipeline stages exchange activations; [None, ...] (train unpacked) unless every micro-batch packs."""
+        plans = [pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
+                 for mb in micro_batches]
+        if any(plan is None for plan in plans):
+            return [None] * len(plans)
+        if self.pp > 1:
+            rows = max(plan.input_ids.shape[0] for plan in plans)
+            length = max(plan.input_ids.shape[1] for plan in plans)
+            plans = [plan.padded(rows, length) for plan in plans]
+        return plans
+
+    def _select_logit_positions(self, _layer, args):
+        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, only where
+        logits are needed: from position `self._logits_from` on when it is an int (0 = all), or at the positions
+        of a (b, K) tensor, per row (shared-prefix packing). Set per micro-batch by `_run_schedule`."""
+        at = self._logits_from
+        if torch.is_tensor(at):
+            hidden = args[0]
+            return (hidden.gather(0, at.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), *args[1:])
+        if at:
+            return (args[0][at:], *args[1:])
         return None
+
+    def _rope_follows_position_ids(self) -> bool:
+        """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
+        so that packed rows keep their own positions; False for a model whose positions cannot follow them."""
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        kind = getattr(self.model, "position_embedding_type", None)
+        if kind == "learned_absolute":  # the embedding reads position_ids itself
+            return True
+        if kind != "rope" or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding:
+            return False
+        if not getattr(self, "_rope_hooked", False):
+            self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
+            self._rope_hooked = True
+        return True
+
+    def _rope_at_positions(self, _module, _args, emb):
+        """Forward hook of the rotary embedding: (T, 1, 1, D) for positions 0..T-1 -> (T, b, 1, D) at each row's
+        `self._rope_positions` (b, T) while a packed micro-batch runs; unchanged otherwise."""
+        if self._rope_positions is None:
+            return None
+        return emb[:, 0, 0][self._rope_positions.t()].unsqueeze(2)
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by

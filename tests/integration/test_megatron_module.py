@@ -117,6 +117,62 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     assert _first_scored_position(loss_mask) == 6 and _first_scored_position(torch.zeros(2, 15)) == 0
 
 
+def grouped_batch(vocab=500, groups=2, n=3, seed=0):
+    """GRPO-shaped rows: `groups` prompts of different lengths, each followed by n responses of different
+    lengths, right-padded; the loss mask marks the responses."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, prompt_lens = [], []
+    for g in range(groups):
+        prompt = torch.randint(0, vocab, (5 + g,), generator=gen).tolist()
+        for i in range(n):
+            rows.append(prompt + torch.randint(0, vocab, (2 + i,), generator=gen).tolist())
+            prompt_lens.append(len(prompt))
+    t = max(map(len, rows))
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    keep = torch.zeros(len(rows), t, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), t - 1)
+    for r, (row, p) in enumerate(zip(rows, prompt_lens)):
+        ids[r, :len(row)] = torch.tensor(row)
+        keep[r, :len(row)] = 1
+        loss_mask[r, p - 1:len(row) - 1] = 1
+    return {"input_ids": ids, "attention_mask": keep, "loss_mask": loss_mask}
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
+    """train_step packs each prompt's samples in one row (the prompt once): the log-probs a loss reads, the
+    loss and every gradient equal one row per sample's; the model ran fewer rows and tokens."""
+    data = grouped_batch()
+    trainer = build(models[name], lr=1e-12, clip_grad=0.0)  # an update below fp32 resolution: same weights
+    assert trainer._packs
+    rows_seen = []
+    trainer.model.embedding.register_forward_pre_hook(
+        lambda _m, args, kwargs: rows_seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+
+    def step(packs):
+        trainer._packs, seen = packs, []
+
+        def loss_fn(logprobs, mb):
+            seen.append(logprobs.detach().clone())
+            return masked_nll(logprobs, mb)
+
+        rows_seen.clear()
+        metrics = trainer.train_step(data, loss_fn)
+        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        return metrics, grads, torch.cat(seen), list(rows_seen)
+
+    full, full_grads, full_lp, full_shapes = step(False)
+    packed, packed_grads, packed_lp, packed_shapes = step(True)
+    mask = data["loss_mask"]
+    assert ((packed_lp - full_lp) * mask).abs().max() < 1e-5
+    assert (packed_lp * (1 - mask)).abs().max() == 0  # nothing outside the responses is computed
+    assert packed["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full_grads, packed_grads))
+    assert rel < 1e-5, rel  # summation order: float noise
+    assert full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2  # 2 prompts, 2 rows
+    assert packed_shapes[0][0] * packed_shapes[0][1] < 6 * data["input_ids"].shape[1]
+
+
 @pytest.mark.faults
 def test_a_checkpoint_missing_or_damaging_its_optimizer_state_is_refused(models, tmp_path):
     trainer = build(models["llama"], lr=1e-3)
@@ -239,13 +295,18 @@ def _parallel_layouts(models, cases, refs):
             result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
                           after_diff=float((trainer.forward_tokens({"input_ids": ids}) - ref_logprobs).abs().max()),
                           weight_diff=max(float((weights[k] - w).abs().max()) for k, w in ref_weights.items()))
+            assert trainer._packs
+            trainer.config.micro_batch_size = 3  # one group per micro-batch, each of its own packed length
+            packed = trainer.train_step(grouped_batch(), masked_nll)  # shared-prefix packed at this layout
+            result.update(packed_loss=packed["loss"], packed_grad_norm=packed["grad_norm"])
         out.append(result)
     return out
 
 
 def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
     """One 2-process job: TP=2, TP=2 with 1 KV head, PP=2, DP=2, padded vocab, Qwen2 tied across stages, Qwen3
-    (QK-norm: its replicated weights get grads summed over TP) at TP=2 and PP=2."""
+    (QK-norm: its replicated weights get grads summed over TP) at TP=2 and PP=2; after the first step a
+    shared-prefix packed step (micro-batches padded to one shape across stages) equals TP=1 unpacked."""
     from chatgen.training.launcher import run_distributed
 
     cases = [("llama", 2, 1), ("llama_1kv", 2, 1), ("llama", 1, 2), ("llama", 1, 1), ("qwen2_v500", 2, 1),
@@ -256,6 +317,10 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
         trainer = build(models[name], lr=1e-4)
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
         train_refs[name] = (metrics, (trainer.forward_tokens({"input_ids": ids}), trainer.hf_state_dict()))
+        trainer._packs = False  # then one row per sample: the reference of the packed step at each layout
+        trainer.config.micro_batch_size = 3
+        unpacked = trainer.train_step(grouped_batch(), masked_nll)
+        metrics.update(packed_loss=unpacked["loss"], packed_grad_norm=unpacked["grad_norm"])
     refs = [(ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
             for name, _, _ in cases]
     results = run_distributed(_parallel_layouts, 2, args=(models, cases, refs))
@@ -266,6 +331,8 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
                 metrics = train_refs[name][0]
                 assert res["loss"] == pytest.approx(metrics["loss"], rel=1e-5), (name, tp, pp)
                 assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (name, tp, pp)
+                assert res["packed_loss"] == pytest.approx(metrics["packed_loss"], rel=1e-5), (name, tp, pp)
+                assert res["packed_grad_norm"] == pytest.approx(metrics["packed_grad_norm"], rel=1e-4), (name, tp, pp)
                 assert res["after_diff"] < TOL, (name, tp, pp, res)
                 # the same update as TP=1: AdamW's first step moves a weight by about +-lr = 1e-4, so a partial
                 # grad (QK-norm weights not summed over TP) flips some by 2e-4; TP float noise stays ~2e-6

@@ -96,7 +96,10 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
         data["is_weights"] = L.truncated_importance_weights(data["old_logprobs"], batch.infer_logprobs,
                                                             algo.importance_sampling_cap)
     with timer("train"):
-        steps = run.train("policy_trainer", data, loss_fn, per_step=True)
+        # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
+        # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
+        group = n if run.cfg.runtime.train_global_batch_size % n == 0 else 1
+        steps = run.train("policy_trainer", data, loss_fn, group_size=group, per_step=True)
     stats = L.reduce_metrics(steps)
     if sync:
         with timer("sync"):

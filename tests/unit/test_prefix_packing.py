@@ -1,0 +1,104 @@
+"""Shared-prefix packing (chatgen.training.prefix_packing) as pure logic: every output of a packed row sees
+exactly the (token, position) pairs its unpacked row would, at the same position, predicting the same token.
+The model-level equality (loss and gradients) is in tests/integration/test_megatron_module.py.
+
+    python -m pytest tests/unit/test_prefix_packing.py
+"""
+import torch
+
+from chatgen.training.prefix_packing import pack_shared_prefix
+
+
+def right_padded(rows: list, prompt_lens: list):
+    """(input_ids, attention_mask, loss_mask) for token lists, each scored after its prompt."""
+    t = max(map(len, rows))
+    ids = torch.zeros(len(rows), t, dtype=torch.long)
+    keep = torch.zeros(len(rows), t, dtype=torch.long)
+    loss_mask = torch.zeros(len(rows), t - 1)
+    for r, (row, p) in enumerate(zip(rows, prompt_lens)):
+        ids[r, :len(row)] = torch.tensor(row)
+        keep[r, :len(row)] = 1
+        loss_mask[r, p - 1:len(row) - 1] = 1
+    return ids, keep, loss_mask
+
+
+def visible_unpacked(ids, r, t):
+    return sorted((int(ids[r, j]), j) for j in range(t + 1))
+
+
+def visible_packed(plan, row, at):
+    keys = (~plan.attention_mask[row, 0, at]).nonzero()[:, 0].tolist()
+    return sorted((int(plan.input_ids[row, j]), int(plan.position_ids[row, j])) for j in keys)
+
+
+def check_equivalent(plan, ids, keep, loss_mask):
+    rows, entries, packed_rows, outputs = (x.tolist() for x in plan.index)
+    covered = set()
+    for r, entry, row, k in zip(rows, entries, packed_rows, outputs):
+        at = int(plan.logit_positions[row, k])
+        assert visible_packed(plan, row, at) == visible_unpacked(ids, r, entry)
+        assert int(plan.position_ids[row, at]) == entry
+        assert int(plan.labels[row, k + 1]) == int(ids[r, entry + 1])
+        covered.add((r, entry))
+    assert {(r, t) for r, t in (loss_mask > 0).nonzero().tolist()} <= covered  # every scored entry is computed
+    assert all(entry < int(keep[r].sum()) - 1 for r, entry in covered)  # and nothing past a row's last token
+
+
+def test_rows_sharing_a_prompt_pack_into_one_row_that_sees_what_each_row_saw():
+    prompt_a, prompt_b = [5, 6, 7, 8], [9, 10, 11]
+    rows = [prompt_a + [20, 21, 22], prompt_a + [30], prompt_b + [40, 41], prompt_a + [50, 51], prompt_b + [60]]
+    ids, keep, loss_mask = right_padded(rows, [4, 4, 3, 4, 3])
+    plan = pack_shared_prefix(ids, keep, loss_mask)
+    assert plan.input_ids.shape[0] == 2  # one packed row per prompt
+    assert plan.input_ids[0, :4].tolist() == prompt_a and plan.input_ids[1, :3].tolist() == prompt_b
+    assert plan.tokens_before == sum(map(len, rows)) and plan.tokens_after == (4 + 3 + 1 + 2) + (3 + 2 + 1)
+    check_equivalent(plan, ids, keep, loss_mask)
+    # unpack puts each output where its row and entry are; 0 elsewhere
+    outputs = torch.arange(plan.labels.shape[1] - 1, dtype=torch.float32).expand(2, -1) + 1
+    unpacked = plan.unpack(outputs)
+    assert unpacked.shape == (5, ids.shape[1] - 1)
+    assert ((unpacked != 0) == (loss_mask > 0)).all()  # here every response entry is scored
+
+
+def test_a_prompt_longer_for_one_row_shares_only_with_rows_of_the_same_prefix():
+    # the same prompt tokens, but row 1 is scored from a later position (a longer prefix): its own group
+    rows = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 7]]
+    ids, keep, loss_mask = right_padded(rows, [3, 4, 3])
+    plan = pack_shared_prefix(ids, keep, loss_mask)
+    assert plan.input_ids.shape[0] == 2
+    check_equivalent(plan, ids, keep, loss_mask)
+
+
+def test_padding_positions_attend_only_to_themselves_and_are_never_read():
+    rows = [[1, 2, 3, 4], [1, 2, 5], [8, 9, 10, 11, 12, 13], [8, 9, 14]]
+    ids, keep, loss_mask = right_padded(rows, [2, 2, 2, 2])
+    plan = pack_shared_prefix(ids, keep, loss_mask)
+    padded = plan.padded(3, plan.input_ids.shape[1] + 2)
+    assert padded.input_ids.shape == (3, plan.input_ids.shape[1] + 2)
+    s = plan.input_ids.shape[1]
+    assert torch.equal(padded.attention_mask[:2, :, :s, :s], plan.attention_mask)
+    row0_len = 2 + 2 + 1  # the shorter packed row: its tail is padding
+    for row, start in ((0, row0_len), (2, 0)):
+        for q in range(start, padded.input_ids.shape[1]):
+            assert (~padded.attention_mask[row, 0, q]).nonzero()[:, 0].tolist() == [q]
+    check_equivalent(padded, ids, keep, loss_mask)
+
+
+def test_batches_that_cannot_or_need_not_pack_return_none():
+    rows = [[1, 2, 3, 4], [1, 2, 3, 5]]
+    ids, keep, loss_mask = right_padded(rows, [3, 3])
+    assert pack_shared_prefix(ids, keep, loss_mask) is not None
+    assert pack_shared_prefix(ids, keep, None) is None  # nothing says where a loss reads
+    distinct = ids.clone()
+    distinct[1, 0] = 9
+    assert pack_shared_prefix(distinct, keep, loss_mask) is None  # no two rows share a prefix
+    empty = loss_mask.clone()
+    empty[1] = 0
+    assert pack_shared_prefix(ids, keep, empty) is None  # a row with nothing to score
+    left = keep.clone()
+    left[0] = torch.tensor([0, 1, 1, 1])
+    assert pack_shared_prefix(ids, left, loss_mask) is None  # left padding: positions would shift
+    past_end = loss_mask.clone()
+    short = keep.clone()
+    short[0, 3] = 0
+    assert pack_shared_prefix(ids, short, past_end) is None  # scores a padding token
