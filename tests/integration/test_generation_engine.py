@@ -368,6 +368,38 @@ def test_split_step_equals_llm_generate(module):
                [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
 
 
+def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
+    """On CPU every linear layer is a oneDNN matmul built per row count M (tokens in the step). oneDNN's process
+    cache of them is capped (vllm_adapter.ONEDNN_PRIMITIVE_CACHE_CAPACITY): batches of ever new sizes leave
+    malloc's bytes in use flat, where the default cache of 1024 keeps ~200 KB per new M and weight shape
+    (80 MiB over these 40 sizes; a tiny GRPO run grew 5 MiB per generate)."""
+    import ctypes
+    import ctypes.util
+
+    if not adapter.on_cpu():
+        pytest.skip("oneDNN matmuls are vLLM's CPU path")
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallinfo2"):
+        pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+    libc.mallinfo2.restype = MallInfo2
+    prompt = module.build_dataset(PROMPTS[:1])[0]["input_ids"]
+    params = adapter.SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+
+    def run(batch_sizes) -> int:
+        for b in batch_sizes:  # decode steps of M = b rows
+            module.engine.generate([adapter.TokensPrompt(prompt_token_ids=prompt)] * b, params, use_tqdm=False)
+        return libc.mallinfo2().uordblks
+
+    before = run(range(1, 41))  # fills each layer's own cache of 32 sizes
+    grown = run(range(41, 81)) - before
+    assert grown < 16 << 20, f"{grown / 2**20:.1f} MiB more in use after 40 new batch sizes"
+
+
 # ---------------------------------------------------------------- tensor parallel (two processes)
 
 def _tp2_generate(config, batch):
