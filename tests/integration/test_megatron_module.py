@@ -118,24 +118,18 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
 
 
 def grouped_batch(vocab=500, groups=2, n=3, seed=0):
-    """GRPO-shaped rows: `groups` prompts of different lengths, each followed by n responses of different
-    lengths, right-padded; the loss mask marks the responses."""
+    """GRPO-shaped rows (RolloutBatch.from_samples): `groups` prompts of different lengths, each followed by n
+    responses of different lengths, right-padded; the loss mask marks the responses."""
+    from chatgen.rollout import RolloutBatch, Sample
+
     gen = torch.Generator().manual_seed(seed)
-    rows, prompt_lens = [], []
+    samples = []
     for g in range(groups):
         prompt = torch.randint(0, vocab, (5 + g,), generator=gen).tolist()
         for i in range(n):
-            rows.append(prompt + torch.randint(0, vocab, (2 + i,), generator=gen).tolist())
-            prompt_lens.append(len(prompt))
-    t = max(map(len, rows))
-    ids = torch.zeros(len(rows), t, dtype=torch.long)
-    keep = torch.zeros(len(rows), t, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), t - 1)
-    for r, (row, p) in enumerate(zip(rows, prompt_lens)):
-        ids[r, :len(row)] = torch.tensor(row)
-        keep[r, :len(row)] = 1
-        loss_mask[r, p - 1:len(row) - 1] = 1
-    return {"input_ids": ids, "attention_mask": keep, "loss_mask": loss_mask}
+            response = torch.randint(0, vocab, (2 + i,), generator=gen).tolist()
+            samples.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response)))
+    return RolloutBatch.from_samples(samples, pad_token_id=0).trainer_inputs()
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])

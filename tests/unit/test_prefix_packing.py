@@ -6,20 +6,17 @@ The model-level equality (loss and gradients) is in tests/integration/test_megat
 """
 import torch
 
+from chatgen.rollout import RolloutBatch, Sample
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 
 def right_padded(rows: list, prompt_lens: list):
-    """(input_ids, attention_mask, loss_mask) for token lists, each scored after its prompt."""
-    t = max(map(len, rows))
-    ids = torch.zeros(len(rows), t, dtype=torch.long)
-    keep = torch.zeros(len(rows), t, dtype=torch.long)
-    loss_mask = torch.zeros(len(rows), t - 1)
-    for r, (row, p) in enumerate(zip(rows, prompt_lens)):
-        ids[r, :len(row)] = torch.tensor(row)
-        keep[r, :len(row)] = 1
-        loss_mask[r, p - 1:len(row) - 1] = 1
-    return ids, keep, loss_mask
+    """(input_ids, attention_mask, loss_mask) for token lists, each scored after its prompt: the batch GRPO
+    trains on (RolloutBatch.from_samples)."""
+    samples = [Sample(prompt_ids=row[:p], response_ids=row[p:], response_logprobs=[0.0] * (len(row) - p))
+               for row, p in zip(rows, prompt_lens)]
+    data = RolloutBatch.from_samples(samples, pad_token_id=0).trainer_inputs()
+    return data["input_ids"], data["attention_mask"], data["loss_mask"]
 
 
 def visible_unpacked(ids, r, t):
