@@ -8,7 +8,8 @@
 #   2. the data    python -m chatgen.rlhf.tasks --task arithmetic  -> $DATA_DIR/{train,eval}.jsonl
 #   3. GRPO        chatgen train configs/grpo_smollm2.yaml         -> $OUTPUT_DIR (metrics.jsonl, metrics.png)
 # and prints the held-out accuracy (greedy, 128 questions) of each evaluation with the time spent training.
-# 12 episodes take ~10 minutes on 2 CPU cores. Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
+# 12 episodes take ~8 minutes on 2 CPU cores (0.38 -> 0.71 held-out accuracy, docs/models.md).
+# Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup_env.sh

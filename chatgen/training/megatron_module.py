@@ -455,8 +455,8 @@ class MegatronModule(Module):
                 self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
                 try:
                     logits = model(plan.input_ids, plan.position_ids, plan.attention_mask)
-                finally:
-                    self._rope_positions = None
+                finally:  # a later plain call of the model computes every position at 0..T-1
+                    self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
                     return logits, None
                 logprobs = plan.unpack(self.token_outputs(logits, plan.labels))  # (b, T-1), 0 where unread
@@ -467,7 +467,10 @@ class MegatronModule(Module):
             # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
             first = _first_scored_position(mb.get("loss_mask")) if self._slices_logits and not forward_only else 0
             self._logits_from = first
-            logits = model(ids, position_ids, mask)
+            try:
+                logits = model(ids, position_ids, mask)
+            finally:
+                self._logits_from = 0
             if not self.is_last_stage:
                 return logits, None
             logprobs = self.token_outputs(logits, ids[:, first:])  # (b, T-1-first): as if the rows began there
@@ -545,9 +548,7 @@ class MegatronModule(Module):
             return True
         if kind != "rope" or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding:
             return False
-        if not getattr(self, "_rope_hooked", False):
-            self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
-            self._rope_hooked = True
+        self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)  # once per model: setup() calls
         return True
 
     def _rope_at_positions(self, _module, _args, emb):
