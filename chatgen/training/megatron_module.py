@@ -139,10 +139,11 @@ class MegatronModule(Module):
         if output_layer is not None:  # train_step computes logits only where a loss reads them
             output_layer.register_forward_pre_hook(self._select_logit_positions)
             self._slices_logits = True
-        # shared-prefix packing needs the output layer's position selection (last stage) and rotary embeddings
-        # that follow position ids (every stage): all stages must decide alike
-        self._packs = cfg.pack_shared_prefix and self._rope_follows_position_ids() and (
-            self._slices_logits or not self.is_last_stage)
+        # shared-prefix packing needs the output layer's position selection (last stage), attention that reads the
+        # explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal type instead: not
+        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike
+        self._packs = cfg.pack_shared_prefix and self._attention_reads_the_mask() and (
+            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids()
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
@@ -537,6 +538,14 @@ class MegatronModule(Module):
         if at:
             return (args[0][at:], *args[1:])
         return None
+
+    def _attention_reads_the_mask(self) -> bool:
+        """Every layer's core attention is megatron's DotProductAttention (the local spec), which applies the
+        explicit attention mask it is given."""
+        from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+        layers = getattr(getattr(self.model, "decoder", None), "layers", [])
+        return all(type(layer.self_attention.core_attention) is DotProductAttention for layer in layers)
 
     def _rope_follows_position_ids(self) -> bool:
         """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
