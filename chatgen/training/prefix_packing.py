@@ -27,7 +27,8 @@ class PackedBatch:
     """Packed rows for a micro-batch of b rows of T tokens; P packed rows of S tokens, K outputs each."""
     input_ids: torch.Tensor       # (P, S) long; padding 0
     position_ids: torch.Tensor    # (P, S) each token's position in its own unpacked row
-    attention_mask: torch.Tensor  # (P, 1, S, S) bool, True = do not attend (megatron's convention)
+    segments: torch.Tensor        # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
+    attention_mask: torch.Tensor  # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
     logit_positions: torch.Tensor  # (P, K + 1) packed positions whose logits are needed; the last column a dummy
     labels: torch.Tensor          # (P, K + 1): column k + 1 is the token predicted at logit_positions[:, k]
     index: tuple                  # (rows, entries) in (b, T-1) <- (packed rows, outputs) in (P, K)
@@ -44,23 +45,31 @@ class PackedBatch:
 
     def padded(self, rows: int, length: int) -> "PackedBatch":
         """The same batch with all-padding rows / positions appended up to (rows, length) (pipeline stages
-        exchange tensors of one shape for every micro-batch). A padding position attends to itself only."""
+        exchange tensors of one shape for every micro-batch)."""
         p, s = self.input_ids.shape
         if (p, s) == (rows, length):
             return self
-        ids = self.input_ids.new_zeros(rows, length)
-        ids[:p, :s] = self.input_ids
-        pos = self.position_ids.new_zeros(rows, length)
-        pos[:p, :s] = self.position_ids
-        mask = ~torch.eye(length, dtype=torch.bool).expand(rows, 1, length, length).clone()
-        mask[:p, :, :s, :s] = self.attention_mask
+
+        def pad(x, width, fill=0):
+            out = x.new_full((rows, width), fill)
+            out[:p, :x.shape[1]] = x
+            return out
+
         k1 = self.logit_positions.shape[1]
-        logit_positions = self.logit_positions.new_zeros(rows, k1)
-        logit_positions[:p] = self.logit_positions
-        labels = self.labels.new_zeros(rows, k1)
-        labels[:p] = self.labels
-        return PackedBatch(ids, pos, mask, logit_positions, labels, self.index, self.shape, self.tokens_before,
-                           self.tokens_after)
+        segments = pad(self.segments, length, -1)
+        return PackedBatch(pad(self.input_ids, length), pad(self.position_ids, length), segments, _mask(segments),
+                           pad(self.logit_positions, k1), pad(self.labels, k1), self.index, self.shape,
+                           self.tokens_before, self.tokens_after)
+
+
+def _mask(segments: torch.Tensor) -> torch.Tensor:
+    """(P, S) segments -> (P, 1, S, S) megatron mask: query i may read key j <= i of the prompt (segment 0) or of
+    its own segment; a padding query (-1) reads itself only (a row of nothing would softmax to NaN)."""
+    s = segments.shape[1]
+    seg_q, seg_k = segments.unsqueeze(2), segments.unsqueeze(1)
+    eye = torch.eye(s, dtype=torch.bool, device=segments.device)
+    allowed = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril() & ((seg_k == 0) | (seg_k == seg_q))
+    return ~torch.where(seg_q < 0, eye, allowed).unsqueeze(1)
 
 
 def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -70,7 +79,7 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     if loss_mask is None:
         return None
     b, t = input_ids.shape
-    ids, scored = input_ids.cpu(), loss_mask.cpu().bool()
+    scored = loss_mask.cpu().bool()
     if attention_mask is None:
         lengths = [t] * b
     else:
@@ -78,60 +87,47 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         lengths = keep.sum(-1).tolist()
         if any(not keep[r, :n].all() for r, n in enumerate(lengths)):  # left or inner padding
             return None
+    tokens = input_ids.tolist()
     groups: dict = {}
-    firsts = []
     for r in range(b):
         hits = scored[r].nonzero()
         if not len(hits) or int(hits[-1]) > lengths[r] - 2:
             return None
-        f = int(hits[0])
-        firsts.append(f)
-        groups.setdefault(tuple(ids[r, :f + 1].tolist()), []).append(r)
+        groups.setdefault(tuple(tokens[r][:int(hits[0]) + 1]), []).append(r)
     if len(groups) == b:
         return None
 
-    packed_ids, packed_pos, segments, outputs = [], [], [], []
-    for (prefix, members) in groups.items():
+    packed = []  # per packed row: (tokens, positions, segments, logit positions, labels)
+    rows, entries, packed_rows, outputs_k = [], [], [], []
+    for j, (prefix, members) in enumerate(groups.items()):
         f = len(prefix) - 1
-        row_ids, row_pos, row_seg = list(prefix), list(range(f + 1)), [0] * (f + 1)
-        row_out = []  # (logit position, label, unpacked row, entry)
+        row_ids, row_pos, row_seg, row_at, row_labels = list(prefix), list(range(f + 1)), [0] * (f + 1), [], []
         for i, r in enumerate(members, start=1):
             start, n = len(row_ids), lengths[r]
-            row_ids += ids[r, f + 1:n].tolist()
+            row_ids += tokens[r][f + 1:n]
             row_pos += range(f + 1, n)
             row_seg += [i] * (n - f - 1)
-            for entry in range(f, n - 1):  # entry predicts token entry + 1, from position entry
-                at = f if entry == f else start + entry - f - 1
-                row_out.append((at, int(ids[r, entry + 1]), r, entry))
-        packed_ids.append(row_ids)
-        packed_pos.append(row_pos)
-        segments.append(row_seg)
-        outputs.append(row_out)
+            # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else its own
+            row_at += [f] + list(range(start, start + n - f - 2))
+            row_labels += tokens[r][f + 1:n]
+            rows += [r] * (n - f - 1)
+            entries += range(f, n - 1)
+            packed_rows += [j] * (n - f - 1)
+            outputs_k += range(len(row_at) - (n - f - 1), len(row_at))
+        packed.append((row_ids, row_pos, row_seg, row_at, row_labels))
 
-    p, s, k = len(packed_ids), max(map(len, packed_ids)), max(map(len, outputs))
-    input_ids_p = torch.zeros(p, s, dtype=torch.long)
-    position_ids = torch.zeros(p, s, dtype=torch.long)
-    seg = torch.full((p, s), -1, dtype=torch.long)  # -1: padding
-    logit_positions = torch.zeros(p, k + 1, dtype=torch.long)
-    labels = torch.zeros(p, k + 1, dtype=torch.long)
-    rows, entries, packed_rows, outputs_k = [], [], [], []
-    for j, (row_ids, row_pos, row_seg, row_out) in enumerate(zip(packed_ids, packed_pos, segments, outputs)):
-        input_ids_p[j, :len(row_ids)] = torch.tensor(row_ids)
-        position_ids[j, :len(row_pos)] = torch.tensor(row_pos)
-        seg[j, :len(row_seg)] = torch.tensor(row_seg)
-        for kk, (at, label, r, entry) in enumerate(row_out):
-            logit_positions[j, kk] = at
-            labels[j, kk + 1] = label
-            rows.append(r), entries.append(entry), packed_rows.append(j), outputs_k.append(kk)
-    # query i may read key j <= i of the prompt (segment 0) or of its own segment; a padding query reads itself
-    seg_q, seg_k = seg.unsqueeze(2), seg.unsqueeze(1)
-    allowed = torch.ones(s, s, dtype=torch.bool).tril() & ((seg_k == 0) | (seg_k == seg_q))
-    allowed = torch.where(seg_q < 0, torch.eye(s, dtype=torch.bool), allowed)
+    p, s, k = len(packed), max(len(row[0]) for row in packed), max(len(row[3]) for row in packed)
     device = input_ids.device
+
+    def stack(i, width, fill, shift=0):  # field i of every packed row, right-padded with `fill`
+        out = torch.full((p, width), fill, dtype=torch.long)
+        for j, row in enumerate(packed):
+            out[j, shift:shift + len(row[i])] = torch.tensor(row[i], dtype=torch.long)
+        return out.to(device)
+
+    segments = stack(2, s, -1)
     return PackedBatch(
-        input_ids=input_ids_p.to(device), position_ids=position_ids.to(device),
-        attention_mask=(~allowed).unsqueeze(1).to(device), logit_positions=logit_positions.to(device),
-        labels=labels.to(device),
-        index=tuple(torch.tensor(x, dtype=torch.long, device=device)
-                    for x in (rows, entries, packed_rows, outputs_k)),
-        shape=(b, t - 1), tokens_before=sum(lengths), tokens_after=sum(map(len, packed_ids)))
+        input_ids=stack(0, s, 0), position_ids=stack(1, s, 0), segments=segments, attention_mask=_mask(segments),
+        logit_positions=stack(3, k + 1, 0), labels=stack(4, k + 1, 0, shift=1),
+        index=tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (rows, entries, packed_rows, outputs_k)),
+        shape=(b, t - 1), tokens_before=sum(lengths), tokens_after=sum(len(row[0]) for row in packed))
