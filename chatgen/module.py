@@ -21,7 +21,9 @@ A reward model is a plain subclass:
         def score(self, data):                       # data: {"texts": [...], record fields...}
             return torch.tensor([-len(t) / 100 for t in data["texts"]])
 """
+import contextlib
 import dataclasses
+import gc
 import importlib
 import os
 
@@ -38,6 +40,28 @@ def import_class(path: str):
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{path!r} cannot be imported ({e}); check the module path and that it is importable "
                          "from the directory you run in") from e
+
+
+@contextlib.contextmanager
+def startup_gc():
+    """Python's cyclic garbage collector paused while models are imported and built; what they made, frozen after.
+
+    Importing torch, vLLM and megatron-core and building the models leaves ~660k long-lived objects. Python starts
+    a full collection, a scan of all of them (0.35 s on a 2-core CPU), each time that heap grows by a quarter, and
+    vLLM calls gc.collect() five times while it builds an engine: ~2.5 s of the tiny GRPO run's 15 s startup.
+    Inside this block collection is off; on leaving it every object alive is frozen (`gc.freeze`: left out of
+    every later collection, as vLLM's engine does with its own heap after warm-up) and collection resumes as it
+    was. Objects are still freed by reference counting; only reference cycles made before the freeze are never
+    collected. Nested blocks are one pause (the outermost resumes collection).
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        if enabled:
+            gc.enable()
 
 
 class Module:
@@ -73,9 +97,11 @@ class Module:
         """User hook: build the model (the defaults of VLLMModule / MegatronModule build it). Called once."""
 
     def start(self):
-        """`init()` then `setup()`: how the framework (and a standalone script) brings a module up. Returns self."""
-        self.init()
-        self.setup()
+        """`init()` then `setup()`: how the framework (and a standalone script) brings a module up, with garbage
+        collection paused meanwhile (`startup_gc`). Returns self."""
+        with startup_gc():
+            self.init()
+            self.setup()
         return self
 
     def shutdown(self) -> None:

@@ -277,14 +277,16 @@ def _host_memory_only_gc(active: bool):
     """Within: gc.collect() of the oldest generation (what vLLM calls while it loads, warms up and shuts down,
     to hand freed device memory back before measuring it) does nothing. On CPU there is no device memory to hand
     back, and each such collection walks the ~70k objects vLLM's imports leave: 0.25-0.5 s apiece, five per
-    engine life (1-2 s of a tiny run's startup). What they would free, Python's own collections free later."""
+    engine life (1-2 s of a tiny run's startup). What they would free, Python's own collections free later.
+    While collection is paused (`chatgen.module.startup_gc`, around every module's start) the young generations
+    hold every object made since the pause, so collecting them is that same walk: nothing is collected then."""
     if not active:
         yield
         return
     collect = gc.collect
 
     def young_only(generation: int = 2) -> int:
-        return collect(generation) if generation < 2 else 0
+        return collect(generation) if generation < 2 and gc.isenabled() else 0
 
     gc.collect = young_only
     try:

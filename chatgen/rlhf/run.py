@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from chatgen.config import ConfigError, format_config, save_resolved
+from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.losses import reduce_metrics
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
@@ -213,25 +214,26 @@ class Run:
         save_resolved(cfg, self.out_dir)
         log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
 
-        self.runtime = Runtime.start(cfg, log=log)
-        try:
-            self.trainers = [n for n, entry in cfg.models.items() if entry.trainable]
-            self.policy = self.runtime["policy"] if cfg.models.get("policy", None) is not None \
-                and cfg.models["policy"].backend == "vllm" else None
-            if self.policy is not None:
-                self.items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.records])
-                self.eval_items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.eval_records],
-                                                   True)
-                self._check_cut_prompts()
-            self._setup_sync()
-            self.start_episode = 1
-            if last is not None:
-                self._resume(last)
-            self.timer = PhaseTimer()
-            self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode)
-        except BaseException:
-            self.runtime.shutdown()
-            raise
+        with startup_gc():  # models, datasets (20k-odd token lists): built with collection paused, then frozen
+            self.runtime = Runtime.start(cfg, log=log)
+            try:
+                self.trainers = [n for n, entry in cfg.models.items() if entry.trainable]
+                self.policy = self.runtime["policy"] if cfg.models.get("policy", None) is not None \
+                    and cfg.models["policy"].backend == "vllm" else None
+                if self.policy is not None:
+                    self.items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.records])
+                    self.eval_items = self.policy.first("prepare_dataset", [r["prompt"] for r in self.eval_records],
+                                                       True)
+                    self._check_cut_prompts()
+                self._setup_sync()
+                self.start_episode = 1
+                if last is not None:
+                    self._resume(last)
+                self.timer = PhaseTimer()
+                self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode)
+            except BaseException:
+                self.runtime.shutdown()
+                raise
 
     def __enter__(self) -> "Run":
         return self

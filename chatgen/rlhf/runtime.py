@@ -64,7 +64,7 @@ class ModelWorker:
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
         from chatgen.distributed import init_process_group
-        from chatgen.module import import_class
+        from chatgen.module import import_class, startup_gc
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         world = int(os.environ["WORLD_SIZE"])
@@ -73,8 +73,9 @@ class ModelWorker:
 
             init_process_group("nccl" if torch.cuda.is_available() else "gloo", self.rank, world, master_addr,
                                master_port)
-        for name, model_class, config in specs:
-            self.models[name] = import_class(model_class)(config, name=name).start()
+        with startup_gc():  # the models' imports too (vLLM's and megatron-core's)
+            for name, model_class, config in specs:
+                self.models[name] = import_class(model_class)(config, name=name).start()
 
     def call(self, name: str, method: str, *args, **kwargs):
         return getattr(self.models[name], method)(*args, **kwargs)

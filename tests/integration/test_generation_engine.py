@@ -446,16 +446,22 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
 
 def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
     """vLLM's gc.collect() calls while building an engine are skipped on CPU (seconds of startup), and only
-    those: young generations still collect, and gc.collect is itself again afterwards."""
+    those: young generations still collect (unless collection is paused for startup), and gc.collect is itself
+    again afterwards."""
     import gc
 
     from chatgen.generation import vllm_adapter
+
+    from chatgen.module import startup_gc
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 7)
     with vllm_adapter._host_memory_only_gc(True):
         assert gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
     assert calls == [0, 1]
+    with startup_gc(), vllm_adapter._host_memory_only_gc(True):  # paused: young generations hold all of startup
+        assert gc.collect(0) == 0 and gc.collect(1) == 0 and calls == [0, 1]
+    gc.unfreeze()
     assert gc.collect() == 7 and calls == [0, 1, 2]  # restored
     with vllm_adapter._host_memory_only_gc(False):  # a GPU hands freed memory back: every collection runs
         assert gc.collect() == 7

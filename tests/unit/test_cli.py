@@ -106,3 +106,46 @@ def test_generate_checks_its_output_before_loading_the_model(tiny_llama_dir, tmp
     assert "pass --overwrite" in capsys.readouterr().err and existing.read_text() == "keep me\n"
     assert main([*common, "--output", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
     assert main([*common, "--output", "/proc/nope/out.jsonl"]) == 2 and "--output" in capsys.readouterr().err
+
+
+ARENAS_SCRIPT = r"""
+import ctypes, sys, threading
+from chatgen.cli import one_malloc_arena
+limited = one_malloc_arena()
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.fopen.restype = ctypes.c_void_p
+libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+libc.fclose.argtypes = [ctypes.c_void_p]
+
+def allocate():
+    blocks = [libc.malloc(4096) for _ in range(64)]
+    barrier.wait()  # every thread holds its blocks at once: glibc cannot hand one thread's arena to the next
+    for b in blocks:
+        libc.free(b)
+
+barrier = threading.Barrier(4)
+threads = [threading.Thread(target=allocate) for _ in range(4)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join()
+fp = libc.fopen(sys.argv[1].encode(), b"w")
+libc.malloc_info(0, fp)
+libc.fclose(fp)
+print(limited, open(sys.argv[1]).read().count("<heap nr="))
+"""
+
+
+@pytest.mark.parametrize("env, limited, arenas", [({}, "True", 1), ({"MALLOC_ARENA_MAX": "8"}, "False", 5)])
+def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_chose(tmp_path, env, limited,
+                                                                                        arenas):
+    """Threads allocating at once get arenas of their own (the main one + 4 here) unless `one_malloc_arena` ran:
+    then all share the main arena. A MALLOC_ARENA_MAX in the environment is the user's choice and is kept."""
+    import os
+
+    proc = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, str(tmp_path / "info.xml")], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == [limited, str(arenas)]
