@@ -48,7 +48,7 @@ def one_malloc_arena() -> bool:
     tunable). glibc gives each allocating thread an arena of its own (up to 8 per core) and an arena keeps the
     memory its thread freed: the trainer's activations stayed resident in the main thread's arena while the
     engine thread's arena kept the generation's, ~110 + ~40 MiB held twice. With one arena they reuse the same
-    free memory: the tiny GRPO run's peak 1.12-1.15 -> 1.06-1.07 GiB, episodes as fast (alternating runs, see
+    free memory: the tiny GRPO run's peak 1.12-1.13 -> 1.06-1.07 GiB, episodes as fast (alternating runs, see
     docs/rlhf_engine.md). Returns whether the limit was set (False off glibc)."""
     if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
         return False

@@ -19,6 +19,7 @@ of chatgen/models), converted on the fly. The optimizer is plain `torch.optim.Ad
 `_finalize_grads`; fp32 master copies when the model is bf16/fp16), which runs the same on CPU and GPU;
 docs/megatron_module.md says more.
 """
+import gc
 import json
 import math
 import os
@@ -167,6 +168,8 @@ class MegatronModule(Module):
         from megatron.core import parallel_state as ps
 
         self.model = self.optimizer = self._masters = None
+        self.__dict__.pop("_param_cache", None)  # (model, its parameters by name): would keep the model alive
+        gc.unfreeze()  # what start() froze (chatgen.module.startup_gc) is collectable again: the model's cycles too
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
         if dist.is_initialized():

@@ -339,3 +339,18 @@ def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):
     ckpt = hf_to_megatron_dir(models["qwen2_v500"], tmp_path / "meg", tp=1, pp=1)
     ids = batch()
     assert (build(ckpt).forward_tokens({"input_ids": ids}) - hf_logprobs(models["qwen2_v500"], ids)).abs().max() < TOL
+
+
+def test_shutdown_releases_the_model(models):
+    """shutdown() lets go of the model (its parameter-name cache held it: a test session kept every model) and
+    unfreezes what start() froze (chatgen.module.startup_gc), so reference cycles are collectable again."""
+    import gc
+    import weakref
+
+    trainer = build(models["llama"])
+    chunk = weakref.ref(trainer.model)
+    assert gc.get_freeze_count() > 0
+    trainer.shutdown()
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert chunk() is None
