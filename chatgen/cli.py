@@ -71,7 +71,7 @@ def main(argv=None) -> int:
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == chosen:
-            with startup_gc():  # its imports (torch, transformers, ...): ~1 s less with collection paused
+            with startup_gc():  # its imports (torch, transformers, ...), collection paused as for the models'
                 module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)

@@ -451,7 +451,6 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
     import gc
 
     from chatgen.generation import vllm_adapter
-
     from chatgen.module import startup_gc
 
     calls = []
