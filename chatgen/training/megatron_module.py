@@ -560,7 +560,8 @@ class MegatronModule(Module):
             return True
         if kind != "rope" or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding:
             return False
-        self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)  # once per model: setup() calls
+        # one hook per model: setup() calls this once for each model it builds
+        self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
         return True
 
     def _rope_at_positions(self, _module, _args, emb):
