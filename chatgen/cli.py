@@ -49,7 +49,9 @@ def one_malloc_arena() -> bool:
     memory its thread freed: the trainer's activations stayed resident in the main thread's arena while the
     engine thread's arena kept the generation's, ~110 + ~40 MiB held twice. With one arena they reuse the same
     free memory: the tiny GRPO run's peak 1.12-1.13 -> 1.06-1.07 GiB, episodes as fast (alternating runs, see
-    docs/rlhf_engine.md). Returns whether the limit was set (False off glibc)."""
+    docs/rlhf_engine.md). `chatgen train` only: `chatgen serve`, whose HTTP and engine threads allocate at once,
+    served 0.55-0.69x vLLM's server with it against 0.72-0.81x without (benchmarks/bench_server.py, 3 rounds).
+    Returns whether the limit was set (False off glibc)."""
     if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
     try:
@@ -63,8 +65,9 @@ def main(argv=None) -> int:
     # cores (vLLM and Megatron in one process, or several processes) spinning made the tiny model's steps 3-10x
     # slower (measured). Export OMP_WAIT_POLICY=ACTIVE to opt out.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    one_malloc_arena()
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"]:  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
+        one_malloc_arena()
     parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None
