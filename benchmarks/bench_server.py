@@ -33,7 +33,7 @@ PYTHON = sys.executable
 
 
 def start_servers(model: Path, seq_length: int, log_dir: Path) -> dict:
-    from chatgen.distributed import free_port
+    from chatgen.core.distributed import free_port
 
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)

@@ -14,7 +14,7 @@ _LAZY = {
     "VLLMGeneration": "chatgen.generation.standalone",
     "MegatronModule": "chatgen.training.megatron_module",
     "Module": "chatgen.module",
-    "RolloutBatch": "chatgen.rollout",
+    "RolloutBatch": "chatgen.core.rollout",
 }
 
 

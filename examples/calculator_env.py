@@ -22,7 +22,7 @@ from pathlib import Path
 
 import openai
 
-from chatgen.checkpoint_io import atomic_file
+from chatgen.core.checkpoint_io import atomic_file
 from chatgen.rlhf.algorithms.grpo_multiturn import Episode
 from chatgen.rlhf.tasks import REWARDS
 

@@ -64,7 +64,7 @@ def main(argv=None) -> int:
     from transformers import AutoTokenizer
 
     from chatgen import MegatronModule
-    from chatgen.checkpoint_io import atomic_file
+    from chatgen.core.checkpoint_io import atomic_file
     from chatgen.rlhf.losses import nll_loss_fn
     from chatgen.rlhf.tasks import read_jsonl
     from chatgen.training.convert import megatron_to_hf_dir

@@ -689,7 +689,7 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
 def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
     """A python model's config schema: its class's `config_class` (chatgen.Module), imported here in the driver so
     that a bad key fails before anything starts."""
-    from chatgen.module import import_class
+    from chatgen.core.imports import import_class
 
     try:
         cls = import_class(entry.model_class)

@@ -122,8 +122,8 @@ def generation_output(request_outputs, input_width: int, pad_token_id: int, dtyp
 
 
 def rollout_batch(request_outputs, pad_token_id: int):
-    """Finished requests (sorted by request id = prompt order) -> a `chatgen.rollout.RolloutBatch`, prompt-major."""
-    from chatgen.rollout import RolloutBatch, Sample
+    """Finished requests (sorted by request id = prompt order) -> a `chatgen.core.rollout.RolloutBatch`, prompt-major."""
+    from chatgen.core.rollout import RolloutBatch, Sample
 
     samples = [Sample(prompt_ids=list(request.prompt_token_ids), response_ids=list(sample.token_ids),
                       response_logprobs=sample_logprobs(sample), prompt_index=k, text=sample.text or "",

@@ -29,8 +29,8 @@ from pathlib import Path
 
 from chatgen.cli import positive_int
 from chatgen.generation import engine_config
-from chatgen.jsonl import is_token_ids, read_records
-from chatgen.rollout import RolloutBatch
+from chatgen.core.jsonl import is_token_ids, read_records
+from chatgen.core.rollout import RolloutBatch
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
@@ -53,7 +53,7 @@ def build_module(args, overrides=()):
     from chatgen.config import VLLMConfig, format_config, load_model_config
     from chatgen.generation import vllm_adapter
     from chatgen.generation.vllm_module import VLLMModule
-    from chatgen.module import import_class
+    from chatgen.core.imports import import_class
 
     cls = import_class(args.module) if args.module else VLLMModule
     if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
@@ -114,7 +114,7 @@ def check_output(output, input_path, overwrite: bool) -> None:
 
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
-    from chatgen.checkpoint_io import atomic_file, read_hf_config
+    from chatgen.core.checkpoint_io import atomic_file, read_hf_config
 
     hf_config = read_hf_config(args.model, "--model")
     check_output(args.output, args.input, args.overwrite)

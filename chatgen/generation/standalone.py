@@ -77,7 +77,7 @@ class VLLMGeneration:
                                  "(a `chatgen serve --control` server)")
             from urllib.parse import urlparse
 
-            from chatgen.distributed import LOOPBACK_HOSTS
+            from chatgen.core.distributed import LOOPBACK_HOSTS
             from chatgen.param_sync import ShmSender
 
             self.server = _Server(server_base_url, api_key)

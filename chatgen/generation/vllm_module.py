@@ -2,7 +2,7 @@
 
     from chatgen import VLLMModule
     module = VLLMModule({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16}).start()
-    batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.rollout.RolloutBatch
+    batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.core.rollout.RolloutBatch
     out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
     texts = module.generate_text(["Once upon a time"])              # text in / text out (demos)
     url = module.serve()                          # OpenAI HTTP on a loopback port (docs/serving.md)
@@ -24,7 +24,7 @@ import tempfile
 import time
 import types
 
-from chatgen.checkpoint_io import copy_hf_side_files, read_megatron_meta
+from chatgen.core.checkpoint_io import copy_hf_side_files, read_megatron_meta
 from chatgen.config import ConfigError, VLLMConfig, model_args
 from chatgen.generation import engine_config, vllm_adapter as adapter
 from chatgen.generation.engine_loop import EngineLoop
@@ -229,7 +229,7 @@ class VLLMModule(Module):
 
         batched_outputs: list of vLLM `RequestOutput`, sorted by request id (= batch order); each has
         `prompt_token_ids`, `prompt` (text or None) and `outputs` (n `CompletionOutput`s with `token_ids`,
-        `logprobs`, `text`, `finish_reason`). Default: a `chatgen.rollout.RolloutBatch` of S = prompts x n
+        `logprobs`, `text`, `finish_reason`). Default: a `chatgen.core.rollout.RolloutBatch` of S = prompts x n
         samples (sample j of prompt i at row i * n + j), what every RLHF algorithm consumes. Override to return
         something else for your own loop, or to post-process the batch (e.g. zero `loss_mask` on tokens the
         policy should not be trained on).

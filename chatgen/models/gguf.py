@@ -28,7 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from chatgen.checkpoint_io import atomic_directory
+from chatgen.core.checkpoint_io import atomic_directory
 
 
 def find_gguf(source: str, workdir: Path) -> Path:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import yaml
 
-from chatgen.checkpoint_io import atomic_directory
+from chatgen.core.checkpoint_io import atomic_directory
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
 SPECIAL_TOKENS = {"unk": ("<unk>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "pad": ("<pad>", 3)}

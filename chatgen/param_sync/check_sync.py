@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from chatgen.cli import positive_int
-from chatgen.jsonl import is_token_ids, read_records
+from chatgen.core.jsonl import is_token_ids, read_records
 
 
 def add_arguments(p):

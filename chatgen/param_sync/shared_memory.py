@@ -29,16 +29,14 @@ import weakref
 
 import torch
 
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
 from chatgen.param_sync.sync import (
     _DTYPES,
-    DEFAULT_BUCKET_BYTES,
     SyncError,
     SyncReport,
     _checked,
     _load,
-    _numel,
     _share,
-    _unflatten,
     check_header,
     sync_header,
     weight_source,
@@ -54,7 +52,7 @@ class SharedMemoryUnavailable(SyncError):
 
 
 def _plan_bytes(plan, dtype) -> int:
-    return sum(_numel(s) for b in plan for _, s in b) * torch.empty((), dtype=dtype).element_size()
+    return sum(numel(s) for b in plan for _, s in b) * torch.empty((), dtype=dtype).element_size()
 
 
 class ShmSender:
@@ -157,8 +155,8 @@ class ShmReceiver:
                 offset = 0
                 for bucket in plan:
                     shapes = [s for _, s in bucket]
-                    size = sum(_numel(s) for s in shapes)
-                    yield [(n, t) for (n, _), t in zip(bucket, _unflatten(flat[offset:offset + size], shapes))]
+                    size = sum(numel(s) for s in shapes)
+                    yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat[offset:offset + size], shapes))]
                     offset += size
 
             n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)

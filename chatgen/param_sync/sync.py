@@ -35,10 +35,8 @@ import torch
 import torch.distributed as dist
 
 from chatgen import models
-from chatgen.distributed import free_port, tcp_store
-
-DEFAULT_BUCKET_BYTES = 256 << 20
-
+from chatgen.core.distributed import free_port, tcp_store
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
 
 class SyncError(RuntimeError):
     """A weight sync failed; the message says whether the engine still holds its old weights."""
@@ -88,21 +86,6 @@ def plan_manifest(plan: list) -> dict:
             if name in out:
                 raise SyncError(f"weight sync refused, the engine keeps its old weights: the source sends {name} twice")
             out[name] = tuple(shape)
-    return out
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
-
-
-def _unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        out.append(flat[offset:offset + _numel(shape)].view(shape))
-        offset += _numel(shape)
     return out
 
 
@@ -277,7 +260,7 @@ def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, valid
     _check_finite(weights)
     n = _load(target, _checked(weights.buckets(), weights.plan, weights, validate), mode)
     itemsize = torch.empty((), dtype=weights.dtype).element_size()
-    return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in weights.plan for _, s in b) * itemsize,
+    return SyncReport(time.perf_counter() - start, sum(numel(s) for b in weights.plan for _, s in b) * itemsize,
                       n, len(weights.plan), validate)
 
 
@@ -362,7 +345,7 @@ class SyncSender:
         if result["error"]:
             raise SyncError(result["error"])
         itemsize = torch.empty((), dtype=weights.dtype).element_size()
-        return SyncReport(time.perf_counter() - start, sum(_numel(s) for b in plan for _, s in b) * itemsize, n,
+        return SyncReport(time.perf_counter() - start, sum(numel(s) for b in plan for _, s in b) * itemsize, n,
                           len(plan), validate)
 
 
@@ -446,7 +429,7 @@ class SyncReceiver:
             if int(status):
                 received["aborted"] = True
                 raise SyncError(f"the trainer aborted the sync: {_send_json(self._pg, None, root=0, me=1)}")
-            flat = torch.empty(sum(_numel(s) for s in shapes), dtype=dtype, device=_device())
+            flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=_device())
             _bcast(self._pg, flat, root=0)
             received["buckets"] += 1
             received["bytes"] += flat.numel() * flat.element_size()
@@ -455,7 +438,7 @@ class SyncReceiver:
         def buckets():
             for bucket in header["buckets"]:
                 shapes = [tuple(s) for _, s in bucket]
-                yield [(n, t) for (n, _), t in zip(bucket, _unflatten(next_flat(shapes), shapes))]
+                yield [(n, t) for (n, _), t in zip(bucket, unflatten(next_flat(shapes), shapes))]
 
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:

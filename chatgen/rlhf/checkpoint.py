@@ -9,7 +9,7 @@ Layout under `save_dir`:
     latest                       text file naming the newest complete checkpoint ("episode_000010")
 
 A checkpoint is written into a hidden staging directory and moved into place once complete, and `latest` is
-replaced the same way (chatgen.checkpoint_io's atomic writes), so a crash at any point leaves the previous
+replaced the same way (chatgen.core.checkpoint_io's atomic writes), so a crash at any point leaves the previous
 checkpoint intact and `latest` pointing at it. The trainer actors write into the staging directory, so on a
 multi-node cluster `save_dir` must be on a filesystem every node sees. A checkpoint damaged afterwards (a
 file deleted or truncated) is refused at resume with the file named and the previous checkpoint suggested.
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from chatgen.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
+from chatgen.core.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
 
 STATE_FILE = "engine_state.json"
 MANIFEST_FILE = "manifest.json"

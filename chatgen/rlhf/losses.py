@@ -134,12 +134,6 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, stats
 
 
-def reduce_metrics(parts: list) -> dict:
-    """One dict of metrics from the dicts of several micro-batches, ranks or steps: a name ending in `_max` takes
-    the largest value, every other name the mean."""
-    return {k: max(p[k] for p in parts) if k.endswith("_max") else sum(p[k] for p in parts) / len(parts)
-            for k in parts[0]}
-
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip_eps: float = 0.2):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from chatgen.checkpoint_io import atomic_file
+from chatgen.core.checkpoint_io import atomic_file
 
 
 class PhaseTimer:

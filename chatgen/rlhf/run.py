@@ -3,7 +3,7 @@ checkpoint, evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<nam
 
     with Run(cfg, resume=False, phases=["generate", "reward", "train", "sync"], records_per_episode=32) as run:
         index = run.next_prompts()               # record indices of this episode
-        batch = run.generate(index)              # a chatgen.rollout.RolloutBatch, S = len(index) x n, prompt-major
+        batch = run.generate(index)              # a chatgen.core.rollout.RolloutBatch, S = len(index) x n, prompt-major
         rewards = run.score(batch)               # (S,) from the reward model
         old = run.forward_tokens("policy_trainer", batch.trainer_inputs())      # (S, L-1)
         stats = run.train("policy_trainer", {**batch.trainer_inputs(), "old_logprobs": old, ...}, loss_fn)
@@ -27,11 +27,10 @@ import torch
 from chatgen.config import ConfigError, format_config, save_resolved
 from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.losses import reduce_metrics
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
 from chatgen.rlhf.runtime import call_model
 from chatgen.rlhf.tasks import read_jsonl
-from chatgen.rollout import RolloutBatch
+from chatgen.core.rollout import RolloutBatch
 
 
 class RunHealthError(RuntimeError):
@@ -114,12 +113,6 @@ def policy_sampling_problems(cfg):
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
         yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
                "(samples per prompt); make it one")
-
-
-def select(data: dict, index: torch.Tensor) -> dict:
-    """Rows `index` of every per-sample tensor of a batch dict."""
-    n = data["input_ids"].shape[0]
-    return {k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in data.items()}
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
@@ -274,7 +267,7 @@ class Run:
         batch = self.policy.first("run_generation", [items[i] for i in index], is_eval)
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
-                            "chatgen.rollout.RolloutBatch: return super().decode_internal(batched_outputs) (adjusted "
+                            "chatgen.core.rollout.RolloutBatch: return super().decode_internal(batched_outputs) (adjusted "
                             "as needed) instead of a dict of your own (docs/migrating_from_chatlearn.md)")
         batch.metadata = [records[index[k]] for k in batch.prompt_index.tolist()]
         if self._policy_sleeps:  # colocated on GPUs: free the engine's memory for the trainers

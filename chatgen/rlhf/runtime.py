@@ -26,7 +26,7 @@ import time
 import traceback
 
 from chatgen.config import DEFAULT_MODEL_CLASSES
-from chatgen.distributed import free_port
+from chatgen.core.distributed import free_port
 
 
 class ActorFailure(RuntimeError):
@@ -63,8 +63,9 @@ class ModelWorker:
         same way (chatgen.module: `cls(config, name=name).start()`). With several ranks the group's
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
-        from chatgen.distributed import init_process_group
-        from chatgen.module import import_class, startup_gc
+        from chatgen.core.distributed import init_process_group
+        from chatgen.core.imports import import_class
+        from chatgen.module import startup_gc
 
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         world = int(os.environ["WORLD_SIZE"])

@@ -33,7 +33,7 @@ import random
 import re
 from pathlib import Path
 
-from chatgen.jsonl import read_records
+from chatgen.core.jsonl import read_records
 
 DIGITS = re.compile(r"\d")
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")

@@ -26,7 +26,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from chatgen.checkpoint_io import read_hf_config
+    from chatgen.core.checkpoint_io import read_hf_config
 
     read_hf_config(args.model, "--model")
     import uvicorn

@@ -35,7 +35,7 @@ from typing import Literal
 from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
-from chatgen.distributed import LOOPBACK_HOSTS
+from chatgen.core.distributed import LOOPBACK_HOSTS
 from chatgen.generation.engine_loop import UPDATE_MODES
 from chatgen.serving.app import APIError, api_key_dependency
 

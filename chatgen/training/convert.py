@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from chatgen import models
 from chatgen.cli import positive_int
-from chatgen.checkpoint_io import (
+from chatgen.core.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
     megatron_shard_file,

@@ -27,10 +27,8 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
 from chatgen.models import layout
-
-DEFAULT_BUCKET_BYTES = 256 << 20
-
 
 @dataclasses.dataclass
 class Bucket:
@@ -40,15 +38,8 @@ class Bucket:
     hf: list  # [(hf name, shape)] in stream order
 
     @property
-    def hf_numel(self) -> int:
-        return sum(_numel(s) for _, s in self.hf)
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+    def hfnumel(self) -> int:
+        return sum(numel(s) for _, s in self.hf)
 
 
 def plan_buckets(spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucket_bytes: int) -> list[Bucket]:
@@ -61,7 +52,7 @@ def plan_buckets(spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucke
                 continue
             meta = [torch.empty(shape, device="meta") for shape in sp.hf.values()]
             shard = tuple(layout.to_megatron_shards(sp.kind, meta, spec, tp, padded_vocab, sp.hf_names[0])[0].shape)
-            nbytes = _numel(shard) * tp * itemsize
+            nbytes = numel(shard) * tp * itemsize
             if current is None or (size + nbytes > bucket_bytes and current.params):
                 current, size = Bucket(stage, [], [], []), 0
                 buckets.append(current)
@@ -169,11 +160,3 @@ def _gather_shards(local: list[torch.Tensor], tp: int, tp_group) -> list[list[to
         offset += n
     return out
 
-
-def unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
-    out, offset = [], 0
-    for shape in shapes:
-        n = _numel(shape)
-        out.append(flat[offset:offset + n].view(shape))
-        offset += n
-    return out

@@ -17,7 +17,7 @@ import traceback
 
 import torch.multiprocessing as mp
 
-from chatgen.distributed import free_port
+from chatgen.core.distributed import free_port
 
 
 def _child(rank, world_size, port, env, fn, args, results):

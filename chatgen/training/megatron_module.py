@@ -30,7 +30,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from chatgen import models
-from chatgen.checkpoint_io import (
+from chatgen.core.checkpoint_io import (
     begin_directory,
     commit_directory,
     megatron_shard_file,
@@ -42,12 +42,13 @@ from chatgen.checkpoint_io import (
     write_megatron_meta,
 )
 from chatgen.config import MegatronConfig
-from chatgen.distributed import free_port, init_process_group
+from chatgen.core.distributed import free_port, init_process_group
+from chatgen.core.metrics import reduce_metrics
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.models import layout
 from chatgen.module import Module
-from chatgen.rlhf.losses import reduce_metrics
 from chatgen.training import cpu_compat
-from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights
+from chatgen.training.hf_export import HFWeights
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 
@@ -234,7 +235,7 @@ class MegatronModule(Module):
         logits of positions before the first one it marks in the micro-batch are not computed: logprobs is 0
         there (a loss reads only masked positions).
         Returns {metric: float} over micro-batches and DP ranks (the mean; the largest for a name ending in
-        `_max`: chatgen.rlhf.losses.reduce_metrics), plus "grad_norm", "lr" and
+        `_max`: chatgen.core.metrics.reduce_metrics), plus "grad_norm", "lr" and
         "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
@@ -276,7 +277,7 @@ class MegatronModule(Module):
 
         Layout: chatgen_megatron.json (HF config, TP, PP, iteration), model_tp{t}_pp{p}.safetensors,
         optim_tp{t}_pp{p}.pt (torch.save of tensors only; read back with weights_only=True). Ranks write into
-        the staging directory of chatgen.checkpoint_io, then rank 0 moves it into place, so a crash never
+        the staging directory of chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never
         leaves a half-written `path`.
         """
         path = Path(path)

@@ -120,7 +120,7 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
 def grouped_batch(vocab=500, groups=2, n=3, seed=0):
     """GRPO-shaped rows (RolloutBatch.from_samples): `groups` prompts of different lengths, each followed by n
     responses of different lengths, right-padded; the loss mask marks the responses."""
-    from chatgen.rollout import RolloutBatch, Sample
+    from chatgen.core.rollout import RolloutBatch, Sample
 
     gen = torch.Generator().manual_seed(seed)
     samples = []

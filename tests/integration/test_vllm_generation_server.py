@@ -45,7 +45,7 @@ def shm_files(pid):
 
 @pytest.fixture(scope="module")
 def server_process(data_and_model):
-    from chatgen.distributed import free_port
+    from chatgen.core.distributed import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
     proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(data_and_model[1]),
@@ -274,7 +274,7 @@ def _trainer_rank(rank, url, model_dir, port, seed, results):
     from transformers import AutoModelForCausalLM
 
     from chatgen import VLLMGeneration
-    from chatgen.distributed import init_process_group
+    from chatgen.core.distributed import init_process_group
 
     init_process_group("gloo", rank, 2, "127.0.0.1", port)
     model = perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), seed)
@@ -287,7 +287,7 @@ def test_a_two_rank_trainer_syncs_through_rank_0(remote, server, data_and_model)
     import torch.multiprocessing as mp
     from transformers import AutoModelForCausalLM
 
-    from chatgen.distributed import free_port
+    from chatgen.core.distributed import free_port
 
     ctx, port = mp.get_context("spawn"), free_port()
     results = ctx.Queue()

@@ -1,9 +1,9 @@
-"""Unit tests for chatgen.checkpoint_io (pytest tests/unit/test_checkpoint_io.py)."""
+"""Unit tests for chatgen.core.checkpoint_io (pytest tests/unit/test_checkpoint_io.py)."""
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from chatgen.checkpoint_io import atomic_directory, megatron_shard_file, read_hf_safetensors, read_megatron_shard
+from chatgen.core.checkpoint_io import atomic_directory, megatron_shard_file, read_hf_safetensors, read_megatron_shard
 
 
 def test_atomic_directory_appears_complete_or_not_at_all(tmp_path):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from chatgen.distributed import free_port, init_process_group
+from chatgen.core.distributed import free_port, init_process_group
 from chatgen.training.launcher import run_distributed
 
 

@@ -2,7 +2,7 @@
 import pytest
 
 from chatgen.rlhf.algorithms.grpo_multiturn import Config, Episode, episode_sample, env_metrics
-from chatgen.rollout import RolloutBatch
+from chatgen.core.rollout import RolloutBatch
 
 EOS = 2
 

@@ -1,7 +1,7 @@
 """The shared JSONL reader: every input-file error names the file, the line and the fix."""
 import pytest
 
-from chatgen.jsonl import is_token_ids, read_records
+from chatgen.core.jsonl import is_token_ids, read_records
 
 
 def test_reads_objects_and_skips_blank_lines(tmp_path):

@@ -6,7 +6,7 @@ the JSON channel protocol over a real 2-process gloo group, the shared-memory fi
 import pytest
 import torch
 
-from chatgen.distributed import free_port
+from chatgen.core.distributed import free_port
 from chatgen import models
 from chatgen.models import layout
 from chatgen.param_sync import LocalWeights, SyncError, check_manifest, sync, weight_source

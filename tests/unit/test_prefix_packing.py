@@ -6,7 +6,7 @@ The model-level equality (loss and gradients) is in tests/integration/test_megat
 """
 import torch
 
-from chatgen.rollout import RolloutBatch, Sample
+from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 

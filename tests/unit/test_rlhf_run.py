@@ -12,9 +12,10 @@ import torch
 
 from chatgen.config import ConfigError, load_config
 from chatgen.rlhf import algorithms, tasks
-from chatgen.rlhf.run import check_config, sample_metrics, select
+from chatgen.core.tensors import select
+from chatgen.rlhf.run import check_config, sample_metrics
 from chatgen.rlhf.runtime import plan_groups
-from chatgen.rollout import RolloutBatch, Sample
+from chatgen.core.rollout import RolloutBatch, Sample
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -60,7 +60,7 @@ def record_problem(record: dict):
 
 
 def check(cfg):
-    from chatgen.jsonl import read_records
+    from chatgen.core.jsonl import read_records
 
     yield from pair_problems(cfg)
     trainer = cfg.models.get("policy_trainer")
@@ -78,10 +78,10 @@ def check(cfg):
 
 
 def pair_batch(tokenizer, records: list):
-    """Trainer rows of preference records: a chatgen.rollout.RolloutBatch of 2 x len(records) rows, row 2k the
+    """Trainer rows of preference records: a chatgen.core.rollout.RolloutBatch of 2 x len(records) rows, row 2k the
     k-th record's prompt + chosen, row 2k + 1 its prompt + rejected. Each row is BOS + prompt + response + EOS
     (the tokenizer adds BOS to the prompt as it does for generation), loss_mask 1 on the response and EOS."""
-    from chatgen.rollout import RolloutBatch, Sample
+    from chatgen.core.rollout import RolloutBatch, Sample
 
     samples = []
     for k, record in enumerate(records):

@@ -15,6 +15,7 @@ from functools import partial
 from typing import Literal, Optional
 
 from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
 
 
@@ -100,7 +101,7 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
         # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
         group = n if run.cfg.runtime.train_global_batch_size % n == 0 else 1
         steps = run.train("policy_trainer", data, loss_fn, group_size=group, per_step=True)
-    stats = L.reduce_metrics(steps)
+    stats = reduce_metrics(steps)
     if sync:
         with timer("sync"):
             run.sync_policy()

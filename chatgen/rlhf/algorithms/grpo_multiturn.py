@@ -26,7 +26,7 @@ from typing import Optional
 
 from chatgen.config import Role, opt
 from chatgen.rlhf.algorithms import grpo
-from chatgen.rollout import RolloutBatch, Sample
+from chatgen.core.rollout import RolloutBatch, Sample
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -128,7 +128,7 @@ def train(cfg, resume=False, log=print) -> dict:
     """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as grpo.train."""
     import torch
 
-    from chatgen.module import import_class
+    from chatgen.core.imports import import_class
     from chatgen.rlhf.run import Run, RunHealthError
 
     algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config

@@ -14,6 +14,7 @@ from functools import partial
 from typing import Literal, Optional
 
 from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
 
 
@@ -110,7 +111,7 @@ def train(cfg, resume=False, log=print) -> dict:
             with timer("sync"):
                 run.sync_policy()
             metrics = {**sample_metrics(scores, batch, old, rt.solved_reward, policy_data.get("is_weights")),
-                       **prefixed("policy", L.reduce_metrics(policy_steps)), **prefixed("value", value_stats),
+                       **prefixed("policy", reduce_metrics(policy_steps)), **prefixed("value", value_stats),
                        "value/mean": L.masked_mean(old_values, mask).item(),
                        "returns/mean": L.masked_mean(returns, mask).item()}
             if algo.old_logprobs == "rollout":  # the first step's log-probs, before any update, against the engine's

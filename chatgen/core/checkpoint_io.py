@@ -1,7 +1,7 @@
 """Checkpoint file I/O shared by the trainer, the RLHF runs, `chatgen convert` and the model makers, and the
 one way chatgen writes anything that must never be seen half-written.
 
-    from chatgen.checkpoint_io import atomic_directory, atomic_file, read_hf_safetensors, read_megatron_shard
+    from chatgen.core.checkpoint_io import atomic_directory, atomic_file, read_hf_safetensors, read_megatron_shard
     hf = read_hf_safetensors("outputs/tiny-llama", tie_word_embeddings=False)   # {HF name: tensor}
     shard = read_megatron_shard("outputs/tiny-llama-tp2pp2", t=1, p=0)          # {Megatron name: tensor}
     with atomic_directory("outputs/new-model") as tmp:                          # renamed into place on success
