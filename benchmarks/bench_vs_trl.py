@@ -2,7 +2,7 @@
 """chatgen's GRPO against TRL's GRPOTrainer, end to end, on the tiny sort task or SmolLM2 arithmetic (issue 12).
 
 Both train the same model on the same prompts (the task's train.jsonl / eval.jsonl) with the same rule reward
-(`chatgen.rlhf.tasks.REWARDS`) and the same settings; runs alternate (chatgen, TRL, TRL, chatgen, ...), each in
+(`chatgen.tasks.REWARDS`) and the same settings; runs alternate (chatgen, TRL, TRL, chatgen, ...), each in
 a fresh process, so a load change on the machine hits both alike. The TRL worker reads every setting from
 the task's chatgen YAML (`chatgen.config.load_config`), so the two cannot drift apart.
 
@@ -10,7 +10,7 @@ the task's chatgen YAML (`chatgen.config.load_config`), so the two cannot drift 
                    (`examples/prepare_tiny.sh` makes the model, the data and the warm start when missing)
   --task smollm2   configs/grpo_smollm2.yaml: SmolLM2-135M-Instruct learns the arithmetic task (the model from
                    the tests' cache, `smollm2_model` in tests/conftest.py, imported there once per machine with
-                   `chatgen import-gguf`'s code; the data by `python -m chatgen.rlhf.tasks --task arithmetic`)
+                   `chatgen import-gguf`'s code; the data by `python -m chatgen.tasks --task arithmetic`)
 
 TRL 1.16.0 is installed by this script into its own virtual environment (--trl-venv, default
 ~/.cache/chatgen/bench-trl-venv): a venv layered on the running one (a .pth file puts this interpreter's
@@ -110,7 +110,7 @@ def prepare_smollm2(env: dict) -> None:
         env["POLICY_LOAD"] = str(smollm2_model())
     env.setdefault("DATA_DIR", str(REPO / "outputs" / "arithmetic"))
     if not Path(env["DATA_DIR"], "eval.jsonl").exists():
-        subprocess.run([sys.executable, "-m", "chatgen.rlhf.tasks", "--task", "arithmetic", "--n-eval", "128",
+        subprocess.run([sys.executable, "-m", "chatgen.tasks", "--task", "arithmetic", "--n-eval", "128",
                         "--output", env["DATA_DIR"]], cwd=REPO, env=env, check=True)
 
 
@@ -214,7 +214,8 @@ def trl_worker(args) -> int:
 
     from chatgen.config.loader import load_config
     from chatgen.generation.engine_config import parse_stop_list
-    from chatgen.rlhf.tasks import get_reward_fn, read_jsonl
+    from chatgen.core.jsonl import read_prompt_records
+    from chatgen.tasks import get_reward_fn
 
     cfg = load_config(REPO / TASKS[args.task]["config"])
     rt, algo = cfg.runtime, cfg.runtime.algorithm
@@ -264,8 +265,8 @@ def trl_worker(args) -> int:
         return completion[-1]["content"] if policy.chat_template else completion
 
     train = Dataset.from_list([{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]}
-                               for r in read_jsonl(rt.data_path)])
-    held_out = read_jsonl(rt.eval_data_path)
+                               for r in read_prompt_records(rt.data_path)])
+    held_out = read_prompt_records(rt.eval_data_path)
     times = dict.fromkeys(("generate", "reward", "old_logprobs", "prepare", "step"), 0.0)
     lengths = []
 

@@ -24,7 +24,7 @@ import openai
 
 from chatgen.core.checkpoint_io import atomic_file
 from chatgen.rlhf.algorithms.grpo_multiturn import Episode
-from chatgen.rlhf.tasks import REWARDS
+from chatgen.tasks import REWARDS
 
 # A plain-text chat template for the tiny model (its tokenizer has none): turn 1 renders exactly as the task's
 # prompt (what the warm start saw), each assistant turn ends with EOS (the server counts EOS tokens to keep

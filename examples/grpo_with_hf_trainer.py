@@ -27,7 +27,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatgen import VLLMGeneration
 from chatgen.rlhf.losses import group_advantages, policy_loss
-from chatgen.rlhf.tasks import read_jsonl, sort_digits_reward
+from chatgen.core.jsonl import read_prompt_records
+from chatgen.tasks import sort_digits
 
 
 def token_batch(prompt_ids, completion_ids, pad_id):
@@ -47,7 +48,7 @@ def token_batch(prompt_ids, completion_ids, pad_id):
 def evaluate(gen, tokenizer, records) -> float:
     _, completions, _ = gen.generate([tokenizer.encode(r["prompt"]) for r in records], greedy=True)
     texts = tokenizer.batch_decode(completions, skip_special_tokens=True)
-    return sum(sort_digits_reward(t, r["answer"]) for t, r in zip(texts, records)) / len(records)
+    return sum(sort_digits.reward(t, r["answer"]) for t, r in zip(texts, records)) / len(records)
 
 
 def main(argv=None):
@@ -69,7 +70,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     torch.manual_seed(args.seed)
-    train, held_out = read_jsonl(f"{args.data}/train.jsonl"), read_jsonl(f"{args.data}/eval.jsonl")[:args.eval_prompts]
+    train, held_out = read_prompt_records(f"{args.data}/train.jsonl"), read_prompt_records(f"{args.data}/eval.jsonl")[:args.eval_prompts]
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
@@ -93,7 +94,7 @@ def main(argv=None):
             prompt_ids, completion_ids, infer_logprobs = gen.generate(
                 [tokenizer.encode(r["prompt"]) for r in batch], num_generations=args.group)
             texts = tokenizer.batch_decode(completion_ids, skip_special_tokens=True)
-            rewards = torch.tensor([sort_digits_reward(t, batch[i // args.group]["answer"])
+            rewards = torch.tensor([sort_digits.reward(t, batch[i // args.group]["answer"])
                                     for i, t in enumerate(texts)])
             advantages = group_advantages(rewards, args.group)  # (S,)
             ids, attention, mask = token_batch(prompt_ids, completion_ids, tokenizer.pad_token_id)

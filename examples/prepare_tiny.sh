@@ -3,7 +3,7 @@
 #
 # What every tiny example trains on, each step skipped when its output exists:
 #   1. the tiny model        chatgen make-tiny-model                 -> $MODEL
-#   2. the task data         python -m chatgen.rlhf.tasks            -> $DATA_DIR/{train,eval,sft}.jsonl and
+#   2. the task data         python -m chatgen.tasks            -> $DATA_DIR/{train,eval,sft}.jsonl and
 #                            preference_{train,eval}.jsonl (the same prompts as DPO pairs)
 #   3. supervised warm start examples/sft_warm_start.py (300 steps)  -> $POLICY_LOAD
 #      on mixed demonstrations (70% sorted descending): the model can sort, mostly the wrong way
@@ -20,7 +20,7 @@ export DATA_DIR=${DATA_DIR:-outputs/sort_digits}
 export POLICY_LOAD=${POLICY_LOAD:-outputs/tiny-llama-sft}
 
 [[ -d $MODEL ]] || chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output "$MODEL"
-[[ -f $DATA_DIR/sft.jsonl && -f $DATA_DIR/preference_eval.jsonl ]] || python -m chatgen.rlhf.tasks --output "$DATA_DIR"
+[[ -f $DATA_DIR/sft.jsonl && -f $DATA_DIR/preference_eval.jsonl ]] || python -m chatgen.tasks --output "$DATA_DIR"
 [[ -d $POLICY_LOAD ]] || python examples/sft_warm_start.py --load "$MODEL" --data "$DATA_DIR/sft.jsonl" \
   --output "$POLICY_LOAD" --steps 300
 

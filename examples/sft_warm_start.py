@@ -66,11 +66,11 @@ def main(argv=None) -> int:
     from chatgen import MegatronModule
     from chatgen.core.checkpoint_io import atomic_file
     from chatgen.rlhf.losses import nll_loss_fn
-    from chatgen.rlhf.tasks import read_jsonl
+    from chatgen.core.jsonl import read_prompt_records
     from chatgen.training.convert import megatron_to_hf_dir
 
     torch.manual_seed(args.seed)
-    records = read_jsonl(args.data)
+    records = read_prompt_records(args.data)
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
                                   micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).start()

@@ -1,5 +1,6 @@
 """JSON Lines input files (prompts, datasets): one object per line, errors that name the file and line."""
 import json
+from pathlib import Path
 
 
 def read_records(path, check=None, what: str = "records") -> list[dict]:
@@ -30,3 +31,16 @@ def read_records(path, check=None, what: str = "records") -> list[dict]:
 def is_token_ids(value) -> bool:
     """A non-empty list of ints (bools excluded)."""
     return isinstance(value, list) and bool(value) and all(type(t) is int for t in value)
+
+
+def read_prompt_records(path) -> list[dict]:
+    """Records of a JSONL prompt file; each line must have "prompt" (and "answer" for rule rewards)."""
+    return read_records(path, lambda r: None if "prompt" in r else 'each line must be an object with a "prompt" key')
+
+
+def write_records(path, records) -> None:
+    """One JSON object per line, into `path` (its directory created)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")

@@ -5,7 +5,7 @@
       model_class: chatgen.rlhf.rewards:RuleReward
       config: {rule: sort_digits}      # or final_number (GSM8K-style "#### 42" answers)
 
-The rules are the pure functions of chatgen.rlhf.tasks (`REWARDS`); a reward of your own is any
+The rules are the pure functions of chatgen.tasks (`REWARDS`); a reward of your own is any
 `chatgen.Module` with a `score(data)` method (docs/extending.md).
 """
 import dataclasses
@@ -15,12 +15,12 @@ import torch
 
 from chatgen.config import opt
 from chatgen.module import Module
-from chatgen.rlhf.tasks import REWARDS
+from chatgen.tasks import REWARDS
 
 
 @dataclasses.dataclass(kw_only=True)
 class RuleRewardConfig:
-    rule: Literal[tuple(REWARDS)] = opt("sort_digits", "which rule of chatgen.rlhf.tasks.REWARDS scores the responses")
+    rule: Literal[tuple(REWARDS)] = opt("sort_digits", "which rule of chatgen.tasks.REWARDS scores the responses")
 
 
 class RuleReward(Module):

@@ -29,7 +29,7 @@ from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
 from chatgen.rlhf.runtime import call_model
-from chatgen.rlhf.tasks import read_jsonl
+from chatgen.core.jsonl import read_prompt_records
 from chatgen.core.rollout import RolloutBatch
 
 
@@ -87,7 +87,7 @@ def check_config(cfg, algorithm) -> None:
                       "\"answer\": ...}})")
     elif not Path(rt.data_path).is_file():
         errors.append(f"{where}: runtime.data_path: {rt.data_path} does not exist; create it (for the tiny task: "
-                      "python -m chatgen.rlhf.tasks --output DIR) or fix the path")
+                      "python -m chatgen.tasks --output DIR) or fix the path")
     if rt.eval_data_path and not Path(rt.eval_data_path).is_file():
         errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
     if rt.eval_episode_interval and not rt.eval_data_path:
@@ -188,8 +188,8 @@ class Run:
                                   "pass --resume to continue from the latest, or choose another runtime.output_dir")
         else:
             last = None
-        self.records = read_jsonl(rt.data_path)
-        self.eval_records = read_jsonl(rt.eval_data_path) if rt.eval_data_path else []
+        self.records = read_prompt_records(rt.data_path)
+        self.eval_records = read_prompt_records(rt.eval_data_path) if rt.eval_data_path else []
         per_episode = records_per_episode or rt.sample_per_episode
         self.sampler = ckpt.PromptSampler(len(self.records), per_episode, rt.seed)
         # what the order of the training data depends on: a resume with other values is refused (see _resume)

@@ -65,12 +65,12 @@ def chat_model_dir(tiny_llama_dir, tmp_path):
 
 def test_multiturn_grpo_trains_on_the_servers_tokens(chat_model_dir, tmp_path, monkeypatch):
     from chatgen.config import load_config
-    from chatgen.rlhf import tasks
+    from chatgen import tasks
     from chatgen.rlhf.algorithms import grpo_multiturn
     from chatgen.rlhf.run import Run
 
     monkeypatch.chdir(REPO)
-    tasks.main(["--output", str(tmp_path / "data"), "--n-train", "32", "--n-eval", "4"])
+    tasks.write_task_data(str(tmp_path / "data"), n_train=32, n_eval=4)
     out = tmp_path / "run"
     overrides = {
         "runtime.algorithm.environment": f"{__name__}:RecordingEnv", "runtime.num_episode": 2,

@@ -56,10 +56,10 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-    from chatgen.rlhf import tasks
+    from chatgen import tasks
 
     out = tmp_path_factory.mktemp("sort_digits")
-    tasks.main(["--output", str(out), "--n-train", "64", "--n-eval", "8"])
+    tasks.write_task_data(str(out), n_train=64, n_eval=8)
     return out
 
 

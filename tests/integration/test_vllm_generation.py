@@ -138,12 +138,12 @@ def quick_warm_start(model_dir, sft_records, out, steps=20):
 def test_grpo_with_hf_trainer_example_runs(tiny_llama_dir, tmp_path):
     """examples/grpo_with_hf_trainer.py, two short steps: rewards computed, weights synced (after a sync the
     engine's log-probs equal the trained model's), held-out reward measured."""
-    from chatgen.rlhf import tasks
+    from chatgen import tasks
     from examples.grpo_with_hf_trainer import main
 
     data = tmp_path / "data"
-    tasks.main(["--output", str(data), "--n-train", "64", "--n-eval", "8"])
-    model = quick_warm_start(tiny_llama_dir, tasks.read_jsonl(data / "sft.jsonl"), tmp_path / "model")
+    tasks.write_task_data(str(data), n_train=64, n_eval=8)
+    model = quick_warm_start(tiny_llama_dir, read_prompt_records(data / "sft.jsonl"), tmp_path / "model")
     history = main(["--model", str(model), "--data", str(data), "--steps", "2", "--prompts", "4", "--group", "4",
                     "--eval-every", "1", "--eval-prompts", "8", "--output", str(tmp_path / "m.jsonl")])
     assert [r["step"] for r in history] == [0, 1, 2]

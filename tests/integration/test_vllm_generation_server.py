@@ -31,11 +31,11 @@ PROMPTS = [list(range(10, 80)), [5, 17, 99, 200, 301, 7]]
 
 @pytest.fixture(scope="module")
 def data_and_model(tiny_llama_dir, tmp_path_factory):
-    from chatgen.rlhf import tasks
+    from chatgen import tasks
 
     tmp = tmp_path_factory.mktemp("vgen-server")
-    tasks.main(["--output", str(tmp / "data"), "--n-train", "64", "--n-eval", "8"])
-    return tmp / "data", quick_warm_start(tiny_llama_dir, tasks.read_jsonl(tmp / "data" / "sft.jsonl"), tmp / "model")
+    tasks.write_task_data(str(tmp / "data"), n_train=64, n_eval=8)
+    return tmp / "data", quick_warm_start(tiny_llama_dir, read_prompt_records(tmp / "data" / "sft.jsonl"), tmp / "model")
 
 
 def shm_files(pid):

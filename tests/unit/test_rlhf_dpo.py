@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from chatgen.config import ConfigError, load_config
-from chatgen.rlhf import algorithms, tasks
+from chatgen import tasks
+from chatgen.rlhf import algorithms
 from chatgen.rlhf.algorithms.dpo import pair_batch
 from chatgen.rlhf.run import check_config
 
@@ -18,7 +19,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def data(tmp_path):
-    tasks.main(["--output", str(tmp_path), "--n-train", "64", "--n-eval", "8"])
+    tasks.write_task_data(str(tmp_path), n_train=64, n_eval=8)
     return tmp_path
 
 
@@ -96,7 +97,7 @@ def test_dpo_data_must_be_preference_records(data):
 
 def test_sort_digits_preferences(data):
     for split in ("train", "eval"):
-        records = tasks.read_jsonl(data / f"{split}.jsonl")
+        records = read_prompt_records(data / f"{split}.jsonl")
         pairs = [json.loads(line) for line in (data / f"preference_{split}.jsonl").read_text().splitlines()]
         by_prompt = {r["prompt"]: r["answer"] for r in records}
         assert len(pairs) == sum(len(set(r["answer"].split())) > 1 for r in records)  # all-equal digits left out
@@ -108,5 +109,5 @@ def test_sort_digits_preferences(data):
     held_out = {json.loads(line)["prompt"] for line in (data / "preference_eval.jsonl").read_text().splitlines()}
     assert not train & held_out
     kinds = {"descending" if p["rejected"].split() == sorted(p["rejected"].split(), reverse=True) else "near miss"
-             for p in tasks.sort_digits_preferences(tasks.sort_digits_records(200, seed=3), seed=0)}
+             for p in tasks.sort_digits.preferences(tasks.sort_digits.records(200, seed=3), seed=0)}
     assert kinds == {"descending", "near miss"}

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from chatgen.config import ConfigError, load_config
-from chatgen.rlhf import algorithms, tasks
+from chatgen import tasks
+from chatgen.rlhf import algorithms
 from chatgen.core.tensors import select
 from chatgen.rlhf.run import check_config, sample_metrics
 from chatgen.rlhf.runtime import plan_groups
@@ -22,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture
 def data(tmp_path):
-    tasks.main(["--output", str(tmp_path), "--n-train", "64", "--n-eval", "8"])
+    tasks.write_task_data(str(tmp_path), n_train=64, n_eval=8)
     return [f"runtime.data_path={tmp_path}/train.jsonl", f"runtime.eval_data_path={tmp_path}/eval.jsonl"]
 
 
