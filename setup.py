@@ -13,7 +13,7 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["chatgen", "chatgen.*"]),
-    package_data={"chatgen": ["data/*", "data/**/*", "config/*.txt"]},
+    package_data={"chatgen": ["data/*", "data/**/*", "compat/*.txt"]},
     include_package_data=True,
     install_requires=["pyyaml", "safetensors", "sentencepiece", "tqdm"],
     entry_points={"console_scripts": ["chatgen=chatgen.cli:main"]},

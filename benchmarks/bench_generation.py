@@ -49,8 +49,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from chatgen.generation import vllm_adapter as adapter
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm import adapter
+    from chatgen.generation.vllm.module import VLLMModule
 
     model = tiny_model(args.model)
     module = VLLMModule({

@@ -144,7 +144,7 @@ def bench_servers(args, model: Path, prompts: list) -> dict:
 def bench_first_result(args, model: Path) -> dict:
     import torch
 
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     module = VLLMModule({"load": str(model), "enforce_eager": True, "seed": 0, "kv_cache_memory_bytes": 1 << 30,
                          "seq_length": args.seq_length, "new_token_limit": False, "max_new_tokens": 16,

@@ -74,7 +74,7 @@ def make_model(path: Path, overrides: dict) -> int:
 ENGINE_KWARGS = dict(enforce_eager=True, skip_tokenizer_init=True, dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20)
 NEW_PROCESS_ENGINE = (
     "import sys\n"
-    "from chatgen.generation import vllm_adapter\n"
+    "from chatgen.generation.vllm import adapter as vllm_adapter\n"
     "llm = vllm_adapter.build_llm(sys.argv[1], **{kwargs!r})\n"
     "print('chatgen-engine-ready', flush=True)\n"
 )
@@ -96,10 +96,12 @@ def new_process_engine_start_s(model_dir: str) -> float:
     raise RuntimeError(f"the fresh-process engine exited ({proc.wait()}) before it was ready")
 
 
-def engine(model_dir: str, load_format: str = "dummy"):
-    from chatgen.generation import vllm_adapter
+def engine(model_dir: str):
+    """A started VLLMModule on random weights (what a sync writes into)."""
+    from chatgen.generation.vllm.module import VLLMModule
 
-    return vllm_adapter.build_llm(model_dir, load_format=load_format, **ENGINE_KWARGS)
+    return VLLMModule(dict(load=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                           kv_cache_memory_bytes=64 << 20)).start()
 
 
 def timed(fn, repeats: int = 1) -> list:
@@ -162,7 +164,7 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
 
-    from chatgen.generation import vllm_adapter
+    from chatgen.generation.vllm import adapter as vllm_adapter
     from chatgen.param_sync import sync_weights
     from chatgen.training.megatron_module import MegatronModule
 
@@ -177,7 +179,7 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     sync_weights(trainer, llm)  # warm-up (first reload records vLLM's layer metadata)
     sync_weights(hf_model, llm)
     hf_state = trainer.hf_state_dict()  # a separate copy, as a lower bound would have it
-    vllm_adapter.load_weights(llm, iter(hf_state.items()))
+    vllm_adapter.load_weights(llm.engine, iter(hf_state.items()))
     group, shm_load_s = server_group(hf_model, llm), []
     shm = server_shm(hf_model, llm, shm_load_s)
     group()  # warm-up: the group is created on the first sync
@@ -187,7 +189,7 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
                         "transformers": lambda: sync_weights(hf_model, llm),
                         "server_group": group,
                         "server_shm": shm,
-                        "lower": lambda: vllm_adapter.load_weights(llm, iter(hf_state.items()))}, repeats)
+                        "lower": lambda: vllm_adapter.load_weights(llm.engine, iter(hf_state.items()))}, repeats)
     chatgen_s, transformers_s, lower_s = runs["chatgen"], runs["transformers"], runs["lower"]
     server = {transport: runs[f"server_{transport}"] for transport in ("group", "shm")}
 

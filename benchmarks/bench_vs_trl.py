@@ -212,9 +212,9 @@ def trl_worker(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from chatgen.config.loader import load_config
-    from chatgen.generation.engine_config import parse_stop_list
+    from chatgen.rlhf.config import load_config
     from chatgen.core.jsonl import read_prompt_records
+    from chatgen.generation.config import parse_stop_list
     from chatgen.tasks import get_reward_fn
 
     cfg = load_config(REPO / TASKS[args.task]["config"])
@@ -392,7 +392,7 @@ def main(argv=None) -> int:
         parser.error("--output is required")
 
     sys.path.insert(0, str(REPO))  # this checkout's chatgen and tests/, as the runs get it by PYTHONPATH
-    from chatgen.config.loader import load_config
+    from chatgen.rlhf.config import load_config
 
     env = os.environ  # the runs inherit it, with the task's POLICY_LOAD and DATA_DIR (${...} in its YAML)
     env.update(OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))

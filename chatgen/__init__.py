@@ -10,7 +10,7 @@ import importlib
 __version__ = "0.1.0"
 
 _LAZY = {
-    "VLLMModule": "chatgen.generation.vllm_module",
+    "VLLMModule": "chatgen.generation.vllm.module",
     "VLLMGeneration": "chatgen.generation.standalone",
     "MegatronModule": "chatgen.training.megatron_module",
     "Module": "chatgen.module",

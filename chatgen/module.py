@@ -7,8 +7,9 @@
 
 - `__init__(config, *, name, config_dialect="chatgen")` stores the config after the config loader has checked
   it, the same way for every module type: a dict or a YAML path goes through `chatgen.config.load_model_config`
-  against the class's `config_class` (unknown keys, types and ranges reported together, each with its fix);
-  `config_dialect="chatlearn"` reads a YAML path written for ChatLearn.
+  against the class's `config_class` (unknown keys, types and ranges reported together, each with its fix); a
+  typed instance (loaded already, or built in code) only has its range rules checked; `config_dialect="chatlearn"`
+  reads a YAML path written for ChatLearn.
 - `init()` is the framework's part: whatever must exist before a model is built (Megatron joins
   torch.distributed and its parallel groups; vLLM picks its executor). Users do not override it.
 - `setup()` is the user hook (ChatLearn's name): build the model / engine and anything around it. The
@@ -22,12 +23,11 @@ A reward model is a plain subclass:
             return torch.tensor([-len(t) / 100 for t in data["texts"]])
 """
 import contextlib
-import dataclasses
 import gc
 import os
 
-from chatgen.config import load_model_config
-
+from chatgen.compat.chatlearn import dialect as compat_dialect
+from chatgen.config import ConfigError, load_model_config
 
 
 @contextlib.contextmanager
@@ -62,20 +62,29 @@ class Module:
         self.config = self._checked_config(config, config_dialect)
         self.name = name or type(self).__name__
 
-    def config_problems(self, config):
+    @classmethod
+    def config_problems(cls, config):
         """(key, problem) pairs beyond the schema's own checks (e.g. what this platform cannot do)."""
         return ()
 
     def _checked_config(self, config, dialect: str = "chatgen"):
+        """The typed config: a YAML path or a dict goes through the loader (every problem in one ConfigError);
+        an instance of the schema (loaded already, or built in code) has its range rules and this platform's
+        checked, without being read a second time."""
         schema = self.config_class
         if config is None:
             config = {}
         if isinstance(config, (str, os.PathLike)):  # dialect "chatlearn": a ChatLearn per-model YAML
-            return load_model_config(config, schema, extra_check=self.config_problems, dialect=dialect)
+            return load_model_config(config, schema, extra_check=self.config_problems,
+                                     dialect=compat_dialect(dialect))
         if isinstance(config, dict):
-            return load_model_config(None, schema, dict(config), extra_check=self.config_problems)
-        if schema is not dict and isinstance(config, schema):  # built in code (and perhaps changed): re-check
-            return load_model_config(None, schema, dataclasses.asdict(config), extra_check=self.config_problems)
+            return load_model_config(None, schema, dict(config), extra_check=self.config_problems,
+                                     dialect=compat_dialect(dialect))
+        if schema is not dict and isinstance(config, schema):
+            problems = [*config.check(), *self.config_problems(config)]
+            if problems:
+                raise ConfigError([f"{key}: {problem}" for key, problem in problems])
+            return config
         expected = "a dict or a YAML path" + ("" if schema is dict else f" or a {schema.__name__}")
         raise TypeError(f"{type(self).__name__}(config): expected {expected}, got {type(config).__name__}")
 

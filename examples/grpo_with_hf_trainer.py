@@ -26,8 +26,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from chatgen import VLLMGeneration
-from chatgen.rlhf.losses import group_advantages, policy_loss
 from chatgen.core.jsonl import read_prompt_records
+from chatgen.rlhf.losses import group_advantages, policy_loss
 from chatgen.tasks import sort_digits
 
 

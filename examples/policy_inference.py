@@ -48,7 +48,8 @@ def main(argv=None) -> int:
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="per-model keys, e.g. load=DIR n=2")
     args = parser.parse_args(argv)
 
-    from chatgen.config import VLLMConfig, load_model_config
+    from chatgen.config import load_model_config
+from chatgen.generation.vllm.config import VLLMConfig
 
     policy = PolicyInference(load_model_config(args.config, VLLMConfig, args.overrides)).start()
     questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?"]

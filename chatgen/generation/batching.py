@@ -7,6 +7,8 @@ tests/unit/test_generation.py on stand-ins for vLLM's RequestOutput.
 """
 import torch
 
+from chatgen.core.rollout import RolloutBatch, Sample
+
 
 def unpad_batch(batch, pad_token_id) -> list:
     """B lists of prompt token ids, or a ValueError naming the first bad row and the fix."""
@@ -123,8 +125,6 @@ def generation_output(request_outputs, input_width: int, pad_token_id: int, dtyp
 
 def rollout_batch(request_outputs, pad_token_id: int):
     """Finished requests (sorted by request id = prompt order) -> a `chatgen.core.rollout.RolloutBatch`, prompt-major."""
-    from chatgen.core.rollout import RolloutBatch, Sample
-
     samples = [Sample(prompt_ids=list(request.prompt_token_ids), response_ids=list(sample.token_ids),
                       response_logprobs=sample_logprobs(sample), prompt_index=k, text=sample.text or "",
                       prompt_text=request.prompt, finish_reason=sample.finish_reason or "abort",

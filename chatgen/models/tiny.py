@@ -26,6 +26,8 @@ from pathlib import Path
 
 import yaml
 
+from chatgen import models
+from chatgen.config import load_model_config
 from chatgen.core.checkpoint_io import atomic_directory
 
 CORPUS = Path(__file__).resolve().parent.parent / "data" / "tiny_corpus.txt"
@@ -62,8 +64,6 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
     """Every problem of the spec in one ValueError naming the keys, then the family's own check of the HF config."""
-    from chatgen import models
-
     errors = []
     if spec.family not in models.supported():
         errors.append(f"family: {spec.family!r} is not supported; use one of {models.supported()}")
@@ -98,8 +98,6 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] = ()) 
     Goes through chatgen's config loader, so an unknown key names the closest valid one and every problem is
     reported at once (ConfigError); checks that need the whole spec (head size, divisibility) follow.
     """
-    from chatgen.config import load_model_config
-
     spec = load_model_config(path, TinyModelSpec, list(overrides))
     validate_spec(spec, str(path or "overrides"))
     return spec
@@ -189,19 +187,3 @@ def make_tiny_model(spec: TinyModelSpec, output: str | os.PathLike, corpus: Path
         build_model(spec).save_pretrained(str(tmp), safe_serialization=True)
         (tmp / "chatgen_tiny_model.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
     return output
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--config", help="spec YAML (keys of TinyModelSpec); default: built-in tiny Llama")
-    parser.add_argument("--family", help="model family (HF model_type: llama, qwen2, qwen3); sets the spec's "
-                        "`family` over --config")
-    parser.add_argument("--output", required=True, help="directory to create (must not exist)")
-    parser.add_argument("--corpus", default=str(CORPUS), help="text file to train the tokenizer on")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="spec overrides, e.g. num_hidden_layers=4")
-
-
-def run(args) -> int:
-    spec = load_spec(args.config, ([f"family={args.family}"] if args.family else []) + args.overrides)
-    out = make_tiny_model(spec, args.output, Path(args.corpus))
-    print(f"wrote {spec.family} tiny model to {out} ({json.dumps(dataclasses.asdict(spec))})")
-    return 0

@@ -141,7 +141,7 @@ class ShmReceiver:
         return self.path
 
     def receive_into(self, target, header: dict, mode: str = "wait") -> SyncReport:
-        """Check the trainer's `header` (a `sync_header`) against `target` (a VLLMModule or `vllm.LLM`), then load
+        """Check the trainer's `header` (a `sync_header`) against `target` (a generation module), then load
         the weights from the file named last. Any failure drops the file (SyncError; before the load, the engine
         keeps its old weights)."""
         start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""Trainer -> vLLM weight sync: manifest check, bucketed streaming into vLLM's reload path, validation.
+"""Trainer -> generation engine weight sync: manifest check, bucketed streaming into the engine, validation.
 
 Colocated (trainer and engine in the same process(es), sharing memory):
 
@@ -14,16 +14,18 @@ CPU, NCCL on GPU):
 The source is anything that yields HF-named weights (`weight_source`): a chatgen `MegatronModule` (its public
 `hf_weights()` stream, gathered over TP and PP), a `torch.nn.Module` with Hugging Face parameter names (a
 transformers model; DDP / FSDP / torch.compile wrappers unwrapped), or an iterable of (name, tensor). The
-target is a `VLLMModule`, a `vllm.LLM`, or a `SyncSender` for an engine in another process.
+target is a generation module (the contract of chatgen.generation.base: `weight_manifest()`, `load_weights()`,
+`needs_resync`; VLLMModule, the hf backend), or a `SyncSender` for an engine in another process. This package
+imports no generation backend: it sits below them, so that any backend and VLLMGeneration can use it.
 
 Before a single byte is written: the source's manifest ({HF name: shape}) is checked against the engine's
 architecture (every expected parameter exactly once, nothing unexpected, same shapes), and every weight is
 checked to be finite; either failure raises `SyncError` naming the parameters, and the engine keeps its old
-weights. Then buckets stream into the engine's reload path (HF names, checkpoint format; vLLM fuses / shards /
-repacks). vLLM's reload releases the old weights as it begins, so an error once the engine's reload was called
-raises a `SyncError` saying the engine is partially updated and must be synced again (a VLLMModule then refuses
-to generate until a sync completes: `needs_resync`). `validate=True` (meant for the first syncs) recomputes every tensor by an independent
-unbucketed path and compares bit for bit; across processes the receiver also checks an exact integer
+weights. Then buckets stream into the engine (HF names, checkpoint format; vLLM fuses / shards / repacks them in
+its reload path). vLLM's reload releases the old weights as it begins, so an error once it began raises a
+`SyncError` saying the engine is partially updated and must be synced again (the module then refuses to generate
+until a sync completes: `needs_resync`). `validate=True` (meant for the first syncs) recomputes every tensor by an
+independent unbucketed path and compares bit for bit; across processes the receiver also checks an exact integer
 fingerprint of every tensor it received.
 """
 import dataclasses
@@ -34,9 +36,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from chatgen import models
 from chatgen.core.distributed import free_port, tcp_store
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
+
 
 class SyncError(RuntimeError):
     """A weight sync failed; the message says whether the engine still holds its old weights."""
@@ -69,13 +71,6 @@ def check_manifest(sent: dict, expected: dict, where: str = "engine") -> None:
     if problems:
         raise SyncError(f"weight sync refused, the {where} keeps its old weights; {len(problems)} mismatch(es) "
                         f"between the trainer and the {where}:\n  " + "\n  ".join(problems[:50]))
-
-
-def engine_manifest(llm) -> dict:
-    """{HF name: shape} the engine's architecture needs, from the HF config it was started with."""
-    from chatgen.generation import vllm_adapter
-
-    return models.hf_param_shapes(models.spec_from_hf_config(vllm_adapter.hf_config(llm)))
 
 
 def plan_manifest(plan: list) -> dict:
@@ -180,44 +175,21 @@ def _fingerprint(t: torch.Tensor) -> list:
     return [int(bits.sum()), int((bits * w).sum())]
 
 
-def _engine(target):
-    """The `vllm.LLM` of a target: a VLLMModule's engine, or the LLM itself."""
-    return getattr(target, "engine", None) or target
-
-
 def _load(target, buckets, mode: str = "wait") -> int:
-    """Feed bucket lists into the engine; returns tensors written. One reload call for an in-process
-    engine (lazy generator), one per bucket otherwise (each bucket holds whole vLLM layers). A VLLMModule is
-    written through its `update_weights` (between two engine steps; `mode` for the requests in flight); if the
-    write fails once vLLM's reload has begun, the module refuses to generate until a sync completes
-    (`VLLMModule.needs_resync`)."""
-    from chatgen.generation import vllm_adapter
+    """Feed bucket lists into a generation module (`load_weights`, chatgen.generation.base); returns tensors
+    written. If the write fails once the module began replacing its weights, it refuses to generate until a sync
+    completes (`needs_resync`), and the SyncError says the engine is partially updated."""
+    written = [0]
 
-    llm = _engine(target)
-    if target is llm:
-        load = lambda pairs: vllm_adapter.load_weights(llm, pairs)  # noqa: E731
-    else:
-        load = lambda pairs: target.update_weights(pairs, mode=mode)  # noqa: E731
-    written, touched = [0], [False]
-
-    def write(pairs):
-        touched[0] = True  # from here on vLLM may have released the old weights
-        load(pairs)
-
-    def stream(bucket_iter):
-        for bucket in bucket_iter:
-            for item in bucket:
-                written[0] += 1
-                yield item
+    def counted(bucket):
+        for item in bucket:
+            written[0] += 1
+            yield item
 
     try:
-        if vllm_adapter.in_process_workers(llm):
-            write(stream(buckets))
-        else:
-            for bucket in buckets:
-                write(list(stream([bucket])))
+        target.load_weights((counted(bucket) for bucket in buckets), mode)
     except Exception as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
-        if not touched[0]:
+        if target.needs_resync is None:
             if isinstance(e, SyncError):
                 raise
             raise SyncError(f"weight sync failed, the engine keeps its old weights: {type(e).__name__}: {e}") from e
@@ -248,15 +220,16 @@ def _checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None
 def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False,
                  mode: str = "wait") -> SyncReport:
     """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name, tensor) pairs; see
-    `weight_source`) into `target`: a `VLLMModule` or `vllm.LLM` in this process (colocated: call on every
-    trainer rank with that rank's engine), or a `SyncSender` (the engine lives in another process; its
-    receiver picks the mode). Collective over the source's ranks. mode: what a VLLMModule does with requests
-    in flight (`VLLMModule.update_weights`: wait, keep, recompute, abort)."""
+    `weight_source`) into `target`: a generation module in this process (a chatgen.generation.base
+    GenerationModule such as VLLMModule; colocated: call on every trainer rank with that rank's engine), or a
+    `SyncSender` (the engine lives in another process; its receiver picks the mode). Collective over the source's
+    ranks. mode: what the module does with requests in flight (`GenerationModule.load_weights`: wait, keep,
+    recompute, abort)."""
     if isinstance(target, SyncSender):
         return target.send(source, bucket_bytes, validate)
     start = time.perf_counter()
     weights = weight_source(source, bucket_bytes)
-    check_manifest(plan_manifest(weights.plan), engine_manifest(_engine(target)))
+    check_manifest(plan_manifest(weights.plan), target.weight_manifest())
     _check_finite(weights)
     n = _load(target, _checked(weights.buckets(), weights.plan, weights, validate), mode)
     itemsize = torch.empty((), dtype=weights.dtype).element_size()
@@ -371,7 +344,7 @@ def check_header(header: dict, target) -> None:
     if sum(len(b) for b in header["buckets"]) != len(sent):
         raise SyncError("weight sync refused, the engine keeps its old weights: the trainer's manifest "
                         "names a parameter twice")
-    check_manifest(sent, engine_manifest(_engine(target)))
+    check_manifest(sent, target.weight_manifest())
     if header["nonfinite"]:
         raise SyncError(f"weight sync refused, the engine keeps its old weights: "
                         f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
@@ -400,12 +373,12 @@ class SyncReceiver:
         self._store = _store(host, port, is_server=True)
 
     def receive_into(self, target, alive=None, mode: str = "wait") -> SyncReport:
-        """Receive one sync from the trainer and load it into `target` (a VLLMModule or `vllm.LLM`); blocks until
-        it arrives.
+        """Receive one sync from the trainer and load it into `target` (a generation module); blocks until it
+        arrives.
 
         alive: optional callable polled while waiting for the trainer to connect; it should raise (or
         return False) when the trainer processes died, so a failed trainer does not leave us waiting.
-        mode: what a VLLMModule target does with requests in flight (`VLLMModule.update_weights`).
+        mode: what the target does with requests in flight (`GenerationModule.load_weights`).
         """
         if self._pg is None:
             while not self._store.check([_READY_KEY]):

@@ -17,7 +17,6 @@ file deleted or truncated) is refused at resume with the file named and the prev
 `lock_output_dir` keeps two runs from writing into one output directory.
 """
 import fcntl
-import hashlib
 import json
 import os
 import random
@@ -182,51 +181,9 @@ def set_rng_state(state: dict) -> None:
         np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, gauss))
 
 
-def file_digest(path) -> str:
-    """sha256 of a file (the data order of a run depends on its contents)."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _to_json(x):
     return [_to_json(v) for v in x] if isinstance(x, (tuple, list)) else x
 
 
 def _to_tuple(x):
     return tuple(_to_tuple(v) for v in x) if isinstance(x, list) else x
-
-
-class PromptSampler:
-    """Deterministic batches of prompt indices: a fresh permutation per pass, resumable from (epoch, index).
-
-    The state is two integers, so resuming at episode k+1 draws exactly the prompts an uninterrupted run
-    would have drawn.
-    """
-
-    def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True):
-        if num_prompts < batch_size:
-            raise ValueError(f"the dataset has {num_prompts} prompts, fewer than one batch of {batch_size}")
-        self.num_prompts, self.batch_size, self.seed, self.shuffle = num_prompts, batch_size, seed, shuffle
-        self.epoch, self.index = 0, 0
-
-    def _order(self) -> list[int]:
-        if not self.shuffle:
-            return list(range(self.num_prompts))
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        return torch.randperm(self.num_prompts, generator=g).tolist()
-
-    def next_batch(self) -> list[int]:
-        if self.index + self.batch_size > self.num_prompts:  # drop the ragged tail, start the next pass
-            self.epoch, self.index = self.epoch + 1, 0
-        batch = self._order()[self.index: self.index + self.batch_size]
-        self.index += self.batch_size
-        return batch
-
-    def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "index": self.index}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.index = state["epoch"], state["index"]

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from tqdm.auto import tqdm
 
 from chatgen.core.checkpoint_io import atomic_file
@@ -132,3 +133,27 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
     finally:
         plt.close(fig)
     return png_path
+
+
+def sample_metrics(rewards: torch.Tensor, batch, old_logprobs: torch.Tensor, solved_reward: float | None = 1.0,
+                   is_weights: torch.Tensor | None = None) -> dict:
+    """Reward, length and train/inference mismatch figures of one episode's samples (a RolloutBatch)."""
+    mask = batch.loss_mask
+    diff = (old_logprobs - batch.infer_logprobs).abs() * mask
+    metrics = {
+        "reward/mean": rewards.mean().item(),
+        "reward/std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+        "response/length": batch.response_lengths.float().mean().item(),
+        "mismatch/logprob_max_abs": diff.max().item(),
+        "mismatch/logprob_mean_abs": (diff.sum() / mask.sum().clamp(min=1)).item(),
+    }
+    if solved_reward is not None:
+        metrics["reward/solved"] = (rewards >= solved_reward).float().mean().item()
+    if is_weights is not None:  # truncated importance sampling on: how far from 1 the weights are
+        metrics["mismatch/is_weight_mean"] = (is_weights * mask).sum().item() / max(mask.sum().item(), 1)
+        metrics["mismatch/is_weight_min"] = is_weights[mask > 0].min().item()
+    return metrics
+
+
+def prefixed(prefix: str, stats: dict) -> dict:
+    return {f"{prefix}/{k}": v for k, v in stats.items()}

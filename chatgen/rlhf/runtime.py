@@ -25,8 +25,11 @@ import shutil
 import time
 import traceback
 
-from chatgen.config import DEFAULT_MODEL_CLASSES
-from chatgen.core.distributed import free_port
+from chatgen.core.distributed import free_port, init_process_group
+from chatgen.core.imports import import_class
+from chatgen.module import startup_gc
+from chatgen.rlhf.checkpoint import rng_state, set_rng_state
+from chatgen.rlhf.config import backend_kind, model_class
 
 
 class ActorFailure(RuntimeError):
@@ -44,7 +47,9 @@ def rendezvous_host(multi_node: bool) -> str:
 
 
 class ModelWorker:
-    """One actor process: hosts rank `rank` of every model of its group (`self.models[name]`)."""
+    """One actor process: hosts rank `rank` of every model of its group (`self.models[name]`), and what the run
+    attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an HTTP server), closed before the
+    models shut down."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
@@ -52,7 +57,7 @@ class ModelWorker:
         import torch
 
         torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
-        self.rank, self.models = rank, {}
+        self.rank, self.models, self.attached = rank, {}, {}
 
     def address(self, multi_node: bool):
         host = rendezvous_host(multi_node)
@@ -63,10 +68,6 @@ class ModelWorker:
         same way (chatgen.module: `cls(config, name=name).start()`). With several ranks the group's
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
-        from chatgen.core.distributed import init_process_group
-        from chatgen.core.imports import import_class
-        from chatgen.module import startup_gc
-
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         world = int(os.environ["WORLD_SIZE"])
         if world > 1:
@@ -82,8 +83,27 @@ class ModelWorker:
         return getattr(self.models[name], method)(*args, **kwargs)
 
     def run(self, fn, *args, **kwargs):
-        """fn(models: {name: model}, *args, **kwargs) in this process (module-level functions only)."""
-        return fn(self.models, *args, **kwargs)
+        """fn(worker, *args, **kwargs) in this process (module-level functions only): `worker.models[name]`."""
+        return fn(self, *args, **kwargs)
+
+    def attach(self, name: str, kind: str, obj):
+        """Keep `obj` (with an optional `close()`) for model `name` until the worker stops; returns it."""
+        self.attached[(name, kind)] = obj
+        return obj
+
+    def stop(self) -> None:
+        """Close the attachments, then shut the models down in order (engines first: vLLM's teardown also ends
+        torch.distributed)."""
+        for obj in self.attached.values():
+            close = getattr(obj, "close", None)
+            if close is not None:
+                close()
+        self.attached.clear()
+        for model in self.models.values():
+            shutdown = getattr(model, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+        self.models.clear()
 
 
 class ActorGroup:
@@ -181,12 +201,7 @@ class LocalGroup:
         return [lambda: self.worker.run(fn, *args, **kwargs)]
 
     def kill(self) -> None:
-        """Shut the models down in order (engines first: vLLM's teardown also ends torch.distributed)."""
-        for model in self.worker.models.values():
-            shutdown = getattr(model, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-        self.worker.models.clear()
+        self.worker.stop()
 
 
 class ModelHandle:
@@ -203,6 +218,10 @@ class ModelHandle:
     def first(self, method: str, *args, **kwargs):
         """Call on every rank (collective), return rank 0's result."""
         return self.call(method, *args, **kwargs)[0]
+
+    def run(self, fn, *args) -> list:
+        """`fn(worker, *args)` on every rank of the group (a module-level function; see ModelWorker.run)."""
+        return self.get(self.group.run_async(fn, *args), fn.__name__)
 
     def get(self, refs, what):
         return self.group.get(refs, f"{self.name}.{what}")
@@ -234,8 +253,9 @@ def plan_groups(cfg) -> list:
                              "Megatron models need the same num_gpu (GPU) or TP x PP (CPU)")
         for n in names:
             e = cfg.models[n]
-            if e.backend == "vllm" and world > 1 and e.config.tensor_parallel_size != world:
-                raise ValueError(f"models.{n}: tensor_parallel_size={e.config.tensor_parallel_size} but it is "
+            tp = getattr(e.config, "tensor_parallel_size", None)  # a generation engine that spans ranks (vLLM)
+            if backend_kind(e.backend) == "generation" and tp is not None and world > 1 and tp != world:
+                raise ValueError(f"models.{n}: tensor_parallel_size={tp} but it is "
                                  f"colocated with {world} trainer ranks; a colocated vLLM engine spans all of them: "
                                  f"set tensor_parallel_size: {world}")
         gpus = max((e.num_gpu for e in entries), default=0)
@@ -280,8 +300,7 @@ class Runtime:
                 else:
                     group = ActorGroup(names, world, gpus, cpus, env, multi_node=bool(cfg.runtime.ray_address))
                 groups.append(group)
-                group.setup([(n, cfg.models[n].model_class or DEFAULT_MODEL_CLASSES[cfg.models[n].backend],
-                              cfg.models[n].config) for n in names])
+                group.setup([(n, model_class(cfg.models[n]), cfg.models[n].config) for n in names])
                 for n in names:
                     handles[n] = ModelHandle(n, cfg.models[n], group)
                 log(f"[chatgen] started {'+'.join(names)}: {world} rank(s) x ({cpus:g} CPU"
@@ -307,24 +326,20 @@ class Runtime:
         self.local_ray = None
 
 
-def _dp_rank(models, name):
-    return getattr(models[name], "dp_rank", None)
+def _dp_rank(worker, name):
+    return getattr(worker.models[name], "dp_rank", None)
 
 
-def call_model(models, name, method, *args):
+def call_model(worker, name, method, *args):
     """`models[name].method(*args)` in a worker (for `run_each`, which passes each rank its own arguments)."""
-    return getattr(models[name], method)(*args)
+    return getattr(worker.models[name], method)(*args)
 
 
-def _rng_state(models):
-    from chatgen.rlhf.checkpoint import rng_state
-
+def _rng_state(worker):
     return rng_state()
 
 
-def _set_rng_state(models, state):
-    from chatgen.rlhf.checkpoint import set_rng_state
-
+def _set_rng_state(worker, state):
     set_rng_state(state)
 
 

@@ -1,15 +1,16 @@
-"""The OpenAI-compatible HTTP app over a started `VLLMModule` (FastAPI; `chatgen serve` runs it with uvicorn).
+"""The OpenAI-compatible HTTP app over a started generation module (FastAPI; `chatgen serve` runs it with uvicorn).
 
     app = build_app(module, api_key="KEY")                       # module: a started VLLMModule
     app = build_app(module, api_key="KEY", routers=[control])    # more endpoints behind the same key
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming or not),
-POST /tokenize. Requests and responses are vLLM's OpenAI protocol models. Every request is one call on the
-module's engine loop, so requests run together in the engine (continuous batching) and a weight update
-(`module.update_weights`) lands between two engine steps. Each chat choice's `message` also carries
-`prompt_token_ids`, `generation_token_ids`, `generation_log_probs` and `generation_weight_versions`; a chat
-request may give `required_prefix_token_ids` (or carry them on its last assistant message as `prompt_token_ids`
+POST /tokenize. Requests and responses are vLLM's OpenAI protocol models (the schemas, and their
+`to_sampling_params`, so that a request means what it means to vLLM's own server). Every request is one
+`module.stream` call (the generation contract, chatgen.generation.base), so requests run together in the engine
+(continuous batching) and a weight update (`module.load_weights`) lands between two engine steps. Each chat
+choice's `message` also carries `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` and
+`generation_weight_versions`; a chat request may give `required_prefix_token_ids` (or carry them on its last assistant message as `prompt_token_ids`
 + `generation_token_ids`), and its prompt then begins with exactly those ids (chatgen.generation.chat_tokens).
 Bad requests get a 4xx with an OpenAI-style error body naming the field; the server keeps serving.
 """
@@ -24,7 +25,6 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 
-from chatgen.generation import vllm_adapter as adapter
 from chatgen.generation.chat_tokens import replace_prefix_tokens
 
 # Request fields the server refuses rather than silently ignore: (field, is it set?, why)
@@ -184,7 +184,7 @@ def _sse(obj) -> str:
 
 
 class _Server:
-    """Request handling shared by the endpoints: prompts, sampling parameters, one engine-loop call each."""
+    """Request handling shared by the endpoints: prompts, sampling parameters, one `module.stream` call each."""
 
     def __init__(self, module, name: str):
         self.module, self.name = module, name
@@ -262,28 +262,30 @@ class _Server:
         return params
 
     async def run(self, prompts: list, params, stream: bool):
-        """One engine-loop call for the prompts: yields RequestOutputs (deltas when streaming) with the prompt's
+        """One `module.stream` call for the prompts: yields RequestOutputs (deltas when streaming) with the prompt's
         index as `.prompt_index`."""
-        module, index = self.module, {}
+        module = self.module
         if module.is_sleeping():
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
         if module.needs_resync:
             raise APIError(503, module.needs_resync)
-
-        def add():
-            for i, ids in enumerate(prompts):
-                index[module.add_request(ids, params.clone() if len(prompts) > 1 else params, stream=stream)] = i
-
-        async with contextlib.aclosing(module.engine_loop.stream(module, add)) as outputs:  # closed: aborts the rest
-            async for output in outputs:
-                output.prompt_index = index[output.request_id]
+        async with contextlib.aclosing(module.stream(prompts, params, deltas=stream)) as outputs:  # closed: aborts
+            async for i, output in outputs:
+                output.prompt_index = i
                 yield output
 
     async def chat(self, req, body: dict):
         from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionLogProb, ChatCompletionLogProbs, ChatCompletionLogProbsContent, ChatCompletionResponse,
-            ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice, ChatCompletionStreamResponse,
-            ChatMessage, DeltaMessage)
+            ChatCompletionLogProb,
+            ChatCompletionLogProbs,
+            ChatCompletionLogProbsContent,
+            ChatCompletionResponse,
+            ChatCompletionResponseChoice,
+            ChatCompletionResponseStreamChoice,
+            ChatCompletionStreamResponse,
+            ChatMessage,
+            DeltaMessage,
+        )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
         self.check_model(req.model)
@@ -349,8 +351,12 @@ class _Server:
 
     async def completions(self, req):
         from vllm.entrypoints.openai.completion.protocol import (
-            CompletionLogProbs, CompletionResponse, CompletionResponseChoice, CompletionResponseStreamChoice,
-            CompletionStreamResponse)
+            CompletionLogProbs,
+            CompletionResponse,
+            CompletionResponseChoice,
+            CompletionResponseStreamChoice,
+            CompletionStreamResponse,
+        )
         from vllm.entrypoints.serve.engine.protocol import UsageInfo
 
         self.check_model(req.model)
@@ -363,7 +369,7 @@ class _Server:
         prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
         if any(not p for p in prompts):
             raise APIError(400, "prompt: every prompt needs at least one token", "prompt")
-        vocab = adapter.vocab_size(self.module.engine)
+        vocab = self.module.vocab_size
         if any(t < 0 or t >= vocab for p in prompts for t in p):
             raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
         params = self.sampling_params(req, max(map(len, prompts)))

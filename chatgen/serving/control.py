@@ -22,7 +22,7 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
 The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is one of
 chatgen.param_sync's cross-process channels (`SyncReceiver.receive_into`, `ShmReceiver.receive_into`): the
 trainer's manifest and finiteness are checked against the engine before anything is written, and the write goes
-through `module.update_weights` in `mode` (wait / keep / recompute / abort, see VLLMModule.update_weights). The
+through `module.load_weights` in `mode` (wait / keep / recompute / abort, see GenerationModule.load_weights). The
 group, or the mapped file, stays open between the updates of one client; another client gets a new one. Every
 control endpoint changes what the server computes, so beyond loopback it needs an API key: the router refuses to
 be built for a non-loopback bind without one.
@@ -36,9 +36,9 @@ from fastapi import APIRouter, Depends, Request
 from pydantic import BaseModel, ConfigDict
 
 from chatgen.core.distributed import LOOPBACK_HOSTS
-from chatgen.generation.engine_loop import UPDATE_MODES
+from chatgen.generation.base import UPDATE_MODES
+from chatgen.param_sync import ShmReceiver, SyncReceiver
 from chatgen.serving.app import APIError, api_key_dependency
-
 
 CONNECT_TIMEOUT_S = 600  # after begin, how long the server waits for the trainer to join the group
 
@@ -77,8 +77,6 @@ class _WeightUpdates:
         self.finishing = threading.Lock()
 
     def begin(self, body: BeginRequest) -> dict:
-        from chatgen.param_sync import ShmReceiver, SyncReceiver
-
         with self.lock:
             if self.pending is not None and not (self.pending[0] == "shm" and time.monotonic() > self.pending[2]):
                 raise APIError(409, "a weight update is already in progress: finish it (POST /control/weights/finish)")
@@ -145,26 +143,23 @@ def check_bind(host: str, api_key: str | None) -> None:
 
 
 def control_router(module, *, api_key: str | None, host: str) -> APIRouter:
-    """The control endpoints for `module` (a started VLLMModule) served on `host`.
+    """The control endpoints for `module` (a started generation module, chatgen.generation.base) served on `host`.
 
     With api_key set, every endpoint needs `Authorization: Bearer <api_key>` (401 otherwise). Without one the
     server must bind loopback only: a ValueError refuses a non-loopback `host`.
     """
     check_bind(host, api_key)
-    from chatgen.generation import vllm_adapter
-
-    loop = module.engine_loop
     updates = _WeightUpdates(module, host if host in LOOPBACK_HOSTS else "0.0.0.0")
     router = APIRouter(prefix="/control", dependencies=[Depends(api_key_dependency(api_key))])
 
     @router.post("/pause")
     async def pause():
-        await asyncio.to_thread(loop.pause)
+        await asyncio.to_thread(module.pause)
         return {"paused": True}
 
     @router.post("/resume")
     async def resume():
-        await asyncio.to_thread(loop.resume)
+        await asyncio.to_thread(module.resume)
         return {"paused": False}
 
     @router.post("/weights/begin")
@@ -180,6 +175,6 @@ def control_router(module, *, api_key: str | None, host: str) -> APIRouter:
 
     @router.post("/reset_prefix_cache")
     async def reset_prefix_cache():
-        return {"reset": await asyncio.to_thread(loop.call, lambda: vllm_adapter.reset_prefix_cache(module.engine))}
+        return {"reset": await asyncio.to_thread(module.reset_prefix_cache)}
 
     return router

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
 from chatgen.models import layout
 
+
 @dataclasses.dataclass
 class Bucket:
     stage: int  # pipeline stage owning these parameters

@@ -20,7 +20,6 @@ of chatgen/models), converted on the fly. The optimizer is plain `torch.optim.Ad
 docs/megatron_module.md says more.
 """
 import gc
-import json
 import math
 import os
 from pathlib import Path
@@ -41,13 +40,13 @@ from chatgen.core.checkpoint_io import (
     staging_path,
     write_megatron_meta,
 )
-from chatgen.config import MegatronConfig
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.models import layout
 from chatgen.module import Module
 from chatgen.training import cpu_compat
+from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFWeights
 from chatgen.training.prefix_packing import pack_shared_prefix
 
@@ -361,8 +360,8 @@ class MegatronModule(Module):
 
         if torch.cuda.is_available():
             try:
-                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
                 import transformer_engine  # noqa: F401
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
                 return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tconfig.qk_layernorm)
             except ImportError:

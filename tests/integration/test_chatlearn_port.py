@@ -124,8 +124,8 @@ def test_chatgen_generate_refuses_a_class_that_is_not_a_vllm_module(tiny_llama_d
 
 def test_vllm_starts_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     """`load` = a chatgen Megatron checkpoint (TP 2 x PP 2 here): same greedy tokens and log-probs as from HF."""
-    from chatgen.generation.vllm_module import VLLMModule
-    from chatgen.training.convert import hf_to_megatron_dir
+    from chatgen.generation.vllm.module import VLLMModule
+    from chatgen.models.convert import hf_to_megatron_dir
 
     checkpoint = hf_to_megatron_dir(tiny_llama_dir, tmp_path / "megatron", tp=2, pp=2)
     config = dict(kv_cache_memory_bytes=64 << 20, enforce_eager=True, seq_length=128, new_token_limit=True,

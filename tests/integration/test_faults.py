@@ -130,7 +130,7 @@ def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
-    code = ("from chatgen.generation import vllm_adapter as a; "
+    code = ("from chatgen.generation.vllm import adapter as vllm_adapter as a; "
             f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
             "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
             "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)")
@@ -211,7 +211,7 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, t
 
 @pytest.fixture(scope="module")
 def module(tiny_llama_dir):
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     m = VLLMModule(dict(load=str(tiny_llama_dir), kv_cache_memory_bytes=32 << 20, enforce_eager=True,
                         seq_length=64, new_token_limit=True, max_new_tokens=4, temperature=0.0, seed=0)).start()

@@ -17,8 +17,8 @@ import torch
 pytestmark = pytest.mark.integration
 
 from chatgen.config import ConfigError  # noqa: E402
-from chatgen.generation import vllm_adapter as adapter  # noqa: E402
-from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
+from chatgen.generation.vllm import adapter  # noqa: E402
+from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS = ["Once upon a time", "The cat sat on the mat", "hello", "A tiny model learns to count: one, two,"]
@@ -295,7 +295,7 @@ def test_bad_prompts_are_rejected(module, monkeypatch, caplog):
     for limit in (True, False):  # whatever new_token_limit says
         monkeypatch.setattr(module.config, "new_token_limit", limit)
         caplog.clear()
-        with caplog.at_level("WARNING", logger="chatgen.generation.vllm_module"):
+        with caplog.at_level("WARNING", logger="chatgen.generation.vllm.module"):
             items = module.build_dataset([long_prompt, "hello"])  # ChatLearn: cut, keeping the beginning
         assert items[0]["input_ids"] == module.tokenizer.encode(long_prompt)[:budget]
         assert "cut 1 of 2 prompts" in caplog.text and "(prompts 0)" in caplog.text
@@ -450,7 +450,7 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
     again afterwards."""
     import gc
 
-    from chatgen.generation import vllm_adapter
+    from chatgen.generation.vllm import adapter as vllm_adapter
     from chatgen.module import startup_gc
 
     calls = []

@@ -179,7 +179,7 @@ def test_a_checkpoint_missing_or_damaging_its_optimizer_state_is_refused(models,
     with pytest.raises(FileNotFoundError, match=r"optim_tp0_pp0.pt is missing: .*restart AdamW"):
         build(path)  # (before: loaded silently, and the next update was ~11x larger)
     converted = tmp_path / "converted"  # a weights-only checkpoint (chatgen convert) needs no optimizer state
-    from chatgen.training.convert import hf_to_megatron_dir
+    from chatgen.models.convert import hf_to_megatron_dir
 
     hf_to_megatron_dir(models["llama"], converted, tp=1, pp=1)
     assert build(converted).iteration == 0
@@ -334,7 +334,7 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
 
 
 def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):
-    from chatgen.training.convert import hf_to_megatron_dir
+    from chatgen.models.convert import hf_to_megatron_dir
 
     ckpt = hf_to_megatron_dir(models["qwen2_v500"], tmp_path / "meg", tp=1, pp=1)
     ids = batch()

@@ -64,9 +64,9 @@ def chat_model_dir(tiny_llama_dir, tmp_path):
 
 
 def test_multiturn_grpo_trains_on_the_servers_tokens(chat_model_dir, tmp_path, monkeypatch):
-    from chatgen.config import load_config
     from chatgen import tasks
     from chatgen.rlhf.algorithms import grpo_multiturn
+    from chatgen.rlhf.config import load_config
     from chatgen.rlhf.run import Run
 
     monkeypatch.chdir(REPO)

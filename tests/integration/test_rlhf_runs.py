@@ -91,8 +91,8 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     import ray
 
     from chatgen.cli import main
-    from chatgen.config import load_config
     from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "grpo"
@@ -151,9 +151,9 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
 def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
     """old_logprobs: rollout skips the trainer's old log-prob pass (the mismatch is then measured in the first
     optimizer step); overlap_generation samples episode k+1 with the weights before episode k's update."""
-    from chatgen.config import load_config
     from chatgen.rlhf import checkpoint as ckpt
     from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     rollout = {"runtime.algorithm.old_logprobs": "rollout", "runtime.num_episode": 3,
@@ -192,8 +192,8 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_di
 
 
 def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
-    from chatgen.config import load_config
     from chatgen.rlhf.algorithms import ppo
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "ppo"
@@ -232,9 +232,9 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     """Stopped after episode 2 and resumed, a run's episode 3 equals an uninterrupted run's to the bit: data
     position, driver and actor RNGs (vLLM's sampling included: the evaluation samples too), trainer weights and
     optimizer. A resume that would change the data order, or from a damaged checkpoint, is refused."""
-    from chatgen.config import load_config
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.checkpoint import CheckpointError
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
 
@@ -295,8 +295,8 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
 
 
 def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
-    from chatgen.config import load_config
     from chatgen.rlhf.algorithms import online_dpo
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "online_dpo"

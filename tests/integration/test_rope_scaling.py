@@ -11,7 +11,6 @@ reading the same config.json itself, equals the trainer after a chatgen sync.
     python -m pytest tests/integration/test_rope_scaling.py
 """
 import json
-import os
 import shutil
 
 import pytest
@@ -79,25 +78,22 @@ def test_megatron_matches_hf_with_llama3_rope_scaling(models, trainer):
 
 
 def test_vllm_after_sync_matches_trainer_with_llama3_rope_scaling(models, trainer):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from vllm import SamplingParams
-
-    from chatgen.generation import vllm_adapter
+    from chatgen.generation.vllm.module import VLLMModule
     from chatgen.param_sync import sync_weights
 
-    llm = vllm_adapter.build_llm(str(models["llama3"]), load_format="dummy", enforce_eager=True,
-                                 skip_tokenizer_init=True, dtype="float32", seed=0, max_model_len=512,
-                                 kv_cache_memory_bytes=32 << 20)
+    llm = VLLMModule(dict(load=str(models["llama3"]), load_format="dummy", enforce_eager=True, dtype="float32",
+                          seed=0, seq_length=512, kv_cache_memory_bytes=32 << 20, new_token_limit=True,
+                          max_new_tokens=6, logprobs_mode="raw")).start()
     try:  # shutting the engine down tears down torch.distributed: the trainer's forward comes first
         sync_weights(trainer, llm)
         prompt = IDS[0, :250].tolist()
-        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=6, temperature=0.0, logprobs=0),
-                           use_tqdm=False)[0].outputs[0]
+        (request,) = llm.finished([{"input_ids": prompt}], greedy=True)
+        out = request.outputs[0]
         new = list(out.token_ids)
         full = torch.tensor([prompt + new])
         ref = trainer.forward_tokens({"input_ids": full})[0, len(prompt) - 1:]
     finally:
-        vllm_adapter.shutdown(llm)
+        llm.shutdown()
     vllm_lp = torch.tensor([lp[t].logprob for t, lp in zip(new, out.logprobs)])
     unscaled = hf_logprobs(models["plain"], full)[0, len(prompt) - 1:]
     assert (ref - unscaled).abs().max() > 100 * TOL  # an engine ignoring the scaling would be caught

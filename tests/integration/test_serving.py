@@ -20,8 +20,8 @@ import torch
 pytestmark = pytest.mark.integration
 
 from chatgen.core.distributed import free_port  # noqa: E402
-from chatgen.generation import vllm_adapter as adapter  # noqa: E402
-from chatgen.generation.vllm_module import VLLMModule  # noqa: E402
+from chatgen.generation.vllm import adapter  # noqa: E402
+from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 from chatgen.serving.app import build_app  # noqa: E402
 
 KEY = "test-key"

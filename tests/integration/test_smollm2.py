@@ -10,7 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from chatgen.generation.vllm_module import VLLMModule
+from chatgen.generation.vllm.module import VLLMModule
+from chatgen.serving.embedded import EmbeddedServer
 
 pytestmark = pytest.mark.integration
 
@@ -56,8 +57,10 @@ def test_smollm2_over_the_openai_server(smollm2_dir):
 
     module = VLLMModule(dict(load=str(smollm2_dir), kv_cache_memory_bytes=128 << 20, enforce_eager=True,
                              seq_length=512, temperature=1.0, seed=0)).start()
+    server = None
     try:
-        client = openai.OpenAI(base_url=module.serve(api_key="k", model_name="smollm2"), api_key="k")
+        server = EmbeddedServer(module, api_key="k", model_name="smollm2")
+        client = openai.OpenAI(base_url=server.url, api_key="k")
         messages = [{"role": "user", "content": QUESTION}]
         first = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=24, temperature=0)
         message = first.choices[0].message
@@ -80,4 +83,6 @@ def test_smollm2_over_the_openai_server(smollm2_dir):
         assert second.choices[0].message.model_extra["prompt_token_ids"][:len(prefix)] == prefix
         assert "Rome" in second.choices[0].message.content
     finally:
+        if server is not None:
+            server.close()
         module.shutdown()

@@ -19,22 +19,22 @@ PROMPTS = [[5, 17, 99, 200], [1, 2, 3, 4, 5, 6, 7]]
 NEW_TOKENS = 6
 
 
-def engine(model_dir, **kw):
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    from chatgen.generation import vllm_adapter
+def engine(model_dir, tensor_parallel_size=1):
+    """A VLLMModule on random weights (load_format dummy): only a sync can make it agree with the trainer."""
+    from chatgen.generation.vllm.module import VLLMModule
 
-    return vllm_adapter.build_llm(str(model_dir), load_format="dummy", enforce_eager=True, skip_tokenizer_init=True,
-                                  dtype="float32", seed=0, kv_cache_memory_bytes=32 << 20, **kw)
+    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                           kv_cache_memory_bytes=32 << 20, temperature=0.0, new_token_limit=True,
+                           max_new_tokens=NEW_TOKENS, logprobs_mode="raw",
+                           tensor_parallel_size=tensor_parallel_size)).start()
 
 
 def generate(llm, prompts=PROMPTS):
     """[(output ids, vLLM log-probs of them)] for greedy decoding."""
-    from vllm import SamplingParams
+    from chatgen.generation.batching import sample_logprobs
 
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=NEW_TOKENS, temperature=0.0, logprobs=0), use_tqdm=False)
-    return [(list(o.outputs[0].token_ids), [lp[t].logprob for t, lp in zip(o.outputs[0].token_ids, o.outputs[0].logprobs)])
-            for o in outs]
+    outs = llm.finished([{"input_ids": p} for p in prompts], greedy=True)
+    return [(list(o.outputs[0].token_ids), sample_logprobs(o.outputs[0])) for o in outs]
 
 
 def _worst(diffs) -> float:
@@ -79,12 +79,10 @@ def models(make_tiny):
 
 @pytest.fixture(scope="module")
 def engines(models):
-    from chatgen.generation import vllm_adapter
-
     llms = {name: engine(models[name]) for name in ("llama", "qwen2", "qwen3")}
     yield llms
     for llm in llms.values():
-        vllm_adapter.shutdown(llm)
+        llm.shutdown()
 
 
 # qwen2: QKV bias + tied embeddings; qwen3: QK-norm, head_dim 64 != hidden_size / heads, tied embeddings
@@ -172,9 +170,7 @@ def _cross_process_trainer(model_dir, layouts, port):
 @pytest.mark.parametrize("name", ["llama_1kv", "qwen3"])
 def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, over a private gloo group."""
-    from chatgen.generation import vllm_adapter
     from chatgen.param_sync import SyncReceiver
-    from chatgen.param_sync.sync import engine_manifest
     from chatgen.training.launcher import DistributedJob
 
     model_dir = models[name]
@@ -190,12 +186,11 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
             assert max_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
             # scramble the engine again so the next layout's sync has to do the work
             g = torch.Generator().manual_seed(1)
-            vllm_adapter.load_weights(llm, [(n, 0.05 * torch.randn(s, generator=g))
-                                            for n, s in engine_manifest(llm).items()])
+            llm.update_weights([(n, 0.05 * torch.randn(s, generator=g)) for n, s in llm.weight_manifest().items()])
         job.join()
     finally:
         job.stop()
-        vllm_adapter.shutdown(llm)
+        llm.shutdown()
 
 
 def _colocated_tp2(model_dir, prompts):
@@ -204,13 +199,11 @@ def _colocated_tp2(model_dir, prompts):
     from chatgen.training.megatron_module import MegatronModule
 
     module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=2)).start()
-    llm = engine(model_dir, tensor_parallel_size=2, distributed_executor_backend="external_launcher")
+    llm = engine(model_dir, tensor_parallel_size=2)  # WORLD_SIZE=2: external_launcher, one rank per process
     before = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
     report = sync_weights(module, llm, validate=True)
     after = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
-    from chatgen.generation import vllm_adapter
-
-    vllm_adapter.shutdown(llm)  # frees vLLM's shared-memory segments before the process exits
+    llm.shutdown()  # frees vLLM's shared-memory segments before the process exits
     return before, after, report.tensors
 
 
@@ -237,5 +230,5 @@ def test_check_sync_cli_qwen2_tp2_to_tp1(models, tmp_path):
     assert rc == 0 and result["max_abs_logprob_diff"] < TOL and result["mode"] == "cross-process"
     assert [s["prompt_ids"] for s in result["samples"]] == PROMPTS
     for s in result["samples"]:
-        assert len(s["output_ids"]) == len(s["vllm_logprobs"]) == len(s["trainer_logprobs"]) == NEW_TOKENS
+        assert len(s["output_ids"]) == len(s["engine_logprobs"]) == len(s["trainer_logprobs"]) == NEW_TOKENS
     assert result["sync_seconds"] > 0

@@ -14,23 +14,21 @@ import pytest
 import yaml
 
 from chatgen import cli
-from chatgen.config import (
-    ConfigError,
-    MegatronConfig,
+from chatgen.cli.config import key_reference, sections
+from chatgen.compat.chatlearn import dialect, megatron_lm_keys, model_args
+from chatgen.config import ConfigError, load_model_config, parse_overrides
+from chatgen.generation.vllm.config import VLLMConfig
+from chatgen.rlhf.config import (
     ModelEntry,
     RuntimeConfig,
-    VLLMConfig,
     format_config,
     load_config,
-    load_model_config,
-    model_args,
-    parse_overrides,
+    resolve_schema,
     save_resolved,
     schema_marker,
     to_dict,
 )
-from chatgen.config.cli import key_reference, sections
-from chatgen.config.loader import megatron_lm_keys
+from chatgen.training.config import MegatronConfig
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -111,7 +109,7 @@ def test_includes_are_defaults_nested_and_relative_to_the_including_file(tmp_pat
         includes: [../common/base.yaml, ../common/other.yaml]
         top_p: 0.9
     """)
-    cfg = load_model_config(path, "vllm")
+    cfg = load_model_config(path, VLLMConfig)
     assert cfg.top_k == 5  # from the include of an include
     assert cfg.temperature == 0.2  # an include's include never overrides the include
     assert cfg.top_p == 0.9  # the including file wins over its include
@@ -136,7 +134,7 @@ def test_include_cycle_is_detected(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "a.yaml", "includes: b.yaml\nn: 1\n")
     write(tmp_path / "b.yaml", "includes: [a.yaml]\n")
-    (error,) = errors_of(load_model_config, tmp_path / "a.yaml", "vllm")
+    (error,) = errors_of(load_model_config, tmp_path / "a.yaml", VLLMConfig)
     assert error == "b.yaml: includes: include cycle a.yaml -> b.yaml -> a.yaml; remove one of these includes"
 
 
@@ -161,17 +159,17 @@ def test_diamond_includes_are_not_a_cycle_and_includes_take_env_vars(tmp_path, m
     write(tmp_path / "base.yaml", "top_k: 3\n")
     write(tmp_path / "a.yaml", "includes: ${CG_BASE}.yaml\nn: 2\n")
     write(tmp_path / "b.yaml", "includes: base.yaml\nn: 5\n")
-    cfg = load_model_config(write(tmp_path / "p.yaml", "includes: [a.yaml, b.yaml]\n"), "vllm")
+    cfg = load_model_config(write(tmp_path / "p.yaml", "includes: [a.yaml, b.yaml]\n"), VLLMConfig)
     assert (cfg.top_k, cfg.n) == (3, 5)
     monkeypatch.chdir(tmp_path)
-    (error,) = errors_of(load_model_config, write(tmp_path / "q.yaml", "includes: ${CG_NOPE}.yaml\n"), "vllm")
+    (error,) = errors_of(load_model_config, write(tmp_path / "q.yaml", "includes: ${CG_NOPE}.yaml\n"), VLLMConfig)
     assert error.startswith("q.yaml: includes: environment variable CG_NOPE is not set")
 
 
 def test_yaml_syntax_error_names_file_and_line(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     write(tmp_path / "bad.yaml", "n: 1\ntemperature: [0.5\n")
-    (error,) = errors_of(load_model_config, "bad.yaml", "vllm")
+    (error,) = errors_of(load_model_config, "bad.yaml", VLLMConfig)
     assert re.match(r"bad\.yaml: line \d+: YAML syntax error: .+; fix the YAML syntax", error)
 
 
@@ -190,13 +188,13 @@ def test_env_whole_values_are_typed_and_inner_ones_stay_strings(tmp_path, monkey
         load: ${CG_DIR:/tmp/models}/tiny-${CG_N:4}
         tokenizer: ${CG_EMPTY:}
     """)
-    cfg = load_model_config(path, "vllm")
+    cfg = load_model_config(path, VLLMConfig)
     assert (cfg.n, cfg.temperature, cfg.ignore_eos) == (4, 0.5, True)
     assert cfg.load == "/tmp/models/tiny-4" and cfg.tokenizer is None
     monkeypatch.setenv("CG_N", "8")
-    assert load_model_config(path, "vllm").n == 8
+    assert load_model_config(path, VLLMConfig).n == 8
     monkeypatch.setenv("CG_L", "[1, 2]")
-    assert load_model_config(write(tmp_path / "r.yaml", "x: ${CG_L:[3]}\n"), "python") == {"x": [1, 2]}
+    assert load_model_config(write(tmp_path / "r.yaml", "x: ${CG_L:[3]}\n"), dict) == {"x": [1, 2]}
 
 
 def test_unset_env_var_without_default_is_null_with_one_warning(tmp_path, monkeypatch, caplog):
@@ -205,7 +203,7 @@ def test_unset_env_var_without_default_is_null_with_one_warning(tmp_path, monkey
     monkeypatch.delenv("CG_TOKENIZER_DIR", raising=False)
     write(tmp_path / "p.yaml", "load: /m\ntokenizer: ${CG_TOKENIZER_DIR}\n")
     with caplog.at_level("WARNING", logger="chatgen.config.loader"):
-        assert load_model_config("p.yaml", "vllm").tokenizer is None
+        assert load_model_config("p.yaml", VLLMConfig).tokenizer is None
     assert [r.getMessage() for r in caplog.records] == [
         "p.yaml: tokenizer: environment variable CG_TOKENIZER_DIR is not set and has no default: read as null "
         "(export CG_TOKENIZER_DIR=... or write ${CG_TOKENIZER_DIR:default})"]
@@ -215,7 +213,7 @@ def test_unset_env_var_inside_a_string_is_an_error(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("CG_MODEL_DIR", raising=False)
     write(tmp_path / "p.yaml", "load: ${CG_MODEL_DIR}/x\n")
-    (error,) = errors_of(load_model_config, "p.yaml", "vllm")
+    (error,) = errors_of(load_model_config, "p.yaml", VLLMConfig)
     assert error == ("p.yaml: load: environment variable CG_MODEL_DIR is not set and has no default, and a variable "
                      "inside a longer string cannot be null; export CG_MODEL_DIR=... or write ${CG_MODEL_DIR:default}")
 
@@ -230,14 +228,14 @@ def test_env_none_is_null_as_in_chatlearn_and_true_false_are_bools(tmp_path, mon
         use_beam_search: ${CG_BEAM:False}
         stop_token_list: None
     """)
-    cfg = load_model_config(path, "vllm")
+    cfg = load_model_config(path, VLLMConfig)
     assert (cfg.sliding_window, cfg.prompt_logprobs, cfg.ignore_eos, cfg.use_beam_search) == (None, None, True, False)
     assert cfg.stop_token_list == "None"  # a plain YAML None is text, in ChatLearn too: only `${...}` values
     monkeypatch.setenv("CG_LOGPROBS", "None")  # the environment's text is typed like a default's
     monkeypatch.setenv("CG_WINDOW", "4096")
-    cfg = load_model_config(path, "vllm", ["use_beam_search=false", "sliding_window=null"])
+    cfg = load_model_config(path, VLLMConfig, ["use_beam_search=false", "sliding_window=null"])
     assert (cfg.prompt_logprobs, cfg.sliding_window) == (None, None)
-    (error,) = errors_of(load_model_config, path, "vllm")  # a refused key keeps its refusal when it is set
+    (error,) = errors_of(load_model_config, path, VLLMConfig)  # a refused key keeps its refusal when it is set
     assert "sliding_window: not supported" in error
 
 
@@ -245,7 +243,7 @@ def test_env_var_only_needed_where_its_value_survives(tmp_path, monkeypatch):
     monkeypatch.delenv("CG_MODEL_DIR", raising=False)
     write(tmp_path / "base.yaml", "load: ${CG_MODEL_DIR}\n")
     path = write(tmp_path / "p.yaml", "includes: base.yaml\nload: /models/x\n")
-    assert load_model_config(path, "vllm").load == "/models/x"
+    assert load_model_config(path, VLLMConfig).load == "/models/x"
 
 
 # --- overrides -----------------------------------------------------------------------------------------------
@@ -275,7 +273,7 @@ def test_overrides_win_over_files_and_route_to_the_model(main_yaml):
 def test_model_config_overrides_and_no_file(tmp_path):
     cfg = load_model_config(None, VLLMConfig, ["load=/m", "temperature=0", "stop_token_list=</a>;<b>"])
     assert (cfg.load, cfg.temperature, cfg.stop_token_list) == ("/m", 0.0, "</a>;<b>")
-    (error,) = errors_of(load_model_config, None, "vllm", ["temprature=0"])
+    (error,) = errors_of(load_model_config, None, VLLMConfig, ["temprature=0"])
     assert error == "command line: temprature: unknown key; did you mean 'temperature'?"
     assert load_model_config(None, VLLMConfig, {"load": "/m", "n": 4}) == VLLMConfig(load="/m", n=4)
     (error,) = errors_of(load_model_config, None, VLLMConfig, {"top_p": 2.0})
@@ -292,7 +290,7 @@ def test_args_survive_includes_overrides_and_the_resolved_config(main_yaml, tmp_
         load: /m
         args: {shuffle: {epochs: 3}, extra: [1, 2]}
     """)
-    cfg = load_model_config(policy, "vllm", ["args.prompt_key=question"])
+    cfg = load_model_config(policy, VLLMConfig, ["args.prompt_key=question"])
     assert cfg.args == {"prompt_key": "question", "shuffle": {"seed": 1, "epochs": 3}, "extra": [1, 2]}
     cfg = load_config(main_yaml, ["policy.args.prompt_key=q", "models.policy_trainer.args.note=x"])
     assert cfg.models["policy"].config.args == {"prompt_key": "q", "shuffle": {"seed": 1, "epochs": 3}, "extra": [1, 2]}
@@ -302,15 +300,15 @@ def test_args_survive_includes_overrides_and_the_resolved_config(main_yaml, tmp_
 
 
 def test_args_may_not_repeat_a_chatgen_key_and_must_have_string_keys():
-    (error,) = errors_of(load_model_config, None, "vllm", {"args": {"seq_length": 8, "mine": 1}})
+    (error,) = errors_of(load_model_config, None, VLLMConfig, {"args": {"seq_length": 8, "mine": 1}})
     assert error == ("overrides: args: 'seq_length' is a chatgen key of this model; set it at the top level of the "
                      "file, or give your key another name")
-    (error,) = errors_of(load_model_config, None, "megatron", {"args": {1: "x"}})
+    (error,) = errors_of(load_model_config, None, MegatronConfig, {"args": {1: "x"}})
     assert error == "overrides: args: expected dict[str, Any], got dict {1: 'x'}; set it to dict[str, Any]"
 
 
 def test_model_args_is_the_typed_keys_and_the_user_keys_in_one_flat_copy():
-    cfg = load_model_config(None, "vllm", {"load": "/m", "args": {"prompt_key": "q", "nested": {"a": [1]}}})
+    cfg = load_model_config(None, VLLMConfig, {"load": "/m", "args": {"prompt_key": "q", "nested": {"a": [1]}}})
     flat = model_args(cfg)
     assert set(flat) == {f.name for f in dataclasses.fields(VLLMConfig)} - {"args"} | {"prompt_key", "nested"}
     assert (flat["load"], flat["temperature"], flat["prompt_key"]) == ("/m", 1.0, "q")
@@ -351,7 +349,7 @@ def test_unknown_keys_without_a_close_match_list_the_valid_keys_once_per_file(tm
     write(tmp_path / "base.yaml", "num_layers: 2\nhidden_size: 8\nmy_key: 1\n")
     write(tmp_path / "p.yaml", "includes: base.yaml\ntempreature: 0.5\nreward_name: r\nstride: 3\n")
     valid = ", ".join(sorted(f.name for f in dataclasses.fields(VLLMConfig)))
-    assert errors_of(load_model_config, "p.yaml", "vllm") == [
+    assert errors_of(functools.partial(load_model_config, dialect=dialect("chatgen")), "p.yaml", VLLMConfig) == [
         "base.yaml: num_layers: unknown key (a Megatron-LM argument)",
         "base.yaml: hidden_size: unknown key (a Megatron-LM argument)",
         "base.yaml: my_key: unknown key",
@@ -371,20 +369,20 @@ def test_unknown_keys_without_a_close_match_list_the_valid_keys_once_per_file(tm
 
 def test_range_checks_name_key_and_fix(tmp_path):
     path = write(tmp_path / "p.yaml", "temperature: -1\ntop_p: 0\ntop_k: 0\nseq_length: 2048\nmax_new_tokens: 4096\nmax_paddings: 8\n")
-    errors = errors_of(load_model_config, path, "vllm")
+    errors = errors_of(load_model_config, path, VLLMConfig)
     assert [e.split(": ")[1] for e in errors] == ["temperature", "top_p", "top_k", "max_new_tokens", "max_paddings"]
     assert "use 0 for greedy decoding" in errors[0] and "use 1.0 to turn top-p off" in errors[1]
     assert "raise seq_length or lower max_new_tokens" in errors[3]
 
 
 def test_quoted_number_says_remove_the_quotes(tmp_path):
-    (error,) = errors_of(load_model_config, write(tmp_path / "p.yaml", "temperature: '0.5'\n"), "vllm")
+    (error,) = errors_of(load_model_config, write(tmp_path / "p.yaml", "temperature: '0.5'\n"), VLLMConfig)
     assert error.endswith("expected float, got str '0.5'; remove the quotes")
 
 
 def test_ints_pass_as_floats_but_bools_never_as_numbers(tmp_path):
-    assert load_model_config(None, "vllm", ["temperature=1"]).temperature == 1.0
-    (error,) = errors_of(load_model_config, None, "vllm", ["n=true"])
+    assert load_model_config(None, VLLMConfig, ["temperature=1"]).temperature == 1.0
+    (error,) = errors_of(load_model_config, None, VLLMConfig, ["n=true"])
     assert error == "command line: n: expected int, got bool True; set it to int"
 
 
@@ -399,7 +397,8 @@ def test_model_entry_checks(main_yaml):
                                                 "runtime.colocation=[[policy, polcy]]"])
     assert errors[0] == ("command line: models.policy.trainable: a vllm model cannot be trained; "
                          "set trainable: false or backend: megatron")
-    assert errors[1].startswith("command line: models.reward.backend: 'pytorch' is not one of 'vllm', 'megatron'")
+    assert errors[1].startswith("command line: models.reward.backend: unknown generation backend 'pytorch'; chatgen "
+                                "ships ") and errors[1].endswith("or megatron (a trainer), python (your class, model_class)")
     assert errors[2] == ("command line: runtime.colocation: 'polcy' is not a configured model; "
                          "did you mean 'policy'?")
 
@@ -428,8 +427,8 @@ def test_required_key_and_missing_models(tmp_path, monkeypatch):
 
 def test_schema_by_name_class_or_import_path(tmp_path):
     path = write(tmp_path / "t.yaml", "tensor_model_parallel_size: 2\n")
-    assert load_model_config(path, "megatron") == load_model_config(path, MegatronConfig)
-    spec = load_model_config(path, "chatgen.config.schema:MegatronConfig")
+    assert load_model_config(path, MegatronConfig) == load_model_config(path, MegatronConfig)
+    spec = load_model_config(path, MegatronConfig)
     assert spec.tensor_model_parallel_size == 2
 
 
@@ -549,7 +548,7 @@ def test_shipped_model_yaml_is_validated(path, monkeypatch):
     schema, reason = marker
     if schema == "none":
         pytest.skip(f"{_rel(path)}: not a chatgen config ({reason or 'no reason given'})")
-    load_model_config(path, schema)
+    load_model_config(path, resolve_schema(schema))
 
 
 def test_importing_the_config_system_stays_light():
@@ -654,15 +653,15 @@ def chatlearn_env(monkeypatch):
 
 
 def load_chatlearn(path, schema, overrides=()):
-    return load_model_config(path, schema, list(overrides), dialect="chatlearn")
+    return load_model_config(path, schema, list(overrides), dialect=dialect("chatlearn"))
 
 
 def test_chatlearn_dialect_ignores_megatron_keys_and_sends_user_keys_to_args(chatlearn_env, caplog):
     chatlearn_env.setenv("CS_MODEL_DIR", "/models/tiny-llama")
     chatlearn_env.setenv("CS_SEQ_LEN", "512")
     chatlearn_env.setenv("CS_QUESTION_KEY", "question")
-    with caplog.at_level("INFO", logger="chatgen.config.loader"):
-        cfg = load_chatlearn(SAMPLER, "vllm")
+    with caplog.at_level("INFO", logger="chatgen.compat.chatlearn"):
+        cfg = load_chatlearn(SAMPLER, VLLMConfig)
     assert (cfg.load, cfg.seq_length, cfg.max_new_tokens, cfg.new_token_limit) == ("/models/tiny-llama", 512, 32, True)
     assert (cfg.n, cfg.temperature, cfg.top_p, cfg.eval_temperature, cfg.seed) == (2, 0.7, 0.8, 0.2, 7)
     assert (cfg.tensor_parallel_size, cfg.dtype, cfg.stop_token_list) == (1, "float32", "</s>;###")
@@ -703,17 +702,17 @@ def test_chatlearn_dialect_from_a_main_yaml_with_overrides(chatlearn_env):
 
 def test_chatlearn_dialect_reads_bf16_as_dtype_unless_dtype_is_set(chatlearn_env):
     chatlearn_env.setenv("CS_BF16", "True")
-    assert load_chatlearn(SAMPLER, "vllm").dtype == "bfloat16"
-    assert load_chatlearn(TRAINER, "megatron").dtype == "bfloat16"
-    assert load_chatlearn(SAMPLER, "vllm", ["dtype=float32"]).dtype == "float32"
-    (error,) = errors_of(load_chatlearn, SAMPLER, "vllm", ["fp16=true"])
+    assert load_chatlearn(SAMPLER, VLLMConfig).dtype == "bfloat16"
+    assert load_chatlearn(TRAINER, MegatronConfig).dtype == "bfloat16"
+    assert load_chatlearn(SAMPLER, VLLMConfig, ["dtype=float32"]).dtype == "float32"
+    (error,) = errors_of(load_chatlearn, SAMPLER, VLLMConfig, ["fp16=true"])
     assert error == ("command line: fp16: sets dtype to 'float16', and another ChatLearn key sets it to 'bfloat16'; "
                      "keep one of them")
 
 
 def test_chatlearn_dialect_keeps_refusals_and_catches_typos(chatlearn_env):
     chatlearn_env.setenv("CS_BEAM", "True")
-    errors = errors_of(load_chatlearn, SAMPLER, "vllm", ["swap_space=4", "max_paddings=256", "tempreature=0.5"])
+    errors = errors_of(load_chatlearn, SAMPLER, VLLMConfig, ["swap_space=4", "max_paddings=256", "tempreature=0.5"])
     assert sorted(e.split(": ")[1] for e in errors) == ["max_paddings", "swap_space", "tempreature", "use_beam_search"]
     (typo,) = [e for e in errors if "tempreature" in e]
     assert typo == ("command line: tempreature: unknown key; did you mean 'temperature'? (the chatlearn dialect sends "
@@ -722,14 +721,14 @@ def test_chatlearn_dialect_keeps_refusals_and_catches_typos(chatlearn_env):
 
 
 def test_chatlearn_dialect_needs_a_schema_with_args():
-    errors = errors_of(load_chatlearn, None, "chatgen.config.schema:RuntimeConfig", ["x=1"])
+    errors = errors_of(load_chatlearn, None, RuntimeConfig, ["x=1"])
     assert errors[0] == ("command line: the chatlearn dialect sends unknown keys to `args:`, and RuntimeConfig has no "
                      "`args` field; read this file with the chatgen dialect")
-    assert load_chatlearn(None, "python", ["num_layers=2"]) == {"num_layers": 2}  # a python model's keys are its own
+    assert load_chatlearn(None, dict, ["num_layers=2"]) == {"num_layers": 2}  # a python model's keys are its own
 
 
 def test_megatron_lm_key_list_is_sorted_and_names_no_chatlearn_or_vllm_key():
-    lines = [line for line in (REPO / "chatgen/config/megatron_lm_keys.txt").read_text().splitlines()
+    lines = [line for line in (REPO / "chatgen/compat/megatron_lm_keys.txt").read_text().splitlines()
              if line and not line.startswith("#")]
     assert lines == sorted(set(lines)) and set(lines) == megatron_lm_keys()
     assert {"num_layers", "hidden_size", "bf16", "lr_decay_style", "use_distributed_optimizer", "swiglu"} <= set(lines)

@@ -5,9 +5,8 @@
 import pytest
 import torch
 
-from chatgen.models import llama, qwen2, qwen3
 from chatgen import models
-from chatgen.models import layout
+from chatgen.models import layout, llama, qwen2, qwen3
 
 
 def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):

@@ -7,12 +7,9 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from test_convert import make_spec, random_hf_state
 
 from chatgen.cli import main
-from chatgen import models
-from chatgen.models import layout
-
-from test_convert import make_spec, random_hf_state
 
 
 @pytest.fixture

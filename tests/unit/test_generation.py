@@ -9,9 +9,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from chatgen.config import ConfigError, VLLMConfig, load_model_config, model_args
-from chatgen.generation import engine_config
+from chatgen.compat.chatlearn import model_args
+from chatgen.config import ConfigError, load_model_config
+from chatgen.generation import config as gc
 from chatgen.generation.batching import generation_output, unpad_batch
+from chatgen.generation.vllm import config as vc
+from chatgen.generation.vllm.config import VLLMConfig
 
 
 def config(**values) -> VLLMConfig:
@@ -29,19 +32,19 @@ def config(**values) -> VLLMConfig:
 def test_unsupported_keys_are_rejected_with_the_fix(key, value, message):
     cfg = dataclasses.replace(config(), **{key: value})
     with pytest.raises(ConfigError, match=message) as err:
-        engine_config.check_vllm_config(cfg, cpu=True)
+        vc.check_vllm_config(cfg, cpu=True)
     assert err.value.errors[0].startswith(f"{key}: ")
 
 
 def test_all_problems_are_reported_at_once():
     cfg = dataclasses.replace(config(), swap_space=1.0, use_beam_search=True, temperature=0.0, n=4, top_p=0.0)
     with pytest.raises(ConfigError) as err:
-        engine_config.check_vllm_config(cfg, cpu=True)
+        vc.check_vllm_config(cfg, cpu=True)
     assert sorted(e.split(":")[0] for e in err.value.errors) == ["n", "swap_space", "top_p", "use_beam_search"]
 
 
 def test_block_size_16_is_fine_on_gpu():
-    engine_config.check_vllm_config(dataclasses.replace(config(), block_size=16), cpu=False)
+    vc.check_vllm_config(dataclasses.replace(config(), block_size=16), cpu=False)
 
 
 def test_engine_kwargs_map_every_engine_key(tmp_path):
@@ -49,7 +52,7 @@ def test_engine_kwargs_map_every_engine_key(tmp_path):
     cfg = config(load=str(tmp_path), dtype="bfloat16", seed=7, seq_length=512, max_new_tokens=64, tensor_parallel_size=2,
                  enforce_eager=True, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20, block_size=32,
                  generation_batch_size=16, max_num_batched_tokens=1024, logprobs_mode="raw")
-    kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True, distributed_executor_backend="external_launcher")
+    kwargs = vc.engine_kwargs(cfg, str(tmp_path), cpu=True, distributed_executor_backend="external_launcher")
     assert kwargs == dict(tokenizer=str(tmp_path), skip_tokenizer_init=False, dtype="bfloat16", seed=7,
                           max_model_len=512, tensor_parallel_size=2, distributed_executor_backend="external_launcher",
                           enforce_eager=True, gpu_memory_utilization=0.5, kv_cache_memory_bytes=1 << 20,
@@ -60,55 +63,55 @@ def test_engine_kwargs_defaults_without_tokenizer_and_cpu_kv_cache(tmp_path):
     hf = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=128, num_hidden_layers=3)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     cfg = config(load=str(tmp_path), seq_length=256, max_new_tokens=64)
-    kwargs = engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True)
+    kwargs = vc.engine_kwargs(cfg, str(tmp_path), cpu=True)
     assert kwargs["skip_tokenizer_init"] is True
     assert "block_size" not in kwargs and "max_num_seqs" not in kwargs and "distributed_executor_backend" not in kwargs
     # K and V, 3 layers, 2 KV heads of 32 dims, fp32, for 8 sequences of 256 tokens
     assert kwargs["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256 * 8
-    assert "kv_cache_memory_bytes" not in engine_config.engine_kwargs(cfg, str(tmp_path), cpu=False)
+    assert "kv_cache_memory_bytes" not in vc.engine_kwargs(cfg, str(tmp_path), cpu=False)
     # a sequence length that is not a whole number of KV blocks (128 on CPU) is rounded up: one 200-token
     # sequence needs 2 blocks, else vLLM refuses to start
     short = config(load=str(tmp_path), seq_length=200, max_new_tokens=64, generation_batch_size=1)
-    assert engine_config.engine_kwargs(short, str(tmp_path), cpu=True)["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256
+    assert vc.engine_kwargs(short, str(tmp_path), cpu=True)["kv_cache_memory_bytes"] == 2 * 3 * 2 * 32 * 4 * 256
 
 
 def test_explicit_tokenizer_without_tokenizer_files_is_an_error(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(dict(num_attention_heads=4, hidden_size=128, num_hidden_layers=1)))
     cfg = config(load=str(tmp_path), seq_length=512, tokenizer=str(tmp_path / "typo"))
     with pytest.raises(ConfigError, match=r"tokenizer: .*typo holds no tokenizer"):
-        engine_config.engine_kwargs(cfg, str(tmp_path), cpu=True)
+        vc.engine_kwargs(cfg, str(tmp_path), cpu=True)
 
 
 def test_missing_load_is_one_readable_error():
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     with pytest.raises(ConfigError) as err:
         VLLMModule.model_provider(SimpleNamespace(config=SimpleNamespace(load=None)))
-    assert err.value.errors == ["load: not set; set it to the Hugging Face model directory vLLM should run"]
+    assert err.value.errors == ["load: not set; set it to the Hugging Face model directory to generate with"]
 
 
 def test_sampling_train_eval_and_greedy():
     cfg = config(n=4, temperature=0.8, top_p=0.9, top_k=-1, min_p=0.05, eval_temperature=0.0, eval_top_k=5,
                  new_token_limit=True, max_new_tokens=32, prompt_logprobs=1, seq_length=2048)
-    train = engine_config.sampling_kwargs(cfg, 10)
+    train = gc.sampling_kwargs(cfg, 10)
     assert (train["n"], train["temperature"], train["top_p"], train["top_k"], train["min_p"]) == (4, 0.8, 0.9, 0, 0.05)
     assert train["max_tokens"] == 32 and train["logprobs"] == 0 and train["prompt_logprobs"] == 1
-    evaluated = engine_config.sampling_kwargs(cfg, 10, is_eval=True)
+    evaluated = gc.sampling_kwargs(cfg, 10, is_eval=True)
     assert (evaluated["n"], evaluated["temperature"], evaluated["top_p"], evaluated["top_k"]) == (1, 0.0, 0.9, 5)
-    greedy = engine_config.sampling_kwargs(cfg, 10, greedy=True)
+    greedy = gc.sampling_kwargs(cfg, 10, greedy=True)
     assert (greedy["n"], greedy["temperature"]) == (1, 0.0)
 
 
 def test_max_tokens_follow_new_token_limit():
-    assert engine_config.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 30) == 16
-    assert engine_config.max_tokens(config(new_token_limit=False, max_new_tokens=16, seq_length=100), 30) == 70
+    assert gc.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 30) == 16
+    assert gc.max_tokens(config(new_token_limit=False, max_new_tokens=16, seq_length=100), 30) == 70
     for limit in (True, False):  # one prompt budget, seq_length - max_new_tokens = 84, whatever new_token_limit
         cfg = config(new_token_limit=limit, max_new_tokens=16, seq_length=100)
-        assert engine_config.prompt_budget(cfg) == 84
-        assert engine_config.max_tokens(cfg, 84) == 16
+        assert gc.prompt_budget(cfg) == 84
+        assert gc.max_tokens(cfg, 84) == 16
         with pytest.raises(ValueError, match=r"a prompt has 85 prompt tokens, over the prompt budget seq_length - "
                                              r"max_new_tokens = 100 - 16 = 84"):
-            engine_config.max_tokens(cfg, 85)
+            gc.max_tokens(cfg, 85)
 
 
 class Chars:
@@ -120,12 +123,12 @@ class Chars:
 
 @pytest.mark.parametrize("new_token_limit", [True, False])
 def test_build_dataset_cuts_to_the_budget_keeping_the_beginning_and_counts(new_token_limit, caplog):
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     module = SimpleNamespace(tokenizer=Chars(), config=config(seq_length=20, max_new_tokens=12,
                                                                new_token_limit=new_token_limit))
     prompts = ["Instruction first, then a long context", "short", "exactly8", "123456789"]
-    with caplog.at_level("WARNING", logger="chatgen.generation.vllm_module"):
+    with caplog.at_level("WARNING", logger="chatgen.generation.vllm.module"):
         items = VLLMModule.build_dataset(module, prompts)
     assert [item["input_ids"] for item in items] == [[ord(c) for c in p[:8]] for p in prompts]  # ChatLearn: p[:max]
     assert [item["prompt"] for item in items] == prompts
@@ -136,34 +139,35 @@ def test_build_dataset_cuts_to_the_budget_keeping_the_beginning_and_counts(new_t
 
 @pytest.mark.parametrize("new_token_limit", [True, False])
 def test_generate_refuses_a_row_over_the_budget_before_queueing(new_token_limit):
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
-    module = SimpleNamespace(pad_token_id=0, config=config(seq_length=20, max_new_tokens=12,
-                                                           new_token_limit=new_token_limit))
+    module = VLLMModule.__new__(VLLMModule)  # no engine: generate must fail before it would use one
+    module.pad_token_id, module.vocab_size = 0, 100
+    module.config = config(seq_length=20, max_new_tokens=12, new_token_limit=new_token_limit)
     batch = {"input_ids": torch.tensor([[1] * 8 + [0], [1] * 9]), "input_lengths": torch.tensor([8, 9])}
     with pytest.raises(ValueError, match=r"generate\(\): row 1 has 9 prompt tokens, over the prompt budget .* = 8"):
-        VLLMModule.generate(module, batch)  # a stand-in without an engine: it must fail before using one
+        module.generate(batch)
 
 
 def test_pad_token_id_of_a_token_only_model_comes_from_its_config(tmp_path):
     write = lambda name, d: (tmp_path / name).write_text(json.dumps(d))  # noqa: E731
-    assert engine_config.pad_token_id(None, tmp_path) == 0  # no file names one
+    assert gc.pad_token_id(None, tmp_path) == 0  # no file names one
     write("config.json", {"eos_token_id": [2, 7]})
-    assert engine_config.pad_token_id(None, tmp_path) == 2
+    assert gc.pad_token_id(None, tmp_path) == 2
     write("config.json", {"pad_token_id": 3, "eos_token_id": 2})
-    assert engine_config.pad_token_id(None, tmp_path) == 3
+    assert gc.pad_token_id(None, tmp_path) == 3
     write("generation_config.json", {"pad_token_id": 5})
-    assert engine_config.pad_token_id(None, tmp_path) == 5
+    assert gc.pad_token_id(None, tmp_path) == 5
     # a batch padded with the model's own pad id is accepted
     assert unpad_batch({"input_ids": torch.tensor([[1, 4, 5, 5]]), "input_lengths": torch.tensor([2])},
-                       engine_config.pad_token_id(None, tmp_path)) == [[1, 4]]
+                       gc.pad_token_id(None, tmp_path)) == [[1, 4]]
     # with a tokenizer: its pad token, else its EOS
-    assert engine_config.pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=9), tmp_path) == 9
-    assert engine_config.pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=9), tmp_path) == 0
+    assert gc.pad_token_id(SimpleNamespace(pad_token_id=None, eos_token_id=9), tmp_path) == 9
+    assert gc.pad_token_id(SimpleNamespace(pad_token_id=0, eos_token_id=9), tmp_path) == 0
 
 
 def test_stop_strings_without_a_tokenizer_say_to_add_one():
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     module = SimpleNamespace(tokenizer=None, config=config(stop_token_list="</s>", seq_length=64, max_new_tokens=8))
     with pytest.raises(ValueError, match=r"need a tokenizer .* add one \(tokenizer files in the model directory, "
@@ -186,10 +190,10 @@ class SpecialTokens:
 
 def test_stop_list_splits_special_tokens_from_strings():
     tokenizer = SpecialTokens()
-    strings, ids = engine_config.parse_stop_list("</s>;\n\n;<|im_end|>;Answer:", tokenizer)
+    strings, ids = gc.parse_stop_list("</s>;\n\n;<|im_end|>;Answer:", tokenizer)
     assert strings == ("\n\n", "Answer:") and ids == (2, 9)
-    assert engine_config.parse_stop_list("", tokenizer) == ((), ())
-    assert engine_config.parse_stop_list("</s>", None) == (("</s>",), ())
+    assert gc.parse_stop_list("", tokenizer) == ((), ())
+    assert gc.parse_stop_list("</s>", None) == (("</s>",), ())
 
 
 # ---------------------------------------------------------------- token batches
@@ -228,15 +232,14 @@ def test_unpad_batch_refuses_inputs_that_used_to_give_silently_wrong_results():
 @pytest.mark.faults
 def test_tokenizer_and_model_vocabulary_are_checked_against_each_other():
     from chatgen.config import ConfigError
-    from chatgen.generation import engine_config
-
+    
     with pytest.raises(ConfigError, match=r"tokenizer of /tok has 512 tokens, the model /m/config.json has "
                                           r"vocab_size=256; ids past 255 have no embedding row"):
-        engine_config.check_vocab(512, 256, "/tok", "/m")
-    assert "ids 512..1023 have no text" in engine_config.check_vocab(512, 1024, "/tok", "/m")
-    assert engine_config.check_vocab(512, 512, "/tok", "/m") is None
+        gc.check_vocab(512, 256, "/tok", "/m")
+    assert "ids 512..1023 have no text" in gc.check_vocab(512, 1024, "/tok", "/m")
+    assert gc.check_vocab(512, 512, "/tok", "/m") is None
     with pytest.raises(ValueError, match=r"item 3: token id\(s\) \[-1, 9\] outside the model's vocabulary \[0, 9\)"):
-        engine_config.check_prompt_ids([1, -1, 9], 9, "item 3")
+        gc.check_prompt_ids([1, -1, 9], 9, "item 3")
 
 
 def sample(index, tokens, logprobs, finish):
@@ -274,7 +277,7 @@ def test_generation_output_prompt_logprobs():
 # ---------------------------------------------------------------- chatgen generate input
 
 def test_cli_input_errors_name_the_line(tmp_path):
-    from chatgen.generation.cli import read_prompts
+    from chatgen.cli.generate import read_prompts
 
     good = tmp_path / "good.jsonl"
     good.write_text('{"prompt_ids": [1, 2]}\n\n{"prompt": "hi"}\n')
@@ -294,18 +297,18 @@ def test_shipped_policy_yaml_is_accepted_by_the_generation_module():
     from pathlib import Path
 
     cfg = load_model_config(Path(__file__).resolve().parents[2] / "configs" / "policy_inference.yaml", VLLMConfig)
-    engine_config.check_vllm_config(cfg, cpu=True)
+    vc.check_vllm_config(cfg, cpu=True)
     assert (cfg.n, cfg.eval_temperature, cfg.logprobs_mode) == (4, 0.0, "raw")
 
 
 def test_seq_length_defaults_to_the_models_positions_and_longer_is_refused(tmp_path):
     (tmp_path / "config.json").write_text('{"max_position_embeddings": 512}')
-    assert engine_config.resolve_seq_length(config(load=str(tmp_path)), tmp_path).seq_length == 512
-    assert engine_config.resolve_seq_length(config(load=str(tmp_path), seq_length=300), tmp_path).seq_length == 300
+    assert gc.resolve_seq_length(config(load=str(tmp_path)), tmp_path).seq_length == 512
+    assert gc.resolve_seq_length(config(load=str(tmp_path), seq_length=300), tmp_path).seq_length == 300
     with pytest.raises(ConfigError, match=r"seq_length: 1024 is longer than the model's max_position_embeddings=512"):
-        engine_config.resolve_seq_length(config(load=str(tmp_path), seq_length=1024), tmp_path)
+        gc.resolve_seq_length(config(load=str(tmp_path), seq_length=1024), tmp_path)
     with pytest.raises(ConfigError, match="max_new_tokens: 600 leaves no room"):
-        engine_config.resolve_seq_length(config(load=str(tmp_path), max_new_tokens=600), tmp_path)
+        gc.resolve_seq_length(config(load=str(tmp_path), max_new_tokens=600), tmp_path)
 
 
 # ---------------------------------------------------------------- every VLLMConfig key goes somewhere
@@ -319,6 +322,7 @@ KEY_DESTINATIONS = {
     "prompt_template": ({"dataset"}, "Q: {prompt} A:"),
     "chat_template": ({"dataset"}, True),
     "tokenizer": ({"engine"}, "OTHER_TOKENIZER"),
+    "load_format": ({"engine"}, "dummy"),
     "dtype": ({"engine"}, "bfloat16"),
     "seed": ({"engine"}, 7),
     "n": ({"sampling"}, 2),
@@ -363,7 +367,7 @@ class CharTokenizer:
 
 
 def test_build_dataset_applies_prompt_template_then_chat_template():
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     module = SimpleNamespace(config=config(load="/m", seq_length=64, max_new_tokens=8,
                                            prompt_template="Q: {prompt} A:", chat_template=True),
@@ -377,7 +381,7 @@ def test_build_dataset_applies_prompt_template_then_chat_template():
 
 def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     """Changing any VLLMConfig key changes what vLLM receives, or is refused: no key is silently ignored."""
-    from chatgen.generation.vllm_module import VLLMModule
+    from chatgen.generation.vllm.module import VLLMModule
 
     fields = {f.name for f in dataclasses.fields(VLLMConfig)}
     assert fields == set(KEY_DESTINATIONS), (f"VLLMConfig keys without a destination here: "
@@ -387,25 +391,25 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
         d.mkdir()
         (d / "tokenizer.json").write_text("{}")
     probes = {
-        "engine": lambda c: engine_config.engine_kwargs(c, str(tmp_path / "model"), cpu=False),
-        "sampling": lambda c: (engine_config.sampling_kwargs(c, 10), engine_config.sampling_kwargs(c, 10, is_eval=True),
-                               engine_config.prompt_budget(c)),
-        "stop list": lambda c: engine_config.parse_stop_list(c.stop_token_list, SpecialTokens()),
+        "engine": lambda c: vc.engine_kwargs(c, str(tmp_path / "model"), cpu=False),
+        "sampling": lambda c: (gc.sampling_kwargs(c, 10), gc.sampling_kwargs(c, 10, is_eval=True),
+                               gc.prompt_budget(c)),
+        "stop list": lambda c: gc.parse_stop_list(c.stop_token_list, SpecialTokens()),
         "model": lambda c: VLLMModule.model_provider(SimpleNamespace(config=c)),
         "dataset": lambda c: VLLMModule.build_dataset(SimpleNamespace(config=c, tokenizer=CharTokenizer()), ["hi"]),
         "user": model_args,
     }
     base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
-    engine_config.check_vllm_config(base, cpu=True)
+    vc.check_vllm_config(base, cpu=True)
     for key, (destinations, value) in KEY_DESTINATIONS.items():
         value = str(tmp_path / "tok") if value == "OTHER_TOKENIZER" else value
         assert value != getattr(base, key), key
         changed = dataclasses.replace(base, **{key: value})
         if destinations == {"rejected"}:
             with pytest.raises(ConfigError, match=f"{key}: "):
-                engine_config.check_vllm_config(changed, cpu=True)
+                vc.check_vllm_config(changed, cpu=True)
             continue
-        engine_config.check_vllm_config(changed, cpu=False)
+        vc.check_vllm_config(changed, cpu=False)
         for where in destinations:
             assert probes[where](changed) != probes[where](base), f"{key}={value!r} does not reach the {where}"
 

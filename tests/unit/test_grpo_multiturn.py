@@ -1,8 +1,8 @@
 """Multi-turn GRPO's pure pieces: an episode's turns -> one training Sample (no engine, no server)."""
 import pytest
 
-from chatgen.rlhf.algorithms.grpo_multiturn import Config, Episode, episode_sample, env_metrics
 from chatgen.core.rollout import RolloutBatch
+from chatgen.rlhf.algorithms.grpo_multiturn import Config, Episode, env_metrics, episode_sample
 
 EOS = 2
 
@@ -79,12 +79,12 @@ def test_calculator_sorts_the_prompts_digits():
 def test_the_served_policy_must_be_a_one_rank_engine():
     from pathlib import Path
 
-    from chatgen.config import ConfigError, load_config
+    from chatgen.config import ConfigError
     from chatgen.rlhf.algorithms import load
-    from chatgen.rlhf.run import check_config
+    from chatgen.rlhf.config import check_run, load_config
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(repo / "configs/grpo_multiturn_tiny.yaml",
                       ["policy_trainer.tensor_model_parallel_size=2", "policy.tensor_parallel_size=2"])
     with pytest.raises(ConfigError, match="runtime.colocation: the policy shares a group of 2 ranks"):
-        check_config(cfg, load("grpo_multiturn"))
+        check_run(cfg, load("grpo_multiturn"))

@@ -3,6 +3,7 @@ read, so a YAML setting them now fails with the unknown-key error). pytest tests
 import pytest
 
 from chatgen.config import ConfigError, load_model_config
+from chatgen.training.config import MegatronConfig
 
 
 @pytest.mark.parametrize("key, value", [("tokenizer", "/models/tok"), ("save", "/ckpt")])
@@ -10,13 +11,13 @@ def test_keys_the_trainer_never_read_are_unknown(tmp_path, key, value):
     path = tmp_path / "trainer.yaml"
     path.write_text(f"load: /models/tiny\n{key}: {value}\n")
     with pytest.raises(ConfigError, match=f"{key}.*unknown key"):
-        load_model_config(path, "megatron")
+        load_model_config(path, MegatronConfig)
 
 
 def test_seq_length_defaults_to_the_model_and_must_be_positive(tmp_path):
     path = tmp_path / "trainer.yaml"
     path.write_text("load: /models/tiny\n")
-    assert load_model_config(path, "megatron").seq_length is None
+    assert load_model_config(path, MegatronConfig).seq_length is None
     path.write_text("load: /models/tiny\nseq_length: 0\n")
     with pytest.raises(ConfigError, match="seq_length: must be >= 1 or null, got 0"):
-        load_model_config(path, "megatron")
+        load_model_config(path, MegatronConfig)

@@ -5,14 +5,14 @@ the JSON channel protocol over a real 2-process gloo group, the shared-memory fi
 """
 import pytest
 import torch
+from test_convert import make_spec
 
-from chatgen.core.distributed import free_port
 from chatgen import models
+from chatgen.core.distributed import free_port
+from chatgen.core.tensors import numel
 from chatgen.models import layout
 from chatgen.param_sync import LocalWeights, SyncError, check_manifest, sync, weight_source
 from chatgen.training import hf_export, launcher
-
-from test_convert import make_spec
 
 
 @pytest.mark.parametrize("tp,pp", [(1, 1), (2, 2), (4, 1)])
@@ -25,7 +25,7 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     assert sync.plan_manifest([b.hf for b in plan]) == {n: tuple(s) for n, s in shapes.items()}
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
-        gathered = sum(hf_export._numel(s) * tp * 4 for s in b.shard_shapes)
+        gathered = sum(numel(s) * tp * 4 for s in b.shard_shapes)
         assert gathered <= bucket_bytes or len(b.params) == 1  # only a single oversize param may exceed
         assert all(sp.local_name.startswith(("decoder", "embedding", "output")) for sp in b.params)
     stages = [b.stage for b in plan]
@@ -135,7 +135,7 @@ def test_launcher_returns_results_and_reports_the_failing_rank():
 
 
 def test_check_sync_max_abs_diff_never_hides_nan():
-    from chatgen.param_sync.check_sync import max_abs_diff
+    from chatgen.tools.check_sync import max_abs_diff
 
     assert max_abs_diff([-1.0, -2.0], [-1.5, -2.0]) == 0.5
     assert max_abs_diff([-1.0], [-1.25], worst=0.5) == 0.5

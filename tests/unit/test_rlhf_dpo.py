@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from chatgen.config import ConfigError, load_config
 from chatgen import tasks
+from chatgen.config import ConfigError
+from chatgen.core.jsonl import read_prompt_records
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.algorithms.dpo import pair_batch
-from chatgen.rlhf.run import check_config
+from chatgen.rlhf.config import check_run, load_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -31,14 +32,14 @@ def load(name, data, *overrides):
 
 def errors_of(cfg) -> str:
     with pytest.raises(ConfigError) as e:
-        check_config(cfg, algorithms.load(cfg.runtime.algorithm.name))
+        check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
     return str(e.value)
 
 
 @pytest.mark.parametrize("name", ["dpo_tiny.yaml", "online_dpo_tiny.yaml"])
 def test_shipped_configs_pass(name, data):
     cfg = load(name, data)
-    check_config(cfg, algorithms.load(cfg.runtime.algorithm.name))
+    check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
 
 
 def test_pairs_tokenize_into_aligned_rows(tiny_llama_dir):
@@ -77,7 +78,7 @@ def test_online_dpo_batches_count_trainer_rows(data):
                          "runtime.train_global_batch_size=32", "runtime.train_micro_batch_size=32"))
     assert "models.policy.n: Online DPO pairs the best and worst of a prompt's n responses; set n >= 2" in msg
     # n=3: 48 samples -> 16 prompts -> 32 rows, one global batch of 32 (which 48 samples would not be whole of)
-    check_config(load("online_dpo_tiny.yaml", data, "policy.n=3", "runtime.sample_per_episode=48",
+    check_run(load("online_dpo_tiny.yaml", data, "policy.n=3", "runtime.sample_per_episode=48",
                       "runtime.train_global_batch_size=32", "runtime.train_micro_batch_size=32"),
                  algorithms.load("online_dpo"))
 
@@ -89,7 +90,7 @@ def test_dpo_data_must_be_preference_records(data):
     assert "eval_data_path" not in msg  # the preference eval file is fine
     msg = errors_of(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "reference.load=null"))
     assert "runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load`" in msg
-    check_config(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "runtime.algorithm.tokenizer=somewhere"),
+    check_run(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "runtime.algorithm.tokenizer=somewhere"),
                  algorithms.load("dpo"))
     assert "beta: must be > 0" in str(pytest.raises(ConfigError, load, "dpo_tiny.yaml", data,
                                                     "runtime.algorithm.beta=0").value)

@@ -1,6 +1,5 @@
 """Unit tests for chatgen.rlhf.metrics and chatgen.rlhf.checkpoint (pytest tests/unit/test_rlhf_metrics_checkpoint.py)."""
 import json
-import os
 import random
 import time
 
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from chatgen.rlhf import checkpoint as ckpt
+from chatgen.rlhf.data import PromptSampler
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, plot_metrics, read_jsonl_metrics
 
 
@@ -96,18 +96,18 @@ def test_rng_state_roundtrip_through_json():
 
 
 def test_prompt_sampler_resume_gives_same_batches():
-    a = ckpt.PromptSampler(10, 3, seed=5)
+    a = PromptSampler(10, 3, seed=5)
     batches = [a.next_batch() for _ in range(7)]
     assert all(len(b) == 3 for b in batches)
     assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # no repeat within a pass
-    b = ckpt.PromptSampler(10, 3, seed=5)
+    b = PromptSampler(10, 3, seed=5)
     for _ in range(4):
         b.next_batch()
-    c = ckpt.PromptSampler(10, 3, seed=5)
+    c = PromptSampler(10, 3, seed=5)
     c.load_state_dict(json.loads(json.dumps(b.state_dict())))
     assert [c.next_batch() for _ in range(3)] == batches[4:]
-    other = ckpt.PromptSampler(10, 3, seed=6)
+    other = PromptSampler(10, 3, seed=6)
     assert [other.next_batch() for _ in range(3)] != batches[:3]
     with pytest.raises(ValueError, match="fewer than one batch"):
-        ckpt.PromptSampler(2, 3, seed=0)
+        PromptSampler(2, 3, seed=0)
 

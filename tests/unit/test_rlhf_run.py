@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatgen.config import ConfigError, load_config
 from chatgen import tasks
-from chatgen.rlhf import algorithms
-from chatgen.core.tensors import select
-from chatgen.rlhf.run import check_config, sample_metrics
-from chatgen.rlhf.runtime import plan_groups
+from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.core.tensors import select
+from chatgen.rlhf import algorithms
+from chatgen.rlhf.config import check_run, load_config
+from chatgen.rlhf.metrics import sample_metrics
+from chatgen.rlhf.runtime import plan_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ def load(name, *overrides):
 
 
 def check(cfg):
-    check_config(cfg, algorithms.load(cfg.runtime.algorithm.name))
+    check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
 
 
 def errors_of(cfg) -> str:
@@ -89,7 +90,8 @@ def test_unknown_algorithm_names_the_choices(tmp_path, data):
 def test_an_algorithm_of_your_own_is_one_module_named_in_yaml(tmp_path, data, monkeypatch):
     (tmp_path / "my_algo.py").write_text('''
 import dataclasses
-from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.config import opt
+from chatgen.rlhf.config import AlgorithmConfig, Role
 
 @dataclasses.dataclass(kw_only=True)
 class Config(AlgorithmConfig):

@@ -5,47 +5,45 @@
 import json
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.run import Run, RunHealthError
+from chatgen.rlhf.health import RunHealthError, StepHealth, check_cut_prompts, check_rewards
 
 pytestmark = pytest.mark.faults
 
 
-def bare_run(**runtime):
-    run = Run.__new__(Run)  # the checks below read only these attributes
-    run.cfg = SimpleNamespace(runtime=SimpleNamespace(max_bad_train_steps=3, max_cut_prompt_fraction=0.5, **runtime))
-    run.log, run.logged, run._bad_steps = None, [], {}
-    run.log = run.logged.append
-    return run
-
-
 def test_collapsed_or_diverged_training_stops_after_the_configured_steps():
-    run = bare_run()
+    logged = []
+    health = StepHealth(3, logged.append)
     good, zero, nan = dict(grad_norm=1.0, loss=0.1), dict(grad_norm=0.0, loss=0.0), dict(grad_norm=float("nan"))
-    run._check_step("policy_trainer", zero)
-    run._check_step("policy_trainer", zero)
-    run._check_step("policy_trainer", good)  # a good step resets the count
-    run._check_step("policy_trainer", nan)
-    run._check_step("policy_trainer", dict(grad_norm=2.0, skipped_step=1.0))
-    assert len(run.logged) == 4 and all("WARNING" in line for line in run.logged)
+    health.check("policy_trainer", zero)
+    health.check("policy_trainer", zero)
+    health.check("policy_trainer", good)  # a good step resets the count
+    health.check("policy_trainer", nan)
+    health.check("policy_trainer", dict(grad_norm=2.0, skipped_step=1.0))
+    assert len(logged) == 4 and all("WARNING" in line for line in logged)
     with pytest.raises(RunHealthError, match=r"policy_trainer: 3 optimizer steps in a row .*runtime.max_bad_train_steps=3"):
-        run._check_step("policy_trainer", zero)
+        health.check("policy_trainer", zero)
 
 
 def test_too_many_cut_prompts_stop_the_run_before_training():
-    run = bare_run()
-    run.items = [{"input_ids": [1]}, {"input_ids": [1], "prompt_cut": True}]
-    run._check_cut_prompts()  # half: at the limit, a warning
-    assert "1 of 2 training prompts were cut" in run.logged[0]
-    run.items.append({"input_ids": [1], "prompt_cut": True})
+    logged = []
+    items = [{"input_ids": [1]}, {"input_ids": [1], "prompt_cut": True}]
+    check_cut_prompts(items, 0.5, logged.append)  # half: at the limit, a warning
+    assert "1 of 2 training prompts were cut" in logged[0]
+    items.append({"input_ids": [1], "prompt_cut": True})
     with pytest.raises(RunHealthError, match="2 of 3 training prompts .*runtime.max_cut_prompt_fraction=0.5"):
-        run._check_cut_prompts()
+        check_cut_prompts(items, 0.5, logged.append)
+
+
+def test_a_nan_reward_stops_the_run_naming_the_sample():
+    check_rewards(torch.tensor([0.0, 1.0]), ["a", "b"])
+    with pytest.raises(RunHealthError, match=r"NaN/inf for samples \[1\] \(e.g. response 'b'\)"):
+        check_rewards(torch.tensor([0.0, float("nan")]), ["a", "b"])
 
 
 def test_output_directory_lock_refuses_a_second_run_and_frees_on_exit(tmp_path):

@@ -16,8 +16,13 @@ from functools import partial
 from pathlib import Path
 from typing import Optional
 
-from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.config import opt
+from chatgen.core.jsonl import read_records
+from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.rlhf import losses as L
+from chatgen.rlhf.config import AlgorithmConfig, Role
+from chatgen.rlhf.metrics import prefixed
+from chatgen.rlhf.run import Run
 
 FIELDS = ("prompt", "chosen", "rejected")
 
@@ -60,8 +65,6 @@ def record_problem(record: dict):
 
 
 def check(cfg):
-    from chatgen.core.jsonl import read_records
-
     yield from pair_problems(cfg)
     trainer = cfg.models.get("policy_trainer")
     if not cfg.runtime.algorithm.tokenizer and trainer is not None and trainer.config is not None \
@@ -81,8 +84,6 @@ def pair_batch(tokenizer, records: list):
     """Trainer rows of preference records: a chatgen.core.rollout.RolloutBatch of 2 x len(records) rows, row 2k the
     k-th record's prompt + chosen, row 2k + 1 its prompt + rejected. Each row is BOS + prompt + response + EOS
     (the tokenizer adds BOS to the prompt as it does for generation), loss_mask 1 on the response and EOS."""
-    from chatgen.core.rollout import RolloutBatch, Sample
-
     samples = []
     for k, record in enumerate(records):
         prompt = tokenizer.encode(record["prompt"])
@@ -130,8 +131,6 @@ PHASES = ["reference", "train", "checkpoint", "eval"]
 def train(cfg, resume: bool = False, log=print) -> dict:
     """Run DPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
     from transformers import AutoTokenizer
-
-    from chatgen.rlhf.run import Run, prefixed
 
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     tokenizer = AutoTokenizer.from_pretrained(algo.tokenizer or cfg.models["policy_trainer"].config.load)

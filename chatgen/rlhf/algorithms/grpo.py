@@ -14,9 +14,12 @@ import time
 from functools import partial
 from typing import Literal, Optional
 
-from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
+from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.run import Run
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -51,7 +54,7 @@ class Config(AlgorithmConfig):
 
 
 MODELS = {
-    "policy": Role("vllm", doc="samples n responses per prompt"),
+    "policy": Role("generation", doc="samples n responses per prompt"),
     "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
     "reward": Role("python", doc="scores the responses (e.g. chatgen.rlhf.rewards:RuleReward)"),
     "reference": Role("megatron", trainable=False, optional=True,
@@ -60,8 +63,6 @@ MODELS = {
 
 
 def check(cfg):
-    from chatgen.rlhf.run import policy_sampling_problems
-
     yield from policy_sampling_problems(cfg)
     if "policy" in cfg.models and cfg.models["policy"].config.n < 2:
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
@@ -79,8 +80,6 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
     policy-gradient steps, sync into the policy (unless sync=False: the caller syncs later). batch: a RolloutBatch
     of S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's metrics (rewards, mismatch,
     trainer, KL). Shared by grpo_multiturn."""
-    from chatgen.rlhf.run import prefixed, sample_metrics
-
     algo, timer = run.cfg.runtime.algorithm, run.timer
     use_reference = "reference" in run.cfg.models  # for the penalty, or (kl_coef 0) the kl/reference metric only
     loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps, kl_coef=algo.kl_coef, kl_kind=algo.kl_estimator)
@@ -120,8 +119,6 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
 def train(cfg, resume=False, log=print) -> dict:
     """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
     False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
-    from chatgen.rlhf.run import Run
-
     rt = cfg.runtime
     n = cfg.models["policy"].config.n
     overlap = rt.algorithm.overlap_generation  # one-step off-policy: sample k+1 while training on k

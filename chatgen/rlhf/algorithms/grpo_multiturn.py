@@ -24,9 +24,14 @@ import secrets
 import time
 from typing import Optional
 
-from chatgen.config import Role, opt
-from chatgen.rlhf.algorithms import grpo
+from chatgen.config import opt
+from chatgen.core.imports import import_class
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.rlhf.algorithms import grpo
+from chatgen.rlhf.config import Role
+from chatgen.rlhf.health import RunHealthError
+from chatgen.rlhf.run import Run
+from chatgen.rlhf.runtime import plan_groups
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -45,15 +50,13 @@ class Config(grpo.Config):
 
 
 MODELS = {
-    "policy": Role("vllm", doc="serves the environments' chat requests (OpenAI HTTP)"),
+    "policy": Role("generation", doc="serves the environments' chat requests (OpenAI HTTP)"),
     "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
     "reference": grpo.MODELS["reference"],
 }
 
 
 def check(cfg):
-    from chatgen.rlhf.runtime import plan_groups
-
     yield from grpo.check(cfg)
     try:
         plans = plan_groups(cfg)
@@ -124,12 +127,17 @@ def env_metrics(episodes: list, prefix: str) -> dict:
 PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
+def _serve(worker, name: str, api_key: str) -> str:
+    """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed with the worker)."""
+    from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
+
+    return worker.attach(name, "openai_server", EmbeddedServer(worker.models[name], api_key=api_key,
+                                                               model_name=name)).url
+
+
 def train(cfg, resume=False, log=print) -> dict:
     """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as grpo.train."""
     import torch
-
-    from chatgen.core.imports import import_class
-    from chatgen.rlhf.run import Run, RunHealthError
 
     algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
     n = pc.n
@@ -146,7 +154,7 @@ def train(cfg, resume=False, log=print) -> dict:
 
     with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate) as run:
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
-        url = run.policy.first("serve", api_key=api_key, model_name="policy")
+        url = run.policy.run(_serve, "policy", api_key)[0]
         env = env_class(url, api_key, "policy")
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}

@@ -14,9 +14,12 @@ import dataclasses
 import time
 from functools import partial
 
-from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.config import opt
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.algorithms.dpo import pair_problems
+from chatgen.rlhf.config import AlgorithmConfig, Role
+from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.run import Run
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -30,7 +33,7 @@ class Config(AlgorithmConfig):
 
 
 MODELS = {
-    "policy": Role("vllm", doc="samples n >= 2 responses per prompt"),
+    "policy": Role("generation", doc="samples n >= 2 responses per prompt"),
     "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
     "reference": Role("megatron", trainable=False,
                       doc="frozen copy of the starting policy, what the log-ratios are measured against"),
@@ -61,8 +64,6 @@ PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "c
 
 def train(cfg, resume: bool = False, log=print) -> dict:
     """Run Online DPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
-    from chatgen.rlhf.run import Run, prefixed, sample_metrics
-
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     n = cfg.models["policy"].config.n
     loss_fn = partial(L.dpo_loss_fn, beta=algo.beta)

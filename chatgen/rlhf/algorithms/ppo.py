@@ -13,9 +13,12 @@ import time
 from functools import partial
 from typing import Literal, Optional
 
-from chatgen.config import AlgorithmConfig, Role, opt
+from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
+from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.run import Run
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -48,7 +51,7 @@ class Config(AlgorithmConfig):
 
 
 MODELS = {
-    "policy": Role("vllm", doc="samples responses"),
+    "policy": Role("generation", doc="samples responses"),
     "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
     "value_trainer": Role("megatron", trainable=True,
                           doc="the critic, e.g. model_class: chatgen.training.critic:CriticModule"),
@@ -59,8 +62,6 @@ MODELS = {
 
 
 def check(cfg):
-    from chatgen.rlhf.run import policy_sampling_problems
-
     yield from policy_sampling_problems(cfg)
 
 
@@ -70,8 +71,6 @@ PHASES = ["generate", "reward", "reference", "old_logprobs", "values", "train", 
 def train(cfg, resume=False, log=print) -> dict:
     """Run PPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
     False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
-    from chatgen.rlhf.run import Run, prefixed, sample_metrics
-
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     n = cfg.models["policy"].config.n
     policy_loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps)  # the KL is in the rewards

@@ -1,60 +1,106 @@
-"""From a per-model `VLLMConfig` to vLLM's engine and sampling arguments (pure: imports neither vLLM nor torch).
+"""The keys every generation backend reads (`GenerationConfig`) and what they mean for a request.
 
-Every key of docs/generation_keys.md is either mapped here or rejected by `check_vllm_config` with the reason
-and the fix; nothing is silently ignored. Unit-tested in tests/unit/test_generation.py.
+A backend's own per-model config subclasses GenerationConfig with its engine keys (vLLM's:
+chatgen/generation/vllm/config.py). Everything here is pure Python: prompt budgets, sampling settings of one
+request (as a dict of vLLM `SamplingParams` keyword names, which every backend reads), stop lists, the
+sequence length from config.json, the pad token. Unit-tested in tests/unit/test_generation.py.
 """
 import dataclasses
 import functools
 import json
 from pathlib import Path
+from typing import Any, Literal, Optional
 
-from chatgen.config import ConfigError
-
-# logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
-LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+from chatgen.config import DTYPES, USER_KEYS_DOC, ConfigError, args_problem, opt
 
 
-def platform_problems(cfg, cpu: bool):
-    """(key, problem) pairs for keys this platform cannot honour (the loader's `extra_check`)."""
-    if cpu and cfg.block_size is not None and cfg.block_size % 32:
-        yield "block_size", (f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a multiple of 32; "
-                             "use 128 (vLLM's CPU default) or remove the key")
+@dataclasses.dataclass(kw_only=True)
+class GenerationConfig:
+    load: Optional[str] = opt(None, "Hugging Face model directory to load (required)")
+    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
+    load_format: Literal["auto", "dummy"] = opt(
+        "auto", "auto: the weights of `load`; dummy: random weights of its shape (a policy whose weights always come "
+                "from a trainer's sync first: faster start, as verl's rollout does)")
+    dtype: DTYPES = opt("float32", "weights and activations dtype")
+    seed: int = opt(1234, "sampling seed")
+    # prompts (build_dataset)
+    prompt_template: Optional[str] = opt(
+        None, "format of each text prompt before tokenizing, with {prompt}, e.g. 'Question: {prompt}\\nAnswer:'; null = as is")
+    chat_template: bool = opt(False, "render each text prompt as one user message with the tokenizer's chat template "
+                                     "(instruct models), after prompt_template")
+    # sampling
+    n: int = opt(1, "responses per prompt (the GRPO group size)")
+    temperature: float = opt(1.0, "sampling temperature; 0 = greedy")
+    top_p: float = opt(1.0, "nucleus sampling: keep the smallest token set with this much probability; 1.0 = off")
+    top_k: int = opt(-1, "keep the k most likely tokens; -1 = off")
+    min_p: float = opt(0.0, "drop tokens below min_p times the top token's probability; 0 = off")
+    repetition_penalty: float = opt(
+        1.0, "penalise tokens already in the prompt or response (positive logits divided by it, negative ones multiplied); > 1 discourages repeats, 1.0 = off")
+    ignore_eos: bool = opt(False, "keep generating after EOS (until the token limit)")
+    use_beam_search: bool = opt(False, "beam search instead of sampling")
+    eval_temperature: Optional[float] = opt(None, "temperature in evaluation; null = temperature")
+    eval_top_p: Optional[float] = opt(None, "top_p in evaluation; null = top_p")
+    eval_top_k: Optional[int] = opt(None, "top_k in evaluation; null = top_k")
+    stop_token_list: str = opt("", "stops separated by ';', e.g. '</answer>;\\n\\n'; a special token (e.g. '</s>') stops on its id; '' = EOS only")
+    new_token_limit: bool = opt(False, "True: stop at max_new_tokens; False: generate until seq_length")
+    max_new_tokens: int = opt(256, "generated tokens per response when new_token_limit is true")
+    seq_length: Optional[int] = opt(
+        None, "prompt + response tokens at most; null = the model's max_position_embeddings")
+    prompt_logprobs: Optional[int] = opt(None, "logprobs of prompt tokens (top-N; 0 = the token only); null = off")
+    logprobs_mode: Literal["raw", "processed"] = opt(
+        "processed", "logprobs of the raw logits, or of the distribution after temperature/top-p/top-k")
+    generation_batch_size: Optional[int] = opt(
+        None, "sequences generated together (vLLM: max_num_seqs per engine step; each prompt makes n); null = runtime.generation_batch_size in a run, the backend's default standalone")
+    args: dict[str, Any] = opt({}, USER_KEYS_DOC)
+
+    def check(self):
+        if self.prompt_template is not None and "{prompt}" not in self.prompt_template:
+            yield "prompt_template", (f"{self.prompt_template!r} has no {{prompt}}; write where the prompt goes, e.g. "
+                                      "'Question: {prompt}\\nAnswer:'")
+        if self.temperature < 0:
+            yield "temperature", f"must be >= 0, got {self.temperature}; use 0 for greedy decoding"
+        if self.eval_temperature is not None and self.eval_temperature < 0:
+            yield "eval_temperature", f"must be >= 0, got {self.eval_temperature}; use 0 for greedy decoding"
+        for key in ("top_p", "eval_top_p"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value <= 1:
+                yield key, f"must be in (0, 1], got {value}; use 1.0 to turn top-p off"
+        for key in ("top_k", "eval_top_k"):
+            value = getattr(self, key)
+            if value is not None and (value == 0 or value < -1):
+                yield key, f"must be -1 (off) or >= 1, got {value}; use -1 to turn top-k off"
+        if not 0 <= self.min_p <= 1:
+            yield "min_p", f"must be in [0, 1], got {self.min_p}; use 0 to turn min-p off"
+        if self.repetition_penalty <= 0:
+            yield "repetition_penalty", f"must be > 0, got {self.repetition_penalty}; use 1.0 to turn it off"
+        if self.n < 1:
+            yield "n", f"must be >= 1, got {self.n}; set responses per prompt"
+        if self.max_new_tokens < 1:
+            yield "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}; set a positive token count"
+        elif self.seq_length is not None and self.max_new_tokens >= self.seq_length:
+            yield "max_new_tokens", (f"{self.max_new_tokens} leaves no room for a prompt in seq_length="
+                                     f"{self.seq_length}; raise seq_length or lower max_new_tokens")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            yield "prompt_logprobs", f"must be >= 0 or null, got {self.prompt_logprobs}; use null to turn it off"
+        if self.use_beam_search:
+            yield "use_beam_search", ("not supported: chatgen's generation backends sample, none runs beam search "
+                                      "(vLLM's LLM.beam_search is a separate offline API); set it to false and use "
+                                      "n > 1 sampling")
+        if self.temperature == 0 and self.n > 1:
+            yield "n", (f"n={self.n} with temperature 0 would give {self.n} identical responses (vLLM rejects it); "
+                        "set temperature > 0 or n: 1")
+        if self.generation_batch_size is not None and self.generation_batch_size < 1:
+            yield "generation_batch_size", (f"must be >= 1 or null, got {self.generation_batch_size}; use null for "
+                                            "the default")
+        if problem := args_problem(self):
+            yield "args", problem
 
 
-def check_vllm_config(cfg, cpu: bool) -> None:
-    """Raise one ConfigError listing every problem of a config built in code: the schema's checks
-    (VLLMConfig.check, which also rejects the keys vLLM V1 cannot honour) plus the platform's."""
-    problems = [*cfg.check(), *platform_problems(cfg, cpu)]
+def check_config(cfg) -> None:
+    """Raise one ConfigError listing every problem of a config built (or changed) in code: its schema's checks."""
+    problems = list(cfg.check())
     if problems:
         raise ConfigError([f"{key}: {msg}" for key, msg in problems])
-
-
-def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
-    """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's defaults."""
-    tokenizer = cfg.tokenizer or model_dir
-    if cfg.tokenizer and not has_tokenizer(cfg.tokenizer):  # a typo must not silently give a token-only engine
-        raise ConfigError([f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json, tokenizer.model or "
-                           "tokenizer_config.json); fix the path, or remove the key to use the model's own"])
-    kwargs = dict(
-        tokenizer=str(tokenizer),
-        skip_tokenizer_init=not has_tokenizer(tokenizer),  # token-only engine for a model without one
-        dtype=cfg.dtype,
-        seed=cfg.seed,
-        max_model_len=cfg.seq_length,
-        tensor_parallel_size=cfg.tensor_parallel_size,
-        distributed_executor_backend=distributed_executor_backend,
-        enforce_eager=cfg.enforce_eager,
-        gpu_memory_utilization=cfg.gpu_memory_utilization,
-        kv_cache_memory_bytes=cfg.kv_cache_memory_bytes,
-        block_size=cfg.block_size,
-        max_num_seqs=cfg.generation_batch_size,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode],
-    )
-    if cpu and cfg.kv_cache_memory_bytes is None:
-        kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model_dir, cfg)
-    return {key: value for key, value in kwargs.items() if value is not None}
 
 
 def prompt_budget(cfg) -> int:
@@ -63,7 +109,7 @@ def prompt_budget(cfg) -> int:
     new_token_limit: true, the rest of seq_length with false. The one rule of build_dataset (which cuts longer
     prompts), run_generation and generate (which refuse them)."""
     if cfg.seq_length is None:
-        raise ValueError("seq_length is not resolved yet: VLLMModule.setup() sets it from the model "
+        raise ValueError("seq_length is not resolved yet: the module's setup() sets it from the model "
                          "(or set seq_length in the config)")
     return cfg.seq_length - cfg.max_new_tokens
 
@@ -167,7 +213,7 @@ def resolve_seq_length(cfg, model_dir):
     elif limit is not None and cfg.seq_length > limit:
         raise ConfigError([f"seq_length: {cfg.seq_length} is longer than the model's max_position_embeddings="
                            f"{limit} ({model_dir}/config.json); set seq_length <= {limit} or leave it null"])
-    check_vllm_config(cfg, cpu=False)  # max_new_tokens against the now-known seq_length
+    check_config(cfg)  # max_new_tokens against the now-known seq_length
     return cfg
 
 
@@ -189,19 +235,3 @@ def has_tokenizer(directory) -> bool:
     """Whether an HF directory holds a tokenizer (else the engine runs token-only)."""
     d = Path(directory)
     return any((d / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json"))
-
-
-CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM 0.32's CPU attention default
-
-
-def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
-    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens, each rounded up to whole
-    KV blocks (vLLM refuses a cache that cannot hold one full-length sequence). vLLM's own CPU default
-    reserves most of the machine's RAM."""
-    hf = json.loads((Path(model_dir) / "config.json").read_text())
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[cfg.dtype]
-    block = cfg.block_size or CPU_DEFAULT_BLOCK_SIZE
-    tokens_per_sequence = -(-cfg.seq_length // block) * block
-    return per_token * tokens_per_sequence * (cfg.generation_batch_size or 8)

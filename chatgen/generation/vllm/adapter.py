@@ -119,7 +119,7 @@ def check_internals(llm: LLM) -> None:
         raise RuntimeError(
             f"chatgen's vLLM adapter (tested with vLLM {TESTED_VLLM}) does not fit vLLM {vllm.__version__}:\n  "
             + "\n  ".join(problems)
-            + "\nUpdate chatgen/generation/vllm_adapter.py (schedule/execute mirror EngineCore.step)."
+            + "\nUpdate chatgen/generation/vllm/adapter.py (schedule/execute mirror EngineCore.step)."
         )
 
 
@@ -145,10 +145,13 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         _eager_token_ranks()
     rpc_dir = None
     workers = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
-    if (workers > 1 and engine_kwargs.get("distributed_executor_backend") != "external_launcher"
-            and "VLLM_RPC_BASE_PATH" not in os.environ):  # vLLM's multiprocess executor: worker processes, IPC
-        rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
-        atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
+    if workers > 1 and engine_kwargs.get("distributed_executor_backend") != "external_launcher":
+        if current_platform.is_cpu():  # vLLM's CPU workers need their cores named, one set per rank
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
+                                                                        for i in range(workers)))
+        if "VLLM_RPC_BASE_PATH" not in os.environ:  # vLLM's multiprocess executor: worker processes, IPC
+            rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
+            atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
         with _host_memory_only_gc(current_platform.is_cpu()):
             llm = LLM(model, **engine_kwargs)
@@ -381,7 +384,7 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
     without holding a second copy; with the multiprocess executor it is materialised and pickled to each worker.
     A subset of the weights is fine. Afterwards a tied LM head is re-packed (CPU) and (reset_prefix_cache) the
     prefix cache is reset, so no KV computed with the old weights is reused; the engine loop passes False and
-    keeps the cache apart itself (chatgen.generation.engine_loop).
+    keeps the cache apart itself (chatgen.generation.vllm.engine_loop).
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))

@@ -11,21 +11,32 @@ import dataclasses
 import sys
 import typing
 
-from chatgen.config.loader import (ConfigError, _type_name, format_config, load_config, load_model_config,
-                                   schema_marker, to_dict)
-from chatgen.config.schema import MegatronConfig, ModelEntry, RuntimeConfig, VLLMConfig
+from chatgen.compat.chatlearn import dialect
+from chatgen.config import ConfigError, load_model_config
+from chatgen.config.loader import type_name
+from chatgen.generation import base as generation
+from chatgen.rlhf import algorithms
+from chatgen.rlhf.config import (
+    ModelEntry,
+    RuntimeConfig,
+    format_config,
+    load_config,
+    resolve_schema,
+    schema_marker,
+    to_dict,
+)
+from chatgen.training.config import MegatronConfig
 
 
 def sections() -> list:
-    """(title, where, dataclass) of every config section, the shipped algorithms' sections included."""
-    from chatgen.rlhf import algorithms
-
+    """(title, where, dataclass) of every config section, the shipped algorithms' and backends' included."""
     return [
         ("runtime", "main YAML, `runtime:`", RuntimeConfig),
-        *[(f"runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", algorithms.load(name).Config)
+        *[("runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", algorithms.load(name).Config)
           for name in algorithms.available()],
         ("models.<name>", "main YAML, one entry per model", ModelEntry),
-        ("vllm", "per-model YAML of a `backend: vllm` model", VLLMConfig),
+        *[(name, f"per-model YAML of a `backend: {name}` model; chatgen/generation/{name}/",
+           generation.load_backend(name).Config) for name in generation.available()],
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
     ]
 
@@ -52,7 +63,7 @@ def key_reference() -> str:
                 default = "(section)" if dataclasses.is_dataclass(value) else f"`{value!r}`"
             else:
                 default = "required"
-            kind = _type_name(hints[f.name]).replace("|", "or")
+            kind = type_name(hints[f.name]).replace("|", "or")
             doc = f.metadata.get("doc", "").replace("|", "\\|")
             out.append(f"| `{f.name}` | {kind} | {default} | {doc} |")
         out.append("")
@@ -94,7 +105,8 @@ def run(args) -> int:
         if schema:
             import yaml
 
-            print(yaml.safe_dump(to_dict(load_model_config(args.path, schema, args.overrides)), sort_keys=False))
+            config = load_model_config(args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen"))
+            print(yaml.safe_dump(to_dict(config), sort_keys=False))
         else:
             print(format_config(load_config(args.path, args.overrides)))
     except ConfigError as e:

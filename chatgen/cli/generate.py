@@ -20,7 +20,6 @@ The output path is checked before the model loads (its directory writable, not t
 file unless --overwrite) and written atomically (a killed run leaves the old file or none, never half of one).
 A model that yields NaN or inf log-probs (weights diverged) is an error (exit 1), with no output written.
 """
-import functools
 import json
 import math
 import os
@@ -28,9 +27,14 @@ import sys
 from pathlib import Path
 
 from chatgen.cli import positive_int
-from chatgen.generation import engine_config
+from chatgen.compat.chatlearn import dialect
+from chatgen.config import load_model_config
+from chatgen.core.checkpoint_io import atomic_file, read_hf_config
+from chatgen.core.imports import import_class
 from chatgen.core.jsonl import is_token_ids, read_records
 from chatgen.core.rollout import RolloutBatch
+from chatgen.generation.config import check_prompt_ids
+from chatgen.rlhf.config import format_config
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
@@ -50,18 +54,14 @@ def add_module_arguments(parser) -> None:
 def build_module(args, overrides=()):
     """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value strings from the
     command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr."""
-    from chatgen.config import VLLMConfig, format_config, load_model_config
-    from chatgen.generation import vllm_adapter
-    from chatgen.generation.vllm_module import VLLMModule
-    from chatgen.core.imports import import_class
+    from chatgen.generation.vllm.module import VLLMModule  # imports vLLM: not for `chatgen generate --help`
 
     cls = import_class(args.module) if args.module else VLLMModule
     if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
         raise ValueError(f"--module {args.module}: {cls!r} is not a subclass of chatgen.VLLMModule")
-    platform = functools.partial(engine_config.platform_problems, cpu=vllm_adapter.on_cpu())
-    config = load_model_config(args.config, cls.config_class if cls.config_class is not dict else VLLMConfig,
-                               [f"load={args.model}", *overrides, *args.overrides], extra_check=platform,
-                               dialect=args.config_dialect)
+    config = load_model_config(args.config, cls.config_class, [f"load={args.model}", *overrides, *args.overrides],
+                               extra_check=cls.config_problems,
+                               dialect=dialect(args.config_dialect))
     print(format_config(config), file=sys.stderr)
     return cls(config)
 
@@ -87,7 +87,7 @@ def read_prompts(path, vocab_size: int) -> list:
             return '"prompt_ids" must be a non-empty list of ints'
         if "prompt_ids" in record:
             try:
-                engine_config.check_prompt_ids(record["prompt_ids"], vocab_size, '"prompt_ids"')
+                check_prompt_ids(record["prompt_ids"], vocab_size, '"prompt_ids"')
             except ValueError as e:
                 return str(e)
         return None
@@ -114,8 +114,6 @@ def check_output(output, input_path, overwrite: bool) -> None:
 
 def run(args) -> int:
     # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
-    from chatgen.core.checkpoint_io import atomic_file, read_hf_config
-
     hf_config = read_hf_config(args.model, "--model")
     check_output(args.output, args.input, args.overwrite)
     rows = read_prompts(args.input, hf_config["vocab_size"])

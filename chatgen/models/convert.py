@@ -1,4 +1,4 @@
-"""`chatgen convert`: HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model.
+"""HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model (`chatgen convert`).
 
     chatgen convert --to megatron --input outputs/tiny-llama --output outputs/tiny-llama-tp2pp2 --tp 2 --pp 2
     chatgen convert --to hf --input outputs/tiny-llama-tp2pp2 --output outputs/tiny-llama-back
@@ -15,7 +15,6 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from chatgen import models
-from chatgen.cli import positive_int
 from chatgen.core.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -26,16 +25,6 @@ from chatgen.core.checkpoint_io import (
     write_megatron_meta,
 )
 from chatgen.models import layout
-
-
-def add_arguments(p):
-    p.add_argument("--to", required=True, choices=["megatron", "hf"], help="target format")
-    p.add_argument("--input", required=True, help="HF directory (--to megatron) or chatgen Megatron checkpoint")
-    p.add_argument("--output", required=True, help="directory to write (must not exist)")
-    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the Megatron checkpoint")
-    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
-    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
-                   help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
 
 
 def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> Path:
@@ -76,15 +65,3 @@ def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:
     spec = models.spec_from_hf_config(meta["hf_config"])
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
-
-
-def run(args) -> int:
-    if Path(args.output).exists():
-        raise FileExistsError(f"--output {args.output} exists; choose a new directory")
-    if args.to == "megatron":
-        out = hf_to_megatron_dir(args.input, args.output, args.tp, args.pp, args.make_vocab_size_divisible_by)
-        print(f"wrote Megatron checkpoint TP={args.tp} PP={args.pp} to {out}")
-    else:
-        out = megatron_to_hf_dir(args.input, args.output)
-        print(f"wrote HF checkpoint to {out}")
-    return 0

@@ -5,15 +5,17 @@
     chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
 
 Binds to 127.0.0.1 unless --host says otherwise; with --api-key every endpoint needs
-`Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing `key=value` arguments set any per-model key (docs/generation_keys.md).
+`Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing
+`key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
 import sys
 
+from chatgen.cli.generate import add_module_arguments, build_module
+from chatgen.core.checkpoint_io import read_hf_config
+
 
 def add_arguments(parser) -> None:
-    from chatgen.generation.cli import add_module_arguments
-
     add_module_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -26,12 +28,9 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from chatgen.core.checkpoint_io import read_hf_config
-
     read_hf_config(args.model, "--model")
-    import uvicorn
+    import uvicorn  # the server's stack (and vLLM's protocol): not for `chatgen serve --help`
 
-    from chatgen.generation.cli import build_module
     from chatgen.serving.app import build_app
     from chatgen.serving.control import check_bind, control_router
 

@@ -1,0 +1,31 @@
+"""`chatgen convert`: HF checkpoint <-> chatgen Megatron checkpoint (chatgen.models.convert).
+
+    chatgen convert --to megatron --input outputs/tiny-llama --output outputs/tiny-llama-tp2pp2 --tp 2 --pp 2
+    chatgen convert --to hf --input outputs/tiny-llama-tp2pp2 --output outputs/tiny-llama-back
+"""
+from pathlib import Path
+
+from chatgen.cli import positive_int
+from chatgen.models.convert import hf_to_megatron_dir, megatron_to_hf_dir
+
+
+def add_arguments(p):
+    p.add_argument("--to", required=True, choices=["megatron", "hf"], help="target format")
+    p.add_argument("--input", required=True, help="HF directory (--to megatron) or chatgen Megatron checkpoint")
+    p.add_argument("--output", required=True, help="directory to write (must not exist)")
+    p.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size of the Megatron checkpoint")
+    p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
+    p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
+                   help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
+
+
+def run(args) -> int:
+    if Path(args.output).exists():
+        raise FileExistsError(f"--output {args.output} exists; choose a new directory")
+    if args.to == "megatron":
+        out = hf_to_megatron_dir(args.input, args.output, args.tp, args.pp, args.make_vocab_size_divisible_by)
+        print(f"wrote Megatron checkpoint TP={args.tp} PP={args.pp} to {out}")
+    else:
+        out = megatron_to_hf_dir(args.input, args.output)
+        print(f"wrote HF checkpoint to {out}")
+    return 0

@@ -1,0 +1,331 @@
+"""`chatgen.VLLMModule`: vLLM generation that the framework drives one engine step at a time, in this process.
+
+    from chatgen import VLLMModule
+    module = VLLMModule({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16}).start()
+    batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.core.rollout.RolloutBatch
+    out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
+
+Subclass it and override the hooks to shape what a generation call returns; docs/vllm_module.md walks through
+examples/policy_inference.py. The framework owns the loop (`run_generation`):
+
+    _add_request(batch) -> while requests remain: schedule -> forward_step -> collect finished -> decode_internal
+
+The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can write new
+weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`). What every
+generation backend does is chatgen.generation.base (prompts, token batches, the contract); ChatLearn's and
+NeMo RL's spellings come from chatgen.compat; everything that touches vLLM internals is adapter.py; serving it
+over HTTP is chatgen.serving.
+"""
+import contextlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+
+from chatgen.compat.chatlearn import ChatLearnGeneration
+from chatgen.compat.nemo_rl import NemoRLGeneration
+from chatgen.core.checkpoint_io import copy_hf_side_files, read_megatron_meta
+from chatgen.generation import config as gc
+from chatgen.generation.base import GenerationModule
+from chatgen.generation.batching import iter_samples, rollout_batch
+from chatgen.generation.vllm import adapter
+from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
+from chatgen.generation.vllm.engine_loop import EngineLoop
+from chatgen.models.convert import megatron_checkpoint_to_hf
+
+logger = logging.getLogger(__name__)
+
+
+class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
+    """A vLLM generation model. Construct with its per-model config, `start()` it, then generate.
+
+    config: a `VLLMConfig`, a dict of its keys, or the path of a per-model YAML (docs/generation_keys.md).
+    Lifecycle (chatgen.module): `init()` picks vLLM's executor: "external_launcher" (one engine rank in each
+    process of an existing torch.distributed job, e.g. colocated with a Megatron TP group) when the process
+    has WORLD_SIZE > 1, else vLLM's default; `setup()` builds the engine.
+
+    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer`, `pad_token_id`, `vocab_size`, `metrics`
+    (figures of the last generation call), `config`, `iteration` (engine steps over the module's life, what
+    `forward_step` / `eval_forward` receive). Sampling keys are read at every call (changing
+    `module.config.temperature` between calls takes effect); engine keys at `setup()`.
+    """
+
+    config_class = VLLMConfig
+
+    def __init__(self, config=None, *, name: str | None = None, config_dialect: str = "chatgen"):
+        super().__init__(config, name=name, config_dialect=config_dialect)
+        self.distributed_executor_backend = None
+        self.engine = None
+        self.iteration = 0
+        self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
+
+    @classmethod
+    def config_problems(cls, config):
+        return platform_problems(config, cpu=adapter.on_cpu())
+
+    def init(self) -> None:
+        """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else one engine."""
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            self.distributed_executor_backend = "external_launcher"
+
+    # ------------------------------------------------------------------ user hooks
+
+    def setup(self) -> None:
+        """Build the engine. Called once, before the first generation call.
+
+        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in
+        this process and reads the tokenizer. `model_dir` may also be a chatgen Megatron checkpoint (what
+        `MegatronModule.save_checkpoint` writes, any TP x PP, as ChatLearn's vLLM module starts from its
+        trainer's checkpoint): the engine then starts from its HF config with placeholder weights and the
+        checkpoint's weights are written in through the weight-sync path, no conversion on disk.
+        Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
+        """
+        model_dir = self.model_provider()
+        megatron = read_megatron_meta(model_dir) is not None
+        engine_dir = self._hf_view(model_dir) if megatron else model_dir
+        self.config = gc.resolve_seq_length(self.config, engine_dir)
+        kwargs = self.engine_kwargs(engine_dir)
+        if megatron:
+            kwargs["load_format"] = "dummy"
+        self.engine = adapter.build_llm(str(engine_dir), **kwargs)
+        self.hf_config = adapter.hf_config(self.engine)
+        self.vocab_size = self.hf_config["vocab_size"]
+        if megatron:
+            self.update_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
+        if not self.engine.llm_engine.model_config.skip_tokenizer_init:
+            self.tokenizer = self.engine.get_tokenizer()
+            self.alias_tokenizer(self.tokenizer)
+        if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise gc.ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set "
+                                  "it to false (and use prompt_template), or use a tokenizer that has one"])
+        self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir)
+        if self.tokenizer is not None:
+            try:
+                mismatch = gc.check_vocab(len(self.tokenizer), self.vocab_size, self.config.tokenizer or model_dir,
+                                          model_dir)
+            except gc.ConfigError:
+                self.shutdown()
+                raise
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
+
+    def _add_request(self, data, is_eval=False) -> list:
+        """Queue a batch in the engine with the train (or eval) sampling parameters.
+
+        Called by `run_generation` at the start of a call. data: list of dataset items (dicts with
+        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]); or, when the dataset
+        `build_dataset` returned has a `collate_fn` (ChatLearn), what it made of those items, e.g. a dict of
+        lists {"input_ids": [...], "prompt": [...]}. Returns the request ids (in batch order). Override to set
+        per-item sampling (call `self.add_request` for each item), or call
+        `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's modules do.
+        """
+        if isinstance(data, dict):  # a collated batch
+            return self._add_request_internal(data.get("prompt") or [None] * len(data["input_ids"]),
+                                              data["input_ids"], is_eval)
+        return self._queue(data, is_eval=is_eval)
+
+    def forward_step(self, data, iteration):
+        """Run one engine step on the batch the scheduler picked. Called once per step of a train-mode call.
+
+        data: `adapter.ScheduledBatch` (`request_ids`, `num_tokens` {request id: tokens this step},
+        `total_tokens`); iteration: `self.iteration`, the engine steps this module has run before this one (over
+        its life, as ChatLearn counts). Must call `self.execute_step(data)` exactly once and return its result
+        (the `RequestOutput`s that finished).
+        """
+        return self.execute_step(data)
+
+    def eval_forward(self, data, iteration=0):
+        """`forward_step` of an evaluation call (`run_generation(..., is_eval=True)`), as ChatLearn calls it.
+        Default: `forward_step(data, iteration)`."""
+        return self.forward_step(data, iteration)
+
+    def decode_internal(self, batched_outputs):
+        """Turn the finished requests of a call into the module's output. Called once per `run_generation`.
+
+        batched_outputs: list of vLLM `RequestOutput`, sorted by request id (= batch order); each has
+        `prompt_token_ids`, `prompt` (text or None) and `outputs` (n `CompletionOutput`s with `token_ids`,
+        `logprobs`, `text`, `finish_reason`). Default: a `chatgen.core.rollout.RolloutBatch` of S = prompts x n
+        samples (sample j of prompt i at row i * n + j), what every RLHF algorithm consumes. Override to return
+        something else for your own loop, or to post-process the batch (e.g. zero `loss_mask` on tokens the
+        policy should not be trained on).
+        """
+        return rollout_batch(batched_outputs, self.pad_token_id)
+
+    # ------------------------------------------------------------------ framework API
+
+    def engine_kwargs(self, model_dir) -> dict:
+        """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config (config.engine_kwargs)."""
+        return engine_kwargs(self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend)
+
+    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
+        """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see config.sampling_kwargs).
+
+        Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p /
+        eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`.
+        """
+        config_strings, stop_token_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop = [*config_strings, *stop_strings]
+        if stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
+                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
+                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
+        kwargs = gc.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop,
+                                    stop_token_ids=stop_token_ids)
+        # Incremental detokenization (and the text of every log-prob entry) costs about a third of a small model's
+        # engine step on CPU; it is needed only to match stop strings. Without any, texts are decoded once at the
+        # end of the call (`_decode_texts`).
+        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(stop))
+
+    def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
+        """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
+
+        Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new tokens
+        (a DELTA output each step, for `stream`) instead of one output when the request finishes.
+        """
+        if not prompt_ids:
+            raise ValueError("add_request: empty prompt; every prompt needs at least one token (e.g. BOS)")
+        return self.engine_loop.add_request(prompt_ids, params, prompt_text, stream=stream)
+
+    def execute_step(self, data):
+        """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
+        return adapter.execute(self.engine, data)
+
+    def run_generation(self, data, is_eval=False):
+        """Generate for a batch of dataset items with the hooks: the framework-owned loop.
+
+        data: list of items from `build_dataset` (collated first when `prepare_dataset` saw a `collate_fn`). An
+        item over the prompt budget seq_length - max_new_tokens is an error naming it (never cut here). Steps go
+        to `forward_step`, or to `eval_forward` when is_eval. Returns `decode_internal(...)`; `self.metrics`
+        has the call's figures.
+        """
+        batch = self.collate(data, is_eval)
+        return self.decode_internal(self._drive(lambda: self._add_request(batch, is_eval), is_eval))
+
+    def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
+        return self._drive(lambda: self._queue(items, is_eval, greedy), is_eval)
+
+    async def stream(self, prompts: list, params, deltas: bool = False):
+        self._check_ready()
+        shared = not isinstance(params, list)
+        index = {}  # request id -> prompt index
+
+        def add():
+            for i, ids in enumerate(prompts):  # a request owns its params (vLLM sets fields on them): one each
+                p = (params.clone() if len(prompts) > 1 else params) if shared else params[i]
+                index[self.add_request(ids, p, stream=deltas)] = i
+
+        async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:  # closed: aborts the rest
+            async for output in outputs:
+                if output.finished and not deltas:
+                    self._decode_texts([output])
+                yield index[output.request_id], output
+
+    # ------------------------------------------------------------------ weights, memory, control
+
+    def load_weights(self, buckets, mode: str = "wait") -> int:
+        """See GenerationModule.load_weights. Every generated token reports the version it was sampled under
+        (`weight_versions` in the outputs); requests added after an update never reuse prefix-cache blocks
+        computed with older weights. Names and layouts: see `adapter.load_weights`."""
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
+        return self.engine_loop.update_weights(buckets, mode)
+
+    @property
+    def needs_resync(self) -> str | None:
+        return self.engine_loop.broken if self.engine is not None else None
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine_loop.weight_version
+
+    @property
+    def engine_loop(self):
+        """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
+        whose ranks must step in lockstep)."""
+        return EngineLoop.of(self.engine, threaded=self.distributed_executor_backend != "external_launcher")
+
+    def sleep(self, level: int = 1) -> None:
+        """Level 1: drop the KV cache, offload weights to CPU; level 2: drop both (sync all weights after
+        `wake_up`). On CPU vLLM 0.32 frees nothing (its CPU worker's sleep is a no-op): the engine pauses and
+        the prefix cache is cleared; size the CPU cache with kv_cache_memory_bytes. Generating while asleep
+        is an error."""
+        self.engine_loop.call(lambda: adapter.sleep(self.engine, level))
+
+    def wake_up(self) -> None:
+        self.engine_loop.call(lambda: adapter.wake_up(self.engine))
+
+    def is_sleeping(self) -> bool:
+        return adapter.is_sleeping(self.engine)
+
+    def pause(self) -> None:
+        self.engine_loop.pause()
+
+    def resume(self) -> None:
+        self.engine_loop.resume()
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine_loop.call(lambda: adapter.reset_prefix_cache(self.engine))
+
+    def shutdown(self) -> None:
+        """Stop the engine loop and the engine and release its memory."""
+        if self.engine is not None:
+            self.engine_loop.shutdown()
+            adapter.shutdown(self.engine)
+            self.engine = None
+        if self._engine_dir is not None:
+            shutil.rmtree(self._engine_dir, ignore_errors=True)
+            self._engine_dir = None
+
+    def _hf_view(self, checkpoint) -> str:
+        """A temporary HF directory for the engine to start from: the Megatron checkpoint's HF config.json and
+        its tokenizer files (the weights come through `update_weights`)."""
+        self._engine_dir = tempfile.mkdtemp(prefix="chatgen-vllm-")
+        with open(os.path.join(self._engine_dir, "config.json"), "w") as f:
+            json.dump(read_megatron_meta(checkpoint)["hf_config"], f)
+        copy_hf_side_files(checkpoint, self._engine_dir)
+        return self._engine_dir
+
+    # ------------------------------------------------------------------ the loop
+
+    def _queue(self, items, is_eval=False, greedy=False) -> list:
+        """add_request for each dataset item, with its own prompt length and stop strings; returns request ids.
+        An item over the prompt budget is an error naming it."""
+        request_ids = []
+        for i, item in enumerate(items):
+            self.check_item(item, f"run_generation: item {i}")
+            params = self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
+                                          stop_strings=item.get("stop_strings") or ())
+            request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
+        return request_ids
+
+    def _check_ready(self) -> None:
+        if self.engine is None:
+            raise RuntimeError(f"{type(self).__name__}: call setup() before generating")
+        if adapter.is_sleeping(self.engine):
+            raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
+
+    def _drive(self, add_requests, is_eval=False) -> list:
+        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine thread; each
+        step goes through `forward_step`, or `eval_forward` when is_eval) and wait until all its requests
+        finish; returns the finished `RequestOutput`s sorted by request id and records `self.metrics`."""
+        self._check_ready()
+        start = time.perf_counter()
+        finished, stats = self.engine_loop.run(self, add_requests, is_eval)
+        self._decode_texts(finished)
+        elapsed = time.perf_counter() - start
+        prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
+        generation_tokens = sum(len(s.token_ids) for _, s in iter_samples(finished))
+        self.metrics = {
+            "prompts": len(finished),
+            "samples": sum(len(o.outputs) for o in finished),
+            "prompt_tokens": prompt_tokens,
+            "generation_tokens": generation_tokens,
+            "engine_steps": stats["engine_steps"],
+            "elapsed_s": elapsed,
+            "prompt_tokens_per_s": prompt_tokens / elapsed,
+            "generation_tokens_per_s": generation_tokens / elapsed,
+            "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
+        }
+        return finished

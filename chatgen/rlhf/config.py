@@ -1,0 +1,491 @@
+"""The main YAML of a run: `runtime:` (with the algorithm's section) and `models:`, loaded and checked as one.
+
+    from chatgen.rlhf.config import load_config
+    cfg = load_config("configs/grpo_tiny.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
+    cfg.runtime.num_episode, cfg.models["policy"].config.temperature
+
+Each model entry's `backend:` picks the schema of its per-model YAML and the class it runs: a generation backend
+(chatgen.generation.base.load_backend: `vllm`, `hf`, or your own module), `megatron` (the trainer), or `python`
+(your class; its `config_class` is the schema). The algorithm (`runtime.algorithm.name`, chatgen.rlhf.algorithms)
+brings its own config section and the roles it needs. Assembled from the generic loader's pieces
+(chatgen.config.loader); every problem of every file comes back in one ConfigError. docs/configuration.md.
+"""
+import dataclasses
+import difflib
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+
+from chatgen.compat.chatlearn import dialect
+from chatgen.config import CLI, REQUIRED, ConfigError, opt
+from chatgen.config.loader import at, build, closest, key_paths, merge, parse_override_tree, read_yaml, show, substitute
+from chatgen.core.imports import import_class
+from chatgen.generation.base import load_backend
+from chatgen.generation.config import GenerationConfig
+from chatgen.rlhf import algorithms
+from chatgen.training.config import MegatronConfig
+
+RESOLVED_NAME = "resolved_config.yaml"
+TRAINER_CLASS = "chatgen.training.megatron_module:MegatronModule"
+
+
+def backend_kind(backend: str) -> str:
+    """"megatron", "python", or "generation" (any other name: a generation backend) for a `backend:` value."""
+    return backend if backend in ("megatron", "python") else "generation"
+
+
+def backend_schema(backend: str):
+    """The per-model config dataclass of a megatron or generation backend (ValueError naming the choices)."""
+    if backend == "megatron":
+        return MegatronConfig
+    try:
+        return load_backend(backend).Config
+    except ValueError as e:
+        raise ValueError(f"{e}; or megatron (a trainer), python (your class, model_class)") from None
+
+
+def model_class(entry) -> str:
+    """'package.module:ClassName' a model entry runs: its model_class, else its backend's default class."""
+    if entry.model_class:
+        return entry.model_class
+    return TRAINER_CLASS if entry.backend == "megatron" else load_backend(entry.backend).MODULE
+
+
+@dataclasses.dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Base of every algorithm's own `runtime.algorithm:` section (chatgen/rlhf/algorithms/<name>.py: Config)."""
+
+    name: str = opt("grpo", "the algorithm: a module of chatgen/rlhf/algorithms (grpo, grpo_multiturn, ppo, dpo, "
+                            "online_dpo) or the dotted path of your own")
+
+
+@dataclasses.dataclass(frozen=True)
+class Role:
+    """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it may be left out,
+    and the model its weights are synced into after each update."""
+
+    backend: Literal["generation", "megatron", "python"]  # generation: any generation backend (vllm, hf, ...)
+    trainable: Optional[bool] = None  # True: must be trainable; False: must be frozen; None: either
+    optional: bool = False
+    syncs_to: Optional[str] = None  # e.g. policy_trainer -> "policy"
+    doc: str = ""
+
+
+@dataclasses.dataclass(kw_only=True)
+class RuntimeConfig:
+    num_episode: int = opt(1, "episodes to run; one episode = generate sample_per_episode samples, then train on them")
+    sample_per_episode: int = opt(16, "samples (prompt + response pairs) generated per episode")
+    num_training_epoch: int = opt(1, "passes of the trainer over each episode's samples")
+    train_micro_batch_size: int = opt(1, "samples per trainer forward/backward")
+    train_global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = sample_per_episode")
+    generation_batch_size: int = opt(
+        8, "sequences a vLLM engine runs together per step (its max_num_seqs); the default of every vllm model's generation_batch_size")
+    save_episode_interval: Optional[int] = opt(None, "save a checkpoint every N episodes; null = never")
+    eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
+    data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)")
+    eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation")
+    output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml")
+    colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
+    ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray (when Ray is used)")
+    launcher: Literal["auto", "local", "ray"] = opt(
+        "auto", "ray: every model group runs as Ray actors; local: a run whose models share one process of one rank "
+                "runs in the driver, without Ray; auto: local when possible (and no ray_address), else ray")
+    seed: int = opt(1234, "global random seed")
+    log_interval: int = opt(1, "log metrics every N training steps")
+    allow_data_order_change: bool = opt(
+        False, "on --resume, accept another seed / batch size / data file than the checkpoint's (its data position then "
+               "applies to a different order); false = such a resume is refused")
+    max_cut_prompt_fraction: float = opt(
+        0.5, "stop before training when more than this share of the training prompts had to be cut to the prompt "
+             "budget (seq_length - max_new_tokens); 1.0 = never")
+    max_bad_train_steps: int = opt(
+        3, "stop after this many optimizer steps in a row with a zero or non-finite gradient norm (training collapsed "
+           "or diverged)")
+    solved_reward: Optional[float] = opt(
+        1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
+    algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")
+
+    def check(self):
+        if not 0 <= self.max_cut_prompt_fraction <= 1:
+            yield "max_cut_prompt_fraction", f"must be in [0, 1], got {self.max_cut_prompt_fraction}; 1.0 turns it off"
+        for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
+                    "generation_batch_size", "log_interval", "max_bad_train_steps"):
+            if getattr(self, key) < 1:
+                yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        for key in ("train_global_batch_size", "save_episode_interval", "eval_episode_interval"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null to turn it off"
+        gbs = self.train_global_batch_size or self.sample_per_episode
+        if self.train_micro_batch_size >= 1 and gbs >= 1:
+            if gbs % self.train_micro_batch_size:  # (that an episode is whole global batches: run.check_config)
+                yield "train_global_batch_size", (f"{gbs} is not a multiple of train_micro_batch_size="
+                                                  f"{self.train_micro_batch_size}; make it one")
+
+
+@dataclasses.dataclass(kw_only=True)
+class ModelEntry:
+    backend: str = opt(
+        REQUIRED, "a generation backend (vllm; hf: transformers, the reference), megatron (training, forward), or "
+                  "python (user code, e.g. a rule reward); a generation backend of your own: its module's dotted path")
+    model_config_file: Optional[str] = opt(None, "per-model YAML of flat keys, relative to the main YAML; null = none")
+    model_class: Optional[str] = opt(None, "'package.module:ClassName' of the model; null = the backend's default "
+                                           "(VLLMModule for vllm, MegatronModule; a python model must name its class)")
+    trainable: bool = opt(False, "whether this model is trained (its weights are then synced to the generation model)")
+    num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
+    num_cpu: int = opt(1, "CPU cores for this model's actors")
+    config: Any = opt(None, "per-model keys inline (win over model_config_file); once loaded: the typed config")
+    config_dialect: Literal["chatgen", "chatlearn"] = opt(
+        "chatgen", "how the per-model keys are read: chatgen (every key checked) or chatlearn (a ChatLearn YAML: Megatron-LM keys ignored, unknown keys -> args; docs/migrating_from_chatlearn.md)")
+
+    def check(self):
+        if self.trainable and backend_kind(self.backend) == "generation":
+            yield "trainable", f"a {self.backend} model cannot be trained; set trainable: false or backend: megatron"
+        if self.backend == "python" and not self.model_class:
+            yield "model_class", ("a python model runs your class: set model_class: 'package.module:ClassName' (e.g. "
+                                  "chatgen.rlhf.rewards:RuleReward)")
+        if self.num_gpu < 0 or self.num_cpu < 0:
+            yield "num_gpu" if self.num_gpu < 0 else "num_cpu", "must be >= 0; set a non-negative integer"
+
+
+@dataclasses.dataclass
+class ChatgenConfig:
+    """A loaded main config: `runtime` and the `models` (each entry's `.config` holds its typed per-model config)."""
+
+    runtime: RuntimeConfig
+    models: dict[str, ModelEntry]
+    path: Optional[str] = None  # the main YAML
+    overrides: list[str] = dataclasses.field(default_factory=list)  # command-line key=value, as given
+    files: list[str] = dataclasses.field(default_factory=list)  # every YAML read (main, includes, model files)
+
+
+def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> ChatgenConfig:
+    """The main YAML (`runtime:` + `models:`), each model's `model_config_file`, and `key=value` overrides.
+
+    Override paths: `runtime.num_episode=3`, `models.policy.num_gpu=1` (entry keys), `models.policy.temperature=0.5`
+    or its shortcut `policy.temperature=0.5` (per-model keys). Raises ConfigError listing every problem.
+    """
+    errors, files = [], []
+    main_yaml = os.path.abspath(os.fspath(main_yaml))
+    data, where = read_yaml(main_yaml, errors, files)
+    if errors and not data:
+        raise ConfigError(errors)  # nothing to validate: the main YAML is missing, empty or unreadable
+    overrides_tree = _route_overrides(parse_override_tree(overrides, errors), data, errors)
+    merge(data, where, overrides_tree, dict.fromkeys(key_paths(overrides_tree), (CLI, "")))
+    data = substitute(data, where, errors)
+
+    runtime_data = data.get("runtime") or {}
+    algorithm, roles = _load_algorithm(runtime_data, where, errors)
+    for key in data:
+        if key not in ("runtime", "models"):
+            from_cli = where.get((key,), ("",))[0] == CLI
+            models = data.get("models") if from_cli and isinstance(data.get("models"), dict) else {}
+            if key in roles and from_cli:
+                errors.append(f"{CLI}: {key}: no model {key!r} under models; configured: {', '.join(models)}")
+                continue
+            choices = ("runtime", "models", *models)
+            errors.append(f"{at(where, (key,))}: unknown top-level key; {closest(key, choices)}")
+    runtime = build(RuntimeConfig, runtime_data, where, errors, ("runtime",))
+    if runtime is not None:
+        runtime.algorithm = algorithm
+        if runtime.train_global_batch_size is None:
+            runtime.train_global_batch_size = runtime.sample_per_episode
+    models_data = data.get("models")
+    if not isinstance(models_data, dict) or not models_data:
+        errors.append(f"{at(where, ('models',))}: no models; add e.g. `models: {{policy: {{backend: vllm, "
+                      "model_config_file: policy.yaml}}`")
+        models_data = {}
+    models = {}
+    for name, entry_data in models_data.items():
+        entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, roles, where, errors, files)
+        if entry is not None:
+            models[name] = entry
+    if runtime is not None:
+        _check_colocation(runtime, models, where, errors)
+    if errors:
+        raise ConfigError(errors)
+    return ChatgenConfig(runtime=runtime, models=models, path=main_yaml, overrides=list(overrides),
+                         files=list(dict.fromkeys(files)))
+
+
+def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
+    """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
+    models = dict(data.get("models")) if isinstance(data.get("models"), dict) else {}
+    if isinstance(tree.get("models"), dict):  # a model added on the command line takes shortcuts too
+        for name, sub in tree["models"].items():
+            models.setdefault(name, sub)
+    shortcuts = {key: tree.pop(key) for key in list(tree) if key not in ("runtime", "models") and key in models}
+    if shortcuts:
+        tree.setdefault("models", {})
+    if not isinstance(tree.get("models"), dict):
+        return tree  # no model overrides, or `models=<not a mapping>` (reported by the validation)
+    merge(tree["models"], {}, shortcuts, {})
+    entry_keys = [f.name for f in dataclasses.fields(ModelEntry)]
+    for name, sub in tree["models"].items():
+        if not isinstance(sub, dict) or not isinstance(sub.get("config", {}), dict):
+            continue
+        extra = {k: sub.pop(k) for k in list(sub) if k not in entry_keys}
+        backend = models[name].get("backend") if isinstance(models.get(name), dict) else None
+        for key in extra:
+            # a python model's keys are free: a near-miss of an entry key would vanish into them unnoticed
+            if backend == "python" and difflib.get_close_matches(key, entry_keys, n=1, cutoff=0.8):
+                errors.append(f"{CLI}: models.{name}.{key}: unknown model entry key; {closest(key, entry_keys)} "
+                              f"(a python model's own keys go under models.{name}.config.{key})")
+        merge(sub.setdefault("config", {}), {}, extra, {})
+    return tree
+
+
+def _load_algorithm(runtime_data, where: dict, errors: list):
+    """(the algorithm's typed section, its MODELS roles) from `runtime.algorithm` (popped from runtime_data)."""
+    section = runtime_data.pop("algorithm", None) if isinstance(runtime_data, dict) else None
+    section = {} if section is None else section
+    name = section.get("name", "grpo") if isinstance(section, dict) else "grpo"
+    try:
+        module = algorithms.load(name)
+    except ValueError as e:
+        errors.append(f"{at(where, ('runtime', 'algorithm', 'name'))}: {e}")
+        return None, {}
+    return build(module.Config, section, where, errors, ("runtime", "algorithm")), module.MODELS
+
+
+def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: dict, errors: list, files: list):
+    path = ("models", name)
+    if roles and name not in roles:
+        algorithm = runtime.algorithm.name if runtime is not None and runtime.algorithm is not None else "the algorithm"
+        errors.append(f"{at(where, path)}: not a model of {algorithm}; "
+                      f"{closest(name, roles, 'model names')}")
+        return None
+    if not isinstance(entry_data, dict):
+        return build(ModelEntry, entry_data, where, errors, path)  # reports the non-mapping
+    entry_data = dict(entry_data)
+    inline = entry_data.pop("config", None) or {}
+    if not isinstance(inline, dict):
+        errors.append(f"{at(where, (*path, 'config'))}: expected a mapping of per-model keys, got "
+                      f"{type(inline).__name__}; write the keys indented under `config:`")
+        return None
+    entry_keys = {f.name for f in dataclasses.fields(ModelEntry)}
+    backend, schema = entry_data.get("backend"), dict  # a missing backend: ModelEntry's own error below
+    if isinstance(backend, str) and backend != "python":
+        try:
+            schema = backend_schema(backend)
+        except ValueError as e:
+            errors.append(f"{at(where, (*path, 'backend'))}: {e}")
+            return None
+    for key in [k for k in entry_data if k not in entry_keys]:
+        if schema is not dict and key in {f.name for f in dataclasses.fields(schema)}:
+            del entry_data[key]
+            errors.append(f"{at(where, (*path, key))}: a per-model key, not a model entry key; move it into "
+                          f"the model_config_file or under models.{name}.config")
+    entry = build(ModelEntry, entry_data, where, errors, path)
+    if entry is None:
+        return None
+
+    data, model_where = {}, {(): where[()]}
+    if entry.model_config_file:
+        target = os.path.join(main_dir, os.path.expanduser(entry.model_config_file))
+        data, model_where = read_yaml(target, errors, files, at(where, (*path, "model_config_file")))
+    inline_where = {p[3:]: (file, f"{prefix}models.{name}.config.") for p, (file, prefix) in where.items()
+                    if p[:3] == (*path, "config") and len(p) > 3}
+    merge(data, model_where, inline, inline_where)
+    if entry.backend == "python":
+        schema = _class_schema(entry, where, path, errors)
+    if schema is None:
+        return None
+    reader = dialect(entry.config_dialect)
+    if reader.read is not None:
+        data = reader.read(data, model_where, schema, errors, f"models.{name}")
+    data = substitute(data, model_where, errors)  # after the dialect: an ignored key needs no variable
+    entry.config = build(schema, data, model_where, errors, dialect=reader)
+    if runtime is not None and entry.config is not None:
+        _derive(entry, runtime, model_where, errors)
+    return entry
+
+
+def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
+    """A python model's config schema: its class's `config_class` (chatgen.Module), imported here in the driver so
+    that a bad key fails before anything starts."""
+    try:
+        cls = import_class(entry.model_class)
+    except ValueError as e:
+        errors.append(f"{at(where, (*path, 'model_class'))}: {e}")
+        return None
+    return getattr(cls, "config_class", dict)
+
+
+def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:
+    """Fill a model's batch dials left at None from the runtime; a trainer's explicit ones must agree."""
+    cfg = entry.config
+    if isinstance(cfg, GenerationConfig) and cfg.generation_batch_size is None:
+        cfg.generation_batch_size = runtime.generation_batch_size
+    if isinstance(cfg, MegatronConfig):
+        for key, runtime_key in (("micro_batch_size", "train_micro_batch_size"),
+                                 ("global_batch_size", "train_global_batch_size")):
+            runtime_value = getattr(runtime, runtime_key)
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, runtime_value)
+            elif entry.trainable and getattr(cfg, key) != runtime_value:
+                errors.append(f"{at(where, (key,))}: {getattr(cfg, key)} disagrees with runtime.{runtime_key}="
+                              f"{runtime_value}; remove it (a trainer takes the runtime's value)")
+
+
+def _check_colocation(runtime: RuntimeConfig, models: dict, where: dict, errors: list) -> None:
+    seen = set()
+    for group in runtime.colocation:
+        for name in group:
+            if name not in models:
+                errors.append(f"{at(where, ('runtime', 'colocation'))}: {name!r} is not a configured model; "
+                              f"{closest(name, models, 'models')}")
+            elif name in seen:
+                errors.append(f"{at(where, ('runtime', 'colocation'))}: {name!r} is in two groups; "
+                              "put each model in one group")
+            seen.add(name)
+
+
+def to_dict(cfg) -> dict:
+    """Plain dicts/lists/scalars of a ChatgenConfig (runtime + models) or of any schema dataclass."""
+    if isinstance(cfg, ChatgenConfig):
+        return {"runtime": dataclasses.asdict(cfg.runtime),
+                "models": {name: dataclasses.asdict(entry) for name, entry in cfg.models.items()}}
+    return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
+
+
+def format_config(cfg) -> str:
+    """The resolved config as YAML text, for the log at start (`logger.info("%s", format_config(cfg))`)."""
+    head = ""
+    if isinstance(cfg, ChatgenConfig) and cfg.path:
+        head = f"# resolved from {' '.join([show(cfg.path), *cfg.overrides])}\n"
+    return head + yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+
+
+def save_resolved(cfg: ChatgenConfig, out_dir: str | os.PathLike | None = None) -> str:
+    """Write `<out_dir>/resolved_config.yaml` (default out_dir: runtime.output_dir); returns its path.
+
+    Every include, ${VAR} and override is applied and each model's keys are inline under `config:`, so
+    `load_config(<that file>)` gives back the same config without the original files.
+    """
+    out_dir = os.fspath(out_dir if out_dir is not None else cfg.runtime.output_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    out = os.path.join(out_dir, RESOLVED_NAME)
+    data = to_dict(cfg)
+    for entry in data["models"].values():
+        entry["model_config_file"] = None  # its keys are all inline now
+    source = " ".join([show(cfg.path), *cfg.overrides]) if cfg.path else "(built in code)"
+    with open(out, "w", encoding="utf-8") as f:
+        f.write(f"# chatgen config {show(out)}\n# resolved from: {source}\n"
+                f"# files read: {', '.join(show(p) for p in cfg.files) or '-'}\n")
+        yaml.safe_dump(data, f, sort_keys=False, allow_unicode=True)
+    return out
+
+
+SCHEMA_MARKER = re.compile(r"#\s*chatgen-schema:\s*(\S+)\s*(.*)")
+
+
+def schema_marker(path) -> tuple | None:
+    """(schema, reason) from a `# chatgen-schema: <schema> [reason]` line in a YAML's first 5 lines, else None.
+
+    A per-model YAML that no main YAML reads names its schema this way (`vllm`, `megatron`, `python`,
+    `package.module:DataclassName`, or `none <why>` for a YAML that is not a chatgen config), so that
+    `chatgen config FILE` and the shipped-config test know how to validate it.
+    """
+    with open(path, encoding="utf-8") as f:
+        for _, line in zip(range(5), f):
+            if m := SCHEMA_MARKER.match(line.strip()):
+                return m.group(1), m.group(2)
+    return None
+
+
+def resolve_schema(schema):
+    """A schema class from a backend name (vllm, hf, megatron; python: a free mapping), 'package.module:Class', or
+    a class (returned as it is)."""
+    if not isinstance(schema, str):
+        return schema
+    if schema == "python":
+        return dict
+    if ":" in schema:
+        return import_class(schema)
+    return backend_schema(schema)
+
+
+# --- checks of a whole run, before anything starts ------------------------------------------------------
+
+
+def check_run(cfg, algorithm) -> None:
+    """Problems a schema cannot see (which models the algorithm needs, how they fit together), all at once,
+    before any actor starts. `algorithm` is the algorithm's module (chatgen.rlhf.algorithms.load). Raises
+    ConfigError."""
+    name, where = cfg.runtime.algorithm.name, cfg.path or "config"
+    errors = []
+    for model, role in algorithm.MODELS.items():
+        entry = cfg.models.get(model)
+        if entry is None:
+            if not role.optional:
+                shown = "vllm (or another generation backend)" if role.backend == "generation" else role.backend
+                errors.append(f"{where}: models.{model}: {name} needs a `{model}` model (backend: {shown}"
+                              f"{', trainable: true' if role.trainable else ''}){': ' + role.doc if role.doc else ''}; "
+                              "add it")
+            continue
+        if backend_kind(entry.backend) != role.backend:
+            need = "a generation backend (vllm, hf, ...)" if role.backend == "generation" else f"backend {role.backend}"
+            errors.append(f"{where}: models.{model}.backend: {name} needs {need}, got {entry.backend}")
+        if role.trainable is not None and entry.trainable != role.trainable:
+            what = "the model being trained" if role.trainable else "frozen"
+            errors.append(f"{where}: models.{model}.trainable: must be {str(role.trainable).lower()} ({what})")
+    errors += [f"{where}: {problem}" for problem in getattr(algorithm, "check", lambda cfg: ())(cfg)]
+    rt = cfg.runtime
+    rows = trainer_rows(cfg, algorithm)  # per episode
+    rows_are = f"runtime.sample_per_episode: {rows}" if rows == rt.sample_per_episode else \
+        f"runtime.sample_per_episode: {rt.sample_per_episode} gives {rows} trainer rows per episode ({name}), which"
+    gbs = rt.train_global_batch_size or rows
+    if rows % gbs:
+        errors.append(f"{where}: {rows_are} is not a multiple of runtime.train_global_batch_size={gbs}; make it one "
+                      "so every episode is whole optimizer steps")
+    for model, entry in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
+        if entry.backend != "megatron" or entry.config is None:
+            continue
+        mc = entry.config
+        model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
+        world = entry.num_gpu or model_parallel  # as runtime.plan_groups places it
+        if world % model_parallel:
+            continue  # init_distributed names this one
+        dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
+        how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
+               f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")
+        if entry.trainable and gbs % (micro * dp):
+            errors.append(f"{where}: runtime.train_global_batch_size: {gbs} does not split into whole micro-batches "
+                          f"on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
+        elif rows % (micro * dp):
+            errors.append(f"{where}: {rows_are} does not split into whole micro-batches on every data-parallel rank "
+                          f"({how}); make it a multiple of {micro * dp}")
+    if not rt.data_path:
+        errors.append(f"{where}: runtime.data_path: required (a JSONL file of records, e.g. {{\"prompt\": ..., "
+                      "\"answer\": ...}})")
+    elif not Path(rt.data_path).is_file():
+        errors.append(f"{where}: runtime.data_path: {rt.data_path} does not exist; create it (for the tiny task: "
+                      "python -m chatgen.tasks --output DIR) or fix the path")
+    if rt.eval_data_path and not Path(rt.eval_data_path).is_file():
+        errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
+    if rt.eval_episode_interval and not rt.eval_data_path:
+        errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
+    if errors:
+        raise ConfigError(errors)
+
+
+def trainer_rows(cfg, algorithm) -> int:
+    """Rows each trainer call of an episode gets: the algorithm's `trainer_rows(cfg)` where it defines one (e.g.
+    Online DPO trains on one pair per prompt), else sample_per_episode (one row per sample)."""
+    return algorithm.trainer_rows(cfg) if hasattr(algorithm, "trainer_rows") else cfg.runtime.sample_per_episode
+
+
+def policy_sampling_problems(cfg):
+    """For policy-gradient algorithms: the policy must sample from the distribution the trainer scores."""
+    pc = cfg.models["policy"].config if "policy" in cfg.models else None
+    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0
+                           or pc.repetition_penalty != 1.0):
+        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
+               f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores "
+               "tokens under the untempered distribution, so other settings would make every update off-policy")
+    if pc is not None and cfg.runtime.sample_per_episode % pc.n:
+        yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
+               "(samples per prompt); make it one")

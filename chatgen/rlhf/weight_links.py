@@ -1,0 +1,83 @@
+"""Which trainer's weights go into which model after each update, and how (the algorithm's Role.syncs_to).
+
+    links = WeightLinks(runtime, {"policy_trainer": "policy"})   # opens a channel for each non-colocated pair
+    links.sync()        # every trainer -> its target; the first sync of a run validates every tensor
+    links.wake()        # before generating: the engine back from sleep (GPU colocation)
+    links.release()     # after generating: the engine sleeps, its memory to the colocated trainers (GPU only)
+
+A trainer in the same colocation group as its target (same actor processes) writes into it in place
+(chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
+`SyncSender` (a private torch.distributed group), kept for the run on the workers (`ModelWorker.attach`).
+"""
+from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
+from chatgen.rlhf.runtime import rendezvous_host
+
+RECEIVER, SENDER = "sync_receiver", "sync_sender"
+
+
+# Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
+
+def _sync_colocated(worker, trainer, target, validate):
+    sync_weights(worker.models[trainer], worker.models[target], validate=validate)
+
+
+def _open_receiver(worker, target, multi_node):
+    receiver = worker.attach(target, RECEIVER, SyncReceiver(host=rendezvous_host(multi_node)))
+    return receiver.host, receiver.port
+
+
+def _receive(worker, target):
+    worker.attached[(target, RECEIVER)].receive_into(worker.models[target])
+
+
+def _connect_sender(worker, trainer, host, port):
+    worker.attach(trainer, SENDER, SyncSender(host, port))
+
+
+def _send(worker, trainer, validate):
+    sync_weights(worker.models[trainer], worker.attached[(trainer, SENDER)], validate=validate)
+
+
+class WeightLinks:
+    """The trainer -> model weight paths of a run (see the module docstring)."""
+
+    def __init__(self, runtime, pairs: dict):
+        self.runtime, self.pairs = runtime, dict(pairs)
+        self.colocated, self.syncs, self.asleep, self.sleeps = {}, 0, False, False
+        for trainer_name, target_name in self.pairs.items():
+            trainer, target = runtime[trainer_name], runtime[target_name]
+            colocated = self.colocated[trainer_name] = trainer.group is target.group
+            if colocated:
+                self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
+                continue
+            host, port = target.get(target.group.run_async(_open_receiver, target.name, target.group.multi_node),
+                                    "open sync")[0]
+            trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
+
+    def sync(self) -> None:
+        """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
+        validate = self.syncs == 0
+        self.wake()
+        for trainer_name, target_name in self.pairs.items():
+            trainer, target = self.runtime[trainer_name], self.runtime[target_name]
+            if self.colocated[trainer_name]:
+                trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
+            else:
+                refs = target.group.run_async(_receive, target.name) + \
+                    trainer.group.run_async(_send, trainer.name, validate)
+                trainer.get(refs, "sync")
+        self.syncs += 1
+
+    def wake(self) -> None:
+        """Wake the targets put to sleep by `release`."""
+        if self.asleep:
+            for target_name in self.pairs.values():
+                self.runtime[target_name].call("wake_up")
+            self.asleep = False
+
+    def release(self) -> None:
+        """Colocated on GPUs: the targets sleep, freeing their memory for the trainers until `wake`."""
+        if self.sleeps:
+            for target_name in self.pairs.values():
+                self.runtime[target_name].call("sleep")
+            self.asleep = True

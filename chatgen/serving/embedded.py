@@ -1,0 +1,48 @@
+"""An OpenAI server over a module of this process, on a daemon thread: how an RLHF run hands its policy to
+environments that chat with it over HTTP (docs/multiturn_rl.md), and how a script serves the model it holds.
+
+    server = EmbeddedServer(module, api_key="KEY")    # a started generation module; binds 127.0.0.1, a free port
+    client = openai.OpenAI(base_url=server.url, api_key="KEY")
+    server.close()
+
+The app is chatgen.serving.app's (the same endpoints as `chatgen serve`); requests join the module's engine loop
+alongside its other calls.
+"""
+import socket
+import threading
+import time
+
+import uvicorn
+
+from chatgen.serving.app import build_app
+
+START_TIMEOUT_S = 60
+
+
+class EmbeddedServer:
+    """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is `http://HOST:PORT/v1` (for
+    `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise."""
+
+    def __init__(self, module, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
+                 model_name: str | None = None):
+        app = build_app(module, api_key=api_key, model_name=model_name)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
+                                        name=f"{getattr(module, 'name', 'model')}-server", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self._server.should_exit = True
+                sock.close()
+                raise RuntimeError(f"the OpenAI server did not start on {host}:{sock.getsockname()[1]}")
+            time.sleep(0.01)
+        self.url = f"http://{host}:{sock.getsockname()[1]}/v1"
+
+    def close(self) -> None:
+        """Stop serving (requests in flight end); safe to call twice."""
+        self._server.should_exit = True
+        self._thread.join(timeout=30)

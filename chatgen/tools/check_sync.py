@@ -1,0 +1,142 @@
+"""`chatgen check-sync`: prove that a weight sync leaves a generation engine computing exactly what the trainer
+computes.
+
+    chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
+        --input prompts.jsonl --output check.json --max-new-tokens 16 [--backend vllm|hf]
+
+Loads the checkpoint into Megatron with the training layout (TP x PP ranks), starts a generation engine (a
+backend of chatgen.generation: vLLM by default; `hf`, transformers, the reference) with the inference TP and
+*random* weights (load_format: dummy), syncs the trainer's weights into it, generates greedily for each
+`{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the trainer. Writes {"samples":
+[{"prompt_ids", "output_ids", "engine_logprobs", "trainer_logprobs"}], "max_abs_logprob_diff", "sync_seconds",
+...} and exits 1 when the diff is above --threshold.
+
+A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the trainer
+ranks as child processes that stream to the engine in this process over torch.distributed (the
+cross-process path of chatgen.param_sync). docs/check_sync.md explains the output.
+"""
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from chatgen import models
+from chatgen.core.imports import import_class
+from chatgen.core.jsonl import is_token_ids, read_records
+from chatgen.generation.base import load_backend
+from chatgen.generation.batching import iter_samples, sample_logprobs
+from chatgen.models import layout
+from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
+from chatgen.training.launcher import DistributedJob, ctx_queue
+from chatgen.training.megatron_module import MegatronModule
+
+
+def read_prompts(path) -> list:
+    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line."""
+    def check(record):
+        return None if is_token_ids(record.get("prompt_ids")) else 'needs "prompt_ids": a non-empty list of token ids'
+
+    return [r["prompt_ids"] for r in read_records(path, check, "prompts")]
+
+
+def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
+    """Largest |a_i - b_i| (and `worst`); NaN when any side is NaN, which then fails every threshold.
+    (Python's max() would keep 0.0 over a NaN: a sync that wrote NaN weights must not pass.)"""
+    diffs = [abs(x - y) for x, y in zip(a, b)]
+    if len(a) != len(b) or any(d != d for d in diffs):  # NaN != NaN
+        return float("nan")
+    return max([worst, *diffs])
+
+
+def _trainer_config(args) -> dict:
+    return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
+                pipeline_model_parallel_size=args.train_pp, dtype=args.dtype)
+
+
+def _score(trainer, sequences) -> list:
+    """Trainer log-probs of each sequence's generated tokens: [(prompt, output) -> [float] * len(output)]."""
+    out = []
+    for prompt, output in sequences:
+        lp = trainer.forward_tokens({"input_ids": torch.tensor([prompt + output])})[0]
+        out.append(lp[len(prompt) - 1:].tolist())
+    return out
+
+
+def _trainer_rank(config, port, bucket_bytes, validate, to_trainer, from_trainer):
+    """A trainer rank of the cross-process check: sync, then score what the engine generated."""
+    trainer = MegatronModule(config).start()
+    sync_weights(trainer, SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
+    box = [to_trainer.get() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, 0)
+    scores = _score(trainer, box[0])
+    if dist.get_rank() == 0:
+        from_trainer.put(scores)
+    return None
+
+
+def _engine(args):
+    """The backend's generation module on random weights (the sync must write every one), greedy, raw log-probs."""
+    backend = load_backend(args.backend)
+    keys = {f.name for f in dataclasses.fields(backend.Config)}
+    config = dict(load=args.hf_checkpoint, load_format="dummy", dtype=args.dtype, seed=0, temperature=0.0,
+                  new_token_limit=True, max_new_tokens=args.max_new_tokens, logprobs_mode="raw")
+    engine = dict(tensor_parallel_size=args.infer_tp, enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_bytes)
+    if args.infer_tp > 1 and "tensor_parallel_size" not in keys:
+        raise ValueError(f"--infer-tp {args.infer_tp}: the {args.backend} backend runs in one process; use --infer-tp 1")
+    config.update({key: value for key, value in engine.items() if key in keys})
+    return import_class(backend.MODULE)(config, name="engine").start()
+
+
+def _generate(module, prompts) -> list:
+    """[(generated ids, their log-probs)] of greedy responses to `prompts`."""
+    outputs = module.finished([{"input_ids": list(p)} for p in prompts], greedy=True)
+    return [(list(sample.token_ids), sample_logprobs(sample)) for _, sample in iter_samples(outputs)]
+
+
+def check_sync(args) -> dict:
+    if not (Path(args.hf_checkpoint) / "config.json").exists():
+        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
+                         "directory (e.g. one from `chatgen make-tiny-model`)")
+    spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
+    layout.check_layout(spec, args.train_tp, args.train_pp)  # here, once: not in every trainer rank's traceback
+    prompts = read_prompts(args.input)
+    bucket_bytes = int(args.bucket_mb * (1 << 20))
+    config = _trainer_config(args)
+    world = args.train_tp * args.train_pp
+    if world == 1 and args.infer_tp == 1:
+        mode = "colocated"
+        trainer = MegatronModule(config).start()
+        engine = _engine(args)
+        try:
+            report = sync_weights(trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate)
+            generated = _generate(engine, prompts)
+            scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
+        finally:
+            engine.shutdown()
+    else:
+        mode = "cross-process"
+        engine = _engine(args)
+        rx = SyncReceiver()
+        to_trainer, from_trainer = ctx_queue(), ctx_queue()
+        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, bucket_bytes, args.validate, to_trainer,
+                                                         from_trainer))
+        try:
+            report = rx.receive_into(engine, alive=job.poll)
+            generated = _generate(engine, prompts)
+            to_trainer.put([(p, g[0]) for p, g in zip(prompts, generated)])
+            scores = from_trainer.get(timeout=600)
+            job.join()
+        finally:
+            job.stop()
+            engine.shutdown()
+    samples, worst = [], 0.0
+    for prompt, (output, engine_lp), trainer_lp in zip(prompts, generated, scores):
+        worst = max_abs_diff(engine_lp, trainer_lp, worst)
+        samples.append(dict(prompt_ids=prompt, output_ids=output, engine_logprobs=engine_lp,
+                            trainer_logprobs=trainer_lp))
+    return dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
+                sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
+                validated=report.validated, mode=mode, backend=args.backend, train_tp=args.train_tp, train_pp=args.train_pp,
+                infer_tp=args.infer_tp, dtype=args.dtype, threshold=args.threshold)
