@@ -81,7 +81,7 @@ class Module:
             return load_model_config(None, schema, dict(config), extra_check=self.config_problems,
                                      dialect=compat_dialect(dialect))
         if schema is not dict and isinstance(config, schema):
-            problems = [*config.check(), *self.config_problems(config)]
+            problems = [*getattr(config, "check", tuple)(), *self.config_problems(config)]
             if problems:
                 raise ConfigError([f"{key}: {problem}" for key, problem in problems])
             return config

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     from chatgen.config import load_model_config
-from chatgen.generation.vllm.config import VLLMConfig
+    from chatgen.generation.vllm.config import VLLMConfig
 
     policy = PolicyInference(load_model_config(args.config, VLLMConfig, args.overrides)).start()
     questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?"]

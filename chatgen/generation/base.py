@@ -30,14 +30,11 @@ turns it into batches. A backend other than vLLM builds it from `Completion` and
 """
 import contextlib
 import dataclasses
-import importlib
-import importlib.util
 import logging
-import pkgutil
-from pathlib import Path
 
-from chatgen import models
+from chatgen import generation, models
 from chatgen.config import ConfigError
+from chatgen.core.imports import load_plugin, plugins
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
 from chatgen.generation.batching import generation_output, iter_samples, rollout_batch, unpad_batch
@@ -49,34 +46,15 @@ UPDATE_MODES = ("wait", "keep", "recompute", "abort")
 
 
 def available() -> list[str]:
-    """The generation backends shipped with chatgen (the packages of chatgen.generation that declare one)."""
-    here = Path(__file__).parent
-    return sorted(m.name for m in pkgutil.iter_modules([str(here)]) if m.ispkg)
+    """The generation backends shipped with chatgen (the backend packages of chatgen.generation)."""
+    return plugins(generation, packages_only=True)
 
 
 def load_backend(name: str):
     """The backend module for a model entry's `backend:` (a package of chatgen.generation, or the dotted path of
     your own module); a ValueError names the choices when there is none."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"backend must be a string, got {name!r}; one of {available()}")
-    path = name if "." in name else f"{__package__}.{name}"
-    try:
-        found = importlib.util.find_spec(path) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        import difflib
-
-        close = difflib.get_close_matches(name, available(), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown generation backend {name!r}; {hint}chatgen ships {available()}, or give the dotted "
-                         "path of your own module (importable from the directory you run in)")
-    module = importlib.import_module(path)
-    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
-    if missing:
-        raise ValueError(f"generation backend module {path} lacks {missing}; a backend defines Config and MODULE "
-                         "(see chatgen/generation/vllm/__init__.py)")
-    return module
+    return load_plugin(name, generation, REQUIRED, "generation backend", "backend",
+                       "chatgen/generation/vllm/__init__.py", packages_only=True)
 
 
 @dataclasses.dataclass

@@ -123,6 +123,15 @@ def generation_output(request_outputs, input_width: int, pad_token_id: int, dtyp
     return out
 
 
+def call_metrics(request_outputs, elapsed: float) -> dict:
+    """Figures of one generation call that took `elapsed` seconds (`module.metrics`)."""
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in request_outputs)
+    generation_tokens = sum(len(s.token_ids) for _, s in iter_samples(request_outputs))
+    return {"prompts": len(request_outputs), "samples": sum(len(o.outputs) for o in request_outputs),
+            "prompt_tokens": prompt_tokens, "generation_tokens": generation_tokens, "elapsed_s": elapsed,
+            "prompt_tokens_per_s": prompt_tokens / elapsed, "generation_tokens_per_s": generation_tokens / elapsed}
+
+
 def rollout_batch(request_outputs, pad_token_id: int):
     """Finished requests (sorted by request id = prompt order) -> a `chatgen.core.rollout.RolloutBatch`, prompt-major."""
     samples = [Sample(prompt_ids=list(request.prompt_token_ids), response_ids=list(sample.token_ids),

@@ -10,6 +10,7 @@ megatron-core local-spec parameter names and local layer numbers. Pure tensor in
 To change the layout of a Megatron checkpoint, convert it to HF and back.
 """
 import json
+import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -53,6 +54,15 @@ def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None) ->
         (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
         copy_hf_side_files(side_files_from or src, tmp)
     return dst
+
+
+def hf_config_view(checkpoint) -> str:
+    """A new temporary HF directory holding a chatgen Megatron checkpoint's config.json and tokenizer files, for
+    an engine to start from before the checkpoint's weights are written into it; the caller removes it."""
+    view = tempfile.mkdtemp(prefix="chatgen-hf-view-")
+    (Path(view) / "config.json").write_text(json.dumps(read_megatron_meta(checkpoint)["hf_config"]))
+    copy_hf_side_files(checkpoint, view)
+    return view
 
 
 def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:

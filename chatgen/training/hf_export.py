@@ -39,7 +39,7 @@ class Bucket:
     hf: list  # [(hf name, shape)] in stream order
 
     @property
-    def hfnumel(self) -> int:
+    def hf_numel(self) -> int:
         return sum(numel(s) for _, s in self.hf)
 
 

@@ -130,7 +130,7 @@ def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
-    code = ("from chatgen.generation.vllm import adapter as vllm_adapter as a; "
+    code = ("from chatgen.generation.vllm import adapter as a; "
             f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
             "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
             "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)")
@@ -265,7 +265,7 @@ def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
     import torch
 
     pad = module.pad_token_id
-    with pytest.raises(ValueError, match=r"item 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"):
+    with pytest.raises(ValueError, match=r"row 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"):
         module.generate(batch([[1, 5], [1, 600]], pad), greedy=True)
     good = batch([[1, 5, 6, 7], [1, 9]], pad)
     with pytest.raises(ValueError, match="input_ids is a torch.bool tensor"):

@@ -139,6 +139,7 @@ def test_grpo_with_hf_trainer_example_runs(tiny_llama_dir, tmp_path):
     """examples/grpo_with_hf_trainer.py, two short steps: rewards computed, weights synced (after a sync the
     engine's log-probs equal the trained model's), held-out reward measured."""
     from chatgen import tasks
+    from chatgen.core.jsonl import read_prompt_records
     from examples.grpo_with_hf_trainer import main
 
     data = tmp_path / "data"

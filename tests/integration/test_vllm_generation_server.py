@@ -32,6 +32,7 @@ PROMPTS = [list(range(10, 80)), [5, 17, 99, 200, 301, 7]]
 @pytest.fixture(scope="module")
 def data_and_model(tiny_llama_dir, tmp_path_factory):
     from chatgen import tasks
+    from chatgen.core.jsonl import read_prompt_records
 
     tmp = tmp_path_factory.mktemp("vgen-server")
     tasks.write_task_data(str(tmp / "data"), n_train=64, n_eval=8)

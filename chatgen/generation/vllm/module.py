@@ -17,23 +17,21 @@ NeMo RL's spellings come from chatgen.compat; everything that touches vLLM inter
 over HTTP is chatgen.serving.
 """
 import contextlib
-import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 
 from chatgen.compat.chatlearn import ChatLearnGeneration
 from chatgen.compat.nemo_rl import NemoRLGeneration
-from chatgen.core.checkpoint_io import copy_hf_side_files, read_megatron_meta
+from chatgen.core.checkpoint_io import read_megatron_meta
 from chatgen.generation import config as gc
 from chatgen.generation.base import GenerationModule
-from chatgen.generation.batching import iter_samples, rollout_batch
+from chatgen.generation.batching import call_metrics, rollout_batch
 from chatgen.generation.vllm import adapter
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
-from chatgen.models.convert import megatron_checkpoint_to_hf
+from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
 
 logger = logging.getLogger(__name__)
 
@@ -84,7 +82,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         """
         model_dir = self.model_provider()
         megatron = read_megatron_meta(model_dir) is not None
-        engine_dir = self._hf_view(model_dir) if megatron else model_dir
+        if megatron:  # the engine starts from the checkpoint's HF config, its weights come after
+            self._engine_dir = engine_dir = hf_config_view(model_dir)
+        else:
+            engine_dir = model_dir
         self.config = gc.resolve_seq_length(self.config, engine_dir)
         kwargs = self.engine_kwargs(engine_dir)
         if megatron:
@@ -278,15 +279,6 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             shutil.rmtree(self._engine_dir, ignore_errors=True)
             self._engine_dir = None
 
-    def _hf_view(self, checkpoint) -> str:
-        """A temporary HF directory for the engine to start from: the Megatron checkpoint's HF config.json and
-        its tokenizer files (the weights come through `update_weights`)."""
-        self._engine_dir = tempfile.mkdtemp(prefix="chatgen-vllm-")
-        with open(os.path.join(self._engine_dir, "config.json"), "w") as f:
-            json.dump(read_megatron_meta(checkpoint)["hf_config"], f)
-        copy_hf_side_files(checkpoint, self._engine_dir)
-        return self._engine_dir
-
     # ------------------------------------------------------------------ the loop
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
@@ -314,18 +306,5 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         start = time.perf_counter()
         finished, stats = self.engine_loop.run(self, add_requests, is_eval)
         self._decode_texts(finished)
-        elapsed = time.perf_counter() - start
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in finished)
-        generation_tokens = sum(len(s.token_ids) for _, s in iter_samples(finished))
-        self.metrics = {
-            "prompts": len(finished),
-            "samples": sum(len(o.outputs) for o in finished),
-            "prompt_tokens": prompt_tokens,
-            "generation_tokens": generation_tokens,
-            "engine_steps": stats["engine_steps"],
-            "elapsed_s": elapsed,
-            "prompt_tokens_per_s": prompt_tokens / elapsed,
-            "generation_tokens_per_s": generation_tokens / elapsed,
-            "kv_cache_usage_peak": stats["kv_cache_usage_peak"],
-        }
+        self.metrics = {**call_metrics(finished, time.perf_counter() - start), **stats}
         return finished

@@ -17,38 +17,19 @@ itself; nothing else in chatgen lists algorithms:
 
 docs/extending.md walks through adding one.
 """
-import importlib
-import importlib.util
-import pkgutil
-from pathlib import Path
+import sys
+
+from chatgen.core.imports import load_plugin, plugins
 
 REQUIRED = ("Config", "MODELS", "train")
 
 
 def available() -> list[str]:
     """The algorithms shipped with chatgen (the modules of this package)."""
-    return sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]))
+    return plugins(sys.modules[__name__])
 
 
 def load(name: str):
     """The algorithm module for `runtime.algorithm.name`; ValueError naming the choices when there is none."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"runtime.algorithm.name must be a string, got {name!r}; one of {available()}")
-    path = name if "." in name else f"{__name__}.{name}"
-    try:
-        found = importlib.util.find_spec(path) is not None
-    except ModuleNotFoundError:
-        found = False
-    if not found:
-        import difflib
-
-        close = difflib.get_close_matches(name, available(), n=1)
-        hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown algorithm {name!r}; {hint}chatgen ships {available()}, or give the dotted "
-                         "path of your own module (importable from the directory you run in)")
-    module = importlib.import_module(path)
-    missing = [attr for attr in REQUIRED if not hasattr(module, attr)]
-    if missing:
-        raise ValueError(f"algorithm module {path} lacks {missing}; an algorithm module defines Config, MODELS and "
-                         "train (see chatgen/rlhf/algorithms/grpo.py)")
-    return module
+    return load_plugin(name, sys.modules[__name__], REQUIRED, "algorithm", "runtime.algorithm.name",
+                       "chatgen/rlhf/algorithms/grpo.py")

@@ -1,0 +1,44 @@
+"""chatgen's layering (docs/architecture.md), enforced with import-linter's contracts in .importlinter.
+
+    pytest tests/unit/test_architecture.py
+
+Every import, function-level ones included, points down the floors; a generation backend is its own files; the
+ground floor, the config system and the algorithm math import no engine, trainer or cluster library.
+"""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter on the `chatgen` package under `root` (its graph is read from the source, not imported)."""
+    code = "import sys; from importlinter.cli import lint_imports_command; sys.exit(lint_imports_command())"
+    return subprocess.run([sys.executable, "-c", code, "--config", str(REPO / ".importlinter"), "--no-cache",
+                           "--no-logo"], cwd=root, env={"PYTHONPATH": str(root), "PATH": ""},
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_every_contract_is_kept():
+    result = lint_imports(REPO)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 broken" in result.stdout
+
+
+@pytest.mark.parametrize("module, upward", [
+    ("core/tensors.py", "from chatgen.rlhf import run"),             # the ground floor reaching the top
+    ("config/loader.py", "import chatgen.generation.base"),          # config knowing a backend
+    ("param_sync/sync.py", "from chatgen.generation.vllm import adapter"),  # sync talking to vLLM, not the contract
+])
+def test_an_upward_import_breaks_a_contract(tmp_path, module, upward):
+    """The contracts bite: one upward import, even inside a function, fails the lint naming the import."""
+    shutil.copytree(REPO / "chatgen", tmp_path / "chatgen", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "chatgen" / module
+    target.write_text(target.read_text() + f"\n\ndef _sneaky():\n    {upward}\n")
+    result = lint_imports(tmp_path)
+    assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout
+    assert f"chatgen.{module[:-3].replace('/', '.')}" in result.stdout  # the offending module is named
