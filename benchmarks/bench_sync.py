@@ -16,7 +16,7 @@ For each size (random Llama-architecture weights written straight to safetensors
     server_group the same model through server mode's group path (weight_transport="group", any machine):
                  `SyncSender` -> a private gloo group over loopback -> `SyncReceiver.receive_into(llm)` on
                  another thread. Neither server figure includes the two HTTP calls (begin / finish, a few ms)
-    lower_bound  `vllm_adapter.load_weights(llm, hf_state_dict)` from an HF state dict already in memory
+    lower_bound  `vllm_adapter.load_weights(llm.engine, hf_state_dict)` from an HF state dict already in memory
                  (vLLM's own reload: copy + CPU repack; no sync can be faster)
     naive        save an HF checkpoint to disk, then start a new engine from it in this process (vLLM
                  already imported and warm: the most generous restart)
@@ -204,14 +204,14 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
         shutil.copy(model_dir / "config.json", naive_dir / "config.json")
         naive_parts["save_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        fresh = engine(str(naive_dir), load_format="auto")
+        fresh = vllm_adapter.build_llm(str(naive_dir), **ENGINE_KWARGS)  # a new engine on the saved weights
         naive_parts["engine_start_s"] = time.perf_counter() - t
         vllm_adapter.shutdown(fresh)
         naive_parts["new_process_engine_start_s"] = new_process_engine_start_s(str(naive_dir))
 
     naive()
     shutil.rmtree(naive_dir, ignore_errors=True)
-    vllm_adapter.shutdown(llm)
+    llm.shutdown()
     del llm, trainer, hf_state, hf_model
     gc.collect()
     # medians of interleaved runs decide the targets; minima (least disturbed by other processes) kept too
