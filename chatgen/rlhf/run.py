@@ -29,7 +29,7 @@ from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.losses import reduce_metrics
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
-from chatgen.rlhf.runtime import call_model
+from chatgen.rlhf.runtime import call_model, model_world_size
 from chatgen.rlhf.tasks import read_jsonl
 from chatgen.rollout import RolloutBatch
 
@@ -71,9 +71,15 @@ def check_config(cfg, algorithm) -> None:
             continue
         mc = entry.config
         model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        world = entry.num_gpu or model_parallel  # as runtime.plan_groups places it
+        world = model_world_size(entry)  # as runtime.plan_groups places it
         if world % model_parallel:
             continue  # init_distributed names this one
+        if mc.data_parallel_size and world != model_parallel * mc.data_parallel_size:
+            errors.append(f"{where}: models.{model}.data_parallel_size: {mc.data_parallel_size} needs TP "
+                          f"{mc.tensor_model_parallel_size} x PP {mc.pipeline_model_parallel_size} x DP "
+                          f"{mc.data_parallel_size} = {model_parallel * mc.data_parallel_size} GPUs, num_gpu is "
+                          f"{entry.num_gpu}; make them agree (or set data_parallel_size: null)")
+            continue
         dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
         how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
                f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")
@@ -370,17 +376,25 @@ class Run:
             host, port = target.get(target.group.run_async(_open_receiver, target.name, target.group.multi_node),
                                     "open sync")[0]
             trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
+        # the Megatron models that hand the GPUs to the engine while it is awake (MegatronModule.offload)
+        self._offloading = [name for name, h in self.runtime.handles.items() if h.backend == "megatron"
+                            and self.policy is not None and h.group is self.policy.group] if self._policy_sleeps else []
 
-    def _wake_policy(self) -> None:
+    def _wake_policy(self, keep_trainer_weights: bool = False) -> None:
         if self._asleep:
+            self._offload(weights=not keep_trainer_weights)  # before the engine takes its memory back
             self.policy.call("wake_up")
             self._asleep = False
+
+    def _offload(self, weights: bool) -> None:
+        for name in self._offloading:
+            self.runtime[name].call("offload", weights)
 
     def sync_policy(self) -> None:
         """Each trainer's weights -> the model it syncs to (policy_trainer -> policy). The first sync of a run
         validates every tensor."""
         validate = self._syncs == 0
-        self._wake_policy()
+        self._wake_policy(keep_trainer_weights=True)  # they are what the sync sends
         for trainer_name, target_name in self.sync_pairs.items():
             trainer, target = self.runtime[trainer_name], self.runtime[target_name]
             if self._colocated[trainer_name]:
@@ -389,6 +403,7 @@ class Run:
                 refs = target.group.run_async(_receive, target.name) + \
                     trainer.group.run_async(_send, trainer.name, validate)
                 trainer.get(refs, "sync")
+        self._offload(weights=True)  # the engine generates next
         self._syncs += 1
 
     # ---- checkpoint, resume, eval, log ---------------------------------------------------------------
@@ -461,6 +476,8 @@ class Run:
             with timer("checkpoint"):
                 self.save(episode, sampler_state)
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
+        for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
+            metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
         self.logger.log(episode, metrics)
         return metrics
 

@@ -82,9 +82,10 @@ def iteration(checkpoint_dir, model="policy_trainer"):
 
 
 def trainer_weights(checkpoint_dir, model="policy_trainer"):
-    from safetensors.torch import load_file
+    """A trainer's weights in an episode checkpoint, as HF tensors (its megatron distributed checkpoint read whole)."""
+    from chatgen.training.convert import megatron_checkpoint_to_hf
 
-    return load_file(str(Path(checkpoint_dir) / model / "model_tp0_pp0.safetensors"))
+    return megatron_checkpoint_to_hf(Path(checkpoint_dir) / model)[1]
 
 
 def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, tmp_path, capsys, monkeypatch):
@@ -223,7 +224,7 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
     # The critic's checkpoint holds the value head's row (token 0 of the output layer), trained away from the
     # policy's copy of it.
     policy_w, value_w = trainer_weights(ckpt, "policy_trainer"), trainer_weights(ckpt, "value_trainer")
-    assert not torch.equal(policy_w["output_layer.weight"][0], value_w["output_layer.weight"][0])
+    assert not torch.equal(policy_w["lm_head.weight"][0], value_w["lm_head.weight"][0])
 
 
 @pytest.mark.faults
@@ -255,14 +256,14 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(part)
     assert sorted(resumed) == [0, 1, 2, 3]
     for key, value in full[3].items():
-        if not key.startswith("time/"):
+        if not key.startswith(("time/", "memory/")):
             assert resumed[3][key] == value, key
     a = trainer_weights(tmp_path / "full" / "checkpoints" / "episode_000003")
     b = trainer_weights(part / "checkpoints" / "episode_000003")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    (part / "checkpoints" / "episode_000003" / "policy_trainer" / "optim_tp0_pp0.pt").unlink()
-    with pytest.raises(CheckpointError, match="optim_tp0_pp0.pt is missing.*--resume-from episode_000002"):
+    (part / "checkpoints" / "episode_000003" / "policy_trainer" / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp is missing.*--resume-from episode_000002"):
         grpo.train(config(part, 4), resume=True, log=quiet)
 
 

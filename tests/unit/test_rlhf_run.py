@@ -210,6 +210,24 @@ def test_plan_groups_rejects_mismatched_colocation(data):
         plan_groups(load("grpo_tiny.yaml", *data, "policy_trainer.tensor_model_parallel_size=2"))
 
 
+def test_data_parallel_size_multiplies_the_ranks_of_a_megatron_model_on_cpu(data):
+    dp2 = [f"{m}.data_parallel_size=2" for m in ("policy_trainer", "reference", "value_trainer")]
+    ppo = plan_groups(load("ppo_tiny.yaml", *data, *dp2))
+    assert [(names, world) for names, world, _, _ in ppo] == [
+        (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 2)]
+    with pytest.raises(ValueError, match="need different numbers of ranks.*TP x PP x DP"):
+        plan_groups(load("ppo_tiny.yaml", *data, dp2[0]))
+    # the tiny GRPO run keeps its one rank: DP is not derived from num_cpu
+    assert plan_groups(load("grpo_tiny.yaml", *data)) == [(["policy", "policy_trainer", "reward"], 1, 0, 2.0)]
+    check(load("ppo_tiny.yaml", *data, *dp2, "runtime.train_micro_batch_size=64"))
+    # on GPUs num_gpu gives the world: an explicit DP must agree with it
+    gpus = [f"models.{m}.num_gpu=2" for m in ("policy_trainer", "reference", "value_trainer")]
+    msg = errors_of(load("ppo_tiny.yaml", *data, *gpus, "runtime.train_micro_batch_size=64",
+                         "policy_trainer.data_parallel_size=4"))
+    assert ("models.policy_trainer.data_parallel_size: 4 needs TP 1 x PP 1 x DP 4 = 4 GPUs, num_gpu is 2; make them "
+            "agree") in msg
+
+
 def test_batch_sizes_must_split_over_data_parallel_ranks(data):
     # 2 GPUs with TP=PP=1: DP=2, so a global batch of 128 is 64 per rank, less than the micro batch of 128
     dp2 = [*data, "models.policy_trainer.num_gpu=2", "models.reference.num_gpu=2", "models.value_trainer.num_gpu=2"]
