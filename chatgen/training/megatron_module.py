@@ -453,8 +453,8 @@ class MegatronModule(Module):
             import resource
 
             return {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        peaks = dict(self._memory_peaks, **{"offloaded" if self._offloaded else "trainer":
-                                            torch.cuda.max_memory_allocated()})
+        peaks, now = self._memory_peaks, "offloaded" if self._offloaded else "trainer"  # (the phase still running)
+        peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
         self._memory_peaks = {}
         free, total = torch.cuda.mem_get_info()
