@@ -356,11 +356,8 @@ class MegatronModule(Module):
                     f"{self.tp}, make_vocab_size_divisible_by={self.config.make_vocab_size_divisible_by}); set "
                     "make_vocab_size_divisible_by so that both agree, or go through HF: chatgen convert --to hf")
             stepped = bool(meta.get("optimizer"))
-            try:
-                state = dist_checkpoint.load(self._sharded_state_dict(optimizer=stepped, loading=True), path)
-            except Exception as e:  # noqa: BLE001 - torch's checkpoint reader raises many types for a damaged file
-                raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); "
-                                 "resume from an earlier checkpoint or restore its files") from e
+            wanted = self._sharded_state_dict(optimizer=stepped, loading=True)
+            state = _read_checkpoint_file(lambda directory: dist_checkpoint.load(wanted, directory), path)
             self.model.load_state_dict(state["model"])
             if stepped:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -729,7 +726,7 @@ def _read_checkpoint_file(read, path, *args, **kwargs):
         return read(path, *args, **kwargs)
     except FileNotFoundError:
         raise
-    except Exception as e:  # noqa: BLE001 - safetensors / torch.load raise many types for a truncated file
+    except Exception as e:  # noqa: BLE001 - safetensors / torch.distributed.checkpoint raise many types for a damaged file
         raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
                          "an earlier checkpoint or restore the file") from e
 

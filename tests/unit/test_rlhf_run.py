@@ -12,7 +12,7 @@ import torch
 
 from chatgen.config import ConfigError, load_config
 from chatgen.rlhf import algorithms, tasks
-from chatgen.rlhf.run import check_config, sample_metrics, select
+from chatgen.rlhf.run import Run, check_config, sample_metrics, select
 from chatgen.rlhf.runtime import plan_groups
 from chatgen.rollout import RolloutBatch, Sample
 
@@ -247,3 +247,49 @@ def test_an_episode_is_whole_optimizer_steps(data):
                          "runtime.train_global_batch_size=96"))
     assert ("runtime.sample_per_episode: 256 is not a multiple of runtime.train_global_batch_size=96; make it one so "
             "every episode is whole optimizer steps") in msg
+
+
+def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_before_it_wakes():
+    """The run's side of the memory handoff (MegatronModule.offload): before the sleeping engine wakes, every
+    Megatron model of its group offloads; for a sync the weights stay (the sync reads them) and follow after it.
+    (Fakes for the actors: the order of the calls is the run's own logic.)"""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Handle:
+        def __init__(self, name, backend, group, num_gpu=1):
+            self.name, self.backend, self.group, self.entry = name, backend, group, SimpleNamespace(num_gpu=num_gpu)
+
+        def call(self, method, *args):
+            calls.append((self.name, method, *args))
+            return [None]
+
+        def get(self, refs, what):
+            return refs
+
+    class Group:
+        def run_async(self, fn, *args):
+            calls.append(("sync",))
+            return []
+
+    shared, apart = Group(), Group()
+    handles = {"policy": Handle("policy", "vllm", shared), "policy_trainer": Handle("policy_trainer", "megatron", shared),
+               "reference": Handle("reference", "megatron", shared), "reward": Handle("reward", "python", shared),
+               "critic": Handle("critic", "megatron", apart)}
+    run = Run.__new__(Run)  # only what the sync and the wake-up read
+    run.runtime = type("Runtime", (), {"handles": handles, "__getitem__": lambda self, name: handles[name]})()
+    run.policy, run.sync_pairs = handles["policy"], {"policy_trainer": "policy"}
+    run._setup_sync()
+    assert run._policy_sleeps and run._offloading == ["policy_trainer", "reference"]  # not the critic elsewhere
+    run._asleep = True
+    run.sync_policy()
+    assert calls == [("policy_trainer", "offload", False), ("reference", "offload", False), ("policy", "wake_up"),
+                     ("sync",), ("policy_trainer", "offload", True), ("reference", "offload", True)]
+    calls.clear()
+    run._asleep = True  # the engine generated and slept again; the next generation wakes it
+    run._wake_policy()
+    assert calls == [("policy_trainer", "offload", True), ("reference", "offload", True), ("policy", "wake_up")]
+    handles["policy"].entry.num_gpu = 0  # on CPU the engine never sleeps and nothing is offloaded
+    run._setup_sync()
+    assert not run._policy_sleeps and run._offloading == []
