@@ -334,7 +334,7 @@ def _nccl_sender(model_dir, port):
 
 
 @two_gpus
-def test_nccl_weight_channel_between_processes(tiny_llama_dir):
+def test_nccl_weight_channel_between_processes(tiny_llama_dir, monkeypatch):
     """Trainer on GPU 1 in its own process, engine on GPU 0 in this one: the weights cross over a private NCCL
     group, each tensor checked by its fingerprint on arrival."""
     from chatgen.generation import vllm_adapter
@@ -344,7 +344,11 @@ def test_nccl_weight_channel_between_processes(tiny_llama_dir):
     torch.cuda.set_device(0)
     llm = engine(tiny_llama_dir, dtype="bfloat16")
     rx = SyncReceiver()
-    job = DistributedJob(_nccl_sender, 1, args=(tiny_llama_dir, rx.port), env={"CUDA_VISIBLE_DEVICES": "1"})
+    # The child's CUDA must see GPU 1 only from its first CUDA call, which importing this module makes
+    # (torch.cuda.device_count above): it inherits this process's environment when it is spawned.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    job = DistributedJob(_nccl_sender, 1, args=(tiny_llama_dir, rx.port))
+    monkeypatch.undo()  # this process's CUDA started long ago; vLLM may read the variable again
     try:
         reference = hf_logprobs(tiny_llama_dir, torch.tensor([PROMPTS[1] + [9, 10, 11]]))[0, len(PROMPTS[1]) - 1:]
         stale = generate(llm, [PROMPTS[1]], tokens=3)
