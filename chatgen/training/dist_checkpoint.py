@@ -35,17 +35,23 @@ METADATA_FILE = "metadata.json"  # megatron's marker of a complete distributed c
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds torch.distributed.checkpoint's metadata dataclasses and plain values only (see the docstring)."""
+    """Builds torch.distributed.checkpoint's metadata classes and plain values only (see the module docstring): a
+    class of the modules that define that metadata (a dataclass or an enum: building one runs no other code),
+    torch's dtypes, layouts and memory formats, and a few plain types. Never a function, which a pickle could call
+    with arguments of its choosing."""
 
-    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
+    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                "torch.distributed._shard.metadata", "torch.distributed._shard.sharded_tensor.metadata"}
     _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
               ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+    _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
     def find_class(self, module, name):
-        if ((module, name) in self._NAMES or module.startswith(self._MODULES)
-                or (module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout,
-                                                                                  torch.memory_format)))):
-            return super().find_class(module, name)
+        found = super().find_class(module, name) if (module in self._MODULES or (module, name) in self._NAMES
+                                                     or module == "torch") else None
+        if ((module, name) in self._NAMES or (module in self._MODULES and isinstance(found, type))
+                or (module == "torch" and isinstance(found, self._TORCH_VALUES))):
+            return found
         raise pickle.UnpicklingError(f"a distributed checkpoint's .metadata names {module}.{name}, which is not "
                                      "checkpoint metadata; refusing to load it (the file was not written by "
                                      "torch.distributed.checkpoint, or was altered)")
