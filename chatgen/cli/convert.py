@@ -2,6 +2,8 @@
 
     chatgen convert --to megatron --input outputs/tiny-llama --output outputs/tiny-llama-tp2pp2 --tp 2 --pp 2
     chatgen convert --to hf --input outputs/tiny-llama-tp2pp2 --output outputs/tiny-llama-back
+    chatgen convert --to hf --input outputs/run/checkpoints/episode_000020/policy_trainer --output outputs/ep20-hf
+    chatgen convert --to hf --input megatron_lm_run/iter_0001000 --hf-config outputs/tiny-llama --output outputs/x
 """
 from pathlib import Path
 
@@ -17,6 +19,8 @@ def add_arguments(p):
     p.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size of the Megatron checkpoint")
     p.add_argument("--make-vocab-size-divisible-by", type=positive_int, default=128,
                    help="pad the vocab to a multiple of this times TP (as MegatronConfig does)")
+    p.add_argument("--hf-config", help="--to hf from a Megatron-LM distributed checkpoint: the HF model directory "
+                                       "(or its config.json) whose architecture it has")
 
 
 def run(args) -> int:
@@ -26,6 +30,6 @@ def run(args) -> int:
         out = hf_to_megatron_dir(args.input, args.output, args.tp, args.pp, args.make_vocab_size_divisible_by)
         print(f"wrote Megatron checkpoint TP={args.tp} PP={args.pp} to {out}")
     else:
-        out = megatron_to_hf_dir(args.input, args.output)
+        out = megatron_to_hf_dir(args.input, args.output, hf_config=args.hf_config)
         print(f"wrote HF checkpoint to {out}")
     return 0

@@ -1,21 +1,30 @@
-"""HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model (`chatgen convert`).
+"""HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model; a megatron-core
+distributed checkpoint (a trainer's, or a Megatron-LM run's `torch_dist` one) -> HF (`chatgen convert`).
 
     chatgen convert --to megatron --input outputs/tiny-llama --output outputs/tiny-llama-tp2pp2 --tp 2 --pp 2
     chatgen convert --to hf --input outputs/tiny-llama-tp2pp2 --output outputs/tiny-llama-back
+    chatgen convert --to hf --input outputs/run/checkpoints/episode_000020/policy_trainer --output outputs/ep20-hf
+    chatgen convert --to hf --input megatron_lm_run/iter_0001000 --hf-config outputs/tiny-llama --output outputs/x
 
-A chatgen Megatron checkpoint is what `MegatronModule.save_checkpoint` writes and `load` accepts:
-chatgen_megatron.json (HF config, TP, PP, padded vocab) + model_tp{t}_pp{p}.safetensors per rank, with
-megatron-core local-spec parameter names and local layer numbers. Pure tensor index arithmetic
-(chatgen/models/layout.py): HF -> Megatron -> HF is bit-exact. Imports neither Megatron nor vLLM.
-To change the layout of a Megatron checkpoint, convert it to HF and back.
+`--to megatron` writes chatgen_megatron.json (HF config, TP, PP, padded vocab) + model_tp{t}_pp{p}.safetensors
+per rank, with megatron-core local-spec parameter names and local layer numbers (weights only; `load` accepts
+it at that TP x PP). What `MegatronModule.save_checkpoint` writes is a megatron-core distributed checkpoint
+beside a chatgen_megatron.json: `--to hf` reads its whole tensors in this one process, whatever layout saved
+it. A Megatron-LM checkpoint in the same format (`--ckpt-format torch_dist`, the directory of one iteration)
+has no chatgen_megatron.json: `--hf-config` names the HF model (directory or config.json) of its architecture,
+whose tokenizer files are copied too. Pure tensor index arithmetic (chatgen/models/layout.py): HF -> Megatron ->
+HF is bit-exact. Imports neither Megatron nor vLLM. To change the layout of a weights-only Megatron checkpoint,
+convert it to HF and back.
 """
 import json
+import re
 import tempfile
 from pathlib import Path
 
 from safetensors.torch import save_file
 
 from chatgen import models
+from chatgen.core import dcp
 from chatgen.core.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -43,15 +52,18 @@ def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> P
     return dst
 
 
-def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None) -> Path:
-    """A chatgen Megatron checkpoint -> an HF directory `dst` (written atomically; an existing one is replaced
-    only with `replace`), with the tokenizer files of `src` or of the HF directory `side_files_from`."""
+def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None, hf_config=None) -> Path:
+    """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an HF directory
+    `dst` (written atomically; an existing one is replaced only with `replace`), with the tokenizer files of
+    `src`, or of the HF directory `side_files_from` (default with `hf_config`: that model's directory)."""
     src, dst = Path(src), Path(dst)
-    hf_config, hf = megatron_checkpoint_to_hf(src)
+    config, hf = megatron_checkpoint_to_hf(src, hf_config)
+    if side_files_from is None and hf_config is not None:
+        side_files_from = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
     with atomic_directory(dst, replace=replace) as tmp:
         save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(hf_config, indent=2))
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_hf_side_files(side_files_from or src, tmp)
     return dst
 
@@ -65,13 +77,45 @@ def hf_config_view(checkpoint) -> str:
     return view
 
 
-def megatron_checkpoint_to_hf(src) -> tuple[dict, dict]:
-    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP, in memory."""
+def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
+    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP (x DP), in memory;
+    with `hf_config` (an HF directory or config.json: the architecture) also of a Megatron-LM distributed
+    checkpoint, which carries no chatgen_megatron.json."""
     src = Path(src)
     meta = read_megatron_meta(src)
+    if meta is None and hf_config is not None and dcp.is_dist_checkpoint(src):
+        config_file = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
+        meta = {"hf_config": json.loads(config_file.read_text()), "distributed": True}
     if meta is None:
-        raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json)")
-    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
+        hint = (" (a megatron-core distributed checkpoint without one, e.g. Megatron-LM's: pass --hf-config with the "
+                "HF model of its architecture)" if dcp.is_dist_checkpoint(src) else "")
+        raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json){hint}")
     spec = models.spec_from_hf_config(meta["hf_config"])
+    if meta.get("distributed"):
+        return meta["hf_config"], layout.megatron_to_hf({(0, 0): dist_checkpoint_state(src, spec)}, spec, 1, 1)
+    tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
+
+
+# megatron-core names the two norms of a layer as Transformer Engine fuses them into the next linear, in its
+# checkpoints whatever the layer spec, and in the model itself under the Transformer Engine spec; chatgen's
+# parameter mappings use the local spec's names
+TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+
+
+def dist_checkpoint_state(src, spec) -> dict:
+    """{local-spec name: tensor} of the whole model (TP = PP = 1) in a megatron-core distributed checkpoint,
+    whatever layout saved it: every tensor whole (chatgen.core.dcp.read_full_tensors); the
+    checkpoint stacks each layer parameter of the decoder into one (num_layers, ...) tensor."""
+    full = dcp.read_full_tensors(src, skip=("optimizer.",))
+    state = {}
+    for sp in layout.stage_params(spec, 1, 0):
+        layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", sp.local_name)
+        key = f"decoder.layers.{TE_NORM_NAMES.get(layer[2], layer[2])}" if layer else sp.local_name
+        if key not in full:
+            raise KeyError(f"{src}: the distributed checkpoint has no {key} (for {sp.local_name}); it holds "
+                           f"{sorted(full)[:20]}: is it a {spec.family} model of this config?")
+        state[sp.local_name] = full[key][int(layer[1])] if layer else full[key]
+    return state

@@ -47,6 +47,15 @@ def backend_schema(backend: str):
         raise ValueError(f"{e}; or megatron (a trainer), python (your class, model_class)") from None
 
 
+def model_world_size(entry) -> int:
+    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU; TP x PP x data_parallel_size on CPU, one
+    replica unless that key says more), else 1."""
+    if entry.backend != "megatron":
+        return 1
+    c = entry.config
+    return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * (c.data_parallel_size or 1)
+
+
 def model_class(entry) -> str:
     """'package.module:ClassName' a model entry runs: its model_class, else its backend's default class."""
     if entry.model_class:
@@ -446,9 +455,15 @@ def check_run(cfg, algorithm) -> None:
             continue
         mc = entry.config
         model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        world = entry.num_gpu or model_parallel  # as runtime.plan_groups places it
+        world = model_world_size(entry)  # as runtime.plan_groups places it
         if world % model_parallel:
             continue  # init_distributed names this one
+        if mc.data_parallel_size and world != model_parallel * mc.data_parallel_size:
+            errors.append(f"{where}: models.{model}.data_parallel_size: {mc.data_parallel_size} needs TP "
+                          f"{mc.tensor_model_parallel_size} x PP {mc.pipeline_model_parallel_size} x DP "
+                          f"{mc.data_parallel_size} = {model_parallel * mc.data_parallel_size} GPUs, num_gpu is "
+                          f"{entry.num_gpu}; make them agree (or set data_parallel_size: null)")
+            continue
         dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
         how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
                f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")

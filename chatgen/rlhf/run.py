@@ -261,6 +261,8 @@ class Run:
             with timer("checkpoint"):
                 self.save(episode, sampler_state)
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
+        for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
+            metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
         self.logger.log(episode, metrics)
         return metrics
 

@@ -15,9 +15,9 @@ they take turns on the memory (vLLM sleeps while the trainer trains) and the wei
 copy; on a machine without a GPU they share the CPU cores. A model in no group gets actors of its own, and
 its weights travel to the policy over a private torch.distributed channel (chatgen.param_sync).
 
-Ranks: a group has world size = the Megatron world (num_gpu on GPU; TP x PP on CPU) or 1 for vLLM/python
-models; rank 0 picks MASTER_ADDR / MASTER_PORT and every actor gets RANK, WORLD_SIZE, LOCAL_RANK. An
-exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback; the driver
+Ranks: a group has world size = the Megatron world (num_gpu on GPU; TP x PP x DP on CPU, DP from the model's
+data_parallel_size, default 1) or 1 for generation/python models; rank 0 picks MASTER_ADDR / MASTER_PORT and every
+actor gets RANK, WORLD_SIZE, LOCAL_RANK. An exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback; the driver
 then kills every actor (see `Runtime.shutdown`), so nothing is left running.
 """
 import os
@@ -29,7 +29,7 @@ from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class
 from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
-from chatgen.rlhf.config import backend_kind, model_class
+from chatgen.rlhf.config import backend_kind, model_class, model_world_size
 
 
 class ActorFailure(RuntimeError):
@@ -227,14 +227,6 @@ class ModelHandle:
         return self.group.get(refs, f"{self.name}.{what}")
 
 
-def _model_world_size(entry) -> int:
-    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU, one DP replica of TP x PP on CPU), else 1."""
-    if entry.backend != "megatron":
-        return 1
-    model_parallel = entry.config.tensor_model_parallel_size * entry.config.pipeline_model_parallel_size
-    return entry.num_gpu if entry.num_gpu else model_parallel
-
-
 def plan_groups(cfg) -> list:
     """[(model names, world size, GPUs per rank, CPUs per rank)]: colocation groups first, then lone models.
 
@@ -245,12 +237,12 @@ def plan_groups(cfg) -> list:
     plans = []
     for names in grouped:
         entries = [cfg.models[n] for n in names]
-        worlds = {n: _model_world_size(cfg.models[n]) for n in names}
+        worlds = {n: model_world_size(cfg.models[n]) for n in names}
         world = max(worlds.values())
         odd = {n: w for n, w in worlds.items() if cfg.models[n].backend == "megatron" and w != world}
         if odd:
             raise ValueError(f"runtime.colocation: {names} need different numbers of ranks {worlds}; colocated "
-                             "Megatron models need the same num_gpu (GPU) or TP x PP (CPU)")
+                             "Megatron models need the same num_gpu (GPU) or TP x PP x DP (CPU)")
         for n in names:
             e = cfg.models[n]
             tp = getattr(e.config, "tensor_parallel_size", None)  # a generation engine that spans ranks (vLLM)

@@ -5,6 +5,10 @@
     links.wake()        # before generating: the engine back from sleep (GPU colocation)
     links.release()     # after generating: the engine sleeps, its memory to the colocated trainers (GPU only)
 
+Colocated on GPUs, the Megatron models of the engine's group hand the memory back before the engine wakes
+(`MegatronModule.offload`: gradients, optimizer state and, unless a sync is about to read them, weights; each
+trainer call brings back what it needs).
+
 A trainer in the same colocation group as its target (same actor processes) writes into it in place
 (chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
 `SyncSender` (a private torch.distributed group), kept for the run on the workers (`ModelWorker.attach`).
@@ -44,6 +48,7 @@ class WeightLinks:
     def __init__(self, runtime, pairs: dict):
         self.runtime, self.pairs = runtime, dict(pairs)
         self.colocated, self.syncs, self.asleep, self.sleeps = {}, 0, False, False
+        self.offloading = []  # the Megatron models that hand the GPUs to an engine while it is awake
         for trainer_name, target_name in self.pairs.items():
             trainer, target = runtime[trainer_name], runtime[target_name]
             colocated = self.colocated[trainer_name] = trainer.group is target.group
@@ -53,11 +58,15 @@ class WeightLinks:
             host, port = target.get(target.group.run_async(_open_receiver, target.name, target.group.multi_node),
                                     "open sync")[0]
             trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
+        if self.sleeps:
+            groups = [runtime[target].group for target in self.pairs.values()]
+            self.offloading = [name for name, h in runtime.handles.items()
+                               if h.backend == "megatron" and any(h.group is g for g in groups)]
 
     def sync(self) -> None:
         """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
         validate = self.syncs == 0
-        self.wake()
+        self.wake(keep_trainer_weights=True)  # they are what the sync sends
         for trainer_name, target_name in self.pairs.items():
             trainer, target = self.runtime[trainer_name], self.runtime[target_name]
             if self.colocated[trainer_name]:
@@ -66,11 +75,13 @@ class WeightLinks:
                 refs = target.group.run_async(_receive, target.name) + \
                     trainer.group.run_async(_send, trainer.name, validate)
                 trainer.get(refs, "sync")
+        self._offload(weights=True)  # the engine generates next
         self.syncs += 1
 
-    def wake(self) -> None:
-        """Wake the targets put to sleep by `release`."""
+    def wake(self, keep_trainer_weights: bool = False) -> None:
+        """Wake the targets put to sleep by `release`, the colocated trainers' memory handed back first."""
         if self.asleep:
+            self._offload(weights=not keep_trainer_weights)  # before the engine takes its memory back
             for target_name in self.pairs.values():
                 self.runtime[target_name].call("wake_up")
             self.asleep = False
@@ -81,3 +92,7 @@ class WeightLinks:
             for target_name in self.pairs.values():
                 self.runtime[target_name].call("sleep")
             self.asleep = True
+
+    def _offload(self, weights: bool) -> None:
+        for name in self.offloading:
+            self.runtime[name].call("offload", weights)

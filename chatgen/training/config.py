@@ -12,6 +12,16 @@ class MegatronConfig:
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
+    data_parallel_size: Optional[int] = opt(
+        None, "data-parallel replicas: the model runs on TP x PP x DP ranks, each replica on its share of a batch; "
+              "null = num_gpu / (TP x PP) on GPUs, 1 on CPU")
+    overlap_grad_reduce: bool = opt(
+        False, "reduce gradient buckets over DP while the backward of the last micro-batch still runs (megatron-core "
+               "DDP); pays off on GPUs with DP > 1")
+    offload_params: bool = opt(
+        True, "colocated on GPUs with a vLLM engine: keep the weights in host memory while the engine generates")
+    offload_grads: bool = opt(True, "the same for the gradient buffers")
+    offload_optimizer: bool = opt(True, "the same for the optimizer state (fp32 main weights, Adam moments)")
     seq_length: Optional[int] = opt(
         None, "longest sample (prompt + response) in tokens; longer batches are an error; null = max_position_embeddings")
     micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
@@ -36,6 +46,8 @@ class MegatronConfig:
         for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
+        if self.data_parallel_size is not None and self.data_parallel_size < 1:
+            yield "data_parallel_size", f"must be >= 1 or null, got {self.data_parallel_size}; null derives it"
         if self.seq_length is not None and self.seq_length < 1:
             yield "seq_length", f"must be >= 1 or null, got {self.seq_length}; null takes max_position_embeddings"
         for key in ("micro_batch_size", "global_batch_size"):

@@ -3,19 +3,26 @@
 Megatron-core is written for CUDA. On a machine without a GPU (CI, laptops) `apply()` patches, once per
 process and only when CUDA is absent:
 
-1. `torch.cuda.current_device()` answers "cpu": megatron allocates gather buffers, RoPE frequencies and
-   pipeline receive buffers with `device=torch.cuda.current_device()`.
+1. `torch.cuda.current_device()` answers "cpu": megatron allocates gather buffers, RoPE frequencies,
+   pipeline receive buffers and its DDP's contiguous param / grad buffers with
+   `device=torch.cuda.current_device()`.
 2. `torch.cuda.synchronize()` is a no-op: pipeline p2p calls it after `batch_isend_irecv`.
-3. gloo has no reduce-scatter: `reduce_scatter_tensor` / `_reduce_scatter_base` are emulated with
-   all-reduce + slice. Megatron needs it in the backward of the all-gather that attention uses when
-   `num_query_groups < TP`.
-4. While a model is built (`building_model()`), `Tensor.cuda()` returns the tensor itself: with tied
+3. While a model is built (`building_model()`), `Tensor.cuda()` returns the tensor itself: with tied
    embeddings and PP > 1, megatron moves the last stage's embedding copy with `.cuda()` before the
    all-reduce that makes it equal to the first stage's.
-5. megatron's pipeline schedules allocate their token counter with `device="cuda"` (hard-coded): the
-   schedules module sees a `torch` whose `zeros` maps "cuda" to "cpu" (every other name is torch's).
-6. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
+4. Tensors megatron allocates with a hard-coded `device="cuda"` (the pipeline schedules' token counter; the
+   optimizer's found-inf / overflow flags; clip_grads' and megatron.core.utils' grad-norm results): those
+   modules see a `torch` whose tensor factories put "cuda" on the CPU (every other name is torch's).
+5. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
    the inference tracker, whose `fork()` is a no-op (dropout draws from torch's CPU generator).
+6. While megatron's optimizer is built or steps (`cuda_type_names()`), `Tensor.type()` names a CPU tensor
+   by its CUDA type ("torch.cuda.FloatTensor"): the distributed optimizer sorts parameters into fp32 and
+   16-bit groups, and clip_grads asserts fp32 grads, by those strings.
+
+gloo itself needs no patch any more: torch 2.13's gloo has reduce-scatter (megatron's DDP reduce-scatters
+grads for the distributed optimizer; its attention all-gather's backward when `num_query_groups < TP`),
+all-gather into a tensor, AVG and coalesced collectives. What megatron-core offers but chatgen cannot use
+on gloo is listed in docs/megatron_module.md.
 
 Two more rules that are not patches, followed by `MegatronModule`: models are built with
 `use_cpu_initialization=True` and the local layer spec (no Transformer Engine), and the forward always
@@ -23,31 +30,33 @@ receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when
 `tests/integration/test_megatron_module.py` fails loudly when an upgrade breaks one of these.
 """
 import contextlib
+import importlib
 
 import torch
-import torch.distributed as dist
 
 _APPLIED = False
 
 
-class _TorchWithCpuZeros:
-    """`torch`, except that zeros(..., device="cuda") allocates on the CPU (for megatron's schedules)."""
+def _on_cpu(factory):
+    def make(*args, device=None, **kwargs):
+        return factory(*args, device="cpu" if device == "cuda" else device, **kwargs)
+
+    return staticmethod(make)
+
+
+class _TorchOnCpu:
+    """`torch`, except that its tensor factories allocate device="cuda" tensors on the CPU (point 4)."""
+
+    tensor, zeros, ones, empty, full = (_on_cpu(torch.tensor), _on_cpu(torch.zeros), _on_cpu(torch.ones),
+                                        _on_cpu(torch.empty), _on_cpu(torch.full))
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
-    @staticmethod
-    def zeros(*args, device=None, **kwargs):
-        return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
 
-
-def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    # input: (world * n, ...) -> output: (n, ...) = this rank's slice of the sum over ranks.
-    summed = input.clone()
-    dist.all_reduce(summed, op=op, group=group)
-    rank = dist.get_rank(group)
-    output.copy_(summed.chunk(dist.get_world_size(group), dim=0)[rank])
-    return None
+# the megatron-core modules that allocate on "cuda" by name (point 4)
+_CUDA_BY_NAME = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.optimizer",
+                 "megatron.core.optimizer.clip_grads", "megatron.core.utils")
 
 
 def apply() -> bool:
@@ -59,15 +68,8 @@ def apply() -> bool:
         return True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
-    dist.reduce_scatter_tensor = _reduce_scatter_via_all_reduce
-    dist._reduce_scatter_base = _reduce_scatter_via_all_reduce
-    from megatron.core.tensor_parallel import mappings
-
-    # megatron binds the function at import time
-    mappings.dist_reduce_scatter_func = _reduce_scatter_via_all_reduce
-    from megatron.core.pipeline_parallel import schedules
-
-    schedules.torch = _TorchWithCpuZeros()
+    for module in _CUDA_BY_NAME:
+        importlib.import_module(module).torch = _TorchOnCpu()
     _APPLIED = True
     return True
 
@@ -85,7 +87,7 @@ def initialize_rng(seed: int) -> None:
 
 @contextlib.contextmanager
 def building_model():
-    """Within this block `Tensor.cuda()` is the identity when CUDA is absent (see point 4 above)."""
+    """Within this block `Tensor.cuda()` is the identity when CUDA is absent (see point 3 above)."""
     if torch.cuda.is_available():
         yield
         return
@@ -95,3 +97,25 @@ def building_model():
         yield
     finally:
         torch.Tensor.cuda = original
+
+
+def _cuda_type_name(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and self.device.type == "cpu":
+        return _TENSOR_TYPE(self).replace("torch.", "torch.cuda.", 1)
+    return _TENSOR_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+_TENSOR_TYPE = torch.Tensor.type
+
+
+@contextlib.contextmanager
+def cuda_type_names():
+    """Within this block `Tensor.type()` names a CPU tensor by its CUDA type when CUDA is absent (point 6)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    torch.Tensor.type = _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.type = _TENSOR_TYPE

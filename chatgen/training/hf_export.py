@@ -18,7 +18,8 @@ A bucket is a run of Megatron parameters of one pipeline stage whose gathered si
    QKV per query group, split gate/up, drop vocab padding; layer numbers get the stage offset);
 3. with PP > 1 the HF tensors are broadcast from the owning stage to the other stages (one collective).
 
-Every rank then holds the bucket's full HF tensors; the next bucket reuses nothing, so peak extra memory
+Every tensor comes in the trainer's dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model: they are
+cast, as the HF checkpoint and the engine hold them). Every rank then holds the bucket's full HF tensors; the next bucket reuses nothing, so peak extra memory
 is about two buckets, never a copy of the model. The plan (names, shapes, bucket boundaries) is computed
 from the model spec alone, identically on every rank and on a receiver in another process.
 """
@@ -96,7 +97,7 @@ class HFWeights:
 
     def _on_owner(self, bucket: Bucket, tp_group) -> list[torch.Tensor]:
         t = self._trainer
-        local = [t.local_param(sp.local_name).detach() for sp in bucket.params]
+        local = [t.local_param(sp.local_name).detach().to(t.dtype) for sp in bucket.params]
         out = []
         for sp, shards in zip(bucket.params, _gather_shards(local, t.tp, tp_group)):
             out.extend(layout.to_hf(sp.kind, shards, t.spec))
@@ -112,7 +113,7 @@ class HFWeights:
         out = []
         for sp in bucket.params:
             if t.pp_rank == bucket.stage:
-                local = t.local_param(sp.local_name).detach().contiguous()
+                local = t.local_param(sp.local_name).detach().to(t.dtype).contiguous()
                 shards = [torch.empty_like(local) for _ in range(t.tp)]
                 dist.all_gather(shards, local, group=tp_group) if t.tp > 1 else shards.__setitem__(0, local)
                 tensors = [x.contiguous() for x in layout.to_hf(sp.kind, shards, t.spec)]

@@ -14,10 +14,13 @@ every rank with that rank's data (ranks of one DP replica get the same batch).
 
 Subclass and override the hooks (`model_provider`, `setup`, `token_outputs`, `train_step`,
 `save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (any family
-of chatgen/models), converted on the fly. The optimizer is plain `torch.optim.AdamW` over this rank's shards
-(gradients averaged over DP and the tied embedding summed across the first and last pipeline stage by
-`_finalize_grads`; fp32 master copies when the model is bf16/fp16), which runs the same on CPU and GPU;
-docs/megatron_module.md says more.
+of chatgen/models), converted on the fly. Training uses megatron-core's own machinery, on CPU (gloo) as on
+GPU: its `DistributedDataParallel` (gradients in contiguous buffers, reduced over DP in buckets; its
+`finalize_model_grads` also sums the tied embedding across pipeline stages and QK-norm weights over TP) and its
+distributed optimizer (Adam moments and, under bf16/fp16, fp32 master weights sharded over DP ranks).
+Checkpoints are megatron-core distributed checkpoints: every rank writes its own shards, and a checkpoint
+loads at another TP x PP x DP. `offload()` / `onload()` move the training state to host memory and back
+while a colocated engine generates. docs/megatron_module.md says more.
 """
 import gc
 import math
@@ -26,13 +29,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 
 from chatgen import models
 from chatgen.core.checkpoint_io import (
     begin_directory,
     commit_directory,
-    megatron_shard_file,
     read_hf_config,
     read_hf_safetensors,
     read_megatron_meta,
@@ -44,15 +45,17 @@ from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.models import layout
+from chatgen.models.convert import TE_NORM_NAMES
 from chatgen.module import Module
-from chatgen.training import cpu_compat
+from chatgen.training import cpu_compat, dist_checkpoint
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFWeights
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 
-def init_distributed(tp: int, pp: int) -> None:
-    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups."""
+def init_distributed(tp: int, pp: int, dp: int | None = None) -> None:
+    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups; `dp`
+    (the data_parallel_size key), when given, must be what the world makes of TP x PP."""
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
@@ -70,6 +73,10 @@ def init_distributed(tp: int, pp: int) -> None:
     if world % (tp * pp):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
                          f"pipeline_model_parallel_size={pp}; launch a multiple of {tp * pp} ranks")
+    if dp is not None and world != tp * pp * dp:
+        raise ValueError(f"data_parallel_size={dp} needs {tp * pp * dp} ranks (TP {tp} x PP {pp} x DP {dp}), but "
+                         f"{world} were launched; set data_parallel_size: {world // (tp * pp)} or null, or launch "
+                         f"{tp * pp * dp} ranks")
     if ps.model_parallel_is_initialized():
         have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
         if have != (tp, pp):
@@ -84,9 +91,10 @@ class MegatronModule(Module):
 
     Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
     torch.distributed and builds megatron-core's parallel groups; `setup()` builds the model with
-    `model_provider` and the optimizer, and loads `config.load` (weights; from a chatgen checkpoint also
-    iteration, optimizer and LR schedule). `start()` does both. Then `forward_tokens` / `train_step` per
-    batch, `save_checkpoint` when asked, `hf_weights()` for a weight sync.
+    `model_provider`, megatron's DDP and optimizer, and loads `config.load` (weights; from a chatgen checkpoint
+    also iteration and optimizer state, hence the LR schedule). `start()` does both. Then `forward_tokens` /
+    `train_step` per batch, `save_checkpoint` when asked, `hf_weights()` for a weight sync, `offload()` /
+    `onload()` around a colocated engine's turn on the GPU.
     """
 
     config_class = MegatronConfig
@@ -94,10 +102,12 @@ class MegatronModule(Module):
     def __init__(self, config=None, *, name: str = "policy_trainer", config_dialect: str = "chatgen"):
         super().__init__(config, name=name, config_dialect=config_dialect)
         self.model = None  # this rank's GPTModel chunk
-        self.optimizer = None
-        self._masters = None  # fp32 master copies of the trainable params when dtype is not float32
+        self.ddp = None  # megatron-core's DistributedDataParallel around it (owns the grad buffers)
+        self.optimizer = None  # megatron-core's distributed optimizer
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
+        self._offloaded = ()  # what offload() moved to host memory
+        self._memory_peaks = {}  # phase -> peak bytes allocated (memory_stats)
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -109,7 +119,7 @@ class MegatronModule(Module):
         if cfg.load is None:
             raise ValueError(f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)")
         self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        init_distributed(self.tp, self.pp)
+        init_distributed(self.tp, self.pp, cfg.data_parallel_size)
         cpu_compat.initialize_rng(cfg.seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -126,7 +136,7 @@ class MegatronModule(Module):
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
 
     def setup(self) -> None:
-        """Build this rank's model (`model_provider`) and optimizer, then load `config.load` into them.
+        """Build this rank's model (`model_provider`), DDP and optimizer, then load `config.load` into them.
 
         Override to add work around it (datasets, metrics, extra modules) and call `super().setup()`.
         """
@@ -151,23 +161,54 @@ class MegatronModule(Module):
             flag = torch.tensor([float(self._packs)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ps.get_pipeline_model_parallel_group())
             self._packs = bool(flag.item())
-        self._train_params = [p for p in self.model.parameters() if p.requires_grad]
-        # bf16/fp16 weights cannot take small updates (lr 1e-6 on a weight of 0.02 is below half its bf16 step, so
-        # it rounds away): AdamW then steps fp32 master copies, with fp32 moments, and the model gets them cast
-        # back after every step (as megatron's mixed-precision optimizer does). None in fp32.
-        self._masters = None if self.dtype == torch.float32 else [p.detach().float() for p in self._train_params]
-        self.optimizer = torch.optim.AdamW(
-            self._masters or self._train_params, lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self._build_optimizer()
         self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
+
+    def _build_optimizer(self) -> None:
+        """megatron-core's DistributedDataParallel around the model and its distributed optimizer over it.
+
+        DDP keeps the gradients in contiguous buffers (fp32 under bf16/fp16, so that micro-batches accumulate
+        without rounding) and reduce-scatters them over DP in buckets, overlapped with the backward when
+        `overlap_grad_reduce`; `finalize_model_grads` (called by the pipeline schedule) also sums the tied
+        embedding across the first and last stage and QK-norm weights over TP. The optimizer is Adam(W) on fp32
+        main parameters (bf16/fp16 weights cannot take small updates: lr 1e-6 on a weight of 0.02 is below half a
+        bf16 step) whose state and masters are sharded over the DP ranks; after each step every DP rank gathers
+        the updated weights.
+        """
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer
+
+        cfg, tconfig = self.config, self.model.config
+        low_precision = self.dtype != torch.float32
+        self.ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=low_precision, overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=True), self.model)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        if cfg.overlap_grad_reduce:  # the schedule holds the reduce back until the last micro-batch's backward
+            tconfig.no_sync_func = self.ddp.no_sync
+        # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
+        # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
+        fp32 = ParamKey(predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32))
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, use_distributed_optimizer=True)
+        with cpu_compat.cuda_type_names():
+            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp],
+                                                    config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {})
+        if self.dtype == torch.float16:  # the loss is scaled by the optimizer's (dynamic) loss scale
+            tconfig.grad_scale_func = self.optimizer.scale_loss
 
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
         start another model, e.g. the next run of a test session. Safe to call twice."""
         from megatron.core import parallel_state as ps
 
-        self.model = self.optimizer = self._masters = None
+        self.model = self.ddp = self.optimizer = None
         self.__dict__.pop("_param_cache", None)  # (model, its parameters by name): would keep the model alive
         gc.unfreeze()  # what start() froze (chatgen.module.startup_gc) is collectable again: the model's cycles too
         if ps.model_parallel_is_initialized():
@@ -219,6 +260,7 @@ class MegatronModule(Module):
         Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
         log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
+        self.onload(("params",))
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
@@ -234,7 +276,7 @@ class MegatronModule(Module):
         logits of positions before the first one it marks in the micro-batch are not computed: logprobs is 0
         there (a loss reads only masked positions).
         Returns {metric: float} over micro-batches and DP ranks (the mean; the largest for a name ending in
-        `_max`: chatgen.core.metrics.reduce_metrics), plus "grad_norm", "lr" and
+        `_max`: chatgen.core.metrics.reduce_metrics), plus "grad_norm" (before clipping), "lr" (this step's) and
         "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
@@ -244,54 +286,52 @@ class MegatronModule(Module):
                              f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
         mbs = self.config.micro_batch_size or n
         micro_batches = _split_batch(data, mbs)
+        self.onload()  # a no-op unless offload() moved the training state to the host
         self.model.train()
-        self.model.zero_grad(set_to_none=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)
-        grad_norm = self._finalize_grads()
-        if not math.isfinite(grad_norm):  # a NaN/inf grad would poison the weights, and vLLM after the sync
-            self.model.zero_grad(set_to_none=True)
-            self.skipped_steps += 1
-            metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], skipped_step=1.0)
-            return metrics
-        if self._masters is not None:  # grads into the fp32 masters; clipping and the step happen there
-            for master, p in zip(self._masters, self._train_params):
-                master.grad = None if p.grad is None else p.grad.float()
-        if self.config.clip_grad > 0 and grad_norm > self.config.clip_grad:
-            for p in self.optimizer.param_groups[0]["params"]:
-                if p.grad is not None:
-                    p.grad.mul_(self.config.clip_grad / (grad_norm + 1e-6))
-        self.optimizer.step()
-        if self._masters is not None:
-            with torch.no_grad():
-                for master, p in zip(self._masters, self._train_params):
-                    p.copy_(master)
-        self.scheduler.step()
+        self.ddp.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)  # grads reduced over DP, PP, TP
+        lr = self.config.lr * self._lr_factor(self.iteration)
+        with cpu_compat.cuda_type_names():
+            found_inf = self.optimizer.prepare_grads()  # grads -> the fp32 main grads (fp16: unscaled, inf checked)
+            grad_norm = math.inf if found_inf else self.optimizer.get_grad_norm()
+            if not math.isfinite(grad_norm):  # a NaN/inf grad would poison the weights, and vLLM after the sync
+                self.skipped_steps += 1
+                metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=1.0)
+                return metrics
+            if self.config.clip_grad > 0:
+                from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+                for optimizer in self.optimizer.chained_optimizers:
+                    clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.config.clip_grad, grad_norm)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step_with_ready_grads()  # Adam on this rank's shard, then the weights gathered over DP
         self.iteration += 1
-        metrics.update(grad_norm=grad_norm, lr=self.optimizer.param_groups[0]["lr"], skipped_step=0.0)
+        metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0)
         return metrics
 
     def save_checkpoint(self, path) -> str:
-        """Write model shards (+ optimizer state) to directory `path` atomically; returns the path.
+        """Write weights + optimizer state to directory `path` atomically, as a megatron-core distributed
+        checkpoint: each rank writes its own shards, and `load_checkpoint` reads it back at any TP x PP x DP
+        (chatgen/training/dist_checkpoint.py). Returns the path.
 
-        Layout: chatgen_megatron.json (HF config, TP, PP, iteration), model_tp{t}_pp{p}.safetensors,
-        optim_tp{t}_pp{p}.pt (torch.save of tensors only; read back with weights_only=True). Ranks write into
-        the staging directory of chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never
-        leaves a half-written `path`.
+        Layout: chatgen_megatron.json (HF config, TP, PP, DP, padded vocab, iteration) beside megatron's files
+        (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt). Ranks write into the staging directory of
+        chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never leaves a half-written `path`.
+        A model that has not stepped yet has no optimizer state to save: its checkpoint holds the weights.
         """
         path = Path(path)
         if dist.get_rank() == 0:
             begin_directory(path)
         dist.barrier()
         tmp = staging_path(path)
-        if self.dp_rank == 0:
-            save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
-                      str(megatron_shard_file(tmp, self.tp_rank, self.pp_rank)))
-            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "master_params": self._masters}, tmp / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt")
+        stepped = self.iteration > 0
+        self.onload()
+        dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
         if dist.get_rank() == 0:
             write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
-                                optimizer=True)
+                                optimizer=stepped, distributed=True, dp=self.dp)
         dist.barrier()
         if dist.get_rank() == 0:
             commit_directory(path)
@@ -299,35 +339,44 @@ class MegatronModule(Module):
         return str(path)
 
     def load_checkpoint(self, path) -> None:
-        """Load weights from an HF directory (converted to this rank's shard) or a chatgen checkpoint.
+        """Load weights from an HF directory (converted to this rank's shard) or a chatgen Megatron checkpoint.
 
-        A chatgen checkpoint must have this run's TP and PP (convert it with `chatgen convert` otherwise);
-        its optimizer state is restored when an optimizer exists.
+        A checkpoint this trainer saved loads at any TP x PP x DP (the padded vocab must agree: it depends on TP
+        and make_vocab_size_divisible_by) and restores iteration and optimizer state with the weights; one written
+        by `chatgen convert --to megatron` (weights only) must have this run's TP and PP.
         """
         path = Path(path)
         meta = read_megatron_meta(path)
+        self.onload()
+        if meta is not None and meta.get("distributed"):
+            if meta["padded_vocab_size"] != self.padded_vocab_size:
+                raise ValueError(
+                    f"{path}: saved with the vocab padded to {meta['padded_vocab_size']} rows (TP "
+                    f"{meta['tensor_model_parallel_size']}), this run pads it to {self.padded_vocab_size} (TP "
+                    f"{self.tp}, make_vocab_size_divisible_by={self.config.make_vocab_size_divisible_by}); set "
+                    "make_vocab_size_divisible_by so that both agree, or go through HF: chatgen convert --to hf")
+            stepped = bool(meta.get("optimizer"))
+            wanted = self._sharded_state_dict(optimizer=stepped, loading=True)
+            state = _read_checkpoint_file(lambda directory: dist_checkpoint.load(wanted, directory), path)
+            self.model.load_state_dict(state["model"])
+            if stepped:
+                self.optimizer.load_state_dict(state["optimizer"])
+            else:
+                self.optimizer.reload_model_params()  # the fp32 main weights follow the loaded ones
+            self.iteration = meta.get("iteration", 0)
+            return
         if meta is not None:
             have = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
             if have != (self.tp, self.pp):
                 raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
                                  f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
+            if meta.get("optimizer"):  # written by chatgen before megatron's optimizer: plain AdamW's state
+                raise ValueError(f"{path}: its optimizer state (optim_tp*_pp*.pt) is the format of an older chatgen, "
+                                 "which this trainer cannot continue; start from its weights: chatgen convert --to hf "
+                                 f"--input {path} --output HF_DIR, then load HF_DIR")
             self._load_canonical_state(_read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
                                        source=str(path))
             self.iteration = meta.get("iteration", 0)
-            optim = path / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"
-            if self.optimizer is not None and meta.get("optimizer"):  # saved with one: it must come back
-                if not optim.exists():
-                    raise FileNotFoundError(
-                        f"{optim} is missing: this checkpoint was saved with its optimizer state, and training on "
-                        "without it would restart AdamW's moments and LR schedule (a much larger first update); "
-                        "restore the file, or resume from an earlier checkpoint")
-                saved = _read_checkpoint_file(torch.load, optim, weights_only=True)
-                self.optimizer.load_state_dict(saved["optimizer"])
-                self.scheduler.load_state_dict(saved["scheduler"])
-                if self._masters is not None and saved.get("master_params") is not None:
-                    with torch.no_grad():  # the fp32 masters keep the bits the bf16 weights lost
-                        for master, value in zip(self._masters, saved["master_params"]):
-                            master.copy_(value)
             return
         state = {}
         params = layout.stage_params(self.spec, self.pp, self.pp_rank)
@@ -341,12 +390,96 @@ class MegatronModule(Module):
             state[sp.local_name] = shards[self.tp_rank]
         self._load_canonical_state(state, source=str(path))
 
+    # ---- memory handoff -------------------------------------------------------------------------------
+
+    def offload(self, params: bool = True) -> None:
+        """Before a colocated engine takes the GPU: move the training state the config names to host memory
+        (`offload_grads`: the gradient buffers are freed, they hold nothing between steps; `offload_optimizer`:
+        fp32 main weights and Adam moments; `offload_params`, when `params`: the weights) and return the cached
+        blocks to the device (torch.cuda.empty_cache), so the engine can use the memory. Every method that needs
+        the state brings it back first (`onload`). A no-op without CUDA: everything already lives in host memory.
+        Not collective."""
+        if not torch.cuda.is_available():
+            return
+        cfg, moved = self.config, set(self._offloaded)
+        torch.cuda.synchronize()
+        if cfg.offload_grads and "grads" not in moved:
+            self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+            moved.add("grads")
+        if cfg.offload_optimizer and "optimizer" not in moved:
+            self.optimizer.offload_to_cpu()
+            moved.add("optimizer")
+        if params and cfg.offload_params and "params" not in moved:
+            for buffer in self.ddp.buffers:  # the weights are views of these buffers
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+            moved.add("params")
+        torch.cuda.synchronize()
+        if moved and not self._offloaded:  # the peak of the phase that ends here: this model's own
+            self._memory_peaks["trainer"] = max(self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        self._offloaded = tuple(sorted(moved))
+        torch.cuda.empty_cache()
+
+    def onload(self, pieces=("params", "grads", "optimizer")) -> None:
+        """Bring back to the GPU what `offload` moved of `pieces` (gradient buffers come back zeroed): a forward
+        pass or a weight sync needs only the params. Not collective."""
+        back = [piece for piece in self._offloaded if piece in pieces]
+        if not back:
+            return
+        if len(back) == len(self._offloaded) or "params" in back:  # the offloaded phase ends here
+            self._memory_peaks["offloaded"] = max(self._memory_peaks.get("offloaded", 0),
+                                                  torch.cuda.max_memory_allocated())
+            torch.cuda.reset_peak_memory_stats()
+        if "params" in back:
+            for buffer in self.ddp.buffers:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+        if "optimizer" in back:
+            self.optimizer.restore_from_cpu()
+        if "grads" in back:
+            self.ddp.restore_grad_buffers(synchronize=False)
+        torch.cuda.synchronize()
+        self._offloaded = tuple(piece for piece in self._offloaded if piece not in back)
+
+    def memory_stats(self) -> dict:
+        """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
+        allocated through torch: `memory/trainer_peak_gib` while this model held its state (forward passes,
+        training, the sync), `memory/offloaded_peak_gib` while it was offloaded (a colocated engine generating;
+        what vLLM allocates through torch), and `memory/device_used_gib` now (the whole device, every process).
+        Without CUDA: `memory/host_peak_rss_gib`, the process's peak resident memory so far."""
+        if not torch.cuda.is_available():
+            import resource
+
+            return {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
+        peaks, now = self._memory_peaks, "offloaded" if self._offloaded else "trainer"  # (the phase still running)
+        peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
+        torch.cuda.reset_peak_memory_stats()
+        self._memory_peaks = {}
+        free, total = torch.cuda.mem_get_info()
+        return {**{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},
+                "memory/device_used_gib": (total - free) / 2**30}
+
+    def _sharded_state_dict(self, optimizer: bool, loading: bool) -> dict:
+        """What a distributed checkpoint holds: the model's megatron ShardedTensors (global names and offsets, so
+        any layout can read them) and, with `optimizer`, the distributed optimizer's state in the same model
+        space (`fully_reshardable`: gathered to the DP group's first rank, through host memory, when saved)."""
+        model = self.model.sharded_state_dict()
+        state = {"model": model}
+        if optimizer:
+            if loading:  # megatron asks the optimizer for its state dict first: AdamW's state must exist
+                for chained in self.optimizer.chained_optimizers:
+                    chained._init_optimizer_states_with_dummy_values()  # megatron's way; overwritten by the load
+            state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata={
+                "distrib_optim_sharding_type": "fully_reshardable",
+                "distrib_optim_fully_reshardable_mem_efficient": True})
+        return state
+
     # ---- library API ------------------------------------------------------------------------------
 
     def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> HFWeights:
         """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP), bucket by bucket:
         the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
         every rank; at most about two buckets of extra memory, never a copy of the model."""
+        self.onload(("params",))
         return HFWeights(self, bucket_bytes)
 
     def hf_state_dict(self) -> dict:
@@ -368,12 +501,8 @@ class MegatronModule(Module):
                 pass
         return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
 
-    # Transformer Engine fuses the norms into the next linear; chatgen's mappings use the local-spec names.
-    _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-
     def _to_module_name(self, name: str) -> str:
-        for local, te in self._TE_NAMES.items():
+        for local, te in TE_NORM_NAMES.items():  # the Transformer Engine spec's names
             if name.endswith(local) and name not in self._params:
                 return name[: -len(local)] + te
         return name
@@ -411,9 +540,8 @@ class MegatronModule(Module):
                 raise ValueError(f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
                                  f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})")
             dst.copy_(src)
-        if getattr(self, "_masters", None) is not None:  # the optimizer steps the masters: refresh them too
-            for master, p in zip(self._masters, self._train_params):
-                master.copy_(p)
+        if self.optimizer is not None:  # the optimizer steps fp32 main weights: they follow the loaded ones
+            self.optimizer.reload_model_params()
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config
@@ -495,7 +623,7 @@ class MegatronModule(Module):
             return loss_func
 
         get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter(zip(micro_batches, plans)), model=[self.model],
+            forward_step_func=forward_step_func, data_iterator=iter(zip(micro_batches, plans)), model=[self.ddp],
             num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=forward_only)
 
         if forward_only:  # logprobs live on the last stage: send them to every stage
@@ -591,37 +719,6 @@ class MegatronModule(Module):
         labels = input_ids[:, 1:].contiguous()
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
 
-    @torch.no_grad()
-    def _finalize_grads(self) -> float:
-        """Sum QK-norm grads over TP, average grads over DP, sum the tied embedding's grads across first/last
-        stage; return the global grad norm (counting TP-replicated params once)."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
-
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.tp > 1 and self.spec.qk_norm:
-            # q/k_layernorm weights are replicated but each TP rank normalises only its own heads, so each holds
-            # part of the gradient (megatron-core's finalize_model_grads sums them over TP the same way)
-            for name, p in self.model.named_parameters():
-                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                    dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
-        if self.dp > 1:
-            for p in params:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
-                p.grad /= self.dp
-        if self.pp > 1 and self.spec.tie_word_embeddings and (self.is_first_stage or self.is_last_stage):
-            w = self.model.shared_embedding_or_output_weight()
-            if w.grad is None:
-                w.grad = torch.zeros_like(w)
-            dist.all_reduce(w.grad, group=ps.get_embedding_group())
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
-        for p in params:
-            if param_is_not_tensor_parallel_duplicate(p) and not (getattr(p, "shared_embedding", False)
-                                                                  and not self.is_first_stage):
-                sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
-
 
 def _read_checkpoint_file(read, path, *args, **kwargs):
     """`read(path, ...)` with a damaged file reported by its name rather than by the reader's internals."""
@@ -629,7 +726,7 @@ def _read_checkpoint_file(read, path, *args, **kwargs):
         return read(path, *args, **kwargs)
     except FileNotFoundError:
         raise
-    except Exception as e:  # noqa: BLE001 - safetensors / torch.load raise many types for a truncated file
+    except Exception as e:  # noqa: BLE001 - safetensors / torch.distributed.checkpoint raise many types for a damaged file
         raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
                          "an earlier checkpoint or restore the file") from e
 

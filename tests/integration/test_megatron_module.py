@@ -32,6 +32,23 @@ def nll_loss(logprobs, micro_batch):
     return loss, {"nll": loss.detach()}
 
 
+def main_grads(trainer) -> list:
+    """The gradients of the last train_step (megatron's DDP keeps them in `main_grad`, its contiguous buffers)."""
+    return [p.main_grad.clone() for p in trainer.model.parameters()]
+
+
+def optimizer_state(trainer) -> list:
+    """This rank's fp32 main weights and Adam moments, in the optimizer's order."""
+    out = []
+    for chained in trainer.optimizer.chained_optimizers:
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                out += [p.detach().clone()] + [inner.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")
+                                               if k in inner.state[p]]
+    return out
+
+
 def build(model_dir, **kw):
     from megatron.core import parallel_state as ps
 
@@ -104,7 +121,7 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     def grads_after(slices):
         trainer._slices_logits = slices
         metrics = trainer.train_step({"input_ids": ids, "loss_mask": loss_mask}, masked_nll)
-        return metrics, [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
+        return metrics, main_grads(trainer)
 
     full, full_grads = grads_after(False)
     sliced, sliced_grads = grads_after(True)
@@ -152,8 +169,7 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
 
         rows_seen.clear()
         metrics = trainer.train_step(data, loss_fn)
-        grads = [p.grad.clone() for p in trainer.model.parameters() if p.grad is not None]
-        return metrics, grads, torch.cat(seen), list(rows_seen)
+        return metrics, main_grads(trainer), torch.cat(seen), list(rows_seen)
 
     full, full_grads, full_lp, full_shapes = step(False)
     packed, packed_grads, packed_lp, packed_shapes = step(True)
@@ -168,25 +184,34 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
 
 
 @pytest.mark.faults
-def test_a_checkpoint_missing_or_damaging_its_optimizer_state_is_refused(models, tmp_path):
+def test_a_damaged_or_old_format_checkpoint_is_refused(models, tmp_path):
     trainer = build(models["llama"], lr=1e-3)
     trainer.train_step({"input_ids": batch()}, nll_loss)
     path = Path(trainer.save_checkpoint(tmp_path / "ckpt"))
-    (path / "optim_tp0_pp0.pt").write_bytes((path / "optim_tp0_pp0.pt").read_bytes()[:100])  # truncated
-    with pytest.raises(ValueError, match=r"optim_tp0_pp0.pt: cannot be read, the checkpoint is damaged"):
+    shard = next(path.glob("*.distcp"))
+    good = shard.read_bytes()
+    shard.write_bytes(good[:100])  # truncated
+    with pytest.raises(ValueError, match=r"ckpt: cannot be read, the checkpoint is damaged"):
         build(path)
-    (path / "optim_tp0_pp0.pt").unlink()
-    with pytest.raises(FileNotFoundError, match=r"optim_tp0_pp0.pt is missing: .*restart AdamW"):
-        build(path)  # (before: loaded silently, and the next update was ~11x larger)
+    shard.unlink()
+    with pytest.raises(ValueError, match=r"ckpt: cannot be read, the checkpoint is damaged"):
+        build(path)
+    shard.write_bytes(good)
+    assert build(path).iteration == 1
     converted = tmp_path / "converted"  # a weights-only checkpoint (chatgen convert) needs no optimizer state
+    from chatgen.core.checkpoint_io import read_megatron_meta, write_megatron_meta
     from chatgen.models.convert import hf_to_megatron_dir
 
     hf_to_megatron_dir(models["llama"], converted, tp=1, pp=1)
     assert build(converted).iteration == 0
+    meta = read_megatron_meta(converted)  # as an older chatgen saved a trainer: AdamW's state in optim_*.pt
+    write_megatron_meta(converted, meta["hf_config"], 1, 1, meta["padded_vocab_size"], iteration=3, optimizer=True)
+    with pytest.raises(ValueError, match=r"optim_tp\*_pp\*.pt\) is the format of an older chatgen.*convert --to hf"):
+        build(converted)
 
 
 def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):
-    """bf16 weights + lr 1e-6: the update is below bf16 precision, so AdamW must step fp32 masters."""
+    """bf16 weights + lr 1e-5: the update is below bf16 precision, so Adam must step fp32 masters."""
     ids = batch()
     trainer = build(models["llama"], dtype="bfloat16", lr=1e-5, clip_grad=0.0)
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -194,14 +219,15 @@ def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):
     start = [p.detach().clone() for p in params]
     ref = [p.detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    for _ in range(3):  # the reference steps in fp32 on the same (bf16) grads
+    for _ in range(3):  # the reference steps in fp32 on the same grads (DDP accumulates them in fp32)
         trainer.train_step({"input_ids": ids}, nll_loss)
         for r, p in zip(ref, params):
-            r.grad = p.grad.float()
+            r.grad = p.main_grad.float()
         ref_opt.step()
     for r, p in zip(ref, params):  # (megatron's local RMSNorm keeps its weights in fp32)
         assert torch.equal(p.detach(), r.to(p.dtype))
-    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
+    state = optimizer_state(trainer)
+    assert state and all(t.dtype == torch.float32 for t in state)  # masters and moments in fp32
     bf16 = [(p, s) for p, s in zip(params, start) if p.dtype == torch.bfloat16]
     changed = sum(int((p != s).sum()) for p, s in bf16) / sum(p.numel() for p, _ in bf16)
     assert changed > 0.2, changed  # plain bf16 AdamW at this lr moves almost nothing
@@ -222,14 +248,10 @@ def test_load_of_a_checkpoint_restores_optimizer_and_lr_schedule(models, tmp_pat
     resumed = build(path, **kw)
     for other in (explicit, resumed):
         assert other.iteration == 3
-        assert other.optimizer.param_groups[0]["lr"] == pytest.approx(4e-6)  # warm-up step 4 of 10
-        assert len(other.optimizer.state) == len(trainer.optimizer.state) > 0
-        for a, b in zip(other.optimizer.state.values(), trainer.optimizer.state.values()):
-            assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
-        assert all(torch.equal(a, b) for a, b in zip(other._masters, trainer._masters))
-    assert resumed.train_step({"input_ids": ids}, nll_loss)["lr"] == trainer.train_step({"input_ids": ids},
-                                                                                         nll_loss)["lr"]
-    assert all(torch.equal(a, b) for a, b in zip(resumed._masters, trainer._masters))
+        assert all(torch.equal(a, b) for a, b in zip(optimizer_state(other), optimizer_state(trainer), strict=True))
+    step = resumed.train_step({"input_ids": ids}, nll_loss)
+    assert step["lr"] == trainer.train_step({"input_ids": ids}, nll_loss)["lr"] == pytest.approx(4e-6)  # warm-up 4/10
+    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(resumed), optimizer_state(trainer), strict=True))
 
 
 def test_nan_gradient_skips_the_step(models):
@@ -242,7 +264,7 @@ def test_nan_gradient_skips_the_step(models):
 
     metrics = trainer.train_step({"input_ids": ids}, nan_loss)
     assert metrics["skipped_step"] == 1.0 and not math.isfinite(metrics["grad_norm"])
-    assert trainer.skipped_steps == 1 and trainer.iteration == 0 and not trainer.optimizer.state
+    assert trainer.skipped_steps == 1 and trainer.iteration == 0 and not len(trainer.optimizer.state)
     assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items() if torch.is_tensor(v))
     metrics = trainer.train_step({"input_ids": ids}, nll_loss)  # the next good step trains as usual
     assert metrics["skipped_step"] == 0.0 and math.isfinite(metrics["grad_norm"]) and trainer.iteration == 1
@@ -262,10 +284,16 @@ def test_seq_length_and_global_batch_size_are_enforced(models):
 
 
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
-    path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")
+    from chatgen.models.convert import hf_to_megatron_dir
+
+    converted = hf_to_megatron_dir(models["llama"], tmp_path / "converted", tp=1, pp=1)  # weights at one layout
     trainer = build(models["llama"])
     trainer.tp = 2  # as if this run used TP=2
     with pytest.raises(ValueError, match="checkpoint has TP, PP = \\(1, 1\\)"):
+        trainer.load_checkpoint(converted)
+    path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")  # a trainer's: any layout, same vocab rows
+    trainer.padded_vocab_size = 1024  # as if this layout padded the vocab differently
+    with pytest.raises(ValueError, match="saved with the vocab padded to 512 rows.*make_vocab_size_divisible_by"):
         trainer.load_checkpoint(path)
 
 

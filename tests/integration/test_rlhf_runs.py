@@ -4,8 +4,9 @@
 
 One Ray instance serves all tests. GRPO: a 3-episode run whose reward model fails in episode 3 (the run
 stops with the actor's error; checkpoints 1 and 2 stay intact), then `--resume` runs episode 3 from checkpoint
-2. PPO: 2 episodes with the policy and the trainers in separate processes (cross-process weight sync) and
-truncated importance sampling on; every socket the PPO run listens on is loopback.
+2. PPO: 2 episodes with the policy and the trainers in separate processes (cross-process weight sync), the
+Megatron models data parallel on 2 ranks, truncated importance sampling on; every socket the PPO run listens
+on is loopback.
 What is checked: parameters changed, vLLM's log-probs equal the trainer's after each sync (float noise),
 metrics/TensorBoard/plot written, the resumed run continues the data position and optimizer state.
 """
@@ -82,9 +83,10 @@ def iteration(checkpoint_dir, model="policy_trainer"):
 
 
 def trainer_weights(checkpoint_dir, model="policy_trainer"):
-    from safetensors.torch import load_file
+    """A trainer's weights in an episode checkpoint, as HF tensors (its megatron distributed checkpoint read whole)."""
+    from chatgen.models.convert import megatron_checkpoint_to_hf
 
-    return load_file(str(Path(checkpoint_dir) / model / "model_tp0_pp0.safetensors"))
+    return megatron_checkpoint_to_hf(Path(checkpoint_dir) / model)[1]
 
 
 def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, tmp_path, capsys, monkeypatch):
@@ -202,7 +204,13 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
                                                                    "reference.load": tiny_llama_dir,
                                                                    "runtime.num_episode": 2,
                                                                    "runtime.save_episode_interval": 2,
-                                                                   "runtime.algorithm.importance_sampling_cap": 2.0})])
+                                                                   "runtime.algorithm.importance_sampling_cap": 2.0,
+                                                                   # the Megatron models data parallel on 2 CPU
+                                                                   # ranks: each gets half of every batch
+                                                                   "policy_trainer.data_parallel_size": 2,
+                                                                   "reference.data_parallel_size": 2,
+                                                                   "value_trainer.data_parallel_size": 2,
+                                                                   "runtime.train_micro_batch_size": 8})])
     assert cfg.runtime.colocation == [["policy", "reward"], ["policy_trainer", "reference", "value_trainer"]]
     assert cfg.runtime.algorithm.importance_sampling_cap == 2.0  # truncated IS on, as a user would set it
     with listening_sockets() as seen:  # every socket the run's process tree listens on, while it trains
@@ -220,10 +228,12 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
     assert metrics[2]["kl/reference"] > 1e-4  # the policy vLLM sampled from in episode 2 is the trained one
     ckpt = out / "checkpoints" / "episode_000002"
     assert iteration(ckpt, "policy_trainer") == iteration(ckpt, "value_trainer") == 4
+    saved = json.loads((ckpt / "policy_trainer" / "chatgen_megatron.json").read_text())
+    assert saved["data_parallel_size"] == 2  # both DP ranks trained (and wrote their shards)
     # The critic's checkpoint holds the value head's row (token 0 of the output layer), trained away from the
     # policy's copy of it.
     policy_w, value_w = trainer_weights(ckpt, "policy_trainer"), trainer_weights(ckpt, "value_trainer")
-    assert not torch.equal(policy_w["output_layer.weight"][0], value_w["output_layer.weight"][0])
+    assert not torch.equal(policy_w["lm_head.weight"][0], value_w["lm_head.weight"][0])
 
 
 @pytest.mark.faults
@@ -255,14 +265,14 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(part)
     assert sorted(resumed) == [0, 1, 2, 3]
     for key, value in full[3].items():
-        if not key.startswith("time/"):
+        if not key.startswith(("time/", "memory/")):
             assert resumed[3][key] == value, key
     a = trainer_weights(tmp_path / "full" / "checkpoints" / "episode_000003")
     b = trainer_weights(part / "checkpoints" / "episode_000003")
     assert all(torch.equal(a[k], b[k]) for k in a)
 
-    (part / "checkpoints" / "episode_000003" / "policy_trainer" / "optim_tp0_pp0.pt").unlink()
-    with pytest.raises(CheckpointError, match="optim_tp0_pp0.pt is missing.*--resume-from episode_000002"):
+    (part / "checkpoints" / "episode_000003" / "policy_trainer" / "__0_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match="__0_0.distcp is missing.*--resume-from episode_000002"):
         grpo.train(config(part, 4), resume=True, log=quiet)
 
 

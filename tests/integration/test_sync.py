@@ -152,7 +152,8 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
 
 
 def _cross_process_trainer(model_dir, layouts, port):
-    """Trainer ranks: one sync per (TP, PP) layout into the engine in the parent process."""
+    """Trainer ranks: one sync per (TP, PP) layout of the 2 ranks into the engine in the parent process; (1, 1) is
+    DP = 2: two replicas of the whole model, rank 0 sends."""
     from megatron.core import parallel_state as ps
 
     from chatgen.param_sync import SyncSender
@@ -169,14 +170,15 @@ def _cross_process_trainer(model_dir, layouts, port):
 
 @pytest.mark.parametrize("name", ["llama_1kv", "qwen3"])
 def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
-    """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, over a private gloo group."""
+    """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, then DP 2 -> 1, over a private
+    gloo group."""
     from chatgen.param_sync import SyncReceiver
     from chatgen.training.launcher import DistributedJob
 
     model_dir = models[name]
     llm = engine(model_dir)
     rx = SyncReceiver()
-    layouts = [(2, 1), (1, 2)]
+    layouts = [(2, 1), (1, 2), (1, 1)]
     job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port))
     try:
         for layout in layouts:

@@ -18,6 +18,7 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
 from chatgen.rlhf.runtime import plan_groups
+from chatgen.rlhf.weight_links import WeightLinks
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -214,6 +215,24 @@ def test_plan_groups_rejects_mismatched_colocation(data):
         plan_groups(load("grpo_tiny.yaml", *data, "policy_trainer.tensor_model_parallel_size=2"))
 
 
+def test_data_parallel_size_multiplies_the_ranks_of_a_megatron_model_on_cpu(data):
+    dp2 = [f"{m}.data_parallel_size=2" for m in ("policy_trainer", "reference", "value_trainer")]
+    ppo = plan_groups(load("ppo_tiny.yaml", *data, *dp2))
+    assert [(names, world) for names, world, _, _ in ppo] == [
+        (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 2)]
+    with pytest.raises(ValueError, match="need different numbers of ranks.*TP x PP x DP"):
+        plan_groups(load("ppo_tiny.yaml", *data, dp2[0]))
+    # the tiny GRPO run keeps its one rank: DP is not derived from num_cpu
+    assert plan_groups(load("grpo_tiny.yaml", *data)) == [(["policy", "policy_trainer", "reward"], 1, 0, 2.0)]
+    check(load("ppo_tiny.yaml", *data, *dp2, "runtime.train_micro_batch_size=64"))
+    # on GPUs num_gpu gives the world: an explicit DP must agree with it
+    gpus = [f"models.{m}.num_gpu=2" for m in ("policy_trainer", "reference", "value_trainer")]
+    msg = errors_of(load("ppo_tiny.yaml", *data, *gpus, "runtime.train_micro_batch_size=64",
+                         "policy_trainer.data_parallel_size=4"))
+    assert ("models.policy_trainer.data_parallel_size: 4 needs TP 1 x PP 1 x DP 4 = 4 GPUs, num_gpu is 2; make them "
+            "agree") in msg
+
+
 def test_batch_sizes_must_split_over_data_parallel_ranks(data):
     # 2 GPUs with TP=PP=1: DP=2, so a global batch of 128 is 64 per rank, less than the micro batch of 128
     dp2 = [*data, "models.policy_trainer.num_gpu=2", "models.reference.num_gpu=2", "models.value_trainer.num_gpu=2"]
@@ -233,3 +252,47 @@ def test_an_episode_is_whole_optimizer_steps(data):
                          "runtime.train_global_batch_size=96"))
     assert ("runtime.sample_per_episode: 256 is not a multiple of runtime.train_global_batch_size=96; make it one so "
             "every episode is whole optimizer steps") in msg
+
+
+def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_before_it_wakes():
+    """The run's side of the memory handoff (MegatronModule.offload, chatgen.rlhf.weight_links): before the sleeping engine wakes, every
+    Megatron model of its group offloads; for a sync the weights stay (the sync reads them) and follow after it.
+    (Fakes for the actors: the order of the calls is the run's own logic.)"""
+    from types import SimpleNamespace
+
+    calls = []
+
+    class Handle:
+        def __init__(self, name, backend, group, num_gpu=1):
+            self.name, self.backend, self.group, self.entry = name, backend, group, SimpleNamespace(num_gpu=num_gpu)
+
+        def call(self, method, *args):
+            calls.append((self.name, method, *args))
+            return [None]
+
+        def get(self, refs, what):
+            return refs
+
+    class Group:
+        def run_async(self, fn, *args):
+            calls.append(("sync",))
+            return []
+
+    shared, apart = Group(), Group()
+    handles = {"policy": Handle("policy", "vllm", shared), "policy_trainer": Handle("policy_trainer", "megatron", shared),
+               "reference": Handle("reference", "megatron", shared), "reward": Handle("reward", "python", shared),
+               "critic": Handle("critic", "megatron", apart)}
+    runtime = type("Runtime", (), {"handles": handles, "__getitem__": lambda self, name: handles[name]})()
+    links = WeightLinks(runtime, {"policy_trainer": "policy"})
+    assert links.sleeps and links.offloading == ["policy_trainer", "reference"]  # not the critic elsewhere
+    links.asleep = True
+    links.sync()
+    assert calls == [("policy_trainer", "offload", False), ("reference", "offload", False), ("policy", "wake_up"),
+                     ("sync",), ("policy_trainer", "offload", True), ("reference", "offload", True)]
+    calls.clear()
+    links.asleep = True  # the engine generated and slept again; the next generation wakes it
+    links.wake()
+    assert calls == [("policy_trainer", "offload", True), ("reference", "offload", True), ("policy", "wake_up")]
+    handles["policy"].entry.num_gpu = 0  # on CPU the engine never sleeps and nothing is offloaded
+    links = WeightLinks(runtime, {"policy_trainer": "policy"})
+    assert not links.sleeps and links.offloading == []
