@@ -31,12 +31,14 @@ HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "
 
 
 def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int,
-                        optimizer: bool = False) -> None:
+                        optimizer: bool = False, ep: int = 1) -> None:
     """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read);
-    `optimizer`: the checkpoint holds optimizer state (optim_tp*_pp*.pt), which a load then requires."""
+    `optimizer`: the checkpoint holds optimizer state (optim_tp*_pp*[_ep*].pt), which a load then requires;
+    `ep`: the expert-parallel size that state was saved at (the weights hold every expert whatever the EP)."""
     (Path(directory) / MEGATRON_META).write_text(json.dumps(dict(
         hf_config=hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        padded_vocab_size=padded_vocab_size, iteration=iteration, optimizer=optimizer), indent=1))
+        padded_vocab_size=padded_vocab_size, iteration=iteration, optimizer=optimizer,
+        expert_model_parallel_size=ep), indent=1))
 
 
 def read_megatron_meta(directory) -> dict | None:

@@ -186,6 +186,9 @@ class VLLMConfig:
         None, "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)")
     # parallelism
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
+    return_routed_experts: bool = opt(
+        False, "record the experts each token was routed to (mixture-of-experts models) into RolloutBatch.routed_experts, "
+               "for a trainer's moe_routing_replay; turns prefix caching off (a cached prompt is not routed again)")
     enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
@@ -255,6 +258,15 @@ class MegatronConfig:
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
+    expert_model_parallel_size: int = opt(
+        1, "expert-parallel ranks of a mixture-of-experts model: each holds num_experts / EP experts of every layer "
+           "(taken out of the data-parallel ranks: world = TP x PP x DP, EP divides DP)")
+    moe_aux_loss_coeff: float = opt(
+        0.0, "weight of the router load-balancing loss (Switch Transformer's) of a mixture-of-experts model, added "
+             "to train_step's loss; 0 = none")
+    moe_routing_replay: bool = opt(
+        False, "compute every MoE layer with the experts the engine chose for each token (the batch's routed_experts: "
+               "the vllm model needs return_routed_experts) instead of routing again")
     seq_length: Optional[int] = opt(
         None, "longest sample (prompt + response) in tokens; longer batches are an error; null = max_position_embeddings")
     micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
@@ -276,7 +288,8 @@ class MegatronConfig:
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                    "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         if self.seq_length is not None and self.seq_length < 1:
@@ -294,7 +307,7 @@ class MegatronConfig:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 yield key, f"must be in [0, 1), got {getattr(self, key)}; 0.9 / 0.999 are usual"
-        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters"):
+        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters", "moe_aux_loss_coeff"):
             if getattr(self, key) < 0:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
         if problem := args_problem(self):

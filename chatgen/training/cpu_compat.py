@@ -17,6 +17,11 @@ process and only when CUDA is absent:
 6. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
    the inference tracker, whose `fork()` is a no-op (dropout draws from torch's CPU generator).
 
+And on any machine without Transformer Engine (CPU or GPU):
+
+7. megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
+   None`, a name bound only when Transformer Engine imports: it is set to None so the router uses torch.mm.
+
 Two more rules that are not patches, followed by `MegatronModule`: models are built with
 `use_cpu_initialization=True` and the local layer spec (no Transformer Engine), and the forward always
 receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
@@ -53,6 +58,10 @@ def _reduce_scatter_via_all_reduce(output, input, op=dist.ReduceOp.SUM, group=No
 def apply() -> bool:
     """Patch torch / megatron-core for CPU if CUDA is absent; returns True when patches are active."""
     global _APPLIED
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # point 7
+        moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
         return False
     if _APPLIED:

@@ -47,12 +47,13 @@ from chatgen.models import layout
 from chatgen.module import Module
 from chatgen.rlhf.losses import reduce_metrics
 from chatgen.training import cpu_compat
-from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights
+from chatgen.training.hf_export import DEFAULT_BUCKET_BYTES, HFWeights, unflatten
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 
-def init_distributed(tp: int, pp: int) -> None:
-    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups."""
+def init_distributed(tp: int, pp: int, ep: int = 1) -> None:
+    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups (EP:
+    expert-parallel ranks of a mixture-of-experts model, carved out of the data-parallel ones)."""
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
@@ -67,16 +68,19 @@ def init_distributed(tp: int, pp: int) -> None:
         else:  # a single process: a private one-rank world
             init_process_group(backend, 0, 1, "127.0.0.1", free_port())
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * pp * ep):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
-                         f"pipeline_model_parallel_size={pp}; launch a multiple of {tp * pp} ranks")
+                         f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep}; launch a multiple of "
+                         f"{tp * pp * ep} ranks")
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise RuntimeError(f"megatron parallel state already built with TP, PP = {have}, not {(tp, pp)}; "
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise RuntimeError(f"megatron parallel state already built with TP, PP, EP = {have}, not {(tp, pp, ep)}; "
                                "call megatron.core.parallel_state.destroy_model_parallel() first")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
 
 
 class MegatronModule(Module):
@@ -109,13 +113,17 @@ class MegatronModule(Module):
         if cfg.load is None:
             raise ValueError(f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)")
         self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        init_distributed(self.tp, self.pp)
+        self.ep = cfg.expert_model_parallel_size
+        init_distributed(self.tp, self.pp, self.ep)
         cpu_compat.initialize_rng(cfg.seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.hf_config = read_hf_config(cfg.load)
         self.spec = models.spec_from_hf_config(self.hf_config)
-        layout.check_layout(self.spec, self.tp, self.pp)
+        layout.check_layout(self.spec, self.tp, self.pp, self.ep)
+        if cfg.moe_routing_replay and not self.spec.is_moe:
+            raise ValueError(f"{self.name}: moe_routing_replay is true but {cfg.load} has no experts; set it to false")
         self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
         max_positions = self.hf_config.get("max_position_embeddings")
         if cfg.seq_length and max_positions and cfg.seq_length > max_positions:
@@ -136,15 +144,26 @@ class MegatronModule(Module):
         if torch.cuda.is_available():
             self.model.cuda()
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
+        from megatron.core.transformer.moe.router import TopKRouter
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        self._routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]  # this stage's, layer order
+        RouterReplay.clear_global_router_replay_instances()  # megatron's class-wide list; chatgen keeps its own
+        self._expert_tokens = None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
+        for router in self._routers:
+            router.register_forward_hook(self._count_routed_tokens)
         output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
         if output_layer is not None:  # train_step computes logits only where a loss reads them
             output_layer.register_forward_pre_hook(self._select_logit_positions)
             self._slices_logits = True
         # shared-prefix packing needs the output layer's position selection (last stage), attention that reads the
         # explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal type instead: not
-        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike
+        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike. Not
+        # with EP > 1 (the EP ranks exchange tokens in equal shares: micro-batches keep one shape) nor with
+        # moe_routing_replay (the replayed experts belong to the tokens of the unpacked rows)
         self._packs = cfg.pack_shared_prefix and self._attention_reads_the_mask() and (
-            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids()
+            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids() and (
+            self.ep == 1 and not cfg.moe_routing_replay)
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
@@ -188,7 +207,7 @@ class MegatronModule(Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
 
-        fam = models.family(self.spec)
+        fam, cfg = models.family(self.spec), self.config
         on_gpu = torch.cuda.is_available()
         tconfig = TransformerConfig(
             **fam.transformer_config_kwargs(self.spec),
@@ -206,6 +225,13 @@ class MegatronModule(Module):
             persist_layer_norm=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
+            **(dict(expert_model_parallel_size=self.ep,
+                    # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter); megatron's all-to-all
+                    # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch
+                    moe_token_dispatcher_type="allgather",
+                    moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                    moe_enable_routing_replay=cfg.moe_routing_replay) if self.spec.is_moe else {}),
         )
         return GPTModel(tconfig, self._layer_spec(tconfig), vocab_size=self.padded_vocab_size,
                         pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
@@ -239,6 +265,11 @@ class MegatronModule(Module):
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
+        if self.spec.is_moe and self.tp > 1:
+            raise ValueError(f"{self.name}.train_step: a mixture-of-experts model trains at tensor_model_parallel_size=1 "
+                             f"(megatron-core trains MoE at TP > 1 only with sequence parallelism, which chatgen's "
+                             f"trainer does not run; TP={self.tp} still serves forward_tokens and weight syncs); "
+                             "spread the experts with expert_model_parallel_size instead")
         if gbs and n * self.dp != gbs:
             raise ValueError(f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                              f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
@@ -248,6 +279,8 @@ class MegatronModule(Module):
         self.model.zero_grad(set_to_none=True)
         self.optimizer.zero_grad(set_to_none=True)
         metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)
+        if self.spec.is_moe:
+            metrics.update(self._moe_metrics(len(micro_batches)))
         grad_norm = self._finalize_grads()
         if not math.isfinite(grad_norm):  # a NaN/inf grad would poison the weights, and vLLM after the sync
             self.model.zero_grad(set_to_none=True)
@@ -284,14 +317,16 @@ class MegatronModule(Module):
             begin_directory(path)
         dist.barrier()
         tmp = staging_path(path)
+        state = self._canonical_state()  # collective over EP
         if self.dp_rank == 0:
-            save_file({k: v.detach().contiguous().cpu() for k, v in self._canonical_state().items()},
+            save_file({k: v.detach().contiguous().cpu() for k, v in state.items()},
                       str(megatron_shard_file(tmp, self.tp_rank, self.pp_rank)))
+        if self._optimizer_file(tmp) is not None:
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                        "master_params": self._masters}, tmp / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt")
+                        "master_params": self._masters}, self._optimizer_file(tmp))
         if dist.get_rank() == 0:
             write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
-                                optimizer=True)
+                                optimizer=True, ep=self.ep)
         dist.barrier()
         if dist.get_rank() == 0:
             commit_directory(path)
@@ -314,8 +349,13 @@ class MegatronModule(Module):
             self._load_canonical_state(_read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
                                        source=str(path))
             self.iteration = meta.get("iteration", 0)
-            optim = path / f"optim_tp{self.tp_rank}_pp{self.pp_rank}.pt"
             if self.optimizer is not None and meta.get("optimizer"):  # saved with one: it must come back
+                saved_ep = meta.get("expert_model_parallel_size", 1)
+                if saved_ep != self.ep:
+                    raise ValueError(f"{path}: its optimizer state was saved at expert_model_parallel_size={saved_ep}, "
+                                     f"this run uses {self.ep}; resume with {saved_ep} (the weights alone load at "
+                                     "any EP: convert the checkpoint to HF and start from that)")
+                optim = self._optimizer_file(path, reading=True)
                 if not optim.exists():
                     raise FileNotFoundError(
                         f"{optim} is missing: this checkpoint was saved with its optimizer state, and training on "
@@ -330,15 +370,15 @@ class MegatronModule(Module):
                             master.copy_(value)
             return
         state = {}
-        params = layout.stage_params(self.spec, self.pp, self.pp_rank)
-        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
-        for sp in params:
+        params = self._stage_params()
+        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names={n for sp, _ in params for n in sp.hf_names})
+        for sp, canonical in params:
             missing = [n for n in sp.hf_names if n not in hf]
             if missing:
                 raise KeyError(f"{path}: HF checkpoint lacks {missing} (Megatron {sp.local_name})")
             shards = layout.to_megatron_shards(sp.kind, [hf[n] for n in sp.hf_names], self.spec, self.tp,
                                                self.padded_vocab_size, what=sp.hf_names[0])
-            state[sp.local_name] = shards[self.tp_rank]
+            state[canonical] = shards[self.tp_rank]
         self._load_canonical_state(state, source=str(path))
 
     # ---- library API ------------------------------------------------------------------------------
@@ -363,10 +403,12 @@ class MegatronModule(Module):
                 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
                 import transformer_engine  # noqa: F401
 
-                return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tconfig.qk_layernorm)
+                return get_gpt_layer_with_transformer_engine_spec(num_experts=tconfig.num_moe_experts,
+                                                                  qk_layernorm=tconfig.qk_layernorm)
             except ImportError:
                 pass
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
+        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
+                                        qk_layernorm=tconfig.qk_layernorm)
 
     # Transformer Engine fuses the norms into the next linear; chatgen's mappings use the local-spec names.
     _TE_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -390,15 +432,44 @@ class MegatronModule(Module):
         name = canonical_name if canonical_name in params else self._to_module_name(canonical_name)
         return params[name]
 
+    def _stage_params(self, ep_rank: int | None = None) -> list:
+        """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank `ep_rank` (this rank's
+        by default). A checkpoint holds every expert of a stage, numbered globally (the layout at EP = 1)."""
+        everything = {sp.hf_names[0]: sp.local_name for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        rank = self.ep_rank if ep_rank is None else ep_rank
+        return [(sp, everything[sp.hf_names[0]])
+                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank, self.ep, rank)]
+
+    def _optimizer_file(self, directory, reading: bool = False):
+        """Where this rank's optimizer state goes in a checkpoint directory; None when another rank writes it (one
+        writer per TP x PP x EP coordinate: the expert-data-parallel rank 0)."""
+        from megatron.core import parallel_state as ps
+
+        if not reading and ps.get_expert_data_parallel_rank() != 0:
+            return None
+        return Path(directory) / (f"optim_tp{self.tp_rank}_pp{self.pp_rank}"
+                                  + (f"_ep{self.ep_rank}" if self.ep > 1 else "") + ".pt")
+
     def _canonical_state(self) -> dict:
-        return {sp.local_name: self.local_param(sp.local_name)
-                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        """This stage's weights under their checkpoint names; with EP > 1 the other EP ranks' experts are
+        all-gathered (collective over the EP group) so the checkpoint holds every expert."""
+        state = {canonical: self.local_param(sp.local_name) for sp, canonical in self._stage_params()}
+        if self.ep > 1:
+            from megatron.core import parallel_state as ps
+
+            mine = [state[canonical] for sp, canonical in self._stage_params() if sp.expert is not None]
+            flat = torch.cat([t.detach().reshape(-1) for t in mine])
+            gathered = torch.empty(self.ep * flat.numel(), dtype=flat.dtype, device=flat.device)
+            dist.all_gather_into_tensor(gathered, flat, group=ps.get_expert_model_parallel_group())
+            for rank, piece in enumerate(gathered.view(self.ep, -1)):
+                experts = [canonical for sp, canonical in self._stage_params(rank) if sp.expert is not None]
+                state.update(zip(experts, unflatten(piece, [t.shape for t in mine])))
+        return state
 
     @torch.no_grad()
     def _load_canonical_state(self, state: dict, source: str) -> None:
         params = self._params
-        expected = {self._to_module_name(sp.local_name): sp.local_name
-                    for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        expected = {self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()}
         missing = sorted(set(params) - set(expected))
         if missing:
             raise RuntimeError(f"{source}: model parameters {missing} have no mapping in chatgen/models/"
@@ -467,12 +538,17 @@ class MegatronModule(Module):
                 return logprobs, loss_func_for(mb)
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
+            moe = {}
+            if self.spec.is_moe and mb.get("attention_mask") is not None:  # no pad in the load-balancing loss
+                moe["padding_mask"] = ~mb["attention_mask"].bool()
+            if self.config.moe_routing_replay:
+                self._replay_routing(mb.get("routed_experts"), ids.shape)
             # Training: no logits before the first position any row's loss reads (the prompt); the output layer
             # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
             first = _first_scored_position(mb.get("loss_mask")) if self._slices_logits and not forward_only else 0
             self._logits_from = first
             try:
-                logits = model(ids, position_ids, mask)
+                logits = model(ids, position_ids, mask, **moe)
             finally:
                 self._logits_from = 0
             if not self.is_last_stage:
@@ -591,6 +667,68 @@ class MegatronModule(Module):
         labels = input_ids[:, 1:].contiguous()
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
 
+    def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:
+        """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.
+
+        routed: (b, T, num_layers, k) long, the batch's `routed_experts` (chatgen.rollout.RolloutBatch); -1 where
+        the engine routed nothing (padding, a sample's last token: positions whose outputs no log-prob reads, so
+        any k distinct experts do there). Megatron's router then gathers its own probabilities at those experts."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if routed is None:
+            raise ValueError(f"{self.name}: moe_routing_replay is true but the batch has no routed_experts; have the "
+                             "engine record them (return_routed_experts: true on the vllm model) or set "
+                             "moe_routing_replay: false")
+        k = self.spec.moe_router_topk
+        if tuple(routed.shape) != (*shape, self.spec.num_layers, k):
+            raise ValueError(f"{self.name}: routed_experts has shape {tuple(routed.shape)}, the batch needs "
+                             f"{(*shape, self.spec.num_layers, k)} (samples, tokens, layers, experts per token)")
+        layers = layout.stage_layers(self.spec, self.pp, self.pp_rank)
+        routed = routed[:, :, layers.start:layers.stop].transpose(0, 1)  # (T, b, layers, k): megatron's token order
+        routed = torch.where(routed[..., :1] < 0, torch.arange(k, device=routed.device), routed)
+        for j, router in enumerate(self._routers):
+            router.router_replay.clear_indices()
+            router.router_replay.set_target_indices(routed[:, :, j].reshape(-1, k))
+            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def _count_routed_tokens(self, _router, args, output):
+        """Forward hook of every MoE router: add, while training, how many real tokens (not padding: the router's
+        second argument, True = pad) each expert got to `self._expert_tokens`."""
+        if not (self.model.training and torch.is_grad_enabled()):
+            return
+        routing_map = output[1].detach()  # (tokens, E) bool: the experts each token goes to
+        if len(args) > 1 and args[1] is not None:
+            routing_map = routing_map[~args[1].reshape(-1)]
+        counts = routing_map.sum(dim=0).double()
+        self._expert_tokens = counts if self._expert_tokens is None else self._expert_tokens + counts
+
+    @torch.no_grad()
+    def _moe_metrics(self, num_micro_batches: int) -> dict:
+        """This train_step's router figures, over every layer, micro-batch and data-parallel rank:
+        moe/expert_usage/<e> = expert e's share of the routed token slots (1/E each when balanced) and, with
+        moe_aux_loss_coeff > 0, moe/load_balancing_loss (megatron's aux loss before its coefficient, layer mean).
+        Collective over PP and DP."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        counts = self._expert_tokens if self._expert_tokens is not None else torch.zeros(
+            self.spec.num_experts, dtype=torch.float64, device=self.device)
+        self._expert_tokens = None
+        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        loss = (tracker["values"].double().sum() if tracker else torch.zeros((), dtype=torch.float64,
+                                                                            device=self.device)).view(1)
+        clear_aux_losses_tracker()
+        both = torch.cat([counts.to(self.device), loss])
+        if self.pp > 1:  # each stage holds its own layers
+            dist.all_reduce(both, group=ps.get_pipeline_model_parallel_group())
+        if self.dp > 1:
+            dist.all_reduce(both, group=ps.get_data_parallel_group())
+        counts, loss = both[:-1], both[-1]
+        metrics = {f"moe/expert_usage/{e}": float(c) for e, c in enumerate(counts / counts.sum().clamp(min=1))}
+        if self.config.moe_aux_loss_coeff > 0:
+            metrics["moe/load_balancing_loss"] = float(loss / (self.spec.num_layers * num_micro_batches * self.dp))
+        return metrics
+
     @torch.no_grad()
     def _finalize_grads(self) -> float:
         """Sum QK-norm grads over TP, average grads over DP, sum the tied embedding's grads across first/last
@@ -607,20 +745,27 @@ class MegatronModule(Module):
                     dist.all_reduce(p.grad, group=ps.get_tensor_model_parallel_group())
         if self.dp > 1:
             for p in params:
-                dist.all_reduce(p.grad, group=ps.get_data_parallel_group())
+                # an expert's weights (EP > 1: megatron marks them allreduce=False) exist once per EP group, and its
+                # grad already sums the tokens of every EP rank: summed over the expert-data-parallel replicas
+                expert = not getattr(p, "allreduce", True)
+                group = ps.get_expert_data_parallel_group() if expert else ps.get_data_parallel_group()
+                if dist.get_world_size(group) > 1:
+                    dist.all_reduce(p.grad, group=group)
                 p.grad /= self.dp
         if self.pp > 1 and self.spec.tie_word_embeddings and (self.is_first_stage or self.is_last_stage):
             w = self.model.shared_embedding_or_output_weight()
             if w.grad is None:
                 w.grad = torch.zeros_like(w)
             dist.all_reduce(w.grad, group=ps.get_embedding_group())
-        sq = torch.zeros(1, dtype=torch.float64, device=self.device)
+        sq = torch.zeros(2, dtype=torch.float64, device=self.device)  # [every other param, EP-sharded experts]
         for p in params:
             if param_is_not_tensor_parallel_duplicate(p) and not (getattr(p, "shared_embedding", False)
                                                                   and not self.is_first_stage):
-                sq += p.grad.double().pow(2).sum()
-        dist.all_reduce(sq, group=ps.get_model_parallel_group())
-        return float(sq.sqrt())
+                sq[int(not getattr(p, "allreduce", True))] += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq[:1], group=ps.get_model_parallel_group())
+        if self.ep > 1:  # the experts differ across EP ranks too
+            dist.all_reduce(sq[1:], group=ps.get_expert_tensor_model_pipeline_parallel_group())
+        return float(sq.sum().sqrt())
 
 
 def _read_checkpoint_file(read, path, *args, **kwargs):
