@@ -52,7 +52,7 @@ __all__ = [
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
     "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
-    "output_token_counts", "reset_prefix_cache", "vocab_size",
+    "output_token_counts", "reset_prefix_cache", "vocab_size", "expert_weights",
 ]
 
 
@@ -158,6 +158,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     llm.chatgen_rpc_dir = rpc_dir
     check_internals(llm)
     llm.collective_rpc(_install_reload_log_filter)
+    llm.collective_rpc(_prepack_cpu_experts_on_reload)
     return llm
 
 
@@ -411,6 +412,36 @@ def _install_reload_log_filter(worker=None) -> None:
         reload_logger.addFilter(_ComputedBufferReloadFilter())
 
 
+def _cpu_experts(layer):
+    """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None elsewhere: GPU, zentorch)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+
+
+def _prepack_cpu_experts_on_reload(worker=None) -> None:
+    """vLLM 0.32 on CPU: a weight reload re-runs `UnquantizedFusedMoEMethod._setup_kernel` with the new expert
+    weights but skips, on an update, the experts' own `process_weights_after_loading`, which is where the CPU
+    backend prepacks w13 / w2 into its GEMM layout; the kernel then reads the new, unpacked weights as packed (a
+    tiny Qwen3-MoE synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
+    worker process by `build_llm` (idempotent)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if getattr(UnquantizedFusedMoEMethod, "chatgen_prepacks_on_reload", False):
+        return
+    setup_kernel = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        setup_kernel(self, layer, w13, w2)
+        if update and _cpu_experts(layer) is not None:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    UnquantizedFusedMoEMethod.chatgen_prepacks_on_reload = True
+
+
 def _refresh_tied_lm_head(worker) -> None:
     """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload writes
     embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
@@ -419,6 +450,58 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+def expert_weights(llm: LLM) -> list:
+    """Each MoE layer's expert weights as the engine holds them, in layer order: [(w13, w2)] with w13 (E, 2I, H) =
+    [gate; up] per expert and w2 (E, H, I) = down (vLLM's fused expert layout, `FusedMoE.w13_weight` / `w2_weight`),
+    put back together over the engine's TP ranks (each holds an I/TP slice of every expert). Empty for a dense
+    model. Used by `chatgen check-sync` to check every expert weight after a sync."""
+    import torch
+
+    per_rank = llm.collective_rpc(_expert_weights)
+    if len(per_rank) == 1:
+        return per_rank[0]
+    out = []
+    for layer in zip(*per_rank):  # [(w13, w2) of each TP rank]
+        gates_ups = [w13.chunk(2, dim=1) for w13, _ in layer]
+        out.append((torch.cat([torch.cat([g for g, _ in gates_ups], dim=1), torch.cat([u for _, u in gates_ups], dim=1)],
+                              dim=1), torch.cat([w2 for _, w2 in layer], dim=2)))
+    return out
+
+
+def _expert_weights(worker) -> list:
+    import torch
+
+    out = []
+    for m in worker.model_runner.get_model().modules():
+        if isinstance(getattr(m, "w13_weight", None), torch.Tensor) and hasattr(m, "w2_weight"):
+            w13, w2 = m.w13_weight.detach().cpu(), m.w2_weight.detach().cpu()
+            experts = _cpu_experts(m)
+            if experts is not None:  # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
+                size = m.moe_config.intermediate_size_per_partition
+                w13, w2 = _unpacked(w13, experts.isa), _unpacked(w2, experts.isa)
+                padded = w13.shape[1] // 2
+                w13, w2 = torch.cat([w13[:, :size], w13[:, padded:padded + size]], dim=1), w2[:, :, :size]
+            out.append((w13.clone(), w2.clone()))
+    return out
+
+
+def _unpacked(packed, isa: str):
+    """Expert weights (E, N, K) as they were before the CPU backend's prepack. The prepack moves elements without
+    changing them, the same way in every expert: prepacking one expert's element indices (in base-256 digits, which
+    every float dtype holds exactly) says where each element went."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    n = packed[0].numel()
+    index, source = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    for digit in range(max(1, (n.bit_length() + 7) // 8)):
+        digits = ((index >> (8 * digit)) & 255).to(packed.dtype).view(1, *packed.shape[1:])
+        source += ops.cpu_prepack_moe_weight(digits, isa).reshape(-1).long() << (8 * digit)
+    out = torch.empty_like(packed).reshape(len(packed), -1)
+    out[:, source] = packed.reshape(len(packed), -1)
+    return out.view_as(packed)
 
 
 def vocab_size(llm: LLM) -> int:

@@ -2,12 +2,16 @@
 
     chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
         --input prompts.jsonl --output check.json --max-new-tokens 16
+    chatgen check-sync --hf-checkpoint outputs/tiny-qwen3-moe --train-ep 2 --input prompts.jsonl --output check.json
 
 Loads the checkpoint into Megatron with the training layout (TP x PP ranks), starts a vLLM engine with
 the inference TP and *random* weights (load_format=dummy), syncs the trainer's weights into it, generates
 greedily for each `{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the
 trainer. Writes {"samples": [{"prompt_ids", "output_ids", "vllm_logprobs", "trainer_logprobs"}],
-"max_abs_logprob_diff", "sync_seconds", ...} and exits 1 when the diff is above --threshold.
+"max_abs_logprob_diff", "sync_seconds", ...} and exits 1 when the diff is above --threshold. For a
+mixture-of-experts model it also reads every expert weight back from the engine (vLLM's fused layout) and
+reports its largest difference from the checkpoint, per HF name ("expert_weight_max_abs_diff"; the sync is
+exact, so any difference fails the check).
 
 A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the trainer
 ranks as child processes that stream to the engine in this process over torch.distributed (the
@@ -27,6 +31,7 @@ def add_arguments(p):
     p.add_argument("--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)")
     p.add_argument("--train-tp", type=positive_int, default=1, help="trainer tensor-parallel size")
     p.add_argument("--train-pp", type=positive_int, default=1, help="trainer pipeline-parallel size")
+    p.add_argument("--train-ep", type=positive_int, default=1, help="trainer expert-parallel size (MoE models)")
     p.add_argument("--infer-tp", type=positive_int, default=1, help="vLLM tensor-parallel size")
     p.add_argument("--input", required=True, help='JSONL of {"prompt_ids": [...]} lines')
     p.add_argument("--output", required=True, help="where to write the JSON report")
@@ -57,7 +62,7 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 def _trainer_config(args) -> dict:
     return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
-                pipeline_model_parallel_size=args.train_pp, dtype=args.dtype)
+                pipeline_model_parallel_size=args.train_pp, expert_model_parallel_size=args.train_ep, dtype=args.dtype)
 
 
 def _score(trainer, sequences) -> list:
@@ -125,13 +130,13 @@ def check_sync(args) -> dict:
     from chatgen.models import layout
 
     spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
-    layout.check_layout(spec, args.train_tp, args.train_pp)  # here, once: not in every trainer rank's traceback
+    layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)  # here, once: not in every rank's traceback
     from chatgen.generation import vllm_adapter
 
     prompts = read_prompts(args.input)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
-    world = args.train_tp * args.train_pp
+    world = args.train_tp * args.train_pp * args.train_ep
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
         from chatgen.param_sync import sync_weights
@@ -141,6 +146,7 @@ def check_sync(args) -> dict:
         llm = _engine(args)
         try:
             report = sync_weights(trainer, llm, bucket_bytes=bucket_bytes, validate=args.validate)
+            experts = expert_weight_diffs(llm, spec, args.hf_checkpoint)
             generated = _generate(llm, prompts, args.max_new_tokens)
             scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
         finally:
@@ -157,6 +163,7 @@ def check_sync(args) -> dict:
                                                          from_trainer))
         try:
             report = rx.receive_into(llm, alive=job.poll)
+            experts = expert_weight_diffs(llm, spec, args.hf_checkpoint)
             generated = _generate(llm, prompts, args.max_new_tokens)
             to_trainer.put([(p, g[0]) for p, g in zip(prompts, generated)])
             scores = from_trainer.get(timeout=600)
@@ -168,10 +175,36 @@ def check_sync(args) -> dict:
     for prompt, (output, vllm_lp), trainer_lp in zip(prompts, generated, scores):
         worst = max_abs_diff(vllm_lp, trainer_lp, worst)
         samples.append(dict(prompt_ids=prompt, output_ids=output, vllm_logprobs=vllm_lp, trainer_logprobs=trainer_lp))
-    return dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
-                sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
-                validated=report.validated, mode=mode, train_tp=args.train_tp, train_pp=args.train_pp,
-                infer_tp=args.infer_tp, dtype=args.dtype, threshold=args.threshold)
+    result = dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
+                  sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
+                  validated=report.validated, mode=mode, train_tp=args.train_tp, train_pp=args.train_pp,
+                  train_ep=args.train_ep, infer_tp=args.infer_tp, dtype=args.dtype, threshold=args.threshold)
+    if experts:
+        worst_expert = float("nan") if any(d != d for d in experts.values()) else max(experts.values())  # NaN fails
+        result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)
+    return result
+
+
+def expert_weight_diffs(llm, spec, hf_checkpoint) -> dict:
+    """{HF name of an expert weight: max |engine - checkpoint|} over every expert of every MoE layer ({} for a dense
+    model): the engine's fused weights (w13 = [gate; up], w2 = down per expert) read back and split by the layout
+    kind of the family's mapping, against the checkpoint cast to the engine's dtype. What the sync wrote, exactly."""
+    from chatgen.checkpoint_io import read_hf_safetensors
+    from chatgen.generation import vllm_adapter
+    from chatgen.models import layout
+
+    if not spec.is_moe:
+        return {}
+    params = [sp for sp in layout.stage_params(spec, 1, 0) if sp.expert is not None]
+    ckpt = read_hf_safetensors(hf_checkpoint, spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
+    per_layer = len(params) // spec.num_layers  # a layer's expert weights, in layer order
+    out = {}
+    for layer, (w13, w2) in enumerate(vllm_adapter.expert_weights(llm)):
+        for sp in params[layer * per_layer:(layer + 1) * per_layer]:
+            held = w13[sp.expert].chunk(2) if sp.kind == "gate_up" else (w2[sp.expert],)
+            for name, engine in zip(sp.hf_names, held):
+                out[name] = float((engine.double() - ckpt[name].to(engine.dtype).double()).abs().max())
+    return out
 
 
 def run(args) -> int:
@@ -180,10 +213,13 @@ def run(args) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    ok = result["max_abs_logprob_diff"] <= args.threshold
-    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp} -> infer TP={args.infer_tp}: "
+    ok = result["max_abs_logprob_diff"] <= args.threshold and result.get("max_abs_expert_weight_diff", 0.0) == 0.0
+    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp}"
+          + (f" EP={args.train_ep}" if args.train_ep > 1 else "") + f" -> infer TP={args.infer_tp}: "
           f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
           f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
-          f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
+          + (f"max |dweight| over {len(result['expert_weight_max_abs_diff'])} expert weights "
+             f"{result['max_abs_expert_weight_diff']:.3g}, " if "max_abs_expert_weight_diff" in result else "")
+          + f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
           f"{'OK' if ok else 'FAILED'}", file=sys.stderr if not ok else sys.stdout)
     return 0 if ok else 1
