@@ -12,6 +12,7 @@ from chatgen.models import layout
 
 MOE_CONFIG = {  # the mixture-of-experts keys of each MoE family's config.json, as transformers 5 writes them
     "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts intermediate_size wide
 }
 
 
@@ -45,6 +46,7 @@ LAYOUTS = [  # (family, heads, groups, tied, tp, pp)
     ("qwen3_moe", 4, 2, False, 1, 1),  # router + 4 experts per layer
     ("qwen3_moe", 4, 2, False, 2, 2),  # experts split over TP, layers over PP
     ("qwen3_moe", 4, 1, True, 4, 1),
+    ("mixtral", 4, 2, True, 2, 2),
 ]
 
 
@@ -258,3 +260,15 @@ def test_expert_parallel_layout_that_does_not_fit_is_refused():
     with pytest.raises(ValueError, match="a model without experts needs 1"):
         layout.check_layout(make_spec(), tp=1, pp=1, ep=2)
     layout.check_layout(make_spec("qwen3_moe"), tp=2, pp=2, ep=4)
+
+
+def test_mixtral_maps_its_checkpoint_names_and_renormalises():
+    spec = make_spec("mixtral")
+    assert (spec.num_experts, spec.moe_ffn_hidden_size, spec.moe_renormalize, spec.qk_norm) == (4, 48, True, False)
+    hf = set(models.hf_param_shapes(spec))
+    assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.3.block_sparse_moe.experts.3.w3.weight"} <= hf
+    assert models.family(spec).transformer_config_kwargs(spec)["moe_router_pre_softmax"] is False
+    with pytest.raises(ValueError, match="mixtral config: sliding_window=4096 is not supported"):
+        models.spec_from_hf_config(dict(model_type="mixtral", num_hidden_layers=1, hidden_size=8, intermediate_size=8,
+                                        num_attention_heads=1, vocab_size=8, num_local_experts=2, num_experts_per_tok=1,
+                                        sliding_window=4096))

@@ -73,7 +73,7 @@ def test_convert_tiny_qwen3_both_ways(tiny_qwen3_dir, tmp_path):
     assert all(torch.equal(original[k], restored[k]) for k in original)
 
 
-@pytest.mark.parametrize("name", ["tiny_qwen3_moe"])
+@pytest.mark.parametrize("name", ["tiny_qwen3_moe", "tiny_mixtral"])
 def test_convert_tiny_moe_both_ways(make_tiny, tmp_path, name):
     """A transformers-written MoE model (one tensor per expert on disk) through TP 2 x PP 2 and back, bit-exact."""
     hf_dir, meg, back = make_tiny(name), tmp_path / "meg", tmp_path / "back"

@@ -46,7 +46,7 @@ def test_tokenizer_splits_digits_and_roundtrips(tiny_llama_dir):
     assert len(tok) == tiny.TinyModelSpec().vocab_size
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
 def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
     from transformers import AutoModelForCausalLM
 
