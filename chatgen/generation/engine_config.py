@@ -51,6 +51,8 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
         max_num_seqs=cfg.generation_batch_size,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode],
+        # recorded routing must cover every prompt token of every sample: no prompt served from the cache
+        enable_prefix_caching=False if cfg.return_routed_experts else None,
     )
     if cpu and cfg.kv_cache_memory_bytes is None:
         kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model_dir, cfg)

@@ -116,6 +116,8 @@ class VLLMModule(Module):
         if megatron:
             kwargs["load_format"] = "dummy"
         self.engine = adapter.build_llm(str(engine_dir), **kwargs)
+        if self.config.return_routed_experts:
+            adapter.record_routed_experts(self.engine)
         if megatron:
             from chatgen.training.convert import megatron_checkpoint_to_hf  # pure tensor code: no Megatron import
 

@@ -111,6 +111,10 @@ def policy_sampling_problems(cfg):
         yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
                f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores tokens under the untempered distribution, so "
                "other settings would make every update off-policy")
+    for name, entry in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
+        if getattr(entry.config, "moe_routing_replay", False) and pc is not None and not pc.return_routed_experts:
+            yield (f"models.{name}.moe_routing_replay: true replays the experts the policy routed each token to; set "
+                   "models.policy.return_routed_experts: true (or moe_routing_replay: false)")
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
         yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
                "(samples per prompt); make it one")

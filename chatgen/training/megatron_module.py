@@ -145,13 +145,13 @@ class MegatronModule(Module):
             self.model.cuda()
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
-        from megatron.core.transformer.moe.router_replay import RouterReplay
 
         self._routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]  # this stage's, layer order
-        RouterReplay.clear_global_router_replay_instances()  # megatron's class-wide list; chatgen keeps its own
         self._expert_tokens = None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
         for router in self._routers:
             router.register_forward_hook(self._count_routed_tokens)
+            if cfg.moe_routing_replay:
+                router.router_replay = RoutingReplay()
         output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
         if output_layer is not None:  # train_step computes logits only where a loss reads them
             output_layer.register_forward_pre_hook(self._select_logit_positions)
@@ -230,8 +230,7 @@ class MegatronModule(Module):
                     # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch
                     moe_token_dispatcher_type="allgather",
                     moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
-                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
-                    moe_enable_routing_replay=cfg.moe_routing_replay) if self.spec.is_moe else {}),
+                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff) if self.spec.is_moe else {}),
         )
         return GPTModel(tconfig, self._layer_spec(tconfig), vocab_size=self.padded_vocab_size,
                         pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
@@ -241,13 +240,14 @@ class MegatronModule(Module):
         """The model's per-token outputs for a batch, without gradient: what the framework asks a trainer or
         a reference for (old / reference log-probs; a critic's values, see `token_outputs`).
 
-        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding}.
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding, optional
+        "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay)}.
         Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
         log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
-        batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
+        batch = {k: data[k] for k in ("input_ids", "attention_mask", "routed_experts") if data.get(k) is not None}
         return self._run_schedule(_split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -671,10 +671,7 @@ class MegatronModule(Module):
         """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.
 
         routed: (b, T, num_layers, k) long, the batch's `routed_experts` (chatgen.rollout.RolloutBatch); -1 where
-        the engine routed nothing (padding, a sample's last token: positions whose outputs no log-prob reads, so
-        any k distinct experts do there). Megatron's router then gathers its own probabilities at those experts."""
-        from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
+        the engine routed nothing (padding, a sample's last token), where the router chooses itself."""
         if routed is None:
             raise ValueError(f"{self.name}: moe_routing_replay is true but the batch has no routed_experts; have the "
                              "engine record them (return_routed_experts: true on the vllm model) or set "
@@ -685,11 +682,8 @@ class MegatronModule(Module):
                              f"{(*shape, self.spec.num_layers, k)} (samples, tokens, layers, experts per token)")
         layers = layout.stage_layers(self.spec, self.pp, self.pp_rank)
         routed = routed[:, :, layers.start:layers.stop].transpose(0, 1)  # (T, b, layers, k): megatron's token order
-        routed = torch.where(routed[..., :1] < 0, torch.arange(k, device=routed.device), routed)
         for j, router in enumerate(self._routers):
-            router.router_replay.clear_indices()
-            router.router_replay.set_target_indices(routed[:, :, j].reshape(-1, k))
-            router.router_replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            router.router_replay.target = routed[:, :, j].reshape(-1, k)
 
     def _count_routed_tokens(self, _router, args, output):
         """Forward hook of every MoE router: add, while training, how many real tokens (not padding: the router's
@@ -766,6 +760,22 @@ class MegatronModule(Module):
         if self.ep > 1:  # the experts differ across EP ranks too
             dist.all_reduce(sq[1:], group=ps.get_expert_tensor_model_pipeline_parallel_group())
         return float(sq.sum().sqrt())
+
+
+class RoutingReplay:
+    """A router's top-k from recorded experts (moe_routing_replay): megatron-core's TopKRouter asks its
+    `router_replay` for the top-k (`get_replay_topk`, the interface of megatron's RouterReplay); this one answers
+    with `target` (tokens, k), each token's recorded experts, and with the router's own choice on rows of -1
+    (nothing recorded). The router then takes its probabilities at those experts, so gradients flow as usual."""
+
+    target = None  # (tokens, k) long, set before each forward by MegatronModule._replay_routing
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return probs, own
+        chosen = torch.where(self.target[:, :1] >= 0, self.target.to(own.device), own)
+        return scores.gather(1, chosen), chosen
 
 
 def _read_checkpoint_file(read, path, *args, **kwargs):
