@@ -71,7 +71,7 @@ def check_config(cfg, algorithm) -> None:
             continue
         mc = entry.config
         model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        world = entry.num_gpu or model_parallel  # as runtime.plan_groups places it
+        world = entry.num_gpu or model_parallel * mc.expert_model_parallel_size  # as runtime.plan_groups places it
         if world % model_parallel:
             continue  # init_distributed names this one
         dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size

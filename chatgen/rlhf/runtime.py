@@ -208,11 +208,12 @@ class ModelHandle:
 
 
 def _model_world_size(entry) -> int:
-    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU, one DP replica of TP x PP on CPU), else 1."""
+    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU; on CPU TP x PP, times EP for a
+    mixture-of-experts model: its experts span EP data-parallel ranks), else 1."""
     if entry.backend != "megatron":
         return 1
-    model_parallel = entry.config.tensor_model_parallel_size * entry.config.pipeline_model_parallel_size
-    return entry.num_gpu if entry.num_gpu else model_parallel
+    c = entry.config
+    return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * c.expert_model_parallel_size
 
 
 def plan_groups(cfg) -> list:

@@ -528,8 +528,9 @@ class MegatronModule(Module):
             mb, plan = next(data_iterator)
             if plan is not None:  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
                 self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
+                moe = {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}  # no pad in the router's figures
                 try:
-                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask)
+                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
                 finally:  # a later plain call of the model computes every position at 0..T-1
                     self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
@@ -539,7 +540,7 @@ class MegatronModule(Module):
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
             moe = {}
-            if self.spec.is_moe and mb.get("attention_mask") is not None:  # no pad in the load-balancing loss
+            if self.spec.is_moe and mb.get("attention_mask") is not None:  # no pad in the router's figures
                 moe["padding_mask"] = ~mb["attention_mask"].bool()
             if self.config.moe_routing_replay:
                 self._replay_routing(mb.get("routed_experts"), ids.shape)

@@ -226,6 +226,10 @@ def test_plan_groups(data):
     ppo = plan_groups(load("ppo_tiny.yaml", *data))
     assert [(names, world) for names, world, _, _ in ppo] == [
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
+    # on CPU a mixture-of-experts trainer at EP 2 needs 2 ranks (its experts split over 2 data-parallel ranks)
+    moe = plan_groups(load("grpo_tiny_moe.yaml", *data, "runtime.colocation=[[policy, reward]]",
+                           "policy_trainer.expert_model_parallel_size=2"))
+    assert [(names, world) for names, world, _, _ in moe] == [(["policy", "reward"], 1), (["policy_trainer"], 2)]
 
 
 def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data):
