@@ -38,7 +38,8 @@ def measure(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: in
                              seq_length=128, new_token_limit=True, max_new_tokens=max_new_tokens, logprobs_mode="raw",
                              temperature=1.0, seed=0, n=n, return_routed_experts=True)).start()
     try:
-        batch = policy.run_generation(policy.build_dataset([r["prompt"] for r in tasks.sort_digits_records(prompts, 7)]))
+        prompts_text = [r["prompt"] for r in tasks.sort_digits_records(prompts, 7)]
+        batch = policy.run_generation(policy.build_dataset(prompts_text))
     finally:
         policy.shutdown()
     data, mask = batch.trainer_inputs(), batch.loss_mask

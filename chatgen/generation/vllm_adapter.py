@@ -578,9 +578,8 @@ def expert_weights(llm: LLM) -> list:
         return per_rank[0]
     out = []
     for layer in zip(*per_rank):  # [(w13, w2) of each TP rank]
-        gates_ups = [w13.chunk(2, dim=1) for w13, _ in layer]
-        out.append((torch.cat([torch.cat([g for g, _ in gates_ups], dim=1), torch.cat([u for _, u in gates_ups], dim=1)],
-                              dim=1), torch.cat([w2 for _, w2 in layer], dim=2)))
+        gates, ups = zip(*(w13.chunk(2, dim=1) for w13, _ in layer))
+        out.append((torch.cat([*gates, *ups], dim=1), torch.cat([w2 for _, w2 in layer], dim=2)))
     return out
 
 

@@ -167,7 +167,8 @@ def moe_mappings(spec: ModelSpec, names: MoENames) -> list[ParamMapping]:
     h, ffn, layer = spec.hidden_size, spec.moe_ffn_hidden_size, "model.layers.{i}."
     expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
     return [
-        ParamMapping("decoder.layers.{i}.mlp.router.weight", {layer + names.router: (spec.num_experts, h)}, "replicated"),
+        ParamMapping("decoder.layers.{i}.mlp.router.weight", {layer + names.router: (spec.num_experts, h)},
+                     "replicated"),
         ParamMapping(expert + "linear_fc1.weight", {layer + names.gate: (ffn, h), layer + names.up: (ffn, h)},
                      "gate_up", expert=True),
         ParamMapping(expert + "linear_fc2.weight", {layer + names.down: (h, ffn)}, "row", expert=True),

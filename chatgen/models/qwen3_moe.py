@@ -23,7 +23,8 @@ MOE = llama.MoENames(router="mlp.gate.weight", gate="mlp.experts.{e}.gate_proj.w
 def spec_from_hf(hf_config: dict) -> ModelSpec:
     unsupported = []
     if hf_config.get("mlp_only_layers"):
-        unsupported.append(f"mlp_only_layers={hf_config['mlp_only_layers']} (dense layers among MoE layers are not mapped)")
+        unsupported.append(f"mlp_only_layers={hf_config['mlp_only_layers']} (dense layers among MoE layers are not "
+                           "mapped)")
     if hf_config.get("decoder_sparse_step", 1) != 1:
         unsupported.append(f"decoder_sparse_step={hf_config['decoder_sparse_step']} (only an MoE MLP in every layer is "
                            "mapped)")

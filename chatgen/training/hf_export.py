@@ -135,7 +135,8 @@ class HFWeights:
             from megatron.core import parallel_state as ps
 
             def experts_of(rank):
-                return [(name, shape) for sp in bucket.params if self._owner(sp) == rank for name, shape in sp.hf.items()]
+                return [(name, shape) for sp in bucket.params if self._owner(sp) == rank
+                        for name, shape in sp.hf.items()]
 
             flat = torch.cat([hf[name].reshape(-1) for name, _ in experts_of(t.ep_rank)])
             gathered = torch.empty(t.ep * flat.numel(), dtype=flat.dtype, device=flat.device)

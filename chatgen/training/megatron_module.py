@@ -266,10 +266,11 @@ class MegatronModule(Module):
         """
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
         if self.spec.is_moe and self.tp > 1:
-            raise ValueError(f"{self.name}.train_step: a mixture-of-experts model trains at tensor_model_parallel_size=1 "
-                             f"(megatron-core trains MoE at TP > 1 only with sequence parallelism, which chatgen's "
-                             f"trainer does not run; TP={self.tp} still serves forward_tokens and weight syncs); "
-                             "spread the experts with expert_model_parallel_size instead")
+            raise ValueError(f"{self.name}.train_step: a mixture-of-experts model trains at "
+                             f"tensor_model_parallel_size=1 (megatron-core trains MoE at TP > 1 only with sequence "
+                             f"parallelism, which chatgen's trainer does not run; TP={self.tp} still serves "
+                             "forward_tokens and weight syncs); spread the experts with expert_model_parallel_size "
+                             "instead")
         if gbs and n * self.dp != gbs:
             raise ValueError(f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                              f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
@@ -371,7 +372,8 @@ class MegatronModule(Module):
             return
         state = {}
         params = self._stage_params()
-        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names={n for sp, _ in params for n in sp.hf_names})
+        names = {n for sp, _ in params for n in sp.hf_names}
+        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names=names)
         for sp, canonical in params:
             missing = [n for n in sp.hf_names if n not in hf]
             if missing:
