@@ -212,9 +212,9 @@ def trl_worker(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from chatgen.rlhf.config import load_config
     from chatgen.core.jsonl import read_prompt_records
     from chatgen.generation.config import parse_stop_list
+    from chatgen.rlhf.config import load_config
     from chatgen.tasks import get_reward_fn
 
     cfg = load_config(REPO / TASKS[args.task]["config"])

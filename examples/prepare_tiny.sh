@@ -16,10 +16,11 @@ export PATH="${CHATGEN_VENV:-$PWD/.venv}/bin:$PATH"
 export OMP_WAIT_POLICY=PASSIVE   # shared CPU cores: spinning OpenMP threads slow the tiny model's steps ~10x
 
 MODEL=${MODEL:-outputs/tiny-llama}
+MODEL_CONFIG=${MODEL_CONFIG:-configs/models/tiny_llama.yaml}   # the spec MODEL is made from
 export DATA_DIR=${DATA_DIR:-outputs/sort_digits}
 export POLICY_LOAD=${POLICY_LOAD:-outputs/tiny-llama-sft}
 
-[[ -d $MODEL ]] || chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output "$MODEL"
+[[ -d $MODEL ]] || chatgen make-tiny-model --config "$MODEL_CONFIG" --output "$MODEL"
 [[ -f $DATA_DIR/sft.jsonl && -f $DATA_DIR/preference_eval.jsonl ]] || python -m chatgen.tasks --output "$DATA_DIR"
 [[ -d $POLICY_LOAD ]] || python examples/sft_warm_start.py --load "$MODEL" --data "$DATA_DIR/sft.jsonl" \
   --output "$POLICY_LOAD" --steps 300

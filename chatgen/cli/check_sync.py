@@ -17,6 +17,7 @@ def add_arguments(p):
     p.add_argument("--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)")
     p.add_argument("--train-tp", type=positive_int, default=1, help="trainer tensor-parallel size")
     p.add_argument("--train-pp", type=positive_int, default=1, help="trainer pipeline-parallel size")
+    p.add_argument("--train-ep", type=positive_int, default=1, help="trainer expert-parallel size (MoE models)")
     p.add_argument("--infer-tp", type=positive_int, default=1, help="vLLM tensor-parallel size")
     p.add_argument("--backend", default="vllm", help="generation backend to sync into and compare: vllm (default) or "
                                                      "hf (transformers, the reference)")
@@ -36,10 +37,13 @@ def run(args) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    ok = result["max_abs_logprob_diff"] <= args.threshold
-    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp} -> infer TP={args.infer_tp}: "
+    ok = result["max_abs_logprob_diff"] <= args.threshold and result.get("max_abs_expert_weight_diff", 0.0) == 0.0
+    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp}"
+          + (f" EP={args.train_ep}" if args.train_ep > 1 else "") + f" -> infer TP={args.infer_tp}: "
           f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
           f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
-          f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
+          + (f"max |dweight| over {len(result['expert_weight_max_abs_diff'])} expert weights "
+             f"{result['max_abs_expert_weight_diff']:.3g}, " if "max_abs_expert_weight_diff" in result else "")
+          + f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
           f"{'OK' if ok else 'FAILED'}", file=sys.stderr if not ok else sys.stdout)
     return 0 if ok else 1

@@ -1,4 +1,4 @@
-"""`chatgen make-tiny-model`: a tiny Llama / Qwen2 / Qwen3 HF checkpoint with a locally trained tokenizer
+"""`chatgen make-tiny-model`: a tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral HF checkpoint with a locally trained tokenizer
 (chatgen.models.tiny; docs/tiny_models.md).
 
     chatgen make-tiny-model --output outputs/tiny-llama
@@ -13,8 +13,8 @@ from chatgen.models.tiny import CORPUS, load_spec, make_tiny_model
 
 def add_arguments(parser) -> None:
     parser.add_argument("--config", help="spec YAML (keys of TinyModelSpec); default: built-in tiny Llama")
-    parser.add_argument("--family", help="model family (HF model_type: llama, qwen2, qwen3); sets the spec's "
-                        "`family` over --config")
+    parser.add_argument("--family", help="model family (HF model_type: llama, qwen2, qwen3, qwen3_moe, mixtral); "
+                        "sets the spec's `family` over --config")
     parser.add_argument("--output", required=True, help="directory to create (must not exist)")
     parser.add_argument("--corpus", default=str(CORPUS), help="text file to train the tokenizer on")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="spec overrides, e.g. num_hidden_layers=4")

@@ -31,16 +31,16 @@ HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "
 
 
 def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int,
-                        optimizer: bool = False, distributed: bool = False, dp: int = 1) -> None:
+                        optimizer: bool = False, distributed: bool = False, dp: int = 1, ep: int = 1) -> None:
     """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read).
     distributed: the weights are megatron-core's distributed checkpoint in the same directory (what the trainer
     saves, loadable at any TP x PP x DP: chatgen/training/dist_checkpoint.py), not model_tp*_pp*.safetensors
     (what `chatgen convert --to megatron` writes); `optimizer`: it holds the optimizer state too, which a load
-    then requires; tp, pp, dp: the layout it was saved at."""
+    then requires; tp, pp, dp, ep: the layout it was saved at (the weights hold every expert whatever the EP)."""
     (Path(directory) / MEGATRON_META).write_text(json.dumps(dict(
         hf_config=hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         data_parallel_size=dp, padded_vocab_size=padded_vocab_size, iteration=iteration, optimizer=optimizer,
-        distributed=distributed), indent=1))
+        expert_model_parallel_size=ep, distributed=distributed), indent=1))
 
 
 def read_megatron_meta(directory) -> dict | None:

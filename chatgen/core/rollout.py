@@ -10,6 +10,10 @@ outputs (MegatronModule.forward_tokens): entry t belongs to token t + 1, the tok
 up to t. So `loss_mask[s, t] = 1` says "train on predicting token t + 1 of sample s", and
 `infer_logprobs[s, t]` is vLLM's log-prob of that token when it sampled it.
 
+A mixture-of-experts policy whose engine records routing (VLLMConfig.return_routed_experts) also fills
+`routed_experts` (S, L, layers, k): the experts the engine sent token t to in each MoE layer, what a trainer
+with moe_routing_replay computes with.
+
 Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` (the inference engine's, when
 it sampled), `old_logprobs` (the trainer's, before this episode's update), `ref_logprobs` (the frozen
 reference model's). Pure torch: no vLLM, Megatron or Ray import.
@@ -33,6 +37,7 @@ class Sample:
     response_mask: list | None = None  # 1/0 per response token (0 = not trained on, e.g. tool output); None = all 1
     weight_versions: list | None = None  # per response token: the engine's weight version when it was sampled
     prompt_logprobs: list | None = None  # per prompt token (the first one's is 0), when the engine computed them
+    routed_experts: object = None  # (positions, layers, k) int array: each token's experts in each MoE layer, -1 = none
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
@@ -52,6 +57,9 @@ class RolloutBatch:
     finish_reasons: list  # list[str]: "stop" (EOS / stop string), "length" (token limit) or "abort"
     metadata: list  # list[dict]: per-sample fields the caller attaches (e.g. the prompt record's "answer")
     weight_versions: torch.Tensor | None = None  # (S, L-1) long: engine weight version per sampled token, -1 elsewhere
+    routed_experts: torch.Tensor | None = None  # (S, L, layers, k) long: the experts the engine routed token t to
+    #                                             (MoE, return_routed_experts); -1 where it routed none (the last
+    #                                             token, padding): a replaying trainer routes those itself
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -63,8 +71,12 @@ class RolloutBatch:
         return (positions[None, :] < (self.prompt_lengths + self.response_lengths)[:, None]).long()
 
     def trainer_inputs(self) -> dict:
-        """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1)."""
-        return {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask}
+        """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1); plus
+        routed_experts (S, L, layers, k) when the engine recorded them."""
+        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask}
+        if self.routed_experts is not None:
+            inputs["routed_experts"] = self.routed_experts
+        return inputs
 
     def select(self, index) -> "RolloutBatch":
         """The samples at `index` (a list or 1-D tensor of rows), in that order."""
@@ -91,9 +103,12 @@ class RolloutBatch:
         input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
         loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
         logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
-        versions = None
+        versions = routed = None
         if any(s.weight_versions is not None for s in samples):
             versions = torch.full((n, width - 1), -1, dtype=torch.long)
+        recorded = [torch.as_tensor(s.routed_experts) for s in samples if s.routed_experts is not None]
+        if recorded:
+            routed = torch.full((n, width, *recorded[0].shape[1:]), -1, dtype=torch.long)
         for row, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             if len(s.response_logprobs) != r:
@@ -109,6 +124,9 @@ class RolloutBatch:
                 logprobs[row, :p - 1] = torch.tensor(s.prompt_logprobs[1:], dtype=torch.float32)
             if versions is not None and s.weight_versions is not None:
                 versions[row, p - 1:p - 1 + r] = torch.tensor(s.weight_versions, dtype=torch.long)
+            if routed is not None and s.routed_experts is not None:
+                experts = torch.as_tensor(s.routed_experts)
+                routed[row, :len(experts)] = experts.long()
         return cls(
             input_ids=input_ids,
             prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
@@ -121,4 +139,5 @@ class RolloutBatch:
             finish_reasons=[s.finish_reason for s in samples],
             metadata=[dict(s.metadata) for s in samples],
             weight_versions=versions,
+            routed_experts=routed,
         )

@@ -138,7 +138,8 @@ def rollout_batch(request_outputs, pad_token_id: int):
                       response_logprobs=sample_logprobs(sample), prompt_index=k, text=sample.text or "",
                       prompt_text=request.prompt, finish_reason=sample.finish_reason or "abort",
                       prompt_logprobs=prompt_logprobs(request) if request.prompt_logprobs is not None else None,
-                      weight_versions=getattr(sample, "weight_versions", None))
+                      weight_versions=getattr(sample, "weight_versions", None),
+                      routed_experts=getattr(sample, "routed_experts", None))
                for k, request in enumerate(request_outputs)
                for sample in sorted(request.outputs, key=lambda s: s.index)]
     return RolloutBatch.from_samples(samples, pad_token_id)

@@ -107,15 +107,22 @@ TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm
 
 def dist_checkpoint_state(src, spec) -> dict:
     """{local-spec name: tensor} of the whole model (TP = PP = 1) in a megatron-core distributed checkpoint,
-    whatever layout saved it: every tensor whole (chatgen.core.dcp.read_full_tensors); the
-    checkpoint stacks each layer parameter of the decoder into one (num_layers, ...) tensor."""
-    full = dcp.read_full_tensors(src, skip=("optimizer.",))
+    whatever layout saved it: every tensor whole (chatgen.core.dcp.read_full_tensors); the checkpoint stacks each
+    layer parameter of the decoder into one (num_layers, ...) tensor, and a mixture-of-experts layer's experts into
+    one (num_layers, num_experts, ...) tensor."""
+    full = dcp.read_full_tensors(src, skip=("optimizer.", "chained_"))
     state = {}
     for sp in layout.stage_params(spec, 1, 0):
+        expert = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)", sp.local_name)
         layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", sp.local_name)
-        key = f"decoder.layers.{TE_NORM_NAMES.get(layer[2], layer[2])}" if layer else sp.local_name
+        if expert:  # the experts of every layer stacked: (num_layers, num_experts, ...)
+            key, index = f"decoder.layers.mlp.experts.experts.{expert[3]}", (int(expert[1]), int(expert[2]))
+        elif layer:
+            key, index = f"decoder.layers.{TE_NORM_NAMES.get(layer[2], layer[2])}", (int(layer[1]),)
+        else:
+            key, index = sp.local_name, ()
         if key not in full:
             raise KeyError(f"{src}: the distributed checkpoint has no {key} (for {sp.local_name}); it holds "
                            f"{sorted(full)[:20]}: is it a {spec.family} model of this config?")
-        state[sp.local_name] = full[key][int(layer[1])] if layer else full[key]
+        state[sp.local_name] = full[key][index]
     return state

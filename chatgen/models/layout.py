@@ -12,6 +12,12 @@ Layout kinds (a family's `param_mappings`, e.g. chatgen/models/llama.py, names o
                 all-gathers it), so one rule covers both.
     gate_up     HF gate and up each split along dim 0; TP rank r holds [gate_r; up_r]
 
+Expert parallelism (EP, mixture-of-experts models): EP rank r holds experts [r*E/EP, (r+1)*E/EP) of every layer
+under local names `mlp.experts.local_experts.{0..E/EP-1}`; the rest of the model is replicated over EP (megatron
+carves EP out of the data-parallel ranks), and each expert is split over TP like a dense MLP. A checkpoint
+(`hf_to_megatron`, `chatgen convert`, `MegatronModule.save_checkpoint`) always holds every expert of a stage:
+EP is a runtime layout, like DP.
+
 Pipeline stage p of PP holds layers [p*L/PP, (p+1)*L/PP) under local names `decoder.layers.{0..L/PP-1}`,
 the embedding on the first stage and the final norm + output layer on the last. With tied embeddings and
 PP > 1 the last stage keeps its own copy of the embedding as `output_layer.weight` (kept equal by
@@ -105,27 +111,37 @@ class StageParam:
     hf: dict  # {HF name: shape}, in the order the layout kind expects
     kind: str
     duplicate: bool = False  # tied output_layer copy on the last stage: not part of the HF checkpoint
+    expert: int | None = None  # the global expert number of an expert's weight; None elsewhere
 
     @property
     def hf_names(self) -> tuple:
         return tuple(self.hf)
 
 
-def check_layout(spec: ModelSpec, tp: int, pp: int) -> None:
-    """Raise one error listing every way TP/PP does not fit the model's shapes (Megatron's own rules)."""
-    if tp < 1 or pp < 1:
-        raise ValueError(f"layout TP={tp} PP={pp}: tensor and pipeline parallel sizes must be at least 1")
+def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
+    """Raise one error listing every way TP/PP/EP does not fit the model's shapes (Megatron's own rules)."""
+    what = f"layout TP={tp} PP={pp}" + (f" EP={ep}" if ep != 1 else "")
+    if tp < 1 or pp < 1 or ep < 1:
+        raise ValueError(f"{what}: tensor, pipeline and expert parallel sizes must be at least 1")
     errors = []
     if spec.num_attention_heads % tp:
         errors.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by TP={tp}")
     if spec.num_query_groups % tp and tp % spec.num_query_groups:
         errors.append(f"num_key_value_heads={spec.num_query_groups} must be a multiple or a divisor of TP={tp}")
-    if spec.ffn_hidden_size % tp:
-        errors.append(f"intermediate_size={spec.ffn_hidden_size} is not divisible by TP={tp}")
+    if spec.is_moe:
+        if spec.moe_ffn_hidden_size % tp:
+            errors.append(f"the experts' intermediate size {spec.moe_ffn_hidden_size} is not divisible by TP={tp}")
+        if spec.num_experts % ep:
+            errors.append(f"expert_model_parallel_size={ep} must divide the {spec.num_experts} experts")
+    else:
+        if spec.ffn_hidden_size % tp:
+            errors.append(f"intermediate_size={spec.ffn_hidden_size} is not divisible by TP={tp}")
+        if ep != 1:
+            errors.append(f"expert_model_parallel_size={ep}: a model without experts needs 1")
     if spec.num_layers % pp:
         errors.append(f"pipeline_model_parallel_size={pp} must divide num_layers={spec.num_layers}")
     if errors:
-        raise ValueError(f"layout TP={tp} PP={pp} does not fit this {spec.family} model: " + "; ".join(errors))
+        raise ValueError(f"{what} does not fit this {spec.family} model: " + "; ".join(errors))
 
 
 def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
@@ -135,24 +151,31 @@ def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     return range(pp_rank * n, (pp_rank + 1) * n)
 
 
-def stage_params(spec: ModelSpec, pp: int, pp_rank: int) -> list[StageParam]:
-    """The parameters stage `pp_rank` holds, in HF checkpoint order."""
+def stage_params(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> list[StageParam]:
+    """The parameters stage `pp_rank` (and expert-parallel rank `ep_rank` of EP) holds, in HF checkpoint order;
+    with EP = 1 every expert, under its global number."""
     model, layer = family(spec).param_mappings(spec)
     by_name = {m.megatron: m for m in model}
     first, last = pp_rank == 0, pp_rank == pp - 1
+    local_experts = spec.num_experts // ep
     out = []
 
-    def add(m: ParamMapping, local: int | None = None, layer_id: int | None = None, duplicate=False):
-        fmt = (lambda s: s.format(i=local)) if local is not None else (lambda s: s)
-        hf_fmt = (lambda s: s.format(i=layer_id)) if layer_id is not None else (lambda s: s)
-        out.append(StageParam(fmt(m.megatron), {hf_fmt(h): tuple(shape) for h, shape in m.hf.items()}, m.kind,
-                              duplicate))
+    def add(m: ParamMapping, local: int | None = None, layer_id: int | None = None, duplicate=False,
+            expert: int | None = None):
+        local_expert = None if expert is None else expert - ep_rank * local_experts
+        out.append(StageParam(m.megatron.format(i=local, e=local_expert),
+                              {h.format(i=layer_id, e=expert): tuple(shape) for h, shape in m.hf.items()}, m.kind,
+                              duplicate, expert))
 
     if first:
         add(by_name["embedding.word_embeddings.weight"])
     for local, layer_id in enumerate(stage_layers(spec, pp, pp_rank)):
         for m in layer:
-            add(m, local, layer_id)
+            if not m.expert:
+                add(m, local, layer_id)
+                continue
+            for expert in range(ep_rank * local_experts, (ep_rank + 1) * local_experts):
+                add(m, local, layer_id, expert=expert)
     if last:
         add(by_name["decoder.final_layernorm.weight"])
         if "output_layer.weight" in by_name:

@@ -2,7 +2,10 @@
 mapping, side by side. A family is this one file: chatgen.models finds it by model_type.
 
 Llama = RMSNorm, SwiGLU MLP, RoPE (plain, or Llama-3.1 "llama3" frequency scaling), grouped-query
-attention, tied or untied embeddings, no biases. Qwen2 (qwen2.py) and Qwen3 (qwen3.py) reuse this mapping.
+attention, tied or untied embeddings, no biases. Qwen2 (qwen2.py) and Qwen3 (qwen3.py) reuse this mapping;
+so do the mixture-of-experts families (qwen3_moe.py, mixtral.py): with `spec.num_experts` > 0 every layer's
+MLP is a router and that many SwiGLU experts (megatron-core's MoELayer, local experts), and the family names
+where its checkpoint keeps them (`MoENames`).
 The mapping names each Megatron parameter, the HF tensors it is made of with their shapes, and its layout
 kind (chatgen/models/layout.py says what each kind means under tensor parallelism). `{i}` in a name is the
 layer number: local to the pipeline stage on the Megatron side, global on the HF side.
@@ -13,6 +16,8 @@ Pure data and tensor shapes; imports neither Megatron nor vLLM:
     llama.transformer_config_kwargs(spec)   # -> megatron TransformerConfig keyword arguments
     llama.param_mappings(spec)              # -> ([ParamMapping(megatron, {hf name: shape}, kind)], per-layer ones)
 """
+import dataclasses
+
 from chatgen.models.spec import ModelSpec, ParamMapping
 
 # megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
@@ -76,6 +81,17 @@ def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False,
     )
 
 
+def with_experts(spec: ModelSpec, num_experts, moe_ffn_hidden_size, topk, renormalize: bool, keys: str) -> ModelSpec:
+    """`spec` with a mixture of experts in every layer; `keys` names the HF config keys the numbers came from,
+    for the error when one is missing or out of range."""
+    numbers = (num_experts, moe_ffn_hidden_size, topk)
+    if not all(isinstance(n, int) and n > 0 for n in numbers) or topk > num_experts:
+        raise ValueError(f"{spec.family} config: {keys} = {', '.join(map(str, numbers))}: need positive integers "
+                         "with at most as many experts per token as experts")
+    return dataclasses.replace(spec, num_experts=num_experts, moe_ffn_hidden_size=moe_ffn_hidden_size,
+                               moe_router_topk=topk, moe_renormalize=renormalize)
+
+
 def transformer_config_kwargs(spec: ModelSpec) -> dict:
     """megatron.core TransformerConfig arguments reproducing the HF model exactly (no dropout, no fusions)."""
     import torch
@@ -97,6 +113,25 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         attention_softmax_in_fp32=True,
+        **(moe_config_kwargs(spec) if spec.is_moe else {}),
+    )
+
+
+def moe_config_kwargs(spec: ModelSpec) -> dict:
+    """The TransformerConfig arguments of the MoE layers (merged into transformer_config_kwargs for a MoE spec).
+
+    Top-k over the router logits then a softmax over the k (= softmax over all experts renormalised over the
+    top k: Mixtral, Qwen3-MoE with norm_topk_prob); without renormalisation, top-k of the softmax over all
+    experts (Qwen3-MoE with norm_topk_prob false). No shared experts, no capacity limit (no token dropped)."""
+    return dict(
+        num_moe_experts=spec.num_experts,
+        moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
+        moe_router_topk=spec.moe_router_topk,
+        moe_router_pre_softmax=not spec.moe_renormalize,
+        moe_router_score_function="softmax",
+        moe_grouped_gemm=False,  # SequentialMLP: per-expert linear layers, the local spec's names
+        moe_router_fusion=False,
+        moe_permute_fusion=False,
     )
 
 
@@ -114,8 +149,35 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict:
     return kwargs
 
 
-def param_mappings(spec: ModelSpec) -> tuple[list[ParamMapping], list[ParamMapping]]:
-    """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order, each HF name once."""
+@dataclasses.dataclass(frozen=True)
+class MoENames:
+    """Where a mixture-of-experts checkpoint keeps one layer's router and experts: HF names after
+    "model.layers.{i}.", `{e}` = the expert number (e.g. Qwen3-MoE "mlp.experts.{e}.gate_proj.weight")."""
+
+    router: str  # (num_experts, hidden)
+    gate: str  # (moe_ffn, hidden) per expert
+    up: str  # (moe_ffn, hidden) per expert
+    down: str  # (hidden, moe_ffn) per expert
+
+
+def moe_mappings(spec: ModelSpec, names: MoENames) -> list[ParamMapping]:
+    """One MoE layer: the router (replicated: megatron's TopKRouter is not split over TP) and, per expert, the
+    SwiGLU weights split over TP like a dense MLP's (megatron's expert tensor parallelism = TP)."""
+    h, ffn, layer = spec.hidden_size, spec.moe_ffn_hidden_size, "model.layers.{i}."
+    expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
+    return [
+        ParamMapping("decoder.layers.{i}.mlp.router.weight", {layer + names.router: (spec.num_experts, h)},
+                     "replicated"),
+        ParamMapping(expert + "linear_fc1.weight", {layer + names.gate: (ffn, h), layer + names.up: (ffn, h)},
+                     "gate_up", expert=True),
+        ParamMapping(expert + "linear_fc2.weight", {layer + names.down: (h, ffn)}, "row", expert=True),
+    ]
+
+
+def param_mappings(spec: ModelSpec, moe: MoENames | None = None) -> tuple[list[ParamMapping], list[ParamMapping]]:
+    """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order, each HF name once.
+    moe: where a mixture-of-experts family's checkpoint keeps the router and experts (needed when the spec has
+    experts)."""
     h, ffn, hd = spec.hidden_size, spec.ffn_hidden_size, spec.head_dim
     q, kv = spec.num_attention_heads * hd, spec.num_query_groups * hd
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
@@ -139,10 +201,17 @@ def param_mappings(spec: ModelSpec) -> tuple[list[ParamMapping], list[ParamMappi
         ParamMapping("decoder.layers.{i}.self_attention.linear_proj.weight", {attn + "o_proj.weight": (h, q)}, "row"),
         ParamMapping("decoder.layers.{i}.pre_mlp_layernorm.weight",
                      {"model.layers.{i}.post_attention_layernorm.weight": (h,)}, "replicated"),
-        ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
-                     {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)}, "gate_up"),
-        ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", {mlp + "down_proj.weight": (h, ffn)}, "row"),
     ]
+    if spec.is_moe:
+        if moe is None:
+            raise ValueError(f"{spec.family}: a mixture-of-experts spec needs its family's MoENames")
+        layer += moe_mappings(spec, moe)
+    else:
+        layer += [
+            ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
+                         {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)}, "gate_up"),
+            ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", {mlp + "down_proj.weight": (h, ffn)}, "row"),
+        ]
     model = [
         ParamMapping("embedding.word_embeddings.weight", {"model.embed_tokens.weight": (spec.vocab_size, h)}, "vocab"),
         ParamMapping("decoder.final_layernorm.weight", {"model.norm.weight": (h,)}, "replicated"),

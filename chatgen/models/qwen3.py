@@ -10,7 +10,7 @@ What differs from Llama:
 - No QKV bias (Qwen2 has one); `attention_bias=true` would also put a bias on o_proj, which neither the
   Megatron model here nor vLLM's Qwen3 has, so it is refused.
 Sliding-window attention (`use_sliding_window`, `layer_types` other than full attention) is refused too:
-Megatron would attend to the full context. The MoE variant is model_type "qwen3_moe", not mapped.
+Megatron would attend to the full context. The MoE variant is model_type "qwen3_moe" (qwen3_moe.py).
 
     spec = qwen3.spec_from_hf(json.load(open("DIR/config.json")))
 """
@@ -21,7 +21,7 @@ from chatgen.models.spec import ModelSpec
 DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim when config.json has none
 
 
-def spec_from_hf(hf_config: dict) -> ModelSpec:
+def spec_from_hf(hf_config: dict, family: str = "qwen3") -> ModelSpec:
     unsupported = []
     if hf_config.get("attention_bias"):
         unsupported.append("attention_bias=true (o_proj bias has no Megatron counterpart here, nor in vLLM)")
@@ -31,5 +31,5 @@ def spec_from_hf(hf_config: dict) -> ModelSpec:
     if other_layers:
         unsupported.append(f"layer_types {other_layers} (only 'full_attention' layers are mapped)")
     if unsupported:
-        raise ValueError(f"qwen3 config: unsupported feature(s): {'; '.join(unsupported)}")
-    return llama.spec_from_hf({"head_dim": DEFAULT_HEAD_DIM, **hf_config}, family="qwen3", qk_norm=True)
+        raise ValueError(f"{family} config: unsupported feature(s): {'; '.join(unsupported)}")
+    return llama.spec_from_hf({"head_dim": DEFAULT_HEAD_DIM, **hf_config}, family=family, qk_norm=True)

@@ -24,6 +24,15 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on queries and keys before RoPE (Qwen3)
     rope_scaling_factor: float | None = None  # Llama-3.1 "llama3" RoPE scaling; None = plain RoPE
+    # Mixture of experts (every layer's MLP replaced by a router and num_experts SwiGLU experts); 0 = dense
+    num_experts: int = 0
+    moe_ffn_hidden_size: int = 0  # one expert's SwiGLU width
+    moe_router_topk: int = 0  # experts per token
+    moe_renormalize: bool = True  # the top-k probabilities renormalised to sum to 1 (softmax over the k logits)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     def padded_vocab_size(self, tp: int, divisible_by: int = 128) -> int:
         """Megatron's vocab padding: round up to a multiple of divisible_by * TP."""
@@ -40,11 +49,14 @@ class ParamMapping:
     hf: {HF name: HF shape}, in the order the layout kind expects; `{i}` = the global layer number
     kind: how the tensors are laid out under tensor parallelism (chatgen/models/layout.py):
         replicated | column | row | vocab | qkv | gate_up
+    expert: one mapping per expert of a mixture-of-experts layer, `{e}` in both names = the expert number:
+        local to the expert-parallel rank on the Megatron side, global on the HF side (like `{i}`)
     """
 
     megatron: str
     hf: dict
     kind: str
+    expert: bool = False
 
     @property
     def hf_names(self) -> tuple:

@@ -1,8 +1,10 @@
-"""`chatgen make-tiny-model`: build a tiny model of a chatgen family (llama, qwen2, qwen3) as a Hugging Face directory.
+"""`chatgen make-tiny-model`: build a tiny model of a chatgen family (llama, qwen2, qwen3, qwen3_moe, mixtral) as a
+Hugging Face directory.
 
     chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output outputs/tiny-llama
     chatgen make-tiny-model --config configs/models/tiny_qwen2.yaml --output outputs/tiny-qwen2 num_key_value_heads=1
     chatgen make-tiny-model --family qwen3 --output outputs/tiny-qwen3     # the built-in defaults, as a Qwen3
+    chatgen make-tiny-model --family mixtral --output outputs/tiny-mixtral # 4 experts, 2 per token
 
 The directory holds `config.json`, `model.safetensors` (fp32), `generation_config.json` and a sentencepiece
 tokenizer (`tokenizer.model`, plus the `tokenizer.json` transformers converts it to) trained on the corpus
@@ -13,7 +15,11 @@ as a real checkpoint.
 `--family NAME` sets the spec's `family` (the HF model_type; any of `chatgen.models.supported()`), over
 `--config` and under `key=value` overrides. The HF config is transformers' own class for that model_type
 (`AutoConfig.for_model`), so the maker holds no per-family code; the family module then checks the result
-(`spec_from_hf`), so a spec the family refuses fails here, before anything is built.
+(`spec_from_hf`), so a spec the family refuses fails here, before anything is built. The mixture-of-experts dials
+(`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`) go to the config under those names where
+transformers' config class for the family has them (a field or an alias: Qwen3-MoE has all three, Mixtral the
+first two, its experts being `intermediate_size` wide; dense families none), so they mean nothing to a dense
+family and need no per-family code either.
 
 Norm weights (including Qwen3's q_norm / k_norm) and QKV biases (Qwen2) are randomised rather than left at
 ones/zeros, so that a layout bug in a conversion or a weight sync changes the logits instead of hiding
@@ -38,7 +44,7 @@ SPECIAL_TOKENS = {"unk": ("<unk>", 0), "bos": ("<s>", 1), "eos": ("</s>", 2), "p
 class TinyModelSpec:
     """The few dials of a tiny model; everything else is derived."""
 
-    family: str = "llama"  # HF model_type: llama | qwen2 (QKV bias) | qwen3 (QK-norm)
+    family: str = "llama"  # HF model_type: llama | qwen2 (QKV bias) | qwen3 (QK-norm) | qwen3_moe | mixtral (MoE)
     vocab_size: int = 512  # tokenizer vocabulary; the model's embedding has exactly this many rows
     hidden_size: int = 128
     intermediate_size: int = 352
@@ -52,6 +58,10 @@ class TinyModelSpec:
     tie_word_embeddings: bool = False
     init_std: float = 0.02
     seed: int = 0
+    # mixture-of-experts families only (see the module docstring)
+    num_experts: int = 4  # experts per layer
+    num_experts_per_tok: int = 2  # experts each token goes to
+    moe_intermediate_size: int = 128  # one expert's SwiGLU width, where the family has the key (Qwen3-MoE)
 
     def __post_init__(self):
         if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
@@ -68,7 +78,8 @@ def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
     if spec.family not in models.supported():
         errors.append(f"family: {spec.family!r} is not supported; use one of {models.supported()}")
     sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "max_position_embeddings")
+             "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok",
+             "moe_intermediate_size")
     errors += [f"{key}: must be a positive integer, got {getattr(spec, key)}" for key in sizes if getattr(spec, key) < 1]
     if errors:
         raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
@@ -135,10 +146,18 @@ def train_tokenizer(out_dir: Path, vocab_size: int, corpus: Path = CORPUS) -> No
     AutoTokenizer.from_pretrained(str(out_dir)).save_pretrained(str(out_dir))
 
 
-def hf_config(spec: TinyModelSpec):
-    """The transformers config object for a spec: transformers' own config class for `spec.family`."""
-    from transformers import AutoConfig
+MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
+
+def hf_config(spec: TinyModelSpec):
+    """The transformers config object for a spec: transformers' own config class for `spec.family`, with the MoE
+    dials that class has (a field or an alias)."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = CONFIG_MAPPING[spec.family]
+    known = {f.name for f in dataclasses.fields(config_class)} | set(config_class.attribute_map)
+    moe = {key: getattr(spec, key) for key in MOE_KEYS if key in known}
     return AutoConfig.for_model(
         spec.family,
         vocab_size=spec.vocab_size,
@@ -157,6 +176,7 @@ def hf_config(spec: TinyModelSpec):
         eos_token_id=SPECIAL_TOKENS["eos"][1],
         pad_token_id=SPECIAL_TOKENS["pad"][1],
         dtype="float32",
+        **moe,
     )
 
 

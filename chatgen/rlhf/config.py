@@ -48,12 +48,14 @@ def backend_schema(backend: str):
 
 
 def model_world_size(entry) -> int:
-    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU; TP x PP x data_parallel_size on CPU, one
-    replica unless that key says more), else 1."""
+    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU; on CPU TP x PP x data_parallel_size, whose
+    default is the expert-parallel size: one replica of a dense model, EP ranks for a mixture-of-experts model's
+    experts), else 1."""
     if entry.backend != "megatron":
         return 1
     c = entry.config
-    return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * (c.data_parallel_size or 1)
+    dp = c.data_parallel_size or c.expert_model_parallel_size
+    return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * dp
 
 
 def model_class(entry) -> str:
@@ -458,6 +460,11 @@ def check_run(cfg, algorithm) -> None:
         world = model_world_size(entry)  # as runtime.plan_groups places it
         if world % model_parallel:
             continue  # init_distributed names this one
+        if (world // model_parallel) % mc.expert_model_parallel_size:
+            errors.append(f"{where}: models.{model}.expert_model_parallel_size: {mc.expert_model_parallel_size} does "
+                          f"not divide the data-parallel size {world // model_parallel}; the experts are split over "
+                          "data-parallel ranks: make DP a multiple of EP")
+            continue
         if mc.data_parallel_size and world != model_parallel * mc.data_parallel_size:
             errors.append(f"{where}: models.{model}.data_parallel_size: {mc.data_parallel_size} needs TP "
                           f"{mc.tensor_model_parallel_size} x PP {mc.pipeline_model_parallel_size} x DP "
@@ -501,6 +508,11 @@ def policy_sampling_problems(cfg):
         yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
                f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores "
                "tokens under the untempered distribution, so other settings would make every update off-policy")
+    for name, entry in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
+        if getattr(entry.config, "moe_routing_replay", False) and pc is not None \
+                and not getattr(pc, "return_routed_experts", False):
+            yield (f"models.{name}.moe_routing_replay: true replays the experts the policy routed each token to; set "
+                   "models.policy.return_routed_experts: true (or moe_routing_replay: false)")
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
         yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
                "(samples per prompt); make it one")

@@ -3,13 +3,17 @@ computes.
 
     chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
         --input prompts.jsonl --output check.json --max-new-tokens 16 [--backend vllm|hf]
+    chatgen check-sync --hf-checkpoint outputs/tiny-qwen3-moe --train-ep 2 --input prompts.jsonl --output check.json
 
 Loads the checkpoint into Megatron with the training layout (TP x PP ranks), starts a generation engine (a
 backend of chatgen.generation: vLLM by default; `hf`, transformers, the reference) with the inference TP and
 *random* weights (load_format: dummy), syncs the trainer's weights into it, generates greedily for each
 `{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the trainer. Writes {"samples":
 [{"prompt_ids", "output_ids", "engine_logprobs", "trainer_logprobs"}], "max_abs_logprob_diff", "sync_seconds",
-...} and exits 1 when the diff is above --threshold.
+...} and exits 1 when the diff is above --threshold. For a
+mixture-of-experts model on the vllm backend it also reads every expert weight back from the engine (vLLM's fused
+layout) and reports its largest difference from the checkpoint, per HF name ("expert_weight_max_abs_diff"; the
+sync is exact, so any difference fails the check).
 
 A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the trainer
 ranks as child processes that stream to the engine in this process over torch.distributed (the
@@ -23,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from chatgen import models
+from chatgen.core.checkpoint_io import read_hf_safetensors
 from chatgen.core.imports import import_class
 from chatgen.core.jsonl import is_token_ids, read_records
 from chatgen.generation.base import load_backend
@@ -52,7 +57,7 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 def _trainer_config(args) -> dict:
     return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
-                pipeline_model_parallel_size=args.train_pp, dtype=args.dtype)
+                pipeline_model_parallel_size=args.train_pp, expert_model_parallel_size=args.train_ep, dtype=args.dtype)
 
 
 def _score(trainer, sequences) -> list:
@@ -100,17 +105,18 @@ def check_sync(args) -> dict:
         raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
                          "directory (e.g. one from `chatgen make-tiny-model`)")
     spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
-    layout.check_layout(spec, args.train_tp, args.train_pp)  # here, once: not in every trainer rank's traceback
+    layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)  # here, once: not in every rank's traceback
     prompts = read_prompts(args.input)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
-    world = args.train_tp * args.train_pp
+    world = args.train_tp * args.train_pp * args.train_ep
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
         trainer = MegatronModule(config).start()
         engine = _engine(args)
         try:
             report = sync_weights(trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate)
+            experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
             generated = _generate(engine, prompts)
             scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
         finally:
@@ -124,6 +130,7 @@ def check_sync(args) -> dict:
                                                          from_trainer))
         try:
             report = rx.receive_into(engine, alive=job.poll)
+            experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
             generated = _generate(engine, prompts)
             to_trainer.put([(p, g[0]) for p, g in zip(prompts, generated)])
             scores = from_trainer.get(timeout=600)
@@ -136,7 +143,31 @@ def check_sync(args) -> dict:
         worst = max_abs_diff(engine_lp, trainer_lp, worst)
         samples.append(dict(prompt_ids=prompt, output_ids=output, engine_logprobs=engine_lp,
                             trainer_logprobs=trainer_lp))
-    return dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
-                sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
-                validated=report.validated, mode=mode, backend=args.backend, train_tp=args.train_tp, train_pp=args.train_pp,
-                infer_tp=args.infer_tp, dtype=args.dtype, threshold=args.threshold)
+    result = dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
+                  sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
+                  validated=report.validated, mode=mode, backend=args.backend, train_tp=args.train_tp,
+                  train_pp=args.train_pp, train_ep=args.train_ep, infer_tp=args.infer_tp, dtype=args.dtype,
+                  threshold=args.threshold)
+    if experts:
+        worst_expert = float("nan") if any(d != d for d in experts.values()) else max(experts.values())  # NaN fails
+        result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)
+    return result
+
+
+def expert_weight_diffs(engine, spec, hf_checkpoint) -> dict:
+    """{HF name of an expert weight: max |engine - checkpoint|} over every expert of every MoE layer ({} for a dense
+    model, or an engine that cannot read its experts back): the engine's fused weights (w13 = [gate; up], w2 =
+    down per expert, `VLLMModule.expert_weights`) split by the layout kind of the family's mapping, against the
+    checkpoint cast to the engine's dtype. What the sync wrote, exactly."""
+    if not spec.is_moe or not hasattr(engine, "expert_weights"):
+        return {}
+    params = [sp for sp in layout.stage_params(spec, 1, 0) if sp.expert is not None]
+    ckpt = read_hf_safetensors(hf_checkpoint, spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
+    per_layer = len(params) // spec.num_layers  # a layer's expert weights, in layer order
+    out = {}
+    for layer, (w13, w2) in enumerate(engine.expert_weights()):
+        for sp in params[layer * per_layer:(layer + 1) * per_layer]:
+            held = w13[sp.expert].chunk(2) if sp.kind == "gate_up" else (w2[sp.expert],)
+            for name, weight in zip(sp.hf_names, held):
+                out[name] = float((weight.double() - ckpt[name].to(weight.dtype).double()).abs().max())
+    return out

@@ -14,7 +14,16 @@ class MegatronConfig:
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
     data_parallel_size: Optional[int] = opt(
         None, "data-parallel replicas: the model runs on TP x PP x DP ranks, each replica on its share of a batch; "
-              "null = num_gpu / (TP x PP) on GPUs, 1 on CPU")
+              "null = num_gpu / (TP x PP) on GPUs, on CPU expert_model_parallel_size (1 for a dense model)")
+    expert_model_parallel_size: int = opt(
+        1, "expert-parallel ranks of a mixture-of-experts model: each holds num_experts / EP experts of every layer "
+           "(taken out of the data-parallel ranks: world = TP x PP x DP, EP divides DP)")
+    moe_aux_loss_coeff: float = opt(
+        0.0, "weight of the router load-balancing loss (Switch Transformer's) of a mixture-of-experts model, added "
+             "to train_step's loss; 0 = none")
+    moe_routing_replay: bool = opt(
+        False, "compute every MoE layer with the experts the engine chose for each token (the batch's routed_experts: "
+               "the generation model needs return_routed_experts) instead of routing again")
     overlap_grad_reduce: bool = opt(
         False, "reduce gradient buckets over DP while the backward of the last micro-batch still runs (megatron-core "
                "DDP); pays off on GPUs with DP > 1")
@@ -43,7 +52,8 @@ class MegatronConfig:
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "make_vocab_size_divisible_by"):
+        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
+                    "make_vocab_size_divisible_by"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
@@ -63,7 +73,7 @@ class MegatronConfig:
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 yield key, f"must be in [0, 1), got {getattr(self, key)}; 0.9 / 0.999 are usual"
-        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters"):
+        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters", "moe_aux_loss_coeff"):
             if getattr(self, key) < 0:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
         if problem := args_problem(self):

@@ -24,6 +24,11 @@ grads for the distributed optimizer; its attention all-gather's backward when `n
 all-gather into a tensor, AVG and coalesced collectives. What megatron-core offers but chatgen cannot use
 on gloo is listed in docs/megatron_module.md.
 
+And on any machine without Transformer Engine (CPU or GPU):
+
+7. megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
+   None`, a name bound only when Transformer Engine imports: it is set to None so the router uses torch.mm.
+
 Two more rules that are not patches, followed by `MegatronModule`: models are built with
 `use_cpu_initialization=True` and the local layer spec (no Transformer Engine), and the forward always
 receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
@@ -62,6 +67,10 @@ _CUDA_BY_NAME = ("megatron.core.pipeline_parallel.schedules", "megatron.core.opt
 def apply() -> bool:
     """Patch torch / megatron-core for CPU if CUDA is absent; returns True when patches are active."""
     global _APPLIED
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):  # point 7
+        moe_utils.te_general_gemm = None
     if torch.cuda.is_available():
         return False
     if _APPLIED:

@@ -16,7 +16,10 @@ A bucket is a run of Megatron parameters of one pipeline stage whose gathered si
 1. the owning stage's TP ranks flatten their shards into one buffer and all-gather it (one collective);
 2. each parameter's TP shards are turned into HF tensors (chatgen/models/layout.py: un-interleave
    QKV per query group, split gate/up, drop vocab padding; layer numbers get the stage offset);
-3. with PP > 1 the HF tensors are broadcast from the owning stage to the other stages (one collective).
+3. with EP > 1 (experts spread over expert-parallel ranks) the stage's EP ranks all-gather the HF tensors of
+   the experts each holds (one collective): a bucket never splits one layer's experts, and every EP rank
+   holds the same number of them, so the pieces are equal;
+4. with PP > 1 the HF tensors are broadcast from the owning stage to the other stages (one collective).
 
 Every tensor comes in the trainer's dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model: they are
 cast, as the HF checkpoint and the engine hold them). Every rank then holds the bucket's full HF tensors; the next bucket reuses nothing, so peak extra memory
@@ -45,22 +48,33 @@ class Bucket:
 
 
 def plan_buckets(spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucket_bytes: int) -> list[Bucket]:
-    """Bucket boundaries for a layout; shapes come from meta tensors pushed through the layout functions."""
+    """Bucket boundaries for a layout; shapes come from meta tensors pushed through the layout functions. The
+    experts of one layer stay in one bucket (one EP all-gather), so the plan does not depend on EP."""
     buckets = []
     for stage in range(pp):
-        current, size = None, 0
+        units = []  # [StageParam]: one parameter, or the experts of one layer
         for sp in layout.stage_params(spec, pp, stage):
             if sp.duplicate:
                 continue
-            meta = [torch.empty(shape, device="meta") for shape in sp.hf.values()]
-            shard = tuple(layout.to_megatron_shards(sp.kind, meta, spec, tp, padded_vocab, sp.hf_names[0])[0].shape)
-            nbytes = numel(shard) * tp * itemsize
+            if sp.expert is not None and units and units[-1][-1].expert is not None:
+                units[-1].append(sp)
+            else:
+                units.append([sp])
+        current, size = None, 0
+        for unit in units:
+            shards = []
+            for sp in unit:
+                meta = [torch.empty(shape, device="meta") for shape in sp.hf.values()]
+                shards.append(tuple(layout.to_megatron_shards(sp.kind, meta, spec, tp, padded_vocab,
+                                                              sp.hf_names[0])[0].shape))
+            nbytes = sum(numel(shard) for shard in shards) * tp * itemsize
             if current is None or (size + nbytes > bucket_bytes and current.params):
                 current, size = Bucket(stage, [], [], []), 0
                 buckets.append(current)
-            current.params.append(sp)
-            current.shard_shapes.append(shard)
-            current.hf.extend(sp.hf.items())
+            for sp, shard in zip(unit, shards):
+                current.params.append(sp)
+                current.shard_shapes.append(shard)
+                current.hf.extend(sp.hf.items())
             size += nbytes
     return buckets
 
@@ -76,6 +90,14 @@ class HFWeights:
         self._buckets = plan_buckets(trainer.spec, trainer.tp, trainer.pp, trainer.padded_vocab_size, itemsize,
                                      bucket_bytes)
         self.plan = [list(b.hf) for b in self._buckets]
+        # this rank's parameters by their first HF name (an expert's local name depends on the EP rank)
+        self._mine = {sp.hf_names[0]: sp for sp in layout.stage_params(trainer.spec, trainer.pp, trainer.pp_rank,
+                                                                       trainer.ep, trainer.ep_rank)}
+        self._experts_per_rank = trainer.spec.num_experts // trainer.ep
+
+    def _owner(self, sp) -> int | None:
+        """The EP rank holding an expert's weights; None for a parameter every EP rank holds."""
+        return None if sp.expert is None else sp.expert // self._experts_per_rank
 
     @torch.no_grad()
     def buckets(self):
@@ -97,11 +119,25 @@ class HFWeights:
 
     def _on_owner(self, bucket: Bucket, tp_group) -> list[torch.Tensor]:
         t = self._trainer
-        local = [t.local_param(sp.local_name).detach().to(t.dtype) for sp in bucket.params]
-        out = []
-        for sp, shards in zip(bucket.params, _gather_shards(local, t.tp, tp_group)):
-            out.extend(layout.to_hf(sp.kind, shards, t.spec))
-        return out
+        held = [sp for sp in bucket.params if self._owner(sp) in (None, t.ep_rank)]
+        local = [t.local_param(self._mine[sp.hf_names[0]].local_name).detach().to(t.dtype) for sp in held]
+        hf = {}
+        for sp, shards in zip(held, _gather_shards(local, t.tp, tp_group)):
+            hf.update(zip(sp.hf_names, layout.to_hf(sp.kind, shards, t.spec)))
+        if t.ep > 1 and any(sp.expert is not None for sp in bucket.params):
+            from megatron.core import parallel_state as ps
+
+            def experts_of(rank):
+                return [(name, shape) for sp in bucket.params if self._owner(sp) == rank
+                        for name, shape in sp.hf.items()]
+
+            flat = torch.cat([hf[name].reshape(-1) for name, _ in experts_of(t.ep_rank)])
+            gathered = torch.empty(t.ep * flat.numel(), dtype=flat.dtype, device=flat.device)
+            dist.all_gather_into_tensor(gathered, flat, group=ps.get_expert_model_parallel_group())
+            for rank, piece in enumerate(gathered.view(t.ep, -1)):
+                names_shapes = experts_of(rank)
+                hf.update(zip([n for n, _ in names_shapes], unflatten(piece, [s for _, s in names_shapes])))
+        return [hf[name] for name, _ in bucket.hf]
 
     @torch.no_grad()
     def reference(self, index: int) -> list[torch.Tensor]:
@@ -112,13 +148,20 @@ class HFWeights:
         tp_group, pp_group = _groups()
         out = []
         for sp in bucket.params:
-            if t.pp_rank == bucket.stage:
-                local = t.local_param(sp.local_name).detach().to(t.dtype).contiguous()
+            owner = self._owner(sp)
+            if t.pp_rank == bucket.stage and owner in (None, t.ep_rank):
+                local = t.local_param(self._mine[sp.hf_names[0]].local_name).detach().to(t.dtype).contiguous()
                 shards = [torch.empty_like(local) for _ in range(t.tp)]
                 dist.all_gather(shards, local, group=tp_group) if t.tp > 1 else shards.__setitem__(0, local)
                 tensors = [x.contiguous() for x in layout.to_hf(sp.kind, shards, t.spec)]
             else:
                 tensors = [torch.empty(shape, dtype=t.dtype, device=t.device) for shape in sp.hf.values()]
+            if owner is not None and t.ep > 1 and t.pp_rank == bucket.stage:
+                from megatron.core import parallel_state as ps
+
+                ep_group = ps.get_expert_model_parallel_group()
+                for x in tensors:
+                    dist.broadcast(x, dist.get_process_group_ranks(ep_group)[owner], group=ep_group)
             if t.pp > 1:
                 src = dist.get_process_group_ranks(pp_group)[bucket.stage]
                 for x in tensors:
@@ -131,7 +174,7 @@ class HFWeights:
         """HF names of the parameters with a NaN or inf on any rank (empty when all are finite). One pass over
         this rank's shards (a sum per parameter: NaN and inf survive a sum) and one all-reduce."""
         t = self._trainer
-        params = [sp for sp in layout.stage_params(t.spec, t.pp, t.pp_rank) if not sp.duplicate]
+        params = [sp for sp in layout.stage_params(t.spec, t.pp, t.pp_rank, t.ep, t.ep_rank) if not sp.duplicate]
         local = torch.stack([t.local_param(sp.local_name).detach().float().sum() for sp in params])
         bad = [name for sp, v in zip(params, local.tolist()) if v != v or abs(v) == float("inf") for name in sp.hf_names]
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -53,9 +53,10 @@ from chatgen.training.hf_export import HFWeights
 from chatgen.training.prefix_packing import pack_shared_prefix
 
 
-def init_distributed(tp: int, pp: int, dp: int | None = None) -> None:
+def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> None:
     """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups; `dp`
-    (the data_parallel_size key), when given, must be what the world makes of TP x PP."""
+    (the data_parallel_size key), when given, must be what the world makes of TP x PP; EP: expert-parallel ranks
+    of a mixture-of-experts model, carved out of the data-parallel ones."""
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
@@ -70,20 +71,34 @@ def init_distributed(tp: int, pp: int, dp: int | None = None) -> None:
         else:  # a single process: a private one-rank world
             init_process_group(backend, 0, 1, "127.0.0.1", free_port())
     world = dist.get_world_size()
-    if world % (tp * pp):
+    if world % (tp * pp * ep):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
-                         f"pipeline_model_parallel_size={pp}; launch a multiple of {tp * pp} ranks")
+                         f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep}; launch a multiple of "
+                         f"{tp * pp * ep} ranks")
     if dp is not None and world != tp * pp * dp:
         raise ValueError(f"data_parallel_size={dp} needs {tp * pp * dp} ranks (TP {tp} x PP {pp} x DP {dp}), but "
                          f"{world} were launched; set data_parallel_size: {world // (tp * pp)} or null, or launch "
                          f"{tp * pp * dp} ranks")
+    if ps.model_parallel_is_initialized() and not _groups_alive(ps):
+        ps.destroy_model_parallel()  # the groups of a world that has ended (a vLLM engine's teardown ends it): rebuild
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size())
-        if have != (tp, pp):
-            raise RuntimeError(f"megatron parallel state already built with TP, PP = {have}, not {(tp, pp)}; "
+        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
+                ps.get_expert_model_parallel_world_size())
+        if have != (tp, pp, ep):
+            raise RuntimeError(f"megatron parallel state already built with TP, PP, EP = {have}, not {(tp, pp, ep)}; "
                                "call megatron.core.parallel_state.destroy_model_parallel() first")
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep)
+
+
+def _groups_alive(ps) -> bool:
+    """Whether megatron's parallel groups still belong to the current torch.distributed world."""
+    try:
+        dist.get_rank(group=ps.get_model_parallel_group())  # checks the group is registered in this world
+        return True
+    except (ValueError, RuntimeError):  # "not registered": created in a world that was destroyed since
+        return False
 
 
 class MegatronModule(Module):
@@ -119,13 +134,17 @@ class MegatronModule(Module):
         if cfg.load is None:
             raise ValueError(f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)")
         self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-        init_distributed(self.tp, self.pp, cfg.data_parallel_size)
+        self.ep = cfg.expert_model_parallel_size
+        init_distributed(self.tp, self.pp, cfg.data_parallel_size, self.ep)
         cpu_compat.initialize_rng(cfg.seed)
         self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.ep_rank = ps.get_expert_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.hf_config = read_hf_config(cfg.load)
         self.spec = models.spec_from_hf_config(self.hf_config)
-        layout.check_layout(self.spec, self.tp, self.pp)
+        layout.check_layout(self.spec, self.tp, self.pp, self.ep)
+        if cfg.moe_routing_replay and not self.spec.is_moe:
+            raise ValueError(f"{self.name}: moe_routing_replay is true but {cfg.load} has no experts; set it to false")
         self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
         max_positions = self.hf_config.get("max_position_embeddings")
         if cfg.seq_length and max_positions and cfg.seq_length > max_positions:
@@ -146,15 +165,26 @@ class MegatronModule(Module):
         if torch.cuda.is_available():
             self.model.cuda()
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        self._routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]  # this stage's, layer order
+        self._expert_tokens = None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
+        for router in self._routers:
+            router.register_forward_hook(self._count_routed_tokens)
+            if cfg.moe_routing_replay:
+                router.router_replay = RoutingReplay()
         output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
         if output_layer is not None:  # train_step computes logits only where a loss reads them
             output_layer.register_forward_pre_hook(self._select_logit_positions)
             self._slices_logits = True
         # shared-prefix packing needs the output layer's position selection (last stage), attention that reads the
         # explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal type instead: not
-        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike
+        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike. Not
+        # with EP > 1 (the EP ranks exchange tokens in equal shares: micro-batches keep one shape) nor with
+        # moe_routing_replay (the replayed experts belong to the tokens of the unpacked rows)
         self._packs = cfg.pack_shared_prefix and self._attention_reads_the_mask() and (
-            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids()
+            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids() and (
+            self.ep == 1 and not cfg.moe_routing_replay)
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
@@ -229,7 +259,7 @@ class MegatronModule(Module):
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
 
-        fam = models.family(self.spec)
+        fam, cfg = models.family(self.spec), self.config
         on_gpu = torch.cuda.is_available()
         tconfig = TransformerConfig(
             **fam.transformer_config_kwargs(self.spec),
@@ -247,6 +277,12 @@ class MegatronModule(Module):
             persist_layer_norm=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
+            **(dict(expert_model_parallel_size=self.ep,
+                    # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter); megatron's all-to-all
+                    # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch
+                    moe_token_dispatcher_type="allgather",
+                    moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
+                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff) if self.spec.is_moe else {}),
         )
         return GPTModel(tconfig, self._layer_spec(tconfig), vocab_size=self.padded_vocab_size,
                         pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
@@ -256,14 +292,15 @@ class MegatronModule(Module):
         """The model's per-token outputs for a batch, without gradient: what the framework asks a trainer or
         a reference for (old / reference log-probs; a critic's values, see `token_outputs`).
 
-        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding}.
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding, optional
+        "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay)}.
         Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
         log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
         self.onload(("params",))
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
-        batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
+        batch = {k: data[k] for k in ("input_ids", "attention_mask", "routed_experts") if data.get(k) is not None}
         return self._run_schedule(_split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -281,6 +318,12 @@ class MegatronModule(Module):
         iteration changes (`self.skipped_steps` counts them); else 0.0.
         """
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
+        if self.spec.is_moe and self.tp > 1:
+            raise ValueError(f"{self.name}.train_step: a mixture-of-experts model trains at "
+                             f"tensor_model_parallel_size=1 (megatron-core trains MoE at TP > 1 only with sequence "
+                             f"parallelism, which chatgen's trainer does not run; TP={self.tp} still serves "
+                             "forward_tokens and weight syncs); spread the experts with expert_model_parallel_size "
+                             "instead")
         if gbs and n * self.dp != gbs:
             raise ValueError(f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                              f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
@@ -291,6 +334,8 @@ class MegatronModule(Module):
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)  # grads reduced over DP, PP, TP
+        if self.spec.is_moe:
+            metrics.update(self._moe_metrics(len(micro_batches)))
         lr = self.config.lr * self._lr_factor(self.iteration)
         with cpu_compat.cuda_type_names():
             found_inf = self.optimizer.prepare_grads()  # grads -> the fp32 main grads (fp16: unscaled, inf checked)
@@ -331,7 +376,7 @@ class MegatronModule(Module):
         dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
         if dist.get_rank() == 0:
             write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
-                                optimizer=stepped, distributed=True, dp=self.dp)
+                                optimizer=stepped, distributed=True, dp=self.dp, ep=self.ep)
         dist.barrier()
         if dist.get_rank() == 0:
             commit_directory(path)
@@ -379,15 +424,16 @@ class MegatronModule(Module):
             self.iteration = meta.get("iteration", 0)
             return
         state = {}
-        params = layout.stage_params(self.spec, self.pp, self.pp_rank)
-        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
-        for sp in params:
+        params = self._stage_params()
+        names = {n for sp, _ in params for n in sp.hf_names}
+        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names=names)
+        for sp, canonical in params:
             missing = [n for n in sp.hf_names if n not in hf]
             if missing:
                 raise KeyError(f"{path}: HF checkpoint lacks {missing} (Megatron {sp.local_name})")
             shards = layout.to_megatron_shards(sp.kind, [hf[n] for n in sp.hf_names], self.spec, self.tp,
                                                self.padded_vocab_size, what=sp.hf_names[0])
-            state[sp.local_name] = shards[self.tp_rank]
+            state[canonical] = shards[self.tp_rank]
         self._load_canonical_state(state, source=str(path))
 
     # ---- memory handoff -------------------------------------------------------------------------------
@@ -496,10 +542,12 @@ class MegatronModule(Module):
                 import transformer_engine  # noqa: F401
                 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-                return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=tconfig.qk_layernorm)
+                return get_gpt_layer_with_transformer_engine_spec(num_experts=tconfig.num_moe_experts,
+                                                                  qk_layernorm=tconfig.qk_layernorm)
             except ImportError:
                 pass
-        return get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=tconfig.qk_layernorm)
+        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
+                                        qk_layernorm=tconfig.qk_layernorm)
 
     def _to_module_name(self, name: str) -> str:
         for local, te in TE_NORM_NAMES.items():  # the Transformer Engine spec's names
@@ -519,15 +567,18 @@ class MegatronModule(Module):
         name = canonical_name if canonical_name in params else self._to_module_name(canonical_name)
         return params[name]
 
-    def _canonical_state(self) -> dict:
-        return {sp.local_name: self.local_param(sp.local_name)
-                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+    def _stage_params(self, ep_rank: int | None = None) -> list:
+        """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank `ep_rank` (this rank's
+        by default). A checkpoint holds every expert of a stage, numbered globally (the layout at EP = 1)."""
+        everything = {sp.hf_names[0]: sp.local_name for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        rank = self.ep_rank if ep_rank is None else ep_rank
+        return [(sp, everything[sp.hf_names[0]])
+                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank, self.ep, rank)]
 
     @torch.no_grad()
     def _load_canonical_state(self, state: dict, source: str) -> None:
         params = self._params
-        expected = {self._to_module_name(sp.local_name): sp.local_name
-                    for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        expected = {self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()}
         missing = sorted(set(params) - set(expected))
         if missing:
             raise RuntimeError(f"{source}: model parameters {missing} have no mapping in chatgen/models/"
@@ -585,8 +636,9 @@ class MegatronModule(Module):
             mb, plan = next(data_iterator)
             if plan is not None:  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
                 self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
+                moe = {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}  # no pad in the router's figures
                 try:
-                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask)
+                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
                 finally:  # a later plain call of the model computes every position at 0..T-1
                     self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
@@ -595,12 +647,17 @@ class MegatronModule(Module):
                 return logprobs, loss_func_for(mb)
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
+            moe = {}
+            if self.spec.is_moe and mb.get("attention_mask") is not None:  # no pad in the router's figures
+                moe["padding_mask"] = ~mb["attention_mask"].bool()
+            if self.config.moe_routing_replay:
+                self._replay_routing(mb.get("routed_experts"), ids.shape)
             # Training: no logits before the first position any row's loss reads (the prompt); the output layer
             # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
             first = _first_scored_position(mb.get("loss_mask")) if self._slices_logits and not forward_only else 0
             self._logits_from = first
             try:
-                logits = model(ids, position_ids, mask)
+                logits = model(ids, position_ids, mask, **moe)
             finally:
                 self._logits_from = 0
             if not self.is_last_stage:
@@ -718,6 +775,78 @@ class MegatronModule(Module):
             logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
         labels = input_ids[:, 1:].contiguous()
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+    def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:
+        """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.
+
+        routed: (b, T, num_layers, k) long, the batch's `routed_experts` (chatgen.rollout.RolloutBatch); -1 where
+        the engine routed nothing (padding, a sample's last token), where the router chooses itself."""
+        if routed is None:
+            raise ValueError(f"{self.name}: moe_routing_replay is true but the batch has no routed_experts; have the "
+                             "engine record them (return_routed_experts: true on the vllm model) or set "
+                             "moe_routing_replay: false")
+        k = self.spec.moe_router_topk
+        if tuple(routed.shape) != (*shape, self.spec.num_layers, k):
+            raise ValueError(f"{self.name}: routed_experts has shape {tuple(routed.shape)}, the batch needs "
+                             f"{(*shape, self.spec.num_layers, k)} (samples, tokens, layers, experts per token)")
+        layers = layout.stage_layers(self.spec, self.pp, self.pp_rank)
+        routed = routed[:, :, layers.start:layers.stop].transpose(0, 1)  # (T, b, layers, k): megatron's token order
+        for j, router in enumerate(self._routers):
+            router.router_replay.target = routed[:, :, j].reshape(-1, k)
+
+    def _count_routed_tokens(self, _router, args, output):
+        """Forward hook of every MoE router: add, while training, how many real tokens (not padding: the router's
+        second argument, True = pad) each expert got to `self._expert_tokens`."""
+        if not (self.model.training and torch.is_grad_enabled()):
+            return
+        routing_map = output[1].detach()  # (tokens, E) bool: the experts each token goes to
+        if len(args) > 1 and args[1] is not None:
+            routing_map = routing_map[~args[1].reshape(-1)]
+        counts = routing_map.sum(dim=0).double()
+        self._expert_tokens = counts if self._expert_tokens is None else self._expert_tokens + counts
+
+    @torch.no_grad()
+    def _moe_metrics(self, num_micro_batches: int) -> dict:
+        """This train_step's router figures, over every layer, micro-batch and data-parallel rank:
+        moe/expert_usage/<e> = expert e's share of the routed token slots (1/E each when balanced) and, with
+        moe_aux_loss_coeff > 0, moe/load_balancing_loss (megatron's aux loss before its coefficient, layer mean).
+        Collective over PP and DP."""
+        from megatron.core import parallel_state as ps
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+        counts = self._expert_tokens if self._expert_tokens is not None else torch.zeros(
+            self.spec.num_experts, dtype=torch.float64, device=self.device)
+        self._expert_tokens = None
+        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
+        loss = (tracker["values"].double().sum() if tracker else torch.zeros((), dtype=torch.float64,
+                                                                            device=self.device)).view(1)
+        clear_aux_losses_tracker()
+        both = torch.cat([counts.to(self.device), loss])
+        if self.pp > 1:  # each stage holds its own layers
+            dist.all_reduce(both, group=ps.get_pipeline_model_parallel_group())
+        if self.dp > 1:
+            dist.all_reduce(both, group=ps.get_data_parallel_group())
+        counts, loss = both[:-1], both[-1]
+        metrics = {f"moe/expert_usage/{e}": float(c) for e, c in enumerate(counts / counts.sum().clamp(min=1))}
+        if self.config.moe_aux_loss_coeff > 0:
+            metrics["moe/load_balancing_loss"] = float(loss / (self.spec.num_layers * num_micro_batches * self.dp))
+        return metrics
+
+
+class RoutingReplay:
+    """A router's top-k from recorded experts (moe_routing_replay): megatron-core's TopKRouter asks its
+    `router_replay` for the top-k (`get_replay_topk`, the interface of megatron's RouterReplay); this one answers
+    with `target` (tokens, k), each token's recorded experts, and with the router's own choice on rows of -1
+    (nothing recorded). The router then takes its probabilities at those experts, so gradients flow as usual."""
+
+    target = None  # (tokens, k) long, set before each forward by MegatronModule._replay_routing
+
+    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+        probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if self.target is None:
+            return probs, own
+        chosen = torch.where(self.target[:, :1] >= 0, self.target.to(own.device), own)
+        return scores.gather(1, chosen), chosen
 
 
 def _read_checkpoint_file(read, path, *args, **kwargs):

@@ -303,9 +303,9 @@ def test_grpo_tiny_colocated_on_one_gpu(tiny_llama_dir, tmp_path, monkeypatch):
 
 def test_grpo_smollm2_colocated_on_one_gpu(smollm2_dir, tmp_path, monkeypatch):
     """The same on SmolLM2-135M-Instruct (the real model of configs/grpo_smollm2.yaml), arithmetic task."""
-    from chatgen.rlhf.config import load_config
     from chatgen.rlhf import tasks
     from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     data = tmp_path / "data"

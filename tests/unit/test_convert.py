@@ -1,4 +1,5 @@
-"""HF <-> Megatron conversion (chatgen/models/layout.py, chatgen/models/llama.py, qwen2.py, qwen3.py): pure tensors.
+"""HF <-> Megatron conversion (chatgen/models/layout.py, chatgen/models/llama.py, qwen2.py, qwen3.py, qwen3_moe.py):
+pure tensors.
 
     python -m pytest tests/unit/test_convert.py
 """
@@ -6,13 +7,19 @@ import pytest
 import torch
 
 from chatgen import models
-from chatgen.models import layout, llama, qwen2, qwen3
+from chatgen.models import layout, llama, qwen2, qwen3, qwen3_moe
+
+MOE_CONFIG = {  # the mixture-of-experts keys of each MoE family's config.json, as transformers 5 writes them
+    "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts intermediate_size wide
+}
 
 
 def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):
     cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=hidden or heads * head_dim, intermediate_size=48,
                num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
-               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied)
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied,
+               **MOE_CONFIG.get(family, {}))
     return models.spec_from_hf_config(cfg)
 
 
@@ -35,6 +42,10 @@ LAYOUTS = [  # (family, heads, groups, tied, tp, pp)
     ("qwen3", 4, 2, False, 2, 1),
     ("qwen3", 4, 2, True, 2, 2),   # QK-norm + tied + PP
     ("qwen3", 4, 1, True, 2, 2),   # QK-norm with num_query_groups < TP
+    ("qwen3_moe", 4, 2, False, 1, 1),  # router + 4 experts per layer
+    ("qwen3_moe", 4, 2, False, 2, 2),  # experts split over TP, layers over PP
+    ("qwen3_moe", 4, 1, True, 4, 1),
+    ("mixtral", 4, 2, True, 2, 2),
 ]
 
 
@@ -189,3 +200,74 @@ def test_unsupported_config_features_raise():
         models.spec_from_hf_config({"model_type": "gpt2"})
     with pytest.raises(ValueError, match="must divide num_layers"):
         layout.stage_params(make_spec(layers=3), pp=2, pp_rank=0)
+
+
+def test_moe_layer_maps_router_replicated_and_each_expert_like_a_dense_mlp():
+    spec = make_spec("qwen3_moe")
+    assert (spec.num_experts, spec.moe_ffn_hidden_size, spec.moe_router_topk, spec.moe_renormalize) == (4, 16, 2, False)
+    layer = {m.megatron: m for m in qwen3_moe.param_mappings(spec)[1]}
+    assert "decoder.layers.{i}.mlp.linear_fc1.weight" not in layer  # no dense MLP
+    router = layer["decoder.layers.{i}.mlp.router.weight"]
+    assert router.hf == {"model.layers.{i}.mlp.gate.weight": (4, spec.hidden_size)} and router.kind == "replicated"
+    fc1 = layer["decoder.layers.{i}.mlp.experts.local_experts.{e}.linear_fc1.weight"]
+    assert fc1.expert and fc1.kind == "gate_up" and list(fc1.hf) == [
+        "model.layers.{i}.mlp.experts.{e}.gate_proj.weight", "model.layers.{i}.mlp.experts.{e}.up_proj.weight"]
+    kwargs = qwen3_moe.transformer_config_kwargs(spec)
+    assert (kwargs["num_moe_experts"], kwargs["moe_ffn_hidden_size"], kwargs["moe_router_topk"]) == (4, 16, 2)
+    assert kwargs["moe_router_pre_softmax"] is True  # norm_topk_prob false: top k of the softmax over all experts
+    assert "num_moe_experts" not in llama.transformer_config_kwargs(make_spec())
+    # the Hub's config.json says num_experts, transformers 5 writes num_local_experts; norm_topk_prob renormalises
+    hub = dict(model_type="qwen3_moe", num_hidden_layers=1, hidden_size=32, intermediate_size=8, num_attention_heads=4,
+               vocab_size=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=4, norm_topk_prob=True)
+    spec = models.spec_from_hf_config(hub)
+    assert spec.num_experts == 8 and spec.moe_renormalize and spec.head_dim == 8  # hidden / heads, not qwen3's 128
+    assert qwen3_moe.transformer_config_kwargs(spec)["moe_router_pre_softmax"] is False
+
+
+@pytest.mark.parametrize("key, value, needle", [
+    ("mlp_only_layers", [0], "mlp_only_layers=[0]"),
+    ("decoder_sparse_step", 2, "decoder_sparse_step=2"),
+    ("num_experts_per_tok", 8, "need positive integers with at most as many experts per token as experts"),
+    ("moe_intermediate_size", None, "num_experts, moe_intermediate_size, num_experts_per_tok = 4, None, 2"),
+])
+def test_qwen3_moe_features_megatron_cannot_express_are_refused(key, value, needle):
+    cfg = dict(model_type="qwen3_moe", num_hidden_layers=2, hidden_size=32, intermediate_size=8, num_attention_heads=4,
+               vocab_size=8, **dict(MOE_CONFIG["qwen3_moe"], **{key: value}))
+    with pytest.raises(ValueError, match="qwen3_moe config: ") as err:
+        models.spec_from_hf_config(cfg)
+    assert needle in str(err.value)
+
+
+def test_expert_parallel_rank_holds_its_experts_under_local_numbers():
+    spec = make_spec("qwen3_moe", layers=2)
+    second = {sp.local_name: sp for sp in layout.stage_params(spec, pp=2, pp_rank=1, ep=2, ep_rank=1)}
+    # stage 1 holds layer 1 as local layer 0; EP rank 1 holds experts 2, 3 as local experts 0, 1
+    fc2 = second["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
+    assert fc2.hf_names == ("model.layers.1.mlp.experts.3.down_proj.weight",) and fc2.expert == 3
+    assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight" not in second
+    assert second["decoder.layers.0.mlp.router.weight"].expert is None  # the router: on every EP rank
+    # EP = 1 (a checkpoint's layout): every expert under its global number
+    names = {sp.local_name for sp in layout.stage_params(spec, pp=1, pp_rank=0)}
+    assert {f"decoder.layers.1.mlp.experts.local_experts.{e}.linear_fc1.weight" for e in range(4)} <= names
+
+
+def test_expert_parallel_layout_that_does_not_fit_is_refused():
+    with pytest.raises(ValueError) as err:
+        layout.check_layout(make_spec("qwen3_moe"), tp=3, pp=1, ep=3)
+    assert "EP=3" in str(err.value) and "must divide the 4 experts" in str(err.value)
+    assert "experts' intermediate size 16 is not divisible by TP=3" in str(err.value)
+    with pytest.raises(ValueError, match="a model without experts needs 1"):
+        layout.check_layout(make_spec(), tp=1, pp=1, ep=2)
+    layout.check_layout(make_spec("qwen3_moe"), tp=2, pp=2, ep=4)
+
+
+def test_mixtral_maps_its_checkpoint_names_and_renormalises():
+    spec = make_spec("mixtral")
+    assert (spec.num_experts, spec.moe_ffn_hidden_size, spec.moe_renormalize, spec.qk_norm) == (4, 48, True, False)
+    hf = set(models.hf_param_shapes(spec))
+    assert {"model.layers.0.block_sparse_moe.gate.weight", "model.layers.3.block_sparse_moe.experts.3.w3.weight"} <= hf
+    assert models.family(spec).transformer_config_kwargs(spec)["moe_router_pre_softmax"] is False
+    with pytest.raises(ValueError, match="mixtral config: sliding_window=4096 is not supported"):
+        models.spec_from_hf_config(dict(model_type="mixtral", num_hidden_layers=1, hidden_size=8, intermediate_size=8,
+                                        num_attention_heads=1, vocab_size=8, num_local_experts=2, num_experts_per_tok=1,
+                                        sliding_window=4096))

@@ -351,6 +351,7 @@ KEY_DESTINATIONS = {
     "sliding_window": ({"rejected"}, 4096),
     "kv_cache_memory_bytes": ({"engine"}, 1 << 20),
     "tensor_parallel_size": ({"engine"}, 2),
+    "return_routed_experts": ({"engine"}, True),  # prefix caching off (and setup() records the routing)
     "enforce_eager": ({"engine"}, True),
     "args": ({"user"}, {"prompt_key": "question"}),  # the user's keys: chatgen reads none; model_args has them
 }

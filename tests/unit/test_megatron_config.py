@@ -21,3 +21,12 @@ def test_seq_length_defaults_to_the_model_and_must_be_positive(tmp_path):
     path.write_text("load: /models/tiny\nseq_length: 0\n")
     with pytest.raises(ConfigError, match="seq_length: must be >= 1 or null, got 0"):
         load_model_config(path, MegatronConfig)
+
+
+def test_moe_keys_are_range_checked(tmp_path):
+    path = tmp_path / "trainer.yaml"
+    path.write_text("load: /models/tiny\nexpert_model_parallel_size: 0\nmoe_aux_loss_coeff: -0.1\n")
+    with pytest.raises(ConfigError) as err:
+        load_model_config(path, MegatronConfig)
+    assert "expert_model_parallel_size: must be >= 1, got 0" in str(err.value)
+    assert "moe_aux_loss_coeff: must be >= 0, got -0.1" in str(err.value)

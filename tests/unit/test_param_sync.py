@@ -32,6 +32,19 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     assert stages == sorted(stages) and set(stages) == set(range(pp))
 
 
+def test_plan_keeps_a_layers_experts_in_one_bucket():
+    """The experts of one layer travel together (one all-gather over EP): small buckets never split them, so the
+    plan is the same whatever the trainer's EP."""
+    spec = make_spec("qwen3_moe", layers=2)
+    plan = hf_export.plan_buckets(spec, 1, 1, spec.padded_vocab_size(1, 16), itemsize=4, bucket_bytes=1)
+    assert sync.plan_manifest([b.hf for b in plan]) == dict(models.hf_param_shapes(spec))
+    expert_buckets = [b for b in plan if any(sp.expert is not None for sp in b.params)]
+    assert len(expert_buckets) == 2  # one per layer, holding all 4 experts' gate_up and down
+    for b in expert_buckets:
+        assert sorted(sp.expert for sp in b.params) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert all(len(b.params) == 1 for b in plan if b not in expert_buckets)
+
+
 def test_plan_shard_shapes_match_the_conversion():
     spec = make_spec(heads=4, groups=1)
     tp = 2

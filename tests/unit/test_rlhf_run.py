@@ -43,9 +43,17 @@ def errors_of(cfg) -> str:
     return str(e.value)
 
 
-@pytest.mark.parametrize("name", ["grpo_tiny.yaml", "ppo_tiny.yaml"])
+@pytest.mark.parametrize("name", ["grpo_tiny.yaml", "ppo_tiny.yaml", "grpo_tiny_moe.yaml"])
 def test_shipped_tiny_configs_pass(name, data):
     check(load(name, *data))
+
+
+def test_routing_replay_needs_the_policy_to_record_the_experts(data):
+    msg = errors_of(load("grpo_tiny_moe.yaml", *data, "policy.return_routed_experts=false"))
+    assert "models.policy_trainer.moe_routing_replay: true replays the experts the policy routed" in msg
+    assert "set models.policy.return_routed_experts: true" in msg
+    check(load("grpo_tiny_moe.yaml", *data, "policy.return_routed_experts=false",
+               "policy_trainer.moe_routing_replay=false"))
 
 
 def test_check_config_collects_every_problem(data):
@@ -172,6 +180,39 @@ def test_rollout_batch_keeps_masked_turns_and_refuses_misaligned_logprobs():
         RolloutBatch.from_samples([Sample([1], [4, 5], [-1.0])], pad_token_id=0)
 
 
+def test_rollout_batch_aligns_routed_experts_with_input_tokens():
+    """routed_experts (S, L, layers, k) is per input token (not per predicted one); -1 where the engine routed
+    nothing: the last token, padding, and every token of a sample that came without routing."""
+    routed = [[[0, 1]], [[2, 3]], [[1, 2]]]  # 3 positions read (prompt 2 + response 2 - 1), 1 layer, top 2
+    batch = RolloutBatch.from_samples([Sample([1, 5], [6, 7], [-0.5, -0.1], routed_experts=routed),
+                                       Sample([1], [8], [-1.0])], pad_token_id=0)
+    assert batch.routed_experts.shape == (2, 4, 1, 2) and batch.routed_experts.dtype == torch.long
+    assert batch.routed_experts[0, :3].tolist() == routed and batch.routed_experts[0, 3].tolist() == [[-1, -1]]
+    assert (batch.routed_experts[1] == -1).all()
+    assert torch.equal(batch.trainer_inputs()["routed_experts"], batch.routed_experts)
+    assert torch.equal(select(batch.trainer_inputs(), torch.tensor([1, 0]))["routed_experts"],
+                       batch.routed_experts[[1, 0]])
+    assert batch.select([0]).routed_experts.shape == (1, 4, 1, 2)
+    assert two_samples().routed_experts is None  # a dense model's batch has no such field
+
+
+def test_routing_replay_takes_the_recorded_experts_and_routes_the_rest():
+    from chatgen.training.megatron_module import RoutingReplay
+
+    scores = torch.tensor([[0.1, 0.5, 0.3, 0.2], [0.4, 0.1, 0.2, 0.9], [0.3, 0.2, 0.6, 0.1]])
+
+    def own(s, k, num_groups=None, group_topk=None):
+        return torch.topk(s, k, dim=1)
+
+    replay = RoutingReplay()
+    probs, experts = replay.get_replay_topk(scores, 2, None, None, own)  # nothing set: the router's own top 2
+    assert experts.tolist() == [[1, 2], [3, 0], [2, 0]]
+    replay.target = torch.tensor([[0, 3], [-1, -1], [1, 3]])
+    probs, experts = replay.get_replay_topk(scores, 2, None, None, own)
+    assert experts.tolist() == [[0, 3], [3, 0], [1, 3]]  # row 1 recorded nothing: its own choice
+    assert torch.equal(probs, torch.tensor([[0.1, 0.2], [0.9, 0.4], [0.2, 0.1]]))  # its scores at those experts
+
+
 def test_sample_metrics_mismatch_only_on_response_tokens():
     batch = two_samples()
     old = batch.infer_logprobs.clone()
@@ -190,6 +231,10 @@ def test_plan_groups(data):
     ppo = plan_groups(load("ppo_tiny.yaml", *data))
     assert [(names, world) for names, world, _, _ in ppo] == [
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
+    # on CPU a mixture-of-experts trainer at EP 2 needs 2 ranks (its experts split over 2 data-parallel ranks)
+    moe = plan_groups(load("grpo_tiny_moe.yaml", *data, "runtime.colocation=[[policy, reward]]",
+                           "policy_trainer.expert_model_parallel_size=2"))
+    assert [(names, world) for names, world, _, _ in moe] == [(["policy", "reward"], 1), (["policy_trainer"], 2)]
 
 
 def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data):

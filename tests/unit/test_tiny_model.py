@@ -4,6 +4,7 @@ import json
 import pytest
 import torch
 
+from chatgen import models
 from chatgen.models import tiny
 
 
@@ -45,7 +46,7 @@ def test_tokenizer_splits_digits_and_roundtrips(tiny_llama_dir):
     assert len(tok) == tiny.TinyModelSpec().vocab_size
 
 
-@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3"])
+@pytest.mark.parametrize("name", ["tiny_llama", "tiny_qwen2", "tiny_qwen3", "tiny_qwen3_moe", "tiny_mixtral"])
 def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
     from transformers import AutoModelForCausalLM
 
@@ -69,6 +70,17 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
         for norm in ("q_norm", "k_norm"):
             weight = state[f"model.layers.0.self_attn.{norm}.weight"]
             assert weight.shape == (spec.head_dim,) and not torch.allclose(weight, torch.ones(spec.head_dim))
+    if cfg.get("num_local_experts"):  # MoE: the dials under transformers' names, one tensor per expert on disk
+        from safetensors import safe_open
+
+        assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (spec.num_experts, spec.num_experts_per_tok)
+        with safe_open(str(path / "model.safetensors"), "pt") as f:
+            saved = set(f.keys())
+        hf_spec = models.spec_from_hf_config(cfg)
+        assert saved == set(models.hf_param_shapes(hf_spec))
+        assert hf_spec.num_experts == spec.num_experts and hf_spec.moe_router_topk == spec.num_experts_per_tok
+    else:  # a dense family's config never sees the MoE dials
+        assert not {"num_local_experts", "num_experts", "moe_intermediate_size"} & set(cfg)
     if spec.tie_word_embeddings:
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     logits = model(torch.tensor([[1, 5, 9, 20]])).logits
@@ -76,7 +88,7 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
 
 
 def test_spec_the_family_refuses_fails_before_building():
-    with pytest.raises(ValueError, match=r"family: 'gpt2' is not supported; use one of \[.*'qwen3'\]"):
+    with pytest.raises(ValueError, match=r"family: 'gpt2' is not supported; use one of \[.*'qwen3'.*\]"):
         tiny.load_spec(None, ["family=gpt2"])
     # vLLM's Qwen2 ignores head_dim: the qwen2 family refuses one that differs from hidden_size / heads
     with pytest.raises(ValueError, match=r"family qwen2: qwen2 config: head_dim=64 is not supported"):

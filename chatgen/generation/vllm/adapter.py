@@ -11,6 +11,9 @@ which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.
 single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `SamplingParams`,
 `LLMEngine.add_request`, `collective_rpc`).
 
+`record_routed_experts(llm)` makes `execute` record, for a mixture-of-experts model, the experts each token was routed
+to (vLLM's router capture hook) and hand them out on each finished sample as `CompletionOutput.routed_experts`.
+
 `check_internals(llm)` asserts every private attribute this relies on; `build_llm` calls it, and
 tests/integration/test_generation_engine.py checks it and compares a split-step run with `LLM.generate`
 token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
@@ -52,7 +55,7 @@ __all__ = [
     "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
     "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
     "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
-    "output_token_counts", "reset_prefix_cache", "vocab_size",
+    "output_token_counts", "reset_prefix_cache", "vocab_size", "expert_weights", "record_routed_experts",
 ]
 
 
@@ -161,6 +164,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     llm.chatgen_rpc_dir = rpc_dir
     check_internals(llm)
     llm.collective_rpc(_install_reload_log_filter)
+    llm.collective_rpc(_prepack_cpu_experts_on_reload)
     return llm
 
 
@@ -235,6 +239,10 @@ def has_unfinished_requests(llm: LLM) -> bool:
 
 def abort(llm: LLM, request_ids: list) -> None:
     """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty engine."""
+    routing = getattr(llm, "chatgen_routing", None)
+    if routing is not None:
+        processor = llm.llm_engine.output_processor
+        routing.forget([rid for r in request_ids for rid in processor.external_req_ids.get(r, ())])
     llm.llm_engine.abort_request(list(request_ids))
 
 
@@ -327,12 +335,17 @@ def execute(llm: LLM, batch: ScheduledBatch) -> list:
     core._process_aborts_queue()
     core_outputs = core.scheduler.update_from_output(so, model_output)
     core.post_step(model_executed=so.total_num_scheduled_tokens > 0)
+    routing = getattr(llm, "chatgen_routing", None)
+    if routing is not None:
+        routing.end_step(so, engine.output_processor)
     core_outputs = core_outputs.get(0)
     if core_outputs is None:
         return []
     processed = engine.output_processor.process_outputs(
         core_outputs.outputs, engine_core_timestamp=core_outputs.timestamp, iteration_stats=None
     )
+    if routing is not None:
+        routing.hand_out(processed.request_outputs)
     engine.output_processor.update_scheduler_stats(core_outputs.scheduler_stats)
     # Requests that hit a stop string finish in the output processor; the core must drop them too.
     if processed.reqs_to_abort:
@@ -414,6 +427,36 @@ def _install_reload_log_filter(worker=None) -> None:
         reload_logger.addFilter(_ComputedBufferReloadFilter())
 
 
+def _cpu_experts(layer):
+    """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None elsewhere: GPU, zentorch)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+
+
+def _prepack_cpu_experts_on_reload(worker=None) -> None:
+    """vLLM 0.32 on CPU: a weight reload re-runs `UnquantizedFusedMoEMethod._setup_kernel` with the new expert
+    weights but skips, on an update, the experts' own `process_weights_after_loading`, which is where the CPU
+    backend prepacks w13 / w2 into its GEMM layout; the kernel then reads the new, unpacked weights as packed (a
+    tiny Qwen3-MoE synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
+    worker process by `build_llm` (idempotent)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if getattr(UnquantizedFusedMoEMethod, "chatgen_prepacks_on_reload", False):
+        return
+    setup_kernel = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        setup_kernel(self, layer, w13, w2)
+        if update and _cpu_experts(layer) is not None:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    UnquantizedFusedMoEMethod.chatgen_prepacks_on_reload = True
+
+
 def _refresh_tied_lm_head(worker) -> None:
     """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload writes
     embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
@@ -422,6 +465,159 @@ def _refresh_tied_lm_head(worker) -> None:
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
         head.quant_method.process_weights_after_loading(head)
+
+
+class _RoutingRecorder:
+    """The experts each token of each request was routed to, as vLLM's MoE routers chose them.
+
+    Every MoE layer's router calls `capture(layer, topk_ids)` during the forward (vLLM's `BaseRouter` capture
+    hook; ids (tokens, k) in the model runner's token order); `end_step` files the step's rows per request
+    and position (a request's tokens are its run of `num_scheduled_tokens` in the runner's batch order, at
+    positions from its `num_computed_tokens`); `hand_out` puts each finished sample's array on its
+    `CompletionOutput.routed_experts` (vLLM's own field): (positions, num_layers, k) int16, position t = the
+    token the model read at t, -1 where none was routed here (a prompt prefix served from the prefix cache).
+    A recomputed position (preemption) keeps its last routing."""
+
+    def __init__(self, runner, num_layers: int, topk: int):
+        self.runner, self.num_layers, self.topk = runner, num_layers, topk
+        self.step = {}  # layer -> (tokens, k) ids of the running step
+        self.routed = {}  # engine request id -> np.ndarray (positions, layers, k)
+        self.sample = {}  # engine request id -> (request id, sample index)
+
+    def capture(self, layer: int, topk_ids) -> None:
+        self.step[layer] = topk_ids.detach().to("cpu", copy=True)
+
+    def end_step(self, scheduler_output, output_processor) -> None:
+        import numpy as np
+
+        if not self.step:
+            return
+        starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        ids = np.stack([self.step[layer].numpy() for layer in range(self.num_layers)], axis=1)  # (tokens, L, k)
+        row = 0
+        for rid in self.runner.input_batch.req_ids[:self.runner.input_batch.num_reqs]:
+            n = scheduler_output.num_scheduled_tokens.get(rid, 0)
+            start, end = starts[rid], starts[rid] + n
+            have = self.routed.get(rid)
+            if have is None or len(have) < end:
+                grown = np.full((max(end, 2 * len(have) if have is not None else 0), self.num_layers, self.topk), -1,
+                                dtype=np.int16)
+                if have is not None:
+                    grown[:len(have)] = have
+                self.routed[rid] = have = grown
+            have[start:end] = ids[row:row + n]
+            row += n
+            if rid not in self.sample:
+                state = output_processor.request_states.get(rid)
+                if state is not None:
+                    self.sample[rid] = (state.external_req_id, state.request_index)
+        self.step = {}
+
+    def hand_out(self, request_outputs) -> None:
+        finished = {key: rid for rid, key in self.sample.items()}
+        for output in request_outputs:
+            if not output.finished:
+                continue
+            for completion in output.outputs:
+                rid = finished.get((output.request_id, completion.index))
+                if rid is None:
+                    continue
+                routed = self.routed.pop(rid, None)
+                del self.sample[rid]
+                # every position the model read: the prompt and all but the last generated token
+                length = len(output.prompt_token_ids or ()) + len(completion.token_ids) - 1
+                if routed is not None:
+                    completion.routed_experts = routed[:length]
+
+    def forget(self, engine_request_ids) -> None:
+        for rid in engine_request_ids:
+            self.routed.pop(rid, None)
+            self.sample.pop(rid, None)
+
+
+def record_routed_experts(llm: LLM) -> None:
+    """From now on `execute` records the experts vLLM routes every token to (see `_RoutingRecorder`); finished
+    samples carry them as `CompletionOutput.routed_experts`. Needs the workers in this process (one engine rank,
+    or external_launcher) and an MoE model; turn prefix caching off so that every prompt token is routed per
+    request."""
+    if not in_process_workers(llm):
+        raise ValueError("recording routed experts needs the engine's workers in this process: tensor_parallel_size 1 "
+                         "(or the external_launcher executor); turn return_routed_experts off for this engine")
+    config = llm.llm_engine.model_config
+    if config.get_num_experts() <= 0:
+        raise ValueError(f"return_routed_experts: {config.model} is not a mixture-of-experts model; set it to false")
+    llm.chatgen_routing = None
+
+    def install(worker):
+        from functools import partial
+
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+
+        recorder = _RoutingRecorder(worker.model_runner, config.get_total_num_hidden_layers(),
+                                    config.get_num_experts_per_tok())
+        layers = [m for m in worker.model_runner.get_model().modules()
+                  if isinstance(getattr(m, "router", None), BaseRouter) and hasattr(m, "layer_id")]
+        if sorted(m.layer_id for m in layers) != list(range(recorder.num_layers)):
+            raise RuntimeError(f"chatgen's vLLM adapter found MoE routers for layers {[m.layer_id for m in layers]}; "
+                               f"it records routing for an MoE MLP in each of the {recorder.num_layers} layers")
+        for m in layers:
+            m.router.set_capture_fn(partial(recorder.capture, m.layer_id))
+        return recorder
+
+    llm.chatgen_routing = llm.collective_rpc(install)[0]
+
+
+def expert_weights(llm: LLM) -> list:
+    """Each MoE layer's expert weights as the engine holds them, in layer order: [(w13, w2)] with w13 (E, 2I, H) =
+    [gate; up] per expert and w2 (E, H, I) = down (vLLM's fused expert layout, `FusedMoE.w13_weight` / `w2_weight`),
+    put back together over the engine's TP ranks (each holds an I/TP slice of every expert). Empty for a dense
+    model. Used by `chatgen check-sync` to check every expert weight after a sync."""
+    import torch
+
+    per_rank = llm.collective_rpc(_expert_weights)
+    if len(per_rank) == 1:
+        return per_rank[0]
+    out = []
+    for layer in zip(*per_rank):  # [(w13, w2) of each TP rank]
+        gates, ups = zip(*(w13.chunk(2, dim=1) for w13, _ in layer))
+        out.append((torch.cat([*gates, *ups], dim=1), torch.cat([w2 for _, w2 in layer], dim=2)))
+    return out
+
+
+def _expert_weights(worker) -> list:
+    import torch
+
+    out = []
+    for m in worker.model_runner.get_model().modules():
+        if isinstance(getattr(m, "w13_weight", None), torch.Tensor) and hasattr(m, "w2_weight"):
+            w13, w2 = m.w13_weight.detach().cpu(), m.w2_weight.detach().cpu()
+            experts = _cpu_experts(m)
+            if experts is not None:  # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
+                size = m.moe_config.intermediate_size_per_partition
+                w13, w2 = _unpacked(w13, experts.isa), _unpacked(w2, experts.isa)
+                padded = w13.shape[1] // 2
+                w13, w2 = torch.cat([w13[:, :size], w13[:, padded:padded + size]], dim=1), w2[:, :, :size]
+            out.append((w13.clone(), w2.clone()))
+    return out
+
+
+def _unpacked(packed, isa: str):
+    """Expert weights (E, N, K) as they were before the CPU backend's prepack. The prepack moves elements without
+    changing them, the same way in every expert: prepacking one expert's element indices (in base-256 digits, which
+    every float dtype holds exactly) says where each element went."""
+    import torch
+    from vllm import _custom_ops as ops
+
+    n = packed[0].numel()
+    index, source = torch.arange(n), torch.zeros(n, dtype=torch.long)
+    for digit in range(max(1, (n.bit_length() + 7) // 8)):
+        digits = ((index >> (8 * digit)) & 255).to(packed.dtype).view(1, *packed.shape[1:])
+        source += ops.cpu_prepack_moe_weight(digits, isa).reshape(-1).long() << (8 * digit)
+    out = torch.empty_like(packed).reshape(len(packed), -1)
+    out[:, source] = packed.reshape(len(packed), -1)
+    return out.view_as(packed)
 
 
 def vocab_size(llm: LLM) -> int:

@@ -31,6 +31,9 @@ class VLLMConfig(GenerationConfig):
         None, "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)")
     # parallelism
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
+    return_routed_experts: bool = opt(
+        False, "record the experts each token was routed to (mixture-of-experts models) into RolloutBatch.routed_experts, "
+               "for a trainer's moe_routing_replay; turns prefix caching off (a cached prompt is not routed again)")
     enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
 
     def check(self):
@@ -93,6 +96,8 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode],
         load_format=cfg.load_format if cfg.load_format != "auto" else None,
+        # recorded routing must cover every prompt token of every sample: no prompt served from the cache
+        enable_prefix_caching=False if cfg.return_routed_experts else None,
     )
     if cpu and cfg.kv_cache_memory_bytes is None:
         kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model_dir, cfg)

@@ -91,6 +91,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         if megatron:
             kwargs["load_format"] = "dummy"
         self.engine = adapter.build_llm(str(engine_dir), **kwargs)
+        if self.config.return_routed_experts:
+            adapter.record_routed_experts(self.engine)
         self.hf_config = adapter.hf_config(self.engine)
         self.vocab_size = self.hf_config["vocab_size"]
         if megatron:
@@ -268,6 +270,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
 
     def reset_prefix_cache(self) -> bool:
         return self.engine_loop.call(lambda: adapter.reset_prefix_cache(self.engine))
+
+    def expert_weights(self) -> list:
+        """[(w13, w2)] per MoE layer as the engine computes with them (for check-sync's per-expert check)."""
+        return self.engine_loop.call(lambda: adapter.expert_weights(self.engine))
 
     def shutdown(self) -> None:
         """Stop the engine loop and the engine and release its memory."""
