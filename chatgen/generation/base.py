@@ -273,8 +273,9 @@ class GenerationModule(Module):
     def sleep(self, level: int = 1) -> None:
         """Between episodes: free the device memory the engine holds, for a colocated trainer."""
 
-    def wake_up(self) -> None:
-        """Before generating again after `sleep`."""
+    def wake_up(self, tags: list | None = None) -> None:
+        """Before generating again after `sleep`: everything, or only `tags` ("weights" first, for a weight sync
+        while a colocated trainer still holds its memory; then "kv_cache")."""
 
     def is_sleeping(self) -> bool:
         return False

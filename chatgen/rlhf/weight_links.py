@@ -7,7 +7,8 @@
 
 Colocated on GPUs, the Megatron models of the engine's group hand the memory back before the engine wakes
 (`MegatronModule.offload`: gradients, optimizer state and, unless a sync is about to read them, weights; each
-trainer call brings back what it needs).
+trainer call brings back what it needs). For a sync the engine wakes its weights only, takes the new ones, and
+wakes its KV cache once the trainers' weights are out too: the two never hold the device at once.
 
 A trainer in the same colocation group as its target (same actor processes) writes into it in place
 (chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
@@ -66,7 +67,9 @@ class WeightLinks:
     def sync(self) -> None:
         """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
         validate = self.syncs == 0
-        self.wake(keep_trainer_weights=True)  # they are what the sync sends
+        if self.asleep:  # weights first: the trainers keep theirs (what the sync sends) until it is done
+            self._offload(weights=False)
+            self._call_targets("wake_up", ["weights"])
         for trainer_name, target_name in self.pairs.items():
             trainer, target = self.runtime[trainer_name], self.runtime[target_name]
             if self.colocated[trainer_name]:
@@ -76,22 +79,27 @@ class WeightLinks:
                     trainer.group.run_async(_send, trainer.name, validate)
                 trainer.get(refs, "sync")
         self._offload(weights=True)  # the engine generates next
+        if self.asleep:
+            self._call_targets("wake_up", ["kv_cache"])
+            self.asleep = False
         self.syncs += 1
 
-    def wake(self, keep_trainer_weights: bool = False) -> None:
+    def wake(self) -> None:
         """Wake the targets put to sleep by `release`, the colocated trainers' memory handed back first."""
         if self.asleep:
-            self._offload(weights=not keep_trainer_weights)  # before the engine takes its memory back
-            for target_name in self.pairs.values():
-                self.runtime[target_name].call("wake_up")
+            self._offload(weights=True)  # before the engine takes its memory back
+            self._call_targets("wake_up")
             self.asleep = False
 
     def release(self) -> None:
         """Colocated on GPUs: the targets sleep, freeing their memory for the trainers until `wake`."""
         if self.sleeps:
-            for target_name in self.pairs.values():
-                self.runtime[target_name].call("sleep")
+            self._call_targets("sleep")
             self.asleep = True
+
+    def _call_targets(self, method: str, *args) -> None:
+        for target_name in dict.fromkeys(self.pairs.values()):
+            self.runtime[target_name].call(method, *args)
 
     def _offload(self, weights: bool) -> None:
         for name in self.offloading:

@@ -300,8 +300,9 @@ def test_an_episode_is_whole_optimizer_steps(data):
 
 
 def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_before_it_wakes():
-    """The run's side of the memory handoff (MegatronModule.offload, chatgen.rlhf.weight_links): before the sleeping engine wakes, every
-    Megatron model of its group offloads; for a sync the weights stay (the sync reads them) and follow after it.
+    """The run's side of the memory handoff (MegatronModule.offload, chatgen.rlhf.weight_links): before the sleeping
+    engine wakes, every Megatron model of its group offloads; for a sync the engine wakes its weights only, the
+    trainers' weights stay (the sync reads them) and follow after it, then the engine's KV cache wakes.
     (Fakes for the actors: the order of the calls is the run's own logic.)"""
     from types import SimpleNamespace
 
@@ -332,8 +333,9 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
     assert links.sleeps and links.offloading == ["policy_trainer", "reference"]  # not the critic elsewhere
     links.asleep = True
     links.sync()
-    assert calls == [("policy_trainer", "offload", False), ("reference", "offload", False), ("policy", "wake_up"),
-                     ("sync",), ("policy_trainer", "offload", True), ("reference", "offload", True)]
+    assert calls == [("policy_trainer", "offload", False), ("reference", "offload", False),
+                     ("policy", "wake_up", ["weights"]), ("sync",), ("policy_trainer", "offload", True),
+                     ("reference", "offload", True), ("policy", "wake_up", ["kv_cache"])]
     calls.clear()
     links.asleep = True  # the engine generated and slept again; the next generation wakes it
     links.wake()

@@ -372,8 +372,10 @@ def sleep(llm: LLM, level: int = 1) -> None:
     llm.sleep(level=level)
 
 
-def wake_up(llm: LLM) -> None:
-    llm.wake_up()
+def wake_up(llm: LLM, tags: list | None = None) -> None:
+    """Reallocate what `sleep` released: everything, or only `tags` ("weights", "kv_cache"; all of them must be
+    woken before the engine generates again)."""
+    llm.wake_up(tags)
 
 
 def is_sleeping(llm: LLM) -> bool:

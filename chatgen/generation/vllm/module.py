@@ -256,8 +256,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         is an error."""
         self.engine_loop.call(lambda: adapter.sleep(self.engine, level))
 
-    def wake_up(self) -> None:
-        self.engine_loop.call(lambda: adapter.wake_up(self.engine))
+    def wake_up(self, tags: list | None = None) -> None:
+        self.engine_loop.call(lambda: adapter.wake_up(self.engine, tags))
 
     def is_sleeping(self) -> bool:
         return adapter.is_sleeping(self.engine)
