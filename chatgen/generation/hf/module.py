@@ -170,32 +170,37 @@ class HFGeneration(GenerationModule):
 
     @torch.inference_mode()
     def _generate(self, prompts: list, params: list, steps=None) -> list:
-        """One batch: a FinishedRequest per prompt, its params.n samples each (rows prompt-major)."""
-        row_prompt = [k for k, p in enumerate(params) for _ in range(p.n)]
-        row_params = [params[k] for k in row_prompt]
-        rows, width, device = len(row_prompt), max(map(len, prompts)), self.device
-        ids = torch.full((rows, width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for r, k in enumerate(row_prompt):  # left padding: every row's next token is at the last position
-            ids[r, width - len(prompts[k]):] = torch.tensor(prompts[k])
-            mask[r, width - len(prompts[k]):] = 1
+        """One batch: a FinishedRequest per prompt, its params.n samples each (rows prompt-major). Each prompt is
+        prefilled once; its KV cache is then copied to each of its samples' rows."""
+        device, width = self.device, max(map(len, prompts))
+        ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for k, prompt in enumerate(prompts):  # left padding: every row's next token is at the last position
+            ids[k, width - len(prompt):] = torch.tensor(prompt)
+            mask[k, width - len(prompt):] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        settings = RowSettings.of(row_params, device)
-        seen = None  # (rows, V): the tokens of each row's prompt and output, for the repetition penalty
-        if any(p.repetition_penalty != 1 for p in row_params):
-            seen = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=device)
-            seen[torch.arange(rows, device=device)[:, None].expand_as(ids)[mask.bool()], ids[mask.bool()]] = True
         want_prompt = any(p.prompt_logprobs is not None for p in params)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=0 if want_prompt else 1)  # 0: every position's logits
-        prompt_logprobs = [self._prompt_logprobs(out.logits[row_prompt.index(k)], prompt, params[k].prompt_logprobs)
-                           for k, prompt in enumerate(prompts)] if want_prompt else [None] * len(prompts)
+        prompt_logprobs = [self._prompt_logprobs(out.logits[k], prompt, params[k].prompt_logprobs)
+                           if params[k].prompt_logprobs is not None else None for k, prompt in enumerate(prompts)]
+        row_prompt = [k for k, p in enumerate(params) for _ in range(p.n)]
+        row_params = [params[k] for k in row_prompt]
+        rows, index = len(row_prompt), torch.tensor(row_prompt, device=device)
+        seen = None  # (rows, V): the tokens of each row's prompt and output, for the repetition penalty
+        if any(p.repetition_penalty != 1 for p in row_params):
+            seen = torch.zeros((len(prompts), self.vocab_size), dtype=torch.bool, device=device)
+            seen[mask.nonzero(as_tuple=True)[0], ids[mask.bool()]] = True
+            seen = seen[index]
+        out.past_key_values.batch_select_indices(index)  # (prompts, ...) -> (rows, ...): n copies of each prompt
+        logits, mask, positions = out.logits[index, -1], mask[index], positions[index]
+        settings = RowSettings.of(row_params, device)
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
         ends = [None] * rows  # (finish_reason, stop_reason, text or None) once the row has stopped
         for step in range(max(p.max_tokens for p in row_params)):
-            chosen, dist = next_tokens(out.logits[:, -1], settings, seen, self._generator, self.config.logprobs_mode)
+            chosen, dist = next_tokens(logits, settings, seen, self._generator, self.config.logprobs_mode)
             chosen_list = chosen.tolist()
             chosen_logprobs = dist.gather(1, chosen[:, None])[:, 0].tolist()
             for r in range(rows):
@@ -212,7 +217,8 @@ class HFGeneration(GenerationModule):
             mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
             positions = positions[:, -1:] + 1
             out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True, logits_to_keep=1)
+                             past_key_values=out.past_key_values, use_cache=True)
+            logits = out.logits[:, -1]
         if steps is not None:
             steps[0] += step + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True) if self.tokenizer else [""] * rows

@@ -105,7 +105,10 @@ def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
         scaled = apply_min_p(scaled, rows.min_p)
     if (rows.top_k > 0).any() or (rows.top_p < 1).any():
         scaled = apply_top_k_top_p(scaled, rows.top_k, rows.top_p)
-    drawn = torch.multinomial(scaled.softmax(dim=-1), 1, generator=generator)[:, 0]
+    # vLLM's draw (random_sample): argmax of p / q with q ~ Exp(1), which picks a token with probability p; on
+    # CPU it is ~10x faster than torch.multinomial over a large vocabulary
+    noise = torch.empty_like(scaled).exponential_(generator=generator)
+    drawn = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     if logprobs_mode == "raw":
         return tokens, raw
