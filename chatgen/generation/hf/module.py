@@ -127,11 +127,13 @@ class HFGeneration(GenerationModule):
             self.check_item(item, f"run_generation: item {i}")
         params = [self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
                                        stop_strings=item.get("stop_strings") or ()) for item in items]
-        start, steps = time.perf_counter(), [0]
-        outputs = [output for batch in self._batches([item["input_ids"] for item in items], params,
-                                                     [item.get("prompt") for item in items], steps)
-                   for _, output in batch]
-        self.metrics = {**call_metrics(outputs, time.perf_counter() - start), "engine_steps": steps[0]}
+        start = time.perf_counter()
+        prompts, texts = [item["input_ids"] for item in items], [item.get("prompt") for item in items]
+        batches = list(self._batches(prompts, params, texts))
+        outputs = [output for batch in batches for _, output in batch]
+        # forward passes: a batch runs until its longest sample ends (the prefill gives its first token)
+        steps = sum(max(len(s.token_ids) for _, output in batch for s in output.outputs) for batch in batches)
+        self.metrics = {**call_metrics(outputs, time.perf_counter() - start), "engine_steps": steps}
         return outputs
 
     async def stream(self, prompts: list, params, deltas: bool = False):
@@ -147,10 +149,9 @@ class HFGeneration(GenerationModule):
             for i, output in batch:
                 yield i, output
 
-    def _batches(self, prompts, params, texts=None, steps=None):
+    def _batches(self, prompts, params, texts=None):
         """Generate `prompts` (token id lists, one SamplingParams each) in batches of whole prompts of at most
-        generation_batch_size sequences; yield each batch's [(prompt index, FinishedRequest)] as it ends.
-        `steps[0]` counts the forward passes."""
+        generation_batch_size sequences; yield each batch's [(prompt index, FinishedRequest)] as it ends."""
         limit = self.config.generation_batch_size or DEFAULT_BATCH_SEQUENCES
         groups, size = [[]], 0
         for i, p in enumerate(params):
@@ -163,13 +164,13 @@ class HFGeneration(GenerationModule):
             if group:
                 with self._lock:
                     self._check_ready()
-                    outputs = self._generate([prompts[i] for i in group], [params[i] for i in group], steps)
+                    outputs = self._generate([prompts[i] for i in group], [params[i] for i in group])
                 for i, output in zip(group, outputs):
                     output.prompt = texts[i] if texts else None
                 yield list(zip(group, outputs))
 
     @torch.inference_mode()
-    def _generate(self, prompts: list, params: list, steps=None) -> list:
+    def _generate(self, prompts: list, params: list) -> list:
         """One batch: a FinishedRequest per prompt, its params.n samples each (rows prompt-major). Each prompt is
         prefilled once; its KV cache is then copied to each of its samples' rows."""
         device, width = self.device, max(map(len, prompts))
@@ -199,7 +200,7 @@ class HFGeneration(GenerationModule):
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
         ends = [None] * rows  # (finish_reason, stop_reason, text or None) once the row has stopped
-        for step in range(max(p.max_tokens for p in row_params)):
+        for _ in range(max(p.max_tokens for p in row_params)):
             chosen, dist = next_tokens(logits, settings, seen, self._generator, self.config.logprobs_mode)
             chosen_list = chosen.tolist()
             chosen_logprobs = dist.gather(1, chosen[:, None])[:, 0].tolist()
@@ -219,8 +220,6 @@ class HFGeneration(GenerationModule):
             out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
                              past_key_values=out.past_key_values, use_cache=True)
             logits = out.logits[:, -1]
-        if steps is not None:
-            steps[0] += step + 1
         texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True) if self.tokenizer else [""] * rows
         requests = [FinishedRequest(request_id=str(next(self._request_ids)), prompt_token_ids=list(prompt), outputs=[],
                                     prompt_logprobs=prompt_logprobs[k]) for k, prompt in enumerate(prompts)]
