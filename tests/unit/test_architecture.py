@@ -33,6 +33,7 @@ def test_every_contract_is_kept():
     ("core/tensors.py", "from chatgen.rlhf import run"),             # the ground floor reaching the top
     ("config/loader.py", "import chatgen.generation.base"),          # config knowing a backend
     ("param_sync/sync.py", "from chatgen.generation.vllm import adapter"),  # sync talking to vLLM, not the contract
+    ("rlhf/run.py", "from chatgen.generation.hf import module"),     # a run naming a backend, not `backend: hf`
 ])
 def test_an_upward_import_breaks_a_contract(tmp_path, module, upward):
     """The contracts bite: one upward import, even inside a function, fails the lint naming the import."""
