@@ -1,11 +1,9 @@
-"""vLLM generation: `VLLMModule` (vllm_module.py) driven step by step by the framework.
-
-vllm_adapter.py is the only module touching vLLM internals; engine_loop.py is the thread that steps the engine
-(every call and weight update goes through it); engine_config.py maps the per-model YAML to vLLM arguments;
-batching.py builds token batches in and out; chat_tokens.py keeps multi-turn chats token-exact; cli.py is
-`chatgen generate`; standalone.py is `VLLMGeneration`, the generator any PyTorch trainer can use. Guides:
-docs/vllm_module.md, docs/serving.md, docs/vllm_generation.md.
-Importing this package is cheap: vLLM loads with vllm_adapter / vllm_module.
+"""Generation: the contract every backend implements (base.py: `GenerationModule`, and the registry that a model
+entry's `backend:` names), the keys every backend reads (config.py), token batches in and out (batching.py),
+token-exact multi-turn chats (chat_tokens.py), and `VLLMGeneration` for any PyTorch trainer (standalone.py).
+One package per backend: vllm/ (`VLLMModule`, driven one engine step at a time), hf/ (transformers, the
+reference). Guides: docs/architecture.md, docs/vllm_module.md, docs/hf_backend.md, docs/vllm_generation.md.
+Importing this package is cheap: vLLM loads with chatgen.generation.vllm.module.
 """
 from chatgen.generation.batching import verify_right_padding
 from chatgen.generation.chat_tokens import replace_prefix_tokens

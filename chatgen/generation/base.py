@@ -291,12 +291,25 @@ class GenerationModule(Module):
         """Drop cached prompt KV that no request holds; returns whether the cache was reset."""
         return True
 
+    def check_tokenizer(self, tokenizer_from, model_dir) -> None:
+        """Setup's checks of the tokenizer (set) against the config and the model (vocab_size set): a chat template
+        when chat_template is true; no more tokens than the model has rows (ConfigError); fewer: a warning."""
+        if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
+            raise ConfigError([f"chat_template: true, but the tokenizer of {tokenizer_from} has no chat template; set "
+                               "it to false (and use prompt_template), or use a tokenizer that has one"])
+        if self.tokenizer is not None:
+            mismatch = gc.check_vocab(len(self.tokenizer), self.vocab_size, tokenizer_from, model_dir)
+            if mismatch:
+                logger.warning("%s: %s", self.name, mismatch)
+
     def _decode_texts(self, request_outputs) -> None:
         """Fill the text of samples generated without detokenization, in one batch decode, so that hooks and
-        outputs always see texts."""
+        outputs always see texts. A sample that stopped on a stop string was detokenized (stop strings need it)
+        and its text cut before the string: it is left as it is, even when that text is empty."""
         if self.tokenizer is None:
             return
-        todo = [s for _, s in iter_samples(request_outputs) if not s.text and s.token_ids]
+        todo = [s for _, s in iter_samples(request_outputs)
+                if not s.text and s.token_ids and not isinstance(s.stop_reason, str)]
         for sample, text in zip(todo, self.tokenizer.batch_decode([list(s.token_ids) for s in todo],
                                                                   skip_special_tokens=True)):
             sample.text = text

@@ -231,6 +231,15 @@ def pad_token_id(tokenizer, model_dir) -> int:
     return next((i for i in ids if isinstance(i, int)), 0)
 
 
+def tokenizer_dir(cfg, model_dir):
+    """Where the tokenizer comes from: the `tokenizer` key, else the model directory. A `tokenizer` that holds none
+    is a ConfigError (a typo must not silently give a token-only model)."""
+    if cfg.tokenizer and not has_tokenizer(cfg.tokenizer):
+        raise ConfigError([f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json, tokenizer.model or "
+                           "tokenizer_config.json); fix the path, or remove the key to use the model's own"])
+    return cfg.tokenizer or model_dir
+
+
 def has_tokenizer(directory) -> bool:
     """Whether an HF directory holds a tokenizer (else the engine runs token-only)."""
     d = Path(directory)

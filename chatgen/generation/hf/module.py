@@ -18,7 +18,6 @@ One generation call or weight write runs at a time (a lock): a write waits for t
 """
 import asyncio
 import itertools
-import logging
 import threading
 import time
 from pathlib import Path
@@ -33,7 +32,6 @@ from chatgen.generation.batching import call_metrics
 from chatgen.generation.hf.config import HFConfig
 from chatgen.generation.hf.sampling import RowSettings, SamplingParams, next_tokens, stop_string_at, top_logprobs
 
-logger = logging.getLogger(__name__)
 DEFAULT_BATCH_SEQUENCES = 256  # generation_batch_size: null (vLLM's max_num_seqs default on CPU)
 
 
@@ -71,15 +69,9 @@ class HFGeneration(GenerationModule):
             raise ConfigError([f"load: {model_dir} has no config.json; the hf backend loads a Hugging Face model "
                                "directory (convert a chatgen Megatron checkpoint with `chatgen convert --to hf`)"])
         self.config = cfg = gc.resolve_seq_length(self.config, model_dir)
-        tokenizer_dir = cfg.tokenizer or model_dir
-        if cfg.tokenizer and not gc.has_tokenizer(cfg.tokenizer):  # a typo must not silently give a token-only model
-            raise ConfigError([f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json, tokenizer.model or "
-                               "tokenizer_config.json); fix the path, or remove the key to use the model's own"])
+        tokenizer_dir = gc.tokenizer_dir(cfg, model_dir)
         if gc.has_tokenizer(tokenizer_dir):
             self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-        if cfg.chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError([f"chat_template: true, but the tokenizer of {tokenizer_dir} has no chat template; "
-                               "set it to false (and use prompt_template), or use a tokenizer that has one"])
         hf = AutoConfig.from_pretrained(model_dir)
         dtype = getattr(torch, cfg.dtype)
         if cfg.load_format == "dummy":
@@ -93,10 +85,7 @@ class HFGeneration(GenerationModule):
         self.hf_config = hf.to_dict()
         self.vocab_size = hf.vocab_size
         self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir)
-        if self.tokenizer is not None:
-            mismatch = gc.check_vocab(len(self.tokenizer), self.vocab_size, tokenizer_dir, model_dir)
-            if mismatch:
-                logger.warning("%s: %s", self.name, mismatch)
+        self.check_tokenizer(tokenizer_dir, model_dir)
         # vLLM's EOS rule (SamplingParams.update_from_generation_config): the tokenizer's EOS, and the EOS ids of
         # generation_config.json (else of config.json) as stop tokens
         try:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Optional
 
 from chatgen.config import ConfigError, opt
-from chatgen.generation.config import GenerationConfig, has_tokenizer
+from chatgen.generation.config import GenerationConfig, has_tokenizer, tokenizer_dir
 
 # logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
@@ -76,10 +76,7 @@ def platform_problems(cfg, cpu: bool):
 
 def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
     """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's defaults."""
-    tokenizer = cfg.tokenizer or model_dir
-    if cfg.tokenizer and not has_tokenizer(cfg.tokenizer):  # a typo must not silently give a token-only engine
-        raise ConfigError([f"tokenizer: {cfg.tokenizer} holds no tokenizer (tokenizer.json, tokenizer.model or "
-                           "tokenizer_config.json); fix the path, or remove the key to use the model's own"])
+    tokenizer = tokenizer_dir(cfg, model_dir)
     kwargs = dict(
         tokenizer=str(tokenizer),
         skip_tokenizer_init=not has_tokenizer(tokenizer),  # token-only engine for a model without one

@@ -17,7 +17,6 @@ NeMo RL's spellings come from chatgen.compat; everything that touches vLLM inter
 over HTTP is chatgen.serving.
 """
 import contextlib
-import logging
 import os
 import shutil
 import time
@@ -32,8 +31,6 @@ from chatgen.generation.vllm import adapter
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
-
-logger = logging.getLogger(__name__)
 
 
 class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
@@ -100,19 +97,12 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
             self.alias_tokenizer(self.tokenizer)
-        if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise gc.ConfigError([f"chat_template: true, but the tokenizer of {model_dir} has no chat template; set "
-                                  "it to false (and use prompt_template), or use a tokenizer that has one"])
         self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir)
-        if self.tokenizer is not None:
-            try:
-                mismatch = gc.check_vocab(len(self.tokenizer), self.vocab_size, self.config.tokenizer or model_dir,
-                                          model_dir)
-            except gc.ConfigError:
-                self.shutdown()
-                raise
-            if mismatch:
-                logger.warning("%s: %s", self.name, mismatch)
+        try:
+            self.check_tokenizer(self.config.tokenizer or model_dir, model_dir)
+        except gc.ConfigError:
+            self.shutdown()
+            raise
 
     def _add_request(self, data, is_eval=False) -> list:
         """Queue a batch in the engine with the train (or eval) sampling parameters.
