@@ -149,3 +149,17 @@ def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_
                           text=True, timeout=60, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [limited, str(arenas)]
+
+
+@pytest.mark.faults
+def test_check_sync_names_a_prompt_id_outside_the_vocabulary(tiny_llama_dir, tmp_path, capsys):
+    """It was an IndexError traceback from the embedding, after the engine and the trainer had started."""
+    from chatgen.cli import main
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 9999]}\n')
+    assert main(["check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--input", str(prompts), "--output",
+                 str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "in.jsonl:2: \"prompt_ids\": token id(s) [9999] outside the model's vocabulary [0, 512)" in err
+    assert "Traceback" not in err and not (tmp_path / "c.json").exists()
