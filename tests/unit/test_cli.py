@@ -163,3 +163,30 @@ def test_check_sync_names_a_prompt_id_outside_the_vocabulary(tiny_llama_dir, tmp
     err = capsys.readouterr().err
     assert "in.jsonl:2: \"prompt_ids\": token id(s) [9999] outside the model's vocabulary [0, 512)" in err
     assert "Traceback" not in err and not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.faults
+def test_a_refused_run_writes_nothing_and_names_what_to_change(tmp_path, capsys):
+    """A bad data file or a bad --resume-from created output_dir/.chatgen.lock (the docs promise nothing is
+    written), a bad --resume-from exited 1, an output_dir that cannot exist gave a bare errno, and a data file
+    that is not UTF-8 named neither file nor line."""
+    from chatgen import tasks
+    from chatgen.cli import main
+
+    tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
+    out = tmp_path / "run"
+    train = ["train", "configs/grpo_tiny.yaml", f"runtime.data_path={tmp_path}/data/train.jsonl",
+             f"runtime.eval_data_path={tmp_path}/data/eval.jsonl", f"runtime.output_dir={out}"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1 2", "answer": "1 2"}\n{"prompt": oops}\n')
+    assert main([*train, f"runtime.data_path={bad}"]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err and not out.exists()
+    bad.write_bytes(b'{"prompt": "1 2", "answer": "1 2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    assert main([*train, f"runtime.data_path={bad}"]) == 2
+    assert "bad.jsonl:2: not UTF-8 (byte 0xe9" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "--resume-from", "episode_000007"]) == 2
+    assert "--resume-from episode_000007: no checkpoint there" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "--resume"]) == 2
+    assert "--resume: no complete checkpoint under" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "runtime.output_dir=/proc/x/run"]) == 2
+    assert "runtime.output_dir: cannot write into /proc/x/run" in capsys.readouterr().err
