@@ -160,7 +160,7 @@ class VLLMGeneration:
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() != 0:
-            return sync_weights(source, SyncSender("", 0))  # the other ranks only take part in rank 0's send
+            return sync_weights(source, SyncSender("", 0, ""))  # the other ranks only take part in rank 0's send
         if self._transport == "shm":
             def begin(held):
                 return self.server.post("/control/weights/begin", {"mode": mode, "transport": "shm",
@@ -176,7 +176,8 @@ class VLLMGeneration:
         held = self._sender.port if self._sender is not None else None
         endpoint = self.server.post("/control/weights/begin", {"mode": mode, "transport": "group", "port": held})
         if self._sender is None or (self._sender.host, self._sender.port) != (endpoint["host"], endpoint["port"]):
-            self._sender = SyncSender(endpoint["host"], endpoint["port"])  # the group stays open between syncs
+            self._sender = SyncSender(endpoint["host"], endpoint["port"], endpoint["token"])  # open between syncs
+        self._sender.token = endpoint["token"]  # this update's one-time token: the stream proves it to the server
         try:
             report = sync_weights(source, self._sender)
         except BaseException:

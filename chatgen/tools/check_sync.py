@@ -72,10 +72,10 @@ def _score(trainer, sequences) -> list:
     return out
 
 
-def _trainer_rank(config, port, bucket_bytes, validate, to_trainer, from_trainer):
+def _trainer_rank(config, port, token, bucket_bytes, validate, to_trainer, from_trainer):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     trainer = MegatronModule(config).start()
-    sync_weights(trainer, SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
+    sync_weights(trainer, SyncSender("127.0.0.1", port, token), bucket_bytes=bucket_bytes, validate=validate)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     scores = _score(trainer, box[0])
@@ -128,8 +128,8 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         rx = SyncReceiver()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
-        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, bucket_bytes, args.validate, to_trainer,
-                                                         from_trainer))
+        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, rx.token, bucket_bytes, args.validate,
+                                                         to_trainer, from_trainer))
         try:
             report = rx.receive_into(engine, alive=job.poll)
             generated = _generate(engine, prompts)

@@ -152,6 +152,36 @@ def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_
 
 
 @pytest.mark.faults
+def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                            capsys):
+    """--api-key was the only way, and `ps` shows it to every user of the machine. (Each call stops at a bad
+    --control-timeout, after the key is read and before an engine starts.)"""
+    from chatgen.cli import main
+
+    serve = ["serve", "--model", str(tiny_llama_dir), "--control", "--host", "0.0.0.0", "--control-timeout", "0"]
+    monkeypatch.delenv("CHATGEN_API_KEY", raising=False)
+    assert main([*serve, "--api-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: --api-key shows the key to every user of this machine in the process list (ps)" in err
+    assert "--control-timeout 0.0: give the seconds" in err  # the key was taken: --host 0.0.0.0 passed
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    err = capsys.readouterr().err
+    assert "warning" not in err and "--control-timeout" in err
+    monkeypatch.setenv("CHATGEN_API_KEY", "from-the-environment")
+    assert main(serve) == 2 and "--control-timeout" in capsys.readouterr().err
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    assert "CHATGEN_API_KEY and --api-key-file both give an API key; give it one way" in capsys.readouterr().err
+    monkeypatch.delenv("CHATGEN_API_KEY")
+    key_file.write_text("\n")
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    assert "--api-key-file: the API key is empty" in capsys.readouterr().err
+    assert main(serve) == 2  # no key at all: a public --control is refused
+    assert "--control on --host 0.0.0.0 without an API key" in capsys.readouterr().err
+
+
+@pytest.mark.faults
 def test_check_sync_names_a_prompt_id_outside_the_vocabulary(tiny_llama_dir, tmp_path, capsys):
     """It was an IndexError traceback from the embedding, after the engine and the trainer had started."""
     from chatgen.cli import main

@@ -72,8 +72,8 @@ def test_a_torn_last_line_of_metrics_does_not_stop_a_resume(tmp_path, caplog):
     resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)  # --resume from 2
     resumed.log(3, {"reward/mean": 30})
     resumed.close()
-    assert jsonl.read_text().splitlines() == ['{"episode": 1, "reward/mean": 1.0}', '{"episode": 2, "reward/mean": 2.0}',
-                                              '{"episode": 3, "reward/mean": 30.0}']
+    assert jsonl.read_text().splitlines() == [
+        '{"episode": 1, "reward/mean": 1.0}', '{"episode": 2, "reward/mean": 2.0}', '{"episode": 3, "reward/mean": 30.0}']
 
 
 def test_plot_metrics_nothing_logged(tmp_path):
