@@ -92,7 +92,7 @@ weights = load_file(model_dir + "/model.safetensors")
 weights["lm_head.weight"].zero_()
 store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=15))
 store.set("chatgen_sync_sender_ready", "1")
-store.set(sync._PROOF_KEY, "00" * 32)  # and a guess at the new rendezvous proof
+store.set("chatgen_weight_sync_proof", "00" * 32)  # and a guess at the rendezvous proof
 pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=15))
 names = sorted(weights)
 header = {"dtype": "torch.float32", "buckets": [[[n, list(weights[n].shape)] for n in names]], "nonfinite": [],
