@@ -130,7 +130,7 @@ def server_group(hf_model, llm):
     from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
 
     receiver = SyncReceiver()
-    sender = SyncSender("127.0.0.1", receiver.port)
+    sender = SyncSender("127.0.0.1", receiver.port, receiver.token)
 
     def once():
         engine_side = threading.Thread(target=receiver.receive_into, args=(llm,))

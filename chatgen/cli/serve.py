@@ -1,46 +1,81 @@
 """`chatgen serve`: an OpenAI-compatible HTTP server over a step-driven VLLMModule.
 
     chatgen serve --model outputs/tiny-llama                       # http://127.0.0.1:8000/v1
-    chatgen serve --model DIR --config configs/models/tiny_llama.yaml --port 8001 --api-key KEY seq_length=512
+    CHATGEN_API_KEY=KEY chatgen serve --model DIR --config configs/models/tiny_llama.yaml --port 8001 seq_length=512
     chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
 
-Binds to 127.0.0.1 unless --host says otherwise; with --api-key every endpoint needs
-`Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing
+Binds to 127.0.0.1 unless --host says otherwise; with an API key (the CHATGEN_API_KEY environment variable,
+--api-key-file, or --api-key, which every user of the machine can read in the process list) every endpoint
+needs `Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing
 `key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
+import os
 import sys
 
 from chatgen.cli.generate import add_module_arguments, build_module
 from chatgen.core.checkpoint_io import read_hf_config
+
+API_KEY_ENV = "CHATGEN_API_KEY"
 
 
 def add_arguments(parser) -> None:
     add_module_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on every request")
+    parser.add_argument("--api-key-file", metavar="PATH",
+                        help="require 'Authorization: Bearer KEY' on every request, KEY the first line of PATH "
+                             f"(or set {API_KEY_ENV}=KEY)")
+    parser.add_argument("--api-key", help="as --api-key-file, the key on the command line: every user of this machine "
+                                          f"sees it in the process list (ps); prefer {API_KEY_ENV} or --api-key-file")
     parser.add_argument("--control", action="store_true",
                         help="add the /control endpoints (pause, resume, weight updates from a trainer, prefix cache "
-                             "reset; chatgen/serving/control.py); beyond loopback they need --api-key")
+                             "reset; chatgen/serving/control.py); beyond loopback they need an API key")
+    parser.add_argument("--control-timeout", type=float, default=None, metavar="SECONDS",
+                        help="with --control: how long a weight update may keep the server waiting at any step "
+                             "(the trainer connecting after begin, each bucket, the end) before it is given up and "
+                             "the engine keeps its weights (default 120)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512")
 
 
 def run(args) -> int:
     read_hf_config(args.model, "--model")
+    # the key from the one place it was given (two are refused: which one counts would be a guess)
+    given = [name for name, value in ((API_KEY_ENV, os.environ.get(API_KEY_ENV)),
+                                      ("--api-key-file", args.api_key_file), ("--api-key", args.api_key))
+             if value is not None]
+    if len(given) > 1:
+        raise ValueError(f"{' and '.join(given)} both give an API key; give it one way")
+    key = None
+    if given == ["--api-key-file"]:
+        with open(args.api_key_file, encoding="utf-8") as f:
+            key = f.readline().strip()
+    elif given == ["--api-key"]:
+        key = args.api_key
+        print(f"chatgen serve: warning: --api-key shows the key to every user of this machine in the process list "
+              f"(ps); set {API_KEY_ENV}=KEY or use --api-key-file PATH instead", file=sys.stderr)
+    elif given:
+        key = os.environ[API_KEY_ENV]
+    if given and not key:
+        raise ValueError(f"{given[0]}: the API key is empty; give one, e.g. the output of `python -c 'import secrets; "
+                         "print(secrets.token_urlsafe(32))'`")
     import uvicorn  # the server's stack (and vLLM's protocol): not for `chatgen serve --help`
 
     from chatgen.serving.app import build_app
-    from chatgen.serving.control import check_bind, control_router
+    from chatgen.serving.control import DEFAULT_TIMEOUT_S, check_bind, control_router
 
-    if args.control:
-        check_bind(args.host, args.api_key)  # before the engine starts
+    if args.control:  # before the engine starts
+        check_bind(args.host, key)
+        if args.control_timeout is not None and not args.control_timeout > 0:
+            raise ValueError(f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
+                             "the server waiting, e.g. 120")
 
     module = build_module(args).start()
     try:
-        routers = [control_router(module, api_key=args.api_key, host=args.host)] if args.control else []
-        app = build_app(module, api_key=args.api_key, model_name=args.served_model_name or args.model,
+        timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
+        routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []
+        app = build_app(module, api_key=key, model_name=args.served_model_name or args.model,
                         routers=routers)
         print(f"chatgen serve: http://{args.host}:{args.port}/v1 (model {app.state.model_name!r})", file=sys.stderr)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

@@ -35,9 +35,52 @@ class ConfigError(ValueError):
         super().__init__(f"{len(self.errors)} config error(s):\n" + "\n".join(f"  {e}" for e in self.errors))
 
 
+# A config is a few kB. The bounds stop what a hostile or broken file could do to a loader that trusts it: a
+# "billion laughs" file (aliases of aliases: a few hundred bytes that expand to 10^9 values) used to run the
+# process out of memory (MemoryError) once anything walked the data, and a huge file takes PyYAML minutes.
+MAX_YAML_CHARS = 1 << 20
+MAX_YAML_VALUES = 100_000  # scalars, lists and mappings of one document, every alias counted as what it repeats
+
+
+class YAMLTooLarge(yaml.YAMLError):
+    """A YAML text over MAX_YAML_CHARS, or a document over MAX_YAML_VALUES values once its aliases are expanded."""
+
+
+def _expanded_values(node, memo: dict) -> int:
+    """Values in the document under `node` with every alias (a repeat of an anchored node) counted in full; a
+    node that contains itself (`&a [*a]`) is refused."""
+    key = id(node)
+    if key in memo:
+        if memo[key] is None:
+            raise YAMLTooLarge(f"line {node.start_mark.line + 1}: an alias refers to a node that contains it "
+                               "(a recursive anchor); a config cannot hold one, write the values out")
+        return memo[key]
+    memo[key] = None
+    if isinstance(node, yaml.MappingNode):
+        children = [n for pair in node.value for n in pair]
+    else:
+        children = node.value if isinstance(node, yaml.SequenceNode) else []
+    total = 1
+    for child in children:
+        total += _expanded_values(child, memo)
+        if total > MAX_YAML_VALUES:
+            break
+    memo[key] = total
+    return total
+
+
 class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, and refuses
-    a key given twice in one mapping (PyYAML would keep the last value without a word)."""
+    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, refuses
+    a key given twice in one mapping (PyYAML would keep the last value without a word), and refuses a document
+    whose aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is built)."""
+
+    def compose_document(self):
+        node = super().compose_document()
+        if node is not None and _expanded_values(node, {}) > MAX_YAML_VALUES:
+            raise YAMLTooLarge(f"the document holds more than {MAX_YAML_VALUES} values once its aliases (*name) are "
+                               "expanded (aliases of aliases multiply: a 'billion laughs' file); a config needs "
+                               "far fewer: write the values out, or use includes")
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen = {}
@@ -63,7 +106,15 @@ _Loader.add_implicit_resolver(
 
 
 def _yaml(text):
-    return yaml.load(text, Loader=_Loader)
+    """The YAML value of a string or a text file, within the bounds above (YAMLTooLarge otherwise)."""
+    if not isinstance(text, str):
+        text = text.read(MAX_YAML_CHARS + 1)
+    if len(text) > MAX_YAML_CHARS:
+        raise YAMLTooLarge(f"over {MAX_YAML_CHARS} characters; a config file is a few kB: is it the right file?")
+    try:
+        return yaml.load(text, Loader=_Loader)
+    except RecursionError:  # PyYAML composes nested lists and mappings recursively
+        raise YAMLTooLarge("nested deeper than the loader follows; a config nests a few levels") from None
 
 
 def show(path: str) -> str:
@@ -124,6 +175,9 @@ def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stac
     except OSError as e:
         errors.append(f"{ref or shown}: cannot read {shown} ({e.strerror}); fix the path "
                       "(relative paths resolve against the directory of the file that names them)")
+        return empty
+    except YAMLTooLarge as e:
+        errors.append(f"{shown}: refused: {e}")
         return empty
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

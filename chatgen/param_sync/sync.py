@@ -8,8 +8,11 @@ Across processes (trainer actor(s) -> an inference actor, over a private torch.d
 CPU, NCCL on GPU):
 
     # inference process                          # every trainer rank
-    rx = SyncReceiver()                           tx = SyncSender(rx_host, rx.port)
+    rx = SyncReceiver()                           tx = SyncSender(rx_host, rx.port, rx.token)
     rx.receive_into(policy)                       sync_weights(trainer, tx)
+
+The token is the channel's secret: only a sender that proves it over the group's own connection can send
+weights, and the engine waits at each step for a bounded time (see "across processes" below).
 
 The source is anything that yields HF-named weights (`weight_source`): a chatgen `MegatronModule` (its public
 `hf_weights()` stream, gathered over TP and PP), a `torch.nn.Module` with Hugging Face parameter names (a
@@ -30,7 +33,10 @@ fingerprint of every tensor it received.
 """
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import json
+import secrets
 import time
 
 import torch
@@ -120,7 +126,14 @@ class LocalWeights:
         return [t for _, t in self._buckets[index]]
 
     def nonfinite(self) -> list[str]:
-        return [name for name, t in self._tensors if not torch.isfinite(t.float().sum())]
+        return nonfinite(self._tensors)
+
+
+def nonfinite(named_tensors) -> list[str]:
+    """Names of the (name, tensor) pairs holding NaN or inf. One fp32 sum per tensor, without a copy: NaN and
+    inf survive a sum (inf + -inf is NaN); a sum that overflows from finite values is ruled out exactly."""
+    return [name for name, t in named_tensors
+            if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()]
 
 
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
@@ -198,10 +211,16 @@ def _load(target, buckets, mode: str = "wait") -> int:
     return written[0]
 
 
-def _checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None):
+def _checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None, finite=False):
     """Pass buckets through, checking names/shapes against the plan and, when asked, every value (against
-    `weights.reference(i)`, or the sender's `fingerprints`)."""
+    `weights.reference(i)`, or the sender's `fingerprints`; `finite`: no NaN / inf, whatever the sender said)."""
     for index, (bucket, items) in enumerate(zip(plan, buckets_iter)):
+        bad = nonfinite(items) if finite else []
+        if bad:
+            raise SyncError(f"the engine found NaN or inf in {len(bad)} parameter(s) the trainer sent "
+                            f"({', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; bucket {index + 1} of "
+                            f"{len(plan)}), although its header said none; the training step that made them "
+                            "diverged (lower the learning rate, check the loss)")
         reference = weights.reference(index) if validate and weights is not None else None
         for i, ((name, shape), (got_name, t)) in enumerate(zip(bucket, items)):
             if got_name != name or tuple(t.shape) != tuple(shape):
@@ -238,67 +257,150 @@ def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, valid
 
 
 # ---- across processes -------------------------------------------------------------------------------
+# The channel: the engine serves a torch TCPStore (the rendezvous) and both ends form a private 2-member group
+# (gloo on CPU, NCCL on GPU) that carries the weights. Anyone who reaches the store's port can read, write and
+# delete its keys (list_keys included), and so take part in the group's rendezvous: nothing a stranger can do
+# there may become a weight. So the receiver makes a token (`SyncReceiver.token`, handed to the trainer by
+# whoever set the channel up: the authenticated HTTP begin call, a Ray call, a child's arguments) and
+#   1. starts the group only once the rendezvous holds an HMAC of the token (_PROOF_KEY): a stranger cannot make
+#      the engine connect anywhere;
+#   2. before every sync, over the group's own connection (the one the tensors will come through), both ends
+#      prove the token: a fresh nonce from each, then HMAC-SHA256(token, role | both nonces) from each, checked
+#      in constant time. A peer that joined the group in the trainer's place fails here, before the manifest or
+#      any tensor is read, and the engine closes the channel; a trainer talking to a stranger in the engine's
+#      place sends nothing.
+# Every wait of the engine has a deadline and can be stopped (`alive`): a trainer that dies or stalls mid-sync
+# costs one failed sync, never a stuck engine.
 
-_TIMEOUT = datetime.timedelta(minutes=10)
-_READY_KEY = "chatgen_sync_sender_ready"
+DEFAULT_TIMEOUT_S = 600.0  # the engine's patience at each step of a sync (connect, manifest, each bucket, the end)
+_TRAINER_TIMEOUT = datetime.timedelta(minutes=10)  # the trainer's group: the engine's deadlines bound its waits
+_PROOF_KEY = "chatgen_weight_sync_proof"
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
 
 
+def _mac(token: str, *parts: bytes) -> bytes:
+    return hmac.new(token.encode(), b"chatgen weight sync|" + b"|".join(parts), hashlib.sha256).digest()
+
+
 def _store(host: str, port: int, is_server: bool):
-    return tcp_store(host, port, 2, is_server, timeout=_TIMEOUT)  # loopback host -> loopback-only listener
+    return tcp_store(host, port, 2, is_server, timeout=_TRAINER_TIMEOUT)  # loopback host: loopback-only listener
 
 
-def _process_group(store, rank: int):
+def _process_group(store, rank: int, timeout: datetime.timedelta = _TRAINER_TIMEOUT):
     """A private 2-member group (0 = trainer rank 0, 1 = engine), independent of any default group."""
     if torch.cuda.is_available():
         return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, _TIMEOUT)
+    return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
 def _device():
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _bcast(pg, tensor: torch.Tensor, root: int) -> torch.Tensor:
+class _Patience:
+    """How long the engine waits for the trainer at one step of a sync (`what`), and whether it still should
+    (`alive()`, polled): an operation on the group that outlasts either raises SyncError."""
+
+    def __init__(self, seconds: float, alive, what: str):
+        self.seconds, self.alive, self.what = seconds, alive, what
+        self.end = time.monotonic() + seconds
+
+    def remaining(self) -> datetime.timedelta:
+        """For the operation's own timeout: a second past the deadline, so that `check` reports first."""
+        return datetime.timedelta(seconds=max(self.end - time.monotonic(), 0) + 1)
+
+    def check(self) -> None:
+        if self.alive is not None and self.alive() is False:
+            raise SyncError(f"the sync was stopped while the engine waited for {self.what}")
+        if time.monotonic() > self.end:
+            raise SyncError(f"the engine waited {self.seconds:g} s for {self.what}, in vain (the trainer died, "
+                            "stalled, or never came)")
+
+    def wait(self, work) -> None:
+        pause = 5e-4
+        while not work.is_completed():
+            self.check()
+            time.sleep(pause)
+            pause = min(2 * pause, 0.02)
+
+
+def _bcast(pg, tensor: torch.Tensor, root: int, patience: _Patience | None = None) -> torch.Tensor:
     opts = dist.BroadcastOptions()
     opts.rootRank = root
-    pg.broadcast([tensor], opts).wait()
+    if patience is not None:
+        opts.timeout = patience.remaining()  # gloo's own bound: an operation given up on ends soon after
+    work = pg.broadcast([tensor], opts)
+    if patience is not None:
+        patience.wait(work)
+    work.wait()
     return tensor
 
 
-def _send_json(pg, obj, root: int, me: int):
+def _send_json(pg, obj, root: int, me: int, patience: _Patience | None = None):
     """Broadcast a JSON-able object from `root` (never pickle: the peer is another process)."""
     if me == root:
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(_device())
-        _bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=_device()), root)
-        _bcast(pg, data, root)
+        _bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=_device()), root, patience)
+        _bcast(pg, data, root, patience)
         return obj
-    n = _bcast(pg, torch.zeros(1, dtype=torch.int64, device=_device()), root)
-    data = _bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=_device()), root)
+    n = _bcast(pg, torch.zeros(1, dtype=torch.int64, device=_device()), root, patience)
+    data = _bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=_device()), root, patience)
     return json.loads(bytes(data.cpu().tolist()).decode())
 
 
-class SyncSender:
-    """Trainer end of a cross-process sync; construct on every trainer rank (only global rank 0 connects)."""
+def _exchange(pg, mine: bytes, root: int, me: int, patience: _Patience | None) -> bytes:
+    """32 bytes from `root` to the other end (`mine` on the root, ignored elsewhere)."""
+    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(_device())
+    return bytes(_bcast(pg, tensor, root, patience).cpu().tolist())
 
-    def __init__(self, host: str, port: int):
-        self.host, self.port, self._pg = host, port, None
+
+def _authenticate(pg, token: str, me: int, patience: _Patience | None = None) -> None:
+    """Both ends of the group prove they hold `token` (see above); SyncError at the end that finds the other's
+    proof wrong. The trainer (0) proves first; the engine (1) answers with its own proof only to a trainer that
+    proved, and with zeros otherwise, so that neither end is left waiting."""
+    nonces = [_exchange(pg, secrets.token_bytes(32), root, me, patience) for root in (0, 1)]
+    proofs = [_mac(token, role, *nonces) for role in (b"trainer", b"engine")]
+    trainer_proved = hmac.compare_digest(_exchange(pg, proofs[0], 0, me, patience), proofs[0])
+    engine_proof = _exchange(pg, proofs[1] if trainer_proved else bytes(32), 1, me, patience)
+    if me == 1 and not trainer_proved:
+        raise SyncError("the peer on the weight channel did not prove this update's token (it is not the trainer "
+                        "the channel was opened for); the channel is closed")
+    if me == 0 and not hmac.compare_digest(engine_proof, proofs[1]):
+        raise SyncError("weight sync refused: the engine at the other end of the weight channel did not accept "
+                        "this update's token (a stale token, or a peer that is not the engine that opened the "
+                        "channel); nothing was sent")
+
+
+class SyncSender:
+    """Trainer end of a cross-process sync; construct on every trainer rank (only global rank 0 connects).
+    host, port, token: the receiver's (`SyncReceiver.host`, `.port`, `.token`); `token` may be replaced before
+    each send (an engine behind `chatgen serve --control` hands out one per update)."""
+
+    def __init__(self, host: str, port: int, token: str):
+        self.host, self.port, self.token, self._pg = host, port, token, None
 
     def send(self, source, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False) -> SyncReport:
         start = time.perf_counter()
         me = dist.get_rank() if dist.is_initialized() else 0
-        if me == 0 and self._pg is None:
-            store = _store(self.host, self.port, is_server=False)
-            store.set(_READY_KEY, "1")
-            self._pg = _process_group(store, 0)
         weights = weight_source(source, bucket_bytes)
         plan = weights.plan
-        header = sync_header(weights, validate)
-        verdict = None
+        header = sync_header(weights, validate)  # collective over the trainer ranks
+        verdict = failure = None
         if me == 0:
-            _send_json(self._pg, header, root=0, me=0)
-            verdict = _send_json(self._pg, None, root=1, me=0)  # receiver's manifest check
+            try:
+                if self._pg is None:
+                    store = _store(self.host, self.port, is_server=False)
+                    store.set(_PROOF_KEY, _mac(self.token, b"rendezvous").hex())
+                    self._pg = _process_group(store, 0)
+                _authenticate(self._pg, self.token, 0)
+                _send_json(self._pg, header, root=0, me=0)
+                verdict = _send_json(self._pg, None, root=1, me=0)  # receiver's manifest check
+            except Exception as e:  # the other ranks learn it below, rank 0 raises it as it is
+                self._pg, failure = None, e
+                verdict = {"error": f"weight sync failed on trainer rank 0: {type(e).__name__}: {e}"}
         verdict = _share(verdict)
+        if failure is not None:
+            raise failure
         if verdict["error"]:
             raise SyncError(verdict["error"])
         n = 0
@@ -336,7 +438,8 @@ def sync_header(weights, validate: bool) -> dict:
 
 def check_header(header: dict, target) -> None:
     """The engine's checks of a `sync_header` before anything is written: known dtype, no name twice, the
-    manifest against `target`'s architecture, every weight finite. A SyncError names what is wrong."""
+    manifest against `target`'s architecture, no parameter the trainer reports NaN / inf. (The engine checks
+    the values it receives itself too: `_checked(..., finite=True)`.) A SyncError names what is wrong."""
     if header["dtype"] not in _DTYPES:
         raise SyncError(f"weight sync refused, the engine keeps its old weights: dtype {header['dtype']} is not one "
                         f"of {sorted(_DTYPES)}")
@@ -363,47 +466,89 @@ def _share(obj):
 
 class SyncReceiver:
     """Engine end of a cross-process sync. Hosts the rendezvous on host:port (port 0 = a free one), so
-    create it before the trainer ranks start and hand them `.port`."""
+    create it before the trainer ranks start and hand them `.port` and `.token` (the secret a sender must prove;
+    hand it over a channel that is itself private or authenticated). timeout: the engine's patience, in seconds,
+    at each step of a sync (see `receive_into`). A sync that fails without both ends knowing where the other
+    stands (a deadline passed, the sync was stopped, the peer failed to prove the token or vanished) closes the
+    receiver (`closed`): open a new one."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
         if port == 0:
-
             port = free_port()
-        self.host, self.port, self._pg = host, port, None
+        self.host, self.port, self.timeout, self._pg = host, port, timeout, None
+        self.token = secrets.token_hex(32)
         self._store = _store(host, port, is_server=True)
+
+    def new_token(self) -> str:
+        """Replace the token: the next sync must prove this one (a one-time token per update); returns it."""
+        self.token = secrets.token_hex(32)
+        return self.token
+
+    @property
+    def closed(self) -> bool:
+        return self._store is None
+
+    def close(self) -> None:
+        """Leave the group and stop serving the rendezvous (a group operation still pending ends at its own
+        deadline)."""
+        self._pg = self._store = None
 
     def receive_into(self, target, alive=None, mode: str = "wait") -> SyncReport:
         """Receive one sync from the trainer and load it into `target` (a generation module); blocks until it
-        arrives.
+        arrives, is refused, or a deadline passes: the trainer gets `timeout` seconds to connect (the first
+        time) and prove the token, then as long again for the manifest, for each bucket and for the end.
 
-        alive: optional callable polled while waiting for the trainer to connect; it should raise (or
-        return False) when the trainer processes died, so a failed trainer does not leave us waiting.
+        alive: optional callable polled while waiting; returning False (e.g. the trainer processes died, or
+        the server's operator stopped the update) ends the sync with a SyncError.
         mode: what the target does with requests in flight (`GenerationModule.load_weights`).
+        The values are checked here, whatever the trainer's header says: a NaN or inf stops the sync.
         """
-        if self._pg is None:
-            while not self._store.check([_READY_KEY]):
-                if alive is not None and alive() is False:
-                    raise SyncError("the trainer stopped before connecting; the engine keeps its old weights")
-                time.sleep(0.2)
-            self._pg = _process_group(self._store, 1)
+        if self.closed:
+            raise SyncError("weight sync refused, the engine keeps its old weights: this weight channel was closed "
+                            "after a failed or stopped sync; open a new one")
+
+        def patience(what: str) -> _Patience:
+            return _Patience(self.timeout, alive, what)
+
+        def before_load(action):  # an exchange before anything is written: a failure leaves the two ends out of
+            try:                  # step for good (the channel closes), and the engine on its old weights
+                return action()
+            except Exception as e:
+                self.close()
+                why = str(e) if isinstance(e, SyncError) else f"{type(e).__name__}: {e}"
+                raise SyncError(f"weight sync failed, the engine keeps its old weights: {why}") from e
+            except BaseException:
+                self.close()
+                raise
+
         start = time.perf_counter()
-        header = _send_json(self._pg, None, root=0, me=1)
+        if self._pg is None:
+            before_load(lambda: self._connect(patience("a trainer to connect with the token's proof")))
+        before_load(lambda: _authenticate(self._pg, self.token, 1, patience("the trainer's proof of the token")))
+        header = before_load(lambda: _send_json(self._pg, None, root=0, me=1, patience=patience("the manifest")))
         try:
             check_header(header, target)
-        except SyncError as e:
-            _send_json(self._pg, {"error": str(e)}, root=1, me=1)
+        except SyncError as e:  # refused, both ends in step: the channel stays open for the next sync
+            refusal = str(e)
+            before_load(lambda: _send_json(self._pg, {"error": refusal}, 1, 1, patience("the trainer")))
             raise
-        _send_json(self._pg, {"error": None}, root=1, me=1)
+        before_load(lambda: _send_json(self._pg, {"error": None}, 1, 1, patience("the trainer")))
         dtype = _DTYPES[header["dtype"]]
-        received = {"buckets": 0, "bytes": 0, "aborted": False}
+        received = {"buckets": 0, "bytes": 0, "aborted": False, "lost": False}
 
         def next_flat(shapes):
-            status = _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device()), root=0)
-            if int(status):
-                received["aborted"] = True
-                raise SyncError(f"the trainer aborted the sync: {_send_json(self._pg, None, root=0, me=1)}")
-            flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=_device())
-            _bcast(self._pg, flat, root=0)
+            what = f"bucket {received['buckets'] + 1} of {len(header['buckets'])}"
+            try:
+                status = _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device()), 0, patience(what))
+                if int(status):
+                    why = _send_json(self._pg, None, root=0, me=1, patience=patience("the trainer's reason"))
+                    received["aborted"] = True  # both ends know: nothing more on the wire
+                    raise SyncError(f"the trainer aborted the sync: {why}")
+                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=_device())
+                _bcast(self._pg, flat, 0, patience(what))
+            except BaseException:
+                received["lost"] = not received["aborted"]
+                raise
             received["buckets"] += 1
             received["bytes"] += flat.numel() * flat.element_size()
             return flat
@@ -415,13 +560,28 @@ class SyncReceiver:
 
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
-            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
-        except SyncError as e:
-            if received["aborted"]:  # the trainer raised too; nothing more on the wire
-                raise
-            for bucket in header["buckets"][received["buckets"]:]:  # drain: keep both ends in step
-                next_flat([tuple(s) for _, s in bucket])
-            _send_json(self._pg, {"error": str(e)}, root=1, me=1)
+            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"], finite=True), mode)
+        except BaseException as e:
+            if received["lost"] or not isinstance(e, SyncError):
+                self.close()
+            elif not received["aborted"]:  # refused here (a value, the engine's load): drain, and say why
+                try:
+                    for bucket in header["buckets"][received["buckets"]:]:
+                        next_flat([tuple(s) for _, s in bucket])
+                    _send_json(self._pg, {"error": str(e)}, root=1, me=1, patience=patience("the trainer"))
+                except Exception:  # the trainer is gone too: the refusal above is what matters
+                    self.close()
             raise
-        _send_json(self._pg, {"error": None}, root=1, me=1)
+        try:
+            _send_json(self._pg, {"error": None}, root=1, me=1, patience=patience("the trainer"))
+        except Exception:  # the weights are in (the report says so); only the trainer does not hear it
+            self.close()
         return SyncReport(time.perf_counter() - start, received["bytes"], n, len(plan), bool(header["validated"]))
+
+    def _connect(self, patience: _Patience) -> None:
+        """Wait until the rendezvous holds the token's proof, then form the group (both within `patience`)."""
+        proof = _mac(self.token, b"rendezvous").hex().encode()
+        while not (self._store.check([_PROOF_KEY]) and hmac.compare_digest(self._store.get(_PROOF_KEY), proof)):
+            patience.check()
+            time.sleep(0.05)
+        self._pg = _process_group(self._store, 1, patience.remaining())

@@ -40,8 +40,12 @@ def lock_output_dir(out_dir):
     """Hold an exclusive lock on `out_dir` for this process's life (released when it exits, however it exits);
     a second run into the same directory fails at once naming the first one's pid."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(out_dir / LOCK_FILE, "a+")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        handle = open(out_dir / LOCK_FILE, "a+")
+    except OSError as e:
+        raise OSError(f"runtime.output_dir: cannot write into {out_dir} ({e.strerror or e}); choose a directory "
+                      "this user can create and write") from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -103,13 +107,13 @@ def resume_point(save_dir, resume_from=None) -> Path:
     if resume_from is not None:
         path = Path(resume_from)
         path = path if path.is_dir() else save_dir / str(resume_from)
-        if not path.is_dir():
-            raise CheckpointError(f"--resume-from {resume_from}: no checkpoint there; the checkpoints of this run "
-                                  f"are {', '.join(available(save_dir)) or 'none'}")
+        if not path.is_dir():  # a flag naming no checkpoint: the input must change (exit 2)
+            raise FileNotFoundError(f"--resume-from {resume_from}: no checkpoint there; the checkpoints of this run "
+                                    f"are {', '.join(available(save_dir)) or 'none'}")
     else:
         path = latest_checkpoint(save_dir)
         if path is None:
-            raise CheckpointError(f"--resume: no complete checkpoint under {save_dir}; start without --resume")
+            raise FileNotFoundError(f"--resume: no complete checkpoint under {save_dir}; start without --resume")
     problems = verify_checkpoint(path)
     if problems:
         earlier = [name for name in available(save_dir) if name < path.name]

@@ -12,7 +12,9 @@ tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resu
 the records up to k and drops the later ones (they are about to be redone).
 """
 import json
+import logging
 import math
+import os
 import sys
 import time
 from contextlib import contextmanager
@@ -22,6 +24,8 @@ import torch
 from tqdm.auto import tqdm
 
 from chatgen.core.checkpoint_io import atomic_file
+
+logger = logging.getLogger(__name__)
 
 
 class PhaseTimer:
@@ -45,10 +49,26 @@ class PhaseTimer:
 
 
 def read_jsonl_metrics(path) -> list[dict]:
+    """The episode records of a metrics.jsonl. A line that is not a whole record (what a kill or a full disk in the
+    middle of an append leaves) is dropped with a warning naming the file and line: the metrics of one episode
+    are lost, the run is not."""
     path = Path(path)
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = []
+    for lineno, line in enumerate(path.read_bytes().split(b"\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # torn JSON, or a torn UTF-8 sequence
+            record = None
+        if isinstance(record, dict) and isinstance(record.get("episode"), int):
+            records.append(record)
+        else:
+            logger.warning("%s:%d: not a whole metrics record (an append cut short by a kill or a full disk?): "
+                           "dropped: %r", path, lineno, line[:80])
+    return records
 
 
 class MetricsLogger:
@@ -63,7 +83,8 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
         kept = [r for r in read_jsonl_metrics(self.jsonl) if r["episode"] < start_episode]
-        self.jsonl.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        with atomic_file(self.jsonl) as tmp:  # a kill here leaves the old file, never half of the new one
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -79,8 +100,14 @@ class MetricsLogger:
 
     def log(self, episode: int, metrics: dict) -> None:
         record = {"episode": episode, **{k: float(v) for k, v in metrics.items()}}
-        with open(self.jsonl, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        line = (json.dumps(record) + "\n").encode()
+        with open(self.jsonl, "a+b") as f:  # "a+": every write appends, reads go anywhere
+            end = f.seek(0, os.SEEK_END)
+            if end:
+                f.seek(end - 1)
+                if f.read(1) != b"\n":  # the last append was cut short (a kill, a full disk): its torn line
+                    line = b"\n" + line  # ends here, and this record starts a line of its own
+            f.write(line)
         if self.writer is not None:
             for key, value in record.items():
                 if key != "episode" and math.isfinite(value):

@@ -22,13 +22,14 @@ from pathlib import Path
 
 import torch
 
+from chatgen.config import ConfigError
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
 from chatgen.core.tensors import select
 from chatgen.module import startup_gc
 from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved
+from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, check_rewards
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
@@ -54,18 +55,11 @@ class Run:
         algorithm = algorithms.load(cfg.runtime.algorithm.name)
         check_run(cfg, algorithm)
         self.cfg, self.log, self.plot = cfg, log, None
-        self.out_dir = Path(cfg.runtime.output_dir)
+        rt = cfg.runtime
+        self.out_dir = Path(rt.output_dir)
         self.save_dir = self.out_dir / "checkpoints"
-        self._lock = ckpt.lock_output_dir(self.out_dir)  # before anything is written into it
-        try:
-            self._start(algorithm, resume, phases, records_per_episode)
-        except BaseException:
-            self._lock.close()
-            raise
-        self._evaluate = evaluate or evaluate_policy
-
-    def _start(self, algorithm, resume, phases, records_per_episode) -> None:
-        cfg, rt = self.cfg, self.cfg.runtime
+        # everything that can refuse the inputs (the checkpoint, the data, a changed setting) before the lock:
+        # a refused run writes nothing
         if resume:  # True: the latest checkpoint; a path or episode directory name: that one
             last = ckpt.resume_point(self.save_dir, None if resume is True else resume)
         elif ckpt.latest_checkpoint(self.save_dir) is not None:
@@ -75,7 +69,42 @@ class Run:
             last = None
         self.data = RunData(rt, records_per_episode or rt.sample_per_episode)
         if last is not None:
-            self.data.check_order(ckpt.load_state(last).get("data_order", {}), last, rt.allow_data_order_change)
+            state = ckpt.load_state(last)
+            self.data.check_order(state.get("data_order", {}), last, rt.allow_data_order_change)
+            self._check_restored_keys(state.get("config"), last)
+        self._lock = ckpt.lock_output_dir(self.out_dir)  # before anything is written into it
+        try:
+            self._start(algorithm, last, phases)
+        except BaseException:
+            self._lock.close()
+            raise
+        self._evaluate = evaluate or evaluate_policy
+
+    def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
+        """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
+        optimizer, LR schedule, RNG, weights: its config's RESTORED_BY_CHECKPOINT): the resumed run would go on
+        with the saved value. Every other key is read from this run's config, so a change applies (and
+        resolved_config.yaml records it). `saved`: the config the checkpoint was written with (None: a
+        checkpoint from before chatgen recorded it, nothing to compare)."""
+        if saved is None:
+            return
+        problems = []
+        for name, entry in self.cfg.models.items():
+            before = ((saved.get("models") or {}).get(name) or {}).get("config") or {}
+            for key in getattr(entry.config, "RESTORED_BY_CHECKPOINT", ()) if entry.trainable else ():
+                now = getattr(entry.config, key)
+                if key in before and before[key] != now:
+                    problems.append(
+                        f"--resume from {path}: models.{name}.config.{key}: {before[key]!r} -> {now!r}: the "
+                        f"checkpoint carries this setting (a trainer's weights, optimizer, LR schedule and RNG come "
+                        f"from it), so the resumed run would keep {before[key]!r}; set it back to resume, or start a "
+                        f"new run (another runtime.output_dir) from the checkpoint's weights: chatgen convert --to "
+                        f"hf --input {path / name} --output DIR, then {name}.load=DIR")
+        if problems:
+            raise ConfigError(problems)
+
+    def _start(self, algorithm, last, phases) -> None:
+        cfg, rt = self.cfg, self.cfg.runtime
         self.health = StepHealth(rt.max_bad_train_steps, self.log)
         torch.manual_seed(rt.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -222,7 +251,8 @@ class Run:
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
         state = {"episode": episode, "sampler": sampler_state or self.data.sampler.state_dict(),
-                 "data_order": self.data.order, "rng": ckpt.rng_state(), "actor_rng": self.runtime.rng_states()}
+                 "data_order": self.data.order, "rng": ckpt.rng_state(), "actor_rng": self.runtime.rng_states(),
+                 "config": to_dict(self.cfg)}  # what a resume compares its config with (_check_restored_keys)
         return ckpt.commit_checkpoint(tmp, state)
 
     def _resume(self, path: Path) -> None:

@@ -12,7 +12,8 @@ wakes its KV cache once the trainers' weights are out too: the two never hold th
 
 A trainer in the same colocation group as its target (same actor processes) writes into it in place
 (chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
-`SyncSender` (a private torch.distributed group), kept for the run on the workers (`ModelWorker.attach`).
+`SyncSender` (a private torch.distributed group; the receiver's token, which every sync proves, goes to the
+trainer in a Ray call), kept for the run on the workers (`ModelWorker.attach`).
 """
 from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
 from chatgen.rlhf.runtime import rendezvous_host
@@ -28,15 +29,15 @@ def _sync_colocated(worker, trainer, target, validate):
 
 def _open_receiver(worker, target, multi_node):
     receiver = worker.attach(target, RECEIVER, SyncReceiver(host=rendezvous_host(multi_node)))
-    return receiver.host, receiver.port
+    return receiver.host, receiver.port, receiver.token  # the token travels in Ray's calls, never on the channel
 
 
 def _receive(worker, target):
     worker.attached[(target, RECEIVER)].receive_into(worker.models[target])
 
 
-def _connect_sender(worker, trainer, host, port):
-    worker.attach(trainer, SENDER, SyncSender(host, port))
+def _connect_sender(worker, trainer, host, port, token):
+    worker.attach(trainer, SENDER, SyncSender(host, port, token))
 
 
 def _send(worker, trainer, validate):
@@ -56,9 +57,9 @@ class WeightLinks:
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
                 continue
-            host, port = target.get(target.group.run_async(_open_receiver, target.name, target.group.multi_node),
-                                    "open sync")[0]
-            trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
+            host, port, token = target.get(target.group.run_async(_open_receiver, target.name,
+                                                                  target.group.multi_node), "open sync")[0]
+            trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port, token), "connect sync")
         if self.sleeps:
             groups = [runtime[target].group for target in self.pairs.values()]
             self.offloading = [name for name, h in runtime.handles.items()

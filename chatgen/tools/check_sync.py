@@ -32,16 +32,24 @@ from chatgen.core.imports import import_class
 from chatgen.core.jsonl import is_token_ids, read_records
 from chatgen.generation.base import load_backend
 from chatgen.generation.batching import iter_samples, sample_logprobs
+from chatgen.generation.config import check_prompt_ids
 from chatgen.models import layout
 from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
 from chatgen.training.launcher import DistributedJob, ctx_queue
 from chatgen.training.megatron_module import MegatronModule
 
 
-def read_prompts(path) -> list:
-    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line."""
+def read_prompts(path, vocab_size: int) -> list:
+    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line (also an id outside the
+    model's vocabulary [0, vocab_size): the embedding lookup would fail deep in the engine or the trainer)."""
     def check(record):
-        return None if is_token_ids(record.get("prompt_ids")) else 'needs "prompt_ids": a non-empty list of token ids'
+        if not is_token_ids(record.get("prompt_ids")):
+            return 'needs "prompt_ids": a non-empty list of token ids'
+        try:
+            check_prompt_ids(record["prompt_ids"], vocab_size, '"prompt_ids"')
+        except ValueError as e:
+            return str(e)
+        return None
 
     return [r["prompt_ids"] for r in read_records(path, check, "prompts")]
 
@@ -69,10 +77,10 @@ def _score(trainer, sequences) -> list:
     return out
 
 
-def _trainer_rank(config, port, bucket_bytes, validate, to_trainer, from_trainer):
+def _trainer_rank(config, port, token, bucket_bytes, validate, to_trainer, from_trainer):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     trainer = MegatronModule(config).start()
-    sync_weights(trainer, SyncSender("127.0.0.1", port), bucket_bytes=bucket_bytes, validate=validate)
+    sync_weights(trainer, SyncSender("127.0.0.1", port, token), bucket_bytes=bucket_bytes, validate=validate)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     scores = _score(trainer, box[0])
@@ -106,7 +114,7 @@ def check_sync(args) -> dict:
                          "directory (e.g. one from `chatgen make-tiny-model`)")
     spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
     layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)  # here, once: not in every rank's traceback
-    prompts = read_prompts(args.input)
+    prompts = read_prompts(args.input, spec.vocab_size)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
     world = args.train_tp * args.train_pp * args.train_ep
@@ -126,8 +134,8 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         rx = SyncReceiver()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
-        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, bucket_bytes, args.validate, to_trainer,
-                                                         from_trainer))
+        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, rx.token, bucket_bytes, args.validate,
+                                                         to_trainer, from_trainer))
         try:
             report = rx.receive_into(engine, alive=job.poll)
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)

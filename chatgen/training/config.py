@@ -1,12 +1,18 @@
 """The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads (docs/megatron_module.md)."""
 import dataclasses
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
 
 
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
+    # What a resumed trainer takes from its checkpoint, not from these keys: the weights, the RNG streams, the
+    # optimizer's state and the LR schedule's. A resume that changes one of them is refused (chatgen.rlhf.run):
+    # the run would go on with the saved value while resolved_config.yaml showed the new one.
+    RESTORED_BY_CHECKPOINT: ClassVar[tuple] = ("load", "seed", "lr", "min_lr", "weight_decay", "adam_beta1",
+                                               "adam_beta2", "adam_eps", "lr_warmup_iters", "lr_decay_iters")
+
     load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from")
     dtype: DTYPES = opt("float32", "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)")
     seed: int = opt(1234, "initialisation and dropout seed")

@@ -8,7 +8,6 @@ noise. Sampled tokens cannot be compared across backends (different random strea
 against the model's own forward pass instead.
 """
 import asyncio
-import json
 import re
 from pathlib import Path
 

@@ -241,7 +241,10 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
                                                                   monkeypatch):
     """Stopped after episode 2 and resumed, a run's episode 3 equals an uninterrupted run's to the bit: data
     position, driver and actor RNGs (vLLM's sampling included: the evaluation samples too), trainer weights and
-    optimizer. A resume that would change the data order, or from a damaged checkpoint, is refused."""
+    optimizer. A resume that would change the data order, or a setting the checkpoint carries (the trainer's lr:
+    it trained on at the old lr while resolved_config.yaml showed the new one), or from a damaged checkpoint, is
+    refused; a metrics line torn by the kill does not stop it."""
+    from chatgen.config import ConfigError
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.checkpoint import CheckpointError
     from chatgen.rlhf.config import load_config
@@ -261,6 +264,12 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
         grpo.train(config(part, 3), log=quiet)
     with pytest.raises(CheckpointError, match="seed: 1234 -> 7"):
         grpo.train(config(part, 3, "runtime.seed=7"), resume=True, log=quiet)
+    resolved = (part / "resolved_config.yaml").read_text()
+    with pytest.raises(ConfigError, match=r"models.policy_trainer.config.lr: 0.0005 -> 0.5: the checkpoint carries"):
+        grpo.train(config(part, 3, "policy_trainer.lr=0.5"), resume=True, log=quiet)
+    assert (part / "resolved_config.yaml").read_text() == resolved  # refused before anything was written
+    with open(part / "metrics.jsonl", "ab") as f:
+        f.write(b'{"episode": 3, "reward/m')  # what a kill in the middle of an append leaves
     grpo.train(config(part, 3), resume=True, log=quiet)
     full, resumed = read_metrics(tmp_path / "full"), read_metrics(part)
     assert sorted(resumed) == [0, 1, 2, 3]

@@ -151,7 +151,7 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
 
 
-def _cross_process_trainer(model_dir, layouts, port):
+def _cross_process_trainer(model_dir, layouts, port, token):
     """Trainer ranks: one sync per (TP, PP) layout of the 2 ranks into the engine in the parent process; (1, 1) is
     DP = 2: two replicas of the whole model, rank 0 sends."""
     from megatron.core import parallel_state as ps
@@ -159,7 +159,7 @@ def _cross_process_trainer(model_dir, layouts, port):
     from chatgen.param_sync import SyncSender
     from chatgen.training.megatron_module import MegatronModule
 
-    tx = SyncSender("127.0.0.1", port)
+    tx = SyncSender("127.0.0.1", port, token)
     for tp, pp in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
@@ -179,7 +179,7 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     llm = engine(model_dir)
     rx = SyncReceiver()
     layouts = [(2, 1), (1, 2), (1, 1)]
-    job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port))
+    job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
     try:
         for layout in layouts:
             assert max_diff_vs_hf(model_dir, generate(llm)) > 1e-2  # engine holds random weights

@@ -106,7 +106,7 @@ def test_control_endpoints_need_the_api_key(server, path):
 def test_control_endpoints_refuse_a_public_bind_without_a_key():
     from chatgen.serving.control import control_router
 
-    with pytest.raises(ValueError, match="--control on --host 0.0.0.0 without --api-key"):
+    with pytest.raises(ValueError, match="--control on --host 0.0.0.0 without an API key"):
         control_router(None, api_key=None, host="0.0.0.0")
 
 

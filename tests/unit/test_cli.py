@@ -149,3 +149,74 @@ def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_
                           text=True, timeout=60, env={**os.environ, **env})
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [limited, str(arenas)]
+
+
+@pytest.mark.faults
+def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(tiny_llama_dir, tmp_path, monkeypatch,
+                                                                            capsys):
+    """--api-key was the only way, and `ps` shows it to every user of the machine. (Each call stops at a bad
+    --control-timeout, after the key is read and before an engine starts.)"""
+    from chatgen.cli import main
+
+    serve = ["serve", "--model", str(tiny_llama_dir), "--control", "--host", "0.0.0.0", "--control-timeout", "0"]
+    monkeypatch.delenv("CHATGEN_API_KEY", raising=False)
+    assert main([*serve, "--api-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert "warning: --api-key shows the key to every user of this machine in the process list (ps)" in err
+    assert "--control-timeout 0.0: give the seconds" in err  # the key was taken: --host 0.0.0.0 passed
+    key_file = tmp_path / "key"
+    key_file.write_text("from-a-file\n")
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    err = capsys.readouterr().err
+    assert "warning" not in err and "--control-timeout" in err
+    monkeypatch.setenv("CHATGEN_API_KEY", "from-the-environment")
+    assert main(serve) == 2 and "--control-timeout" in capsys.readouterr().err
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    assert "CHATGEN_API_KEY and --api-key-file both give an API key; give it one way" in capsys.readouterr().err
+    monkeypatch.delenv("CHATGEN_API_KEY")
+    key_file.write_text("\n")
+    assert main([*serve, "--api-key-file", str(key_file)]) == 2
+    assert "--api-key-file: the API key is empty" in capsys.readouterr().err
+    assert main(serve) == 2  # no key at all: a public --control is refused
+    assert "--control on --host 0.0.0.0 without an API key" in capsys.readouterr().err
+
+
+@pytest.mark.faults
+def test_check_sync_names_a_prompt_id_outside_the_vocabulary(tiny_llama_dir, tmp_path, capsys):
+    """It was an IndexError traceback from the embedding, after the engine and the trainer had started."""
+    from chatgen.cli import main
+
+    prompts = tmp_path / "in.jsonl"
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 9999]}\n')
+    assert main(["check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--input", str(prompts), "--output",
+                 str(tmp_path / "c.json")]) == 2
+    err = capsys.readouterr().err
+    assert "in.jsonl:2: \"prompt_ids\": token id(s) [9999] outside the model's vocabulary [0, 512)" in err
+    assert "Traceback" not in err and not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.faults
+def test_a_refused_run_writes_nothing_and_names_what_to_change(tmp_path, capsys):
+    """A bad data file or a bad --resume-from created output_dir/.chatgen.lock (the docs promise nothing is
+    written), a bad --resume-from exited 1, an output_dir that cannot exist gave a bare errno, and a data file
+    that is not UTF-8 named neither file nor line."""
+    from chatgen import tasks
+    from chatgen.cli import main
+
+    tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
+    out = tmp_path / "run"
+    train = ["train", "configs/grpo_tiny.yaml", f"runtime.data_path={tmp_path}/data/train.jsonl",
+             f"runtime.eval_data_path={tmp_path}/data/eval.jsonl", f"runtime.output_dir={out}"]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"prompt": "1 2", "answer": "1 2"}\n{"prompt": oops}\n')
+    assert main([*train, f"runtime.data_path={bad}"]) == 2
+    assert "bad.jsonl:2: not JSON" in capsys.readouterr().err and not out.exists()
+    bad.write_bytes(b'{"prompt": "1 2", "answer": "1 2"}\n{"prompt": "caf\xe9", "answer": "1"}\n')
+    assert main([*train, f"runtime.data_path={bad}"]) == 2
+    assert "bad.jsonl:2: not UTF-8 (byte 0xe9" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "--resume-from", "episode_000007"]) == 2
+    assert "--resume-from episode_000007: no checkpoint there" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "--resume"]) == 2
+    assert "--resume: no complete checkpoint under" in capsys.readouterr().err and not out.exists()
+    assert main([*train, "runtime.output_dir=/proc/x/run"]) == 2
+    assert "runtime.output_dir: cannot write into /proc/x/run" in capsys.readouterr().err

@@ -625,6 +625,40 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
         load_model_config(path, VLLMConfig)
 
 
+# nine levels of ten aliases: 400-odd bytes whose `models:` expands to 10^9 strings
+ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)) + \
+    "runtime: {num_episode: 1}\nmodels: {policy: {backend: vllm, config: {stop_token_list: *i}}}\n"
+LOAD_BOMB = """
+import resource, sys, time
+resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))  # a regression stops here, not in the machine's swap
+from chatgen.cli import main
+start = time.monotonic()
+rc = main(["config", sys.argv[1]])
+print("RESULT", rc, round(time.monotonic() - start, 1))
+"""
+
+
+@pytest.mark.faults
+def test_a_yaml_alias_bomb_and_a_huge_file_are_refused_by_name(tmp_path):
+    """A 'billion laughs' config ran the loader out of memory (MemoryError, or the machine into swap)."""
+    bomb = write(tmp_path / "bomb.yaml", ALIAS_BOMB)
+    out = subprocess.run([sys.executable, "-c", LOAD_BOMB, str(bomb)], capture_output=True, text=True, timeout=120)
+    assert "RESULT 2" in out.stdout, out.stdout + out.stderr[-2000:]
+    assert f"{bomb.name}: refused: the document holds more than 100000 values once its aliases" in out.stderr, \
+        out.stderr[-2000:]
+    assert "MemoryError" not in out.stderr and "Traceback" not in out.stderr
+    with pytest.raises(ConfigError, match="an alias refers to a node that contains it"):
+        load_model_config(write(tmp_path / "loop.yaml", "load: &a [1, *a]\n"), VLLMConfig)
+    huge = write(tmp_path / "huge.yaml", "load: /m\n" + "# padding\n" * 200_000)
+    with pytest.raises(ConfigError, match=r"huge.yaml: refused: over 1048576 characters"):
+        load_model_config(huge, VLLMConfig)
+    with pytest.raises(ConfigError, match="nested deeper than the loader follows"):
+        load_model_config(write(tmp_path / "deep.yaml", "load: " + "[" * 5000 + "]" * 5000 + "\n"), VLLMConfig)
+    ok = load_model_config(write(tmp_path / "ok.yaml", "load: &m /m\ntokenizer: *m\n"), VLLMConfig)
+    assert ok.tokenizer == ok.load == "/m"  # ordinary aliases still load
+
+
 def test_override_values_keep_text_yaml_would_change():
     tree = parse_overrides(["stop_token_list=Question: ;</s>", "load=#dir", "n=4", "top_p=0.9", "x=[1, 2]",
                             "m={a: 1}", "tokenizer=null", "flag=true"])

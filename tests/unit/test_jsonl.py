@@ -25,3 +25,12 @@ def test_errors_name_file_and_line(tmp_path, text, message):
 
 def test_token_ids():
     assert is_token_ids([1, 2]) and not is_token_ids([]) and not is_token_ids([1, True]) and not is_token_ids("12")
+
+
+@pytest.mark.faults
+def test_a_byte_that_is_not_utf8_names_the_file_and_line(tmp_path):
+    """It was a bare UnicodeDecodeError, naming neither."""
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b'{"a": 1}\n{"a": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"x.jsonl:2: not UTF-8 \(byte 0xe9 at column 11\); save the file as UTF-8"):
+        read_records(path)

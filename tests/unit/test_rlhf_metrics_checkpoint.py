@@ -51,6 +51,31 @@ def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
         [(1, 1), (2, 2), (3, 30)]
 
 
+@pytest.mark.faults
+def test_a_torn_last_line_of_metrics_does_not_stop_a_resume(tmp_path, caplog):
+    """What a kill or a full disk in the middle of an append leaves: `--resume` stopped with a JSON error naming no
+    file. The torn record is dropped with a warning naming the file and line; the next append starts a line of
+    its own, so the torn one cannot swallow it."""
+    logger = MetricsLogger(tmp_path, ["train"], 5, tensorboard=False)
+    for ep in (1, 2):
+        logger.log(ep, {"reward/mean": ep})
+    jsonl = tmp_path / "metrics.jsonl"
+    with open(jsonl, "ab") as f:
+        f.write(b'{"episode": 3, "reward/me')  # an append cut short (the disk was full)
+    logger.log(3, {"reward/mean": 3})  # space again: the next one
+    logger.close()
+    with caplog.at_level("WARNING"):
+        assert [r["episode"] for r in read_jsonl_metrics(jsonl)] == [1, 2, 3]
+    assert f"{jsonl}:3: not a whole metrics record" in caplog.text
+    with open(jsonl, "ab") as f:
+        f.write(b'{"episode": 4, "rew')  # killed mid-append
+    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)  # --resume from 2
+    resumed.log(3, {"reward/mean": 30})
+    resumed.close()
+    assert jsonl.read_text().splitlines() == [
+        '{"episode": 1, "reward/mean": 1.0}', '{"episode": 2, "reward/mean": 2.0}', '{"episode": 3, "reward/mean": 30.0}']
+
+
 def test_plot_metrics_nothing_logged(tmp_path):
     assert plot_metrics(tmp_path / "missing.jsonl", tmp_path / "x.png") is None
 

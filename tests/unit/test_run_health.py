@@ -83,6 +83,6 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_back(tmp_pa
     weights.write_bytes(b"x" * 10)
     with pytest.raises(ckpt.CheckpointError, match=f"has 10 bytes, {len(good)} when saved.*no earlier checkpoint"):
         ckpt.resume_point(tmp_path, "episode_000001")
-    with pytest.raises(ckpt.CheckpointError, match="no checkpoint there; the checkpoints of this run are "
-                                                   "episode_000001, episode_000002"):
+    with pytest.raises(FileNotFoundError, match="no checkpoint there; the checkpoints of this run are "
+                                                "episode_000001, episode_000002"):  # a bad flag: exit 2
         ckpt.resume_point(tmp_path, "episode_000007")

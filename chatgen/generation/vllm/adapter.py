@@ -402,7 +402,11 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
     keeps the cache apart itself (chatgen.generation.vllm.engine_loop).
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
-    llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    try:
+        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+    except BaseException:
+        llm.collective_rpc(_abandon_reload)  # so that the next reload (the re-sync) can work
+        raise
     llm.collective_rpc(_refresh_tied_lm_head)
     if reset_prefix_cache and llm.reset_prefix_cache() is False:  # vLLM refuses while requests hold cache blocks
         raise RuntimeError("weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
@@ -457,6 +461,23 @@ def _prepack_cpu_experts_on_reload(worker=None) -> None:
 
     UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
     UnquantizedFusedMoEMethod.chatgen_prepacks_on_reload = True
+
+
+def _abandon_reload(worker) -> None:
+    """vLLM 0.32's layer-wise reload keeps state per layer from its start to its end (the weights received so
+    far, the layer's tensors swapped for meta ones, wrapped weight loaders). A reload whose weights stop coming
+    half-way (a trainer lost mid-sync, a refused bucket) never reaches its end, and every later reload then failed
+    ("'Parameter' object has no attribute 'weight_loader'"): the engine could not be repaired. Drop what was
+    buffered and end the reload, which puts each unfinished layer's own tensors back (old values: the engine
+    loop refuses to generate until a complete sync)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, get_layerwise_info
+
+    model = worker.model_runner.get_model()
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.loaded_weights, info.load_numel = [], 0
+    finalize_layerwise_reload(model, worker.model_runner.vllm_config.model_config)
 
 
 def _refresh_tied_lm_head(worker) -> None:
