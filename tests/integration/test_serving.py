@@ -4,11 +4,9 @@ official `openai` client), generate_async, and weight updates with requests in f
     .venv/bin/python -m pytest tests/integration/test_serving.py
 
 One engine and one server for the whole file (module scope); the last test shuts the server down. The tiny
-Llama gets a ChatML-style chat template whose turns end with its EOS token (a copy of the model directory).
+Llama gets a ChatML-style chat template whose turns end with its EOS token (conftest's `chat_model_dir`).
 """
 import concurrent.futures
-import json
-import shutil
 import threading
 import time
 
@@ -25,19 +23,7 @@ from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 from chatgen.serving.app import build_app  # noqa: E402
 
 KEY = "test-key"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MAX_NEW = 40  # generate()'s tokens in the weight-update tests: long enough to update mid-request
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llama-chat")
-    for f in tiny_llama_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    return out
 
 
 class Served:
