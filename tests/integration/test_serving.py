@@ -231,6 +231,47 @@ def test_generate_async_yields_rows_as_they_finish_and_aborts_when_left(served, 
         "leaving generate_async early must abort its requests"
 
 
+# ---------------------------------------------------------------- NeMo RL's calls, as its users write them
+
+def test_nemo_rl_generate_with_its_padding_and_per_row_stop_token_ids(served, monkeypatch):
+    """Seed 000's example: rows right-padded with 0 (the `pad_token_id: 0` key), and NeMo RL's batch keys."""
+    module = served.module
+    monkeypatch.setattr(module, "pad_token_id", 0)  # what `pad_token_id: 0` in the per-model config resolves to
+    input_data = {"input_ids": torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]),  # right-padded sequence
+                  "input_lengths": torch.tensor([3, 5])}  # actual lengths
+    out = module.generate(input_data, greedy=True)
+    assert out["output_ids"][0, 3 + MAX_NEW:].tolist() == [0, 0]  # the shorter row is padded with 0 too
+    stop = out["output_ids"][0, 5].item()  # row 0's third generated token
+    first = out["output_ids"][0, 3:].tolist().index(stop)
+    stopped = module.generate({**input_data, "stop_token_ids": [[stop], None], "task_name": ["a", "b"]}, greedy=True)
+    assert stopped["generation_lengths"].tolist() == [first + 1, MAX_NEW]  # row 0 stops there (token kept)
+    assert stopped["output_ids"][0, :3 + first + 1].tolist() == out["output_ids"][0, :3 + first + 1].tolist()
+    assert not stopped["truncated"][0] and stopped["truncated"][1]
+    assert stopped["output_ids"][1].tolist() == out["output_ids"][1].tolist()
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a list with one entry per row \(2\)"):
+        module.generate({**input_data, "stop_token_ids": [stop]})
+    with pytest.raises(ValueError, match=r"stop_token_ids\[0\]: token id\(s\) \[100000\] outside"):
+        module.generate({**input_data, "stop_token_ids": [[100000], None]})
+
+
+def test_generate_text_async_yields_each_prompts_texts_as_they_finish(served, monkeypatch):
+    import asyncio
+
+    module = served.module
+    monkeypatch.setattr(module.config, "max_new_tokens", 6)
+    prompts = ["Once upon a time", "The cat"]
+    expected = module.generate_text(prompts, greedy=True)
+
+    async def collect(batch):
+        return [item async for item in module.generate_text_async(batch, greedy=True)]
+
+    rows = asyncio.run(collect(prompts))
+    assert sorted(rows) == sorted(enumerate(expected)) and all(text for _, text in rows)
+    nemo = asyncio.run(collect({"prompts": prompts}))  # NeMo RL's batch in, its outputs out
+    assert sorted((row, out["texts"]) for row, out in nemo) == [(i, [t]) for i, t in enumerate(expected)]
+    assert module.generate_text({"prompts": prompts}, greedy=True) == {"texts": expected}
+
+
 # ---------------------------------------------------------------- weight updates with requests in flight
 
 @pytest.fixture(scope="module")
