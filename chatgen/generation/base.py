@@ -241,7 +241,8 @@ class GenerationModule(Module):
     async def stream(self, prompts: list, params, deltas: bool = False):
         """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params` result for all, or a
         list with one per prompt); yield (prompt index, request output) as each finishes (deltas: every step's
-        new tokens as they come, the last one finished). Leaving the iterator early aborts the rest."""
+        new tokens as they come, the last one finished; each delta's samples carry the `weight_versions` of its
+        tokens). Leaving the iterator early aborts the rest."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
         yield  # pragma: no cover
 
