@@ -12,6 +12,7 @@ prompt_tokens_details, echo, prompt_logprobs (against a transformers forward pas
 """
 import json
 import math
+import statistics
 import threading
 import time
 
@@ -125,7 +126,7 @@ def test_an_oversized_body_is_413_and_a_huge_one_leaves_health_responsive(server
 
     # under the limit but slow to tokenize whole (truncation without a side tokenizes all of it, as vLLM does)
     words = TEXT.split()
-    huge = " ".join(words[i % len(words)] for i in range(60_000))
+    huge = " ".join(words[i % len(words)] for i in range(120_000))
     result = {}
 
     def big_request():
@@ -144,7 +145,8 @@ def test_an_oversized_body_is_413_and_a_huge_one_leaves_health_responsive(server
     thread.join()
     assert result["response"].status_code == 200
     assert result["response"].json()["usage"]["prompt_tokens"] == 8
-    assert health and max(health) < 0.25 * result["seconds"], (health, result["seconds"])
+    # on the event loop, tokenizing it stalled /health for most of the request (checked: 0.40 s of 0.55 s)
+    assert health and statistics.median(health) < 0.25 * result["seconds"], (health, result["seconds"])
 
 
 @pytest.mark.parametrize("path", ["/docs", "/redoc", "/openapi.json"])
