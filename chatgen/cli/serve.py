@@ -10,19 +10,35 @@ needs `Authorization: Bearer KEY`. --control adds the weight-update endpoints (c
 `key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
+import argparse
 import os
 import sys
 
+from chatgen.cli import positive_int
 from chatgen.cli.generate import add_module_arguments, build_module
 from chatgen.core.checkpoint_io import read_hf_config
 
 API_KEY_ENV = "CHATGEN_API_KEY"
 
 
+def port_number(text: str) -> int:
+    """argparse type of --port: 0..65535 (0: a free port), else a usage error naming the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1..65535, or 0 for a free one")
+    return value
+
+
 def add_arguments(parser) -> None:
     add_module_arguments(parser)
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    parser.add_argument("--port", type=port_number, default=8000,
+                        help="port to listen on (default 8000; 0: a free one)")
+    parser.add_argument("--max-request-bytes", type=positive_int, default=None,
+                        help="answer 413 to a request body larger than this (default 16 MiB)")
     parser.add_argument("--api-key-file", metavar="PATH",
                         help="require 'Authorization: Bearer KEY' on every request, KEY the first line of PATH "
                              f"(or set {API_KEY_ENV}=KEY)")
@@ -64,21 +80,25 @@ def run(args) -> int:
 
     from chatgen.serving.app import build_app
     from chatgen.serving.control import DEFAULT_TIMEOUT_S, check_bind, control_router
+    from chatgen.serving.embedded import listen
 
     if args.control:  # before the engine starts
         check_bind(args.host, key)
         if args.control_timeout is not None and not args.control_timeout > 0:
             raise ValueError(f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
                              "the server waiting, e.g. 120")
-
+    sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
     module = build_module(args).start()
     try:
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []
         app = build_app(module, api_key=key, model_name=args.served_model_name or args.model,
-                        routers=routers)
-        print(f"chatgen serve: http://{args.host}:{args.port}/v1 (model {app.state.model_name!r})", file=sys.stderr)
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+                        routers=routers, max_request_bytes=args.max_request_bytes)
+        host = f"[{args.host}]" if ":" in args.host else args.host
+        print(f"chatgen serve: http://{host}:{sock.getsockname()[1]}/v1 (model {app.state.model_name!r})",
+              file=sys.stderr)
+        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
     finally:
         module.shutdown()
+        sock.close()
     return 0

@@ -19,7 +19,8 @@ What a backend implements (the rest is shared here):
     setup()                       build the engine; set tokenizer, pad_token_id, vocab_size, hf_config
     run_generation(items, is_eval)            -> RolloutBatch (the one data contract, chatgen.core.rollout)
     finished(items, is_eval, greedy)          -> finished requests (see `Completion`), for generate / generate_text
-    sampling_params(prompt_len, ...)          -> the backend's request settings (vLLM: SamplingParams)
+    sampling_params(prompt_len, ...)          -> the backend's request settings (vLLM: SamplingParams), with a
+                                                 call's own stop_strings / stop_token_ids
     stream(prompts, params, deltas)           async: (prompt index, request output) as they come
     load_weights(buckets, mode)               write HF-named weights; `weight_version`, `needs_resync`
     sleep(level) / wake_up() / is_sleeping(); pause() / resume() / reset_prefix_cache(); shutdown()
@@ -175,15 +176,17 @@ class GenerationModule(Module):
         return rollout_batch(self.finished(data, is_eval=is_eval), self.pad_token_id)
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
-        """Generate for dataset items ({"input_ids", optional "prompt", "stop_strings"}); returns their finished
-        requests in item order, each with n samples (1 when greedy). Records `self.metrics`."""
+        """Generate for dataset items ({"input_ids", optional "prompt", "stop_strings", "stop_token_ids"}); returns
+        their finished requests in item order, each with n samples (1 when greedy). Records `self.metrics`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement finished()")
 
     def generate(self, batch, greedy=False) -> dict:
         """Token in, token out (NeMo RL's generation interface), with the train sampling parameters.
 
-        batch: {"input_ids": (B, T) int tensor, right-padded; "input_lengths": (B,) int tensor;
-                optional "stop_strings": list (length B) of list[str] or None, added to stop_token_list}.
+        batch: {"input_ids": (B, T) int tensor, right-padded with `pad_token_id`; "input_lengths": (B,) int tensor;
+                optional "stop_strings" / "stop_token_ids": lists (length B) of list[str] / list[int] or None,
+                added to stop_token_list (a token of stop_token_ids ends its row and is kept, as EOS is)}.
+        Other keys of the batch (NeMo RL's BatchedDataDict carries its own) are not read.
         Returns, with S = B x n rows (sample j of prompt i at row i * n + j; n = 1 when greedy) and
         L = T + longest generation:
             output_ids                 (S, L) long   prompt + generated tokens, right-padded with pad_token_id
@@ -207,8 +210,8 @@ class GenerationModule(Module):
         callers run alongside (continuous batching). Leaving the iterator early aborts this call's requests.
         """
         items = self._token_items(batch, "generate_async()")
-        params = [self.sampling_params(len(item["input_ids"]), greedy=greedy, stop_strings=item["stop_strings"] or ())
-                  for item in items]
+        params = [self.sampling_params(len(item["input_ids"]), greedy=greedy, stop_strings=item["stop_strings"] or (),
+                                       stop_token_ids=item["stop_token_ids"] or ()) for item in items]
         width, dtype = batch["input_ids"].shape[1], batch["input_ids"].dtype
         async with contextlib.aclosing(self.stream([item["input_ids"] for item in items], params)) as outputs:
             async for i, output in outputs:
@@ -222,20 +225,24 @@ class GenerationModule(Module):
         trainer owns them)."""
         prompts = unpad_batch(batch, self.pad_token_id)
         stops = batch.get("stop_strings") or [None] * len(prompts)
-        items = [{"input_ids": ids, "stop_strings": stop} for ids, stop in zip(prompts, stops)]
+        stop_ids = batch.get("stop_token_ids") or [None] * len(prompts)
+        items = [{"input_ids": ids, "stop_strings": stop, "stop_token_ids": stop_id}
+                 for ids, stop, stop_id in zip(prompts, stops, stop_ids)]
         for i, item in enumerate(items):
             self.check_item(item, f"{name}: row {i}")
+            gc.check_prompt_ids(item["stop_token_ids"] or (), self.vocab_size, f"{name}: stop_token_ids[{i}]")
         return items
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
+    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()):
         """The backend's settings of one request of `prompt_len` tokens, from the config's sampling keys
-        (chatgen.generation.config.sampling_kwargs) plus `stop_strings`."""
+        (chatgen.generation.config.sampling_kwargs) plus `stop_strings` and `stop_token_ids`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement sampling_params()")
 
     async def stream(self, prompts: list, params, deltas: bool = False):
         """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params` result for all, or a
         list with one per prompt); yield (prompt index, request output) as each finishes (deltas: every step's
-        new tokens as they come, the last one finished). Leaving the iterator early aborts the rest."""
+        new tokens as they come, the last one finished; each delta's samples carry the `weight_versions` of its
+        tokens). Leaving the iterator early aborts the rest."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
         yield  # pragma: no cover
 

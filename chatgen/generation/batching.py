@@ -33,6 +33,16 @@ def unpad_batch(batch, pad_token_id) -> list:
                                       or not all(isinstance(s, str) and s for s in row_stops)):
             raise ValueError(f"generate(): stop_strings[{i}] = {row_stops!r}; give a list of non-empty strings "
                              f"(e.g. [{row_stops!r}] for one stop string) or None")
+    stop_ids = batch.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, (list, tuple)) or len(stop_ids) != ids.shape[0]
+                                 or not all(row is None or isinstance(row, (list, tuple)) for row in stop_ids)):
+        raise ValueError(f"generate(): stop_token_ids must be a list with one entry per row ({ids.shape[0]}), each a "
+                         f"list of token ids or None (e.g. [[2]] * {ids.shape[0]} to stop every row at id 2); got "
+                         f"{stop_ids!r:.200}")
+    for i, row_ids in enumerate(stop_ids or ()):
+        if row_ids is not None and not all(type(t) is int and t >= 0 for t in row_ids):
+            raise ValueError(f"generate(): stop_token_ids[{i}] = {row_ids!r}; give a list of token ids (int >= 0) "
+                             "or None")
     for i, n in enumerate(lengths.tolist()):
         if not 1 <= n <= ids.shape[1]:
             raise ValueError(f"generate(): row {i}: input_lengths[{i}]={n} is outside 1..{ids.shape[1]}")

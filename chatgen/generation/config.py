@@ -47,6 +47,9 @@ class GenerationConfig:
     seq_length: Optional[int] = opt(
         None, "prompt + response tokens at most; null = the model's max_position_embeddings")
     prompt_logprobs: Optional[int] = opt(None, "logprobs of prompt tokens (top-N; 0 = the token only); null = off")
+    pad_token_id: Optional[int] = opt(
+        None, "the id that pads token batches in and out of generate() (NeMo RL's pad_token_id, e.g. 0); null = the "
+              "tokenizer's pad token, else its EOS")
     logprobs_mode: Literal["raw", "processed"] = opt(
         "processed", "logprobs of the raw logits, or of the distribution after temperature/top-p/top-k")
     generation_batch_size: Optional[int] = opt(
@@ -80,6 +83,8 @@ class GenerationConfig:
         elif self.seq_length is not None and self.max_new_tokens >= self.seq_length:
             yield "max_new_tokens", (f"{self.max_new_tokens} leaves no room for a prompt in seq_length="
                                      f"{self.seq_length}; raise seq_length or lower max_new_tokens")
+        if self.pad_token_id is not None and self.pad_token_id < 0:
+            yield "pad_token_id", f"must be a token id (>= 0) or null, got {self.pad_token_id}"
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             yield "prompt_logprobs", f"must be >= 0 or null, got {self.prompt_logprobs}; use null to turn it off"
         if self.use_beam_search:
@@ -217,10 +222,12 @@ def resolve_seq_length(cfg, model_dir):
     return cfg
 
 
-def pad_token_id(tokenizer, model_dir) -> int:
-    """The id that pads token batches: the tokenizer's pad token, else its EOS. A token-only model (no
-    tokenizer) uses its own: pad_token_id, else eos_token_id (the first of a list), from generation_config.json
-    then config.json; 0 if neither file names one."""
+def pad_token_id(tokenizer, model_dir, configured: int | None = None) -> int:
+    """The id that pads token batches: `configured` (the `pad_token_id` key) when set, else the tokenizer's pad
+    token, else its EOS. A token-only model (no tokenizer) uses its own: pad_token_id, else eos_token_id (the
+    first of a list), from generation_config.json then config.json; 0 if neither file names one."""
+    if configured is not None:
+        return configured
     if tokenizer is not None:
         ids = [getattr(tokenizer, "pad_token_id", None), getattr(tokenizer, "eos_token_id", None)]
     else:

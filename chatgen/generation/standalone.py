@@ -29,8 +29,8 @@ WEIGHT_TRANSPORTS = ("auto", "shm", "group")
 
 
 class VLLMGeneration:
-    """A vLLM engine on the HF model directory `model` (colocate), or a client of one (server), with sampling
-    fixed at construction.
+    """A vLLM engine on the HF model directory `model` (colocate), or a client of one (server), with default
+    sampling set at construction (each `generate` call may override it).
 
     Sampling: temperature, top_p, top_k (0 = off), min_p, repetition_penalty; max_completion_length tokens per
     completion, stopping at EOS (kept in the completion). logprobs: 0 = return the log-prob of each sampled token
@@ -59,8 +59,6 @@ class VLLMGeneration:
         if logprobs != 0:
             raise ValueError(f"VLLMGeneration: logprobs={logprobs!r}; only 0 (the sampled token's log-prob) is "
                              "supported")
-        if top_k < 0:
-            raise ValueError(f"VLLMGeneration: top_k={top_k}; use 0 to turn top-k off, or a positive count")
         if weight_transport not in WEIGHT_TRANSPORTS:
             raise ValueError(f"VLLMGeneration: weight_transport={weight_transport!r} is not one of {WEIGHT_TRANSPORTS}")
         if mode == "colocate" and weight_transport != "auto":
@@ -69,6 +67,7 @@ class VLLMGeneration:
         self.mode = mode
         self.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
                              repetition_penalty=repetition_penalty, max_tokens=max_completion_length)
+        check_sampling(self.sampling, "VLLMGeneration")
         self.module = self.server = None
         if mode == "server":
             engine_args = {**engine_kwargs, **({"tensor_parallel_size": tensor_parallel_size}
@@ -104,38 +103,56 @@ class VLLMGeneration:
                       max_new_tokens=max_completion_length, **engine_kwargs)
         self.module = VLLMModule(config, name="generation").start()
 
-    def generate(self, prompts, num_generations=1, greedy=False):
+    def generate(self, prompts, num_generations=1, greedy=False, *, temperature=None, top_p=None, top_k=None,
+                 min_p=None, repetition_penalty=None, max_completion_length=None):
         """Sample `num_generations` completions of each prompt.
 
-        prompts: list of prompts, each a non-empty list[int] of token ids. greedy: decode greedily (one
-        completion per prompt: num_generations must be 1). Returns (prompt_ids, completion_ids, logprobs): three
-        lists of len(prompts) * num_generations entries, prompt-major (completion j of prompt i at
-        i * num_generations + j): the prompt's ids, the completion's ids (ending with EOS unless the length
-        limit stopped it), and the log-prob of each completion token (list[float], same length).
+        prompts: list of prompts, each a non-empty list[int] of token ids, a string (tokenized with the model's
+        tokenizer, special tokens such as BOS added, as vLLM's /v1/completions does) or a chat, a list of
+        {"role", "content"} messages (rendered with the model's chat template and the assistant prefix, as
+        /v1/chat/completions does); a batch may mix them. greedy: decode greedily (one completion per prompt:
+        num_generations must be 1). temperature, top_p, top_k (0 = off), min_p, repetition_penalty,
+        max_completion_length: this call's sampling, where given (else the constructor's).
+        Returns (prompt_ids, completion_ids, logprobs): three lists of len(prompts) * num_generations entries,
+        prompt-major (completion j of prompt i at i * num_generations + j): the prompt's ids, the completion's ids
+        (ending with EOS unless the length limit stopped it), and the log-prob of each completion token
+        (list[float], same length).
         """
         if num_generations < 1:
             raise ValueError(f"generate: num_generations={num_generations}; ask for at least 1")
         if greedy and num_generations > 1:
             raise ValueError(f"generate: greedy decoding gives one completion per prompt; got num_generations="
                              f"{num_generations}: pass num_generations=1, or greedy=False to sample")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)) or not p or not all(isinstance(t, int) for t in p):
-                raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids (int), got {p!r:.80}")
+        given = dict(temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+                     repetition_penalty=repetition_penalty, max_tokens=max_completion_length)
+        sampling = {**self.sampling, **{k: v for k, v in given.items() if v is not None}}
+        check_sampling(sampling, "generate")
+        if sampling["temperature"] == 0 and num_generations > 1:
+            raise ValueError(f"generate: temperature=0 decodes greedily, one completion per prompt; got "
+                             f"num_generations={num_generations}: pass num_generations=1, or a positive temperature")
+        prompts = self._prompt_ids(prompts)
         if self.server is not None:
             choices = self.server.post("/v1/completions", {
-                "prompt": [list(p) for p in prompts], "n": num_generations,
-                **self.sampling, **({"temperature": 0.0} if greedy else {})})["choices"]
+                "prompt": prompts, "n": num_generations,
+                **sampling, **({"temperature": 0.0} if greedy else {})})["choices"]
             choices.sort(key=lambda c: c["index"])  # index = prompt * n + sample: prompt-major
             return ([c["prompt_token_ids"] for c in choices], [c["token_ids"] for c in choices],
                     [c["generation_log_probs"] for c in choices])
         module = self.module
-        module.config = dataclasses.replace(module.config, n=num_generations)
-        width = max(map(len, prompts))
-        input_ids = torch.full((len(prompts), width), module.pad_token_id, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            input_ids[i, :len(p)] = torch.tensor(p)
-        out = module.generate({"input_ids": input_ids, "input_lengths": torch.tensor(list(map(len, prompts)))},
-                              greedy=greedy)
+        constructed = module.config
+        module.config = dataclasses.replace(constructed, n=num_generations, temperature=sampling["temperature"],
+                                            top_p=sampling["top_p"], top_k=sampling["top_k"] or -1,
+                                            min_p=sampling["min_p"], repetition_penalty=sampling["repetition_penalty"],
+                                            max_new_tokens=sampling["max_tokens"])
+        try:  # sampling keys are read per call: this call's, then the constructor's again
+            width = max(map(len, prompts))
+            input_ids = torch.full((len(prompts), width), module.pad_token_id, dtype=torch.long)
+            for i, p in enumerate(prompts):
+                input_ids[i, :len(p)] = torch.tensor(p)
+            out = module.generate({"input_ids": input_ids, "input_lengths": torch.tensor(list(map(len, prompts)))},
+                                  greedy=greedy)
+        finally:
+            module.config = constructed
         prompt_ids, completion_ids, logprobs = [], [], []
         ends, generated = out["unpadded_sequence_lengths"].tolist(), out["generation_lengths"].tolist()
         for row, (end, n) in enumerate(zip(ends, generated)):
@@ -143,6 +160,45 @@ class VLLMGeneration:
             completion_ids.append(out["output_ids"][row, end - n:end].tolist())
             logprobs.append(out["logprobs"][row, end - n:end].tolist())
         return prompt_ids, completion_ids, logprobs
+
+    def _prompt_ids(self, prompts) -> list:
+        """Each prompt as token ids: ids as given, a string tokenized, a chat rendered with the chat template (the
+        server's /tokenize in server mode, so the server's tokenizer decides)."""
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"generate: prompts must be a non-empty list of prompts (token ids, strings or chats), "
+                             f"got {prompts!r:.80}")
+        ids = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str) and p:
+                ids.append(self._tokenize({"prompt": p}))
+            elif isinstance(p, (list, tuple)) and p and all(isinstance(m, dict) for m in p):
+                if not all(isinstance(m.get("role"), str) and "content" in m for m in p):
+                    raise ValueError(f"generate: prompts[{i}] is a chat whose messages need 'role' and 'content', "
+                                     f"got {p!r:.120}")
+                ids.append(self._tokenize({"messages": list(p), "add_generation_prompt": True}))
+            elif isinstance(p, (list, tuple)) and p and all(type(t) is int for t in p):
+                ids.append(list(p))
+            else:
+                raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids (int), a non-empty "
+                                 f"string or a chat (a list of {{'role', 'content'}} messages), got {p!r:.80}")
+        return ids
+
+    def _tokenize(self, request: dict) -> list:
+        """The token ids of a /tokenize request body ({"prompt"} or {"messages", "add_generation_prompt"})."""
+        if self.server is not None:
+            return self.server.post("/tokenize", request)["tokens"]
+        tokenizer = self.module.tokenizer
+        if tokenizer is None:
+            raise ValueError("generate: text and chat prompts need a tokenizer, and this model has none; pass token "
+                             "ids")
+        if "prompt" in request:
+            return tokenizer.encode(request["prompt"])
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("generate: a chat prompt needs a chat template, and this model's tokenizer has none; "
+                             "pass a string or token ids")
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+        return list(tokenizer.apply_chat_template(request["messages"], add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
 
     def sync_weights(self, source, mode="wait"):
         """Write `source`'s weights into the engine; returns a `chatgen.param_sync.SyncReport`.
@@ -198,6 +254,24 @@ class VLLMGeneration:
         if self.server is not None:
             self._shm.close()
             self.server.session.close()
+
+
+def check_sampling(sampling: dict, where: str) -> None:
+    """A ValueError naming the argument when a sampling setting is out of range (before any request is made)."""
+    problems = [
+        ("temperature", sampling["temperature"] >= 0, "use 0 for greedy decoding, or a positive temperature"),
+        ("top_p", 0 < sampling["top_p"] <= 1, "use a value in (0, 1]; 1.0 turns top-p off"),
+        ("top_k", isinstance(sampling["top_k"], int) and sampling["top_k"] >= 0,
+         "use 0 to turn top-k off, or a positive count"),
+        ("min_p", 0 <= sampling["min_p"] <= 1, "use a value in [0, 1]; 0 turns min-p off"),
+        ("repetition_penalty", sampling["repetition_penalty"] > 0, "use a positive value; 1.0 turns it off"),
+        ("max_completion_length", isinstance(sampling["max_tokens"], int) and sampling["max_tokens"] >= 1,
+         "ask for at least 1 token"),
+    ]
+    for name, ok, fix in problems:
+        if not ok:
+            value = sampling["max_tokens" if name == "max_completion_length" else name]
+            raise ValueError(f"{where}: {name}={value!r}; {fix}")
 
 
 class _Server:

@@ -5,19 +5,31 @@
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
 Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming or not),
-POST /tokenize. Requests and responses are vLLM's OpenAI protocol models (the schemas, and their
-`to_sampling_params`, so that a request means what it means to vLLM's own server). Every request is one
-`module.stream` call (the generation contract, chatgen.generation.base), so requests run together in the engine
-(continuous batching) and a weight update (`module.load_weights`) lands between two engine steps. Each chat
-choice's `message` also carries `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` and
-`generation_weight_versions`; a chat request may give `required_prefix_token_ids` (or carry them on its last assistant message as `prompt_token_ids`
-+ `generation_token_ids`), and its prompt then begins with exactly those ids (chatgen.generation.chat_tokens).
-Bad requests get a 4xx with an OpenAI-style error body naming the field; the server keeps serving.
+POST /tokenize and /detokenize. Requests and responses are vLLM's OpenAI protocol models, and a request is read
+the way vLLM's own server reads it: its sampling parameters by the protocol's `to_sampling_params`, its prompt's
+length limits and truncation by the protocol's `TokenizeParams`, the token strings of log-probs by vLLM's
+`convert_ids_list_to_tokens`; docs/serving.md lists what still differs. Every request is one `module.stream` call
+(the generation contract, chatgen.generation.base), so requests run together in the engine (continuous batching)
+and a weight update (`module.load_weights`) lands between two engine steps.
+
+Beyond vLLM's fields, each chat choice's `message` carries `prompt_token_ids`, `generation_token_ids`,
+`generation_log_probs` and `generation_weight_versions` (completion choices: `prompt_token_ids`, `token_ids`, ...;
+streamed chunks: the same for their new tokens); a chat request may give `required_prefix_token_ids` (or carry
+them on its last assistant message as `prompt_token_ids` + `generation_token_ids`), and its prompt then begins with
+exactly those ids (chatgen.generation.chat_tokens).
+
+Bad requests get a 4xx with an OpenAI-style error body (vLLM's message for what vLLM validates: its client-error
+type is answered in one handler); bodies over `max_request_bytes` get 413 before they are parsed; parsing and
+tokenizing run on a worker thread, so a huge request never stalls /health or the streams of others.
 """
+import asyncio
+import concurrent.futures
 import contextlib
+import copy
 import hmac
 import json
 import time
+import uuid
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,17 +39,21 @@ from starlette.exceptions import HTTPException
 
 from chatgen.generation.chat_tokens import replace_prefix_tokens
 
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is ~1 MB of text; a batch of token-id prompts ~7 B/id
+
 # Request fields the server refuses rather than silently ignore: (field, is it set?, why)
 UNSUPPORTED = (
-    ("use_beam_search", bool, "beam search is not supported"),
-    ("tools", bool, "tool calling is not supported: put tool descriptions in the messages"),
+    ("use_beam_search", bool, "beam search is not supported; sample with n > 1"),
     ("response_format", lambda v: v is not None and getattr(v, "type", "text") != "text",
      "structured output is not supported"),
     ("structured_outputs", lambda v: v is not None, "structured output is not supported"),
-    ("echo", bool, "echo is not supported"),
-    ("prompt_logprobs", lambda v: v is not None, "prompt_logprobs is not supported"),
-    ("suffix", bool, "suffix is not supported"),
-    ("continue_final_message", bool, "continue_final_message is not supported"),
+    ("suffix", bool, "suffix (fill in the middle) is not supported"),
+    ("chat_template", lambda v: v is not None,
+     "a chat template sent with the request is not run (vLLM's default, without --trust-request-chat-template); "
+     "the model's own template renders every chat"),
+    ("tool_choice", lambda v: v not in (None, "none"),
+     "chatgen parses no tool calls: send tool_choice 'none' to render the tools into the prompt with the chat "
+     "template, and read the calls from the reply yourself"),
 )
 
 
@@ -49,10 +65,17 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
+               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+
+
+def _error_body(status: int, message: str, param=None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError" if status >= 500
+                                                                   else "Error"), "param": param, "code": status}}
+
+
 def _error_response(status: int, message: str, param=None) -> JSONResponse:
-    kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-            503: "ServiceUnavailableError"}.get(status, "Error")
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": status}}, status)
+    return JSONResponse(_error_body(status, message, param), status)
 
 
 def api_key_dependency(api_key: str | None):
@@ -69,22 +92,70 @@ def api_key_dependency(api_key: str | None):
     return require_api_key
 
 
-def build_app(module, *, api_key: str | None = None, model_name: str | None = None, routers=()) -> FastAPI:
+class BodyLimit:
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app reads any of it (by its
+    Content-Length, or as its chunks arrive), so an oversized request costs neither parsing nor memory."""
+
+    def __init__(self, app, limit: int):
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = next((v for k, v in scope["headers"] if k == b"content-length"), None)
+        if declared is not None and int(declared) > self.limit:
+            return await self._refuse(send, int(declared))
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left before its body arrived
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self._refuse(send, size)
+            more = message.get("more_body", False)
+        replayed = False
+
+        async def replay():  # the body once, then the connection's own events (a disconnect ends a stream)
+            nonlocal replayed
+            if replayed:
+                return await receive()
+            replayed = True
+            return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        await self.app(scope, replay, send)
+
+    async def _refuse(self, send, size: int) -> None:
+        body = json.dumps(_error_body(413, f"the request body has {size} bytes, over this server's limit of "
+                                           f"{self.limit} bytes; send less per request (e.g. fewer prompts), or "
+                                           "start the server with a larger --max-request-bytes")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def build_app(module, *, api_key: str | None = None, model_name: str | None = None, routers=(),
+              max_request_bytes: int | None = None) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
 
-    api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`.
+    api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`, and the
+    interactive docs (/docs, /redoc, /openapi.json) are off (a browser cannot send the key).
     routers: more `fastapi.APIRouter`s to mount (e.g. weight-update control endpoints); they can reach the
     module as `request.app.state.module`.
+    max_request_bytes: a larger request body is answered 413 without being read (None: 16 MiB).
     """
-    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-    from vllm.entrypoints.openai.completion.protocol import CompletionRequest
-    from vllm.entrypoints.serve.tokenize.protocol import TokenizeChatRequest, TokenizeCompletionRequest
+    from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
+    from vllm.exceptions import VLLMClientError
 
     if module.tokenizer is None:
         raise ValueError("build_app: the model has no tokenizer; the OpenAI server needs one to render chats "
                          "and return text")
     name = model_name or str(module.config.load)
-    app = FastAPI(title="chatgen", description="OpenAI-compatible server over a chatgen VLLMModule")
+    docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="chatgen", description="OpenAI-compatible server over a chatgen generation module", **docs)
+    app.add_middleware(BodyLimit, limit=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     app.state.module, app.state.model_name = module, name
     server = _Server(module, name)
 
@@ -92,10 +163,14 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     async def api_error(request, e: APIError):
         return _error_response(e.status, e.message, e.param)
 
+    @app.exception_handler(VLLMClientError)
+    async def vllm_client_error(request, e: VLLMClientError):  # what vLLM validates, answered with vLLM's message
+        error = create_error_response(e)
+        return JSONResponse(error.model_dump(), error.error.code)
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(request, e: RequestValidationError):
-        return _error_response(400, "invalid request: " + "; ".join(
-            f"{'.'.join(map(str, err['loc']))}: {err['msg']}" for err in e.errors()))
+        return _error_response(400, "invalid request: " + _pydantic_errors(e.errors()))
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -120,30 +195,19 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
 
     @router.post("/tokenize")
     async def tokenize(request: Request):
-        body = await _json(request)
-        if "messages" in body:
-            req = _parse(TokenizeChatRequest, body)
-            server.check_model(req.model)
-            ids = server.render(body["messages"], add_generation_prompt=req.add_generation_prompt)
-        else:
-            req = _parse(TokenizeCompletionRequest, body)
-            server.check_model(req.model)
-            ids = module.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
-        from vllm.entrypoints.serve.tokenize.protocol import TokenizeResponse
+        return _json_response(await server.off_loop(server.tokenize, await request.body()))
 
-        return _json_response(TokenizeResponse(tokens=ids, count=len(ids), max_model_len=module.config.seq_length))
+    @router.post("/detokenize")
+    async def detokenize(request: Request):
+        return _json_response(await server.off_loop(server.detokenize, await request.body()))
 
     @router.post("/v1/chat/completions")
     async def chat(request: Request):
-        body = await _json(request)
-        req = _parse(ChatCompletionRequest, body)
-        return await server.chat(req, body)
+        return await server.chat(await server.off_loop(server.prepare_chat, await request.body()))
 
     @router.post("/v1/completions")
     async def completions(request: Request):
-        body = await _json(request)
-        req = _parse(CompletionRequest, body)
-        return await server.completions(req)
+        return await server.completions(await server.off_loop(server.prepare_completion, await request.body()))
 
     app.include_router(router)
     for extra in routers:
@@ -151,11 +215,17 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     return app
 
 
-async def _json(request: Request) -> dict:
+def _pydantic_errors(errors) -> str:
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:10])
+
+
+def _json(raw: bytes) -> dict:
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise APIError(400, f"the request body is not valid JSON: {e}")
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body
@@ -165,8 +235,7 @@ def _parse(model_class, body: dict):
     try:
         req = model_class.model_validate(body)
     except ValidationError as e:
-        raise APIError(400, "invalid request: " + "; ".join(
-            f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors()))
+        raise APIError(400, "invalid request: " + _pydantic_errors(e.errors()))
     for field, is_set, why in UNSUPPORTED:
         if is_set(getattr(req, field, None)):
             raise APIError(400, f"{field}: {why}", field)
@@ -179,8 +248,23 @@ def _json_response(obj) -> Response:
     return Response(obj.model_dump_json(), media_type="application/json")
 
 
-def _sse(obj) -> str:
-    return f"data: {obj.model_dump_json(exclude_unset=False, exclude_none=True)}\n\n"
+def _sse(obj, **dump) -> str:
+    return f"data: {obj.model_dump_json(**(dump or {'exclude_unset': True}))}\n\n"
+
+
+class _ModelLimits:
+    """What the protocol's `build_tok_params(model_config)` reads of vLLM's ModelConfig."""
+
+    def __init__(self, max_model_len: int):
+        self.max_model_len = max_model_len
+
+
+class _Job:
+    """A parsed request, ready to run: its prompts (token ids), their texts where known, their sampling params."""
+
+    def __init__(self, req, prompts, texts, params, **extra):
+        self.req, self.prompts, self.texts, self.params = req, prompts, texts, params
+        self.__dict__.update(extra)
 
 
 class _Server:
@@ -191,94 +275,276 @@ class _Server:
         cfg = module.config
         self.defaults = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": max(cfg.top_k, 0),
                          "min_p": cfg.min_p}
+        self.limits = _ModelLimits(cfg.seq_length)
+        self.tokenizer = module.tokenizer  # decoding (shared with the engine: decoding never changes it)
+        # Encoding with vLLM's truncation settings changes the tokenizer's state (HF's set_truncation_and_padding),
+        # which would fail ("Already borrowed") while another thread encodes with it: the server encodes with its
+        # own copy, on its own single thread (which also keeps tokenizing off the event loop).
+        self.encoder = copy.deepcopy(module.tokenizer)
+        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatgen-server-tokenize")
+        self.token_texts = {}  # token id -> its text in log-probs (vLLM's convert_ids_list_to_tokens)
+
+    async def off_loop(self, fn, raw: bytes):
+        return await asyncio.get_running_loop().run_in_executor(self.worker, fn, raw)
 
     def check_model(self, model) -> None:
         if model is not None and model != self.name:
             raise APIError(404, f"model {model!r} does not exist; this server serves {self.name!r} (GET /v1/models)",
                            "model")
 
-    def render(self, messages, add_generation_prompt=True) -> list:
-        """Token ids of a chat rendered with the model's own chat template."""
-        tokenizer = self.module.tokenizer
-        if not getattr(tokenizer, "chat_template", None):
+    # ------------------------------------------------------------------ prompts (on the worker thread)
+
+    def tokenize_text(self, text: str, tok_params) -> list:
+        """vLLM's text path: a length check on characters (before any tokenizing), encode, truncate, a length check
+        on tokens; the rules are the request's `TokenizeParams`."""
+        text = tok_params.apply_pre_tokenization(self.encoder, {"prompt": text})["prompt"]
+        return self.check_ids(self.encoder.encode(text, **tok_params.get_encode_kwargs()), tok_params)
+
+    def check_ids(self, ids, tok_params) -> list:
+        """Token ids truncated and length-checked by the request's `TokenizeParams`."""
+        return list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
+                    ["prompt_token_ids"])
+
+    def render(self, req, messages=None, add_generation_prompt=None, continue_final_message=None) -> str:
+        """A chat (the request's messages, or `messages`) rendered to text with the model's own chat template, with
+        the request's tools, documents and chat_template_kwargs."""
+        if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt")
         plain = []
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or "role" not in message:
-                raise APIError(400, f"messages.{i}: each message needs a role and content", "messages")
+        for i, message in enumerate(req.messages if messages is None else messages):
             content = message.get("content")
-            if isinstance(content, list):  # content parts: only text
-                if any(part.get("type") != "text" for part in content):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported", "messages")
-                content = "".join(part["text"] for part in content)
-            plain.append({**{k: v for k, v in message.items() if k in ("role", "name", "tool_call_id")},
-                          "content": content or ""})
+            if content is not None and not isinstance(content, str):  # content parts: text only
+                try:
+                    parts = list(content)  # validated here, lazily, by the protocol
+                except ValidationError as e:
+                    raise APIError(400, f"messages.{i}.content: " + _pydantic_errors(e.errors()), "messages")
+                if any(part.get("type") != "text" for part in parts):
+                    raise APIError(400, f"messages.{i}.content: only text parts are supported (this server serves a "
+                                        "text-only model)", "messages")
+                content = "\n".join(part["text"] for part in parts)  # vLLM's "string" content format
+            plain.append({**{k: v for k, v in message.items() if k in ("role", "name", "tool_call_id", "tool_calls")},
+                          "content": content})
+        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs.update(add_generation_prompt=req.add_generation_prompt if add_generation_prompt is None
+                      else add_generation_prompt,
+                      continue_final_message=req.continue_final_message if continue_final_message is None
+                      else continue_final_message)
+        tools = getattr(req, "tools", None)
+        if tools:
+            kwargs["tools"] = [tool.model_dump() for tool in tools]
+        if getattr(req, "documents", None):
+            kwargs["documents"] = req.documents
         try:
-            return list(tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=True, return_dict=False))
+            return self.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages")
 
-    def chat_prompt(self, messages, body: dict) -> list:
+    def chat_prompt(self, req, tok_params) -> list:
         """The prompt ids of a chat: the template's, with the previous turn's exact ids as prefix when known."""
-        prefix = body.get("required_prefix_token_ids")
-        last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "assistant"),
-                   default=None)
+        messages = req.messages
+        prefix = getattr(req, "required_prefix_token_ids", None)
+        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
         if prefix is None and last is not None:
             m = messages[last]
             if m.get("prompt_token_ids") is not None and m.get("generation_token_ids") is not None:
                 prefix = list(m["prompt_token_ids"]) + list(m["generation_token_ids"])
-        ids = self.render(messages)
         if prefix is None:
-            return ids
-        if not (isinstance(prefix, list) and prefix and all(isinstance(t, int) and t >= 0 for t in prefix)):
+            return self.tokenize_text(self.render(req), tok_params)
+        if not (isinstance(prefix, list) and prefix and all(type(t) is int and t >= 0 for t in prefix)):
             raise APIError(400, "required_prefix_token_ids must be a non-empty list of token ids",
                            "required_prefix_token_ids")
         if last is None:
             raise APIError(400, "required_prefix_token_ids needs the assistant message they end with in messages",
                            "required_prefix_token_ids")
-        history = self.render(messages[:last + 1], add_generation_prompt=False)
+        eos = self.tokenizer.eos_token_id
+        if req.continue_final_message and last == len(messages) - 1:  # continue exactly the ids of that answer
+            return self.check_ids(prefix[:-1] if prefix[-1] == eos else prefix, tok_params)
+        history = self.encoder.encode(self.render(req, messages[:last + 1], add_generation_prompt=False,
+                                                  continue_final_message=False), add_special_tokens=False)
+        ids = self.encoder.encode(self.render(req), add_special_tokens=False)
         try:
-            return replace_prefix_tokens(self.module.tokenizer, prefix, history, ids)
+            return self.check_ids(replace_prefix_tokens(self.tokenizer, prefix, history, ids), tok_params)
         except ValueError as e:
             raise APIError(400, str(e), "required_prefix_token_ids")
 
     def sampling_params(self, req, prompt_len: int):
-        seq_length = self.module.config.seq_length
-        if prompt_len >= seq_length:
-            raise APIError(400, f"the prompt has {prompt_len} tokens, and this model's context is {seq_length} "
-                                "tokens; shorten the prompt", "messages")
-        wanted = getattr(req, "max_completion_tokens", None) or req.max_tokens
-        if wanted is not None and prompt_len + wanted > seq_length:
-            raise APIError(400, f"max_tokens={wanted} plus the prompt's {prompt_len} tokens is over this model's "
-                                f"context of {seq_length} tokens; ask for at most {seq_length - prompt_len}",
-                           "max_tokens")
-        try:
-            params = req.to_sampling_params(wanted or seq_length - prompt_len, self.defaults)
-        except ValueError as e:
-            raise APIError(400, f"invalid sampling parameters: {e}")
-        if params.logprobs is None:  # generation_log_probs needs the sampled token's log-prob
-            params.logprobs = 0
+        """The request's SamplingParams for one prompt (vLLM's `get_max_tokens` and `to_sampling_params`; fields
+        the request leaves out take the per-model config's temperature, top_p, top_k and min_p)."""
+        from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
+
+        wanted = getattr(req, "max_completion_tokens", None)
+        wanted = req.max_tokens if wanted is None else wanted
+        max_tokens = get_max_tokens(self.module.config.seq_length, wanted, prompt_len, {},
+                                    truncate_prompt_tokens=req.truncate_prompt_tokens)
+        params = req.to_sampling_params(max_tokens, self.defaults)
+        if params.logprobs is None and params.logprob_token_ids is None:
+            params.logprobs = 0  # generation_log_probs needs the sampled token's log-prob
         return params
 
-    async def run(self, prompts: list, params, stream: bool):
-        """One `module.stream` call for the prompts: yields RequestOutputs (deltas when streaming) with the prompt's
-        index as `.prompt_index`."""
+    def prepare_completion(self, raw: bytes) -> _Job:
+        from vllm.entrypoints.openai.completion.protocol import CompletionRequest
+
+        body = _json(raw)
+        _refuse_non_int_token_ids(body.get("prompt"))
+        req = _parse(CompletionRequest, body)
+        self.check_model(req.model)
+        raw_prompts = req.prompt
+        if raw_prompts is None or raw_prompts == "":
+            raise APIError(400, "prompt: give a non-empty string, a list of token ids, or a list of those", "prompt")
+        if isinstance(raw_prompts, str) or (raw_prompts and all(type(t) is int for t in raw_prompts)):
+            raw_prompts = [raw_prompts]
+        if not raw_prompts:
+            raise APIError(400, "prompt: the list holds no prompt; give at least one", "prompt")
+        tok_params = req.build_tok_params(self.limits)
+        prompts, texts = [], []
+        for i, p in enumerate(raw_prompts):
+            if isinstance(p, str):
+                prompts.append(self.tokenize_text(p, tok_params))
+                texts.append(p)
+            else:
+                if not p:
+                    raise APIError(400, f"prompt {i}: empty; every prompt needs at least one token", "prompt")
+                prompts.append(self.check_ids(p, tok_params))
+                texts.append(self.tokenizer.decode(prompts[-1]) if req.echo else None)
+        return _Job(req, prompts, texts, [self.sampling_params(req, len(p)) for p in prompts])
+
+    def prepare_chat(self, raw: bytes) -> _Job:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        req = _parse(ChatCompletionRequest, _json(raw))
+        self.check_model(req.model)
+        prompt = self.chat_prompt(req, req.build_tok_params(self.limits))
+        return _Job(req, [prompt], [None], [self.sampling_params(req, len(prompt))])
+
+    def tokenize(self, raw: bytes):
+        from vllm.entrypoints.serve.tokenize.protocol import (
+            TokenizeChatRequest,
+            TokenizeCompletionRequest,
+            TokenizeResponse,
+        )
+
+        body = _json(raw)
+        req = _parse(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+        self.check_model(req.model)
+        text = self.render(req) if "messages" in body else req.prompt
+        ids = self.tokenize_text(text, req.build_tok_params(self.limits))
+        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.module.config.seq_length,
+                                token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+
+    def detokenize(self, raw: bytes):
+        from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, DetokenizeResponse
+
+        req = _parse(DetokenizeRequest, _json(raw))
+        self.check_model(req.model)
+        return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
+
+    # ------------------------------------------------------------------ outputs
+
+    def token_text(self, token: int) -> str:
+        """A token's text in log-probs, as vLLM writes it (the leading space SentencePiece's decode drops kept)."""
+        text = self.token_texts.get(token)
+        if text is None:
+            from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+            text = self.token_texts[token] = convert_ids_list_to_tokens(self.tokenizer, [token])[0]
+        return text
+
+    def prompt_logprobs(self, output):
+        """The request's prompt log-probs as vLLM answers them: token texts filled in, -inf clamped to -9999."""
+        steps = output.prompt_logprobs
+        for step in steps or ():
+            for token, lp in (step or {}).items():
+                lp.decoded_token = self.token_text(token)
+                lp.logprob = max(lp.logprob, -9999.0)
+        return steps
+
+    def completion_logprobs(self, token_ids, steps, top: int, text_offset: int = 0):
+        """vLLM's completions `logprobs`: per token its text, log-prob, the first `top` + 1 entries of its step
+        (the sampled token first, then the most likely) and its offset in the text."""
+        from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
+
+        tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+        for token, step in zip(token_ids, steps):
+            if step is None:  # the first prompt token (echo) has no log-prob
+                tokens.append(self.tokenizer.decode(token))
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+            else:
+                tokens.append(self.token_text(token))
+                token_logprobs.append(max(step[token].logprob, -9999.0))
+                top_logprobs.append({self.token_text(t): max(lp.logprob, -9999.0)
+                                     for i, (t, lp) in enumerate(step.items()) if top == -1 or top >= i})
+            offsets.append(text_offset if not offsets else offsets[-1] + len(tokens[-2]))
+        return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
+                                  top_logprobs=top_logprobs)
+
+    def chat_logprobs(self, sample, top: int):
+        """vLLM's chat `logprobs` of a sample: per token its text, bytes, log-prob and its step's first `top`
+        entries (the sampled token first, then the most likely)."""
+        from vllm.entrypoints.openai.chat_completion.protocol import (
+            ChatCompletionLogProb,
+            ChatCompletionLogProbs,
+            ChatCompletionLogProbsContent,
+        )
+
+        def entry(cls, token, lp, **more):
+            text = self.token_text(token)
+            return cls(token=text, logprob=max(lp.logprob, -9999.0),
+                       bytes=list(text.encode("utf-8", errors="replace")), **more)
+
+        return ChatCompletionLogProbs(content=[
+            entry(ChatCompletionLogProbsContent, token, step[token], top_logprobs=[
+                entry(ChatCompletionLogProb, t, lp) for i, (t, lp) in enumerate(step.items())
+                if top == -1 or i < top])
+            for token, step in zip(sample.token_ids, sample.logprobs)])
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens=None):
+        from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
+
+        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                         total_tokens=prompt_tokens + completion_tokens,
+                         prompt_tokens_details=None if cached_tokens is None
+                         else PromptTokenUsageInfo(cached_tokens=cached_tokens))
+
+    # ------------------------------------------------------------------ generation (on the event loop)
+
+    async def run(self, job: _Job, stream: bool):
+        """One `module.stream` call for the job's prompts: yields (prompt index, RequestOutput) (deltas when
+        streaming). Leaving the iterator early aborts the requests."""
         module = self.module
         if module.is_sleeping():
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
         if module.needs_resync:
             raise APIError(503, module.needs_resync)
-        async with contextlib.aclosing(module.stream(prompts, params, deltas=stream)) as outputs:  # closed: aborts
+        params = job.params[0] if len(job.params) == 1 else job.params
+        async with contextlib.aclosing(module.stream(job.prompts, params, deltas=stream)) as outputs:  # closed: aborts
             async for i, output in outputs:
-                output.prompt_index = i
-                yield output
+                yield i, output
 
-    async def chat(self, req, body: dict):
+    async def streamed(self, job: _Job, events):
+        """A server-sent-event response of `events(first, outputs)`, after the job's first output (an error before
+        it is still an HTTP error); an error after it ends the stream with an error event, as vLLM's does."""
+        outputs = self.run(job, stream=True)
+        try:
+            first = await outputs.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def body():
+            async with contextlib.aclosing(outputs):  # a client that goes away aborts its requests
+                try:
+                    async for event in events(first, outputs):
+                        yield event
+                except APIError as e:
+                    yield f"data: {json.dumps(_error_body(e.status, e.message, e.param))}\n\n"
+                except Exception as e:  # the engine failed mid-stream (a failed weight update, a shutdown)
+                    yield f"data: {json.dumps(_error_body(500, f'{type(e).__name__}: {e}'))}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(body(), media_type="text/event-stream")
+
+    async def chat(self, job: _Job):
         from vllm.entrypoints.openai.chat_completion.protocol import (
-            ChatCompletionLogProb,
-            ChatCompletionLogProbs,
-            ChatCompletionLogProbsContent,
             ChatCompletionResponse,
             ChatCompletionResponseChoice,
             ChatCompletionResponseStreamChoice,
@@ -286,153 +552,182 @@ class _Server:
             ChatMessage,
             DeltaMessage,
         )
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+        from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
-        self.check_model(req.model)
-        prompt = self.chat_prompt(body["messages"], body)
-        params = self.sampling_params(req, len(prompt))
-        tokenizer = self.module.tokenizer
+        req, prompt, n = job.req, job.prompts[0], job.params[0].n
+        last = req.messages[-1] if req.messages else {}
+        echo = (last.get("content") or "") if req.echo and last.get("role") == "assistant" else ""
+        if not isinstance(echo, str):
+            echo = "\n".join(part["text"] for part in echo)
 
         def logprobs_of(sample):
-            if not req.logprobs:
-                return None
-            content = []
-            for token, step in zip(sample.token_ids, sample.logprobs or []):
-                top = sorted(step.items(), key=lambda kv: -kv[1].logprob)[:req.top_logprobs or 0]
-                content.append(ChatCompletionLogProbsContent(
-                    token=tokenizer.decode([token]), logprob=step[token].logprob,
-                    top_logprobs=[ChatCompletionLogProb(token=tokenizer.decode([t]), logprob=lp.logprob)
-                                  for t, lp in top]))
-            return ChatCompletionLogProbs(content=content)
+            return self.chat_logprobs(sample, req.top_logprobs or 0) if req.logprobs else None
 
         if req.stream:
-            created, response_id = int(time.time()), f"chatcmpl-{time.time_ns()}"
-            outputs = self.run([prompt], params, stream=True)
-            first = await _first(outputs)  # errors before the first byte are still a 4xx
+            created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+            include_usage, continuous = should_include_usage(req.stream_options, False)
 
-            async def events():
-                usage = 0
-                yield _sse(ChatCompletionStreamResponse(
-                    id=response_id, created=created, model=self.name, prompt_token_ids=prompt,
-                    choices=[ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant",
-                                                                                           content=""))
-                             for i in range(params.n)]))
-                async for output in _chain(first, outputs):
+            def chunk(choices, **fields):
+                return ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
+                                                    model=self.name, choices=choices, **fields)
+
+            async def events(first, outputs):
+                generated, cached = [0] * n, None
+                usage = (lambda i: self.usage(len(prompt), generated[i])) if continuous else (lambda i: None)
+                if first is not None:
+                    cached = getattr(first[1], "num_cached_tokens", None)
+                for i in range(n):
+                    yield _sse(chunk([ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
+                        prompt_token_ids=prompt, **({"usage": usage(i)} if continuous else {})))
+                    if echo:
+                        yield _sse(chunk([ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(content=echo), logprobs=None, finish_reason=None)],
+                            **({"usage": usage(i)} if continuous else {})))
+                async for _, output in _chain(first, outputs):
                     for sample in output.outputs:
-                        usage += len(sample.token_ids)
-                        yield _sse(ChatCompletionStreamResponse(
-                            id=response_id, created=created, model=self.name, choices=[
-                                ChatCompletionResponseStreamChoice(
-                                    index=sample.index, delta=DeltaMessage(content=sample.text),
-                                    logprobs=logprobs_of(sample), finish_reason=sample.finish_reason,
-                                    token_ids=list(sample.token_ids))]))
-                if req.stream_options and req.stream_options.include_usage:
-                    yield _sse(ChatCompletionStreamResponse(
-                        id=response_id, created=created, model=self.name, choices=[],
-                        usage=UsageInfo(prompt_tokens=len(prompt), completion_tokens=usage,
-                                        total_tokens=len(prompt) + usage)))
-                yield "data: [DONE]\n\n"
+                        if not sample.text and not sample.token_ids and not generated[sample.index]:
+                            continue  # a chunked prefill step: nothing to say yet
+                        generated[sample.index] += len(sample.token_ids)
+                        yield _sse(chunk([ChatCompletionResponseStreamChoice(
+                            index=sample.index, delta=DeltaMessage(content=sample.text), logprobs=logprobs_of(sample),
+                            finish_reason=sample.finish_reason,
+                            **({"stop_reason": sample.stop_reason} if sample.finish_reason else {}),
+                            **_generated_fields(sample))], **({"usage": usage(sample.index)} if continuous else {})))
+                if include_usage:
+                    yield _sse(chunk([], usage=self.usage(len(prompt), sum(generated), cached)),
+                               exclude_unset=True, exclude_none=True)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return await self.streamed(job, events)
 
-        (output,) = [o async for o in self.run([prompt], params, stream=False)]
+        ((_, output),) = [o async for o in self.run(job, stream=False)]
         choices = [ChatCompletionResponseChoice(
-            index=s.index, finish_reason=s.finish_reason, stop_reason=s.stop_reason, logprobs=logprobs_of(s),
-            message=ChatMessage(role="assistant", content=s.text, prompt_token_ids=prompt,
-                                generation_token_ids=list(s.token_ids),
-                                generation_log_probs=[step[t].logprob for step, t in zip(s.logprobs, s.token_ids)],
+            index=s.index, finish_reason=s.finish_reason or "stop", stop_reason=s.stop_reason, logprobs=logprobs_of(s),
+            message=ChatMessage(role="assistant", content=echo + s.text, prompt_token_ids=prompt,
+                                generation_token_ids=list(s.token_ids), generation_log_probs=_sampled_logprobs(s),
                                 generation_weight_versions=s.weight_versions))
             for s in sorted(output.outputs, key=lambda s: s.index)]
         generated = sum(len(s.token_ids) for s in output.outputs)
-        usage = UsageInfo(prompt_tokens=len(prompt), completion_tokens=generated,
-                          total_tokens=len(prompt) + generated)
-        return _json_response(ChatCompletionResponse(model=self.name, choices=choices, prompt_token_ids=prompt,
-                                                     usage=usage))
+        return _json_response(ChatCompletionResponse(
+            id=f"chatcmpl-{uuid.uuid4().hex}", model=self.name, choices=choices, prompt_token_ids=prompt,
+            prompt_logprobs=self.prompt_logprobs(output),
+            usage=self.usage(len(prompt), generated, getattr(output, "num_cached_tokens", None))))
 
-    async def completions(self, req):
+    async def completions(self, job: _Job):
         from vllm.entrypoints.openai.completion.protocol import (
-            CompletionLogProbs,
             CompletionResponse,
             CompletionResponseChoice,
             CompletionResponseStreamChoice,
             CompletionStreamResponse,
         )
-        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+        from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
-        self.check_model(req.model)
-        tokenizer = self.module.tokenizer
-        raw = req.prompt
-        if raw is None or raw == "" or raw == []:
-            raise APIError(400, "prompt: give a non-empty string, list of token ids, or a list of those", "prompt")
-        if isinstance(raw, str) or (isinstance(raw, list) and all(isinstance(t, int) for t in raw)):
-            raw = [raw]
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in raw]
-        if any(not p for p in prompts):
-            raise APIError(400, "prompt: every prompt needs at least one token", "prompt")
-        vocab = self.module.vocab_size
-        if any(t < 0 or t >= vocab for p in prompts for t in p):
-            raise APIError(400, f"prompt: token ids must be in 0..{vocab - 1}", "prompt")
-        params = self.sampling_params(req, max(map(len, prompts)))
-        n = params.n
+        req, n = job.req, job.params[0].n
+        echo_only = req.echo and req.max_tokens == 0  # the prompt alone (vLLM samples one token, returns none)
 
-        def logprobs_of(sample):
+        def logprobs_of(token_ids, steps, text_offset=0):
             if req.logprobs is None:
                 return None
-            tokens = [tokenizer.decode([t]) for t in sample.token_ids]
-            return CompletionLogProbs(
-                tokens=tokens, token_logprobs=[step[t].logprob for step, t in zip(sample.logprobs, sample.token_ids)],
-                text_offset=[sum(map(len, tokens[:k])) for k in range(len(tokens))],
-                top_logprobs=[{tokenizer.decode([t]): lp.logprob for t, lp in sorted(
-                    step.items(), key=lambda kv: -kv[1].logprob)[:req.logprobs]} for step in sample.logprobs])
+            return self.completion_logprobs(token_ids, steps, req.logprobs, text_offset)
 
         if req.stream:
-            created, response_id = int(time.time()), f"cmpl-{time.time_ns()}"
-            outputs = self.run(prompts, params, stream=True)
-            first = await _first(outputs)
+            created, response_id = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+            include_usage, continuous = should_include_usage(req.stream_options, False)
 
-            async def events():
-                async for output in _chain(first, outputs):
+            async def events(first, outputs):
+                choices = n * len(job.prompts)
+                generated, echoed, offsets = [0] * choices, [False] * choices, [0] * choices
+                cached = None if first is None else getattr(first[1], "num_cached_tokens", None)
+                prompt_logprobs = {}
+                async for i, output in _chain(first, outputs):
+                    if output.prompt_logprobs is not None:  # on a prompt's first output only
+                        prompt_logprobs[i] = output.prompt_logprobs
+                    prompt = job.prompts[i]
                     for sample in output.outputs:
-                        yield _sse(CompletionStreamResponse(id=response_id, created=created, model=self.name, choices=[
-                            CompletionResponseStreamChoice(index=output.prompt_index * n + sample.index,
-                                                           text=sample.text, logprobs=logprobs_of(sample),
-                                                           finish_reason=sample.finish_reason,
-                                                           token_ids=list(sample.token_ids))]))
-                yield "data: [DONE]\n\n"
+                        k = i * n + sample.index
+                        fields = _generated_fields(sample)
+                        if req.echo and not echoed[k]:
+                            echoed[k], fields["prompt_token_ids"] = True, prompt
+                            steps = prompt_logprobs.get(i) or [None] * len(prompt)
+                            if echo_only:
+                                text, token_ids, logprob_steps = job.texts[i], prompt, steps
+                            else:
+                                text, token_ids = job.texts[i] + sample.text, [*prompt, *sample.token_ids]
+                                logprob_steps = [*steps, *(sample.logprobs or [])]
+                        else:
+                            if echo_only:
+                                continue
+                            text, token_ids, logprob_steps = sample.text, sample.token_ids, sample.logprobs
+                            if not text and not token_ids and not generated[k]:
+                                continue  # a chunked prefill step: nothing to say yet
+                        generated[k] += len(sample.token_ids)
+                        logprobs = logprobs_of(token_ids, logprob_steps or [], offsets[k])
+                        if logprobs is not None and logprobs.tokens:  # by the tokens, not the text (stop strings)
+                            offsets[k] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
+                        yield _sse(CompletionStreamResponse(
+                            id=response_id, object="text_completion", created=created, model=self.name,
+                            choices=[CompletionResponseStreamChoice(
+                                index=k, text=text, logprobs=logprobs,
+                                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **fields)],
+                            **({"usage": self.usage(len(prompt), generated[k])} if continuous else {})))
+                if include_usage:
+                    prompt_tokens = sum(map(len, job.prompts))
+                    yield _sse(CompletionStreamResponse(
+                        id=response_id, created=created, model=self.name, choices=[],
+                        usage=self.usage(prompt_tokens, sum(generated), cached)), exclude_unset=False,
+                        exclude_none=True)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return await self.streamed(job, events)
 
-        outputs = sorted([o async for o in self.run(prompts, params, stream=False)], key=lambda o: o.prompt_index)
-        choices = [CompletionResponseChoice(index=o.prompt_index * n + s.index, text=s.text, logprobs=logprobs_of(s),
-                                            finish_reason=s.finish_reason, stop_reason=s.stop_reason,
-                                            prompt_token_ids=list(o.prompt_token_ids), token_ids=list(s.token_ids),
-                                            generation_log_probs=[step[t].logprob
-                                                                  for step, t in zip(s.logprobs, s.token_ids)],
-                                            generation_weight_versions=s.weight_versions)
-                   for o in outputs for s in sorted(o.outputs, key=lambda s: s.index)]
-        prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
-        generated = sum(len(s.token_ids) for o in outputs for s in o.outputs)
-        return _json_response(CompletionResponse(model=self.name, choices=choices, usage=UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=generated, total_tokens=prompt_tokens + generated)))
+        outputs = sorted([o async for o in self.run(job, stream=False)], key=lambda o: o[0])
+        choices = []
+        for i, output in outputs:
+            prompt, prompt_logprobs = job.prompts[i], self.prompt_logprobs(output)
+            for s in sorted(output.outputs, key=lambda s: s.index):
+                if not req.echo:
+                    text, token_ids, steps = s.text, s.token_ids, s.logprobs
+                elif echo_only:
+                    text, token_ids, steps = job.texts[i], prompt, prompt_logprobs
+                else:
+                    text, token_ids = job.texts[i] + s.text, [*prompt, *s.token_ids]
+                    steps = [*(prompt_logprobs or []), *s.logprobs] if req.logprobs is not None else None
+                choices.append(CompletionResponseChoice(
+                    index=len(choices), text=text, logprobs=logprobs_of(token_ids, steps),
+                    finish_reason=s.finish_reason, stop_reason=s.stop_reason, prompt_logprobs=prompt_logprobs,
+                    prompt_token_ids=prompt, **_generated_fields(s)))
+        prompt_tokens = sum(len(job.prompts[i]) for i, _ in outputs)
+        generated = sum(len(s.token_ids) for _, o in outputs for s in o.outputs)
+        cached = getattr(outputs[-1][1], "num_cached_tokens", None) if outputs else None
+        return _json_response(CompletionResponse(
+            id=f"cmpl-{uuid.uuid4().hex}", model=self.name, choices=choices,
+            usage=self.usage(prompt_tokens, generated, cached)))
 
 
-class _Ended(Exception):
-    pass
+def _refuse_non_int_token_ids(prompt) -> None:
+    """pydantic would read `[true, false]` (or 1.0) as token ids [1, 0]: a prompt of ids must hold integers."""
+    if not isinstance(prompt, list):
+        return
+    for i, p in enumerate(prompt):
+        for t in (p if isinstance(p, list) else [p]):
+            if not isinstance(t, str) and type(t) is not int:
+                raise APIError(400, f"prompt: token ids are integers; found {json.dumps(t)} in "
+                                    f"{'prompt ' + str(i) if isinstance(p, list) else 'the prompt'}", "prompt")
 
 
-async def _first(outputs):
-    """The first item of an async iterator (raising its error here, before a streamed response starts), or
-    _Ended when there is none."""
-    try:
-        return await outputs.__anext__()
-    except StopAsyncIteration:
-        return _Ended()
+def _sampled_logprobs(sample) -> list:
+    return [step[token].logprob for step, token in zip(sample.logprobs or (), sample.token_ids)]
+
+
+def _generated_fields(sample) -> dict:
+    """chatgen's fields of a sample (or of a streamed delta: its new tokens): the ids, the engine's log-prob of
+    each and the weight version each was sampled under."""
+    return {"token_ids": list(sample.token_ids), "generation_log_probs": _sampled_logprobs(sample),
+            "generation_weight_versions": getattr(sample, "weight_versions", None)}
 
 
 async def _chain(first, outputs):
-    async with contextlib.aclosing(outputs):  # a client that goes away aborts its requests
-        if isinstance(first, _Ended):
-            return
-        yield first
-        async for output in outputs:
-            yield output
+    if first is None:
+        return
+    yield first
+    async for item in outputs:
+        yield item

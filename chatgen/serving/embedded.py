@@ -8,6 +8,7 @@ environments that chat with it over HTTP (docs/multiturn_rl.md), and how a scrip
 The app is chatgen.serving.app's (the same endpoints as `chatgen serve`); requests join the module's engine loop
 alongside its other calls.
 """
+import errno
 import socket
 import threading
 import time
@@ -19,6 +20,28 @@ from chatgen.serving.app import build_app
 START_TIMEOUT_S = 60
 
 
+def listen(host: str, port: int) -> socket.socket:
+    """A socket listening on host:port (port 0: a free one), for uvicorn's `run(sockets=[...])`: taken before an
+    engine loads, so that a port in use (or a host that is not an address of this machine) is an OSError naming
+    it right away, and the port cannot be taken by anyone else meanwhile."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart while old connections linger
+    try:
+        sock.bind((host, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise OSError(f"--port {port}: {host}:{port} is in use (another server?); choose another port, or "
+                          "--port 0 for a free one") from None
+        raise OSError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror})") from None
+    return sock
+
+
 class EmbeddedServer:
     """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is `http://HOST:PORT/v1` (for
     `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise."""
@@ -26,9 +49,7 @@ class EmbeddedServer:
     def __init__(self, module, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
                  model_name: str | None = None):
         app = build_app(module, api_key=api_key, model_name=model_name)
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
+        sock = listen(host, port)
         self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name=f"{getattr(module, 'name', 'model')}-server", daemon=True)

@@ -4,11 +4,9 @@ official `openai` client), generate_async, and weight updates with requests in f
     .venv/bin/python -m pytest tests/integration/test_serving.py
 
 One engine and one server for the whole file (module scope); the last test shuts the server down. The tiny
-Llama gets a ChatML-style chat template whose turns end with its EOS token (a copy of the model directory).
+Llama gets a ChatML-style chat template whose turns end with its EOS token (conftest's `chat_model_dir`).
 """
 import concurrent.futures
-import json
-import shutil
 import threading
 import time
 
@@ -25,19 +23,7 @@ from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 from chatgen.serving.app import build_app  # noqa: E402
 
 KEY = "test-key"
-CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 MAX_NEW = 40  # generate()'s tokens in the weight-update tests: long enough to update mid-request
-
-
-@pytest.fixture(scope="module")
-def chat_model_dir(tiny_llama_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("tiny-llama-chat")
-    for f in tiny_llama_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    config = json.loads((out / "tokenizer_config.json").read_text())
-    (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": CHATML}))
-    return out
 
 
 class Served:
@@ -167,7 +153,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     messages = [{"role": "user", "content": "hello"}]
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         served.client.chat.completions.create(model="gpt-4", messages=messages)
-    with pytest.raises(openai.BadRequestError, match="over this model's context of 256"):
+    with pytest.raises(openai.BadRequestError, match="cannot be greater than max_model_len=256"):
         chat(served, messages, max_tokens=10_000)
     with pytest.raises(openai.BadRequestError, match="use_beam_search"):
         chat(served, messages, extra_body={"use_beam_search": True})
@@ -179,7 +165,7 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     broken = httpx.post(f"{served.url}/v1/chat/completions", headers=headers, content=b"{not json")
     assert broken.status_code == 400 and "not valid JSON" in broken.json()["error"]["message"]
     bad_ids = httpx.post(f"{served.url}/v1/completions", headers=headers, json={"model": "tiny", "prompt": [10 ** 9]})
-    assert bad_ids.status_code == 400 and "token ids" in bad_ids.json()["error"]["message"]
+    assert bad_ids.status_code == 400 and "out of vocabulary" in bad_ids.json()["error"]["message"]
     assert chat(served, messages).choices[0].message.content is not None  # still serving
 
 
@@ -243,6 +229,47 @@ def test_generate_async_yields_rows_as_they_finish_and_aborts_when_left(served, 
     assert [row for row, _ in asyncio.run(collect(stop_after=1))] == [1]
     assert not module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)), \
         "leaving generate_async early must abort its requests"
+
+
+# ---------------------------------------------------------------- NeMo RL's calls, as its users write them
+
+def test_nemo_rl_generate_with_its_padding_and_per_row_stop_token_ids(served, monkeypatch):
+    """Seed 000's example: rows right-padded with 0 (the `pad_token_id: 0` key), and NeMo RL's batch keys."""
+    module = served.module
+    monkeypatch.setattr(module, "pad_token_id", 0)  # what `pad_token_id: 0` in the per-model config resolves to
+    input_data = {"input_ids": torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]),  # right-padded sequence
+                  "input_lengths": torch.tensor([3, 5])}  # actual lengths
+    out = module.generate(input_data, greedy=True)
+    assert out["output_ids"][0, 3 + MAX_NEW:].tolist() == [0, 0]  # the shorter row is padded with 0 too
+    stop = out["output_ids"][0, 5].item()  # row 0's third generated token
+    first = out["output_ids"][0, 3:].tolist().index(stop)
+    stopped = module.generate({**input_data, "stop_token_ids": [[stop], None], "task_name": ["a", "b"]}, greedy=True)
+    assert stopped["generation_lengths"].tolist() == [first + 1, MAX_NEW]  # row 0 stops there (token kept)
+    assert stopped["output_ids"][0, :3 + first + 1].tolist() == out["output_ids"][0, :3 + first + 1].tolist()
+    assert not stopped["truncated"][0] and stopped["truncated"][1]
+    assert stopped["output_ids"][1].tolist() == out["output_ids"][1].tolist()
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a list with one entry per row \(2\)"):
+        module.generate({**input_data, "stop_token_ids": [stop]})
+    with pytest.raises(ValueError, match=r"stop_token_ids\[0\]: token id\(s\) \[100000\] outside"):
+        module.generate({**input_data, "stop_token_ids": [[100000], None]})
+
+
+def test_generate_text_async_yields_each_prompts_texts_as_they_finish(served, monkeypatch):
+    import asyncio
+
+    module = served.module
+    monkeypatch.setattr(module.config, "max_new_tokens", 6)
+    prompts = ["Once upon a time", "The cat"]
+    expected = module.generate_text(prompts, greedy=True)
+
+    async def collect(batch):
+        return [item async for item in module.generate_text_async(batch, greedy=True)]
+
+    rows = asyncio.run(collect(prompts))
+    assert sorted(rows) == sorted(enumerate(expected)) and all(text for _, text in rows)
+    nemo = asyncio.run(collect({"prompts": prompts}))  # NeMo RL's batch in, its outputs out
+    assert sorted((row, out["texts"]) for row, out in nemo) == [(i, [t]) for i, t in enumerate(expected)]
+    assert module.generate_text({"prompts": prompts}, greedy=True) == {"texts": expected}
 
 
 # ---------------------------------------------------------------- weight updates with requests in flight

@@ -1,5 +1,5 @@
-"""`chatgen.VLLMGeneration` in colocate mode on CPU with the real vLLM and transformers: generate's layout,
-sync_weights from a transformers model (log-probs equal a transformers forward pass within 1e-4, fp32), the
+"""`chatgen.VLLMGeneration` in colocate mode on CPU with the real vLLM and transformers: generate's layout, its
+prompts as token ids, strings or chats and its per-call sampling, sync_weights from a transformers model (log-probs equal a transformers forward pass within 1e-4, fp32), the
 prefix cache reset after a sync, and refused syncs that leave the engine's weights alone.
 
     python -m pytest tests/integration/test_vllm_generation.py
@@ -15,10 +15,10 @@ PROMPTS = [list(range(10, 10 + 2 * BLOCK + 5)), [5, 17, 99, 200, 301, 7]]
 
 
 @pytest.fixture(scope="module")
-def gen(tiny_llama_dir):
+def gen(chat_model_dir):  # the tiny Llama with a chat template
     from chatgen import VLLMGeneration
 
-    g = VLLMGeneration(tiny_llama_dir, max_completion_length=8, max_model_length=128, enforce_eager=True,
+    g = VLLMGeneration(chat_model_dir, max_completion_length=8, max_model_length=128, enforce_eager=True,
                        block_size=BLOCK, kv_cache_memory_bytes=16 << 20, seed=0)
     yield g
     g.shutdown()
@@ -63,10 +63,34 @@ def test_generate_is_prompt_major_with_a_logprob_per_token(gen):
 
 
 def test_bad_calls_name_the_argument(gen):
-    with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty list"):
+    with pytest.raises(ValueError, match=r"prompts\[1\] must be a non-empty list of token ids"):
         gen.generate([[1, 2], []])
+    with pytest.raises(ValueError, match=r"prompts\[0\] is a chat whose messages need 'role' and 'content'"):
+        gen.generate([[{"content": "hi"}]])
     with pytest.raises(ValueError, match="greedy decoding gives one completion per prompt"):
         gen.generate(PROMPTS, num_generations=2, greedy=True)
+    with pytest.raises(ValueError, match="generate: temperature=0 decodes greedily"):
+        gen.generate(PROMPTS, num_generations=2, temperature=0)
+    with pytest.raises(ValueError, match=r"generate: top_p=0; use a value in \(0, 1\]"):
+        gen.generate(PROMPTS, top_p=0)
+    with pytest.raises(ValueError, match="generate: max_completion_length=0; ask for at least 1 token"):
+        gen.generate(PROMPTS, max_completion_length=0)
+
+
+def test_prompts_as_strings_or_chats_and_sampling_per_call(gen):
+    tokenizer = gen.module.tokenizer
+    chat = [{"role": "user", "content": "Say something"}]
+    text_ids = tokenizer.encode("Once upon a time")
+    chat_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False)
+    mixed = gen.generate(["Once upon a time", chat, PROMPTS[1]], greedy=True)
+    assert mixed[0] == [text_ids, chat_ids, PROMPTS[1]]
+    assert mixed == gen.generate([text_ids, chat_ids, PROMPTS[1]], greedy=True)
+    # this call's settings, then the constructor's again (temperature 1, 8 tokens)
+    assert gen.generate(PROMPTS, temperature=0) == gen.generate(PROMPTS, greedy=True)
+    short = gen.generate(PROMPTS, greedy=True, max_completion_length=3)
+    assert [len(c) for c in short[1]] == [3, 3] and all(c[:3] == s for c, s in zip(mixed[1][2:], short[1][1:]))
+    assert [len(c) for c in gen.generate(PROMPTS, greedy=True)[1]] == [8, 8]
+    assert gen.module.config.temperature == 1.0 and gen.module.config.max_new_tokens == 8
 
 
 def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_model):

@@ -133,6 +133,20 @@ def test_colocate_and_server_agree_and_match_transformers_after_a_sync(remote, l
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
 
+def test_text_prompts_and_per_call_sampling_agree_with_colocate(remote, local):
+    """The server tokenizes a string prompt (/tokenize) as colocate does; per-call settings reach the server (the
+    two engines may hold different weights here: earlier tests synced the server)."""
+    texts = ["Once upon a time", "The cat sat"]
+    ids = [local.module.tokenizer.encode(t) for t in texts]
+    assert remote.generate(texts, greedy=True) == remote.generate(ids, greedy=True)  # the same prompts
+    assert remote.generate(texts, greedy=True)[0] == ids
+    short = remote.generate(texts, temperature=0, max_completion_length=3)  # this call only: greedy, 3 tokens
+    assert [len(c) for c in short[1]] == [3, 3] and short[1] == [c[:3] for c in remote.generate(ids, greedy=True)[1]]
+    assert [len(c) for c in local.generate(texts, temperature=0, max_completion_length=3)[1]] == [3, 3]
+    with pytest.raises(RuntimeError, match="/tokenize: HTTP 400: this model's tokenizer has no chat template"):
+        remote.generate([[{"role": "user", "content": "hi"}]])
+
+
 def test_the_group_transport_matches_transformers_after_a_sync(remote_group, data_and_model):
     from transformers import AutoModelForCausalLM
 

@@ -220,3 +220,21 @@ def test_a_refused_run_writes_nothing_and_names_what_to_change(tmp_path, capsys)
     assert "--resume: no complete checkpoint under" in capsys.readouterr().err and not out.exists()
     assert main([*train, "runtime.output_dir=/proc/x/run"]) == 2
     assert "runtime.output_dir: cannot write into /proc/x/run" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(tiny_llama_dir, capsys, monkeypatch):
+    import socket
+
+    from chatgen.cli import main, serve
+
+    monkeypatch.setattr(serve, "build_module", lambda args: pytest.fail("the engine must not load"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", str(tiny_llama_dir), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"--port {port}: 127.0.0.1:{port} is in use" in err and "http://" not in err  # nothing announced
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--model", str(tiny_llama_dir), "--port", "99999"])
+    assert exit_.value.code == 2 and "argument --port: 99999 is not a port" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tiny_llama_dir), "--host", "nohost.invalid"]) == 2
+    assert "--host nohost.invalid: not an address of this machine" in capsys.readouterr().err

@@ -210,6 +210,23 @@ def test_unpad_batch_and_errors_name_the_row():
         unpad_batch({"input_ids": ids[0], "input_lengths": torch.tensor([3])}, 0)
     with pytest.raises(ValueError, match=r"one entry per row \(2\)"):
         unpad_batch({"input_ids": ids, "input_lengths": torch.tensor([3, 2]), "stop_strings": [["x"]]}, 0)
+    stop_ids = {"input_ids": ids, "input_lengths": torch.tensor([3, 2])}
+    assert unpad_batch({**stop_ids, "stop_token_ids": [[2, 9], None]}, 0) == [[1, 5, 6], [1, 7]]
+    with pytest.raises(ValueError, match=r"stop_token_ids must be a list with one entry per row \(2\)"):
+        unpad_batch({**stop_ids, "stop_token_ids": [2, 9]}, 0)  # one list for all rows: say which rows
+    with pytest.raises(ValueError, match=r"stop_token_ids\[1\] = \[True\]; give a list of token ids"):
+        unpad_batch({**stop_ids, "stop_token_ids": [None, [True]]}, 0)
+
+
+def test_the_pad_token_id_key_wins_over_the_tokenizers():
+    tokenizer = SimpleNamespace(pad_token_id=3, eos_token_id=2)
+    assert gc.pad_token_id(tokenizer, "/m") == 3
+    assert gc.pad_token_id(tokenizer, "/m", configured=0) == 0  # NeMo RL's batches, right-padded with 0
+    assert unpad_batch({"input_ids": torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]),
+                        "input_lengths": torch.tensor([3, 5])}, gc.pad_token_id(tokenizer, "/m", 0)) == \
+        [[1, 2, 3], [1, 2, 3, 4, 5]]
+    with pytest.raises(ConfigError, match=r"pad_token_id: must be a token id \(>= 0\) or null, got -1"):
+        gc.check_config(config(pad_token_id=-1))
 
 
 @pytest.mark.faults
@@ -341,6 +358,7 @@ KEY_DESTINATIONS = {
     "max_new_tokens": ({"sampling"}, 32),
     "seq_length": ({"engine", "sampling"}, 256),
     "prompt_logprobs": ({"sampling"}, 1),
+    "pad_token_id": ({"pad"}, 5),
     "logprobs_mode": ({"engine"}, "raw"),
     "max_num_batched_tokens": ({"engine"}, 1024),
     "generation_batch_size": ({"engine"}, 16),
@@ -399,6 +417,7 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
         "model": lambda c: VLLMModule.model_provider(SimpleNamespace(config=c)),
         "dataset": lambda c: VLLMModule.build_dataset(SimpleNamespace(config=c, tokenizer=CharTokenizer()), ["hi"]),
         "user": model_args,
+        "pad": lambda c: gc.pad_token_id(None, tmp_path / "model", c.pad_token_id),
     }
     base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
     vc.check_vllm_config(base, cpu=True)

@@ -84,7 +84,7 @@ class HFGeneration(GenerationModule):
         self.model = model.to(self.device).eval().requires_grad_(False)
         self.hf_config = hf.to_dict()
         self.vocab_size = hf.vocab_size
-        self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir)
+        self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir, self.config.pad_token_id)
         self.check_tokenizer(tokenizer_dir, model_dir)
         # vLLM's EOS rule (SamplingParams.update_from_generation_config): the tokenizer's EOS, and the EOS ids of
         # generation_config.json (else of config.json) as stop tokens
@@ -99,10 +99,12 @@ class HFGeneration(GenerationModule):
 
     # ------------------------------------------------------------------ generation
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()) -> SamplingParams:
+    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(),
+                        stop_token_ids=()) -> SamplingParams:
         """The settings of one prompt of `prompt_len` tokens (config.sampling_kwargs): train or eval sampling keys,
-        stop_token_list plus `stop_strings`."""
-        config_strings, stop_token_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop_token_list plus `stop_strings` and `stop_token_ids`."""
+        config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop_token_ids = [*config_ids, *stop_token_ids]
         stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
             raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "

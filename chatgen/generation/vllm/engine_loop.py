@@ -16,7 +16,7 @@ the loop has no thread (`threaded=False`): the caller runs the same loop body un
 
 Weights: the loop counts versions (0 = the weights the engine started with, +1 per update). Every finished
 sample carries `weight_versions` (list[int], the version each generated token was sampled under; set on vLLM's
-`CompletionOutput`). Requests added after an update carry a new cache salt, so they never hit prefix-cache
+`CompletionOutput`); so does every delta of a streamed request, for its new tokens. Requests added after an update carry a new cache salt, so they never hit prefix-cache
 blocks computed with older weights, whatever still holds those blocks.
 """
 import asyncio
@@ -60,6 +60,7 @@ class EngineLoop:
         self._request_ids = itertools.count()
         self._start_version = {}  # request id -> weight version when it was added
         self._marks = {}  # (request id, sample index) -> [(tokens generated before the update, new version)]
+        self._streamed = set()  # ids of unfinished requests that emit a delta every step
         self._stopped = False
         self._starting = None  # the call whose requests are being added (`_start`), on the engine thread
         self._thread = None
@@ -89,6 +90,8 @@ class EngineLoop:
         kind = adapter.RequestOutputKind.DELTA if stream else adapter.RequestOutputKind.FINAL_ONLY
         adapter.add_request(self.llm, request_id, prompt_ids, params, prompt_text, cache_salt=self.cache_salt,
                             output_kind=kind)
+        if stream:
+            self._streamed.add(request_id)
         self._starting.request_ids.append(request_id)
         return request_id
 
@@ -259,6 +262,7 @@ class EngineLoop:
             call.add()
         except BaseException as e:
             adapter.abort(self.llm, call.request_ids)
+            self._streamed.difference_update(call.request_ids)
             call.done = True
             call.notify(e)
             return
@@ -295,8 +299,9 @@ class EngineLoop:
             call = self._calls.get(output.request_id)
             if call is None:  # a request someone added to the engine directly: not ours to route
                 continue
-            if output.finished:
+            if output.finished or output.request_id in self._streamed:
                 self._stamp_versions(output)
+            if output.finished:
                 del self._calls[output.request_id]
                 call.unfinished.discard(output.request_id)
             call.notify(output)
@@ -322,6 +327,7 @@ class EngineLoop:
         for request_id in call.unfinished:
             self._calls.pop(request_id, None)
             self._start_version.pop(request_id, None)
+            self._streamed.discard(request_id)
         self._marks = {k: v for k, v in self._marks.items() if k[0] not in call.unfinished}
         call.unfinished = set()
 
@@ -330,7 +336,15 @@ class EngineLoop:
             self._abort(call, error)
 
     def _stamp_versions(self, output) -> None:
-        """Set `weight_versions` (one per generated token) on each sample of a finished RequestOutput."""
+        """Set `weight_versions` (one per token it holds) on each sample of a finished RequestOutput, or of any
+        delta of a streamed request."""
+        if output.request_id in self._streamed:  # a delta's tokens were all sampled in the step just run
+            for sample in output.outputs:
+                sample.weight_versions = [self.weight_version] * len(sample.token_ids)
+            if output.finished:
+                self._streamed.discard(output.request_id)
+                self._start_version.pop(output.request_id, None)
+            return
         start = self._start_version.pop(output.request_id, self.weight_version)
         for sample in output.outputs:
             versions = [start] * len(sample.token_ids)
@@ -386,7 +400,7 @@ class EngineLoop:
         self.broken = None
         self.weight_version += 1
         for key, count in counts.items():
-            if key[0] in self._calls:
+            if key[0] in self._calls and key[0] not in self._streamed:
                 self._marks.setdefault(key, []).append((count, self.weight_version))
         # No request may reuse KV computed with the old weights: recompute preempts the running requests
         # (they re-prefill prompt + generated tokens); otherwise the cache is cleared where nothing holds

@@ -97,7 +97,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
             self.tokenizer = self.engine.get_tokenizer()
             self.alias_tokenizer(self.tokenizer)
-        self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir)
+        self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir, self.config.pad_token_id)
         try:
             self.check_tokenizer(self.config.tokenizer or model_dir, model_dir)
         except gc.ConfigError:
@@ -152,13 +152,15 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config (config.engine_kwargs)."""
         return engine_kwargs(self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend)
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=()):
+    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see config.sampling_kwargs).
 
         Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p /
-        eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`.
+        eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`
+        and `stop_token_ids`.
         """
-        config_strings, stop_token_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop_token_ids = [*config_ids, *stop_token_ids]
         stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
             raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
@@ -284,7 +286,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
             params = self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
-                                          stop_strings=item.get("stop_strings") or ())
+                                          stop_strings=item.get("stop_strings") or (),
+                                          stop_token_ids=item.get("stop_token_ids") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
         return request_ids
 
