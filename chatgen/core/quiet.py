@@ -1,0 +1,53 @@
+"""A quiet terminal: the notices of third-party libraries that are known to be harmless on chatgen's stack are
+filtered where they come from, so that a run prints chatgen's own lines and whatever else is news.
+
+    from chatgen.core import quiet
+    quiet.apply()          # first thing in a process, before torch / vLLM / megatron-core are imported
+    quiet.verbose()        # True under `chatgen -v ...` or CHATGEN_VERBOSE=1: no filter, more of chatgen's detail
+
+The CLI applies it (chatgen.cli.main), so does every Ray worker of a run (chatgen.rlhf.runtime.ModelWorker, which
+inherits CHATGEN_VERBOSE) and every example script. Each filter names the library's module and the notice's
+category and text: anything else those modules say, and everything any other library says, still shows.
+vLLM's NUMA notice comes from C++, out of reach of Python's filters; chatgen.generation.vllm.adapter quiets that
+one call (`verbose()` decides there too).
+"""
+import logging
+import os
+import warnings
+
+VERBOSE = "CHATGEN_VERBOSE"  # "1": nothing filtered (set by `chatgen -v`; Ray workers inherit CHATGEN_ variables)
+
+# (category, message regex, module regex) of each filtered warning, and why it is harmless
+WARNINGS = [
+    # megatron-core's fused CUDA kernels are optional extras; chatgen builds the local layer spec with torch's
+    # norms and optimizers by design (on CPU the extras cannot exist)
+    (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\."),
+    # megatron-core's own default (cuda_graph_scope="full") warns against itself; chatgen captures no CUDA graphs
+    (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
+    # vLLM scans every imported module's attributes for Triton kernels and touches torch.distributed.reduce_op
+    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"),
+]
+
+# logger name -> the lowest level shown. vLLM configures its loggers only when an engine starts, so a notice at
+# import goes through Python's last-resort handler whatever VLLM_LOGGING_LEVEL says.
+LOGGERS = {
+    # torch brings Triton along; vLLM's CPU backend uses its own C++ kernels, not Triton's
+    "vllm.triton_utils.importing": logging.ERROR,
+}
+
+
+def verbose() -> bool:
+    return os.environ.get(VERBOSE, "") not in ("", "0")
+
+
+def apply() -> None:
+    """Install the filters in this process (nothing under verbose()); safe to call again. vLLM logs errors only
+    (VLLM_LOGGING_LEVEL=ERROR unless set): its INFO and WARNING lines of an engine start-up (~40 per engine:
+    arguments, compilation, cache sizes, performance hints for a tuned CPU setup) are its own diary."""
+    if verbose():
+        return
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    for category, message, module in WARNINGS:
+        warnings.filterwarnings("ignore", message=message, category=category, module=module)
+    for name, level in LOGGERS.items():
+        logging.getLogger(name).setLevel(level)
