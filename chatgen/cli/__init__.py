@@ -25,6 +25,7 @@ VERBOSE_FLAGS = ("-v", "--verbose")  # anywhere on the command line (chatgen.cor
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "init": ("chatgen.cli.init", "start a project of your own from a working recipe (chatgen init --list shows them)"),
     "config": ("chatgen.cli.config", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
     "generate": ("chatgen.cli.generate", "generate from a JSONL of prompts with the step-driven VLLMModule"),
     "serve": ("chatgen.cli.serve", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
