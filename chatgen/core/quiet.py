@@ -43,10 +43,12 @@ def verbose() -> bool:
 def apply() -> None:
     """Install the filters in this process (nothing under verbose()); safe to call again. vLLM logs errors only
     (VLLM_LOGGING_LEVEL=ERROR unless set): its INFO and WARNING lines of an engine start-up (~40 per engine:
-    arguments, compilation, cache sizes, performance hints for a tuned CPU setup) are its own diary."""
+    arguments, compilation, cache sizes, performance hints for a tuned CPU setup) are its own diary. Set before
+    the libraries are imported: both variables are read then."""
     if verbose():
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bar per shard it reads or writes
     for category, message, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, level in LOGGERS.items():

@@ -35,7 +35,7 @@ from chatgen.core.checkpoint_io import atomic_file
 BAR_FORMAT = "{desc} |{bar:12}| {n_fmt}/{total_fmt}{postfix} [{elapsed}<{remaining}]"
 HEADLINE = ("reward/mean", "policy/loss")  # the first of these a run logs stands for its training progress
 MAX_EVAL_KEYS = 3  # held-out figures shown per line and in the summary (metrics.jsonl has them all)
-MAX_ROWS = 12  # rows of the summary's curve
+MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode tiny job
 
 
 def progress_bar(total: int, what: str, initial: int = 0) -> tqdm:
@@ -185,13 +185,13 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
     for r in records:
         seconds += r.get("time/episode", 0.0)
         elapsed[r["episode"]] = seconds
-    width = max([7, *map(len, columns)])
+    widths = [max(7, len(c)) for c in columns]
     lines = [title] if title else []
-    lines.append("  " + "episode".rjust(7) + "  " + "time".rjust(7) + "".join("  " + c.rjust(width) for c in columns))
+    lines.append(f"  {'episode':>7}  {'time':>7}" + "".join(f"  {c:>{w}}" for c, w in zip(columns, widths)))
     for r in rows:
         cells = [f"{r[c]:.3f}" if c in r else "-" for c in columns]
         lines.append(f"  {r['episode']:7d}  {tqdm.format_interval(elapsed[r['episode']]):>7}"
-                     + "".join("  " + c.rjust(width) for c in cells))
+                     + "".join(f"  {c:>{w}}" for c, w in zip(cells, widths)))
     per_phase = []
     for phase in phases:
         values = [r[f"time/{phase}"] for r in timed if f"time/{phase}" in r]
