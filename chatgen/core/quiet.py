@@ -6,13 +6,14 @@ filtered where they come from, so that a run prints chatgen's own lines and what
     quiet.verbose()        # True under `chatgen -v ...` or CHATGEN_VERBOSE=1: no filter, more of chatgen's detail
 
 The CLI applies it (chatgen.cli.main), so does every Ray worker of a run (chatgen.rlhf.runtime.ModelWorker, which
-inherits CHATGEN_VERBOSE) and every example script. Each filter names the library's module and the notice's
-category and text: anything else those modules say, and everything any other library says, still shows.
-vLLM's NUMA notice comes from C++, out of reach of Python's filters; chatgen.generation.vllm.adapter quiets that
-one call (`verbose()` decides there too).
+inherits CHATGEN_VERBOSE) and every example script. Each filter names the library's module and the notice:
+a warning's category and text, a logger's message. Anything else those modules say, and everything any other
+library says, still shows. vLLM's NUMA notice comes from C++, out of reach of Python's filters;
+chatgen.generation.vllm.adapter quiets that one call (`verbose()` decides there too).
 """
 import logging
 import os
+import re
 import warnings
 
 VERBOSE = "CHATGEN_VERBOSE"  # "1": nothing filtered (set by `chatgen -v`; Ray workers inherit CHATGEN_ variables)
@@ -28,12 +29,26 @@ WARNINGS = [
     (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"),
 ]
 
-# logger name -> the lowest level shown. vLLM configures its loggers only when an engine starts, so a notice at
-# import goes through Python's last-resort handler whatever VLLM_LOGGING_LEVEL says.
-LOGGERS = {
+# logger name -> the message (regex, matched at its start) dropped from that logger; its other messages show.
+# Both libraries configure their loggers late or not at all (vLLM when an engine starts, Ray not with
+# configure_logging=False), so these went through Python's last-resort handler whatever their levels say.
+LOGGED = {
     # torch brings Triton along; vLLM's CPU backend uses its own C++ kernels, not Triton's
-    "vllm.triton_utils.importing": logging.ERROR,
+    "vllm.triton_utils.importing": r"Triton is installed, but doesn't include CPU backend",
+    # the run's own local Ray turned its token authentication on (good news; "... is disabled ..." still shows)
+    "ray._private.authentication.authentication_token_setup": r"Token authentication is enabled",
 }
+
+
+class _Drop(logging.Filter):
+    """Drops the records whose message matches `pattern` (at its start)."""
+
+    def __init__(self, pattern: str):
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record) -> bool:
+        return not self.pattern.match(record.getMessage())
 
 
 def verbose() -> bool:
@@ -51,5 +66,7 @@ def apply() -> None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bar per shard it reads or writes
     for category, message, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
-    for name, level in LOGGERS.items():
-        logging.getLogger(name).setLevel(level)
+    for name, pattern in LOGGED.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _Drop) for f in logger.filters):
+            logger.addFilter(_Drop(pattern))

@@ -84,7 +84,8 @@ class Run:
         resolved = save_resolved(cfg, self.out_dir)
         if quiet.verbose():
             self.log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
-        self.log(f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episodes into {self.out_dir} (config: {resolved})")
+        self.log(f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episode{'s' * (rt.num_episode != 1)} into "
+                 f"{self.out_dir} (config: {resolved})")
 
         with startup_gc():  # models, datasets (20k-odd token lists): built with collection paused, then frozen
             self.runtime = Runtime.start(cfg, log=self.log)
@@ -133,8 +134,11 @@ class Run:
         if saved:
             places["checkpoints"] = f"{self.save_dir}/{saved[-1]}" + (f" (and {len(saved) - 1} earlier)" if
                                                                        len(saved) > 1 else "")
-        title = (f"[chatgen] {self.cfg.runtime.algorithm.name}: episodes {self.start_episode}-"
-                 f"{self.cfg.runtime.num_episode} done in {tqdm.format_interval(time.perf_counter() - self.started)}")
+        last = self.cfg.runtime.num_episode
+        done = last - self.start_episode + 1
+        title = (f"[chatgen] {self.cfg.runtime.algorithm.name}: {done} episode{'s' * (done != 1)}"
+                 f"{f' ({self.start_episode}-{last}, resumed)' if self.start_episode > 1 else ''} done in "
+                 f"{tqdm.format_interval(time.perf_counter() - self.started)}")
         return summary(read_jsonl_metrics(self.logger.jsonl), self.logger.phases, places, title)
 
     @property

@@ -83,7 +83,7 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
                               elsewhere, environment(SFT_STEPS=10))
     assert code == 0, out
     assert not noise(out), out
-    before_summary, _, summary = out.partition("[chatgen] grpo: episodes 1-2 done")
+    before_summary, _, summary = out.partition("[chatgen] grpo: 2 episodes done")
     screen = before_summary.split("\n")  # each live line is one of these, redrawn in place with \r
     assert len(screen) < SCREEN, out
     assert re.search(r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary)  # the warm start's live line
@@ -161,6 +161,6 @@ def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, req
     assert proc.returncode == 0, out
     assert not noise(out), out
     assert re.search(r"^episode 1/1: ", proc.stdout, re.MULTILINE)  # no terminal: one plain line per episode
-    assert "episodes 1-1 done in" in proc.stdout and "  metrics " in proc.stdout  # the summary
+    assert ": 1 episode done in" in proc.stdout and "  metrics " in proc.stdout  # the summary
     (run,) = [p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()]  # under the project
     assert 1 in [json.loads(line)["episode"] for line in (run / "metrics.jsonl").read_text().splitlines()]

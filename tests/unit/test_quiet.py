@@ -20,12 +20,27 @@ def shown(message, category, module) -> bool:
     return bool(caught)
 
 
+def logged(logger: str, message: str) -> bool:
+    """Whether `message` at WARNING on `logger` reaches a handler."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger(logger)
+    log.addHandler(handler)
+    try:
+        log.warning(message)
+    finally:
+        log.removeHandler(handler)
+    return bool(records)
+
+
 @pytest.fixture
 def quiet_env(monkeypatch):
     monkeypatch.delenv(quiet.VERBOSE, raising=False)
-    for name in quiet.LOGGERS:
-        monkeypatch.setattr(logging.getLogger(name), "level", logging.NOTSET)
+    for name in quiet.LOGGED:
+        monkeypatch.setattr(logging.getLogger(name), "filters", [])
     monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")  # apply() only sets defaults: a user's choice stays
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")  # (and this test process's environment is restored)
 
 
 def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
@@ -41,8 +56,14 @@ def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
     assert shown("the learning rate is zero", UserWarning, "megatron.core.optimizer")
     assert shown("`torch.distributed.reduce_op` is deprecated", FutureWarning, "my_project.dist")
     assert shown("Apex is not installed", RuntimeWarning, "megatron.core.models.backends")
-    assert logging.getLogger("vllm.triton_utils.importing").level == logging.ERROR
-    assert logging.getLogger("vllm").level == logging.NOTSET  # vLLM's other loggers untouched
+    triton, ray_auth = "vllm.triton_utils.importing", "ray._private.authentication.authentication_token_setup"
+    assert not logged(triton, "Triton is installed, but doesn't include CPU backend. Disabling Triton.")
+    assert not logged(ray_auth, "Token authentication is enabled for this Ray cluster. Set RAY_AUTH_MODE=...")
+    assert logged(ray_auth, "Token authentication is disabled for this Ray cluster. Anyone with network access...")
+    assert logged(triton, "Triton found 0 active drivers")  # the same logger's other messages
+    assert logged("vllm.engine", "Triton is installed, but doesn't include CPU backend")  # another logger
+    quiet.apply()  # a second call adds nothing
+    assert len(logging.getLogger(triton).filters) == 1
     assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
 
 
@@ -50,7 +71,7 @@ def test_verbose_filters_nothing(quiet_env, monkeypatch):
     monkeypatch.setenv(quiet.VERBOSE, "1")
     monkeypatch.delenv("VLLM_LOGGING_LEVEL")
     assert shown("Apex is not installed. Falling back to Torch Norm", UserWarning, "megatron.core.models.backends")
-    assert logging.getLogger("vllm.triton_utils.importing").level == logging.NOTSET
+    assert logged("vllm.triton_utils.importing", "Triton is installed, but doesn't include CPU backend.")
     assert "VLLM_LOGGING_LEVEL" not in os.environ
 
 
