@@ -21,16 +21,19 @@ def shown(message, category, module) -> bool:
 
 
 def logged(logger: str, message: str) -> bool:
-    """Whether `message` at WARNING on `logger` reaches a handler."""
+    """Whether `message` at WARNING on `logger` gets past its filters to a handler (whatever level the library
+    configured, e.g. vLLM's ERROR once an engine of this test process started)."""
     records = []
     handler = logging.Handler()
     handler.emit = records.append
     log = logging.getLogger(logger)
+    level, log.level = log.level, logging.WARNING
     log.addHandler(handler)
     try:
         log.warning(message)
     finally:
         log.removeHandler(handler)
+        log.level = level
     return bool(records)
 
 
