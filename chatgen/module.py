@@ -22,12 +22,17 @@ A reward model is a plain subclass:
         def score(self, data):                       # data: {"texts": [...], record fields...}
             return torch.tensor([-len(t) / 100 for t in data["texts"]])
 """
+import atexit
 import contextlib
 import gc
 import os
 
 from chatgen.compat.chatlearn import dialect as compat_dialect
 from chatgen.config import ConfigError, load_model_config
+
+# Objects still frozen at exit are never freed, and native extensions report them as leaks: a process that never
+# shut its Megatron model down printed 60 lines of "nanobind: leaked ... triton" (megatron-core imports Triton).
+atexit.register(gc.unfreeze)
 
 
 @contextlib.contextmanager
@@ -40,8 +45,8 @@ def startup_gc():
     Inside this block collection is off; on leaving it every object alive is frozen (`gc.freeze`: left out of
     every later collection, as vLLM's engine does with its own heap after warm-up) and collection resumes as it
     was. Objects are still freed by reference counting; reference cycles made before the freeze wait for a
-    module's shutdown, which unfreezes (vLLM's engine shutdown and MegatronModule.shutdown do). Nested blocks
-    are one pause (the outermost resumes collection).
+    module's shutdown, which unfreezes (vLLM's engine shutdown and MegatronModule.shutdown do), or the
+    process's exit. Nested blocks are one pause (the outermost resumes collection).
     """
     enabled = gc.isenabled()
     gc.disable()

@@ -22,13 +22,17 @@ import json
 import time
 from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from chatgen.core import quiet
 
-from chatgen import VLLMGeneration
-from chatgen.core.jsonl import read_prompt_records
-from chatgen.rlhf.losses import group_advantages, policy_loss
-from chatgen.tasks import sort_digits
+quiet.apply()  # before transformers and vLLM load; CHATGEN_VERBOSE=1 shows all they say
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from chatgen import VLLMGeneration  # noqa: E402
+from chatgen.core.jsonl import read_prompt_records  # noqa: E402
+from chatgen.rlhf.losses import group_advantages, policy_loss  # noqa: E402
+from chatgen.tasks import sort_digits  # noqa: E402
 
 
 def token_batch(prompt_ids, completion_ids, pad_id):

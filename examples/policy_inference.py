@@ -15,7 +15,11 @@ YAML as `model_class: examples.policy_inference:PolicyInference` (run from the r
 import argparse
 import sys
 
-from chatgen import VLLMModule
+from chatgen.core import quiet
+
+quiet.apply()  # before vLLM loads (imported below for the class); CHATGEN_VERBOSE=1 shows all it says
+
+from chatgen import VLLMModule  # noqa: E402
 
 FEW_SHOT = "Question: What is one plus one?\nAnswer: two\n\nQuestion: {question}\nAnswer:"
 

@@ -16,6 +16,8 @@ import time
 
 import torch
 
+from chatgen.core import quiet
+
 
 def sft_batch(tokenizer, records) -> dict:
     """Right-padded BOS + prompt + answer + EOS, with loss_mask (B, T-1) = 1 where the next token is answer/EOS."""
@@ -60,6 +62,7 @@ def main(argv=None) -> int:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    quiet.apply()  # before the libraries load (CHATGEN_VERBOSE=1 shows all they say)
 
     from transformers import AutoTokenizer
 
@@ -67,6 +70,7 @@ def main(argv=None) -> int:
     from chatgen.core.checkpoint_io import atomic_file
     from chatgen.core.jsonl import read_prompt_records
     from chatgen.rlhf.losses import nll_loss_fn
+    from chatgen.rlhf.metrics import progress_bar, say
     from chatgen.models.convert import megatron_to_hf_dir
 
     torch.manual_seed(args.seed)
@@ -74,19 +78,25 @@ def main(argv=None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
                                   micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).start()
-    start = time.perf_counter()
-    batches = batch_indices(len(records), args.batch_size, args.steps, torch.Generator().manual_seed(args.seed))
-    for step, index in enumerate(batches):
-        stats = trainer.train_step(sft_batch(tokenizer, [records[i] for i in index]), nll_loss_fn)
-        if step % 10 == 0 or step == args.steps - 1:
-            print(f"sft step {step + 1}/{args.steps}: loss {stats['loss']:.3f} ({time.perf_counter() - start:.1f}s)",
-                  flush=True)
-    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as tmp:
-        ckpt = trainer.save_checkpoint(os.path.join(tmp, "megatron"))
-        out = megatron_to_hf_dir(ckpt, args.output, replace=True, side_files_from=args.load)
+    try:
+        start = time.perf_counter()
+        batches = batch_indices(len(records), args.batch_size, args.steps, torch.Generator().manual_seed(args.seed))
+        with progress_bar(args.steps, "sft step") as bar:  # a live line on a terminal, else a line per 20%
+            for step, index in enumerate(batches):
+                stats = trainer.train_step(sft_batch(tokenizer, [records[i] for i in index]), nll_loss_fn)
+                bar.set_postfix_str(f"loss {stats['loss']:.3f}", refresh=False)
+                bar.update(1)
+                if bar.disable and ((step + 1) % max(1, args.steps // 5) == 0 or step == args.steps - 1):
+                    say(f"sft step {step + 1}/{args.steps}: loss {stats['loss']:.3f} "
+                        f"({time.perf_counter() - start:.1f}s)")
+        with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(args.output))) as tmp:
+            ckpt = trainer.save_checkpoint(os.path.join(tmp, "megatron"))
+            out = megatron_to_hf_dir(ckpt, args.output, replace=True, side_files_from=args.load)
+    finally:
+        trainer.shutdown()
     with atomic_file(out / "chatgen_sft.json") as f:
         f.write_text(json.dumps(vars(args), indent=1))
-    print(f"wrote the warm-started model to {args.output}")
+    say(f"wrote the warm-started model to {args.output} (sft loss {stats['loss']:.3f} after {args.steps} steps)")
     return 0
 
 

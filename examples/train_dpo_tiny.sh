@@ -10,5 +10,3 @@ source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/dpo_tiny/$(date +%Y%m%d-%H%M%S)}
 
 chatgen train configs/dpo_tiny.yaml "$@"
-echo "held-out preference accuracy per evaluation (episode 0 = before DPO):"
-print_evals "$OUTPUT_DIR/metrics.jsonl" eval/preference_accuracy eval/reward_margin

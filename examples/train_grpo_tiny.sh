@@ -11,5 +11,3 @@ source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_tiny/$(date +%Y%m%d-%H%M%S)}
 
 chatgen train configs/grpo_tiny.yaml "$@"
-echo "held-out reward per evaluation (episode 0 = before GRPO):"
-print_evals "$OUTPUT_DIR/metrics.jsonl" eval/reward eval/solved

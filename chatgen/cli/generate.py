@@ -29,12 +29,14 @@ from pathlib import Path
 from chatgen.cli import positive_int
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import load_model_config
+from chatgen.core import quiet
 from chatgen.core.checkpoint_io import atomic_file, read_hf_config
 from chatgen.core.imports import import_class
 from chatgen.core.jsonl import is_token_ids, read_records
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation.config import check_prompt_ids
 from chatgen.rlhf.config import format_config
+from chatgen.rlhf.metrics import progress_bar, say
 
 FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
@@ -53,7 +55,7 @@ def add_module_arguments(parser) -> None:
 
 def build_module(args, overrides=()):
     """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value strings from the
-    command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr."""
+    command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr with -v."""
     from chatgen.generation.vllm.module import VLLMModule  # imports vLLM: not for `chatgen generate --help`
 
     cls = import_class(args.module) if args.module else VLLMModule
@@ -62,7 +64,8 @@ def build_module(args, overrides=()):
     config = load_model_config(args.config, cls.config_class, [f"load={args.model}", *overrides, *args.overrides],
                                extra_check=cls.config_problems,
                                dialect=dialect(args.config_dialect))
-    print(format_config(config), file=sys.stderr)
+    if quiet.verbose():
+        print(format_config(config), file=sys.stderr)
     return cls(config)
 
 
@@ -132,7 +135,16 @@ def run(args) -> int:
     else:
         texts = iter(prepared)
         items = [{"input_ids": ids, "prompt": text} if ids is not None else next(texts) for ids, text in rows]
-    out = module.run_generation(items)  # the class's decode_internal: a RolloutBatch by default
+    done = []  # finished prompts (a disabled bar counts none)
+    with progress_bar(len(items), "prompt") as bar:  # a live line on a terminal, else a line per 20%
+        def on_finished(output):
+            done.append(output.request_id)
+            bar.update(1)
+            if bar.disable and len(done) % max(1, len(items) // 5) == 0:
+                say(f"prompt {len(done)}/{len(items)} done")
+
+        module.on_finished = on_finished
+        out = module.run_generation(items)  # the class's decode_internal: a RolloutBatch by default
     module.shutdown()
     if not isinstance(out, RolloutBatch):
         records = [json.dumps(record) + "\n" for record in _sample_records(out, args.module)]

@@ -4,8 +4,6 @@
     chatgen make-tiny-model --output outputs/tiny-llama
     chatgen make-tiny-model --config configs/models/tiny_qwen3.yaml --output outputs/tiny-qwen3 num_hidden_layers=4
 """
-import dataclasses
-import json
 from pathlib import Path
 
 from chatgen.models.tiny import CORPUS, load_spec, make_tiny_model
@@ -23,5 +21,6 @@ def add_arguments(parser) -> None:
 def run(args) -> int:
     spec = load_spec(args.config, ([f"family={args.family}"] if args.family else []) + args.overrides)
     out = make_tiny_model(spec, args.output, Path(args.corpus))
-    print(f"wrote {spec.family} tiny model to {out} ({json.dumps(dataclasses.asdict(spec))})")
+    print(f"wrote {spec.family} tiny model to {out}: {spec.num_hidden_layers} layers, hidden {spec.hidden_size}, "
+          f"vocab {spec.vocab_size} (its spec: {out / 'chatgen_tiny_model.yaml'})")
     return 0

@@ -15,6 +15,7 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf.checkpoint import CheckpointError
 from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.health import RunHealthError
+from chatgen.rlhf.metrics import say
 from chatgen.rlhf.runtime import ActorFailure
 
 
@@ -38,7 +39,7 @@ def run(args) -> int:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
     try:
-        algorithm.train(cfg, resume=args.resume_from or args.resume)
+        algorithm.train(cfg, resume=args.resume_from or args.resume, log=say)  # lines above the progress line
     except (ActorFailure, RunHealthError, CheckpointError) as e:
         print(f"chatgen train: stopped: {e}", file=sys.stderr)
         return 1

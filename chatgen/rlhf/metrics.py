@@ -1,20 +1,27 @@
-"""What a run reports: per-phase timers, a progress bar per phase, JSONL + TensorBoard metrics, a PNG plot.
+"""What a run reports: per-phase timers, one live progress line, JSONL + TensorBoard metrics, a PNG plot, a summary.
 
-    timer = PhaseTimer()
+    logger = MetricsLogger("outputs/run", phases=["generate", "train"], num_episodes=50)
+    timer = PhaseTimer(on_start=logger.show_phase)
     with timer("generate"):
         ...
-    logger = MetricsLogger("outputs/run", phases=["generate", "train"], num_episodes=50)
     logger.log(episode, {"reward/mean": 0.4, **timer.pop()})
     logger.close()   # writes outputs/run/metrics.png (reward and KL to the reference per episode)
+    say(summary(read_jsonl_metrics("outputs/run/metrics.jsonl"), ["generate", "train"], {"metrics": ...}))
 
 Files under the run directory: metrics.jsonl (one object per episode, {"episode": k, ...}),
 tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resuming from episode k keeps
 the records up to k and drops the later ones (they are about to be redone).
+
+On a terminal (stdout a TTY) a run shows one live line: `episode |███   | 12/60, train · eval/reward 0.830 ·
+0.57 s/episode [00:08<00:27]` (the phase running now, the last held-out figure, the last episode's seconds,
+elapsed < ETA). Elsewhere (CI, a log file) each episode prints one plain line with the same figures.
+`progress_bar` and `say` give the warm start and `chatgen generate` the same line.
 """
 import json
 import logging
 import math
 import os
+import statistics
 import sys
 import time
 from contextlib import contextmanager
@@ -28,14 +35,42 @@ from chatgen.core.checkpoint_io import atomic_file
 logger = logging.getLogger(__name__)
 
 
-class PhaseTimer:
-    """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets."""
+BAR_FORMAT = "{desc} |{bar:12}| {n_fmt}/{total_fmt}{postfix} [{elapsed}<{remaining}]"
+HEADLINE = ("reward/mean", "policy/loss")  # the first of these a run logs stands for its training progress
+MAX_EVAL_KEYS = 3  # held-out figures shown per line and in the summary (metrics.jsonl has them all)
+MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode tiny job
 
-    def __init__(self):
+
+def progress_bar(total: int, what: str, initial: int = 0) -> tqdm:
+    """The one live line of a long job on stdout: `what |bar| k/total, <postfix> [elapsed<ETA]`. Disabled (every
+    call a no-op, `.disable` True) when stdout is not a terminal, or one of width 0 (a pseudo-terminal some CI
+    runners give, where tqdm draws nothing): the caller prints plain lines instead."""
+    try:
+        live = sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
+    except (OSError, ValueError):  # no file descriptor behind sys.stdout
+        live = False
+    return tqdm(total=total, initial=initial, desc=what, file=sys.stdout, dynamic_ncols=True,
+                bar_format=BAR_FORMAT, disable=not live)
+
+
+def say(message: str) -> None:
+    """Print a line to stdout, above the live progress line if one is drawn (never through it)."""
+    with tqdm.external_write_mode(file=sys.stdout):
+        print(message, flush=True)
+
+
+class PhaseTimer:
+    """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets. on_start(phase) is
+    called as each phase begins (the progress line shows it)."""
+
+    def __init__(self, on_start=None):
         self.seconds = {}
+        self.on_start = on_start
 
     @contextmanager
     def __call__(self, phase: str):
+        if self.on_start is not None:
+            self.on_start(phase)
         start = time.perf_counter()
         try:
             yield
@@ -72,10 +107,11 @@ def read_jsonl_metrics(path) -> list[dict]:
 
 
 class MetricsLogger:
-    """Writes each episode's metrics to JSONL and TensorBoard and moves one progress bar per phase.
+    """Writes each episode's metrics to JSONL and TensorBoard and moves the run's progress line.
 
-    The bars show on a terminal; when stdout is not one (a log file, CI) each episode prints one line instead.
-    `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming from k).
+    The live line shows on a terminal; when stdout is not one (a log file, CI) each episode prints one line
+    instead. `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming
+    from k). `phases`: the algorithm's phases, in order (the summary's time per phase follows it).
     """
 
     def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1, tensorboard: bool = True):
@@ -90,13 +126,10 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events at or after start_episode that a crashed run left behind
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_episode)
-        self.interactive = sys.stderr.isatty()
-        self.bars = {}
-        if self.interactive:
-            width = max(map(len, phases))
-            for i, phase in enumerate(phases):
-                self.bars[phase] = tqdm(total=num_episodes, initial=start_episode - 1, position=i,
-                                        desc=phase.ljust(width), unit="ep", dynamic_ncols=True, leave=True)
+        self.phases, self.num_episodes = list(phases), num_episodes
+        self.bar = progress_bar(num_episodes, "episode", start_episode - 1)
+        self.status = {"phase": "", "eval": "", "episode": ""}  # the live line after the count, in this order
+        self.episode_seconds = []  # of this process's episodes: the ETA of the plain lines
 
     def log(self, episode: int, metrics: dict) -> None:
         record = {"episode": episode, **{k: float(v) for k, v in metrics.items()}}
@@ -113,22 +146,90 @@ class MetricsLogger:
                 if key != "episode" and math.isfinite(value):
                     self.writer.add_scalar(key, value, episode)
             self.writer.flush()
-        if self.interactive and episode > 0:  # episode 0 = the evaluation before training
-            for phase, bar in self.bars.items():
-                seconds = metrics.get(f"time/{phase}")
-                if seconds is not None:
-                    bar.set_postfix_str(f"{seconds:.2f}s", refresh=False)
-                bar.update(1)
-        else:
-            print(f"episode {episode}: " + " ".join(f"{k}={v:.4g}" for k, v in sorted(metrics.items())), flush=True)
+        self.show_episode(record)
+
+    def show_phase(self, phase: str) -> None:
+        self.status["phase"] = phase
+        self.bar.set_postfix_str(" · ".join(v for v in self.status.values() if v))
+
+    def show_episode(self, record: dict) -> None:
+        """Move the live line on by one episode (episode 0, the evaluation before training, only sets its figure),
+        or print the episode's plain line."""
+        episode, seconds = record["episode"], record.get("time/episode")
+        evals = eval_keys([record])
+        if not self.bar.disable:
+            if evals:
+                self.status["eval"] = f"{evals[0]} {record[evals[0]]:.3f}"
+            if episode > 0:
+                self.status["episode"] = f"{seconds:.2f} s/episode" if seconds is not None else ""
+                self.bar.update(1)
+            self.show_phase("")
+            return
+        figures = [f"{k} {record[k]:.4g}" for k in [*headline_keys([record]), *evals]]
+        if episode == 0:
+            say(f"episode 0/{self.num_episodes} (before training): " + " · ".join(figures))
+            return
+        if seconds is not None:
+            self.episode_seconds.append(seconds)
+            left = statistics.fmean(self.episode_seconds) * (self.num_episodes - episode)
+            figures += [f"{seconds:.2f} s", f"ETA {tqdm.format_interval(left)}"]
+        say(f"episode {episode}/{self.num_episodes}: " + " · ".join(figures))
 
     def close(self) -> Path | None:
-        """Close bars and writer; plot the run's reward and KL per episode to metrics.png (None if no data)."""
-        for bar in self.bars.values():
-            bar.close()
+        """Close the progress line and the writer; plot the run's reward and KL per episode to metrics.png (None
+        if no data)."""
+        self.bar.close()
         if self.writer is not None:
             self.writer.close()
         return plot_metrics(self.jsonl, self.out_dir / "metrics.png")
+
+
+def headline_keys(records: list) -> list:
+    """[the first of HEADLINE that `records` hold], or []."""
+    for key in HEADLINE:
+        if any(key in r for r in records):
+            return [key]
+    return []
+
+
+def eval_keys(records: list) -> list:
+    """The held-out figures ("eval/...") that `records` hold, in the order logged, at most MAX_EVAL_KEYS."""
+    keys = dict.fromkeys(k for r in records for k in r if k.startswith("eval/"))
+    return list(keys)[:MAX_EVAL_KEYS]
+
+
+def summary(records: list, phases: list, places: dict, title: str = "") -> str:
+    """The end-of-run table: the curve (each evaluation, or a sample of episodes when there is none; at most
+    MAX_ROWS rows, the first and the last included) with the seconds of episodes so far, the median seconds of
+    each phase per episode it ran in, and `places` ({"metrics": path, ...}) one per line."""
+    columns = [*headline_keys(records), *eval_keys(records)]
+    timed = [r for r in records if r["episode"] > 0]
+    rows = [r for r in records if any(k in r for k in eval_keys(records))] or timed
+    if len(rows) > MAX_ROWS:
+        rows = [rows[round(i * (len(rows) - 1) / (MAX_ROWS - 1))] for i in range(MAX_ROWS)]
+    elapsed, seconds = {}, 0.0
+    for r in records:
+        seconds += r.get("time/episode", 0.0)
+        elapsed[r["episode"]] = seconds
+    widths = [max(7, len(c)) for c in columns]
+    lines = [title] if title else []
+    lines.append(f"  {'episode':>7}  {'time':>7}" + "".join(f"  {c:>{w}}" for c, w in zip(columns, widths)))
+    for r in rows:
+        cells = [f"{r[c]:.3f}" if c in r else "-" for c in columns]
+        lines.append(f"  {r['episode']:7d}  {tqdm.format_interval(elapsed[r['episode']]):>7}"
+                     + "".join(f"  {c:>{w}}" for c, w in zip(cells, widths)))
+    per_phase = []
+    for phase in phases:
+        values = [r[f"time/{phase}"] for r in timed if f"time/{phase}" in r]
+        if values:
+            count = "" if len(values) == len(timed) else f" ({len(values)}x)"
+            per_phase.append(f"{phase} {statistics.median(values):.2f}{count}")
+    if timed:
+        per_phase.append(f"episode {statistics.median(r.get('time/episode', 0.0) for r in timed):.2f}")
+        lines.append("  seconds per episode (median): " + " · ".join(per_phase))
+    width = max(map(len, places), default=0)
+    lines += [f"  {name.ljust(width)}  {place}" for name, place in places.items()]
+    return "\n".join(lines)
 
 
 def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",))) -> Path | None:

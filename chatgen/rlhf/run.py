@@ -21,8 +21,10 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from chatgen.config import ConfigError
+from chatgen.core import quiet
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
 from chatgen.core.tensors import select
@@ -32,7 +34,7 @@ from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, check_rewards
-from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer
+from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, read_jsonl_metrics, summary
 from chatgen.rlhf.runtime import Runtime, call_model
 from chatgen.rlhf.weight_links import WeightLinks
 
@@ -54,7 +56,7 @@ class Run:
                  evaluate=None):
         algorithm = algorithms.load(cfg.runtime.algorithm.name)
         check_run(cfg, algorithm)
-        self.cfg, self.log, self.plot = cfg, log, None
+        self.cfg, self.log, self.plot, self.started = cfg, log, None, time.perf_counter()
         rt = cfg.runtime
         self.out_dir = Path(rt.output_dir)
         self.save_dir = self.out_dir / "checkpoints"
@@ -108,8 +110,11 @@ class Run:
         self.health = StepHealth(rt.max_bad_train_steps, self.log)
         torch.manual_seed(rt.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        save_resolved(cfg, self.out_dir)
-        self.log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
+        resolved = save_resolved(cfg, self.out_dir)
+        if quiet.verbose():
+            self.log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
+        self.log(f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episode{'s' * (rt.num_episode != 1)} into "
+                 f"{self.out_dir} (config: {resolved})")
 
         with startup_gc():  # models, datasets (20k-odd token lists): built with collection paused, then frozen
             self.runtime = Runtime.start(cfg, log=self.log)
@@ -126,8 +131,8 @@ class Run:
                 self.start_episode = 1
                 if last is not None:
                     self._resume(last)
-                self.timer = PhaseTimer()
                 self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode)
+                self.timer = PhaseTimer(on_start=self.logger.show_phase)
             except BaseException:
                 self.runtime.shutdown()
                 raise
@@ -136,7 +141,8 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        """Close however the loop ended; a failure while closing never hides the error that ended the loop."""
+        """Close however the loop ended; a failure while closing never hides the error that ended the loop. A run
+        that ended well prints its summary."""
         try:
             self.close()
         except Exception as close_error:  # noqa: BLE001
@@ -144,7 +150,25 @@ class Run:
                 raise
             self.log(f"[chatgen] (closing the run after the error below also failed: {type(close_error).__name__}: "
                      f"{close_error})")
+        if exc is None:
+            self.log(self.summary())
         return False
+
+    def summary(self) -> str:
+        """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where the files are."""
+        places = {"metrics": f"{self.logger.jsonl}  (tensorboard --logdir {self.out_dir / 'tensorboard'})"}
+        if self.plot:
+            places["plot"] = str(self.plot)
+        saved = ckpt.available(self.save_dir)
+        if saved:
+            places["checkpoints"] = f"{self.save_dir}/{saved[-1]}" + (f" (and {len(saved) - 1} earlier)" if
+                                                                       len(saved) > 1 else "")
+        last = self.cfg.runtime.num_episode
+        done = last - self.start_episode + 1
+        title = (f"[chatgen] {self.cfg.runtime.algorithm.name}: {done} episode{'s' * (done != 1)}"
+                 f"{f' ({self.start_episode}-{last}, resumed)' if self.start_episode > 1 else ''} done in "
+                 f"{tqdm.format_interval(time.perf_counter() - self.started)}")
+        return summary(read_jsonl_metrics(self.logger.jsonl), self.logger.phases, places, title)
 
     @property
     def records(self) -> list:

@@ -25,6 +25,7 @@ import shutil
 import time
 import traceback
 
+from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class
 from chatgen.module import startup_gc
@@ -54,6 +55,7 @@ class ModelWorker:
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # Ray: own devices
+        quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
         import torch
 
         torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
@@ -347,12 +349,12 @@ def launcher(cfg, plans: list) -> str:
 
 def worker_env() -> dict:
     """Environment of every actor, set before its process starts: the driver's import path (so examples/ and
-    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has, vLLM logging errors only (export
-    VLLM_LOGGING_LEVEL=INFO to see more), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
+    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has (with chatgen.core.quiet's: vLLM
+    logging errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
     threads slow a tiny model's steps ~10x)."""
     path = [os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_LOGGING_LEVEL": "ERROR", "OMP_WAIT_POLICY": "PASSIVE"}
+           "OMP_WAIT_POLICY": "PASSIVE"}
     env.update({k: v for k, v in os.environ.items()
                 if k.startswith(("CHATGEN_", "VLLM_", "HF_")) or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
     return env

@@ -36,7 +36,7 @@ def test_metrics_logger_writes_jsonl_tensorboard_png(tmp_path, capsys):
     assert records[2]["reward/mean"] == pytest.approx(0.3)
     assert png == tmp_path / "metrics.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
-    assert "episode 2:" in capsys.readouterr().out  # not a TTY: one line per episode
+    assert "episode 2/3: reward/mean 0.2" in capsys.readouterr().out  # not a TTY: one line per episode
 
 
 def test_metrics_logger_resume_drops_redone_episodes(tmp_path):

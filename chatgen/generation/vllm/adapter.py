@@ -27,6 +27,7 @@ import gc
 import logging
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Iterable
@@ -39,6 +40,8 @@ from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.outputs import RequestOutput  # noqa: E402
 from vllm.sampling_params import RequestOutputKind  # noqa: E402
+
+from chatgen.core import quiet  # noqa: E402
 
 TESTED_VLLM = "0.32"
 
@@ -144,6 +147,10 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
     if current_platform.is_cpu() and engine_kwargs.get("distributed_executor_backend") == "external_launcher":
         _per_job_cpu_shm()
+    if not quiet.verbose():
+        engine_kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar per checkpoint shard
+        if current_platform.is_cpu():
+            _quiet_numa_notice()
     if engine_kwargs.get("enforce_eager"):
         _eager_token_ranks()
     rpc_dir = None
@@ -206,6 +213,33 @@ def _eager_token_ranks() -> None:
 
     compiled = sampler.batched_count_greater_than
     sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def _quiet_numa_notice() -> None:
+    """vLLM's CPU worker binds its memory to a NUMA node and says so with a C++ TORCH_WARN ("NUMA binding: Using
+    MEMBIND policy ...") on every engine start; no Python filter reaches it (chatgen.core.quiet). This wraps that
+    one op so its stderr goes to /dev/null; the binding itself, and any error it raises, are unchanged."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # registers torch.ops._C (idempotent)
+    op = getattr(torch.ops._C, "init_cpu_memory_env", None)
+    if op is None or getattr(op, "chatgen_quiet", False):  # gone in a later vLLM: its notice shows, nothing else
+        return
+
+    def init_cpu_memory_env(*args):
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+            return op(*args)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+
+    init_cpu_memory_env.chatgen_quiet = True
+    torch.ops._C.init_cpu_memory_env = init_cpu_memory_env  # vLLM looks the op up on the namespace at each call
 
 
 def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None,

@@ -118,10 +118,11 @@ class EngineLoop:
         self._post(command)
         return future.result()
 
-    def run(self, owner, add, is_eval=False) -> tuple:
+    def run(self, owner, add, is_eval=False, on_finished=None) -> tuple:
         """Submit a call and wait for it: `add()` queues requests through `add_request` (on the engine
         thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call) while it is the oldest
-        call. Returns (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
+        call; `on_finished(output)`, if given, sees each request as it finishes (on this thread). Returns
+        (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
         events = queue.SimpleQueue()
         call = _Call(owner, add, events.put, is_eval)
         self._post(lambda: self._start(call))
@@ -135,6 +136,8 @@ class EngineLoop:
                     raise event
                 if event.finished:
                     finished.append(event)
+                    if on_finished is not None:
+                        on_finished(event)
         except BaseException:  # leave the engine empty of this call's requests
             if not call.done:
                 self._post(lambda: self._abort(call))

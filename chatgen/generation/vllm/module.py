@@ -55,6 +55,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         self.engine = None
         self.iteration = 0
         self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
+        self.on_finished = None  # called with each finished RequestOutput of a call (chatgen generate's progress)
 
     @classmethod
     def config_problems(cls, config):
@@ -303,7 +304,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         finish; returns the finished `RequestOutput`s sorted by request id and records `self.metrics`."""
         self._check_ready()
         start = time.perf_counter()
-        finished, stats = self.engine_loop.run(self, add_requests, is_eval)
+        finished, stats = self.engine_loop.run(self, add_requests, is_eval, self.on_finished)
         self._decode_texts(finished)
         self.metrics = {**call_metrics(finished, time.perf_counter() - start), **stats}
         return finished

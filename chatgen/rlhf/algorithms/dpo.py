@@ -151,6 +151,4 @@ def train(cfg, resume: bool = False, log=print) -> dict:
                 stats = run.train("policy_trainer", data, loss_fn, group_size=2)  # shuffles whole pairs
             metrics = {**prefixed("policy", stats), "response/length": batch.response_lengths.float().mean().item()}
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
-    if run.plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics

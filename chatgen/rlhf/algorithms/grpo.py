@@ -144,7 +144,5 @@ def train(cfg, resume=False, log=print) -> dict:
                 with timer("sync"):  # only once the engine is idle
                     run.sync_policy()
             run.end_episode(episode, metrics, start, sampler_state)  # eval, checkpoint, log
-    if run.plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics
 

@@ -174,6 +174,4 @@ def train(cfg, resume=False, log=print) -> dict:
             metrics = {**grpo.update(run, batch, rewards, n), **env_metrics(episodes, "env/"),
                        "response/turns": sum(len(e.turns) for e in episodes) / len(episodes)}
             run.end_episode(episode, metrics, start)
-    if run.plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics

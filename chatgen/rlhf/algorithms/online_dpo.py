@@ -92,6 +92,4 @@ def train(cfg, resume: bool = False, log=print) -> dict:
                        "response/length": batch.response_lengths.float().mean().item(),  # of all S samples
                        "pairs/no_preference": 1 - weights[0::2].mean().item()}  # share of prompts whose responses tie
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
-    if run.plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics

@@ -119,6 +119,4 @@ def train(cfg, resume=False, log=print) -> dict:
             if "reference" in cfg.models:
                 metrics["kl/reference"] = L.masked_mean(L.kl_estimate(old, ref, algo.kl_estimator), mask).item()
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
-    if run.plot:
-        log(f"[chatgen] metrics: {run.out_dir / 'metrics.jsonl'}; plot: {run.plot}")
     return metrics

@@ -1,0 +1,166 @@
+"""A new user's first hour, end to end on CPU (pytest tests/integration/test_first_hour.py):
+
+- the README's main job, from a project that `chatgen init` made (in a directory with a space in its name, run
+  from another directory), on a terminal: it makes the tiny model, the data and a short warm start, runs GRPO for
+  2 episodes, and prints only chatgen's own lines (a live progress line, then the summary): no warning, leak dump
+  or traceback of any library, and fewer lines than one screen;
+- every other recipe of `chatgen init --list` runs from its own directory (1 episode, small batches, the cached
+  tiny model as its warm start; GPU recipes on a GPU machine only), in a log (no terminal): one plain line per
+  episode, the summary, nothing else.
+"""
+import fcntl
+import json
+import os
+import pty
+import re
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+
+from chatgen.cli.init import RECIPES
+
+pytestmark = pytest.mark.integration
+
+NOISE = re.compile(r"warning|leaked|traceback", re.IGNORECASE)  # what a library says about itself
+
+
+def noise(out: str) -> list:
+    """Lines of `out` that a library wrote about itself (chatgen's own "[chatgen] ..." lines are the run's news:
+    an untrained model's zero gradient, for one)."""
+    return [line for line in out.splitlines() if NOISE.search(line) and not line.startswith("[chatgen]")]
+SCREEN = 24  # lines of the classic terminal
+TIMEOUT = 600
+
+
+def environment(**extra) -> dict:
+    """A user's shell: this environment's chatgen first on PATH, nothing of chatgen's verbosity set."""
+    env = {k: v for k, v in os.environ.items() if k not in ("CHATGEN_VERBOSE", "VLLM_LOGGING_LEVEL", "PYTHONPATH")}
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    return {**env, **{k: str(v) for k, v in extra.items()}}
+
+
+def init(project: Path, recipe: str) -> Path:
+    """`chatgen init PROJECT --from RECIPE` as a user types it; returns the launch script of the command it
+    printed."""
+    proc = subprocess.run(["chatgen", "init", str(project), "--from", recipe], capture_output=True, text=True,
+                          env=environment(), timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    command = next(line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("bash "))
+    assert command == f"bash {project / RECIPES[recipe][1]}"
+    return project / RECIPES[recipe][1]
+
+
+def on_a_terminal(argv: list, cwd, env) -> tuple:
+    """Run argv with stdout and stderr on a 100x40 pseudo-terminal; (exit code, everything it wrote)."""
+    main, child = pty.openpty()
+    fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=child, stderr=child)
+    os.close(child)
+    chunks = []
+    while True:
+        try:
+            chunk = os.read(main, 1 << 16)
+        except OSError:  # the child side closed: the process ended
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    return proc.wait(timeout=TIMEOUT), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+
+
+def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
+    project = tmp_path / "my project"
+    script = init(project, "grpo_tiny")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    code, out = on_a_terminal(["bash", str(script), "runtime.num_episode=2", "runtime.eval_episode_interval=1"],
+                              elsewhere, environment(SFT_STEPS=10))
+    assert code == 0, out
+    assert not noise(out), out
+    before_summary, _, summary = out.partition("[chatgen] grpo: 2 episodes done")
+    screen = before_summary.split("\n")  # each live line is one of these, redrawn in place with \r
+    assert len(screen) < SCREEN, out
+    assert re.search(r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary)  # the warm start's live line
+    assert re.search(r"\repisode \|█+\| 2/2, eval/reward [\d.]+ · [\d.]+ s/episode \[", before_summary)
+    assert "resolved_config.yaml" in before_summary and "runtime:" not in out  # the config: a path, not printed
+    rows = [line.split() for line in summary.splitlines()[2:5]]
+    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][2] == "-"  # before training: no train reward
+    runs = list((project / "outputs" / "grpo_tiny").iterdir())
+    assert len(runs) == 1 and f"checkpoints  outputs/grpo_tiny/{runs[0].name}/checkpoints/episode_000002" in summary
+    records = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
+    assert [r["episode"] for r in records] == [0, 1, 2] and all("eval/reward" in r for r in records)
+    assert (project / "outputs" / "tiny-llama-sft" / "model.safetensors").exists()  # made in the project
+
+
+# recipe -> what makes its one episode small (runtime.num_episode=1 for all)
+SMALL = {
+    "online_dpo_tiny": ["runtime.sample_per_episode=32", "policy.n=4", "runtime.train_micro_batch_size=8",
+                        "runtime.train_global_batch_size=16"],
+    "dpo_tiny": ["runtime.sample_per_episode=16", "runtime.train_micro_batch_size=8",
+                 "runtime.train_global_batch_size=8"],
+    "multiturn": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=8",
+                  "runtime.train_global_batch_size=8"],
+    "grpo_smollm2": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
+                     "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
+                     "policy.max_new_tokens=8"],
+    "grpo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
+    "ppo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
+}
+GPU = {"grpo_llama", "ppo_llama"}
+
+
+def test_every_listed_recipe_has_a_run_here():
+    assert set(SMALL) | {"grpo_tiny"} == set(RECIPES)  # grpo_tiny: the main-job test above
+
+
+@pytest.fixture(scope="module")
+def sort_digits(tmp_path_factory, make_tiny):
+    """A small sort-digits data directory and a warm start to copy (the cached tiny Llama itself)."""
+    from chatgen import tasks
+
+    data = tmp_path_factory.mktemp("sort_digits")
+    tasks.write_task_data(str(data), n_train=64, n_eval=8)
+    return data, make_tiny("tiny_llama")
+
+
+def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
+    """The variables that point a recipe at small data and a ready model (its preparation steps then skip)."""
+    from chatgen import tasks
+
+    if recipe == "grpo_smollm2":
+        data = tmp_path / "arithmetic"
+        tasks.write_task_data(str(data), task="arithmetic", n_train=32, n_eval=4)
+        return environment(POLICY_LOAD=request.getfixturevalue("smollm2_dir"), DATA_DIR=data)
+    data, tiny = sort_digits
+    warm_start = tmp_path / "warm-start"  # a copy: the multi-turn recipe writes a chat template into it
+    shutil.copytree(tiny, warm_start)
+    if recipe in GPU:  # GSM8K's format, from the arithmetic task; the tiny model on one GPU
+        gsm = tmp_path / "gsm"
+        tasks.write_task_data(str(gsm), task="arithmetic", n_train=32, n_eval=4)
+        (gsm / "eval.jsonl").rename(gsm / "test.jsonl")
+        return environment(POLICY_LOAD=warm_start, DATASET_PATH=gsm, NUM_GPU=1, TP=1, NUM_CPU=2, MAX_NEW_TOKENS=8,
+                           SEQ_LENGTH=64, STOP_TOKENS="</s>", SAMPLE_PER_EPISODE=8, MICRO_BATCH_SIZE=4,
+                           GLOBAL_BATCH_SIZE=8)
+    return environment(MODEL=tiny, DATA_DIR=data, POLICY_LOAD=warm_start)
+
+
+@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.gpu) if r in GPU else r for r in SMALL])
+def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, request):
+    project = tmp_path / recipe
+    script = init(project, recipe)
+    proc = subprocess.run(["bash", str(script), "runtime.num_episode=1", *SMALL[recipe]], cwd=tmp_path,
+                          env=recipe_env(recipe, tmp_path, sort_digits, request), capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert not noise(out), out
+    assert re.search(r"^episode 1/1: ", proc.stdout, re.MULTILINE)  # no terminal: one plain line per episode
+    assert ": 1 episode done in" in proc.stdout and "  metrics " in proc.stdout  # the summary
+    (run,) = [p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()]  # under the project
+    assert 1 in [json.loads(line)["episode"] for line in (run / "metrics.jsonl").read_text().splitlines()]
