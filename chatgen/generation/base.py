@@ -238,6 +238,18 @@ class GenerationModule(Module):
         (chatgen.generation.config.sampling_kwargs) plus `stop_strings` and `stop_token_ids`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement sampling_params()")
 
+    def sampling_kwargs(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()) -> dict:
+        """What every backend's `sampling_params` builds from: config.sampling_kwargs with the stops of
+        stop_token_list added to `stop_strings` / `stop_token_ids`. Stop strings without a tokenizer: ValueError."""
+        config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
+        stop = [*config_strings, *stop_strings]
+        if stop and self.tokenizer is None:
+            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
+                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
+                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
+        return gc.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop,
+                                  stop_token_ids=[*config_ids, *stop_token_ids])
+
     async def stream(self, prompts: list, params, deltas: bool = False):
         """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params` result for all, or a
         list with one per prompt); yield (prompt index, request output) as each finishes (deltas: every step's

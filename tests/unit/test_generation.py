@@ -167,12 +167,12 @@ def test_pad_token_id_of_a_token_only_model_comes_from_its_config(tmp_path):
 
 
 def test_stop_strings_without_a_tokenizer_say_to_add_one():
-    from chatgen.generation.vllm.module import VLLMModule
+    from chatgen.generation.base import GenerationModule
 
     module = SimpleNamespace(tokenizer=None, config=config(stop_token_list="</s>", seq_length=64, max_new_tokens=8))
     with pytest.raises(ValueError, match=r"need a tokenizer .* add one \(tokenizer files in the model directory, "
                                          r"or the `tokenizer` key\)") as err:
-        VLLMModule.sampling_params(module, 4)
+        GenerationModule.sampling_kwargs(module, 4)
     assert "stop on ids" not in str(err.value)
 
 

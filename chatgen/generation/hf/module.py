@@ -103,15 +103,8 @@ class HFGeneration(GenerationModule):
                         stop_token_ids=()) -> SamplingParams:
         """The settings of one prompt of `prompt_len` tokens (config.sampling_kwargs): train or eval sampling keys,
         stop_token_list plus `stop_strings` and `stop_token_ids`."""
-        config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
-        stop_token_ids = [*config_ids, *stop_token_ids]
-        stop = [*config_strings, *stop_strings]
-        if stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
-                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
-                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
-        return SamplingParams(**gc.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy,
-                                                   stop_strings=stop, stop_token_ids=stop_token_ids))
+        return SamplingParams(**self.sampling_kwargs(prompt_len, is_eval=is_eval, greedy=greedy,
+                                                     stop_strings=stop_strings, stop_token_ids=stop_token_ids))
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         for i, item in enumerate(items):

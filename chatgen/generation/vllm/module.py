@@ -160,19 +160,12 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`
         and `stop_token_ids`.
         """
-        config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
-        stop_token_ids = [*config_ids, *stop_token_ids]
-        stop = [*config_strings, *stop_strings]
-        if stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
-                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
-                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
-        kwargs = gc.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop,
-                                    stop_token_ids=stop_token_ids)
+        kwargs = self.sampling_kwargs(prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop_strings,
+                                      stop_token_ids=stop_token_ids)
         # Incremental detokenization (and the text of every log-prob entry) costs about a third of a small model's
         # engine step on CPU; it is needed only to match stop strings. Without any, texts are decoded once at the
         # end of the call (`_decode_texts`).
-        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(stop))
+        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"]))
 
     def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
