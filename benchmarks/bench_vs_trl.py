@@ -1,4 +1,5 @@
 # .venv/bin/python benchmarks/bench_vs_trl.py --output outputs/bench_vs_trl.json [--task tiny|smollm2] [--runs 5] [--episodes 60]
+#     [--baseline DIR [--no-trl]]   (DIR: another chatgen checkout, e.g. `git worktree add /tmp/base REV`)
 """chatgen's GRPO against TRL's GRPOTrainer, end to end, on the tiny sort task or SmolLM2 arithmetic (issue 12).
 
 Both train the same model on the same prompts (the task's train.jsonl / eval.jsonl) with the same rule reward
@@ -59,6 +60,10 @@ per-episode medians (eval over the episodes that evaluate): TRL's are taken by w
 no-grad log-prob and training_step methods. Peak memory is the largest sum of RSS over the run's process tree
 (sampled every 0.1 s). Every figure comes with the machine's `uptime` before and after the run: figures taken
 while other work loaded the machine do not measure either framework.
+
+--baseline DIR adds a third contestant, "baseline": the chatgen of another checkout (its own code and task
+YAML, this interpreter and the same model and data), in the same rotation; the JSON gains
+`chatgen_over_baseline`, the figure that says whether a change made chatgen slower. --no-trl leaves TRL out.
 """
 import argparse
 import json
@@ -143,13 +148,14 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def watch(cmd: list, env: dict, out_dir: Path, log_path: Path) -> dict:
-    """Run `cmd`, sampling its process tree's memory and stamping each new metrics.jsonl line with its time."""
+def watch(cmd: list, env: dict, out_dir: Path, log_path: Path, cwd: Path = REPO) -> dict:
+    """Run `cmd` in `cwd`, sampling its process tree's memory and stamping each new metrics.jsonl line with its
+    time."""
     metrics_path = out_dir / "metrics.jsonl"
     load_before = os.getloadavg()
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT)
         lines, peak, offset = [], 0, 0
         while True:
             done = proc.poll() is not None
@@ -379,6 +385,9 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-interval", type=int, help="held-out evaluation every N episodes (tiny 5, smollm2 3)")
     parser.add_argument("--trl-venv", default=str(Path.home() / ".cache" / "chatgen" / "bench-trl-venv"))
     parser.add_argument("--work-dir", default=str(REPO / "outputs" / "bench_vs_trl"))
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="another chatgen checkout run in the same rotation (e.g. the commit before a change)")
+    parser.add_argument("--no-trl", action="store_true", help="leave TRL out (with --baseline)")
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)  # the TRL side, in the TRL venv
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -398,25 +407,38 @@ def main(argv=None) -> int:
     env.update(OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
     task["prepare"](env)
     samples = load_config(REPO / task["config"]).runtime.sample_per_episode
-    trl = trl_python(Path(args.trl_venv))
+    if args.no_trl and not args.baseline:
+        parser.error("--no-trl needs --baseline: there is nothing to compare chatgen with")
+    if args.baseline and not (Path(args.baseline) / "chatgen" / "__init__.py").exists():
+        parser.error(f"--baseline {args.baseline}: not a chatgen checkout (no chatgen/__init__.py there)")
     work = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
-    commands = {
-        "chatgen": lambda out: [sys.executable, "-m", "chatgen.cli", "train", task["config"],
-                                f"runtime.num_episode={args.episodes}", f"runtime.output_dir={out}",
-                                f"runtime.eval_episode_interval={args.eval_interval}",
-                                "runtime.save_episode_interval=null"],
-        "trl": lambda out: [str(trl), str(Path(__file__).resolve()), "--worker", "trl", "--task", args.task,
-                            "--out-dir", str(out), f"--episodes={args.episodes}", f"--eval-interval={args.eval_interval}"],
-    }
+
+    def chatgen_run(repo: Path):  # (command for an output dir, working directory, environment)
+        return (lambda out: [sys.executable, "-m", "chatgen.cli", "train", task["config"],
+                             f"runtime.num_episode={args.episodes}", f"runtime.output_dir={out}",
+                             f"runtime.eval_episode_interval={args.eval_interval}",
+                             "runtime.save_episode_interval=null"],
+                repo, {**env, "PYTHONPATH": str(repo)})
+
+    contestants = {"chatgen": chatgen_run(REPO)}
+    if not args.no_trl:
+        trl = trl_python(Path(args.trl_venv))
+        contestants["trl"] = (lambda out: [str(trl), str(Path(__file__).resolve()), "--worker", "trl", "--task",
+                                           args.task, "--out-dir", str(out), f"--episodes={args.episodes}",
+                                           f"--eval-interval={args.eval_interval}"], REPO, env)
+    if args.baseline:
+        contestants["baseline"] = chatgen_run(Path(args.baseline).resolve())
     threshold = task["reward_threshold"]
     reached_key = f"time_to_eval_reward_{threshold}_s"
-    results = {name: [] for name in commands}
+    results = {name: [] for name in contestants}
+    names = list(contestants)
     for i in range(args.runs):
-        for name in (("chatgen", "trl") if i % 2 == 0 else ("trl", "chatgen")):
+        for name in names[i % len(names):] + names[:i % len(names)]:  # each run starts with the next contestant
+            command, cwd, run_env = contestants[name]
             out = work / f"{name}-{i}"
-            print(f"[bench] run {i} {name}: {' '.join(commands[name](out))}", flush=True)
-            summary = summarize(watch(commands[name](out), env, out, work / f"{name}-{i}.log"), samples,
+            print(f"[bench] run {i} {name}: {' '.join(command(out))}", flush=True)
+            summary = summarize(watch(command(out), run_env, out, work / f"{name}-{i}.log", cwd), samples,
                                 reached_key, threshold)
             results[name].append(summary)
             print(f"[bench] run {i} {name}: wall {summary['wall_s']:.1f} s, startup {summary['startup_s']:.1f} s, "
@@ -432,17 +454,22 @@ def main(argv=None) -> int:
                                            for p in runs[0]["median_phase_s"]}
         medians[name]["eval_reward_by_episode"] = {e: statistics.median(r["eval_reward"][e] for r in runs)
                                                    for e in sorted(common)}
-    ratios = {k: ratio(medians["chatgen"][k], medians["trl"][k]) for k in keys}
-    ratios["median_phase_s"] = {p: ratio(s, medians["trl"]["median_phase_s"].get(p))
-                                for p, s in medians["chatgen"]["median_phase_s"].items()}
+
+    def over(other: str) -> dict:
+        ratios = {k: ratio(medians["chatgen"][k], medians[other][k]) for k in keys}
+        ratios["median_phase_s"] = {p: ratio(s, medians[other]["median_phase_s"].get(p))
+                                    for p, s in medians["chatgen"]["median_phase_s"].items()}
+        return ratios
+
+    ratios = {f"chatgen_over_{other}": over(other) for other in names[1:]}
     report = {"task": task["name"], "config": task["config"], "eval_reward_threshold": threshold,
               "episodes": args.episodes, "eval_interval": args.eval_interval, "runs": args.runs,
-              "trl_version": TRL_VERSION, "cpu_count": os.cpu_count(), "median": medians,
-              "chatgen_over_trl": ratios, "per_run": results}
+              "trl_version": None if args.no_trl else TRL_VERSION, "baseline": args.baseline,
+              "cpu_count": os.cpu_count(), "median": medians, **ratios, "per_run": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(json.dumps({"median": {n: {k: m[k] for k in (*keys, "median_phase_s")} for n, m in medians.items()},
-                      "chatgen_over_trl": ratios}, indent=1))
+                      **ratios}, indent=1))
     return 0
 
 

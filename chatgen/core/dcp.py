@@ -12,6 +12,7 @@ part that an engine starting from a checkpoint, and `chatgen convert`, need too.
 """
 import io
 import pickle
+import warnings
 from pathlib import Path
 
 import torch
@@ -92,5 +93,7 @@ def read_full_tensors(directory, skip: tuple = ()) -> dict:
     state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
              for key, meta in metadata.state_dict_metadata.items()
              if isinstance(meta, TensorStorageMetadata) and not key.startswith(skip)}
-    dcp.load(state, storage_reader=reader, no_dist=True)
+    with warnings.catch_warnings():  # torch warns that it assumes one process even when told so (no_dist)
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load(state, storage_reader=reader, no_dist=True)
     return state

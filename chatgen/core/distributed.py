@@ -26,7 +26,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def tcp_store(host: str, port: int, world_size: int, is_server: bool, timeout=DEFAULT_TIMEOUT):
-    """A `TCPStore`; as the server it listens on the address `host` names only (loopback for a loopback host)."""
+    """A `TCPStore`; as the server it listens on the address `host` names only (loopback for a loopback host).
+    Port 0 (server on a named host only): a port the OS picks as the store binds it, so no other process can take
+    it between a `free_port()` and the bind (that race failed one-rank trainers while a test suite ran)."""
     listen_fd = None
     if is_server and host not in ("0.0.0.0", "::", ""):
         family, _, _, _, address = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port,
@@ -34,6 +36,7 @@ def tcp_store(host: str, port: int, world_size: int, is_server: bool, timeout=DE
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
+        port = sock.getsockname()[1]
         sock.listen(max(128, world_size))
         listen_fd = sock.detach()  # the store owns the descriptor from here on
     return dist.TCPStore(host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,

@@ -25,6 +25,13 @@ WARNINGS = [
     (UserWarning, r"(Transformer Engine and )?Apex (is|are) not installed", r"megatron\."),
     # megatron-core's own default (cuda_graph_scope="full") warns against itself; chatgen captures no CUDA graphs
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
+    # megatron-core's optimizer zeroes `.grad` on every parameter of a group, the distributed optimizer's views
+    # of its shards included, and torch warns about the read on a view (nothing is lost: they hold no grads)
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer"),
+    # megatron-core's DDP and distributed optimizer call the collectives by their long-standing names, which torch
+    # 2.13 renamed; the deprecated names still do the same
+    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+     r"torch\.distributed\.c10d_logger"),
     # vLLM scans every imported module's attributes for Triton kernels and touches torch.distributed.reduce_op
     (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"),
 ]

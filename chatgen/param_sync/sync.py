@@ -473,11 +473,12 @@ class SyncReceiver:
     receiver (`closed`): open a new one."""
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S):
-        if port == 0:
+        if port == 0 and host in ("0.0.0.0", "::", ""):  # a named host binds port 0 itself (tcp_store): no race
             port = free_port()
-        self.host, self.port, self.timeout, self._pg = host, port, timeout, None
+        self.host, self.timeout, self._pg = host, timeout, None
         self.token = secrets.token_hex(32)
         self._store = _store(host, port, is_server=True)
+        self.port = self._store.port
 
     def new_token(self) -> str:
         """Replace the token: the next sync must prove this one (a one-time token per update); returns it."""

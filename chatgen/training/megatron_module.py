@@ -41,7 +41,7 @@ from chatgen.core.checkpoint_io import (
     staging_path,
     write_megatron_meta,
 )
-from chatgen.core.distributed import free_port, init_process_group
+from chatgen.core.distributed import init_process_group
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.models import layout
@@ -69,7 +69,7 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
             init_process_group(backend, int(env["RANK"]), int(env["WORLD_SIZE"]),
                                env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]))
         else:  # a single process: a private one-rank world
-            init_process_group(backend, 0, 1, "127.0.0.1", free_port())
+            init_process_group(backend, 0, 1, "127.0.0.1", 0)  # the port picked as it is bound
     world = dist.get_world_size()
     if world % (tp * pp * ep):
         raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
