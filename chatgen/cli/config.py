@@ -5,6 +5,10 @@
     chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)
 
+A main YAML gets every check `chatgen train` makes before it starts a model (chatgen.rlhf.config.check_run: the
+algorithm's models, batch sizes, data files, the layout of the ranks: TP against the model's heads, replicas x TP
+against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
+whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
 Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
 """
 import dataclasses
@@ -19,12 +23,14 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import (
     ModelEntry,
     RuntimeConfig,
+    check_run,
     format_config,
     load_config,
     resolve_schema,
     schema_marker,
     to_dict,
 )
+from chatgen.rlhf.runtime import cluster_address, cluster_nodes
 from chatgen.training.config import MegatronConfig
 
 
@@ -108,7 +114,10 @@ def run(args) -> int:
             config = load_model_config(args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen"))
             print(yaml.safe_dump(to_dict(config), sort_keys=False))
         else:
-            print(format_config(load_config(args.path, args.overrides)))
+            cfg = load_config(args.path, args.overrides)
+            address = cluster_address(cfg.runtime)
+            check_run(cfg, algorithms.load(cfg.runtime.algorithm.name), cluster_nodes(address) if address else None)
+            print(format_config(cfg))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

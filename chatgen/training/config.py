@@ -7,7 +7,7 @@ from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
 
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
-    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from")
+    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from", path=True)
     dtype: DTYPES = opt("float32", "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)")
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")

@@ -17,7 +17,7 @@ from chatgen.core.tensors import select
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
-from chatgen.rlhf.runtime import plan_groups
+from chatgen.rlhf.placement import GroupPlan, plan_groups
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -185,9 +185,9 @@ def test_sample_metrics_mismatch_only_on_response_tokens():
 
 def test_plan_groups(data):
     grpo = plan_groups(load("grpo_tiny.yaml", *data))
-    assert grpo == [(["policy", "policy_trainer", "reward"], 1, 0, 2.0)]
+    assert grpo == [GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})]
     ppo = plan_groups(load("ppo_tiny.yaml", *data))
-    assert [(names, world) for names, world, _, _ in ppo] == [
+    assert [(plan.names, plan.world) for plan in ppo] == [
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
 
 
