@@ -5,14 +5,20 @@
     links.wake()        # before generating: the engine back from sleep (GPU colocation)
     links.release()     # after generating: the engine sleeps, its memory to the colocated trainers (GPU only)
 
-A trainer in the same colocation group as its target (same actor processes) writes into it in place
-(chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
-`SyncSender` (a private torch.distributed group), kept for the run on the workers (`ModelWorker.attach`).
+A trainer in the same colocation group as its target (same actor processes) writes into it in place on every rank
+(chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP rank, takes the full tensors and
+keeps its own shard). Otherwise the target is a generation model on devices of its own (chatgen.rlhf
+.generation_group): the trainer's rank 0 and every engine rank of every replica form one broadcast group
+(chatgen.param_sync.broadcast, through the target's refit calls), kept for the run on the workers
+(`ModelWorker.attach`). After every sync each engine rank must hold the same weight version: a replica that missed
+an update stops the run.
 """
-from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
-from chatgen.rlhf.runtime import rendezvous_host
+from chatgen.param_sync import sync_weights, weight_source
+from chatgen.param_sync.broadcast import BroadcastSender
+from chatgen.param_sync.sync import plan_manifest
+from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
-RECEIVER, SENDER = "sync_receiver", "sync_sender"
+SENDER = "broadcast_sender"
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
@@ -21,21 +27,21 @@ def _sync_colocated(worker, trainer, target, validate):
     sync_weights(worker.models[trainer], worker.models[target], validate=validate)
 
 
-def _open_receiver(worker, target, multi_node):
-    receiver = worker.attach(target, RECEIVER, SyncReceiver(host=rendezvous_host(multi_node)))
-    return receiver.host, receiver.port
+def _open_sender(worker, trainer, token, world_size, multi_node):
+    sender = worker.attach(trainer, SENDER, BroadcastSender(token, world_size, host=rendezvous_host(multi_node)))
+    return sender.host, sender.port
 
 
-def _receive(worker, target):
-    worker.attached[(target, RECEIVER)].receive_into(worker.models[target])
+def _connect_sender(worker, trainer):
+    worker.attached[(trainer, SENDER)].connect()
 
 
-def _connect_sender(worker, trainer, host, port):
-    worker.attach(trainer, SENDER, SyncSender(host, port))
+def _manifest(worker, trainer):
+    return plan_manifest(weight_source(worker.models[trainer]).plan)
 
 
 def _send(worker, trainer, validate):
-    sync_weights(worker.models[trainer], worker.attached[(trainer, SENDER)], validate=validate)
+    worker.attached[(trainer, SENDER)].send(worker.models[trainer], validate=validate)
 
 
 class WeightLinks:
@@ -50,9 +56,12 @@ class WeightLinks:
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
                 continue
-            host, port = target.get(target.group.run_async(_open_receiver, target.name, target.group.multi_node),
-                                    "open sync")[0]
-            trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port), "connect sync")
+            world = 1 + target.group.world_size  # the trainer's rank 0 sends, every engine rank receives
+            host, port = trainer.get(trainer.group.run_async(_open_sender, trainer.name, target.token, world,
+                                                             trainer.group.multi_node), "open sync")[0]
+            trainer.get(target.open_weight_channel(host, port, world) +
+                        trainer.group.run_async(_connect_sender, trainer.name), "connect sync")
+            target.check_weight_manifest(trainer.run(_manifest, trainer.name)[0])  # a wrong model fails now
 
     def sync(self) -> None:
         """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
@@ -63,9 +72,13 @@ class WeightLinks:
             if self.colocated[trainer_name]:
                 trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
             else:
-                refs = target.group.run_async(_receive, target.name) + \
-                    trainer.group.run_async(_send, trainer.name, validate)
-                trainer.get(refs, "sync")
+                trainer.get(target.receive_weights() + trainer.group.run_async(_send, trainer.name, validate), "sync")
+            versions = target.weight_versions() if hasattr(target, "weight_versions") else []
+            if len(set(versions)) > 1:
+                by_replica = {r // target.tp: v for r, v in enumerate(versions)}
+                raise ActorFailure(f"{target_name}: its replicas hold weight versions {by_replica} after sync "
+                                   f"{self.syncs + 1}; a replica missed an update and would sample with old weights "
+                                   "(--resume syncs every replica from the last checkpoint)")
         self.syncs += 1
 
     def wake(self) -> None:
