@@ -1,6 +1,6 @@
 """`chatgen config`: check a config before launching anything and print it resolved.
 
-    chatgen config configs/grpo_tiny.yaml runtime.num_episode=3 policy.temperature=0.5   # a main YAML
+    chatgen config configs/grpo_tiny.yaml runtime.num_episode=3 policy.max_new_tokens=12  # a main YAML
     chatgen config configs/grpo_tiny/policy.yaml temperature=0.7  # a per-model YAML (schema from its main YAML's
     chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)

@@ -323,6 +323,9 @@ def test_scaling_configs_pass_chatgen_config(path, tmp_path, monkeypatch, capsys
     monkeypatch.setenv("DATASET_PATH", str(tmp_path / "data"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert main(["config", str(path)]) == 0, capsys.readouterr().err
+    if path.stem == "grpo_7b_8gpu":  # docs/scaling.md: the same job on 64 GPUs by three overrides
+        wide = ["models.policy.num_gpu=64", "models.policy.num_replicas=32", "models.policy_trainer.num_gpu=64"]
+        assert main(["config", str(path), *wide]) == 0, capsys.readouterr().err
     # on a cluster: the groups must fit its nodes; 8 nodes of 8 GPUs take every shipped layout
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
     nodes = {"8x8": [{"CPU": 128.0, "GPU": 8.0}] * 8, "16x4": [{"CPU": 128.0, "GPU": 4.0}] * 16}
