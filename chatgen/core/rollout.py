@@ -96,9 +96,9 @@ class RolloutBatch:
             elif any(v is None for v in values):
                 fields[f.name] = None  # weight versions that not every batch has
             elif values[0].dim() == 2:  # (S, L) or (S, L-1): pad to the common width
-                cols = width - batches[0].input_ids.shape[1] + values[0].shape[1]
-                fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, cols - v.shape[1]), value=pads.get(f.name, 0))
-                                            for v in values])
+                cols = width + values[0].shape[1] - batches[0].input_ids.shape[1]
+                fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, cols - v.shape[1]),
+                                                                    value=pads.get(f.name, 0)) for v in values])
             else:
                 fields[f.name] = torch.cat(values)
         return cls(**fields)

@@ -78,8 +78,8 @@ class GenerationGroup(NemoRLRefit):
             for replica, share in enumerate(shares):
                 self._outstanding[replica] += sum(costs[i] for i in share)
         try:
-            per_rank = [(self.name, [items[i] for i in shares[r // self.tp]], is_eval) if shares[r // self.tp] else None
-                        for r in range(self.group.world_size)]
+            per_rank = [(self.name, [items[i] for i in shares[r // self.tp]], is_eval) if shares[r // self.tp]
+                        else None for r in range(self.group.world_size)]  # a replica without prompts is not called
             called = [r for r, args in enumerate(per_rank) if args is not None]
             results = self.get(self.group.run_each(_generate, per_rank), "run_generation",
                                [f"replica {r // self.tp}, rank {r}" for r in called])
@@ -96,10 +96,11 @@ class GenerationGroup(NemoRLRefit):
             replica = r // self.tp
             batch.prompt_index = torch.tensor(shares[replica], dtype=torch.long)[batch.prompt_index]
             batches.append(batch)
-            stats = self._stats[replica]
-            stats[0] += len(batch)
-            stats[1] += metrics.get("generation_tokens", 0)
-            stats[2] += metrics.get("elapsed_s", 0.0)
+            with self._lock:
+                stats = self._stats[replica]
+                stats[0] += len(batch)
+                stats[1] += metrics.get("generation_tokens", 0)
+                stats[2] += metrics.get("elapsed_s", 0.0)
         merged = RolloutBatch.concat(batches, self.pad_token_id)
         return merged.select(torch.argsort(merged.prompt_index, stable=True))
 
@@ -120,11 +121,12 @@ class GenerationGroup(NemoRLRefit):
         generated tokens over the seconds its engine worked on them); {} with one replica."""
         if self.replicas == 1:
             return {}
+        with self._lock:
+            stats, self._stats = self._stats, [[0, 0, 0.0] for _ in range(self.replicas)]
         out = {}
-        for i, (samples, tokens, seconds) in enumerate(self._stats):
+        for i, (samples, tokens, seconds) in enumerate(stats):
             out[f"replica/{i}/samples"] = samples
             out[f"replica/{i}/tokens_per_s"] = tokens / seconds if seconds else 0.0
-        self._stats = [[0, 0, 0.0] for _ in range(self.replicas)]
         return out
 
     def weight_versions(self) -> list:

@@ -82,11 +82,13 @@ def plan_groups(cfg) -> list:
                 continue
             tp = engine_tp(e)
             if trainers:
-                fix = f"set num_replicas: {world // tp}" if world % tp == 0 else "pick a tensor_parallel_size that divides it"
+                fix = f"set num_replicas: {world // tp}" if world % tp == 0 else \
+                    "pick a tensor_parallel_size that divides it"
+                other_tp = world // e.num_replicas if world % e.num_replicas == 0 else world
                 problems.append(f"models.{n}: num_replicas {e.num_replicas} x tensor_parallel_size {tp} = {worlds[n]} "
-                                f"engine rank(s), but it is colocated with {world} trainer ranks ({', '.join(trainers)}); "
-                                f"colocated engines tile the group's ranks: {fix} (or set tensor_parallel_size: "
-                                f"{world // e.num_replicas if world % e.num_replicas == 0 else world})")
+                                f"engine rank(s), but it is colocated with {world} trainer ranks "
+                                f"({', '.join(trainers)}); colocated engines tile the group's ranks: {fix} (or set "
+                                f"tensor_parallel_size: {other_tp})")
             else:
                 problems.append(f"models.{n}: needs {worlds[n]} ranks, another generation model of its group "
                                 f"{names} needs {world}; give them the same num_replicas x tensor_parallel_size, or "

@@ -136,8 +136,8 @@ class ActorGroup:
         worker = ray.remote(ModelWorker)
         self.actors = [
             worker.options(num_cpus=plan.cpus, num_gpus=plan.gpus, resources=plan.resources or None,
-                           runtime_env={"env_vars": env},
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=b))
+                           runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               self.pg, placement_group_bundle_index=b))
             .remote(r, plan.world, max(1, int(plan.cpus)), env)
             for r, b in enumerate(order)
         ]
@@ -278,7 +278,8 @@ class Runtime:
         started = None if local else init_ray(address, sum(p.world * p.cpus for p in plans))
         groups, handles = [], {}
         try:
-            if not local and (problems := placement_problems(plans, alive_nodes(), cfg.runtime.placement_strategy, cfg)):
+            strategy = cfg.runtime.placement_strategy
+            if not local and (problems := placement_problems(plans, alive_nodes(), strategy, cfg)):
                 raise ConfigError(problems)
             env = worker_env()
             for plan in plans:
@@ -287,7 +288,7 @@ class Runtime:
                     os.environ.update(env)  # what a Ray actor would get, before vLLM is imported
                     group = LocalGroup(plan.names, plan.cpus, env)
                 else:
-                    group = ActorGroup(plan, env, multi_node=bool(address), strategy=cfg.runtime.placement_strategy)
+                    group = ActorGroup(plan, env, multi_node=bool(address), strategy=strategy)
                 groups.append(group)
                 if not local and (problems := tp_span_problems(cfg, plan.names, [
                         group.nodes.count(n) for n in dict.fromkeys(group.nodes)])):

@@ -73,7 +73,7 @@ class WeightLinks:
                 trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
             else:
                 trainer.get(target.receive_weights() + trainer.group.run_async(_send, trainer.name, validate), "sync")
-            versions = target.weight_versions() if hasattr(target, "weight_versions") else []
+            versions = target.weight_versions()  # every engine rank of every replica: the same update
             if len(set(versions)) > 1:
                 by_replica = {r // target.tp: v for r, v in enumerate(versions)}
                 raise ActorFailure(f"{target_name}: its replicas hold weight versions {by_replica} after sync "
