@@ -7,13 +7,15 @@
 `runtime.launcher` picks how: `ray` runs every group as Ray actors (`ActorGroup`); `local` runs the one group
 of a run whose models all share one process of one rank inside the driver (`LocalGroup`: no Ray processes,
 no pickling of batches, ~7 s less start-up and a third of the memory on the tiny CPU job); `auto` (default)
-is `local` for such a run without `runtime.ray_address`, else `ray`. Both kinds of group answer the same calls.
+is `local` for such a run without a cluster (`runtime.ray_address`, `RAY_ADDRESS`), else `ray`. Both kinds of
+group answer the same calls; a generation model's handle is a chatgen.rlhf.generation_group.GenerationGroup (its
+replicas as one model).
 
 Colocation (`runtime.colocation: [[policy, policy_trainer, reference]]`) puts the models of one group in the
 SAME actor processes: rank r of the group hosts rank r of each of its models, on the same device(s). On GPUs
 they take turns on the memory (vLLM sleeps while the trainer trains) and the weight sync is an in-process
 copy; on a machine without a GPU they share the CPU cores. A model in no group gets actors of its own, and
-its weights travel to the policy over a private torch.distributed channel (chatgen.param_sync).
+its weights travel to the policy over a private torch.distributed group (chatgen.rlhf.weight_links).
 
 Ranks (chatgen.rlhf.placement): a group has world size = the Megatron world (num_gpu on GPU; TP x PP on CPU), or
 num_replicas x tensor_parallel_size for a generation model, or 1; rank 0 picks MASTER_ADDR / MASTER_PORT and
