@@ -16,6 +16,12 @@ For each size (random Llama-architecture weights written straight to safetensors
     server_group the same model through server mode's group path (weight_transport="group", any machine):
                  `SyncSender` -> a private gloo group over loopback -> `SyncReceiver.receive_into(llm)` on
                  another thread. Neither server figure includes the two HTTP calls (begin / finish, a few ms)
+    broadcast_1, broadcast_2  the trainer (TP=1) to generation replicas on devices of their own, as a run with
+                 disaggregated replicas syncs (chatgen.param_sync.broadcast): `BroadcastSender` -> one gloo
+                 broadcast per bucket -> a `BroadcastReceiver` per engine, each on its own thread loading its own
+                 engine; to one engine, then to two. Target: broadcast_2 <= 1.3x broadcast_1. Both engines live in
+                 this process and load on the same CPU cores (two replicas' loads are twice the work there; on
+                 their own devices they run side by side)
     lower_bound  `vllm_adapter.load_weights(llm.engine, hf_state_dict)` from an HF state dict already in memory
                  (vLLM's own reload: copy + CPU repack; no sync can be faster)
     naive        save an HF checkpoint to disk, then start a new engine from it in this process (vLLM
@@ -160,6 +166,34 @@ def server_shm(hf_model, llm, load_s: list):
     return once
 
 
+def broadcast(trainer, llms: list):
+    """One sync of `trainer` into every engine of `llms` over one broadcast group (the trainer's rank 0 + one
+    receiver per engine, each on its own thread, as each replica's process would receive)."""
+    import secrets
+    import threading
+
+    from chatgen.param_sync.broadcast import BroadcastReceiver, BroadcastSender
+
+    token, world = secrets.token_hex(8), 1 + len(llms)
+    sender, receivers = BroadcastSender(token, world), [None] * len(llms)
+
+    def join(i):
+        receivers[i] = BroadcastReceiver(sender.host, sender.port, 1 + i, world, token)
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(len(llms))]
+    [t.start() for t in threads]
+    sender.connect()
+    [t.join() for t in threads]
+
+    def once():
+        engine_sides = [threading.Thread(target=rx.receive_into, args=(llm,)) for rx, llm in zip(receivers, llms)]
+        [t.start() for t in engine_sides]
+        sender.send(trainer)
+        [t.join() for t in engine_sides]
+
+    return once
+
+
 def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     from megatron.core import parallel_state as ps
     from transformers import AutoModelForCausalLM
@@ -185,11 +219,17 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     group()  # warm-up: the group is created on the first sync
     shm()  # warm-up: the file is created, reserved and mapped on the first sync
     del shm_load_s[:]
+    replica = engine(str(model_dir))  # a second replica's engine
+    sync_weights(trainer, replica)  # warm-up, as above
+    broadcast_1, broadcast_2 = broadcast(trainer, [llm]), broadcast(trainer, [llm, replica])
     runs = interleaved({"chatgen": lambda: sync_weights(trainer, llm),
                         "transformers": lambda: sync_weights(hf_model, llm),
                         "server_group": group,
                         "server_shm": shm,
+                        "broadcast_1": broadcast_1,
+                        "broadcast_2": broadcast_2,
                         "lower": lambda: vllm_adapter.load_weights(llm.engine, iter(hf_state.items()))}, repeats)
+    replica.shutdown()
     chatgen_s, transformers_s, lower_s = runs["chatgen"], runs["transformers"], runs["lower"]
     server = {transport: runs[f"server_{transport}"] for transport in ("group", "shm")}
 
@@ -228,6 +268,11 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     servers.update(server_shm_load_s=statistics.median(shm_load_s),
                    server_shm_write_s=statistics.median(t - load for t, load in zip(server["shm"], shm_load_s)),
                    meets_server_shm_lower_bound_target=servers["server_shm_s"] <= 1.2 * lower)
+    one, two = statistics.median(runs["broadcast_1"]), statistics.median(runs["broadcast_2"])
+    servers.update(broadcast_1_s=one, broadcast_2_s=two, broadcast_1_runs_s=runs["broadcast_1"],
+                   broadcast_2_runs_s=runs["broadcast_2"], broadcast_2_over_1=two / one,
+                   broadcast_2_over_1_min=min(runs["broadcast_2"]) / min(runs["broadcast_1"]),
+                   meets_broadcast_target=two <= 1.3 * one)
     naive_t = naive_parts["save_s"] + naive_parts["engine_start_s"]  # shutting the engine down is not counted
     naive_np = naive_parts["save_s"] + naive_parts["new_process_engine_start_s"]
     return dict(size=name, params=params, bytes=nbytes, config=overrides,
@@ -268,14 +313,17 @@ def main(argv=None) -> int:
                   f"({r['transformers_over_lower_bound']:.2f}x lower) | server shm {r['server_shm_s']:.3f}s "
                   f"({r['server_shm_over_lower_bound']:.2f}x lower; write {r['server_shm_write_s']:.3f}s + load "
                   f"{r['server_shm_load_s']:.3f}s) | server group {r['server_group_s']:.3f}s "
-                  f"({r['server_group_over_lower_bound']:.2f}x lower) | lower bound {r['lower_bound_s']:.3f}s "
+                  f"({r['server_group_over_lower_bound']:.2f}x lower) | broadcast to 1 / 2 replicas "
+                  f"{r['broadcast_1_s']:.3f} / {r['broadcast_2_s']:.3f}s ({r['broadcast_2_over_1']:.2f}x) | "
+                  f"lower bound {r['lower_bound_s']:.3f}s "
                   f"({r['lower_bound_bytes_per_s'] / 1e9:.2f} GB/s) | naive {r['naive_s']:.2f}s | "
                   f"chatgen/lower {r['chatgen_over_lower_bound']:.2f}x | naive/chatgen {r['naive_over_chatgen']:.0f}x "
                   f"(new process: {r['naive_new_process_s']:.1f}s, {r['naive_new_process_over_chatgen']:.0f}x) | "
                   f"load {r['load_average'][0]:.2f}", flush=True)
     out = dict(benchmark="bench_sync", device="cpu", torch=torch.__version__, threads=torch.get_num_threads(),
                targets=dict(chatgen_over_lower_bound_max=1.2, transformers_over_lower_bound_max=1.2,
-                            server_shm_over_lower_bound_max=1.2, naive_over_chatgen_min=20), results=results,
+                            server_shm_over_lower_bound_max=1.2, naive_over_chatgen_min=20,
+                            broadcast_2_over_1_max=1.3), results=results,
                load_average=os.getloadavg(),
                all_targets_met=all(r["meets_lower_bound_target"] and r["meets_transformers_lower_bound_target"]
                                    and r["meets_server_shm_lower_bound_target"] and r["meets_naive_target"]

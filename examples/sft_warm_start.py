@@ -69,9 +69,9 @@ def main(argv=None) -> int:
     from chatgen import MegatronModule
     from chatgen.core.checkpoint_io import atomic_file
     from chatgen.core.jsonl import read_prompt_records
+    from chatgen.models.convert import megatron_to_hf_dir
     from chatgen.rlhf.losses import nll_loss_fn
     from chatgen.rlhf.metrics import progress_bar, say
-    from chatgen.models.convert import megatron_to_hf_dir
 
     torch.manual_seed(args.seed)
     records = read_prompt_records(args.data)

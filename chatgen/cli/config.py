@@ -1,10 +1,14 @@
 """`chatgen config`: check a config before launching anything and print it resolved.
 
-    chatgen config configs/grpo_tiny.yaml runtime.num_episode=3 policy.temperature=0.5   # a main YAML
+    chatgen config configs/grpo_tiny.yaml runtime.num_episode=3 policy.max_new_tokens=12  # a main YAML
     chatgen config configs/grpo_tiny/policy.yaml temperature=0.7  # a per-model YAML (schema from its main YAML's
     chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)
 
+A main YAML gets every check `chatgen train` makes before it starts a model (chatgen.rlhf.config.check_run: the
+algorithm's models, batch sizes, data files, the layout of the ranks: TP against the model's heads, replicas x TP
+against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
+whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
 Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
 """
 import dataclasses
@@ -19,12 +23,14 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import (
     ModelEntry,
     RuntimeConfig,
+    check_run,
     format_config,
     load_config,
     resolve_schema,
     schema_marker,
     to_dict,
 )
+from chatgen.rlhf.runtime import cluster_address, cluster_nodes
 from chatgen.training.config import MegatronConfig
 
 
@@ -105,7 +111,10 @@ def run(args) -> int:
             config = load_model_config(args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen"))
             print(yaml.safe_dump(to_dict(config), sort_keys=False))
         else:
-            print(format_config(load_config(args.path, args.overrides)))
+            cfg = load_config(args.path, args.overrides)
+            address = cluster_address(cfg.runtime)
+            check_run(cfg, algorithms.load(cfg.runtime.algorithm.name), cluster_nodes(address) if address else None)
+            print(format_config(cfg))
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""NeMo RL's names for a generation module's calls (seed: NeMo RL's GenerationInterface), as a mixin.
+"""NeMo RL's names for chatgen's generation calls (seed: NeMo RL's GenerationInterface and VllmGeneration), as
+mixins: one for a generation module, one for a run's group of generation workers.
 
     policy.prepare_for_generation()     # wake_up() if asleep
     texts = policy.generate_text(["Once upon a time"])
@@ -7,9 +8,19 @@
         ...
     policy.finish_generation()          # sleep() so a colocated trainer gets the memory
 
+    group = runtime["policy"]           # chatgen.rlhf.generation_group.GenerationGroup: the refit calls
+    refs = group.init_collective(ip, port, world_size)    # open_weight_channel
+    group.prepare_refit_info(state_dict_info)             # check_weight_manifest
+    refs = group.update_weights_from_collective()         # receive_weights
+    group.update_weights_via_ipc(handles)                 # load_shared_weights
+    group.report_device_id()                              # devices
+
 `generate(batch, greedy)` and `generate_async` are chatgen's own names too (chatgen.generation.base); their
 batches take NeMo RL's right-padded `input_ids` + `input_lengths`, per-row `stop_strings` and `stop_token_ids`,
-and the pad id of the `pad_token_id` key.
+and the pad id of the `pad_token_id` key. Where chatgen differs from NeMo RL: init_collective's world_size
+counts one trainer rank (chatgen's trainer sends from its rank 0 only) and the trainer signs with the group's
+`token`; update_weights_via_ipc is host shared memory on GPUs too (CUDA IPC needs the trainer and the engine on
+one device, which chatgen's placement never makes: colocated models share a process and sync in place).
 """
 import contextlib
 from collections.abc import Mapping
@@ -59,3 +70,28 @@ def _texts(prompts) -> list:
                              f"spelling); it has {sorted(prompts)}")
         return list(prompts["prompts"])
     return list(prompts)
+
+
+class NemoRLRefit:
+    """NeMo RL's refit calls on a group of generation workers (its VllmGeneration), over chatgen's own names."""
+
+    def init_collective(self, ip: str, port: int, world_size: int) -> list:
+        """NeMo RL's name of `open_weight_channel`: every engine rank joins the trainer's broadcast group."""
+        return self.open_weight_channel(ip, port, world_size)
+
+    def prepare_refit_info(self, state_dict_info: dict) -> None:
+        """NeMo RL's name of `check_weight_manifest`; takes {name: shape} or NeMo RL's {name: (shape, dtype)}."""
+        return self.check_weight_manifest({name: info[0] if len(info) == 2 and not isinstance(info[0], int) else info
+                                           for name, info in state_dict_info.items()})
+
+    def update_weights_from_collective(self) -> list:
+        """NeMo RL's name of `receive_weights`: every engine rank loads one broadcast of the trainer."""
+        return self.receive_weights()
+
+    def update_weights_via_ipc(self, handles: dict) -> list:
+        """NeMo RL's name of `load_shared_weights`: weights a trainer on this host wrote into shared memory."""
+        return self.load_shared_weights(handles)
+
+    def report_device_id(self) -> list:
+        """NeMo RL's name of `devices`: the device of every engine rank."""
+        return self.devices()

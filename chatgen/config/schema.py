@@ -17,9 +17,11 @@ REQUIRED = dataclasses.MISSING
 DTYPES = Literal["float32", "float16", "bfloat16"]
 
 
-def opt(default, doc: str):
-    """A dataclass field with its one-line doc; list/dict/dataclass defaults are copied per instance."""
-    meta = {"doc": doc}
+def opt(default, doc: str, path: bool = False):
+    """A dataclass field with its one-line doc; list/dict/dataclass defaults are copied per instance. path: the
+    value is a file or directory, which a run's loader makes absolute (chatgen.rlhf.config: actors may run in
+    another working directory, on another node)."""
+    meta = {"doc": doc, "path": path}
     if default is REQUIRED:
         return dataclasses.field(metadata=meta)
     if isinstance(default, type) and dataclasses.is_dataclass(default):

@@ -94,6 +94,28 @@ class RolloutBatch:
         return RolloutBatch(**fields)
 
     @classmethod
+    def concat(cls, batches: list, pad_token_id: int) -> "RolloutBatch":
+        """The samples of `batches`, one batch after the other, right-padded to the longest (input_ids with
+        pad_token_id, weight versions with -1, the other per-token tensors with 0). prompt_index is kept as it is:
+        make it unique first when the batches answer different prompts."""
+        width = max(b.input_ids.shape[1] for b in batches)
+        pads = {"input_ids": pad_token_id, "weight_versions": -1}
+        fields = {}
+        for f in dataclasses.fields(cls):
+            values = [getattr(b, f.name) for b in batches]
+            if isinstance(values[0], list):
+                fields[f.name] = [x for value in values for x in value]
+            elif any(v is None for v in values):
+                fields[f.name] = None  # weight versions that not every batch has
+            elif values[0].dim() == 2:  # (S, L) or (S, L-1): pad to the common width
+                cols = width + values[0].shape[1] - batches[0].input_ids.shape[1]
+                fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, cols - v.shape[1]),
+                                                                    value=pads.get(f.name, 0)) for v in values])
+            else:
+                fields[f.name] = torch.cat(values)
+        return cls(**fields)
+
+    @classmethod
     def from_samples(cls, samples: list, pad_token_id: int) -> "RolloutBatch":
         """Right-pad samples into a batch (see `Sample`)."""
         if not samples:

@@ -16,8 +16,8 @@ from chatgen.config import DTYPES, USER_KEYS_DOC, ConfigError, args_problem, opt
 
 @dataclasses.dataclass(kw_only=True)
 class GenerationConfig:
-    load: Optional[str] = opt(None, "Hugging Face model directory to load (required)")
-    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory")
+    load: Optional[str] = opt(None, "Hugging Face model directory to load (required)", path=True)
+    tokenizer: Optional[str] = opt(None, "tokenizer directory; null = the `load` directory", path=True)
     load_format: Literal["auto", "dummy"] = opt(
         "auto", "auto: the weights of `load`; dummy: random weights of its shape (a policy whose weights always come "
                 "from a trainer's sync first: faster start, as verl's rollout does)")

@@ -354,21 +354,28 @@ def _exchange(pg, mine: bytes, root: int, me: int, patience: _Patience | None) -
     return bytes(_bcast(pg, tensor, root, patience).cpu().tolist())
 
 
-def _authenticate(pg, token: str, me: int, patience: _Patience | None = None) -> None:
-    """Both ends of the group prove they hold `token` (see above); SyncError at the end that finds the other's
-    proof wrong. The trainer (0) proves first; the engine (1) answers with its own proof only to a trainer that
-    proved, and with zeros otherwise, so that neither end is left waiting."""
-    nonces = [_exchange(pg, secrets.token_bytes(32), root, me, patience) for root in (0, 1)]
-    proofs = [_mac(token, role, *nonces) for role in (b"trainer", b"engine")]
+def _authenticate(pg, token: str, me: int, patience: _Patience | None = None, world_size: int = 2) -> None:
+    """Every member of the group proves it holds `token` (see above): member 0 the trainer, the others engines.
+    SyncError at each member that finds a proof wrong (every member checks every proof, so all of them stop
+    together). The trainer proves first; an engine answers with its own proof only to a trainer that proved,
+    and with zeros otherwise, so that no member is left waiting."""
+    nonces = [_exchange(pg, secrets.token_bytes(32), root, me, patience) for root in range(world_size)]
+    proofs = [_mac(token, b"trainer" if r == 0 else b"engine %d" % r, *nonces) for r in range(world_size)]
     trainer_proved = hmac.compare_digest(_exchange(pg, proofs[0], 0, me, patience), proofs[0])
-    engine_proof = _exchange(pg, proofs[1] if trainer_proved else bytes(32), 1, me, patience)
-    if me == 1 and not trainer_proved:
+    failed = [r for r in range(1, world_size)
+              if not hmac.compare_digest(_exchange(pg, proofs[r] if trainer_proved else bytes(32), r, me, patience),
+                                         proofs[r])]
+    if me != 0 and not trainer_proved:
         raise SyncError("the peer on the weight channel did not prove this update's token (it is not the trainer "
                         "the channel was opened for); the channel is closed")
-    if me == 0 and not hmac.compare_digest(engine_proof, proofs[1]):
+    if me == 0 and failed:
         raise SyncError("weight sync refused: the engine at the other end of the weight channel did not accept "
                         "this update's token (a stale token, or a peer that is not the engine that opened the "
-                        "channel); nothing was sent")
+                        "channel); nothing was sent" + (f" (engine rank(s) {failed})" if world_size > 2 else ""))
+    if failed:
+        raise SyncError(f"weight sync refused, this engine keeps its old weights: engine rank(s) {failed} of the "
+                        "weight channel did not prove the run's token (a process that is not one of the run's "
+                        "engines joined it)")
 
 
 class SyncSender:

@@ -26,6 +26,7 @@ from chatgen.core.imports import import_class
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
 from chatgen.rlhf import algorithms
+from chatgen.rlhf.placement import model_world_size, placement_problems, plan_groups, topology_problems
 from chatgen.training.config import MegatronConfig
 
 RESOLVED_NAME = "resolved_config.yaml"
@@ -45,17 +46,6 @@ def backend_schema(backend: str):
         return load_backend(backend).Config
     except ValueError as e:
         raise ValueError(f"{e}; or megatron (a trainer), python (your class, model_class)") from None
-
-
-def model_world_size(entry) -> int:
-    """Ranks a model needs: its Megatron world (num_gpu ranks on GPU; on CPU TP x PP x data_parallel_size, whose
-    default is the expert-parallel size: one replica of a dense model, EP ranks for a mixture-of-experts model's
-    experts), else 1."""
-    if entry.backend != "megatron":
-        return 1
-    c = entry.config
-    dp = c.data_parallel_size or c.expert_model_parallel_size
-    return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * dp
 
 
 def model_class(entry) -> str:
@@ -96,11 +86,15 @@ class RuntimeConfig:
         8, "sequences a vLLM engine runs together per step (its max_num_seqs); the default of every vllm model's generation_batch_size")
     save_episode_interval: Optional[int] = opt(None, "save a checkpoint every N episodes; null = never")
     eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
-    data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)")
-    eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation")
-    output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml")
+    data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)", path=True)
+    eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation", path=True)
+    output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml", path=True)
     colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
-    ray_address: Optional[str] = opt(None, "Ray cluster address; null = start a local Ray (when Ray is used)")
+    ray_address: Optional[str] = opt(None, "Ray cluster address; null = the RAY_ADDRESS variable if set (as `ray job "
+                                           "submit` sets it), else a local Ray (when Ray is used)")
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = opt(
+        "PACK", "how Ray places each group's ranks on nodes: PACK (as few nodes as possible), SPREAD (across nodes), "
+                "STRICT_PACK (one node per group, or fail); ranks are ordered node by node either way")
     launcher: Literal["auto", "local", "ray"] = opt(
         "auto", "ray: every model group runs as Ray actors; local: a run whose models share one process of one rank "
                 "runs in the driver, without Ray; auto: local when possible (and no ray_address), else ray")
@@ -147,6 +141,11 @@ class ModelEntry:
     trainable: bool = opt(False, "whether this model is trained (its weights are then synced to the generation model)")
     num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
     num_cpu: int = opt(1, "CPU cores for this model's actors")
+    num_replicas: int = opt(
+        1, "generation models: engines the prompts are spread over, each of tensor_parallel_size ranks; colocated "
+           "with a trainer, num_replicas x tensor_parallel_size = the trainer's ranks (docs/scaling.md)")
+    resources: dict[str, float] = opt({}, "custom Ray resources each rank of this model needs, e.g. {trainer_node: 1} "
+                                          "for nodes started with `ray start --resources`; {} = none")
     config: Any = opt(None, "per-model keys inline (win over model_config_file); once loaded: the typed config")
     config_dialect: Literal["chatgen", "chatlearn"] = opt(
         "chatgen", "how the per-model keys are read: chatgen (every key checked) or chatlearn (a ChatLearn YAML: Megatron-LM keys ignored, unknown keys -> args; docs/migrating_from_chatlearn.md)")
@@ -159,6 +158,14 @@ class ModelEntry:
                                   "chatgen.rlhf.rewards:RuleReward)")
         if self.num_gpu < 0 or self.num_cpu < 0:
             yield "num_gpu" if self.num_gpu < 0 else "num_cpu", "must be >= 0; set a non-negative integer"
+        if self.num_replicas < 1:
+            yield "num_replicas", f"must be >= 1, got {self.num_replicas}; 1 is one engine"
+        elif self.num_replicas > 1 and backend_kind(self.backend) != "generation":
+            yield "num_replicas", (f"{self.num_replicas} replicas of a {self.backend} model; replicas are for generation "
+                                   "models (a Megatron model scales with num_gpu: data parallel); remove the key")
+        for key, amount in self.resources.items():
+            if amount < 0:
+                yield "resources", f"{key}: {amount} is negative; give the amount each rank needs"
 
 
 @dataclasses.dataclass
@@ -217,8 +224,22 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
         _check_colocation(runtime, models, where, errors)
     if errors:
         raise ConfigError(errors)
+    for section in (runtime, runtime.algorithm, *(entry.config for entry in models.values())):
+        _absolute_paths(section)
     return ChatgenConfig(runtime=runtime, models=models, path=main_yaml, overrides=list(overrides),
                          files=list(dict.fromkeys(files)))
+
+
+def _absolute_paths(section) -> None:
+    """Make a typed section's path keys (`opt(..., path=True)`) absolute, against the current directory, where the
+    docs say relative paths start: the run's actors work in their raylet's directory, on other nodes too, so a
+    relative path would point elsewhere there."""
+    if not dataclasses.is_dataclass(section):
+        return
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if f.metadata.get("path") and isinstance(value, str) and value:
+            setattr(section, f.name, os.path.abspath(os.path.expanduser(value)))
 
 
 def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
@@ -422,10 +443,11 @@ def resolve_schema(schema):
 # --- checks of a whole run, before anything starts ------------------------------------------------------
 
 
-def check_run(cfg, algorithm) -> None:
-    """Problems a schema cannot see (which models the algorithm needs, how they fit together), all at once,
-    before any actor starts. `algorithm` is the algorithm's module (chatgen.rlhf.algorithms.load). Raises
-    ConfigError."""
+def check_run(cfg, algorithm, nodes: list | None = None) -> None:
+    """Problems a schema cannot see (which models the algorithm needs, how they fit together, the layout of their
+    ranks: chatgen.rlhf.placement), all at once, before any actor starts. `algorithm` is the algorithm's module
+    (chatgen.rlhf.algorithms.load); `nodes`: the free resources of each node of the cluster the run will use
+    (chatgen.rlhf.runtime.cluster_nodes), to check that the groups fit there. Raises ConfigError."""
     name, where = cfg.runtime.algorithm.name, cfg.path or "config"
     errors = []
     for model, role in algorithm.MODELS.items():
@@ -457,7 +479,7 @@ def check_run(cfg, algorithm) -> None:
             continue
         mc = entry.config
         model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size
-        world = model_world_size(entry)  # as runtime.plan_groups places it
+        world = model_world_size(entry)  # as plan_groups places it
         if world % model_parallel:
             continue  # init_distributed names this one
         if (world // model_parallel) % mc.expert_model_parallel_size:
@@ -490,6 +512,11 @@ def check_run(cfg, algorithm) -> None:
         errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
     if rt.eval_episode_interval and not rt.eval_data_path:
         errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
+    layout = topology_problems(cfg)
+    errors += [f"{where}: {problem}" for problem in layout]
+    if nodes is not None and not layout:
+        errors += [f"{where}: {problem}" for problem in placement_problems(plan_groups(cfg), nodes,
+                                                                           rt.placement_strategy, cfg)]
     if errors:
         raise ConfigError(errors)
 

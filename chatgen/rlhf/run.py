@@ -47,7 +47,8 @@ class Run:
     evaluation, a function of the run returning metrics (default: `evaluate_policy`, the policy's reward on
     `eval_data_path`).
 
-    Attributes: cfg, runtime (chatgen.rlhf.runtime.Runtime), policy (the `policy` model's handle, or None), data
+    Attributes: cfg, runtime (chatgen.rlhf.runtime.Runtime), policy (the `policy` model's handle, a
+    chatgen.rlhf.generation_group.GenerationGroup, or None), data
     (RunData: records, eval_records, sampler), links (WeightLinks), timer (PhaseTimer), logger (MetricsLogger),
     start_episode.
     """
@@ -194,7 +195,7 @@ class Run:
         data = self.data
         records, items = (data.eval_records, data.eval_items) if is_eval else (data.records, data.items)
         self.links.wake()
-        batch = self.policy.first("run_generation", [items[i] for i in index], is_eval)
+        batch = self.policy.run_generation([items[i] for i in index], is_eval)  # over its replicas, by load
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
                             "chatgen.core.rollout.RolloutBatch: return super().decode_internal(batched_outputs) "
@@ -299,8 +300,13 @@ class Run:
         """On a fresh run with evaluation on, log the held-out metrics before any training as episode 0."""
         if self.start_episode == 1 and self.data.eval_records and self.cfg.runtime.eval_episode_interval:
             with self.timer("eval"):
-                self.logger.log(0, self.evaluate())
+                metrics = self.evaluate()
             self.timer.pop()
+            self.logger.log(0, {**metrics, **self._generation_metrics()})
+
+    def _generation_metrics(self) -> dict:
+        """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for one replica)."""
+        return self.policy.pop_metrics() if self.policy is not None else {}
 
     def end_episode(self, episode: int, metrics: dict, start: float, sampler_state: dict | None = None) -> dict:
         """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a resumed run
@@ -317,6 +323,7 @@ class Run:
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
             metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
+        metrics.update(self._generation_metrics())
         self.logger.log(episode, metrics)
         return metrics
 

@@ -7,30 +7,39 @@
 `runtime.launcher` picks how: `ray` runs every group as Ray actors (`ActorGroup`); `local` runs the one group
 of a run whose models all share one process of one rank inside the driver (`LocalGroup`: no Ray processes,
 no pickling of batches, ~7 s less start-up and a third of the memory on the tiny CPU job); `auto` (default)
-is `local` for such a run without `runtime.ray_address`, else `ray`. Both kinds of group answer the same calls.
+is `local` for such a run without a cluster (`runtime.ray_address`, `RAY_ADDRESS`), else `ray`. Both kinds of
+group answer the same calls; a generation model's handle is a chatgen.rlhf.generation_group.GenerationGroup (its
+replicas as one model).
 
 Colocation (`runtime.colocation: [[policy, policy_trainer, reference]]`) puts the models of one group in the
 SAME actor processes: rank r of the group hosts rank r of each of its models, on the same device(s). On GPUs
 they take turns on the memory (vLLM sleeps while the trainer trains) and the weight sync is an in-process
 copy; on a machine without a GPU they share the CPU cores. A model in no group gets actors of its own, and
-its weights travel to the policy over a private torch.distributed channel (chatgen.param_sync).
+its weights travel to the policy over a private torch.distributed group (chatgen.rlhf.weight_links).
 
-Ranks: a group has world size = the Megatron world (num_gpu on GPU; TP x PP x DP on CPU, DP from the model's
-data_parallel_size, default 1) or 1 for generation/python models; rank 0 picks MASTER_ADDR / MASTER_PORT and every
-actor gets RANK, WORLD_SIZE, LOCAL_RANK. An exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback; the driver
-then kills every actor (see `Runtime.shutdown`), so nothing is left running.
+Ranks (chatgen.rlhf.placement): a group has world size = the Megatron world (num_gpu on GPU; TP x PP x DP on
+CPU, DP from the model's data_parallel_size), or num_replicas x tensor_parallel_size for a generation model, or 1;
+rank 0 picks MASTER_ADDR / MASTER_PORT and every actor gets RANK, WORLD_SIZE, LOCAL_RANK. Ranks follow the nodes
+Ray placed the group's bundles on (`runtime.placement_strategy`), so consecutive ranks, a tensor-parallel group,
+share a node. An exception in an actor reaches the driver as `ActorFailure` carrying the actor's traceback, as
+soon as the first rank fails; the driver then kills every actor (see `Runtime.shutdown`), so nothing is left
+running.
 """
+import dataclasses
 import os
 import shutil
 import time
 import traceback
 
+from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class
 from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
-from chatgen.rlhf.config import backend_kind, model_class, model_world_size
+from chatgen.rlhf.config import backend_kind, model_class
+from chatgen.rlhf.generation_group import GenerationGroup
+from chatgen.rlhf.placement import engine_tp, placement_problems, plan_groups, ranks_by_node, tp_span_problems
 
 
 class ActorFailure(RuntimeError):
@@ -70,9 +79,9 @@ class ModelWorker:
         same way (chatgen.module: `cls(config, name=name).start()`). With several ranks the group's
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
         world = int(os.environ["WORLD_SIZE"])
-        if world > 1:
+        if world > 1:  # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
+            os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             import torch
 
             init_process_group("nccl" if torch.cuda.is_available() else "gloo", self.rank, world, master_addr,
@@ -109,55 +118,69 @@ class ModelWorker:
 
 
 class ActorGroup:
-    """The Ray actors of one colocation group: `world_size` ModelWorkers in one placement group.
+    """The Ray actors of one colocation group (a `placement.GroupPlan`): `world` ModelWorkers in one placement
+    group placed by `strategy`, one bundle per rank; rank r runs on the r-th bundle in node order
+    (`placement.ranks_by_node`), and `nodes[r]` is its node's id."""
 
-    Each bundle holds one rank's devices ({"GPU": g, "CPU": c}); the actor of rank r is pinned to bundle r.
-    """
-
-    def __init__(self, names: list, world_size: int, num_gpus: float, num_cpus: float, env: dict,
-                 multi_node: bool = False):
+    def __init__(self, plan, env: dict, multi_node: bool = False, strategy: str = "PACK"):
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        self.names, self.world_size = list(names), world_size
-        bundle = {"CPU": num_cpus, **({"GPU": num_gpus} if num_gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+        self.names, self.world_size = list(plan.names), plan.world
+        bundle = plan.bundle()
+        self.pg = placement_group([dict(bundle) for _ in range(plan.world)], strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=300)
         if not ready:
-            raise RuntimeError(f"Ray could not place {'+'.join(names)}: {world_size} x {bundle} is more than the "
-                               f"cluster has ({ray.cluster_resources()}); lower num_gpu / num_cpu or add nodes")
-        threads = max(1, int(num_cpus))
+            raise RuntimeError(f"Ray could not place {'+'.join(plan.names)} in 300 s: {plan.world} x {bundle} "
+                               f"({strategy}) is more than the cluster has free ({ray.available_resources()}); lower "
+                               "num_gpu / num_cpu, add nodes, or stop what holds them")
+        placed = placement_group_table(self.pg)["bundles_to_node_id"]
+        order = ranks_by_node([placed[b] for b in range(plan.world)])
+        self.nodes = [placed[b] for b in order]
         worker = ray.remote(ModelWorker)
         self.actors = [
-            worker.options(num_cpus=num_cpus, num_gpus=num_gpus, runtime_env={"env_vars": env},
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r))
-            .remote(r, world_size, threads, env)
-            for r in range(world_size)
+            worker.options(num_cpus=plan.cpus, num_gpus=plan.gpus, resources=plan.resources or None,
+                           runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                               self.pg, placement_group_bundle_index=b))
+            .remote(r, plan.world, max(1, int(plan.cpus)), env)
+            for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
         self.master_addr, self.master_port = self.get([self.actors[0].address.remote(multi_node)], "start")[0]
 
-    def get(self, refs: list, what: str):
-        """ray.get with the failing actor's traceback turned into an ActorFailure naming this group."""
+    def get(self, refs: list, what: str, labels: list | None = None):
+        """ray.get of `refs`, failing as soon as the first of them fails (the others may still be running): the
+        actor's traceback as an ActorFailure naming this group, `what` and the failing call's label (labels[i] for
+        refs[i]; default: its rank, when there is one ref per rank)."""
         import ray
 
-        try:
-            return ray.get(refs)
-        except ray.exceptions.RayTaskError as e:
-            raise ActorFailure(f"{'+'.join(self.names)}: {what} failed in an actor:\n{e}") from None
-        except ray.exceptions.RayActorError as e:
-            raise ActorFailure(f"{'+'.join(self.names)}: an actor died during {what}:\n{e}") from None
+        if labels is None and len(refs) == self.world_size > 1:
+            labels = [f"rank {r}" for r in range(self.world_size)]
+        index = {ref: i for i, ref in enumerate(refs)}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            where = f" ({labels[index[ready[0]]]})" if labels else ""
+            try:
+                ray.get(ready)
+            except ray.exceptions.RayTaskError as e:
+                raise ActorFailure(f"{'+'.join(self.names)}: {what} failed in an actor{where}:\n{e}") from None
+            except ray.exceptions.RayActorError as e:
+                raise ActorFailure(f"{'+'.join(self.names)}: an actor died during {what}{where}:\n{e}") from None
+        return ray.get(refs)
 
     def setup(self, specs: list) -> None:
-        self.get([a.setup.remote(self.master_addr, self.master_port, specs) for a in self.actors], "setup")
+        """specs[r]: [(name, model_class, config)] of rank r (see ModelWorker.setup)."""
+        self.get([a.setup.remote(self.master_addr, self.master_port, specs[r]) for r, a in enumerate(self.actors)],
+                 "setup")
 
     def call_async(self, name: str, method: str, *args, **kwargs) -> list:
         return [a.call.remote(name, method, *args, **kwargs) for a in self.actors]
 
     def run_each(self, fn, per_rank_args: list) -> list:
-        """`fn(models, *per_rank_args[r])` on rank r."""
-        return [a.run.remote(fn, *args) for a, args in zip(self.actors, per_rank_args)]
+        """`fn(models, *per_rank_args[r])` on rank r (not on a rank whose args are None)."""
+        return [a.run.remote(fn, *args) for a, args in zip(self.actors, per_rank_args) if args is not None]
 
     def run_async(self, fn, *args, **kwargs) -> list:
         return [a.run.remote(fn, *args, **kwargs) for a in self.actors]
@@ -179,31 +202,35 @@ class LocalGroup:
     multi_node = False
     world_size = 1
 
+    RANK_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
     def __init__(self, names: list, num_cpus: float, env: dict):
         self.names = list(names)
+        self.driver_ranks = {k: os.environ.get(k) for k in self.RANK_KEYS}  # given back by kill()
         self.worker = ModelWorker(0, 1, max(1, int(num_cpus)), env)
-        self.master_addr, self.master_port = self.worker.address(False)
 
-    def get(self, thunks: list, what: str):
+    def get(self, thunks: list, what: str, labels: list | None = None):
         try:
             return [thunk() for thunk in thunks]
         except Exception as e:  # noqa: BLE001 - every model error, reported like a Ray actor's
             raise ActorFailure(f"{'+'.join(self.names)}: {what} failed:\n{traceback.format_exc()}") from e
 
     def setup(self, specs: list) -> None:
-        self.get([lambda: self.worker.setup(self.master_addr, self.master_port, specs)], "setup")
+        self.get([lambda: self.worker.setup("127.0.0.1", 0, specs[0])], "setup")  # one rank: no rendezvous
 
     def call_async(self, name: str, method: str, *args, **kwargs) -> list:
         return [lambda: self.worker.call(name, method, *args, **kwargs)]
 
     def run_each(self, fn, per_rank_args: list) -> list:
-        return [lambda: self.worker.run(fn, *per_rank_args[0])]
+        return [lambda: self.worker.run(fn, *per_rank_args[0])] if per_rank_args[0] is not None else []
 
     def run_async(self, fn, *args, **kwargs) -> list:
         return [lambda: self.worker.run(fn, *args, **kwargs)]
 
     def kill(self) -> None:
         self.worker.stop()
+        for key, value in self.driver_ranks.items():  # the driver is no rank once its models are gone
+            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
 class ModelHandle:
@@ -225,37 +252,8 @@ class ModelHandle:
         """`fn(worker, *args)` on every rank of the group (a module-level function; see ModelWorker.run)."""
         return self.get(self.group.run_async(fn, *args), fn.__name__)
 
-    def get(self, refs, what):
-        return self.group.get(refs, f"{self.name}.{what}")
-
-
-def plan_groups(cfg) -> list:
-    """[(model names, world size, GPUs per rank, CPUs per rank)]: colocation groups first, then lone models.
-
-    Raises ValueError naming the models when a group's members need different world sizes.
-    """
-    grouped = [list(g) for g in cfg.runtime.colocation]
-    grouped += [[name] for name in cfg.models if not any(name in g for g in grouped)]
-    plans = []
-    for names in grouped:
-        entries = [cfg.models[n] for n in names]
-        worlds = {n: model_world_size(cfg.models[n]) for n in names}
-        world = max(worlds.values())
-        odd = {n: w for n, w in worlds.items() if cfg.models[n].backend == "megatron" and w != world}
-        if odd:
-            raise ValueError(f"runtime.colocation: {names} need different numbers of ranks {worlds}; colocated "
-                             "Megatron models need the same num_gpu (GPU) or TP x PP x DP (CPU)")
-        for n in names:
-            e = cfg.models[n]
-            tp = getattr(e.config, "tensor_parallel_size", None)  # a generation engine that spans ranks (vLLM)
-            if backend_kind(e.backend) == "generation" and tp is not None and world > 1 and tp != world:
-                raise ValueError(f"models.{n}: tensor_parallel_size={tp} but it is "
-                                 f"colocated with {world} trainer ranks; a colocated vLLM engine spans all of them: "
-                                 f"set tensor_parallel_size: {world}")
-        gpus = max((e.num_gpu for e in entries), default=0)
-        cpus = max((e.num_cpu for e in entries), default=1)
-        plans.append((names, world, gpus / world if gpus else 0, max(cpus / world, 0.01)))
-    return plans
+    def get(self, refs, what, labels=None):
+        return self.group.get(refs, f"{self.name}.{what}", labels)
 
 
 class Runtime:
@@ -280,25 +278,39 @@ class Runtime:
 
     @classmethod
     def start(cls, cfg, log=print) -> "Runtime":
+        """Start every group of `cfg` (chatgen.rlhf.placement.plan_groups) and its models. On Ray, the groups are
+        checked against the cluster's nodes first: a layout that cannot be placed is a ConfigError naming the
+        key, at once, instead of a wait for resources that never come."""
         plans = plan_groups(cfg)
         local = launcher(cfg, plans) == "local"
-        started = None if local else init_ray(cfg.runtime.ray_address, sum(w * c for _, w, _, c in plans))
+        address = cluster_address(cfg.runtime)
+        started = None if local else init_ray(address, sum(p.world * p.cpus for p in plans))
         groups, handles = [], {}
         try:
+            strategy = cfg.runtime.placement_strategy
+            if not local and (problems := placement_problems(plans, alive_nodes(), strategy, cfg)):
+                raise ConfigError(problems)
             env = worker_env()
-            for names, world, gpus, cpus in plans:
+            for plan in plans:
                 t0 = time.perf_counter()
                 if local:
                     os.environ.update(env)  # what a Ray actor would get, before vLLM is imported
-                    group = LocalGroup(names, cpus, env)
+                    group = LocalGroup(plan.names, plan.cpus, env)
                 else:
-                    group = ActorGroup(names, world, gpus, cpus, env, multi_node=bool(cfg.runtime.ray_address))
+                    group = ActorGroup(plan, env, multi_node=bool(address), strategy=strategy)
                 groups.append(group)
-                group.setup([(n, model_class(cfg.models[n]), cfg.models[n].config) for n in names])
-                for n in names:
+                if not local and (problems := tp_span_problems(cfg, plan.names, [
+                        group.nodes.count(n) for n in dict.fromkeys(group.nodes)])):
+                    raise ConfigError(problems)  # Ray placed a tensor-parallel group across nodes
+                group.setup([[(n, model_class(cfg.models[n]), rank_config(cfg.models[n], r)) for n in plan.names]
+                             for r in range(plan.world)])
+                for n in plan.names:
                     handles[n] = ModelHandle(n, cfg.models[n], group)
-                log(f"[chatgen] started {'+'.join(names)}: {world} rank(s) x ({cpus:g} CPU"
-                    f"{f', {gpus:g} GPU' if gpus else ''}) in {time.perf_counter() - t0:.1f}s")
+                    if backend_kind(cfg.models[n].backend) == "generation":  # its replicas, its weight channel
+                        handles[n] = GenerationGroup(handles[n])
+                nodes = "" if local else f" on node(s) {', '.join(n[:8] for n in dict.fromkeys(group.nodes))}"
+                log(f"[chatgen] started {'+'.join(plan.names)}: {plan.world} rank(s) x ({plan.cpus:g} CPU"
+                    f"{f', {plan.gpus:g} GPU' if plan.gpus else ''}){nodes} in {time.perf_counter() - t0:.1f}s")
             for h in handles.values():  # data-parallel rank of each actor (None for a model without DP)
                 h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
         except BaseException:
@@ -318,6 +330,14 @@ class Runtime:
         if self.local_ray is not None:
             self.local_ray.stop()
         self.local_ray = None
+
+
+def rank_config(entry, rank: int):
+    """A model's config on rank `rank` of its group: the config itself, except that each replica of a generation
+    model samples with its own seed (seed + replica index; the ranks of one replica must sample alike)."""
+    if entry.num_replicas == 1:
+        return entry.config
+    return dataclasses.replace(entry.config, seed=entry.config.seed + rank // engine_tp(entry))
 
 
 def _dp_rank(worker, name):
@@ -340,24 +360,58 @@ def _set_rng_state(worker, state):
 def launcher(cfg, plans: list) -> str:
     """"local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
     choice = cfg.runtime.launcher
-    fits = len(plans) == 1 and plans[0][1] == 1 and not cfg.runtime.ray_address
+    fits = len(plans) == 1 and plans[0].world == 1 and not cluster_address(cfg.runtime)
     if choice == "local" and not fits:
         raise ValueError("runtime.launcher: local needs every model in one colocation group of one rank and no "
-                         "runtime.ray_address; use launcher: ray (or auto) for this run")
+                         "cluster (runtime.ray_address, RAY_ADDRESS); use launcher: ray (or auto) for this run")
     return "local" if choice == "local" or (choice == "auto" and fits) else "ray"
+
+
+# The driver's variables every actor gets: chatgen's, vLLM's and Hugging Face's, and the communication and CUDA
+# tuning of a cluster (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, PYTORCH_CUDA_ALLOC_CONF, CUDA_DEVICE_MAX_CONNECTIONS,
+# ...), which a multi-node job sets on the driver and which must reach the processes that communicate.
+FORWARDED_PREFIXES = ("CHATGEN_", "VLLM_", "HF_", "NCCL_", "GLOO_", "PYTORCH_", "CUDA_")
+NOT_FORWARDED = ("CUDA_VISIBLE_DEVICES",)  # Ray gives each actor its own devices
 
 
 def worker_env() -> dict:
     """Environment of every actor, set before its process starts: the driver's import path (so examples/ and
-    user modules import), the CHATGEN_/VLLM_/HF_ variables the driver has (with chatgen.core.quiet's: vLLM
-    logging errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
+    user modules import), the driver's variables of FORWARDED_PREFIXES (with chatgen.core.quiet's: vLLM logging
+    errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
     threads slow a tiny model's steps ~10x)."""
     path = [os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "OMP_WAIT_POLICY": "PASSIVE"}
     env.update({k: v for k, v in os.environ.items()
-                if k.startswith(("CHATGEN_", "VLLM_", "HF_")) or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
+                if (k.startswith(FORWARDED_PREFIXES) and k not in NOT_FORWARDED)
+                or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
     return env
+
+
+def cluster_address(rt) -> str | None:
+    """The Ray cluster a run attaches to: runtime.ray_address, else the RAY_ADDRESS variable (`ray job submit`
+    sets it for the job's driver), else None (a Ray of this run's own, when Ray is used)."""
+    return rt.ray_address or os.environ.get("RAY_ADDRESS") or None
+
+
+def alive_nodes() -> list:
+    """The resources of each alive node of the Ray this process is connected to (totals, as `ray start` sized
+    them)."""
+    import ray
+
+    return [node["Resources"] for node in ray.nodes() if node["Alive"]]
+
+
+def cluster_nodes(address: str) -> list:
+    """`alive_nodes` of the cluster at `address`, for `chatgen config`: connects, reads, disconnects; starts
+    nothing on the cluster."""
+    import ray
+
+    ray.init(address=address, log_to_driver=False, configure_logging=False, logging_level="ERROR")
+    try:
+        return alive_nodes()
+    finally:
+        ray.shutdown()
 
 
 def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":

@@ -10,15 +10,20 @@ Colocated on GPUs, the Megatron models of the engine's group hand the memory bac
 trainer call brings back what it needs). For a sync the engine wakes its weights only, takes the new ones, and
 wakes its KV cache once the trainers' weights are out too: the two never hold the device at once.
 
-A trainer in the same colocation group as its target (same actor processes) writes into it in place
-(chatgen.param_sync.sync_weights). Otherwise the target's actor opens a `SyncReceiver` and the trainer's actors a
-`SyncSender` (a private torch.distributed group; the receiver's token, which every sync proves, goes to the
-trainer in a Ray call), kept for the run on the workers (`ModelWorker.attach`).
+A trainer in the same colocation group as its target (same actor processes) writes into it in place on every rank
+(chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP rank, takes the full tensors and
+keeps its own shard). Otherwise the target is a generation model on devices of its own (chatgen.rlhf
+.generation_group): the trainer's rank 0 and every engine rank of every replica form one broadcast group
+(chatgen.param_sync.broadcast, through the target's refit calls; every member proves the run's token over the
+group before each sync), kept for the run on the workers (`ModelWorker.attach`). After every sync each engine
+rank must hold the same weight version: a replica that missed an update stops the run.
 """
-from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
-from chatgen.rlhf.runtime import rendezvous_host
+from chatgen.param_sync import sync_weights, weight_source
+from chatgen.param_sync.broadcast import BroadcastSender
+from chatgen.param_sync.sync import plan_manifest
+from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
-RECEIVER, SENDER = "sync_receiver", "sync_sender"
+SENDER = "broadcast_sender"
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
@@ -27,21 +32,21 @@ def _sync_colocated(worker, trainer, target, validate):
     sync_weights(worker.models[trainer], worker.models[target], validate=validate)
 
 
-def _open_receiver(worker, target, multi_node):
-    receiver = worker.attach(target, RECEIVER, SyncReceiver(host=rendezvous_host(multi_node)))
-    return receiver.host, receiver.port, receiver.token  # the token travels in Ray's calls, never on the channel
+def _open_sender(worker, trainer, token, world_size, multi_node):
+    sender = worker.attach(trainer, SENDER, BroadcastSender(token, world_size, host=rendezvous_host(multi_node)))
+    return sender.host, sender.port
 
 
-def _receive(worker, target):
-    worker.attached[(target, RECEIVER)].receive_into(worker.models[target])
+def _connect_sender(worker, trainer):
+    worker.attached[(trainer, SENDER)].connect()
 
 
-def _connect_sender(worker, trainer, host, port, token):
-    worker.attach(trainer, SENDER, SyncSender(host, port, token))
+def _manifest(worker, trainer):
+    return plan_manifest(weight_source(worker.models[trainer]).plan)
 
 
 def _send(worker, trainer, validate):
-    sync_weights(worker.models[trainer], worker.attached[(trainer, SENDER)], validate=validate)
+    worker.attached[(trainer, SENDER)].send(worker.models[trainer], validate=validate)
 
 
 class WeightLinks:
@@ -57,9 +62,12 @@ class WeightLinks:
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
                 continue
-            host, port, token = target.get(target.group.run_async(_open_receiver, target.name,
-                                                                  target.group.multi_node), "open sync")[0]
-            trainer.get(trainer.group.run_async(_connect_sender, trainer.name, host, port, token), "connect sync")
+            world = 1 + target.group.world_size  # the trainer's rank 0 sends, every engine rank receives
+            host, port = trainer.get(trainer.group.run_async(_open_sender, trainer.name, target.token, world,
+                                                             trainer.group.multi_node), "open sync")[0]
+            trainer.get(target.open_weight_channel(host, port, world) +
+                        trainer.group.run_async(_connect_sender, trainer.name), "connect sync")
+            target.check_weight_manifest(trainer.run(_manifest, trainer.name)[0])  # a wrong model fails now
         if self.sleeps:
             groups = [runtime[target].group for target in self.pairs.values()]
             self.offloading = [name for name, h in runtime.handles.items()
@@ -76,9 +84,13 @@ class WeightLinks:
             if self.colocated[trainer_name]:
                 trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
             else:
-                refs = target.group.run_async(_receive, target.name) + \
-                    trainer.group.run_async(_send, trainer.name, validate)
-                trainer.get(refs, "sync")
+                trainer.get(target.receive_weights() + trainer.group.run_async(_send, trainer.name, validate), "sync")
+            versions = target.weight_versions()  # every engine rank of every replica: the same update
+            if len(set(versions)) > 1:
+                by_replica = {r // target.tp: v for r, v in enumerate(versions)}
+                raise ActorFailure(f"{target_name}: its replicas hold weight versions {by_replica} after sync "
+                                   f"{self.syncs + 1}; a replica missed an update and would sample with old weights "
+                                   "(--resume syncs every replica from the last checkpoint)")
         self._offload(weights=True)  # the engine generates next
         if self.asleep:
             self._call_targets("wake_up", ["kv_cache"])

@@ -13,7 +13,7 @@ class MegatronConfig:
     RESTORED_BY_CHECKPOINT: ClassVar[tuple] = ("load", "seed", "lr", "min_lr", "weight_decay", "adam_beta1",
                                                "adam_beta2", "adam_eps", "lr_warmup_iters", "lr_decay_iters")
 
-    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from")
+    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from", path=True)
     dtype: DTYPES = opt("float32", "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)")
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")

@@ -61,12 +61,13 @@ def is_loopback(ip: str) -> bool:
 DRIVER = """if True:
     import signal, sys, time
     from chatgen.cli import Terminated, _terminate
+    from chatgen.rlhf.placement import GroupPlan
     from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
     signal.signal(signal.SIGTERM, _terminate)
     runtime = Runtime([], {}, init_ray(None, 2))
     try:
-        runtime.groups.append(ActorGroup(["a"], 2, 0, 0.5, worker_env()))
-        runtime.groups[0].setup([])
+        runtime.groups.append(ActorGroup(GroupPlan(["a"], 2, 0, 0.5, {}), worker_env()))
+        runtime.groups[0].setup([[], []])
         print("READY", runtime.local_ray.dir, flush=True)
         time.sleep(600)
     except Terminated:

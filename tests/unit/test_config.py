@@ -467,10 +467,18 @@ def test_format_config_is_yaml_of_the_resolved_values(main_yaml):
 
 
 def test_cli_prints_resolved_config_or_every_error(main_yaml, capsys):
-    assert cli.main(["config", str(main_yaml), "policy.temperature=0.1"]) == 0
-    assert yaml.safe_load(capsys.readouterr().out)["models"]["policy"]["config"]["temperature"] == 0.1
+    write(main_yaml.parent / "train.jsonl", '{"prompt": "p", "answer": "a"}\n')
+    ready = ["runtime.data_path=train.jsonl", "policy.temperature=1.0"]
+    assert cli.main(["config", str(main_yaml), *ready, "policy.max_new_tokens=7"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["models"]["policy"]["config"]["max_new_tokens"] == 7
+    assert printed["runtime"]["data_path"] == str(main_yaml.parent / "train.jsonl")  # absolute: actors run elsewhere
     assert cli.main(["config", str(main_yaml), "policy.temprature=0.1", "runtime.sed=1"]) == 2
     assert "2 config error(s)" in capsys.readouterr().err
+    # the checks of a whole run too, the ones `chatgen train` makes before it starts anything
+    assert cli.main(["config", str(main_yaml), "policy.temperature=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "sample with temperature 1.0" in err and "runtime.data_path: required" in err
     assert cli.main(["config", "--schema", "vllm", "models/policy.yaml", "n=2"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["n"] == 2
 

@@ -17,7 +17,7 @@ from chatgen.core.tensors import select
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
-from chatgen.rlhf.runtime import plan_groups
+from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
 
 REPO = Path(__file__).resolve().parents[2]
@@ -227,14 +227,14 @@ def test_sample_metrics_mismatch_only_on_response_tokens():
 
 def test_plan_groups(data):
     grpo = plan_groups(load("grpo_tiny.yaml", *data))
-    assert grpo == [(["policy", "policy_trainer", "reward"], 1, 0, 2.0)]
+    assert grpo == [GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})]
     ppo = plan_groups(load("ppo_tiny.yaml", *data))
-    assert [(names, world) for names, world, _, _ in ppo] == [
+    assert [(plan.names, plan.world) for plan in ppo] == [
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
     # on CPU a mixture-of-experts trainer at EP 2 needs 2 ranks (its experts split over 2 data-parallel ranks)
     moe = plan_groups(load("grpo_tiny_moe.yaml", *data, "runtime.colocation=[[policy, reward]]",
                            "policy_trainer.expert_model_parallel_size=2"))
-    assert [(names, world) for names, world, _, _ in moe] == [(["policy", "reward"], 1), (["policy_trainer"], 2)]
+    assert [(plan.names, plan.world) for plan in moe] == [(["policy", "reward"], 1), (["policy_trainer"], 2)]
 
 
 def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data):
@@ -263,12 +263,12 @@ def test_plan_groups_rejects_mismatched_colocation(data):
 def test_data_parallel_size_multiplies_the_ranks_of_a_megatron_model_on_cpu(data):
     dp2 = [f"{m}.data_parallel_size=2" for m in ("policy_trainer", "reference", "value_trainer")]
     ppo = plan_groups(load("ppo_tiny.yaml", *data, *dp2))
-    assert [(names, world) for names, world, _, _ in ppo] == [
+    assert [(plan.names, plan.world) for plan in ppo] == [
         (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 2)]
     with pytest.raises(ValueError, match="need different numbers of ranks.*TP x PP x DP"):
         plan_groups(load("ppo_tiny.yaml", *data, dp2[0]))
     # the tiny GRPO run keeps its one rank: DP is not derived from num_cpu
-    assert plan_groups(load("grpo_tiny.yaml", *data)) == [(["policy", "policy_trainer", "reward"], 1, 0, 2.0)]
+    assert plan_groups(load("grpo_tiny.yaml", *data)) == [GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})]
     check(load("ppo_tiny.yaml", *data, *dp2, "runtime.train_micro_batch_size=64"))
     # on GPUs num_gpu gives the world: an explicit DP must agree with it
     gpus = [f"models.{m}.num_gpu=2" for m in ("policy_trainer", "reference", "value_trainer")]
@@ -318,6 +318,9 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
 
         def get(self, refs, what):
             return refs
+
+        def weight_versions(self):
+            return [1]
 
     class Group:
         def run_async(self, fn, *args):

@@ -32,7 +32,7 @@ class Config(AlgorithmConfig):
     beta: float = opt(0.1, "DPO temperature: how far the policy may move from the reference per unit of preference "
                            "(larger = stays closer)")
     tokenizer: Optional[str] = opt(None, "tokenizer directory the pairs are tokenized with; null = policy_trainer's "
-                                         "`load` directory")
+                                         "`load` directory", path=True)
 
     def check(self):
         if self.beta <= 0:

@@ -30,8 +30,8 @@ from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.config import Role
 from chatgen.rlhf.health import RunHealthError
+from chatgen.rlhf.placement import plan_groups
 from chatgen.rlhf.run import Run
-from chatgen.rlhf.runtime import plan_groups
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -62,10 +62,11 @@ def check(cfg):
         plans = plan_groups(cfg)
     except ValueError:  # groups that do not fit together: the runtime's own error says so at start
         return
-    for names, world, _, _ in plans:
-        if "policy" in names and world > 1:
-            yield (f"runtime.colocation: the policy shares a group of {world} ranks ({', '.join(names)}); its "
-                   "server needs a one-rank engine: colocate it only with one-rank models, or give it its own group")
+    for plan in plans:
+        if "policy" in plan.names and plan.world > 1:
+            yield (f"runtime.colocation: the policy shares a group of {plan.world} ranks ({', '.join(plan.names)}); "
+                   "its server needs one engine of one rank: num_replicas 1 and tensor_parallel_size 1, colocated "
+                   "only with one-rank models (or in a group of its own)")
 
 
 @dataclasses.dataclass
