@@ -2,6 +2,7 @@
 
     numel((4, 8)) -> 32
     unflatten(flat, [(4, 8), (8,)]) -> [a (4, 8) view, a (8,) view] of `flat`
+    unflatten_buckets(plan, flat_of) -> per bucket of plan [[(name, shape)]]: [(name, view)] of `flat_of(shapes)`
     select({"input_ids": (S, L), "note": "x"}, index) -> the rows `index` of every per-sample tensor
 
 DEFAULT_BUCKET_BYTES is the size of one weight-sync bucket: the trainer gathers, and the engine loads, this
@@ -28,6 +29,26 @@ def unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
         out.append(flat[offset:offset + n].view(shape))
         offset += n
     return out
+
+
+def unflatten_buckets(plan: list, flat_of):
+    """Per bucket of `plan` ([[(name, shape)], ...], the order a sync sends): [(name, tensor)], the tensors views of
+    the bucket's 1-D buffer `flat_of(shapes)` (received off a wire, or the next piece of one mapping: `slices`)."""
+    for bucket in plan:
+        shapes = [tuple(s) for _, s in bucket]
+        yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat_of(shapes), shapes))]
+
+
+def slices(flat: torch.Tensor):
+    """`flat_of` for `unflatten_buckets` over one buffer holding every bucket back to back."""
+    offset = 0
+
+    def flat_of(shapes):
+        nonlocal offset
+        size = sum(numel(s) for s in shapes)
+        offset += size
+        return flat[offset - size:offset]
+    return flat_of
 
 
 def select(data: dict, index: torch.Tensor) -> dict:

@@ -23,8 +23,9 @@ member proves the token (fresh nonces from all, then an HMAC-SHA256 of them from
 chatgen.param_sync.sync's `_authenticate`); a member that cannot stops the sync at every member before the
 header is read. The trainer also signs the header (HMAC-SHA256 of its JSON), which is all the shared-memory
 path has: an engine refuses a header it cannot verify before anything is written. So a process that reaches
-the rendezvous without the token cannot write weights. The rendezvous listens on loopback on one machine, on the node's address in a cluster: keep the
-cluster's network private (docs/failure_and_security.md); the data itself is not encrypted.
+the rendezvous without the token cannot write weights. The rendezvous listens on loopback on one machine, on
+the node's address in a cluster: keep the cluster's network private (docs/failure_and_security.md); the data
+itself is not encrypted.
 """
 import hashlib
 import hmac
@@ -39,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from chatgen.core.distributed import free_port, tcp_store
-from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, slices, unflatten_buckets
 from chatgen.param_sync.sync import (
     _DTYPES,
     SyncError,
@@ -194,15 +195,10 @@ class BroadcastReceiver:
             received["bytes"] += flat.numel() * flat.element_size()
             return flat
 
-        def buckets():
-            for bucket in header["buckets"]:
-                shapes = [tuple(s) for _, s in bucket]
-                yield [(n, t) for (n, _), t in zip(bucket, unflatten(next_flat(shapes), shapes))]
-
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         error = None
         try:
-            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
+            n = _load(target, _checked(unflatten_buckets(plan, next_flat), plan, fingerprints=header["fingerprints"]), mode)
         except SyncError as e:
             if received["aborted"]:  # the trainer raised too, and sends nothing more
                 raise
@@ -283,14 +279,5 @@ def load_ipc(target, handles: dict, token: str, mode: str = "wait") -> SyncRepor
     finally:
         os.close(fd)
     flat = torch.frombuffer(mapping, dtype=dtype)
-
-    def buckets():
-        offset = 0
-        for bucket in plan:
-            shapes = [s for _, s in bucket]
-            size = sum(numel(s) for s in shapes)
-            yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat[offset:offset + size], shapes))]
-            offset += size
-
-    n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
+    n = _load(target, _checked(unflatten_buckets(plan, slices(flat)), plan, fingerprints=header["fingerprints"]), mode)
     return SyncReport(time.perf_counter() - start, nbytes, n, len(plan), bool(header["validated"]))

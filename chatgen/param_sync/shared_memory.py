@@ -31,7 +31,7 @@ import weakref
 
 import torch
 
-from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, slices, unflatten_buckets
 from chatgen.param_sync.sync import (
     _DTYPES,
     SyncError,
@@ -155,12 +155,7 @@ class ShmReceiver:
             flat = torch.frombuffer(self._mapping(_plan_bytes(plan, dtype)), dtype=dtype)
 
             def buckets():
-                offset = 0
-                for bucket in plan:
-                    shapes = [s for _, s in bucket]
-                    size = sum(numel(s) for s in shapes)
-                    yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat[offset:offset + size], shapes))]
-                    offset += size
+                return unflatten_buckets(plan, slices(flat))
 
             bad = nonfinite(item for bucket in buckets() for item in bucket)  # never the trainer's word for it
             if bad:

@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 
 from chatgen.core.distributed import free_port, tcp_store
-from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten_buckets
 
 
 class SyncError(RuntimeError):
@@ -561,14 +561,9 @@ class SyncReceiver:
             received["bytes"] += flat.numel() * flat.element_size()
             return flat
 
-        def buckets():
-            for bucket in header["buckets"]:
-                shapes = [tuple(s) for _, s in bucket]
-                yield [(n, t) for (n, _), t in zip(bucket, unflatten(next_flat(shapes), shapes))]
-
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
-            n = _load(target, _checked(buckets(), plan, fingerprints=header["fingerprints"], finite=True), mode)
+            n = _load(target, _checked(unflatten_buckets(plan, next_flat), plan, fingerprints=header["fingerprints"], finite=True), mode)
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):
                 self.close()

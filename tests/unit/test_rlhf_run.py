@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.core.tensors import select
@@ -21,12 +20,6 @@ from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def data(tmp_path):
-    tasks.write_task_data(str(tmp_path), n_train=64, n_eval=8)
-    return [f"runtime.data_path={tmp_path}/train.jsonl", f"runtime.eval_data_path={tmp_path}/eval.jsonl"]
 
 
 def load(name, *overrides):

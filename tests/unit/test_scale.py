@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_rlhf_run import REPO, load
 
 from chatgen import tasks
 from chatgen.config import ConfigError
@@ -17,21 +18,9 @@ from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.param_sync import SyncError
 from chatgen.param_sync.broadcast import BroadcastReceiver, BroadcastSender, IpcSender, load_ipc
 from chatgen.rlhf import algorithms
-from chatgen.rlhf.config import check_run, load_config
+from chatgen.rlhf.config import check_run
 from chatgen.rlhf.generation_group import GenerationGroup, assign
 from chatgen.rlhf.placement import placement_problems, plan_groups, ranks_by_node, topology_problems
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def data(tmp_path):
-    tasks.write_task_data(str(tmp_path), n_train=64, n_eval=8)
-    return [f"runtime.data_path={tmp_path}/train.jsonl", f"runtime.eval_data_path={tmp_path}/eval.jsonl"]
-
-
-def load(name, *overrides):
-    return load_config(REPO / "configs" / name, list(overrides))
 
 
 def model_dir(path: Path, heads: int, kv_heads: int) -> Path:
