@@ -18,6 +18,7 @@ import signal
 import sys
 
 from chatgen.core import quiet
+from chatgen.core.checkpoint_io import read_hf_config
 from chatgen.module import startup_gc
 
 M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
@@ -64,6 +65,29 @@ def one_malloc_arena() -> bool:
         return False
 
 
+# Measured on a 2-core box against vLLM's api_server (bench_server; docs/serving.md, Benchmarks): the tiny Llama
+# (hidden size 128) served at 0.66x its throughput with both cores in the engine's OpenMP team and 0.97x with one;
+# SmolLM2 (hidden 576) at 1.22x with both and 0.985x with one. Below this width a step is too small to split.
+WIDE_HIDDEN_SIZE = 512
+
+
+def serve_threads(argv: list) -> int:
+    """OpenMP threads for the engine of `chatgen serve --model DIR`: every core for a model of hidden size >=
+    WIDE_HIDDEN_SIZE; one fewer for a narrower one, whose kernels spend a second thread's time waiting at their
+    barriers (py-spy: 27% of the engine thread in the attention kernel with two threads, 1.8% with one); that
+    core is left to the HTTP side, as vLLM's server leaves one to its own. Decided before torch loads, through
+    OMP_NUM_THREADS: a later torch.set_num_threads reaches only the calling thread, and vLLM's CPU attention
+    refuses a step planned for another thread count."""
+    model = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model"), None)
+    model = next((a.partition("=")[2] for a in argv if a.startswith("--model=")), model)
+    try:
+        hidden = read_hf_config(model, "--model").get("hidden_size", 0) if model else 0
+    except (OSError, ValueError):  # serve names the problem itself
+        hidden = 0
+    cores = len(os.sched_getaffinity(0))
+    return cores if hidden >= WIDE_HIDDEN_SIZE else max(1, cores - 1)
+
+
 def main(argv=None) -> int:
     # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep instead of spinning. On shared CPU
     # cores (vLLM and Megatron in one process, or several processes) spinning made the tiny model's steps 3-10x
@@ -77,13 +101,7 @@ def main(argv=None) -> int:
     if command == "train":  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
         one_malloc_arena()
     if command == "serve":
-        # vLLM's api_server split: its model worker's OpenMP threads leave a core to the serving process, and so
-        # do the engine's here (the HTTP side is the other thread). With both cores of a 2-core box in its OpenMP
-        # team, 27% of the engine thread's samples were in the attention kernel and 10% in slot mapping, mostly
-        # waiting at their barriers for the second thread; with one, 1.8% and 1.7%, and the engine thread's CPU
-        # time unchanged: the second thread's (a quarter of the process) bought nothing (py-spy, tiny model,
-        # bench_server's load; docs/serving.md, Benchmarks).
-        os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(serve_threads(argv)))
     verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
     verbose.add_argument(*VERBOSE_FLAGS, action="store_true", default=argparse.SUPPRESS,
                          help="show what every library says (no filters) and chatgen's detail (the resolved config)")

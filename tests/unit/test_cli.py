@@ -238,3 +238,20 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(tin
     assert exit_.value.code == 2 and "argument --port: 99999 is not a port" in capsys.readouterr().err
     assert main(["serve", "--model", str(tiny_llama_dir), "--host", "nohost.invalid"]) == 2
     assert "--host nohost.invalid: not an address of this machine" in capsys.readouterr().err
+
+
+def test_serve_gives_a_wide_model_every_core_and_a_narrow_one_all_but_one(tmp_path, monkeypatch):
+    """`chatgen serve`'s OpenMP team (OMP_NUM_THREADS, set before torch loads): the model's hidden size decides."""
+    import json
+
+    from chatgen.cli import WIDE_HIDDEN_SIZE, serve_threads
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(4)))
+    for name, hidden in (("narrow", WIDE_HIDDEN_SIZE // 4), ("wide", WIDE_HIDDEN_SIZE)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+    assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 3
+    assert serve_threads(["serve", "--port", "0", f"--model={tmp_path / 'wide'}"]) == 4
+    assert serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3  # serve itself names the bad path
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+    assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 1
