@@ -117,8 +117,9 @@ def _yaml(text):
         raise YAMLTooLarge("nested deeper than the loader follows; a config nests a few levels") from None
 
 
-def show(path: str) -> str:
-    """A path as the user would type it: relative to the current directory when below it."""
+def show(path) -> str:
+    """A path (str or os.PathLike) as the user would type it: relative to the current directory when below it."""
+    path = os.fspath(path)
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
 

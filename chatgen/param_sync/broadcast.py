@@ -198,7 +198,8 @@ class BroadcastReceiver:
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         error = None
         try:
-            n = _load(target, _checked(unflatten_buckets(plan, next_flat), plan, fingerprints=header["fingerprints"]), mode)
+            received_buckets = unflatten_buckets(plan, next_flat)
+            n = _load(target, _checked(received_buckets, plan, fingerprints=header["fingerprints"]), mode)
         except SyncError as e:
             if received["aborted"]:  # the trainer raised too, and sends nothing more
                 raise
@@ -279,5 +280,6 @@ def load_ipc(target, handles: dict, token: str, mode: str = "wait") -> SyncRepor
     finally:
         os.close(fd)
     flat = torch.frombuffer(mapping, dtype=dtype)
-    n = _load(target, _checked(unflatten_buckets(plan, slices(flat)), plan, fingerprints=header["fingerprints"]), mode)
+    n = _load(target, _checked(unflatten_buckets(plan, slices(flat)), plan, fingerprints=header["fingerprints"]),
+              mode)
     return SyncReport(time.perf_counter() - start, nbytes, n, len(plan), bool(header["validated"]))

@@ -563,7 +563,8 @@ class SyncReceiver:
 
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
-            n = _load(target, _checked(unflatten_buckets(plan, next_flat), plan, fingerprints=header["fingerprints"], finite=True), mode)
+            received_buckets = unflatten_buckets(plan, next_flat)
+            n = _load(target, _checked(received_buckets, plan, fingerprints=header["fingerprints"], finite=True), mode)
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):
                 self.close()

@@ -116,7 +116,7 @@ class Run:
         if quiet.verbose():
             self.log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
         self.log(f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episode{'s' * (rt.num_episode != 1)} into "
-                 f"{show(str(self.out_dir))} (config: {show(str(resolved))})")
+                 f"{show(self.out_dir)} (config: {show(resolved)})")
 
         with startup_gc():  # models, datasets (20k-odd token lists): built with collection paused, then frozen
             self.runtime = Runtime.start(cfg, log=self.log)
@@ -158,13 +158,12 @@ class Run:
 
     def summary(self) -> str:
         """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where the files are."""
-        places = {"metrics": f"{show(str(self.logger.jsonl))}  (tensorboard --logdir "
-                             f"{show(str(self.out_dir / 'tensorboard'))})"}
+        places = {"metrics": f"{show(self.logger.jsonl)}  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})"}
         if self.plot:
-            places["plot"] = show(str(self.plot))
+            places["plot"] = show(self.plot)
         saved = ckpt.available(self.save_dir)
         if saved:
-            places["checkpoints"] = show(str(self.save_dir / saved[-1])) + (
+            places["checkpoints"] = show(self.save_dir / saved[-1]) + (
                 f" (and {len(saved) - 1} earlier)" if len(saved) > 1 else "")
         last = self.cfg.runtime.num_episode
         done = last - self.start_episode + 1
