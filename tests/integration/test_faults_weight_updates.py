@@ -20,7 +20,7 @@ import torch
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-from test_vllm_generation import TOL, max_diff_vs_hf, perturbed  # noqa: E402
+from test_vllm_generation import TOL, ListedWeights, max_diff_vs_hf, perturbed  # noqa: E402
 
 KEY = "key-read-from-a-file-" + "x" * 20
 STEP_TIMEOUT = 3  # --control-timeout
@@ -181,23 +181,14 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
 
-class LiesAboutNaN:
-    """A weight source (chatgen.param_sync.weight_source's protocol) with one NaN whose header says none: a
-    trainer that computed its finiteness claim wrongly, or a client that lies."""
+class LiesAboutNaN(ListedWeights):
+    """A weight source with one NaN whose header says none: a trainer that computed its finiteness claim wrongly,
+    or a client that lies."""
 
     def __init__(self, model):
-        self.tensors = [(name, p.detach().clone()) for name, p in model.named_parameters()]
-        self.tensors[-1][1][0, 0] = float("nan")  # the LM head
-        self.dtype, self.plan = torch.float32, [[(n, tuple(t.shape)) for n, t in self.tensors]]
-
-    def hf_weights(self, bucket_bytes):
-        return self
-
-    def nonfinite(self):
-        return []
-
-    def buckets(self):
-        yield self.tensors
+        tensors = [(name, p.detach().clone()) for name, p in model.named_parameters()]
+        tensors[-1][1][0, 0] = float("nan")  # the LM head
+        super().__init__([tensors])
 
 
 @pytest.mark.parametrize("transport", ["shm", "group"])

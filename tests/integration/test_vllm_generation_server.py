@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.integration
 
-from test_vllm_generation import TOL, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
+from test_vllm_generation import TOL, ListedWeights, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
 
 KEY = "test-key"
 CONTROL = ["/control/pause", "/control/resume", "/control/weights/begin", "/control/weights/finish",
@@ -183,23 +183,15 @@ def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, 
     assert shm_files(server_process[1].pid)[1:] == []
 
 
-class _DiesMidSync:
-    """A weight source (the protocol of chatgen.param_sync.weight_source) whose second bucket never comes: a
-    trainer that fails halfway through copying its weights."""
+class _DiesMidSync(ListedWeights):
+    """A weight source whose second bucket never comes: a trainer that fails halfway through copying its weights."""
 
     def __init__(self, model):
         tensors = [(name, p.detach()) for name, p in model.named_parameters()]
-        self.dtype, self._first = torch.float32, tensors[:10]
-        self.plan = [[(n, tuple(t.shape)) for n, t in tensors[:10]], [(n, tuple(t.shape)) for n, t in tensors[10:]]]
-
-    def hf_weights(self, bucket_bytes):
-        return self
-
-    def nonfinite(self):
-        return []
+        super().__init__([tensors[:10], tensors[10:]])
 
     def buckets(self):
-        yield self._first
+        yield self.listed[0]
         raise RuntimeError("the trainer died mid-sync")
 
 
