@@ -140,7 +140,9 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
 
 
 def _kind(value) -> str:
-    return "empty" if value == "" else f"a {type(value).__name__}"
+    """"an int", "a list", "empty": what a value is, for an error message."""
+    name = type(value).__name__
+    return "empty" if value == "" else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _chat_problem(value) -> str | None:

@@ -18,8 +18,10 @@ from chatgen.rlhf.config import to_dict
 
 IDS_NAME = "trackers.json"
 MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker", "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
-# a key whose value may be a credential: *api_key, *access_key, *secret_key, key, *token, *secret, *password
-SECRET = re.compile(r"(^|_)(api_?key|access_?key|secret_?key|key|token|secret|password|passwd)$", re.IGNORECASE)
+# a key whose value may be a credential: key, *api_key, *access_key, *secret_key, *private_key, *token, *secret,
+# *password (not every *_key: runtime.prompt_key names a column)
+SECRET = re.compile(r"^key$|(^|_)(api_?key|access_?key|secret_?key|private_?key|token|secret|password|passwd)$",
+                    re.IGNORECASE)
 MASK = "***"
 
 

@@ -1,5 +1,6 @@
 """MLflow (`runtime.loggers: [mlflow]`): one MLflow run per chatgen run, in the experiment runtime.project_name,
-at MLFLOW_TRACKING_URI (unset: a local store, <output_dir>/mlruns: `mlflow ui --backend-store-uri` it). The
+at MLFLOW_TRACKING_URI (unset: a local file store, <output_dir>/mlruns, which MLflow 3 keeps in maintenance
+mode: MLFLOW_ALLOW_FILE_STORE=true is set for it; `mlflow ui --backend-store-uri file:...` shows it). The
 config goes in as parameters (dotted keys); a resumed run adds the keys it did not log before (MLflow never
 changes a parameter once logged) and logs its metrics at their episode. MLflow names allow letters, digits and
 _ - . : / and space only: eval/pass@4 is logged as eval/pass_at_4."""
@@ -24,6 +25,8 @@ class Tracker:
     def __init__(self, out_dir, project: str, name: str, params: dict, run_id: str | None):
         """Start (or with run_id, continue) the MLflow run; params: the masked resolved config."""
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (out_dir / "mlruns").resolve().as_uri()
+        if uri.startswith("file:"):  # MLflow 3 refuses its file store unless asked (sqlite needs full mlflow)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         if run_id:
             logged = self.client.get_run(run_id).data.params
