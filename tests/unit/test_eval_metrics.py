@@ -40,7 +40,8 @@ def test_eval_metrics_over_prompts_of_n_samples():
 
 
 def test_eval_n_sets_the_samples_of_an_evaluation_only():
-    cfg = dataclasses.replace(GenerationConfig(), n=8, eval_n=16, eval_temperature=0.6, seq_length=64)
+    cfg = dataclasses.replace(GenerationConfig(), n=8, eval_n=16, eval_temperature=0.6, seq_length=64,
+                              max_new_tokens=16)
     assert sampling_kwargs(cfg, 4, is_eval=True)["n"] == 16 and sampling_kwargs(cfg, 4)["n"] == 8
     assert samples_per_prompt(cfg, is_eval=True) == 16
     assert sampling_kwargs(cfg, 4, is_eval=True, greedy=True)["n"] == 1
