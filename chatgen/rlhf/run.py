@@ -348,10 +348,8 @@ def evaluate_policy(run) -> dict:
     is 0), scored: eval/reward, eval/solved (share of samples with reward >= runtime.solved_reward), and with
     eval_n > 1 eval/mean@k and eval/pass@k (chatgen.rlhf.metrics.eval_metrics). runtime.eval_greedy adds the same
     figures of one greedy response per prompt as eval/greedy/*."""
-    rt, index = run.cfg.runtime, list(range(len(run.eval_records)))
-    batch = run.generate(index, is_eval=True)
-    metrics = eval_metrics(run.score(batch), len(batch) // len(index), rt.solved_reward)
-    if rt.eval_greedy:
-        metrics.update(eval_metrics(run.score(run.generate(index, is_eval=True, greedy=True)), 1, rt.solved_reward,
-                                    "eval/greedy"))
+    rt, index, metrics = run.cfg.runtime, list(range(len(run.eval_records))), {}
+    for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][:1 + rt.eval_greedy]:
+        batch = run.generate(index, is_eval=True, greedy=greedy)
+        metrics.update(eval_metrics(run.score(batch), len(batch) // len(index), rt.solved_reward, prefix))
     return metrics
