@@ -106,7 +106,7 @@ class GenerationGroup(NemoRLRefit):
         return merged.select(torch.argsort(merged.prompt_index, stable=True))
 
     def _samples(self, is_eval: bool) -> int:
-        """Samples of each prompt of a call: n (eval_n), or 1 when it decodes greedily (an eval at temperature 0)."""
+        """Samples of each prompt of a call: n (eval_n), or 1 when it decodes greedily."""
         return gc.samples_per_prompt(self.entry.config, is_eval)
 
     @property

@@ -111,12 +111,12 @@ class MetricsLogger:
 
     The live line shows on a terminal; when stdout is not one (a log file, CI) each episode prints one line
     instead. `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming
-    from k). `phases`: the algorithm's phases, in order (the summary's time per phase follows it). `trackers`:
-    started chatgen.rlhf.trackers (wandb, mlflow), each given every record and closed with the logger.
+    from k). `phases`: the algorithm's phases, in order (the summary's time per phase follows it).
+    `trackers`: started chatgen.rlhf.trackers (wandb, mlflow), given every record, closed with it.
     """
 
-    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1, tensorboard: bool = True,
-                 trackers: list = ()):
+    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1,
+                 tensorboard: bool = True, trackers: list = ()):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
@@ -295,20 +295,22 @@ def prefixed(prefix: str, stats: dict) -> dict:
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
-    """The unbiased estimator of pass@k (Chen et al. 2021, "Evaluating Large Language Models Trained on Code"):
-    the chance that at least one of k samples drawn without replacement from n, c of them correct, is correct,
-    1 - C(n - c, k) / C(n, k)."""
+    """The unbiased estimator of pass@k (Chen et al. 2021, "Evaluating Large Language Models
+    Trained on Code"): the chance that at least one of k samples drawn without replacement from n,
+    c of them correct, is correct, 1 - C(n - c, k) / C(n, k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_metrics(rewards: torch.Tensor, n: int, solved_reward: float | None, prefix: str = "eval") -> dict:
-    """Held-out figures of (P x n,) rewards, prompt-major (the n samples of prompt i at rows i*n .. i*n+n-1):
-    <prefix>/reward (mean), <prefix>/solved (share of samples with reward >= solved_reward), and with n > 1:
-    <prefix>/mean@n (the mean over each prompt's n samples, averaged over prompts: the same figure as
-    <prefix>/reward, under the name verl logs) and <prefix>/pass@k for k = 1, 2, 4, ... and n (a prompt passes when
-    one of k samples is solved; the unbiased estimator over its n samples)."""
+def eval_metrics(rewards: torch.Tensor, n: int, solved_reward: float | None,
+                 prefix: str = "eval") -> dict:
+    """Held-out figures of (P x n,) rewards, prompt-major (prompt i's samples at rows i*n ..
+    i*n+n-1): <prefix>/reward (mean), <prefix>/solved (share of samples with reward >=
+    solved_reward), and with n > 1: <prefix>/mean@n (the mean over each prompt's n samples,
+    averaged over prompts: <prefix>/reward under the name verl logs) and <prefix>/pass@k for k =
+    1, 2, 4, ... and n (a prompt passes when one of k samples is solved; the unbiased estimator over
+    its n samples)."""
     metrics = {f"{prefix}/reward": rewards.mean().item()}
     if n > 1:
         metrics[f"{prefix}/mean@{n}"] = rewards.view(-1, n).mean(1).mean().item()

@@ -274,9 +274,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     # ------------------------------------------------------------------ the loop
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
-        """add_request for each dataset item, with its own prompt length and stop strings (greedy: one greedy
-        response, for an item with "greedy": True too); returns request ids. An item over the prompt budget is an
-        error naming it."""
+        """add_request for each dataset item, with its own prompt length and stop strings (greedy:
+        one greedy response; so for an item with "greedy": True); returns request ids. An item over
+        the prompt budget is an error naming it."""
         request_ids = []
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")

@@ -1,13 +1,14 @@
 """Experiment trackers beside metrics.jsonl: `runtime.loggers: [jsonl, tensorboard, wandb, mlflow]`.
 
-    trackers = start_trackers(cfg, "outputs/run", resume=False)   # one per named tracker (jsonl/tensorboard: none)
-    for t in trackers: t.log(episode, {"reward/mean": 0.4})       # what MetricsLogger.log does each episode
+    trackers = start_trackers(cfg, Path("outputs/run"), resume=False)  # wandb, mlflow: one each
+    for t in trackers: t.log(episode, {"reward/mean": 0.4})  # MetricsLogger.log, each episode
     for t in trackers: t.close()
 
-Each tracker is one small file here (wandb_tracker, mlflow_tracker), and its library is imported only when
-runtime.loggers names it. The resolved config is logged as the run's parameters, with the value of every key
-named like a secret (api_key, token, secret, password) masked. The tracker's run id is kept in
-`<output_dir>/trackers.json`, so `chatgen train --resume` continues the same run. docs/data_and_rewards.md.
+Each tracker is one small file here (wandb_tracker, mlflow_tracker); its library is imported only
+when runtime.loggers names it (jsonl and tensorboard are MetricsLogger's own). The resolved config
+is logged as the run's parameters, the value of every key named like a credential masked. The
+tracker's run id is kept in `<output_dir>/trackers.json`, so `chatgen train --resume` continues the
+same run. docs/data_and_rewards.md.
 """
 import importlib
 import json
@@ -17,16 +18,18 @@ from chatgen.core.checkpoint_io import atomic_file
 from chatgen.rlhf.config import to_dict
 
 IDS_NAME = "trackers.json"
-MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker", "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
-# a key whose value may be a credential: key, *api_key, *access_key, *secret_key, *private_key, *token, *secret,
-# *password (not every *_key: runtime.prompt_key names a column)
-SECRET = re.compile(r"^key$|(^|_)(api_?key|access_?key|secret_?key|private_?key|token|secret|password|passwd)$",
-                    re.IGNORECASE)
+MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker",
+           "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
+# a key whose value may be a credential: key, *api_key, *access_key, *secret_key, *private_key,
+# *token, *secret, *password (not every *_key: runtime.prompt_key names a column)
+SECRET = re.compile(r"^key$|(^|_)(api_?key|access_?key|secret_?key|private_?key|token|secret"
+                    r"|password|passwd)$", re.IGNORECASE)
 MASK = "***"
 
 
 def mask_secrets(value, name: str = ""):
-    """`value` (nested dicts and lists) with every non-empty string under a key named like a secret as MASK."""
+    """`value` (nested dicts and lists) with every non-empty string under a key named like a
+    secret replaced by MASK."""
     if isinstance(value, dict):
         return {k: mask_secrets(v, str(k)) for k, v in value.items()}
     if isinstance(value, list):
@@ -46,8 +49,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def start_trackers(cfg, out_dir, resume: bool) -> list:
-    """The trackers runtime.loggers names (jsonl and tensorboard are MetricsLogger's own), each started on `cfg`'s
-    masked resolved config; resume: continue the run ids `<out_dir>/trackers.json` recorded."""
+    """The trackers runtime.loggers names, each started on `cfg`'s masked resolved config; resume:
+    continue the run ids `<out_dir>/trackers.json` recorded."""
     rt, ids_path = cfg.runtime, out_dir / IDS_NAME
     ids = json.loads(ids_path.read_text()) if resume and ids_path.exists() else {}
     params = mask_secrets(to_dict(cfg))

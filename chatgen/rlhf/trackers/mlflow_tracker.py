@@ -1,9 +1,10 @@
-"""MLflow (`runtime.loggers: [mlflow]`): one MLflow run per chatgen run, in the experiment runtime.project_name,
-at MLFLOW_TRACKING_URI (unset: a local file store, <output_dir>/mlruns, which MLflow 3 keeps in maintenance
-mode: MLFLOW_ALLOW_FILE_STORE=true is set for it; `mlflow ui --backend-store-uri file:...` shows it). The
-config goes in as parameters (dotted keys); a resumed run adds the keys it did not log before (MLflow never
-changes a parameter once logged) and logs its metrics at their episode. MLflow names allow letters, digits and
-_ - . : / and space only: eval/pass@4 is logged as eval/pass_at_4."""
+"""MLflow (`runtime.loggers: [mlflow]`): one MLflow run per chatgen run, in the experiment
+runtime.project_name, at MLFLOW_TRACKING_URI; unset, a local file store <output_dir>/mlruns
+(`mlflow ui --backend-store-uri file:...`), which MLflow 3 keeps in maintenance mode:
+MLFLOW_ALLOW_FILE_STORE=true is set for it. The config goes in as parameters (dotted keys); a
+resumed run adds the keys it did not log before (MLflow never changes a logged parameter) and logs
+its metrics at their episode. MLflow names allow letters, digits, _ - . : / and space only:
+eval/pass@4 is logged as eval/pass_at_4."""
 import math
 import os
 import re
@@ -11,7 +12,8 @@ import time
 
 from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
-from mlflow.utils.validation import MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+from mlflow.utils.validation import (MAX_METRICS_PER_BATCH, MAX_PARAM_VAL_LENGTH,
+                                     MAX_PARAMS_TAGS_PER_BATCH)
 
 from chatgen.rlhf.trackers import flatten
 
@@ -25,7 +27,7 @@ class Tracker:
     def __init__(self, out_dir, project: str, name: str, params: dict, run_id: str | None):
         """Start (or with run_id, continue) the MLflow run; params: the masked resolved config."""
         uri = os.environ.get("MLFLOW_TRACKING_URI") or (out_dir / "mlruns").resolve().as_uri()
-        if uri.startswith("file:"):  # MLflow 3 refuses its file store unless asked (sqlite needs full mlflow)
+        if uri.startswith("file:"):  # refused unless asked (its sqlite store needs full mlflow)
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.client = MlflowClient(tracking_uri=uri)
         if run_id:
@@ -33,7 +35,8 @@ class Tracker:
             self.client.update_run(run_id, status="RUNNING")
         else:
             experiment = self.client.get_experiment_by_name(project)
-            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
+            experiment_id = experiment.experiment_id if experiment else \
+                self.client.create_experiment(project)
             run_id, logged = self.client.create_run(experiment_id, run_name=name).info.run_id, {}
         self.run_id = run_id
         flat = {mlflow_name(k): str(v)[:MAX_PARAM_VAL_LENGTH] for k, v in flatten(params).items()}
@@ -43,7 +46,8 @@ class Tracker:
 
     def log(self, episode: int, metrics: dict) -> None:
         now = int(time.time() * 1000)
-        rows = [Metric(mlflow_name(k), v, now, episode) for k, v in metrics.items() if math.isfinite(v)]
+        rows = [Metric(mlflow_name(k), v, now, episode) for k, v in metrics.items()
+                if math.isfinite(v)]
         for start in range(0, len(rows), MAX_METRICS_PER_BATCH):
             self.client.log_batch(self.run_id, metrics=rows[start:start + MAX_METRICS_PER_BATCH])
 
