@@ -119,20 +119,28 @@ class GenerationModule(Module):
     def build_dataset(self, prompts, is_eval=False) -> list:
         """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
 
-        prompts: list[str]. Returns list[dict], one per prompt: {"input_ids": list[int], "prompt": str (as given)},
-        plus "prompt_cut": True on a prompt that was cut (the RLHF run stops when too many are).
-        Each prompt is put into `prompt_template` (if set), rendered as a user message with the tokenizer's chat
-        template when `chat_template` is true, then tokenized with the model's tokenizer (BOS included). An empty
-        prompt is an error. A prompt over the budget seq_length - max_new_tokens tokens
-        (`chatgen.generation.config.prompt_budget`) is cut to it, keeping its beginning as ChatLearn does
-        (`prompt[:max_prompt_length]`); one warning per call gives the count.
+        prompts: list of str, or of chats (lists of {"role", "content"} messages:
+        runtime.messages_key). Returns list[dict], one per prompt: {"input_ids": list[int],
+        "prompt": str (as given; a chat: its rendered text)}, plus "prompt_cut": True on a prompt
+        that was cut (the RLHF run stops when too many are).
+        Each text prompt is put into `prompt_template` (if set), rendered as a user message with the
+        tokenizer's chat template when `chat_template` is true, then tokenized with the model's
+        tokenizer (BOS included); a chat is always rendered with the chat template, ending with the
+        assistant's prefix. An empty prompt is an error. A prompt over the budget
+        seq_length - max_new_tokens tokens (`chatgen.generation.config.prompt_budget`) is cut to
+        it, keeping its beginning as ChatLearn does (`prompt[:max_prompt_length]`); one warning per
+        call gives the count.
         """
         if self.tokenizer is None:
             raise RuntimeError("build_dataset needs a tokenizer; this model has none: pass token ids to generate()")
         budget = gc.prompt_budget(self.config)
         template = self.config.prompt_template
-        texts = []
+        texts, chats = [], {}
         for i, prompt in enumerate(prompts):
+            if isinstance(prompt, list) and prompt:  # a chat: rendered whole, no prompt_template
+                chats[i] = prompt
+                texts.append("")
+                continue
             if not isinstance(prompt, str) or not prompt:
                 raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
             texts.append(template.replace("{prompt}", prompt) if template else prompt)
@@ -144,9 +152,19 @@ class GenerationModule(Module):
                                                          return_dict=False)
         else:
             encoded = self.tokenizer(texts)["input_ids"]
+        if chats:
+            if not getattr(self.tokenizer, "chat_template", None):
+                raise ValueError("build_dataset: the prompts are chats (runtime.messages_key), but "
+                                 "this model's tokenizer has no chat template; use text prompts "
+                                 "(runtime.prompt_key) or a tokenizer with one (tokenizer key)")
+            rendered = self.tokenizer.apply_chat_template(list(chats.values()), tokenize=False,
+                                                          add_generation_prompt=True)
+            for i, text in zip(chats, rendered):
+                texts[i] = text
+                encoded[i] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
         items, cut = [], []
         for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
-            item = {"input_ids": list(ids), "prompt": prompt}
+            item = {"input_ids": list(ids), "prompt": texts[i] if i in chats else prompt}
             if len(ids) > budget:
                 cut.append(i)
                 item.update(input_ids=list(ids[:budget]), prompt_cut=True)
@@ -176,8 +194,9 @@ class GenerationModule(Module):
         return rollout_batch(self.finished(data, is_eval=is_eval), self.pad_token_id)
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
-        """Generate for dataset items ({"input_ids", optional "prompt", "stop_strings", "stop_token_ids"}); returns
-        their finished requests in item order, each with n samples (1 when greedy). Records `self.metrics`."""
+        """Generate for dataset items ({"input_ids", optional "prompt", "stop_strings",
+        "stop_token_ids", "greedy"}); returns their finished requests in item order, each with n
+        samples (1 when greedy, or for an item with "greedy": True). Records `self.metrics`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement finished()")
 
     def generate(self, batch, greedy=False) -> dict:

@@ -38,6 +38,9 @@ class GenerationConfig:
         1.0, "penalise tokens already in the prompt or response (positive logits divided by it, negative ones multiplied); > 1 discourages repeats, 1.0 = off")
     ignore_eos: bool = opt(False, "keep generating after EOS (until the token limit)")
     use_beam_search: bool = opt(False, "beam search instead of sampling")
+    eval_n: Optional[int] = opt(None, "responses per held-out prompt in evaluation, for "
+                                      "eval/pass@k and eval/mean@k (verl: val_kwargs.n); null = "
+                                      "n; 1 when greedy")
     eval_temperature: Optional[float] = opt(None, "temperature in evaluation; null = temperature")
     eval_top_p: Optional[float] = opt(None, "top_p in evaluation; null = top_p")
     eval_top_k: Optional[int] = opt(None, "top_k in evaluation; null = top_k")
@@ -78,6 +81,13 @@ class GenerationConfig:
             yield "repetition_penalty", f"must be > 0, got {self.repetition_penalty}; use 1.0 to turn it off"
         if self.n < 1:
             yield "n", f"must be >= 1, got {self.n}; set responses per prompt"
+        if self.eval_n is not None and self.eval_n < 1:
+            yield "eval_n", (f"must be >= 1 or null, got {self.eval_n}; set responses per "
+                             "held-out prompt")
+        if (self.eval_n or 1) > 1 and samples_per_prompt(self, is_eval=True) == 1:
+            yield "eval_n", (f"{self.eval_n} responses per held-out prompt, but evaluation decodes "
+                             "greedily (eval_temperature 0: one response); set "
+                             "eval_temperature > 0 to sample them")
         if self.max_new_tokens < 1:
             yield "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}; set a positive token count"
         elif self.seq_length is not None and self.max_new_tokens >= self.seq_length:
@@ -160,11 +170,21 @@ def max_tokens(cfg, prompt_len: int) -> int:
     return cfg.max_new_tokens if cfg.new_token_limit else cfg.seq_length - prompt_len
 
 
+def samples_per_prompt(cfg, is_eval: bool = False) -> int:
+    """Responses per prompt of a train (or eval) call: n (eval_n where set), or 1 when it decodes
+    greedily."""
+    temperature = cfg.eval_temperature if is_eval and cfg.eval_temperature is not None \
+        else cfg.temperature
+    n = cfg.eval_n if is_eval and cfg.eval_n is not None else cfg.n
+    return 1 if temperature == 0 else n
+
+
 def sampling_kwargs(cfg, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()) -> dict:
     """Keyword arguments for `vllm.SamplingParams` for one prompt of `prompt_len` tokens.
 
-    Train: n, temperature, top_p, top_k, min_p, repetition_penalty. Eval: eval_temperature / eval_top_p / eval_top_k where set,
-    else the train values. Greedy (greedy=True or an effective temperature of 0) yields one response.
+    Train: n, temperature, top_p, top_k, min_p, repetition_penalty. Eval: eval_n /
+    eval_temperature / eval_top_p / eval_top_k where set, else the train values. Greedy
+    (greedy=True or an effective temperature of 0) yields one response.
     """
     def pick(key):
         value = getattr(cfg, f"eval_{key}") if is_eval else None
@@ -172,7 +192,7 @@ def sampling_kwargs(cfg, prompt_len, *, is_eval=False, greedy=False, stop_string
 
     temperature = 0.0 if greedy else pick("temperature")
     return dict(
-        n=1 if temperature == 0 else cfg.n,
+        n=1 if temperature == 0 else pick("n"),
         temperature=temperature,
         top_p=pick("top_p"),
         top_k=max(pick("top_k"), 0),  # chatgen (ChatLearn) -1 = off; vLLM 0 = off

@@ -12,9 +12,9 @@ brings its own config section and the roles it needs. Assembled from the generic
 """
 import dataclasses
 import difflib
+import importlib.util
 import os
 import re
-from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
@@ -26,10 +26,12 @@ from chatgen.core.imports import import_class
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
 from chatgen.rlhf import algorithms
+from chatgen.rlhf.data import data_problems
 from chatgen.rlhf.placement import model_world_size, placement_problems, plan_groups, topology_problems
 from chatgen.training.config import MegatronConfig
 
 RESOLVED_NAME = "resolved_config.yaml"
+LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # runtime.loggers (chatgen.rlhf.trackers)
 TRAINER_CLASS = "chatgen.training.megatron_module:MegatronModule"
 
 
@@ -88,7 +90,30 @@ class RuntimeConfig:
     eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
     data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)", path=True)
     eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation", path=True)
+    prompt_key: str = opt("prompt", "the data column holding each text prompt (verl: "
+                                    "data.prompt_key; OpenRLHF: --input_key)")
+    messages_key: Optional[str] = opt(
+        None, "the data column holding each prompt as a chat, a list of {role, content} messages "
+              "rendered with the policy's chat template (used instead of prompt_key); null = text "
+              "prompts")
+    answer_key: Optional[str] = opt(
+        None, "the data column holding the reference answer, given to the reward as `answer` "
+              "(OpenRLHF: --label_key); null = the `answer` column where there is one")
+    overlong_prompts: Literal["cut", "drop", "error"] = opt(
+        "cut", "prompts longer than the policy's budget (seq_length - max_new_tokens): cut (keep "
+               "their beginning; max_cut_prompt_fraction stops the run), drop (counted in the "
+               "log), error (refuse the data); verl: data.filter_overlong_prompts / "
+               "data.truncation")
     output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml", path=True)
+    loggers: list[str] = opt(
+        ["jsonl", "tensorboard"], "where metrics go: jsonl (metrics.jsonl, always on), "
+                                  "tensorboard, wandb, mlflow (each library imported only when "
+                                  "named; verl: trainer.logger)")
+    project_name: str = opt("chatgen", "the wandb project / mlflow experiment of the run (verl: "
+                                       "trainer.project_name)")
+    experiment_name: Optional[str] = opt(
+        None, "the wandb / mlflow run name (verl: trainer.experiment_name); null = output_dir's "
+              "last part")
     colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
     ray_address: Optional[str] = opt(None, "Ray cluster address; null = the RAY_ADDRESS variable if set (as `ray job "
                                            "submit` sets it), else a local Ray (when Ray is used)")
@@ -109,11 +134,21 @@ class RuntimeConfig:
     max_bad_train_steps: int = opt(
         3, "stop after this many optimizer steps in a row with a zero or non-finite gradient norm (training collapsed "
            "or diverged)")
+    eval_greedy: bool = opt(
+        False, "also evaluate each held-out prompt with one greedy response (eval/greedy/*), "
+               "beside the eval_n samples of the policy's eval sampling keys")
     solved_reward: Optional[float] = opt(
         1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
     algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")
 
     def check(self):
+        for name in self.loggers:
+            if name not in LOGGERS:
+                yield "loggers", f"unknown logger {name!r}; {closest(name, LOGGERS, 'loggers')}"
+            elif name in ("wandb", "mlflow") and importlib.util.find_spec(name) is None:
+                package = "mlflow-skinny" if name == "mlflow" else name
+                yield "loggers", (f"{name} is not installed; pip install {package}, or take {name} "
+                                  "out of the list")
         if not 0 <= self.max_cut_prompt_fraction <= 1:
             yield "max_cut_prompt_fraction", f"must be in [0, 1], got {self.max_cut_prompt_fraction}; 1.0 turns it off"
         for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
@@ -503,13 +538,10 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
             errors.append(f"{where}: {rows_are} does not split into whole micro-batches on every data-parallel rank "
                           f"({how}); make it a multiple of {micro * dp}")
     if not rt.data_path:
-        errors.append(f"{where}: runtime.data_path: required (a JSONL file of records, e.g. {{\"prompt\": ..., "
-                      "\"answer\": ...}})")
-    elif not Path(rt.data_path).is_file():
-        errors.append(f"{where}: runtime.data_path: {rt.data_path} does not exist; create it (for the tiny task: "
-                      "python -m chatgen.tasks --output DIR) or fix the path")
-    if rt.eval_data_path and not Path(rt.eval_data_path).is_file():
-        errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
+        errors.append(f"{where}: runtime.data_path: required (a JSONL file of records, e.g. "
+                      "{\"prompt\": ..., \"answer\": ...}, or a .json, .parquet, .arrow or .csv "
+                      "file: docs/data_and_rewards.md)")
+    errors += [f"{where}: {problem}" for problem in data_problems(rt)]
     if rt.eval_episode_interval and not rt.eval_data_path:
         errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
     layout = topology_problems(cfg)

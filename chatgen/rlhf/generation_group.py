@@ -30,6 +30,7 @@ import torch
 
 from chatgen.compat.nemo_rl import NemoRLRefit
 from chatgen.core.rollout import RolloutBatch
+from chatgen.generation import config as gc
 from chatgen.param_sync import check_manifest
 from chatgen.param_sync.broadcast import BroadcastReceiver, load_ipc
 from chatgen.rlhf.placement import engine_tp
@@ -105,10 +106,8 @@ class GenerationGroup(NemoRLRefit):
         return merged.select(torch.argsort(merged.prompt_index, stable=True))
 
     def _samples(self, is_eval: bool) -> int:
-        """Samples of each prompt of a call: n, or 1 when it decodes greedily (an eval at temperature 0)."""
-        cfg = self.entry.config
-        temperature = cfg.eval_temperature if is_eval and cfg.eval_temperature is not None else cfg.temperature
-        return 1 if temperature == 0 else cfg.n
+        """Samples of each prompt of a call: n (eval_n), or 1 when it decodes greedily."""
+        return gc.samples_per_prompt(self.entry.config, is_eval)
 
     @property
     def pad_token_id(self) -> int:

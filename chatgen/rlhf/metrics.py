@@ -112,9 +112,11 @@ class MetricsLogger:
     The live line shows on a terminal; when stdout is not one (a log file, CI) each episode prints one line
     instead. `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming
     from k). `phases`: the algorithm's phases, in order (the summary's time per phase follows it).
+    `trackers`: started chatgen.rlhf.trackers (wandb, mlflow), given every record, closed with it.
     """
 
-    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1, tensorboard: bool = True):
+    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1,
+                 tensorboard: bool = True, trackers: list = ()):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
@@ -126,6 +128,7 @@ class MetricsLogger:
             from torch.utils.tensorboard import SummaryWriter
             # purge_step drops events at or after start_episode that a crashed run left behind
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_episode)
+        self.trackers = list(trackers)  # chatgen.rlhf.trackers: wandb, mlflow
         self.phases, self.num_episodes = list(phases), num_episodes
         self.bar = progress_bar(num_episodes, "episode", start_episode - 1)
         self.status = {"phase": "", "eval": "", "episode": ""}  # the live line after the count, in this order
@@ -146,6 +149,8 @@ class MetricsLogger:
                 if key != "episode" and math.isfinite(value):
                     self.writer.add_scalar(key, value, episode)
             self.writer.flush()
+        for tracker in self.trackers:
+            tracker.log(episode, {k: v for k, v in record.items() if k != "episode"})
         self.show_episode(record)
 
     def show_phase(self, phase: str) -> None:
@@ -181,6 +186,8 @@ class MetricsLogger:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
+        for tracker in self.trackers:
+            tracker.close()
         return plot_metrics(self.jsonl, self.out_dir / "metrics.png")
 
 
@@ -285,3 +292,34 @@ def sample_metrics(rewards: torch.Tensor, batch, old_logprobs: torch.Tensor, sol
 
 def prefixed(prefix: str, stats: dict) -> dict:
     return {f"{prefix}/{k}": v for k, v in stats.items()}
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator of pass@k (Chen et al. 2021, "Evaluating Large Language Models
+    Trained on Code"): the chance that at least one of k samples drawn without replacement from n,
+    c of them correct, is correct, 1 - C(n - c, k) / C(n, k)."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def eval_metrics(rewards: torch.Tensor, n: int, solved_reward: float | None,
+                 prefix: str = "eval") -> dict:
+    """Held-out figures of (P x n,) rewards, prompt-major (prompt i's samples at rows i*n ..
+    i*n+n-1): <prefix>/reward (mean), <prefix>/solved (share of samples with reward >=
+    solved_reward), and with n > 1: <prefix>/mean@n (the mean over each prompt's n samples,
+    averaged over prompts: <prefix>/reward under the name verl logs) and <prefix>/pass@k for k =
+    1, 2, 4, ... and n (a prompt passes when one of k samples is solved; the unbiased estimator over
+    its n samples)."""
+    metrics = {f"{prefix}/reward": rewards.mean().item()}
+    if n > 1:
+        metrics[f"{prefix}/mean@{n}"] = rewards.view(-1, n).mean(1).mean().item()
+    if solved_reward is None:
+        return metrics
+    solved = rewards >= solved_reward
+    metrics[f"{prefix}/solved"] = solved.float().mean().item()
+    if n > 1:
+        correct = solved.view(-1, n).sum(1).tolist()
+        for k in sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i <= n), n}):
+            metrics[f"{prefix}/pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
+    return metrics

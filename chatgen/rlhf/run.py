@@ -35,8 +35,10 @@ from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, check_rewards
-from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, read_jsonl_metrics, summary
+from chatgen.rlhf.metrics import (MetricsLogger, PhaseTimer, eval_metrics, read_jsonl_metrics,
+                                  summary)
 from chatgen.rlhf.runtime import Runtime, call_model
+from chatgen.rlhf.trackers import start_trackers
 from chatgen.rlhf.weight_links import WeightLinks
 
 
@@ -133,7 +135,9 @@ class Run:
                 self.start_episode = 1
                 if last is not None:
                     self._resume(last)
-                self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode)
+                trackers = start_trackers(cfg, self.out_dir, resume=last is not None)
+                self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode,
+                                            "tensorboard" in rt.loggers, trackers)
                 self.timer = PhaseTimer(on_start=self.logger.show_phase)
             except BaseException:
                 self.runtime.shutdown()
@@ -158,7 +162,9 @@ class Run:
 
     def summary(self) -> str:
         """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where the files are."""
-        places = {"metrics": f"{show(self.logger.jsonl)}  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})"}
+        board = f"  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})" \
+            if self.logger.writer else ""
+        places = {"metrics": f"{show(self.logger.jsonl)}{board}"}
         if self.plot:
             places["plot"] = show(self.plot)
         saved = ckpt.available(self.save_dir)
@@ -190,13 +196,15 @@ class Run:
         """Indices (into `records`) of this episode's records: `records_per_episode` of them."""
         return self.data.sampler.next_batch()
 
-    def generate(self, index: list, is_eval: bool = False):
-        """The policy's samples for records `index` (of eval_records when is_eval): a RolloutBatch whose
-        `metadata` holds each sample's record."""
+    def generate(self, index: list, is_eval: bool = False, greedy: bool = False):
+        """The policy's samples for records `index` (of eval_records when is_eval; greedy: one
+        greedy response each): a RolloutBatch whose `metadata` holds each sample's record (every
+        column of its data row)."""
         data = self.data
         records, items = (data.eval_records, data.eval_items) if is_eval else (data.records, data.items)
+        items = [{**items[i], "greedy": True} if greedy else items[i] for i in index]
         self.links.wake()
-        batch = self.policy.run_generation([items[i] for i in index], is_eval)  # over its replicas, by load
+        batch = self.policy.run_generation(items, is_eval)  # over its replicas, by load
         if not isinstance(batch, RolloutBatch):
             raise TypeError(f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
                             "chatgen.core.rollout.RolloutBatch: return super().decode_internal(batched_outputs) "
@@ -339,11 +347,14 @@ class Run:
 
 
 def evaluate_policy(run) -> dict:
-    """Responses to every held-out prompt with the eval sampling keys (greedy when eval_temperature is 0),
-    scored: eval/reward, and eval/solved (share of samples with reward >= runtime.solved_reward)."""
-    batch = run.generate(list(range(len(run.eval_records))), is_eval=True)
-    rewards = run.score(batch)
-    metrics = {"eval/reward": rewards.mean().item()}
-    if run.cfg.runtime.solved_reward is not None:
-        metrics["eval/solved"] = (rewards >= run.cfg.runtime.solved_reward).float().mean().item()
+    """eval_n responses to every held-out prompt with the policy's eval sampling keys (one when
+    eval_temperature is 0), scored: eval/reward, eval/solved (share of samples with reward >=
+    runtime.solved_reward), and with eval_n > 1 eval/mean@k and eval/pass@k
+    (chatgen.rlhf.metrics.eval_metrics). runtime.eval_greedy adds the same figures of one greedy
+    response per prompt as eval/greedy/*."""
+    rt, index, metrics = run.cfg.runtime, list(range(len(run.eval_records))), {}
+    for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][:1 + rt.eval_greedy]:
+        batch = run.generate(index, is_eval=True, greedy=greedy)
+        samples = len(batch) // len(index)
+        metrics.update(eval_metrics(run.score(batch), samples, rt.solved_reward, prefix))
     return metrics

@@ -350,6 +350,7 @@ KEY_DESTINATIONS = {
     "repetition_penalty": ({"sampling"}, 1.3),
     "ignore_eos": ({"sampling"}, True),
     "use_beam_search": ({"rejected"}, True),
+    "eval_n": ({"sampling"}, 3),
     "eval_temperature": ({"sampling"}, 0.5),
     "eval_top_p": ({"sampling"}, 0.5),
     "eval_top_k": ({"sampling"}, 5),

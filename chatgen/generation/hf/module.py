@@ -109,7 +109,8 @@ class HFGeneration(GenerationModule):
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
-        params = [self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
+        params = [self.sampling_params(len(item["input_ids"]), is_eval=is_eval,
+                                       greedy=greedy or item.get("greedy", False),
                                        stop_strings=item.get("stop_strings") or ()) for item in items]
         start = time.perf_counter()
         prompts, texts = [item["input_ids"] for item in items], [item.get("prompt") for item in items]

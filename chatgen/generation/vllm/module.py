@@ -274,12 +274,14 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     # ------------------------------------------------------------------ the loop
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
-        """add_request for each dataset item, with its own prompt length and stop strings; returns request ids.
-        An item over the prompt budget is an error naming it."""
+        """add_request for each dataset item, with its own prompt length and stop strings (greedy:
+        one greedy response; so for an item with "greedy": True); returns request ids. An item over
+        the prompt budget is an error naming it."""
         request_ids = []
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
-            params = self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy,
+            params = self.sampling_params(len(item["input_ids"]), is_eval=is_eval,
+                                          greedy=greedy or item.get("greedy", False),
                                           stop_strings=item.get("stop_strings") or (),
                                           stop_token_ids=item.get("stop_token_ids") or ())
             request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))

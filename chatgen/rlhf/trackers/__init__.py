@@ -1,0 +1,71 @@
+"""Experiment trackers beside metrics.jsonl: `runtime.loggers: [jsonl, tensorboard, wandb, mlflow]`.
+
+    trackers = start_trackers(cfg, Path("outputs/run"), resume=False)  # wandb, mlflow: one each
+    for t in trackers: t.log(episode, {"reward/mean": 0.4})  # MetricsLogger.log, each episode
+    for t in trackers: t.close()
+
+Each tracker is one small file here (wandb_tracker, mlflow_tracker); its library is imported only
+when runtime.loggers names it (jsonl and tensorboard are MetricsLogger's own). The resolved config
+is logged as the run's parameters, the value of every key named like a credential masked. The
+tracker's run id is kept in `<output_dir>/trackers.json`, so `chatgen train --resume` continues the
+same run. docs/data_and_rewards.md.
+"""
+import importlib
+import json
+import re
+
+from chatgen.core.checkpoint_io import atomic_file
+from chatgen.rlhf.config import to_dict
+
+IDS_NAME = "trackers.json"
+MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker",
+           "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
+# a key whose value may be a credential: key, *api_key, *access_key, *secret_key, *private_key,
+# *token, *secret, *password (not every *_key: runtime.prompt_key names a column)
+SECRET = re.compile(r"^key$|(^|_)(api_?key|access_?key|secret_?key|private_?key|token|secret"
+                    r"|password|passwd)$", re.IGNORECASE)
+MASK = "***"
+
+
+def mask_secrets(value, name: str = ""):
+    """`value` (nested dicts and lists) with every non-empty string under a key named like a
+    secret replaced by MASK."""
+    if isinstance(value, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask_secrets(v, name) for v in value]
+    return MASK if isinstance(value, str) and value and SECRET.search(name) else value
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """{"runtime.seed": 1234, ...}: one dotted key per leaf of nested dicts (lists are leaves)."""
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def start_trackers(cfg, out_dir, resume: bool) -> list:
+    """The trackers runtime.loggers names, each started on `cfg`'s masked resolved config; resume:
+    continue the run ids `<out_dir>/trackers.json` recorded."""
+    rt, ids_path = cfg.runtime, out_dir / IDS_NAME
+    ids = json.loads(ids_path.read_text()) if resume and ids_path.exists() else {}
+    params = mask_secrets(to_dict(cfg))
+    name = rt.experiment_name or out_dir.resolve().name
+    trackers = []
+    try:
+        for logger in [n for n in rt.loggers if n in MODULES]:
+            module = importlib.import_module(MODULES[logger])
+            trackers.append(module.Tracker(out_dir, rt.project_name, name, params, ids.get(logger)))
+            ids[logger] = trackers[-1].run_id
+    except BaseException:
+        for tracker in trackers:
+            tracker.close()
+        raise
+    if trackers:
+        with atomic_file(ids_path) as tmp:
+            tmp.write_text(json.dumps(ids, indent=1) + "\n")
+    return trackers
