@@ -297,7 +297,8 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
     if weights is not None and weights.dim() == 1:  # per sequence: shown per token, as the token weights are
         weights = weights.unsqueeze(1).expand_as(batch.loss_mask)
     metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], cfg.runtime.solved_reward, weights),
-               **prefixed("policy", stats), **recipe_metrics}
+               **prefixed("policy", stats), **recipe_metrics,
+               "policy/zero_grad_steps": sum(step.get("grad_norm") == 0.0 for step in steps)}  # no signal at all
     if algo.old_logprobs == "rollout":  # old == infer: the mismatch is what the first step saw before updating
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
         if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
