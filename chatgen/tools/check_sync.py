@@ -78,14 +78,16 @@ def _score(trainer, sequences) -> list:
 
 
 def _start_trainer(config, temperature: float) -> MegatronModule:
-    """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF run's trainer does)."""
+    """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF
+    run's trainer does)."""
     trainer = MegatronModule(config).start()
     if temperature > 0:
         trainer.set_logits_temperature(temperature)
     return trainer
 
 
-def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_trainer, from_trainer):
+def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_trainer,
+                  from_trainer):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     trainer = _start_trainer(config, temperature)
     sync_weights(trainer, SyncSender("127.0.0.1", port, token), bucket_bytes=bucket_bytes, validate=validate)
@@ -98,12 +100,13 @@ def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_t
 
 
 def _engine(args):
-    """The backend's generation module on random weights (the sync must write every one): greedy with raw
-    log-probs, or (--temperature T > 0) sampling at T with the log-probs of that tempered distribution."""
+    """The backend's generation module on random weights (the sync must write every one): greedy
+    with raw log-probs, or (--temperature T > 0) sampling at T with the tempered log-probs."""
     backend = load_backend(args.backend)
     keys = {f.name for f in dataclasses.fields(backend.Config)}
     config = dict(load=args.hf_checkpoint, load_format="dummy", dtype=args.dtype, seed=0,
-                  temperature=args.temperature, new_token_limit=True, max_new_tokens=args.max_new_tokens,
+                  temperature=args.temperature, new_token_limit=True,
+                  max_new_tokens=args.max_new_tokens,
                   logprobs_mode="processed" if args.temperature > 0 else "raw")
     engine = dict(tensor_parallel_size=args.infer_tp, enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_bytes)
     if args.infer_tp > 1 and "tensor_parallel_size" not in keys:
@@ -113,7 +116,8 @@ def _engine(args):
 
 
 def _generate(module, prompts, temperature: float = 0.0) -> list:
-    """[(generated ids, their log-probs)] of responses to `prompts`: greedy, or sampled at `temperature` > 0."""
+    """[(generated ids, their log-probs)] of responses to `prompts`: greedy, or sampled at
+    `temperature` > 0."""
     outputs = module.finished([{"input_ids": list(p)} for p in prompts], greedy=temperature == 0)
     return [(list(sample.token_ids), sample_logprobs(sample)) for _, sample in iter_samples(outputs)]
 
@@ -144,8 +148,9 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         rx = SyncReceiver()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
-        job = DistributedJob(_trainer_rank, world, args=(config, args.temperature, rx.port, rx.token, bucket_bytes, args.validate,
-                                                         to_trainer, from_trainer))
+        rank_args = (config, args.temperature, rx.port, rx.token, bucket_bytes, args.validate,
+                     to_trainer, from_trainer)
+        job = DistributedJob(_trainer_rank, world, args=rank_args)
         try:
             report = rx.receive_into(engine, alive=job.poll)
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)

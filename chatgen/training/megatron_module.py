@@ -768,7 +768,7 @@ class MegatronModule(Module):
         from megatron.core import tensor_parallel
 
         logits = logits[:, :-1].float()
-        if self.logits_temperature != 1.0:  # the distribution a policy sampling at that temperature draws from
+        if self.logits_temperature != 1.0:  # what a policy sampling at that temperature draws from
             logits = logits / self.logits_temperature
         shard = logits.shape[-1]
         first = self.tp_rank * shard
@@ -781,11 +781,13 @@ class MegatronModule(Module):
     logits_temperature = 1.0  # token_outputs' divisor; set_logits_temperature changes it
 
     def set_logits_temperature(self, temperature: float) -> None:
-        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy sampling at
-        that temperature draws from (an RLHF run sets it on the policy's trainer and the reference; 1.0 = the
-        model's own). A head that overrides token_outputs (a critic) ignores it."""
+        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy
+        sampling at that temperature draws from (an RLHF run sets it on the policy's trainer and
+        the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
+        ignores it."""
         if temperature <= 0:
-            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature must be > 0")
+            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
+                             "must be > 0")
         self.logits_temperature = float(temperature)
 
     def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:

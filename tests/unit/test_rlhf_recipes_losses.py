@@ -1,6 +1,8 @@
-"""The RL recipes' math (issue 35) against hand-computed values: RLOO, REINFORCE++, clip-higher, dual clip, GSPO's
-sequence ratio, loss aggregations, entropy, sequence IS, outlier masking, DAPO's overlong penalty; and today's
-defaults giving today's loss bit for bit. pytest tests/unit/test_rlhf_recipes_losses.py"""
+"""The RL recipes' math (issue 35) against hand-computed values: RLOO, REINFORCE++, clip-higher,
+dual clip, GSPO's sequence ratio, loss aggregations, entropy, sequence IS, outlier masking, DAPO's
+overlong penalty; and today's defaults giving today's loss bit for bit.
+pytest tests/unit/test_rlhf_recipes_losses.py"""
+
 import math
 
 import pytest
@@ -9,9 +11,19 @@ import torch
 from chatgen.rlhf import losses as A
 
 
-def _policy_loss_before_issue_35(logprobs, old_logprobs, advantages, mask, clip_eps=0.2, ref_logprobs=None,
-                                 kl_coef=0.0, kl_kind="k3", is_weights=None):
-    """policy_loss as it was at 8d6e1ce (the loss only), frozen here: the defaults must still give it bit for bit."""
+def _policy_loss_before_issue_35(
+    logprobs,
+    old_logprobs,
+    advantages,
+    mask,
+    clip_eps=0.2,
+    ref_logprobs=None,
+    kl_coef=0.0,
+    kl_kind="k3",
+    is_weights=None,
+):
+    """policy_loss as it was at 8d6e1ce (the loss only), frozen here: the defaults must still give
+    it bit for bit."""
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
     ratio = torch.exp(logprobs - old_logprobs)
@@ -57,12 +69,15 @@ def test_reinforce_pp_returns_whitened_over_batch():
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
     kl = torch.tensor([[0.5, 0.2, 9.0], [0.1, 0.0, 0.3]])  # log pi - log pi_ref, k1
     rewards = A.kl_shaped_rewards(scores, kl, torch.zeros_like(kl), mask, kl_coef=0.1, kl_kind="k1")
-    # token rewards: row 0 [-0.05, 1 - 0.02], row 1 [-0.01, 0, 0 - 0.03]; returns G_t = sum from t on (gamma 1)
+    # token rewards: row 0 [-0.05, 1 - 0.02], row 1 [-0.01, 0, 0 - 0.03]; G_t = sum from t on
     returns = [[-0.05 + 0.98, 0.98], [-0.04, -0.03, -0.03]]
     flat = torch.tensor(returns[0] + returns[1])
     mean, std = flat.mean(), flat.std(unbiased=False)
     adv = A.reinforce_pp_advantages(rewards, mask)
-    expected = [[(g - mean) / std for g in returns[0]] + [0.0], [(g - mean) / std for g in returns[1]]]
+    expected = [
+        [(g - mean) / std for g in returns[0]] + [0.0],
+        [(g - mean) / std for g in returns[1]],
+    ]
     assert adv.tolist()[0] == pytest.approx([float(x) for x in expected[0]], abs=1e-5)
     assert adv.tolist()[1] == pytest.approx([float(x) for x in expected[1]], abs=1e-5)
     # gamma discounts: G_0 = r_0 + gamma * r_1
@@ -74,8 +89,9 @@ def test_clip_higher_asymmetric_bounds():
     old = torch.zeros(1, 2)
     # ratios 1.25 and 0.75: with (low 0.2, high 0.28) 1.25 is inside, 0.75 is clipped up to 0.8
     logp = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
-    loss, stats = A.policy_loss(logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), clip_eps=0.2,
-                                clip_eps_high=0.28)
+    loss, stats = A.policy_loss(
+        logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), clip_eps=0.2, clip_eps_high=0.28
+    )
     # token 0: -min(1.25, 1.25) = -1.25; token 1 (A = -1): -min(-0.75, -0.8) = 0.8
     assert loss.item() == pytest.approx((-1.25 + 0.8) / 2)
     assert stats["clip_fraction"].item() == pytest.approx(0.5)
@@ -105,8 +121,15 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert log_r[0, :2].tolist() == pytest.approx([0.2, 0.2])
     assert log_r[1].tolist() == pytest.approx([0.01, 0.01, 0.01])
     adv = torch.tensor([1.0, 1.0])
-    loss, _ = A.policy_loss(logp, old, adv, mask, clip_eps=0.5, ratio_level="sequence",
-                            loss_aggregation="seq_mean_token_mean")
+    loss, _ = A.policy_loss(
+        logp,
+        old,
+        adv,
+        mask,
+        clip_eps=0.5,
+        ratio_level="sequence",
+        loss_aggregation="seq_mean_token_mean",
+    )
     s0, s1 = math.exp(0.2), math.exp(0.01)
     assert loss.item() == pytest.approx(-(s0 + s1) / 2, rel=1e-6)
     loss.backward()
@@ -115,12 +138,15 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert logp.grad[1].tolist() == pytest.approx([-s1 / 6] * 3, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token_mean", (1 + 2 + 3 + 4 + 5) / 5),
-    ("seq_mean_token_mean", ((1 + 2) / 2 + (3 + 4 + 5) / 3) / 2),
-    ("seq_mean_token_sum", ((1 + 2) + (3 + 4 + 5)) / 2),
-    ("seq_mean_token_sum_norm", ((1 + 2) / 4 + (3 + 4 + 5) / 4) / 2),
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token_mean", (1 + 2 + 3 + 4 + 5) / 5),
+        ("seq_mean_token_mean", ((1 + 2) / 2 + (3 + 4 + 5) / 3) / 2),
+        ("seq_mean_token_sum", ((1 + 2) + (3 + 4 + 5)) / 2),
+        ("seq_mean_token_sum_norm", ((1 + 2) / 4 + (3 + 4 + 5) / 4) / 2),
+    ],
+)
 def test_loss_aggregation_by_hand(mode, expected):
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
@@ -138,7 +164,9 @@ def test_entropy_metric_and_bonus_gradient():
     logp = torch.tensor([[-0.5, -2.0, -9.0]]).requires_grad_()
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     base, stats = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask)
-    assert stats["entropy"].item() == pytest.approx((0.5 + 2.0) / 2)  # mean -log p of sampled tokens
+    assert stats["entropy"].item() == pytest.approx(
+        (0.5 + 2.0) / 2
+    )  # mean -log p of sampled tokens
     loss, _ = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, entropy_coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 0.5 * (0.25 + 4.0) / 2)
     loss.backward()
@@ -147,15 +175,17 @@ def test_entropy_metric_and_bonus_gradient():
 
 
 def test_entropy_bonus_raises_entropy_in_expectation():
-    """Exact check of the estimator: with every token weighted by its probability, the bonus's gradient is
+    """Exact check of the estimator: every token weighted by its probability, the gradient is
     -grad H of a softmax (so descending the loss raises the entropy)."""
     logits = torch.tensor([2.0, 0.5, -1.0]).requires_grad_()
     logp = logits.log_softmax(-1)
-    surrogate = (logp.detach().exp() * 0.5 * logp ** 2).sum()  # E_{y ~ p}[logp(y)^2 / 2], p held fixed
-    grad_surrogate, = torch.autograd.grad(surrogate, logits)
+    surrogate = (
+        logp.detach().exp() * 0.5 * logp**2
+    ).sum()  # E_{y ~ p}[logp(y)^2 / 2], p held fixed
+    (grad_surrogate,) = torch.autograd.grad(surrogate, logits)
     logp = logits.log_softmax(-1)
     entropy = -(logp.exp() * logp).sum()
-    grad_entropy, = torch.autograd.grad(entropy, logits)
+    (grad_entropy,) = torch.autograd.grad(entropy, logits)
     assert grad_surrogate.tolist() == pytest.approx((-grad_entropy).tolist(), abs=1e-6)
 
 
@@ -167,7 +197,9 @@ def test_sequence_importance_weights_by_hand():
     assert product.tolist() == pytest.approx([math.exp(0.2 + 0.1), 1.0])
     geometric = A.sequence_importance_weights(old, infer, mask, cap=2.0, geometric=True)
     assert geometric.tolist() == pytest.approx([math.exp(0.15), 1.0])
-    capped = A.sequence_importance_weights(old + torch.tensor([[3.0, 0, 0], [0, 0, 0]]), infer, mask, cap=2.0)
+    capped = A.sequence_importance_weights(
+        old + torch.tensor([[3.0, 0, 0], [0, 0, 0]]), infer, mask, cap=2.0
+    )
     assert capped[0].item() == pytest.approx(2.0)
     # a (B,) weight scales each row of the loss
     logp = old.clone()
@@ -177,11 +209,14 @@ def test_sequence_importance_weights_by_hand():
 
 def test_outlier_mask_token_and_sequence():
     old = torch.zeros(2, 3)
-    infer = torch.log(torch.tensor([[1.0, 0.25, 1.0], [0.8, 0.8, 1.0]]))  # ratios 1, 4, 1 and 1.25, 1.25, 1
+    infer = torch.log(
+        torch.tensor([[1.0, 0.25, 1.0], [0.8, 0.8, 1.0]])
+    )  # ratios 1, 4, 1 and 1.25, 1.25, 1
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     token = A.outlier_mask(old, infer, mask, low=0.5, high=2.0, level="token")
     assert token.tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]
-    # sequence: row 0's geometric mean ratio 4^(1/3) = 1.59 is inside, row 1's 1.25 too; with high 1.2 row 1 goes
+    # sequence: geometric-mean ratios 4^(1/3) = 1.59 (row 0) and 1.25 (row 1): above 1.2 both go,
+    # above 1.3 only row 0
     seq = A.outlier_mask(old, infer, mask, low=0.5, high=1.2, level="sequence")
     assert seq.tolist() == [[0.0, 0.0, 0.0], [0.0, 0.0, 0.0]]
     seq = A.outlier_mask(old, infer, mask, low=0.5, high=1.3, level="sequence")
@@ -193,5 +228,9 @@ def test_outlier_mask_token_and_sequence():
 def test_overlong_penalty_by_hand():
     lengths = torch.tensor([10, 12, 14, 16, 20])
     # max 16, buffer 4: free up to 12, then (12 - len) / 4, -1 at and past 16
-    assert A.overlong_penalty(lengths, 16, 4).tolist() == pytest.approx([0.0, 0.0, -0.5, -1.0, -1.0])
-    assert A.overlong_penalty(lengths, 16, 4, factor=0.5).tolist() == pytest.approx([0, 0, -0.25, -0.5, -0.5])
+    assert A.overlong_penalty(lengths, 16, 4).tolist() == pytest.approx(
+        [0.0, 0.0, -0.5, -1.0, -1.0]
+    )
+    assert A.overlong_penalty(lengths, 16, 4, factor=0.5).tolist() == pytest.approx(
+        [0, 0, -0.25, -0.5, -0.5]
+    )

@@ -45,8 +45,8 @@ class Config(grpo.Config):
             yield "overlap_generation", ("grpo_multiturn plays each episode's conversations through the server and "
                                          "has no one-step off-policy mode; set it false")
         if self.dynamic_sampling:
-            yield "dynamic_sampling", ("grpo_multiturn plays a fixed set of conversations per episode and does "
-                                       "not refill dropped groups; set it false")
+            yield "dynamic_sampling", ("grpo_multiturn plays a fixed set of conversations per "
+                                       "episode and does not refill dropped groups; set it false")
         if not self.environment or ":" not in self.environment:
             yield "environment", (f"must name the environment class as 'package.module:Class', got "
                                   f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv")
