@@ -183,6 +183,9 @@ def check(cfg):
     if algo.dynamic_sampling and algo.overlap_generation:
         yield ("runtime.algorithm.dynamic_sampling: samples until the batch is full, which "
                "overlap_generation cannot hide behind training; set one of them false")
+    if algo.dynamic_sampling and getattr(pc, "return_routed_experts", False):
+        yield ("runtime.algorithm.dynamic_sampling: refilled batches do not carry the recorded "
+               "experts (models.policy.return_routed_experts); set one of them false")
     budget = f"models.policy.max_new_tokens ({pc.max_new_tokens})" if pc.new_token_limit else None
     if algo.overlong_buffer_length is not None:
         if budget is None:
