@@ -7,6 +7,9 @@ model scores them; each response's advantage is its reward relative to the other
 the trainer (Megatron) takes clipped policy-gradient steps (with a KL penalty to the reference when kl_coef > 0);
 the new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
 With overlap_generation the next episode's samples are generated while the trainer trains (one step off-policy).
+The recipes of 2025-26 are keys of this section, not algorithms of their own: Dr. GRPO, RLOO and
+REINFORCE++ advantages, clip-higher, dual clip, GSPO's sequence ratio, loss aggregation, entropy
+bonus, DAPO's dynamic sampling and overlong shaping, rollout correction (docs/algorithms.md).
 """
 import concurrent.futures
 import dataclasses
