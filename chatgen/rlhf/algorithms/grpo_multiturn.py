@@ -44,6 +44,9 @@ class Config(grpo.Config):
         if self.overlap_generation:
             yield "overlap_generation", ("grpo_multiturn plays each episode's conversations through the server and "
                                          "has no one-step off-policy mode; set it false")
+        if self.dynamic_sampling:
+            yield "dynamic_sampling", ("grpo_multiturn plays a fixed set of conversations per "
+                                       "episode and does not refill dropped groups; set it false")
         if not self.environment or ":" not in self.environment:
             yield "environment", (f"must name the environment class as 'package.module:Class', got "
                                   f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv")
@@ -159,6 +162,7 @@ def train(cfg, resume=False, log=print) -> dict:
         env = env_class(url, api_key, "policy")
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}
+        grpo.score_at_sampling_temperature(run)
         run.evaluate_start()
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()

@@ -16,6 +16,7 @@ from typing import Literal, Optional
 from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
+from chatgen.rlhf.algorithms.grpo import score_at_sampling_temperature
 from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
@@ -78,6 +79,7 @@ def train(cfg, resume=False, log=print) -> dict:
 
     with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run:
         timer, metrics = run.timer, {}
+        score_at_sampling_temperature(run)  # logits / T, T the policy's sampling temperature
         run.evaluate_start()  # episode 0: where the policy starts
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()

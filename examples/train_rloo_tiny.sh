@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# bash examples/train_rloo_tiny.sh [key=value ...]
+#
+# configs/rloo_tiny.yaml on the tiny sort-digits task (docs/algorithms.md): examples/prepare_tiny.sh makes the tiny
+# model, the task data and the supervised warm start, then `chatgen train configs/rloo_tiny.yaml` writes
+# $OUTPUT_DIR (metrics.jsonl, metrics.png, tensorboard/, checkpoints/); held-out reward every 5 episodes.
+# Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
+source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
+export OUTPUT_DIR=${OUTPUT_DIR:-outputs/rloo_tiny/$(date +%Y%m%d-%H%M%S)}
+
+chatgen train configs/rloo_tiny.yaml "$@"
