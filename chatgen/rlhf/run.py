@@ -34,7 +34,7 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
-from chatgen.rlhf.health import StepHealth, check_rewards
+from chatgen.rlhf.health import StepHealth, checked_rewards
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, read_jsonl_metrics, summary
 from chatgen.rlhf.runtime import Runtime, call_model
 from chatgen.rlhf.weight_links import WeightLinks
@@ -83,6 +83,7 @@ class Run:
             self._lock.close()
             raise
         self._evaluate = evaluate or evaluate_policy
+        self.pending_metrics = {}  # what `score` measured since the last log (reward/<term>, ...)
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
         """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
@@ -205,17 +206,22 @@ class Run:
         self.links.release()  # colocated on GPUs: the engine's memory to the trainers
         return batch
 
-    def score(self, batch) -> torch.Tensor:
+    def score(self, batch, prefix: str = "reward/") -> torch.Tensor:
         """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts": S texts, plus each
-        field of the samples' records as a list of length S}."""
+        field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
+        "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
+        and metrics the next `end_episode` logs under `prefix` (reward/<name>; eval/reward/<name>)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
-        rewards = torch.as_tensor(self.runtime["reward"].first("score", data), dtype=torch.float32)
-        if rewards.shape != (len(batch),):
-            raise ValueError(f"reward.score returned shape {tuple(rewards.shape)}; it must return one float per "
-                             f"response, shape ({len(batch)},)")
-        check_rewards(rewards, batch.texts)
-        return rewards
+        entry = self.cfg.models["reward"]
+        out = self.runtime["reward"].first("score", data)
+        who = f"models.reward ({entry.model_class}).score"
+        if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
+            for name, values in out.get("terms", {}).items():
+                self.pending_metrics[f"{prefix}{name}"] = checked_rewards(values, batch.texts, who).mean().item()
+            self.pending_metrics.update({f"{prefix}{k}": v for k, v in out.get("metrics", {}).items()})
+            out = out["rewards"]
+        return checked_rewards(out, batch.texts, who)
 
     # ---- Megatron models (data parallel over their DP ranks) ------------------------------------------
 
@@ -303,7 +309,8 @@ class Run:
             with self.timer("eval"):
                 metrics = self.evaluate()
             self.timer.pop()
-            self.logger.log(0, {**metrics, **self._generation_metrics()})
+            self.logger.log(0, {**metrics, **self._generation_metrics(), **self.pending_metrics})
+            self.pending_metrics = {}
 
     def _generation_metrics(self) -> dict:
         """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for one replica)."""
@@ -324,7 +331,8 @@ class Run:
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
             metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
-        metrics.update(self._generation_metrics())
+        metrics.update(self._generation_metrics(), **self.pending_metrics)
+        self.pending_metrics = {}
         self.logger.log(episode, metrics)
         return metrics
 
@@ -342,7 +350,7 @@ def evaluate_policy(run) -> dict:
     """Responses to every held-out prompt with the eval sampling keys (greedy when eval_temperature is 0),
     scored: eval/reward, and eval/solved (share of samples with reward >= runtime.solved_reward)."""
     batch = run.generate(list(range(len(run.eval_records))), is_eval=True)
-    rewards = run.score(batch)
+    rewards = run.score(batch, prefix="eval/reward/")
     metrics = {"eval/reward": rewards.mean().item()}
     if run.cfg.runtime.solved_reward is not None:
         metrics["eval/solved"] = (rewards >= run.cfg.runtime.solved_reward).float().mean().item()
