@@ -83,7 +83,7 @@ class Run:
             self._lock.close()
             raise
         self._evaluate = evaluate or evaluate_policy
-        self.pending_metrics = {}  # what `score` measured since the last log (reward/<term>, ...)
+        self.pending_metrics, self._evaluating = {}, False  # what `score` measured since the last log
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
         """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
@@ -206,16 +206,17 @@ class Run:
         self.links.release()  # colocated on GPUs: the engine's memory to the trainers
         return batch
 
-    def score(self, batch, prefix: str = "reward/") -> torch.Tensor:
+    def score(self, batch) -> torch.Tensor:
         """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts": S texts, plus each
         field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
         "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
-        and metrics the next `end_episode` logs under `prefix` (reward/<name>; eval/reward/<name>)."""
+        and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
         entry = self.cfg.models["reward"]
         out = self.runtime["reward"].first("score", data)
         who = f"models.reward ({entry.model_class}).score"
+        prefix = "eval/reward/" if self._evaluating else "reward/"
         if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
             for name, values in out.get("terms", {}).items():
                 self.pending_metrics[f"{prefix}{name}"] = checked_rewards(values, batch.texts, who).mean().item()
@@ -301,7 +302,11 @@ class Run:
         self.log(f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}")
 
     def evaluate(self) -> dict:
-        return self._evaluate(self)
+        self._evaluating = True  # the reward terms it scores are logged as eval/reward/<name>
+        try:
+            return self._evaluate(self)
+        finally:
+            self._evaluating = False
 
     def evaluate_start(self) -> None:
         """On a fresh run with evaluation on, log the held-out metrics before any training as episode 0."""
@@ -350,7 +355,7 @@ def evaluate_policy(run) -> dict:
     """Responses to every held-out prompt with the eval sampling keys (greedy when eval_temperature is 0),
     scored: eval/reward, and eval/solved (share of samples with reward >= runtime.solved_reward)."""
     batch = run.generate(list(range(len(run.eval_records))), is_eval=True)
-    rewards = run.score(batch, prefix="eval/reward/")
+    rewards = run.score(batch)
     metrics = {"eval/reward": rewards.mean().item()}
     if run.cfg.runtime.solved_reward is not None:
         metrics["eval/solved"] = (rewards >= run.cfg.runtime.solved_reward).float().mean().item()

@@ -121,7 +121,7 @@ def test_weighted_terms_sum_and_each_is_logged_as_its_own_metric(tmp_path):
     # the run logs each term's mean under reward/<name> at the next log, eval/reward/<name> for the held-out set
     run = SimpleNamespace(cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="x:Rewards")}),
                           runtime={"reward": SimpleNamespace(first=lambda method, d: reward.score(d))},
-                          pending_metrics={})
+                          pending_metrics={}, _evaluating=False)
     batch = SimpleNamespace(metadata=[{"answer": a, "prompt": p} for a, p in zip(data["answer"], data["prompt"])],
                             texts=data["texts"])
     rewards = Run.score(run, batch)
@@ -150,7 +150,8 @@ def test_a_reward_of_the_wrong_type_is_refused_naming_it_and_what_it_returned(tm
 
 def test_a_module_reward_of_the_wrong_type_is_refused_by_the_run():
     run = SimpleNamespace(cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="my.mod:Judge")}),
-                          runtime={"reward": SimpleNamespace(first=lambda method, d: None)}, pending_metrics={})
+                          runtime={"reward": SimpleNamespace(first=lambda method, d: None)}, pending_metrics={},
+                          _evaluating=False)
     batch = SimpleNamespace(metadata=[{"prompt": "p"}], texts=["r"])
     with pytest.raises(TypeError, match=r"models.reward \(my.mod:Judge\).score returned NoneType None"):
         Run.score(run, batch)
