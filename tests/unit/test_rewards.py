@@ -32,7 +32,8 @@ def project(tmp_path, reward_line: str, files: dict) -> Path:
     root = tmp_path / "proj"
     shutil.copytree(REPO / "configs" / "grpo_tiny", root / "configs" / "grpo_tiny")
     main = (REPO / "configs" / "grpo_tiny.yaml").read_text()
-    main = main.replace("    model_class: chatgen.rlhf.rewards:RuleReward\n    config:\n      rule: sort_digits\n", reward_line)
+    rule = "    model_class: chatgen.rlhf.rewards:RuleReward\n    config:\n      rule: sort_digits\n"
+    main = main.replace(rule, reward_line)
     (root / "configs" / "grpo_tiny.yaml").write_text(main)
     for name, text in files.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
