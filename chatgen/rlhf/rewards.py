@@ -239,7 +239,7 @@ class RemoteTerm:
         self.pool = concurrent.futures.ThreadPoolExecutor(term.max_concurrency, thread_name_prefix=f"reward-{name}")
 
     def _post(self, body: dict, n: int) -> list:
-        data = json.dumps(body).encode()
+        data = json.dumps(body, default=_plain).encode()
         last = None
         for attempt in range(self.term.retries + 1):
             if attempt:
@@ -279,6 +279,11 @@ class RemoteTerm:
 
     def close(self) -> None:
         self.pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _plain(value):
+    """A column value JSON cannot write as it is (a numpy number or array from a parquet file) as plain data."""
+    return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
 def make_term(name: str, term: RewardTerm):
