@@ -8,8 +8,9 @@ and quotients over small whole numbers, the worked solution, and GSM8K's "#### <
 
 Rewards (TRL's shape, `f(completions, answer, **columns) -> list[float]`; `function: math_verify` in a
 chatgen.rlhf.rewards:Rewards term):
-- `math_verify_reward`: 1.0 when the completion's final answer equals the reference's, as the `math-verify`
-  library judges it (LaTeX, fractions, `\\boxed{}`, a "#### 42" line; 0.5 == 1/2), else 0.0;
+- `math_verify_reward`: 1.0 when the completion's final answer (`final_answer`: a "#### 42" line, else a
+  `\\boxed{}`, else its last number) equals the reference's, as the `math-verify` library judges it (LaTeX,
+  fractions: 0.5 == 1/2 == \\frac{1}{2}), else 0.0;
 - `math_format_reward`: 1.0 when the completion ends with a final answer in a form the check reads
   (`\\boxed{...}` or a "#### ..." line), else 0.0, to weight in while a model learns the format.
 """
@@ -82,11 +83,21 @@ def records(n: int, seed: int) -> list[dict]:
     return out
 
 
+NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:/\d+)?")
+LATEX = re.compile(r"\$|\\\(|\\\[|\\frac")
+
+
 def final_answer(text: str) -> str:
-    """The part of `text` holding its final answer: after the last "####", else the whole text (math-verify
-    then finds a \\boxed{} or the last expression)."""
+    """The part of `text` holding its final answer: after the last "####"; else the whole text when it has
+    LaTeX (a \\boxed{}, $...$: math-verify reads those); else its last number, as GSM8K's graders read a
+    worked answer ("... so she has 57 left.")."""
     found = FINAL.findall(text)
-    return found[-1].strip() if found else text
+    if found:
+        return found[-1].strip()
+    if BOXED.search(text) or LATEX.search(text):
+        return text
+    numbers = NUMBER.findall(text)
+    return numbers[-1].replace(",", "") if numbers else text
 
 
 def _parse(text: str):

@@ -165,6 +165,8 @@ def test_a_module_reward_of_the_wrong_type_is_refused_by_the_run():
     ("#### 1,250", "#### 1250", 1.0),
     ("#### 8", "#### 7", 0.0),
     ("I do not know", "#### 7", 0.0),
+    ("She has 12 - 5 = 7 pencils left.", "#### 7", 1.0),  # no "####": the last number, as GSM8K graders read it
+    ("7 apples, then 2 more: 9", "#### 7", 0.0),
 ])
 def test_math_verify_reads_latex_fractions_boxed_and_gsm8k_answers(completion, reference, right):
     from chatgen.tasks.math_words import math_format_reward, math_verify_reward
