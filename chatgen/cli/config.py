@@ -30,6 +30,7 @@ from chatgen.rlhf.config import (
     schema_marker,
     to_dict,
 )
+from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.runtime import cluster_address, cluster_nodes
 from chatgen.training.config import MegatronConfig
 
@@ -44,6 +45,8 @@ def sections() -> list:
         *[(name, f"per-model YAML of a `backend: {name}` model; chatgen/generation/{name}/",
            generation.load_backend(name).Config) for name in generation.available()],
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
+        ("rewards", "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md", RewardsConfig),
+        ("rewards.terms.<name>", "one term of a Rewards reward", RewardTerm),
     ]
 
 

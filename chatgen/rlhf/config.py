@@ -22,12 +22,13 @@ import yaml
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import CLI, REQUIRED, ConfigError, opt
 from chatgen.config.loader import at, build, closest, key_paths, merge, parse_override_tree, read_yaml, show, substitute
-from chatgen.core.imports import import_class
+from chatgen.core.imports import add_project_dir, import_class, project_dir
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.data import data_problems
 from chatgen.rlhf.placement import model_world_size, placement_problems, plan_groups, topology_problems
+from chatgen.rlhf.rewards import RewardsConfig, function_reward_config, reward_function
 from chatgen.training.config import MegatronConfig
 
 RESOLVED_NAME = "resolved_config.yaml"
@@ -222,6 +223,7 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     """
     errors, files = [], []
     main_yaml = os.path.abspath(os.fspath(main_yaml))
+    add_project_dir(project_dir(main_yaml))  # user code (rewards, algorithms) imports from there, here and in actors
     data, where = read_yaml(main_yaml, errors, files)
     if errors and not data:
         raise ConfigError(errors)  # nothing to validate: the main YAML is missing, empty or unreadable
@@ -255,8 +257,8 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
         entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, roles, where, errors, files)
         if entry is not None:
             models[name] = entry
-    if runtime is not None:
-        _check_colocation(runtime, models, where, errors)
+    if runtime is not None:  # against every configured name: an entry with errors of its own is not "unknown"
+        _check_colocation(runtime, models_data, where, errors)
     if errors:
         raise ConfigError(errors)
     for section in (runtime, runtime.algorithm, *(entry.config for entry in models.values())):
@@ -358,6 +360,14 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     merge(data, model_where, inline, inline_where)
     if entry.backend == "python":
         schema = _class_schema(entry, where, path, errors)
+        if schema is FUNCTION:  # a plain reward function: the Rewards module runs it as its one term
+            if data:
+                errors.append(f"{at(where, (*path, 'config'))}: {entry.model_class} is a function and takes no "
+                              f"keys ({', '.join(data)}); for settings use model_class: {REWARDS_CLASS} "
+                              "with `terms:` (docs/rewards.md)")
+                return None
+            data, schema = function_reward_config(entry.model_class), RewardsConfig
+            entry.model_class = REWARDS_CLASS
     if schema is None:
         return None
     reader = dialect(entry.config_dialect)
@@ -370,14 +380,25 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     return entry
 
 
+FUNCTION = "function"  # _class_schema's answer for a model_class that names a plain function
+REWARDS_CLASS = "chatgen.rlhf.rewards:Rewards"
+
+
 def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
     """A python model's config schema: its class's `config_class` (chatgen.Module), imported here in the driver so
-    that a bad key fails before anything starts."""
+    that a bad key fails before anything starts; FUNCTION when model_class names a function (a reward)."""
     try:
         cls = import_class(entry.model_class)
     except ValueError as e:
         errors.append(f"{at(where, (*path, 'model_class'))}: {e}")
         return None
+    if not isinstance(cls, type):
+        try:
+            reward_function(entry.model_class)  # takes `completions`?
+        except ValueError as e:
+            errors.append(f"{at(where, (*path, 'model_class'))}: {e}")
+            return None
+        return FUNCTION
     return getattr(cls, "config_class", dict)
 
 

@@ -34,7 +34,7 @@ from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
-from chatgen.rlhf.health import StepHealth, check_rewards
+from chatgen.rlhf.health import StepHealth, checked_rewards
 from chatgen.rlhf.metrics import (MetricsLogger, PhaseTimer, eval_metrics, read_jsonl_metrics,
                                   summary)
 from chatgen.rlhf.runtime import Runtime, call_model
@@ -85,6 +85,7 @@ class Run:
             self._lock.close()
             raise
         self._evaluate = evaluate or evaluate_policy
+        self.pending_metrics, self._evaluating = {}, False  # what `score` measured since the last log
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
         """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
@@ -215,15 +216,21 @@ class Run:
 
     def score(self, batch) -> torch.Tensor:
         """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts": S texts, plus each
-        field of the samples' records as a list of length S}."""
+        field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
+        "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
+        and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
-        rewards = torch.as_tensor(self.runtime["reward"].first("score", data), dtype=torch.float32)
-        if rewards.shape != (len(batch),):
-            raise ValueError(f"reward.score returned shape {tuple(rewards.shape)}; it must return one float per "
-                             f"response, shape ({len(batch)},)")
-        check_rewards(rewards, batch.texts)
-        return rewards
+        entry = self.cfg.models["reward"]
+        out = self.runtime["reward"].first("score", data)
+        who = f"models.reward ({entry.model_class}).score"
+        prefix = "eval/reward/" if self._evaluating else "reward/"
+        if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
+            for name, values in out.get("terms", {}).items():
+                self.pending_metrics[f"{prefix}{name}"] = checked_rewards(values, batch.texts, who).mean().item()
+            self.pending_metrics.update({f"{prefix}{k}": v for k, v in out.get("metrics", {}).items()})
+            out = out["rewards"]
+        return checked_rewards(out, batch.texts, who)
 
     # ---- Megatron models (data parallel over their DP ranks) ------------------------------------------
 
@@ -303,7 +310,11 @@ class Run:
         self.log(f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}")
 
     def evaluate(self) -> dict:
-        return self._evaluate(self)
+        self._evaluating = True  # the reward terms it scores are logged as eval/reward/<name>
+        try:
+            return self._evaluate(self)
+        finally:
+            self._evaluating = False
 
     def evaluate_start(self) -> None:
         """On a fresh run with evaluation on, log the held-out metrics before any training as episode 0."""
@@ -311,7 +322,8 @@ class Run:
             with self.timer("eval"):
                 metrics = self.evaluate()
             self.timer.pop()
-            self.logger.log(0, {**metrics, **self._generation_metrics()})
+            self.logger.log(0, {**metrics, **self._generation_metrics(), **self.pending_metrics})
+            self.pending_metrics = {}
 
     def _generation_metrics(self) -> dict:
         """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for one replica)."""
@@ -332,7 +344,8 @@ class Run:
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
             metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
-        metrics.update(self._generation_metrics())
+        metrics.update(self._generation_metrics(), **self.pending_metrics)
+        self.pending_metrics = {}
         self.logger.log(episode, metrics)
         return metrics
 

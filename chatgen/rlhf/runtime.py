@@ -34,7 +34,7 @@ import traceback
 from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
-from chatgen.core.imports import import_class
+from chatgen.core.imports import import_class, project_dirs
 from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
 from chatgen.rlhf.config import backend_kind, model_class
@@ -375,11 +375,12 @@ NOT_FORWARDED = ("CUDA_VISIBLE_DEVICES",)  # Ray gives each actor its own device
 
 
 def worker_env() -> dict:
-    """Environment of every actor, set before its process starts: the driver's import path (so examples/ and
-    user modules import), the driver's variables of FORWARDED_PREFIXES (with chatgen.core.quiet's: vLLM logging
+    """Environment of every actor, set before its process starts: the driver's import path (the project
+    directories of chatgen.core.imports and the current directory first, so examples/ and user modules import),
+    the driver's variables of FORWARDED_PREFIXES (with chatgen.core.quiet's: vLLM logging
     errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
     threads slow a tiny model's steps ~10x)."""
-    path = [os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
+    path = [*project_dirs(), os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
            "OMP_WAIT_POLICY": "PASSIVE"}
     env.update({k: v for k, v in os.environ.items()

@@ -6,16 +6,17 @@
 A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the model's response
 text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere: inside the
 reward actor, in a unit test, or on a held-out set after training. One file per task: sort_digits.py (the tiny
-examples' task, with its SFT and DPO data), arithmetic.py (chat questions for an instruct model). REWARDS names
-the rules a `chatgen.rlhf.rewards:RuleReward` can use.
+examples' task, with its SFT and DPO data), arithmetic.py (chat questions for an instruct model), math_words.py
+(GSM8K-style word problems, also written as parquet, and the math-verify rewards). REWARDS names the rules a
+`chatgen.rlhf.rewards:RuleReward` can use.
 """
 from pathlib import Path
 
 from chatgen.core.jsonl import write_records
-from chatgen.tasks import arithmetic, sort_digits
+from chatgen.tasks import arithmetic, math_words, sort_digits
 
 REWARDS = {"sort_digits": sort_digits.reward, "final_number": arithmetic.final_number_reward}
-TASKS = ("sort_digits", "arithmetic")
+TASKS = ("sort_digits", "arithmetic", "math_words")
 
 
 def get_reward_fn(name: str):
@@ -23,6 +24,16 @@ def get_reward_fn(name: str):
     if name not in REWARDS:
         raise ValueError(f"reward rule {name!r} is unknown; use one of {sorted(REWARDS)}")
     return REWARDS[name]
+
+
+def write_parquet(path: Path, rows: list[dict]) -> None:
+    """`rows` as a parquet file (pyarrow, which the `datasets` library brings), written atomically."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(rows), tmp)
+    tmp.replace(path)
 
 
 def held_out_split(make_records, n_train: int, n_eval: int, seed: int = 0, **kwargs) -> tuple[list, list]:
@@ -45,10 +56,16 @@ def write_task_data(output, task: str = "sort_digits", n_train: int = 20000, n_e
 
     sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations, sft_descending_fraction of
     them sorted the other way) and preference_{train,eval}.jsonl (DPO pairs of the same prompts); arithmetic:
-    train.jsonl and eval.jsonl."""
+    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records)."""
     if task not in TASKS:
         raise ValueError(f"task {task!r} is unknown; use one of {', '.join(TASKS)}")
     out = Path(output)
+    if task == "math_words":
+        train, held_out = held_out_split(math_words.records, n_train, n_eval, seed)
+        for name, rows in (("train", train), ("eval", held_out)):
+            write_records(out / f"{name}.jsonl", rows)
+            write_parquet(out / f"{name}.parquet", rows)
+        return f"wrote {len(train)} train and {len(held_out)} eval math word problems to {out} (.parquet, .jsonl)"
     if task == "arithmetic":
         train, held_out = held_out_split(arithmetic.records, n_train, n_eval, seed, max_operand=max_operand)
         write_records(out / "train.jsonl", train)

@@ -1,4 +1,5 @@
-"""python -m chatgen.tasks --output DIR [--task sort_digits|arithmetic]: write a task's train/eval JSONL files."""
+"""python -m chatgen.tasks --output DIR [--task sort_digits|arithmetic|math_words]: write a task's train/eval files
+(JSONL; math_words also parquet)."""
 import argparse
 
 from chatgen.tasks import TASKS, write_task_data
@@ -8,7 +9,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m chatgen.tasks", description="write a task's train/eval JSONL files")
     parser.add_argument("--output", required=True, help="directory for the JSONL files")
     parser.add_argument("--task", default="sort_digits", choices=TASKS,
-                        help="sort_digits: also sft.jsonl and preference_{train,eval}.jsonl; arithmetic: chat questions")
+                        help="sort_digits: also sft.jsonl and preference_{train,eval}.jsonl; arithmetic: chat "
+                             "questions; math_words: GSM8K-style word problems, .parquet and .jsonl")
     parser.add_argument("--n-train", type=int, default=20000)
     parser.add_argument("--n-eval", type=int, default=256)
     parser.add_argument("--seed", type=int, default=0)

