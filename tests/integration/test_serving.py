@@ -344,6 +344,30 @@ def test_wait_drains_first_and_abort_returns_what_it_has(served, weights):
     module.update_weights(list(original.items()))
 
 
+def test_an_abort_update_ends_streamed_n2_requests_and_the_server_keeps_serving(served, weights):
+    """Issue 28, finding 1: vLLM answers an abort with one output per sample of a streamed n >= 2 request, all
+    with the request's id; the loop popped the id once per output, so the second raised, the update failed and
+    every running call (and each later `wait` update) hung for good."""
+    module, (original, head, _) = served.module, weights
+    version = module.weight_version
+    streams = [served.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"Story {i}"}], n=n, max_tokens=220, temperature=1.0,
+        stream=True, extra_body={"ignore_eos": True}) for i, n in enumerate((2, 3, 1))]
+    finished = [{} for _ in streams]  # per stream: choice index -> its finish_reason
+    for stream in streams:
+        for k, _ in enumerate(stream):  # a few chunks of each: every stream is generating
+            if k == 6:
+                break
+    assert module.update_weights(list(head.items()), mode="abort") == version + 1
+    for stream, got in zip(streams, finished):
+        for chunk in stream:  # the rest of each stream arrives, and it ends
+            got.update((c.index, c.finish_reason) for c in chunk.choices if c.finish_reason)
+    assert finished == [{0: "abort", 1: "abort"}, {0: "abort", 1: "abort", 2: "abort"}, {0: "abort"}]
+    assert module.update_weights(list(original.items()), mode="wait") == version + 2  # nothing left running
+    assert httpx.get(f"{served.url}/health", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert chat(served, [{"role": "user", "content": "hi"}]).choices[0].message.content is not None
+
+
 def test_no_prefix_cache_hit_across_an_update(served, weights):
     module, (original, head, _) = served.module, weights
     long_prompt = module.tokenizer.encode(" ".join(["the cat sat on the mat"] * 12))  # several 32-token blocks

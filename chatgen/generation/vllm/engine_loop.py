@@ -355,6 +355,27 @@ class EngineLoop:
                 versions[count:] = [version] * (len(versions) - count)
             sample.weight_versions = versions
 
+    def _abort_returning_outputs(self) -> None:
+        """End every running request now, each call getting what its requests generated so far. vLLM gives one
+        output per request, or for a streamed request of n samples one per sample, all with the request's id
+        (only the last one `finished`): each is routed to its call, and a request leaves the books once all of
+        its outputs are out."""
+        by_request = {}
+        for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
+            by_request.setdefault(output.request_id, []).append(output)
+        for request_id, outputs in by_request.items():
+            call = self._calls.get(request_id)
+            if call is None:
+                continue
+            outputs[-1].finished = True  # the request is over, whatever vLLM's parent request says
+            for output in outputs:
+                self._stamp_versions(output)
+                call.notify(output)
+            del self._calls[request_id]
+            call.unfinished.discard(request_id)
+            if not call.unfinished:
+                self._finish(call)
+
     def _update(self, buckets, mode: str) -> int:
         """Apply a weight update on the engine thread (see GenerationModule.load_weights for the modes)."""
         if mode == "wait" and self.paused:
@@ -365,14 +386,10 @@ class EngineLoop:
             while self._active:
                 self._step()
         elif mode == "abort":
-            for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
-                call = self._calls.pop(output.request_id)
-                call.unfinished.discard(output.request_id)
-                self._stamp_versions(output)
-                call.notify(output)
-                if not call.unfinished:
-                    self._finish(call)
-            self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
+            try:
+                self._abort_returning_outputs()
+            finally:  # none should remain; even if routing failed, never leave a call hanging
+                self._fail_all(RuntimeError("aborted by a weight update"))
         counts = adapter.output_token_counts(self.llm)
         written, reloading = [0], [False]
 
