@@ -184,6 +184,9 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
 
     @router.get("/health")
     async def health():
+        problem = module.health_problem  # a hung engine: a load balancer must stop sending here
+        if problem:
+            raise APIError(503, problem)
         return {"status": "ok", "model": name, "weight_version": module.weight_version}
 
     @router.get("/v1/models")
@@ -516,6 +519,8 @@ class _Server:
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
         if module.needs_resync:
             raise APIError(503, module.needs_resync)
+        if module.health_problem:
+            raise APIError(503, module.health_problem)
         params = job.params[0] if len(job.params) == 1 else job.params
         async with contextlib.aclosing(module.stream(job.prompts, params, deltas=stream)) as outputs:  # closed: aborts
             async for i, output in outputs:
@@ -586,7 +591,8 @@ class _Server:
                             **({"usage": usage(i)} if continuous else {})))
                 async for _, output in _chain(first, outputs):
                     for sample in output.outputs:
-                        if not sample.text and not sample.token_ids and not generated[sample.index]:
+                        if (not sample.text and not sample.token_ids and not generated[sample.index]
+                                and not sample.finish_reason):
                             continue  # a chunked prefill step: nothing to say yet
                         generated[sample.index] += len(sample.token_ids)
                         yield _sse(chunk([ChatCompletionResponseStreamChoice(
@@ -658,7 +664,8 @@ class _Server:
                             if echo_only:
                                 continue
                             text, token_ids, logprob_steps = sample.text, sample.token_ids, sample.logprobs
-                            if not text and not token_ids and not generated[k]:
+                            if (not text and not token_ids and not generated[k]
+                                    and not sample.finish_reason):
                                 continue  # a chunked prefill step: nothing to say yet
                         generated[k] += len(sample.token_ids)
                         logprobs = logprobs_of(token_ids, logprob_steps or [], offsets[k])

@@ -21,6 +21,7 @@ from chatgen.core.distributed import free_port  # noqa: E402
 from chatgen.generation.vllm import adapter  # noqa: E402
 from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 from chatgen.serving.app import build_app  # noqa: E402
+from chatgen.serving.limits import uvicorn_config  # noqa: E402
 
 KEY = "test-key"
 MAX_NEW = 40  # generate()'s tokens in the weight-update tests: long enough to update mid-request
@@ -32,7 +33,7 @@ class Served:
 
         self.module, self.url = module, f"http://127.0.0.1:{port}"
         self.app = build_app(module, api_key=KEY, model_name="tiny")
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -345,14 +346,16 @@ def test_wait_drains_first_and_abort_returns_what_it_has(served, weights):
 
 
 def test_an_abort_update_ends_streamed_n2_requests_and_the_server_keeps_serving(served, weights):
-    """Issue 28, finding 1: vLLM answers an abort with one output per sample of a streamed n >= 2 request, all
-    with the request's id; the loop popped the id once per output, so the second raised, the update failed and
-    every running call (and each later `wait` update) hung for good."""
+    """Issue 28, finding 1: vLLM answers an abort with one output per sample of a streamed
+    n >= 2 request, all with the request's id; the loop popped the id once per output, so the
+    second raised, the update failed and every running call (and each later `wait` update) hung
+    for good."""
     module, (original, head, _) = served.module, weights
     version = module.weight_version
     streams = [served.client.chat.completions.create(
-        model="tiny", messages=[{"role": "user", "content": f"Story {i}"}], n=n, max_tokens=220, temperature=1.0,
-        stream=True, extra_body={"ignore_eos": True}) for i, n in enumerate((2, 3, 1))]
+        model="tiny", messages=[{"role": "user", "content": f"Story {i}"}], n=n, max_tokens=220,
+        temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+        for i, n in enumerate((2, 3, 1))]
     finished = [{} for _ in streams]  # per stream: choice index -> its finish_reason
     for stream in streams:
         for k, _ in enumerate(stream):  # a few chunks of each: every stream is generating
@@ -362,9 +365,11 @@ def test_an_abort_update_ends_streamed_n2_requests_and_the_server_keeps_serving(
     for stream, got in zip(streams, finished):
         for chunk in stream:  # the rest of each stream arrives, and it ends
             got.update((c.index, c.finish_reason) for c in chunk.choices if c.finish_reason)
-    assert finished == [{0: "abort", 1: "abort"}, {0: "abort", 1: "abort", 2: "abort"}, {0: "abort"}]
-    assert module.update_weights(list(original.items()), mode="wait") == version + 2  # nothing left running
-    assert httpx.get(f"{served.url}/health", headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
+    assert finished == [{0: "abort", 1: "abort"}, {0: "abort", 1: "abort", 2: "abort"},
+                        {0: "abort"}]
+    assert module.update_weights(list(original.items()), mode="wait") == version + 2  # none left
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{served.url}/health", headers=auth).status_code == 200
     assert chat(served, [{"role": "user", "content": "hi"}]).choices[0].message.content is not None
 
 
@@ -430,6 +435,34 @@ def test_update_mode_is_checked(served):
         served.module.update_weights([], mode="later")
 
 
+def test_a_stuck_engine_loop_turns_health_503_and_its_shutdown_is_bounded(served):
+    """Issue 28, finding 1: a wedged loop left /health at "ok" and SIGTERM waiting for good.
+    Here one command blocks the engine thread: /health and new requests answer 503 naming it,
+    and the loop's shutdown gives up after its timeout instead of waiting (the engine is left
+    alone; this test runs last before the server's own shutdown)."""
+    loop, release = served.module.engine_loop, threading.Event()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    loop.stall_s = 0.5
+    blocker = threading.Thread(target=loop.call, args=(release.wait,), daemon=True)
+    blocker.start()
+    try:
+        deadline = time.time() + 10
+        while (health := httpx.get(f"{served.url}/health", headers=auth)).status_code == 200:
+            assert time.time() < deadline, "/health still ok with the engine loop stuck"
+            time.sleep(0.1)
+        assert health.status_code == 503 and "no progress" in health.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError, match="no progress") as err:
+            chat(served, [{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 503
+        start = time.monotonic()
+        assert loop.shutdown(timeout=1.0) is False
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+        blocker.join(timeout=10)
+    assert not blocker.is_alive() and not loop._thread.is_alive()  # released, the old thread ends
+
+
 # ---------------------------------------------------------------- shutdown (last: the server goes away)
 
 def test_after_shutdown_connections_are_refused(served):
@@ -442,13 +475,16 @@ def test_after_shutdown_connections_are_refused(served):
 
 
 def test_chatgen_serve_command(tiny_llama_dir):
-    """The real entry point in its own process: loopback only, API key, a completion, stops on SIGTERM."""
+    """The real entry point in its own process: loopback only, API key, a completion, stops on
+    SIGTERM within its --shutdown-timeout even with a stream that can never end (the engine
+    paused; issue 28, finding 9)."""
     import subprocess
     import sys
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(tiny_llama_dir),
                              "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
+                             "--control", "--shutdown-timeout", "1",
                              "enforce_eager=true", "seq_length=128", "max_new_tokens=16",
                              f"kv_cache_memory_bytes={64 << 20}"], stderr=subprocess.PIPE, text=True)
     try:
@@ -466,9 +502,17 @@ def test_chatgen_serve_command(tiny_llama_dir):
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
         assert "127.0.0.1" in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split(
             f":{port}")[0].splitlines()[-1]
+        auth = {"Authorization": f"Bearer {KEY}"}
+        paused = httpx.post(f"http://127.0.0.1:{port}/control/pause", headers=auth, json={})
+        assert paused.json()["paused"]
+        threading.Thread(target=lambda: list(client.completions.create(  # paused: waits
+            model="tiny", prompt=[1, 5, 6], max_tokens=4, stream=True)), daemon=True).start()
+        time.sleep(1.0)
     finally:
         proc.terminate()
+        start = time.monotonic()
         # uvicorn stops gracefully and re-raises the signal it caught; chatgen's CLI exits 143 (chatgen/cli.py)
         assert proc.wait(timeout=60) == 143
+    assert time.monotonic() - start < 20, "SIGTERM waited for a request that could never finish"
     with pytest.raises(openai.APIConnectionError):
         client.models.list()
