@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import hmac
 import json
 import time
@@ -197,18 +198,22 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
                                                max_model_len=module.config.seq_length)]))
 
     @router.post("/tokenize")
+    @cancel_on_disconnect
     async def tokenize(request: Request):
         return _json_response(await server.off_loop(server.tokenize, await request.body()))
 
     @router.post("/detokenize")
+    @cancel_on_disconnect
     async def detokenize(request: Request):
         return _json_response(await server.off_loop(server.detokenize, await request.body()))
 
     @router.post("/v1/chat/completions")
+    @cancel_on_disconnect
     async def chat(request: Request):
         return await server.chat(await server.off_loop(server.prepare_chat, await request.body()))
 
     @router.post("/v1/completions")
+    @cancel_on_disconnect
     async def completions(request: Request):
         return await server.completions(await server.off_loop(server.prepare_completion, await request.body()))
 
@@ -216,6 +221,33 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     for extra in routers:
         app.include_router(extra, dependencies=[Depends(api_key_dependency(api_key))])
     return app
+
+
+def cancel_on_disconnect(handler):
+    """A route handler that is cancelled when its client disconnects (vLLM's `with_cancellation`):
+    its engine requests are aborted, so an abandoned request stops costing the others. The body is
+    read first; after that the connection's only event is its disconnect. A handler that returns a
+    StreamingResponse hands the listening over to it (Starlette cancels a stream whose client
+    left)."""
+    @functools.wraps(handler)
+    async def cancellable(request: Request):
+        await request.body()  # kept by the request for the handler
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, gone = asyncio.ensure_future(handler(request)), asyncio.ensure_future(disconnected())
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        for task in (work, gone):
+            task.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(BaseException):  # its requests are aborted as it unwinds
+            await work
+        return None  # the client left: nobody reads an answer
+
+    return cancellable
 
 
 def _pydantic_errors(errors) -> str:

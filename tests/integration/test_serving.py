@@ -137,6 +137,30 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(served):
     assert module.engine_loop.steps_run - left_at < 100, "the request kept running after its client left"
 
 
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(served):
+    """Issue 28, finding 2: a non-streaming request kept generating after its client left."""
+    import json
+    import socket
+
+    module = served.module
+    body = json.dumps({"model": "tiny", "prompt": "Tell a long story", "max_tokens": 200, "n": 4,
+                       "temperature": 1.0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 30
+    while not module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        assert time.time() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    sock.close()  # the client goes away mid-generation
+    left_at = module.engine_loop.steps_run
+    while module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        time.sleep(0.01)
+    assert module.engine_loop.steps_run - left_at < 100, "it kept running after its client left"
+
+
 def test_16_concurrent_clients_match_one_at_a_time(served):
     prompts = [f"Story {i}: once upon a time" for i in range(16)]
     alone = [chat(served, [{"role": "user", "content": p}], max_tokens=12).choices[0].message.generation_token_ids
