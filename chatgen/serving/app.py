@@ -28,7 +28,9 @@ import contextlib
 import copy
 import functools
 import hmac
+import ipaddress
 import json
+import socket
 import time
 import uuid
 
@@ -67,7 +69,8 @@ class APIError(Exception):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+               503: "ServiceUnavailableError"}
 
 
 def _error_body(status: int, message: str, param=None) -> dict:
@@ -137,8 +140,57 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+async def require_json(request: Request) -> None:
+    """A FastAPI dependency (after the API key's) on every route: a request with a body (any method
+    but GET and HEAD) must be `Content-Type: application/json`, 415 otherwise. A web page can send
+    text/plain, a form or no type at all to any server without asking it first; JSON it cannot
+    without a CORS preflight, which this server never approves (it sends no CORS headers)."""
+    if request.method in ("GET", "HEAD"):
+        return
+    given = request.headers.get("content-type")
+    if (given or "").split(";")[0].strip().lower() != "application/json":
+        gave = f"this request gave {given!r}" if given else "none given"
+        raise APIError(415, f"{request.method} requests take a JSON body: send the header "
+                            f"'Content-Type: application/json' ({gave}), even with an empty "
+                            "body {}")
+
+
+class HostCheck:
+    """ASGI middleware: the `Host` header must be an IP address or a name of this server (400
+    otherwise, before anything else is read). DNS rebinding points a web page's own name at
+    127.0.0.1: its requests then reach a server on the user's machine, carrying that name. Names:
+    localhost, this machine's host names and `allowed_hosts`; "*" accepts any (behind a proxy that
+    checks the name itself)."""
+
+    def __init__(self, app, allowed_hosts=()):
+        self.app = app
+        names = {"localhost", socket.gethostname(), socket.getfqdn(), *allowed_hosts}
+        self.names = None if "*" in names else {n.lower().rstrip(".") for n in names}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.names is not None:
+            host = next((v for k, v in scope["headers"] if k == b"host"), None)
+            problem = host is not None and self.problem(host.decode("latin-1").strip())
+            if problem:
+                return await _error_response(400, problem)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def problem(self, host: str) -> str | None:
+        name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        try:
+            ipaddress.ip_address(name)
+            return None
+        except ValueError:
+            pass
+        if name.lower().rstrip(".") in self.names:
+            return None
+        return (f"Host {host!r} is not a name of this server (an IP address, localhost, this "
+                "machine's name or one of --allowed-hosts); behind a proxy, start the server with "
+                f"--allowed-hosts {name} (or '*' if the proxy checks the name itself)")
+
+
 def build_app(module, *, api_key: str | None = None, model_name: str | None = None, routers=(),
-              max_request_bytes: int | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, allowed_hosts=()) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
 
     api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`, and the
@@ -146,6 +198,8 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     routers: more `fastapi.APIRouter`s to mount (e.g. weight-update control endpoints); they can reach the
     module as `request.app.state.module`.
     max_request_bytes: a larger request body is answered 413 without being read (None: 16 MiB).
+    allowed_hosts: names clients may give in the Host header beyond IP addresses, localhost and this
+    machine's names ("*": any; `HostCheck`). A POST must be JSON (`require_json`).
     """
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import VLLMClientError
@@ -157,6 +211,7 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="chatgen", description="OpenAI-compatible server over a chatgen generation module", **docs)
     app.add_middleware(BodyLimit, limit=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # outermost: before the body
     app.state.module, app.state.model_name = module, name
     server = _Server(module, name)
 
@@ -181,7 +236,8 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     async def internal_error(request, e: Exception):  # a bug, not the client's fault: say so, keep serving
         return _error_response(500, f"internal error: {type(e).__name__}: {e}")
 
-    router = APIRouter(dependencies=[Depends(api_key_dependency(api_key))])
+    guards = [Depends(api_key_dependency(api_key)), Depends(require_json)]  # in this order
+    router = APIRouter(dependencies=guards)
 
     @router.get("/health")
     async def health():
@@ -219,7 +275,7 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
 
     app.include_router(router)
     for extra in routers:
-        app.include_router(extra, dependencies=[Depends(api_key_dependency(api_key))])
+        app.include_router(extra, dependencies=guards)
     return app
 
 

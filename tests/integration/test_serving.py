@@ -194,6 +194,32 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     assert chat(served, messages).choices[0].message.content is not None  # still serving
 
 
+def test_what_a_web_page_can_send_is_refused(served):
+    """Issue 28, finding 3: a page can POST text/plain (or no type) to a server on the user's
+    machine without asking it first, and reach it by DNS rebinding under its own name."""
+    auth, url = {"Authorization": f"Bearer {KEY}"}, f"{served.url}/v1/completions"
+    body = b'{"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 1}'
+    form = "application/x-www-form-urlencoded"
+    for kind in ({"Content-Type": "text/plain"}, {"Content-Type": form}, {}):
+        refused = httpx.post(url, headers={**auth, **kind}, content=body)
+        assert refused.status_code == 415, refused.text
+        assert "Content-Type: application/json" in refused.json()["error"]["message"]
+    json_type = {**auth, "Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(url, headers=json_type, content=body).status_code == 200
+    rebound = httpx.get(f"{served.url}/health", headers={**auth, "Host": "attacker.example:8000"})
+    assert rebound.status_code == 400 and "--allowed-hosts" in rebound.json()["error"]["message"]
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:80"):
+        assert httpx.get(f"{served.url}/health", headers={**auth, "Host": host}).status_code == 200
+    # no CORS: a preflight is not approved, and no answer lets a page read it
+    origin = {"Origin": "http://attacker.example"}
+    preflight = httpx.options(url, headers={**origin, "Access-Control-Request-Method": "POST",
+                                            "Access-Control-Request-Headers": "content-type"})
+    answered = httpx.post(url, headers={**json_type, **origin}, content=body)
+    for response in (preflight, answered):
+        assert not [h for h in response.headers if h.lower().startswith("access-control-")]
+    assert preflight.status_code >= 400
+
+
 # ---------------------------------------------------------------- token-exact multi-turn
 
 def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(served):
@@ -527,8 +553,10 @@ def test_chatgen_serve_command(tiny_llama_dir):
         assert "127.0.0.1" in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split(
             f":{port}")[0].splitlines()[-1]
         auth = {"Authorization": f"Bearer {KEY}"}
-        paused = httpx.post(f"http://127.0.0.1:{port}/control/pause", headers=auth, json={})
-        assert paused.json()["paused"]
+        pause = f"http://127.0.0.1:{port}/control/pause"
+        plain = httpx.post(pause, headers={**auth, "Content-Type": "text/plain"}, content=b"{}")
+        assert plain.status_code == 415  # issue 28, finding 3: a web page could pause the server
+        assert httpx.post(pause, headers=auth, json={}).json()["paused"]
         threading.Thread(target=lambda: list(client.completions.create(  # paused: waits
             model="tiny", prompt=[1, 5, 6], max_tokens=4, stream=True)), daemon=True).start()
         time.sleep(1.0)
