@@ -107,8 +107,9 @@ class RuntimeConfig:
         0.5, "stop before training when more than this share of the training prompts had to be cut to the prompt "
              "budget (seq_length - max_new_tokens); 1.0 = never")
     max_bad_train_steps: int = opt(
-        3, "stop after this many optimizer steps in a row with a zero or non-finite gradient norm (training collapsed "
-           "or diverged)")
+        3, "stop after this many optimizer steps in a row with a non-finite loss or gradient norm, "
+           "or as many episodes in a row whose log-prob mismatch is not finite or jumped (training "
+           "diverged)")
     solved_reward: Optional[float] = opt(
         1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
     algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")

@@ -326,6 +326,7 @@ class Run:
             metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
         metrics.update(self._generation_metrics())
         self.logger.log(episode, metrics)
+        self.health.check_mismatch(metrics)  # after the log: what stops a run is on record
         return metrics
 
     def close(self) -> Path | None:

@@ -18,6 +18,7 @@ from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.health import zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
 
@@ -106,6 +107,7 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
             run.sync_policy()
     metrics = {**sample_metrics(rewards, batch, data["old_logprobs"], run.cfg.runtime.solved_reward,
                                 data.get("is_weights")), **prefixed("policy", stats)}
+    metrics["reward/zero_variance_groups"] = zero_variance_groups(rewards, n, run.log)
     if algo.old_logprobs == "rollout":  # old == infer: the mismatch is what the first step saw before updating
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
         if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
