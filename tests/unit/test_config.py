@@ -633,6 +633,21 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
         load_model_config(path, VLLMConfig)
 
 
+def test_yaml_merge_keys_are_accepted_and_keys_beside_them_override(tmp_path):
+    """Issue 28, finding 7: the duplicate-key check refused `<<: *defaults` as a syntax error."""
+    text = ("defaults: &defaults {load: /m, temperature: 0.5, top_p: 0.9}\n"
+            "policy:\n  <<: *defaults\n  temperature: 0.7\n")
+    path = write(tmp_path / "p.yaml", text)
+    from chatgen.config.loader import _Loader
+
+    loaded = yaml.load(path.read_text(), Loader=_Loader)
+    assert loaded == yaml.safe_load(text)
+    assert loaded["policy"] == {"load": "/m", "temperature": 0.7, "top_p": 0.9}
+    model = write(tmp_path / "m.yaml", "base: &b {load: /m, temperature: 0.5}\n<<: *b\ntop_p: 0.8\n")
+    with pytest.raises(ConfigError, match="base"):  # the anchor's own key is no VLLMConfig key
+        load_model_config(model, VLLMConfig)
+
+
 # nine levels of ten aliases: 400-odd bytes whose `models:` expands to 10^9 strings
 ALIAS_BOMB = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
     f"{chr(98 + i)}: &{chr(98 + i)} [{', '.join(['*' + chr(97 + i)] * 10)}]\n" for i in range(8)) + \
