@@ -71,8 +71,8 @@ def _expanded_values(node, memo: dict) -> int:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, refuses
-    a key given twice in one mapping (PyYAML would keep the last value without a word; merge keys `<<` are
-    YAML's own overrides and pass), and refuses a document
+    a key given twice in one mapping (PyYAML would keep the last value without a word; merge keys
+    `<<` are YAML's own overrides and pass), and refuses a document
     whose aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is built)."""
 
     def compose_document(self):

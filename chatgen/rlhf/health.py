@@ -38,6 +38,27 @@ def check_cut_prompts(items: list, limit: float, log) -> None:
         log(f"[chatgen] WARNING: {cut} of {len(items)} training prompts were cut to the prompt budget")
 
 
+def as_rewards(value, count: int, name: str) -> torch.Tensor:
+    """What a reward returned, as (count,) float32 rewards; anything else (None, text, a wrong
+    length) is a TypeError naming the reward (`name`) and what it returned."""
+    problem = None
+    if isinstance(value, (str, bytes, dict)) or value is None:
+        problem = f"a {type(value).__name__}"
+    else:
+        try:
+            rewards = torch.as_tensor(value, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError) as e:
+            problem = f"a {type(value).__name__} that is not numbers ({e})"
+        else:
+            if rewards.shape != (count,):
+                problem = f"shape {tuple(rewards.shape)}"
+    if problem is None:
+        return rewards
+    shown = repr(value)
+    raise TypeError(f"{name} returned {problem}: {shown[:200]}{'...' if len(shown) > 200 else ''}; "
+                    f"it must return one number per response: a list or tensor of {count} floats")
+
+
 def check_rewards(rewards: torch.Tensor, texts: list) -> None:
     """Stop on a NaN or inf reward, naming the samples and one response that got it."""
     if not torch.isfinite(rewards).all():

@@ -32,9 +32,10 @@ from chatgen.core.tensors import select
 from chatgen.module import startup_gc
 from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
+from chatgen.rlhf.config import (backend_kind, check_run, format_config, model_class, save_resolved,
+                                 to_dict)
 from chatgen.rlhf.data import RunData
-from chatgen.rlhf.health import StepHealth, check_rewards
+from chatgen.rlhf.health import StepHealth, as_rewards, check_rewards
 from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, read_jsonl_metrics, summary
 from chatgen.rlhf.runtime import Runtime, call_model
 from chatgen.rlhf.weight_links import WeightLinks
@@ -210,10 +211,8 @@ class Run:
         field of the samples' records as a list of length S}."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
-        rewards = torch.as_tensor(self.runtime["reward"].first("score", data), dtype=torch.float32)
-        if rewards.shape != (len(batch),):
-            raise ValueError(f"reward.score returned shape {tuple(rewards.shape)}; it must return one float per "
-                             f"response, shape ({len(batch)},)")
+        name = f"reward ({model_class(self.cfg.models['reward'])}).score"
+        rewards = as_rewards(self.runtime["reward"].first("score", data), len(batch), name)
         check_rewards(rewards, batch.texts)
         return rewards
 

@@ -643,7 +643,8 @@ def test_yaml_merge_keys_are_accepted_and_keys_beside_them_override(tmp_path):
     loaded = yaml.load(path.read_text(), Loader=_Loader)
     assert loaded == yaml.safe_load(text)
     assert loaded["policy"] == {"load": "/m", "temperature": 0.7, "top_p": 0.9}
-    model = write(tmp_path / "m.yaml", "base: &b {load: /m, temperature: 0.5}\n<<: *b\ntop_p: 0.8\n")
+    model = write(tmp_path / "m.yaml",
+                  "base: &b {load: /m, temperature: 0.5}\n<<: *b\ntop_p: 0.8\n")
     with pytest.raises(ConfigError, match="base"):  # the anchor's own key is no VLLMConfig key
         load_model_config(model, VLLMConfig)
 

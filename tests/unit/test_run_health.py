@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import save_file
 
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.health import (RunHealthError, StepHealth, check_cut_prompts, check_rewards,
-                                 zero_variance_groups)
+from chatgen.rlhf.health import (RunHealthError, StepHealth, as_rewards, check_cut_prompts,
+                                 check_rewards, zero_variance_groups)
 
 pytestmark = pytest.mark.faults
 
@@ -76,6 +76,17 @@ def test_a_nan_reward_stops_the_run_naming_the_sample():
     check_rewards(torch.tensor([0.0, 1.0]), ["a", "b"])
     with pytest.raises(RunHealthError, match=r"NaN/inf for samples \[1\] \(e.g. response 'b'\)"):
         check_rewards(torch.tensor([0.0, float("nan")]), ["a", "b"])
+
+
+@pytest.mark.parametrize("returned, said", [
+    (None, "returned a NoneType: None"), ("0.5", "returned a str: '0.5'"),
+    (["a", "b"], "returned a list that is not numbers"), ([1.0], r"returned shape \(1,\)"),
+    ({"reward": [1.0, 0.0]}, "returned a dict")])
+def test_a_reward_of_the_wrong_type_is_refused_naming_the_reward(returned, said):
+    """Issue 28, finding 10: None gave a raw TypeError traceback, a string "too many dimensions"."""
+    assert as_rewards([1, 0.5], 2, "reward (my.Reward).score").tolist() == [1.0, 0.5]
+    with pytest.raises(TypeError, match=rf"reward \(my.Reward\).score {said}.*tensor of 2 floats"):
+        as_rewards(returned, 2, "reward (my.Reward).score")
 
 
 def test_output_directory_lock_refuses_a_second_run_and_frees_on_exit(tmp_path):
