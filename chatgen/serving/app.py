@@ -30,6 +30,7 @@ import functools
 import hmac
 import ipaddress
 import json
+import re
 import socket
 import time
 import uuid
@@ -310,15 +311,25 @@ def _pydantic_errors(errors) -> str:
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:10])
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
+
+
 def _json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an int of > 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}")
     except RecursionError:
         raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE.search(raw):  # a pair of escapes is one character; a lone one is no text
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the request body holds a lone UTF-16 surrogate escape "
+                                f"(\\u{ord(e.object[e.start]):04x}), which is no text: escape the "
+                                "whole character as a surrogate pair, or send it as UTF-8")
     return body
 
 
@@ -393,8 +404,12 @@ class _Server:
 
     def check_ids(self, ids, tok_params) -> list:
         """Token ids truncated and length-checked by the request's `TokenizeParams`."""
-        return list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
-                    ["prompt_token_ids"])
+        ids = list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
+                   ["prompt_token_ids"])
+        if not ids:
+            raise APIError(400, "the prompt has no tokens left (truncate_prompt_tokens: 0?); every "
+                                "prompt needs at least one", "truncate_prompt_tokens")
+        return ids
 
     def render(self, req, messages=None, add_generation_prompt=None, continue_final_message=None) -> str:
         """A chat (the request's messages, or `messages`) rendered to text with the model's own chat template, with
@@ -438,7 +453,11 @@ class _Server:
         if prefix is None and last is not None:
             m = messages[last]
             if m.get("prompt_token_ids") is not None and m.get("generation_token_ids") is not None:
-                prefix = list(m["prompt_token_ids"]) + list(m["generation_token_ids"])
+                parts = (m["prompt_token_ids"], m["generation_token_ids"])
+                if not all(isinstance(p, list) for p in parts):
+                    raise APIError(400, f"messages.{last}: prompt_token_ids and "
+                                        "generation_token_ids are lists of token ids", "messages")
+                prefix = parts[0] + parts[1]
         if prefix is None:
             return self.tokenize_text(self.render(req), tok_params)
         if not (isinstance(prefix, list) and prefix and all(type(t) is int and t >= 0 for t in prefix)):
@@ -527,6 +546,11 @@ class _Server:
 
         req = _parse(DetokenizeRequest, _json(raw))
         self.check_model(req.model)
+        vocab = self.module.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            bad = next(t for t in req.tokens if not 0 <= t < vocab)
+            raise APIError(400, f"tokens: {bad} is no token id of this model (0..{vocab - 1})",
+                           "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     # ------------------------------------------------------------------ outputs

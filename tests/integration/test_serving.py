@@ -220,6 +220,68 @@ def test_what_a_web_page_can_send_is_refused(served):
     assert preflight.status_code >= 400
 
 
+BIG_INT = "1" + "0" * 100_000  # past Python's 4300-digit int conversion limit
+HOSTILE = [  # (endpoint, raw body): each answered 4xx, never 500, and the server keeps serving
+    # issue 28, finding 8: the six that got 500
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                             b'"content": "\\udfff"}]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "truncate_prompt_tokens": 0}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + BIG_INT.encode()
+     + b"}"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "assistant", "content": "b", "prompt_token_ids": 5, '
+                             b'"generation_token_ids": [1]}]}'),
+    ("/detokenize", b'{"model": "tiny", "tokens": [4294967296]}'),
+    # the rest of the round's kinds, one each
+    ("/detokenize", b'{"model": "tiny", "tokens": [-1]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[]]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2.5]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "n": 0}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "temperature": -1}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "logprobs": 1000000}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stop": [1, 2]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "seed": ' + BIG_INT.encode() + b"}"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": null}'),
+    ("/v1/completions", b'[1, 2, 3]'),
+    ("/v1/completions", b'"just a string"'),
+    ("/v1/completions", b"\xff\xfe not utf-8"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", '
+                        b'"stream_options": {"include_usage": "x"}}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                             b'[{"type": "image_url", "image_url": {"url": "http://x"}}]}]}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"required_prefix_token_ids": "abc"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"top_logprobs": 99999, "logprobs": true}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "assistant", "content": "b", "prompt_token_ids": ["x"], '
+                             b'"generation_token_ids": [1]}]}'),
+    ("/tokenize", b'{"model": "tiny", "messages": "not a list"}'),
+    ("/detokenize", b'{"model": "tiny", "tokens": "abc"}'),
+]
+
+
+def test_the_rounds_hostile_bodies_get_4xx_and_the_server_keeps_serving(served):
+    """Issue 28, finding 8: the corpus of the adversarial round, bounded: every body is refused
+    with a 4xx naming the problem (six used to get 500), and /health answers throughout."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    answers = {}
+    for path, body in HOSTILE:
+        r = httpx.post(f"{served.url}{path}", headers=headers, content=body, timeout=60)
+        answers[(path, body[:80])] = (r.status_code, r.text[:200])
+    server_errors = {k: v for k, v in answers.items() if not 400 <= v[0] < 500}
+    assert not server_errors, server_errors
+    assert all('"error"' in text for _, text in answers.values())
+    assert httpx.get(f"{served.url}/health", headers=headers).status_code == 200
+    assert chat(served, [{"role": "user", "content": "hello"}]).choices[0].message.content
+
+
 # ---------------------------------------------------------------- token-exact multi-turn
 
 def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(served):
