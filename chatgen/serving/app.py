@@ -400,7 +400,22 @@ class _Server:
         """vLLM's text path: a length check on characters (before any tokenizing), encode, truncate, a length check
         on tokens; the rules are the request's `TokenizeParams`."""
         text = tok_params.apply_pre_tokenization(self.encoder, {"prompt": text})["prompt"]
-        return self.check_ids(self.encoder.encode(text, **tok_params.get_encode_kwargs()), tok_params)
+        return self.check_ids(self.encoder.encode(self.trim(text, tok_params),
+                                                  **tok_params.get_encode_kwargs()), tok_params)
+
+    def trim(self, text: str, tok_params) -> str:
+        """A truncated prompt's text cut, before encoding, to what its kept tokens can span (the
+        model's max input tokens x its longest token, on the side truncation drops): the tokenizer
+        would otherwise encode all of a 15 MB text to keep 100 tokens, and every other request waits
+        on this thread meanwhile. vLLM cuts the same way when a request names truncation_side."""
+        limit = getattr(self.encoder, "max_chars_per_token", None)
+        if not limit or None in (tok_params.truncate_prompt_tokens, tok_params.max_input_tokens):
+            return text
+        limit *= tok_params.max_input_tokens
+        if len(text) <= limit:
+            return text
+        side = tok_params.truncation_side or getattr(self.encoder, "truncation_side", "left")
+        return text[-limit:] if side == "left" else text[:limit]
 
     def check_ids(self, ids, tok_params) -> list:
         """Token ids truncated and length-checked by the request's `TokenizeParams`."""

@@ -282,6 +282,19 @@ def test_the_rounds_hostile_bodies_get_4xx_and_the_server_keeps_serving(served):
     assert chat(served, [{"role": "user", "content": "hello"}]).choices[0].message.content
 
 
+def test_a_truncated_huge_prompt_is_cut_before_it_is_tokenized(served):
+    """Issue 28, finding 9: a 15 MB prompt with truncation was encoded whole (55.6 s) on the one
+    tokenizing thread, every other request waiting. Cut first, it keeps the same last tokens."""
+    url, auth = f"{served.url}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    text = "the cat sat on the mat. " * 2000  # longer than 256 tokens x the longest token
+    kept = served.module.tokenizer.encode(text, truncation=True, max_length=20)  # all encoded, cut
+    assert len(kept) == 20
+    for prompt in (text, text * 300):  # the second: 14 MB
+        r = httpx.post(url, headers=auth, timeout=120, json={
+            "model": "tiny", "prompt": prompt, "truncate_prompt_tokens": 20, "max_tokens": 1})
+        assert r.json()["choices"][0]["prompt_token_ids"] == kept
+
+
 # ---------------------------------------------------------------- token-exact multi-turn
 
 def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(served):
