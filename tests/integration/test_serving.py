@@ -295,6 +295,26 @@ def test_a_truncated_huge_prompt_is_cut_before_it_is_tokenized(served):
         assert r.json()["choices"][0]["prompt_token_ids"] == kept
 
 
+def test_oversized_and_slow_request_heads_are_cut_off(served, monkeypatch):
+    """Issue 28, finding 9: headers had no size limit and were read before the key check (4 x 50
+    MB: +193 MB), and a connection trickling its head stayed open (slowloris)."""
+    import socket
+
+    from chatgen.serving import limits
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = httpx.get(f"{served.url}/health",
+                    headers={**auth, "X-Big": "a" * (limits.MAX_HEAD_BYTES + 1)})
+    assert big.status_code == 431 and "headers exceed" in big.text
+    assert httpx.get(f"{served.url}/health", headers={**auth, "X-Ok": "a" * 8000}).status_code == 200
+    monkeypatch.setattr(limits, "HEAD_TIMEOUT_S", 0.5)
+    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    sock.settimeout(10)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end of the head
+    assert sock.recv(100) == b""  # closed by the server
+    sock.close()
+
+
 # ---------------------------------------------------------------- token-exact multi-turn
 
 def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(served):
