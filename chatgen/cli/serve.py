@@ -52,6 +52,13 @@ def add_arguments(parser) -> None:
                              "(the trainer connecting after begin, each bucket, the end) before it is given up and "
                              "the engine keeps its weights (default 120)")
     parser.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
+    parser.add_argument("--allowed-hosts", default="", metavar="NAMES",
+                        help="comma-separated names clients may send in the Host header beyond IP "
+                             "addresses, localhost and this machine's names, e.g. the name a proxy "
+                             "forwards; '*': any (default: none; a foreign Host is answered 400)")
+    parser.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
+                        help="on SIGTERM, how long requests still running may finish "
+                             "before they are cancelled (default 10; vLLM's --shutdown-timeout)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512")
 
 
@@ -81,7 +88,11 @@ def run(args) -> int:
     from chatgen.serving.app import build_app
     from chatgen.serving.control import DEFAULT_TIMEOUT_S, check_bind, control_router
     from chatgen.serving.embedded import listen
+    from chatgen.serving.limits import SHUTDOWN_GRACE_S, uvicorn_config
 
+    if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
+                         "running requests may take to finish on SIGTERM, e.g. 10")
     if args.control:  # before the engine starts
         check_bind(args.host, key)
         if args.control_timeout is not None and not args.control_timeout > 0:
@@ -93,11 +104,13 @@ def run(args) -> int:
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []
         app = build_app(module, api_key=key, model_name=args.served_model_name or args.model,
-                        routers=routers, max_request_bytes=args.max_request_bytes)
+                        routers=routers, max_request_bytes=args.max_request_bytes,
+                        allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))])
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(f"chatgen serve: http://{host}:{sock.getsockname()[1]}/v1 (model {app.state.model_name!r})",
               file=sys.stderr)
-        uvicorn.Server(uvicorn.Config(app, log_level="warning")).run(sockets=[sock])
+        grace = SHUTDOWN_GRACE_S if args.shutdown_timeout is None else args.shutdown_timeout
+        uvicorn.Server(uvicorn_config(app, shutdown_grace_s=grace)).run(sockets=[sock])
     finally:
         module.shutdown()
         sock.close()

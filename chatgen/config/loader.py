@@ -71,7 +71,8 @@ def _expanded_values(node, memo: dict) -> int:
 
 class _Loader(yaml.SafeLoader):
     """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, refuses
-    a key given twice in one mapping (PyYAML would keep the last value without a word), and refuses a document
+    a key given twice in one mapping (PyYAML would keep the last value without a word; merge keys
+    `<<` are YAML's own overrides and pass), and refuses a document
     whose aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is built)."""
 
     def compose_document(self):
@@ -85,6 +86,8 @@ class _Loader(yaml.SafeLoader):
     def construct_mapping(self, node, deep=False):
         seen = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: SafeLoader merges it
+                continue  # (keys written beside it override the merged ones, as YAML means)
             key = self.construct_object(key_node, deep=True)
             if not isinstance(key, (str, int, float, bool)):
                 continue  # an unhashable key: SafeLoader's own error follows
@@ -212,6 +215,38 @@ def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stac
 
 
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
+# a key that names a secret: key, token, api_key, judge_api_key, hf_token, client_secret, password,
+# ... (not prompt_key or pad_token: the key of a field, a special token)
+SECRET_KEY = re.compile(r"^(key|token)$|(^|_)(api|access|private|secret|auth|client|signing|hf"
+                        r"|wandb|github|session|bearer|refresh)_?(key|token)$|secret|passw(or)?d",
+                        re.IGNORECASE)
+MASK = "***"
+MIN_ENV_SECRET = 6  # shorter environment values (a count, a flag) are not looked for when shown
+_from_env = {}  # the text of each environment variable a config used -> its name (`mask_secrets`)
+
+
+def mask_secrets(data, key: str = ""):
+    """`data` (plain dicts / lists / scalars) fit to show or write: the value of a key named like a
+    secret (SECRET_KEY: api_key, hf_token, *secret*, *password*, ...) is MASK, and the text of an
+    environment variable a config read through ${VAR} is written back as `${VAR}` (so a file written
+    from it reads the same once loaded again, in the same environment)."""
+    if isinstance(data, dict):
+        return {k: mask_secrets(v, str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [mask_secrets(v, key) for v in data]
+    if data not in (None, "") and SECRET_KEY.search(key):
+        return MASK
+    if isinstance(data, str):
+        for text, name in sorted(_from_env.items(), key=lambda item: -len(item[0])):
+            data = data.replace(text, f"${{{name}}}")
+    return data
+
+
+def _read_env(name: str):
+    text = os.environ.get(name)
+    if text is not None and len(text) >= MIN_ENV_SECRET:
+        _from_env[text] = name
+    return text
 
 
 def substitute(value, where: dict, errors: list, path: tuple = ()):
@@ -230,7 +265,8 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
         return value
     if whole := _ENV.fullmatch(value):
         name, default = whole.groups()
-        text = os.environ.get(name, default)
+        text = _read_env(name)
+        text = default if text is None else text
         if text is None:
             logger.warning("%s: environment variable %s is not set and has no default: read as null (export %s=... "
                            "or write ${%s:default})", at(where, path), name, name, name)
@@ -245,7 +281,7 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
     def replace(match):
         name, default = match.groups()
         if name in os.environ:
-            return os.environ[name]
+            return _read_env(name)
         if default is not None:
             return default
         errors.append(f"{at(where, path)}: environment variable {name} is not set and has no default, and a "

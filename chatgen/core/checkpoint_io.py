@@ -148,6 +148,27 @@ def atomic_directory(path, replace: bool = False):
         raise
 
 
+def write_private_text(path, text: str) -> None:
+    """Write `text` to `path` readable by this user only (0600), atomically (a staging file created
+    anew beside it, then os.replace). A symbolic link at `path` is refused, not followed: whoever
+    planted it would have the write land on its target."""
+    path = Path(path)
+    if path.is_symlink():
+        raise OSError(f"{path} is a symbolic link; chatgen writes no file through a link it did "
+                      "not make (its target would be overwritten): remove the link")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 @contextlib.contextmanager
 def atomic_file(path):
     """Yield a staging path for one file beside `path`; it replaces `path` (fsynced) when the block succeeds

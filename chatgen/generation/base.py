@@ -23,6 +23,7 @@ What a backend implements (the rest is shared here):
                                                  call's own stop_strings / stop_token_ids
     stream(prompts, params, deltas)           async: (prompt index, request output) as they come
     load_weights(buckets, mode)               write HF-named weights; `weight_version`, `needs_resync`
+    health_problem                            why it cannot serve now (a hung engine), or None
     sleep(level) / wake_up() / is_sleeping(); pause() / resume() / reset_prefix_cache(); shutdown()
 A finished request is shaped like vLLM's `RequestOutput` (`request_id`, `prompt_token_ids`, `prompt`,
 `prompt_logprobs`, `outputs`: samples with `index`, `token_ids`, `logprobs` (one {token id: object with
@@ -304,6 +305,11 @@ class GenerationModule(Module):
     @property
     def needs_resync(self) -> str | None:
         """Why the module refuses to generate (a weight write failed midway), or None."""
+        return None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the module cannot serve now (e.g. its engine hangs), or None; /health answers 503."""
         return None
 
     # ------------------------------------------------------------------ memory and serving control

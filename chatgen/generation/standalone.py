@@ -289,7 +289,8 @@ class _Server:
         import requests
 
         try:
-            response = self.session.post(self.base_url + path, json=body, timeout=self.timeout)
+            response = self.session.post(  # JSON even when empty: the server refuses other types
+                self.base_url + path, json={} if body is None else body, timeout=self.timeout)
         except requests.Timeout:
             raise TimeoutError(f"{self.base_url}{path}: no answer within {self.timeout:g} s (VLLMGeneration's "
                                "request_timeout): is the server stalled or overloaded? Raise request_timeout for "

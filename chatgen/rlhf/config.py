@@ -21,7 +21,9 @@ import yaml
 
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import CLI, REQUIRED, ConfigError, opt
-from chatgen.config.loader import at, build, closest, key_paths, merge, parse_override_tree, read_yaml, show, substitute
+from chatgen.config.loader import (at, build, closest, key_paths, mask_secrets, merge,
+                                   parse_override_tree, read_yaml, show, substitute)
+from chatgen.core.checkpoint_io import write_private_text
 from chatgen.core.imports import add_project_dir, import_class, project_dir
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
@@ -133,8 +135,9 @@ class RuntimeConfig:
         0.5, "stop before training when more than this share of the training prompts had to be cut to the prompt "
              "budget (seq_length - max_new_tokens); 1.0 = never")
     max_bad_train_steps: int = opt(
-        3, "stop after this many optimizer steps in a row with a zero or non-finite gradient norm (training collapsed "
-           "or diverged)")
+        3, "stop after this many optimizer steps in a row with a non-finite loss or gradient norm, "
+           "or as many episodes in a row whose log-prob mismatch is not finite or jumped (training "
+           "diverged)")
     eval_greedy: bool = opt(
         False, "also evaluate each held-out prompt with one greedy response (eval/greedy/*), "
                "beside the eval_n samples of the policy's eval sampling keys")
@@ -440,30 +443,46 @@ def to_dict(cfg) -> dict:
 
 
 def format_config(cfg) -> str:
-    """The resolved config as YAML text, for the log at start (`logger.info("%s", format_config(cfg))`)."""
+    """The resolved config as YAML text, for the log at start (`logger.info("%s",
+    format_config(cfg))`), secrets masked (chatgen.config.loader.mask_secrets)."""
     head = ""
     if isinstance(cfg, ChatgenConfig) and cfg.path:
-        head = f"# resolved from {' '.join([show(cfg.path), *cfg.overrides])}\n"
-    return head + yaml.safe_dump(to_dict(cfg), sort_keys=False, allow_unicode=True)
+        head = f"# resolved from {' '.join([show(cfg.path), *mask_overrides(cfg.overrides)])}\n"
+    data = mask_secrets(to_dict(cfg))
+    return head + yaml.safe_dump(data, sort_keys=False, allow_unicode=True)
+
+
+def mask_overrides(overrides: list) -> list:
+    """`key=value` overrides as shown: a secret's value masked (a secret's key, ${VAR} text)."""
+    shown = []
+    for item in overrides:
+        key, sep, value = str(item).partition("=")
+        last = key.rsplit(".", 1)[-1]
+        shown.append(key + sep + str(mask_secrets({last: value})[last]))
+    return shown
 
 
 def save_resolved(cfg: ChatgenConfig, out_dir: str | os.PathLike | None = None) -> str:
     """Write `<out_dir>/resolved_config.yaml` (default out_dir: runtime.output_dir); returns its path.
 
-    Every include, ${VAR} and override is applied and each model's keys are inline under `config:`, so
-    `load_config(<that file>)` gives back the same config without the original files.
+    Every include and override is applied and each model's keys are inline under `config:`, so
+    `load_config(<that file>)` gives back the same config without the original files. Secrets are
+    not written (mask_secrets: text read from the environment stays `${VAR}`, read again on load; a
+    key named like a secret is masked), the file is this user's only (0600; a new output dir 0700),
+    and a symbolic link planted at its path is refused.
     """
     out_dir = os.fspath(out_dir if out_dir is not None else cfg.runtime.output_dir)
-    os.makedirs(out_dir, exist_ok=True)
+    os.makedirs(out_dir, mode=0o700, exist_ok=True)
     out = os.path.join(out_dir, RESOLVED_NAME)
     data = to_dict(cfg)
     for entry in data["models"].values():
         entry["model_config_file"] = None  # its keys are all inline now
-    source = " ".join([show(cfg.path), *cfg.overrides]) if cfg.path else "(built in code)"
-    with open(out, "w", encoding="utf-8") as f:
-        f.write(f"# chatgen config {show(out)}\n# resolved from: {source}\n"
-                f"# files read: {', '.join(show(p) for p in cfg.files) or '-'}\n")
-        yaml.safe_dump(data, f, sort_keys=False, allow_unicode=True)
+    source = (" ".join([show(cfg.path), *mask_overrides(cfg.overrides)]) if cfg.path
+              else "(built in code)")
+    write_private_text(out, f"# chatgen config {show(out)}\n# resolved from: {source}\n"
+                            f"# files read: {', '.join(show(p) for p in cfg.files) or '-'}\n"
+                            + yaml.safe_dump(mask_secrets(data), sort_keys=False,
+                                             allow_unicode=True))
     return out
 
 

@@ -4,11 +4,22 @@
   (`check_cut_prompts`, before the first episode);
 - a reward is NaN or inf (`check_rewards`, every scoring; `checked_rewards` also refuses a reward output of the
   wrong type or length, naming the reward);
-- runtime.max_bad_train_steps optimizer steps in a row had a zero or non-finite gradient norm (`StepHealth`).
+- runtime.max_bad_train_steps optimizer steps in a row had a non-finite loss or gradient norm, or
+  as many episodes in a row had a train/inference log-prob mismatch that is not finite or jumped far
+  above the run's own (`StepHealth`): what diverging training looks like.
+Equal rewards are no reason to stop: a solved batch, or a hard task at its start, gives every sample
+of a group the same reward and nothing to learn from that group. `zero_variance_groups` counts those
+groups (metric reward/zero_variance_groups) and warns when it is every group; a zero gradient norm
+warns too.
 """
 import math
+import statistics
 
 import torch
+
+MISMATCH_JUMP = 50.0  # a mismatch this many times the median of the run's earlier episodes...
+MISMATCH_FLOOR = {"mismatch/logprob_mean_abs": 0.1,  # ...and above this (nats) jumped
+                  "mismatch/logprob_max_abs": 1.0}
 
 
 class RunHealthError(RuntimeError):
@@ -59,21 +70,61 @@ def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
     return rewards
 
 
+def zero_variance_groups(rewards: torch.Tensor, n: int, log) -> int:
+    """How many groups of `n` consecutive rewards (one prompt's samples) are all equal; warns when
+    every group is (the episode teaches nothing). rewards: (S,), S a multiple of n."""
+    groups = rewards.reshape(-1, n)
+    count = int((groups == groups[:, :1]).all(dim=1).sum())
+    if count == len(groups) and n > 1:
+        log(f"[chatgen] WARNING: every group's {n} rewards are equal this episode ({count} groups, "
+            f"e.g. {groups[0, 0].item():.4g}): nothing to learn from it (solved, or too hard)")
+    return count
+
+
 class StepHealth:
-    """Counts each trainer's optimizer steps in a row whose gradient norm is zero (nothing learns) or not finite
-    (the step was skipped); warns on each, stops at `limit` (runtime.max_bad_train_steps)."""
+    """Counts each trainer's optimizer steps in a row whose loss or gradient norm is not finite (the
+    step was skipped), and the episodes in a row whose log-prob mismatch is not finite or jumped;
+    warns on each, stops at `limit` (runtime.max_bad_train_steps). A zero gradient norm only
+    warns."""
 
     def __init__(self, limit: int, log):
         self.limit, self.log, self.bad = limit, log, {}
+        self.mismatches = {}  # metric name -> its values in the earlier episodes
 
     def check(self, name: str, step: dict) -> None:
-        bad = step.get("skipped_step", 0.0) > 0 or not math.isfinite(step["grad_norm"]) or step["grad_norm"] == 0
-        self.bad[name] = self.bad.get(name, 0) + 1 if bad else 0
+        what = ", ".join(f"{k}={v:.4g}" for k, v in step.items())
+        bad = (step.get("skipped_step", 0.0) > 0 or not math.isfinite(step["grad_norm"])
+               or not math.isfinite(step.get("loss", 0.0)))
+        self._count(name, bad, f"{name}: an optimizer step with a non-finite loss or gradient "
+                               f"norm ({what})", f"lower models.{name} lr or check the loss")
+        if not bad and step["grad_norm"] == 0:
+            self.log(f"[chatgen] WARNING: {name} step with a zero gradient norm ({what}): nothing "
+                     "to learn from its batch (e.g. every group's rewards equal)")
+
+    def check_mismatch(self, metrics: dict) -> None:
+        """An episode's train/inference log-prob mismatch (mismatch/logprob_*): not finite, or a
+        jump to MISMATCH_JUMP times the median of the earlier episodes (and over MISMATCH_FLOOR), is
+        bad."""
+        for key, floor in MISMATCH_FLOOR.items():
+            if key not in metrics:
+                continue
+            value, earlier = metrics[key], self.mismatches.setdefault(key, [])
+            median = statistics.median(earlier) if len(earlier) >= 2 else None
+            jumped = median is not None and value > max(floor, MISMATCH_JUMP * median)
+            bad = not math.isfinite(value) or jumped
+            self._count(key, bad, f"{key} = {value:.4g} is not finite or jumped (the median of "
+                                  f"the run's earlier episodes: {median})",
+                        "the trainer and the engine no longer compute the same model: lower lr, "
+                        "or check the weight sync (chatgen check-sync)")
+            if math.isfinite(value):
+                earlier.append(value)
+
+    def _count(self, key: str, bad: bool, event: str, fix: str) -> None:
+        self.bad[key] = self.bad.get(key, 0) + 1 if bad else 0
         if not bad:
             return
-        what = ", ".join(f"{k}={v:.4g}" for k, v in step.items())
-        if self.bad[name] >= self.limit:
-            raise RunHealthError(f"{name}: {self.bad[name]} optimizer steps in a row with a zero or non-finite "
-                                 f"gradient norm (last: {what}), runtime.max_bad_train_steps={self.limit}: training has "
-                                 f"collapsed or diverged; lower models.{name} lr or check the loss and the data")
-        self.log(f"[chatgen] WARNING: {name} step with a zero or non-finite gradient norm ({what})")
+        if self.bad[key] >= self.limit:
+            raise RunHealthError(f"{event}; {self.bad[key]} in a row, runtime.max_bad_train_steps"
+                                 f"={self.limit}: training has diverged; {fix}")
+        self.log(f"[chatgen] WARNING: {event} ({self.bad[key]} in a row; the run stops at "
+                 f"{self.limit})")

@@ -32,7 +32,8 @@ from chatgen.core.tensors import select
 from chatgen.module import startup_gc
 from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.config import backend_kind, check_run, format_config, save_resolved, to_dict
+from chatgen.rlhf.config import (backend_kind, check_run, format_config, model_class, save_resolved,
+                                 to_dict)
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, checked_rewards
 from chatgen.rlhf.metrics import (MetricsLogger, PhaseTimer, eval_metrics, read_jsonl_metrics,
@@ -223,7 +224,7 @@ class Run:
         data["texts"] = list(batch.texts)
         entry = self.cfg.models["reward"]
         out = self.runtime["reward"].first("score", data)
-        who = f"models.reward ({entry.model_class}).score"
+        who = f"models.reward ({model_class(entry)}).score"
         prefix = "eval/reward/" if self._evaluating else "reward/"
         if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
             for name, values in out.get("terms", {}).items():
@@ -347,6 +348,7 @@ class Run:
         metrics.update(self._generation_metrics(), **self.pending_metrics)
         self.pending_metrics = {}
         self.logger.log(episode, metrics)
+        self.health.check_mismatch(metrics)  # after the log: what stops a run is on record
         return metrics
 
     def close(self) -> Path | None:

@@ -23,6 +23,8 @@ from chatgen.param_sync.broadcast import BroadcastSender
 from chatgen.param_sync.sync import plan_manifest
 from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
+ENGINE_DEATH_WAIT_S = 10.0  # after a failed sync: how long the engines may take to report a death
+
 SENDER = "broadcast_sender"
 
 
@@ -84,7 +86,12 @@ class WeightLinks:
             if self.colocated[trainer_name]:
                 trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
             else:
-                trainer.get(target.receive_weights() + trainer.group.run_async(_send, trainer.name, validate), "sync")
+                receiving = target.receive_weights()
+                try:
+                    sending = trainer.group.run_async(_send, trainer.name, validate)
+                    trainer.get(receiving + sending, "sync")
+                except ActorFailure as e:  # the trainer's side fails first when an engine dies
+                    raise engine_death(target_name, receiving) or e
             versions = target.weight_versions()  # every engine rank of every replica: the same update
             if len(set(versions)) > 1:
                 by_replica = {r // target.tp: v for r, v in enumerate(versions)}
@@ -117,3 +124,25 @@ class WeightLinks:
     def _offload(self, weights: bool) -> None:
         for name in self.offloading:
             self.runtime[name].call("offload", weights)
+
+
+def engine_death(target_name: str, receiving: list) -> ActorFailure | None:
+    """An ActorFailure naming the engine when one of its actors died during a sync (`receiving`: the
+    engine ranks' calls); None otherwise. The trainer's send then fails too, usually first, and the
+    failure read as the trainer's own."""
+    if not receiving or type(receiving[0]).__name__ != "ObjectRef":  # in process: no actor to die
+        return None
+    import ray
+
+    ready, _ = ray.wait(receiving, num_returns=len(receiving), timeout=ENGINE_DEATH_WAIT_S)
+    for ref in ready:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            return ActorFailure(f"{target_name}: an engine actor died during the weight sync "
+                                f"(rank {receiving.index(ref)}); the trainer's side failed because "
+                                f"of it:\n{e}")
+        except Exception:  # the engine's own error: the trainer's report names the sync already
+            continue
+    return None
+

@@ -26,8 +26,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import functools
 import hmac
+import ipaddress
 import json
+import re
+import socket
 import time
 import uuid
 
@@ -66,7 +70,8 @@ class APIError(Exception):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 503: "ServiceUnavailableError"}
+               413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
+               503: "ServiceUnavailableError"}
 
 
 def _error_body(status: int, message: str, param=None) -> dict:
@@ -136,8 +141,57 @@ class BodyLimit:
         await send({"type": "http.response.body", "body": body})
 
 
+async def require_json(request: Request) -> None:
+    """A FastAPI dependency (after the API key's) on every route: a request with a body (any method
+    but GET and HEAD) must be `Content-Type: application/json`, 415 otherwise. A web page can send
+    text/plain, a form or no type at all to any server without asking it first; JSON it cannot
+    without a CORS preflight, which this server never approves (it sends no CORS headers)."""
+    if request.method in ("GET", "HEAD"):
+        return
+    given = request.headers.get("content-type")
+    if (given or "").split(";")[0].strip().lower() != "application/json":
+        gave = f"this request gave {given!r}" if given else "none given"
+        raise APIError(415, f"{request.method} requests take a JSON body: send the header "
+                            f"'Content-Type: application/json' ({gave}), even with an empty "
+                            "body {}")
+
+
+class HostCheck:
+    """ASGI middleware: the `Host` header must be an IP address or a name of this server (400
+    otherwise, before anything else is read). DNS rebinding points a web page's own name at
+    127.0.0.1: its requests then reach a server on the user's machine, carrying that name. Names:
+    localhost, this machine's host names and `allowed_hosts`; "*" accepts any (behind a proxy that
+    checks the name itself)."""
+
+    def __init__(self, app, allowed_hosts=()):
+        self.app = app
+        names = {"localhost", socket.gethostname(), socket.getfqdn(), *allowed_hosts}
+        self.names = None if "*" in names else {n.lower().rstrip(".") for n in names}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.names is not None:
+            host = next((v for k, v in scope["headers"] if k == b"host"), None)
+            problem = host is not None and self.problem(host.decode("latin-1").strip())
+            if problem:
+                return await _error_response(400, problem)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+    def problem(self, host: str) -> str | None:
+        name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        try:
+            ipaddress.ip_address(name)
+            return None
+        except ValueError:
+            pass
+        if name.lower().rstrip(".") in self.names:
+            return None
+        return (f"Host {host!r} is not a name of this server (an IP address, localhost, this "
+                "machine's name or one of --allowed-hosts); behind a proxy, start the server with "
+                f"--allowed-hosts {name} (or '*' if the proxy checks the name itself)")
+
+
 def build_app(module, *, api_key: str | None = None, model_name: str | None = None, routers=(),
-              max_request_bytes: int | None = None) -> FastAPI:
+              max_request_bytes: int | None = None, allowed_hosts=()) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
 
     api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`, and the
@@ -145,6 +199,8 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     routers: more `fastapi.APIRouter`s to mount (e.g. weight-update control endpoints); they can reach the
     module as `request.app.state.module`.
     max_request_bytes: a larger request body is answered 413 without being read (None: 16 MiB).
+    allowed_hosts: names clients may give in the Host header beyond IP addresses, localhost and this
+    machine's names ("*": any; `HostCheck`). A POST must be JSON (`require_json`).
     """
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import VLLMClientError
@@ -156,6 +212,7 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
     app = FastAPI(title="chatgen", description="OpenAI-compatible server over a chatgen generation module", **docs)
     app.add_middleware(BodyLimit, limit=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
+    app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # outermost: before the body
     app.state.module, app.state.model_name = module, name
     server = _Server(module, name)
 
@@ -180,10 +237,14 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     async def internal_error(request, e: Exception):  # a bug, not the client's fault: say so, keep serving
         return _error_response(500, f"internal error: {type(e).__name__}: {e}")
 
-    router = APIRouter(dependencies=[Depends(api_key_dependency(api_key))])
+    guards = [Depends(api_key_dependency(api_key)), Depends(require_json)]  # in this order
+    router = APIRouter(dependencies=guards)
 
     @router.get("/health")
     async def health():
+        problem = module.health_problem  # a hung engine: a load balancer must stop sending here
+        if problem:
+            raise APIError(503, problem)
         return {"status": "ok", "model": name, "weight_version": module.weight_version}
 
     @router.get("/v1/models")
@@ -194,40 +255,81 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
                                                max_model_len=module.config.seq_length)]))
 
     @router.post("/tokenize")
+    @cancel_on_disconnect
     async def tokenize(request: Request):
         return _json_response(await server.off_loop(server.tokenize, await request.body()))
 
     @router.post("/detokenize")
+    @cancel_on_disconnect
     async def detokenize(request: Request):
         return _json_response(await server.off_loop(server.detokenize, await request.body()))
 
     @router.post("/v1/chat/completions")
+    @cancel_on_disconnect
     async def chat(request: Request):
         return await server.chat(await server.off_loop(server.prepare_chat, await request.body()))
 
     @router.post("/v1/completions")
+    @cancel_on_disconnect
     async def completions(request: Request):
         return await server.completions(await server.off_loop(server.prepare_completion, await request.body()))
 
     app.include_router(router)
     for extra in routers:
-        app.include_router(extra, dependencies=[Depends(api_key_dependency(api_key))])
+        app.include_router(extra, dependencies=guards)
     return app
+
+
+def cancel_on_disconnect(handler):
+    """A route handler that is cancelled when its client disconnects (vLLM's `with_cancellation`):
+    its engine requests are aborted, so an abandoned request stops costing the others. The body is
+    read first; after that the connection's only event is its disconnect. A handler that returns a
+    StreamingResponse hands the listening over to it (Starlette cancels a stream whose client
+    left)."""
+    @functools.wraps(handler)
+    async def cancellable(request: Request):
+        await request.body()  # kept by the request for the handler
+
+        async def disconnected():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        work, gone = asyncio.ensure_future(handler(request)), asyncio.ensure_future(disconnected())
+        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
+        for task in (work, gone):
+            task.cancel()
+        if work.done() and not work.cancelled():
+            return work.result()
+        with contextlib.suppress(BaseException):  # its requests are aborted as it unwinds
+            await work
+        return None  # the client left: nobody reads an answer
+
+    return cancellable
 
 
 def _pydantic_errors(errors) -> str:
     return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:10])
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
+
+
 def _json(raw: bytes) -> dict:
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError) as e:  # JSONDecodeError, or an int of > 4300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}")
     except RecursionError:
         raise APIError(400, "the request body nests JSON arrays or objects too deeply to parse")
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE.search(raw):  # a pair of escapes is one character; a lone one is no text
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"the request body holds a lone UTF-16 surrogate escape "
+                                f"(\\u{ord(e.object[e.start]):04x}), which is no text: escape the "
+                                "whole character as a surrogate pair, or send it as UTF-8")
     return body
 
 
@@ -298,12 +400,31 @@ class _Server:
         """vLLM's text path: a length check on characters (before any tokenizing), encode, truncate, a length check
         on tokens; the rules are the request's `TokenizeParams`."""
         text = tok_params.apply_pre_tokenization(self.encoder, {"prompt": text})["prompt"]
-        return self.check_ids(self.encoder.encode(text, **tok_params.get_encode_kwargs()), tok_params)
+        return self.check_ids(self.encoder.encode(self.trim(text, tok_params),
+                                                  **tok_params.get_encode_kwargs()), tok_params)
+
+    def trim(self, text: str, tok_params) -> str:
+        """A truncated prompt's text cut, before encoding, to what its kept tokens can span (the
+        model's max input tokens x its longest token, on the side truncation drops): the tokenizer
+        would otherwise encode all of a 15 MB text to keep 100 tokens, and every other request waits
+        on this thread meanwhile. vLLM cuts the same way when a request names truncation_side."""
+        limit = getattr(self.encoder, "max_chars_per_token", None)
+        if not limit or None in (tok_params.truncate_prompt_tokens, tok_params.max_input_tokens):
+            return text
+        limit *= tok_params.max_input_tokens
+        if len(text) <= limit:
+            return text
+        side = tok_params.truncation_side or getattr(self.encoder, "truncation_side", "left")
+        return text[-limit:] if side == "left" else text[:limit]
 
     def check_ids(self, ids, tok_params) -> list:
         """Token ids truncated and length-checked by the request's `TokenizeParams`."""
-        return list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
-                    ["prompt_token_ids"])
+        ids = list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
+                   ["prompt_token_ids"])
+        if not ids:
+            raise APIError(400, "the prompt has no tokens left (truncate_prompt_tokens: 0?); every "
+                                "prompt needs at least one", "truncate_prompt_tokens")
+        return ids
 
     def render(self, req, messages=None, add_generation_prompt=None, continue_final_message=None) -> str:
         """A chat (the request's messages, or `messages`) rendered to text with the model's own chat template, with
@@ -347,7 +468,11 @@ class _Server:
         if prefix is None and last is not None:
             m = messages[last]
             if m.get("prompt_token_ids") is not None and m.get("generation_token_ids") is not None:
-                prefix = list(m["prompt_token_ids"]) + list(m["generation_token_ids"])
+                parts = (m["prompt_token_ids"], m["generation_token_ids"])
+                if not all(isinstance(p, list) for p in parts):
+                    raise APIError(400, f"messages.{last}: prompt_token_ids and "
+                                        "generation_token_ids are lists of token ids", "messages")
+                prefix = parts[0] + parts[1]
         if prefix is None:
             return self.tokenize_text(self.render(req), tok_params)
         if not (isinstance(prefix, list) and prefix and all(type(t) is int and t >= 0 for t in prefix)):
@@ -436,6 +561,11 @@ class _Server:
 
         req = _parse(DetokenizeRequest, _json(raw))
         self.check_model(req.model)
+        vocab = self.module.vocab_size
+        if any(not 0 <= t < vocab for t in req.tokens):
+            bad = next(t for t in req.tokens if not 0 <= t < vocab)
+            raise APIError(400, f"tokens: {bad} is no token id of this model (0..{vocab - 1})",
+                           "tokens")
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))
 
     # ------------------------------------------------------------------ outputs
@@ -516,6 +646,8 @@ class _Server:
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
         if module.needs_resync:
             raise APIError(503, module.needs_resync)
+        if module.health_problem:
+            raise APIError(503, module.health_problem)
         params = job.params[0] if len(job.params) == 1 else job.params
         async with contextlib.aclosing(module.stream(job.prompts, params, deltas=stream)) as outputs:  # closed: aborts
             async for i, output in outputs:
@@ -586,7 +718,8 @@ class _Server:
                             **({"usage": usage(i)} if continuous else {})))
                 async for _, output in _chain(first, outputs):
                     for sample in output.outputs:
-                        if not sample.text and not sample.token_ids and not generated[sample.index]:
+                        if (not sample.text and not sample.token_ids and not generated[sample.index]
+                                and not sample.finish_reason):
                             continue  # a chunked prefill step: nothing to say yet
                         generated[sample.index] += len(sample.token_ids)
                         yield _sse(chunk([ChatCompletionResponseStreamChoice(
@@ -658,7 +791,8 @@ class _Server:
                             if echo_only:
                                 continue
                             text, token_ids, logprob_steps = sample.text, sample.token_ids, sample.logprobs
-                            if not text and not token_ids and not generated[k]:
+                            if (not text and not token_ids and not generated[k]
+                                    and not sample.finish_reason):
                                 continue  # a chunked prefill step: nothing to say yet
                         generated[k] += len(sample.token_ids)
                         logprobs = logprobs_of(token_ids, logprob_steps or [], offsets[k])

@@ -16,6 +16,7 @@ import time
 import uvicorn
 
 from chatgen.serving.app import build_app
+from chatgen.serving.limits import uvicorn_config
 
 START_TIMEOUT_S = 60
 
@@ -50,7 +51,7 @@ class EmbeddedServer:
                  model_name: str | None = None):
         app = build_app(module, api_key=api_key, model_name=model_name)
         sock = listen(host, port)
-        self._server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+        self._server = uvicorn.Server(uvicorn_config(app))
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name=f"{getattr(module, 'name', 'model')}-server", daemon=True)
         self._thread.start()

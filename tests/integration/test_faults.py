@@ -275,3 +275,29 @@ def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
         module.generate({**good, "stop_strings": ["ab", None]})
     out = module.generate(good, greedy=True)  # nothing was left queued by the refused calls
     assert out["output_ids"].dtype == torch.long and out["generation_lengths"].tolist() == [4, 4]
+
+
+def test_an_engine_dying_mid_sync_is_named_as_the_engines():
+    """Issue 28, finding 10: an engine killed mid-sync was reported as a `policy_trainer.sync` death
+    (the trainer's send fails first). The engines' side of the sync is read: a dead actor is
+    named."""
+    import ray
+
+    from chatgen.rlhf.weight_links import engine_death
+
+    @ray.remote
+    class Engine:
+        def receive(self, die: bool):
+            if die:
+                os._exit(1)
+            raise ConnectionError("the trainer went away")
+
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        alive, dying = Engine.remote(), Engine.remote()
+        failure = engine_death("policy", [alive.receive.remote(False), dying.receive.remote(True)])
+        assert "policy: an engine actor died during the weight sync (rank 1)" in str(failure)
+        assert engine_death("policy", [alive.receive.remote(False)]) is None  # an error, no death
+    finally:
+        ray.shutdown()
+    assert engine_death("policy", [lambda: None]) is None  # in process: nothing to ask

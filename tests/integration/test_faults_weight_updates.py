@@ -115,7 +115,8 @@ def test_a_process_without_the_token_cannot_write_weights(server, tiny_llama_dir
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         time.sleep(STEP_TIMEOUT + 1)
-        finish = requests.post(server[0] + "/control/weights/finish", headers=AUTH, timeout=30)
+        finish = requests.post(server[0] + "/control/weights/finish", headers=AUTH, json={},
+                               timeout=30)
         assert finish.status_code == 409 and "keeps its old weights" in finish.json()["error"]["message"]
     finally:
         stranger.kill()
@@ -162,14 +163,15 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
                          headers=AUTH).status_code == 409
     requests.post(url + "/control/weights/begin", json={"transport": "group"}, headers=AUTH)
     start = time.monotonic()
-    finish = requests.post(url + "/control/weights/finish", headers=AUTH, timeout=30)  # by hand, while it waits
+    # by hand, while it waits
+    finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     assert finish.status_code == 409 and time.monotonic() - start < STEP_TIMEOUT + 3
 
     trainer = subprocess.Popen([sys.executable, "-c", STALLED_TRAINER, url, KEY, str(tiny_llama_dir)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(10)  # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
-        finish = requests.post(url + "/control/weights/finish", headers=AUTH, timeout=30)
+        finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     finally:
         trainer.kill()
     assert finish.status_code == 409 and "waited 3 s for bucket 2 of 2" in finish.json()["error"]["message"]

@@ -21,6 +21,7 @@ from chatgen.core.distributed import free_port  # noqa: E402
 from chatgen.generation.vllm import adapter  # noqa: E402
 from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 from chatgen.serving.app import build_app  # noqa: E402
+from chatgen.serving.limits import uvicorn_config  # noqa: E402
 
 KEY = "test-key"
 MAX_NEW = 40  # generate()'s tokens in the weight-update tests: long enough to update mid-request
@@ -32,7 +33,7 @@ class Served:
 
         self.module, self.url = module, f"http://127.0.0.1:{port}"
         self.app = build_app(module, api_key=KEY, model_name="tiny")
-        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = uvicorn.Server(uvicorn_config(self.app, host="127.0.0.1", port=port))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
         deadline = time.time() + 30
@@ -136,6 +137,30 @@ def test_a_client_that_leaves_a_stream_aborts_its_request(served):
     assert module.engine_loop.steps_run - left_at < 100, "the request kept running after its client left"
 
 
+def test_a_client_that_leaves_a_non_streaming_request_aborts_it(served):
+    """Issue 28, finding 2: a non-streaming request kept generating after its client left."""
+    import json
+    import socket
+
+    module = served.module
+    body = json.dumps({"model": "tiny", "prompt": "Tell a long story", "max_tokens": 200, "n": 4,
+                       "temperature": 1.0, "ignore_eos": True}).encode()
+    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                 b"Content-Type: application/json\r\n"
+                 b"Authorization: Bearer " + KEY.encode() + b"\r\nContent-Length: "
+                 + str(len(body)).encode() + b"\r\n\r\n" + body)
+    deadline = time.time() + 30
+    while not module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        assert time.time() < deadline, "the request never reached the engine"
+        time.sleep(0.01)
+    sock.close()  # the client goes away mid-generation
+    left_at = module.engine_loop.steps_run
+    while module.engine_loop.call(lambda: adapter.has_unfinished_requests(module.engine)):
+        time.sleep(0.01)
+    assert module.engine_loop.steps_run - left_at < 100, "it kept running after its client left"
+
+
 def test_16_concurrent_clients_match_one_at_a_time(served):
     prompts = [f"Story {i}: once upon a time" for i in range(16)]
     alone = [chat(served, [{"role": "user", "content": p}], max_tokens=12).choices[0].message.generation_token_ids
@@ -167,6 +192,128 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(served):
     bad_ids = httpx.post(f"{served.url}/v1/completions", headers=headers, json={"model": "tiny", "prompt": [10 ** 9]})
     assert bad_ids.status_code == 400 and "out of vocabulary" in bad_ids.json()["error"]["message"]
     assert chat(served, messages).choices[0].message.content is not None  # still serving
+
+
+def test_what_a_web_page_can_send_is_refused(served):
+    """Issue 28, finding 3: a page can POST text/plain (or no type) to a server on the user's
+    machine without asking it first, and reach it by DNS rebinding under its own name."""
+    auth, url = {"Authorization": f"Bearer {KEY}"}, f"{served.url}/v1/completions"
+    body = b'{"model": "tiny", "prompt": [1, 5, 6], "max_tokens": 1}'
+    form = "application/x-www-form-urlencoded"
+    for kind in ({"Content-Type": "text/plain"}, {"Content-Type": form}, {}):
+        refused = httpx.post(url, headers={**auth, **kind}, content=body)
+        assert refused.status_code == 415, refused.text
+        assert "Content-Type: application/json" in refused.json()["error"]["message"]
+    json_type = {**auth, "Content-Type": "application/json; charset=utf-8"}
+    assert httpx.post(url, headers=json_type, content=body).status_code == 200
+    rebound = httpx.get(f"{served.url}/health", headers={**auth, "Host": "attacker.example:8000"})
+    assert rebound.status_code == 400 and "--allowed-hosts" in rebound.json()["error"]["message"]
+    for host in ("localhost:8000", "127.0.0.1", "[::1]:80"):
+        assert httpx.get(f"{served.url}/health", headers={**auth, "Host": host}).status_code == 200
+    # no CORS: a preflight is not approved, and no answer lets a page read it
+    origin = {"Origin": "http://attacker.example"}
+    preflight = httpx.options(url, headers={**origin, "Access-Control-Request-Method": "POST",
+                                            "Access-Control-Request-Headers": "content-type"})
+    answered = httpx.post(url, headers={**json_type, **origin}, content=body)
+    for response in (preflight, answered):
+        assert not [h for h in response.headers if h.lower().startswith("access-control-")]
+    assert preflight.status_code >= 400
+
+
+BIG_INT = "1" + "0" * 100_000  # past Python's 4300-digit int conversion limit
+HOSTILE = [  # (endpoint, raw body): each answered 4xx, never 500, and the server keeps serving
+    # issue 28, finding 8: the six that got 500
+    ("/v1/completions", b'{"model": "tiny", "prompt": "a\\ud800b"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", '
+                             b'"content": "\\udfff"}]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "truncate_prompt_tokens": 0}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": ' + BIG_INT.encode()
+     + b"}"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "assistant", "content": "b", "prompt_token_ids": 5, '
+                             b'"generation_token_ids": [1]}]}'),
+    ("/detokenize", b'{"model": "tiny", "tokens": [4294967296]}'),
+    # the rest of the round's kinds, one each
+    ("/detokenize", b'{"model": "tiny", "tokens": [-1]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [[]]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2.5]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "n": 0}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "temperature": -1}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "logprobs": 1000000}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "max_tokens": -1}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "stop": [1, 2]}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "logit_bias": {"x": 1}}'),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", "seed": ' + BIG_INT.encode() + b"}"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": null}'),
+    ("/v1/completions", b'[1, 2, 3]'),
+    ("/v1/completions", b'"just a string"'),
+    ("/v1/completions", b"\xff\xfe not utf-8"),
+    ("/v1/completions", b"[" * 100_000 + b"]" * 100_000),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "hi", '
+                        b'"stream_options": {"include_usage": "x"}}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": []}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": '
+                             b'[{"type": "image_url", "image_url": {"url": "http://x"}}]}]}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"required_prefix_token_ids": "abc"}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "x"}], '
+                             b'"top_logprobs": 99999, "logprobs": true}'),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, '
+                             b'{"role": "assistant", "content": "b", "prompt_token_ids": ["x"], '
+                             b'"generation_token_ids": [1]}]}'),
+    ("/tokenize", b'{"model": "tiny", "messages": "not a list"}'),
+    ("/detokenize", b'{"model": "tiny", "tokens": "abc"}'),
+]
+
+
+def test_the_rounds_hostile_bodies_get_4xx_and_the_server_keeps_serving(served):
+    """Issue 28, finding 8: the corpus of the adversarial round, bounded: every body is refused
+    with a 4xx naming the problem (six used to get 500), and /health answers throughout."""
+    headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    answers = {}
+    for path, body in HOSTILE:
+        r = httpx.post(f"{served.url}{path}", headers=headers, content=body, timeout=60)
+        answers[(path, body[:80])] = (r.status_code, r.text[:200])
+    server_errors = {k: v for k, v in answers.items() if not 400 <= v[0] < 500}
+    assert not server_errors, server_errors
+    assert all('"error"' in text for _, text in answers.values())
+    assert httpx.get(f"{served.url}/health", headers=headers).status_code == 200
+    assert chat(served, [{"role": "user", "content": "hello"}]).choices[0].message.content
+
+
+def test_a_truncated_huge_prompt_is_cut_before_it_is_tokenized(served):
+    """Issue 28, finding 9: a 15 MB prompt with truncation was encoded whole (55.6 s) on the one
+    tokenizing thread, every other request waiting. Cut first, it keeps the same last tokens."""
+    url, auth = f"{served.url}/v1/completions", {"Authorization": f"Bearer {KEY}"}
+    text = "the cat sat on the mat. " * 2000  # longer than 256 tokens x the longest token
+    kept = served.module.tokenizer.encode(text, truncation=True, max_length=20)  # all encoded, cut
+    assert len(kept) == 20
+    for prompt in (text, text * 300):  # the second: 14 MB
+        r = httpx.post(url, headers=auth, timeout=120, json={
+            "model": "tiny", "prompt": prompt, "truncate_prompt_tokens": 20, "max_tokens": 1})
+        assert r.json()["choices"][0]["prompt_token_ids"] == kept
+
+
+def test_oversized_and_slow_request_heads_are_cut_off(served, monkeypatch):
+    """Issue 28, finding 9: headers had no size limit and were read before the key check (4 x 50
+    MB: +193 MB), and a connection trickling its head stayed open (slowloris)."""
+    import socket
+
+    from chatgen.serving import limits
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    big = httpx.get(f"{served.url}/health",
+                    headers={**auth, "X-Big": "a" * (limits.MAX_HEAD_BYTES + 1)})
+    assert big.status_code == 431 and "headers exceed" in big.text
+    ok = httpx.get(f"{served.url}/health", headers={**auth, "X-Ok": "a" * 8000})
+    assert ok.status_code == 200
+    monkeypatch.setattr(limits, "HEAD_TIMEOUT_S", 0.5)
+    sock = socket.create_connection(("127.0.0.1", int(served.url.rsplit(":", 1)[1])))
+    sock.settimeout(10)
+    sock.sendall(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n")  # and never the end of the head
+    assert sock.recv(100) == b""  # closed by the server
+    sock.close()
 
 
 # ---------------------------------------------------------------- token-exact multi-turn
@@ -344,6 +491,34 @@ def test_wait_drains_first_and_abort_returns_what_it_has(served, weights):
     module.update_weights(list(original.items()))
 
 
+def test_an_abort_update_ends_streamed_n2_requests_and_the_server_keeps_serving(served, weights):
+    """Issue 28, finding 1: vLLM answers an abort with one output per sample of a streamed
+    n >= 2 request, all with the request's id; the loop popped the id once per output, so the
+    second raised, the update failed and every running call (and each later `wait` update) hung
+    for good."""
+    module, (original, head, _) = served.module, weights
+    version = module.weight_version
+    streams = [served.client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": f"Story {i}"}], n=n, max_tokens=220,
+        temperature=1.0, stream=True, extra_body={"ignore_eos": True})
+        for i, n in enumerate((2, 3, 1))]
+    finished = [{} for _ in streams]  # per stream: choice index -> its finish_reason
+    for stream in streams:
+        for k, _ in enumerate(stream):  # a few chunks of each: every stream is generating
+            if k == 6:
+                break
+    assert module.update_weights(list(head.items()), mode="abort") == version + 1
+    for stream, got in zip(streams, finished):
+        for chunk in stream:  # the rest of each stream arrives, and it ends
+            got.update((c.index, c.finish_reason) for c in chunk.choices if c.finish_reason)
+    assert finished == [{0: "abort", 1: "abort"}, {0: "abort", 1: "abort", 2: "abort"},
+                        {0: "abort"}]
+    assert module.update_weights(list(original.items()), mode="wait") == version + 2  # none left
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(f"{served.url}/health", headers=auth).status_code == 200
+    assert chat(served, [{"role": "user", "content": "hi"}]).choices[0].message.content is not None
+
+
 def test_no_prefix_cache_hit_across_an_update(served, weights):
     module, (original, head, _) = served.module, weights
     long_prompt = module.tokenizer.encode(" ".join(["the cat sat on the mat"] * 12))  # several 32-token blocks
@@ -406,6 +581,34 @@ def test_update_mode_is_checked(served):
         served.module.update_weights([], mode="later")
 
 
+def test_a_stuck_engine_loop_turns_health_503_and_its_shutdown_is_bounded(served):
+    """Issue 28, finding 1: a wedged loop left /health at "ok" and SIGTERM waiting for good.
+    Here one command blocks the engine thread: /health and new requests answer 503 naming it,
+    and the loop's shutdown gives up after its timeout instead of waiting (the engine is left
+    alone; this test runs last before the server's own shutdown)."""
+    loop, release = served.module.engine_loop, threading.Event()
+    auth = {"Authorization": f"Bearer {KEY}"}
+    loop.stall_s = 0.5
+    blocker = threading.Thread(target=loop.call, args=(release.wait,), daemon=True)
+    blocker.start()
+    try:
+        deadline = time.time() + 10
+        while (health := httpx.get(f"{served.url}/health", headers=auth)).status_code == 200:
+            assert time.time() < deadline, "/health still ok with the engine loop stuck"
+            time.sleep(0.1)
+        assert health.status_code == 503 and "no progress" in health.json()["error"]["message"]
+        with pytest.raises(openai.APIStatusError, match="no progress") as err:
+            chat(served, [{"role": "user", "content": "hi"}])
+        assert err.value.status_code == 503
+        start = time.monotonic()
+        assert loop.shutdown(timeout=1.0) is False
+        assert time.monotonic() - start < 5
+    finally:
+        release.set()
+        blocker.join(timeout=10)
+    assert not blocker.is_alive() and not loop._thread.is_alive()  # released, the old thread ends
+
+
 # ---------------------------------------------------------------- shutdown (last: the server goes away)
 
 def test_after_shutdown_connections_are_refused(served):
@@ -418,13 +621,16 @@ def test_after_shutdown_connections_are_refused(served):
 
 
 def test_chatgen_serve_command(tiny_llama_dir):
-    """The real entry point in its own process: loopback only, API key, a completion, stops on SIGTERM."""
+    """The real entry point in its own process: loopback only, API key, a completion, stops on
+    SIGTERM within its --shutdown-timeout even with a stream that can never end (the engine
+    paused; issue 28, finding 9)."""
     import subprocess
     import sys
 
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(tiny_llama_dir),
                              "--port", str(port), "--api-key", KEY, "--served-model-name", "tiny",
+                             "--control", "--shutdown-timeout", "1",
                              "enforce_eager=true", "seq_length=128", "max_new_tokens=16",
                              f"kv_cache_memory_bytes={64 << 20}"], stderr=subprocess.PIPE, text=True)
     try:
@@ -442,9 +648,19 @@ def test_chatgen_serve_command(tiny_llama_dir):
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
         assert "127.0.0.1" in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split(
             f":{port}")[0].splitlines()[-1]
+        auth = {"Authorization": f"Bearer {KEY}"}
+        pause = f"http://127.0.0.1:{port}/control/pause"
+        plain = httpx.post(pause, headers={**auth, "Content-Type": "text/plain"}, content=b"{}")
+        assert plain.status_code == 415  # issue 28, finding 3: a web page could pause the server
+        assert httpx.post(pause, headers=auth, json={}).json()["paused"]
+        threading.Thread(target=lambda: list(client.completions.create(  # paused: waits
+            model="tiny", prompt=[1, 5, 6], max_tokens=4, stream=True)), daemon=True).start()
+        time.sleep(1.0)
     finally:
         proc.terminate()
+        start = time.monotonic()
         # uvicorn stops gracefully and re-raises the signal it caught; chatgen's CLI exits 143 (chatgen/cli.py)
         assert proc.wait(timeout=60) == 143
+    assert time.monotonic() - start < 20, "SIGTERM waited for a request that could never finish"
     with pytest.raises(openai.APIConnectionError):
         client.models.list()

@@ -228,7 +228,8 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     from transformers import AutoModelForCausalLM
 
     auth = {"Authorization": f"Bearer {KEY}"}
-    assert requests.post(server + "/control/pause", headers=auth).json() == {"paused": True}
+    control = {"headers": auth, "json": {}}
+    assert requests.post(server + "/control/pause", **control).json() == {"paused": True}
     done = []
     worker = threading.Thread(target=lambda: done.append(remote.generate(PROMPTS, greedy=True)))
     worker.start()
@@ -238,10 +239,11 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     with pytest.raises(RuntimeError, match='the engine is paused, and mode "wait"'):
         remote.sync_weights(model)
     remote.sync_weights(model, mode="keep")  # weights can change while paused
-    assert requests.post(server + "/control/resume", headers=auth).json() == {"paused": False}
+    assert requests.post(server + "/control/resume", **control).json() == {"paused": False}
     worker.join(timeout=60)
     assert max_diff_vs_hf(model, *done[0]) < TOL  # the held request ran under the new weights
-    assert requests.post(server + "/control/reset_prefix_cache", headers=auth).json() == {"reset": True}
+    reset = requests.post(server + "/control/reset_prefix_cache", **control)
+    assert reset.json() == {"reset": True}
 
 
 ANOTHER_SHM_TRAINER = """

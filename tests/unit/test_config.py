@@ -459,6 +459,40 @@ def test_save_resolved_reloads_to_the_same_config(main_yaml, tmp_path, monkeypat
     assert (again.models["policy"].config.top_k, again.models["policy"].config.n) == (7, 3)
 
 
+@pytest.mark.faults
+def test_secrets_stay_out_of_the_resolved_config_and_the_printout(main_yaml, tmp_path,
+                                                                  monkeypatch, capsys):
+    """Issue 28, findings 5 and 10: a value interpolated from ${VAR} was written in plain text to
+    resolved_config.yaml (0644) and printed by `chatgen config`; the file followed a planted
+    link."""
+    import os
+
+    monkeypatch.setenv("JUDGE_API_KEY", "sk-live-0123456789")
+    with (tmp_path / "models" / "policy.yaml").open("a") as f:
+        f.write("args: {judge: {api_key: '${JUDGE_API_KEY}'}, header: 'Bearer ${JUDGE_API_KEY}', "
+                "hf_token: hf-literal-123}\n")
+    cfg = load_config(main_yaml, ["policy.args.password=pw-override-1"])
+    assert cfg.models["policy"].config.args["header"] == "Bearer sk-live-0123456789"
+    out = Path(save_resolved(cfg, tmp_path / "run"))
+    write(main_yaml.parent / "train.jsonl", '{"prompt": "p", "answer": "a"}\n')
+    ready = ["runtime.data_path=train.jsonl", "policy.temperature=1.0",
+             "policy.args.password=pw-override-1"]
+    assert cli.main(["config", str(main_yaml), *ready]) == 0, capsys.readouterr()
+    for shown in (out.read_text(), format_config(cfg), capsys.readouterr().out):
+        for secret in ("sk-live-0123456789", "hf-literal-123", "pw-override-1"):
+            assert secret not in shown
+        assert "Bearer ${JUDGE_API_KEY}" in shown
+    assert (out.stat().st_mode & 0o777, out.parent.stat().st_mode & 0o777) == (0o600, 0o700)
+    again = load_config(out)  # the environment gives the value back
+    assert again.models["policy"].config.args["header"] == "Bearer sk-live-0123456789"
+    victim = write(tmp_path / "victim.txt", "keep")
+    (tmp_path / "planted").mkdir()
+    os.symlink(victim, tmp_path / "planted" / "resolved_config.yaml")
+    with pytest.raises(OSError, match="symbolic link"):
+        save_resolved(cfg, tmp_path / "planted")
+    assert victim.read_text() == "keep"
+
+
 def test_format_config_is_yaml_of_the_resolved_values(main_yaml):
     cfg = load_config(main_yaml, ["runtime.seed=9"])
     text = format_config(cfg)
@@ -631,6 +665,22 @@ def test_a_key_given_twice_is_an_error_naming_both_lines(tmp_path):
     path = write(tmp_path / "p.yaml", "load: /m\ntemperature: 0.5\ntop_p: 0.9\ntemperature: 0.7\n")
     with pytest.raises(ConfigError, match=r"line 4: .*'temperature' appears twice .*lines 2 and 4"):
         load_model_config(path, VLLMConfig)
+
+
+def test_yaml_merge_keys_are_accepted_and_keys_beside_them_override(tmp_path):
+    """Issue 28, finding 7: the duplicate-key check refused `<<: *defaults` as a syntax error."""
+    text = ("defaults: &defaults {load: /m, temperature: 0.5, top_p: 0.9}\n"
+            "policy:\n  <<: *defaults\n  temperature: 0.7\n")
+    path = write(tmp_path / "p.yaml", text)
+    from chatgen.config.loader import _Loader
+
+    loaded = yaml.load(path.read_text(), Loader=_Loader)
+    assert loaded == yaml.safe_load(text)
+    assert loaded["policy"] == {"load": "/m", "temperature": 0.7, "top_p": 0.9}
+    model = write(tmp_path / "m.yaml",
+                  "base: &b {load: /m, temperature: 0.5}\n<<: *b\ntop_p: 0.8\n")
+    with pytest.raises(ConfigError, match="base"):  # the anchor's own key is no VLLMConfig key
+        load_model_config(model, VLLMConfig)
 
 
 # nine levels of ten aliases: 400-odd bytes whose `models:` expands to 10^9 strings

@@ -11,23 +11,55 @@ import torch
 from safetensors.torch import save_file
 
 from chatgen.rlhf import checkpoint as ckpt
-from chatgen.rlhf.health import RunHealthError, StepHealth, check_cut_prompts, check_rewards
+from chatgen.rlhf.health import (RunHealthError, StepHealth, checked_rewards, check_cut_prompts,
+                                 check_rewards, zero_variance_groups)
 
 pytestmark = pytest.mark.faults
 
 
-def test_collapsed_or_diverged_training_stops_after_the_configured_steps():
+def test_diverged_training_stops_after_the_configured_steps():
     logged = []
     health = StepHealth(3, logged.append)
-    good, zero, nan = dict(grad_norm=1.0, loss=0.1), dict(grad_norm=0.0, loss=0.0), dict(grad_norm=float("nan"))
-    health.check("policy_trainer", zero)
-    health.check("policy_trainer", zero)
+    good, nan = dict(grad_norm=1.0, loss=0.1), dict(grad_norm=float("nan"))
+    health.check("policy_trainer", nan)
+    health.check("policy_trainer", dict(grad_norm=1.0, loss=float("inf")))
     health.check("policy_trainer", good)  # a good step resets the count
     health.check("policy_trainer", nan)
     health.check("policy_trainer", dict(grad_norm=2.0, skipped_step=1.0))
     assert len(logged) == 4 and all("WARNING" in line for line in logged)
-    with pytest.raises(RunHealthError, match=r"policy_trainer: 3 optimizer steps in a row .*runtime.max_bad_train_steps=3"):
-        health.check("policy_trainer", zero)
+    with pytest.raises(RunHealthError, match=r"non-finite loss or gradient norm .*3 in a row, "
+                                             r"runtime.max_bad_train_steps=3"):
+        health.check("policy_trainer", nan)
+
+
+def test_equal_rewards_warn_and_count_but_never_stop_the_run():
+    """Issue 28, finding 4: a solved batch (every group's rewards equal, so zero advantages and a
+    zero gradient) stopped the run after 3 steps as "collapsed or diverged"."""
+    logged = []
+    health = StepHealth(3, logged.append)
+    for _ in range(10):
+        health.check("policy_trainer", dict(grad_norm=0.0, loss=0.0))
+    assert len(logged) == 10 and "zero gradient norm" in logged[0] and "rewards equal" in logged[0]
+    rewards = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.5, 0.5])  # groups of 2: equal, different, equal
+    assert zero_variance_groups(rewards, 2, logged.append) == 2
+    assert len(logged) == 10  # not every group: no warning
+    assert zero_variance_groups(torch.ones(6), 3, logged.append) == 2
+    assert "every group's 3 rewards are equal" in logged[-1]
+
+
+def test_a_log_prob_mismatch_that_jumps_or_is_not_finite_stops_the_run():
+    logged = []
+    health = StepHealth(2, logged.append)
+    for value in (2e-5, 3e-5, 1e-5, 0.05):  # noise, and 0.05 under the floor of a jump (0.1)
+        health.check_mismatch({"mismatch/logprob_mean_abs": value,
+                               "mismatch/logprob_max_abs": value})
+    assert logged == []
+    health.check_mismatch({"mismatch/logprob_mean_abs": 0.8})
+    assert "mismatch/logprob_mean_abs = 0.8 is not finite or jumped" in logged[0]
+    health.check_mismatch({"mismatch/logprob_mean_abs": 3e-5})  # back to normal: the count restarts
+    health.check_mismatch({"mismatch/logprob_max_abs": float("nan")})
+    with pytest.raises(RunHealthError, match="logprob_max_abs = inf .*2 in a row.*check-sync"):
+        health.check_mismatch({"mismatch/logprob_max_abs": float("inf")})
 
 
 def test_too_many_cut_prompts_stop_the_run_before_training():
@@ -44,6 +76,17 @@ def test_a_nan_reward_stops_the_run_naming_the_sample():
     check_rewards(torch.tensor([0.0, 1.0]), ["a", "b"])
     with pytest.raises(RunHealthError, match=r"NaN/inf for samples \[1\] \(e.g. response 'b'\)"):
         check_rewards(torch.tensor([0.0, float("nan")]), ["a", "b"])
+
+
+@pytest.mark.parametrize("returned, said", [
+    (None, "returned NoneType None"), ("0.5", "returned str '0.5'"),
+    (["a", "b"], "returned a list of str"), ([1.0], r"returned 1 values for 2 completions"),
+    ({"reward": [1.0, 0.0]}, "returned dict")])
+def test_a_reward_of_the_wrong_type_is_refused_naming_the_reward(returned, said):
+    """Issue 28, finding 10: None gave a raw TypeError traceback, a string "too many dimensions"."""
+    assert checked_rewards([1, 0.5], ["a", "b"], "reward (my.Reward).score").tolist() == [1.0, 0.5]
+    with pytest.raises((TypeError, ValueError), match=rf"reward \(my.Reward\).score {said}.*must return 2 numbers"):
+        checked_rewards(returned, ["a", "b"], "reward (my.Reward).score")
 
 
 def test_output_directory_lock_refuses_a_second_run_and_frees_on_exit(tmp_path):

@@ -18,6 +18,11 @@ Weights: the loop counts versions (0 = the weights the engine started with, +1 p
 sample carries `weight_versions` (list[int], the version each generated token was sampled under; set on vLLM's
 `CompletionOutput`); so does every delta of a streamed request, for its new tokens. Requests added after an update carry a new cache salt, so they never hit prefix-cache
 blocks computed with older weights, whatever still holds those blocks.
+
+Watchdog: `health_problem()` names what keeps the loop from serving (its thread died, or one engine
+step or command has run for over `stall_s` seconds without progress), which the server's /health
+answers with 503; an error of the loop itself fails the running calls and the loop keeps serving;
+`shutdown` waits at most `timeout` seconds for the thread: a stuck engine never blocks an exit.
 """
 import asyncio
 import concurrent.futures
@@ -34,6 +39,8 @@ from chatgen.generation.vllm import adapter
 logger = logging.getLogger(__name__)
 _loops = weakref.WeakKeyDictionary()  # vllm.LLM -> EngineLoop
 _loops_lock = threading.Lock()
+STALL_S = 120.0  # `EngineLoop.stall_s`: a step or command without progress this long is stuck
+SHUTDOWN_WAIT_S = 10.0  # how long `shutdown` waits for the thread before leaving it behind
 
 
 class _Call:
@@ -63,6 +70,9 @@ class EngineLoop:
         self._streamed = set()  # ids of unfinished requests that emit a delta every step
         self._stopped = False
         self._starting = None  # the call whose requests are being added (`_start`), on the engine thread
+        self.stall_s = STALL_S
+        self._busy_since = None  # monotonic time of the last progress of a running step or command
+        self.failure = None  # the last error of the loop itself (a chatgen bug)
         self._thread = None
         if threaded:
             self._thread = threading.Thread(target=self._serve, name="chatgen-engine-loop", daemon=True)
@@ -116,7 +126,29 @@ class EngineLoop:
                 future.set_exception(e)
 
         self._post(command)
-        return future.result()
+        return self._result(future)
+
+    def _result(self, future):
+        """`future.result()`, or an error naming why once the loop thread is gone for good."""
+        while True:
+            try:
+                return future.result(timeout=5.0)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive():
+                    raise RuntimeError(self.health_problem()) from None
+
+    def health_problem(self) -> str | None:
+        """Why the loop cannot serve now (its thread died, or it is stuck in one engine step or
+        command), or None. Any thread may ask; the server's /health answers 503 with it."""
+        if self._thread is not None and not self._thread.is_alive() and not self._stopped:
+            return (f"the engine loop thread has died ({self.failure or 'no error recorded'}); "
+                    "restart the server")
+        since = self._busy_since
+        if since is not None and time.monotonic() - since > self.stall_s:
+            return (f"the engine loop has made no progress for {time.monotonic() - since:.0f} s "
+                    f"(one engine step or command, over the {self.stall_s:.0f} s a healthy one "
+                    "takes); the engine may be hung")
+        return None
 
     def run(self, owner, add, is_eval=False, on_finished=None) -> tuple:
         """Submit a call and wait for it: `add()` queues requests through `add_request` (on the engine
@@ -199,21 +231,40 @@ class EngineLoop:
         """Step the engine again after `pause`."""
         self.call(lambda: setattr(self, "paused", False))
 
-    def shutdown(self) -> None:
-        """Stop the thread (requests still running are failed); the engine itself is left to its owner."""
+    def shutdown(self, timeout: float = SHUTDOWN_WAIT_S) -> bool:
+        """Stop the thread (requests still running are failed); the engine itself is left to its
+        owner. Returns False when the thread did not stop within `timeout` seconds (stuck in an
+        engine step or command): the loop is then given up as it is, and its engine must not be
+        touched again."""
         if self._stopped:
-            return
+            return True
+        error = RuntimeError("the engine loop was shut down while this request was running")
 
         def stop():
-            self._fail_all(RuntimeError("the engine loop was shut down while this request was running"))
+            self._fail_all(error)
             self._stopped = True
-            with _loops_lock:  # the registry must not keep the engine alive
-                if _loops.get(self.llm) is self:
-                    del _loops[self.llm]
 
-        self.call(stop)
-        if self._thread is not None and self._thread is not threading.current_thread():
-            self._thread.join()
+        stopped = True
+        thread = self._thread
+        if thread is None or thread is threading.current_thread() or not thread.is_alive():
+            stop()
+        else:
+            future = concurrent.futures.Future()
+            self._post(lambda: future.set_result(stop()))
+            try:
+                future.result(timeout=timeout)
+                self._thread.join(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                logger.warning("the engine loop did not stop within %.0f s (%s); leaving it behind",
+                               timeout, self.health_problem() or "busy")
+                stopped, self._stopped = False, True
+                for call in list(self._active):  # nobody else will answer them
+                    call.notify(error)
+                    call.notify(None)
+        with _loops_lock:  # the registry must not keep the engine alive
+            if _loops.get(self.llm) is self:
+                del _loops[self.llm]
+        return stopped
 
     # ------------------------------------------------------------------ the engine thread
 
@@ -224,9 +275,24 @@ class EngineLoop:
 
     def _serve(self) -> None:
         while not self._stopped:
-            self._run_commands(block=not self._active or self.paused)
-            if self._active and not self._stopped and not self.paused:
-                self._step()
+            try:
+                self._run_commands(block=not self._active or self.paused)
+                if self._active and not self._stopped and not self.paused:
+                    self._step()
+            except BaseException as e:  # a bug of the loop itself: fail what runs, keep serving
+                self.failure = f"{type(e).__name__}: {e}"
+                logger.exception("engine loop failed; failing the running requests")
+                try:
+                    self._fail_all(RuntimeError(f"the engine loop failed ({self.failure})"))
+                except BaseException:
+                    logger.exception("engine loop: failing the running requests failed too")
+                    for call in list(self._active):  # end them without the engine
+                        call.notify(RuntimeError(f"the engine loop failed ({self.failure})"))
+                        call.notify(None)
+                        call.done = True
+                    self._active.clear()
+            finally:
+                self._busy_since = None
 
     def _run_commands(self, block: bool = False) -> None:
         try:
@@ -234,10 +300,12 @@ class EngineLoop:
         except queue.Empty:
             return
         while True:
+            self._busy_since = time.monotonic()
             try:
                 command()
             except Exception:  # a command's own errors go to its caller; this is a bug, keep serving
                 logger.exception("engine loop command failed")
+            self._busy_since = None
             try:
                 command = self._inbox.get_nowait()
             except queue.Empty:
@@ -246,7 +314,12 @@ class EngineLoop:
     def _next_event(self, events, call):
         """The call's next event; without a thread, step the engine here until one comes."""
         if self._thread is not None:
-            return events.get()
+            while True:
+                try:
+                    return events.get(timeout=5.0)
+                except queue.Empty:
+                    if not self._thread.is_alive():
+                        return RuntimeError(self.health_problem())
         while events.empty():
             self._run_commands()
             if events.empty() and self._active:
@@ -284,6 +357,7 @@ class EngineLoop:
     def _step(self) -> None:
         """One engine step: schedule, the oldest call's forward_step hook, route what finished."""
         lead = self._active[0]
+        self._busy_since = time.monotonic()  # progress (also a `wait` update's steps)
         try:
             scheduled = adapter.schedule(self.llm)
             usage = adapter.kv_cache_usage(self.llm)
@@ -293,6 +367,10 @@ class EngineLoop:
             owner.iteration += 1
         except BaseException as e:  # a hook or the engine failed: every running call gets the error
             self._fail_all(e)
+            return
+        if not outputs and not adapter.has_unfinished_requests(self.llm):  # else: empty steps
+            self._fail_all(RuntimeError("the engine no longer holds this request (a chatgen bug: "
+                                        "the engine loop lost track of it); send it again"))
             return
         self.steps_run += 1
         for call in self._active:
@@ -320,11 +398,13 @@ class EngineLoop:
         """Drop a call's unfinished requests from the engine (KV blocks freed) and end it."""
         if call.done:
             return
-        adapter.abort(self.llm, sorted(call.unfinished))
-        self._forget(call)
-        if error is not None:
-            call.notify(error)
-        self._finish(call)
+        try:
+            adapter.abort(self.llm, sorted(call.unfinished))
+        finally:  # whatever the engine says, the call ends
+            self._forget(call)
+            if error is not None:
+                call.notify(error)
+            self._finish(call)
 
     def _forget(self, call) -> None:
         for request_id in call.unfinished:
@@ -355,6 +435,27 @@ class EngineLoop:
                 versions[count:] = [version] * (len(versions) - count)
             sample.weight_versions = versions
 
+    def _abort_returning_outputs(self) -> None:
+        """End every running request now, each call getting what its requests generated so far. vLLM gives one
+        output per request, or for a streamed request of n samples one per sample, all with the request's id
+        (only the last one `finished`): each is routed to its call, and a request leaves the books once all of
+        its outputs are out."""
+        by_request = {}
+        for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
+            by_request.setdefault(output.request_id, []).append(output)
+        for request_id, outputs in by_request.items():
+            call = self._calls.get(request_id)
+            if call is None:
+                continue
+            outputs[-1].finished = True  # the request is over, whatever vLLM's parent request says
+            for output in outputs:
+                self._stamp_versions(output)
+                call.notify(output)
+            del self._calls[request_id]
+            call.unfinished.discard(request_id)
+            if not call.unfinished:
+                self._finish(call)
+
     def _update(self, buckets, mode: str) -> int:
         """Apply a weight update on the engine thread (see GenerationModule.load_weights for the modes)."""
         if mode == "wait" and self.paused:
@@ -365,20 +466,17 @@ class EngineLoop:
             while self._active:
                 self._step()
         elif mode == "abort":
-            for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
-                call = self._calls.pop(output.request_id)
-                call.unfinished.discard(output.request_id)
-                self._stamp_versions(output)
-                call.notify(output)
-                if not call.unfinished:
-                    self._finish(call)
-            self._fail_all(RuntimeError("aborted by a weight update"))  # none should remain; never leave one hanging
+            try:
+                self._abort_returning_outputs()
+            finally:  # none should remain; even if routing failed, never leave a call hanging
+                self._fail_all(RuntimeError("aborted by a weight update"))
         counts = adapter.output_token_counts(self.llm)
         written, reloading = [0], [False]
 
         def counted(items):
             for item in items:
                 written[0] += 1
+                self._busy_since = time.monotonic()  # progress: a long load is not a stuck loop
                 yield item
 
         def reload(items):

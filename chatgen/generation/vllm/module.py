@@ -17,6 +17,7 @@ NeMo RL's spellings come from chatgen.compat; everything that touches vLLM inter
 over HTTP is chatgen.serving.
 """
 import contextlib
+import logging
 import os
 import shutil
 import time
@@ -31,6 +32,8 @@ from chatgen.generation.vllm import adapter
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
+
+logger = logging.getLogger(__name__)
 
 
 class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
@@ -226,6 +229,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return self.engine_loop.broken if self.engine is not None else None
 
     @property
+    def health_problem(self) -> str | None:
+        return self.engine_loop.health_problem() if self.engine is not None else None
+
+    @property
     def weight_version(self) -> int:
         return self.engine_loop.weight_version
 
@@ -264,8 +271,11 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def shutdown(self) -> None:
         """Stop the engine loop and the engine and release its memory."""
         if self.engine is not None:
-            self.engine_loop.shutdown()
-            adapter.shutdown(self.engine)
+            if self.engine_loop.shutdown():
+                adapter.shutdown(self.engine)
+            else:  # the loop is stuck inside the engine: leave both to the process's exit
+                logger.warning("%s: the engine loop did not stop; the engine is left as it is",
+                               type(self).__name__)
             self.engine = None
         if self._engine_dir is not None:
             shutil.rmtree(self._engine_dir, ignore_errors=True)

@@ -24,6 +24,7 @@ from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.health import zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
 
@@ -330,6 +331,7 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
                **prefixed("policy", stats), **recipe_metrics,
                # steps without any signal (every group of the step all-equal)
                "policy/zero_grad_steps": sum(step.get("grad_norm") == 0.0 for step in steps)}
+    metrics["reward/zero_variance_groups"] = zero_variance_groups(rewards, n, run.log)
     if algo.old_logprobs == "rollout":  # old == infer: the mismatch is what the first step saw before updating
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
         if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
