@@ -12,29 +12,14 @@ same run. docs/data_and_rewards.md.
 """
 import importlib
 import json
-import re
 
+from chatgen.config.loader import MASK, mask_secrets  # noqa: F401 (MASK: what a masked value reads)
 from chatgen.core.checkpoint_io import atomic_file
 from chatgen.rlhf.config import to_dict
 
 IDS_NAME = "trackers.json"
 MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker",
            "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
-# a key whose value may be a credential: key, *api_key, *access_key, *secret_key, *private_key,
-# *token, *secret, *password (not every *_key: runtime.prompt_key names a column)
-SECRET = re.compile(r"^key$|(^|_)(api_?key|access_?key|secret_?key|private_?key|token|secret"
-                    r"|password|passwd)$", re.IGNORECASE)
-MASK = "***"
-
-
-def mask_secrets(value, name: str = ""):
-    """`value` (nested dicts and lists) with every non-empty string under a key named like a
-    secret replaced by MASK."""
-    if isinstance(value, dict):
-        return {k: mask_secrets(v, str(k)) for k, v in value.items()}
-    if isinstance(value, list):
-        return [mask_secrets(v, name) for v in value]
-    return MASK if isinstance(value, str) and value and SECRET.search(name) else value
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:
