@@ -77,8 +77,7 @@ class GroupSender:
                  listen: bool = True, begin=None, finish=None):
         self.token, self.world_size, self.host, self.port, self.listen = token, world_size, host, port, listen
         self.begin, self.finish, self._pg, self._store = begin, finish, None, None
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
-        if listen and self.rank == 0:
+        if listen and _rank() == 0:
             if not port and host in ("0.0.0.0", "::", ""):  # a named host binds port 0 itself (tcp_store)
                 port = free_port(host)
             self._store = rendezvous_store(host, port, is_server=True, world_size=world_size)
@@ -91,7 +90,7 @@ class GroupSender:
 
     def connect(self) -> None:
         """Form the group; blocks until every engine rank joined too (`GroupReceiver`). Listening senders only."""
-        if self.rank == 0:
+        if _rank() == 0:
             self._pg = process_group(self._store, 0, self.world_size)
 
     def send(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
@@ -100,7 +99,7 @@ class GroupSender:
         load (that engine says whether it is partially updated)."""
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)  # a source that cannot be read fails before any handshake
-        if self.rank != 0:
+        if _rank() != 0:  # read at each send: a sender may be made before torch.distributed starts
             n = follow(weights, validate)
         else:
             if self.begin is not None:
@@ -168,6 +167,10 @@ class GroupSender:
     def close(self) -> None:
         """Leave the group and stop hosting the rendezvous."""
         self._pg = self._store = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 class GroupReceiver:

@@ -78,7 +78,6 @@ class ShmSender:
     def __init__(self, begin=None, finish=None):
         self.begin, self.finish = begin, finish
         self.path, self._map = None, None
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
 
     @classmethod
     def owned(cls, token: str, root: str = SHM_ROOT) -> "ShmSender":
@@ -94,7 +93,7 @@ class ShmSender:
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
         nbytes = plan_bytes(weights.plan, weights.dtype)
-        if self.rank != 0:
+        if _rank() != 0:  # read at each send: a sender may be made before torch.distributed starts
             n = follow(weights, validate)
             return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
         path = self.begin(self.path if self._map is not None and len(self._map) == nbytes else None)
@@ -131,7 +130,7 @@ class ShmSender:
         """An owning sender's send: the handles every engine rank loads (`load_shm`) on rank 0, None on the
         other ranks. Collective over the source's ranks."""
         self.send(source, validate, bucket_bytes)
-        return self.handles if self.rank == 0 else None
+        return self.handles if _rank() == 0 else None
 
     def _finish(self, body: dict):
         """`finish`, and the file this sender made removed when it fails (the engine never heard of the data: a
@@ -161,6 +160,10 @@ class ShmSender:
         if getattr(self, "directory", None) is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
 
 
 def _create(path: str, nbytes: int) -> mmap.mmap:

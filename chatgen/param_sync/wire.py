@@ -2,21 +2,19 @@
 NCCL on GPU), broadcasts with deadlines (`Patience`), JSON messages (never pickle: the peer is another process),
 the token challenge every member passes before each sync (`authenticate`), and the trainer ranks' shared verdict.
 
-The channel: the engine serves a torch TCPStore (the rendezvous) and both ends form a private 2-member group
-(gloo on CPU, NCCL on GPU) that carries the weights. Anyone who reaches the store's port can read, write and
-delete its keys (list_keys included), and so take part in the group's rendezvous: nothing a stranger can do
-there may become a weight. So the receiver makes a token (`SyncReceiver.token`, handed to the trainer by
-whoever set the channel up: the authenticated HTTP begin call, a Ray call, a child's arguments) and
-  1. starts the group only once the rendezvous holds an HMAC of the token (PROOF_KEY): a stranger cannot make
-     the engine connect anywhere;
-  2. before every sync, over the group's own connection (the one the tensors will come through), both ends
-     prove the token: a fresh nonce from each, then HMAC-SHA256(token, role | both nonces) from each, checked
-     in constant time. A peer that joined the group in the trainer's place fails here, before the manifest or
-     any tensor is read, and the engine closes the channel; a trainer talking to a stranger in the engine's
-     place sends nothing.
-Every wait of the engine has a deadline and can be stopped (`alive`): a trainer that dies or stalls mid-sync
-costs one failed sync, never a stuck engine.
-
+The group: whoever hosts it (the engine, or a run's trainer) serves a torch TCPStore (the rendezvous) and the
+members form a private group (gloo on CPU, NCCL on GPU) that carries the weights. Anyone who reaches the store's
+port can read, write and delete its keys (list_keys included), and so take part in the group's rendezvous:
+nothing a stranger can do there may become a weight. So the members share a token (handed over by whoever set
+the channel up: the authenticated HTTP begin call, a Ray call, a child's arguments), and
+  1. an engine that hosts the rendezvous starts the group only once it holds an HMAC of the token (PROOF_KEY): a
+     stranger cannot make the engine connect anywhere;
+  2. before every sync, over the group's own connections (the ones the tensors will come through), every member
+     proves the token (`authenticate`): a fresh nonce from each, then HMAC-SHA256(token, role | the nonces) from
+     each, checked by all in constant time. A peer that joined in the trainer's place fails here, before the
+     manifest or any tensor is read; a trainer talking to a stranger in an engine's place sends nothing.
+Every wait of a listening engine has a deadline and can be stopped (`Patience`): a trainer that dies or stalls
+mid-sync costs one failed sync, never a stuck engine.
 """
 import datetime
 import hmac

@@ -158,7 +158,7 @@ class GenerationGroup(NemoRLRefit):
         """Every engine rank loads the weights a trainer on this host wrote into shared memory
         (chatgen.param_sync.ShmSender.owned(token).write, signed with this group's token); waits, returns the
         SyncReports."""
-        return self.run(_load_ipc, self.name, handles, self.token, mode)
+        return self.run(_load_shm, self.name, handles, self.token, mode)
 
     def devices(self) -> list:
         """The device of every engine rank: the GPU's UUID, or cpu@<host>."""
@@ -199,7 +199,7 @@ def _check_manifest(worker, name, manifest):
     check_manifest(manifest, worker.models[name].weight_manifest())
 
 
-def _load_ipc(worker, name, handles, token, mode):
+def _load_shm(worker, name, handles, token, mode):
     return load_shm(worker.models[name], handles, token, mode)
 
 
