@@ -30,9 +30,9 @@ another client gets a new one. Every control endpoint changes what the server co
 needs an API key: the router refuses to be built for a non-loopback bind without one; the weight channels it
 opens are authenticated too (the group by begin's one-time token, the shm file by the 0700 directory only the
 server's user can write; its directory is named with the server's pid, and a server removes at start
-the directories that killed servers of its user left, and its own at exit). No update locks out the next: every step has a deadline (`timeout`), after which the
-update is given up and the engine keeps its old weights (or, stopped mid-load, refuses to generate until the
-next complete sync).
+the directories that killed servers of its user left, and its own at exit). No update locks out the next:
+every step has a deadline (`timeout`), after which the update is given up and the engine keeps its old
+weights (or, stopped mid-load, refuses to generate until the next complete sync).
 """
 import asyncio
 import threading
