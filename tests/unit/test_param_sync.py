@@ -245,3 +245,30 @@ def test_stale_segments_of_dead_processes_go_and_live_ones_stay(tmp_path):
     removed = remove_stale_segments(str(tmp_path))
     assert sorted(removed) == sorted(str(tmp_path / n) for n in names[:2])
     assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+
+
+def test_every_transport_speaks_the_one_protocol():
+    """Every sender of chatgen.param_sync: send(source, validate, bucket_bytes) and close(); every receiver:
+    receive_into(target, mode, ...) and close(). A new transport file is found here by its classes' names."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import chatgen.param_sync as ps
+
+    senders, receivers = [], []
+    for info in pkgutil.iter_modules(ps.__path__):
+        module = importlib.import_module(f"chatgen.param_sync.{info.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and name.endswith("Sender"):
+                senders.append(cls)
+            elif cls.__module__ == module.__name__ and name.endswith("Receiver"):
+                receivers.append(cls)
+    assert {c.__name__ for c in senders} >= {"LocalSender", "GroupSender", "ShmSender"}
+    assert {c.__name__ for c in receivers} >= {"GroupReceiver", "ShmReceiver"}
+    for cls in senders:
+        assert list(inspect.signature(cls.send).parameters)[:4] == ["self", "source", "validate", "bucket_bytes"]
+        assert callable(cls.close), cls
+    for cls in receivers:
+        assert list(inspect.signature(cls.receive_into).parameters)[:3] == ["self", "target", "mode"], cls
+        assert callable(cls.close), cls
