@@ -181,6 +181,7 @@ class GroupReceiver:
     def __init__(self, host: str, port: int, rank: int, world_size: int, token: str, timeout: float | None = None):
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.token, self.timeout, self._store, self._open = token, timeout, None, True
+        self.checks_values = False  # a run's own trainer, which checked finiteness before sending (its header)
         self._pg = process_group(rendezvous_store(host, port, is_server=False, world_size=world_size), rank,
                                  world_size)
 
@@ -195,6 +196,7 @@ class GroupReceiver:
             port = free_port()
         self.host, self.rank, self.world_size, self.timeout, self._pg, self._open = host, 1, 2, timeout, None, True
         self.token = secrets.token_hex(32)
+        self.checks_values = True  # a server trusts no trainer's word for finiteness: every value is checked here
         self._store = rendezvous_store(host, port, is_server=True)
         self.port = self._store.port
         return self
@@ -220,7 +222,9 @@ class GroupReceiver:
         first time, and prove the token, then as long again for the manifest, each bucket and the end).
         mode: what the target does with requests in flight (`GenerationModule.load_weights`). alive: optional
         callable polled while waiting; returning False (the trainer died, the server's operator stopped the
-        update) ends the sync with a SyncError. The values are checked here, whatever the trainer's header says.
+        update) ends the sync with a SyncError. A listening engine checks every value for NaN / inf itself,
+        whatever the trainer's header says (a run's engine ranks rely on their trainer's check: one sum less per
+        tensor and engine rank).
         """
         if self.closed:
             raise SyncError("weight sync refused, the engine keeps its old weights: this weight channel was closed "
@@ -279,8 +283,8 @@ class GroupReceiver:
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
             received_buckets = unflatten_buckets(plan, next_flat)
-            n = load_into(target, checked(received_buckets, plan, fingerprints=header["fingerprints"], finite=True),
-                          mode)
+            n = load_into(target, checked(received_buckets, plan, fingerprints=header["fingerprints"],
+                                          finite=self.checks_values), mode)
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):
                 self.close()
