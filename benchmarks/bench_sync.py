@@ -14,11 +14,11 @@ For each size (random Llama-architecture weights written straight to safetensors
                  `chatgen serve --control` runs at finish); split into write (trainer: source, finiteness,
                  copy) and load (server: checks + reload)
     server_group the same model through server mode's group path (weight_transport="group", any machine):
-                 `SyncSender` -> a private gloo group over loopback -> `SyncReceiver.receive_into(llm)` on
+                 `GroupSender.to` -> a private gloo group over loopback -> `GroupReceiver.listen().receive_into(llm)` on
                  another thread. Neither server figure includes the two HTTP calls (begin / finish, a few ms)
     broadcast_1, broadcast_2  the trainer (TP=1) to generation replicas on devices of their own, as a run with
-                 disaggregated replicas syncs (chatgen.param_sync.broadcast): `BroadcastSender` -> one gloo
-                 broadcast per bucket -> a `BroadcastReceiver` per engine, each on its own thread loading its own
+                 disaggregated replicas syncs (chatgen.param_sync.group): `GroupSender` -> one gloo
+                 broadcast per bucket -> a `GroupReceiver` per engine, each on its own thread loading its own
                  engine; to one engine, then to two. Target: broadcast_2 <= 1.3x broadcast_1. Both engines live in
                  this process and load on the same CPU cores (two replicas' loads are twice the work there; on
                  their own devices they run side by side)
@@ -129,14 +129,14 @@ def interleaved(fns: dict, repeats: int) -> dict:
 
 
 def server_group(hf_model, llm):
-    """One sync of `hf_model` into `llm` the way server mode moves it over a group: SyncSender -> gloo ->
-    SyncReceiver (on another thread, as the server's)."""
+    """One sync of `hf_model` into `llm` the way server mode moves it over a group: GroupSender.to -> gloo ->
+    GroupReceiver.listen() (on another thread, as the server's)."""
     import threading
 
-    from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
+    from chatgen.param_sync import GroupReceiver, GroupSender, sync_weights
 
-    receiver = SyncReceiver()
-    sender = SyncSender("127.0.0.1", receiver.port, receiver.token)
+    receiver = GroupReceiver.listen()
+    sender = GroupSender.to("127.0.0.1", receiver.port, receiver.token)
 
     def once():
         engine_side = threading.Thread(target=receiver.receive_into, args=(llm,))
@@ -153,15 +153,17 @@ def server_shm(hf_model, llm, load_s: list):
     its seconds are appended to `load_s`)."""
     from chatgen.param_sync import ShmReceiver, ShmSender
 
-    receiver, sender = ShmReceiver(), ShmSender()
+    receiver = ShmReceiver()
 
     def finish(body):
         t = time.perf_counter()
-        receiver.receive_into(llm, body["header"])
+        receiver.receive_into(llm, header=body["header"])
         load_s.append(time.perf_counter() - t)
 
+    sender = ShmSender(receiver.name, finish)
+
     def once():
-        sender.send(hf_model, receiver.name, finish)
+        sender.send(hf_model)
 
     return once
 
@@ -172,13 +174,13 @@ def broadcast(trainer, llms: list):
     import secrets
     import threading
 
-    from chatgen.param_sync.broadcast import BroadcastReceiver, BroadcastSender
+    from chatgen.param_sync import GroupReceiver, GroupSender
 
     token, world = secrets.token_hex(8), 1 + len(llms)
-    sender, receivers = BroadcastSender(token, world), [None] * len(llms)
+    sender, receivers = GroupSender(token, world), [None] * len(llms)
 
     def join(i):
-        receivers[i] = BroadcastReceiver(sender.host, sender.port, 1 + i, world, token)
+        receivers[i] = GroupReceiver(sender.host, sender.port, 1 + i, world, token)
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(len(llms))]
     [t.start() for t in threads]

@@ -22,7 +22,7 @@ import dataclasses
 import torch
 
 from chatgen.core.distributed import LOOPBACK_HOSTS
-from chatgen.param_sync import SharedMemoryUnavailable, ShmSender, SyncSender, sync_weights, weight_source
+from chatgen.param_sync import GroupSender, SharedMemoryUnavailable, ShmSender, sync_weights
 
 MODES = ("colocate", "server")
 WEIGHT_TRANSPORTS = ("auto", "shm", "group")
@@ -93,7 +93,9 @@ class VLLMGeneration:
             shm = weight_transport == "shm" or (weight_transport == "auto" and not torch.cuda.is_available()
                                                 and urlparse(self.server.base_url).hostname in LOOPBACK_HOSTS)
             self._transport = "shm" if shm else "group"
-            self._sender, self._shm = None, ShmSender()
+            self._shm = ShmSender(self._begin_shm, self._finish_shm)
+            self._group = GroupSender.to("", 0, "", begin=self._begin_group, finish=self._finish_group)
+            self._mode = "wait"  # the mode of the sync in progress (the handshakes' begin sends it)
             return
         from chatgen.generation.vllm.module import VLLMModule  # imports vLLM: server mode needs no engine here
 
@@ -213,39 +215,36 @@ class VLLMGeneration:
         """
         if self.server is None:
             return sync_weights(source, self.module, mode=mode)
-        import torch.distributed as dist
-
-        if dist.is_initialized() and dist.get_rank() != 0:
-            return sync_weights(source, SyncSender("", 0, ""))  # the other ranks only take part in rank 0's send
+        self._mode = mode
         if self._transport == "shm":
-            def begin(held):
-                return self.server.post("/control/weights/begin", {"mode": mode, "transport": "shm",
-                                                                   "path": held})["path"]
-
             try:
-                return self._shm.send(source, begin, self._finish)
+                return self._shm.send(source)
             except SharedMemoryUnavailable:  # raised before anything was sent: the group can still carry it
                 if self.weight_transport == "shm":
                     raise
                 self._transport = "group"
-        weight_source(source)  # a source that cannot be read fails here, before the server waits for its weights
-        held = self._sender.port if self._sender is not None else None
-        endpoint = self.server.post("/control/weights/begin", {"mode": mode, "transport": "group", "port": held})
-        if self._sender is None or (self._sender.host, self._sender.port) != (endpoint["host"], endpoint["port"]):
-            self._sender = SyncSender(endpoint["host"], endpoint["port"], endpoint["token"])  # open between syncs
-        self._sender.token = endpoint["token"]  # this update's one-time token: the stream proves it to the server
-        try:
-            report = sync_weights(source, self._sender)
-        except BaseException:
-            self.server.post("/control/weights/finish", check=False)  # the server saw the failure too
-            raise
-        self.server.post("/control/weights/finish")
-        return report
+        return self._group.send(source)
 
-    def _finish(self, body: dict) -> str | None:
+    # The handshakes of `chatgen serve --control` (chatgen/serving/control.py), called by the senders on rank 0.
+
+    def _begin_shm(self, held: str | None) -> str:
+        """POST /control/weights/begin of a shm sync: the path to write (`held`, the file still mapped, or new)."""
+        body = {"mode": self._mode, "transport": "shm", "path": held}
+        return self.server.post("/control/weights/begin", body)["path"]
+
+    def _finish_shm(self, body: dict) -> str | None:
         """POST /control/weights/finish of a shm sync: None once the weights are in, else the server's reason."""
         answer = self.server.post("/control/weights/finish", body, check=False)
         return answer["error"]["message"] if "error" in answer else None
+
+    def _begin_group(self, held: int | None) -> dict:
+        """POST /control/weights/begin of a group sync: the rendezvous and this update's one-time token (`held`:
+        the port of the group still open)."""
+        return self.server.post("/control/weights/begin", {"mode": self._mode, "transport": "group", "port": held})
+
+    def _finish_group(self, ok: bool) -> None:
+        """POST /control/weights/finish of a group sync (a failure raises, unless this end failed first)."""
+        self.server.post("/control/weights/finish", check=ok)
 
     def shutdown(self) -> None:
         """Stop the engine and free its memory (colocate); close the connection and the shared memory (server)."""
@@ -253,6 +252,7 @@ class VLLMGeneration:
             self.module.shutdown()
         if self.server is not None:
             self._shm.close()
+            self._group.close()
             self.server.session.close()
 
 

@@ -18,7 +18,7 @@ every sample of the prompts it is working on, across concurrent calls), largest 
 generate at once, each with the contract's `run_generation` on its own prompts, and the batches come back as one
 RolloutBatch in the caller's order. With one replica every call goes to the engine unchanged.
 
-The weight channel is chatgen.param_sync.broadcast: the trainer's rank 0 broadcasts each bucket once to every
+The weight channel is chatgen.param_sync.group: the trainer's rank 0 broadcasts each bucket once to every
 engine rank of every replica; the trainer signs with `token`, this group's secret, which the run hands to the
 trainer through Ray (a NeMo RL caller gives `group.token` to its trainer's sender the same way).
 """
@@ -31,11 +31,10 @@ import torch
 from chatgen.compat.nemo_rl import NemoRLRefit
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
-from chatgen.param_sync import check_manifest
-from chatgen.param_sync.broadcast import BroadcastReceiver, load_ipc
+from chatgen.param_sync import GroupReceiver, check_manifest, load_shm
 from chatgen.rlhf.placement import engine_tp
 
-RECEIVER = "broadcast_receiver"
+RECEIVER = "group_receiver"
 
 
 class GenerationGroup(NemoRLRefit):
@@ -137,7 +136,7 @@ class GenerationGroup(NemoRLRefit):
     def open_weight_channel(self, ip: str, port: int, world_size: int) -> list:
         """Every engine rank joins the trainer's broadcast group at ip:port as member 1 + its rank; world_size =
         1 + this model's ranks (the trainer's rank 0 sends). Returns the calls in flight: wait for them with
-        `get` together with the trainer's `BroadcastSender.connect` (each side blocks until all joined)."""
+        `get` together with the trainer's `GroupSender.connect` (each side blocks until all joined)."""
         if world_size != 1 + self.group.world_size:
             raise ValueError(f"{self.name}: world_size={world_size}, but the weight group is the trainer's sending "
                              f"rank + {self.group.world_size} engine ranks = {1 + self.group.world_size}")
@@ -156,9 +155,9 @@ class GenerationGroup(NemoRLRefit):
 
     def load_shared_weights(self, handles: dict, mode: str = "wait") -> list:
         """Every engine rank loads the weights a trainer on this host wrote into shared memory
-        (chatgen.param_sync.broadcast.IpcSender.write, signed with this group's token); waits, returns the
+        (chatgen.param_sync.ShmSender.owned(token).write, signed with this group's token); waits, returns the
         SyncReports."""
-        return self.run(_load_ipc, self.name, handles, self.token, mode)
+        return self.run(_load_shm, self.name, handles, self.token, mode)
 
     def devices(self) -> list:
         """The device of every engine rank: the GPU's UUID, or cpu@<host>."""
@@ -188,7 +187,7 @@ def _attribute(worker, name, attribute):
 
 
 def _join_broadcast(worker, name, host, port, rank, world_size, token):
-    worker.attach(name, RECEIVER, BroadcastReceiver(host, port, rank, world_size, token))
+    worker.attach(name, RECEIVER, GroupReceiver(host, port, rank, world_size, token))
 
 
 def _receive_broadcast(worker, name, mode):
@@ -199,8 +198,8 @@ def _check_manifest(worker, name, manifest):
     check_manifest(manifest, worker.models[name].weight_manifest())
 
 
-def _load_ipc(worker, name, handles, token, mode):
-    return load_ipc(worker.models[name], handles, token, mode)
+def _load_shm(worker, name, handles, token, mode):
+    return load_shm(worker.models[name], handles, token, mode)
 
 
 def _device_id(worker):

@@ -14,18 +14,16 @@ A trainer in the same colocation group as its target (same actor processes) writ
 (chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP rank, takes the full tensors and
 keeps its own shard). Otherwise the target is a generation model on devices of its own (chatgen.rlhf
 .generation_group): the trainer's rank 0 and every engine rank of every replica form one broadcast group
-(chatgen.param_sync.broadcast, through the target's refit calls; every member proves the run's token over the
+(chatgen.param_sync.group, through the target's refit calls; every member proves the run's token over the
 group before each sync), kept for the run on the workers (`ModelWorker.attach`). After every sync each engine
 rank must hold the same weight version: a replica that missed an update stops the run.
 """
-from chatgen.param_sync import sync_weights, weight_source
-from chatgen.param_sync.broadcast import BroadcastSender
-from chatgen.param_sync.sync import plan_manifest
+from chatgen.param_sync import GroupSender, plan_manifest, sync_weights, weight_source
 from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
 ENGINE_DEATH_WAIT_S = 10.0  # after a failed sync: how long the engines may take to report a death
 
-SENDER = "broadcast_sender"
+SENDER = "group_sender"
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
@@ -35,7 +33,7 @@ def _sync_colocated(worker, trainer, target, validate):
 
 
 def _open_sender(worker, trainer, token, world_size, multi_node):
-    sender = worker.attach(trainer, SENDER, BroadcastSender(token, world_size, host=rendezvous_host(multi_node)))
+    sender = worker.attach(trainer, SENDER, GroupSender(token, world_size, host=rendezvous_host(multi_node)))
     return sender.host, sender.port
 
 

@@ -7,12 +7,12 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
                                         group: {"transport", "host", "port", "token"}: the server opens the
                                         rendezvous of a private 2-member torch.distributed group (gloo on CPU, NCCL
                                         on GPU) and waits there for one weight sync, which must prove `token` (a
-                                        one-time secret of this begin: chatgen.param_sync.sync); a client that
+                                        one-time secret of this begin: chatgen.param_sync.group); a client that
                                         gives the port of the group it already holds keeps using it.
                                         shm (a trainer on this machine): {"transport", "path"}: the file in the
                                         server's own /dev/shm directory the trainer writes the weights into; a
                                         client that gives the path it holds mapped keeps using it
-        ... group: the trainer sends the weights over the group, in buckets: chatgen.param_sync.SyncSender
+        ... group: the trainer sends the weights over the group, in buckets: chatgen.param_sync.GroupSender
             shm: the trainer writes them into the file: chatgen.param_sync.ShmSender
     POST /control/weights/finish        group: no body; shm: {"header": ...} once the file is written ({"error":
                                         why} if the trainer stopped) -> {"weight_version", "tensors", "bytes",
@@ -22,16 +22,17 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
     POST /control/reset_prefix_cache    -> {"reset": bool} (false while running requests hold cache blocks)
 
 The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is one of
-chatgen.param_sync's cross-process channels (`SyncReceiver.receive_into`, `ShmReceiver.receive_into`): the
+chatgen.param_sync's cross-process transports (`GroupReceiver.listen()`, `ShmReceiver`): the
 trainer's manifest is checked against the engine before anything is written, the engine checks every value for
 NaN / inf itself, and the write goes through `module.load_weights` in `mode` (wait / keep / recompute / abort,
 see GenerationModule.load_weights). The group, or the mapped file, stays open between the updates of one client;
 another client gets a new one. Every control endpoint changes what the server computes, so beyond loopback it
 needs an API key: the router refuses to be built for a non-loopback bind without one; the weight channels it
 opens are authenticated too (the group by begin's one-time token, the shm file by the 0700 directory only the
-server's user can write). No update locks out the next: every step has a deadline (`timeout`), after which the
-update is given up and the engine keeps its old weights (or, stopped mid-load, refuses to generate until the
-next complete sync).
+server's user can write; its directory is named with the server's pid, and a server removes at start
+the directories that killed servers of its user left, and its own at exit). No update locks out the next:
+every step has a deadline (`timeout`), after which the update is given up and the engine keeps its old
+weights (or, stopped mid-load, refuses to generate until the next complete sync).
 """
 import asyncio
 import threading
@@ -43,7 +44,7 @@ from pydantic import BaseModel, ConfigDict
 
 from chatgen.core.distributed import LOOPBACK_HOSTS
 from chatgen.generation.base import UPDATE_MODES
-from chatgen.param_sync import ShmReceiver, SyncReceiver
+from chatgen.param_sync import GroupReceiver, ShmReceiver, remove_stale_segments
 from chatgen.serving.app import APIError, api_key_dependency
 
 DEFAULT_TIMEOUT_S = 120.0  # `chatgen serve --control-timeout`: the server's patience at each step of an update
@@ -88,6 +89,7 @@ class _WeightUpdates:
         self.stopping = None  # the thread of a stopped group update, while it winds down
         self.lock = threading.Lock()
         self.finishing = threading.Lock()
+        remove_stale_segments()  # what an earlier server of this user left when it was killed mid-update
 
     def begin(self, body: BeginRequest) -> dict:
         with self.lock:
@@ -111,7 +113,7 @@ class _WeightUpdates:
             if self.receiver is None or self.receiver.closed or self.receiver.port != body.port:
                 if self.receiver is not None:  # a new client: a new group (and the old one's rendezvous closed)
                     self.receiver.close()
-                self.receiver = SyncReceiver(self.host, timeout=self.timeout)
+                self.receiver = GroupReceiver.listen(self.host, timeout=self.timeout)
             token = self.receiver.new_token()  # one-time: only the caller of this begin can send this update
             result, stop = {}, threading.Event()
             thread = threading.Thread(target=self._receive, args=(self.receiver, body.mode, result, stop),
@@ -153,8 +155,8 @@ class _WeightUpdates:
                                    f"weights: {body.error}")
             else:
                 try:
-                    result["report"] = self.shm.receive_into(self.module, body.header.model_dump(),
-                                                             mode=pending["mode"])
+                    result["report"] = self.shm.receive_into(self.module, pending["mode"],
+                                                             header=body.header.model_dump())
                 except Exception as e:  # the receiver dropped the file
                     result["error"] = f"{type(e).__name__}: {e}"
             with self.lock:

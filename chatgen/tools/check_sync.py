@@ -34,7 +34,7 @@ from chatgen.generation.base import load_backend
 from chatgen.generation.batching import iter_samples, sample_logprobs
 from chatgen.generation.config import check_prompt_ids
 from chatgen.models import layout
-from chatgen.param_sync import SyncReceiver, SyncSender, sync_weights
+from chatgen.param_sync import GroupReceiver, GroupSender, sync_weights
 from chatgen.training.launcher import DistributedJob, ctx_queue
 from chatgen.training.megatron_module import MegatronModule
 
@@ -90,7 +90,7 @@ def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_t
                   from_trainer):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     trainer = _start_trainer(config, temperature)
-    sync_weights(trainer, SyncSender("127.0.0.1", port, token), bucket_bytes=bucket_bytes, validate=validate)
+    GroupSender.to("127.0.0.1", port, token).send(trainer, validate, bucket_bytes)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
     scores = _score(trainer, box[0])
@@ -146,7 +146,7 @@ def check_sync(args) -> dict:
     else:
         mode = "cross-process"
         engine = _engine(args)
-        rx = SyncReceiver()
+        rx = GroupReceiver.listen()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
         rank_args = (config, args.temperature, rx.port, rx.token, bucket_bytes, args.validate,
                      to_trainer, from_trainer)

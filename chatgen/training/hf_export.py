@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, numel, unflatten
 from chatgen.models import layout
+from chatgen.models.convert import TE_NORM_NAMES
 
 
 @dataclasses.dataclass
@@ -205,3 +206,37 @@ def _gather_shards(local: list[torch.Tensor], tp: int, tp_group) -> list[list[to
         offset += n
     return out
 
+
+
+class HFExport:
+    """`MegatronModule`'s way out for its weights, as a mixin: hf_weights / hf_state_dict, and its parameters by
+    name (local_param, used by param_sync)."""
+
+    def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> HFWeights:
+        """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP), bucket by bucket:
+        the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
+        every rank; at most about two buckets of extra memory, never a copy of the model."""
+        self.onload(("params",))
+        return HFWeights(self, bucket_bytes)
+
+    def hf_state_dict(self) -> dict:
+        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`). Collective."""
+        return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
+
+    def _to_module_name(self, name: str) -> str:
+        for local, te in TE_NORM_NAMES.items():  # the Transformer Engine spec's names
+            if name.endswith(local) and name not in self._params:
+                return name[: -len(local)] + te
+        return name
+
+    @property
+    def _params(self) -> dict:
+        if getattr(self, "_param_cache", (None,))[0] is not self.model:
+            self._param_cache = (self.model, dict(self.model.named_parameters()))
+        return self._param_cache[1]
+
+    def local_param(self, canonical_name: str) -> torch.Tensor:
+        """This rank's shard of a Megatron parameter by its local-spec name (used by param_sync)."""
+        params = self._params
+        name = canonical_name if canonical_name in params else self._to_module_name(canonical_name)
+        return params[name]

@@ -21,37 +21,35 @@ distributed optimizer (Adam moments and, under bf16/fp16, fp32 master weights sh
 Checkpoints are megatron-core distributed checkpoints: every rank writes its own shards, and a checkpoint
 loads at another TP x PP x DP. `offload()` / `onload()` move the training state to host memory and back
 while a colocated engine generates. docs/megatron_module.md says more.
+
+The class keeps the lifecycle and the train/forward steps; its other jobs are mixins in sibling files:
+checkpoints.py (three formats), memory.py (offload / onload / memory_stats), moe_routing.py (routing replay,
+expert figures), hf_export.py (the weights as HF tensors), packing_hooks.py (shared-prefix packing and logit
+slicing), model_build.py (layer spec, DDP + distributed optimizer, LR schedule).
 """
 import gc
 import math
 import os
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from chatgen import models
-from chatgen.core.checkpoint_io import (
-    begin_directory,
-    commit_directory,
-    read_hf_config,
-    read_hf_safetensors,
-    read_megatron_meta,
-    read_megatron_shard,
-    staging_path,
-    write_megatron_meta,
-)
+from chatgen.core.checkpoint_io import read_hf_config
 from chatgen.core.distributed import init_process_group
 from chatgen.core.metrics import reduce_metrics
-from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.models import layout
-from chatgen.models.convert import TE_NORM_NAMES
 from chatgen.module import Module
-from chatgen.training import cpu_compat, dist_checkpoint
+from chatgen.training import cpu_compat
+from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
-from chatgen.training.hf_export import HFWeights
-from chatgen.training.prefix_packing import pack_shared_prefix
+from chatgen.training.hf_export import HFExport
+from chatgen.training.memory import MemoryHandoff
+from chatgen.training.model_build import ModelBuild
+from chatgen.training.moe_routing import MoERouting, RoutingReplay
+from chatgen.training.packing_hooks import PackingHooks
 
+__all__ = ["MegatronModule", "RoutingReplay", "init_distributed"]  # RoutingReplay: re-exported from moe_routing
 
 def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> None:
     """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups; `dp`
@@ -101,7 +99,8 @@ def _groups_alive(ps) -> bool:
         return False
 
 
-class MegatronModule(Module):
+class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild,
+                     Module):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
     Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
@@ -193,45 +192,6 @@ class MegatronModule(Module):
             self._packs = bool(flag.item())
         self._build_optimizer()
         self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
-
-    def _build_optimizer(self) -> None:
-        """megatron-core's DistributedDataParallel around the model and its distributed optimizer over it.
-
-        DDP keeps the gradients in contiguous buffers (fp32 under bf16/fp16, so that micro-batches accumulate
-        without rounding) and reduce-scatters them over DP in buckets, overlapped with the backward when
-        `overlap_grad_reduce`; `finalize_model_grads` (called by the pipeline schedule) also sums the tied
-        embedding across the first and last stage and QK-norm weights over TP. The optimizer is Adam(W) on fp32
-        main parameters (bf16/fp16 weights cannot take small updates: lr 1e-6 on a weight of 0.02 is below half a
-        bf16 step) whose state and masters are sharded over the DP ranks; after each step every DP rank gathers
-        the updated weights.
-        """
-        from megatron.core.distributed import (
-            DistributedDataParallel,
-            DistributedDataParallelConfig,
-            finalize_model_grads,
-        )
-        from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer
-
-        cfg, tconfig = self.config, self.model.config
-        low_precision = self.dtype != torch.float32
-        self.ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=low_precision, overlap_grad_reduce=cfg.overlap_grad_reduce,
-            use_distributed_optimizer=True), self.model)
-        tconfig.finalize_model_grads_func = finalize_model_grads
-        if cfg.overlap_grad_reduce:  # the schedule holds the reduce back until the last micro-batch's backward
-            tconfig.no_sync_func = self.ddp.no_sync
-        # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
-        # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
-        fp32 = ParamKey(predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32))
-        opt_config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, use_distributed_optimizer=True)
-        with cpu_compat.cuda_type_names():
-            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp],
-                                                    config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {})
-        if self.dtype == torch.float16:  # the loss is scaled by the optimizer's (dynamic) loss scale
-            tconfig.grad_scale_func = self.optimizer.scale_loss
 
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
@@ -356,254 +316,7 @@ class MegatronModule(Module):
         metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0)
         return metrics
 
-    def save_checkpoint(self, path) -> str:
-        """Write weights + optimizer state to directory `path` atomically, as a megatron-core distributed
-        checkpoint: each rank writes its own shards, and `load_checkpoint` reads it back at any TP x PP x DP
-        (chatgen/training/dist_checkpoint.py). Returns the path.
-
-        Layout: chatgen_megatron.json (HF config, TP, PP, DP, padded vocab, iteration) beside megatron's files
-        (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt). Ranks write into the staging directory of
-        chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never leaves a half-written `path`.
-        A model that has not stepped yet has no optimizer state to save: its checkpoint holds the weights.
-        """
-        path = Path(path)
-        if dist.get_rank() == 0:
-            begin_directory(path)
-        dist.barrier()
-        tmp = staging_path(path)
-        stepped = self.iteration > 0
-        self.onload()
-        dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
-        if dist.get_rank() == 0:
-            write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
-                                optimizer=stepped, distributed=True, dp=self.dp, ep=self.ep)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            commit_directory(path)
-        dist.barrier()
-        return str(path)
-
-    def load_checkpoint(self, path) -> None:
-        """Load weights from an HF directory (converted to this rank's shard) or a chatgen Megatron checkpoint.
-
-        A checkpoint this trainer saved loads at any TP x PP x DP (the padded vocab must agree: it depends on TP
-        and make_vocab_size_divisible_by) and restores iteration and optimizer state with the weights; one written
-        by `chatgen convert --to megatron` (weights only) must have this run's TP and PP.
-        """
-        path = Path(path)
-        meta = read_megatron_meta(path)
-        self.onload()
-        if meta is not None and meta.get("distributed"):
-            if meta["padded_vocab_size"] != self.padded_vocab_size:
-                raise ValueError(
-                    f"{path}: saved with the vocab padded to {meta['padded_vocab_size']} rows (TP "
-                    f"{meta['tensor_model_parallel_size']}), this run pads it to {self.padded_vocab_size} (TP "
-                    f"{self.tp}, make_vocab_size_divisible_by={self.config.make_vocab_size_divisible_by}); set "
-                    "make_vocab_size_divisible_by so that both agree, or go through HF: chatgen convert --to hf")
-            stepped = bool(meta.get("optimizer"))
-            wanted = self._sharded_state_dict(optimizer=stepped, loading=True)
-            state = _read_checkpoint_file(lambda directory: dist_checkpoint.load(wanted, directory), path)
-            self.model.load_state_dict(state["model"])
-            if stepped:
-                self.optimizer.load_state_dict(state["optimizer"])
-            else:
-                self.optimizer.reload_model_params()  # the fp32 main weights follow the loaded ones
-            self.iteration = meta.get("iteration", 0)
-            return
-        if meta is not None:
-            have = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
-            if have != (self.tp, self.pp):
-                raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
-                                 f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
-            if meta.get("optimizer"):  # written by chatgen before megatron's optimizer: plain AdamW's state
-                raise ValueError(f"{path}: its optimizer state (optim_tp*_pp*.pt) is the format of an older chatgen, "
-                                 "which this trainer cannot continue; start from its weights: chatgen convert --to hf "
-                                 f"--input {path} --output HF_DIR, then load HF_DIR")
-            self._load_canonical_state(_read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
-                                       source=str(path))
-            self.iteration = meta.get("iteration", 0)
-            return
-        state = {}
-        params = self._stage_params()
-        names = {n for sp, _ in params for n in sp.hf_names}
-        hf = read_hf_safetensors(path, self.spec.tie_word_embeddings, names=names)
-        for sp, canonical in params:
-            missing = [n for n in sp.hf_names if n not in hf]
-            if missing:
-                raise KeyError(f"{path}: HF checkpoint lacks {missing} (Megatron {sp.local_name})")
-            shards = layout.to_megatron_shards(sp.kind, [hf[n] for n in sp.hf_names], self.spec, self.tp,
-                                               self.padded_vocab_size, what=sp.hf_names[0])
-            state[canonical] = shards[self.tp_rank]
-        self._load_canonical_state(state, source=str(path))
-
-    # ---- memory handoff -------------------------------------------------------------------------------
-
-    def offload(self, params: bool = True) -> None:
-        """Before a colocated engine takes the GPU: move the training state the config names to host memory
-        (`offload_grads`: the gradient buffers are freed, they hold nothing between steps; `offload_optimizer`:
-        fp32 main weights and Adam moments; `offload_params`, when `params`: the weights) and return the cached
-        blocks to the device (torch.cuda.empty_cache), so the engine can use the memory. Every method that needs
-        the state brings it back first (`onload`). A no-op without CUDA: everything already lives in host memory.
-        Not collective."""
-        if not torch.cuda.is_available():
-            return
-        cfg, moved = self.config, set(self._offloaded)
-        torch.cuda.synchronize()
-        if cfg.offload_grads and "grads" not in moved:
-            self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-            moved.add("grads")
-        if cfg.offload_optimizer and "optimizer" not in moved:
-            self.optimizer.offload_to_cpu()
-            moved.add("optimizer")
-        if params and cfg.offload_params and "params" not in moved:
-            for buffer in self.ddp.buffers:  # the weights are views of these buffers
-                buffer.offload_to_cpu(move_params=True, move_grads=False)
-            moved.add("params")
-        torch.cuda.synchronize()
-        if moved and not self._offloaded:  # the peak of the phase that ends here: this model's own
-            self._memory_peaks["trainer"] = max(self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-        self._offloaded = tuple(sorted(moved))
-        torch.cuda.empty_cache()
-
-    def onload(self, pieces=("params", "grads", "optimizer")) -> None:
-        """Bring back to the GPU what `offload` moved of `pieces` (gradient buffers come back zeroed): a forward
-        pass or a weight sync needs only the params. Not collective."""
-        back = [piece for piece in self._offloaded if piece in pieces]
-        if not back:
-            return
-        if len(back) == len(self._offloaded) or "params" in back:  # the offloaded phase ends here
-            self._memory_peaks["offloaded"] = max(self._memory_peaks.get("offloaded", 0),
-                                                  torch.cuda.max_memory_allocated())
-            torch.cuda.reset_peak_memory_stats()
-        if "params" in back:
-            for buffer in self.ddp.buffers:
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-        if "optimizer" in back:
-            self.optimizer.restore_from_cpu()
-        if "grads" in back:
-            self.ddp.restore_grad_buffers(synchronize=False)
-        torch.cuda.synchronize()
-        self._offloaded = tuple(piece for piece in self._offloaded if piece not in back)
-
-    def memory_stats(self) -> dict:
-        """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
-        allocated through torch: `memory/trainer_peak_gib` while this model held its state (forward passes,
-        training, the sync), `memory/offloaded_peak_gib` while it was offloaded (a colocated engine generating;
-        what vLLM allocates through torch), and `memory/device_used_gib` now (the whole device, every process).
-        Without CUDA: `memory/host_peak_rss_gib`, the process's peak resident memory so far."""
-        if not torch.cuda.is_available():
-            import resource
-
-            return {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        peaks, now = self._memory_peaks, "offloaded" if self._offloaded else "trainer"  # (the phase still running)
-        peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
-        torch.cuda.reset_peak_memory_stats()
-        self._memory_peaks = {}
-        free, total = torch.cuda.mem_get_info()
-        return {**{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},
-                "memory/device_used_gib": (total - free) / 2**30}
-
-    def _sharded_state_dict(self, optimizer: bool, loading: bool) -> dict:
-        """What a distributed checkpoint holds: the model's megatron ShardedTensors (global names and offsets, so
-        any layout can read them) and, with `optimizer`, the distributed optimizer's state in the same model
-        space (`fully_reshardable`: gathered to the DP group's first rank, through host memory, when saved)."""
-        model = self.model.sharded_state_dict()
-        state = {"model": model}
-        if optimizer:
-            if loading:  # megatron asks the optimizer for its state dict first: AdamW's state must exist
-                for chained in self.optimizer.chained_optimizers:
-                    chained._init_optimizer_states_with_dummy_values()  # megatron's way; overwritten by the load
-            state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata={
-                "distrib_optim_sharding_type": "fully_reshardable",
-                "distrib_optim_fully_reshardable_mem_efficient": True})
-        return state
-
-    # ---- library API ------------------------------------------------------------------------------
-
-    def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> HFWeights:
-        """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP), bucket by bucket:
-        the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
-        every rank; at most about two buckets of extra memory, never a copy of the model."""
-        self.onload(("params",))
-        return HFWeights(self, bucket_bytes)
-
-    def hf_state_dict(self) -> dict:
-        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`). Collective."""
-        return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
-
     # ---- internals --------------------------------------------------------------------------------
-
-    def _layer_spec(self, tconfig):
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        if torch.cuda.is_available():
-            try:
-                import transformer_engine  # noqa: F401
-                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-                return get_gpt_layer_with_transformer_engine_spec(num_experts=tconfig.num_moe_experts,
-                                                                  qk_layernorm=tconfig.qk_layernorm)
-            except ImportError:
-                pass
-        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
-                                        qk_layernorm=tconfig.qk_layernorm)
-
-    def _to_module_name(self, name: str) -> str:
-        for local, te in TE_NORM_NAMES.items():  # the Transformer Engine spec's names
-            if name.endswith(local) and name not in self._params:
-                return name[: -len(local)] + te
-        return name
-
-    @property
-    def _params(self) -> dict:
-        if getattr(self, "_param_cache", (None,))[0] is not self.model:
-            self._param_cache = (self.model, dict(self.model.named_parameters()))
-        return self._param_cache[1]
-
-    def local_param(self, canonical_name: str) -> torch.Tensor:
-        """This rank's shard of a Megatron parameter by its local-spec name (used by param_sync)."""
-        params = self._params
-        name = canonical_name if canonical_name in params else self._to_module_name(canonical_name)
-        return params[name]
-
-    def _stage_params(self, ep_rank: int | None = None) -> list:
-        """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank `ep_rank` (this rank's
-        by default). A checkpoint holds every expert of a stage, numbered globally (the layout at EP = 1)."""
-        everything = {sp.hf_names[0]: sp.local_name for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
-        rank = self.ep_rank if ep_rank is None else ep_rank
-        return [(sp, everything[sp.hf_names[0]])
-                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank, self.ep, rank)]
-
-    @torch.no_grad()
-    def _load_canonical_state(self, state: dict, source: str) -> None:
-        params = self._params
-        expected = {self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()}
-        missing = sorted(set(params) - set(expected))
-        if missing:
-            raise RuntimeError(f"{source}: model parameters {missing} have no mapping in chatgen/models/"
-                               f"{self.spec.family}.py; extend its param_mappings")
-        for module_name, canonical in expected.items():
-            if canonical not in state:
-                raise KeyError(f"{source}: no tensor for {canonical} (stage {self.pp_rank}, TP rank {self.tp_rank})")
-            src, dst = state[canonical], params[module_name]
-            if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
-                                 f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})")
-            dst.copy_(src)
-        if self.optimizer is not None:  # the optimizer steps fp32 main weights: they follow the loaded ones
-            self.optimizer.reload_model_params()
-
-    def _lr_factor(self, step: int) -> float:
-        cfg = self.config
-        if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
-            return (step + 1) / cfg.lr_warmup_iters
-        decay = getattr(cfg, "lr_decay_iters", None)
-        if not decay:
-            return 1.0
-        progress = min(1.0, (step - cfg.lr_warmup_iters) / decay)
-        min_ratio = cfg.min_lr / cfg.lr
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     @property
     def device(self) -> torch.device:
@@ -702,60 +415,6 @@ class MegatronModule(Module):
             metrics = reduce_metrics(parts)
         return metrics
 
-    def _pack(self, micro_batches: list) -> list:
-        """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
-        pipeline stages exchange activations; [None, ...] (train unpacked) unless every micro-batch packs."""
-        plans = [pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
-                 for mb in micro_batches]
-        if any(plan is None for plan in plans):
-            return [None] * len(plans)
-        if self.pp > 1:
-            rows = max(plan.input_ids.shape[0] for plan in plans)
-            length = max(plan.input_ids.shape[1] for plan in plans)
-            plans = [plan.padded(rows, length) for plan in plans]
-        return plans
-
-    def _select_logit_positions(self, _layer, args):
-        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, only where
-        logits are needed: from position `self._logits_from` on when it is an int (0 = all), or at the positions
-        of a (b, K) tensor, per row (shared-prefix packing). Set per micro-batch by `_run_schedule`."""
-        at = self._logits_from
-        if torch.is_tensor(at):
-            hidden = args[0]
-            return (hidden.gather(0, at.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), *args[1:])
-        if at:
-            return (args[0][at:], *args[1:])
-        return None
-
-    def _attention_reads_the_mask(self) -> bool:
-        """Every layer's core attention is megatron's DotProductAttention (the local spec), which applies the
-        explicit attention mask it is given."""
-        from megatron.core.transformer.dot_product_attention import DotProductAttention
-
-        layers = getattr(getattr(self.model, "decoder", None), "layers", [])
-        return all(type(layer.self_attention.core_attention) is DotProductAttention for layer in layers)
-
-    def _rope_follows_position_ids(self) -> bool:
-        """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
-        so that packed rows keep their own positions; False for a model whose positions cannot follow them."""
-        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
-        kind = getattr(self.model, "position_embedding_type", None)
-        if kind == "learned_absolute":  # the embedding reads position_ids itself
-            return True
-        if kind != "rope" or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding:
-            return False
-        # one hook per model: setup() calls this once for each model it builds
-        self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
-        return True
-
-    def _rope_at_positions(self, _module, _args, emb):
-        """Forward hook of the rotary embedding: (T, 1, 1, D) for positions 0..T-1 -> (T, b, 1, D) at each row's
-        `self._rope_positions` (b, T) while a packed micro-batch runs; unchanged otherwise."""
-        if self._rope_positions is None:
-            return None
-        return emb[:, 0, 0][self._rope_positions.t()].unsqueeze(2)
-
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
         `forward_tokens` and `train_step` (with gradient).
@@ -789,89 +448,6 @@ class MegatronModule(Module):
             raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
                              "must be > 0")
         self.logits_temperature = float(temperature)
-
-    def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:
-        """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.
-
-        routed: (b, T, num_layers, k) long, the batch's `routed_experts` (chatgen.rollout.RolloutBatch); -1 where
-        the engine routed nothing (padding, a sample's last token), where the router chooses itself."""
-        if routed is None:
-            raise ValueError(f"{self.name}: moe_routing_replay is true but the batch has no routed_experts; have the "
-                             "engine record them (return_routed_experts: true on the vllm model) or set "
-                             "moe_routing_replay: false")
-        k = self.spec.moe_router_topk
-        if tuple(routed.shape) != (*shape, self.spec.num_layers, k):
-            raise ValueError(f"{self.name}: routed_experts has shape {tuple(routed.shape)}, the batch needs "
-                             f"{(*shape, self.spec.num_layers, k)} (samples, tokens, layers, experts per token)")
-        layers = layout.stage_layers(self.spec, self.pp, self.pp_rank)
-        routed = routed[:, :, layers.start:layers.stop].transpose(0, 1)  # (T, b, layers, k): megatron's token order
-        for j, router in enumerate(self._routers):
-            router.router_replay.target = routed[:, :, j].reshape(-1, k)
-
-    def _count_routed_tokens(self, _router, args, output):
-        """Forward hook of every MoE router: add, while training, how many real tokens (not padding: the router's
-        second argument, True = pad) each expert got to `self._expert_tokens`."""
-        if not (self.model.training and torch.is_grad_enabled()):
-            return
-        routing_map = output[1].detach()  # (tokens, E) bool: the experts each token goes to
-        if len(args) > 1 and args[1] is not None:
-            routing_map = routing_map[~args[1].reshape(-1)]
-        counts = routing_map.sum(dim=0).double()
-        self._expert_tokens = counts if self._expert_tokens is None else self._expert_tokens + counts
-
-    @torch.no_grad()
-    def _moe_metrics(self, num_micro_batches: int) -> dict:
-        """This train_step's router figures, over every layer, micro-batch and data-parallel rank:
-        moe/expert_usage/<e> = expert e's share of the routed token slots (1/E each when balanced) and, with
-        moe_aux_loss_coeff > 0, moe/load_balancing_loss (megatron's aux loss before its coefficient, layer mean).
-        Collective over PP and DP."""
-        from megatron.core import parallel_state as ps
-        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-        counts = self._expert_tokens if self._expert_tokens is not None else torch.zeros(
-            self.spec.num_experts, dtype=torch.float64, device=self.device)
-        self._expert_tokens = None
-        tracker = get_moe_layer_wise_logging_tracker().get("load_balancing_loss")
-        loss = (tracker["values"].double().sum() if tracker else torch.zeros((), dtype=torch.float64,
-                                                                            device=self.device)).view(1)
-        clear_aux_losses_tracker()
-        both = torch.cat([counts.to(self.device), loss])
-        if self.pp > 1:  # each stage holds its own layers
-            dist.all_reduce(both, group=ps.get_pipeline_model_parallel_group())
-        if self.dp > 1:
-            dist.all_reduce(both, group=ps.get_data_parallel_group())
-        counts, loss = both[:-1], both[-1]
-        metrics = {f"moe/expert_usage/{e}": float(c) for e, c in enumerate(counts / counts.sum().clamp(min=1))}
-        if self.config.moe_aux_loss_coeff > 0:
-            metrics["moe/load_balancing_loss"] = float(loss / (self.spec.num_layers * num_micro_batches * self.dp))
-        return metrics
-
-
-class RoutingReplay:
-    """A router's top-k from recorded experts (moe_routing_replay): megatron-core's TopKRouter asks its
-    `router_replay` for the top-k (`get_replay_topk`, the interface of megatron's RouterReplay); this one answers
-    with `target` (tokens, k), each token's recorded experts, and with the router's own choice on rows of -1
-    (nothing recorded). The router then takes its probabilities at those experts, so gradients flow as usual."""
-
-    target = None  # (tokens, k) long, set before each forward by MegatronModule._replay_routing
-
-    def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
-        probs, own = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
-        if self.target is None:
-            return probs, own
-        chosen = torch.where(self.target[:, :1] >= 0, self.target.to(own.device), own)
-        return scores.gather(1, chosen), chosen
-
-
-def _read_checkpoint_file(read, path, *args, **kwargs):
-    """`read(path, ...)` with a damaged file reported by its name rather than by the reader's internals."""
-    try:
-        return read(path, *args, **kwargs)
-    except FileNotFoundError:
-        raise
-    except Exception as e:  # noqa: BLE001 - safetensors / torch.distributed.checkpoint raise many types for a damaged file
-        raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
-                         "an earlier checkpoint or restore the file") from e
 
 
 def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:

@@ -237,7 +237,7 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
     'Meta tensors', or worse, claim the old weights were kept)."""
     from safetensors.torch import load_file
 
-    from chatgen.param_sync import SyncError, sync, sync_weights
+    from chatgen.param_sync import SyncError, source, sync_weights
 
     prompts = batch([[1, 5, 6, 7], [1, 9]], module.pad_token_id)
     before = module.generate(prompts, greedy=True)["output_ids"]
@@ -248,8 +248,8 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
         sync_weights(poisoned, module)
     assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
 
-    real = sync.LocalWeights.reference  # validation sees the first bucket differ from its independent read
-    monkeypatch.setattr(sync.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
+    real = source.LocalWeights.reference  # validation sees the first bucket differ from its independent read
+    monkeypatch.setattr(source.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
     with pytest.raises(SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"):
         sync_weights(weights, module, validate=True)
     assert "needs a re-sync" in module.needs_resync

@@ -86,7 +86,7 @@ def test_the_key_comes_from_a_file_and_shows_in_no_process_list(server):
 STRANGER = """
 import datetime, sys, torch, torch.distributed as dist
 from safetensors.torch import load_file
-from chatgen.param_sync import sync
+from chatgen.param_sync import wire
 port, model_dir = int(sys.argv[1]), sys.argv[2]
 weights = load_file(model_dir + "/model.safetensors")
 weights["lm_head.weight"].zero_()
@@ -97,11 +97,11 @@ pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=15))
 names = sorted(weights)
 header = {"dtype": "torch.float32", "buckets": [[[n, list(weights[n].shape)] for n in names]], "nonfinite": [],
           "validated": False, "fingerprints": None}
-sync._send_json(pg, header, root=0, me=0)
-print("verdict", sync._send_json(pg, None, root=1, me=0), flush=True)
-sync._bcast(pg, torch.zeros(1, dtype=torch.int64), root=0)
-sync._bcast(pg, torch.cat([weights[n].reshape(-1) for n in names]), root=0)
-print("result", sync._send_json(pg, None, root=1, me=0), flush=True)
+wire.send_json(pg, header, root=0, me=0)
+print("verdict", wire.send_json(pg, None, root=1, me=0), flush=True)
+wire.bcast(pg, torch.zeros(1, dtype=torch.int64), root=0)
+wire.bcast(pg, torch.cat([weights[n].reshape(-1) for n in names]), root=0)
+print("result", wire.send_json(pg, None, root=1, me=0), flush=True)
 """
 
 

@@ -458,12 +458,12 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
 
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 7)
-    with vllm_adapter._host_memory_only_gc(True):
+    with vllm_adapter.host_memory_only_gc(True):
         assert gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
     assert calls == [0, 1]
-    with startup_gc(), vllm_adapter._host_memory_only_gc(True):  # paused: young generations hold all of startup
+    with startup_gc(), vllm_adapter.host_memory_only_gc(True):  # paused: young generations hold all of startup
         assert gc.collect(0) == 0 and gc.collect(1) == 0 and calls == [0, 1]
     gc.unfreeze()
     assert gc.collect() == 7 and calls == [0, 1, 2]  # restored
-    with vllm_adapter._host_memory_only_gc(False):  # a GPU hands freed memory back: every collection runs
+    with vllm_adapter.host_memory_only_gc(False):  # a GPU hands freed memory back: every collection runs
         assert gc.collect() == 7

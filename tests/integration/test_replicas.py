@@ -140,7 +140,7 @@ def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):
     from test_sync import engine, generate, max_diff_vs_hf
 
     from chatgen.param_sync import SyncError
-    from chatgen.param_sync.broadcast import IpcSender, load_ipc
+    from chatgen.param_sync import IpcSender, load_ipc
 
     llm = engine(tiny_llama_dir)
     try:

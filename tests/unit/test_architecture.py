@@ -3,8 +3,10 @@
     pytest tests/unit/test_architecture.py
 
 Every import, function-level ones included, points down the floors; a generation backend is its own files; the
-ground floor, the config system and the algorithm math import no engine, trainer or cluster library.
+ground floor, the config system and the algorithm math import no engine, trainer or cluster library; a weight
+transport of chatgen.param_sync is its own file. And no module imports another module's private (`_name`) names.
 """
+import ast
 import shutil
 import subprocess
 import sys
@@ -32,7 +34,8 @@ def test_every_contract_is_kept():
 @pytest.mark.parametrize("module, upward", [
     ("core/tensors.py", "from chatgen.rlhf import run"),             # the ground floor reaching the top
     ("config/loader.py", "import chatgen.generation.base"),          # config knowing a backend
-    ("param_sync/sync.py", "from chatgen.generation.vllm import adapter"),  # sync talking to vLLM, not the contract
+    ("param_sync/local.py", "from chatgen.generation.vllm import adapter"),  # sync talking to vLLM, not the contract
+    ("param_sync/shm.py", "from chatgen.param_sync import group"),   # one transport leaning on another
     ("rlhf/run.py", "from chatgen.generation.hf import module"),     # a run naming a backend, not `backend: hf`
 ])
 def test_an_upward_import_breaks_a_contract(tmp_path, module, upward):
@@ -43,3 +46,34 @@ def test_an_upward_import_breaks_a_contract(tmp_path, module, upward):
     result = lint_imports(tmp_path)
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout
     assert f"chatgen.{module[:-3].replace('/', '.')}" in result.stdout  # the offending module is named
+
+
+def private_imports(root: Path) -> list:
+    """`path: from module import _name` for every import, anywhere in a file under `root`, of a private name (one
+    leading underscore, not a dunder) from another module of chatgen."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level == 0 and not (node.module or "").startswith("chatgen"):
+                continue  # another library's internals are the adapters' business (and their tests')
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.relative_to(root.parent)}:{node.lineno}: from {'.' * node.level}"
+                                 f"{node.module or ''} import {alias.name}")
+    return found
+
+
+def test_no_module_imports_a_private_name_of_another():
+    """A name with a leading underscore is its file's own business; a file that needs it elsewhere makes it
+    public (or the two belong together). Tests are exempt: they may reach in to build a hostile peer."""
+    assert private_imports(REPO / "chatgen") == []
+
+
+def test_a_private_import_is_caught(tmp_path):
+    package = tmp_path / "chatgen"
+    package.mkdir()
+    (package / "a.py").write_text("def f():\n    from chatgen.core.tensors import _hidden\n")
+    (package / "b.py").write_text("from .a import f as _f, __doc__\nfrom os import _exit\n")
+    assert private_imports(package) == ["chatgen/a.py:2: from chatgen.core.tensors import _hidden"]

@@ -11,7 +11,7 @@ from chatgen import models
 from chatgen.core.distributed import free_port
 from chatgen.core.tensors import numel
 from chatgen.models import layout
-from chatgen.param_sync import LocalWeights, SyncError, check_manifest, sync, weight_source
+from chatgen.param_sync import LocalWeights, SyncError, check_manifest, checks, weight_source, wire
 from chatgen.training import hf_export, launcher
 
 
@@ -22,7 +22,7 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     bucket_bytes = 20_000
     plan = hf_export.plan_buckets(spec, tp, pp, padded, itemsize=4, bucket_bytes=bucket_bytes)
     shapes = models.hf_param_shapes(spec)
-    assert sync.plan_manifest([b.hf for b in plan]) == {n: tuple(s) for n, s in shapes.items()}
+    assert checks.plan_manifest([b.hf for b in plan]) == {n: tuple(s) for n, s in shapes.items()}
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
         gathered = sum(numel(s) * tp * 4 for s in b.shard_shapes)
@@ -37,7 +37,7 @@ def test_plan_keeps_a_layers_experts_in_one_bucket():
     plan is the same whatever the trainer's EP."""
     spec = make_spec("qwen3_moe", layers=2)
     plan = hf_export.plan_buckets(spec, 1, 1, spec.padded_vocab_size(1, 16), itemsize=4, bucket_bytes=1)
-    assert sync.plan_manifest([b.hf for b in plan]) == dict(models.hf_param_shapes(spec))
+    assert checks.plan_manifest([b.hf for b in plan]) == dict(models.hf_param_shapes(spec))
     expert_buckets = [b for b in plan if any(sp.expert is not None for sp in b.params)]
     assert len(expert_buckets) == 2  # one per layer, holding all 4 experts' gate_up and down
     for b in expert_buckets:
@@ -73,19 +73,19 @@ def test_manifest_check_names_each_parameter_and_both_shapes():
 def test_stream_check_catches_reordering_and_value_changes():
     plan = [[("x", (2,)), ("y", (2,))]]
     good = [[("x", torch.ones(2)), ("y", torch.zeros(2))]]
-    fps = {"x": sync._fingerprint(torch.ones(2)), "y": sync._fingerprint(torch.zeros(2))}
-    assert list(sync._checked(iter(good), plan, fingerprints=fps)) == good
+    fps = {"x": checks.fingerprint(torch.ones(2)), "y": checks.fingerprint(torch.zeros(2))}
+    assert list(checks.checked(iter(good), plan, fingerprints=fps)) == good
     with pytest.raises(SyncError, match="out of step"):
-        list(sync._checked(iter([[("y", torch.zeros(2)), ("x", torch.ones(2))]]), plan))
+        list(checks.checked(iter([[("y", torch.zeros(2)), ("x", torch.ones(2))]]), plan))
     with pytest.raises(SyncError, match="validation: x arrived different"):
-        list(sync._checked(iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]), plan, fingerprints=fps))
+        list(checks.checked(iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]), plan, fingerprints=fps))
     # a permutation keeps the plain sum but not the position-weighted one
-    assert sync._fingerprint(torch.tensor([1.0, 2.0])) != sync._fingerprint(torch.tensor([2.0, 1.0]))
+    assert checks.fingerprint(torch.tensor([1.0, 2.0])) != checks.fingerprint(torch.tensor([2.0, 1.0]))
 
 
 def test_plan_manifest_refuses_a_name_sent_twice():
     with pytest.raises(SyncError, match="sends x twice"):
-        sync.plan_manifest([[("x", (2,))], [("x", (2,))]])
+        checks.plan_manifest([[("x", (2,))], [("x", (2,))]])
 
 
 def test_local_weights_bucket_by_size_name_nonfinite_tensors_and_unwrap_models():
@@ -116,20 +116,20 @@ def test_local_weights_bucket_by_size_name_nonfinite_tensors_and_unwrap_models()
 
 
 def _channel_peer(port, payload):
-    s = sync._store("127.0.0.1", port, is_server=False)
-    pg = sync._process_group(s, 0)
-    sync._send_json(pg, payload, root=0, me=0)
-    return sync._send_json(pg, None, root=1, me=0)
+    s = wire.rendezvous_store("127.0.0.1", port, is_server=False)
+    pg = wire.process_group(s, 0)
+    wire.send_json(pg, payload, root=0, me=0)
+    return wire.send_json(pg, None, root=1, me=0)
 
 
 def test_json_channel_round_trip_over_a_private_gloo_group():
     port = free_port()
-    store = sync._store("127.0.0.1", port, is_server=True)
+    store = wire.rendezvous_store("127.0.0.1", port, is_server=True)
     payload = {"buckets": [[["w", [2, 3]]]], "dtype": "torch.float32", "text": "é"}
     job = launcher.DistributedJob(_channel_peer, 1, args=(port, payload))
-    pg = sync._process_group(store, 1)
-    assert sync._send_json(pg, None, root=0, me=1) == payload
-    sync._send_json(pg, {"error": None}, root=1, me=1)
+    pg = wire.process_group(store, 1)
+    assert wire.send_json(pg, None, root=0, me=1) == payload
+    wire.send_json(pg, {"error": None}, root=1, me=1)
     assert job.join() == [{"error": None}]
 
 
@@ -166,7 +166,7 @@ def test_shm_sender_refuses_a_file_it_cannot_create_before_writing(tmp_path):
 
     told = []
     with pytest.raises(SharedMemoryUnavailable, match="use weight_transport='group'"):
-        ShmSender().send([("w", torch.ones(4))], lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append)
+        ShmSender(lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append).send([("w", torch.ones(4))])
     assert told == [{"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}]
 
 
@@ -178,27 +178,97 @@ def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_rec
 
     from chatgen.param_sync import ShmReceiver, ShmSender
 
-    rx, tx = ShmReceiver(root=str(tmp_path)), ShmSender()
+    rx = ShmReceiver(root=str(tmp_path))
+    refuse = []
     assert oct(os.stat(rx.directory).st_mode & 0o777) == "0o700"
     seen = []
 
-    def finish(body, refuse=None):  # the engine's side of finish, short of the load: map and read, or refuse
+    def finish(body):  # the engine's side of finish, short of the load: map and read, or refuse
         if rx._map is None:  # the first sync on this file: the trainer made it private
             assert oct(os.stat(rx.path).st_mode & 0o777) == "0o600"
         if refuse:
             rx.drop()
-            return refuse
+            return refuse[0]
         numel = sum(torch.Size(shape).numel() for bucket in body["header"]["buckets"] for _, shape in bucket)
         seen.append(torch.frombuffer(rx._mapping(numel * 4), dtype=torch.float32).clone())
 
-    tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))], rx.name, finish)
+    tx = ShmSender(rx.name, finish)
+    tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))])
     assert seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []  # unlinked once mapped
     path = tx.path
-    tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))], rx.name, finish)
+    tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))])
     assert tx.path == path and seen[1].tolist() == [0] * 6 + [7, 7]  # the same mapping, rewritten
     with pytest.raises(SyncError, match="refused: why"):
-        tx.send([("c", torch.ones(2))], rx.name, lambda body: finish(body, refuse="refused: why"))  # a new file
+        refuse.append("refused: why")
+        tx.send([("c", torch.ones(2))])  # a new file
     assert os.listdir(rx.directory) == [] and rx.path is None and tx.path != path
     directory = rx.directory
-    del rx
+    del rx, tx  # (tx holds rx.name, its handshake)
     assert not os.path.exists(directory)
+
+
+def test_shm_sender_removes_its_file_when_finish_fails(tmp_path):
+    """A server killed between the trainer's write and its finish never maps the file: the trainer removes it,
+    or the whole model would stay in /dev/shm (issue 28, item 6)."""
+    import os
+
+    from chatgen.param_sync import ShmReceiver, ShmSender
+
+    rx = ShmReceiver(root=str(tmp_path))
+
+    def finish(body):
+        raise ConnectionError("the server went away")
+
+    tx = ShmSender(rx.name, finish)
+    with pytest.raises(ConnectionError):
+        tx.send([("w", torch.ones(4))])
+    assert os.listdir(rx.directory) == [] and tx.path is None  # the next sync asks for a new file
+    rx.close()
+
+
+def test_stale_segments_of_dead_processes_go_and_live_ones_stay(tmp_path):
+    """`chatgen serve --control` removes at start what a killed server (or trainer) of this user left; never a
+    directory of a process that still runs, nor one it did not name."""
+    import os
+    import subprocess
+    import sys
+
+    from chatgen.param_sync import remove_stale_segments
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()  # a pid that has ended
+    names = [f"chatgen-weights-{dead}-abc", f"chatgen-refit-{dead}-def", f"chatgen-weights-{os.getpid()}-ghi",
+             f"other-{dead}-jkl"]
+    for name in names:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "weights").write_bytes(b"x" * 16)
+    removed = remove_stale_segments(str(tmp_path))
+    assert sorted(removed) == sorted(str(tmp_path / n) for n in names[:2])
+    assert sorted(os.listdir(tmp_path)) == sorted(names[2:])
+
+
+def test_every_transport_speaks_the_one_protocol():
+    """Every sender of chatgen.param_sync: send(source, validate, bucket_bytes) and close(); every receiver:
+    receive_into(target, mode, ...) and close(). A new transport file is found here by its classes' names."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import chatgen.param_sync as ps
+
+    senders, receivers = [], []
+    for info in pkgutil.iter_modules(ps.__path__):
+        module = importlib.import_module(f"chatgen.param_sync.{info.name}")
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__ and name.endswith("Sender"):
+                senders.append(cls)
+            elif cls.__module__ == module.__name__ and name.endswith("Receiver"):
+                receivers.append(cls)
+    assert {c.__name__ for c in senders} >= {"LocalSender", "GroupSender", "ShmSender"}
+    assert {c.__name__ for c in receivers} >= {"GroupReceiver", "ShmReceiver"}
+    for cls in senders:
+        assert list(inspect.signature(cls.send).parameters)[:4] == ["self", "source", "validate", "bucket_bytes"]
+        assert callable(cls.close), cls
+    for cls in receivers:
+        assert list(inspect.signature(cls.receive_into).parameters)[:3] == ["self", "target", "mode"], cls
+        assert callable(cls.close), cls

@@ -16,7 +16,7 @@ from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.param_sync import SyncError
-from chatgen.param_sync.broadcast import BroadcastReceiver, BroadcastSender, IpcSender, load_ipc
+from chatgen.param_sync import BroadcastReceiver, BroadcastSender, IpcSender, load_ipc
 from chatgen.rlhf import algorithms
 from chatgen.rlhf.config import check_run
 from chatgen.rlhf.generation_group import GenerationGroup, assign

@@ -1,4 +1,4 @@
-"""The cross-process weight channel (chatgen.param_sync.sync: SyncReceiver / SyncSender over a real TCPStore and
+"""The cross-process weight channel (chatgen.param_sync.group: SyncReceiver / SyncSender over a real TCPStore and
 gloo group) against strangers and stalled trainers, with an engine stand-in that holds plain tensors.
 
     python -m pytest tests/unit/test_weight_channel.py
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from chatgen.param_sync import SyncError, SyncReceiver, SyncSender, sync, sync_weights
+from chatgen.param_sync import SyncError, SyncReceiver, SyncSender, checks, sync_weights, wire
 from chatgen.training import launcher
 
 pytestmark = pytest.mark.faults
@@ -77,10 +77,10 @@ def _old_protocol_stranger(port):
     pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=20))  # times out: the engine never joins
     header = {"dtype": "torch.float32", "buckets": [[[n, list(t.shape)] for n, t in WEIGHTS.items()]],
               "nonfinite": [], "validated": False, "fingerprints": None}
-    sync._send_json(pg, header, root=0, me=0)
-    sync._send_json(pg, None, root=1, me=0)
-    sync._bcast(pg, torch.zeros(1, dtype=torch.int64), root=0)
-    sync._bcast(pg, torch.zeros(sum(t.numel() for t in WEIGHTS.values())), root=0)
+    wire.send_json(pg, header, root=0, me=0)
+    wire.send_json(pg, None, root=1, me=0)
+    wire.bcast(pg, torch.zeros(1, dtype=torch.int64), root=0)
+    wire.bcast(pg, torch.zeros(sum(t.numel() for t in WEIGHTS.values())), root=0)
     return "wrote"
 
 
@@ -101,21 +101,21 @@ def test_a_stranger_speaking_the_unauthenticated_protocol_writes_nothing():
 def _stranger_in_the_group(port, proof):
     """A stranger that copied the rendezvous proof (anyone connected to the store can read every key) and joined
     the group as rank 0, but does not hold the token: it proves a guess."""
-    store = sync._store("127.0.0.1", port, is_server=False)
-    store.set(sync._PROOF_KEY, proof)
-    pg = sync._process_group(store, 0)
+    store = wire.rendezvous_store("127.0.0.1", port, is_server=False)
+    store.set(wire.PROOF_KEY, proof)
+    pg = wire.process_group(store, 0)
     try:
-        sync._authenticate(pg, "a guess", 0)
+        wire.authenticate(pg, "a guess", 0)
     except SyncError as e:
         return str(e)
-    sync._send_json(pg, {"dtype": "torch.float32", "buckets": [], "nonfinite": []}, root=0, me=0)
+    wire.send_json(pg, {"dtype": "torch.float32", "buckets": [], "nonfinite": []}, root=0, me=0)
     return "authenticated"
 
 
 def test_a_stranger_in_the_trainers_place_is_refused_before_the_manifest():
     engine, rx = Engine(), SyncReceiver(timeout=20)
     thread, out = receive_in_background(rx, engine)
-    proof = sync._mac(rx.token, b"rendezvous").hex()  # as a legitimate trainer would have set it
+    proof = checks.mac(rx.token, b"rendezvous").hex()  # as a legitimate trainer would have set it
     stranger = launcher.DistributedJob(_stranger_in_the_group, 1, args=(rx.port, proof))
     assert "did not accept this update's token" in stranger.join()[0]  # the engine did not prove itself to it
     thread.join(20)
@@ -130,8 +130,8 @@ def test_a_forged_rendezvous_proof_starts_no_group_and_the_trainer_still_can():
     overwrites the key) does, and its weights land."""
     engine, rx = Engine(), SyncReceiver(timeout=20)
     thread, out = receive_in_background(rx, engine)
-    store = sync._store("127.0.0.1", rx.port, is_server=False)
-    store.set(sync._PROOF_KEY, "00" * 32)
+    store = wire.rendezvous_store("127.0.0.1", rx.port, is_server=False)
+    store.set(wire.PROOF_KEY, "00" * 32)
     time.sleep(0.5)
     assert thread.is_alive() and rx._pg is None
     new = {name: t + 1 for name, t in WEIGHTS.items()}

@@ -13,7 +13,7 @@ examples/policy_inference.py. The framework owns the loop (`run_generation`):
 The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can write new
 weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`). What every
 generation backend does is chatgen.generation.base (prompts, token batches, the contract); ChatLearn's and
-NeMo RL's spellings come from chatgen.compat; everything that touches vLLM internals is adapter.py; serving it
+NeMo RL's spellings come from chatgen.compat; everything that touches vLLM internals is adapter/; serving it
 over HTTP is chatgen.serving.
 """
 import contextlib

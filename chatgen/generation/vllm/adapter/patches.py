@@ -1,0 +1,206 @@
+"""Every vLLM-0.32-specific patch of chatgen, in one place: each works around a behaviour of that version
+(named in its docstring) by replacing or wrapping a vLLM internal. `RELIES_ON` lists what each patch needs of
+vLLM, and `check()` returns what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails
+loudly on an upgrade that moves any of it, before a patch silently stops applying.
+"""
+import importlib
+import inspect
+import logging
+import os
+import sys
+from pathlib import Path
+
+TESTED_VLLM = "0.32"
+
+
+def per_job_cpu_shm() -> None:
+    """Per-job names for the CPU shared memory of a TP group, unlinked once every rank has opened them.
+
+    vLLM 0.32 on CPU names that memory after the init method, the constant "env://" under external_launcher:
+    two such jobs on one machine, or the leftovers of a killed one, collide with "create shm in SHMManager
+    failed. errno: 17". So MASTER_PORT (one per job, the same on all its ranks) is appended to the name. And
+    vLLM never unlinks the segments when ranks end with os._exit (multiprocessing, Ray): each rank unlinks
+    its own right after vLLM's join barrier, when the name is no longer needed (the mapping stays).
+    """
+    from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
+
+    if getattr(_CPUSHMDistributed, "chatgen_per_job", False):
+        return
+    make_name, init_shm = _CPUSHMDistributed.make_group_name, _CPUSHMDistributed._init_cpu_shm
+
+    def make_group_name(communicator):
+        return f"{make_name(communicator)}-{os.environ['MASTER_PORT']}"
+
+    def init_cpu_shm(self):
+        handle = init_shm(self)  # ends with a barrier after every rank joined every segment
+        segment = Path("/dev/shm") / f"{os.path.basename(self.group_name)}_{self.communicator.rank}"
+        segment.unlink(missing_ok=True)
+        return handle
+
+    _CPUSHMDistributed.make_group_name = staticmethod(make_group_name)
+    _CPUSHMDistributed._init_cpu_shm = init_cpu_shm
+    _CPUSHMDistributed.chatgen_per_job = True
+
+
+def eager_token_ranks() -> None:
+    """vLLM 0.32 compiles the token-rank count of its log-prob gather (`sampler.batched_count_greater_than`) with
+    torch.compile even under enforce_eager: 2.3 s of compilation on the first generation call on CPU, and no
+    faster afterwards (measured on the tiny model: 0.28 s per eval call either way). An eager engine uses the
+    plain function."""
+    from vllm.v1.sample import sampler
+
+    compiled = sampler.batched_count_greater_than
+    sampler.batched_count_greater_than = getattr(compiled, "_torchdynamo_orig_callable", compiled)
+
+
+def quiet_numa_notice() -> None:
+    """vLLM's CPU worker binds its memory to a NUMA node and says so with a C++ TORCH_WARN ("NUMA binding: Using
+    MEMBIND policy ...") on every engine start; no Python filter reaches it (chatgen.core.quiet). This wraps that
+    one op so its stderr goes to /dev/null; the binding itself, and any error it raises, are unchanged."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # registers torch.ops._C (idempotent)
+    op = getattr(torch.ops._C, "init_cpu_memory_env", None)
+    if op is None or getattr(op, "chatgen_quiet", False):  # gone in a later vLLM: its notice shows, nothing else
+        return
+
+    def init_cpu_memory_env(*args):
+        sys.stderr.flush()
+        saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, 2)
+            return op(*args)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(devnull)
+
+    init_cpu_memory_env.chatgen_quiet = True
+    torch.ops._C.init_cpu_memory_env = init_cpu_memory_env  # vLLM looks the op up on the namespace at each call
+
+
+class _ComputedBufferReloadFilter(logging.Filter):
+    """Drops vLLM 0.32's "RotaryEmbedding: Failed to load weights" warning, logged on every reload: the layer's
+    only tensor is its cos/sin cache, computed at start, which no checkpoint carries. Other layers' warnings
+    pass (and chatgen.param_sync's manifest check already refuses a sync that misses a parameter)."""
+
+    LAYERS = ("RotaryEmbedding",)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args
+                    and str(record.args[0]).endswith(self.LAYERS))
+
+
+def install_reload_log_filter(worker=None) -> None:
+    """Install the filter in this process (called in each worker through collective_rpc); idempotent."""
+    reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _ComputedBufferReloadFilter) for f in reload_logger.filters):
+        reload_logger.addFilter(_ComputedBufferReloadFilter())
+
+
+def cpu_experts(layer):
+    """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None elsewhere: GPU, zentorch)."""
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+
+    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+
+
+def prepack_cpu_experts_on_reload(worker=None) -> None:
+    """vLLM 0.32 on CPU: a weight reload re-runs `UnquantizedFusedMoEMethod._setup_kernel` with the new expert
+    weights but skips, on an update, the experts' own `process_weights_after_loading`, which is where the CPU
+    backend prepacks w13 / w2 into its GEMM layout; the kernel then reads the new, unpacked weights as packed (a
+    tiny Qwen3-MoE synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
+    worker process by `build_llm` (idempotent)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    if getattr(UnquantizedFusedMoEMethod, "chatgen_prepacks_on_reload", False):
+        return
+    setup_kernel = UnquantizedFusedMoEMethod._setup_kernel
+
+    def _setup_kernel(self, layer, w13, w2):
+        update = self.moe_kernel is not None
+        setup_kernel(self, layer, w13, w2)
+        if update and cpu_experts(layer) is not None:
+            self.moe_kernel.fused_experts.process_weights_after_loading(layer)
+
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel
+    UnquantizedFusedMoEMethod.chatgen_prepacks_on_reload = True
+
+
+def abandon_reload(worker) -> None:
+    """vLLM 0.32's layer-wise reload keeps state per layer from its start to its end (the weights received so
+    far, the layer's tensors swapped for meta ones, wrapped weight loaders). A reload whose weights stop coming
+    half-way (a trainer lost mid-sync, a refused bucket) never reaches its end, and every later reload then failed
+    ("'Parameter' object has no attribute 'weight_loader'"): the engine could not be repaired. Drop what was
+    buffered and end the reload, which puts each unfinished layer's own tensors back (old values: the engine
+    loop refuses to generate until a complete sync)."""
+    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, get_layerwise_info
+
+    model = worker.model_runner.get_model()
+    for layer in model.modules():
+        info = get_layerwise_info(layer)
+        if info.can_load():
+            info.loaded_weights, info.load_numel = [], 0
+    finalize_layerwise_reload(model, worker.model_runner.vllm_config.model_config)
+
+
+def refresh_tied_lm_head(worker) -> None:
+    """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload writes
+    embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
+    Re-run its post-load processing (idempotent; a no-op on GPU)."""
+    model = worker.model_runner.get_model()
+    head = getattr(model, "lm_head", None)
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+        head.quant_method.process_weights_after_loading(head)
+
+
+_CPU_SHM = "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed"
+_MOE_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
+_CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
+_LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+
+# patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source must contain the
+# text (an attribute set in __init__, a log message); (target, (names,)) its parameters must be these.
+RELIES_ON = {
+    "per_job_cpu_shm": [f"{_CPU_SHM}.make_group_name", (f"{_CPU_SHM}._init_cpu_shm", ("self",)),
+                        (_CPU_SHM, "self.group_name"), (_CPU_SHM, "self.communicator")],
+    "eager_token_ranks": ["vllm.v1.sample.sampler:batched_count_greater_than"],
+    "install_reload_log_filter": [(_LAYERWISE, '"%s: Failed to load weights", layer.__class__.__name__')],
+    "cpu_experts": [_CPU_EXPERTS, (_CPU_EXPERTS, "self._use_zentorch"), (_MOE_METHOD, "self.moe_kernel")],
+    "prepack_cpu_experts_on_reload": [(f"{_MOE_METHOD}._setup_kernel", ("self", "layer", "w13", "w2")),
+                                      (f"{_CPU_EXPERTS}.process_weights_after_loading", ("self", "layer"))],
+    "abandon_reload": [f"{_LAYERWISE}:finalize_layerwise_reload", f"{_LAYERWISE}:get_layerwise_info",
+                       *[("vllm.model_executor.model_loader.reload.types", name)
+                         for name in ("def can_load", "loaded_weights", "load_numel")]],
+}
+
+
+def check() -> list:
+    """What an installed vLLM lacks of `RELIES_ON`, one line per miss naming the patch; [] when every patch
+    still fits."""
+    problems = []
+    for patch, needs in RELIES_ON.items():
+        for need in needs:
+            target, want = need if isinstance(need, tuple) else (need, None)
+            try:
+                found = _resolve(target)
+            except (ImportError, AttributeError) as e:
+                problems.append(f"{patch}: {target} is missing ({e})")
+                continue
+            if isinstance(want, str) and want not in inspect.getsource(found):
+                problems.append(f"{patch}: the source of {target} no longer contains {want!r}")
+            elif isinstance(want, tuple):
+                params = tuple(inspect.signature(found).parameters)
+                if params[:len(want)] != want:
+                    problems.append(f"{patch}: {target} takes {params}, the patch expects {want}")
+    return problems
+
+
+def _resolve(target: str):
+    module, _, path = target.partition(":")
+    found = importlib.import_module(module)
+    for attr in filter(None, path.split(".")):
+        found = getattr(found, attr)
+    return found

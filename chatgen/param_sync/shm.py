@@ -1,0 +1,322 @@
+"""The shared-memory transport (trainer and engine on one host): the trainer copies every weight once into a file
+in /dev/shm that the engine maps, and the engine's reload reads the weights from there. Crossing processes then
+costs one memcpy, against a socket's several copies for the group transport (gloo over loopback).
+
+Whose the file is, and how the two ends tell each other about it, is the handshake, passed in as callables:
+
+    # the engine owns the directory (`chatgen serve --control`: HTTP begin / finish)
+    rx = ShmReceiver()                                # engine: /dev/shm/chatgen-weights-<pid>-XXXX, mode 0700
+    tx = ShmSender(begin, finish)                     # trainer: begin(held) -> the path to write (rx.name);
+    tx.send(source)                                   #   finish({"header"} or {"error"}) -> None or the refusal
+    rx.receive_into(policy, mode, header=header)      # engine, inside finish
+
+    # the trainer owns it (a run's update_weights_via_ipc: the handles travel through Ray)
+    tx = ShmSender.owned(token)                       # every trainer rank: /dev/shm/chatgen-refit-<pid>-XXXX
+    handles = tx.write(source)                        # rank 0: {"path", "header" signed with the token}
+    load_shm(policy, handles, token)                  # every engine rank on this host; then tx.close()
+
+The file is created 0600 in a 0700 directory with its full size reserved up front (a full /dev/shm is an error,
+not a SIGBUS mid-copy). An engine opens only a name it made or one the trainer signed, checks the header
+(chatgen.param_sync.checks: dtype, names, shapes, finiteness) before reading a byte, checks the file's size, then
+maps it; an engine-owned file is unlinked once mapped, so from then on the memory lives only in the two mappings.
+The engine checks every value itself (NaN / inf refuse the sync, whatever the header says). Both ends keep an
+engine-owned mapping for the next sync of the same size; any failure drops the engine's mapping, and a trainer
+whose `finish` fails removes the file it made. Directories are named with the owning process id:
+`remove_stale_segments()` removes those of processes that no longer run (`chatgen serve --control` calls it).
+"""
+import contextlib
+import mmap
+import os
+import re
+import secrets
+import shutil
+import tempfile
+import time
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from chatgen.core.tensors import DEFAULT_BUCKET_BYTES, slices, unflatten_buckets
+from chatgen.param_sync.checks import (
+    DTYPES,
+    SyncError,
+    SyncReport,
+    check_header,
+    checked,
+    load_into,
+    nonfinite,
+    plan_bytes,
+    signed,
+    sync_header,
+    verify,
+)
+from chatgen.param_sync.source import weight_source
+from chatgen.param_sync.wire import follow, share
+
+SHM_ROOT = "/dev/shm"
+ENGINE_PREFIX, TRAINER_PREFIX = "chatgen-weights-", "chatgen-refit-"  # + "<pid>-": whose directory it is
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page now: one kernel call instead of a fault per page
+
+
+class SharedMemoryUnavailable(SyncError):
+    """The trainer cannot create the engine's file: the engine is on another machine (or in another /dev/shm), run
+    by another user, or /dev/shm is full. Raised before anything is written or any collective is called."""
+
+
+class ShmSender:
+    """Trainer end: copies the weights into the file `begin` names and keeps it mapped for the next sync of the
+    same size. Construct on every trainer rank: rank 0 writes and talks to the engine (`begin`, `finish`), the
+    other ranks take part in the source's collectives.
+
+    begin(held) -> the path to write: held is the path this sender still maps when the size is unchanged (the
+    engine hands it back while it maps it too), else None. finish(body) -> None once the engine loaded the
+    weights, or the message saying why it refused (a SyncError here, the engine keeps its old weights).
+    body: {"header": sync_header} once every byte is written, {"error": why} when this end failed.
+    """
+
+    def __init__(self, begin=None, finish=None):
+        self.begin, self.finish = begin, finish
+        self.path, self._map = None, None
+
+    @classmethod
+    def owned(cls, token: str, root: str = SHM_ROOT) -> "ShmSender":
+        """A sender that owns its file: each send writes a new one in a private directory of its own under `root`
+        (the one before removed) and keeps `handles` ({"path", "header" signed with `token`}) for the engines."""
+        self = cls()
+        self.token, self.root, self.directory, self.handles = token, root, None, None
+        self.begin, self.finish = self._own_path, self._keep_handles
+        return self
+
+    def send(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+        """Write `source` (see `weight_source`) into the engine; collective over the source's ranks."""
+        start = time.perf_counter()
+        weights = weight_source(source, bucket_bytes)
+        nbytes = plan_bytes(weights.plan, weights.dtype)
+        if _rank() != 0:  # read at each send: a sender may be made before torch.distributed starts
+            n = follow(weights, validate)
+            return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
+        path = self.begin(self.path if self._map is not None and len(self._map) == nbytes else None)
+        if path != self.path:
+            self.path = self._map = None  # the old file's memory is freed once the engine dropped it too
+            try:
+                self._map = _create(path, nbytes)
+            except OSError as e:
+                self._finish({"error": f"the trainer could not create {path}"})
+                raise SharedMemoryUnavailable(
+                    f"weight sync over shared memory: cannot create the engine's file {path} ({e}); the engine keeps "
+                    "its old weights. The server is on another machine or run by another user, or /dev/shm is full: "
+                    "use weight_transport='group'") from e
+            self.path = path
+        header = sync_header(weights, validate)
+        share({"error": None})  # the other ranks wait here for rank 0's verdict (a refusal comes only at the end)
+        flat = torch.frombuffer(self._map, dtype=weights.dtype)
+        n, offset = 0, 0
+        try:
+            for items in checked(weights.buckets(), weights.plan, weights, validate):
+                for _, t in items:
+                    flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+                    offset += t.numel()
+                n += len(items)
+        except Exception as e:
+            self._finish({"error": f"{type(e).__name__}: {e}"})
+            raise
+        refusal = share({"error": self._finish({"header": header})})["error"]
+        if refusal:
+            raise SyncError(refusal)
+        return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
+
+    def write(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict | None:
+        """An owning sender's send: the handles every engine rank loads (`load_shm`) on rank 0, None on the
+        other ranks. Collective over the source's ranks."""
+        self.send(source, validate, bucket_bytes)
+        return self.handles if _rank() == 0 else None
+
+    def _finish(self, body: dict):
+        """`finish`, and the file this sender made removed when it fails (the engine never heard of the data: a
+        server killed between the write and its finish would leave the whole model in /dev/shm)."""
+        try:
+            return self.finish(body)
+        except BaseException:
+            if self.path is not None:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path)
+            self.path = self._map = None
+            raise
+
+    def _own_path(self, held) -> str:
+        self.close()
+        self.directory = tempfile.mkdtemp(prefix=f"{TRAINER_PREFIX}{os.getpid()}-", dir=self.root)  # mode 0700
+        return os.path.join(self.directory, "weights")
+
+    def _keep_handles(self, body: dict) -> None:
+        if "header" in body:
+            self.handles = {"path": self.path, "header": signed(body["header"], self.token)}
+
+    def close(self) -> None:
+        """Let go of the mapping (its memory is freed once the engine lets go too); an owning sender also
+        removes its last file (once every engine loaded it; each write removes the one before)."""
+        self.path = self._map = None
+        if getattr(self, "directory", None) is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _create(path: str, nbytes: int) -> mmap.mmap:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, nbytes)  # reserve the pages: ENOSPC now rather than SIGBUS while copying
+        return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
+    except BaseException:
+        os.unlink(path)
+        raise
+    finally:
+        os.close(fd)
+
+
+class ShmReceiver:
+    """Engine end: owns a private directory in /dev/shm, names the one file a trainer writes there, checks the
+    trainer's header, maps the file and loads from it."""
+
+    def __init__(self, root: str = SHM_ROOT):
+        self.directory = tempfile.mkdtemp(prefix=f"{ENGINE_PREFIX}{os.getpid()}-", dir=root)  # mode 0700
+        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)  # also at interpreter exit
+        self.path, self._map = None, None
+
+    def name(self, held: str | None) -> str:
+        """The path the trainer writes next: `held` (the file it wrote last) while this end still maps it, else a
+        new name (the previous file is dropped)."""
+        if held is not None and held == self.path and self._map is not None:
+            return held
+        self.drop()
+        self.path = os.path.join(self.directory, f"weights-{secrets.token_hex(8)}")
+        return self.path
+
+    def receive_into(self, target, mode: str = "wait", *, header: dict) -> SyncReport:
+        """Check the trainer's `header` (a `sync_header`, handed over by the handshake) against `target` (a
+        generation module), then load the weights from the file named last. Any failure drops the file
+        (SyncError; before the load, the engine keeps its old weights)."""
+        start = time.perf_counter()
+        try:
+            check_header(header, target)
+            dtype = DTYPES[header["dtype"]]
+            plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
+            flat = torch.frombuffer(self._mapping(plan_bytes(plan, dtype)), dtype=dtype)
+            n = _load_flat(target, flat, plan, header, mode, "of the file")
+        except BaseException:
+            self.drop()
+            raise
+        return SyncReport(time.perf_counter() - start, len(self._map), n, len(plan), bool(header["validated"]))
+
+    def _mapping(self, nbytes: int) -> mmap.mmap:
+        if self._map is None:
+            if self.path is None:
+                raise SyncError("weight sync refused, the engine keeps its old weights: no shared-memory file was "
+                                "named for this sync (begin one first)")
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                raise SyncError(f"weight sync refused, the engine keeps its old weights: the trainer wrote no "
+                                f"{self.path} (is it on another machine? use weight_transport='group')") from None
+            try:
+                size = os.fstat(fd).st_size
+                if size != nbytes:
+                    raise SyncError(f"weight sync refused, the engine keeps its old weights: {self.path} holds "
+                                    f"{size} bytes, the trainer's manifest {nbytes}")
+                self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
+            finally:
+                os.close(fd)
+                os.unlink(self.path)  # the two mappings keep the memory; nothing stays in /dev/shm
+        elif len(self._map) != nbytes:
+            raise SyncError(f"weight sync refused, the engine keeps its old weights: the trainer reused its "
+                            f"{len(self._map)}-byte file for {nbytes} bytes of weights")
+        return self._map
+
+    def drop(self) -> None:
+        """Forget the current file: remove it if it is still there, release this end's mapping."""
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+        self.path = self._map = None
+
+    def close(self) -> None:
+        """Drop the file and remove the directory."""
+        self.drop()
+        self._remove()
+
+
+def load_shm(target, handles: dict, token: str, mode: str = "wait") -> SyncReport:
+    """Engine end of an owning `ShmSender`: verify the trainer's signed header, check it against `target` (a
+    generation module), then map the file and load from it. A SyncError before the load leaves the old weights."""
+    start = time.perf_counter()
+    header = handles["header"]
+    verify(header, token)
+    check_header(header, target)
+    dtype = DTYPES[header["dtype"]]
+    plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
+    nbytes = plan_bytes(plan, dtype)
+    try:
+        fd = os.open(handles["path"], os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise SyncError(f"weight sync refused, the engine keeps its old weights: {handles['path']} does not exist "
+                        "here (is the engine on another host? use the collective: update_weights_from_collective)"
+                        ) from None
+    try:
+        if os.fstat(fd).st_size != nbytes:
+            raise SyncError(f"weight sync refused, the engine keeps its old weights: {handles['path']} holds "
+                            f"{os.fstat(fd).st_size} bytes, the trainer's manifest {nbytes}")
+        mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(fd)
+    n = _load_flat(target, torch.frombuffer(mapping, dtype=dtype), plan, header, mode, "of the trainer's file")
+    return SyncReport(time.perf_counter() - start, nbytes, n, len(plan), bool(header["validated"]))
+
+
+def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, where: str) -> int:
+    """Load the weights of a mapped file into `target`: every value checked finite first (never the trainer's
+    word for it), then the stream checked against the plan and, validating, the fingerprints."""
+    def buckets():
+        return unflatten_buckets(plan, slices(flat))
+
+    bad = nonfinite(item for bucket in buckets() for item in bucket)
+    if bad:
+        raise SyncError(f"weight sync refused, the engine keeps its old weights: the engine found NaN or inf "
+                        f"in {len(bad)} parameter(s) {where} ({', '.join(bad[:10])}"
+                        f"{', ...' if len(bad) > 10 else ''}) although the trainer's header said none; the "
+                        "training step that made them diverged (lower the learning rate, check the loss)")
+    return load_into(target, checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
+
+
+def remove_stale_segments(root: str = SHM_ROOT) -> list:
+    """Remove the weight directories under `root` that this user's chatgen processes left when they were killed
+    (named `chatgen-weights-<pid>-` or `chatgen-refit-<pid>-`, owned by this user, of a pid that no longer runs);
+    never another user's, nor a running process's. Returns the paths removed."""
+    removed = []
+    pattern = re.compile(rf"^(?:{re.escape(ENGINE_PREFIX)}|{re.escape(TRAINER_PREFIX)})(\d+)-")
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in entries:
+            found = pattern.match(entry.name)
+            if found is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _running(int(found.group(1))):
+                continue
+            shutil.rmtree(entry.path, ignore_errors=True)
+            removed.append(entry.path)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: running
+        return True
+    return True
+
+
+IpcSender, load_ipc = ShmSender.owned, load_shm  # the names of NeMo RL's update_weights_via_ipc path

@@ -1,0 +1,79 @@
+"""`MegatronModule`'s model and optimizer: the layer spec (local or Transformer Engine), megatron-core's
+DistributedDataParallel and distributed optimizer, and the learning-rate schedule.
+
+`ModelBuild` is a mixin of `chatgen.training.megatron_module.MegatronModule`; `setup()` calls it.
+"""
+import math
+
+import torch
+
+from chatgen.training import cpu_compat
+
+
+class ModelBuild:
+    """_layer_spec / _build_optimizer / _lr_factor."""
+
+    def _build_optimizer(self) -> None:
+        """megatron-core's DistributedDataParallel around the model and its distributed optimizer over it.
+
+        DDP keeps the gradients in contiguous buffers (fp32 under bf16/fp16, so that micro-batches accumulate
+        without rounding) and reduce-scatters them over DP in buckets, overlapped with the backward when
+        `overlap_grad_reduce`; `finalize_model_grads` (called by the pipeline schedule) also sums the tied
+        embedding across the first and last stage and QK-norm weights over TP. The optimizer is Adam(W) on fp32
+        main parameters (bf16/fp16 weights cannot take small updates: lr 1e-6 on a weight of 0.02 is below half a
+        bf16 step) whose state and masters are sharded over the DP ranks; after each step every DP rank gathers
+        the updated weights.
+        """
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+        from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer
+
+        cfg, tconfig = self.config, self.model.config
+        low_precision = self.dtype != torch.float32
+        self.ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=low_precision, overlap_grad_reduce=cfg.overlap_grad_reduce,
+            use_distributed_optimizer=True), self.model)
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        if cfg.overlap_grad_reduce:  # the schedule holds the reduce back until the last micro-batch's backward
+            tconfig.no_sync_func = self.ddp.no_sync
+        # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
+        # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
+        fp32 = ParamKey(predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32))
+        opt_config = OptimizerConfig(
+            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, use_distributed_optimizer=True)
+        with cpu_compat.cuda_type_names():
+            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp],
+                                                    config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {})
+        if self.dtype == torch.float16:  # the loss is scaled by the optimizer's (dynamic) loss scale
+            tconfig.grad_scale_func = self.optimizer.scale_loss
+
+    def _layer_spec(self, tconfig):
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        if torch.cuda.is_available():
+            try:
+                import transformer_engine  # noqa: F401
+                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+                return get_gpt_layer_with_transformer_engine_spec(num_experts=tconfig.num_moe_experts,
+                                                                  qk_layernorm=tconfig.qk_layernorm)
+            except ImportError:
+                pass
+        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
+                                        qk_layernorm=tconfig.qk_layernorm)
+
+    def _lr_factor(self, step: int) -> float:
+        cfg = self.config
+        if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
+            return (step + 1) / cfg.lr_warmup_iters
+        decay = getattr(cfg, "lr_decay_iters", None)
+        if not decay:
+            return 1.0
+        progress = min(1.0, (step - cfg.lr_warmup_iters) / decay)
+        min_ratio = cfg.min_lr / cfg.lr
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

@@ -1,0 +1,48 @@
+"""The vLLM 0.32 patches still fit the installed vLLM (chatgen/generation/vllm/adapter/patches.py).
+
+    .venv/bin/python -m pytest tests/integration/test_vllm_patches.py
+
+No engine starts: each patch's needs (`patches.RELIES_ON`) are looked up in vLLM's modules, so an upgrade that
+moves, renames or re-signs any of them fails here, naming the patch, instead of the patch silently not applying.
+"""
+import pytest
+
+pytestmark = pytest.mark.integration
+
+
+def test_every_patch_finds_what_it_relies_on():
+    from chatgen.generation.vllm.adapter import patches
+
+    assert patches.check() == []
+
+
+def test_every_patch_of_the_adapter_declares_its_needs():
+    """A patch function added to patches.py without a RELIES_ON entry would escape the check above."""
+    import inspect
+
+    from chatgen.generation.vllm.adapter import patches
+
+    functions = {name for name, f in inspect.getmembers(patches, inspect.isfunction)
+                 if f.__module__ == patches.__name__ and not name.startswith("_") and name != "check"}
+    assert functions - set(RELIES_ON_EXEMPT) == set(patches.RELIES_ON)
+
+
+# patches that need nothing of vLLM's internals beyond public API, or that degrade to a no-op when it is gone
+RELIES_ON_EXEMPT = {
+    "quiet_numa_notice": "skips itself when torch.ops._C.init_cpu_memory_env is gone (the notice then shows)",
+    "refresh_tied_lm_head": "calls quant_method.process_weights_after_loading, the LM head's public post-load hook",
+}
+
+
+def test_a_moved_internal_is_named(monkeypatch):
+    from chatgen.generation.vllm.adapter import patches
+
+    monkeypatch.setitem(patches.RELIES_ON, "eager_token_ranks", [
+        "vllm.v1.sample.sampler:no_such_function",
+        ("vllm.v1.sample.sampler:Sampler.forward", ("self", "no_such_argument")),
+        ("vllm.v1.sample.sampler", "no such text in the module"),
+    ])
+    problems = [p for p in patches.check() if p.startswith("eager_token_ranks")]
+    assert len(problems) == 3, problems
+    assert "no_such_function is missing" in problems[0]
+    assert "no_such_argument" in problems[1] and "no such text" in problems[2]
