@@ -1,9 +1,30 @@
 """Classes and modules named in configs ('package.module:ClassName', a plugin's name), imported with an error
-that says what to fix."""
+that says what to fix; `require`: an optional dependency (vLLM, Ray, the server's stack) checked where a part needs
+it, with an error naming the setup.py extra that installs it."""
 import difflib
 import importlib
 import importlib.util
 import pkgutil
+
+
+class MissingPackage(ImportError, ValueError):
+    """An optional dependency of the part being used is not installed; the message names the extra to install.
+    Also a ValueError: like a bad config value, the CLI prints it without a traceback (chatgen.cli.main)."""
+
+
+# which of setup.py's extras installs each optional top-level package (keep the two in step)
+EXTRAS = {"vllm": "vllm", "ray": "ray", "fastapi": "serve", "uvicorn": "serve"}
+
+
+def require(package: str, what: str) -> None:
+    """Raise MissingPackage unless `package` (a top-level module in EXTRAS) can be imported; `what` names the part
+    that needs it (a backend, a command). Checked before the import, so the user reads what to install instead of
+    a ModuleNotFoundError from deep inside chatgen."""
+    if importlib.util.find_spec(package) is None:
+        extra = EXTRAS[package]
+        raise MissingPackage(f"{what} needs the Python package {package!r}, which is not installed in this "
+                             f"environment; install it with `pip install 'chatgen[{extra}]'` (the tested versions: "
+                             "requirements.txt on CPU, requirements-gpu.txt on CUDA)", name=package)
 
 
 def import_class(path: str):
@@ -13,6 +34,8 @@ def import_class(path: str):
         raise ValueError(f"{path!r}: write a class as 'package.module:ClassName'")
     try:
         return getattr(importlib.import_module(module), name)
+    except MissingPackage:
+        raise  # already says what to install
     except (ImportError, AttributeError) as e:
         raise ValueError(f"{path!r} cannot be imported ({e}); check the module path and that it is importable "
                          "from the directory you run in") from e

@@ -35,6 +35,10 @@ from typing import Iterable
 # The engine core must live in this process: the framework steps it and syncs weights into it in place.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from chatgen.core.imports import require  # noqa: E402
+
+require("vllm", "the vllm backend (backend: vllm)")
+
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
