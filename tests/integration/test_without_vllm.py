@@ -44,12 +44,15 @@ def test_grpo_tiny_hf_trains_without_vllm_ray_or_fastapi(tiny_llama_dir, tmp_pat
 
 def test_a_vllm_config_says_which_extra_to_install(tiny_llama_dir, tmp_path):
     """configs/grpo_tiny.yaml (backend: vllm) without vLLM: exit 2 before anything starts, naming chatgen[vllm]."""
+    from chatgen import tasks
+
+    tasks.write_task_data(str(tmp_path / "data"), n_train=8, n_eval=8)
     env = {**os.environ, "CHATGEN_HIDE_PACKAGES": HIDDEN,
            "PYTHONPATH": os.pathsep.join([str(REPO / "scripts" / "hide_packages"), str(REPO)])}
     run = subprocess.run([sys.executable, "-m", "chatgen.cli", "train", "configs/grpo_tiny.yaml",
                           f"policy.load={tiny_llama_dir}", f"policy_trainer.load={tiny_llama_dir}",
-                          f"runtime.output_dir={tmp_path}", "runtime.data_path=README.md",
-                          "runtime.eval_data_path=README.md"],
+                          f"runtime.output_dir={tmp_path / 'run'}", f"runtime.data_path={tmp_path}/data/train.jsonl",
+                          f"runtime.eval_data_path={tmp_path}/data/eval.jsonl"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "models.policy (backend: vllm)" in run.stderr, run.stderr[-3000:]
     assert "pip install 'chatgen[vllm]'" in run.stderr and "Traceback" not in run.stderr
