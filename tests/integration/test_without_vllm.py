@@ -46,7 +46,7 @@ def test_a_vllm_config_says_which_extra_to_install(tiny_llama_dir, tmp_path):
     """configs/grpo_tiny.yaml (backend: vllm) without vLLM: exit 2 before anything starts, naming chatgen[vllm]."""
     from chatgen import tasks
 
-    tasks.write_task_data(str(tmp_path / "data"), n_train=8, n_eval=8)
+    tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
     env = {**os.environ, "CHATGEN_HIDE_PACKAGES": HIDDEN,
            "PYTHONPATH": os.pathsep.join([str(REPO / "scripts" / "hide_packages"), str(REPO)])}
     run = subprocess.run([sys.executable, "-m", "chatgen.cli", "train", "configs/grpo_tiny.yaml",
