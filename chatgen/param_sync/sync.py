@@ -37,6 +37,7 @@ import hashlib
 import hmac
 import json
 import secrets
+import socket
 import time
 
 import torch
@@ -287,14 +288,33 @@ def _store(host: str, port: int, is_server: bool):
 
 
 def _process_group(store, rank: int, timeout: datetime.timedelta = _TRAINER_TIMEOUT):
-    """A private 2-member group (0 = trainer rank 0, 1 = engine), independent of any default group."""
-    if torch.cuda.is_available():
+    """A private 2-member group (0 = trainer rank 0, 1 = engine), independent of any default group: NCCL when the
+    two ends are on different GPUs, else gloo (through host memory). Chosen by where the peers are, which each
+    end writes into the rendezvous: NCCL cannot pair two ranks on one device (a trainer and `chatgen serve
+    --control` sharing a GPU), and a CPU end has no NCCL."""
+    store.set(f"chatgen_sync_device_{rank}", _where())
+    if nccl_between(_where(), store.get(f"chatgen_sync_device_{1 - rank}").decode()):
         return dist.ProcessGroupNCCL(store, rank, 2)
     return dist.ProcessGroupGloo(store, rank, 2, timeout)
 
 
-def _device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def _where() -> str:
+    """This process's device for the sync: "cpu", or "<host>:<GPU uuid>"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"{socket.gethostname()}:{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+
+
+def nccl_between(mine: str, theirs: str) -> bool:
+    """Whether two ends (their `_where()`) can form an NCCL group: both on GPUs, and not the same one."""
+    return mine != "cpu" and theirs != "cpu" and mine != theirs
+
+
+def _device(pg=None):
+    """Where the tensors of group `pg` live: the GPU for NCCL, the host for gloo."""
+    if isinstance(pg, dist.ProcessGroupGloo) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class _Patience:
@@ -339,18 +359,18 @@ def _bcast(pg, tensor: torch.Tensor, root: int, patience: _Patience | None = Non
 def _send_json(pg, obj, root: int, me: int, patience: _Patience | None = None):
     """Broadcast a JSON-able object from `root` (never pickle: the peer is another process)."""
     if me == root:
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(_device())
-        _bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=_device()), root, patience)
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(_device(pg))
+        _bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=_device(pg)), root, patience)
         _bcast(pg, data, root, patience)
         return obj
-    n = _bcast(pg, torch.zeros(1, dtype=torch.int64, device=_device()), root, patience)
-    data = _bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=_device()), root, patience)
+    n = _bcast(pg, torch.zeros(1, dtype=torch.int64, device=_device(pg)), root, patience)
+    data = _bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=_device(pg)), root, patience)
     return json.loads(bytes(data.cpu().tolist()).decode())
 
 
 def _exchange(pg, mine: bytes, root: int, me: int, patience: _Patience | None) -> bytes:
     """32 bytes from `root` to the other end (`mine` on the root, ignored elsewhere)."""
-    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(_device())
+    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(_device(pg))
     return bytes(_bcast(pg, tensor, root, patience).cpu().tolist())
 
 
@@ -414,12 +434,12 @@ class SyncSender:
         try:
             for items in _checked(weights.buckets(), plan, weights, validate):
                 if me == 0:  # status 0: a bucket follows
-                    _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device()), root=0)
-                    _bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(_device()), root=0)
+                    _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device(self._pg)), root=0)
+                    _bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(_device(self._pg)), root=0)
                 n += len(items)
         except Exception as e:
             if me == 0:  # status 1: abort, tell the engine why
-                _bcast(self._pg, torch.ones(1, dtype=torch.int64, device=_device()), root=0)
+                _bcast(self._pg, torch.ones(1, dtype=torch.int64, device=_device(self._pg)), root=0)
                 _send_json(self._pg, f"{type(e).__name__}: {e}", root=0, me=0)
             raise
         result = _send_json(self._pg, None, root=1, me=0) if me == 0 else None
@@ -547,12 +567,13 @@ class SyncReceiver:
         def next_flat(shapes):
             what = f"bucket {received['buckets'] + 1} of {len(header['buckets'])}"
             try:
-                status = _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device()), 0, patience(what))
+                status = _bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=_device(self._pg)), 0,
+                                patience(what))
                 if int(status):
                     why = _send_json(self._pg, None, root=0, me=1, patience=patience("the trainer's reason"))
                     received["aborted"] = True  # both ends know: nothing more on the wire
                     raise SyncError(f"the trainer aborted the sync: {why}")
-                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=_device())
+                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=_device(self._pg))
                 _bcast(self._pg, flat, 0, patience(what))
             except BaseException:
                 received["lost"] = not received["aborted"]

@@ -1,0 +1,20 @@
+"""Which torch.distributed backend the cross-process weight channel takes (chatgen.param_sync.sync): NCCL only
+between two different GPUs; gloo when either end is on the host or both share one GPU (NCCL cannot pair two ranks
+on one device: a trainer and `chatgen serve --control` on the same GPU).
+
+    .venv/bin/python -m pytest tests/unit/test_sync_group_choice.py
+"""
+from chatgen.param_sync.sync import _where, nccl_between
+
+
+def test_nccl_only_between_two_different_gpus():
+    gpu0, gpu1 = "node-a:GPU-1111", "node-a:GPU-2222"
+    assert nccl_between(gpu0, gpu1) and nccl_between(gpu1, "node-b:GPU-1111")
+    assert not nccl_between(gpu0, gpu0)  # one GPU shared by both processes
+    assert not nccl_between("cpu", gpu0) and not nccl_between(gpu0, "cpu") and not nccl_between("cpu", "cpu")
+
+
+def test_this_cpu_machine_says_cpu():
+    import torch
+
+    assert _where() == "cpu" or (torch.cuda.is_available() and ":" in _where())
