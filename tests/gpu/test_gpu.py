@@ -5,7 +5,8 @@ distributed optimizer on a device, the trainer's memory handoff, GRPO colocated 
     bash scripts/gpu_run.sh            # the offline GPU machine (docs/gpu.md): the tests that need no vLLM
 
 Every test is marked `gpu`; without CUDA, tests/conftest.py skips them with the reason; the ones that start a
-vLLM engine skip without vLLM, all without megatron-core. The last three need two GPUs and say so. docs/gpu.md lists what ran on which GPU, and what never has.
+vLLM engine skip without vLLM, all without megatron-core. The last three need two GPUs and say so. docs/gpu.md
+lists what ran on which GPU, and what never has.
 """
 import importlib.util
 import json
