@@ -14,9 +14,15 @@ from chatgen.training.memory_estimate import GIB, Shape, engine_memory, trainer_
 CONTEXT_BYTES = GIB  # a CUDA context + NCCL buffers per process, roughly
 
 
-def _shape(load) -> Shape | None:
+def _shape(load) -> Shape | str:
+    """The model's sizes, or why there is no estimate."""
     path = Path(str(load or "")) / "config.json"
-    return Shape.from_hf_config(json.loads(path.read_text())) if path.is_file() else None
+    if not path.is_file():
+        return f"{path} is not readable here"
+    try:
+        return Shape.from_hf_config(json.loads(path.read_text()))
+    except (KeyError, ValueError) as e:
+        return f"{path} lacks {e}"
 
 
 def shape_positions(load) -> int:
@@ -37,8 +43,8 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
             continue
         c = entry.config
         shape = _shape(c.load)
-        if shape is None:
-            lines.append(f"{name}: no estimate ({c.load}/config.json is not readable here)")
+        if isinstance(shape, str):
+            lines.append(f"{name}: no estimate ({shape})")
             continue
         tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
         dp = max(1, model_world_size(entry) // (tp * pp))
