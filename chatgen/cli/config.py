@@ -87,6 +87,21 @@ def _is_main_yaml(path) -> bool:
     return bool({"runtime", "models"} & set(data))
 
 
+def print_memory_estimate(cfg) -> None:
+    """The per-GPU memory estimate (chatgen.rlhf.memory) as YAML comments after the config; warnings on stderr."""
+    import torch
+
+    from chatgen.rlhf.memory import memory_report
+
+    on_gpu = torch.cuda.is_available()
+    device = torch.cuda.get_device_properties(0).total_memory if on_gpu else 80 << 30
+    lines, warnings = memory_report(cfg, device)
+    where = "this machine's GPU" if on_gpu else "an 80 GiB GPU assumed (no CUDA here)"
+    print(f"# memory estimate per GPU (docs/scaling.md; {where}):", *(f"#   {line}" for line in lines), sep="\n")
+    for warning in warnings:
+        print(f"chatgen config: warning: {warning}", file=sys.stderr)
+
+
 def run(args) -> int:
     if args.reference:
         print(key_reference())
@@ -118,6 +133,7 @@ def run(args) -> int:
             address = cluster_address(cfg.runtime)
             check_run(cfg, algorithms.load(cfg.runtime.algorithm.name), cluster_nodes(address) if address else None)
             print(format_config(cfg))
+            print_memory_estimate(cfg)
     except ConfigError as e:
         print(e, file=sys.stderr)
         return 2

@@ -17,6 +17,7 @@ import sys
 from chatgen.cli import positive_int
 from chatgen.cli.generate import add_module_arguments, build_module
 from chatgen.core.checkpoint_io import read_hf_config
+from chatgen.core.imports import require
 
 API_KEY_ENV = "CHATGEN_API_KEY"
 
@@ -83,6 +84,7 @@ def run(args) -> int:
     if given and not key:
         raise ValueError(f"{given[0]}: the API key is empty; give one, e.g. the output of `python -c 'import secrets; "
                          "print(secrets.token_urlsafe(32))'`")
+    require("uvicorn", "chatgen serve")
     import uvicorn  # the server's stack (and vLLM's protocol): not for `chatgen serve --help`
 
     from chatgen.serving.app import build_app

@@ -1,5 +1,6 @@
 """Classes, functions and modules named in configs ('package.module:ClassName', 'file.py:function', a plugin's
-name), imported with an error that says what to fix.
+name), imported with an error that says what to fix; `require`: an optional dependency (vLLM, Ray, the
+server's stack) checked where a part needs it, with an error naming the setup.py extra that installs it.
 
 User code imports from the **project directory** (`project_dir`: the directory above the main YAML's `configs/`
 folder, where `chatgen init DIR` puts them, else the main YAML's own directory) and then the current directory.
@@ -77,6 +78,8 @@ def _run_module(path: str, load):
     """load() (an import), with an error raised by the module's own code named as such."""
     try:
         return load()
+    except MissingPackage:
+        raise  # already says what to install
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises while it imports
         raise ValueError(f"{path!r}: importing it failed: {type(e).__name__}: {e}; fix that module (python -c "
                          f"'import ...' in the project directory shows the traceback)") from e
@@ -124,6 +127,26 @@ def getattr_or_fail(module, name: str, path: str):
         close = difflib.get_close_matches(name, public, n=1)
         raise ValueError(f"{path!r}: {module.__file__} has no {name!r}"
                          + (f"; did you mean {close[0]!r}?" if close else "")) from None
+
+
+class MissingPackage(ImportError, ValueError):
+    """An optional dependency of the part being used is not installed; the message names the extra to install.
+    Also a ValueError: like a bad config value, the CLI prints it without a traceback (chatgen.cli.main)."""
+
+
+# which of setup.py's extras installs each optional top-level package (keep the two in step)
+EXTRAS = {"vllm": "vllm", "ray": "ray", "fastapi": "serve", "uvicorn": "serve"}
+
+
+def require(package: str, what: str) -> None:
+    """Raise MissingPackage unless `package` (a top-level module in EXTRAS) can be imported; `what` names the part
+    that needs it (a backend, a command). Checked before the import, so the user reads what to install instead of
+    a ModuleNotFoundError from deep inside chatgen."""
+    if importlib.util.find_spec(package) is None:
+        extra = EXTRAS[package]
+        raise MissingPackage(f"{what} needs the Python package {package!r}, which is not installed in this "
+                             f"environment; install it with `pip install 'chatgen[{extra}]'` (the tested versions: "
+                             "requirements.txt on CPU, requirements-gpu.txt on CUDA)", name=package)
 
 
 def import_class(path: str):

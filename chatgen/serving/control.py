@@ -39,7 +39,11 @@ import threading
 import time
 from typing import Literal
 
-from fastapi import APIRouter, Depends, Request
+from chatgen.core.imports import require
+
+require("fastapi", "the weight-update endpoints (chatgen serve --control)")
+
+from fastapi import APIRouter, Depends, Request  # noqa: E402
 from pydantic import BaseModel, ConfigDict
 
 from chatgen.core.distributed import LOOPBACK_HOSTS

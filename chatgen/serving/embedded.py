@@ -13,10 +13,14 @@ import socket
 import threading
 import time
 
-import uvicorn
+from chatgen.core.imports import require
 
-from chatgen.serving.app import build_app
-from chatgen.serving.limits import uvicorn_config
+require("uvicorn", "the embedded OpenAI server (chatgen.serving.embedded)")
+
+import uvicorn  # noqa: E402
+
+from chatgen.serving.app import build_app  # noqa: E402
+from chatgen.serving.limits import uvicorn_config  # noqa: E402
 
 START_TIMEOUT_S = 60
 

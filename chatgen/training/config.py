@@ -1,6 +1,6 @@
 """The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads (docs/megatron_module.md)."""
 import dataclasses
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Literal, Optional
 
 from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
 
@@ -33,6 +33,16 @@ class MegatronConfig:
     overlap_grad_reduce: bool = opt(
         False, "reduce gradient buckets over DP while the backward of the last micro-batch still runs (megatron-core "
                "DDP); pays off on GPUs with DP > 1")
+    activation_recompute: Literal["none", "selective", "full"] = opt(
+        "none", "recompute activations in the backward instead of keeping them (megatron's recompute_granularity): "
+                "selective = each layer's attention scores and softmax (most of the memory of long sequences, little "
+                "compute), full = every layer's whole forward from its input (least memory, ~1/3 more compute)")
+    sequence_parallel: bool = opt(
+        False, "with tensor_model_parallel_size > 1: split the norms' and dropouts' activations over the TP ranks "
+               "along the sequence (megatron's sequence_parallel; same loss, 1/TP of that memory)")
+    grad_reduce_dtype: Optional[DTYPES] = opt(
+        None, "dtype of the gradient buffers and their reduction over DP: float32 (null: the default, micro-batches "
+              "accumulate without rounding) or the parameters' own dtype (half the memory and traffic)")
     offload_params: bool = opt(
         True, "colocated on GPUs with a vLLM engine: keep the weights in host memory while the engine generates")
     offload_grads: bool = opt(True, "the same for the gradient buffers")
@@ -82,5 +92,11 @@ class MegatronConfig:
         for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters", "moe_aux_loss_coeff"):
             if getattr(self, key) < 0:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
+        if self.sequence_parallel and self.tensor_model_parallel_size == 1:
+            yield "sequence_parallel", ("needs tensor_model_parallel_size > 1 (it splits activations over the TP "
+                                        "ranks); set it to false or raise tensor_model_parallel_size")
+        if self.grad_reduce_dtype not in (None, "float32", self.dtype):
+            yield "grad_reduce_dtype", (f"{self.grad_reduce_dtype} with dtype {self.dtype}: gradients reduce in "
+                                        f"float32 or in the parameters' dtype; set float32, {self.dtype} or null")
         if problem := args_problem(self):
             yield "args", problem

@@ -24,6 +24,10 @@ grads for the distributed optimizer; its attention all-gather's backward when `n
 all-gather into a tensor, AVG and coalesced collectives. What megatron-core offers but chatgen cannot use
 on gloo is listed in docs/megatron_module.md.
 
+8. Activation recompute (`activation_recompute`): megatron's checkpoint function saves and restores the CUDA RNG
+   state around a layer's recomputation (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`);
+   on CPU there is none (the CPU generator's state is saved beside it): they get / set nothing.
+
 And on any machine without Transformer Engine (CPU or GPU):
 
 7. megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
@@ -77,6 +81,10 @@ def apply() -> bool:
         return True
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda device=None: None
+    from megatron.core.tensor_parallel import random as tp_random  # point 8
+
+    tp_random._get_cuda_rng_state = lambda *args, **kwargs: None
+    tp_random._set_cuda_rng_state = lambda *args, **kwargs: None
     for module in _CUDA_BY_NAME:
         importlib.import_module(module).torch = _TorchOnCpu()
     _APPLIED = True

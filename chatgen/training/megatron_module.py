@@ -45,7 +45,7 @@ from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
 from chatgen.training.memory import MemoryHandoff
-from chatgen.training.model_build import ModelBuild
+from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
 
@@ -237,6 +237,8 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
             persist_layer_norm=False,
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
+            sequence_parallel=cfg.sequence_parallel,
+            **recompute_kwargs(cfg.activation_recompute),
             **(dict(expert_model_parallel_size=self.ep,
                     # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter); megatron's all-to-all
                     # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch

@@ -2,8 +2,54 @@
 around a colocated engine's turn on the GPU; `memory_stats()` reports the peaks of each phase.
 
 `MemoryHandoff` is a mixin of `chatgen.training.megatron_module.MegatronModule` (its DDP buffers and optimizer).
+
+The optimizer's state moves through `move_optimizer_state`, not megatron's `offload_to_cpu` / `restore_from_cpu`,
+which (megatron-core 0.16) replace every parameter of the optimizer by a pageable host copy and back: the fp32
+main weights of fp32 parameters (a bf16 model's norms, or a whole fp32 model) are views of the model's weight
+buffer, and the copies stop sharing it (the optimizer then updates weights the model never sees); Adam's step
+counters, host tensors, went to the GPU (a device sync per parameter per step); each tensor was copied through
+pageable memory. Weight buffers here include the expert-parallel ones (a mixture-of-experts model's experts).
 """
 import torch
+
+
+def weight_storages(ddp) -> set:
+    """Data pointers of the model's weight buffers (dense and expert-parallel): an optimizer tensor that lives in
+    one of them is a view of the weights, moved with them (offload_params), never copied apart."""
+    return {b.param_data.untyped_storage().data_ptr() for b in _all_buffers(ddp) if b.param_data is not None}
+
+
+def _all_buffers(ddp) -> list:
+    return list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", None) or [])
+
+
+def move_optimizer_state(optimizers, host: dict, to_host: bool, shared: set, device, pin: bool) -> None:
+    """Move the tensors of torch optimizers (`optimizers`: their param groups' params and state) to host memory
+    (`to_host`) or back to `device`. `host` keeps one host tensor per moved tensor across calls (pinned with `pin`:
+    copies run asynchronously, and no host memory is allocated after the first offload). Tensors whose storage is
+    in `shared` (views of the weight buffers) and Adam's "step" counters stay where they are."""
+    def move(tensor, key):
+        if tensor.untyped_storage().data_ptr() in shared:
+            return tensor
+        if to_host:
+            if tensor.device.type == "cpu" and key in host and tensor is host[key]:
+                return tensor
+            copy = host.get(key)
+            if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
+                copy = host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+            copy.copy_(tensor, non_blocking=pin)
+            return copy
+        return tensor.to(device, non_blocking=pin)
+
+    for i, optimizer in enumerate(optimizers):
+        for g, group in enumerate(optimizer.param_groups):
+            for j, p in enumerate(group["params"]):
+                key = (i, g, j)
+                state = optimizer.state.get(p, {})
+                p.data = move(p.data, key)
+                for name, value in state.items():
+                    if isinstance(value, torch.Tensor) and name != "step":
+                        state[name] = move(value, (*key, name))
 
 
 class MemoryHandoff:
@@ -24,10 +70,10 @@ class MemoryHandoff:
             self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
             moved.add("grads")
         if cfg.offload_optimizer and "optimizer" not in moved:
-            self.optimizer.offload_to_cpu()
+            self._move_optimizer(to_host=True)
             moved.add("optimizer")
         if params and cfg.offload_params and "params" not in moved:
-            for buffer in self.ddp.buffers:  # the weights are views of these buffers
+            for buffer in _all_buffers(self.ddp):  # the weights are views of these buffers (pinned copies)
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             moved.add("params")
         torch.cuda.synchronize()
@@ -48,14 +94,22 @@ class MemoryHandoff:
                                                   torch.cuda.max_memory_allocated())
             torch.cuda.reset_peak_memory_stats()
         if "params" in back:
-            for buffer in self.ddp.buffers:
+            for buffer in _all_buffers(self.ddp):
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
         if "optimizer" in back:
-            self.optimizer.restore_from_cpu()
+            self._move_optimizer(to_host=False)
         if "grads" in back:
             self.ddp.restore_grad_buffers(synchronize=False)
         torch.cuda.synchronize()
         self._offloaded = tuple(piece for piece in self._offloaded if piece not in back)
+
+    def _move_optimizer(self, to_host: bool) -> None:
+        """The distributed optimizer's fp32 masters and Adam moments to pinned host memory or back (see
+        move_optimizer_state); its views of the weights stay in the weight buffers."""
+        inner = [chained.optimizer for chained in self.optimizer.chained_optimizers]
+        host = self.__dict__.setdefault("_optimizer_host", {})
+        move_optimizer_state(inner, host, to_host, weight_storages(self.ddp), torch.cuda.current_device(),
+                             pin=torch.cuda.is_available())
 
     def memory_stats(self) -> dict:
         """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory

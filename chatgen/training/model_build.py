@@ -10,6 +10,16 @@ import torch
 from chatgen.training import cpu_compat
 
 
+def recompute_kwargs(mode: str) -> dict:
+    """megatron-core TransformerConfig keys for `activation_recompute` (verl: override_transformer_config's
+    recompute_granularity / recompute_method / recompute_num_layers)."""
+    if mode == "full":  # every layer's input is kept, its forward run again in the backward
+        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    if mode == "selective":  # megatron's default modules: the core attention (scores, softmax, dropout)
+        return dict(recompute_granularity="selective")
+    return {}
+
+
 class ModelBuild:
     """_layer_spec / _build_optimizer / _lr_factor."""
 
@@ -34,7 +44,8 @@ class ModelBuild:
         cfg, tconfig = self.config, self.model.config
         low_precision = self.dtype != torch.float32
         self.ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=low_precision, overlap_grad_reduce=cfg.overlap_grad_reduce,
+            grad_reduce_in_fp32=low_precision and cfg.grad_reduce_dtype in (None, "float32"),
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
             use_distributed_optimizer=True), self.model)
         tconfig.finalize_model_grads_func = finalize_model_grads
         if cfg.overlap_grad_reduce:  # the schedule holds the reduce back until the last micro-batch's backward
@@ -64,8 +75,13 @@ class ModelBuild:
                                                                   qk_layernorm=tconfig.qk_layernorm)
             except ImportError:
                 pass
-        return get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
+        spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
                                         qk_layernorm=tconfig.qk_layernorm)
+        if tconfig.sequence_parallel:  # torch's norms, marked for megatron's TP reduction of their grads
+            from chatgen.training.sequence_parallel import with_sequence_parallel_norms
+
+            return with_sequence_parallel_norms(spec, tconfig, self.pp_rank)
+        return spec
 
     def _lr_factor(self, step: int) -> float:
         cfg = self.config

@@ -1,18 +1,26 @@
 """The GPU tier: what only a CUDA machine can show (NCCL, vLLM's CUDA kernels and sleep mode, megatron's DDP and
 distributed optimizer on a device, the trainer's memory handoff, GRPO colocated on one GPU).
 
-    bash scripts/gpu_smoke.sh          # sets up the CUDA stack, then: python -m pytest -m gpu -rs
+    bash scripts/gpu_smoke.sh          # a CUDA machine with the stack installed: python -m pytest tests/gpu -rs
+    bash scripts/gpu_run.sh            # the offline GPU machine (docs/gpu.md): the tests that need no vLLM
 
-Every test is marked `gpu`; without CUDA, tests/conftest.py skips them with the reason. The last three need two
-GPUs and say so. docs/gpu.md lists what ran on which GPU, and what never has.
+Every test is marked `gpu`; without CUDA, tests/conftest.py skips them with the reason; the ones that start a
+vLLM engine skip without vLLM, all without megatron-core. The last three need two GPUs and say so. docs/gpu.md
+lists what ran on which GPU, and what never has.
 """
+import importlib.util
 import json
 import os
 
 import pytest
 import torch
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
+                                                  reason="needs megatron-core (pip install chatgen)")]
+# vLLM is imported inside the tests that start an engine, never here: without it they skip, the rest run (the GPU
+# machine lent to sessions has no vLLM; scripts/gpu_run.sh runs this file there)
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                reason="needs vLLM (pip install 'chatgen[vllm]'; its CUDA wheel is 327 MB)")
 
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL cannot pair two ranks "
                                                                     "on one device)")
@@ -110,6 +118,7 @@ def test_trainer_logprobs_match_hf_transformers_on_cuda(tiny_llama_dir):
     assert got.shape == (4, 23) and (got - hf_logprobs(tiny_llama_dir, batch)).abs().max() < FP32_TOL
 
 
+@needs_vllm
 def test_colocated_sync_into_vllm_is_exact_on_cuda_fp32(tiny_llama_dir):
     """Trainer and engine on one GPU, fp32: after a sync (and again after a training step) vLLM's greedy log-probs
     equal the trainer's; before it, the engine's random weights are far off."""
@@ -129,6 +138,7 @@ def test_colocated_sync_into_vllm_is_exact_on_cuda_fp32(tiny_llama_dir):
         llm.shutdown()
 
 
+@needs_vllm
 def test_colocated_sync_into_vllm_bf16(tiny_llama_dir):
     """bf16 on both sides (what GPUs train in): the sync moves every tensor bit for bit (validated), and the
     engine's log-probs follow the trainer's within bf16 precision."""
@@ -144,6 +154,7 @@ def test_colocated_sync_into_vllm_bf16(tiny_llama_dir):
         llm.shutdown()
 
 
+@needs_vllm
 def test_engine_sleep_frees_its_memory_and_wake_up_restores_it(tiny_llama_dir):
     """vLLM's sleep mode (level 1: KV cache dropped, weights to host) gives the GPU memory back, as a colocated
     trainer needs; after wake_up the engine answers as before."""
@@ -286,9 +297,14 @@ def _check_gpu_run(out, metrics):
         assert r["memory/offloaded_peak_gib"] >= 0  # present: the trainer handed the GPU over
         assert r["mismatch/logprob_mean_abs"] < 0.1  # bf16 engine vs bf16 trainer on the sampled tokens
     assert (out / "checkpoints" / "episode_000002" / "policy_trainer" / "chatgen_megatron.json").exists()
-    assert metrics["policy/grad_norm"] > 0
+    # An episode whose every group got equal rewards has zero advantages, so a zero gradient (about 1 run in 10
+    # for the last episode of the tiny model): only a run that saw different rewards must have trained somewhere
+    norms = [r["policy/grad_norm"] for r in records[1:]]
+    assert all(n >= 0 for n in norms), norms
+    assert max(norms) > 0 or all(r["reward/std"] == 0 for r in records[1:]), (norms, metrics)
 
 
+@needs_vllm
 def test_grpo_tiny_colocated_on_one_gpu(tiny_llama_dir, tmp_path, monkeypatch):
     """GRPO with engine and trainer on one GPU in one process, bf16: the engine sleeps after generating, the trainer
     offloads before it wakes; two episodes, evaluation, a checkpoint."""
@@ -301,6 +317,7 @@ def test_grpo_tiny_colocated_on_one_gpu(tiny_llama_dir, tmp_path, monkeypatch):
     _check_gpu_run(tmp_path / "run", metrics)
 
 
+@needs_vllm
 def test_grpo_smollm2_colocated_on_one_gpu(smollm2_dir, tmp_path, monkeypatch):
     """The same on SmolLM2-135M-Instruct (the real model of configs/grpo_smollm2.yaml), arithmetic task."""
     from chatgen.rlhf import tasks
@@ -330,6 +347,7 @@ def _nccl_sender(model_dir, port):
     return sync_weights(module, SyncSender("127.0.0.1", port), validate=True).tensors
 
 
+@needs_vllm
 @two_gpus
 def test_nccl_weight_channel_between_processes(tiny_llama_dir, monkeypatch):
     """Trainer on GPU 1 in its own process, engine on GPU 0 in this one: the weights cross over a private NCCL
@@ -377,6 +395,7 @@ def _colocated_tp2(model_dir):
         llm.shutdown()
 
 
+@needs_vllm
 @two_gpus
 def test_colocated_tp2_on_two_gpus(tiny_llama_dir):
     from chatgen.training.launcher import run_distributed

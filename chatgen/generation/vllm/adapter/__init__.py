@@ -27,6 +27,10 @@ import os
 # The engine core must live in this process: the framework steps it and syncs weights into it in place.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
+from chatgen.core.imports import require  # noqa: E402
+
+require("vllm", "the vllm backend (backend: vllm)")
+
 from vllm import LLM, SamplingParams  # noqa: E402
 from vllm.inputs import TokensPrompt  # noqa: E402
 from vllm.outputs import RequestOutput  # noqa: E402
