@@ -70,11 +70,18 @@ def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
     return rewards
 
 
-def zero_variance_groups(rewards: torch.Tensor, n: int, log) -> int:
-    """How many groups of `n` consecutive rewards (one prompt's samples) are all equal; warns when
-    every group is (the episode teaches nothing). rewards: (S,), S a multiple of n."""
+def equal_reward_groups(rewards: torch.Tensor, n: int) -> torch.Tensor:
+    """(P,) bool: the groups of `n` consecutive rewards (one prompt's samples) that are all equal
+    (advantages 0: no gradient). rewards: (S,), S = P * n."""
     groups = rewards.reshape(-1, n)
-    count = int((groups == groups[:, :1]).all(dim=1).sum())
+    return (groups == groups[:, :1]).all(dim=1)
+
+
+def zero_variance_groups(rewards: torch.Tensor, n: int, log) -> int:
+    """How many groups of `n` consecutive rewards are all equal (`equal_reward_groups`); warns
+    when every group is (the episode teaches nothing). rewards: (S,), S a multiple of n."""
+    groups = rewards.reshape(-1, n)
+    count = int(equal_reward_groups(rewards, n).sum())
     if count == len(groups) and n > 1:
         log(f"[chatgen] WARNING: every group's {n} rewards are equal this episode ({count} groups, "
             f"e.g. {groups[0, 0].item():.4g}): nothing to learn from it (solved, or too hard)")

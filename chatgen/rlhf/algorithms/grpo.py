@@ -24,7 +24,7 @@ from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
-from chatgen.rlhf.health import zero_variance_groups
+from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
 
@@ -342,13 +342,6 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
     return metrics
 
 
-def zero_variance_groups(rewards, n: int):
-    """(P,) bool: the groups of n samples whose rewards are all equal (advantages 0: no
-    gradient)."""
-    grouped = rewards.view(-1, n)
-    return grouped.max(dim=1).values == grouped.min(dim=1).values
-
-
 def sample_full_groups(run, batch, rewards, n: int):
     """DAPO's dynamic sampling: drop the groups of `batch` whose (shaped) rewards are all equal and
     generate more prompts' groups until the batch has its P groups again, for at most
@@ -358,7 +351,7 @@ def sample_full_groups(run, batch, rewards, n: int):
     wanted = len(batch) // n
     kept, dropped, rounds = [], [], 0
     while True:
-        flat = zero_variance_groups(shaped_rewards(algo, batch, rewards, pc.max_new_tokens), n)
+        flat = equal_reward_groups(shaped_rewards(algo, batch, rewards, pc.max_new_tokens), n)
         for g, flat_group in enumerate(flat.tolist()):
             (dropped if flat_group else kept).append((batch, rewards, g))
         if len(kept) >= wanted or rounds == algo.dynamic_sampling_max_rounds:
