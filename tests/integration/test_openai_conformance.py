@@ -125,7 +125,7 @@ def test_an_oversized_body_is_413_and_a_huge_one_leaves_health_responsive(server
     assert refused.status_code == 413 and "over this server's limit" in refused.json()["error"]["message"]
 
     # under the limit but slow to tokenize whole (/tokenize encodes all of it; a truncated
-    # completion is cut first since issue 28: test_a_truncated_huge_prompt_is_cut_before_it_is_tokenized)
+    # completion is cut first since issue 28 (test_serving.py)
     words = TEXT.split()
     huge = " ".join(words[i % len(words)] for i in range(120_000))
     result = {}
