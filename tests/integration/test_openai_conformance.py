@@ -124,14 +124,15 @@ def test_an_oversized_body_is_413_and_a_huge_one_leaves_health_responsive(server
     refused = post(server, COMPLETIONS, too_big)
     assert refused.status_code == 413 and "over this server's limit" in refused.json()["error"]["message"]
 
-    # under the limit but slow to tokenize whole (truncation without a side tokenizes all of it, as vLLM does)
+    # under the limit but slow to tokenize whole (/tokenize encodes all of it; a truncated
+    # completion is cut first since issue 28 (test_serving.py)
     words = TEXT.split()
     huge = " ".join(words[i % len(words)] for i in range(120_000))
     result = {}
 
     def big_request():
         start = time.perf_counter()
-        result["response"] = post(server, COMPLETIONS, {"prompt": huge, "truncate_prompt_tokens": 8, "max_tokens": 1})
+        result["response"] = post(server, "/tokenize", {"prompt": huge})
         result["seconds"] = time.perf_counter() - start
 
     thread = threading.Thread(target=big_request)
@@ -144,7 +145,7 @@ def test_an_oversized_body_is_413_and_a_huge_one_leaves_health_responsive(server
         time.sleep(0.02)
     thread.join()
     assert result["response"].status_code == 200
-    assert result["response"].json()["usage"]["prompt_tokens"] == 8
+    assert result["response"].json()["count"] > 100_000
     # on the event loop, tokenizing it stalled /health for most of the request (checked: 0.40 s of 0.55 s)
     assert health and statistics.median(health) < 0.25 * result["seconds"], (health, result["seconds"])
 
