@@ -23,6 +23,7 @@ from chatgen.compat.chatlearn import dialect
 from chatgen.config import CLI, REQUIRED, ConfigError, opt
 from chatgen.config.loader import at, build, closest, key_paths, merge, parse_override_tree, read_yaml, show, substitute
 from chatgen.core.imports import import_class
+from chatgen.core.jsonl import read_prompt_records
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
 from chatgen.rlhf import algorithms
@@ -512,6 +513,13 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
     if rt.eval_episode_interval and not rt.eval_data_path:
         errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
+    for key in ("data_path", "eval_data_path"):  # every line as the run reads it (RunData), unless the algorithm's
+        path = getattr(rt, key)                   # own check read it already (DPO's pairs)
+        if path and Path(path).is_file() and not any(f": runtime.{key}: " in e for e in errors):
+            try:
+                read_prompt_records(path)
+            except ValueError as e:
+                errors.append(f"{where}: runtime.{key}: {e}")
     layout = topology_problems(cfg)
     errors += [f"{where}: {problem}" for problem in layout]
     if nodes is not None and not layout:
