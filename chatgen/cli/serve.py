@@ -87,10 +87,14 @@ def run(args) -> int:
         if args.control_timeout is not None and not args.control_timeout > 0:
             raise ValueError(f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
                              "the server waiting, e.g. 120")
-    module = build_module(args)
-    require_tokenizer(module, args.model, "the chat and text endpoints need")  # before the engine's minutes
     sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
-    module.start()
+    try:
+        module = build_module(args)
+        require_tokenizer(module, args.model, "the chat and text endpoints need")  # before the engine's minutes
+        module.start()
+    except BaseException:
+        sock.close()
+        raise
     try:
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []
