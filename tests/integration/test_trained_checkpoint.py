@@ -14,6 +14,7 @@ import time
 import openai
 import pytest
 import torch
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -76,7 +77,7 @@ def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(trained
     proc = serve(checkpoint, port)  # the checkpoint itself, no tokenizer= flag
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
-        deadline = time.time() + 300
+        deadline = time.time() + scaled(300)
         while True:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             try:
@@ -104,12 +105,12 @@ def test_a_checkpoint_without_tokenizer_is_refused_before_the_engine(trained, ch
     shutil.copytree(checkpoint, bare, ignore=lambda d, names: [n for n in names if n in HF_SIDE_FILES])
     started = time.time()
     proc = serve(bare, 0)
-    _, err = proc.communicate(timeout=300)
+    _, err = proc.communicate(timeout=scaled(300))
     assert proc.returncode == 2 and "tokenizer=DIR" in err and "Traceback" not in err, err[-2000:]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
     gen = subprocess.run([sys.executable, "-m", "chatgen.cli", "generate", "--model", str(bare), "--input",
                           str(prompts), "--output", str(tmp_path / "out.jsonl")], capture_output=True, text=True,
-                         timeout=300)
+                         timeout=scaled(300))
     assert gen.returncode == 2 and "tokenizer=DIR" in gen.stderr and "[rank0]" not in gen.stderr, gen.stderr[-2000:]
     print(f"refused in {time.time() - started:.1f} s")
