@@ -8,7 +8,7 @@
         --output outputs/ep20-hf          # a checkpoint saved without its tokenizer (chatgen before 2026-11)
 
 `--to hf` writes what AutoTokenizer / AutoModelForCausalLM load: the weights, config.json, the tokenizer, its
-chat template and generation_config.json (docs/checkpoints.md). A checkpoint without tokenizer files is refused
+chat template and generation_config.json (docs/megatron_module.md). A checkpoint without tokenizer files is refused
 unless --tokenizer names the HF directory to take them from (an export without one loads as an empty tokenizer).
 """
 from pathlib import Path

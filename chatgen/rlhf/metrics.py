@@ -237,8 +237,8 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
                  title: str | None = None) -> Path | None:
     """One panel per group of `keys` that has data: those metrics against episode (keys never logged are skipped,
     a group with none is no panel: no empty KL panel for a run without a reference model). The title: `title`,
-    default the run's name (the directory of png_path) and the time metrics were last written. Returns png_path,
-    or None when nothing in `keys` was logged."""
+    default the run's name (the last two parts of png_path's directory) and the time metrics were last written.
+    Returns png_path, or None when nothing in `keys` was logged."""
     records = read_jsonl_metrics(jsonl_path)
     panels = [[(name, [(r["episode"], r[name]) for r in records if name in r]) for name in group] for group in keys]
     panels = [[(name, points) for name, points in panel if points] for panel in panels]
@@ -251,7 +251,8 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
 
     if title is None:
         written = datetime.datetime.fromtimestamp(Path(jsonl_path).stat().st_mtime, datetime.timezone.utc)
-        title = f"{Path(png_path).resolve().parent.name} · {written:%Y-%m-%d %H:%M} UTC"
+        run = "/".join(Path(png_path).resolve().parent.parts[-2:])  # outputs/grpo_tiny/<date>: grpo_tiny/<date>
+        title = f"{run} · {written:%Y-%m-%d %H:%M} UTC"
     fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True, squeeze=False)
     fig.suptitle(title)
     for ax, panel in zip(axes[:, 0], panels):

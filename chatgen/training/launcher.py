@@ -17,7 +17,11 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from chatgen.core import quiet
 from chatgen.core.distributed import free_port
+
+if mp.parent_process() is not None:  # a spawned rank: chatgen's filters before `fn`'s module is unpickled and
+    quiet.apply()                    # imports megatron-core (~9 harmless notices per rank; the parent's CLI has them)
 
 
 def _child(rank, world_size, port, env, fn, args, results):

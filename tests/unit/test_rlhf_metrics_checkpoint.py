@@ -154,7 +154,7 @@ def test_plot_has_only_panels_with_data_and_a_title(tmp_path, monkeypatch):
     (fig,) = figures
     assert [ax.get_ylabel() for ax in fig.axes] == ["reward/mean"]
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    assert fig._suptitle.get_text().startswith("my_run · ") and today in fig._suptitle.get_text()
+    assert fig._suptitle.get_text().startswith(f"{tmp_path.name}/my_run · ") and today in fig._suptitle.get_text()
     (run / "metrics.jsonl").write_text(json.dumps({"episode": 1, "reward/mean": 0.1, "kl/reference": 0.2}) + "\n")
     plot_metrics(run / "metrics.jsonl", run / "metrics.png", title="t")
     assert [ax.get_ylabel() for ax in figures[1].axes] == ["reward/mean", "kl/reference"]
