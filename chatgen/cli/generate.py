@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from chatgen.cli import positive_int
+from chatgen.cli import heartbeat, positive_int
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import load_model_config
 from chatgen.core import quiet
@@ -139,7 +139,8 @@ def run(args) -> int:
     text_prompts = [text for ids, text in rows if ids is None]
     if text_prompts:
         require_tokenizer(module, args.model, f'the {len(text_prompts)} "prompt" lines of --input need')
-    module.start()
+    with heartbeat(f"starting the engine for {args.model}"):
+        module.start()
     prepared = module.prepare_dataset(text_prompts) if text_prompts else []  # one call: one count of cut prompts
     if len(text_prompts) == len(rows):  # all text: the module's dataset as it built it (it may repeat prompts)
         items = prepared

@@ -14,7 +14,7 @@ import argparse
 import os
 import sys
 
-from chatgen.cli import positive_int
+from chatgen.cli import heartbeat, positive_int
 from chatgen.cli.generate import add_module_arguments, build_module, require_tokenizer
 from chatgen.core.checkpoint_io import read_hf_config
 
@@ -91,7 +91,8 @@ def run(args) -> int:
     try:
         module = build_module(args)
         require_tokenizer(module, args.model, "the chat and text endpoints need")  # before the engine's minutes
-        module.start()
+        with heartbeat(f"starting the engine for {args.model}"):
+            module.start()
     except BaseException:
         sock.close()
         raise
