@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # bash scripts/run_tests_under_load.sh [pytest args...]
 #
-# The test suite with the machine loaded: two busy-loop processes (`stress --cpu 2`'s load, in Python so nothing
-# needs installing) run beside scripts/run_tests.sh, and waits stretch by CHATGEN_TEST_TIMEOUT_SCALE (default 3
-# here; CI sets none, so 1). What a loaded machine must still pass: docs/testing.md. At the end it prints the
-# time taken and the load average, for the note that reports the run.
+# The test suite with the machine loaded: two busy-loop processes (`stress --cpu 2`'s load, in
+# Python so nothing needs installing) run beside scripts/run_tests.sh, and waits stretch by
+# CHATGEN_TEST_TIMEOUT_SCALE (default 3 here; CI sets none, so 1). What a loaded machine must still
+# pass: docs/testing.md. At the end it prints the time taken and the load average, for the note that
+# reports the run.
 #   bash scripts/run_tests_under_load.sh                         # the whole suite
 #   BUSY_PROCESSES=4 bash scripts/run_tests_under_load.sh tests/integration/test_two_node.py
 set -euo pipefail
@@ -20,11 +21,13 @@ for _ in $(seq "${BUSY_PROCESSES:-2}"); do
   python3 -c 'while True: pass' &
   busy+=("$!")
 done
-echo "run_tests_under_load: ${#busy[@]} busy processes (${busy[*]}), CHATGEN_TEST_TIMEOUT_SCALE=$CHATGEN_TEST_TIMEOUT_SCALE," \
-     "load $(cut -d' ' -f1-3 /proc/loadavg)" >&2
+load() { cut -d' ' -f1-3 /proc/loadavg; }
+echo "run_tests_under_load: ${#busy[@]} busy processes (${busy[*]})," \
+     "CHATGEN_TEST_TIMEOUT_SCALE=$CHATGEN_TEST_TIMEOUT_SCALE, load $(load)" >&2
 start=$SECONDS
 status=0
 bash "$repo/scripts/run_tests.sh" "$@" || status=$?
-echo "run_tests_under_load: exit $status after $(( (SECONDS - start) / 60 )) min $(( (SECONDS - start) % 60 )) s," \
-     "load $(cut -d' ' -f1-3 /proc/loadavg) ($(nproc) cores)" >&2
+took=$((SECONDS - start))
+echo "run_tests_under_load: exit $status after $((took / 60)) min $((took % 60)) s," \
+     "load $(load) ($(nproc) cores)" >&2
 exit $status
