@@ -156,22 +156,25 @@ def positive_int(text: str) -> int:
 
 @contextlib.contextmanager
 def heartbeat(what: str, every: float = 15.0):
-    """A long step that speaks: `what` on stderr when it starts, "still <what> (N s)" every `every` seconds while
-    it runs (from a daemon thread: the step itself need not report), and the time it took when it ends. For steps
-    of minutes that print nothing of their own (an engine start, a GGUF import)."""
+    """A long step that speaks: `what` on stderr when it starts, "still <what> (N s)" every `every`
+    seconds while it runs (from a daemon thread: the step itself need not report), and the time it
+    took when it ends. For steps of minutes that print nothing of their own (an engine start, a GGUF
+    import)."""
     print(f"chatgen: {what} ...", file=sys.stderr, flush=True)
     start, done = time.perf_counter(), threading.Event()
 
     def beat():
         while not done.wait(every):
-            print(f"chatgen: still {what} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
+            seconds = time.perf_counter() - start
+            print(f"chatgen: still {what} ({seconds:.0f} s)", file=sys.stderr, flush=True)
 
     threading.Thread(target=beat, name="chatgen-heartbeat", daemon=True).start()
     try:
         yield
     finally:
         done.set()
-    print(f"chatgen: {what}: done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    seconds = time.perf_counter() - start
+    print(f"chatgen: {what}: done in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

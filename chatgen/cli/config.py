@@ -36,11 +36,12 @@ from chatgen.training.config import MegatronConfig
 
 
 def checked_run_config(path, overrides) -> tuple:
-    """(config, algorithm module) of a main YAML after every check made before anything starts: the one function
-    `chatgen config` and `chatgen train` both call, so the two cannot disagree. Loading imports the user code the
-    config names (python models' classes); chatgen.rlhf.config.check_run checks the algorithm's models, batch
-    sizes, every line of the data files, the ranks' layout and, attached to a Ray cluster, that the groups fit
-    its nodes. Raises ConfigError listing every problem."""
+    """(config, algorithm module) of a main YAML after every check made before anything starts: the
+    one function `chatgen config` and `chatgen train` both call, so the two cannot disagree. Loading
+    imports the user code the config names (python models' classes); chatgen.rlhf.config.check_run
+    checks the algorithm's models, batch sizes, every line of the data files, the ranks' layout and,
+    attached to a Ray cluster, that the groups fit its nodes. Raises ConfigError listing every
+    problem."""
     cfg = load_config(path, overrides)
     algorithm = algorithms.load(cfg.runtime.algorithm.name)
     address = cluster_address(cfg.runtime)

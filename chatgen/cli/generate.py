@@ -70,15 +70,15 @@ def build_module(args, overrides=()):
 
 
 def require_tokenizer(module, model, why: str) -> None:
-    """Before the engine starts: the tokenizer of `module`'s config (its `tokenizer` key, else the --model
-    directory) exists, else a ValueError naming `tokenizer=`; `why` says what needs it."""
+    """Before the engine starts: the tokenizer of `module`'s config (its `tokenizer` key, else the
+    --model directory) exists, else a ValueError naming `tokenizer=`; `why` says what needs it."""
     from chatgen.generation.config import has_tokenizer, tokenizer_dir
 
     if not has_tokenizer(tokenizer_dir(module.config, model)):
         raise ValueError(f"--model {model} holds no tokenizer (tokenizer.json, tokenizer.model or "
-                         f"tokenizer_config.json), which {why}; add tokenizer=DIR (the HF model directory it was "
-                         "trained from) to the command line, or convert it with `chatgen convert --to hf "
-                         "--tokenizer DIR`")
+                         f"tokenizer_config.json), which {why}; add tokenizer=DIR (the HF model "
+                         "directory it was trained from) to the command line, or convert it with "
+                         "`chatgen convert --to hf --tokenizer DIR`")
 
 
 def add_arguments(parser) -> None:
@@ -138,7 +138,8 @@ def run(args) -> int:
     module = build_module(args, overrides)
     text_prompts = [text for ids, text in rows if ids is None]
     if text_prompts:
-        require_tokenizer(module, args.model, f'the {len(text_prompts)} "prompt" lines of --input need')
+        need = f'the {len(text_prompts)} "prompt" lines of --input need'
+        require_tokenizer(module, args.model, need)
     with heartbeat(f"starting the engine for {args.model}"):
         module.start()
     prepared = module.prepare_dataset(text_prompts) if text_prompts else []  # one call: one count of cut prompts

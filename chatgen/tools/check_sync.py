@@ -148,8 +148,9 @@ def check_sync(args) -> dict:
         finally:
             job.stop()
             engine.shutdown()
-        # the engine starts waiting before the trainer ranks exist: its clock holds their start-up (spawn, imports,
-        # model build: 18 s of the 18.2 s once reported as "sync 18171 ms for 2.0 MB"); the sync is the sender's
+        # the engine starts waiting before the trainer ranks exist: its clock holds their start-up
+        # (spawn, imports, model build: 18 s of the 18.2 s once reported as "sync 18171 ms for 2.0
+        # MB"); the sync is the sender's
         waited = report.seconds - sent_seconds
         report = dataclasses.replace(report, seconds=sent_seconds)
     samples, worst = [], 0.0
@@ -163,7 +164,7 @@ def check_sync(args) -> dict:
                   train_pp=args.train_pp, train_ep=args.train_ep, infer_tp=args.infer_tp, dtype=args.dtype,
                   threshold=args.threshold)
     if mode == "cross-process":
-        result["trainer_start_seconds"] = waited  # the engine's wait for the trainer ranks, not part of the sync
+        result["trainer_start_seconds"] = waited  # the engine's wait for the trainer ranks
     if experts:
         worst_expert = float("nan") if any(d != d for d in experts.values()) else max(experts.values())  # NaN fails
         result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)

@@ -379,7 +379,7 @@ class MegatronModule(Module):
         if dist.get_rank() == 0:
             write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
                                 optimizer=stepped, distributed=True, dp=self.dp, ep=self.ep)
-            if self.config.load:  # its tokenizer and generation files: the checkpoint serves and exports whole
+            if self.config.load:  # its tokenizer and generation files: it serves and exports whole
                 copy_hf_side_files(self.config.load, tmp)
         dist.barrier()
         if dist.get_rank() == 0:
