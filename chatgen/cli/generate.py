@@ -26,7 +26,7 @@ import os
 import sys
 from pathlib import Path
 
-from chatgen.cli import positive_int
+from chatgen.cli import heartbeat, positive_int
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import load_model_config
 from chatgen.core import quiet
@@ -67,6 +67,18 @@ def build_module(args, overrides=()):
     if quiet.verbose():
         print(format_config(config), file=sys.stderr)
     return cls(config)
+
+
+def require_tokenizer(module, model, why: str) -> None:
+    """Before the engine starts: the tokenizer of `module`'s config (its `tokenizer` key, else the
+    --model directory) exists, else a ValueError naming `tokenizer=`; `why` says what needs it."""
+    from chatgen.generation.config import has_tokenizer, tokenizer_dir
+
+    if not has_tokenizer(tokenizer_dir(module.config, model)):
+        raise ValueError(f"--model {model} holds no tokenizer (tokenizer.json, tokenizer.model or "
+                         f"tokenizer_config.json), which {why}; add tokenizer=DIR (the HF model "
+                         "directory it was trained from) to the command line, or convert it with "
+                         "`chatgen convert --to hf --tokenizer DIR`")
 
 
 def add_arguments(parser) -> None:
@@ -123,8 +135,13 @@ def run(args) -> int:
     overrides = [f"{key}={getattr(args, key)}" for key in FLAGS if getattr(args, key) is not None]
     if args.max_new_tokens is not None:
         overrides.append("new_token_limit=true")
-    module = build_module(args, overrides).start()
+    module = build_module(args, overrides)
     text_prompts = [text for ids, text in rows if ids is None]
+    if text_prompts:
+        need = f'the {len(text_prompts)} "prompt" lines of --input need'
+        require_tokenizer(module, args.model, need)
+    with heartbeat(f"starting the engine for {args.model}"):
+        module.start()
     prepared = module.prepare_dataset(text_prompts) if text_prompts else []  # one call: one count of cut prompts
     if len(text_prompts) == len(rows):  # all text: the module's dataset as it built it (it may repeat prompts)
         items = prepared

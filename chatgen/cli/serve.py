@@ -14,8 +14,8 @@ import argparse
 import os
 import sys
 
-from chatgen.cli import positive_int
-from chatgen.cli.generate import add_module_arguments, build_module
+from chatgen.cli import heartbeat, positive_int
+from chatgen.cli.generate import add_module_arguments, build_module, require_tokenizer
 from chatgen.core.checkpoint_io import read_hf_config
 from chatgen.core.imports import require
 
@@ -101,7 +101,15 @@ def run(args) -> int:
             raise ValueError(f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
                              "the server waiting, e.g. 120")
     sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
-    module = build_module(args).start()
+    try:
+        module = build_module(args)
+        # before the engine's minutes of start-up
+        require_tokenizer(module, args.model, "the chat and text endpoints need")
+        with heartbeat(f"starting the engine for {args.model}"):
+            module.start()
+    except BaseException:
+        sock.close()
+        raise
     try:
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []

@@ -5,15 +5,14 @@
     chatgen train configs/grpo_tiny.yaml --resume                # continue from the latest checkpoint
     chatgen train configs/grpo_tiny.yaml --resume-from episode_000020   # from an earlier one (e.g. latest damaged)
 
-The whole config is loaded and checked before Ray or any actor starts, so a bad YAML fails in a second with
-every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
+The whole config is loaded and checked before Ray or any actor starts, by the function `chatgen config` runs
+(chatgen.cli.config.checked_run_config), so a bad YAML fails in seconds with every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
 """
 import sys
 
+from chatgen.cli.config import checked_run_config
 from chatgen.config import ConfigError
-from chatgen.rlhf import algorithms
 from chatgen.rlhf.checkpoint import CheckpointError
-from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.metrics import say
 from chatgen.rlhf.runtime import ActorFailure
@@ -32,9 +31,8 @@ def add_arguments(parser) -> None:
 
 def run(args) -> int:
     try:
-        cfg = load_config(args.config, args.overrides)
-        algorithm = algorithms.load(cfg.runtime.algorithm.name)
-        check_run(cfg, algorithm)
+        # exactly what `chatgen config` checks
+        cfg, algorithm = checked_run_config(args.config, args.overrides)
     except ConfigError as e:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2

@@ -25,9 +25,10 @@ from safetensors import safe_open
 
 MEGATRON_META = "chatgen_megatron.json"  # HF config, TP, PP, padded vocab, iteration of a chatgen Megatron checkpoint
 # Tokenizer and generation files an HF directory carries beside the weights (copied by whatever derives a new
-# HF directory from an old one: convert, the SFT warm start).
+# HF directory from an old one: convert, the SFT warm start, a trainer's checkpoint).
 HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json", "chat_template.jinja")
+                 "generation_config.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
+                 "vocab.json", "merges.txt")
 
 
 def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int,

@@ -32,6 +32,17 @@ WARNINGS = [
     # 2.13 renamed; the deprecated names still do the same
     (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
      r"torch\.distributed\.c10d_logger"),
+    # a CUDA stream setting, advice for GPUs; on CPU (gloo) there is no stream to set (every TP > 1
+    # trainer rank)
+    (UserWarning, r"When using async grad allreduce it is recommended to set the environment variable "
+                  r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\.core\.tensor_parallel\.layers"),
+    # a resume reads megatron-core's distributed checkpoint: megatron calls torch's long-standing
+    # loader name, and torch's planner warns about the ShardedTensor type megatron's checkpoints are
+    # built on (3 lines per resume)
+    (FutureWarning, r"`load_state_dict` is deprecated and will be removed",
+     r"megatron\.core\.dist_checkpointing\.strategies\.torch"),
+    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
+     r"torch\.distributed\.checkpoint\."),
     # vLLM scans every imported module's attributes for Triton kernels and touches torch.distributed.reduce_op
     (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"),
 ]

@@ -53,19 +53,41 @@ def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> P
 
 
 def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None, hf_config=None) -> Path:
-    """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an HF directory
-    `dst` (written atomically; an existing one is replaced only with `replace`), with the tokenizer files of
-    `src`, or of the HF directory `side_files_from` (default with `hf_config`: that model's directory)."""
+    """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an HF
+    directory `dst` (written atomically; an existing one is replaced only with `replace`), with the
+    tokenizer, chat template and generation files of `src`, or of the HF directory `side_files_from`
+    (default with `hf_config`: that model's directory), and a generation_config.json made from the
+    model config when neither has one."""
     src, dst = Path(src), Path(dst)
     config, hf = megatron_checkpoint_to_hf(src, hf_config)
-    if side_files_from is None and hf_config is not None:
-        side_files_from = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
+    side_files_from = side_files_source(src, side_files_from, hf_config)
     with atomic_directory(dst, replace=replace) as tmp:
         save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
                   metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        copy_hf_side_files(side_files_from or src, tmp)
+        copy_hf_side_files(side_files_from, tmp)
+        if not (tmp / "generation_config.json").exists():
+            generation = json.dumps(generation_config(config), indent=2)
+            (tmp / "generation_config.json").write_text(generation)
     return dst
+
+
+def side_files_source(src, side_files_from=None, hf_config=None) -> Path:
+    """Where `megatron_to_hf_dir` takes the tokenizer files from: `side_files_from`, else the
+    directory of `hf_config` (a Megatron-LM checkpoint's architecture), else the checkpoint `src`
+    itself."""
+    if side_files_from is None and hf_config is not None:
+        side_files_from = Path(hf_config) if Path(hf_config).is_dir() else Path(hf_config).parent
+    return Path(side_files_from or src)
+
+
+def generation_config(hf_config: dict) -> dict:
+    """generation_config.json as transformers derives it from a model config (its special token
+    ids), for an export whose source had none: `generate` then stops at the model's EOS as the
+    engine did."""
+    ids = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+           if hf_config.get(key) is not None}
+    return {**ids, "_from_model_config": True}
 
 
 def hf_config_view(checkpoint) -> str:

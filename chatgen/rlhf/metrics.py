@@ -17,6 +17,7 @@ On a terminal (stdout a TTY) a run shows one live line: `episode |███   | 
 elapsed < ETA). Elsewhere (CI, a log file) each episode prints one plain line with the same figures.
 `progress_bar` and `say` give the warm start and `chatgen generate` the same line.
 """
+import datetime
 import json
 import logging
 import math
@@ -239,26 +240,41 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",))) -> Path | None:
-    """One panel per group of `keys`: those metrics against episode (keys never logged are skipped).
-    Returns png_path, or None when nothing was logged."""
+def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",)),
+                 title: str | None = None) -> Path | None:
+    """One panel per group of `keys` that has data: those metrics against episode (keys never logged
+    are skipped, a group with none is no panel: no empty KL panel for a run without a reference
+    model). The title: `title`, default the run's name (the last two parts of png_path's directory)
+    and the time metrics were last written. Returns png_path, or None when nothing in `keys` was
+    logged."""
     records = read_jsonl_metrics(jsonl_path)
-    if not records:
+    panels = []
+    for group in keys:
+        lines = [(name, [(r["episode"], r[name]) for r in records if name in r]) for name in group]
+        if any(points for _, points in lines):
+            panels.append([(name, points) for name, points in lines if points])
+    if not panels:
         return None
     import matplotlib
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(keys), 1, figsize=(7, 3 * len(keys)), sharex=True, squeeze=False)
-    for ax, group in zip(axes[:, 0], keys):
-        for name in group:
-            points = [(r["episode"], r[name]) for r in records if name in r]
-            if points:
-                ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3, label=name)
-        ax.set_ylabel(" / ".join(group))
+    if title is None:
+        mtime = Path(jsonl_path).stat().st_mtime
+        written = datetime.datetime.fromtimestamp(mtime, datetime.timezone.utc)
+        # outputs/grpo_tiny/<date> -> grpo_tiny/<date>
+        run = "/".join(Path(png_path).resolve().parent.parts[-2:])
+        title = f"{run} · {written:%Y-%m-%d %H:%M} UTC"
+    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True,
+                             squeeze=False)
+    fig.suptitle(title)
+    for ax, panel in zip(axes[:, 0], panels):
+        for name, points in panel:
+            marker = "o" if len(points) < 30 else None
+            ax.plot(*zip(*points), marker=marker, markersize=3, label=name)
+        ax.set_ylabel(" / ".join(name for name, _ in panel))
         ax.grid(alpha=0.3)
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="best", fontsize=8)
+        ax.legend(loc="best", fontsize=8)
     axes[-1, 0].set_xlabel("episode")
     fig.tight_layout()
     png_path = Path(png_path)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from chatgen.core.checkpoint_io import (
     begin_directory,
     commit_directory,
+    copy_hf_side_files,
     read_hf_safetensors,
     read_megatron_meta,
     read_megatron_shard,
@@ -32,7 +33,9 @@ class Checkpoints:
         (chatgen/training/dist_checkpoint.py). Returns the path.
 
         Layout: chatgen_megatron.json (HF config, TP, PP, DP, padded vocab, iteration) beside megatron's files
-        (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt). Ranks write into the staging directory of
+        (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt), and the tokenizer / generation files of
+        `load` (chatgen.core.checkpoint_io.HF_SIDE_FILES), so `chatgen serve` and `convert --to hf` need no
+        other. Ranks write into the staging directory of
         chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never leaves a half-written `path`.
         A model that has not stepped yet has no optimizer state to save: its checkpoint holds the weights.
         """
@@ -47,6 +50,8 @@ class Checkpoints:
         if dist.get_rank() == 0:
             write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
                                 optimizer=stepped, distributed=True, dp=self.dp, ep=self.ep)
+            if self.config.load:  # its tokenizer and generation files: it serves and exports whole
+                copy_hf_side_files(self.config.load, tmp)
         dist.barrier()
         if dist.get_rank() == 0:
             commit_directory(path)

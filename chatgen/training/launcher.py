@@ -17,7 +17,15 @@ import traceback
 
 import torch.multiprocessing as mp
 
+from chatgen.core import quiet
 from chatgen.core.distributed import free_port
+
+# A spawned rank imports this module first, while it unpickles its process object (`_child` comes
+# before `fn`, whose module imports megatron-core: ~9 harmless notices per rank, which the parent's
+# CLI filters in itself); multiprocessing marks that phase with `_inheriting` (parent_process() is
+# set only afterwards).
+if getattr(mp.current_process(), "_inheriting", False) or mp.parent_process() is not None:
+    quiet.apply()
 
 
 def _child(rank, world_size, port, env, fn, args, results):

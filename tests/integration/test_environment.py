@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -18,7 +19,7 @@ def test_transformers_vllm_megatron_ray_import_together():
         "from megatron.core.models.gpt import GPTModel\n"
         "print(torch.__version__, vllm.__version__, transformers.__version__, ray.__version__)\n"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stderr[-3000:]
     # torch must be the build vLLM was made for (CPU: 2.13.0+cpu; CUDA: whatever the vllm wheel pins)
     import importlib.metadata as metadata

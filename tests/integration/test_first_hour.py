@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from chatgen.cli.init import RECIPES
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +35,7 @@ def noise(out: str) -> list:
     an untrained model's zero gradient, for one)."""
     return [line for line in out.splitlines() if NOISE.search(line) and not line.startswith("[chatgen]")]
 SCREEN = 24  # lines of the classic terminal
-TIMEOUT = 600
+TIMEOUT = scaled(600)
 
 
 def environment(**extra) -> dict:

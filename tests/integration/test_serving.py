@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -635,7 +636,7 @@ def test_chatgen_serve_command(tiny_llama_dir):
                              f"kv_cache_memory_bytes={64 << 20}"], stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        deadline = time.time() + 120
+        deadline = time.time() + scaled(120)
         while True:
             assert proc.poll() is None, proc.stderr.read()[-3000:]
             try:

@@ -31,6 +31,7 @@ from pathlib import Path
 import psutil
 import pytest
 from test_faults import is_loopback, listening_sockets
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,7 @@ class LoopbackCluster:
         self.env.pop("PYTHONPATH", None)  # the actors import what the driver tells them to, nothing of this test
         self._start(0, ["--head", f"--port={self.port}", "--include-dashboard=false",
                         f"--ray-client-server-port={_free_port()}"])
-        deadline = time.time() + 120
+        deadline = time.time() + scaled(120)
         while True:  # the head's GCS answers before the others may join it
             try:
                 socket.create_connection(("127.0.0.1", self.port), 1).close()
@@ -78,8 +79,25 @@ class LoopbackCluster:
                 time.sleep(0.5)
         for i in range(1, nodes):
             self._start(i, [f"--address=127.0.0.1:{self.port}"])
-        subprocess.run([sys.executable, "-c", PROBE, self.env["RAY_ADDRESS"], str(nodes)], env=self.env,
-                       cwd=base, check=True, timeout=180, capture_output=True)
+        self._probe(nodes)
+
+    def _probe(self, nodes: int, tries: int = 3) -> None:
+        """Wait until `nodes` nodes are alive, as a driver sees them; a probe that fails (under load Ray's first
+        connection can time out) is retried, and the last one's stderr and the nodes' logs are shown."""
+        for attempt in range(1, tries + 1):
+            try:
+                probe = subprocess.run([sys.executable, "-c", PROBE, self.env["RAY_ADDRESS"], str(nodes)],
+                                       env=self.env, cwd=self.base, timeout=scaled(180), capture_output=True,
+                                       text=True)
+            except subprocess.TimeoutExpired as e:
+                probe, why = None, f"timed out after {e.timeout:.0f} s; stderr: {(e.stderr or b'')[-2000:]!r}"
+            if probe is not None and probe.returncode == 0:
+                return
+            if probe is not None:
+                why = f"exit {probe.returncode}; stderr:\n{probe.stderr[-3000:]}"
+            print(f"two-node cluster probe {attempt}/{tries} failed ({why})", file=sys.stderr)
+        raise RuntimeError(f"the cluster's {nodes} nodes never all answered a driver: probe {why}\n"
+                           f"head node log:\n{self.log(0)}")
 
     def _start(self, i: int, args: list) -> None:
         node = self.base / f"node{i}"
@@ -202,15 +220,15 @@ def test_grpo_across_two_nodes_with_relative_paths(cluster, tiny_llama_dir, tmp_
         (driver / "configs" / name).write_text(text)
     # chatgen config reads the cluster's nodes: the layout fits; a trainer needing 2 CPUs on nodes of 1 does not
     check = [sys.executable, "-c", DRIVER, "config", "configs/main.yaml"]
-    fits = subprocess.run(check, cwd=driver, env=cluster.env, capture_output=True, text=True, timeout=300)
+    fits = subprocess.run(check, cwd=driver, env=cluster.env, capture_output=True, text=True, timeout=scaled(300))
     assert fits.returncode == 0, fits.stderr[-3000:]
     too_big = subprocess.run([*check, "models.policy_trainer.num_cpu=2"], cwd=driver, env=cluster.env,
-                             capture_output=True, text=True, timeout=300)
+                             capture_output=True, text=True, timeout=scaled(300))
     assert too_big.returncode == 2 and "runtime.placement_strategy: PACK: policy_trainer needs 1 x {CPU: 2}" \
         in too_big.stderr, too_big.stderr[-3000:]
     with listening_sockets() as seen:
         run = subprocess.run([sys.executable, "-c", DRIVER, "train", "configs/main.yaml"], cwd=driver,
-                             env=cluster.env, capture_output=True, text=True, timeout=900)
+                             env=cluster.env, capture_output=True, text=True, timeout=scaled(900))
     assert run.returncode == 0, run.stderr[-4000:] + cluster.log(0)
     assert not [s for s in seen if not is_loopback(s[1])], seen  # the cluster and the run: loopback only
     # two groups on two nodes: the replicas on one, the trainer on the other

@@ -255,3 +255,23 @@ def test_serve_gives_a_wide_model_every_core_and_a_narrow_one_all_but_one(tmp_pa
     assert serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3  # serve itself names the bad path
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 1
+
+
+def test_config_and_train_refuse_the_same_data_line_before_anything_starts(tmp_path, capsys):
+    """`chatgen config` runs exactly train's checks (chatgen.cli.config.checked_run_config): a data line the run
+    would refuse fails both, with the same message, before any model starts."""
+    from chatgen import tasks
+    from chatgen.cli import main
+
+    tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "1 2", "answer": "1 2"}\n{"question": "3 1", "answer": "1 3"}\n')
+    common = [f"runtime.data_path={tmp_path}/data/train.jsonl", f"runtime.output_dir={tmp_path}/run",
+              f"runtime.eval_data_path={bad}"]
+    messages = []
+    for command in (["config", "configs/grpo_tiny.yaml"], ["train", "configs/grpo_tiny.yaml"]):
+        assert main([*command, *common]) == 2, command
+        err = capsys.readouterr().err
+        assert f'runtime.eval_data_path: {bad}:2: each line must be an object with a "prompt" key' in err, err
+        messages.append([line.strip() for line in err.splitlines() if "bad.jsonl:2" in line])
+    assert messages[0] == messages[1] and not (tmp_path / "run").exists()

@@ -44,6 +44,7 @@ def test_convert_round_trip_is_bit_exact(hf_dir, tmp_path, tp, pp):
     assert all(torch.equal(original[k], restored[k]) for k in original)
     assert json.loads((back / "config.json").read_text()) == json.loads((hf_dir / "config.json").read_text())
     assert (back / "tokenizer_config.json").exists()
+    assert json.loads((back / "generation_config.json").read_text()) == {"_from_model_config": True}  # no ids given
 
 
 def test_convert_refuses_existing_output_and_bad_layout(hf_dir, tmp_path, capsys):
@@ -88,3 +89,30 @@ def test_convert_tiny_moe_both_ways(make_tiny, tmp_path, name):
     restored = load_file(str(back / "model.safetensors"))
     assert sorted(original) == sorted(restored)
     assert all(torch.equal(original[k], restored[k]) for k in original)
+
+
+def test_convert_to_hf_carries_tokenizer_and_generation_config_or_refuses(tiny_llama_dir, tmp_path, capsys):
+    """The export loads with AutoTokenizer as the source did (not an empty tokenizer) and has a
+    generation_config.json; a checkpoint without tokenizer files is refused naming --tokenizer, and with
+    --tokenizer it takes that directory's."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    meg, back = tmp_path / "meg", tmp_path / "back"
+    assert main(["convert", "--to", "megatron", "--input", str(tiny_llama_dir), "--output", str(meg)]) == 0
+    assert main(["convert", "--to", "hf", "--input", str(meg), "--output", str(back)]) == 0
+    source, exported = AutoTokenizer.from_pretrained(tiny_llama_dir), AutoTokenizer.from_pretrained(back)
+    assert len(exported) == len(source) > 1 and exported.encode("hello world") == source.encode("hello world")
+    assert json.loads((back / "generation_config.json").read_text())["eos_token_id"] == source.eos_token_id
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in ("chatgen_megatron.json", "model_tp0_pp0.safetensors"):
+        shutil.copy(meg / f, bare / f)
+    assert main(["convert", "--to", "hf", "--input", str(bare), "--output", str(tmp_path / "x")]) == 2
+    assert "--tokenizer DIR" in capsys.readouterr().err and not (tmp_path / "x").exists()
+    assert main(["convert", "--to", "hf", "--input", str(bare), "--output", str(tmp_path / "y"),
+                 "--tokenizer", str(tiny_llama_dir)]) == 0
+    assert AutoTokenizer.from_pretrained(tmp_path / "y").encode("hello") == source.encode("hello")
+    config = json.loads((tmp_path / "y" / "generation_config.json").read_text())
+    assert config == json.loads((tiny_llama_dir / "generation_config.json").read_text())

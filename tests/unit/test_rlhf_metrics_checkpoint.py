@@ -136,3 +136,28 @@ def test_prompt_sampler_resume_gives_same_batches():
     with pytest.raises(ValueError, match="fewer than one batch"):
         PromptSampler(2, 3, seed=0)
 
+
+
+def test_plot_has_only_panels_with_data_and_a_title(tmp_path, monkeypatch):
+    """No reference model: no kl/reference panel; the title names the run (its directory) and the date."""
+    import datetime
+
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)  # plot_metrics closes the figure it saved: keep it
+    run = tmp_path / "my_run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"episode": e, "reward/mean": 0.1 * e}) + "\n"
+                                               for e in (1, 2)))
+    assert plot_metrics(run / "metrics.jsonl", run / "metrics.png") == run / "metrics.png"
+    (fig,) = figures
+    assert [ax.get_ylabel() for ax in fig.axes] == ["reward/mean"]
+    today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    assert fig._suptitle.get_text().startswith(f"{tmp_path.name}/my_run · ") and today in fig._suptitle.get_text()
+    (run / "metrics.jsonl").write_text(json.dumps({"episode": 1, "reward/mean": 0.1, "kl/reference": 0.2}) + "\n")
+    plot_metrics(run / "metrics.jsonl", run / "metrics.png", title="t")
+    assert [ax.get_ylabel() for ax in figures[1].axes] == ["reward/mean", "kl/reference"]
+    assert figures[1]._suptitle.get_text() == "t"
+    (run / "metrics.jsonl").write_text(json.dumps({"episode": 1, "time/train": 1.0}) + "\n")
+    assert plot_metrics(run / "metrics.jsonl", run / "x.png") is None  # no panel has data: no plot

@@ -17,3 +17,13 @@ def test_every_batch_is_full_and_each_pass_reshuffles():
 def test_small_data_cycles_through_shuffles():
     batches = list(batch_indices(10, 4, 6, torch.Generator().manual_seed(0)))
     assert all(len(b) == 4 and len(set(b)) == 4 for b in batches)
+
+
+def test_a_demonstration_without_answer_is_one_clear_line_before_the_model_loads(tmp_path, capsys):
+    from examples.sft_warm_start import main
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text('{"prompt": "3 1", "answer": "1 3"}\n{"prompt": "2 1"}\n')
+    assert main(["--load", str(tmp_path / "no-model"), "--data", str(data), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--data {data}:2: needs string fields 'answer'" in err and not (tmp_path / "out").exists()
