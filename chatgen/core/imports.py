@@ -135,7 +135,8 @@ class MissingPackage(ImportError, ValueError):
 
 
 # which of setup.py's extras installs each optional top-level package (keep the two in step)
-EXTRAS = {"vllm": "vllm", "ray": "ray", "fastapi": "serve", "uvicorn": "serve"}
+EXTRAS = {"vllm": "vllm", "ray": "ray", "fastapi": "serve", "uvicorn": "serve", "datasets": "data",
+          "math_verify": "math", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def require(package: str, what: str) -> None:

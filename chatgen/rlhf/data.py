@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from chatgen.core.imports import require
 from chatgen.core.jsonl import read_records
 from chatgen.rlhf.checkpoint import CheckpointError
 from chatgen.rlhf.health import check_cut_prompts
@@ -126,6 +127,7 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
     suffix, files = data_files(path, key)
     if suffix == ".jsonl":
         return [record for f in files for record in read_records(f)]
+    require("datasets", f"{key}: a {suffix} data file")
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"  # read at its import
     import datasets
     datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True  # imported before

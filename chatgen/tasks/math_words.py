@@ -18,6 +18,8 @@ import random
 import re
 import threading
 
+from chatgen.core.imports import require
+
 INSTRUCTION = "Solve it step by step, then give the final answer on its own line as: #### <number>"
 FINAL = re.compile(r"####\s*([^\n]+)")
 BOXED = re.compile(r"\\boxed\s*\{")
@@ -112,6 +114,7 @@ def _parse(text: str):
 
 def math_verify_reward(completions: list, answer: list, **_) -> list[float]:
     """1.0 per completion whose final answer math-verify finds equal to its reference's, else 0.0."""
+    require("math_verify", "the math_verify reward")
     from math_verify import verify
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
