@@ -35,11 +35,14 @@ from typing import Iterable
 # The engine core must live in this process: the framework steps it and syncs weights into it in place.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import vllm  # noqa: E402
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.outputs import RequestOutput  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from chatgen.generation.vllm.ray_free import without_ray  # noqa: E402
+
+with without_ray():
+    import vllm
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import RequestOutputKind
 
 from chatgen.core import quiet  # noqa: E402
 
@@ -163,7 +166,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
             rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
             atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
-        with _host_memory_only_gc(current_platform.is_cpu()):
+        with _host_memory_only_gc(current_platform.is_cpu()), without_ray():
             llm = LLM(model, **engine_kwargs)
     except BaseException:
         _remove_rpc_dir(rpc_dir)
