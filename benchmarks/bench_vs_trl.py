@@ -1,6 +1,15 @@
-# .venv/bin/python benchmarks/bench_vs_trl.py --output outputs/bench_vs_trl.json [--task tiny|smollm2] [--runs 5] [--episodes 60]
-#     [--baseline DIR [--no-trl]]   (DIR: another chatgen checkout, e.g. `git worktree add /tmp/base REV`)
+# .venv/bin/python benchmarks/bench_vs_trl.py --output outputs/bench_vs_trl.json [--task tiny|smollm2] [--runs 5]
+#     [--setup shipped|lean] [--episodes 60] [--baseline DIR [--no-trl]]   (DIR: another chatgen checkout)
 """chatgen's GRPO against TRL's GRPOTrainer, end to end, on the tiny sort task or SmolLM2 arithmetic (issue 12).
+
+Two setups (--setup):
+
+  shipped (default)  what a user runs: `chatgen train <the task's YAML>` exactly as shipped, its own episodes,
+                     held-out evaluations and checkpoints (runtime.num_episode / eval_episode_interval /
+                     save_episode_interval); TRL evaluates and saves (save_strategy steps, optimizer state
+                     included) at the same episodes. Only --episodes / --eval-interval, when given, override.
+  lean               the tuned comparison of the earlier rounds: no checkpoints on either side, evaluation every
+                     --eval-interval episodes (tiny 5, smollm2 3), --episodes (tiny 60, smollm2 6).
 
 Both train the same model on the same prompts (the task's train.jsonl / eval.jsonl) with the same rule reward
 (`chatgen.tasks.REWARDS`) and the same settings; runs alternate (chatgen, TRL, TRL, chatgen, ...), each in
@@ -34,7 +43,7 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 | policy updates per generation | num_training_epoch 1; old log-probs: the engine's (`old_logprobs: rollout`, exact sync), no pass | num_iterations 1 (old log-probs computed by a pass: 2 steps per generation) |
 | precision, seed | fp32, 1234 | fp32 (no bf16/fp16), seed 1234 |
 | held-out eval | greedy on eval.jsonl every --eval-interval episodes and before the first | the same, in a TrainerCallback with model.generate |
-| checkpoints | none (save_episode_interval null) | save_strategy no |
+| checkpoints | shipped: runtime.save_episode_interval (tiny 20, the weights and Adam state); lean: none | shipped: save_strategy steps, save_steps = the same episodes; lean: save_strategy no |
 | time to held-out reward | 0.8 | 0.8 |
 
 --task smollm2 (what differs from the tiny mapping; the rest is the same):
@@ -56,8 +65,9 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 Each run writes metrics.jsonl lines in chatgen's format ({"episode", "eval/reward", "time/generate", ...});
 this script stamps each line with the time it appeared, so "startup" (launch -> first eval) and "time to
 held-out reward R" (R per task, named in the JSON key) are measured the same way for both. Per-phase times are
-per-episode medians (eval over the episodes that evaluate): TRL's are taken by wrapping its generate, reward,
-no-grad log-prob and training_step methods. Peak memory is the largest sum of RSS over the run's process tree
+per-episode medians (eval and checkpoint over the episodes that do them): TRL's are taken by wrapping its
+generate, reward, no-grad log-prob, training_step and _save_checkpoint methods; the script prints them side by
+side for every contestant at the end (a table, also in the JSON as "phase_table"). Peak memory is the largest sum of RSS over the run's process tree
 (sampled every 0.1 s). Every figure comes with the machine's `uptime` before and after the run: figures taken
 while other work loaded the machine do not measure either framework.
 
@@ -77,7 +87,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.16.0"
-PHASES = ("generate", "reward", "reference", "old_logprobs", "train", "sync", "eval", "episode")
+PHASES = ("generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval", "episode")
 
 
 # ---------------------------------------------------------------- setup
@@ -273,7 +283,7 @@ def trl_worker(args) -> int:
     train = Dataset.from_list([{"prompt": as_prompt(r["prompt"]), "answer": r["answer"]}
                                for r in read_prompt_records(rt.data_path)])
     held_out = read_prompt_records(rt.eval_data_path)
-    times = dict.fromkeys(("generate", "reward", "old_logprobs", "prepare", "step"), 0.0)
+    times = dict.fromkeys(("generate", "reward", "old_logprobs", "prepare", "step", "checkpoint"), 0.0)
     lengths = []
 
     def reward(completions, answer, completion_ids, **_):
@@ -288,7 +298,9 @@ def trl_worker(args) -> int:
         adam_beta1=trainer_cfg.adam_beta1, adam_beta2=trainer_cfg.adam_beta2, adam_epsilon=trainer_cfg.adam_eps,
         weight_decay=trainer_cfg.weight_decay, max_grad_norm=trainer_cfg.clip_grad, beta=0.0, epsilon=algo.clip_eps,
         loss_type="bnpo", scale_rewards="group", num_iterations=1, max_steps=args.episodes * steps_per_episode,
-        seed=rt.seed, use_cpu=True, bf16=False, fp16=False, save_strategy="no", report_to=[], logging_steps=10**9,
+        seed=rt.seed, use_cpu=True, bf16=False, fp16=False, report_to=[], logging_steps=10**9,
+        **({"save_strategy": "steps", "save_steps": args.save_interval * steps_per_episode} if args.save_interval
+           else {"save_strategy": "no"}),
         use_vllm=False, dataloader_num_workers=0)
 
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=config, train_dataset=train,
@@ -324,6 +336,7 @@ def trl_worker(args) -> int:
                                                        only_without_grad=True)
     trainer._prepare_inputs = timed("prepare", trainer._prepare_inputs)
     trainer.training_step = timed("step", trainer.training_step)
+    trainer._save_checkpoint = timed("checkpoint", trainer._save_checkpoint)
 
     eval_ids = [chatgen_ids(r["prompt"]) for r in held_out]
     width = max(map(len, eval_ids))
@@ -346,19 +359,23 @@ def trl_worker(args) -> int:
 
     class Episodes(TrainerCallback):
         def __init__(self):
-            self.start = time.perf_counter()
+            self.start, self.logged = time.perf_counter(), 0
 
         def on_train_begin(self, *_, **__):
             log.write(json.dumps({"episode": 0, **evaluate()}) + "\n")
             self.start = time.perf_counter()
 
-        def on_step_end(self, _args, state, *_, **__):
-            if state.global_step % steps_per_episode:
+        def episode_end(self, state):
+            """After TRL's step end and its checkpoint, if any (`_maybe_log_save_evaluate`): an episode's line."""
+            if state.global_step % steps_per_episode or state.global_step == self.logged:
                 return
+            self.logged = state.global_step
             episode = state.global_step // steps_per_episode
             record = {"episode": episode, "response/length": sum(lengths) / max(len(lengths), 1),
                       **{f"time/{k}": times[k] for k in ("generate", "reward", "old_logprobs")},
                       "time/train": times["step"] - times["prepare"]}
+            if times["checkpoint"]:
+                record["time/checkpoint"] = times["checkpoint"]
             if episode % args.eval_interval == 0 or episode == args.episodes:
                 t = time.perf_counter()
                 record.update(evaluate())
@@ -369,7 +386,16 @@ def trl_worker(args) -> int:
             times.update(dict.fromkeys(times, 0.0))
             self.start = time.perf_counter()
 
-    trainer.add_callback(Episodes())
+    episodes = Episodes()
+    log_save_evaluate = trainer._maybe_log_save_evaluate
+
+    def maybe_log_save_evaluate(*a, **kw):
+        result = log_save_evaluate(*a, **kw)
+        episodes.episode_end(trainer.state)
+        return result
+
+    trainer._maybe_log_save_evaluate = maybe_log_save_evaluate
+    trainer.add_callback(episodes)
     trainer.train()
     return 0
 
@@ -381,8 +407,13 @@ def main(argv=None) -> int:
     parser.add_argument("--output", help="JSON file to write")
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny")
     parser.add_argument("--runs", type=int, help="runs of each framework, alternating (default: tiny 5, smollm2 2)")
-    parser.add_argument("--episodes", type=int, help="default: tiny 60, smollm2 6")
-    parser.add_argument("--eval-interval", type=int, help="held-out evaluation every N episodes (tiny 5, smollm2 3)")
+    parser.add_argument("--setup", choices=("shipped", "lean"), default="shipped",
+                        help="shipped: the task's YAML as a user runs it (its episodes, evaluations, checkpoints); "
+                             "lean: no checkpoints, --episodes / --eval-interval defaults of the task")
+    parser.add_argument("--episodes", type=int, help="default: shipped the YAML's; lean tiny 60, smollm2 6")
+    parser.add_argument("--eval-interval", type=int,
+                        help="held-out evaluation every N episodes (default: shipped the YAML's; lean tiny 5, smollm2 3)")
+    parser.add_argument("--save-interval", type=int, help=argparse.SUPPRESS)  # the TRL worker's checkpoints
     parser.add_argument("--trl-venv", default=str(Path.home() / ".cache" / "chatgen" / "bench-trl-venv"))
     parser.add_argument("--work-dir", default=str(REPO / "outputs" / "bench_vs_trl"))
     parser.add_argument("--baseline", metavar="DIR",
@@ -392,11 +423,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     task = TASKS[args.task]
-    for key in ("runs", "episodes", "eval_interval"):
-        if getattr(args, key) is None:
-            setattr(args, key, task[key])
     if args.worker:
         return trl_worker(args)
+    overrides = []  # chatgen's command-line overrides: lean always, shipped only what was asked for
+    if args.setup == "lean":
+        overrides.append("runtime.save_episode_interval=null")
+    for key, name in (("episodes", "num_episode"), ("eval_interval", "eval_episode_interval")):
+        if getattr(args, key) is not None or args.setup == "lean":
+            overrides.append(f"runtime.{name}={getattr(args, key) or task[key]}")
+    args.runs = args.runs or task["runs"]
     if not args.output:
         parser.error("--output is required")
 
@@ -406,7 +441,10 @@ def main(argv=None) -> int:
     env = os.environ  # the runs inherit it, with the task's POLICY_LOAD and DATA_DIR (${...} in its YAML)
     env.update(OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
     task["prepare"](env)
-    samples = load_config(REPO / task["config"]).runtime.sample_per_episode
+    runtime = load_config(REPO / task["config"], overrides).runtime  # what both sides run
+    samples = runtime.sample_per_episode
+    args.episodes, args.eval_interval = runtime.num_episode, runtime.eval_episode_interval
+    save_interval = runtime.save_episode_interval
     if args.no_trl and not args.baseline:
         parser.error("--no-trl needs --baseline: there is nothing to compare chatgen with")
     if args.baseline and not (Path(args.baseline) / "chatgen" / "__init__.py").exists():
@@ -416,9 +454,7 @@ def main(argv=None) -> int:
 
     def chatgen_run(repo: Path):  # (command for an output dir, working directory, environment)
         return (lambda out: [sys.executable, "-m", "chatgen.cli", "train", task["config"],
-                             f"runtime.num_episode={args.episodes}", f"runtime.output_dir={out}",
-                             f"runtime.eval_episode_interval={args.eval_interval}",
-                             "runtime.save_episode_interval=null"],
+                             f"runtime.output_dir={out}", *overrides],
                 repo, {**env, "PYTHONPATH": str(repo)})
 
     contestants = {"chatgen": chatgen_run(REPO)}
@@ -426,7 +462,9 @@ def main(argv=None) -> int:
         trl = trl_python(Path(args.trl_venv))
         contestants["trl"] = (lambda out: [str(trl), str(Path(__file__).resolve()), "--worker", "trl", "--task",
                                            args.task, "--out-dir", str(out), f"--episodes={args.episodes}",
-                                           f"--eval-interval={args.eval_interval}"], REPO, env)
+                                           f"--eval-interval={args.eval_interval}",
+                                           *([f"--save-interval={save_interval}"] if save_interval else [])],
+                                  REPO, env)
     if args.baseline:
         contestants["baseline"] = chatgen_run(Path(args.baseline).resolve())
     threshold = task["reward_threshold"]
@@ -462,15 +500,41 @@ def main(argv=None) -> int:
         return ratios
 
     ratios = {f"chatgen_over_{other}": over(other) for other in names[1:]}
+    table = phase_table(medians, reached_key)
     report = {"task": task["name"], "config": task["config"], "eval_reward_threshold": threshold,
+              "setup": args.setup, "overrides": overrides, "save_interval": save_interval,
               "episodes": args.episodes, "eval_interval": args.eval_interval, "runs": args.runs,
               "trl_version": None if args.no_trl else TRL_VERSION, "baseline": args.baseline,
-              "cpu_count": os.cpu_count(), "median": medians, **ratios, "per_run": results}
+              "cpu_count": os.cpu_count(), "median": medians, **ratios, "phase_table": table, "per_run": results}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=1))
     print(json.dumps({"median": {n: {k: m[k] for k in (*keys, "median_phase_s")} for n, m in medians.items()},
                       **ratios}, indent=1))
+    print("\n".join(table))
     return 0
+
+
+def phase_table(medians: dict, reached_key: str) -> list:
+    """Markdown rows: each contestant's medians side by side (seconds; per-phase rows are per episode, eval and
+    checkpoint per episode that does them), with chatgen / each other contestant."""
+    names = list(medians)
+    rows = [("wall time, end to end (s)", "wall_s"), ("startup: launch -> first held-out eval (s)", "startup_s"),
+            (reached_key.replace("_", " "), reached_key), ("peak RSS, process tree (GiB)", "peak_rss_gib"),
+            ("generation tokens/s", "generation_tokens_per_s")]
+    phases = [p for p in PHASES if any(p in m["median_phase_s"] for m in medians.values())]
+
+    def cell(value):
+        return "-" if value is None else f"{value:.3f}" if value < 100 else f"{value:.0f}"
+
+    lines = ["| | " + " | ".join(names) + " | " + " | ".join(f"chatgen / {n}" for n in names[1:]) + " |",
+             "|---" * (2 * len(names)) + "|"]
+    for label, values in ([(label, [m[key] for m in medians.values()]) for label, key in rows]
+                          + [(f"{p} (s per episode)", [m["median_phase_s"].get(p) for m in medians.values()])
+                             for p in phases]):
+        lines.append(f"| {label} | " + " | ".join(map(cell, values)) + " | "
+                     + " | ".join(cell(ratio(values[0], v)) + ("x" if ratio(values[0], v) else "")
+                                  for v in values[1:]) + " |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -31,10 +31,13 @@ from chatgen.core.imports import require  # noqa: E402
 
 require("vllm", "the vllm backend (backend: vllm)")
 
-from vllm import LLM, SamplingParams  # noqa: E402
-from vllm.inputs import TokensPrompt  # noqa: E402
-from vllm.outputs import RequestOutput  # noqa: E402
-from vllm.sampling_params import RequestOutputKind  # noqa: E402
+from chatgen.generation.vllm.ray_free import without_ray  # noqa: E402
+
+with without_ray():  # vLLM's Ray executor is never used: no ray import in a process that has none
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.outputs import RequestOutput
+    from vllm.sampling_params import RequestOutputKind
 
 from chatgen.generation.vllm.adapter.engine import (  # noqa: E402
     ONEDNN_PRIMITIVE_CACHE_CAPACITY,
