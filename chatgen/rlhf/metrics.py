@@ -240,11 +240,13 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
     return "\n".join(lines)
 
 
-def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"), ("kl/reference",)),
+def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"),
+                                             ("policy/accuracy", "eval/preference_accuracy"),
+                                             ("kl/reference",)),
                  title: str | None = None) -> Path | None:
     """One panel per group of `keys` that has data: those metrics against episode (keys never logged
     are skipped, a group with none is no panel: no empty KL panel for a run without a reference
-    model). The title: `title`, default the run's name (the last two parts of png_path's directory)
+    model; the accuracies panel is DPO's). The title: `title`, default the run's name (the last two parts of png_path's directory)
     and the time metrics were last written. Returns png_path, or None when nothing in `keys` was
     logged."""
     records = read_jsonl_metrics(jsonl_path)

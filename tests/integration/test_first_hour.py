@@ -113,6 +113,12 @@ SMALL = {
     "grpo_smollm2_math": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
                           "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
                           "policy.max_new_tokens=8", "runtime.eval_episode_interval=null"],
+    **{f"{name}_tiny": ["runtime.sample_per_episode=16", "policy.n=4", "runtime.train_micro_batch_size=8",
+                        "runtime.train_global_batch_size=16", "runtime.generation_batch_size=16"]
+       for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")},
+    "dapo_smollm2": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
+                     "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
+                     "policy.max_new_tokens=8", "runtime.eval_episode_interval=null"],
     "grpo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
     "ppo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
 }
@@ -137,9 +143,9 @@ def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
     """The variables that point a recipe at small data and a ready model (its preparation steps then skip)."""
     from chatgen import tasks
 
-    if recipe in ("grpo_smollm2", "grpo_smollm2_math"):
+    if recipe in ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2"):
         data = tmp_path / "data"
-        task = "arithmetic" if recipe == "grpo_smollm2" else "math_words"
+        task = "math_words" if recipe == "grpo_smollm2_math" else "arithmetic"
         tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
         return environment(POLICY_LOAD=request.getfixturevalue("smollm2_dir"), DATA_DIR=data)
     data, tiny = sort_digits

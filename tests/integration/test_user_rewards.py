@@ -64,7 +64,8 @@ SMALL = ["runtime.num_episode=2", "runtime.sample_per_episode=16", "policy.n=4",
 
 
 def train(project, tiny, out: str, *extra) -> dict:
-    proc = subprocess.run(["chatgen", "train", "configs/grpo_tiny.yaml", *SMALL, *extra], cwd=project,
+    proc = subprocess.run(["chatgen", "train", "configs/grpo_tiny.yaml", *SMALL, f"runtime.output_dir={out}", *extra],
+                          cwd=project,
                           capture_output=True, text=True, timeout=900,
                           env=environment(POLICY_LOAD=tiny, DATA_DIR="outputs/data", OUTPUT_DIR=out))
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -272,6 +272,7 @@ def test_config_and_train_refuse_the_same_data_line_before_anything_starts(tmp_p
     for command in (["config", "configs/grpo_tiny.yaml"], ["train", "configs/grpo_tiny.yaml"]):
         assert main([*command, *common]) == 2, command
         err = capsys.readouterr().err
-        assert f'runtime.eval_data_path: {bad}:2: each line must be an object with a "prompt" key' in err, err
-        messages.append([line.strip() for line in err.splitlines() if "bad.jsonl:2" in line])
+        assert f"{bad}, record 2 has no column 'prompt' (its columns: question, answer)" in err, err
+        assert "(runtime.eval_data_path)" in err, err
+        messages.append([line.strip() for line in err.splitlines() if "bad.jsonl, record 2" in line])
     assert messages[0] == messages[1] and not (tmp_path / "run").exists()
