@@ -5,7 +5,8 @@
 Every import, function-level ones included, points down the floors; a generation backend is its own files; the
 ground floor, the config system and the algorithm math import no engine, trainer or cluster library; a weight
 transport of chatgen.param_sync is its own file. And no module imports another module's private (`_name`) names.
-No file of chatgen/ runs over 500 lines and the MegatronModule class stays under 350.
+No file of chatgen/ runs over 500 lines, the MegatronModule class stays under 350, and no test module imports
+another test module.
 """
 import ast
 import shutil
@@ -110,3 +111,34 @@ def test_the_megatron_module_class_is_under_350_lines():
     (cls,) = [node for node in ast.parse(path.read_text()).body
               if isinstance(node, ast.ClassDef) and node.name == "MegatronModule"]
     assert cls.end_lineno - cls.lineno + 1 < MAX_MEGATRON_MODULE_LINES
+
+
+def imported_test_modules(root: Path) -> list:
+    """`path:line: import` for every import, anywhere in a test file under `root`, of another test module
+    (`test_*`, as pytest puts each test directory on sys.path) or of `tests.*`: shared helpers live in
+    conftest.py fixtures or tests/helpers.py, so a test module runs (and fails) on its own."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[-1].startswith("test_") or name == "tests" or name.startswith("tests."):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert imported_test_modules(REPO / "tests") == []
+
+
+def test_a_test_module_import_is_caught(tmp_path):
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text("import os\nfrom helpers import x\n\n\ndef f():\n"
+                                                 "    from test_b import y\n")
+    (tmp_path / "unit" / "test_c.py").write_text("import tests.helpers\n")
+    assert imported_test_modules(tmp_path) == ["unit/test_a.py:6: test_b", "unit/test_c.py:1: tests.helpers"]

@@ -5,10 +5,10 @@ actor-group planning, and the `chatgen train` failure path for a bad YAML (no Ra
 """
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, load
 
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
@@ -18,13 +18,6 @@ from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
 from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load(name, *overrides):
-    return load_config(REPO / "configs" / name, list(overrides))
-
 
 def check(cfg):
     check_run(cfg, registry.load(cfg.runtime.algorithm.name))

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rlhf_run import REPO, load
+from helpers import REPO, load
 
 from chatgen import tasks
 from chatgen.config import ConfigError
