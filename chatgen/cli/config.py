@@ -20,7 +20,7 @@ from chatgen.compat.chatlearn import dialect
 from chatgen.config import ConfigError, load_model_config
 from chatgen.config.loader import read_yaml, type_name
 from chatgen.generation import base as generation
-from chatgen.rlhf import algorithms
+from chatgen.rlhf import registry
 from chatgen.rlhf.config import (
     ModelEntry,
     RuntimeConfig,
@@ -44,7 +44,7 @@ def checked_run_config(path, overrides) -> tuple:
     attached to a Ray cluster, that the groups fit its nodes. Raises ConfigError listing every
     problem."""
     cfg = load_config(path, overrides)
-    algorithm = algorithms.load(cfg.runtime.algorithm.name)
+    algorithm = registry.load(cfg.runtime.algorithm.name)
     address = cluster_address(cfg.runtime)
     check_run(cfg, algorithm, cluster_nodes(address) if address else None)
     return cfg, algorithm
@@ -54,8 +54,8 @@ def sections() -> list:
     """(title, where, dataclass) of every config section, the shipped algorithms' and backends' included."""
     return [
         ("runtime", "main YAML, `runtime:`", RuntimeConfig),
-        *[("runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", algorithms.load(name).Config)
-          for name in algorithms.available()],
+        *[("runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", registry.load(name).Config)
+          for name in registry.available()],
         ("models.<name>", "main YAML, one entry per model", ModelEntry),
         *[(name, f"per-model YAML of a `backend: {name}` model; chatgen/generation/{name}/",
            generation.load_backend(name).Config) for name in generation.available()],

@@ -22,6 +22,9 @@ from typing import Any, Callable, Literal
 
 import yaml
 
+from chatgen.config.safe_yaml import (MAX_YAML_CHARS, MAX_YAML_VALUES, YAMLTooLarge,  # noqa: F401
+                                    parse_yaml)  # the bounds, YAMLTooLarge: importable from here too
+
 logger = logging.getLogger(__name__)
 
 CLI = "command line"
@@ -33,91 +36,6 @@ class ConfigError(ValueError):
     def __init__(self, errors: list[str]):
         self.errors = list(errors)
         super().__init__(f"{len(self.errors)} config error(s):\n" + "\n".join(f"  {e}" for e in self.errors))
-
-
-# A config is a few kB. The bounds stop what a hostile or broken file could do to a loader that trusts it: a
-# "billion laughs" file (aliases of aliases: a few hundred bytes that expand to 10^9 values) used to run the
-# process out of memory (MemoryError) once anything walked the data, and a huge file takes PyYAML minutes.
-MAX_YAML_CHARS = 1 << 20
-MAX_YAML_VALUES = 100_000  # scalars, lists and mappings of one document, every alias counted as what it repeats
-
-
-class YAMLTooLarge(yaml.YAMLError):
-    """A YAML text over MAX_YAML_CHARS, or a document over MAX_YAML_VALUES values once its aliases are expanded."""
-
-
-def _expanded_values(node, memo: dict) -> int:
-    """Values in the document under `node` with every alias (a repeat of an anchored node) counted in full; a
-    node that contains itself (`&a [*a]`) is refused."""
-    key = id(node)
-    if key in memo:
-        if memo[key] is None:
-            raise YAMLTooLarge(f"line {node.start_mark.line + 1}: an alias refers to a node that contains it "
-                               "(a recursive anchor); a config cannot hold one, write the values out")
-        return memo[key]
-    memo[key] = None
-    if isinstance(node, yaml.MappingNode):
-        children = [n for pair in node.value for n in pair]
-    else:
-        children = node.value if isinstance(node, yaml.SequenceNode) else []
-    total = 1
-    for child in children:
-        total += _expanded_values(child, memo)
-        if total > MAX_YAML_VALUES:
-            break
-    memo[key] = total
-    return total
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, refuses
-    a key given twice in one mapping (PyYAML would keep the last value without a word; merge keys
-    `<<` are YAML's own overrides and pass), and refuses a document
-    whose aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is built)."""
-
-    def compose_document(self):
-        node = super().compose_document()
-        if node is not None and _expanded_values(node, {}) > MAX_YAML_VALUES:
-            raise YAMLTooLarge(f"the document holds more than {MAX_YAML_VALUES} values once its aliases (*name) are "
-                               "expanded (aliases of aliases multiply: a 'billion laughs' file); a config needs "
-                               "far fewer: write the values out, or use includes")
-        return node
-
-    def construct_mapping(self, node, deep=False):
-        seen = {}
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: SafeLoader merges it
-                continue  # (keys written beside it override the merged ones, as YAML means)
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, (str, int, float, bool)):
-                continue  # an unhashable key: SafeLoader's own error follows
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
-                                f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
-            seen[key] = key_node.start_mark.line
-        return super().construct_mapping(node, deep)
-
-
-_Loader.yaml_implicit_resolvers = {
-    first: [(tag, regex) for tag, regex in resolvers if tag != "tag:yaml.org,2002:timestamp"]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
-)
-
-
-def _yaml(text):
-    """The YAML value of a string or a text file, within the bounds above (YAMLTooLarge otherwise)."""
-    if not isinstance(text, str):
-        text = text.read(MAX_YAML_CHARS + 1)
-    if len(text) > MAX_YAML_CHARS:
-        raise YAMLTooLarge(f"over {MAX_YAML_CHARS} characters; a config file is a few kB: is it the right file?")
-    try:
-        return yaml.load(text, Loader=_Loader)
-    except RecursionError:  # PyYAML composes nested lists and mappings recursively
-        raise YAMLTooLarge("nested deeper than the loader follows; a config nests a few levels") from None
 
 
 def show(path) -> str:
@@ -175,7 +93,7 @@ def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stac
         return empty
     try:
         with open(path, encoding="utf-8") as f:
-            data = _yaml(f)
+            data = parse_yaml(f)
     except OSError as e:
         errors.append(f"{ref or shown}: cannot read {shown} ({e.strerror}); fix the path "
                       "(relative paths resolve against the directory of the file that names them)")
@@ -274,7 +192,7 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
         if text.strip() == "None":
             return None
         try:
-            return _yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+            return parse_yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
         except yaml.YAMLError:
             return text
 
@@ -323,7 +241,7 @@ def _override_value(raw: str):
     syntax error stay the string as typed. Write `{a: 1}` for a mapping and `null` for null."""
     text = raw.strip()
     try:
-        value = _yaml(raw)
+        value = parse_yaml(raw)
     except yaml.YAMLError:
         return raw
     if isinstance(value, dict) and not text.startswith("{"):
@@ -425,7 +343,7 @@ def _type_error(value, tp) -> str:
     fix = f"set it to {type_name(tp)}"
     if isinstance(value, str):
         try:
-            if _convert(_yaml(value), tp)[0]:
+            if _convert(parse_yaml(value), tp)[0]:
                 fix = "remove the quotes"
         except yaml.YAMLError:
             pass

@@ -30,15 +30,15 @@ from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
 from chatgen.core.tensors import select
 from chatgen.module import startup_gc
-from chatgen.rlhf import algorithms
 from chatgen.rlhf import checkpoint as ckpt
+from chatgen.rlhf import registry
 from chatgen.rlhf.config import (backend_kind, check_run, format_config, model_class, save_resolved,
                                  to_dict)
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, checked_rewards
 from chatgen.rlhf.metrics import (MetricsLogger, PhaseTimer, eval_metrics, read_jsonl_metrics,
                                   summary)
-from chatgen.rlhf.runtime import Runtime, call_model
+from chatgen.rlhf.runtime import Runtime
 from chatgen.rlhf.trackers import start_trackers
 from chatgen.rlhf.weight_links import WeightLinks
 
@@ -59,7 +59,7 @@ class Run:
 
     def __init__(self, cfg, resume=False, phases: list = (), log=print, records_per_episode: int = None,
                  evaluate=None):
-        algorithm = algorithms.load(cfg.runtime.algorithm.name)
+        algorithm = registry.load(cfg.runtime.algorithm.name)
         check_run(cfg, algorithm)
         self.cfg, self.log, self.plot, self.started = cfg, log, None, time.perf_counter()
         rt = cfg.runtime
@@ -233,29 +233,13 @@ class Run:
             out = out["rewards"]
         return checked_rewards(out, batch.texts, who)
 
-    # ---- Megatron models (data parallel over their DP ranks) ------------------------------------------
-
-    def _split_call(self, name: str, method: str, data: dict, *args) -> list:
-        """`method(shard, *args)` on every rank, the batch's rows split over the model's DP ranks; returns
-        one result per DP rank, in DP order."""
-        handle = self.runtime[name]
-        dp = max(handle.dp_ranks) + 1
-        n = data["input_ids"].shape[0]
-        if n % dp:
-            raise ValueError(f"{name}: a batch of {n} samples does not split over {dp} data-parallel ranks")
-        shards = [select(data, torch.arange(d * n // dp, (d + 1) * n // dp)) for d in range(dp)]
-        results = handle.get(handle.group.run_each(call_model, [(name, method, shards[d], *args)
-                                                                 for d in handle.dp_ranks]), method)
-        first = {}
-        for d, result in zip(handle.dp_ranks, results):
-            first.setdefault(d, result)
-        return [first[d] for d in range(dp)]
+    # ---- Megatron models (split over their DP ranks: ModelHandle.split_call) -------------------------
 
     def forward_tokens(self, name: str, data: dict) -> torch.Tensor:
         """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a reference, values
         for a critic. data: input_ids (S, L), attention_mask (S, L)."""
         data = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
-        return torch.cat(self._split_call(name, "forward_tokens", data))
+        return torch.cat(self.runtime[name].split_call("forward_tokens", data))
 
     def train(self, name: str, data: dict, loss_fn, group_size: int = 1, per_step: bool = False):
         """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),
@@ -273,7 +257,7 @@ class Run:
             order = (torch.randperm(n // group_size)[:, None] * group_size + torch.arange(group_size)).reshape(-1)
             for start in range(0, n, rt.train_global_batch_size):
                 shard = select(data, order[start:start + rt.train_global_batch_size])
-                steps.append(self._split_call(name, "train_step", shard, loss_fn)[0])
+                steps.append(self.runtime[name].split_call("train_step", shard, loss_fn)[0])
                 self.health.check(name, steps[-1])
         return steps if per_step else reduce_metrics(steps)
 

@@ -48,6 +48,7 @@ from chatgen.training.memory import MemoryHandoff
 from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
+from chatgen.training.token_scoring import TokenScoring
 
 __all__ = ["MegatronModule", "RoutingReplay", "init_distributed"]  # RoutingReplay: re-exported from moe_routing
 
@@ -100,7 +101,7 @@ def _groups_alive(ps) -> bool:
 
 
 class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild,
-                     Module):
+                     TokenScoring, Module):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
     Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
@@ -416,40 +417,6 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
             dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
             metrics = reduce_metrics(parts)
         return metrics
-
-    def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
-        `forward_tokens` and `train_step` (with gradient).
-
-        logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T).
-        Returns (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
-        log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is HF's).
-        Override for a head that is not a token distribution, e.g. a PPO critic (chatgen/training/critic.py).
-        """
-        from megatron.core import tensor_parallel
-
-        logits = logits[:, :-1].float()
-        if self.logits_temperature != 1.0:  # what a policy sampling at that temperature draws from
-            logits = logits / self.logits_temperature
-        shard = logits.shape[-1]
-        first = self.tp_rank * shard
-        if first + shard > self.spec.vocab_size:
-            col = torch.arange(first, first + shard, device=logits.device)
-            logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
-        labels = input_ids[:, 1:].contiguous()
-        return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
-
-    logits_temperature = 1.0  # token_outputs' divisor; set_logits_temperature changes it
-
-    def set_logits_temperature(self, temperature: float) -> None:
-        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy
-        sampling at that temperature draws from (an RLHF run sets it on the policy's trainer and
-        the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
-        ignores it."""
-        if temperature <= 0:
-            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
-                             "must be > 0")
-        self.logits_temperature = float(temperature)
 
 
 def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:

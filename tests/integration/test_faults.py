@@ -5,54 +5,16 @@
 Each test reproduces one finding of issue 13 and asserts the fixed behaviour; docs/failure_and_security.md
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
-import contextlib
-import ipaddress
 import os
-import threading
 from pathlib import Path
 
 import psutil
 import pytest
+from helpers import is_loopback, listeners
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def listeners(root: psutil.Process) -> list:
-    """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
-    out = []
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            out += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN]
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-@contextlib.contextmanager
-def listening_sockets(interval: float = 0.5):
-    """Yields a set that collects, while the block runs, every listening socket of this process tree
-    (`listeners`), sampled every `interval` seconds."""
-    seen, done = set(), threading.Event()
-
-    def sample():
-        while not done.wait(interval):
-            seen.update(listeners(psutil.Process()))
-
-    sampler = threading.Thread(target=sample)
-    sampler.start()
-    try:
-        yield seen
-    finally:
-        done.set()
-        sampler.join()
-
-
-def is_loopback(ip: str) -> bool:
-    address = ipaddress.ip_address(ip)
-    return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
 
 
 # A driver as `chatgen train` is one with `runtime.launcher: ray`: chatgen.cli's SIGTERM handler, a Ray started

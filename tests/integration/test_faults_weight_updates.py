@@ -20,7 +20,7 @@ import torch
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
-from test_vllm_generation import TOL, ListedWeights, max_diff_vs_hf, perturbed  # noqa: E402
+from helpers import TOL, ListedWeights, max_diff_vs_hf, perturbed  # noqa: E402
 
 KEY = "key-read-from-a-file-" + "x" * 20
 STEP_TIMEOUT = 3  # --control-timeout

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import batch, build, nll_loss, optimizer_state
 
 pytestmark = pytest.mark.integration
 
@@ -23,40 +24,9 @@ def hf_logprobs(model_dir, input_ids, attention_mask=None):
     return torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
 
 
-def batch(vocab=500, b=2, t=12, seed=0):
-    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def nll_loss(logprobs, micro_batch):
-    loss = -logprobs.mean()
-    return loss, {"nll": loss.detach()}
-
-
 def main_grads(trainer) -> list:
     """The gradients of the last train_step (megatron's DDP keeps them in `main_grad`, its contiguous buffers)."""
     return [p.main_grad.clone() for p in trainer.model.parameters()]
-
-
-def optimizer_state(trainer) -> list:
-    """This rank's fp32 main weights and Adam moments, in the optimizer's order."""
-    out = []
-    for chained in trainer.optimizer.chained_optimizers:
-        inner = chained.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                out += [p.detach().clone()] + [inner.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")
-                                               if k in inner.state[p]]
-    return out
-
-
-def build(model_dir, **kw):
-    from megatron.core import parallel_state as ps
-
-    from chatgen.training.megatron_module import MegatronModule
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
-    return MegatronModule(dict(load=str(model_dir), **kw)).start()
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load as from_bytes
 from safetensors.torch import save as to_bytes
-from test_megatron_module import batch, build, nll_loss, optimizer_state
+from helpers import batch, build, nll_loss, optimizer_state
 
 pytestmark = pytest.mark.integration
 

@@ -57,7 +57,7 @@ class RecordingEnv(CalculatorEnv):
 
 
 @pytest.fixture
-def chat_model_dir(tiny_llama_dir, tmp_path):
+def multiturn_model_dir(tiny_llama_dir, tmp_path):
     out = tmp_path / "tiny-llama-chat"
     out.mkdir()
     for f in tiny_llama_dir.iterdir():
@@ -66,7 +66,7 @@ def chat_model_dir(tiny_llama_dir, tmp_path):
     return out
 
 
-def test_multiturn_grpo_trains_on_the_servers_tokens(chat_model_dir, tmp_path, monkeypatch):
+def test_multiturn_grpo_trains_on_the_servers_tokens(multiturn_model_dir, tmp_path, monkeypatch):
     from chatgen import tasks
     from chatgen.rlhf.algorithms import grpo_multiturn
     from chatgen.rlhf.config import load_config
@@ -81,7 +81,7 @@ def test_multiturn_grpo_trains_on_the_servers_tokens(chat_model_dir, tmp_path, m
         "runtime.train_global_batch_size": 8, "runtime.eval_episode_interval": "null",
         "runtime.save_episode_interval": 1, "runtime.data_path": tmp_path / "data/train.jsonl",
         "runtime.eval_data_path": tmp_path / "data/eval.jsonl", "runtime.output_dir": out,
-        "policy.load": chat_model_dir, "policy_trainer.load": chat_model_dir,
+        "policy.load": multiturn_model_dir, "policy_trainer.load": multiturn_model_dir,
     }
     cfg = load_config(REPO / "configs/grpo_multiturn_tiny.yaml", [f"{k}={v}" for k, v in overrides.items()])
     trained, original_train = [], Run.train

@@ -14,12 +14,12 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import TASK_N_EVAL
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SYNC_TOL = 1e-4  # fp32: vLLM vs Megatron log-probs of the same weights differ by ~1e-6
-N_EVAL = 8
 
 from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 
@@ -40,29 +40,10 @@ class DyingPolicy(VLLMModule):
 
 
 @pytest.fixture(scope="module")
-def ray_session():
-    from chatgen.rlhf.runtime import Runtime, init_ray
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    local_ray = init_ray(None, 4)
-    yield
-    Runtime([], {}, local_ray).shutdown()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from chatgen import tasks
-
-    out = tmp_path_factory.mktemp("sort_digits")
-    tasks.write_task_data(str(out), n_train=64, n_eval=N_EVAL)
-    return out
-
-
-@pytest.fixture(scope="module")
 def warm_model(tiny_llama_dir, data_dir, tmp_path_factory):
     """The tiny Llama after a few SFT steps: it writes digits, so rewards vary within a group and GRPO's steps
     are not zero."""
-    from test_vllm_generation import quick_warm_start
+    from helpers import quick_warm_start
 
     from chatgen.core.jsonl import read_prompt_records
 
@@ -100,7 +81,7 @@ def test_colocated_replicas_tile_a_tp2_trainer(ray_session, warm_model, data_dir
         # every sample of both replicas (recomputed old log-probs: all of them) scored by the TP 2 trainer
         assert m["mismatch/logprob_max_abs"] < SYNC_TOL and m["policy/grad_norm"] > 0
         # 32 samples (8 prompts x n=4) plus 8 greedy held-out ones, over both replicas
-        assert m["replica/0/samples"] + m["replica/1/samples"] == 32 + N_EVAL
+        assert m["replica/0/samples"] + m["replica/1/samples"] == 32 + TASK_N_EVAL
         assert m["replica/0/samples"] > 0 and m["replica/1/samples"] > 0
         assert m["replica/0/tokens_per_s"] > 0 and m["replica/1/tokens_per_s"] > 0
 
@@ -137,7 +118,7 @@ def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):
     """update_weights_via_ipc's engine end: the trainer's signed file in /dev/shm, mapped and loaded by a real
     engine (started on random weights: only the load can make it the model); a wrong token is refused first."""
     from safetensors.torch import load_file
-    from test_sync import engine, generate, max_diff_vs_hf
+    from helpers import engine, generate, generated_diff_vs_hf
 
     from chatgen.param_sync import SyncError
     from chatgen.param_sync import IpcSender, load_ipc
@@ -149,10 +130,10 @@ def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):
         handles = sender.write(list(state.items()))
         with pytest.raises(SyncError, match="not signed with this run's token"):
             load_ipc(llm, handles, "another")
-        assert max_diff_vs_hf(tiny_llama_dir, generate(llm)) > 1e-2
+        assert generated_diff_vs_hf(tiny_llama_dir, generate(llm)) > 1e-2
         report = load_ipc(llm, handles, "secret")
         assert report.tensors == len(state) and llm.weight_version == 1
-        assert max_diff_vs_hf(tiny_llama_dir, generate(llm)) < SYNC_TOL
+        assert generated_diff_vs_hf(tiny_llama_dir, generate(llm)) < SYNC_TOL
         sender.close()
         assert not Path(handles["path"]).exists()
     finally:

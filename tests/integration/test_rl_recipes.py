@@ -20,15 +20,6 @@ REPO = Path(__file__).resolve().parents[2]
 SYNC_TOL = 1e-4  # fp32: vLLM vs Megatron log-probs of the same weights differ by ~1e-6
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from chatgen import tasks
-
-    out = tmp_path_factory.mktemp("sort_digits")
-    tasks.write_task_data(str(out), n_train=64, n_eval=8)
-    return out
-
-
 def run_grpo(config, model_dir, data_dir, out_dir, **extra):
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.config import load_config

@@ -12,12 +12,11 @@ metrics/TensorBoard/plot written, the resumed run continues the data position an
 """
 import json
 import math
-import os
 from pathlib import Path
 
 import pytest
 import torch
-from test_faults import is_loopback, listening_sockets
+from helpers import is_loopback, listening_sockets
 
 pytestmark = pytest.mark.integration
 
@@ -43,25 +42,6 @@ class FailingReward(Module):
         if self.calls == self.fail_on_call:
             raise RuntimeError(f"injected reward failure on call {self.calls}")
         return self.inner.score(data)
-
-
-@pytest.fixture(scope="module")
-def ray_session():
-    from chatgen.rlhf.runtime import Runtime, init_ray
-
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
-    local_ray = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
-    yield
-    Runtime([], {}, local_ray).shutdown()
-
-
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory):
-    from chatgen import tasks
-
-    out = tmp_path_factory.mktemp("sort_digits")
-    tasks.write_task_data(str(out), n_train=64, n_eval=8)
-    return out
 
 
 def overrides(model_dir, data_dir, out_dir, **extra):

@@ -9,55 +9,19 @@ import os
 
 import pytest
 import torch
+from helpers import (SYNC_NEW_TOKENS, SYNC_PROMPTS, engine, generate, generated_diff_vs_hf,
+                     worst_abs_diff)
 
 pytestmark = pytest.mark.integration
 
 from chatgen.param_sync import sync_weights  # noqa: E402
 
 TOL = 1e-4
-PROMPTS = [[5, 17, 99, 200], [1, 2, 3, 4, 5, 6, 7]]
-NEW_TOKENS = 6
 
 
-def engine(model_dir, tensor_parallel_size=1):
-    """A VLLMModule on random weights (load_format dummy): only a sync can make it agree with the trainer."""
-    from chatgen.generation.vllm.module import VLLMModule
-
-    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
-                           kv_cache_memory_bytes=32 << 20, temperature=0.0, new_token_limit=True,
-                           max_new_tokens=NEW_TOKENS, logprobs_mode="raw",
-                           tensor_parallel_size=tensor_parallel_size)).start()
-
-
-def generate(llm, prompts=PROMPTS):
-    """[(output ids, vLLM log-probs of them)] for greedy decoding."""
-    from chatgen.generation.batching import sample_logprobs
-
-    outs = llm.finished([{"input_ids": p} for p in prompts], greedy=True)
-    return [(list(o.outputs[0].token_ids), sample_logprobs(o.outputs[0])) for o in outs]
-
-
-def _worst(diffs) -> float:
-    """Largest |diff| over all samples; NaN stays NaN (Python's max(0.0, nan) would say 0.0) and fails `< TOL`."""
-    return torch.cat([d.abs().flatten() for d in diffs]).max().item()
-
-
-def max_diff_vs_trainer(trainer, generated, prompts=PROMPTS) -> float:
-    return _worst(trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1:] - torch.tensor(vllm_lp)
+def max_diff_vs_trainer(trainer, generated, prompts=SYNC_PROMPTS) -> float:
+    return worst_abs_diff(trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1:] - torch.tensor(vllm_lp)
                   for prompt, (ids, vllm_lp) in zip(prompts, generated))
-
-
-def max_diff_vs_hf(model_dir, generated, prompts=PROMPTS) -> float:
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    diffs = []
-    for prompt, (ids, vllm_lp) in zip(prompts, generated):
-        full = torch.tensor([prompt + ids])
-        with torch.no_grad():
-            lp = torch.log_softmax(hf(full).logits[0, len(prompt) - 1:-1].float(), -1)
-        diffs.append(lp.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(vllm_lp))
-    return _worst(diffs)
 
 
 def trainer(model_dir, **kw):
@@ -97,7 +61,7 @@ def test_colocated_tp1_sync_matches_trainer(models, engines, name, tensors):
     def loss_fn(lp, mb):
         return -lp.mean(), {}
 
-    tr.train_step({"input_ids": torch.tensor([PROMPTS[1] * 2])}, loss_fn)
+    tr.train_step({"input_ids": torch.tensor([SYNC_PROMPTS[1] * 2])}, loss_fn)
     stale = generate(llm)
     assert max_diff_vs_trainer(tr, stale) > 1e-3
     sync_weights(tr, llm, bucket_bytes=300_000)  # several buckets
@@ -182,10 +146,10 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
     try:
         for layout in layouts:
-            assert max_diff_vs_hf(model_dir, generate(llm)) > 1e-2  # engine holds random weights
+            assert generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2  # engine holds random weights
             report = rx.receive_into(llm, alive=job.poll)
             assert report.validated and report.buckets > 1
-            assert max_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
+            assert generated_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
             # scramble the engine again so the next layout's sync has to do the work
             g = torch.Generator().manual_seed(1)
             llm.update_weights([(n, 0.05 * torch.randn(s, generator=g)) for n, s in llm.weight_manifest().items()])
@@ -212,7 +176,7 @@ def _colocated_tp2(model_dir, prompts):
 def test_colocated_tp2_to_vllm_tp2(models):
     from chatgen.training.launcher import run_distributed
 
-    results = run_distributed(_colocated_tp2, 2, args=(models["llama"], PROMPTS),
+    results = run_distributed(_colocated_tp2, 2, args=(models["llama"], SYNC_PROMPTS),
                               env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
     for before, after, tensors in results:
         assert before > 1e-2 and after < TOL and tensors == 21
@@ -224,13 +188,13 @@ def test_check_sync_cli_qwen2_tp2_to_tp1(models, tmp_path):
     from chatgen.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in PROMPTS))
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in SYNC_PROMPTS))
     out = tmp_path / "check.json"
     rc = main(["check-sync", "--hf-checkpoint", str(models["qwen2"]), "--train-tp", "2", "--infer-tp", "1",
-               "--input", str(prompts), "--output", str(out), "--max-new-tokens", str(NEW_TOKENS)])
+               "--input", str(prompts), "--output", str(out), "--max-new-tokens", str(SYNC_NEW_TOKENS)])
     result = json.loads(out.read_text())
     assert rc == 0 and result["max_abs_logprob_diff"] < TOL and result["mode"] == "cross-process"
-    assert [s["prompt_ids"] for s in result["samples"]] == PROMPTS
+    assert [s["prompt_ids"] for s in result["samples"]] == SYNC_PROMPTS
     for s in result["samples"]:
-        assert len(s["output_ids"]) == len(s["engine_logprobs"]) == len(s["trainer_logprobs"]) == NEW_TOKENS
+        assert len(s["output_ids"]) == len(s["engine_logprobs"]) == len(s["trainer_logprobs"]) == SYNC_NEW_TOKENS
     assert result["sync_seconds"] > 0

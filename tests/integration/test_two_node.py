@@ -30,7 +30,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from test_faults import is_loopback, listening_sockets
+from helpers import is_loopback, listening_sockets
 from timeouts import scaled
 
 pytestmark = pytest.mark.integration
@@ -206,7 +206,7 @@ lr: 1.0e-3
 
 
 def test_grpo_across_two_nodes_with_relative_paths(cluster, tiny_llama_dir, tmp_path):
-    from test_vllm_generation import quick_warm_start
+    from helpers import quick_warm_start
 
     from chatgen import tasks
     from chatgen.core.jsonl import read_prompt_records

@@ -6,10 +6,10 @@ prefix cache reset after a sync, and refused syncs that leave the engine's weigh
 """
 import pytest
 import torch
+from helpers import TOL, max_diff_vs_hf, perturbed, quick_warm_start
 
 pytestmark = pytest.mark.integration
 
-TOL = 1e-4
 BLOCK = 32  # KV block size: prompts longer than a block hit vLLM's prefix cache on a repeat
 PROMPTS = [list(range(10, 10 + 2 * BLOCK + 5)), [5, 17, 99, 200, 301, 7]]
 
@@ -29,43 +29,6 @@ def hf_model(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-
-
-class ListedWeights:
-    """A weight source (chatgen.param_sync.weight_source's protocol) over fp32 buckets the test lists,
-    [[(HF name, tensor)]], whose header claims every tensor finite; subclasses bend one part of it."""
-
-    def __init__(self, buckets: list):
-        self.listed, self.dtype = buckets, torch.float32
-        self.plan = [[(n, tuple(t.shape)) for n, t in bucket] for bucket in buckets]
-
-    def hf_weights(self, bucket_bytes):
-        return self
-
-    def nonfinite(self):
-        return []
-
-    def buckets(self):
-        yield from self.listed
-
-
-def perturbed(model, seed):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * 0.02)
-    return model
-
-
-def max_diff_vs_hf(model, prompt_ids, completion_ids, logprobs) -> float:
-    worst = 0.0
-    for prompt, completion, lps in zip(prompt_ids, completion_ids, logprobs):
-        full = torch.tensor([prompt + completion])
-        with torch.no_grad():
-            hf = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1], -1)
-        diff = (hf.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(lps)).abs().max().item()
-        worst = max(worst, diff) if diff == diff else float("nan")  # NaN must fail `< TOL`
-    return worst
 
 
 def test_generate_is_prompt_major_with_a_logprob_per_token(gen):
@@ -151,30 +114,6 @@ def test_refused_sync_keeps_the_old_weights(gen, hf_model, fault):
     with pytest.raises(SyncError, match=expected):
         gen.sync_weights(list(state.items()))
     assert gen.generate(PROMPTS, greedy=True) == before
-
-
-def quick_warm_start(model_dir, sft_records, out, steps=20):
-    """A few plain-torch SFT steps so that the tiny model writes digits: its rewards then vary within a group
-    and GRPO's updates are not zero (a random model scores 0 everywhere)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from examples.sft_warm_start import sft_batch
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for step in range(steps):
-        b = sft_batch(tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)])
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
-        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    return out
 
 
 def test_grpo_with_hf_trainer_example_runs(tiny_llama_dir, tmp_path):

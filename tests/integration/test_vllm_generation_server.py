@@ -20,7 +20,7 @@ import torch
 
 pytestmark = pytest.mark.integration
 
-from test_vllm_generation import TOL, ListedWeights, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
+from helpers import TOL, ListedWeights, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
 
 KEY = "test-key"
 CONTROL = ["/control/pause", "/control/resume", "/control/weights/begin", "/control/weights/finish",
@@ -250,7 +250,7 @@ ANOTHER_SHM_TRAINER = """
 import sys, torch
 from transformers import AutoModelForCausalLM
 from chatgen import VLLMGeneration
-from test_vllm_generation import perturbed
+from helpers import perturbed
 url, key, model_dir = sys.argv[1:]
 gen = VLLMGeneration(model_dir, "server", server_base_url=url, api_key=key)
 report = gen.sync_weights(perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), 11))

@@ -5,6 +5,8 @@
 Every import, function-level ones included, points down the floors; a generation backend is its own files; the
 ground floor, the config system and the algorithm math import no engine, trainer or cluster library; a weight
 transport of chatgen.param_sync is its own file. And no module imports another module's private (`_name`) names.
+No file of chatgen/ runs over 500 lines, the MegatronModule class stays under 350, and no test module imports
+another test module.
 """
 import ast
 import shutil
@@ -77,3 +79,66 @@ def test_a_private_import_is_caught(tmp_path):
     (package / "a.py").write_text("def f():\n    from chatgen.core.tensors import _hidden\n")
     (package / "b.py").write_text("from .a import f as _f, __doc__\nfrom os import _exit\n")
     assert private_imports(package) == ["chatgen/a.py:2: from chatgen.core.tensors import _hidden"]
+
+
+MAX_FILE_LINES = 500  # a file past this holds more than one topic: split it by topic (docs/architecture.md)
+MAX_MEGATRON_MODULE_LINES = 350  # the class keeps the lifecycle and the train/forward steps; jobs are mixins
+
+
+def long_files(root: Path, limit: int = MAX_FILE_LINES) -> list:
+    """`path: N lines` for every Python file under `root` longer than `limit` lines."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        lines = len(path.read_text().splitlines())
+        if lines > limit:
+            found.append(f"{path.relative_to(root.parent)}: {lines} lines")
+    return found
+
+
+def test_no_file_of_chatgen_is_over_500_lines():
+    assert long_files(REPO / "chatgen") == []
+
+
+def test_a_long_file_is_caught(tmp_path):
+    (tmp_path / "chatgen").mkdir()
+    (tmp_path / "chatgen" / "short.py").write_text("x = 1\n" * MAX_FILE_LINES)
+    (tmp_path / "chatgen" / "long.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    assert long_files(tmp_path / "chatgen") == [f"chatgen/long.py: {MAX_FILE_LINES + 1} lines"]
+
+
+def test_the_megatron_module_class_is_under_350_lines():
+    path = REPO / "chatgen" / "training" / "megatron_module.py"
+    (cls,) = [node for node in ast.parse(path.read_text()).body
+              if isinstance(node, ast.ClassDef) and node.name == "MegatronModule"]
+    assert cls.end_lineno - cls.lineno + 1 < MAX_MEGATRON_MODULE_LINES
+
+
+def imported_test_modules(root: Path) -> list:
+    """`path:line: import` for every import, anywhere in a test file under `root`, of another test module
+    (`test_*`, as pytest puts each test directory on sys.path) or of `tests.*`: shared helpers live in
+    conftest.py fixtures or tests/helpers.py, so a test module runs (and fails) on its own."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[-1].startswith("test_") or name == "tests" or name.startswith("tests."):
+                    found.append(f"{path.relative_to(root)}:{node.lineno}: {name}")
+    return found
+
+
+def test_no_test_module_imports_another():
+    assert imported_test_modules(REPO / "tests") == []
+
+
+def test_a_test_module_import_is_caught(tmp_path):
+    (tmp_path / "unit").mkdir()
+    (tmp_path / "unit" / "test_a.py").write_text("import os\nfrom helpers import x\n\n\ndef f():\n"
+                                                 "    from test_b import y\n")
+    (tmp_path / "unit" / "test_c.py").write_text("import tests.helpers\n")
+    assert imported_test_modules(tmp_path) == ["unit/test_a.py:6: test_b", "unit/test_c.py:1: tests.helpers"]

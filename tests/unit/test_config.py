@@ -672,9 +672,9 @@ def test_yaml_merge_keys_are_accepted_and_keys_beside_them_override(tmp_path):
     text = ("defaults: &defaults {load: /m, temperature: 0.5, top_p: 0.9}\n"
             "policy:\n  <<: *defaults\n  temperature: 0.7\n")
     path = write(tmp_path / "p.yaml", text)
-    from chatgen.config.loader import _Loader
+    from chatgen.config.safe_yaml import ConfigLoader
 
-    loaded = yaml.load(path.read_text(), Loader=_Loader)
+    loaded = yaml.load(path.read_text(), Loader=ConfigLoader)
     assert loaded == yaml.safe_load(text)
     assert loaded["policy"] == {"load": "/m", "temperature": 0.7, "top_p": 0.9}
     model = write(tmp_path / "m.yaml",

@@ -5,29 +5,10 @@ pure tensors.
 """
 import pytest
 import torch
+from helpers import MOE_CONFIG, make_spec, random_hf_state
 
 from chatgen import models
 from chatgen.models import layout, llama, qwen2, qwen3, qwen3_moe
-
-MOE_CONFIG = {  # the mixture-of-experts keys of each MoE family's config.json, as transformers 5 writes them
-    "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
-    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts intermediate_size wide
-}
-
-
-def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):
-    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=hidden or heads * head_dim, intermediate_size=48,
-               num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
-               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied,
-               **MOE_CONFIG.get(family, {}))
-    return models.spec_from_hf_config(cfg)
-
-
-def random_hf_state(spec, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    shapes = models.hf_param_shapes(spec)
-    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
-
 
 LAYOUTS = [  # (family, heads, groups, tied, tp, pp)
     ("llama", 4, 2, False, 1, 1),

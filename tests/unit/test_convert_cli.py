@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_convert import make_spec, random_hf_state
+from helpers import make_spec, random_hf_state
 
 from chatgen import models
 from chatgen.cli import main

@@ -5,7 +5,7 @@ the JSON channel protocol over a real 2-process gloo group, the shared-memory fi
 """
 import pytest
 import torch
-from test_convert import make_spec
+from helpers import make_spec
 
 from chatgen import models
 from chatgen.core.distributed import free_port

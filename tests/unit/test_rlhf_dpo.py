@@ -11,7 +11,7 @@ import pytest
 from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.jsonl import read_prompt_records
-from chatgen.rlhf import algorithms
+from chatgen.rlhf import registry
 from chatgen.rlhf.algorithms.dpo import pair_batch
 from chatgen.rlhf.config import check_run, load_config
 
@@ -32,14 +32,14 @@ def load(name, data, *overrides):
 
 def errors_of(cfg) -> str:
     with pytest.raises(ConfigError) as e:
-        check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
+        check_run(cfg, registry.load(cfg.runtime.algorithm.name))
     return str(e.value)
 
 
 @pytest.mark.parametrize("name", ["dpo_tiny.yaml", "online_dpo_tiny.yaml"])
 def test_shipped_configs_pass(name, data):
     cfg = load(name, data)
-    check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
+    check_run(cfg, registry.load(cfg.runtime.algorithm.name))
 
 
 def test_pairs_tokenize_into_aligned_rows(tiny_llama_dir):
@@ -80,7 +80,7 @@ def test_online_dpo_batches_count_trainer_rows(data):
     # n=3: 48 samples -> 16 prompts -> 32 rows, one global batch of 32 (which 48 samples would not be whole of)
     check_run(load("online_dpo_tiny.yaml", data, "policy.n=3", "runtime.sample_per_episode=48",
                       "runtime.train_global_batch_size=32", "runtime.train_micro_batch_size=32"),
-                 algorithms.load("online_dpo"))
+                 registry.load("online_dpo"))
 
 
 def test_dpo_data_must_be_preference_records(data):
@@ -91,7 +91,7 @@ def test_dpo_data_must_be_preference_records(data):
     msg = errors_of(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "reference.load=null"))
     assert "runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load`" in msg
     check_run(load("dpo_tiny.yaml", data, "policy_trainer.load=null", "runtime.algorithm.tokenizer=somewhere"),
-                 algorithms.load("dpo"))
+                 registry.load("dpo"))
     assert "beta: must be > 0" in str(pytest.raises(ConfigError, load, "dpo_tiny.yaml", data,
                                                     "runtime.algorithm.beta=0").value)
 

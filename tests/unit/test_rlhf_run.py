@@ -5,29 +5,22 @@ actor-group planning, and the `chatgen train` failure path for a bad YAML (no Ra
 """
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from helpers import REPO, load
 
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.core.tensors import select
-from chatgen.rlhf import algorithms
+from chatgen.rlhf import registry
 from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
 from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-def load(name, *overrides):
-    return load_config(REPO / "configs" / name, list(overrides))
-
-
 def check(cfg):
-    check_run(cfg, algorithms.load(cfg.runtime.algorithm.name))
+    check_run(cfg, registry.load(cfg.runtime.algorithm.name))
 
 
 def errors_of(cfg) -> str:
@@ -122,7 +115,7 @@ models:
     main.write_text(main.read_text().replace("name: my_algo.x", "name: pkg.my_algo"))
     cfg = load_config(main, data)
     check(cfg)
-    assert algorithms.load("pkg.my_algo").train(cfg) == {"beta": 0.25}
+    assert registry.load("pkg.my_algo").train(cfg) == {"beta": 0.25}
 
 
 def test_check_config_data_paths(tmp_path):

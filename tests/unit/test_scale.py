@@ -10,14 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rlhf_run import REPO, load
+from helpers import REPO, load
 
 from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.param_sync import SyncError
 from chatgen.param_sync import BroadcastReceiver, BroadcastSender, IpcSender, load_ipc
-from chatgen.rlhf import algorithms
+from chatgen.rlhf import registry
 from chatgen.rlhf.config import check_run
 from chatgen.rlhf.generation_group import GenerationGroup, assign
 from chatgen.rlhf.placement import placement_problems, plan_groups, ranks_by_node, topology_problems
@@ -66,7 +66,7 @@ def test_impossible_layouts_are_named_with_their_key_and_fix(data, tmp_path):
     assert topology_problems(cfg) == ["models.policy.num_gpu: 8 GPUs, but num_replicas 2 x tensor_parallel_size 2 = 4 "
                                       "engine ranks of one GPU each; set num_gpu: 4, or num_replicas: 4 to use 8 GPUs"]
     with pytest.raises(ConfigError, match="num_replicas: 4 to use 8 GPUs"):  # what chatgen config and train check
-        check_run(cfg, algorithms.load("grpo"))
+        check_run(cfg, registry.load("grpo"))
     with pytest.raises(ConfigError, match="models.reward.num_replicas: 2 replicas of a python model"):
         load("grpo_tiny.yaml", *data, "models.reward.num_replicas=2")
 
@@ -124,7 +124,7 @@ def test_relative_paths_are_made_absolute_by_the_driver(tmp_path, monkeypatch):
     assert cfg.models["policy"].config.load == str(tmp_path / "models/m")
     assert cfg.models["policy_trainer"].config.load == str(Path.home() / "m")
     assert cfg.models["policy"].config.tokenizer is None  # unset stays unset
-    check_run(cfg, algorithms.load("grpo"))  # the data file is found from anywhere now
+    check_run(cfg, registry.load("grpo"))  # the data file is found from anywhere now
 
 
 # --- prompts over replicas ---------------------------------------------------------------------------------------

@@ -15,21 +15,7 @@ itself; nothing else in chatgen lists algorithms:
     train(cfg, resume=False, log=print) -> dict   the episode loop, top to bottom (chatgen.rlhf.run.Run
                 gives it data, generation, scoring, trainer calls, sync, checkpoints, eval and logging)
 
+chatgen.rlhf.registry finds them (`load`, `available`); this package imports nothing, so the algorithms
+can import chatgen.rlhf.config and chatgen.rlhf.run without an arrow pointing back up.
 docs/extending.md walks through adding one.
 """
-import sys
-
-from chatgen.core.imports import load_plugin, plugins
-
-REQUIRED = ("Config", "MODELS", "train")
-
-
-def available() -> list[str]:
-    """The algorithms shipped with chatgen (the modules of this package)."""
-    return plugins(sys.modules[__name__])
-
-
-def load(name: str):
-    """The algorithm module for `runtime.algorithm.name`; ValueError naming the choices when there is none."""
-    return load_plugin(name, sys.modules[__name__], REQUIRED, "algorithm", "runtime.algorithm.name",
-                       "chatgen/rlhf/algorithms/grpo.py")

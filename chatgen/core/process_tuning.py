@@ -1,0 +1,59 @@
+"""The process tuning of chatgen's processes, in one place: glibc's malloc arenas (`chatgen train`),
+the OpenMP team of `chatgen serve`'s engine, and passive OpenMP waiting (the CLI's process and every
+Ray actor).
+
+Each is decided before torch (and its OpenMP runtime) loads: chatgen.cli's `main` applies them to
+its own process, chatgen.rlhf.ray_cluster.worker_env passes PASSIVE_OPENMP to the actors. The
+measurements behind each are in their docstrings.
+"""
+import ctypes
+import os
+
+from chatgen.core.checkpoint_io import read_hf_config
+
+M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
+# Idle OpenMP threads sleep instead of spinning. On shared CPU cores (vLLM and Megatron in one
+# process, or several processes) spinning made the tiny model's steps 3-10x slower (measured).
+# Export OMP_WAIT_POLICY=ACTIVE to opt out.
+PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
+def one_malloc_arena() -> bool:
+    """Every thread of this process allocates from glibc's one main arena (`mallopt(M_ARENA_MAX, 1)`, what
+    MALLOC_ARENA_MAX=1 does), unless the environment already chose (MALLOC_ARENA_MAX or a glibc.malloc.arena_max
+    tunable). glibc gives each allocating thread an arena of its own (up to 8 per core) and an arena keeps the
+    memory its thread freed: the trainer's activations stayed resident in the main thread's arena while the
+    engine thread's arena kept the generation's, ~110 + ~40 MiB held twice. With one arena they reuse the same
+    free memory: the tiny GRPO run's peak 1.12-1.13 -> 1.06-1.07 GiB, episodes as fast (alternating runs, see
+    docs/rlhf_engine.md). `chatgen train` only: `chatgen serve`, whose HTTP and engine threads allocate at once,
+    served 0.55-0.69x vLLM's server with it against 0.72-0.81x without (benchmarks/bench_server.py, 3 rounds).
+    Returns whether the limit was set (False off glibc)."""
+    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    try:
+        return ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1) == 1
+    except (OSError, AttributeError):  # not glibc (musl, macOS): no arenas of this kind
+        return False
+
+
+# Measured on a 2-core box against vLLM's api_server (bench_server; docs/serving.md, Benchmarks): the tiny Llama
+# (hidden size 128) served at 0.66x its throughput with both cores in the engine's OpenMP team and 0.97x with one;
+# SmolLM2 (hidden 576) at 1.22x with both and 0.985x with one. Below this width a step is too small to split.
+WIDE_HIDDEN_SIZE = 512
+
+
+def serve_threads(argv: list) -> int:
+    """OpenMP threads for the engine of `chatgen serve --model DIR`: every core for a model of hidden size >=
+    WIDE_HIDDEN_SIZE; one fewer for a narrower one, whose kernels spend a second thread's time waiting at their
+    barriers (py-spy: 27% of the engine thread in the attention kernel with two threads, 1.8% with one); that
+    core is left to the HTTP side, as vLLM's server leaves one to its own. Decided before torch loads, through
+    OMP_NUM_THREADS: a later torch.set_num_threads reaches only the calling thread, and vLLM's CPU attention
+    refuses a step planned for another thread count."""
+    model = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--model"), None)
+    model = next((a.partition("=")[2] for a in argv if a.startswith("--model=")), model)
+    try:
+        hidden = read_hf_config(model, "--model").get("hidden_size", 0) if model else 0
+    except (OSError, ValueError):  # serve names the problem itself
+        hidden = 0
+    cores = len(os.sched_getaffinity(0))
+    return cores if hidden >= WIDE_HIDDEN_SIZE else max(1, cores - 1)

@@ -1,0 +1,46 @@
+"""What `MegatronModule`'s per-token outputs are: by default each token's log-prob under the model's
+logits (divided by a sampling temperature when set); a head that is not a token distribution
+overrides `token_outputs` (the PPO critic, chatgen/training/critic.py).
+
+`TokenScoring` is a mixin of `chatgen.training.megatron_module.MegatronModule`.
+"""
+import torch
+
+
+class TokenScoring:
+    """The `token_outputs` hook and the temperature it scores at (uses the module's `tp_rank`,
+    `spec` and `name`)."""
+
+    def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
+        `forward_tokens` and `train_step` (with gradient).
+
+        logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T).
+        Returns (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
+        log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is HF's).
+        Override for a head that is not a token distribution, e.g. a PPO critic (chatgen/training/critic.py).
+        """
+        from megatron.core import tensor_parallel
+
+        logits = logits[:, :-1].float()
+        if self.logits_temperature != 1.0:  # what a policy sampling at that temperature draws from
+            logits = logits / self.logits_temperature
+        shard = logits.shape[-1]
+        first = self.tp_rank * shard
+        if first + shard > self.spec.vocab_size:
+            col = torch.arange(first, first + shard, device=logits.device)
+            logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
+        labels = input_ids[:, 1:].contiguous()
+        return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+    logits_temperature = 1.0  # token_outputs' divisor; set_logits_temperature changes it
+
+    def set_logits_temperature(self, temperature: float) -> None:
+        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy
+        sampling at that temperature draws from (an RLHF run sets it on the policy's trainer and
+        the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
+        ignores it."""
+        if temperature <= 0:
+            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
+                             "must be > 0")
+        self.logits_temperature = float(temperature)

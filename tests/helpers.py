@@ -1,0 +1,238 @@
+"""Helpers shared by several test modules. A test module never imports another
+(tests/unit/test_architecture.py checks it): what two of them share lives here or, as a fixture, in
+a conftest.py.
+
+    from helpers import make_spec, listening_sockets   # tests/ is on sys.path (tests/conftest.py)
+
+Sections: shipped configs; sockets a process tree listens on; model specs and HF states
+(conversion); a trainer (megatron-core); a vLLM engine on random weights and its greedy outputs
+(sync); weights a test lists, a perturbed HF model and log-prob agreement with it (vLLM generation);
+a quick SFT warm start. Heavy libraries (vLLM, megatron-core, transformers) are imported inside the
+helpers that need them.
+"""
+import contextlib
+import ipaddress
+import threading
+from pathlib import Path
+
+import psutil
+import torch
+
+from chatgen import models
+
+REPO = Path(__file__).resolve().parents[1]
+TOL = 1e-4  # fp32: two implementations' log-probs of the same weights agree within this
+TASK_N_EVAL = 8  # held-out records of the `data_dir` fixture (tests/integration/conftest.py)
+
+# ---- shipped configs
+
+
+def load(name, *overrides):
+    """configs/<name> loaded with `key=value` overrides."""
+    from chatgen.rlhf.config import load_config
+
+    return load_config(REPO / "configs" / name, list(overrides))
+
+
+# ---- sockets
+
+
+def listeners(root: psutil.Process) -> list:
+    """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
+    out = []
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            out += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
+                    if c.status == psutil.CONN_LISTEN]
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@contextlib.contextmanager
+def listening_sockets(interval: float = 0.5):
+    """Yields a set that collects, while the block runs, every listening socket of this process tree
+    (`listeners`), sampled every `interval` seconds."""
+    seen, done = set(), threading.Event()
+
+    def sample():
+        while not done.wait(interval):
+            seen.update(listeners(psutil.Process()))
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        done.set()
+        sampler.join()
+
+
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip)
+    return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
+
+
+# ---- model specs (conversion)
+
+MOE_CONFIG = {  # the mixture-of-experts keys of each MoE family's config.json, as transformers 5 writes them
+    "qwen3_moe": dict(num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=16),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),  # experts intermediate_size wide
+}
+
+
+def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):
+    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=hidden or heads * head_dim, intermediate_size=48,
+               num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
+               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied,
+               **MOE_CONFIG.get(family, {}))
+    return models.spec_from_hf_config(cfg)
+
+
+def random_hf_state(spec, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shapes = models.hf_param_shapes(spec)
+    return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
+
+
+# ---- a trainer (megatron-core)
+
+
+def batch(vocab=500, b=2, t=12, seed=0):
+    return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
+
+
+def nll_loss(logprobs, micro_batch):
+    loss = -logprobs.mean()
+    return loss, {"nll": loss.detach()}
+
+
+def optimizer_state(trainer) -> list:
+    """This rank's fp32 main weights and Adam moments, in the optimizer's order."""
+    out = []
+    for chained in trainer.optimizer.chained_optimizers:
+        inner = chained.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                out += [p.detach().clone()] + [inner.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")
+                                               if k in inner.state[p]]
+    return out
+
+
+def build(model_dir, **kw):
+    from megatron.core import parallel_state as ps
+
+    from chatgen.training.megatron_module import MegatronModule
+
+    if ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    return MegatronModule(dict(load=str(model_dir), **kw)).start()
+
+
+# ---- a vLLM engine on random weights and its greedy outputs (weight sync)
+
+SYNC_PROMPTS = [[5, 17, 99, 200], [1, 2, 3, 4, 5, 6, 7]]
+SYNC_NEW_TOKENS = 6
+
+
+def engine(model_dir, tensor_parallel_size=1):
+    """A VLLMModule on random weights (load_format dummy): only a sync can make it agree with the trainer."""
+    from chatgen.generation.vllm.module import VLLMModule
+
+    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
+                           kv_cache_memory_bytes=32 << 20, temperature=0.0, new_token_limit=True,
+                           max_new_tokens=SYNC_NEW_TOKENS, logprobs_mode="raw",
+                           tensor_parallel_size=tensor_parallel_size)).start()
+
+
+def generate(llm, prompts=SYNC_PROMPTS):
+    """[(output ids, vLLM log-probs of them)] for greedy decoding."""
+    from chatgen.generation.batching import sample_logprobs
+
+    outs = llm.finished([{"input_ids": p} for p in prompts], greedy=True)
+    return [(list(o.outputs[0].token_ids), sample_logprobs(o.outputs[0])) for o in outs]
+
+
+def worst_abs_diff(diffs) -> float:
+    """Largest |diff| over all samples; NaN stays NaN (Python's max(0.0, nan) would say 0.0) and fails `< TOL`."""
+    return torch.cat([d.abs().flatten() for d in diffs]).max().item()
+
+
+def generated_diff_vs_hf(model_dir, generated, prompts=SYNC_PROMPTS) -> float:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    diffs = []
+    for prompt, (ids, vllm_lp) in zip(prompts, generated):
+        full = torch.tensor([prompt + ids])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf(full).logits[0, len(prompt) - 1:-1].float(), -1)
+        diffs.append(lp.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(vllm_lp))
+    return worst_abs_diff(diffs)
+
+
+# ---- listed weights, a perturbed HF model, agreement with it (vLLM generation)
+
+
+class ListedWeights:
+    """A weight source (chatgen.param_sync.weight_source's protocol) over fp32 buckets the test lists,
+    [[(HF name, tensor)]], whose header claims every tensor finite; subclasses bend one part of it."""
+
+    def __init__(self, buckets: list):
+        self.listed, self.dtype = buckets, torch.float32
+        self.plan = [[(n, tuple(t.shape)) for n, t in bucket] for bucket in buckets]
+
+    def hf_weights(self, bucket_bytes):
+        return self
+
+    def nonfinite(self):
+        return []
+
+    def buckets(self):
+        yield from self.listed
+
+
+def perturbed(model, seed):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return model
+
+
+def max_diff_vs_hf(model, prompt_ids, completion_ids, logprobs) -> float:
+    worst = 0.0
+    for prompt, completion, lps in zip(prompt_ids, completion_ids, logprobs):
+        full = torch.tensor([prompt + completion])
+        with torch.no_grad():
+            hf = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1], -1)
+        diff = (hf.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(lps)).abs().max().item()
+        worst = max(worst, diff) if diff == diff else float("nan")  # NaN must fail `< TOL`
+    return worst
+
+
+# ---- a quick SFT warm start
+
+
+def quick_warm_start(model_dir, sft_records, out, steps=20):
+    """A few plain-torch SFT steps so that the tiny model writes digits: its rewards then vary within a group
+    and GRPO's updates are not zero (a random model scores 0 everywhere)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from examples.sft_warm_start import sft_batch
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    torch.manual_seed(0)
+    for step in range(steps):
+        b = sft_batch(tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)])
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
+        logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
