@@ -269,7 +269,8 @@ def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(remote, se
     trainer = subprocess.run(
         ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" "$@"', sys.executable, "-c",
          ANOTHER_SHM_TRAINER, server, KEY, str(data_and_model[1])],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.path.dirname(__file__)))
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])))
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "synced over group 21" in trainer.stdout
     model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11)
