@@ -13,6 +13,7 @@ helpers that need them.
 import contextlib
 import ipaddress
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -236,3 +237,19 @@ def quick_warm_start(model_dir, sft_records, out, steps=20):
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def wait_until_serving(proc, client, seconds: float) -> None:
+    """Poll `chatgen serve` (subprocess `proc`, its stderr piped) through an openai `client` until it lists its
+    models; fail with the server's stderr if it exits, or after `seconds`."""
+    import openai
+
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        try:
+            client.models.list()
+            return
+        except openai.APIConnectionError:
+            assert time.time() < deadline, "chatgen serve did not come up"
+            time.sleep(0.5)

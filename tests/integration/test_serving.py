@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 import torch
+from helpers import wait_until_serving
 from timeouts import scaled
 
 pytestmark = pytest.mark.integration
@@ -636,15 +637,7 @@ def test_chatgen_serve_command(tiny_llama_dir):
                              f"kv_cache_memory_bytes={64 << 20}"], stderr=subprocess.PIPE, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        deadline = time.time() + scaled(120)
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.time() < deadline, "chatgen serve did not come up"
-                time.sleep(0.5)
+        wait_until_serving(proc, client, scaled(120))
         r = client.completions.create(model="tiny", prompt=[1, 5, 6], max_tokens=4, temperature=0)
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
         assert "127.0.0.1" in subprocess.run(["ss", "-ltn"], capture_output=True, text=True).stdout.split(

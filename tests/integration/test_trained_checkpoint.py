@@ -9,11 +9,11 @@ import json
 import shutil
 import subprocess
 import sys
-import time
 
 import openai
 import pytest
 import torch
+from helpers import wait_until_serving
 from timeouts import scaled
 
 pytestmark = pytest.mark.integration
@@ -83,15 +83,7 @@ def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(trained
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                max_retries=0)
-        deadline = time.time() + scaled(300)
-        while True:
-            assert proc.poll() is None, proc.stderr.read()[-3000:]
-            try:
-                client.models.list()
-                break
-            except openai.APIConnectionError:
-                assert time.time() < deadline, "chatgen serve did not come up"
-                time.sleep(0.5)
+        wait_until_serving(proc, client, scaled(300))
         r = client.completions.create(model=checkpoint, prompt=PROMPT, max_tokens=MAX_NEW,
                                       temperature=0, extra_body={"ignore_eos": True})
         generated = out[0, prompt.shape[1]:]
