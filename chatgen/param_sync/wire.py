@@ -44,8 +44,10 @@ def process_group(store, rank: int, world_size: int = 2, timeout: datetime.timed
     NCCL when every member is on a GPU of its own, else gloo (through host memory). Chosen by where the members
     are, which each writes into the rendezvous: NCCL cannot pair two ranks on one device (a trainer and `chatgen
     serve --control` sharing a GPU), and a CPU member has no NCCL."""
-    store.set(f"chatgen_sync_device_{rank}", where())
-    places = [store.get(f"chatgen_sync_device_{r}").decode() for r in range(world_size)]
+    keys = [f"chatgen_sync_device_{r}" for r in range(world_size)]
+    store.set(keys[rank], where())
+    store.wait(keys, timeout)  # the caller's deadline (a listening engine's patience), not the store's
+    places = [store.get(key).decode() for key in keys]
     if nccl_among(places):
         return dist.ProcessGroupNCCL(store, rank, world_size)
     return dist.ProcessGroupGloo(store, rank, world_size, timeout)
