@@ -215,17 +215,18 @@ class Run:
         self.links.release()  # colocated on GPUs: the engine's memory to the trainers
         return batch
 
-    def score(self, batch) -> torch.Tensor:
+    def score(self, batch, prefix: str | None = None) -> torch.Tensor:
         """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts": S texts, plus each
         field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
         "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
-        and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`)."""
+        and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`; `prefix`
+        instead of either when given, e.g. eval/greedy/reward/)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
         entry = self.cfg.models["reward"]
         out = self.runtime["reward"].first("score", data)
         who = f"models.reward ({model_class(entry)}).score"
-        prefix = "eval/reward/" if self._evaluating else "reward/"
+        prefix = prefix or ("eval/reward/" if self._evaluating else "reward/")
         if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
             for name, values in out.get("terms", {}).items():
                 self.pending_metrics[f"{prefix}{name}"] = checked_rewards(values, batch.texts, who).mean().item()
@@ -355,5 +356,6 @@ def evaluate_policy(run) -> dict:
     for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][:1 + rt.eval_greedy]:
         batch = run.generate(index, is_eval=True, greedy=greedy)
         samples = len(batch) // len(index)
-        metrics.update(eval_metrics(run.score(batch), samples, rt.solved_reward, prefix))
+        rewards = run.score(batch, f"{prefix}/reward/")  # greedy terms apart from the sampled ones
+        metrics.update(eval_metrics(rewards, samples, rt.solved_reward, prefix))
     return metrics
