@@ -16,7 +16,6 @@ import threading
 import time
 from pathlib import Path
 
-import psutil
 import torch
 
 from chatgen import models
@@ -38,8 +37,10 @@ def load(name, *overrides):
 # ---- sockets
 
 
-def listeners(root: psutil.Process) -> list:
+def listeners(root) -> list:
     """(process name, address, port) of every listening TCP socket of `root` and its descendants."""
+    import psutil  # (imported here: the GPU machine's tier imports this module and may lack it)
+
     out = []
     for p in [root, *root.children(recursive=True)]:
         try:
@@ -54,6 +55,8 @@ def listeners(root: psutil.Process) -> list:
 def listening_sockets(interval: float = 0.5):
     """Yields a set that collects, while the block runs, every listening socket of this process tree
     (`listeners`), sampled every `interval` seconds."""
+    import psutil
+
     seen, done = set(), threading.Event()
 
     def sample():
@@ -109,14 +112,15 @@ def nll_loss(logprobs, micro_batch):
 
 
 def optimizer_state(trainer) -> list:
-    """This rank's fp32 main weights and Adam moments, in the optimizer's order."""
+    """This rank's fp32 main weights and Adam moments, in the optimizer's order, copied to the host (for
+    comparing; a GPU trainer's too)."""
     out = []
     for chained in trainer.optimizer.chained_optimizers:
         inner = chained.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
-                out += [p.detach().clone()] + [inner.state[p][k].clone() for k in ("exp_avg", "exp_avg_sq")
-                                               if k in inner.state[p]]
+                out += [p.detach().cpu().clone()] + [inner.state[p][k].detach().cpu().clone()
+                                                     for k in ("exp_avg", "exp_avg_sq") if k in inner.state[p]]
     return out
 
 

@@ -14,6 +14,7 @@ import os
 
 import pytest
 import torch
+from helpers import optimizer_state
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
                                                   reason="needs megatron-core (pip install chatgen)")]
@@ -82,18 +83,6 @@ def nll(logprobs, micro_batch):
 
 def ids(b=4, t=24, seed=0):
     return torch.randint(0, 500, (b, t), generator=torch.Generator().manual_seed(seed))
-
-
-def optimizer_state(module) -> list:
-    """This rank's fp32 main weights and Adam moments (on the host, for comparing)."""
-    out = []
-    for chained in module.optimizer.chained_optimizers:
-        inner = chained.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                out += [p.detach().cpu().clone()] + [inner.state[p][k].detach().cpu().clone()
-                                                     for k in ("exp_avg", "exp_avg_sq") if k in inner.state[p]]
-    return out
 
 
 def test_cpu_shims_stay_off_on_cuda(tiny_llama_dir):
