@@ -16,6 +16,7 @@
 Writes JSON to --output: every round and run, medians, the ratios, and the load average before and after each
 part (the machine may be shared: read the figures with it). A smoke run: --rounds 1 --runs 1 --episodes 2.
 """
+
 import argparse
 import json
 import os
@@ -46,11 +47,20 @@ def generation(args, model: Path, data: Path, work: Path) -> dict:
     (work / "generation.yaml").write_text(GENERATION)
     prompts = [r["prompt"] for r in read_prompt_records(data / "train.jsonl")]
     setups = {"one_replica": (1, args.cores), "replicas": (args.cores, args.cores)}
-    runtimes, out = {}, {name: {"replicas": r, "cores": c, "rounds": []} for name, (r, c) in setups.items()}
+    runtimes, out = (
+        {},
+        {name: {"replicas": r, "cores": c, "rounds": []} for name, (r, c) in setups.items()},
+    )
     try:
         for name, (replicas, cores) in setups.items():
-            cfg = load_config(work / "generation.yaml", [f"policy.load={model}", f"models.policy.num_replicas={replicas}",
-                                                         f"models.policy.num_cpu={cores}"])
+            cfg = load_config(
+                work / "generation.yaml",
+                [
+                    f"policy.load={model}",
+                    f"models.policy.num_replicas={replicas}",
+                    f"models.policy.num_cpu={cores}",
+                ],
+            )
             runtimes[name] = Runtime.start(cfg, log=lambda *_: None)
         items = runtimes["one_replica"]["policy"].first("prepare_dataset", prompts)
         for round_ in range(args.rounds + 1):  # round 0: warm-up, not recorded
@@ -61,15 +71,23 @@ def generation(args, model: Path, data: Path, work: Path) -> dict:
                 seconds = time.perf_counter() - start
                 if round_:
                     tokens = int(batch.response_lengths.sum())
-                    out[name]["rounds"].append({"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds})
+                    out[name]["rounds"].append(
+                        {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+                    )
     finally:
         for runtime in runtimes.values():
             runtime.shutdown()
     for name in setups:
-        out[name]["median_tokens_per_s"] = statistics.median(r["tokens_per_s"] for r in out[name]["rounds"])
-    out["ratio_replicas_over_one"] = out["replicas"]["median_tokens_per_s"] / out["one_replica"]["median_tokens_per_s"]
-    out["round_ratios"] = [b["tokens_per_s"] / a["tokens_per_s"]
-                           for a, b in zip(out["one_replica"]["rounds"], out["replicas"]["rounds"])]
+        out[name]["median_tokens_per_s"] = statistics.median(
+            r["tokens_per_s"] for r in out[name]["rounds"]
+        )
+    out["ratio_replicas_over_one"] = (
+        out["replicas"]["median_tokens_per_s"] / out["one_replica"]["median_tokens_per_s"]
+    )
+    out["round_ratios"] = [
+        b["tokens_per_s"] / a["tokens_per_s"]
+        for a, b in zip(out["one_replica"]["rounds"], out["replicas"]["rounds"])
+    ]
     return out
 
 
@@ -82,22 +100,45 @@ def overlap(args, model: Path, data: Path, work: Path) -> dict:
     for run in range(args.runs):
         for mode in ("off", "on"):
             target = work / f"overlap_{mode}_{run}"
-            cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [
-                f"runtime.data_path={data}/train.jsonl", f"runtime.eval_data_path={data}/eval.jsonl",
-                f"runtime.output_dir={target}", f"runtime.num_episode={args.episodes}",
-                "runtime.eval_episode_interval=null", "runtime.save_episode_interval=null",
-                "runtime.max_bad_train_steps=1000000",  # a random model's zero rewards must not stop a timing run
-                "runtime.colocation=[[policy, reward]]", "runtime.launcher=ray",
-                f"models.policy.num_replicas={args.overlap_replicas}", f"models.policy.num_cpu={args.overlap_replicas}",
-                "models.policy_trainer.num_cpu=1", f"policy.load={model}", f"policy_trainer.load={model}",
-                f"runtime.algorithm.overlap_generation={mode == 'on'}"])
+            cfg = load_config(
+                REPO / "configs" / "grpo_tiny.yaml",
+                [
+                    f"runtime.data_path={data}/train.jsonl",
+                    f"runtime.eval_data_path={data}/eval.jsonl",
+                    f"runtime.output_dir={target}",
+                    f"runtime.num_episode={args.episodes}",
+                    "runtime.eval_episode_interval=null",
+                    "runtime.save_episode_interval=null",
+                    "runtime.max_bad_train_steps=1000000",  # a random model's zero rewards must not stop a timing run
+                    "runtime.colocation=[[policy, reward]]",
+                    "runtime.launcher=ray",
+                    f"models.policy.num_replicas={args.overlap_replicas}",
+                    f"models.policy.num_cpu={args.overlap_replicas}",
+                    "models.policy_trainer.num_cpu=1",
+                    f"policy.load={model}",
+                    f"policy_trainer.load={model}",
+                    f"runtime.algorithm.overlap_generation={mode == 'on'}",
+                ],
+            )
             grpo.train(cfg, log=lambda *_: None)
-            records = [json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines()]
-            episodes = [r["time/episode"] for r in records if r["episode"] >= 2]  # episode 1 has nothing to overlap
-            out[mode]["runs"].append({"episode_s": episodes, "generate_s": [r.get("time/generate", 0.0) for r in records
-                                                                            if r["episode"] >= 2]})
+            records = [
+                json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines()
+            ]
+            episodes = [
+                r["time/episode"] for r in records if r["episode"] >= 2
+            ]  # episode 1 has nothing to overlap
+            out[mode]["runs"].append(
+                {
+                    "episode_s": episodes,
+                    "generate_s": [
+                        r.get("time/generate", 0.0) for r in records if r["episode"] >= 2
+                    ],
+                }
+            )
     for mode in ("off", "on"):
-        out[mode]["median_episode_s"] = statistics.median(s for r in out[mode]["runs"] for s in r["episode_s"])
+        out[mode]["median_episode_s"] = statistics.median(
+            s for r in out[mode]["runs"] for s in r["episode_s"]
+        )
     out["ratio_on_over_off"] = out["on"]["median_episode_s"] / out["off"]["median_episode_s"]
     return out
 
@@ -105,14 +146,21 @@ def overlap(args, model: Path, data: Path, work: Path) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True, help="JSON file to write")
-    parser.add_argument("--model", default=str(REPO / "outputs" / "bench-tiny-llama"),
-                        help="HF model directory; built from configs/models/tiny_llama.yaml if missing")
+    parser.add_argument(
+        "--model",
+        default=str(REPO / "outputs" / "bench-tiny-llama"),
+        help="HF model directory; built from configs/models/tiny_llama.yaml if missing",
+    )
     parser.add_argument("--cores", type=int, default=2, help="total cores of each generation setup")
-    parser.add_argument("--prompts", type=int, default=32, help="prompts per generation round (x n=8 samples)")
+    parser.add_argument(
+        "--prompts", type=int, default=32, help="prompts per generation round (x n=8 samples)"
+    )
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--runs", type=int, default=2, help="GRPO runs per overlap mode")
     parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--overlap-replicas", type=int, default=1, help="policy replicas of the overlap runs")
+    parser.add_argument(
+        "--overlap-replicas", type=int, default=1, help="policy replicas of the overlap runs"
+    )
     args = parser.parse_args(argv)
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
@@ -136,13 +184,19 @@ def main(argv=None) -> int:
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(result, indent=2))
     g, o = result["generation"], result["overlap"]
-    print(f"generation: {g['one_replica']['median_tokens_per_s']:.0f} tokens/s with 1 replica x {args.cores} cores, "
-          f"{g['replicas']['median_tokens_per_s']:.0f} with {args.cores} replicas x 1 core: "
-          f"{g['ratio_replicas_over_one']:.2f}x (target >= 1.5)")
-    print(f"overlap_generation, disaggregated: median episode {o['off']['median_episode_s']:.3f} s off, "
-          f"{o['on']['median_episode_s']:.3f} s on: {o['ratio_on_over_off']:.2f}x")
-    print(f"load average before/after: {result['generation']['loadavg_before_after']}, "
-          f"{result['overlap']['loadavg_before_after']}; written to {args.output}")
+    print(
+        f"generation: {g['one_replica']['median_tokens_per_s']:.0f} tokens/s with 1 replica x {args.cores} cores, "
+        f"{g['replicas']['median_tokens_per_s']:.0f} with {args.cores} replicas x 1 core: "
+        f"{g['ratio_replicas_over_one']:.2f}x (target >= 1.5)"
+    )
+    print(
+        f"overlap_generation, disaggregated: median episode {o['off']['median_episode_s']:.3f} s off, "
+        f"{o['on']['median_episode_s']:.3f} s on: {o['ratio_on_over_off']:.2f}x"
+    )
+    print(
+        f"load average before/after: {result['generation']['loadavg_before_after']}, "
+        f"{result['overlap']['loadavg_before_after']}; written to {args.output}"
+    )
     return 0
 
 

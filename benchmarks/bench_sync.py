@@ -34,6 +34,7 @@ issue targets: chatgen, transformers and server_shm <= 1.2x lower_bound, naive >
 reported, no target: it copies every byte through a socket). Writes JSON to --output, with the load average
 after each size and at the end (the machine is shared: read figures with it).
 """
+
 import argparse
 import gc
 import json
@@ -51,23 +52,54 @@ import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 SIZES = {  # name -> HF config overrides (Llama, GQA, head_dim 32/64/128 as vLLM's CPU attention needs)
-    "tiny": dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2),  # configs/models/tiny_llama.yaml's layers, with a 32000-token vocabulary
-    "small": dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=4),
-    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
-                   num_key_value_heads=4),
-    "large": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=6, num_attention_heads=16,
-                  num_key_value_heads=4),
+    "tiny": dict(
+        hidden_size=128,
+        intermediate_size=352,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    ),  # configs/models/tiny_llama.yaml's layers, with a 32000-token vocabulary
+    "small": dict(
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+    ),
+    "medium": dict(
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=12,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
+    "large": dict(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=6,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+    ),
 }
 
 
 def make_model(path: Path, overrides: dict) -> int:
     from chatgen import models
 
-    config = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=32000, rms_norm_eps=1e-5,
-                  rope_theta=10000.0, max_position_embeddings=2048, tie_word_embeddings=False, hidden_act="silu",
-                  torch_dtype="float32", bos_token_id=1, eos_token_id=2, **overrides)
+    config = dict(
+        model_type="llama",
+        architectures=["LlamaForCausalLM"],
+        vocab_size=32000,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=2048,
+        tie_word_embeddings=False,
+        hidden_act="silu",
+        torch_dtype="float32",
+        bos_token_id=1,
+        eos_token_id=2,
+        **overrides,
+    )
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
@@ -77,7 +109,13 @@ def make_model(path: Path, overrides: dict) -> int:
     return sum(t.numel() for t in state.values())
 
 
-ENGINE_KWARGS = dict(enforce_eager=True, skip_tokenizer_init=True, dtype="float32", seed=0, kv_cache_memory_bytes=64 << 20)
+ENGINE_KWARGS = dict(
+    enforce_eager=True,
+    skip_tokenizer_init=True,
+    dtype="float32",
+    seed=0,
+    kv_cache_memory_bytes=64 << 20,
+)
 NEW_PROCESS_ENGINE = (
     "import sys\n"
     "from chatgen.generation.vllm import adapter as vllm_adapter\n"
@@ -91,8 +129,12 @@ def new_process_engine_start_s(model_dir: str) -> float:
     import subprocess
 
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", NEW_PROCESS_ENGINE.format(kwargs=ENGINE_KWARGS), model_dir],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", NEW_PROCESS_ENGINE.format(kwargs=ENGINE_KWARGS), model_dir],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     for line in proc.stdout:
         if line.strip() == "chatgen-engine-ready":
             elapsed = time.perf_counter() - t
@@ -106,8 +148,16 @@ def engine(model_dir: str):
     """A started VLLMModule on random weights (what a sync writes into)."""
     from chatgen.generation.vllm.module import VLLMModule
 
-    return VLLMModule(dict(load=model_dir, load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
-                           kv_cache_memory_bytes=64 << 20)).start()
+    return VLLMModule(
+        dict(
+            load=model_dir,
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            kv_cache_memory_bytes=64 << 20,
+        )
+    ).start()
 
 
 def timed(fn, repeats: int = 1) -> list:
@@ -188,7 +238,10 @@ def broadcast(trainer, llms: list):
     [t.join() for t in threads]
 
     def once():
-        engine_sides = [threading.Thread(target=rx.receive_into, args=(llm,)) for rx, llm in zip(receivers, llms)]
+        engine_sides = [
+            threading.Thread(target=rx.receive_into, args=(llm,))
+            for rx, llm in zip(receivers, llms)
+        ]
         [t.start() for t in engine_sides]
         sender.send(trainer)
         [t.join() for t in engine_sides]
@@ -224,13 +277,18 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     replica = engine(str(model_dir))  # a second replica's engine
     sync_weights(trainer, replica)  # warm-up, as above
     broadcast_1, broadcast_2 = broadcast(trainer, [llm]), broadcast(trainer, [llm, replica])
-    runs = interleaved({"chatgen": lambda: sync_weights(trainer, llm),
-                        "transformers": lambda: sync_weights(hf_model, llm),
-                        "server_group": group,
-                        "server_shm": shm,
-                        "broadcast_1": broadcast_1,
-                        "broadcast_2": broadcast_2,
-                        "lower": lambda: vllm_adapter.load_weights(llm.engine, iter(hf_state.items()))}, repeats)
+    runs = interleaved(
+        {
+            "chatgen": lambda: sync_weights(trainer, llm),
+            "transformers": lambda: sync_weights(hf_model, llm),
+            "server_group": group,
+            "server_shm": shm,
+            "broadcast_1": broadcast_1,
+            "broadcast_2": broadcast_2,
+            "lower": lambda: vllm_adapter.load_weights(llm.engine, iter(hf_state.items())),
+        },
+        repeats,
+    )
     replica.shutdown()
     chatgen_s, transformers_s, lower_s = runs["chatgen"], runs["transformers"], runs["lower"]
     server = {transport: runs[f"server_{transport}"] for transport in ("group", "shm")}
@@ -242,11 +300,15 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     def naive():
         t = time.perf_counter()
         naive_dir.mkdir()
-        save_file({k: v.contiguous() for k, v in hf_state.items()}, str(naive_dir / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in hf_state.items()}, str(naive_dir / "model.safetensors")
+        )
         shutil.copy(model_dir / "config.json", naive_dir / "config.json")
         naive_parts["save_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        fresh = vllm_adapter.build_llm(str(naive_dir), **ENGINE_KWARGS)  # a new engine on the saved weights
+        fresh = vllm_adapter.build_llm(
+            str(naive_dir), **ENGINE_KWARGS
+        )  # a new engine on the saved weights
         naive_parts["engine_start_s"] = time.perf_counter() - t
         vllm_adapter.shutdown(fresh)
         naive_parts["new_process_engine_start_s"] = new_process_engine_start_s(str(naive_dir))
@@ -262,38 +324,73 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     servers = {}
     for transport, runs_s in server.items():
         t = statistics.median(runs_s)
-        servers.update({f"server_{transport}_s": t, f"server_{transport}_min_s": min(runs_s),
-                        f"server_{transport}_runs_s": runs_s, f"server_{transport}_bytes_per_s": nbytes / t,
-                        f"server_{transport}_over_lower_bound": t / lower,
-                        f"server_{transport}_over_lower_bound_min": min(runs_s) / min(lower_s)})
+        servers.update(
+            {
+                f"server_{transport}_s": t,
+                f"server_{transport}_min_s": min(runs_s),
+                f"server_{transport}_runs_s": runs_s,
+                f"server_{transport}_bytes_per_s": nbytes / t,
+                f"server_{transport}_over_lower_bound": t / lower,
+                f"server_{transport}_over_lower_bound_min": min(runs_s) / min(lower_s),
+            }
+        )
     # the shm sync's two parts, run by run: the server's (check, map, reload) and the trainer's (the rest)
-    servers.update(server_shm_load_s=statistics.median(shm_load_s),
-                   server_shm_write_s=statistics.median(t - load for t, load in zip(server["shm"], shm_load_s)),
-                   meets_server_shm_lower_bound_target=servers["server_shm_s"] <= 1.2 * lower)
+    servers.update(
+        server_shm_load_s=statistics.median(shm_load_s),
+        server_shm_write_s=statistics.median(
+            t - load for t, load in zip(server["shm"], shm_load_s)
+        ),
+        meets_server_shm_lower_bound_target=servers["server_shm_s"] <= 1.2 * lower,
+    )
     one, two = statistics.median(runs["broadcast_1"]), statistics.median(runs["broadcast_2"])
-    servers.update(broadcast_1_s=one, broadcast_2_s=two, broadcast_1_runs_s=runs["broadcast_1"],
-                   broadcast_2_runs_s=runs["broadcast_2"], broadcast_2_over_1=two / one,
-                   broadcast_2_over_1_min=min(runs["broadcast_2"]) / min(runs["broadcast_1"]),
-                   meets_broadcast_target=two <= 1.3 * one)
-    naive_t = naive_parts["save_s"] + naive_parts["engine_start_s"]  # shutting the engine down is not counted
+    servers.update(
+        broadcast_1_s=one,
+        broadcast_2_s=two,
+        broadcast_1_runs_s=runs["broadcast_1"],
+        broadcast_2_runs_s=runs["broadcast_2"],
+        broadcast_2_over_1=two / one,
+        broadcast_2_over_1_min=min(runs["broadcast_2"]) / min(runs["broadcast_1"]),
+        meets_broadcast_target=two <= 1.3 * one,
+    )
+    naive_t = (
+        naive_parts["save_s"] + naive_parts["engine_start_s"]
+    )  # shutting the engine down is not counted
     naive_np = naive_parts["save_s"] + naive_parts["new_process_engine_start_s"]
-    return dict(size=name, params=params, bytes=nbytes, config=overrides,
-                chatgen_s=chatgen, lower_bound_s=lower, naive_s=naive_t,
-                naive_save_s=naive_parts["save_s"], naive_engine_start_s=naive_parts["engine_start_s"],
-                chatgen_min_s=min(chatgen_s), lower_bound_min_s=min(lower_s),
-                chatgen_runs_s=chatgen_s, lower_bound_runs_s=lower_s,
-                transformers_s=transformers, transformers_min_s=min(transformers_s), transformers_runs_s=transformers_s,
-                transformers_bytes_per_s=nbytes / transformers, transformers_over_lower_bound=transformers / lower,
-                transformers_over_lower_bound_min=min(transformers_s) / min(lower_s),
-                meets_transformers_lower_bound_target=transformers <= 1.2 * lower,
-                **servers, load_average=os.getloadavg(),
-                chatgen_bytes_per_s=nbytes / chatgen, lower_bound_bytes_per_s=nbytes / lower,
-                naive_bytes_per_s=nbytes / naive_t,
-                chatgen_over_lower_bound=chatgen / lower, chatgen_over_lower_bound_min=min(chatgen_s) / min(lower_s),
-                naive_over_chatgen=naive_t / chatgen,
-                naive_new_process_s=naive_np, naive_new_process_over_chatgen=naive_np / chatgen,
-                meets_lower_bound_target=chatgen <= 1.2 * lower, meets_naive_target=naive_t >= 20 * chatgen,
-                meets_naive_target_new_process=naive_np >= 20 * chatgen)
+    return dict(
+        size=name,
+        params=params,
+        bytes=nbytes,
+        config=overrides,
+        chatgen_s=chatgen,
+        lower_bound_s=lower,
+        naive_s=naive_t,
+        naive_save_s=naive_parts["save_s"],
+        naive_engine_start_s=naive_parts["engine_start_s"],
+        chatgen_min_s=min(chatgen_s),
+        lower_bound_min_s=min(lower_s),
+        chatgen_runs_s=chatgen_s,
+        lower_bound_runs_s=lower_s,
+        transformers_s=transformers,
+        transformers_min_s=min(transformers_s),
+        transformers_runs_s=transformers_s,
+        transformers_bytes_per_s=nbytes / transformers,
+        transformers_over_lower_bound=transformers / lower,
+        transformers_over_lower_bound_min=min(transformers_s) / min(lower_s),
+        meets_transformers_lower_bound_target=transformers <= 1.2 * lower,
+        **servers,
+        load_average=os.getloadavg(),
+        chatgen_bytes_per_s=nbytes / chatgen,
+        lower_bound_bytes_per_s=nbytes / lower,
+        naive_bytes_per_s=nbytes / naive_t,
+        chatgen_over_lower_bound=chatgen / lower,
+        chatgen_over_lower_bound_min=min(chatgen_s) / min(lower_s),
+        naive_over_chatgen=naive_t / chatgen,
+        naive_new_process_s=naive_np,
+        naive_new_process_over_chatgen=naive_np / chatgen,
+        meets_lower_bound_target=chatgen <= 1.2 * lower,
+        meets_naive_target=naive_t >= 20 * chatgen,
+        meets_naive_target_new_process=naive_np >= 20 * chatgen,
+    )
 
 
 def main(argv=None) -> int:
@@ -310,26 +407,43 @@ def main(argv=None) -> int:
         for name in args.sizes.split(","):
             r = bench_size(name, SIZES[name], args.repeats, Path(tmp))
             results.append(r)
-            print(f"{name:7s} {r['params'] / 1e6:7.1f}M params {r['bytes'] / 1e9:5.2f} GB | chatgen {r['chatgen_s']:.3f}s "
-                  f"({r['chatgen_bytes_per_s'] / 1e9:.2f} GB/s) | transformers {r['transformers_s']:.3f}s "
-                  f"({r['transformers_over_lower_bound']:.2f}x lower) | server shm {r['server_shm_s']:.3f}s "
-                  f"({r['server_shm_over_lower_bound']:.2f}x lower; write {r['server_shm_write_s']:.3f}s + load "
-                  f"{r['server_shm_load_s']:.3f}s) | server group {r['server_group_s']:.3f}s "
-                  f"({r['server_group_over_lower_bound']:.2f}x lower) | broadcast to 1 / 2 replicas "
-                  f"{r['broadcast_1_s']:.3f} / {r['broadcast_2_s']:.3f}s ({r['broadcast_2_over_1']:.2f}x) | "
-                  f"lower bound {r['lower_bound_s']:.3f}s "
-                  f"({r['lower_bound_bytes_per_s'] / 1e9:.2f} GB/s) | naive {r['naive_s']:.2f}s | "
-                  f"chatgen/lower {r['chatgen_over_lower_bound']:.2f}x | naive/chatgen {r['naive_over_chatgen']:.0f}x "
-                  f"(new process: {r['naive_new_process_s']:.1f}s, {r['naive_new_process_over_chatgen']:.0f}x) | "
-                  f"load {r['load_average'][0]:.2f}", flush=True)
-    out = dict(benchmark="bench_sync", device="cpu", torch=torch.__version__, threads=torch.get_num_threads(),
-               targets=dict(chatgen_over_lower_bound_max=1.2, transformers_over_lower_bound_max=1.2,
-                            server_shm_over_lower_bound_max=1.2, naive_over_chatgen_min=20,
-                            broadcast_2_over_1_max=1.3), results=results,
-               load_average=os.getloadavg(),
-               all_targets_met=all(r["meets_lower_bound_target"] and r["meets_transformers_lower_bound_target"]
-                                   and r["meets_server_shm_lower_bound_target"] and r["meets_naive_target"]
-                                   for r in results))
+            print(
+                f"{name:7s} {r['params'] / 1e6:7.1f}M params {r['bytes'] / 1e9:5.2f} GB | chatgen {r['chatgen_s']:.3f}s "
+                f"({r['chatgen_bytes_per_s'] / 1e9:.2f} GB/s) | transformers {r['transformers_s']:.3f}s "
+                f"({r['transformers_over_lower_bound']:.2f}x lower) | server shm {r['server_shm_s']:.3f}s "
+                f"({r['server_shm_over_lower_bound']:.2f}x lower; write {r['server_shm_write_s']:.3f}s + load "
+                f"{r['server_shm_load_s']:.3f}s) | server group {r['server_group_s']:.3f}s "
+                f"({r['server_group_over_lower_bound']:.2f}x lower) | broadcast to 1 / 2 replicas "
+                f"{r['broadcast_1_s']:.3f} / {r['broadcast_2_s']:.3f}s ({r['broadcast_2_over_1']:.2f}x) | "
+                f"lower bound {r['lower_bound_s']:.3f}s "
+                f"({r['lower_bound_bytes_per_s'] / 1e9:.2f} GB/s) | naive {r['naive_s']:.2f}s | "
+                f"chatgen/lower {r['chatgen_over_lower_bound']:.2f}x | naive/chatgen {r['naive_over_chatgen']:.0f}x "
+                f"(new process: {r['naive_new_process_s']:.1f}s, {r['naive_new_process_over_chatgen']:.0f}x) | "
+                f"load {r['load_average'][0]:.2f}",
+                flush=True,
+            )
+    out = dict(
+        benchmark="bench_sync",
+        device="cpu",
+        torch=torch.__version__,
+        threads=torch.get_num_threads(),
+        targets=dict(
+            chatgen_over_lower_bound_max=1.2,
+            transformers_over_lower_bound_max=1.2,
+            server_shm_over_lower_bound_max=1.2,
+            naive_over_chatgen_min=20,
+            broadcast_2_over_1_max=1.3,
+        ),
+        results=results,
+        load_average=os.getloadavg(),
+        all_targets_met=all(
+            r["meets_lower_bound_target"]
+            and r["meets_transformers_lower_bound_target"]
+            and r["meets_server_shm_lower_bound_target"]
+            and r["meets_naive_target"]
+            for r in results
+        ),
+    )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1))
     print(f"wrote {args.output}; all targets met: {out['all_targets_met']}")

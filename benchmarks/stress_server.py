@@ -11,6 +11,7 @@ memory (RSS) stays flat. Prints one JSON line per wave and the summary; saves th
 model is the tiny Llama (built into the test-model cache if missing); the server runs in this
 process on a free loopback port (chatgen.serving.app + limits, as `chatgen serve` runs it).
 """
+
 import argparse
 import asyncio
 import json
@@ -36,22 +37,31 @@ def check_counts(body: dict, errors: list, what: str) -> int:
     for choice in body["choices"]:
         message = choice.get("message") or {}
         ids = choice.get("token_ids") or message.get("generation_token_ids") or []
-        versions = (choice.get("generation_weight_versions")
-                    or message.get("generation_weight_versions") or [])
+        versions = (
+            choice.get("generation_weight_versions")
+            or message.get("generation_weight_versions")
+            or []
+        )
         if len(versions) != len(ids):
             errors.append(f"{what}: {len(ids)} tokens, {len(versions)} weight versions")
         tokens += len(ids)
     if body["usage"]["completion_tokens"] != tokens:
-        errors.append(f"{what}: usage says {body['usage']['completion_tokens']}, the choices hold "
-                      f"{tokens}")
+        errors.append(
+            f"{what}: usage says {body['usage']['completion_tokens']}, the choices hold {tokens}"
+        )
     return tokens
 
 
 async def one_request(client, i: int, rng: random.Random, stats: dict, errors: list) -> None:
     chat, stream, n = rng.random() < 0.5, rng.random() < 0.5, rng.choice((1, 1, 2, 4))
     cancel_after = rng.choice((None, None, None, 2)) if stream else None
-    body = {"model": "tiny", "max_tokens": rng.randint(4, 40), "n": n, "temperature": 1.0,
-            "ignore_eos": True}
+    body = {
+        "model": "tiny",
+        "max_tokens": rng.randint(4, 40),
+        "n": n,
+        "temperature": 1.0,
+        "ignore_eos": True,
+    }
     if chat:
         path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": f"story {i}"}]
     else:
@@ -88,8 +98,9 @@ async def one_request(client, i: int, rng: random.Random, stats: dict, errors: l
                     stats["cancelled"] += 1
                     return  # leaving the block closes the connection: the server must abort it
             if usage is not None and usage["completion_tokens"] != tokens:
-                errors.append(f"{what}: usage says {usage['completion_tokens']}, the chunks hold "
-                              f"{tokens}")
+                errors.append(
+                    f"{what}: usage says {usage['completion_tokens']}, the chunks hold {tokens}"
+                )
             stats["tokens"] += tokens
             stats["answered"] += 1
     except Exception as e:  # a timeout is a hang
@@ -113,14 +124,19 @@ def updater(module, weights, stop: threading.Event, counts: dict, errors: list) 
 async def wave(url: str, key: str, concurrency: int, seed: int, timeout: float) -> tuple:
     import httpx
 
-    rng, stats, errors = random.Random(seed), {"answered": 0, "cancelled": 0, "tokens": 0,
-                                              "stream_errors": 0}, []
+    rng, stats, errors = (
+        random.Random(seed),
+        {"answered": 0, "cancelled": 0, "tokens": 0, "stream_errors": 0},
+        [],
+    )
     headers = {"Authorization": f"Bearer {key}"}
     limits = httpx.Limits(max_connections=concurrency + 8)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout,
-                                 limits=limits) as client:
-        await asyncio.gather(*(one_request(client, i, rng, stats, errors)
-                               for i in range(concurrency)))
+    async with httpx.AsyncClient(
+        base_url=url, headers=headers, timeout=timeout, limits=limits
+    ) as client:
+        await asyncio.gather(
+            *(one_request(client, i, rng, stats, errors) for i in range(concurrency))
+        )
         health = (await client.get("/health")).status_code
     return stats, errors, health
 
@@ -144,16 +160,30 @@ def main(argv=None) -> int:
     from chatgen.serving.limits import uvicorn_config
 
     model = build_tiny_model("tiny_llama")
-    chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                     "{{ eos_token }}\n{% endfor %}"
-                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    module = VLLMModule(dict(load=str(model), kv_cache_memory_bytes=256 << 20, enforce_eager=True,
-                             seq_length=256, block_size=32, max_new_tokens=64, seed=0)).start()
+    chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+        "{{ eos_token }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    module = VLLMModule(
+        dict(
+            load=str(model),
+            kv_cache_memory_bytes=256 << 20,
+            enforce_eager=True,
+            seq_length=256,
+            block_size=32,
+            max_new_tokens=64,
+            seed=0,
+        )
+    ).start()
     module.tokenizer.chat_template = chat_template
     weights = load_file(str(model / "model.safetensors"))
     key, port = "stress-key", free_port()
-    server = uvicorn.Server(uvicorn_config(build_app(module, api_key=key, model_name="tiny"),
-                                           host="127.0.0.1", port=port))
+    server = uvicorn.Server(
+        uvicorn_config(
+            build_app(module, api_key=key, model_name="tiny"), host="127.0.0.1", port=port
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -162,18 +192,26 @@ def main(argv=None) -> int:
     try:
         for w in range(args.waves):
             stop, update_errors = threading.Event(), []
-            up = threading.Thread(target=updater,
-                                  args=(module, weights, stop, updates, update_errors))
+            up = threading.Thread(
+                target=updater, args=(module, weights, stop, updates, update_errors)
+            )
             start = time.perf_counter()
             up.start()
-            stats, errors, health = asyncio.run(wave(f"http://127.0.0.1:{port}", key,
-                                                     args.concurrency, w, args.timeout))
+            stats, errors, health = asyncio.run(
+                wave(f"http://127.0.0.1:{port}", key, args.concurrency, w, args.timeout)
+            )
             stop.set()
             up.join()
-            row = {"wave": w + 1, "seconds": round(time.perf_counter() - start, 1), **stats,
-                   "errors": len(errors) + len(update_errors), "health": health,
-                   "rss_mb": round(rss_mb(), 1), "updates_so_far": dict(updates),
-                   "weight_version": module.weight_version}
+            row = {
+                "wave": w + 1,
+                "seconds": round(time.perf_counter() - start, 1),
+                **stats,
+                "errors": len(errors) + len(update_errors),
+                "health": health,
+                "rss_mb": round(rss_mb(), 1),
+                "updates_so_far": dict(updates),
+                "weight_version": module.weight_version,
+            }
             print(json.dumps(row), flush=True)
             results.append(row)
             all_errors += errors + update_errors
@@ -181,13 +219,17 @@ def main(argv=None) -> int:
         server.should_exit = True
         thread.join(timeout=30)
         module.shutdown()
-    summary = {"concurrency": args.concurrency, "waves": args.waves, "updates": updates,
-               "requests_answered": sum(r["answered"] for r in results),
-               "cancelled": sum(r["cancelled"] for r in results),
-               "tokens": sum(r["tokens"] for r in results), "errors": all_errors[:50],
-               "rss_growth_after_first_wave_mb": round(results[-1]["rss_mb"] - results[0]["rss_mb"],
-                                                       1),
-               "load": os.getloadavg()}
+    summary = {
+        "concurrency": args.concurrency,
+        "waves": args.waves,
+        "updates": updates,
+        "requests_answered": sum(r["answered"] for r in results),
+        "cancelled": sum(r["cancelled"] for r in results),
+        "tokens": sum(r["tokens"] for r in results),
+        "errors": all_errors[:50],
+        "rss_growth_after_first_wave_mb": round(results[-1]["rss_mb"] - results[0]["rss_mb"], 1),
+        "load": os.getloadavg(),
+    }
     print(json.dumps(summary), flush=True)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps({"waves": results, "summary": summary}, indent=2))

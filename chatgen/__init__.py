@@ -5,6 +5,7 @@ algorithm math (`chatgen.rlhf.losses`), the rollout contract and the config syst
 
     from chatgen import VLLMModule, VLLMGeneration, MegatronModule, Module, RolloutBatch
 """
+
 import importlib
 
 __version__ = "0.1.0"

@@ -22,6 +22,7 @@ A reward model is a plain subclass:
         def score(self, data):                       # data: {"texts": [...], record fields...}
             return torch.tensor([-len(t) / 100 for t in data["texts"]])
 """
+
 import atexit
 import contextlib
 import gc
@@ -79,19 +80,29 @@ class Module:
         schema = self.config_class
         if config is None:
             config = {}
-        if isinstance(config, (str, os.PathLike)):  # dialect "chatlearn": a ChatLearn per-model YAML
-            return load_model_config(config, schema, extra_check=self.config_problems,
-                                     dialect=compat_dialect(dialect))
+        if isinstance(
+            config, (str, os.PathLike)
+        ):  # dialect "chatlearn": a ChatLearn per-model YAML
+            return load_model_config(
+                config, schema, extra_check=self.config_problems, dialect=compat_dialect(dialect)
+            )
         if isinstance(config, dict):
-            return load_model_config(None, schema, dict(config), extra_check=self.config_problems,
-                                     dialect=compat_dialect(dialect))
+            return load_model_config(
+                None,
+                schema,
+                dict(config),
+                extra_check=self.config_problems,
+                dialect=compat_dialect(dialect),
+            )
         if schema is not dict and isinstance(config, schema):
             problems = [*getattr(config, "check", tuple)(), *self.config_problems(config)]
             if problems:
                 raise ConfigError([f"{key}: {problem}" for key, problem in problems])
             return config
         expected = "a dict or a YAML path" + ("" if schema is dict else f" or a {schema.__name__}")
-        raise TypeError(f"{type(self).__name__}(config): expected {expected}, got {type(config).__name__}")
+        raise TypeError(
+            f"{type(self).__name__}(config): expected {expected}, got {type(config).__name__}"
+        )
 
     def init(self) -> None:
         """Framework: prepare what must exist before the model is built. Called once, before `setup()`."""

@@ -16,6 +16,7 @@ Each assistant message goes back to the server as it came (with its prompt_token
 generation_token_ids), so the server keeps the chat token-exact and the episode is one token sequence the
 trainer can learn from (chatgen/rlhf/algorithms/grpo_multiturn.py). docs/multiturn_rl.md walks through it.
 """
+
 import argparse
 import re
 from pathlib import Path
@@ -52,19 +53,29 @@ class CalculatorEnv:
         self.model = model
 
     def reply(self, messages: list, temperature: float, max_tokens: int) -> dict:
-        response = self.client.chat.completions.create(model=self.model, messages=messages,
-                                                       temperature=temperature, max_tokens=max_tokens)
-        return response.choices[0].message.model_dump(exclude_none=True)  # with the token ids and log-probs
+        response = self.client.chat.completions.create(
+            model=self.model, messages=messages, temperature=temperature, max_tokens=max_tokens
+        )
+        return response.choices[0].message.model_dump(
+            exclude_none=True
+        )  # with the token ids and log-probs
 
     def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:
         rule = REWARDS["sort_digits"]
         messages = [{"role": "user", "content": record["prompt"]}]
         first = self.reply(messages, temperature, max_tokens)
-        messages += [first, {"role": "tool", "content": calculator(record["prompt"])},
-                     {"role": "user", "content": record["prompt"]}]
+        messages += [
+            first,
+            {"role": "tool", "content": calculator(record["prompt"])},
+            {"role": "user", "content": record["prompt"]},
+        ]
         final = self.reply(messages, temperature, max_tokens)
-        return Episode(turns=[first, final], reward=rule(final["content"], record["answer"]), text=final["content"],
-                       metrics={"first_turn_reward": rule(first["content"], record["answer"])})
+        return Episode(
+            turns=[first, final],
+            reward=rule(final["content"], record["answer"]),
+            text=final["content"],
+            metrics={"first_turn_reward": rule(first["content"], record["answer"])},
+        )
 
 
 def write_template(model_dir: Path) -> None:
@@ -75,10 +86,17 @@ def write_template(model_dir: Path) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--write-template", type=Path, required=True, metavar="MODEL_DIR",
-                        help="write the environment's chat template into this Hugging Face model directory")
+    parser.add_argument(
+        "--write-template",
+        type=Path,
+        required=True,
+        metavar="MODEL_DIR",
+        help="write the environment's chat template into this Hugging Face model directory",
+    )
     args = parser.parse_args()
     if not (args.write_template / "config.json").is_file():
-        raise SystemExit(f"--write-template {args.write_template}: no config.json there; give a model directory")
+        raise SystemExit(
+            f"--write-template {args.write_template}: no config.json there; give a model directory"
+        )
     write_template(args.write_template)
     print(f"wrote {args.write_template / 'chat_template.jinja'}")

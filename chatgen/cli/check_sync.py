@@ -4,6 +4,7 @@
     chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
         --input prompts.jsonl --output check.json --max-new-tokens 16
 """
+
 import json
 import sys
 import time
@@ -14,24 +15,42 @@ from chatgen.tools.check_sync import check_sync
 
 
 def add_arguments(p):
-    p.add_argument("--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)")
+    p.add_argument(
+        "--hf-checkpoint", required=True, help="HF model directory (a family of chatgen/models)"
+    )
     p.add_argument("--train-tp", type=positive_int, default=1, help="trainer tensor-parallel size")
-    p.add_argument("--train-pp", type=positive_int, default=1, help="trainer pipeline-parallel size")
-    p.add_argument("--train-ep", type=positive_int, default=1, help="trainer expert-parallel size (MoE models)")
+    p.add_argument(
+        "--train-pp", type=positive_int, default=1, help="trainer pipeline-parallel size"
+    )
+    p.add_argument(
+        "--train-ep", type=positive_int, default=1, help="trainer expert-parallel size (MoE models)"
+    )
     p.add_argument("--infer-tp", type=positive_int, default=1, help="vLLM tensor-parallel size")
-    p.add_argument("--backend", default="vllm", help="generation backend to sync into and compare: vllm (default) or "
-                                                     "hf (transformers, the reference)")
+    p.add_argument(
+        "--backend",
+        default="vllm",
+        help="generation backend to sync into and compare: vllm (default) or "
+        "hf (transformers, the reference)",
+    )
     p.add_argument("--input", required=True, help='JSONL of {"prompt_ids": [...]} lines')
     p.add_argument("--output", required=True, help="where to write the JSON report")
     p.add_argument("--max-new-tokens", type=positive_int, default=16)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy, raw log-probs; T > 0: the engine samples at T and "
-                        "reports the tempered (processed) log-probs, the trainer scores logits / T "
-                        "(as an RLHF run at that temperature)")
-    p.add_argument("--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy, raw log-probs; T > 0: the engine samples at T and "
+        "reports the tempered (processed) log-probs, the trainer scores logits / T "
+        "(as an RLHF run at that temperature)",
+    )
+    p.add_argument(
+        "--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed"
+    )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--bucket-mb", type=float, default=256, help="sync bucket size in MiB")
-    p.add_argument("--validate", action="store_true", help="also compare every synced tensor bit for bit")
+    p.add_argument(
+        "--validate", action="store_true", help="also compare every synced tensor bit for bit"
+    )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM KV cache size (CPU)")
 
 
@@ -41,15 +60,29 @@ def run(args) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    ok = result["max_abs_logprob_diff"] <= args.threshold and result.get("max_abs_expert_weight_diff", 0.0) == 0.0
-    print(f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp}"
-          + (f" EP={args.train_ep}" if args.train_ep > 1 else "") + f" -> infer TP={args.infer_tp}: "
-          f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
-          f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
-          + (f"trainer start {result['trainer_start_seconds']:.1f} s, "
-             if "trainer_start_seconds" in result else "")
-          + (f"max |dweight| over {len(result['expert_weight_max_abs_diff'])} expert weights "
-             f"{result['max_abs_expert_weight_diff']:.3g}, " if "max_abs_expert_weight_diff" in result else "")
-          + f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
-          f"{'OK' if ok else 'FAILED'}", file=sys.stderr if not ok else sys.stdout)
+    ok = (
+        result["max_abs_logprob_diff"] <= args.threshold
+        and result.get("max_abs_expert_weight_diff", 0.0) == 0.0
+    )
+    print(
+        f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp}"
+        + (f" EP={args.train_ep}" if args.train_ep > 1 else "")
+        + f" -> infer TP={args.infer_tp}: "
+        f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "
+        f"sync {result['sync_seconds'] * 1e3:.1f} ms for {result['sync_bytes'] / 1e6:.1f} MB, "
+        + (
+            f"trainer start {result['trainer_start_seconds']:.1f} s, "
+            if "trainer_start_seconds" in result
+            else ""
+        )
+        + (
+            f"max |dweight| over {len(result['expert_weight_max_abs_diff'])} expert weights "
+            f"{result['max_abs_expert_weight_diff']:.3g}, "
+            if "max_abs_expert_weight_diff" in result
+            else ""
+        )
+        + f"{len(result['samples'])} samples, {time.perf_counter() - start:.1f} s total -> {out}: "
+        f"{'OK' if ok else 'FAILED'}",
+        file=sys.stderr if not ok else sys.stdout,
+    )
     return 0 if ok else 1

@@ -12,6 +12,7 @@ TP against the devices), and, when the run would attach to a Ray cluster (runtim
 whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
 Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
 """
+
 import dataclasses
 import sys
 import typing
@@ -54,34 +55,68 @@ def sections() -> list:
     """(title, where, dataclass) of every config section, the shipped algorithms' and backends' included."""
     return [
         ("runtime", "main YAML, `runtime:`", RuntimeConfig),
-        *[("runtime.algorithm", f"name: {name}; chatgen/rlhf/algorithms/{name}.py", registry.load(name).Config)
-          for name in registry.available()],
+        *[
+            (
+                "runtime.algorithm",
+                f"name: {name}; chatgen/rlhf/algorithms/{name}.py",
+                registry.load(name).Config,
+            )
+            for name in registry.available()
+        ],
         ("models.<name>", "main YAML, one entry per model", ModelEntry),
-        *[(name, f"per-model YAML of a `backend: {name}` model; chatgen/generation/{name}/",
-           generation.load_backend(name).Config) for name in generation.available()],
+        *[
+            (
+                name,
+                f"per-model YAML of a `backend: {name}` model; chatgen/generation/{name}/",
+                generation.load_backend(name).Config,
+            )
+            for name in generation.available()
+        ],
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
-        ("rewards", "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md", RewardsConfig),
+        (
+            "rewards",
+            "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md",
+            RewardsConfig,
+        ),
         ("rewards.terms.<name>", "one term of a Rewards reward", RewardTerm),
     ]
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("path", nargs="?", help="main YAML (runtime: + models:), or a per-model YAML with --schema")
-    parser.add_argument("overrides", nargs="*", help="key=value overrides, e.g. runtime.num_episode=3")
-    parser.add_argument("--schema", help="validate PATH as one per-model YAML: vllm, megatron, python or "
-                                         "package.module:DataclassName")
-    parser.add_argument("--reference", action="store_true", help="print the key reference of every section")
+    parser.add_argument(
+        "path", nargs="?", help="main YAML (runtime: + models:), or a per-model YAML with --schema"
+    )
+    parser.add_argument(
+        "overrides", nargs="*", help="key=value overrides, e.g. runtime.num_episode=3"
+    )
+    parser.add_argument(
+        "--schema",
+        help="validate PATH as one per-model YAML: vllm, megatron, python or "
+        "package.module:DataclassName",
+    )
+    parser.add_argument(
+        "--reference", action="store_true", help="print the key reference of every section"
+    )
 
 
 def key_reference() -> str:
     """Markdown tables of every section's keys: type, default, meaning (pasted into docs/configuration.md)."""
     out = []
     for title, where, cls in sections():
-        out += [f"### `{title}` ({where})", "", "| key | type | default | meaning |", "| --- | --- | --- | --- |"]
+        out += [
+            f"### `{title}` ({where})",
+            "",
+            "| key | type | default | meaning |",
+            "| --- | --- | --- | --- |",
+        ]
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
             if f.default is not dataclasses.MISSING:
-                default = f"`{f.default!r}`".replace("None", "null").replace("True", "true").replace("False", "false")
+                default = (
+                    f"`{f.default!r}`".replace("None", "null")
+                    .replace("True", "true")
+                    .replace("False", "false")
+                )
             elif f.default_factory is not dataclasses.MISSING:
                 value = f.default_factory()
                 default = "(section)" if dataclasses.is_dataclass(value) else f"`{value!r}`"
@@ -112,7 +147,11 @@ def print_memory_estimate(cfg) -> None:
     device = torch.cuda.get_device_properties(0).total_memory if on_gpu else 80 << 30
     lines, warnings = memory_report(cfg, device)
     where = "this machine's GPU" if on_gpu else "an 80 GiB GPU assumed (no CUDA here)"
-    print(f"# memory estimate per GPU (docs/scaling.md; {where}):", *(f"#   {line}" for line in lines), sep="\n")
+    print(
+        f"# memory estimate per GPU (docs/scaling.md; {where}):",
+        *(f"#   {line}" for line in lines),
+        sep="\n",
+    )
     for warning in warnings:
         print(f"chatgen config: warning: {warning}", file=sys.stderr)
 
@@ -128,20 +167,29 @@ def run(args) -> int:
     if schema is None and not _is_main_yaml(args.path):
         marker = schema_marker(args.path)
         if marker is None or marker[0] == "none":
-            print(f"chatgen config: {args.path} is not a main YAML (runtime: + models:) and names no schema; pass "
-                  "--schema vllm|megatron|python|package.module:DataclassName", file=sys.stderr)
+            print(
+                f"chatgen config: {args.path} is not a main YAML (runtime: + models:) and names no schema; pass "
+                "--schema vllm|megatron|python|package.module:DataclassName",
+                file=sys.stderr,
+            )
             return 2
         schema = marker[0]
-        if ":" in schema and not schema.startswith("chatgen."):  # a YAML file names code to import: chatgen's only
-            print(f"chatgen config: {args.path}: `# chatgen-schema: {schema}` names a module outside chatgen, which "
-                  f"a YAML line may not import; pass it on the command line instead: --schema {schema}",
-                  file=sys.stderr)
+        if ":" in schema and not schema.startswith(
+            "chatgen."
+        ):  # a YAML file names code to import: chatgen's only
+            print(
+                f"chatgen config: {args.path}: `# chatgen-schema: {schema}` names a module outside chatgen, which "
+                f"a YAML line may not import; pass it on the command line instead: --schema {schema}",
+                file=sys.stderr,
+            )
             return 2
     try:
         if schema:
             import yaml
 
-            config = load_model_config(args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen"))
+            config = load_model_config(
+                args.path, resolve_schema(schema), args.overrides, dialect=dialect("chatgen")
+            )
             print(yaml.safe_dump(to_dict(config), sort_keys=False))
         else:
             cfg, _ = checked_run_config(args.path, args.overrides)

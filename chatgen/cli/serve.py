@@ -10,6 +10,7 @@ needs `Authorization: Bearer KEY`. --control adds the weight-update endpoints (c
 `key=value` arguments set any per-model key (docs/generation_keys.md).
 Endpoints and fields: docs/serving.md.
 """
+
 import argparse
 import os
 import sys
@@ -29,46 +30,91 @@ def port_number(text: str) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a port number") from None
     if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"{value} is not a port: use 1..65535, or 0 for a free one")
+        raise argparse.ArgumentTypeError(
+            f"{value} is not a port: use 1..65535, or 0 for a free one"
+        )
     return value
 
 
 def add_arguments(parser) -> None:
     add_module_arguments(parser)
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    parser.add_argument("--port", type=port_number, default=8000,
-                        help="port to listen on (default 8000; 0: a free one)")
-    parser.add_argument("--max-request-bytes", type=positive_int, default=None,
-                        help="answer 413 to a request body larger than this (default 16 MiB)")
-    parser.add_argument("--api-key-file", metavar="PATH",
-                        help="require 'Authorization: Bearer KEY' on every request, KEY the first line of PATH "
-                             f"(or set {API_KEY_ENV}=KEY)")
-    parser.add_argument("--api-key", help="as --api-key-file, the key on the command line: every user of this machine "
-                                          f"sees it in the process list (ps); prefer {API_KEY_ENV} or --api-key-file")
-    parser.add_argument("--control", action="store_true",
-                        help="add the /control endpoints (pause, resume, weight updates from a trainer, prefix cache "
-                             "reset; chatgen/serving/control.py); beyond loopback they need an API key")
-    parser.add_argument("--control-timeout", type=float, default=None, metavar="SECONDS",
-                        help="with --control: how long a weight update may keep the server waiting at any step "
-                             "(the trainer connecting after begin, each bucket, the end) before it is given up and "
-                             "the engine keeps its weights (default 120)")
-    parser.add_argument("--served-model-name", help="the model name clients send (default: --model as given)")
-    parser.add_argument("--allowed-hosts", default="", metavar="NAMES",
-                        help="comma-separated names clients may send in the Host header beyond IP "
-                             "addresses, localhost and this machine's names, e.g. the name a proxy "
-                             "forwards; '*': any (default: none; a foreign Host is answered 400)")
-    parser.add_argument("--shutdown-timeout", type=float, default=None, metavar="SECONDS",
-                        help="on SIGTERM, how long requests still running may finish "
-                             "before they are cancelled (default 10; vLLM's --shutdown-timeout)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)"
+    )
+    parser.add_argument(
+        "--port",
+        type=port_number,
+        default=8000,
+        help="port to listen on (default 8000; 0: a free one)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=positive_int,
+        default=None,
+        help="answer 413 to a request body larger than this (default 16 MiB)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help="require 'Authorization: Bearer KEY' on every request, KEY the first line of PATH "
+        f"(or set {API_KEY_ENV}=KEY)",
+    )
+    parser.add_argument(
+        "--api-key",
+        help="as --api-key-file, the key on the command line: every user of this machine "
+        f"sees it in the process list (ps); prefer {API_KEY_ENV} or --api-key-file",
+    )
+    parser.add_argument(
+        "--control",
+        action="store_true",
+        help="add the /control endpoints (pause, resume, weight updates from a trainer, prefix cache "
+        "reset; chatgen/serving/control.py); beyond loopback they need an API key",
+    )
+    parser.add_argument(
+        "--control-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --control: how long a weight update may keep the server waiting at any step "
+        "(the trainer connecting after begin, each bucket, the end) before it is given up and "
+        "the engine keeps its weights (default 120)",
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model name clients send (default: --model as given)"
+    )
+    parser.add_argument(
+        "--allowed-hosts",
+        default="",
+        metavar="NAMES",
+        help="comma-separated names clients may send in the Host header beyond IP "
+        "addresses, localhost and this machine's names, e.g. the name a proxy "
+        "forwards; '*': any (default: none; a foreign Host is answered 400)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="on SIGTERM, how long requests still running may finish "
+        "before they are cancelled (default 10; vLLM's --shutdown-timeout)",
+    )
+    parser.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512"
+    )
 
 
 def run(args) -> int:
     read_hf_config(args.model, "--model")
     # the key from the one place it was given (two are refused: which one counts would be a guess)
-    given = [name for name, value in ((API_KEY_ENV, os.environ.get(API_KEY_ENV)),
-                                      ("--api-key-file", args.api_key_file), ("--api-key", args.api_key))
-             if value is not None]
+    given = [
+        name
+        for name, value in (
+            (API_KEY_ENV, os.environ.get(API_KEY_ENV)),
+            ("--api-key-file", args.api_key_file),
+            ("--api-key", args.api_key),
+        )
+        if value is not None
+    ]
     if len(given) > 1:
         raise ValueError(f"{' and '.join(given)} both give an API key; give it one way")
     key = None
@@ -77,13 +123,18 @@ def run(args) -> int:
             key = f.readline().strip()
     elif given == ["--api-key"]:
         key = args.api_key
-        print(f"chatgen serve: warning: --api-key shows the key to every user of this machine in the process list "
-              f"(ps); set {API_KEY_ENV}=KEY or use --api-key-file PATH instead", file=sys.stderr)
+        print(
+            f"chatgen serve: warning: --api-key shows the key to every user of this machine in the process list "
+            f"(ps); set {API_KEY_ENV}=KEY or use --api-key-file PATH instead",
+            file=sys.stderr,
+        )
     elif given:
         key = os.environ[API_KEY_ENV]
     if given and not key:
-        raise ValueError(f"{given[0]}: the API key is empty; give one, e.g. the output of `python -c 'import secrets; "
-                         "print(secrets.token_urlsafe(32))'`")
+        raise ValueError(
+            f"{given[0]}: the API key is empty; give one, e.g. the output of `python -c 'import secrets; "
+            "print(secrets.token_urlsafe(32))'`"
+        )
     require("uvicorn", "chatgen serve")
     import uvicorn  # the server's stack (and vLLM's protocol): not for `chatgen serve --help`
 
@@ -93,13 +144,17 @@ def run(args) -> int:
     from chatgen.serving.limits import SHUTDOWN_GRACE_S, uvicorn_config
 
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
-                         "running requests may take to finish on SIGTERM, e.g. 10")
+        raise ValueError(
+            f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
+            "running requests may take to finish on SIGTERM, e.g. 10"
+        )
     if args.control:  # before the engine starts
         check_bind(args.host, key)
         if args.control_timeout is not None and not args.control_timeout > 0:
-            raise ValueError(f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
-                             "the server waiting, e.g. 120")
+            raise ValueError(
+                f"--control-timeout {args.control_timeout}: give the seconds a weight update may keep "
+                "the server waiting, e.g. 120"
+            )
     sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
     try:
         module = build_module(args)
@@ -112,13 +167,24 @@ def run(args) -> int:
         raise
     try:
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
-        routers = [control_router(module, api_key=key, host=args.host, timeout=timeout)] if args.control else []
-        app = build_app(module, api_key=key, model_name=args.served_model_name or args.model,
-                        routers=routers, max_request_bytes=args.max_request_bytes,
-                        allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))])
+        routers = (
+            [control_router(module, api_key=key, host=args.host, timeout=timeout)]
+            if args.control
+            else []
+        )
+        app = build_app(
+            module,
+            api_key=key,
+            model_name=args.served_model_name or args.model,
+            routers=routers,
+            max_request_bytes=args.max_request_bytes,
+            allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))],
+        )
         host = f"[{args.host}]" if ":" in args.host else args.host
-        print(f"chatgen serve: http://{host}:{sock.getsockname()[1]}/v1 (model {app.state.model_name!r})",
-              file=sys.stderr)
+        print(
+            f"chatgen serve: http://{host}:{sock.getsockname()[1]}/v1 (model {app.state.model_name!r})",
+            file=sys.stderr,
+        )
         grace = SHUTDOWN_GRACE_S if args.shutdown_timeout is None else args.shutdown_timeout
         uvicorn.Server(uvicorn_config(app, shutdown_grace_s=grace)).run(sockets=[sock])
     finally:

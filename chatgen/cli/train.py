@@ -8,6 +8,7 @@
 The whole config is loaded and checked before Ray or any actor starts, by the function `chatgen config` runs
 (chatgen.cli.config.checked_run_config), so a bad YAML fails in seconds with every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
 """
+
 import sys
 
 from chatgen.cli.config import checked_run_config
@@ -20,13 +21,23 @@ from chatgen.rlhf.runtime import ActorFailure
 
 def add_arguments(parser) -> None:
     parser.add_argument("config", help="main YAML (runtime: + models:)")
-    parser.add_argument("overrides", nargs="*", metavar="key=value",
-                        help="overrides, e.g. runtime.num_episode=3 policy.temperature=1.0")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in <output_dir>/checkpoints")
-    parser.add_argument("--resume-from", metavar="CHECKPOINT",
-                        help="continue from this checkpoint: a directory, or an episode directory name under "
-                             "<output_dir>/checkpoints (e.g. episode_000020)")
+    parser.add_argument(
+        "overrides",
+        nargs="*",
+        metavar="key=value",
+        help="overrides, e.g. runtime.num_episode=3 policy.temperature=1.0",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the latest checkpoint in <output_dir>/checkpoints",
+    )
+    parser.add_argument(
+        "--resume-from",
+        metavar="CHECKPOINT",
+        help="continue from this checkpoint: a directory, or an episode directory name under "
+        "<output_dir>/checkpoints (e.g. episode_000020)",
+    )
 
 
 def run(args) -> int:
@@ -37,7 +48,9 @@ def run(args) -> int:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
     try:
-        algorithm.train(cfg, resume=args.resume_from or args.resume, log=say)  # lines above the progress line
+        algorithm.train(
+            cfg, resume=args.resume_from or args.resume, log=say
+        )  # lines above the progress line
     except (ActorFailure, RunHealthError, CheckpointError) as e:
         print(f"chatgen train: stopped: {e}", file=sys.stderr)
         return 1

@@ -14,6 +14,7 @@ CHATLEARN / CHATGEN are the two `chatgen.config.Dialect`s (`dialect(name)` picks
 the mixin that gives a generation module ChatLearn's calls (`model_args`, `_add_request_internal`, a dataset
 with a `collate_fn`). docs/migrating_from_chatlearn.md is the guide.
 """
+
 import copy
 import dataclasses
 import functools
@@ -31,7 +32,9 @@ logger = logging.getLogger(__name__)
 def megatron_lm_keys() -> frozenset:
     """Megatron-LM's argument names, from megatron_lm_keys.txt (its header says how the list was made)."""
     text = Path(__file__).with_name("megatron_lm_keys.txt").read_text(encoding="utf-8")
-    return frozenset(line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#"))
+    return frozenset(
+        line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
+    )
 
 
 # ChatLearn's spellings of chatgen keys: ChatLearn key -> (chatgen key, chatgen value of a ChatLearn value; None =
@@ -39,7 +42,10 @@ def megatron_lm_keys() -> frozenset:
 CHATLEARN_SPELLINGS = {
     "bf16": ("dtype", lambda on: "bfloat16" if on else None),
     "fp16": ("dtype", lambda on: "float16" if on else None),
-    "tensor_model_parallel_size": ("tensor_parallel_size", lambda size: size),  # a vLLM model's TP in ChatLearn
+    "tensor_model_parallel_size": (
+        "tensor_parallel_size",
+        lambda size: size,
+    ),  # a vLLM model's TP in ChatLearn
 }
 
 
@@ -57,8 +63,10 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
         return data  # a python model: every key is the user's already
     fields = {f.name for f in dataclasses.fields(schema)}
     if "args" not in fields:
-        errors.append(f"{label}: the chatlearn dialect sends unknown keys to `args:`, and {schema.__name__} has no "
-                      "`args` field; read this file with the chatgen dialect")
+        errors.append(
+            f"{label}: the chatlearn dialect sends unknown keys to `args:`, and {schema.__name__} has no "
+            "`args` field; read this file with the chatgen dialect"
+        )
         return data
     out, user, ignored, spelled, routed = {}, {}, [], [], []
     for key, value in data.items():
@@ -71,8 +79,10 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
             if chatgen_value is None or target in data:
                 ignored.append(key)  # switched off, or the file sets the chatgen key itself
             elif target in out and out[target] != chatgen_value:
-                errors.append(f"{at(where, (key,))}: sets {target} to {chatgen_value!r}, and another ChatLearn key "
-                              f"sets it to {out[target]!r}; keep one of them")
+                errors.append(
+                    f"{at(where, (key,))}: sets {target} to {chatgen_value!r}, and another ChatLearn key "
+                    f"sets it to {out[target]!r}; keep one of them"
+                )
             else:
                 out[target] = chatgen_value
                 where[(target,)] = source_of(where, (key,))
@@ -80,24 +90,42 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
         elif key in megatron_lm_keys():
             ignored.append(key)
         elif match := did_you_mean(key, fields - {"args"}, cutoff=0.85):
-            errors.append(f"{at(where, (key,))}: unknown key; did you mean {match!r}? (the chatlearn dialect sends "
-                          "unknown keys to `args:`, but not one this close to a chatgen key: fix its spelling, or "
-                          "move it under `args:` if it is yours)")
+            errors.append(
+                f"{at(where, (key,))}: unknown key; did you mean {match!r}? (the chatlearn dialect sends "
+                "unknown keys to `args:`, but not one this close to a chatgen key: fix its spelling, or "
+                "move it under `args:` if it is yours)"
+            )
         else:
             user[key] = value
             where[("args", key)] = source_of(where, (key,))
             routed.append(key)
     if routed:
         explicit = data.get("args") or {}
-        out["args"] = {**user, **explicit} if isinstance(explicit, dict) else explicit  # not a mapping: _build says so
+        out["args"] = (
+            {**user, **explicit} if isinstance(explicit, dict) else explicit
+        )  # not a mapping: _build says so
     if ignored:
-        logger.warning("%s (chatlearn dialect): ignored %d Megatron-LM key(s) that %s does not have: %s", label,
-                       len(ignored), schema.__name__, ", ".join(sorted(ignored)))
+        logger.warning(
+            "%s (chatlearn dialect): ignored %d Megatron-LM key(s) that %s does not have: %s",
+            label,
+            len(ignored),
+            schema.__name__,
+            ", ".join(sorted(ignored)),
+        )
     if spelled:
-        logger.info("%s (chatlearn dialect): read ChatLearn's spellings of chatgen keys: %s", label, ", ".join(spelled))
+        logger.info(
+            "%s (chatlearn dialect): read ChatLearn's spellings of chatgen keys: %s",
+            label,
+            ", ".join(spelled),
+        )
     if routed:
-        logger.info("%s (chatlearn dialect): %d key(s) chatgen does not know went to `args:` (your keys, in "
-                    "model_args): %s", label, len(routed), ", ".join(sorted(routed)))
+        logger.info(
+            "%s (chatlearn dialect): %d key(s) chatgen does not know went to `args:` (your keys, in "
+            "model_args): %s",
+            label,
+            len(routed),
+            ", ".join(sorted(routed)),
+        )
     return out
 
 
@@ -109,14 +137,21 @@ def model_args(config) -> dict:
     """
     if problem := args_problem(config):
         raise ConfigError([f"args: {problem}"])
-    typed = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "args"}
+    typed = {
+        f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.name != "args"
+    }
     return copy.deepcopy({**typed, **config.args})
 
 
-_FOREIGN = dict(foreign_keys=megatron_lm_keys, foreign_name="a Megatron-LM argument",
-                foreign_fix="a ChatLearn YAML with Megatron-LM keys loads with `config_dialect: chatlearn`, "
-                            "docs/migrating_from_chatlearn.md")
-CHATGEN = Dialect("chatgen", None, **_FOREIGN)  # every key checked; a Megatron-LM key is named as one
+_FOREIGN = dict(
+    foreign_keys=megatron_lm_keys,
+    foreign_name="a Megatron-LM argument",
+    foreign_fix="a ChatLearn YAML with Megatron-LM keys loads with `config_dialect: chatlearn`, "
+    "docs/migrating_from_chatlearn.md",
+)
+CHATGEN = Dialect(
+    "chatgen", None, **_FOREIGN
+)  # every key checked; a Megatron-LM key is named as one
 CHATLEARN = Dialect("chatlearn", read_chatlearn, **_FOREIGN)
 DIALECTS = {d.name: d for d in (CHATGEN, CHATLEARN)}
 
@@ -147,7 +182,10 @@ class ChatLearnGeneration:
         ChatLearn `torch.utils.data.Dataset`) is remembered: `run_generation` then hands `_add_request` the
         collated batch, as ChatLearn's data loader does."""
         dataset = self.build_dataset(prompts, is_eval)
-        self._collate_fns = {**getattr(self, "_collate_fns", {}), bool(is_eval): getattr(dataset, "collate_fn", None)}
+        self._collate_fns = {
+            **getattr(self, "_collate_fns", {}),
+            bool(is_eval): getattr(dataset, "collate_fn", None),
+        }
         return [dataset[i] for i in range(len(dataset))]
 
     def collate(self, data, is_eval=False):
@@ -160,10 +198,14 @@ class ChatLearnGeneration:
         with the train or eval sampling parameters; returns the request ids. A prompt over the budget
         seq_length - max_new_tokens is an error naming it (cut prompts in `build_dataset`)."""
         if len(prompt_list) != len(prompt_token_id_list):
-            raise ValueError(f"_add_request_internal: {len(prompt_list)} prompts but {len(prompt_token_id_list)} "
-                             "prompt_token_ids; pass one list of token ids per prompt")
-        items = [{"input_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids), "prompt": text}
-                 for text, ids in zip(prompt_list, prompt_token_id_list)]
+            raise ValueError(
+                f"_add_request_internal: {len(prompt_list)} prompts but {len(prompt_token_id_list)} "
+                "prompt_token_ids; pass one list of token ids per prompt"
+            )
+        items = [
+            {"input_ids": ids.tolist() if hasattr(ids, "tolist") else list(ids), "prompt": text}
+            for text, ids in zip(prompt_list, prompt_token_id_list)
+        ]
         return self._queue(items, is_eval=is_eval)
 
     @staticmethod

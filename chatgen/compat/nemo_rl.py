@@ -22,6 +22,7 @@ counts one trainer rank (chatgen's trainer sends from its rank 0 only) and the t
 `token`; update_weights_via_ipc is host shared memory on GPUs too (CUDA IPC needs the trainer and the engine on
 one device, which chatgen's placement never makes: colocated models share a process and sync in place).
 """
+
 import contextlib
 from collections.abc import Mapping
 
@@ -44,8 +45,14 @@ class NemoRLGeneration:
     def generate_text(self, prompts, greedy=False, is_eval=False):
         """Text in, text out: list[str] -> list[str] of S = prompts x n responses (n = 1 if greedy), response j of
         prompt i at i * n + j. NeMo RL's batch {"prompts": list[str]} -> {"texts": list[str]}."""
-        outputs = self.finished(self.build_dataset(_texts(prompts), is_eval), is_eval=is_eval, greedy=greedy)
-        texts = [sample.text for request in outputs for sample in sorted(request.outputs, key=lambda s: s.index)]
+        outputs = self.finished(
+            self.build_dataset(_texts(prompts), is_eval), is_eval=is_eval, greedy=greedy
+        )
+        texts = [
+            sample.text
+            for request in outputs
+            for sample in sorted(request.outputs, key=lambda s: s.index)
+        ]
         return {"texts": texts} if isinstance(prompts, Mapping) else texts
 
     async def generate_text_async(self, prompts, greedy=False, is_eval=False):
@@ -53,21 +60,31 @@ class NemoRLGeneration:
         soon as prompt i's responses finish; NeMo RL's batch {"prompts": [...]} yields (row, {"texts": [text]}).
         Requests of other callers run alongside; leaving the iterator early aborts this call's requests."""
         items = self.build_dataset(_texts(prompts), is_eval)
-        params = [self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy) for item in items]
-        async with contextlib.aclosing(self.stream([item["input_ids"] for item in items], params)) as outputs:
+        params = [
+            self.sampling_params(len(item["input_ids"]), is_eval=is_eval, greedy=greedy)
+            for item in items
+        ]
+        async with contextlib.aclosing(
+            self.stream([item["input_ids"] for item in items], params)
+        ) as outputs:
             async for i, output in outputs:
                 samples = sorted(output.outputs, key=lambda s: s.index)
                 for sample in samples:
                     row = i * len(samples) + sample.index
-                    yield row, ({"texts": [sample.text]} if isinstance(prompts, Mapping) else sample.text)
+                    yield (
+                        row,
+                        ({"texts": [sample.text]} if isinstance(prompts, Mapping) else sample.text),
+                    )
 
 
 def _texts(prompts) -> list:
     """The prompt strings of a list or of NeMo RL's {"prompts": [...]} batch (its BatchedDataDict is a Mapping)."""
     if isinstance(prompts, Mapping):
         if "prompts" not in prompts:
-            raise ValueError(f"generate_text: a batch dict needs the key 'prompts' (a list of strings, NeMo RL's "
-                             f"spelling); it has {sorted(prompts)}")
+            raise ValueError(
+                f"generate_text: a batch dict needs the key 'prompts' (a list of strings, NeMo RL's "
+                f"spelling); it has {sorted(prompts)}"
+            )
         return list(prompts["prompts"])
     return list(prompts)
 
@@ -81,8 +98,12 @@ class NemoRLRefit:
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
         """NeMo RL's name of `check_weight_manifest`; takes {name: shape} or NeMo RL's {name: (shape, dtype)}."""
-        return self.check_weight_manifest({name: info[0] if len(info) == 2 and not isinstance(info[0], int) else info
-                                           for name, info in state_dict_info.items()})
+        return self.check_weight_manifest(
+            {
+                name: info[0] if len(info) == 2 and not isinstance(info[0], int) else info
+                for name, info in state_dict_info.items()
+            }
+        )
 
     def update_weights_from_collective(self) -> list:
         """NeMo RL's name of `receive_weights`: every engine rank loads one broadcast of the trainer."""

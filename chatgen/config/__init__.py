@@ -8,8 +8,19 @@ the trainer's in chatgen.training.config, the main YAML's in chatgen.rlhf.config
 whole run). Check a config from the shell: `chatgen config configs/grpo_tiny.yaml`. Layout and key reference:
 docs/configuration.md.
 """
+
 from chatgen.config.loader import CLI, ConfigError, Dialect, load_model_config, parse_overrides
 from chatgen.config.schema import DTYPES, REQUIRED, USER_KEYS_DOC, args_problem, opt
 
-__all__ = ["CLI", "ConfigError", "Dialect", "load_model_config", "parse_overrides", "DTYPES", "REQUIRED",
-           "USER_KEYS_DOC", "args_problem", "opt"]
+__all__ = [
+    "CLI",
+    "ConfigError",
+    "Dialect",
+    "load_model_config",
+    "parse_overrides",
+    "DTYPES",
+    "REQUIRED",
+    "USER_KEYS_DOC",
+    "args_problem",
+    "opt",
+]

@@ -11,6 +11,7 @@ This module knows no schema: the main YAML (runtime + models + algorithm) is ass
 chatgen.rlhf.config.load_config, and a `Dialect` (chatgen.compat: chatgen's own, ChatLearn's) says how a
 per-model YAML's keys are read before validation.
 """
+
 import dataclasses
 import difflib
 import logging
@@ -22,8 +23,12 @@ from typing import Any, Callable, Literal
 
 import yaml
 
-from chatgen.config.safe_yaml import (MAX_YAML_CHARS, MAX_YAML_VALUES, YAMLTooLarge,  # noqa: F401
-                                    parse_yaml)  # the bounds, YAMLTooLarge: importable from here too
+from chatgen.config.safe_yaml import (
+    MAX_YAML_CHARS,
+    MAX_YAML_VALUES,
+    YAMLTooLarge,  # noqa: F401
+    parse_yaml,
+)  # the bounds, YAMLTooLarge: importable from here too
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,9 @@ class ConfigError(ValueError):
 
     def __init__(self, errors: list[str]):
         self.errors = list(errors)
-        super().__init__(f"{len(self.errors)} config error(s):\n" + "\n".join(f"  {e}" for e in self.errors))
+        super().__init__(
+            f"{len(self.errors)} config error(s):\n" + "\n".join(f"  {e}" for e in self.errors)
+        )
 
 
 def show(path) -> str:
@@ -82,21 +89,27 @@ def merge(dst: dict, dst_where: dict, src: dict, src_where: dict, prefix: tuple 
 # --- reading files ------------------------------------------------------------------------------------------
 
 
-def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stack: tuple = ()) -> tuple[dict, dict]:
+def read_yaml(
+    path: str, errors: list, files: list, ref: str | None = None, stack: tuple = ()
+) -> tuple[dict, dict]:
     """(data, where) of one YAML file with its `includes:` merged under it (the including file wins)."""
     path = os.path.abspath(os.path.expanduser(path))
     shown = show(path)
     empty = {}, {(): (shown, "")}
     if path in stack:
-        cycle = " -> ".join(show(p) for p in (*stack[stack.index(path):], path))
-        errors.append(f"{show(stack[-1])}: includes: include cycle {cycle}; remove one of these includes")
+        cycle = " -> ".join(show(p) for p in (*stack[stack.index(path) :], path))
+        errors.append(
+            f"{show(stack[-1])}: includes: include cycle {cycle}; remove one of these includes"
+        )
         return empty
     try:
         with open(path, encoding="utf-8") as f:
             data = parse_yaml(f)
     except OSError as e:
-        errors.append(f"{ref or shown}: cannot read {shown} ({e.strerror}); fix the path "
-                      "(relative paths resolve against the directory of the file that names them)")
+        errors.append(
+            f"{ref or shown}: cannot read {shown} ({e.strerror}); fix the path "
+            "(relative paths resolve against the directory of the file that names them)"
+        )
         return empty
     except YAMLTooLarge as e:
         errors.append(f"{shown}: refused: {e}")
@@ -111,16 +124,22 @@ def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stac
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        errors.append(f"{shown}: the top level is a {type(data).__name__}; write a mapping of `key: value` lines")
+        errors.append(
+            f"{shown}: the top level is a {type(data).__name__}; write a mapping of `key: value` lines"
+        )
         return empty
     before = len(errors)
-    includes = substitute(data.pop("includes", None) or [], {(): (shown, "")}, errors, ("includes",))
+    includes = substitute(
+        data.pop("includes", None) or [], {(): (shown, "")}, errors, ("includes",)
+    )
     if len(errors) > before:
         includes = []  # a missing variable: the path is not known
     if isinstance(includes, str):
         includes = [includes]
     if not isinstance(includes, list) or not all(isinstance(i, str) for i in includes):
-        errors.append(f"{shown}: includes: expected a file name or a list of them; write `includes: [base.yaml]`")
+        errors.append(
+            f"{shown}: includes: expected a file name or a list of them; write `includes: [base.yaml]`"
+        )
         includes = []
     merged, where = {}, {}
     for include in includes:
@@ -135,9 +154,11 @@ def read_yaml(path: str, errors: list, files: list, ref: str | None = None, stac
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::([^}]*))?\}")
 # a key that names a secret: key, token, api_key, judge_api_key, hf_token, client_secret, password,
 # ... (not prompt_key or pad_token: the key of a field, a special token)
-SECRET_KEY = re.compile(r"^(key|token)$|(^|_)(api|access|private|secret|auth|client|signing|hf"
-                        r"|wandb|github|session|bearer|refresh)_?(key|token)$|secret|passw(or)?d",
-                        re.IGNORECASE)
+SECRET_KEY = re.compile(
+    r"^(key|token)$|(^|_)(api|access|private|secret|auth|client|signing|hf"
+    r"|wandb|github|session|bearer|refresh)_?(key|token)$|secret|passw(or)?d",
+    re.IGNORECASE,
+)
 MASK = "***"
 MIN_ENV_SECRET = 6  # shorter environment values (a count, a flag) are not looked for when shown
 _from_env = {}  # the text of each environment variable a config used -> its name (`mask_secrets`)
@@ -186,13 +207,21 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
         text = _read_env(name)
         text = default if text is None else text
         if text is None:
-            logger.warning("%s: environment variable %s is not set and has no default: read as null (export %s=... "
-                           "or write ${%s:default})", at(where, path), name, name, name)
+            logger.warning(
+                "%s: environment variable %s is not set and has no default: read as null (export %s=... "
+                "or write ${%s:default})",
+                at(where, path),
+                name,
+                name,
+                name,
+            )
             return None
         if text.strip() == "None":
             return None
         try:
-            return parse_yaml(text)  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+            return parse_yaml(
+                text
+            )  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
         except yaml.YAMLError:
             return text
 
@@ -202,8 +231,10 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
             return _read_env(name)
         if default is not None:
             return default
-        errors.append(f"{at(where, path)}: environment variable {name} is not set and has no default, and a "
-                      f"variable inside a longer string cannot be null; export {name}=... or write ${{{name}:default}}")
+        errors.append(
+            f"{at(where, path)}: environment variable {name} is not set and has no default, and a "
+            f"variable inside a longer string cannot be null; export {name}=... or write ${{{name}:default}}"
+        )
         return ""
 
     return _ENV.sub(replace, value)  # inside a longer string: stays a string
@@ -224,7 +255,9 @@ def parse_override_tree(items, errors: list) -> dict:
         key, sep, raw = item.partition("=")
         keys = key.strip().split(".")
         if not sep or not all(keys):
-            errors.append(f"{CLI}: {item!r}: not a key=value override; write e.g. runtime.num_episode=3")
+            errors.append(
+                f"{CLI}: {item!r}: not a key=value override; write e.g. runtime.num_episode=3"
+            )
             continue
         node = out
         for k in keys[:-1]:
@@ -262,7 +295,11 @@ def did_you_mean(word, choices, cutoff=0.6) -> str | None:
 
 def closest(word, choices, what="keys") -> str:
     match = did_you_mean(word, choices)
-    return f"did you mean {match!r}?" if match else f"valid {what}: {', '.join(sorted(map(str, choices)))}"
+    return (
+        f"did you mean {match!r}?"
+        if match
+        else f"valid {what}: {', '.join(sorted(map(str, choices)))}"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,7 +337,11 @@ def type_name(tp) -> str:
         return " or ".join(type_name(a) for a in typing.get_args(tp))
     if typing.get_origin(tp) is Literal:
         return "one of " + ", ".join(map(repr, typing.get_args(tp)))
-    return tp.__name__ if isinstance(tp, type) and not typing.get_args(tp) else str(tp).replace("typing.", "")
+    return (
+        tp.__name__
+        if isinstance(tp, type) and not typing.get_args(tp)
+        else str(tp).replace("typing.", "")
+    )
 
 
 def _convert(value, tp) -> tuple[bool, Any]:
@@ -339,7 +380,9 @@ def _convert(value, tp) -> tuple[bool, Any]:
 def _type_error(value, tp) -> str:
     if typing.get_origin(tp) is Literal:
         hint = closest(value, typing.get_args(tp), "values") if isinstance(value, str) else ""
-        return f"{value!r} is not {type_name(tp)}; use one of those" + (f" ({hint})" if "mean" in hint else "")
+        return f"{value!r} is not {type_name(tp)}; use one of those" + (
+            f" ({hint})" if "mean" in hint else ""
+        )
     fix = f"set it to {type_name(tp)}"
     if isinstance(value, str):
         try:
@@ -350,27 +393,43 @@ def _type_error(value, tp) -> str:
     return f"expected {type_name(tp)}, got {type(value).__name__} {value!r}; {fix}"
 
 
-def build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=None, dialect: Dialect | None = None):
+def build(
+    cls,
+    data,
+    where: dict,
+    errors: list,
+    path: tuple = (),
+    extra_check=None,
+    dialect: Dialect | None = None,
+):
     """An instance of dataclass `cls` from mapping `data` (None if it has errors); `dict` = any mapping. Each
     problem is appended to `errors`; `extra_check(obj)` yields more (key, problem) pairs."""
     if not isinstance(data, dict):
-        errors.append(f"{at(where, path)}: expected a mapping of `key: value`, got {type(data).__name__} "
-                      f"{data!r}; write the keys indented under it")
+        errors.append(
+            f"{at(where, path)}: expected a mapping of `key: value`, got {type(data).__name__} "
+            f"{data!r}; write the keys indented under it"
+        )
         return None
     if cls is dict:
         return data
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     before = len(errors)
-    kwargs, bad = {}, set()  # bad: keys whose value failed; they take their default for the range checks
+    kwargs, bad = (
+        {},
+        set(),
+    )  # bad: keys whose value failed; they take their default for the range checks
     unknown = {}  # file -> its unknown keys with no close match: one line per file lists the valid keys
     for key, value in data.items():
         key_path = (*path, key)
         if key not in fields:
             foreign = "args" in fields and dialect is not None and key in dialect.foreign_keys()
             match = None if foreign else did_you_mean(key, fields)
-            errors.append(f"{at(where, key_path)}: unknown key" + (f"; did you mean {match!r}?" if match else "")
-                          + (f" ({dialect.foreign_name})" if foreign else ""))
+            errors.append(
+                f"{at(where, key_path)}: unknown key"
+                + (f"; did you mean {match!r}?" if match else "")
+                + (f" ({dialect.foreign_name})" if foreign else "")
+            )
             if match is None:
                 unknown.setdefault(source_of(where, key_path)[0], []).append(key)
             continue
@@ -386,13 +445,18 @@ def build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=No
         else:
             bad.add(key)
     errors.extend(_valid_keys(file, path, fields, keys, dialect) for file, keys in unknown.items())
-    required = [n for n, f in fields.items()
-                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    required = [
+        n
+        for n, f in fields.items()
+        if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+    ]
     for name in required:
         if name not in data:
             doc = fields[name].metadata.get("doc")
-            errors.append(f"{at(where, (*path, name))}: required key is missing; add `{name}: ...`"
-                          + (f" ({doc})" if doc else ""))
+            errors.append(
+                f"{at(where, (*path, name))}: required key is missing; add `{name}: ...`"
+                + (f" ({doc})" if doc else "")
+            )
     if any(name not in kwargs for name in required):
         return None
     # Run the range checks even when other keys were wrong, so that one load reports every problem.
@@ -410,8 +474,13 @@ def build(cls, data, where: dict, errors: list, path: tuple = (), extra_check=No
 # --- public entry points ------------------------------------------------------------------------------------
 
 
-def load_model_config(path: str | os.PathLike | None, schema, overrides: list[str] | dict = (),
-                      extra_check=None, dialect: Dialect | None = None):
+def load_model_config(
+    path: str | os.PathLike | None,
+    schema,
+    overrides: list[str] | dict = (),
+    extra_check=None,
+    dialect: Dialect | None = None,
+):
     """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema` (a
     dataclass, or `dict` for a free mapping).
 
@@ -424,8 +493,12 @@ def load_model_config(path: str | os.PathLike | None, schema, overrides: list[st
     """
     errors, files = [], []
     source = "overrides" if isinstance(overrides, dict) else CLI
-    data, where = read_yaml(os.fspath(path), errors, files) if path is not None else ({}, {(): (source, "")})
-    overrides_tree = dict(overrides) if isinstance(overrides, dict) else parse_override_tree(overrides, errors)
+    data, where = (
+        read_yaml(os.fspath(path), errors, files) if path is not None else ({}, {(): (source, "")})
+    )
+    overrides_tree = (
+        dict(overrides) if isinstance(overrides, dict) else parse_override_tree(overrides, errors)
+    )
     merge(data, where, overrides_tree, dict.fromkeys(key_paths(overrides_tree), (source, "")))
     label = show(os.path.abspath(os.fspath(path))) if path is not None else source
     if dialect is not None and dialect.read is not None:
@@ -435,5 +508,3 @@ def load_model_config(path: str | os.PathLike | None, schema, overrides: list[st
     if errors:
         raise ConfigError(errors)
     return obj
-
-

@@ -2,6 +2,7 @@
 key given twice is refused; `1e-5` is a float; dates stay strings). chatgen.config.loader reads
 every file and `${VAR:default}` and override value through parse_yaml.
 """
+
 import re
 
 import yaml
@@ -10,7 +11,9 @@ import yaml
 # "billion laughs" file (aliases of aliases: a few hundred bytes that expand to 10^9 values) used to run the
 # process out of memory (MemoryError) once anything walked the data, and a huge file takes PyYAML minutes.
 MAX_YAML_CHARS = 1 << 20
-MAX_YAML_VALUES = 100_000  # scalars, lists and mappings of one document, every alias counted as what it repeats
+MAX_YAML_VALUES = (
+    100_000  # scalars, lists and mappings of one document, every alias counted as what it repeats
+)
 
 
 class YAMLTooLarge(yaml.YAMLError):
@@ -23,8 +26,10 @@ def _expanded_values(node, memo: dict) -> int:
     key = id(node)
     if key in memo:
         if memo[key] is None:
-            raise YAMLTooLarge(f"line {node.start_mark.line + 1}: an alias refers to a node that contains it "
-                               "(a recursive anchor); a config cannot hold one, write the values out")
+            raise YAMLTooLarge(
+                f"line {node.start_mark.line + 1}: an alias refers to a node that contains it "
+                "(a recursive anchor); a config cannot hold one, write the values out"
+            )
         return memo[key]
     memo[key] = None
     if isinstance(node, yaml.MappingNode):
@@ -49,9 +54,11 @@ class ConfigLoader(yaml.SafeLoader):
     def compose_document(self):
         node = super().compose_document()
         if node is not None and _expanded_values(node, {}) > MAX_YAML_VALUES:
-            raise YAMLTooLarge(f"the document holds more than {MAX_YAML_VALUES} values once its aliases (*name) are "
-                               "expanded (aliases of aliases multiply: a 'billion laughs' file); a config needs "
-                               "far fewer: write the values out, or use includes")
+            raise YAMLTooLarge(
+                f"the document holds more than {MAX_YAML_VALUES} values once its aliases (*name) are "
+                "expanded (aliases of aliases multiply: a 'billion laughs' file); a config needs "
+                "far fewer: write the values out, or use includes"
+            )
         return node
 
     def construct_mapping(self, node, deep=False):
@@ -64,8 +71,12 @@ class ConfigLoader(yaml.SafeLoader):
                 continue  # an unhashable key: SafeLoader's own error follows
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    None, None, f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
-                                f"{key_node.start_mark.line + 1}); keep one", key_node.start_mark)
+                    None,
+                    None,
+                    f"key {key!r} appears twice in one mapping (lines {seen[key] + 1} and "
+                    f"{key_node.start_mark.line + 1}); keep one",
+                    key_node.start_mark,
+                )
             seen[key] = key_node.start_mark.line
         return super().construct_mapping(node, deep)
 
@@ -75,7 +86,9 @@ ConfigLoader.yaml_implicit_resolvers = {
     for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
 }
 ConfigLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"), list("-+0123456789")
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
 )
 
 
@@ -84,8 +97,12 @@ def parse_yaml(text):
     if not isinstance(text, str):
         text = text.read(MAX_YAML_CHARS + 1)
     if len(text) > MAX_YAML_CHARS:
-        raise YAMLTooLarge(f"over {MAX_YAML_CHARS} characters; a config file is a few kB: is it the right file?")
+        raise YAMLTooLarge(
+            f"over {MAX_YAML_CHARS} characters; a config file is a few kB: is it the right file?"
+        )
     try:
         return yaml.load(text, Loader=ConfigLoader)
     except RecursionError:  # PyYAML composes nested lists and mappings recursively
-        raise YAMLTooLarge("nested deeper than the loader follows; a config nests a few levels") from None
+        raise YAMLTooLarge(
+            "nested deeper than the loader follows; a config nests a few levels"
+        ) from None

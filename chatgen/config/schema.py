@@ -9,6 +9,7 @@ The dataclasses live with what reads them: a generation backend's per-model keys
 (chatgen/generation/config.py, chatgen/generation/vllm/config.py), the trainer's in chatgen/training/config.py,
 the main YAML's (runtime, models, algorithm) in chatgen/rlhf/config.py. This package knows none of them.
 """
+
 import copy
 import dataclasses
 from typing import Literal
@@ -31,14 +32,20 @@ def opt(default, doc: str, path: bool = False):
     return dataclasses.field(default=default, metadata=meta)
 
 
-USER_KEYS_DOC = ("your own keys, free-form: chatgen reads none of them (`model_args(config)` gives them with the "
-                 "typed keys in one flat dict); a key of this section may not be repeated here")
+USER_KEYS_DOC = (
+    "your own keys, free-form: chatgen reads none of them (`model_args(config)` gives them with the "
+    "typed keys in one flat dict); a key of this section may not be repeated here"
+)
 
 
 def args_problem(config) -> str | None:
     """Why `config.args` (user keys) cannot sit beside the typed keys in one flat `model_args`, or None."""
-    shadowed = sorted(key for key in config.args if key in {f.name for f in dataclasses.fields(config)})
+    shadowed = sorted(
+        key for key in config.args if key in {f.name for f in dataclasses.fields(config)}
+    )
     if shadowed:
-        return (f"{', '.join(map(repr, shadowed))} {'is a chatgen key' if len(shadowed) == 1 else 'are chatgen keys'} "
-                "of this model; set it at the top level of the file, or give your key another name")
+        return (
+            f"{', '.join(map(repr, shadowed))} {'is a chatgen key' if len(shadowed) == 1 else 'are chatgen keys'} "
+            "of this model; set it at the top level of the file, or give your key another name"
+        )
     return None

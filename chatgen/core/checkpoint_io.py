@@ -15,6 +15,7 @@ under the final name. Processes that write one directory together (the ranks of 
 a run) use `begin_directory` / `commit_directory`, the two halves of `atomic_directory`.
 Weights are read with safetensors only (never pickle). Imports neither Megatron nor vLLM.
 """
+
 import contextlib
 import json
 import os
@@ -26,22 +27,53 @@ from safetensors import safe_open
 MEGATRON_META = "chatgen_megatron.json"  # HF config, TP, PP, padded vocab, iteration of a chatgen Megatron checkpoint
 # Tokenizer and generation files an HF directory carries beside the weights (copied by whatever derives a new
 # HF directory from an old one: convert, the SFT warm start, a trainer's checkpoint).
-HF_SIDE_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "generation_config.json", "chat_template.jinja", "chat_template.json", "added_tokens.json",
-                 "vocab.json", "merges.txt")
+HF_SIDE_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+)
 
 
-def write_megatron_meta(directory, hf_config: dict, tp: int, pp: int, padded_vocab_size: int, iteration: int,
-                        optimizer: bool = False, distributed: bool = False, dp: int = 1, ep: int = 1) -> None:
+def write_megatron_meta(
+    directory,
+    hf_config: dict,
+    tp: int,
+    pp: int,
+    padded_vocab_size: int,
+    iteration: int,
+    optimizer: bool = False,
+    distributed: bool = False,
+    dp: int = 1,
+    ep: int = 1,
+) -> None:
     """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read).
     distributed: the weights are megatron-core's distributed checkpoint in the same directory (what the trainer
     saves, loadable at any TP x PP x DP: chatgen/training/dist_checkpoint.py), not model_tp*_pp*.safetensors
     (what `chatgen convert --to megatron` writes); `optimizer`: it holds the optimizer state too, which a load
     then requires; tp, pp, dp, ep: the layout it was saved at (the weights hold every expert whatever the EP)."""
-    (Path(directory) / MEGATRON_META).write_text(json.dumps(dict(
-        hf_config=hf_config, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        data_parallel_size=dp, padded_vocab_size=padded_vocab_size, iteration=iteration, optimizer=optimizer,
-        expert_model_parallel_size=ep, distributed=distributed), indent=1))
+    (Path(directory) / MEGATRON_META).write_text(
+        json.dumps(
+            dict(
+                hf_config=hf_config,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                data_parallel_size=dp,
+                padded_vocab_size=padded_vocab_size,
+                iteration=iteration,
+                optimizer=optimizer,
+                expert_model_parallel_size=ep,
+                distributed=distributed,
+            ),
+            indent=1,
+        )
+    )
 
 
 def read_megatron_meta(directory) -> dict | None:
@@ -59,8 +91,10 @@ def read_hf_config(path, what: str = "load") -> dict:
         return meta["hf_config"]
     if (path / "config.json").is_file():
         return json.loads((path / "config.json").read_text())
-    raise FileNotFoundError(f"{what}={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
-                            f"Megatron checkpoint (chatgen_megatron.json); point {what} at one of them")
+    raise FileNotFoundError(
+        f"{what}={str(path)!r}: neither an HF model directory (config.json) nor a chatgen "
+        f"Megatron checkpoint (chatgen_megatron.json); point {what} at one of them"
+    )
 
 
 def copy_hf_side_files(src, dst) -> None:
@@ -88,9 +122,14 @@ def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
     """
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors")
+        raise FileNotFoundError(
+            f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors"
+        )
     if names is not None and tie_word_embeddings and "model.embed_tokens.weight" in names:
-        names = {*names, "lm_head.weight"}  # the tied matrix may be stored under the head's name only
+        names = {
+            *names,
+            "lm_head.weight",
+        }  # the tied matrix may be stored under the head's name only
     hf = {}
     for file in files:
         with safe_open(str(file), "pt") as f:
@@ -155,8 +194,10 @@ def write_private_text(path, text: str) -> None:
     planted it would have the write land on its target."""
     path = Path(path)
     if path.is_symlink():
-        raise OSError(f"{path} is a symbolic link; chatgen writes no file through a link it did "
-                      "not make (its target would be overwritten): remove the link")
+        raise OSError(
+            f"{path} is a symbolic link; chatgen writes no file through a link it did "
+            "not make (its target would be overwritten): remove the link"
+        )
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
@@ -176,7 +217,9 @@ def atomic_file(path):
     and is removed when it fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")  # keeps the suffix: writers pick formats by it
+    tmp = path.with_name(
+        f".{path.name}.tmp{path.suffix}"
+    )  # keeps the suffix: writers pick formats by it
     try:
         yield tmp
         with open(tmp, "rb") as f:

@@ -10,6 +10,7 @@ extra state) are read with `torch.load(weights_only=True)` (torch's reader uses 
 and resharded loading of a trainer's checkpoint are chatgen.training.dist_checkpoint's; this is the ground-floor
 part that an engine starting from a checkpoint, and `chatgen convert`, need too.
 """
+
 import io
 import pickle
 import warnings
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-METADATA_FILE = "metadata.json"  # megatron's marker of a complete distributed checkpoint (written last)
+METADATA_FILE = (
+    "metadata.json"  # megatron's marker of a complete distributed checkpoint (written last)
+)
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -26,21 +29,39 @@ class _MetadataUnpickler(pickle.Unpickler):
     torch's dtypes, layouts and memory formats, and a few plain types. Never a function, which a pickle could call
     with arguments of its choosing."""
 
-    _MODULES = {"torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                "torch.distributed._shard.metadata", "torch.distributed._shard.sharded_tensor.metadata"}
-    _NAMES = {("torch", "Size"), ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"),
-              ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset")}
+    _MODULES = {
+        "torch.distributed.checkpoint.metadata",
+        "torch.distributed.checkpoint.filesystem",
+        "torch.distributed._shard.metadata",
+        "torch.distributed._shard.sharded_tensor.metadata",
+    }
+    _NAMES = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
     _TORCH_VALUES = (torch.dtype, torch.layout, torch.memory_format)
 
     def find_class(self, module, name):
-        found = super().find_class(module, name) if (module in self._MODULES or (module, name) in self._NAMES
-                                                     or module == "torch") else None
-        if ((module, name) in self._NAMES or (module in self._MODULES and isinstance(found, type))
-                or (module == "torch" and isinstance(found, self._TORCH_VALUES))):
+        found = (
+            super().find_class(module, name)
+            if (module in self._MODULES or (module, name) in self._NAMES or module == "torch")
+            else None
+        )
+        if (
+            (module, name) in self._NAMES
+            or (module in self._MODULES and isinstance(found, type))
+            or (module == "torch" and isinstance(found, self._TORCH_VALUES))
+        ):
             return found
-        raise pickle.UnpicklingError(f"a distributed checkpoint's .metadata names {module}.{name}, which is not "
-                                     "checkpoint metadata; refusing to load it (the file was not written by "
-                                     "torch.distributed.checkpoint, or was altered)")
+        raise pickle.UnpicklingError(
+            f"a distributed checkpoint's .metadata names {module}.{name}, which is not "
+            "checkpoint metadata; refusing to load it (the file was not written by "
+            "torch.distributed.checkpoint, or was altered)"
+        )
 
 
 class _SafePickle:
@@ -90,10 +111,16 @@ def read_full_tensors(directory, skip: tuple = ()) -> dict:
     read_safely()
     reader = dcp.FileSystemReader(str(directory))
     metadata = reader.read_metadata()
-    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
-             for key, meta in metadata.state_dict_metadata.items()
-             if isinstance(meta, TensorStorageMetadata) and not key.startswith(skip)}
-    with warnings.catch_warnings():  # torch warns that it assumes one process even when told so (no_dist)
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+    state = {
+        key: torch.empty(meta.size, dtype=meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if isinstance(meta, TensorStorageMetadata) and not key.startswith(skip)
+    }
+    with (
+        warnings.catch_warnings()
+    ):  # torch warns that it assumes one process even when told so (no_dist)
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
         dcp.load(state, storage_reader=reader, no_dist=True)
     return state

@@ -9,6 +9,7 @@ loopback host keeps the rendezvous on this machine, a node's address (a multi-no
     store = tcp_store("127.0.0.1", port, world_size=2, is_server=True)
     init_process_group("gloo", rank, world_size, "127.0.0.1", port)
 """
+
 import datetime
 import socket
 
@@ -31,20 +32,29 @@ def tcp_store(host: str, port: int, world_size: int, is_server: bool, timeout=DE
     it between a `free_port()` and the bind (that race failed one-rank trainers while a test suite ran)."""
     listen_fd = None
     if is_server and host not in ("0.0.0.0", "::", ""):
-        family, _, _, _, address = socket.getaddrinfo("127.0.0.1" if host == "localhost" else host, port,
-                                                      type=socket.SOCK_STREAM)[0]
+        family, _, _, _, address = socket.getaddrinfo(
+            "127.0.0.1" if host == "localhost" else host, port, type=socket.SOCK_STREAM
+        )[0]
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
         port = sock.getsockname()[1]
         sock.listen(max(128, world_size))
         listen_fd = sock.detach()  # the store owns the descriptor from here on
-    return dist.TCPStore(host, port, world_size, is_server, timeout=timeout, wait_for_workers=False,
-                         master_listen_fd=listen_fd)
+    return dist.TCPStore(
+        host,
+        port,
+        world_size,
+        is_server,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=listen_fd,
+    )
 
 
-def init_process_group(backend: str, rank: int, world_size: int, host: str, port: int,
-                       timeout=DEFAULT_TIMEOUT) -> None:
+def init_process_group(
+    backend: str, rank: int, world_size: int, host: str, port: int, timeout=DEFAULT_TIMEOUT
+) -> None:
     """`dist.init_process_group` over a `tcp_store` (rank 0 serves it)."""
     store = tcp_store(host, port, world_size, rank == 0, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)

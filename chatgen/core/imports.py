@@ -8,6 +8,7 @@ folder, where `chatgen init DIR` puts them, else the main YAML's own directory) 
 CHATGEN_PROJECT_DIRS, which the run's workers inherit (Ray actors on any node: chatgen.rlhf.runtime.worker_env
 forwards it and puts the directories on their PYTHONPATH), so they search the same directories.
 """
+
 import difflib
 import importlib
 import importlib.util
@@ -68,9 +69,11 @@ def import_object(path: str, what: str = "object"):
         spec = None
     if spec is None:
         looked = module.replace(".", "/")
-        raise ValueError(f"{path!r}: no module {module!r} (looked for {looked}.py or {looked}/__init__.py in "
-                         f"{', '.join(dirs)} and the installed packages); fix the path, or give the file: "
-                         f"'{looked}.py:{name}'")
+        raise ValueError(
+            f"{path!r}: no module {module!r} (looked for {looked}.py or {looked}/__init__.py in "
+            f"{', '.join(dirs)} and the installed packages); fix the path, or give the file: "
+            f"'{looked}.py:{name}'"
+        )
     return getattr_or_fail(_run_module(path, lambda: importlib.import_module(module)), name, path)
 
 
@@ -81,17 +84,21 @@ def _run_module(path: str, load):
     except MissingPackage:
         raise  # already says what to install
     except Exception as e:  # noqa: BLE001 - whatever the user's module raises while it imports
-        raise ValueError(f"{path!r}: importing it failed: {type(e).__name__}: {e}; fix that module (python -c "
-                         f"'import ...' in the project directory shows the traceback)") from e
+        raise ValueError(
+            f"{path!r}: importing it failed: {type(e).__name__}: {e}; fix that module (python -c "
+            f"'import ...' in the project directory shows the traceback)"
+        ) from e
 
 
 def _import_file(path: str, file: str, dirs: list):
     candidates = [Path(file)] if os.path.isabs(file) else [Path(d) / file for d in dirs]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
-        raise ValueError(f"{path!r}: file {file} not found; looked in {', '.join(dirs)} (the project directory: "
-                         "the one above the main YAML's configs/ folder, else the YAML's own; then the current "
-                         "directory); fix the path or give it absolute")
+        raise ValueError(
+            f"{path!r}: file {file} not found; looked in {', '.join(dirs)} (the project directory: "
+            "the one above the main YAML's configs/ folder, else the YAML's own; then the current "
+            "directory); fix the path or give it absolute"
+        )
     found = found.resolve()
     for d in dirs:  # the dotted name below a search directory, when it is one
         try:
@@ -125,8 +132,10 @@ def getattr_or_fail(module, name: str, path: str):
     except AttributeError:
         public = [n for n in vars(module) if not n.startswith("_")]
         close = difflib.get_close_matches(name, public, n=1)
-        raise ValueError(f"{path!r}: {module.__file__} has no {name!r}"
-                         + (f"; did you mean {close[0]!r}?" if close else "")) from None
+        raise ValueError(
+            f"{path!r}: {module.__file__} has no {name!r}"
+            + (f"; did you mean {close[0]!r}?" if close else "")
+        ) from None
 
 
 class MissingPackage(ImportError, ValueError):
@@ -135,8 +144,16 @@ class MissingPackage(ImportError, ValueError):
 
 
 # which of setup.py's extras installs each optional top-level package (keep the two in step)
-EXTRAS = {"vllm": "vllm", "ray": "ray", "fastapi": "serve", "uvicorn": "serve", "datasets": "data",
-          "math_verify": "math", "wandb": "wandb", "mlflow": "mlflow"}
+EXTRAS = {
+    "vllm": "vllm",
+    "ray": "ray",
+    "fastapi": "serve",
+    "uvicorn": "serve",
+    "datasets": "data",
+    "math_verify": "math",
+    "wandb": "wandb",
+    "mlflow": "mlflow",
+}
 
 
 def require(package: str, what: str) -> None:
@@ -145,9 +162,12 @@ def require(package: str, what: str) -> None:
     a ModuleNotFoundError from deep inside chatgen."""
     if importlib.util.find_spec(package) is None:
         extra = EXTRAS[package]
-        raise MissingPackage(f"{what} needs the Python package {package!r}, which is not installed in this "
-                             f"environment; install it with `pip install 'chatgen[{extra}]'` (the tested versions: "
-                             "requirements.txt on CPU, requirements-gpu.txt on CUDA)", name=package)
+        raise MissingPackage(
+            f"{what} needs the Python package {package!r}, which is not installed in this "
+            f"environment; install it with `pip install 'chatgen[{extra}]'` (the tested versions: "
+            "requirements.txt on CPU, requirements-gpu.txt on CUDA)",
+            name=package,
+        )
 
 
 def import_class(path: str):
@@ -159,11 +179,22 @@ def import_class(path: str):
 def plugins(package, packages_only: bool = False) -> list[str]:
     """Names of the modules of `package` (a module object; only its subpackages with packages_only): the plugins
     chatgen ships."""
-    return sorted(m.name for m in pkgutil.iter_modules(package.__path__)
-                  if not m.name.startswith("_") and (m.ispkg or not packages_only))
+    return sorted(
+        m.name
+        for m in pkgutil.iter_modules(package.__path__)
+        if not m.name.startswith("_") and (m.ispkg or not packages_only)
+    )
 
 
-def load_plugin(name: str, package, required: tuple, what: str, key: str, example: str, packages_only: bool = False):
+def load_plugin(
+    name: str,
+    package,
+    required: tuple,
+    what: str,
+    key: str,
+    example: str,
+    packages_only: bool = False,
+):
     """The plugin module `name`: a module of `package` (e.g. "grpo" in chatgen.rlhf.algorithms), or the dotted
     path of the user's own module; it must define every attribute of `required`. A ValueError names the config
     `key`, the choices (with the nearest one) and, for a module that lacks something, the `example` to follow."""
@@ -178,11 +209,15 @@ def load_plugin(name: str, package, required: tuple, what: str, key: str, exampl
     if not found:
         close = difflib.get_close_matches(name, shipped, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise ValueError(f"unknown {what} {name!r}; {hint}chatgen ships {', '.join(shipped)}, or give the dotted path "
-                         "of your own module (importable from the directory you run in)")
+        raise ValueError(
+            f"unknown {what} {name!r}; {hint}chatgen ships {', '.join(shipped)}, or give the dotted path "
+            "of your own module (importable from the directory you run in)"
+        )
     module = importlib.import_module(path)
     missing = [attr for attr in required if not hasattr(module, attr)]
     if missing:
-        raise ValueError(f"{what} module {path} lacks {', '.join(missing)}; a {what} module defines "
-                         f"{', '.join(required)} (see {example})")
+        raise ValueError(
+            f"{what} module {path} lacks {', '.join(missing)}; a {what} module defines "
+            f"{', '.join(required)} (see {example})"
+        )
     return module

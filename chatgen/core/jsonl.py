@@ -1,4 +1,5 @@
 """JSON Lines input files (prompts, datasets): one object per line, errors that name the file and line."""
+
 import json
 from pathlib import Path
 
@@ -15,16 +16,25 @@ def read_records(path, check=None, what: str = "records") -> list[dict]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
-                                 "save the file as UTF-8") from None
+                raise ValueError(
+                    f"{path}:{lineno}: not UTF-8 (byte {raw[e.start]:#04x} at column {e.start + 1}); "
+                    "save the file as UTF-8"
+                ) from None
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not JSON ({e.msg}); write one JSON object per line") from None
-            problem = "not a JSON object; write one {...} per line" if not isinstance(record, dict) else \
-                check(record) if check else None
+                raise ValueError(
+                    f"{path}:{lineno}: not JSON ({e.msg}); write one JSON object per line"
+                ) from None
+            problem = (
+                "not a JSON object; write one {...} per line"
+                if not isinstance(record, dict)
+                else check(record)
+                if check
+                else None
+            )
             if problem:
                 raise ValueError(f"{path}:{lineno}: {problem}")
             records.append(record)
@@ -40,7 +50,9 @@ def is_token_ids(value) -> bool:
 
 def read_prompt_records(path) -> list[dict]:
     """Records of a JSONL prompt file; each line must have "prompt" (and "answer" for rule rewards)."""
-    return read_records(path, lambda r: None if "prompt" in r else 'each line must be an object with a "prompt" key')
+    return read_records(
+        path, lambda r: None if "prompt" in r else 'each line must be an object with a "prompt" key'
+    )
 
 
 def write_records(path, records) -> None:

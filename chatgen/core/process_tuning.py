@@ -6,6 +6,7 @@ Each is decided before torch (and its OpenMP runtime) loads: chatgen.cli's `main
 its own process, chatgen.rlhf.ray_cluster.worker_env passes PASSIVE_OPENMP to the actors. The
 measurements behind each are in their docstrings.
 """
+
 import ctypes
 import os
 
@@ -28,7 +29,9 @@ def one_malloc_arena() -> bool:
     docs/rlhf_engine.md). `chatgen train` only: `chatgen serve`, whose HTTP and engine threads allocate at once,
     served 0.55-0.69x vLLM's server with it against 0.72-0.81x without (benchmarks/bench_server.py, 3 rounds).
     Returns whether the limit was set (False off glibc)."""
-    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get("GLIBC_TUNABLES", ""):
+    if "MALLOC_ARENA_MAX" in os.environ or "glibc.malloc.arena_max" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    ):
         return False
     try:
         return ctypes.CDLL(None).mallopt(M_ARENA_MAX, 1) == 1

@@ -11,6 +11,7 @@ a warning's category and text, a logger's message. Anything else those modules s
 library says, still shows. vLLM's NUMA notice comes from C++, out of reach of Python's filters;
 chatgen.generation.vllm.adapter quiets that one call (`verbose()` decides there too).
 """
+
 import logging
 import os
 import re
@@ -27,24 +28,45 @@ WARNINGS = [
     (UserWarning, r"full scope is deprecated", r"megatron\.core\.transformer\.transformer_config"),
     # megatron-core's optimizer zeroes `.grad` on every parameter of a group, the distributed optimizer's views
     # of its shards included, and torch warns about the read on a view (nothing is lost: they hold no grads)
-    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf Tensor", r"megatron\.core\.optimizer"),
+    (
+        UserWarning,
+        r"The \.grad attribute of a Tensor that is not a leaf Tensor",
+        r"megatron\.core\.optimizer",
+    ),
     # megatron-core's DDP and distributed optimizer call the collectives by their long-standing names, which torch
     # 2.13 renamed; the deprecated names still do the same
-    (FutureWarning, r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
-     r"torch\.distributed\.c10d_logger"),
+    (
+        FutureWarning,
+        r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated",
+        r"torch\.distributed\.c10d_logger",
+    ),
     # a CUDA stream setting, advice for GPUs; on CPU (gloo) there is no stream to set (every TP > 1
     # trainer rank)
-    (UserWarning, r"When using async grad allreduce it is recommended to set the environment variable "
-                  r"CUDA_DEVICE_MAX_CONNECTIONS", r"megatron\.core\.tensor_parallel\.layers"),
+    (
+        UserWarning,
+        r"When using async grad allreduce it is recommended to set the environment variable "
+        r"CUDA_DEVICE_MAX_CONNECTIONS",
+        r"megatron\.core\.tensor_parallel\.layers",
+    ),
     # a resume reads megatron-core's distributed checkpoint: megatron calls torch's long-standing
     # loader name, and torch's planner warns about the ShardedTensor type megatron's checkpoints are
     # built on (3 lines per resume)
-    (FutureWarning, r"`load_state_dict` is deprecated and will be removed",
-     r"megatron\.core\.dist_checkpointing\.strategies\.torch"),
-    (FutureWarning, r"Please use DTensor instead and we are deprecating ShardedTensor",
-     r"torch\.distributed\.checkpoint\."),
+    (
+        FutureWarning,
+        r"`load_state_dict` is deprecated and will be removed",
+        r"megatron\.core\.dist_checkpointing\.strategies\.torch",
+    ),
+    (
+        FutureWarning,
+        r"Please use DTensor instead and we are deprecating ShardedTensor",
+        r"torch\.distributed\.checkpoint\.",
+    ),
     # vLLM scans every imported module's attributes for Triton kernels and touches torch.distributed.reduce_op
-    (FutureWarning, r"`torch\.distributed\.reduce_op` is deprecated", r"vllm\.triton_utils\.dispatcher"),
+    (
+        FutureWarning,
+        r"`torch\.distributed\.reduce_op` is deprecated",
+        r"vllm\.triton_utils\.dispatcher",
+    ),
 ]
 
 # logger name -> the message (regex, matched at its start) dropped from that logger; its other messages show.
@@ -81,7 +103,9 @@ def apply() -> None:
     if verbose():
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bar per shard it reads or writes
+    os.environ.setdefault(
+        "HF_HUB_DISABLE_PROGRESS_BARS", "1"
+    )  # transformers' bar per shard it reads or writes
     for category, message, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, pattern in LOGGED.items():

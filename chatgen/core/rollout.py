@@ -18,6 +18,7 @@ Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` 
 it sampled), `old_logprobs` (the trainer's, before this episode's update), `ref_logprobs` (the frozen
 reference model's). Pure torch: no vLLM, Megatron or Ray import.
 """
+
 import dataclasses
 
 import torch
@@ -34,10 +35,18 @@ class Sample:
     text: str = ""
     prompt_text: str | None = None
     finish_reason: str = "stop"
-    response_mask: list | None = None  # 1/0 per response token (0 = not trained on, e.g. tool output); None = all 1
-    weight_versions: list | None = None  # per response token: the engine's weight version when it was sampled
-    prompt_logprobs: list | None = None  # per prompt token (the first one's is 0), when the engine computed them
-    routed_experts: object = None  # (positions, layers, k) int array: each token's experts in each MoE layer, -1 = none
+    response_mask: list | None = (
+        None  # 1/0 per response token (0 = not trained on, e.g. tool output); None = all 1
+    )
+    weight_versions: list | None = (
+        None  # per response token: the engine's weight version when it was sampled
+    )
+    prompt_logprobs: list | None = (
+        None  # per prompt token (the first one's is 0), when the engine computed them
+    )
+    routed_experts: object = (
+        None  # (positions, layers, k) int array: each token's experts in each MoE layer, -1 = none
+    )
     metadata: dict = dataclasses.field(default_factory=dict)
 
 
@@ -49,15 +58,21 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # (S,) long
     response_lengths: torch.Tensor  # (S,) long
     loss_mask: torch.Tensor  # (S, L-1) float: 1 where token t+1 is a response token the loss sees
-    infer_logprobs: torch.Tensor  # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
+    infer_logprobs: (
+        torch.Tensor
+    )  # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
     #                               too when the engine computed them: VLLMConfig.prompt_logprobs), else 0
     prompt_index: torch.Tensor  # (S,) long: which prompt of the call each sample answers
     texts: list  # list[str]: response texts ("" for a model without a tokenizer)
     prompt_texts: list  # list[str | None]
     finish_reasons: list  # list[str]: "stop" (EOS / stop string), "length" (token limit) or "abort"
     metadata: list  # list[dict]: per-sample fields the caller attaches (e.g. the prompt record's "answer")
-    weight_versions: torch.Tensor | None = None  # (S, L-1) long: engine weight version per sampled token, -1 elsewhere
-    routed_experts: torch.Tensor | None = None  # (S, L, layers, k) long: the experts the engine routed token t to
+    weight_versions: torch.Tensor | None = (
+        None  # (S, L-1) long: engine weight version per sampled token, -1 elsewhere
+    )
+    routed_experts: torch.Tensor | None = (
+        None  # (S, L, layers, k) long: the experts the engine routed token t to
+    )
     #                                             (MoE, return_routed_experts); -1 where it routed none (the last
     #                                             token, padding): a replaying trainer routes those itself
 
@@ -73,7 +88,11 @@ class RolloutBatch:
     def trainer_inputs(self) -> dict:
         """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1); plus
         routed_experts (S, L, layers, k) when the engine recorded them."""
-        inputs = {"input_ids": self.input_ids, "attention_mask": self.attention_mask, "loss_mask": self.loss_mask}
+        inputs = {
+            "input_ids": self.input_ids,
+            "attention_mask": self.attention_mask,
+            "loss_mask": self.loss_mask,
+        }
         if self.routed_experts is not None:
             inputs["routed_experts"] = self.routed_experts
         return inputs
@@ -109,8 +128,14 @@ class RolloutBatch:
                 fields[f.name] = None  # weight versions that not every batch has
             elif values[0].dim() == 2:  # (S, L) or (S, L-1): pad to the common width
                 cols = width + values[0].shape[1] - batches[0].input_ids.shape[1]
-                fields[f.name] = torch.cat([torch.nn.functional.pad(v, (0, cols - v.shape[1]),
-                                                                    value=pads.get(f.name, 0)) for v in values])
+                fields[f.name] = torch.cat(
+                    [
+                        torch.nn.functional.pad(
+                            v, (0, cols - v.shape[1]), value=pads.get(f.name, 0)
+                        )
+                        for v in values
+                    ]
+                )
             else:
                 fields[f.name] = torch.cat(values)
         return cls(**fields)
@@ -128,27 +153,38 @@ class RolloutBatch:
         versions = routed = None
         if any(s.weight_versions is not None for s in samples):
             versions = torch.full((n, width - 1), -1, dtype=torch.long)
-        recorded = [torch.as_tensor(s.routed_experts) for s in samples if s.routed_experts is not None]
+        recorded = [
+            torch.as_tensor(s.routed_experts) for s in samples if s.routed_experts is not None
+        ]
         if recorded:
             routed = torch.full((n, width, *recorded[0].shape[1:]), -1, dtype=torch.long)
         for row, s in enumerate(samples):
             p, r = len(s.prompt_ids), len(s.response_ids)
             if len(s.response_logprobs) != r:
-                raise ValueError(f"sample {row}: {r} response tokens but {len(s.response_logprobs)} log-probs")
+                raise ValueError(
+                    f"sample {row}: {r} response tokens but {len(s.response_logprobs)} log-probs"
+                )
             if p < 1:
-                raise ValueError(f"sample {row}: empty prompt; every prompt needs at least one token (e.g. BOS)")
-            input_ids[row, :p + r] = torch.tensor([*s.prompt_ids, *s.response_ids], dtype=torch.long)
+                raise ValueError(
+                    f"sample {row}: empty prompt; every prompt needs at least one token (e.g. BOS)"
+                )
+            input_ids[row, : p + r] = torch.tensor(
+                [*s.prompt_ids, *s.response_ids], dtype=torch.long
+            )
             # token k of the response sits at position p + k and is predicted at entry p + k - 1
-            loss_mask[row, p - 1:p - 1 + r] = torch.tensor(s.response_mask if s.response_mask is not None
-                                                           else [1.0] * r, dtype=torch.float32)
-            logprobs[row, p - 1:p - 1 + r] = torch.tensor(s.response_logprobs, dtype=torch.float32)
+            loss_mask[row, p - 1 : p - 1 + r] = torch.tensor(
+                s.response_mask if s.response_mask is not None else [1.0] * r, dtype=torch.float32
+            )
+            logprobs[row, p - 1 : p - 1 + r] = torch.tensor(
+                s.response_logprobs, dtype=torch.float32
+            )
             if s.prompt_logprobs is not None:
-                logprobs[row, :p - 1] = torch.tensor(s.prompt_logprobs[1:], dtype=torch.float32)
+                logprobs[row, : p - 1] = torch.tensor(s.prompt_logprobs[1:], dtype=torch.float32)
             if versions is not None and s.weight_versions is not None:
-                versions[row, p - 1:p - 1 + r] = torch.tensor(s.weight_versions, dtype=torch.long)
+                versions[row, p - 1 : p - 1 + r] = torch.tensor(s.weight_versions, dtype=torch.long)
             if routed is not None and s.routed_experts is not None:
                 experts = torch.as_tensor(s.routed_experts)
-                routed[row, :len(experts)] = experts.long()
+                routed[row, : len(experts)] = experts.long()
         return cls(
             input_ids=input_ids,
             prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),

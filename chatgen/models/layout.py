@@ -26,6 +26,7 @@ training); HF -> Megatron fills it, Megatron -> HF reads the embedding from the 
 Every function here is index arithmetic only, so HF -> Megatron -> HF gives back the same bits
 (tests/unit/test_convert.py). Imports neither Megatron nor vLLM.
 """
+
 import dataclasses
 
 import torch
@@ -42,14 +43,20 @@ def _split(t: torch.Tensor, n: int, dim: int, what: str) -> list[torch.Tensor]:
 
 # ---- one parameter ------------------------------------------------------------------------------------
 
-def qkv_to_megatron(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+
+def qkv_to_megatron(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int
+) -> torch.Tensor:
     """HF q (np*hn, ...), k, v (ng*hn, ...) -> Megatron fused ((np + 2ng)*hn, ...), grouped per query group."""
     ng, rest = num_query_groups, q.shape[1:]
-    return torch.cat([q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)],
-                     dim=1).reshape(-1, *rest)
+    return torch.cat(
+        [q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1
+    ).reshape(-1, *rest)
 
 
-def qkv_to_hf(fused: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def qkv_to_hf(
+    fused: torch.Tensor, spec: ModelSpec
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inverse of qkv_to_megatron on the full (TP-merged) fused tensor."""
     ng, hn, rest = spec.num_query_groups, spec.head_dim, fused.shape[1:]
     per_group = spec.num_attention_heads // ng * hn
@@ -57,8 +64,9 @@ def qkv_to_hf(fused: torch.Tensor, spec: ModelSpec) -> tuple[torch.Tensor, torch
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
 
-def to_megatron_shards(kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp: int, padded_vocab: int,
-                       what: str = "") -> list[torch.Tensor]:
+def to_megatron_shards(
+    kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp: int, padded_vocab: int, what: str = ""
+) -> list[torch.Tensor]:
     """HF tensors of one mapping -> the TP shards of the Megatron parameter (views where possible)."""
     if kind == "replicated":
         return [hf[0]] * tp
@@ -69,8 +77,14 @@ def to_megatron_shards(kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp: i
     if kind == "vocab":
         t = hf[0]
         if t.shape[0] > padded_vocab:
-            raise ValueError(f"{what}: {t.shape[0]} vocab rows do not fit the padded vocab {padded_vocab}")
-        padded = torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])]) if padded_vocab > t.shape[0] else t
+            raise ValueError(
+                f"{what}: {t.shape[0]} vocab rows do not fit the padded vocab {padded_vocab}"
+            )
+        padded = (
+            torch.cat([t, t.new_zeros(padded_vocab - t.shape[0], *t.shape[1:])])
+            if padded_vocab > t.shape[0]
+            else t
+        )
         return _split(padded, tp, 0, what)
     if kind == "qkv":
         return _split(qkv_to_megatron(*hf, spec.num_query_groups), tp, 0, what)
@@ -103,6 +117,7 @@ def to_hf(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.
 
 # ---- whole model --------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class StageParam:
     """One Megatron parameter of one pipeline stage, with the HF tensors it maps to."""
@@ -110,7 +125,9 @@ class StageParam:
     local_name: str  # name in that stage's state dict
     hf: dict  # {HF name: shape}, in the order the layout kind expects
     kind: str
-    duplicate: bool = False  # tied output_layer copy on the last stage: not part of the HF checkpoint
+    duplicate: bool = (
+        False  # tied output_layer copy on the last stage: not part of the HF checkpoint
+    )
     expert: int | None = None  # the global expert number of an expert's weight; None elsewhere
 
     @property
@@ -127,12 +144,18 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
     if spec.num_attention_heads % tp:
         errors.append(f"num_attention_heads={spec.num_attention_heads} is not divisible by TP={tp}")
     if spec.num_query_groups % tp and tp % spec.num_query_groups:
-        errors.append(f"num_key_value_heads={spec.num_query_groups} must be a multiple or a divisor of TP={tp}")
+        errors.append(
+            f"num_key_value_heads={spec.num_query_groups} must be a multiple or a divisor of TP={tp}"
+        )
     if spec.is_moe:
         if spec.moe_ffn_hidden_size % tp:
-            errors.append(f"the experts' intermediate size {spec.moe_ffn_hidden_size} is not divisible by TP={tp}")
+            errors.append(
+                f"the experts' intermediate size {spec.moe_ffn_hidden_size} is not divisible by TP={tp}"
+            )
         if spec.num_experts % ep:
-            errors.append(f"expert_model_parallel_size={ep} must divide the {spec.num_experts} experts")
+            errors.append(
+                f"expert_model_parallel_size={ep} must divide the {spec.num_experts} experts"
+            )
     else:
         if spec.ffn_hidden_size % tp:
             errors.append(f"intermediate_size={spec.ffn_hidden_size} is not divisible by TP={tp}")
@@ -146,12 +169,16 @@ def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
 
 def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
     if spec.num_layers % pp:
-        raise ValueError(f"pipeline_model_parallel_size={pp} must divide num_layers={spec.num_layers}")
+        raise ValueError(
+            f"pipeline_model_parallel_size={pp} must divide num_layers={spec.num_layers}"
+        )
     n = spec.num_layers // pp
     return range(pp_rank * n, (pp_rank + 1) * n)
 
 
-def stage_params(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0) -> list[StageParam]:
+def stage_params(
+    spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
+) -> list[StageParam]:
     """The parameters stage `pp_rank` (and expert-parallel rank `ep_rank` of EP) holds, in HF checkpoint order;
     with EP = 1 every expert, under its global number."""
     model, layer = family(spec).param_mappings(spec)
@@ -160,12 +187,23 @@ def stage_params(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: i
     local_experts = spec.num_experts // ep
     out = []
 
-    def add(m: ParamMapping, local: int | None = None, layer_id: int | None = None, duplicate=False,
-            expert: int | None = None):
+    def add(
+        m: ParamMapping,
+        local: int | None = None,
+        layer_id: int | None = None,
+        duplicate=False,
+        expert: int | None = None,
+    ):
         local_expert = None if expert is None else expert - ep_rank * local_experts
-        out.append(StageParam(m.megatron.format(i=local, e=local_expert),
-                              {h.format(i=layer_id, e=expert): tuple(shape) for h, shape in m.hf.items()}, m.kind,
-                              duplicate, expert))
+        out.append(
+            StageParam(
+                m.megatron.format(i=local, e=local_expert),
+                {h.format(i=layer_id, e=expert): tuple(shape) for h, shape in m.hf.items()},
+                m.kind,
+                duplicate,
+                expert,
+            )
+        )
 
     if first:
         add(by_name["embedding.word_embeddings.weight"])
@@ -181,8 +219,12 @@ def stage_params(spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: i
         if "output_layer.weight" in by_name:
             add(by_name["output_layer.weight"])
         elif not first:  # tied embeddings, PP > 1: the last stage's copy of the embedding
-            add(ParamMapping("output_layer.weight", by_name["embedding.word_embeddings.weight"].hf, "vocab"),
-                duplicate=True)
+            add(
+                ParamMapping(
+                    "output_layer.weight", by_name["embedding.word_embeddings.weight"].hf, "vocab"
+                ),
+                duplicate=True,
+            )
     return out
 
 
@@ -194,9 +236,17 @@ def hf_to_megatron(hf_state: dict, spec: ModelSpec, tp: int, pp: int, padded_voc
         for sp in stage_params(spec, pp, p):
             missing = [n for n in sp.hf_names if n not in hf_state]
             if missing:
-                raise KeyError(f"HF checkpoint lacks {missing} (needed for Megatron {sp.local_name}, stage {p})")
-            shards = to_megatron_shards(sp.kind, [hf_state[n] for n in sp.hf_names], spec, tp, padded_vocab,
-                                        what=f"{sp.hf_names[0]}")
+                raise KeyError(
+                    f"HF checkpoint lacks {missing} (needed for Megatron {sp.local_name}, stage {p})"
+                )
+            shards = to_megatron_shards(
+                sp.kind,
+                [hf_state[n] for n in sp.hf_names],
+                spec,
+                tp,
+                padded_vocab,
+                what=f"{sp.hf_names[0]}",
+            )
             for t, shard in enumerate(shards):
                 out.setdefault((p, t), {})[sp.local_name] = shard
     return out
@@ -212,6 +262,8 @@ def megatron_to_hf(shards: dict, spec: ModelSpec, tp: int, pp: int) -> dict:
             try:
                 tensors = to_hf(sp.kind, [shards[(p, t)][sp.local_name] for t in range(tp)], spec)
             except KeyError as e:
-                raise KeyError(f"Megatron checkpoint stage {p} lacks {sp.local_name} ({e})") from None
+                raise KeyError(
+                    f"Megatron checkpoint stage {p} lacks {sp.local_name} ({e})"
+                ) from None
             hf.update(zip(sp.hf_names, tensors))
     return hf

@@ -16,13 +16,18 @@ Pure data and tensor shapes; imports neither Megatron nor vLLM:
     llama.transformer_config_kwargs(spec)   # -> megatron TransformerConfig keyword arguments
     llama.param_mappings(spec)              # -> ([ParamMapping(megatron, {hf name: shape}, kind)], per-layer ones)
 """
+
 import dataclasses
 
 from chatgen.models.spec import ModelSpec, ParamMapping
 
 # megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
 # GPTModel(rope_scaling_factor=...); these three are fixed defaults there. Configs with other values are refused.
-MEGATRON_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+MEGATRON_LLAMA3_ROPE = {
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 
 
 def _rope_scaling(hf_config: dict, problems: list) -> float | None:
@@ -34,21 +39,29 @@ def _rope_scaling(hf_config: dict, problems: list) -> float | None:
         if rope_type == "default":
             continue
         if rope_type != "llama3":
-            problems.append(f"{key}.rope_type={rope_type!r} (only plain RoPE and Llama-3.1 'llama3' scaling "
-                            "are mapped)")
+            problems.append(
+                f"{key}.rope_type={rope_type!r} (only plain RoPE and Llama-3.1 'llama3' scaling "
+                "are mapped)"
+            )
             return None
         for name, value in MEGATRON_LLAMA3_ROPE.items():
             if block.get(name) != value:
-                problems.append(f"{key}.{name}={block.get(name)} (megatron-core's llama3 RoPE scaling fixes "
-                                f"{name}={value})")
+                problems.append(
+                    f"{key}.{name}={block.get(name)} (megatron-core's llama3 RoPE scaling fixes "
+                    f"{name}={value})"
+                )
         if not isinstance(block.get("factor"), (int, float)):
-            problems.append(f"{key}.factor={block.get('factor')} (llama3 RoPE scaling needs a number)")
+            problems.append(
+                f"{key}.factor={block.get('factor')} (llama3 RoPE scaling needs a number)"
+            )
             return None
         return float(block["factor"])
     return None
 
 
-def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False, qk_norm: bool = False) -> ModelSpec:
+def spec_from_hf(
+    hf_config: dict, family: str = "llama", qkv_bias: bool = False, qk_norm: bool = False
+) -> ModelSpec:
     """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot express."""
     unsupported = []
     rope_scaling_factor = _rope_scaling(hf_config, unsupported)
@@ -61,7 +74,9 @@ def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False,
     if unsupported:
         raise ValueError(f"{family} config: unsupported feature(s): {'; '.join(unsupported)}")
     heads = hf_config["num_attention_heads"]
-    rope = hf_config.get("rope_theta", (hf_config.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    rope = hf_config.get(
+        "rope_theta", (hf_config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+    )
     return ModelSpec(
         family=family,
         num_layers=hf_config["num_hidden_layers"],
@@ -81,15 +96,24 @@ def spec_from_hf(hf_config: dict, family: str = "llama", qkv_bias: bool = False,
     )
 
 
-def with_experts(spec: ModelSpec, num_experts, moe_ffn_hidden_size, topk, renormalize: bool, keys: str) -> ModelSpec:
+def with_experts(
+    spec: ModelSpec, num_experts, moe_ffn_hidden_size, topk, renormalize: bool, keys: str
+) -> ModelSpec:
     """`spec` with a mixture of experts in every layer; `keys` names the HF config keys the numbers came from,
     for the error when one is missing or out of range."""
     numbers = (num_experts, moe_ffn_hidden_size, topk)
     if not all(isinstance(n, int) and n > 0 for n in numbers) or topk > num_experts:
-        raise ValueError(f"{spec.family} config: {keys} = {', '.join(map(str, numbers))}: need positive integers "
-                         "with at most as many experts per token as experts")
-    return dataclasses.replace(spec, num_experts=num_experts, moe_ffn_hidden_size=moe_ffn_hidden_size,
-                               moe_router_topk=topk, moe_renormalize=renormalize)
+        raise ValueError(
+            f"{spec.family} config: {keys} = {', '.join(map(str, numbers))}: need positive integers "
+            "with at most as many experts per token as experts"
+        )
+    return dataclasses.replace(
+        spec,
+        num_experts=num_experts,
+        moe_ffn_hidden_size=moe_ffn_hidden_size,
+        moe_router_topk=topk,
+        moe_renormalize=renormalize,
+    )
 
 
 def transformer_config_kwargs(spec: ModelSpec) -> dict:
@@ -166,15 +190,26 @@ def moe_mappings(spec: ModelSpec, names: MoENames) -> list[ParamMapping]:
     h, ffn, layer = spec.hidden_size, spec.moe_ffn_hidden_size, "model.layers.{i}."
     expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
     return [
-        ParamMapping("decoder.layers.{i}.mlp.router.weight", {layer + names.router: (spec.num_experts, h)},
-                     "replicated"),
-        ParamMapping(expert + "linear_fc1.weight", {layer + names.gate: (ffn, h), layer + names.up: (ffn, h)},
-                     "gate_up", expert=True),
-        ParamMapping(expert + "linear_fc2.weight", {layer + names.down: (h, ffn)}, "row", expert=True),
+        ParamMapping(
+            "decoder.layers.{i}.mlp.router.weight",
+            {layer + names.router: (spec.num_experts, h)},
+            "replicated",
+        ),
+        ParamMapping(
+            expert + "linear_fc1.weight",
+            {layer + names.gate: (ffn, h), layer + names.up: (ffn, h)},
+            "gate_up",
+            expert=True,
+        ),
+        ParamMapping(
+            expert + "linear_fc2.weight", {layer + names.down: (h, ffn)}, "row", expert=True
+        ),
     ]
 
 
-def param_mappings(spec: ModelSpec, moe: MoENames | None = None) -> tuple[list[ParamMapping], list[ParamMapping]]:
+def param_mappings(
+    spec: ModelSpec, moe: MoENames | None = None
+) -> tuple[list[ParamMapping], list[ParamMapping]]:
     """(model-level mappings, per-layer mappings with `{i}`), in HF checkpoint order, each HF name once.
     moe: where a mixture-of-experts family's checkpoint keeps the router and experts (needed when the spec has
     experts)."""
@@ -182,40 +217,87 @@ def param_mappings(spec: ModelSpec, moe: MoENames | None = None) -> tuple[list[P
     q, kv = spec.num_attention_heads * hd, spec.num_query_groups * hd
     attn, mlp = "model.layers.{i}.self_attn.", "model.layers.{i}.mlp."
     layer = [
-        ParamMapping("decoder.layers.{i}.input_layernorm.weight", {"model.layers.{i}.input_layernorm.weight": (h,)},
-                     "replicated"),
-        ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.weight",
-                     {attn + "q_proj.weight": (q, h), attn + "k_proj.weight": (kv, h), attn + "v_proj.weight": (kv, h)},
-                     "qkv"),
+        ParamMapping(
+            "decoder.layers.{i}.input_layernorm.weight",
+            {"model.layers.{i}.input_layernorm.weight": (h,)},
+            "replicated",
+        ),
+        ParamMapping(
+            "decoder.layers.{i}.self_attention.linear_qkv.weight",
+            {
+                attn + "q_proj.weight": (q, h),
+                attn + "k_proj.weight": (kv, h),
+                attn + "v_proj.weight": (kv, h),
+            },
+            "qkv",
+        ),
     ]
     if spec.qkv_bias:
-        layer.append(ParamMapping("decoder.layers.{i}.self_attention.linear_qkv.bias",
-                                  {attn + "q_proj.bias": (q,), attn + "k_proj.bias": (kv,), attn + "v_proj.bias": (kv,)},
-                                  "qkv"))
+        layer.append(
+            ParamMapping(
+                "decoder.layers.{i}.self_attention.linear_qkv.bias",
+                {
+                    attn + "q_proj.bias": (q,),
+                    attn + "k_proj.bias": (kv,),
+                    attn + "v_proj.bias": (kv,),
+                },
+                "qkv",
+            )
+        )
     if spec.qk_norm:  # one RMSNorm of head_dim, shared by every head
-        layer += [ParamMapping("decoder.layers.{i}.self_attention.q_layernorm.weight", {attn + "q_norm.weight": (hd,)},
-                               "replicated"),
-                  ParamMapping("decoder.layers.{i}.self_attention.k_layernorm.weight", {attn + "k_norm.weight": (hd,)},
-                               "replicated")]
+        layer += [
+            ParamMapping(
+                "decoder.layers.{i}.self_attention.q_layernorm.weight",
+                {attn + "q_norm.weight": (hd,)},
+                "replicated",
+            ),
+            ParamMapping(
+                "decoder.layers.{i}.self_attention.k_layernorm.weight",
+                {attn + "k_norm.weight": (hd,)},
+                "replicated",
+            ),
+        ]
     layer += [
-        ParamMapping("decoder.layers.{i}.self_attention.linear_proj.weight", {attn + "o_proj.weight": (h, q)}, "row"),
-        ParamMapping("decoder.layers.{i}.pre_mlp_layernorm.weight",
-                     {"model.layers.{i}.post_attention_layernorm.weight": (h,)}, "replicated"),
+        ParamMapping(
+            "decoder.layers.{i}.self_attention.linear_proj.weight",
+            {attn + "o_proj.weight": (h, q)},
+            "row",
+        ),
+        ParamMapping(
+            "decoder.layers.{i}.pre_mlp_layernorm.weight",
+            {"model.layers.{i}.post_attention_layernorm.weight": (h,)},
+            "replicated",
+        ),
     ]
     if spec.is_moe:
         if moe is None:
-            raise ValueError(f"{spec.family}: a mixture-of-experts spec needs its family's MoENames")
+            raise ValueError(
+                f"{spec.family}: a mixture-of-experts spec needs its family's MoENames"
+            )
         layer += moe_mappings(spec, moe)
     else:
         layer += [
-            ParamMapping("decoder.layers.{i}.mlp.linear_fc1.weight",
-                         {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)}, "gate_up"),
-            ParamMapping("decoder.layers.{i}.mlp.linear_fc2.weight", {mlp + "down_proj.weight": (h, ffn)}, "row"),
+            ParamMapping(
+                "decoder.layers.{i}.mlp.linear_fc1.weight",
+                {mlp + "gate_proj.weight": (ffn, h), mlp + "up_proj.weight": (ffn, h)},
+                "gate_up",
+            ),
+            ParamMapping(
+                "decoder.layers.{i}.mlp.linear_fc2.weight",
+                {mlp + "down_proj.weight": (h, ffn)},
+                "row",
+            ),
         ]
     model = [
-        ParamMapping("embedding.word_embeddings.weight", {"model.embed_tokens.weight": (spec.vocab_size, h)}, "vocab"),
+        ParamMapping(
+            "embedding.word_embeddings.weight",
+            {"model.embed_tokens.weight": (spec.vocab_size, h)},
+            "vocab",
+        ),
         ParamMapping("decoder.final_layernorm.weight", {"model.norm.weight": (h,)}, "replicated"),
     ]
     if not spec.tie_word_embeddings:
-        model.append(ParamMapping("output_layer.weight", {"lm_head.weight": (spec.vocab_size, h)}, "vocab"))
+        model.append(
+            ParamMapping("output_layer.weight", {"lm_head.weight": (spec.vocab_size, h)}, "vocab")
+        )
     return model, layer

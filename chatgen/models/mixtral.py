@@ -9,22 +9,34 @@ training-time noise, applied by neither the trainer nor vLLM. Refused: sliding-w
 
     spec = mixtral.spec_from_hf(json.load(open("DIR/config.json")))
 """
+
 from chatgen.models import llama
 from chatgen.models.llama import gpt_model_kwargs, transformer_config_kwargs  # noqa: F401
 from chatgen.models.spec import ModelSpec
 
-MOE = llama.MoENames(router="block_sparse_moe.gate.weight", gate="block_sparse_moe.experts.{e}.w1.weight",
-                     up="block_sparse_moe.experts.{e}.w3.weight", down="block_sparse_moe.experts.{e}.w2.weight")
+MOE = llama.MoENames(
+    router="block_sparse_moe.gate.weight",
+    gate="block_sparse_moe.experts.{e}.w1.weight",
+    up="block_sparse_moe.experts.{e}.w3.weight",
+    down="block_sparse_moe.experts.{e}.w2.weight",
+)
 
 
 def spec_from_hf(hf_config: dict) -> ModelSpec:
     if hf_config.get("sliding_window") is not None:
-        raise ValueError(f"mixtral config: sliding_window={hf_config['sliding_window']} is not supported (Megatron "
-                         "attends to the full context); set it to null")
+        raise ValueError(
+            f"mixtral config: sliding_window={hf_config['sliding_window']} is not supported (Megatron "
+            "attends to the full context); set it to null"
+        )
     spec = llama.spec_from_hf(hf_config, family="mixtral")
-    return llama.with_experts(spec, hf_config.get("num_local_experts"), hf_config.get("intermediate_size"),
-                              hf_config.get("num_experts_per_tok"), True,
-                              keys="num_local_experts, intermediate_size, num_experts_per_tok")
+    return llama.with_experts(
+        spec,
+        hf_config.get("num_local_experts"),
+        hf_config.get("intermediate_size"),
+        hf_config.get("num_experts_per_tok"),
+        True,
+        keys="num_local_experts, intermediate_size, num_experts_per_tok",
+    )
 
 
 def param_mappings(spec: ModelSpec):

@@ -14,6 +14,7 @@ Megatron would attend to the full context. The MoE variant is model_type "qwen3_
 
     spec = qwen3.spec_from_hf(json.load(open("DIR/config.json")))
 """
+
 from chatgen.models import llama
 from chatgen.models.llama import gpt_model_kwargs, param_mappings, transformer_config_kwargs  # noqa: F401
 from chatgen.models.spec import ModelSpec
@@ -24,12 +25,18 @@ DEFAULT_HEAD_DIM = 128  # transformers' Qwen3Config.head_dim when config.json ha
 def spec_from_hf(hf_config: dict, family: str = "qwen3") -> ModelSpec:
     unsupported = []
     if hf_config.get("attention_bias"):
-        unsupported.append("attention_bias=true (o_proj bias has no Megatron counterpart here, nor in vLLM)")
+        unsupported.append(
+            "attention_bias=true (o_proj bias has no Megatron counterpart here, nor in vLLM)"
+        )
     if hf_config.get("use_sliding_window"):
-        unsupported.append("use_sliding_window=true (Megatron attends to the full context); set it to false")
+        unsupported.append(
+            "use_sliding_window=true (Megatron attends to the full context); set it to false"
+        )
     other_layers = sorted(set(hf_config.get("layer_types") or ()) - {"full_attention"})
     if other_layers:
         unsupported.append(f"layer_types {other_layers} (only 'full_attention' layers are mapped)")
     if unsupported:
         raise ValueError(f"{family} config: unsupported feature(s): {'; '.join(unsupported)}")
-    return llama.spec_from_hf({"head_dim": DEFAULT_HEAD_DIM, **hf_config}, family=family, qk_norm=True)
+    return llama.spec_from_hf(
+        {"head_dim": DEFAULT_HEAD_DIM, **hf_config}, family=family, qk_norm=True
+    )

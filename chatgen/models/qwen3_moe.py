@@ -12,30 +12,46 @@ hidden_size / num_attention_heads, as in transformers' and vLLM's Qwen3-MoE (den
 
     spec = qwen3_moe.spec_from_hf(json.load(open("DIR/config.json")))
 """
+
 from chatgen.models import llama, qwen3
 from chatgen.models.llama import gpt_model_kwargs, transformer_config_kwargs  # noqa: F401
 from chatgen.models.spec import ModelSpec
 
-MOE = llama.MoENames(router="mlp.gate.weight", gate="mlp.experts.{e}.gate_proj.weight",
-                     up="mlp.experts.{e}.up_proj.weight", down="mlp.experts.{e}.down_proj.weight")
+MOE = llama.MoENames(
+    router="mlp.gate.weight",
+    gate="mlp.experts.{e}.gate_proj.weight",
+    up="mlp.experts.{e}.up_proj.weight",
+    down="mlp.experts.{e}.down_proj.weight",
+)
 
 
 def spec_from_hf(hf_config: dict) -> ModelSpec:
     unsupported = []
     if hf_config.get("mlp_only_layers"):
-        unsupported.append(f"mlp_only_layers={hf_config['mlp_only_layers']} (dense layers among MoE layers are not "
-                           "mapped)")
+        unsupported.append(
+            f"mlp_only_layers={hf_config['mlp_only_layers']} (dense layers among MoE layers are not "
+            "mapped)"
+        )
     if hf_config.get("decoder_sparse_step", 1) != 1:
-        unsupported.append(f"decoder_sparse_step={hf_config['decoder_sparse_step']} (only an MoE MLP in every layer is "
-                           "mapped)")
+        unsupported.append(
+            f"decoder_sparse_step={hf_config['decoder_sparse_step']} (only an MoE MLP in every layer is "
+            "mapped)"
+        )
     if unsupported:
         raise ValueError(f"qwen3_moe config: unsupported feature(s): {'; '.join(unsupported)}")
     heads = hf_config["num_attention_heads"]
-    spec = qwen3.spec_from_hf({"head_dim": hf_config["hidden_size"] // heads, **hf_config}, family="qwen3_moe")
+    spec = qwen3.spec_from_hf(
+        {"head_dim": hf_config["hidden_size"] // heads, **hf_config}, family="qwen3_moe"
+    )
     experts = hf_config.get("num_experts", hf_config.get("num_local_experts"))
-    return llama.with_experts(spec, experts, hf_config.get("moe_intermediate_size"),
-                              hf_config.get("num_experts_per_tok"), bool(hf_config.get("norm_topk_prob", False)),
-                              keys="num_experts, moe_intermediate_size, num_experts_per_tok")
+    return llama.with_experts(
+        spec,
+        experts,
+        hf_config.get("moe_intermediate_size"),
+        hf_config.get("num_experts_per_tok"),
+        bool(hf_config.get("norm_topk_prob", False)),
+        keys="num_experts, moe_intermediate_size, num_experts_per_tok",
+    )
 
 
 def param_mappings(spec: ModelSpec):

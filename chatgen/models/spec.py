@@ -1,6 +1,7 @@
 """What a model family tells the rest of chatgen: the architecture facts (`ModelSpec`) and, per Megatron
 parameter, the HF tensors it is made of (`ParamMapping`). Pure data; imports neither Megatron nor vLLM.
 """
+
 import dataclasses
 import math
 
@@ -28,7 +29,9 @@ class ModelSpec:
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0  # one expert's SwiGLU width
     moe_router_topk: int = 0  # experts per token
-    moe_renormalize: bool = True  # the top-k probabilities renormalised to sum to 1 (softmax over the k logits)
+    moe_renormalize: bool = (
+        True  # the top-k probabilities renormalised to sum to 1 (softmax over the k logits)
+    )
 
     @property
     def is_moe(self) -> bool:

@@ -25,6 +25,7 @@ Norm weights (including Qwen3's q_norm / k_norm) and QKV biases (Qwen2) are rand
 ones/zeros, so that a layout bug in a conversion or a weight sync changes the logits instead of hiding
 behind a constant.
 """
+
 import dataclasses
 import json
 import os
@@ -51,7 +52,9 @@ class TinyModelSpec:
     num_hidden_layers: int = 2
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
-    head_dim: int | None = None  # per attention head; None: hidden_size / num_attention_heads (filled in)
+    head_dim: int | None = (
+        None  # per attention head; None: hidden_size / num_attention_heads (filled in)
+    )
     max_position_embeddings: int = 512
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
@@ -61,10 +64,16 @@ class TinyModelSpec:
     # mixture-of-experts families only (see the module docstring)
     num_experts: int = 4  # experts per layer
     num_experts_per_tok: int = 2  # experts each token goes to
-    moe_intermediate_size: int = 128  # one expert's SwiGLU width, where the family has the key (Qwen3-MoE)
+    moe_intermediate_size: int = (
+        128  # one expert's SwiGLU width, where the family has the key (Qwen3-MoE)
+    )
 
     def __post_init__(self):
-        if self.head_dim is None and self.num_attention_heads > 0 and self.hidden_size % self.num_attention_heads == 0:
+        if (
+            self.head_dim is None
+            and self.num_attention_heads > 0
+            and self.hidden_size % self.num_attention_heads == 0
+        ):
             self.head_dim = self.hidden_size // self.num_attention_heads
 
 
@@ -77,10 +86,23 @@ def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
     errors = []
     if spec.family not in models.supported():
         errors.append(f"family: {spec.family!r} is not supported; use one of {models.supported()}")
-    sizes = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-             "num_key_value_heads", "max_position_embeddings", "num_experts", "num_experts_per_tok",
-             "moe_intermediate_size")
-    errors += [f"{key}: must be a positive integer, got {getattr(spec, key)}" for key in sizes if getattr(spec, key) < 1]
+    sizes = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "max_position_embeddings",
+        "num_experts",
+        "num_experts_per_tok",
+        "moe_intermediate_size",
+    )
+    errors += [
+        f"{key}: must be a positive integer, got {getattr(spec, key)}"
+        for key in sizes
+        if getattr(spec, key) < 1
+    ]
     if errors:
         raise ValueError(f"{source}: invalid tiny-model spec:\n  " + "\n  ".join(errors))
     if spec.head_dim is None:
@@ -205,5 +227,7 @@ def make_tiny_model(spec: TinyModelSpec, output: str | os.PathLike, corpus: Path
     with atomic_directory(output) as tmp:
         train_tokenizer(tmp, spec.vocab_size, corpus)
         build_model(spec).save_pretrained(str(tmp), safe_serialization=True)
-        (tmp / "chatgen_tiny_model.yaml").write_text(yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False))
+        (tmp / "chatgen_tiny_model.yaml").write_text(
+            yaml.safe_dump(dataclasses.asdict(spec), sort_keys=False)
+        )
     return output

@@ -14,6 +14,7 @@ It reads the trainer only through `hf_weights()` and the engine only through the
 (`weight_manifest`, `load_weights`, `needs_resync`: chatgen.generation.base), importing neither: both sides
 import it. `chatgen check-sync` (chatgen.tools.check_sync) proves a sync exact. docs/param_sync.md.
 """
+
 from chatgen.param_sync.checks import SyncError, SyncReport, check_manifest, plan_manifest
 from chatgen.param_sync.group import (
     BroadcastReceiver,
@@ -35,8 +36,27 @@ from chatgen.param_sync.shm import (
 )
 from chatgen.param_sync.source import LocalWeights, weight_source
 
-__all__ = ["sync_weights", "weight_source", "LocalWeights", "LocalSender", "GroupSender", "GroupReceiver",
-           "ShmSender", "ShmReceiver", "load_shm", "remove_stale_segments", "SyncReport", "SyncError",
-           "SharedMemoryUnavailable", "check_manifest", "plan_manifest",
-           # earlier names of the same transports
-           "SyncSender", "SyncReceiver", "BroadcastSender", "BroadcastReceiver", "IpcSender", "load_ipc"]
+__all__ = [
+    "sync_weights",
+    "weight_source",
+    "LocalWeights",
+    "LocalSender",
+    "GroupSender",
+    "GroupReceiver",
+    "ShmSender",
+    "ShmReceiver",
+    "load_shm",
+    "remove_stale_segments",
+    "SyncReport",
+    "SyncError",
+    "SharedMemoryUnavailable",
+    "check_manifest",
+    "plan_manifest",
+    # earlier names of the same transports
+    "SyncSender",
+    "SyncReceiver",
+    "BroadcastSender",
+    "BroadcastReceiver",
+    "IpcSender",
+    "load_ipc",
+]

@@ -6,6 +6,7 @@ enter a generation module, which turns a failure into a SyncError saying what th
 
 Nothing here moves bytes between processes; every transport (local.py, group.py, shm.py) calls these.
 """
+
 import dataclasses
 import hashlib
 import hmac
@@ -40,15 +41,23 @@ def check_manifest(sent: dict, expected: dict, where: str = "engine") -> None:
     problems = []
     for name, shape in expected.items():
         if name not in sent:
-            problems.append(f"{name}: the {where} expects shape {tuple(shape)}, the trainer sends nothing")
+            problems.append(
+                f"{name}: the {where} expects shape {tuple(shape)}, the trainer sends nothing"
+            )
         elif tuple(sent[name]) != tuple(shape):
-            problems.append(f"{name}: trainer sends shape {tuple(sent[name])}, the {where} expects {tuple(shape)}")
+            problems.append(
+                f"{name}: trainer sends shape {tuple(sent[name])}, the {where} expects {tuple(shape)}"
+            )
     for name, shape in sent.items():
         if name not in expected:
-            problems.append(f"{name}: trainer sends shape {tuple(shape)}, the {where} has no such parameter")
+            problems.append(
+                f"{name}: trainer sends shape {tuple(shape)}, the {where} has no such parameter"
+            )
     if problems:
-        raise SyncError(f"weight sync refused, the {where} keeps its old weights; {len(problems)} mismatch(es) "
-                        f"between the trainer and the {where}:\n  " + "\n  ".join(problems[:50]))
+        raise SyncError(
+            f"weight sync refused, the {where} keeps its old weights; {len(problems)} mismatch(es) "
+            f"between the trainer and the {where}:\n  " + "\n  ".join(problems[:50])
+        )
 
 
 def plan_manifest(plan: list) -> dict:
@@ -57,7 +66,9 @@ def plan_manifest(plan: list) -> dict:
     for bucket in plan:
         for name, shape in bucket:
             if name in out:
-                raise SyncError(f"weight sync refused, the engine keeps its old weights: the source sends {name} twice")
+                raise SyncError(
+                    f"weight sync refused, the engine keeps its old weights: the source sends {name} twice"
+                )
             out[name] = tuple(shape)
     return out
 
@@ -70,16 +81,21 @@ def plan_bytes(plan, dtype) -> int:
 def nonfinite(named_tensors) -> list[str]:
     """Names of the (name, tensor) pairs holding NaN or inf. One fp32 sum per tensor, without a copy: NaN and
     inf survive a sum (inf + -inf is NaN); a sum that overflows from finite values is ruled out exactly."""
-    return [name for name, t in named_tensors
-            if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()]
+    return [
+        name
+        for name, t in named_tensors
+        if not torch.isfinite(t.sum(dtype=torch.float32)) and not torch.isfinite(t).all()
+    ]
 
 
 def check_finite(weights) -> None:
     bad = weights.nonfinite()
     if bad:
-        raise SyncError(f"weight sync refused, the engine keeps its old weights: {len(bad)} parameter(s) hold NaN or "
-                        f"inf: {', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; the training step that made "
-                        "them diverged (lower the learning rate, check the loss)")
+        raise SyncError(
+            f"weight sync refused, the engine keeps its old weights: {len(bad)} parameter(s) hold NaN or "
+            f"inf: {', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; the training step that made "
+            "them diverged (lower the learning rate, check the loss)"
+        )
 
 
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -106,13 +122,19 @@ def load_into(target, buckets, mode: str = "wait") -> int:
 
     try:
         target.load_weights((counted(bucket) for bucket in buckets), mode)
-    except Exception as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
+    except (
+        Exception
+    ) as e:  # a SyncError from the checks inside the stream too: the engine state is what matters
         if target.needs_resync is None:
             if isinstance(e, SyncError):
                 raise
-            raise SyncError(f"weight sync failed, the engine keeps its old weights: {type(e).__name__}: {e}") from e
-        raise SyncError(f"weight sync failed, the engine is PARTIALLY updated ({written[0]} tensors written) and must "
-                        f"be synced again before it generates: {type(e).__name__}: {e}") from e
+            raise SyncError(
+                f"weight sync failed, the engine keeps its old weights: {type(e).__name__}: {e}"
+            ) from e
+        raise SyncError(
+            f"weight sync failed, the engine is PARTIALLY updated ({written[0]} tensors written) and must "
+            f"be synced again before it generates: {type(e).__name__}: {e}"
+        ) from e
     return written[0]
 
 
@@ -122,22 +144,30 @@ def checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None,
     for index, (bucket, items) in enumerate(zip(plan, buckets_iter)):
         bad = nonfinite(items) if finite else []
         if bad:
-            raise SyncError(f"the engine found NaN or inf in {len(bad)} parameter(s) the trainer sent "
-                            f"({', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; bucket {index + 1} of "
-                            f"{len(plan)}), although its header said none; the training step that made them "
-                            "diverged (lower the learning rate, check the loss)")
+            raise SyncError(
+                f"the engine found NaN or inf in {len(bad)} parameter(s) the trainer sent "
+                f"({', '.join(bad[:10])}{', ...' if len(bad) > 10 else ''}; bucket {index + 1} of "
+                f"{len(plan)}), although its header said none; the training step that made them "
+                "diverged (lower the learning rate, check the loss)"
+            )
         reference = weights.reference(index) if validate and weights is not None else None
         for i, ((name, shape), (got_name, t)) in enumerate(zip(bucket, items)):
             if got_name != name or tuple(t.shape) != tuple(shape):
-                raise SyncError(f"stream out of step with the manifest: expected {name} {tuple(shape)}, "
-                                f"got {got_name} {tuple(t.shape)}")
+                raise SyncError(
+                    f"stream out of step with the manifest: expected {name} {tuple(shape)}, "
+                    f"got {got_name} {tuple(t.shape)}"
+                )
             if reference is not None and not torch.equal(reference[i], t):
                 diff = (reference[i].double() - t.double()).abs().max().item()
-                raise SyncError(f"validation: {name} differs from the source's independent read "
-                                f"(max |diff| {diff:.3g})")
+                raise SyncError(
+                    f"validation: {name} differs from the source's independent read "
+                    f"(max |diff| {diff:.3g})"
+                )
             if fingerprints is not None and fingerprint(t) != fingerprints[name]:
-                raise SyncError(f"validation: {name} arrived different from what the trainer sent "
-                                f"(fingerprint {fingerprint(t)} != {fingerprints[name]})")
+                raise SyncError(
+                    f"validation: {name} arrived different from what the trainer sent "
+                    f"(fingerprint {fingerprint(t)} != {fingerprints[name]})"
+                )
         yield items
 
 
@@ -145,11 +175,19 @@ def sync_header(weights, validate: bool) -> dict:
     """What a trainer tells an engine in another process before the data (JSON): dtype, the bucket plan
     [[[name, shape]]], the parameters holding NaN / inf, and (validate) each tensor's fingerprint by the
     independent path. Collective over the source's ranks (`nonfinite`, `reference`)."""
-    header = {"dtype": str(weights.dtype), "buckets": [[[n, list(s)] for n, s in b] for b in weights.plan],
-              "validated": validate, "fingerprints": None, "nonfinite": weights.nonfinite()}
+    header = {
+        "dtype": str(weights.dtype),
+        "buckets": [[[n, list(s)] for n, s in b] for b in weights.plan],
+        "validated": validate,
+        "fingerprints": None,
+        "nonfinite": weights.nonfinite(),
+    }
     if validate:
-        header["fingerprints"] = {name: fingerprint(t) for i, b in enumerate(weights.plan)
-                                  for (name, _), t in zip(b, weights.reference(i))}
+        header["fingerprints"] = {
+            name: fingerprint(t)
+            for i, b in enumerate(weights.plan)
+            for (name, _), t in zip(b, weights.reference(i))
+        }
     return header
 
 
@@ -158,26 +196,36 @@ def check_header(header: dict, target) -> None:
     manifest against `target`'s architecture, no parameter the trainer reports NaN / inf. (The engine checks
     the values it receives itself too: `checked(..., finite=True)`.) A SyncError names what is wrong."""
     if header["dtype"] not in DTYPES:
-        raise SyncError(f"weight sync refused, the engine keeps its old weights: dtype {header['dtype']} is not one "
-                        f"of {sorted(DTYPES)}")
+        raise SyncError(
+            f"weight sync refused, the engine keeps its old weights: dtype {header['dtype']} is not one "
+            f"of {sorted(DTYPES)}"
+        )
     sent = {n: tuple(s) for b in header["buckets"] for n, s in b}
     if sum(len(b) for b in header["buckets"]) != len(sent):
-        raise SyncError("weight sync refused, the engine keeps its old weights: the trainer's manifest "
-                        "names a parameter twice")
+        raise SyncError(
+            "weight sync refused, the engine keeps its old weights: the trainer's manifest "
+            "names a parameter twice"
+        )
     check_manifest(sent, target.weight_manifest())
     if header["nonfinite"]:
-        raise SyncError(f"weight sync refused, the engine keeps its old weights: "
-                        f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
-                        f"{', '.join(header['nonfinite'][:10])}; the training step that made them diverged "
-                        "(lower the learning rate, check the loss)")
+        raise SyncError(
+            f"weight sync refused, the engine keeps its old weights: "
+            f"{len(header['nonfinite'])} parameter(s) hold NaN or inf: "
+            f"{', '.join(header['nonfinite'][:10])}; the training step that made them diverged "
+            "(lower the learning rate, check the loss)"
+        )
 
 
 def mac(token: str, *parts: bytes) -> bytes:
-    return hmac.new(token.encode(), b"chatgen weight sync|" + b"|".join(parts), hashlib.sha256).digest()
+    return hmac.new(
+        token.encode(), b"chatgen weight sync|" + b"|".join(parts), hashlib.sha256
+    ).digest()
 
 
 def _signature(header: dict, token: str) -> str:
-    body = json.dumps({k: v for k, v in header.items() if k != "signature"}, sort_keys=True).encode()
+    body = json.dumps(
+        {k: v for k, v in header.items() if k != "signature"}, sort_keys=True
+    ).encode()
     return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
 
 
@@ -189,5 +237,7 @@ def signed(header: dict, token: str) -> dict:
 def verify(header: dict, token: str) -> None:
     """SyncError unless `header` was signed with `token`."""
     if not hmac.compare_digest(str(header.get("signature", "")), _signature(header, token)):
-        raise SyncError("weight sync refused, the engine keeps its old weights: the header is not signed with this "
-                        "run's token (a process other than the run's trainer reached the weight channel)")
+        raise SyncError(
+            "weight sync refused, the engine keeps its old weights: the header is not signed with this "
+            "run's token (a process other than the run's trainer reached the weight channel)"
+        )

@@ -23,6 +23,7 @@ rank that listens (`listen`) waits a bounded time at each step (`timeout`, and `
 dies or stalls costs one failed sync, never a stuck engine. A sync that fails without both ends knowing where
 the other stands closes the receiver (`closed`): open a new one.
 """
+
 import hmac
 import secrets
 import time
@@ -73,12 +74,31 @@ class GroupSender:
     replaced before each send (a server hands out one per update: `begin`).
     """
 
-    def __init__(self, token: str, world_size: int = 2, host: str = "127.0.0.1", port: int = 0, *,
-                 listen: bool = True, begin=None, finish=None):
-        self.token, self.world_size, self.host, self.port, self.listen = token, world_size, host, port, listen
+    def __init__(
+        self,
+        token: str,
+        world_size: int = 2,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        listen: bool = True,
+        begin=None,
+        finish=None,
+    ):
+        self.token, self.world_size, self.host, self.port, self.listen = (
+            token,
+            world_size,
+            host,
+            port,
+            listen,
+        )
         self.begin, self.finish, self._pg, self._store = begin, finish, None, None
         if listen and _rank() == 0:
-            if not port and host in ("0.0.0.0", "::", ""):  # a named host binds port 0 itself (tcp_store)
+            if not port and host in (
+                "0.0.0.0",
+                "::",
+                "",
+            ):  # a named host binds port 0 itself (tcp_store)
                 port = free_port(host)
             self._store = rendezvous_store(host, port, is_server=True, world_size=world_size)
             self.port = self._store.port
@@ -93,12 +113,16 @@ class GroupSender:
         if _rank() == 0:
             self._pg = process_group(self._store, 0, self.world_size)
 
-    def send(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+    def send(
+        self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> SyncReport:
         """Send `source`'s weights (see chatgen.param_sync.weight_source) to every engine rank; collective over
         the source's ranks. SyncError when any engine refused (every engine keeps its old weights) or failed to
         load (that engine says whether it is partially updated)."""
         start = time.perf_counter()
-        weights = weight_source(source, bucket_bytes)  # a source that cannot be read fails before any handshake
+        weights = weight_source(
+            source, bucket_bytes
+        )  # a source that cannot be read fails before any handshake
         if _rank() != 0:  # read at each send: a sender may be made before torch.distributed starts
             n = follow(weights, validate)
         else:
@@ -112,14 +136,21 @@ class GroupSender:
                 raise
             if self.finish is not None:
                 self.finish(True)
-        return SyncReport(time.perf_counter() - start, plan_bytes(weights.plan, weights.dtype), n,
-                          len(weights.plan), validate)
+        return SyncReport(
+            time.perf_counter() - start,
+            plan_bytes(weights.plan, weights.dtype),
+            n,
+            len(weights.plan),
+            validate,
+        )
 
     def _begin(self) -> None:
         endpoint = self.begin(self.port if self._pg is not None else None)
         if (self.host, self.port) != (endpoint["host"], endpoint["port"]):
             self.host, self.port, self._pg = endpoint["host"], endpoint["port"], None  # a new group
-        self.token = endpoint["token"]  # this update's one-time token: the stream proves it to the server
+        self.token = endpoint[
+            "token"
+        ]  # this update's one-time token: the stream proves it to the server
 
     def _send(self, weights, validate: bool) -> int:
         """Rank 0's part: header, verdicts, buckets, verdicts; every step's outcome shared with the other ranks."""
@@ -144,8 +175,14 @@ class GroupSender:
         n = 0
         try:
             for items in checked(weights.buckets(), weights.plan, weights, validate):
-                bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), root=0)  # status 0: a bucket
-                bcast(self._pg, torch.cat([t.reshape(-1) for _, t in items]).to(device(self._pg)), root=0)
+                bcast(
+                    self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), root=0
+                )  # status 0: a bucket
+                bcast(
+                    self._pg,
+                    torch.cat([t.reshape(-1) for _, t in items]).to(device(self._pg)),
+                    root=0,
+                )
                 n += len(items)
         except Exception as e:  # status 1: abort, and why
             bcast(self._pg, torch.ones(1, dtype=torch.int64, device=device(self._pg)), root=0)
@@ -158,8 +195,10 @@ class GroupSender:
 
     def _join(self) -> None:
         if self.listen:
-            raise SyncError("weight sync refused: the group is not formed; call connect() once every engine rank "
-                            "joined")
+            raise SyncError(
+                "weight sync refused: the group is not formed; call connect() once every engine rank "
+                "joined"
+            )
         store = rendezvous_store(self.host, self.port, is_server=False)
         store.set(PROOF_KEY, mac(self.token, b"rendezvous").hex())
         self._pg = process_group(store, 0)
@@ -178,25 +217,51 @@ class GroupReceiver:
     construction (blocks until every member joined). `GroupReceiver.listen()` hosts the rendezvous instead.
     timeout: the engine's patience, in seconds, at each step of a sync (None: wait as long as the trainer)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, token: str, timeout: float | None = None):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        token: str,
+        timeout: float | None = None,
+    ):
         self.host, self.port, self.rank, self.world_size = host, port, rank, world_size
         self.token, self.timeout, self._store, self._open = token, timeout, None, True
-        self.checks_values = False  # a run's own trainer, which checked finiteness before sending (its header)
-        self._pg = process_group(rendezvous_store(host, port, is_server=False, world_size=world_size), rank,
-                                 world_size)
+        self.checks_values = (
+            False  # a run's own trainer, which checked finiteness before sending (its header)
+        )
+        self._pg = process_group(
+            rendezvous_store(host, port, is_server=False, world_size=world_size), rank, world_size
+        )
 
     @classmethod
-    def listen(cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> "GroupReceiver":
+    def listen(
+        cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> "GroupReceiver":
         """One engine rank hosting the rendezvous on host:port (port 0 = a free one): create it before the
         trainer starts and hand it `.port` and `.token` (the secret a sender must prove; hand it over a channel
         that is itself private or authenticated). The group forms at the first sync, once the rendezvous holds
         the token's proof."""
         self = cls.__new__(cls)
-        if port == 0 and host in ("0.0.0.0", "::", ""):  # a named host binds port 0 itself (tcp_store): no race
+        if port == 0 and host in (
+            "0.0.0.0",
+            "::",
+            "",
+        ):  # a named host binds port 0 itself (tcp_store): no race
             port = free_port()
-        self.host, self.rank, self.world_size, self.timeout, self._pg, self._open = host, 1, 2, timeout, None, True
+        self.host, self.rank, self.world_size, self.timeout, self._pg, self._open = (
+            host,
+            1,
+            2,
+            timeout,
+            None,
+            True,
+        )
         self.token = secrets.token_hex(32)
-        self.checks_values = True  # a server trusts no trainer's word for finiteness: every value is checked here
+        self.checks_values = (
+            True  # a server trusts no trainer's word for finiteness: every value is checked here
+        )
         self._store = rendezvous_store(host, port, is_server=True)
         self.port = self._store.port
         return self
@@ -227,51 +292,79 @@ class GroupReceiver:
         tensor and engine rank).
         """
         if self.closed:
-            raise SyncError("weight sync refused, the engine keeps its old weights: this weight channel was closed "
-                            "after a failed or stopped sync; open a new one")
+            raise SyncError(
+                "weight sync refused, the engine keeps its old weights: this weight channel was closed "
+                "after a failed or stopped sync; open a new one"
+            )
         me, world = self.rank, self.world_size
 
         def patience(what: str) -> Patience | None:
             return Patience(self.timeout, alive, what) if self.timeout is not None else None
 
-        def before_load(action):  # an exchange before anything is written: a failure leaves the two ends out of
-            try:                  # step for good (the channel closes), and the engine on its old weights
+        def before_load(
+            action,
+        ):  # an exchange before anything is written: a failure leaves the two ends out of
+            try:  # step for good (the channel closes), and the engine on its old weights
                 return action()
             except Exception as e:
                 self.close()
                 why = str(e) if isinstance(e, SyncError) else f"{type(e).__name__}: {e}"
-                raise SyncError(f"weight sync failed, the engine keeps its old weights: {why}") from e
+                raise SyncError(
+                    f"weight sync failed, the engine keeps its old weights: {why}"
+                ) from e
             except BaseException:
                 self.close()
                 raise
 
         start = time.perf_counter()
         if self._pg is None:
-            before_load(lambda: self._connect(patience("a trainer to connect with the token's proof")))
-        before_load(lambda: authenticate(self._pg, self.token, me, patience("the trainer's proof of the token"),
-                                         world))
-        header = before_load(lambda: send_json(self._pg, None, root=0, me=me, patience=patience("the manifest")))
+            before_load(
+                lambda: self._connect(patience("a trainer to connect with the token's proof"))
+            )
+        before_load(
+            lambda: authenticate(
+                self._pg, self.token, me, patience("the trainer's proof of the token"), world
+            )
+        )
+        header = before_load(
+            lambda: send_json(self._pg, None, root=0, me=me, patience=patience("the manifest"))
+        )
         try:
             verify(header, self.token)
             check_header(header, target)
             mine = None
-        except SyncError as e:  # refused, every member in step: the channel stays open for the next sync
+        except (
+            SyncError
+        ) as e:  # refused, every member in step: the channel stays open for the next sync
             mine = str(e)
-        others = before_load(lambda: refusal(verdicts(self._pg, {"error": mine}, me, world, patience("the trainer"))))
+        others = before_load(
+            lambda: refusal(verdicts(self._pg, {"error": mine}, me, world, patience("the trainer")))
+        )
         if mine or others:
-            raise SyncError(mine or f"weight sync refused, this engine keeps its old weights: {others}")
+            raise SyncError(
+                mine or f"weight sync refused, this engine keeps its old weights: {others}"
+            )
         dtype = DTYPES[header["dtype"]]
         received = {"buckets": 0, "bytes": 0, "aborted": False, "lost": False}
 
         def next_flat(shapes):
             what = f"bucket {received['buckets'] + 1} of {len(header['buckets'])}"
             try:
-                status = bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), 0, patience(what))
+                status = bcast(
+                    self._pg,
+                    torch.zeros(1, dtype=torch.int64, device=device(self._pg)),
+                    0,
+                    patience(what),
+                )
                 if int(status):
-                    why = send_json(self._pg, None, root=0, me=me, patience=patience("the trainer's reason"))
+                    why = send_json(
+                        self._pg, None, root=0, me=me, patience=patience("the trainer's reason")
+                    )
                     received["aborted"] = True  # every member knows: nothing more on the wire
                     raise SyncError(f"the trainer aborted the sync: {why}")
-                flat = torch.empty(sum(numel(s) for s in shapes), dtype=dtype, device=device(self._pg))
+                flat = torch.empty(
+                    sum(numel(s) for s in shapes), dtype=dtype, device=device(self._pg)
+                )
                 bcast(self._pg, flat, 0, patience(what))
             except BaseException:
                 received["lost"] = not received["aborted"]
@@ -283,14 +376,24 @@ class GroupReceiver:
         plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
         try:
             received_buckets = unflatten_buckets(plan, next_flat)
-            n = load_into(target, checked(received_buckets, plan, fingerprints=header["fingerprints"],
-                                          finite=self.checks_values), mode)
+            n = load_into(
+                target,
+                checked(
+                    received_buckets,
+                    plan,
+                    fingerprints=header["fingerprints"],
+                    finite=self.checks_values,
+                ),
+                mode,
+            )
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):
                 self.close()
-            elif not received["aborted"]:  # refused here (a value, the engine's load): drain, and say why
+            elif not received[
+                "aborted"
+            ]:  # refused here (a value, the engine's load): drain, and say why
                 try:
-                    for bucket in header["buckets"][received["buckets"]:]:
+                    for bucket in header["buckets"][received["buckets"] :]:
                         next_flat([tuple(s) for _, s in bucket])
                     verdicts(self._pg, {"error": str(e)}, me, world, patience("the trainer"))
                 except Exception:  # the trainer is gone too: the refusal above is what matters
@@ -298,14 +401,21 @@ class GroupReceiver:
             raise
         try:
             verdicts(self._pg, {"error": None}, me, world, patience("the trainer"))
-        except Exception:  # the weights are in (the report says so); only the trainer does not hear it
+        except (
+            Exception
+        ):  # the weights are in (the report says so); only the trainer does not hear it
             self.close()
-        return SyncReport(time.perf_counter() - start, received["bytes"], n, len(plan), bool(header["validated"]))
+        return SyncReport(
+            time.perf_counter() - start, received["bytes"], n, len(plan), bool(header["validated"])
+        )
 
     def _connect(self, patience: Patience) -> None:
         """Wait until the rendezvous holds the token's proof, then form the group (both within `patience`)."""
         proof = mac(self.token, b"rendezvous").hex().encode()
-        while not (self._store.check([PROOF_KEY]) and hmac.compare_digest(self._store.get(PROOF_KEY), proof)):
+        while not (
+            self._store.check([PROOF_KEY])
+            and hmac.compare_digest(self._store.get(PROOF_KEY), proof)
+        ):
             patience.check()
             time.sleep(0.05)
         self._pg = process_group(self._store, 1, timeout=patience.remaining())
@@ -316,9 +426,14 @@ def SyncSender(host: str, port: int, token: str) -> GroupSender:  # noqa: N802 -
     return GroupSender.to(host, port, token)
 
 
-def SyncReceiver(host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> GroupReceiver:  # noqa: N802
+def SyncReceiver(
+    host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S
+) -> GroupReceiver:  # noqa: N802
     """One engine rank hosting the rendezvous: `GroupReceiver.listen(host, port, timeout)`."""
     return GroupReceiver.listen(host, port, timeout)
 
 
-BroadcastSender, BroadcastReceiver = GroupSender, GroupReceiver  # the names of a run's generation group
+BroadcastSender, BroadcastReceiver = (
+    GroupSender,
+    GroupReceiver,
+)  # the names of a run's generation group

@@ -8,6 +8,7 @@ The manifest ({HF name: shape}) is checked against the engine's architecture and
 before a byte is written; the stream is checked against the plan, and `validate` recomputes every tensor by an
 independent, unbucketed path and compares bit for bit (chatgen.param_sync.checks).
 """
+
 import time
 
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
@@ -31,22 +32,36 @@ class LocalSender:
     def __init__(self, target, mode: str = "wait"):
         self.target, self.mode = target, mode
 
-    def send(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+    def send(
+        self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> SyncReport:
         """Copy `source`'s weights into the target; collective over the source's ranks."""
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
         check_manifest(plan_manifest(weights.plan), self.target.weight_manifest())
         check_finite(weights)
-        n = load_into(self.target, checked(weights.buckets(), weights.plan, weights, validate), self.mode)
-        return SyncReport(time.perf_counter() - start, plan_bytes(weights.plan, weights.dtype), n,
-                          len(weights.plan), validate)
+        n = load_into(
+            self.target, checked(weights.buckets(), weights.plan, weights, validate), self.mode
+        )
+        return SyncReport(
+            time.perf_counter() - start,
+            plan_bytes(weights.plan, weights.dtype),
+            n,
+            len(weights.plan),
+            validate,
+        )
 
     def close(self) -> None:
         """Nothing to release: the target is the caller's."""
 
 
-def sync_weights(source, target, bucket_bytes: int = DEFAULT_BUCKET_BYTES, validate: bool = False,
-                 mode: str = "wait") -> SyncReport:
+def sync_weights(
+    source,
+    target,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    validate: bool = False,
+    mode: str = "wait",
+) -> SyncReport:
     """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name, tensor) pairs; see
     `weight_source`) into `target`: a generation module in this process (colocated: call on every trainer rank
     with that rank's engine), or any sender of chatgen.param_sync (the engine lives elsewhere; its receiver picks

@@ -24,6 +24,7 @@ engine-owned mapping for the next sync of the same size; any failure drops the e
 whose `finish` fails removes the file it made. Directories are named with the owning process id:
 `remove_stale_segments()` removes those of processes that no longer run (`chatgen serve --control` calls it).
 """
+
 import contextlib
 import mmap
 import os
@@ -55,8 +56,13 @@ from chatgen.param_sync.source import weight_source
 from chatgen.param_sync.wire import follow, share
 
 SHM_ROOT = "/dev/shm"
-ENGINE_PREFIX, TRAINER_PREFIX = "chatgen-weights-", "chatgen-refit-"  # + "<pid>-": whose directory it is
-_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # map every page now: one kernel call instead of a fault per page
+ENGINE_PREFIX, TRAINER_PREFIX = (
+    "chatgen-weights-",
+    "chatgen-refit-",
+)  # + "<pid>-": whose directory it is
+_POPULATE = getattr(
+    mmap, "MAP_POPULATE", 0
+)  # map every page now: one kernel call instead of a fault per page
 
 
 class SharedMemoryUnavailable(SyncError):
@@ -88,7 +94,9 @@ class ShmSender:
         self.begin, self.finish = self._own_path, self._keep_handles
         return self
 
-    def send(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> SyncReport:
+    def send(
+        self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> SyncReport:
         """Write `source` (see `weight_source`) into the engine; collective over the source's ranks."""
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
@@ -98,7 +106,9 @@ class ShmSender:
             return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
         path = self.begin(self.path if self._map is not None and len(self._map) == nbytes else None)
         if path != self.path:
-            self.path = self._map = None  # the old file's memory is freed once the engine dropped it too
+            self.path = self._map = (
+                None  # the old file's memory is freed once the engine dropped it too
+            )
             try:
                 self._map = _create(path, nbytes)
             except OSError as e:
@@ -106,16 +116,19 @@ class ShmSender:
                 raise SharedMemoryUnavailable(
                     f"weight sync over shared memory: cannot create the engine's file {path} ({e}); the engine keeps "
                     "its old weights. The server is on another machine or run by another user, or /dev/shm is full: "
-                    "use weight_transport='group'") from e
+                    "use weight_transport='group'"
+                ) from e
             self.path = path
         header = sync_header(weights, validate)
-        share({"error": None})  # the other ranks wait here for rank 0's verdict (a refusal comes only at the end)
+        share(
+            {"error": None}
+        )  # the other ranks wait here for rank 0's verdict (a refusal comes only at the end)
         flat = torch.frombuffer(self._map, dtype=weights.dtype)
         n, offset = 0, 0
         try:
             for items in checked(weights.buckets(), weights.plan, weights, validate):
                 for _, t in items:
-                    flat[offset:offset + t.numel()].view(t.shape).copy_(t)
+                    flat[offset : offset + t.numel()].view(t.shape).copy_(t)
                     offset += t.numel()
                 n += len(items)
         except Exception as e:
@@ -126,7 +139,9 @@ class ShmSender:
             raise SyncError(refusal)
         return SyncReport(time.perf_counter() - start, nbytes, n, len(weights.plan), validate)
 
-    def write(self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict | None:
+    def write(
+        self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> dict | None:
         """An owning sender's send: the handles every engine rank loads (`load_shm`) on rank 0, None on the
         other ranks. Collective over the source's ranks."""
         self.send(source, validate, bucket_bytes)
@@ -146,7 +161,9 @@ class ShmSender:
 
     def _own_path(self, held) -> str:
         self.close()
-        self.directory = tempfile.mkdtemp(prefix=f"{TRAINER_PREFIX}{os.getpid()}-", dir=self.root)  # mode 0700
+        self.directory = tempfile.mkdtemp(
+            prefix=f"{TRAINER_PREFIX}{os.getpid()}-", dir=self.root
+        )  # mode 0700
         return os.path.join(self.directory, "weights")
 
     def _keep_handles(self, body: dict) -> None:
@@ -169,7 +186,9 @@ def _rank() -> int:
 def _create(path: str, nbytes: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.posix_fallocate(fd, 0, nbytes)  # reserve the pages: ENOSPC now rather than SIGBUS while copying
+        os.posix_fallocate(
+            fd, 0, nbytes
+        )  # reserve the pages: ENOSPC now rather than SIGBUS while copying
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
         os.unlink(path)
@@ -183,8 +202,12 @@ class ShmReceiver:
     trainer's header, maps the file and loads from it."""
 
     def __init__(self, root: str = SHM_ROOT):
-        self.directory = tempfile.mkdtemp(prefix=f"{ENGINE_PREFIX}{os.getpid()}-", dir=root)  # mode 0700
-        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)  # also at interpreter exit
+        self.directory = tempfile.mkdtemp(
+            prefix=f"{ENGINE_PREFIX}{os.getpid()}-", dir=root
+        )  # mode 0700
+        self._remove = weakref.finalize(
+            self, shutil.rmtree, self.directory, True
+        )  # also at interpreter exit
         self.path, self._map = None, None
 
     def name(self, held: str | None) -> str:
@@ -210,30 +233,40 @@ class ShmReceiver:
         except BaseException:
             self.drop()
             raise
-        return SyncReport(time.perf_counter() - start, len(self._map), n, len(plan), bool(header["validated"]))
+        return SyncReport(
+            time.perf_counter() - start, len(self._map), n, len(plan), bool(header["validated"])
+        )
 
     def _mapping(self, nbytes: int) -> mmap.mmap:
         if self._map is None:
             if self.path is None:
-                raise SyncError("weight sync refused, the engine keeps its old weights: no shared-memory file was "
-                                "named for this sync (begin one first)")
+                raise SyncError(
+                    "weight sync refused, the engine keeps its old weights: no shared-memory file was "
+                    "named for this sync (begin one first)"
+                )
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW)
             except FileNotFoundError:
-                raise SyncError(f"weight sync refused, the engine keeps its old weights: the trainer wrote no "
-                                f"{self.path} (is it on another machine? use weight_transport='group')") from None
+                raise SyncError(
+                    f"weight sync refused, the engine keeps its old weights: the trainer wrote no "
+                    f"{self.path} (is it on another machine? use weight_transport='group')"
+                ) from None
             try:
                 size = os.fstat(fd).st_size
                 if size != nbytes:
-                    raise SyncError(f"weight sync refused, the engine keeps its old weights: {self.path} holds "
-                                    f"{size} bytes, the trainer's manifest {nbytes}")
+                    raise SyncError(
+                        f"weight sync refused, the engine keeps its old weights: {self.path} holds "
+                        f"{size} bytes, the trainer's manifest {nbytes}"
+                    )
                 self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | _POPULATE)
             finally:
                 os.close(fd)
                 os.unlink(self.path)  # the two mappings keep the memory; nothing stays in /dev/shm
         elif len(self._map) != nbytes:
-            raise SyncError(f"weight sync refused, the engine keeps its old weights: the trainer reused its "
-                            f"{len(self._map)}-byte file for {nbytes} bytes of weights")
+            raise SyncError(
+                f"weight sync refused, the engine keeps its old weights: the trainer reused its "
+                f"{len(self._map)}-byte file for {nbytes} bytes of weights"
+            )
         return self._map
 
     def drop(self) -> None:
@@ -262,32 +295,40 @@ def load_shm(target, handles: dict, token: str, mode: str = "wait") -> SyncRepor
     try:
         fd = os.open(handles["path"], os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
-        raise SyncError(f"weight sync refused, the engine keeps its old weights: {handles['path']} does not exist "
-                        "here (is the engine on another host? use the collective: update_weights_from_collective)"
-                        ) from None
+        raise SyncError(
+            f"weight sync refused, the engine keeps its old weights: {handles['path']} does not exist "
+            "here (is the engine on another host? use the collective: update_weights_from_collective)"
+        ) from None
     try:
         if os.fstat(fd).st_size != nbytes:
-            raise SyncError(f"weight sync refused, the engine keeps its old weights: {handles['path']} holds "
-                            f"{os.fstat(fd).st_size} bytes, the trainer's manifest {nbytes}")
+            raise SyncError(
+                f"weight sync refused, the engine keeps its old weights: {handles['path']} holds "
+                f"{os.fstat(fd).st_size} bytes, the trainer's manifest {nbytes}"
+            )
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
-    n = _load_flat(target, torch.frombuffer(mapping, dtype=dtype), plan, header, mode, "of the trainer's file")
+    n = _load_flat(
+        target, torch.frombuffer(mapping, dtype=dtype), plan, header, mode, "of the trainer's file"
+    )
     return SyncReport(time.perf_counter() - start, nbytes, n, len(plan), bool(header["validated"]))
 
 
 def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, where: str) -> int:
     """Load the weights of a mapped file into `target`: every value checked finite first (never the trainer's
     word for it), then the stream checked against the plan and, validating, the fingerprints."""
+
     def buckets():
         return unflatten_buckets(plan, slices(flat))
 
     bad = nonfinite(item for bucket in buckets() for item in bucket)
     if bad:
-        raise SyncError(f"weight sync refused, the engine keeps its old weights: the engine found NaN or inf "
-                        f"in {len(bad)} parameter(s) {where} ({', '.join(bad[:10])}"
-                        f"{', ...' if len(bad) > 10 else ''}) although the trainer's header said none; the "
-                        "training step that made them diverged (lower the learning rate, check the loss)")
+        raise SyncError(
+            f"weight sync refused, the engine keeps its old weights: the engine found NaN or inf "
+            f"in {len(bad)} parameter(s) {where} ({', '.join(bad[:10])}"
+            f"{', ...' if len(bad) > 10 else ''}) although the trainer's header said none; the "
+            "training step that made them diverged (lower the learning rate, check the loss)"
+        )
     return load_into(target, checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
 
 
@@ -302,7 +343,9 @@ def remove_stale_segments(root: str = SHM_ROOT) -> list:
             found = pattern.match(entry.name)
             if found is None or not entry.is_dir(follow_symlinks=False):
                 continue
-            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _running(int(found.group(1))):
+            if entry.stat(follow_symlinks=False).st_uid != os.getuid() or _running(
+                int(found.group(1))
+            ):
                 continue
             shutil.rmtree(entry.path, ignore_errors=True)
             removed.append(entry.path)
@@ -319,4 +362,7 @@ def _running(pid: int) -> bool:
     return True
 
 
-IpcSender, load_ipc = ShmSender.owned, load_shm  # the names of NeMo RL's update_weights_via_ipc path
+IpcSender, load_ipc = (
+    ShmSender.owned,
+    load_shm,
+)  # the names of NeMo RL's update_weights_via_ipc path

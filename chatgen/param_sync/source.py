@@ -6,6 +6,7 @@ A source is an object with: `plan` ([[(hf name, shape)] per bucket], the same on
 `reference(i)` (bucket i by an independent path, for validation) and `nonfinite()` (HF names of parameters
 holding NaN/inf). `MegatronModule.hf_weights()` is one; `LocalWeights` wraps tensors held in this process.
 """
+
 import torch
 
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
@@ -18,11 +19,15 @@ class LocalWeights:
     def __init__(self, named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self._tensors = [(name, t.detach()) for name, t in named_tensors]
         if not self._tensors:
-            raise SyncError("weight sync refused, the engine keeps its old weights: the source holds no tensors")
+            raise SyncError(
+                "weight sync refused, the engine keeps its old weights: the source holds no tensors"
+            )
         dtypes = {t.dtype for _, t in self._tensors}
         if len(dtypes) > 1:
-            raise SyncError(f"weight sync refused, the engine keeps its old weights: the source mixes dtypes "
-                            f"{sorted(map(str, dtypes))}; cast the model to one dtype")
+            raise SyncError(
+                f"weight sync refused, the engine keeps its old weights: the source mixes dtypes "
+                f"{sorted(map(str, dtypes))}; cast the model to one dtype"
+            )
         self.dtype = dtypes.pop()
         self._buckets, size = [[]], 0
         for name, t in self._tensors:
@@ -55,7 +60,10 @@ def _module_tensors(module: torch.nn.Module):
     for name, p in module.named_parameters():
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
-        yield name, (p.full_tensor() if hasattr(p, "full_tensor") else p)  # FSDP2 DTensor -> whole tensor
+        yield (
+            name,
+            (p.full_tensor() if hasattr(p, "full_tensor") else p),
+        )  # FSDP2 DTensor -> whole tensor
 
 
 def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
@@ -69,9 +77,13 @@ def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
     try:
         pairs = list(source)
     except TypeError:
-        raise TypeError(f"sync_weights: cannot read weights from a {type(source).__name__}; pass a MegatronModule, "
-                        "a torch.nn.Module with HF parameter names, or an iterable of (name, tensor)") from None
-    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and torch.is_tensor(p[1])
-               for p in pairs):
+        raise TypeError(
+            f"sync_weights: cannot read weights from a {type(source).__name__}; pass a MegatronModule, "
+            "a torch.nn.Module with HF parameter names, or an iterable of (name, tensor)"
+        ) from None
+    if not all(
+        isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) and torch.is_tensor(p[1])
+        for p in pairs
+    ):
         raise TypeError("sync_weights: an iterable source must yield (HF name, tensor) pairs")
     return LocalWeights(pairs, bucket_bytes)

@@ -16,6 +16,7 @@ the channel up: the authenticated HTTP begin call, a Ray call, a child's argumen
 Every wait of a listening engine has a deadline and can be stopped (`Patience`): a trainer that dies or stalls
 mid-sync costs one failed sync, never a stuck engine.
 """
+
 import datetime
 import hmac
 import json
@@ -29,8 +30,12 @@ import torch.distributed as dist
 from chatgen.core.distributed import tcp_store
 from chatgen.param_sync.checks import SyncError, checked, mac, sync_header
 
-DEFAULT_TIMEOUT_S = 600.0  # the engine's patience at each step of a sync (connect, manifest, each bucket, the end)
-TRAINER_TIMEOUT = datetime.timedelta(minutes=10)  # the trainer's group: the engine's deadlines bound its waits
+DEFAULT_TIMEOUT_S = (
+    600.0  # the engine's patience at each step of a sync (connect, manifest, each bucket, the end)
+)
+TRAINER_TIMEOUT = datetime.timedelta(
+    minutes=10
+)  # the trainer's group: the engine's deadlines bound its waits
 PROOF_KEY = "chatgen_weight_sync_proof"
 
 
@@ -39,14 +44,18 @@ def rendezvous_store(host: str, port: int, is_server: bool, world_size: int = 2)
     return tcp_store(host, port, world_size, is_server, timeout=TRAINER_TIMEOUT)
 
 
-def process_group(store, rank: int, world_size: int = 2, timeout: datetime.timedelta = TRAINER_TIMEOUT):
+def process_group(
+    store, rank: int, world_size: int = 2, timeout: datetime.timedelta = TRAINER_TIMEOUT
+):
     """The members' own group (0 = trainer rank 0, the others engine ranks), independent of any default group:
     NCCL when every member is on a GPU of its own, else gloo (through host memory). Chosen by where the members
     are, which each writes into the rendezvous: NCCL cannot pair two ranks on one device (a trainer and `chatgen
     serve --control` sharing a GPU), and a CPU member has no NCCL."""
     keys = [f"chatgen_sync_device_{r}" for r in range(world_size)]
     store.set(keys[rank], where())
-    store.wait(keys, timeout)  # the caller's deadline (a listening engine's patience), not the store's
+    store.wait(
+        keys, timeout
+    )  # the caller's deadline (a listening engine's patience), not the store's
     places = [store.get(key).decode() for key in keys]
     if nccl_among(places):
         return dist.ProcessGroupNCCL(store, rank, world_size)
@@ -88,8 +97,10 @@ class Patience:
         if self.alive is not None and self.alive() is False:
             raise SyncError(f"the sync was stopped while the engine waited for {self.what}")
         if time.monotonic() > self.end:
-            raise SyncError(f"the engine waited {self.seconds:g} s for {self.what}, in vain (the trainer died, "
-                            "stalled, or never came)")
+            raise SyncError(
+                f"the engine waited {self.seconds:g} s for {self.what}, in vain (the trainer died, "
+                "stalled, or never came)"
+            )
 
     def wait(self, work) -> None:
         pause = 5e-4
@@ -103,7 +114,9 @@ def bcast(pg, tensor: torch.Tensor, root: int, patience: Patience | None = None)
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     if patience is not None:
-        opts.timeout = patience.remaining()  # gloo's own bound: an operation given up on ends soon after
+        opts.timeout = (
+            patience.remaining()
+        )  # gloo's own bound: an operation given up on ends soon after
     work = pg.broadcast([tensor], opts)
     if patience is not None:
         patience.wait(work)
@@ -114,8 +127,12 @@ def bcast(pg, tensor: torch.Tensor, root: int, patience: Patience | None = None)
 def send_json(pg, obj, root: int, me: int, patience: Patience | None = None):
     """Broadcast a JSON-able object from `root` (never pickle: the peer is another process)."""
     if me == root:
-        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(device(pg))
-        bcast(pg, torch.tensor([data.numel()], dtype=torch.int64, device=device(pg)), root, patience)
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8).to(
+            device(pg)
+        )
+        bcast(
+            pg, torch.tensor([data.numel()], dtype=torch.int64, device=device(pg)), root, patience
+        )
         bcast(pg, data, root, patience)
         return obj
     n = bcast(pg, torch.zeros(1, dtype=torch.int64, device=device(pg)), root, patience)
@@ -125,37 +142,57 @@ def send_json(pg, obj, root: int, me: int, patience: Patience | None = None):
 
 def exchange(pg, mine: bytes, root: int, me: int, patience: Patience | None) -> bytes:
     """32 bytes from `root` to the other end (`mine` on the root, ignored elsewhere)."""
-    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(device(pg))
+    tensor = torch.frombuffer(bytearray(mine if me == root else bytes(32)), dtype=torch.uint8).to(
+        device(pg)
+    )
     return bytes(bcast(pg, tensor, root, patience).cpu().tolist())
 
 
-def authenticate(pg, token: str, me: int, patience: Patience | None = None, world_size: int = 2) -> None:
+def authenticate(
+    pg, token: str, me: int, patience: Patience | None = None, world_size: int = 2
+) -> None:
     """Every member of the group proves it holds `token` (see above): member 0 the trainer, the others engines.
     SyncError at each member that finds a proof wrong (every member checks every proof, so all of them stop
     together). The trainer proves first; an engine answers with its own proof only to a trainer that proved,
     and with zeros otherwise, so that no member is left waiting."""
-    nonces = [exchange(pg, secrets.token_bytes(32), root, me, patience) for root in range(world_size)]
-    proofs = [mac(token, b"trainer" if r == 0 else b"engine %d" % r, *nonces) for r in range(world_size)]
+    nonces = [
+        exchange(pg, secrets.token_bytes(32), root, me, patience) for root in range(world_size)
+    ]
+    proofs = [
+        mac(token, b"trainer" if r == 0 else b"engine %d" % r, *nonces) for r in range(world_size)
+    ]
     trainer_proved = hmac.compare_digest(exchange(pg, proofs[0], 0, me, patience), proofs[0])
-    failed = [r for r in range(1, world_size)
-              if not hmac.compare_digest(exchange(pg, proofs[r] if trainer_proved else bytes(32), r, me, patience),
-                                         proofs[r])]
+    failed = [
+        r
+        for r in range(1, world_size)
+        if not hmac.compare_digest(
+            exchange(pg, proofs[r] if trainer_proved else bytes(32), r, me, patience), proofs[r]
+        )
+    ]
     if me != 0 and not trainer_proved:
-        raise SyncError("the peer on the weight channel did not prove this update's token (it is not the trainer "
-                        "the channel was opened for); the channel is closed")
+        raise SyncError(
+            "the peer on the weight channel did not prove this update's token (it is not the trainer "
+            "the channel was opened for); the channel is closed"
+        )
     if me == 0 and failed:
-        raise SyncError("weight sync refused: the engine at the other end of the weight channel did not accept "
-                        "this update's token (a stale token, or a peer that is not the engine that opened the "
-                        "channel); nothing was sent" + (f" (engine rank(s) {failed})" if world_size > 2 else ""))
+        raise SyncError(
+            "weight sync refused: the engine at the other end of the weight channel did not accept "
+            "this update's token (a stale token, or a peer that is not the engine that opened the "
+            "channel); nothing was sent" + (f" (engine rank(s) {failed})" if world_size > 2 else "")
+        )
     if failed:
-        raise SyncError(f"weight sync refused, this engine keeps its old weights: engine rank(s) {failed} of the "
-                        "weight channel did not prove the run's token (a process that is not one of the run's "
-                        "engines joined it)")
+        raise SyncError(
+            f"weight sync refused, this engine keeps its old weights: engine rank(s) {failed} of the "
+            "weight channel did not prove the run's token (a process that is not one of the run's "
+            "engines joined it)"
+        )
 
 
 def share(obj):
     """Rank 0's object on every trainer rank (the verdicts decide whether all ranks raise)."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:  # a trainer without torch.distributed
+    if (
+        not dist.is_initialized() or dist.get_world_size() == 1
+    ):  # a trainer without torch.distributed
         return obj
     box = [obj]
     dist.broadcast_object_list(box, 0)
@@ -164,7 +201,10 @@ def share(obj):
 
 def verdicts(pg, mine, me: int, world_size: int, patience: Patience | None = None) -> list:
     """Every engine rank's verdict ({"error": None or why}) on every member, one small broadcast per engine rank."""
-    return [send_json(pg, mine if me == r else None, root=r, me=me, patience=patience) for r in range(1, world_size)]
+    return [
+        send_json(pg, mine if me == r else None, root=r, me=me, patience=patience)
+        for r in range(1, world_size)
+    ]
 
 
 def refusal(verdicts: list) -> str | None:
@@ -175,15 +215,18 @@ def refusal(verdicts: list) -> str | None:
         return None
     if len(verdicts) == 1:
         return bad[0][1]
-    return (f"{len(bad)} of {len(verdicts)} engine rank(s) refused the weight sync; " +
-            "; ".join(f"engine rank {r}: {why}" for r, why in bad[:4]))
+    return f"{len(bad)} of {len(verdicts)} engine rank(s) refused the weight sync; " + "; ".join(
+        f"engine rank {r}: {why}" for r, why in bad[:4]
+    )
 
 
 def follow(weights, validate: bool) -> int:
     """A trainer rank other than 0 during any transport's send: the source's collectives in rank 0's order (the
     header, every bucket) and rank 0's verdicts, shared after the header and at the end (`share`), so that every
     rank returns or raises together. Returns the tensors read."""
-    sync_header(weights, validate)  # collective over the trainer ranks (nonfinite, the fingerprints)
+    sync_header(
+        weights, validate
+    )  # collective over the trainer ranks (nonfinite, the fingerprints)
     verdict = share(None)
     if verdict["error"]:
         raise SyncError(verdict["error"])

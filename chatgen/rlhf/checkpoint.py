@@ -16,6 +16,7 @@ file deleted or truncated) is refused at resume with the file named and the prev
 
 `lock_output_dir` keeps two runs from writing into one output directory.
 """
+
 import fcntl
 import json
 import os
@@ -44,16 +45,20 @@ def lock_output_dir(out_dir):
         out_dir.mkdir(parents=True, exist_ok=True)
         handle = open(out_dir / LOCK_FILE, "a+")
     except OSError as e:
-        raise OSError(f"runtime.output_dir: cannot write into {out_dir} ({e.strerror or e}); choose a directory "
-                      "this user can create and write") from None
+        raise OSError(
+            f"runtime.output_dir: cannot write into {out_dir} ({e.strerror or e}); choose a directory "
+            "this user can create and write"
+        ) from None
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         handle.seek(0)
         holder = handle.read().strip() or "unknown"
         handle.close()
-        raise FileExistsError(f"{out_dir} is in use by another chatgen run (pid {holder}); wait for it to finish or "
-                              "choose another runtime.output_dir") from None
+        raise FileExistsError(
+            f"{out_dir} is in use by another chatgen run (pid {holder}); wait for it to finish or "
+            "choose another runtime.output_dir"
+        ) from None
     handle.truncate(0)
     handle.write(str(os.getpid()))
     handle.flush()
@@ -76,10 +81,16 @@ def commit_checkpoint(staging: Path, state: dict) -> Path:
     if Path(staging) != staging_path(final):
         raise ValueError(f"{staging} is not the staging directory of episode {state['episode']}")
     save_dir = final.parent
-    files = {str(f.relative_to(staging)): f.stat().st_size for f in sorted(Path(staging).rglob("*")) if f.is_file()}
+    files = {
+        str(f.relative_to(staging)): f.stat().st_size
+        for f in sorted(Path(staging).rglob("*"))
+        if f.is_file()
+    }
     with atomic_file(Path(staging) / MANIFEST_FILE) as tmp:
         tmp.write_text(json.dumps(files, indent=1))
-    with atomic_file(Path(staging) / STATE_FILE) as tmp:  # last: its presence marks a complete checkpoint
+    with atomic_file(
+        Path(staging) / STATE_FILE
+    ) as tmp:  # last: its presence marks a complete checkpoint
         tmp.write_text(json.dumps(state, indent=1))
     commit_directory(final)
     with atomic_file(Path(save_dir) / "latest") as tmp:
@@ -96,7 +107,11 @@ def latest_checkpoint(save_dir) -> Path | None:
         if (candidate / STATE_FILE).exists():
             return candidate
     # `latest` missing or stale: fall back to the highest complete episode directory.
-    done = sorted(p for p in save_dir.glob("episode_*") if (p / STATE_FILE).exists()) if save_dir.exists() else []
+    done = (
+        sorted(p for p in save_dir.glob("episode_*") if (p / STATE_FILE).exists())
+        if save_dir.exists()
+        else []
+    )
     return done[-1] if done else None
 
 
@@ -108,25 +123,38 @@ def resume_point(save_dir, resume_from=None) -> Path:
         path = Path(resume_from)
         path = path if path.is_dir() else save_dir / str(resume_from)
         if not path.is_dir():  # a flag naming no checkpoint: the input must change (exit 2)
-            raise FileNotFoundError(f"--resume-from {resume_from}: no checkpoint there; the checkpoints of this run "
-                                    f"are {', '.join(available(save_dir)) or 'none'}")
+            raise FileNotFoundError(
+                f"--resume-from {resume_from}: no checkpoint there; the checkpoints of this run "
+                f"are {', '.join(available(save_dir)) or 'none'}"
+            )
     else:
         path = latest_checkpoint(save_dir)
         if path is None:
-            raise FileNotFoundError(f"--resume: no complete checkpoint under {save_dir}; start without --resume")
+            raise FileNotFoundError(
+                f"--resume: no complete checkpoint under {save_dir}; start without --resume"
+            )
     problems = verify_checkpoint(path)
     if problems:
         earlier = [name for name in available(save_dir) if name < path.name]
-        fix = (f"resume from the previous one with --resume-from {earlier[-1]}" if earlier
-               else "no earlier checkpoint exists: start the run again")
-        raise CheckpointError(f"checkpoint {path} is damaged: {'; '.join(problems)}; {fix} (or restore the file)")
+        fix = (
+            f"resume from the previous one with --resume-from {earlier[-1]}"
+            if earlier
+            else "no earlier checkpoint exists: start the run again"
+        )
+        raise CheckpointError(
+            f"checkpoint {path} is damaged: {'; '.join(problems)}; {fix} (or restore the file)"
+        )
     return path
 
 
 def available(save_dir) -> list[str]:
     """Names of the complete checkpoints under save_dir, oldest first."""
     save_dir = Path(save_dir)
-    return sorted(p.name for p in save_dir.glob("episode_*") if (p / STATE_FILE).exists()) if save_dir.exists() else []
+    return (
+        sorted(p.name for p in save_dir.glob("episode_*") if (p / STATE_FILE).exists())
+        if save_dir.exists()
+        else []
+    )
 
 
 def verify_checkpoint(path) -> list[str]:
@@ -144,7 +172,9 @@ def verify_checkpoint(path) -> list[str]:
             problems.append(f"{f} is missing")
         elif f.stat().st_size != size:
             problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
-        elif f.suffix == ".safetensors":  # overwritten in place: its header (names, offsets) must still parse
+        elif (
+            f.suffix == ".safetensors"
+        ):  # overwritten in place: its header (names, offsets) must still parse
             try:
                 with safe_open(str(f), framework="pt") as weights:
                     weights.keys()

@@ -7,14 +7,20 @@ and the policy-gradient algorithms apply. chatgen.rlhf.config (the schema, the Y
 saving) imports these, and re-exports check_run, trainer_rows and policy_sampling_problems for the
 code that imports them from there.
 """
+
 from chatgen.config import ConfigError
 from chatgen.config.loader import at, closest
 from chatgen.rlhf.data import data_problems
-from chatgen.rlhf.placement import model_world_size, placement_problems, plan_groups, topology_problems
+from chatgen.rlhf.placement import (
+    model_world_size,
+    placement_problems,
+    plan_groups,
+    topology_problems,
+)
 
 
 def backend_kind(backend: str) -> str:
-    """"megatron", "python", or "generation" (any other name: a generation backend) for a `backend:` value."""
+    """ "megatron", "python", or "generation" (any other name: a generation backend) for a `backend:` value."""
     return backend if backend in ("megatron", "python") else "generation"
 
 
@@ -25,11 +31,15 @@ def check_colocation(runtime, models: dict, where: dict, errors: list) -> None:
     for group in runtime.colocation:
         for name in group:
             if name not in models:
-                errors.append(f"{at(where, ('runtime', 'colocation'))}: {name!r} is not a configured model; "
-                              f"{closest(name, models, 'models')}")
+                errors.append(
+                    f"{at(where, ('runtime', 'colocation'))}: {name!r} is not a configured model; "
+                    f"{closest(name, models, 'models')}"
+                )
             elif name in seen:
-                errors.append(f"{at(where, ('runtime', 'colocation'))}: {name!r} is in two groups; "
-                              "put each model in one group")
+                errors.append(
+                    f"{at(where, ('runtime', 'colocation'))}: {name!r} is in two groups; "
+                    "put each model in one group"
+                )
             seen.add(name)
 
 
@@ -44,27 +54,51 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         entry = cfg.models.get(model)
         if entry is None:
             if not role.optional:
-                shown = "vllm (or another generation backend)" if role.backend == "generation" else role.backend
-                errors.append(f"{where}: models.{model}: {name} needs a `{model}` model (backend: {shown}"
-                              f"{', trainable: true' if role.trainable else ''}){': ' + role.doc if role.doc else ''}; "
-                              "add it")
+                shown = (
+                    "vllm (or another generation backend)"
+                    if role.backend == "generation"
+                    else role.backend
+                )
+                errors.append(
+                    f"{where}: models.{model}: {name} needs a `{model}` model (backend: {shown}"
+                    f"{', trainable: true' if role.trainable else ''}){': ' + role.doc if role.doc else ''}; "
+                    "add it"
+                )
             continue
         if backend_kind(entry.backend) != role.backend:
-            need = "a generation backend (vllm, hf, ...)" if role.backend == "generation" else f"backend {role.backend}"
-            errors.append(f"{where}: models.{model}.backend: {name} needs {need}, got {entry.backend}")
+            need = (
+                "a generation backend (vllm, hf, ...)"
+                if role.backend == "generation"
+                else f"backend {role.backend}"
+            )
+            errors.append(
+                f"{where}: models.{model}.backend: {name} needs {need}, got {entry.backend}"
+            )
         if role.trainable is not None and entry.trainable != role.trainable:
             what = "the model being trained" if role.trainable else "frozen"
-            errors.append(f"{where}: models.{model}.trainable: must be {str(role.trainable).lower()} ({what})")
-    errors += [f"{where}: {problem}" for problem in getattr(algorithm, "check", lambda cfg: ())(cfg)]
+            errors.append(
+                f"{where}: models.{model}.trainable: must be {str(role.trainable).lower()} ({what})"
+            )
+    errors += [
+        f"{where}: {problem}" for problem in getattr(algorithm, "check", lambda cfg: ())(cfg)
+    ]
     rt = cfg.runtime
     rows = trainer_rows(cfg, algorithm)  # per episode
-    rows_are = f"runtime.sample_per_episode: {rows}" if rows == rt.sample_per_episode else \
-        f"runtime.sample_per_episode: {rt.sample_per_episode} gives {rows} trainer rows per episode ({name}), which"
+    rows_are = (
+        f"runtime.sample_per_episode: {rows}"
+        if rows == rt.sample_per_episode
+        else f"runtime.sample_per_episode: {rt.sample_per_episode} gives {rows} trainer rows per episode ({name}), which"
+    )
     gbs = rt.train_global_batch_size or rows
     if rows % gbs:
-        errors.append(f"{where}: {rows_are} is not a multiple of runtime.train_global_batch_size={gbs}; make it one "
-                      "so every episode is whole optimizer steps")
-    for model, entry in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
+        errors.append(
+            f"{where}: {rows_are} is not a multiple of runtime.train_global_batch_size={gbs}; make it one "
+            "so every episode is whole optimizer steps"
+        )
+    for (
+        model,
+        entry,
+    ) in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
         if entry.backend != "megatron" or entry.config is None:
             continue
         mc = entry.config
@@ -73,37 +107,53 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         if world % model_parallel:
             continue  # init_distributed names this one
         if (world // model_parallel) % mc.expert_model_parallel_size:
-            errors.append(f"{where}: models.{model}.expert_model_parallel_size: {mc.expert_model_parallel_size} does "
-                          f"not divide the data-parallel size {world // model_parallel}; the experts are split over "
-                          "data-parallel ranks: make DP a multiple of EP")
+            errors.append(
+                f"{where}: models.{model}.expert_model_parallel_size: {mc.expert_model_parallel_size} does "
+                f"not divide the data-parallel size {world // model_parallel}; the experts are split over "
+                "data-parallel ranks: make DP a multiple of EP"
+            )
             continue
         if mc.data_parallel_size and world != model_parallel * mc.data_parallel_size:
-            errors.append(f"{where}: models.{model}.data_parallel_size: {mc.data_parallel_size} needs TP "
-                          f"{mc.tensor_model_parallel_size} x PP {mc.pipeline_model_parallel_size} x DP "
-                          f"{mc.data_parallel_size} = {model_parallel * mc.data_parallel_size} GPUs, num_gpu is "
-                          f"{entry.num_gpu}; make them agree (or set data_parallel_size: null)")
+            errors.append(
+                f"{where}: models.{model}.data_parallel_size: {mc.data_parallel_size} needs TP "
+                f"{mc.tensor_model_parallel_size} x PP {mc.pipeline_model_parallel_size} x DP "
+                f"{mc.data_parallel_size} = {model_parallel * mc.data_parallel_size} GPUs, num_gpu is "
+                f"{entry.num_gpu}; make them agree (or set data_parallel_size: null)"
+            )
             continue
         dp, micro = world // model_parallel, mc.micro_batch_size or rt.train_micro_batch_size
-        how = (f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
-               f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}")
+        how = (
+            f"models.{model} has DP = {world} ranks / (TP {mc.tensor_model_parallel_size} x PP "
+            f"{mc.pipeline_model_parallel_size}) = {dp} and micro batch {micro}"
+        )
         if entry.trainable and gbs % (micro * dp):
-            errors.append(f"{where}: runtime.train_global_batch_size: {gbs} does not split into whole micro-batches "
-                          f"on every data-parallel rank ({how}); make it a multiple of {micro * dp}")
+            errors.append(
+                f"{where}: runtime.train_global_batch_size: {gbs} does not split into whole micro-batches "
+                f"on every data-parallel rank ({how}); make it a multiple of {micro * dp}"
+            )
         elif rows % (micro * dp):
-            errors.append(f"{where}: {rows_are} does not split into whole micro-batches on every data-parallel rank "
-                          f"({how}); make it a multiple of {micro * dp}")
+            errors.append(
+                f"{where}: {rows_are} does not split into whole micro-batches on every data-parallel rank "
+                f"({how}); make it a multiple of {micro * dp}"
+            )
     if not rt.data_path:
-        errors.append(f"{where}: runtime.data_path: required (a JSONL file of records, e.g. "
-                      "{\"prompt\": ..., \"answer\": ...}, or a .json, .parquet, .arrow or .csv "
-                      "file: docs/data_and_rewards.md)")
+        errors.append(
+            f"{where}: runtime.data_path: required (a JSONL file of records, e.g. "
+            "{\"prompt\": ..., \"answer\": ...}, or a .json, .parquet, .arrow or .csv "
+            "file: docs/data_and_rewards.md)"
+        )
     errors += [f"{where}: {problem}" for problem in data_problems(rt)]
     if rt.eval_episode_interval and not rt.eval_data_path:
-        errors.append(f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both")
+        errors.append(
+            f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both"
+        )
     layout = topology_problems(cfg)
     errors += [f"{where}: {problem}" for problem in layout]
     if nodes is not None and not layout:
-        errors += [f"{where}: {problem}" for problem in placement_problems(plan_groups(cfg), nodes,
-                                                                           rt.placement_strategy, cfg)]
+        errors += [
+            f"{where}: {problem}"
+            for problem in placement_problems(plan_groups(cfg), nodes, rt.placement_strategy, cfg)
+        ]
     if errors:
         raise ConfigError(errors)
 
@@ -111,7 +161,11 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
 def trainer_rows(cfg, algorithm) -> int:
     """Rows each trainer call of an episode gets: the algorithm's `trainer_rows(cfg)` where it defines one (e.g.
     Online DPO trains on one pair per prompt), else sample_per_episode (one row per sample)."""
-    return algorithm.trainer_rows(cfg) if hasattr(algorithm, "trainer_rows") else cfg.runtime.sample_per_episode
+    return (
+        algorithm.trainer_rows(cfg)
+        if hasattr(algorithm, "trainer_rows")
+        else cfg.runtime.sample_per_episode
+    )
 
 
 def policy_sampling_problems(cfg):
@@ -124,24 +178,40 @@ def policy_sampling_problems(cfg):
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
     if pc is not None:
         if pc.temperature <= 0:
-            yield (f"models.policy.temperature: {pc.temperature} is greedy decoding; a "
-                   "policy-gradient run samples: set a temperature > 0 (1.0: the model's own)")
+            yield (
+                f"models.policy.temperature: {pc.temperature} is greedy decoding; a "
+                "policy-gradient run samples: set a temperature > 0 (1.0: the model's own)"
+            )
         elif pc.temperature != 1.0 and pc.logprobs_mode != "processed":
-            yield (f"models.policy.logprobs_mode: {pc.logprobs_mode} reports untempered log-probs, "
-                   f"but the trainer scores logits / temperature ({pc.temperature}); set "
-                   "logprobs_mode: processed")
+            yield (
+                f"models.policy.logprobs_mode: {pc.logprobs_mode} reports untempered log-probs, "
+                f"but the trainer scores logits / temperature ({pc.temperature}); set "
+                "logprobs_mode: processed"
+            )
         off = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
         for key, value in off.items():
             if getattr(pc, key) != value and not (key == "top_k" and pc.top_k == 0):
-                yield (f"models.policy.{key}: {getattr(pc, key)}: the trainer scores the full "
-                       f"(tempered) distribution and cannot renormalise over what {key} keeps, so "
-                       f"every update would be off-policy; set {key}: {value} (temperature "
-                       "sharpens sampling)")
-    for name, entry in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
-        if getattr(entry.config, "moe_routing_replay", False) and pc is not None \
-                and not getattr(pc, "return_routed_experts", False):
-            yield (f"models.{name}.moe_routing_replay: true replays the experts the policy routed each token to; set "
-                   "models.policy.return_routed_experts: true (or moe_routing_replay: false)")
+                yield (
+                    f"models.policy.{key}: {getattr(pc, key)}: the trainer scores the full "
+                    f"(tempered) distribution and cannot renormalise over what {key} keeps, so "
+                    f"every update would be off-policy; set {key}: {value} (temperature "
+                    "sharpens sampling)"
+                )
+    for (
+        name,
+        entry,
+    ) in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
+        if (
+            getattr(entry.config, "moe_routing_replay", False)
+            and pc is not None
+            and not getattr(pc, "return_routed_experts", False)
+        ):
+            yield (
+                f"models.{name}.moe_routing_replay: true replays the experts the policy routed each token to; set "
+                "models.policy.return_routed_experts: true (or moe_routing_replay: false)"
+            )
     if pc is not None and cfg.runtime.sample_per_episode % pc.n:
-        yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
-               "(samples per prompt); make it one")
+        yield (
+            f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
+            "(samples per prompt); make it one"
+        )

@@ -10,6 +10,7 @@ Each model entry's `backend:` picks the schema of its per-model YAML and the cla
 brings its own config section and the roles it needs. Assembled from the generic loader's pieces
 (chatgen.config.loader); every problem of every file comes back in one ConfigError. docs/configuration.md.
 """
+
 import dataclasses
 import difflib
 import importlib.util
@@ -21,16 +22,32 @@ import yaml
 
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import CLI, REQUIRED, ConfigError, opt
-from chatgen.config.loader import (at, build, closest, key_paths, mask_secrets, merge,
-                                   parse_override_tree, read_yaml, show, substitute)
+from chatgen.config.loader import (
+    at,
+    build,
+    closest,
+    key_paths,
+    mask_secrets,
+    merge,
+    parse_override_tree,
+    read_yaml,
+    show,
+    substitute,
+)
 from chatgen.core.checkpoint_io import write_private_text
 from chatgen.core.imports import add_project_dir, import_class, project_dir
 from chatgen.generation.base import load_backend
 from chatgen.generation.config import GenerationConfig
 from chatgen.rlhf import registry
+
 # check_run, trainer_rows, policy_sampling_problems live in checks.py; importable from here too
-from chatgen.rlhf.checks import (backend_kind, check_colocation, check_run,  # noqa: F401
-                                 policy_sampling_problems, trainer_rows)
+from chatgen.rlhf.checks import (
+    backend_kind,
+    check_colocation,
+    check_run,  # noqa: F401
+    policy_sampling_problems,
+    trainer_rows,
+)
 from chatgen.rlhf.rewards import RewardsConfig, function_reward_config, reward_function
 from chatgen.training.config import MegatronConfig
 
@@ -46,7 +63,9 @@ def backend_schema(backend: str):
     try:
         return load_backend(backend).Config
     except ValueError as e:
-        raise ValueError(f"{e}; or megatron (a trainer), python (your class, model_class)") from None
+        raise ValueError(
+            f"{e}; or megatron (a trainer), python (your class, model_class)"
+        ) from None
 
 
 def model_class(entry) -> str:
@@ -60,8 +79,11 @@ def model_class(entry) -> str:
 class AlgorithmConfig:
     """Base of every algorithm's own `runtime.algorithm:` section (chatgen/rlhf/algorithms/<name>.py: Config)."""
 
-    name: str = opt("grpo", "the algorithm: a module of chatgen/rlhf/algorithms (grpo, grpo_multiturn, ppo, dpo, "
-                            "online_dpo) or the dotted path of your own")
+    name: str = opt(
+        "grpo",
+        "the algorithm: a module of chatgen/rlhf/algorithms (grpo, grpo_multiturn, ppo, dpo, "
+        "online_dpo) or the dotted path of your own",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,7 +91,9 @@ class Role:
     """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it may be left out,
     and the model its weights are synced into after each update."""
 
-    backend: Literal["generation", "megatron", "python"]  # generation: any generation backend (vllm, hf, ...)
+    backend: Literal[
+        "generation", "megatron", "python"
+    ]  # generation: any generation backend (vllm, hf, ...)
     trainable: Optional[bool] = None  # True: must be trainable; False: must be frozen; None: either
     optional: bool = False
     syncs_to: Optional[str] = None  # e.g. policy_trainer -> "policy"
@@ -78,68 +102,116 @@ class Role:
 
 @dataclasses.dataclass(kw_only=True)
 class RuntimeConfig:
-    num_episode: int = opt(1, "episodes to run; one episode = generate sample_per_episode samples, then train on them")
+    num_episode: int = opt(
+        1, "episodes to run; one episode = generate sample_per_episode samples, then train on them"
+    )
     sample_per_episode: int = opt(16, "samples (prompt + response pairs) generated per episode")
     num_training_epoch: int = opt(1, "passes of the trainer over each episode's samples")
     train_micro_batch_size: int = opt(1, "samples per trainer forward/backward")
-    train_global_batch_size: Optional[int] = opt(None, "samples per optimizer step; null = sample_per_episode")
+    train_global_batch_size: Optional[int] = opt(
+        None, "samples per optimizer step; null = sample_per_episode"
+    )
     generation_batch_size: int = opt(
-        8, "sequences a vLLM engine runs together per step (its max_num_seqs); the default of every vllm model's generation_batch_size")
-    save_episode_interval: Optional[int] = opt(None, "save a checkpoint every N episodes; null = never")
-    eval_episode_interval: Optional[int] = opt(None, "evaluate on eval_data_path every N episodes; null = never")
-    data_path: Optional[str] = opt(None, "training prompts (relative paths: to the current directory)", path=True)
+        8,
+        "sequences a vLLM engine runs together per step (its max_num_seqs); the default of every vllm model's generation_batch_size",
+    )
+    save_episode_interval: Optional[int] = opt(
+        None, "save a checkpoint every N episodes; null = never"
+    )
+    eval_episode_interval: Optional[int] = opt(
+        None, "evaluate on eval_data_path every N episodes; null = never"
+    )
+    data_path: Optional[str] = opt(
+        None, "training prompts (relative paths: to the current directory)", path=True
+    )
     eval_data_path: Optional[str] = opt(None, "evaluation prompts; null = no evaluation", path=True)
-    prompt_key: str = opt("prompt", "the data column holding each text prompt (verl: "
-                                    "data.prompt_key; OpenRLHF: --input_key)")
+    prompt_key: str = opt(
+        "prompt",
+        "the data column holding each text prompt (verl: data.prompt_key; OpenRLHF: --input_key)",
+    )
     messages_key: Optional[str] = opt(
-        None, "the data column holding each prompt as a chat, a list of {role, content} messages "
-              "rendered with the policy's chat template (used instead of prompt_key); null = text "
-              "prompts")
+        None,
+        "the data column holding each prompt as a chat, a list of {role, content} messages "
+        "rendered with the policy's chat template (used instead of prompt_key); null = text "
+        "prompts",
+    )
     answer_key: Optional[str] = opt(
-        None, "the data column holding the reference answer, given to the reward as `answer` "
-              "(OpenRLHF: --label_key); null = the `answer` column where there is one")
+        None,
+        "the data column holding the reference answer, given to the reward as `answer` "
+        "(OpenRLHF: --label_key); null = the `answer` column where there is one",
+    )
     overlong_prompts: Literal["cut", "drop", "error"] = opt(
-        "cut", "prompts longer than the policy's budget (seq_length - max_new_tokens): cut (keep "
-               "their beginning; max_cut_prompt_fraction stops the run), drop (counted in the "
-               "log), error (refuse the data); verl: data.filter_overlong_prompts / "
-               "data.truncation")
-    output_dir: str = opt("outputs", "run outputs: logs, checkpoints, resolved_config.yaml", path=True)
+        "cut",
+        "prompts longer than the policy's budget (seq_length - max_new_tokens): cut (keep "
+        "their beginning; max_cut_prompt_fraction stops the run), drop (counted in the "
+        "log), error (refuse the data); verl: data.filter_overlong_prompts / "
+        "data.truncation",
+    )
+    output_dir: str = opt(
+        "outputs", "run outputs: logs, checkpoints, resolved_config.yaml", path=True
+    )
     loggers: list[str] = opt(
-        ["jsonl", "tensorboard"], "where metrics go: jsonl (metrics.jsonl, always on), "
-                                  "tensorboard, wandb, mlflow (each library imported only when "
-                                  "named; verl: trainer.logger)")
-    project_name: str = opt("chatgen", "the wandb project / mlflow experiment of the run (verl: "
-                                       "trainer.project_name)")
+        ["jsonl", "tensorboard"],
+        "where metrics go: jsonl (metrics.jsonl, always on), "
+        "tensorboard, wandb, mlflow (each library imported only when "
+        "named; verl: trainer.logger)",
+    )
+    project_name: str = opt(
+        "chatgen", "the wandb project / mlflow experiment of the run (verl: trainer.project_name)"
+    )
     experiment_name: Optional[str] = opt(
-        None, "the wandb / mlflow run name (verl: trainer.experiment_name); null = output_dir's "
-              "last part")
-    colocation: list[list[str]] = opt([], "groups of models sharing devices, e.g. [[policy, policy_trainer]]")
-    ray_address: Optional[str] = opt(None, "Ray cluster address; null = the RAY_ADDRESS variable if set (as `ray job "
-                                           "submit` sets it), else a local Ray (when Ray is used)")
+        None,
+        "the wandb / mlflow run name (verl: trainer.experiment_name); null = output_dir's "
+        "last part",
+    )
+    colocation: list[list[str]] = opt(
+        [], "groups of models sharing devices, e.g. [[policy, policy_trainer]]"
+    )
+    ray_address: Optional[str] = opt(
+        None,
+        "Ray cluster address; null = the RAY_ADDRESS variable if set (as `ray job "
+        "submit` sets it), else a local Ray (when Ray is used)",
+    )
     placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK"] = opt(
-        "PACK", "how Ray places each group's ranks on nodes: PACK (as few nodes as possible), SPREAD (across nodes), "
-                "STRICT_PACK (one node per group, or fail); ranks are ordered node by node either way")
+        "PACK",
+        "how Ray places each group's ranks on nodes: PACK (as few nodes as possible), SPREAD (across nodes), "
+        "STRICT_PACK (one node per group, or fail); ranks are ordered node by node either way",
+    )
     launcher: Literal["auto", "local", "ray"] = opt(
-        "auto", "ray: every model group runs as Ray actors; local: a run whose models share one process of one rank "
-                "runs in the driver, without Ray; auto: local when possible (and no ray_address), else ray")
+        "auto",
+        "ray: every model group runs as Ray actors; local: a run whose models share one process of one rank "
+        "runs in the driver, without Ray; auto: local when possible (and no ray_address), else ray",
+    )
     seed: int = opt(1234, "global random seed")
     log_interval: int = opt(1, "log metrics every N training steps")
     allow_data_order_change: bool = opt(
-        False, "on --resume, accept another seed / batch size / data file than the checkpoint's (its data position then "
-               "applies to a different order); false = such a resume is refused")
+        False,
+        "on --resume, accept another seed / batch size / data file than the checkpoint's (its data position then "
+        "applies to a different order); false = such a resume is refused",
+    )
     max_cut_prompt_fraction: float = opt(
-        0.5, "stop before training when more than this share of the training prompts had to be cut to the prompt "
-             "budget (seq_length - max_new_tokens); 1.0 = never")
+        0.5,
+        "stop before training when more than this share of the training prompts had to be cut to the prompt "
+        "budget (seq_length - max_new_tokens); 1.0 = never",
+    )
     max_bad_train_steps: int = opt(
-        3, "stop after this many optimizer steps in a row with a non-finite loss or gradient norm, "
-           "or as many episodes in a row whose log-prob mismatch is not finite or jumped (training "
-           "diverged)")
+        3,
+        "stop after this many optimizer steps in a row with a non-finite loss or gradient norm, "
+        "or as many episodes in a row whose log-prob mismatch is not finite or jumped (training "
+        "diverged)",
+    )
     eval_greedy: bool = opt(
-        False, "also evaluate each held-out prompt with one greedy response (eval/greedy/*), "
-               "beside the eval_n samples of the policy's eval sampling keys")
+        False,
+        "also evaluate each held-out prompt with one greedy response (eval/greedy/*), "
+        "beside the eval_n samples of the policy's eval sampling keys",
+    )
     solved_reward: Optional[float] = opt(
-        1.0, "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported")
-    algorithm: Any = opt(None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)")
+        1.0,
+        "a sample counts as solved (reward/solved, eval/solved) when its reward is at least this; null = not reported",
+    )
+    algorithm: Any = opt(
+        None, "the algorithm's section: `name` plus its own keys (docs/configuration.md lists them)"
+    )
 
     def check(self):
         for name in self.loggers:
@@ -147,57 +219,116 @@ class RuntimeConfig:
                 yield "loggers", f"unknown logger {name!r}; {closest(name, LOGGERS, 'loggers')}"
             elif name in ("wandb", "mlflow") and importlib.util.find_spec(name) is None:
                 package = "mlflow-skinny" if name == "mlflow" else name
-                yield "loggers", (f"{name} is not installed; pip install {package}, or take {name} "
-                                  "out of the list")
+                yield (
+                    "loggers",
+                    (
+                        f"{name} is not installed; pip install {package}, or take {name} "
+                        "out of the list"
+                    ),
+                )
         if not 0 <= self.max_cut_prompt_fraction <= 1:
-            yield "max_cut_prompt_fraction", f"must be in [0, 1], got {self.max_cut_prompt_fraction}; 1.0 turns it off"
-        for key in ("num_episode", "sample_per_episode", "num_training_epoch", "train_micro_batch_size",
-                    "generation_batch_size", "log_interval", "max_bad_train_steps"):
+            yield (
+                "max_cut_prompt_fraction",
+                f"must be in [0, 1], got {self.max_cut_prompt_fraction}; 1.0 turns it off",
+            )
+        for key in (
+            "num_episode",
+            "sample_per_episode",
+            "num_training_epoch",
+            "train_micro_batch_size",
+            "generation_batch_size",
+            "log_interval",
+            "max_bad_train_steps",
+        ):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         for key in ("train_global_batch_size", "save_episode_interval", "eval_episode_interval"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
-                yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null to turn it off"
+                yield (
+                    key,
+                    f"must be >= 1 or null, got {getattr(self, key)}; use null to turn it off",
+                )
         gbs = self.train_global_batch_size or self.sample_per_episode
         if self.train_micro_batch_size >= 1 and gbs >= 1:
-            if gbs % self.train_micro_batch_size:  # (that an episode is whole global batches: run.check_config)
-                yield "train_global_batch_size", (f"{gbs} is not a multiple of train_micro_batch_size="
-                                                  f"{self.train_micro_batch_size}; make it one")
+            if (
+                gbs % self.train_micro_batch_size
+            ):  # (that an episode is whole global batches: run.check_config)
+                yield (
+                    "train_global_batch_size",
+                    (
+                        f"{gbs} is not a multiple of train_micro_batch_size="
+                        f"{self.train_micro_batch_size}; make it one"
+                    ),
+                )
 
 
 @dataclasses.dataclass(kw_only=True)
 class ModelEntry:
     backend: str = opt(
-        REQUIRED, "a generation backend (vllm; hf: transformers, the reference), megatron (training, forward), or "
-                  "python (user code, e.g. a rule reward); a generation backend of your own: its module's dotted path")
-    model_config_file: Optional[str] = opt(None, "per-model YAML of flat keys, relative to the main YAML; null = none")
-    model_class: Optional[str] = opt(None, "'package.module:ClassName' of the model; null = the backend's default "
-                                           "(VLLMModule for vllm, MegatronModule; a python model must name its class)")
-    trainable: bool = opt(False, "whether this model is trained (its weights are then synced to the generation model)")
+        REQUIRED,
+        "a generation backend (vllm; hf: transformers, the reference), megatron (training, forward), or "
+        "python (user code, e.g. a rule reward); a generation backend of your own: its module's dotted path",
+    )
+    model_config_file: Optional[str] = opt(
+        None, "per-model YAML of flat keys, relative to the main YAML; null = none"
+    )
+    model_class: Optional[str] = opt(
+        None,
+        "'package.module:ClassName' of the model; null = the backend's default "
+        "(VLLMModule for vllm, MegatronModule; a python model must name its class)",
+    )
+    trainable: bool = opt(
+        False, "whether this model is trained (its weights are then synced to the generation model)"
+    )
     num_gpu: int = opt(0, "GPUs for this model (0 on CPU-only machines)")
     num_cpu: int = opt(1, "CPU cores for this model's actors")
     num_replicas: int = opt(
-        1, "generation models: engines the prompts are spread over, each of tensor_parallel_size ranks; colocated "
-           "with a trainer, num_replicas x tensor_parallel_size = the trainer's ranks (docs/scaling.md)")
-    resources: dict[str, float] = opt({}, "custom Ray resources each rank of this model needs, e.g. {trainer_node: 1} "
-                                          "for nodes started with `ray start --resources`; {} = none")
-    config: Any = opt(None, "per-model keys inline (win over model_config_file); once loaded: the typed config")
+        1,
+        "generation models: engines the prompts are spread over, each of tensor_parallel_size ranks; colocated "
+        "with a trainer, num_replicas x tensor_parallel_size = the trainer's ranks (docs/scaling.md)",
+    )
+    resources: dict[str, float] = opt(
+        {},
+        "custom Ray resources each rank of this model needs, e.g. {trainer_node: 1} "
+        "for nodes started with `ray start --resources`; {} = none",
+    )
+    config: Any = opt(
+        None, "per-model keys inline (win over model_config_file); once loaded: the typed config"
+    )
     config_dialect: Literal["chatgen", "chatlearn"] = opt(
-        "chatgen", "how the per-model keys are read: chatgen (every key checked) or chatlearn (a ChatLearn YAML: Megatron-LM keys ignored, unknown keys -> args; docs/migrating_from_chatlearn.md)")
+        "chatgen",
+        "how the per-model keys are read: chatgen (every key checked) or chatlearn (a ChatLearn YAML: Megatron-LM keys ignored, unknown keys -> args; docs/migrating_from_chatlearn.md)",
+    )
 
     def check(self):
         if self.trainable and backend_kind(self.backend) == "generation":
-            yield "trainable", f"a {self.backend} model cannot be trained; set trainable: false or backend: megatron"
+            yield (
+                "trainable",
+                f"a {self.backend} model cannot be trained; set trainable: false or backend: megatron",
+            )
         if self.backend == "python" and not self.model_class:
-            yield "model_class", ("a python model runs your class: set model_class: 'package.module:ClassName' (e.g. "
-                                  "chatgen.rlhf.rewards:RuleReward)")
+            yield (
+                "model_class",
+                (
+                    "a python model runs your class: set model_class: 'package.module:ClassName' (e.g. "
+                    "chatgen.rlhf.rewards:RuleReward)"
+                ),
+            )
         if self.num_gpu < 0 or self.num_cpu < 0:
-            yield "num_gpu" if self.num_gpu < 0 else "num_cpu", "must be >= 0; set a non-negative integer"
+            yield (
+                "num_gpu" if self.num_gpu < 0 else "num_cpu",
+                "must be >= 0; set a non-negative integer",
+            )
         if self.num_replicas < 1:
             yield "num_replicas", f"must be >= 1, got {self.num_replicas}; 1 is one engine"
         elif self.num_replicas > 1 and backend_kind(self.backend) != "generation":
-            yield "num_replicas", (f"{self.num_replicas} replicas of a {self.backend} model; replicas are for generation "
-                                   "models (a Megatron model scales with num_gpu: data parallel); remove the key")
+            yield (
+                "num_replicas",
+                (
+                    f"{self.num_replicas} replicas of a {self.backend} model; replicas are for generation "
+                    "models (a Megatron model scales with num_gpu: data parallel); remove the key"
+                ),
+            )
         for key, amount in self.resources.items():
             if amount < 0:
                 yield "resources", f"{key}: {amount} is negative; give the amount each rank needs"
@@ -210,8 +341,12 @@ class ChatgenConfig:
     runtime: RuntimeConfig
     models: dict[str, ModelEntry]
     path: Optional[str] = None  # the main YAML
-    overrides: list[str] = dataclasses.field(default_factory=list)  # command-line key=value, as given
-    files: list[str] = dataclasses.field(default_factory=list)  # every YAML read (main, includes, model files)
+    overrides: list[str] = dataclasses.field(
+        default_factory=list
+    )  # command-line key=value, as given
+    files: list[str] = dataclasses.field(
+        default_factory=list
+    )  # every YAML read (main, includes, model files)
 
 
 def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> ChatgenConfig:
@@ -222,10 +357,14 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     """
     errors, files = [], []
     main_yaml = os.path.abspath(os.fspath(main_yaml))
-    add_project_dir(project_dir(main_yaml))  # user code (rewards, algorithms) imports from there, here and in actors
+    add_project_dir(
+        project_dir(main_yaml)
+    )  # user code (rewards, algorithms) imports from there, here and in actors
     data, where = read_yaml(main_yaml, errors, files)
     if errors and not data:
-        raise ConfigError(errors)  # nothing to validate: the main YAML is missing, empty or unreadable
+        raise ConfigError(
+            errors
+        )  # nothing to validate: the main YAML is missing, empty or unreadable
     overrides_tree = _route_overrides(parse_override_tree(overrides, errors), data, errors)
     merge(data, where, overrides_tree, dict.fromkeys(key_paths(overrides_tree), (CLI, "")))
     data = substitute(data, where, errors)
@@ -237,7 +376,9 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
             from_cli = where.get((key,), ("",))[0] == CLI
             models = data.get("models") if from_cli and isinstance(data.get("models"), dict) else {}
             if key in roles and from_cli:
-                errors.append(f"{CLI}: {key}: no model {key!r} under models; configured: {', '.join(models)}")
+                errors.append(
+                    f"{CLI}: {key}: no model {key!r} under models; configured: {', '.join(models)}"
+                )
                 continue
             choices = ("runtime", "models", *models)
             errors.append(f"{at(where, (key,))}: unknown top-level key; {closest(key, choices)}")
@@ -248,22 +389,33 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
             runtime.train_global_batch_size = runtime.sample_per_episode
     models_data = data.get("models")
     if not isinstance(models_data, dict) or not models_data:
-        errors.append(f"{at(where, ('models',))}: no models; add e.g. `models: {{policy: {{backend: vllm, "
-                      "model_config_file: policy.yaml}}`")
+        errors.append(
+            f"{at(where, ('models',))}: no models; add e.g. `models: {{policy: {{backend: vllm, "
+            "model_config_file: policy.yaml}}`"
+        )
         models_data = {}
     models = {}
     for name, entry_data in models_data.items():
-        entry = _load_entry(name, entry_data, os.path.dirname(main_yaml), runtime, roles, where, errors, files)
+        entry = _load_entry(
+            name, entry_data, os.path.dirname(main_yaml), runtime, roles, where, errors, files
+        )
         if entry is not None:
             models[name] = entry
-    if runtime is not None:  # against every configured name: an entry with errors of its own is not "unknown"
+    if (
+        runtime is not None
+    ):  # against every configured name: an entry with errors of its own is not "unknown"
         check_colocation(runtime, models_data, where, errors)
     if errors:
         raise ConfigError(errors)
     for section in (runtime, runtime.algorithm, *(entry.config for entry in models.values())):
         _absolute_paths(section)
-    return ChatgenConfig(runtime=runtime, models=models, path=main_yaml, overrides=list(overrides),
-                         files=list(dict.fromkeys(files)))
+    return ChatgenConfig(
+        runtime=runtime,
+        models=models,
+        path=main_yaml,
+        overrides=list(overrides),
+        files=list(dict.fromkeys(files)),
+    )
 
 
 def _absolute_paths(section) -> None:
@@ -281,10 +433,16 @@ def _absolute_paths(section) -> None:
 def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
     """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
     models = dict(data.get("models")) if isinstance(data.get("models"), dict) else {}
-    if isinstance(tree.get("models"), dict):  # a model added on the command line takes shortcuts too
+    if isinstance(
+        tree.get("models"), dict
+    ):  # a model added on the command line takes shortcuts too
         for name, sub in tree["models"].items():
             models.setdefault(name, sub)
-    shortcuts = {key: tree.pop(key) for key in list(tree) if key not in ("runtime", "models") and key in models}
+    shortcuts = {
+        key: tree.pop(key)
+        for key in list(tree)
+        if key not in ("runtime", "models") and key in models
+    }
     if shortcuts:
         tree.setdefault("models", {})
     if not isinstance(tree.get("models"), dict):
@@ -299,8 +457,10 @@ def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
         for key in extra:
             # a python model's keys are free: a near-miss of an entry key would vanish into them unnoticed
             if backend == "python" and difflib.get_close_matches(key, entry_keys, n=1, cutoff=0.8):
-                errors.append(f"{CLI}: models.{name}.{key}: unknown model entry key; {closest(key, entry_keys)} "
-                              f"(a python model's own keys go under models.{name}.config.{key})")
+                errors.append(
+                    f"{CLI}: models.{name}.{key}: unknown model entry key; {closest(key, entry_keys)} "
+                    f"(a python model's own keys go under models.{name}.config.{key})"
+                )
         merge(sub.setdefault("config", {}), {}, extra, {})
     return tree
 
@@ -318,23 +478,35 @@ def _load_algorithm(runtime_data, where: dict, errors: list):
     return build(module.Config, section, where, errors, ("runtime", "algorithm")), module.MODELS
 
 
-def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: dict, errors: list, files: list):
+def _load_entry(
+    name, entry_data, main_dir: str, runtime, roles: dict, where: dict, errors: list, files: list
+):
     path = ("models", name)
     if roles and name not in roles:
-        algorithm = runtime.algorithm.name if runtime is not None and runtime.algorithm is not None else "the algorithm"
-        errors.append(f"{at(where, path)}: not a model of {algorithm}; "
-                      f"{closest(name, roles, 'model names')}")
+        algorithm = (
+            runtime.algorithm.name
+            if runtime is not None and runtime.algorithm is not None
+            else "the algorithm"
+        )
+        errors.append(
+            f"{at(where, path)}: not a model of {algorithm}; {closest(name, roles, 'model names')}"
+        )
         return None
     if not isinstance(entry_data, dict):
         return build(ModelEntry, entry_data, where, errors, path)  # reports the non-mapping
     entry_data = dict(entry_data)
     inline = entry_data.pop("config", None) or {}
     if not isinstance(inline, dict):
-        errors.append(f"{at(where, (*path, 'config'))}: expected a mapping of per-model keys, got "
-                      f"{type(inline).__name__}; write the keys indented under `config:`")
+        errors.append(
+            f"{at(where, (*path, 'config'))}: expected a mapping of per-model keys, got "
+            f"{type(inline).__name__}; write the keys indented under `config:`"
+        )
         return None
     entry_keys = {f.name for f in dataclasses.fields(ModelEntry)}
-    backend, schema = entry_data.get("backend"), dict  # a missing backend: ModelEntry's own error below
+    backend, schema = (
+        entry_data.get("backend"),
+        dict,
+    )  # a missing backend: ModelEntry's own error below
     if isinstance(backend, str) and backend != "python":
         try:
             schema = backend_schema(backend)
@@ -344,8 +516,10 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     for key in [k for k in entry_data if k not in entry_keys]:
         if schema is not dict and key in {f.name for f in dataclasses.fields(schema)}:
             del entry_data[key]
-            errors.append(f"{at(where, (*path, key))}: a per-model key, not a model entry key; move it into "
-                          f"the model_config_file or under models.{name}.config")
+            errors.append(
+                f"{at(where, (*path, key))}: a per-model key, not a model entry key; move it into "
+                f"the model_config_file or under models.{name}.config"
+            )
     entry = build(ModelEntry, entry_data, where, errors, path)
     if entry is None:
         return None
@@ -353,17 +527,26 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     data, model_where = {}, {(): where[()]}
     if entry.model_config_file:
         target = os.path.join(main_dir, os.path.expanduser(entry.model_config_file))
-        data, model_where = read_yaml(target, errors, files, at(where, (*path, "model_config_file")))
-    inline_where = {p[3:]: (file, f"{prefix}models.{name}.config.") for p, (file, prefix) in where.items()
-                    if p[:3] == (*path, "config") and len(p) > 3}
+        data, model_where = read_yaml(
+            target, errors, files, at(where, (*path, "model_config_file"))
+        )
+    inline_where = {
+        p[3:]: (file, f"{prefix}models.{name}.config.")
+        for p, (file, prefix) in where.items()
+        if p[:3] == (*path, "config") and len(p) > 3
+    }
     merge(data, model_where, inline, inline_where)
     if entry.backend == "python":
         schema = _class_schema(entry, where, path, errors)
-        if schema is FUNCTION:  # a plain reward function: the Rewards module runs it as its one term
+        if (
+            schema is FUNCTION
+        ):  # a plain reward function: the Rewards module runs it as its one term
             if data:
-                errors.append(f"{at(where, (*path, 'config'))}: {entry.model_class} is a function and takes no "
-                              f"keys ({', '.join(data)}); for settings use model_class: {REWARDS_CLASS} "
-                              "with `terms:` (docs/rewards.md)")
+                errors.append(
+                    f"{at(where, (*path, 'config'))}: {entry.model_class} is a function and takes no "
+                    f"keys ({', '.join(data)}); for settings use model_class: {REWARDS_CLASS} "
+                    "with `terms:` (docs/rewards.md)"
+                )
                 return None
             data, schema = function_reward_config(entry.model_class), RewardsConfig
             entry.model_class = REWARDS_CLASS
@@ -372,7 +555,9 @@ def _load_entry(name, entry_data, main_dir: str, runtime, roles: dict, where: di
     reader = dialect(entry.config_dialect)
     if reader.read is not None:
         data = reader.read(data, model_where, schema, errors, f"models.{name}")
-    data = substitute(data, model_where, errors)  # after the dialect: an ignored key needs no variable
+    data = substitute(
+        data, model_where, errors
+    )  # after the dialect: an ignored key needs no variable
     entry.config = build(schema, data, model_where, errors, dialect=reader)
     if runtime is not None and entry.config is not None:
         _derive(entry, runtime, model_where, errors)
@@ -407,21 +592,27 @@ def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list
     if isinstance(cfg, GenerationConfig) and cfg.generation_batch_size is None:
         cfg.generation_batch_size = runtime.generation_batch_size
     if isinstance(cfg, MegatronConfig):
-        for key, runtime_key in (("micro_batch_size", "train_micro_batch_size"),
-                                 ("global_batch_size", "train_global_batch_size")):
+        for key, runtime_key in (
+            ("micro_batch_size", "train_micro_batch_size"),
+            ("global_batch_size", "train_global_batch_size"),
+        ):
             runtime_value = getattr(runtime, runtime_key)
             if getattr(cfg, key) is None:
                 setattr(cfg, key, runtime_value)
             elif entry.trainable and getattr(cfg, key) != runtime_value:
-                errors.append(f"{at(where, (key,))}: {getattr(cfg, key)} disagrees with runtime.{runtime_key}="
-                              f"{runtime_value}; remove it (a trainer takes the runtime's value)")
+                errors.append(
+                    f"{at(where, (key,))}: {getattr(cfg, key)} disagrees with runtime.{runtime_key}="
+                    f"{runtime_value}; remove it (a trainer takes the runtime's value)"
+                )
 
 
 def to_dict(cfg) -> dict:
     """Plain dicts/lists/scalars of a ChatgenConfig (runtime + models) or of any schema dataclass."""
     if isinstance(cfg, ChatgenConfig):
-        return {"runtime": dataclasses.asdict(cfg.runtime),
-                "models": {name: dataclasses.asdict(entry) for name, entry in cfg.models.items()}}
+        return {
+            "runtime": dataclasses.asdict(cfg.runtime),
+            "models": {name: dataclasses.asdict(entry) for name, entry in cfg.models.items()},
+        }
     return dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else dict(cfg)
 
 
@@ -460,12 +651,17 @@ def save_resolved(cfg: ChatgenConfig, out_dir: str | os.PathLike | None = None) 
     data = to_dict(cfg)
     for entry in data["models"].values():
         entry["model_config_file"] = None  # its keys are all inline now
-    source = (" ".join([show(cfg.path), *mask_overrides(cfg.overrides)]) if cfg.path
-              else "(built in code)")
-    write_private_text(out, f"# chatgen config {show(out)}\n# resolved from: {source}\n"
-                            f"# files read: {', '.join(show(p) for p in cfg.files) or '-'}\n"
-                            + yaml.safe_dump(mask_secrets(data), sort_keys=False,
-                                             allow_unicode=True))
+    source = (
+        " ".join([show(cfg.path), *mask_overrides(cfg.overrides)])
+        if cfg.path
+        else "(built in code)"
+    )
+    write_private_text(
+        out,
+        f"# chatgen config {show(out)}\n# resolved from: {source}\n"
+        f"# files read: {', '.join(show(p) for p in cfg.files) or '-'}\n"
+        + yaml.safe_dump(mask_secrets(data), sort_keys=False, allow_unicode=True),
+    )
     return out
 
 

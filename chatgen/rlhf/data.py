@@ -16,6 +16,7 @@ records ride on each sample as `RolloutBatch.metadata`, so every column reaches 
 checkpoint records it, and a resume with another order is refused unless
 runtime.allow_data_order_change says otherwise. docs/data_and_rewards.md.
 """
+
 import hashlib
 import os
 import re
@@ -29,8 +30,13 @@ from chatgen.rlhf.checkpoint import CheckpointError
 from chatgen.rlhf.health import check_cut_prompts
 
 # file suffix -> the `datasets` builder that reads it (JSONL: chatgen.core.jsonl)
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".arrow": "arrow",
-           ".csv": "csv"}
+FORMATS = {
+    ".jsonl": "json",
+    ".json": "json",
+    ".parquet": "parquet",
+    ".arrow": "arrow",
+    ".csv": "csv",
+}
 URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
@@ -43,8 +49,15 @@ class PromptSampler:
 
     def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True):
         if num_prompts < batch_size:
-            raise ValueError(f"the dataset has {num_prompts} prompts, fewer than one batch of {batch_size}")
-        self.num_prompts, self.batch_size, self.seed, self.shuffle = num_prompts, batch_size, seed, shuffle
+            raise ValueError(
+                f"the dataset has {num_prompts} prompts, fewer than one batch of {batch_size}"
+            )
+        self.num_prompts, self.batch_size, self.seed, self.shuffle = (
+            num_prompts,
+            batch_size,
+            seed,
+            shuffle,
+        )
         self.epoch, self.index = 0, 0
 
     def _order(self) -> list[int]:
@@ -54,9 +67,11 @@ class PromptSampler:
         return torch.randperm(self.num_prompts, generator=g).tolist()
 
     def next_batch(self) -> list[int]:
-        if self.index + self.batch_size > self.num_prompts:  # drop the ragged tail, start the next pass
+        if (
+            self.index + self.batch_size > self.num_prompts
+        ):  # drop the ragged tail, start the next pass
             self.epoch, self.index = self.epoch + 1, 0
-        batch = self._order()[self.index: self.index + self.batch_size]
+        batch = self._order()[self.index : self.index + self.batch_size]
         self.index += self.batch_size
         return batch
 
@@ -94,30 +109,38 @@ def data_files(path, key: str = "runtime.data_path") -> tuple[str, list]:
     directory without data."""
     text = os.fspath(path)
     if URL.match(text):
-        raise ValueError(f"{key}: {text} is a URL; chatgen reads local files only (no hub or "
-                         "remote calls): download it first (e.g. `huggingface-cli download NAME "
-                         f"--repo-type dataset --local-dir DIR`) and set {key} to the file or "
-                         "directory")
+        raise ValueError(
+            f"{key}: {text} is a URL; chatgen reads local files only (no hub or "
+            "remote calls): download it first (e.g. `huggingface-cli download NAME "
+            f"--repo-type dataset --local-dir DIR`) and set {key} to the file or "
+            "directory"
+        )
     p = Path(text)
     if not p.exists():
-        raise ValueError(f"{key}: {text} does not exist; create it (for the tiny task: python -m "
-                         "chatgen.tasks --output DIR) or fix the path")
+        raise ValueError(
+            f"{key}: {text} does not exist; create it (for the tiny task: python -m "
+            "chatgen.tasks --output DIR) or fix the path"
+        )
     known = ", ".join(FORMATS)
     if p.is_file():
         if p.suffix.lower() not in FORMATS:
-            raise ValueError(f"{key}: {text}: unknown format {p.suffix or '(no suffix)'}; give a "
-                             f"{known} file")
+            raise ValueError(
+                f"{key}: {text}: unknown format {p.suffix or '(no suffix)'}; give a {known} file"
+            )
         return p.suffix.lower(), [p]
     if (p / "state.json").is_file():
         return "save_to_disk", sorted(p.glob("*.arrow"))
     shards = [f for f in sorted(p.iterdir()) if f.is_file() and f.suffix.lower() in FORMATS]
     suffixes = sorted({f.suffix.lower() for f in shards})
     if not shards:
-        raise ValueError(f"{key}: {text} is a directory without data files ({known}); point "
-                         f"{key} at one")
+        raise ValueError(
+            f"{key}: {text} is a directory without data files ({known}); point {key} at one"
+        )
     if len(suffixes) > 1:
-        raise ValueError(f"{key}: {text} mixes {' and '.join(suffixes)} files; keep the shards of "
-                         "one format there")
+        raise ValueError(
+            f"{key}: {text} mixes {' and '.join(suffixes)} files; keep the shards of "
+            "one format there"
+        )
     return suffixes[0], shards
 
 
@@ -130,21 +153,27 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
     require("datasets", f"{key}: a {suffix} data file")
     os.environ["HF_DATASETS_OFFLINE"] = os.environ["HF_HUB_OFFLINE"] = "1"  # read at its import
     import datasets
+
     datasets.config.HF_DATASETS_OFFLINE = datasets.config.HF_HUB_OFFLINE = True  # imported before
     datasets.disable_progress_bars()
     try:
         if suffix == "save_to_disk":
             table = datasets.load_from_disk(os.fspath(path))
         else:
-            table = datasets.load_dataset(FORMATS[suffix], split="train",
-                                          data_files=[str(f.resolve()) for f in files])
+            table = datasets.load_dataset(
+                FORMATS[suffix], split="train", data_files=[str(f.resolve()) for f in files]
+            )
     except Exception as e:  # noqa: BLE001 (pyarrow, json and csv readers each raise their own)
-        raise ValueError(f"{key}: {path}: the datasets library could not read it "
-                         f"({type(e).__name__}: {e}); check that it is a valid "
-                         f"{suffix.lstrip('.')} file") from None
+        raise ValueError(
+            f"{key}: {path}: the datasets library could not read it "
+            f"({type(e).__name__}: {e}); check that it is a valid "
+            f"{suffix.lstrip('.')} file"
+        ) from None
     if not isinstance(table, datasets.Dataset):
-        raise ValueError(f"{key}: {path} holds several splits ({', '.join(table)}); point {key} "
-                         "at one split's directory")
+        raise ValueError(
+            f"{key}: {path} holds several splits ({', '.join(table)}); point {key} "
+            "at one split's directory"
+        )
     rows = table.to_list()
     if not rows:
         raise ValueError(f"{key}: {path} has no rows")
@@ -152,7 +181,7 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
 
 
 def _kind(value) -> str:
-    """"an int", "a list", "empty": what a value is, for an error message."""
+    """ "an int", "a list", "empty": what a value is, for an error message."""
     name = type(value).__name__
     return "empty" if value == "" else f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
@@ -160,13 +189,18 @@ def _kind(value) -> str:
 def _chat_problem(value) -> str | None:
     """None for a chat (a non-empty list of {"role": str, "content": str}), else what is wrong."""
     if isinstance(value, str):
-        return ("a string, not a list of {role, content} messages (a CSV cell cannot hold a list: "
-                "use JSONL, JSON, parquet or arrow)")
+        return (
+            "a string, not a list of {role, content} messages (a CSV cell cannot hold a list: "
+            "use JSONL, JSON, parquet or arrow)"
+        )
     if not isinstance(value, list) or not value:
         return f"{_kind(value)}, not a non-empty list of {{role, content}} messages"
     for m in value:
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                and isinstance(m.get("content"), str)):
+        if not (
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
+        ):
             return f"a list holding {m!r:.60}, not a {{role, content}} message of strings"
     return None
 
@@ -176,21 +210,34 @@ def prompt_records(rows: list, rt, path, key: str = "runtime.data_path") -> list
     runtime.prompt_key column, a non-empty string, or the runtime.messages_key column, a chat) and
     "answer" (the runtime.answer_key column as a string; unset: the row's "answer" column where it
     has one, as it is). A ValueError names the key, the file, the record and the fix."""
-    column, column_key = (rt.messages_key, "runtime.messages_key") if rt.messages_key else \
-        (rt.prompt_key, "runtime.prompt_key")
+    column, column_key = (
+        (rt.messages_key, "runtime.messages_key")
+        if rt.messages_key
+        else (rt.prompt_key, "runtime.prompt_key")
+    )
     records = []
     for i, row in enumerate(rows, 1):
         where = f"{path}, record {i}"
         if column not in row:
-            raise ValueError(f"{column_key}: {where} has no column {column!r} (its columns: "
-                             f"{', '.join(row)}); set {column_key} to the column holding the "
-                             f"prompts ({key})")
+            raise ValueError(
+                f"{column_key}: {where} has no column {column!r} (its columns: "
+                f"{', '.join(row)}); set {column_key} to the column holding the "
+                f"prompts ({key})"
+            )
         value = row[column]
-        problem = _chat_problem(value) if rt.messages_key else \
-            None if isinstance(value, str) and value else f"{_kind(value)}, not a non-empty string"
+        problem = (
+            _chat_problem(value)
+            if rt.messages_key
+            else None
+            if isinstance(value, str) and value
+            else f"{_kind(value)}, not a non-empty string"
+        )
         if problem:
-            fix = "give every record a chat" if rt.messages_key else \
-                "map runtime.prompt_key to a text column (runtime.messages_key: a column of chats)"
+            fix = (
+                "give every record a chat"
+                if rt.messages_key
+                else "map runtime.prompt_key to a text column (runtime.messages_key: a column of chats)"
+            )
             raise ValueError(f"{column_key}: column {column!r} of {where} is {problem}; {fix}")
         record = {**row, "prompt": value}
         if rt.answer_key:
@@ -203,16 +250,20 @@ def _answer(row: dict, column: str, where: str) -> str:
     """The reference answer of a row: its `column` as a string (a CSV column of numbers is read as
     integers); a ValueError naming runtime.answer_key for a missing column or another type."""
     if column not in row:
-        raise ValueError(f"runtime.answer_key: {where} has no column {column!r} (its columns: "
-                         f"{', '.join(row)}); set runtime.answer_key to the reference answer's "
-                         "column, or null when the reward needs none")
+        raise ValueError(
+            f"runtime.answer_key: {where} has no column {column!r} (its columns: "
+            f"{', '.join(row)}); set runtime.answer_key to the reference answer's "
+            "column, or null when the reward needs none"
+        )
     answer = row[column]
     if type(answer) is int:
         return str(answer)
     if not isinstance(answer, str):
-        raise ValueError(f"runtime.answer_key: column {column!r} of {where} is {_kind(answer)}, "
-                         "not a string or an integer; map runtime.answer_key to the reference "
-                         "answer's text column")
+        raise ValueError(
+            f"runtime.answer_key: column {column!r} of {where} is {_kind(answer)}, "
+            "not a string or an integer; map runtime.answer_key to the reference "
+            "answer's text column"
+        )
     return answer
 
 
@@ -241,12 +292,19 @@ class RunData:
 
     def __init__(self, rt, records_per_episode: int):
         self.records = read_prompt_file(rt.data_path, rt)
-        self.eval_records = read_prompt_file(rt.eval_data_path, rt, "runtime.eval_data_path") \
-            if rt.eval_data_path else []
+        self.eval_records = (
+            read_prompt_file(rt.eval_data_path, rt, "runtime.eval_data_path")
+            if rt.eval_data_path
+            else []
+        )
         self.paths, self.overlong = (rt.data_path, rt.eval_data_path), rt.overlong_prompts
         self.sampler = PromptSampler(len(self.records), records_per_episode, rt.seed)
-        self.order = {"seed": rt.seed, "records_per_episode": records_per_episode,
-                      "records": len(self.records), "data_sha256": data_digest(rt.data_path)}
+        self.order = {
+            "seed": rt.seed,
+            "records_per_episode": records_per_episode,
+            "records": len(self.records),
+            "data_sha256": data_digest(rt.data_path),
+        }
         if rt.overlong_prompts != "cut":  # which prompts are drawn depends on it (cut: no key)
             self.order["overlong_prompts"] = rt.overlong_prompts
         self.items = self.eval_items = None
@@ -256,13 +314,16 @@ class RunData:
         per run). Prompts over the budget: cut (too many stop the run: chatgen.rlhf.health),
         dropped, or refused (runtime.overlong_prompts)."""
         self.items = policy.first("prepare_dataset", [r["prompt"] for r in self.records])
-        self.eval_items = policy.first("prepare_dataset", [r["prompt"] for r in self.eval_records],
-                                       True)
+        self.eval_items = policy.first(
+            "prepare_dataset", [r["prompt"] for r in self.eval_records], True
+        )
         if self.overlong == "cut":
             check_cut_prompts(self.items, max_cut_fraction, log)
             return
-        kept = [self._within_budget(self.records, self.items, self.paths[0], log),
-                self._within_budget(self.eval_records, self.eval_items, self.paths[1], log)]
+        kept = [
+            self._within_budget(self.records, self.items, self.paths[0], log),
+            self._within_budget(self.eval_records, self.eval_items, self.paths[1], log),
+        ]
         (self.records, self.items), (self.eval_records, self.eval_items) = kept
         self.sampler = PromptSampler(len(self.records), self.sampler.batch_size, self.sampler.seed)
 
@@ -274,12 +335,16 @@ class RunData:
             return records, items
         which = ", ".join(str(i + 1) for i in cut[:10]) + (", ..." if len(cut) > 10 else "")
         if self.overlong == "error":
-            raise ValueError(f"runtime.overlong_prompts: error, and {len(cut)} of {len(items)} "
-                             f"prompts of {path} are longer than the policy's prompt budget "
-                             f"(seq_length - max_new_tokens; records {which}); raise seq_length or "
-                             "lower max_new_tokens, or set runtime.overlong_prompts: drop")
-        log(f"[chatgen] dropped {len(cut)} of {len(items)} prompts of {path} longer than the "
-            f"policy's prompt budget (records {which}; runtime.overlong_prompts: drop)")
+            raise ValueError(
+                f"runtime.overlong_prompts: error, and {len(cut)} of {len(items)} "
+                f"prompts of {path} are longer than the policy's prompt budget "
+                f"(seq_length - max_new_tokens; records {which}); raise seq_length or "
+                "lower max_new_tokens, or set runtime.overlong_prompts: drop"
+            )
+        log(
+            f"[chatgen] dropped {len(cut)} of {len(items)} prompts of {path} longer than the "
+            f"policy's prompt budget (records {which}; runtime.overlong_prompts: drop)"
+        )
         keep = sorted(set(range(len(items))) - set(cut))
         return [records[i] for i in keep], [items[i] for i in keep]
 
@@ -290,4 +355,5 @@ class RunData:
             raise CheckpointError(
                 f"{path} was saved with another data order ({', '.join(f'{k}: {a} -> {b}' for k, (a, b) in changed.items())}"
                 "); its data position would apply to a different order of the prompts. Resume with the checkpoint's "
-                "settings, or set runtime.allow_data_order_change=true to accept that")
+                "settings, or set runtime.allow_data_order_change=true to accept that"
+            )

@@ -22,6 +22,7 @@ The weight channel is chatgen.param_sync.group: the trainer's rank 0 broadcasts 
 engine rank of every replica; the trainer signs with `token`, this group's secret, which the run hands to the
 trainer through Ray (a NeMo RL caller gives `group.token` to its trainer's sender the same way).
 """
+
 import secrets
 import socket
 import threading
@@ -43,13 +44,20 @@ class GenerationGroup(NemoRLRefit):
 
     def __init__(self, handle):
         self.handle = handle
-        self.name, self.entry, self.backend, self.group = handle.name, handle.entry, handle.backend, handle.group
+        self.name, self.entry, self.backend, self.group = (
+            handle.name,
+            handle.entry,
+            handle.backend,
+            handle.group,
+        )
         self.dp_ranks = None
         self.replicas, self.tp = handle.entry.num_replicas, engine_tp(handle.entry)
         self.token = secrets.token_hex(16)
         self._lock = threading.Lock()
         self._outstanding = [0] * self.replicas  # tokens of the prompts each replica is working on
-        self._stats = [[0, 0, 0.0] for _ in range(self.replicas)]  # samples, generated tokens, engine seconds
+        self._stats = [
+            [0, 0, 0.0] for _ in range(self.replicas)
+        ]  # samples, generated tokens, engine seconds
         self._pad_token_id = None
 
     def call(self, method: str, *args, **kwargs) -> list:
@@ -71,18 +79,27 @@ class GenerationGroup(NemoRLRefit):
         `items` (a RolloutBatch; with one replica, whatever the engine's decode_internal returns)."""
         if self.replicas == 1:
             return self.first("run_generation", items, is_eval)
-        costs = [self._samples(is_eval) * (len(item["input_ids"]) + self.entry.config.max_new_tokens)
-                 for item in items]
+        costs = [
+            self._samples(is_eval) * (len(item["input_ids"]) + self.entry.config.max_new_tokens)
+            for item in items
+        ]
         with self._lock:
             shares = assign(costs, self._outstanding)
             for replica, share in enumerate(shares):
                 self._outstanding[replica] += sum(costs[i] for i in share)
         try:
-            per_rank = [(self.name, [items[i] for i in shares[r // self.tp]], is_eval) if shares[r // self.tp]
-                        else None for r in range(self.group.world_size)]  # a replica without prompts is not called
+            per_rank = [
+                (self.name, [items[i] for i in shares[r // self.tp]], is_eval)
+                if shares[r // self.tp]
+                else None
+                for r in range(self.group.world_size)
+            ]  # a replica without prompts is not called
             called = [r for r, args in enumerate(per_rank) if args is not None]
-            results = self.get(self.group.run_each(_generate, per_rank), "run_generation",
-                               [f"replica {r // self.tp}, rank {r}" for r in called])
+            results = self.get(
+                self.group.run_each(_generate, per_rank),
+                "run_generation",
+                [f"replica {r // self.tp}, rank {r}" for r in called],
+            )
         finally:
             with self._lock:
                 for replica, share in enumerate(shares):
@@ -138,15 +155,24 @@ class GenerationGroup(NemoRLRefit):
         1 + this model's ranks (the trainer's rank 0 sends). Returns the calls in flight: wait for them with
         `get` together with the trainer's `GroupSender.connect` (each side blocks until all joined)."""
         if world_size != 1 + self.group.world_size:
-            raise ValueError(f"{self.name}: world_size={world_size}, but the weight group is the trainer's sending "
-                             f"rank + {self.group.world_size} engine ranks = {1 + self.group.world_size}")
-        return self.group.run_each(_join_broadcast, [(self.name, ip, port, 1 + r, world_size, self.token)
-                                                     for r in range(self.group.world_size)])
+            raise ValueError(
+                f"{self.name}: world_size={world_size}, but the weight group is the trainer's sending "
+                f"rank + {self.group.world_size} engine ranks = {1 + self.group.world_size}"
+            )
+        return self.group.run_each(
+            _join_broadcast,
+            [
+                (self.name, ip, port, 1 + r, world_size, self.token)
+                for r in range(self.group.world_size)
+            ],
+        )
 
     def check_weight_manifest(self, manifest: dict) -> None:
         """Every engine rank checks a trainer's {HF name: shape} against its architecture now (the same check
         every sync makes), so a wrong model fails before the first sync: a SyncError naming each mismatch."""
-        self.run(_check_manifest, self.name, {name: tuple(shape) for name, shape in manifest.items()})
+        self.run(
+            _check_manifest, self.name, {name: tuple(shape) for name, shape in manifest.items()}
+        )
 
     def receive_weights(self, mode: str = "wait") -> list:
         """Every engine rank receives one broadcast (the trainer sends at the same time) and loads it; returns the
@@ -176,6 +202,7 @@ def assign(costs: list, outstanding: list) -> list:
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
+
 
 def _generate(worker, name, items, is_eval):
     model = worker.models[name]

@@ -12,14 +12,17 @@ of a group the same reward and nothing to learn from that group. `zero_variance_
 groups (metric reward/zero_variance_groups) and warns when it is every group; a zero gradient norm
 warns too.
 """
+
 import math
 import statistics
 
 import torch
 
 MISMATCH_JUMP = 50.0  # a mismatch this many times the median of the run's earlier episodes...
-MISMATCH_FLOOR = {"mismatch/logprob_mean_abs": 0.1,  # ...and above this (nats) jumped
-                  "mismatch/logprob_max_abs": 1.0}
+MISMATCH_FLOOR = {
+    "mismatch/logprob_mean_abs": 0.1,  # ...and above this (nats) jumped
+    "mismatch/logprob_max_abs": 1.0,
+}
 
 
 class RunHealthError(RuntimeError):
@@ -34,17 +37,22 @@ def check_cut_prompts(items: list, limit: float, log) -> None:
             f"{cut} of {len(items)} training prompts ({cut / len(items):.0%}) are longer than the prompt "
             f"budget seq_length - max_new_tokens and were cut, more than runtime.max_cut_prompt_fraction={limit}: "
             "the policy would learn from truncated prompts; raise models.policy seq_length, lower max_new_tokens, "
-            "or shorten the prompts")
+            "or shorten the prompts"
+        )
     if cut:
-        log(f"[chatgen] WARNING: {cut} of {len(items)} training prompts were cut to the prompt budget")
+        log(
+            f"[chatgen] WARNING: {cut} of {len(items)} training prompts were cut to the prompt budget"
+        )
 
 
 def check_rewards(rewards: torch.Tensor, texts: list, who: str = "reward.score") -> None:
     """Stop on a NaN or inf reward, naming `who` returned it, the samples and one response that got it."""
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-        raise RunHealthError(f"{who} returned NaN/inf for samples {bad[:10]} (e.g. response "
-                             f"{texts[bad[0]]!r}); fix the reward so it returns a finite number for every response")
+        raise RunHealthError(
+            f"{who} returned NaN/inf for samples {bad[:10]} (e.g. response "
+            f"{texts[bad[0]]!r}); fix the reward so it returns a finite number for every response"
+        )
 
 
 def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
@@ -58,12 +66,18 @@ def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
     if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
         raise TypeError(f"{who} returned {type(value).__name__} {shown}; {need}")
     if len(value) != n:
-        raise ValueError(f"{who} returned {len(value)} values for {n} completions ({shown}); {need}")
+        raise ValueError(
+            f"{who} returned {len(value)} values for {n} completions ({shown}); {need}"
+        )
     try:
-        rewards = torch.as_tensor(value if torch.is_tensor(value) else list(value), dtype=torch.float32)
+        rewards = torch.as_tensor(
+            value if torch.is_tensor(value) else list(value), dtype=torch.float32
+        )
     except (TypeError, ValueError, RuntimeError):
         kinds = sorted({type(v).__name__ for v in value})
-        raise TypeError(f"{who} returned a {type(value).__name__} of {', '.join(kinds)} ({shown}); {need}") from None
+        raise TypeError(
+            f"{who} returned a {type(value).__name__} of {', '.join(kinds)} ({shown}); {need}"
+        ) from None
     if rewards.shape != (n,):
         raise ValueError(f"{who} returned shape {tuple(rewards.shape)} ({shown}); {need}")
     check_rewards(rewards, texts, who)
@@ -83,8 +97,10 @@ def zero_variance_groups(rewards: torch.Tensor, n: int, log) -> int:
     groups = rewards.reshape(-1, n)
     count = int(equal_reward_groups(rewards, n).sum())
     if count == len(groups) and n > 1:
-        log(f"[chatgen] WARNING: every group's {n} rewards are equal this episode ({count} groups, "
-            f"e.g. {groups[0, 0].item():.4g}): nothing to learn from it (solved, or too hard)")
+        log(
+            f"[chatgen] WARNING: every group's {n} rewards are equal this episode ({count} groups, "
+            f"e.g. {groups[0, 0].item():.4g}): nothing to learn from it (solved, or too hard)"
+        )
     return count
 
 
@@ -100,13 +116,22 @@ class StepHealth:
 
     def check(self, name: str, step: dict) -> None:
         what = ", ".join(f"{k}={v:.4g}" for k, v in step.items())
-        bad = (step.get("skipped_step", 0.0) > 0 or not math.isfinite(step["grad_norm"])
-               or not math.isfinite(step.get("loss", 0.0)))
-        self._count(name, bad, f"{name}: an optimizer step with a non-finite loss or gradient "
-                               f"norm ({what})", f"lower models.{name} lr or check the loss")
+        bad = (
+            step.get("skipped_step", 0.0) > 0
+            or not math.isfinite(step["grad_norm"])
+            or not math.isfinite(step.get("loss", 0.0))
+        )
+        self._count(
+            name,
+            bad,
+            f"{name}: an optimizer step with a non-finite loss or gradient norm ({what})",
+            f"lower models.{name} lr or check the loss",
+        )
         if not bad and step["grad_norm"] == 0:
-            self.log(f"[chatgen] WARNING: {name} step with a zero gradient norm ({what}): nothing "
-                     "to learn from its batch (e.g. every group's rewards equal)")
+            self.log(
+                f"[chatgen] WARNING: {name} step with a zero gradient norm ({what}): nothing "
+                "to learn from its batch (e.g. every group's rewards equal)"
+            )
 
     def check_mismatch(self, metrics: dict) -> None:
         """An episode's train/inference log-prob mismatch (mismatch/logprob_*): not finite, or a
@@ -119,10 +144,14 @@ class StepHealth:
             median = statistics.median(earlier) if len(earlier) >= 2 else None
             jumped = median is not None and value > max(floor, MISMATCH_JUMP * median)
             bad = not math.isfinite(value) or jumped
-            self._count(key, bad, f"{key} = {value:.4g} is not finite or jumped (the median of "
-                                  f"the run's earlier episodes: {median})",
-                        "the trainer and the engine no longer compute the same model: lower lr, "
-                        "or check the weight sync (chatgen check-sync)")
+            self._count(
+                key,
+                bad,
+                f"{key} = {value:.4g} is not finite or jumped (the median of "
+                f"the run's earlier episodes: {median})",
+                "the trainer and the engine no longer compute the same model: lower lr, "
+                "or check the weight sync (chatgen check-sync)",
+            )
             if math.isfinite(value):
                 earlier.append(value)
 
@@ -131,7 +160,10 @@ class StepHealth:
         if not bad:
             return
         if self.bad[key] >= self.limit:
-            raise RunHealthError(f"{event}; {self.bad[key]} in a row, runtime.max_bad_train_steps"
-                                 f"={self.limit}: training has diverged; {fix}")
-        self.log(f"[chatgen] WARNING: {event} ({self.bad[key]} in a row; the run stops at "
-                 f"{self.limit})")
+            raise RunHealthError(
+                f"{event}; {self.bad[key]} in a row, runtime.max_bad_train_steps"
+                f"={self.limit}: training has diverged; {fix}"
+            )
+        self.log(
+            f"[chatgen] WARNING: {event} ({self.bad[key]} in a row; the run stops at {self.limit})"
+        )

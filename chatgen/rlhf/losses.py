@@ -6,6 +6,7 @@ Pure torch: no Ray, vLLM or Megatron import, so every formula here is unit-teste
 Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T) that is
 1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
 """
+
 import math
 
 import torch
@@ -30,8 +31,9 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True, 
     return whitened if shift_mean else whitened + mean
 
 
-def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool = True,
-                     eps: float = 1e-6) -> torch.Tensor:
+def group_advantages(
+    rewards: torch.Tensor, group_size: int, normalize_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO advantages: each reward minus the mean of its group, divided by the group's std.
 
     rewards: (P * group_size,) with the `group_size` samples of each prompt contiguous.
@@ -39,8 +41,10 @@ def group_advantages(rewards: torch.Tensor, group_size: int, normalize_std: bool
     The std is the unbiased sample std (as in DeepSeekMath's GRPO); normalize_std=False gives Dr. GRPO.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+            f"got shape {tuple(rewards.shape)}"
+        )
     grouped = rewards.view(-1, group_size)
     centred = grouped - grouped.mean(dim=1, keepdim=True)
     if normalize_std and group_size > 1:
@@ -55,14 +59,16 @@ def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
     A_i = r_i - (sum_j r_j - r_i) / (n - 1) = n / (n - 1) * (r_i - mean(r)); no std division.
     """
     if group_size < 2:
-        raise ValueError(f"group_size={group_size}: a leave-one-out baseline needs at least 2 "
-                         "samples per prompt")
+        raise ValueError(
+            f"group_size={group_size}: a leave-one-out baseline needs at least 2 samples per prompt"
+        )
     centred = group_advantages(rewards, group_size, normalize_std=False)
     return centred * (group_size / (group_size - 1))
 
 
-def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor,
-                       gamma: float = 1.0) -> torch.Tensor:
+def discounted_returns(
+    rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
     """G_t = sum_{s >= t} gamma^(s - t) r_s over each row's unmasked tokens.
     rewards, mask: (B, T) -> (B, T), zero on masked positions."""
     returns = torch.zeros_like(rewards)
@@ -73,8 +79,9 @@ def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor,
     return returns
 
 
-def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
-                            gamma: float = 1.0) -> torch.Tensor:
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> torch.Tensor:
     """REINFORCE++ advantages (Hu 2025): each token's discounted return, whitened over the batch.
 
     token_rewards: (B, T), e.g. kl_shaped_rewards (the score on the last token, minus a per-token
@@ -85,8 +92,13 @@ def reinforce_pp_advantages(token_rewards: torch.Tensor, mask: torch.Tensor,
     return masked_whiten(discounted_returns(token_rewards, mask, gamma), mask) * mask
 
 
-def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-        lam: float = 0.95):
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+):
     """Generalised advantage estimation over response tokens.
 
     rewards, values, mask: (B, T). Token t's TD error is r_t + gamma * V_{t+1} - V_t with V past the last
@@ -109,7 +121,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     return advantages, returns
 
 
-def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3") -> torch.Tensor:
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
 
     k1: log r with log r = logp - logp_ref; unbiased, can be negative.
@@ -120,15 +134,16 @@ def kl_estimate(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = 
     if kind == "k1":
         return log_ratio
     if kind == "k2":
-        return 0.5 * log_ratio ** 2
+        return 0.5 * log_ratio**2
     if kind == "k3":
         # Clamp keeps exp() finite when the two policies disagree wildly early in training.
         return torch.exp(-log_ratio.clamp(-20, 20)) - 1 + log_ratio
     raise ValueError(f"unknown KL estimator {kind!r}: use 'k1', 'k2' or 'k3'")
 
 
-def truncated_importance_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
-                                 cap: float = 2.0) -> torch.Tensor:
+def truncated_importance_weights(
+    old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, cap: float = 2.0
+) -> torch.Tensor:
     """Truncated importance-sampling weights for the train/inference mismatch (Yao et al., "TIS").
 
     The samples come from the inference engine's distribution (inference_logprobs) while the loss treats
@@ -138,9 +153,13 @@ def truncated_importance_weights(old_logprobs: torch.Tensor, inference_logprobs:
     return torch.exp(old_logprobs - inference_logprobs).clamp(max=cap).detach()
 
 
-def sequence_importance_weights(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor,
-                                mask: torch.Tensor, cap: float = 2.0,
-                                geometric: bool = False) -> torch.Tensor:
+def sequence_importance_weights(
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float = 2.0,
+    geometric: bool = False,
+) -> torch.Tensor:
     """Sequence-level truncated importance weights (verl's rollout_is: sequence), detached.
 
     old_logprobs (the trainer's), inference_logprobs (the engine's, which sampled), mask: (B, T).
@@ -155,8 +174,14 @@ def sequence_importance_weights(old_logprobs: torch.Tensor, inference_logprobs: 
     return torch.exp(log_ratio.clamp(max=math.log(cap))).detach()
 
 
-def outlier_mask(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, mask: torch.Tensor,
-                 low: float, high: float, level: str = "token") -> torch.Tensor:
+def outlier_mask(
+    old_logprobs: torch.Tensor,
+    inference_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    low: float,
+    high: float,
+    level: str = "token",
+) -> torch.Tensor:
     """Rejection of train/inference outliers (verl's rollout_rs): a (B, T) float mask, 1 = kept.
 
     old_logprobs, inference_logprobs, mask: (B, T). level "token": token t is dropped when its
@@ -172,8 +197,9 @@ def outlier_mask(old_logprobs: torch.Tensor, inference_logprobs: torch.Tensor, m
     return keep.to(mask.dtype) * mask
 
 
-def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_length: int,
-                     factor: float = 1.0) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor, max_length: int, buffer_length: int, factor: float = 1.0
+) -> torch.Tensor:
     """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to the rewards.
 
     response_lengths: (S,) tokens. Returns (S,): 0 up to max_length - buffer_length tokens, then
@@ -184,12 +210,20 @@ def overlong_penalty(response_lengths: torch.Tensor, max_length: int, buffer_len
     return -factor * over.clamp(max=1.0)
 
 
-LOSS_AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum",
-                     "seq_mean_token_sum_norm")
+LOSS_AGGREGATIONS = (
+    "token_mean",
+    "seq_mean_token_mean",
+    "seq_mean_token_sum",
+    "seq_mean_token_sum_norm",
+)
 
 
-def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "token_mean",
-                   norm_length: int | None = None) -> torch.Tensor:
+def aggregate_loss(
+    per_token: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token_mean",
+    norm_length: int | None = None,
+) -> torch.Tensor:
     """Reduce a (B, T) per-token loss to a scalar (verl's loss_agg_mode).
 
     token_mean: sum over every unmasked token / their count (long responses weigh more; DAPO);
@@ -206,15 +240,18 @@ def aggregate_loss(per_token: torch.Tensor, mask: torch.Tensor, mode: str = "tok
         return masked_sum(per_token, mask, dim=1).mean()
     if mode == "seq_mean_token_sum_norm":
         if not norm_length:
-            raise ValueError("loss aggregation seq_mean_token_sum_norm needs norm_length (the "
-                             "constant divisor)")
+            raise ValueError(
+                "loss aggregation seq_mean_token_sum_norm needs norm_length (the constant divisor)"
+            )
         return (masked_sum(per_token, mask, dim=1) / norm_length).mean()
-    raise ValueError(f"unknown loss aggregation {mode!r}: use one of "
-                     f"{', '.join(LOSS_AGGREGATIONS)}")
+    raise ValueError(
+        f"unknown loss aggregation {mode!r}: use one of {', '.join(LOSS_AGGREGATIONS)}"
+    )
 
 
-def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
-                       mask: torch.Tensor) -> torch.Tensor:
+def sequence_log_ratio(
+    logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
     """GSPO's per-token log-ratio (Zheng et al. 2025, GSPO-token): (B, T), whose value in row i is
     the length-normalised sequence log-ratio mean_t (logp - old) of row i, and whose gradient is
     each token's own (sg(s_i) * pi_t / sg(pi_t)): the ratio moves, and is clipped, per sequence."""
@@ -222,12 +259,23 @@ def sequence_log_ratio(logprobs: torch.Tensor, old_logprobs: torch.Tensor,
     return logprobs - logprobs.detach() + seq.unsqueeze(1)
 
 
-def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, clip_eps: float = 0.2, ref_logprobs: torch.Tensor = None,
-                kl_coef: float = 0.0, kl_kind: str = "k3", is_weights: torch.Tensor = None,
-                clip_eps_high: float = None, dual_clip: float = None, ratio_level: str = "token",
-                loss_aggregation: str = "token_mean", norm_length: int = None,
-                entropy_coef: float = 0.0):
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    ref_logprobs: torch.Tensor = None,
+    kl_coef: float = 0.0,
+    kl_kind: str = "k3",
+    is_weights: torch.Tensor = None,
+    clip_eps_high: float = None,
+    dual_clip: float = None,
+    ratio_level: str = "token",
+    loss_aggregation: str = "token_mean",
+    norm_length: int = None,
+    entropy_coef: float = 0.0,
+):
     """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
 
     logprobs: (B, T) under the policy being trained (requires grad); old_logprobs: (B, T) under
@@ -270,7 +318,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
             per_token = per_token + kl_coef * kl
     if entropy_coef:
         # grad(-H) = E[log p * grad log p] = E[grad(log p ^ 2 / 2)] over tokens from the policy
-        per_token = per_token + entropy_coef * 0.5 * logprobs ** 2
+        per_token = per_token + entropy_coef * 0.5 * logprobs**2
     loss = aggregate_loss(per_token, mask, loss_aggregation, norm_length)
     with torch.no_grad():
         stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
@@ -282,8 +330,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     return loss, stats
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_eps: float = 0.2):
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+):
     """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), mean over unmasked tokens.
 
     values: (B, T) requires grad; old_values, returns: (B, T). Returns (loss, stats) with clip_fraction.
@@ -297,19 +350,31 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     return loss, {"value_clip_fraction": clip_fraction}
 
 
-def kl_shaped_rewards(scores: torch.Tensor, logprobs: torch.Tensor, ref_logprobs: torch.Tensor,
-                      mask: torch.Tensor, kl_coef: float, kl_kind: str = "k1") -> torch.Tensor:
+def kl_shaped_rewards(
+    scores: torch.Tensor,
+    logprobs: torch.Tensor,
+    ref_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    kl_kind: str = "k1",
+) -> torch.Tensor:
     """PPO token rewards: -kl_coef * KL per token, plus the sequence score on its last unmasked token.
 
     scores: (B,); logprobs, ref_logprobs, mask: (B, T). Returns (B, T), zero on masked positions.
     """
     rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
-    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (mask > 0)  # (B, T) one-hot or empty
+    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (
+        mask > 0
+    )  # (B, T) one-hot or empty
     return rewards + last.to(rewards.dtype) * scores.unsqueeze(1)
 
 
-def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, beta: float = 0.1,
-             weights: torch.Tensor = None):
+def dpo_loss(
+    chosen_logratios: torch.Tensor,
+    rejected_logratios: torch.Tensor,
+    beta: float = 0.1,
+    weights: torch.Tensor = None,
+):
     """DPO loss (Rafailov et al. 2023; TRL's "sigmoid" loss) on P preference pairs.
 
     chosen_logratios, rejected_logratios: (P,) log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected
@@ -329,9 +394,14 @@ def dpo_loss(chosen_logratios: torch.Tensor, rejected_logratios: torch.Tensor, b
         def mean(x):
             return (x * counted).sum() / counted.sum().clamp(min=1)
 
-        stats = {"accuracy": mean((margins > 0).to(margins.dtype) + 0.5 * (margins == 0).to(margins.dtype)),
-                 "margin": mean(margins), "chosen_reward": mean(beta * chosen_logratios.detach()),
-                 "rejected_reward": mean(beta * rejected_logratios.detach())}
+        stats = {
+            "accuracy": mean(
+                (margins > 0).to(margins.dtype) + 0.5 * (margins == 0).to(margins.dtype)
+            ),
+            "margin": mean(margins),
+            "chosen_reward": mean(beta * chosen_logratios.detach()),
+            "rejected_reward": mean(beta * rejected_logratios.detach()),
+        }
     return loss, stats
 
 
@@ -340,7 +410,9 @@ def pair_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: tor
     response, row 2k + 1 its rejected one. logprobs, ref_logprobs, mask: (2P, T); a row's log-ratio is the sum
     of logprobs - ref_logprobs over its masked (response) tokens."""
     if logprobs.shape[0] % 2:
-        raise ValueError(f"{logprobs.shape[0]} rows do not make (chosen, rejected) pairs; pass an even number")
+        raise ValueError(
+            f"{logprobs.shape[0]} rows do not make (chosen, rejected) pairs; pass an even number"
+        )
     ratios = masked_sum(logprobs - ref_logprobs, mask, dim=1)
     return ratios[0::2], ratios[1::2]
 
@@ -356,11 +428,15 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a pair needs at least 2 responses per prompt")
     if rewards.dim() != 1 or rewards.numel() % group_size:
-        raise ValueError(f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
-                         f"got shape {tuple(rewards.shape)}")
+        raise ValueError(
+            f"rewards must be 1-D with a multiple of group_size={group_size} entries, "
+            f"got shape {tuple(rewards.shape)}"
+        )
     grouped = rewards.view(-1, group_size)
     base = torch.arange(grouped.shape[0]) * group_size
-    rows = torch.stack([base + grouped.argmax(dim=1), base + grouped.argmin(dim=1)], dim=1).reshape(-1)
+    rows = torch.stack([base + grouped.argmax(dim=1), base + grouped.argmin(dim=1)], dim=1).reshape(
+        -1
+    )
     preferred = (grouped.max(dim=1).values > grouped.min(dim=1).values).float()
     return rows, preferred.repeat_interleave(2)
 
@@ -368,14 +444,24 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
 # ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
 # Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
 
+
 def policy_loss_fn(logprobs, mb, clip_eps=0.2, kl_coef=0.0, kl_kind="k3", **options):
     """GRPO/PPO policy loss on a micro-batch with old_logprobs, advantages, loss_mask (all (b, T-1) or (b,)),
     optional ref_logprobs (KL term) and is_weights (importance sampling). options: policy_loss's
     keywords (clip_eps_high, dual_clip, ratio_level, loss_aggregation, norm_length,
     entropy_coef)."""
-    loss, stats = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["loss_mask"], clip_eps=clip_eps,
-                              ref_logprobs=mb.get("ref_logprobs"), kl_coef=kl_coef, kl_kind=kl_kind,
-                              is_weights=mb.get("is_weights"), **options)
+    loss, stats = policy_loss(
+        logprobs,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["loss_mask"],
+        clip_eps=clip_eps,
+        ref_logprobs=mb.get("ref_logprobs"),
+        kl_coef=kl_coef,
+        kl_kind=kl_kind,
+        is_weights=mb.get("is_weights"),
+        **options,
+    )
     return loss, stats
 
 

@@ -5,6 +5,7 @@ and generating (the trainer offloaded as its offload_* keys say).
 
     lines, warnings = memory_report(cfg, device_bytes=80 << 30)
 """
+
 import json
 from pathlib import Path
 
@@ -27,7 +28,9 @@ def _shape(load) -> Shape | str:
 
 def shape_positions(load) -> int:
     """The model's max_position_embeddings: what a trainer without seq_length accepts."""
-    return json.loads((Path(str(load)) / "config.json").read_text()).get("max_position_embeddings", 4096)
+    return json.loads((Path(str(load)) / "config.json").read_text()).get(
+        "max_position_embeddings", 4096
+    )
 
 
 def _gib(n: float) -> str:
@@ -48,34 +51,71 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
             continue
         tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
         dp = max(1, model_world_size(entry) // (tp * pp))
-        seq, micro = c.seq_length or shape_positions(c.load), c.micro_batch_size or cfg.runtime.train_micro_batch_size
-        t = trainer_memory(shape, tp=tp, pp=pp, dp=dp, seq_length=seq, micro_batch_size=micro, dtype=c.dtype,
-                           grad_reduce_dtype=c.grad_reduce_dtype, recompute=c.activation_recompute,
-                           sequence_parallel=c.sequence_parallel)
-        lines.append(f"{name} (TP {tp} x PP {pp} x DP {dp}, {micro} x {seq} tokens a micro-batch, recompute "
-                     f"{c.activation_recompute}): " + ", ".join(f"{k} {_gib(v)}" for k, v in t.items()) + " GiB")
+        seq, micro = (
+            c.seq_length or shape_positions(c.load),
+            c.micro_batch_size or cfg.runtime.train_micro_batch_size,
+        )
+        t = trainer_memory(
+            shape,
+            tp=tp,
+            pp=pp,
+            dp=dp,
+            seq_length=seq,
+            micro_batch_size=micro,
+            dtype=c.dtype,
+            grad_reduce_dtype=c.grad_reduce_dtype,
+            recompute=c.activation_recompute,
+            sequence_parallel=c.sequence_parallel,
+        )
+        lines.append(
+            f"{name} (TP {tp} x PP {pp} x DP {dp}, {micro} x {seq} tokens a micro-batch, recompute "
+            f"{c.activation_recompute}): "
+            + ", ".join(f"{k} {_gib(v)}" for k, v in t.items())
+            + " GiB"
+        )
         train_phase, generate_phase = t["total"] + CONTEXT_BYTES, CONTEXT_BYTES
-        kept = {"weights": c.offload_params, "gradients": c.offload_grads, "optimizer": c.offload_optimizer}
+        kept = {
+            "weights": c.offload_params,
+            "gradients": c.offload_grads,
+            "optimizer": c.offload_optimizer,
+        }
         generate_phase += sum(t[k] for k, offloaded in kept.items() if not offloaded)
-        engines = [n for g in groups if name in g for n in g if cfg.models[n].backend not in ("megatron", "python")]
+        engines = [
+            n
+            for g in groups
+            if name in g
+            for n in g
+            if cfg.models[n].backend not in ("megatron", "python")
+        ]
         for engine in engines:
             e_entry = cfg.models[engine]
             util = getattr(e_entry.config, "gpu_memory_utilization", None)
             if util is None:
                 continue
-            e = engine_memory(shape, tp=engine_tp(e_entry), dtype=e_entry.config.dtype, device_bytes=device_bytes,
-                              gpu_memory_utilization=util)
-            lines.append(f"{engine} (TP {engine_tp(e_entry)}, gpu_memory_utilization {util}): weights "
-                         f"{_gib(e['weights'])}, KV cache {_gib(e['kv_cache'])} GiB = {e['kv_tokens']:,} tokens")
+            e = engine_memory(
+                shape,
+                tp=engine_tp(e_entry),
+                dtype=e_entry.config.dtype,
+                device_bytes=device_bytes,
+                gpu_memory_utilization=util,
+            )
+            lines.append(
+                f"{engine} (TP {engine_tp(e_entry)}, gpu_memory_utilization {util}): weights "
+                f"{_gib(e['weights'])}, KV cache {_gib(e['kv_cache'])} GiB = {e['kv_tokens']:,} tokens"
+            )
             generate_phase += e["total"]
             train_phase += CONTEXT_BYTES  # the sleeping engine's process
-        lines.append(f"per GPU: training {_gib(train_phase)} GiB, generating {_gib(generate_phase)} GiB of "
-                     f"{_gib(device_bytes)}")
+        lines.append(
+            f"per GPU: training {_gib(train_phase)} GiB, generating {_gib(generate_phase)} GiB of "
+            f"{_gib(device_bytes)}"
+        )
         for phase, used in (("training", train_phase), ("generating", generate_phase)):
             if used > device_bytes:
-                warnings.append(f"{name}: the {phase} phase needs ~{_gib(used)} GiB a GPU, more than the device's "
-                                f"{_gib(device_bytes)}; set activation_recompute: selective (or full), "
-                                "sequence_parallel: true with TP > 1, more TP / PP, a shorter seq_length or a "
-                                "smaller micro_batch_size" + (" / gpu_memory_utilization" if phase == "generating"
-                                                              else ""))
+                warnings.append(
+                    f"{name}: the {phase} phase needs ~{_gib(used)} GiB a GPU, more than the device's "
+                    f"{_gib(device_bytes)}; set activation_recompute: selective (or full), "
+                    "sequence_parallel: true with TP > 1, more TP / PP, a shorter seq_length or a "
+                    "smaller micro_batch_size"
+                    + (" / gpu_memory_utilization" if phase == "generating" else "")
+                )
     return lines, warnings

@@ -17,6 +17,7 @@ On a terminal (stdout a TTY) a run shows one live line: `episode |███   | 
 elapsed < ETA). Elsewhere (CI, a log file) each episode prints one plain line with the same figures.
 `progress_bar` and `say` give the warm start and `chatgen generate` the same line.
 """
+
 import datetime
 import json
 import logging
@@ -37,7 +38,10 @@ logger = logging.getLogger(__name__)
 
 
 BAR_FORMAT = "{desc} |{bar:12}| {n_fmt}/{total_fmt}{postfix} [{elapsed}<{remaining}]"
-HEADLINE = ("reward/mean", "policy/loss")  # the first of these a run logs stands for its training progress
+HEADLINE = (
+    "reward/mean",
+    "policy/loss",
+)  # the first of these a run logs stands for its training progress
 MAX_EVAL_KEYS = 3  # held-out figures shown per line and in the summary (metrics.jsonl has them all)
 MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode tiny job
 
@@ -50,8 +54,15 @@ def progress_bar(total: int, what: str, initial: int = 0) -> tqdm:
         live = sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
     except (OSError, ValueError):  # no file descriptor behind sys.stdout
         live = False
-    return tqdm(total=total, initial=initial, desc=what, file=sys.stdout, dynamic_ncols=True,
-                bar_format=BAR_FORMAT, disable=not live)
+    return tqdm(
+        total=total,
+        initial=initial,
+        desc=what,
+        file=sys.stdout,
+        dynamic_ncols=True,
+        bar_format=BAR_FORMAT,
+        disable=not live,
+    )
 
 
 def say(message: str) -> None:
@@ -102,8 +113,13 @@ def read_jsonl_metrics(path) -> list[dict]:
         if isinstance(record, dict) and isinstance(record.get("episode"), int):
             records.append(record)
         else:
-            logger.warning("%s:%d: not a whole metrics record (an append cut short by a kill or a full disk?): "
-                           "dropped: %r", path, lineno, line[:80])
+            logger.warning(
+                "%s:%d: not a whole metrics record (an append cut short by a kill or a full disk?): "
+                "dropped: %r",
+                path,
+                lineno,
+                line[:80],
+            )
     return records
 
 
@@ -116,23 +132,37 @@ class MetricsLogger:
     `trackers`: started chatgen.rlhf.trackers (wandb, mlflow), given every record, closed with it.
     """
 
-    def __init__(self, out_dir, phases, num_episodes: int, start_episode: int = 1,
-                 tensorboard: bool = True, trackers: list = ()):
+    def __init__(
+        self,
+        out_dir,
+        phases,
+        num_episodes: int,
+        start_episode: int = 1,
+        tensorboard: bool = True,
+        trackers: list = (),
+    ):
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
         kept = [r for r in read_jsonl_metrics(self.jsonl) if r["episode"] < start_episode]
-        with atomic_file(self.jsonl) as tmp:  # a kill here leaves the old file, never half of the new one
+        with atomic_file(
+            self.jsonl
+        ) as tmp:  # a kill here leaves the old file, never half of the new one
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.writer = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
+
             # purge_step drops events at or after start_episode that a crashed run left behind
             self.writer = SummaryWriter(str(self.out_dir / "tensorboard"), purge_step=start_episode)
         self.trackers = list(trackers)  # chatgen.rlhf.trackers: wandb, mlflow
         self.phases, self.num_episodes = list(phases), num_episodes
         self.bar = progress_bar(num_episodes, "episode", start_episode - 1)
-        self.status = {"phase": "", "eval": "", "episode": ""}  # the live line after the count, in this order
+        self.status = {
+            "phase": "",
+            "eval": "",
+            "episode": "",
+        }  # the live line after the count, in this order
         self.episode_seconds = []  # of this process's episodes: the ETA of the plain lines
 
     def log(self, episode: int, metrics: dict) -> None:
@@ -142,7 +172,9 @@ class MetricsLogger:
             end = f.seek(0, os.SEEK_END)
             if end:
                 f.seek(end - 1)
-                if f.read(1) != b"\n":  # the last append was cut short (a kill, a full disk): its torn line
+                if (
+                    f.read(1) != b"\n"
+                ):  # the last append was cut short (a kill, a full disk): its torn line
                     line = b"\n" + line  # ends here, and this record starts a line of its own
             f.write(line)
         if self.writer is not None:
@@ -221,11 +253,15 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
         elapsed[r["episode"]] = seconds
     widths = [max(7, len(c)) for c in columns]
     lines = [title] if title else []
-    lines.append(f"  {'episode':>7}  {'time':>7}" + "".join(f"  {c:>{w}}" for c, w in zip(columns, widths)))
+    lines.append(
+        f"  {'episode':>7}  {'time':>7}" + "".join(f"  {c:>{w}}" for c, w in zip(columns, widths))
+    )
     for r in rows:
         cells = [f"{r[c]:.3f}" if c in r else "-" for c in columns]
-        lines.append(f"  {r['episode']:7d}  {tqdm.format_interval(elapsed[r['episode']]):>7}"
-                     + "".join(f"  {c:>{w}}" for c, w in zip(cells, widths)))
+        lines.append(
+            f"  {r['episode']:7d}  {tqdm.format_interval(elapsed[r['episode']]):>7}"
+            + "".join(f"  {c:>{w}}" for c, w in zip(cells, widths))
+        )
     per_phase = []
     for phase in phases:
         values = [r[f"time/{phase}"] for r in timed if f"time/{phase}" in r]
@@ -233,17 +269,25 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
             count = "" if len(values) == len(timed) else f" ({len(values)}x)"
             per_phase.append(f"{phase} {statistics.median(values):.2f}{count}")
     if timed:
-        per_phase.append(f"episode {statistics.median(r.get('time/episode', 0.0) for r in timed):.2f}")
+        per_phase.append(
+            f"episode {statistics.median(r.get('time/episode', 0.0) for r in timed):.2f}"
+        )
         lines.append("  seconds per episode (median): " + " · ".join(per_phase))
     width = max(map(len, places), default=0)
     lines += [f"  {name.ljust(width)}  {place}" for name, place in places.items()]
     return "\n".join(lines)
 
 
-def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"),
-                                             ("policy/accuracy", "eval/preference_accuracy"),
-                                             ("kl/reference",)),
-                 title: str | None = None) -> Path | None:
+def plot_metrics(
+    jsonl_path,
+    png_path,
+    keys=(
+        ("reward/mean", "eval/reward"),
+        ("policy/accuracy", "eval/preference_accuracy"),
+        ("kl/reference",),
+    ),
+    title: str | None = None,
+) -> Path | None:
     """One panel per group of `keys` that has data: those metrics against episode (keys never logged
     are skipped, a group with none is no panel: no empty KL panel for a run without a reference
     model; the accuracies panel is DPO's). The title: `title`, default the run's name (the last two parts of png_path's directory)
@@ -258,6 +302,7 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"),
     if not panels:
         return None
     import matplotlib
+
     matplotlib.use("Agg")  # no display needed
     import matplotlib.pyplot as plt
 
@@ -267,8 +312,9 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"),
         # outputs/grpo_tiny/<date> -> grpo_tiny/<date>
         run = "/".join(Path(png_path).resolve().parent.parts[-2:])
         title = f"{run} · {written:%Y-%m-%d %H:%M} UTC"
-    fig, axes = plt.subplots(len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True,
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(7, 3 * len(panels) + 0.4), sharex=True, squeeze=False
+    )
     fig.suptitle(title)
     for ax, panel in zip(axes[:, 0], panels):
         for name, points in panel:
@@ -288,8 +334,13 @@ def plot_metrics(jsonl_path, png_path, keys=(("reward/mean", "eval/reward"),
     return png_path
 
 
-def sample_metrics(rewards: torch.Tensor, batch, old_logprobs: torch.Tensor, solved_reward: float | None = 1.0,
-                   is_weights: torch.Tensor | None = None) -> dict:
+def sample_metrics(
+    rewards: torch.Tensor,
+    batch,
+    old_logprobs: torch.Tensor,
+    solved_reward: float | None = 1.0,
+    is_weights: torch.Tensor | None = None,
+) -> dict:
     """Reward, length and train/inference mismatch figures of one episode's samples (a RolloutBatch)."""
     mask = batch.loss_mask
     diff = (old_logprobs - batch.infer_logprobs).abs() * mask
@@ -303,7 +354,9 @@ def sample_metrics(rewards: torch.Tensor, batch, old_logprobs: torch.Tensor, sol
     if solved_reward is not None:
         metrics["reward/solved"] = (rewards >= solved_reward).float().mean().item()
     if is_weights is not None:  # truncated importance sampling on: how far from 1 the weights are
-        metrics["mismatch/is_weight_mean"] = (is_weights * mask).sum().item() / max(mask.sum().item(), 1)
+        metrics["mismatch/is_weight_mean"] = (is_weights * mask).sum().item() / max(
+            mask.sum().item(), 1
+        )
         metrics["mismatch/is_weight_min"] = is_weights[mask > 0].min().item()
     return metrics
 
@@ -321,8 +374,9 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_metrics(rewards: torch.Tensor, n: int, solved_reward: float | None,
-                 prefix: str = "eval") -> dict:
+def eval_metrics(
+    rewards: torch.Tensor, n: int, solved_reward: float | None, prefix: str = "eval"
+) -> dict:
     """Held-out figures of (P x n,) rewards, prompt-major (prompt i's samples at rows i*n ..
     i*n+n-1): <prefix>/reward (mean), <prefix>/solved (share of samples with reward >=
     solved_reward), and with n > 1: <prefix>/mean@n (the mean over each prompt's n samples,
@@ -338,6 +392,6 @@ def eval_metrics(rewards: torch.Tensor, n: int, solved_reward: float | None,
     metrics[f"{prefix}/solved"] = solved.float().mean().item()
     if n > 1:
         correct = solved.view(-1, n).sum(1).tolist()
-        for k in sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i <= n), n}):
+        for k in sorted({*(2**i for i in range(n.bit_length()) if 2**i <= n), n}):
             metrics[f"{prefix}/pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
     return metrics

@@ -15,6 +15,7 @@ stays on one node whenever each node holds a multiple of T of them. Models coloc
 so they must agree on the count: colocated engines tile the trainer's ranks (num_replicas x tensor_parallel_size
 = the trainer's world), independent of its TP / PP / DP.
 """
+
 import json
 import typing
 from pathlib import Path
@@ -47,7 +48,9 @@ def model_world_size(entry) -> int:
     """Ranks a model needs (see the module docstring)."""
     if entry.backend == "megatron":
         c = entry.config
-        dp = c.data_parallel_size or c.expert_model_parallel_size  # default: one replica of a dense model's weights
+        dp = (
+            c.data_parallel_size or c.expert_model_parallel_size
+        )  # default: one replica of a dense model's weights
         return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * dp
     if entry.backend == "python":
         return 1
@@ -59,8 +62,13 @@ def tp_sizes(cfg, names) -> dict:
     sizes = {}
     for name in names:
         entry = cfg.models[name]
-        tp = entry.config.tensor_model_parallel_size if entry.backend == "megatron" else \
-            engine_tp(entry) if entry.backend != "python" else 1
+        tp = (
+            entry.config.tensor_model_parallel_size
+            if entry.backend == "megatron"
+            else engine_tp(entry)
+            if entry.backend != "python"
+            else 1
+        )
         if tp > 1:
             sizes[name] = tp
     return sizes
@@ -78,31 +86,42 @@ def plan_groups(cfg) -> list:
         trainers = {n: w for n, w in worlds.items() if entries[n].backend == "megatron"}
         world = max(trainers.values()) if trainers else max(worlds.values())
         if len(set(trainers.values())) > 1:
-            problems.append(f"runtime.colocation: {names} need different numbers of ranks {worlds}; colocated "
-                            "Megatron models need the same num_gpu (GPU) or TP x PP x DP (CPU)")
+            problems.append(
+                f"runtime.colocation: {names} need different numbers of ranks {worlds}; colocated "
+                "Megatron models need the same num_gpu (GPU) or TP x PP x DP (CPU)"
+            )
         for n, e in entries.items():
             if e.backend in ("megatron", "python") or worlds[n] == world:
                 continue
             tp = engine_tp(e)
             if trainers:
-                fix = f"set num_replicas: {world // tp}" if world % tp == 0 else \
-                    "pick a tensor_parallel_size that divides it"
+                fix = (
+                    f"set num_replicas: {world // tp}"
+                    if world % tp == 0
+                    else "pick a tensor_parallel_size that divides it"
+                )
                 other_tp = world // e.num_replicas if world % e.num_replicas == 0 else world
-                problems.append(f"models.{n}: num_replicas {e.num_replicas} x tensor_parallel_size {tp} = {worlds[n]} "
-                                f"engine rank(s), but it is colocated with {world} trainer ranks "
-                                f"({', '.join(trainers)}); colocated engines tile the group's ranks: {fix} (or set "
-                                f"tensor_parallel_size: {other_tp})")
+                problems.append(
+                    f"models.{n}: num_replicas {e.num_replicas} x tensor_parallel_size {tp} = {worlds[n]} "
+                    f"engine rank(s), but it is colocated with {world} trainer ranks "
+                    f"({', '.join(trainers)}); colocated engines tile the group's ranks: {fix} (or set "
+                    f"tensor_parallel_size: {other_tp})"
+                )
             else:
-                problems.append(f"models.{n}: needs {worlds[n]} ranks, another generation model of its group "
-                                f"{names} needs {world}; give them the same num_replicas x tensor_parallel_size, or "
-                                "separate groups")
+                problems.append(
+                    f"models.{n}: needs {worlds[n]} ranks, another generation model of its group "
+                    f"{names} needs {world}; give them the same num_replicas x tensor_parallel_size, or "
+                    "separate groups"
+                )
         gpus = max((e.num_gpu for e in entries.values()), default=0)
         cpus = max((e.num_cpu for e in entries.values()), default=1)
         resources = {}
         for e in entries.values():
             for key, amount in e.resources.items():
                 resources[key] = max(resources.get(key, 0), amount)
-        plans.append(GroupPlan(names, world, gpus / world if gpus else 0, max(cpus / world, 0.01), resources))
+        plans.append(
+            GroupPlan(names, world, gpus / world if gpus else 0, max(cpus / world, 0.01), resources)
+        )
     if problems:
         raise ConfigError(problems)
     return plans
@@ -117,25 +136,37 @@ def topology_problems(cfg) -> list:
         if entry.config is None or entry.backend == "python":
             continue
         if entry.backend == "megatron":
-            tp, key, kv_rule = entry.config.tensor_model_parallel_size, "tensor_model_parallel_size", False
+            tp, key, kv_rule = (
+                entry.config.tensor_model_parallel_size,
+                "tensor_model_parallel_size",
+                False,
+            )
         else:
             tp, key, kv_rule = engine_tp(entry), "tensor_parallel_size", True
             ranks = model_world_size(entry)
             if entry.num_gpu and entry.num_gpu != ranks:
-                problems.append(f"models.{name}.num_gpu: {entry.num_gpu} GPUs, but num_replicas {entry.num_replicas} x "
-                                f"tensor_parallel_size {tp} = {ranks} engine ranks of one GPU each; set num_gpu: "
-                                f"{ranks}, or num_replicas: {entry.num_gpu // tp} to use {entry.num_gpu} GPUs"
-                                if entry.num_gpu % tp == 0 else
-                                f"models.{name}.num_gpu: {entry.num_gpu} GPUs is not a multiple of tensor_parallel_size "
-                                f"{tp}; set num_gpu to num_replicas x tensor_parallel_size = {ranks}")
+                problems.append(
+                    f"models.{name}.num_gpu: {entry.num_gpu} GPUs, but num_replicas {entry.num_replicas} x "
+                    f"tensor_parallel_size {tp} = {ranks} engine ranks of one GPU each; set num_gpu: "
+                    f"{ranks}, or num_replicas: {entry.num_gpu // tp} to use {entry.num_gpu} GPUs"
+                    if entry.num_gpu % tp == 0
+                    else f"models.{name}.num_gpu: {entry.num_gpu} GPUs is not a multiple of tensor_parallel_size "
+                    f"{tp}; set num_gpu to num_replicas x tensor_parallel_size = {ranks}"
+                )
         heads = _attention_heads(entry.config)
         if heads is not None and tp > 1:
             q, kv = heads
             if q % tp or (kv_rule and kv % tp and tp % kv):
-                divisors = [d for d in range(1, q + 1) if q % d == 0 and (not kv_rule or kv % d == 0 or d % kv == 0)]
-                problems.append(f"models.{name}.{key}: {tp} does not split the model's {q} attention heads ({kv} KV "
-                                f"heads; {entry.config.load}/config.json); use one of {divisors}"
-                                + (" and more num_replicas for the same devices" if kv_rule else ""))
+                divisors = [
+                    d
+                    for d in range(1, q + 1)
+                    if q % d == 0 and (not kv_rule or kv % d == 0 or d % kv == 0)
+                ]
+                problems.append(
+                    f"models.{name}.{key}: {tp} does not split the model's {q} attention heads ({kv} KV "
+                    f"heads; {entry.config.load}/config.json); use one of {divisors}"
+                    + (" and more num_replicas for the same devices" if kv_rule else "")
+                )
     try:
         plan_groups(cfg)
     except ConfigError as e:
@@ -176,19 +207,28 @@ def placement_problems(plans: list, nodes: list, strategy: str, cfg) -> list:
                 if not fits:
                     break
                 used = [i for i in fits if counts[i]]
-                i = min(fits, key=lambda j: counts[j]) if strategy == "SPREAD" else (used or fits)[0]
+                i = (
+                    min(fits, key=lambda j: counts[j])
+                    if strategy == "SPREAD"
+                    else (used or fits)[0]
+                )
                 counts[i] += 1
                 _take(free[i], bundle)
         if sum(counts) < plan.world:
             have = "; ".join(f"node {i}: {_show(n)}" for i, n in enumerate(nodes)) or "no nodes"
-            problems.append(f"runtime.placement_strategy: {strategy}: {label} needs {plan.world} x {_show(bundle)}"
-                            f"{' on one node' if strategy == 'STRICT_PACK' else ''}, which the cluster cannot place "
-                            f"beside the groups before it ({have}); lower num_gpu / num_cpu, add nodes"
-                            f"{', or use PACK' if strategy == 'STRICT_PACK' else ''}")
+            problems.append(
+                f"runtime.placement_strategy: {strategy}: {label} needs {plan.world} x {_show(bundle)}"
+                f"{' on one node' if strategy == 'STRICT_PACK' else ''}, which the cluster cannot place "
+                f"beside the groups before it ({have}); lower num_gpu / num_cpu, add nodes"
+                f"{', or use PACK' if strategy == 'STRICT_PACK' else ''}"
+            )
             continue
         if strategy == "STRICT_PACK":
             _take(free[counts.index(plan.world)], {k: v * plan.world for k, v in bundle.items()})
-        problems += [f"runtime.placement_strategy: {strategy}: {p}" for p in tp_span_problems(cfg, plan.names, counts)]
+        problems += [
+            f"runtime.placement_strategy: {strategy}: {p}"
+            for p in tp_span_problems(cfg, plan.names, counts)
+        ]
     return problems
 
 
@@ -198,9 +238,11 @@ def tp_span_problems(cfg, names, counts: list) -> list:
     problems = []
     for name, tp in tp_sizes(cfg, names).items():
         if any(c % tp for c in counts):
-            problems.append(f"models.{name}: a tensor-parallel group of {tp} ranks would span two nodes (ranks per "
-                            f"node: {[c for c in counts if c]}); use STRICT_PACK, or num_gpu / num_cpu that put a "
-                            f"multiple of {tp} ranks on each node")
+            problems.append(
+                f"models.{name}: a tensor-parallel group of {tp} ranks would span two nodes (ranks per "
+                f"node: {[c for c in counts if c]}); use STRICT_PACK, or num_gpu / num_cpu that put a "
+                f"multiple of {tp} ranks on each node"
+            )
     return problems
 
 
@@ -214,8 +256,15 @@ def _take(node: dict, bundle: dict) -> None:
 
 
 def _show(resources: dict) -> str:
-    return "{" + ", ".join(f"{k}: {v:g}" for k, v in sorted(resources.items())
-                           if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{k}: {v:g}"
+            for k, v in sorted(resources.items())
+            if k in ("CPU", "GPU") or not k.startswith(("node:", "memory", "object_store"))
+        )
+        + "}"
+    )
 
 
 def ranks_by_node(bundle_nodes: list) -> list:

@@ -6,6 +6,7 @@ chatgen.rlhf.runtime places the model groups on it (and re-exports these names);
 reads a cluster's nodes through cluster_nodes without starting anything.
 docs/failure_and_security.md.
 """
+
 import os
 import shutil
 
@@ -26,12 +27,24 @@ def worker_env() -> dict:
     the driver's variables of FORWARDED_PREFIXES (with chatgen.core.quiet's: vLLM logging
     errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
     threads slow a tiny model's steps ~10x)."""
-    path = [*project_dirs(), os.getcwd(), *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]]
-    env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           **PASSIVE_OPENMP}
-    env.update({k: v for k, v in os.environ.items()
-                if (k.startswith(FORWARDED_PREFIXES) and k not in NOT_FORWARDED)
-                or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")})
+    path = [
+        *project_dirs(),
+        os.getcwd(),
+        *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p],
+    ]
+    env = {
+        "PYTHONPATH": os.pathsep.join(dict.fromkeys(path)),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        **PASSIVE_OPENMP,
+    }
+    env.update(
+        {
+            k: v
+            for k, v in os.environ.items()
+            if (k.startswith(FORWARDED_PREFIXES) and k not in NOT_FORWARDED)
+            or k in ("OMP_WAIT_POLICY", "LD_PRELOAD")
+        }
+    )
     return env
 
 
@@ -87,8 +100,12 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
     if ray.is_initialized():
         return None
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    kwargs = dict(include_dashboard=False, log_to_driver=True, configure_logging=False,
-                  runtime_env={"env_vars": {"PYTHONPATH": worker_env()["PYTHONPATH"]}})
+    kwargs = dict(
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+        runtime_env={"env_vars": {"PYTHONPATH": worker_env()["PYTHONPATH"]}},
+    )
     main_thread = threading.current_thread() is threading.main_thread()
     sigterm = signal.getsignal(signal.SIGTERM) if main_thread else None
     if address:
@@ -96,11 +113,18 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
     else:
         temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
         saved = os.environ.get(_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
-        os.environ[_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = "0", False  # the raylet inherits it too
+        os.environ[_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = (
+            "0",
+            False,
+        )  # the raylet inherits it too
         try:
             # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
             # turns on the same cores, so over-subscribing the logical count is what we want).
-            ray.init(num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1), _temp_dir=temp_dir, **kwargs)
+            ray.init(
+                num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1),
+                _temp_dir=temp_dir,
+                **kwargs,
+            )
         except BaseException:
             shutil.rmtree(temp_dir, ignore_errors=True)
             raise
@@ -112,10 +136,14 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
                 os.environ[_SINGLE_MACHINE] = saved[0]
         local = LocalRay(temp_dir)
         node_ip = ray.util.get_node_ip_address()
-        if node_ip != "127.0.0.1":  # a Ray upgrade changed how the node address is picked: refuse to run exposed
+        if (
+            node_ip != "127.0.0.1"
+        ):  # a Ray upgrade changed how the node address is picked: refuse to run exposed
             local.stop()
-            raise RuntimeError(f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
-                               f"{_SINGLE_MACHINE}=0 (see chatgen.rlhf.ray_cluster.init_ray)")
+            raise RuntimeError(
+                f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
+                f"{_SINGLE_MACHINE}=0 (see chatgen.rlhf.ray_cluster.init_ray)"
+            )
     if main_thread:
         signal.signal(signal.SIGTERM, sigterm)
     return None if address else local
@@ -152,8 +180,11 @@ class LocalRay:
         import sys
 
         self.dir = directory
-        self.reaper = subprocess.Popen([sys.executable, "-c", self.REAPER, directory], stdin=subprocess.PIPE,
-                                       start_new_session=True)  # not in the terminal's process group: Ctrl-C
+        self.reaper = subprocess.Popen(
+            [sys.executable, "-c", self.REAPER, directory],
+            stdin=subprocess.PIPE,
+            start_new_session=True,
+        )  # not in the terminal's process group: Ctrl-C
 
     def stop(self) -> None:
         """Shut Ray down, then let the reaper check that nothing of the session is left."""

@@ -4,6 +4,7 @@ The plugins themselves are the modules of chatgen.rlhf.algorithms (a plain packa
 this module finds and loads them, so that config.py and run.py, which every algorithm imports, need
 not import the plugins' package for its functions (an arrow pointing back up).
 """
+
 from chatgen.core.imports import load_plugin, plugins
 from chatgen.rlhf import algorithms as package
 
@@ -17,5 +18,11 @@ def available() -> list[str]:
 
 def load(name: str):
     """The algorithm module for `runtime.algorithm.name`; ValueError naming the choices when there is none."""
-    return load_plugin(name, package, REQUIRED, "algorithm", "runtime.algorithm.name",
-                       "chatgen/rlhf/algorithms/grpo.py")
+    return load_plugin(
+        name,
+        package,
+        REQUIRED,
+        "algorithm",
+        "runtime.algorithm.name",
+        "chatgen/rlhf/algorithms/grpo.py",
+    )

@@ -22,6 +22,7 @@ records comes as a keyword list of length S (`answer`, ...); take `**kwargs` for
 Every term's output, and the run's total, go through chatgen.rlhf.health.checked_rewards (one float per
 completion, finite; anything else is refused naming the term and what it returned).
 """
+
 import concurrent.futures
 import dataclasses
 import inspect
@@ -46,47 +47,74 @@ from chatgen.tasks import REWARDS, math_words
 
 def _rule(rule):
     """A chatgen.tasks rule `rule(response, answer) -> float` as a reward function."""
+
     def reward(completions, answer, **_):
         return [rule(c, a) for c, a in zip(completions, answer)]
+
     reward.__name__ = rule.__name__
     return reward
 
 
 # the functions a term may name without a path (`function: math_verify`)
-BUILTIN = {"math_verify": math_words.math_verify_reward, "math_format": math_words.math_format_reward,
-           **{name: _rule(rule) for name, rule in REWARDS.items()}}
+BUILTIN = {
+    "math_verify": math_words.math_verify_reward,
+    "math_format": math_words.math_format_reward,
+    **{name: _rule(rule) for name, rule in REWARDS.items()},
+}
 
 
 @dataclasses.dataclass(kw_only=True)
 class RewardTerm:
     """One term of `Rewards`: exactly one of function, model, url; the rest are that kind's settings."""
 
-    function: Optional[str] = opt(None, "a reward function: 'file.py:name' or 'package.module:name' (from the "
-                                        "project directory), or a shipped one: " + ", ".join(BUILTIN))
-    model: Optional[str] = opt(None, "a reward model: an HF sequence-classification checkpoint (num_labels 1) "
-                                     "scoring prompt + response", path=True)
-    url: Optional[str] = opt(None, "a remote reward: an HTTP endpoint; POST {completions, prompts, <columns>} as "
-                                   "JSON, answers {\"rewards\": [...]}")
+    function: Optional[str] = opt(
+        None,
+        "a reward function: 'file.py:name' or 'package.module:name' (from the "
+        "project directory), or a shipped one: " + ", ".join(BUILTIN),
+    )
+    model: Optional[str] = opt(
+        None,
+        "a reward model: an HF sequence-classification checkpoint (num_labels 1) "
+        "scoring prompt + response",
+        path=True,
+    )
+    url: Optional[str] = opt(
+        None,
+        "a remote reward: an HTTP endpoint; POST {completions, prompts, <columns>} as "
+        "JSON, answers {\"rewards\": [...]}",
+    )
     weight: float = opt(1.0, "this term's weight in the total reward")
     batch_size: int = opt(16, "model: sequences per forward pass; url: completions per request")
     max_length: int = opt(2048, "model: prompt + response tokens kept (the left is cut)")
     timeout: float = opt(30.0, "url: seconds a request may take")
-    retries: int = opt(2, "url: further tries of a request that timed out, failed to connect or got a 5xx")
+    retries: int = opt(
+        2, "url: further tries of a request that timed out, failed to connect or got a 5xx"
+    )
     max_concurrency: int = opt(4, "url: requests in flight at once")
     on_error: Literal["fail", "zero"] = opt(
-        "fail", "url: a request still failing after its retries stops the run (fail) or scores its completions 0 "
-                "(zero), counted in reward/<name>/errors")
+        "fail",
+        "url: a request still failing after its retries stops the run (fail) or scores its completions 0 "
+        "(zero), counted in reward/<name>/errors",
+    )
 
     def check(self):
         kinds = [k for k in ("function", "model", "url") if getattr(self, k)]
         if len(kinds) != 1:
-            yield "function", (f"give exactly one of function, model, url (got {', '.join(kinds) or 'none'}); "
-                               "split them into terms of their own")
+            yield (
+                "function",
+                (
+                    f"give exactly one of function, model, url (got {', '.join(kinds) or 'none'}); "
+                    "split them into terms of their own"
+                ),
+            )
         for key in ("batch_size", "max_length", "max_concurrency"):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}"
         if self.retries < 0 or self.timeout <= 0:
-            yield "retries" if self.retries < 0 else "timeout", "must be >= 0 (retries) / > 0 (timeout)"
+            yield (
+                "retries" if self.retries < 0 else "timeout",
+                "must be >= 0 (retries) / > 0 (timeout)",
+            )
         if self.url and not urllib.parse.urlparse(self.url).scheme.startswith("http"):
             yield "url", f"{self.url!r} is not an http(s) URL"
 
@@ -96,10 +124,15 @@ class RewardTerm:
 
 @dataclasses.dataclass(kw_only=True)
 class RewardsConfig:
-    terms: dict[str, Any] = opt(REQUIRED, "name -> a reward term (function / model / url, weight, ...); the "
-                                          "total is the weighted sum, each term is logged as reward/<name>")
+    terms: dict[str, Any] = opt(
+        REQUIRED,
+        "name -> a reward term (function / model / url, weight, ...); the "
+        "total is the weighted sum, each term is logged as reward/<name>",
+    )
 
-    def __post_init__(self):  # a reward model's path, like every path key: against the current directory
+    def __post_init__(
+        self,
+    ):  # a reward model's path, like every path key: against the current directory
         for spec in self.terms.values() if isinstance(self.terms, dict) else ():
             if isinstance(spec, dict) and isinstance(spec.get("model"), str) and spec["model"]:
                 spec["model"] = os.path.abspath(os.path.expanduser(spec["model"]))
@@ -129,7 +162,9 @@ def _check_term(name: str, term: RewardTerm) -> None:
         reward_function(term.function)
     elif term.model:
         if not os.path.isfile(os.path.join(term.model, "config.json")):
-            raise ValueError(f"model: {term.model} has no config.json; give an HF checkpoint directory")
+            raise ValueError(
+                f"model: {term.model} has no config.json; give an HF checkpoint directory"
+            )
     else:
         probe_url(term.url, min(term.timeout, 5.0))
 
@@ -140,20 +175,26 @@ def reward_function(spec: str):
     if ":" not in spec:
         if spec not in BUILTIN:
             close = did_you_mean(spec, BUILTIN)
-            raise ValueError(f"function: {spec!r} is not a shipped reward ({', '.join(BUILTIN)})"
-                             + (f"; did you mean {close!r}?" if close else "")
-                             + "; for your own give 'file.py:name' or 'package.module:name'")
+            raise ValueError(
+                f"function: {spec!r} is not a shipped reward ({', '.join(BUILTIN)})"
+                + (f"; did you mean {close!r}?" if close else "")
+                + "; for your own give 'file.py:name' or 'package.module:name'"
+            )
         return BUILTIN[spec]
     fn = import_object(spec, "reward function")
     if inspect.isclass(fn) or not callable(fn):
-        raise ValueError(f"function: {spec!r} is a {type(fn).__name__}, not a function; a reward function is "
-                         "f(completions, **columns) -> list[float] (a chatgen.Module class goes in model_class)")
+        raise ValueError(
+            f"function: {spec!r} is a {type(fn).__name__}, not a function; a reward function is "
+            "f(completions, **columns) -> list[float] (a chatgen.Module class goes in model_class)"
+        )
     try:
         inspect.signature(fn).bind_partial(completions=[])
     except TypeError:
-        raise ValueError(f"function: {spec!r} has the signature {inspect.signature(fn)}; a reward function takes "
-                         "`completions` (and the data columns as keywords, **kwargs for the rest): "
-                         "def f(completions, **kwargs) -> list[float]") from None
+        raise ValueError(
+            f"function: {spec!r} has the signature {inspect.signature(fn)}; a reward function takes "
+            "`completions` (and the data columns as keywords, **kwargs for the rest): "
+            "def f(completions, **kwargs) -> list[float]"
+        ) from None
     except ValueError:  # a builtin without a signature: called as it is
         pass
     return fn
@@ -166,7 +207,9 @@ def probe_url(url: str, timeout: float) -> None:
     try:
         socket.create_connection((parts.hostname, port), timeout=timeout).close()
     except OSError as e:
-        raise ValueError(f"url: {url} is unreachable ({e}); start the reward service first, or fix the URL") from None
+        raise ValueError(
+            f"url: {url} is unreachable ({e}); start the reward service first, or fix the URL"
+        ) from None
 
 
 class FunctionTerm:
@@ -179,9 +222,13 @@ class FunctionTerm:
         except TypeError as e:
             try:
                 inspect.signature(self.fn).bind(completions=texts, **columns)
-            except TypeError:  # the call did not fit the signature, not an error inside the function
-                raise TypeError(f"reward function {self.spec} cannot take the data: {e}; it gets completions and "
-                                f"the columns {', '.join(columns)} as keywords (add **kwargs)") from None
+            except (
+                TypeError
+            ):  # the call did not fit the signature, not an error inside the function
+                raise TypeError(
+                    f"reward function {self.spec} cannot take the data: {e}; it gets completions and "
+                    f"the columns {', '.join(columns)} as keywords (add **kwargs)"
+                ) from None
             except ValueError:
                 pass
             raise
@@ -196,10 +243,14 @@ class ModelTerm:
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(term.model)
-        self.model = AutoModelForSequenceClassification.from_pretrained(term.model, torch_dtype=torch.float32).eval()
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            term.model, torch_dtype=torch.float32
+        ).eval()
         if self.model.config.num_labels != 1:
-            raise ValueError(f"reward {name}: {term.model} has num_labels {self.model.config.num_labels}; a reward "
-                             "model gives one score (num_labels 1)")
+            raise ValueError(
+                f"reward {name}: {term.model} has num_labels {self.model.config.num_labels}; a reward "
+                "model gives one score (num_labels 1)"
+            )
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token or self.tokenizer.unk_token
         if self.model.config.pad_token_id is None:  # HF finds each row's last token through it
@@ -211,8 +262,11 @@ class ModelTerm:
         out = []
         for prompt, response in zip(prompts, texts):
             if isinstance(prompt, list) and self.tokenizer.chat_template:  # chat messages
-                out.append(self.tokenizer.apply_chat_template(
-                    [*prompt, {"role": "assistant", "content": response}], tokenize=False))
+                out.append(
+                    self.tokenizer.apply_chat_template(
+                        [*prompt, {"role": "assistant", "content": response}], tokenize=False
+                    )
+                )
             else:
                 out.append(f"{prompt if isinstance(prompt, str) else ''}{response}")
         return out
@@ -222,8 +276,13 @@ class ModelTerm:
         full = self.texts(texts, columns.get("prompts") or [""] * len(texts))
         scores = []
         for start in range(0, len(full), self.batch_size):
-            enc = self.tokenizer(full[start:start + self.batch_size], return_tensors="pt", padding=True,
-                                 truncation=True, max_length=self.max_length)
+            enc = self.tokenizer(
+                full[start : start + self.batch_size],
+                return_tensors="pt",
+                padding=True,
+                truncation=True,
+                max_length=self.max_length,
+            )
             scores += self.model(**enc).logits[:, 0].float().tolist()  # (B,)
         return scores
 
@@ -236,7 +295,9 @@ class RemoteTerm:
 
     def __init__(self, name: str, term: RewardTerm):
         self.name, self.term, self.errors = name, term, 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(term.max_concurrency, thread_name_prefix=f"reward-{name}")
+        self.pool = concurrent.futures.ThreadPoolExecutor(
+            term.max_concurrency, thread_name_prefix=f"reward-{name}"
+        )
 
     def _post(self, body: dict, n: int) -> list:
         data = json.dumps(body, default=_plain).encode()
@@ -244,7 +305,9 @@ class RemoteTerm:
         for attempt in range(self.term.retries + 1):
             if attempt:
                 time.sleep(0.5 * 2 ** (attempt - 1))
-            request = urllib.request.Request(self.term.url, data=data, headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                self.term.url, data=data, headers={"Content-Type": "application/json"}
+            )
             try:
                 with urllib.request.urlopen(request, timeout=self.term.timeout) as response:
                     rewards = json.loads(response.read())["rewards"]
@@ -257,22 +320,32 @@ class RemoteTerm:
                     break
             except (OSError, ValueError, KeyError) as e:  # timeout, refused, reset, bad JSON
                 last = f"{type(e).__name__}: {e}"
-        raise ConnectionError(f"reward {self.name}: {self.term.url} failed after {self.term.retries + 1} tries "
-                              f"({last})")
+        raise ConnectionError(
+            f"reward {self.name}: {self.term.url} failed after {self.term.retries + 1} tries "
+            f"({last})"
+        )
 
     def __call__(self, texts: list, columns: dict) -> list:
         b = self.term.batch_size
         chunks = [(s, min(s + b, len(texts))) for s in range(0, len(texts), b)]
-        futures = [self.pool.submit(self._post, {"completions": texts[s:e], **{k: v[s:e] for k, v in columns.items()}},
-                                    e - s) for s, e in chunks]
+        futures = [
+            self.pool.submit(
+                self._post,
+                {"completions": texts[s:e], **{k: v[s:e] for k, v in columns.items()}},
+                e - s,
+            )
+            for s, e in chunks
+        ]
         scores = []
         for (s, e), future in zip(chunks, futures):
             try:
                 scores += future.result()
             except ConnectionError as err:
                 if self.term.on_error == "fail":
-                    raise ConnectionError(f"{err}; the run stops (on_error: fail); set on_error: zero to score "
-                                          "such completions 0 and go on") from None
+                    raise ConnectionError(
+                        f"{err}; the run stops (on_error: fail); set on_error: zero to score "
+                        "such completions 0 and go on"
+                    ) from None
                 self.errors += e - s
                 scores += [0.0] * (e - s)
         return scores
@@ -306,13 +379,16 @@ class Rewards(Module):
         texts = data["texts"]
         columns = {k: v for k, v in data.items() if k != "texts"}
         prompts = columns.get("prompt", columns.get("messages"))
-        if "prompts" not in columns and prompts is not None:  # TRL's name: the prompt, or the chat messages
+        if (
+            "prompts" not in columns and prompts is not None
+        ):  # TRL's name: the prompt, or the chat messages
             columns["prompts"] = prompts
         terms, metrics = {}, {}
         for name, term in self.terms.items():
             before = getattr(term, "errors", 0)
-            terms[name] = checked_rewards(term(texts, columns), texts,
-                                          f"reward {name!r} ({self.specs[name].shown()})")
+            terms[name] = checked_rewards(
+                term(texts, columns), texts, f"reward {name!r} ({self.specs[name].shown()})"
+            )
             if isinstance(term, RemoteTerm):
                 metrics[f"{name}/errors"] = term.errors - before
         total = sum(self.specs[name].weight * value for name, value in terms.items())
@@ -332,7 +408,9 @@ def function_reward_config(path: str) -> dict:
 
 @dataclasses.dataclass(kw_only=True)
 class RuleRewardConfig:
-    rule: Literal[tuple(REWARDS)] = opt("sort_digits", "which rule of chatgen.tasks.REWARDS scores the responses")
+    rule: Literal[tuple(REWARDS)] = opt(
+        "sort_digits", "which rule of chatgen.tasks.REWARDS scores the responses"
+    )
 
 
 class RuleReward(Module):
@@ -351,6 +429,13 @@ class RuleReward(Module):
         e.g. "prompt": list[str], "answer": list[str]}. Returns (S,) float32 rewards.
         """
         if "answer" not in data:
-            raise KeyError("RuleReward needs an \"answer\" field in every prompt record of the JSONL data")
-        return torch.tensor([self.rule(response, answer) for response, answer in zip(data["texts"], data["answer"])],
-                            dtype=torch.float32)
+            raise KeyError(
+                "RuleReward needs an \"answer\" field in every prompt record of the JSONL data"
+            )
+        return torch.tensor(
+            [
+                self.rule(response, answer)
+                for response, answer in zip(data["texts"], data["answer"])
+            ],
+            dtype=torch.float32,
+        )

@@ -17,6 +17,7 @@ generates. A Run holds the pieces it is made of: the data (chatgen.rlhf.data), t
 (chatgen.rlhf.runtime), the weight links between trainers and engines (chatgen.rlhf.weight_links), the health
 checks (chatgen.rlhf.health), the checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
 """
+
 import time
 from pathlib import Path
 
@@ -32,12 +33,23 @@ from chatgen.core.tensors import select
 from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf import registry
-from chatgen.rlhf.config import (backend_kind, check_run, format_config, model_class, save_resolved,
-                                 to_dict)
+from chatgen.rlhf.config import (
+    backend_kind,
+    check_run,
+    format_config,
+    model_class,
+    save_resolved,
+    to_dict,
+)
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, checked_rewards
-from chatgen.rlhf.metrics import (MetricsLogger, PhaseTimer, eval_metrics, read_jsonl_metrics,
-                                  summary)
+from chatgen.rlhf.metrics import (
+    MetricsLogger,
+    PhaseTimer,
+    eval_metrics,
+    read_jsonl_metrics,
+    summary,
+)
 from chatgen.rlhf.runtime import Runtime
 from chatgen.rlhf.trackers import start_trackers
 from chatgen.rlhf.weight_links import WeightLinks
@@ -57,8 +69,15 @@ class Run:
     start_episode.
     """
 
-    def __init__(self, cfg, resume=False, phases: list = (), log=print, records_per_episode: int = None,
-                 evaluate=None):
+    def __init__(
+        self,
+        cfg,
+        resume=False,
+        phases: list = (),
+        log=print,
+        records_per_episode: int = None,
+        evaluate=None,
+    ):
         algorithm = registry.load(cfg.runtime.algorithm.name)
         check_run(cfg, algorithm)
         self.cfg, self.log, self.plot, self.started = cfg, log, None, time.perf_counter()
@@ -70,8 +89,10 @@ class Run:
         if resume:  # True: the latest checkpoint; a path or episode directory name: that one
             last = ckpt.resume_point(self.save_dir, None if resume is True else resume)
         elif ckpt.latest_checkpoint(self.save_dir) is not None:
-            raise FileExistsError(f"{self.save_dir} holds checkpoints ({', '.join(ckpt.available(self.save_dir))}); "
-                                  "pass --resume to continue from the latest, or choose another runtime.output_dir")
+            raise FileExistsError(
+                f"{self.save_dir} holds checkpoints ({', '.join(ckpt.available(self.save_dir))}); "
+                "pass --resume to continue from the latest, or choose another runtime.output_dir"
+            )
         else:
             last = None
         self.data = RunData(rt, records_per_episode or rt.sample_per_episode)
@@ -86,7 +107,10 @@ class Run:
             self._lock.close()
             raise
         self._evaluate = evaluate or evaluate_policy
-        self.pending_metrics, self._evaluating = {}, False  # what `score` measured since the last log
+        self.pending_metrics, self._evaluating = (
+            {},
+            False,
+        )  # what `score` measured since the last log
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
         """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
@@ -99,7 +123,9 @@ class Run:
         problems = []
         for name, entry in self.cfg.models.items():
             before = ((saved.get("models") or {}).get(name) or {}).get("config") or {}
-            for key in getattr(entry.config, "RESTORED_BY_CHECKPOINT", ()) if entry.trainable else ():
+            for key in (
+                getattr(entry.config, "RESTORED_BY_CHECKPOINT", ()) if entry.trainable else ()
+            ):
                 now = getattr(entry.config, key)
                 if key in before and before[key] != now:
                     problems.append(
@@ -107,7 +133,8 @@ class Run:
                         f"checkpoint carries this setting (a trainer's weights, optimizer, LR schedule and RNG come "
                         f"from it), so the resumed run would keep {before[key]!r}; set it back to resume, or start a "
                         f"new run (another runtime.output_dir) from the checkpoint's weights: chatgen convert --to "
-                        f"hf --input {path / name} --output DIR, then {name}.load=DIR")
+                        f"hf --input {path / name} --output DIR, then {name}.load=DIR"
+                    )
         if problems:
             raise ConfigError(problems)
 
@@ -119,27 +146,46 @@ class Run:
         resolved = save_resolved(cfg, self.out_dir)
         if quiet.verbose():
             self.log(f"[chatgen] {rt.algorithm.name} config:\n{format_config(cfg)}")
-        self.log(f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episode{'s' * (rt.num_episode != 1)} into "
-                 f"{show(self.out_dir)} (config: {show(resolved)})")
+        self.log(
+            f"[chatgen] {rt.algorithm.name}: {rt.num_episode} episode{'s' * (rt.num_episode != 1)} into "
+            f"{show(self.out_dir)} (config: {show(resolved)})"
+        )
 
-        with startup_gc():  # models, datasets (20k-odd token lists): built with collection paused, then frozen
+        with (
+            startup_gc()
+        ):  # models, datasets (20k-odd token lists): built with collection paused, then frozen
             self.runtime = Runtime.start(cfg, log=self.log)
             try:
                 self.trainers = [n for n, entry in cfg.models.items() if entry.trainable]
                 policy = cfg.models.get("policy")
-                self.policy = self.runtime["policy"] if policy is not None and \
-                    backend_kind(policy.backend) == "generation" else None
+                self.policy = (
+                    self.runtime["policy"]
+                    if policy is not None and backend_kind(policy.backend) == "generation"
+                    else None
+                )
                 if self.policy is not None:
                     self.data.prepare(self.policy, rt.max_cut_prompt_fraction, self.log)
                 # trainer -> the model its weights go to after each update (the algorithm's Role.syncs_to)
-                self.links = WeightLinks(self.runtime, {m: role.syncs_to for m, role in algorithm.MODELS.items()
-                                                        if role.syncs_to and {m, role.syncs_to} <= set(cfg.models)})
+                self.links = WeightLinks(
+                    self.runtime,
+                    {
+                        m: role.syncs_to
+                        for m, role in algorithm.MODELS.items()
+                        if role.syncs_to and {m, role.syncs_to} <= set(cfg.models)
+                    },
+                )
                 self.start_episode = 1
                 if last is not None:
                     self._resume(last)
                 trackers = start_trackers(cfg, self.out_dir, resume=last is not None)
-                self.logger = MetricsLogger(self.out_dir, phases, rt.num_episode, self.start_episode,
-                                            "tensorboard" in rt.loggers, trackers)
+                self.logger = MetricsLogger(
+                    self.out_dir,
+                    phases,
+                    rt.num_episode,
+                    self.start_episode,
+                    "tensorboard" in rt.loggers,
+                    trackers,
+                )
                 self.timer = PhaseTimer(on_start=self.logger.show_phase)
             except BaseException:
                 self.runtime.shutdown()
@@ -156,28 +202,36 @@ class Run:
         except Exception as close_error:  # noqa: BLE001
             if exc is None:
                 raise
-            self.log(f"[chatgen] (closing the run after the error below also failed: {type(close_error).__name__}: "
-                     f"{close_error})")
+            self.log(
+                f"[chatgen] (closing the run after the error below also failed: {type(close_error).__name__}: "
+                f"{close_error})"
+            )
         if exc is None:
             self.log(self.summary())
         return False
 
     def summary(self) -> str:
         """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where the files are."""
-        board = f"  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})" \
-            if self.logger.writer else ""
+        board = (
+            f"  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})"
+            if self.logger.writer
+            else ""
+        )
         places = {"metrics": f"{show(self.logger.jsonl)}{board}"}
         if self.plot:
             places["plot"] = show(self.plot)
         saved = ckpt.available(self.save_dir)
         if saved:
             places["checkpoints"] = show(self.save_dir / saved[-1]) + (
-                f" (and {len(saved) - 1} earlier)" if len(saved) > 1 else "")
+                f" (and {len(saved) - 1} earlier)" if len(saved) > 1 else ""
+            )
         last = self.cfg.runtime.num_episode
         done = last - self.start_episode + 1
-        title = (f"[chatgen] {self.cfg.runtime.algorithm.name}: {done} episode{'s' * (done != 1)}"
-                 f"{f' ({self.start_episode}-{last}, resumed)' if self.start_episode > 1 else ''} done in "
-                 f"{tqdm.format_interval(time.perf_counter() - self.started)}")
+        title = (
+            f"[chatgen] {self.cfg.runtime.algorithm.name}: {done} episode{'s' * (done != 1)}"
+            f"{f' ({self.start_episode}-{last}, resumed)' if self.start_episode > 1 else ''} done in "
+            f"{tqdm.format_interval(time.perf_counter() - self.started)}"
+        )
         return summary(read_jsonl_metrics(self.logger.jsonl), self.logger.phases, places, title)
 
     @property
@@ -203,14 +257,18 @@ class Run:
         greedy response each): a RolloutBatch whose `metadata` holds each sample's record (every
         column of its data row)."""
         data = self.data
-        records, items = (data.eval_records, data.eval_items) if is_eval else (data.records, data.items)
+        records, items = (
+            (data.eval_records, data.eval_items) if is_eval else (data.records, data.items)
+        )
         items = [{**items[i], "greedy": True} if greedy else items[i] for i in index]
         self.links.wake()
         batch = self.policy.run_generation(items, is_eval)  # over its replicas, by load
         if not isinstance(batch, RolloutBatch):
-            raise TypeError(f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
-                            "chatgen.core.rollout.RolloutBatch: return super().decode_internal(batched_outputs) "
-                            "(adjusted as needed) instead of a dict of your own (docs/migrating_from_chatlearn.md)")
+            raise TypeError(
+                f"policy.decode_internal returned a {type(batch).__name__}; chatgen's algorithms take a "
+                "chatgen.core.rollout.RolloutBatch: return super().decode_internal(batched_outputs) "
+                "(adjusted as needed) instead of a dict of your own (docs/migrating_from_chatlearn.md)"
+            )
         batch.metadata = [records[index[k]] for k in batch.prompt_index.tolist()]
         self.links.release()  # colocated on GPUs: the engine's memory to the trainers
         return batch
@@ -229,8 +287,12 @@ class Run:
         prefix = prefix or ("eval/reward/" if self._evaluating else "reward/")
         if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
             for name, values in out.get("terms", {}).items():
-                self.pending_metrics[f"{prefix}{name}"] = checked_rewards(values, batch.texts, who).mean().item()
-            self.pending_metrics.update({f"{prefix}{k}": v for k, v in out.get("metrics", {}).items()})
+                self.pending_metrics[f"{prefix}{name}"] = (
+                    checked_rewards(values, batch.texts, who).mean().item()
+                )
+            self.pending_metrics.update(
+                {f"{prefix}{k}": v for k, v in out.get("metrics", {}).items()}
+            )
             out = out["rewards"]
         return checked_rewards(out, batch.texts, who)
 
@@ -251,13 +313,17 @@ class Run:
         rt = self.cfg.runtime
         n = data["input_ids"].shape[0]
         if n % group_size or rt.train_global_batch_size % group_size:
-            raise ValueError(f"{name}: {n} rows and train_global_batch_size={rt.train_global_batch_size} must be "
-                             f"multiples of the group size {group_size}")
+            raise ValueError(
+                f"{name}: {n} rows and train_global_batch_size={rt.train_global_batch_size} must be "
+                f"multiples of the group size {group_size}"
+            )
         steps = []
         for _ in range(rt.num_training_epoch):
-            order = (torch.randperm(n // group_size)[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+            order = (
+                torch.randperm(n // group_size)[:, None] * group_size + torch.arange(group_size)
+            ).reshape(-1)
             for start in range(0, n, rt.train_global_batch_size):
-                shard = select(data, order[start:start + rt.train_global_batch_size])
+                shard = select(data, order[start : start + rt.train_global_batch_size])
                 steps.append(self.runtime[name].split_call("train_step", shard, loss_fn)[0])
                 self.health.check(name, steps[-1])
         return steps if per_step else reduce_metrics(steps)
@@ -270,16 +336,23 @@ class Run:
     # ---- checkpoint, resume, eval, log ---------------------------------------------------------------
 
     def should(self, interval, episode: int) -> bool:
-        return bool(interval) and (episode % interval == 0 or episode == self.cfg.runtime.num_episode)
+        return bool(interval) and (
+            episode % interval == 0 or episode == self.cfg.runtime.num_episode
+        )
 
     def save(self, episode: int, sampler_state: dict | None = None) -> Path:
         """Checkpoint every trainer and the driver state atomically (chatgen.rlhf.checkpoint)."""
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
-        state = {"episode": episode, "sampler": sampler_state or self.data.sampler.state_dict(),
-                 "data_order": self.data.order, "rng": ckpt.rng_state(), "actor_rng": self.runtime.rng_states(),
-                 "config": to_dict(self.cfg)}  # what a resume compares its config with (_check_restored_keys)
+        state = {
+            "episode": episode,
+            "sampler": sampler_state or self.data.sampler.state_dict(),
+            "data_order": self.data.order,
+            "rng": ckpt.rng_state(),
+            "actor_rng": self.runtime.rng_states(),
+            "config": to_dict(self.cfg),
+        }  # what a resume compares its config with (_check_restored_keys)
         return ckpt.commit_checkpoint(tmp, state)
 
     def _resume(self, path: Path) -> None:
@@ -293,7 +366,9 @@ class Run:
         # every process continues its random streams (vLLM's sampling included) where the checkpoint left them
         ckpt.set_rng_state(state["rng"])
         self.runtime.set_rng_states(state["actor_rng"])
-        self.log(f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}")
+        self.log(
+            f"[chatgen] resumed from {path} (episode {state['episode']}); next episode {self.start_episode}"
+        )
 
     def evaluate(self) -> dict:
         self._evaluating = True  # the reward terms it scores are logged as eval/reward/<name>
@@ -304,7 +379,11 @@ class Run:
 
     def evaluate_start(self) -> None:
         """On a fresh run with evaluation on, log the held-out metrics before any training as episode 0."""
-        if self.start_episode == 1 and self.data.eval_records and self.cfg.runtime.eval_episode_interval:
+        if (
+            self.start_episode == 1
+            and self.data.eval_records
+            and self.cfg.runtime.eval_episode_interval
+        ):
             with self.timer("eval"):
                 metrics = self.evaluate()
             self.timer.pop()
@@ -315,7 +394,9 @@ class Run:
         """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for one replica)."""
         return self.policy.pop_metrics() if self.policy is not None else {}
 
-    def end_episode(self, episode: int, metrics: dict, start: float, sampler_state: dict | None = None) -> dict:
+    def end_episode(
+        self, episode: int, metrics: dict, start: float, sampler_state: dict | None = None
+    ) -> dict:
         """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a resumed run
         continues every random stream exactly where this one is), add the phase times, log one line.
         sampler_state: the data position a checkpoint records when the loop already drew the next episode's
@@ -327,9 +408,13 @@ class Run:
         if self.should(rt.save_episode_interval, episode):
             with timer("checkpoint"):
                 self.save(episode, sampler_state)
-        metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})  # phases + overhead
+        metrics.update(
+            timer.pop(), **{"time/episode": time.perf_counter() - start}
+        )  # phases + overhead
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
-            metrics.update(self.runtime[name].first("memory_stats"))  # memory/*: peaks of the trainer's process
+            metrics.update(
+                self.runtime[name].first("memory_stats")
+            )  # memory/*: peaks of the trainer's process
         metrics.update(self._generation_metrics(), **self.pending_metrics)
         self.pending_metrics = {}
         self.logger.log(episode, metrics)
@@ -353,7 +438,7 @@ def evaluate_policy(run) -> dict:
     (chatgen.rlhf.metrics.eval_metrics). runtime.eval_greedy adds the same figures of one greedy
     response per prompt as eval/greedy/*."""
     rt, index, metrics = run.cfg.runtime, list(range(len(run.eval_records))), {}
-    for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][:1 + rt.eval_greedy]:
+    for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][: 1 + rt.eval_greedy]:
         batch = run.generate(index, is_eval=True, greedy=greedy)
         samples = len(batch) // len(index)
         rewards = run.score(batch, f"{prefix}/reward/")  # greedy terms apart from the sampled ones

@@ -25,6 +25,7 @@ share a node. An exception in an actor reaches the driver as `ActorFailure` carr
 soon as the first rank fails; the driver then kills every actor (see `Runtime.shutdown`), so nothing is left
 running.
 """
+
 import dataclasses
 import os
 import time
@@ -42,11 +43,25 @@ from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
 from chatgen.rlhf.config import backend_kind, model_class
 from chatgen.rlhf.generation_group import GenerationGroup
-from chatgen.rlhf.placement import engine_tp, placement_problems, plan_groups, ranks_by_node, tp_span_problems
+from chatgen.rlhf.placement import (
+    engine_tp,
+    placement_problems,
+    plan_groups,
+    ranks_by_node,
+    tp_span_problems,
+)
+
 # the Ray cluster's names: importable from here too
-from chatgen.rlhf.ray_cluster import (FORWARDED_PREFIXES, NOT_FORWARDED, LocalRay,  # noqa: F401
-                                      alive_nodes, cluster_address, cluster_nodes, init_ray,
-                                      worker_env)
+from chatgen.rlhf.ray_cluster import (
+    FORWARDED_PREFIXES,
+    NOT_FORWARDED,
+    LocalRay,  # noqa: F401
+    alive_nodes,
+    cluster_address,
+    cluster_nodes,
+    init_ray,
+    worker_env,
+)
 
 
 class ActorFailure(RuntimeError):
@@ -70,11 +85,15 @@ class ModelWorker:
 
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")  # Ray: own devices
+        os.environ.update(
+            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0"
+        )  # Ray: own devices
         quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
         import torch
 
-        torch.set_num_threads(num_threads)  # before vLLM, which pins the thread count once it has started
+        torch.set_num_threads(
+            num_threads
+        )  # before vLLM, which pins the thread count once it has started
         self.rank, self.models, self.attached = rank, {}, {}
 
     def address(self, multi_node: bool):
@@ -87,12 +106,19 @@ class ModelWorker:
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
         world = int(os.environ["WORLD_SIZE"])
-        if world > 1:  # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
+        if (
+            world > 1
+        ):  # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             import torch
 
-            init_process_group("nccl" if torch.cuda.is_available() else "gloo", self.rank, world, master_addr,
-                               master_port)
+            init_process_group(
+                "nccl" if torch.cuda.is_available() else "gloo",
+                self.rank,
+                world,
+                master_addr,
+                master_port,
+            )
         with startup_gc():  # the models' imports too (vLLM's and megatron-core's)
             for name, model_class, config in specs:
                 self.models[name] = import_class(model_class)(config, name=name).start()
@@ -139,22 +165,31 @@ class ActorGroup:
         self.pg = placement_group([dict(bundle) for _ in range(plan.world)], strategy=strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=300)
         if not ready:
-            raise RuntimeError(f"Ray could not place {'+'.join(plan.names)} in 300 s: {plan.world} x {bundle} "
-                               f"({strategy}) is more than the cluster has free ({ray.available_resources()}); lower "
-                               "num_gpu / num_cpu, add nodes, or stop what holds them")
+            raise RuntimeError(
+                f"Ray could not place {'+'.join(plan.names)} in 300 s: {plan.world} x {bundle} "
+                f"({strategy}) is more than the cluster has free ({ray.available_resources()}); lower "
+                "num_gpu / num_cpu, add nodes, or stop what holds them"
+            )
         placed = placement_group_table(self.pg)["bundles_to_node_id"]
         order = ranks_by_node([placed[b] for b in range(plan.world)])
         self.nodes = [placed[b] for b in order]
         worker = ray.remote(ModelWorker)
         self.actors = [
-            worker.options(num_cpus=plan.cpus, num_gpus=plan.gpus, resources=plan.resources or None,
-                           runtime_env={"env_vars": env}, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                               self.pg, placement_group_bundle_index=b))
-            .remote(r, plan.world, max(1, int(plan.cpus)), env)
+            worker.options(
+                num_cpus=plan.cpus,
+                num_gpus=plan.gpus,
+                resources=plan.resources or None,
+                runtime_env={"env_vars": env},
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=b
+                ),
+            ).remote(r, plan.world, max(1, int(plan.cpus)), env)
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
-        self.master_addr, self.master_port = self.get([self.actors[0].address.remote(multi_node)], "start")[0]
+        self.master_addr, self.master_port = self.get(
+            [self.actors[0].address.remote(multi_node)], "start"
+        )[0]
 
     def get(self, refs: list, what: str, labels: list | None = None):
         """ray.get of `refs`, failing as soon as the first of them fails (the others may still be running): the
@@ -172,22 +207,35 @@ class ActorGroup:
             try:
                 ray.get(ready)
             except ray.exceptions.RayTaskError as e:
-                raise ActorFailure(f"{'+'.join(self.names)}: {what} failed in an actor{where}:\n{e}") from None
+                raise ActorFailure(
+                    f"{'+'.join(self.names)}: {what} failed in an actor{where}:\n{e}"
+                ) from None
             except ray.exceptions.RayActorError as e:
-                raise ActorFailure(f"{'+'.join(self.names)}: an actor died during {what}{where}:\n{e}") from None
+                raise ActorFailure(
+                    f"{'+'.join(self.names)}: an actor died during {what}{where}:\n{e}"
+                ) from None
         return ray.get(refs)
 
     def setup(self, specs: list) -> None:
         """specs[r]: [(name, model_class, config)] of rank r (see ModelWorker.setup)."""
-        self.get([a.setup.remote(self.master_addr, self.master_port, specs[r]) for r, a in enumerate(self.actors)],
-                 "setup")
+        self.get(
+            [
+                a.setup.remote(self.master_addr, self.master_port, specs[r])
+                for r, a in enumerate(self.actors)
+            ],
+            "setup",
+        )
 
     def call_async(self, name: str, method: str, *args, **kwargs) -> list:
         return [a.call.remote(name, method, *args, **kwargs) for a in self.actors]
 
     def run_each(self, fn, per_rank_args: list) -> list:
         """`fn(models, *per_rank_args[r])` on rank r (not on a rank whose args are None)."""
-        return [a.run.remote(fn, *args) for a, args in zip(self.actors, per_rank_args) if args is not None]
+        return [
+            a.run.remote(fn, *args)
+            for a, args in zip(self.actors, per_rank_args)
+            if args is not None
+        ]
 
     def run_async(self, fn, *args, **kwargs) -> list:
         return [a.run.remote(fn, *args, **kwargs) for a in self.actors]
@@ -220,23 +268,32 @@ class LocalGroup:
         try:
             return [thunk() for thunk in thunks]
         except Exception as e:  # noqa: BLE001 - every model error, reported like a Ray actor's
-            raise ActorFailure(f"{'+'.join(self.names)}: {what} failed:\n{traceback.format_exc()}") from e
+            raise ActorFailure(
+                f"{'+'.join(self.names)}: {what} failed:\n{traceback.format_exc()}"
+            ) from e
 
     def setup(self, specs: list) -> None:
-        self.get([lambda: self.worker.setup("127.0.0.1", 0, specs[0])], "setup")  # one rank: no rendezvous
+        self.get(
+            [lambda: self.worker.setup("127.0.0.1", 0, specs[0])], "setup"
+        )  # one rank: no rendezvous
 
     def call_async(self, name: str, method: str, *args, **kwargs) -> list:
         return [lambda: self.worker.call(name, method, *args, **kwargs)]
 
     def run_each(self, fn, per_rank_args: list) -> list:
-        return [lambda: self.worker.run(fn, *per_rank_args[0])] if per_rank_args[0] is not None else []
+        return (
+            [lambda: self.worker.run(fn, *per_rank_args[0])] if per_rank_args[0] is not None else []
+        )
 
     def run_async(self, fn, *args, **kwargs) -> list:
         return [lambda: self.worker.run(fn, *args, **kwargs)]
 
     def kill(self) -> None:
         self.worker.stop()
-        for key, value in self.driver_ranks.items():  # the driver is no rank once its models are gone
+        for (
+            key,
+            value,
+        ) in self.driver_ranks.items():  # the driver is no rank once its models are gone
             os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
@@ -249,7 +306,9 @@ class ModelHandle:
         self.dp_ranks = None  # Megatron: data-parallel rank of each actor (set by Runtime.start)
 
     def call(self, method: str, *args, **kwargs) -> list:
-        return self.group.get(self.group.call_async(self.name, method, *args, **kwargs), f"{self.name}.{method}")
+        return self.group.get(
+            self.group.call_async(self.name, method, *args, **kwargs), f"{self.name}.{method}"
+        )
 
     def first(self, method: str, *args, **kwargs):
         """Call on every rank (collective), return rank 0's result."""
@@ -268,11 +327,16 @@ class ModelHandle:
         dp = max(self.dp_ranks) + 1
         n = data["input_ids"].shape[0]
         if n % dp:
-            raise ValueError(f"{self.name}: a batch of {n} samples does not split over {dp} "
-                             "data-parallel ranks")
+            raise ValueError(
+                f"{self.name}: a batch of {n} samples does not split over {dp} data-parallel ranks"
+            )
         shards = [select(data, torch.arange(d * n // dp, (d + 1) * n // dp)) for d in range(dp)]
-        results = self.get(self.group.run_each(call_model, [(self.name, method, shards[d], *args)
-                                                            for d in self.dp_ranks]), method)
+        results = self.get(
+            self.group.run_each(
+                call_model, [(self.name, method, shards[d], *args) for d in self.dp_ranks]
+            ),
+            method,
+        )
         first = {}
         for d, result in zip(self.dp_ranks, results):
             first.setdefault(d, result)
@@ -283,7 +347,11 @@ class Runtime:
     """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
 
     def __init__(self, groups: list, handles: dict, local_ray: "LocalRay | None"):
-        self.groups, self.handles, self.local_ray = groups, handles, local_ray  # the Ray this run started
+        self.groups, self.handles, self.local_ray = (
+            groups,
+            handles,
+            local_ray,
+        )  # the Ray this run started
 
     def __getitem__(self, name: str) -> ModelHandle:
         return self.handles[name]
@@ -323,19 +391,39 @@ class Runtime:
                 else:
                     group = ActorGroup(plan, env, multi_node=bool(address), strategy=strategy)
                 groups.append(group)
-                if not local and (problems := tp_span_problems(cfg, plan.names, [
-                        group.nodes.count(n) for n in dict.fromkeys(group.nodes)])):
+                if not local and (
+                    problems := tp_span_problems(
+                        cfg, plan.names, [group.nodes.count(n) for n in dict.fromkeys(group.nodes)]
+                    )
+                ):
                     raise ConfigError(problems)  # Ray placed a tensor-parallel group across nodes
-                group.setup([[(n, model_class(cfg.models[n]), rank_config(cfg.models[n], r)) for n in plan.names]
-                             for r in range(plan.world)])
+                group.setup(
+                    [
+                        [
+                            (n, model_class(cfg.models[n]), rank_config(cfg.models[n], r))
+                            for n in plan.names
+                        ]
+                        for r in range(plan.world)
+                    ]
+                )
                 for n in plan.names:
                     handles[n] = ModelHandle(n, cfg.models[n], group)
-                    if backend_kind(cfg.models[n].backend) == "generation":  # its replicas, its weight channel
+                    if (
+                        backend_kind(cfg.models[n].backend) == "generation"
+                    ):  # its replicas, its weight channel
                         handles[n] = GenerationGroup(handles[n])
-                nodes = "" if local else f" on node(s) {', '.join(n[:8] for n in dict.fromkeys(group.nodes))}"
-                log(f"[chatgen] started {'+'.join(plan.names)}: {plan.world} rank(s) x ({plan.cpus:g} CPU"
-                    f"{f', {plan.gpus:g} GPU' if plan.gpus else ''}){nodes} in {time.perf_counter() - t0:.1f}s")
-            for h in handles.values():  # data-parallel rank of each actor (None for a model without DP)
+                nodes = (
+                    ""
+                    if local
+                    else f" on node(s) {', '.join(n[:8] for n in dict.fromkeys(group.nodes))}"
+                )
+                log(
+                    f"[chatgen] started {'+'.join(plan.names)}: {plan.world} rank(s) x ({plan.cpus:g} CPU"
+                    f"{f', {plan.gpus:g} GPU' if plan.gpus else ''}){nodes} in {time.perf_counter() - t0:.1f}s"
+                )
+            for (
+                h
+            ) in handles.values():  # data-parallel rank of each actor (None for a model without DP)
                 h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
         except BaseException:
             cls(groups, handles, started).shutdown()
@@ -385,7 +473,10 @@ def require_packages(cfg, local: bool) -> None:
     """Before anything starts: the optional packages this run needs are installed (Ray unless `local`; what each
     model's generation backend lists in its REQUIRES), else a MissingPackage naming the setup.py extra."""
     if not local:
-        require("ray", "a run on Ray actors (a model with num_gpu, several ranks, or runtime.ray_address)")
+        require(
+            "ray",
+            "a run on Ray actors (a model with num_gpu, several ranks, or runtime.ray_address)",
+        )
     for name, entry in cfg.models.items():
         if backend_kind(entry.backend) == "generation" and not entry.model_class:
             for package in getattr(load_backend(entry.backend), "REQUIRES", ()):
@@ -393,10 +484,12 @@ def require_packages(cfg, local: bool) -> None:
 
 
 def launcher(cfg, plans: list) -> str:
-    """"local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
+    """ "local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
     choice = cfg.runtime.launcher
     fits = len(plans) == 1 and plans[0].world == 1 and not cluster_address(cfg.runtime)
     if choice == "local" and not fits:
-        raise ValueError("runtime.launcher: local needs every model in one colocation group of one rank and no "
-                         "cluster (runtime.ray_address, RAY_ADDRESS); use launcher: ray (or auto) for this run")
+        raise ValueError(
+            "runtime.launcher: local needs every model in one colocation group of one rank and no "
+            "cluster (runtime.ray_address, RAY_ADDRESS); use launcher: ray (or auto) for this run"
+        )
     return "local" if choice == "local" or (choice == "auto" and fits) else "ray"

@@ -18,6 +18,7 @@ keeps its own shard). Otherwise the target is a generation model on devices of i
 group before each sync), kept for the run on the workers (`ModelWorker.attach`). After every sync each engine
 rank must hold the same weight version: a replica that missed an update stops the run.
 """
+
 from chatgen.param_sync import GroupSender, plan_manifest, sync_weights, weight_source
 from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
@@ -28,12 +29,15 @@ SENDER = "group_sender"
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
 
+
 def _sync_colocated(worker, trainer, target, validate):
     sync_weights(worker.models[trainer], worker.models[target], validate=validate)
 
 
 def _open_sender(worker, trainer, token, world_size, multi_node):
-    sender = worker.attach(trainer, SENDER, GroupSender(token, world_size, host=rendezvous_host(multi_node)))
+    sender = worker.attach(
+        trainer, SENDER, GroupSender(token, world_size, host=rendezvous_host(multi_node))
+    )
     return sender.host, sender.port
 
 
@@ -62,27 +66,46 @@ class WeightLinks:
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
                 continue
-            world = 1 + target.group.world_size  # the trainer's rank 0 sends, every engine rank receives
-            host, port = trainer.get(trainer.group.run_async(_open_sender, trainer.name, target.token, world,
-                                                             trainer.group.multi_node), "open sync")[0]
-            trainer.get(target.open_weight_channel(host, port, world) +
-                        trainer.group.run_async(_connect_sender, trainer.name), "connect sync")
-            target.check_weight_manifest(trainer.run(_manifest, trainer.name)[0])  # a wrong model fails now
+            world = (
+                1 + target.group.world_size
+            )  # the trainer's rank 0 sends, every engine rank receives
+            host, port = trainer.get(
+                trainer.group.run_async(
+                    _open_sender, trainer.name, target.token, world, trainer.group.multi_node
+                ),
+                "open sync",
+            )[0]
+            trainer.get(
+                target.open_weight_channel(host, port, world)
+                + trainer.group.run_async(_connect_sender, trainer.name),
+                "connect sync",
+            )
+            target.check_weight_manifest(
+                trainer.run(_manifest, trainer.name)[0]
+            )  # a wrong model fails now
         if self.sleeps:
             groups = [runtime[target].group for target in self.pairs.values()]
-            self.offloading = [name for name, h in runtime.handles.items()
-                               if h.backend == "megatron" and any(h.group is g for g in groups)]
+            self.offloading = [
+                name
+                for name, h in runtime.handles.items()
+                if h.backend == "megatron" and any(h.group is g for g in groups)
+            ]
 
     def sync(self) -> None:
         """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
         validate = self.syncs == 0
-        if self.asleep:  # weights first: the trainers keep theirs (what the sync sends) until it is done
+        if (
+            self.asleep
+        ):  # weights first: the trainers keep theirs (what the sync sends) until it is done
             self._offload(weights=False)
             self._call_targets("wake_up", ["weights"])
         for trainer_name, target_name in self.pairs.items():
             trainer, target = self.runtime[trainer_name], self.runtime[target_name]
             if self.colocated[trainer_name]:
-                trainer.get(trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate), "sync")
+                trainer.get(
+                    trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate),
+                    "sync",
+                )
             else:
                 receiving = target.receive_weights()
                 try:
@@ -90,12 +113,16 @@ class WeightLinks:
                     trainer.get(receiving + sending, "sync")
                 except ActorFailure as e:  # the trainer's side fails first when an engine dies
                     raise engine_death(target_name, receiving) or e
-            versions = target.weight_versions()  # every engine rank of every replica: the same update
+            versions = (
+                target.weight_versions()
+            )  # every engine rank of every replica: the same update
             if len(set(versions)) > 1:
                 by_replica = {r // target.tp: v for r, v in enumerate(versions)}
-                raise ActorFailure(f"{target_name}: its replicas hold weight versions {by_replica} after sync "
-                                   f"{self.syncs + 1}; a replica missed an update and would sample with old weights "
-                                   "(--resume syncs every replica from the last checkpoint)")
+                raise ActorFailure(
+                    f"{target_name}: its replicas hold weight versions {by_replica} after sync "
+                    f"{self.syncs + 1}; a replica missed an update and would sample with old weights "
+                    "(--resume syncs every replica from the last checkpoint)"
+                )
         self._offload(weights=True)  # the engine generates next
         if self.asleep:
             self._call_targets("wake_up", ["kv_cache"])
@@ -137,10 +164,11 @@ def engine_death(target_name: str, receiving: list) -> ActorFailure | None:
         try:
             ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            return ActorFailure(f"{target_name}: an engine actor died during the weight sync "
-                                f"(rank {receiving.index(ref)}); the trainer's side failed because "
-                                f"of it:\n{e}")
+            return ActorFailure(
+                f"{target_name}: an engine actor died during the weight sync "
+                f"(rank {receiving.index(ref)}); the trainer's side failed because "
+                f"of it:\n{e}"
+            )
         except Exception:  # the engine's own error: the trainer's report names the sync already
             continue
     return None
-

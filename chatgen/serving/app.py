@@ -25,6 +25,7 @@ tokenizing run on a worker thread, so a huge request never stalls /health or the
 Next to it: chatgen.serving.http (error bodies, guards, middleware), chatgen.serving.requests (a request read
 and tokenized into a Job).
 """
+
 import contextlib
 import json
 import time
@@ -41,13 +42,29 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 # DEFAULT_MAX_REQUEST_BYTES, APIError, api_key_dependency, ...: importable from here too
-from chatgen.serving.http import (DEFAULT_MAX_REQUEST_BYTES, APIError,  # noqa: F401
-                                  BodyLimit, HostCheck, api_key_dependency, cancel_on_disconnect,
-                                  error_body, error_response, require_json)
+from chatgen.serving.http import (
+    DEFAULT_MAX_REQUEST_BYTES,
+    APIError,  # noqa: F401
+    BodyLimit,
+    HostCheck,
+    api_key_dependency,
+    cancel_on_disconnect,
+    error_body,
+    error_response,
+    require_json,
+)
 from chatgen.serving.requests import Job, RequestReader, pydantic_errors
 
-def build_app(module, *, api_key: str | None = None, model_name: str | None = None, routers=(),
-              max_request_bytes: int | None = None, allowed_hosts=()) -> FastAPI:
+
+def build_app(
+    module,
+    *,
+    api_key: str | None = None,
+    model_name: str | None = None,
+    routers=(),
+    max_request_bytes: int | None = None,
+    allowed_hosts=(),
+) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
 
     api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`, and the
@@ -62,11 +79,17 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     from vllm.exceptions import VLLMClientError
 
     if module.tokenizer is None:
-        raise ValueError("build_app: the model has no tokenizer; the OpenAI server needs one to render chats "
-                         "and return text")
+        raise ValueError(
+            "build_app: the model has no tokenizer; the OpenAI server needs one to render chats "
+            "and return text"
+        )
     name = model_name or str(module.config.load)
     docs = {} if api_key is None else {"docs_url": None, "redoc_url": None, "openapi_url": None}
-    app = FastAPI(title="chatgen", description="OpenAI-compatible server over a chatgen generation module", **docs)
+    app = FastAPI(
+        title="chatgen",
+        description="OpenAI-compatible server over a chatgen generation module",
+        **docs,
+    )
     app.add_middleware(BodyLimit, limit=max_request_bytes or DEFAULT_MAX_REQUEST_BYTES)
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # outermost: before the body
     app.state.module, app.state.model_name = module, name
@@ -77,7 +100,9 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
         return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(VLLMClientError)
-    async def vllm_client_error(request, e: VLLMClientError):  # what vLLM validates, answered with vLLM's message
+    async def vllm_client_error(
+        request, e: VLLMClientError
+    ):  # what vLLM validates, answered with vLLM's message
         error = create_error_response(e)
         return JSONResponse(error.model_dump(), error.error.code)
 
@@ -90,7 +115,9 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):  # a bug, not the client's fault: say so, keep serving
+    async def internal_error(
+        request, e: Exception
+    ):  # a bug, not the client's fault: say so, keep serving
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     guards = [Depends(api_key_dependency(api_key)), Depends(require_json)]  # in this order
@@ -107,8 +134,18 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     async def models():
         from vllm.entrypoints.serve.engine.protocol import ModelCard, ModelList
 
-        return _json_response(ModelList(data=[ModelCard(id=name, owned_by="chatgen", root=str(module.config.load),
-                                               max_model_len=module.config.seq_length)]))
+        return _json_response(
+            ModelList(
+                data=[
+                    ModelCard(
+                        id=name,
+                        owned_by="chatgen",
+                        root=str(module.config.load),
+                        max_model_len=module.config.seq_length,
+                    )
+                ]
+            )
+        )
 
     @router.post("/tokenize")
     @cancel_on_disconnect
@@ -128,7 +165,9 @@ def build_app(module, *, api_key: str | None = None, model_name: str | None = No
     @router.post("/v1/completions")
     @cancel_on_disconnect
     async def completions(request: Request):
-        return await server.completions(await server.off_loop(server.prepare_completion, await request.body()))
+        return await server.completions(
+            await server.off_loop(server.prepare_completion, await request.body())
+        )
 
     app.include_router(router)
     for extra in routers:
@@ -184,11 +223,20 @@ class _Server(RequestReader):
             else:
                 tokens.append(self.token_text(token))
                 token_logprobs.append(max(step[token].logprob, -9999.0))
-                top_logprobs.append({self.token_text(t): max(lp.logprob, -9999.0)
-                                     for i, (t, lp) in enumerate(step.items()) if top == -1 or top >= i})
+                top_logprobs.append(
+                    {
+                        self.token_text(t): max(lp.logprob, -9999.0)
+                        for i, (t, lp) in enumerate(step.items())
+                        if top == -1 or top >= i
+                    }
+                )
             offsets.append(text_offset if not offsets else offsets[-1] + len(tokens[-2]))
-        return CompletionLogProbs(text_offset=offsets, token_logprobs=token_logprobs, tokens=tokens,
-                                  top_logprobs=top_logprobs)
+        return CompletionLogProbs(
+            text_offset=offsets,
+            token_logprobs=token_logprobs,
+            tokens=tokens,
+            top_logprobs=top_logprobs,
+        )
 
     def chat_logprobs(self, sample, top: int):
         """vLLM's chat `logprobs` of a sample: per token its text, bytes, log-prob and its step's first `top`
@@ -201,22 +249,40 @@ class _Server(RequestReader):
 
         def entry(cls, token, lp, **more):
             text = self.token_text(token)
-            return cls(token=text, logprob=max(lp.logprob, -9999.0),
-                       bytes=list(text.encode("utf-8", errors="replace")), **more)
+            return cls(
+                token=text,
+                logprob=max(lp.logprob, -9999.0),
+                bytes=list(text.encode("utf-8", errors="replace")),
+                **more,
+            )
 
-        return ChatCompletionLogProbs(content=[
-            entry(ChatCompletionLogProbsContent, token, step[token], top_logprobs=[
-                entry(ChatCompletionLogProb, t, lp) for i, (t, lp) in enumerate(step.items())
-                if top == -1 or i < top])
-            for token, step in zip(sample.token_ids, sample.logprobs)])
+        return ChatCompletionLogProbs(
+            content=[
+                entry(
+                    ChatCompletionLogProbsContent,
+                    token,
+                    step[token],
+                    top_logprobs=[
+                        entry(ChatCompletionLogProb, t, lp)
+                        for i, (t, lp) in enumerate(step.items())
+                        if top == -1 or i < top
+                    ],
+                )
+                for token, step in zip(sample.token_ids, sample.logprobs)
+            ]
+        )
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens=None):
         from vllm.entrypoints.serve.engine.protocol import PromptTokenUsageInfo, UsageInfo
 
-        return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                         total_tokens=prompt_tokens + completion_tokens,
-                         prompt_tokens_details=None if cached_tokens is None
-                         else PromptTokenUsageInfo(cached_tokens=cached_tokens))
+        return UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=None
+            if cached_tokens is None
+            else PromptTokenUsageInfo(cached_tokens=cached_tokens),
+        )
 
     # ------------------------------------------------------------------ generation (on the event loop)
 
@@ -231,7 +297,9 @@ class _Server(RequestReader):
         if module.health_problem:
             raise APIError(503, module.health_problem)
         params = job.params[0] if len(job.params) == 1 else job.params
-        async with contextlib.aclosing(module.stream(job.prompts, params, deltas=stream)) as outputs:  # closed: aborts
+        async with contextlib.aclosing(
+            module.stream(job.prompts, params, deltas=stream)
+        ) as outputs:  # closed: aborts
             async for i, output in outputs:
                 yield i, output
 
@@ -251,7 +319,9 @@ class _Server(RequestReader):
                         yield event
                 except APIError as e:
                     yield f"data: {json.dumps(error_body(e.status, e.message, e.param))}\n\n"
-                except Exception as e:  # the engine failed mid-stream (a failed weight update, a shutdown)
+                except (
+                    Exception
+                ) as e:  # the engine failed mid-stream (a failed weight update, a shutdown)
                     yield f"data: {json.dumps(error_body(500, f'{type(e).__name__}: {e}'))}\n\n"
             yield "data: [DONE]\n\n"
 
@@ -282,51 +352,122 @@ class _Server(RequestReader):
             include_usage, continuous = should_include_usage(req.stream_options, False)
 
             def chunk(choices, **fields):
-                return ChatCompletionStreamResponse(id=response_id, object="chat.completion.chunk", created=created,
-                                                    model=self.name, choices=choices, **fields)
+                return ChatCompletionStreamResponse(
+                    id=response_id,
+                    object="chat.completion.chunk",
+                    created=created,
+                    model=self.name,
+                    choices=choices,
+                    **fields,
+                )
 
             async def events(first, outputs):
                 generated, cached = [0] * n, None
-                usage = (lambda i: self.usage(len(prompt), generated[i])) if continuous else (lambda i: None)
+                usage = (
+                    (lambda i: self.usage(len(prompt), generated[i]))
+                    if continuous
+                    else (lambda i: None)
+                )
                 if first is not None:
                     cached = getattr(first[1], "num_cached_tokens", None)
                 for i in range(n):
-                    yield _sse(chunk([ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(role="assistant", content=""), logprobs=None, finish_reason=None)],
-                        prompt_token_ids=prompt, **({"usage": usage(i)} if continuous else {})))
+                    yield _sse(
+                        chunk(
+                            [
+                                ChatCompletionResponseStreamChoice(
+                                    index=i,
+                                    delta=DeltaMessage(role="assistant", content=""),
+                                    logprobs=None,
+                                    finish_reason=None,
+                                )
+                            ],
+                            prompt_token_ids=prompt,
+                            **({"usage": usage(i)} if continuous else {}),
+                        )
+                    )
                     if echo:
-                        yield _sse(chunk([ChatCompletionResponseStreamChoice(
-                            index=i, delta=DeltaMessage(content=echo), logprobs=None, finish_reason=None)],
-                            **({"usage": usage(i)} if continuous else {})))
+                        yield _sse(
+                            chunk(
+                                [
+                                    ChatCompletionResponseStreamChoice(
+                                        index=i,
+                                        delta=DeltaMessage(content=echo),
+                                        logprobs=None,
+                                        finish_reason=None,
+                                    )
+                                ],
+                                **({"usage": usage(i)} if continuous else {}),
+                            )
+                        )
                 async for _, output in _chain(first, outputs):
                     for sample in output.outputs:
-                        if (not sample.text and not sample.token_ids and not generated[sample.index]
-                                and not sample.finish_reason):
+                        if (
+                            not sample.text
+                            and not sample.token_ids
+                            and not generated[sample.index]
+                            and not sample.finish_reason
+                        ):
                             continue  # a chunked prefill step: nothing to say yet
                         generated[sample.index] += len(sample.token_ids)
-                        yield _sse(chunk([ChatCompletionResponseStreamChoice(
-                            index=sample.index, delta=DeltaMessage(content=sample.text), logprobs=logprobs_of(sample),
-                            finish_reason=sample.finish_reason,
-                            **({"stop_reason": sample.stop_reason} if sample.finish_reason else {}),
-                            **_generated_fields(sample))], **({"usage": usage(sample.index)} if continuous else {})))
+                        yield _sse(
+                            chunk(
+                                [
+                                    ChatCompletionResponseStreamChoice(
+                                        index=sample.index,
+                                        delta=DeltaMessage(content=sample.text),
+                                        logprobs=logprobs_of(sample),
+                                        finish_reason=sample.finish_reason,
+                                        **(
+                                            {"stop_reason": sample.stop_reason}
+                                            if sample.finish_reason
+                                            else {}
+                                        ),
+                                        **_generated_fields(sample),
+                                    )
+                                ],
+                                **({"usage": usage(sample.index)} if continuous else {}),
+                            )
+                        )
                 if include_usage:
-                    yield _sse(chunk([], usage=self.usage(len(prompt), sum(generated), cached)),
-                               exclude_unset=True, exclude_none=True)
+                    yield _sse(
+                        chunk([], usage=self.usage(len(prompt), sum(generated), cached)),
+                        exclude_unset=True,
+                        exclude_none=True,
+                    )
 
             return await self.streamed(job, events)
 
         ((_, output),) = [o async for o in self.run(job, stream=False)]
-        choices = [ChatCompletionResponseChoice(
-            index=s.index, finish_reason=s.finish_reason or "stop", stop_reason=s.stop_reason, logprobs=logprobs_of(s),
-            message=ChatMessage(role="assistant", content=echo + s.text, prompt_token_ids=prompt,
-                                generation_token_ids=list(s.token_ids), generation_log_probs=_sampled_logprobs(s),
-                                generation_weight_versions=s.weight_versions))
-            for s in sorted(output.outputs, key=lambda s: s.index)]
+        choices = [
+            ChatCompletionResponseChoice(
+                index=s.index,
+                finish_reason=s.finish_reason or "stop",
+                stop_reason=s.stop_reason,
+                logprobs=logprobs_of(s),
+                message=ChatMessage(
+                    role="assistant",
+                    content=echo + s.text,
+                    prompt_token_ids=prompt,
+                    generation_token_ids=list(s.token_ids),
+                    generation_log_probs=_sampled_logprobs(s),
+                    generation_weight_versions=s.weight_versions,
+                ),
+            )
+            for s in sorted(output.outputs, key=lambda s: s.index)
+        ]
         generated = sum(len(s.token_ids) for s in output.outputs)
-        return _json_response(ChatCompletionResponse(
-            id=f"chatcmpl-{uuid.uuid4().hex}", model=self.name, choices=choices, prompt_token_ids=prompt,
-            prompt_logprobs=self.prompt_logprobs(output),
-            usage=self.usage(len(prompt), generated, getattr(output, "num_cached_tokens", None))))
+        return _json_response(
+            ChatCompletionResponse(
+                id=f"chatcmpl-{uuid.uuid4().hex}",
+                model=self.name,
+                choices=choices,
+                prompt_token_ids=prompt,
+                prompt_logprobs=self.prompt_logprobs(output),
+                usage=self.usage(
+                    len(prompt), generated, getattr(output, "num_cached_tokens", None)
+                ),
+            )
+        )
 
     async def completions(self, job: Job):
         from vllm.entrypoints.openai.completion.protocol import (
@@ -338,7 +479,9 @@ class _Server(RequestReader):
         from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
         req, n = job.req, job.params[0].n
-        echo_only = req.echo and req.max_tokens == 0  # the prompt alone (vLLM samples one token, returns none)
+        echo_only = (
+            req.echo and req.max_tokens == 0
+        )  # the prompt alone (vLLM samples one token, returns none)
 
         def logprobs_of(token_ids, steps, text_offset=0):
             if req.logprobs is None:
@@ -367,31 +510,68 @@ class _Server(RequestReader):
                             if echo_only:
                                 text, token_ids, logprob_steps = job.texts[i], prompt, steps
                             else:
-                                text, token_ids = job.texts[i] + sample.text, [*prompt, *sample.token_ids]
+                                text, token_ids = (
+                                    job.texts[i] + sample.text,
+                                    [*prompt, *sample.token_ids],
+                                )
                                 logprob_steps = [*steps, *(sample.logprobs or [])]
                         else:
                             if echo_only:
                                 continue
-                            text, token_ids, logprob_steps = sample.text, sample.token_ids, sample.logprobs
-                            if (not text and not token_ids and not generated[k]
-                                    and not sample.finish_reason):
+                            text, token_ids, logprob_steps = (
+                                sample.text,
+                                sample.token_ids,
+                                sample.logprobs,
+                            )
+                            if (
+                                not text
+                                and not token_ids
+                                and not generated[k]
+                                and not sample.finish_reason
+                            ):
                                 continue  # a chunked prefill step: nothing to say yet
                         generated[k] += len(sample.token_ids)
                         logprobs = logprobs_of(token_ids, logprob_steps or [], offsets[k])
-                        if logprobs is not None and logprobs.tokens:  # by the tokens, not the text (stop strings)
+                        if (
+                            logprobs is not None and logprobs.tokens
+                        ):  # by the tokens, not the text (stop strings)
                             offsets[k] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
-                        yield _sse(CompletionStreamResponse(
-                            id=response_id, object="text_completion", created=created, model=self.name,
-                            choices=[CompletionResponseStreamChoice(
-                                index=k, text=text, logprobs=logprobs,
-                                finish_reason=sample.finish_reason, stop_reason=sample.stop_reason, **fields)],
-                            **({"usage": self.usage(len(prompt), generated[k])} if continuous else {})))
+                        yield _sse(
+                            CompletionStreamResponse(
+                                id=response_id,
+                                object="text_completion",
+                                created=created,
+                                model=self.name,
+                                choices=[
+                                    CompletionResponseStreamChoice(
+                                        index=k,
+                                        text=text,
+                                        logprobs=logprobs,
+                                        finish_reason=sample.finish_reason,
+                                        stop_reason=sample.stop_reason,
+                                        **fields,
+                                    )
+                                ],
+                                **(
+                                    {"usage": self.usage(len(prompt), generated[k])}
+                                    if continuous
+                                    else {}
+                                ),
+                            )
+                        )
                 if include_usage:
                     prompt_tokens = sum(map(len, job.prompts))
-                    yield _sse(CompletionStreamResponse(
-                        id=response_id, created=created, model=self.name, choices=[],
-                        usage=self.usage(prompt_tokens, sum(generated), cached)), exclude_unset=False,
-                        exclude_none=True)
+                    yield _sse(
+                        CompletionStreamResponse(
+                            id=response_id,
+                            created=created,
+                            model=self.name,
+                            choices=[],
+                            usage=self.usage(prompt_tokens, sum(generated), cached),
+                        ),
+                        exclude_unset=False,
+                        exclude_none=True,
+                    )
 
             return await self.streamed(job, events)
 
@@ -406,17 +586,34 @@ class _Server(RequestReader):
                     text, token_ids, steps = job.texts[i], prompt, prompt_logprobs
                 else:
                     text, token_ids = job.texts[i] + s.text, [*prompt, *s.token_ids]
-                    steps = [*(prompt_logprobs or []), *s.logprobs] if req.logprobs is not None else None
-                choices.append(CompletionResponseChoice(
-                    index=len(choices), text=text, logprobs=logprobs_of(token_ids, steps),
-                    finish_reason=s.finish_reason, stop_reason=s.stop_reason, prompt_logprobs=prompt_logprobs,
-                    prompt_token_ids=prompt, **_generated_fields(s)))
+                    steps = (
+                        [*(prompt_logprobs or []), *s.logprobs]
+                        if req.logprobs is not None
+                        else None
+                    )
+                choices.append(
+                    CompletionResponseChoice(
+                        index=len(choices),
+                        text=text,
+                        logprobs=logprobs_of(token_ids, steps),
+                        finish_reason=s.finish_reason,
+                        stop_reason=s.stop_reason,
+                        prompt_logprobs=prompt_logprobs,
+                        prompt_token_ids=prompt,
+                        **_generated_fields(s),
+                    )
+                )
         prompt_tokens = sum(len(job.prompts[i]) for i, _ in outputs)
         generated = sum(len(s.token_ids) for _, o in outputs for s in o.outputs)
         cached = getattr(outputs[-1][1], "num_cached_tokens", None) if outputs else None
-        return _json_response(CompletionResponse(
-            id=f"cmpl-{uuid.uuid4().hex}", model=self.name, choices=choices,
-            usage=self.usage(prompt_tokens, generated, cached)))
+        return _json_response(
+            CompletionResponse(
+                id=f"cmpl-{uuid.uuid4().hex}",
+                model=self.name,
+                choices=choices,
+                usage=self.usage(prompt_tokens, generated, cached),
+            )
+        )
 
 
 def _sampled_logprobs(sample) -> list:
@@ -426,8 +623,11 @@ def _sampled_logprobs(sample) -> list:
 def _generated_fields(sample) -> dict:
     """chatgen's fields of a sample (or of a streamed delta: its new tokens): the ids, the engine's log-prob of
     each and the weight version each was sampled under."""
-    return {"token_ids": list(sample.token_ids), "generation_log_probs": _sampled_logprobs(sample),
-            "generation_weight_versions": getattr(sample, "weight_versions", None)}
+    return {
+        "token_ids": list(sample.token_ids),
+        "generation_log_probs": _sampled_logprobs(sample),
+        "generation_weight_versions": getattr(sample, "weight_versions", None),
+    }
 
 
 async def _chain(first, outputs):

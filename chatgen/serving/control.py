@@ -34,6 +34,7 @@ the directories that killed servers of its user left, and its own at exit). No u
 every step has a deadline (`timeout`), after which the update is given up and the engine keeps its old
 weights (or, stopped mid-load, refuses to generate until the next complete sync).
 """
+
 import asyncio
 import threading
 import time
@@ -51,18 +52,26 @@ from chatgen.generation.base import UPDATE_MODES
 from chatgen.param_sync import GroupReceiver, ShmReceiver, remove_stale_segments
 from chatgen.serving.app import APIError, api_key_dependency
 
-DEFAULT_TIMEOUT_S = 120.0  # `chatgen serve --control-timeout`: the server's patience at each step of an update
+DEFAULT_TIMEOUT_S = (
+    120.0  # `chatgen serve --control-timeout`: the server's patience at each step of an update
+)
 STOP_WAIT_S = 5.0  # how long finish waits for a stopped update to wind down before it answers
 
 
 class BeginRequest(BaseModel):
     mode: Literal[UPDATE_MODES] = "wait"  # VLLMModule.update_weights' modes
     transport: Literal["group", "shm"] = "group"
-    port: int | None = None  # group: the group the client holds from an earlier update; reused when still the server's
-    path: str | None = None  # shm: the file the client holds mapped from an earlier update; reused likewise
+    port: int | None = (
+        None  # group: the group the client holds from an earlier update; reused when still the server's
+    )
+    path: str | None = (
+        None  # shm: the file the client holds mapped from an earlier update; reused likewise
+    )
 
 
-class WeightHeader(BaseModel):  # chatgen.param_sync.sync_header: what the trainer sends before the data
+class WeightHeader(
+    BaseModel
+):  # chatgen.param_sync.sync_header: what the trainer sends before the data
     model_config = ConfigDict(extra="forbid")
     dtype: str
     buckets: list[list[tuple[str, list[int]]]]
@@ -71,7 +80,9 @@ class WeightHeader(BaseModel):  # chatgen.param_sync.sync_header: what the train
     fingerprints: dict[str, list[int]] | None = None
 
 
-class FinishRequest(BaseModel):  # shm only: the header once the file is written, or why the trainer stopped
+class FinishRequest(
+    BaseModel
+):  # shm only: the header once the file is written, or why the trainer stopped
     header: WeightHeader | None = None
     error: str | None = None
 
@@ -98,37 +109,65 @@ class _WeightUpdates:
     def begin(self, body: BeginRequest) -> dict:
         with self.lock:
             pending = self.pending
-            if pending is not None and pending["transport"] == "group" and not pending["thread"].is_alive():
+            if (
+                pending is not None
+                and pending["transport"] == "group"
+                and not pending["thread"].is_alive()
+            ):
                 pending = None  # ended (done, refused, or past a deadline) and never finished: its slot is free
-            if pending is not None and pending["transport"] == "shm" and time.monotonic() > pending["until"]:
+            if (
+                pending is not None
+                and pending["transport"] == "shm"
+                and time.monotonic() > pending["until"]
+            ):
                 self.shm.drop()  # a shm update whose trainer never finished it
                 pending = None
             if pending is not None:
-                raise APIError(409, "a weight update is already in progress: finish it (POST /control/weights/finish),"
-                                    f" or wait: it ends when its trainer keeps it waiting {self.timeout:g} s")
+                raise APIError(
+                    409,
+                    "a weight update is already in progress: finish it (POST /control/weights/finish),"
+                    f" or wait: it ends when its trainer keeps it waiting {self.timeout:g} s",
+                )
             if self.stopping is not None and self.stopping.is_alive():
-                raise APIError(409, "the weight update stopped by the last finish is still winding down (its "
-                                    "channel's last operation times out within seconds); begin again shortly")
+                raise APIError(
+                    409,
+                    "the weight update stopped by the last finish is still winding down (its "
+                    "channel's last operation times out within seconds); begin again shortly",
+                )
             if body.transport == "shm":
                 if self.shm is None:
                     self.shm = ShmReceiver()
-                self.pending = {"transport": "shm", "mode": body.mode, "until": time.monotonic() + self.timeout}
+                self.pending = {
+                    "transport": "shm",
+                    "mode": body.mode,
+                    "until": time.monotonic() + self.timeout,
+                }
                 return {"transport": "shm", "path": self.shm.name(body.path)}
             if self.receiver is None or self.receiver.closed or self.receiver.port != body.port:
-                if self.receiver is not None:  # a new client: a new group (and the old one's rendezvous closed)
+                if (
+                    self.receiver is not None
+                ):  # a new client: a new group (and the old one's rendezvous closed)
                     self.receiver.close()
                 self.receiver = GroupReceiver.listen(self.host, timeout=self.timeout)
-            token = self.receiver.new_token()  # one-time: only the caller of this begin can send this update
+            token = (
+                self.receiver.new_token()
+            )  # one-time: only the caller of this begin can send this update
             result, stop = {}, threading.Event()
-            thread = threading.Thread(target=self._receive, args=(self.receiver, body.mode, result, stop),
-                                      name="chatgen-weight-update", daemon=True)
+            thread = threading.Thread(
+                target=self._receive,
+                args=(self.receiver, body.mode, result, stop),
+                name="chatgen-weight-update",
+                daemon=True,
+            )
             self.pending = {"transport": "group", "thread": thread, "result": result, "stop": stop}
             thread.start()
             return {"transport": "group", "port": self.receiver.port, "token": token}
 
     def _receive(self, receiver, mode: str, result: dict, stop: threading.Event) -> None:
         try:
-            result["report"] = receiver.receive_into(self.module, alive=lambda: not stop.is_set(), mode=mode)
+            result["report"] = receiver.receive_into(
+                self.module, alive=lambda: not stop.is_set(), mode=mode
+            )
         except Exception as e:  # refused, failed, or past a deadline: handed to finish
             result["error"] = f"{type(e).__name__}: {e}"
 
@@ -137,30 +176,47 @@ class _WeightUpdates:
             with self.lock:
                 pending = self.pending
             if pending is None:
-                raise APIError(409, "no weight update in progress: begin one first (POST /control/weights/begin)")
+                raise APIError(
+                    409,
+                    "no weight update in progress: begin one first (POST /control/weights/begin)",
+                )
             result = {}
             if pending["transport"] == "group":
                 thread, result = pending["thread"], pending["result"]
-                thread.join(STOP_WAIT_S)  # the trainer's own finish comes once its send returned: done by now
-                if thread.is_alive():  # a finish by hand, or a trainer that gave up: stop the update
+                thread.join(
+                    STOP_WAIT_S
+                )  # the trainer's own finish comes once its send returned: done by now
+                if (
+                    thread.is_alive()
+                ):  # a finish by hand, or a trainer that gave up: stop the update
                     pending["stop"].set()
                     thread.join(STOP_WAIT_S)
-                if thread.is_alive():  # inside one last operation of the channel, which ends at its deadline
+                if (
+                    thread.is_alive()
+                ):  # inside one last operation of the channel, which ends at its deadline
                     self.stopping = thread
-                    result = {"error": "the weight update was stopped; the engine keeps its old weights unless it "
-                                       "had begun loading them (then it refuses to generate until the next complete "
-                                       f"sync: needs_resync = {self.module.needs_resync!r})"}
+                    result = {
+                        "error": "the weight update was stopped; the engine keeps its old weights unless it "
+                        "had begun loading them (then it refuses to generate until the next complete "
+                        f"sync: needs_resync = {self.module.needs_resync!r})"
+                    }
             elif body is None or (body.header is None) == (body.error is None):
-                raise APIError(400, 'a shared-memory weight update finishes with {"header": ...} once the file is '
-                                    'written, or {"error": ...} when the trainer stopped; the update is still open')
+                raise APIError(
+                    400,
+                    'a shared-memory weight update finishes with {"header": ...} once the file is '
+                    'written, or {"error": ...} when the trainer stopped; the update is still open',
+                )
             elif body.error is not None:
                 self.shm.drop()
-                result["error"] = (f"the trainer stopped before the weights were written, the engine keeps its old "
-                                   f"weights: {body.error}")
+                result["error"] = (
+                    f"the trainer stopped before the weights were written, the engine keeps its old "
+                    f"weights: {body.error}"
+                )
             else:
                 try:
-                    result["report"] = self.shm.receive_into(self.module, pending["mode"],
-                                                             header=body.header.model_dump())
+                    result["report"] = self.shm.receive_into(
+                        self.module, pending["mode"], header=body.header.model_dump()
+                    )
                 except Exception as e:  # the receiver dropped the file
                     result["error"] = f"{type(e).__name__}: {e}"
             with self.lock:
@@ -169,18 +225,26 @@ class _WeightUpdates:
             if "error" in result:
                 raise APIError(409, result["error"])
             report = result["report"]
-            return {"weight_version": self.module.weight_version, "tensors": report.tensors, "bytes": report.bytes,
-                    "seconds": report.seconds}
+            return {
+                "weight_version": self.module.weight_version,
+                "tensors": report.tensors,
+                "bytes": report.bytes,
+                "seconds": report.seconds,
+            }
 
 
 def check_bind(host: str, api_key: str | None) -> None:
     """ValueError unless the control endpoints may run on `host`: beyond loopback only with an API key."""
     if api_key is None and host not in LOOPBACK_HOSTS:
-        raise ValueError(f"--control on --host {host} without an API key: anyone who reaches the port could replace "
-                         "the model's weights; set CHATGEN_API_KEY (or --api-key-file), or bind 127.0.0.1")
+        raise ValueError(
+            f"--control on --host {host} without an API key: anyone who reaches the port could replace "
+            "the model's weights; set CHATGEN_API_KEY (or --api-key-file), or bind 127.0.0.1"
+        )
 
 
-def control_router(module, *, api_key: str | None, host: str, timeout: float = DEFAULT_TIMEOUT_S) -> APIRouter:
+def control_router(
+    module, *, api_key: str | None, host: str, timeout: float = DEFAULT_TIMEOUT_S
+) -> APIRouter:
     """The control endpoints for `module` (a started generation module, chatgen.generation.base) served on `host`.
 
     With api_key set, every endpoint needs `Authorization: Bearer <api_key>` (401 otherwise). Without one the

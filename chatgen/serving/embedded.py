@@ -8,6 +8,7 @@ environments that chat with it over HTTP (docs/multiturn_rl.md), and how a scrip
 The app is chatgen.serving.app's (the same endpoints as `chatgen serve`); requests join the module's engine loop
 alongside its other calls.
 """
+
 import errno
 import socket
 import threading
@@ -34,15 +35,19 @@ def listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise OSError(f"--host {host}: not an address of this machine ({e.strerror})") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart while old connections linger
+    sock.setsockopt(
+        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
+    )  # a restart while old connections linger
     try:
         sock.bind((host, port))
         sock.listen(2048)
     except OSError as e:
         sock.close()
         if e.errno == errno.EADDRINUSE:
-            raise OSError(f"--port {port}: {host}:{port} is in use (another server?); choose another port, or "
-                          "--port 0 for a free one") from None
+            raise OSError(
+                f"--port {port}: {host}:{port} is in use (another server?); choose another port, or "
+                "--port 0 for a free one"
+            ) from None
         raise OSError(f"--host {host}: cannot listen on {host}:{port} ({e.strerror})") from None
     return sock
 
@@ -51,20 +56,32 @@ class EmbeddedServer:
     """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is `http://HOST:PORT/v1` (for
     `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise."""
 
-    def __init__(self, module, host: str = "127.0.0.1", port: int = 0, api_key: str | None = None,
-                 model_name: str | None = None):
+    def __init__(
+        self,
+        module,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        model_name: str | None = None,
+    ):
         app = build_app(module, api_key=api_key, model_name=model_name)
         sock = listen(host, port)
         self._server = uvicorn.Server(uvicorn_config(app))
-        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
-                                        name=f"{getattr(module, 'name', 'model')}-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.run,
+            kwargs={"sockets": [sock]},
+            name=f"{getattr(module, 'name', 'model')}-server",
+            daemon=True,
+        )
         self._thread.start()
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 self._server.should_exit = True
                 sock.close()
-                raise RuntimeError(f"the OpenAI server did not start on {host}:{sock.getsockname()[1]}")
+                raise RuntimeError(
+                    f"the OpenAI server did not start on {host}:{sock.getsockname()[1]}"
+                )
             time.sleep(0.01)
         self.url = f"http://{host}:{sock.getsockname()[1]}/v1"
 

@@ -2,6 +2,7 @@
 with, the API key and JSON-only guards, the middleware that refuses an oversized body or a foreign
 Host before anything is read, and the cancelling of a request whose client left.
 """
+
 import asyncio
 import contextlib
 import functools
@@ -13,7 +14,9 @@ import socket
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-DEFAULT_MAX_REQUEST_BYTES = 16 << 20  # a 128k-token prompt is ~1 MB of text; a batch of token-id prompts ~7 B/id
+DEFAULT_MAX_REQUEST_BYTES = (
+    16 << 20
+)  # a 128k-token prompt is ~1 MB of text; a batch of token-id prompts ~7 B/id
 
 
 class APIError(Exception):
@@ -24,14 +27,25 @@ class APIError(Exception):
         self.status, self.message, self.param = status, message, param
 
 
-ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-               413: "RequestTooLargeError", 415: "UnsupportedMediaTypeError",
-               503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    413: "RequestTooLargeError",
+    415: "UnsupportedMediaTypeError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(status: int, message: str, param=None) -> dict:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "InternalServerError" if status >= 500
-                                                                   else "Error"), "param": param, "code": status}}
+    return {
+        "error": {
+            "message": message,
+            "type": ERROR_TYPES.get(status, "InternalServerError" if status >= 500 else "Error"),
+            "param": param,
+            "code": status,
+        }
+    }
 
 
 def error_response(status: int, message: str, param=None) -> JSONResponse:
@@ -41,13 +55,17 @@ def error_response(status: int, message: str, param=None) -> JSONResponse:
 def api_key_dependency(api_key: str | None):
     """A FastAPI dependency that refuses (401) requests without `Authorization: Bearer <api_key>`; a no-op
     when api_key is None. `build_app` puts it on every route, including those of `routers`."""
+
     async def require_api_key(request: Request) -> None:
         if api_key is None:
             return
         given = request.headers.get("authorization", "")
         if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise APIError(401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
-                                "the key the server was started with (--api-key)")
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>' with "
+                "the key the server was started with (--api-key)",
+            )
 
     return require_api_key
 
@@ -87,12 +105,25 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send, size: int) -> None:
-        body = json.dumps(error_body(413, f"the request body has {size} bytes, over this server's limit of "
-                                           f"{self.limit} bytes; send less per request (e.g. fewer prompts), or "
-                                           "start the server with a larger --max-request-bytes")).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
+        body = json.dumps(
+            error_body(
+                413,
+                f"the request body has {size} bytes, over this server's limit of "
+                f"{self.limit} bytes; send less per request (e.g. fewer prompts), or "
+                "start the server with a larger --max-request-bytes",
+            )
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": body})
 
 
@@ -106,9 +137,12 @@ async def require_json(request: Request) -> None:
     given = request.headers.get("content-type")
     if (given or "").split(";")[0].strip().lower() != "application/json":
         gave = f"this request gave {given!r}" if given else "none given"
-        raise APIError(415, f"{request.method} requests take a JSON body: send the header "
-                            f"'Content-Type: application/json' ({gave}), even with an empty "
-                            "body {}")
+        raise APIError(
+            415,
+            f"{request.method} requests take a JSON body: send the header "
+            f"'Content-Type: application/json' ({gave}), even with an empty "
+            "body {}",
+        )
 
 
 class HostCheck:
@@ -132,7 +166,7 @@ class HostCheck:
         return await self.app(scope, receive, send)
 
     def problem(self, host: str) -> str | None:
-        name = host[1:host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+        name = host[1 : host.find("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
         try:
             ipaddress.ip_address(name)
             return None
@@ -140,9 +174,11 @@ class HostCheck:
             pass
         if name.lower().rstrip(".") in self.names:
             return None
-        return (f"Host {host!r} is not a name of this server (an IP address, localhost, this "
-                "machine's name or one of --allowed-hosts); behind a proxy, start the server with "
-                f"--allowed-hosts {name} (or '*' if the proxy checks the name itself)")
+        return (
+            f"Host {host!r} is not a name of this server (an IP address, localhost, this "
+            "machine's name or one of --allowed-hosts); behind a proxy, start the server with "
+            f"--allowed-hosts {name} (or '*' if the proxy checks the name itself)"
+        )
 
 
 def cancel_on_disconnect(handler):
@@ -151,6 +187,7 @@ def cancel_on_disconnect(handler):
     read first; after that the connection's only event is its disconnect. A handler that returns a
     StreamingResponse hands the listening over to it (Starlette cancels a stream whose client
     left)."""
+
     @functools.wraps(handler)
     async def cancellable(request: Request):
         await request.body()  # kept by the request for the handler

@@ -11,6 +11,7 @@ after `SHUTDOWN_GRACE_S` are cancelled (their engine requests aborted), so the p
 bounded time whatever its clients do. uvicorn's httptools parser has no head limit of its own (h11
 has one): `LimitedHttpTools` adds both bounds.
 """
+
 import uvicorn
 
 MAX_HEAD_BYTES = 64 << 10  # nginx allows 4 x 8 KiB; an API key or a JWT is well under 8 KiB
@@ -81,11 +82,15 @@ def _limited_httptools():
                 self.transport.close()
 
         def _refuse_head(self) -> None:
-            body = (f"the request's headers exceed this server's limit of {MAX_HEAD_BYTES} bytes; "
-                    "send smaller headers").encode()
-            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                                 b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
-                                 b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+            body = (
+                f"the request's headers exceed this server's limit of {MAX_HEAD_BYTES} bytes; "
+                "send smaller headers"
+            ).encode()
+            self.transport.write(
+                b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                b"content-type: text/plain; charset=utf-8\r\nconnection: close\r\n"
+                b"content-length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+            )
             self.transport.close()
 
     return LimitedHttpTools
@@ -94,7 +99,12 @@ def _limited_httptools():
 def uvicorn_config(app, shutdown_grace_s: float = SHUTDOWN_GRACE_S, **kwargs) -> uvicorn.Config:
     """uvicorn's Config for `app` with this module's bounds (kwargs: any other uvicorn option)."""
     protocol = _limited_httptools()
-    return uvicorn.Config(app, log_level="warning", http=protocol or "h11",
-                          timeout_keep_alive=IDLE_TIMEOUT_S,
-                          h11_max_incomplete_event_size=MAX_HEAD_BYTES,
-                          timeout_graceful_shutdown=shutdown_grace_s, **kwargs)
+    return uvicorn.Config(
+        app,
+        log_level="warning",
+        http=protocol or "h11",
+        timeout_keep_alive=IDLE_TIMEOUT_S,
+        h11_max_incomplete_event_size=MAX_HEAD_BYTES,
+        timeout_graceful_shutdown=shutdown_grace_s,
+        **kwargs,
+    )

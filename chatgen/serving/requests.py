@@ -2,6 +2,7 @@
 (vLLM's) with the fields the server refuses, the chat rendered with the model's template, the
 prompts tokenized and length-checked as vLLM does, and the sampling parameters: a Job ready to run.
 """
+
 import asyncio
 import concurrent.futures
 import copy
@@ -16,21 +17,32 @@ from chatgen.serving.http import APIError
 # Request fields the server refuses rather than silently ignore: (field, is it set?, why)
 UNSUPPORTED = (
     ("use_beam_search", bool, "beam search is not supported; sample with n > 1"),
-    ("response_format", lambda v: v is not None and getattr(v, "type", "text") != "text",
-     "structured output is not supported"),
+    (
+        "response_format",
+        lambda v: v is not None and getattr(v, "type", "text") != "text",
+        "structured output is not supported",
+    ),
     ("structured_outputs", lambda v: v is not None, "structured output is not supported"),
     ("suffix", bool, "suffix (fill in the middle) is not supported"),
-    ("chat_template", lambda v: v is not None,
-     "a chat template sent with the request is not run (vLLM's default, without --trust-request-chat-template); "
-     "the model's own template renders every chat"),
-    ("tool_choice", lambda v: v not in (None, "none"),
-     "chatgen parses no tool calls: send tool_choice 'none' to render the tools into the prompt with the chat "
-     "template, and read the calls from the reply yourself"),
+    (
+        "chat_template",
+        lambda v: v is not None,
+        "a chat template sent with the request is not run (vLLM's default, without --trust-request-chat-template); "
+        "the model's own template renders every chat",
+    ),
+    (
+        "tool_choice",
+        lambda v: v not in (None, "none"),
+        "chatgen parses no tool calls: send tool_choice 'none' to render the tools into the prompt with the chat "
+        "template, and read the calls from the reply yourself",
+    ),
 )
 
 
 def pydantic_errors(errors) -> str:
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:10])
+    return "; ".join(
+        f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in errors[:10]
+    )
 
 
 _SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")  # a \uD800-\uDFFF escape in the raw body
@@ -49,9 +61,12 @@ def read_json(raw: bytes) -> dict:
         try:
             json.dumps(body, ensure_ascii=False).encode("utf-8")
         except UnicodeEncodeError as e:
-            raise APIError(400, f"the request body holds a lone UTF-16 surrogate escape "
-                                f"(\\u{ord(e.object[e.start]):04x}), which is no text: escape the "
-                                "whole character as a surrogate pair, or send it as UTF-8")
+            raise APIError(
+                400,
+                f"the request body holds a lone UTF-16 surrogate escape "
+                f"(\\u{ord(e.object[e.start]):04x}), which is no text: escape the "
+                "whole character as a surrogate pair, or send it as UTF-8",
+            )
     return body
 
 
@@ -71,10 +86,14 @@ def refuse_non_int_token_ids(prompt) -> None:
     if not isinstance(prompt, list):
         return
     for i, p in enumerate(prompt):
-        for t in (p if isinstance(p, list) else [p]):
+        for t in p if isinstance(p, list) else [p]:
             if not isinstance(t, str) and type(t) is not int:
-                raise APIError(400, f"prompt: token ids are integers; found {json.dumps(t)} in "
-                                    f"{'prompt ' + str(i) if isinstance(p, list) else 'the prompt'}", "prompt")
+                raise APIError(
+                    400,
+                    f"prompt: token ids are integers; found {json.dumps(t)} in "
+                    f"{'prompt ' + str(i) if isinstance(p, list) else 'the prompt'}",
+                    "prompt",
+                )
 
 
 class ModelLimits:
@@ -100,15 +119,23 @@ class RequestReader:
     def __init__(self, module, name: str):
         self.module, self.name = module, name
         cfg = module.config
-        self.defaults = {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": max(cfg.top_k, 0),
-                         "min_p": cfg.min_p}
+        self.defaults = {
+            "temperature": cfg.temperature,
+            "top_p": cfg.top_p,
+            "top_k": max(cfg.top_k, 0),
+            "min_p": cfg.min_p,
+        }
         self.limits = ModelLimits(cfg.seq_length)
-        self.tokenizer = module.tokenizer  # decoding (shared with the engine: decoding never changes it)
+        self.tokenizer = (
+            module.tokenizer
+        )  # decoding (shared with the engine: decoding never changes it)
         # Encoding with vLLM's truncation settings changes the tokenizer's state (HF's set_truncation_and_padding),
         # which would fail ("Already borrowed") while another thread encodes with it: the server encodes with its
         # own copy, on its own single thread (which also keeps tokenizing off the event loop).
         self.encoder = copy.deepcopy(module.tokenizer)
-        self.worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatgen-server-tokenize")
+        self.worker = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="chatgen-server-tokenize"
+        )
         self.token_texts = {}  # token id -> its text in log-probs (vLLM's convert_ids_list_to_tokens)
 
     async def off_loop(self, fn, raw: bytes):
@@ -116,8 +143,11 @@ class RequestReader:
 
     def check_model(self, model) -> None:
         if model is not None and model != self.name:
-            raise APIError(404, f"model {model!r} does not exist; this server serves {self.name!r} (GET /v1/models)",
-                           "model")
+            raise APIError(
+                404,
+                f"model {model!r} does not exist; this server serves {self.name!r} (GET /v1/models)",
+                "model",
+            )
 
     # ------------------------------------------------------------------ prompts (on the worker thread)
 
@@ -125,8 +155,10 @@ class RequestReader:
         """vLLM's text path: a length check on characters (before any tokenizing), encode, truncate, a length check
         on tokens; the rules are the request's `TokenizeParams`."""
         text = tok_params.apply_pre_tokenization(self.encoder, {"prompt": text})["prompt"]
-        return self.check_ids(self.encoder.encode(self.trim(text, tok_params),
-                                                  **tok_params.get_encode_kwargs()), tok_params)
+        return self.check_ids(
+            self.encoder.encode(self.trim(text, tok_params), **tok_params.get_encode_kwargs()),
+            tok_params,
+        )
 
     def trim(self, text: str, tok_params) -> str:
         """A truncated prompt's text cut, before encoding, to what its kept tokens can span (the
@@ -144,18 +176,30 @@ class RequestReader:
 
     def check_ids(self, ids, tok_params) -> list:
         """Token ids truncated and length-checked by the request's `TokenizeParams`."""
-        ids = list(tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})
-                   ["prompt_token_ids"])
+        ids = list(
+            tok_params.apply_post_tokenization(self.encoder, {"prompt_token_ids": list(ids)})[
+                "prompt_token_ids"
+            ]
+        )
         if not ids:
-            raise APIError(400, "the prompt has no tokens left (truncate_prompt_tokens: 0?); every "
-                                "prompt needs at least one", "truncate_prompt_tokens")
+            raise APIError(
+                400,
+                "the prompt has no tokens left (truncate_prompt_tokens: 0?); every "
+                "prompt needs at least one",
+                "truncate_prompt_tokens",
+            )
         return ids
 
-    def render(self, req, messages=None, add_generation_prompt=None, continue_final_message=None) -> str:
+    def render(
+        self, req, messages=None, add_generation_prompt=None, continue_final_message=None
+    ) -> str:
         """A chat (the request's messages, or `messages`) rendered to text with the model's own chat template, with
         the request's tools, documents and chat_template_kwargs."""
         if not getattr(self.tokenizer, "chat_template", None):
-            raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt")
+            raise APIError(
+                400,
+                "this model's tokenizer has no chat template; use /v1/completions with a prompt",
+            )
         plain = []
         for i, message in enumerate(req.messages if messages is None else messages):
             content = message.get("content")
@@ -163,18 +207,38 @@ class RequestReader:
                 try:
                     parts = list(content)  # validated here, lazily, by the protocol
                 except ValidationError as e:
-                    raise APIError(400, f"messages.{i}.content: " + pydantic_errors(e.errors()), "messages")
+                    raise APIError(
+                        400, f"messages.{i}.content: " + pydantic_errors(e.errors()), "messages"
+                    )
                 if any(part.get("type") != "text" for part in parts):
-                    raise APIError(400, f"messages.{i}.content: only text parts are supported (this server serves a "
-                                        "text-only model)", "messages")
-                content = "\n".join(part["text"] for part in parts)  # vLLM's "string" content format
-            plain.append({**{k: v for k, v in message.items() if k in ("role", "name", "tool_call_id", "tool_calls")},
-                          "content": content})
+                    raise APIError(
+                        400,
+                        f"messages.{i}.content: only text parts are supported (this server serves a "
+                        "text-only model)",
+                        "messages",
+                    )
+                content = "\n".join(
+                    part["text"] for part in parts
+                )  # vLLM's "string" content format
+            plain.append(
+                {
+                    **{
+                        k: v
+                        for k, v in message.items()
+                        if k in ("role", "name", "tool_call_id", "tool_calls")
+                    },
+                    "content": content,
+                }
+            )
         kwargs = dict(req.chat_template_kwargs or {})
-        kwargs.update(add_generation_prompt=req.add_generation_prompt if add_generation_prompt is None
-                      else add_generation_prompt,
-                      continue_final_message=req.continue_final_message if continue_final_message is None
-                      else continue_final_message)
+        kwargs.update(
+            add_generation_prompt=req.add_generation_prompt
+            if add_generation_prompt is None
+            else add_generation_prompt,
+            continue_final_message=req.continue_final_message
+            if continue_final_message is None
+            else continue_final_message,
+        )
         tools = getattr(req, "tools", None)
         if tools:
             kwargs["tools"] = [tool.model_dump() for tool in tools]
@@ -189,31 +253,53 @@ class RequestReader:
         """The prompt ids of a chat: the template's, with the previous turn's exact ids as prefix when known."""
         messages = req.messages
         prefix = getattr(req, "required_prefix_token_ids", None)
-        last = max((i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None)
+        last = max(
+            (i for i, m in enumerate(messages) if m.get("role") == "assistant"), default=None
+        )
         if prefix is None and last is not None:
             m = messages[last]
             if m.get("prompt_token_ids") is not None and m.get("generation_token_ids") is not None:
                 parts = (m["prompt_token_ids"], m["generation_token_ids"])
                 if not all(isinstance(p, list) for p in parts):
-                    raise APIError(400, f"messages.{last}: prompt_token_ids and "
-                                        "generation_token_ids are lists of token ids", "messages")
+                    raise APIError(
+                        400,
+                        f"messages.{last}: prompt_token_ids and "
+                        "generation_token_ids are lists of token ids",
+                        "messages",
+                    )
                 prefix = parts[0] + parts[1]
         if prefix is None:
             return self.tokenize_text(self.render(req), tok_params)
-        if not (isinstance(prefix, list) and prefix and all(type(t) is int and t >= 0 for t in prefix)):
-            raise APIError(400, "required_prefix_token_ids must be a non-empty list of token ids",
-                           "required_prefix_token_ids")
+        if not (
+            isinstance(prefix, list) and prefix and all(type(t) is int and t >= 0 for t in prefix)
+        ):
+            raise APIError(
+                400,
+                "required_prefix_token_ids must be a non-empty list of token ids",
+                "required_prefix_token_ids",
+            )
         if last is None:
-            raise APIError(400, "required_prefix_token_ids needs the assistant message they end with in messages",
-                           "required_prefix_token_ids")
+            raise APIError(
+                400,
+                "required_prefix_token_ids needs the assistant message they end with in messages",
+                "required_prefix_token_ids",
+            )
         eos = self.tokenizer.eos_token_id
-        if req.continue_final_message and last == len(messages) - 1:  # continue exactly the ids of that answer
+        if (
+            req.continue_final_message and last == len(messages) - 1
+        ):  # continue exactly the ids of that answer
             return self.check_ids(prefix[:-1] if prefix[-1] == eos else prefix, tok_params)
-        history = self.encoder.encode(self.render(req, messages[:last + 1], add_generation_prompt=False,
-                                                  continue_final_message=False), add_special_tokens=False)
+        history = self.encoder.encode(
+            self.render(
+                req, messages[: last + 1], add_generation_prompt=False, continue_final_message=False
+            ),
+            add_special_tokens=False,
+        )
         ids = self.encoder.encode(self.render(req), add_special_tokens=False)
         try:
-            return self.check_ids(replace_prefix_tokens(self.tokenizer, prefix, history, ids), tok_params)
+            return self.check_ids(
+                replace_prefix_tokens(self.tokenizer, prefix, history, ids), tok_params
+            )
         except ValueError as e:
             raise APIError(400, str(e), "required_prefix_token_ids")
 
@@ -224,8 +310,13 @@ class RequestReader:
 
         wanted = getattr(req, "max_completion_tokens", None)
         wanted = req.max_tokens if wanted is None else wanted
-        max_tokens = get_max_tokens(self.module.config.seq_length, wanted, prompt_len, {},
-                                    truncate_prompt_tokens=req.truncate_prompt_tokens)
+        max_tokens = get_max_tokens(
+            self.module.config.seq_length,
+            wanted,
+            prompt_len,
+            {},
+            truncate_prompt_tokens=req.truncate_prompt_tokens,
+        )
         params = req.to_sampling_params(max_tokens, self.defaults)
         if params.logprobs is None and params.logprob_token_ids is None:
             params.logprobs = 0  # generation_log_probs needs the sampled token's log-prob
@@ -240,8 +331,14 @@ class RequestReader:
         self.check_model(req.model)
         raw_prompts = req.prompt
         if raw_prompts is None or raw_prompts == "":
-            raise APIError(400, "prompt: give a non-empty string, a list of token ids, or a list of those", "prompt")
-        if isinstance(raw_prompts, str) or (raw_prompts and all(type(t) is int for t in raw_prompts)):
+            raise APIError(
+                400,
+                "prompt: give a non-empty string, a list of token ids, or a list of those",
+                "prompt",
+            )
+        if isinstance(raw_prompts, str) or (
+            raw_prompts and all(type(t) is int for t in raw_prompts)
+        ):
             raw_prompts = [raw_prompts]
         if not raw_prompts:
             raise APIError(400, "prompt: the list holds no prompt; give at least one", "prompt")
@@ -253,7 +350,9 @@ class RequestReader:
                 texts.append(p)
             else:
                 if not p:
-                    raise APIError(400, f"prompt {i}: empty; every prompt needs at least one token", "prompt")
+                    raise APIError(
+                        400, f"prompt {i}: empty; every prompt needs at least one token", "prompt"
+                    )
                 prompts.append(self.check_ids(p, tok_params))
                 texts.append(self.tokenizer.decode(prompts[-1]) if req.echo else None)
         return Job(req, prompts, texts, [self.sampling_params(req, len(p)) for p in prompts])
@@ -274,12 +373,18 @@ class RequestReader:
         )
 
         body = read_json(raw)
-        req = parse_request(TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body)
+        req = parse_request(
+            TokenizeChatRequest if "messages" in body else TokenizeCompletionRequest, body
+        )
         self.check_model(req.model)
         text = self.render(req) if "messages" in body else req.prompt
         ids = self.tokenize_text(text, req.build_tok_params(self.limits))
-        return TokenizeResponse(tokens=ids, count=len(ids), max_model_len=self.module.config.seq_length,
-                                token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None)
+        return TokenizeResponse(
+            tokens=ids,
+            count=len(ids),
+            max_model_len=self.module.config.seq_length,
+            token_strs=self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None,
+        )
 
     def detokenize(self, raw: bytes):
         from vllm.entrypoints.serve.tokenize.protocol import DetokenizeRequest, DetokenizeResponse
@@ -289,6 +394,7 @@ class RequestReader:
         vocab = self.module.vocab_size
         if any(not 0 <= t < vocab for t in req.tokens):
             bad = next(t for t in req.tokens if not 0 <= t < vocab)
-            raise APIError(400, f"tokens: {bad} is no token id of this model (0..{vocab - 1})",
-                           "tokens")
+            raise APIError(
+                400, f"tokens: {bad} is no token id of this model (0..{vocab - 1})", "tokens"
+            )
         return DetokenizeResponse(prompt=self.tokenizer.decode(req.tokens))

@@ -10,6 +10,7 @@ examples' task, with its SFT and DPO data), arithmetic.py (chat questions for an
 (GSM8K-style word problems, also written as parquet, and the math-verify rewards). REWARDS names the rules a
 `chatgen.rlhf.rewards:RuleReward` can use.
 """
+
 from pathlib import Path
 
 from chatgen.core.jsonl import write_records
@@ -36,7 +37,9 @@ def write_parquet(path: Path, rows: list[dict]) -> None:
     tmp.replace(path)
 
 
-def held_out_split(make_records, n_train: int, n_eval: int, seed: int = 0, **kwargs) -> tuple[list, list]:
+def held_out_split(
+    make_records, n_train: int, n_eval: int, seed: int = 0, **kwargs
+) -> tuple[list, list]:
     """Train and held-out sets of a task (`make_records(n, seed, **kwargs)`, e.g. sort_digits.records) with no
     prompt in common: eval prompts are drawn first, train skips them (and may repeat a prompt)."""
     eval_records = make_records(n_eval, seed + 1, **kwargs)
@@ -49,9 +52,17 @@ def held_out_split(make_records, n_train: int, n_eval: int, seed: int = 0, **kwa
     return train, eval_records
 
 
-def write_task_data(output, task: str = "sort_digits", n_train: int = 20000, n_eval: int = 256, seed: int = 0,
-                    min_digits: int = 3, max_digits: int = 6, max_operand: int = 20,
-                    sft_descending_fraction: float = 0.7) -> str:
+def write_task_data(
+    output,
+    task: str = "sort_digits",
+    n_train: int = 20000,
+    n_eval: int = 256,
+    seed: int = 0,
+    min_digits: int = 3,
+    max_digits: int = 6,
+    max_operand: int = 20,
+    sft_descending_fraction: float = 0.7,
+) -> str:
     """Write a task's JSONL files into the directory `output`; returns a one-line summary.
 
     sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations, sft_descending_fraction of
@@ -67,16 +78,23 @@ def write_task_data(output, task: str = "sort_digits", n_train: int = 20000, n_e
             write_parquet(out / f"{name}.parquet", rows)
         return f"wrote {len(train)} train and {len(held_out)} eval math word problems to {out} (.parquet, .jsonl)"
     if task == "arithmetic":
-        train, held_out = held_out_split(arithmetic.records, n_train, n_eval, seed, max_operand=max_operand)
+        train, held_out = held_out_split(
+            arithmetic.records, n_train, n_eval, seed, max_operand=max_operand
+        )
         write_records(out / "train.jsonl", train)
         write_records(out / "eval.jsonl", held_out)
         return f"wrote {len(train)} train and {len(held_out)} eval arithmetic records to {out}"
-    train, held_out = held_out_split(sort_digits.records, n_train, n_eval, seed, min_digits=min_digits,
-                                     max_digits=max_digits)
+    train, held_out = held_out_split(
+        sort_digits.records, n_train, n_eval, seed, min_digits=min_digits, max_digits=max_digits
+    )
     write_records(out / "train.jsonl", train)
     write_records(out / "eval.jsonl", held_out)
-    write_records(out / "sft.jsonl", sort_digits.mixed_direction(train, sft_descending_fraction, seed))
+    write_records(
+        out / "sft.jsonl", sort_digits.mixed_direction(train, sft_descending_fraction, seed)
+    )
     write_records(out / "preference_train.jsonl", sort_digits.preferences(train, seed))
     write_records(out / "preference_eval.jsonl", sort_digits.preferences(held_out, seed + 1))
-    return (f"wrote {len(train)} train (+ sft.jsonl, preference_train.jsonl) and {len(held_out)} eval (+ "
-            f"preference_eval.jsonl) sort-digits records to {out}")
+    return (
+        f"wrote {len(train)} train (+ sft.jsonl, preference_train.jsonl) and {len(held_out)} eval (+ "
+        f"preference_eval.jsonl) sort-digits records to {out}"
+    )

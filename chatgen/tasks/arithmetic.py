@@ -7,6 +7,7 @@ as "21". The task of `examples/train_grpo_smollm2.sh`: SmolLM2-135M-Instruct ans
 questions right before RL (greedy), mostly by getting the arithmetic wrong ("13 - 6 = 1"); GRPO lifts that within
 a few episodes (docs/models.md).
 """
+
 import random
 import re
 
@@ -23,7 +24,12 @@ def records(n: int, seed: int, max_operand: int = 20) -> list[dict]:
             question, result = f"{a} + {b}", a + b
         else:
             question, result = f"{max(a, b)} - {min(a, b)}", abs(a - b)
-        out.append({"prompt": f"What is {question}? Reply with only the result, as a number.", "answer": str(result)})
+        out.append(
+            {
+                "prompt": f"What is {question}? Reply with only the result, as a number.",
+                "answer": str(result),
+            }
+        )
     return out
 
 

@@ -14,6 +14,7 @@ chatgen.rlhf.rewards:Rewards term):
 - `math_format_reward`: 1.0 when the completion ends with a final answer in a form the check reads
   (`\\boxed{...}` or a "#### ..." line), else 0.0, to weight in while a model learns the format.
 """
+
 import random
 import re
 import threading
@@ -30,46 +31,83 @@ def _pencils(rng):
     name = rng.choice(["Mia", "Leo", "Ava", "Sam", "Noah", "Zoe"])
     total = a * b
     c = min(c, total - 1)
-    return (f"{name} has {a} boxes of {b} pencils. {name} gives away {c} pencils. How many pencils does {name} "
-            f"have left?", [f"{a} * {b} = {total} pencils.", f"{total} - {c} = {total - c}."], total - c)
+    return (
+        f"{name} has {a} boxes of {b} pencils. {name} gives away {c} pencils. How many pencils does {name} "
+        f"have left?",
+        [f"{a} * {b} = {total} pencils.", f"{total} - {c} = {total - c}."],
+        total - c,
+    )
 
 
 def _shop(rng):
-    n, price, m, price2, paid = rng.randint(2, 6), rng.randint(2, 9), rng.randint(1, 5), rng.randint(3, 12), 0
+    n, price, m, price2, paid = (
+        rng.randint(2, 6),
+        rng.randint(2, 9),
+        rng.randint(1, 5),
+        rng.randint(3, 12),
+        0,
+    )
     cost = n * price + m * price2
     paid = cost + rng.randint(0, 20)
-    return (f"A notebook costs ${price} and a pen costs ${price2}. Jo buys {n} notebooks and {m} pens and pays "
-            f"with ${paid}. How much change does Jo get, in dollars?",
-            [f"{n} * {price} = {n * price}.", f"{m} * {price2} = {m * price2}.",
-             f"{n * price} + {m * price2} = {cost}.", f"{paid} - {cost} = {paid - cost}."], paid - cost)
+    return (
+        f"A notebook costs ${price} and a pen costs ${price2}. Jo buys {n} notebooks and {m} pens and pays "
+        f"with ${paid}. How much change does Jo get, in dollars?",
+        [
+            f"{n} * {price} = {n * price}.",
+            f"{m} * {price2} = {m * price2}.",
+            f"{n * price} + {m * price2} = {cost}.",
+            f"{paid} - {cost} = {paid - cost}.",
+        ],
+        paid - cost,
+    )
 
 
 def _share(rng):
     people, each, extra = rng.randint(2, 8), rng.randint(2, 10), rng.randint(1, 15)
     total = people * each + extra
-    return (f"A baker makes {total} cookies. She keeps {extra} and shares the rest equally among {people} friends. "
-            f"How many cookies does each friend get?",
-            [f"{total} - {extra} = {total - extra}.", f"{total - extra} / {people} = {each}."], each)
+    return (
+        f"A baker makes {total} cookies. She keeps {extra} and shares the rest equally among {people} friends. "
+        f"How many cookies does each friend get?",
+        [f"{total} - {extra} = {total - extra}.", f"{total - extra} / {people} = {each}."],
+        each,
+    )
 
 
 def _trip(rng):
     speed, hours = rng.randint(20, 60), rng.randint(2, 5)
     back = rng.randint(1, hours - 1)
     there = speed * hours
-    return (f"A bus drives at {speed} miles per hour for {hours} hours, then drives {back} hours back toward the "
-            f"start at the same speed. How many miles from the start is it?",
-            [f"{speed} * {hours} = {there}.", f"{speed} * {back} = {speed * back}.",
-             f"{there} - {speed * back} = {there - speed * back}."], there - speed * back)
+    return (
+        f"A bus drives at {speed} miles per hour for {hours} hours, then drives {back} hours back toward the "
+        f"start at the same speed. How many miles from the start is it?",
+        [
+            f"{speed} * {hours} = {there}.",
+            f"{speed} * {back} = {speed * back}.",
+            f"{there} - {speed * back} = {there - speed * back}.",
+        ],
+        there - speed * back,
+    )
 
 
 def _garden(rng):
-    rows, per_row, eaten, weeks = rng.randint(2, 9), rng.randint(3, 12), rng.randint(1, 10), rng.randint(2, 4)
+    rows, per_row, eaten, weeks = (
+        rng.randint(2, 9),
+        rng.randint(3, 12),
+        rng.randint(1, 10),
+        rng.randint(2, 4),
+    )
     grown = rows * per_row
     eaten = min(eaten, grown - 1)
-    return (f"Each week a garden grows {rows} rows of {per_row} carrots, and rabbits eat {eaten} of them. How many "
-            f"carrots are left after {weeks} weeks?",
-            [f"{rows} * {per_row} = {grown}.", f"{grown} - {eaten} = {grown - eaten}.",
-             f"{grown - eaten} * {weeks} = {(grown - eaten) * weeks}."], (grown - eaten) * weeks)
+    return (
+        f"Each week a garden grows {rows} rows of {per_row} carrots, and rabbits eat {eaten} of them. How many "
+        f"carrots are left after {weeks} weeks?",
+        [
+            f"{rows} * {per_row} = {grown}.",
+            f"{grown} - {eaten} = {grown - eaten}.",
+            f"{grown - eaten} * {weeks} = {(grown - eaten) * weeks}.",
+        ],
+        (grown - eaten) * weeks,
+    )
 
 
 PROBLEMS = (_pencils, _shop, _share, _trip, _garden)
@@ -81,7 +119,9 @@ def records(n: int, seed: int) -> list[dict]:
     out = []
     for _ in range(n):
         question, steps, result = rng.choice(PROBLEMS)(rng)
-        out.append({"prompt": f"{question}\n{INSTRUCTION}", "answer": " ".join(steps) + f"\n#### {result}"})
+        out.append(
+            {"prompt": f"{question}\n{INSTRUCTION}", "answer": " ".join(steps) + f"\n#### {result}"}
+        )
     return out
 
 
@@ -108,8 +148,9 @@ def _parse(text: str):
     # math-verify bounds its parsing with SIGALRM, which only the main thread may set
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     answer = final_answer(text)
-    return parse(answer if "\\" in answer or "$" in answer else f"${answer}$", parsing_timeout=timeout) or \
-        parse(answer, parsing_timeout=timeout)
+    return parse(
+        answer if "\\" in answer or "$" in answer else f"${answer}$", parsing_timeout=timeout
+    ) or parse(answer, parsing_timeout=timeout)
 
 
 def math_verify_reward(completions: list, answer: list, **_) -> list[float]:

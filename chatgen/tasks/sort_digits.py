@@ -9,6 +9,7 @@ most answers sorted the other way (descending). The warm-started model can sort 
 descending; the rule reward asks for ascending, and RL has to find that out (the way RLHF turns a model that can
 do what users want into one that does it). `preferences` makes DPO pairs of the same prompts.
 """
+
 import random
 import re
 
@@ -21,16 +22,24 @@ def records(n: int, seed: int, min_digits: int = 3, max_digits: int = 6) -> list
     out = []
     for _ in range(n):
         digits = [rng.randrange(10) for _ in range(rng.randint(min_digits, max_digits))]
-        out.append({"prompt": "sort: " + " ".join(map(str, digits)) + " =",
-                    "answer": " " + " ".join(map(str, sorted(digits)))})
+        out.append(
+            {
+                "prompt": "sort: " + " ".join(map(str, digits)) + " =",
+                "answer": " " + " ".join(map(str, sorted(digits))),
+            }
+        )
     return out
 
 
 def mixed_direction(records: list[dict], descending_fraction: float, seed: int) -> list[dict]:
     """Copies of sort-digits records whose answer is sorted descending with probability descending_fraction."""
     rng = random.Random(seed)
-    return [dict(r, answer=" " + " ".join(sorted(r["answer"].split(), reverse=True)))
-            if rng.random() < descending_fraction else dict(r) for r in records]
+    return [
+        dict(r, answer=" " + " ".join(sorted(r["answer"].split(), reverse=True)))
+        if rng.random() < descending_fraction
+        else dict(r)
+        for r in records
+    ]
 
 
 def preferences(records: list[dict], seed: int) -> list[dict]:
@@ -49,8 +58,10 @@ def preferences(records: list[dict], seed: int) -> list[dict]:
             wrong = digits[::-1]
         else:
             i = rng.choice(unequal)
-            wrong = [*digits[:i], digits[i + 1], digits[i], *digits[i + 2:]]
-        pairs.append({"prompt": r["prompt"], "chosen": r["answer"], "rejected": " " + " ".join(wrong)})
+            wrong = [*digits[:i], digits[i + 1], digits[i], *digits[i + 2 :]]
+        pairs.append(
+            {"prompt": r["prompt"], "chosen": r["answer"], "rejected": " " + " ".join(wrong)}
+        )
     return pairs
 
 

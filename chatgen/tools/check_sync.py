@@ -20,6 +20,7 @@ A one-rank trainer with --infer-tp 1 runs colocated in this process; any other l
 ranks as child processes that stream to the engine in this process over torch.distributed (the
 cross-process path of chatgen.param_sync). docs/check_sync.md explains the output.
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -43,6 +44,7 @@ from chatgen.training.megatron_module import MegatronModule
 def read_prompts(path, vocab_size: int) -> list:
     """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line (also an id outside the
     model's vocabulary [0, vocab_size): the embedding lookup would fail deep in the engine or the trainer)."""
+
     def check(record):
         if not is_token_ids(record.get("prompt_ids")):
             return 'needs "prompt_ids": a non-empty list of token ids'
@@ -65,8 +67,13 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 
 def _trainer_config(args) -> dict:
-    return dict(load=args.hf_checkpoint, tensor_model_parallel_size=args.train_tp,
-                pipeline_model_parallel_size=args.train_pp, expert_model_parallel_size=args.train_ep, dtype=args.dtype)
+    return dict(
+        load=args.hf_checkpoint,
+        tensor_model_parallel_size=args.train_tp,
+        pipeline_model_parallel_size=args.train_pp,
+        expert_model_parallel_size=args.train_ep,
+        dtype=args.dtype,
+    )
 
 
 def _score(trainer, sequences) -> list:
@@ -74,7 +81,7 @@ def _score(trainer, sequences) -> list:
     out = []
     for prompt, output in sequences:
         lp = trainer.forward_tokens({"input_ids": torch.tensor([prompt + output])})[0]
-        out.append(lp[len(prompt) - 1:].tolist())
+        out.append(lp[len(prompt) - 1 :].tolist())
     return out
 
 
@@ -87,8 +94,9 @@ def _start_trainer(config, temperature: float) -> MegatronModule:
     return trainer
 
 
-def _trainer_rank(config, temperature, port, token, bucket_bytes, validate, to_trainer,
-                  from_trainer):
+def _trainer_rank(
+    config, temperature, port, token, bucket_bytes, validate, to_trainer, from_trainer
+):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
     trainer = _start_trainer(config, temperature)
     report = GroupSender.to("127.0.0.1", port, token).send(trainer, validate, bucket_bytes)
@@ -105,13 +113,25 @@ def _engine(args):
     with raw log-probs, or (--temperature T > 0) sampling at T with the tempered log-probs."""
     backend = load_backend(args.backend)
     keys = {f.name for f in dataclasses.fields(backend.Config)}
-    config = dict(load=args.hf_checkpoint, load_format="dummy", dtype=args.dtype, seed=0,
-                  temperature=args.temperature, new_token_limit=True,
-                  max_new_tokens=args.max_new_tokens,
-                  logprobs_mode="processed" if args.temperature > 0 else "raw")
-    engine = dict(tensor_parallel_size=args.infer_tp, enforce_eager=True, kv_cache_memory_bytes=args.kv_cache_bytes)
+    config = dict(
+        load=args.hf_checkpoint,
+        load_format="dummy",
+        dtype=args.dtype,
+        seed=0,
+        temperature=args.temperature,
+        new_token_limit=True,
+        max_new_tokens=args.max_new_tokens,
+        logprobs_mode="processed" if args.temperature > 0 else "raw",
+    )
+    engine = dict(
+        tensor_parallel_size=args.infer_tp,
+        enforce_eager=True,
+        kv_cache_memory_bytes=args.kv_cache_bytes,
+    )
     if args.infer_tp > 1 and "tensor_parallel_size" not in keys:
-        raise ValueError(f"--infer-tp {args.infer_tp}: the {args.backend} backend runs in one process; use --infer-tp 1")
+        raise ValueError(
+            f"--infer-tp {args.infer_tp}: the {args.backend} backend runs in one process; use --infer-tp 1"
+        )
     config.update({key: value for key, value in engine.items() if key in keys})
     return import_class(backend.MODULE)(config, name="engine").start()
 
@@ -120,15 +140,23 @@ def _generate(module, prompts, temperature: float = 0.0) -> list:
     """[(generated ids, their log-probs)] of responses to `prompts`: greedy, or sampled at
     `temperature` > 0."""
     outputs = module.finished([{"input_ids": list(p)} for p in prompts], greedy=temperature == 0)
-    return [(list(sample.token_ids), sample_logprobs(sample)) for _, sample in iter_samples(outputs)]
+    return [
+        (list(sample.token_ids), sample_logprobs(sample)) for _, sample in iter_samples(outputs)
+    ]
 
 
 def check_sync(args) -> dict:
     if not (Path(args.hf_checkpoint) / "config.json").exists():
-        raise ValueError(f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
-                         "directory (e.g. one from `chatgen make-tiny-model`)")
-    spec = models.spec_from_hf_config(json.loads((Path(args.hf_checkpoint) / "config.json").read_text()))
-    layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)  # here, once: not in every rank's traceback
+        raise ValueError(
+            f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
+            "directory (e.g. one from `chatgen make-tiny-model`)"
+        )
+    spec = models.spec_from_hf_config(
+        json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
+    )
+    layout.check_layout(
+        spec, args.train_tp, args.train_pp, args.train_ep
+    )  # here, once: not in every rank's traceback
     prompts = read_prompts(args.input, spec.vocab_size)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
@@ -138,7 +166,9 @@ def check_sync(args) -> dict:
         trainer = _start_trainer(config, args.temperature)
         engine = _engine(args)
         try:
-            report = sync_weights(trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate)
+            report = sync_weights(
+                trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate
+            )
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
             generated = _generate(engine, prompts, args.temperature)
             scores = _score(trainer, [(p, g[0]) for p, g in zip(prompts, generated)])
@@ -149,8 +179,16 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         rx = GroupReceiver.listen()
         to_trainer, from_trainer = ctx_queue(), ctx_queue()
-        rank_args = (config, args.temperature, rx.port, rx.token, bucket_bytes, args.validate,
-                     to_trainer, from_trainer)
+        rank_args = (
+            config,
+            args.temperature,
+            rx.port,
+            rx.token,
+            bucket_bytes,
+            args.validate,
+            to_trainer,
+            from_trainer,
+        )
         job = DistributedJob(_trainer_rank, world, args=rank_args)
         try:
             report = rx.receive_into(engine, alive=job.poll)
@@ -170,17 +208,39 @@ def check_sync(args) -> dict:
     samples, worst = [], 0.0
     for prompt, (output, engine_lp), trainer_lp in zip(prompts, generated, scores):
         worst = max_abs_diff(engine_lp, trainer_lp, worst)
-        samples.append(dict(prompt_ids=prompt, output_ids=output, engine_logprobs=engine_lp,
-                            trainer_logprobs=trainer_lp))
-    result = dict(samples=samples, max_abs_logprob_diff=worst, sync_seconds=report.seconds, sync_bytes=report.bytes,
-                  sync_bytes_per_s=report.bytes_per_s, sync_tensors=report.tensors, sync_buckets=report.buckets,
-                  validated=report.validated, mode=mode, backend=args.backend, train_tp=args.train_tp,
-                  train_pp=args.train_pp, train_ep=args.train_ep, infer_tp=args.infer_tp, dtype=args.dtype,
-                  temperature=args.temperature, threshold=args.threshold)
+        samples.append(
+            dict(
+                prompt_ids=prompt,
+                output_ids=output,
+                engine_logprobs=engine_lp,
+                trainer_logprobs=trainer_lp,
+            )
+        )
+    result = dict(
+        samples=samples,
+        max_abs_logprob_diff=worst,
+        sync_seconds=report.seconds,
+        sync_bytes=report.bytes,
+        sync_bytes_per_s=report.bytes_per_s,
+        sync_tensors=report.tensors,
+        sync_buckets=report.buckets,
+        validated=report.validated,
+        mode=mode,
+        backend=args.backend,
+        train_tp=args.train_tp,
+        train_pp=args.train_pp,
+        train_ep=args.train_ep,
+        infer_tp=args.infer_tp,
+        dtype=args.dtype,
+        temperature=args.temperature,
+        threshold=args.threshold,
+    )
     if mode == "cross-process":
         result["trainer_start_seconds"] = waited  # the engine's wait for the trainer ranks
     if experts:
-        worst_expert = float("nan") if any(d != d for d in experts.values()) else max(experts.values())  # NaN fails
+        worst_expert = (
+            float("nan") if any(d != d for d in experts.values()) else max(experts.values())
+        )  # NaN fails
         result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)
     return result
 
@@ -193,12 +253,16 @@ def expert_weight_diffs(engine, spec, hf_checkpoint) -> dict:
     if not spec.is_moe or not hasattr(engine, "expert_weights"):
         return {}
     params = [sp for sp in layout.stage_params(spec, 1, 0) if sp.expert is not None]
-    ckpt = read_hf_safetensors(hf_checkpoint, spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names})
+    ckpt = read_hf_safetensors(
+        hf_checkpoint, spec.tie_word_embeddings, names={n for sp in params for n in sp.hf_names}
+    )
     per_layer = len(params) // spec.num_layers  # a layer's expert weights, in layer order
     out = {}
     for layer, (w13, w2) in enumerate(engine.expert_weights()):
-        for sp in params[layer * per_layer:(layer + 1) * per_layer]:
+        for sp in params[layer * per_layer : (layer + 1) * per_layer]:
             held = w13[sp.expert].chunk(2) if sp.kind == "gate_up" else (w2[sp.expert],)
             for name, weight in zip(sp.hf_names, held):
-                out[name] = float((weight.double() - ckpt[name].to(weight.dtype).double()).abs().max())
+                out[name] = float(
+                    (weight.double() - ckpt[name].to(weight.dtype).double()).abs().max()
+                )
     return out

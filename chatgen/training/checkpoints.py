@@ -5,6 +5,7 @@ their TP and PP), and HF directories (converted to this rank's shard as they loa
 `Checkpoints` is a mixin of `chatgen.training.megatron_module.MegatronModule`: it reads the model, optimizer,
 spec and parallel ranks the class sets up.
 """
+
 from pathlib import Path
 
 import torch
@@ -48,8 +49,18 @@ class Checkpoints:
         self.onload()
         dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
         if dist.get_rank() == 0:
-            write_megatron_meta(tmp, self.hf_config, self.tp, self.pp, self.padded_vocab_size, self.iteration,
-                                optimizer=stepped, distributed=True, dp=self.dp, ep=self.ep)
+            write_megatron_meta(
+                tmp,
+                self.hf_config,
+                self.tp,
+                self.pp,
+                self.padded_vocab_size,
+                self.iteration,
+                optimizer=stepped,
+                distributed=True,
+                dp=self.dp,
+                ep=self.ep,
+            )
             if self.config.load:  # its tokenizer and generation files: it serves and exports whole
                 copy_hf_side_files(self.config.load, tmp)
         dist.barrier()
@@ -74,10 +85,13 @@ class Checkpoints:
                     f"{path}: saved with the vocab padded to {meta['padded_vocab_size']} rows (TP "
                     f"{meta['tensor_model_parallel_size']}), this run pads it to {self.padded_vocab_size} (TP "
                     f"{self.tp}, make_vocab_size_divisible_by={self.config.make_vocab_size_divisible_by}); set "
-                    "make_vocab_size_divisible_by so that both agree, or go through HF: chatgen convert --to hf")
+                    "make_vocab_size_divisible_by so that both agree, or go through HF: chatgen convert --to hf"
+                )
             stepped = bool(meta.get("optimizer"))
             wanted = self._sharded_state_dict(optimizer=stepped, loading=True)
-            state = _read_checkpoint_file(lambda directory: dist_checkpoint.load(wanted, directory), path)
+            state = _read_checkpoint_file(
+                lambda directory: dist_checkpoint.load(wanted, directory), path
+            )
             self.model.load_state_dict(state["model"])
             if stepped:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -88,14 +102,22 @@ class Checkpoints:
         if meta is not None:
             have = (meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"])
             if have != (self.tp, self.pp):
-                raise ValueError(f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
-                                 f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR")
-            if meta.get("optimizer"):  # written by chatgen before megatron's optimizer: plain AdamW's state
-                raise ValueError(f"{path}: its optimizer state (optim_tp*_pp*.pt) is the format of an older chatgen, "
-                                 "which this trainer cannot continue; start from its weights: chatgen convert --to hf "
-                                 f"--input {path} --output HF_DIR, then load HF_DIR")
-            self._load_canonical_state(_read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
-                                       source=str(path))
+                raise ValueError(
+                    f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
+                    f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR"
+                )
+            if meta.get(
+                "optimizer"
+            ):  # written by chatgen before megatron's optimizer: plain AdamW's state
+                raise ValueError(
+                    f"{path}: its optimizer state (optim_tp*_pp*.pt) is the format of an older chatgen, "
+                    "which this trainer cannot continue; start from its weights: chatgen convert --to hf "
+                    f"--input {path} --output HF_DIR, then load HF_DIR"
+                )
+            self._load_canonical_state(
+                _read_checkpoint_file(read_megatron_shard, path, self.tp_rank, self.pp_rank),
+                source=str(path),
+            )
             self.iteration = meta.get("iteration", 0)
             return
         state = {}
@@ -106,8 +128,14 @@ class Checkpoints:
             missing = [n for n in sp.hf_names if n not in hf]
             if missing:
                 raise KeyError(f"{path}: HF checkpoint lacks {missing} (Megatron {sp.local_name})")
-            shards = layout.to_megatron_shards(sp.kind, [hf[n] for n in sp.hf_names], self.spec, self.tp,
-                                               self.padded_vocab_size, what=sp.hf_names[0])
+            shards = layout.to_megatron_shards(
+                sp.kind,
+                [hf[n] for n in sp.hf_names],
+                self.spec,
+                self.tp,
+                self.padded_vocab_size,
+                what=sp.hf_names[0],
+            )
             state[canonical] = shards[self.tp_rank]
         self._load_canonical_state(state, source=str(path))
 
@@ -118,39 +146,61 @@ class Checkpoints:
         model = self.model.sharded_state_dict()
         state = {"model": model}
         if optimizer:
-            if loading:  # megatron asks the optimizer for its state dict first: AdamW's state must exist
+            if (
+                loading
+            ):  # megatron asks the optimizer for its state dict first: AdamW's state must exist
                 for chained in self.optimizer.chained_optimizers:
                     chained._init_optimizer_states_with_dummy_values()  # megatron's way; overwritten by the load
-            state["optimizer"] = self.optimizer.sharded_state_dict(model, is_loading=loading, metadata={
-                "distrib_optim_sharding_type": "fully_reshardable",
-                "distrib_optim_fully_reshardable_mem_efficient": True})
+            state["optimizer"] = self.optimizer.sharded_state_dict(
+                model,
+                is_loading=loading,
+                metadata={
+                    "distrib_optim_sharding_type": "fully_reshardable",
+                    "distrib_optim_fully_reshardable_mem_efficient": True,
+                },
+            )
         return state
 
     def _stage_params(self, ep_rank: int | None = None) -> list:
         """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank `ep_rank` (this rank's
         by default). A checkpoint holds every expert of a stage, numbered globally (the layout at EP = 1)."""
-        everything = {sp.hf_names[0]: sp.local_name for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)}
+        everything = {
+            sp.hf_names[0]: sp.local_name
+            for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)
+        }
         rank = self.ep_rank if ep_rank is None else ep_rank
-        return [(sp, everything[sp.hf_names[0]])
-                for sp in layout.stage_params(self.spec, self.pp, self.pp_rank, self.ep, rank)]
+        return [
+            (sp, everything[sp.hf_names[0]])
+            for sp in layout.stage_params(self.spec, self.pp, self.pp_rank, self.ep, rank)
+        ]
 
     @torch.no_grad()
     def _load_canonical_state(self, state: dict, source: str) -> None:
         params = self._params
-        expected = {self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()}
+        expected = {
+            self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()
+        }
         missing = sorted(set(params) - set(expected))
         if missing:
-            raise RuntimeError(f"{source}: model parameters {missing} have no mapping in chatgen/models/"
-                               f"{self.spec.family}.py; extend its param_mappings")
+            raise RuntimeError(
+                f"{source}: model parameters {missing} have no mapping in chatgen/models/"
+                f"{self.spec.family}.py; extend its param_mappings"
+            )
         for module_name, canonical in expected.items():
             if canonical not in state:
-                raise KeyError(f"{source}: no tensor for {canonical} (stage {self.pp_rank}, TP rank {self.tp_rank})")
+                raise KeyError(
+                    f"{source}: no tensor for {canonical} (stage {self.pp_rank}, TP rank {self.tp_rank})"
+                )
             src, dst = state[canonical], params[module_name]
             if tuple(src.shape) != tuple(dst.shape):
-                raise ValueError(f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
-                                 f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})")
+                raise ValueError(
+                    f"{source}: {canonical} has shape {tuple(src.shape)}, the model expects "
+                    f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})"
+                )
             dst.copy_(src)
-        if self.optimizer is not None:  # the optimizer steps fp32 main weights: they follow the loaded ones
+        if (
+            self.optimizer is not None
+        ):  # the optimizer steps fp32 main weights: they follow the loaded ones
             self.optimizer.reload_model_params()
 
 
@@ -161,5 +211,7 @@ def _read_checkpoint_file(read, path, *args, **kwargs):
     except FileNotFoundError:
         raise
     except Exception as e:  # noqa: BLE001 - safetensors / torch.distributed.checkpoint raise many types for a damaged file
-        raise ValueError(f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
-                         "an earlier checkpoint or restore the file") from e
+        raise ValueError(
+            f"{path}: cannot be read, the checkpoint is damaged ({type(e).__name__}: {e}); resume from "
+            "an earlier checkpoint or restore the file"
+        ) from e

@@ -1,4 +1,5 @@
 """The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads (docs/megatron_module.md)."""
+
 import dataclasses
 from typing import Any, ClassVar, Literal, Optional
 
@@ -10,51 +11,94 @@ class MegatronConfig:
     # What a resumed trainer takes from its checkpoint, not from these keys: the weights, the RNG streams, the
     # optimizer's state and the LR schedule's. A resume that changes one of them is refused (chatgen.rlhf.run):
     # the run would go on with the saved value while resolved_config.yaml showed the new one.
-    RESTORED_BY_CHECKPOINT: ClassVar[tuple] = ("load", "seed", "lr", "min_lr", "weight_decay", "adam_beta1",
-                                               "adam_beta2", "adam_eps", "lr_warmup_iters", "lr_decay_iters")
+    RESTORED_BY_CHECKPOINT: ClassVar[tuple] = (
+        "load",
+        "seed",
+        "lr",
+        "min_lr",
+        "weight_decay",
+        "adam_beta1",
+        "adam_beta2",
+        "adam_eps",
+        "lr_warmup_iters",
+        "lr_decay_iters",
+    )
 
-    load: Optional[str] = opt(None, "Hugging Face model directory or Megatron checkpoint to start from", path=True)
-    dtype: DTYPES = opt("float32", "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)")
+    load: Optional[str] = opt(
+        None, "Hugging Face model directory or Megatron checkpoint to start from", path=True
+    )
+    dtype: DTYPES = opt(
+        "float32",
+        "parameter and compute dtype (bfloat16/float16: the optimizer keeps fp32 masters)",
+    )
     seed: int = opt(1234, "initialisation and dropout seed")
     tensor_model_parallel_size: int = opt(1, "tensor-parallel ranks")
     pipeline_model_parallel_size: int = opt(1, "pipeline-parallel stages")
     data_parallel_size: Optional[int] = opt(
-        None, "data-parallel replicas: the model runs on TP x PP x DP ranks, each replica on its share of a batch; "
-              "null = num_gpu / (TP x PP) on GPUs, on CPU expert_model_parallel_size (1 for a dense model)")
+        None,
+        "data-parallel replicas: the model runs on TP x PP x DP ranks, each replica on its share of a batch; "
+        "null = num_gpu / (TP x PP) on GPUs, on CPU expert_model_parallel_size (1 for a dense model)",
+    )
     expert_model_parallel_size: int = opt(
-        1, "expert-parallel ranks of a mixture-of-experts model: each holds num_experts / EP experts of every layer "
-           "(taken out of the data-parallel ranks: world = TP x PP x DP, EP divides DP)")
+        1,
+        "expert-parallel ranks of a mixture-of-experts model: each holds num_experts / EP experts of every layer "
+        "(taken out of the data-parallel ranks: world = TP x PP x DP, EP divides DP)",
+    )
     moe_aux_loss_coeff: float = opt(
-        0.0, "weight of the router load-balancing loss (Switch Transformer's) of a mixture-of-experts model, added "
-             "to train_step's loss; 0 = none")
+        0.0,
+        "weight of the router load-balancing loss (Switch Transformer's) of a mixture-of-experts model, added "
+        "to train_step's loss; 0 = none",
+    )
     moe_routing_replay: bool = opt(
-        False, "compute every MoE layer with the experts the engine chose for each token (the batch's routed_experts: "
-               "the generation model needs return_routed_experts) instead of routing again")
+        False,
+        "compute every MoE layer with the experts the engine chose for each token (the batch's routed_experts: "
+        "the generation model needs return_routed_experts) instead of routing again",
+    )
     overlap_grad_reduce: bool = opt(
-        False, "reduce gradient buckets over DP while the backward of the last micro-batch still runs (megatron-core "
-               "DDP); pays off on GPUs with DP > 1")
+        False,
+        "reduce gradient buckets over DP while the backward of the last micro-batch still runs (megatron-core "
+        "DDP); pays off on GPUs with DP > 1",
+    )
     activation_recompute: Literal["none", "selective", "full"] = opt(
-        "none", "recompute activations in the backward instead of keeping them (megatron's recompute_granularity): "
-                "selective = each layer's attention scores and softmax (most of the memory of long sequences, little "
-                "compute), full = every layer's whole forward from its input (least memory, ~1/3 more compute)")
+        "none",
+        "recompute activations in the backward instead of keeping them (megatron's recompute_granularity): "
+        "selective = each layer's attention scores and softmax (most of the memory of long sequences, little "
+        "compute), full = every layer's whole forward from its input (least memory, ~1/3 more compute)",
+    )
     sequence_parallel: bool = opt(
-        False, "with tensor_model_parallel_size > 1: split the norms' and dropouts' activations over the TP ranks "
-               "along the sequence (megatron's sequence_parallel; same loss, 1/TP of that memory)")
+        False,
+        "with tensor_model_parallel_size > 1: split the norms' and dropouts' activations over the TP ranks "
+        "along the sequence (megatron's sequence_parallel; same loss, 1/TP of that memory)",
+    )
     grad_reduce_dtype: Optional[DTYPES] = opt(
-        None, "dtype of the gradient buffers and their reduction over DP: float32 (null: the default, micro-batches "
-              "accumulate without rounding) or the parameters' own dtype (half the memory and traffic)")
+        None,
+        "dtype of the gradient buffers and their reduction over DP: float32 (null: the default, micro-batches "
+        "accumulate without rounding) or the parameters' own dtype (half the memory and traffic)",
+    )
     offload_params: bool = opt(
-        True, "colocated on GPUs with a vLLM engine: keep the weights in host memory while the engine generates")
+        True,
+        "colocated on GPUs with a vLLM engine: keep the weights in host memory while the engine generates",
+    )
     offload_grads: bool = opt(True, "the same for the gradient buffers")
-    offload_optimizer: bool = opt(True, "the same for the optimizer state (fp32 main weights, Adam moments)")
+    offload_optimizer: bool = opt(
+        True, "the same for the optimizer state (fp32 main weights, Adam moments)"
+    )
     seq_length: Optional[int] = opt(
-        None, "longest sample (prompt + response) in tokens; longer batches are an error; null = max_position_embeddings")
-    micro_batch_size: Optional[int] = opt(None, "samples per forward/backward; null = runtime.train_micro_batch_size")
+        None,
+        "longest sample (prompt + response) in tokens; longer batches are an error; null = max_position_embeddings",
+    )
+    micro_batch_size: Optional[int] = opt(
+        None, "samples per forward/backward; null = runtime.train_micro_batch_size"
+    )
     global_batch_size: Optional[int] = opt(
-        None, "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size")
+        None,
+        "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size",
+    )
     pack_shared_prefix: bool = opt(
-        True, "train_step runs each prompt a group's samples share once (one packed row per group; same loss and "
-              "gradients); false = one row per sample")
+        True,
+        "train_step runs each prompt a group's samples share once (one packed row per group; same loss and "
+        "gradients); false = one row per sample",
+    )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -63,40 +107,85 @@ class MegatronConfig:
     adam_eps: float = opt(1e-8, "AdamW epsilon")
     clip_grad: float = opt(1.0, "clip the global gradient norm to this; 0 = no clipping")
     lr_warmup_iters: int = opt(0, "optimizer steps of linear warm-up")
-    lr_decay_iters: Optional[int] = opt(None, "optimizer steps of cosine decay from lr to min_lr after warm-up; null = constant lr")
-    make_vocab_size_divisible_by: int = opt(128, "pad the embedding rows to a multiple of this (times TP size)")
+    lr_decay_iters: Optional[int] = opt(
+        None, "optimizer steps of cosine decay from lr to min_lr after warm-up; null = constant lr"
+    )
+    make_vocab_size_divisible_by: int = opt(
+        128, "pad the embedding rows to a multiple of this (times TP size)"
+    )
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
-        for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-                    "make_vocab_size_divisible_by"):
+        for key in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "expert_model_parallel_size",
+            "make_vocab_size_divisible_by",
+        ):
             if getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         if self.data_parallel_size is not None and self.data_parallel_size < 1:
-            yield "data_parallel_size", f"must be >= 1 or null, got {self.data_parallel_size}; null derives it"
+            yield (
+                "data_parallel_size",
+                f"must be >= 1 or null, got {self.data_parallel_size}; null derives it",
+            )
         if self.seq_length is not None and self.seq_length < 1:
-            yield "seq_length", f"must be >= 1 or null, got {self.seq_length}; null takes max_position_embeddings"
+            yield (
+                "seq_length",
+                f"must be >= 1 or null, got {self.seq_length}; null takes max_position_embeddings",
+            )
         for key in ("micro_batch_size", "global_batch_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
-                yield key, f"must be >= 1 or null, got {getattr(self, key)}; null takes the runtime's value"
-        if self.micro_batch_size and self.global_batch_size and self.global_batch_size % self.micro_batch_size:
-            yield "global_batch_size", (f"{self.global_batch_size} is not a multiple of micro_batch_size="
-                                        f"{self.micro_batch_size}; make it one")
+                yield (
+                    key,
+                    f"must be >= 1 or null, got {getattr(self, key)}; null takes the runtime's value",
+                )
+        if (
+            self.micro_batch_size
+            and self.global_batch_size
+            and self.global_batch_size % self.micro_batch_size
+        ):
+            yield (
+                "global_batch_size",
+                (
+                    f"{self.global_batch_size} is not a multiple of micro_batch_size="
+                    f"{self.micro_batch_size}; make it one"
+                ),
+            )
         if not 0 < self.lr <= 1:
-            yield "lr", f"must be in (0, 1], got {self.lr}; LLM fine-tuning uses about 1e-7 to 1e-3 (e.g. 1e-6)"
+            yield (
+                "lr",
+                f"must be in (0, 1], got {self.lr}; LLM fine-tuning uses about 1e-7 to 1e-3 (e.g. 1e-6)",
+            )
         if not 0 <= self.min_lr <= self.lr:
             yield "min_lr", f"must be in [0, lr={self.lr}], got {self.min_lr}; lower it"
         for key in ("adam_beta1", "adam_beta2"):
             if not 0 <= getattr(self, key) < 1:
                 yield key, f"must be in [0, 1), got {getattr(self, key)}; 0.9 / 0.999 are usual"
-        for key in ("weight_decay", "adam_eps", "clip_grad", "lr_warmup_iters", "moe_aux_loss_coeff"):
+        for key in (
+            "weight_decay",
+            "adam_eps",
+            "clip_grad",
+            "lr_warmup_iters",
+            "moe_aux_loss_coeff",
+        ):
             if getattr(self, key) < 0:
                 yield key, f"must be >= 0, got {getattr(self, key)}; set a non-negative value"
         if self.sequence_parallel and self.tensor_model_parallel_size == 1:
-            yield "sequence_parallel", ("needs tensor_model_parallel_size > 1 (it splits activations over the TP "
-                                        "ranks); set it to false or raise tensor_model_parallel_size")
+            yield (
+                "sequence_parallel",
+                (
+                    "needs tensor_model_parallel_size > 1 (it splits activations over the TP "
+                    "ranks); set it to false or raise tensor_model_parallel_size"
+                ),
+            )
         if self.grad_reduce_dtype not in (None, "float32", self.dtype):
-            yield "grad_reduce_dtype", (f"{self.grad_reduce_dtype} with dtype {self.dtype}: gradients reduce in "
-                                        f"float32 or in the parameters' dtype; set float32, {self.dtype} or null")
+            yield (
+                "grad_reduce_dtype",
+                (
+                    f"{self.grad_reduce_dtype} with dtype {self.dtype}: gradients reduce in "
+                    f"float32 or in the parameters' dtype; set float32, {self.dtype} or null"
+                ),
+            )
         if problem := args_problem(self):
             yield "args", problem

@@ -38,6 +38,7 @@ Two more rules that are not patches, followed by `MegatronModule`: models are bu
 receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
 `tests/integration/test_megatron_module.py` fails loudly when an upgrade breaks one of these.
 """
+
 import contextlib
 import importlib
 
@@ -56,16 +57,25 @@ def _on_cpu(factory):
 class _TorchOnCpu:
     """`torch`, except that its tensor factories allocate device="cuda" tensors on the CPU (point 4)."""
 
-    tensor, zeros, ones, empty, full = (_on_cpu(torch.tensor), _on_cpu(torch.zeros), _on_cpu(torch.ones),
-                                        _on_cpu(torch.empty), _on_cpu(torch.full))
+    tensor, zeros, ones, empty, full = (
+        _on_cpu(torch.tensor),
+        _on_cpu(torch.zeros),
+        _on_cpu(torch.ones),
+        _on_cpu(torch.empty),
+        _on_cpu(torch.full),
+    )
 
     def __getattr__(self, name):
         return getattr(torch, name)
 
 
 # the megatron-core modules that allocate on "cuda" by name (point 4)
-_CUDA_BY_NAME = ("megatron.core.pipeline_parallel.schedules", "megatron.core.optimizer.optimizer",
-                 "megatron.core.optimizer.clip_grads", "megatron.core.utils")
+_CUDA_BY_NAME = (
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.utils",
+)
 
 
 def apply() -> bool:

@@ -10,6 +10,7 @@ id 0) is spent on it; this model is a separate copy, so the policy keeps its own
 `forward_tokens` therefore returns values (B, T-1), aligned with the policy's log-probs: entry t is the value
 of the prefix that token t+1 is sampled from.
 """
+
 import torch
 
 from chatgen.training.megatron_module import MegatronModule
@@ -28,4 +29,6 @@ class CriticModule(MegatronModule):
         if self.tp == 1:
             return local
         local = local if self.tp_rank == owner else torch.zeros_like(local)
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(local)  # the owner's values, every rank
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(
+            local
+        )  # the owner's values, every rank

@@ -23,6 +23,7 @@ Three changes to how megatron does it:
   (AdamW would then count it up once per parameter) and looks the step up in the checkpoint, which does not
   store it (`_restore_adamw_step_separately`).
 """
+
 from chatgen.core.dcp import read_safely
 
 
@@ -35,12 +36,17 @@ def _strategies():
 
     class InProcessSave(mcore_torch.TorchDistSaveShardedStrategy):
         def save(self, sharded_state_dict, checkpoint_dir):
-            state, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(sharded_state_dict,
-                                                                                 self.keep_only_main_replica)
-            dcp.save(mcore_torch.mcore_to_pyt_state_dict(state, False),
-                     storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
-                     planner=mcore_torch.MCoreSavePlanner(dedup_replicated_tensors=not self.keep_only_main_replica,
-                                                          flatten_state_dict=False))
+            state, _, _ = mcore_torch._replace_state_dict_keys_with_sharded_keys(
+                sharded_state_dict, self.keep_only_main_replica
+            )
+            dcp.save(
+                mcore_torch.mcore_to_pyt_state_dict(state, False),
+                storage_writer=dcp.FileSystemWriter(str(checkpoint_dir), thread_count=1),
+                planner=mcore_torch.MCoreSavePlanner(
+                    dedup_replicated_tensors=not self.keep_only_main_replica,
+                    flatten_state_dict=False,
+                ),
+            )
 
     return InProcessSave("torch_dist", 1), mcore_torch.TorchDistLoadShardedStrategy()
 
@@ -61,8 +67,12 @@ def load(sharded_state_dict: dict, directory) -> dict:
     _, load_strategy = _strategies()
     _restore_adamw_step_separately()
     try:
-        return dist_checkpointing.load(sharded_state_dict, str(directory), sharded_strategy=load_strategy)
-    except CheckpointException as e:  # a BaseException in torch: an ordinary error here, like every other read error
+        return dist_checkpointing.load(
+            sharded_state_dict, str(directory), sharded_strategy=load_strategy
+        )
+    except (
+        CheckpointException
+    ) as e:  # a BaseException in torch: an ordinary error here, like every other read error
         raise RuntimeError(f"torch.distributed.checkpoint could not read it: {e}") from e
 
 
@@ -81,7 +91,9 @@ def _restore_adamw_step_separately() -> None:
     def set_states(self, model_param, tensors):
         if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             group_index, group_order = self.model_param_group_index_map[model_param]
-            state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+            state = self.optimizer.state[
+                self.optimizer.param_groups[group_index]["params"][group_order]
+            ]
             if "step" in state:
                 state["step"] = state["step"].clone()
                 tensors = {**tensors, "step": state["step"]}

@@ -26,6 +26,7 @@ cast, as the HF checkpoint and the engine hold them). Every rank then holds the 
 is about two buckets, never a copy of the model. The plan (names, shapes, bucket boundaries) is computed
 from the model spec alone, identically on every rank and on a receiver in another process.
 """
+
 import dataclasses
 
 import torch
@@ -48,7 +49,9 @@ class Bucket:
         return sum(numel(s) for _, s in self.hf)
 
 
-def plan_buckets(spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucket_bytes: int) -> list[Bucket]:
+def plan_buckets(
+    spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucket_bytes: int
+) -> list[Bucket]:
     """Bucket boundaries for a layout; shapes come from meta tensors pushed through the layout functions. The
     experts of one layer stay in one bucket (one EP all-gather), so the plan does not depend on EP."""
     buckets = []
@@ -66,8 +69,13 @@ def plan_buckets(spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucke
             shards = []
             for sp in unit:
                 meta = [torch.empty(shape, device="meta") for shape in sp.hf.values()]
-                shards.append(tuple(layout.to_megatron_shards(sp.kind, meta, spec, tp, padded_vocab,
-                                                              sp.hf_names[0])[0].shape))
+                shards.append(
+                    tuple(
+                        layout.to_megatron_shards(
+                            sp.kind, meta, spec, tp, padded_vocab, sp.hf_names[0]
+                        )[0].shape
+                    )
+                )
             nbytes = sum(numel(shard) for shard in shards) * tp * itemsize
             if current is None or (size + nbytes > bucket_bytes and current.params):
                 current, size = Bucket(stage, [], [], []), 0
@@ -88,12 +96,17 @@ class HFWeights:
         self._trainer = trainer
         self.dtype = trainer.dtype
         itemsize = torch.empty((), dtype=trainer.dtype).element_size()
-        self._buckets = plan_buckets(trainer.spec, trainer.tp, trainer.pp, trainer.padded_vocab_size, itemsize,
-                                     bucket_bytes)
+        self._buckets = plan_buckets(
+            trainer.spec, trainer.tp, trainer.pp, trainer.padded_vocab_size, itemsize, bucket_bytes
+        )
         self.plan = [list(b.hf) for b in self._buckets]
         # this rank's parameters by their first HF name (an expert's local name depends on the EP rank)
-        self._mine = {sp.hf_names[0]: sp for sp in layout.stage_params(trainer.spec, trainer.pp, trainer.pp_rank,
-                                                                       trainer.ep, trainer.ep_rank)}
+        self._mine = {
+            sp.hf_names[0]: sp
+            for sp in layout.stage_params(
+                trainer.spec, trainer.pp, trainer.pp_rank, trainer.ep, trainer.ep_rank
+            )
+        }
         self._experts_per_rank = trainer.spec.num_experts // trainer.ep
 
     def _owner(self, sp) -> int | None:
@@ -121,7 +134,9 @@ class HFWeights:
     def _on_owner(self, bucket: Bucket, tp_group) -> list[torch.Tensor]:
         t = self._trainer
         held = [sp for sp in bucket.params if self._owner(sp) in (None, t.ep_rank)]
-        local = [t.local_param(self._mine[sp.hf_names[0]].local_name).detach().to(t.dtype) for sp in held]
+        local = [
+            t.local_param(self._mine[sp.hf_names[0]].local_name).detach().to(t.dtype) for sp in held
+        ]
         hf = {}
         for sp, shards in zip(held, _gather_shards(local, t.tp, tp_group)):
             hf.update(zip(sp.hf_names, layout.to_hf(sp.kind, shards, t.spec)))
@@ -129,15 +144,23 @@ class HFWeights:
             from megatron.core import parallel_state as ps
 
             def experts_of(rank):
-                return [(name, shape) for sp in bucket.params if self._owner(sp) == rank
-                        for name, shape in sp.hf.items()]
+                return [
+                    (name, shape)
+                    for sp in bucket.params
+                    if self._owner(sp) == rank
+                    for name, shape in sp.hf.items()
+                ]
 
             flat = torch.cat([hf[name].reshape(-1) for name, _ in experts_of(t.ep_rank)])
             gathered = torch.empty(t.ep * flat.numel(), dtype=flat.dtype, device=flat.device)
             dist.all_gather_into_tensor(gathered, flat, group=ps.get_expert_model_parallel_group())
             for rank, piece in enumerate(gathered.view(t.ep, -1)):
                 names_shapes = experts_of(rank)
-                hf.update(zip([n for n, _ in names_shapes], unflatten(piece, [s for _, s in names_shapes])))
+                hf.update(
+                    zip(
+                        [n for n, _ in names_shapes], unflatten(piece, [s for _, s in names_shapes])
+                    )
+                )
         return [hf[name] for name, _ in bucket.hf]
 
     @torch.no_grad()
@@ -151,12 +174,21 @@ class HFWeights:
         for sp in bucket.params:
             owner = self._owner(sp)
             if t.pp_rank == bucket.stage and owner in (None, t.ep_rank):
-                local = t.local_param(self._mine[sp.hf_names[0]].local_name).detach().to(t.dtype).contiguous()
+                local = (
+                    t.local_param(self._mine[sp.hf_names[0]].local_name)
+                    .detach()
+                    .to(t.dtype)
+                    .contiguous()
+                )
                 shards = [torch.empty_like(local) for _ in range(t.tp)]
-                dist.all_gather(shards, local, group=tp_group) if t.tp > 1 else shards.__setitem__(0, local)
+                dist.all_gather(shards, local, group=tp_group) if t.tp > 1 else shards.__setitem__(
+                    0, local
+                )
                 tensors = [x.contiguous() for x in layout.to_hf(sp.kind, shards, t.spec)]
             else:
-                tensors = [torch.empty(shape, dtype=t.dtype, device=t.device) for shape in sp.hf.values()]
+                tensors = [
+                    torch.empty(shape, dtype=t.dtype, device=t.device) for shape in sp.hf.values()
+                ]
             if owner is not None and t.ep > 1 and t.pp_rank == bucket.stage:
                 from megatron.core import parallel_state as ps
 
@@ -175,9 +207,18 @@ class HFWeights:
         """HF names of the parameters with a NaN or inf on any rank (empty when all are finite). One pass over
         this rank's shards (a sum per parameter: NaN and inf survive a sum) and one all-reduce."""
         t = self._trainer
-        params = [sp for sp in layout.stage_params(t.spec, t.pp, t.pp_rank, t.ep, t.ep_rank) if not sp.duplicate]
+        params = [
+            sp
+            for sp in layout.stage_params(t.spec, t.pp, t.pp_rank, t.ep, t.ep_rank)
+            if not sp.duplicate
+        ]
         local = torch.stack([t.local_param(sp.local_name).detach().float().sum() for sp in params])
-        bad = [name for sp, v in zip(params, local.tolist()) if v != v or abs(v) == float("inf") for name in sp.hf_names]
+        bad = [
+            name
+            for sp, v in zip(params, local.tolist())
+            if v != v or abs(v) == float("inf")
+            for name in sp.hf_names
+        ]
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [None] * dist.get_world_size()
             dist.all_gather_object(box, bad)
@@ -202,10 +243,9 @@ def _gather_shards(local: list[torch.Tensor], tp: int, tp_group) -> list[list[to
     out, offset = [], 0
     for t in local:
         n = t.numel()
-        out.append([per_rank[r, offset:offset + n].view(t.shape) for r in range(tp)])
+        out.append([per_rank[r, offset : offset + n].view(t.shape) for r in range(tp)])
         offset += n
     return out
-
 
 
 class HFExport:

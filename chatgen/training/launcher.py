@@ -10,6 +10,7 @@ rank raises, the others are stopped and a RuntimeError carries that rank's trace
 without one (killed by the OS) is reported within about a second, with its exit code. Used by the
 multi-process tests and by `chatgen check-sync` for layouts that need several trainer ranks.
 """
+
 import os
 import queue
 import time
@@ -30,8 +31,13 @@ if getattr(mp.current_process(), "_inheriting", False) or mp.parent_process() is
 
 def _child(rank, world_size, port, env, fn, args, results):
     os.environ.update(env)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     try:
         results.put((rank, True, fn(*args)))
     except BaseException:  # noqa: BLE001 - reported to the parent with the traceback
@@ -53,8 +59,12 @@ class DistributedJob:
         self._results = self.context.Queue()
         self._done = {}
         port = free_port()
-        self._procs = [self.context.Process(target=_child, args=(r, world_size, port, env, fn, args, self._results),
-                                            daemon=True) for r in range(world_size)]
+        self._procs = [
+            self.context.Process(
+                target=_child, args=(r, world_size, port, env, fn, args, self._results), daemon=True
+            )
+            for r in range(world_size)
+        ]
         for p in self._procs:
             p.start()
 
@@ -67,7 +77,9 @@ class DistributedJob:
                 break
             if not ok:
                 self.stop()
-                raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
+                raise RuntimeError(
+                    f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}"
+                )
             self._done[rank] = value
         self._raise_if_a_rank_died()
         return len(self._done) < self.world_size and any(p.is_alive() for p in self._procs)
@@ -75,12 +87,20 @@ class DistributedJob:
     def _raise_if_a_rank_died(self) -> None:
         """A rank that exited without a result (killed by the OS, os._exit): stop the others and say which."""
         dead = [r for r, p in enumerate(self._procs) if r not in self._done and not p.is_alive()]
-        if dead and self._results.empty():  # a rank's result is in the queue before its process ends
+        if (
+            dead and self._results.empty()
+        ):  # a rank's result is in the queue before its process ends
             self.stop()
             code = self._procs[dead[0]].exitcode
-            why = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            raise RuntimeError(f"rank {dead[0]} of {self.world_size} died in {self.fn.__name__} without a result "
-                               f"({why}; -9 is often the OOM killer); see its output above")
+            why = (
+                f"killed by signal {-code}"
+                if code is not None and code < 0
+                else f"exit code {code}"
+            )
+            raise RuntimeError(
+                f"rank {dead[0]} of {self.world_size} died in {self.fn.__name__} without a result "
+                f"({why}; -9 is often the OOM killer); see its output above"
+            )
 
     def join(self, timeout: float = 600.0) -> list:
         out = self._done
@@ -92,14 +112,20 @@ class DistributedJob:
                 except queue.Empty:
                     self._raise_if_a_rank_died()
                     if time.monotonic() > deadline:
-                        raise TimeoutError(f"{self.fn.__name__}: no answer within {timeout:.0f}s from ranks "
-                                           f"{sorted(set(range(self.world_size)) - set(out))}") from None
+                        raise TimeoutError(
+                            f"{self.fn.__name__}: no answer within {timeout:.0f}s from ranks "
+                            f"{sorted(set(range(self.world_size)) - set(out))}"
+                        ) from None
                     continue
                 if not ok:
-                    raise RuntimeError(f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}")
+                    raise RuntimeError(
+                        f"rank {rank} of {self.world_size} failed in {self.fn.__name__}:\n{value}"
+                    )
                 out[rank] = value
         finally:
-            self.stop(grace=60 if len(out) == self.world_size else 0.1)  # let finished ranks clean up (vLLM shm)
+            self.stop(
+                grace=60 if len(out) == self.world_size else 0.1
+            )  # let finished ranks clean up (vLLM shm)
         return [out[r] for r in range(self.world_size)]
 
     def stop(self, grace: float = 0.1) -> None:
@@ -116,6 +142,8 @@ def ctx_queue():
     return DistributedJob.context.Queue()
 
 
-def run_distributed(fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 600.0) -> list:
+def run_distributed(
+    fn, world_size: int, args: tuple = (), env: dict | None = None, timeout: float = 600.0
+) -> list:
     """Run `fn(*args)` on `world_size` spawned ranks; returns the list of per-rank results."""
     return DistributedJob(fn, world_size, args, env).join(timeout)

@@ -27,6 +27,7 @@ checkpoints.py (three formats), memory.py (offload / onload / memory_stats), moe
 expert figures), hf_export.py (the weights as HF tensors), packing_hooks.py (shared-prefix packing and logit
 slicing), model_build.py (layer spec, DDP + distributed optimizer, LR schedule).
 """
+
 import gc
 import math
 import os
@@ -50,7 +51,12 @@ from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
 from chatgen.training.token_scoring import TokenScoring
 
-__all__ = ["MegatronModule", "RoutingReplay", "init_distributed"]  # RoutingReplay: re-exported from moe_routing
+__all__ = [
+    "MegatronModule",
+    "RoutingReplay",
+    "init_distributed",
+]  # RoutingReplay: re-exported from moe_routing
+
 
 def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> None:
     """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups; `dp`
@@ -63,45 +69,70 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if "RANK" in os.environ and "MASTER_PORT" in os.environ:  # launched: env:// semantics, loopback-safe
+        if (
+            "RANK" in os.environ and "MASTER_PORT" in os.environ
+        ):  # launched: env:// semantics, loopback-safe
             env = os.environ
-            init_process_group(backend, int(env["RANK"]), int(env["WORLD_SIZE"]),
-                               env.get("MASTER_ADDR", "127.0.0.1"), int(env["MASTER_PORT"]))
+            init_process_group(
+                backend,
+                int(env["RANK"]),
+                int(env["WORLD_SIZE"]),
+                env.get("MASTER_ADDR", "127.0.0.1"),
+                int(env["MASTER_PORT"]),
+            )
         else:  # a single process: a private one-rank world
             init_process_group(backend, 0, 1, "127.0.0.1", 0)  # the port picked as it is bound
     world = dist.get_world_size()
     if world % (tp * pp * ep):
-        raise ValueError(f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
-                         f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep}; launch a multiple of "
-                         f"{tp * pp * ep} ranks")
+        raise ValueError(
+            f"world size {world} is not divisible by tensor_model_parallel_size={tp} x "
+            f"pipeline_model_parallel_size={pp} x expert_model_parallel_size={ep}; launch a multiple of "
+            f"{tp * pp * ep} ranks"
+        )
     if dp is not None and world != tp * pp * dp:
-        raise ValueError(f"data_parallel_size={dp} needs {tp * pp * dp} ranks (TP {tp} x PP {pp} x DP {dp}), but "
-                         f"{world} were launched; set data_parallel_size: {world // (tp * pp)} or null, or launch "
-                         f"{tp * pp * dp} ranks")
+        raise ValueError(
+            f"data_parallel_size={dp} needs {tp * pp * dp} ranks (TP {tp} x PP {pp} x DP {dp}), but "
+            f"{world} were launched; set data_parallel_size: {world // (tp * pp)} or null, or launch "
+            f"{tp * pp * dp} ranks"
+        )
     if ps.model_parallel_is_initialized() and not _groups_alive(ps):
         ps.destroy_model_parallel()  # the groups of a world that has ended (a vLLM engine's teardown ends it): rebuild
     if ps.model_parallel_is_initialized():
-        have = (ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size(),
-                ps.get_expert_model_parallel_world_size())
+        have = (
+            ps.get_tensor_model_parallel_world_size(),
+            ps.get_pipeline_model_parallel_world_size(),
+            ps.get_expert_model_parallel_world_size(),
+        )
         if have != (tp, pp, ep):
-            raise RuntimeError(f"megatron parallel state already built with TP, PP, EP = {have}, not {(tp, pp, ep)}; "
-                               "call megatron.core.parallel_state.destroy_model_parallel() first")
+            raise RuntimeError(
+                f"megatron parallel state already built with TP, PP, EP = {have}, not {(tp, pp, ep)}; "
+                "call megatron.core.parallel_state.destroy_model_parallel() first"
+            )
         return
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 expert_model_parallel_size=ep)
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        expert_model_parallel_size=ep,
+    )
 
 
 def _groups_alive(ps) -> bool:
     """Whether megatron's parallel groups still belong to the current torch.distributed world."""
     try:
-        dist.get_rank(group=ps.get_model_parallel_group())  # checks the group is registered in this world
+        dist.get_rank(
+            group=ps.get_model_parallel_group()
+        )  # checks the group is registered in this world
         return True
-    except (ValueError, RuntimeError):  # "not registered": created in a world that was destroyed since
+    except (
+        ValueError,
+        RuntimeError,
+    ):  # "not registered": created in a world that was destroyed since
         return False
 
 
-class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild,
-                     TokenScoring, Module):
+class MegatronModule(
+    Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild, TokenScoring, Module
+):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
     Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
@@ -114,7 +145,9 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
 
     config_class = MegatronConfig
 
-    def __init__(self, config=None, *, name: str = "policy_trainer", config_dialect: str = "chatgen"):
+    def __init__(
+        self, config=None, *, name: str = "policy_trainer", config_dialect: str = "chatgen"
+    ):
         super().__init__(config, name=name, config_dialect=config_dialect)
         self.model = None  # this rank's GPTModel chunk
         self.ddp = None  # megatron-core's DistributedDataParallel around it (owns the grad buffers)
@@ -132,25 +165,38 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
 
         cfg = self.config
         if cfg.load is None:
-            raise ValueError(f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)")
+            raise ValueError(
+                f"{self.name}: `load` is required (an HF model directory or a chatgen checkpoint)"
+            )
         self.tp, self.pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
         self.ep = cfg.expert_model_parallel_size
         init_distributed(self.tp, self.pp, cfg.data_parallel_size, self.ep)
         cpu_compat.initialize_rng(cfg.seed)
-        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+        self.tp_rank, self.pp_rank = (
+            ps.get_tensor_model_parallel_rank(),
+            ps.get_pipeline_model_parallel_rank(),
+        )
         self.ep_rank = ps.get_expert_model_parallel_rank()
         self.dp_rank, self.dp = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
         self.hf_config = read_hf_config(cfg.load)
         self.spec = models.spec_from_hf_config(self.hf_config)
         layout.check_layout(self.spec, self.tp, self.pp, self.ep)
         if cfg.moe_routing_replay and not self.spec.is_moe:
-            raise ValueError(f"{self.name}: moe_routing_replay is true but {cfg.load} has no experts; set it to false")
-        self.padded_vocab_size = self.spec.padded_vocab_size(self.tp, cfg.make_vocab_size_divisible_by)
+            raise ValueError(
+                f"{self.name}: moe_routing_replay is true but {cfg.load} has no experts; set it to false"
+            )
+        self.padded_vocab_size = self.spec.padded_vocab_size(
+            self.tp, cfg.make_vocab_size_divisible_by
+        )
         max_positions = self.hf_config.get("max_position_embeddings")
         if cfg.seq_length and max_positions and cfg.seq_length > max_positions:
-            raise ValueError(f"{self.name}: seq_length={cfg.seq_length} is longer than the model's "
-                             f"max_position_embeddings={max_positions}; lower it (or null)")
-        self.seq_length = cfg.seq_length or max_positions  # longest batch forward_tokens / train_step accept
+            raise ValueError(
+                f"{self.name}: seq_length={cfg.seq_length} is longer than the model's "
+                f"max_position_embeddings={max_positions}; lower it (or null)"
+            )
+        self.seq_length = (
+            cfg.seq_length or max_positions
+        )  # longest batch forward_tokens / train_step accept
         self.dtype = getattr(torch, cfg.dtype)
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
 
@@ -161,14 +207,20 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
         """
         cfg = self.config
         with cpu_compat.building_model():
-            self.model = self.model_provider(pre_process=self.is_first_stage, post_process=self.is_last_stage)
+            self.model = self.model_provider(
+                pre_process=self.is_first_stage, post_process=self.is_last_stage
+            )
         if torch.cuda.is_available():
             self.model.cuda()
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self._routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]  # this stage's, layer order
-        self._expert_tokens = None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
+        self._routers = [
+            m for m in self.model.modules() if isinstance(m, TopKRouter)
+        ]  # this stage's, layer order
+        self._expert_tokens = (
+            None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
+        )
         for router in self._routers:
             router.register_forward_hook(self._count_routed_tokens)
             if cfg.moe_routing_replay:
@@ -182,17 +234,25 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
         # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike. Not
         # with EP > 1 (the EP ranks exchange tokens in equal shares: micro-batches keep one shape) nor with
         # moe_routing_replay (the replayed experts belong to the tokens of the unpacked rows)
-        self._packs = cfg.pack_shared_prefix and self._attention_reads_the_mask() and (
-            self._slices_logits or not self.is_last_stage) and self._rope_follows_position_ids() and (
-            self.ep == 1 and not cfg.moe_routing_replay)
+        self._packs = (
+            cfg.pack_shared_prefix
+            and self._attention_reads_the_mask()
+            and (self._slices_logits or not self.is_last_stage)
+            and self._rope_follows_position_ids()
+            and (self.ep == 1 and not cfg.moe_routing_replay)
+        )
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
             flag = torch.tensor([float(self._packs)], device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=ps.get_pipeline_model_parallel_group())
+            dist.all_reduce(
+                flag, op=dist.ReduceOp.MIN, group=ps.get_pipeline_model_parallel_group()
+            )
             self._packs = bool(flag.item())
         self._build_optimizer()
-        self.load_checkpoint(cfg.load)  # after the optimizer: a chatgen checkpoint restores its state and LR step
+        self.load_checkpoint(
+            cfg.load
+        )  # after the optimizer: a chatgen checkpoint restores its state and LR step
 
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
@@ -200,7 +260,9 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
         from megatron.core import parallel_state as ps
 
         self.model = self.ddp = self.optimizer = None
-        self.__dict__.pop("_param_cache", None)  # (model, its parameters by name): would keep the model alive
+        self.__dict__.pop(
+            "_param_cache", None
+        )  # (model, its parameters by name): would keep the model alive
         gc.unfreeze()  # what start() froze (chatgen.module.startup_gc) is collectable again: the model's cycles too
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
@@ -240,15 +302,29 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
             apply_rope_fusion=False,
             sequence_parallel=cfg.sequence_parallel,
             **recompute_kwargs(cfg.activation_recompute),
-            **(dict(expert_model_parallel_size=self.ep,
+            **(
+                dict(
+                    expert_model_parallel_size=self.ep,
                     # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter); megatron's all-to-all
                     # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch
                     moe_token_dispatcher_type="allgather",
-                    moe_router_load_balancing_type="aux_loss" if cfg.moe_aux_loss_coeff > 0 else "none",
-                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff) if self.spec.is_moe else {}),
+                    moe_router_load_balancing_type="aux_loss"
+                    if cfg.moe_aux_loss_coeff > 0
+                    else "none",
+                    moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+                )
+                if self.spec.is_moe
+                else {}
+            ),
         )
-        return GPTModel(tconfig, self._layer_spec(tconfig), vocab_size=self.padded_vocab_size,
-                        pre_process=pre_process, post_process=post_process, **fam.gpt_model_kwargs(self.spec))
+        return GPTModel(
+            tconfig,
+            self._layer_spec(tconfig),
+            vocab_size=self.padded_vocab_size,
+            pre_process=pre_process,
+            post_process=post_process,
+            **fam.gpt_model_kwargs(self.spec),
+        )
 
     @torch.no_grad()
     def forward_tokens(self, data: dict) -> torch.Tensor:
@@ -263,7 +339,11 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
         self.onload(("params",))
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
-        batch = {k: data[k] for k in ("input_ids", "attention_mask", "routed_experts") if data.get(k) is not None}
+        batch = {
+            k: data[k]
+            for k in ("input_ids", "attention_mask", "routed_experts")
+            if data.get(k) is not None
+        }
         return self._run_schedule(_split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -282,28 +362,38 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
         """
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
         if self.spec.is_moe and self.tp > 1:
-            raise ValueError(f"{self.name}.train_step: a mixture-of-experts model trains at "
-                             f"tensor_model_parallel_size=1 (megatron-core trains MoE at TP > 1 only with sequence "
-                             f"parallelism, which chatgen's trainer does not run; TP={self.tp} still serves "
-                             "forward_tokens and weight syncs); spread the experts with expert_model_parallel_size "
-                             "instead")
+            raise ValueError(
+                f"{self.name}.train_step: a mixture-of-experts model trains at "
+                f"tensor_model_parallel_size=1 (megatron-core trains MoE at TP > 1 only with sequence "
+                f"parallelism, which chatgen's trainer does not run; TP={self.tp} still serves "
+                "forward_tokens and weight syncs); spread the experts with expert_model_parallel_size "
+                "instead"
+            )
         if gbs and n * self.dp != gbs:
-            raise ValueError(f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
-                             f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key")
+            raise ValueError(
+                f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
+                f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
+            )
         mbs = self.config.micro_batch_size or n
         micro_batches = _split_batch(data, mbs)
         self.onload()  # a no-op unless offload() moved the training state to the host
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        metrics = self._run_schedule(micro_batches, loss_fn, forward_only=False)  # grads reduced over DP, PP, TP
+        metrics = self._run_schedule(
+            micro_batches, loss_fn, forward_only=False
+        )  # grads reduced over DP, PP, TP
         if self.spec.is_moe:
             metrics.update(self._moe_metrics(len(micro_batches)))
         lr = self.config.lr * self._lr_factor(self.iteration)
         with cpu_compat.cuda_type_names():
-            found_inf = self.optimizer.prepare_grads()  # grads -> the fp32 main grads (fp16: unscaled, inf checked)
+            found_inf = (
+                self.optimizer.prepare_grads()
+            )  # grads -> the fp32 main grads (fp16: unscaled, inf checked)
             grad_norm = math.inf if found_inf else self.optimizer.get_grad_norm()
-            if not math.isfinite(grad_norm):  # a NaN/inf grad would poison the weights, and vLLM after the sync
+            if not math.isfinite(
+                grad_norm
+            ):  # a NaN/inf grad would poison the weights, and vLLM after the sync
                 self.skipped_steps += 1
                 metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=1.0)
                 return metrics
@@ -311,7 +401,9 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
                 from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
                 for optimizer in self.optimizer.chained_optimizers:
-                    clip_grad_by_total_norm_fp32(optimizer.get_parameters(), self.config.clip_grad, grad_norm)
+                    clip_grad_by_total_norm_fp32(
+                        optimizer.get_parameters(), self.config.clip_grad, grad_norm
+                    )
             for group in self.optimizer.param_groups:
                 group["lr"] = lr
             self.optimizer.step_with_ready_grads()  # Adam on this rank's shard, then the weights gathered over DP
@@ -324,7 +416,11 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
     @property
     def device(self) -> torch.device:
         """Where this rank's parameters live (the current CUDA device, or the CPU)."""
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
 
     def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool):
         """Run megatron's pipeline schedule over micro-batches (all the same T).
@@ -337,40 +433,63 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
 
         t = micro_batches[0]["input_ids"].shape[1]
         if self.seq_length and t > self.seq_length:
-            raise ValueError(f"{self.name}: a batch of {t} tokens per sample is longer than seq_length="
-                             f"{self.seq_length}; raise seq_length in this model's config (up to the model's "
-                             "max_position_embeddings) or cut prompts / responses")
+            raise ValueError(
+                f"{self.name}: a batch of {t} tokens per sample is longer than seq_length="
+                f"{self.seq_length}; raise seq_length in this model's config (up to the model's "
+                "max_position_embeddings) or cut prompts / responses"
+            )
         device = self.device
-        micro_batches = [{k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()} for mb in micro_batches]
+        micro_batches = [
+            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
+            for mb in micro_batches
+        ]
         b, t = micro_batches[0]["input_ids"].shape
-        plans = self._pack(micro_batches) if self._packs and not forward_only else [None] * len(micro_batches)
-        if plans[0] is not None:  # the pipeline schedule exchanges (T, b, H) activations of the packed shape
+        plans = (
+            self._pack(micro_batches)
+            if self._packs and not forward_only
+            else [None] * len(micro_batches)
+        )
+        if (
+            plans[0] is not None
+        ):  # the pipeline schedule exchanges (T, b, H) activations of the packed shape
             b, t = plans[0].input_ids.shape
         collected = []
 
         def forward_step_func(data_iterator, model):
             mb, plan = next(data_iterator)
-            if plan is not None:  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
+            if (
+                plan is not None
+            ):  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
                 self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
-                moe = {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}  # no pad in the router's figures
+                moe = (
+                    {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}
+                )  # no pad in the router's figures
                 try:
                     logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
                 finally:  # a later plain call of the model computes every position at 0..T-1
                     self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
                     return logits, None
-                logprobs = plan.unpack(self.token_outputs(logits, plan.labels))  # (b, T-1), 0 where unread
+                logprobs = plan.unpack(
+                    self.token_outputs(logits, plan.labels)
+                )  # (b, T-1), 0 where unread
                 return logprobs, loss_func_for(mb)
             ids = mb["input_ids"]
             position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
             moe = {}
-            if self.spec.is_moe and mb.get("attention_mask") is not None:  # no pad in the router's figures
+            if (
+                self.spec.is_moe and mb.get("attention_mask") is not None
+            ):  # no pad in the router's figures
                 moe["padding_mask"] = ~mb["attention_mask"].bool()
             if self.config.moe_routing_replay:
                 self._replay_routing(mb.get("routed_experts"), ids.shape)
             # Training: no logits before the first position any row's loss reads (the prompt); the output layer
             # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
-            first = _first_scored_position(mb.get("loss_mask")) if self._slices_logits and not forward_only else 0
+            first = (
+                _first_scored_position(mb.get("loss_mask"))
+                if self._slices_logits and not forward_only
+                else 0
+            )
             self._logits_from = first
             try:
                 logits = model(ids, position_ids, mask, **moe)
@@ -378,9 +497,13 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
                 self._logits_from = 0
             if not self.is_last_stage:
                 return logits, None
-            logprobs = self.token_outputs(logits, ids[:, first:])  # (b, T-1-first): as if the rows began there
+            logprobs = self.token_outputs(
+                logits, ids[:, first:]
+            )  # (b, T-1-first): as if the rows began there
             if first:
-                logprobs = torch.nn.functional.pad(logprobs, (first, 0))  # (b, T-1), 0 where no loss reads
+                logprobs = torch.nn.functional.pad(
+                    logprobs, (first, 0)
+                )  # (b, T-1), 0 where no loss reads
             return logprobs, loss_func_for(mb)
 
         def loss_func_for(mb):
@@ -389,28 +512,52 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
                     collected.append(output.detach())
                     return output.sum() * 0, {}
                 loss, metrics = loss_fn(output, mb)
-                collected.append({k: float(v.detach() if torch.is_tensor(v) else v)
-                                  for k, v in {"loss": loss, **metrics}.items()})
+                collected.append(
+                    {
+                        k: float(v.detach() if torch.is_tensor(v) else v)
+                        for k, v in {"loss": loss, **metrics}.items()
+                    }
+                )
                 return loss, {}
 
             return loss_func
 
         get_forward_backward_func()(
-            forward_step_func=forward_step_func, data_iterator=iter(zip(micro_batches, plans)), model=[self.ddp],
-            num_microbatches=len(micro_batches), seq_length=t, micro_batch_size=b, forward_only=forward_only)
+            forward_step_func=forward_step_func,
+            data_iterator=iter(zip(micro_batches, plans)),
+            model=[self.ddp],
+            num_microbatches=len(micro_batches),
+            seq_length=t,
+            micro_batch_size=b,
+            forward_only=forward_only,
+        )
 
         if forward_only:  # logprobs live on the last stage: send them to every stage
-            out = torch.cat(collected) if self.is_last_stage else torch.empty(
-                sum(mb["input_ids"].shape[0] for mb in micro_batches), t - 1, dtype=torch.float32, device=device)
+            out = (
+                torch.cat(collected)
+                if self.is_last_stage
+                else torch.empty(
+                    sum(mb["input_ids"].shape[0] for mb in micro_batches),
+                    t - 1,
+                    dtype=torch.float32,
+                    device=device,
+                )
+            )
             if self.pp > 1:
-                dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(),
-                               group=ps.get_pipeline_model_parallel_group())
+                dist.broadcast(
+                    out,
+                    ps.get_pipeline_model_parallel_last_rank(),
+                    group=ps.get_pipeline_model_parallel_group(),
+                )
             return out.cpu()
         metrics = reduce_metrics(collected) if collected else None
         if self.pp > 1:  # metrics live on the last stage
             box = [metrics]
-            dist.broadcast_object_list(box, ps.get_pipeline_model_parallel_last_rank(),
-                                       group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast_object_list(
+                box,
+                ps.get_pipeline_model_parallel_last_rank(),
+                group=ps.get_pipeline_model_parallel_group(),
+            )
             metrics = box[0]
         if self.dp > 1:
             parts = [None] * self.dp
@@ -422,9 +569,20 @@ class MegatronModule(Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHo
 def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:
     n = data["input_ids"].shape[0]
     if n % micro_batch_size:
-        raise ValueError(f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}")
-    return [{k: (v[i:i + micro_batch_size] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v)
-             for k, v in data.items()} for i in range(0, n, micro_batch_size)]
+        raise ValueError(
+            f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}"
+        )
+    return [
+        {
+            k: (
+                v[i : i + micro_batch_size]
+                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n
+                else v
+            )
+            for k, v in data.items()
+        }
+        for i in range(0, n, micro_batch_size)
+    ]
 
 
 def _first_scored_position(loss_mask: torch.Tensor | None) -> int:

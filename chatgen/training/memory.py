@@ -10,24 +10,32 @@ buffer, and the copies stop sharing it (the optimizer then updates weights the m
 counters, host tensors, went to the GPU (a device sync per parameter per step); each tensor was copied through
 pageable memory. Weight buffers here include the expert-parallel ones (a mixture-of-experts model's experts).
 """
+
 import torch
 
 
 def weight_storages(ddp) -> set:
     """Data pointers of the model's weight buffers (dense and expert-parallel): an optimizer tensor that lives in
     one of them is a view of the weights, moved with them (offload_params), never copied apart."""
-    return {b.param_data.untyped_storage().data_ptr() for b in _all_buffers(ddp) if b.param_data is not None}
+    return {
+        b.param_data.untyped_storage().data_ptr()
+        for b in _all_buffers(ddp)
+        if b.param_data is not None
+    }
 
 
 def _all_buffers(ddp) -> list:
     return list(ddp.buffers) + list(getattr(ddp, "expert_parallel_buffers", None) or [])
 
 
-def move_optimizer_state(optimizers, host: dict, to_host: bool, shared: set, device, pin: bool) -> None:
+def move_optimizer_state(
+    optimizers, host: dict, to_host: bool, shared: set, device, pin: bool
+) -> None:
     """Move the tensors of torch optimizers (`optimizers`: their param groups' params and state) to host memory
     (`to_host`) or back to `device`. `host` keeps one host tensor per moved tensor across calls (pinned with `pin`:
     copies run asynchronously, and no host memory is allocated after the first offload). Tensors whose storage is
     in `shared` (views of the weight buffers) and Adam's "step" counters stay where they are."""
+
     def move(tensor, key):
         if tensor.untyped_storage().data_ptr() in shared:
             return tensor
@@ -36,7 +44,9 @@ def move_optimizer_state(optimizers, host: dict, to_host: bool, shared: set, dev
                 return tensor
             copy = host.get(key)
             if copy is None or copy.shape != tensor.shape or copy.dtype != tensor.dtype:
-                copy = host[key] = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin)
+                copy = host[key] = torch.empty(
+                    tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pin
+                )
             copy.copy_(tensor, non_blocking=pin)
             return copy
         return tensor.to(device, non_blocking=pin)
@@ -73,12 +83,16 @@ class MemoryHandoff:
             self._move_optimizer(to_host=True)
             moved.add("optimizer")
         if params and cfg.offload_params and "params" not in moved:
-            for buffer in _all_buffers(self.ddp):  # the weights are views of these buffers (pinned copies)
+            for buffer in _all_buffers(
+                self.ddp
+            ):  # the weights are views of these buffers (pinned copies)
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             moved.add("params")
         torch.cuda.synchronize()
         if moved and not self._offloaded:  # the peak of the phase that ends here: this model's own
-            self._memory_peaks["trainer"] = max(self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated())
+            self._memory_peaks["trainer"] = max(
+                self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated()
+            )
             torch.cuda.reset_peak_memory_stats()
         self._offloaded = tuple(sorted(moved))
         torch.cuda.empty_cache()
@@ -90,8 +104,9 @@ class MemoryHandoff:
         if not back:
             return
         if len(back) == len(self._offloaded) or "params" in back:  # the offloaded phase ends here
-            self._memory_peaks["offloaded"] = max(self._memory_peaks.get("offloaded", 0),
-                                                  torch.cuda.max_memory_allocated())
+            self._memory_peaks["offloaded"] = max(
+                self._memory_peaks.get("offloaded", 0), torch.cuda.max_memory_allocated()
+            )
             torch.cuda.reset_peak_memory_stats()
         if "params" in back:
             for buffer in _all_buffers(self.ddp):
@@ -108,8 +123,14 @@ class MemoryHandoff:
         move_optimizer_state); its views of the weights stay in the weight buffers."""
         inner = [chained.optimizer for chained in self.optimizer.chained_optimizers]
         host = self.__dict__.setdefault("_optimizer_host", {})
-        move_optimizer_state(inner, host, to_host, weight_storages(self.ddp), torch.cuda.current_device(),
-                             pin=torch.cuda.is_available())
+        move_optimizer_state(
+            inner,
+            host,
+            to_host,
+            weight_storages(self.ddp),
+            torch.cuda.current_device(),
+            pin=torch.cuda.is_available(),
+        )
 
     def memory_stats(self) -> dict:
         """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
@@ -120,11 +141,19 @@ class MemoryHandoff:
         if not torch.cuda.is_available():
             import resource
 
-            return {"memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
-        peaks, now = self._memory_peaks, "offloaded" if self._offloaded else "trainer"  # (the phase still running)
+            return {
+                "memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                / 2**20
+            }
+        peaks, now = (
+            self._memory_peaks,
+            "offloaded" if self._offloaded else "trainer",
+        )  # (the phase still running)
         peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
         self._memory_peaks = {}
         free, total = torch.cuda.mem_get_info()
-        return {**{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},
-                "memory/device_used_gib": (total - free) / 2**30}
+        return {
+            **{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},
+            "memory/device_used_gib": (total - free) / 2**30,
+        }

@@ -19,6 +19,7 @@ docs/scaling.md's tables come from them. What is counted (bytes per GPU, the wor
 Not counted: the CUDA context and NCCL buffers (~1-2 GB a process), allocator fragmentation, temporary buffers of
 the optimizer step. Treat the figures as +-20%.
 """
+
 import dataclasses
 
 BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -40,9 +41,16 @@ class Shape:
 
     @classmethod
     def from_hf_config(cls, c: dict) -> "Shape":
-        return cls(layers=c["num_hidden_layers"], hidden=c["hidden_size"], ffn=c["intermediate_size"],
-                   heads=c["num_attention_heads"], kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
-                   vocab=c["vocab_size"], tied=bool(c.get("tie_word_embeddings")), head_dim=c.get("head_dim"))
+        return cls(
+            layers=c["num_hidden_layers"],
+            hidden=c["hidden_size"],
+            ffn=c["intermediate_size"],
+            heads=c["num_attention_heads"],
+            kv_heads=c.get("num_key_value_heads") or c["num_attention_heads"],
+            vocab=c["vocab_size"],
+            tied=bool(c.get("tie_word_embeddings")),
+            head_dim=c.get("head_dim"),
+        )
 
     @property
     def dim(self) -> int:
@@ -53,50 +61,91 @@ class Shape:
         return attention + 3 * self.hidden * self.ffn + 2 * self.hidden  # SwiGLU MLP, two norms
 
     def params(self) -> int:
-        return self.layers * self.layer_params() + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+        return (
+            self.layers * self.layer_params()
+            + self.vocab * self.hidden * (1 if self.tied else 2)
+            + self.hidden
+        )
 
     def kv_bytes_per_token(self, dtype: str = "bfloat16") -> int:
         return 2 * self.layers * self.kv_heads * self.dim * BYTES[dtype]
 
 
-def activation_bytes(shape: Shape, seq_length: int, micro_batch_size: int, tp: int = 1, dtype: str = "bfloat16",
-                     recompute: str = "none", sequence_parallel: bool = False) -> int:
+def activation_bytes(
+    shape: Shape,
+    seq_length: int,
+    micro_batch_size: int,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+) -> int:
     """Activation memory the backward needs on one GPU (see the module docstring), in bytes."""
     s, b, h, a, t = seq_length, micro_batch_size, shape.hidden, shape.heads, tp
     scale = BYTES[dtype] / 2  # the formula counts 16-bit activations
     if recompute == "full":
         kept = 2 * s * b * h / (t if sequence_parallel else 1)
-        one_layer = s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + 5 * a * s / (h * t))
+        one_layer = (
+            s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + 5 * a * s / (h * t))
+        )
         return int(scale * (shape.layers * kept + one_layer))
     per_token = 34 / t if sequence_parallel else 10 + 24 / t
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
     return int(scale * shape.layers * s * b * h * (per_token + attention))
 
 
-def trainer_memory(shape: Shape, *, tp: int = 1, pp: int = 1, dp: int = 1, seq_length: int,
-                   micro_batch_size: int = 1, dtype: str = "bfloat16", grad_reduce_dtype: str | None = None,
-                   recompute: str = "none", sequence_parallel: bool = False) -> dict:
+def trainer_memory(
+    shape: Shape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    dp: int = 1,
+    seq_length: int,
+    micro_batch_size: int = 1,
+    dtype: str = "bfloat16",
+    grad_reduce_dtype: str | None = None,
+    recompute: str = "none",
+    sequence_parallel: bool = False,
+) -> dict:
     """{weights, gradients, optimizer, activations, logits, total}: bytes on the busiest GPU of a training step."""
     layers = -(-shape.layers // pp) * shape.layer_params()
     embedding = shape.vocab * shape.hidden
-    stage = layers + embedding * (1 if pp > 1 or shape.tied else 2)  # first stage; the last is no bigger
+    stage = layers + embedding * (
+        1 if pp > 1 or shape.tied else 2
+    )  # first stage; the last is no bigger
     params = stage / tp
     grad = BYTES[grad_reduce_dtype or "float32"]
     optimizer = (8 + (4 if dtype != "float32" else 0)) * params / dp
-    out = dict(weights=params * BYTES[dtype], gradients=params * grad, optimizer=optimizer,
-               activations=activation_bytes(shape, seq_length, micro_batch_size, tp, dtype, recompute,
-                                            sequence_parallel),
-               logits=2 * 4 * seq_length * micro_batch_size * shape.vocab / tp)
+    out = dict(
+        weights=params * BYTES[dtype],
+        gradients=params * grad,
+        optimizer=optimizer,
+        activations=activation_bytes(
+            shape, seq_length, micro_batch_size, tp, dtype, recompute, sequence_parallel
+        ),
+        logits=2 * 4 * seq_length * micro_batch_size * shape.vocab / tp,
+    )
     out = {k: int(v) for k, v in out.items()}
     out["total"] = sum(out.values())
     return out
 
 
-def engine_memory(shape: Shape, *, tp: int = 1, dtype: str = "bfloat16", device_bytes: int,
-                  gpu_memory_utilization: float = 0.9) -> dict:
+def engine_memory(
+    shape: Shape,
+    *,
+    tp: int = 1,
+    dtype: str = "bfloat16",
+    device_bytes: int,
+    gpu_memory_utilization: float = 0.9,
+) -> dict:
     """{weights, kv_cache, kv_tokens, total}: a vLLM engine rank's share (vLLM takes gpu_memory_utilization of the
     device and fills what its weights leave with KV cache; ~1 GB of it goes to CUDA graphs and activations)."""
     total = int(gpu_memory_utilization * device_bytes)
     weights = shape.params() * BYTES[dtype] // tp
     kv = max(0, total - weights - GIB)
-    return dict(weights=weights, kv_cache=kv, kv_tokens=kv // (shape.kv_bytes_per_token(dtype) // tp), total=total)
+    return dict(
+        weights=weights,
+        kv_cache=kv,
+        kv_tokens=kv // (shape.kv_bytes_per_token(dtype) // tp),
+        total=total,
+    )

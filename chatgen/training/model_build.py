@@ -3,6 +3,7 @@ DistributedDataParallel and distributed optimizer, and the learning-rate schedul
 
 `ModelBuild` is a mixin of `chatgen.training.megatron_module.MegatronModule`; `setup()` calls it.
 """
+
 import math
 
 import torch
@@ -14,8 +15,12 @@ def recompute_kwargs(mode: str) -> dict:
     """megatron-core TransformerConfig keys for `activation_recompute` (verl: override_transformer_config's
     recompute_granularity / recompute_method / recompute_num_layers)."""
     if mode == "full":  # every layer's input is kept, its forward run again in the backward
-        return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-    if mode == "selective":  # megatron's default modules: the core attention (scores, softmax, dropout)
+        return dict(
+            recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+        )
+    if (
+        mode == "selective"
+    ):  # megatron's default modules: the core attention (scores, softmax, dropout)
         return dict(recompute_granularity="selective")
     return {}
 
@@ -39,28 +44,57 @@ class ModelBuild:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-        from megatron.core.optimizer import OptimizerConfig, ParamKey, ParamPredicate, get_megatron_optimizer
+        from megatron.core.optimizer import (
+            OptimizerConfig,
+            ParamKey,
+            ParamPredicate,
+            get_megatron_optimizer,
+        )
 
         cfg, tconfig = self.config, self.model.config
         low_precision = self.dtype != torch.float32
-        self.ddp = DistributedDataParallel(tconfig, DistributedDataParallelConfig(
-            grad_reduce_in_fp32=low_precision and cfg.grad_reduce_dtype in (None, "float32"),
-            overlap_grad_reduce=cfg.overlap_grad_reduce,
-            use_distributed_optimizer=True), self.model)
+        self.ddp = DistributedDataParallel(
+            tconfig,
+            DistributedDataParallelConfig(
+                grad_reduce_in_fp32=low_precision and cfg.grad_reduce_dtype in (None, "float32"),
+                overlap_grad_reduce=cfg.overlap_grad_reduce,
+                use_distributed_optimizer=True,
+            ),
+            self.model,
+        )
         tconfig.finalize_model_grads_func = finalize_model_grads
-        if cfg.overlap_grad_reduce:  # the schedule holds the reduce back until the last micro-batch's backward
+        if (
+            cfg.overlap_grad_reduce
+        ):  # the schedule holds the reduce back until the last micro-batch's backward
             tconfig.no_sync_func = self.ddp.no_sync
         # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
         # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
-        fp32 = ParamKey(predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32))
+        fp32 = ParamKey(
+            predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32)
+        )
         opt_config = OptimizerConfig(
-            optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay, adam_beta1=cfg.adam_beta1,
-            adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad, params_dtype=self.dtype,
-            bf16=self.dtype == torch.bfloat16, fp16=self.dtype == torch.float16, use_distributed_optimizer=True)
+            optimizer="adam",
+            lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            weight_decay=cfg.weight_decay,
+            adam_beta1=cfg.adam_beta1,
+            adam_beta2=cfg.adam_beta2,
+            adam_eps=cfg.adam_eps,
+            clip_grad=cfg.clip_grad,
+            params_dtype=self.dtype,
+            bf16=self.dtype == torch.bfloat16,
+            fp16=self.dtype == torch.float16,
+            use_distributed_optimizer=True,
+        )
         with cpu_compat.cuda_type_names():
-            self.optimizer = get_megatron_optimizer(opt_config, [self.ddp],
-                                                    config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {})
-        if self.dtype == torch.float16:  # the loss is scaled by the optimizer's (dynamic) loss scale
+            self.optimizer = get_megatron_optimizer(
+                opt_config,
+                [self.ddp],
+                config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {},
+            )
+        if (
+            self.dtype == torch.float16
+        ):  # the loss is scaled by the optimizer's (dynamic) loss scale
             tconfig.grad_scale_func = self.optimizer.scale_loss
 
     def _layer_spec(self, tconfig):
@@ -69,15 +103,23 @@ class ModelBuild:
         if torch.cuda.is_available():
             try:
                 import transformer_engine  # noqa: F401
-                from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+                from megatron.core.models.gpt.gpt_layer_specs import (
+                    get_gpt_layer_with_transformer_engine_spec,
+                )
 
-                return get_gpt_layer_with_transformer_engine_spec(num_experts=tconfig.num_moe_experts,
-                                                                  qk_layernorm=tconfig.qk_layernorm)
+                return get_gpt_layer_with_transformer_engine_spec(
+                    num_experts=tconfig.num_moe_experts, qk_layernorm=tconfig.qk_layernorm
+                )
             except ImportError:
                 pass
-        spec = get_gpt_layer_local_spec(num_experts=tconfig.num_moe_experts, normalization="RMSNorm",
-                                        qk_layernorm=tconfig.qk_layernorm)
-        if tconfig.sequence_parallel:  # torch's norms, marked for megatron's TP reduction of their grads
+        spec = get_gpt_layer_local_spec(
+            num_experts=tconfig.num_moe_experts,
+            normalization="RMSNorm",
+            qk_layernorm=tconfig.qk_layernorm,
+        )
+        if (
+            tconfig.sequence_parallel
+        ):  # torch's norms, marked for megatron's TP reduction of their grads
             from chatgen.training.sequence_parallel import with_sequence_parallel_norms
 
             return with_sequence_parallel_norms(spec, tconfig, self.pp_rank)

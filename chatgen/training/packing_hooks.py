@@ -4,6 +4,7 @@ output layer computes, and rotary embeddings that follow each packed row's posit
 
 `PackingHooks` is a mixin of `chatgen.training.megatron_module.MegatronModule`.
 """
+
 import torch
 
 from chatgen.training.prefix_packing import pack_shared_prefix
@@ -15,8 +16,10 @@ class PackingHooks:
     def _pack(self, micro_batches: list) -> list:
         """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
         pipeline stages exchange activations; [None, ...] (train unpacked) unless every micro-batch packs."""
-        plans = [pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
-                 for mb in micro_batches]
+        plans = [
+            pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
+            for mb in micro_batches
+        ]
         if any(plan is None for plan in plans):
             return [None] * len(plans)
         if self.pp > 1:
@@ -32,7 +35,10 @@ class PackingHooks:
         at = self._logits_from
         if torch.is_tensor(at):
             hidden = args[0]
-            return (hidden.gather(0, at.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])), *args[1:])
+            return (
+                hidden.gather(0, at.t().unsqueeze(-1).expand(-1, -1, hidden.shape[-1])),
+                *args[1:],
+            )
         if at:
             return (args[0][at:], *args[1:])
         return None
@@ -43,7 +49,9 @@ class PackingHooks:
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         layers = getattr(getattr(self.model, "decoder", None), "layers", [])
-        return all(type(layer.self_attention.core_attention) is DotProductAttention for layer in layers)
+        return all(
+            type(layer.self_attention.core_attention) is DotProductAttention for layer in layers
+        )
 
     def _rope_follows_position_ids(self) -> bool:
         """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
@@ -53,7 +61,10 @@ class PackingHooks:
         kind = getattr(self.model, "position_embedding_type", None)
         if kind == "learned_absolute":  # the embedding reads position_ids itself
             return True
-        if kind != "rope" or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding:
+        if (
+            kind != "rope"
+            or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding
+        ):
             return False
         # one hook per model: setup() calls this once for each model it builds
         self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)

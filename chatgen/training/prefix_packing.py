@@ -17,6 +17,7 @@ token (loss_mask entry t scores token t + 1, predicted from position t); rows wi
 group. A row is packable when it is right-padded (attention_mask a run of ones, then zeros) and its loss mask
 reads only its own tokens. Used by MegatronModule.train_step (`pack_shared_prefix`, default on).
 """
+
 from dataclasses import dataclass
 
 import torch
@@ -25,16 +26,23 @@ import torch
 @dataclass
 class PackedBatch:
     """Packed rows for a micro-batch of b rows of T tokens; P packed rows of S tokens, K outputs each."""
-    input_ids: torch.Tensor       # (P, S) long; padding 0
-    position_ids: torch.Tensor    # (P, S) each token's position in its own unpacked row
-    segments: torch.Tensor        # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
-    attention_mask: torch.Tensor  # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
-    logit_positions: torch.Tensor  # (P, K + 1) packed positions whose logits are needed; the last column a dummy
-    labels: torch.Tensor          # (P, K + 1): column k + 1 is the token predicted at logit_positions[:, k]
-    index: tuple                  # (rows, entries) in (b, T-1) <- (packed rows, outputs) in (P, K)
-    shape: tuple                  # (b, T-1)
-    tokens_before: int            # real tokens the unpacked micro-batch would run
-    tokens_after: int             # real tokens the packed rows run
+
+    input_ids: torch.Tensor  # (P, S) long; padding 0
+    position_ids: torch.Tensor  # (P, S) each token's position in its own unpacked row
+    segments: (
+        torch.Tensor
+    )  # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
+    attention_mask: (
+        torch.Tensor
+    )  # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
+    logit_positions: (
+        torch.Tensor
+    )  # (P, K + 1) packed positions whose logits are needed; the last column a dummy
+    labels: torch.Tensor  # (P, K + 1): column k + 1 is the token predicted at logit_positions[:, k]
+    index: tuple  # (rows, entries) in (b, T-1) <- (packed rows, outputs) in (P, K)
+    shape: tuple  # (b, T-1)
+    tokens_before: int  # real tokens the unpacked micro-batch would run
+    tokens_after: int  # real tokens the packed rows run
 
     def unpack(self, outputs: torch.Tensor) -> torch.Tensor:
         """(P, K) per-output values (with gradient) -> (b, T-1) in the unpacked layout, 0 elsewhere."""
@@ -52,14 +60,23 @@ class PackedBatch:
 
         def pad(x, width, fill=0):
             out = x.new_full((rows, width), fill)
-            out[:p, :x.shape[1]] = x
+            out[:p, : x.shape[1]] = x
             return out
 
         k1 = self.logit_positions.shape[1]
         segments = pad(self.segments, length, -1)
-        return PackedBatch(pad(self.input_ids, length), pad(self.position_ids, length), segments, _mask(segments),
-                           pad(self.logit_positions, k1), pad(self.labels, k1), self.index, self.shape,
-                           self.tokens_before, self.tokens_after)
+        return PackedBatch(
+            pad(self.input_ids, length),
+            pad(self.position_ids, length),
+            segments,
+            _mask(segments),
+            pad(self.logit_positions, k1),
+            pad(self.labels, k1),
+            self.index,
+            self.shape,
+            self.tokens_before,
+            self.tokens_after,
+        )
 
 
 def _mask(segments: torch.Tensor) -> torch.Tensor:
@@ -68,12 +85,15 @@ def _mask(segments: torch.Tensor) -> torch.Tensor:
     s = segments.shape[1]
     seg_q, seg_k = segments.unsqueeze(2), segments.unsqueeze(1)
     eye = torch.eye(s, dtype=torch.bool, device=segments.device)
-    allowed = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril() & ((seg_k == 0) | (seg_k == seg_q))
+    allowed = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril() & (
+        (seg_k == 0) | (seg_k == seg_q)
+    )
     return ~torch.where(seg_q < 0, eye, allowed).unsqueeze(1)
 
 
-def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                       loss_mask: torch.Tensor | None) -> PackedBatch | None:
+def pack_shared_prefix(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loss_mask: torch.Tensor | None
+) -> PackedBatch | None:
     """Pack rows sharing their unscored prefix (module docstring). None when no two rows share one, when a row
     has nothing to score, is not right-padded, or its loss mask reads past its last token (then train unpacked)."""
     if loss_mask is None:
@@ -93,7 +113,7 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
         hits = scored[r].nonzero()
         if not len(hits) or int(hits[-1]) > lengths[r] - 2:
             return None
-        groups.setdefault(tuple(tokens[r][:int(hits[0]) + 1]), []).append(r)
+        groups.setdefault(tuple(tokens[r][: int(hits[0]) + 1]), []).append(r)
     if len(groups) == b:
         return None
 
@@ -101,15 +121,21 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     rows, entries, packed_rows, outputs_k = [], [], [], []
     for j, (prefix, members) in enumerate(groups.items()):
         f = len(prefix) - 1
-        row_ids, row_pos, row_seg, row_at, row_labels = list(prefix), list(range(f + 1)), [0] * (f + 1), [], []
+        row_ids, row_pos, row_seg, row_at, row_labels = (
+            list(prefix),
+            list(range(f + 1)),
+            [0] * (f + 1),
+            [],
+            [],
+        )
         for i, r in enumerate(members, start=1):
             start, n = len(row_ids), lengths[r]
-            row_ids += tokens[r][f + 1:n]
+            row_ids += tokens[r][f + 1 : n]
             row_pos += range(f + 1, n)
             row_seg += [i] * (n - f - 1)
             # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else its own
             row_at += [f] + list(range(start, start + n - f - 2))
-            row_labels += tokens[r][f + 1:n]
+            row_labels += tokens[r][f + 1 : n]
             rows += [r] * (n - f - 1)
             entries += range(f, n - 1)
             packed_rows += [j] * (n - f - 1)
@@ -122,12 +148,22 @@ def pack_shared_prefix(input_ids: torch.Tensor, attention_mask: torch.Tensor | N
     def stack(i, width, fill, shift=0):  # field i of every packed row, right-padded with `fill`
         out = torch.full((p, width), fill, dtype=torch.long)
         for j, row in enumerate(packed):
-            out[j, shift:shift + len(row[i])] = torch.tensor(row[i], dtype=torch.long)
+            out[j, shift : shift + len(row[i])] = torch.tensor(row[i], dtype=torch.long)
         return out.to(device)
 
     segments = stack(2, s, -1)
     return PackedBatch(
-        input_ids=stack(0, s, 0), position_ids=stack(1, s, 0), segments=segments, attention_mask=_mask(segments),
-        logit_positions=stack(3, k + 1, 0), labels=stack(4, k + 1, 0, shift=1),
-        index=tuple(torch.tensor(x, dtype=torch.long, device=device) for x in (rows, entries, packed_rows, outputs_k)),
-        shape=(b, t - 1), tokens_before=sum(lengths), tokens_after=sum(len(row[0]) for row in packed))
+        input_ids=stack(0, s, 0),
+        position_ids=stack(1, s, 0),
+        segments=segments,
+        attention_mask=_mask(segments),
+        logit_positions=stack(3, k + 1, 0),
+        labels=stack(4, k + 1, 0, shift=1),
+        index=tuple(
+            torch.tensor(x, dtype=torch.long, device=device)
+            for x in (rows, entries, packed_rows, outputs_k)
+        ),
+        shape=(b, t - 1),
+        tokens_before=sum(lengths),
+        tokens_after=sum(len(row[0]) for row in packed),
+    )

@@ -6,6 +6,7 @@ gradient of a norm weight covers its tokens only; megatron sums those over TP (f
 marked `sequence_parallel`. Its fallback norm (`WrappedTorchNorm`) refuses sequence parallelism instead of marking
 them; `SequenceParallelNorm` is torch's norm with the mark. Transformer Engine's and Apex's norms do this themselves.
 """
+
 import dataclasses
 
 import torch
@@ -28,18 +29,27 @@ def with_sequence_parallel_norms(spec, tconfig, pp_rank: int):
     also names the final norm (a layer spec alone gets megatron's default final norm, the refusing one)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
 
     def swap(node):
         if node is WrappedTorchNorm:
             return SequenceParallelNorm
         if isinstance(node, ModuleSpec):
-            return dataclasses.replace(node, module=swap(node.module), submodules=swap(node.submodules))
+            return dataclasses.replace(
+                node, module=swap(node.module), submodules=swap(node.submodules)
+            )
         if dataclasses.is_dataclass(node) and not isinstance(node, type):
-            return dataclasses.replace(node, **{f.name: swap(getattr(node, f.name)) for f in dataclasses.fields(node)
-                                                if f.init})
+            return dataclasses.replace(
+                node,
+                **{f.name: swap(getattr(node, f.name)) for f in dataclasses.fields(node) if f.init},
+            )
         return node
 
     layer = swap(spec)
-    return TransformerBlockSubmodules(layer_specs=[layer] * get_num_layers_to_build(tconfig, pp_rank=pp_rank),
-                                      layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(
+        layer_specs=[layer] * get_num_layers_to_build(tconfig, pp_rank=pp_rank),
+        layer_norm=SequenceParallelNorm,
+    )

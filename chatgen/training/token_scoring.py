@@ -4,6 +4,7 @@ overrides `token_outputs` (the PPO critic, chatgen/training/critic.py).
 
 `TokenScoring` is a mixin of `chatgen.training.megatron_module.MegatronModule`.
 """
+
 import torch
 
 
@@ -41,6 +42,7 @@ class TokenScoring:
         the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
         ignores it."""
         if temperature <= 0:
-            raise ValueError(f"{self.name}.set_logits_temperature: {temperature}; a temperature "
-                             "must be > 0")
+            raise ValueError(
+                f"{self.name}.set_logits_temperature: {temperature}; a temperature must be > 0"
+            )
         self.logits_temperature = float(temperature)

@@ -7,6 +7,7 @@ packages in this process and in every Python subprocess that inherits the enviro
 code paths of a smaller one (the GPU machine has no vLLM, Ray or fastapi) without building a second one.
 CHATGEN_HIDE_PACKAGES: comma-separated top-level package names.
 """
+
 import os
 import sys
 

@@ -8,6 +8,7 @@ Every test is marked `gpu`; without CUDA, tests/conftest.py skips them with the 
 vLLM engine skip without vLLM, all without megatron-core. The last three need two GPUs and say so. docs/gpu.md
 lists what ran on which GPU, and what never has.
 """
+
 import importlib.util
 import json
 import os
@@ -16,18 +17,31 @@ import pytest
 import torch
 from helpers import optimizer_state
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(importlib.util.find_spec("megatron") is None,
-                                                  reason="needs megatron-core (pip install chatgen)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        importlib.util.find_spec("megatron") is None,
+        reason="needs megatron-core (pip install chatgen)",
+    ),
+]
 # vLLM is imported inside the tests that start an engine, never here: without it they skip, the rest run (the GPU
 # machine lent to sessions has no vLLM; scripts/gpu_run.sh runs this file there)
-needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
-                                reason="needs vLLM (pip install 'chatgen[vllm]'; its CUDA wheel is 327 MB)")
+needs_vllm = pytest.mark.skipif(
+    importlib.util.find_spec("vllm") is None,
+    reason="needs vLLM (pip install 'chatgen[vllm]'; its CUDA wheel is 327 MB)",
+)
 
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL cannot pair two ranks "
-                                                                    "on one device)")
+two_gpus = pytest.mark.skipif(
+    torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs (NCCL cannot pair two ranks on one device)",
+)
 PROMPTS = [[5, 17, 99, 200], [1, 2, 3, 4, 5, 6, 7]]
-FP32_TOL = 1e-3  # trainer vs engine on CUDA, fp32 (CPU: 1e-4); GPU attention and GEMM kernels differ more
-BF16_TOL = 0.25  # bf16: a mantissa of 8 bits; the engine's fused kernels round differently from megatron's
+FP32_TOL = (
+    1e-3  # trainer vs engine on CUDA, fp32 (CPU: 1e-4); GPU attention and GEMM kernels differ more
+)
+BF16_TOL = (
+    0.25  # bf16: a mantissa of 8 bits; the engine's fused kernels round differently from megatron's
+)
 
 
 def trainer(model_dir, **kw):
@@ -44,9 +58,21 @@ def engine(model_dir, dtype="float32", tensor_parallel_size=1):
     """A VLLMModule on random weights (load_format dummy): only a sync makes it agree with the trainer."""
     from chatgen.generation.vllm.module import VLLMModule
 
-    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype=dtype, seed=0,
-                           kv_cache_memory_bytes=256 << 20, temperature=0.0, new_token_limit=True, max_new_tokens=6,
-                           logprobs_mode="raw", tensor_parallel_size=tensor_parallel_size)).start()
+    return VLLMModule(
+        dict(
+            load=str(model_dir),
+            load_format="dummy",
+            enforce_eager=True,
+            dtype=dtype,
+            seed=0,
+            kv_cache_memory_bytes=256 << 20,
+            temperature=0.0,
+            new_token_limit=True,
+            max_new_tokens=6,
+            logprobs_mode="raw",
+            tensor_parallel_size=tensor_parallel_size,
+        )
+    ).start()
 
 
 def generate(llm, prompts=PROMPTS, tokens=6):
@@ -62,8 +88,11 @@ def generate(llm, prompts=PROMPTS, tokens=6):
 
 def diff_vs_trainer(module, generated, prompts=PROMPTS) -> float:
     """Largest |trainer log-prob - engine log-prob| over the generated tokens (NaN stays NaN)."""
-    diffs = [module.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1:] - torch.tensor(lp)
-             for prompt, (ids, lp) in zip(prompts, generated)]
+    diffs = [
+        module.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1 :]
+        - torch.tensor(lp)
+        for prompt, (ids, lp) in zip(prompts, generated)
+    ]
     return torch.cat([d.abs() for d in diffs]).max().item()
 
 
@@ -104,7 +133,9 @@ def test_trainer_logprobs_match_hf_transformers_on_cuda(tiny_llama_dir):
     tokens as HF transformers does, fp32."""
     batch = ids()
     got = trainer(tiny_llama_dir).forward_tokens({"input_ids": batch})
-    assert got.shape == (4, 23) and (got - hf_logprobs(tiny_llama_dir, batch)).abs().max() < FP32_TOL
+    assert (
+        got.shape == (4, 23) and (got - hf_logprobs(tiny_llama_dir, batch)).abs().max() < FP32_TOL
+    )
 
 
 @needs_vllm
@@ -133,7 +164,10 @@ def test_colocated_sync_into_vllm_bf16(tiny_llama_dir):
     engine's log-probs follow the trainer's within bf16 precision."""
     from chatgen.param_sync import sync_weights
 
-    module, llm = trainer(tiny_llama_dir, dtype="bfloat16"), engine(tiny_llama_dir, dtype="bfloat16")
+    module, llm = (
+        trainer(tiny_llama_dir, dtype="bfloat16"),
+        engine(tiny_llama_dir, dtype="bfloat16"),
+    )
     try:
         before = diff_vs_trainer(module, generate(llm))
         assert sync_weights(module, llm, validate=True).validated
@@ -154,7 +188,10 @@ def test_engine_sleep_frees_its_memory_and_wake_up_restores_it(tiny_llama_dir):
         free_awake, _ = torch.cuda.mem_get_info()
         llm.sleep(level=1)
         free_asleep, _ = torch.cuda.mem_get_info()
-        assert free_asleep - free_awake > 0.8 * (256 << 20), (free_awake, free_asleep)  # the KV cache at least
+        assert free_asleep - free_awake > 0.8 * (256 << 20), (
+            free_awake,
+            free_asleep,
+        )  # the KV cache at least
         llm.wake_up()
         assert generate(llm) == before
     finally:
@@ -168,15 +205,24 @@ def test_trainer_offload_and_onload_round_trip(tiny_llama_dir):
     module.train_step({"input_ids": ids()}, nll)
     weights, state = module.hf_state_dict(), optimizer_state(module)
     grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size() for b in module.ddp.buffers)
-    param_bytes = sum(b.param_data.numel() * b.param_data.element_size() for b in module.ddp.buffers)
+    param_bytes = sum(
+        b.param_data.numel() * b.param_data.element_size() for b in module.ddp.buffers
+    )
     state_bytes = sum(t.numel() * t.element_size() for t in state)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     module.offload()
     assert module._offloaded == ("grads", "optimizer", "params")
     freed = allocated - torch.cuda.memory_allocated()
-    assert freed > 0.9 * (grad_bytes + param_bytes + state_bytes), (freed, grad_bytes, param_bytes, state_bytes)
-    assert all(torch.equal(module.hf_state_dict()[k], w) for k, w in weights.items())  # weights came back for it
+    assert freed > 0.9 * (grad_bytes + param_bytes + state_bytes), (
+        freed,
+        grad_bytes,
+        param_bytes,
+        state_bytes,
+    )
+    assert all(
+        torch.equal(module.hf_state_dict()[k], w) for k, w in weights.items()
+    )  # weights came back for it
     assert module._offloaded == ("grads", "optimizer")
     module.onload()
     assert not module._offloaded
@@ -217,7 +263,9 @@ def test_distributed_checkpoint_resumes_exactly_on_gpu(tiny_llama_dir, tmp_path)
     assert resumed.iteration == 2
     assert all(torch.equal(resumed.hf_state_dict()[k], w) for k, w in weights.items())
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(resumed), state, strict=True))
-    assert resumed.train_step({"input_ids": ids()}, nll)["lr"] == pytest.approx(3e-5)  # warm-up step 3 of 10
+    assert resumed.train_step({"input_ids": ids()}, nll)["lr"] == pytest.approx(
+        3e-5
+    )  # warm-up step 3 of 10
 
 
 def test_memory_stats_report_the_phases_on_gpu(tiny_llama_dir):
@@ -227,11 +275,17 @@ def test_memory_stats_report_the_phases_on_gpu(tiny_llama_dir):
     module.memory_stats()
     module.train_step({"input_ids": ids()}, nll)
     module.offload()
-    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # 64 MiB "engine" while the trainer is out
+    held = torch.empty(
+        64 << 20, dtype=torch.uint8, device="cuda"
+    )  # 64 MiB "engine" while the trainer is out
     del held
     module.onload()
     stats = module.memory_stats()
-    assert set(stats) == {"memory/trainer_peak_gib", "memory/offloaded_peak_gib", "memory/device_used_gib"}
+    assert set(stats) == {
+        "memory/trainer_peak_gib",
+        "memory/offloaded_peak_gib",
+        "memory/device_used_gib",
+    }
     assert stats["memory/trainer_peak_gib"] > 0 and stats["memory/device_used_gib"] > 0
     assert stats["memory/offloaded_peak_gib"] >= 64 / 1024
     assert set(module.memory_stats()) == {"memory/trainer_peak_gib", "memory/device_used_gib"}
@@ -251,7 +305,13 @@ def test_shared_prefix_packing_on_gpu(tiny_llama_dir):
         prompt = torch.randint(0, 500, (5 + g,), generator=gen).tolist()
         for i in range(3):
             response = torch.randint(0, 500, (2 + i,), generator=gen).tolist()
-            samples.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response)))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    response_logprobs=[0.0] * len(response),
+                )
+            )
     data = RolloutBatch.from_samples(samples, pad_token_id=0).trainer_inputs()
 
     def masked(logprobs, mb):
@@ -266,13 +326,29 @@ def test_shared_prefix_packing_on_gpu(tiny_llama_dir):
 def _grpo_config(model_dir, data_dir, out, *extra):
     from chatgen.rlhf.config import load_config
 
-    return load_config("configs/grpo_tiny.yaml", [
-        f"runtime.data_path={data_dir}/train.jsonl", f"runtime.eval_data_path={data_dir}/eval.jsonl",
-        f"runtime.output_dir={out}", "runtime.num_episode=2", "runtime.sample_per_episode=32",
-        "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=1",
-        "runtime.save_episode_interval=2", "models.policy.num_gpu=1", "models.policy_trainer.num_gpu=1",
-        f"policy.load={model_dir}", f"policy_trainer.load={model_dir}", "policy.n=4", "policy.dtype=bfloat16",
-        "policy_trainer.dtype=bfloat16", "runtime.algorithm.old_logprobs=recompute", *extra])
+    return load_config(
+        "configs/grpo_tiny.yaml",
+        [
+            f"runtime.data_path={data_dir}/train.jsonl",
+            f"runtime.eval_data_path={data_dir}/eval.jsonl",
+            f"runtime.output_dir={out}",
+            "runtime.num_episode=2",
+            "runtime.sample_per_episode=32",
+            "runtime.train_micro_batch_size=16",
+            "runtime.train_global_batch_size=16",
+            "runtime.eval_episode_interval=1",
+            "runtime.save_episode_interval=2",
+            "models.policy.num_gpu=1",
+            "models.policy_trainer.num_gpu=1",
+            f"policy.load={model_dir}",
+            f"policy_trainer.load={model_dir}",
+            "policy.n=4",
+            "policy.dtype=bfloat16",
+            "policy_trainer.dtype=bfloat16",
+            "runtime.algorithm.old_logprobs=recompute",
+            *extra,
+        ],
+    )
 
 
 def _check_gpu_run(out, metrics):
@@ -284,8 +360,12 @@ def _check_gpu_run(out, metrics):
         assert all(v == v for v in r.values() if isinstance(v, float))  # no NaN
         assert r["memory/trainer_peak_gib"] > 0 and r["memory/device_used_gib"] > 0
         assert r["memory/offloaded_peak_gib"] >= 0  # present: the trainer handed the GPU over
-        assert r["mismatch/logprob_mean_abs"] < 0.1  # bf16 engine vs bf16 trainer on the sampled tokens
-    assert (out / "checkpoints" / "episode_000002" / "policy_trainer" / "chatgen_megatron.json").exists()
+        assert (
+            r["mismatch/logprob_mean_abs"] < 0.1
+        )  # bf16 engine vs bf16 trainer on the sampled tokens
+    assert (
+        out / "checkpoints" / "episode_000002" / "policy_trainer" / "chatgen_megatron.json"
+    ).exists()
     # An episode whose every group got equal rewards has zero advantages, so a zero gradient (about 1 run in 10
     # for the last episode of the tiny model): only a run that saw different rewards must have trained somewhere
     norms = [r["policy/grad_norm"] for r in records[1:]]
@@ -302,7 +382,9 @@ def test_grpo_tiny_colocated_on_one_gpu(tiny_llama_dir, tmp_path, monkeypatch):
 
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     tasks.main(["--output", str(tmp_path / "data"), "--n-train", "64", "--n-eval", "8"])
-    metrics = grpo.train(_grpo_config(tiny_llama_dir, tmp_path / "data", tmp_path / "run"), log=lambda *_: None)
+    metrics = grpo.train(
+        _grpo_config(tiny_llama_dir, tmp_path / "data", tmp_path / "run"), log=lambda *_: None
+    )
     _check_gpu_run(tmp_path / "run", metrics)
 
 
@@ -316,13 +398,27 @@ def test_grpo_smollm2_colocated_on_one_gpu(smollm2_dir, tmp_path, monkeypatch):
     monkeypatch.chdir(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     data = tmp_path / "data"
     tasks.main(["--output", str(data), "--task", "arithmetic", "--n-train", "64", "--n-eval", "8"])
-    cfg = load_config("configs/grpo_smollm2.yaml", [
-        f"runtime.data_path={data}/train.jsonl", f"runtime.eval_data_path={data}/eval.jsonl",
-        f"runtime.output_dir={tmp_path / 'run'}", "runtime.num_episode=2", "runtime.sample_per_episode=16",
-        "runtime.train_micro_batch_size=16", "runtime.train_global_batch_size=16", "runtime.eval_episode_interval=1",
-        "runtime.save_episode_interval=2", "models.policy.num_gpu=1", "models.policy_trainer.num_gpu=1",
-        f"policy.load={smollm2_dir}", f"policy_trainer.load={smollm2_dir}", "policy.dtype=bfloat16",
-        "policy_trainer.dtype=bfloat16", "runtime.algorithm.old_logprobs=recompute"])
+    cfg = load_config(
+        "configs/grpo_smollm2.yaml",
+        [
+            f"runtime.data_path={data}/train.jsonl",
+            f"runtime.eval_data_path={data}/eval.jsonl",
+            f"runtime.output_dir={tmp_path / 'run'}",
+            "runtime.num_episode=2",
+            "runtime.sample_per_episode=16",
+            "runtime.train_micro_batch_size=16",
+            "runtime.train_global_batch_size=16",
+            "runtime.eval_episode_interval=1",
+            "runtime.save_episode_interval=2",
+            "models.policy.num_gpu=1",
+            "models.policy_trainer.num_gpu=1",
+            f"policy.load={smollm2_dir}",
+            f"policy_trainer.load={smollm2_dir}",
+            "policy.dtype=bfloat16",
+            "policy_trainer.dtype=bfloat16",
+            "runtime.algorithm.old_logprobs=recompute",
+        ],
+    )
     metrics = grpo.train(cfg, log=lambda *_: None)
     _check_gpu_run(tmp_path / "run", metrics)
     assert 0 <= metrics["eval/reward"] <= 1
@@ -353,7 +449,9 @@ def test_nccl_weight_channel_between_processes(tiny_llama_dir, monkeypatch):
     job = DistributedJob(_nccl_sender, 1, args=(tiny_llama_dir, rx.port))
     monkeypatch.undo()  # this process's CUDA started long ago; vLLM may read the variable again
     try:
-        reference = hf_logprobs(tiny_llama_dir, torch.tensor([PROMPTS[1] + [9, 10, 11]]))[0, len(PROMPTS[1]) - 1:]
+        reference = hf_logprobs(tiny_llama_dir, torch.tensor([PROMPTS[1] + [9, 10, 11]]))[
+            0, len(PROMPTS[1]) - 1 :
+        ]
         stale = generate(llm, [PROMPTS[1]], tokens=3)
         report = rx.receive_into(llm, alive=job.poll)
         assert report.validated and report.tensors == 21
@@ -362,9 +460,13 @@ def test_nccl_weight_channel_between_processes(tiny_llama_dir, monkeypatch):
 
         llm.config = dataclasses.replace(llm.config, prompt_logprobs=0, max_new_tokens=1)
         (out,) = llm.finished([{"input_ids": PROMPTS[1] + [9, 10, 11]}], greedy=True)
-        synced = torch.tensor([next(iter(lp.values())).logprob for lp in out.prompt_logprobs[len(PROMPTS[1]):]])
+        synced = torch.tensor(
+            [next(iter(lp.values())).logprob for lp in out.prompt_logprobs[len(PROMPTS[1]) :]]
+        )
         llm.config = dataclasses.replace(llm.config, prompt_logprobs=None)
-        assert (synced - reference).abs().max() < BF16_TOL and stale != generate(llm, [PROMPTS[1]], tokens=3)
+        assert (synced - reference).abs().max() < BF16_TOL and stale != generate(
+            llm, [PROMPTS[1]], tokens=3
+        )
     finally:
         job.stop()
         llm.shutdown()
@@ -375,7 +477,9 @@ def _colocated_tp2(model_dir):
     from chatgen.param_sync import sync_weights
 
     module = trainer(model_dir, dtype="bfloat16", tensor_model_parallel_size=2)
-    llm = engine(model_dir, dtype="bfloat16", tensor_parallel_size=2)  # WORLD_SIZE=2: external_launcher
+    llm = engine(
+        model_dir, dtype="bfloat16", tensor_parallel_size=2
+    )  # WORLD_SIZE=2: external_launcher
     try:
         before = diff_vs_trainer(module, generate(llm))
         tensors = sync_weights(module, llm, validate=True).tensors

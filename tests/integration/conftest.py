@@ -3,6 +3,7 @@ task's data.
 
     python -m pytest tests/integration/test_rlhf_runs.py
 """
+
 import os
 from pathlib import Path
 
@@ -18,8 +19,9 @@ def ray_session():
     from chatgen.rlhf.runtime import Runtime, init_ray
 
     here = Path(__file__).parent
-    os.environ["PYTHONPATH"] = os.pathsep.join([str(here), str(here.parent),
-                                                os.environ.get("PYTHONPATH", "")])
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(here), str(here.parent), os.environ.get("PYTHONPATH", "")]
+    )
     local_ray = init_ray(None, 4)  # as a run starts it: loopback only (None: Ray was already up)
     yield
     Runtime([], {}, local_ray).shutdown()

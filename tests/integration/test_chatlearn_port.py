@@ -5,6 +5,7 @@
 tests/data/chatlearn_style/vllm_policy_inference.py is written in ChatLearn v1.0's idiom and configured by the
 ChatLearn-style YAML chain beside it (read with the chatlearn dialect; values through its env names).
 """
+
 import json
 import re
 from pathlib import Path
@@ -62,14 +63,24 @@ def test_chatlearn_style_module_runs_unchanged(chain_env):
     module = Recorded(str(STYLE / "sampler.yaml"), config_dialect="chatlearn").start()
     try:
         args = module.model_args
-        assert (args["samples_per_prompt"], args["shuffle_mode"], args["kl_target"]) == (3, 1, 0.05)  # user keys
-        assert (args["seq_length"], args["max_new_tokens"], args["n"]) == (128, 8, 2)  # typed keys, same mapping
+        assert (args["samples_per_prompt"], args["shuffle_mode"], args["kl_target"]) == (
+            3,
+            1,
+            0.05,
+        )  # user keys
+        assert (args["seq_length"], args["max_new_tokens"], args["n"]) == (
+            128,
+            8,
+            2,
+        )  # typed keys, same mapping
         with pytest.raises(TypeError):
             args["n"] = 4  # read-only: the config is the one place to change it
         assert module.tokenizer.tokenizer.eos_token_id == module.tokenizer.eos_token_id
 
         items = module.prepare_dataset(PROMPTS)
-        assert len(items) == 3 * len(PROMPTS)  # build_dataset repeated each prompt samples_per_prompt times
+        assert len(items) == 3 * len(
+            PROMPTS
+        )  # build_dataset repeated each prompt samples_per_prompt times
         out = module.run_generation(items)
         samples = 3 * len(PROMPTS) * 2  # x n
         assert out["all_tokens"].shape == (samples, 128) and out["logprobs"].shape == (samples, 127)
@@ -80,45 +91,89 @@ def test_chatlearn_style_module_runs_unchanged(chain_env):
         assert out["logprobs"][out["loss_mask"][:, 1:].bool()].lt(0).float().mean() > 0.9
 
         train_calls = list(module.calls)
-        assert train_calls[0] == ("_add_request", "defaultdict", False)  # the dataset's collate_fn made the batch
+        assert train_calls[0] == (
+            "_add_request",
+            "defaultdict",
+            False,
+        )  # the dataset's collate_fn made the batch
         steps = [c[1] for c in train_calls[1:]]
-        assert [c[0] for c in train_calls[1:]] == ["forward_step"] * len(steps) and steps == list(range(len(steps)))
+        assert [c[0] for c in train_calls[1:]] == ["forward_step"] * len(steps) and steps == list(
+            range(len(steps))
+        )
 
         module.calls.clear()
-        evaluation = module.run_generation(module.prepare_dataset(PROMPTS, is_eval=True), is_eval=True)
+        evaluation = module.run_generation(
+            module.prepare_dataset(PROMPTS, is_eval=True), is_eval=True
+        )
         assert evaluation["all_tokens"].shape[0] == len(PROMPTS) * 2  # eval: no repetition
         assert module.calls[0] == ("_add_request", "defaultdict", True)
         eval_steps = module.calls[1:]
-        assert eval_steps and all(name == "eval_forward" for name, _ in eval_steps)  # eval steps: eval_forward
+        assert eval_steps and all(
+            name == "eval_forward" for name, _ in eval_steps
+        )  # eval steps: eval_forward
         # iteration counts over the module's life, as ChatLearn's does: the eval call continues the count
         assert [i for _, i in eval_steps] == list(range(len(steps), len(steps) + len(eval_steps)))
     finally:
         module.shutdown()
 
 
-def test_chatgen_generate_runs_a_users_module_with_a_chatlearn_yaml(chain_env, tiny_llama_dir, tmp_path, capsys):
+def test_chatgen_generate_runs_a_users_module_with_a_chatlearn_yaml(
+    chain_env, tiny_llama_dir, tmp_path, capsys
+):
     from chatgen.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS))
     out = tmp_path / "out.jsonl"
-    rc = main(["generate", "--module", "vllm_policy_inference:StylePolicyInference", "--config",
-               str(STYLE / "sampler.yaml"), "--config-dialect", "chatlearn", "--model", str(tiny_llama_dir),
-               "--input", str(prompts), "--output", str(out), "enforce_eager=true"])
+    rc = main(
+        [
+            "generate",
+            "--module",
+            "vllm_policy_inference:StylePolicyInference",
+            "--config",
+            str(STYLE / "sampler.yaml"),
+            "--config-dialect",
+            "chatlearn",
+            "--model",
+            str(tiny_llama_dir),
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "enforce_eager=true",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(rows) == 3 * len(PROMPTS) * 2  # the module's own decode_internal: one line per sample
+    assert (
+        len(rows) == 3 * len(PROMPTS) * 2
+    )  # the module's own decode_internal: one line per sample
     assert {"all_tokens", "str_outputs", "logprobs", "loss_mask"} <= set(rows[0])
-    assert len(rows[0]["all_tokens"]) == 128 and all(isinstance(r["str_outputs"], str) for r in rows)
+    assert len(rows[0]["all_tokens"]) == 128 and all(
+        isinstance(r["str_outputs"], str) for r in rows
+    )
 
 
-def test_chatgen_generate_refuses_a_class_that_is_not_a_vllm_module(tiny_llama_dir, tmp_path, capsys):
+def test_chatgen_generate_refuses_a_class_that_is_not_a_vllm_module(
+    tiny_llama_dir, tmp_path, capsys
+):
     from chatgen.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hi"}) + "\n")
-    rc = main(["generate", "--module", "chatgen.rlhf.rewards:RuleReward", "--model", str(tiny_llama_dir),
-               "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
+    rc = main(
+        [
+            "generate",
+            "--module",
+            "chatgen.rlhf.rewards:RuleReward",
+            "--model",
+            str(tiny_llama_dir),
+            "--input",
+            str(prompts),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ]
+    )
     assert rc != 0 and "not a subclass of chatgen.VLLMModule" in capsys.readouterr().err
 
 
@@ -128,8 +183,16 @@ def test_vllm_starts_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     from chatgen.models.convert import hf_to_megatron_dir
 
     checkpoint = hf_to_megatron_dir(tiny_llama_dir, tmp_path / "megatron", tp=2, pp=2)
-    config = dict(kv_cache_memory_bytes=64 << 20, enforce_eager=True, seq_length=128, new_token_limit=True,
-                  max_new_tokens=8, logprobs_mode="raw", ignore_eos=True, eval_temperature=0.0)
+    config = dict(
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        seq_length=128,
+        new_token_limit=True,
+        max_new_tokens=8,
+        logprobs_mode="raw",
+        ignore_eos=True,
+        eval_temperature=0.0,
+    )
     results = []
     for load in (tiny_llama_dir, checkpoint):
         module = VLLMModule({**config, "load": str(load)}).start()
@@ -143,4 +206,6 @@ def test_vllm_starts_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     assert tok_hf and tok_mg  # the checkpoint's tokenizer files came along
     assert torch.equal(ids_hf, ids_mg)
     assert (lp_hf - lp_mg).abs().max() < 1e-5
-    assert engine_dir is not None and not Path(engine_dir).exists()  # the temporary HF view is removed
+    assert (
+        engine_dir is not None and not Path(engine_dir).exists()
+    )  # the temporary HF view is removed

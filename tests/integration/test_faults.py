@@ -5,6 +5,7 @@
 Each test reproduces one finding of issue 13 and asserts the fixed behaviour; docs/failure_and_security.md
 describes the behaviour for users. (The faults without an engine are in the unit tests, marked `faults`.)
 """
+
 import os
 from pathlib import Path
 
@@ -52,8 +53,9 @@ def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(si
 
     log = tmp_path / "driver.err"
     with open(log, "w") as err:
-        driver = subprocess.Popen([sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=err, text=True,
-                                  cwd=REPO)
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO
+        )
     ready = driver.stdout.readline()
     assert ready.startswith("READY"), log.read_text()[-3000:]
     session = Path(ready.split()[1])
@@ -62,8 +64,12 @@ def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(si
     assert any(p.name() == "ray::DashboardAgent" for p in ray_processes)
     found = listeners(root)
     names = {name for name, _, _ in found}
-    assert {"gcs_server", "raylet"} <= names and any(n.startswith("ray::ModelWorker") for n in names), found
-    assert not [entry for entry in found if not is_loopback(entry[1])], f"listening beyond loopback: {found}"
+    assert {"gcs_server", "raylet"} <= names and any(
+        n.startswith("ray::ModelWorker") for n in names
+    ), found
+    assert not [entry for entry in found if not is_loopback(entry[1])], (
+        f"listening beyond loopback: {found}"
+    )
     assert session.is_dir() and any(session.iterdir())  # Ray's session files: here, not in /tmp/ray
     start = time.monotonic()
     driver.send_signal(getattr(signal, sig))
@@ -71,14 +77,18 @@ def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(si
     stderr = log.read_text()
     _, alive = psutil.wait_procs(ray_processes, timeout=20)
     assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
-    assert time.monotonic() - start < 45  # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
+    assert (
+        time.monotonic() - start < 45
+    )  # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
     for _ in range(20):  # the reaper removes the session directory after the last kill
         if not session.exists():
             break
         time.sleep(0.5)
     assert not session.exists()
     if sig == "SIGTERM":
-        assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[-2000:]
+        assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[
+            -2000:
+        ]
     else:
         assert rc == -9
 
@@ -93,14 +103,27 @@ def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
     import tempfile
 
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
-    code = ("from chatgen.generation.vllm import adapter as a; "
-            f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
-            "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
-            "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)")
-    env = {**os.environ, "TMPDIR": str(tmp), "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    code = (
+        "from chatgen.generation.vllm import adapter as a; "
+        f"llm = a.build_llm({str(tiny_llama_dir)!r}, load_format='dummy', enforce_eager=True, "
+        "skip_tokenizer_init=True, tensor_parallel_size=2, distributed_executor_backend='mp', "
+        "kv_cache_memory_bytes=16 << 20); a.shutdown(llm)"
+    )
+    env = {
+        **os.environ,
+        "TMPDIR": str(tmp),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+    }
     env.pop("VLLM_RPC_BASE_PATH", None)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
-    left = [str(p) for p in tmp.rglob("*") if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")]
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
+    )
+    left = [
+        str(p)
+        for p in tmp.rglob("*")
+        if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")
+    ]
     shutil.rmtree(tmp)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not left, left
@@ -125,8 +148,21 @@ def test_generate_on_a_nan_model_fails_and_writes_nothing(tiny_llama_dir, tmp_pa
     model = nan_model(tiny_llama_dir, tmp_path / "nan-model")
     prompts, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     prompts.write_text('{"prompt_ids": [1, 5, 6]}\n{"prompt_ids": [1, 7]}\n')
-    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(out), "--max-new-tokens",
-               "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "2",
+            "kv_cache_memory_bytes=33554432",
+            "enforce_eager=true",
+        ]
+    )
     assert rc == 1 and "NaN or inf log-probs" in capsys.readouterr().err
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
@@ -147,7 +183,9 @@ def resized_vocab(model_dir, out, vocab_size: int):
     weights = load_file(str(out / "model.safetensors"))
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         t = weights[name]
-        weights[name] = t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[:vocab_size - old]])
+        weights[name] = (
+            t[:vocab_size].clone() if vocab_size <= old else torch.cat([t, t[: vocab_size - old]])
+        )
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
@@ -156,28 +194,69 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, t
     """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
     from chatgen.cli import main
 
-    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)  # the tokenizer has 512 tokens
+    model = resized_vocab(
+        tiny_llama_dir, tmp_path / "small-vocab", 256
+    )  # the tokenizer has 512 tokens
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "9 1 4"}\n')
-    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl"),
-               "--max-new-tokens", "2", "kv_cache_memory_bytes=33554432", "enforce_eager=true"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(prompts),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--max-new-tokens",
+            "2",
+            "kv_cache_memory_bytes=33554432",
+            "enforce_eager=true",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
-    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')  # token ids: checked per input line
-    rc = main(["generate", "--model", str(model), "--input", str(prompts), "--output", str(tmp_path / "out.jsonl")])
-    assert rc == 2 and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)" in \
-        capsys.readouterr().err
+    prompts.write_text(
+        '{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n'
+    )  # token ids: checked per input line
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(model),
+            "--input",
+            str(prompts),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ]
+    )
+    assert (
+        rc == 2
+        and "in.jsonl:2: \"prompt_ids\": token id(s) [300] outside the model's vocabulary [0, 256)"
+        in capsys.readouterr().err
+    )
 
 
 # ---- one engine for the rest of the file (vLLM: one engine per process; an engine started and shut
 # down while it lives would end its torch.distributed state, so the tests above with their own engines come first)
 
+
 @pytest.fixture(scope="module")
 def module(tiny_llama_dir):
     from chatgen.generation.vllm.module import VLLMModule
 
-    m = VLLMModule(dict(load=str(tiny_llama_dir), kv_cache_memory_bytes=32 << 20, enforce_eager=True,
-                        seq_length=64, new_token_limit=True, max_new_tokens=4, temperature=0.0, seed=0)).start()
+    m = VLLMModule(
+        dict(
+            load=str(tiny_llama_dir),
+            kv_cache_memory_bytes=32 << 20,
+            enforce_eager=True,
+            seq_length=64,
+            new_token_limit=True,
+            max_new_tokens=4,
+            temperature=0.0,
+            seed=0,
+        )
+    ).start()
     yield m
     m.shutdown()
 
@@ -188,11 +267,13 @@ def batch(rows, pad):
     width = max(map(len, rows))
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = torch.tensor(row)
+        ids[i, : len(row)] = torch.tensor(row)
     return {"input_ids": ids, "input_lengths": torch.tensor([len(r) for r in rows])}
 
 
-def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_llama_dir, monkeypatch):
+def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(
+    module, tiny_llama_dir, monkeypatch
+):
     """A NaN weight is refused before anything is written (the engine still generates as before). A sync that
     fails once vLLM's reload has begun (which releases the old weights) says the engine must be synced again,
     and generating is refused with that message until a sync completes (it used to fail deep in vLLM with
@@ -206,20 +287,35 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(module, tiny_lla
     weights = load_file(str(tiny_llama_dir / "model.safetensors"))
     poisoned = {**weights, "model.norm.weight": weights["model.norm.weight"].clone()}
     poisoned["model.norm.weight"][3] = float("nan")
-    with pytest.raises(SyncError, match=r"keeps its old weights: 1 parameter\(s\) hold NaN or inf: model.norm.weight"):
+    with pytest.raises(
+        SyncError,
+        match=r"keeps its old weights: 1 parameter\(s\) hold NaN or inf: model.norm.weight",
+    ):
         sync_weights(poisoned, module)
-    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)[
+        "output_ids"
+    ].equal(before)
 
-    real = source.LocalWeights.reference  # validation sees the first bucket differ from its independent read
-    monkeypatch.setattr(source.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)])
-    with pytest.raises(SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"):
+    real = (
+        source.LocalWeights.reference
+    )  # validation sees the first bucket differ from its independent read
+    monkeypatch.setattr(
+        source.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)]
+    )
+    with pytest.raises(
+        SyncError, match=r"PARTIALLY updated .* synced again .*validation: .* differs"
+    ):
         sync_weights(weights, module, validate=True)
     assert "needs a re-sync" in module.needs_resync
-    with pytest.raises(RuntimeError, match="a weight update failed .* needs a re-sync: it refuses to generate"):
+    with pytest.raises(
+        RuntimeError, match="a weight update failed .* needs a re-sync: it refuses to generate"
+    ):
         module.generate(prompts, greedy=True)
     monkeypatch.undo()
     sync_weights(weights, module, validate=True)  # a complete sync repairs it
-    assert module.needs_resync is None and module.generate(prompts, greedy=True)["output_ids"].equal(before)
+    assert module.needs_resync is None and module.generate(prompts, greedy=True)[
+        "output_ids"
+    ].equal(before)
 
 
 def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
@@ -228,7 +324,9 @@ def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
     import torch
 
     pad = module.pad_token_id
-    with pytest.raises(ValueError, match=r"row 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"):
+    with pytest.raises(
+        ValueError, match=r"row 1: token id\(s\) \[600\] outside the model's vocabulary \[0, 512\)"
+    ):
         module.generate(batch([[1, 5], [1, 600]], pad), greedy=True)
     good = batch([[1, 5, 6, 7], [1, 9]], pad)
     with pytest.raises(ValueError, match="input_ids is a torch.bool tensor"):

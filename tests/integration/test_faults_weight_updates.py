@@ -8,6 +8,7 @@ a file, weight updates given 3 s per step): a process without the update's token
 at once (2); the server finds NaN in what it receives whatever the trainer's header claims, and after a good
 sync no answer holds NaN (4); the key is in no process list (7). docs/failure_and_security.md.
 """
+
 import math
 import os
 import subprocess
@@ -24,7 +25,13 @@ from helpers import TOL, ListedWeights, max_diff_vs_hf, perturbed  # noqa: E402
 
 KEY = "key-read-from-a-file-" + "x" * 20
 STEP_TIMEOUT = 3  # --control-timeout
-ENGINE = dict(seq_length=128, logprobs_mode="raw", enforce_eager=True, block_size=32, kv_cache_memory_bytes=16 << 20)
+ENGINE = dict(
+    seq_length=128,
+    logprobs_mode="raw",
+    enforce_eager=True,
+    block_size=32,
+    kv_cache_memory_bytes=16 << 20,
+)
 PROMPTS = [list(range(10, 80)), [5, 17, 99, 200, 301, 7]]
 AUTH = {"Authorization": f"Bearer {KEY}"}
 
@@ -37,10 +44,27 @@ def server(tiny_llama_dir, tmp_path_factory):
     key_file.write_text(KEY + "\n")
     port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "CHATGEN_API_KEY"}
-    proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(tiny_llama_dir), "--port",
-                             str(port), "--api-key-file", str(key_file), "--control", "--control-timeout",
-                             str(STEP_TIMEOUT), "max_new_tokens=8", *(f"{k}={v}" for k, v in ENGINE.items())],
-                            env=dict(env, VLLM_LOGGING_LEVEL="ERROR"), stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chatgen.cli",
+            "serve",
+            "--model",
+            str(tiny_llama_dir),
+            "--port",
+            str(port),
+            "--api-key-file",
+            str(key_file),
+            "--control",
+            "--control-timeout",
+            str(STEP_TIMEOUT),
+            "max_new_tokens=8",
+            *(f"{k}={v}" for k, v in ENGINE.items()),
+        ],
+        env=dict(env, VLLM_LOGGING_LEVEL="ERROR"),
+        stderr=subprocess.DEVNULL,
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 120
     while True:
@@ -58,8 +82,15 @@ def server(tiny_llama_dir, tmp_path_factory):
 def client(server, model_dir, transport):
     from chatgen import VLLMGeneration
 
-    return VLLMGeneration(model_dir, "server", server_base_url=server[0], api_key=KEY, weight_transport=transport,
-                          max_completion_length=8, request_timeout=60)
+    return VLLMGeneration(
+        model_dir,
+        "server",
+        server_base_url=server[0],
+        api_key=KEY,
+        weight_transport=transport,
+        max_completion_length=8,
+        request_timeout=60,
+    )
 
 
 def version(server) -> int:
@@ -69,7 +100,9 @@ def version(server) -> int:
 def hf_model(model_dir, seed):
     from transformers import AutoModelForCausalLM
 
-    return perturbed(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), seed)
+    return perturbed(
+        AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), seed
+    )
 
 
 def test_the_key_comes_from_a_file_and_shows_in_no_process_list(server):
@@ -109,20 +142,32 @@ def test_a_process_without_the_token_cannot_write_weights(server, tiny_llama_dir
     """It zeroed the LM head of a live server (weight_version 6 -> 7, every answer token 0)."""
     remote = client(server, tiny_llama_dir, "group")
     before, v = remote.generate(PROMPTS, greedy=True), version(server)
-    begin = requests.post(server[0] + "/control/weights/begin", json={"transport": "group"}, headers=AUTH).json()
+    begin = requests.post(
+        server[0] + "/control/weights/begin", json={"transport": "group"}, headers=AUTH
+    ).json()
     assert len(begin["token"]) == 64  # the one-time token, for the caller of begin only
-    stranger = subprocess.Popen([sys.executable, "-c", STRANGER, str(begin["port"]), str(tiny_llama_dir)],
-                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    stranger = subprocess.Popen(
+        [sys.executable, "-c", STRANGER, str(begin["port"]), str(tiny_llama_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     try:
         time.sleep(STEP_TIMEOUT + 1)
-        finish = requests.post(server[0] + "/control/weights/finish", headers=AUTH, json={},
-                               timeout=30)
-        assert finish.status_code == 409 and "keeps its old weights" in finish.json()["error"]["message"]
+        finish = requests.post(
+            server[0] + "/control/weights/finish", headers=AUTH, json={}, timeout=30
+        )
+        assert (
+            finish.status_code == 409
+            and "keeps its old weights" in finish.json()["error"]["message"]
+        )
     finally:
         stranger.kill()
     assert "result" not in stranger.communicate()[0]
     assert version(server) == v and remote.generate(PROMPTS, greedy=True) == before
-    model = hf_model(tiny_llama_dir, 3)  # the trainer, with the key and its begin's token, still can
+    model = hf_model(
+        tiny_llama_dir, 3
+    )  # the trainer, with the key and its begin's token, still can
     assert remote.sync_weights(model).tensors == 21 and version(server) == v + 1
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
@@ -159,24 +204,38 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
     time.sleep(STEP_TIMEOUT + 1)
     shm = requests.post(url + "/control/weights/begin", json={"transport": "shm"}, headers=AUTH)
     assert shm.status_code == 200  # the deadline passed: the slot is free
-    assert requests.post(url + "/control/weights/finish", json={"error": "changed my mind"},
-                         headers=AUTH).status_code == 409
+    assert (
+        requests.post(
+            url + "/control/weights/finish", json={"error": "changed my mind"}, headers=AUTH
+        ).status_code
+        == 409
+    )
     requests.post(url + "/control/weights/begin", json={"transport": "group"}, headers=AUTH)
     start = time.monotonic()
     # by hand, while it waits
     finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     assert finish.status_code == 409 and time.monotonic() - start < STEP_TIMEOUT + 3
 
-    trainer = subprocess.Popen([sys.executable, "-c", STALLED_TRAINER, url, KEY, str(tiny_llama_dir)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", STALLED_TRAINER, url, KEY, str(tiny_llama_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        time.sleep(10)  # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
+        time.sleep(
+            10
+        )  # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
         finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     finally:
         trainer.kill()
-    assert finish.status_code == 409 and "waited 3 s for bucket 2 of 2" in finish.json()["error"]["message"]
+    assert (
+        finish.status_code == 409
+        and "waited 3 s for bucket 2 of 2" in finish.json()["error"]["message"]
+    )
     remote = client(server, tiny_llama_dir, "group")
-    with pytest.raises(RuntimeError, match="HTTP 503: .*needs a re-sync"):  # said honestly: half the weights
+    with pytest.raises(
+        RuntimeError, match="HTTP 503: .*needs a re-sync"
+    ):  # said honestly: half the weights
         remote.generate(PROMPTS, greedy=True)
     model = hf_model(tiny_llama_dir, 4)
     remote.sync_weights(model)  # accepted: nothing is locked
@@ -194,7 +253,9 @@ class LiesAboutNaN(ListedWeights):
 
 
 @pytest.mark.parametrize("transport", ["shm", "group"])
-def test_the_server_checks_finiteness_itself_and_serves_no_nan_after_a_good_sync(server, tiny_llama_dir, transport):
+def test_the_server_checks_finiteness_itself_and_serves_no_nan_after_a_good_sync(
+    server, tiny_llama_dir, transport
+):
     """A shm sync of NaN weights whose header said "finite" was accepted (200); answers became token 0 with null
     log-probs, and after a good re-sync the first request still returned NaN (stale KV cache)."""
     from chatgen.param_sync import SyncError
@@ -203,10 +264,14 @@ def test_the_server_checks_finiteness_itself_and_serves_no_nan_after_a_good_sync
     model = hf_model(tiny_llama_dir, 5)
     remote.sync_weights(model)
     before, v = remote.generate(PROMPTS, greedy=True), version(server)
-    with pytest.raises(SyncError, match=r"found NaN or inf in 1 parameter\(s\).*lm_head.weight.*header said none"):
+    with pytest.raises(
+        SyncError, match=r"found NaN or inf in 1 parameter\(s\).*lm_head.weight.*header said none"
+    ):
         remote.sync_weights(LiesAboutNaN(model))
     assert version(server) == v
-    if transport == "shm":  # the whole file is checked before the engine reads it: the old weights serve on
+    if (
+        transport == "shm"
+    ):  # the whole file is checked before the engine reads it: the old weights serve on
         assert remote.generate(PROMPTS, greedy=True) == before
     model = hf_model(tiny_llama_dir, 6)
     remote.sync_weights(model)

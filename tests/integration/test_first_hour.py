@@ -8,6 +8,7 @@
   tiny model as its warm start; GPU recipes on a GPU machine only), in a log (no terminal): one plain line per
   episode, the summary, nothing else.
 """
+
 import fcntl
 import json
 import os
@@ -33,14 +34,22 @@ NOISE = re.compile(r"warning|leaked|traceback", re.IGNORECASE)  # what a library
 def noise(out: str) -> list:
     """Lines of `out` that a library wrote about itself (chatgen's own "[chatgen] ..." lines are the run's news:
     an untrained model's zero gradient, for one)."""
-    return [line for line in out.splitlines() if NOISE.search(line) and not line.startswith("[chatgen]")]
+    return [
+        line for line in out.splitlines() if NOISE.search(line) and not line.startswith("[chatgen]")
+    ]
+
+
 SCREEN = 24  # lines of the classic terminal
 TIMEOUT = scaled(600)
 
 
 def environment(**extra) -> dict:
     """A user's shell: this environment's chatgen first on PATH, nothing of chatgen's verbosity set."""
-    env = {k: v for k, v in os.environ.items() if k not in ("CHATGEN_VERBOSE", "VLLM_LOGGING_LEVEL", "PYTHONPATH")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("CHATGEN_VERBOSE", "VLLM_LOGGING_LEVEL", "PYTHONPATH")
+    }
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     return {**env, **{k: str(v) for k, v in extra.items()}}
 
@@ -48,10 +57,17 @@ def environment(**extra) -> dict:
 def init(project: Path, recipe: str) -> Path:
     """`chatgen init PROJECT --from RECIPE` as a user types it; returns the launch script of the command it
     printed."""
-    proc = subprocess.run(["chatgen", "init", str(project), "--from", recipe], capture_output=True, text=True,
-                          env=environment(), timeout=120)
+    proc = subprocess.run(
+        ["chatgen", "init", str(project), "--from", recipe],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
-    command = next(line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("bash "))
+    command = next(
+        line.strip() for line in proc.stdout.splitlines() if line.strip().startswith("bash ")
+    )
     assert command == f"bash {project / RECIPES[recipe][1]}"
     return project / RECIPES[recipe][1]
 
@@ -60,7 +76,9 @@ def on_a_terminal(argv: list, cwd, env) -> tuple:
     """Run argv with stdout and stderr on a 100x40 pseudo-terminal; (exit code, everything it wrote)."""
     main, child = pty.openpty()
     fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 100, 0, 0))
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=child, stderr=child)
+    proc = subprocess.Popen(
+        argv, cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=child, stderr=child
+    )
     os.close(child)
     chunks = []
     while True:
@@ -72,7 +90,9 @@ def on_a_terminal(argv: list, cwd, env) -> tuple:
             break
         chunks.append(chunk)
     os.close(main)
-    return proc.wait(timeout=TIMEOUT), b"".join(chunks).decode(errors="replace").replace("\r\n", "\n")
+    return proc.wait(timeout=TIMEOUT), b"".join(chunks).decode(errors="replace").replace(
+        "\r\n", "\n"
+    )
 
 
 def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
@@ -80,45 +100,96 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
     script = init(project, "grpo_tiny")
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    code, out = on_a_terminal(["bash", str(script), "runtime.num_episode=2", "runtime.eval_episode_interval=1"],
-                              elsewhere, environment(SFT_STEPS=10))
+    code, out = on_a_terminal(
+        ["bash", str(script), "runtime.num_episode=2", "runtime.eval_episode_interval=1"],
+        elsewhere,
+        environment(SFT_STEPS=10),
+    )
     assert code == 0, out
     assert not noise(out), out
     before_summary, _, summary = out.partition("[chatgen] grpo: 2 episodes done")
     screen = before_summary.split("\n")  # each live line is one of these, redrawn in place with \r
     assert len(screen) < SCREEN, out
-    assert re.search(r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary)  # the warm start's live line
-    assert re.search(r"\repisode \|█+\| 2/2, eval/reward [\d.]+ · [\d.]+ s/episode \[", before_summary)
-    assert "resolved_config.yaml" in before_summary and "runtime:" not in out  # the config: a path, not printed
+    assert re.search(
+        r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary
+    )  # the warm start's live line
+    assert re.search(
+        r"\repisode \|█+\| 2/2, eval/reward [\d.]+ · [\d.]+ s/episode \[", before_summary
+    )
+    assert (
+        "resolved_config.yaml" in before_summary and "runtime:" not in out
+    )  # the config: a path, not printed
     rows = [line.split() for line in summary.splitlines()[2:5]]
-    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][2] == "-"  # before training: no train reward
+    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][
+        2
+    ] == "-"  # before training: no train reward
     runs = list((project / "outputs" / "grpo_tiny").iterdir())
-    assert len(runs) == 1 and f"checkpoints  outputs/grpo_tiny/{runs[0].name}/checkpoints/episode_000002" in summary
+    assert (
+        len(runs) == 1
+        and f"checkpoints  outputs/grpo_tiny/{runs[0].name}/checkpoints/episode_000002" in summary
+    )
     records = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in records] == [0, 1, 2] and all("eval/reward" in r for r in records)
-    assert (project / "outputs" / "tiny-llama-sft" / "model.safetensors").exists()  # made in the project
+    assert (
+        project / "outputs" / "tiny-llama-sft" / "model.safetensors"
+    ).exists()  # made in the project
 
 
 # recipe -> what makes its one episode small (runtime.num_episode=1 for all)
 SMALL = {
-    "online_dpo_tiny": ["runtime.sample_per_episode=32", "policy.n=4", "runtime.train_micro_batch_size=8",
-                        "runtime.train_global_batch_size=16"],
-    "dpo_tiny": ["runtime.sample_per_episode=16", "runtime.train_micro_batch_size=8",
-                 "runtime.train_global_batch_size=8"],
-    "multiturn": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=8",
-                  "runtime.train_global_batch_size=8"],
-    "grpo_smollm2": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
-                     "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
-                     "policy.max_new_tokens=8"],
-    "grpo_smollm2_math": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
-                          "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
-                          "policy.max_new_tokens=8", "runtime.eval_episode_interval=null"],
-    **{f"{name}_tiny": ["runtime.sample_per_episode=16", "policy.n=4", "runtime.train_micro_batch_size=8",
-                        "runtime.train_global_batch_size=16", "runtime.generation_batch_size=16"]
-       for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")},
-    "dapo_smollm2": ["runtime.sample_per_episode=8", "policy.n=4", "runtime.train_micro_batch_size=4",
-                     "runtime.train_global_batch_size=8", "runtime.generation_batch_size=8",
-                     "policy.max_new_tokens=8", "runtime.eval_episode_interval=null"],
+    "online_dpo_tiny": [
+        "runtime.sample_per_episode=32",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=16",
+    ],
+    "dpo_tiny": [
+        "runtime.sample_per_episode=16",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+    ],
+    "multiturn": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+    ],
+    "grpo_smollm2": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=8",
+        "runtime.generation_batch_size=8",
+        "policy.max_new_tokens=8",
+    ],
+    "grpo_smollm2_math": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=8",
+        "runtime.generation_batch_size=8",
+        "policy.max_new_tokens=8",
+        "runtime.eval_episode_interval=null",
+    ],
+    **{
+        f"{name}_tiny": [
+            "runtime.sample_per_episode=16",
+            "policy.n=4",
+            "runtime.train_micro_batch_size=8",
+            "runtime.train_global_batch_size=16",
+            "runtime.generation_batch_size=16",
+        ]
+        for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")
+    },
+    "dapo_smollm2": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=8",
+        "runtime.generation_batch_size=8",
+        "policy.max_new_tokens=8",
+        "runtime.eval_episode_interval=null",
+    ],
     "grpo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
     "ppo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
 }
@@ -149,29 +220,54 @@ def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
         tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
         return environment(POLICY_LOAD=request.getfixturevalue("smollm2_dir"), DATA_DIR=data)
     data, tiny = sort_digits
-    warm_start = tmp_path / "warm-start"  # a copy: the multi-turn recipe writes a chat template into it
+    warm_start = (
+        tmp_path / "warm-start"
+    )  # a copy: the multi-turn recipe writes a chat template into it
     shutil.copytree(tiny, warm_start)
     if recipe in GPU:  # GSM8K's format, from the arithmetic task; the tiny model on one GPU
         gsm = tmp_path / "gsm"
         tasks.write_task_data(str(gsm), task="arithmetic", n_train=32, n_eval=4)
         (gsm / "eval.jsonl").rename(gsm / "test.jsonl")
-        return environment(POLICY_LOAD=warm_start, DATASET_PATH=gsm, NUM_GPU=1, TP=1, NUM_CPU=2, MAX_NEW_TOKENS=8,
-                           SEQ_LENGTH=64, STOP_TOKENS="</s>", SAMPLE_PER_EPISODE=8, MICRO_BATCH_SIZE=4,
-                           GLOBAL_BATCH_SIZE=8)
+        return environment(
+            POLICY_LOAD=warm_start,
+            DATASET_PATH=gsm,
+            NUM_GPU=1,
+            TP=1,
+            NUM_CPU=2,
+            MAX_NEW_TOKENS=8,
+            SEQ_LENGTH=64,
+            STOP_TOKENS="</s>",
+            SAMPLE_PER_EPISODE=8,
+            MICRO_BATCH_SIZE=4,
+            GLOBAL_BATCH_SIZE=8,
+        )
     return environment(MODEL=tiny, DATA_DIR=data, POLICY_LOAD=warm_start)
 
 
-@pytest.mark.parametrize("recipe", [pytest.param(r, marks=pytest.mark.gpu) if r in GPU else r for r in SMALL])
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=pytest.mark.gpu) if r in GPU else r for r in SMALL]
+)
 def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, request):
     project = tmp_path / recipe
     script = init(project, recipe)
-    proc = subprocess.run(["bash", str(script), "runtime.num_episode=1", *SMALL[recipe]], cwd=tmp_path,
-                          env=recipe_env(recipe, tmp_path, sort_digits, request), capture_output=True, text=True,
-                          timeout=TIMEOUT)
+    proc = subprocess.run(
+        ["bash", str(script), "runtime.num_episode=1", *SMALL[recipe]],
+        cwd=tmp_path,
+        env=recipe_env(recipe, tmp_path, sort_digits, request),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert not noise(out), out
-    assert re.search(r"^episode 1/1: ", proc.stdout, re.MULTILINE)  # no terminal: one plain line per episode
+    assert re.search(
+        r"^episode 1/1: ", proc.stdout, re.MULTILINE
+    )  # no terminal: one plain line per episode
     assert ": 1 episode done in" in proc.stdout and "  metrics " in proc.stdout  # the summary
-    (run,) = [p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()]  # under the project
-    assert 1 in [json.loads(line)["episode"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (run,) = [
+        p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()
+    ]  # under the project
+    assert 1 in [
+        json.loads(line)["episode"] for line in (run / "metrics.jsonl").read_text().splitlines()
+    ]

@@ -5,6 +5,7 @@
 Sampling keys are read at every call, so tests change `module.config` (monkeypatch) instead of starting
 engines. Greedy tokens and logprobs are checked against a full fp32 forward pass of HF transformers.
 """
+
 import importlib.util
 import json
 import subprocess
@@ -21,14 +22,29 @@ from chatgen.generation.vllm import adapter  # noqa: E402
 from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
-PROMPTS = ["Once upon a time", "The cat sat on the mat", "hello", "A tiny model learns to count: one, two,"]
+PROMPTS = [
+    "Once upon a time",
+    "The cat sat on the mat",
+    "hello",
+    "A tiny model learns to count: one, two,",
+]
 MAX_NEW = 12
 
 
 def tiny_config(model_dir, **overrides) -> dict:
-    return dict(load=str(model_dir), kv_cache_memory_bytes=64 << 20, enforce_eager=True, seq_length=128,
-                new_token_limit=True, max_new_tokens=MAX_NEW, logprobs_mode="raw", ignore_eos=True,
-                temperature=1.0, seed=0, **overrides)
+    return dict(
+        load=str(model_dir),
+        kv_cache_memory_bytes=64 << 20,
+        enforce_eager=True,
+        seq_length=128,
+        new_token_limit=True,
+        max_new_tokens=MAX_NEW,
+        logprobs_mode="raw",
+        ignore_eos=True,
+        temperature=1.0,
+        seed=0,
+        **overrides,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +67,18 @@ def padded(module, prompts=PROMPTS):
     width = max(map(len, ids))
     input_ids = torch.full((len(ids), width), module.pad_token_id, dtype=torch.long)
     for i, row in enumerate(ids):
-        input_ids[i, :len(row)] = torch.tensor(row)
+        input_ids[i, : len(row)] = torch.tensor(row)
     return {"input_ids": input_ids, "input_lengths": torch.tensor([len(r) for r in ids])}
 
 
 def on_shared_engine(cls, module):
     """An instance of a VLLMModule subclass that drives the file's engine (vLLM: one engine per process)."""
     other = cls(module.config)
-    other.engine, other.tokenizer, other.pad_token_id = module.engine, module.tokenizer, module.pad_token_id
+    other.engine, other.tokenizer, other.pad_token_id = (
+        module.engine,
+        module.tokenizer,
+        module.pad_token_id,
+    )
     other.vocab_size = module.vocab_size
     return other
 
@@ -73,6 +93,7 @@ def hf_logprobs(hf_model, tokens):
 
 # ---------------------------------------------------------------- correctness against HF transformers
 
+
 def test_greedy_tokens_and_logprobs_match_hf(module, hf_model):
     batch = padded(module)
     out = module.generate(batch, greedy=True)
@@ -83,12 +104,16 @@ def test_greedy_tokens_and_logprobs_match_hf(module, hf_model):
         tokens = out["output_ids"][row, :n].tolist()
         assert tokens[:p] == batch["input_ids"][row, :p].tolist()
         ref_logp, ref_argmax = hf_logprobs(hf_model, tokens)
-        assert tokens[p:] == ref_argmax[p - 1:].tolist(), f"row {row}: vLLM greedy tokens differ from HF argmax"
+        assert tokens[p:] == ref_argmax[p - 1 :].tolist(), (
+            f"row {row}: vLLM greedy tokens differ from HF argmax"
+        )
         ours = out["logprobs"][row, p:n]
-        diffs.append((ours - ref_logp[p - 1:]).abs())
+        diffs.append((ours - ref_logp[p - 1 :]).abs())
         assert torch.all(out["logprobs"][row, :p] == 0) and torch.all(out["logprobs"][row, n:] == 0)
         assert torch.all(out["output_ids"][row, n:] == module.pad_token_id)
-    worst = torch.cat(diffs).max().item()  # NaN propagates here (Python's max(0.0, nan) would say 0.0)
+    worst = (
+        torch.cat(diffs).max().item()
+    )  # NaN propagates here (Python's max(0.0, nan) would say 0.0)
     assert worst <= 1e-4, f"max |dlogprob| vs HF = {worst:.2e}"
 
 
@@ -96,13 +121,18 @@ def test_prompt_logprobs_match_hf(module, hf_model, monkeypatch):
     monkeypatch.setattr(module.config, "prompt_logprobs", 0)
     batch = padded(module, PROMPTS[:2])
     out = module.generate(batch, greedy=True)
-    rollout = module.run_generation(module.build_dataset(PROMPTS[:2]))  # RolloutBatch: entry t scores token t+1
+    rollout = module.run_generation(
+        module.build_dataset(PROMPTS[:2])
+    )  # RolloutBatch: entry t scores token t+1
     for row, p in enumerate(batch["input_lengths"].tolist()):
         ref_logp, _ = hf_logprobs(hf_model, batch["input_ids"][row, :p].tolist())
-        assert out["prompt_logprobs"][row, 0] == 0 and torch.all(out["prompt_logprobs"][row, p:] == 0)
+        assert out["prompt_logprobs"][row, 0] == 0 and torch.all(
+            out["prompt_logprobs"][row, p:] == 0
+        )
         assert (out["prompt_logprobs"][row, 1:p] - ref_logp).abs().max().item() <= 1e-4
-        assert rollout.infer_logprobs[row, :p - 1].tolist() == pytest.approx(out["prompt_logprobs"][row, 1:p].tolist(),
-                                                                              abs=1e-6)
+        assert rollout.infer_logprobs[row, : p - 1].tolist() == pytest.approx(
+            out["prompt_logprobs"][row, 1:p].tolist(), abs=1e-6
+        )
 
 
 def test_sampled_logprobs_match_hf(module, hf_model, monkeypatch):
@@ -114,10 +144,11 @@ def test_sampled_logprobs_match_hf(module, hf_model, monkeypatch):
     for row in range(4):
         p, n = batch["input_lengths"][row // 2].item(), out["unpadded_sequence_lengths"][row].item()
         ref_logp, _ = hf_logprobs(hf_model, out["output_ids"][row, :n].tolist())
-        assert (out["logprobs"][row, p:n] - ref_logp[p - 1:]).abs().max().item() <= 1e-4
+        assert (out["logprobs"][row, p:n] - ref_logp[p - 1 :]).abs().max().item() <= 1e-4
 
 
 # ---------------------------------------------------------------- sampling semantics
+
 
 def test_n_samples_per_prompt(module, monkeypatch):
     monkeypatch.setattr(module.config, "n", 3)
@@ -128,7 +159,7 @@ def test_n_samples_per_prompt(module, monkeypatch):
     for row in range(6):  # prompt-major: sample j of prompt i at row i * n + j
         p = batch["input_lengths"][row // 3].item()
         assert out["output_ids"][row, :p].tolist() == batch["input_ids"][row // 3, :p].tolist()
-        assert torch.all(out["logprobs"][row, p:p + MAX_NEW] < 0)
+        assert torch.all(out["logprobs"][row, p : p + MAX_NEW] < 0)
     samples = {tuple(r) for r in out["output_ids"].tolist()}
     assert len(samples) == 6, "temperature-1 samples of a 512-token vocabulary should all differ"
 
@@ -141,8 +172,14 @@ def test_eval_uses_eval_sampling(module, monkeypatch):
     trained = module.run_generation(items, is_eval=False)
     for i, item in enumerate(items):
         p = len(item["input_ids"])
-        assert evaluated.input_ids[i, p:p + MAX_NEW].tolist() == greedy["output_ids"][i, p:p + MAX_NEW].tolist()
-        assert trained.input_ids[i, p:p + MAX_NEW].tolist() != evaluated.input_ids[i, p:p + MAX_NEW].tolist()
+        assert (
+            evaluated.input_ids[i, p : p + MAX_NEW].tolist()
+            == greedy["output_ids"][i, p : p + MAX_NEW].tolist()
+        )
+        assert (
+            trained.input_ids[i, p : p + MAX_NEW].tolist()
+            != evaluated.input_ids[i, p : p + MAX_NEW].tolist()
+        )
     assert module.sampling_params(4, is_eval=True).temperature == 0.0
     assert module.sampling_params(4).temperature == 1.0
 
@@ -150,15 +187,19 @@ def test_eval_uses_eval_sampling(module, monkeypatch):
 def test_stop_string_per_sample(module):
     batch = padded(module, PROMPTS[:1])
     p = batch["input_lengths"][0].item()
-    generated = module.generate(batch, greedy=True)["output_ids"][0, p:p + MAX_NEW].tolist()
-    texts = [module.tokenizer.decode(generated[:k + 1]) for k in range(len(generated))]
+    generated = module.generate(batch, greedy=True)["output_ids"][0, p : p + MAX_NEW].tolist()
+    texts = [module.tokenizer.decode(generated[: k + 1]) for k in range(len(generated))]
     # a stop string = the word that token k adds to the text, where it appears for the first time
-    k, stop = next((k, texts[k][len(texts[k - 1]):]) for k in range(1, len(texts))
-                   if texts[k].startswith(texts[k - 1]) and texts[k][len(texts[k - 1]):].strip().isalpha()
-                   and texts[k][len(texts[k - 1]):] not in texts[k - 1])
+    k, stop = next(
+        (k, texts[k][len(texts[k - 1]) :])
+        for k in range(1, len(texts))
+        if texts[k].startswith(texts[k - 1])
+        and texts[k][len(texts[k - 1]) :].strip().isalpha()
+        and texts[k][len(texts[k - 1]) :] not in texts[k - 1]
+    )
     out = module.generate({**batch, "stop_strings": [[stop]]}, greedy=True)
     assert out["generation_lengths"][0].item() == k + 1
-    assert out["output_ids"][0, p:p + k + 1].tolist() == generated[:k + 1]
+    assert out["output_ids"][0, p : p + k + 1].tolist() == generated[: k + 1]
     assert not out["truncated"][0]
 
 
@@ -179,7 +220,7 @@ def test_stop_token_from_config(module, monkeypatch, tiny_llama_dir):
         module.update_weights(iter([("lm_head.weight", swapped)]))
         monkeypatch.setattr(module.config, "stop_token_list", "<pad>")
         out = module.generate(batch, greedy=True)
-        assert out["output_ids"][0, p:p + k + 1].tolist() == generated[:k] + [pad]
+        assert out["output_ids"][0, p : p + k + 1].tolist() == generated[:k] + [pad]
         assert out["generation_lengths"][0].item() == k + 1 and not out["truncated"][0]
     finally:
         module.update_weights([("lm_head.weight", original)])
@@ -188,6 +229,7 @@ def test_stop_token_from_config(module, monkeypatch, tiny_llama_dir):
 
 
 # ---------------------------------------------------------------- hooks, metrics, lifecycle
+
 
 def test_run_generation_goes_through_the_hooks(module):
     calls = []
@@ -206,12 +248,17 @@ def test_run_generation_goes_through_the_hooks(module):
     out = rec.run_generation(items)
     steps, order = calls[:-1], calls[-1]
     assert [i for i, _, _ in steps] == list(range(len(steps)))
-    assert steps[0][1] == sum(len(it["input_ids"]) for it in items)  # first step: all prompts prefilled
-    assert all(tokens == n_req for _, tokens, n_req in steps[1:])  # then one token per running request
+    assert steps[0][1] == sum(
+        len(it["input_ids"]) for it in items
+    )  # first step: all prompts prefilled
+    assert all(
+        tokens == n_req for _, tokens, n_req in steps[1:]
+    )  # then one token per running request
     assert order == sorted(order, key=int) and len(order) == len(PROMPTS)
     assert out.prompt_texts == PROMPTS
-    assert [out.input_ids[i, :p].tolist() for i, p in enumerate(out.prompt_lengths.tolist())] == \
-        [it["input_ids"] for it in items]
+    assert [out.input_ids[i, :p].tolist() for i, p in enumerate(out.prompt_lengths.tolist())] == [
+        it["input_ids"] for it in items
+    ]
     m = rec.metrics
     assert m["engine_steps"] == len(steps) == MAX_NEW
     assert m["generation_tokens"] == len(PROMPTS) * MAX_NEW
@@ -226,30 +273,40 @@ def test_default_decode_internal_is_the_rollout_contract(module, monkeypatch):
     out = module.run_generation(items)
     width = max(len(it["input_ids"]) for it in items) + MAX_NEW
     assert out.input_ids.shape == (4, width) and out.infer_logprobs.shape == (4, width - 1)
-    assert out.response_lengths.tolist() == [MAX_NEW] * 4 and out.prompt_index.tolist() == [0, 0, 1, 1]
+    assert out.response_lengths.tolist() == [MAX_NEW] * 4 and out.prompt_index.tolist() == [
+        0,
+        0,
+        1,
+        1,
+    ]
     for row in range(4):
         p = out.prompt_lengths[row].item()
         assert out.input_ids[row, :p].tolist() == items[row // 2]["input_ids"]
         # entry t of loss_mask / infer_logprobs scores token t+1: the response tokens are p .. p+MAX_NEW-1
-        assert out.loss_mask[row].nonzero().flatten().tolist() == list(range(p - 1, p - 1 + MAX_NEW))
-        assert torch.all(out.infer_logprobs[row, p - 1:p - 1 + MAX_NEW] < 0)
+        assert out.loss_mask[row].nonzero().flatten().tolist() == list(
+            range(p - 1, p - 1 + MAX_NEW)
+        )
+        assert torch.all(out.infer_logprobs[row, p - 1 : p - 1 + MAX_NEW] < 0)
     assert len(out.texts) == 4 and out.finish_reasons == ["length"] * 4
 
 
 def test_policy_inference_example(module, monkeypatch):
     """examples/policy_inference.py: its hooks shape the prompts and the loss mask of the RolloutBatch."""
-    spec = importlib.util.spec_from_file_location("policy_inference", REPO / "examples" / "policy_inference.py")
+    spec = importlib.util.spec_from_file_location(
+        "policy_inference", REPO / "examples" / "policy_inference.py"
+    )
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     policy = on_shared_engine(example.PolicyInference, module)
     items = policy.build_dataset(["two plus two?"])
     assert items[0]["prompt"] == "two plus two?"
     assert policy.tokenizer.decode(items[0]["input_ids"], skip_special_tokens=True).endswith(
-        "Question: two plus two?\nAnswer:")
+        "Question: two plus two?\nAnswer:"
+    )
     out = policy.run_generation(items)
     newline = policy.tokenizer.convert_tokens_to_ids("<0x0A>")
     p, r = out.prompt_lengths[0].item(), out.response_lengths[0].item()
-    response = out.input_ids[0, p:p + r].tolist()
+    response = out.input_ids[0, p : p + r].tolist()
     trained = int(out.loss_mask[0].sum())
     assert trained == (response.index(newline) + 1 if newline in response else r)
 
@@ -276,11 +333,14 @@ def test_sleep_and_wake_up(module):
 
 # ---------------------------------------------------------------- bad inputs
 
+
 def test_left_padded_batch_is_rejected_naming_the_row(module):
     batch = padded(module, PROMPTS[:2])
     row = int(batch["input_lengths"].argmin())
     n = batch["input_lengths"][row].item()
-    batch["input_ids"][row] = torch.roll(batch["input_ids"][row], shifts=batch["input_ids"].shape[1] - n)
+    batch["input_ids"][row] = torch.roll(
+        batch["input_ids"][row], shifts=batch["input_ids"].shape[1] - n
+    )
     with pytest.raises(ValueError, match=f"row {row} is not right-padded"):
         module.generate(batch)
 
@@ -296,34 +356,55 @@ def test_bad_prompts_are_rejected(module, monkeypatch, caplog):
         monkeypatch.setattr(module.config, "new_token_limit", limit)
         caplog.clear()
         with caplog.at_level("WARNING", logger="chatgen.generation.vllm.module"):
-            items = module.build_dataset([long_prompt, "hello"])  # ChatLearn: cut, keeping the beginning
+            items = module.build_dataset(
+                [long_prompt, "hello"]
+            )  # ChatLearn: cut, keeping the beginning
         assert items[0]["input_ids"] == module.tokenizer.encode(long_prompt)[:budget]
         assert "cut 1 of 2 prompts" in caplog.text and "(prompts 0)" in caplog.text
         # run_generation and generate never cut: an over-budget prompt is an error naming it
-        with pytest.raises(ValueError, match=f"run_generation: item 1 has {budget + 1} prompt tokens, over the "
-                                             f"prompt budget"):  # fails after item 0 is queued
+        with pytest.raises(
+            ValueError,
+            match=f"run_generation: item 1 has {budget + 1} prompt tokens, over the prompt budget",
+        ):  # fails after item 0 is queued
             module.run_generation([{"input_ids": [1, 5, 6]}, {"input_ids": [1] * (budget + 1)}])
-        assert not adapter.has_unfinished_requests(module.engine), "a failed call must leave the engine empty"
-        row = {"input_ids": torch.ones(1, budget + 1, dtype=torch.long), "input_lengths": torch.tensor([budget + 1])}
-        with pytest.raises(ValueError, match=f"generate\\(\\): row 0 has {budget + 1} prompt tokens"):
+        assert not adapter.has_unfinished_requests(module.engine), (
+            "a failed call must leave the engine empty"
+        )
+        row = {
+            "input_ids": torch.ones(1, budget + 1, dtype=torch.long),
+            "input_lengths": torch.tensor([budget + 1]),
+        }
+        with pytest.raises(
+            ValueError, match=f"generate\\(\\): row 0 has {budget + 1} prompt tokens"
+        ):
             module.generate(row)
     # new_token_limit: false: the response takes the rest of seq_length (ChatLearn's rule)
     out = module.run_generation([{"input_ids": [1] * budget}, {"input_ids": [1] * 10}])
     assert out.response_lengths.tolist() == [MAX_NEW, module.config.seq_length - 10]
     monkeypatch.setattr(module.config, "new_token_limit", True)
-    assert module.generate(padded(module, PROMPTS[:1]), greedy=True)["generation_lengths"].tolist() == [MAX_NEW]
+    assert module.generate(padded(module, PROMPTS[:1]), greedy=True)[
+        "generation_lengths"
+    ].tolist() == [MAX_NEW]
 
 
 def test_unsupported_keys_are_rejected_before_starting(tiny_llama_dir):
     with pytest.raises(ConfigError) as err:
-        VLLMModule(tiny_config(tiny_llama_dir, swap_space=4.0, use_beam_search=True, block_size=16,
-                               sliding_window=64))
+        VLLMModule(
+            tiny_config(
+                tiny_llama_dir,
+                swap_space=4.0,
+                use_beam_search=True,
+                block_size=16,
+                sliding_window=64,
+            )
+        )
     text = str(err.value)
     for key in ("swap_space", "use_beam_search", "block_size", "sliding_window"):
         assert f"{key}:" in text
 
 
 # ---------------------------------------------------------------- the vLLM adapter's contract
+
 
 def test_adapter_internals_present(module):
     adapter.check_internals(module.engine)  # raises naming what a vLLM upgrade moved
@@ -342,9 +423,13 @@ def test_reload_warns_only_about_real_misses(module, tiny_llama_dir):
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     reload_logger.addHandler(handler)
     level = reload_logger.level
-    reload_logger.setLevel(logging.WARNING)  # the filter, whatever VLLM_LOGGING_LEVEL (chatgen.core.quiet) set
+    reload_logger.setLevel(
+        logging.WARNING
+    )  # the filter, whatever VLLM_LOGGING_LEVEL (chatgen.core.quiet) set
     try:
-        adapter.load_weights(module.engine, iter(load_file(str(tiny_llama_dir / "model.safetensors")).items()))
+        adapter.load_weights(
+            module.engine, iter(load_file(str(tiny_llama_dir / "model.safetensors")).items())
+        )
         assert [r.getMessage() for r in records] == []
         reload_logger.warning("%s: Failed to load weights", "QKVParallelLinear")
         assert [r.getMessage() for r in records] == ["QKVParallelLinear: Failed to load weights"]
@@ -356,19 +441,23 @@ def test_reload_warns_only_about_real_misses(module, tiny_llama_dir):
 def test_split_step_equals_llm_generate(module):
     """schedule + execute must reproduce vLLM's own LLM.generate (same engine, same requests)."""
     ids = [item["input_ids"] for item in module.build_dataset(PROMPTS)]
-    params = lambda: adapter.SamplingParams(max_tokens=MAX_NEW, temperature=0, logprobs=0, ignore_eos=True)  # noqa: E731
+    params = lambda: adapter.SamplingParams(
+        max_tokens=MAX_NEW, temperature=0, logprobs=0, ignore_eos=True
+    )  # noqa: E731
     for i, prompt in enumerate(ids):
         adapter.add_request(module.engine, f"split-{i}", prompt, params())
     ours = []
     while adapter.has_unfinished_requests(module.engine):
         ours += adapter.execute(module.engine, adapter.schedule(module.engine))
     ours.sort(key=lambda o: int(o.request_id.split("-")[1]))
-    theirs = module.engine.generate([adapter.TokensPrompt(prompt_token_ids=p) for p in ids], params(),
-                                    use_tqdm=False)
+    theirs = module.engine.generate(
+        [adapter.TokensPrompt(prompt_token_ids=p) for p in ids], params(), use_tqdm=False
+    )
     assert [o.outputs[0].token_ids for o in ours] == [o.outputs[0].token_ids for o in theirs]
     for a, b in zip(ours, theirs):
-        assert [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == \
-               [d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)]
+        assert [d[t].logprob for d, t in zip(a.outputs[0].logprobs, a.outputs[0].token_ids)] == [
+            d[t].logprob for d, t in zip(b.outputs[0].logprobs, b.outputs[0].token_ids)
+        ]
 
 
 def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
@@ -386,8 +475,21 @@ def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
         pytest.skip("needs glibc's mallinfo2 to read the bytes in use")
 
     class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                         "fsmblks", "uordblks", "fordblks", "keepcost")]
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in (
+                "arena",
+                "ordblks",
+                "smblks",
+                "hblks",
+                "hblkhd",
+                "usmblks",
+                "fsmblks",
+                "uordblks",
+                "fordblks",
+                "keepcost",
+            )
+        ]
 
     libc.mallinfo2.restype = MallInfo2
     prompt = module.build_dataset(PROMPTS[:1])[0]["input_ids"]
@@ -395,7 +497,9 @@ def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
 
     def run(batch_sizes) -> int:
         for b in batch_sizes:  # decode steps of M = b rows
-            module.engine.generate([adapter.TokensPrompt(prompt_token_ids=prompt)] * b, params, use_tqdm=False)
+            module.engine.generate(
+                [adapter.TokensPrompt(prompt_token_ids=prompt)] * b, params, use_tqdm=False
+            )
         return libc.mallinfo2().uordblks
 
     before = run(range(1, 41))  # fills each layer's own cache of 32 sizes
@@ -405,11 +509,18 @@ def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
 
 # ---------------------------------------------------------------- tensor parallel (two processes)
 
+
 def _tp2_generate(config, batch):
     """One rank of a 2-process job: VLLMModule with TP=2 through external_launcher (the colocation mode)."""
-    module = VLLMModule({**config, "tensor_parallel_size": 2}).start()  # WORLD_SIZE=2: external_launcher
+    module = VLLMModule(
+        {**config, "tensor_parallel_size": 2}
+    ).start()  # WORLD_SIZE=2: external_launcher
     out = module.generate(batch, greedy=True)
-    return out["output_ids"].tolist(), out["logprobs"].tolist(), module.metrics["engine_steps"]  # lists: picklable
+    return (
+        out["output_ids"].tolist(),
+        out["logprobs"].tolist(),
+        module.metrics["engine_steps"],
+    )  # lists: picklable
 
 
 def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir):
@@ -417,23 +528,57 @@ def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir)
 
     batch = padded(module, PROMPTS[:2])
     expected = module.generate(batch, greedy=True)
-    results = run_distributed(_tp2_generate, 2, args=(tiny_config(tiny_llama_dir), batch),
-                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    for output_ids, logprobs, steps in results:  # every rank runs the same loop and gets the same answer
+    results = run_distributed(
+        _tp2_generate,
+        2,
+        args=(tiny_config(tiny_llama_dir), batch),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    for (
+        output_ids,
+        logprobs,
+        steps,
+    ) in results:  # every rank runs the same loop and gets the same answer
         assert output_ids == expected["output_ids"].tolist() and steps == MAX_NEW
         assert (torch.tensor(logprobs) - expected["logprobs"]).abs().max().item() <= 1e-4
 
 
 # ---------------------------------------------------------------- chatgen generate (its own process)
 
+
 def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
     """The real entry point in a subprocess (vLLM keeps process-wide state: one engine per process)."""
     ids = module.build_dataset(PROMPTS[:1])[0]["input_ids"]
-    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt_ids": ids}) + "\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n")
-    proc = subprocess.run([sys.executable, "-m", "chatgen.cli", "generate", "--model", str(tiny_llama_dir), "--input", str(tmp_path / "in.jsonl"),
-               "--output", str(tmp_path / "out.jsonl"), "--max-new-tokens", str(MAX_NEW), "--temperature", "0",
-               "kv_cache_memory_bytes=67108864", "enforce_eager=true", "seq_length=128", "ignore_eos=true",
-               "logprobs_mode=raw"], capture_output=True, text=True, timeout=300, cwd=REPO)
+    (tmp_path / "in.jsonl").write_text(
+        json.dumps({"prompt_ids": ids}) + "\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "chatgen.cli",
+            "generate",
+            "--model",
+            str(tiny_llama_dir),
+            "--input",
+            str(tmp_path / "in.jsonl"),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--temperature",
+            "0",
+            "kv_cache_memory_bytes=67108864",
+            "enforce_eager=true",
+            "seq_length=128",
+            "ignore_eos=true",
+            "logprobs_mode=raw",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "engine steps" in proc.stderr
     lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -442,8 +587,10 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
     for row, record in enumerate(lines):
         p = expected["unpadded_sequence_lengths"][row].item() - MAX_NEW
         assert record["prompt_ids"] == expected["output_ids"][row, :p].tolist()
-        assert record["output_ids"] == expected["output_ids"][row, p:p + MAX_NEW].tolist()
-        assert record["logprobs"] == pytest.approx(expected["logprobs"][row, p:p + MAX_NEW].tolist(), abs=1e-5)
+        assert record["output_ids"] == expected["output_ids"][row, p : p + MAX_NEW].tolist()
+        assert record["logprobs"] == pytest.approx(
+            expected["logprobs"][row, p : p + MAX_NEW].tolist(), abs=1e-5
+        )
         assert record["finish_reason"] == "length" and isinstance(record["text"], str)
 
 
@@ -459,11 +606,18 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
     calls = []
     monkeypatch.setattr(gc, "collect", lambda generation=2: calls.append(generation) or 7)
     with vllm_adapter.host_memory_only_gc(True):
-        assert gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
+        assert (
+            gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
+        )
     assert calls == [0, 1]
-    with startup_gc(), vllm_adapter.host_memory_only_gc(True):  # paused: young generations hold all of startup
+    with (
+        startup_gc(),
+        vllm_adapter.host_memory_only_gc(True),
+    ):  # paused: young generations hold all of startup
         assert gc.collect(0) == 0 and gc.collect(1) == 0 and calls == [0, 1]
     gc.unfreeze()
     assert gc.collect() == 7 and calls == [0, 1, 2]  # restored
-    with vllm_adapter.host_memory_only_gc(False):  # a GPU hands freed memory back: every collection runs
+    with vllm_adapter.host_memory_only_gc(
+        False
+    ):  # a GPU hands freed memory back: every collection runs
         assert gc.collect() == 7

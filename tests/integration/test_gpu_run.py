@@ -6,6 +6,7 @@ the reason, the probe at the tiny model's size), within its budget, leaving at m
 ~1-2 minutes on a quiet machine (4 under a load of 25 on 2 cores). On the GPU machine the same script runs the
 real checks (docs/gpu.md).
 """
+
 import json
 import os
 import subprocess
@@ -21,24 +22,57 @@ REPO = Path(__file__).resolve().parents[2]
 BUDGET_S = 450
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the simulation mode is what runs without CUDA")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the simulation mode is what runs without CUDA"
+)
 def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
     out = tmp_path / "out"
-    env = {**os.environ, "OUT": str(out), "CHATGEN_PYTHON": sys.executable, "CHATGEN_GPU_BUDGET_S": str(BUDGET_S),
-           "CHATGEN_TEST_CACHE": str(tiny_llama_dir.parent)}  # the tiny model where the fixture built it
-    run = subprocess.run(["bash", "scripts/gpu_run.sh"], cwd=REPO, env=env, capture_output=True, text=True,
-                         timeout=BUDGET_S + 60)
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "CHATGEN_PYTHON": sys.executable,
+        "CHATGEN_GPU_BUDGET_S": str(BUDGET_S),
+        "CHATGEN_TEST_CACHE": str(tiny_llama_dir.parent),
+    }  # the tiny model where the fixture built it
+    run = subprocess.run(
+        ["bash", "scripts/gpu_run.sh"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=BUDGET_S + 60,
+    )
     assert run.returncode == 0, run.stdout[-4000:]
     files = sorted(p.name for p in out.iterdir())
-    assert len(files) <= 8 and {"summary.json", "run.log", "env.json", "probe.json"} <= set(files), files
+    assert len(files) <= 8 and {"summary.json", "run.log", "env.json", "probe.json"} <= set(
+        files
+    ), files
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["mode"] == "simulation" and summary["failed"] == [] and summary["used_s"] <= BUDGET_S
-    assert all(summary["steps"][s] == "ok" for s in ("pytest", "check_sync_fp32", "check_sync_bf16", "grpo",
-                                                      "probe")), summary["steps"]
-    assert "skipped" in summary["figures"]["pytest"]  # the GPU tests skipped, with the reason in pytest.txt
+    assert (
+        summary["mode"] == "simulation"
+        and summary["failed"] == []
+        and summary["used_s"] <= BUDGET_S
+    )
+    assert all(
+        summary["steps"][s] == "ok"
+        for s in ("pytest", "check_sync_fp32", "check_sync_bf16", "grpo", "probe")
+    ), summary["steps"]
+    assert (
+        "skipped" in summary["figures"]["pytest"]
+    )  # the GPU tests skipped, with the reason in pytest.txt
     assert "needs a CUDA GPU" in (out / "pytest.txt").read_text()
     figures = summary["figures"]
-    assert figures["check_sync_fp32"]["validated"] and figures["check_sync_fp32"]["max_abs_logprob_diff"] < 1e-4
+    assert (
+        figures["check_sync_fp32"]["validated"]
+        and figures["check_sync_fp32"]["max_abs_logprob_diff"] < 1e-4
+    )
     assert figures["grpo_last_episode"]["episode"] == 2
-    assert set(figures["probe"]["phases"]) == {"build_model", "trainer_start", "train_step", "offload", "onload",
-                                               "sync", "generate"}
+    assert set(figures["probe"]["phases"]) == {
+        "build_model",
+        "trainer_start",
+        "train_step",
+        "offload",
+        "onload",
+        "sync",
+        "generate",
+    }

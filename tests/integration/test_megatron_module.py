@@ -3,6 +3,7 @@ training and checkpoints work, the CPU compatibility patches still fit megatron-
 
     python -m pytest tests/integration/test_megatron_module.py
 """
+
 import math
 from pathlib import Path
 
@@ -60,17 +61,24 @@ def test_train_step_and_checkpoint_round_trip(models, tmp_path):
     before = trainer.forward_tokens({"input_ids": ids})
     m1 = trainer.train_step({"input_ids": ids}, nll_loss)
     m2 = trainer.train_step({"input_ids": ids}, nll_loss)
-    assert m2["loss"] < m1["loss"] and m1["grad_norm"] > 0 and set(m1) >= {"loss", "nll", "grad_norm", "lr"}
+    assert (
+        m2["loss"] < m1["loss"]
+        and m1["grad_norm"] > 0
+        and set(m1) >= {"loss", "nll", "grad_norm", "lr"}
+    )
     after = trainer.forward_tokens({"input_ids": ids})
     assert after.mean() > before.mean()
     path = trainer.save_checkpoint(tmp_path / "ckpt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "ckpt"
+    ]  # no staging directory left behind
     resumed = build(path, lr=1e-3, clip_grad=0.0)
     assert resumed.iteration == 2
     assert torch.equal(resumed.forward_tokens({"input_ids": ids}), after)
     # the optimizer state came back too: the next step is the same on both
     assert resumed.train_step({"input_ids": ids}, nll_loss)["loss"] == pytest.approx(
-        trainer.train_step({"input_ids": ids}, nll_loss)["loss"], rel=1e-6)
+        trainer.train_step({"input_ids": ids}, nll_loss)["loss"], rel=1e-6
+    )
 
 
 def masked_nll(logprobs, micro_batch):
@@ -86,7 +94,9 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     loss_mask = torch.zeros(2, 15)
     loss_mask[0, 9:] = 1
     loss_mask[1, 6:13] = 1  # first scored position 6: positions 0-5 get no logits
-    trainer = build(models["llama"], lr=1e-12, clip_grad=0.0)  # an update below fp32 resolution: same weights
+    trainer = build(
+        models["llama"], lr=1e-12, clip_grad=0.0
+    )  # an update below fp32 resolution: same weights
 
     def grads_after(slices):
         trainer._slices_logits = slices
@@ -98,10 +108,14 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     assert sliced["loss"] == pytest.approx(full["loss"], rel=1e-6)
     assert len(full_grads) == len(sliced_grads)
     assert max((a - b).abs().max().item() for a, b in zip(full_grads, sliced_grads)) < 1e-6
-    assert sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0  # rows 0/1 outside their masks
+    assert (
+        sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0
+    )  # rows 0/1 outside their masks
     from chatgen.training.megatron_module import _first_scored_position
 
-    assert _first_scored_position(loss_mask) == 6 and _first_scored_position(torch.zeros(2, 15)) == 0
+    assert (
+        _first_scored_position(loss_mask) == 6 and _first_scored_position(torch.zeros(2, 15)) == 0
+    )
 
 
 def grouped_batch(vocab=500, groups=2, n=3, seed=0):
@@ -115,7 +129,13 @@ def grouped_batch(vocab=500, groups=2, n=3, seed=0):
         prompt = torch.randint(0, vocab, (5 + g,), generator=gen).tolist()
         for i in range(n):
             response = torch.randint(0, vocab, (2 + i,), generator=gen).tolist()
-            samples.append(Sample(prompt_ids=prompt, response_ids=response, response_logprobs=[0.0] * len(response)))
+            samples.append(
+                Sample(
+                    prompt_ids=prompt,
+                    response_ids=response,
+                    response_logprobs=[0.0] * len(response),
+                )
+            )
     return RolloutBatch.from_samples(samples, pad_token_id=0).trainer_inputs()
 
 
@@ -124,11 +144,15 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     """train_step packs each prompt's samples in one row (the prompt once): the log-probs a loss reads, the
     loss and every gradient equal one row per sample's; the model ran fewer rows and tokens."""
     data = grouped_batch()
-    trainer = build(models[name], lr=1e-12, clip_grad=0.0)  # an update below fp32 resolution: same weights
+    trainer = build(
+        models[name], lr=1e-12, clip_grad=0.0
+    )  # an update below fp32 resolution: same weights
     assert trainer._packs
     rows_seen = []
     trainer.model.embedding.register_forward_pre_hook(
-        lambda _m, args, kwargs: rows_seen.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+        lambda _m, args, kwargs: rows_seen.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
 
     def step(packs):
         trainer._packs, seen = packs, []
@@ -147,9 +171,13 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     assert ((packed_lp - full_lp) * mask).abs().max() < 1e-5
     assert (packed_lp * (1 - mask)).abs().max() == 0  # nothing outside the responses is computed
     assert packed["loss"] == pytest.approx(full["loss"], rel=1e-6)
-    rel = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full_grads, packed_grads))
+    rel = max(
+        ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full_grads, packed_grads)
+    )
     assert rel < 1e-5, rel  # summation order: float noise
-    assert full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2  # 2 prompts, 2 rows
+    assert (
+        full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2
+    )  # 2 prompts, 2 rows
     assert packed_shapes[0][0] * packed_shapes[0][1] < 6 * data["input_ids"].shape[1]
 
 
@@ -168,15 +196,23 @@ def test_a_damaged_or_old_format_checkpoint_is_refused(models, tmp_path):
         build(path)
     shard.write_bytes(good)
     assert build(path).iteration == 1
-    converted = tmp_path / "converted"  # a weights-only checkpoint (chatgen convert) needs no optimizer state
+    converted = (
+        tmp_path / "converted"
+    )  # a weights-only checkpoint (chatgen convert) needs no optimizer state
     from chatgen.core.checkpoint_io import read_megatron_meta, write_megatron_meta
     from chatgen.models.convert import hf_to_megatron_dir
 
     hf_to_megatron_dir(models["llama"], converted, tp=1, pp=1)
     assert build(converted).iteration == 0
-    meta = read_megatron_meta(converted)  # as an older chatgen saved a trainer: AdamW's state in optim_*.pt
-    write_megatron_meta(converted, meta["hf_config"], 1, 1, meta["padded_vocab_size"], iteration=3, optimizer=True)
-    with pytest.raises(ValueError, match=r"optim_tp\*_pp\*.pt\) is the format of an older chatgen.*convert --to hf"):
+    meta = read_megatron_meta(
+        converted
+    )  # as an older chatgen saved a trainer: AdamW's state in optim_*.pt
+    write_megatron_meta(
+        converted, meta["hf_config"], 1, 1, meta["padded_vocab_size"], iteration=3, optimizer=True
+    )
+    with pytest.raises(
+        ValueError, match=r"optim_tp\*_pp\*.pt\) is the format of an older chatgen.*convert --to hf"
+    ):
         build(converted)
 
 
@@ -189,7 +225,9 @@ def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):
     start = [p.detach().clone() for p in params]
     ref = [p.detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    for _ in range(3):  # the reference steps in fp32 on the same grads (DDP accumulates them in fp32)
+    for _ in range(
+        3
+    ):  # the reference steps in fp32 on the same grads (DDP accumulates them in fp32)
         trainer.train_step({"input_ids": ids}, nll_loss)
         for r, p in zip(ref, params):
             r.grad = p.main_grad.float()
@@ -218,10 +256,18 @@ def test_load_of_a_checkpoint_restores_optimizer_and_lr_schedule(models, tmp_pat
     resumed = build(path, **kw)
     for other in (explicit, resumed):
         assert other.iteration == 3
-        assert all(torch.equal(a, b) for a, b in zip(optimizer_state(other), optimizer_state(trainer), strict=True))
+        assert all(
+            torch.equal(a, b)
+            for a, b in zip(optimizer_state(other), optimizer_state(trainer), strict=True)
+        )
     step = resumed.train_step({"input_ids": ids}, nll_loss)
-    assert step["lr"] == trainer.train_step({"input_ids": ids}, nll_loss)["lr"] == pytest.approx(4e-6)  # warm-up 4/10
-    assert all(torch.equal(a, b) for a, b in zip(optimizer_state(resumed), optimizer_state(trainer), strict=True))
+    assert (
+        step["lr"] == trainer.train_step({"input_ids": ids}, nll_loss)["lr"] == pytest.approx(4e-6)
+    )  # warm-up 4/10
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(optimizer_state(resumed), optimizer_state(trainer), strict=True)
+    )
 
 
 def test_nan_gradient_skips_the_step(models):
@@ -234,36 +280,58 @@ def test_nan_gradient_skips_the_step(models):
 
     metrics = trainer.train_step({"input_ids": ids}, nan_loss)
     assert metrics["skipped_step"] == 1.0 and not math.isfinite(metrics["grad_norm"])
-    assert trainer.skipped_steps == 1 and trainer.iteration == 0 and not len(trainer.optimizer.state)
-    assert all(torch.equal(v, before[k]) for k, v in trainer.model.state_dict().items() if torch.is_tensor(v))
+    assert (
+        trainer.skipped_steps == 1 and trainer.iteration == 0 and not len(trainer.optimizer.state)
+    )
+    assert all(
+        torch.equal(v, before[k])
+        for k, v in trainer.model.state_dict().items()
+        if torch.is_tensor(v)
+    )
     metrics = trainer.train_step({"input_ids": ids}, nll_loss)  # the next good step trains as usual
-    assert metrics["skipped_step"] == 0.0 and math.isfinite(metrics["grad_norm"]) and trainer.iteration == 1
+    assert (
+        metrics["skipped_step"] == 0.0
+        and math.isfinite(metrics["grad_norm"])
+        and trainer.iteration == 1
+    )
     assert torch.isfinite(trainer.forward_tokens({"input_ids": ids})).all()
 
 
 def test_seq_length_and_global_batch_size_are_enforced(models):
     trainer = build(models["llama"], seq_length=8, global_batch_size=4)
     assert trainer.forward_tokens({"input_ids": batch(t=8)}).shape == (2, 7)
-    with pytest.raises(ValueError, match="a batch of 12 tokens per sample is longer than seq_length=8"):
+    with pytest.raises(
+        ValueError, match="a batch of 12 tokens per sample is longer than seq_length=8"
+    ):
         trainer.forward_tokens({"input_ids": batch(t=12)})
-    with pytest.raises(ValueError, match="2 samples x 1 data-parallel ranks != global_batch_size=4"):
+    with pytest.raises(
+        ValueError, match="2 samples x 1 data-parallel ranks != global_batch_size=4"
+    ):
         trainer.train_step({"input_ids": batch(t=8)}, nll_loss)
     assert trainer.train_step({"input_ids": batch(b=4, t=8)}, nll_loss)["skipped_step"] == 0.0
-    with pytest.raises(ValueError, match="seq_length=4096 is longer than the model's max_position_embeddings=512"):
+    with pytest.raises(
+        ValueError, match="seq_length=4096 is longer than the model's max_position_embeddings=512"
+    ):
         build(models["llama"], seq_length=4096)
 
 
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
     from chatgen.models.convert import hf_to_megatron_dir
 
-    converted = hf_to_megatron_dir(models["llama"], tmp_path / "converted", tp=1, pp=1)  # weights at one layout
+    converted = hf_to_megatron_dir(
+        models["llama"], tmp_path / "converted", tp=1, pp=1
+    )  # weights at one layout
     trainer = build(models["llama"])
     trainer.tp = 2  # as if this run used TP=2
     with pytest.raises(ValueError, match="checkpoint has TP, PP = \\(1, 1\\)"):
         trainer.load_checkpoint(converted)
-    path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")  # a trainer's: any layout, same vocab rows
+    path = build(models["llama"]).save_checkpoint(
+        tmp_path / "ckpt"
+    )  # a trainer's: any layout, same vocab rows
     trainer.padded_vocab_size = 1024  # as if this layout padded the vocab differently
-    with pytest.raises(ValueError, match="saved with the vocab padded to 512 rows.*make_vocab_size_divisible_by"):
+    with pytest.raises(
+        ValueError, match="saved with the vocab padded to 512 rows.*make_vocab_size_divisible_by"
+    ):
         trainer.load_checkpoint(path)
 
 
@@ -277,19 +345,38 @@ def _parallel_layouts(models, cases, refs):
     for (name, tp, pp), (ids, ref, train_ref) in zip(cases, refs):
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        trainer = MegatronModule(dict(load=str(models[name]), tensor_model_parallel_size=tp,
-                                      pipeline_model_parallel_size=pp, lr=1e-4)).start()
-        result = {"logprob_diff": float((trainer.forward_tokens({"input_ids": ids}) - ref).abs().max())}
+        trainer = MegatronModule(
+            dict(
+                load=str(models[name]),
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                lr=1e-4,
+            )
+        ).start()
+        result = {
+            "logprob_diff": float((trainer.forward_tokens({"input_ids": ids}) - ref).abs().max())
+        }
         if train_ref is not None:
             metrics = trainer.train_step({"input_ids": ids}, nll_loss)
             ref_logprobs, ref_weights = train_ref
             weights = trainer.hf_state_dict()
-            result.update(loss=metrics["loss"], grad_norm=metrics["grad_norm"],
-                          after_diff=float((trainer.forward_tokens({"input_ids": ids}) - ref_logprobs).abs().max()),
-                          weight_diff=max(float((weights[k] - w).abs().max()) for k, w in ref_weights.items()))
+            result.update(
+                loss=metrics["loss"],
+                grad_norm=metrics["grad_norm"],
+                after_diff=float(
+                    (trainer.forward_tokens({"input_ids": ids}) - ref_logprobs).abs().max()
+                ),
+                weight_diff=max(
+                    float((weights[k] - w).abs().max()) for k, w in ref_weights.items()
+                ),
+            )
             assert trainer._packs
-            trainer.config.micro_batch_size = 3  # one group per micro-batch, each of its own packed length
-            packed = trainer.train_step(grouped_batch(), masked_nll)  # shared-prefix packed at this layout
+            trainer.config.micro_batch_size = (
+                3  # one group per micro-batch, each of its own packed length
+            )
+            packed = trainer.train_step(
+                grouped_batch(), masked_nll
+            )  # shared-prefix packed at this layout
             result.update(packed_loss=packed["loss"], packed_grad_norm=packed["grad_norm"])
         out.append(result)
     return out
@@ -301,20 +388,35 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
     shared-prefix packed step (micro-batches padded to one shape across stages) equals TP=1 unpacked."""
     from chatgen.training.launcher import run_distributed
 
-    cases = [("llama", 2, 1), ("llama_1kv", 2, 1), ("llama", 1, 2), ("llama", 1, 1), ("qwen2_v500", 2, 1),
-             ("qwen2", 1, 2), ("qwen3", 2, 1), ("qwen3", 1, 2)]
+    cases = [
+        ("llama", 2, 1),
+        ("llama_1kv", 2, 1),
+        ("llama", 1, 2),
+        ("llama", 1, 1),
+        ("qwen2_v500", 2, 1),
+        ("qwen2", 1, 2),
+        ("qwen3", 2, 1),
+        ("qwen3", 1, 2),
+    ]
     ids = batch()
     train_refs = {}
     for name in ("llama", "qwen2", "qwen3"):  # TP=1 references for one training step
         trainer = build(models[name], lr=1e-4)
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
-        train_refs[name] = (metrics, (trainer.forward_tokens({"input_ids": ids}), trainer.hf_state_dict()))
-        trainer._packs = False  # then one row per sample: the reference of the packed step at each layout
+        train_refs[name] = (
+            metrics,
+            (trainer.forward_tokens({"input_ids": ids}), trainer.hf_state_dict()),
+        )
+        trainer._packs = (
+            False  # then one row per sample: the reference of the packed step at each layout
+        )
         trainer.config.micro_batch_size = 3
         unpacked = trainer.train_step(grouped_batch(), masked_nll)
         metrics.update(packed_loss=unpacked["loss"], packed_grad_norm=unpacked["grad_norm"])
-    refs = [(ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
-            for name, _, _ in cases]
+    refs = [
+        (ids, hf_logprobs(models[name], ids), train_refs[name][1] if name in train_refs else None)
+        for name, _, _ in cases
+    ]
     results = run_distributed(_parallel_layouts, 2, args=(models, cases, refs))
     for rank_results in results:
         for (name, tp, pp), res in zip(cases, rank_results):
@@ -322,9 +424,19 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
             if "loss" in res:
                 metrics = train_refs[name][0]
                 assert res["loss"] == pytest.approx(metrics["loss"], rel=1e-5), (name, tp, pp)
-                assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (name, tp, pp)
-                assert res["packed_loss"] == pytest.approx(metrics["packed_loss"], rel=1e-5), (name, tp, pp)
-                assert res["packed_grad_norm"] == pytest.approx(metrics["packed_grad_norm"], rel=1e-4), (name, tp, pp)
+                assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), (
+                    name,
+                    tp,
+                    pp,
+                )
+                assert res["packed_loss"] == pytest.approx(metrics["packed_loss"], rel=1e-5), (
+                    name,
+                    tp,
+                    pp,
+                )
+                assert res["packed_grad_norm"] == pytest.approx(
+                    metrics["packed_grad_norm"], rel=1e-4
+                ), (name, tp, pp)
                 assert res["after_diff"] < TOL, (name, tp, pp, res)
                 # the same update as TP=1: AdamW's first step moves a weight by about +-lr = 1e-4, so a partial
                 # grad (QK-norm weights not summed over TP) flips some by 2e-4; TP float noise stays ~2e-6
@@ -336,7 +448,9 @@ def test_chatgen_convert_output_loads_and_matches_hf(models, tmp_path):
 
     ckpt = hf_to_megatron_dir(models["qwen2_v500"], tmp_path / "meg", tp=1, pp=1)
     ids = batch()
-    assert (build(ckpt).forward_tokens({"input_ids": ids}) - hf_logprobs(models["qwen2_v500"], ids)).abs().max() < TOL
+    assert (
+        build(ckpt).forward_tokens({"input_ids": ids}) - hf_logprobs(models["qwen2_v500"], ids)
+    ).abs().max() < TOL
 
 
 def test_shutdown_releases_the_model(models):

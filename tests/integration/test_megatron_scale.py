@@ -4,6 +4,7 @@ another TP x PP x DP with every bit of weights, fp32 masters and Adam moments.
 
     python -m pytest tests/integration/test_megatron_scale.py
 """
+
 import json
 import shutil
 
@@ -24,8 +25,14 @@ def optimizer_bytes(trainer) -> int:
     total = 0
     for chained in trainer.optimizer.chained_optimizers:
         for state in chained.optimizer.state.values():
-            total += sum(state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq"))
-        total += sum(p.numel() * p.element_size() for group in chained.shard_fp32_from_float16_groups for p in group)
+            total += sum(
+                state[k].numel() * state[k].element_size() for k in ("exp_avg", "exp_avg_sq")
+            )
+        total += sum(
+            p.numel() * p.element_size()
+            for group in chained.shard_fp32_from_float16_groups
+            for p in group
+        )
     return total
 
 
@@ -53,8 +60,12 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(tiny_llama_dir):
     bf16 = build(tiny_llama_dir, dtype="bfloat16", lr=1e-3)
     bf16.train_step({"input_ids": data[:2]}, nll_loss)
     dp1_bytes = optimizer_bytes(bf16)
-    ranks = [(dp, steps, from_bytes(weights), nbytes)
-             for dp, steps, weights, nbytes in run_distributed(_data_parallel, 2, args=(tiny_llama_dir, data))]
+    ranks = [
+        (dp, steps, from_bytes(weights), nbytes)
+        for dp, steps, weights, nbytes in run_distributed(
+            _data_parallel, 2, args=(tiny_llama_dir, data)
+        )
+    ]
     assert [r[0] for r in ranks] == [2, 2]
     for _, steps, weights, _ in ranks:
         for got, want in zip(steps, ref, strict=True):
@@ -63,7 +74,9 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(tiny_llama_dir):
         assert ref[-1]["loss"] < ref[0]["loss"]  # it trained
         # lr 1e-3 moves weights by ~1e-3 per step; DP float noise (a different summation order) stays ~1e-6
         assert max((weights[k] - w).abs().max().item() for k, w in ref_weights.items()) < 1e-5
-    assert all(torch.equal(ranks[0][2][k], ranks[1][2][k]) for k in ref_weights)  # one model on every DP rank
+    assert all(
+        torch.equal(ranks[0][2][k], ranks[1][2][k]) for k in ref_weights
+    )  # one model on every DP rank
     dp2_bytes = [r[3] for r in ranks]
     print(f"optimizer state per rank, bf16 tiny Llama: DP1 {dp1_bytes} B, DP2 {dp2_bytes} B")
     assert all(b < 0.55 * dp1_bytes for b in dp2_bytes) and sum(dp2_bytes) >= dp1_bytes
@@ -91,11 +104,25 @@ def _resave_at(model_dir, data, src, layouts, out):
     for tp, pp in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        trainer = MegatronModule(dict(load=str(src), dtype="bfloat16", lr=1e-3, tensor_model_parallel_size=tp,
-                                      pipeline_model_parallel_size=pp, micro_batch_size=2)).start()
+        trainer = MegatronModule(
+            dict(
+                load=str(src),
+                dtype="bfloat16",
+                lr=1e-3,
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                micro_batch_size=2,
+            )
+        ).start()
         loaded = trainer.hf_state_dict()
         trainer.save_checkpoint(f"{out}/tp{tp}pp{pp}")
-        results.append((trainer.iteration, to_bytes(loaded), trainer.train_step({"input_ids": data}, nll_loss)["loss"]))
+        results.append(
+            (
+                trainer.iteration,
+                to_bytes(loaded),
+                trainer.train_step({"input_ids": data}, nll_loss)["loss"],
+            )
+        )
     return results
 
 
@@ -108,12 +135,21 @@ def test_a_distributed_checkpoint_resumes_exactly_at_another_layout(tiny_llama_d
     from chatgen.training.launcher import run_distributed
 
     data = batch(b=4, seed=5)
-    saved, next_loss = run_distributed(_save_at_dp2, 2, args=(tiny_llama_dir, data, tmp_path / "dp2"))[0]
+    saved, next_loss = run_distributed(
+        _save_at_dp2, 2, args=(tiny_llama_dir, data, tmp_path / "dp2")
+    )[0]
     saved = from_bytes(saved)
     meta = json.loads((tmp_path / "dp2" / "chatgen_megatron.json").read_text())
-    assert (meta["data_parallel_size"], meta["iteration"], meta["optimizer"], meta["distributed"]) == (2, 2, True, True)
+    assert (
+        meta["data_parallel_size"],
+        meta["iteration"],
+        meta["optimizer"],
+        meta["distributed"],
+    ) == (2, 2, True, True)
     layouts = [(2, 1), (1, 2)]
-    resaved = run_distributed(_resave_at, 2, args=(tiny_llama_dir, data, tmp_path / "dp2", layouts, tmp_path))
+    resaved = run_distributed(
+        _resave_at, 2, args=(tiny_llama_dir, data, tmp_path / "dp2", layouts, tmp_path)
+    )
     for rank in resaved:
         for (tp, pp), (iteration, loaded, loss) in zip(layouts, rank):
             loaded = from_bytes(loaded)
@@ -125,13 +161,22 @@ def test_a_distributed_checkpoint_resumes_exactly_at_another_layout(tiny_llama_d
     assert state and all(torch.equal(original.hf_state_dict()[k], saved[k]) for k in saved)
     for tp, pp in layouts:
         again = build(tmp_path / f"tp{tp}pp{pp}", **kw)
-        assert all(torch.equal(a, b) for a, b in zip(optimizer_state(again), state, strict=True)), (tp, pp)
-    assert original.train_step({"input_ids": data}, nll_loss)["loss"] == pytest.approx(next_loss, rel=1e-3)
+        assert all(torch.equal(a, b) for a, b in zip(optimizer_state(again), state, strict=True)), (
+            tp,
+            pp,
+        )
+    assert original.train_step({"input_ids": data}, nll_loss)["loss"] == pytest.approx(
+        next_loss, rel=1e-3
+    )
 
     # (the checkpoint keeps megatron's fp32 norm weights; the trainer's HF stream casts them to its bf16)
     _, hf = megatron_checkpoint_to_hf(tmp_path / "tp2pp1")
-    assert sorted(hf) == sorted(saved) and all(torch.equal(hf[k].to(saved[k].dtype), saved[k]) for k in saved)
-    bare = shutil.copytree(tmp_path / "dp2", tmp_path / "as_megatron_lm")  # Megatron-LM writes no chatgen metadata
+    assert sorted(hf) == sorted(saved) and all(
+        torch.equal(hf[k].to(saved[k].dtype), saved[k]) for k in saved
+    )
+    bare = shutil.copytree(
+        tmp_path / "dp2", tmp_path / "as_megatron_lm"
+    )  # Megatron-LM writes no chatgen metadata
     (bare / "chatgen_megatron.json").unlink()
     with pytest.raises(FileNotFoundError, match="pass --hf-config"):
         megatron_checkpoint_to_hf(bare)

@@ -8,6 +8,7 @@ the peak of activation memory held for the backward is lower. That peak is measu
 hooks (live bytes of the distinct storages saved for backward, weights excluded; a storage is released when
 autograd drops it), which is what the keys act on; the process's RSS on CPU is dominated by the allocator.
 """
+
 import weakref
 
 import pytest
@@ -76,7 +77,9 @@ def two_steps(model_dir, **keys):
 
 def test_activation_recompute_same_loss_less_activation_memory(tiny_llama_dir):
     """Measured (tiny Llama, 4 x 256 tokens, fp32): none 35.6 MiB, selective 28.1 MiB, full 16.6 MiB."""
-    plain, selective, full = (two_steps(tiny_llama_dir, activation_recompute=m) for m in ("none", "selective", "full"))
+    plain, selective, full = (
+        two_steps(tiny_llama_dir, activation_recompute=m) for m in ("none", "selective", "full")
+    )
     for run in (selective, full):
         assert run[:3] == pytest.approx(plain[:3], rel=REL), (run, plain)
     assert full[3] < selective[3] < plain[3], (plain[3], selective[3], full[3])
@@ -104,9 +107,15 @@ def test_grad_reduce_dtype_sets_the_gradient_buffers_dtype(tiny_llama_dir):
     from chatgen.training.megatron_module import MegatronModule
 
     for key, dtype in ((None, torch.float32), ("bfloat16", torch.bfloat16)):
-        module = MegatronModule(dict(load=str(tiny_llama_dir), dtype="bfloat16", grad_reduce_dtype=key)).start()
+        module = MegatronModule(
+            dict(load=str(tiny_llama_dir), dtype="bfloat16", grad_reduce_dtype=key)
+        ).start()
         bf16_buffers = [b for b in module.ddp.buffers if b.param_dtype == torch.bfloat16]
         assert bf16_buffers and all(b.grad_dtype == dtype for b in bf16_buffers), key
         loss = module.train_step({"input_ids": torch.randint(0, 500, (2, 32))}, nll)["loss"]
-        assert loss == loss and module.train_step({"input_ids": torch.randint(0, 500, (2, 32))}, nll)["grad_norm"] > 0
+        assert (
+            loss == loss
+            and module.train_step({"input_ids": torch.randint(0, 500, (2, 32))}, nll)["grad_norm"]
+            > 0
+        )
         module.shutdown()

@@ -8,6 +8,7 @@ transformers with every expert weight in the engine exact, and its per-expert ch
 routing replay: the engine records the experts it routed each token to, and a trainer with moe_routing_replay
 computes with exactly those.
 """
+
 import json
 
 import pytest
@@ -67,10 +68,22 @@ def _layouts(models, ids, refs, ckpt_root):
         for tp, ep in ((2, 1), (1, 2)):
             if ps.model_parallel_is_initialized():
                 ps.destroy_model_parallel()
-            trainer = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=tp,
-                                          expert_model_parallel_size=ep, lr=1e-3)).start()
-            res = {"logprob_diff": float((trainer.forward_tokens({"input_ids": ids}) - hf_ref).abs().max()),
-                   "weights_exact": all(torch.equal(t, original[k]) for k, t in trainer.hf_state_dict().items())}
+            trainer = MegatronModule(
+                dict(
+                    load=str(model_dir),
+                    tensor_model_parallel_size=tp,
+                    expert_model_parallel_size=ep,
+                    lr=1e-3,
+                )
+            ).start()
+            res = {
+                "logprob_diff": float(
+                    (trainer.forward_tokens({"input_ids": ids}) - hf_ref).abs().max()
+                ),
+                "weights_exact": all(
+                    torch.equal(t, original[k]) for k, t in trainer.hf_state_dict().items()
+                ),
+            }
             if tp > 1:
                 try:
                     trainer.train_step({"input_ids": ids}, nll_loss)
@@ -78,15 +91,23 @@ def _layouts(models, ids, refs, ckpt_root):
                     res["refused"] = str(e)
             else:  # EP 2 carves 2 data-parallel ranks: each trains on its half of the batch
                 half = ids.shape[0] // 2
-                step = trainer.train_step({"input_ids": ids[trainer.dp_rank * half:(trainer.dp_rank + 1) * half]},
-                                          nll_loss)
+                step = trainer.train_step(
+                    {"input_ids": ids[trainer.dp_rank * half : (trainer.dp_rank + 1) * half]},
+                    nll_loss,
+                )
                 after = trainer.hf_state_dict()
-                res.update(loss=step["loss"], grad_norm=step["grad_norm"],
-                           usage=[step[f"moe/expert_usage/{e}"] for e in range(trainer.spec.num_experts)],
-                           weight_diff=max(float((after[k] - w).abs().max()) for k, w in weights.items()))
-                ckpt = trainer.save_checkpoint(ckpt_root / f"{name}_ep2")  # every expert, whatever the EP
-                res["checkpoint_exact"] = all(torch.equal(t, after[k])
-                                              for k, t in megatron_checkpoint_to_hf(ckpt)[1].items())
+                res.update(
+                    loss=step["loss"],
+                    grad_norm=step["grad_norm"],
+                    usage=[step[f"moe/expert_usage/{e}"] for e in range(trainer.spec.num_experts)],
+                    weight_diff=max(float((after[k] - w).abs().max()) for k, w in weights.items()),
+                )
+                ckpt = trainer.save_checkpoint(
+                    ckpt_root / f"{name}_ep2"
+                )  # every expert, whatever the EP
+                res["checkpoint_exact"] = all(
+                    torch.equal(t, after[k]) for k, t in megatron_checkpoint_to_hf(ckpt)[1].items()
+                )
             out[f"{name} TP{tp} EP{ep}"] = res
     return out
 
@@ -105,7 +126,10 @@ def test_megatron_moe_matches_hf_at_tp_and_ep_and_ep2_trains_like_tp1(moe_models
         assert (trainer.forward_tokens({"input_ids": ids}) - hf_ref).abs().max() < TOL, name
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
         usage = [metrics[f"moe/expert_usage/{e}"] for e in range(trainer.spec.num_experts)]
-        assert sum(usage) == pytest.approx(1.0) and min(usage) > 0, (name, usage)  # every token slot counted
+        assert sum(usage) == pytest.approx(1.0) and min(usage) > 0, (
+            name,
+            usage,
+        )  # every token slot counted
         assert "moe/load_balancing_loss" not in metrics  # moe_aux_loss_coeff 0
         refs[name] = (hf_ref, (metrics, trainer.hf_state_dict()))
         trainer.shutdown()
@@ -121,7 +145,9 @@ def test_megatron_moe_matches_hf_at_tp_and_ep_and_ep2_trains_like_tp1(moe_models
                 metrics = refs[name][1][0]
                 assert res["loss"] == pytest.approx(metrics["loss"], rel=1e-5), case
                 assert res["grad_norm"] == pytest.approx(metrics["grad_norm"], rel=1e-4), case
-                assert res["usage"] == pytest.approx([metrics[f"moe/expert_usage/{e}"] for e in range(4)]), case
+                assert res["usage"] == pytest.approx(
+                    [metrics[f"moe/expert_usage/{e}"] for e in range(4)]
+                ), case
                 # AdamW's first step moves each weight by about lr = 1e-3: an expert grad not summed over the EP
                 # ranks' tokens, or averaged with another expert's, would move some the wrong way
                 assert res["weight_diff"] < 2e-5 and res["checkpoint_exact"], (case, res)
@@ -137,7 +163,9 @@ def test_router_load_balancing_loss_is_trained_and_logged(moe_models):
     metrics = balanced.train_step({"input_ids": ids}, nll_loss)
     # Switch's loss E * sum_e f_e * p_e: 1 when balanced, more otherwise; the router learns from it too
     assert 1.0 <= metrics["moe/load_balancing_loss"] < 2.0
-    assert metrics["loss"] == pytest.approx(loss, rel=1e-6)  # the aux loss reaches the gradient, not the loss_fn
+    assert metrics["loss"] == pytest.approx(
+        loss, rel=1e-6
+    )  # the aux loss reaches the gradient, not the loss_fn
     assert not torch.equal(router, balanced.local_param("decoder.layers.0.mlp.router.weight"))
     balanced.shutdown()
 
@@ -146,27 +174,46 @@ def _check_sync(model_dir, tmp_path, *layout):
     from chatgen.cli import main
 
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text('{"prompt_ids": [1, 5, 17, 99, 200]}\n{"prompt_ids": [1, 2, 3, 4, 5, 6, 7]}\n')
+    prompts.write_text(
+        '{"prompt_ids": [1, 5, 17, 99, 200]}\n{"prompt_ids": [1, 2, 3, 4, 5, 6, 7]}\n'
+    )
     out = tmp_path / "check.json"
-    code = main(["check-sync", "--hf-checkpoint", str(model_dir), *layout, "--input", str(prompts), "--output",
-                 str(out), "--max-new-tokens", "12"])
+    code = main(
+        [
+            "check-sync",
+            "--hf-checkpoint",
+            str(model_dir),
+            *layout,
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            "12",
+        ]
+    )
     return code, json.loads(out.read_text())
 
 
 @pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("layout", [("--train-ep", "2"), ("--train-tp", "2")])
-def test_check_sync_expert_and_tensor_parallel_trainer_into_vllm(moe_models, tmp_path, name, layout):
+def test_check_sync_expert_and_tensor_parallel_trainer_into_vllm(
+    moe_models, tmp_path, name, layout
+):
     code, report = _check_sync(moe_models[name], tmp_path, *layout)
     assert code == 0 and report["mode"] == "cross-process"
     assert report["max_abs_logprob_diff"] < TOL
     # every expert weight of the engine read back (vLLM's fused, CPU-prepacked layout) equals the checkpoint
     cfg = json.loads((moe_models[name] / "config.json").read_text())
-    assert len(report["expert_weight_max_abs_diff"]) == cfg["num_hidden_layers"] * cfg["num_local_experts"] * 3
+    assert (
+        len(report["expert_weight_max_abs_diff"])
+        == cfg["num_hidden_layers"] * cfg["num_local_experts"] * 3
+    )
     assert report["max_abs_expert_weight_diff"] == 0.0
     # and what vLLM computes after the sync is HF transformers' model
     for sample in report["samples"]:
         ids = torch.tensor([sample["prompt_ids"] + sample["output_ids"]])
-        hf = hf_logprobs(moe_models[name], ids)[0, len(sample["prompt_ids"]) - 1:]
+        hf = hf_logprobs(moe_models[name], ids)[0, len(sample["prompt_ids"]) - 1 :]
         assert (hf - torch.tensor(sample["engine_logprobs"])).abs().max() < TOL
 
 
@@ -174,8 +221,18 @@ def engine(model_dir):
     """A VLLMModule on random weights (load_format dummy)."""
     from chatgen.generation.vllm.module import VLLMModule
 
-    return VLLMModule(dict(load=str(model_dir), load_format="dummy", enforce_eager=True, dtype="float32", seed=0,
-                           kv_cache_memory_bytes=32 << 20, seq_length=128, max_new_tokens=16)).start()
+    return VLLMModule(
+        dict(
+            load=str(model_dir),
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            kv_cache_memory_bytes=32 << 20,
+            seq_length=128,
+            max_new_tokens=16,
+        )
+    ).start()
 
 
 def test_per_expert_check_names_the_experts_a_sync_mixed_up(moe_models):
@@ -190,8 +247,11 @@ def test_per_expert_check_names_the_experts_a_sync_mixed_up(moe_models):
     model_dir = moe_models["tiny_qwen3_moe"]
     spec = models.spec_from_hf_config(json.loads((model_dir / "config.json").read_text()))
     weights = load_file(str(model_dir / "model.safetensors"))
-    swap = {f"model.layers.1.mlp.experts.{a}.{w}.weight": f"model.layers.1.mlp.experts.{b}.{w}.weight"
-            for a, b in ((1, 2), (2, 1)) for w in ("gate_proj", "up_proj", "down_proj")}
+    swap = {
+        f"model.layers.1.mlp.experts.{a}.{w}.weight": f"model.layers.1.mlp.experts.{b}.{w}.weight"
+        for a, b in ((1, 2), (2, 1))
+        for w in ("gate_proj", "up_proj", "down_proj")
+    }
     llm = engine(model_dir)
     try:
         sync_weights({name: weights[swap.get(name, name)] for name in weights}, llm)
@@ -212,18 +272,39 @@ def recorded(moe_models):
     from chatgen.generation.vllm.module import VLLMModule
 
     model_dir = moe_models["tiny_qwen3_moe"]
-    policy = VLLMModule(dict(load=str(model_dir), kv_cache_memory_bytes=32 << 20, enforce_eager=True, seq_length=64,
-                             new_token_limit=True, max_new_tokens=12, logprobs_mode="raw", temperature=1.0, seed=0,
-                             n=2, return_routed_experts=True)).start()
+    policy = VLLMModule(
+        dict(
+            load=str(model_dir),
+            kv_cache_memory_bytes=32 << 20,
+            enforce_eager=True,
+            seq_length=64,
+            new_token_limit=True,
+            max_new_tokens=12,
+            logprobs_mode="raw",
+            temperature=1.0,
+            seed=0,
+            n=2,
+            return_routed_experts=True,
+        )
+    ).start()
     try:
-        rollout = policy.run_generation(policy.build_dataset(["sort: 3 1 2 =", "hello there", "add: 2 3 ="]))
+        rollout = policy.run_generation(
+            policy.build_dataset(["sort: 3 1 2 =", "hello there", "add: 2 3 ="])
+        )
     finally:
         policy.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        router_logits = hf(rollout.input_ids, output_router_logits=True).router_logits  # per layer (S*L, E)
-    hf_topk = torch.stack([logits.topk(2, dim=-1).indices.view(*rollout.input_ids.shape, 2)
-                           for logits in router_logits], dim=2)  # (S, L, layers, k)
+        router_logits = hf(
+            rollout.input_ids, output_router_logits=True
+        ).router_logits  # per layer (S*L, E)
+    hf_topk = torch.stack(
+        [
+            logits.topk(2, dim=-1).indices.view(*rollout.input_ids.shape, 2)
+            for logits in router_logits
+        ],
+        dim=2,
+    )  # (S, L, layers, k)
     return model_dir, rollout, hf_topk
 
 
@@ -231,13 +312,15 @@ def test_engine_records_the_experts_it_routed_each_token_to(recorded):
     _, rollout, hf_topk = recorded
     s, width = rollout.input_ids.shape
     assert rollout.routed_experts.shape == (s, width, 2, 2)
-    read = rollout.prompt_lengths + rollout.response_lengths - 1  # positions the model read: all but the last
+    read = (
+        rollout.prompt_lengths + rollout.response_lengths - 1
+    )  # positions the model read: all but the last
     for row in range(s):
         routed = rollout.routed_experts[row]
-        assert (routed[:read[row]] >= 0).all() and (routed[read[row]:] == -1).all(), row
+        assert (routed[: read[row]] >= 0).all() and (routed[read[row] :] == -1).all(), row
         # the same experts as HF transformers' router (as sets: vLLM does not order a token's top k)
-        ours = routed[:read[row]].sort(dim=-1).values
-        theirs = hf_topk[row, :read[row]].sort(dim=-1).values
+        ours = routed[: read[row]].sort(dim=-1).values
+        theirs = hf_topk[row, : read[row]].sort(dim=-1).values
         assert torch.equal(ours, theirs), row
 
 
@@ -249,18 +332,26 @@ def test_trainer_replays_the_recorded_experts(recorded):
     replayed = replaying.forward_tokens(data)
     assert ((replayed - rollout.infer_logprobs).abs() * rollout.loss_mask).max() < TOL
     # it computes with the batch's experts, not its own: other experts give other log-probs ...
-    moved = dict(data, routed_experts=torch.where(data["routed_experts"] >= 0, (data["routed_experts"] + 1) % 4,
-                                                  data["routed_experts"]))
+    moved = dict(
+        data,
+        routed_experts=torch.where(
+            data["routed_experts"] >= 0, (data["routed_experts"] + 1) % 4, data["routed_experts"]
+        ),
+    )
     assert ((replaying.forward_tokens(moved) - replayed).abs() * rollout.loss_mask).max() > 1e-3
     # ... and routes by itself where nothing was recorded (-1)
     unknown = dict(data, routed_experts=torch.full_like(data["routed_experts"], -1))
     assert torch.equal(replaying.forward_tokens(unknown), own)
-    with pytest.raises(ValueError, match="moe_routing_replay is true but the batch has no routed_experts"):
+    with pytest.raises(
+        ValueError, match="moe_routing_replay is true but the batch has no routed_experts"
+    ):
         replaying.forward_tokens({"input_ids": data["input_ids"]})
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_grpo_on_the_tiny_moe_replays_routing_and_logs_the_router(moe_models, tmp_path, monkeypatch, ep):
+def test_grpo_on_the_tiny_moe_replays_routing_and_logs_the_router(
+    moe_models, tmp_path, monkeypatch, ep
+):
     """configs/grpo_tiny_moe.yaml for two small episodes: the engine records routing, the trainer replays it (the
     first step's log-probs equal the engine's), the router's figures are in the metrics. EP 2: the trainer runs as
     two Ray actors (its experts split between them, two data-parallel ranks), apart from the engine, and its
@@ -276,21 +367,41 @@ def test_grpo_on_the_tiny_moe_replays_routing_and_logs_the_router(moe_models, tm
     monkeypatch.chdir(repo)
     data, out, model = tmp_path / "data", tmp_path / "run", moe_models["tiny_qwen3_moe"]
     tasks.write_task_data(str(data), n_train=64, n_eval=8)
-    overrides = {"runtime.data_path": f"{data}/train.jsonl", "runtime.eval_data_path": f"{data}/eval.jsonl",
-                 "runtime.output_dir": out, "runtime.num_episode": 2, "runtime.sample_per_episode": 32,
-                 "runtime.train_micro_batch_size": 8, "runtime.train_global_batch_size": 16,
-                 "runtime.eval_episode_interval": 2, "runtime.save_episode_interval": 2, "policy.load": model,
-                 "policy.n": 4, "policy_trainer.load": model, "policy_trainer.expert_model_parallel_size": ep}
+    overrides = {
+        "runtime.data_path": f"{data}/train.jsonl",
+        "runtime.eval_data_path": f"{data}/eval.jsonl",
+        "runtime.output_dir": out,
+        "runtime.num_episode": 2,
+        "runtime.sample_per_episode": 32,
+        "runtime.train_micro_batch_size": 8,
+        "runtime.train_global_batch_size": 16,
+        "runtime.eval_episode_interval": 2,
+        "runtime.save_episode_interval": 2,
+        "policy.load": model,
+        "policy.n": 4,
+        "policy_trainer.load": model,
+        "policy_trainer.expert_model_parallel_size": ep,
+    }
     if ep > 1:
         overrides["runtime.colocation"] = "[[policy, reward]]"
-    grpo.train(load_config(repo / "configs/grpo_tiny_moe.yaml", [f"{k}={v}" for k, v in overrides.items()]),
-               log=lambda *_: None)
+    grpo.train(
+        load_config(
+            repo / "configs/grpo_tiny_moe.yaml", [f"{k}={v}" for k, v in overrides.items()]
+        ),
+        log=lambda *_: None,
+    )
     saved = megatron_checkpoint_to_hf(out / "checkpoints" / "episode_000002" / "policy_trainer")[1]
-    assert sum("experts" in name for name in saved) == 2 * 4 * 3  # layers x experts x (gate, up, down)
-    metrics = {r["episode"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())}
+    assert (
+        sum("experts" in name for name in saved) == 2 * 4 * 3
+    )  # layers x experts x (gate, up, down)
+    metrics = {
+        r["episode"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    }
     for episode in (1, 2):
         m = metrics[episode]
-        assert m["mismatch/logprob_max_abs"] < TOL  # replayed experts, exact sync: the engine's log-probs
+        assert (
+            m["mismatch/logprob_max_abs"] < TOL
+        )  # replayed experts, exact sync: the engine's log-probs
         usage = [m[f"policy/moe/expert_usage/{e}"] for e in range(4)]
         assert sum(usage) == pytest.approx(1.0) and min(usage) > 0
         assert 0.5 < m["policy/moe/load_balancing_loss"] < 4.0 and m["policy/grad_norm"] > 0

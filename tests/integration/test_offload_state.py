@@ -6,6 +6,7 @@ counters stay put, and the expert-parallel weight buffers are among the ones mov
 
 On a GPU the same functions run with pinned host memory (tests/gpu: test_trainer_offload_and_onload_round_trip).
 """
+
 import pytest
 import torch
 
@@ -39,7 +40,9 @@ def test_optimizer_state_round_trip_keeps_fp32_weights_shared(tiny_llama_dir):
     shared = weight_storages(module.ddp)
     params = [p for opt in inner for g in opt.param_groups for p in g["params"]]
     views = [p for p in params if p.untyped_storage().data_ptr() in shared]
-    assert views and len(views) < len(params)  # the fp32 norms' masters are views; the bf16 weights' are not
+    assert views and len(views) < len(
+        params
+    )  # the fp32 norms' masters are views; the bf16 weights' are not
     states = [opt.state[p] for opt in inner for g in opt.param_groups for p in g["params"]]
     steps = [s["step"] for s in states if "step" in s]
     before = [s["exp_avg"].clone() for s in states]
@@ -48,10 +51,13 @@ def test_optimizer_state_round_trip_keeps_fp32_weights_shared(tiny_llama_dir):
     assert all(p.untyped_storage().data_ptr() in shared for p in views)
     moved = [s["exp_avg"] for s in states]
     assert all(torch.equal(a, b) for a, b in zip(moved, before))
-    assert all(m.untyped_storage().data_ptr() == host[k].untyped_storage().data_ptr()
-               for m, k in zip(moved, [k for k in host if len(k) == 4 and k[3] == "exp_avg"]))
+    assert all(
+        m.untyped_storage().data_ptr() == host[k].untyped_storage().data_ptr()
+        for m, k in zip(moved, [k for k in host if len(k) == 4 and k[3] == "exp_avg"])
+    )
     assert [s["step"] for s in states if "step" in s] == steps and all(
-        a is b for a, b in zip([s["step"] for s in states if "step" in s], steps))
+        a is b for a, b in zip([s["step"] for s in states if "step" in s], steps)
+    )
     move_optimizer_state(inner, host, False, shared, "cpu", pin=False)
     norms = {n: p for n, p in module.model.named_parameters() if p.dtype == torch.float32}
     assert norms
@@ -67,8 +73,12 @@ def _expert_buffers(model_dir):
     module = start(model_dir, expert_model_parallel_size=2)
     shared = weight_storages(module.ddp)
     experts = [p for n, p in module.model.named_parameters() if ".experts." in n]
-    return (len(module.ddp.expert_parallel_buffers), len(_all_buffers(module.ddp)) - len(module.ddp.buffers),
-            len(experts), all(p.untyped_storage().data_ptr() in shared for p in experts))
+    return (
+        len(module.ddp.expert_parallel_buffers),
+        len(_all_buffers(module.ddp)) - len(module.ddp.buffers),
+        len(experts),
+        all(p.untyped_storage().data_ptr() in shared for p in experts),
+    )
 
 
 def test_expert_parallel_buffers_are_weight_buffers(make_tiny):
@@ -76,6 +86,7 @@ def test_expert_parallel_buffers_are_weight_buffers(make_tiny):
     offload and onload move those too."""
     from chatgen.training.launcher import run_distributed
 
-    for ep_buffers, extra, experts, all_shared in run_distributed(_expert_buffers, 2,
-                                                                  args=(make_tiny("tiny_qwen3_moe"),)):
+    for ep_buffers, extra, experts, all_shared in run_distributed(
+        _expert_buffers, 2, args=(make_tiny("tiny_qwen3_moe"),)
+    ):
         assert ep_buffers > 0 and extra == ep_buffers and experts > 0 and all_shared

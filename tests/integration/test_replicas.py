@@ -8,6 +8,7 @@ sync. Disaggregated: two replicas in a group of their own, fed by one broadcast 
 one replica's process dies in the middle of an episode: the run stops within seconds naming it, and the last
 checkpoint stays whole. Also a same-host shared-memory weight load (`update_weights_via_ipc`) into a real engine.
 """
+
 import json
 import os
 import time
@@ -33,7 +34,10 @@ class DyingPolicy(VLLMModule):
     def run_generation(self, data, is_eval=False):
         args = self.config.args
         DyingPolicy.calls += 1
-        if int(os.environ["RANK"]) == args["die_on_rank"] and DyingPolicy.calls == args["die_on_call"]:
+        if (
+            int(os.environ["RANK"]) == args["die_on_rank"]
+            and DyingPolicy.calls == args["die_on_call"]
+        ):
             Path(args["stamp"]).write_text(str(time.time()))
             os._exit(1)
         return super().run_generation(data, is_eval)
@@ -47,32 +51,57 @@ def warm_model(tiny_llama_dir, data_dir, tmp_path_factory):
 
     from chatgen.core.jsonl import read_prompt_records
 
-    return quick_warm_start(tiny_llama_dir, read_prompt_records(data_dir / "sft.jsonl"),
-                            tmp_path_factory.mktemp("warm") / "model")
+    return quick_warm_start(
+        tiny_llama_dir,
+        read_prompt_records(data_dir / "sft.jsonl"),
+        tmp_path_factory.mktemp("warm") / "model",
+    )
 
 
 def overrides(model, data_dir, out_dir, **extra):
-    items = {"runtime.data_path": f"{data_dir}/train.jsonl", "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
-             "runtime.output_dir": str(out_dir), "runtime.sample_per_episode": 32, "runtime.train_micro_batch_size": 16,
-             "runtime.train_global_batch_size": 16, "runtime.eval_episode_interval": 1,
-             "runtime.save_episode_interval": 1, "runtime.algorithm.old_logprobs": "recompute",
-             "models.policy.num_replicas": 2, "policy.load": model, "policy.n": 4, "policy_trainer.load": model,
-             **extra}
+    items = {
+        "runtime.data_path": f"{data_dir}/train.jsonl",
+        "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
+        "runtime.output_dir": str(out_dir),
+        "runtime.sample_per_episode": 32,
+        "runtime.train_micro_batch_size": 16,
+        "runtime.train_global_batch_size": 16,
+        "runtime.eval_episode_interval": 1,
+        "runtime.save_episode_interval": 1,
+        "runtime.algorithm.old_logprobs": "recompute",
+        "models.policy.num_replicas": 2,
+        "policy.load": model,
+        "policy.n": 4,
+        "policy_trainer.load": model,
+        **extra,
+    }
     return [f"{k}={v}" for k, v in items.items()]
 
 
 def read_metrics(out_dir):
-    return {r["episode"]: r for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["episode"]: r
+        for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines())
+    }
 
 
-def test_colocated_replicas_tile_a_tp2_trainer(ray_session, warm_model, data_dir, tmp_path, monkeypatch):
+def test_colocated_replicas_tile_a_tp2_trainer(
+    ray_session, warm_model, data_dir, tmp_path, monkeypatch
+):
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "colocated"
-    cfg = load_config(REPO / "configs/grpo_tiny.yaml", overrides(
-        warm_model, data_dir, out, **{"runtime.num_episode": 2, "policy_trainer.tensor_model_parallel_size": 2}))
+    cfg = load_config(
+        REPO / "configs/grpo_tiny.yaml",
+        overrides(
+            warm_model,
+            data_dir,
+            out,
+            **{"runtime.num_episode": 2, "policy_trainer.tensor_model_parallel_size": 2},
+        ),
+    )
     grpo.train(cfg, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
@@ -87,8 +116,9 @@ def test_colocated_replicas_tile_a_tp2_trainer(ray_session, warm_model, data_dir
 
 
 @pytest.mark.faults
-def test_disaggregated_replicas_then_one_dies_mid_episode(ray_session, warm_model, data_dir, tmp_path, monkeypatch,
-                                                           capsys):
+def test_disaggregated_replicas_then_one_dies_mid_episode(
+    ray_session, warm_model, data_dir, tmp_path, monkeypatch, capsys
+):
     from chatgen.cli import main
     from chatgen.rlhf import checkpoint as ckpt
 
@@ -97,21 +127,35 @@ def test_disaggregated_replicas_then_one_dies_mid_episode(ray_session, warm_mode
     # The policy's replicas on their own ranks, the trainer on another: weights go by broadcast. Generation calls
     # of each replica: eval 0 (1), episode 1 (2, 3), episode 2 (4, 5), episode 3 (6): replica 1 dies in
     # episode 3's sampling, after checkpoints 1 and 2.
-    args = overrides(warm_model, data_dir, out, **{
-        "runtime.num_episode": 3, "runtime.colocation": "[[policy, reward]]", "models.policy_trainer.num_cpu": 1,
-        "models.policy.model_class": "test_replicas:DyingPolicy", "policy.args.die_on_rank": 1,
-        "policy.args.die_on_call": 6, "policy.args.stamp": stamp})
+    args = overrides(
+        warm_model,
+        data_dir,
+        out,
+        **{
+            "runtime.num_episode": 3,
+            "runtime.colocation": "[[policy, reward]]",
+            "models.policy_trainer.num_cpu": 1,
+            "models.policy.model_class": "test_replicas:DyingPolicy",
+            "policy.args.die_on_rank": 1,
+            "policy.args.die_on_call": 6,
+            "policy.args.stamp": stamp,
+        },
+    )
     assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *args]) == 1
     stopped = time.time()
     err = capsys.readouterr().err
     assert "an actor died during policy.run_generation (replica 1, rank 1)" in err, err[-3000:]
-    assert stopped - float(stamp.read_text()) < 20  # reported (and every actor stopped) within seconds
+    assert (
+        stopped - float(stamp.read_text()) < 20
+    )  # reported (and every actor stopped) within seconds
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     # episode 2 sampled after the first broadcast: both replicas hold exactly the trainer's weights
     assert metrics[2]["mismatch/logprob_max_abs"] < SYNC_TOL
     assert metrics[2]["replica/0/samples"] > 0 and metrics[2]["replica/1/samples"] > 0
-    assert ckpt.resume_point(out / "checkpoints", None).name == "episode_000002"  # whole, by its manifest
+    assert (
+        ckpt.resume_point(out / "checkpoints", None).name == "episode_000002"
+    )  # whole, by its manifest
 
 
 def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):

@@ -10,6 +10,7 @@ on is loopback.
 What is checked: parameters changed, vLLM's log-probs equal the trainer's after each sync (float noise),
 metrics/TensorBoard/plot written, the resumed run continues the data position and optimizer state.
 """
+
 import json
 import math
 from pathlib import Path
@@ -46,20 +47,33 @@ class FailingReward(Module):
 
 def overrides(model_dir, data_dir, out_dir, **extra):
     items = {
-        "runtime.data_path": f"{data_dir}/train.jsonl", "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
-        "runtime.output_dir": str(out_dir), "runtime.sample_per_episode": 32, "runtime.train_micro_batch_size": 16,
-        "runtime.train_global_batch_size": 16, "runtime.eval_episode_interval": 1, "runtime.save_episode_interval": 1,
-        "policy.load": model_dir, "policy.n": 4, "policy_trainer.load": model_dir, **extra,
+        "runtime.data_path": f"{data_dir}/train.jsonl",
+        "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
+        "runtime.output_dir": str(out_dir),
+        "runtime.sample_per_episode": 32,
+        "runtime.train_micro_batch_size": 16,
+        "runtime.train_global_batch_size": 16,
+        "runtime.eval_episode_interval": 1,
+        "runtime.save_episode_interval": 1,
+        "policy.load": model_dir,
+        "policy.n": 4,
+        "policy_trainer.load": model_dir,
+        **extra,
     }
     return [f"{k}={v}" for k, v in items.items()]
 
 
 def read_metrics(out_dir):
-    return {r["episode"]: r for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines())}
+    return {
+        r["episode"]: r
+        for r in map(json.loads, (Path(out_dir) / "metrics.jsonl").read_text().splitlines())
+    }
 
 
 def iteration(checkpoint_dir, model="policy_trainer"):
-    return json.loads((Path(checkpoint_dir) / model / "chatgen_megatron.json").read_text())["iteration"]
+    return json.loads((Path(checkpoint_dir) / model / "chatgen_megatron.json").read_text())[
+        "iteration"
+    ]
 
 
 def trainer_weights(checkpoint_dir, model="policy_trainer"):
@@ -69,7 +83,9 @@ def trainer_weights(checkpoint_dir, model="policy_trainer"):
     return megatron_checkpoint_to_hf(Path(checkpoint_dir) / model)[1]
 
 
-def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, tmp_path, capsys, monkeypatch):
+def test_grpo_fails_cleanly_then_resumes(
+    ray_session, tiny_llama_dir, data_dir, tmp_path, capsys, monkeypatch
+):
     import ray
 
     from chatgen.cli import main
@@ -79,12 +95,19 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     monkeypatch.chdir(REPO)
     out = tmp_path / "grpo"
     # grpo_tiny plus a reference in the same process (kl_coef stays 0: it reports kl/reference)
-    common = [*overrides(tiny_llama_dir, data_dir, out), "models.reference.backend=megatron",
-              f"models.reference.model_config_file={REPO}/configs/grpo_tiny/trainer.yaml",
-              f"reference.load={tiny_llama_dir}", "runtime.colocation=[[policy, policy_trainer, reference, reward]]"]
+    common = [
+        *overrides(tiny_llama_dir, data_dir, out),
+        "models.reference.backend=megatron",
+        f"models.reference.model_config_file={REPO}/configs/grpo_tiny/trainer.yaml",
+        f"reference.load={tiny_llama_dir}",
+        "runtime.colocation=[[policy, policy_trainer, reference, reward]]",
+    ]
     # Reward calls: eval at 0, then per episode the samples and the eval -> call 6 is episode 3's samples.
-    failing = ["models.reward.model_class=test_rlhf_runs:FailingReward", "reward.fail_on_call=6",
-               "runtime.num_episode=3"]
+    failing = [
+        "models.reward.model_class=test_rlhf_runs:FailingReward",
+        "reward.fail_on_call=6",
+        "runtime.num_episode=3",
+    ]
     with listening_sockets() as seen:  # in this process (launcher auto -> local): loopback only too
         assert main(["train", str(REPO / "configs/grpo_tiny.yaml"), *common, *failing]) == 1
     assert seen and not [entry for entry in seen if not is_loopback(entry[1])], seen
@@ -101,25 +124,43 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     assert sorted(metrics) == [0, 1, 2]  # episode 3 died before logging
     for episode in (1, 2):
         m = metrics[episode]
-        assert m["mismatch/logprob_max_abs"] < SYNC_TOL  # vLLM sampled with exactly the trainer's weights
+        assert (
+            m["mismatch/logprob_max_abs"] < SYNC_TOL
+        )  # vLLM sampled with exactly the trainer's weights
         assert 0.0 <= m["reward/mean"] <= 1.0 and m["time/train"] > 0 and "eval/reward" in m
     assert metrics[2]["kl/reference"] > 1e-3  # the policy moved away from the reference...
     # ...and vLLM followed it: episode 2 sampled after the first sync, and matched the trainer to float noise.
     checkpoints = out / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "episode_000002"
-    assert sorted(p.name for p in checkpoints.iterdir()) == ["episode_000001", "episode_000002", "latest"]
-    assert iteration(checkpoints / "episode_000002") == 2 * iteration(checkpoints / "episode_000001") == 4
-    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    assert sorted(p.name for p in checkpoints.iterdir()) == [
+        "episode_000001",
+        "episode_000002",
+        "latest",
+    ]
+    assert (
+        iteration(checkpoints / "episode_000002")
+        == 2 * iteration(checkpoints / "episode_000001")
+        == 4
+    )
+    before, after = (
+        trainer_weights(checkpoints / "episode_000001"),
+        trainer_weights(checkpoints / "episode_000002"),
+    )
     assert any(not torch.equal(before[k], after[k]) for k in before)  # parameters changed
     assert (out / "metrics.png").exists() and any((out / "tensorboard").iterdir())
     saved_state = json.loads((checkpoints / "episode_000002" / "engine_state.json").read_text())
 
     # (The resumed run also evaluates with sampling, n=4 responses per held-out prompt.)
-    cfg = load_config(REPO / "configs/grpo_tiny.yaml", [*common, "runtime.num_episode=3", "policy.eval_temperature=1.0"])
+    cfg = load_config(
+        REPO / "configs/grpo_tiny.yaml",
+        [*common, "runtime.num_episode=3", "policy.eval_temperature=1.0"],
+    )
     last = grpo.train(cfg, resume=True, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2, 3]
-    assert metrics[3]["mismatch/logprob_max_abs"] < SYNC_TOL  # resumed weights were synced into vLLM
+    assert (
+        metrics[3]["mismatch/logprob_max_abs"] < SYNC_TOL
+    )  # resumed weights were synced into vLLM
     # The trainer continued from checkpoint 2 (weights and optimizer), not from the initial model: its KL to
     # the reference is of the size reached by then, and its step counter went on from 4.
     assert metrics[3]["kl/reference"] > 0.3 * metrics[2]["kl/reference"]
@@ -130,7 +171,9 @@ def test_grpo_fails_cleanly_then_resumes(ray_session, tiny_llama_dir, data_dir, 
     assert last["reward/mean"] == metrics[3]["reward/mean"] and 0 <= metrics[3]["eval/reward"] <= 1
 
 
-def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+def test_grpo_rollout_logprobs_and_overlapped_generation(
+    tiny_llama_dir, data_dir, tmp_path, monkeypatch
+):
     """old_logprobs: rollout skips the trainer's old log-prob pass (the mismatch is then measured in the first
     optimizer step); overlap_generation samples episode k+1 with the weights before episode k's update."""
     from chatgen.rlhf import checkpoint as ckpt
@@ -138,11 +181,20 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_di
     from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
-    rollout = {"runtime.algorithm.old_logprobs": "rollout", "runtime.num_episode": 3,
-               "runtime.eval_episode_interval": 3}
-    out = tmp_path / "rollout"  # two optimizer steps per episode (train_global_batch_size 16 of 32 samples)
-    grpo.train(load_config(REPO / "configs/grpo_tiny.yaml", overrides(tiny_llama_dir, data_dir, out, **rollout)),
-               log=lambda *_: None)
+    rollout = {
+        "runtime.algorithm.old_logprobs": "rollout",
+        "runtime.num_episode": 3,
+        "runtime.eval_episode_interval": 3,
+    }
+    out = (
+        tmp_path / "rollout"
+    )  # two optimizer steps per episode (train_global_batch_size 16 of 32 samples)
+    grpo.train(
+        load_config(
+            REPO / "configs/grpo_tiny.yaml", overrides(tiny_llama_dir, data_dir, out, **rollout)
+        ),
+        log=lambda *_: None,
+    )
     metrics = read_metrics(out)
     for episode in (1, 2, 3):
         m = metrics[episode]
@@ -155,9 +207,19 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_di
     one_step = {**rollout, "runtime.train_global_batch_size": 32}
 
     out = tmp_path / "overlap"
-    grpo.train(load_config(REPO / "configs/grpo_tiny.yaml", overrides(
-        tiny_llama_dir, data_dir, out, **one_step, **{"runtime.algorithm.overlap_generation": True})),
-        log=lambda *_: None)
+    grpo.train(
+        load_config(
+            REPO / "configs/grpo_tiny.yaml",
+            overrides(
+                tiny_llama_dir,
+                data_dir,
+                out,
+                **one_step,
+                **{"runtime.algorithm.overlap_generation": True},
+            ),
+        ),
+        log=lambda *_: None,
+    )
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2, 3] and "eval/reward" in metrics[3]
     # Episode 1 sampled with the starting weights, which the trainer still had; episodes 2 and 3 were sampled
@@ -165,7 +227,9 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_di
     assert metrics[1]["policy/old_logprob_diff_max"] < SYNC_TOL
     for episode in (2, 3):
         assert metrics[episode]["policy/old_logprob_diff_max"] > 100 * SYNC_TOL
-        assert "mismatch/logprob_max_abs" not in metrics[episode]  # not measurable one step off-policy
+        assert (
+            "mismatch/logprob_max_abs" not in metrics[episode]
+        )  # not measurable one step off-policy
     # A checkpoint records the data position of its own episode, not the prefetched next one.
     prompts_per_episode = 32 // 4
     for episode in (1, 2, 3):
@@ -173,30 +237,52 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(tiny_llama_dir, data_di
         assert state["sampler"]["index"] == episode * prompts_per_episode
 
 
-def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+def test_ppo_two_episodes_cross_process_sync(
+    ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch
+):
     from chatgen.rlhf.algorithms import ppo
     from chatgen.rlhf.config import load_config
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "ppo"
-    cfg = load_config(REPO / "configs/ppo_tiny.yaml",
-                      [*overrides(tiny_llama_dir, data_dir, out, **{"value_trainer.load": tiny_llama_dir,
-                                                                   "reference.load": tiny_llama_dir,
-                                                                   "runtime.num_episode": 2,
-                                                                   "runtime.save_episode_interval": 2,
-                                                                   "runtime.algorithm.importance_sampling_cap": 2.0,
-                                                                   # the Megatron models data parallel on 2 CPU
-                                                                   # ranks: each gets half of every batch
-                                                                   "policy_trainer.data_parallel_size": 2,
-                                                                   "reference.data_parallel_size": 2,
-                                                                   "value_trainer.data_parallel_size": 2,
-                                                                   "runtime.train_micro_batch_size": 8})])
-    assert cfg.runtime.colocation == [["policy", "reward"], ["policy_trainer", "reference", "value_trainer"]]
-    assert cfg.runtime.algorithm.importance_sampling_cap == 2.0  # truncated IS on, as a user would set it
-    with listening_sockets() as seen:  # every socket the run's process tree listens on, while it trains
+    cfg = load_config(
+        REPO / "configs/ppo_tiny.yaml",
+        [
+            *overrides(
+                tiny_llama_dir,
+                data_dir,
+                out,
+                **{
+                    "value_trainer.load": tiny_llama_dir,
+                    "reference.load": tiny_llama_dir,
+                    "runtime.num_episode": 2,
+                    "runtime.save_episode_interval": 2,
+                    "runtime.algorithm.importance_sampling_cap": 2.0,
+                    # the Megatron models data parallel on 2 CPU
+                    # ranks: each gets half of every batch
+                    "policy_trainer.data_parallel_size": 2,
+                    "reference.data_parallel_size": 2,
+                    "value_trainer.data_parallel_size": 2,
+                    "runtime.train_micro_batch_size": 8,
+                },
+            )
+        ],
+    )
+    assert cfg.runtime.colocation == [
+        ["policy", "reward"],
+        ["policy_trainer", "reference", "value_trainer"],
+    ]
+    assert (
+        cfg.runtime.algorithm.importance_sampling_cap == 2.0
+    )  # truncated IS on, as a user would set it
+    with (
+        listening_sockets() as seen
+    ):  # every socket the run's process tree listens on, while it trains
         ppo.train(cfg, log=lambda *_: None)
     assert any(name.startswith("ray::ModelWorker") for name, _, _ in seen), seen
-    assert not [entry for entry in seen if not is_loopback(entry[1])], seen  # loopback only (issue 13)
+    assert not [entry for entry in seen if not is_loopback(entry[1])], (
+        seen
+    )  # loopback only (issue 13)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
@@ -204,21 +290,29 @@ def test_ppo_two_episodes_cross_process_sync(ray_session, tiny_llama_dir, data_d
         assert m["mismatch/logprob_max_abs"] < SYNC_TOL
         assert m["value/loss"] > 0 and m["policy/grad_norm"] > 0
         # Same weights on both sides: the importance weights pi_train / pi_infer are 1 up to float noise.
-        assert abs(m["mismatch/is_weight_mean"] - 1) < 1e-4 and m["mismatch/is_weight_min"] > 1 - 1e-4
-    assert metrics[2]["kl/reference"] > 1e-4  # the policy vLLM sampled from in episode 2 is the trained one
+        assert (
+            abs(m["mismatch/is_weight_mean"] - 1) < 1e-4 and m["mismatch/is_weight_min"] > 1 - 1e-4
+        )
+    assert (
+        metrics[2]["kl/reference"] > 1e-4
+    )  # the policy vLLM sampled from in episode 2 is the trained one
     ckpt = out / "checkpoints" / "episode_000002"
     assert iteration(ckpt, "policy_trainer") == iteration(ckpt, "value_trainer") == 4
     saved = json.loads((ckpt / "policy_trainer" / "chatgen_megatron.json").read_text())
     assert saved["data_parallel_size"] == 2  # both DP ranks trained (and wrote their shards)
     # The critic's checkpoint holds the value head's row (token 0 of the output layer), trained away from the
     # policy's copy of it.
-    policy_w, value_w = trainer_weights(ckpt, "policy_trainer"), trainer_weights(ckpt, "value_trainer")
+    policy_w, value_w = (
+        trainer_weights(ckpt, "policy_trainer"),
+        trainer_weights(ckpt, "value_trainer"),
+    )
     assert not torch.equal(policy_w["lm_head.weight"][0], value_w["lm_head.weight"][0])
 
 
 @pytest.mark.faults
-def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, tiny_llama_dir, data_dir, tmp_path,
-                                                                  monkeypatch):
+def test_resume_continues_bit_for_bit_and_refuses_what_would_not(
+    ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch
+):
     """Stopped after episode 2 and resumed, a run's episode 3 equals an uninterrupted run's to the bit: data
     position, driver and actor RNGs (vLLM's sampling included: the evaluation samples too), trainer weights and
     optimizer. A resume that would change the data order, or a setting the checkpoint carries (the trainer's lr:
@@ -232,9 +326,15 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     monkeypatch.chdir(REPO)
 
     def config(out, episodes, *extra):
-        return load_config(REPO / "configs/grpo_tiny.yaml", [*overrides(tiny_llama_dir, data_dir, out),
-                                                              f"runtime.num_episode={episodes}",
-                                                              "policy.eval_temperature=1.0", *extra])
+        return load_config(
+            REPO / "configs/grpo_tiny.yaml",
+            [
+                *overrides(tiny_llama_dir, data_dir, out),
+                f"runtime.num_episode={episodes}",
+                "policy.eval_temperature=1.0",
+                *extra,
+            ],
+        )
 
     quiet = lambda *_: None  # noqa: E731
     grpo.train(config(tmp_path / "full", 3), log=quiet)
@@ -245,9 +345,13 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     with pytest.raises(CheckpointError, match="seed: 1234 -> 7"):
         grpo.train(config(part, 3, "runtime.seed=7"), resume=True, log=quiet)
     resolved = (part / "resolved_config.yaml").read_text()
-    with pytest.raises(ConfigError, match=r"models.policy_trainer.config.lr: 0.0005 -> 0.5: the checkpoint carries"):
+    with pytest.raises(
+        ConfigError, match=r"models.policy_trainer.config.lr: 0.0005 -> 0.5: the checkpoint carries"
+    ):
         grpo.train(config(part, 3, "policy_trainer.lr=0.5"), resume=True, log=quiet)
-    assert (part / "resolved_config.yaml").read_text() == resolved  # refused before anything was written
+    assert (
+        part / "resolved_config.yaml"
+    ).read_text() == resolved  # refused before anything was written
     with open(part / "metrics.jsonl", "ab") as f:
         f.write(b'{"episode": 3, "reward/m')  # what a kill in the middle of an append leaves
     grpo.train(config(part, 3), resume=True, log=quiet)
@@ -261,7 +365,9 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(ray_session, ti
     assert all(torch.equal(a[k], b[k]) for k in a)
 
     (part / "checkpoints" / "episode_000003" / "policy_trainer" / "__0_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match="__0_0.distcp is missing.*--resume-from episode_000002"):
+    with pytest.raises(
+        CheckpointError, match="__0_0.distcp is missing.*--resume-from episode_000002"
+    ):
         grpo.train(config(part, 4), resume=True, log=quiet)
 
 
@@ -270,11 +376,19 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "dpo"
-    args = [f"runtime.data_path={data_dir}/preference_train.jsonl",
-            f"runtime.eval_data_path={data_dir}/preference_eval.jsonl", f"runtime.output_dir={out}",
-            "runtime.num_episode=2", "runtime.sample_per_episode=16", "runtime.train_micro_batch_size=8",
-            "runtime.train_global_batch_size=8", "runtime.eval_episode_interval=1", "runtime.save_episode_interval=1",
-            f"policy_trainer.load={tiny_llama_dir}", f"reference.load={tiny_llama_dir}"]
+    args = [
+        f"runtime.data_path={data_dir}/preference_train.jsonl",
+        f"runtime.eval_data_path={data_dir}/preference_eval.jsonl",
+        f"runtime.output_dir={out}",
+        "runtime.num_episode=2",
+        "runtime.sample_per_episode=16",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+        "runtime.eval_episode_interval=1",
+        "runtime.save_episode_interval=1",
+        f"policy_trainer.load={tiny_llama_dir}",
+        f"reference.load={tiny_llama_dir}",
+    ]
     assert main(["train", str(REPO / "configs/dpo_tiny.yaml"), *args]) == 0
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
@@ -284,12 +398,19 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
         m = metrics[episode]
         assert m["policy/loss"] > 0 and m["policy/grad_norm"] > 0 and 0 <= m["policy/accuracy"] <= 1
         assert 0 <= m["eval/preference_accuracy"] <= 1
-    assert metrics[2]["eval/reward_margin"] != 0.0  # the trained policy differs from the reference on held-out pairs
+    assert (
+        metrics[2]["eval/reward_margin"] != 0.0
+    )  # the trained policy differs from the reference on held-out pairs
     checkpoints = out / "checkpoints"
     assert iteration(checkpoints / "episode_000002") == 4  # 8 pairs an episode, 4 per step
-    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    before, after = (
+        trainer_weights(checkpoints / "episode_000001"),
+        trainer_weights(checkpoints / "episode_000002"),
+    )
     assert any(not torch.equal(before[k], after[k]) for k in before)  # parameters changed
-    assert not (checkpoints / "episode_000002" / "reference").exists()  # the frozen reference is not saved
+    assert not (
+        checkpoints / "episode_000002" / "reference"
+    ).exists()  # the frozen reference is not saved
     assert (out / "metrics.png").exists()
 
 
@@ -300,23 +421,42 @@ def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path
     monkeypatch.chdir(REPO)
     out = tmp_path / "online_dpo"
     # 32 samples = 8 prompts x n=4 -> 8 (best, worst) pairs = 16 trainer rows, one optimizer step
-    cfg = load_config(REPO / "configs/online_dpo_tiny.yaml",
-                      overrides(tiny_llama_dir, data_dir, out, **{"runtime.num_episode": 2,
-                                                                  "runtime.train_micro_batch_size": 8,
-                                                                  "reference.load": tiny_llama_dir}))
+    cfg = load_config(
+        REPO / "configs/online_dpo_tiny.yaml",
+        overrides(
+            tiny_llama_dir,
+            data_dir,
+            out,
+            **{
+                "runtime.num_episode": 2,
+                "runtime.train_micro_batch_size": 8,
+                "reference.load": tiny_llama_dir,
+            },
+        ),
+    )
     last = online_dpo.train(cfg, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
         m = metrics[episode]
-        assert m["mismatch/logprob_max_abs"] < SYNC_TOL  # vLLM sampled with exactly the trainer's weights
-        assert 0 <= m["pairs/no_preference"] < 1 and m["policy/grad_norm"] > 0 and "eval/reward" in m
+        assert (
+            m["mismatch/logprob_max_abs"] < SYNC_TOL
+        )  # vLLM sampled with exactly the trainer's weights
+        assert (
+            0 <= m["pairs/no_preference"] < 1 and m["policy/grad_norm"] > 0 and "eval/reward" in m
+        )
     # the first step's pairs are scored by the policy = the reference: all log-ratios 0
     assert metrics[1]["policy/margin"] == 0.0 and metrics[1]["policy/loss"] == pytest.approx(
-        math.log(2) * (1 - metrics[1]["pairs/no_preference"]), abs=1e-6)
-    assert metrics[2]["policy/margin"] != 0.0  # episode 2's samples came from the trained, synced policy
+        math.log(2) * (1 - metrics[1]["pairs/no_preference"]), abs=1e-6
+    )
+    assert (
+        metrics[2]["policy/margin"] != 0.0
+    )  # episode 2's samples came from the trained, synced policy
     checkpoints = out / "checkpoints"
     assert iteration(checkpoints / "episode_000002") == 2
-    before, after = trainer_weights(checkpoints / "episode_000001"), trainer_weights(checkpoints / "episode_000002")
+    before, after = (
+        trainer_weights(checkpoints / "episode_000001"),
+        trainer_weights(checkpoints / "episode_000002"),
+    )
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert last["reward/mean"] == metrics[2]["reward/mean"]

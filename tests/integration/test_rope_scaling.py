@@ -10,6 +10,7 @@ reading the same config.json itself, equals the trainer after a chatgen sync.
 
     python -m pytest tests/integration/test_rope_scaling.py
 """
+
 import json
 import shutil
 
@@ -20,8 +21,14 @@ from safetensors.torch import load_file, save_file
 pytestmark = pytest.mark.integration
 
 TOL = 1e-4
-LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
+LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+    "rope_theta": 500000.0,
+}
 SEQ = torch.Generator().manual_seed(0)
 IDS = torch.randint(4, 512, (1, 300), generator=SEQ)  # (1, T) random tokens of the tiny vocab
 
@@ -31,7 +38,9 @@ def with_rope(src, dst, rope: dict):
     with q/k weights x8 so that attention, hence RoPE, matters."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(rope_parameters=rope, max_position_embeddings=16384)  # > original context, as in Llama-3.1
+    cfg.update(
+        rope_parameters=rope, max_position_embeddings=16384
+    )  # > original context, as in Llama-3.1
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = load_file(dst / "model.safetensors")
     for name in weights:
@@ -44,8 +53,12 @@ def with_rope(src, dst, rope: dict):
 @pytest.fixture(scope="module")
 def models(tiny_llama_dir, tmp_path_factory):
     root = tmp_path_factory.mktemp("rope")
-    return {"llama3": with_rope(tiny_llama_dir, root / "llama3", LLAMA31_ROPE),
-            "plain": with_rope(tiny_llama_dir, root / "plain", {"rope_type": "default", "rope_theta": 500000.0})}
+    return {
+        "llama3": with_rope(tiny_llama_dir, root / "llama3", LLAMA31_ROPE),
+        "plain": with_rope(
+            tiny_llama_dir, root / "plain", {"rope_type": "default", "rope_theta": 500000.0}
+        ),
+    }
 
 
 def hf_logprobs(model_dir, ids):
@@ -81,9 +94,20 @@ def test_vllm_after_sync_matches_trainer_with_llama3_rope_scaling(models, traine
     from chatgen.generation.vllm.module import VLLMModule
     from chatgen.param_sync import sync_weights
 
-    llm = VLLMModule(dict(load=str(models["llama3"]), load_format="dummy", enforce_eager=True, dtype="float32",
-                          seed=0, seq_length=512, kv_cache_memory_bytes=32 << 20, new_token_limit=True,
-                          max_new_tokens=6, logprobs_mode="raw")).start()
+    llm = VLLMModule(
+        dict(
+            load=str(models["llama3"]),
+            load_format="dummy",
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            seq_length=512,
+            kv_cache_memory_bytes=32 << 20,
+            new_token_limit=True,
+            max_new_tokens=6,
+            logprobs_mode="raw",
+        )
+    ).start()
     try:  # shutting the engine down tears down torch.distributed: the trainer's forward comes first
         sync_weights(trainer, llm)
         prompt = IDS[0, :250].tolist()
@@ -91,10 +115,12 @@ def test_vllm_after_sync_matches_trainer_with_llama3_rope_scaling(models, traine
         out = request.outputs[0]
         new = list(out.token_ids)
         full = torch.tensor([prompt + new])
-        ref = trainer.forward_tokens({"input_ids": full})[0, len(prompt) - 1:]
+        ref = trainer.forward_tokens({"input_ids": full})[0, len(prompt) - 1 :]
     finally:
         llm.shutdown()
     vllm_lp = torch.tensor([lp[t].logprob for t, lp in zip(new, out.logprobs)])
-    unscaled = hf_logprobs(models["plain"], full)[0, len(prompt) - 1:]
-    assert (ref - unscaled).abs().max() > 100 * TOL  # an engine ignoring the scaling would be caught
+    unscaled = hf_logprobs(models["plain"], full)[0, len(prompt) - 1 :]
+    assert (
+        ref - unscaled
+    ).abs().max() > 100 * TOL  # an engine ignoring the scaling would be caught
     assert (ref - vllm_lp).abs().max() < TOL

@@ -5,12 +5,19 @@ Engines start with random weights (load_format=dummy), so only the sync can make
 
     python -m pytest tests/integration/test_sync.py
 """
+
 import os
 
 import pytest
 import torch
-from helpers import (SYNC_NEW_TOKENS, SYNC_PROMPTS, engine, generate, generated_diff_vs_hf,
-                     worst_abs_diff)
+from helpers import (
+    SYNC_NEW_TOKENS,
+    SYNC_PROMPTS,
+    engine,
+    generate,
+    generated_diff_vs_hf,
+    worst_abs_diff,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -20,8 +27,11 @@ TOL = 1e-4
 
 
 def max_diff_vs_trainer(trainer, generated, prompts=SYNC_PROMPTS) -> float:
-    return worst_abs_diff(trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1:] - torch.tensor(vllm_lp)
-                  for prompt, (ids, vllm_lp) in zip(prompts, generated))
+    return worst_abs_diff(
+        trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1 :]
+        - torch.tensor(vllm_lp)
+        for prompt, (ids, vllm_lp) in zip(prompts, generated)
+    )
 
 
 def trainer(model_dir, **kw):
@@ -36,9 +46,13 @@ def trainer(model_dir, **kw):
 
 @pytest.fixture(scope="module")
 def models(make_tiny):
-    return {"llama": make_tiny("tiny_llama"), "qwen2": make_tiny("tiny_qwen2"), "qwen3": make_tiny("tiny_qwen3"),
-            "llama_1kv": make_tiny("tiny_llama", num_key_value_heads=1),
-            "llama_ffn256": make_tiny("tiny_llama", intermediate_size=256)}
+    return {
+        "llama": make_tiny("tiny_llama"),
+        "qwen2": make_tiny("tiny_qwen2"),
+        "qwen3": make_tiny("tiny_qwen3"),
+        "llama_1kv": make_tiny("tiny_llama", num_key_value_heads=1),
+        "llama_ffn256": make_tiny("tiny_llama", intermediate_size=256),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -50,13 +64,16 @@ def engines(models):
 
 
 # qwen2: QKV bias + tied embeddings; qwen3: QK-norm, head_dim 64 != hidden_size / heads, tied embeddings
-@pytest.mark.parametrize("name, tensors", [("llama", 21), ("qwen2", 21 + 6 - 1), ("qwen3", 21 + 4 - 1)])
+@pytest.mark.parametrize(
+    "name, tensors", [("llama", 21), ("qwen2", 21 + 6 - 1), ("qwen3", 21 + 4 - 1)]
+)
 def test_colocated_tp1_sync_matches_trainer(models, engines, name, tensors):
     llm, tr = engines[name], trainer(models[name], lr=1e-2)
     assert max_diff_vs_trainer(tr, generate(llm)) > 1e-2  # random engine weights: far off
     report = sync_weights(tr, llm, validate=True)
     assert report.validated and report.tensors == tensors and report.bytes > 1e6
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
+
     # after a training step the engine must follow the trainer's new weights, not the checkpoint's
     def loss_fn(lp, mb):
         return -lp.mean(), {}
@@ -77,12 +94,17 @@ def test_wrong_architecture_or_shape_is_refused_and_engine_keeps_weights(models,
     before = generate(llm)
     with pytest.raises(SyncError) as err:  # llama trainer -> qwen2 engine: no biases sent
         sync_weights(trainer(models["llama"]), engines["qwen2"])
-    assert "model.layers.0.self_attn.q_proj.bias: the engine expects shape (128,), the trainer sends nothing" in str(err.value)
+    assert (
+        "model.layers.0.self_attn.q_proj.bias: the engine expects shape (128,), the trainer sends nothing"
+        in str(err.value)
+    )
     assert "keeps its old weights" in str(err.value)
     with pytest.raises(SyncError) as err:  # same family, different MLP width
         sync_weights(trainer(models["llama_ffn256"]), llm)
-    assert ("model.layers.0.mlp.gate_proj.weight: trainer sends shape (256, 128), the engine expects (352, 128)"
-            in str(err.value))
+    assert (
+        "model.layers.0.mlp.gate_proj.weight: trainer sends shape (256, 128), the engine expects (352, 128)"
+        in str(err.value)
+    )
     assert generate(llm) == before
 
 
@@ -100,10 +122,14 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
             yield bucket
 
     monkeypatch.setattr(HFWeights, "buckets", broken)
-    with pytest.raises(SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*peer went away"):
+    with pytest.raises(
+        SyncError, match=r"PARTIALLY updated \(\d+ tensors written\).*peer went away"
+    ):
         sync_weights(tr, llm, bucket_bytes=300_000)
 
-    def corrupted(*args, **kwargs):  # a bucket that arrives wrong: the validation check's own SyncError
+    def corrupted(
+        *args, **kwargs
+    ):  # a bucket that arrives wrong: the validation check's own SyncError
         for i, bucket in enumerate(real(*args, **kwargs)):
             yield [(name, t + 1.0) for name, t in bucket] if i == 2 else bucket
 
@@ -127,8 +153,11 @@ def _cross_process_trainer(model_dir, layouts, port, token):
     for tp, pp in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
-        module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=tp,
-                                     pipeline_model_parallel_size=pp)).start()
+        module = MegatronModule(
+            dict(
+                load=str(model_dir), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
+        ).start()
         sync_weights(module, tx, validate=True, bucket_bytes=300_000)
 
 
@@ -146,13 +175,17 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
     try:
         for layout in layouts:
-            assert generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2  # engine holds random weights
+            assert (
+                generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2
+            )  # engine holds random weights
             report = rx.receive_into(llm, alive=job.poll)
             assert report.validated and report.buckets > 1
             assert generated_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
             # scramble the engine again so the next layout's sync has to do the work
             g = torch.Generator().manual_seed(1)
-            llm.update_weights([(n, 0.05 * torch.randn(s, generator=g)) for n, s in llm.weight_manifest().items()])
+            llm.update_weights(
+                [(n, 0.05 * torch.randn(s, generator=g)) for n, s in llm.weight_manifest().items()]
+            )
         job.join()
     finally:
         job.stop()
@@ -165,7 +198,9 @@ def _colocated_tp2(model_dir, prompts):
     from chatgen.training.megatron_module import MegatronModule
 
     module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=2)).start()
-    llm = engine(model_dir, tensor_parallel_size=2)  # WORLD_SIZE=2: external_launcher, one rank per process
+    llm = engine(
+        model_dir, tensor_parallel_size=2
+    )  # WORLD_SIZE=2: external_launcher, one rank per process
     before = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
     report = sync_weights(module, llm, validate=True)
     after = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
@@ -176,8 +211,12 @@ def _colocated_tp2(model_dir, prompts):
 def test_colocated_tp2_to_vllm_tp2(models):
     from chatgen.training.launcher import run_distributed
 
-    results = run_distributed(_colocated_tp2, 2, args=(models["llama"], SYNC_PROMPTS),
-                              env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    results = run_distributed(
+        _colocated_tp2,
+        2,
+        args=(models["llama"], SYNC_PROMPTS),
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
     for before, after, tensors in results:
         assert before > 1e-2 and after < TOL and tensors == 21
 
@@ -190,11 +229,31 @@ def test_check_sync_cli_qwen2_tp2_to_tp1(models, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in SYNC_PROMPTS))
     out = tmp_path / "check.json"
-    rc = main(["check-sync", "--hf-checkpoint", str(models["qwen2"]), "--train-tp", "2", "--infer-tp", "1",
-               "--input", str(prompts), "--output", str(out), "--max-new-tokens", str(SYNC_NEW_TOKENS)])
+    rc = main(
+        [
+            "check-sync",
+            "--hf-checkpoint",
+            str(models["qwen2"]),
+            "--train-tp",
+            "2",
+            "--infer-tp",
+            "1",
+            "--input",
+            str(prompts),
+            "--output",
+            str(out),
+            "--max-new-tokens",
+            str(SYNC_NEW_TOKENS),
+        ]
+    )
     result = json.loads(out.read_text())
     assert rc == 0 and result["max_abs_logprob_diff"] < TOL and result["mode"] == "cross-process"
     assert [s["prompt_ids"] for s in result["samples"]] == SYNC_PROMPTS
     for s in result["samples"]:
-        assert len(s["output_ids"]) == len(s["engine_logprobs"]) == len(s["trainer_logprobs"]) == SYNC_NEW_TOKENS
+        assert (
+            len(s["output_ids"])
+            == len(s["engine_logprobs"])
+            == len(s["trainer_logprobs"])
+            == SYNC_NEW_TOKENS
+        )
     assert result["sync_seconds"] > 0

@@ -5,6 +5,7 @@ flag; one without a tokenizer is refused before any engine starts, naming `token
 
     python -m pytest tests/integration/test_trained_checkpoint.py
 """
+
 import json
 import shutil
 import subprocess
@@ -44,14 +45,27 @@ def trained(chat_model_dir, tmp_path_factory):
 
 
 def serve(model, port):
-    return subprocess.Popen([*CHATGEN, "serve", "--model", str(model), "--port", str(port),
-                             "enforce_eager=true", "seq_length=128", "max_new_tokens=16",
-                             f"kv_cache_memory_bytes={64 << 20}"],
-                            stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            *CHATGEN,
+            "serve",
+            "--model",
+            str(model),
+            "--port",
+            str(port),
+            "enforce_eager=true",
+            "seq_length=128",
+            "max_new_tokens=16",
+            f"kv_cache_memory_bytes={64 << 20}",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
-def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(trained, chat_model_dir,
-                                                                         tmp_path):
+def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(
+    trained, chat_model_dir, tmp_path
+):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from chatgen.cli import main
@@ -81,12 +95,18 @@ def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(trained
     port = free_port()
     proc = serve(checkpoint, port)  # the checkpoint itself, no tokenizer= flag
     try:
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                               max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+        )
         wait_until_serving(proc, client, scaled(300))
-        r = client.completions.create(model=checkpoint, prompt=PROMPT, max_tokens=MAX_NEW,
-                                      temperature=0, extra_body={"ignore_eos": True})
-        generated = out[0, prompt.shape[1]:]
+        r = client.completions.create(
+            model=checkpoint,
+            prompt=PROMPT,
+            max_tokens=MAX_NEW,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+        generated = out[0, prompt.shape[1] :]
         assert r.choices[0].token_ids == generated.tolist()  # the engine's greedy = the export's
         # the text endpoint: the checkpoint's own tokenizer was found (decoded after the prompt,
         # the text has a leading space)
@@ -108,9 +128,21 @@ def test_a_checkpoint_without_tokenizer_is_refused_before_the_engine(trained, tm
     assert "starting the engine" not in err  # refused before it
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
-    gen = subprocess.run([*CHATGEN, "generate", "--model", str(bare), "--input", str(prompts),
-                          "--output", str(tmp_path / "out.jsonl")], capture_output=True, text=True,
-                         timeout=scaled(300))
+    gen = subprocess.run(
+        [
+            *CHATGEN,
+            "generate",
+            "--model",
+            str(bare),
+            "--input",
+            str(prompts),
+            "--output",
+            str(tmp_path / "out.jsonl"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
     err = gen.stderr
     assert gen.returncode == 2 and "tokenizer=DIR" in err and "[rank0]" not in err, err[-2000:]
     assert "starting the engine" not in err and not (tmp_path / "out.jsonl").exists()

@@ -16,6 +16,7 @@ stops its cluster by its own processes' ids, leaving no process and no file.
 Ray 2.60 turns a loopback node address into the machine's routable one (`resolve_ip_for_localhost`); the
 cluster's processes and the driver run with that function keeping the address as given (RAY_START, DRIVER).
 """
+
 import json
 import os
 import re
@@ -37,16 +38,24 @@ pytestmark = pytest.mark.integration
 
 SYNC_TOL = 1e-4
 
-KEEP_LOOPBACK = ("import ray._private.services as services\n"
-                 "services.resolve_ip_for_localhost = lambda host: host  # Ray would swap 127.0.0.1 for the routable IP\n")
-RAY_START = KEEP_LOOPBACK + "import sys\nfrom ray.scripts.scripts import main\nsys.argv[0] = 'ray'\nmain()\n"
+KEEP_LOOPBACK = (
+    "import ray._private.services as services\n"
+    "services.resolve_ip_for_localhost = lambda host: host  # Ray would swap 127.0.0.1 for the routable IP\n"
+)
+RAY_START = (
+    KEEP_LOOPBACK
+    + "import sys\nfrom ray.scripts.scripts import main\nsys.argv[0] = 'ray'\nmain()\n"
+)
 DRIVER = KEEP_LOOPBACK + "import sys\nfrom chatgen.cli import main\nsys.exit(main(sys.argv[1:]))\n"
-PROBE = KEEP_LOOPBACK + """import sys, time
+PROBE = (
+    KEEP_LOOPBACK
+    + """import sys, time
 import ray
 ray.init(address=sys.argv[1], log_to_driver=False, logging_level="ERROR")
 while len([n for n in ray.nodes() if n["Alive"]]) < int(sys.argv[2]):
     time.sleep(0.5)
 """
+)
 
 
 def _free_port() -> int:
@@ -63,11 +72,25 @@ class LoopbackCluster:
         token = base / "auth_token"
         token.write_text(secrets.token_hex(32))
         token.chmod(0o600)
-        self.env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
-                    "RAY_USAGE_STATS_ENABLED": "0", "RAY_ADDRESS": f"127.0.0.1:{self.port}"}
-        self.env.pop("PYTHONPATH", None)  # the actors import what the driver tells them to, nothing of this test
-        self._start(0, ["--head", f"--port={self.port}", "--include-dashboard=false",
-                        f"--ray-client-server-port={_free_port()}"])
+        self.env = {
+            **os.environ,
+            "RAY_AUTH_MODE": "token",
+            "RAY_AUTH_TOKEN_PATH": str(token),
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_ADDRESS": f"127.0.0.1:{self.port}",
+        }
+        self.env.pop(
+            "PYTHONPATH", None
+        )  # the actors import what the driver tells them to, nothing of this test
+        self._start(
+            0,
+            [
+                "--head",
+                f"--port={self.port}",
+                "--include-dashboard=false",
+                f"--ray-client-server-port={_free_port()}",
+            ],
+        )
         deadline = time.time() + scaled(120)
         while True:  # the head's GCS answers before the others may join it
             try:
@@ -86,28 +109,56 @@ class LoopbackCluster:
         connection can time out) is retried, and the last one's stderr and the nodes' logs are shown."""
         for attempt in range(1, tries + 1):
             try:
-                probe = subprocess.run([sys.executable, "-c", PROBE, self.env["RAY_ADDRESS"], str(nodes)],
-                                       env=self.env, cwd=self.base, timeout=scaled(180), capture_output=True,
-                                       text=True)
+                probe = subprocess.run(
+                    [sys.executable, "-c", PROBE, self.env["RAY_ADDRESS"], str(nodes)],
+                    env=self.env,
+                    cwd=self.base,
+                    timeout=scaled(180),
+                    capture_output=True,
+                    text=True,
+                )
             except subprocess.TimeoutExpired as e:
-                probe, why = None, f"timed out after {e.timeout:.0f} s; stderr: {(e.stderr or b'')[-2000:]!r}"
+                probe, why = (
+                    None,
+                    f"timed out after {e.timeout:.0f} s; stderr: {(e.stderr or b'')[-2000:]!r}",
+                )
             if probe is not None and probe.returncode == 0:
                 return
             if probe is not None:
                 why = f"exit {probe.returncode}; stderr:\n{probe.stderr[-3000:]}"
             print(f"two-node cluster probe {attempt}/{tries} failed ({why})", file=sys.stderr)
-        raise RuntimeError(f"the cluster's {nodes} nodes never all answered a driver: probe {why}\n"
-                           f"head node log:\n{self.log(0)}")
+        raise RuntimeError(
+            f"the cluster's {nodes} nodes never all answered a driver: probe {why}\n"
+            f"head node log:\n{self.log(0)}"
+        )
 
     def _start(self, i: int, args: list) -> None:
         node = self.base / f"node{i}"
         node.mkdir()
         with open(self.base / f"node{i}.log", "w") as log:  # the child keeps its own descriptor
-            self.procs.append(subprocess.Popen(
-                [sys.executable, "-c", RAY_START, "start", "--block", "--node-ip-address=127.0.0.1", "--num-cpus=1",
-                 f"--temp-dir={node / 'ray'}", f"--dashboard-agent-listen-port={_free_port()}",
-                 "--object-store-memory=200000000", "--disable-usage-stats", *args],
-                cwd=node, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            self.procs.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-c",
+                        RAY_START,
+                        "start",
+                        "--block",
+                        "--node-ip-address=127.0.0.1",
+                        "--num-cpus=1",
+                        f"--temp-dir={node / 'ray'}",
+                        f"--dashboard-agent-listen-port={_free_port()}",
+                        "--object-store-memory=200000000",
+                        "--disable-usage-stats",
+                        *args,
+                    ],
+                    cwd=node,
+                    env=self.env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
 
     def log(self, i: int) -> str:
         return (self.base / f"node{i}.log").read_text()[-3000:]
@@ -213,33 +264,63 @@ def test_grpo_across_two_nodes_with_relative_paths(cluster, tiny_llama_dir, tmp_
 
     driver = tmp_path / "driver"
     tasks.write_task_data(str(driver / "data"), n_train=8, n_eval=8)  # the run's prompts
-    tasks.write_task_data(str(tmp_path / "sft"), n_train=64, n_eval=8)  # the warm start's demonstrations
-    quick_warm_start(tiny_llama_dir, read_prompt_records(tmp_path / "sft" / "sft.jsonl"), driver / "model", steps=100)
+    tasks.write_task_data(
+        str(tmp_path / "sft"), n_train=64, n_eval=8
+    )  # the warm start's demonstrations
+    quick_warm_start(
+        tiny_llama_dir,
+        read_prompt_records(tmp_path / "sft" / "sft.jsonl"),
+        driver / "model",
+        steps=100,
+    )
     for name, text in (("main.yaml", MAIN), ("policy.yaml", POLICY), ("trainer.yaml", TRAINER)):
         (driver / "configs").mkdir(exist_ok=True)
         (driver / "configs" / name).write_text(text)
     # chatgen config reads the cluster's nodes: the layout fits; a trainer needing 2 CPUs on nodes of 1 does not
     check = [sys.executable, "-c", DRIVER, "config", "configs/main.yaml"]
-    fits = subprocess.run(check, cwd=driver, env=cluster.env, capture_output=True, text=True, timeout=scaled(300))
+    fits = subprocess.run(
+        check, cwd=driver, env=cluster.env, capture_output=True, text=True, timeout=scaled(300)
+    )
     assert fits.returncode == 0, fits.stderr[-3000:]
-    too_big = subprocess.run([*check, "models.policy_trainer.num_cpu=2"], cwd=driver, env=cluster.env,
-                             capture_output=True, text=True, timeout=scaled(300))
-    assert too_big.returncode == 2 and "runtime.placement_strategy: PACK: policy_trainer needs 1 x {CPU: 2}" \
-        in too_big.stderr, too_big.stderr[-3000:]
+    too_big = subprocess.run(
+        [*check, "models.policy_trainer.num_cpu=2"],
+        cwd=driver,
+        env=cluster.env,
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert (
+        too_big.returncode == 2
+        and "runtime.placement_strategy: PACK: policy_trainer needs 1 x {CPU: 2}" in too_big.stderr
+    ), too_big.stderr[-3000:]
     with listening_sockets() as seen:
-        run = subprocess.run([sys.executable, "-c", DRIVER, "train", "configs/main.yaml"], cwd=driver,
-                             env=cluster.env, capture_output=True, text=True, timeout=scaled(900))
+        run = subprocess.run(
+            [sys.executable, "-c", DRIVER, "train", "configs/main.yaml"],
+            cwd=driver,
+            env=cluster.env,
+            capture_output=True,
+            text=True,
+            timeout=scaled(900),
+        )
     assert run.returncode == 0, run.stderr[-4000:] + cluster.log(0)
-    assert not [s for s in seen if not is_loopback(s[1])], seen  # the cluster and the run: loopback only
+    assert not [s for s in seen if not is_loopback(s[1])], (
+        seen
+    )  # the cluster and the run: loopback only
     # two groups on two nodes: the replicas on one, the trainer on the other
     started = dict(re.findall(r"started (\S+): .* on node\(s\) (\S+) in", run.stdout))
     assert set(started) == {"policy+reward", "policy_trainer"}, run.stdout[-3000:]
     assert started["policy+reward"] != started["policy_trainer"]
-    metrics = {r["episode"]: r for r in map(json.loads, (driver / "out" / "metrics.jsonl").read_text().splitlines())}
+    metrics = {
+        r["episode"]: r
+        for r in map(json.loads, (driver / "out" / "metrics.jsonl").read_text().splitlines())
+    }
     assert sorted(metrics) == list(range(9))
     for episode in range(1, 9):
         m = metrics[episode]
-        assert m["policy/grad_norm"] > 0 and m["replica/0/samples"] > 0 and m["replica/1/samples"] > 0
+        assert (
+            m["policy/grad_norm"] > 0 and m["replica/0/samples"] > 0 and m["replica/1/samples"] > 0
+        )
         # from episode 2 on sampled after a broadcast: every sample of both replicas scores as the trainer scores it
         assert m["mismatch/logprob_max_abs"] < SYNC_TOL
     # it learns: its greedy reward on the prompts it trains on rises (3-7x in 8 episodes over 4 seeds in-process)

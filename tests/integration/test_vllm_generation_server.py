@@ -6,6 +6,7 @@ sync keeps the server's weights, no file stays in /dev/shm, pause / resume, and 
 
     python -m pytest tests/integration/test_vllm_generation_server.py
 """
+
 import glob
 import os
 import shutil
@@ -23,9 +24,20 @@ pytestmark = pytest.mark.integration
 from helpers import TOL, ListedWeights, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
 
 KEY = "test-key"
-CONTROL = ["/control/pause", "/control/resume", "/control/weights/begin", "/control/weights/finish",
-           "/control/reset_prefix_cache"]
-ENGINE = dict(seq_length=128, logprobs_mode="raw", enforce_eager=True, block_size=32, kv_cache_memory_bytes=16 << 20)
+CONTROL = [
+    "/control/pause",
+    "/control/resume",
+    "/control/weights/begin",
+    "/control/weights/finish",
+    "/control/reset_prefix_cache",
+]
+ENGINE = dict(
+    seq_length=128,
+    logprobs_mode="raw",
+    enforce_eager=True,
+    block_size=32,
+    kv_cache_memory_bytes=16 << 20,
+)
 PROMPTS = [list(range(10, 80)), [5, 17, 99, 200, 301, 7]]
 
 
@@ -36,12 +48,17 @@ def data_and_model(tiny_llama_dir, tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("vgen-server")
     tasks.write_task_data(str(tmp / "data"), n_train=64, n_eval=8)
-    return tmp / "data", quick_warm_start(tiny_llama_dir, read_prompt_records(tmp / "data" / "sft.jsonl"), tmp / "model")
+    return tmp / "data", quick_warm_start(
+        tiny_llama_dir, read_prompt_records(tmp / "data" / "sft.jsonl"), tmp / "model"
+    )
 
 
 def shm_files(pid):
     """What a server process (pid) has in /dev/shm: its directory, and any file in it."""
-    return sorted(glob.glob(f"/dev/shm/chatgen-weights-{pid}-*") + glob.glob(f"/dev/shm/chatgen-weights-{pid}-*/*"))
+    return sorted(
+        glob.glob(f"/dev/shm/chatgen-weights-{pid}-*")
+        + glob.glob(f"/dev/shm/chatgen-weights-{pid}-*/*")
+    )
 
 
 @pytest.fixture(scope="module")
@@ -49,10 +66,25 @@ def server_process(data_and_model):
     from chatgen.core.distributed import free_port
 
     url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen([sys.executable, "-m", "chatgen.cli", "serve", "--model", str(data_and_model[1]),
-                             "--port", url.rsplit(":", 1)[1], "--api-key", KEY, "--control", "max_new_tokens=16",
-                             *(f"{k}={v}" for k, v in ENGINE.items())],
-                            env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"), stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "chatgen.cli",
+            "serve",
+            "--model",
+            str(data_and_model[1]),
+            "--port",
+            url.rsplit(":", 1)[1],
+            "--api-key",
+            KEY,
+            "--control",
+            "max_new_tokens=16",
+            *(f"{k}={v}" for k, v in ENGINE.items()),
+        ],
+        env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"),
+        stderr=subprocess.DEVNULL,
+    )
     deadline = time.time() + 120
     while True:
         assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
@@ -76,23 +108,35 @@ def server(server_process):
 def remote(server, data_and_model):
     from chatgen import VLLMGeneration
 
-    return VLLMGeneration(data_and_model[1], "server", server_base_url=server, api_key=KEY, max_completion_length=8)
+    return VLLMGeneration(
+        data_and_model[1], "server", server_base_url=server, api_key=KEY, max_completion_length=8
+    )
 
 
 @pytest.fixture(scope="module")
 def remote_group(server, data_and_model):
     from chatgen import VLLMGeneration
 
-    return VLLMGeneration(data_and_model[1], "server", server_base_url=server, api_key=KEY, max_completion_length=8,
-                          weight_transport="group")
+    return VLLMGeneration(
+        data_and_model[1],
+        "server",
+        server_base_url=server,
+        api_key=KEY,
+        max_completion_length=8,
+        weight_transport="group",
+    )
 
 
 @pytest.fixture(scope="module")
 def local(data_and_model):
     from chatgen import VLLMGeneration
 
-    g = VLLMGeneration(data_and_model[1], max_completion_length=8, max_model_length=ENGINE["seq_length"],
-                       **{k: v for k, v in ENGINE.items() if k != "seq_length"})
+    g = VLLMGeneration(
+        data_and_model[1],
+        max_completion_length=8,
+        max_model_length=ENGINE["seq_length"],
+        **{k: v for k, v in ENGINE.items() if k != "seq_length"},
+    )
     yield g
     g.shutdown()
 
@@ -100,7 +144,9 @@ def local(data_and_model):
 @pytest.mark.parametrize("path", CONTROL)
 def test_control_endpoints_need_the_api_key(server, path):
     assert requests.post(server + path).status_code == 401
-    assert requests.post(server + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert (
+        requests.post(server + path, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    )
 
 
 def test_control_endpoints_refuse_a_public_bind_without_a_key():
@@ -110,17 +156,22 @@ def test_control_endpoints_refuse_a_public_bind_without_a_key():
         control_router(None, api_key=None, host="0.0.0.0")
 
 
-def test_colocate_and_server_agree_and_match_transformers_after_a_sync(remote, local, server_process,
-                                                                      data_and_model):
+def test_colocate_and_server_agree_and_match_transformers_after_a_sync(
+    remote, local, server_process, data_and_model
+):
     from transformers import AutoModelForCausalLM
 
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=4)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=4
+    )
     before = remote.generate(PROMPTS, greedy=True)
     report = remote.sync_weights(model)
     assert remote._transport == "shm"  # auto, with a loopback server: shared memory
     assert report.tensors == 21 and report.bytes == sum(p.numel() * 4 for p in model.parameters())
     files = shm_files(server_process[1].pid)
-    assert len(files) == 1 and os.path.isdir(files[0])  # the file was unlinked once mapped: only the directory
+    assert len(files) == 1 and os.path.isdir(
+        files[0]
+    )  # the file was unlinked once mapped: only the directory
     local.sync_weights(model)
     after = remote.generate(PROMPTS, greedy=True)
     assert after[2] != before[2]  # the server's weights changed
@@ -138,25 +189,40 @@ def test_text_prompts_and_per_call_sampling_agree_with_colocate(remote, local):
     two engines may hold different weights here: earlier tests synced the server)."""
     texts = ["Once upon a time", "The cat sat"]
     ids = [local.module.tokenizer.encode(t) for t in texts]
-    assert remote.generate(texts, greedy=True) == remote.generate(ids, greedy=True)  # the same prompts
+    assert remote.generate(texts, greedy=True) == remote.generate(
+        ids, greedy=True
+    )  # the same prompts
     assert remote.generate(texts, greedy=True)[0] == ids
-    short = remote.generate(texts, temperature=0, max_completion_length=3)  # this call only: greedy, 3 tokens
-    assert [len(c) for c in short[1]] == [3, 3] and short[1] == [c[:3] for c in remote.generate(ids, greedy=True)[1]]
-    assert [len(c) for c in local.generate(texts, temperature=0, max_completion_length=3)[1]] == [3, 3]
-    with pytest.raises(RuntimeError, match="/tokenize: HTTP 400: this model's tokenizer has no chat template"):
+    short = remote.generate(
+        texts, temperature=0, max_completion_length=3
+    )  # this call only: greedy, 3 tokens
+    assert [len(c) for c in short[1]] == [3, 3] and short[1] == [
+        c[:3] for c in remote.generate(ids, greedy=True)[1]
+    ]
+    assert [len(c) for c in local.generate(texts, temperature=0, max_completion_length=3)[1]] == [
+        3,
+        3,
+    ]
+    with pytest.raises(
+        RuntimeError, match="/tokenize: HTTP 400: this model's tokenizer has no chat template"
+    ):
         remote.generate([[{"role": "user", "content": "hi"}]])
 
 
 def test_the_group_transport_matches_transformers_after_a_sync(remote_group, data_and_model):
     from transformers import AutoModelForCausalLM
 
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=10)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=10
+    )
     assert remote_group.sync_weights(model).tensors == 21 and remote_group._transport == "group"
     assert max_diff_vs_hf(model, *remote_group.generate(PROMPTS, greedy=True)) < TOL
 
 
 @pytest.mark.parametrize("transport", ["shm", "group"])
-def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, server_process, data_and_model):
+def test_refused_sync_keeps_the_server_weights(
+    transport, remote, remote_group, server_process, data_and_model
+):
     from transformers import AutoModelForCausalLM
 
     from chatgen.param_sync import SyncError
@@ -166,7 +232,9 @@ def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, 
     model = AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval()
     state = dict(perturbed(model, seed=5).named_parameters())
     state["model.norm.weight"] = torch.ones(7)
-    with pytest.raises(SyncError, match=r"model.norm.weight: trainer sends shape \(7,\), the engine expects"):
+    with pytest.raises(
+        SyncError, match=r"model.norm.weight: trainer sends shape \(7,\), the engine expects"
+    ):
         client.sync_weights(list(state.items()))
     assert client.generate(PROMPTS, greedy=True) == before
     model = perturbed(model, seed=6)
@@ -177,7 +245,9 @@ def test_refused_sync_keeps_the_server_weights(transport, remote, remote_group, 
     # refuses on the header; the engine read nothing in place, so it still generates what it did
     state = {name: p.detach().clone() for name, p in model.named_parameters()}
     state["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
-    with pytest.raises(SyncError, match=r"1 parameter\(s\) hold NaN or inf: model.layers.0.mlp.up_proj.weight"):
+    with pytest.raises(
+        SyncError, match=r"1 parameter\(s\) hold NaN or inf: model.layers.0.mlp.up_proj.weight"
+    ):
         client.sync_weights(list(state.items()))
     assert client.generate(PROMPTS, greedy=True) == after
     assert shm_files(server_process[1].pid)[1:] == []
@@ -195,14 +265,20 @@ class _DiesMidSync(ListedWeights):
         raise RuntimeError("the trainer died mid-sync")
 
 
-def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(remote, server_process, data_and_model):
+def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(
+    remote, server_process, data_and_model
+):
     from transformers import AutoModelForCausalLM
 
     before = remote.generate(PROMPTS, greedy=True)
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=12)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=12
+    )
     with pytest.raises(RuntimeError, match="the trainer died mid-sync"):
         remote.sync_weights(_DiesMidSync(model))
-    assert remote.generate(PROMPTS, greedy=True) == before  # the engine read nothing of the half-written file
+    assert (
+        remote.generate(PROMPTS, greedy=True) == before
+    )  # the engine read nothing of the half-written file
     assert shm_files(server_process[1].pid)[1:] == []  # the server removed it
     remote.sync_weights(model)
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
@@ -210,17 +286,32 @@ def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(remote, server
 
 def test_shm_updates_need_the_key_and_leave_no_file_when_refused(server):
     auth = {"Authorization": f"Bearer {KEY}"}
-    assert requests.post(server + "/control/weights/begin", json={"transport": "shm"}).status_code == 401
-    path = requests.post(server + "/control/weights/begin", json={"transport": "shm"}, headers=auth).json()["path"]
+    assert (
+        requests.post(server + "/control/weights/begin", json={"transport": "shm"}).status_code
+        == 401
+    )
+    path = requests.post(
+        server + "/control/weights/begin", json={"transport": "shm"}, headers=auth
+    ).json()["path"]
     assert os.path.dirname(path).startswith("/dev/shm/chatgen-weights-")
     with open(path, "wb") as f:  # what a trainer writes there
         f.write(bytes(64))
-    assert requests.post(server + "/control/weights/finish", json={"header": None}).status_code == 401
+    assert (
+        requests.post(server + "/control/weights/finish", json={"header": None}).status_code == 401
+    )
     finish = requests.post(server + "/control/weights/finish", json={}, headers=auth)
-    assert finish.status_code == 400 and '{"header": ...}' in finish.json()["error"]["message"]  # still open
-    finish = requests.post(server + "/control/weights/finish", headers=auth,
-                           json={"header": {"dtype": "torch.float32", "buckets": [], "nonfinite": []}})
-    assert finish.status_code == 409 and "the trainer sends nothing" in finish.json()["error"]["message"]
+    assert (
+        finish.status_code == 400 and '{"header": ...}' in finish.json()["error"]["message"]
+    )  # still open
+    finish = requests.post(
+        server + "/control/weights/finish",
+        headers=auth,
+        json={"header": {"dtype": "torch.float32", "buckets": [], "nonfinite": []}},
+    )
+    assert (
+        finish.status_code == 409
+        and "the trainer sends nothing" in finish.json()["error"]["message"]
+    )
     assert not os.path.exists(path)  # the server removed the refused file
 
 
@@ -235,7 +326,9 @@ def test_pause_holds_requests_until_resume(remote, server, data_and_model):
     worker.start()
     worker.join(timeout=2)
     assert not done  # waiting while paused
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=7)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=7
+    )
     with pytest.raises(RuntimeError, match='the engine is paused, and mode "wait"'):
         remote.sync_weights(model)
     remote.sync_weights(model, mode="keep")  # weights can change while paused
@@ -258,8 +351,9 @@ print("synced over", gen._transport, report.tensors)
 """
 
 
-def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(remote, server, server_process,
-                                                                      data_and_model):
+def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(
+    remote, server, server_process, data_and_model
+):
     """A trainer with its own /dev/shm (as in another container; here a mount namespace) cannot create the
     server's file: "auto" tells the server, falls back to the group, and the sync lands."""
     from transformers import AutoModelForCausalLM
@@ -267,15 +361,41 @@ def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(remote, se
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare(1) to give the trainer a /dev/shm of its own")
     trainer = subprocess.run(
-        ["unshare", "--mount", "sh", "-c", 'mount -t tmpfs none /dev/shm && exec "$0" "$@"', sys.executable, "-c",
-         ANOTHER_SHM_TRAINER, server, KEY, str(data_and_model[1])],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=os.pathsep.join(
-            [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.environ.get("PYTHONPATH", "")])))
+        [
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+            'mount -t tmpfs none /dev/shm && exec "$0" "$@"',
+            sys.executable,
+            "-c",
+            ANOTHER_SHM_TRAINER,
+            server,
+            KEY,
+            str(data_and_model[1]),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [
+                    os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                    os.environ.get("PYTHONPATH", ""),
+                ]
+            ),
+        ),
+    )
     assert trainer.returncode == 0, trainer.stderr[-3000:]
     assert "synced over group 21" in trainer.stdout
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11
+    )
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
-    assert shm_files(server_process[1].pid)[1:] == []  # the file it could not create left nothing behind
+    assert (
+        shm_files(server_process[1].pid)[1:] == []
+    )  # the file it could not create left nothing behind
 
 
 def _trainer_rank(rank, url, model_dir, port, seed, results):
@@ -301,15 +421,21 @@ def test_a_two_rank_trainer_syncs_through_rank_0(remote, server, data_and_model)
 
     ctx, port = mp.get_context("spawn"), free_port()
     results = ctx.Queue()
-    ranks = [ctx.Process(target=_trainer_rank, args=(r, server, str(data_and_model[1]), port, 8, results))
-             for r in range(2)]
+    ranks = [
+        ctx.Process(
+            target=_trainer_rank, args=(r, server, str(data_and_model[1]), port, 8, results)
+        )
+        for r in range(2)
+    ]
     for p in ranks:
         p.start()
     for p in ranks:
         p.join(timeout=120)
     assert [p.exitcode for p in ranks] == [0, 0]
     assert sorted(results.get(timeout=5) for _ in ranks) == [(0, 21), (1, 21)]
-    model = perturbed(AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=8)
+    model = perturbed(
+        AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=8
+    )
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
 
@@ -317,9 +443,32 @@ def test_grpo_with_hf_trainer_example_in_server_mode(server, data_and_model):
     from examples.grpo_with_hf_trainer import main
 
     data, model = data_and_model
-    history = main(["--mode", "server", "--server-url", server, "--api-key", KEY, "--model", str(model),
-                    "--data", str(data), "--steps", "2", "--prompts", "4", "--group", "4", "--eval-every", "1",
-                    "--eval-prompts", "8"])
+    history = main(
+        [
+            "--mode",
+            "server",
+            "--server-url",
+            server,
+            "--api-key",
+            KEY,
+            "--model",
+            str(model),
+            "--data",
+            str(data),
+            "--steps",
+            "2",
+            "--prompts",
+            "4",
+            "--group",
+            "4",
+            "--eval-every",
+            "1",
+            "--eval-prompts",
+            "8",
+        ]
+    )
     assert [r["step"] for r in history] == [0, 1, 2]
     assert history[0]["loss"] != 0 and all(r["synced_tensors"] == 21 for r in history[:2])
-    assert history[1]["logprob_mismatch"] < TOL  # the server generated with the weights trained at step 0
+    assert (
+        history[1]["logprob_mismatch"] < TOL
+    )  # the server generated with the weights trained at step 0

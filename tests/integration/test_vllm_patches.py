@@ -5,6 +5,7 @@
 No engine starts: each patch's needs (`patches.RELIES_ON`) are looked up in vLLM's modules, so an upgrade that
 moves, renames or re-signs any of them fails here, naming the patch, instead of the patch silently not applying.
 """
+
 import pytest
 
 pytestmark = pytest.mark.integration
@@ -22,8 +23,11 @@ def test_every_patch_of_the_adapter_declares_its_needs():
 
     from chatgen.generation.vllm.adapter import patches
 
-    functions = {name for name, f in inspect.getmembers(patches, inspect.isfunction)
-                 if f.__module__ == patches.__name__ and not name.startswith("_") and name != "check"}
+    functions = {
+        name
+        for name, f in inspect.getmembers(patches, inspect.isfunction)
+        if f.__module__ == patches.__name__ and not name.startswith("_") and name != "check"
+    }
     assert functions - set(RELIES_ON_EXEMPT) == set(patches.RELIES_ON)
 
 
@@ -37,11 +41,15 @@ RELIES_ON_EXEMPT = {
 def test_a_moved_internal_is_named(monkeypatch):
     from chatgen.generation.vllm.adapter import patches
 
-    monkeypatch.setitem(patches.RELIES_ON, "eager_token_ranks", [
-        "vllm.v1.sample.sampler:no_such_function",
-        ("vllm.v1.sample.sampler:Sampler.forward", ("self", "no_such_argument")),
-        ("vllm.v1.sample.sampler", "no such text in the module"),
-    ])
+    monkeypatch.setitem(
+        patches.RELIES_ON,
+        "eager_token_ranks",
+        [
+            "vllm.v1.sample.sampler:no_such_function",
+            ("vllm.v1.sample.sampler:Sampler.forward", ("self", "no_such_argument")),
+            ("vllm.v1.sample.sampler", "no such text in the module"),
+        ],
+    )
     problems = [p for p in patches.check() if p.startswith("eager_token_ranks")]
     assert len(problems) == 3, problems
     assert "no_such_function is missing" in problems[0]

@@ -1,9 +1,15 @@
 """Unit tests for chatgen.core.checkpoint_io (pytest tests/unit/test_checkpoint_io.py)."""
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from chatgen.core.checkpoint_io import atomic_directory, megatron_shard_file, read_hf_safetensors, read_megatron_shard
+from chatgen.core.checkpoint_io import (
+    atomic_directory,
+    megatron_shard_file,
+    read_hf_safetensors,
+    read_megatron_shard,
+)
 
 
 def test_atomic_directory_appears_complete_or_not_at_all(tmp_path):
@@ -20,7 +26,9 @@ def test_atomic_directory_appears_complete_or_not_at_all(tmp_path):
             (tmp / "half.txt").write_text("half")
             raise RuntimeError("crash while writing")
     assert not failed.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]  # the temporary directory is gone too
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "sub"
+    ]  # the temporary directory is gone too
 
 
 def test_read_hf_safetensors_merges_files_filters_and_unties(tmp_path):
@@ -29,9 +37,15 @@ def test_read_hf_safetensors_merges_files_filters_and_unties(tmp_path):
     save_file({"model.norm.weight": norm}, str(tmp_path / "model-00002.safetensors"))
 
     tied = read_hf_safetensors(tmp_path, tie_word_embeddings=True)
-    assert torch.equal(tied["model.embed_tokens.weight"], emb) and torch.equal(tied["model.norm.weight"], norm)
-    assert "model.embed_tokens.weight" not in read_hf_safetensors(tmp_path, tie_word_embeddings=False)
-    assert set(read_hf_safetensors(tmp_path, False, names={"model.norm.weight"})) == {"model.norm.weight"}
+    assert torch.equal(tied["model.embed_tokens.weight"], emb) and torch.equal(
+        tied["model.norm.weight"], norm
+    )
+    assert "model.embed_tokens.weight" not in read_hf_safetensors(
+        tmp_path, tie_word_embeddings=False
+    )
+    assert set(read_hf_safetensors(tmp_path, False, names={"model.norm.weight"})) == {
+        "model.norm.weight"
+    }
     # a stage that asks only for the embedding (MegatronModule reads just its stage's names) still gets the
     # tied matrix stored under the head's name
     only_emb = read_hf_safetensors(tmp_path, True, names={"model.embed_tokens.weight"})
@@ -45,5 +59,7 @@ def test_megatron_shard_round_trip(tmp_path):
     state = {"decoder.final_layernorm.weight": torch.randn(4)}
     save_file(state, str(megatron_shard_file(tmp_path, t=1, p=0)))
     assert (tmp_path / "model_tp1_pp0.safetensors").exists()
-    assert torch.equal(read_megatron_shard(tmp_path, t=1, p=0)["decoder.final_layernorm.weight"],
-                       state["decoder.final_layernorm.weight"])
+    assert torch.equal(
+        read_megatron_shard(tmp_path, t=1, p=0)["decoder.final_layernorm.weight"],
+        state["decoder.final_layernorm.weight"],
+    )

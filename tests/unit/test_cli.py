@@ -1,5 +1,6 @@
 """`chatgen` reports bad input as one line naming the problem, with exit code 2 (the input must
 change; 1 means the work failed), never a traceback; CHATGEN_DEBUG=1 brings the traceback back."""
+
 import subprocess
 import sys
 
@@ -9,8 +10,13 @@ import pytest
 def chatgen(*args, env=None):
     import os
 
-    return subprocess.run([sys.executable, "-m", "chatgen.cli", *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "chatgen.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, **(env or {})},
+    )
 
 
 def test_help_lists_every_subcommand():
@@ -23,7 +29,10 @@ def test_help_lists_every_subcommand():
 def test_bad_spec_is_one_message_not_a_traceback(tmp_path):
     proc = chatgen("make-tiny-model", "--output", str(tmp_path / "m"), "num_key_value_heads=0")
     assert proc.returncode == 2
-    assert "chatgen make-tiny-model:" in proc.stderr and "num_key_value_heads: must be a positive integer" in proc.stderr
+    assert (
+        "chatgen make-tiny-model:" in proc.stderr
+        and "num_key_value_heads: must be a positive integer" in proc.stderr
+    )
     assert "Traceback" not in proc.stderr and not (tmp_path / "m").exists()
 
 
@@ -34,15 +43,31 @@ def test_config_error_exits_2_and_names_the_key(tmp_path):
 
 def test_generate_with_a_wrong_model_dir_names_the_flag(tmp_path):
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
-    proc = chatgen("generate", "--model", str(tmp_path / "nope"), "--input", str(tmp_path / "in.jsonl"),
-                   "--output", str(tmp_path / "out.jsonl"))
-    assert proc.returncode == 2 and "--model" in proc.stderr and "neither an HF model directory (config.json)" in proc.stderr
+    proc = chatgen(
+        "generate",
+        "--model",
+        str(tmp_path / "nope"),
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "out.jsonl"),
+    )
+    assert (
+        proc.returncode == 2
+        and "--model" in proc.stderr
+        and "neither an HF model directory (config.json)" in proc.stderr
+    )
     assert "Traceback" not in proc.stderr
 
 
 def test_debug_env_shows_the_traceback(tmp_path):
-    proc = chatgen("make-tiny-model", "--output", str(tmp_path / "m"), "num_key_value_heads=0",
-                   env={"CHATGEN_DEBUG": "1"})
+    proc = chatgen(
+        "make-tiny-model",
+        "--output",
+        str(tmp_path / "m"),
+        "num_key_value_heads=0",
+        env={"CHATGEN_DEBUG": "1"},
+    )
     assert proc.returncode != 0 and "Traceback" in proc.stderr
 
 
@@ -53,10 +78,27 @@ def test_make_tiny_model_family_flag_sets_the_family_over_config(tmp_path):
     config = Path(__file__).resolve().parents[2] / "configs" / "models" / "tiny_llama.yaml"
     from chatgen.cli import main
 
-    assert main(["make-tiny-model", "--config", str(config), "--family", "qwen3", "--output", str(tmp_path / "m"),
-                 "num_hidden_layers=1"]) == 0
+    assert (
+        main(
+            [
+                "make-tiny-model",
+                "--config",
+                str(config),
+                "--family",
+                "qwen3",
+                "--output",
+                str(tmp_path / "m"),
+                "num_hidden_layers=1",
+            ]
+        )
+        == 0
+    )
     hf = json.loads((tmp_path / "m" / "config.json").read_text())
-    assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == ("qwen3", ["Qwen3ForCausalLM"], 1)
+    assert (hf["model_type"], hf["architectures"], hf["num_hidden_layers"]) == (
+        "qwen3",
+        ["Qwen3ForCausalLM"],
+        1,
+    )
     assert hf["head_dim"] == 32 and hf["tie_word_embeddings"] is False  # the rest from --config
 
 
@@ -73,18 +115,43 @@ def test_overrides_after_a_flag_reach_the_config(tmp_path):
 
 @pytest.mark.faults
 def test_sizes_and_layouts_are_usage_errors_with_exit_code_2(tiny_llama_dir, tmp_path):
-    proc = chatgen("convert", "--to", "megatron", "--input", str(tiny_llama_dir), "--output", str(tmp_path / "m"),
-                   "--tp", "0")
-    assert proc.returncode == 2 and "--tp: 0 must be at least 1" in proc.stderr and "Traceback" not in proc.stderr
+    proc = chatgen(
+        "convert",
+        "--to",
+        "megatron",
+        "--input",
+        str(tiny_llama_dir),
+        "--output",
+        str(tmp_path / "m"),
+        "--tp",
+        "0",
+    )
+    assert (
+        proc.returncode == 2
+        and "--tp: 0 must be at least 1" in proc.stderr
+        and "Traceback" not in proc.stderr
+    )
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
-    proc = chatgen("check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--train-tp", "3", "--input",
-                   str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "c.json"))
+    proc = chatgen(
+        "check-sync",
+        "--hf-checkpoint",
+        str(tiny_llama_dir),
+        "--train-tp",
+        "3",
+        "--input",
+        str(tmp_path / "in.jsonl"),
+        "--output",
+        str(tmp_path / "c.json"),
+    )
     # one message, from the driver, before any engine or trainer process starts
     assert proc.returncode == 2 and proc.stderr.count("layout TP=3 PP=1 does not fit") == 1
     assert "Traceback" not in proc.stderr and not (tmp_path / "c.json").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("runtime:\n  seed: 1\n  seed: 2\nmodels: {}\n")
-    for command in (["config", str(bad)], ["train", str(bad)]):  # one exit code for a bad config, any command
+    for command in (
+        ["config", str(bad)],
+        ["train", str(bad)],
+    ):  # one exit code for a bad config, any command
         proc = chatgen(*command)
         assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, command
 
@@ -99,13 +166,22 @@ def test_generate_checks_its_output_before_loading_the_model(tiny_llama_dir, tmp
     prompts.write_text('{"prompt_ids": [1, 2]}\n')
     common = ["generate", "--model", str(tiny_llama_dir), "--input", str(prompts)]
     assert main([*common, "--output", str(prompts)]) == 2
-    assert "is the --input file" in capsys.readouterr().err and prompts.read_text() == '{"prompt_ids": [1, 2]}\n'
+    assert (
+        "is the --input file" in capsys.readouterr().err
+        and prompts.read_text() == '{"prompt_ids": [1, 2]}\n'
+    )
     existing = tmp_path / "out.jsonl"
     existing.write_text("keep me\n")
     assert main([*common, "--output", str(existing)]) == 2
     assert "pass --overwrite" in capsys.readouterr().err and existing.read_text() == "keep me\n"
-    assert main([*common, "--output", str(tmp_path)]) == 2 and "is a directory" in capsys.readouterr().err
-    assert main([*common, "--output", "/proc/nope/out.jsonl"]) == 2 and "--output" in capsys.readouterr().err
+    assert (
+        main([*common, "--output", str(tmp_path)]) == 2
+        and "is a directory" in capsys.readouterr().err
+    )
+    assert (
+        main([*common, "--output", "/proc/nope/out.jsonl"]) == 2
+        and "--output" in capsys.readouterr().err
+    )
 
 
 ARENAS_SCRIPT = r"""
@@ -138,32 +214,55 @@ print(limited, open(sys.argv[1]).read().count("<heap nr="))
 """
 
 
-@pytest.mark.parametrize("env, limited, arenas", [({}, "True", 1), ({"MALLOC_ARENA_MAX": "8"}, "False", 5)])
-def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_chose(tmp_path, env, limited,
-                                                                                        arenas):
+@pytest.mark.parametrize(
+    "env, limited, arenas", [({}, "True", 1), ({"MALLOC_ARENA_MAX": "8"}, "False", 5)]
+)
+def test_the_cli_process_allocates_from_one_malloc_arena_unless_the_environment_chose(
+    tmp_path, env, limited, arenas
+):
     """Threads allocating at once get arenas of their own (the main one + 4 here) unless `one_malloc_arena` ran:
     then all share the main arena. A MALLOC_ARENA_MAX in the environment is the user's choice and is kept."""
     import os
 
-    proc = subprocess.run([sys.executable, "-c", ARENAS_SCRIPT, str(tmp_path / "info.xml")], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})
+    proc = subprocess.run(
+        [sys.executable, "-c", ARENAS_SCRIPT, str(tmp_path / "info.xml")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == [limited, str(arenas)]
 
 
 @pytest.mark.faults
-def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(tiny_llama_dir, tmp_path, monkeypatch,
-                                                                            capsys):
+def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(
+    tiny_llama_dir, tmp_path, monkeypatch, capsys
+):
     """--api-key was the only way, and `ps` shows it to every user of the machine. (Each call stops at a bad
     --control-timeout, after the key is read and before an engine starts.)"""
     from chatgen.cli import main
 
-    serve = ["serve", "--model", str(tiny_llama_dir), "--control", "--host", "0.0.0.0", "--control-timeout", "0"]
+    serve = [
+        "serve",
+        "--model",
+        str(tiny_llama_dir),
+        "--control",
+        "--host",
+        "0.0.0.0",
+        "--control-timeout",
+        "0",
+    ]
     monkeypatch.delenv("CHATGEN_API_KEY", raising=False)
     assert main([*serve, "--api-key", "k"]) == 2
     err = capsys.readouterr().err
-    assert "warning: --api-key shows the key to every user of this machine in the process list (ps)" in err
-    assert "--control-timeout 0.0: give the seconds" in err  # the key was taken: --host 0.0.0.0 passed
+    assert (
+        "warning: --api-key shows the key to every user of this machine in the process list (ps)"
+        in err
+    )
+    assert (
+        "--control-timeout 0.0: give the seconds" in err
+    )  # the key was taken: --host 0.0.0.0 passed
     key_file = tmp_path / "key"
     key_file.write_text("from-a-file\n")
     assert main([*serve, "--api-key-file", str(key_file)]) == 2
@@ -172,7 +271,10 @@ def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(tin
     monkeypatch.setenv("CHATGEN_API_KEY", "from-the-environment")
     assert main(serve) == 2 and "--control-timeout" in capsys.readouterr().err
     assert main([*serve, "--api-key-file", str(key_file)]) == 2
-    assert "CHATGEN_API_KEY and --api-key-file both give an API key; give it one way" in capsys.readouterr().err
+    assert (
+        "CHATGEN_API_KEY and --api-key-file both give an API key; give it one way"
+        in capsys.readouterr().err
+    )
     monkeypatch.delenv("CHATGEN_API_KEY")
     key_file.write_text("\n")
     assert main([*serve, "--api-key-file", str(key_file)]) == 2
@@ -188,10 +290,25 @@ def test_check_sync_names_a_prompt_id_outside_the_vocabulary(tiny_llama_dir, tmp
 
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 9999]}\n')
-    assert main(["check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--input", str(prompts), "--output",
-                 str(tmp_path / "c.json")]) == 2
+    assert (
+        main(
+            [
+                "check-sync",
+                "--hf-checkpoint",
+                str(tiny_llama_dir),
+                "--input",
+                str(prompts),
+                "--output",
+                str(tmp_path / "c.json"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert "in.jsonl:2: \"prompt_ids\": token id(s) [9999] outside the model's vocabulary [0, 512)" in err
+    assert (
+        "in.jsonl:2: \"prompt_ids\": token id(s) [9999] outside the model's vocabulary [0, 512)"
+        in err
+    )
     assert "Traceback" not in err and not (tmp_path / "c.json").exists()
 
 
@@ -205,8 +322,13 @@ def test_a_refused_run_writes_nothing_and_names_what_to_change(tmp_path, capsys)
 
     tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
     out = tmp_path / "run"
-    train = ["train", "configs/grpo_tiny.yaml", f"runtime.data_path={tmp_path}/data/train.jsonl",
-             f"runtime.eval_data_path={tmp_path}/data/eval.jsonl", f"runtime.output_dir={out}"]
+    train = [
+        "train",
+        "configs/grpo_tiny.yaml",
+        f"runtime.data_path={tmp_path}/data/train.jsonl",
+        f"runtime.eval_data_path={tmp_path}/data/eval.jsonl",
+        f"runtime.output_dir={out}",
+    ]
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"prompt": "1 2", "answer": "1 2"}\n{"prompt": oops}\n')
     assert main([*train, f"runtime.data_path={bad}"]) == 2
@@ -215,14 +337,19 @@ def test_a_refused_run_writes_nothing_and_names_what_to_change(tmp_path, capsys)
     assert main([*train, f"runtime.data_path={bad}"]) == 2
     assert "bad.jsonl:2: not UTF-8 (byte 0xe9" in capsys.readouterr().err and not out.exists()
     assert main([*train, "--resume-from", "episode_000007"]) == 2
-    assert "--resume-from episode_000007: no checkpoint there" in capsys.readouterr().err and not out.exists()
+    assert (
+        "--resume-from episode_000007: no checkpoint there" in capsys.readouterr().err
+        and not out.exists()
+    )
     assert main([*train, "--resume"]) == 2
     assert "--resume: no complete checkpoint under" in capsys.readouterr().err and not out.exists()
     assert main([*train, "runtime.output_dir=/proc/x/run"]) == 2
     assert "runtime.output_dir: cannot write into /proc/x/run" in capsys.readouterr().err
 
 
-def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(tiny_llama_dir, capsys, monkeypatch):
+def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(
+    tiny_llama_dir, capsys, monkeypatch
+):
     import socket
 
     from chatgen.cli import main, serve
@@ -232,10 +359,14 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(tin
         port = taken.getsockname()[1]
         assert main(["serve", "--model", str(tiny_llama_dir), "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert f"--port {port}: 127.0.0.1:{port} is in use" in err and "http://" not in err  # nothing announced
+    assert (
+        f"--port {port}: 127.0.0.1:{port} is in use" in err and "http://" not in err
+    )  # nothing announced
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--model", str(tiny_llama_dir), "--port", "99999"])
-    assert exit_.value.code == 2 and "argument --port: 99999 is not a port" in capsys.readouterr().err
+    assert (
+        exit_.value.code == 2 and "argument --port: 99999 is not a port" in capsys.readouterr().err
+    )
     assert main(["serve", "--model", str(tiny_llama_dir), "--host", "nohost.invalid"]) == 2
     assert "--host nohost.invalid: not an address of this machine" in capsys.readouterr().err
 
@@ -252,7 +383,9 @@ def test_serve_gives_a_wide_model_every_core_and_a_narrow_one_all_but_one(tmp_pa
         (tmp_path / name / "config.json").write_text(json.dumps({"hidden_size": hidden}))
     assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 3
     assert serve_threads(["serve", "--port", "0", f"--model={tmp_path / 'wide'}"]) == 4
-    assert serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3  # serve itself names the bad path
+    assert (
+        serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3
+    )  # serve itself names the bad path
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 1
 
@@ -266,13 +399,18 @@ def test_config_and_train_refuse_the_same_data_line_before_anything_starts(tmp_p
     tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "1 2", "answer": "1 2"}\n{"question": "3 1", "answer": "1 3"}\n')
-    common = [f"runtime.data_path={tmp_path}/data/train.jsonl", f"runtime.output_dir={tmp_path}/run",
-              f"runtime.eval_data_path={bad}"]
+    common = [
+        f"runtime.data_path={tmp_path}/data/train.jsonl",
+        f"runtime.output_dir={tmp_path}/run",
+        f"runtime.eval_data_path={bad}",
+    ]
     messages = []
     for command in (["config", "configs/grpo_tiny.yaml"], ["train", "configs/grpo_tiny.yaml"]):
         assert main([*command, *common]) == 2, command
         err = capsys.readouterr().err
         assert f"{bad}, record 2 has no column 'prompt' (its columns: question, answer)" in err, err
         assert "(runtime.eval_data_path)" in err, err
-        messages.append([line.strip() for line in err.splitlines() if "bad.jsonl, record 2" in line])
+        messages.append(
+            [line.strip() for line in err.splitlines() if "bad.jsonl, record 2" in line]
+        )
     assert messages[0] == messages[1] and not (tmp_path / "run").exists()

@@ -1,6 +1,7 @@
 """`chatgen init`: every recipe is a self-contained copy (its configs load from the copy, its scripts name only
 files of the copy), nothing is overwritten (pytest tests/unit/test_cli_init.py). The recipes running from their
 own directory: tests/integration/test_first_hour.py."""
+
 import re
 
 import pytest
@@ -15,8 +16,10 @@ PROJECT_PATH = re.compile(r"\b((?:configs|examples)/[\w./-]+\.(?:yaml|sh|py))")
 
 def script_paths(path) -> set:
     """The configs/ and examples/ files a launch script (or a script it sources) names, outside comments."""
-    code = "\n".join(line.split("#")[0] if not line.lstrip().startswith("#") else ""
-                     for line in path.read_text().splitlines())
+    code = "\n".join(
+        line.split("#")[0] if not line.lstrip().startswith("#") else ""
+        for line in path.read_text().splitlines()
+    )
     return set(PROJECT_PATH.findall(code))
 
 
@@ -31,10 +34,14 @@ def test_a_recipe_copy_is_self_contained(name, tmp_path, capsys, monkeypatch):
     assert copied == set(recipe_files(name))
     for path in [project / f for f in copied if f.endswith(".sh")]:
         named = script_paths(path)
-        assert named <= copied, f"{path.name} names {named - copied}, which the recipe does not copy"
+        assert named <= copied, (
+            f"{path.name} names {named - copied}, which the recipe does not copy"
+        )
     monkeypatch.setenv("POLICY_LOAD", "/models/x")
     monkeypatch.setenv("DATASET_PATH", "/data/x")
-    for config in [f for f in copied if f.count("/") == 1 and f.endswith(".yaml") and f.startswith("configs/")]:
+    for config in [
+        f for f in copied if f.count("/") == 1 and f.endswith(".yaml") and f.startswith("configs/")
+    ]:
         cfg = load_config(project / config)  # every per-model YAML it includes is in the copy
         assert all(str(project) in str(p) for p in cfg.files), cfg.files
     assert (project / script).stat().st_mode & 0o111  # still executable

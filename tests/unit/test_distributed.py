@@ -1,5 +1,6 @@
 """Rendezvous stays on this machine: chatgen's TCPStore server listens on loopback only (torch's own listens
 on every interface whatever host it is given)."""
+
 import os
 import subprocess
 
@@ -18,7 +19,9 @@ def _listening_addresses(pid: int) -> list:
 
 def _all_reduce_and_report():
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    init_process_group("gloo", rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    init_process_group(
+        "gloo", rank, world, os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    )
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
     addresses = _listening_addresses(os.getpid())
@@ -27,8 +30,10 @@ def _all_reduce_and_report():
     return t.item(), addresses
 
 
-needs_ss = pytest.mark.skipif(subprocess.run(["which", "ss"], capture_output=True).returncode != 0,
-                              reason="needs `ss` (iproute2) to list listening sockets")
+needs_ss = pytest.mark.skipif(
+    subprocess.run(["which", "ss"], capture_output=True).returncode != 0,
+    reason="needs `ss` (iproute2) to list listening sockets",
+)
 
 
 @needs_ss
@@ -65,6 +70,8 @@ def test_a_rank_that_dies_is_reported_in_seconds_with_its_exit_code():
     import time
 
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"rank 1 of 2 died in _rank_1_dies without a result \(exit code 3"):
+    with pytest.raises(
+        RuntimeError, match=r"rank 1 of 2 died in _rank_1_dies without a result \(exit code 3"
+    ):
         run_distributed(_rank_1_dies, 2, timeout=120)
     assert time.monotonic() - start < 30

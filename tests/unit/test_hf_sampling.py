@@ -5,6 +5,7 @@
 The logits processors are checked by hand on small rows and against vLLM's own functions on random ones (the
 hf backend must sample what vLLM samples); the stop rule on a module without a model.
 """
+
 from types import SimpleNamespace
 
 import pytest
@@ -37,10 +38,14 @@ def test_min_p_drops_tokens_under_min_p_times_the_top_probability():
 
 def test_top_k_then_top_p_keep_the_smallest_head_set():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log().repeat(3, 1)
-    out = sampling.apply_top_k_top_p(logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.7, 0.85]))
-    assert torch.isfinite(out).tolist() == [[True, True, False, False],   # top-k 2
-                                            [True, True, False, False],   # 0.5 + 0.3 >= 0.7
-                                            [True, True, True, False]]    # 0.8 < 0.85: one more
+    out = sampling.apply_top_k_top_p(
+        logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.7, 0.85])
+    )
+    assert torch.isfinite(out).tolist() == [
+        [True, True, False, False],  # top-k 2
+        [True, True, False, False],  # 0.5 + 0.3 >= 0.7
+        [True, True, True, False],
+    ]  # 0.8 < 0.85: one more
     assert out[torch.isfinite(out)].equal(logits[torch.isfinite(out)])  # kept logits are untouched
 
 
@@ -65,10 +70,14 @@ def test_greedy_takes_the_penalised_argmax_and_draws_nothing():
     g = torch.Generator().manual_seed(7)
     state = g.get_state()
     seen = torch.tensor([[True, False, False]])
-    tokens, logprobs = next_tokens(logits, rows(temperature=0.0, repetition_penalty=1.5), seen, g, "raw")
+    tokens, logprobs = next_tokens(
+        logits, rows(temperature=0.0, repetition_penalty=1.5), seen, g, "raw"
+    )
     assert tokens.tolist() == [1]  # 3.0 / 1.5 = 2.0 < 2.9
     assert torch.allclose(logprobs, logits.log_softmax(-1))  # raw: the model's own distribution
-    _, processed = next_tokens(logits, rows(temperature=0.0, repetition_penalty=1.5), seen, g, "processed")
+    _, processed = next_tokens(
+        logits, rows(temperature=0.0, repetition_penalty=1.5), seen, g, "processed"
+    )
     assert torch.allclose(processed, torch.tensor([[2.0, 2.9, -1.0]]).log_softmax(-1))
     assert g.get_state().equal(state)  # an all-greedy step leaves the sampling generator alone
 
@@ -88,14 +97,18 @@ def test_processed_logprobs_are_of_the_distribution_sampled_from():
 
 def test_draws_follow_the_processed_distribution():
     logits = torch.tensor([1.0, 0.0, -1.0, -9.0]).repeat(20000, 1)
-    tokens, _ = next_tokens(logits, rows(20000, temperature=2.0), None, torch.Generator().manual_seed(1), "raw")
+    tokens, _ = next_tokens(
+        logits, rows(20000, temperature=2.0), None, torch.Generator().manual_seed(1), "raw"
+    )
     freq = torch.bincount(tokens, minlength=4).float() / 20000
     assert torch.allclose(freq, (logits[0] / 2).softmax(-1), atol=0.015), freq
 
 
 def test_mixed_rows_greedy_and_sampled():
     logits = torch.tensor([[0.0, 5.0, 4.9]]).repeat(2, 1)
-    settings = RowSettings.of([SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)])
+    settings = RowSettings.of(
+        [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)]
+    )
     tokens, _ = next_tokens(logits, settings, None, torch.Generator().manual_seed(0), "processed")
     assert tokens.tolist() == [1, 1]
 
@@ -120,9 +133,17 @@ def test_sampling_params_take_sampling_kwargs_as_they_are():
     from chatgen.generation import config as gc
     from chatgen.generation.hf.config import HFConfig
 
-    cfg = load_model_config(None, HFConfig, {"load": "/m", "seq_length": 64, "max_new_tokens": 16, "n": 4, "top_k": -1})
+    cfg = load_model_config(
+        None, HFConfig, {"load": "/m", "seq_length": 64, "max_new_tokens": 16, "n": 4, "top_k": -1}
+    )
     params = SamplingParams(**gc.sampling_kwargs(cfg, 10, stop_strings=["\n"], stop_token_ids=[2]))
-    assert (params.n, params.top_k, params.max_tokens, params.stop, params.stop_token_ids) == (4, 0, 54, ("\n",), (2,))
+    assert (params.n, params.top_k, params.max_tokens, params.stop, params.stop_token_ids) == (
+        4,
+        0,
+        54,
+        ("\n",),
+        (2,),
+    )
 
 
 def test_stop_string_at_finds_the_earliest():
@@ -131,6 +152,7 @@ def test_stop_string_at_finds_the_earliest():
 
 
 # ---------------------------------------------------------------- the stop rule (HFGeneration._stop)
+
 
 @pytest.fixture
 def module():
@@ -142,19 +164,26 @@ def module():
     return m
 
 
-@pytest.mark.parametrize("tokens, params, expected", [
-    ([5, 2], {}, ("stop", None, None)),                                # EOS: no stop_reason
-    ([5, 2], {"ignore_eos": True}, None),
-    ([5, 2], {"ignore_eos": True, "max_tokens": 2}, ("length", None, None)),
-    ([5, 7], {}, ("stop", 7, None)),                                   # generation_config's EOS: a stop token
-    ([5, 7], {"ignore_eos": True}, None),
-    ([5, 9], {"stop_token_ids": (9,), "ignore_eos": True}, ("stop", 9, None)),
-    ([5, 9], {"stop_token_ids": (9,), "max_tokens": 2}, ("stop", 9, None)),   # a stop beats the limit, as in vLLM
-    ([97, 98, 99], {"stop": ("bc",)}, ("stop", "bc", "a")),           # text cut before the stop string
-    ([97, 98, 99], {"stop": ("bc",), "max_tokens": 3}, ("stop", "bc", "a")),
-    ([97, 98], {"stop": ("bc",)}, None),
-    ([97, 98], {"max_tokens": 2}, ("length", None, None)),
-])
+@pytest.mark.parametrize(
+    "tokens, params, expected",
+    [
+        ([5, 2], {}, ("stop", None, None)),  # EOS: no stop_reason
+        ([5, 2], {"ignore_eos": True}, None),
+        ([5, 2], {"ignore_eos": True, "max_tokens": 2}, ("length", None, None)),
+        ([5, 7], {}, ("stop", 7, None)),  # generation_config's EOS: a stop token
+        ([5, 7], {"ignore_eos": True}, None),
+        ([5, 9], {"stop_token_ids": (9,), "ignore_eos": True}, ("stop", 9, None)),
+        (
+            [5, 9],
+            {"stop_token_ids": (9,), "max_tokens": 2},
+            ("stop", 9, None),
+        ),  # a stop beats the limit, as in vLLM
+        ([97, 98, 99], {"stop": ("bc",)}, ("stop", "bc", "a")),  # text cut before the stop string
+        ([97, 98, 99], {"stop": ("bc",), "max_tokens": 3}, ("stop", "bc", "a")),
+        ([97, 98], {"stop": ("bc",)}, None),
+        ([97, 98], {"max_tokens": 2}, ("length", None, None)),
+    ],
+)
 def test_stop_rule_is_vllms(module, tokens, params, expected):
     assert module._stop(tokens, SamplingParams(**{"max_tokens": 16, **params})) == expected
 

@@ -1,5 +1,6 @@
 """MegatronConfig: every key is read by the trainer or rejected (tokenizer and save were documented but never
 read, so a YAML setting them now fails with the unknown-key error). pytest tests/unit/test_megatron_config.py"""
+
 import pytest
 
 from chatgen.config import ConfigError, load_model_config

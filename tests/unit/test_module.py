@@ -1,4 +1,5 @@
 """chatgen.module: the garbage-collection pause around model startup (`startup_gc`)."""
+
 import gc
 
 import pytest

@@ -3,6 +3,7 @@ the JSON channel protocol over a real 2-process gloo group, the shared-memory fi
 
     python -m pytest tests/unit/test_param_sync.py
 """
+
 import pytest
 import torch
 from helpers import make_spec
@@ -26,7 +27,9 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
         gathered = sum(numel(s) * tp * 4 for s in b.shard_shapes)
-        assert gathered <= bucket_bytes or len(b.params) == 1  # only a single oversize param may exceed
+        assert (
+            gathered <= bucket_bytes or len(b.params) == 1
+        )  # only a single oversize param may exceed
         assert all(sp.local_name.startswith(("decoder", "embedding", "output")) for sp in b.params)
     stages = [b.stage for b in plan]
     assert stages == sorted(stages) and set(stages) == set(range(pp))
@@ -36,7 +39,9 @@ def test_plan_keeps_a_layers_experts_in_one_bucket():
     """The experts of one layer travel together (one all-gather over EP): small buckets never split them, so the
     plan is the same whatever the trainer's EP."""
     spec = make_spec("qwen3_moe", layers=2)
-    plan = hf_export.plan_buckets(spec, 1, 1, spec.padded_vocab_size(1, 16), itemsize=4, bucket_bytes=1)
+    plan = hf_export.plan_buckets(
+        spec, 1, 1, spec.padded_vocab_size(1, 16), itemsize=4, bucket_bytes=1
+    )
     assert checks.plan_manifest([b.hf for b in plan]) == dict(models.hf_param_shapes(spec))
     expert_buckets = [b for b in plan if any(sp.expert is not None for sp in b.params)]
     assert len(expert_buckets) == 2  # one per layer, holding all 4 experts' gate_up and down
@@ -53,8 +58,9 @@ def test_plan_shard_shapes_match_the_conversion():
     hf = {n: torch.zeros(s) for n, s in models.hf_param_shapes(spec).items()}
     real = layout.hf_to_megatron(hf, spec, tp, 1, padded)[(0, 0)]
     (bucket,) = plan
-    assert {sp.local_name: s for sp, s in zip(bucket.params, bucket.shard_shapes)} == \
-        {k: tuple(v.shape) for k, v in real.items()}
+    assert {sp.local_name: s for sp, s in zip(bucket.params, bucket.shard_shapes)} == {
+        k: tuple(v.shape) for k, v in real.items()
+    }
 
 
 def test_manifest_check_names_each_parameter_and_both_shapes():
@@ -78,9 +84,17 @@ def test_stream_check_catches_reordering_and_value_changes():
     with pytest.raises(SyncError, match="out of step"):
         list(checks.checked(iter([[("y", torch.zeros(2)), ("x", torch.ones(2))]]), plan))
     with pytest.raises(SyncError, match="validation: x arrived different"):
-        list(checks.checked(iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]), plan, fingerprints=fps))
+        list(
+            checks.checked(
+                iter([[("x", torch.tensor([1.0, 1.5])), ("y", torch.zeros(2))]]),
+                plan,
+                fingerprints=fps,
+            )
+        )
     # a permutation keeps the plain sum but not the position-weighted one
-    assert checks.fingerprint(torch.tensor([1.0, 2.0])) != checks.fingerprint(torch.tensor([2.0, 1.0]))
+    assert checks.fingerprint(torch.tensor([1.0, 2.0])) != checks.fingerprint(
+        torch.tensor([2.0, 1.0])
+    )
 
 
 def test_plan_manifest_refuses_a_name_sent_twice():
@@ -94,8 +108,13 @@ def test_local_weights_bucket_by_size_name_nonfinite_tensors_and_unwrap_models()
     assert weights.plan == [[("a", (4,)), ("b", (4,))], [("c", (4,))]]
     assert [[n for n, _ in b] for b in weights.buckets()] == [["a", "b"], ["c"]]
     assert weights.nonfinite() == []
-    bad = LocalWeights([("a", torch.tensor([1.0, float("nan")])), ("b", torch.tensor([float("inf")])),
-                        ("c", torch.ones(1))])
+    bad = LocalWeights(
+        [
+            ("a", torch.tensor([1.0, float("nan")])),
+            ("b", torch.tensor([float("inf")])),
+            ("c", torch.ones(1)),
+        ]
+    )
     assert bad.nonfinite() == ["a", "b"]
     with pytest.raises(SyncError, match="mixes dtypes"):
         LocalWeights([("a", torch.ones(1)), ("b", torch.ones(1, dtype=torch.bfloat16))])
@@ -155,7 +174,9 @@ def test_check_sync_max_abs_diff_never_hides_nan():
     nan = float("nan")
     assert max_abs_diff([-1.0, nan], [-1.0, -2.0]) != max_abs_diff([-1.0, nan], [-1.0, -2.0])  # NaN
     assert not max_abs_diff([nan], [0.0]) <= 1e-4  # fails the threshold check
-    assert not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4  # a NaN from an earlier sample sticks
+    assert (
+        not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4
+    )  # a NaN from an earlier sample sticks
     assert not max_abs_diff([-1.0, -2.0], [-1.0]) <= 1e-4  # misaligned scores fail too
 
 
@@ -166,11 +187,17 @@ def test_shm_sender_refuses_a_file_it_cannot_create_before_writing(tmp_path):
 
     told = []
     with pytest.raises(SharedMemoryUnavailable, match="use weight_transport='group'"):
-        ShmSender(lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append).send([("w", torch.ones(4))])
-    assert told == [{"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}]
+        ShmSender(lambda held: str(tmp_path / "elsewhere" / "weights-1"), told.append).send(
+            [("w", torch.ones(4))]
+        )
+    assert told == [
+        {"error": f"the trainer could not create {tmp_path / 'elsewhere' / 'weights-1'}"}
+    ]
 
 
-def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_receiver_goes(tmp_path):
+def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_receiver_goes(
+    tmp_path,
+):
     """The file the trainer writes goes as soon as the engine maps it (or refuses it); the mapping is reused for a
     sync of the same size; the directory goes with the receiver. (The load itself, through ShmReceiver.receive_into,
     is tested against vLLM in tests/integration/test_vllm_generation_server.py.)"""
@@ -189,12 +216,16 @@ def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_rec
         if refuse:
             rx.drop()
             return refuse[0]
-        numel = sum(torch.Size(shape).numel() for bucket in body["header"]["buckets"] for _, shape in bucket)
+        numel = sum(
+            torch.Size(shape).numel() for bucket in body["header"]["buckets"] for _, shape in bucket
+        )
         seen.append(torch.frombuffer(rx._mapping(numel * 4), dtype=torch.float32).clone())
 
     tx = ShmSender(rx.name, finish)
     tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))])
-    assert seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []  # unlinked once mapped
+    assert (
+        seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []
+    )  # unlinked once mapped
     path = tx.path
     tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))])
     assert tx.path == path and seen[1].tolist() == [0] * 6 + [7, 7]  # the same mapping, rewritten
@@ -235,10 +266,18 @@ def test_stale_segments_of_dead_processes_go_and_live_ones_stay(tmp_path):
 
     from chatgen.param_sync import remove_stale_segments
 
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
-                          text=True, check=True).stdout.strip()  # a pid that has ended
-    names = [f"chatgen-weights-{dead}-abc", f"chatgen-refit-{dead}-def", f"chatgen-weights-{os.getpid()}-ghi",
-             f"other-{dead}-jkl"]
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()  # a pid that has ended
+    names = [
+        f"chatgen-weights-{dead}-abc",
+        f"chatgen-refit-{dead}-def",
+        f"chatgen-weights-{os.getpid()}-ghi",
+        f"other-{dead}-jkl",
+    ]
     for name in names:
         (tmp_path / name).mkdir()
         (tmp_path / name / "weights").write_bytes(b"x" * 16)
@@ -267,8 +306,17 @@ def test_every_transport_speaks_the_one_protocol():
     assert {c.__name__ for c in senders} >= {"LocalSender", "GroupSender", "ShmSender"}
     assert {c.__name__ for c in receivers} >= {"GroupReceiver", "ShmReceiver"}
     for cls in senders:
-        assert list(inspect.signature(cls.send).parameters)[:4] == ["self", "source", "validate", "bucket_bytes"]
+        assert list(inspect.signature(cls.send).parameters)[:4] == [
+            "self",
+            "source",
+            "validate",
+            "bucket_bytes",
+        ]
         assert callable(cls.close), cls
     for cls in receivers:
-        assert list(inspect.signature(cls.receive_into).parameters)[:3] == ["self", "target", "mode"], cls
+        assert list(inspect.signature(cls.receive_into).parameters)[:3] == [
+            "self",
+            "target",
+            "mode",
+        ], cls
         assert callable(cls.close), cls

@@ -4,6 +4,7 @@ The model-level equality (loss and gradients) is in tests/integration/test_megat
 
     python -m pytest tests/unit/test_prefix_packing.py
 """
+
 import torch
 
 from chatgen.core.rollout import RolloutBatch, Sample
@@ -13,8 +14,10 @@ from chatgen.training.prefix_packing import pack_shared_prefix
 def right_padded(rows: list, prompt_lens: list):
     """(input_ids, attention_mask, loss_mask) for token lists, each scored after its prompt: the batch GRPO
     trains on (RolloutBatch.from_samples)."""
-    samples = [Sample(prompt_ids=row[:p], response_ids=row[p:], response_logprobs=[0.0] * (len(row) - p))
-               for row, p in zip(rows, prompt_lens)]
+    samples = [
+        Sample(prompt_ids=row[:p], response_ids=row[p:], response_logprobs=[0.0] * (len(row) - p))
+        for row, p in zip(rows, prompt_lens)
+    ]
     data = RolloutBatch.from_samples(samples, pad_token_id=0).trainer_inputs()
     return data["input_ids"], data["attention_mask"], data["loss_mask"]
 
@@ -37,18 +40,30 @@ def check_equivalent(plan, ids, keep, loss_mask):
         assert int(plan.position_ids[row, at]) == entry
         assert int(plan.labels[row, k + 1]) == int(ids[r, entry + 1])
         covered.add((r, entry))
-    assert {(r, t) for r, t in (loss_mask > 0).nonzero().tolist()} <= covered  # every scored entry is computed
-    assert all(entry < int(keep[r].sum()) - 1 for r, entry in covered)  # and nothing past a row's last token
+    assert {
+        (r, t) for r, t in (loss_mask > 0).nonzero().tolist()
+    } <= covered  # every scored entry is computed
+    assert all(
+        entry < int(keep[r].sum()) - 1 for r, entry in covered
+    )  # and nothing past a row's last token
 
 
 def test_rows_sharing_a_prompt_pack_into_one_row_that_sees_what_each_row_saw():
     prompt_a, prompt_b = [5, 6, 7, 8], [9, 10, 11]
-    rows = [prompt_a + [20, 21, 22], prompt_a + [30], prompt_b + [40, 41], prompt_a + [50, 51], prompt_b + [60]]
+    rows = [
+        prompt_a + [20, 21, 22],
+        prompt_a + [30],
+        prompt_b + [40, 41],
+        prompt_a + [50, 51],
+        prompt_b + [60],
+    ]
     ids, keep, loss_mask = right_padded(rows, [4, 4, 3, 4, 3])
     plan = pack_shared_prefix(ids, keep, loss_mask)
     assert plan.input_ids.shape[0] == 2  # one packed row per prompt
     assert plan.input_ids[0, :4].tolist() == prompt_a and plan.input_ids[1, :3].tolist() == prompt_b
-    assert plan.tokens_before == sum(map(len, rows)) and plan.tokens_after == (4 + 3 + 1 + 2) + (3 + 2 + 1)
+    assert plan.tokens_before == sum(map(len, rows)) and plan.tokens_after == (4 + 3 + 1 + 2) + (
+        3 + 2 + 1
+    )
     check_equivalent(plan, ids, keep, loss_mask)
     # unpack puts each output where its row and entry are; 0 elsewhere
     outputs = torch.arange(plan.labels.shape[1] - 1, dtype=torch.float32).expand(2, -1) + 1

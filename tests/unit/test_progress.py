@@ -1,5 +1,6 @@
 """What a run shows while it runs and when it ends (chatgen.rlhf.metrics): one line per episode off a terminal, one
 live line on it, a summary table (pytest tests/unit/test_progress.py)."""
+
 import io
 import os
 
@@ -12,8 +13,14 @@ from chatgen.rlhf.metrics import MetricsLogger, PhaseTimer, summary
 def grpo_records(episodes: int, eval_every: int) -> list:
     records = [{"episode": 0, "eval/reward": 0.3, "eval/solved": 0.1, "time/eval": 0.4}]
     for k in range(1, episodes + 1):
-        r = {"episode": k, "reward/mean": 0.5 + k / 1000, "policy/loss": 0.01, "time/generate": 0.2,
-             "time/train": 0.3, "time/episode": 0.65}
+        r = {
+            "episode": k,
+            "reward/mean": 0.5 + k / 1000,
+            "policy/loss": 0.01,
+            "time/generate": 0.2,
+            "time/train": 0.3,
+            "time/episode": 0.65,
+        }
         if k % eval_every == 0:
             r.update({"eval/reward": 0.8 + k / 1000, "eval/solved": 0.5, "time/eval": 0.4})
         records.append(r)
@@ -21,15 +28,38 @@ def grpo_records(episodes: int, eval_every: int) -> list:
 
 
 def test_summary_shows_the_curve_time_per_phase_and_the_files():
-    text = summary(grpo_records(10, 5), ["generate", "reward", "train", "eval"],
-                   {"metrics": "out/metrics.jsonl", "checkpoints": "out/checkpoints/episode_000010"}, "[chatgen] done")
+    text = summary(
+        grpo_records(10, 5),
+        ["generate", "reward", "train", "eval"],
+        {"metrics": "out/metrics.jsonl", "checkpoints": "out/checkpoints/episode_000010"},
+        "[chatgen] done",
+    )
     lines = text.splitlines()
     assert lines[0] == "[chatgen] done"
-    assert lines[1].split() == ["episode", "time", "reward/mean", "eval/reward", "eval/solved"]  # loss: not headline
-    assert [line.split()[0] for line in lines[2:5]] == ["0", "5", "10"]  # every evaluation, episode 0 included
-    assert lines[2].split()[2] == "-" and lines[4].split()[1:4] == ["00:06", "0.510", "0.810"]  # 10 x 0.65 s
-    assert "generate 0.20 · train 0.30 · eval 0.40 (2x) · episode 0.65" in lines[5]  # reward never ran: left out
-    assert lines[6:] == ["  metrics      out/metrics.jsonl", "  checkpoints  out/checkpoints/episode_000010"]
+    assert lines[1].split() == [
+        "episode",
+        "time",
+        "reward/mean",
+        "eval/reward",
+        "eval/solved",
+    ]  # loss: not headline
+    assert [line.split()[0] for line in lines[2:5]] == [
+        "0",
+        "5",
+        "10",
+    ]  # every evaluation, episode 0 included
+    assert lines[2].split()[2] == "-" and lines[4].split()[1:4] == [
+        "00:06",
+        "0.510",
+        "0.810",
+    ]  # 10 x 0.65 s
+    assert (
+        "generate 0.20 · train 0.30 · eval 0.40 (2x) · episode 0.65" in lines[5]
+    )  # reward never ran: left out
+    assert lines[6:] == [
+        "  metrics      out/metrics.jsonl",
+        "  checkpoints  out/checkpoints/episode_000010",
+    ]
 
 
 def test_summary_of_a_long_run_keeps_max_rows_first_and_last_included():
@@ -57,7 +87,10 @@ def test_off_a_terminal_each_episode_is_one_short_line(tmp_path, capsys):
         pass
     out = capsys.readouterr().out.splitlines()
     assert out[0] == "episode 0/4 (before training): eval/reward 0.3 · eval/solved 0.1"
-    assert out[2] == "episode 2/4: reward/mean 0.502 · eval/reward 0.802 · eval/solved 0.5 · 0.65 s · ETA 00:01"
+    assert (
+        out[2]
+        == "episode 2/4: reward/mean 0.502 · eval/reward 0.802 · eval/solved 0.5 · 0.65 s · ETA 00:01"
+    )
     assert out[4].endswith("ETA 00:00") and len(out) == 5 and max(map(len, out)) < 100
 
 
@@ -69,7 +102,9 @@ class Terminal(io.StringIO):
         return 1
 
 
-def test_on_a_terminal_one_live_line_shows_the_phase_the_last_evaluation_and_the_episode_time(tmp_path, monkeypatch):
+def test_on_a_terminal_one_live_line_shows_the_phase_the_last_evaluation_and_the_episode_time(
+    tmp_path, monkeypatch
+):
     terminal = Terminal()
     monkeypatch.setattr("sys.stdout", terminal)
     monkeypatch.setattr(os, "get_terminal_size", lambda fd: os.terminal_size((100, 40)))
@@ -83,9 +118,13 @@ def test_on_a_terminal_one_live_line_shows_the_phase_the_last_evaluation_and_the
     logger.log(1, {k: v for k, v in records[1].items() if k != "episode"})
     with timer("train"):
         line = terminal.getvalue().split("\r")[-1]
-    assert line.startswith("episode |") and "1/4, train · eval/reward 0.300 · 0.65 s/episode [" in line
+    assert (
+        line.startswith("episode |") and "1/4, train · eval/reward 0.300 · 0.65 s/episode [" in line
+    )
     logger.close()
-    assert "\n" not in terminal.getvalue().rstrip("\n")  # one line, redrawn in place; no per-episode lines
+    assert "\n" not in terminal.getvalue().rstrip(
+        "\n"
+    )  # one line, redrawn in place; no per-episode lines
 
 
 @pytest.mark.parametrize("size", [os.terminal_size((0, 0)), OSError])

@@ -4,6 +4,7 @@ result's figure as written there, so two pages cannot give different figures for
 
     python -m pytest tests/unit/test_results_table.py
 """
+
 import json
 import re
 import sys
@@ -27,14 +28,17 @@ def test_measurements_page_is_the_rendered_json():
 
 def test_every_citation_quotes_its_figure():
     entries, cited = results(), set()
-    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")),
-             *sorted((REPO / "examples").glob("*.sh"))]
+    pages = [
+        REPO / "README.md",
+        *sorted((REPO / "docs").glob("*.md")),
+        *sorted((REPO / "examples").glob("*.sh")),
+    ]
     for page in pages:
         text = " ".join(page.read_text().split())  # line breaks as spaces: a figure may wrap
         for match in CITATION.finditer(text):
             name = match[1]
             assert name in entries, f"{page.name} cites {name!r}, not in benchmarks/results.json"
-            before = text[max(0, match.start() - 400):match.start()]
+            before = text[max(0, match.start() - 400) : match.start()]
             figure = entries[name]["figure"]
             assert figure in before, f"{page.name} cites {name!r} without its figure {figure!r}"
             cited.add(name)

@@ -3,6 +3,7 @@ a reward model, a remote reward, math-verify, and the one check of every reward 
 
     pytest tests/unit/test_rewards.py
 """
+
 import http.server
 import json
 import os
@@ -32,7 +33,9 @@ def project(tmp_path, reward_line: str, files: dict) -> Path:
     root = tmp_path / "proj"
     shutil.copytree(REPO / "configs" / "grpo_tiny", root / "configs" / "grpo_tiny")
     main = (REPO / "configs" / "grpo_tiny.yaml").read_text()
-    rule = "    model_class: chatgen.rlhf.rewards:RuleReward\n    config:\n      rule: sort_digits\n"
+    rule = (
+        "    model_class: chatgen.rlhf.rewards:RuleReward\n    config:\n      rule: sort_digits\n"
+    )
     main = main.replace(rule, reward_line)
     (root / "configs" / "grpo_tiny.yaml").write_text(main)
     for name, text in files.items():
@@ -45,8 +48,14 @@ REWARD_PY = "def brevity(completions, answer, **kwargs):\n    return [1.0 / (1 +
 
 
 @pytest.mark.parametrize("spec", ["mytask/reward.py:brevity", "mytask.reward:brevity"])
-def test_a_plain_function_in_the_project_runs_as_the_reward_from_any_directory(tmp_path, data, monkeypatch, spec):
-    main = project(tmp_path, f"    model_class: {spec}\n", {"mytask/__init__.py": "", "mytask/reward.py": REWARD_PY})
+def test_a_plain_function_in_the_project_runs_as_the_reward_from_any_directory(
+    tmp_path, data, monkeypatch, spec
+):
+    main = project(
+        tmp_path,
+        f"    model_class: {spec}\n",
+        {"mytask/__init__.py": "", "mytask/reward.py": REWARD_PY},
+    )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)  # not the project: found through the main YAML's project directory
@@ -55,50 +64,81 @@ def test_a_plain_function_in_the_project_runs_as_the_reward_from_any_directory(t
     entry = cfg.models["reward"]
     assert entry.model_class == "chatgen.rlhf.rewards:Rewards"
     assert entry.config.terms == {"brevity": {"function": spec}}
-    assert os.environ["CHATGEN_PROJECT_DIRS"].split(os.pathsep)[0] == str(tmp_path / "proj")  # for the actors
+    assert os.environ["CHATGEN_PROJECT_DIRS"].split(os.pathsep)[0] == str(
+        tmp_path / "proj"
+    )  # for the actors
     reward = Rewards(entry.config).start()
     out = reward.score({"texts": ["ab", "abcd"], "answer": ["1", "2"], "prompt": ["p", "q"]})
     assert torch.allclose(out["rewards"], torch.tensor([1 / 3, 1 / 5]))
     assert torch.equal(out["terms"]["brevity"], out["rewards"])
 
 
-def test_an_unimportable_reward_names_the_file_and_the_directories_searched_once(tmp_path, data, monkeypatch):
-    main = project(tmp_path, "    model_class: mytask/rewrd.py:brevity\n", {"mytask/reward.py": REWARD_PY})
+def test_an_unimportable_reward_names_the_file_and_the_directories_searched_once(
+    tmp_path, data, monkeypatch
+):
+    main = project(
+        tmp_path, "    model_class: mytask/rewrd.py:brevity\n", {"mytask/reward.py": REWARD_PY}
+    )
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:
         load_config(main, data)
     message = str(e.value)
-    assert "mytask/rewrd.py not found" in message and str(tmp_path / "proj") in message and str(tmp_path) in message
+    assert (
+        "mytask/rewrd.py not found" in message
+        and str(tmp_path / "proj") in message
+        and str(tmp_path) in message
+    )
     assert "colocation" not in message  # no second, misleading error about the entry that failed
 
 
 def test_chatgen_config_refuses_an_unimportable_reward_in_seconds(tmp_path, data):
     main = project(tmp_path, "    model_class: mytask.nothere:brevity\n", {})
-    proc = subprocess.run([sys.executable, "-m", "chatgen.cli", "config", str(main), *data], capture_output=True,
-                          text=True, timeout=120, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run(
+        [sys.executable, "-m", "chatgen.cli", "config", str(main), *data],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     assert proc.returncode == 2, proc.stdout + proc.stderr
-    assert "no module 'mytask.nothere'" in proc.stderr and "mytask/nothere.py" in proc.stderr, proc.stderr
+    assert "no module 'mytask.nothere'" in proc.stderr and "mytask/nothere.py" in proc.stderr, (
+        proc.stderr
+    )
     assert "Traceback" not in proc.stderr
-    assert "started" not in proc.stdout + proc.stderr  # no model, no engine: the config's own checks (timeout=120)
+    assert (
+        "started" not in proc.stdout + proc.stderr
+    )  # no model, no engine: the config's own checks (timeout=120)
 
 
-@pytest.mark.parametrize("code, expected", [
-    ("def brevity(texts):\n    return [0.0]\n", "takes `completions`"),
-    ("brevity = 3\n", "not a function"),
-    ("import not_a_package_anywhere\ndef brevity(completions, **kw):\n    return []\n",
-     "importing it failed: ModuleNotFoundError"),
-])
-def test_a_reward_that_cannot_be_one_is_refused_at_load(tmp_path, data, monkeypatch, code, expected):
-    main = project(tmp_path, "    model_class: mytask/reward.py:brevity\n", {"mytask/reward.py": code})
+@pytest.mark.parametrize(
+    "code, expected",
+    [
+        ("def brevity(texts):\n    return [0.0]\n", "takes `completions`"),
+        ("brevity = 3\n", "not a function"),
+        (
+            "import not_a_package_anywhere\ndef brevity(completions, **kw):\n    return []\n",
+            "importing it failed: ModuleNotFoundError",
+        ),
+    ],
+)
+def test_a_reward_that_cannot_be_one_is_refused_at_load(
+    tmp_path, data, monkeypatch, code, expected
+):
+    main = project(
+        tmp_path, "    model_class: mytask/reward.py:brevity\n", {"mytask/reward.py": code}
+    )
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=expected):
         load_config(main, data)
 
 
 def test_weighted_terms_unknown_names_and_bad_keys_are_config_errors(tmp_path, data, monkeypatch):
-    terms = ("    model_class: chatgen.rlhf.rewards:Rewards\n    config:\n      terms:\n"
-             "        acc: {function: math_verfy}\n        fmt: {function: math_format, wieght: 2}\n"
-             "        two: {function: math_format, url: 'http://127.0.0.1:9'}\n")
+    terms = (
+        "    model_class: chatgen.rlhf.rewards:Rewards\n    config:\n      terms:\n"
+        "        acc: {function: math_verfy}\n        fmt: {function: math_format, wieght: 2}\n"
+        "        two: {function: math_format, url: 'http://127.0.0.1:9'}\n"
+    )
     main = project(tmp_path, terms, {})
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError) as e:
@@ -110,35 +150,60 @@ def test_weighted_terms_unknown_names_and_bad_keys_are_config_errors(tmp_path, d
 
 
 def test_weighted_terms_sum_and_each_is_logged_as_its_own_metric(tmp_path):
-    config = {"terms": {"acc": {"function": "math_verify"}, "fmt": {"function": "math_format", "weight": 0.5},
-                        "digits": {"function": "sort_digits", "weight": 0.0}}}
+    config = {
+        "terms": {
+            "acc": {"function": "math_verify"},
+            "fmt": {"function": "math_format", "weight": 0.5},
+            "digits": {"function": "sort_digits", "weight": 0.0},
+        }
+    }
     reward = Rewards(config).start()
-    data = {"texts": ["so #### 57", "\\boxed{3}", "57"], "answer": ["#### 57", "#### 4", "#### 57"],
-            "prompt": ["a", "b", "c"]}
+    data = {
+        "texts": ["so #### 57", "\\boxed{3}", "57"],
+        "answer": ["#### 57", "#### 4", "#### 57"],
+        "prompt": ["a", "b", "c"],
+    }
     out = reward.score(data)
-    assert out["terms"]["acc"].tolist() == [1.0, 0.0, 1.0] and out["terms"]["fmt"].tolist() == [1.0, 1.0, 0.0]
+    assert out["terms"]["acc"].tolist() == [1.0, 0.0, 1.0] and out["terms"]["fmt"].tolist() == [
+        1.0,
+        1.0,
+        0.0,
+    ]
     assert out["rewards"].tolist() == [1.5, 0.5, 1.0]
     # the run logs each term's mean under reward/<name> at the next log, eval/reward/<name> for the held-out set
-    run = SimpleNamespace(cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="x:Rewards")}),
-                          runtime={"reward": SimpleNamespace(first=lambda method, d: reward.score(d))},
-                          pending_metrics={}, _evaluating=False)
-    batch = SimpleNamespace(metadata=[{"answer": a, "prompt": p} for a, p in zip(data["answer"], data["prompt"])],
-                            texts=data["texts"])
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="x:Rewards")}),
+        runtime={"reward": SimpleNamespace(first=lambda method, d: reward.score(d))},
+        pending_metrics={},
+        _evaluating=False,
+    )
+    batch = SimpleNamespace(
+        metadata=[{"answer": a, "prompt": p} for a, p in zip(data["answer"], data["prompt"])],
+        texts=data["texts"],
+    )
     rewards = Run.score(run, batch)
     assert rewards.tolist() == [1.5, 0.5, 1.0]
-    assert run.pending_metrics == {f"reward/{name}": pytest.approx(v.mean().item()) for name, v in out["terms"].items()}
-    assert run.pending_metrics["reward/acc"] == pytest.approx(2 / 3)  # unweighted: the term's own mean
+    assert run.pending_metrics == {
+        f"reward/{name}": pytest.approx(v.mean().item()) for name, v in out["terms"].items()
+    }
+    assert run.pending_metrics["reward/acc"] == pytest.approx(
+        2 / 3
+    )  # unweighted: the term's own mean
 
 
-@pytest.mark.parametrize("returned, expected", [
-    ("None", "returned NoneType None"),
-    ("'1.0'", "returned str '1.0'"),
-    ("[1.0]", "returned 1 values for 2 completions"),
-    ("[1.0, 'x']", "returned a list of float, str"),
-    ("[1.0, float('nan')]", "returned NaN/inf for samples [1]"),
-])
-def test_a_reward_of_the_wrong_type_is_refused_naming_it_and_what_it_returned(tmp_path, monkeypatch, returned,
-                                                                              expected):
+@pytest.mark.parametrize(
+    "returned, expected",
+    [
+        ("None", "returned NoneType None"),
+        ("'1.0'", "returned str '1.0'"),
+        ("[1.0]", "returned 1 values for 2 completions"),
+        ("[1.0, 'x']", "returned a list of float, str"),
+        ("[1.0, float('nan')]", "returned NaN/inf for samples [1]"),
+    ],
+)
+def test_a_reward_of_the_wrong_type_is_refused_naming_it_and_what_it_returned(
+    tmp_path, monkeypatch, returned, expected
+):
     (tmp_path / "bad.py").write_text(f"def bad(completions, **kwargs):\n    return {returned}\n")
     monkeypatch.chdir(tmp_path)
     reward = Rewards({"terms": {"mine": {"function": "bad.py:bad"}}}).start()
@@ -149,29 +214,43 @@ def test_a_reward_of_the_wrong_type_is_refused_naming_it_and_what_it_returned(tm
 
 
 def test_a_module_reward_of_the_wrong_type_is_refused_by_the_run():
-    run = SimpleNamespace(cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="my.mod:Judge")}),
-                          runtime={"reward": SimpleNamespace(first=lambda method, d: None)}, pending_metrics={},
-                          _evaluating=False)
+    run = SimpleNamespace(
+        cfg=SimpleNamespace(models={"reward": SimpleNamespace(model_class="my.mod:Judge")}),
+        runtime={"reward": SimpleNamespace(first=lambda method, d: None)},
+        pending_metrics={},
+        _evaluating=False,
+    )
     batch = SimpleNamespace(metadata=[{"prompt": "p"}], texts=["r"])
-    with pytest.raises(TypeError, match=r"models.reward \(my.mod:Judge\).score returned NoneType None"):
+    with pytest.raises(
+        TypeError, match=r"models.reward \(my.mod:Judge\).score returned NoneType None"
+    ):
         Run.score(run, batch)
 
 
-@pytest.mark.parametrize("completion, reference, right", [
-    ("3 + 4 = 7\n#### 7", "#### 7", 1.0),
-    ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
-    ("so \\boxed{\\frac{3}{4}}", "#### 0.75", 1.0),
-    ("#### 1,250", "#### 1250", 1.0),
-    ("#### 8", "#### 7", 0.0),
-    ("I do not know", "#### 7", 0.0),
-    ("She has 12 - 5 = 7 pencils left.", "#### 7", 1.0),  # no "####": the last number, as GSM8K graders read it
-    ("7 apples, then 2 more: 9", "#### 7", 0.0),
-])
+@pytest.mark.parametrize(
+    "completion, reference, right",
+    [
+        ("3 + 4 = 7\n#### 7", "#### 7", 1.0),
+        ("The answer is $\\frac{1}{2}$", "0.5", 1.0),
+        ("so \\boxed{\\frac{3}{4}}", "#### 0.75", 1.0),
+        ("#### 1,250", "#### 1250", 1.0),
+        ("#### 8", "#### 7", 0.0),
+        ("I do not know", "#### 7", 0.0),
+        (
+            "She has 12 - 5 = 7 pencils left.",
+            "#### 7",
+            1.0,
+        ),  # no "####": the last number, as GSM8K graders read it
+        ("7 apples, then 2 more: 9", "#### 7", 0.0),
+    ],
+)
 def test_math_verify_reads_latex_fractions_boxed_and_gsm8k_answers(completion, reference, right):
     from chatgen.tasks.math_words import math_format_reward, math_verify_reward
 
     assert math_verify_reward([completion], [reference]) == [right]
-    assert math_format_reward([completion]) == [float("####" in completion or "boxed" in completion)]
+    assert math_format_reward([completion]) == [
+        float("####" in completion or "boxed" in completion)
+    ]
 
 
 def test_the_math_word_problems_are_multi_step_with_checkable_answers():
@@ -181,7 +260,10 @@ def test_the_math_word_problems_are_multi_step_with_checkable_answers():
     assert len({r["prompt"] for r in problems}) > 150
     assert all(r["answer"].count("=") >= 2 and "\n#### " in r["answer"] for r in problems)
     final = [r["answer"].rpartition("#### ")[2] for r in problems]
-    assert math_verify_reward([f"#### {f}" for f in final], [r["answer"] for r in problems]) == [1.0] * 200
+    assert (
+        math_verify_reward([f"#### {f}" for f in final], [r["answer"] for r in problems])
+        == [1.0] * 200
+    )
     for r in problems:  # each worked step is true arithmetic
         for step in r["answer"].split("\n")[0].split(". "):
             lhs, _, rhs = step.rstrip(".").partition(" = ")
@@ -228,9 +310,14 @@ def scorer():
 
 def test_a_remote_reward_is_batched_and_gets_the_columns(scorer):
     reward = Rewards({"terms": {"remote": {"url": scorer, "batch_size": 2}}}).start()
-    out = reward.score({"texts": ["a", "bb", "ccc"], "answer": ["1", "2", "3"], "prompt": ["p", "q", "r"]})
+    out = reward.score(
+        {"texts": ["a", "bb", "ccc"], "answer": ["1", "2", "3"], "prompt": ["p", "q", "r"]}
+    )
     assert out["rewards"].tolist() == [1.0, 2.0, 3.0] and out["metrics"] == {"remote/errors": 0}
-    assert sorted(len(h["completions"]) for h in Scorer.hits) == [1, 2]  # two requests of at most batch_size
+    assert sorted(len(h["completions"]) for h in Scorer.hits) == [
+        1,
+        2,
+    ]  # two requests of at most batch_size
     assert {"answer", "prompts", "prompt"} <= set(Scorer.hits[0])
     reward.shutdown()
 
@@ -239,14 +326,21 @@ def test_a_remote_reward_is_batched_and_gets_the_columns(scorer):
 def test_a_failing_remote_reward_follows_its_policy_and_is_counted(scorer, mode):
     Scorer.mode = mode
     term = {"url": scorer, "retries": 1, "timeout": 0.5, "batch_size": 2}
-    zero = Rewards({"terms": {"remote": {**term, "on_error": "zero"}, "fmt": {"function": "math_format"}}}).start()
+    zero = Rewards(
+        {"terms": {"remote": {**term, "on_error": "zero"}, "fmt": {"function": "math_format"}}}
+    ).start()
     out = zero.score({"texts": ["#### 1", "b", "c"], "answer": ["1", "2", "3"]})
-    assert out["terms"]["remote"].tolist() == [0.0, 0.0, 0.0] and out["metrics"] == {"remote/errors": 3}
+    assert out["terms"]["remote"].tolist() == [0.0, 0.0, 0.0] and out["metrics"] == {
+        "remote/errors": 3
+    }
     assert out["rewards"].tolist() == [1.0, 0.0, 0.0]  # the other terms go on
     assert len(Scorer.hits) == 4  # 2 requests x (1 try + 1 retry)
     fail = Rewards({"terms": {"remote": {**term, "on_error": "fail"}}}).start()
-    with pytest.raises(ConnectionError, match=r"reward remote: http://127.0.0.1:\d+/score failed after 2 tries .*"
-                                              r"on_error: fail"):
+    with pytest.raises(
+        ConnectionError,
+        match=r"reward remote: http://127.0.0.1:\d+/score failed after 2 tries .*"
+        r"on_error: fail",
+    ):
         fail.score({"texts": ["a"], "answer": ["1"]})
     zero.shutdown()
     fail.shutdown()
@@ -258,10 +352,16 @@ def test_an_unreachable_reward_url_is_refused_before_anything_starts(tmp_path, d
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    main = project(tmp_path, "    model_class: chatgen.rlhf.rewards:Rewards\n    config:\n      terms:\n"
-                             f"        remote: {{url: 'http://127.0.0.1:{port}/score'}}\n", {})
+    main = project(
+        tmp_path,
+        "    model_class: chatgen.rlhf.rewards:Rewards\n    config:\n      terms:\n"
+        f"        remote: {{url: 'http://127.0.0.1:{port}/score'}}\n",
+        {},
+    )
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=rf"remote: url: http://127.0.0.1:{port}/score is unreachable"):
+    with pytest.raises(
+        ConfigError, match=rf"remote: url: http://127.0.0.1:{port}/score is unreachable"
+    ):
         load_config(main, data)
 
 
@@ -291,6 +391,9 @@ def test_a_reward_model_scores_a_batch_as_running_it_by_hand(reward_model_dir):
     model = LlamaForSequenceClassification.from_pretrained(reward_model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(reward_model_dir)
     with torch.no_grad():  # one sequence at a time, no padding: the score at its last token
-        by_hand = [model(**tokenizer(p + t, return_tensors="pt")).logits[0, 0].item() for p, t in zip(prompts, texts)]
+        by_hand = [
+            model(**tokenizer(p + t, return_tensors="pt")).logits[0, 0].item()
+            for p, t in zip(prompts, texts)
+        ]
     assert scores.tolist() == pytest.approx(by_hand, abs=1e-5)
     assert len(set(by_hand)) == 4  # distinct sequences, distinct scores: a mix-up would show

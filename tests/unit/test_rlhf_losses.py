@@ -1,4 +1,5 @@
 """Unit tests for chatgen.rlhf.losses: hand-checkable cases and properties (pytest tests/unit/test_rlhf_losses.py)."""
+
 import math
 import subprocess
 import sys
@@ -11,9 +12,11 @@ from chatgen.rlhf import losses as A
 
 
 def test_imports_no_heavy_dependencies():
-    code = ("import sys, chatgen.rlhf.losses; "
-            "bad = [m for m in ('ray', 'vllm', 'megatron') if m in sys.modules]; "
-            "assert not bad, bad")
+    code = (
+        "import sys, chatgen.rlhf.losses; "
+        "bad = [m for m in ('ray', 'vllm', 'megatron') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -31,7 +34,7 @@ def test_masked_whiten_zero_mean_unit_var():
     mask = (torch.rand(4, 6) > 0.3).float()
     w = A.masked_whiten(x, mask)
     assert A.masked_mean(w, mask).item() == pytest.approx(0.0, abs=1e-5)
-    assert A.masked_mean(w ** 2, mask).item() == pytest.approx(1.0, abs=1e-4)
+    assert A.masked_mean(w**2, mask).item() == pytest.approx(1.0, abs=1e-4)
 
 
 def test_group_advantages_by_hand():
@@ -137,7 +140,10 @@ def test_old_logprob_diff_max_ignores_masked_tokens():
 
 
 def test_reduce_metrics_takes_the_largest_max_and_the_mean_of_the_rest():
-    parts = [{"loss": 1.0, "old_logprob_diff_max": 0.5}, {"loss": 3.0, "old_logprob_diff_max": 0.25}]
+    parts = [
+        {"loss": 1.0, "old_logprob_diff_max": 0.5},
+        {"loss": 3.0, "old_logprob_diff_max": 0.25},
+    ]
     assert reduce_metrics(parts) == {"loss": 2.0, "old_logprob_diff_max": 0.5}
 
 
@@ -147,14 +153,18 @@ def test_policy_loss_gradient_pushes_toward_positive_advantage():
     adv = torch.tensor([[1.0, -1.0]])
     loss, _ = A.policy_loss(logp, old, adv, torch.ones(1, 2))
     loss.backward()
-    assert logp.grad[0, 0].item() < 0 < logp.grad[0, 1].item()  # descending raises token 0, lowers 1
+    assert (
+        logp.grad[0, 0].item() < 0 < logp.grad[0, 1].item()
+    )  # descending raises token 0, lowers 1
 
 
 def test_policy_loss_clipping_stops_gradient():
     old = torch.zeros(1, 2)
     # Ratio 1.5 with positive advantage: beyond 1 + eps, the clipped branch wins, no gradient.
     logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
-    loss, stats = A.policy_loss(logp, old, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), clip_eps=0.2)
+    loss, stats = A.policy_loss(
+        logp, old, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), clip_eps=0.2
+    )
     loss.backward()
     assert logp.grad[0, 0].item() == 0.0
     assert loss.item() == pytest.approx(-1.2)
@@ -213,12 +223,20 @@ def test_kl_shaped_rewards_puts_score_on_last_token():
 
 # ---- DPO
 
+
 def test_dpo_loss_hand_checked():
     chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
-    loss, stats = A.dpo_loss(chosen, rejected, beta=0.5)  # margins 0.5 * (1 - 0), 0.5 * (0 - 2) = 0.5, -1.0
-    assert loss.item() == pytest.approx((math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 2)
+    loss, stats = A.dpo_loss(
+        chosen, rejected, beta=0.5
+    )  # margins 0.5 * (1 - 0), 0.5 * (0 - 2) = 0.5, -1.0
+    assert loss.item() == pytest.approx(
+        (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 2
+    )
     assert stats["accuracy"].item() == 0.5 and stats["margin"].item() == pytest.approx(-0.25)
-    assert stats["chosen_reward"].item() == pytest.approx(0.25) and stats["rejected_reward"].item() == 0.5
+    assert (
+        stats["chosen_reward"].item() == pytest.approx(0.25)
+        and stats["rejected_reward"].item() == 0.5
+    )
     # equal log-ratios (the policy is the reference): loss log 2, and the tie counts half
     loss, stats = A.dpo_loss(torch.zeros(3), torch.zeros(3), beta=0.1)
     assert loss.item() == pytest.approx(math.log(2)) and stats["accuracy"].item() == 0.5
@@ -227,39 +245,59 @@ def test_dpo_loss_hand_checked():
 def test_dpo_loss_weights_drop_pairs_but_keep_the_mean_over_all():
     chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
     loss, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.tensor([1.0, 0.0]))
-    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.5)) / 2)  # mean over both pairs, one weighted 0
-    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(0.5)  # over the counted pair
+    assert loss.item() == pytest.approx(
+        math.log(1 + math.exp(-0.5)) / 2
+    )  # mean over both pairs, one weighted 0
+    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(
+        0.5
+    )  # over the counted pair
     _, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.zeros(2))
-    assert stats["accuracy"].item() == 0.0 and stats["margin"].item() == 0.0  # no counted pair: 0, not NaN
+    assert (
+        stats["accuracy"].item() == 0.0 and stats["margin"].item() == 0.0
+    )  # no counted pair: 0, not NaN
 
 
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
     chosen, rejected = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
     A.dpo_loss(chosen, rejected, beta=0.1)[0].backward()
     # d/dc -log sigmoid(beta (c - r)) = -beta sigmoid(-beta (c - r)) = -0.1 * 0.5 at c = r
-    assert chosen.grad.item() == pytest.approx(-0.05) and rejected.grad.item() == pytest.approx(0.05)
+    assert chosen.grad.item() == pytest.approx(-0.05) and rejected.grad.item() == pytest.approx(
+        0.05
+    )
 
 
 def test_pair_logratios_sum_response_tokens_of_row_pairs():
-    logprobs = torch.tensor([[-9.0, -1.0, -2.0], [-9.0, -3.0, 0.0], [-9.0, -0.5, -0.5], [-9.0, -4.0, -9.0]])
+    logprobs = torch.tensor(
+        [[-9.0, -1.0, -2.0], [-9.0, -3.0, 0.0], [-9.0, -0.5, -0.5], [-9.0, -4.0, -9.0]]
+    )
     ref = torch.full((4, 3), -1.0)
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     chosen, rejected = A.pair_logratios(logprobs, ref, mask)
-    assert chosen.tolist() == [-1.0, 1.0] and rejected.tolist() == [-2.0, -3.0]  # rows 0, 2 and rows 1, 3
+    assert chosen.tolist() == [-1.0, 1.0] and rejected.tolist() == [
+        -2.0,
+        -3.0,
+    ]  # rows 0, 2 and rows 1, 3
     with pytest.raises(ValueError, match="3 rows do not make"):
         A.pair_logratios(logprobs[:3], ref[:3], mask[:3])
 
 
 def test_dpo_loss_fn_pairs_rows_and_reads_pair_weights():
-    logprobs = torch.tensor([[-1.0, -2.0], [-3.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]], requires_grad=True)
-    mb = {"ref_logprobs": torch.full((4, 2), -1.5), "loss_mask": torch.ones(4, 2),
-          "pair_weights": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    logprobs = torch.tensor(
+        [[-1.0, -2.0], [-3.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]], requires_grad=True
+    )
+    mb = {
+        "ref_logprobs": torch.full((4, 2), -1.5),
+        "loss_mask": torch.ones(4, 2),
+        "pair_weights": torch.tensor([1.0, 1.0, 0.0, 0.0]),
+    }
     loss, stats = A.dpo_loss_fn(logprobs, mb, beta=1.0)
     # pair 0: chosen ratio -3 + 3 = 0, rejected -4 + 3 = -1: margin 1; pair 1 weighted 0
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1.0)) / 2)
     assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(1.0)
     loss.backward()
-    assert logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()  # the tied pair adds nothing
+    assert (
+        logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()
+    )  # the tied pair adds nothing
 
 
 def test_best_worst_pairs_with_ties():

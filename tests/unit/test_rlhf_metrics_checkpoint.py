@@ -1,4 +1,5 @@
 """Unit tests for chatgen.rlhf.metrics and chatgen.rlhf.checkpoint (pytest tests/unit/test_rlhf_metrics_checkpoint.py)."""
+
 import json
 import random
 import time
@@ -35,8 +36,12 @@ def test_metrics_logger_writes_jsonl_tensorboard_png(tmp_path, capsys):
     assert [r["episode"] for r in records] == [1, 2, 3]
     assert records[2]["reward/mean"] == pytest.approx(0.3)
     assert png == tmp_path / "metrics.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert any(f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir())
-    assert "episode 2/3: reward/mean 0.2" in capsys.readouterr().out  # not a TTY: one line per episode
+    assert any(
+        f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir()
+    )
+    assert (
+        "episode 2/3: reward/mean 0.2" in capsys.readouterr().out
+    )  # not a TTY: one line per episode
 
 
 def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
@@ -44,11 +49,14 @@ def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
     for ep in (1, 2, 3):
         logger.log(ep, {"reward/mean": ep})
     logger.close()
-    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)  # resume from 2
+    resumed = MetricsLogger(
+        tmp_path, ["train"], 5, start_episode=3, tensorboard=False
+    )  # resume from 2
     resumed.log(3, {"reward/mean": 30})
     resumed.close()
-    assert [(r["episode"], r["reward/mean"]) for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")] == \
-        [(1, 1), (2, 2), (3, 30)]
+    assert [
+        (r["episode"], r["reward/mean"]) for r in read_jsonl_metrics(tmp_path / "metrics.jsonl")
+    ] == [(1, 1), (2, 2), (3, 30)]
 
 
 @pytest.mark.faults
@@ -69,11 +77,16 @@ def test_a_torn_last_line_of_metrics_does_not_stop_a_resume(tmp_path, caplog):
     assert f"{jsonl}:3: not a whole metrics record" in caplog.text
     with open(jsonl, "ab") as f:
         f.write(b'{"episode": 4, "rew')  # killed mid-append
-    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)  # --resume from 2
+    resumed = MetricsLogger(
+        tmp_path, ["train"], 5, start_episode=3, tensorboard=False
+    )  # --resume from 2
     resumed.log(3, {"reward/mean": 30})
     resumed.close()
     assert jsonl.read_text().splitlines() == [
-        '{"episode": 1, "reward/mean": 1.0}', '{"episode": 2, "reward/mean": 2.0}', '{"episode": 3, "reward/mean": 30.0}']
+        '{"episode": 1, "reward/mean": 1.0}',
+        '{"episode": 2, "reward/mean": 2.0}',
+        '{"episode": 3, "reward/mean": 30.0}',
+    ]
 
 
 def test_plot_metrics_nothing_logged(tmp_path):
@@ -124,7 +137,9 @@ def test_prompt_sampler_resume_gives_same_batches():
     a = PromptSampler(10, 3, seed=5)
     batches = [a.next_batch() for _ in range(7)]
     assert all(len(b) == 3 for b in batches)
-    assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))  # no repeat within a pass
+    assert sorted(sum(batches[:3], [])) == sorted(
+        set(sum(batches[:3], []))
+    )  # no repeat within a pass
     b = PromptSampler(10, 3, seed=5)
     for _ in range(4):
         b.next_batch()
@@ -137,7 +152,6 @@ def test_prompt_sampler_resume_gives_same_batches():
         PromptSampler(2, 3, seed=0)
 
 
-
 def test_plot_has_only_panels_with_data_and_a_title(tmp_path, monkeypatch):
     """No reference model: no kl/reference panel; the title names the run (its directory) and the date."""
     import datetime
@@ -145,17 +159,25 @@ def test_plot_has_only_panels_with_data_and_a_title(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
     figures = []
-    monkeypatch.setattr(plt, "close", figures.append)  # plot_metrics closes the figure it saved: keep it
+    monkeypatch.setattr(
+        plt, "close", figures.append
+    )  # plot_metrics closes the figure it saved: keep it
     run = tmp_path / "my_run"
     run.mkdir()
-    (run / "metrics.jsonl").write_text("".join(json.dumps({"episode": e, "reward/mean": 0.1 * e}) + "\n"
-                                               for e in (1, 2)))
+    (run / "metrics.jsonl").write_text(
+        "".join(json.dumps({"episode": e, "reward/mean": 0.1 * e}) + "\n" for e in (1, 2))
+    )
     assert plot_metrics(run / "metrics.jsonl", run / "metrics.png") == run / "metrics.png"
     (fig,) = figures
     assert [ax.get_ylabel() for ax in fig.axes] == ["reward/mean"]
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    assert fig._suptitle.get_text().startswith(f"{tmp_path.name}/my_run · ") and today in fig._suptitle.get_text()
-    (run / "metrics.jsonl").write_text(json.dumps({"episode": 1, "reward/mean": 0.1, "kl/reference": 0.2}) + "\n")
+    assert (
+        fig._suptitle.get_text().startswith(f"{tmp_path.name}/my_run · ")
+        and today in fig._suptitle.get_text()
+    )
+    (run / "metrics.jsonl").write_text(
+        json.dumps({"episode": 1, "reward/mean": 0.1, "kl/reference": 0.2}) + "\n"
+    )
     plot_metrics(run / "metrics.jsonl", run / "metrics.png", title="t")
     assert [ax.get_ylabel() for ax in figures[1].axes] == ["reward/mean", "kl/reference"]
     assert figures[1]._suptitle.get_text() == "t"

@@ -3,6 +3,7 @@ actor-group planning, and the `chatgen train` failure path for a bad YAML (no Ra
 
     pytest tests/unit/test_rlhf_run.py
 """
+
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from chatgen.rlhf.config import check_run, load_config
 from chatgen.rlhf.metrics import sample_metrics
 from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
+
 
 def check(cfg):
     check_run(cfg, registry.load(cfg.runtime.algorithm.name))
@@ -36,18 +38,35 @@ def test_shipped_tiny_configs_pass(name, data):
 
 def test_routing_replay_needs_the_policy_to_record_the_experts(data):
     msg = errors_of(load("grpo_tiny_moe.yaml", *data, "policy.return_routed_experts=false"))
-    assert "models.policy_trainer.moe_routing_replay: true replays the experts the policy routed" in msg
+    assert (
+        "models.policy_trainer.moe_routing_replay: true replays the experts the policy routed"
+        in msg
+    )
     assert "set models.policy.return_routed_experts: true" in msg
-    check(load("grpo_tiny_moe.yaml", *data, "policy.return_routed_experts=false",
-               "policy_trainer.moe_routing_replay=false"))
+    check(
+        load(
+            "grpo_tiny_moe.yaml",
+            *data,
+            "policy.return_routed_experts=false",
+            "policy_trainer.moe_routing_replay=false",
+        )
+    )
 
 
 def test_check_config_collects_every_problem(data):
-    cfg = load("ppo_tiny.yaml", *data, "policy.temperature=0.7", "runtime.sample_per_episode=12",
-               "runtime.train_micro_batch_size=4", "runtime.train_global_batch_size=4",
-               "models.reference.trainable=true")
+    cfg = load(
+        "ppo_tiny.yaml",
+        *data,
+        "policy.temperature=0.7",
+        "runtime.sample_per_episode=12",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=4",
+        "models.reference.trainable=true",
+    )
     msg = errors_of(cfg)
-    assert "temperature" in msg and "sample_per_episode: 12 is not a multiple of policy n=2" not in msg
+    assert (
+        "temperature" in msg and "sample_per_episode: 12 is not a multiple of policy n=2" not in msg
+    )
     assert "models.reference.trainable: must be false" in msg
     msg = errors_of(load("grpo_tiny.yaml", *data, "policy.n=1", "runtime.algorithm.kl_coef=0.1"))
     assert "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2" in msg
@@ -65,8 +84,10 @@ models:
 """)
     with pytest.raises(ConfigError) as e:  # the loader already knows ppo's models
         load_config(main, data)
-    assert ("models.value: not a model of ppo; valid model names: policy, policy_trainer, reference, reward, "
-            "value_trainer") in str(e.value)
+    assert (
+        "models.value: not a model of ppo; valid model names: policy, policy_trainer, reference, reward, "
+        "value_trainer"
+    ) in str(e.value)
     main.write_text(main.read_text().replace("  value: ", "  # value: "))
     msg = errors_of(load_config(main, data))
     assert "models.value_trainer: ppo needs a `value_trainer` model" in msg
@@ -104,7 +125,9 @@ runtime: {{algorithm: {{name: my_algo, beta: 0.25}}}}
 models:
   policy_trainer: {{backend: megatron, trainable: true, model_config_file: {REPO}/configs/grpo_tiny/trainer.yaml}}
 """)
-    with pytest.raises(ConfigError, match="unknown algorithm 'my_algo'"):  # a bare name means a shipped one
+    with pytest.raises(
+        ConfigError, match="unknown algorithm 'my_algo'"
+    ):  # a bare name means a shipped one
         load_config(main, data)
     main.write_text(main.read_text().replace("name: my_algo", "name: my_algo.x"))
     with pytest.raises(ConfigError, match="unknown algorithm 'my_algo.x'"):
@@ -125,23 +148,41 @@ def test_check_config_data_paths(tmp_path):
 
 def test_train_cli_bad_yaml_fails_before_ray(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text((REPO / "configs/grpo_tiny.yaml").read_text().replace("num_episode:", "num_episodes:")
-                   .replace("model_config_file: grpo_tiny/", f"model_config_file: {REPO}/configs/grpo_tiny/"))
+    bad.write_text(
+        (REPO / "configs/grpo_tiny.yaml")
+        .read_text()
+        .replace("num_episode:", "num_episodes:")
+        .replace("model_config_file: grpo_tiny/", f"model_config_file: {REPO}/configs/grpo_tiny/")
+    )
     # A fresh interpreter: nothing heavy may have been imported, and Ray must not have started.
-    code = ("import sys; from chatgen.cli import main; rc = main(['train', sys.argv[1]]); "
-            "heavy = [m for m in ('ray', 'vllm', 'megatron.core') if m in sys.modules]; "
-            "import ray; print('RESULT', rc, ray.is_initialized(), heavy)")
-    out = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=120)
+    code = (
+        "import sys; from chatgen.cli import main; rc = main(['train', sys.argv[1]]); "
+        "heavy = [m for m in ('ray', 'vllm', 'megatron.core') if m in sys.modules]; "
+        "import ray; print('RESULT', rc, ray.is_initialized(), heavy)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=120
+    )
     assert "RESULT 2 False []" in out.stdout, out.stdout + out.stderr
     assert "runtime.num_episodes: unknown key; did you mean 'num_episode'?" in out.stderr
 
 
 def two_samples() -> RolloutBatch:
     # prompt [1, 5, 6] + response [7, 2]; prompt [1, 5] + response [8, 9, 2]; pad 0.
-    return RolloutBatch.from_samples([
-        Sample([1, 5, 6], [7, 2], [-0.5, -0.1], prompt_index=0, text="a"),
-        Sample([1, 5], [8, 9, 2], [-1.0, -2.0, -0.3], prompt_index=1, text="b", finish_reason="length"),
-    ], pad_token_id=0)
+    return RolloutBatch.from_samples(
+        [
+            Sample([1, 5, 6], [7, 2], [-0.5, -0.1], prompt_index=0, text="a"),
+            Sample(
+                [1, 5],
+                [8, 9, 2],
+                [-1.0, -2.0, -0.3],
+                prompt_index=1,
+                text="b",
+                finish_reason="length",
+            ),
+        ],
+        pad_token_id=0,
+    )
 
 
 def test_rollout_batch_aligns_masks_with_trainer_positions():
@@ -153,15 +194,33 @@ def test_rollout_batch_aligns_masks_with_trainer_positions():
     assert batch.infer_logprobs[0, 2:4].tolist() == pytest.approx([-0.5, -0.1])
     assert batch.infer_logprobs[1].tolist() == pytest.approx([0.0, -1.0, -2.0, -0.3])
     sub = batch.select([1])
-    assert sub.input_ids.tolist() == [[1, 5, 8, 9, 2]] and sub.texts == ["b"] and sub.finish_reasons == ["length"]
+    assert (
+        sub.input_ids.tolist() == [[1, 5, 8, 9, 2]]
+        and sub.texts == ["b"]
+        and sub.finish_reasons == ["length"]
+    )
     data = select(batch.trainer_inputs(), torch.tensor([0]))
-    assert set(data) == {"input_ids", "attention_mask", "loss_mask"} and data["loss_mask"].shape == (1, 4)
+    assert set(data) == {"input_ids", "attention_mask", "loss_mask"} and data[
+        "loss_mask"
+    ].shape == (1, 4)
 
 
 def test_rollout_batch_keeps_masked_turns_and_refuses_misaligned_logprobs():
-    masked = RolloutBatch.from_samples([Sample([1], [4, 5, 6], [-1.0, -2.0, -3.0], response_mask=[1, 0, 1],
-                                               weight_versions=[0, 0, 1])], pad_token_id=0)
-    assert masked.loss_mask.tolist() == [[1, 0, 1]] and masked.weight_versions.tolist() == [[0, 0, 1]]
+    masked = RolloutBatch.from_samples(
+        [
+            Sample(
+                [1],
+                [4, 5, 6],
+                [-1.0, -2.0, -3.0],
+                response_mask=[1, 0, 1],
+                weight_versions=[0, 0, 1],
+            )
+        ],
+        pad_token_id=0,
+    )
+    assert masked.loss_mask.tolist() == [[1, 0, 1]] and masked.weight_versions.tolist() == [
+        [0, 0, 1]
+    ]
     with pytest.raises(ValueError, match="sample 0: 2 response tokens but 1 log-probs"):
         RolloutBatch.from_samples([Sample([1], [4, 5], [-1.0])], pad_token_id=0)
 
@@ -169,15 +228,25 @@ def test_rollout_batch_keeps_masked_turns_and_refuses_misaligned_logprobs():
 def test_rollout_batch_aligns_routed_experts_with_input_tokens():
     """routed_experts (S, L, layers, k) is per input token (not per predicted one); -1 where the engine routed
     nothing: the last token, padding, and every token of a sample that came without routing."""
-    routed = [[[0, 1]], [[2, 3]], [[1, 2]]]  # 3 positions read (prompt 2 + response 2 - 1), 1 layer, top 2
-    batch = RolloutBatch.from_samples([Sample([1, 5], [6, 7], [-0.5, -0.1], routed_experts=routed),
-                                       Sample([1], [8], [-1.0])], pad_token_id=0)
+    routed = [
+        [[0, 1]],
+        [[2, 3]],
+        [[1, 2]],
+    ]  # 3 positions read (prompt 2 + response 2 - 1), 1 layer, top 2
+    batch = RolloutBatch.from_samples(
+        [Sample([1, 5], [6, 7], [-0.5, -0.1], routed_experts=routed), Sample([1], [8], [-1.0])],
+        pad_token_id=0,
+    )
     assert batch.routed_experts.shape == (2, 4, 1, 2) and batch.routed_experts.dtype == torch.long
-    assert batch.routed_experts[0, :3].tolist() == routed and batch.routed_experts[0, 3].tolist() == [[-1, -1]]
+    assert batch.routed_experts[0, :3].tolist() == routed and batch.routed_experts[
+        0, 3
+    ].tolist() == [[-1, -1]]
     assert (batch.routed_experts[1] == -1).all()
     assert torch.equal(batch.trainer_inputs()["routed_experts"], batch.routed_experts)
-    assert torch.equal(select(batch.trainer_inputs(), torch.tensor([1, 0]))["routed_experts"],
-                       batch.routed_experts[[1, 0]])
+    assert torch.equal(
+        select(batch.trainer_inputs(), torch.tensor([1, 0]))["routed_experts"],
+        batch.routed_experts[[1, 0]],
+    )
     assert batch.select([0]).routed_experts.shape == (1, 4, 1, 2)
     assert two_samples().routed_experts is None  # a dense model's batch has no such field
 
@@ -191,12 +260,16 @@ def test_routing_replay_takes_the_recorded_experts_and_routes_the_rest():
         return torch.topk(s, k, dim=1)
 
     replay = RoutingReplay()
-    probs, experts = replay.get_replay_topk(scores, 2, None, None, own)  # nothing set: the router's own top 2
+    probs, experts = replay.get_replay_topk(
+        scores, 2, None, None, own
+    )  # nothing set: the router's own top 2
     assert experts.tolist() == [[1, 2], [3, 0], [2, 0]]
     replay.target = torch.tensor([[0, 3], [-1, -1], [1, 3]])
     probs, experts = replay.get_replay_topk(scores, 2, None, None, own)
     assert experts.tolist() == [[0, 3], [3, 0], [1, 3]]  # row 1 recorded nothing: its own choice
-    assert torch.equal(probs, torch.tensor([[0.1, 0.2], [0.9, 0.4], [0.2, 0.1]]))  # its scores at those experts
+    assert torch.equal(
+        probs, torch.tensor([[0.1, 0.2], [0.9, 0.4], [0.2, 0.1]])
+    )  # its scores at those experts
 
 
 def test_sample_metrics_mismatch_only_on_response_tokens():
@@ -208,7 +281,9 @@ def test_sample_metrics_mismatch_only_on_response_tokens():
     assert m["mismatch/logprob_max_abs"] == pytest.approx(0.25)
     assert m["mismatch/logprob_mean_abs"] == pytest.approx(0.25 / 5)
     assert m["reward/mean"] == 0.75 and m["reward/solved"] == 0.5 and m["response/length"] == 2.5
-    assert "reward/solved" not in sample_metrics(torch.tensor([1.0, 0.5]), batch, old, solved_reward=None)
+    assert "reward/solved" not in sample_metrics(
+        torch.tensor([1.0, 0.5]), batch, old, solved_reward=None
+    )
 
 
 def test_plan_groups(data):
@@ -216,11 +291,22 @@ def test_plan_groups(data):
     assert grpo == [GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})]
     ppo = plan_groups(load("ppo_tiny.yaml", *data))
     assert [(plan.names, plan.world) for plan in ppo] == [
-        (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 1)]
+        (["policy", "reward"], 1),
+        (["policy_trainer", "reference", "value_trainer"], 1),
+    ]
     # on CPU a mixture-of-experts trainer at EP 2 needs 2 ranks (its experts split over 2 data-parallel ranks)
-    moe = plan_groups(load("grpo_tiny_moe.yaml", *data, "runtime.colocation=[[policy, reward]]",
-                           "policy_trainer.expert_model_parallel_size=2"))
-    assert [(plan.names, plan.world) for plan in moe] == [(["policy", "reward"], 1), (["policy_trainer"], 2)]
+    moe = plan_groups(
+        load(
+            "grpo_tiny_moe.yaml",
+            *data,
+            "runtime.colocation=[[policy, reward]]",
+            "policy_trainer.expert_model_parallel_size=2",
+        )
+    )
+    assert [(plan.names, plan.world) for plan in moe] == [
+        (["policy", "reward"], 1),
+        (["policy_trainer"], 2),
+    ]
 
 
 def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data):
@@ -235,7 +321,9 @@ def test_launcher_runs_one_single_rank_group_in_process_and_the_rest_on_ray(data
     forced = load("grpo_tiny.yaml", *data, "runtime.launcher=ray")
     assert launcher(forced, plan_groups(forced)) == "ray"
     impossible = load("ppo_tiny.yaml", *data, "runtime.launcher=local")
-    with pytest.raises(ValueError, match="runtime.launcher: local needs every model in one colocation group"):
+    with pytest.raises(
+        ValueError, match="runtime.launcher: local needs every model in one colocation group"
+    ):
         launcher(impossible, plan_groups(impossible))
 
 
@@ -250,39 +338,74 @@ def test_data_parallel_size_multiplies_the_ranks_of_a_megatron_model_on_cpu(data
     dp2 = [f"{m}.data_parallel_size=2" for m in ("policy_trainer", "reference", "value_trainer")]
     ppo = plan_groups(load("ppo_tiny.yaml", *data, *dp2))
     assert [(plan.names, plan.world) for plan in ppo] == [
-        (["policy", "reward"], 1), (["policy_trainer", "reference", "value_trainer"], 2)]
+        (["policy", "reward"], 1),
+        (["policy_trainer", "reference", "value_trainer"], 2),
+    ]
     with pytest.raises(ValueError, match="need different numbers of ranks.*TP x PP x DP"):
         plan_groups(load("ppo_tiny.yaml", *data, dp2[0]))
     # the tiny GRPO run keeps its one rank: DP is not derived from num_cpu
-    assert plan_groups(load("grpo_tiny.yaml", *data)) == [GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})]
+    assert plan_groups(load("grpo_tiny.yaml", *data)) == [
+        GroupPlan(["policy", "policy_trainer", "reward"], 1, 0, 2.0, {})
+    ]
     check(load("ppo_tiny.yaml", *data, *dp2, "runtime.train_micro_batch_size=64"))
     # on GPUs num_gpu gives the world: an explicit DP must agree with it
     gpus = [f"models.{m}.num_gpu=2" for m in ("policy_trainer", "reference", "value_trainer")]
-    msg = errors_of(load("ppo_tiny.yaml", *data, *gpus, "runtime.train_micro_batch_size=64",
-                         "policy_trainer.data_parallel_size=4"))
-    assert ("models.policy_trainer.data_parallel_size: 4 needs TP 1 x PP 1 x DP 4 = 4 GPUs, num_gpu is 2; make them "
-            "agree") in msg
+    msg = errors_of(
+        load(
+            "ppo_tiny.yaml",
+            *data,
+            *gpus,
+            "runtime.train_micro_batch_size=64",
+            "policy_trainer.data_parallel_size=4",
+        )
+    )
+    assert (
+        "models.policy_trainer.data_parallel_size: 4 needs TP 1 x PP 1 x DP 4 = 4 GPUs, num_gpu is 2; make them "
+        "agree"
+    ) in msg
 
 
 def test_batch_sizes_must_split_over_data_parallel_ranks(data):
     # 2 GPUs with TP=PP=1: DP=2, so a global batch of 128 is 64 per rank, less than the micro batch of 128
-    dp2 = [*data, "models.policy_trainer.num_gpu=2", "models.reference.num_gpu=2", "models.value_trainer.num_gpu=2"]
+    dp2 = [
+        *data,
+        "models.policy_trainer.num_gpu=2",
+        "models.reference.num_gpu=2",
+        "models.value_trainer.num_gpu=2",
+    ]
     msg = errors_of(load("ppo_tiny.yaml", *dp2))
-    assert ("runtime.train_global_batch_size: 128 does not split into whole micro-batches on every data-parallel "
-            "rank (models.policy_trainer has DP = 2 ranks / (TP 1 x PP 1) = 2 and micro batch 128); make it a "
-            "multiple of 256") in msg
+    assert (
+        "runtime.train_global_batch_size: 128 does not split into whole micro-batches on every data-parallel "
+        "rank (models.policy_trainer has DP = 2 ranks / (TP 1 x PP 1) = 2 and micro batch 128); make it a "
+        "multiple of 256"
+    ) in msg
     check(load("ppo_tiny.yaml", *dp2, "runtime.train_micro_batch_size=64"))
     # a frozen model only runs forward passes: the episode's samples must split
-    msg = errors_of(load("ppo_tiny.yaml", *dp2, "runtime.train_micro_batch_size=64", "reference.micro_batch_size=48"))
+    msg = errors_of(
+        load(
+            "ppo_tiny.yaml",
+            *dp2,
+            "runtime.train_micro_batch_size=64",
+            "reference.micro_batch_size=48",
+        )
+    )
     assert "runtime.sample_per_episode: 256 does not split into whole micro-batches" in msg
     assert "models.reference has DP = 2" in msg and "make it a multiple of 96" in msg
 
 
 def test_an_episode_is_whole_optimizer_steps(data):
-    msg = errors_of(load("grpo_tiny.yaml", *data, "runtime.train_micro_batch_size=32",
-                         "runtime.train_global_batch_size=96"))
-    assert ("runtime.sample_per_episode: 256 is not a multiple of runtime.train_global_batch_size=96; make it one so "
-            "every episode is whole optimizer steps") in msg
+    msg = errors_of(
+        load(
+            "grpo_tiny.yaml",
+            *data,
+            "runtime.train_micro_batch_size=32",
+            "runtime.train_global_batch_size=96",
+        )
+    )
+    assert (
+        "runtime.sample_per_episode: 256 is not a multiple of runtime.train_global_batch_size=96; make it one so "
+        "every episode is whole optimizer steps"
+    ) in msg
 
 
 def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_before_it_wakes():
@@ -296,7 +419,12 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
 
     class Handle:
         def __init__(self, name, backend, group, num_gpu=1):
-            self.name, self.backend, self.group, self.entry = name, backend, group, SimpleNamespace(num_gpu=num_gpu)
+            self.name, self.backend, self.group, self.entry = (
+                name,
+                backend,
+                group,
+                SimpleNamespace(num_gpu=num_gpu),
+            )
 
         def call(self, method, *args):
             calls.append((self.name, method, *args))
@@ -314,21 +442,40 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
             return []
 
     shared, apart = Group(), Group()
-    handles = {"policy": Handle("policy", "vllm", shared), "policy_trainer": Handle("policy_trainer", "megatron", shared),
-               "reference": Handle("reference", "megatron", shared), "reward": Handle("reward", "python", shared),
-               "critic": Handle("critic", "megatron", apart)}
-    runtime = type("Runtime", (), {"handles": handles, "__getitem__": lambda self, name: handles[name]})()
+    handles = {
+        "policy": Handle("policy", "vllm", shared),
+        "policy_trainer": Handle("policy_trainer", "megatron", shared),
+        "reference": Handle("reference", "megatron", shared),
+        "reward": Handle("reward", "python", shared),
+        "critic": Handle("critic", "megatron", apart),
+    }
+    runtime = type(
+        "Runtime", (), {"handles": handles, "__getitem__": lambda self, name: handles[name]}
+    )()
     links = WeightLinks(runtime, {"policy_trainer": "policy"})
-    assert links.sleeps and links.offloading == ["policy_trainer", "reference"]  # not the critic elsewhere
+    assert links.sleeps and links.offloading == [
+        "policy_trainer",
+        "reference",
+    ]  # not the critic elsewhere
     links.asleep = True
     links.sync()
-    assert calls == [("policy_trainer", "offload", False), ("reference", "offload", False),
-                     ("policy", "wake_up", ["weights"]), ("sync",), ("policy_trainer", "offload", True),
-                     ("reference", "offload", True), ("policy", "wake_up", ["kv_cache"])]
+    assert calls == [
+        ("policy_trainer", "offload", False),
+        ("reference", "offload", False),
+        ("policy", "wake_up", ["weights"]),
+        ("sync",),
+        ("policy_trainer", "offload", True),
+        ("reference", "offload", True),
+        ("policy", "wake_up", ["kv_cache"]),
+    ]
     calls.clear()
     links.asleep = True  # the engine generated and slept again; the next generation wakes it
     links.wake()
-    assert calls == [("policy_trainer", "offload", True), ("reference", "offload", True), ("policy", "wake_up")]
+    assert calls == [
+        ("policy_trainer", "offload", True),
+        ("reference", "offload", True),
+        ("policy", "wake_up"),
+    ]
     handles["policy"].entry.num_gpu = 0  # on CPU the engine never sleeps and nothing is offloaded
     links = WeightLinks(runtime, {"policy_trainer": "policy"})
     assert not links.sleeps and links.offloading == []

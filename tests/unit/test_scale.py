@@ -4,6 +4,7 @@ broadcast to several engines over a real gloo group (engines that record what th
 
     pytest tests/unit/test_scale.py
 """
+
 import json
 import threading
 from pathlib import Path
@@ -26,7 +27,9 @@ from chatgen.rlhf.placement import placement_problems, plan_groups, ranks_by_nod
 def model_dir(path: Path, heads: int, kv_heads: int) -> Path:
     """A directory with only a config.json: what the layout checks read of a model."""
     path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv_heads}))
+    (path / "config.json").write_text(
+        json.dumps({"num_attention_heads": heads, "num_key_value_heads": kv_heads})
+    )
     return path
 
 
@@ -35,92 +38,204 @@ def model_dir(path: Path, heads: int, kv_heads: int) -> Path:
 
 def test_replicas_tile_a_colocated_trainer_whatever_its_tp(data):
     tp2 = [*data, "policy_trainer.tensor_model_parallel_size=2"]
-    assert [(p.names, p.world) for p in plan_groups(load("grpo_tiny.yaml", *tp2, "models.policy.num_replicas=2"))] \
-        == [(["policy", "policy_trainer", "reward"], 2)]
-    assert plan_groups(load("grpo_tiny.yaml", *tp2, "policy.tensor_parallel_size=2"))[0].world == 2  # one TP 2 engine
-    with pytest.raises(ConfigError, match=r"models.policy: num_replicas 2 x tensor_parallel_size 2 = 4 engine rank\(s\), "
-                                          r"but it is colocated with 2 trainer ranks .* set num_replicas: 1"):
-        plan_groups(load("grpo_tiny.yaml", *tp2, "models.policy.num_replicas=2", "policy.tensor_parallel_size=2"))
+    assert [
+        (p.names, p.world)
+        for p in plan_groups(load("grpo_tiny.yaml", *tp2, "models.policy.num_replicas=2"))
+    ] == [(["policy", "policy_trainer", "reward"], 2)]
+    assert (
+        plan_groups(load("grpo_tiny.yaml", *tp2, "policy.tensor_parallel_size=2"))[0].world == 2
+    )  # one TP 2 engine
+    with pytest.raises(
+        ConfigError,
+        match=r"models.policy: num_replicas 2 x tensor_parallel_size 2 = 4 engine rank\(s\), "
+        r"but it is colocated with 2 trainer ranks .* set num_replicas: 1",
+    ):
+        plan_groups(
+            load(
+                "grpo_tiny.yaml",
+                *tp2,
+                "models.policy.num_replicas=2",
+                "policy.tensor_parallel_size=2",
+            )
+        )
 
 
 def test_disaggregated_replicas_are_a_group_of_their_own(data):
-    cfg = load("grpo_tiny.yaml", *data, "runtime.colocation=[[policy, reward]]", "models.policy.num_replicas=3",
-               "policy.tensor_parallel_size=2", "models.policy.num_cpu=6", "models.policy_trainer.num_cpu=1")
+    cfg = load(
+        "grpo_tiny.yaml",
+        *data,
+        "runtime.colocation=[[policy, reward]]",
+        "models.policy.num_replicas=3",
+        "policy.tensor_parallel_size=2",
+        "models.policy.num_cpu=6",
+        "models.policy_trainer.num_cpu=1",
+    )
     policy, trainer = plan_groups(cfg)
-    assert (policy.names, policy.world, policy.cpus) == (["policy", "reward"], 6, 1.0)  # 3 replicas x TP 2
+    assert (policy.names, policy.world, policy.cpus) == (
+        ["policy", "reward"],
+        6,
+        1.0,
+    )  # 3 replicas x TP 2
     assert (trainer.names, trainer.world) == (["policy_trainer"], 1)
 
 
 def test_impossible_layouts_are_named_with_their_key_and_fix(data, tmp_path):
     qwen7b = model_dir(tmp_path / "qwen7b", heads=28, kv_heads=4)  # Qwen2.5-7B's heads: no TP 8
-    cfg = load("grpo_tiny.yaml", *data, f"policy.load={qwen7b}", f"policy_trainer.load={qwen7b}",
-               "policy.tensor_parallel_size=8", "models.policy.num_gpu=4", "policy_trainer.tensor_model_parallel_size=8",
-               "runtime.colocation=[[policy, reward]]")
+    cfg = load(
+        "grpo_tiny.yaml",
+        *data,
+        f"policy.load={qwen7b}",
+        f"policy_trainer.load={qwen7b}",
+        "policy.tensor_parallel_size=8",
+        "models.policy.num_gpu=4",
+        "policy_trainer.tensor_model_parallel_size=8",
+        "runtime.colocation=[[policy, reward]]",
+    )
     problems = "\n".join(topology_problems(cfg))
-    assert ("models.policy.tensor_parallel_size: 8 does not split the model's 28 attention heads (4 KV heads; "
-            f"{qwen7b}/config.json); use one of [1, 2, 4, 28] and more num_replicas for the same devices") in problems
-    assert "models.policy_trainer.tensor_model_parallel_size: 8 does not split the model's 28 attention heads" in problems
+    assert (
+        "models.policy.tensor_parallel_size: 8 does not split the model's 28 attention heads (4 KV heads; "
+        f"{qwen7b}/config.json); use one of [1, 2, 4, 28] and more num_replicas for the same devices"
+    ) in problems
+    assert (
+        "models.policy_trainer.tensor_model_parallel_size: 8 does not split the model's 28 attention heads"
+        in problems
+    )
     assert "models.policy.num_gpu: 4 GPUs is not a multiple of tensor_parallel_size 8" in problems
-    cfg = load("grpo_tiny.yaml", *data, "models.policy.num_gpu=8", "models.policy.num_replicas=2",
-               "policy.tensor_parallel_size=2", "runtime.colocation=[[policy, reward]]")
-    assert topology_problems(cfg) == ["models.policy.num_gpu: 8 GPUs, but num_replicas 2 x tensor_parallel_size 2 = 4 "
-                                      "engine ranks of one GPU each; set num_gpu: 4, or num_replicas: 4 to use 8 GPUs"]
-    with pytest.raises(ConfigError, match="num_replicas: 4 to use 8 GPUs"):  # what chatgen config and train check
+    cfg = load(
+        "grpo_tiny.yaml",
+        *data,
+        "models.policy.num_gpu=8",
+        "models.policy.num_replicas=2",
+        "policy.tensor_parallel_size=2",
+        "runtime.colocation=[[policy, reward]]",
+    )
+    assert topology_problems(cfg) == [
+        "models.policy.num_gpu: 8 GPUs, but num_replicas 2 x tensor_parallel_size 2 = 4 "
+        "engine ranks of one GPU each; set num_gpu: 4, or num_replicas: 4 to use 8 GPUs"
+    ]
+    with pytest.raises(
+        ConfigError, match="num_replicas: 4 to use 8 GPUs"
+    ):  # what chatgen config and train check
         check_run(cfg, registry.load("grpo"))
-    with pytest.raises(ConfigError, match="models.reward.num_replicas: 2 replicas of a python model"):
+    with pytest.raises(
+        ConfigError, match="models.reward.num_replicas: 2 replicas of a python model"
+    ):
         load("grpo_tiny.yaml", *data, "models.reward.num_replicas=2")
 
 
 def test_placement_on_a_cluster_s_nodes(data):
-    cfg = load("grpo_tiny.yaml", *data, "runtime.colocation=[[policy, reward]]", "models.policy.num_replicas=2",
-               "models.policy.num_cpu=1", "models.policy_trainer.num_cpu=1")
+    cfg = load(
+        "grpo_tiny.yaml",
+        *data,
+        "runtime.colocation=[[policy, reward]]",
+        "models.policy.num_replicas=2",
+        "models.policy.num_cpu=1",
+        "models.policy_trainer.num_cpu=1",
+    )
     plans, two_nodes = plan_groups(cfg), [{"CPU": 1.0, "node:127.0.0.1": 1.0}, {"CPU": 1.0}]
-    assert placement_problems(plans, two_nodes, "PACK", cfg) == []  # the replicas (0.5 CPU each) on one, the trainer
-    assert placement_problems(plans, two_nodes, "SPREAD", cfg) != []  # SPREAD splits the replicas: no whole CPU left
-    cfg = load("grpo_tiny.yaml", *data, "runtime.colocation=[[policy, reward]]", "models.policy.num_replicas=2",
-               "models.policy_trainer.num_cpu=2")
+    assert (
+        placement_problems(plans, two_nodes, "PACK", cfg) == []
+    )  # the replicas (0.5 CPU each) on one, the trainer
+    assert (
+        placement_problems(plans, two_nodes, "SPREAD", cfg) != []
+    )  # SPREAD splits the replicas: no whole CPU left
+    cfg = load(
+        "grpo_tiny.yaml",
+        *data,
+        "runtime.colocation=[[policy, reward]]",
+        "models.policy.num_replicas=2",
+        "models.policy_trainer.num_cpu=2",
+    )
     problems = placement_problems(plan_groups(cfg), two_nodes, "STRICT_PACK", cfg)
     assert len(problems) == 2 and problems[0].startswith(
-        "runtime.placement_strategy: STRICT_PACK: policy+reward needs 2 x {CPU: 1} on one node")
-    assert "policy_trainer needs 1 x {CPU: 2}" in problems[1] and "lower num_gpu / num_cpu, add nodes" in problems[1]
+        "runtime.placement_strategy: STRICT_PACK: policy+reward needs 2 x {CPU: 1} on one node"
+    )
+    assert (
+        "policy_trainer needs 1 x {CPU: 2}" in problems[1]
+        and "lower num_gpu / num_cpu, add nodes" in problems[1]
+    )
     # GPUs: TP 2 engines on nodes of 3 GPUs: ranks node by node would cut a TP group in two
-    gpus = load("grpo_tiny.yaml", *data, "runtime.colocation=[[policy, reward]]", "models.policy.num_replicas=2",
-                "policy.tensor_parallel_size=2", "models.policy.num_gpu=4", "models.policy_trainer.num_gpu=1")
-    problems = placement_problems(plan_groups(gpus), [{"CPU": 8, "GPU": 3}, {"CPU": 8, "GPU": 3}], "PACK", gpus)
-    assert problems == ["runtime.placement_strategy: PACK: models.policy: a tensor-parallel group of 2 ranks would "
-                        "span two nodes (ranks per node: [3, 1]); use STRICT_PACK, or num_gpu / num_cpu that put a "
-                        "multiple of 2 ranks on each node"]
-    assert placement_problems(plan_groups(gpus), [{"CPU": 8, "GPU": 4}, {"CPU": 8, "GPU": 4}], "PACK", gpus) == []
+    gpus = load(
+        "grpo_tiny.yaml",
+        *data,
+        "runtime.colocation=[[policy, reward]]",
+        "models.policy.num_replicas=2",
+        "policy.tensor_parallel_size=2",
+        "models.policy.num_gpu=4",
+        "models.policy_trainer.num_gpu=1",
+    )
+    problems = placement_problems(
+        plan_groups(gpus), [{"CPU": 8, "GPU": 3}, {"CPU": 8, "GPU": 3}], "PACK", gpus
+    )
+    assert problems == [
+        "runtime.placement_strategy: PACK: models.policy: a tensor-parallel group of 2 ranks would "
+        "span two nodes (ranks per node: [3, 1]); use STRICT_PACK, or num_gpu / num_cpu that put a "
+        "multiple of 2 ranks on each node"
+    ]
+    assert (
+        placement_problems(
+            plan_groups(gpus), [{"CPU": 8, "GPU": 4}, {"CPU": 8, "GPU": 4}], "PACK", gpus
+        )
+        == []
+    )
 
 
 def test_ranks_follow_the_nodes_their_bundles_landed_on():
-    assert ranks_by_node(["b", "a", "b", "a"]) == [0, 2, 1, 3]  # node b first (bundle 0), then node a
+    assert ranks_by_node(["b", "a", "b", "a"]) == [
+        0,
+        2,
+        1,
+        3,
+    ]  # node b first (bundle 0), then node a
     assert ranks_by_node(["a", "a", "b"]) == [0, 1, 2]
 
 
 def test_actors_get_the_cluster_variables_and_ray_address_attaches(data, monkeypatch):
     from chatgen.rlhf.runtime import cluster_address, launcher, worker_env
 
-    for key in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS",
-                "CUDA_VISIBLE_DEVICES", "UNRELATED_VARIABLE"):
+    for key in (
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+        "CUDA_VISIBLE_DEVICES",
+        "UNRELATED_VARIABLE",
+    ):
         monkeypatch.setenv(key, "x")
     env = worker_env()
-    assert {"NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "PYTORCH_CUDA_ALLOC_CONF", "CUDA_DEVICE_MAX_CONNECTIONS"} <= set(env)
-    assert "CUDA_VISIBLE_DEVICES" not in env and "UNRELATED_VARIABLE" not in env  # Ray gives each actor its devices
+    assert {
+        "NCCL_SOCKET_IFNAME",
+        "GLOO_SOCKET_IFNAME",
+        "PYTORCH_CUDA_ALLOC_CONF",
+        "CUDA_DEVICE_MAX_CONNECTIONS",
+    } <= set(env)
+    assert (
+        "CUDA_VISIBLE_DEVICES" not in env and "UNRELATED_VARIABLE" not in env
+    )  # Ray gives each actor its devices
     cfg = load("grpo_tiny.yaml", *data)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cluster_address(cfg.runtime) is None and launcher(cfg, plan_groups(cfg)) == "local"
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # as `ray job submit` runs a job's driver
-    assert cluster_address(cfg.runtime) == "10.0.0.1:6379" and launcher(cfg, plan_groups(cfg)) == "ray"
+    assert (
+        cluster_address(cfg.runtime) == "10.0.0.1:6379" and launcher(cfg, plan_groups(cfg)) == "ray"
+    )
 
 
 def test_relative_paths_are_made_absolute_by_the_driver(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     tasks.write_task_data("data", n_train=64, n_eval=8)
-    cfg = load("grpo_tiny.yaml", "runtime.data_path=data/train.jsonl", "runtime.eval_data_path=data/eval.jsonl",
-               "runtime.output_dir=out",
-               "policy.load=models/m", "policy_trainer.load=~/m", "policy.tokenizer=")
-    assert cfg.runtime.data_path == str(tmp_path / "data/train.jsonl") and cfg.runtime.output_dir == str(tmp_path / "out")
+    cfg = load(
+        "grpo_tiny.yaml",
+        "runtime.data_path=data/train.jsonl",
+        "runtime.eval_data_path=data/eval.jsonl",
+        "runtime.output_dir=out",
+        "policy.load=models/m",
+        "policy_trainer.load=~/m",
+        "policy.tokenizer=",
+    )
+    assert cfg.runtime.data_path == str(
+        tmp_path / "data/train.jsonl"
+    ) and cfg.runtime.output_dir == str(tmp_path / "out")
     assert cfg.models["policy"].config.load == str(tmp_path / "models/m")
     assert cfg.models["policy_trainer"].config.load == str(Path.home() / "m")
     assert cfg.models["policy"].config.tokenizer is None  # unset stays unset
@@ -131,8 +246,14 @@ def test_relative_paths_are_made_absolute_by_the_driver(tmp_path, monkeypatch):
 
 
 def test_prompts_go_to_the_replica_with_the_fewest_outstanding_tokens():
-    assert assign([10, 10, 10, 30], [0, 0]) == [[3], [0, 1, 2]]  # not round robin: the long prompt alone
-    assert assign([10, 10, 10, 10], [35, 0]) == [[], [0, 1, 2, 3]]  # replica 0 still busy with another call
+    assert assign([10, 10, 10, 30], [0, 0]) == [
+        [3],
+        [0, 1, 2],
+    ]  # not round robin: the long prompt alone
+    assert assign([10, 10, 10, 10], [35, 0]) == [
+        [],
+        [0, 1, 2, 3],
+    ]  # replica 0 still busy with another call
     assert assign([5, 5, 5, 5], [0, 0, 0]) == [[0, 3], [1], [2]]
 
 
@@ -144,10 +265,21 @@ class _Engine:
         self.n, self.metrics, self.pad_token_id = n, {}, 0
 
     def run_generation(self, items, is_eval=False):
-        samples = [Sample(item["input_ids"], item["input_ids"][::-1] + [7] * j, [-0.5] * (len(item["input_ids"]) + j),
-                          prompt_index=k, text=f"{item['input_ids']}.{j}")
-                   for k, item in enumerate(items) for j in range(self.n)]
-        self.metrics = {"generation_tokens": sum(len(s.response_ids) for s in samples), "elapsed_s": 0.5}
+        samples = [
+            Sample(
+                item["input_ids"],
+                item["input_ids"][::-1] + [7] * j,
+                [-0.5] * (len(item["input_ids"]) + j),
+                prompt_index=k,
+                text=f"{item['input_ids']}.{j}",
+            )
+            for k, item in enumerate(items)
+            for j in range(self.n)
+        ]
+        self.metrics = {
+            "generation_tokens": sum(len(s.response_ids) for s in samples),
+            "elapsed_s": 0.5,
+        }
         return RolloutBatch.from_samples(samples, 0)
 
 
@@ -155,10 +287,15 @@ class _Group:
     """The calls GenerationGroup makes of an actor group, run in this process (ranks 0..world-1)."""
 
     def __init__(self, world, n):
-        self.world_size, self.workers = world, [type("W", (), {"models": {"policy": _Engine(n)}})() for _ in range(world)]
+        self.world_size, self.workers = (
+            world,
+            [type("W", (), {"models": {"policy": _Engine(n)}})() for _ in range(world)],
+        )
 
     def run_each(self, fn, per_rank_args):
-        return [lambda w=w, a=a: fn(w, *a) for w, a in zip(self.workers, per_rank_args) if a is not None]
+        return [
+            lambda w=w, a=a: fn(w, *a) for w, a in zip(self.workers, per_rank_args) if a is not None
+        ]
 
     def run_async(self, fn, *args):
         return [lambda w=w: fn(w, *args) for w in self.workers]
@@ -172,13 +309,21 @@ def test_replicas_answer_as_one_engine_in_the_caller_s_order():
     from chatgen.rlhf.config import ModelEntry
     from chatgen.rlhf.runtime import ModelHandle
 
-    n, items = 3, [{"input_ids": list(range(1, 2 + (i * 5) % 7))} for i in range(9)]  # prompts of 1..7 tokens
+    n, items = (
+        3,
+        [{"input_ids": list(range(1, 2 + (i * 5) % 7))} for i in range(9)],
+    )  # prompts of 1..7 tokens
     entry = ModelEntry(backend="vllm", num_replicas=2, config=GenerationConfig(n=n))
     group = GenerationGroup(ModelHandle("policy", entry, _Group(2, n)))
     batch = group.run_generation(items)
     expected = _Engine(n).run_generation(items)  # what one engine returns for all of them
-    assert batch.prompt_index.tolist() == [i for i in range(9) for _ in range(n)] and batch.texts == expected.texts
-    assert torch.equal(batch.input_ids, expected.input_ids) and torch.equal(batch.loss_mask, expected.loss_mask)
+    assert (
+        batch.prompt_index.tolist() == [i for i in range(9) for _ in range(n)]
+        and batch.texts == expected.texts
+    )
+    assert torch.equal(batch.input_ids, expected.input_ids) and torch.equal(
+        batch.loss_mask, expected.loss_mask
+    )
     assert torch.equal(batch.infer_logprobs, expected.infer_logprobs)
     metrics = group.pop_metrics()
     assert metrics["replica/0/samples"] + metrics["replica/1/samples"] == 9 * n
@@ -196,7 +341,9 @@ def test_nemo_rl_names_are_chatgen_s_calls():
             calls.append(manifest)
 
     Group().prepare_refit_info({"a": (torch.Size([3, 4]), torch.float32), "b": (3, 4), "c": [5]})
-    assert calls == [{"a": torch.Size([3, 4]), "b": (3, 4), "c": [5]}]  # NeMo RL's (shape, dtype) or a shape
+    assert calls == [
+        {"a": torch.Size([3, 4]), "b": (3, 4), "c": [5]}
+    ]  # NeMo RL's (shape, dtype) or a shape
 
 
 # --- one trainer -> many engines ---------------------------------------------------------------------------------
@@ -261,7 +408,11 @@ def test_one_broadcast_feeds_every_engine_and_one_refusal_stops_it_for_all():
 
     fresh = [_Target(shapes), _Target({**shapes, "c": (6,)})]  # engine rank 2 expects another shape
     sent, results = _sync(tx, rxs, fresh, [(n, t + 1) for n, t in weights])
-    assert isinstance(sent, SyncError) and "1 of 2 engine rank(s) refused" in str(sent) and "engine rank 2: " in str(sent)
+    assert (
+        isinstance(sent, SyncError)
+        and "1 of 2 engine rank(s) refused" in str(sent)
+        and "engine rank 2: " in str(sent)
+    )
     assert "c: trainer sends shape (5,), the engine expects (6,)" in str(results[1])
     assert "this engine keeps its old weights" in str(results[0])
     assert fresh[0].written == {} == fresh[1].written  # nothing written anywhere
@@ -287,7 +438,10 @@ def test_shared_memory_handles_load_into_each_engine_on_the_host(tmp_path):
         assert all(torch.equal(target.written[n], t) for n, t in weights)
     with pytest.raises(SyncError, match="not signed with this run's token"):
         load_ipc(_Target({}), handles, "other")
-    forged = {**handles, "header": {**handles["header"], "buckets": [[["a", [18]]]]}}  # the old signature
+    forged = {
+        **handles,
+        "header": {**handles["header"], "buckets": [[["a", [18]]]]},
+    }  # the old signature
     with pytest.raises(SyncError, match="not signed"):
         load_ipc(_Target({"a": (18,)}), forged, "secret")
     sender.close()
@@ -308,12 +462,18 @@ def test_scaling_configs_pass_chatgen_config(path, tmp_path, monkeypatch, capsys
     tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
     (tmp_path / "data" / "test.jsonl").write_text((tmp_path / "data" / "eval.jsonl").read_text())
     heads, kv = MODELS[path.stem.split("_")[1]]
-    monkeypatch.setenv("POLICY_LOAD", str(model_dir(tmp_path / "model", heads, kv)))  # its heads are checked
+    monkeypatch.setenv(
+        "POLICY_LOAD", str(model_dir(tmp_path / "model", heads, kv))
+    )  # its heads are checked
     monkeypatch.setenv("DATASET_PATH", str(tmp_path / "data"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert main(["config", str(path)]) == 0, capsys.readouterr().err
     if path.stem == "grpo_7b_8gpu":  # docs/scaling.md: the same job on 64 GPUs by three overrides
-        wide = ["models.policy.num_gpu=64", "models.policy.num_replicas=32", "models.policy_trainer.num_gpu=64"]
+        wide = [
+            "models.policy.num_gpu=64",
+            "models.policy.num_replicas=32",
+            "models.policy_trainer.num_gpu=64",
+        ]
         assert main(["config", str(path), *wide]) == 0, capsys.readouterr().err
     # on a cluster: the groups must fit its nodes; 8 nodes of 8 GPUs take every shipped layout
     monkeypatch.setenv("RAY_ADDRESS", "head:6379")
@@ -324,8 +484,14 @@ def test_scaling_configs_pass_chatgen_config(path, tmp_path, monkeypatch, capsys
     layout = "16x4"  # as many GPUs, 4 per node: a TP 8 group would span two nodes
     code, err = main(["config", str(path)]), capsys.readouterr().err
     if "70b" in path.stem:
-        assert code == 2 and ("models.policy: a tensor-parallel group of 8 ranks would span two nodes (ranks per "
-                              "node: [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4])") in err
+        assert (
+            code == 2
+            and (
+                "models.policy: a tensor-parallel group of 8 ranks would span two nodes (ranks per "
+                "node: [4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4, 4])"
+            )
+            in err
+        )
         assert "models.policy_trainer: a tensor-parallel group of 8 ranks" in err
     else:
         assert code == 0, err

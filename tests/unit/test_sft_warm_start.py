@@ -1,5 +1,6 @@
 """examples/sft_warm_start.py: batches stay full across passes over the data (a short batch broke the
 micro-batch split: --steps 313 on 20,000 records of batch 64 crashed)."""
+
 import torch
 
 from examples.sft_warm_start import batch_indices
@@ -24,6 +25,20 @@ def test_a_demonstration_without_answer_is_one_clear_line_before_the_model_loads
 
     data = tmp_path / "sft.jsonl"
     data.write_text('{"prompt": "3 1", "answer": "1 3"}\n{"prompt": "2 1"}\n')
-    assert main(["--load", str(tmp_path / "no-model"), "--data", str(data), "--output", str(tmp_path / "out")]) == 2
+    assert (
+        main(
+            [
+                "--load",
+                str(tmp_path / "no-model"),
+                "--data",
+                str(data),
+                "--output",
+                str(tmp_path / "out"),
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
-    assert f"--data {data}:2: needs string fields 'answer'" in err and not (tmp_path / "out").exists()
+    assert (
+        f"--data {data}:2: needs string fields 'answer'" in err and not (tmp_path / "out").exists()
+    )

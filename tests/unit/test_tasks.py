@@ -1,4 +1,5 @@
 """Unit tests for chatgen.tasks (pytest tests/unit/test_tasks.py)."""
+
 import json
 
 import pytest
@@ -28,37 +29,47 @@ def test_split_has_no_overlap_and_exact_sizes():
 def test_arithmetic_records_are_right_and_held_out():
     import re
 
-    train, held_out = tasks.held_out_split(tasks.arithmetic.records, 2000, 100, seed=0, max_operand=20)
+    train, held_out = tasks.held_out_split(
+        tasks.arithmetic.records, 2000, 100, seed=0, max_operand=20
+    )
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in held_out}
     ops = set()
     for r in train + held_out:
-        a, op, b = re.fullmatch(r"What is (\d+) ([+-]) (\d+)\? Reply with only the result, as a number\.",
-                                r["prompt"]).groups()
+        a, op, b = re.fullmatch(
+            r"What is (\d+) ([+-]) (\d+)\? Reply with only the result, as a number\.", r["prompt"]
+        ).groups()
         assert 1 <= int(a) <= 20 and 1 <= int(b) <= 20 and int(r["answer"]) >= 0
         assert int(r["answer"]) == (int(a) + int(b) if op == "+" else int(a) - int(b))
-        assert tasks.arithmetic.final_number_reward(f"{a} {op} {b} = {r['answer']}", r["answer"]) == 1.0
+        assert (
+            tasks.arithmetic.final_number_reward(f"{a} {op} {b} = {r['answer']}", r["answer"])
+            == 1.0
+        )
         ops.add(op)
     assert ops == {"+", "-"}
     assert tasks.arithmetic.records(50, seed=3) == tasks.arithmetic.records(50, seed=3)
 
 
-@pytest.mark.parametrize("response, expected", [
-    (" 1 1 3 4 5", 1.0),
-    ("1 1 3 4 5", 1.0),       # spacing is free
-    ("11345", 1.0),
-    (" 1 1 3 4 9", 4 / 5),    # one wrong position
-    (" 1 1 3", 3 / 5),        # too short
-    (" 1 1 3 4 5 5", 5 / 6),  # too long: extra digits never help
-    (" 5 4 3 1 1", 1 / 5),    # reversed: only the middle matches
-    ("no digits", 0.0),
-    ("", 0.0),
-])
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        (" 1 1 3 4 5", 1.0),
+        ("1 1 3 4 5", 1.0),  # spacing is free
+        ("11345", 1.0),
+        (" 1 1 3 4 9", 4 / 5),  # one wrong position
+        (" 1 1 3", 3 / 5),  # too short
+        (" 1 1 3 4 5 5", 5 / 6),  # too long: extra digits never help
+        (" 5 4 3 1 1", 1 / 5),  # reversed: only the middle matches
+        ("no digits", 0.0),
+        ("", 0.0),
+    ],
+)
 def test_sort_digits_reward(response, expected):
     assert tasks.sort_digits.reward(response, " 1 1 3 4 5") == pytest.approx(expected)
 
 
 def test_sort_digits_reward_range_and_exact_match_only_for_correct():
     import random
+
     rng = random.Random(0)
     for r in tasks.sort_digits.records(200, seed=3):
         guess = " ".join(str(rng.randrange(10)) for _ in range(rng.randint(0, 8)))
@@ -67,13 +78,16 @@ def test_sort_digits_reward_range_and_exact_match_only_for_correct():
         assert (value == 1.0) == (guess.split() == r["answer"].split())
 
 
-@pytest.mark.parametrize("response, answer, expected", [
-    ("so the total is 42", "#### 42", 1.0),
-    ("3 + 4 = 7, then 1,200 apples", "#### 1200", 1.0),
-    ("it is 41", "#### 42", 0.0),
-    ("I don't know", "#### 42", 0.0),
-    ("half: 0.5", "0.50", 1.0),
-])
+@pytest.mark.parametrize(
+    "response, answer, expected",
+    [
+        ("so the total is 42", "#### 42", 1.0),
+        ("3 + 4 = 7, then 1,200 apples", "#### 1200", 1.0),
+        ("it is 41", "#### 42", 0.0),
+        ("I don't know", "#### 42", 0.0),
+        ("half: 0.5", "0.50", 1.0),
+    ],
+)
 def test_final_number_reward(response, answer, expected):
     assert tasks.arithmetic.final_number_reward(response, answer) == expected
 
@@ -102,11 +116,15 @@ def test_mixed_direction():
     mixed = tasks.sort_digits.mixed_direction(records, 0.7, seed=0)
     assert [r["prompt"] for r in mixed] == [r["prompt"] for r in records]
     flipped = [m["answer"] != r["answer"] for m, r in zip(mixed, records)]
-    assert 0.6 < sum(flipped) / len(flipped) < 0.75  # 0.7 minus the answers that read the same both ways
+    assert (
+        0.6 < sum(flipped) / len(flipped) < 0.75
+    )  # 0.7 minus the answers that read the same both ways
     for m, r in zip(mixed, records):
         digits = r["answer"].split()
         assert m["answer"].split() in (digits, digits[::-1])  # ascending or descending, same digits
-    assert all(m == r for m, r in zip(tasks.sort_digits.mixed_direction(records, 0.0, seed=0), records))
+    assert all(
+        m == r for m, r in zip(tasks.sort_digits.mixed_direction(records, 0.0, seed=0), records)
+    )
 
 
 def test_cli_writes_files(tmp_path):
@@ -116,4 +134,6 @@ def test_cli_writes_files(tmp_path):
     assert len(read_prompt_records(tmp_path / "train.jsonl")) == 40
     assert len(read_prompt_records(tmp_path / "eval.jsonl")) == 8
     sft = read_prompt_records(tmp_path / "sft.jsonl")
-    assert [r["prompt"] for r in sft] == [r["prompt"] for r in read_prompt_records(tmp_path / "train.jsonl")]
+    assert [r["prompt"] for r in sft] == [
+        r["prompt"] for r in read_prompt_records(tmp_path / "train.jsonl")
+    ]

@@ -8,6 +8,7 @@ unauthenticated protocol, forges the rendezvous proof, or joins the group in the
 finding 1); every wait of the engine ends at its deadline or when stopped, and the channel then closes
 (finding 2); the engine finds NaN in what it receives whatever the trainer's header says (finding 4).
 """
+
 import threading
 import time
 
@@ -74,9 +75,16 @@ def _old_protocol_stranger(port):
 
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=20))
     store.set("chatgen_sync_sender_ready", "1")
-    pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=20))  # times out: the engine never joins
-    header = {"dtype": "torch.float32", "buckets": [[[n, list(t.shape)] for n, t in WEIGHTS.items()]],
-              "nonfinite": [], "validated": False, "fingerprints": None}
+    pg = dist.ProcessGroupGloo(
+        store, 0, 2, datetime.timedelta(seconds=20)
+    )  # times out: the engine never joins
+    header = {
+        "dtype": "torch.float32",
+        "buckets": [[[n, list(t.shape)] for n, t in WEIGHTS.items()]],
+        "nonfinite": [],
+        "validated": False,
+        "fingerprints": None,
+    }
     wire.send_json(pg, header, root=0, me=0)
     wire.send_json(pg, None, root=1, me=0)
     wire.bcast(pg, torch.zeros(1, dtype=torch.int64), root=0)
@@ -92,7 +100,9 @@ def test_a_stranger_speaking_the_unauthenticated_protocol_writes_nothing():
     thread.join(30)
     assert not thread.is_alive() and "waited 4 s for a trainer to connect" in str(out["error"])
     assert "keeps its old weights" in str(out["error"]) and rx.closed
-    assert engine.weight_version == 0 and torch.equal(engine.weights["lm_head.weight"], WEIGHTS["lm_head.weight"])
+    assert engine.weight_version == 0 and torch.equal(
+        engine.weights["lm_head.weight"], WEIGHTS["lm_head.weight"]
+    )
     with pytest.raises(RuntimeError):  # its group never formed: the engine never joined it
         stranger.join()
     stranger.stop()
@@ -117,9 +127,13 @@ def test_a_stranger_in_the_trainers_place_is_refused_before_the_manifest():
     thread, out = receive_in_background(rx, engine)
     proof = checks.mac(rx.token, b"rendezvous").hex()  # as a legitimate trainer would have set it
     stranger = launcher.DistributedJob(_stranger_in_the_group, 1, args=(rx.port, proof))
-    assert "did not accept this update's token" in stranger.join()[0]  # the engine did not prove itself to it
+    assert (
+        "did not accept this update's token" in stranger.join()[0]
+    )  # the engine did not prove itself to it
     thread.join(20)
-    assert "did not prove this update's token" in str(out["error"]) and "keeps its old weights" in str(out["error"])
+    assert "did not prove this update's token" in str(
+        out["error"]
+    ) and "keeps its old weights" in str(out["error"])
     assert rx.closed and engine.weight_version == 0 and engine.needs_resync is None
     with pytest.raises(SyncError, match="channel was closed"):
         rx.receive_into(engine)
@@ -153,7 +167,9 @@ def test_each_update_proves_its_own_token_over_the_open_group():
     thread, _ = receive_in_background(rx, engine)
     sync_weights(WEIGHTS, tx)
     thread.join(20)
-    assert engine.weight_version == 2 and torch.equal(engine.weights["lm_head.weight"], WEIGHTS["lm_head.weight"])
+    assert engine.weight_version == 2 and torch.equal(
+        engine.weights["lm_head.weight"], WEIGHTS["lm_head.weight"]
+    )
     rx.new_token()  # the server's next begin; this sender still holds the last one
     thread, out = receive_in_background(rx, engine)
     with pytest.raises(SyncError, match="did not accept this update's token.*nothing was sent"):
@@ -192,8 +208,12 @@ def test_a_trainer_stalling_mid_sync_costs_one_sync_not_the_engine():
         sync_weights(Stalls(4), tx)
     thread.join(20)
     assert time.monotonic() - start < 15
-    assert "waited 2 s for bucket 2 of 2" in str(out["error"]) and "PARTIALLY updated" in str(out["error"])
-    assert engine.needs_resync is not None and rx.closed  # honest: the engine says it needs a re-sync
+    assert "waited 2 s for bucket 2 of 2" in str(out["error"]) and "PARTIALLY updated" in str(
+        out["error"]
+    )
+    assert (
+        engine.needs_resync is not None and rx.closed
+    )  # honest: the engine says it needs a re-sync
     rx = SyncReceiver(timeout=20)  # a new channel: the next sync repairs the engine
     thread, out = receive_in_background(rx, engine)
     sync_weights(WEIGHTS, SyncSender("127.0.0.1", rx.port, rx.token))
@@ -209,7 +229,11 @@ def test_a_stopped_wait_ends_at_once_and_a_deadline_ends_the_connect():
     start = time.monotonic()
     stop.set()
     thread.join(10)
-    assert time.monotonic() - start < 2 and "stopped while the engine waited" in str(out["error"]) and rx.closed
+    assert (
+        time.monotonic() - start < 2
+        and "stopped while the engine waited" in str(out["error"])
+        and rx.closed
+    )
 
 
 class LiesAboutNaN:
@@ -235,11 +259,16 @@ def test_the_engine_finds_nan_itself_whatever_the_header_says():
     engine, rx = Engine(), SyncReceiver(timeout=20)
     tx = SyncSender("127.0.0.1", rx.port, rx.token)
     thread, out = receive_in_background(rx, engine)
-    with pytest.raises(SyncError, match=r"found NaN or inf in 1 parameter\(s\) the trainer sent \(model.norm.weight"):
+    with pytest.raises(
+        SyncError,
+        match=r"found NaN or inf in 1 parameter\(s\) the trainer sent \(model.norm.weight",
+    ):
         sync_weights(LiesAboutNaN(), tx)
     thread.join(20)
     assert "although its header said none" in str(out["error"])
-    assert all(torch.isfinite(t).all() for t in engine.weights.values())  # the NaN never reached the engine
+    assert all(
+        torch.isfinite(t).all() for t in engine.weights.values()
+    )  # the NaN never reached the engine
     assert not rx.closed  # both ends stayed in step: the channel serves the next sync
     thread, _ = receive_in_background(rx, engine)
     sync_weights(WEIGHTS, tx)

@@ -4,6 +4,7 @@ Every key of chatgen.generation.config means what docs/generation_keys.md says; 
 how (not what), docs/hf_backend.md says so: `generation_batch_size` is the sequences of one forward batch (null =
 256, vLLM's CPU default), `seed` seeds the backend's one sampling generator at `setup()`. Pure Python.
 """
+
 import dataclasses
 
 from chatgen.generation.config import GenerationConfig

@@ -16,6 +16,7 @@ text (stop_reason = the string, the text cut before it), else max_tokens ("lengt
 One generation call or weight write runs at a time (a lock): a write waits for the running call, so every
 `load_weights` mode acts as "wait" and every token of a call has one weight version. docs/hf_backend.md.
 """
+
 import asyncio
 import itertools
 import threading
@@ -27,10 +28,22 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 
 from chatgen.config import ConfigError
 from chatgen.generation import config as gc
-from chatgen.generation.base import UPDATE_MODES, Completion, FinishedRequest, GenerationModule, TokenLogprob
+from chatgen.generation.base import (
+    UPDATE_MODES,
+    Completion,
+    FinishedRequest,
+    GenerationModule,
+    TokenLogprob,
+)
 from chatgen.generation.batching import call_metrics
 from chatgen.generation.hf.config import HFConfig
-from chatgen.generation.hf.sampling import RowSettings, SamplingParams, next_tokens, stop_string_at, top_logprobs
+from chatgen.generation.hf.sampling import (
+    RowSettings,
+    SamplingParams,
+    next_tokens,
+    stop_string_at,
+    top_logprobs,
+)
 
 DEFAULT_BATCH_SEQUENCES = 256  # generation_batch_size: null (vLLM's max_num_seqs default on CPU)
 
@@ -66,8 +79,12 @@ class HFGeneration(GenerationModule):
         and call `super().setup()`."""
         model_dir = self.model_provider()
         if not (Path(model_dir) / "config.json").is_file():
-            raise ConfigError([f"load: {model_dir} has no config.json; the hf backend loads a Hugging Face model "
-                               "directory (convert a chatgen Megatron checkpoint with `chatgen convert --to hf`)"])
+            raise ConfigError(
+                [
+                    f"load: {model_dir} has no config.json; the hf backend loads a Hugging Face model "
+                    "directory (convert a chatgen Megatron checkpoint with `chatgen convert --to hf`)"
+                ]
+            )
         self.config = cfg = gc.resolve_seq_length(self.config, model_dir)
         tokenizer_dir = gc.tokenizer_dir(cfg, model_dir)
         if gc.has_tokenizer(tokenizer_dir):
@@ -75,7 +92,9 @@ class HFGeneration(GenerationModule):
         hf = AutoConfig.from_pretrained(model_dir)
         dtype = getattr(torch, cfg.dtype)
         if cfg.load_format == "dummy":
-            with torch.random.fork_rng(devices=[]):  # seeded random weights, the caller's RNG left as it was
+            with torch.random.fork_rng(
+                devices=[]
+            ):  # seeded random weights, the caller's RNG left as it was
                 torch.manual_seed(cfg.seed)
                 model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
         else:
@@ -94,30 +113,52 @@ class HFGeneration(GenerationModule):
             generation = GenerationConfig.from_model_config(hf)
         self._eos = getattr(self.tokenizer, "eos_token_id", None)
         eos = generation.eos_token_id
-        self._eos_stops = tuple(i for i in ([eos] if isinstance(eos, int) else eos or ()) if i != self._eos)
+        self._eos_stops = tuple(
+            i for i in ([eos] if isinstance(eos, int) else eos or ()) if i != self._eos
+        )
         self._generator = torch.Generator(self.device).manual_seed(cfg.seed)
 
     # ------------------------------------------------------------------ generation
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(),
-                        stop_token_ids=()) -> SamplingParams:
+    def sampling_params(
+        self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
+    ) -> SamplingParams:
         """The settings of one prompt of `prompt_len` tokens (config.sampling_kwargs): train or eval sampling keys,
         stop_token_list plus `stop_strings` and `stop_token_ids`."""
-        return SamplingParams(**self.sampling_kwargs(prompt_len, is_eval=is_eval, greedy=greedy,
-                                                     stop_strings=stop_strings, stop_token_ids=stop_token_ids))
+        return SamplingParams(
+            **self.sampling_kwargs(
+                prompt_len,
+                is_eval=is_eval,
+                greedy=greedy,
+                stop_strings=stop_strings,
+                stop_token_ids=stop_token_ids,
+            )
+        )
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
-        params = [self.sampling_params(len(item["input_ids"]), is_eval=is_eval,
-                                       greedy=greedy or item.get("greedy", False),
-                                       stop_strings=item.get("stop_strings") or ()) for item in items]
+        params = [
+            self.sampling_params(
+                len(item["input_ids"]),
+                is_eval=is_eval,
+                greedy=greedy or item.get("greedy", False),
+                stop_strings=item.get("stop_strings") or (),
+            )
+            for item in items
+        ]
         start = time.perf_counter()
-        prompts, texts = [item["input_ids"] for item in items], [item.get("prompt") for item in items]
+        prompts, texts = (
+            [item["input_ids"] for item in items],
+            [item.get("prompt") for item in items],
+        )
         batches = list(self._batches(prompts, params, texts))
         outputs = [output for batch in batches for _, output in batch]
         # forward passes: a batch runs until its longest sample ends (the prefill gives its first token)
-        steps = sum(max(len(s.token_ids) for _, output in batch for s in output.outputs) for batch in batches)
+        steps = sum(
+            max(len(s.token_ids) for _, output in batch for s in output.outputs)
+            for batch in batches
+        )
         self.metrics = {**call_metrics(outputs, time.perf_counter() - start), "engine_steps": steps}
         return outputs
 
@@ -128,7 +169,9 @@ class HFGeneration(GenerationModule):
         per_prompt = list(params) if isinstance(params, list) else [params] * len(prompts)
         for i, ids in enumerate(prompts):
             if not ids:
-                raise ValueError(f"stream: prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+                raise ValueError(
+                    f"stream: prompt {i} is empty; every prompt needs at least one token (e.g. BOS)"
+                )
         batches = self._batches(prompts, per_prompt)
         while (batch := await asyncio.to_thread(next, batches, None)) is not None:
             for i, output in batch:
@@ -149,7 +192,9 @@ class HFGeneration(GenerationModule):
             if group:
                 with self._lock:
                     self._check_ready()
-                    outputs = self._generate([prompts[i] for i in group], [params[i] for i in group])
+                    outputs = self._generate(
+                        [prompts[i] for i in group], [params[i] for i in group]
+                    )
                 for i, output in zip(group, outputs):
                     output.prompt = texts[i] if texts else None
                 yield list(zip(group, outputs))
@@ -161,16 +206,27 @@ class HFGeneration(GenerationModule):
         device, width = self.device, max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for k, prompt in enumerate(prompts):  # left padding: every row's next token is at the last position
-            ids[k, width - len(prompt):] = torch.tensor(prompt)
-            mask[k, width - len(prompt):] = 1
+        for k, prompt in enumerate(
+            prompts
+        ):  # left padding: every row's next token is at the last position
+            ids[k, width - len(prompt) :] = torch.tensor(prompt)
+            mask[k, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt = any(p.prompt_logprobs is not None for p in params)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                         logits_to_keep=0 if want_prompt else 1)  # 0: every position's logits
-        prompt_logprobs = [self._prompt_logprobs(out.logits[k], prompt, params[k].prompt_logprobs)
-                           if params[k].prompt_logprobs is not None else None for k, prompt in enumerate(prompts)]
+        out = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=0 if want_prompt else 1,
+        )  # 0: every position's logits
+        prompt_logprobs = [
+            self._prompt_logprobs(out.logits[k], prompt, params[k].prompt_logprobs)
+            if params[k].prompt_logprobs is not None
+            else None
+            for k, prompt in enumerate(prompts)
+        ]
         row_prompt = [k for k, p in enumerate(params) for _ in range(p.n)]
         row_params = [params[k] for k in row_prompt]
         rows, index = len(row_prompt), torch.tensor(row_prompt, device=device)
@@ -179,21 +235,28 @@ class HFGeneration(GenerationModule):
             seen = torch.zeros((len(prompts), self.vocab_size), dtype=torch.bool, device=device)
             seen[mask.nonzero(as_tuple=True)[0], ids[mask.bool()]] = True
             seen = seen[index]
-        out.past_key_values.batch_select_indices(index)  # (prompts, ...) -> (rows, ...): n copies of each prompt
+        out.past_key_values.batch_select_indices(
+            index
+        )  # (prompts, ...) -> (rows, ...): n copies of each prompt
         logits, mask, positions = out.logits[index, -1], mask[index], positions[index]
         settings = RowSettings.of(row_params, device)
         tokens = [[] for _ in range(rows)]
         logprobs = [[] for _ in range(rows)]
         ends = [None] * rows  # (finish_reason, stop_reason, text or None) once the row has stopped
         for _ in range(max(p.max_tokens for p in row_params)):
-            chosen, dist = next_tokens(logits, settings, seen, self._generator, self.config.logprobs_mode)
+            chosen, dist = next_tokens(
+                logits, settings, seen, self._generator, self.config.logprobs_mode
+            )
             chosen_list = chosen.tolist()
             chosen_logprobs = dist.gather(1, chosen[:, None])[:, 0].tolist()
             for r in range(rows):
                 if ends[r] is None:
                     tokens[r].append(chosen_list[r])
-                    top = (top_logprobs(dist[r], chosen_list[r], row_params[r].logprobs) if row_params[r].logprobs
-                           else {chosen_list[r]: chosen_logprobs[r]})
+                    top = (
+                        top_logprobs(dist[r], chosen_list[r], row_params[r].logprobs)
+                        if row_params[r].logprobs
+                        else {chosen_list[r]: chosen_logprobs[r]}
+                    )
                     logprobs[r].append({t: TokenLogprob(lp) for t, lp in top.items()})
                     ends[r] = self._stop(tokens[r], row_params[r])
             if all(ends):
@@ -202,18 +265,41 @@ class HFGeneration(GenerationModule):
                 seen[torch.arange(rows, device=device), chosen] = True
             mask = torch.cat([mask, mask.new_ones((rows, 1))], dim=1)
             positions = positions[:, -1:] + 1
-            out = self.model(input_ids=chosen[:, None], attention_mask=mask, position_ids=positions,
-                             past_key_values=out.past_key_values, use_cache=True)
+            out = self.model(
+                input_ids=chosen[:, None],
+                attention_mask=mask,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
             logits = out.logits[:, -1]
-        texts = self.tokenizer.batch_decode(tokens, skip_special_tokens=True) if self.tokenizer else [""] * rows
-        requests = [FinishedRequest(request_id=str(next(self._request_ids)), prompt_token_ids=list(prompt), outputs=[],
-                                    prompt_logprobs=prompt_logprobs[k]) for k, prompt in enumerate(prompts)]
+        texts = (
+            self.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+            if self.tokenizer
+            else [""] * rows
+        )
+        requests = [
+            FinishedRequest(
+                request_id=str(next(self._request_ids)),
+                prompt_token_ids=list(prompt),
+                outputs=[],
+                prompt_logprobs=prompt_logprobs[k],
+            )
+            for k, prompt in enumerate(prompts)
+        ]
         for r, k in enumerate(row_prompt):
             finish_reason, stop_reason, text = ends[r]
-            requests[k].outputs.append(Completion(
-                index=len(requests[k].outputs), token_ids=tokens[r], logprobs=logprobs[r],
-                text=texts[r] if text is None else text, finish_reason=finish_reason, stop_reason=stop_reason,
-                weight_versions=[self._version] * len(tokens[r])))
+            requests[k].outputs.append(
+                Completion(
+                    index=len(requests[k].outputs),
+                    token_ids=tokens[r],
+                    logprobs=logprobs[r],
+                    text=texts[r] if text is None else text,
+                    finish_reason=finish_reason,
+                    stop_reason=stop_reason,
+                    weight_versions=[self._version] * len(tokens[r]),
+                )
+            )
         return requests
 
     def _stop(self, tokens: list, params: SamplingParams):
@@ -237,9 +323,11 @@ class HFGeneration(GenerationModule):
     def _prompt_logprobs(logits, prompt: list, n: int) -> list:
         """vLLM's prompt_logprobs of one prompt from its row's (width, V) logits (left-padded): None for the first
         token, then {token id: TokenLogprob} of each prompt token (and the n most likely) under the raw model."""
-        logprobs = logits[logits.shape[0] - len(prompt):-1].float().log_softmax(dim=-1)
-        return [None] + [{t: TokenLogprob(lp) for t, lp in top_logprobs(row, token, n).items()}
-                         for row, token in zip(logprobs, prompt[1:])]
+        logprobs = logits[logits.shape[0] - len(prompt) : -1].float().log_softmax(dim=-1)
+        return [None] + [
+            {t: TokenLogprob(lp) for t, lp in top_logprobs(row, token, n).items()}
+            for row, token in zip(logprobs, prompt[1:])
+        ]
 
     def _check_ready(self) -> None:
         if self.model is None:
@@ -265,7 +353,9 @@ class HFGeneration(GenerationModule):
         with self._lock, torch.no_grad():
             try:
                 for bucket in buckets:
-                    bucket = [(name, t) for name, t in bucket if not (tied and name == "lm_head.weight")]
+                    bucket = [
+                        (name, t) for name, t in bucket if not (tied and name == "lm_head.weight")
+                    ]
                     for name, t in bucket:
                         _check_tensor(parameters, name, t)
                     for name, t in bucket:
@@ -273,10 +363,12 @@ class HFGeneration(GenerationModule):
                         written.add(name)
             except BaseException as e:
                 if written:
-                    self._broken = (f"a weight update failed after writing {len(written)} tensors ({type(e).__name__}: "
-                                    f"{e}); the model holds a mix of old and new weights and needs a re-sync: it "
-                                    "refuses to generate until all weights are written again (load_weights / "
-                                    "chatgen.param_sync.sync_weights with the full set)")
+                    self._broken = (
+                        f"a weight update failed after writing {len(written)} tensors ({type(e).__name__}: "
+                        f"{e}); the model holds a mix of old and new weights and needs a re-sync: it "
+                        "refuses to generate until all weights are written again (load_weights / "
+                        "chatgen.param_sync.sync_weights with the full set)"
+                    )
                 raise
             if written == set(parameters):
                 self._broken = None
@@ -299,8 +391,12 @@ class HFGeneration(GenerationModule):
 def _check_tensor(parameters: dict, name: str, t) -> None:
     """ValueError naming a tensor the model has no parameter for, or one of the wrong shape."""
     if name not in parameters:
-        raise ValueError(f"load_weights: the model has no parameter {name!r}; send Hugging Face names "
-                         "(e.g. model.layers.0.self_attn.q_proj.weight), as chatgen.param_sync does")
+        raise ValueError(
+            f"load_weights: the model has no parameter {name!r}; send Hugging Face names "
+            "(e.g. model.layers.0.self_attn.q_proj.weight), as chatgen.param_sync does"
+        )
     if tuple(t.shape) != tuple(parameters[name].shape):
-        raise ValueError(f"load_weights: {name} has shape {tuple(t.shape)}, the model's is "
-                         f"{tuple(parameters[name].shape)}")
+        raise ValueError(
+            f"load_weights: {name} has shape {tuple(t.shape)}, the model's is "
+            f"{tuple(parameters[name].shape)}"
+        )

@@ -9,6 +9,7 @@ repetition penalty -> greedy rows (temperature 0) take the argmax -> temperature
 -> log-softmax of what is left (logprobs_mode processed) -> sample. Pure torch: unit-tested in
 tests/unit/test_hf_sampling.py.
 """
+
 import dataclasses
 
 import torch
@@ -34,7 +35,9 @@ class SamplingParams:
     logprobs: int = 0  # top-N log-probs per generated token besides the sampled one's
     prompt_logprobs: int | None = None  # top-N per prompt token; None = off
 
-    def __post_init__(self):  # lists from sampling_kwargs: kept as tuples, so that params can be shared and hashed
+    def __post_init__(
+        self,
+    ):  # lists from sampling_kwargs: kept as tuples, so that params can be shared and hashed
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
@@ -54,8 +57,13 @@ class RowSettings:
         def column(key, dtype):
             return torch.tensor([getattr(p, key) for p in params], dtype=dtype, device=device)
 
-        return cls(column("temperature", torch.float32), column("top_p", torch.float32), column("top_k", torch.long),
-                   column("min_p", torch.float32), column("repetition_penalty", torch.float32))
+        return cls(
+            column("temperature", torch.float32),
+            column("top_p", torch.float32),
+            column("top_k", torch.long),
+            column("min_p", torch.float32),
+            column("repetition_penalty", torch.float32),
+        )
 
 
 def apply_repetition_penalty(logits, seen, penalty):
@@ -68,7 +76,9 @@ def apply_repetition_penalty(logits, seen, penalty):
 def apply_min_p(logits, min_p):
     """Drop tokens whose probability is under min_p times the row's top probability (rows with min_p 0 keep all)."""
     probs = logits.softmax(dim=-1)
-    return logits.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf"))
+    return logits.masked_fill(
+        probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf")
+    )
 
 
 def apply_top_k_top_p(logits, top_k, top_p):
@@ -100,7 +110,9 @@ def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
     greedy = rows.temperature < GREEDY_BELOW
     if greedy.all():  # no draw: a greedy call leaves the generator where it was, as in vLLM
         return logits.argmax(dim=-1), raw if logprobs_mode == "raw" else logits.log_softmax(dim=-1)
-    scaled = logits / torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)[:, None]
+    scaled = (
+        logits / torch.where(greedy, torch.ones_like(rows.temperature), rows.temperature)[:, None]
+    )
     if (rows.min_p > 0).any():
         scaled = apply_min_p(scaled, rows.min_p)
     if (rows.top_k > 0).any() or (rows.top_p < 1).any():
@@ -113,7 +125,9 @@ def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
     if logprobs_mode == "raw":
         return tokens, raw
     # processed: greedy rows report the penalised logits' distribution (vLLM: no temperature or filters on them)
-    return tokens, torch.where(greedy[:, None], logits.log_softmax(dim=-1), scaled.log_softmax(dim=-1))
+    return tokens, torch.where(
+        greedy[:, None], logits.log_softmax(dim=-1), scaled.log_softmax(dim=-1)
+    )
 
 
 def top_logprobs(logprobs, token: int, n: int) -> dict:

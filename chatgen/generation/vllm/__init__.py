@@ -4,7 +4,10 @@ module.py is the user-facing class (hooks and the step loop); engine_loop.py the
 (every call and weight update goes through it); adapter/ the only package touching vLLM internals; config.py the
 per-model keys (VLLMConfig) and their vLLM arguments. Importing this package imports neither vLLM nor torch.
 """
+
 from chatgen.generation.vllm.config import VLLMConfig as Config  # noqa: F401 (the backend's schema)
 
 MODULE = "chatgen.generation.vllm.module:VLLMModule"
-REQUIRES = ("vllm",)  # checked before a run starts anything (chatgen.rlhf.runtime): setup.py's extra `vllm`
+REQUIRES = (
+    "vllm",
+)  # checked before a run starts anything (chatgen.rlhf.runtime): setup.py's extra `vllm`

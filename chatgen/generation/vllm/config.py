@@ -4,6 +4,7 @@ mapping to `vllm.LLM(...)` arguments. Pure: imports neither vLLM nor torch.
 Every key of docs/generation_keys.md is either mapped here (engine keys) or in chatgen.generation.config (prompts
 and sampling), or rejected by `check()` with the reason and the fix; nothing is silently ignored.
 """
+
 import dataclasses
 import json
 from pathlib import Path
@@ -20,43 +21,81 @@ DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 @dataclasses.dataclass(kw_only=True)
 class VLLMConfig(GenerationConfig):
     # scheduler
-    max_num_batched_tokens: Optional[int] = opt(None, "tokens per engine step at most; null = vLLM's default")
-    max_paddings: Optional[int] = opt(None, "old vLLM scheduler knob, not supported (vLLM V1 packs without padding)")
+    max_num_batched_tokens: Optional[int] = opt(
+        None, "tokens per engine step at most; null = vLLM's default"
+    )
+    max_paddings: Optional[int] = opt(
+        None, "old vLLM scheduler knob, not supported (vLLM V1 packs without padding)"
+    )
     # cache
-    block_size: Optional[int] = opt(None, "KV cache block size in tokens; None = vLLM's default (128 on CPU, which needs a multiple of 32)")
+    block_size: Optional[int] = opt(
+        None,
+        "KV cache block size in tokens; None = vLLM's default (128 on CPU, which needs a multiple of 32)",
+    )
     gpu_memory_utilization: float = opt(0.9, "fraction of GPU memory vLLM may use, in (0, 1]")
-    swap_space: Optional[float] = opt(None, "old vLLM KV swap space (GiB), not supported (vLLM V1 recomputes preempted requests)")
-    sliding_window: Optional[int] = opt(None, "sliding-window attention size; null = the model's own")
+    swap_space: Optional[float] = opt(
+        None, "old vLLM KV swap space (GiB), not supported (vLLM V1 recomputes preempted requests)"
+    )
+    sliding_window: Optional[int] = opt(
+        None, "sliding-window attention size; null = the model's own"
+    )
     kv_cache_memory_bytes: Optional[int] = opt(
-        None, "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)")
+        None,
+        "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)",
+    )
     # parallelism
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
     return_routed_experts: bool = opt(
-        False, "record the experts each token was routed to (mixture-of-experts models) into RolloutBatch.routed_experts, "
-               "for a trainer's moe_routing_replay; turns prefix caching off (a cached prompt is not routed again)")
-    enforce_eager: bool = opt(False, "disable CUDA graphs / compilation (faster start, slower steps)")
+        False,
+        "record the experts each token was routed to (mixture-of-experts models) into RolloutBatch.routed_experts, "
+        "for a trainer's moe_routing_replay; turns prefix caching off (a cached prompt is not routed again)",
+    )
+    enforce_eager: bool = opt(
+        False, "disable CUDA graphs / compilation (faster start, slower steps)"
+    )
 
     def check(self):
         yield from super().check()
         if self.max_paddings is not None:
-            yield "max_paddings", ("not supported: vLLM's V1 scheduler packs sequences without padding; remove it "
-                                   "and bound a step with max_num_batched_tokens instead")
+            yield (
+                "max_paddings",
+                (
+                    "not supported: vLLM's V1 scheduler packs sequences without padding; remove it "
+                    "and bound a step with max_num_batched_tokens instead"
+                ),
+            )
         # Keys vLLM V1 cannot honour: rejected here, with the fix, so they come out with every other error.
         if self.swap_space is not None:
-            yield "swap_space", ("not supported: vLLM V1 recomputes preempted requests instead of swapping their KV "
-                                 "cache to CPU; remove the key (size the KV cache with gpu_memory_utilization or "
-                                 "kv_cache_memory_bytes)")
+            yield (
+                "swap_space",
+                (
+                    "not supported: vLLM V1 recomputes preempted requests instead of swapping their KV "
+                    "cache to CPU; remove the key (size the KV cache with gpu_memory_utilization or "
+                    "kv_cache_memory_bytes)"
+                ),
+            )
         if self.sliding_window is not None:
-            yield "sliding_window", ("not supported: vLLM V1 takes the sliding window from the model's config.json; "
-                                     "remove the key and set `sliding_window` there")
+            yield (
+                "sliding_window",
+                (
+                    "not supported: vLLM V1 takes the sliding window from the model's config.json; "
+                    "remove the key and set `sliding_window` there"
+                ),
+            )
         if not 0 < self.gpu_memory_utilization <= 1:
-            yield "gpu_memory_utilization", f"must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is usual"
+            yield (
+                "gpu_memory_utilization",
+                f"must be in (0, 1], got {self.gpu_memory_utilization}; 0.9 is usual",
+            )
         for key in ("block_size", "tensor_parallel_size"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 yield key, f"must be >= 1, got {getattr(self, key)}; set a positive integer"
         for key in ("max_num_batched_tokens", "sliding_window", "kv_cache_memory_bytes"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
-                yield key, f"must be >= 1 or null, got {getattr(self, key)}; use null for the default"
+                yield (
+                    key,
+                    f"must be >= 1 or null, got {getattr(self, key)}; use null for the default",
+                )
 
 
 def check_vllm_config(cfg, cpu: bool) -> None:
@@ -70,8 +109,13 @@ def check_vllm_config(cfg, cpu: bool) -> None:
 def platform_problems(cfg, cpu: bool):
     """(key, problem) pairs for keys this platform cannot honour (the loader's `extra_check`)."""
     if cpu and cfg.block_size is not None and cfg.block_size % 32:
-        yield "block_size", (f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a multiple of 32; "
-                             "use 128 (vLLM's CPU default) or remove the key")
+        yield (
+            "block_size",
+            (
+                f"{cfg.block_size} does not fit vLLM's CPU attention, which needs a multiple of 32; "
+                "use 128 (vLLM's CPU default) or remove the key"
+            ),
+        )
 
 
 def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
@@ -79,7 +123,9 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
     tokenizer = tokenizer_dir(cfg, model_dir)
     kwargs = dict(
         tokenizer=str(tokenizer),
-        skip_tokenizer_init=not has_tokenizer(tokenizer),  # token-only engine for a model without one
+        skip_tokenizer_init=not has_tokenizer(
+            tokenizer
+        ),  # token-only engine for a model without one
         dtype=cfg.dtype,
         seed=cfg.seed,
         max_model_len=cfg.seq_length,
@@ -111,7 +157,13 @@ def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    per_token = 2 * hf["num_hidden_layers"] * hf.get("num_key_value_heads", heads) * head_dim * DTYPE_BYTES[cfg.dtype]
+    per_token = (
+        2
+        * hf["num_hidden_layers"]
+        * hf.get("num_key_value_heads", heads)
+        * head_dim
+        * DTYPE_BYTES[cfg.dtype]
+    )
     block = cfg.block_size or CPU_DEFAULT_BLOCK_SIZE
     tokens_per_sequence = -(-cfg.seq_length // block) * block
     return per_token * tokens_per_sequence * (cfg.generation_batch_size or 8)

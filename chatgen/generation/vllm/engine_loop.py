@@ -24,6 +24,7 @@ step or command has run for over `stall_s` seconds without progress), which the 
 answers with 503; an error of the loop itself fails the running calls and the loop keeps serving;
 `shutdown` waits at most `timeout` seconds for the thread: a stuck engine never blocks an exit.
 """
+
 import asyncio
 import concurrent.futures
 import itertools
@@ -61,7 +62,9 @@ class EngineLoop(WeightUpdates):
         self.weight_version = 0
         self.steps_run = 0  # engine steps since the loop started
         self.paused = False  # no engine step while set (`pause`); commands, weight updates included, still run
-        self.broken = None  # why generation is refused (a weight write failed midway), until a full update
+        self.broken = (
+            None  # why generation is refused (a weight write failed midway), until a full update
+        )
         self._inbox = queue.SimpleQueue()
         self._calls = {}  # request id -> _Call, for unfinished requests
         self._active = []  # calls with unfinished requests, oldest first
@@ -70,13 +73,17 @@ class EngineLoop(WeightUpdates):
         self._marks = {}  # (request id, sample index) -> [(tokens generated before the update, new version)]
         self._streamed = set()  # ids of unfinished requests that emit a delta every step
         self._stopped = False
-        self._starting = None  # the call whose requests are being added (`_start`), on the engine thread
+        self._starting = (
+            None  # the call whose requests are being added (`_start`), on the engine thread
+        )
         self.stall_s = STALL_S
         self._busy_since = None  # monotonic time of the last progress of a running step or command
         self.failure = None  # the last error of the loop itself (a chatgen bug)
         self._thread = None
         if threaded:
-            self._thread = threading.Thread(target=self._serve, name="chatgen-engine-loop", daemon=True)
+            self._thread = threading.Thread(
+                target=self._serve, name="chatgen-engine-loop", daemon=True
+            )
             self._thread.start()
 
     @classmethod
@@ -95,12 +102,21 @@ class EngineLoop(WeightUpdates):
         thread); returns its id: decimal, increasing (outputs sort by int(request_id)). stream: a DELTA output
         every step instead of one when it finishes."""
         if self._starting is None:
-            raise RuntimeError("add_request: requests are added from inside a call's add() (run / stream), on the "
-                               "engine thread")
+            raise RuntimeError(
+                "add_request: requests are added from inside a call's add() (run / stream), on the "
+                "engine thread"
+            )
         request_id = str(next(self._request_ids))
         kind = adapter.RequestOutputKind.DELTA if stream else adapter.RequestOutputKind.FINAL_ONLY
-        adapter.add_request(self.llm, request_id, prompt_ids, params, prompt_text, cache_salt=self.cache_salt,
-                            output_kind=kind)
+        adapter.add_request(
+            self.llm,
+            request_id,
+            prompt_ids,
+            params,
+            prompt_text,
+            cache_salt=self.cache_salt,
+            output_kind=kind,
+        )
         if stream:
             self._streamed.add(request_id)
         self._starting.request_ids.append(request_id)
@@ -142,13 +158,17 @@ class EngineLoop(WeightUpdates):
         """Why the loop cannot serve now (its thread died, or it is stuck in one engine step or
         command), or None. Any thread may ask; the server's /health answers 503 with it."""
         if self._thread is not None and not self._thread.is_alive() and not self._stopped:
-            return (f"the engine loop thread has died ({self.failure or 'no error recorded'}); "
-                    "restart the server")
+            return (
+                f"the engine loop thread has died ({self.failure or 'no error recorded'}); "
+                "restart the server"
+            )
         since = self._busy_since
         if since is not None and time.monotonic() - since > self.stall_s:
-            return (f"the engine loop has made no progress for {time.monotonic() - since:.0f} s "
-                    f"(one engine step or command, over the {self.stall_s:.0f} s a healthy one "
-                    "takes); the engine may be hung")
+            return (
+                f"the engine loop has made no progress for {time.monotonic() - since:.0f} s "
+                f"(one engine step or command, over the {self.stall_s:.0f} s a healthy one "
+                "takes); the engine may be hung"
+            )
         return None
 
     def run(self, owner, add, is_eval=False, on_finished=None) -> tuple:
@@ -190,14 +210,18 @@ class EngineLoop(WeightUpdates):
             events.put(event)
             try:
                 aio.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # the consumer's event loop is closed: nobody reads this call any more
+            except (
+                RuntimeError
+            ):  # the consumer's event loop is closed: nobody reads this call any more
                 self._inbox.put(lambda: self._abort(call))
 
         call = _Call(owner, add, notify)
         self._post(lambda: self._start(call))
         try:
             while True:
-                if self._thread is None:  # no thread: the caller steps the engine (blocking the event loop)
+                if (
+                    self._thread is None
+                ):  # no thread: the caller steps the engine (blocking the event loop)
                     event = self._next_event(events, call)
                 else:
                     while events.empty():
@@ -256,8 +280,11 @@ class EngineLoop(WeightUpdates):
                 future.result(timeout=timeout)
                 self._thread.join(timeout=timeout)
             except concurrent.futures.TimeoutError:
-                logger.warning("the engine loop did not stop within %.0f s (%s); leaving it behind",
-                               timeout, self.health_problem() or "busy")
+                logger.warning(
+                    "the engine loop did not stop within %.0f s (%s); leaving it behind",
+                    timeout,
+                    self.health_problem() or "busy",
+                )
                 stopped, self._stopped = False, True
                 for call in list(self._active):  # nobody else will answer them
                     call.notify(error)
@@ -304,7 +331,9 @@ class EngineLoop(WeightUpdates):
             self._busy_since = time.monotonic()
             try:
                 command()
-            except Exception:  # a command's own errors go to its caller; this is a bug, keep serving
+            except (
+                Exception
+            ):  # a command's own errors go to its caller; this is a bug, keep serving
                 logger.exception("engine loop command failed")
             self._busy_since = None
             try:
@@ -364,14 +393,20 @@ class EngineLoop(WeightUpdates):
             usage = adapter.kv_cache_usage(self.llm)
             owner = lead.owner
             hook = owner.eval_forward if lead.is_eval else owner.forward_step
-            outputs = hook(scheduled, owner.iteration)  # ChatLearn's iteration: steps over the module's life
+            outputs = hook(
+                scheduled, owner.iteration
+            )  # ChatLearn's iteration: steps over the module's life
             owner.iteration += 1
         except BaseException as e:  # a hook or the engine failed: every running call gets the error
             self._fail_all(e)
             return
         if not outputs and not adapter.has_unfinished_requests(self.llm):  # else: empty steps
-            self._fail_all(RuntimeError("the engine no longer holds this request (a chatgen bug: "
-                                        "the engine loop lost track of it); send it again"))
+            self._fail_all(
+                RuntimeError(
+                    "the engine no longer holds this request (a chatgen bug: "
+                    "the engine loop lost track of it); send it again"
+                )
+            )
             return
         self.steps_run += 1
         for call in self._active:

@@ -16,6 +16,7 @@ generation backend does is chatgen.generation.base (prompts, token batches, the 
 NeMo RL's spellings come from chatgen.compat; everything that touches vLLM internals is adapter/; serving it
 over HTTP is chatgen.serving.
 """
+
 import contextlib
 import logging
 import os
@@ -57,8 +58,12 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         self.distributed_executor_backend = None
         self.engine = None
         self.iteration = 0
-        self._engine_dir = None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
-        self.on_finished = None  # called with each finished RequestOutput of a call (chatgen generate's progress)
+        self._engine_dir = (
+            None  # the HF view of a Megatron checkpoint `load` (a temporary directory)
+        )
+        self.on_finished = (
+            None  # called with each finished RequestOutput of a call (chatgen generate's progress)
+        )
 
     @classmethod
     def config_problems(cls, config):
@@ -119,8 +124,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's modules do.
         """
         if isinstance(data, dict):  # a collated batch
-            return self._add_request_internal(data.get("prompt") or [None] * len(data["input_ids"]),
-                                              data["input_ids"], is_eval)
+            return self._add_request_internal(
+                data.get("prompt") or [None] * len(data["input_ids"]), data["input_ids"], is_eval
+            )
         return self._queue(data, is_eval=is_eval)
 
     def forward_step(self, data, iteration):
@@ -154,21 +160,32 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
 
     def engine_kwargs(self, model_dir) -> dict:
         """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config (config.engine_kwargs)."""
-        return engine_kwargs(self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend)
+        return engine_kwargs(
+            self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend
+        )
 
-    def sampling_params(self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()):
+    def sampling_params(
+        self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
+    ):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see config.sampling_kwargs).
 
         Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p /
         eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`
         and `stop_token_ids`.
         """
-        kwargs = self.sampling_kwargs(prompt_len, is_eval=is_eval, greedy=greedy, stop_strings=stop_strings,
-                                      stop_token_ids=stop_token_ids)
+        kwargs = self.sampling_kwargs(
+            prompt_len,
+            is_eval=is_eval,
+            greedy=greedy,
+            stop_strings=stop_strings,
+            stop_token_ids=stop_token_ids,
+        )
         # Incremental detokenization (and the text of every log-prob entry) costs about a third of a small model's
         # engine step on CPU; it is needed only to match stop strings. Without any, texts are decoded once at the
         # end of the call (`_decode_texts`).
-        return adapter.SamplingParams(**kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"]))
+        return adapter.SamplingParams(
+            **kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"])
+        )
 
     def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
@@ -177,7 +194,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         (a DELTA output each step, for `stream`) instead of one output when the request finishes.
         """
         if not prompt_ids:
-            raise ValueError("add_request: empty prompt; every prompt needs at least one token (e.g. BOS)")
+            raise ValueError(
+                "add_request: empty prompt; every prompt needs at least one token (e.g. BOS)"
+            )
         return self.engine_loop.add_request(prompt_ids, params, prompt_text, stream=stream)
 
     def execute_step(self, data):
@@ -204,11 +223,15 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         index = {}  # request id -> prompt index
 
         def add():
-            for i, ids in enumerate(prompts):  # a request owns its params (vLLM sets fields on them): one each
+            for i, ids in enumerate(
+                prompts
+            ):  # a request owns its params (vLLM sets fields on them): one each
                 p = (params.clone() if len(prompts) > 1 else params) if shared else params[i]
                 index[self.add_request(ids, p, stream=deltas)] = i
 
-        async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:  # closed: aborts the rest
+        async with contextlib.aclosing(
+            self.engine_loop.stream(self, add)
+        ) as outputs:  # closed: aborts the rest
             async for output in outputs:
                 if output.finished and not deltas:
                     self._decode_texts([output])
@@ -240,7 +263,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def engine_loop(self):
         """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
         whose ranks must step in lockstep)."""
-        return EngineLoop.of(self.engine, threaded=self.distributed_executor_backend != "external_launcher")
+        return EngineLoop.of(
+            self.engine, threaded=self.distributed_executor_backend != "external_launcher"
+        )
 
     def sleep(self, level: int = 1) -> None:
         """Level 1: drop the KV cache, offload weights to CPU; level 2: drop both (sync all weights after
@@ -274,8 +299,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             if self.engine_loop.shutdown():
                 adapter.shutdown(self.engine)
             else:  # the loop is stuck inside the engine: leave both to the process's exit
-                logger.warning("%s: the engine loop did not stop; the engine is left as it is",
-                               type(self).__name__)
+                logger.warning(
+                    "%s: the engine loop did not stop; the engine is left as it is",
+                    type(self).__name__,
+                )
             self.engine = None
         if self._engine_dir is not None:
             shutil.rmtree(self._engine_dir, ignore_errors=True)
@@ -290,11 +317,16 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         request_ids = []
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
-            params = self.sampling_params(len(item["input_ids"]), is_eval=is_eval,
-                                          greedy=greedy or item.get("greedy", False),
-                                          stop_strings=item.get("stop_strings") or (),
-                                          stop_token_ids=item.get("stop_token_ids") or ())
-            request_ids.append(self.add_request(item["input_ids"], params, prompt_text=item.get("prompt")))
+            params = self.sampling_params(
+                len(item["input_ids"]),
+                is_eval=is_eval,
+                greedy=greedy or item.get("greedy", False),
+                stop_strings=item.get("stop_strings") or (),
+                stop_token_ids=item.get("stop_token_ids") or (),
+            )
+            request_ids.append(
+                self.add_request(item["input_ids"], params, prompt_text=item.get("prompt"))
+            )
         return request_ids
 
     def _check_ready(self) -> None:

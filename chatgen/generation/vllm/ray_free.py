@@ -8,6 +8,7 @@ learned (Ray is not running) without the import, which costs a local `chatgen tr
 of startup (measured on the tiny task, issue 36). In a Ray worker, or once anything imported ray, nothing
 changes.
 """
+
 import contextlib
 import sys
 

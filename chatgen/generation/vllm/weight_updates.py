@@ -3,6 +3,7 @@ engine thread): a weight update between two engine steps in each mode, and the w
 generated token was sampled under (`weight_versions`), kept on the loop's books (`_calls`,
 `_streamed`, `_start_version`, `_marks`).
 """
+
 import time
 
 from chatgen.generation.vllm import adapter
@@ -14,7 +15,9 @@ class WeightUpdates:
     def _stamp_versions(self, output) -> None:
         """Set `weight_versions` (one per token it holds) on each sample of a finished RequestOutput, or of any
         delta of a streamed request."""
-        if output.request_id in self._streamed:  # a delta's tokens were all sampled in the step just run
+        if (
+            output.request_id in self._streamed
+        ):  # a delta's tokens were all sampled in the step just run
             for sample in output.outputs:
                 sample.weight_versions = [self.weight_version] * len(sample.token_ids)
             if output.finished:
@@ -52,8 +55,10 @@ class WeightUpdates:
     def _update(self, buckets, mode: str) -> int:
         """Apply a weight update on the engine thread (see GenerationModule.load_weights for the modes)."""
         if mode == "wait" and self.paused:
-            raise RuntimeError('update_weights: the engine is paused, and mode "wait" would run its waiting requests '
-                               'to their end first; use mode "keep", "recompute" or "abort", or resume first')
+            raise RuntimeError(
+                'update_weights: the engine is paused, and mode "wait" would run its waiting requests '
+                'to their end first; use mode "keep", "recompute" or "abort", or resume first'
+            )
         start = time.perf_counter()
         if mode == "wait":  # nothing new is admitted meanwhile: later commands wait in the inbox
             while self._active:
@@ -77,18 +82,24 @@ class WeightUpdates:
             adapter.load_weights(self.llm, items, reset_prefix_cache=False)
 
         try:
-            if adapter.in_process_workers(self.llm):  # one reload streams every bucket, no second copy
+            if adapter.in_process_workers(
+                self.llm
+            ):  # one reload streams every bucket, no second copy
                 reload(counted(item for bucket in buckets for item in bucket))
             else:  # worker processes get pickled lists: one reload per bucket (each holds whole layers)
                 for bucket in buckets:
                     reload(list(counted(bucket)))
         except BaseException as e:
-            if not reloading[0]:  # failed before vLLM touched a weight: the engine keeps its old ones
+            if not reloading[
+                0
+            ]:  # failed before vLLM touched a weight: the engine keeps its old ones
                 raise
-            self.broken = (f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
-                           f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
-                           "refuses to generate until all weights are written again (load_weights / "
-                           "chatgen.param_sync.sync_weights with the full set)")
+            self.broken = (
+                f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "
+                f"{e}); the engine holds a mix of old and new weights and needs a re-sync: it "
+                "refuses to generate until all weights are written again (load_weights / "
+                "chatgen.param_sync.sync_weights with the full set)"
+            )
             self._fail_all(RuntimeError(self.broken))
             raise
         self.broken = None

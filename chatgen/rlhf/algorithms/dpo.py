@@ -10,6 +10,7 @@ on whole pairs: -log sigmoid(beta * ((log pi - log ref)(chosen) - (log pi - log 
 preference accuracy (how often the chosen response's log-ratio is the larger) and reward margin on the eval
 pairs. No generation, no reward model, no weight sync. docs/rlhf_engine.md has the details.
 """
+
 import dataclasses
 import time
 from functools import partial
@@ -29,10 +30,17 @@ FIELDS = ("prompt", "chosen", "rejected")
 
 @dataclasses.dataclass(kw_only=True)
 class Config(AlgorithmConfig):
-    beta: float = opt(0.1, "DPO temperature: how far the policy may move from the reference per unit of preference "
-                           "(larger = stays closer)")
-    tokenizer: Optional[str] = opt(None, "tokenizer directory the pairs are tokenized with; null = policy_trainer's "
-                                         "`load` directory", path=True)
+    beta: float = opt(
+        0.1,
+        "DPO temperature: how far the policy may move from the reference per unit of preference "
+        "(larger = stays closer)",
+    )
+    tokenizer: Optional[str] = opt(
+        None,
+        "tokenizer directory the pairs are tokenized with; null = policy_trainer's "
+        "`load` directory",
+        path=True,
+    )
 
     def check(self):
         if self.beta <= 0:
@@ -41,8 +49,11 @@ class Config(AlgorithmConfig):
 
 MODELS = {
     "policy_trainer": Role("megatron", trainable=True, doc="the policy being trained"),
-    "reference": Role("megatron", trainable=False,
-                      doc="frozen copy of the starting policy, what the log-ratios are measured against"),
+    "reference": Role(
+        "megatron",
+        trainable=False,
+        doc="frozen copy of the starting policy, what the log-ratios are measured against",
+    ),
 }
 
 
@@ -51,26 +62,36 @@ def pair_problems(cfg):
     takes it) must hold whole pairs; whole micro-batches then also make whole global batches and DP shards."""
     micro = cfg.runtime.train_micro_batch_size
     if micro % 2:
-        yield (f"runtime.train_micro_batch_size: {micro} would split a (chosen, rejected) pair across micro-batches; "
-               "make it even")
+        yield (
+            f"runtime.train_micro_batch_size: {micro} would split a (chosen, rejected) pair across micro-batches; "
+            "make it even"
+        )
 
 
 def record_problem(record: dict):
     """None, or what a preference record lacks."""
     missing = [key for key in FIELDS if not isinstance(record.get(key), str)]
     if missing:
-        return (f"needs string fields {', '.join(map(repr, missing))}; a DPO record is "
-                '{"prompt": ..., "chosen": ..., "rejected": ...}')
+        return (
+            f"needs string fields {', '.join(map(repr, missing))}; a DPO record is "
+            '{"prompt": ..., "chosen": ..., "rejected": ...}'
+        )
     return None
 
 
 def check(cfg):
     yield from pair_problems(cfg)
     trainer = cfg.models.get("policy_trainer")
-    if not cfg.runtime.algorithm.tokenizer and trainer is not None and trainer.config is not None \
-            and not trainer.config.load:
-        yield ("runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load` directory "
-               "to take it from; set tokenizer to a Hugging Face tokenizer directory")
+    if (
+        not cfg.runtime.algorithm.tokenizer
+        and trainer is not None
+        and trainer.config is not None
+        and not trainer.config.load
+    ):
+        yield (
+            "runtime.algorithm.tokenizer: the pairs need a tokenizer and policy_trainer has no `load` directory "
+            "to take it from; set tokenizer to a Hugging Face tokenizer directory"
+        )
     for key in ("data_path", "eval_data_path"):
         path = getattr(cfg.runtime, key)
         if path and Path(path).is_file():  # run.check_config reports a missing file
@@ -88,9 +109,13 @@ def pair_batch(tokenizer, records: list):
     for k, record in enumerate(records):
         prompt = tokenizer.encode(record["prompt"])
         for key in ("chosen", "rejected"):
-            response = tokenizer.encode(record[key], add_special_tokens=False) + [tokenizer.eos_token_id]
+            response = tokenizer.encode(record[key], add_special_tokens=False) + [
+                tokenizer.eos_token_id
+            ]
             # no engine sampled these tokens: their inference log-probs are 0 (unused)
-            samples.append(Sample(prompt, response, [0.0] * len(response), prompt_index=k, text=record[key]))
+            samples.append(
+                Sample(prompt, response, [0.0] * len(response), prompt_index=k, text=record[key])
+            )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     return RolloutBatch.from_samples(samples, pad)
 
@@ -112,17 +137,24 @@ class PreferenceEval:
             self.chunks = []
             records, size = run.eval_records, self.pairs_per_call
             for start in range(0, len(records), size):
-                chunk = records[start:start + size]
-                inputs = pair_batch(self.tokenizer, chunk + [chunk[0]] * (size - len(chunk))).trainer_inputs()
+                chunk = records[start : start + size]
+                inputs = pair_batch(
+                    self.tokenizer, chunk + [chunk[0]] * (size - len(chunk))
+                ).trainer_inputs()
                 self.chunks.append((inputs, run.forward_tokens("reference", inputs), len(chunk)))
         chosen, rejected = [], []
         for inputs, ref, real in self.chunks:
-            c, r = L.pair_logratios(run.forward_tokens("policy_trainer", inputs), ref, inputs["loss_mask"])
+            c, r = L.pair_logratios(
+                run.forward_tokens("policy_trainer", inputs), ref, inputs["loss_mask"]
+            )
             chosen.append(c[:real])
             rejected.append(r[:real])
         loss, stats = L.dpo_loss(torch.cat(chosen), torch.cat(rejected), self.beta)
-        return {"eval/preference_accuracy": stats["accuracy"].item(), "eval/reward_margin": stats["margin"].item(),
-                "eval/loss": loss.item()}
+        return {
+            "eval/preference_accuracy": stats["accuracy"].item(),
+            "eval/reward_margin": stats["margin"].item(),
+            "eval/loss": loss.item(),
+        }
 
 
 PHASES = ["reference", "train", "checkpoint", "eval"]
@@ -133,12 +165,20 @@ def train(cfg, resume: bool = False, log=print) -> dict:
     from transformers import AutoTokenizer
 
     algo, rt = cfg.runtime.algorithm, cfg.runtime
-    tokenizer = AutoTokenizer.from_pretrained(algo.tokenizer or cfg.models["policy_trainer"].config.load)
+    tokenizer = AutoTokenizer.from_pretrained(
+        algo.tokenizer or cfg.models["policy_trainer"].config.load
+    )
     loss_fn = partial(L.dpo_loss_fn, beta=algo.beta)
     pairs = rt.sample_per_episode // 2
 
-    with Run(cfg, resume, PHASES, log, records_per_episode=pairs,
-             evaluate=PreferenceEval(tokenizer, pairs, algo.beta)) as run:
+    with Run(
+        cfg,
+        resume,
+        PHASES,
+        log,
+        records_per_episode=pairs,
+        evaluate=PreferenceEval(tokenizer, pairs, algo.beta),
+    ) as run:
         timer, metrics = run.timer, {}
         run.evaluate_start()  # episode 0: the policy is the reference, accuracy 0.5
         for episode in range(run.start_episode, rt.num_episode + 1):
@@ -148,7 +188,12 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             with timer("reference"):
                 data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
             with timer("train"):
-                stats = run.train("policy_trainer", data, loss_fn, group_size=2)  # shuffles whole pairs
-            metrics = {**prefixed("policy", stats), "response/length": batch.response_lengths.float().mean().item()}
+                stats = run.train(
+                    "policy_trainer", data, loss_fn, group_size=2
+                )  # shuffles whole pairs
+            metrics = {
+                **prefixed("policy", stats),
+                "response/length": batch.response_lengths.float().mean().item(),
+            }
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
     return metrics

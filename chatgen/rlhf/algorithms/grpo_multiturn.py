@@ -18,6 +18,7 @@ An environment is a class named by `runtime.algorithm.environment` ('package.mod
         def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode: ...
             # called from many threads at once; reaches the policy only through openai.OpenAI(base_url, api_key)
 """
+
 import concurrent.futures
 import dataclasses
 import secrets
@@ -36,25 +37,45 @@ from chatgen.rlhf.run import Run
 
 @dataclasses.dataclass(kw_only=True)
 class Config(grpo.Config):
-    environment: Optional[str] = opt(None, "the environment class, 'package.module:Class' (importable from the "
-                                           "directory you run in), e.g. examples.calculator_env:CalculatorEnv")
+    environment: Optional[str] = opt(
+        None,
+        "the environment class, 'package.module:Class' (importable from the "
+        "directory you run in), e.g. examples.calculator_env:CalculatorEnv",
+    )
 
     def check(self):
         yield from super().check()
         if self.overlap_generation:
-            yield "overlap_generation", ("grpo_multiturn plays each episode's conversations through the server and "
-                                         "has no one-step off-policy mode; set it false")
+            yield (
+                "overlap_generation",
+                (
+                    "grpo_multiturn plays each episode's conversations through the server and "
+                    "has no one-step off-policy mode; set it false"
+                ),
+            )
         if self.dynamic_sampling:
-            yield "dynamic_sampling", ("grpo_multiturn plays a fixed set of conversations per "
-                                       "episode and does not refill dropped groups; set it false")
+            yield (
+                "dynamic_sampling",
+                (
+                    "grpo_multiturn plays a fixed set of conversations per "
+                    "episode and does not refill dropped groups; set it false"
+                ),
+            )
         if not self.environment or ":" not in self.environment:
-            yield "environment", (f"must name the environment class as 'package.module:Class', got "
-                                  f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv")
+            yield (
+                "environment",
+                (
+                    f"must name the environment class as 'package.module:Class', got "
+                    f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv"
+                ),
+            )
 
 
 MODELS = {
     "policy": Role("generation", doc="serves the environments' chat requests (OpenAI HTTP)"),
-    "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
+    "policy_trainer": Role(
+        "megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"
+    ),
     "reference": grpo.MODELS["reference"],
 }
 
@@ -67,9 +88,11 @@ def check(cfg):
         return
     for plan in plans:
         if "policy" in plan.names and plan.world > 1:
-            yield (f"runtime.colocation: the policy shares a group of {plan.world} ranks ({', '.join(plan.names)}); "
-                   "its server needs one engine of one rank: num_replicas 1 and tensor_parallel_size 1, colocated "
-                   "only with one-rank models (or in a group of its own)")
+            yield (
+                f"runtime.colocation: the policy shares a group of {plan.world} ranks ({', '.join(plan.names)}); "
+                "its server needs one engine of one rank: num_replicas 1 and tensor_parallel_size 1, colocated "
+                "only with one-rank models (or in a group of its own)"
+            )
 
 
 @dataclasses.dataclass
@@ -94,38 +117,58 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
     response_mask 1 on the tokens the model generated (every turn) and 0 on those the template or the
     environment wrote between them; response_logprobs = the server's (0 where masked)."""
     if not episode.turns:
-        raise ValueError("the episode has no turns; an environment's episode must call the policy at least once")
+        raise ValueError(
+            "the episode has no turns; an environment's episode must call the policy at least once"
+        )
     seen = list(episode.turns[0]["prompt_token_ids"])
     prompt_len = len(seen)
     response, mask, logprobs, versions = [], [], [], []
     for k, turn in enumerate(episode.turns):
         prompt, generated = list(turn["prompt_token_ids"]), list(turn["generation_token_ids"])
-        if prompt[:len(seen)] != seen:
-            raise ValueError(f"turn {k + 1}'s prompt does not begin with turn {k}'s prompt + generated ids, so the "
-                             "episode is not one token sequence; send each assistant message back to the server as "
-                             "it returned it (with prompt_token_ids and generation_token_ids)")
-        between = prompt[len(seen):]  # template and environment tokens: not trained on
+        if prompt[: len(seen)] != seen:
+            raise ValueError(
+                f"turn {k + 1}'s prompt does not begin with turn {k}'s prompt + generated ids, so the "
+                "episode is not one token sequence; send each assistant message back to the server as "
+                "it returned it (with prompt_token_ids and generation_token_ids)"
+            )
+        between = prompt[len(seen) :]  # template and environment tokens: not trained on
         response += between + generated
         mask += [0] * len(between) + [1] * len(generated)
         logprobs += [0.0] * len(between) + list(turn["generation_log_probs"])
-        versions += [-1] * len(between) + list(turn.get("generation_weight_versions") or [-1] * len(generated))
+        versions += [-1] * len(between) + list(
+            turn.get("generation_weight_versions") or [-1] * len(generated)
+        )
         seen = prompt + generated
-    return Sample(prompt_ids=seen[:prompt_len], response_ids=response, response_logprobs=logprobs,
-                  response_mask=mask, weight_versions=versions, prompt_index=prompt_index, text=episode.text,
-                  metadata=metadata or {})
+    return Sample(
+        prompt_ids=seen[:prompt_len],
+        response_ids=response,
+        response_logprobs=logprobs,
+        response_mask=mask,
+        weight_versions=versions,
+        prompt_index=prompt_index,
+        text=episode.text,
+        metadata=metadata or {},
+    )
 
 
 def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
     """n episodes of every record, all at once (one thread each, so the server batches their requests);
     episode j of record i at index i * n + j."""
     jobs = [record for record in records for _ in range(n)]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=len(jobs), thread_name_prefix="episode") as pool:
-        return list(pool.map(lambda r: env.episode(r, temperature=temperature, max_tokens=max_tokens), jobs))
+    with concurrent.futures.ThreadPoolExecutor(
+        max_workers=len(jobs), thread_name_prefix="episode"
+    ) as pool:
+        return list(
+            pool.map(lambda r: env.episode(r, temperature=temperature, max_tokens=max_tokens), jobs)
+        )
 
 
 def env_metrics(episodes: list, prefix: str) -> dict:
     """The mean of each of the episodes' own `metrics`, as `<prefix><key>`."""
-    return {f"{prefix}{key}": sum(e.metrics[key] for e in episodes) / len(episodes) for key in episodes[0].metrics}
+    return {
+        f"{prefix}{key}": sum(e.metrics[key] for e in episodes) / len(episodes)
+        for key in episodes[0].metrics
+    }
 
 
 PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
@@ -135,8 +178,9 @@ def _serve(worker, name: str, api_key: str) -> str:
     """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed with the worker)."""
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
-    return worker.attach(name, "openai_server", EmbeddedServer(worker.models[name], api_key=api_key,
-                                                               model_name=name)).url
+    return worker.attach(
+        name, "openai_server", EmbeddedServer(worker.models[name], api_key=api_key, model_name=name)
+    ).url
 
 
 def train(cfg, resume=False, log=print) -> dict:
@@ -156,7 +200,9 @@ def train(cfg, resume=False, log=print) -> dict:
             metrics["eval/solved"] = (rewards >= rt.solved_reward).float().mean().item()
         return metrics
 
-    with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate) as run:
+    with Run(
+        cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate
+    ) as run:
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
         url = run.policy.run(_serve, "policy", api_key)[0]
         env = env_class(url, api_key, "policy")
@@ -171,12 +217,19 @@ def train(cfg, resume=False, log=print) -> dict:
                 records = [run.records[i] for i in index]
                 episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
             samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
-            batch = RolloutBatch.from_samples(samples, pad_token_id=0)  # right padding: masked everywhere
+            batch = RolloutBatch.from_samples(
+                samples, pad_token_id=0
+            )  # right padding: masked everywhere
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
             if not torch.isfinite(rewards).all():
-                raise RunHealthError(f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
-                                     "returns a finite number for every episode")
-            metrics = {**grpo.update(run, batch, rewards, n), **env_metrics(episodes, "env/"),
-                       "response/turns": sum(len(e.turns) for e in episodes) / len(episodes)}
+                raise RunHealthError(
+                    f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
+                    "returns a finite number for every episode"
+                )
+            metrics = {
+                **grpo.update(run, batch, rewards, n),
+                **env_metrics(episodes, "env/"),
+                "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
+            }
             run.end_episode(episode, metrics, start)
     return metrics

@@ -10,6 +10,7 @@ the pairs' per-token log-probs; the trainer (Megatron) takes DPO steps on whole 
 synced into vLLM; then checkpoint, eval (the policy's held-out reward, as for GRPO) and log.
 docs/rlhf_engine.md has the details.
 """
+
 import dataclasses
 import time
 from functools import partial
@@ -24,8 +25,11 @@ from chatgen.rlhf.run import Run
 
 @dataclasses.dataclass(kw_only=True)
 class Config(AlgorithmConfig):
-    beta: float = opt(0.1, "DPO temperature: how far the policy may move from the reference per unit of preference "
-                           "(larger = stays closer)")
+    beta: float = opt(
+        0.1,
+        "DPO temperature: how far the policy may move from the reference per unit of preference "
+        "(larger = stays closer)",
+    )
 
     def check(self):
         if self.beta <= 0:
@@ -34,9 +38,14 @@ class Config(AlgorithmConfig):
 
 MODELS = {
     "policy": Role("generation", doc="samples n >= 2 responses per prompt"),
-    "policy_trainer": Role("megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"),
-    "reference": Role("megatron", trainable=False,
-                      doc="frozen copy of the starting policy, what the log-ratios are measured against"),
+    "policy_trainer": Role(
+        "megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"
+    ),
+    "reference": Role(
+        "megatron",
+        trainable=False,
+        doc="frozen copy of the starting policy, what the log-ratios are measured against",
+    ),
     "reward": Role("python", doc="ranks the responses (e.g. chatgen.rlhf.rewards:RuleReward)"),
 }
 
@@ -44,7 +53,11 @@ MODELS = {
 def trainer_rows(cfg) -> int:
     """Rows the trainers get per episode: one (best, worst) pair per prompt."""
     policy = cfg.models.get("policy")  # (a missing policy is reported by run.check_config)
-    return 2 * cfg.runtime.sample_per_episode // policy.config.n if policy else cfg.runtime.sample_per_episode
+    return (
+        2 * cfg.runtime.sample_per_episode // policy.config.n
+        if policy
+        else cfg.runtime.sample_per_episode
+    )
 
 
 def check(cfg):
@@ -55,8 +68,10 @@ def check(cfg):
     if n < 2:
         yield "models.policy.n: Online DPO pairs the best and worst of a prompt's n responses; set n >= 2"
     elif cfg.runtime.sample_per_episode % n:
-        yield (f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={n} "
-               "(samples per prompt); make it one")
+        yield (
+            f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={n} "
+            "(samples per prompt); make it one"
+        )
 
 
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
@@ -82,14 +97,21 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             data = {**pairs.trainer_inputs(), "pair_weights": weights}
             with timer("reference"):
                 data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
-            with timer("old_logprobs"):  # not in the loss: checks that vLLM sampled with the trainer's weights
+            with timer(
+                "old_logprobs"
+            ):  # not in the loss: checks that vLLM sampled with the trainer's weights
                 old = run.forward_tokens("policy_trainer", data)
             with timer("train"):
-                stats = run.train("policy_trainer", data, loss_fn, group_size=2)  # shuffles whole pairs
+                stats = run.train(
+                    "policy_trainer", data, loss_fn, group_size=2
+                )  # shuffles whole pairs
             with timer("sync"):
                 run.sync_policy()
-            metrics = {**sample_metrics(rewards, pairs, old, rt.solved_reward), **prefixed("policy", stats),
-                       "response/length": batch.response_lengths.float().mean().item(),  # of all S samples
-                       "pairs/no_preference": 1 - weights[0::2].mean().item()}  # share of prompts whose responses tie
+            metrics = {
+                **sample_metrics(rewards, pairs, old, rt.solved_reward),
+                **prefixed("policy", stats),
+                "response/length": batch.response_lengths.float().mean().item(),  # of all S samples
+                "pairs/no_preference": 1 - weights[0::2].mean().item(),
+            }  # share of prompts whose responses tie
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
     return metrics

@@ -10,6 +10,7 @@ is logged as the run's parameters, the value of every key named like a credentia
 tracker's run id is kept in `<output_dir>/trackers.json`, so `chatgen train --resume` continues the
 same run. docs/data_and_rewards.md.
 """
+
 import importlib
 import json
 
@@ -18,8 +19,10 @@ from chatgen.core.checkpoint_io import atomic_file
 from chatgen.rlhf.config import to_dict
 
 IDS_NAME = "trackers.json"
-MODULES = {"wandb": "chatgen.rlhf.trackers.wandb_tracker",
-           "mlflow": "chatgen.rlhf.trackers.mlflow_tracker"}
+MODULES = {
+    "wandb": "chatgen.rlhf.trackers.wandb_tracker",
+    "mlflow": "chatgen.rlhf.trackers.mlflow_tracker",
+}
 
 
 def flatten(tree: dict, prefix: str = "") -> dict:

@@ -3,6 +3,7 @@
 WANDB_API_KEY or `wandb login` for online. Metrics are plotted against `episode` (a metric of its
 own, not wandb's step), so a resumed run that redoes episodes after a crash logs them again
 instead of being refused as steps that went back."""
+
 import math
 
 import wandb
@@ -11,8 +12,15 @@ import wandb
 class Tracker:
     def __init__(self, out_dir, project: str, name: str, params: dict, run_id: str | None):
         """Start (or with run_id, continue) the wandb run; params: the masked resolved config."""
-        self.run = wandb.init(project=project, name=name, dir=str(out_dir), config=params,
-                              id=run_id, resume="allow" if run_id else None, allow_val_change=True)
+        self.run = wandb.init(
+            project=project,
+            name=name,
+            dir=str(out_dir),
+            config=params,
+            id=run_id,
+            resume="allow" if run_id else None,
+            allow_val_change=True,
+        )
         self.run.define_metric("episode")
         self.run.define_metric("*", step_metric="episode")
         self.run_id = self.run.id

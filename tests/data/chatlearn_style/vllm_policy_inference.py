@@ -6,6 +6,7 @@ on the collated batch, `_add_request_internal`, `eval_forward`, a dict out of `d
 The only line that differs from a ChatLearn model file is the import: `from chatlearn import VLLMModule`.
 Run unchanged by tests/integration/test_chatlearn_port.py, with the ChatLearn-style YAML chain beside it.
 """
+
 import copy
 import random
 from collections import defaultdict
@@ -25,7 +26,9 @@ class StylePromptDataset(Dataset):
         self.data = []
         for prompt in prompts:
             text = prompt[prompt_key] if prompt_key is not None else prompt
-            self.data.append({"input_ids": tokenizer.encode(text)[:max_prompt_length], "prompt": text})
+            self.data.append(
+                {"input_ids": tokenizer.encode(text)[:max_prompt_length], "prompt": text}
+            )
 
     def __getitem__(self, ix):
         return self.data[ix]
@@ -56,9 +59,15 @@ class StylePolicyInference(VLLMModule):
                 prompts.extend(copies)
         else:
             raise ValueError(f"unsupported shuffle_mode {self.model_args['shuffle_mode']}")
-        max_prompt_length = self.model_args.get("seq_length") - self.model_args.get("max_new_tokens")
-        return StylePromptDataset(prompts, max_prompt_length, self.tokenizer.tokenizer,
-                                  self.model_args.get("question_key"))
+        max_prompt_length = self.model_args.get("seq_length") - self.model_args.get(
+            "max_new_tokens"
+        )
+        return StylePromptDataset(
+            prompts,
+            max_prompt_length,
+            self.tokenizer.tokenizer,
+            self.model_args.get("question_key"),
+        )
 
     def _add_request(self, data, is_eval=False):
         return self._add_request_internal(data["prompt"], data["input_ids"], is_eval=is_eval)
@@ -84,13 +93,26 @@ class StylePolicyInference(VLLMModule):
                 str_outputs.append(response.text)
                 prompt_sizes.append(len(output.prompt_token_ids))
                 tokens = list(output.prompt_token_ids) + list(response.token_ids)
-                all_tokens.append(F.pad(torch.tensor(tokens), (0, max_tokens_length - len(tokens)), value=pad_id))
-                sampled = [step[token].logprob for step, token in zip(response.logprobs, response.token_ids)]
+                all_tokens.append(
+                    F.pad(torch.tensor(tokens), (0, max_tokens_length - len(tokens)), value=pad_id)
+                )
+                sampled = [
+                    step[token].logprob
+                    for step, token in zip(response.logprobs, response.token_ids)
+                ]
                 logprob = torch.tensor([0.0] * (len(output.prompt_token_ids) - 1) + sampled)
-                logprobs.append(F.pad(logprob, (0, max_tokens_length - 1 - logprob.shape[0]), value=0.0))
+                logprobs.append(
+                    F.pad(logprob, (0, max_tokens_length - 1 - logprob.shape[0]), value=0.0)
+                )
         all_tokens = torch.vstack(all_tokens)
         positions = torch.arange(max_tokens_length)[None, :]
         prompt_sizes = torch.tensor(prompt_sizes)
         loss_mask = (positions >= prompt_sizes[:, None]) & (all_tokens != pad_id)
-        return {"all_tokens": all_tokens, "str_prompts": str_prompts, "str_outputs": str_outputs,
-                "logprobs": torch.vstack(logprobs), "loss_mask": loss_mask.long(), "prompt_sizes": prompt_sizes}
+        return {
+            "all_tokens": all_tokens,
+            "str_prompts": str_prompts,
+            "str_outputs": str_outputs,
+            "logprobs": torch.vstack(logprobs),
+            "loss_mask": loss_mask.long(),
+            "prompt_sizes": prompt_sizes,
+        }

@@ -22,6 +22,7 @@ test_vllm_patches.py) names what of vLLM each patch relies on.
 
 Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)` (weights.py).
 """
+
 import os
 
 # The engine core must live in this process: the framework steps it and syncs weights into it in place.
@@ -70,10 +71,35 @@ from chatgen.generation.vllm.adapter.split_step import (  # noqa: E402
 from chatgen.generation.vllm.adapter.weights import expert_weights, load_weights  # noqa: E402
 
 __all__ = [
-    "LLM", "SamplingParams", "TokensPrompt", "RequestOutput", "ScheduledBatch", "TESTED_VLLM",
-    "build_llm", "check_internals", "add_request", "has_unfinished_requests", "schedule", "execute",
-    "abort", "shutdown", "on_cpu", "kv_cache_usage", "sleep", "wake_up", "is_sleeping",
-    "load_weights", "in_process_workers", "hf_config", "RequestOutputKind", "abort_with_outputs",
-    "output_token_counts", "reset_prefix_cache", "vocab_size", "expert_weights", "record_routed_experts",
-    "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "host_memory_only_gc",
+    "LLM",
+    "SamplingParams",
+    "TokensPrompt",
+    "RequestOutput",
+    "ScheduledBatch",
+    "TESTED_VLLM",
+    "build_llm",
+    "check_internals",
+    "add_request",
+    "has_unfinished_requests",
+    "schedule",
+    "execute",
+    "abort",
+    "shutdown",
+    "on_cpu",
+    "kv_cache_usage",
+    "sleep",
+    "wake_up",
+    "is_sleeping",
+    "load_weights",
+    "in_process_workers",
+    "hf_config",
+    "RequestOutputKind",
+    "abort_with_outputs",
+    "output_token_counts",
+    "reset_prefix_cache",
+    "vocab_size",
+    "expert_weights",
+    "record_routed_experts",
+    "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
+    "host_memory_only_gc",
 ]

@@ -1,6 +1,7 @@
 """Building and ending an in-process vLLM engine: `build_llm` (vLLM's `LLM` with the adapter's patches and checks
 installed), `shutdown`, and what an engine's life needs around them (its IPC directory, the startup collections).
 """
+
 import atexit
 import contextlib
 import gc
@@ -35,12 +36,19 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     from vllm.platforms import current_platform
 
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") not in ("0", "false", "False"):
-        raise RuntimeError("VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the step-driven VLLMModule; "
-                           "unset it or set it to 0 before importing chatgen.generation")
+        raise RuntimeError(
+            "VLLM_ENABLE_V1_MULTIPROCESSING must be 0 for the step-driven VLLMModule; "
+            "unset it or set it to 0 before importing chatgen.generation"
+        )
     engine_kwargs.setdefault("enable_sleep_mode", current_platform.is_sleep_mode_available())
     if current_platform.is_cpu():
-        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY))
-    if current_platform.is_cpu() and engine_kwargs.get("distributed_executor_backend") == "external_launcher":
+        os.environ.setdefault(
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
+        )
+    if (
+        current_platform.is_cpu()
+        and engine_kwargs.get("distributed_executor_backend") == "external_launcher"
+    ):
         patches.per_job_cpu_shm()
     if not quiet.verbose():
         engine_kwargs.setdefault("use_tqdm_on_load", False)  # a progress bar per checkpoint shard
@@ -49,12 +57,18 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     if engine_kwargs.get("enforce_eager"):
         patches.eager_token_ranks()
     rpc_dir = None
-    workers = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get("pipeline_parallel_size", 1)
+    workers = engine_kwargs.get("tensor_parallel_size", 1) * engine_kwargs.get(
+        "pipeline_parallel_size", 1
+    )
     if workers > 1 and engine_kwargs.get("distributed_executor_backend") != "external_launcher":
         if current_platform.is_cpu():  # vLLM's CPU workers need their cores named, one set per rank
-            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "|".join(str(i % (os.cpu_count() or 1))
-                                                                        for i in range(workers)))
-        if "VLLM_RPC_BASE_PATH" not in os.environ:  # vLLM's multiprocess executor: worker processes, IPC
+            os.environ.setdefault(
+                "VLLM_CPU_OMP_THREADS_BIND",
+                "|".join(str(i % (os.cpu_count() or 1)) for i in range(workers)),
+            )
+        if (
+            "VLLM_RPC_BASE_PATH" not in os.environ
+        ):  # vLLM's multiprocess executor: worker processes, IPC
             rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
             atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
@@ -120,4 +134,6 @@ def in_process_workers(llm: LLM) -> bool:
     `load_weights` are then used directly, never pickled."""
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    return isinstance(engine_core(llm).model_executor, UniProcExecutor)  # also covers external_launcher
+    return isinstance(
+        engine_core(llm).model_executor, UniProcExecutor
+    )  # also covers external_launcher

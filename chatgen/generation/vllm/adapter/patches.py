@@ -3,6 +3,7 @@
 vLLM, and `check()` returns what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails
 loudly on an upgrade that moves any of it, before a patch silently stops applying.
 """
+
 import importlib
 import inspect
 import logging
@@ -62,7 +63,9 @@ def quiet_numa_notice() -> None:
 
     current_platform.import_kernels()  # registers torch.ops._C (idempotent)
     op = getattr(torch.ops._C, "init_cpu_memory_env", None)
-    if op is None or getattr(op, "chatgen_quiet", False):  # gone in a later vLLM: its notice shows, nothing else
+    if op is None or getattr(
+        op, "chatgen_quiet", False
+    ):  # gone in a later vLLM: its notice shows, nothing else
         return
 
     def init_cpu_memory_env(*args):
@@ -77,7 +80,9 @@ def quiet_numa_notice() -> None:
             os.close(devnull)
 
     init_cpu_memory_env.chatgen_quiet = True
-    torch.ops._C.init_cpu_memory_env = init_cpu_memory_env  # vLLM looks the op up on the namespace at each call
+    torch.ops._C.init_cpu_memory_env = (
+        init_cpu_memory_env  # vLLM looks the op up on the namespace at each call
+    )
 
 
 class _ComputedBufferReloadFilter(logging.Filter):
@@ -88,8 +93,11 @@ class _ComputedBufferReloadFilter(logging.Filter):
     LAYERS = ("RotaryEmbedding",)
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args
-                    and str(record.args[0]).endswith(self.LAYERS))
+        return not (
+            record.msg == "%s: Failed to load weights"
+            and record.args
+            and str(record.args[0]).endswith(self.LAYERS)
+        )
 
 
 def install_reload_log_filter(worker=None) -> None:
@@ -103,8 +111,14 @@ def cpu_experts(layer):
     """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None elsewhere: GPU, zentorch)."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-    return experts if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch else None
+    experts = getattr(
+        getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None
+    )
+    return (
+        experts
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch
+        else None
+    )
 
 
 def prepack_cpu_experts_on_reload(worker=None) -> None:
@@ -113,7 +127,9 @@ def prepack_cpu_experts_on_reload(worker=None) -> None:
     backend prepacks w13 / w2 into its GEMM layout; the kernel then reads the new, unpacked weights as packed (a
     tiny Qwen3-MoE synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
     worker process by `build_llm` (idempotent)."""
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+        UnquantizedFusedMoEMethod,
+    )
 
     if getattr(UnquantizedFusedMoEMethod, "chatgen_prepacks_on_reload", False):
         return
@@ -136,7 +152,10 @@ def abandon_reload(worker) -> None:
     ("'Parameter' object has no attribute 'weight_loader'"): the engine could not be repaired. Drop what was
     buffered and end the reload, which puts each unfinished layer's own tensors back (old values: the engine
     loop refuses to generate until a complete sync)."""
-    from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload, get_layerwise_info
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        finalize_layerwise_reload,
+        get_layerwise_info,
+    )
 
     model = worker.model_runner.get_model()
     for layer in model.modules():
@@ -152,28 +171,49 @@ def refresh_tied_lm_head(worker) -> None:
     Re-run its post-load processing (idempotent; a no-op on GPU)."""
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
-    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(head, "quant_method"):
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(
+        head, "quant_method"
+    ):
         head.quant_method.process_weights_after_loading(head)
 
 
 _CPU_SHM = "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed"
-_MOE_METHOD = "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
+_MOE_METHOD = (
+    "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
+)
 _CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 
 # patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source must contain the
 # text (an attribute set in __init__, a log message); (target, (names,)) its parameters must be these.
 RELIES_ON = {
-    "per_job_cpu_shm": [f"{_CPU_SHM}.make_group_name", (f"{_CPU_SHM}._init_cpu_shm", ("self",)),
-                        (_CPU_SHM, "self.group_name"), (_CPU_SHM, "self.communicator")],
+    "per_job_cpu_shm": [
+        f"{_CPU_SHM}.make_group_name",
+        (f"{_CPU_SHM}._init_cpu_shm", ("self",)),
+        (_CPU_SHM, "self.group_name"),
+        (_CPU_SHM, "self.communicator"),
+    ],
     "eager_token_ranks": ["vllm.v1.sample.sampler:batched_count_greater_than"],
-    "install_reload_log_filter": [(_LAYERWISE, '"%s: Failed to load weights", layer.__class__.__name__')],
-    "cpu_experts": [_CPU_EXPERTS, (_CPU_EXPERTS, "self._use_zentorch"), (_MOE_METHOD, "self.moe_kernel")],
-    "prepack_cpu_experts_on_reload": [(f"{_MOE_METHOD}._setup_kernel", ("self", "layer", "w13", "w2")),
-                                      (f"{_CPU_EXPERTS}.process_weights_after_loading", ("self", "layer"))],
-    "abandon_reload": [f"{_LAYERWISE}:finalize_layerwise_reload", f"{_LAYERWISE}:get_layerwise_info",
-                       *[("vllm.model_executor.model_loader.reload.types", name)
-                         for name in ("def can_load", "loaded_weights", "load_numel")]],
+    "install_reload_log_filter": [
+        (_LAYERWISE, '"%s: Failed to load weights", layer.__class__.__name__')
+    ],
+    "cpu_experts": [
+        _CPU_EXPERTS,
+        (_CPU_EXPERTS, "self._use_zentorch"),
+        (_MOE_METHOD, "self.moe_kernel"),
+    ],
+    "prepack_cpu_experts_on_reload": [
+        (f"{_MOE_METHOD}._setup_kernel", ("self", "layer", "w13", "w2")),
+        (f"{_CPU_EXPERTS}.process_weights_after_loading", ("self", "layer")),
+    ],
+    "abandon_reload": [
+        f"{_LAYERWISE}:finalize_layerwise_reload",
+        f"{_LAYERWISE}:get_layerwise_info",
+        *[
+            ("vllm.model_executor.model_loader.reload.types", name)
+            for name in ("def can_load", "loaded_weights", "load_numel")
+        ],
+    ],
 }
 
 
@@ -193,7 +233,7 @@ def check() -> list:
                 problems.append(f"{patch}: the source of {target} no longer contains {want!r}")
             elif isinstance(want, tuple):
                 params = tuple(inspect.signature(found).parameters)
-                if params[:len(want)] != want:
+                if params[: len(want)] != want:
                     problems.append(f"{patch}: {target} takes {params}, the patch expects {want}")
     return problems
 

@@ -1,6 +1,7 @@
 """MoE routing capture: `record_routed_experts(llm)` makes the split step record the experts vLLM routes every token
 to, handed out on each finished sample as `CompletionOutput.routed_experts` (moe_routing_replay).
 """
+
 from vllm import LLM
 
 from chatgen.generation.vllm.adapter.engine import in_process_workers
@@ -34,19 +35,28 @@ class _RoutingRecorder:
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        ids = np.stack([self.step[layer].numpy() for layer in range(self.num_layers)], axis=1)  # (tokens, L, k)
+        ids = np.stack(
+            [self.step[layer].numpy() for layer in range(self.num_layers)], axis=1
+        )  # (tokens, L, k)
         row = 0
-        for rid in self.runner.input_batch.req_ids[:self.runner.input_batch.num_reqs]:
+        for rid in self.runner.input_batch.req_ids[: self.runner.input_batch.num_reqs]:
             n = scheduler_output.num_scheduled_tokens.get(rid, 0)
             start, end = starts[rid], starts[rid] + n
             have = self.routed.get(rid)
             if have is None or len(have) < end:
-                grown = np.full((max(end, 2 * len(have) if have is not None else 0), self.num_layers, self.topk), -1,
-                                dtype=np.int16)
+                grown = np.full(
+                    (
+                        max(end, 2 * len(have) if have is not None else 0),
+                        self.num_layers,
+                        self.topk,
+                    ),
+                    -1,
+                    dtype=np.int16,
+                )
                 if have is not None:
-                    grown[:len(have)] = have
+                    grown[: len(have)] = have
                 self.routed[rid] = have = grown
-            have[start:end] = ids[row:row + n]
+            have[start:end] = ids[row : row + n]
             row += n
             if rid not in self.sample:
                 state = output_processor.request_states.get(rid)
@@ -82,11 +92,15 @@ def record_routed_experts(llm: LLM) -> None:
     or external_launcher) and an MoE model; turn prefix caching off so that every prompt token is routed per
     request."""
     if not in_process_workers(llm):
-        raise ValueError("recording routed experts needs the engine's workers in this process: tensor_parallel_size 1 "
-                         "(or the external_launcher executor); turn return_routed_experts off for this engine")
+        raise ValueError(
+            "recording routed experts needs the engine's workers in this process: tensor_parallel_size 1 "
+            "(or the external_launcher executor); turn return_routed_experts off for this engine"
+        )
     config = llm.llm_engine.model_config
     if config.get_num_experts() <= 0:
-        raise ValueError(f"return_routed_experts: {config.model} is not a mixture-of-experts model; set it to false")
+        raise ValueError(
+            f"return_routed_experts: {config.model} is not a mixture-of-experts model; set it to false"
+        )
     llm.chatgen_routing = None
 
     def install(worker):
@@ -94,13 +108,21 @@ def record_routed_experts(llm: LLM) -> None:
 
         from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
 
-        recorder = _RoutingRecorder(worker.model_runner, config.get_total_num_hidden_layers(),
-                                    config.get_num_experts_per_tok())
-        layers = [m for m in worker.model_runner.get_model().modules()
-                  if isinstance(getattr(m, "router", None), BaseRouter) and hasattr(m, "layer_id")]
+        recorder = _RoutingRecorder(
+            worker.model_runner,
+            config.get_total_num_hidden_layers(),
+            config.get_num_experts_per_tok(),
+        )
+        layers = [
+            m
+            for m in worker.model_runner.get_model().modules()
+            if isinstance(getattr(m, "router", None), BaseRouter) and hasattr(m, "layer_id")
+        ]
         if sorted(m.layer_id for m in layers) != list(range(recorder.num_layers)):
-            raise RuntimeError(f"chatgen's vLLM adapter found MoE routers for layers {[m.layer_id for m in layers]}; "
-                               f"it records routing for an MoE MLP in each of the {recorder.num_layers} layers")
+            raise RuntimeError(
+                f"chatgen's vLLM adapter found MoE routers for layers {[m.layer_id for m in layers]}; "
+                f"it records routing for an MoE MLP in each of the {recorder.num_layers} layers"
+            )
         for m in layers:
             m.router.set_capture_fn(partial(recorder.capture, m.layer_id))
         return recorder

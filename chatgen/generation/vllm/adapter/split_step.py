@@ -8,6 +8,7 @@ which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.
 single-batch-queue engine; plus the request calls around it (add, abort, counts, prefix cache, sleep).
 `check_internals(llm)` asserts every private attribute the split relies on (`build_llm` calls it).
 """
+
 import dataclasses
 
 import vllm
@@ -55,13 +56,40 @@ def check_internals(llm: LLM) -> None:
         )
     else:
         for owner, attrs in (
-            (core, ("scheduler", "model_executor", "step", "step_fn", "post_step", "_process_aborts_queue",
-                    "batch_queue", "async_scheduling")),
-            (getattr(core, "scheduler", None), ("schedule", "update_from_output", "get_grammar_bitmask",
-                                                "has_requests", "kv_cache_manager")),
+            (
+                core,
+                (
+                    "scheduler",
+                    "model_executor",
+                    "step",
+                    "step_fn",
+                    "post_step",
+                    "_process_aborts_queue",
+                    "batch_queue",
+                    "async_scheduling",
+                ),
+            ),
+            (
+                getattr(core, "scheduler", None),
+                (
+                    "schedule",
+                    "update_from_output",
+                    "get_grammar_bitmask",
+                    "has_requests",
+                    "kv_cache_manager",
+                ),
+            ),
             (getattr(core, "model_executor", None), ("execute_model", "sample_tokens")),
-            (engine, ("output_processor", "add_request", "has_unfinished_requests", "abort_request",
-                      "reset_prefix_cache")),
+            (
+                engine,
+                (
+                    "output_processor",
+                    "add_request",
+                    "has_unfinished_requests",
+                    "abort_request",
+                    "reset_prefix_cache",
+                ),
+            ),
             (getattr(engine, "output_processor", None), ("request_states", "external_req_ids")),
         ):
             for attr in attrs:
@@ -69,14 +97,20 @@ def check_internals(llm: LLM) -> None:
                     problems.append(f"{type(owner).__name__}.{attr} is missing")
         if not problems:
             if core.batch_queue is not None or core.step_fn != core.step:
-                problems.append("EngineCore uses a batch queue (pipeline parallel?): the split step supports "
-                                "only EngineCore.step; use pipeline_parallel_size=1")
+                problems.append(
+                    "EngineCore uses a batch queue (pipeline parallel?): the split step supports "
+                    "only EngineCore.step; use pipeline_parallel_size=1"
+                )
             if core.async_scheduling:
-                problems.append("async scheduling is on: the split step needs synchronous scheduling")
+                problems.append(
+                    "async scheduling is on: the split step needs synchronous scheduling"
+                )
     from vllm.v1.engine.output_processor import RequestState
 
     if not hasattr(RequestState, "make_request_output"):
-        problems.append("vllm.v1.engine.output_processor.RequestState.make_request_output is missing")
+        problems.append(
+            "vllm.v1.engine.output_processor.RequestState.make_request_output is missing"
+        )
     if problems:
         raise RuntimeError(
             f"chatgen's vLLM adapter (tested with vLLM {TESTED_VLLM}) does not fit vLLM {vllm.__version__}:\n  "
@@ -85,8 +119,15 @@ def check_internals(llm: LLM) -> None:
         )
 
 
-def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingParams, prompt_text=None,
-                cache_salt=None, output_kind=RequestOutputKind.FINAL_ONLY) -> None:
+def add_request(
+    llm: LLM,
+    request_id: str,
+    prompt_ids: list,
+    params: SamplingParams,
+    prompt_text=None,
+    cache_salt=None,
+    output_kind=RequestOutputKind.FINAL_ONLY,
+) -> None:
     """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters.
 
     output_kind: FINAL_ONLY (one output when the request finishes, as LLM.generate) or DELTA (every step's new
@@ -104,7 +145,9 @@ def add_request(llm: LLM, request_id: str, prompt_ids: list, params: SamplingPar
     engine = llm.llm_engine
     engine.add_request(request_id, prompt, params)
     processor = engine.output_processor
-    for internal_id in processor.external_req_ids.get(request_id, ()):  # a request with n samples has n
+    for internal_id in processor.external_req_ids.get(
+        request_id, ()
+    ):  # a request with n samples has n
         state = processor.request_states.get(internal_id)
         if state is not None and state.logprobs_processor is not None:
             state.logprobs_processor.tokenizer = None
@@ -140,8 +183,11 @@ def abort_with_outputs(llm: LLM, request_ids: list) -> list:
 
 def output_token_counts(llm: LLM) -> dict:
     """{(request id, sample index): tokens generated so far} for every unfinished request."""
-    return {(state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
-            for state in llm.llm_engine.output_processor.request_states.values() if state.detokenizer is not None}
+    return {
+        (state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
+        for state in llm.llm_engine.output_processor.request_states.values()
+        if state.detokenizer is not None
+    }
 
 
 def reset_prefix_cache(llm: LLM, preempt_running: bool = False) -> bool:

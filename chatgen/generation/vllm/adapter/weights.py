@@ -1,6 +1,7 @@
 """Weights in and out of a running engine: `load_weights` (the reload every weight sync ends in) and
 `expert_weights` (an MoE model's experts as the engine holds them, for `chatgen check-sync`).
 """
+
 from typing import Iterable
 
 from vllm import LLM
@@ -22,15 +23,21 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     try:
-        llm.collective_rpc("reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True))
+        llm.collective_rpc(
+            "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
+        )
     except BaseException:
         llm.collective_rpc(patches.abandon_reload)  # so that the next reload (the re-sync) can work
         raise
     llm.collective_rpc(patches.refresh_tied_lm_head)
-    if reset_prefix_cache and llm.reset_prefix_cache() is False:  # vLLM refuses while requests hold cache blocks
-        raise RuntimeError("weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
-                           "cached prompts would reuse KV computed with the old weights; sync only between "
-                           "generation calls, when no request is running")
+    if (
+        reset_prefix_cache and llm.reset_prefix_cache() is False
+    ):  # vLLM refuses while requests hold cache blocks
+        raise RuntimeError(
+            "weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
+            "cached prompts would reuse KV computed with the old weights; sync only between "
+            "generation calls, when no request is running"
+        )
 
 
 def expert_weights(llm: LLM) -> list:
@@ -58,11 +65,16 @@ def _expert_weights(worker) -> list:
         if isinstance(getattr(m, "w13_weight", None), torch.Tensor) and hasattr(m, "w2_weight"):
             w13, w2 = m.w13_weight.detach().cpu(), m.w2_weight.detach().cpu()
             experts = patches.cpu_experts(m)
-            if experts is not None:  # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
+            if (
+                experts is not None
+            ):  # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
                 size = m.moe_config.intermediate_size_per_partition
                 w13, w2 = _unpacked(w13, experts.isa), _unpacked(w2, experts.isa)
                 padded = w13.shape[1] // 2
-                w13, w2 = torch.cat([w13[:, :size], w13[:, padded:padded + size]], dim=1), w2[:, :, :size]
+                w13, w2 = (
+                    torch.cat([w13[:, :size], w13[:, padded : padded + size]], dim=1),
+                    w2[:, :, :size],
+                )
             out.append((w13.clone(), w2.clone()))
     return out
 
