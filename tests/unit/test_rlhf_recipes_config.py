@@ -1,5 +1,5 @@
 """Issue 35's config keys: `chatgen config` refuses bad combinations naming the keys and the fix,
-accepts a temperature it can honour, and the recipe helpers of grpo.py (advantages, loss options,
+accepts a temperature it can honour, and the recipe helpers of grpo_step.py (advantages, loss options,
 dynamic sampling) do what the keys say. pytest tests/unit/test_rlhf_recipes_config.py"""
 
 import textwrap
@@ -12,6 +12,7 @@ import torch
 from chatgen import cli
 from chatgen.core.rollout import RolloutBatch
 from chatgen.rlhf import losses as L
+from chatgen.rlhf import grpo_step
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.config import load_config
 
@@ -154,7 +155,7 @@ def test_recipes_and_temperature_accepted(main_yaml, capsys):
 
 def test_loss_options_defaults_are_todays_call(main_yaml):
     cfg = load_config(main_yaml)
-    assert grpo.loss_options(cfg) == {"clip_eps": 0.2, "kl_coef": 0.0, "kl_kind": "k3"}
+    assert grpo_step.loss_options(cfg) == {"clip_eps": 0.2, "kl_coef": 0.0, "kl_kind": "k3"}
     cfg = load_config(
         main_yaml,
         [
@@ -163,7 +164,7 @@ def test_loss_options_defaults_are_todays_call(main_yaml):
             "runtime.algorithm.loss_aggregation=seq_mean_token_sum_norm",
         ],
     )
-    assert grpo.loss_options(cfg) == {
+    assert grpo_step.loss_options(cfg) == {
         "clip_eps": 0.2,
         "kl_coef": 0.0,
         "kl_kind": "k3",
@@ -180,7 +181,7 @@ def test_advantage_estimators_follow_the_keys(main_yaml):
     data = {"old_logprobs": torch.zeros(8, 3)}
 
     def adv(*keys):
-        return grpo.advantages(
+        return grpo_step.advantages(
             load_config(main_yaml, list(keys)).runtime.algorithm, rewards, 4, data, mask
         )
 
@@ -244,7 +245,7 @@ def test_dynamic_sampling_refills_and_counts(main_yaml):
     )
     first = [[0.0, 0.0], [1.0, 0.0], [1.0, 1.0]]  # groups 0 and 2 have no variance
     run = FakeRun(cfg, [[[0.0, 0.0], [0.0, 1.0], [1.0, 1.0]]])
-    batch, rewards, m = grpo.sample_full_groups(
+    batch, rewards, m = grpo_step.sample_full_groups(
         run, fake_batch([g[0] for g in first], 2), torch.tensor(first).reshape(-1), 2
     )
     assert run.calls == 1 and len(batch) == 6 and rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
@@ -258,7 +259,7 @@ def test_dynamic_sampling_refills_and_counts(main_yaml):
     assert batch.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
     # a batch with every group useful: nothing generated
     run = FakeRun(cfg, [])
-    batch, rewards, m = grpo.sample_full_groups(
+    batch, rewards, m = grpo_step.sample_full_groups(
         run, fake_batch([1, 1], 2), torch.tensor([1.0, 0, 0, 1]), 2
     )
     assert run.calls == 0 and m["dynamic_sampling/extra_generations"] == 0 and len(batch) == 4

@@ -28,6 +28,7 @@ from typing import Optional
 from chatgen.config import opt
 from chatgen.core.imports import import_class
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.rlhf import grpo_step
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.config import Role
 from chatgen.rlhf.health import RunHealthError
@@ -227,7 +228,7 @@ def train(cfg, resume=False, log=print) -> dict:
                     "returns a finite number for every episode"
                 )
             metrics = {
-                **grpo.update(run, batch, rewards, n),
+                **grpo_step.update(run, batch, rewards, n),
                 **env_metrics(episodes, "env/"),
                 "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
             }

@@ -1,0 +1,198 @@
+"""GRPO's step once a batch is sampled and scored, shared by the loops that sample it (grpo.py,
+grpo_multiturn.py): shaped rewards, the advantage estimators, the loss's options, rollout correction,
+the update itself (reference and old log-probs, train, sync) and DAPO's dynamic sampling.
+
+The algorithm's keys are chatgen.rlhf.algorithms.grpo's Config (the `algo` argument below);
+docs/algorithms.md has each recipe.
+"""
+
+from functools import partial
+
+import torch
+
+from chatgen.core.metrics import reduce_metrics
+from chatgen.core.rollout import RolloutBatch
+from chatgen.rlhf import losses as L
+from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
+from chatgen.rlhf.metrics import prefixed, sample_metrics
+
+
+def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
+    """(S,) rewards the advantages see: the scores plus DAPO's overlong penalty when it is on."""
+    if algo.overlong_buffer_length is None:
+        return rewards
+    return rewards + L.overlong_penalty(
+        batch.response_lengths,
+        max_new_tokens,
+        algo.overlong_buffer_length,
+        algo.overlong_penalty_factor,
+    )
+
+
+def advantages(algo, rewards, n: int, data: dict, mask):
+    """The advantage estimator: (S,) per sample (grpo, rloo) or (S, L-1) per token (reinforce_pp).
+    rewards: (S,); data: old_logprobs and (with kl_in_reward) ref_logprobs, (S, L-1); mask:
+    (S, L-1), the response tokens."""
+    if algo.advantage_estimator == "rloo":
+        return L.rloo_advantages(rewards, n)
+    if algo.advantage_estimator == "reinforce_pp":
+        kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
+        old = data["old_logprobs"]
+        token_rewards = L.kl_shaped_rewards(
+            rewards, old, data.get("ref_logprobs", old), mask, kl_coef, algo.kl_estimator
+        )
+        return L.reinforce_pp_advantages(token_rewards, mask)
+    return L.group_advantages(rewards, n, normalize_std=algo.normalize_advantage_std)
+
+
+def loss_options(cfg) -> dict:
+    """policy_loss_fn's keywords for this run's algorithm section."""
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
+    options = dict(
+        clip_eps=algo.clip_eps,
+        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+        kl_kind=algo.kl_estimator,
+    )
+    # only what differs from policy_loss's defaults: today's runs call it exactly as before
+    token_mean = algo.loss_aggregation == "token_mean"
+    recipe = dict(
+        clip_eps=algo.clip_eps_low,
+        clip_eps_high=algo.clip_eps_high,
+        dual_clip=algo.dual_clip,
+        ratio_level=None if algo.ratio_level == "token" else algo.ratio_level,
+        loss_aggregation=None if token_mean else algo.loss_aggregation,
+        entropy_coef=algo.entropy_coef or None,
+    )
+    options.update({k: v for k, v in recipe.items() if v is not None})
+    if algo.loss_aggregation == "seq_mean_token_sum_norm":
+        options["norm_length"] = algo.loss_norm_length or pc.max_new_tokens
+    return options
+
+
+def rollout_correction(algo, data: dict, infer_logprobs) -> dict:
+    """Importance weights (data["is_weights"]) and outlier masking (data["loss_mask"]) for the
+    train/inference mismatch, from old (data) vs inference log-probs; returns their metrics
+    (rollout_correction/*)."""
+    old, mask, metrics = data["old_logprobs"], data["loss_mask"], {}
+    cap, level = algo.importance_sampling_cap, algo.importance_sampling_level
+    if cap and level == "token":
+        data["is_weights"] = L.truncated_importance_weights(old, infer_logprobs, cap)
+    elif cap:
+        data["is_weights"] = L.sequence_importance_weights(
+            old, infer_logprobs, mask, cap, geometric=level == "geometric"
+        )
+    if algo.rejection_level is not None:
+        keep = L.outlier_mask(
+            old, infer_logprobs, mask, algo.rejection_low, algo.rejection_high, algo.rejection_level
+        )
+        answered = mask.sum(dim=1) > 0
+        dropped = answered & (keep.sum(dim=1) == 0)
+        metrics["rollout_correction/masked_token_fraction"] = (
+            (mask - keep).sum() / mask.sum().clamp(min=1)
+        ).item()
+        metrics["rollout_correction/masked_sequence_fraction"] = (
+            dropped.sum() / answered.sum().clamp(min=1)
+        ).item()
+        data["loss_mask"] = keep
+    return metrics
+
+
+def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
+    """GRPO's step once a batch is sampled and scored: reference and old log-probs, rollout
+    correction, advantages (runtime.algorithm.advantage_estimator), clipped policy-gradient steps,
+    sync into the policy (unless sync=False: the caller syncs later). batch: a RolloutBatch of
+    S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's metrics (rewards,
+    mismatch, trainer, KL). Shared by grpo_multiturn."""
+    cfg, timer = run.cfg, run.timer
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
+    use_reference = "reference" in cfg.models  # the penalty, or (kl_coef 0) kl/reference only
+    loss_fn = partial(L.policy_loss_fn, **loss_options(cfg))
+    data, recipe_metrics = batch.trainer_inputs(), {}
+    if algo.mask_truncated:  # DAPO's overlong filtering: a cut response says nothing of its end
+        cut = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
+        data["loss_mask"] = data["loss_mask"] * (1 - cut).unsqueeze(1)
+        recipe_metrics["response/truncated_fraction"] = cut.mean().item()
+    if use_reference:
+        with timer("reference"):
+            data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
+    if algo.old_logprobs == "rollout":
+        data["old_logprobs"] = (
+            batch.infer_logprobs
+        )  # the sampling weights' log-probs, as the engine computed them
+    else:
+        with timer("old_logprobs"):
+            data["old_logprobs"] = run.forward_tokens(
+                "policy_trainer", data
+            )  # the weights the engine sampled with
+    recipe_metrics.update(rollout_correction(algo, data, batch.infer_logprobs))
+    shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
+    if shaped is not rewards:
+        recipe_metrics["reward/overlong_penalty"] = (shaped - rewards).mean().item()
+    data["advantages"] = advantages(algo, shaped, n, data, batch.loss_mask)  # (S,) or (S, L-1)
+    with timer("train"):
+        # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
+        # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
+        group = n if cfg.runtime.train_global_batch_size % n == 0 else 1
+        steps = run.train("policy_trainer", data, loss_fn, group_size=group, per_step=True)
+    stats = reduce_metrics(steps)
+    if sync:
+        with timer("sync"):
+            run.sync_policy()
+    weights = data.get("is_weights")
+    if weights is not None and weights.dim() == 1:  # per sequence: on each of its tokens
+        weights = weights.unsqueeze(1).expand_as(batch.loss_mask)
+    metrics = {
+        **sample_metrics(rewards, batch, data["old_logprobs"], cfg.runtime.solved_reward, weights),
+        **prefixed("policy", stats),
+        **recipe_metrics,
+        # steps without any signal (every group of the step all-equal)
+        "policy/zero_grad_steps": sum(step.get("grad_norm") == 0.0 for step in steps),
+    }
+    metrics["reward/zero_variance_groups"] = zero_variance_groups(rewards, n, run.log)
+    if (
+        algo.old_logprobs == "rollout"
+    ):  # old == infer: the mismatch is what the first step saw before updating
+        del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
+        if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
+            metrics["mismatch/logprob_max_abs"] = steps[0]["old_logprob_diff_max"]
+    if use_reference:
+        metrics["kl/reference"] = L.masked_mean(
+            L.kl_estimate(data["old_logprobs"], data["ref_logprobs"], algo.kl_estimator),
+            batch.loss_mask,
+        ).item()
+    return metrics
+
+
+def sample_full_groups(run, batch, rewards, n: int):
+    """DAPO's dynamic sampling: drop the groups of `batch` whose (shaped) rewards are all equal and
+    generate more prompts' groups until the batch has its P groups again, for at most
+    dynamic_sampling_max_rounds extra rounds; a batch still short is filled with dropped groups.
+    Returns (batch, rewards, metrics)."""
+    algo, pc = run.cfg.runtime.algorithm, run.cfg.models["policy"].config
+    wanted = len(batch) // n
+    kept, dropped, rounds = [], [], 0
+    while True:
+        flat = equal_reward_groups(shaped_rewards(algo, batch, rewards, pc.max_new_tokens), n)
+        for g, flat_group in enumerate(flat.tolist()):
+            (dropped if flat_group else kept).append((batch, rewards, g))
+        if len(kept) >= wanted or rounds == algo.dynamic_sampling_max_rounds:
+            break
+        rounds += 1
+        with run.timer("generate"):
+            batch = run.generate(run.next_prompts())
+        with run.timer("reward"):
+            rewards = run.score(batch)
+    chosen = (kept + dropped)[:wanted]  # kept groups first; dropped ones when the rounds ran out
+    parts = [
+        (b.select(torch.arange(g * n, (g + 1) * n)), r[g * n : (g + 1) * n]) for b, r, g in chosen
+    ]
+    out_batch = RolloutBatch.concat([b for b, _ in parts], pc.pad_token_id or 0)
+    out_batch.prompt_index = torch.arange(wanted).repeat_interleave(n)  # unique again, in order
+    out_rewards = torch.cat([r for _, r in parts])
+    metrics = {
+        "dynamic_sampling/dropped_groups": len(dropped),
+        "dynamic_sampling/rounds": rounds,
+        "dynamic_sampling/extra_generations": rounds * wanted * n,
+        "dynamic_sampling/unfilled_groups": max(0, wanted - len(kept)),
+    }
+    return out_batch, out_rewards, metrics
