@@ -249,7 +249,7 @@ def test_dynamic_sampling_refills_and_counts(main_yaml):
         run, fake_batch([g[0] for g in first], 2), torch.tensor(first).reshape(-1), 2
     )
     assert run.calls == 1 and len(batch) == 6 and rewards.tolist() == [1.0, 0.0, 0.0, 1.0, 0.0, 0.0]
-    assert not grpo.equal_reward_groups(rewards[:4], 2).any()  # the two kept groups, first
+    assert not grpo_step.equal_reward_groups(rewards[:4], 2).any()  # the two kept groups, first
     assert m == {
         "dynamic_sampling/dropped_groups": 4,
         "dynamic_sampling/rounds": 1,
