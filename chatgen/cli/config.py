@@ -6,7 +6,7 @@
     chatgen config --reference                                                      # key reference (markdown)
 
 A main YAML gets every check `chatgen train` makes before it starts a model, by the same function
-(`checked_run_config`): the imports of the user code it names, chatgen.rlhf.config.check_run (the algorithm's
+(`checked_run_config`): the imports of the user code it names, chatgen.rlhf.checks.check_run (the algorithm's
 models, batch sizes, every line of the data files, the layout of the ranks: TP against the model's heads, replicas x
 TP against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
 whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
@@ -22,25 +22,18 @@ from chatgen.config import ConfigError, load_model_config
 from chatgen.config.loader import read_yaml, type_name
 from chatgen.generation import base as generation
 from chatgen.rlhf import registry
-from chatgen.rlhf.config import (
-    ModelEntry,
-    RuntimeConfig,
-    check_run,
-    format_config,
-    load_config,
-    resolve_schema,
-    schema_marker,
-    to_dict,
-)
+from chatgen.rlhf.checks import check_run
+from chatgen.rlhf.config import format_config, load_config, resolve_schema, schema_marker, to_dict
 from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
-from chatgen.rlhf.runtime import cluster_address, cluster_nodes
+from chatgen.rlhf.ray_cluster import cluster_address, cluster_nodes
+from chatgen.rlhf.schema import ModelEntry, RuntimeConfig
 from chatgen.training.config import MegatronConfig
 
 
 def checked_run_config(path, overrides) -> tuple:
     """(config, algorithm module) of a main YAML after every check made before anything starts: the
     one function `chatgen config` and `chatgen train` both call, so the two cannot disagree. Loading
-    imports the user code the config names (python models' classes); chatgen.rlhf.config.check_run
+    imports the user code the config names (python models' classes); chatgen.rlhf.checks.check_run
     checks the algorithm's models, batch sizes, every line of the data files, the ranks' layout and,
     attached to a Ray cluster, that the groups fit its nodes. Raises ConfigError listing every
     problem."""

@@ -275,7 +275,7 @@ def read_prompt_file(path, rt, key: str = "runtime.data_path") -> list[dict]:
 def data_problems(rt) -> list[str]:
     """What is wrong with runtime.data_path / eval_data_path under the runtime's column keys, each
     problem naming the key, the file and the fix: read in full, before any model starts
-    (chatgen.rlhf.config.check_run)."""
+    (chatgen.rlhf.checks.check_run)."""
     problems = []
     for key in ("data_path", "eval_data_path"):
         if getattr(rt, key):

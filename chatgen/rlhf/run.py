@@ -12,7 +12,7 @@ evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<name>.py, each 
     # leaving the block stops the actors and writes the plot (run.plot), however the loop ended
 
 Nothing here assumes a particular algorithm or backend: which models exist and which syncs into which comes from
-the algorithm's MODELS (chatgen.rlhf.config.Role); a run without a generation policy (offline DPO) never
+the algorithm's MODELS (chatgen.rlhf.schema.Role); a run without a generation policy (offline DPO) never
 generates. A Run holds the pieces it is made of: the data (chatgen.rlhf.data), the runtime's model groups
 (chatgen.rlhf.runtime), the weight links between trainers and engines (chatgen.rlhf.weight_links), the health
 checks (chatgen.rlhf.health), the checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
@@ -33,14 +33,8 @@ from chatgen.core.tensors import select
 from chatgen.module import startup_gc
 from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf import registry
-from chatgen.rlhf.config import (
-    backend_kind,
-    check_run,
-    format_config,
-    model_class,
-    save_resolved,
-    to_dict,
-)
+from chatgen.rlhf.checks import backend_kind, check_run
+from chatgen.rlhf.config import format_config, save_resolved, to_dict
 from chatgen.rlhf.data import RunData
 from chatgen.rlhf.health import StepHealth, checked_rewards
 from chatgen.rlhf.metrics import (
@@ -51,6 +45,7 @@ from chatgen.rlhf.metrics import (
     summary,
 )
 from chatgen.rlhf.runtime import Runtime
+from chatgen.rlhf.schema import model_class
 from chatgen.rlhf.trackers import start_trackers
 from chatgen.rlhf.weight_links import WeightLinks
 

@@ -41,7 +41,7 @@ from chatgen.core.tensors import select
 from chatgen.generation.base import load_backend
 from chatgen.module import startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
-from chatgen.rlhf.config import backend_kind, model_class
+from chatgen.rlhf.checks import backend_kind
 from chatgen.rlhf.generation_group import GenerationGroup
 from chatgen.rlhf.placement import (
     engine_tp,
@@ -53,15 +53,13 @@ from chatgen.rlhf.placement import (
 
 # the Ray cluster's names: importable from here too
 from chatgen.rlhf.ray_cluster import (
-    FORWARDED_PREFIXES,
-    NOT_FORWARDED,
     LocalRay,  # noqa: F401
     alive_nodes,
     cluster_address,
-    cluster_nodes,
     init_ray,
     worker_env,
 )
+from chatgen.rlhf.schema import model_class
 
 
 class ActorFailure(RuntimeError):

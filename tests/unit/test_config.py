@@ -20,8 +20,6 @@ from chatgen.compat.chatlearn import dialect, megatron_lm_keys, model_args
 from chatgen.config import ConfigError, load_model_config, parse_overrides
 from chatgen.generation.vllm.config import VLLMConfig
 from chatgen.rlhf.config import (
-    ModelEntry,
-    RuntimeConfig,
     format_config,
     load_config,
     resolve_schema,
@@ -29,6 +27,7 @@ from chatgen.rlhf.config import (
     schema_marker,
     to_dict,
 )
+from chatgen.rlhf.schema import ModelEntry, RuntimeConfig
 from chatgen.training.config import MegatronConfig
 
 REPO = Path(__file__).resolve().parents[2]

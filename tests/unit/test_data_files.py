@@ -13,8 +13,8 @@ import datasets
 import pytest
 
 from chatgen.cli import main
-from chatgen.rlhf.config import RuntimeConfig
 from chatgen.rlhf.data import RunData, data_digest, data_problems, read_prompt_file
+from chatgen.rlhf.schema import RuntimeConfig
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "grpo_tiny.yaml"
 ROWS = [

@@ -100,8 +100,9 @@ def test_the_served_policy_must_be_a_one_rank_engine():
     from pathlib import Path
 
     from chatgen.config import ConfigError
+    from chatgen.rlhf.checks import check_run
+    from chatgen.rlhf.config import load_config
     from chatgen.rlhf.registry import load
-    from chatgen.rlhf.config import check_run, load_config
 
     repo = Path(__file__).resolve().parents[2]
     cfg = load_config(

@@ -14,7 +14,8 @@ from chatgen.config import ConfigError
 from chatgen.core.jsonl import read_prompt_records
 from chatgen.rlhf import registry
 from chatgen.rlhf.algorithms.dpo import pair_batch
-from chatgen.rlhf.config import check_run, load_config
+from chatgen.rlhf.checks import check_run
+from chatgen.rlhf.config import load_config
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -3,17 +3,14 @@ accepts a temperature it can honour, and the recipe helpers of grpo_step.py (adv
 dynamic sampling) do what the keys say. pytest tests/unit/test_rlhf_recipes_config.py"""
 
 import textwrap
-from functools import partial
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from chatgen import cli
 from chatgen.core.rollout import RolloutBatch
-from chatgen.rlhf import losses as L
 from chatgen.rlhf import grpo_step
-from chatgen.rlhf.algorithms import grpo
+from chatgen.rlhf import losses as L
 from chatgen.rlhf.config import load_config
 
 

@@ -15,7 +15,8 @@ from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.core.tensors import select
 from chatgen.rlhf import registry
-from chatgen.rlhf.config import check_run, load_config
+from chatgen.rlhf.checks import check_run
+from chatgen.rlhf.config import load_config
 from chatgen.rlhf.metrics import sample_metrics
 from chatgen.rlhf.placement import GroupPlan, plan_groups
 from chatgen.rlhf.weight_links import WeightLinks
@@ -107,7 +108,7 @@ def test_an_algorithm_of_your_own_is_one_module_named_in_yaml(tmp_path, data, mo
     (tmp_path / "my_algo.py").write_text('''
 import dataclasses
 from chatgen.config import opt
-from chatgen.rlhf.config import AlgorithmConfig, Role
+from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 @dataclasses.dataclass(kw_only=True)
 class Config(AlgorithmConfig):

@@ -16,10 +16,9 @@ from helpers import REPO, load
 from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
-from chatgen.param_sync import SyncError
-from chatgen.param_sync import BroadcastReceiver, BroadcastSender, IpcSender, load_ipc
+from chatgen.param_sync import BroadcastReceiver, BroadcastSender, IpcSender, SyncError, load_ipc
 from chatgen.rlhf import registry
-from chatgen.rlhf.config import check_run
+from chatgen.rlhf.checks import check_run
 from chatgen.rlhf.generation_group import GenerationGroup, assign
 from chatgen.rlhf.placement import placement_problems, plan_groups, ranks_by_node, topology_problems
 
@@ -306,8 +305,8 @@ class _Group:
 
 def test_replicas_answer_as_one_engine_in_the_caller_s_order():
     from chatgen.generation.config import GenerationConfig
-    from chatgen.rlhf.config import ModelEntry
     from chatgen.rlhf.runtime import ModelHandle
+    from chatgen.rlhf.schema import ModelEntry
 
     n, items = (
         3,

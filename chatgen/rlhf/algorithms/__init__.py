@@ -4,10 +4,10 @@
 (`my_pkg.my_algo`, importable from the directory you run in). An algorithm module declares everything about
 itself; nothing else in chatgen lists algorithms:
 
-    Config      a dataclass subclassing chatgen.rlhf.config.AlgorithmConfig: its own keys of the `runtime.algorithm:`
+    Config      a dataclass subclassing chatgen.rlhf.schema.AlgorithmConfig: its own keys of the `runtime.algorithm:`
                 section, each `name: type = opt(default, "doc")`, with a `check()` for ranges (typed, typo-checked
                 and documented like every other config section)
-    MODELS      {model name: chatgen.rlhf.config.Role(backend, trainable=..., optional=..., syncs_to=...)}: the models
+    MODELS      {model name: chatgen.rlhf.schema.Role(backend, trainable=..., optional=..., syncs_to=...)}: the models
                 it needs; the config is checked against it before anything starts
     check(cfg)  optional: yields "key: problem; fix" strings for rules across models and sections
     trainer_rows(cfg) -> int   optional: rows each trainer call of an episode gets, when not sample_per_episode

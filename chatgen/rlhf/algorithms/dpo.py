@@ -21,9 +21,9 @@ from chatgen.config import opt
 from chatgen.core.jsonl import read_records
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.rlhf import losses as L
-from chatgen.rlhf.config import AlgorithmConfig, Role
 from chatgen.rlhf.metrics import prefixed
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 FIELDS = ("prompt", "chosen", "rejected")
 

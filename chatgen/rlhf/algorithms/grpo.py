@@ -19,9 +19,10 @@ import time
 from typing import Literal, Optional
 
 from chatgen.config import opt
-from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.grpo_step import sample_full_groups, update
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -30,10 +30,10 @@ from chatgen.core.imports import import_class
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.rlhf import grpo_step
 from chatgen.rlhf.algorithms import grpo
-from chatgen.rlhf.config import Role
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.placement import plan_groups
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.schema import Role
 
 
 @dataclasses.dataclass(kw_only=True)

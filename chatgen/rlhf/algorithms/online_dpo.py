@@ -18,9 +18,9 @@ from functools import partial
 from chatgen.config import opt
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.algorithms.dpo import pair_problems
-from chatgen.rlhf.config import AlgorithmConfig, Role
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 
 @dataclasses.dataclass(kw_only=True)

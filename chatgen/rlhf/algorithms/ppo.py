@@ -18,9 +18,10 @@ from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.algorithms.grpo import score_at_sampling_temperature
-from chatgen.rlhf.config import AlgorithmConfig, Role, policy_sampling_problems
+from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 
 @dataclasses.dataclass(kw_only=True)
