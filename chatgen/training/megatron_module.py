@@ -25,7 +25,8 @@ while a colocated engine generates. docs/megatron_module.md says more.
 The class keeps the lifecycle and the train/forward steps; its other jobs are mixins in sibling files:
 checkpoints.py (three formats), memory.py (offload / onload / memory_stats), moe_routing.py (routing replay,
 expert figures), hf_export.py (the weights as HF tensors), packing_hooks.py (shared-prefix packing and logit
-slicing), model_build.py (layer spec, DDP + distributed optimizer, LR schedule).
+slicing), model_build.py (layer spec, DDP + distributed optimizer, LR schedule), schedule.py (megatron-core's
+pipeline schedule over micro-batches).
 """
 
 import gc
@@ -38,7 +39,6 @@ import torch.distributed as dist
 from chatgen import models
 from chatgen.core.checkpoint_io import read_hf_config
 from chatgen.core.distributed import init_process_group
-from chatgen.core.metrics import reduce_metrics
 from chatgen.models import layout
 from chatgen.module import Module
 from chatgen.training import cpu_compat
@@ -49,6 +49,7 @@ from chatgen.training.memory import MemoryHandoff
 from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
+from chatgen.training.schedule import Schedule, split_batch
 from chatgen.training.token_scoring import TokenScoring
 
 __all__ = [
@@ -131,7 +132,15 @@ def _groups_alive(ps) -> bool:
 
 
 class MegatronModule(
-    Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild, TokenScoring, Module
+    Checkpoints,
+    MemoryHandoff,
+    HFExport,
+    MoERouting,
+    PackingHooks,
+    ModelBuild,
+    TokenScoring,
+    Schedule,
+    Module,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
@@ -344,7 +353,7 @@ class MegatronModule(
             for k in ("input_ids", "attention_mask", "routed_experts")
             if data.get(k) is not None
         }
-        return self._run_schedule(_split_batch(batch, mbs), loss_fn=None, forward_only=True)
+        return self.run_schedule(split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches.
@@ -375,12 +384,12 @@ class MegatronModule(
                 f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
             )
         mbs = self.config.micro_batch_size or n
-        micro_batches = _split_batch(data, mbs)
+        micro_batches = split_batch(data, mbs)
         self.onload()  # a no-op unless offload() moved the training state to the host
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        metrics = self._run_schedule(
+        metrics = self.run_schedule(
             micro_batches, loss_fn, forward_only=False
         )  # grads reduced over DP, PP, TP
         if self.spec.is_moe:
@@ -421,187 +430,3 @@ class MegatronModule(
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
-
-    def _run_schedule(self, micro_batches: list, loss_fn, forward_only: bool):
-        """Run megatron's pipeline schedule over micro-batches (all the same T).
-
-        forward_only: returns logprobs (B, T-1) gathered over micro-batches, on every rank.
-        Otherwise runs backward too and returns the loss_fn metrics averaged over micro-batches and DP.
-        """
-        from megatron.core import parallel_state as ps
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-
-        t = micro_batches[0]["input_ids"].shape[1]
-        if self.seq_length and t > self.seq_length:
-            raise ValueError(
-                f"{self.name}: a batch of {t} tokens per sample is longer than seq_length="
-                f"{self.seq_length}; raise seq_length in this model's config (up to the model's "
-                "max_position_embeddings) or cut prompts / responses"
-            )
-        device = self.device
-        micro_batches = [
-            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            for mb in micro_batches
-        ]
-        b, t = micro_batches[0]["input_ids"].shape
-        plans = (
-            self._pack(micro_batches)
-            if self._packs and not forward_only
-            else [None] * len(micro_batches)
-        )
-        if (
-            plans[0] is not None
-        ):  # the pipeline schedule exchanges (T, b, H) activations of the packed shape
-            b, t = plans[0].input_ids.shape
-        collected = []
-
-        def forward_step_func(data_iterator, model):
-            mb, plan = next(data_iterator)
-            if (
-                plan is not None
-            ):  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
-                self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
-                moe = (
-                    {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}
-                )  # no pad in the router's figures
-                try:
-                    logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
-                finally:  # a later plain call of the model computes every position at 0..T-1
-                    self._logits_from, self._rope_positions = 0, None
-                if not self.is_last_stage:
-                    return logits, None
-                logprobs = plan.unpack(
-                    self.token_outputs(logits, plan.labels)
-                )  # (b, T-1), 0 where unread
-                return logprobs, loss_func_for(mb)
-            ids = mb["input_ids"]
-            position_ids, mask = _positions_and_mask(ids, mb.get("attention_mask"))
-            moe = {}
-            if (
-                self.spec.is_moe and mb.get("attention_mask") is not None
-            ):  # no pad in the router's figures
-                moe["padding_mask"] = ~mb["attention_mask"].bool()
-            if self.config.moe_routing_replay:
-                self._replay_routing(mb.get("routed_experts"), ids.shape)
-            # Training: no logits before the first position any row's loss reads (the prompt); the output layer
-            # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
-            first = (
-                _first_scored_position(mb.get("loss_mask"))
-                if self._slices_logits and not forward_only
-                else 0
-            )
-            self._logits_from = first
-            try:
-                logits = model(ids, position_ids, mask, **moe)
-            finally:
-                self._logits_from = 0
-            if not self.is_last_stage:
-                return logits, None
-            logprobs = self.token_outputs(
-                logits, ids[:, first:]
-            )  # (b, T-1-first): as if the rows began there
-            if first:
-                logprobs = torch.nn.functional.pad(
-                    logprobs, (first, 0)
-                )  # (b, T-1), 0 where no loss reads
-            return logprobs, loss_func_for(mb)
-
-        def loss_func_for(mb):
-            def loss_func(output):
-                if loss_fn is None:
-                    collected.append(output.detach())
-                    return output.sum() * 0, {}
-                loss, metrics = loss_fn(output, mb)
-                collected.append(
-                    {
-                        k: float(v.detach() if torch.is_tensor(v) else v)
-                        for k, v in {"loss": loss, **metrics}.items()
-                    }
-                )
-                return loss, {}
-
-            return loss_func
-
-        get_forward_backward_func()(
-            forward_step_func=forward_step_func,
-            data_iterator=iter(zip(micro_batches, plans)),
-            model=[self.ddp],
-            num_microbatches=len(micro_batches),
-            seq_length=t,
-            micro_batch_size=b,
-            forward_only=forward_only,
-        )
-
-        if forward_only:  # logprobs live on the last stage: send them to every stage
-            out = (
-                torch.cat(collected)
-                if self.is_last_stage
-                else torch.empty(
-                    sum(mb["input_ids"].shape[0] for mb in micro_batches),
-                    t - 1,
-                    dtype=torch.float32,
-                    device=device,
-                )
-            )
-            if self.pp > 1:
-                dist.broadcast(
-                    out,
-                    ps.get_pipeline_model_parallel_last_rank(),
-                    group=ps.get_pipeline_model_parallel_group(),
-                )
-            return out.cpu()
-        metrics = reduce_metrics(collected) if collected else None
-        if self.pp > 1:  # metrics live on the last stage
-            box = [metrics]
-            dist.broadcast_object_list(
-                box,
-                ps.get_pipeline_model_parallel_last_rank(),
-                group=ps.get_pipeline_model_parallel_group(),
-            )
-            metrics = box[0]
-        if self.dp > 1:
-            parts = [None] * self.dp
-            dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
-            metrics = reduce_metrics(parts)
-        return metrics
-
-
-def _split_batch(data: dict, micro_batch_size: int) -> list[dict]:
-    n = data["input_ids"].shape[0]
-    if n % micro_batch_size:
-        raise ValueError(
-            f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}"
-        )
-    return [
-        {
-            k: (
-                v[i : i + micro_batch_size]
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n
-                else v
-            )
-            for k, v in data.items()
-        }
-        for i in range(0, n, micro_batch_size)
-    ]
-
-
-def _first_scored_position(loss_mask: torch.Tensor | None) -> int:
-    """The first position t whose entry (b, T-1) loss_mask[:, t] is 1 in any row (entry t scores token t+1,
-    predicted from position t); 0 without a mask or when it is empty."""
-    if loss_mask is None:
-        return 0
-    scored = loss_mask.any(dim=0).nonzero()
-    return int(scored[0]) if len(scored) else 0
-
-
-def _positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """Position ids (b, T) and megatron's boolean mask (b, 1, T, T), True = do not attend: causal, plus
-    padding keys when attention_mask is given (positions then count real tokens, so left padding works)."""
-    b, t = input_ids.shape
-    causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
-    if attention_mask is None:
-        return torch.arange(t, device=input_ids.device).expand(b, t), causal.view(1, 1, t, t)
-    keep = attention_mask.bool()
-    positions = (keep.long().cumsum(-1) - 1).clamp(min=0)
-    mask = causal.view(1, 1, t, t) | ~keep.view(b, 1, 1, t)
-    return positions, mask

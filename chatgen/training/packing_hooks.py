@@ -11,7 +11,7 @@ from chatgen.training.prefix_packing import pack_shared_prefix
 
 
 class PackingHooks:
-    """Set up by `setup()`, driven per micro-batch by `_run_schedule`."""
+    """Set up by `setup()`, driven per micro-batch by `run_schedule`."""
 
     def _pack(self, micro_batches: list) -> list:
         """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
@@ -31,7 +31,7 @@ class PackingHooks:
     def _select_logit_positions(self, _layer, args):
         """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, only where
         logits are needed: from position `self._logits_from` on when it is an int (0 = all), or at the positions
-        of a (b, K) tensor, per row (shared-prefix packing). Set per micro-batch by `_run_schedule`."""
+        of a (b, K) tensor, per row (shared-prefix packing). Set per micro-batch by `run_schedule`."""
         at = self._logits_from
         if torch.is_tensor(at):
             hidden = args[0]

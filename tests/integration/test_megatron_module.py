@@ -111,11 +111,9 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     assert (
         sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0
     )  # rows 0/1 outside their masks
-    from chatgen.training.megatron_module import _first_scored_position
+    from chatgen.training.schedule import first_scored_position
 
-    assert (
-        _first_scored_position(loss_mask) == 6 and _first_scored_position(torch.zeros(2, 15)) == 0
-    )
+    assert first_scored_position(loss_mask) == 6 and first_scored_position(torch.zeros(2, 15)) == 0
 
 
 def grouped_batch(vocab=500, groups=2, n=3, seed=0):
