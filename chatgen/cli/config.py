@@ -19,13 +19,14 @@ import typing
 
 from chatgen.compat.chatlearn import dialect
 from chatgen.config import ConfigError, load_model_config
-from chatgen.config.loader import read_yaml, type_name
+from chatgen.config.loader import read_yaml
+from chatgen.config.typed import type_name
 from chatgen.generation import base as generation
 from chatgen.rlhf import registry
 from chatgen.rlhf.checks import check_run
 from chatgen.rlhf.config import format_config, load_config, resolve_schema, schema_marker, to_dict
-from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.ray_cluster import cluster_address, cluster_nodes
+from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.schema import ModelEntry, RuntimeConfig
 from chatgen.training.config import MegatronConfig
 

@@ -23,7 +23,8 @@ import types
 from pathlib import Path
 
 from chatgen.config import ConfigError, Dialect, args_problem
-from chatgen.config.loader import at, did_you_mean, source_of, substitute
+from chatgen.config.loader import at, source_of, substitute
+from chatgen.config.typed import did_you_mean
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,9 @@ whole run). Check a config from the shell: `chatgen config configs/grpo_tiny.yam
 docs/configuration.md.
 """
 
-from chatgen.config.loader import CLI, ConfigError, Dialect, load_model_config, parse_overrides
+from chatgen.config.loader import CLI, ConfigError, parse_overrides
 from chatgen.config.schema import DTYPES, REQUIRED, USER_KEYS_DOC, args_problem, opt
+from chatgen.config.typed import Dialect, load_model_config
 
 __all__ = [
     "CLI",

@@ -9,7 +9,8 @@ code that imports them from there.
 """
 
 from chatgen.config import ConfigError
-from chatgen.config.loader import at, closest
+from chatgen.config.loader import at
+from chatgen.config.typed import closest
 from chatgen.rlhf.data import data_problems
 from chatgen.rlhf.placement import (
     model_world_size,

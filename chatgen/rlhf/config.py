@@ -22,8 +22,6 @@ from chatgen.compat.chatlearn import dialect
 from chatgen.config import CLI, ConfigError
 from chatgen.config.loader import (
     at,
-    build,
-    closest,
     key_paths,
     mask_secrets,
     merge,
@@ -32,6 +30,7 @@ from chatgen.config.loader import (
     show,
     substitute,
 )
+from chatgen.config.typed import build, closest
 from chatgen.core.checkpoint_io import write_private_text
 from chatgen.core.imports import add_project_dir, import_class, project_dir
 from chatgen.generation.config import GenerationConfig

@@ -38,7 +38,7 @@ from typing import Any, Literal, Optional
 import torch
 
 from chatgen.config import REQUIRED, opt
-from chatgen.config.loader import build, did_you_mean
+from chatgen.config.typed import build, did_you_mean
 from chatgen.core.imports import import_object
 from chatgen.module import Module
 from chatgen.rlhf.health import checked_rewards

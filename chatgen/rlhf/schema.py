@@ -10,7 +10,7 @@ import importlib.util
 from typing import Any, Literal, Optional
 
 from chatgen.config import REQUIRED, opt
-from chatgen.config.loader import closest
+from chatgen.config.typed import closest
 from chatgen.generation.base import load_backend
 from chatgen.rlhf.checks import backend_kind
 from chatgen.training.config import MegatronConfig
