@@ -209,3 +209,21 @@ def test_one_worker_by_the_seeds_calls(tiny_llama_dir, hf_model):
         sender.close()
     finally:
         assert worker.shutdown()
+
+
+def test_n_samples_per_prompt_come_prompt_major_over_the_workers(tiny_llama_dir):
+    """NeMo RL keeps n = 1 (it repeats prompts); with chatgen's `n` key, sample j of row i is row i * n + j."""
+    config = seed_000_config(tiny_llama_dir)
+    config["vllm_kwargs"] = {**config["vllm_kwargs"], "n": 3}
+    config["max_new_tokens"] = 6
+    generation = VllmGeneration(config, num_workers=2)
+    try:
+        rows = [[1, 4 + i, 9][: 2 + i % 2] for i in range(5)]
+        out = generation.generate(right_padded(rows), greedy=False)
+        assert generation.pop_metrics()["worker/1/samples"] > 0
+        assert [p for p, _, _ in completions(out)] == [row for row in rows for _ in range(3)]
+        texts = generation.generate_text(["a b", "c d e"], greedy=False)
+        assert len(texts) == 6
+        assert len(generation.generate(right_padded(rows), greedy=True)["output_ids"]) == 5
+    finally:
+        generation.shutdown()
