@@ -1,4 +1,4 @@
-"""NeMo RL's `VllmGeneration`: N vLLM workers behind one generation interface, in this process.
+"""NeMo RL's `VllmGeneration`: N vLLM workers behind one generation interface, in this process or on Ray.
 
     from chatgen.compat.nemo_rl import VllmGeneration            # this class, by NeMo RL's name
     generation = VllmGeneration(vllm_config, num_workers=2)      # NeMo RL's VllmConfig (compat/nemo_rl/config.py)
@@ -7,13 +7,15 @@
     texts = generation.generate_text(["Once upon a time"])       # or {"prompts": [...]} -> {"texts": [...]}
     generation.prepare_for_generation(); generation.finish_generation(); generation.shutdown()
 
-Each call spreads the batch's rows over the workers (chatgen.generation.batching.assign: largest first, to the
-worker with the fewest tokens outstanding across concurrent calls), the workers generate at once (each its own
-engine thread) and the rows come back in the caller's order: with n samples per prompt (the `n` key under
+Workers run in this process (placement="process") or as Ray actors (placement="ray", on the Ray this process
+started or joined). Each call spreads the batch's rows over the workers (chatgen.generation.batching.assign:
+largest first, to the worker with the fewest tokens outstanding across concurrent calls), the workers generate
+at once and the rows come back in the caller's order: with n samples per prompt (the `n` key under
 vllm_kwargs; NeMo RL repeats prompts instead and keeps n = 1), sample j of row i at row i * n + j, as one worker
 returns them. Refit: chatgen.compat.nemo_rl.NemoRLRefit's calls over the workers' (chatgen.generation.workers);
 the asynchronous ones (init_collective, update_weights_from_collective, update_weights_via_ipc_zmq) return
-concurrent.futures.Future objects, where NeMo RL returns Ray refs: wait with `[f.result() for f in refs]`.
+concurrent.futures.Future objects in this process (wait with `[f.result() for f in refs]`), Ray ObjectRefs on
+Ray (`ray.get(refs)`, as NeMo RL's code does).
 """
 
 import asyncio
@@ -30,6 +32,7 @@ from chatgen.compat.nemo_rl.config import engine_config
 from chatgen.generation.batching import assign
 from chatgen.generation.workers import IpcStream, VllmGenerationWorker
 
+PLACEMENTS = ("process", "ray")
 FILL = {
     "output_ids": None,
     "weight_versions": -1,
@@ -40,7 +43,11 @@ class VllmGeneration(NemoRLRefit):
     """NeMo RL's VllmGeneration(cluster, config, name_prefix, workers_per_node), or (config) as seed 000 builds
     it, over `num_workers` chatgen engines (default: the cluster's world_size() / tensor_parallel_size, else 1).
 
-    Attributes: `workers` (VllmGenerationWorker each), `token` (the secret the trainer signs weights with),
+    placement: "process" (the workers in this process, taking turns per engine step) or "ray" (each worker a Ray
+    actor of its own on the running Ray, one CPU each, tensor_parallel_size GPUs on a GPU machine; calls in
+    flight are Ray ObjectRefs, as NeMo RL's, and generate_async streams through Ray's streaming generators).
+
+    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the trainer signs weights with),
     `weight_stream` (the IpcStream of update_weights_via_ipc_zmq), `pad_token_id`.
     """
 
@@ -52,6 +59,7 @@ class VllmGeneration(NemoRLRefit):
         workers_per_node=None,
         *,
         num_workers: int | None = None,
+        placement: str = "process",
     ):
         cluster, config = (
             (None, cluster_or_config) if config is None else (cluster_or_config, config)
@@ -63,6 +71,9 @@ class VllmGeneration(NemoRLRefit):
             num_workers = max(1, size() // self.tp) if callable(size) else 1
         if not isinstance(num_workers, int) or num_workers < 1:
             raise ValueError(f"VllmGeneration: num_workers={num_workers!r}; give at least 1")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"VllmGeneration: placement={placement!r} is not one of {PLACEMENTS}")
+        self.placement = placement
         self.samples = keys.get("n", 1)
         self.token = secrets.token_hex(16)
         self.weight_stream = IpcStream(self.token)
@@ -73,22 +84,25 @@ class VllmGeneration(NemoRLRefit):
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
         seed = keys.get("seed", 1234)
-        try:
-            for i in range(num_workers):  # seeds differ: two workers never draw the same samples
-                self.workers.append(
-                    VllmGenerationWorker(
-                        config,
-                        seed=seed + i,
-                        token=self.token,
-                        stream=self.weight_stream,
-                        name=f"{name_prefix}_{i}",
-                    )
-                )
+        try:  # seeds differ: two workers never draw the same samples
+            for i in range(num_workers):
+                self.workers.append(self._worker(config, seed + i, f"{name_prefix}_{i}"))
+            self.pad_token_id, self.max_new_tokens = self._wait([self._start(0, "limits")])[0]
         except BaseException:
             self.shutdown()
             raise
-        self.pad_token_id = self.workers[0].pad_token_id
-        self.max_new_tokens = self.workers[0].config.max_new_tokens
+
+    def _worker(self, config, seed: int, name: str):
+        """A worker in this process, or a Ray actor on a CPU (and tensor_parallel_size GPUs when CUDA is here)."""
+        if self.placement == "process":
+            return VllmGenerationWorker(
+                config, seed=seed, token=self.token, stream=self.weight_stream, name=name
+            )
+        import ray
+
+        gpus = self.tp if torch.cuda.is_available() else 0
+        actor = ray.remote(VllmGenerationWorker).options(num_cpus=1, num_gpus=gpus)
+        return actor.remote(config, seed=seed, token=self.token, name=name)
 
     # ---- generation ---------------------------------------------------------------------------------
 
@@ -97,12 +111,11 @@ class VllmGeneration(NemoRLRefit):
         batch = data
         lengths = batch["input_lengths"].tolist()
         with self._spread(lengths, greedy) as shares:
-            calls = [
-                (share, self._pool.submit(worker.generate, _rows(batch, share), greedy))
-                for worker, share in zip(self.workers, shares)
-                if share
-            ]
-            parts = [(share, call.result()) for share, call in calls]
+            used = [(i, share) for i, share in enumerate(shares) if share]
+            outs = self._wait(
+                [self._start(i, "generate", _rows(batch, s), greedy) for i, s in used]
+            )
+            parts = [(share, out) for (_, share), out in zip(used, outs)]
         return self._merge(parts, len(lengths))
 
     async def generate_async(self, data, greedy: bool = False):
@@ -113,8 +126,8 @@ class VllmGeneration(NemoRLRefit):
         n = 1 if greedy else self.samples
         with self._spread(lengths, greedy) as shares:
             streams = [
-                (share, worker.generate_async(_rows(batch, share), greedy))
-                for worker, share in zip(self.workers, shares)
+                (share, self._stream(i, "generate_async", _rows(batch, share), greedy))
+                for i, share in enumerate(shares)
                 if share
             ]
             async for share, row, out in _interleave(streams):
@@ -125,14 +138,12 @@ class VllmGeneration(NemoRLRefit):
         RL's {"prompts": [...]} -> {"texts": [...]}."""
         texts = prompt_texts(prompts)
         with self._spread([len(t) for t in texts], greedy) as shares:
-            calls = [
-                (share, self._pool.submit(w.generate_text, [texts[i] for i in share], greedy))
-                for w, share in zip(self.workers, shares)
-                if share
-            ]
+            used = [(w, share) for w, share in enumerate(shares) if share]
+            outs = self._wait(
+                [self._start(w, "generate_text", [texts[i] for i in s], greedy) for w, s in used]
+            )
             out = [None] * (len(texts) * (1 if greedy else self.samples))
-            for share, call in calls:
-                rows = call.result()
+            for (_, share), rows in zip(used, outs):
                 n = len(rows) // len(share)
                 for r, text in enumerate(rows):
                     out[share[r // n] * n + r % n] = text
@@ -145,8 +156,11 @@ class VllmGeneration(NemoRLRefit):
         wrap = (lambda sub: {"prompts": sub}) if isinstance(prompts, Mapping) else list
         with self._spread([len(t) for t in texts], greedy) as shares:
             streams = [
-                (share, w.generate_text_async(wrap([texts[i] for i in share]), greedy))
-                for w, share in zip(self.workers, shares)
+                (
+                    share,
+                    self._stream(w, "generate_text_async", wrap([texts[i] for i in share]), greedy),
+                )
+                for w, share in enumerate(shares)
                 if share
             ]
             async for share, row, out in _interleave(streams):
@@ -154,11 +168,11 @@ class VllmGeneration(NemoRLRefit):
 
     def prepare_for_generation(self, *args, **kwargs) -> bool:
         """Wake every worker's engine (NeMo RL: before generating, after the trainer's turn). True."""
-        return all(self._each(lambda w: w.prepare_for_generation()))
+        return all(self._all("prepare_for_generation"))
 
     def finish_generation(self, *args, **kwargs) -> bool:
         """Put every worker's engine to sleep (the memory goes to a colocated trainer). True."""
-        return all(self._each(lambda w: w.finish_generation()))
+        return all(self._all("finish_generation"))
 
     def pop_metrics(self) -> dict:
         """`worker/<i>/samples`: the rows each worker generated since the last call."""
@@ -168,9 +182,18 @@ class VllmGeneration(NemoRLRefit):
 
     def shutdown(self) -> bool:
         """Stop every worker's engine, free its memory, end the threads, remove the IPC file. True."""
-        for worker in self.workers:
+        workers, self.workers = self.workers, []
+        if self.placement == "ray" and workers:
+            import ray
+
+            with contextlib.suppress(
+                ray.exceptions.RayError
+            ):  # a dead actor has nothing left to free
+                ray.get([w.shutdown.remote() for w in workers])
+            for worker in workers:
+                ray.kill(worker)
+        for worker in workers if self.placement == "process" else ():
             worker.shutdown()
-        self.workers = []
         self.weight_stream.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
         return True
@@ -189,26 +212,33 @@ class VllmGeneration(NemoRLRefit):
                 "through update_weights_from_ipc_handles; the collective needs one member per engine rank"
             )
         return [
-            self._pool.submit(w.init_collective, 1 + i, ip, port, world_size)
-            for i, w in enumerate(self.workers)
+            self._start(i, "init_collective", 1 + i, ip, port, world_size)
+            for i in range(len(self.workers))
         ]
 
     def check_weight_manifest(self, manifest: dict) -> None:
-        self._each(lambda w: w.prepare_refit_info(manifest))
+        self._all("prepare_refit_info", manifest)
 
     def receive_weights(self) -> list:
-        return [self._pool.submit(w.update_weights_from_collective) for w in self.workers]
+        return [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
 
     def load_shared_weights(self, handles: dict) -> list:
-        self._each(lambda w: w.update_weights_from_ipc_handles(handles))
-        return [w.last_sync for w in self.workers]
+        self._all("update_weights_from_ipc_handles", handles)
+        return self._all("sync_report")
 
     def devices(self) -> list:
-        return [device for w in self.workers for device in w.report_device_id()]
+        return [device for devices in self._all("report_device_id") for device in devices]
 
     def update_weights_via_ipc_zmq(self) -> list:
         """Every worker waits for the next `ipc_stream().send(model)` of the trainer and loads it; returns the
-        calls in flight (Futures, each True once loaded)."""
+        calls in flight (Futures, each True once loaded). In this process only: Ray workers take
+        update_weights_from_ipc_handles(handles)."""
+        if self.placement != "process":
+            raise ValueError(
+                "update_weights_via_ipc_zmq: the IpcStream lives in this process; with placement='ray' write "
+                "the weights with ShmSender.owned(generation.token).write(model) and call "
+                "update_weights_from_ipc_handles(handles)"
+            )
         return [self._pool.submit(w.update_weights_via_ipc_zmq) for w in self.workers]
 
     def ipc_stream(self) -> IpcStream:
@@ -217,8 +247,30 @@ class VllmGeneration(NemoRLRefit):
 
     # ---- helpers ------------------------------------------------------------------------------------
 
-    def _each(self, fn) -> list:
-        return [call.result() for call in [self._pool.submit(fn, w) for w in self.workers]]
+    def _start(self, i: int, method: str, *args):
+        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns)."""
+        worker = self.workers[i]
+        if self.placement == "ray":
+            return getattr(worker, method).remote(*args)
+        return self._pool.submit(getattr(worker, method), *args)
+
+    def _wait(self, calls: list) -> list:
+        if self.placement == "ray":
+            import ray
+
+            return ray.get(calls)
+        return [call.result() for call in calls]
+
+    def _all(self, method: str, *args) -> list:
+        return self._wait([self._start(i, method, *args) for i in range(len(self.workers))])
+
+    def _stream(self, i: int, method: str, *args):
+        """Worker i's async generator `method`: itself here, through Ray's streaming generator on Ray."""
+        if self.placement == "process":
+            return getattr(self.workers[i], method)(*args)
+        return _ray_stream(
+            getattr(self.workers[i], method).options(num_returns="streaming").remote(*args)
+        )
 
     @contextlib.contextmanager
     def _spread(self, lengths: list, greedy: bool):
@@ -275,6 +327,19 @@ def _rows(batch: Mapping, share: list) -> dict:
         else:
             out[key] = value
     return out
+
+
+async def _ray_stream(refs):
+    """The items of a Ray streaming generator; closed early, it cancels the actor's call (which aborts its
+    requests)."""
+    import ray
+
+    try:
+        async for ref in refs:
+            yield await ref
+    finally:
+        with contextlib.suppress(Exception):  # a finished call has nothing to cancel
+            ray.cancel(refs)
 
 
 async def _interleave(streams: list):

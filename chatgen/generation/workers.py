@@ -20,6 +20,7 @@ signed header before it maps a byte (chatgen.param_sync.shm). ZMQ is replaced by
 writes, every waiting worker loads.
 """
 
+import contextlib
 import secrets
 import socket
 import threading
@@ -105,8 +106,20 @@ class VllmGenerationWorker(VLLMModule):
     def generate(self, data, greedy=False) -> dict:
         return super().generate(with_stops(data, self.stops), greedy)
 
-    def generate_async(self, data, greedy=False):
-        return super().generate_async(with_stops(data, self.stops), greedy)
+    async def generate_async(self, data, greedy=False):  # an async generator itself: Ray streams it
+        async with contextlib.aclosing(
+            super().generate_async(with_stops(data, self.stops), greedy)
+        ) as rows:
+            async for row in rows:
+                yield row
+
+    def limits(self) -> tuple:
+        """(pad_token_id, max_new_tokens): what the group pads with and budgets by."""
+        return self.pad_token_id, self.config.max_new_tokens
+
+    def sync_report(self):
+        """The SyncReport of the last refit (None before the first)."""
+        return self.last_sync
 
     def execute_step(self, data):
         """One engine step, never at the same time as another worker's of this process (see _STEP)."""

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 import torch
-from helpers import max_diff_vs_hf, perturbed
+from helpers import completions, max_diff_vs_hf, perturbed, right_padded
 
 from chatgen.compat.nemo_rl import (
     VllmGeneration,
@@ -54,23 +54,6 @@ def hf_model(tiny_llama_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
-
-
-def right_padded(rows, pad=0):
-    ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-    return {"input_ids": ids, "input_lengths": torch.tensor(list(map(len, rows)))}
-
-
-def completions(out):
-    """(prompt ids, completion ids, completion log-probs) of each row of a generate output."""
-    rows = []
-    for i, end in enumerate(out["unpadded_sequence_lengths"].tolist()):
-        start = end - int(out["generation_lengths"][i])
-        ids = out["output_ids"][i].tolist()
-        rows.append((ids[:start], ids[start:end], out["logprobs"][i, start:end].tolist()))
-    return rows
 
 
 def test_seed_000_example_over_two_workers_in_the_callers_order(generation):
