@@ -100,6 +100,13 @@ class VllmGeneration(NemoRLRefit):
             )
         import ray
 
+        if (
+            not ray.is_initialized()
+        ):  # never Ray's own auto-start: its defaults are not chatgen's (loopback)
+            raise RuntimeError(
+                "VllmGeneration(placement='ray') needs a running Ray: call ray.init(...) first (chatgen's "
+                "runs start theirs on loopback: chatgen.rlhf.runtime.init_ray)"
+            )
         gpus = self.tp if torch.cuda.is_available() else 0
         actor = ray.remote(VllmGenerationWorker).options(num_cpus=1, num_gpus=gpus)
         return actor.remote(config, seed=seed, token=self.token, name=name)

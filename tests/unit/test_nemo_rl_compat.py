@@ -97,3 +97,15 @@ def test_init_collective_takes_the_seeds_world_size():
         group.init_collective("h", 1, 4)
     with pytest.raises(ValueError, match="train_world_size=2"):
         group.init_collective("h", 1, 8 + 4, train_world_size=2)
+
+
+def test_a_placement_is_checked_before_any_engine_starts():
+    import ray
+
+    from chatgen.compat.nemo_rl import VllmGeneration
+
+    with pytest.raises(ValueError, match="placement='gpu' is not one of"):
+        VllmGeneration({"model_name": "/nowhere"}, placement="gpu")
+    if not ray.is_initialized():
+        with pytest.raises(RuntimeError, match=r"needs a running Ray: call ray.init"):
+            VllmGeneration({"model_name": "/nowhere"}, num_workers=2, placement="ray")
