@@ -181,6 +181,13 @@ class VllmGeneration(NemoRLRefit):
         """Put every worker's engine to sleep (the memory goes to a colocated trainer). True."""
         return all(self._all("finish_generation"))
 
+    def start_gpu_profiling(self) -> None:
+        """Every worker's CUDA profiler range starts (nothing on CPU)."""
+        self._all("start_gpu_profiling")
+
+    def stop_gpu_profiling(self) -> None:
+        self._all("stop_gpu_profiling")
+
     def pop_metrics(self) -> dict:
         """`worker/<i>/samples`: the rows each worker generated since the last call."""
         with self._lock:

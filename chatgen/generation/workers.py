@@ -20,6 +20,7 @@ signed header before it maps a byte (chatgen.param_sync.shm). ZMQ is replaced by
 writes, every waiting worker loads.
 """
 
+import asyncio
 import contextlib
 import secrets
 import socket
@@ -177,6 +178,41 @@ class VllmGenerationWorker(VLLMModule):
 
     def is_alive(self) -> bool:
         return self.engine is not None and self.health_problem is None
+
+    def llm(self):
+        """The engine (a `vllm.LLM`), as NeMo RL's worker hands it out."""
+        return self.engine
+
+    def start_gpu_profiling(self) -> None:
+        """Start the CUDA profiler's range (nsys --capture-range=cudaProfilerApi); nothing on CPU."""
+        if torch.cuda.is_available():
+            torch.cuda.profiler.start()
+
+    def stop_gpu_profiling(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.profiler.stop()
+
+    # NeMo RL's `_async` twins (its async engine's spellings): the same call, off the caller's event loop
+    async def init_collective_async(self, *args, **kwargs) -> None:
+        return await asyncio.to_thread(self.init_collective, *args, **kwargs)
+
+    async def update_weights_from_collective_async(self, info: dict | None = None) -> bool:
+        return await asyncio.to_thread(self.update_weights_from_collective, info)
+
+    async def update_weights_from_ipc_handles_async(self, ipc_handles: dict) -> bool:
+        return await asyncio.to_thread(self.update_weights_from_ipc_handles, ipc_handles)
+
+    async def report_device_id_async(self) -> list:
+        return self.report_device_id()
+
+    async def reset_prefix_cache_async(self) -> bool:
+        return await asyncio.to_thread(self.reset_prefix_cache)
+
+    async def sleep_async(self, level: int = 1) -> None:
+        return await asyncio.to_thread(self.sleep, level)
+
+    async def wake_up_async(self, **kwargs) -> None:
+        return await asyncio.to_thread(self.wake_up, **kwargs)
 
     def shutdown(self) -> bool:
         """Leave the weight group, stop the engine and free its memory. True."""

@@ -190,6 +190,26 @@ def test_one_worker_by_the_seeds_calls(tiny_llama_dir, hf_model):
         assert max_diff_vs_hf(trainer, *zip(*completions(out))) < SYNC_TOL
         assert worker.report_device_id()[0].startswith(("cpu@", "GPU-")) and worker.is_alive()
         sender.close()
+
+        async def the_async_twins():  # seed 002's `_async` calls, on an event loop as NeMo RL's async engine
+            assert await worker.report_device_id_async() == worker.report_device_id()
+            assert await worker.reset_prefix_cache_async()
+            await worker.sleep_async()
+            assert worker.is_sleeping()
+            await worker.wake_up_async()
+            assert not worker.is_sleeping()
+            handles = ShmSender.owned(worker.token).write(
+                hf_model
+            )  # (perturbed in place: the trainer)
+            return await worker.update_weights_from_ipc_handles_async(handles)
+
+        version = worker.weight_version
+        assert asyncio.run(the_async_twins()) and worker.weight_version == version + 1
+        out = worker.generate(right_padded([[1, 8, 8, 3]]), greedy=True)
+        assert max_diff_vs_hf(hf_model, *zip(*completions(out))) < SYNC_TOL
+        assert worker.llm() is worker.engine
+        worker.start_gpu_profiling()
+        worker.stop_gpu_profiling()
     finally:
         assert worker.shutdown()
 
