@@ -47,8 +47,8 @@ class VllmGeneration(NemoRLRefit):
     actor of its own on the running Ray, one CPU each, tensor_parallel_size GPUs on a GPU machine; calls in
     flight are Ray ObjectRefs, as NeMo RL's, and generate_async streams through Ray's streaming generators).
 
-    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the trainer signs weights with),
-    `weight_stream` (the IpcStream of update_weights_via_ipc_zmq), `pad_token_id`.
+    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the trainer signs
+    weights with), `weight_stream` (the IpcStream of update_weights_via_ipc_zmq), `pad_token_id`.
     """
 
     def __init__(
@@ -100,9 +100,8 @@ class VllmGeneration(NemoRLRefit):
             )
         import ray
 
-        if (
-            not ray.is_initialized()
-        ):  # never Ray's own auto-start: its defaults are not chatgen's (loopback)
+        # never Ray's own auto-start: its defaults are not chatgen's (loopback only)
+        if not ray.is_initialized():
             raise RuntimeError(
                 "VllmGeneration(placement='ray') needs a running Ray: call ray.init(...) first (chatgen's "
                 "runs start theirs on loopback: chatgen.rlhf.runtime.init_ray)"
@@ -115,13 +114,10 @@ class VllmGeneration(NemoRLRefit):
 
     def generate(self, data, greedy: bool = False) -> dict:
         """chatgen.generation.base's `generate` over the workers: the same keys, rows in the caller's order."""
-        batch = data
-        lengths = batch["input_lengths"].tolist()
+        lengths = data["input_lengths"].tolist()
         with self._spread(lengths, greedy) as shares:
             used = [(i, share) for i, share in enumerate(shares) if share]
-            outs = self._wait(
-                [self._start(i, "generate", _rows(batch, s), greedy) for i, s in used]
-            )
+            outs = self._wait([self._start(i, "generate", _rows(data, s), greedy) for i, s in used])
             parts = [(share, out) for (_, share), out in zip(used, outs)]
         return self._merge(parts, len(lengths))
 
