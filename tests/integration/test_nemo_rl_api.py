@@ -137,6 +137,17 @@ def test_refit_by_collective_with_the_seeds_world_size(generation, hf_model):
     prompts, ids, logprobs = zip(*completions(out))
     assert max_diff_vs_hf(trainer, prompts, ids, logprobs) < SYNC_TOL
 
+    # a sender without the group's token: refused on both ends before a byte is written
+    versions = [w.weight_version for w in generation.workers]
+    futures_inference = generation.update_weights_from_collective()
+    sender.token = "not the group's token"
+    with pytest.raises(SyncError, match="token"):
+        sender.send(perturbed(hf_model, seed=7))
+    for future in futures_inference:
+        with pytest.raises(SyncError, match="token"):
+            future.result(timeout=120)
+    assert [w.weight_version for w in generation.workers] == versions
+
     bad = {**info, "lm_head.weight": (torch.Size([3, 3]), torch.float32)}
     with pytest.raises(SyncError, match="lm_head.weight"):
         generation.prepare_refit_info(bad)
