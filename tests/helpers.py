@@ -256,6 +256,24 @@ def max_diff_vs_hf(model, prompt_ids, completion_ids, logprobs) -> float:
     return worst
 
 
+def right_padded(rows, pad=0):
+    """NeMo RL's token batch of `rows` (lists of ids): input_ids right-padded with `pad`, input_lengths."""
+    ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.tensor(row)
+    return {"input_ids": ids, "input_lengths": torch.tensor(list(map(len, rows)))}
+
+
+def completions(out):
+    """(prompt ids, completion ids, completion log-probs) of each row of a `generate` output (NeMo RL's keys)."""
+    rows = []
+    for i, end in enumerate(out["unpadded_sequence_lengths"].tolist()):
+        start = end - int(out["generation_lengths"][i])
+        ids = out["output_ids"][i].tolist()
+        rows.append((ids[:start], ids[start:end], out["logprobs"][i, start:end].tolist()))
+    return rows
+
+
 # ---- a quick SFT warm start
 
 

@@ -209,3 +209,14 @@ def rollout_batch(request_outputs, pad_token_id: int):
         for sample in sorted(request.outputs, key=lambda s: s.index)
     ]
     return RolloutBatch.from_samples(samples, pad_token_id)
+
+
+def assign(costs: list, outstanding: list) -> list:
+    """Which prompts go to which replica: [prompt indices of replica i, ascending]. Largest first, each to the
+    replica with the fewest tokens outstanding (`outstanding`, plus what this call gave it so far)."""
+    load, shares = list(outstanding), [[] for _ in outstanding]
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        replica = min(range(len(load)), key=lambda r: load[r])
+        shares[replica].append(i)
+        load[replica] += costs[i]
+    return [sorted(share) for share in shares]

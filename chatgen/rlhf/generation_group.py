@@ -32,6 +32,7 @@ import torch
 from chatgen.compat.nemo_rl import NemoRLRefit
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
+from chatgen.generation.batching import assign
 from chatgen.param_sync import GroupReceiver, check_manifest, load_shm
 from chatgen.rlhf.placement import engine_tp
 
@@ -144,6 +145,11 @@ class GenerationGroup(NemoRLRefit):
             out[f"replica/{i}/tokens_per_s"] = tokens / seconds if seconds else 0.0
         return out
 
+    @property
+    def inference_world_size(self) -> int:
+        """The engine ranks of every replica (NeMo RL's inference world: init_collective's world_size counts it)."""
+        return self.group.world_size
+
     def weight_versions(self) -> list:
         """The weight version of every engine rank (0 = the weights it started with, +1 per update)."""
         return self.run(_attribute, self.name, "weight_version")
@@ -188,17 +194,6 @@ class GenerationGroup(NemoRLRefit):
     def devices(self) -> list:
         """The device of every engine rank: the GPU's UUID, or cpu@<host>."""
         return self.run(_device_id)
-
-
-def assign(costs: list, outstanding: list) -> list:
-    """Which prompts go to which replica: [prompt indices of replica i, ascending]. Largest first, each to the
-    replica with the fewest tokens outstanding (`outstanding`, plus what this call gave it so far)."""
-    load, shares = list(outstanding), [[] for _ in outstanding]
-    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
-        replica = min(range(len(load)), key=lambda r: load[r])
-        shares[replica].append(i)
-        load[replica] += costs[i]
-    return [sorted(share) for share in shares]
 
 
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.

@@ -1,0 +1,384 @@
+"""NeMo RL's `VllmGeneration`: N vLLM workers behind one generation interface, in this process or on Ray.
+
+    from chatgen.compat.nemo_rl import VllmGeneration            # this class, by NeMo RL's name
+    generation = VllmGeneration(vllm_config, num_workers=2)      # NeMo RL's VllmConfig (compat/nemo_rl/config.py)
+    out = generation.generate({"input_ids": ids, "input_lengths": lengths}, greedy=False)
+    async for row, out in generation.generate_async(batch): ...  # one row each, as its prompt finishes
+    texts = generation.generate_text(["Once upon a time"])       # or {"prompts": [...]} -> {"texts": [...]}
+    generation.prepare_for_generation(); generation.finish_generation(); generation.shutdown()
+
+Workers run in this process (placement="process") or as Ray actors (placement="ray", on the Ray this process
+started or joined). Each call spreads the batch's rows over the workers (chatgen.generation.batching.assign:
+largest first, to the worker with the fewest tokens outstanding across concurrent calls), the workers generate
+at once and the rows come back in the caller's order: with n samples per prompt (the `n` key under
+vllm_kwargs; NeMo RL repeats prompts instead and keeps n = 1), sample j of row i at row i * n + j, as one worker
+returns them. Refit: chatgen.compat.nemo_rl.NemoRLRefit's calls over the workers' (chatgen.generation.workers);
+the asynchronous ones (init_collective, update_weights_from_collective, update_weights_via_ipc_zmq) return
+concurrent.futures.Future objects in this process (wait with `[f.result() for f in refs]`), Ray ObjectRefs on
+Ray (`ray.get(refs)`, as NeMo RL's code does).
+"""
+
+import asyncio
+import contextlib
+import secrets
+import threading
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from chatgen.compat.nemo_rl import NemoRLRefit, prompt_texts
+from chatgen.compat.nemo_rl.config import engine_config
+from chatgen.generation.batching import assign
+from chatgen.generation.workers import IpcStream, VllmGenerationWorker
+
+PLACEMENTS = ("process", "ray")
+FILL = {
+    "output_ids": None,
+    "weight_versions": -1,
+}  # padding of (S, L) outputs; None: the pad id; others 0
+
+
+class VllmGeneration(NemoRLRefit):
+    """NeMo RL's VllmGeneration(cluster, config, name_prefix, workers_per_node), or (config) as seed 000 builds
+    it, over `num_workers` chatgen engines (default: the cluster's world_size() / tensor_parallel_size, else 1).
+
+    placement: "process" (the workers in this process, taking turns per engine step) or "ray" (each worker a Ray
+    actor of its own on the running Ray, one CPU each, tensor_parallel_size GPUs on a GPU machine; calls in
+    flight are Ray ObjectRefs, as NeMo RL's, and generate_async streams through Ray's streaming generators).
+
+    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the trainer signs
+    weights with), `weight_stream` (the IpcStream of update_weights_via_ipc_zmq), `pad_token_id`.
+    """
+
+    def __init__(
+        self,
+        cluster_or_config,
+        config: Mapping | None = None,
+        name_prefix: str = "vllm_policy",
+        workers_per_node=None,
+        *,
+        num_workers: int | None = None,
+        placement: str = "process",
+    ):
+        cluster, config = (
+            (None, cluster_or_config) if config is None else (cluster_or_config, config)
+        )
+        keys, _ = engine_config(config)  # checked once here; each worker adds the config's stops
+        self.tp = keys.get("tensor_parallel_size", 1)
+        if num_workers is None:
+            size = getattr(cluster, "world_size", None)
+            num_workers = max(1, size() // self.tp) if callable(size) else 1
+        if not isinstance(num_workers, int) or num_workers < 1:
+            raise ValueError(f"VllmGeneration: num_workers={num_workers!r}; give at least 1")
+        if placement not in PLACEMENTS:
+            raise ValueError(f"VllmGeneration: placement={placement!r} is not one of {PLACEMENTS}")
+        self.placement = placement
+        self.samples = keys.get("n", 1)
+        self.token = secrets.token_hex(16)
+        self.weight_stream = IpcStream(self.token)
+        self.workers = []
+        # threads for one call per worker at a time, plus as many again: a refit waiting on the trainer and a
+        # generate call must not queue behind each other
+        self._pool = ThreadPoolExecutor(2 * num_workers, thread_name_prefix=name_prefix)
+        self._lock = threading.Lock()
+        self._outstanding, self._served = [0] * num_workers, [0] * num_workers
+        seed = keys.get("seed", 1234)
+        try:  # seeds differ: two workers never draw the same samples
+            for i in range(num_workers):
+                self.workers.append(self._worker(config, seed + i, f"{name_prefix}_{i}"))
+            self.pad_token_id, self.max_new_tokens = self._wait([self._start(0, "limits")])[0]
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _worker(self, config, seed: int, name: str):
+        """A worker in this process, or a Ray actor on a CPU (and tensor_parallel_size GPUs when CUDA is here)."""
+        if self.placement == "process":
+            return VllmGenerationWorker(
+                config, seed=seed, token=self.token, stream=self.weight_stream, name=name
+            )
+        import ray
+
+        # never Ray's own auto-start: its defaults are not chatgen's (loopback only)
+        if not ray.is_initialized():
+            raise RuntimeError(
+                "VllmGeneration(placement='ray') needs a running Ray: call ray.init(...) first (chatgen's "
+                "runs start theirs on loopback: chatgen.rlhf.runtime.init_ray)"
+            )
+        gpus = self.tp if torch.cuda.is_available() else 0
+        actor = ray.remote(VllmGenerationWorker).options(num_cpus=1, num_gpus=gpus)
+        return actor.remote(config, seed=seed, token=self.token, name=name)
+
+    # ---- generation ---------------------------------------------------------------------------------
+
+    def generate(self, data, greedy: bool = False) -> dict:
+        """chatgen.generation.base's `generate` over the workers: the same keys, rows in the caller's order."""
+        lengths = data["input_lengths"].tolist()
+        with self._spread(lengths, greedy) as shares:
+            used = [(i, share) for i, share in enumerate(shares) if share]
+            outs = self._wait([self._start(i, "generate", _rows(data, s), greedy) for i, s in used])
+            parts = [(share, out) for (_, share), out in zip(used, outs)]
+        return self._merge(parts, len(lengths))
+
+    async def generate_async(self, data, greedy: bool = False):
+        """`generate`, streaming from every worker at once: (row, one-row output) as each prompt finishes, row
+        in the caller's numbering. Leaving early aborts this call's requests on every worker."""
+        batch = data
+        lengths = batch["input_lengths"].tolist()
+        n = 1 if greedy else self.samples
+        with self._spread(lengths, greedy) as shares:
+            streams = [
+                (share, self._stream(i, "generate_async", _rows(batch, share), greedy))
+                for i, share in enumerate(shares)
+                if share
+            ]
+            async for share, row, out in _interleave(streams):
+                yield share[row // n] * n + row % n, out
+
+    def generate_text(self, prompts, greedy: bool = False):
+        """Text in, text out over the workers: list[str] -> list[str] (prompt i's sample j at i * n + j), NeMo
+        RL's {"prompts": [...]} -> {"texts": [...]}."""
+        texts = prompt_texts(prompts)
+        with self._spread([len(t) for t in texts], greedy) as shares:
+            used = [(w, share) for w, share in enumerate(shares) if share]
+            outs = self._wait(
+                [self._start(w, "generate_text", [texts[i] for i in s], greedy) for w, s in used]
+            )
+            out = [None] * (len(texts) * (1 if greedy else self.samples))
+            for (_, share), rows in zip(used, outs):
+                n = len(rows) // len(share)
+                for r, text in enumerate(rows):
+                    out[share[r // n] * n + r % n] = text
+        return {"texts": out} if isinstance(prompts, Mapping) else out
+
+    async def generate_text_async(self, prompts, greedy: bool = False):
+        """`generate_text`, streaming: (row, text), or (row, {"texts": [text]}) for NeMo RL's batch."""
+        texts = prompt_texts(prompts)
+        n = 1 if greedy else self.samples
+        wrap = (lambda sub: {"prompts": sub}) if isinstance(prompts, Mapping) else list
+        with self._spread([len(t) for t in texts], greedy) as shares:
+            streams = [
+                (
+                    share,
+                    self._stream(w, "generate_text_async", wrap([texts[i] for i in share]), greedy),
+                )
+                for w, share in enumerate(shares)
+                if share
+            ]
+            async for share, row, out in _interleave(streams):
+                yield share[row // n] * n + row % n, out
+
+    def prepare_for_generation(self, *args, **kwargs) -> bool:
+        """Wake every worker's engine (NeMo RL: before generating, after the trainer's turn). True."""
+        return all(self._all("prepare_for_generation"))
+
+    def finish_generation(self, *args, **kwargs) -> bool:
+        """Put every worker's engine to sleep (the memory goes to a colocated trainer). True."""
+        return all(self._all("finish_generation"))
+
+    def start_gpu_profiling(self) -> None:
+        """Every worker's CUDA profiler range starts (nothing on CPU)."""
+        self._all("start_gpu_profiling")
+
+    def stop_gpu_profiling(self) -> None:
+        self._all("stop_gpu_profiling")
+
+    def pop_metrics(self) -> dict:
+        """`worker/<i>/samples`: the rows each worker generated since the last call."""
+        with self._lock:
+            served, self._served = self._served, [0] * len(self._served)
+        return {f"worker/{i}/samples": rows for i, rows in enumerate(served)}
+
+    def shutdown(self) -> bool:
+        """Stop every worker's engine, free its memory, end the threads, remove the IPC file. True."""
+        workers, self.workers = self.workers, []
+        if self.placement == "ray" and workers:
+            import ray
+
+            with contextlib.suppress(
+                ray.exceptions.RayError
+            ):  # a dead actor has nothing left to free
+                ray.get([w.shutdown.remote() for w in workers])
+            for worker in workers:
+                ray.kill(worker)
+        for worker in workers if self.placement == "process" else ():
+            worker.shutdown()
+        self.weight_stream.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        return True
+
+    # ---- refit: the chatgen calls NemoRLRefit names ----------------------------------------------------
+
+    @property
+    def inference_world_size(self) -> int:
+        return len(self.workers) * self.tp
+
+    def open_weight_channel(self, ip: str, port: int, world_size: int) -> list:
+        """Every worker joins the trainer's group as member 1 + its index (world_size = 1 + workers)."""
+        if self.tp != 1:
+            raise ValueError(
+                "init_collective: workers with tensor_parallel_size > 1 in this process take their weights "
+                "through update_weights_from_ipc_handles; the collective needs one member per engine rank"
+            )
+        return [
+            self._start(i, "init_collective", 1 + i, ip, port, world_size)
+            for i in range(len(self.workers))
+        ]
+
+    def check_weight_manifest(self, manifest: dict) -> None:
+        self._all("prepare_refit_info", manifest)
+
+    def receive_weights(self) -> list:
+        return [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
+
+    def load_shared_weights(self, handles: dict) -> list:
+        self._all("update_weights_from_ipc_handles", handles)
+        return self._all("sync_report")
+
+    def devices(self) -> list:
+        return [device for devices in self._all("report_device_id") for device in devices]
+
+    def update_weights_via_ipc_zmq(self) -> list:
+        """Every worker waits for the next `ipc_stream().send(model)` of the trainer and loads it; returns the
+        calls in flight (Futures, each True once loaded). In this process only: Ray workers take
+        update_weights_from_ipc_handles(handles)."""
+        if self.placement != "process":
+            raise ValueError(
+                "update_weights_via_ipc_zmq: the IpcStream lives in this process; with placement='ray' write "
+                "the weights with ShmSender.owned(generation.token).write(model) and call "
+                "update_weights_from_ipc_handles(handles)"
+            )
+        return [self._pool.submit(w.update_weights_via_ipc_zmq) for w in self.workers]
+
+    def ipc_stream(self) -> IpcStream:
+        """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's stream_weights_via_ipc_zmq)."""
+        return self.weight_stream
+
+    # ---- helpers ------------------------------------------------------------------------------------
+
+    def _start(self, i: int, method: str, *args):
+        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns)."""
+        worker = self.workers[i]
+        if self.placement == "ray":
+            return getattr(worker, method).remote(*args)
+        return self._pool.submit(getattr(worker, method), *args)
+
+    def _wait(self, calls: list) -> list:
+        if self.placement == "ray":
+            import ray
+
+            return ray.get(calls)
+        return [call.result() for call in calls]
+
+    def _all(self, method: str, *args) -> list:
+        return self._wait([self._start(i, method, *args) for i in range(len(self.workers))])
+
+    def _stream(self, i: int, method: str, *args):
+        """Worker i's async generator `method`: itself here, through Ray's streaming generator on Ray."""
+        if self.placement == "process":
+            return getattr(self.workers[i], method)(*args)
+        return _ray_stream(
+            getattr(self.workers[i], method).options(num_returns="streaming").remote(*args)
+        )
+
+    @contextlib.contextmanager
+    def _spread(self, lengths: list, greedy: bool):
+        """Which rows each worker generates (counted outstanding while the call runs)."""
+        if not self.workers:
+            raise RuntimeError("VllmGeneration: shut down; build a new one")
+        n = 1 if greedy else self.samples
+        costs = [n * (length + self.max_new_tokens) for length in lengths]
+        with self._lock:
+            shares = assign(costs, self._outstanding)
+            for i, share in enumerate(shares):
+                self._outstanding[i] += sum(costs[r] for r in share)
+                self._served[i] += n * len(share)
+        try:
+            yield shares
+        finally:
+            with self._lock:
+                for i, share in enumerate(shares):
+                    self._outstanding[i] -= sum(costs[r] for r in share)
+
+    def _merge(self, parts: list, rows: int) -> dict:
+        """One output of the workers' parts [(their rows, their output)]: sample j of row i at i * n + j, every
+        (S, L) tensor padded to the longest part."""
+        n = len(parts[0][1]["generation_lengths"]) // len(parts[0][0])
+        merged = {}
+        for key, first in parts[0][1].items():
+            if not torch.is_tensor(first):
+                continue
+            width = max(out[key].shape[1] for _, out in parts) if first.dim() == 2 else None
+            fill = FILL.get(key, 0)
+            merged[key] = torch.full(
+                (rows * n,) + ((width,) if width else ()),
+                self.pad_token_id if fill is None else fill,
+                dtype=first.dtype,
+            )
+            for share, out in parts:
+                index = torch.tensor([i * n + j for i in share for j in range(n)])
+                if width:
+                    merged[key][index, : out[key].shape[1]] = out[key]
+                else:
+                    merged[key][index] = out[key]
+        return merged
+
+
+def _rows(batch: Mapping, share: list) -> dict:
+    """The rows `share` of a batch: tensors and per-row lists indexed, other entries as they are."""
+    rows = len(batch["input_ids"])
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() and len(value) == rows:
+            out[key] = value[share]
+        elif isinstance(value, list) and len(value) == rows:
+            out[key] = [value[i] for i in share]
+        else:
+            out[key] = value
+    return out
+
+
+async def _ray_stream(refs):
+    """The items of a Ray streaming generator; closed early, it cancels the actor's call (which aborts its
+    requests)."""
+    import ray
+
+    try:
+        async for ref in refs:
+            yield await ref
+    finally:
+        with contextlib.suppress(Exception):  # a finished call has nothing to cancel
+            ray.cancel(refs)
+
+
+async def _interleave(streams: list):
+    """(share, row, output) of several async iterators [(share, iterator)] as each yields; closing this one
+    cancels them all (each closes its iterator: the worker aborts the requests left)."""
+    queue, done = asyncio.Queue(), object()
+
+    async def pump(share, stream):
+        try:
+            async with contextlib.aclosing(stream) as rows:
+                async for row, out in rows:
+                    queue.put_nowait((share, row, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(share, stream)) for share, stream in streams]
+    left = len(tasks)
+    try:
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
