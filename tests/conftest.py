@@ -168,11 +168,10 @@ def destroy_process_groups():
 
         for trainer in [o for o in gc.get_objects() if isinstance(o, MegatronModule)]:
             trainer.shutdown()
-    if "megatron.core.parallel_state" in sys.modules:
-        from megatron.core import parallel_state as ps
+    if "chatgen.training.megatron_module" in sys.modules:
+        from chatgen.training.megatron_module import release_parallel_state
 
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        release_parallel_state()  # the groups megatron's own destroy leaves alive too
     if "vllm.distributed.parallel_state" in sys.modules:
         # an in-process engine's groups: vLLM's state and torch's world go together, so that the next
         # engine starts clean

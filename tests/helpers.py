@@ -149,12 +149,9 @@ def optimizer_state(trainer) -> list:
 
 
 def build(model_dir, **kw):
-    from megatron.core import parallel_state as ps
+    from chatgen.training.megatron_module import MegatronModule, release_parallel_state
 
-    from chatgen.training.megatron_module import MegatronModule
-
-    if ps.model_parallel_is_initialized():
-        ps.destroy_model_parallel()
+    release_parallel_state()  # the previous trainer's groups (a test need not shut it down)
     return MegatronModule(dict(load=str(model_dir), **kw)).start()
 
 

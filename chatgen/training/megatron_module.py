@@ -56,6 +56,7 @@ __all__ = [
     "MegatronModule",
     "RoutingReplay",
     "init_distributed",
+    "release_parallel_state",
 ]  # RoutingReplay: re-exported from moe_routing
 
 
@@ -97,7 +98,7 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
             f"{tp * pp * dp} ranks"
         )
     if ps.model_parallel_is_initialized() and not _groups_alive(ps):
-        ps.destroy_model_parallel()  # the groups of a world that has ended (a vLLM engine's teardown ends it): rebuild
+        release_parallel_state()  # the groups of a world that has ended (a vLLM engine's teardown ends it): rebuild
     if ps.model_parallel_is_initialized():
         have = (
             ps.get_tensor_model_parallel_world_size(),
@@ -115,6 +116,22 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
         pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep,
     )
+
+
+def release_parallel_state() -> None:
+    """megatron-core's destroy_model_parallel, plus what it leaves holding process groups (megatron-core 0.16):
+    parallel_state globals it does not reset (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin)
+    and RotaryEmbedding.forward's lru_cache, which keeps every rotary embedding built, with its cp_group,
+    alive. Each keeps its groups' gloo threads running after the world is destroyed: a test session that
+    built a trainer per test ended holding 325 threads."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    ps.destroy_model_parallel()
+    for name, value in list(vars(ps).items()):
+        if name.startswith("_") and isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    RotaryEmbedding.forward.cache_clear()
 
 
 def _groups_alive(ps) -> bool:
@@ -266,15 +283,12 @@ class MegatronModule(
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
         start another model, e.g. the next run of a test session. Safe to call twice."""
-        from megatron.core import parallel_state as ps
-
         self.model = self.ddp = self.optimizer = None
         self.__dict__.pop(
             "_param_cache", None
         )  # (model, its parameters by name): would keep the model alive
         gc.unfreeze()  # what start() froze (chatgen.module.startup_gc) is collectable again: the model's cycles too
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
+        release_parallel_state()
         if dist.is_initialized():
             dist.destroy_process_group()
 
