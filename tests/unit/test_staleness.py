@@ -1,0 +1,89 @@
+"""chatgen.rlhf.staleness (per-token weight versions -> staleness) and the async keys' checks."""
+
+import pytest
+import torch
+
+from chatgen.rlhf import staleness as st
+
+# 3 samples, 5 token columns; -1 = prompt / padding. Sample 0: all version 3; sample 1: started under 1,
+# finished under 2 (a partial rollout); sample 2: no generated token.
+VERSIONS = torch.tensor(
+    [
+        [-1, 3, 3, 3, -1],
+        [-1, -1, 1, 1, 2],
+        [-1, -1, -1, -1, -1],
+    ]
+)
+
+
+def test_sample_staleness_is_the_oldest_tokens():
+    assert st.sample_staleness(VERSIONS, 3).tolist() == [0, 2, 0]
+    assert st.sample_staleness(VERSIONS, 5).tolist() == [2, 4, 0]
+
+
+def test_spans_versions():
+    assert st.spans_versions(VERSIONS).tolist() == [False, True, False]
+
+
+def test_groups_over_the_bound():
+    staleness = torch.tensor([0, 1, 3, 0])  # two groups of two
+    assert st.groups_over(staleness, 2, 2).tolist() == [False, True]
+    assert st.groups_over(staleness, 2, 3).tolist() == [False, False]
+
+
+def test_staleness_metrics_count_trained_tokens_only():
+    mask = torch.tensor(
+        [
+            [0, 1, 1, 1, 0],
+            [0, 0, 0, 1, 1],  # the version-1 token at column 2 is not trained on
+            [0, 0, 0, 0, 0],
+        ],
+        dtype=torch.float32,
+    )
+    m = st.staleness_metrics(VERSIONS, mask, 3)
+    # trained tokens: 0, 0, 0 (sample 0) and 2, 1 (sample 1)
+    assert m["async/staleness_max"] == 2.0
+    assert m["async/staleness_mean"] == pytest.approx(3 / 5)
+    assert m["async/samples_spanning_versions"] == pytest.approx(1 / 3)
+
+
+def test_on_policy_mismatch_ignores_stale_tokens():
+    mask = (VERSIONS >= 0).float()
+    old = torch.zeros(3, 5)
+    infer = torch.where(
+        VERSIONS == 3, -0.001, -1.0
+    )  # stale tokens differ a lot, fresh ones a little
+    m = st.on_policy_mismatch(old, infer, mask, VERSIONS, 3)
+    assert m["mismatch/logprob_max_abs"] == pytest.approx(0.001)
+    assert m["mismatch/logprob_mean_abs"] == pytest.approx(0.001)
+    assert st.on_policy_mismatch(old, infer, mask, VERSIONS, 7) == {}  # nothing that fresh
+
+
+@pytest.mark.parametrize(
+    "keys, problem",
+    [
+        ({"max_staleness": -1}, "must be >= 0"),
+        (
+            {"max_staleness": 2, "overlap_generation": True, "importance_sampling_cap": 2.0},
+            "overlap",
+        ),
+        ({"max_staleness": 2, "dynamic_sampling": True, "importance_sampling_cap": 2.0}, "dynamic"),
+        ({"max_staleness": 2, "old_logprobs": "recompute"}, "importance_sampling_cap"),
+    ],
+)
+def test_async_keys_are_checked(keys, problem):
+    from chatgen.rlhf.algorithms.grpo import Config
+
+    found = [(key, text) for key, text in Config(**keys).check() if key == "max_staleness"]
+    assert found and problem in found[0][1], found
+
+
+def test_async_keys_that_fit():
+    from chatgen.rlhf.algorithms.grpo import Config
+
+    for keys in (
+        {"max_staleness": 0},
+        {"max_staleness": 2, "importance_sampling_cap": 2.0},
+        {"max_staleness": 3, "old_logprobs": "rollout"},
+    ):
+        assert not [key for key, _ in Config(**keys).check() if key == "max_staleness"], keys
