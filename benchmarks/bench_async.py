@@ -105,7 +105,6 @@ def one_run(model: Path, data: Path, out: Path, episodes: int, extra: dict, args
         "policy.load": model,
         "policy.n": 4,
         "policy_trainer.load": model,
-        "policy_trainer.lr": 1.0e-3,
         **extra,
     }
     cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [f"{k}={v}" for k, v in items.items()])

@@ -1,4 +1,5 @@
-"""chatgen.rlhf.staleness (per-token weight versions -> staleness) and the async keys' checks."""
+"""chatgen.rlhf.staleness (per-token weight versions -> staleness), the async keys' checks, and what the async loop
+does with groups past the bound (async_rollout.enforce_bound, with a stand-in run)."""
 
 import pytest
 import torch
@@ -87,3 +88,71 @@ def test_async_keys_that_fit():
         {"max_staleness": 3, "old_logprobs": "rollout"},
     ):
         assert not [key for key, _ in Config(**keys).check() if key == "max_staleness"], keys
+
+
+class FakeRun:
+    """What enforce_bound uses of a Run: the algorithm's keys, generate (fresh samples at version 9), score."""
+
+    def __init__(self, stale_samples):
+        import contextlib
+        import types
+
+        algo = types.SimpleNamespace(max_staleness=2, stale_samples=stale_samples)
+        self.cfg = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(algorithm=algo),
+            models={"policy": types.SimpleNamespace(config=types.SimpleNamespace(pad_token_id=0))},
+        )
+        self.timer = lambda phase: contextlib.nullcontext()
+        self.generated = []
+
+    def generate(self, index):
+        self.generated.append(index)
+        return batch_of([9] * (2 * len(index)), first_prompt=100)
+
+    def score(self, batch):
+        return torch.full((len(batch),), 0.5)
+
+
+def batch_of(versions: list, first_prompt=0):
+    """A RolloutBatch of len(versions) one-token samples (2 per group), token versions as given."""
+    from chatgen.core.rollout import RolloutBatch
+
+    s = len(versions)
+    return RolloutBatch(
+        input_ids=torch.arange(s * 2).view(s, 2) + first_prompt,
+        prompt_lengths=torch.ones(s, dtype=torch.long),
+        response_lengths=torch.ones(s, dtype=torch.long),
+        loss_mask=torch.ones(s, 1),
+        infer_logprobs=torch.zeros(s, 1),
+        prompt_index=torch.arange(s) // 2,
+        texts=[""] * s,
+        prompt_texts=[None] * s,
+        finish_reasons=["stop"] * s,
+        metadata=[{}] * s,
+        weight_versions=torch.tensor(versions).view(s, 1),
+    )
+
+
+@pytest.mark.parametrize("stale_samples", ["drop", "regenerate"])
+def test_groups_past_the_bound_are_dropped_or_regenerated(stale_samples):
+    from chatgen.rlhf.async_rollout import enforce_bound
+
+    run = FakeRun(stale_samples)
+    batch = batch_of([9, 8, 6, 9, 7, 7])  # at version 9, k = 2: group 1 (a sample at 6) is past it
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
+    out, out_rewards, keep, metrics = enforce_bound(run, [10, 11, 12], batch, rewards, 9, 2)
+    assert metrics == {"async/stale_groups": 1}
+    if stale_samples == "drop":
+        assert out is batch and keep.tolist() == [1, 1, 0, 0, 1, 1] and run.generated == []
+    else:
+        assert keep is None and run.generated == [[11]]  # group 1's prompt, generated again
+        assert out.weight_versions.flatten().tolist() == [9, 8, 9, 9, 7, 7]  # in its place
+        assert out_rewards.tolist() == [1.0, 0.0, 0.5, 0.5, 0.0, 1.0]
+        assert out.prompt_index.tolist() == [0, 0, 1, 1, 2, 2]
+
+
+def test_a_token_newer_than_the_trainer_is_a_bug():
+    from chatgen.rlhf.async_rollout import enforce_bound
+
+    with pytest.raises(RuntimeError, match="newer than the trainer"):
+        enforce_bound(FakeRun("drop"), [0], batch_of([3, 5]), torch.zeros(2), 4, 2)
