@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_rlhf_runs import iteration, overrides, read_metrics, trainer_weights
 
 pytestmark = pytest.mark.integration
 
@@ -25,16 +24,47 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES, N = 32, 4  # per episode: 8 prompts x 4 samples, one optimizer step (one weight version)
 
 
+def overrides(model_dir, data_dir, out_dir, **extra):
+    items = {
+        "runtime.data_path": f"{data_dir}/train.jsonl",
+        "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
+        "runtime.output_dir": str(out_dir),
+        "runtime.sample_per_episode": SAMPLES,
+        "runtime.train_micro_batch_size": SAMPLES,
+        "runtime.train_global_batch_size": SAMPLES,
+        "runtime.eval_episode_interval": 1,
+        "runtime.save_episode_interval": 1,
+        "policy.load": model_dir,
+        "policy.n": N,
+        "policy_trainer.load": model_dir,
+        **extra,
+    }
+    return [f"{k}={v}" for k, v in items.items()]
+
+
+def read_metrics(out_dir) -> dict:
+    lines = (Path(out_dir) / "metrics.jsonl").read_text().splitlines()
+    return {r["episode"]: r for r in map(json.loads, lines)}
+
+
+def iteration(checkpoint_dir, model="policy_trainer") -> int:
+    return json.loads((Path(checkpoint_dir) / model / "chatgen_megatron.json").read_text())[
+        "iteration"
+    ]
+
+
+def trainer_weights(checkpoint_dir, model="policy_trainer") -> dict:
+    """A trainer's weights in an episode checkpoint, as HF tensors."""
+    from chatgen.models.convert import megatron_checkpoint_to_hf
+
+    return megatron_checkpoint_to_hf(Path(checkpoint_dir) / model)[1]
+
+
 def config(model_dir, data_dir, out, **extra):
     from chatgen.rlhf.config import load_config
 
-    one_step = {
-        "runtime.train_micro_batch_size": SAMPLES,
-        "runtime.train_global_batch_size": SAMPLES,
-        **extra,
-    }
     return load_config(
-        REPO / "configs/grpo_tiny.yaml", overrides(model_dir, data_dir, out, **one_step)
+        REPO / "configs/grpo_tiny.yaml", overrides(model_dir, data_dir, out, **extra)
     )
 
 
