@@ -4,9 +4,9 @@
 Each case runs the three modes in turn, --runs rounds of them (so machine noise hits all alike), on the tiny
 sort-digits task with a warm-started tiny Llama (--model, or a quick SFT warm start made here):
 - `tiny`: configs/grpo_tiny.yaml's policy (up to 16 new tokens, stop at EOS).
-- `longtail`: the same at sampling temperature --longtail-temperature with up to 112 new tokens, so that
-  most answers stop near 13 tokens and some run to the limit (8x longer): the straggler case where partial
-  rollouts pay most.
+- `longtail`: one prompt in 8 asks to sort 40-48 digits instead of 3-6, and its samples generate to the
+  112-token limit (`LongTailPolicy`: min_tokens for long prompts; the others stop at EOS near 10 tokens,
+  so ~10x shorter): the straggler case, where partial rollouts pay most.
 Every mode: one optimizer step per episode, old_logprobs: recompute with importance_sampling_cap 2.0
 (the same loss for all three; the async run's correction is then decoupled PPO), held-out evaluation every
 --eval-every episodes on the training prompts.
@@ -73,14 +73,60 @@ def warm_model(base: Path, work: Path, steps: int) -> Path:
     return out
 
 
-def case_overrides(case: str, args) -> dict:
+def long_tail_policy():
+    """The policy class of the longtail case (made on first use: importing vLLM is slow)."""
+    from chatgen import VLLMModule
+
+    class LongTailPolicy(VLLMModule):
+        """Samples of a long prompt (over LONG_PROMPT tokens) generate to the token limit."""
+
+        def _add_request(self, data, is_eval=False):
+            request_ids = []
+            for item in data:
+                params = self.sampling_params(
+                    len(item["input_ids"]), is_eval=is_eval, greedy=item.get("greedy", False)
+                )
+                if len(item["input_ids"]) > LONG_PROMPT:
+                    params.min_tokens = params.max_tokens
+                request_ids.append(
+                    self.add_request(item["input_ids"], params, prompt_text=item.get("prompt"))
+                )
+            return request_ids
+
+    return LongTailPolicy
+
+
+LONG_PROMPT = 40  # tokens: the 40-48-digit prompts are over it, the 3-6-digit ones far below
+
+
+def __getattr__(name):  # `bench_async:LongTailPolicy`, as the policy's model_class imports it
+    if name == "LongTailPolicy":
+        return long_tail_policy()
+    raise AttributeError(name)
+
+
+def write_data(work: Path, prompts: int) -> dict:
+    """{case: data directory}: the tiny task's prompts; for longtail one prompt in 8 with 40-48 digits."""
+    from chatgen import tasks
+
+    tasks.write_task_data(str(work / "tiny"), n_train=prompts, n_eval=8)
+    long = max(1, prompts // 8)
+    tasks.write_task_data(str(work / "short"), n_train=prompts - long, n_eval=8)
+    tasks.write_task_data(str(work / "long"), n_train=long, n_eval=8, min_digits=40, max_digits=48)
+    (work / "longtail").mkdir()
+    (work / "longtail" / "train.jsonl").write_text(
+        (work / "short" / "train.jsonl").read_text() + (work / "long" / "train.jsonl").read_text()
+    )
+    return {"tiny": work / "tiny", "longtail": work / "longtail"}
+
+
+def case_overrides(case: str) -> dict:
     if case == "longtail":
         return {
+            "models.policy.model_class": "bench_async:LongTailPolicy",
             "policy.max_new_tokens": 112,
-            "policy.seq_length": 160,
-            "policy_trainer.seq_length": 160,
-            "policy.temperature": args.longtail_temperature,
-            "policy.logprobs_mode": "processed",  # the trainer scores logits / T (docs/algorithms.md)
+            "policy.seq_length": 256,
+            "policy_trainer.seq_length": 256,
         }
     return {}
 
@@ -157,18 +203,15 @@ def main(argv=None) -> int:
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per episode (x4 samples)")
     parser.add_argument("--cases", default="tiny,longtail")
-    parser.add_argument("--longtail-temperature", type=float, default=1.5)
     parser.add_argument("--warm-steps", type=int, default=100)
     args = parser.parse_args(argv)
-    from chatgen import tasks
-
     work = Path(tempfile.mkdtemp(prefix="bench_async_"))
     model = (
         Path(args.model)
         if args.model
         else warm_model(tiny_model(REPO / "outputs" / "bench-tiny-llama"), work, args.warm_steps)
     )
-    tasks.write_task_data(str(work / "task"), n_train=args.prompts, n_eval=8)
+    data = write_data(work, args.prompts)
     result = {"args": vars(args), "cases": {}}
     for case in args.cases.split(","):
         load_before, runs = os.getloadavg(), {mode: [] for mode in MODES}
@@ -176,12 +219,7 @@ def main(argv=None) -> int:
             for mode, extra in MODES.items():
                 out = work / f"{case}_{mode}_{round_}"
                 run = one_run(
-                    model,
-                    work / "task",
-                    out,
-                    args.episodes,
-                    {**extra, **case_overrides(case, args)},
-                    args,
+                    model, data[case], out, args.episodes, {**extra, **case_overrides(case)}, args
                 )
                 runs[mode].append(run)
                 print(
