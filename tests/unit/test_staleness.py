@@ -156,3 +156,35 @@ def test_a_token_newer_than_the_trainer_is_a_bug():
 
     with pytest.raises(RuntimeError, match="newer than the trainer"):
         enforce_bound(FakeRun("drop"), [0], batch_of([3, 5]), torch.zeros(2), 4, 2)
+
+
+def test_an_async_policy_sharing_gpus_with_its_trainer_is_refused(tmp_path, monkeypatch, capsys):
+    """It would sleep while the trainer trains: nothing could generate ahead (chatgen config says so)."""
+    from chatgen import cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text('{"prompt": "p", "answer": "a"}\n')
+    (tmp_path / "policy.yaml").write_text("load: /models/tiny\nn: 4\n")
+    (tmp_path / "trainer.yaml").write_text("load: /models/tiny\n")
+    (tmp_path / "main.yaml").write_text(
+        "runtime:\n"
+        "  sample_per_episode: 16\n"
+        "  data_path: train.jsonl\n"
+        "  colocation: [[policy, policy_trainer]]\n"
+        "  algorithm: {name: grpo, max_staleness: 2, importance_sampling_cap: 2.0}\n"
+        "models:\n"
+        "  policy: {backend: vllm, model_config_file: policy.yaml, num_gpu: 1}\n"
+        "  policy_trainer: {backend: megatron, trainable: true, model_config_file: trainer.yaml,"
+        " num_gpu: 1}\n"
+        "  reward: {backend: python, model_class: chatgen.module:Module}\n"
+    )
+    assert cli.main(["config", "main.yaml"]) == 2
+    assert (
+        "max_staleness: the policy shares its GPUs with policy_trainer" in capsys.readouterr().err
+    )
+    assert (
+        cli.main(
+            ["config", "main.yaml", "models.policy.num_gpu=0", "models.policy_trainer.num_gpu=0"]
+        )
+        == 0
+    )
