@@ -15,6 +15,7 @@ from chatgen.core.rollout import RolloutBatch
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.staleness import MISMATCH_KEYS, on_policy_mismatch
 
 
 def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
@@ -97,12 +98,13 @@ def rollout_correction(algo, data: dict, infer_logprobs) -> dict:
     return metrics
 
 
-def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
+def update(run, batch, rewards, n: int, sync: bool = True, current_version=None) -> dict:
     """GRPO's step once a batch is sampled and scored: reference and old log-probs, rollout
     correction, advantages (runtime.algorithm.advantage_estimator), clipped policy-gradient steps,
     sync into the policy (unless sync=False: the caller syncs later). batch: a RolloutBatch of
     S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's metrics (rewards,
-    mismatch, trainer, KL). Shared by grpo_multiturn."""
+    mismatch, trainer, KL). Shared by grpo_multiturn. current_version (asynchronous runs): the engine
+    version of the trainer's weights; the mismatch is then measured on the tokens it sampled only."""
     cfg, timer = run.cfg, run.timer
     algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
     use_reference = "reference" in cfg.models  # the penalty, or (kl_coef 0) kl/reference only
@@ -148,12 +150,26 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
         # steps without any signal (every group of the step all-equal)
         "policy/zero_grad_steps": sum(step.get("grad_norm") == 0.0 for step in steps),
     }
+    if current_version is not None and algo.old_logprobs == "recompute":  # not the staleness
+        for key in MISMATCH_KEYS:
+            del metrics[key]
+        metrics.update(
+            on_policy_mismatch(
+                data["old_logprobs"],
+                batch.infer_logprobs,
+                batch.loss_mask,
+                batch.weight_versions,
+                current_version,
+            )
+        )
     metrics["reward/zero_variance_groups"] = zero_variance_groups(rewards, n, run.log)
     if (
         algo.old_logprobs == "rollout"
     ):  # old == infer: the mismatch is what the first step saw before updating
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
-        if not algo.overlap_generation:  # (one step off-policy, the first step sees the update too)
+        if not (
+            algo.overlap_generation or current_version is not None
+        ):  # (off-policy: and updates)
             metrics["mismatch/logprob_max_abs"] = steps[0]["old_logprob_diff_max"]
     if use_reference:
         metrics["kl/reference"] = L.masked_mean(

@@ -42,6 +42,7 @@ HEADLINE = (
     "reward/mean",
     "policy/loss",
 )  # the first of these a run logs stands for its training progress
+ASYNC_SHOWN = ("async/staleness_mean", "async/buffer_fill")  # max_staleness runs (docs/async_rl.md)
 MAX_EVAL_KEYS = 3  # held-out figures shown per line and in the summary (metrics.jsonl has them all)
 MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode tiny job
 
@@ -198,12 +199,15 @@ class MetricsLogger:
         if not self.bar.disable:
             if evals:
                 self.status["eval"] = f"{evals[0]} {record[evals[0]]:.3f}"
+            if ASYNC_SHOWN[0] in record:
+                self.status["async"] = f"staleness {record[ASYNC_SHOWN[0]]:.2f}"
             if episode > 0:
                 self.status["episode"] = f"{seconds:.2f} s/episode" if seconds is not None else ""
                 self.bar.update(1)
             self.show_phase("")
             return
-        figures = [f"{k} {record[k]:.4g}" for k in [*headline_keys([record]), *evals]]
+        shown = [*headline_keys([record]), *evals, *[k for k in ASYNC_SHOWN if k in record]]
+        figures = [f"{k} {record[k]:.4g}" for k in shown]
         if episode == 0:
             say(f"episode 0/{self.num_episodes} (before training): " + " · ".join(figures))
             return
@@ -273,6 +277,12 @@ def summary(records: list, phases: list, places: dict, title: str = "") -> str:
             f"episode {statistics.median(r.get('time/episode', 0.0) for r in timed):.2f}"
         )
         lines.append("  seconds per episode (median): " + " · ".join(per_phase))
+    asynchronous = [k for k in ASYNC_SHOWN if any(k in r for r in timed)]
+    if asynchronous:  # median per episode
+        medians = [
+            f"{k} {statistics.median(r[k] for r in timed if k in r):.2f}" for k in asynchronous
+        ]
+        lines.append("  asynchronous (median): " + " · ".join(medians))
     width = max(map(len, places), default=0)
     lines += [f"  {name.ljust(width)}  {place}" for name, place in places.items()]
     return "\n".join(lines)

@@ -323,10 +323,11 @@ class Run:
                 self.health.check(name, steps[-1])
         return steps if per_step else reduce_metrics(steps)
 
-    def sync_policy(self) -> None:
+    def sync_policy(self, mode: str = "wait") -> None:
         """Each trainer's weights -> the model it syncs to (policy_trainer -> policy). The first sync of a run
-        validates every tensor."""
-        self.links.sync()
+        validates every tensor. mode: what the engine does with requests in flight (wait, keep, recompute,
+        abort: GenerationModule.load_weights)."""
+        self.links.sync(mode)
 
     # ---- checkpoint, resume, eval, log ---------------------------------------------------------------
 

@@ -30,8 +30,8 @@ SENDER = "group_sender"
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
 
 
-def _sync_colocated(worker, trainer, target, validate):
-    sync_weights(worker.models[trainer], worker.models[target], validate=validate)
+def _sync_colocated(worker, trainer, target, validate, mode="wait"):
+    sync_weights(worker.models[trainer], worker.models[target], validate=validate, mode=mode)
 
 
 def _open_sender(worker, trainer, token, world_size, multi_node):
@@ -91,8 +91,9 @@ class WeightLinks:
                 if h.backend == "megatron" and any(h.group is g for g in groups)
             ]
 
-    def sync(self) -> None:
-        """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor."""
+    def sync(self, mode: str = "wait") -> None:
+        """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor.
+        mode: what the engine does with requests in flight (GenerationModule.load_weights)."""
         validate = self.syncs == 0
         if (
             self.asleep
@@ -103,11 +104,13 @@ class WeightLinks:
             trainer, target = self.runtime[trainer_name], self.runtime[target_name]
             if self.colocated[trainer_name]:
                 trainer.get(
-                    trainer.group.run_async(_sync_colocated, trainer.name, target.name, validate),
+                    trainer.group.run_async(
+                        _sync_colocated, trainer.name, target.name, validate, mode
+                    ),
                     "sync",
                 )
             else:
-                receiving = target.receive_weights()
+                receiving = target.receive_weights(mode)
                 try:
                     sending = trainer.group.run_async(_send, trainer.name, validate)
                     trainer.get(receiving + sending, "sync")

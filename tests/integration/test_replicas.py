@@ -10,7 +10,6 @@ checkpoint stays whole. Also a same-host shared-memory weight load (`update_weig
 """
 
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,26 +20,6 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 SYNC_TOL = 1e-4  # fp32: vLLM vs Megatron log-probs of the same weights differ by ~1e-6
-
-from chatgen.generation.vllm.module import VLLMModule  # noqa: E402
-
-
-class DyingPolicy(VLLMModule):
-    """The vLLM policy, except that on group rank `args.die_on_rank` its `args.die_on_call`-th generation call
-    writes the time to `args.stamp` and ends the process, as a crashed engine would (imported inside the actor)."""
-
-    calls = 0
-
-    def run_generation(self, data, is_eval=False):
-        args = self.config.args
-        DyingPolicy.calls += 1
-        if (
-            int(os.environ["RANK"]) == args["die_on_rank"]
-            and DyingPolicy.calls == args["die_on_call"]
-        ):
-            Path(args["stamp"]).write_text(str(time.time()))
-            os._exit(1)
-        return super().run_generation(data, is_eval)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +114,7 @@ def test_disaggregated_replicas_then_one_dies_mid_episode(
             "runtime.num_episode": 3,
             "runtime.colocation": "[[policy, reward]]",
             "models.policy_trainer.num_cpu": 1,
-            "models.policy.model_class": "test_replicas:DyingPolicy",
+            "models.policy.model_class": "dying_policy:DyingPolicy",
             "policy.args.die_on_rank": 1,
             "policy.args.die_on_call": 6,
             "policy.args.stamp": stamp,

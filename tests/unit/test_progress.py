@@ -137,3 +137,12 @@ def test_a_terminal_of_no_width_or_no_descriptor_gets_plain_lines(size, monkeypa
     monkeypatch.setattr("sys.stdout", Terminal())
     monkeypatch.setattr(os, "get_terminal_size", terminal_size)
     assert metrics.progress_bar(3, "step").disable
+
+
+def test_an_asynchronous_run_shows_its_staleness():
+    records = grpo_records(4, 2)
+    for k, r in enumerate(records[1:], 1):
+        r.update({"async/staleness_mean": k / 2, "async/buffer_fill": 1 / 3})
+    text = summary(records, ["generate", "train"], {"metrics": "m.jsonl"})
+    assert "  asynchronous (median): async/staleness_mean 1.25 · async/buffer_fill 0.33" in text
+    assert "asynchronous" not in summary(grpo_records(4, 2), ["generate"], {"metrics": "m.jsonl"})

@@ -19,6 +19,7 @@ import time
 from typing import Literal, Optional
 
 from chatgen.config import opt
+from chatgen.rlhf import async_rollout
 from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.grpo_step import sample_full_groups, update
 from chatgen.rlhf.run import Run
@@ -137,6 +138,19 @@ class Config(AlgorithmConfig):
     )
     rejection_low: float = opt(0.5, "lower ratio bound of rejection_level")
     rejection_high: float = opt(2.0, "upper ratio bound of rejection_level")
+    # --- fully asynchronous RL (chatgen.rlhf.async_rollout, docs/async_rl.md)
+    max_staleness: Optional[int] = opt(
+        None,
+        "generate ahead of the trainer: no trained token comes from weights more than this many "
+        "versions older than the trainer's (0 = synchronous, 1 = one step off-policy, 2 is usual); "
+        "weights reach the engine after each update with requests in flight (partial rollouts); "
+        "null = the loop of overlap_generation (AReaL: max_head_offpolicyness)",
+    )
+    stale_samples: Literal["drop", "regenerate"] = opt(
+        "drop",
+        "max_staleness: a group past the bound is left out of the loss (drop) or generated "
+        "again with the current weights (regenerate); counted as async/stale_groups",
+    )
 
     def check(self):
         if self.kl_coef < 0:
@@ -164,6 +178,7 @@ class Config(AlgorithmConfig):
                 ),
             )
         yield from self.check_recipe()
+        yield from async_rollout.check_keys(self)
 
     def check_recipe(self):
         """The recipe keys' ranges and combinations (docs/algorithms.md)."""
@@ -263,6 +278,7 @@ def check(cfg):
     if pc is not None and pc.n < 2:
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
+    yield from async_rollout.check_run(cfg)
     if algo.kl_coef > 0 and "reference" not in cfg.models:
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
@@ -335,6 +351,8 @@ def train(cfg, resume=False, log=print) -> dict:
     """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
     False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
     rt = cfg.runtime
+    if rt.algorithm.max_staleness is not None:  # fully asynchronous (chatgen.rlhf.async_rollout)
+        return async_rollout.train(cfg, resume, log, PHASES, score_at_sampling_temperature)
     n = cfg.models["policy"].config.n
     overlap = rt.algorithm.overlap_generation  # one-step off-policy: sample k+1 while training on k
     with (

@@ -46,6 +46,8 @@ class Config(grpo.Config):
 
     def check(self):
         yield from super().check()
+        if self.max_staleness is not None:
+            yield "max_staleness", "grpo_multiturn has no asynchronous loop; remove the key"
         if self.overlap_generation:
             yield (
                 "overlap_generation",

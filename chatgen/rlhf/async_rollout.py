@@ -1,0 +1,250 @@
+"""Fully asynchronous GRPO (`runtime.algorithm.max_staleness: k`): generation runs ahead of the trainer by
+at most k weight versions, partial rollouts continue under new weights, and the staleness is measured
+from the engine's per-token weight versions.
+
+    runtime: {algorithm: {name: grpo, max_staleness: 2, importance_sampling_cap: 2.0}}
+    chatgen train configs/grpo_tiny_async.yaml
+
+The loop (`train`, GRPO's when max_staleness is set; docs/async_rl.md):
+- Batches. Batch j is the j-th episode's prompts (sample_per_episode / n of them, drawn in order on the
+  trainer's thread, so the data order is the synchronous run's). Its generation is submitted to the engine
+  from a small thread pool as soon as the staleness bound admits it, and several batches generate at once
+  (the engine batches their requests continuously).
+- Admission (AReaL's max_head_offpolicyness): the trainer holding weight version v takes batch v - v0 next
+  (v0: the version it started at), so batch j may start once the weights are at version >= v0 + j - k. Every
+  token of it is then at most k versions older than the weights it trains against. k = 0 is the
+  synchronous loop (generate, train, sync), k = 1 today's overlap_generation, k > 1 fully asynchronous.
+- Weights go to the engine after each episode's update in mode `keep`: requests in flight continue under
+  the new weights (partial rollouts); their tokens carry the versions that sampled them.
+- The bound is checked on the samples themselves (chatgen.rlhf.staleness): a group whose oldest token is
+  more than k versions behind is dropped from the loss (`stale_samples: drop`) or generated again now
+  (`regenerate`), and counted (async/stale_groups). Admission makes this a safety net, not a routine.
+- Checkpoints: no batch is submitted past the next checkpoint's episode, so at a checkpoint nothing is in
+  flight and the saved data position is exact: a resumed run neither replays nor loses a sample.
+- Correction: the behaviour policy is the engine's per-token log-probs; with old_logprobs: recompute the
+  proximal policy is the trainer's pass before the update, and importance_sampling_cap caps the weight
+  between them (AReaL's decoupled PPO; grpo_step.rollout_correction).
+
+Metrics: async/staleness_mean and async/staleness_max (over trained tokens), async/samples_spanning_versions,
+async/buffer_fill (batches generated and waiting when the trainer took its own, over k + 1),
+async/engine_idle_fraction and async/trainer_idle_fraction (of the episode's wall time), async/stale_groups.
+
+With runtime.launcher: local (one process) the engine takes the weights between two steps while requests
+run. A disaggregated engine in a Ray actor serves one call at a time: the sync waits for the batches already
+submitted to it (no partial rollouts there), the bound still holds.
+"""
+
+import concurrent.futures
+import threading
+import time
+from collections import deque
+
+import torch
+
+from chatgen.core.rollout import RolloutBatch
+from chatgen.rlhf import staleness as st
+from chatgen.rlhf.grpo_step import update
+from chatgen.rlhf.run import Run
+
+
+def check_keys(algo):
+    """(key, problem) pairs of the async keys of GRPO's Config."""
+    k = algo.max_staleness
+    if k is None:
+        return
+    if k < 0:
+        yield "max_staleness", f"must be >= 0 or null, got {k}; 0 = synchronous, 2 is usual"
+    if k > 0 and algo.overlap_generation:
+        yield (
+            "max_staleness",
+            "overlap_generation is max_staleness: 1; set overlap_generation: false",
+        )
+    if k > 0 and algo.dynamic_sampling:
+        yield (
+            "max_staleness",
+            "dynamic_sampling refills a batch synchronously; set one of them off",
+        )
+    if k > 0 and algo.old_logprobs == "recompute" and algo.importance_sampling_cap is None:
+        yield (
+            "max_staleness",
+            (
+                f"{k} trains on samples up to {k} versions old, and recomputed old log-probs do "
+                "not see it; set importance_sampling_cap (e.g. 2.0: decoupled PPO) or "
+                "old_logprobs: rollout"
+            ),
+        )
+
+
+def check_run(cfg):
+    """Run-level problems: a policy sharing GPUs with its trainer sleeps while the trainer trains."""
+    if cfg.runtime.algorithm.max_staleness and "policy" in cfg.models:
+        policy = cfg.models["policy"]
+        shared = any(
+            "policy" in group and "policy_trainer" in group for group in cfg.runtime.colocation
+        )
+        if shared and policy.num_gpu:
+            yield (
+                "runtime.algorithm.max_staleness: the policy shares its GPUs with policy_trainer "
+                "(runtime.colocation), and sleeps while it trains: nothing generates ahead; give "
+                "the policy devices of its own, or remove max_staleness"
+            )
+
+
+class Rollouts:
+    """The batches in flight or waiting (see the module docstring): `fill` submits what the bound admits,
+    `take` waits for the next one. Also counts the engine's and the trainer's idle time."""
+
+    def __init__(self, run, k: int):
+        self.run, self.k = run, k
+        self.pool = concurrent.futures.ThreadPoolExecutor(k + 1, thread_name_prefix="chatgen-async")
+        self.queue = deque()  # (episode, record indices, future of the RolloutBatch), in order
+        self.next_episode = None
+        self._lock = threading.Lock()
+        self._running, self._idle_since, self.engine_idle = 0, time.perf_counter(), 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        for _, _, future in self.queue:
+            future.cancel()
+        self.pool.shutdown(wait=True)  # what runs ends with the engine's calls (or their failure)
+        return False
+
+    def fill(self, episode: int, limit: int) -> None:
+        """Submit the batches of episodes up to min(episode + k, limit) not submitted yet."""
+        if self.next_episode is None:
+            self.next_episode = episode
+        while self.next_episode <= min(episode + self.k, limit):
+            index = self.run.next_prompts()
+            self.queue.append((self.next_episode, index, self.pool.submit(self._generate, index)))
+            self.next_episode += 1
+
+    def take(self, episode: int):
+        """(record indices, RolloutBatch) of `episode`, once generated; and how many batches were ready."""
+        got, index, future = self.queue.popleft()
+        assert got == episode, f"async rollout: expected episode {episode}'s batch, got {got}'s"
+        ready = 1 + sum(f.done() for _, _, f in self.queue) if future.done() else 0
+        return index, future.result(), ready
+
+    def _generate(self, index):
+        with self._lock:
+            if self._running == 0:
+                self.engine_idle += time.perf_counter() - self._idle_since
+            self._running += 1
+        try:
+            return self.run.generate(index)
+        finally:
+            with self._lock:
+                self._running -= 1
+                if self._running == 0:
+                    self._idle_since = time.perf_counter()
+
+    def pop_engine_idle(self) -> float:
+        """Seconds without a batch in flight since the last call."""
+        with self._lock:
+            now, idle = time.perf_counter(), self.engine_idle
+            if self._running == 0:
+                idle += now - self._idle_since
+                self._idle_since = now
+            self.engine_idle = 0.0
+            return idle
+
+
+def next_checkpoint(run, episode: int) -> int:
+    """The first episode >= `episode` that saves a checkpoint (num_episode when none does)."""
+    last = run.cfg.runtime.num_episode
+    return next(
+        (
+            e
+            for e in range(episode, last + 1)
+            if run.should(run.cfg.runtime.save_episode_interval, e)
+        ),
+        last,
+    )
+
+
+def enforce_bound(run, index, batch, rewards, current: int, n: int):
+    """The groups whose oldest token is more than k versions behind `current`: dropped from the loss
+    (stale_samples: drop) or generated again now (regenerate). Returns (batch, rewards, loss_keep or
+    None, metrics)."""
+    algo = run.cfg.runtime.algorithm
+    stale = st.sample_staleness(batch.weight_versions, current)
+    if (stale < 0).any():
+        raise RuntimeError(
+            f"async rollout: a token newer than the trainer's weights (version {current}): the "
+            "weight versions are out of step (a chatgen bug)"
+        )
+    over = st.groups_over(stale, n, algo.max_staleness)
+    metrics = {"async/stale_groups": int(over.sum())}
+    if not over.any():
+        return batch, rewards, None, metrics
+    if algo.stale_samples == "drop":
+        return batch, rewards, (~over).repeat_interleave(n).float(), metrics
+    redo = [index[g] for g in over.nonzero().flatten().tolist()]
+    with run.timer("generate"):
+        fresh = run.generate(redo)
+    with run.timer("reward"):
+        fresh_rewards = run.score(fresh)
+    parts, scores, redone = [], [], iter(range(len(redo)))
+    for g, is_over in enumerate(over.tolist()):  # the batch's group order, stale groups replaced
+        source, score, at = (fresh, fresh_rewards, next(redone)) if is_over else (batch, rewards, g)
+        rows = torch.arange(at * n, (at + 1) * n)
+        parts.append(source.select(rows))
+        scores.append(score[rows])
+    out = RolloutBatch.concat(parts, run.cfg.models["policy"].config.pad_token_id or 0)
+    out.prompt_index = torch.arange(len(over)).repeat_interleave(n)
+    return out, torch.cat(scores), None, metrics
+
+
+def train(cfg, resume, log, phases: list, prepare) -> dict:
+    """GRPO with generation up to runtime.algorithm.max_staleness versions ahead (the module docstring).
+    prepare(run): the algorithm's set-up before the first evaluation. Returns the last episode's metrics."""
+    rt = cfg.runtime
+    n, k = cfg.models["policy"].config.n, rt.algorithm.max_staleness
+    with (
+        Run(cfg, resume, phases, log, records_per_episode=rt.sample_per_episode // n) as run,
+        Rollouts(run, k) as rollouts,
+    ):
+        timer, metrics = run.timer, {}
+        prepare(run)
+        run.evaluate_start()
+        current = run.policy.weight_versions()[0]  # the engine's version of the trainer's weights
+        for episode in range(run.start_episode, rt.num_episode + 1):
+            start = time.perf_counter()
+            rollouts.fill(episode, next_checkpoint(run, episode))
+            waited = time.perf_counter()
+            with timer("generate"):  # what the trainer waits for: its idle time
+                index, batch, ready = rollouts.take(episode)
+            waited = time.perf_counter() - waited
+            if batch.weight_versions is None:
+                raise RuntimeError(
+                    "runtime.algorithm.max_staleness: the policy's batches carry no per-token "
+                    "weight_versions (RolloutBatch.weight_versions); use the vllm backend, or "
+                    "a decode_internal that keeps them"
+                )
+            with timer("reward"):
+                rewards = run.score(batch)
+            batch, rewards, keep, bound = enforce_bound(run, index, batch, rewards, current, n)
+            if keep is not None:
+                batch.loss_mask = batch.loss_mask * keep.unsqueeze(1)
+            observed = st.staleness_metrics(batch.weight_versions, batch.loss_mask, current)
+            metrics = update(
+                run, batch, rewards, n, sync=False, current_version=current if k else None
+            )
+            with timer("sync"):  # requests in flight continue under the new weights
+                run.sync_policy(mode="keep")
+            current = run.policy.weight_versions()[0]
+            elapsed = time.perf_counter() - start
+            metrics.update(
+                observed,
+                **bound,
+                **{
+                    "async/buffer_fill": ready / (k + 1),
+                    "async/trainer_idle_fraction": waited / elapsed,
+                    "async/engine_idle_fraction": min(1.0, rollouts.pop_engine_idle() / elapsed),
+                },
+            )
+            # nothing was drawn past a checkpoint's episode: the sampler's state is its data position
+            run.end_episode(episode, metrics, start)
+    return metrics
