@@ -22,7 +22,7 @@ from chatgen.core.checkpoint_io import (
     write_megatron_meta,
 )
 from chatgen.models import layout
-from chatgen.training import dist_checkpoint
+from chatgen.training import dist_checkpoint, lora
 
 
 class Checkpoints:
@@ -180,7 +180,7 @@ class Checkpoints:
         expected = {
             self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()
         }
-        missing = sorted(set(params) - set(expected))
+        missing = sorted(n for n in set(params) - set(expected) if not lora.is_adapter_param(n))
         if missing:
             raise RuntimeError(
                 f"{source}: model parameters {missing} have no mapping in chatgen/models/"

@@ -36,12 +36,12 @@ import torch
 import torch.distributed as dist
 
 from chatgen import models
-from chatgen.core.checkpoint_io import read_hf_config
+from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
 from chatgen.core.distributed import init_process_group
 from chatgen.core.metrics import reduce_metrics
 from chatgen.models import layout
 from chatgen.module import Module
-from chatgen.training import cpu_compat
+from chatgen.training import cpu_compat, lora, lora_peft
 from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
@@ -212,6 +212,10 @@ class MegatronModule(
             )
         if torch.cuda.is_available():
             self.model.cuda()
+        if (
+            cfg.lora.rank
+        ):  # adapters on the frozen base: before DDP and the optimizer see the parameters
+            self.lora_stats = lora.attach(self)
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
 
@@ -253,6 +257,10 @@ class MegatronModule(
         self.load_checkpoint(
             cfg.load
         )  # after the optimizer: a chatgen checkpoint restores its state and LR step
+        if (
+            cfg.lora.from_peft and read_megatron_meta(cfg.load) is None
+        ):  # a checkpoint holds its own adapter
+            lora_peft.load_peft(self, cfg.lora.from_peft)
 
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
