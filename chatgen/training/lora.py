@@ -32,7 +32,6 @@ import logging
 import math
 
 import torch
-import torch.distributed as dist
 
 from chatgen.config import ConfigError
 from chatgen.models import family

@@ -1,0 +1,168 @@
+"""LoRA on the Megatron trainer with the real megatron-core, vLLM and peft on CPU (fp32): only the adapters train
+(no gradient buffer or optimizer state for the base), the merged sync makes vLLM's log-probs equal the trainer's
+within 1e-4 at TP 1 and TP 2, the exported adapter gives the same log-probs under `peft.PeftModel` on the HF
+base and loads back, a resumed LoRA run continues bit-exactly.
+
+    python -m pytest tests/integration/test_lora.py
+"""
+
+import os
+
+import pytest
+import torch
+from helpers import SYNC_PROMPTS, batch, build, engine, generate, nll_loss, optimizer_state
+
+from chatgen.config import ConfigError
+from chatgen.param_sync import sync_weights
+from chatgen.training import lora
+from chatgen.training.lora_peft import export_peft
+
+pytestmark = pytest.mark.integration
+
+TOL = 1e-4
+ALL = dict(rank=4, alpha=8.0)  # every target
+SOME = dict(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj", "down_proj"])
+
+
+@pytest.fixture(scope="module")
+def llama(make_tiny):
+    return make_tiny("tiny_llama")
+
+
+def vllm_vs_trainer(trainer, generated, prompts=SYNC_PROMPTS) -> float:
+    return max(
+        (
+            trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[
+                0, len(prompt) - 1 :
+            ]
+            - torch.tensor(lp)
+        )
+        .abs()
+        .max()
+        .item()
+        for prompt, (ids, lp) in zip(prompts, generated)
+    )
+
+
+def hf_logprobs(model, ids):
+    with torch.no_grad():
+        logits = model(ids).logits[:, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def test_only_the_adapters_train_and_the_merged_sync_matches_vllm(llama):
+    ids = batch()
+    trainer = build(llama, lr=1e-2, lora=SOME)
+    base = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    adapted = [n for n in base if lora.is_adapter_param(n)]
+    assert adapted and 0 < trainer.lora_stats["share"] < 0.05
+    assert trainer.lora_stats["trainable"] == sum(base[n].numel() for n in adapted)  # TP 1, PP 1
+    start = trainer.forward_tokens({"input_ids": ids})
+    with lora.adapter_disabled(trainer.model):  # B = 0: the adapted model starts as the base
+        assert torch.equal(trainer.forward_tokens({"input_ids": ids}), start)
+
+    m1 = trainer.train_step({"input_ids": ids}, nll_loss)
+    m2 = trainer.train_step({"input_ids": ids}, nll_loss)
+    assert m2["loss"] < m1["loss"] and m1["grad_norm"] > 0
+    for name, p in trainer.model.named_parameters():
+        frozen = name not in adapted
+        assert p.requires_grad != frozen and hasattr(p, "main_grad") != frozen, name
+        assert torch.equal(p.detach(), base[name]) == frozen, name  # the base never moves
+    # the optimizer holds fp32 masters and two moments of the adapters only
+    assert sum(t.numel() for t in optimizer_state(trainer)) == 3 * trainer.lora_stats["trainable"]
+    with lora.adapter_disabled(trainer.model):  # the KL reference: the base, no second copy
+        assert torch.equal(trainer.forward_tokens({"input_ids": ids}), start)
+
+    llm = engine(llama)
+    try:
+        report = sync_weights(trainer, llm, validate=True, bucket_bytes=300_000)
+        assert report.validated and report.tensors == 21  # the base's names, merged
+        after = vllm_vs_trainer(trainer, generate(llm))
+        with lora.adapter_disabled(trainer.model):
+            assert (
+                vllm_vs_trainer(trainer, generate(llm)) > 1e-3
+            )  # the engine runs the adapted model
+    finally:
+        llm.shutdown()
+    assert after < TOL, after
+
+
+def test_peft_export_matches_the_trainer_and_loads_back(llama, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    ids = batch()
+    trainer = build(llama, lr=1e-2, lora=ALL)
+    trainer.train_step({"input_ids": ids}, nll_loss)
+    trainer.train_step({"input_ids": ids}, nll_loss)  # A and B both move (B = 0 at the first step)
+    want = trainer.forward_tokens({"input_ids": ids})
+    out = export_peft(trainer, tmp_path / "adapter")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapter"]  # written atomically
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    assert (hf_logprobs(base, ids) - want).abs().max() > 1e-3  # the adapter matters
+    peft_model = PeftModel.from_pretrained(base, out).eval()
+    assert peft_model.peft_config["default"].r == 4
+    assert (hf_logprobs(peft_model, ids) - want).abs().max() < TOL
+
+    started = build(llama, lr=1e-2, lora=dict(ALL, from_peft=out))
+    assert torch.equal(started.forward_tokens({"input_ids": ids}), want)
+    with pytest.raises(ConfigError, match="lora.rank: 8, but .* has r=4; set it"):
+        build(llama, lora=dict(ALL, rank=8, from_peft=out))
+
+
+def test_a_resumed_lora_run_continues_bit_exactly(llama, tmp_path):
+    ids = batch()
+    kw = dict(lr=1e-2, lora=ALL)
+    trainer = build(llama, **kw)
+    for _ in range(2):
+        trainer.train_step({"input_ids": ids}, nll_loss)
+    path = trainer.save_checkpoint(tmp_path / "ckpt")
+    resumed = build(path, **kw)
+    assert resumed.iteration == 2
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(optimizer_state(resumed), optimizer_state(trainer), strict=True)
+    )
+    assert resumed.train_step({"input_ids": ids}, nll_loss) == trainer.train_step(
+        {"input_ids": ids}, nll_loss
+    )
+    assert torch.equal(
+        resumed.forward_tokens({"input_ids": ids}), trainer.forward_tokens({"input_ids": ids})
+    )
+    assert all(
+        torch.equal(a, b) for a, b in zip(optimizer_state(resumed), optimizer_state(trainer))
+    )
+
+
+def _tp2_lora(model_dir, ids):
+    """Each rank: a LoRA trainer at TP 2 steps once, syncs into its vLLM TP 2 rank (same process)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from chatgen.training.megatron_module import MegatronModule
+
+    trainer = MegatronModule(
+        dict(load=str(model_dir), tensor_model_parallel_size=2, lr=1e-2, lora=SOME)
+    ).start()
+    trainer.train_step({"input_ids": ids}, nll_loss)
+    logprobs = trainer.forward_tokens({"input_ids": ids})
+    llm = engine(model_dir, tensor_parallel_size=2)
+    sync_weights(trainer, llm, validate=True)
+    diff = vllm_vs_trainer(trainer, generate(llm))
+    llm.shutdown()
+    return logprobs, diff
+
+
+def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
+    from chatgen.training.launcher import run_distributed
+
+    ids = batch()
+    results = run_distributed(
+        _tp2_lora, 2, args=(llama, ids), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    )
+    tp1 = build(llama, lr=1e-2, lora=SOME)
+    tp1.train_step({"input_ids": ids}, nll_loss)
+    want = tp1.forward_tokens({"input_ids": ids})
+    for logprobs, diff in results:
+        assert diff < TOL
+        assert (
+            logprobs - want
+        ).abs().max() < 1e-5  # the same adapters, initialised and trained alike
