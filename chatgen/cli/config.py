@@ -34,7 +34,7 @@ from chatgen.rlhf.config import (
 )
 from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.runtime import cluster_address, cluster_nodes
-from chatgen.training.config import MegatronConfig
+from chatgen.training.config import LoRAConfig, MegatronConfig
 
 
 def checked_run_config(path, overrides) -> tuple:
@@ -73,6 +73,7 @@ def sections() -> list:
             for name in generation.available()
         ],
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
+        ("megatron.lora", "`lora:` of a `backend: megatron` model; docs/lora.md", LoRAConfig),
         (
             "rewards",
             "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md",

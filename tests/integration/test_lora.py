@@ -142,13 +142,13 @@ def _tp2_lora(model_dir, ids):
     trainer = MegatronModule(
         dict(load=str(model_dir), tensor_model_parallel_size=2, lr=1e-2, lora=SOME)
     ).start()
-    trainer.train_step({"input_ids": ids}, nll_loss)
+    grad_norm = trainer.train_step({"input_ids": ids}, nll_loss)["grad_norm"]
     logprobs = trainer.forward_tokens({"input_ids": ids})
     llm = engine(model_dir, tensor_parallel_size=2)
     sync_weights(trainer, llm, validate=True)
     diff = vllm_vs_trainer(trainer, generate(llm))
     llm.shutdown()
-    return logprobs, diff
+    return logprobs, grad_norm, diff
 
 
 def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
@@ -159,10 +159,11 @@ def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
         _tp2_lora, 2, args=(llama, ids), env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
     )
     tp1 = build(llama, lr=1e-2, lora=SOME)
-    tp1.train_step({"input_ids": ids}, nll_loss)
+    grad_norm = tp1.train_step({"input_ids": ids}, nll_loss)["grad_norm"]
     want = tp1.forward_tokens({"input_ids": ids})
-    for logprobs, diff in results:
+    for logprobs, tp2_grad_norm, diff in results:
         assert diff < TOL
+        assert tp2_grad_norm == pytest.approx(grad_norm, rel=1e-5)  # A's TP sums, shards counted once
         assert (
             logprobs - want
         ).abs().max() < 1e-5  # the same adapters, initialised and trained alike
