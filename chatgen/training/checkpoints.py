@@ -22,7 +22,8 @@ from chatgen.core.checkpoint_io import (
     write_megatron_meta,
 )
 from chatgen.models import layout
-from chatgen.training import dist_checkpoint, lora
+from chatgen.models.lora_format import CHECKPOINT_DIR
+from chatgen.training import dist_checkpoint, lora, lora_peft
 
 
 class Checkpoints:
@@ -48,6 +49,10 @@ class Checkpoints:
         stepped = self.iteration > 0
         self.onload()
         dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
+        if (
+            self.config.lora.rank
+        ):  # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
+            lora_peft.export_peft(self, tmp / CHECKPOINT_DIR)
         if dist.get_rank() == 0:
             write_megatron_meta(
                 tmp,

@@ -11,24 +11,15 @@ Names are PEFT's: `base_model.model.` + the HF weight's module + `.lora_A.weight
 """
 
 import json
-from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from chatgen.config import ConfigError
 from chatgen.core.checkpoint_io import atomic_directory
+from chatgen.models.lora_format import CONFIG_FILE, WEIGHTS_FILE, peft_name, read_peft
 from chatgen.training import lora
 from chatgen.training.lora_sync import full_adapters
-
-CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
-PREFIX = "base_model.model."
-
-
-def peft_name(hf_weight: str, matrix: str) -> str:
-    """model.layers.0.self_attn.q_proj.weight, lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
-    return PREFIX + hf_weight[: -len("weight")] + matrix + ".weight"
 
 
 def export_peft(trainer, directory) -> str:
@@ -64,23 +55,6 @@ def export_peft(trainer, directory) -> str:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return str(directory)
-
-
-def read_peft(directory) -> tuple[dict, dict]:
-    """(adapter_config.json, {PEFT name: tensor}) of a PEFT adapter directory (safetensors only)."""
-    directory = Path(directory)
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        if not (directory / name).is_file():
-            raise ConfigError(
-                [
-                    f"lora.from_peft: {directory} has no {name}; point it at a PEFT LoRA adapter directory "
-                    "(adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes)"
-                ]
-            )
-    config = json.loads((directory / CONFIG_FILE).read_text())
-    with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return config, tensors
 
 
 def _mismatches(config: dict, tensors: dict, cfg, directory) -> list[str]:

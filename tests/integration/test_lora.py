@@ -111,12 +111,26 @@ def test_peft_export_matches_the_trainer_and_loads_back(llama, tmp_path):
 
 
 def test_a_resumed_lora_run_continues_bit_exactly(llama, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from chatgen.models.convert import megatron_to_hf_dir
+
     ids = batch()
     kw = dict(lr=1e-2, lora=ALL)
     trainer = build(llama, **kw)
     for _ in range(2):
         trainer.train_step({"input_ids": ids}, nll_loss)
     path = trainer.save_checkpoint(tmp_path / "ckpt")
+    want = trainer.forward_tokens({"input_ids": ids})
+    # the checkpoint carries the adapter in PEFT's format, and `convert --to hf` merges it
+    hf_dir = megatron_to_hf_dir(path, tmp_path / "hf")
+    merged = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    assert (hf_logprobs(merged, ids) - want).abs().max() < TOL
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    peft_model = PeftModel.from_pretrained(base, f"{path}/adapter").eval()
+    assert (hf_logprobs(peft_model, ids) - want).abs().max() < TOL
+
     resumed = build(path, **kw)
     assert resumed.iteration == 2
     assert all(
@@ -163,7 +177,9 @@ def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
     want = tp1.forward_tokens({"input_ids": ids})
     for logprobs, tp2_grad_norm, diff in results:
         assert diff < TOL
-        assert tp2_grad_norm == pytest.approx(grad_norm, rel=1e-5)  # A's TP sums, shards counted once
+        assert tp2_grad_norm == pytest.approx(
+            grad_norm, rel=1e-5
+        )  # A's TP sums, shards counted once
         assert (
             logprobs - want
         ).abs().max() < 1e-5  # the same adapters, initialised and trained alike
