@@ -327,3 +327,13 @@ def adapter_disabled(model):
     finally:
         for m in mods:
             m.enabled = True
+
+
+class LoRAReference:
+    """`MegatronModule`'s KL reference when it trains adapters: its own base, adapters off (a mixin)."""
+
+    def base_forward_tokens(self, data: dict) -> torch.Tensor:
+        """`forward_tokens` of the base model (every adapter off): a LoRA policy's KL reference, from the same
+        weights, no second copy. Without adapters it is `forward_tokens`."""
+        with adapter_disabled(self.model):
+            return self.forward_tokens(data)

@@ -131,7 +131,15 @@ def _groups_alive(ps) -> bool:
 
 
 class MegatronModule(
-    Checkpoints, MemoryHandoff, HFExport, MoERouting, PackingHooks, ModelBuild, TokenScoring, Module
+    Checkpoints,
+    MemoryHandoff,
+    HFExport,
+    MoERouting,
+    PackingHooks,
+    ModelBuild,
+    TokenScoring,
+    lora.LoRAReference,
+    Module,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 

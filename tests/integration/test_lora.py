@@ -183,3 +183,45 @@ def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
         assert (
             logprobs - want
         ).abs().max() < 1e-5  # the same adapters, initialised and trained alike
+
+
+def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(
+    llama, data_dir, tmp_path, monkeypatch
+):
+    """configs/grpo_tiny_lora.yaml for 2 episodes with kl_coef > 0 and no `reference` model: the reference is the
+    trainer's base (adapters off), so KL is 0 before the first step and positive after it; every sync is exact."""
+    import json
+    from pathlib import Path
+
+    from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
+
+    repo = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(repo)
+    out = tmp_path / "run"
+    items = {
+        "runtime.data_path": f"{data_dir}/train.jsonl",
+        "runtime.eval_data_path": f"{data_dir}/eval.jsonl",
+        "runtime.output_dir": str(out),
+        "runtime.num_episode": 2,
+        "runtime.sample_per_episode": 32,
+        "runtime.train_micro_batch_size": 16,
+        "runtime.train_global_batch_size": 16,
+        "runtime.generation_batch_size": 32,
+        "runtime.eval_episode_interval": 100,
+        "runtime.save_episode_interval": "null",
+        "runtime.algorithm.kl_coef": 0.1,
+        "policy.load": llama,
+        "policy.n": 4,
+        "policy_trainer.load": llama,
+    }
+    cfg = load_config(repo / "configs/grpo_tiny_lora.yaml", [f"{k}={v}" for k, v in items.items()])
+    assert "reference" not in cfg.models and grpo.lora_reference(cfg)
+    grpo.train(cfg, log=lambda *_: None)
+    metrics = {
+        r["episode"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+    }
+    for episode in (1, 2):
+        assert metrics[episode]["mismatch/logprob_max_abs"] < TOL  # the merged sync is exact
+    assert metrics[1]["kl/reference"] == pytest.approx(0.0, abs=1e-6)  # B = 0: policy == base
+    assert metrics[2]["kl/reference"] > 1e-6  # the adapters moved; the base did not

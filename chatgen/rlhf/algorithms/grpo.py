@@ -262,16 +262,28 @@ MODELS = {
 }
 
 
+def lora_reference(cfg) -> bool:
+    """Whether the KL reference is the LoRA policy trainer's own base (adapters off): kl_coef > 0, no
+    `reference` model, and a policy trainer with `lora.rank` > 0 (docs/lora.md)."""
+    trainer = cfg.models.get("policy_trainer")
+    lora = getattr(getattr(trainer, "config", None), "lora", None)
+    return (
+        cfg.runtime.algorithm.kl_coef > 0
+        and "reference" not in cfg.models
+        and bool(lora and lora.rank)
+    )
+
+
 def check(cfg):
     yield from policy_sampling_problems(cfg)
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
     if pc is not None and pc.n < 2:
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
-    if algo.kl_coef > 0 and "reference" not in cfg.models:
+    if algo.kl_coef > 0 and "reference" not in cfg.models and not lora_reference(cfg):
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
-            "false); add one or set kl_coef: 0"
+            "false), or a policy trainer with LoRA (its base is the reference); add one or set kl_coef: 0"
         )
     if algo.kl_in_reward and algo.kl_coef == 0:
         yield (
@@ -424,7 +436,9 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
     mismatch, trainer, KL). Shared by grpo_multiturn."""
     cfg, timer = run.cfg, run.timer
     algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
-    use_reference = "reference" in cfg.models  # the penalty, or (kl_coef 0) kl/reference only
+    use_reference = "reference" in cfg.models or lora_reference(
+        cfg
+    )  # (kl_coef 0: kl/reference only)
     loss_fn = partial(L.policy_loss_fn, **loss_options(cfg))
     data, recipe_metrics = batch.trainer_inputs(), {}
     if algo.mask_truncated:  # DAPO's overlong filtering: a cut response says nothing of its end
@@ -433,7 +447,11 @@ def update(run, batch, rewards, n: int, sync: bool = True) -> dict:
         recipe_metrics["response/truncated_fraction"] = cut.mean().item()
     if use_reference:
         with timer("reference"):
-            data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
+            data["ref_logprobs"] = (  # (S, L-1)
+                run.forward_tokens("reference", data)
+                if "reference" in cfg.models
+                else run.forward_tokens("policy_trainer", data, base=True)  # LoRA: adapters off
+            )
     if algo.old_logprobs == "rollout":
         data["old_logprobs"] = (
             batch.infer_logprobs
