@@ -225,3 +225,39 @@ def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(
         assert metrics[episode]["mismatch/logprob_max_abs"] < TOL  # the merged sync is exact
     assert metrics[1]["kl/reference"] == pytest.approx(0.0, abs=1e-6)  # B = 0: policy == base
     assert metrics[2]["kl/reference"] > 1e-6  # the adapters moved; the base did not
+
+
+def _layout_step(model_dir, tp, pp, ids):
+    """Each rank: a LoRA trainer at TP x PP (DP = the rest) takes one step on its share of `ids`."""
+    from chatgen.training.megatron_module import MegatronModule
+
+    trainer = MegatronModule(
+        dict(
+            load=str(model_dir),
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            lr=1e-2,
+            lora=ALL,
+        )
+    ).start()
+    mine = ids[trainer.dp_rank :: trainer.dp]  # DP 2: one sample each, the same mean loss
+    grad_norm = trainer.train_step({"input_ids": mine}, nll_loss)["grad_norm"]
+    merged = trainer.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    return grad_norm, trainer.forward_tokens({"input_ids": ids}).tolist(), merged.tolist()
+
+
+@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 1)])  # PP 2; DP 2
+def test_pp2_and_dp2_train_like_one_rank(make_tiny, tp, pp):
+    """qwen2 (QKV bias, tied embeddings: the frozen embedding of the last stage gets no gradient exchange)."""
+    from chatgen.training.launcher import run_distributed
+
+    model_dir, ids = make_tiny("tiny_qwen2"), batch()
+    one = build(model_dir, lr=1e-2, lora=ALL)
+    grad_norm = one.train_step({"input_ids": ids}, nll_loss)["grad_norm"]
+    want = one.forward_tokens({"input_ids": ids})
+    want_q = one.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]
+    one.shutdown()
+    for norm, logprobs, merged in run_distributed(_layout_step, 2, args=(model_dir, tp, pp, ids)):
+        assert norm == pytest.approx(grad_norm, rel=1e-6)
+        assert (torch.tensor(logprobs) - want).abs().max() < 1e-5
+        assert (torch.tensor(merged) - want_q).abs().max() < 1e-6
