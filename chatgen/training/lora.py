@@ -329,11 +329,17 @@ def adapter_disabled(model):
             m.enabled = True
 
 
-class LoRAReference:
-    """`MegatronModule`'s KL reference when it trains adapters: its own base, adapters off (a mixin)."""
+class LoRAHooks:
+    """`MegatronModule`'s LoRA methods (a mixin): its base as the KL reference, its adapter for a sync."""
 
     def base_forward_tokens(self, data: dict) -> torch.Tensor:
         """`forward_tokens` of the base model (every adapter off): a LoRA policy's KL reference, from the same
         weights, no second copy. Without adapters it is `forward_tokens`."""
         with adapter_disabled(self.model):
             return self.forward_tokens(data)
+
+    def export_adapter(self, directory) -> str:
+        """Write the adapter as a PEFT adapter directory (chatgen/training/lora_peft.py); collective."""
+        from chatgen.training.lora_peft import export_peft
+
+        return export_peft(self, directory)

@@ -138,7 +138,7 @@ class MegatronModule(
     PackingHooks,
     ModelBuild,
     TokenScoring,
-    lora.LoRAReference,
+    lora.LoRAHooks,
     Module,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.

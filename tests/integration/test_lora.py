@@ -261,3 +261,46 @@ def test_pp2_and_dp2_train_like_one_rank(make_tiny, tp, pp):
         assert norm == pytest.approx(grad_norm, rel=1e-6)
         assert (torch.tensor(logprobs) - want).abs().max() < 1e-5
         assert (torch.tensor(merged) - want_q).abs().max() < 1e-6
+
+
+def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
+    """The engine keeps the base weights and samples with the trainer's adapter (vLLM's LoRA path on CPU): its
+    log-probs equal the trainer's within 1e-4, each sync swaps the adapter in place, and only the adapter moves."""
+    from chatgen.generation.vllm.module import VLLMModule
+    from chatgen.param_sync import SyncError, sync_adapter
+
+    ids = batch()
+    trainer = build(llama, lr=1e-2, lora=SOME)
+    for _ in range(2):
+        trainer.train_step({"input_ids": ids}, nll_loss)
+    llm = VLLMModule(
+        dict(
+            load=str(llama),
+            enforce_eager=True,
+            dtype="float32",
+            seed=0,
+            kv_cache_memory_bytes=32 << 20,
+            temperature=0.0,
+            new_token_limit=True,
+            max_new_tokens=6,
+            logprobs_mode="raw",
+            enable_lora=True,
+            max_lora_rank=8,
+        )
+    ).start()
+    plain = engine(llama)
+    try:
+        assert vllm_vs_trainer(trainer, generate(llm)) > 1e-3  # the base, not the adapted model
+        report = sync_adapter(trainer, llm)
+        assert vllm_vs_trainer(trainer, generate(llm)) < TOL
+        full = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
+        assert report["bytes"] < 0.05 * full  # the adapter only (safetensors header included)
+        trainer.train_step({"input_ids": ids}, nll_loss)
+        assert vllm_vs_trainer(trainer, generate(llm)) > 1e-4  # stale until the next sync
+        sync_adapter(trainer, llm)  # swapped in place
+        assert vllm_vs_trainer(trainer, generate(llm)) < TOL
+        with pytest.raises(SyncError, match="set enable_lora: true"):
+            sync_adapter(trainer, plain)
+    finally:
+        llm.shutdown()
+        plain.shutdown()
