@@ -16,6 +16,9 @@ from chatgen.generation.config import GenerationConfig, has_tokenizer, tokenizer
 # logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_LORA_RANK = (
+    16  # max_lora_rank's default (vLLM's): set alone, without enable_lora, it is refused
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -59,11 +62,17 @@ class VLLMConfig(GenerationConfig):
         "sync loads it (docs/lora.md)",
     )
     max_lora_rank: Literal[8, 16, 32, 64, 128] = opt(
-        16, "the largest adapter rank the engine accepts (vLLM's max_lora_rank)"
+        MAX_LORA_RANK, "the largest adapter rank the engine accepts (vLLM's max_lora_rank)"
     )
 
     def check(self):
         yield from super().check()
+        if self.max_lora_rank != MAX_LORA_RANK and not self.enable_lora:
+            yield (
+                "max_lora_rank",
+                "is read only with enable_lora: true (an adapter-only sync's engine); set enable_lora: "
+                "true or remove the key",
+            )
         if self.max_paddings is not None:
             yield (
                 "max_paddings",
