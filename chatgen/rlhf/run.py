@@ -18,6 +18,7 @@ generates. A Run holds the pieces it is made of: the data (chatgen.rlhf.data), t
 checks (chatgen.rlhf.health), the checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
 """
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -127,6 +128,7 @@ class Run:
                 getattr(entry.config, "RESTORED_BY_CHECKPOINT", ()) if entry.trainable else ()
             ):
                 now = getattr(entry.config, key)
+                now = dataclasses.asdict(now) if dataclasses.is_dataclass(now) else now  # a section
                 if key in before and before[key] != now:
                     problems.append(
                         f"--resume from {path}: models.{name}.config.{key}: {before[key]!r} -> {now!r}: the "

@@ -68,6 +68,7 @@ class MegatronConfig:
         "adam_eps",
         "lr_warmup_iters",
         "lr_decay_iters",
+        "lora",  # the adapters' shapes and scale are in the checkpoint
     )
 
     load: Optional[str] = opt(

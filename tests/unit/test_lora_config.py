@@ -100,3 +100,23 @@ def test_trainable_share_counts_every_layer():
     stats = lora.counts(spec, targets, rank=2)
     per_layer = sum(2 * (t.in_features + t.out_features) for t in targets.values())
     assert stats["trainable"] == 4 * per_layer and 0 < stats["share"] < 1
+
+
+def test_a_resume_that_changes_the_lora_keys_is_refused(tmp_path):
+    """The checkpoint holds adapters of its rank, targets and scale: a resume keeps the `lora` section."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from chatgen.rlhf.run import Run
+
+    entry = SimpleNamespace(
+        config=MegatronConfig(load="x", lora=LoRAConfig(rank=4)), trainable=True
+    )
+    run = SimpleNamespace(cfg=SimpleNamespace(models={"policy_trainer": entry}))
+    saved = {
+        "models": {"policy_trainer": {"config": {"lora": dataclasses.asdict(LoRAConfig(rank=4))}}}
+    }
+    Run._check_restored_keys(run, saved, tmp_path)  # unchanged: resumes
+    saved["models"]["policy_trainer"]["config"]["lora"]["rank"] = 8
+    with pytest.raises(ConfigError, match="models.policy_trainer.config.lora: .*'rank': 8.* -> "):
+        Run._check_restored_keys(run, saved, tmp_path)
