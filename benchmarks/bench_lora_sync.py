@@ -68,7 +68,7 @@ def measure(model_dir: str, rank: int, repeats: int) -> dict:
         out["merged_bytes"] = sync_weights(trainer, merged_llm).bytes
         times["merged"].append(time.perf_counter() - t)
         t = time.perf_counter()
-        out["adapter_bytes"] = sync_adapter(trainer, lora_llm)["bytes"]
+        out["adapter_bytes"] = sync_adapter(trainer, lora_llm).bytes
         times["adapter"].append(time.perf_counter() - t)
     out.update(
         merged_s=statistics.median(times["merged"]),

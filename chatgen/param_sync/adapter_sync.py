@@ -2,7 +2,7 @@
 engine that keeps the base weights and samples with the adapter on top (vLLM's LoRARequest), instead of the merged
 weights of `sync_weights`. docs/lora.md says when each pays.
 
-    report = sync_adapter(trainer, engine)    # {"bytes": adapter bytes, "seconds": wall time}
+    report = sync_adapter(trainer, engine)    # a SyncReport: seconds, bytes (the adapter file), tensors
 
 The adapter crosses as a PEFT directory in a private temporary directory (0700) that the engine reads at once and
 that is removed after, so this first version needs the trainer in one process beside the engine (TP = PP = DP =
@@ -13,12 +13,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from safetensors import safe_open
+
 from chatgen.models.lora_format import WEIGHTS_FILE
-from chatgen.param_sync.checks import SyncError
+from chatgen.param_sync.checks import SyncError, SyncReport
 
 
-def sync_adapter(trainer, engine) -> dict:
-    """Load `trainer`'s current adapter into `engine` (a VLLMModule with enable_lora); returns bytes and seconds."""
+def sync_adapter(trainer, engine) -> SyncReport:
+    """Load `trainer`'s current adapter into `engine` (a VLLMModule with enable_lora); one bucket: the adapter."""
     config = getattr(engine, "config", None)
     if not callable(getattr(engine, "load_lora_adapter", None)) or not getattr(
         config, "enable_lora", False
@@ -43,5 +45,7 @@ def sync_adapter(trainer, engine) -> dict:
     with tempfile.TemporaryDirectory(prefix="chatgen-adapter-") as tmp:
         path = Path(trainer.export_adapter(Path(tmp) / "adapter"))
         nbytes = (path / WEIGHTS_FILE).stat().st_size
+        with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+            tensors = len(list(f.keys()))  # noqa: SIM118 - safe_open is not a mapping
         engine.load_lora_adapter(path)
-    return {"bytes": nbytes, "seconds": time.perf_counter() - start}
+    return SyncReport(time.perf_counter() - start, nbytes, tensors, buckets=1)

@@ -343,3 +343,23 @@ class LoRAHooks:
         from chatgen.training.lora_peft import export_peft
 
         return export_peft(self, directory)
+
+
+@torch.no_grad()
+def randomize(trainer, seed: int, std: float = 0.1) -> None:
+    """Give every adapter a random B (N(0, std), the same full tensor at any layout), so that the adapted model
+    differs from the base: for a check that a sync moves the adapter (check-sync --lora) without training."""
+    for layer in _decoder_layers(trainer.model):
+        for module in layer.modules():
+            if not isinstance(module, LoRAAdapter):
+                continue
+            for name, pair in module.pairs.items():
+                t = module.targets[name]
+                g = torch.Generator().manual_seed(
+                    seed * 7919 + layer.layer_number * 131 + hash_name(t)
+                )
+                full = torch.randn(t.out_features, pair.lora_B.shape[1], generator=g) * std
+                shard = tp_split(t, "lora_B", full, trainer.tp, trainer.tp_rank)
+                pair.lora_B.copy_(shard)
+    if trainer.optimizer is not None:
+        trainer.optimizer.reload_model_params()

@@ -6,6 +6,7 @@ base and loads back, a resumed LoRA run continues bit-exactly.
     python -m pytest tests/integration/test_lora.py
 """
 
+import math
 import os
 
 import pytest
@@ -294,7 +295,7 @@ def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
         report = sync_adapter(trainer, llm)
         assert vllm_vs_trainer(trainer, generate(llm)) < TOL
         full = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
-        assert report["bytes"] < 0.05 * full  # the adapter only (safetensors header included)
+        assert report.bytes < 0.05 * full  # the adapter only (safetensors header included)
         trainer.train_step({"input_ids": ids}, nll_loss)
         assert vllm_vs_trainer(trainer, generate(llm)) > 1e-4  # stale until the next sync
         sync_adapter(trainer, llm)  # swapped in place
@@ -304,3 +305,43 @@ def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
     finally:
         llm.shutdown()
         plain.shutdown()
+
+
+@pytest.mark.parametrize("how, train_tp", [("merged", "2"), ("adapter", "1")])
+def test_check_sync_lora_both_ways(llama, tmp_path, how, train_tp):
+    """`chatgen check-sync --lora 4`: random adapters; merged from a TP 2 trainer (across processes) or the adapter
+    only into an engine on the base weights: the engine's log-probs equal the trainer's within 1e-4."""
+    import json
+
+    from chatgen.cli import main
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt_ids": p}) + "\n" for p in SYNC_PROMPTS))
+    out = tmp_path / "check.json"
+    args = ["check-sync", "--hf-checkpoint", str(llama), "--train-tp", train_tp]
+    args += ["--input", str(prompts), "--output", str(out), "--max-new-tokens", "6"]
+    assert main([*args, "--lora", "4", "--lora-sync", how]) == 0
+    result = json.loads(out.read_text())
+    assert result["max_abs_logprob_diff"] < TOL
+    from chatgen import models
+    from chatgen.core.checkpoint_io import read_hf_config
+
+    spec = models.spec_from_hf_config(read_hf_config(llama))
+    full = sum(4 * math.prod(s) for s in models.hf_param_shapes(spec).values())  # fp32, merged
+    assert (result["sync_bytes"] < 0.05 * full) == (how == "adapter")
+    # the adapters are not zero: the base model's log-probs are elsewhere
+    base = base_model_diff(llama, result["samples"])
+    assert base > 1e-3
+
+
+def base_model_diff(model_dir, samples) -> float:
+    """The largest |base HF model - sample's engine log-prob| over the samples' generated tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    worst = 0.0
+    for s in samples:
+        ids = torch.tensor([s["prompt_ids"] + s["output_ids"]])
+        lp = hf_logprobs(model, ids)[0, len(s["prompt_ids"]) - 1 :]
+        worst = max(worst, (lp - torch.tensor(s["engine_logprobs"])).abs().max().item())
+    return worst
