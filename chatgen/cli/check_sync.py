@@ -63,7 +63,7 @@ def add_arguments(p):
         "--lora-sync",
         choices=["merged", "adapter"],
         default="merged",
-        help="with --lora: merged weights (any layout) or the adapter only (vllm, one trainer process)",
+        help="with --lora: merged weights (any layout) or the adapter only (one trainer process, TP 1 engine)",
     )
 
 

@@ -56,6 +56,15 @@ def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
     return config, tensors
 
 
+def adapted_weights(tensors: dict) -> list[str]:
+    """The HF weight names a PEFT adapter's tensors adapt (model.layers.0.self_attn.q_proj.weight ...)."""
+    return sorted(
+        k[len(PREFIX) : -len("lora_A.weight")] + "weight"
+        for k in tensors
+        if k.endswith(".lora_A.weight")
+    )
+
+
 @torch.no_grad()
 def merge_peft(hf_state: dict, directory) -> list[str]:
     """Add (lora_alpha / r) B A of the adapter in `directory` to the HF tensors it adapts (in fp32, cast back),
@@ -63,11 +72,11 @@ def merge_peft(hf_state: dict, directory) -> list[str]:
     config, tensors = read_peft(directory, key=str(directory))
     scale = float(config["lora_alpha"]) / int(config["r"])
     merged = []
-    for name in sorted(k for k in tensors if k.endswith(".lora_A.weight")):
-        hf_weight = name[len(PREFIX) : -len("lora_A.weight")] + "weight"
+    for hf_weight in adapted_weights(tensors):
         if hf_weight not in hf_state:
             raise KeyError(f"{directory}: adapts {hf_weight}, which the model does not have")
-        a, b = tensors[name].float(), tensors[peft_name(hf_weight, "lora_B")].float()
+        a = tensors[peft_name(hf_weight, "lora_A")].float()
+        b = tensors[peft_name(hf_weight, "lora_B")].float()
         w = hf_state[hf_weight]
         hf_state[hf_weight] = (w.float() + scale * (b @ a)).to(w.dtype)
         merged.append(hf_weight)

@@ -139,8 +139,9 @@ def _engine(args):
         )
     config.update({key: value for key, value in engine.items() if key in keys})
     if getattr(args, "lora_sync", "merged") == "adapter":  # the engine keeps the base weights
-        rank = next((r for r in (8, 16, 32, 64, 128) if r >= args.lora), 128)
-        config.update(load_format="auto", enable_lora=True, max_lora_rank=rank)
+        config.update(load_format="auto", enable_lora=True)
+        if "max_lora_rank" in keys:  # vllm: the engine's adapter slots
+            config["max_lora_rank"] = next((r for r in (8, 16, 32, 64, 128) if r >= args.lora), 128)
     return import_class(backend.MODULE)(config, name="engine").start()
 
 
@@ -169,14 +170,10 @@ def check_sync(args) -> dict:
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
     world = args.train_tp * args.train_pp * args.train_ep
-    if (
-        args.lora
-        and args.lora_sync == "adapter"
-        and (world, args.infer_tp, args.backend) != (1, 1, "vllm")
-    ):
+    if args.lora and args.lora_sync == "adapter" and (world, args.infer_tp) != (1, 1):
         raise ValueError(
-            "--lora-sync adapter: the adapter-only sync runs from a one-process trainer into a vllm engine "
-            "of TP 1; drop --train-tp/--train-pp/--train-ep/--infer-tp/--backend or use --lora-sync merged"
+            "--lora-sync adapter: the adapter-only sync runs from a one-process trainer into an engine of "
+            "TP 1; drop --train-tp/--train-pp/--train-ep/--infer-tp or use --lora-sync merged"
         )
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"

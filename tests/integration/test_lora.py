@@ -307,10 +307,14 @@ def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
         plain.shutdown()
 
 
-@pytest.mark.parametrize("how, train_tp", [("merged", "2"), ("adapter", "1")])
-def test_check_sync_lora_both_ways(llama, tmp_path, how, train_tp):
+@pytest.mark.parametrize(
+    "how, train_tp, backend",
+    [("merged", "2", "vllm"), ("adapter", "1", "vllm"), ("adapter", "1", "hf")],
+)
+def test_check_sync_lora_both_ways(llama, tmp_path, how, train_tp, backend):
     """`chatgen check-sync --lora 4`: random adapters; merged from a TP 2 trainer (across processes) or the adapter
-    only into an engine on the base weights: the engine's log-probs equal the trainer's within 1e-4."""
+    only into an engine on the base weights (vLLM's LoRA path; the hf backend, the reference, merging it): the
+    engine's log-probs equal the trainer's within 1e-4."""
     import json
 
     from chatgen.cli import main
@@ -320,7 +324,7 @@ def test_check_sync_lora_both_ways(llama, tmp_path, how, train_tp):
     out = tmp_path / "check.json"
     args = ["check-sync", "--hf-checkpoint", str(llama), "--train-tp", train_tp]
     args += ["--input", str(prompts), "--output", str(out), "--max-new-tokens", "6"]
-    assert main([*args, "--lora", "4", "--lora-sync", how]) == 0
+    assert main([*args, "--lora", "4", "--lora-sync", how, "--backend", backend]) == 0
     result = json.loads(out.read_text())
     assert result["max_abs_logprob_diff"] < TOL
     from chatgen import models
