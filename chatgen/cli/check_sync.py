@@ -52,6 +52,19 @@ def add_arguments(p):
         "--validate", action="store_true", help="also compare every synced tensor bit for bit"
     )
     p.add_argument("--kv-cache-bytes", type=int, default=256 << 20, help="vLLM KV cache size (CPU)")
+    p.add_argument(
+        "--lora",
+        type=positive_int,
+        default=None,
+        metavar="RANK",
+        help="a LoRA trainer of this rank on every target, its adapters random (docs/lora.md)",
+    )
+    p.add_argument(
+        "--lora-sync",
+        choices=["merged", "adapter"],
+        default="merged",
+        help="with --lora: merged weights (any layout) or the adapter only (one trainer process, TP 1 engine)",
+    )
 
 
 def run(args) -> int:
@@ -65,7 +78,9 @@ def run(args) -> int:
         and result.get("max_abs_expert_weight_diff", 0.0) == 0.0
     )
     print(
-        f"check-sync {result['mode']} train TP={args.train_tp} PP={args.train_pp}"
+        f"check-sync {result['mode']}"
+        + (f" LoRA rank {args.lora} ({args.lora_sync})" if args.lora else "")
+        + f" train TP={args.train_tp} PP={args.train_pp}"
         + (f" EP={args.train_ep}" if args.train_ep > 1 else "")
         + f" -> infer TP={args.infer_tp}: "
         f"max |dlogprob| {result['max_abs_logprob_diff']:.3g} (threshold {args.threshold:g}), "

@@ -28,7 +28,7 @@ from chatgen.rlhf.config import format_config, load_config, resolve_schema, sche
 from chatgen.rlhf.ray_cluster import cluster_address, cluster_nodes
 from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.schema import ModelEntry, RuntimeConfig
-from chatgen.training.config import MegatronConfig
+from chatgen.training.config import LoRAConfig, MegatronConfig
 
 
 def checked_run_config(path, overrides) -> tuple:
@@ -67,6 +67,7 @@ def sections() -> list:
             for name in generation.available()
         ],
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
+        ("megatron.lora", "`lora:` of a `backend: megatron` model; docs/lora.md", LoRAConfig),
         (
             "rewards",
             "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md",

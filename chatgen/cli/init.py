@@ -41,6 +41,18 @@ RECIPES = {
             "configs/grpo_tiny/trainer.yaml",
         ],
     ),
+    "grpo_tiny_lora": (
+        "grpo_tiny with LoRA: rank-4 adapters train, the base stays frozen; CPU (docs/lora.md)",
+        "examples/train_grpo_tiny_lora.sh",
+        [
+            *TINY,
+            "configs/grpo_tiny_lora.yaml",
+            "configs/grpo_tiny_lora/trainer.yaml",
+            "configs/grpo_tiny.yaml",
+            "configs/grpo_tiny/policy.yaml",
+            "configs/grpo_tiny/trainer.yaml",
+        ],
+    ),
     "online_dpo_tiny": (
         "Online DPO on the same task: best and worst of 8 samples as the pair; CPU, a few minutes",
         "examples/train_online_dpo_tiny.sh",

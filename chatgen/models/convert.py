@@ -26,6 +26,7 @@ from safetensors.torch import save_file
 
 from chatgen import models
 from chatgen.core import dcp
+from chatgen.models import lora_format
 from chatgen.core.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -134,9 +135,10 @@ def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
         )
     spec = models.spec_from_hf_config(meta["hf_config"])
     if meta.get("distributed"):
-        return meta["hf_config"], layout.megatron_to_hf(
-            {(0, 0): dist_checkpoint_state(src, spec)}, spec, 1, 1
-        )
+        hf = layout.megatron_to_hf({(0, 0): dist_checkpoint_state(src, spec)}, spec, 1, 1)
+        if (src / lora_format.CHECKPOINT_DIR).is_dir():  # a LoRA trainer's: W + (alpha / r) B A
+            lora_format.merge_peft(hf, src / lora_format.CHECKPOINT_DIR)
+        return meta["hf_config"], hf
     tp, pp = meta["tensor_model_parallel_size"], meta["pipeline_model_parallel_size"]
     shards = {(p, t): read_megatron_shard(src, t, p) for p in range(pp) for t in range(tp)}
     return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)

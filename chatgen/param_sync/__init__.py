@@ -24,6 +24,7 @@ from chatgen.param_sync.group import (
     SyncReceiver,
     SyncSender,
 )
+from chatgen.param_sync.adapter_sync import sync_adapter
 from chatgen.param_sync.local import LocalSender, sync_weights
 from chatgen.param_sync.shm import (
     IpcSender,
@@ -38,6 +39,7 @@ from chatgen.param_sync.source import LocalWeights, weight_source
 
 __all__ = [
     "sync_weights",
+    "sync_adapter",
     "weight_source",
     "LocalWeights",
     "LocalSender",

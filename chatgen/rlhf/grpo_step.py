@@ -18,6 +18,18 @@ from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.staleness import MISMATCH_KEYS, on_policy_mismatch
 
 
+def lora_reference(cfg) -> bool:
+    """Whether the KL reference is the LoRA policy trainer's own base (adapters off): kl_coef > 0, no
+    `reference` model, and a policy trainer with `lora.rank` > 0 (docs/lora.md)."""
+    trainer = cfg.models.get("policy_trainer")
+    lora = getattr(getattr(trainer, "config", None), "lora", None)
+    return (
+        cfg.runtime.algorithm.kl_coef > 0
+        and "reference" not in cfg.models
+        and bool(lora and lora.rank)
+    )
+
+
 def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
     """(S,) rewards the advantages see: the scores plus DAPO's overlong penalty when it is on."""
     if algo.overlong_buffer_length is None:
@@ -107,7 +119,9 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     version of the trainer's weights; the mismatch is then measured on the tokens it sampled only."""
     cfg, timer = run.cfg, run.timer
     algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
-    use_reference = "reference" in cfg.models  # the penalty, or (kl_coef 0) kl/reference only
+    # the penalty, or (kl_coef 0) kl/reference only; a LoRA trainer's base (adapters off) when
+    # there is no reference model
+    use_reference = "reference" in cfg.models or lora_reference(cfg)
     loss_fn = partial(L.policy_loss_fn, **loss_options(cfg))
     data, recipe_metrics = batch.trainer_inputs(), {}
     if algo.mask_truncated:  # DAPO's overlong filtering: a cut response says nothing of its end
@@ -116,7 +130,11 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
         recipe_metrics["response/truncated_fraction"] = cut.mean().item()
     if use_reference:
         with timer("reference"):
-            data["ref_logprobs"] = run.forward_tokens("reference", data)  # (S, L-1)
+            data["ref_logprobs"] = (  # (S, L-1)
+                run.forward_tokens("reference", data)
+                if "reference" in cfg.models
+                else run.forward_tokens("policy_trainer", data, base=True)  # LoRA: adapters off
+            )
     if algo.old_logprobs == "rollout":
         data["old_logprobs"] = (
             batch.infer_logprobs

@@ -18,6 +18,7 @@ generates. A Run holds the pieces it is made of: the data (chatgen.rlhf.data), t
 checks (chatgen.rlhf.health), the checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
 """
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -122,6 +123,7 @@ class Run:
                 getattr(entry.config, "RESTORED_BY_CHECKPOINT", ()) if entry.trainable else ()
             ):
                 now = getattr(entry.config, key)
+                now = dataclasses.asdict(now) if dataclasses.is_dataclass(now) else now  # a section
                 if key in before and before[key] != now:
                     problems.append(
                         f"--resume from {path}: models.{name}.config.{key}: {before[key]!r} -> {now!r}: the "
@@ -293,11 +295,12 @@ class Run:
 
     # ---- Megatron models (split over their DP ranks: ModelHandle.split_call) -------------------------
 
-    def forward_tokens(self, name: str, data: dict) -> torch.Tensor:
+    def forward_tokens(self, name: str, data: dict, base: bool = False) -> torch.Tensor:
         """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a reference, values
-        for a critic. data: input_ids (S, L), attention_mask (S, L)."""
+        for a critic. data: input_ids (S, L), attention_mask (S, L). base: of a LoRA trainer's base (adapters off)."""
         data = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
-        return torch.cat(self.runtime[name].split_call("forward_tokens", data))
+        method = "base_forward_tokens" if base else "forward_tokens"
+        return torch.cat(self.runtime[name].split_call(method, data))
 
     def train(self, name: str, data: dict, loss_fn, group_size: int = 1, per_step: bool = False):
         """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),

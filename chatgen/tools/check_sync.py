@@ -36,7 +36,8 @@ from chatgen.generation.base import load_backend
 from chatgen.generation.batching import iter_samples, sample_logprobs
 from chatgen.generation.config import check_prompt_ids
 from chatgen.models import layout
-from chatgen.param_sync import GroupReceiver, GroupSender, sync_weights
+from chatgen.param_sync import GroupReceiver, GroupSender, sync_adapter, sync_weights
+from chatgen.training import lora
 from chatgen.training.launcher import DistributedJob, ctx_queue
 from chatgen.training.megatron_module import MegatronModule
 
@@ -67,12 +68,14 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 
 def _trainer_config(args) -> dict:
+    lora = dict(lora=dict(rank=args.lora, alpha=2.0 * args.lora)) if args.lora else {}
     return dict(
         load=args.hf_checkpoint,
         tensor_model_parallel_size=args.train_tp,
         pipeline_model_parallel_size=args.train_pp,
         expert_model_parallel_size=args.train_ep,
         dtype=args.dtype,
+        **lora,
     )
 
 
@@ -89,6 +92,8 @@ def _start_trainer(config, temperature: float) -> MegatronModule:
     """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF
     run's trainer does)."""
     trainer = MegatronModule(config).start()
+    if config.get("lora"):  # B = 0 would leave the base: random adapters, the same at every layout
+        lora.randomize(trainer, seed=1)
     if temperature > 0:
         trainer.set_logits_temperature(temperature)
     return trainer
@@ -133,6 +138,10 @@ def _engine(args):
             f"--infer-tp {args.infer_tp}: the {args.backend} backend runs in one process; use --infer-tp 1"
         )
     config.update({key: value for key, value in engine.items() if key in keys})
+    if getattr(args, "lora_sync", "merged") == "adapter":  # the engine keeps the base weights
+        config.update(load_format="auto", enable_lora=True)
+        if "max_lora_rank" in keys:  # vllm: the engine's adapter slots
+            config["max_lora_rank"] = next((r for r in (8, 16, 32, 64, 128) if r >= args.lora), 128)
     return import_class(backend.MODULE)(config, name="engine").start()
 
 
@@ -161,13 +170,22 @@ def check_sync(args) -> dict:
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
     world = args.train_tp * args.train_pp * args.train_ep
+    if args.lora and args.lora_sync == "adapter" and (world, args.infer_tp) != (1, 1):
+        raise ValueError(
+            "--lora-sync adapter: the adapter-only sync runs from a one-process trainer into an engine of "
+            "TP 1; drop --train-tp/--train-pp/--train-ep/--infer-tp or use --lora-sync merged"
+        )
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
         trainer = _start_trainer(config, args.temperature)
         engine = _engine(args)
         try:
-            report = sync_weights(
-                trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate
+            report = (
+                sync_adapter(trainer, engine)
+                if args.lora and args.lora_sync == "adapter"
+                else sync_weights(
+                    trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate
+                )
             )
             experts = expert_weight_diffs(engine, spec, args.hf_checkpoint)
             generated = _generate(engine, prompts, args.temperature)

@@ -22,7 +22,8 @@ from chatgen.core.checkpoint_io import (
     write_megatron_meta,
 )
 from chatgen.models import layout
-from chatgen.training import dist_checkpoint
+from chatgen.models.lora_format import CHECKPOINT_DIR
+from chatgen.training import dist_checkpoint, lora, lora_peft
 
 
 class Checkpoints:
@@ -48,6 +49,10 @@ class Checkpoints:
         stepped = self.iteration > 0
         self.onload()
         dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
+        if (
+            self.config.lora.rank
+        ):  # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
+            lora_peft.export_peft(self, tmp / CHECKPOINT_DIR)
         if dist.get_rank() == 0:
             write_megatron_meta(
                 tmp,
@@ -180,7 +185,7 @@ class Checkpoints:
         expected = {
             self._to_module_name(sp.local_name): canonical for sp, canonical in self._stage_params()
         }
-        missing = sorted(set(params) - set(expected))
+        missing = sorted(n for n in set(params) - set(expected) if not lora.is_adapter_param(n))
         if missing:
             raise RuntimeError(
                 f"{source}: model parameters {missing} have no mapping in chatgen/models/"

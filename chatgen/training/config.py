@@ -6,6 +6,52 @@ from typing import Any, ClassVar, Literal, Optional
 from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
 
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoRAConfig:
+    """`lora:` of a trainer model: low-rank adapters on the frozen base (chatgen/training/lora.py, docs/lora.md)."""
+
+    rank: int = opt(
+        0, "adapter rank r (verl: lora_rank; PEFT: r); 0 = no LoRA, every parameter trains"
+    )
+    alpha: float = opt(
+        16.0, "the adapter's output is scaled by alpha / rank (verl: lora_alpha; PEFT: lora_alpha)"
+    )
+    dropout: float = opt(0.0, "dropout on the adapter's input while training (PEFT: lora_dropout)")
+    target_modules: list[str] = opt(
+        list(LORA_TARGETS),
+        "HF names of the linear layers to adapt (verl / PEFT: target_modules); a q/k/v or gate/up target "
+        "adapts only its slice of Megatron's fused layer",
+    )
+    from_peft: Optional[str] = opt(
+        None,
+        "a PEFT adapter directory (adapter_config.json + adapter_model.safetensors) to start from when `load` "
+        "is an HF model; null = a fresh adapter (B = 0: the run starts at the base model)",
+        path=True,
+    )
+
+    def check(self):
+        if self.rank < 0:
+            yield "rank", f"must be > 0 (or 0 = no LoRA), got {self.rank}; 8 or 16 are usual"
+        if self.rank and self.alpha <= 0:
+            yield (
+                "alpha",
+                f"must be > 0, got {self.alpha}; 2 x rank (e.g. {2 * self.rank}) is usual",
+            )
+        if not 0 <= self.dropout < 1:
+            yield "dropout", f"must be in [0, 1), got {self.dropout}; 0 or 0.05 are usual"
+        unknown = [t for t in self.target_modules if t not in LORA_TARGETS]
+        if unknown:
+            yield (
+                "target_modules",
+                f"{unknown}: not a LoRA target; use some of {list(LORA_TARGETS)} (HF names)",
+            )
+        if self.rank and not self.target_modules:
+            yield "target_modules", f"is empty; name some of {list(LORA_TARGETS)}"
+
+
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
     # What a resumed trainer takes from its checkpoint, not from these keys: the weights, the RNG streams, the
@@ -22,6 +68,7 @@ class MegatronConfig:
         "adam_eps",
         "lr_warmup_iters",
         "lr_decay_iters",
+        "lora",  # the adapters' shapes and scale are in the checkpoint
     )
 
     load: Optional[str] = opt(
@@ -113,6 +160,9 @@ class MegatronConfig:
     make_vocab_size_divisible_by: int = opt(
         128, "pad the embedding rows to a multiple of this (times TP size)"
     )
+    lora: LoRAConfig = opt(
+        LoRAConfig, "low-rank adapters on the frozen base (docs/lora.md); off while lora.rank is 0"
+    )
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
@@ -186,6 +236,12 @@ class MegatronConfig:
                     f"{self.grad_reduce_dtype} with dtype {self.dtype}: gradients reduce in "
                     f"float32 or in the parameters' dtype; set float32, {self.dtype} or null"
                 ),
+            )
+        if self.lora.rank and self.sequence_parallel:
+            yield (
+                "lora",
+                "LoRA with sequence_parallel is not supported (the adapters read the full sequence); set "
+                "sequence_parallel: false or lora.rank: 0",
             )
         if problem := args_problem(self):
             yield "args", problem

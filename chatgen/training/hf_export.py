@@ -257,6 +257,10 @@ class HFExport:
         the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
         every rank; at most about two buckets of extra memory, never a copy of the model."""
         self.onload(("params",))
+        if self.config.lora.rank:  # W + (alpha / r) B A under the base names: any engine takes it
+            from chatgen.training.lora_sync import MergedWeights
+
+            return MergedWeights(self, HFWeights(self, bucket_bytes))
         return HFWeights(self, bucket_bytes)
 
     def hf_state_dict(self) -> dict:

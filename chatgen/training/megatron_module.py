@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 from chatgen import models
-from chatgen.core.checkpoint_io import read_hf_config
+from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
 from chatgen.core.distributed import init_process_group
 from chatgen.models import layout
 from chatgen.module import Module
-from chatgen.training import cpu_compat
+from chatgen.training import cpu_compat, lora, lora_peft
 from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
@@ -157,6 +157,7 @@ class MegatronModule(
     ModelBuild,
     TokenScoring,
     Schedule,
+    lora.LoRAHooks,
     Module,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
@@ -238,6 +239,10 @@ class MegatronModule(
             )
         if torch.cuda.is_available():
             self.model.cuda()
+        if (
+            cfg.lora.rank
+        ):  # adapters on the frozen base: before DDP and the optimizer see the parameters
+            self.lora_stats = lora.attach(self)
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
 
@@ -279,6 +284,10 @@ class MegatronModule(
         self.load_checkpoint(
             cfg.load
         )  # after the optimizer: a chatgen checkpoint restores its state and LR step
+        if (
+            cfg.lora.from_peft and read_megatron_meta(cfg.load) is None
+        ):  # a checkpoint holds its own adapter
+            lora_peft.load_peft(self, cfg.lora.from_peft)
 
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can

@@ -137,6 +137,13 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
 
 # recipe -> what makes its one episode small (runtime.num_episode=1 for all)
 SMALL = {
+    "grpo_tiny_lora": [
+        "runtime.sample_per_episode=16",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=16",
+        "runtime.generation_batch_size=16",
+    ],
     "online_dpo_tiny": [
         "runtime.sample_per_episode=32",
         "policy.n=4",

@@ -533,6 +533,8 @@ KEY_DESTINATIONS = {
         True,
     ),  # prefix caching off (and setup() records the routing)
     "enforce_eager": ({"engine"}, True),
+    "enable_lora": ({"engine"}, True),
+    "max_lora_rank": ({"rejected"}, 32),  # read only with enable_lora
     "args": (
         {"user"},
         {"prompt_key": "question"},

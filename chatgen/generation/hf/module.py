@@ -62,6 +62,7 @@ class HFGeneration(GenerationModule):
     def __init__(self, config=None, *, name: str | None = None, config_dialect: str = "chatgen"):
         super().__init__(config, name=name, config_dialect=config_dialect)
         self.model = None
+        self._lora_base = None  # {HF name: base weight} of the adapted weights (load_lora_adapter)
         self.device = None
         self._generator = None  # the sampling draws, seeded once at setup() (vLLM's engine seed)
         self._eos = None  # the tokenizer's EOS: stops with no stop_reason (vLLM's eos_token_id)
@@ -350,6 +351,7 @@ class HFGeneration(GenerationModule):
         parameters = dict(self.model.named_parameters())
         tied = self.model.config.get_text_config().tie_word_embeddings
         written = set()
+        self._lora_base = None  # the written weights are the base an adapter goes on
         with self._lock, torch.no_grad():
             try:
                 for bucket in buckets:
@@ -374,6 +376,29 @@ class HFGeneration(GenerationModule):
                 self._broken = None
             self._version += 1
             return self._version
+
+    def load_lora_adapter(self, directory) -> None:
+        """Run the base weights plus the PEFT LoRA adapter in `directory` (merged, in fp32), replacing the previous
+        adapter: the base of each adapted weight is kept from the first adapter on (adapter-only sync, docs/lora.md;
+        a later load_weights makes its weights the base). Needs enable_lora."""
+        from chatgen.models.lora_format import adapted_weights, merge_peft, read_peft
+
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"{self.name}: load_lora_adapter needs enable_lora: true in its config"
+            )
+        parameters = dict(self.model.named_parameters())
+        with self._lock, torch.no_grad():
+            self._lora_base = self._lora_base or {}
+            for name in adapted_weights(read_peft(directory, key=str(directory))[1]):
+                self._lora_base.setdefault(name, parameters[name].detach().clone())
+            weights = {name: base.clone() for name, base in self._lora_base.items()}
+            merge_peft(
+                weights, directory
+            )  # weights the previous adapter had and this one lacks: the base
+            for name, w in weights.items():
+                parameters[name].copy_(w)
+            self._version += 1
 
     @property
     def weight_version(self) -> int:

@@ -8,7 +8,7 @@ and sampling), or rejected by `check()` with the reason and the fix; nothing is 
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from chatgen.config import ConfigError, opt
 from chatgen.generation.config import GenerationConfig, has_tokenizer, tokenizer_dir
@@ -16,6 +16,9 @@ from chatgen.generation.config import GenerationConfig, has_tokenizer, tokenizer
 # logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+MAX_LORA_RANK = (
+    16  # max_lora_rank's default (vLLM's): set alone, without enable_lora, it is refused
+)
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -53,9 +56,23 @@ class VLLMConfig(GenerationConfig):
     enforce_eager: bool = opt(
         False, "disable CUDA graphs / compilation (faster start, slower steps)"
     )
+    enable_lora: bool = opt(
+        False,
+        "serve a LoRA adapter on top of the base weights (vLLM's enable_lora; one adapter): an adapter-only "
+        "sync loads it (docs/lora.md)",
+    )
+    max_lora_rank: Literal[8, 16, 32, 64, 128] = opt(
+        MAX_LORA_RANK, "the largest adapter rank the engine accepts (vLLM's max_lora_rank)"
+    )
 
     def check(self):
         yield from super().check()
+        if self.max_lora_rank != MAX_LORA_RANK and not self.enable_lora:
+            yield (
+                "max_lora_rank",
+                "is read only with enable_lora: true (an adapter-only sync's engine); set enable_lora: "
+                "true or remove the key",
+            )
         if self.max_paddings is not None:
             yield (
                 "max_paddings",
@@ -141,6 +158,11 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
         load_format=cfg.load_format if cfg.load_format != "auto" else None,
         # recorded routing must cover every prompt token of every sample: no prompt served from the cache
         enable_prefix_caching=False if cfg.return_routed_experts else None,
+        **(
+            dict(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
+            if cfg.enable_lora
+            else {}
+        ),
     )
     if cpu and cfg.kv_cache_memory_bytes is None:
         kwargs["kv_cache_memory_bytes"] = default_cpu_kv_cache_bytes(model_dir, cfg)

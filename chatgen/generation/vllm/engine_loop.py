@@ -60,6 +60,9 @@ class EngineLoop(WeightUpdates):
     def __init__(self, llm, threaded: bool = True):
         self.llm = llm
         self.weight_version = 0
+        self.lora_request = (
+            None  # the LoRA adapter new requests sample with (lora_adapter.py); None = the base
+        )
         self.steps_run = 0  # engine steps since the loop started
         self.paused = False  # no engine step while set (`pause`); commands, weight updates included, still run
         self.broken = (
@@ -116,6 +119,7 @@ class EngineLoop(WeightUpdates):
             prompt_text,
             cache_salt=self.cache_salt,
             output_kind=kind,
+            lora_request=self.lora_request,
         )
         if stream:
             self._streamed.add(request_id)

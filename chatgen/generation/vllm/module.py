@@ -247,6 +247,26 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
         return self.engine_loop.update_weights(buckets, mode)
 
+    def load_lora_adapter(self, directory) -> None:
+        """Sample every later request with the PEFT LoRA adapter in `directory` on top of the base weights,
+        replacing the previous adapter (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls."""
+        if not self.config.enable_lora:
+            raise ValueError(
+                f"{self.name}: load_lora_adapter needs enable_lora: true in its config"
+            )
+        loop = self.engine_loop
+
+        def swap():
+            if adapter.has_unfinished_requests(loop.llm):  # they would finish under the new adapter
+                raise RuntimeError(
+                    f"{self.name}: load_lora_adapter while requests run; call it between calls"
+                )
+            previous = loop.lora_request
+            lora_id = 1 if previous is None else previous.lora_int_id + 1
+            loop.lora_request = adapter.swap_lora(loop.llm, directory, lora_id, previous)
+
+        loop.call(swap)
+
     @property
     def needs_resync(self) -> str | None:
         return self.engine_loop.broken if self.engine is not None else None

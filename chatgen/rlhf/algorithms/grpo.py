@@ -21,7 +21,7 @@ from typing import Literal, Optional
 from chatgen.config import opt
 from chatgen.rlhf import async_rollout
 from chatgen.rlhf.checks import policy_sampling_problems
-from chatgen.rlhf.grpo_step import sample_full_groups, update
+from chatgen.rlhf.grpo_step import lora_reference, sample_full_groups, update
 from chatgen.rlhf.run import Run
 from chatgen.rlhf.schema import AlgorithmConfig, Role
 
@@ -279,10 +279,10 @@ def check(cfg):
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
     yield from async_rollout.check_run(cfg)
-    if algo.kl_coef > 0 and "reference" not in cfg.models:
+    if algo.kl_coef > 0 and "reference" not in cfg.models and not lora_reference(cfg):
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
-            "false); add one or set kl_coef: 0"
+            "false), or a policy trainer with LoRA (its base is the reference); add one or set kl_coef: 0"
         )
     if algo.kl_in_reward and algo.kl_coef == 0:
         yield (

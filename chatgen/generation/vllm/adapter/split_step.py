@@ -127,11 +127,12 @@ def add_request(
     prompt_text=None,
     cache_salt=None,
     output_kind=RequestOutputKind.FINAL_ONLY,
+    lora_request=None,
 ) -> None:
     """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters.
 
     output_kind: FINAL_ONLY (one output when the request finishes, as LLM.generate) or DELTA (every step's new
-    tokens, for streaming). cache_salt: requests share prefix-cache blocks only with requests of the same salt.
+    tokens, for streaming). lora_request: the vLLM LoRA adapter to sample with (None: the base). cache_salt: requests share prefix-cache blocks only with requests of the same salt.
     Log-prob entries carry no token text (`decoded_token` None) even when the request detokenizes its output:
     vLLM would decode every entry on the engine thread (measured: 15% of a serving engine step of the tiny
     model), and chatgen reads only their values.
@@ -143,7 +144,7 @@ def add_request(
     if cache_salt is not None:
         prompt["cache_salt"] = cache_salt
     engine = llm.llm_engine
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(request_id, prompt, params, lora_request=lora_request)
     processor = engine.output_processor
     for internal_id in processor.external_req_ids.get(
         request_id, ()

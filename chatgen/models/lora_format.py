@@ -1,0 +1,83 @@
+"""PEFT's LoRA adapter format, as chatgen reads and writes it: adapter_config.json + adapter_model.safetensors with
+HF names, `base_model.model.<HF module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r), scale lora_alpha / r.
+
+    config, tensors = read_peft("outputs/run/adapter")   # safetensors only
+    merge_peft(hf_state, "outputs/run/adapter")          # W += (alpha / r) B A, in place, for every adapted weight
+
+The trainer writes and loads it (chatgen/training/lora_peft.py); `chatgen convert --to hf` merges the adapter a LoRA
+trainer's checkpoint carries (its `adapter/` directory). Pure tensors; imports neither Megatron nor vLLM.
+"""
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from chatgen.config import ConfigError
+
+CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
+PREFIX = "base_model.model."
+CHECKPOINT_DIR = "adapter"  # where a LoRA trainer's checkpoint keeps its adapter, in this format
+
+
+def peft_name(hf_weight: str, matrix: str) -> str:
+    """model.layers.0.self_attn.q_proj.weight, lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    return PREFIX + hf_weight[: -len("weight")] + matrix + ".weight"
+
+
+def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
+    """(adapter_config.json, {PEFT name: tensor}) of a PEFT adapter directory; a ConfigError naming `key` when
+    a file is missing or the adapter is not plain LoRA."""
+    directory = Path(directory)
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        if not (directory / name).is_file():
+            raise ConfigError(
+                [
+                    f"{key}: {directory} has no {name}; point it at a PEFT LoRA adapter directory "
+                    "(adapter_config.json + adapter_model.safetensors, as PeftModel.save_pretrained writes)"
+                ]
+            )
+    config = json.loads((directory / CONFIG_FILE).read_text())
+    if (
+        config.get("peft_type", "LORA") != "LORA"
+        or config.get("use_rslora")
+        or config.get("use_dora")
+    ):
+        raise ConfigError(
+            [
+                f"{key}: {directory} is not a plain LoRA adapter (peft_type {config.get('peft_type')}, "
+                f"use_rslora {config.get('use_rslora')}, use_dora {config.get('use_dora')}); use one without "
+                "rsLoRA or DoRA"
+            ]
+        )
+    with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    return config, tensors
+
+
+def adapted_weights(tensors: dict) -> list[str]:
+    """The HF weight names a PEFT adapter's tensors adapt (model.layers.0.self_attn.q_proj.weight ...)."""
+    return sorted(
+        k[len(PREFIX) : -len("lora_A.weight")] + "weight"
+        for k in tensors
+        if k.endswith(".lora_A.weight")
+    )
+
+
+@torch.no_grad()
+def merge_peft(hf_state: dict, directory) -> list[str]:
+    """Add (lora_alpha / r) B A of the adapter in `directory` to the HF tensors it adapts (in fp32, cast back),
+    in place; returns the HF names merged. A KeyError names an adapted weight the state lacks."""
+    config, tensors = read_peft(directory, key=str(directory))
+    scale = float(config["lora_alpha"]) / int(config["r"])
+    merged = []
+    for hf_weight in adapted_weights(tensors):
+        if hf_weight not in hf_state:
+            raise KeyError(f"{directory}: adapts {hf_weight}, which the model does not have")
+        a = tensors[peft_name(hf_weight, "lora_A")].float()
+        b = tensors[peft_name(hf_weight, "lora_B")].float()
+        w = hf_state[hf_weight]
+        hf_state[hf_weight] = (w.float() + scale * (b @ a)).to(w.dtype)
+        merged.append(hf_weight)
+    return merged
