@@ -120,14 +120,16 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
 
 def release_parallel_state() -> None:
     """megatron-core's destroy_model_parallel, plus what it leaves holding process groups (megatron-core 0.16):
-    parallel_state globals it does not reset (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin)
-    and RotaryEmbedding.forward's lru_cache, which keeps every rotary embedding built, with its cp_group,
+    parallel_state globals it does not reset (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin),
+    the MoE loss tracker's groups and RotaryEmbedding.forward's lru_cache, which keeps every rotary embedding built, with its cp_group,
     alive. Each keeps its groups' gloo threads running after the world is destroyed: a test session that
     built a trainer per test ended holding 325 threads."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     ps.destroy_model_parallel()
+    get_moe_layer_wise_logging_tracker().clear()  # holds the groups its losses reduce over
     for name, value in list(vars(ps).items()):
         if name.startswith("_") and isinstance(value, dist.ProcessGroup):
             setattr(ps, name, None)
@@ -292,6 +294,11 @@ class MegatronModule(
     def shutdown(self) -> None:
         """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
         start another model, e.g. the next run of a test session. Safe to call twice."""
+        if self.ddp is not None:
+            # megatron's DDP is held by the hooks on the parameters' gradient accumulators, which an
+            # autograd graph stored in the model (an MoE dispatcher's routing probabilities) keeps alive
+            # through C++, out of the collector's sight: emptied, it lets the model and its groups go
+            self.ddp.__dict__.clear()
         self.model = self.ddp = self.optimizer = None
         self.__dict__.pop(
             "_param_cache", None
