@@ -55,9 +55,8 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)  # before torch is imported
-    os.environ.setdefault(
-        "VLLM_LOGGING_LEVEL", "ERROR"
-    )  # random-weight text trips detokenizer warnings
+    # random-weight text trips detokenizer warnings
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 
     import torch
 

@@ -47,9 +47,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--rounds", type=int, default=6)
     args = parser.parse_args(argv)
-    os.environ.setdefault(
-        "OMP_WAIT_POLICY", "PASSIVE"
-    )  # as `chatgen train` sets it, before torch loads
+    # as `chatgen train` sets it, before torch loads
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     sys.path.insert(0, str(REPO))
 
     import dataclasses
@@ -61,9 +60,8 @@ def main(argv=None) -> int:
     from chatgen.generation.vllm.module import VLLMModule
 
     keys = {**yaml.safe_load(Path(args.config).read_text()), "load": args.model}
-    hf_keys = {
-        f.name for f in dataclasses.fields(HFGeneration.config_class)
-    }  # the shared generation keys
+    # the shared generation keys
+    hf_keys = {f.name for f in dataclasses.fields(HFGeneration.config_class)}
     modules = {
         "vllm": VLLMModule(keys).start(),
         "hf": HFGeneration({k: v for k, v in keys.items() if k in hf_keys}).start(),

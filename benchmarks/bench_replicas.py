@@ -124,9 +124,8 @@ def overlap(args, model: Path, data: Path, work: Path) -> dict:
             records = [
                 json.loads(line) for line in (target / "metrics.jsonl").read_text().splitlines()
             ]
-            episodes = [
-                r["time/episode"] for r in records if r["episode"] >= 2
-            ]  # episode 1 has nothing to overlap
+            # episode 1 has nothing to overlap
+            episodes = [r["time/episode"] for r in records if r["episode"] >= 2]
             out[mode]["runs"].append(
                 {
                     "episode_s": episodes,

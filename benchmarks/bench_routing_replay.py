@@ -78,9 +78,8 @@ def measure(model_dir: str, dtype: str, prompts: int, n: int, max_new_tokens: in
         if chosen:  # compare on the positions whose routing fed a sampled token's log-prob (prompt + response)
             s, length = data["input_ids"].shape
             recorded = data["routed_experts"]  # (S, L, layers, k)
-            own = torch.stack(
-                [m.view(length, s, -1).transpose(0, 1) for m in chosen], dim=2
-            )  # (S, L, layers, E)
+            # (S, L, layers, E)
+            own = torch.stack([m.view(length, s, -1).transpose(0, 1) for m in chosen], dim=2)
             engine = torch.zeros_like(own).scatter_(-1, recorded.clamp(min=0), True)
             known = recorded[..., 0] >= 0
             out["routing_disagreement"] = float((own != engine).any(-1)[known].float().mean())

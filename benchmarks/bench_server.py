@@ -235,9 +235,8 @@ def bench_first_result(args, model: Path) -> dict:
         }
     ).start()
     rng = random.Random(0)
-    lengths = [
-        rng.randint(8, args.seq_length - 32) for _ in range(args.batch)
-    ]  # responses: seq_length - length
+    # responses: seq_length - length
+    lengths = [rng.randint(8, args.seq_length - 32) for _ in range(args.batch)]
     ids = torch.full((args.batch, max(lengths)), module.pad_token_id, dtype=torch.long)
     for i, n in enumerate(lengths):
         ids[i, :n] = torch.randint(10, 500, (n,), generator=torch.Generator().manual_seed(i))

@@ -306,9 +306,8 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
         shutil.copy(model_dir / "config.json", naive_dir / "config.json")
         naive_parts["save_s"] = time.perf_counter() - t
         t = time.perf_counter()
-        fresh = vllm_adapter.build_llm(
-            str(naive_dir), **ENGINE_KWARGS
-        )  # a new engine on the saved weights
+        # a new engine on the saved weights
+        fresh = vllm_adapter.build_llm(str(naive_dir), **ENGINE_KWARGS)
         naive_parts["engine_start_s"] = time.perf_counter() - t
         vllm_adapter.shutdown(fresh)
         naive_parts["new_process_engine_start_s"] = new_process_engine_start_s(str(naive_dir))
@@ -352,9 +351,8 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
         broadcast_2_over_1_min=min(runs["broadcast_2"]) / min(runs["broadcast_1"]),
         meets_broadcast_target=two <= 1.3 * one,
     )
-    naive_t = (
-        naive_parts["save_s"] + naive_parts["engine_start_s"]
-    )  # shutting the engine down is not counted
+    # shutting the engine down is not counted
+    naive_t = naive_parts["save_s"] + naive_parts["engine_start_s"]
     naive_np = naive_parts["save_s"] + naive_parts["new_process_engine_start_s"]
     return dict(
         size=name,

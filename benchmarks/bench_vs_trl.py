@@ -141,9 +141,10 @@ def prepare_smollm2(env: dict) -> None:
     """SmolLM2-135M-Instruct from the tests' cache (imported there once per machine: no second 538 MB copy) and
     the arithmetic data with 128 held-out questions, as examples/train_grpo_smollm2.sh writes it, when missing."""
     if "POLICY_LOAD" not in env:
+        # LookupError, with the reason, when it cannot be had
         from tests.conftest import (
             smollm2_model,
-        )  # LookupError, with the reason, when it cannot be had
+        )
 
         env["POLICY_LOAD"] = str(smollm2_model())
     env.setdefault("DATA_DIR", str(REPO / "outputs" / "arithmetic"))
@@ -564,9 +565,8 @@ def main(argv=None) -> int:
         type=int,
         help="held-out evaluation every N episodes (default: shipped the YAML's; lean tiny 5, smollm2 3)",
     )
-    parser.add_argument(
-        "--save-interval", type=int, help=argparse.SUPPRESS
-    )  # the TRL worker's checkpoints
+    # the TRL worker's checkpoints
+    parser.add_argument("--save-interval", type=int, help=argparse.SUPPRESS)
     parser.add_argument(
         "--trl-venv", default=str(Path.home() / ".cache" / "chatgen" / "bench-trl-venv")
     )
@@ -577,9 +577,8 @@ def main(argv=None) -> int:
         help="another chatgen checkout run in the same rotation (e.g. the commit before a change)",
     )
     parser.add_argument("--no-trl", action="store_true", help="leave TRL out (with --baseline)")
-    parser.add_argument(
-        "--worker", choices=["trl"], help=argparse.SUPPRESS
-    )  # the TRL side, in the TRL venv
+    # the TRL side, in the TRL venv
+    parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
     parser.add_argument("--out-dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     task = TASKS[args.task]
@@ -595,14 +594,12 @@ def main(argv=None) -> int:
     if not args.output:
         parser.error("--output is required")
 
-    sys.path.insert(
-        0, str(REPO)
-    )  # this checkout's chatgen and tests/, as the runs get it by PYTHONPATH
+    # this checkout's chatgen and tests/, as the runs get it by PYTHONPATH
+    sys.path.insert(0, str(REPO))
     from chatgen.rlhf.config import load_config
 
-    env = (
-        os.environ
-    )  # the runs inherit it, with the task's POLICY_LOAD and DATA_DIR (${...} in its YAML)
+    # the runs inherit it, with the task's POLICY_LOAD and DATA_DIR (${...} in its YAML)
+    env = os.environ
     env.update(OMP_WAIT_POLICY="PASSIVE", PYTHONPATH=str(REPO))
     task["prepare"](env)
     runtime = load_config(REPO / task["config"], overrides).runtime  # what both sides run
@@ -660,9 +657,8 @@ def main(argv=None) -> int:
     results = {name: [] for name in contestants}
     names = list(contestants)
     for i in range(args.runs):
-        for name in (
-            names[i % len(names) :] + names[: i % len(names)]
-        ):  # each run starts with the next contestant
+        # each run starts with the next contestant
+        for name in names[i % len(names) :] + names[: i % len(names)]:
             command, cwd, run_env = contestants[name]
             out = work / f"{name}-{i}"
             print(f"[bench] run {i} {name}: {' '.join(command(out))}", flush=True)

@@ -80,9 +80,8 @@ class Module:
         schema = self.config_class
         if config is None:
             config = {}
-        if isinstance(
-            config, (str, os.PathLike)
-        ):  # dialect "chatlearn": a ChatLearn per-model YAML
+        # dialect "chatlearn": a ChatLearn per-model YAML
+        if isinstance(config, (str, os.PathLike)):
             return load_model_config(
                 config, schema, extra_check=self.config_problems, dialect=compat_dialect(dialect)
             )

@@ -56,9 +56,8 @@ class CalculatorEnv:
         response = self.client.chat.completions.create(
             model=self.model, messages=messages, temperature=temperature, max_tokens=max_tokens
         )
-        return response.choices[0].message.model_dump(
-            exclude_none=True
-        )  # with the token ids and log-probs
+        # with the token ids and log-probs
+        return response.choices[0].message.model_dump(exclude_none=True)
 
     def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:
         rule = REWARDS["sort_digits"]

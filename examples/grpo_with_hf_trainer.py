@@ -135,19 +135,16 @@ def main(argv=None):
             )
             advantages = group_advantages(rewards, args.group)  # (S,)
             ids, attention, mask = token_batch(prompt_ids, completion_ids, tokenizer.pad_token_id)
-            old_logprobs = torch.zeros_like(
-                mask
-            )  # (S, L-1): the engine's log-prob of each sampled token
+            # (S, L-1): the engine's log-prob of each sampled token
+            old_logprobs = torch.zeros_like(mask)
             for i, (p, lps) in enumerate(zip(prompt_ids, infer_logprobs)):
                 old_logprobs[i, len(p) - 1 : len(p) - 1 + len(lps)] = torch.tensor(lps)
             for k, rows in enumerate(torch.randperm(len(ids)).chunk(args.updates)):
                 logits = policy(input_ids=ids[rows], attention_mask=attention[rows]).logits[:, :-1]
-                logprobs = torch.log_softmax(logits, -1).gather(-1, ids[rows, 1:, None])[
-                    ..., 0
-                ]  # (s, L-1)
-                if (
-                    k == 0
-                ):  # before this step's first update the engine holds the policy's weights (last sync)
+                # (s, L-1)
+                logprobs = torch.log_softmax(logits, -1).gather(-1, ids[rows, 1:, None])[..., 0]
+                # before this step's first update the engine holds the policy's weights (last sync)
+                if k == 0:
                     mismatch = (
                         ((logprobs.detach() - old_logprobs[rows]).abs() * mask[rows]).max().item()
                     )

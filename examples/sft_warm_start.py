@@ -111,9 +111,8 @@ def main(argv=None) -> int:
         batches = batch_indices(
             len(records), args.batch_size, args.steps, torch.Generator().manual_seed(args.seed)
         )
-        with progress_bar(
-            args.steps, "sft step"
-        ) as bar:  # a live line on a terminal, else a line per 20%
+        # a live line on a terminal, else a line per 20%
+        with progress_bar(args.steps, "sft step") as bar:
             for step, index in enumerate(batches):
                 stats = trainer.train_step(
                     sft_batch(tokenizer, [records[i] for i in index]), nll_loss_fn

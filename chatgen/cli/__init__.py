@@ -21,13 +21,15 @@ import threading
 import time
 
 from chatgen.core import quiet
+
+# importable from here too
 from chatgen.core.process_tuning import (
     M_ARENA_MAX,
     PASSIVE_OPENMP,
     WIDE_HIDDEN_SIZE,  # noqa: F401
     one_malloc_arena,
     serve_threads,
-)  # importable from here too
+)
 from chatgen.module import startup_gc
 
 VERBOSE_FLAGS = ("-v", "--verbose")  # anywhere on the command line (chatgen.core.quiet)
@@ -87,15 +89,13 @@ def main(argv=None) -> int:
     for key, value in PASSIVE_OPENMP.items():
         os.environ.setdefault(key, value)
     argv = list(sys.argv[1:] if argv is None else argv)
-    if set(VERBOSE_FLAGS) & set(
-        argv
-    ):  # before any import: the subcommand's modules warn as they load
+    # before any import: the subcommand's modules warn as they load
+    if set(VERBOSE_FLAGS) & set(argv):
         os.environ[quiet.VERBOSE] = "1"
     quiet.apply()
     command = next((a for a in argv if not a.startswith("-")), None)  # `chatgen -v train` too
-    if (
-        command == "train"
-    ):  # measured there; `serve` lost throughput with it (its HTTP and engine threads)
+    # measured there; `serve` lost throughput with it (its HTTP and engine threads)
+    if command == "train":
         one_malloc_arena()
     if command == "serve":
         os.environ.setdefault("OMP_NUM_THREADS", str(serve_threads(argv)))
@@ -114,9 +114,8 @@ def main(argv=None) -> int:
     for name, (module_name, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, parents=[verbose])
         if name == chosen:
-            with (
-                startup_gc()
-            ):  # its imports (torch, transformers, ...), collection paused as for the models'
+            # its imports (torch, transformers, ...), collection paused as for the models'
+            with startup_gc():
                 module = importlib.import_module(module_name)
             module.add_arguments(p)
             p.set_defaults(_run=module.run)

@@ -169,9 +169,8 @@ def run(args) -> int:
             )
             return 2
         schema = marker[0]
-        if ":" in schema and not schema.startswith(
-            "chatgen."
-        ):  # a YAML file names code to import: chatgen's only
+        # a YAML file names code to import: chatgen's only
+        if ":" in schema and not schema.startswith("chatgen."):
             print(
                 f"chatgen config: {args.path}: `# chatgen-schema: {schema}` names a module outside chatgen, which "
                 f"a YAML line may not import; pass it on the command line instead: --schema {schema}",

@@ -69,9 +69,10 @@ def add_module_arguments(parser) -> None:
 def build_module(args, overrides=()):
     """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value strings from the
     command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr with -v."""
+    # imports vLLM: not for `chatgen generate --help`
     from chatgen.generation.vllm.module import (
         VLLMModule,
-    )  # imports vLLM: not for `chatgen generate --help`
+    )
 
     cls = import_class(args.module) if args.module else VLLMModule
     if not (isinstance(cls, type) and issubclass(cls, VLLMModule)):
@@ -180,12 +181,10 @@ def run(args) -> int:
         require_tokenizer(module, args.model, need)
     with heartbeat(f"starting the engine for {args.model}"):
         module.start()
-    prepared = (
-        module.prepare_dataset(text_prompts) if text_prompts else []
-    )  # one call: one count of cut prompts
-    if len(text_prompts) == len(
-        rows
-    ):  # all text: the module's dataset as it built it (it may repeat prompts)
+    # one call: one count of cut prompts
+    prepared = module.prepare_dataset(text_prompts) if text_prompts else []
+    # all text: the module's dataset as it built it (it may repeat prompts)
+    if len(text_prompts) == len(rows):
         items = prepared
     elif len(prepared) != len(text_prompts):
         raise ValueError(

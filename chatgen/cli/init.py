@@ -17,9 +17,8 @@ from pathlib import Path
 
 import chatgen
 
-SOURCE = (
-    Path(chatgen.__file__).resolve().parent.parent
-)  # the checkout chatgen is installed from (editable)
+# the checkout chatgen is installed from (editable)
+SOURCE = Path(chatgen.__file__).resolve().parent.parent
 
 TINY = [
     "examples/env.sh",

@@ -48,9 +48,8 @@ def run(args) -> int:
         print(f"chatgen train: {e}", file=sys.stderr)
         return 2
     try:
-        algorithm.train(
-            cfg, resume=args.resume_from or args.resume, log=say
-        )  # lines above the progress line
+        # lines above the progress line
+        algorithm.train(cfg, resume=args.resume_from or args.resume, log=say)
     except (ActorFailure, RunHealthError, CheckpointError) as e:
         print(f"chatgen train: stopped: {e}", file=sys.stderr)
         return 1

@@ -102,9 +102,8 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
             routed.append(key)
     if routed:
         explicit = data.get("args") or {}
-        out["args"] = (
-            {**user, **explicit} if isinstance(explicit, dict) else explicit
-        )  # not a mapping: _build says so
+        # not a mapping: _build says so
+        out["args"] = {**user, **explicit} if isinstance(explicit, dict) else explicit
     if ignored:
         logger.warning(
             "%s (chatlearn dialect): ignored %d Megatron-LM key(s) that %s does not have: %s",
@@ -150,9 +149,8 @@ _FOREIGN = dict(
     foreign_fix="a ChatLearn YAML with Megatron-LM keys loads with `config_dialect: chatlearn`, "
     "docs/migrating_from_chatlearn.md",
 )
-CHATGEN = Dialect(
-    "chatgen", None, **_FOREIGN
-)  # every key checked; a Megatron-LM key is named as one
+# every key checked; a Megatron-LM key is named as one
+CHATGEN = Dialect("chatgen", None, **_FOREIGN)
 CHATLEARN = Dialect("chatlearn", read_chatlearn, **_FOREIGN)
 DIALECTS = {d.name: d for d in (CHATGEN, CHATLEARN)}
 

@@ -207,9 +207,8 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
         if text.strip() == "None":
             return None
         try:
-            return parse_yaml(
-                text
-            )  # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+            # `${N:4}` -> 4, `${FLAG:true}` -> True, `${L:[1,2]}` -> [1, 2], `${X:}` -> None
+            return parse_yaml(text)
         except yaml.YAMLError:
             return text
 

@@ -162,10 +162,11 @@ def build(
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     before = len(errors)
+    # bad: keys whose value failed; they take their default for the range checks
     kwargs, bad = (
         {},
         set(),
-    )  # bad: keys whose value failed; they take their default for the range checks
+    )
     unknown = {}  # file -> its unknown keys with no close match: one line per file lists the valid keys
     for key, value in data.items():
         key_path = (*path, key)

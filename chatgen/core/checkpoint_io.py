@@ -126,10 +126,11 @@ def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
             f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors"
         )
     if names is not None and tie_word_embeddings and "model.embed_tokens.weight" in names:
+        # the tied matrix may be stored under the head's name only
         names = {
             *names,
             "lm_head.weight",
-        }  # the tied matrix may be stored under the head's name only
+        }
     hf = {}
     for file in files:
         with safe_open(str(file), "pt") as f:
@@ -217,9 +218,8 @@ def atomic_file(path):
     and is removed when it fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(
-        f".{path.name}.tmp{path.suffix}"
-    )  # keeps the suffix: writers pick formats by it
+    # keeps the suffix: writers pick formats by it
+    tmp = path.with_name(f".{path.name}.tmp{path.suffix}")
     try:
         yield tmp
         with open(tmp, "rb") as f:

@@ -116,9 +116,8 @@ def read_full_tensors(directory, skip: tuple = ()) -> dict:
         for key, meta in metadata.state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata) and not key.startswith(skip)
     }
-    with (
-        warnings.catch_warnings()
-    ):  # torch warns that it assumes one process even when told so (no_dist)
+    # torch warns that it assumes one process even when told so (no_dist)
+    with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="torch.distributed is disabled", category=UserWarning
         )

@@ -103,9 +103,8 @@ def apply() -> None:
     if verbose():
         return
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
-    os.environ.setdefault(
-        "HF_HUB_DISABLE_PROGRESS_BARS", "1"
-    )  # transformers' bar per shard it reads or writes
+    # transformers' bar per shard it reads or writes
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     for category, message, module in WARNINGS:
         warnings.filterwarnings("ignore", message=message, category=category, module=module)
     for name, pattern in LOGGED.items():

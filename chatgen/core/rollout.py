@@ -58,9 +58,8 @@ class RolloutBatch:
     prompt_lengths: torch.Tensor  # (S,) long
     response_lengths: torch.Tensor  # (S,) long
     loss_mask: torch.Tensor  # (S, L-1) float: 1 where token t+1 is a response token the loss sees
-    infer_logprobs: (
-        torch.Tensor
-    )  # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
+    # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
+    infer_logprobs: torch.Tensor
     #                               too when the engine computed them: VLLMConfig.prompt_logprobs), else 0
     prompt_index: torch.Tensor  # (S,) long: which prompt of the call each sample answers
     texts: list  # list[str]: response texts ("" for a model without a tokenizer)

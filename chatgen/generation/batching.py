@@ -94,9 +94,8 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
         )
     ids, lengths = torch.as_tensor(data[ids_key]), torch.as_tensor(data[lengths_key])
     positions = torch.arange(ids.shape[1])[None, :]
-    bad = (positions >= lengths[:, None]) & (
-        ids != pad_value
-    )  # (B, T): a non-pad token after the length
+    # (B, T): a non-pad token after the length
+    bad = (positions >= lengths[:, None]) & (ids != pad_value)
     if not bad.any():
         return True, None
     problems = []

@@ -144,9 +144,10 @@ class VLLMGeneration:
             )
             self._mode = "wait"  # the mode of the sync in progress (the handshakes' begin sends it)
             return
+        # imports vLLM: server mode needs no engine here
         from chatgen.generation.vllm.module import (
             VLLMModule,
-        )  # imports vLLM: server mode needs no engine here
+        )
 
         config = dict(
             load=str(model),

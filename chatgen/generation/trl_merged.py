@@ -119,14 +119,12 @@ class VLLMGeneration:
             )
         prompts = [list(p) for p in prompts]
         groups = len(prompts) // num_generations if num_generations else 0
-        grouped = (
-            groups * num_generations == len(prompts)
-            and all(
-                prompts[g * num_generations + j] == prompts[g * num_generations]
-                for g in range(groups)
-                for j in range(num_generations)
-            )
-        )  # TRL's layout: one request of n samples per prompt (one prefix in the cache), else one each
+        # TRL's layout: one request of n samples per prompt (one prefix in the cache), else one each
+        grouped = groups * num_generations == len(prompts) and all(
+            prompts[g * num_generations + j] == prompts[g * num_generations]
+            for g in range(groups)
+            for j in range(num_generations)
+        )
         unique, n = (prompts[::num_generations], num_generations) if grouped else (prompts, 1)
         if self.enable_sleep_mode:
             self.engine.module.wake_up()

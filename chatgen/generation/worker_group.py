@@ -33,10 +33,11 @@ from chatgen.generation.batching import assign
 from chatgen.generation.workers import IpcStream, VllmGenerationWorker
 
 PLACEMENTS = ("process", "ray")
+# padding of (S, L) outputs; None: the pad id; others 0
 FILL = {
     "output_ids": None,
     "weight_versions": -1,
-}  # padding of (S, L) outputs; None: the pad id; others 0
+}
 
 
 class VllmGeneration(NemoRLRefit):
@@ -196,9 +197,8 @@ class VllmGeneration(NemoRLRefit):
         if self.placement == "ray" and workers:
             import ray
 
-            with contextlib.suppress(
-                ray.exceptions.RayError
-            ):  # a dead actor has nothing left to free
+            # a dead actor has nothing left to free
+            with contextlib.suppress(ray.exceptions.RayError):
                 ray.get([w.shutdown.remote() for w in workers])
             for worker in workers:
                 ray.kill(worker)

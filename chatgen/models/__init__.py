@@ -74,9 +74,10 @@ def spec_from_hf_config(hf_config: dict) -> ModelSpec:
 
 def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
     """Every HF tensor name -> shape, in checkpoint order (embedding, layers, final norm, head)."""
+    # layout imports this package: import it when called
     from chatgen.models.layout import (
         stage_params,
-    )  # layout imports this package: import it when called
+    )
 
     return {name: shape for sp in stage_params(spec, 1, 0) for name, shape in sp.hf.items()}
 

@@ -167,16 +167,14 @@ def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
             ) from None
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    model.config.architectures = [
-        type(model).__name__
-    ]  # a GGUF-loaded config has none; vLLM dispatches on it
+    # a GGUF-loaded config has none; vLLM dispatches on it
+    model.config.architectures = [type(model).__name__]
     config = model.config.to_diff_dict()  # the keys that differ from the architecture's defaults
     config.pop("quantization_config", None)
     config.pop("_model_name_or_path", None)  # the GGUF's general.name, not a path
     config["dtype"] = "float32"
-    models.spec_from_hf_config(
-        config
-    )  # an architecture chatgen cannot map fails here, before anything is written
+    # an architecture chatgen cannot map fails here, before anything is written
+    models.spec_from_hf_config(config)
     state = {name: t.contiguous() for name, t in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         head = state.pop("lm_head.weight", None)

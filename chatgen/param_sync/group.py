@@ -94,11 +94,12 @@ class GroupSender:
         )
         self.begin, self.finish, self._pg, self._store = begin, finish, None, None
         if listen and _rank() == 0:
+            # a named host binds port 0 itself (tcp_store)
             if not port and host in (
                 "0.0.0.0",
                 "::",
                 "",
-            ):  # a named host binds port 0 itself (tcp_store)
+            ):
                 port = free_port(host)
             self._store = rendezvous_store(host, port, is_server=True, world_size=world_size)
             self.port = self._store.port
@@ -120,9 +121,8 @@ class GroupSender:
         the source's ranks. SyncError when any engine refused (every engine keeps its old weights) or failed to
         load (that engine says whether it is partially updated)."""
         start = time.perf_counter()
-        weights = weight_source(
-            source, bucket_bytes
-        )  # a source that cannot be read fails before any handshake
+        # a source that cannot be read fails before any handshake
+        weights = weight_source(source, bucket_bytes)
         if _rank() != 0:  # read at each send: a sender may be made before torch.distributed starts
             n = follow(weights, validate)
         else:
@@ -148,9 +148,8 @@ class GroupSender:
         endpoint = self.begin(self.port if self._pg is not None else None)
         if (self.host, self.port) != (endpoint["host"], endpoint["port"]):
             self.host, self.port, self._pg = endpoint["host"], endpoint["port"], None  # a new group
-        self.token = endpoint[
-            "token"
-        ]  # this update's one-time token: the stream proves it to the server
+        # this update's one-time token: the stream proves it to the server
+        self.token = endpoint["token"]
 
     def _send(self, weights, validate: bool) -> int:
         """Rank 0's part: header, verdicts, buckets, verdicts; every step's outcome shared with the other ranks."""
@@ -175,9 +174,8 @@ class GroupSender:
         n = 0
         try:
             for items in checked(weights.buckets(), weights.plan, weights, validate):
-                bcast(
-                    self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), root=0
-                )  # status 0: a bucket
+                # status 0: a bucket
+                bcast(self._pg, torch.zeros(1, dtype=torch.int64, device=device(self._pg)), root=0)
                 bcast(
                     self._pg,
                     torch.cat([t.reshape(-1) for _, t in items]).to(device(self._pg)),
@@ -244,11 +242,12 @@ class GroupReceiver:
         that is itself private or authenticated). The group forms at the first sync, once the rendezvous holds
         the token's proof."""
         self = cls.__new__(cls)
+        # a named host binds port 0 itself (tcp_store): no race
         if port == 0 and host in (
             "0.0.0.0",
             "::",
             "",
-        ):  # a named host binds port 0 itself (tcp_store): no race
+        ):
             port = free_port()
         self.host, self.rank, self.world_size, self.timeout, self._pg, self._open = (
             host,
@@ -301,9 +300,10 @@ class GroupReceiver:
         def patience(what: str) -> Patience | None:
             return Patience(self.timeout, alive, what) if self.timeout is not None else None
 
+        # an exchange before anything is written: a failure leaves the two ends out of
         def before_load(
             action,
-        ):  # an exchange before anything is written: a failure leaves the two ends out of
+        ):
             try:  # step for good (the channel closes), and the engine on its old weights
                 return action()
             except Exception as e:
@@ -389,9 +389,8 @@ class GroupReceiver:
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):
                 self.close()
-            elif not received[
-                "aborted"
-            ]:  # refused here (a value, the engine's load): drain, and say why
+            # refused here (a value, the engine's load): drain, and say why
+            elif not received["aborted"]:
                 try:
                     for bucket in header["buckets"][received["buckets"] :]:
                         next_flat([tuple(s) for _, s in bucket])
@@ -433,7 +432,8 @@ def SyncReceiver(
     return GroupReceiver.listen(host, port, timeout)
 
 
+# the names of a run's generation group
 BroadcastSender, BroadcastReceiver = (
     GroupSender,
     GroupReceiver,
-)  # the names of a run's generation group
+)

@@ -56,13 +56,13 @@ from chatgen.param_sync.source import weight_source
 from chatgen.param_sync.wire import follow, share
 
 SHM_ROOT = "/dev/shm"
+# + "<pid>-": whose directory it is
 ENGINE_PREFIX, TRAINER_PREFIX = (
     "chatgen-weights-",
     "chatgen-refit-",
-)  # + "<pid>-": whose directory it is
-_POPULATE = getattr(
-    mmap, "MAP_POPULATE", 0
-)  # map every page now: one kernel call instead of a fault per page
+)
+# map every page now: one kernel call instead of a fault per page
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SharedMemoryUnavailable(SyncError):
@@ -120,9 +120,8 @@ class ShmSender:
                 ) from e
             self.path = path
         header = sync_header(weights, validate)
-        share(
-            {"error": None}
-        )  # the other ranks wait here for rank 0's verdict (a refusal comes only at the end)
+        # the other ranks wait here for rank 0's verdict (a refusal comes only at the end)
+        share({"error": None})
         flat = torch.frombuffer(self._map, dtype=weights.dtype)
         n, offset = 0, 0
         try:
@@ -161,9 +160,8 @@ class ShmSender:
 
     def _own_path(self, held) -> str:
         self.close()
-        self.directory = tempfile.mkdtemp(
-            prefix=f"{TRAINER_PREFIX}{os.getpid()}-", dir=self.root
-        )  # mode 0700
+        # mode 0700
+        self.directory = tempfile.mkdtemp(prefix=f"{TRAINER_PREFIX}{os.getpid()}-", dir=self.root)
         return os.path.join(self.directory, "weights")
 
     def _keep_handles(self, body: dict) -> None:
@@ -186,9 +184,8 @@ def _rank() -> int:
 def _create(path: str, nbytes: int) -> mmap.mmap:
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
-        os.posix_fallocate(
-            fd, 0, nbytes
-        )  # reserve the pages: ENOSPC now rather than SIGBUS while copying
+        # reserve the pages: ENOSPC now rather than SIGBUS while copying
+        os.posix_fallocate(fd, 0, nbytes)
         return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
     except BaseException:
         os.unlink(path)
@@ -202,12 +199,10 @@ class ShmReceiver:
     trainer's header, maps the file and loads from it."""
 
     def __init__(self, root: str = SHM_ROOT):
-        self.directory = tempfile.mkdtemp(
-            prefix=f"{ENGINE_PREFIX}{os.getpid()}-", dir=root
-        )  # mode 0700
-        self._remove = weakref.finalize(
-            self, shutil.rmtree, self.directory, True
-        )  # also at interpreter exit
+        # mode 0700
+        self.directory = tempfile.mkdtemp(prefix=f"{ENGINE_PREFIX}{os.getpid()}-", dir=root)
+        # also at interpreter exit
+        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)
         self.path, self._map = None, None
 
     def name(self, held: str | None) -> str:
@@ -362,7 +357,8 @@ def _running(pid: int) -> bool:
     return True
 
 
+# the names of NeMo RL's update_weights_via_ipc path
 IpcSender, load_ipc = (
     ShmSender.owned,
     load_shm,
-)  # the names of NeMo RL's update_weights_via_ipc path
+)

@@ -60,10 +60,11 @@ def _module_tensors(module: torch.nn.Module):
     for name, p in module.named_parameters():
         for prefix in _WRAPPER_PREFIXES:
             name = name.replace(prefix, "")
+        # FSDP2 DTensor -> whole tensor
         yield (
             name,
             (p.full_tensor() if hasattr(p, "full_tensor") else p),
-        )  # FSDP2 DTensor -> whole tensor
+        )
 
 
 def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):

@@ -33,9 +33,8 @@ from chatgen.param_sync.checks import SyncError, checked, mac, sync_header
 DEFAULT_TIMEOUT_S = (
     600.0  # the engine's patience at each step of a sync (connect, manifest, each bucket, the end)
 )
-TRAINER_TIMEOUT = datetime.timedelta(
-    minutes=10
-)  # the trainer's group: the engine's deadlines bound its waits
+# the trainer's group: the engine's deadlines bound its waits
+TRAINER_TIMEOUT = datetime.timedelta(minutes=10)
 PROOF_KEY = "chatgen_weight_sync_proof"
 
 
@@ -53,9 +52,8 @@ def process_group(
     serve --control` sharing a GPU), and a CPU member has no NCCL."""
     keys = [f"chatgen_sync_device_{r}" for r in range(world_size)]
     store.set(keys[rank], where())
-    store.wait(
-        keys, timeout
-    )  # the caller's deadline (a listening engine's patience), not the store's
+    # the caller's deadline (a listening engine's patience), not the store's
+    store.wait(keys, timeout)
     places = [store.get(key).decode() for key in keys]
     if nccl_among(places):
         return dist.ProcessGroupNCCL(store, rank, world_size)
@@ -114,9 +112,8 @@ def bcast(pg, tensor: torch.Tensor, root: int, patience: Patience | None = None)
     opts = dist.BroadcastOptions()
     opts.rootRank = root
     if patience is not None:
-        opts.timeout = (
-            patience.remaining()
-        )  # gloo's own bound: an operation given up on ends soon after
+        # gloo's own bound: an operation given up on ends soon after
+        opts.timeout = patience.remaining()
     work = pg.broadcast([tensor], opts)
     if patience is not None:
         patience.wait(work)
@@ -190,9 +187,8 @@ def authenticate(
 
 def share(obj):
     """Rank 0's object on every trainer rank (the verdicts decide whether all ranks raise)."""
-    if (
-        not dist.is_initialized() or dist.get_world_size() == 1
-    ):  # a trainer without torch.distributed
+    # a trainer without torch.distributed
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return obj
     box = [obj]
     dist.broadcast_object_list(box, 0)
@@ -224,9 +220,8 @@ def follow(weights, validate: bool) -> int:
     """A trainer rank other than 0 during any transport's send: the source's collectives in rank 0's order (the
     header, every bucket) and rank 0's verdicts, shared after the header and at the end (`share`), so that every
     rank returns or raises together. Returns the tensors read."""
-    sync_header(
-        weights, validate
-    )  # collective over the trainer ranks (nonfinite, the fingerprints)
+    # collective over the trainer ranks (nonfinite, the fingerprints)
+    sync_header(weights, validate)
     verdict = share(None)
     if verdict["error"]:
         raise SyncError(verdict["error"])

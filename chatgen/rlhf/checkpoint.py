@@ -88,9 +88,8 @@ def commit_checkpoint(staging: Path, state: dict) -> Path:
     }
     with atomic_file(Path(staging) / MANIFEST_FILE) as tmp:
         tmp.write_text(json.dumps(files, indent=1))
-    with atomic_file(
-        Path(staging) / STATE_FILE
-    ) as tmp:  # last: its presence marks a complete checkpoint
+    # last: its presence marks a complete checkpoint
+    with atomic_file(Path(staging) / STATE_FILE) as tmp:
         tmp.write_text(json.dumps(state, indent=1))
     commit_directory(final)
     with atomic_file(Path(save_dir) / "latest") as tmp:
@@ -172,9 +171,8 @@ def verify_checkpoint(path) -> list[str]:
             problems.append(f"{f} is missing")
         elif f.stat().st_size != size:
             problems.append(f"{f} has {f.stat().st_size} bytes, {size} when saved")
-        elif (
-            f.suffix == ".safetensors"
-        ):  # overwritten in place: its header (names, offsets) must still parse
+        # overwritten in place: its header (names, offsets) must still parse
+        elif f.suffix == ".safetensors":
             try:
                 with safe_open(str(f), framework="pt") as weights:
                     weights.keys()

@@ -96,10 +96,11 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
             f"{where}: {rows_are} is not a multiple of runtime.train_global_batch_size={gbs}; make it one "
             "so every episode is whole optimizer steps"
         )
+    # each DP rank gets 1/DP of a batch, in whole micro-batches
     for (
         model,
         entry,
-    ) in cfg.models.items():  # each DP rank gets 1/DP of a batch, in whole micro-batches
+    ) in cfg.models.items():
         if entry.backend != "megatron" or entry.config is None:
             continue
         mc = entry.config
@@ -198,10 +199,11 @@ def policy_sampling_problems(cfg):
                     f"every update would be off-policy; set {key}: {value} (temperature "
                     "sharpens sampling)"
                 )
+    # the experts a trainer replays are the ones the engine recorded
     for (
         name,
         entry,
-    ) in cfg.models.items():  # the experts a trainer replays are the ones the engine recorded
+    ) in cfg.models.items():
         if (
             getattr(entry.config, "moe_routing_replay", False)
             and pc is not None

@@ -56,14 +56,12 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     """
     errors, files = [], []
     main_yaml = os.path.abspath(os.fspath(main_yaml))
-    add_project_dir(
-        project_dir(main_yaml)
-    )  # user code (rewards, algorithms) imports from there, here and in actors
+    # user code (rewards, algorithms) imports from there, here and in actors
+    add_project_dir(project_dir(main_yaml))
     data, where = read_yaml(main_yaml, errors, files)
     if errors and not data:
-        raise ConfigError(
-            errors
-        )  # nothing to validate: the main YAML is missing, empty or unreadable
+        # nothing to validate: the main YAML is missing, empty or unreadable
+        raise ConfigError(errors)
     overrides_tree = _route_overrides(parse_override_tree(overrides, errors), data, errors)
     merge(data, where, overrides_tree, dict.fromkeys(key_paths(overrides_tree), (CLI, "")))
     data = substitute(data, where, errors)
@@ -100,9 +98,8 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
         )
         if entry is not None:
             models[name] = entry
-    if (
-        runtime is not None
-    ):  # against every configured name: an entry with errors of its own is not "unknown"
+    # against every configured name: an entry with errors of its own is not "unknown"
+    if runtime is not None:
         check_colocation(runtime, models_data, where, errors)
     if errors:
         raise ConfigError(errors)
@@ -132,9 +129,8 @@ def _absolute_paths(section) -> None:
 def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
     """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
     models = dict(data.get("models")) if isinstance(data.get("models"), dict) else {}
-    if isinstance(
-        tree.get("models"), dict
-    ):  # a model added on the command line takes shortcuts too
+    # a model added on the command line takes shortcuts too
+    if isinstance(tree.get("models"), dict):
         for name, sub in tree["models"].items():
             models.setdefault(name, sub)
     shortcuts = {
@@ -202,10 +198,11 @@ def _load_entry(
         )
         return None
     entry_keys = {f.name for f in dataclasses.fields(ModelEntry)}
+    # a missing backend: ModelEntry's own error below
     backend, schema = (
         entry_data.get("backend"),
         dict,
-    )  # a missing backend: ModelEntry's own error below
+    )
     if isinstance(backend, str) and backend != "python":
         try:
             schema = backend_schema(backend)
@@ -237,9 +234,8 @@ def _load_entry(
     merge(data, model_where, inline, inline_where)
     if entry.backend == "python":
         schema = _class_schema(entry, where, path, errors)
-        if (
-            schema is FUNCTION
-        ):  # a plain reward function: the Rewards module runs it as its one term
+        # a plain reward function: the Rewards module runs it as its one term
+        if schema is FUNCTION:
             if data:
                 errors.append(
                     f"{at(where, (*path, 'config'))}: {entry.model_class} is a function and takes no "
@@ -254,9 +250,8 @@ def _load_entry(
     reader = dialect(entry.config_dialect)
     if reader.read is not None:
         data = reader.read(data, model_where, schema, errors, f"models.{name}")
-    data = substitute(
-        data, model_where, errors
-    )  # after the dialect: an ignored key needs no variable
+    # after the dialect: an ignored key needs no variable
+    data = substitute(data, model_where, errors)
     entry.config = build(schema, data, model_where, errors, dialect=reader)
     if runtime is not None and entry.config is not None:
         _derive(entry, runtime, model_where, errors)

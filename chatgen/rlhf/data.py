@@ -67,9 +67,8 @@ class PromptSampler:
         return torch.randperm(self.num_prompts, generator=g).tolist()
 
     def next_batch(self) -> list[int]:
-        if (
-            self.index + self.batch_size > self.num_prompts
-        ):  # drop the ragged tail, start the next pass
+        # drop the ragged tail, start the next pass
+        if self.index + self.batch_size > self.num_prompts:
             self.epoch, self.index = self.epoch + 1, 0
         batch = self._order()[self.index : self.index + self.batch_size]
         self.index += self.batch_size

@@ -56,9 +56,8 @@ class GenerationGroup(NemoRLRefit):
         self.token = secrets.token_hex(16)
         self._lock = threading.Lock()
         self._outstanding = [0] * self.replicas  # tokens of the prompts each replica is working on
-        self._stats = [
-            [0, 0, 0.0] for _ in range(self.replicas)
-        ]  # samples, generated tokens, engine seconds
+        # samples, generated tokens, engine seconds
+        self._stats = [[0, 0, 0.0] for _ in range(self.replicas)]
         self._pad_token_id = None
 
     def call(self, method: str, *args, **kwargs) -> list:
@@ -89,12 +88,13 @@ class GenerationGroup(NemoRLRefit):
             for replica, share in enumerate(shares):
                 self._outstanding[replica] += sum(costs[i] for i in share)
         try:
+            # a replica without prompts is not called
             per_rank = [
                 (self.name, [items[i] for i in shares[r // self.tp]], is_eval)
                 if shares[r // self.tp]
                 else None
                 for r in range(self.group.world_size)
-            ]  # a replica without prompts is not called
+            ]
             called = [r for r, args in enumerate(per_rank) if args is not None]
             results = self.get(
                 self.group.run_each(_generate, per_rank),

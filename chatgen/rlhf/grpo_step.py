@@ -136,14 +136,12 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
                 else run.forward_tokens("policy_trainer", data, base=True)  # LoRA: adapters off
             )
     if algo.old_logprobs == "rollout":
-        data["old_logprobs"] = (
-            batch.infer_logprobs
-        )  # the sampling weights' log-probs, as the engine computed them
+        # the sampling weights' log-probs, as the engine computed them
+        data["old_logprobs"] = batch.infer_logprobs
     else:
         with timer("old_logprobs"):
-            data["old_logprobs"] = run.forward_tokens(
-                "policy_trainer", data
-            )  # the weights the engine sampled with
+            # the weights the engine sampled with
+            data["old_logprobs"] = run.forward_tokens("policy_trainer", data)
     recipe_metrics.update(rollout_correction(algo, data, batch.infer_logprobs))
     shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
     if shaped is not rewards:
@@ -181,13 +179,11 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
             )
         )
     metrics["reward/zero_variance_groups"] = zero_variance_groups(rewards, n, run.log)
-    if (
-        algo.old_logprobs == "rollout"
-    ):  # old == infer: the mismatch is what the first step saw before updating
+    # old == infer: the mismatch is what the first step saw before updating
+    if algo.old_logprobs == "rollout":
         del metrics["mismatch/logprob_max_abs"], metrics["mismatch/logprob_mean_abs"]
-        if not (
-            algo.overlap_generation or current_version is not None
-        ):  # (off-policy: and updates)
+        # (off-policy: and updates)
+        if not (algo.overlap_generation or current_version is not None):
             metrics["mismatch/logprob_max_abs"] = steps[0]["old_logprob_diff_max"]
     if use_reference:
         metrics["kl/reference"] = L.masked_mean(

@@ -363,9 +363,8 @@ def kl_shaped_rewards(
     scores: (B,); logprobs, ref_logprobs, mask: (B, T). Returns (B, T), zero on masked positions.
     """
     rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, kl_kind) * mask
-    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (
-        mask > 0
-    )  # (B, T) one-hot or empty
+    # (B, T) one-hot or empty
+    last = (mask.cumsum(dim=1) == mask.sum(dim=1, keepdim=True)) & (mask > 0)
     return rewards + last.to(rewards.dtype) * scores.unsqueeze(1)
 
 

@@ -38,10 +38,11 @@ logger = logging.getLogger(__name__)
 
 
 BAR_FORMAT = "{desc} |{bar:12}| {n_fmt}/{total_fmt}{postfix} [{elapsed}<{remaining}]"
+# the first of these a run logs stands for its training progress
 HEADLINE = (
     "reward/mean",
     "policy/loss",
-)  # the first of these a run logs stands for its training progress
+)
 ASYNC_SHOWN = ("async/staleness_mean", "async/buffer_fill")  # max_staleness runs (docs/async_rl.md)
 MAX_EVAL_KEYS = 3  # held-out figures shown per line and in the summary (metrics.jsonl has them all)
 MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode tiny job
@@ -146,9 +147,8 @@ class MetricsLogger:
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.jsonl = self.out_dir / "metrics.jsonl"
         kept = [r for r in read_jsonl_metrics(self.jsonl) if r["episode"] < start_episode]
-        with atomic_file(
-            self.jsonl
-        ) as tmp:  # a kill here leaves the old file, never half of the new one
+        # a kill here leaves the old file, never half of the new one
+        with atomic_file(self.jsonl) as tmp:
             tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         self.writer = None
         if tensorboard:
@@ -159,11 +159,12 @@ class MetricsLogger:
         self.trackers = list(trackers)  # chatgen.rlhf.trackers: wandb, mlflow
         self.phases, self.num_episodes = list(phases), num_episodes
         self.bar = progress_bar(num_episodes, "episode", start_episode - 1)
+        # the live line after the count, in this order
         self.status = {
             "phase": "",
             "eval": "",
             "episode": "",
-        }  # the live line after the count, in this order
+        }
         self.episode_seconds = []  # of this process's episodes: the ETA of the plain lines
 
     def log(self, episode: int, metrics: dict) -> None:
@@ -173,9 +174,8 @@ class MetricsLogger:
             end = f.seek(0, os.SEEK_END)
             if end:
                 f.seek(end - 1)
-                if (
-                    f.read(1) != b"\n"
-                ):  # the last append was cut short (a kill, a full disk): its torn line
+                # the last append was cut short (a kill, a full disk): its torn line
+                if f.read(1) != b"\n":
                     line = b"\n" + line  # ends here, and this record starts a line of its own
             f.write(line)
         if self.writer is not None:

@@ -48,9 +48,8 @@ def model_world_size(entry) -> int:
     """Ranks a model needs (see the module docstring)."""
     if entry.backend == "megatron":
         c = entry.config
-        dp = (
-            c.data_parallel_size or c.expert_model_parallel_size
-        )  # default: one replica of a dense model's weights
+        # default: one replica of a dense model's weights
+        dp = c.data_parallel_size or c.expert_model_parallel_size
         return entry.num_gpu or c.tensor_model_parallel_size * c.pipeline_model_parallel_size * dp
     if entry.backend == "python":
         return 1

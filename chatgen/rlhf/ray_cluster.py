@@ -113,10 +113,11 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
     else:
         temp_dir = tempfile.mkdtemp(prefix="chatgen-ray-")
         saved = os.environ.get(_SINGLE_MACHINE), ray_constants.ENABLE_RAY_CLUSTER
+        # the raylet inherits it too
         os.environ[_SINGLE_MACHINE], ray_constants.ENABLE_RAY_CLUSTER = (
             "0",
             False,
-        )  # the raylet inherits it too
+        )
         try:
             # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
             # turns on the same cores, so over-subscribing the logical count is what we want).
@@ -136,9 +137,8 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
                 os.environ[_SINGLE_MACHINE] = saved[0]
         local = LocalRay(temp_dir)
         node_ip = ray.util.get_node_ip_address()
-        if (
-            node_ip != "127.0.0.1"
-        ):  # a Ray upgrade changed how the node address is picked: refuse to run exposed
+        # a Ray upgrade changed how the node address is picked: refuse to run exposed
+        if node_ip != "127.0.0.1":
             local.stop()
             raise RuntimeError(
                 f"Ray started on {node_ip}, not on loopback; this Ray version ignores "
@@ -180,11 +180,12 @@ class LocalRay:
         import sys
 
         self.dir = directory
+        # not in the terminal's process group: Ctrl-C
         self.reaper = subprocess.Popen(
             [sys.executable, "-c", self.REAPER, directory],
             stdin=subprocess.PIPE,
             start_new_session=True,
-        )  # not in the terminal's process group: Ctrl-C
+        )
 
     def stop(self) -> None:
         """Shut Ray down, then let the reaper check that nothing of the session is left."""

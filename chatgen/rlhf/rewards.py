@@ -130,9 +130,10 @@ class RewardsConfig:
         "total is the weighted sum, each term is logged as reward/<name>",
     )
 
+    # a reward model's path, like every path key: against the current directory
     def __post_init__(
         self,
-    ):  # a reward model's path, like every path key: against the current directory
+    ):
         for spec in self.terms.values() if isinstance(self.terms, dict) else ():
             if isinstance(spec, dict) and isinstance(spec.get("model"), str) and spec["model"]:
                 spec["model"] = os.path.abspath(os.path.expanduser(spec["model"]))
@@ -379,9 +380,8 @@ class Rewards(Module):
         texts = data["texts"]
         columns = {k: v for k, v in data.items() if k != "texts"}
         prompts = columns.get("prompt", columns.get("messages"))
-        if (
-            "prompts" not in columns and prompts is not None
-        ):  # TRL's name: the prompt, or the chat messages
+        # TRL's name: the prompt, or the chat messages
+        if "prompts" not in columns and prompts is not None:
             columns["prompts"] = prompts
         terms, metrics = {}, {}
         for name, term in self.terms.items():

@@ -103,10 +103,11 @@ class Run:
             self._lock.close()
             raise
         self._evaluate = evaluate or evaluate_policy
+        # what `score` measured since the last log
         self.pending_metrics, self._evaluating = (
             {},
             False,
-        )  # what `score` measured since the last log
+        )
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
         """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
@@ -148,9 +149,8 @@ class Run:
             f"{show(self.out_dir)} (config: {show(resolved)})"
         )
 
-        with (
-            startup_gc()
-        ):  # models, datasets (20k-odd token lists): built with collection paused, then frozen
+        # models, datasets (20k-odd token lists): built with collection paused, then frozen
+        with startup_gc():
             self.runtime = Runtime.start(cfg, log=self.log)
             try:
                 self.trainers = [n for n, entry in cfg.models.items() if entry.trainable]
@@ -344,6 +344,7 @@ class Run:
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
             self.runtime[name].call("save_checkpoint", str(tmp / name))
+        # what a resume compares its config with (_check_restored_keys)
         state = {
             "episode": episode,
             "sampler": sampler_state or self.data.sampler.state_dict(),
@@ -351,7 +352,7 @@ class Run:
             "rng": ckpt.rng_state(),
             "actor_rng": self.runtime.rng_states(),
             "config": to_dict(self.cfg),
-        }  # what a resume compares its config with (_check_restored_keys)
+        }
         return ckpt.commit_checkpoint(tmp, state)
 
     def _resume(self, path: Path) -> None:
@@ -407,13 +408,11 @@ class Run:
         if self.should(rt.save_episode_interval, episode):
             with timer("checkpoint"):
                 self.save(episode, sampler_state)
-        metrics.update(
-            timer.pop(), **{"time/episode": time.perf_counter() - start}
-        )  # phases + overhead
+        # phases + overhead
+        metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
-            metrics.update(
-                self.runtime[name].first("memory_stats")
-            )  # memory/*: peaks of the trainer's process
+            # memory/*: peaks of the trainer's process
+            metrics.update(self.runtime[name].first("memory_stats"))
         metrics.update(self._generation_metrics(), **self.pending_metrics)
         self.pending_metrics = {}
         self.logger.log(episode, metrics)

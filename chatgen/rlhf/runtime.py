@@ -83,15 +83,13 @@ class ModelWorker:
 
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
-        os.environ.update(
-            RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0"
-        )  # Ray: own devices
+        # Ray: own devices
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
         import torch
 
-        torch.set_num_threads(
-            num_threads
-        )  # before vLLM, which pins the thread count once it has started
+        # before vLLM, which pins the thread count once it has started
+        torch.set_num_threads(num_threads)
         self.rank, self.models, self.attached = rank, {}, {}
 
     def address(self, multi_node: bool):
@@ -104,9 +102,8 @@ class ModelWorker:
         torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
         machine), and every model of the group uses it."""
         world = int(os.environ["WORLD_SIZE"])
-        if (
-            world > 1
-        ):  # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
+        # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
+        if world > 1:
             os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))
             import torch
 
@@ -271,9 +268,8 @@ class LocalGroup:
             ) from e
 
     def setup(self, specs: list) -> None:
-        self.get(
-            [lambda: self.worker.setup("127.0.0.1", 0, specs[0])], "setup"
-        )  # one rank: no rendezvous
+        # one rank: no rendezvous
+        self.get([lambda: self.worker.setup("127.0.0.1", 0, specs[0])], "setup")
 
     def call_async(self, name: str, method: str, *args, **kwargs) -> list:
         return [lambda: self.worker.call(name, method, *args, **kwargs)]
@@ -288,10 +284,11 @@ class LocalGroup:
 
     def kill(self) -> None:
         self.worker.stop()
+        # the driver is no rank once its models are gone
         for (
             key,
             value,
-        ) in self.driver_ranks.items():  # the driver is no rank once its models are gone
+        ) in self.driver_ranks.items():
             os.environ.pop(key, None) if value is None else os.environ.update({key: value})
 
 
@@ -345,11 +342,12 @@ class Runtime:
     """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
 
     def __init__(self, groups: list, handles: dict, local_ray: "LocalRay | None"):
+        # the Ray this run started
         self.groups, self.handles, self.local_ray = (
             groups,
             handles,
             local_ray,
-        )  # the Ray this run started
+        )
 
     def __getitem__(self, name: str) -> ModelHandle:
         return self.handles[name]
@@ -406,9 +404,8 @@ class Runtime:
                 )
                 for n in plan.names:
                     handles[n] = ModelHandle(n, cfg.models[n], group)
-                    if (
-                        backend_kind(cfg.models[n].backend) == "generation"
-                    ):  # its replicas, its weight channel
+                    # its replicas, its weight channel
+                    if backend_kind(cfg.models[n].backend) == "generation":
                         handles[n] = GenerationGroup(handles[n])
                 nodes = (
                     ""
@@ -419,9 +416,8 @@ class Runtime:
                     f"[chatgen] started {'+'.join(plan.names)}: {plan.world} rank(s) x ({plan.cpus:g} CPU"
                     f"{f', {plan.gpus:g} GPU' if plan.gpus else ''}){nodes} in {time.perf_counter() - t0:.1f}s"
                 )
-            for (
-                h
-            ) in handles.values():  # data-parallel rank of each actor (None for a model without DP)
+            # data-parallel rank of each actor (None for a model without DP)
+            for h in handles.values():
                 h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
         except BaseException:
             cls(groups, handles, started).shutdown()

@@ -54,9 +54,8 @@ class Role:
     """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it may be left out,
     and the model its weights are synced into after each update."""
 
-    backend: Literal[
-        "generation", "megatron", "python"
-    ]  # generation: any generation backend (vllm, hf, ...)
+    # generation: any generation backend (vllm, hf, ...)
+    backend: Literal["generation", "megatron", "python"]
     trainable: Optional[bool] = None  # True: must be trainable; False: must be frozen; None: either
     optional: bool = False
     syncs_to: Optional[str] = None  # e.g. policy_trainer -> "policy"
@@ -213,9 +212,8 @@ class RuntimeConfig:
                 )
         gbs = self.train_global_batch_size or self.sample_per_episode
         if self.train_micro_batch_size >= 1 and gbs >= 1:
-            if (
-                gbs % self.train_micro_batch_size
-            ):  # (that an episode is whole global batches: run.check_config)
+            # (that an episode is whole global batches: run.check_config)
+            if gbs % self.train_micro_batch_size:
                 yield (
                     "train_global_batch_size",
                     (
@@ -304,9 +302,7 @@ class ChatgenConfig:
     runtime: RuntimeConfig
     models: dict[str, ModelEntry]
     path: Optional[str] = None  # the main YAML
-    overrides: list[str] = dataclasses.field(
-        default_factory=list
-    )  # command-line key=value, as given
-    files: list[str] = dataclasses.field(
-        default_factory=list
-    )  # every YAML read (main, includes, model files)
+    # command-line key=value, as given
+    overrides: list[str] = dataclasses.field(default_factory=list)
+    # every YAML read (main, includes, model files)
+    files: list[str] = dataclasses.field(default_factory=list)

@@ -66,9 +66,8 @@ class WeightLinks:
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
                 continue
-            world = (
-                1 + target.group.world_size
-            )  # the trainer's rank 0 sends, every engine rank receives
+            # the trainer's rank 0 sends, every engine rank receives
+            world = 1 + target.group.world_size
             host, port = trainer.get(
                 trainer.group.run_async(
                     _open_sender, trainer.name, target.token, world, trainer.group.multi_node
@@ -80,9 +79,8 @@ class WeightLinks:
                 + trainer.group.run_async(_connect_sender, trainer.name),
                 "connect sync",
             )
-            target.check_weight_manifest(
-                trainer.run(_manifest, trainer.name)[0]
-            )  # a wrong model fails now
+            # a wrong model fails now
+            target.check_weight_manifest(trainer.run(_manifest, trainer.name)[0])
         if self.sleeps:
             groups = [runtime[target].group for target in self.pairs.values()]
             self.offloading = [
@@ -95,9 +93,8 @@ class WeightLinks:
         """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor.
         mode: what the engine does with requests in flight (GenerationModule.load_weights)."""
         validate = self.syncs == 0
-        if (
-            self.asleep
-        ):  # weights first: the trainers keep theirs (what the sync sends) until it is done
+        # weights first: the trainers keep theirs (what the sync sends) until it is done
+        if self.asleep:
             self._offload(weights=False)
             self._call_targets("wake_up", ["weights"])
         for trainer_name, target_name in self.pairs.items():
@@ -116,9 +113,8 @@ class WeightLinks:
                     trainer.get(receiving + sending, "sync")
                 except ActorFailure as e:  # the trainer's side fails first when an engine dies
                     raise engine_death(target_name, receiving) or e
-            versions = (
-                target.weight_versions()
-            )  # every engine rank of every replica: the same update
+            # every engine rank of every replica: the same update
+            versions = target.weight_versions()
             if len(set(versions)) > 1:
                 by_replica = {r // target.tp: v for r, v in enumerate(versions)}
                 raise ActorFailure(

@@ -97,9 +97,8 @@ def build_app(
         return error_response(e.status, e.message, e.param)
 
     @app.exception_handler(VLLMClientError)
-    async def vllm_client_error(
-        request, e: VLLMClientError
-    ):  # what vLLM validates, answered with vLLM's message
+    # what vLLM validates, answered with vLLM's message
+    async def vllm_client_error(request, e: VLLMClientError):
         error = create_error_response(e)
         return JSONResponse(error.model_dump(), error.error.code)
 
@@ -112,9 +111,8 @@ def build_app(
         return error_response(e.status_code, str(e.detail))
 
     @app.exception_handler(Exception)
-    async def internal_error(
-        request, e: Exception
-    ):  # a bug, not the client's fault: say so, keep serving
+    # a bug, not the client's fault: say so, keep serving
+    async def internal_error(request, e: Exception):
         return error_response(500, f"internal error: {type(e).__name__}: {e}")
 
     guards = [Depends(api_key_dependency(api_key)), Depends(require_json)]  # in this order

@@ -69,9 +69,8 @@ class BeginRequest(BaseModel):
     )
 
 
-class WeightHeader(
-    BaseModel
-):  # chatgen.param_sync.sync_header: what the trainer sends before the data
+# chatgen.param_sync.sync_header: what the trainer sends before the data
+class WeightHeader(BaseModel):
     model_config = ConfigDict(extra="forbid")
     dtype: str
     buckets: list[list[tuple[str, list[int]]]]
@@ -80,9 +79,8 @@ class WeightHeader(
     fingerprints: dict[str, list[int]] | None = None
 
 
-class FinishRequest(
-    BaseModel
-):  # shm only: the header once the file is written, or why the trainer stopped
+# shm only: the header once the file is written, or why the trainer stopped
+class FinishRequest(BaseModel):
     header: WeightHeader | None = None
     error: str | None = None
 
@@ -144,14 +142,12 @@ class _WeightUpdates:
                 }
                 return {"transport": "shm", "path": self.shm.name(body.path)}
             if self.receiver is None or self.receiver.closed or self.receiver.port != body.port:
-                if (
-                    self.receiver is not None
-                ):  # a new client: a new group (and the old one's rendezvous closed)
+                # a new client: a new group (and the old one's rendezvous closed)
+                if self.receiver is not None:
                     self.receiver.close()
                 self.receiver = GroupReceiver.listen(self.host, timeout=self.timeout)
-            token = (
-                self.receiver.new_token()
-            )  # one-time: only the caller of this begin can send this update
+            # one-time: only the caller of this begin can send this update
+            token = self.receiver.new_token()
             result, stop = {}, threading.Event()
             thread = threading.Thread(
                 target=self._receive,
@@ -183,17 +179,14 @@ class _WeightUpdates:
             result = {}
             if pending["transport"] == "group":
                 thread, result = pending["thread"], pending["result"]
-                thread.join(
-                    STOP_WAIT_S
-                )  # the trainer's own finish comes once its send returned: done by now
-                if (
-                    thread.is_alive()
-                ):  # a finish by hand, or a trainer that gave up: stop the update
+                # the trainer's own finish comes once its send returned: done by now
+                thread.join(STOP_WAIT_S)
+                # a finish by hand, or a trainer that gave up: stop the update
+                if thread.is_alive():
                     pending["stop"].set()
                     thread.join(STOP_WAIT_S)
-                if (
-                    thread.is_alive()
-                ):  # inside one last operation of the channel, which ends at its deadline
+                # inside one last operation of the channel, which ends at its deadline
+                if thread.is_alive():
                     self.stopping = thread
                     result = {
                         "error": "the weight update was stopped; the engine keeps its old weights unless it "

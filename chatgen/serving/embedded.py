@@ -35,9 +35,8 @@ def listen(host: str, port: int) -> socket.socket:
     except socket.gaierror as e:
         raise OSError(f"--host {host}: not an address of this machine ({e.strerror})") from None
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(
-        socket.SOL_SOCKET, socket.SO_REUSEADDR, 1
-    )  # a restart while old connections linger
+    # a restart while old connections linger
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
         sock.listen(2048)

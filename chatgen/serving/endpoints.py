@@ -39,9 +39,10 @@ class OpenAIServer(ResponseBuilder):
         if module.health_problem:
             raise APIError(503, module.health_problem)
         params = job.params[0] if len(job.params) == 1 else job.params
+        # closed: aborts
         async with contextlib.aclosing(
             module.stream(job.prompts, params, deltas=stream)
-        ) as outputs:  # closed: aborts
+        ) as outputs:
             async for i, output in outputs:
                 yield i, output
 
@@ -221,9 +222,8 @@ class OpenAIServer(ResponseBuilder):
         from vllm.entrypoints.serve.utils.api_utils import should_include_usage
 
         req, n = job.req, job.params[0].n
-        echo_only = (
-            req.echo and req.max_tokens == 0
-        )  # the prompt alone (vLLM samples one token, returns none)
+        # the prompt alone (vLLM samples one token, returns none)
+        echo_only = req.echo and req.max_tokens == 0
 
         def logprobs_of(token_ids, steps, text_offset=0):
             if req.logprobs is None:
@@ -274,9 +274,8 @@ class OpenAIServer(ResponseBuilder):
                                 continue  # a chunked prefill step: nothing to say yet
                         generated[k] += len(sample.token_ids)
                         logprobs = logprobs_of(token_ids, logprob_steps or [], offsets[k])
-                        if (
-                            logprobs is not None and logprobs.tokens
-                        ):  # by the tokens, not the text (stop strings)
+                        # by the tokens, not the text (stop strings)
+                        if logprobs is not None and logprobs.tokens:
                             offsets[k] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
                         yield sse_event(
                             CompletionStreamResponse(

@@ -14,9 +14,8 @@ import socket
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-DEFAULT_MAX_REQUEST_BYTES = (
-    16 << 20
-)  # a 128k-token prompt is ~1 MB of text; a batch of token-id prompts ~7 B/id
+# a 128k-token prompt is ~1 MB of text; a batch of token-id prompts ~7 B/id
+DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
 class APIError(Exception):

@@ -126,9 +126,8 @@ class RequestReader:
             "min_p": cfg.min_p,
         }
         self.limits = ModelLimits(cfg.seq_length)
-        self.tokenizer = (
-            module.tokenizer
-        )  # decoding (shared with the engine: decoding never changes it)
+        # decoding (shared with the engine: decoding never changes it)
+        self.tokenizer = module.tokenizer
         # Encoding with vLLM's truncation settings changes the tokenizer's state (HF's set_truncation_and_padding),
         # which would fail ("Already borrowed") while another thread encodes with it: the server encodes with its
         # own copy, on its own single thread (which also keeps tokenizing off the event loop).
@@ -217,9 +216,8 @@ class RequestReader:
                         "text-only model)",
                         "messages",
                     )
-                content = "\n".join(
-                    part["text"] for part in parts
-                )  # vLLM's "string" content format
+                # vLLM's "string" content format
+                content = "\n".join(part["text"] for part in parts)
             plain.append(
                 {
                     **{
@@ -285,9 +283,8 @@ class RequestReader:
                 "required_prefix_token_ids",
             )
         eos = self.tokenizer.eos_token_id
-        if (
-            req.continue_final_message and last == len(messages) - 1
-        ):  # continue exactly the ids of that answer
+        # continue exactly the ids of that answer
+        if req.continue_final_message and last == len(messages) - 1:
             return self.check_ids(prefix[:-1] if prefix[-1] == eos else prefix, tok_params)
         history = self.encoder.encode(
             self.render(

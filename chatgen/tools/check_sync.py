@@ -163,9 +163,8 @@ def check_sync(args) -> dict:
     spec = models.spec_from_hf_config(
         json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
     )
-    layout.check_layout(
-        spec, args.train_tp, args.train_pp, args.train_ep
-    )  # here, once: not in every rank's traceback
+    # here, once: not in every rank's traceback
+    layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)
     prompts = read_prompts(args.input, spec.vocab_size)
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
@@ -256,9 +255,10 @@ def check_sync(args) -> dict:
     if mode == "cross-process":
         result["trainer_start_seconds"] = waited  # the engine's wait for the trainer ranks
     if experts:
+        # NaN fails
         worst_expert = (
             float("nan") if any(d != d for d in experts.values()) else max(experts.values())
-        )  # NaN fails
+        )
         result.update(expert_weight_max_abs_diff=experts, max_abs_expert_weight_diff=worst_expert)
     return result
 

@@ -49,9 +49,8 @@ class Checkpoints:
         stepped = self.iteration > 0
         self.onload()
         dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
-        if (
-            self.config.lora.rank
-        ):  # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
+        # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
+        if self.config.lora.rank:
             lora_peft.export_peft(self, tmp / CHECKPOINT_DIR)
         if dist.get_rank() == 0:
             write_megatron_meta(
@@ -111,9 +110,8 @@ class Checkpoints:
                     f"{path}: checkpoint has TP, PP = {have} but this run uses {(self.tp, self.pp)}; "
                     f"reshard it: chatgen convert --to hf --input {path} --output HF_DIR"
                 )
-            if meta.get(
-                "optimizer"
-            ):  # written by chatgen before megatron's optimizer: plain AdamW's state
+            # written by chatgen before megatron's optimizer: plain AdamW's state
+            if meta.get("optimizer"):
                 raise ValueError(
                     f"{path}: its optimizer state (optim_tp*_pp*.pt) is the format of an older chatgen, "
                     "which this trainer cannot continue; start from its weights: chatgen convert --to hf "
@@ -151,9 +149,8 @@ class Checkpoints:
         model = self.model.sharded_state_dict()
         state = {"model": model}
         if optimizer:
-            if (
-                loading
-            ):  # megatron asks the optimizer for its state dict first: AdamW's state must exist
+            # megatron asks the optimizer for its state dict first: AdamW's state must exist
+            if loading:
                 for chained in self.optimizer.chained_optimizers:
                     chained._init_optimizer_states_with_dummy_values()  # megatron's way; overwritten by the load
             state["optimizer"] = self.optimizer.sharded_state_dict(
@@ -203,9 +200,8 @@ class Checkpoints:
                     f"{tuple(dst.shape)} (TP={self.tp}, PP={self.pp})"
                 )
             dst.copy_(src)
-        if (
-            self.optimizer is not None
-        ):  # the optimizer steps fp32 main weights: they follow the loaded ones
+        # the optimizer steps fp32 main weights: they follow the loaded ones
+        if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
 

@@ -29,6 +29,5 @@ class CriticModule(MegatronModule):
         if self.tp == 1:
             return local
         local = local if self.tp_rank == owner else torch.zeros_like(local)
-        return tensor_parallel.reduce_from_tensor_model_parallel_region(
-            local
-        )  # the owner's values, every rank
+        # the owner's values, every rank
+        return tensor_parallel.reduce_from_tensor_model_parallel_region(local)

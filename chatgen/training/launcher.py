@@ -87,9 +87,8 @@ class DistributedJob:
     def _raise_if_a_rank_died(self) -> None:
         """A rank that exited without a result (killed by the OS, os._exit): stop the others and say which."""
         dead = [r for r, p in enumerate(self._procs) if r not in self._done and not p.is_alive()]
-        if (
-            dead and self._results.empty()
-        ):  # a rank's result is in the queue before its process ends
+        # a rank's result is in the queue before its process ends
+        if dead and self._results.empty():
             self.stop()
             code = self._procs[dead[0]].exitcode
             why = (
@@ -123,9 +122,8 @@ class DistributedJob:
                     )
                 out[rank] = value
         finally:
-            self.stop(
-                grace=60 if len(out) == self.world_size else 0.1
-            )  # let finished ranks clean up (vLLM shm)
+            # let finished ranks clean up (vLLM shm)
+            self.stop(grace=60 if len(out) == self.world_size else 0.1)
         return [out[r] for r in range(self.world_size)]
 
     def stop(self, grace: float = 0.1) -> None:

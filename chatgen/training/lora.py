@@ -176,9 +176,8 @@ class LoRAAdapter(torch.nn.Module):
         ]
         if self.kind == "gate_up":  # TP rank r holds [gate_r; up_r]
             return torch.cat(pieces, dim=-1)
-        groups = (
-            module.config.num_query_groups // self.tp
-        )  # qkv: [q_g, k_g, v_g] per local query group
+        # qkv: [q_g, k_g, v_g] per local query group
+        groups = module.config.num_query_groups // self.tp
         return torch.cat([p.reshape(*lead, groups, -1) for p in pieces], dim=-1).reshape(*lead, -1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
@@ -225,9 +224,8 @@ def attach(trainer) -> dict:
         for path, group in by_module.items():
             parent_path, _, leaf = path.rpartition(".")
             parent, linear = layer.get_submodule(parent_path), layer.get_submodule(path)
-            if (
-                "LayerNorm" in type(linear).__name__
-            ):  # Transformer Engine's norm fused into the linear
+            # Transformer Engine's norm fused into the linear
+            if "LayerNorm" in type(linear).__name__:
                 raise ConfigError(
                     [
                         f"lora.target_modules: {[t.name for t in group]} sit in {type(linear).__name__}, "

@@ -61,9 +61,8 @@ class MergedWeights:
 
     def _merged(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         if self._adapters is None:
-            self._adapters = full_adapters(
-                self._trainer
-            )  # collective: the first bucket, on every rank
+            # collective: the first bucket, on every rank
+            self._adapters = full_adapters(self._trainer)
         pair = self._adapters.get(name)
         if pair is None:
             return tensor
@@ -71,9 +70,8 @@ class MergedWeights:
         return (tensor.float() + scale_of(self._trainer) * (b @ a)).to(tensor.dtype)
 
     def buckets(self):
-        self._adapters = full_adapters(
-            self._trainer
-        )  # the adapters as they are now, for this stream
+        # the adapters as they are now, for this stream
+        self._adapters = full_adapters(self._trainer)
         for bucket in self._base.buckets():
             yield [(name, self._merged(name, t)) for name, t in bucket]
 

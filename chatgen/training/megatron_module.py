@@ -52,12 +52,13 @@ from chatgen.training.packing_hooks import PackingHooks
 from chatgen.training.schedule import Schedule, split_batch
 from chatgen.training.token_scoring import TokenScoring
 
+# RoutingReplay: re-exported from moe_routing
 __all__ = [
     "MegatronModule",
     "RoutingReplay",
     "init_distributed",
     "release_parallel_state",
-]  # RoutingReplay: re-exported from moe_routing
+]
 
 
 def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> None:
@@ -71,9 +72,8 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if (
-            "RANK" in os.environ and "MASTER_PORT" in os.environ
-        ):  # launched: env:// semantics, loopback-safe
+        # launched: env:// semantics, loopback-safe
+        if "RANK" in os.environ and "MASTER_PORT" in os.environ:
             env = os.environ
             init_process_group(
                 backend,
@@ -139,9 +139,8 @@ def release_parallel_state() -> None:
 def _groups_alive(ps) -> bool:
     """Whether megatron's parallel groups still belong to the current torch.distributed world."""
     try:
-        dist.get_rank(
-            group=ps.get_model_parallel_group()
-        )  # checks the group is registered in this world
+        # checks the group is registered in this world
+        dist.get_rank(group=ps.get_model_parallel_group())
         return True
     except (
         ValueError,
@@ -223,9 +222,8 @@ class MegatronModule(
                 f"{self.name}: seq_length={cfg.seq_length} is longer than the model's "
                 f"max_position_embeddings={max_positions}; lower it (or null)"
             )
-        self.seq_length = (
-            cfg.seq_length or max_positions
-        )  # longest batch forward_tokens / train_step accept
+        # longest batch forward_tokens / train_step accept
+        self.seq_length = cfg.seq_length or max_positions
         self.dtype = getattr(torch, cfg.dtype)
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
 
@@ -241,16 +239,14 @@ class MegatronModule(
             )
         if torch.cuda.is_available():
             self.model.cuda()
-        if (
-            cfg.lora.rank
-        ):  # adapters on the frozen base: before DDP and the optimizer see the parameters
+        # adapters on the frozen base: before DDP and the optimizer see the parameters
+        if cfg.lora.rank:
             self.lora_stats = lora.attach(self)
         self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
 
-        self._routers = [
-            m for m in self.model.modules() if isinstance(m, TopKRouter)
-        ]  # this stage's, layer order
+        # this stage's, layer order
+        self._routers = [m for m in self.model.modules() if isinstance(m, TopKRouter)]
         self._expert_tokens = (
             None  # (E,) tokens routed to each expert by this train_step's forwards (this stage)
         )
@@ -283,12 +279,10 @@ class MegatronModule(
             )
             self._packs = bool(flag.item())
         self._build_optimizer()
-        self.load_checkpoint(
-            cfg.load
-        )  # after the optimizer: a chatgen checkpoint restores its state and LR step
-        if (
-            cfg.lora.from_peft and read_megatron_meta(cfg.load) is None
-        ):  # a checkpoint holds its own adapter
+        # after the optimizer: a chatgen checkpoint restores its state and LR step
+        self.load_checkpoint(cfg.load)
+        # a checkpoint holds its own adapter
+        if cfg.lora.from_peft and read_megatron_meta(cfg.load) is None:
             lora_peft.load_peft(self, cfg.lora.from_peft)
 
     def shutdown(self) -> None:
@@ -300,9 +294,8 @@ class MegatronModule(
             # through C++, out of the collector's sight: emptied, it lets the model and its groups go
             self.ddp.__dict__.clear()
         self.model = self.ddp = self.optimizer = None
-        self.__dict__.pop(
-            "_param_cache", None
-        )  # (model, its parameters by name): would keep the model alive
+        # (model, its parameters by name): would keep the model alive
+        self.__dict__.pop("_param_cache", None)
         gc.unfreeze()  # what start() froze (chatgen.module.startup_gc) is collectable again: the model's cycles too
         release_parallel_state()
         if dist.is_initialized():
@@ -419,20 +412,17 @@ class MegatronModule(
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        metrics = self.run_schedule(
-            micro_batches, loss_fn, forward_only=False
-        )  # grads reduced over DP, PP, TP
+        # grads reduced over DP, PP, TP
+        metrics = self.run_schedule(micro_batches, loss_fn, forward_only=False)
         if self.spec.is_moe:
             metrics.update(self._moe_metrics(len(micro_batches)))
         lr = self.config.lr * self._lr_factor(self.iteration)
         with cpu_compat.cuda_type_names():
-            found_inf = (
-                self.optimizer.prepare_grads()
-            )  # grads -> the fp32 main grads (fp16: unscaled, inf checked)
+            # grads -> the fp32 main grads (fp16: unscaled, inf checked)
+            found_inf = self.optimizer.prepare_grads()
             grad_norm = math.inf if found_inf else self.optimizer.get_grad_norm()
-            if not math.isfinite(
-                grad_norm
-            ):  # a NaN/inf grad would poison the weights, and vLLM after the sync
+            # a NaN/inf grad would poison the weights, and vLLM after the sync
+            if not math.isfinite(grad_norm):
                 self.skipped_steps += 1
                 metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=1.0)
                 return metrics

@@ -83,9 +83,8 @@ class MemoryHandoff:
             self._move_optimizer(to_host=True)
             moved.add("optimizer")
         if params and cfg.offload_params and "params" not in moved:
-            for buffer in _all_buffers(
-                self.ddp
-            ):  # the weights are views of these buffers (pinned copies)
+            # the weights are views of these buffers (pinned copies)
+            for buffer in _all_buffers(self.ddp):
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             moved.add("params")
         torch.cuda.synchronize()
@@ -145,10 +144,11 @@ class MemoryHandoff:
                 "memory/host_peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                 / 2**20
             }
+        # (the phase still running)
         peaks, now = (
             self._memory_peaks,
             "offloaded" if self._offloaded else "trainer",
-        )  # (the phase still running)
+        )
         peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
         self._memory_peaks = {}

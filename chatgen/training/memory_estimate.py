@@ -110,9 +110,8 @@ def trainer_memory(
     """{weights, gradients, optimizer, activations, logits, total}: bytes on the busiest GPU of a training step."""
     layers = -(-shape.layers // pp) * shape.layer_params()
     embedding = shape.vocab * shape.hidden
-    stage = layers + embedding * (
-        1 if pp > 1 or shape.tied else 2
-    )  # first stage; the last is no bigger
+    # first stage; the last is no bigger
+    stage = layers + embedding * (1 if pp > 1 or shape.tied else 2)
     params = stage / tp
     grad = BYTES[grad_reduce_dtype or "float32"]
     optimizer = (8 + (4 if dtype != "float32" else 0)) * params / dp

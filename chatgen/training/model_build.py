@@ -18,9 +18,8 @@ def recompute_kwargs(mode: str) -> dict:
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
         )
-    if (
-        mode == "selective"
-    ):  # megatron's default modules: the core attention (scores, softmax, dropout)
+    # megatron's default modules: the core attention (scores, softmax, dropout)
+    if mode == "selective":
         return dict(recompute_granularity="selective")
     return {}
 
@@ -63,9 +62,8 @@ class ModelBuild:
             self.model,
         )
         tconfig.finalize_model_grads_func = finalize_model_grads
-        if (
-            cfg.overlap_grad_reduce
-        ):  # the schedule holds the reduce back until the last micro-batch's backward
+        # the schedule holds the reduce back until the last micro-batch's backward
+        if cfg.overlap_grad_reduce:
             tconfig.no_sync_func = self.ddp.no_sync
         # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
         # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
@@ -92,9 +90,8 @@ class ModelBuild:
                 [self.ddp],
                 config_overrides={fp32: {"wd_mult": 1.0}} if low_precision else {},
             )
-        if (
-            self.dtype == torch.float16
-        ):  # the loss is scaled by the optimizer's (dynamic) loss scale
+        # the loss is scaled by the optimizer's (dynamic) loss scale
+        if self.dtype == torch.float16:
             tconfig.grad_scale_func = self.optimizer.scale_loss
 
     def _layer_spec(self, tconfig):
@@ -117,9 +114,8 @@ class ModelBuild:
             normalization="RMSNorm",
             qk_layernorm=tconfig.qk_layernorm,
         )
-        if (
-            tconfig.sequence_parallel
-        ):  # torch's norms, marked for megatron's TP reduction of their grads
+        # torch's norms, marked for megatron's TP reduction of their grads
+        if tconfig.sequence_parallel:
             from chatgen.training.sequence_parallel import with_sequence_parallel_norms
 
             return with_sequence_parallel_norms(spec, tconfig, self.pp_rank)

@@ -31,9 +31,8 @@ class MoERouting:
                 f"{(*shape, self.spec.num_layers, k)} (samples, tokens, layers, experts per token)"
             )
         layers = layout.stage_layers(self.spec, self.pp, self.pp_rank)
-        routed = routed[:, :, layers.start : layers.stop].transpose(
-            0, 1
-        )  # (T, b, layers, k): megatron's token order
+        # (T, b, layers, k): megatron's token order
+        routed = routed[:, :, layers.start : layers.stop].transpose(0, 1)
         for j, router in enumerate(self._routers):
             router.router_replay.target = routed[:, :, j].reshape(-1, k)
 

@@ -29,15 +29,12 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (P, S) long; padding 0
     position_ids: torch.Tensor  # (P, S) each token's position in its own unpacked row
-    segments: (
-        torch.Tensor
-    )  # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
-    attention_mask: (
-        torch.Tensor
-    )  # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
-    logit_positions: (
-        torch.Tensor
-    )  # (P, K + 1) packed positions whose logits are needed; the last column a dummy
+    # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
+    segments: torch.Tensor
+    # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
+    attention_mask: torch.Tensor
+    # (P, K + 1) packed positions whose logits are needed; the last column a dummy
+    logit_positions: torch.Tensor
     labels: torch.Tensor  # (P, K + 1): column k + 1 is the token predicted at logit_positions[:, k]
     index: tuple  # (rows, entries) in (b, T-1) <- (packed rows, outputs) in (P, K)
     shape: tuple  # (b, T-1)

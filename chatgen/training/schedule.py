@@ -42,37 +42,32 @@ class Schedule:
             if self._packs and not forward_only
             else [None] * len(micro_batches)
         )
-        if (
-            plans[0] is not None
-        ):  # the pipeline schedule exchanges (T, b, H) activations of the packed shape
+        # the pipeline schedule exchanges (T, b, H) activations of the packed shape
+        if plans[0] is not None:
             b, t = plans[0].input_ids.shape
         collected = []
 
         def forward_step_func(data_iterator, model):
             mb, plan = next(data_iterator)
-            if (
-                plan is not None
-            ):  # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
+            # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
+            if plan is not None:
                 self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
-                moe = (
-                    {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}
-                )  # no pad in the router's figures
+                # no pad in the router's figures
+                moe = {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}
                 try:
                     logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
                 finally:  # a later plain call of the model computes every position at 0..T-1
                     self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
                     return logits, None
-                logprobs = plan.unpack(
-                    self.token_outputs(logits, plan.labels)
-                )  # (b, T-1), 0 where unread
+                # (b, T-1), 0 where unread
+                logprobs = plan.unpack(self.token_outputs(logits, plan.labels))
                 return logprobs, loss_func_for(mb)
             ids = mb["input_ids"]
             position_ids, mask = positions_and_mask(ids, mb.get("attention_mask"))
             moe = {}
-            if (
-                self.spec.is_moe and mb.get("attention_mask") is not None
-            ):  # no pad in the router's figures
+            # no pad in the router's figures
+            if self.spec.is_moe and mb.get("attention_mask") is not None:
                 moe["padding_mask"] = ~mb["attention_mask"].bool()
             if self.config.moe_routing_replay:
                 self._replay_routing(mb.get("routed_experts"), ids.shape)
@@ -90,13 +85,11 @@ class Schedule:
                 self._logits_from = 0
             if not self.is_last_stage:
                 return logits, None
-            logprobs = self.token_outputs(
-                logits, ids[:, first:]
-            )  # (b, T-1-first): as if the rows began there
+            # (b, T-1-first): as if the rows began there
+            logprobs = self.token_outputs(logits, ids[:, first:])
             if first:
-                logprobs = torch.nn.functional.pad(
-                    logprobs, (first, 0)
-                )  # (b, T-1), 0 where no loss reads
+                # (b, T-1), 0 where no loss reads
+                logprobs = torch.nn.functional.pad(logprobs, (first, 0))
             return logprobs, loss_func_for(mb)
 
         def loss_func_for(mb):

@@ -188,10 +188,11 @@ def test_engine_sleep_frees_its_memory_and_wake_up_restores_it(tiny_llama_dir):
         free_awake, _ = torch.cuda.mem_get_info()
         llm.sleep(level=1)
         free_asleep, _ = torch.cuda.mem_get_info()
+        # the KV cache at least
         assert free_asleep - free_awake > 0.8 * (256 << 20), (
             free_awake,
             free_asleep,
-        )  # the KV cache at least
+        )
         llm.wake_up()
         assert generate(llm) == before
     finally:
@@ -220,9 +221,8 @@ def test_trainer_offload_and_onload_round_trip(tiny_llama_dir):
         param_bytes,
         state_bytes,
     )
-    assert all(
-        torch.equal(module.hf_state_dict()[k], w) for k, w in weights.items()
-    )  # weights came back for it
+    # weights came back for it
+    assert all(torch.equal(module.hf_state_dict()[k], w) for k, w in weights.items())
     assert module._offloaded == ("grads", "optimizer")
     module.onload()
     assert not module._offloaded
@@ -263,9 +263,8 @@ def test_distributed_checkpoint_resumes_exactly_on_gpu(tiny_llama_dir, tmp_path)
     assert resumed.iteration == 2
     assert all(torch.equal(resumed.hf_state_dict()[k], w) for k, w in weights.items())
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(resumed), state, strict=True))
-    assert resumed.train_step({"input_ids": ids()}, nll)["lr"] == pytest.approx(
-        3e-5
-    )  # warm-up step 3 of 10
+    # warm-up step 3 of 10
+    assert resumed.train_step({"input_ids": ids()}, nll)["lr"] == pytest.approx(3e-5)
 
 
 def test_memory_stats_report_the_phases_on_gpu(tiny_llama_dir):
@@ -275,9 +274,8 @@ def test_memory_stats_report_the_phases_on_gpu(tiny_llama_dir):
     module.memory_stats()
     module.train_step({"input_ids": ids()}, nll)
     module.offload()
-    held = torch.empty(
-        64 << 20, dtype=torch.uint8, device="cuda"
-    )  # 64 MiB "engine" while the trainer is out
+    # 64 MiB "engine" while the trainer is out
+    held = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     del held
     module.onload()
     stats = module.memory_stats()
@@ -360,9 +358,8 @@ def _check_gpu_run(out, metrics):
         assert all(v == v for v in r.values() if isinstance(v, float))  # no NaN
         assert r["memory/trainer_peak_gib"] > 0 and r["memory/device_used_gib"] > 0
         assert r["memory/offloaded_peak_gib"] >= 0  # present: the trainer handed the GPU over
-        assert (
-            r["mismatch/logprob_mean_abs"] < 0.1
-        )  # bf16 engine vs bf16 trainer on the sampled tokens
+        # bf16 engine vs bf16 trainer on the sampled tokens
+        assert r["mismatch/logprob_mean_abs"] < 0.1
     assert (
         out / "checkpoints" / "episode_000002" / "policy_trainer" / "chatgen_megatron.json"
     ).exists()
@@ -477,9 +474,8 @@ def _colocated_tp2(model_dir):
     from chatgen.param_sync import sync_weights
 
     module = trainer(model_dir, dtype="bfloat16", tensor_model_parallel_size=2)
-    llm = engine(
-        model_dir, dtype="bfloat16", tensor_parallel_size=2
-    )  # WORLD_SIZE=2: external_launcher
+    # WORLD_SIZE=2: external_launcher
+    llm = engine(model_dir, dtype="bfloat16", tensor_parallel_size=2)
     try:
         before = diff_vs_trainer(module, generate(llm))
         tensors = sync_weights(module, llm, validate=True).tensors

@@ -63,24 +63,25 @@ def test_chatlearn_style_module_runs_unchanged(chain_env):
     module = Recorded(str(STYLE / "sampler.yaml"), config_dialect="chatlearn").start()
     try:
         args = module.model_args
+        # user keys
         assert (args["samples_per_prompt"], args["shuffle_mode"], args["kl_target"]) == (
             3,
             1,
             0.05,
-        )  # user keys
+        )
+        # typed keys, same mapping
         assert (args["seq_length"], args["max_new_tokens"], args["n"]) == (
             128,
             8,
             2,
-        )  # typed keys, same mapping
+        )
         with pytest.raises(TypeError):
             args["n"] = 4  # read-only: the config is the one place to change it
         assert module.tokenizer.tokenizer.eos_token_id == module.tokenizer.eos_token_id
 
         items = module.prepare_dataset(PROMPTS)
-        assert len(items) == 3 * len(
-            PROMPTS
-        )  # build_dataset repeated each prompt samples_per_prompt times
+        # build_dataset repeated each prompt samples_per_prompt times
+        assert len(items) == 3 * len(PROMPTS)
         out = module.run_generation(items)
         samples = 3 * len(PROMPTS) * 2  # x n
         assert out["all_tokens"].shape == (samples, 128) and out["logprobs"].shape == (samples, 127)
@@ -91,11 +92,12 @@ def test_chatlearn_style_module_runs_unchanged(chain_env):
         assert out["logprobs"][out["loss_mask"][:, 1:].bool()].lt(0).float().mean() > 0.9
 
         train_calls = list(module.calls)
+        # the dataset's collate_fn made the batch
         assert train_calls[0] == (
             "_add_request",
             "defaultdict",
             False,
-        )  # the dataset's collate_fn made the batch
+        )
         steps = [c[1] for c in train_calls[1:]]
         assert [c[0] for c in train_calls[1:]] == ["forward_step"] * len(steps) and steps == list(
             range(len(steps))
@@ -108,9 +110,8 @@ def test_chatlearn_style_module_runs_unchanged(chain_env):
         assert evaluation["all_tokens"].shape[0] == len(PROMPTS) * 2  # eval: no repetition
         assert module.calls[0] == ("_add_request", "defaultdict", True)
         eval_steps = module.calls[1:]
-        assert eval_steps and all(
-            name == "eval_forward" for name, _ in eval_steps
-        )  # eval steps: eval_forward
+        # eval steps: eval_forward
+        assert eval_steps and all(name == "eval_forward" for name, _ in eval_steps)
         # iteration counts over the module's life, as ChatLearn's does: the eval call continues the count
         assert [i for _, i in eval_steps] == list(range(len(steps), len(steps) + len(eval_steps)))
     finally:
@@ -145,9 +146,8 @@ def test_chatgen_generate_runs_a_users_module_with_a_chatlearn_yaml(
     )
     assert rc == 0, capsys.readouterr().err
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert (
-        len(rows) == 3 * len(PROMPTS) * 2
-    )  # the module's own decode_internal: one line per sample
+    # the module's own decode_internal: one line per sample
+    assert len(rows) == 3 * len(PROMPTS) * 2
     assert {"all_tokens", "str_outputs", "logprobs", "loss_mask"} <= set(rows[0])
     assert len(rows[0]["all_tokens"]) == 128 and all(
         isinstance(r["str_outputs"], str) for r in rows
@@ -206,6 +206,5 @@ def test_vllm_starts_from_a_megatron_checkpoint(tiny_llama_dir, tmp_path):
     assert tok_hf and tok_mg  # the checkpoint's tokenizer files came along
     assert torch.equal(ids_hf, ids_mg)
     assert (lp_hf - lp_mg).abs().max() < 1e-5
-    assert (
-        engine_dir is not None and not Path(engine_dir).exists()
-    )  # the temporary HF view is removed
+    # the temporary HF view is removed
+    assert engine_dir is not None and not Path(engine_dir).exists()

@@ -87,14 +87,12 @@ def test_grpo_on_parquet_and_arrow_with_pass_at_k_greedy_and_mlflow(
     }
     assert sorted(metrics) == [0, 1]
     for m in metrics.values():
-        assert m["eval/pass@1"] == pytest.approx(
-            m["eval/solved"]
-        )  # the estimator at k=1 is the solved share
+        # the estimator at k=1 is the solved share
+        assert m["eval/pass@1"] == pytest.approx(m["eval/solved"])
         assert m["eval/pass@1"] <= m["eval/pass@2"] <= m["eval/pass@4"] <= 1
         assert m["eval/mean@4"] == pytest.approx(m["eval/reward"])
-        assert {"eval/greedy/reward", "eval/greedy/solved"} < set(
-            m
-        )  # one greedy response per prompt: no @k
+        # one greedy response per prompt: no @k
+        assert {"eval/greedy/reward", "eval/greedy/solved"} < set(m)
         assert not [k for k in m if k.startswith("eval/greedy/") and "@" in k]
     assert 0 < metrics[1]["eval/pass@4"]  # 24 coin flips: not all tails
     client = MlflowClient(tracking_uri=(out / "mlruns").resolve().as_uri())
@@ -131,9 +129,8 @@ def test_chat_records_render_with_the_tokenizers_chat_template(chat_model_dir, t
         and items[0]["input_ids"] == list(want)
         and items[0]["prompt"].endswith("<|im_start|>assistant\n")
     )
-    assert (
-        items[1]["input_ids"] == tokenizer("sort: 3 1 2 =")["input_ids"]
-    )  # a text prompt as before
+    # a text prompt as before
+    assert items[1]["input_ids"] == tokenizer("sort: 3 1 2 =")["input_ids"]
     plain = HFGeneration(
         {
             "load": str(tiny_llama_dir),

@@ -36,10 +36,11 @@ def test_transformers_vllm_megatron_ray_import_together():
         r.split(";")[0].strip() for r in metadata.requires(vllm_dist) if r.startswith("torch==")
     ]
     torch_version = proc.stdout.split()[0]
+    # first: x86-64
     assert pins and torch_version == pins[0].removeprefix("torch=="), (
         torch_version,
         pins,
-    )  # first: x86-64
+    )
 
 
 def test_torchvision_trap_packages_absent():

@@ -77,9 +77,8 @@ def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(si
     stderr = log.read_text()
     _, alive = psutil.wait_procs(ray_processes, timeout=20)
     assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
-    assert (
-        time.monotonic() - start < 45
-    )  # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
+    # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
+    assert time.monotonic() - start < 45
     for _ in range(20):  # the reaper removes the session directory after the last kill
         if not session.exists():
             break
@@ -194,9 +193,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, t
     """It used to abort the process (SIGABRT, `index out of bounds` in the embedding) at the first prompt."""
     from chatgen.cli import main
 
-    model = resized_vocab(
-        tiny_llama_dir, tmp_path / "small-vocab", 256
-    )  # the tokenizer has 512 tokens
+    # the tokenizer has 512 tokens
+    model = resized_vocab(tiny_llama_dir, tmp_path / "small-vocab", 256)
     prompts = tmp_path / "in.jsonl"
     prompts.write_text('{"prompt": "9 1 4"}\n')
     rc = main(
@@ -216,9 +214,8 @@ def test_a_tokenizer_larger_than_the_model_is_refused_at_setup(tiny_llama_dir, t
     )
     err = capsys.readouterr().err
     assert rc == 2 and f"has 512 tokens, the model {model}/config.json has vocab_size=256" in err
-    prompts.write_text(
-        '{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n'
-    )  # token ids: checked per input line
+    # token ids: checked per input line
+    prompts.write_text('{"prompt_ids": [1, 2]}\n{"prompt_ids": [1, 300]}\n')
     rc = main(
         [
             "generate",
@@ -296,9 +293,8 @@ def test_a_failed_sync_keeps_old_weights_or_refuses_to_generate(
         "output_ids"
     ].equal(before)
 
-    real = (
-        source.LocalWeights.reference
-    )  # validation sees the first bucket differ from its independent read
+    # validation sees the first bucket differ from its independent read
+    real = source.LocalWeights.reference
     monkeypatch.setattr(
         source.LocalWeights, "reference", lambda self, i: [t + 1 for t in real(self, i)]
     )

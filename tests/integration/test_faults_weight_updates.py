@@ -165,9 +165,8 @@ def test_a_process_without_the_token_cannot_write_weights(server, tiny_llama_dir
         stranger.kill()
     assert "result" not in stranger.communicate()[0]
     assert version(server) == v and remote.generate(PROMPTS, greedy=True) == before
-    model = hf_model(
-        tiny_llama_dir, 3
-    )  # the trainer, with the key and its begin's token, still can
+    # the trainer, with the key and its begin's token, still can
+    model = hf_model(tiny_llama_dir, 3)
     assert remote.sync_weights(model).tensors == 21 and version(server) == v + 1
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
 
@@ -222,9 +221,8 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
         stderr=subprocess.DEVNULL,
     )
     try:
-        time.sleep(
-            10
-        )  # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
+        # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
+        time.sleep(10)
         finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     finally:
         trainer.kill()
@@ -233,9 +231,8 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
         and "waited 3 s for bucket 2 of 2" in finish.json()["error"]["message"]
     )
     remote = client(server, tiny_llama_dir, "group")
-    with pytest.raises(
-        RuntimeError, match="HTTP 503: .*needs a re-sync"
-    ):  # said honestly: half the weights
+    # said honestly: half the weights
+    with pytest.raises(RuntimeError, match="HTTP 503: .*needs a re-sync"):
         remote.generate(PROMPTS, greedy=True)
     model = hf_model(tiny_llama_dir, 4)
     remote.sync_weights(model)  # accepted: nothing is locked
@@ -269,9 +266,8 @@ def test_the_server_checks_finiteness_itself_and_serves_no_nan_after_a_good_sync
     ):
         remote.sync_weights(LiesAboutNaN(model))
     assert version(server) == v
-    if (
-        transport == "shm"
-    ):  # the whole file is checked before the engine reads it: the old weights serve on
+    # the whole file is checked before the engine reads it: the old weights serve on
+    if transport == "shm":
         assert remote.generate(PROMPTS, greedy=True) == before
     model = hf_model(tiny_llama_dir, 6)
     remote.sync_weights(model)

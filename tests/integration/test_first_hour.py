@@ -110,19 +110,16 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
     before_summary, _, summary = out.partition("[chatgen] grpo: 2 episodes done")
     screen = before_summary.split("\n")  # each live line is one of these, redrawn in place with \r
     assert len(screen) < SCREEN, out
-    assert re.search(
-        r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary
-    )  # the warm start's live line
+    # the warm start's live line
+    assert re.search(r"\rsft step \|.*\| 10/10, loss [\d.]+ \[", before_summary)
     assert re.search(
         r"\repisode \|█+\| 2/2, eval/reward [\d.]+ · [\d.]+ s/episode \[", before_summary
     )
-    assert (
-        "resolved_config.yaml" in before_summary and "runtime:" not in out
-    )  # the config: a path, not printed
+    # the config: a path, not printed
+    assert "resolved_config.yaml" in before_summary and "runtime:" not in out
     rows = [line.split() for line in summary.splitlines()[2:5]]
-    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][
-        2
-    ] == "-"  # before training: no train reward
+    # before training: no train reward
+    assert [row[0] for row in rows] == ["0", "1", "2"] and rows[0][2] == "-"
     runs = list((project / "outputs" / "grpo_tiny").iterdir())
     assert (
         len(runs) == 1
@@ -130,9 +127,8 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
     )
     records = [json.loads(line) for line in (runs[0] / "metrics.jsonl").read_text().splitlines()]
     assert [r["episode"] for r in records] == [0, 1, 2] and all("eval/reward" in r for r in records)
-    assert (
-        project / "outputs" / "tiny-llama-sft" / "model.safetensors"
-    ).exists()  # made in the project
+    # made in the project
+    assert (project / "outputs" / "tiny-llama-sft" / "model.safetensors").exists()
 
 
 # recipe -> what makes its one episode small (runtime.num_episode=1 for all)
@@ -227,9 +223,8 @@ def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
         tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
         return environment(POLICY_LOAD=request.getfixturevalue("smollm2_dir"), DATA_DIR=data)
     data, tiny = sort_digits
-    warm_start = (
-        tmp_path / "warm-start"
-    )  # a copy: the multi-turn recipe writes a chat template into it
+    # a copy: the multi-turn recipe writes a chat template into it
+    warm_start = tmp_path / "warm-start"
     shutil.copytree(tiny, warm_start)
     if recipe in GPU:  # GSM8K's format, from the arithmetic task; the tiny model on one GPU
         gsm = tmp_path / "gsm"
@@ -268,13 +263,11 @@ def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, req
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert not noise(out), out
-    assert re.search(
-        r"^episode 1/1: ", proc.stdout, re.MULTILINE
-    )  # no terminal: one plain line per episode
+    # no terminal: one plain line per episode
+    assert re.search(r"^episode 1/1: ", proc.stdout, re.MULTILINE)
     assert ": 1 episode done in" in proc.stdout and "  metrics " in proc.stdout  # the summary
-    (run,) = [
-        p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()
-    ]  # under the project
+    # under the project
+    (run,) = [p for p in (project / "outputs").glob("*/*") if (p / "metrics.jsonl").exists()]
     assert 1 in [
         json.loads(line)["episode"] for line in (run / "metrics.jsonl").read_text().splitlines()
     ]

@@ -111,9 +111,8 @@ def test_greedy_tokens_and_logprobs_match_hf(module, hf_model):
         diffs.append((ours - ref_logp[p - 1 :]).abs())
         assert torch.all(out["logprobs"][row, :p] == 0) and torch.all(out["logprobs"][row, n:] == 0)
         assert torch.all(out["output_ids"][row, n:] == module.pad_token_id)
-    worst = (
-        torch.cat(diffs).max().item()
-    )  # NaN propagates here (Python's max(0.0, nan) would say 0.0)
+    # NaN propagates here (Python's max(0.0, nan) would say 0.0)
+    worst = torch.cat(diffs).max().item()
     assert worst <= 1e-4, f"max |dlogprob| vs HF = {worst:.2e}"
 
 
@@ -121,9 +120,8 @@ def test_prompt_logprobs_match_hf(module, hf_model, monkeypatch):
     monkeypatch.setattr(module.config, "prompt_logprobs", 0)
     batch = padded(module, PROMPTS[:2])
     out = module.generate(batch, greedy=True)
-    rollout = module.run_generation(
-        module.build_dataset(PROMPTS[:2])
-    )  # RolloutBatch: entry t scores token t+1
+    # RolloutBatch: entry t scores token t+1
+    rollout = module.run_generation(module.build_dataset(PROMPTS[:2]))
     for row, p in enumerate(batch["input_lengths"].tolist()):
         ref_logp, _ = hf_logprobs(hf_model, batch["input_ids"][row, :p].tolist())
         assert out["prompt_logprobs"][row, 0] == 0 and torch.all(
@@ -248,12 +246,10 @@ def test_run_generation_goes_through_the_hooks(module):
     out = rec.run_generation(items)
     steps, order = calls[:-1], calls[-1]
     assert [i for i, _, _ in steps] == list(range(len(steps)))
-    assert steps[0][1] == sum(
-        len(it["input_ids"]) for it in items
-    )  # first step: all prompts prefilled
-    assert all(
-        tokens == n_req for _, tokens, n_req in steps[1:]
-    )  # then one token per running request
+    # first step: all prompts prefilled
+    assert steps[0][1] == sum(len(it["input_ids"]) for it in items)
+    # then one token per running request
+    assert all(tokens == n_req for _, tokens, n_req in steps[1:])
     assert order == sorted(order, key=int) and len(order) == len(PROMPTS)
     assert out.prompt_texts == PROMPTS
     assert [out.input_ids[i, :p].tolist() for i, p in enumerate(out.prompt_lengths.tolist())] == [
@@ -356,16 +352,16 @@ def test_bad_prompts_are_rejected(module, monkeypatch, caplog):
         monkeypatch.setattr(module.config, "new_token_limit", limit)
         caplog.clear()
         with caplog.at_level("WARNING", logger="chatgen.generation.vllm.module"):
-            items = module.build_dataset(
-                [long_prompt, "hello"]
-            )  # ChatLearn: cut, keeping the beginning
+            # ChatLearn: cut, keeping the beginning
+            items = module.build_dataset([long_prompt, "hello"])
         assert items[0]["input_ids"] == module.tokenizer.encode(long_prompt)[:budget]
         assert "cut 1 of 2 prompts" in caplog.text and "(prompts 0)" in caplog.text
         # run_generation and generate never cut: an over-budget prompt is an error naming it
+        # fails after item 0 is queued
         with pytest.raises(
             ValueError,
             match=f"run_generation: item 1 has {budget + 1} prompt tokens, over the prompt budget",
-        ):  # fails after item 0 is queued
+        ):
             module.run_generation([{"input_ids": [1, 5, 6]}, {"input_ids": [1] * (budget + 1)}])
         assert not adapter.has_unfinished_requests(module.engine), (
             "a failed call must leave the engine empty"
@@ -423,9 +419,8 @@ def test_reload_warns_only_about_real_misses(module, tiny_llama_dir):
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     reload_logger.addHandler(handler)
     level = reload_logger.level
-    reload_logger.setLevel(
-        logging.WARNING
-    )  # the filter, whatever VLLM_LOGGING_LEVEL (chatgen.core.quiet) set
+    # the filter, whatever VLLM_LOGGING_LEVEL (chatgen.core.quiet) set
+    reload_logger.setLevel(logging.WARNING)
     try:
         adapter.load_weights(
             module.engine, iter(load_file(str(tiny_llama_dir / "model.safetensors")).items())
@@ -512,15 +507,15 @@ def test_cpu_gemm_primitives_of_old_batch_sizes_are_let_go(module):
 
 def _tp2_generate(config, batch):
     """One rank of a 2-process job: VLLMModule with TP=2 through external_launcher (the colocation mode)."""
-    module = VLLMModule(
-        {**config, "tensor_parallel_size": 2}
-    ).start()  # WORLD_SIZE=2: external_launcher
+    # WORLD_SIZE=2: external_launcher
+    module = VLLMModule({**config, "tensor_parallel_size": 2}).start()
     out = module.generate(batch, greedy=True)
+    # lists: picklable
     return (
         out["output_ids"].tolist(),
         out["logprobs"].tolist(),
         module.metrics["engine_steps"],
-    )  # lists: picklable
+    )
 
 
 def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir):
@@ -534,11 +529,12 @@ def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir)
         args=(tiny_config(tiny_llama_dir), batch),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
+    # every rank runs the same loop and gets the same answer
     for (
         output_ids,
         logprobs,
         steps,
-    ) in results:  # every rank runs the same loop and gets the same answer
+    ) in results:
         assert output_ids == expected["output_ids"].tolist() and steps == MAX_NEW
         assert (torch.tensor(logprobs) - expected["logprobs"]).abs().max().item() <= 1e-4
 
@@ -610,14 +606,14 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
             gc.collect() == 0 and gc.collect(2) == 0 and gc.collect(0) == 7 and gc.collect(1) == 7
         )
     assert calls == [0, 1]
+    # paused: young generations hold all of startup
     with (
         startup_gc(),
         vllm_adapter.host_memory_only_gc(True),
-    ):  # paused: young generations hold all of startup
+    ):
         assert gc.collect(0) == 0 and gc.collect(1) == 0 and calls == [0, 1]
     gc.unfreeze()
     assert gc.collect() == 7 and calls == [0, 1, 2]  # restored
-    with vllm_adapter.host_memory_only_gc(
-        False
-    ):  # a GPU hands freed memory back: every collection runs
+    # a GPU hands freed memory back: every collection runs
+    with vllm_adapter.host_memory_only_gc(False):
         assert gc.collect() == 7

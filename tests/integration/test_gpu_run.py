@@ -27,13 +27,14 @@ BUDGET_S = 450
 )
 def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
     out = tmp_path / "out"
+    # the tiny model where the fixture built it
     env = {
         **os.environ,
         "OUT": str(out),
         "CHATGEN_PYTHON": sys.executable,
         "CHATGEN_GPU_BUDGET_S": str(BUDGET_S),
         "CHATGEN_TEST_CACHE": str(tiny_llama_dir.parent),
-    }  # the tiny model where the fixture built it
+    }
     run = subprocess.run(
         ["bash", "scripts/gpu_run.sh"],
         cwd=REPO,
@@ -57,9 +58,8 @@ def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
         summary["steps"][s] == "ok"
         for s in ("pytest", "check_sync_fp32", "check_sync_bf16", "grpo", "probe")
     ), summary["steps"]
-    assert (
-        "skipped" in summary["figures"]["pytest"]
-    )  # the GPU tests skipped, with the reason in pytest.txt
+    # the GPU tests skipped, with the reason in pytest.txt
+    assert "skipped" in summary["figures"]["pytest"]
     assert "needs a CUDA GPU" in (out / "pytest.txt").read_text()
     figures = summary["figures"]
     assert (

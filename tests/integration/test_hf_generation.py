@@ -89,9 +89,8 @@ def assert_same_generation(ours, theirs):
     """Equal tokens, lengths and truncation; generated-token log-probs within TOL."""
     for key in ("output_ids", "generation_lengths", "unpadded_sequence_lengths", "truncated"):
         assert ours[key].equal(theirs[key]), key
-    assert (
-        ours["logprobs"].lt(0).sum() == ours["generation_lengths"].sum()
-    )  # 0 on prompt and padding only
+    # 0 on prompt and padding only
+    assert ours["logprobs"].lt(0).sum() == ours["generation_lengths"].sum()
     diff = (ours["logprobs"] - theirs["logprobs"]).abs().max().item()
     assert diff <= TOL, f"max |dlogprob| hf vs vLLM = {diff:.2e}"
 
@@ -177,14 +176,12 @@ def test_sampled_logprobs_are_the_models_own(hf, reference, monkeypatch):
     batch = padded(hf, PROMPTS[:2])
     out = hf.generate(batch)
     assert out["output_ids"].shape[0] == 6
-    assert (
-        len({tuple(row) for row in out["output_ids"].tolist()}) == 6
-    )  # temperature 1: six different samples
+    # temperature 1: six different samples
+    assert len({tuple(row) for row in out["output_ids"].tolist()}) == 6
     for row in range(6):
         p, n = batch["input_lengths"][row // 3].item(), out["unpadded_sequence_lengths"][row].item()
-        assert out["output_ids"][row, :p].equal(
-            batch["input_ids"][row // 3, :p]
-        )  # prompt-major rows
+        # prompt-major rows
+        assert out["output_ids"][row, :p].equal(batch["input_ids"][row // 3, :p])
         expected = model_logprobs(reference, out["output_ids"][row, :n].tolist())[p - 1 :]
         assert (out["logprobs"][row, p:n] - expected).abs().max().item() <= TOL
 
@@ -230,9 +227,8 @@ def test_eval_keys_and_batches(hf, monkeypatch):
     split = hf.run_generation(items, is_eval=True)
     assert split.input_ids.equal(one_batch.input_ids) and split.texts == one_batch.texts
     assert hf.metrics["engine_steps"] > MAX_NEW  # several batches ran
-    monkeypatch.setattr(
-        hf.config, "generation_batch_size", 5
-    )  # whole prompts per batch: 4 + 4 > 5 sequences
+    # whole prompts per batch: 4 + 4 > 5 sequences
+    monkeypatch.setattr(hf.config, "generation_batch_size", 5)
     sampled = hf.run_generation(items)
     assert sampled.prompt_index.tolist() == [i for i in range(len(PROMPTS)) for _ in range(4)]
 
@@ -310,9 +306,8 @@ def test_failed_writes_and_needs_resync(tiny_llama_dir, reference, monkeypatch):
         RuntimeError, match="refuses to generate until all weights are written again"
     ):
         module.generate(batch, greedy=True)
-    module.update_weights(
-        [("model.norm.weight", reference.model.norm.weight)]
-    )  # a part is not enough
+    # a part is not enough
+    module.update_weights([("model.norm.weight", reference.model.norm.weight)])
     assert module.needs_resync is not None
     sync_weights(reference, module)  # every weight: repaired
     assert module.needs_resync is None and module.weight_version == 3
@@ -328,9 +323,8 @@ def test_tied_embeddings_qwen2(make_tiny):
     module = HFGeneration(keys(model_dir, load_format="dummy")).start()
     assert "lm_head.weight" not in module.weight_manifest()
     sync_weights(reference, module)
-    module.update_weights(
-        [("lm_head.weight", torch.zeros_like(reference.lm_head.weight))]
-    )  # skipped
+    # skipped
+    module.update_weights([("lm_head.weight", torch.zeros_like(reference.lm_head.weight))])
     batch = padded(module, PROMPTS[:2])
     out = module.generate(batch, greedy=True)
     for row, p in enumerate(batch["input_lengths"].tolist()):

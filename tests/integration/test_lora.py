@@ -80,9 +80,8 @@ def test_only_the_adapters_train_and_the_merged_sync_matches_vllm(llama):
         assert report.validated and report.tensors == 21  # the base's names, merged
         after = vllm_vs_trainer(trainer, generate(llm))
         with lora.adapter_disabled(trainer.model):
-            assert (
-                vllm_vs_trainer(trainer, generate(llm)) > 1e-3
-            )  # the engine runs the adapted model
+            # the engine runs the adapted model
+            assert vllm_vs_trainer(trainer, generate(llm)) > 1e-3
     finally:
         llm.shutdown()
     assert after < TOL, after
@@ -178,12 +177,10 @@ def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
     want = tp1.forward_tokens({"input_ids": ids})
     for logprobs, tp2_grad_norm, diff in results:
         assert diff < TOL
-        assert tp2_grad_norm == pytest.approx(
-            grad_norm, rel=1e-5
-        )  # A's TP sums, shards counted once
-        assert (
-            logprobs - want
-        ).abs().max() < 1e-5  # the same adapters, initialised and trained alike
+        # A's TP sums, shards counted once
+        assert tp2_grad_norm == pytest.approx(grad_norm, rel=1e-5)
+        # the same adapters, initialised and trained alike
+        assert (logprobs - want).abs().max() < 1e-5
 
 
 def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(

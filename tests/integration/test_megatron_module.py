@@ -69,9 +69,8 @@ def test_train_step_and_checkpoint_round_trip(models, tmp_path):
     after = trainer.forward_tokens({"input_ids": ids})
     assert after.mean() > before.mean()
     path = trainer.save_checkpoint(tmp_path / "ckpt")
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "ckpt"
-    ]  # no staging directory left behind
+    # no staging directory left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     resumed = build(path, lr=1e-3, clip_grad=0.0)
     assert resumed.iteration == 2
     assert torch.equal(resumed.forward_tokens({"input_ids": ids}), after)
@@ -94,9 +93,8 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     loss_mask = torch.zeros(2, 15)
     loss_mask[0, 9:] = 1
     loss_mask[1, 6:13] = 1  # first scored position 6: positions 0-5 get no logits
-    trainer = build(
-        models["llama"], lr=1e-12, clip_grad=0.0
-    )  # an update below fp32 resolution: same weights
+    # an update below fp32 resolution: same weights
+    trainer = build(models["llama"], lr=1e-12, clip_grad=0.0)
 
     def grads_after(slices):
         trainer._slices_logits = slices
@@ -108,9 +106,8 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     assert sliced["loss"] == pytest.approx(full["loss"], rel=1e-6)
     assert len(full_grads) == len(sliced_grads)
     assert max((a - b).abs().max().item() for a, b in zip(full_grads, sliced_grads)) < 1e-6
-    assert (
-        sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0
-    )  # rows 0/1 outside their masks
+    # rows 0/1 outside their masks
+    assert sliced["unmasked_sum_max"] > 0 and full["unmasked_sum_max"] > 0
     from chatgen.training.schedule import first_scored_position
 
     assert first_scored_position(loss_mask) == 6 and first_scored_position(torch.zeros(2, 15)) == 0
@@ -142,9 +139,8 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     """train_step packs each prompt's samples in one row (the prompt once): the log-probs a loss reads, the
     loss and every gradient equal one row per sample's; the model ran fewer rows and tokens."""
     data = grouped_batch()
-    trainer = build(
-        models[name], lr=1e-12, clip_grad=0.0
-    )  # an update below fp32 resolution: same weights
+    # an update below fp32 resolution: same weights
+    trainer = build(models[name], lr=1e-12, clip_grad=0.0)
     assert trainer._packs
     rows_seen = []
     trainer.model.embedding.register_forward_pre_hook(
@@ -173,9 +169,8 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
         ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full_grads, packed_grads)
     )
     assert rel < 1e-5, rel  # summation order: float noise
-    assert (
-        full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2
-    )  # 2 prompts, 2 rows
+    # 2 prompts, 2 rows
+    assert full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2
     assert packed_shapes[0][0] * packed_shapes[0][1] < 6 * data["input_ids"].shape[1]
 
 
@@ -194,17 +189,15 @@ def test_a_damaged_or_old_format_checkpoint_is_refused(models, tmp_path):
         build(path)
     shard.write_bytes(good)
     assert build(path).iteration == 1
-    converted = (
-        tmp_path / "converted"
-    )  # a weights-only checkpoint (chatgen convert) needs no optimizer state
+    # a weights-only checkpoint (chatgen convert) needs no optimizer state
+    converted = tmp_path / "converted"
     from chatgen.core.checkpoint_io import read_megatron_meta, write_megatron_meta
     from chatgen.models.convert import hf_to_megatron_dir
 
     hf_to_megatron_dir(models["llama"], converted, tp=1, pp=1)
     assert build(converted).iteration == 0
-    meta = read_megatron_meta(
-        converted
-    )  # as an older chatgen saved a trainer: AdamW's state in optim_*.pt
+    # as an older chatgen saved a trainer: AdamW's state in optim_*.pt
+    meta = read_megatron_meta(converted)
     write_megatron_meta(
         converted, meta["hf_config"], 1, 1, meta["padded_vocab_size"], iteration=3, optimizer=True
     )
@@ -223,9 +216,8 @@ def test_bf16_steps_fp32_masters_like_an_fp32_adamw(models):
     start = [p.detach().clone() for p in params]
     ref = [p.detach().float().clone() for p in params]
     ref_opt = torch.optim.AdamW(ref, lr=1e-5, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    for _ in range(
-        3
-    ):  # the reference steps in fp32 on the same grads (DDP accumulates them in fp32)
+    # the reference steps in fp32 on the same grads (DDP accumulates them in fp32)
+    for _ in range(3):
         trainer.train_step({"input_ids": ids}, nll_loss)
         for r, p in zip(ref, params):
             r.grad = p.main_grad.float()
@@ -259,9 +251,10 @@ def test_load_of_a_checkpoint_restores_optimizer_and_lr_schedule(models, tmp_pat
             for a, b in zip(optimizer_state(other), optimizer_state(trainer), strict=True)
         )
     step = resumed.train_step({"input_ids": ids}, nll_loss)
+    # warm-up 4/10
     assert (
         step["lr"] == trainer.train_step({"input_ids": ids}, nll_loss)["lr"] == pytest.approx(4e-6)
-    )  # warm-up 4/10
+    )
     assert all(
         torch.equal(a, b)
         for a, b in zip(optimizer_state(resumed), optimizer_state(trainer), strict=True)
@@ -316,16 +309,14 @@ def test_seq_length_and_global_batch_size_are_enforced(models):
 def test_layout_mismatch_in_checkpoint_is_a_clear_error(models, tmp_path):
     from chatgen.models.convert import hf_to_megatron_dir
 
-    converted = hf_to_megatron_dir(
-        models["llama"], tmp_path / "converted", tp=1, pp=1
-    )  # weights at one layout
+    # weights at one layout
+    converted = hf_to_megatron_dir(models["llama"], tmp_path / "converted", tp=1, pp=1)
     trainer = build(models["llama"])
     trainer.tp = 2  # as if this run used TP=2
     with pytest.raises(ValueError, match="checkpoint has TP, PP = \\(1, 1\\)"):
         trainer.load_checkpoint(converted)
-    path = build(models["llama"]).save_checkpoint(
-        tmp_path / "ckpt"
-    )  # a trainer's: any layout, same vocab rows
+    # a trainer's: any layout, same vocab rows
+    path = build(models["llama"]).save_checkpoint(tmp_path / "ckpt")
     trainer.padded_vocab_size = 1024  # as if this layout padded the vocab differently
     with pytest.raises(
         ValueError, match="saved with the vocab padded to 512 rows.*make_vocab_size_divisible_by"
@@ -372,9 +363,8 @@ def _parallel_layouts(models, cases, refs):
             trainer.config.micro_batch_size = (
                 3  # one group per micro-batch, each of its own packed length
             )
-            packed = trainer.train_step(
-                grouped_batch(), masked_nll
-            )  # shared-prefix packed at this layout
+            # shared-prefix packed at this layout
+            packed = trainer.train_step(grouped_batch(), masked_nll)
             result.update(packed_loss=packed["loss"], packed_grad_norm=packed["grad_norm"])
         out.append(result)
     return out

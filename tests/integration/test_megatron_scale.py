@@ -74,9 +74,8 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(tiny_llama_dir):
         assert ref[-1]["loss"] < ref[0]["loss"]  # it trained
         # lr 1e-3 moves weights by ~1e-3 per step; DP float noise (a different summation order) stays ~1e-6
         assert max((weights[k] - w).abs().max().item() for k, w in ref_weights.items()) < 1e-5
-    assert all(
-        torch.equal(ranks[0][2][k], ranks[1][2][k]) for k in ref_weights
-    )  # one model on every DP rank
+    # one model on every DP rank
+    assert all(torch.equal(ranks[0][2][k], ranks[1][2][k]) for k in ref_weights)
     dp2_bytes = [r[3] for r in ranks]
     print(f"optimizer state per rank, bf16 tiny Llama: DP1 {dp1_bytes} B, DP2 {dp2_bytes} B")
     assert all(b < 0.55 * dp1_bytes for b in dp2_bytes) and sum(dp2_bytes) >= dp1_bytes
@@ -174,9 +173,8 @@ def test_a_distributed_checkpoint_resumes_exactly_at_another_layout(tiny_llama_d
     assert sorted(hf) == sorted(saved) and all(
         torch.equal(hf[k].to(saved[k].dtype), saved[k]) for k in saved
     )
-    bare = shutil.copytree(
-        tmp_path / "dp2", tmp_path / "as_megatron_lm"
-    )  # Megatron-LM writes no chatgen metadata
+    # Megatron-LM writes no chatgen metadata
+    bare = shutil.copytree(tmp_path / "dp2", tmp_path / "as_megatron_lm")
     (bare / "chatgen_megatron.json").unlink()
     with pytest.raises(FileNotFoundError, match="pass --hf-config"):
         megatron_checkpoint_to_hf(bare)

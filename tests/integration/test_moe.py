@@ -102,9 +102,8 @@ def _layouts(models, ids, refs, ckpt_root):
                     usage=[step[f"moe/expert_usage/{e}"] for e in range(trainer.spec.num_experts)],
                     weight_diff=max(float((after[k] - w).abs().max()) for k, w in weights.items()),
                 )
-                ckpt = trainer.save_checkpoint(
-                    ckpt_root / f"{name}_ep2"
-                )  # every expert, whatever the EP
+                # every expert, whatever the EP
+                ckpt = trainer.save_checkpoint(ckpt_root / f"{name}_ep2")
                 res["checkpoint_exact"] = all(
                     torch.equal(t, after[k]) for k, t in megatron_checkpoint_to_hf(ckpt)[1].items()
                 )
@@ -126,10 +125,11 @@ def test_megatron_moe_matches_hf_at_tp_and_ep_and_ep2_trains_like_tp1(moe_models
         assert (trainer.forward_tokens({"input_ids": ids}) - hf_ref).abs().max() < TOL, name
         metrics = trainer.train_step({"input_ids": ids}, nll_loss)
         usage = [metrics[f"moe/expert_usage/{e}"] for e in range(trainer.spec.num_experts)]
+        # every token slot counted
         assert sum(usage) == pytest.approx(1.0) and min(usage) > 0, (
             name,
             usage,
-        )  # every token slot counted
+        )
         assert "moe/load_balancing_loss" not in metrics  # moe_aux_loss_coeff 0
         refs[name] = (hf_ref, (metrics, trainer.hf_state_dict()))
         trainer.shutdown()
@@ -163,9 +163,8 @@ def test_router_load_balancing_loss_is_trained_and_logged(moe_models):
     metrics = balanced.train_step({"input_ids": ids}, nll_loss)
     # Switch's loss E * sum_e f_e * p_e: 1 when balanced, more otherwise; the router learns from it too
     assert 1.0 <= metrics["moe/load_balancing_loss"] < 2.0
-    assert metrics["loss"] == pytest.approx(
-        loss, rel=1e-6
-    )  # the aux loss reaches the gradient, not the loss_fn
+    # the aux loss reaches the gradient, not the loss_fn
+    assert metrics["loss"] == pytest.approx(loss, rel=1e-6)
     assert not torch.equal(router, balanced.local_param("decoder.layers.0.mlp.router.weight"))
     balanced.shutdown()
 
@@ -295,16 +294,16 @@ def recorded(moe_models):
         policy.shutdown()
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad():
-        router_logits = hf(
-            rollout.input_ids, output_router_logits=True
-        ).router_logits  # per layer (S*L, E)
+        # per layer (S*L, E)
+        router_logits = hf(rollout.input_ids, output_router_logits=True).router_logits
+    # (S, L, layers, k)
     hf_topk = torch.stack(
         [
             logits.topk(2, dim=-1).indices.view(*rollout.input_ids.shape, 2)
             for logits in router_logits
         ],
         dim=2,
-    )  # (S, L, layers, k)
+    )
     return model_dir, rollout, hf_topk
 
 
@@ -312,9 +311,8 @@ def test_engine_records_the_experts_it_routed_each_token_to(recorded):
     _, rollout, hf_topk = recorded
     s, width = rollout.input_ids.shape
     assert rollout.routed_experts.shape == (s, width, 2, 2)
-    read = (
-        rollout.prompt_lengths + rollout.response_lengths - 1
-    )  # positions the model read: all but the last
+    # positions the model read: all but the last
+    read = rollout.prompt_lengths + rollout.response_lengths - 1
     for row in range(s):
         routed = rollout.routed_experts[row]
         assert (routed[: read[row]] >= 0).all() and (routed[read[row] :] == -1).all(), row
@@ -391,17 +389,15 @@ def test_grpo_on_the_tiny_moe_replays_routing_and_logs_the_router(
         log=lambda *_: None,
     )
     saved = megatron_checkpoint_to_hf(out / "checkpoints" / "episode_000002" / "policy_trainer")[1]
-    assert (
-        sum("experts" in name for name in saved) == 2 * 4 * 3
-    )  # layers x experts x (gate, up, down)
+    # layers x experts x (gate, up, down)
+    assert sum("experts" in name for name in saved) == 2 * 4 * 3
     metrics = {
         r["episode"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
     }
     for episode in (1, 2):
         m = metrics[episode]
-        assert (
-            m["mismatch/logprob_max_abs"] < TOL
-        )  # replayed experts, exact sync: the engine's log-probs
+        # replayed experts, exact sync: the engine's log-probs
+        assert m["mismatch/logprob_max_abs"] < TOL
         usage = [m[f"policy/moe/expert_usage/{e}"] for e in range(4)]
         assert sum(usage) == pytest.approx(1.0) and min(usage) > 0
         assert 0.5 < m["policy/moe/load_balancing_loss"] < 4.0 and m["policy/grad_norm"] > 0

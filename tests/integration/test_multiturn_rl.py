@@ -100,9 +100,8 @@ def test_multiturn_grpo_trains_on_the_servers_tokens(multiturn_model_dir, tmp_pa
     )
     trained, original_train = [], Run.train
 
-    def recording_train(
-        run, name, data, loss_fn, group_size=1, per_step=False
-    ):  # what each episode trains on
+    # what each episode trains on
+    def recording_train(run, name, data, loss_fn, group_size=1, per_step=False):
         trained.append((len(RecordingEnv.episodes), {k: v.clone() for k, v in data.items()}))
         return original_train(run, name, data, loss_fn, group_size, per_step)
 
@@ -142,12 +141,10 @@ def test_multiturn_grpo_trains_on_the_servers_tokens(multiturn_model_dir, tmp_pa
             (p1, g1), (p2, g2) = [
                 (t["prompt_token_ids"], t["generation_token_ids"]) for t in e.turns
             ]
-            assert (
-                p2[: len(p1) + len(g1)] == p1 + g1
-            )  # token-exact: turn 2 continues turn 1's tokens
-            between = p2[
-                len(p1) + len(g1) :
-            ]  # the template's end of turn, the calculator's answer, the question
+            # token-exact: turn 2 continues turn 1's tokens
+            assert p2[: len(p1) + len(g1)] == p1 + g1
+            # the template's end of turn, the calculator's answer, the question
+            between = p2[len(p1) + len(g1) :]
             assert len(between) > 5
             generated = [*range(len(p1), len(p1) + len(g1)), *range(len(p2), len(p2) + len(g2))]
             served.append((tuple(p2 + g2), tuple(generated)))

@@ -11,10 +11,11 @@ import pytest
 import torch
 from helpers import completions, max_diff_vs_hf, perturbed, right_padded
 
+# NeMo RL: nemo_rl.models...vllm
 from chatgen.compat.nemo_rl import (
     VllmGeneration,
     VllmGenerationWorker,
-)  # NeMo RL: nemo_rl.models...vllm
+)
 from chatgen.param_sync import GroupSender, ShmSender, SyncError
 
 pytestmark = pytest.mark.integration
@@ -119,9 +120,8 @@ def test_refit_by_collective_with_the_seeds_world_size(generation, hf_model):
     trainer = perturbed(hf_model, seed=1)
     train_world_size = 1
     world_size = train_world_size + generation.inference_world_size  # the seed's count: 1 + 2
-    sender = GroupSender(
-        generation.token, 1 + generation.inference_world_size
-    )  # the trainer hosts it
+    # the trainer hosts it
+    sender = GroupSender(generation.token, 1 + generation.inference_world_size)
     futures_inference = generation.init_collective(sender.host, sender.port, world_size)
     sender.connect()
     assert all(f.result(timeout=120) is None for f in futures_inference)
@@ -171,9 +171,8 @@ def test_refit_by_ipc_zmq_and_ipc_handles_are_signed(generation, hf_model):
         handles = stranger.write(perturbed(hf_model, seed=3))
         with pytest.raises(SyncError, match="token"):
             generation.update_weights_from_ipc_handles(handles)
-        assert [
-            w.weight_version for w in generation.workers
-        ] == versions  # refused before any write
+        # refused before any write
+        assert [w.weight_version for w in generation.workers] == versions
     finally:
         stranger.close()
     handles = ShmSender.owned(generation.token).write(trainer)
@@ -209,9 +208,8 @@ def test_one_worker_by_the_seeds_calls(tiny_llama_dir, hf_model):
             assert worker.is_sleeping()
             await worker.wake_up_async()
             assert not worker.is_sleeping()
-            handles = ShmSender.owned(worker.token).write(
-                hf_model
-            )  # (perturbed in place: the trainer)
+            # (perturbed in place: the trainer)
+            handles = ShmSender.owned(worker.token).write(hf_model)
             return await worker.update_weights_from_ipc_handles_async(handles)
 
         version = worker.weight_version

@@ -37,9 +37,8 @@ def test_two_ray_workers_in_order_then_the_refit_sequence(ray_session, tiny_llam
         out = generation.generate(right_padded(rows), greedy=True)
         served = generation.pop_metrics()
         assert served["worker/0/samples"] > 0 and served["worker/1/samples"] > 0
-        for row, (prompt, ids, _) in zip(
-            rows, completions(out)
-        ):  # each row the engine's own answer to it
+        # each row the engine's own answer to it
+        for row, (prompt, ids, _) in zip(rows, completions(out)):
             alone = completions(generation.generate(right_padded([row]), greedy=True))[0]
             assert prompt == row and ids == alone[1]
 

@@ -40,9 +40,8 @@ def test_optimizer_state_round_trip_keeps_fp32_weights_shared(tiny_llama_dir):
     shared = weight_storages(module.ddp)
     params = [p for opt in inner for g in opt.param_groups for p in g["params"]]
     views = [p for p in params if p.untyped_storage().data_ptr() in shared]
-    assert views and len(views) < len(
-        params
-    )  # the fp32 norms' masters are views; the bf16 weights' are not
+    # the fp32 norms' masters are views; the bf16 weights' are not
+    assert views and len(views) < len(params)
     states = [opt.state[p] for opt in inner for g in opt.param_groups for p in g["params"]]
     steps = [s["step"] for s in states if "step" in s]
     before = [s["exp_avg"].clone() for s in states]

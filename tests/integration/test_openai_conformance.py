@@ -334,10 +334,11 @@ def test_prompt_tokens_details_counts_the_cached_prefix(server):
     first = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
     again = server.client.completions.create(model="tiny", prompt=prompt, max_tokens=1).usage
     assert again.prompt_tokens_details.cached_tokens >= 32 * (again.prompt_tokens // 32 - 1) > 0
+    # an earlier test may have cached it already
     assert (
         again.prompt_tokens_details.cached_tokens > first.prompt_tokens_details.cached_tokens
         or first.prompt_tokens_details.cached_tokens > 0
-    )  # an earlier test may have cached it already
+    )
 
 
 def test_echo_returns_the_prompt_with_its_logprobs(server):
@@ -404,9 +405,8 @@ def test_continue_final_message_continues_the_last_assistant_turn(server):
         server, messages=messages, continue_final_message=True, add_generation_prompt=False
     )
     closed = tokenize(server, messages=messages, add_generation_prompt=False)
-    assert closed[: len(continued)] == continued and len(closed) > len(
-        continued
-    )  # the turn is left open
+    # the turn is left open
+    assert closed[: len(continued)] == continued and len(closed) > len(continued)
     out = server.client.chat.completions.create(
         model="tiny",
         messages=messages,
@@ -415,9 +415,8 @@ def test_continue_final_message_continues_the_last_assistant_turn(server):
         extra_body={"continue_final_message": True, "add_generation_prompt": False, "echo": True},
     )
     assert out.prompt_token_ids == continued
-    assert out.choices[0].message.content.startswith(
-        "The cat is"
-    )  # echo puts the continued text first
+    # echo puts the continued text first
+    assert out.choices[0].message.content.startswith("The cat is")
 
 
 def test_tokenize_options_and_detokenize(server):
@@ -485,9 +484,8 @@ def test_streamed_chunks_carry_logprobs_ids_and_weight_versions(server):
 def test_a_weight_update_mid_stream_shows_in_the_chunks_versions(server, chat_model_dir):
     from safetensors.torch import load_file
 
-    weights = load_file(
-        str(chat_model_dir / "model.safetensors")
-    )  # the same weights: a new version all the same
+    # the same weights: a new version all the same
+    weights = load_file(str(chat_model_dir / "model.safetensors"))
     version = server.module.weight_version
     with httpx.stream(
         "POST",

@@ -124,17 +124,15 @@ def test_disaggregated_replicas_then_one_dies_mid_episode(
     stopped = time.time()
     err = capsys.readouterr().err
     assert "an actor died during policy.run_generation (replica 1, rank 1)" in err, err[-3000:]
-    assert (
-        stopped - float(stamp.read_text()) < 20
-    )  # reported (and every actor stopped) within seconds
+    # reported (and every actor stopped) within seconds
+    assert stopped - float(stamp.read_text()) < 20
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     # episode 2 sampled after the first broadcast: both replicas hold exactly the trainer's weights
     assert metrics[2]["mismatch/logprob_max_abs"] < SYNC_TOL
     assert metrics[2]["replica/0/samples"] > 0 and metrics[2]["replica/1/samples"] > 0
-    assert (
-        ckpt.resume_point(out / "checkpoints", None).name == "episode_000002"
-    )  # whole, by its manifest
+    # whole, by its manifest
+    assert ckpt.resume_point(out / "checkpoints", None).name == "episode_000002"
 
 
 def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):

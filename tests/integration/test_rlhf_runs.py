@@ -124,9 +124,8 @@ def test_grpo_fails_cleanly_then_resumes(
     assert sorted(metrics) == [0, 1, 2]  # episode 3 died before logging
     for episode in (1, 2):
         m = metrics[episode]
-        assert (
-            m["mismatch/logprob_max_abs"] < SYNC_TOL
-        )  # vLLM sampled with exactly the trainer's weights
+        # vLLM sampled with exactly the trainer's weights
+        assert m["mismatch/logprob_max_abs"] < SYNC_TOL
         assert 0.0 <= m["reward/mean"] <= 1.0 and m["time/train"] > 0 and "eval/reward" in m
     assert metrics[2]["kl/reference"] > 1e-3  # the policy moved away from the reference...
     # ...and vLLM followed it: episode 2 sampled after the first sync, and matched the trainer to float noise.
@@ -158,9 +157,8 @@ def test_grpo_fails_cleanly_then_resumes(
     last = grpo.train(cfg, resume=True, log=lambda *_: None)
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2, 3]
-    assert (
-        metrics[3]["mismatch/logprob_max_abs"] < SYNC_TOL
-    )  # resumed weights were synced into vLLM
+    # resumed weights were synced into vLLM
+    assert metrics[3]["mismatch/logprob_max_abs"] < SYNC_TOL
     # The trainer continued from checkpoint 2 (weights and optimizer), not from the initial model: its KL to
     # the reference is of the size reached by then, and its step counter went on from 4.
     assert metrics[3]["kl/reference"] > 0.3 * metrics[2]["kl/reference"]
@@ -186,9 +184,8 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(
         "runtime.num_episode": 3,
         "runtime.eval_episode_interval": 3,
     }
-    out = (
-        tmp_path / "rollout"
-    )  # two optimizer steps per episode (train_global_batch_size 16 of 32 samples)
+    # two optimizer steps per episode (train_global_batch_size 16 of 32 samples)
+    out = tmp_path / "rollout"
     grpo.train(
         load_config(
             REPO / "configs/grpo_tiny.yaml", overrides(tiny_llama_dir, data_dir, out, **rollout)
@@ -227,9 +224,8 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(
     assert metrics[1]["policy/old_logprob_diff_max"] < SYNC_TOL
     for episode in (2, 3):
         assert metrics[episode]["policy/old_logprob_diff_max"] > 100 * SYNC_TOL
-        assert (
-            "mismatch/logprob_max_abs" not in metrics[episode]
-        )  # not measurable one step off-policy
+        # not measurable one step off-policy
+        assert "mismatch/logprob_max_abs" not in metrics[episode]
     # A checkpoint records the data position of its own episode, not the prefetched next one.
     prompts_per_episode = 32 // 4
     for episode in (1, 2, 3):
@@ -272,17 +268,14 @@ def test_ppo_two_episodes_cross_process_sync(
         ["policy", "reward"],
         ["policy_trainer", "reference", "value_trainer"],
     ]
-    assert (
-        cfg.runtime.algorithm.importance_sampling_cap == 2.0
-    )  # truncated IS on, as a user would set it
-    with (
-        listening_sockets() as seen
-    ):  # every socket the run's process tree listens on, while it trains
+    # truncated IS on, as a user would set it
+    assert cfg.runtime.algorithm.importance_sampling_cap == 2.0
+    # every socket the run's process tree listens on, while it trains
+    with listening_sockets() as seen:
         ppo.train(cfg, log=lambda *_: None)
     assert any(name.startswith("ray::ModelWorker") for name, _, _ in seen), seen
-    assert not [entry for entry in seen if not is_loopback(entry[1])], (
-        seen
-    )  # loopback only (issue 13)
+    # loopback only (issue 13)
+    assert not [entry for entry in seen if not is_loopback(entry[1])], seen
     metrics = read_metrics(out)
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
@@ -293,9 +286,8 @@ def test_ppo_two_episodes_cross_process_sync(
         assert (
             abs(m["mismatch/is_weight_mean"] - 1) < 1e-4 and m["mismatch/is_weight_min"] > 1 - 1e-4
         )
-    assert (
-        metrics[2]["kl/reference"] > 1e-4
-    )  # the policy vLLM sampled from in episode 2 is the trained one
+    # the policy vLLM sampled from in episode 2 is the trained one
+    assert metrics[2]["kl/reference"] > 1e-4
     ckpt = out / "checkpoints" / "episode_000002"
     assert iteration(ckpt, "policy_trainer") == iteration(ckpt, "value_trainer") == 4
     saved = json.loads((ckpt / "policy_trainer" / "chatgen_megatron.json").read_text())
@@ -349,9 +341,8 @@ def test_resume_continues_bit_for_bit_and_refuses_what_would_not(
         ConfigError, match=r"models.policy_trainer.config.lr: 0.0005 -> 0.5: the checkpoint carries"
     ):
         grpo.train(config(part, 3, "policy_trainer.lr=0.5"), resume=True, log=quiet)
-    assert (
-        part / "resolved_config.yaml"
-    ).read_text() == resolved  # refused before anything was written
+    # refused before anything was written
+    assert (part / "resolved_config.yaml").read_text() == resolved
     with open(part / "metrics.jsonl", "ab") as f:
         f.write(b'{"episode": 3, "reward/m')  # what a kill in the middle of an append leaves
     grpo.train(config(part, 3), resume=True, log=quiet)
@@ -398,9 +389,8 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
         m = metrics[episode]
         assert m["policy/loss"] > 0 and m["policy/grad_norm"] > 0 and 0 <= m["policy/accuracy"] <= 1
         assert 0 <= m["eval/preference_accuracy"] <= 1
-    assert (
-        metrics[2]["eval/reward_margin"] != 0.0
-    )  # the trained policy differs from the reference on held-out pairs
+    # the trained policy differs from the reference on held-out pairs
+    assert metrics[2]["eval/reward_margin"] != 0.0
     checkpoints = out / "checkpoints"
     assert iteration(checkpoints / "episode_000002") == 4  # 8 pairs an episode, 4 per step
     before, after = (
@@ -408,9 +398,8 @@ def test_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path, monke
         trainer_weights(checkpoints / "episode_000002"),
     )
     assert any(not torch.equal(before[k], after[k]) for k in before)  # parameters changed
-    assert not (
-        checkpoints / "episode_000002" / "reference"
-    ).exists()  # the frozen reference is not saved
+    # the frozen reference is not saved
+    assert not (checkpoints / "episode_000002" / "reference").exists()
     assert (out / "metrics.png").exists()
 
 
@@ -439,9 +428,8 @@ def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
         m = metrics[episode]
-        assert (
-            m["mismatch/logprob_max_abs"] < SYNC_TOL
-        )  # vLLM sampled with exactly the trainer's weights
+        # vLLM sampled with exactly the trainer's weights
+        assert m["mismatch/logprob_max_abs"] < SYNC_TOL
         assert (
             0 <= m["pairs/no_preference"] < 1 and m["policy/grad_norm"] > 0 and "eval/reward" in m
         )
@@ -449,9 +437,8 @@ def test_online_dpo_two_episodes(ray_session, tiny_llama_dir, data_dir, tmp_path
     assert metrics[1]["policy/margin"] == 0.0 and metrics[1]["policy/loss"] == pytest.approx(
         math.log(2) * (1 - metrics[1]["pairs/no_preference"]), abs=1e-6
     )
-    assert (
-        metrics[2]["policy/margin"] != 0.0
-    )  # episode 2's samples came from the trained, synced policy
+    # episode 2's samples came from the trained, synced policy
+    assert metrics[2]["policy/margin"] != 0.0
     checkpoints = out / "checkpoints"
     assert iteration(checkpoints / "episode_000002") == 2
     before, after = (

@@ -38,9 +38,8 @@ def with_rope(src, dst, rope: dict):
     with q/k weights x8 so that attention, hence RoPE, matters."""
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
-    cfg.update(
-        rope_parameters=rope, max_position_embeddings=16384
-    )  # > original context, as in Llama-3.1
+    # > original context, as in Llama-3.1
+    cfg.update(rope_parameters=rope, max_position_embeddings=16384)
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     weights = load_file(dst / "model.safetensors")
     for name in weights:
@@ -120,7 +119,6 @@ def test_vllm_after_sync_matches_trainer_with_llama3_rope_scaling(models, traine
         llm.shutdown()
     vllm_lp = torch.tensor([lp[t].logprob for t, lp in zip(new, out.logprobs)])
     unscaled = hf_logprobs(models["plain"], full)[0, len(prompt) - 1 :]
-    assert (
-        ref - unscaled
-    ).abs().max() > 100 * TOL  # an engine ignoring the scaling would be caught
+    # an engine ignoring the scaling would be caught
+    assert (ref - unscaled).abs().max() > 100 * TOL
     assert (ref - vllm_lp).abs().max() < TOL

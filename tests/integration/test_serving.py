@@ -441,9 +441,8 @@ def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(se
     )
     history = [{"role": "user", "content": "Say a word"}]
     first = chat(served, history).choices[0].message
-    model_turn = (
-        first.prompt_token_ids + pair
-    )  # as if the model had generated the pair (no EOS: token limit)
+    # as if the model had generated the pair (no EOS: token limit)
+    model_turn = first.prompt_token_ids + pair
     retokenized = tok.decode(pair)
     messages = history + [
         {
@@ -464,9 +463,8 @@ def test_multi_turn_keeps_the_models_tokens_when_text_retokenizes_differently(se
     )
     second = chat(served, messages).choices[0].message
     assert second.prompt_token_ids[: len(model_turn)] == model_turn
-    assert (
-        second.prompt_token_ids[len(model_turn)] == tok.eos_token_id
-    )  # the template's end of that turn
+    # the template's end of that turn
+    assert second.prompt_token_ids[len(model_turn)] == tok.eos_token_id
     # the same through required_prefix_token_ids, with the history's messages as plain text
     again = (
         chat(
@@ -529,27 +527,29 @@ def test_generate_async_yields_rows_as_they_finish_and_aborts_when_left(served, 
 def test_nemo_rl_generate_with_its_padding_and_per_row_stop_token_ids(served, monkeypatch):
     """Seed 000's example: rows right-padded with 0 (the `pad_token_id: 0` key), and NeMo RL's batch keys."""
     module = served.module
-    monkeypatch.setattr(
-        module, "pad_token_id", 0
-    )  # what `pad_token_id: 0` in the per-model config resolves to
+    # what `pad_token_id: 0` in the per-model config resolves to
+    monkeypatch.setattr(module, "pad_token_id", 0)
+    # actual lengths
     input_data = {
         "input_ids": torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]),  # right-padded sequence
         "input_lengths": torch.tensor([3, 5]),
-    }  # actual lengths
+    }
     out = module.generate(input_data, greedy=True)
+    # the shorter row is padded with 0 too
     assert out["output_ids"][0, 3 + MAX_NEW :].tolist() == [
         0,
         0,
-    ]  # the shorter row is padded with 0 too
+    ]
     stop = out["output_ids"][0, 5].item()  # row 0's third generated token
     first = out["output_ids"][0, 3:].tolist().index(stop)
     stopped = module.generate(
         {**input_data, "stop_token_ids": [[stop], None], "task_name": ["a", "b"]}, greedy=True
     )
+    # row 0 stops there (token kept)
     assert stopped["generation_lengths"].tolist() == [
         first + 1,
         MAX_NEW,
-    ]  # row 0 stops there (token kept)
+    ]
     assert (
         stopped["output_ids"][0, : 3 + first + 1].tolist()
         == out["output_ids"][0, : 3 + first + 1].tolist()
@@ -592,9 +592,8 @@ def weights(chat_model_dir):
     from safetensors.torch import load_file
 
     original = load_file(str(chat_model_dir / "model.safetensors"))
-    head = {
-        "lm_head.weight": torch.roll(original["lm_head.weight"], 1, dims=0)
-    }  # logits only: KV unchanged
+    # logits only: KV unchanged
+    head = {"lm_head.weight": torch.roll(original["lm_head.weight"], 1, dims=0)}
     layer = {
         "model.layers.0.mlp.down_proj.weight": 3.0 * original["model.layers.0.mlp.down_proj.weight"]
     }
@@ -650,12 +649,10 @@ def test_keep_and_recompute_continue_under_the_new_weights(served, weights, mode
         k = versions.index(version)
         assert 0 < k < MAX_NEW and versions == [version - 1] * k + [version] * (MAX_NEW - k)
         assert tokens[:k] == old_tokens[:k]
-        ref_tokens, ref_logprobs = greedy(
-            module, prompt + tokens[:k], MAX_NEW - k
-        )  # fresh, new weights
-        if (
-            change is head or mode == "recompute"
-        ):  # the KV of the first k tokens is the new weights' KV
+        # fresh, new weights
+        ref_tokens, ref_logprobs = greedy(module, prompt + tokens[:k], MAX_NEW - k)
+        # the KV of the first k tokens is the new weights' KV
+        if change is head or mode == "recompute":
             assert tokens[k:] == ref_tokens
             assert logprobs[k:] == pytest.approx(ref_logprobs, abs=1e-4)
         else:  # keep, a layer changed: the old KV stays, so the next log-prob is not the fresh one's
@@ -670,9 +667,8 @@ def test_wait_drains_first_and_abort_returns_what_it_has(served, weights):
     old_tokens, _ = greedy(module, prompt)
     out, version = update_mid_request(module, prompt, head, "wait")
     tokens, _, versions = generated(out, len(prompt))
-    assert (
-        tokens == old_tokens and versions == [version - 1] * MAX_NEW
-    )  # finished under the old weights
+    # finished under the old weights
+    assert tokens == old_tokens and versions == [version - 1] * MAX_NEW
     new_tokens, _ = greedy(module, prompt)
     assert new_tokens != old_tokens
     module.update_weights(list(original.items()))
@@ -725,9 +721,8 @@ def test_an_abort_update_ends_streamed_n2_requests_and_the_server_keeps_serving(
 
 def test_no_prefix_cache_hit_across_an_update(served, weights):
     module, (original, head, _) = served.module, weights
-    long_prompt = module.tokenizer.encode(
-        " ".join(["the cat sat on the mat"] * 12)
-    )  # several 32-token blocks
+    # several 32-token blocks
+    long_prompt = module.tokenizer.encode(" ".join(["the cat sat on the mat"] * 12))
 
     def cached_tokens():
         (out,), _ = module.engine_loop.run(

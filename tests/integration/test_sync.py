@@ -127,9 +127,8 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
     ):
         sync_weights(tr, llm, bucket_bytes=300_000)
 
-    def corrupted(
-        *args, **kwargs
-    ):  # a bucket that arrives wrong: the validation check's own SyncError
+    # a bucket that arrives wrong: the validation check's own SyncError
+    def corrupted(*args, **kwargs):
         for i, bucket in enumerate(real(*args, **kwargs)):
             yield [(name, t + 1.0) for name, t in bucket] if i == 2 else bucket
 
@@ -175,9 +174,8 @@ def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
     try:
         for layout in layouts:
-            assert (
-                generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2
-            )  # engine holds random weights
+            # engine holds random weights
+            assert generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2
             report = rx.receive_into(llm, alive=job.poll)
             assert report.validated and report.buckets > 1
             assert generated_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
@@ -198,9 +196,8 @@ def _colocated_tp2(model_dir, prompts):
     from chatgen.training.megatron_module import MegatronModule
 
     module = MegatronModule(dict(load=str(model_dir), tensor_model_parallel_size=2)).start()
-    llm = engine(
-        model_dir, tensor_parallel_size=2
-    )  # WORLD_SIZE=2: external_launcher, one rank per process
+    # WORLD_SIZE=2: external_launcher, one rank per process
+    llm = engine(model_dir, tensor_parallel_size=2)
     before = max_diff_vs_trainer(module, generate(llm, prompts), prompts)
     report = sync_weights(module, llm, validate=True)
     after = max_diff_vs_trainer(module, generate(llm, prompts), prompts)

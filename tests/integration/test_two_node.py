@@ -79,9 +79,8 @@ class LoopbackCluster:
             "RAY_USAGE_STATS_ENABLED": "0",
             "RAY_ADDRESS": f"127.0.0.1:{self.port}",
         }
-        self.env.pop(
-            "PYTHONPATH", None
-        )  # the actors import what the driver tells them to, nothing of this test
+        # the actors import what the driver tells them to, nothing of this test
+        self.env.pop("PYTHONPATH", None)
         self._start(
             0,
             [
@@ -264,9 +263,8 @@ def test_grpo_across_two_nodes_with_relative_paths(cluster, tiny_llama_dir, tmp_
 
     driver = tmp_path / "driver"
     tasks.write_task_data(str(driver / "data"), n_train=8, n_eval=8)  # the run's prompts
-    tasks.write_task_data(
-        str(tmp_path / "sft"), n_train=64, n_eval=8
-    )  # the warm start's demonstrations
+    # the warm start's demonstrations
+    tasks.write_task_data(str(tmp_path / "sft"), n_train=64, n_eval=8)
     quick_warm_start(
         tiny_llama_dir,
         read_prompt_records(tmp_path / "sft" / "sft.jsonl"),
@@ -304,9 +302,8 @@ def test_grpo_across_two_nodes_with_relative_paths(cluster, tiny_llama_dir, tmp_
             timeout=scaled(900),
         )
     assert run.returncode == 0, run.stderr[-4000:] + cluster.log(0)
-    assert not [s for s in seen if not is_loopback(s[1])], (
-        seen
-    )  # the cluster and the run: loopback only
+    # the cluster and the run: loopback only
+    assert not [s for s in seen if not is_loopback(s[1])], seen
     # two groups on two nodes: the replicas on one, the trainer on the other
     started = dict(re.findall(r"started (\S+): .* on node\(s\) (\S+) in", run.stdout))
     assert set(started) == {"policy+reward", "policy_trainer"}, run.stdout[-3000:]

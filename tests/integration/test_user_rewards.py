@@ -101,9 +101,8 @@ def test_a_plain_function_reward_of_the_project_trains(project, tiny_llama_dir, 
     metrics = train(project, tiny_llama_dir, f"outputs/{launcher}", f"runtime.launcher={launcher}")
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
-        assert (
-            0.0 <= metrics[episode]["reward/ascending"] <= 1.0
-        )  # the function's term, logged by its name
+        # the function's term, logged by its name
+        assert 0.0 <= metrics[episode]["reward/ascending"] <= 1.0
         assert metrics[episode]["reward/mean"] == pytest.approx(
             metrics[episode]["reward/ascending"], abs=1e-6
         )

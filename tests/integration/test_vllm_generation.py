@@ -91,20 +91,17 @@ def test_prompts_as_strings_or_chats_and_sampling_per_call(gen):
 
 
 def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_model):
-    before = gen.generate(
-        PROMPTS, greedy=True
-    )  # fills the prefix cache with KV of the current weights
+    # fills the prefix cache with KV of the current weights
+    before = gen.generate(PROMPTS, greedy=True)
     model = perturbed(hf_model, seed=1)
     report = gen.sync_weights(model)
     assert report.tensors == len(list(model.parameters()))
     after = gen.generate(PROMPTS, greedy=True)
     assert after[2] != before[2]  # the weights changed
-    assert (
-        max_diff_vs_hf(model, *after) < TOL
-    )  # including the long prompt, whose cached KV was reset
-    assert (
-        max_diff_vs_hf(model, *gen.generate(PROMPTS, num_generations=2)) < TOL
-    )  # sampled, temperature 1
+    # including the long prompt, whose cached KV was reset
+    assert max_diff_vs_hf(model, *after) < TOL
+    # sampled, temperature 1
+    assert max_diff_vs_hf(model, *gen.generate(PROMPTS, num_generations=2)) < TOL
 
 
 def test_vllm_reload_alone_keeps_the_stale_prefix_cache(gen, hf_model):
@@ -179,7 +176,6 @@ def test_grpo_with_hf_trainer_example_runs(tiny_llama_dir, tmp_path):
     for r in history[:2]:
         assert 0 <= r["reward"] <= 1 and r["synced_tensors"] == 21
     assert history[0]["loss"] != 0  # the rewards varied: step 0 changed the model ...
-    assert (
-        history[1]["logprob_mismatch"] < TOL
-    )  # ... and its sync reached the engine (without it: ~1)
+    # ... and its sync reached the engine (without it: ~1)
+    assert history[1]["logprob_mismatch"] < TOL
     assert len((tmp_path / "m.jsonl").read_text().splitlines()) == 3

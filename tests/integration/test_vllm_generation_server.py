@@ -169,9 +169,8 @@ def test_colocate_and_server_agree_and_match_transformers_after_a_sync(
     assert remote._transport == "shm"  # auto, with a loopback server: shared memory
     assert report.tensors == 21 and report.bytes == sum(p.numel() * 4 for p in model.parameters())
     files = shm_files(server_process[1].pid)
-    assert len(files) == 1 and os.path.isdir(
-        files[0]
-    )  # the file was unlinked once mapped: only the directory
+    # the file was unlinked once mapped: only the directory
+    assert len(files) == 1 and os.path.isdir(files[0])
     local.sync_weights(model)
     after = remote.generate(PROMPTS, greedy=True)
     assert after[2] != before[2]  # the server's weights changed
@@ -189,13 +188,11 @@ def test_text_prompts_and_per_call_sampling_agree_with_colocate(remote, local):
     two engines may hold different weights here: earlier tests synced the server)."""
     texts = ["Once upon a time", "The cat sat"]
     ids = [local.module.tokenizer.encode(t) for t in texts]
-    assert remote.generate(texts, greedy=True) == remote.generate(
-        ids, greedy=True
-    )  # the same prompts
+    # the same prompts
+    assert remote.generate(texts, greedy=True) == remote.generate(ids, greedy=True)
     assert remote.generate(texts, greedy=True)[0] == ids
-    short = remote.generate(
-        texts, temperature=0, max_completion_length=3
-    )  # this call only: greedy, 3 tokens
+    # this call only: greedy, 3 tokens
+    short = remote.generate(texts, temperature=0, max_completion_length=3)
     assert [len(c) for c in short[1]] == [3, 3] and short[1] == [
         c[:3] for c in remote.generate(ids, greedy=True)[1]
     ]
@@ -276,9 +273,8 @@ def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(
     )
     with pytest.raises(RuntimeError, match="the trainer died mid-sync"):
         remote.sync_weights(_DiesMidSync(model))
-    assert (
-        remote.generate(PROMPTS, greedy=True) == before
-    )  # the engine read nothing of the half-written file
+    # the engine read nothing of the half-written file
+    assert remote.generate(PROMPTS, greedy=True) == before
     assert shm_files(server_process[1].pid)[1:] == []  # the server removed it
     remote.sync_weights(model)
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
@@ -300,9 +296,8 @@ def test_shm_updates_need_the_key_and_leave_no_file_when_refused(server):
         requests.post(server + "/control/weights/finish", json={"header": None}).status_code == 401
     )
     finish = requests.post(server + "/control/weights/finish", json={}, headers=auth)
-    assert (
-        finish.status_code == 400 and '{"header": ...}' in finish.json()["error"]["message"]
-    )  # still open
+    # still open
+    assert finish.status_code == 400 and '{"header": ...}' in finish.json()["error"]["message"]
     finish = requests.post(
         server + "/control/weights/finish",
         headers=auth,
@@ -393,9 +388,8 @@ def test_auto_falls_back_to_the_group_for_a_server_in_another_dev_shm(
         AutoModelForCausalLM.from_pretrained(data_and_model[1], dtype=torch.float32).eval(), seed=11
     )
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
-    assert (
-        shm_files(server_process[1].pid)[1:] == []
-    )  # the file it could not create left nothing behind
+    # the file it could not create left nothing behind
+    assert shm_files(server_process[1].pid)[1:] == []
 
 
 def _trainer_rank(rank, url, model_dir, port, seed, results):
@@ -469,6 +463,5 @@ def test_grpo_with_hf_trainer_example_in_server_mode(server, data_and_model):
     )
     assert [r["step"] for r in history] == [0, 1, 2]
     assert history[0]["loss"] != 0 and all(r["synced_tensors"] == 21 for r in history[:2])
-    assert (
-        history[1]["logprob_mismatch"] < TOL
-    )  # the server generated with the weights trained at step 0
+    # the server generated with the weights trained at step 0
+    assert history[1]["logprob_mismatch"] < TOL

@@ -75,9 +75,8 @@ def test_an_upward_import_breaks_a_contract(tmp_path, module, upward):
     target.write_text(target.read_text() + f"\n\ndef _sneaky():\n    {upward}\n")
     result = lint_imports(tmp_path)
     assert result.returncode != 0 and "BROKEN" in result.stdout, result.stdout
-    assert (
-        f"chatgen.{module[:-3].replace('/', '.')}" in result.stdout
-    )  # the offending module is named
+    # the offending module is named
+    assert f"chatgen.{module[:-3].replace('/', '.')}" in result.stdout
 
 
 def private_imports(root: Path) -> list:

@@ -16,6 +16,7 @@ TOK = SimpleNamespace(eos_token_id=EOS)
 
 
 def test_the_worked_example_of_nemo_rl_holds_exactly():
+    # turn 1: template prefill + the model's " 4" + EOS
     model_prefix = [
         11,
         12,
@@ -25,7 +26,7 @@ def test_the_worked_example_of_nemo_rl_holds_exactly():
         220,
         17,
         2,
-    ]  # turn 1: template prefill + the model's " 4" + EOS
+    ]
     template_prefix = [11, 12, 13, 40, 41, 1001, 2]  # the template re-tokenizes " 4" as one token
     template = [11, 12, 13, 40, 41, 1001, 2, 21, 22, 40, 41]
     assert replace_prefix_tokens(TOK, model_prefix, template_prefix, template) == [

@@ -26,9 +26,8 @@ def test_atomic_directory_appears_complete_or_not_at_all(tmp_path):
             (tmp / "half.txt").write_text("half")
             raise RuntimeError("crash while writing")
     assert not failed.exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [
-        "sub"
-    ]  # the temporary directory is gone too
+    # the temporary directory is gone too
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
 
 
 def test_read_hf_safetensors_merges_files_filters_and_unties(tmp_path):

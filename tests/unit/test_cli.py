@@ -148,10 +148,11 @@ def test_sizes_and_layouts_are_usage_errors_with_exit_code_2(tiny_llama_dir, tmp
     assert "Traceback" not in proc.stderr and not (tmp_path / "c.json").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("runtime:\n  seed: 1\n  seed: 2\nmodels: {}\n")
+    # one exit code for a bad config, any command
     for command in (
         ["config", str(bad)],
         ["train", str(bad)],
-    ):  # one exit code for a bad config, any command
+    ):
         proc = chatgen(*command)
         assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, command
 
@@ -260,9 +261,8 @@ def test_the_api_key_comes_from_the_environment_or_a_file_and_the_flag_warns(
         "warning: --api-key shows the key to every user of this machine in the process list (ps)"
         in err
     )
-    assert (
-        "--control-timeout 0.0: give the seconds" in err
-    )  # the key was taken: --host 0.0.0.0 passed
+    # the key was taken: --host 0.0.0.0 passed
+    assert "--control-timeout 0.0: give the seconds" in err
     key_file = tmp_path / "key"
     key_file.write_text("from-a-file\n")
     assert main([*serve, "--api-key-file", str(key_file)]) == 2
@@ -359,9 +359,8 @@ def test_serve_refuses_a_port_in_use_or_out_of_range_before_the_engine_loads(
         port = taken.getsockname()[1]
         assert main(["serve", "--model", str(tiny_llama_dir), "--port", str(port)]) == 2
     err = capsys.readouterr().err
-    assert (
-        f"--port {port}: 127.0.0.1:{port} is in use" in err and "http://" not in err
-    )  # nothing announced
+    # nothing announced
+    assert f"--port {port}: 127.0.0.1:{port} is in use" in err and "http://" not in err
     with pytest.raises(SystemExit) as exit_:
         main(["serve", "--model", str(tiny_llama_dir), "--port", "99999"])
     assert (
@@ -383,9 +382,8 @@ def test_serve_gives_a_wide_model_every_core_and_a_narrow_one_all_but_one(tmp_pa
         (tmp_path / name / "config.json").write_text(json.dumps({"hidden_size": hidden}))
     assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 3
     assert serve_threads(["serve", "--port", "0", f"--model={tmp_path / 'wide'}"]) == 4
-    assert (
-        serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3
-    )  # serve itself names the bad path
+    # serve itself names the bad path
+    assert serve_threads(["serve", "--model", str(tmp_path / "missing")]) == 3
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
     assert serve_threads(["serve", "--model", str(tmp_path / "narrow")]) == 1
 

@@ -91,9 +91,8 @@ def test_main_config_loads_typed_sections(main_yaml):
     assert isinstance(policy.config, VLLMConfig)
     assert (policy.config.temperature, policy.config.n, policy.config.top_p) == (0.7, 4, 1.0)
     trainer = cfg.models["policy_trainer"].config
-    assert (
-        isinstance(trainer, MegatronConfig) and trainer.lr == 1e-5
-    )  # `1e-5` is a float, not YAML 1.1's str
+    # `1e-5` is a float, not YAML 1.1's str
+    assert isinstance(trainer, MegatronConfig) and trainer.lr == 1e-5
     assert cfg.models["reward"].config == {"answer_key": "answer"}
     assert {Path(f).name for f in cfg.files} == {"main.yaml", "policy.yaml", "trainer.yaml"}
 
@@ -282,16 +281,14 @@ def test_env_none_is_null_as_in_chatlearn_and_true_false_are_bools(tmp_path, mon
         True,
         False,
     )
-    assert (
-        cfg.stop_token_list == "None"
-    )  # a plain YAML None is text, in ChatLearn too: only `${...}` values
+    # a plain YAML None is text, in ChatLearn too: only `${...}` values
+    assert cfg.stop_token_list == "None"
     monkeypatch.setenv("CG_LOGPROBS", "None")  # the environment's text is typed like a default's
     monkeypatch.setenv("CG_WINDOW", "4096")
     cfg = load_model_config(path, VLLMConfig, ["use_beam_search=false", "sliding_window=null"])
     assert (cfg.prompt_logprobs, cfg.sliding_window) == (None, None)
-    (error,) = errors_of(
-        load_model_config, path, VLLMConfig
-    )  # a refused key keeps its refusal when it is set
+    # a refused key keeps its refusal when it is set
+    (error,) = errors_of(load_model_config, path, VLLMConfig)
     assert "sliding_window: not supported" in error
 
 
@@ -340,12 +337,10 @@ def test_overrides_win_over_files_and_route_to_the_model(main_yaml):
     )
     assert cfg.models["policy"].num_gpu == 2  # an entry key stays on the entry
     assert cfg.models["reward"].config == {"answer_key": "label"}
-    assert (
-        load_config(main_yaml).models["policy"].config.temperature == 0.7
-    )  # the files are untouched
-    (error,) = errors_of(
-        load_config, main_yaml, ["reference.lr=1"]
-    )  # a GRPO model this YAML does not have
+    # the files are untouched
+    assert load_config(main_yaml).models["policy"].config.temperature == 0.7
+    # a GRPO model this YAML does not have
+    (error,) = errors_of(load_config, main_yaml, ["reference.lr=1"])
     assert error == (
         "command line: reference: no model 'reference' under models; configured: policy, "
         "policy_trainer, reward"
@@ -672,9 +667,8 @@ def test_cli_prints_resolved_config_or_every_error(main_yaml, capsys):
     assert cli.main(["config", str(main_yaml), *ready, "policy.max_new_tokens=7"]) == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["models"]["policy"]["config"]["max_new_tokens"] == 7
-    assert printed["runtime"]["data_path"] == str(
-        main_yaml.parent / "train.jsonl"
-    )  # absolute: actors run elsewhere
+    # absolute: actors run elsewhere
+    assert printed["runtime"]["data_path"] == str(main_yaml.parent / "train.jsonl")
     assert cli.main(["config", str(main_yaml), "policy.temprature=0.1", "runtime.sed=1"]) == 2
     assert "2 config error(s)" in capsys.readouterr().err
     # the checks of a whole run too, the ones `chatgen train` makes before it starts anything
@@ -812,12 +806,13 @@ def test_algorithm_knobs_are_typed_and_checked(main_yaml):
             "runtime.algorithm.importance_sampling_cap=0.5",
         ],
     )
+    # gamma is ppo's, not grpo's
     assert sorted(e.split(": ")[1] for e in errors) == [
         "runtime.algorithm.gamma",
         "runtime.algorithm.importance_sampling_cap",
         "runtime.algorithm.kl_estimator",
         "valid keys of runtime.algorithm",
-    ]  # gamma is ppo's, not grpo's
+    ]
 
 
 def test_overlap_generation_needs_a_correction_for_its_stale_samples(main_yaml):
@@ -831,9 +826,8 @@ def test_overlap_generation_needs_a_correction_for_its_stale_samples(main_yaml):
         assert load_config(
             main_yaml, ["runtime.algorithm.overlap_generation=true", fix]
         ).runtime.algorithm.overlap_generation
-    assert errors_of(
-        load_config, main_yaml, ["runtime.algorithm.old_logprobs=engine"]
-    )  # a typo'd choice
+    # a typo'd choice
+    assert errors_of(load_config, main_yaml, ["runtime.algorithm.old_logprobs=engine"])
 
 
 def test_cli_validates_a_per_model_yaml_by_its_schema_marker(tmp_path, capsys):
@@ -974,9 +968,8 @@ def test_override_values_keep_text_yaml_would_change():
 
 # --- the chatlearn dialect: a per-model YAML written for ChatLearn -------------------------------------------
 
-CHATLEARN_STYLE = (
-    REPO / "tests" / "data" / "chatlearn_style"
-)  # our own chain, in the style of ChatLearn's examples
+# our own chain, in the style of ChatLearn's examples
+CHATLEARN_STYLE = REPO / "tests" / "data" / "chatlearn_style"
 SAMPLER, TRAINER = CHATLEARN_STYLE / "sampler.yaml", CHATLEARN_STYLE / "trainer.yaml"
 
 
@@ -1053,12 +1046,10 @@ def test_chatlearn_dialect_from_a_main_yaml_with_overrides(chatlearn_env):
         ],
     )
     policy, trainer = cfg.models["policy"].config, cfg.models["policy_trainer"].config
-    assert (
-        policy.args["question_key"] == "prompt"
-    )  # a top-level override of a user key goes to args too
-    assert (
-        policy.args["samples_per_prompt"] == 5
-    )  # an explicit `args:` entry wins over the routed key
+    # a top-level override of a user key goes to args too
+    assert policy.args["question_key"] == "prompt"
+    # an explicit `args:` entry wins over the routed key
+    assert policy.args["samples_per_prompt"] == 5
     assert (
         model_args(policy)["question_key"] == "prompt" and model_args(policy)["seq_length"] == 256
     )
@@ -1121,9 +1112,8 @@ def test_chatlearn_dialect_needs_a_schema_with_args():
         "command line: the chatlearn dialect sends unknown keys to `args:`, and RuntimeConfig has no "
         "`args` field; read this file with the chatgen dialect"
     )
-    assert load_chatlearn(None, dict, ["num_layers=2"]) == {
-        "num_layers": 2
-    }  # a python model's keys are its own
+    # a python model's keys are its own
+    assert load_chatlearn(None, dict, ["num_layers=2"]) == {"num_layers": 2}
 
 
 def test_megatron_lm_key_list_is_sorted_and_names_no_chatlearn_or_vllm_key():

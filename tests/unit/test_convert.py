@@ -106,9 +106,8 @@ def test_qwen2_head_dim_vllm_would_ignore_is_refused():
         num_attention_heads=4,
         vocab_size=8,
     )
-    assert (
-        models.spec_from_hf_config(dict(cfg, head_dim=32)).head_dim == 32
-    )  # = hidden_size / heads: fine
+    # = hidden_size / heads: fine
+    assert models.spec_from_hf_config(dict(cfg, head_dim=32)).head_dim == 32
     with pytest.raises(
         ValueError, match="head_dim=64 is not supported: vLLM's Qwen2 ignores head_dim"
     ):
@@ -200,13 +199,14 @@ def test_layout_that_does_not_fit_names_every_problem():
         assert needle in str(err.value)
 
 
+# Llama-3.1-8B-Instruct's config.json
 LLAMA31_ROPE = {
     "rope_type": "llama3",
     "factor": 8.0,
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
-}  # Llama-3.1-8B-Instruct's config.json
+}
 
 
 @pytest.mark.parametrize(
@@ -315,9 +315,8 @@ def test_moe_layer_maps_router_replicated_and_each_expert_like_a_dense_mlp():
         kwargs["moe_ffn_hidden_size"],
         kwargs["moe_router_topk"],
     ) == (4, 16, 2)
-    assert (
-        kwargs["moe_router_pre_softmax"] is True
-    )  # norm_topk_prob false: top k of the softmax over all experts
+    # norm_topk_prob false: top k of the softmax over all experts
+    assert kwargs["moe_router_pre_softmax"] is True
     assert "num_moe_experts" not in llama.transformer_config_kwargs(make_spec())
     # the Hub's config.json says num_experts, transformers 5 writes num_local_experts; norm_topk_prob renormalises
     hub = dict(
@@ -333,9 +332,8 @@ def test_moe_layer_maps_router_replicated_and_each_expert_like_a_dense_mlp():
         norm_topk_prob=True,
     )
     spec = models.spec_from_hf_config(hub)
-    assert (
-        spec.num_experts == 8 and spec.moe_renormalize and spec.head_dim == 8
-    )  # hidden / heads, not qwen3's 128
+    # hidden / heads, not qwen3's 128
+    assert spec.num_experts == 8 and spec.moe_renormalize and spec.head_dim == 8
     assert qwen3_moe.transformer_config_kwargs(spec)["moe_router_pre_softmax"] is False
 
 
@@ -380,9 +378,8 @@ def test_expert_parallel_rank_holds_its_experts_under_local_numbers():
     fc2 = second["decoder.layers.0.mlp.experts.local_experts.1.linear_fc2.weight"]
     assert fc2.hf_names == ("model.layers.1.mlp.experts.3.down_proj.weight",) and fc2.expert == 3
     assert "decoder.layers.0.mlp.experts.local_experts.2.linear_fc2.weight" not in second
-    assert (
-        second["decoder.layers.0.mlp.router.weight"].expert is None
-    )  # the router: on every EP rank
+    # the router: on every EP rank
+    assert second["decoder.layers.0.mlp.router.weight"].expert is None
     # EP = 1 (a checkpoint's layout): every expert under its global number
     names = {sp.local_name for sp in layout.stage_params(spec, pp=1, pp_rank=0)}
     assert {

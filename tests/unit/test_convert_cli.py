@@ -82,9 +82,8 @@ def test_convert_round_trip_is_bit_exact(hf_dir, tmp_path, tp, pp):
         (hf_dir / "config.json").read_text()
     )
     assert (back / "tokenizer_config.json").exists()
-    assert json.loads((back / "generation_config.json").read_text()) == {
-        "_from_model_config": True
-    }  # no ids given
+    # no ids given
+    assert json.loads((back / "generation_config.json").read_text()) == {"_from_model_config": True}
 
 
 def test_convert_refuses_existing_output_and_bad_layout(hf_dir, tmp_path, capsys):
@@ -141,9 +140,8 @@ def test_convert_tiny_qwen3_both_ways(tiny_qwen3_dir, tmp_path):
         )
         == 0
     )
-    last = load_file(
-        str(meg / "model_tp1_pp1.safetensors")
-    )  # layer 1 as local layer 0, tied output copy
+    # layer 1 as local layer 0, tied output copy
+    last = load_file(str(meg / "model_tp1_pp1.safetensors"))
     original = load_file(str(tiny_qwen3_dir / "model.safetensors"))
     assert torch.equal(
         last["decoder.layers.0.self_attention.q_layernorm.weight"],
@@ -178,9 +176,8 @@ def test_convert_tiny_moe_both_ways(make_tiny, tmp_path, name):
         )
         == 0
     )
-    last = load_file(
-        str(meg / "model_tp1_pp1.safetensors")
-    )  # layer 1 as local layer 0, TP rank 1's halves
+    # layer 1 as local layer 0, TP rank 1's halves
+    last = load_file(str(meg / "model_tp1_pp1.safetensors"))
     original = load_file(str(hf_dir / "model.safetensors"))
     spec = models.spec_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     down = next(

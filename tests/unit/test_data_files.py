@@ -64,15 +64,12 @@ def test_each_format_gives_the_same_records_with_every_column(tmp_path, suffix):
     for path in paths:
         records = read_prompt_file(path, rt())
         assert [r["prompt"] for r in records] == [r["question"] for r in ROWS]
-        assert [r["answer"] for r in records] == [
-            str(r["solution"]) for r in ROWS
-        ]  # integers become text
-        assert [r["level"] for r in records] == [
-            r["level"] for r in ROWS
-        ]  # extra columns reach the reward
-        assert (
-            records[0]["question"] == ROWS[0]["question"]
-        )  # the mapped column stays under its own name too
+        # integers become text
+        assert [r["answer"] for r in records] == [str(r["solution"]) for r in ROWS]
+        # extra columns reach the reward
+        assert [r["level"] for r in records] == [r["level"] for r in ROWS]
+        # the mapped column stays under its own name too
+        assert records[0]["question"] == ROWS[0]["question"]
 
 
 def test_a_directory_of_shards_reads_in_name_order_and_its_digest_follows_the_contents(tmp_path):
@@ -94,9 +91,8 @@ def test_messages_key_gives_chats_and_jsonl_defaults_read_as_before(tmp_path):
     plain.write_text(
         '{"prompt": "a b", "answer": "b a", "id": 7}\n\n{"prompt": "c", "answer": 3}\n'
     )
-    records = read_prompt_file(
-        plain, RuntimeConfig()
-    )  # default keys: the records of the file, as they are
+    # default keys: the records of the file, as they are
+    records = read_prompt_file(plain, RuntimeConfig())
     assert records == [{"prompt": "a b", "answer": "b a", "id": 7}, {"prompt": "c", "answer": 3}]
 
 
@@ -128,9 +124,8 @@ class Policy:  # RunData.prepare's one call of a policy: prepare_dataset, cuttin
 
 
 def test_overlong_prompts_drop_counts_them_and_error_refuses(tmp_path):
-    rows = [
-        {"question": "x" * (10 + i % 2 * 10), "solution": i} for i in range(12)
-    ]  # odd records: 20 chars
+    # odd records: 20 chars
+    rows = [{"question": "x" * (10 + i % 2 * 10), "solution": i} for i in range(12)]
     path = write(datasets.Dataset.from_list(rows), tmp_path / "train.parquet")
     lines = []
     data = RunData(rt(data_path=str(path), overlong_prompts="drop"), records_per_episode=2)
@@ -229,6 +224,5 @@ def test_the_csv_file_is_read_by_datasets_not_by_hand(tmp_path):
             "answer": "123",
         }
     ]
-    assert json.dumps(
-        read_prompt_file(path, rt())
-    )  # plain values: they travel to Ray actors and into logs
+    # plain values: they travel to Ray actors and into logs
+    assert json.dumps(read_prompt_file(path, rt()))

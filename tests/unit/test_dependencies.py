@@ -67,9 +67,8 @@ def test_hide_packages_makes_python_see_them_absent():
         "subprocess.run([sys.executable, '-c', 'import fastapi'], check=False)\n"
     )
     assert out.returncode == 0, out.stderr
-    assert (
-        "ray hidden" in out.stdout and "ModuleNotFoundError" in out.stderr
-    )  # the subprocess's import failed
+    # the subprocess's import failed
+    assert "ray hidden" in out.stdout and "ModuleNotFoundError" in out.stderr
 
 
 def test_chatgen_imports_and_the_vllm_backend_names_its_extra_without_vllm():

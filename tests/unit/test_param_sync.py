@@ -27,9 +27,8 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
         gathered = sum(numel(s) * tp * 4 for s in b.shard_shapes)
-        assert (
-            gathered <= bucket_bytes or len(b.params) == 1
-        )  # only a single oversize param may exceed
+        # only a single oversize param may exceed
+        assert gathered <= bucket_bytes or len(b.params) == 1
         assert all(sp.local_name.startswith(("decoder", "embedding", "output")) for sp in b.params)
     stages = [b.stage for b in plan]
     assert stages == sorted(stages) and set(stages) == set(range(pp))
@@ -174,9 +173,8 @@ def test_check_sync_max_abs_diff_never_hides_nan():
     nan = float("nan")
     assert max_abs_diff([-1.0, nan], [-1.0, -2.0]) != max_abs_diff([-1.0, nan], [-1.0, -2.0])  # NaN
     assert not max_abs_diff([nan], [0.0]) <= 1e-4  # fails the threshold check
-    assert (
-        not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4
-    )  # a NaN from an earlier sample sticks
+    # a NaN from an earlier sample sticks
+    assert not max_abs_diff([-1.0], [-1.0], worst=nan) <= 1e-4
     assert not max_abs_diff([-1.0, -2.0], [-1.0]) <= 1e-4  # misaligned scores fail too
 
 
@@ -223,9 +221,8 @@ def test_shm_file_lives_until_the_engine_maps_it_and_the_directory_until_the_rec
 
     tx = ShmSender(rx.name, finish)
     tx.send([("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))])
-    assert (
-        seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []
-    )  # unlinked once mapped
+    # unlinked once mapped
+    assert seen[0].tolist() == [0, 1, 2, 3, 4, 5, 1, 1] and os.listdir(rx.directory) == []
     path = tx.path
     tx.send([("a", torch.zeros(2, 3)), ("b", torch.full((2,), 7.0))])
     assert tx.path == path and seen[1].tolist() == [0] * 6 + [7, 7]  # the same mapping, rewritten
@@ -266,12 +263,13 @@ def test_stale_segments_of_dead_processes_go_and_live_ones_stay(tmp_path):
 
     from chatgen.param_sync import remove_stale_segments
 
+    # a pid that has ended
     dead = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         capture_output=True,
         text=True,
         check=True,
-    ).stdout.strip()  # a pid that has ended
+    ).stdout.strip()
     names = [
         f"chatgen-weights-{dead}-abc",
         f"chatgen-refit-{dead}-def",

@@ -40,12 +40,10 @@ def check_equivalent(plan, ids, keep, loss_mask):
         assert int(plan.position_ids[row, at]) == entry
         assert int(plan.labels[row, k + 1]) == int(ids[r, entry + 1])
         covered.add((r, entry))
-    assert {
-        (r, t) for r, t in (loss_mask > 0).nonzero().tolist()
-    } <= covered  # every scored entry is computed
-    assert all(
-        entry < int(keep[r].sum()) - 1 for r, entry in covered
-    )  # and nothing past a row's last token
+    # every scored entry is computed
+    assert {(r, t) for r, t in (loss_mask > 0).nonzero().tolist()} <= covered
+    # and nothing past a row's last token
+    assert all(entry < int(keep[r].sum()) - 1 for r, entry in covered)
 
 
 def test_rows_sharing_a_prompt_pack_into_one_row_that_sees_what_each_row_saw():

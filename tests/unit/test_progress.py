@@ -36,26 +36,28 @@ def test_summary_shows_the_curve_time_per_phase_and_the_files():
     )
     lines = text.splitlines()
     assert lines[0] == "[chatgen] done"
+    # loss: not headline
     assert lines[1].split() == [
         "episode",
         "time",
         "reward/mean",
         "eval/reward",
         "eval/solved",
-    ]  # loss: not headline
+    ]
+    # every evaluation, episode 0 included
     assert [line.split()[0] for line in lines[2:5]] == [
         "0",
         "5",
         "10",
-    ]  # every evaluation, episode 0 included
+    ]
+    # 10 x 0.65 s
     assert lines[2].split()[2] == "-" and lines[4].split()[1:4] == [
         "00:06",
         "0.510",
         "0.810",
-    ]  # 10 x 0.65 s
-    assert (
-        "generate 0.20 · train 0.30 · eval 0.40 (2x) · episode 0.65" in lines[5]
-    )  # reward never ran: left out
+    ]
+    # reward never ran: left out
+    assert "generate 0.20 · train 0.30 · eval 0.40 (2x) · episode 0.65" in lines[5]
     assert lines[6:] == [
         "  metrics      out/metrics.jsonl",
         "  checkpoints  out/checkpoints/episode_000010",
@@ -122,9 +124,8 @@ def test_on_a_terminal_one_live_line_shows_the_phase_the_last_evaluation_and_the
         line.startswith("episode |") and "1/4, train · eval/reward 0.300 · 0.65 s/episode [" in line
     )
     logger.close()
-    assert "\n" not in terminal.getvalue().rstrip(
-        "\n"
-    )  # one line, redrawn in place; no per-episode lines
+    # one line, redrawn in place; no per-episode lines
+    assert "\n" not in terminal.getvalue().rstrip("\n")
 
 
 @pytest.mark.parametrize("size", [os.terminal_size((0, 0)), OSError])

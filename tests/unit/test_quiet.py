@@ -43,12 +43,10 @@ def quiet_env(monkeypatch):
     monkeypatch.delenv(quiet.VERBOSE, raising=False)
     for name in quiet.LOGGED:
         monkeypatch.setattr(logging.getLogger(name), "filters", [])
-    monkeypatch.setenv(
-        "VLLM_LOGGING_LEVEL", "INFO"
-    )  # apply() only sets defaults: a user's choice stays
-    monkeypatch.setenv(
-        "HF_HUB_DISABLE_PROGRESS_BARS", "0"
-    )  # (and this test process's environment is restored)
+    # apply() only sets defaults: a user's choice stays
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    # (and this test process's environment is restored)
+    monkeypatch.setenv("HF_HUB_DISABLE_PROGRESS_BARS", "0")
 
 
 def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
@@ -69,11 +67,12 @@ def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
         FutureWarning,
         "vllm.triton_utils.dispatcher",
     )
+    # a resume's three
     assert not shown(
         "`load_state_dict` is deprecated and will be removed in future versions. Please use `load`",
         FutureWarning,
         "megatron.core.dist_checkpointing.strategies.torch",
-    )  # a resume's three
+    )
     assert not shown(
         "Please use DTensor instead and we are deprecating ShardedTensor.",
         FutureWarning,
@@ -110,9 +109,8 @@ def test_each_filter_hides_its_notice_from_its_module_only(quiet_env):
         "Token authentication is disabled for this Ray cluster. Anyone with network access...",
     )
     assert logged(triton, "Triton found 0 active drivers")  # the same logger's other messages
-    assert logged(
-        "vllm.engine", "Triton is installed, but doesn't include CPU backend"
-    )  # another logger
+    # another logger
+    assert logged("vllm.engine", "Triton is installed, but doesn't include CPU backend")
     quiet.apply()  # a second call adds nothing
     assert len(logging.getLogger(triton).filters) == 1
     assert os.environ["VLLM_LOGGING_LEVEL"] == "INFO"
@@ -142,9 +140,8 @@ def test_the_cli_flag_anywhere_turns_filters_off_for_this_process_and_its_worker
 
     monkeypatch.setenv(quiet.VERBOSE, "0")  # not verbose; restored after the test
     assert main(argv) == 0 and "### `runtime`" in capsys.readouterr().out
-    assert (
-        quiet.verbose() and os.environ[quiet.VERBOSE] == "1"
-    )  # Ray workers inherit CHATGEN_ variables
+    # Ray workers inherit CHATGEN_ variables
+    assert quiet.verbose() and os.environ[quiet.VERBOSE] == "1"
 
 
 @pytest.mark.integration

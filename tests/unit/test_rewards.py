@@ -64,9 +64,8 @@ def test_a_plain_function_in_the_project_runs_as_the_reward_from_any_directory(
     entry = cfg.models["reward"]
     assert entry.model_class == "chatgen.rlhf.rewards:Rewards"
     assert entry.config.terms == {"brevity": {"function": spec}}
-    assert os.environ["CHATGEN_PROJECT_DIRS"].split(os.pathsep)[0] == str(
-        tmp_path / "proj"
-    )  # for the actors
+    # for the actors
+    assert os.environ["CHATGEN_PROJECT_DIRS"].split(os.pathsep)[0] == str(tmp_path / "proj")
     reward = Rewards(entry.config).start()
     out = reward.score({"texts": ["ab", "abcd"], "answer": ["1", "2"], "prompt": ["p", "q"]})
     assert torch.allclose(out["rewards"], torch.tensor([1 / 3, 1 / 5]))
@@ -106,9 +105,8 @@ def test_chatgen_config_refuses_an_unimportable_reward_in_seconds(tmp_path, data
         proc.stderr
     )
     assert "Traceback" not in proc.stderr
-    assert (
-        "started" not in proc.stdout + proc.stderr
-    )  # no model, no engine: the config's own checks (timeout=120)
+    # no model, no engine: the config's own checks (timeout=120)
+    assert "started" not in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(
@@ -186,9 +184,8 @@ def test_weighted_terms_sum_and_each_is_logged_as_its_own_metric(tmp_path):
     assert run.pending_metrics == {
         f"reward/{name}": pytest.approx(v.mean().item()) for name, v in out["terms"].items()
     }
-    assert run.pending_metrics["reward/acc"] == pytest.approx(
-        2 / 3
-    )  # unweighted: the term's own mean
+    # unweighted: the term's own mean
+    assert run.pending_metrics["reward/acc"] == pytest.approx(2 / 3)
 
 
 @pytest.mark.parametrize(
@@ -314,10 +311,11 @@ def test_a_remote_reward_is_batched_and_gets_the_columns(scorer):
         {"texts": ["a", "bb", "ccc"], "answer": ["1", "2", "3"], "prompt": ["p", "q", "r"]}
     )
     assert out["rewards"].tolist() == [1.0, 2.0, 3.0] and out["metrics"] == {"remote/errors": 0}
+    # two requests of at most batch_size
     assert sorted(len(h["completions"]) for h in Scorer.hits) == [
         1,
         2,
-    ]  # two requests of at most batch_size
+    ]
     assert {"answer", "prompts", "prompt"} <= set(Scorer.hits[0])
     reward.shutdown()
 

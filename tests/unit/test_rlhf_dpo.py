@@ -165,15 +165,13 @@ def test_sort_digits_preferences(data):
             for line in (data / f"preference_{split}.jsonl").read_text().splitlines()
         ]
         by_prompt = {r["prompt"]: r["answer"] for r in records}
-        assert len(pairs) == sum(
-            len(set(r["answer"].split())) > 1 for r in records
-        )  # all-equal digits left out
+        # all-equal digits left out
+        assert len(pairs) == sum(len(set(r["answer"].split())) > 1 for r in records)
         for p in pairs:
             assert p["chosen"] == by_prompt[p["prompt"]]  # the right answer
             wrong = p["rejected"].split()
-            assert (
-                sorted(wrong) == p["chosen"].split() and wrong != p["chosen"].split()
-            )  # same digits, wrong order
+            # same digits, wrong order
+            assert sorted(wrong) == p["chosen"].split() and wrong != p["chosen"].split()
     train = {
         json.loads(line)["prompt"]
         for line in (data / "preference_train.jsonl").read_text().splitlines()

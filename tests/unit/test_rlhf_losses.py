@@ -153,9 +153,8 @@ def test_policy_loss_gradient_pushes_toward_positive_advantage():
     adv = torch.tensor([[1.0, -1.0]])
     loss, _ = A.policy_loss(logp, old, adv, torch.ones(1, 2))
     loss.backward()
-    assert (
-        logp.grad[0, 0].item() < 0 < logp.grad[0, 1].item()
-    )  # descending raises token 0, lowers 1
+    # descending raises token 0, lowers 1
+    assert logp.grad[0, 0].item() < 0 < logp.grad[0, 1].item()
 
 
 def test_policy_loss_clipping_stops_gradient():
@@ -226,9 +225,8 @@ def test_kl_shaped_rewards_puts_score_on_last_token():
 
 def test_dpo_loss_hand_checked():
     chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
-    loss, stats = A.dpo_loss(
-        chosen, rejected, beta=0.5
-    )  # margins 0.5 * (1 - 0), 0.5 * (0 - 2) = 0.5, -1.0
+    # margins 0.5 * (1 - 0), 0.5 * (0 - 2) = 0.5, -1.0
+    loss, stats = A.dpo_loss(chosen, rejected, beta=0.5)
     assert loss.item() == pytest.approx(
         (math.log(1 + math.exp(-0.5)) + math.log(1 + math.exp(1.0))) / 2
     )
@@ -245,16 +243,13 @@ def test_dpo_loss_hand_checked():
 def test_dpo_loss_weights_drop_pairs_but_keep_the_mean_over_all():
     chosen, rejected = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 2.0])
     loss, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.tensor([1.0, 0.0]))
-    assert loss.item() == pytest.approx(
-        math.log(1 + math.exp(-0.5)) / 2
-    )  # mean over both pairs, one weighted 0
-    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(
-        0.5
-    )  # over the counted pair
+    # mean over both pairs, one weighted 0
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.5)) / 2)
+    # over the counted pair
+    assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(0.5)
     _, stats = A.dpo_loss(chosen, rejected, beta=0.5, weights=torch.zeros(2))
-    assert (
-        stats["accuracy"].item() == 0.0 and stats["margin"].item() == 0.0
-    )  # no counted pair: 0, not NaN
+    # no counted pair: 0, not NaN
+    assert stats["accuracy"].item() == 0.0 and stats["margin"].item() == 0.0
 
 
 def test_dpo_gradient_raises_chosen_and_lowers_rejected():
@@ -273,10 +268,11 @@ def test_pair_logratios_sum_response_tokens_of_row_pairs():
     ref = torch.full((4, 3), -1.0)
     mask = torch.tensor([[0.0, 1.0, 1.0], [0.0, 1.0, 0.0], [0.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
     chosen, rejected = A.pair_logratios(logprobs, ref, mask)
+    # rows 0, 2 and rows 1, 3
     assert chosen.tolist() == [-1.0, 1.0] and rejected.tolist() == [
         -2.0,
         -3.0,
-    ]  # rows 0, 2 and rows 1, 3
+    ]
     with pytest.raises(ValueError, match="3 rows do not make"):
         A.pair_logratios(logprobs[:3], ref[:3], mask[:3])
 
@@ -295,9 +291,8 @@ def test_dpo_loss_fn_pairs_rows_and_reads_pair_weights():
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1.0)) / 2)
     assert stats["accuracy"].item() == 1.0 and stats["margin"].item() == pytest.approx(1.0)
     loss.backward()
-    assert (
-        logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()
-    )  # the tied pair adds nothing
+    # the tied pair adds nothing
+    assert logprobs.grad[2:].abs().sum() == 0 and logprobs.grad[0].lt(0).all()
 
 
 def test_best_worst_pairs_with_ties():

@@ -39,9 +39,8 @@ def test_metrics_logger_writes_jsonl_tensorboard_png(tmp_path, capsys):
     assert any(
         f.name.startswith("events.out.tfevents") for f in (tmp_path / "tensorboard").iterdir()
     )
-    assert (
-        "episode 2/3: reward/mean 0.2" in capsys.readouterr().out
-    )  # not a TTY: one line per episode
+    # not a TTY: one line per episode
+    assert "episode 2/3: reward/mean 0.2" in capsys.readouterr().out
 
 
 def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
@@ -49,9 +48,8 @@ def test_metrics_logger_resume_drops_redone_episodes(tmp_path):
     for ep in (1, 2, 3):
         logger.log(ep, {"reward/mean": ep})
     logger.close()
-    resumed = MetricsLogger(
-        tmp_path, ["train"], 5, start_episode=3, tensorboard=False
-    )  # resume from 2
+    # resume from 2
+    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)
     resumed.log(3, {"reward/mean": 30})
     resumed.close()
     assert [
@@ -77,9 +75,8 @@ def test_a_torn_last_line_of_metrics_does_not_stop_a_resume(tmp_path, caplog):
     assert f"{jsonl}:3: not a whole metrics record" in caplog.text
     with open(jsonl, "ab") as f:
         f.write(b'{"episode": 4, "rew')  # killed mid-append
-    resumed = MetricsLogger(
-        tmp_path, ["train"], 5, start_episode=3, tensorboard=False
-    )  # --resume from 2
+    # --resume from 2
+    resumed = MetricsLogger(tmp_path, ["train"], 5, start_episode=3, tensorboard=False)
     resumed.log(3, {"reward/mean": 30})
     resumed.close()
     assert jsonl.read_text().splitlines() == [
@@ -137,9 +134,8 @@ def test_prompt_sampler_resume_gives_same_batches():
     a = PromptSampler(10, 3, seed=5)
     batches = [a.next_batch() for _ in range(7)]
     assert all(len(b) == 3 for b in batches)
-    assert sorted(sum(batches[:3], [])) == sorted(
-        set(sum(batches[:3], []))
-    )  # no repeat within a pass
+    # no repeat within a pass
+    assert sorted(sum(batches[:3], [])) == sorted(set(sum(batches[:3], [])))
     b = PromptSampler(10, 3, seed=5)
     for _ in range(4):
         b.next_batch()
@@ -159,9 +155,8 @@ def test_plot_has_only_panels_with_data_and_a_title(tmp_path, monkeypatch):
     import matplotlib.pyplot as plt
 
     figures = []
-    monkeypatch.setattr(
-        plt, "close", figures.append
-    )  # plot_metrics closes the figure it saved: keep it
+    # plot_metrics closes the figure it saved: keep it
+    monkeypatch.setattr(plt, "close", figures.append)
     run = tmp_path / "my_run"
     run.mkdir()
     (run / "metrics.jsonl").write_text(

@@ -161,6 +161,7 @@ def test_loss_options_defaults_are_todays_call(main_yaml):
             "runtime.algorithm.loss_aggregation=seq_mean_token_sum_norm",
         ],
     )
+    # Dr. GRPO's constant: the generation budget
     assert grpo_step.loss_options(cfg) == {
         "clip_eps": 0.2,
         "kl_coef": 0.0,
@@ -169,7 +170,7 @@ def test_loss_options_defaults_are_todays_call(main_yaml):
         "entropy_coef": 0.01,
         "loss_aggregation": "seq_mean_token_sum_norm",
         "norm_length": 32,
-    }  # Dr. GRPO's constant: the generation budget
+    }
 
 
 def test_advantage_estimators_follow_the_keys(main_yaml):

@@ -164,9 +164,8 @@ def test_entropy_metric_and_bonus_gradient():
     logp = torch.tensor([[-0.5, -2.0, -9.0]]).requires_grad_()
     mask = torch.tensor([[1.0, 1.0, 0.0]])
     base, stats = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask)
-    assert stats["entropy"].item() == pytest.approx(
-        (0.5 + 2.0) / 2
-    )  # mean -log p of sampled tokens
+    # mean -log p of sampled tokens
+    assert stats["entropy"].item() == pytest.approx((0.5 + 2.0) / 2)
     loss, _ = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, entropy_coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 0.5 * (0.25 + 4.0) / 2)
     loss.backward()
@@ -179,9 +178,8 @@ def test_entropy_bonus_raises_entropy_in_expectation():
     -grad H of a softmax (so descending the loss raises the entropy)."""
     logits = torch.tensor([2.0, 0.5, -1.0]).requires_grad_()
     logp = logits.log_softmax(-1)
-    surrogate = (
-        logp.detach().exp() * 0.5 * logp**2
-    ).sum()  # E_{y ~ p}[logp(y)^2 / 2], p held fixed
+    # E_{y ~ p}[logp(y)^2 / 2], p held fixed
+    surrogate = (logp.detach().exp() * 0.5 * logp**2).sum()
     (grad_surrogate,) = torch.autograd.grad(surrogate, logits)
     logp = logits.log_softmax(-1)
     entropy = -(logp.exp() * logp).sum()
@@ -209,9 +207,8 @@ def test_sequence_importance_weights_by_hand():
 
 def test_outlier_mask_token_and_sequence():
     old = torch.zeros(2, 3)
-    infer = torch.log(
-        torch.tensor([[1.0, 0.25, 1.0], [0.8, 0.8, 1.0]])
-    )  # ratios 1, 4, 1 and 1.25, 1.25, 1
+    # ratios 1, 4, 1 and 1.25, 1.25, 1
+    infer = torch.log(torch.tensor([[1.0, 0.25, 1.0], [0.8, 0.8, 1.0]]))
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
     token = A.outlier_mask(old, infer, mask, low=0.5, high=2.0, level="token")
     assert token.tolist() == [[1.0, 0.0, 1.0], [1.0, 1.0, 0.0]]

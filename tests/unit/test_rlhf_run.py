@@ -126,9 +126,8 @@ runtime: {{algorithm: {{name: my_algo, beta: 0.25}}}}
 models:
   policy_trainer: {{backend: megatron, trainable: true, model_config_file: {REPO}/configs/grpo_tiny/trainer.yaml}}
 """)
-    with pytest.raises(
-        ConfigError, match="unknown algorithm 'my_algo'"
-    ):  # a bare name means a shipped one
+    # a bare name means a shipped one
+    with pytest.raises(ConfigError, match="unknown algorithm 'my_algo'"):
         load_config(main, data)
     main.write_text(main.read_text().replace("name: my_algo", "name: my_algo.x"))
     with pytest.raises(ConfigError, match="unknown algorithm 'my_algo.x'"):
@@ -229,11 +228,12 @@ def test_rollout_batch_keeps_masked_turns_and_refuses_misaligned_logprobs():
 def test_rollout_batch_aligns_routed_experts_with_input_tokens():
     """routed_experts (S, L, layers, k) is per input token (not per predicted one); -1 where the engine routed
     nothing: the last token, padding, and every token of a sample that came without routing."""
+    # 3 positions read (prompt 2 + response 2 - 1), 1 layer, top 2
     routed = [
         [[0, 1]],
         [[2, 3]],
         [[1, 2]],
-    ]  # 3 positions read (prompt 2 + response 2 - 1), 1 layer, top 2
+    ]
     batch = RolloutBatch.from_samples(
         [Sample([1, 5], [6, 7], [-0.5, -0.1], routed_experts=routed), Sample([1], [8], [-1.0])],
         pad_token_id=0,
@@ -261,16 +261,14 @@ def test_routing_replay_takes_the_recorded_experts_and_routes_the_rest():
         return torch.topk(s, k, dim=1)
 
     replay = RoutingReplay()
-    probs, experts = replay.get_replay_topk(
-        scores, 2, None, None, own
-    )  # nothing set: the router's own top 2
+    # nothing set: the router's own top 2
+    probs, experts = replay.get_replay_topk(scores, 2, None, None, own)
     assert experts.tolist() == [[1, 2], [3, 0], [2, 0]]
     replay.target = torch.tensor([[0, 3], [-1, -1], [1, 3]])
     probs, experts = replay.get_replay_topk(scores, 2, None, None, own)
     assert experts.tolist() == [[0, 3], [3, 0], [1, 3]]  # row 1 recorded nothing: its own choice
-    assert torch.equal(
-        probs, torch.tensor([[0.1, 0.2], [0.9, 0.4], [0.2, 0.1]])
-    )  # its scores at those experts
+    # its scores at those experts
+    assert torch.equal(probs, torch.tensor([[0.1, 0.2], [0.9, 0.4], [0.2, 0.1]]))
 
 
 def test_sample_metrics_mismatch_only_on_response_tokens():
@@ -454,10 +452,11 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
         "Runtime", (), {"handles": handles, "__getitem__": lambda self, name: handles[name]}
     )()
     links = WeightLinks(runtime, {"policy_trainer": "policy"})
+    # not the critic elsewhere
     assert links.sleeps and links.offloading == [
         "policy_trainer",
         "reference",
-    ]  # not the critic elsewhere
+    ]
     links.asleep = True
     links.sync()
     assert calls == [

@@ -153,9 +153,8 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_back(tmp_pa
     ) and "--resume-from episode_000001" in str(err.value)
     weights = tmp_path / "episode_000001" / "policy_trainer" / "model_tp0_pp0.safetensors"
     good = weights.read_bytes()
-    weights.write_bytes(
-        b"\xff" * 16 + good[16:]
-    )  # overwritten in place, same size: the header no longer parses
+    # overwritten in place, same size: the header no longer parses
+    weights.write_bytes(b"\xff" * 16 + good[16:])
     with pytest.raises(
         ckpt.CheckpointError, match="model_tp0_pp0.safetensors is not a readable safetensors file"
     ):
@@ -165,8 +164,9 @@ def test_a_damaged_checkpoint_is_refused_naming_the_file_and_the_way_back(tmp_pa
         ckpt.CheckpointError, match=f"has 10 bytes, {len(good)} when saved.*no earlier checkpoint"
     ):
         ckpt.resume_point(tmp_path, "episode_000001")
+    # a bad flag: exit 2
     with pytest.raises(
         FileNotFoundError,
         match="no checkpoint there; the checkpoints of this run are episode_000001, episode_000002",
-    ):  # a bad flag: exit 2
+    ):
         ckpt.resume_point(tmp_path, "episode_000007")

@@ -41,9 +41,8 @@ def test_replicas_tile_a_colocated_trainer_whatever_its_tp(data):
         (p.names, p.world)
         for p in plan_groups(load("grpo_tiny.yaml", *tp2, "models.policy.num_replicas=2"))
     ] == [(["policy", "policy_trainer", "reward"], 2)]
-    assert (
-        plan_groups(load("grpo_tiny.yaml", *tp2, "policy.tensor_parallel_size=2"))[0].world == 2
-    )  # one TP 2 engine
+    # one TP 2 engine
+    assert plan_groups(load("grpo_tiny.yaml", *tp2, "policy.tensor_parallel_size=2"))[0].world == 2
     with pytest.raises(
         ConfigError,
         match=r"models.policy: num_replicas 2 x tensor_parallel_size 2 = 4 engine rank\(s\), "
@@ -70,11 +69,12 @@ def test_disaggregated_replicas_are_a_group_of_their_own(data):
         "models.policy_trainer.num_cpu=1",
     )
     policy, trainer = plan_groups(cfg)
+    # 3 replicas x TP 2
     assert (policy.names, policy.world, policy.cpus) == (
         ["policy", "reward"],
         6,
         1.0,
-    )  # 3 replicas x TP 2
+    )
     assert (trainer.names, trainer.world) == (["policy_trainer"], 1)
 
 
@@ -112,9 +112,8 @@ def test_impossible_layouts_are_named_with_their_key_and_fix(data, tmp_path):
         "models.policy.num_gpu: 8 GPUs, but num_replicas 2 x tensor_parallel_size 2 = 4 "
         "engine ranks of one GPU each; set num_gpu: 4, or num_replicas: 4 to use 8 GPUs"
     ]
-    with pytest.raises(
-        ConfigError, match="num_replicas: 4 to use 8 GPUs"
-    ):  # what chatgen config and train check
+    # what chatgen config and train check
+    with pytest.raises(ConfigError, match="num_replicas: 4 to use 8 GPUs"):
         check_run(cfg, registry.load("grpo"))
     with pytest.raises(
         ConfigError, match="models.reward.num_replicas: 2 replicas of a python model"
@@ -132,12 +131,10 @@ def test_placement_on_a_cluster_s_nodes(data):
         "models.policy_trainer.num_cpu=1",
     )
     plans, two_nodes = plan_groups(cfg), [{"CPU": 1.0, "node:127.0.0.1": 1.0}, {"CPU": 1.0}]
-    assert (
-        placement_problems(plans, two_nodes, "PACK", cfg) == []
-    )  # the replicas (0.5 CPU each) on one, the trainer
-    assert (
-        placement_problems(plans, two_nodes, "SPREAD", cfg) != []
-    )  # SPREAD splits the replicas: no whole CPU left
+    # the replicas (0.5 CPU each) on one, the trainer
+    assert placement_problems(plans, two_nodes, "PACK", cfg) == []
+    # SPREAD splits the replicas: no whole CPU left
+    assert placement_problems(plans, two_nodes, "SPREAD", cfg) != []
     cfg = load(
         "grpo_tiny.yaml",
         *data,
@@ -180,12 +177,13 @@ def test_placement_on_a_cluster_s_nodes(data):
 
 
 def test_ranks_follow_the_nodes_their_bundles_landed_on():
+    # node b first (bundle 0), then node a
     assert ranks_by_node(["b", "a", "b", "a"]) == [
         0,
         2,
         1,
         3,
-    ]  # node b first (bundle 0), then node a
+    ]
     assert ranks_by_node(["a", "a", "b"]) == [0, 1, 2]
 
 
@@ -208,9 +206,8 @@ def test_actors_get_the_cluster_variables_and_ray_address_attaches(data, monkeyp
         "PYTORCH_CUDA_ALLOC_CONF",
         "CUDA_DEVICE_MAX_CONNECTIONS",
     } <= set(env)
-    assert (
-        "CUDA_VISIBLE_DEVICES" not in env and "UNRELATED_VARIABLE" not in env
-    )  # Ray gives each actor its devices
+    # Ray gives each actor its devices
+    assert "CUDA_VISIBLE_DEVICES" not in env and "UNRELATED_VARIABLE" not in env
     cfg = load("grpo_tiny.yaml", *data)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert cluster_address(cfg.runtime) is None and launcher(cfg, plan_groups(cfg)) == "local"
@@ -245,14 +242,16 @@ def test_relative_paths_are_made_absolute_by_the_driver(tmp_path, monkeypatch):
 
 
 def test_prompts_go_to_the_replica_with_the_fewest_outstanding_tokens():
+    # not round robin: the long prompt alone
     assert assign([10, 10, 10, 30], [0, 0]) == [
         [3],
         [0, 1, 2],
-    ]  # not round robin: the long prompt alone
+    ]
+    # replica 0 still busy with another call
     assert assign([10, 10, 10, 10], [35, 0]) == [
         [],
         [0, 1, 2, 3],
-    ]  # replica 0 still busy with another call
+    ]
     assert assign([5, 5, 5, 5], [0, 0, 0]) == [[0, 3], [1], [2]]
 
 
@@ -308,10 +307,11 @@ def test_replicas_answer_as_one_engine_in_the_caller_s_order():
     from chatgen.rlhf.runtime import ModelHandle
     from chatgen.rlhf.schema import ModelEntry
 
+    # prompts of 1..7 tokens
     n, items = (
         3,
         [{"input_ids": list(range(1, 2 + (i * 5) % 7))} for i in range(9)],
-    )  # prompts of 1..7 tokens
+    )
     entry = ModelEntry(backend="vllm", num_replicas=2, config=GenerationConfig(n=n))
     group = GenerationGroup(ModelHandle("policy", entry, _Group(2, n)))
     batch = group.run_generation(items)
@@ -340,9 +340,8 @@ def test_nemo_rl_names_are_chatgen_s_calls():
             calls.append(manifest)
 
     Group().prepare_refit_info({"a": (torch.Size([3, 4]), torch.float32), "b": (3, 4), "c": [5]})
-    assert calls == [
-        {"a": torch.Size([3, 4]), "b": (3, 4), "c": [5]}
-    ]  # NeMo RL's (shape, dtype) or a shape
+    # NeMo RL's (shape, dtype) or a shape
+    assert calls == [{"a": torch.Size([3, 4]), "b": (3, 4), "c": [5]}]
 
 
 # --- one trainer -> many engines ---------------------------------------------------------------------------------
@@ -437,10 +436,11 @@ def test_shared_memory_handles_load_into_each_engine_on_the_host(tmp_path):
         assert all(torch.equal(target.written[n], t) for n, t in weights)
     with pytest.raises(SyncError, match="not signed with this run's token"):
         load_ipc(_Target({}), handles, "other")
+    # the old signature
     forged = {
         **handles,
         "header": {**handles["header"], "buckets": [[["a", [18]]]]},
-    }  # the old signature
+    }
     with pytest.raises(SyncError, match="not signed"):
         load_ipc(_Target({"a": (18,)}), forged, "secret")
     sender.close()
@@ -461,9 +461,8 @@ def test_scaling_configs_pass_chatgen_config(path, tmp_path, monkeypatch, capsys
     tasks.write_task_data(str(tmp_path / "data"), n_train=64, n_eval=8)
     (tmp_path / "data" / "test.jsonl").write_text((tmp_path / "data" / "eval.jsonl").read_text())
     heads, kv = MODELS[path.stem.split("_")[1]]
-    monkeypatch.setenv(
-        "POLICY_LOAD", str(model_dir(tmp_path / "model", heads, kv))
-    )  # its heads are checked
+    # its heads are checked
+    monkeypatch.setenv("POLICY_LOAD", str(model_dir(tmp_path / "model", heads, kv)))
     monkeypatch.setenv("DATASET_PATH", str(tmp_path / "data"))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     assert main(["config", str(path)]) == 0, capsys.readouterr().err

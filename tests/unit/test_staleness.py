@@ -51,9 +51,8 @@ def test_staleness_metrics_count_trained_tokens_only():
 def test_on_policy_mismatch_ignores_stale_tokens():
     mask = (VERSIONS >= 0).float()
     old = torch.zeros(3, 5)
-    infer = torch.where(
-        VERSIONS == 3, -0.001, -1.0
-    )  # stale tokens differ a lot, fresh ones a little
+    # stale tokens differ a lot, fresh ones a little
+    infer = torch.where(VERSIONS == 3, -0.001, -1.0)
     m = st.on_policy_mismatch(old, infer, mask, VERSIONS, 3)
     assert m["mismatch/logprob_max_abs"] == pytest.approx(0.001)
     assert m["mismatch/logprob_mean_abs"] == pytest.approx(0.001)

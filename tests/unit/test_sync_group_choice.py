@@ -11,9 +11,8 @@ from chatgen.param_sync.wire import nccl_among, where
 def test_nccl_only_between_two_different_gpus():
     gpu0, gpu1 = "node-a:GPU-1111", "node-a:GPU-2222"
     assert nccl_among([gpu0, gpu1]) and nccl_among([gpu1, "node-b:GPU-1111"])
-    assert nccl_among(
-        [gpu0, gpu1, "node-b:GPU-1111"]
-    )  # a broadcast to two engines on GPUs of their own
+    # a broadcast to two engines on GPUs of their own
+    assert nccl_among([gpu0, gpu1, "node-b:GPU-1111"])
     assert not nccl_among([gpu0, gpu0])  # one GPU shared by both processes
     assert not nccl_among([gpu0, gpu1, gpu0])  # a trainer and one of the engines on one GPU
     assert (

@@ -11,9 +11,8 @@ from chatgen.models import tiny
 
 def test_spec_rejects_unsupported_head_size_and_names_the_fix(tmp_path):
     path = tmp_path / "spec.yaml"
-    path.write_text(
-        "hidden_size: 64\nnum_attention_heads: 4\nnum_key_value_heads: 2\n"
-    )  # head size 16
+    # head size 16
+    path.write_text("hidden_size: 64\nnum_attention_heads: 4\nnum_key_value_heads: 2\n")
     with pytest.raises(ValueError, match=r"(?s)spec.yaml.*head size 16 is not supported"):
         tiny.load_spec(path)
 
@@ -75,9 +74,8 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
     assert not torch.allclose(state["model.norm.weight"], torch.ones(spec.hidden_size))
     if spec.family == "qwen2":
         assert state["model.layers.0.self_attn.q_proj.bias"].abs().sum() > 0
-    if (
-        spec.family == "qwen3"
-    ):  # head_dim is its own dial here: q_proj is wider than the hidden size
+    # head_dim is its own dial here: q_proj is wider than the hidden size
+    if spec.family == "qwen3":
         assert spec.head_dim * spec.num_attention_heads != spec.hidden_size
         assert state["model.layers.0.self_attn.q_proj.weight"].shape == (
             spec.num_attention_heads * spec.head_dim,
@@ -88,9 +86,8 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
             assert weight.shape == (spec.head_dim,) and not torch.allclose(
                 weight, torch.ones(spec.head_dim)
             )
-    if cfg.get(
-        "num_local_experts"
-    ):  # MoE: the dials under transformers' names, one tensor per expert on disk
+    # MoE: the dials under transformers' names, one tensor per expert on disk
+    if cfg.get("num_local_experts"):
         from safetensors import safe_open
 
         assert (cfg["num_local_experts"], cfg["num_experts_per_tok"]) == (

@@ -22,9 +22,8 @@ SECRET = "sk-do-not-log-me"
 def test_mask_secrets_masks_credentials_not_column_names(monkeypatch):
     from chatgen.config import loader
 
-    monkeypatch.setattr(
-        loader, "_from_env", {}
-    )  # no ${VAR} text read by another test of this process
+    # no ${VAR} text read by another test of this process
+    monkeypatch.setattr(loader, "_from_env", {})
     tree = {
         "runtime": {"prompt_key": "question", "answer_key": "solution", "seed": 1},
         "models": {

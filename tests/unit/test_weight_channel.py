@@ -75,9 +75,8 @@ def _old_protocol_stranger(port):
 
     store = dist.TCPStore("127.0.0.1", port, 2, False, timeout=datetime.timedelta(seconds=20))
     store.set("chatgen_sync_sender_ready", "1")
-    pg = dist.ProcessGroupGloo(
-        store, 0, 2, datetime.timedelta(seconds=20)
-    )  # times out: the engine never joins
+    # times out: the engine never joins
+    pg = dist.ProcessGroupGloo(store, 0, 2, datetime.timedelta(seconds=20))
     header = {
         "dtype": "torch.float32",
         "buckets": [[[n, list(t.shape)] for n, t in WEIGHTS.items()]],
@@ -127,9 +126,8 @@ def test_a_stranger_in_the_trainers_place_is_refused_before_the_manifest():
     thread, out = receive_in_background(rx, engine)
     proof = checks.mac(rx.token, b"rendezvous").hex()  # as a legitimate trainer would have set it
     stranger = launcher.DistributedJob(_stranger_in_the_group, 1, args=(rx.port, proof))
-    assert (
-        "did not accept this update's token" in stranger.join()[0]
-    )  # the engine did not prove itself to it
+    # the engine did not prove itself to it
+    assert "did not accept this update's token" in stranger.join()[0]
     thread.join(20)
     assert "did not prove this update's token" in str(
         out["error"]
@@ -211,9 +209,8 @@ def test_a_trainer_stalling_mid_sync_costs_one_sync_not_the_engine():
     assert "waited 2 s for bucket 2 of 2" in str(out["error"]) and "PARTIALLY updated" in str(
         out["error"]
     )
-    assert (
-        engine.needs_resync is not None and rx.closed
-    )  # honest: the engine says it needs a re-sync
+    # honest: the engine says it needs a re-sync
+    assert engine.needs_resync is not None and rx.closed
     rx = SyncReceiver(timeout=20)  # a new channel: the next sync repairs the engine
     thread, out = receive_in_background(rx, engine)
     sync_weights(WEIGHTS, SyncSender("127.0.0.1", rx.port, rx.token))
@@ -266,9 +263,8 @@ def test_the_engine_finds_nan_itself_whatever_the_header_says():
         sync_weights(LiesAboutNaN(), tx)
     thread.join(20)
     assert "although its header said none" in str(out["error"])
-    assert all(
-        torch.isfinite(t).all() for t in engine.weights.values()
-    )  # the NaN never reached the engine
+    # the NaN never reached the engine
+    assert all(torch.isfinite(t).all() for t in engine.weights.values())
     assert not rx.closed  # both ends stayed in step: the channel serves the next sync
     thread, _ = receive_in_background(rx, engine)
     sync_weights(WEIGHTS, tx)

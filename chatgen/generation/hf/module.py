@@ -93,9 +93,8 @@ class HFGeneration(GenerationModule):
         hf = AutoConfig.from_pretrained(model_dir)
         dtype = getattr(torch, cfg.dtype)
         if cfg.load_format == "dummy":
-            with torch.random.fork_rng(
-                devices=[]
-            ):  # seeded random weights, the caller's RNG left as it was
+            # seeded random weights, the caller's RNG left as it was
+            with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(cfg.seed)
                 model = AutoModelForCausalLM.from_config(hf, dtype=dtype)
         else:
@@ -207,21 +206,21 @@ class HFGeneration(GenerationModule):
         device, width = self.device, max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
-        for k, prompt in enumerate(
-            prompts
-        ):  # left padding: every row's next token is at the last position
+        # left padding: every row's next token is at the last position
+        for k, prompt in enumerate(prompts):
             ids[k, width - len(prompt) :] = torch.tensor(prompt)
             mask[k, width - len(prompt) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt = any(p.prompt_logprobs is not None for p in params)
+        # 0: every position's logits
         out = self.model(
             input_ids=ids,
             attention_mask=mask,
             position_ids=positions,
             use_cache=True,
             logits_to_keep=0 if want_prompt else 1,
-        )  # 0: every position's logits
+        )
         prompt_logprobs = [
             self._prompt_logprobs(out.logits[k], prompt, params[k].prompt_logprobs)
             if params[k].prompt_logprobs is not None
@@ -236,9 +235,8 @@ class HFGeneration(GenerationModule):
             seen = torch.zeros((len(prompts), self.vocab_size), dtype=torch.bool, device=device)
             seen[mask.nonzero(as_tuple=True)[0], ids[mask.bool()]] = True
             seen = seen[index]
-        out.past_key_values.batch_select_indices(
-            index
-        )  # (prompts, ...) -> (rows, ...): n copies of each prompt
+        # (prompts, ...) -> (rows, ...): n copies of each prompt
+        out.past_key_values.batch_select_indices(index)
         logits, mask, positions = out.logits[index, -1], mask[index], positions[index]
         settings = RowSettings.of(row_params, device)
         tokens = [[] for _ in range(rows)]
@@ -393,9 +391,8 @@ class HFGeneration(GenerationModule):
             for name in adapted_weights(read_peft(directory, key=str(directory))[1]):
                 self._lora_base.setdefault(name, parameters[name].detach().clone())
             weights = {name: base.clone() for name, base in self._lora_base.items()}
-            merge_peft(
-                weights, directory
-            )  # weights the previous adapter had and this one lacks: the base
+            # weights the previous adapter had and this one lacks: the base
+            merge_peft(weights, directory)
             for name, w in weights.items():
                 parameters[name].copy_(w)
             self._version += 1

@@ -35,9 +35,10 @@ class SamplingParams:
     logprobs: int = 0  # top-N log-probs per generated token besides the sampled one's
     prompt_logprobs: int | None = None  # top-N per prompt token; None = off
 
+    # lists from sampling_kwargs: kept as tuples, so that params can be shared and hashed
     def __post_init__(
         self,
-    ):  # lists from sampling_kwargs: kept as tuples, so that params can be shared and hashed
+    ):
         object.__setattr__(self, "stop", tuple(self.stop))
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 

@@ -8,6 +8,5 @@ per-model keys (VLLMConfig) and their vLLM arguments. Importing this package imp
 from chatgen.generation.vllm.config import VLLMConfig as Config  # noqa: F401 (the backend's schema)
 
 MODULE = "chatgen.generation.vllm.module:VLLMModule"
-REQUIRES = (
-    "vllm",
-)  # checked before a run starts anything (chatgen.rlhf.runtime): setup.py's extra `vllm`
+# checked before a run starts anything (chatgen.rlhf.runtime): setup.py's extra `vllm`
+REQUIRES = ("vllm",)

@@ -223,9 +223,8 @@ class EngineLoop(WeightUpdates):
         self._post(lambda: self._start(call))
         try:
             while True:
-                if (
-                    self._thread is None
-                ):  # no thread: the caller steps the engine (blocking the event loop)
+                # no thread: the caller steps the engine (blocking the event loop)
+                if self._thread is None:
                     event = self._next_event(events, call)
                 else:
                     while events.empty():
@@ -397,9 +396,8 @@ class EngineLoop(WeightUpdates):
             usage = adapter.kv_cache_usage(self.llm)
             owner = lead.owner
             hook = owner.eval_forward if lead.is_eval else owner.forward_step
-            outputs = hook(
-                scheduled, owner.iteration
-            )  # ChatLearn's iteration: steps over the module's life
+            # ChatLearn's iteration: steps over the module's life
+            outputs = hook(scheduled, owner.iteration)
             owner.iteration += 1
         except BaseException as e:  # a hook or the engine failed: every running call gets the error
             self._fail_all(e)

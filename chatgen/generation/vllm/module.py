@@ -223,15 +223,13 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         index = {}  # request id -> prompt index
 
         def add():
-            for i, ids in enumerate(
-                prompts
-            ):  # a request owns its params (vLLM sets fields on them): one each
+            # a request owns its params (vLLM sets fields on them): one each
+            for i, ids in enumerate(prompts):
                 p = (params.clone() if len(prompts) > 1 else params) if shared else params[i]
                 index[self.add_request(ids, p, stream=deltas)] = i
 
-        async with contextlib.aclosing(
-            self.engine_loop.stream(self, add)
-        ) as outputs:  # closed: aborts the rest
+        # closed: aborts the rest
+        async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:
             async for output in outputs:
                 if output.finished and not deltas:
                     self._decode_texts([output])

@@ -15,9 +15,8 @@ class WeightUpdates:
     def _stamp_versions(self, output) -> None:
         """Set `weight_versions` (one per token it holds) on each sample of a finished RequestOutput, or of any
         delta of a streamed request."""
-        if (
-            output.request_id in self._streamed
-        ):  # a delta's tokens were all sampled in the step just run
+        # a delta's tokens were all sampled in the step just run
+        if output.request_id in self._streamed:
             for sample in output.outputs:
                 sample.weight_versions = [self.weight_version] * len(sample.token_ids)
             if output.finished:
@@ -82,17 +81,15 @@ class WeightUpdates:
             adapter.load_weights(self.llm, items, reset_prefix_cache=False)
 
         try:
-            if adapter.in_process_workers(
-                self.llm
-            ):  # one reload streams every bucket, no second copy
+            # one reload streams every bucket, no second copy
+            if adapter.in_process_workers(self.llm):
                 reload(counted(item for bucket in buckets for item in bucket))
             else:  # worker processes get pickled lists: one reload per bucket (each holds whole layers)
                 for bucket in buckets:
                     reload(list(counted(bucket)))
         except BaseException as e:
-            if not reloading[
-                0
-            ]:  # failed before vLLM touched a weight: the engine keeps its old ones
+            # failed before vLLM touched a weight: the engine keeps its old ones
+            if not reloading[0]:
                 raise
             self.broken = (
                 f"a weight update failed after writing {written[0]} tensors ({type(e).__name__}: "

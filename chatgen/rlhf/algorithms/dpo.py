@@ -188,9 +188,8 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             with timer("reference"):
                 data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
             with timer("train"):
-                stats = run.train(
-                    "policy_trainer", data, loss_fn, group_size=2
-                )  # shuffles whole pairs
+                # shuffles whole pairs
+                stats = run.train("policy_trainer", data, loss_fn, group_size=2)
             metrics = {
                 **prefixed("policy", stats),
                 "response/length": batch.response_lengths.float().mean().item(),

@@ -366,21 +366,20 @@ def train(cfg, resume=False, log=print) -> dict:
             start = time.perf_counter()
             if batch is None:
                 with timer("generate"):
-                    batch = run.generate(
-                        run.next_prompts()
-                    )  # S = prompts * n samples, prompt-major
+                    # S = prompts * n samples, prompt-major
+                    batch = run.generate(run.next_prompts())
             with timer("reward"):
                 rewards = run.score(batch)  # (S,)
             sampling = {}
             if rt.algorithm.dynamic_sampling:  # groups with no gradient out, fresh ones in
                 batch, rewards, sampling = sample_full_groups(run, batch, rewards, n)
+            # a checkpoint's data position: before k+1
             sampler_state, upcoming = (
                 run.sampler.state_dict(),
                 None,
-            )  # a checkpoint's data position: before k+1
-            if (
-                overlap and episode < rt.num_episode
-            ):  # the engine still holds the weights that sampled `batch`
+            )
+            # the engine still holds the weights that sampled `batch`
+            if overlap and episode < rt.num_episode:
                 upcoming = prefetch.submit(run.generate, run.next_prompts())
             # advantages, old log-probs, train
             metrics = {**update(run, batch, rewards, n, sync=upcoming is None), **sampling}

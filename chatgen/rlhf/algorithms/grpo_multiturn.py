@@ -220,9 +220,8 @@ def train(cfg, resume=False, log=print) -> dict:
                 records = [run.records[i] for i in index]
                 episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
             samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
-            batch = RolloutBatch.from_samples(
-                samples, pad_token_id=0
-            )  # right padding: masked everywhere
+            # right padding: masked everywhere
+            batch = RolloutBatch.from_samples(samples, pad_token_id=0)
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
             if not torch.isfinite(rewards).all():
                 raise RunHealthError(

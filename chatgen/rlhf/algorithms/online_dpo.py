@@ -97,21 +97,20 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             data = {**pairs.trainer_inputs(), "pair_weights": weights}
             with timer("reference"):
                 data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
-            with timer(
-                "old_logprobs"
-            ):  # not in the loss: checks that vLLM sampled with the trainer's weights
+            # not in the loss: checks that vLLM sampled with the trainer's weights
+            with timer("old_logprobs"):
                 old = run.forward_tokens("policy_trainer", data)
             with timer("train"):
-                stats = run.train(
-                    "policy_trainer", data, loss_fn, group_size=2
-                )  # shuffles whole pairs
+                # shuffles whole pairs
+                stats = run.train("policy_trainer", data, loss_fn, group_size=2)
             with timer("sync"):
                 run.sync_policy()
+            # share of prompts whose responses tie
             metrics = {
                 **sample_metrics(rewards, pairs, old, rt.solved_reward),
                 **prefixed("policy", stats),
                 "response/length": batch.response_lengths.float().mean().item(),  # of all S samples
                 "pairs/no_preference": 1 - weights[0::2].mean().item(),
-            }  # share of prompts whose responses tie
+            }
             run.end_episode(episode, metrics, start)  # eval, checkpoint, log
     return metrics

@@ -126,9 +126,8 @@ def train(cfg, resume=False, log=print) -> dict:
                 scores = run.score(batch)  # (S,) one score per response
             inputs, mask = batch.trainer_inputs(), batch.loss_mask
             if algo.old_logprobs == "rollout":
-                old = (
-                    batch.infer_logprobs
-                )  # (S, L-1) the sampling weights' log-probs, as the engine computed them
+                # (S, L-1) the sampling weights' log-probs, as the engine computed them
+                old = batch.infer_logprobs
             else:
                 with timer("old_logprobs"):
                     old = run.forward_tokens("policy_trainer", inputs)  # (S, L-1)
@@ -137,9 +136,8 @@ def train(cfg, resume=False, log=print) -> dict:
                 with timer("reference"):
                     ref = run.forward_tokens("reference", inputs)
             with timer("values"):
-                old_values = run.forward_tokens(
-                    "value_trainer", inputs
-                )  # (S, L-1): V before each token
+                # (S, L-1): V before each token
+                old_values = run.forward_tokens("value_trainer", inputs)
             rewards = L.kl_shaped_rewards(scores, old, ref, mask, algo.kl_coef, algo.kl_estimator)
             advantages, returns = L.gae(rewards, old_values, mask, algo.gamma, algo.lam)
             policy_data = {
@@ -171,9 +169,8 @@ def train(cfg, resume=False, log=print) -> dict:
                 "value/mean": L.masked_mean(old_values, mask).item(),
                 "returns/mean": L.masked_mean(returns, mask).item(),
             }
-            if (
-                algo.old_logprobs == "rollout"
-            ):  # the first step's log-probs, before any update, against the engine's
+            # the first step's log-probs, before any update, against the engine's
+            if algo.old_logprobs == "rollout":
                 metrics["mismatch/logprob_max_abs"] = policy_steps[0]["old_logprob_diff_max"]
                 del metrics["mismatch/logprob_mean_abs"]
             if "reference" in cfg.models:

@@ -66,9 +66,8 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
                 "VLLM_CPU_OMP_THREADS_BIND",
                 "|".join(str(i % (os.cpu_count() or 1)) for i in range(workers)),
             )
-        if (
-            "VLLM_RPC_BASE_PATH" not in os.environ
-        ):  # vLLM's multiprocess executor: worker processes, IPC
+        # vLLM's multiprocess executor: worker processes, IPC
+        if "VLLM_RPC_BASE_PATH" not in os.environ:
             rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
             atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
@@ -134,6 +133,5 @@ def in_process_workers(llm: LLM) -> bool:
     `load_weights` are then used directly, never pickled."""
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
-    return isinstance(
-        engine_core(llm).model_executor, UniProcExecutor
-    )  # also covers external_launcher
+    # also covers external_launcher
+    return isinstance(engine_core(llm).model_executor, UniProcExecutor)

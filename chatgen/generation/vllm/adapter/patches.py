@@ -63,9 +63,8 @@ def quiet_numa_notice() -> None:
 
     current_platform.import_kernels()  # registers torch.ops._C (idempotent)
     op = getattr(torch.ops._C, "init_cpu_memory_env", None)
-    if op is None or getattr(
-        op, "chatgen_quiet", False
-    ):  # gone in a later vLLM: its notice shows, nothing else
+    # gone in a later vLLM: its notice shows, nothing else
+    if op is None or getattr(op, "chatgen_quiet", False):
         return
 
     def init_cpu_memory_env(*args):

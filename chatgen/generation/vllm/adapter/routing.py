@@ -35,9 +35,8 @@ class _RoutingRecorder:
         starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
-        ids = np.stack(
-            [self.step[layer].numpy() for layer in range(self.num_layers)], axis=1
-        )  # (tokens, L, k)
+        # (tokens, L, k)
+        ids = np.stack([self.step[layer].numpy() for layer in range(self.num_layers)], axis=1)
         row = 0
         for rid in self.runner.input_batch.req_ids[: self.runner.input_batch.num_reqs]:
             n = scheduler_output.num_scheduled_tokens.get(rid, 0)

@@ -146,9 +146,8 @@ def add_request(
     engine = llm.llm_engine
     engine.add_request(request_id, prompt, params, lora_request=lora_request)
     processor = engine.output_processor
-    for internal_id in processor.external_req_ids.get(
-        request_id, ()
-    ):  # a request with n samples has n
+    # a request with n samples has n
+    for internal_id in processor.external_req_ids.get(request_id, ()):
         state = processor.request_states.get(internal_id)
         if state is not None and state.logprobs_processor is not None:
             state.logprobs_processor.tokenizer = None

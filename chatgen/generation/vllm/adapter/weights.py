@@ -30,9 +30,8 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
         llm.collective_rpc(patches.abandon_reload)  # so that the next reload (the re-sync) can work
         raise
     llm.collective_rpc(patches.refresh_tied_lm_head)
-    if (
-        reset_prefix_cache and llm.reset_prefix_cache() is False
-    ):  # vLLM refuses while requests hold cache blocks
+    # vLLM refuses while requests hold cache blocks
+    if reset_prefix_cache and llm.reset_prefix_cache() is False:
         raise RuntimeError(
             "weights were loaded but vLLM kept its prefix cache (requests still hold KV blocks), so "
             "cached prompts would reuse KV computed with the old weights; sync only between "
@@ -65,9 +64,8 @@ def _expert_weights(worker) -> list:
         if isinstance(getattr(m, "w13_weight", None), torch.Tensor) and hasattr(m, "w2_weight"):
             w13, w2 = m.w13_weight.detach().cpu(), m.w2_weight.detach().cpu()
             experts = patches.cpu_experts(m)
-            if (
-                experts is not None
-            ):  # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
+            # undo the CPU prepack (see _unpacked); a padded intermediate size is cut back
+            if experts is not None:
                 size = m.moe_config.intermediate_size_per_partition
                 w13, w2 = _unpacked(w13, experts.isa), _unpacked(w2, experts.isa)
                 padded = w13.shape[1] // 2
