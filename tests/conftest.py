@@ -24,6 +24,7 @@ import os
 import shutil
 import sys
 import tempfile
+import weakref
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,12 @@ def destroy_process_groups():
     if "chatgen.training.megatron_module" in sys.modules:
         from chatgen.training.megatron_module import MegatronModule
 
-        for trainer in [o for o in gc.get_objects() if isinstance(o, MegatronModule)]:
+        for trainer in [
+            # (isinstance of a dead weak proxy raises ReferenceError: its type says what it is)
+            o
+            for o in gc.get_objects()
+            if type(o) not in weakref.ProxyTypes and isinstance(o, MegatronModule)
+        ]:
             trainer.shutdown()
     if "chatgen.training.megatron_module" in sys.modules:
         from chatgen.training.megatron_module import release_parallel_state
