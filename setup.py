@@ -45,7 +45,14 @@ setup(
         "math": ["math-verify==0.9.0"],  # the math_verify reward
         "wandb": ["wandb==0.31.0"],  # runtime.loggers: wandb
         "mlflow": ["mlflow-skinny==3.17.2"],  # runtime.loggers: mlflow
-        "test": ["pytest", "import-linter==2.16", "ruff==0.17.6", "peft==0.21.2", "openai", "requests"],
+        "test": [
+            "pytest",
+            "import-linter==2.16",
+            "ruff==0.17.6",
+            "peft==0.21.2",
+            "openai",
+            "requests",
+        ],
     },
     entry_points={"console_scripts": ["chatgen=chatgen.cli:main"]},
 )
