@@ -58,22 +58,27 @@ def measure(model_dir: str, lora: dict | None) -> dict:
     )
 
 
+def default_models() -> list[str]:
+    """The tiny Llama and, where its GGUF package is installed, SmolLM2-135M (the test suite's cached
+    builds); bench_lora_sync measures the same two."""
+    sys.path.insert(0, str(REPO / "tests"))
+    from conftest import build_tiny_model, smollm2_model
+
+    models = [str(build_tiny_model("tiny_llama"))]
+    try:
+        models.append(str(smollm2_model()))
+    except LookupError as e:
+        print(f"SmolLM2 skipped: {e}")
+    return models
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", default="outputs/bench_lora_memory.json")
     parser.add_argument("--model", action="append", help="HF model directory (repeatable)")
     parser.add_argument("--rank", type=int, default=4)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    models = args.model
-    if not models:
-        from conftest import build_tiny_model, smollm2_model
-
-        models = [str(build_tiny_model("tiny_llama"))]
-        try:
-            models.append(str(smollm2_model()))
-        except LookupError as e:
-            print(f"SmolLM2 skipped: {e}")
+    models = args.model or default_models()
     out = {"load_average": os.getloadavg(), "rank": args.rank, "models": {}}
     for model in models:
         full = measure(model, None)

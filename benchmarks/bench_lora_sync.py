@@ -91,16 +91,10 @@ def main(argv=None) -> int:
     parser.add_argument("--rank", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
-    sys.path.insert(0, str(REPO / "tests"))
-    models = args.model
-    if not models:
-        from conftest import build_tiny_model, smollm2_model
-
-        models = [str(build_tiny_model("tiny_llama"))]
-        try:
-            models.append(str(smollm2_model()))
-        except LookupError as e:
-            print(f"SmolLM2 skipped: {e}")
+    if not args.model:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from bench_lora_memory import default_models
+    models = args.model or default_models()
     out = {"load_average": os.getloadavg(), "rank": args.rank, "models": {}}
     for model in models:
         row = measure(model, args.rank, args.repeats)
