@@ -246,24 +246,32 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return self.engine_loop.update_weights(buckets, mode)
 
     def load_lora_adapter(self, directory) -> None:
-        """Sample every later request with the PEFT LoRA adapter in `directory` on top of the base weights,
-        replacing the previous adapter (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls."""
+        """`load_lora_tensors` of the PEFT LoRA adapter in `directory` (read now: it may go away after)."""
+        from chatgen.models.lora_format import read_peft
+
+        self.load_lora_tensors(*read_peft(directory, key=str(directory)))
+
+    def load_lora_tensors(self, config: dict, tensors: dict) -> int:
+        """Sample every later request with this LoRA adapter (its adapter_config.json as a dict, its tensors by
+        PEFT name) on top of the base weights, replacing the previous one in place under the same adapter id
+        (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls. A new weight version: requests
+        added after it never reuse prefix-cache blocks computed under the previous adapter. Returns it."""
         if not self.config.enable_lora:
             raise ValueError(
-                f"{self.name}: load_lora_adapter needs enable_lora: true in its config"
+                f"{self.name}: load_lora_tensors needs enable_lora: true in its config"
             )
         loop = self.engine_loop
 
         def swap():
             if adapter.has_unfinished_requests(loop.llm):  # they would finish under the new adapter
                 raise RuntimeError(
-                    f"{self.name}: load_lora_adapter while requests run; call it between calls"
+                    f"{self.name}: a LoRA adapter load while requests run; load it between calls"
                 )
-            previous = loop.lora_request
-            lora_id = 1 if previous is None else previous.lora_int_id + 1
-            loop.lora_request = adapter.swap_lora(loop.llm, directory, lora_id, previous)
+            loop.lora_request = adapter.replace_lora(loop.llm, 1, config, tensors)
+            loop.weight_version += 1
+            return loop.weight_version
 
-        loop.call(swap)
+        return loop.call(swap)
 
     @property
     def needs_resync(self) -> str | None:
