@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from chatgen.models.lora_format import peft_config, peft_name
+from chatgen.param_sync.checks import nonfinite
 from chatgen.training import lora
 
 
@@ -136,5 +137,4 @@ class AdapterWeights:
         return [tensors[name] for name, _ in self.plan[index]]
 
     def nonfinite(self) -> list[str]:
-        tensors = self._gathered()
-        return sorted(name for name, t in tensors.items() if not bool(torch.isfinite(t).all()))
+        return nonfinite(self._gathered().items())
