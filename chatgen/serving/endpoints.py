@@ -41,7 +41,8 @@ class OpenAIServer(ResponseBuilder):
         params = job.params[0] if len(job.params) == 1 else job.params
         # closed: aborts
         async with contextlib.aclosing(
-            module.stream(job.prompts, params, deltas=stream)
+            # a served LoRA adapter (chatgen serve --lora-modules) by name
+            module.stream(job.prompts, params, deltas=stream, **adapter_of(job))
         ) as outputs:
             async for i, output in outputs:
                 yield i, output
@@ -355,3 +356,10 @@ class OpenAIServer(ResponseBuilder):
                 usage=self.usage(prompt_tokens, generated, cached),
             )
         )
+
+
+def adapter_of(job) -> dict:
+    """stream()'s keyword for the LoRA adapter a job's request named, if any (a backend without served adapters
+    never gets one: check_model refuses their names)."""
+    adapter = getattr(job, "adapter", None)
+    return {} if adapter is None else {"adapter": adapter}

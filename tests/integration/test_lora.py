@@ -380,3 +380,78 @@ def base_model_diff(model_dir, samples) -> float:
         lp = hf_logprobs(model, ids)[0, len(s["prompt_ids"]) - 1 :]
         worst = max(worst, (lp - torch.tensor(s["engine_logprobs"])).abs().max().item())
     return worst
+
+
+def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, capsys):
+    """`chatgen serve --lora-modules mine=DIR` (vLLM's flag; `--lora` too) with a trained adapter in PEFT's format:
+    through the real openai client, greedy completions for `mine` are PEFT's on the HF base and those for the base
+    name are the base's; a directory that is no adapter is refused before any engine starts, naming the flag."""
+    import subprocess
+    import sys
+
+    import openai
+    from helpers import wait_until_serving
+    from peft import PeftModel
+    from timeouts import scaled
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chatgen.cli import main
+    from chatgen.core.distributed import free_port
+
+    trainer = build(llama, lr=1e-2, lora=ALL)
+    for _ in range(2):
+        trainer.train_step({"input_ids": batch()}, nll_loss)
+    adapter = export_peft(trainer, tmp_path / "adapter")
+    assert main(["serve", "--model", str(llama), "--lora", f"bad={tmp_path}", "--port", "0"]) != 0
+    assert "--lora-modules bad: " in capsys.readouterr().err  # ... has no adapter_config.json
+
+    prompt = "the cat"
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = {str(llama): base.generate(ids, **greedy)[0, ids.shape[1] :].tolist()}
+        peft_model = PeftModel.from_pretrained(base, adapter).eval()
+        want["mine"] = peft_model.generate(input_ids=ids, **greedy)[0, ids.shape[1] :].tolist()
+    assert want["mine"] != want[str(llama)]  # the adapter changes the greedy output
+
+    port = free_port()
+    args = [
+        "serve",
+        "--model",
+        str(llama),
+        "--port",
+        str(port),
+        "--lora-modules",
+        f"mine={adapter}",
+    ]
+    args += [
+        "enforce_eager=true",
+        "seq_length=128",
+        "max_new_tokens=16",
+        f"kv_cache_memory_bytes={64 << 20}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatgen.cli", *args], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+        )
+        wait_until_serving(proc, client, scaled(300))
+        assert {m.id for m in client.models.list()} == set(want)
+        for name, tokens in want.items():
+            r = client.completions.create(
+                model=name,
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.choices[0].token_ids == tokens, name
+        with pytest.raises(openai.NotFoundError, match="'mine'"):
+            client.completions.create(model="yours", prompt=prompt, max_tokens=2)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=scaled(60)) == 143

@@ -187,7 +187,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             **kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"])
         )
 
-    def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
+    def add_request(
+        self, prompt_ids, params, prompt_text=None, *, stream: bool = False, lora_request=None
+    ) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
 
         Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new tokens
@@ -197,7 +199,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise ValueError(
                 "add_request: empty prompt; every prompt needs at least one token (e.g. BOS)"
             )
-        return self.engine_loop.add_request(prompt_ids, params, prompt_text, stream=stream)
+        return self.engine_loop.add_request(
+            prompt_ids, params, prompt_text, stream=stream, lora_request=lora_request
+        )
 
     def execute_step(self, data):
         """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
@@ -217,16 +221,19 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         return self._drive(lambda: self._queue(items, is_eval, greedy), is_eval)
 
-    async def stream(self, prompts: list, params, deltas: bool = False):
+    async def stream(self, prompts: list, params, deltas: bool = False, adapter: str | None = None):
+        """GenerationModule.stream; adapter: the name of a served LoRA adapter (`add_lora_adapter`) to sample
+        with instead of the base."""
         self._check_ready()
         shared = not isinstance(params, list)
         index = {}  # request id -> prompt index
+        lora = self.lora_adapters[adapter] if adapter is not None else None
 
         def add():
             # a request owns its params (vLLM sets fields on them): one each
             for i, ids in enumerate(prompts):
                 p = (params.clone() if len(prompts) > 1 else params) if shared else params[i]
-                index[self.add_request(ids, p, stream=deltas)] = i
+                index[self.add_request(ids, p, stream=deltas, lora_request=lora)] = i
 
         # closed: aborts the rest
         async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:
@@ -244,6 +251,19 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
         return self.engine_loop.update_weights(buckets, mode)
+
+    lora_adapters: dict = {}  # name -> LoRARequest of the adapters served beside the base (add_lora_adapter)
+
+    def add_lora_adapter(self, name: str, directory) -> None:
+        """Serve the PEFT LoRA adapter in `directory` as model `name` beside the base (`chatgen serve
+        --lora-modules`): `stream(..., adapter=name)` samples with it. vLLM reads the directory (again, should it
+        evict the adapter), so it must stay. Needs `enable_lora`."""
+        if not self.config.enable_lora:
+            raise ValueError(f"{self.name}: add_lora_adapter needs enable_lora: true in its config")
+        lora_id = 2 + len(self.lora_adapters)  # 1: the synced adapter (load_lora_tensors)
+        loop = self.engine_loop
+        request = loop.call(lambda: adapter.add_lora_dir(loop.llm, name, lora_id, directory))
+        self.lora_adapters = {**self.lora_adapters, name: request}
 
     def load_lora_adapter(self, directory) -> None:
         """`load_lora_tensors` of the PEFT LoRA adapter in `directory` (read now: it may go away after)."""

@@ -1,4 +1,5 @@
-"""vLLM's LoRA adapters: an adapter held in memory (its adapter_config.json as a dict, its tensors by PEFT name)
+"""vLLM's LoRA adapters: a PEFT adapter directory served under a name (vLLM's own path, `add_lora_dir`), and an
+adapter held in memory (its adapter_config.json as a dict, its tensors by PEFT name)
 replaced in place under one adapter id, and the LoRARequest new generations carry. The engine must have been
 built with `enable_lora` (VLLMConfig.enable_lora).
 
@@ -9,12 +10,23 @@ adapter with vLLM's own `LoRAModel.from_lora_tensors` (patches.replace_lora_in_w
 in patches.RELIES_ON["replace_lora_in_worker"] (tests/integration/test_vllm_patches.py checks it).
 """
 
+from pathlib import Path
+
 from vllm import LLM
 from vllm.lora.request import LoRARequest
 
 from chatgen.generation.vllm.adapter.patches import replace_lora_in_worker
 
 IN_MEMORY = "chatgen://in-memory"  # the lora_path of an adapter given as tensors: never read
+
+
+def add_lora_dir(llm: LLM, name: str, lora_id: int, directory) -> LoRARequest:
+    """Load the PEFT adapter in `directory` as `name` (vLLM reads it again should it evict the adapter); returns
+    the request that samples with it."""
+    request = LoRARequest(name, lora_id, str(Path(directory).resolve()))
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM did not load the LoRA adapter in {directory}")
+    return request
 
 
 def replace_lora(llm: LLM, lora_id: int, config: dict, tensors: dict) -> LoRARequest:
