@@ -100,7 +100,7 @@ class OpenAIServer(ResponseBuilder):
                     id=response_id,
                     object="chat.completion.chunk",
                     created=created,
-                    model=self.name,
+                    model=job.adapter or self.name,
                     choices=choices,
                     **fields,
                 )
@@ -203,7 +203,7 @@ class OpenAIServer(ResponseBuilder):
         return json_response(
             ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}",
-                model=self.name,
+                model=job.adapter or self.name,
                 choices=choices,
                 prompt_token_ids=prompt,
                 prompt_logprobs=self.prompt_logprobs(output),
@@ -283,7 +283,7 @@ class OpenAIServer(ResponseBuilder):
                                 id=response_id,
                                 object="text_completion",
                                 created=created,
-                                model=self.name,
+                                model=job.adapter or self.name,
                                 choices=[
                                     CompletionResponseStreamChoice(
                                         index=k,
@@ -307,7 +307,7 @@ class OpenAIServer(ResponseBuilder):
                         CompletionStreamResponse(
                             id=response_id,
                             created=created,
-                            model=self.name,
+                            model=job.adapter or self.name,
                             choices=[],
                             usage=self.usage(prompt_tokens, sum(generated), cached),
                         ),
@@ -351,7 +351,7 @@ class OpenAIServer(ResponseBuilder):
         return json_response(
             CompletionResponse(
                 id=f"cmpl-{uuid.uuid4().hex}",
-                model=self.name,
+                model=job.adapter or self.name,
                 choices=choices,
                 usage=self.usage(prompt_tokens, generated, cached),
             )
@@ -361,5 +361,4 @@ class OpenAIServer(ResponseBuilder):
 def adapter_of(job) -> dict:
     """stream()'s keyword for the LoRA adapter a job's request named, if any (a backend without served adapters
     never gets one: check_model refuses their names)."""
-    adapter = getattr(job, "adapter", None)
-    return {} if adapter is None else {"adapter": adapter}
+    return {} if job.adapter is None else {"adapter": job.adapter}

@@ -106,6 +106,8 @@ class ModelLimits:
 class Job:
     """A parsed request, ready to run: its prompts (token ids), their texts where known, their sampling params."""
 
+    adapter = None  # the served LoRA adapter its `model` names (chatgen serve --lora-modules); None: the base
+
     def __init__(self, req, prompts, texts, params, **extra):
         self.req, self.prompts, self.texts, self.params = req, prompts, texts, params
         self.__dict__.update(extra)

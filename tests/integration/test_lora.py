@@ -449,7 +449,7 @@ def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, 
                 temperature=0,
                 extra_body={"ignore_eos": True},
             )
-            assert r.choices[0].token_ids == tokens, name
+            assert r.choices[0].token_ids == tokens and r.model == name, name
         with pytest.raises(openai.NotFoundError, match="'mine'"):
             client.completions.create(model="yours", prompt=prompt, max_tokens=2)
     finally:
