@@ -213,12 +213,12 @@ def run(args) -> int:
         require_tokenizer(module, args.model, "the chat and text endpoints need")
         with heartbeat(f"starting the engine for {args.model}"):
             module.start()
-        for name, directory in adapters.items():
-            module.add_lora_adapter(name, directory)
     except BaseException:
         sock.close()
         raise
     try:
+        for name, directory in adapters.items():  # the engine shuts down if one fails
+            module.add_lora_adapter(name, directory)
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = (
             [control_router(module, api_key=key, host=args.host, timeout=timeout)]
