@@ -165,6 +165,15 @@ SMALL = {
         "runtime.generation_batch_size=8",
         "policy.max_new_tokens=8",
     ],
+    "grpo_smollm2_lora": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=8",
+        "runtime.generation_batch_size=8",
+        "policy.max_new_tokens=8",
+        "runtime.eval_episode_interval=null",
+    ],
     "grpo_smollm2_math": [
         "runtime.sample_per_episode=8",
         "policy.n=4",
@@ -217,7 +226,7 @@ def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
     """The variables that point a recipe at small data and a ready model (its preparation steps then skip)."""
     from chatgen import tasks
 
-    if recipe in ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2"):
+    if recipe in ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2", "grpo_smollm2_lora"):
         data = tmp_path / "data"
         task = "math_words" if recipe == "grpo_smollm2_math" else "arithmetic"
         tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
