@@ -28,6 +28,7 @@ from chatgen.core.process_tuning import (
     PASSIVE_OPENMP,
     WIDE_HIDDEN_SIZE,  # noqa: F401
     one_malloc_arena,
+    restart_on_jemalloc,
     serve_threads,
 )
 from chatgen.module import startup_gc
@@ -88,6 +89,7 @@ def main(argv=None) -> int:
     # Before torch (and its OpenMP runtime) loads: idle OpenMP threads sleep (core.process_tuning)
     for key, value in PASSIVE_OPENMP.items():
         os.environ.setdefault(key, value)
+    as_command = argv is None  # the process is chatgen's own: it may restart itself
     argv = list(sys.argv[1:] if argv is None else argv)
     # before any import: the subcommand's modules warn as they load
     if set(VERBOSE_FLAGS) & set(argv):
@@ -96,6 +98,8 @@ def main(argv=None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # `chatgen -v train` too
     # measured there; `serve` lost throughput with it (its HTTP and engine threads)
     if command == "train":
+        if as_command:
+            restart_on_jemalloc(argv)
         one_malloc_arena()
     if command == "serve":
         os.environ.setdefault("OMP_NUM_THREADS", str(serve_threads(argv)))

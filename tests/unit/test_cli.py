@@ -412,3 +412,56 @@ def test_config_and_train_refuse_the_same_data_line_before_anything_starts(tmp_p
             [line.strip() for line in err.splitlines() if "bad.jsonl, record 2" in line]
         )
     assert messages[0] == messages[1] and not (tmp_path / "run").exists()
+
+
+def test_train_restarts_itself_on_jemalloc_unless_an_allocator_was_chosen(monkeypatch):
+    """`chatgen train` as a command replaces its process by one with Ray's jemalloc preloaded, same arguments;
+    an LD_PRELOAD already set (the restarted process, or the user's allocator) or CHATGEN_MALLOC=glibc keeps
+    the process as it is."""
+    from chatgen.core import process_tuning
+
+    library = process_tuning.jemalloc_library()
+    assert library is not None and library.endswith("libjemalloc.so")  # ray is a dependency
+    calls = []
+    monkeypatch.setattr("os.execve", lambda *args: calls.append(args))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv("CHATGEN_MALLOC", raising=False)
+    process_tuning.restart_on_jemalloc(["train", "run.yaml", "a=1"])
+    [(exe, args, env)] = calls
+    assert (exe, args[1:]) == (sys.executable, ["-m", "chatgen.cli", "train", "run.yaml", "a=1"])
+    assert env["LD_PRELOAD"] == library
+    for key, value in (("LD_PRELOAD", "/usr/lib/libtcmalloc.so"), ("CHATGEN_MALLOC", "glibc")):
+        with monkeypatch.context() as m:
+            m.setenv(key, value)
+            process_tuning.restart_on_jemalloc(["train", "run.yaml"])
+    assert len(calls) == 1
+
+
+def test_a_process_preloading_the_jemalloc_found_allocates_with_it():
+    """The library restart_on_jemalloc preloads loads into a Python process that imports torch."""
+    import os
+
+    from chatgen.core.process_tuning import jemalloc_library
+
+    probe = "import torch; print(any('libjemalloc' in line for line in open('/proc/self/maps')))"
+    proc = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "LD_PRELOAD": jemalloc_library()},
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["True"]
+
+
+def test_a_narrow_models_engine_thread_steps_with_one_openmp_thread(monkeypatch):
+    """process_tuning.engine_thread_team: 1 below WIDE_HIDDEN_SIZE, None (leave the team) for a wider model
+    or when OMP_NUM_THREADS names one (the user's, or serve's)."""
+    from chatgen.core.process_tuning import WIDE_HIDDEN_SIZE, engine_thread_team
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert engine_thread_team(WIDE_HIDDEN_SIZE // 4) == 1
+    assert engine_thread_team(WIDE_HIDDEN_SIZE) is None
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert engine_thread_team(WIDE_HIDDEN_SIZE // 4) is None
