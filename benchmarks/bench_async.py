@@ -1,7 +1,9 @@
 # .venv/bin/python benchmarks/bench_async.py --output outputs/bench_async.json
-"""Synchronous vs one-step overlap vs fully asynchronous GRPO (max_staleness: 2), alternating in one run.
+"""Synchronous vs one-step overlap vs asynchronous GRPO (k = 2, with and without a handover), alternating.
 
-Each case runs the three modes in turn, --runs rounds of them (so machine noise hits all alike), on the tiny
+The async modes: max_staleness: 2 (async2), and the same with handover_step: 4 (async2_handover).
+
+Each case runs the four modes in turn, --runs rounds of them (so machine noise hits all alike), on the tiny
 sort-digits task with a warm-started tiny Llama (--model, or a quick SFT warm start made here):
 - `tiny`: configs/grpo_tiny.yaml's policy (up to 16 new tokens, stop at EOS).
 - `longtail`: one prompt in 8 asks to sort 40-48 digits instead of 3-6, and its samples generate to the
@@ -41,6 +43,8 @@ MODES = {
     "sync": {},
     "overlap": {"runtime.algorithm.overlap_generation": True},
     "async2": {"runtime.algorithm.max_staleness": 2},
+    # the batches ahead wait for the next weights after 4 engine steps (docs/async_rl.md)
+    "async2_handover": {"runtime.algorithm.max_staleness": 2, "runtime.algorithm.handover_step": 4},
 }
 
 
@@ -241,6 +245,7 @@ def main(argv=None) -> int:
             "median_episode_s": median,
             "async_over_overlap": median["async2"] / median["overlap"],
             "async_over_sync": median["async2"] / median["sync"],
+            "handover_over_overlap": median["async2_handover"] / median["overlap"],
             "eval_equal_steps": {
                 m: statistics.mean(r["eval_curve"][-1][1] for r in runs[m]) for m in MODES
             },

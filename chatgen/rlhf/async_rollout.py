@@ -16,6 +16,13 @@ The loop (`train`, GRPO's when max_staleness is set; docs/async_rl.md):
   synchronous loop (generate, train, sync), k = 1 today's overlap_generation, k > 1 fully asynchronous.
 - Weights go to the engine after each episode's update in mode `keep`: requests in flight continue under
   the new weights (partial rollouts); their tokens carry the versions that sampled them.
+- Handover (`handover_step: s`, k >= 2, in process): the batches submitted ahead of the episode being
+  trained are marked (chatgen.generation.handover): after s engine steps under the weights of their
+  submission, while nothing else generates, the engine waits for the next weights rather than finishing
+  them under the old ones. When generation outpaces training, the engine would idle at the bound anyway;
+  this moves the idle time into the batch, so its remaining tokens come from weights one version fresher
+  and every sample longer than s tokens spans two versions: partial rollouts by construction, not by
+  timing. The trainer's own batch is never marked (its update is what the others wait for).
 - The bound is checked on the samples themselves (chatgen.rlhf.staleness): a group whose oldest token is
   more than k versions behind is dropped from the loss (`stale_samples: drop`) or generated again now
   (`regenerate`), and counted (async/stale_groups). Admission makes this a safety net, not a routine.
@@ -41,15 +48,30 @@ from collections import deque
 
 import torch
 
+from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch
+from chatgen.generation import handover
 from chatgen.rlhf import staleness as st
 from chatgen.rlhf.grpo_step import update
+from chatgen.rlhf.placement import plan_groups
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.runtime import launcher
 
 
 def check_keys(algo):
     """(key, problem) pairs of the async keys of GRPO's Config."""
     k = algo.max_staleness
+    if algo.handover_step is not None and algo.handover_step < 1:
+        yield "handover_step", f"must be >= 1 or null, got {algo.handover_step}; 4 is usual"
+    elif algo.handover_step is not None and (k or 0) < 2:
+        yield (
+            "handover_step",
+            (
+                f"holds the batches ahead of the trainer's next one until the next weights; with "
+                f"max_staleness {k} there is none ahead of it: set max_staleness >= 2, or "
+                "handover_step: null"
+            ),
+        )
     if k is None:
         return
     if k < 0:
@@ -75,6 +97,15 @@ def check_keys(algo):
         )
 
 
+def in_process(cfg) -> bool:
+    """Whether the run's models live in the driver process (runtime.launcher: local, or auto resolving
+    to it), where a generation call's handover mark reaches the engine."""
+    try:
+        return launcher(cfg, plan_groups(cfg)) == "local"
+    except (ValueError, ConfigError):  # the layout's own problem, which other checks name
+        return True
+
+
 def check_run(cfg):
     """Run-level problems: a policy sharing GPUs with its trainer sleeps while the trainer trains."""
     if cfg.runtime.algorithm.max_staleness and "policy" in cfg.models:
@@ -88,14 +119,20 @@ def check_run(cfg):
                 "(runtime.colocation), and sleeps while it trains: nothing generates ahead; give "
                 "the policy devices of its own, or remove max_staleness"
             )
+    if cfg.runtime.algorithm.handover_step is not None and not in_process(cfg):
+        yield (
+            "runtime.algorithm.handover_step: the policy runs in Ray actors (runtime.launcher), where "
+            "a batch cannot wait for the next weights mid-generation (an actor serves one call at a "
+            "time); use runtime.launcher: local (one process, one rank), or remove handover_step"
+        )
 
 
 class Rollouts:
     """The batches in flight or waiting (see the module docstring): `fill` submits what the bound admits,
     `take` waits for the next one. Also counts the engine's and the trainer's idle time."""
 
-    def __init__(self, run, k: int):
-        self.run, self.k = run, k
+    def __init__(self, run, k: int, handover_step: int | None = None):
+        self.run, self.k, self.handover_step = run, k, handover_step
         self.pool = concurrent.futures.ThreadPoolExecutor(k + 1, thread_name_prefix="chatgen-async")
         self.queue = deque()  # (episode, record indices, future of the RolloutBatch), in order
         self.next_episode = None
@@ -105,19 +142,27 @@ class Rollouts:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, *exc):
         for _, _, future in self.queue:
             future.cancel()
-        self.pool.shutdown(wait=True)  # what runs ends with the engine's calls (or their failure)
+        # what runs ends with the engine's calls; after an error, with their failure when the run
+        # stops the engine (a batch held for weights that will not come would wait for good)
+        self.pool.shutdown(wait=exc_type is None)
         return False
 
-    def fill(self, episode: int, limit: int) -> None:
-        """Submit the batches of episodes up to min(episode + k, limit) not submitted yet."""
+    def fill(self, episode: int, limit: int, version: int) -> None:
+        """Submit the batches of episodes up to min(episode + k, limit) not submitted yet; `version`:
+        the engine's weight version now, which `episode`'s update moves on."""
         if self.next_episode is None:
             self.next_episode = episode
         while self.next_episode <= min(episode + self.k, limit):
             index = self.run.next_prompts()
-            self.queue.append((self.next_episode, index, self.pool.submit(self._generate, index)))
+            # handover_step: a batch ahead of `episode`'s may wait for that update's weights; the
+            # trainer's own batch never does (the update waits on it)
+            hold = (self.handover_step, version) if self.next_episode > episode else (None,)
+            self.queue.append(
+                (self.next_episode, index, self.pool.submit(self._generate, index, hold))
+            )
             self.next_episode += 1
 
     def take(self, episode: int):
@@ -127,13 +172,14 @@ class Rollouts:
         ready = 1 + sum(f.done() for _, _, f in self.queue) if future.done() else 0
         return index, future.result(), ready
 
-    def _generate(self, index):
+    def _generate(self, index, hold):
         with self._lock:
             if self._running == 0:
                 self.engine_idle += time.perf_counter() - self._idle_since
             self._running += 1
         try:
-            return self.run.generate(index)
+            with handover.hold_after(*hold):
+                return self.run.generate(index)
         finally:
             with self._lock:
                 self._running -= 1
@@ -204,7 +250,7 @@ def train(cfg, resume, log, phases: list, prepare) -> dict:
     n, k = cfg.models["policy"].config.n, rt.algorithm.max_staleness
     with (
         Run(cfg, resume, phases, log, records_per_episode=rt.sample_per_episode // n) as run,
-        Rollouts(run, k) as rollouts,
+        Rollouts(run, k, rt.algorithm.handover_step) as rollouts,
     ):
         timer, metrics = run.timer, {}
         prepare(run)
@@ -212,7 +258,7 @@ def train(cfg, resume, log, phases: list, prepare) -> dict:
         current = run.policy.weight_versions()[0]  # the engine's version of the trainer's weights
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()
-            rollouts.fill(episode, next_checkpoint(run, episode))
+            rollouts.fill(episode, next_checkpoint(run, episode), current)
             waited = time.perf_counter()
             with timer("generate"):  # what the trainer waits for: its idle time
                 index, batch, ready = rollouts.take(episode)

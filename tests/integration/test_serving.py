@@ -661,6 +661,59 @@ def test_keep_and_recompute_continue_under_the_new_weights(served, weights, mode
     assert greedy(module, prompt)[0] == old_tokens
 
 
+def held_tokens(module, at_least: int) -> int:
+    """The tokens of the one running request once it has `at_least` and stays there (held: the engine
+    steps no more however often it is asked)."""
+
+    def count():
+        counts = module.engine_loop.call(lambda: adapter.output_token_counts(module.engine))
+        return max(counts.values(), default=0)
+
+    deadline = time.monotonic() + scaled(60)
+    while count() < at_least:
+        assert time.monotonic() < deadline, "the marked request did not reach its step"
+    held = count()
+    time.sleep(0.2)  # an engine that steps on would be several tokens further by now
+    assert count() == held
+    return held
+
+
+def test_a_marked_call_waits_for_the_next_weights_at_its_step(served, weights):
+    """chatgen.generation.handover: a call made inside hold_after(3, version) takes 3 engine steps under
+    weights `version`, then waits for the next update and continues under the new ones: its tokens switch
+    version at the token the update found it on, 3, however late the update came. An unmarked call
+    beside a held one runs (the held one steps along), so nobody waits on an update that waits on it."""
+    from chatgen.generation import handover
+
+    module, (original, head, _) = served.module, weights
+    prompt = module.tokenizer.encode("Once upon a time there was")
+    old_tokens, _ = greedy(module, prompt)
+    data = {"input_ids": torch.tensor([prompt]), "input_lengths": torch.tensor([len(prompt)])}
+    for after in (3, 4):
+        result = {}
+
+        def marked():
+            with handover.hold_after(after, module.weight_version):
+                result["out"] = module.generate(data, greedy=True)
+
+        worker = threading.Thread(target=marked)
+        worker.start()
+        held = held_tokens(module, after)
+        assert held == after
+        if after == 4:  # an unmarked call runs to its end; the marked one moves with it
+            assert len(greedy(module, prompt, max_new=5)[0]) == 5
+            held = held_tokens(module, after + 1)
+            assert after < held < MAX_NEW
+        version = module.update_weights(list(head.items()), mode="keep")
+        worker.join(timeout=scaled(60))
+        assert not worker.is_alive()
+        tokens, _, versions = generated(result["out"], len(prompt))
+        assert versions == [version - 1] * held + [version] * (MAX_NEW - held)
+        assert tokens[:held] == old_tokens[:held]
+        module.update_weights(list(original.items()))
+    assert greedy(module, prompt)[0] == old_tokens
+
+
 def test_wait_drains_first_and_abort_returns_what_it_has(served, weights):
     module, (original, head, _) = served.module, weights
     prompt = module.tokenizer.encode("The cat sat on the mat")

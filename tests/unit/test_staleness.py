@@ -89,6 +89,72 @@ def test_async_keys_that_fit():
         assert not [key for key, _ in Config(**keys).check() if key == "max_staleness"], keys
 
 
+@pytest.mark.parametrize(
+    "keys, problem",
+    [
+        ({"max_staleness": 2, "handover_step": 0}, "must be >= 1"),
+        ({"max_staleness": 1, "handover_step": 4}, "set max_staleness >= 2"),
+        ({"handover_step": 4}, "set max_staleness >= 2"),
+    ],
+)
+def test_handover_step_is_checked(keys, problem):
+    from chatgen.rlhf.algorithms.grpo import Config
+
+    keys = {"importance_sampling_cap": 2.0, **keys}
+    found = [text for key, text in Config(**keys).check() if key == "handover_step"]
+    assert found and problem in found[0], found
+    assert not [
+        key
+        for key, _ in Config(max_staleness=2, handover_step=4, importance_sampling_cap=2.0).check()
+    ]
+
+
+def test_batches_ahead_of_the_trainers_are_marked_for_the_handover():
+    """Rollouts.fill: the batch of the episode being trained generates unmarked (its update is what a
+    marked batch waits for); the batches ahead of it carry (handover_step, the version now)."""
+    import threading
+    import types
+
+    from chatgen.generation import handover
+    from chatgen.rlhf.async_rollout import Rollouts
+
+    marks, lock = {}, threading.Lock()
+
+    def generate(index):
+        with lock:
+            marks[index[0]] = handover.requested()
+        return index
+
+    prompts = iter(range(100))
+    run = types.SimpleNamespace(generate=generate, next_prompts=lambda: [next(prompts)])
+    with Rollouts(run, 2, handover_step=4) as rollouts:
+        rollouts.fill(1, limit=10, version=0)  # batches 1, 2, 3 (prompts 0, 1, 2)
+        assert rollouts.take(1)[1] == [0]
+        rollouts.fill(2, limit=10, version=1)  # batch 4 (prompt 3)
+        for episode in (2, 3, 4):
+            rollouts.take(episode)
+    assert marks == {0: None, 1: (4, 0), 2: (4, 0), 3: (4, 1)}
+    assert handover.requested() is None  # the mark stays with the call
+    with Rollouts(run, 2) as rollouts:  # handover_step null: nothing marked
+        rollouts.fill(1, limit=1, version=0)
+        rollouts.take(1)
+    assert marks[4] is None
+
+
+def test_hold_after_marks_the_block_only():
+    from chatgen.generation import handover
+
+    with handover.hold_after(3, version=5):
+        assert handover.requested() == (3, 5)
+        with handover.hold_after(None):
+            assert handover.requested() is None
+        assert handover.requested() == (3, 5)
+    assert handover.requested() is None
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        with handover.hold_after(0):
+            pass
+
+
 class FakeRun:
     """What enforce_bound uses of a Run: the algorithm's keys, generate (fresh samples at version 9), score."""
 
@@ -187,3 +253,11 @@ def test_an_async_policy_sharing_gpus_with_its_trainer_is_refused(tmp_path, monk
         )
         == 0
     )
+    capsys.readouterr()
+    # handover_step needs the engine in this process: refused where the run uses Ray actors
+    on_cpu = ["models.policy.num_gpu=0", "models.policy_trainer.num_gpu=0"]
+    handover = ["runtime.algorithm.handover_step=4", *on_cpu]
+    assert cli.main(["config", "main.yaml", *handover, "runtime.launcher=ray"]) == 2
+    assert "handover_step: the policy runs in Ray actors" in capsys.readouterr().err
+    local = "runtime.colocation=[[policy, policy_trainer, reward]]"
+    assert cli.main(["config", "main.yaml", *handover, local]) == 0

@@ -18,6 +18,8 @@ Weights: the loop counts versions (0 = the weights the engine started with, +1 p
 sample carries `weight_versions` (list[int], the version each generated token was sampled under; set on vLLM's
 `CompletionOutput`); so does every delta of a streamed request, for its new tokens. Requests added after an update carry a new cache salt, so they never hit prefix-cache
 blocks computed with older weights, whatever still holds those blocks.
+A call made inside chatgen.generation.handover.hold_after(s, v) waits for the next update after s steps while
+the weights are version v and only such calls run (`_held`); without a thread the loop never holds.
 
 Watchdog: `health_problem()` names what keeps the loop from serving (its thread died, or one engine
 step or command has run for over `stall_s` seconds without progress), which the server's /health
@@ -34,6 +36,7 @@ import threading
 import time
 import weakref
 
+from chatgen.generation import handover
 from chatgen.generation.base import UPDATE_MODES
 from chatgen.generation.vllm import adapter
 from chatgen.generation.vllm.weight_updates import WeightUpdates
@@ -52,6 +55,7 @@ class _Call:
         self.owner, self.add, self.notify, self.is_eval = owner, add, notify, is_eval
         self.request_ids, self.unfinished = [], set()
         self.steps, self.kv_peak, self.done, self.error = 0, 0.0, False, None
+        self.hold = handover.requested()  # (steps, weight version) or None: WeightUpdates._held
 
 
 class EngineLoop(WeightUpdates):
@@ -309,8 +313,8 @@ class EngineLoop(WeightUpdates):
     def _serve(self) -> None:
         while not self._stopped:
             try:
-                self._run_commands(block=not self._active or self.paused)
-                if self._active and not self._stopped and not self.paused:
+                self._run_commands(block=not self._active or self.paused or self._held())
+                if self._active and not self._stopped and not self.paused and not self._held():
                     self._step()
             except BaseException as e:  # a bug of the loop itself: fail what runs, keep serving
                 self.failure = f"{type(e).__name__}: {e}"

@@ -1,7 +1,8 @@
 """The weight side of chatgen.generation.vllm.engine_loop.EngineLoop (a mixin of it, run on the
 engine thread): a weight update between two engine steps in each mode, and the weight version each
 generated token was sampled under (`weight_versions`), kept on the loop's books (`_calls`,
-`_streamed`, `_start_version`, `_marks`).
+`_streamed`, `_start_version`, `_marks`); and the hold of calls that wait for the next update
+(chatgen.generation.handover).
 """
 
 import time
@@ -29,6 +30,16 @@ class WeightUpdates:
             for count, version in self._marks.pop((output.request_id, sample.index), ()):
                 versions[count:] = [version] * (len(versions) - count)
             sample.weight_versions = versions
+
+    def _held(self) -> bool:
+        """Whether the engine waits for the next weight update instead of stepping: every running call
+        asked for it (chatgen.generation.handover) at the current version and has run its steps."""
+        return bool(self._active) and all(
+            call.hold is not None
+            and call.hold[1] == self.weight_version
+            and call.steps >= call.hold[0]
+            for call in self._active
+        )
 
     def _abort_returning_outputs(self) -> None:
         """End every running request now, each call getting what its requests generated so far. vLLM gives one

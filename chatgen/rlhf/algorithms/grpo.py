@@ -151,6 +151,13 @@ class Config(AlgorithmConfig):
         "max_staleness: a group past the bound is left out of the loss (drop) or generated "
         "again with the current weights (regenerate); counted as async/stale_groups",
     )
+    handover_step: Optional[int] = opt(
+        None,
+        "max_staleness >= 2, in process: a batch generating ahead of the trainer's next one takes "
+        "this many engine steps under the weights it started with, then waits for the next "
+        "weights when nothing else generates (partial rollouts by construction: the rest of its "
+        "tokens is a version fresher); null = it runs on under the old weights",
+    )
 
     def check(self):
         if self.kl_coef < 0:
