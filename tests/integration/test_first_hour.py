@@ -10,7 +10,7 @@
 
 The runs are independent subprocesses, each mostly one busy core (seconds of imports, then the tiny
 model's Python): the module starts them two at a time when it begins (`runs`), and each test asserts
-on its own run's result, so CI's two cores both work (~40% less wall time than one after another).
+on its own run's result, so both of CI's two cores work.
 """
 
 import fcntl
