@@ -1,13 +1,14 @@
 # python benchmarks/bench_lora_sync.py --output outputs/bench_lora_sync.json [--model DIR ...] [--rank 4] [--repeats 5]
 """A LoRA trainer's two syncs into vLLM, in one process on CPU: merged (W + (alpha / r) B A of every adapted
-weight through `sync_weights`) against adapter-only (`sync_adapter`: the PEFT adapter, loaded as a vLLM LoRA
-adapter on the engine's base weights).
+weight through `sync_weights`) against adapter-only (`sync_adapter`: the adapter alone, loaded from memory as a
+vLLM LoRA adapter on the engine's base weights).
 
 For each model (default: the tiny Llama of tests/conftest.py and SmolLM2-135M where it is cached) a MegatronModule
 (fp32, TP 1, lora.rank on every target) takes one step; one engine syncs merged, another (enable_lora) takes the
 adapter; the two syncs alternate --repeats times. Reported: bytes each moves, median seconds, the ratios, and
 the engines' log-prob agreement with the trainer after each. Writes JSON to --output with the load average
-(times depend on the load: compare the ratios).
+(times depend on the load: compare the ratios). `benchmarks/bench_sync.py` runs the same `measure` as its LoRA
+case.
 """
 
 import argparse
@@ -73,6 +74,8 @@ def measure(model_dir: str, rank: int, repeats: int) -> dict:
     out.update(
         merged_s=statistics.median(times["merged"]),
         adapter_s=statistics.median(times["adapter"]),
+        merged_min_s=min(times["merged"]),
+        adapter_min_s=min(times["adapter"]),
         merged_logprob_max_abs=agreement(merged_llm),
         adapter_logprob_max_abs=agreement(lora_llm),
     )

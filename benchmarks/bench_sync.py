@@ -1,4 +1,4 @@
-# python benchmarks/bench_sync.py --output outputs/bench_sync.json [--sizes small,medium,large] [--repeats 5]
+# python benchmarks/bench_sync.py --output outputs/bench_sync.json [--sizes small,medium,large] [--repeats 5] [--no-lora]
 """Weight sync speed (from Megatron and from a transformers model) against its lower bound and the naive path,
 for three model sizes (`--sizes tiny --repeats 1` is a smoke run of a few seconds).
 
@@ -28,6 +28,11 @@ For each size (random Llama-architecture weights written straight to safetensors
                  already imported and warm: the most generous restart)
     naive_new_process  the same save, then a new engine in a fresh Python process, timed until it is
                  ready (import + engine start): what restarting a generation worker costs
+
+    lora         a LoRA trainer's two syncs (bench_lora_sync.measure: rank --lora-rank on every target, the tiny
+                 Llama and SmolLM2-135M of the tests' cache): merged (`sync_weights`) against adapter-only
+                 (`sync_adapter`, the adapter alone, loaded by vLLM from memory), alternating. Targets: the adapter
+                 moves <= 5% of the merged bytes in <= 0.2x its time (docs/lora.md)
 
 Reports seconds (median of --repeats interleaved runs, minima too; naive runs once: save + engine start), bytes/s of the weights moved, and the ratios the
 issue targets: chatgen, transformers and server_shm <= 1.2x lower_bound, naive >= 20x chatgen (server_group:
@@ -391,11 +396,35 @@ def bench_size(name: str, overrides: dict, repeats: int, workdir: Path) -> dict:
     )
 
 
+def bench_lora(rank: int, repeats: int) -> dict:
+    """The LoRA case (see the module docstring), one row per model."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_lora_memory import default_models
+    from bench_lora_sync import measure
+
+    rows = {}
+    for model in default_models():
+        rows[Path(model).name] = row = measure(model, rank, repeats)
+        print(
+            f"lora    {Path(model).name}: adapter-only {row['adapter_bytes'] / 1e6:.2f} MB in "
+            f"{row['adapter_s'] * 1e3:.1f} ms, merged {row['merged_bytes'] / 1e6:.1f} MB in "
+            f"{row['merged_s'] * 1e3:.1f} ms: bytes {row['bytes_ratio']:.3f}x, time {row['time_ratio']:.3f}x | "
+            f"load {os.getloadavg()[0]:.2f}",
+            flush=True,
+        )
+    ok = all(r["bytes_ratio"] <= 0.05 and r["time_ratio"] <= 0.2 for r in rows.values())
+    return dict(rank=rank, models=rows, meets_targets=ok, load_average=os.getloadavg())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True)
     p.add_argument("--sizes", default="small,medium,large", help=f"comma list of {sorted(SIZES)}")
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument(
+        "--no-lora", action="store_true", help="skip the LoRA case (adapter-only vs merged)"
+    )
+    p.add_argument("--lora-rank", type=int, default=4)
     args = p.parse_args(argv)
     unknown = set(args.sizes.split(",")) - set(SIZES)
     if unknown:
@@ -420,6 +449,7 @@ def main(argv=None) -> int:
                 f"load {r['load_average'][0]:.2f}",
                 flush=True,
             )
+    lora = None if args.no_lora else bench_lora(args.lora_rank, args.repeats)
     out = dict(
         benchmark="bench_sync",
         device="cpu",
@@ -431,8 +461,11 @@ def main(argv=None) -> int:
             server_shm_over_lower_bound_max=1.2,
             naive_over_chatgen_min=20,
             broadcast_2_over_1_max=1.3,
+            lora_bytes_ratio_max=0.05,
+            lora_time_ratio_max=0.2,
         ),
         results=results,
+        lora=lora,
         load_average=os.getloadavg(),
         all_targets_met=all(
             r["meets_lower_bound_target"]
@@ -440,7 +473,8 @@ def main(argv=None) -> int:
             and r["meets_server_shm_lower_bound_target"]
             and r["meets_naive_target"]
             for r in results
-        ),
+        )
+        and (lora is None or lora["meets_targets"]),
     )
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(out, indent=1))

@@ -120,6 +120,18 @@ RECIPES = {
             "configs/grpo_smollm2/trainer.yaml",
         ],
     ),
+    "grpo_smollm2_lora": (
+        "grpo_smollm2 with LoRA: rank-8 adapters train, the base stays frozen; CPU (docs/lora.md)",
+        "examples/train_grpo_smollm2_lora.sh",
+        [
+            "examples/env.sh",
+            "configs/grpo_smollm2_lora.yaml",
+            "configs/grpo_smollm2_lora/trainer.yaml",
+            "configs/grpo_smollm2.yaml",
+            "configs/grpo_smollm2/policy.yaml",
+            "configs/grpo_smollm2/trainer.yaml",
+        ],
+    ),
     "grpo_smollm2_math": (
         "GRPO on SmolLM2-135M-Instruct, GSM8K-style word problems, math-verify reward; CPU",
         "examples/train_grpo_smollm2_math.sh",

@@ -3,6 +3,7 @@
     chatgen serve --model outputs/tiny-llama                       # http://127.0.0.1:8000/v1
     CHATGEN_API_KEY=KEY chatgen serve --model DIR --config configs/models/tiny_llama.yaml --port 8001 seq_length=512
     chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
+    chatgen serve --model DIR --lora-modules mine=outputs/run/adapter  # a PEFT adapter as model "mine" beside the base
 
 Binds to 127.0.0.1 unless --host says otherwise; with an API key (the CHATGEN_API_KEY environment variable,
 --api-key-file, or --api-key, which every user of the machine can read in the process list) every endpoint
@@ -99,8 +100,54 @@ def add_arguments(parser) -> None:
         "before they are cancelled (default 10; vLLM's --shutdown-timeout)",
     )
     parser.add_argument(
+        "--lora-modules",
+        "--lora",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME beside the base (vLLM's flag; one adapter per "
+        "flag, repeat it for more); "
+        "sets enable_lora and max_lora_rank unless given (docs/lora.md)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512"
     )
+
+
+LORA_RANKS = (8, 16, 32, 64, 128)  # vLLM's max_lora_rank choices
+
+
+def lora_modules(items: list, served: str) -> tuple[dict, int]:
+    """({NAME: DIR}, the largest rank) of --lora-modules, each DIR read as a PEFT LoRA adapter; a ValueError or
+    ConfigError naming the flag and the fix otherwise (before any engine starts)."""
+    from chatgen.models.lora_format import read_peft
+
+    modules, rank = {}, 0
+    for item in items:
+        name, sep, directory = item.partition("=")
+        if not (sep and name and directory):
+            raise ValueError(
+                f"--lora-modules {item!r}: give NAME=DIR, e.g. mine=outputs/run/adapter"
+            )
+        if name in modules or name == served:
+            raise ValueError(
+                f"--lora-modules {item!r}: the name {name!r} is taken (by the base model or another "
+                "adapter); give each adapter a name of its own"
+            )
+        config, _ = read_peft(directory, key=f"--lora-modules {name}")
+        modules[name], rank = directory, max(rank, int(config["r"]))
+    if rank > LORA_RANKS[-1]:
+        raise ValueError(f"--lora-modules: rank {rank} is above vLLM's largest max_lora_rank, 128")
+    return modules, rank
+
+
+def lora_overrides(overrides: list, rank: int) -> list:
+    """The engine keys --lora-modules needs, unless the user gave them: enable_lora, max_lora_rank."""
+    given = {o.partition("=")[0] for o in overrides}
+    extra = [] if "enable_lora" in given else ["enable_lora=true"]
+    if "max_lora_rank" not in given:
+        extra.append(f"max_lora_rank={next(r for r in LORA_RANKS if r >= rank)}")
+    return [*overrides, *extra]
 
 
 def run(args) -> int:
@@ -148,6 +195,10 @@ def run(args) -> int:
             f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
             "running requests may take to finish on SIGTERM, e.g. 10"
         )
+    served = args.served_model_name or args.model
+    adapters, rank = lora_modules(args.lora_modules, served)  # before the engine starts
+    if adapters:
+        args.overrides = lora_overrides(args.overrides, rank)
     if args.control:  # before the engine starts
         check_bind(args.host, key)
         if args.control_timeout is not None and not args.control_timeout > 0:
@@ -166,6 +217,8 @@ def run(args) -> int:
         sock.close()
         raise
     try:
+        for name, directory in adapters.items():  # the engine shuts down if one fails
+            module.add_lora_adapter(name, directory)
         timeout = DEFAULT_TIMEOUT_S if args.control_timeout is None else args.control_timeout
         routers = (
             [control_router(module, api_key=key, host=args.host, timeout=timeout)]
@@ -175,7 +228,7 @@ def run(args) -> int:
         app = build_app(
             module,
             api_key=key,
-            model_name=args.served_model_name or args.model,
+            model_name=served,
             routers=routers,
             max_request_bytes=args.max_request_bytes,
             allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))],

@@ -22,6 +22,7 @@ import logging
 import types
 from pathlib import Path
 
+from chatgen.compat import chatlearn_lora
 from chatgen.config import ConfigError, Dialect, args_problem
 from chatgen.config.loader import at, source_of, substitute
 from chatgen.config.typed import did_you_mean
@@ -55,7 +56,8 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
 
     A key of the schema is read as usual. A ChatLearn spelling of a chatgen key (CHATLEARN_SPELLINGS:
     `bf16: true` -> `dtype: bfloat16`, a vLLM model's `tensor_model_parallel_size` -> `tensor_parallel_size`)
-    is read as that key unless the file set the chatgen key itself. Any other Megatron-LM argument
+    is read as that key unless the file set the chatgen key itself; ChatLearn's `lora:` keys (enable_lora,
+    lora_dim, ...) are read as chatgen's (chatgen/compat/chatlearn_lora.py). Any other Megatron-LM argument
     (megatron_lm_keys.txt) is ignored. Every remaining key is the user's and goes to `args:`, where an explicit
     `args:` entry wins; a key one typo away from a chatgen key is an error instead. One log line each lists
     the ignored keys, the spellings read and the keys sent to `args:`.
@@ -72,7 +74,12 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
     out, user, ignored, spelled, routed = {}, {}, [], [], []
     for key, value in data.items():
         spelling = CHATLEARN_SPELLINGS.get(key)
-        if key in fields:
+        if key == "lora" and key in fields and chatlearn_lora.is_chatlearn(value):
+            lora = chatlearn_lora.read_lora(substitute(value, where, errors, (key,)), where, errors)
+            if lora is not None:
+                out[key] = lora
+                spelled.append(f"lora -> {lora}")
+        elif key in fields:
             out[key] = value
         elif spelling and spelling[0] in fields:
             target, convert = spelling

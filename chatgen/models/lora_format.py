@@ -3,6 +3,7 @@ HF names, `base_model.model.<HF module>.lora_A.weight` (r, in) and `.lora_B.weig
 
     config, tensors = read_peft("outputs/run/adapter")   # safetensors only
     merge_peft(hf_state, "outputs/run/adapter")          # W += (alpha / r) B A, in place, for every adapted weight
+    merge_lora(hf_state, config, tensors)                # the same from tensors in memory (adapter-only sync)
 
 The trainer writes and loads it (chatgen/training/lora_peft.py); `chatgen convert --to hf` merges the adapter a LoRA
 trainer's checkpoint carries (its `adapter/` directory). Pure tensors; imports neither Megatron nor vLLM.
@@ -24,6 +25,37 @@ CHECKPOINT_DIR = "adapter"  # where a LoRA trainer's checkpoint keeps its adapte
 def peft_name(hf_weight: str, matrix: str) -> str:
     """model.layers.0.self_attn.q_proj.weight, lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
     return PREFIX + hf_weight[: -len("weight")] + matrix + ".weight"
+
+
+def peft_config(rank: int, alpha: float, dropout: float, targets, base) -> dict:
+    """adapter_config.json of a plain LoRA adapter (PEFT's keys) of `rank` on the HF modules `targets`."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": str(base),
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": sorted(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "modules_to_save": None,
+        "init_lora_weights": True,
+        "inference_mode": True,
+    }
+
+
+def split_name(name: str) -> tuple[str, str]:
+    """base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight -> (model.layers.0.self_attn.q_proj.weight,
+    lora_A); a ValueError for a name that is not a PEFT LoRA tensor's."""
+    head, _, matrix = name[: -len(".weight")].rpartition(".")
+    if not (
+        name.startswith(PREFIX) and name.endswith(".weight") and matrix in ("lora_A", "lora_B")
+    ):
+        raise ValueError(f"{name} is not a PEFT LoRA tensor name ({PREFIX}<module>.lora_A.weight)")
+    return head[len(PREFIX) :] + ".weight", matrix
 
 
 def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
@@ -69,12 +101,19 @@ def adapted_weights(tensors: dict) -> list[str]:
 def merge_peft(hf_state: dict, directory) -> list[str]:
     """Add (lora_alpha / r) B A of the adapter in `directory` to the HF tensors it adapts (in fp32, cast back),
     in place; returns the HF names merged. A KeyError names an adapted weight the state lacks."""
-    config, tensors = read_peft(directory, key=str(directory))
+    return merge_lora(hf_state, *read_peft(directory, key=str(directory)), where=str(directory))
+
+
+@torch.no_grad()
+def merge_lora(
+    hf_state: dict, config: dict, tensors: dict, where: str = "the adapter"
+) -> list[str]:
+    """`merge_peft` of an adapter held in memory: its adapter_config.json as a dict, its tensors by PEFT name."""
     scale = float(config["lora_alpha"]) / int(config["r"])
     merged = []
     for hf_weight in adapted_weights(tensors):
         if hf_weight not in hf_state:
-            raise KeyError(f"{directory}: adapts {hf_weight}, which the model does not have")
+            raise KeyError(f"{where}: adapts {hf_weight}, which the model does not have")
         a = tensors[peft_name(hf_weight, "lora_A")].float()
         b = tensors[peft_name(hf_weight, "lora_B")].float()
         w = hf_state[hf_weight]

@@ -6,7 +6,7 @@ Every transport has one protocol: a sender's `send(source, validate=False)` is c
 (rank 0 moves the bytes, the others take part in the source's collectives), a receiver's
 `receive_into(target, mode)` loads one sync into a generation module, and `close()` lets go of what either
 holds. The transports, one file each: local.py (same process), group.py (a torch.distributed group, trainer
-rank 0 -> 1..N engine ranks), shm.py (a file in /dev/shm, the handshake passed in). What they share:
+rank 0 -> 1..N engine ranks), shm.py (a file in /dev/shm, the handshake passed in), adapter_sync.py (a LoRA adapter alone, in process). What they share:
 source.py (where the weights come from), checks.py (manifest, header, finiteness, fingerprints, MAC and
 signature, the checked load), wire.py (the group's rendezvous, deadlines, messages and token challenge).
 
@@ -24,7 +24,7 @@ from chatgen.param_sync.group import (
     SyncReceiver,
     SyncSender,
 )
-from chatgen.param_sync.adapter_sync import sync_adapter
+from chatgen.param_sync.adapter_sync import AdapterSender, sync_adapter
 from chatgen.param_sync.local import LocalSender, sync_weights
 from chatgen.param_sync.shm import (
     IpcSender,
@@ -40,6 +40,7 @@ from chatgen.param_sync.source import LocalWeights, weight_source
 __all__ = [
     "sync_weights",
     "sync_adapter",
+    "AdapterSender",
     "weight_source",
     "LocalWeights",
     "LocalSender",

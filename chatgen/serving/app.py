@@ -137,7 +137,11 @@ def build_app(
                         owned_by="chatgen",
                         root=str(module.config.load),
                         max_model_len=module.config.seq_length,
-                    )
+                    ),
+                    *[  # served LoRA adapters (chatgen serve --lora-modules), as vLLM lists them
+                        ModelCard(id=n, owned_by="chatgen", root=r.lora_path, parent=name)
+                        for n, r in getattr(module, "lora_adapters", {}).items()
+                    ],
                 ]
             )
         )

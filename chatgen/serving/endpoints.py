@@ -41,7 +41,8 @@ class OpenAIServer(ResponseBuilder):
         params = job.params[0] if len(job.params) == 1 else job.params
         # closed: aborts
         async with contextlib.aclosing(
-            module.stream(job.prompts, params, deltas=stream)
+            # a served LoRA adapter (chatgen serve --lora-modules) by name
+            module.stream(job.prompts, params, deltas=stream, **adapter_of(job))
         ) as outputs:
             async for i, output in outputs:
                 yield i, output
@@ -99,7 +100,7 @@ class OpenAIServer(ResponseBuilder):
                     id=response_id,
                     object="chat.completion.chunk",
                     created=created,
-                    model=self.name,
+                    model=job.adapter or self.name,
                     choices=choices,
                     **fields,
                 )
@@ -202,7 +203,7 @@ class OpenAIServer(ResponseBuilder):
         return json_response(
             ChatCompletionResponse(
                 id=f"chatcmpl-{uuid.uuid4().hex}",
-                model=self.name,
+                model=job.adapter or self.name,
                 choices=choices,
                 prompt_token_ids=prompt,
                 prompt_logprobs=self.prompt_logprobs(output),
@@ -282,7 +283,7 @@ class OpenAIServer(ResponseBuilder):
                                 id=response_id,
                                 object="text_completion",
                                 created=created,
-                                model=self.name,
+                                model=job.adapter or self.name,
                                 choices=[
                                     CompletionResponseStreamChoice(
                                         index=k,
@@ -306,7 +307,7 @@ class OpenAIServer(ResponseBuilder):
                         CompletionStreamResponse(
                             id=response_id,
                             created=created,
-                            model=self.name,
+                            model=job.adapter or self.name,
                             choices=[],
                             usage=self.usage(prompt_tokens, sum(generated), cached),
                         ),
@@ -350,8 +351,14 @@ class OpenAIServer(ResponseBuilder):
         return json_response(
             CompletionResponse(
                 id=f"cmpl-{uuid.uuid4().hex}",
-                model=self.name,
+                model=job.adapter or self.name,
                 choices=choices,
                 usage=self.usage(prompt_tokens, generated, cached),
             )
         )
+
+
+def adapter_of(job) -> dict:
+    """stream()'s keyword for the LoRA adapter a job's request named, if any (a backend without served adapters
+    never gets one: check_model refuses their names)."""
+    return {} if job.adapter is None else {"adapter": job.adapter}

@@ -106,6 +106,8 @@ class ModelLimits:
 class Job:
     """A parsed request, ready to run: its prompts (token ids), their texts where known, their sampling params."""
 
+    adapter = None  # the served LoRA adapter its `model` names (chatgen serve --lora-modules); None: the base
+
     def __init__(self, req, prompts, texts, params, **extra):
         self.req, self.prompts, self.texts, self.params = req, prompts, texts, params
         self.__dict__.update(extra)
@@ -140,13 +142,19 @@ class RequestReader:
     async def off_loop(self, fn, raw: bytes):
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, raw)
 
-    def check_model(self, model) -> None:
+    def check_model(self, model) -> str | None:
+        """The served LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
+        adapters = getattr(self.module, "lora_adapters", {})
+        if model in adapters:
+            return model
         if model is not None and model != self.name:
             raise APIError(
                 404,
-                f"model {model!r} does not exist; this server serves {self.name!r} (GET /v1/models)",
+                f"model {model!r} does not exist; this server serves "
+                f"{', '.join(map(repr, [self.name, *adapters]))} (GET /v1/models)",
                 "model",
             )
+        return None
 
     # ------------------------------------------------------------------ prompts (on the worker thread)
 
@@ -325,7 +333,7 @@ class RequestReader:
         body = read_json(raw)
         refuse_non_int_token_ids(body.get("prompt"))
         req = parse_request(CompletionRequest, body)
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         raw_prompts = req.prompt
         if raw_prompts is None or raw_prompts == "":
             raise APIError(
@@ -352,15 +360,16 @@ class RequestReader:
                     )
                 prompts.append(self.check_ids(p, tok_params))
                 texts.append(self.tokenizer.decode(prompts[-1]) if req.echo else None)
-        return Job(req, prompts, texts, [self.sampling_params(req, len(p)) for p in prompts])
+        params = [self.sampling_params(req, len(p)) for p in prompts]
+        return Job(req, prompts, texts, params, adapter=adapter)
 
     def prepare_chat(self, raw: bytes) -> Job:
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         req = parse_request(ChatCompletionRequest, read_json(raw))
-        self.check_model(req.model)
+        adapter = self.check_model(req.model)
         prompt = self.chat_prompt(req, req.build_tok_params(self.limits))
-        return Job(req, [prompt], [None], [self.sampling_params(req, len(prompt))])
+        return Job(req, [prompt], [None], [self.sampling_params(req, len(prompt))], adapter=adapter)
 
     def tokenize(self, raw: bytes):
         from vllm.entrypoints.serve.tokenize.protocol import (

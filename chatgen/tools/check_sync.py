@@ -171,8 +171,10 @@ def check_sync(args) -> dict:
     world = args.train_tp * args.train_pp * args.train_ep
     if args.lora and args.lora_sync == "adapter" and (world, args.infer_tp) != (1, 1):
         raise ValueError(
-            "--lora-sync adapter: the adapter-only sync runs from a one-process trainer into an engine of "
-            "TP 1; drop --train-tp/--train-pp/--train-ep/--infer-tp or use --lora-sync merged"
+            "--lora-sync adapter: check-sync runs a multi-rank trainer in processes of its own, and the "
+            "adapter-only sync needs the engine in the trainer's process (colocated; a TP 2 trainer into a TP 2 "
+            "engine is tested in tests/integration/test_lora.py); drop --train-tp/--train-pp/--train-ep/"
+            "--infer-tp or use --lora-sync merged"
         )
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
@@ -180,7 +182,7 @@ def check_sync(args) -> dict:
         engine = _engine(args)
         try:
             report = (
-                sync_adapter(trainer, engine)
+                sync_adapter(trainer, engine, validate=args.validate)
                 if args.lora and args.lora_sync == "adapter"
                 else sync_weights(
                     trainer, engine, bucket_bytes=bucket_bytes, validate=args.validate

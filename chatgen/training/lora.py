@@ -336,6 +336,13 @@ class LoRAHooks:
         with adapter_disabled(self.model):
             return self.forward_tokens(data)
 
+    def adapter_weights(self):
+        """The adapter alone as a weight source (PEFT's names), for an adapter-only sync
+        (chatgen.param_sync.adapter_sync); collective at its first use."""
+        from chatgen.training.lora_sync import AdapterWeights
+
+        return AdapterWeights(self)
+
     def export_adapter(self, directory) -> str:
         """Write the adapter as a PEFT adapter directory (chatgen/training/lora_peft.py); collective."""
         from chatgen.training.lora_peft import export_peft

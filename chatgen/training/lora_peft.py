@@ -17,7 +17,13 @@ from safetensors.torch import save_file
 
 from chatgen.config import ConfigError
 from chatgen.core.checkpoint_io import atomic_directory
-from chatgen.models.lora_format import CONFIG_FILE, WEIGHTS_FILE, peft_name, read_peft
+from chatgen.models.lora_format import (
+    CONFIG_FILE,
+    WEIGHTS_FILE,
+    peft_config,
+    peft_name,
+    read_peft,
+)
 from chatgen.training import lora
 from chatgen.training.lora_sync import full_adapters
 
@@ -35,22 +41,13 @@ def export_peft(trainer, directory) -> str:
     for hf_weight, (a, b) in adapters.items():
         tensors[peft_name(hf_weight, "lora_A")] = a.contiguous()
         tensors[peft_name(hf_weight, "lora_B")] = b.contiguous()
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": str(trainer.config.load),
-        "r": cfg.rank,
-        "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout,
-        "target_modules": sorted({name.split(".")[-2] for name in adapters}),
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "modules_to_save": None,
-        "init_lora_weights": True,
-        "inference_mode": True,
-    }
+    config = peft_config(
+        cfg.rank,
+        cfg.alpha,
+        cfg.dropout,
+        {name.split(".")[-2] for name in adapters},
+        trainer.config.load,
+    )
     with atomic_directory(directory, replace=True) as tmp:
         save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")

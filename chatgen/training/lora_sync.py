@@ -3,16 +3,20 @@ and its adapters whole in HF layout (PEFT export, merging).
 
     adapters = full_adapters(trainer)     # {HF weight name: (A (r, in), B (out, r))}, fp32, on every rank
     weights = trainer.hf_weights()        # a MergedWeights when lora.rank > 0 (chatgen/training/hf_export.py)
+    adapter = trainer.adapter_weights()   # an AdapterWeights: the adapter alone, PEFT's names (adapter-only sync)
 
 `MergedWeights` is the weight source of chatgen.param_sync (plan / dtype / buckets / reference / nonfinite) over
 the base's `HFWeights`: the same plan and names, each adapted tensor plus its low-rank update, so every
 transport and engine (vLLM, hf, another trainer) takes a LoRA trainer unchanged. The merge is computed per
-bucket, in fp32, from adapters gathered once per stream (rank r x (in + out) per target: small).
+bucket, in fp32, from adapters gathered once per stream (rank r x (in + out) per target: small). `AdapterWeights`
+is the same protocol over the adapter alone (chatgen.param_sync.adapter_sync sends it).
 """
 
 import torch
 import torch.distributed as dist
 
+from chatgen.models.lora_format import peft_config, peft_name
+from chatgen.param_sync.checks import nonfinite
 from chatgen.training import lora
 
 
@@ -86,3 +90,51 @@ class MergedWeights:
             if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
                 bad.add(name)
         return sorted(bad)
+
+
+class AdapterWeights:
+    """A LoRA trainer's adapter as a weight source (plan / dtype / buckets / reference / nonfinite, see
+    chatgen.param_sync.source) under PEFT's names, one bucket, fp32, whole (gathered over TP and PP once, at the
+    first use, on every rank: collective), and `config`, its adapter_config.json as a dict. The plan comes from
+    the config alone, so it is the same on every rank without a collective."""
+
+    def __init__(self, trainer):
+        cfg = trainer.config.lora
+        targets = lora.check_targets(cfg, trainer.spec, trainer.tp)
+        self._trainer, self.dtype = trainer, torch.float32
+        self.config = peft_config(cfg.rank, cfg.alpha, cfg.dropout, targets, trainer.config.load)
+        self.plan = [
+            [
+                (peft_name(t.hf_weight.format(i=i), matrix), shape)
+                for i in range(trainer.spec.num_layers)
+                for t in targets.values()
+                for matrix, shape in (
+                    ("lora_A", (cfg.rank, t.in_features)),
+                    ("lora_B", (t.out_features, cfg.rank)),
+                )
+            ]
+        ]
+        self._tensors = None
+
+    def _read(self) -> dict:
+        """{PEFT name: tensor} of the adapter now (collective)."""
+        out = {}
+        for hf_weight, (a, b) in full_adapters(self._trainer).items():
+            out[peft_name(hf_weight, "lora_A")], out[peft_name(hf_weight, "lora_B")] = a, b
+        return out
+
+    def _gathered(self) -> dict:
+        if self._tensors is None:
+            self._tensors = self._read()
+        return self._tensors
+
+    def buckets(self):
+        tensors = self._gathered()
+        yield [(name, tensors[name]) for name, _ in self.plan[0]]
+
+    def reference(self, index: int) -> list[torch.Tensor]:
+        tensors = self._read()  # a second gather, independent of the one the stream sent
+        return [tensors[name] for name, _ in self.plan[index]]
+
+    def nonfinite(self) -> list[str]:
+        return nonfinite(self._gathered().items())

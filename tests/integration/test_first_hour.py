@@ -177,6 +177,15 @@ SMALL = {
         "runtime.generation_batch_size=8",
         "policy.max_new_tokens=8",
     ],
+    "grpo_smollm2_lora": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=4",
+        "runtime.train_global_batch_size=8",
+        "runtime.generation_batch_size=8",
+        "policy.max_new_tokens=8",
+        "runtime.eval_episode_interval=null",
+    ],
     "grpo_smollm2_math": [
         "runtime.sample_per_episode=8",
         "policy.n=4",
@@ -225,7 +234,7 @@ def sort_digits(tmp_path_factory, make_tiny):
     return data, make_tiny("tiny_llama")
 
 
-SMOLLM2 = ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2")
+SMOLLM2 = ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2", "grpo_smollm2_lora")
 
 
 def recipe_env(recipe, tmp_path, sort_digits, smollm2) -> dict:

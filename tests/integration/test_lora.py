@@ -149,24 +149,27 @@ def test_a_resumed_lora_run_continues_bit_exactly(llama, tmp_path):
 
 
 def _tp2_lora(model_dir, ids):
-    """Each rank: a LoRA trainer at TP 2 steps once, syncs into its vLLM TP 2 rank (same process)."""
+    """Each rank: a LoRA trainer at TP 2 steps once, syncs the adapter alone (gathered over TP, validated) into its
+    vLLM TP 2 rank (same process) that keeps the base weights. (The merged sync from TP 2: test_check_sync_lora.)"""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from chatgen.param_sync import sync_adapter
     from chatgen.training.megatron_module import MegatronModule
 
     trainer = MegatronModule(
         dict(load=str(model_dir), tensor_model_parallel_size=2, lr=1e-2, lora=SOME)
     ).start()
     grad_norm = trainer.train_step({"input_ids": ids}, nll_loss)["grad_norm"]
+    trainer.train_step({"input_ids": ids}, nll_loss)  # A and B both move (B = 0 at the first step)
     logprobs = trainer.forward_tokens({"input_ids": ids})
-    llm = engine(model_dir, tensor_parallel_size=2)
-    sync_weights(trainer, llm, validate=True)
+    llm = lora_engine(model_dir, tensor_parallel_size=2)
+    report = sync_adapter(trainer, llm, validate=True)
     diff = vllm_vs_trainer(trainer, generate(llm))
     llm.shutdown()
     # by value: a tensor would travel as a file descriptor its rank process no longer serves once it exits
-    return logprobs.tolist(), grad_norm, diff
+    return logprobs.tolist(), grad_norm, diff, report.validated
 
 
-def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
+def test_tp2_trains_like_tp1_and_syncs_its_adapter_into_vllm_tp2(llama):
     from chatgen.training.launcher import run_distributed
 
     ids = batch()
@@ -175,9 +178,10 @@ def test_tp2_trains_like_tp1_and_syncs_into_vllm_tp2(llama):
     )
     tp1 = build(llama, lr=1e-2, lora=SOME)
     grad_norm = tp1.train_step({"input_ids": ids}, nll_loss)["grad_norm"]
+    tp1.train_step({"input_ids": ids}, nll_loss)
     want = tp1.forward_tokens({"input_ids": ids})
-    for logprobs, tp2_grad_norm, diff in results:
-        assert diff < TOL
+    for logprobs, tp2_grad_norm, diff, validated in results:
+        assert diff < TOL and validated
         # A's TP sums, shards counted once
         assert tp2_grad_norm == pytest.approx(grad_norm, rel=1e-5)
         # the same adapters, initialised and trained alike
@@ -263,19 +267,13 @@ def test_pp2_and_dp2_train_like_one_rank(make_tiny, tp, pp):
         assert (torch.tensor(merged) - want_q).abs().max() < 1e-6
 
 
-def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
-    """The engine keeps the base weights and samples with the trainer's adapter (vLLM's LoRA path on CPU): its
-    log-probs equal the trainer's within 1e-4, each sync swaps the adapter in place, and only the adapter moves."""
+def lora_engine(model_dir, tensor_parallel_size=1):
+    """A VLLMModule on the model's own weights (the trainer's base) that takes adapters of rank <= 8."""
     from chatgen.generation.vllm.module import VLLMModule
-    from chatgen.param_sync import SyncError, sync_adapter
 
-    ids = batch()
-    trainer = build(llama, lr=1e-2, lora=SOME)
-    for _ in range(2):
-        trainer.train_step({"input_ids": ids}, nll_loss)
-    llm = VLLMModule(
+    return VLLMModule(
         dict(
-            load=str(llama),
+            load=str(model_dir),
             enforce_eager=True,
             dtype="float32",
             seed=0,
@@ -286,19 +284,53 @@ def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
             logprobs_mode="raw",
             enable_lora=True,
             max_lora_rank=8,
+            tensor_parallel_size=tensor_parallel_size,
         )
     ).start()
+
+
+def test_adapter_only_sync_into_vllm_matches_the_trainer(llama):
+    """The engine keeps the base weights and samples with the trainer's adapter (vLLM's LoRA path on CPU, loaded
+    from memory): its log-probs equal the trainer's within 1e-4, each sync swaps the adapter in place, only the
+    adapter moves, and a NaN or misshapen adapter is refused with the engine unchanged."""
+    from chatgen.param_sync import SyncError, sync_adapter
+
+    ids = batch()
+    trainer = build(llama, lr=1e-2, lora=SOME)
+    for _ in range(2):
+        trainer.train_step({"input_ids": ids}, nll_loss)
+    llm = lora_engine(llama)
     plain = engine(llama)
     try:
         assert vllm_vs_trainer(trainer, generate(llm)) > 1e-3  # the base, not the adapted model
-        report = sync_adapter(trainer, llm)
+        report = sync_adapter(trainer, llm, validate=True)
+        assert report.validated and report.tensors == 2 * 4 * 2  # A, B x 4 targets x 2 layers
         assert vllm_vs_trainer(trainer, generate(llm)) < TOL
         full = sum(t.numel() * t.element_size() for t in trainer.hf_state_dict().values())
-        assert report.bytes < 0.05 * full  # the adapter only (safetensors header included)
+        assert report.bytes < 0.05 * full  # the adapter only
         trainer.train_step({"input_ids": ids}, nll_loss)
         assert vllm_vs_trainer(trainer, generate(llm)) > 1e-4  # stale until the next sync
         sync_adapter(trainer, llm)  # swapped in place
         assert vllm_vs_trainer(trainer, generate(llm)) < TOL
+        before, version = generate(llm), llm.weight_version
+
+        pair = lora.adapters(trainer.model)[0].pairs["q_proj"]
+        kept = pair.lora_B.detach().clone()
+        with torch.no_grad():
+            pair.lora_B[0, 0] = float("nan")
+        with pytest.raises(SyncError, match=r"NaN or inf: .*q_proj\.lora_B"):
+            sync_adapter(trainer, llm)
+        with torch.no_grad():
+            pair.lora_B.copy_(kept)
+        config, tensors = (
+            trainer.adapter_weights().config,
+            dict(next(trainer.adapter_weights().buckets())),
+        )
+        name = next(n for n in tensors if n.endswith("up_proj.lora_B.weight"))
+        tensors[name] = tensors[name][:-1]  # one output row short
+        with pytest.raises(SyncError, match=r"up_proj.weight: the adapter is for shape"):
+            sync_adapter((config, tensors), llm)
+        assert generate(llm) == before and llm.weight_version == version  # nothing changed
         with pytest.raises(SyncError, match="set enable_lora: true"):
             sync_adapter(trainer, plain)
     finally:
@@ -348,3 +380,78 @@ def base_model_diff(model_dir, samples) -> float:
         lp = hf_logprobs(model, ids)[0, len(s["prompt_ids"]) - 1 :]
         worst = max(worst, (lp - torch.tensor(s["engine_logprobs"])).abs().max().item())
     return worst
+
+
+def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, capsys):
+    """`chatgen serve --lora-modules mine=DIR` (vLLM's flag; `--lora` too) with a trained adapter in PEFT's format:
+    through the real openai client, greedy completions for `mine` are PEFT's on the HF base and those for the base
+    name are the base's; a directory that is no adapter is refused before any engine starts, naming the flag."""
+    import subprocess
+    import sys
+
+    import openai
+    from helpers import wait_until_serving
+    from peft import PeftModel
+    from timeouts import scaled
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from chatgen.cli import main
+    from chatgen.core.distributed import free_port
+
+    trainer = build(llama, lr=1e-2, lora=ALL)
+    for _ in range(2):
+        trainer.train_step({"input_ids": batch()}, nll_loss)
+    adapter = export_peft(trainer, tmp_path / "adapter")
+    assert main(["serve", "--model", str(llama), "--lora", f"bad={tmp_path}", "--port", "0"]) != 0
+    assert "--lora-modules bad: " in capsys.readouterr().err  # ... has no adapter_config.json
+
+    prompt = "the cat"
+    tokenizer = AutoTokenizer.from_pretrained(llama)
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = {str(llama): base.generate(ids, **greedy)[0, ids.shape[1] :].tolist()}
+        peft_model = PeftModel.from_pretrained(base, adapter).eval()
+        want["mine"] = peft_model.generate(input_ids=ids, **greedy)[0, ids.shape[1] :].tolist()
+    assert want["mine"] != want[str(llama)]  # the adapter changes the greedy output
+
+    port = free_port()
+    args = [
+        "serve",
+        "--model",
+        str(llama),
+        "--port",
+        str(port),
+        "--lora-modules",
+        f"mine={adapter}",
+    ]
+    args += [
+        "enforce_eager=true",
+        "seq_length=128",
+        "max_new_tokens=16",
+        f"kv_cache_memory_bytes={64 << 20}",
+    ]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "chatgen.cli", *args], stderr=subprocess.PIPE, text=True
+    )
+    try:
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
+        )
+        wait_until_serving(proc, client, scaled(300))
+        assert {m.id for m in client.models.list()} == set(want)
+        for name, tokens in want.items():
+            r = client.completions.create(
+                model=name,
+                prompt=prompt,
+                max_tokens=8,
+                temperature=0,
+                extra_body={"ignore_eos": True},
+            )
+            assert r.choices[0].token_ids == tokens and r.model == name, name
+        with pytest.raises(openai.NotFoundError, match="'mine'"):
+            client.completions.create(model="yours", prompt=prompt, max_tokens=2)
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=scaled(60)) == 143

@@ -120,3 +120,56 @@ def test_a_resume_that_changes_the_lora_keys_is_refused(tmp_path):
     saved["models"]["policy_trainer"]["config"]["lora"]["rank"] = 8
     with pytest.raises(ConfigError, match="models.policy_trainer.config.lora: .*'rank': 8.* -> "):
         Run._check_restored_keys(run, saved, tmp_path)
+
+
+def load_chatlearn(tmp_path, text):
+    from chatgen.compat.chatlearn import dialect
+
+    path = tmp_path / "trainer.yaml"
+    path.write_text("load: /models/tiny\nnum_layers: 24\n" + text)  # num_layers: a Megatron-LM key
+    return load_model_config(path, MegatronConfig, dialect=dialect("chatlearn"))
+
+
+def test_chatlearn_lora_keys_map_onto_ours(tmp_path):
+    """ChatLearn's LoraConfig in the chatlearn dialect: lora_dim -> rank, lora_scaling -> alpha / rank, lora_layer
+    classes -> the HF targets they hold, column_only_qkv -> q/k/v only; enable_lora false -> no LoRA."""
+    text = (
+        "lora:\n  enable_lora: true\n  lora_dim: 4\n  lora_scaling: 2.0\n  lora_dropout: 0.05\n"
+        "  lora_layer: ColumnParallelLinear,RowParallelLinear\n"
+    )
+    cfg = load_chatlearn(tmp_path, text).lora
+    assert (cfg.rank, cfg.alpha, cfg.dropout) == (4, 8.0, 0.05)
+    assert cfg.target_modules == [
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
+    ]  # fmt: skip
+    cfg = load_chatlearn(tmp_path, "lora:\n  enable_lora: true\n  lora_layer: RowParallelLinear\n")
+    assert (cfg.lora.rank, cfg.lora.alpha, cfg.lora.target_modules) == (
+        8,
+        8.0,
+        ["o_proj", "down_proj"],
+    )
+    qkv = load_chatlearn(tmp_path, "lora:\n  enable_lora: true\n  column_only_qkv: true\n").lora
+    assert qkv.target_modules == ["q_proj", "k_proj", "v_proj"]  # ChatLearn's default lora_layer
+    assert load_chatlearn(tmp_path, "lora:\n  enable_lora: false\n  lora_dim: 4\n").lora.rank == 0
+    # chatgen's own keys still read in the dialect
+    assert load_chatlearn(tmp_path, "lora:\n  rank: 2\n  alpha: 4\n").lora.rank == 2
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("part_module_name: encoder", "lora.part_module_name: 'encoder' has no chatgen meaning"),
+        (
+            "lora_layer: ColumnParallelLinear,Embedding",
+            r"\['Embedding'\]: chatgen adapts linear layers only",
+        ),
+        (
+            "lora_layer: Conv1D",
+            r"lora.lora_layer: \['Conv1D'\] are not ChatLearn LoRA layer classes",
+        ),
+        ("lora_dim: 4\n  rank: 4", "lora.rank: not a key of ChatLearn's lora section"),
+    ],
+)
+def test_chatlearn_lora_keys_that_cannot_map_are_refused_by_name(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_chatlearn(tmp_path, f"lora:\n  enable_lora: true\n  {text}\n")

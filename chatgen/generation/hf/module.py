@@ -376,26 +376,34 @@ class HFGeneration(GenerationModule):
             return self._version
 
     def load_lora_adapter(self, directory) -> None:
-        """Run the base weights plus the PEFT LoRA adapter in `directory` (merged, in fp32), replacing the previous
-        adapter: the base of each adapted weight is kept from the first adapter on (adapter-only sync, docs/lora.md;
-        a later load_weights makes its weights the base). Needs enable_lora."""
-        from chatgen.models.lora_format import adapted_weights, merge_peft, read_peft
+        """`load_lora_tensors` of the PEFT LoRA adapter in `directory`."""
+        from chatgen.models.lora_format import read_peft
+
+        self.load_lora_tensors(*read_peft(directory, key=str(directory)))
+
+    def load_lora_tensors(self, config: dict, tensors: dict) -> int:
+        """Run the base weights plus this LoRA adapter (adapter_config.json as a dict, tensors by PEFT name; merged
+        in fp32), replacing the previous adapter: the base of each adapted weight is kept from the first adapter
+        on (adapter-only sync, docs/lora.md; a later load_weights makes its weights the base). Needs
+        enable_lora. Returns the new weight version."""
+        from chatgen.models.lora_format import adapted_weights, merge_lora
 
         if not self.config.enable_lora:
             raise ValueError(
-                f"{self.name}: load_lora_adapter needs enable_lora: true in its config"
+                f"{self.name}: load_lora_tensors needs enable_lora: true in its config"
             )
         parameters = dict(self.model.named_parameters())
         with self._lock, torch.no_grad():
             self._lora_base = self._lora_base or {}
-            for name in adapted_weights(read_peft(directory, key=str(directory))[1]):
+            for name in adapted_weights(tensors):
                 self._lora_base.setdefault(name, parameters[name].detach().clone())
             weights = {name: base.clone() for name, base in self._lora_base.items()}
             # weights the previous adapter had and this one lacks: the base
-            merge_peft(weights, directory)
+            merge_lora(weights, config, tensors)
             for name, w in weights.items():
                 parameters[name].copy_(w)
             self._version += 1
+            return self._version
 
     @property
     def weight_version(self) -> int:

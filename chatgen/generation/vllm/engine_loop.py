@@ -100,7 +100,9 @@ class EngineLoop(WeightUpdates):
 
     # ------------------------------------------------------------------ public API (any thread)
 
-    def add_request(self, prompt_ids, params, prompt_text=None, stream: bool = False) -> str:
+    def add_request(
+        self, prompt_ids, params, prompt_text=None, stream: bool = False, lora_request=None
+    ) -> str:
         """Add one request to the engine for the call being started (from inside its `add()`, on the engine
         thread); returns its id: decimal, increasing (outputs sort by int(request_id)). stream: a DELTA output
         every step instead of one when it finishes."""
@@ -119,7 +121,7 @@ class EngineLoop(WeightUpdates):
             prompt_text,
             cache_salt=self.cache_salt,
             output_kind=kind,
-            lora_request=self.lora_request,
+            lora_request=lora_request or self.lora_request,  # a served adapter, else the synced one
         )
         if stream:
             self._streamed.add(request_id)

@@ -26,10 +26,12 @@ import time
 from chatgen.compat.chatlearn import ChatLearnGeneration
 from chatgen.compat.nemo_rl import NemoRLGeneration
 from chatgen.core.checkpoint_io import read_megatron_meta
+from chatgen.core.process_tuning import engine_thread_team
 from chatgen.generation import config as gc
 from chatgen.generation.base import GenerationModule
 from chatgen.generation.batching import call_metrics, rollout_batch
 from chatgen.generation.vllm import adapter
+from chatgen.generation.vllm.adapter import patches
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
@@ -101,6 +103,13 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             adapter.record_routed_experts(self.engine)
         self.hf_config = adapter.hf_config(self.engine)
         self.vocab_size = self.hf_config["vocab_size"]
+        threads = engine_thread_team(self.hf_config.get("hidden_size", 0))
+        if (
+            threads
+            and adapter.on_cpu()
+            and self.distributed_executor_backend != "external_launcher"
+        ):
+            self.engine_loop.call(lambda: patches.set_thread_team(threads))
         if megatron:
             self.update_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:
@@ -187,7 +196,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             **kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"])
         )
 
-    def add_request(self, prompt_ids, params, prompt_text=None, *, stream: bool = False) -> str:
+    def add_request(
+        self, prompt_ids, params, prompt_text=None, *, stream: bool = False, lora_request=None
+    ) -> str:
         """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
 
         Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new tokens
@@ -197,7 +208,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise ValueError(
                 "add_request: empty prompt; every prompt needs at least one token (e.g. BOS)"
             )
-        return self.engine_loop.add_request(prompt_ids, params, prompt_text, stream=stream)
+        return self.engine_loop.add_request(
+            prompt_ids, params, prompt_text, stream=stream, lora_request=lora_request
+        )
 
     def execute_step(self, data):
         """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
@@ -217,16 +230,19 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         return self._drive(lambda: self._queue(items, is_eval, greedy), is_eval)
 
-    async def stream(self, prompts: list, params, deltas: bool = False):
+    async def stream(self, prompts: list, params, deltas: bool = False, adapter: str | None = None):
+        """GenerationModule.stream; adapter: the name of a served LoRA adapter (`add_lora_adapter`) to sample
+        with instead of the base."""
         self._check_ready()
         shared = not isinstance(params, list)
         index = {}  # request id -> prompt index
+        lora = self.lora_adapters[adapter] if adapter is not None else None
 
         def add():
             # a request owns its params (vLLM sets fields on them): one each
             for i, ids in enumerate(prompts):
                 p = (params.clone() if len(prompts) > 1 else params) if shared else params[i]
-                index[self.add_request(ids, p, stream=deltas)] = i
+                index[self.add_request(ids, p, stream=deltas, lora_request=lora)] = i
 
         # closed: aborts the rest
         async with contextlib.aclosing(self.engine_loop.stream(self, add)) as outputs:
@@ -245,25 +261,46 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
         return self.engine_loop.update_weights(buckets, mode)
 
+    lora_adapters: dict = {}  # name -> LoRARequest of the adapters served beside the base (add_lora_adapter)
+
+    def add_lora_adapter(self, name: str, directory) -> None:
+        """Serve the PEFT LoRA adapter in `directory` as model `name` beside the base (`chatgen serve
+        --lora-modules`): `stream(..., adapter=name)` samples with it. vLLM reads the directory (again, should it
+        evict the adapter), so it must stay. Needs `enable_lora`."""
+        if not self.config.enable_lora:
+            raise ValueError(f"{self.name}: add_lora_adapter needs enable_lora: true in its config")
+        lora_id = 2 + len(self.lora_adapters)  # 1: the synced adapter (load_lora_tensors)
+        loop = self.engine_loop
+        request = loop.call(lambda: adapter.add_lora_dir(loop.llm, name, lora_id, directory))
+        self.lora_adapters = {**self.lora_adapters, name: request}
+
     def load_lora_adapter(self, directory) -> None:
-        """Sample every later request with the PEFT LoRA adapter in `directory` on top of the base weights,
-        replacing the previous adapter (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls."""
+        """`load_lora_tensors` of the PEFT LoRA adapter in `directory` (read now: it may go away after)."""
+        from chatgen.models.lora_format import read_peft
+
+        self.load_lora_tensors(*read_peft(directory, key=str(directory)))
+
+    def load_lora_tensors(self, config: dict, tensors: dict) -> int:
+        """Sample every later request with this LoRA adapter (its adapter_config.json as a dict, its tensors by
+        PEFT name) on top of the base weights, replacing the previous one in place under the same adapter id
+        (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls. A new weight version: requests
+        added after it never reuse prefix-cache blocks computed under the previous adapter. Returns it."""
         if not self.config.enable_lora:
             raise ValueError(
-                f"{self.name}: load_lora_adapter needs enable_lora: true in its config"
+                f"{self.name}: load_lora_tensors needs enable_lora: true in its config"
             )
         loop = self.engine_loop
 
         def swap():
             if adapter.has_unfinished_requests(loop.llm):  # they would finish under the new adapter
                 raise RuntimeError(
-                    f"{self.name}: load_lora_adapter while requests run; call it between calls"
+                    f"{self.name}: a LoRA adapter load while requests run; load it between calls"
                 )
-            previous = loop.lora_request
-            lora_id = 1 if previous is None else previous.lora_int_id + 1
-            loop.lora_request = adapter.swap_lora(loop.llm, directory, lora_id, previous)
+            loop.lora_request = adapter.replace_lora(loop.llm, 1, config, tensors)
+            loop.weight_version += 1
+            return loop.weight_version
 
-        loop.call(swap)
+        return loop.call(swap)
 
     @property
     def needs_resync(self) -> str | None:

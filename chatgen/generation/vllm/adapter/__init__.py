@@ -48,7 +48,7 @@ from chatgen.generation.vllm.adapter.engine import (  # noqa: E402
     on_cpu,
     shutdown,
 )
-from chatgen.generation.vllm.adapter.lora import swap_lora  # noqa: E402
+from chatgen.generation.vllm.adapter.lora import add_lora_dir, replace_lora  # noqa: E402
 from chatgen.generation.vllm.adapter.patches import TESTED_VLLM  # noqa: E402
 from chatgen.generation.vllm.adapter.routing import record_routed_experts  # noqa: E402
 from chatgen.generation.vllm.adapter.split_step import (  # noqa: E402
@@ -103,5 +103,6 @@ __all__ = [
     "record_routed_experts",
     "ONEDNN_PRIMITIVE_CACHE_CAPACITY",
     "host_memory_only_gc",
-    "swap_lora",
+    "replace_lora",
+    "add_lora_dir",
 ]

@@ -99,6 +99,15 @@ class _ComputedBufferReloadFilter(logging.Filter):
         )
 
 
+def set_thread_team(threads: int) -> None:
+    """OpenMP threads of the calling thread's parallel regions (the engine thread's: a team is per thread).
+    vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it binds its threads; torch's own
+    function, which it wraps, still sets it."""
+    import torch
+
+    torch._C.set_num_threads(threads)
+
+
 def install_reload_log_filter(worker=None) -> None:
     """Install the filter in this process (called in each worker through collective_rpc); idempotent."""
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -176,6 +185,37 @@ def refresh_tied_lm_head(worker) -> None:
         head.quant_method.process_weights_after_loading(head)
 
 
+def replace_lora_in_worker(worker, lora_id: int, config: dict, tensors: dict) -> None:
+    """vLLM 0.32 loads a LoRA adapter only from a directory. In a vLLM worker (collective_rpc): replace the adapter
+    of id `lora_id` by one built from `tensors` (PEFT names) and `config` (its adapter_config.json): what
+    `WorkerLoRAManager._load_adapter` does from a directory, then the in-place swap of
+    `LRUCacheWorkerLoRAManager.add_adapter` (load_inplace). Building comes first, so an adapter vLLM refuses
+    leaves the previous one in place (adapter/lora.py)."""
+    from vllm.lora.lora_model import LoRAModel
+    from vllm.lora.peft_helper import PEFTHelper
+
+    manager = worker.model_runner.lora_manager
+    helper = PEFTHelper.from_dict(
+        {**config, "vllm_max_position_embeddings": manager.max_position_embeddings}
+    )
+    helper.validate_legal(manager.lora_config)
+    adapters = manager._adapter_manager
+    mapper = getattr(adapters.model, "hf_to_vllm_mapper", None)
+    lora = LoRAModel.from_lora_tensors(
+        lora_model_id=lora_id,
+        tensors=tensors,
+        peft_helper=helper,
+        device="cpu",
+        dtype=manager.lora_config.lora_dtype,
+        model_vocab_size=manager.vocab_size,
+        weights_mapper=mapper.get_rename_mapper() if mapper is not None else None,
+        skip_prefixes=getattr(adapters.model, "lora_skip_prefixes", None),
+    )
+    adapters.remove_adapter(lora_id)
+    adapters.add_adapter(lora)
+    adapters.activate_adapter(lora_id)
+
+
 _CPU_SHM = "vllm.distributed.device_communicators.cpu_communicator:_CPUSHMDistributed"
 _MOE_METHOD = (
     "vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method:UnquantizedFusedMoEMethod"
@@ -193,6 +233,12 @@ RELIES_ON = {
         (_CPU_SHM, "self.communicator"),
     ],
     "eager_token_ranks": ["vllm.v1.sample.sampler:batched_count_greater_than"],
+    "set_thread_team": [
+        (
+            "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
+            "torch.set_num_threads = skip_set_num_threads",
+        )
+    ],
     "install_reload_log_filter": [
         (_LAYERWISE, '"%s: Failed to load weights", layer.__class__.__name__')
     ],
@@ -204,6 +250,23 @@ RELIES_ON = {
     "prepack_cpu_experts_on_reload": [
         (f"{_MOE_METHOD}._setup_kernel", ("self", "layer", "w13", "w2")),
         (f"{_CPU_EXPERTS}.process_weights_after_loading", ("self", "layer")),
+    ],
+    "replace_lora_in_worker": [
+        (
+            "vllm.lora.lora_model:LoRAModel.from_lora_tensors",
+            ("lora_model_id", "tensors", "peft_helper"),
+        ),
+        "vllm.lora.peft_helper:PEFTHelper.from_dict",
+        "vllm.lora.peft_helper:PEFTHelper.validate_legal",
+        ("vllm.lora.worker_manager:WorkerLoRAManager", "self.max_position_embeddings"),
+        (
+            "vllm.lora.worker_manager:LRUCacheWorkerLoRAManager.add_adapter",
+            "self._adapter_manager.remove_adapter(lora.id)",
+        ),
+        ("vllm.v1.worker.lora_model_runner_mixin", "self.lora_manager = "),
+        "vllm.lora.model_manager:LoRAModelManager.remove_adapter",
+        "vllm.lora.model_manager:LRUCacheLoRAModelManager.add_adapter",
+        "vllm.lora.model_manager:LRUCacheLoRAModelManager.activate_adapter",
     ],
     "abandon_reload": [
         f"{_LAYERWISE}:finalize_layerwise_reload",
