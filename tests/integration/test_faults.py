@@ -18,89 +18,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.faults]
 REPO = Path(__file__).resolve().parents[2]
 
 
-# A driver as `chatgen train` is one with `runtime.launcher: ray`: chatgen.cli's SIGTERM handler, a Ray started
-# by init_ray, a group of two ranks that joined their torch.distributed (gloo) world, a Runtime shut down on the
-# way out.
-DRIVER = """if True:
-    import signal, sys, time
-    from chatgen.cli import Terminated, _terminate
-    from chatgen.rlhf.placement import GroupPlan
-    from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
-    signal.signal(signal.SIGTERM, _terminate)
-    runtime = Runtime([], {}, init_ray(None, 2))
-    try:
-        runtime.groups.append(ActorGroup(GroupPlan(["a"], 2, 0, 0.5, {}), worker_env()))
-        runtime.groups[0].setup([[], []])
-        print("READY", runtime.local_ray.dir, flush=True)
-        time.sleep(600)
-    except Terminated:
-        sys.exit(143)
-    finally:
-        runtime.shutdown()
-"""
-
-
-@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
-def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(sig, tmp_path):
-    """Ray used to listen on every interface (GCS, raylet, workers, the agents); kill -9 of the driver left Ray's
-    agents alive ~90 s (one listening) and /tmp/ray behind; SIGTERM gave rc 134 and a Ray stack dump. Now every
-    listening socket of the driver's process tree is loopback, nothing is left within seconds of either signal,
-    and SIGTERM is a clean exit 143."""
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    log = tmp_path / "driver.err"
-    with open(log, "w") as err:
-        driver = subprocess.Popen(
-            [sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO
-        )
-    ready = driver.stdout.readline()
-    assert ready.startswith("READY"), log.read_text()[-3000:]
-    session = Path(ready.split()[1])
-    root = psutil.Process(driver.pid)
-    ray_processes = root.children(recursive=True)
-    assert any(p.name() == "ray::DashboardAgent" for p in ray_processes)
-    found = listeners(root)
-    names = {name for name, _, _ in found}
-    assert {"gcs_server", "raylet"} <= names and any(
-        n.startswith("ray::ModelWorker") for n in names
-    ), found
-    assert not [entry for entry in found if not is_loopback(entry[1])], (
-        f"listening beyond loopback: {found}"
-    )
-    assert session.is_dir() and any(session.iterdir())  # Ray's session files: here, not in /tmp/ray
-    start = time.monotonic()
-    driver.send_signal(getattr(signal, sig))
-    rc = driver.wait(timeout=60)
-    stderr = log.read_text()
-    _, alive = psutil.wait_procs(ray_processes, timeout=20)
-    assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
-    # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
-    assert time.monotonic() - start < 45
-    for _ in range(20):  # the reaper removes the session directory after the last kill
-        if not session.exists():
-            break
-        time.sleep(0.5)
-    assert not session.exists()
-    if sig == "SIGTERM":
-        assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[
-            -2000:
-        ]
-    else:
-        assert rc == -9
-
-
-def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
-    """Each `check-sync --infer-tp 2` used to leave 8 Unix sockets of vLLM's IPC in /tmp: a TP 2 engine (vLLM's
-    multiprocess executor, as check-sync starts it) built and shut down through vllm_adapter leaves none."""
-    import shutil
-    import stat
+@pytest.fixture(scope="module", autouse=True)
+def multiprocess_engine(request, tiny_llama_dir):
+    """The subprocess of test_a_multiprocess_engine_leaves_no_socket_in_tmp, started when the module
+    begins (when that test is selected): seconds of imports and a TP 2 engine's start in processes of
+    its own, beside the in-process engine tests that come before that test. The tests that start Ray
+    come after it: a Ray start has a deadline a busier machine can miss. (its private TMPDIR, the
+    process, its stderr)"""
     import subprocess
     import sys
     import tempfile
 
+    wanted = any(
+        item.path == Path(__file__)
+        and item.originalname == "test_a_multiprocess_engine_leaves_no_socket_in_tmp"
+        for item in request.session.items
+    )
+    if not wanted:
+        yield None
+        return
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes
     code = (
         "from chatgen.generation.vllm import adapter as a; "
@@ -115,17 +51,17 @@ def test_a_multiprocess_engine_leaves_no_socket_in_tmp(tiny_llama_dir):
         "VLLM_CPU_OMP_THREADS_BIND": "0|1",
     }
     env.pop("VLLM_RPC_BASE_PATH", None)
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env
-    )
-    left = [
-        str(p)
-        for p in tmp.rglob("*")
-        if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")
-    ]
-    shutil.rmtree(tmp)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert not left, left
+    with tempfile.TemporaryFile("w+") as stderr:  # a file: a pipe nobody reads yet could fill
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+            cwd=REPO,
+            env=env,
+        )
+        yield tmp, proc, stderr
+        proc.kill()
+        proc.wait()
 
 
 def nan_model(model_dir, out, name="model.norm.weight"):
@@ -333,6 +269,25 @@ def test_bad_api_inputs_are_refused_and_the_engine_keeps_serving(module):
     assert out["output_ids"].dtype == torch.long and out["generation_lengths"].tolist() == [4, 4]
 
 
+def test_a_multiprocess_engine_leaves_no_socket_in_tmp(multiprocess_engine):
+    """Each `check-sync --infer-tp 2` used to leave 8 Unix sockets of vLLM's IPC in /tmp: a TP 2 engine (vLLM's
+    multiprocess executor, as check-sync starts it) built and shut down through vllm_adapter leaves none."""
+    import shutil
+    import stat
+
+    tmp, proc, stderr = multiprocess_engine
+    proc.wait(timeout=300)
+    stderr.seek(0)
+    left = [
+        str(p)
+        for p in tmp.rglob("*")
+        if stat.S_ISSOCK(p.lstat().st_mode) or p.name.startswith("chatgen-vllm")
+    ]
+    shutil.rmtree(tmp)
+    assert proc.returncode == 0, stderr.read()[-3000:]
+    assert not left, left
+
+
 def test_an_engine_dying_mid_sync_is_named_as_the_engines():
     """Issue 28, finding 10: an engine killed mid-sync was reported as a `policy_trainer.sync` death
     (the trainer's send fails first). The engines' side of the sync is read: a dead actor is
@@ -357,3 +312,77 @@ def test_an_engine_dying_mid_sync_is_named_as_the_engines():
     finally:
         ray.shutdown()
     assert engine_death("policy", [lambda: None]) is None  # in process: nothing to ask
+
+
+# A driver as `chatgen train` is one with `runtime.launcher: ray`: chatgen.cli's SIGTERM handler, a Ray started
+# by init_ray, a group of two ranks that joined their torch.distributed (gloo) world, a Runtime shut down on the
+# way out.
+DRIVER = """if True:
+    import signal, sys, time
+    from chatgen.cli import Terminated, _terminate
+    from chatgen.rlhf.placement import GroupPlan
+    from chatgen.rlhf.runtime import ActorGroup, Runtime, init_ray, worker_env
+    signal.signal(signal.SIGTERM, _terminate)
+    runtime = Runtime([], {}, init_ray(None, 2))
+    try:
+        runtime.groups.append(ActorGroup(GroupPlan(["a"], 2, 0, 0.5, {}), worker_env()))
+        runtime.groups[0].setup([[], []])
+        print("READY", runtime.local_ray.dir, flush=True)
+        time.sleep(600)
+    except Terminated:
+        sys.exit(143)
+    finally:
+        runtime.shutdown()
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGKILL", "SIGTERM"])
+def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(sig, tmp_path):
+    """Ray used to listen on every interface (GCS, raylet, workers, the agents); kill -9 of the driver left Ray's
+    agents alive ~90 s (one listening) and /tmp/ray behind; SIGTERM gave rc 134 and a Ray stack dump. Now every
+    listening socket of the driver's process tree is loopback, nothing is left within seconds of either signal,
+    and SIGTERM is a clean exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    log = tmp_path / "driver.err"
+    with open(log, "w") as err:
+        driver = subprocess.Popen(
+            [sys.executable, "-c", DRIVER], stdout=subprocess.PIPE, stderr=err, text=True, cwd=REPO
+        )
+    ready = driver.stdout.readline()
+    assert ready.startswith("READY"), log.read_text()[-3000:]
+    session = Path(ready.split()[1])
+    root = psutil.Process(driver.pid)
+    ray_processes = root.children(recursive=True)
+    assert any(p.name() == "ray::DashboardAgent" for p in ray_processes)
+    found = listeners(root)
+    names = {name for name, _, _ in found}
+    assert {"gcs_server", "raylet"} <= names and any(
+        n.startswith("ray::ModelWorker") for n in names
+    ), found
+    assert not [entry for entry in found if not is_loopback(entry[1])], (
+        f"listening beyond loopback: {found}"
+    )
+    assert session.is_dir() and any(session.iterdir())  # Ray's session files: here, not in /tmp/ray
+    start = time.monotonic()
+    driver.send_signal(getattr(signal, sig))
+    rc = driver.wait(timeout=60)
+    stderr = log.read_text()
+    _, alive = psutil.wait_procs(ray_processes, timeout=20)
+    assert not alive, f"left after {sig}: {[(p.name(), p.pid) for p in alive]}"
+    # ~5 s on an idle machine (Ray's agents alone took ~60 s to go)
+    assert time.monotonic() - start < 45
+    for _ in range(20):  # the reaper removes the session directory after the last kill
+        if not session.exists():
+            break
+        time.sleep(0.5)
+    assert not session.exists()
+    if sig == "SIGTERM":
+        assert rc == 143 and "SIGTERM received" not in stderr and "Traceback" not in stderr, stderr[
+            -2000:
+        ]
+    else:
+        assert rc == -9

@@ -18,6 +18,7 @@ import time
 import pytest
 import requests
 import torch
+from timeouts import scaled
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -186,6 +187,7 @@ class Stalls:  # a trainer whose second bucket never comes (stopped in a debugge
     def nonfinite(self): return []
     def buckets(self):
         yield [(n, weights[n] * 0.5) for n in names[:10]]
+        print("stalled", flush=True)  # the first bucket went out
         time.sleep(600)
 
 VLLMGeneration(model_dir, "server", server_base_url=url, api_key=key, weight_transport="group").sync_weights(Stalls())
@@ -217,12 +219,14 @@ def test_no_update_locks_out_the_next_and_finish_answers_at_once(server, tiny_ll
 
     trainer = subprocess.Popen(
         [sys.executable, "-c", STALLED_TRAINER, url, KEY, str(tiny_llama_dir)],
-        stdout=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
+        text=True,
     )
     try:
         # the trainer starts, begins, sends its first bucket, stalls; the server's deadline passes
-        time.sleep(10)
+        assert trainer.stdout.readline() == "stalled\n"  # (a fixed 10 s wait before)
+        time.sleep(STEP_TIMEOUT + scaled(2))  # the server's wait for bucket 2 runs out
         finish = requests.post(url + "/control/weights/finish", headers=AUTH, json={}, timeout=30)
     finally:
         trainer.kill()

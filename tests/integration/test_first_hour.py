@@ -7,6 +7,10 @@
 - every other recipe of `chatgen init --list` runs from its own directory (1 episode, small batches, the cached
   tiny model as its warm start; GPU recipes on a GPU machine only), in a log (no terminal): one plain line per
   episode, the summary, nothing else.
+
+The runs are independent subprocesses, each mostly one busy core (seconds of imports, then the tiny
+model's Python): the module starts them two at a time when it begins (`runs`), and each test asserts
+on its own run's result, so both of CI's two cores work.
 """
 
 import fcntl
@@ -19,6 +23,7 @@ import struct
 import subprocess
 import sys
 import termios
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -95,7 +100,9 @@ def on_a_terminal(argv: list, cwd, env) -> tuple:
     )
 
 
-def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
+def main_job(tmp_path) -> tuple:
+    """The README's main job from a fresh project, run from elsewhere on a terminal: (project, exit
+    code, what it wrote)."""
     project = tmp_path / "my project"
     script = init(project, "grpo_tiny")
     elsewhere = tmp_path / "elsewhere"
@@ -105,6 +112,11 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(tmp_path):
         elsewhere,
         environment(SFT_STEPS=10),
     )
+    return project, code, out
+
+
+def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(runs):
+    project, code, out = runs[MAIN_JOB].result()
     assert code == 0, out
     assert not noise(out), out
     before_summary, _, summary = out.partition("[chatgen] grpo: 2 episodes done")
@@ -222,15 +234,18 @@ def sort_digits(tmp_path_factory, make_tiny):
     return data, make_tiny("tiny_llama")
 
 
-def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
+SMOLLM2 = ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2", "grpo_smollm2_lora")
+
+
+def recipe_env(recipe, tmp_path, sort_digits, smollm2) -> dict:
     """The variables that point a recipe at small data and a ready model (its preparation steps then skip)."""
     from chatgen import tasks
 
-    if recipe in ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2", "grpo_smollm2_lora"):
+    if recipe in SMOLLM2:
         data = tmp_path / "data"
         task = "math_words" if recipe == "grpo_smollm2_math" else "arithmetic"
         tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
-        return environment(POLICY_LOAD=request.getfixturevalue("smollm2_dir"), DATA_DIR=data)
+        return environment(POLICY_LOAD=smollm2, DATA_DIR=data)
     data, tiny = sort_digits
     # a copy: the multi-turn recipe writes a chat template into it
     warm_start = tmp_path / "warm-start"
@@ -255,20 +270,77 @@ def recipe_env(recipe, tmp_path, sort_digits, request) -> dict:
     return environment(MODEL=tiny, DATA_DIR=data, POLICY_LOAD=warm_start)
 
 
-@pytest.mark.parametrize(
-    "recipe", [pytest.param(r, marks=pytest.mark.gpu) if r in GPU else r for r in SMALL]
-)
-def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, request):
+def run_recipe(recipe, tmp_path, sort_digits, smollm2=None) -> tuple:
+    """`recipe`'s launch script from its own project, one small episode, output to a log: (project,
+    the finished process)."""
     project = tmp_path / recipe
     script = init(project, recipe)
     proc = subprocess.run(
         ["bash", str(script), "runtime.num_episode=1", *SMALL[recipe]],
         cwd=tmp_path,
-        env=recipe_env(recipe, tmp_path, sort_digits, request),
+        env=recipe_env(recipe, tmp_path, sort_digits, smollm2),
         capture_output=True,
         text=True,
         timeout=TIMEOUT,
     )
+    return project, proc
+
+
+MAIN_JOB = "main job"
+AT_ONCE = 2  # runs at a time: each keeps about one core busy; CI has two
+FIRST = (*SMOLLM2, MAIN_JOB, "multiturn")  # the longest first, so that the last two end together
+
+
+def selected(session) -> set:
+    """The CPU runs that the session's selected tests of this module assert on."""
+    names = set()
+    for item in session.items:
+        if item.path != Path(__file__):
+            continue
+        if item.originalname == "test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines":
+            names.add(MAIN_JOB)
+        elif item.originalname == "test_a_recipe_runs_from_its_own_directory":
+            names.add(item.callspec.params["recipe"])
+    return names - GPU
+
+
+@pytest.fixture(scope="module")
+def runs(request, sort_digits, tmp_path_factory):
+    """name -> Future of its run (MAIN_JOB: main_job's result, a recipe: run_recipe's), started
+    AT_ONCE at a time when the module begins; "smollm2": the SmolLM2 directory, or why it is
+    missing. (GPU recipes run in their own test.)"""
+    names = selected(request.session)
+    smollm2 = None
+    if names & set(SMOLLM2):
+        try:
+            smollm2 = request.getfixturevalue("smollm2_dir")
+        except pytest.skip.Exception as e:  # their tests skip with this reason; the others run
+            names -= set(SMOLLM2)
+            smollm2 = e
+    order = sorted(names, key=lambda n: FIRST.index(n) if n in FIRST else len(FIRST))
+    pool = ThreadPoolExecutor(AT_ONCE, thread_name_prefix="first-hour-run")
+    started = {}
+    for name in order:
+        tmp = tmp_path_factory.mktemp(name.replace(" ", "_"))
+        if name == MAIN_JOB:
+            started[name] = pool.submit(main_job, tmp)
+        else:
+            started[name] = pool.submit(run_recipe, name, tmp, sort_digits, smollm2)
+    yield {"smollm2": smollm2, **started}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+@pytest.mark.parametrize(
+    "recipe", [pytest.param(r, marks=pytest.mark.gpu) if r in GPU else r for r in SMALL]
+)
+def test_a_recipe_runs_from_its_own_directory(recipe, tmp_path, sort_digits, request):
+    if recipe in GPU:
+        project, proc = run_recipe(recipe, tmp_path, sort_digits)
+    else:
+        runs = request.getfixturevalue("runs")
+        if recipe in SMOLLM2 and not isinstance(runs["smollm2"], Path):
+            pytest.skip(str(runs["smollm2"]))
+        project, proc = runs[recipe].result()
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert not noise(out), out

@@ -5,12 +5,17 @@ tests/integration/test_user_rewards.py):
   run by the `chatgen` command from the project directory with no PYTHONPATH pointing there, 2 GRPO episodes,
   with the local launcher (one process) and with Ray (the reward in an actor, which imports it too);
 - the same function as one weighted term of several (`chatgen.rlhf.rewards:Rewards`), each term logged.
+
+The three runs are independent `chatgen train` processes, each mostly one busy core: `runs` starts them
+when the module begins (the Ray run alone, then the other two at once), and each test asserts on its own
+run's metrics.
 """
 
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -96,9 +101,55 @@ def train(project, tiny, out: str, *extra) -> dict:
     return {r["episode"]: r for r in records}
 
 
+TERMS = (
+    "runtime.launcher=local",
+    "models.reward.model_class=chatgen.rlhf.rewards:Rewards",
+    "models.reward.config.terms={mine: {function: 'mytask/reward.py:ascending'}, "
+    "rule: {function: sort_digits, weight: 0.5}}",
+)
+# run name -> its extra arguments (each writes outputs/<name>)
+RUNS = {"local": ("runtime.launcher=local",), "ray": ("runtime.launcher=ray",), "terms": TERMS}
+
+
+def selected(session) -> set:
+    """The runs that the session's selected tests of this module assert on."""
+    names = set()
+    for item in session.items:
+        if item.path != Path(__file__):
+            continue
+        if item.originalname == "test_a_plain_function_reward_of_the_project_trains":
+            names.add(item.callspec.params["launcher"])
+        elif item.originalname == "test_weighted_terms_of_the_project_train_each_logged":
+            names.add("terms")
+    return names
+
+
+@pytest.fixture(scope="module")
+def runs(request, project, tiny_llama_dir):
+    """name -> Future of train()'s metrics: the Ray run alone first (Ray's start-up has a deadline
+    that a loaded machine can miss), then the one-process runs two at a time (each keeps about one
+    core busy)."""
+    names = selected(request.session)
+    pool = ThreadPoolExecutor(2, thread_name_prefix="user-reward-run")
+
+    def ray_run():
+        if "ray" in names:
+            return train(project, tiny_llama_dir, "outputs/ray", *RUNS["ray"])
+
+    alone = pool.submit(ray_run)
+
+    def after_ray(name):
+        alone.exception()  # waits; the Ray run's failure is its own test's
+        return train(project, tiny_llama_dir, f"outputs/{name}", *RUNS[name])
+
+    started = {name: pool.submit(after_ray, name) for name in ("local", "terms") if name in names}
+    yield {"ray": alone, **started}
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
 @pytest.mark.parametrize("launcher", ["local", "ray"])
-def test_a_plain_function_reward_of_the_project_trains(project, tiny_llama_dir, launcher):
-    metrics = train(project, tiny_llama_dir, f"outputs/{launcher}", f"runtime.launcher={launcher}")
+def test_a_plain_function_reward_of_the_project_trains(runs, launcher):
+    metrics = runs[launcher].result()
     assert sorted(metrics) == [0, 1, 2]
     for episode in (1, 2):
         # the function's term, logged by its name
@@ -109,14 +160,8 @@ def test_a_plain_function_reward_of_the_project_trains(project, tiny_llama_dir, 
     assert "eval/reward/ascending" in metrics[0] and "eval/reward/ascending" in metrics[2]
 
 
-def test_weighted_terms_of_the_project_train_each_logged(project, tiny_llama_dir):
-    terms = (
-        "runtime.launcher=local",
-        "models.reward.model_class=chatgen.rlhf.rewards:Rewards",
-        "models.reward.config.terms={mine: {function: 'mytask/reward.py:ascending'}, "
-        "rule: {function: sort_digits, weight: 0.5}}",
-    )
-    metrics = train(project, tiny_llama_dir, "outputs/terms", *terms)
+def test_weighted_terms_of_the_project_train_each_logged(runs):
+    metrics = runs["terms"].result()
     for episode in (1, 2):
         m = metrics[episode]
         assert m["reward/mean"] == pytest.approx(
