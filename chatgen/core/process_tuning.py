@@ -1,5 +1,5 @@
-"""The process tuning of chatgen's processes, in one place: the allocator (`chatgen train` runs on jemalloc),
-glibc's malloc arenas (`chatgen train` where jemalloc is missing),
+"""The process tuning of chatgen's processes, in one place: the allocator (`chatgen train` on jemalloc with
+CHATGEN_MALLOC=jemalloc), glibc's malloc arenas (`chatgen train`),
 the OpenMP team of `chatgen serve`'s engine, and passive OpenMP waiting (the CLI's process and every
 Ray actor).
 
@@ -42,7 +42,7 @@ def one_malloc_arena() -> bool:
         return False
 
 
-MALLOC_CHOICE = "CHATGEN_MALLOC"  # glibc: keep glibc's malloc (no restart with jemalloc)
+MALLOC_CHOICE = "CHATGEN_MALLOC"  # jemalloc: `chatgen train` restarts itself on jemalloc
 
 
 def jemalloc_library() -> str | None:
@@ -60,12 +60,13 @@ def jemalloc_library() -> str | None:
 
 
 def restart_on_jemalloc(argv: list) -> None:
-    """Replace this process (same pid, same arguments) by one with jemalloc preloaded, unless LD_PRELOAD is
-    already set (a user's allocator, or this restart done), CHATGEN_MALLOC=glibc, or no jemalloc is found.
-    For `chatgen train` run as a command, before anything heavy loads. glibc's malloc kept the train step's and
-    the engine's freed memory as fragments and grew: the tiny GRPO run's peak RSS 1.048 GB after 40 episodes
-    (still growing) against 0.982 GB on jemalloc, flat from episode 10 (docs/rlhf_engine.md)."""
-    if os.environ.get("LD_PRELOAD") or os.environ.get(MALLOC_CHOICE) == "glibc":
+    """With CHATGEN_MALLOC=jemalloc, replace this process (same pid, same arguments) by one with jemalloc
+    preloaded, unless LD_PRELOAD is already set (a user's allocator, or this restart done) or no jemalloc is
+    found. For `chatgen train` run as a command, before anything heavy loads. A trade, so a choice: jemalloc
+    hands freed pages back, and the tiny GRPO run's peak RSS stays flat (0.94 GiB over 60 episodes against
+    1.03-1.05 on glibc's one arena, which keeps the train step's freed memory as fragments and grows), but its
+    train steps fault those pages in again: train 0.31 vs 0.25 s per episode (docs/rlhf_engine.md)."""
+    if os.environ.get(MALLOC_CHOICE) != "jemalloc" or os.environ.get("LD_PRELOAD"):
         return
     library = jemalloc_library()
     if library is None:

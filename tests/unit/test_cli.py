@@ -414,10 +414,10 @@ def test_config_and_train_refuse_the_same_data_line_before_anything_starts(tmp_p
     assert messages[0] == messages[1] and not (tmp_path / "run").exists()
 
 
-def test_train_restarts_itself_on_jemalloc_unless_an_allocator_was_chosen(monkeypatch):
-    """`chatgen train` as a command replaces its process by one with Ray's jemalloc preloaded, same arguments;
-    an LD_PRELOAD already set (the restarted process, or the user's allocator) or CHATGEN_MALLOC=glibc keeps
-    the process as it is."""
+def test_train_restarts_itself_on_jemalloc_when_asked_and_no_allocator_is_preloaded(monkeypatch):
+    """CHATGEN_MALLOC=jemalloc: `chatgen train` as a command replaces its process by one with Ray's jemalloc
+    preloaded, same arguments; without it, or with an LD_PRELOAD already set (the restarted process, or the
+    user's allocator), the process stays as it is."""
     from chatgen.core import process_tuning
 
     library = process_tuning.jemalloc_library()
@@ -426,14 +426,15 @@ def test_train_restarts_itself_on_jemalloc_unless_an_allocator_was_chosen(monkey
     monkeypatch.setattr("os.execve", lambda *args: calls.append(args))
     monkeypatch.delenv("LD_PRELOAD", raising=False)
     monkeypatch.delenv("CHATGEN_MALLOC", raising=False)
+    process_tuning.restart_on_jemalloc(["train", "run.yaml"])
+    assert calls == []  # glibc unless asked
+    monkeypatch.setenv("CHATGEN_MALLOC", "jemalloc")
     process_tuning.restart_on_jemalloc(["train", "run.yaml", "a=1"])
     [(exe, args, env)] = calls
     assert (exe, args[1:]) == (sys.executable, ["-m", "chatgen.cli", "train", "run.yaml", "a=1"])
     assert env["LD_PRELOAD"] == library
-    for key, value in (("LD_PRELOAD", "/usr/lib/libtcmalloc.so"), ("CHATGEN_MALLOC", "glibc")):
-        with monkeypatch.context() as m:
-            m.setenv(key, value)
-            process_tuning.restart_on_jemalloc(["train", "run.yaml"])
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libtcmalloc.so")
+    process_tuning.restart_on_jemalloc(["train", "run.yaml"])
     assert len(calls) == 1
 
 
