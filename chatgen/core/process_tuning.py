@@ -96,14 +96,3 @@ def serve_threads(argv: list) -> int:
         hidden = 0
     cores = len(os.sched_getaffinity(0))
     return cores if hidden >= WIDE_HIDDEN_SIZE else max(1, cores - 1)
-
-
-def engine_thread_team(hidden_size: int) -> int | None:
-    """OpenMP threads for the engine thread of a run that steps vLLM beside its trainer on CPU (`chatgen
-    train`, a colocated policy): 1 for a model narrower than WIDE_HIDDEN_SIZE, whose kernels are too small to
-    split (what serve_threads found for serving; the tiny GRPO run's generate phase: docs/rlhf_engine.md),
-    None (leave it) for a wider one or when OMP_NUM_THREADS names a team. The team is per thread: the
-    trainer's steps on the main thread keep every core."""
-    if "OMP_NUM_THREADS" in os.environ or hidden_size >= WIDE_HIDDEN_SIZE:
-        return None
-    return 1

@@ -454,15 +454,3 @@ def test_a_process_preloading_the_jemalloc_found_allocates_with_it():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True"]
-
-
-def test_a_narrow_models_engine_thread_steps_with_one_openmp_thread(monkeypatch):
-    """process_tuning.engine_thread_team: 1 below WIDE_HIDDEN_SIZE, None (leave the team) for a wider model
-    or when OMP_NUM_THREADS names one (the user's, or serve's)."""
-    from chatgen.core.process_tuning import WIDE_HIDDEN_SIZE, engine_thread_team
-
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    assert engine_thread_team(WIDE_HIDDEN_SIZE // 4) == 1
-    assert engine_thread_team(WIDE_HIDDEN_SIZE) is None
-    monkeypatch.setenv("OMP_NUM_THREADS", "2")
-    assert engine_thread_team(WIDE_HIDDEN_SIZE // 4) is None

@@ -26,12 +26,10 @@ import time
 from chatgen.compat.chatlearn import ChatLearnGeneration
 from chatgen.compat.nemo_rl import NemoRLGeneration
 from chatgen.core.checkpoint_io import read_megatron_meta
-from chatgen.core.process_tuning import engine_thread_team
 from chatgen.generation import config as gc
 from chatgen.generation.base import GenerationModule
 from chatgen.generation.batching import call_metrics, rollout_batch
 from chatgen.generation.vllm import adapter
-from chatgen.generation.vllm.adapter import patches
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
@@ -103,13 +101,6 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             adapter.record_routed_experts(self.engine)
         self.hf_config = adapter.hf_config(self.engine)
         self.vocab_size = self.hf_config["vocab_size"]
-        threads = engine_thread_team(self.hf_config.get("hidden_size", 0))
-        if (
-            threads
-            and adapter.on_cpu()
-            and self.distributed_executor_backend != "external_launcher"
-        ):
-            self.engine_loop.call(lambda: patches.set_thread_team(threads))
         if megatron:
             self.update_weights(megatron_checkpoint_to_hf(model_dir)[1].items())
         if not self.engine.llm_engine.model_config.skip_tokenizer_init:

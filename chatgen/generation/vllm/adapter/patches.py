@@ -99,15 +99,6 @@ class _ComputedBufferReloadFilter(logging.Filter):
         )
 
 
-def set_thread_team(threads: int) -> None:
-    """OpenMP threads of the calling thread's parallel regions (the engine thread's: a team is per thread).
-    vLLM's CPU worker replaces `torch.set_num_threads` with a no-op once it binds its threads; torch's own
-    function, which it wraps, still sets it."""
-    import torch
-
-    torch._C.set_num_threads(threads)
-
-
 def install_reload_log_filter(worker=None) -> None:
     """Install the filter in this process (called in each worker through collective_rpc); idempotent."""
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
@@ -233,12 +224,6 @@ RELIES_ON = {
         (_CPU_SHM, "self.communicator"),
     ],
     "eager_token_ranks": ["vllm.v1.sample.sampler:batched_count_greater_than"],
-    "set_thread_team": [
-        (
-            "vllm.v1.worker.cpu_worker:CPUWorker.init_device",
-            "torch.set_num_threads = skip_set_num_threads",
-        )
-    ],
     "install_reload_log_filter": [
         (_LAYERWISE, '"%s: Failed to load weights", layer.__class__.__name__')
     ],
