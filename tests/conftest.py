@@ -148,20 +148,6 @@ def pytest_collection_modifyitems(config, items):
 MAX_THREADS = 100  # threads the pytest process may hold when the session ends
 
 
-@pytest.fixture(autouse=True)
-def _openmp_team_of_later_processes_kept():
-    """A test that runs `chatgen serve` in process (`chatgen.cli.main`) gets OMP_NUM_THREADS set for the
-    process it thinks it is (core.process_tuning.serve_threads); left behind, every later subprocess of the
-    suite inherited it, and its engine thread planned vLLM's CPU attention for another team than torch's
-    thread count ("thread_num (1 vs. 2)": test_moe, test_rlhf_runs, test_user_rewards after test_lora)."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    yield
-    if saved is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = saved
-
-
 @pytest.fixture(autouse=True, scope="module")
 def destroy_process_groups():
     """After each test file: the trainers its tests left running in this process are shut down, and

@@ -101,7 +101,9 @@ def main(argv=None) -> int:
         if as_command:
             restart_on_jemalloc(argv)
         one_malloc_arena()
-    if command == "serve":
+    # chatgen's own process only: called from Python, torch is loaded already and the value would
+    # only reach that caller's later subprocesses (a test's `chatgen train` crashed on it)
+    if command == "serve" and as_command:
         os.environ.setdefault("OMP_NUM_THREADS", str(serve_threads(argv)))
     verbose = argparse.ArgumentParser(add_help=False)  # -v before or after the subcommand
     verbose.add_argument(

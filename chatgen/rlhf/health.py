@@ -84,8 +84,8 @@ def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
 
 
 def _shown(value) -> str:
-    """`value` as an error message quotes it (120 characters at most). Only on an error: the repr of a
-    256-reward tensor took ~5 ms of every episode."""
+    """`value` as an error message quotes it (120 characters at most). Only on an error: two reprs of a
+    256-reward tensor (~2.3 ms) ran on every score."""
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

@@ -144,6 +144,16 @@ def test_the_main_job_from_a_fresh_project_prints_only_chatgens_lines(runs):
 
 
 # recipe -> what makes its one episode small (runtime.num_episode=1 for all)
+# the SmolLM2 recipes' one small episode, no held-out evaluation (grpo_smollm2 evaluates once)
+SMOLLM2_SMALL = [
+    "runtime.sample_per_episode=8",
+    "policy.n=4",
+    "runtime.train_micro_batch_size=4",
+    "runtime.train_global_batch_size=8",
+    "runtime.generation_batch_size=8",
+    "policy.max_new_tokens=8",
+    "runtime.eval_episode_interval=null",
+]
 SMALL = {
     "grpo_tiny_lora": [
         "runtime.sample_per_episode=16",
@@ -177,24 +187,8 @@ SMALL = {
         "runtime.generation_batch_size=8",
         "policy.max_new_tokens=8",
     ],
-    "grpo_smollm2_lora": [
-        "runtime.sample_per_episode=8",
-        "policy.n=4",
-        "runtime.train_micro_batch_size=4",
-        "runtime.train_global_batch_size=8",
-        "runtime.generation_batch_size=8",
-        "policy.max_new_tokens=8",
-        "runtime.eval_episode_interval=null",
-    ],
-    "grpo_smollm2_math": [
-        "runtime.sample_per_episode=8",
-        "policy.n=4",
-        "runtime.train_micro_batch_size=4",
-        "runtime.train_global_batch_size=8",
-        "runtime.generation_batch_size=8",
-        "policy.max_new_tokens=8",
-        "runtime.eval_episode_interval=null",
-    ],
+    "grpo_smollm2_lora": SMOLLM2_SMALL,
+    "grpo_smollm2_math": SMOLLM2_SMALL,
     **{
         f"{name}_tiny": [
             "runtime.sample_per_episode=16",
