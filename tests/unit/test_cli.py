@@ -454,3 +454,38 @@ def test_a_process_preloading_the_jemalloc_found_allocates_with_it():
     )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.split() == ["True"]
+
+
+def test_heap_bound_trims_only_when_the_heap_grew_past_its_slack(monkeypatch):
+    """HeapBound (chatgen train's end of episode): the first check sets the reference; later checks call
+    malloc_trim only while the RSS is more than `slack` above it; on a preloaded allocator it never trims."""
+    from chatgen.core import process_tuning
+
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    sizes, trims = iter([100, 120, 131, 140, 90, 150]), []
+    monkeypatch.setattr(process_tuning, "resident_bytes", lambda: next(sizes))
+    bound = process_tuning.HeapBound(slack=30)
+    bound._trim = trims.append
+    assert [bound.check() for _ in range(6)] == [False, False, True, True, False, True]
+    assert bound.trims == len(trims) == 3 and bound.reference == 100
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so")
+    assert process_tuning.HeapBound()._trim is None
+
+
+def test_heap_bound_hands_freed_heap_pages_back_in_a_real_process():
+    """glibc keeps small freed chunks in its heap (below the mmap threshold): a check past the slack gives
+    their pages back to the system, which the RSS shows."""
+    code = (
+        "from chatgen.core.process_tuning import HeapBound, resident_bytes\n"
+        "bound = HeapBound(slack=16 << 20)\n"
+        "bound.check()\n"
+        "keep = [bytearray(64 << 10) for _ in range(3000)]\n"  # ~190 MiB of heap chunks, touched
+        "del keep[::2], keep[: len(keep) - 1]\n"  # all freed but the heap's last chunk: no top trim
+        "before = resident_bytes()\n"
+        "trimmed = bound.check()\n"
+        "print(trimmed, (before - resident_bytes()) >> 20)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split()
+    assert out[0] == "True" and int(out[1]) > 100, out
