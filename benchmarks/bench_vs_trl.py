@@ -72,7 +72,7 @@ side for every contestant at the end (a table, also in the JSON as "phase_table"
 while other work loaded the machine do not measure either framework.
 
 --baseline DIR adds a third contestant, "baseline": the chatgen of another checkout (its own code and task
-YAML, this interpreter and the same model and data), in the same rotation; the JSON gains
+YAML, this interpreter or --baseline-python's, and the same model and data), in the same rotation; the JSON gains
 `chatgen_over_baseline`, the figure that says whether a change made chatgen slower. --no-trl leaves TRL out.
 """
 
@@ -576,6 +576,12 @@ def main(argv=None) -> int:
         metavar="DIR",
         help="another chatgen checkout run in the same rotation (e.g. the commit before a change)",
     )
+    parser.add_argument(
+        "--baseline-python",
+        metavar="PYTHON",
+        help="the interpreter of the baseline's own environment (default: this one), e.g. a venv set up by "
+        "that checkout's setup_env.sh, when the change measured is in the environment",
+    )
     parser.add_argument("--no-trl", action="store_true", help="leave TRL out (with --baseline)")
     # the TRL side, in the TRL venv
     parser.add_argument("--worker", choices=["trl"], help=argparse.SUPPRESS)
@@ -615,10 +621,12 @@ def main(argv=None) -> int:
     work = Path(args.work_dir) / time.strftime("%Y%m%d-%H%M%S")
     work.mkdir(parents=True)
 
-    def chatgen_run(repo: Path):  # (command for an output dir, working directory, environment)
+    def chatgen_run(
+        repo: Path, python=sys.executable
+    ):  # (command for an output dir, cwd, environment)
         return (
             lambda out: [
-                sys.executable,
+                python,
                 "-m",
                 "chatgen.cli",
                 "train",
@@ -651,7 +659,9 @@ def main(argv=None) -> int:
             env,
         )
     if args.baseline:
-        contestants["baseline"] = chatgen_run(Path(args.baseline).resolve())
+        contestants["baseline"] = chatgen_run(
+            Path(args.baseline).resolve(), args.baseline_python or sys.executable
+        )
     threshold = task["reward_threshold"]
     reached_key = f"time_to_eval_reward_{threshold}_s"
     results = {name: [] for name in contestants}
@@ -711,6 +721,7 @@ def main(argv=None) -> int:
         "runs": args.runs,
         "trl_version": None if args.no_trl else TRL_VERSION,
         "baseline": args.baseline,
+        "baseline_python": args.baseline_python,
         "cpu_count": os.cpu_count(),
         "median": medians,
         **ratios,
