@@ -31,6 +31,7 @@ average printed beside them: other processes on the two cores slow the pinned th
 """
 
 import argparse
+import contextlib
 import importlib
 import json
 import os
@@ -154,6 +155,37 @@ def shared_state():
     return importlib.import_module("bench_async")
 
 
+TRAINER_PHASES = (
+    "old_logprobs",
+    "train",
+)  # the trainer's work in an episode (the rest waits or syncs)
+
+
+@contextlib.contextmanager
+def trainer_cpu_counted(seconds: list):
+    """Add the trainer thread's CPU seconds in its phases to seconds[0] while inside (a load-free figure
+    beside their wall time: PhaseTimer's phases run on the thread that trains)."""
+    from chatgen.rlhf import metrics
+
+    real = metrics.PhaseTimer.__call__
+
+    @contextlib.contextmanager
+    def counted(self, phase):
+        cpu = time.thread_time()
+        try:
+            with real(self, phase):
+                yield
+        finally:
+            if phase in TRAINER_PHASES:
+                seconds[0] += time.thread_time() - cpu
+
+    metrics.PhaseTimer.__call__ = counted
+    try:
+        yield
+    finally:
+        metrics.PhaseTimer.__call__ = real
+
+
 def disaggregate(generate: int, train: int) -> None:
     """One core for generation, one for training, in this process: the calling (trainer) thread on
     `train`, the engine thread on `generate` (at its first step), one OpenMP/torch thread each."""
@@ -223,8 +255,9 @@ def one_run(model: Path, data: Path, out: Path, episodes: int, extra: dict, args
     }
     cfg = load_config(REPO / "configs" / "grpo_tiny.yaml", [f"{k}={v}" for k, v in items.items()])
     busy = shared_state().ENGINE_BUSY
-    busy[:] = [0.0, 0.0]
-    grpo.train(cfg, log=lambda *_: None)
+    busy[:], trainer_cpu = [0.0, 0.0], [0.0]
+    with trainer_cpu_counted(trainer_cpu):
+        grpo.train(cfg, log=lambda *_: None)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in records if r["episode"] >= 1]
     elapsed, curve = 0.0, []
@@ -253,12 +286,13 @@ def one_run(model: Path, data: Path, out: Path, episodes: int, extra: dict, args
         "response_length_mean": mean("response/length"),
         # the same measure in every mode: the trainer works in its old log-prob and train phases, the
         # engine in its steps (BenchPolicy.forward_step; evaluations' steps included, their time too)
-        "trainer_idle_fraction": 1 - total("time/old_logprobs", "time/train") / wall,
+        "trainer_idle_fraction": 1 - total(*(f"time/{p}" for p in TRAINER_PHASES)) / wall,
         "engine_idle_fraction": 1 - busy[0] / wall if "model_class" in str(extra) else None,
         "trainer_waits_for_samples": total("time/generate") / wall,
         # per episode: seconds of engine steps, and of the engine thread's CPU in them
         "engine_step_s": busy[0] / len(timed),
         "engine_cpu_s": busy[1] / len(timed),
+        "trainer_cpu_s": trainer_cpu[0] / len(timed),
     }
     for key in ("async/staleness_mean", "async/staleness_max", "async/samples_spanning_versions"):
         if key in timed[-1]:
@@ -325,7 +359,8 @@ def main(argv=None) -> int:
                     f"{case} round {round_} {mode}: {run['step_s']:.3f} s/step, eval "
                     f"{run['eval_curve'][-1][1]:.3f}, trainer idle "
                     f"{run['trainer_idle_fraction']:.2f}, engine idle "
-                    f"{'-' if engine_idle is None else f'{engine_idle:.2f}'}, load "
+                    f"{'-' if engine_idle is None else f'{engine_idle:.2f}'}; CPU s/episode: engine "
+                    f"{run['engine_cpu_s']:.2f}, trainer {run['trainer_cpu_s']:.2f}; load "
                     f"{os.getloadavg()[0]:.1f}",
                     flush=True,
                 )
