@@ -83,7 +83,9 @@ def warm_model(base: Path, work: Path, steps: int) -> Path:
             ]
             + ["--output", str(out), "--steps", str(steps)],
             check=True,
-            env={**os.environ, "PYTHONPATH": str(REPO)},
+            # every core for the warm start: not this process's one-thread setting
+            env={k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+            | {"PYTHONPATH": str(REPO)},
         )
     return out
 
@@ -330,14 +332,14 @@ def main(argv=None) -> int:
         help="no pinning: generation and training share every core (OpenMP's default team)",
     )
     args = parser.parse_args(argv)
-    if not args.shared:
-        disaggregate(*map(int, args.cores.split(",")))
     work = Path(tempfile.mkdtemp(prefix="bench_async_"))
     model = (
         Path(args.model)
         if args.model
         else warm_model(tiny_model(REPO / "outputs" / "bench-tiny-llama"), work, args.warm_steps)
     )
+    if not args.shared:  # after the warm start, which uses every core
+        disaggregate(*map(int, args.cores.split(",")))
     data = write_data(work, args.prompts)
     result = {"args": vars(args), "cases": {}}
     for case in args.cases.split(","):
