@@ -62,17 +62,22 @@ def write_task_data(
     max_digits: int = 6,
     max_operand: int = 20,
     sft_descending_fraction: float = 0.7,
+    min_steps: int = 2,
+    max_steps: int = 4,
 ) -> str:
     """Write a task's JSONL files into the directory `output`; returns a one-line summary.
 
     sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations, sft_descending_fraction of
     them sorted the other way) and preference_{train,eval}.jsonl (DPO pairs of the same prompts); arithmetic:
-    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records)."""
+    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records), problems
+    whose worked solution takes min_steps to max_steps steps (the difficulty)."""
     if task not in TASKS:
         raise ValueError(f"task {task!r} is unknown; use one of {', '.join(TASKS)}")
     out = Path(output)
     if task == "math_words":
-        train, held_out = held_out_split(math_words.records, n_train, n_eval, seed)
+        train, held_out = held_out_split(
+            math_words.records, n_train, n_eval, seed, min_steps=min_steps, max_steps=max_steps
+        )
         for name, rows in (("train", train), ("eval", held_out)):
             write_records(out / f"{name}.jsonl", rows)
             write_parquet(out / f"{name}.parquet", rows)

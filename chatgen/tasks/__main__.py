@@ -27,6 +27,12 @@ def main(argv=None) -> int:
         "--max-operand", type=int, default=20, help="arithmetic: largest number in a question"
     )
     parser.add_argument(
+        "--min-steps", type=int, default=2, help="math_words: fewest steps of a solution (1-4)"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=4, help="math_words: most steps of a solution (1-4)"
+    )
+    parser.add_argument(
         "--sft-descending-fraction",
         type=float,
         default=0.7,

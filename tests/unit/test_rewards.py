@@ -250,12 +250,16 @@ def test_math_verify_reads_latex_fractions_boxed_and_gsm8k_answers(completion, r
     ]
 
 
-def test_the_math_word_problems_are_multi_step_with_checkable_answers():
+@pytest.mark.parametrize("steps", [(2, 4), (1, 1), (1, 2), (3, 4)])
+def test_the_math_word_problems_take_the_asked_steps_with_checkable_answers(steps):
     from chatgen.tasks.math_words import math_verify_reward, records
 
-    problems = records(200, seed=3)
+    problems = records(200, seed=3, min_steps=steps[0], max_steps=steps[1])
     assert len({r["prompt"] for r in problems}) > 150
-    assert all(r["answer"].count("=") >= 2 and "\n#### " in r["answer"] for r in problems)
+    counts = {r["answer"].count("=") for r in problems}  # one "a op b = c." per step
+    assert counts == set(range(steps[0], steps[1] + 1)) and all(
+        "\n#### " in r["answer"] for r in problems
+    )
     final = [r["answer"].rpartition("#### ")[2] for r in problems]
     assert (
         math_verify_reward([f"#### {f}" for f in final], [r["answer"] for r in problems])
@@ -265,6 +269,13 @@ def test_the_math_word_problems_are_multi_step_with_checkable_answers():
         for step in r["answer"].split("\n")[0].split(". "):
             lhs, _, rhs = step.rstrip(".").partition(" = ")
             assert eval(lhs) == float(rhs.split()[0])  # noqa: S307 - our own generated "a op b"
+
+
+def test_a_math_words_difficulty_no_problem_has_is_refused_naming_the_keys():
+    from chatgen.tasks.math_words import records
+
+    with pytest.raises(ValueError, match="no math_words problem takes 5 to 6 steps.*--min-steps"):
+        records(4, seed=0, min_steps=5, max_steps=6)
 
 
 # ---- a remote reward: a real HTTP server on loopback -------------------------------------------------------
