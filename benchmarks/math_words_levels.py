@@ -63,6 +63,9 @@ def main() -> int:
     parser.add_argument("--model", required=True, help="HF model directory (e.g. outputs/smollm2)")
     parser.add_argument("--output", default="outputs/math_words_levels.json")
     parser.add_argument("--levels", default="1-1,1-2,2-4", help="MIN-MAX steps, comma-separated")
+    parser.add_argument(
+        "--max-operand", type=int, default=None, help="largest number in a question (default: none)"
+    )
     parser.add_argument("--problems", type=int, default=32, help="held-out problems per level")
     parser.add_argument(
         "--samples", type=int, default=8, help="samples per problem at --temperature"
@@ -77,7 +80,13 @@ def main() -> int:
     problems, level_of = [], []
     for level in args.levels.split(","):
         low, _, high = level.partition("-")
-        batch = math_words.records(args.problems, seed=1, min_steps=int(low), max_steps=int(high))
+        batch = math_words.records(
+            args.problems,
+            seed=1,
+            min_steps=int(low),
+            max_steps=int(high),
+            max_operand=args.max_operand,
+        )
         problems += batch
         level_of += [level] * len(batch)
     start = time.time()

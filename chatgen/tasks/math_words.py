@@ -167,9 +167,12 @@ PROBLEMS = {
 }
 
 
-def records(n: int, seed: int, min_steps: int = 2, max_steps: int = 4) -> list[dict]:
+def records(
+    n: int, seed: int, min_steps: int = 2, max_steps: int = 4, max_operand: int | None = None
+) -> list[dict]:
     """`n` word problems from `seed`: {"prompt": question + INSTRUCTION, "answer": worked steps + "#### N"},
-    each of a problem kind whose solution takes `min_steps` to `max_steps` steps (PROBLEMS: 1 to 4)."""
+    each of a problem kind whose solution takes `min_steps` to `max_steps` steps (PROBLEMS: 1 to 4) and, with
+    `max_operand`, whose question has no number above it (redrawn until so)."""
     kinds = [make for make, steps in PROBLEMS.items() if min_steps <= steps <= max_steps]
     if not kinds:
         raise ValueError(
@@ -180,7 +183,15 @@ def records(n: int, seed: int, min_steps: int = 2, max_steps: int = 4) -> list[d
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        question, steps, result = rng.choice(kinds)(rng)
+        for _ in range(10_000):
+            question, steps, result = rng.choice(kinds)(rng)
+            if max_operand is None or max(map(int, re.findall(r"\d+", question))) <= max_operand:
+                break
+        else:
+            raise ValueError(
+                f"math_words: no problem of {min_steps}-{max_steps} steps keeps its numbers within "
+                f"max_operand={max_operand} (--max-operand): raise it"
+            )
         out.append(
             {"prompt": f"{question}\n{INSTRUCTION}", "answer": " ".join(steps) + f"\n#### {result}"}
         )

@@ -7,6 +7,7 @@ a reward model, a remote reward, math-verify, and the one check of every reward 
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -271,11 +272,29 @@ def test_the_math_word_problems_take_the_asked_steps_with_checkable_answers(step
             assert eval(lhs) == float(rhs.split()[0])  # noqa: S307 - our own generated "a op b"
 
 
+def test_math_words_max_operand_bounds_every_number_of_a_question():
+    from chatgen.tasks.math_words import records
+
+    problems = records(100, seed=5, min_steps=1, max_steps=2, max_operand=12)
+    numbers = [int(x) for r in problems for x in re.findall(r"\d+", r["prompt"])]
+    assert (
+        max(numbers) == 12
+        and max(
+            int(x)
+            for r in records(100, seed=5, min_steps=1, max_steps=2)
+            for x in re.findall(r"\d+", r["prompt"])
+        )
+        > 12
+    )
+
+
 def test_a_math_words_difficulty_no_problem_has_is_refused_naming_the_keys():
     from chatgen.tasks.math_words import records
 
     with pytest.raises(ValueError, match="no math_words problem takes 5 to 6 steps.*--min-steps"):
         records(4, seed=0, min_steps=5, max_steps=6)
+    with pytest.raises(ValueError, match="max_operand=1 \\(--max-operand\\): raise it"):
+        records(4, seed=0, min_steps=1, max_steps=1, max_operand=1)
 
 
 # ---- a remote reward: a real HTTP server on loopback -------------------------------------------------------
