@@ -60,26 +60,42 @@ def write_task_data(
     seed: int = 0,
     min_digits: int = 3,
     max_digits: int = 6,
-    max_operand: int = 20,
+    max_operand: int | None = None,
     sft_descending_fraction: float = 0.7,
+    min_steps: int = 2,
+    max_steps: int = 4,
 ) -> str:
     """Write a task's JSONL files into the directory `output`; returns a one-line summary.
 
     sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations, sft_descending_fraction of
     them sorted the other way) and preference_{train,eval}.jsonl (DPO pairs of the same prompts); arithmetic:
-    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records)."""
+    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records), problems
+    whose worked solution takes min_steps to max_steps steps and whose question's numbers are at most
+    max_operand (the difficulty). max_operand: the arithmetic task's default is 20, math_words' none."""
     if task not in TASKS:
         raise ValueError(f"task {task!r} is unknown; use one of {', '.join(TASKS)}")
     out = Path(output)
     if task == "math_words":
-        train, held_out = held_out_split(math_words.records, n_train, n_eval, seed)
+        train, held_out = held_out_split(
+            math_words.records,
+            n_train,
+            n_eval,
+            seed,
+            min_steps=min_steps,
+            max_steps=max_steps,
+            max_operand=max_operand,
+        )
         for name, rows in (("train", train), ("eval", held_out)):
             write_records(out / f"{name}.jsonl", rows)
             write_parquet(out / f"{name}.parquet", rows)
         return f"wrote {len(train)} train and {len(held_out)} eval math word problems to {out} (.parquet, .jsonl)"
     if task == "arithmetic":
         train, held_out = held_out_split(
-            arithmetic.records, n_train, n_eval, seed, max_operand=max_operand
+            arithmetic.records,
+            n_train,
+            n_eval,
+            seed,
+            max_operand=20 if max_operand is None else max_operand,
         )
         write_records(out / "train.jsonl", train)
         write_records(out / "eval.jsonl", held_out)

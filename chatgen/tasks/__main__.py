@@ -24,7 +24,16 @@ def main(argv=None) -> int:
     parser.add_argument("--min-digits", type=int, default=3, help="sort_digits: shortest list")
     parser.add_argument("--max-digits", type=int, default=6, help="sort_digits: longest list")
     parser.add_argument(
-        "--max-operand", type=int, default=20, help="arithmetic: largest number in a question"
+        "--max-operand",
+        type=int,
+        default=None,
+        help="arithmetic (default 20), math_words (default: no limit): largest number in a question",
+    )
+    parser.add_argument(
+        "--min-steps", type=int, default=2, help="math_words: fewest steps of a solution (1-4)"
+    )
+    parser.add_argument(
+        "--max-steps", type=int, default=4, help="math_words: most steps of a solution (1-4)"
     )
     parser.add_argument(
         "--sft-descending-fraction",

@@ -110,15 +110,88 @@ def _garden(rng):
     )
 
 
-PROBLEMS = (_pencils, _shop, _share, _trip, _garden)
+def _more(rng):
+    have, got = rng.randint(3, 30), rng.randint(2, 20)
+    name, thing = rng.choice(NAMES), rng.choice(["stickers", "marbles", "stamps", "shells"])
+    return (
+        f"{name} has {have} {thing}. {name} finds {got} more. How many {thing} does {name} have now?",
+        [f"{have} + {got} = {have + got}."],
+        have + got,
+    )
 
 
-def records(n: int, seed: int) -> list[dict]:
-    """`n` word problems from `seed`: {"prompt": question + INSTRUCTION, "answer": worked steps + "#### N"}."""
+def _eaten(rng):
+    had, ate = rng.randint(10, 40), rng.randint(2, 9)
+    return (
+        f"There are {had} apples in a basket. The children eat {ate} of them. How many apples are left?",
+        [f"{had} - {ate} = {had - ate}."],
+        had - ate,
+    )
+
+
+def _bags(rng):
+    bags, each = rng.randint(2, 9), rng.randint(2, 9)
+    return (
+        f"A farmer fills {bags} bags with {each} potatoes each. How many potatoes are in the bags?",
+        [f"{bags} * {each} = {bags * each}."],
+        bags * each,
+    )
+
+
+def _spent(rng):
+    start, spent, earned = rng.randint(20, 50), rng.randint(2, 15), rng.randint(2, 15)
+    name = rng.choice(NAMES)
+    return (
+        f"{name} has ${start}. {name} spends ${spent} on lunch and then earns ${earned} walking a dog. How "
+        f"many dollars does {name} have now?",
+        [
+            f"{start} - {spent} = {start - spent}.",
+            f"{start - spent} + {earned} = {start - spent + earned}.",
+        ],
+        start - spent + earned,
+    )
+
+
+NAMES = ["Mia", "Leo", "Ava", "Sam", "Noah", "Zoe"]
+# the steps of each problem's worked solution: `min_steps`/`max_steps` of `records` pick the difficulty
+PROBLEMS = {
+    _more: 1,
+    _eaten: 1,
+    _bags: 1,
+    _pencils: 2,
+    _share: 2,
+    _spent: 2,
+    _trip: 3,
+    _garden: 3,
+    _shop: 4,
+}
+
+
+def records(
+    n: int, seed: int, min_steps: int = 2, max_steps: int = 4, max_operand: int | None = None
+) -> list[dict]:
+    """`n` word problems from `seed`: {"prompt": question + INSTRUCTION, "answer": worked steps + "#### N"},
+    each of a problem kind whose solution takes `min_steps` to `max_steps` steps (PROBLEMS: 1 to 4) and, with
+    `max_operand`, whose question has no number above it (redrawn until so)."""
+    kinds = [make for make, steps in PROBLEMS.items() if min_steps <= steps <= max_steps]
+    if not kinds:
+        raise ValueError(
+            f"no math_words problem takes {min_steps} to {max_steps} steps (min_steps/max_steps, "
+            f"--min-steps/--max-steps); the kinds take {min(PROBLEMS.values())} to "
+            f"{max(PROBLEMS.values())}"
+        )
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        question, steps, result = rng.choice(PROBLEMS)(rng)
+        for _ in range(10_000):
+            question, steps, result = rng.choice(kinds)(rng)
+            if max_operand is None or max(map(int, re.findall(r"\d+", question))) <= max_operand:
+                break
+        else:
+            raise ValueError(
+                f"math_words: no problem of {min_steps}-{max_steps} steps keeps its numbers within "
+                f"max_operand={max_operand} (--max-operand): raise it"
+            )
         out.append(
             {"prompt": f"{question}\n{INSTRUCTION}", "answer": " ".join(steps) + f"\n#### {result}"}
         )

@@ -237,8 +237,13 @@ def recipe_env(recipe, tmp_path, sort_digits, smollm2) -> dict:
 
     if recipe in SMOLLM2:
         data = tmp_path / "data"
-        task = "math_words" if recipe == "grpo_smollm2_math" else "arithmetic"
-        tasks.write_task_data(str(data), task=task, n_train=32, n_eval=4)
+        if (
+            recipe == "grpo_smollm2_math"
+        ):  # its script's default level (MIN_STEPS, MAX_STEPS, MAX_OPERAND)
+            level = {"task": "math_words", "min_steps": 1, "max_steps": 2, "max_operand": 12}
+        else:
+            level = {"task": "arithmetic"}
+        tasks.write_task_data(str(data), n_train=32, n_eval=4, **level)
         return environment(POLICY_LOAD=smollm2, DATA_DIR=data)
     data, tiny = sort_digits
     # a copy: the multi-turn recipe writes a chat template into it

@@ -7,6 +7,7 @@ a reward model, a remote reward, math-verify, and the one check of every reward 
 import http.server
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -250,12 +251,16 @@ def test_math_verify_reads_latex_fractions_boxed_and_gsm8k_answers(completion, r
     ]
 
 
-def test_the_math_word_problems_are_multi_step_with_checkable_answers():
+@pytest.mark.parametrize("steps", [(2, 4), (1, 1), (1, 2), (3, 4)])
+def test_the_math_word_problems_take_the_asked_steps_with_checkable_answers(steps):
     from chatgen.tasks.math_words import math_verify_reward, records
 
-    problems = records(200, seed=3)
+    problems = records(200, seed=3, min_steps=steps[0], max_steps=steps[1])
     assert len({r["prompt"] for r in problems}) > 150
-    assert all(r["answer"].count("=") >= 2 and "\n#### " in r["answer"] for r in problems)
+    counts = {r["answer"].count("=") for r in problems}  # one "a op b = c." per step
+    assert counts == set(range(steps[0], steps[1] + 1)) and all(
+        "\n#### " in r["answer"] for r in problems
+    )
     final = [r["answer"].rpartition("#### ")[2] for r in problems]
     assert (
         math_verify_reward([f"#### {f}" for f in final], [r["answer"] for r in problems])
@@ -265,6 +270,31 @@ def test_the_math_word_problems_are_multi_step_with_checkable_answers():
         for step in r["answer"].split("\n")[0].split(". "):
             lhs, _, rhs = step.rstrip(".").partition(" = ")
             assert eval(lhs) == float(rhs.split()[0])  # noqa: S307 - our own generated "a op b"
+
+
+def test_math_words_max_operand_bounds_every_number_of_a_question():
+    from chatgen.tasks.math_words import records
+
+    problems = records(100, seed=5, min_steps=1, max_steps=2, max_operand=12)
+    numbers = [int(x) for r in problems for x in re.findall(r"\d+", r["prompt"])]
+    assert (
+        max(numbers) == 12
+        and max(
+            int(x)
+            for r in records(100, seed=5, min_steps=1, max_steps=2)
+            for x in re.findall(r"\d+", r["prompt"])
+        )
+        > 12
+    )
+
+
+def test_a_math_words_difficulty_no_problem_has_is_refused_naming_the_keys():
+    from chatgen.tasks.math_words import records
+
+    with pytest.raises(ValueError, match="no math_words problem takes 5 to 6 steps.*--min-steps"):
+        records(4, seed=0, min_steps=5, max_steps=6)
+    with pytest.raises(ValueError, match="max_operand=1 \\(--max-operand\\): raise it"):
+        records(4, seed=0, min_steps=1, max_steps=1, max_operand=1)
 
 
 # ---- a remote reward: a real HTTP server on loopback -------------------------------------------------------

@@ -136,3 +136,14 @@ def test_cli_writes_files(tmp_path):
     assert [r["prompt"] for r in sft] == [
         r["prompt"] for r in read_prompt_records(tmp_path / "train.jsonl")
     ]
+
+
+def test_cli_writes_math_words_of_the_asked_difficulty(tmp_path):
+    from chatgen.tasks.__main__ import main
+
+    argv = ["--task", "math_words", "--output", str(tmp_path), "--n-train", "40", "--n-eval", "8"]
+    assert main([*argv, "--min-steps", "1", "--max-steps", "1"]) == 0
+    for name in ("train", "eval"):
+        rows = read_prompt_records(tmp_path / f"{name}.jsonl")
+        assert len(rows) == {"train": 40, "eval": 8}[name]
+        assert all(r["answer"].count("=") == 1 for r in rows)  # one worked step each
