@@ -174,7 +174,7 @@ def test_async_k2_bounds_staleness_and_learns(warm_model, tmp_path, monkeypatch)
     monkeypatch.chdir(REPO)
     seen = record_trained_versions(monkeypatch)
     out = tmp_path / "async2"
-    episodes = 10  # ~1 s each at load 10
+    episodes = 14  # ~1 s each at load 10; after 10 the rise was +0.28 once in 5 (quiet, 2026-11-27)
     cfg = config(
         model,
         task,

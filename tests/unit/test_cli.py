@@ -480,7 +480,7 @@ def test_heap_bound_hands_freed_heap_pages_back_in_a_real_process():
         "bound = HeapBound(slack=16 << 20)\n"
         "bound.check()\n"
         "keep = [bytearray(64 << 10) for _ in range(3000)]\n"  # ~190 MiB of heap chunks, touched
-        "del keep[::2], keep[: len(keep) - 1]\n"  # all freed but the heap's last chunk: no top trim
+        "del keep[::2]\n"  # every other one freed: holes between live chunks, which free() cannot give back
         "before = resident_bytes()\n"
         "trimmed = bound.check()\n"
         "print(trimmed, (before - resident_bytes()) >> 20)\n"
@@ -488,4 +488,4 @@ def test_heap_bound_hands_freed_heap_pages_back_in_a_real_process():
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split()
-    assert out[0] == "True" and int(out[1]) > 100, out
+    assert out[0] == "True" and int(out[1]) > 50, out
