@@ -154,14 +154,16 @@ SMOLLM2_SMALL = [
     "policy.max_new_tokens=8",
     "runtime.eval_episode_interval=null",
 ]
+# the tiny GRPO-family recipes' one small episode
+TINY_SMALL = [
+    "runtime.sample_per_episode=16",
+    "policy.n=4",
+    "runtime.train_micro_batch_size=8",
+    "runtime.train_global_batch_size=16",
+    "runtime.generation_batch_size=16",
+]
 SMALL = {
-    "grpo_tiny_lora": [
-        "runtime.sample_per_episode=16",
-        "policy.n=4",
-        "runtime.train_micro_batch_size=8",
-        "runtime.train_global_batch_size=16",
-        "runtime.generation_batch_size=16",
-    ],
+    "grpo_tiny_lora": TINY_SMALL,
     "online_dpo_tiny": [
         "runtime.sample_per_episode=32",
         "policy.n=4",
@@ -179,35 +181,12 @@ SMALL = {
         "runtime.train_micro_batch_size=8",
         "runtime.train_global_batch_size=8",
     ],
-    "grpo_smollm2": [
-        "runtime.sample_per_episode=8",
-        "policy.n=4",
-        "runtime.train_micro_batch_size=4",
-        "runtime.train_global_batch_size=8",
-        "runtime.generation_batch_size=8",
-        "policy.max_new_tokens=8",
-    ],
+    # grpo_smollm2 keeps its one held-out evaluation
+    "grpo_smollm2": [o for o in SMOLLM2_SMALL if not o.startswith("runtime.eval_episode_interval")],
     "grpo_smollm2_lora": SMOLLM2_SMALL,
     "grpo_smollm2_math": SMOLLM2_SMALL,
-    **{
-        f"{name}_tiny": [
-            "runtime.sample_per_episode=16",
-            "policy.n=4",
-            "runtime.train_micro_batch_size=8",
-            "runtime.train_global_batch_size=16",
-            "runtime.generation_batch_size=16",
-        ]
-        for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")
-    },
-    "dapo_smollm2": [
-        "runtime.sample_per_episode=8",
-        "policy.n=4",
-        "runtime.train_micro_batch_size=4",
-        "runtime.train_global_batch_size=8",
-        "runtime.generation_batch_size=8",
-        "policy.max_new_tokens=8",
-        "runtime.eval_episode_interval=null",
-    ],
+    **{f"{name}_tiny": TINY_SMALL for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")},
+    "dapo_smollm2": SMOLLM2_SMALL,
     "grpo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
     "ppo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
 }
