@@ -131,9 +131,10 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     if use_reference:
         with timer("reference"):
             data["ref_logprobs"] = (  # (S, L-1)
-                run.forward_tokens("reference", data)
+                run.forward_tokens("reference", data, scored_only=True)
                 if "reference" in cfg.models
-                else run.forward_tokens("policy_trainer", data, base=True)  # LoRA: adapters off
+                # LoRA: adapters off
+                else run.forward_tokens("policy_trainer", data, base=True, scored_only=True)
             )
     if algo.old_logprobs == "rollout":
         # the sampling weights' log-probs, as the engine computed them
@@ -141,7 +142,7 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     else:
         with timer("old_logprobs"):
             # the weights the engine sampled with
-            data["old_logprobs"] = run.forward_tokens("policy_trainer", data)
+            data["old_logprobs"] = run.forward_tokens("policy_trainer", data, scored_only=True)
     recipe_metrics.update(rollout_correction(algo, data, batch.infer_logprobs))
     shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
     if shaped is not rewards:

@@ -297,10 +297,19 @@ class Run:
 
     # ---- Megatron models (split over their DP ranks: ModelHandle.split_call) -------------------------
 
-    def forward_tokens(self, name: str, data: dict, base: bool = False) -> torch.Tensor:
+    def forward_tokens(
+        self, name: str, data: dict, base: bool = False, scored_only: bool = False
+    ) -> torch.Tensor:
         """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a reference, values
-        for a critic. data: input_ids (S, L), attention_mask (S, L). base: of a LoRA trainer's base (adapters off)."""
-        data = {"input_ids": data["input_ids"], "attention_mask": data["attention_mask"]}
+        for a critic. data: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1). base: of a LoRA
+        trainer's base (adapters off). scored_only: only the entries loss_mask marks (0 elsewhere), each prompt
+        run once for its samples (MegatronModule.forward_tokens): for log-probs that only masked sums read."""
+        keys = (
+            ("input_ids", "attention_mask", "loss_mask")
+            if scored_only
+            else ("input_ids", "attention_mask")
+        )
+        data = {k: data[k] for k in keys}
         method = "base_forward_tokens" if base else "forward_tokens"
         return torch.cat(self.runtime[name].split_call(method, data))
 

@@ -143,8 +143,9 @@ class MegatronConfig:
     )
     pack_shared_prefix: bool = opt(
         True,
-        "train_step runs each prompt a group's samples share once (one packed row per group; same loss and "
-        "gradients); false = one row per sample",
+        "train_step (and forward_tokens given a loss_mask) runs each prompt a group's samples share once, "
+        "groups sharing packed rows no wider than the longest (same loss and gradients); false = one row per "
+        "sample",
     )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")

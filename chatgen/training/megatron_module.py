@@ -364,7 +364,9 @@ class MegatronModule(
         a reference for (old / reference log-probs; a critic's values, see `token_outputs`).
 
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding, optional
-        "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay)}.
+        "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay), optional
+        "loss_mask": (B, T-1) the entries the caller reads: only those are computed (0 elsewhere) and rows that
+        share their unscored prefix run it once, as in train_step (shared-prefix packing)}.
         Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
         log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
@@ -373,7 +375,7 @@ class MegatronModule(
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         batch = {
             k: data[k]
-            for k in ("input_ids", "attention_mask", "routed_experts")
+            for k in ("input_ids", "attention_mask", "routed_experts", "loss_mask")
             if data.get(k) is not None
         }
         return self.run_schedule(split_batch(batch, mbs), loss_fn=None, forward_only=True)

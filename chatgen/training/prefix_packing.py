@@ -7,6 +7,9 @@ once, then every sample's own tokens, each segment attending to the prompt and c
 positions (RoPE) it had in its own row. Logits are computed only where a loss reads them. Loss and gradients are
 those of the unpacked batch up to float summation order (tests/integration/test_megatron_module.py). For 8
 samples of a 50-token prompt with 16-token answers, a row of 178 tokens replaces 8 of 66: 2.97x fewer tokens.
+Groups then share rows (first-fit decreasing, no row longer than the longest group): one group of long answers
+no longer widens every other group's row to its length. In bench_async's long tail (one prompt in 8 answered
+at 112 tokens, n = 4) 2 rows of 463 tokens replace 8.
 
     plan = pack_shared_prefix(input_ids, attention_mask, loss_mask)   # None: nothing to share / cannot pack
     model(plan.input_ids, plan.position_ids, plan.attention_mask)      # output layer sees plan.logit_positions
@@ -29,9 +32,12 @@ class PackedBatch:
 
     input_ids: torch.Tensor  # (P, S) long; padding 0
     position_ids: torch.Tensor  # (P, S) each token's position in its own unpacked row
-    # (P, S) 0 = the shared prefix, i = the i-th row's own tokens, -1 = padding
+    # (P, S) the segment of each token: a group's shared prefix or one row's own tokens (ids unique in their
+    # packed row); -1 = padding
     segments: torch.Tensor
-    # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments)`
+    # (P, S) the segment of the shared prefix each token reads besides its own (a prefix token: its own)
+    prefixes: torch.Tensor
+    # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments, prefixes)`
     attention_mask: torch.Tensor
     # (P, K + 1) packed positions whose logits are needed; the last column a dummy
     logit_positions: torch.Tensor
@@ -61,12 +67,13 @@ class PackedBatch:
             return out
 
         k1 = self.logit_positions.shape[1]
-        segments = pad(self.segments, length, -1)
+        segments, prefixes = pad(self.segments, length, -1), pad(self.prefixes, length, -1)
         return PackedBatch(
             pad(self.input_ids, length),
             pad(self.position_ids, length),
             segments,
-            _mask(segments),
+            prefixes,
+            _mask(segments, prefixes),
             pad(self.logit_positions, k1),
             pad(self.labels, k1),
             self.index,
@@ -76,16 +83,31 @@ class PackedBatch:
         )
 
 
-def _mask(segments: torch.Tensor) -> torch.Tensor:
-    """(P, S) segments -> (P, 1, S, S) megatron mask: query i may read key j <= i of the prompt (segment 0) or of
-    its own segment; a padding query (-1) reads itself only (a row of nothing would softmax to NaN)."""
+def _mask(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
+    """(P, S) segments and prefixes -> (P, 1, S, S) megatron mask: query i may read key j <= i of its own
+    segment or of its group's prefix; a padding query (-1) reads itself only (a row of nothing would softmax to
+    NaN)."""
     s = segments.shape[1]
     seg_q, seg_k = segments.unsqueeze(2), segments.unsqueeze(1)
     eye = torch.eye(s, dtype=torch.bool, device=segments.device)
     allowed = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril() & (
-        (seg_k == 0) | (seg_k == seg_q)
+        (seg_k == prefixes.unsqueeze(2)) | (seg_k == seg_q)
     )
     return ~torch.where(seg_q < 0, eye, allowed).unsqueeze(1)
+
+
+def _first_fit_decreasing(lengths: list) -> list:
+    """Bins of item indices, longest item first, each into the first bin it fits, no bin over the longest
+    item: fewer rows, none wider than before."""
+    capacity, bins, room = max(lengths), [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        j = next((j for j, free in enumerate(room) if lengths[i] <= free), len(bins))
+        if j == len(bins):
+            bins.append([])
+            room.append(capacity)
+        bins[j].append(i)
+        room[j] -= lengths[i]
+    return bins
 
 
 def pack_shared_prefix(
@@ -114,32 +136,40 @@ def pack_shared_prefix(
     if len(groups) == b:
         return None
 
-    packed = []  # per packed row: (tokens, positions, segments, logit positions, labels)
+    groups = list(groups.items())
+    sizes = [
+        len(prefix) + sum(lengths[r] - len(prefix) for r in members) for prefix, members in groups
+    ]
+    packed = []  # per packed row: (tokens, positions, segments, prefixes, logit positions, labels)
     rows, entries, packed_rows, outputs_k = [], [], [], []
-    for j, (prefix, members) in enumerate(groups.items()):
-        f = len(prefix) - 1
-        row_ids, row_pos, row_seg, row_at, row_labels = (
-            list(prefix),
-            list(range(f + 1)),
-            [0] * (f + 1),
-            [],
-            [],
-        )
-        for i, r in enumerate(members, start=1):
-            start, n = len(row_ids), lengths[r]
-            row_ids += tokens[r][f + 1 : n]
-            row_pos += range(f + 1, n)
-            row_seg += [i] * (n - f - 1)
-            # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else its own
-            row_at += [f] + list(range(start, start + n - f - 2))
-            row_labels += tokens[r][f + 1 : n]
-            rows += [r] * (n - f - 1)
-            entries += range(f, n - 1)
-            packed_rows += [j] * (n - f - 1)
-            outputs_k += range(len(row_at) - (n - f - 1), len(row_at))
-        packed.append((row_ids, row_pos, row_seg, row_at, row_labels))
+    for j, in_row in enumerate(_first_fit_decreasing(sizes)):
+        row_ids, row_pos, row_seg, row_prefix, row_at, row_labels = [], [], [], [], [], []
+        segment = 0
+        for prefix, members in (groups[g] for g in in_row):
+            f, own = len(prefix) - 1, segment
+            row_ids += prefix
+            row_pos += range(f + 1)
+            row_seg += [own] * (f + 1)
+            row_prefix += [own] * (f + 1)
+            at_prefix_end = len(row_ids) - 1
+            for r in members:
+                segment += 1
+                start, n = len(row_ids), lengths[r]
+                row_ids += tokens[r][f + 1 : n]
+                row_pos += range(f + 1, n)
+                row_seg += [segment] * (n - f - 1)
+                row_prefix += [own] * (n - f - 1)
+                # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else its own
+                row_at += [at_prefix_end] + list(range(start, start + n - f - 2))
+                row_labels += tokens[r][f + 1 : n]
+                rows += [r] * (n - f - 1)
+                entries += range(f, n - 1)
+                packed_rows += [j] * (n - f - 1)
+                outputs_k += range(len(row_at) - (n - f - 1), len(row_at))
+            segment += 1
+        packed.append((row_ids, row_pos, row_seg, row_prefix, row_at, row_labels))
 
-    p, s, k = len(packed), max(len(row[0]) for row in packed), max(len(row[3]) for row in packed)
+    p, s, k = len(packed), max(len(row[0]) for row in packed), max(len(row[4]) for row in packed)
     device = input_ids.device
 
     def stack(i, width, fill, shift=0):  # field i of every packed row, right-padded with `fill`
@@ -148,14 +178,15 @@ def pack_shared_prefix(
             out[j, shift : shift + len(row[i])] = torch.tensor(row[i], dtype=torch.long)
         return out.to(device)
 
-    segments = stack(2, s, -1)
+    segments, prefixes = stack(2, s, -1), stack(3, s, -1)
     return PackedBatch(
         input_ids=stack(0, s, 0),
         position_ids=stack(1, s, 0),
         segments=segments,
-        attention_mask=_mask(segments),
-        logit_positions=stack(3, k + 1, 0),
-        labels=stack(4, k + 1, 0, shift=1),
+        prefixes=prefixes,
+        attention_mask=_mask(segments, prefixes),
+        logit_positions=stack(4, k + 1, 0),
+        labels=stack(5, k + 1, 0, shift=1),
         index=tuple(
             torch.tensor(x, dtype=torch.long, device=device)
             for x in (rows, entries, packed_rows, outputs_k)

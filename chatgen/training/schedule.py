@@ -37,9 +37,11 @@ class Schedule:
             for mb in micro_batches
         ]
         b, t = micro_batches[0]["input_ids"].shape
+        width = t  # of the (B, T-1) outputs
+        # forward only: packed when a loss mask says which outputs are read (forward_tokens)
         plans = (
             self._pack(micro_batches)
-            if self._packs and not forward_only
+            if self._packs and (not forward_only or "loss_mask" in micro_batches[0])
             else [None] * len(micro_batches)
         )
         # the pipeline schedule exchanges (T, b, H) activations of the packed shape
@@ -124,7 +126,7 @@ class Schedule:
                 if self.is_last_stage
                 else torch.empty(
                     sum(mb["input_ids"].shape[0] for mb in micro_batches),
-                    t - 1,
+                    width - 1,
                     dtype=torch.float32,
                     device=device,
                 )

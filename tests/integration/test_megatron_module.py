@@ -113,9 +113,10 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     assert first_scored_position(loss_mask) == 6 and first_scored_position(torch.zeros(2, 15)) == 0
 
 
-def grouped_batch(vocab=500, groups=2, n=3, seed=0):
+def grouped_batch(vocab=500, groups=2, n=3, seed=0, long=1):
     """GRPO-shaped rows (RolloutBatch.from_samples): `groups` prompts of different lengths, each followed by n
-    responses of different lengths, right-padded; the loss mask marks the responses."""
+    responses of different lengths (the first group's `long` times longer: a long tail), right-padded; the loss
+    mask marks the responses."""
     from chatgen.core.rollout import RolloutBatch, Sample
 
     gen = torch.Generator().manual_seed(seed)
@@ -123,7 +124,8 @@ def grouped_batch(vocab=500, groups=2, n=3, seed=0):
     for g in range(groups):
         prompt = torch.randint(0, vocab, (5 + g,), generator=gen).tolist()
         for i in range(n):
-            response = torch.randint(0, vocab, (2 + i,), generator=gen).tolist()
+            length = (2 + i) * (long if g == 0 else 1)
+            response = torch.randint(0, vocab, (length,), generator=gen).tolist()
             samples.append(
                 Sample(
                     prompt_ids=prompt,
@@ -172,6 +174,45 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     # 2 prompts, 2 rows
     assert full_shapes == [(6, data["input_ids"].shape[1])] and packed_shapes[0][0] == 2
     assert packed_shapes[0][0] * packed_shapes[0][1] < 6 * data["input_ids"].shape[1]
+
+
+def test_long_tail_groups_share_packed_rows_in_training_and_in_forward_tokens(models):
+    """One prompt's answers 7x longer than three others': the short groups share one packed row instead of each
+    padding to the long group's width, in train_step and in forward_tokens given a loss_mask (old / reference
+    log-probs); log-probs, loss and gradients equal one row per sample's."""
+    data = grouped_batch(groups=4, n=2, long=7)
+    trainer = build(models["llama"], lr=1e-12, clip_grad=0.0)
+    rows_seen = []
+    trainer.model.embedding.register_forward_pre_hook(
+        lambda _m, args, kwargs: rows_seen.append(tuple(kwargs["input_ids"].shape)),
+        with_kwargs=True,
+    )
+    mask = data["loss_mask"]
+    full_lp = trainer.forward_tokens({k: data[k] for k in ("input_ids", "attention_mask")})
+    assert rows_seen.pop() == tuple(data["input_ids"].shape)
+    scored_lp = trainer.forward_tokens(data)
+    rows, width = rows_seen.pop()
+    long_group = (
+        5 + 14 + 21
+    )  # its prompt and two answers of (2 + i) * 7 tokens; the others 11, 12, 13
+    assert (rows, width) == (2, long_group)  # 4 groups in 2 rows, none wider than the longest group
+    assert ((scored_lp - full_lp) * mask).abs().max() < 1e-5
+    assert (scored_lp * (1 - mask)).abs().max() == 0
+
+    def step(packs):
+        trainer._packs = packs
+        rows_seen.clear()
+        metrics = trainer.train_step(data, masked_nll)
+        return metrics, main_grads(trainer), list(rows_seen)
+
+    full, full_grads, full_shapes = step(False)
+    packed, packed_grads, packed_shapes = step(True)
+    assert packed_shapes == [(2, long_group)] and full_shapes == [tuple(data["input_ids"].shape)]
+    assert packed["loss"] == pytest.approx(full["loss"], rel=1e-6)
+    rel = max(
+        ((a - b).abs().max() / b.abs().max()).item() for a, b in zip(full_grads, packed_grads)
+    )
+    assert rel < 1e-5, rel
 
 
 @pytest.mark.faults

@@ -87,8 +87,9 @@ def test_padding_positions_attend_only_to_themselves_and_are_never_read():
     assert padded.input_ids.shape == (3, plan.input_ids.shape[1] + 2)
     s = plan.input_ids.shape[1]
     assert torch.equal(padded.attention_mask[:2, :, :s, :s], plan.attention_mask)
-    row0_len = 2 + 2 + 1  # the shorter packed row: its tail is padding
-    for row, start in ((0, row0_len), (2, 0)):
+    short = int((plan.segments >= 0).sum(1).argmin())  # the shorter packed row: its tail is padding
+    assert int((plan.segments[short] >= 0).sum()) == 2 + 2 + 1
+    for row, start in ((short, 2 + 2 + 1), (2, 0)):
         for q in range(start, padded.input_ids.shape[1]):
             assert (~padded.attention_mask[row, 0, q]).nonzero()[:, 0].tolist() == [q]
     check_equivalent(padded, ids, keep, loss_mask)
@@ -112,3 +113,38 @@ def test_batches_that_cannot_or_need_not_pack_return_none():
     short = keep.clone()
     short[0, 3] = 0
     assert pack_shared_prefix(ids, short, past_end) is None  # scores a padding token
+
+
+def test_groups_share_rows_no_wider_than_the_longest_group():
+    # one prompt's answers are long (the long tail), three prompts' short: the short groups share one row
+    # instead of each padding to the long group's width, and no output sees another group's tokens
+    long_prompt, short_prompts = [1, 2, 3], [[4, 5], [6, 7, 8], [9, 10]]
+    rows = [long_prompt + list(range(20, 30)), long_prompt + list(range(30, 39))]
+    prompt_lens = [3, 3]
+    for k, prompt in enumerate(short_prompts):
+        rows += [prompt + [40 + k], prompt + [50 + k, 51 + k]]
+        prompt_lens += [len(prompt)] * 2
+    ids, keep, loss_mask = right_padded(rows, prompt_lens)
+    plan = pack_shared_prefix(ids, keep, loss_mask)
+    long_group = 3 + 10 + 9
+    assert plan.input_ids.shape == (
+        2,
+        long_group,
+    )  # 4 groups in 2 rows, none wider than the longest
+    assert plan.tokens_after == long_group + sum(len(p) + 3 for p in short_prompts)
+    check_equivalent(plan, ids, keep, loss_mask)
+    # a group's prefix is read only by its own samples
+    short_row = (
+        1 if int(plan.input_ids[0, 0]) == long_prompt[0] else 0
+    )  # the row of the 3 short groups
+    assert sorted(set(plan.prefixes[short_row].tolist()) - {-1}) == [
+        0,
+        3,
+        6,
+    ]  # each group's prefix segment
+    visible = ~plan.attention_mask[short_row, 0]
+    prefixes = plan.prefixes[short_row]
+    for q in range(plan.input_ids.shape[1]):
+        if plan.segments[short_row, q] >= 0:
+            readable = {int(plan.segments[short_row, j]) for j in visible[q].nonzero()[:, 0]}
+            assert readable <= {int(plan.segments[short_row, q]), int(prefixes[q])}

@@ -130,11 +130,11 @@ def train(cfg, resume=False, log=print) -> dict:
                 old = batch.infer_logprobs
             else:
                 with timer("old_logprobs"):
-                    old = run.forward_tokens("policy_trainer", inputs)  # (S, L-1)
+                    old = run.forward_tokens("policy_trainer", inputs, scored_only=True)  # (S, L-1)
             ref = old
             if "reference" in cfg.models:
                 with timer("reference"):
-                    ref = run.forward_tokens("reference", inputs)
+                    ref = run.forward_tokens("reference", inputs, scored_only=True)
             with timer("values"):
                 # (S, L-1): V before each token
                 old_values = run.forward_tokens("value_trainer", inputs)
