@@ -300,6 +300,46 @@ def quick_warm_start(model_dir, sft_records, out, steps=20):
     return out
 
 
+def shipped_warm_start(model_dir) -> Path:
+    """examples/sft_warm_start.py as examples/prepare_tiny.sh runs it for the shipped GRPO job (300 steps of
+    64 on the sort-digits task's sft.jsonl: it sorts, mostly the wrong way), of `model_dir`; made once per
+    machine (~30 s on 2 cores) and cached beside the tiny models, keyed by the model and the script."""
+    import hashlib
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from chatgen import tasks
+
+    cache = Path(model_dir).parent
+    key = hashlib.sha256(Path(model_dir).name.encode())
+    for source in (REPO / "examples" / "sft_warm_start.py", Path(tasks.__file__)):
+        key.update(source.read_bytes())
+    out = cache / f"{Path(model_dir).name}-sft-{key.hexdigest()[:12]}"
+    if (out / "chatgen_sft.json").exists():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache, prefix=".sft-") as tmp:
+        tasks.write_task_data(str(Path(tmp) / "data"))
+        subprocess.run(
+            [sys.executable, str(REPO / "examples" / "sft_warm_start.py"), "--load", str(model_dir)]
+            + ["--data", f"{tmp}/data/sft.jsonl", "--output", f"{tmp}/model", "--steps", "300"],
+            check=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            },
+        )
+        try:
+            os.rename(f"{tmp}/model", out)  # atomic: a directory is there whole or not at all
+        except OSError:  # another test process won the race: its directory is complete
+            if not (out / "chatgen_sft.json").exists():
+                raise
+            shutil.rmtree(f"{tmp}/model", ignore_errors=True)
+    return out
+
+
 def wait_until_serving(proc, client, seconds: float) -> None:
     """Poll `chatgen serve` (subprocess `proc`, its stderr piped) through an openai `client` until it lists its
     models; fail with the server's stderr if it exits, or after `seconds`."""

@@ -5,11 +5,13 @@ megatron-core and the tiny Llama.
 
 - max_staleness: 0 is the synchronous loop bit for bit: the same metrics and the same trained weights as a
   run without the key.
-- max_staleness: 2 with handover_step: 4 on a warm-started model: every trained token is at most 2 versions
-  older than the trainer's weights, read from the per-token weight versions the engine stamped (not from a
-  counter); at least 10% of the trained samples span two versions (the batches ahead of the trainer wait
-  for the next weights after 4 engine steps: partial rollouts by construction, on a quiet machine too);
-  the held-out reward rises.
+- max_staleness: 2 with handover_step: 4 on the shipped job's warm start and episode shape (32 prompts x 8
+  samples): every trained token is at most 2 versions older than the trainer's weights, read from the
+  per-token weight versions the engine stamped (not from a counter); at least 10% of the trained samples
+  span two versions (the batches ahead of the trainer wait for the next weights after 4 engine steps:
+  partial rollouts by construction, on a quiet machine too); the held-out reward (32 prompts) rises by
+  more than 0.3 (the learning rate decays over the run, so that the last evaluation is not one of a
+  constant rate's swings).
 - Checkpoint and resume: no batch is in flight at a checkpoint, so each checkpoint's data position is its own
   episode's, and a resumed async run continues from there as a synchronous resume does.
 - A replica (Ray actor) killed while two batches generate: reported within seconds, checkpoint 2 intact,
@@ -110,19 +112,15 @@ def test_max_staleness_zero_is_the_synchronous_loop(
 
 @pytest.fixture(scope="module")
 def warm_model(tiny_llama_dir, tmp_path_factory):
-    """The tiny Llama after a few SFT steps: it writes digits, so rewards vary and GRPO can improve them."""
-    from helpers import quick_warm_start
+    """The shipped GRPO job's warm start (examples/sft_warm_start.py, 300 steps; cached per machine): it
+    sorts, mostly the wrong way, so rewards vary and GRPO can improve them; and the task's data."""
+    from helpers import shipped_warm_start
 
     from chatgen import tasks
-    from chatgen.core.jsonl import read_prompt_records
 
-    out = tmp_path_factory.mktemp("warm")
-    tasks.write_task_data(str(out / "sft"), n_train=64, n_eval=8)
-    tasks.write_task_data(str(out / "task"), n_train=8, n_eval=8)
-    model = quick_warm_start(
-        tiny_llama_dir, read_prompt_records(out / "sft" / "sft.jsonl"), out / "model", steps=100
-    )
-    return model, out / "task"
+    out = tmp_path_factory.mktemp("task")
+    tasks.write_task_data(str(out), n_train=256, n_eval=32, seed=1)
+    return shipped_warm_start(tiny_llama_dir), out
 
 
 def record_trained_versions(monkeypatch) -> list:
@@ -143,7 +141,7 @@ def record_trained_versions(monkeypatch) -> list:
 def async_overrides(task_dir, **extra):
     return {
         "runtime.data_path": f"{task_dir}/train.jsonl",
-        "runtime.eval_data_path": f"{task_dir}/train.jsonl",  # it learns the prompts it trains on
+        "runtime.eval_data_path": f"{task_dir}/eval.jsonl",  # 32 held-out prompts
         "runtime.algorithm.max_staleness": 2,
         "runtime.algorithm.old_logprobs": "recompute",
         "runtime.algorithm.importance_sampling_cap": 2.0,  # decoupled PPO
@@ -177,7 +175,7 @@ def test_async_k2_bounds_staleness_and_learns(warm_model, tmp_path, monkeypatch)
     monkeypatch.chdir(REPO)
     seen = record_trained_versions(monkeypatch)
     out = tmp_path / "async2"
-    episodes = 16  # ~0.2 s each on the tiny model
+    episodes = 20  # ~1 s each at load 10
     cfg = config(
         model,
         task,
@@ -185,6 +183,16 @@ def test_async_k2_bounds_staleness_and_learns(warm_model, tmp_path, monkeypatch)
         **async_overrides(
             task,
             **{
+                # the shipped job's episode (configs/grpo_tiny.yaml): 32 prompts x 8 samples, two
+                # optimizer steps of 128, one weight version
+                "runtime.sample_per_episode": 256,
+                "runtime.train_micro_batch_size": 128,
+                "runtime.train_global_batch_size": 128,
+                "policy.n": 8,
+                # cosine decay over the run's 2 x 20 steps: at a constant 5e-4 the held-out reward swung
+                # between 0.59 and 0.85 from one evaluation to the next after its first rise (3 runs)
+                "policy_trainer.lr_decay_iters": 2 * episodes,
+                "policy_trainer.min_lr": 2e-5,
                 "runtime.num_episode": episodes,
                 "runtime.eval_episode_interval": episodes,
                 "runtime.save_episode_interval": episodes,
@@ -200,8 +208,10 @@ def test_async_k2_bounds_staleness_and_learns(warm_model, tmp_path, monkeypatch)
     # partial rollouts by construction (without handover_step: 4 of 512 on a quiet machine)
     assert spanning >= 0.1 * total, (spanning, total)
     assert max(metrics[e]["async/staleness_max"] for e in range(1, episodes + 1)) >= 1
-    # it learns (0.04 -> 0.28 in one run, 2026-11-27; at lr 1e-3 staleness 2 drifted to over-long answers)
-    assert metrics[episodes]["eval/reward"] > metrics[0]["eval/reward"] + 0.05
+    # it learns, as the issue asks: 0.416 -> 0.885-0.942 in 5 runs of 20 episodes (+0.47 to +0.53, load 7-8,
+    # 2026-11-27); 14 episodes were not enough: +0.31 to +0.37 with the decay, and at a constant rate +0.28
+    # and +0.30 in two suite runs
+    assert metrics[episodes]["eval/reward"] > metrics[0]["eval/reward"] + 0.3
 
 
 def test_async_resume_continues_from_its_checkpoint(
