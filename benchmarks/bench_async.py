@@ -1,18 +1,21 @@
 # .venv/bin/python benchmarks/bench_async.py --output outputs/bench_async.json
 """Synchronous vs one-step overlap vs asynchronous GRPO (k = 2, with and without a handover), alternating.
 
-The async modes: max_staleness: 2 (async2), and the same with handover_step: 4 (async2_handover).
+The async modes: max_staleness: 2 (async2), the same with handover_step: 4 (async2_handover), and with
+AReaL's decoupled correction (async2_decoupled: old_logprobs: recompute, importance_sampling_cap 2.0).
 
-Each case runs the four modes in turn, --runs rounds of them (so machine noise hits all alike), on the tiny
+Each case runs the five modes in turn, --runs rounds of them (so machine noise hits all alike), on the tiny
 sort-digits task with the shipped job's warm start of the tiny Llama (examples/sft_warm_start.py,
 --warm-steps; or --model):
 - `tiny`: configs/grpo_tiny.yaml's policy (up to 16 new tokens, stop at EOS).
 - `longtail`: one prompt in 8 asks to sort 8-10 digits instead of 3-6, and its samples generate to the
   --long-tokens limit (112; `LongTailPolicy`: min_tokens for them; the others stop at EOS near 10 tokens,
   so ~10x shorter): the straggler case, where partial rollouts pay most.
-Every mode: one optimizer step per episode, old_logprobs: recompute with importance_sampling_cap 2.0
-(the same loss for all three; the async run's correction is then decoupled PPO), held-out evaluation every
---eval-every episodes on the training prompts.
+Every mode: one optimizer step per episode, the shipped job's loss (old_logprobs: rollout: PPO's ratio and
+clip against the engine's log-probs of the sampling weights, so an off-policy sample's ratio starts away
+from 1 and is clipped), but async2_decoupled (the trainer's pass before the update as the proximal policy, the
+behaviour -> proximal weight capped at 2); held-out evaluation every --eval-every episodes on the training
+prompts.
 
 Disaggregated (the default): one process (runtime.launcher: local), but the engine thread runs on one core
 and the trainer (the main thread) on another (--cores GEN,TRAIN; os.sched_setaffinity per thread), each
@@ -57,6 +60,13 @@ MODES = {
     "async2": {"runtime.algorithm.max_staleness": 2},
     # the batches ahead wait for the next weights after 4 engine steps (docs/async_rl.md)
     "async2_handover": {"runtime.algorithm.max_staleness": 2, "runtime.algorithm.handover_step": 4},
+    # AReaL's decoupled PPO: at lr 5e-4 on 32 samples per step it learned about half as much per step as
+    # the plain clip (docs/async_rl.md)
+    "async2_decoupled": {
+        "runtime.algorithm.max_staleness": 2,
+        "runtime.algorithm.old_logprobs": "recompute",
+        "runtime.algorithm.importance_sampling_cap": 2.0,
+    },
 }
 
 
@@ -241,8 +251,6 @@ def one_run(model: Path, data: Path, out: Path, episodes: int, extra: dict, args
         "runtime.train_global_batch_size": samples,
         "runtime.eval_episode_interval": args.eval_every,
         "runtime.save_episode_interval": "null",
-        "runtime.algorithm.old_logprobs": "recompute",
-        "runtime.algorithm.importance_sampling_cap": 2.0,
         "policy.load": model,
         "policy.n": 4,
         "policy_trainer.load": model,
@@ -312,7 +320,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     parser.add_argument("--output", required=True, help="JSON file to write")
     parser.add_argument("--model", help="a warm-started HF model (default: made here)")
-    parser.add_argument("--runs", type=int, default=2, help="rounds of the three modes, per case")
+    parser.add_argument("--runs", type=int, default=2, help="rounds of the modes, per case")
     parser.add_argument("--episodes", type=int, default=10)
     parser.add_argument("--eval-every", type=int, default=2)
     parser.add_argument("--prompts", type=int, default=8, help="prompts per episode (x4 samples)")
