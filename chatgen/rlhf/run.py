@@ -302,8 +302,9 @@ class Run:
     ) -> torch.Tensor:
         """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a reference, values
         for a critic. data: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1). base: of a LoRA
-        trainer's base (adapters off). scored_only: only the entries loss_mask marks (0 elsewhere), each prompt
-        run once for its samples (MegatronModule.forward_tokens): for log-probs that only masked sums read."""
+        trainer's base (adapters off). scored_only: the entries loss_mask marks, each prompt run once for its
+        samples (MegatronModule.forward_tokens; an entry outside the mask may be 0): for log-probs that only
+        masked sums read."""
         keys = (
             ("input_ids", "attention_mask", "loss_mask")
             if scored_only

@@ -365,8 +365,9 @@ class MegatronModule(
 
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding, optional
         "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay), optional
-        "loss_mask": (B, T-1) the entries the caller reads: only those are computed (0 elsewhere) and rows that
-        share their unscored prefix run it once, as in train_step (shared-prefix packing)}.
+        "loss_mask": (B, T-1) the entries the caller reads: rows that share their unscored prefix run it once and
+        only those entries are computed, as in train_step (shared-prefix packing; an entry outside the mask is
+        then 0, or computed where a micro-batch cannot pack)}.
         Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
         log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
