@@ -141,53 +141,71 @@ class RolloutBatch:
 
     @classmethod
     def from_samples(cls, samples: list, pad_token_id: int) -> "RolloutBatch":
-        """Right-pad samples into a batch (see `Sample`)."""
+        """Right-pad samples into a batch (see `Sample`). Each field is filled by one scatter of all samples'
+        values (a per-sample copy costs ~30 us a sample: 8 ms of a 256-sample episode on the tiny task)."""
         if not samples:
             raise ValueError("RolloutBatch.from_samples: no samples")
-        width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
-        n = len(samples)
+        prompt_lens = [len(s.prompt_ids) for s in samples]
+        response_lens = [len(s.response_ids) for s in samples]
+        for row, s in enumerate(samples):
+            if len(s.response_logprobs) != response_lens[row]:
+                raise ValueError(
+                    f"sample {row}: {response_lens[row]} response tokens but "
+                    f"{len(s.response_logprobs)} log-probs"
+                )
+            if prompt_lens[row] < 1:
+                raise ValueError(
+                    f"sample {row}: empty prompt; every prompt needs at least one token (e.g. BOS)"
+                )
+        p, r = torch.tensor(prompt_lens), torch.tensor(response_lens)
+        width, n = int((p + r).max()), len(samples)
         input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
         loss_mask = torch.zeros((n, width - 1), dtype=torch.float32)
         logprobs = torch.zeros((n, width - 1), dtype=torch.float32)
+        # token k of the response sits at position p + k and is predicted at entry p + k - 1
+        rows, cols = _spans(torch.zeros(n, dtype=torch.long), p + r)
+        input_ids[rows, cols] = torch.tensor(
+            [t for s in samples for t in (*s.prompt_ids, *s.response_ids)], dtype=torch.long
+        )
+        response = _spans(p - 1, r)
+        loss_mask[response] = torch.tensor(
+            [
+                m
+                for s in samples
+                for m in (
+                    s.response_mask if s.response_mask is not None else (1.0,) * len(s.response_ids)
+                )
+            ],
+            dtype=torch.float32,
+        )
+        logprobs[response] = torch.tensor(
+            [lp for s in samples for lp in s.response_logprobs], dtype=torch.float32
+        )
         versions = routed = None
-        if any(s.weight_versions is not None for s in samples):
+        stamped = [row for row, s in enumerate(samples) if s.weight_versions is not None]
+        if stamped:
             versions = torch.full((n, width - 1), -1, dtype=torch.long)
+            at = torch.tensor(stamped)
+            versions[_spans(p[at] - 1, r[at], at)] = torch.tensor(
+                [v for row in stamped for v in samples[row].weight_versions], dtype=torch.long
+            )
         recorded = [
             torch.as_tensor(s.routed_experts) for s in samples if s.routed_experts is not None
         ]
         if recorded:
             routed = torch.full((n, width, *recorded[0].shape[1:]), -1, dtype=torch.long)
-        for row, s in enumerate(samples):
-            p, r = len(s.prompt_ids), len(s.response_ids)
-            if len(s.response_logprobs) != r:
-                raise ValueError(
-                    f"sample {row}: {r} response tokens but {len(s.response_logprobs)} log-probs"
-                )
-            if p < 1:
-                raise ValueError(
-                    f"sample {row}: empty prompt; every prompt needs at least one token (e.g. BOS)"
-                )
-            input_ids[row, : p + r] = torch.tensor(
-                [*s.prompt_ids, *s.response_ids], dtype=torch.long
-            )
-            # token k of the response sits at position p + k and is predicted at entry p + k - 1
-            loss_mask[row, p - 1 : p - 1 + r] = torch.tensor(
-                s.response_mask if s.response_mask is not None else [1.0] * r, dtype=torch.float32
-            )
-            logprobs[row, p - 1 : p - 1 + r] = torch.tensor(
-                s.response_logprobs, dtype=torch.float32
-            )
+        for row, s in enumerate(samples):  # what only some samples have
             if s.prompt_logprobs is not None:
-                logprobs[row, : p - 1] = torch.tensor(s.prompt_logprobs[1:], dtype=torch.float32)
-            if versions is not None and s.weight_versions is not None:
-                versions[row, p - 1 : p - 1 + r] = torch.tensor(s.weight_versions, dtype=torch.long)
+                logprobs[row, : prompt_lens[row] - 1] = torch.tensor(
+                    s.prompt_logprobs[1:], dtype=torch.float32
+                )
             if routed is not None and s.routed_experts is not None:
                 experts = torch.as_tensor(s.routed_experts)
                 routed[row, : len(experts)] = experts.long()
         return cls(
             input_ids=input_ids,
-            prompt_lengths=torch.tensor([len(s.prompt_ids) for s in samples], dtype=torch.long),
-            response_lengths=torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
+            prompt_lengths=p,
+            response_lengths=r,
             loss_mask=loss_mask,
             infer_logprobs=logprobs,
             prompt_index=torch.tensor([s.prompt_index for s in samples], dtype=torch.long),
@@ -198,3 +216,12 @@ class RolloutBatch:
             weight_versions=versions,
             routed_experts=routed,
         )
+
+
+def _spans(starts: torch.Tensor, lengths: torch.Tensor, rows=None) -> tuple:
+    """(rows, cols) indexing, row after row, entries starts[i] .. starts[i] + lengths[i] - 1 of row rows[i]
+    (default: row i)."""
+    k = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    offsets = torch.cumsum(lengths, 0) - lengths  # where each span begins in the flat order
+    cols = torch.arange(int(lengths.sum())) - offsets[k] + starts[k]
+    return (k if rows is None else rows[k]), cols
