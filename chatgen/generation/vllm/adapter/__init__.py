@@ -32,9 +32,10 @@ from chatgen.core.imports import require  # noqa: E402
 
 require("vllm", "the vllm backend (backend: vllm)")
 
-from chatgen.generation.vllm.ray_free import without_ray  # noqa: E402
+from chatgen.generation.vllm.lean_imports import without_unused_imports  # noqa: E402
 
-with without_ray():  # vLLM's Ray executor is never used: no ray import in a process that has none
+# no ray or opentelemetry import in a process that has none (lean_imports)
+with without_unused_imports():
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
     from vllm.outputs import RequestOutput

@@ -14,7 +14,7 @@ from vllm import LLM
 from chatgen.core import quiet
 from chatgen.generation.vllm.adapter import patches
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
-from chatgen.generation.vllm.ray_free import without_ray
+from chatgen.generation.vllm.lean_imports import without_unused_imports
 
 # On CPU every linear layer of the engine is a oneDNN matmul with one primitive per row count M (tokens in the
 # step), and a decode step's M is the number of running sequences: a run meets hundreds of distinct M. Each layer
@@ -71,7 +71,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
             rpc_dir = os.environ["VLLM_RPC_BASE_PATH"] = tempfile.mkdtemp(prefix="chatgen-vllm-")
             atexit.register(_remove_rpc_dir, rpc_dir)  # also when the engine is never shut down
     try:
-        with host_memory_only_gc(current_platform.is_cpu()), without_ray():
+        with host_memory_only_gc(current_platform.is_cpu()), without_unused_imports():
             llm = LLM(model, **engine_kwargs)
     except BaseException:
         _remove_rpc_dir(rpc_dir)
