@@ -98,12 +98,17 @@ def episode(trainer, engine, phases, ids, prompts) -> None:
     with phases("sync") as p:
         report = sync_weights(trainer, engine)
     p.update(bytes=report.bytes, tensors=report.tensors)
-    with phases("generate") as p:
+    generation(engine, phases, "generate", prompts)
+    trainer.onload()
+
+
+def generation(engine, phases, name, prompts) -> None:
+    """Greedy generation of `prompts` as phase `name`: seconds, tokens, tokens/s, ms per forward step."""
+    with phases(name) as p:
         outputs = engine.finished(prompts, greedy=True)
     p["tokens"] = sum(len(o.outputs[0].token_ids) for o in outputs)
     p["tokens_per_s"] = round(p["tokens"] / p["seconds"], 1)
     p["ms_per_step"] = round(1000 * p["seconds"] / engine.metrics["engine_steps"], 2)
-    trainer.onload()
 
 
 def main(argv=None) -> dict:
@@ -167,11 +172,8 @@ def main(argv=None) -> dict:
                 episode(trainer, engine, record, ids, prompts)
             trainer.offload(params=False)
             engine.finished(prompts * 8, greedy=True)  # this shape's first call picks its kernels
-            with steady("generate_8x_batch") as p:  # the per-step cost's share that is fixed
-                outputs = engine.finished(prompts * 8, greedy=True)
-            p["tokens"] = sum(len(o.outputs[0].token_ids) for o in outputs)
-            p["tokens_per_s"] = round(p["tokens"] / p["seconds"], 1)
-            p["ms_per_step"] = round(1000 * p["seconds"] / engine.metrics["engine_steps"], 2)
+            # the per-step cost's share that is fixed
+            generation(engine, steady, "generate_8x_batch", prompts * 8)
         finally:
             engine.shutdown()
             trainer.shutdown()
