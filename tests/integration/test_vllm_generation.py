@@ -102,6 +102,19 @@ def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_mode
     assert max_diff_vs_hf(model, *after) < TOL
     # sampled, temperature 1
     assert max_diff_vs_hf(model, *gen.generate(PROMPTS, num_generations=2)) < TOL
+    # every linear layer of the tiny model is under PLAIN_LINEAR_MAX_BYTES: each ran torch's linear on its own
+    # weight (patches.plain_small_linears), and the sync's reload kept it so
+    plain = gen.module.engine.collective_rpc(_plain_linears)[0]
+    assert plain and all(plain.values()), plain
+
+
+def _plain_linears(worker) -> dict:
+    """In the vLLM worker: {layer name: runs torch's linear} for every layer with a CPU GEMM dispatch."""
+    return {
+        name: m.cpu_linear is torch.nn.functional.linear
+        for name, m in worker.model_runner.get_model().named_modules()
+        if hasattr(m, "cpu_linear")
+    }
 
 
 def test_vllm_reload_alone_keeps_the_stale_prefix_cache(gen, hf_model):

@@ -7,6 +7,7 @@ moves, renames or re-signs any of them fails here, naming the patch, instead of 
 """
 
 import pytest
+import torch
 
 pytestmark = pytest.mark.integration
 
@@ -54,3 +55,39 @@ def test_a_moved_internal_is_named(monkeypatch):
     assert len(problems) == 3, problems
     assert "no_such_function is missing" in problems[0]
     assert "no_such_argument" in problems[1] and "no such text" in problems[2]
+
+
+@pytest.mark.parametrize(
+    "shape, dtype, plain",
+    [
+        ((352 * 2, 128), torch.float32, True),  # the tiny Llama's gate_up: 352 KiB
+        ((1024, 256), torch.float32, True),  # exactly PLAIN_LINEAR_MAX_BYTES
+        ((1024, 257), torch.float32, False),  # one column over: vLLM's oneDNN handler
+        ((576 * 5 // 3, 576), torch.float32, False),  # SmolLM2's qkv, 2.2 MB
+        ((352 * 2, 128), torch.bfloat16, False),  # another dtype: vLLM decides
+    ],
+)
+def test_small_fp32_linears_keep_their_weight_and_use_torch(shape, dtype, plain):
+    """plain_small_linears on vLLM's real CPU dispatch: a small fp32 layer runs torch's linear on the weight it
+    keeps; a larger one, or a bf16 one, gets what vLLM gives it (a packed kernel that drops the weight). Either way the layer computes x @ W.T."""
+    from chatgen.generation.vllm.adapter import patches
+
+    patches.plain_small_linears()
+    patches.plain_small_linears()  # idempotent: wrapping once
+    from vllm.model_executor.layers import utils
+
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "chatgen_plain_small", False)
+    torch.manual_seed(0)
+    weight = torch.randn(shape).to(dtype)
+    layer = torch.nn.Module()
+    layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+    utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
+    assert (layer.cpu_linear is torch.nn.functional.linear) == plain
+    assert (layer.weight.numel() == weight.numel()) == plain
+    x = torch.randn(5, shape[1]).to(dtype)
+    got = utils.cpu_unquantized_gemm(layer, x, layer.weight, None)
+    want = x.float() @ weight.float().T
+    tol = (
+        {"rtol": 1e-2, "atol": 0.1} if dtype == torch.bfloat16 else {"atol": 1e-4}
+    )  # bf16's 8-bit mantissa
+    assert torch.allclose(got.float(), want, **tol)
