@@ -27,6 +27,7 @@ from chatgen.core.process_tuning import (
     M_ARENA_MAX,
     PASSIVE_OPENMP,
     WIDE_HIDDEN_SIZE,  # noqa: F401
+    exit_without_teardown,
     one_malloc_arena,
     restart_on_jemalloc,
     serve_threads,
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         parser.parse_args(argv)  # argparse's own "unrecognized arguments" message, exit code 2
     previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        return int(args._run(args) or 0)
+        code = int(args._run(args) or 0)
     except Terminated:
         print(f"chatgen {args.command}: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
         return 143
@@ -153,6 +154,9 @@ def main(argv=None) -> int:
         return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if as_command:  # done: no interpreter teardown (seconds of freeing what the kernel reclaims)
+        exit_without_teardown(code)
+    return code
 
 
 def positive_int(text: str) -> int:

@@ -26,12 +26,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 REWARD = '''"""My task's reward: 1.0 for the digits of the prompt in ascending order, else the share of places right."""
 
+import os
+
+# a log the module never flushes or closes (the run's output dir + .scored.log): chatgen's exit must keep it
+LOG = open(os.environ.get("OUTPUT_DIR", "outputs/run") + ".scored.log", "a")
+
 
 def ascending(completions, answer, **kwargs):
     scores = []
     for completion, want in zip(completions, answer):
         got, want = completion.split(), want.split()
         scores.append(sum(g == w for g, w in zip(got, want)) / max(len(want), 1))
+        LOG.write(f"{scores[-1]}\\n")
     return scores
 '''
 
@@ -143,7 +149,7 @@ def runs(request, project, tiny_llama_dir):
         return train(project, tiny_llama_dir, f"outputs/{name}", *RUNS[name])
 
     started = {name: pool.submit(after_ray, name) for name in ("local", "terms") if name in names}
-    yield {"ray": alone, **started}
+    yield {"ray": alone, **started, "project": project}
     pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -158,6 +164,12 @@ def test_a_plain_function_reward_of_the_project_trains(runs, launcher):
             metrics[episode]["reward/ascending"], abs=1e-6
         )
     assert "eval/reward/ascending" in metrics[0] and "eval/reward/ascending" in metrics[2]
+    if (
+        launcher == "local"
+    ):  # the reward ran in `chatgen train`'s own process, which exits without teardown
+        scored = (runs["project"] / "outputs" / "local.scored.log").read_text().splitlines()
+        # 2 episodes x 16 samples, 3 evaluations (episodes 0-2) x 8 held-out prompts: every line kept
+        assert len(scored) == 2 * 16 + 3 * 8 and all(0.0 <= float(x) <= 1.0 for x in scored)
 
 
 def test_weighted_terms_of_the_project_train_each_logged(runs):
