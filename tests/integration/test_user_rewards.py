@@ -164,9 +164,8 @@ def test_a_plain_function_reward_of_the_project_trains(runs, launcher):
             metrics[episode]["reward/ascending"], abs=1e-6
         )
     assert "eval/reward/ascending" in metrics[0] and "eval/reward/ascending" in metrics[2]
-    if (
-        launcher == "local"
-    ):  # the reward ran in `chatgen train`'s own process, which exits without teardown
+    # the local run's reward ran in `chatgen train`'s own process, which exits without teardown
+    if launcher == "local":
         scored = (runs["project"] / "outputs" / "local.scored.log").read_text().splitlines()
         # 2 episodes x 16 samples, 3 evaluations (episodes 0-2) x 8 held-out prompts: every line kept
         assert len(scored) == 2 * 16 + 3 * 8 and all(0.0 <= float(x) <= 1.0 for x in scored)

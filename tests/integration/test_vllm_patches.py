@@ -69,7 +69,8 @@ def test_a_moved_internal_is_named(monkeypatch):
 )
 def test_small_fp32_linears_keep_their_weight_and_use_torch(shape, dtype, plain):
     """plain_small_linears on vLLM's real CPU dispatch: a small fp32 layer runs torch's linear on the weight it
-    keeps; a larger one, or a bf16 one, gets what vLLM gives it (a packed kernel that drops the weight). Either way the layer computes x @ W.T."""
+    keeps; a larger one, or a bf16 one, gets what vLLM gives it (a packed kernel that drops the weight). Either
+    way the layer computes x @ W.T."""
     from chatgen.generation.vllm.adapter import patches
 
     patches.plain_small_linears()
@@ -87,7 +88,6 @@ def test_small_fp32_linears_keep_their_weight_and_use_torch(shape, dtype, plain)
     x = torch.randn(5, shape[1]).to(dtype)
     got = utils.cpu_unquantized_gemm(layer, x, layer.weight, None)
     want = x.float() @ weight.float().T
-    tol = (
-        {"rtol": 1e-2, "atol": 0.1} if dtype == torch.bfloat16 else {"atol": 1e-4}
-    )  # bf16's 8-bit mantissa
+    # bf16 keeps 8 bits of mantissa
+    tol = {"rtol": 1e-2, "atol": 0.1} if dtype == torch.bfloat16 else {"atol": 1e-4}
     assert torch.allclose(got.float(), want, **tol)
