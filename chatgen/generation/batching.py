@@ -121,6 +121,9 @@ def iter_samples(request_outputs):
 
 def sample_logprobs(sample) -> list:
     """The logprob of each generated token of a `CompletionOutput` (requested with logprobs=0)."""
+    values = getattr(sample.logprobs, "token_logprobs", None)  # vllm/adapter/sampled_logprobs.py
+    if values is not None:
+        return list(values)
     return [step[token].logprob for step, token in zip(sample.logprobs, sample.token_ids)]
 
 

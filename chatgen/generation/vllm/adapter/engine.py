@@ -12,7 +12,7 @@ import tempfile
 from vllm import LLM
 
 from chatgen.core import quiet
-from chatgen.generation.vllm.adapter import patches
+from chatgen.generation.vllm.adapter import patches, sampled_logprobs
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
 from chatgen.generation.vllm.lean_imports import without_unused_imports
 
@@ -80,6 +80,8 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         raise
     llm.chatgen_rpc_dir = rpc_dir
     check_internals(llm)
+    if sampled_logprobs.applies(llm):
+        sampled_logprobs.record_sampled_logprobs(llm)
     llm.collective_rpc(patches.install_reload_log_filter)
     llm.collective_rpc(patches.prepack_cpu_experts_on_reload)
     return llm

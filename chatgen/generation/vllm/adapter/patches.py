@@ -309,6 +309,19 @@ RELIES_ON = {
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.add_adapter",
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.activate_adapter",
     ],
+    # sampled_logprobs.py wraps the sampler's forward, reads the rows vLLM discards, labels rows by request
+    "record_sampled_logprobs": [
+        ("vllm.v1.sample.sampler:Sampler.forward", ("self", "logits", "sampling_metadata")),
+        ("vllm.v1.sample.sampler:Sampler.forward", "raw_logprobs = self.compute_logprobs(logits)"),
+        ("vllm.v1.worker.gpu_model_runner:GPUModelRunner._sample", "self.sampler("),
+        (
+            "vllm.v1.worker.gpu_model_runner:GPUModelRunner",
+            "self.discard_request_mask.np[:num_reqs] = (",
+        ),
+        ("vllm.v1.worker.gpu_input_batch:InputBatch", "def req_ids("),
+        ("vllm.v1.engine.output_processor:RequestState", "self.request_index = "),
+        "vllm.logprobs:Logprob",
+    ],
     "abandon_reload": [
         f"{_LAYERWISE}:finalize_layerwise_reload",
         f"{_LAYERWISE}:get_layerwise_info",

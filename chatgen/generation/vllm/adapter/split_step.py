@@ -9,6 +9,7 @@ single-batch-queue engine; plus the request calls around it (add, abort, counts,
 `check_internals(llm)` asserts every private attribute the split relies on (`build_llm` calls it).
 """
 
+import copy
 import dataclasses
 
 import vllm
@@ -138,6 +139,17 @@ def add_request(
     model), and chatgen reads only their values.
     """
     params.output_kind = output_kind
+    sampled = getattr(llm, "chatgen_sampled_logprobs", None)
+    if not (
+        sampled is not None
+        and output_kind == RequestOutputKind.FINAL_ONLY
+        and params.logprobs == 0
+        and params.logprob_token_ids is None
+    ):
+        sampled = None
+    else:  # vLLM computes none; sampled_logprobs.py gathers them (a copy: the caller may reuse params)
+        params = copy.copy(params)
+        params.logprobs = None
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
     if prompt_text is not None:
         prompt["prompt"] = prompt_text
@@ -146,6 +158,8 @@ def add_request(
     engine = llm.llm_engine
     engine.add_request(request_id, prompt, params, lora_request=lora_request)
     processor = engine.output_processor
+    if sampled is not None:
+        sampled.want(request_id, processor)
     # a request with n samples has n
     for internal_id in processor.external_req_ids.get(request_id, ()):
         state = processor.request_states.get(internal_id)
@@ -159,11 +173,23 @@ def has_unfinished_requests(llm: LLM) -> bool:
 
 def abort(llm: LLM, request_ids: list) -> None:
     """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty engine."""
-    routing = getattr(llm, "chatgen_routing", None)
-    if routing is not None:
-        processor = llm.llm_engine.output_processor
-        routing.forget([rid for r in request_ids for rid in processor.external_req_ids.get(r, ())])
+    processor = llm.llm_engine.output_processor
+    engine_ids = [rid for r in request_ids for rid in processor.external_req_ids.get(r, ())]
+    for recorder in _recorders(llm):
+        recorder.forget(engine_ids)
     llm.llm_engine.abort_request(list(request_ids))
+
+
+def _recorders(llm: LLM) -> list:
+    """The per-request recorders installed on this engine (routed experts, sampled log-probs)."""
+    return [
+        r
+        for r in (
+            getattr(llm, "chatgen_routing", None),
+            getattr(llm, "chatgen_sampled_logprobs", None),
+        )
+        if r is not None
+    ]
 
 
 def abort_with_outputs(llm: LLM, request_ids: list) -> list:
@@ -177,6 +203,9 @@ def abort_with_outputs(llm: LLM, request_ids: list) -> list:
             output = state.make_request_output([], None, FinishReason.ABORT, None)
             if output is not None:
                 outputs.append(output)
+    sampled = getattr(llm, "chatgen_sampled_logprobs", None)
+    if sampled is not None:
+        sampled.hand_out(outputs)
     abort(llm, request_ids)
     return outputs
 
@@ -228,8 +257,8 @@ def execute(llm: LLM, batch: ScheduledBatch) -> list:
     processed = engine.output_processor.process_outputs(
         core_outputs.outputs, engine_core_timestamp=core_outputs.timestamp, iteration_stats=None
     )
-    if routing is not None:
-        routing.hand_out(processed.request_outputs)
+    for recorder in _recorders(llm):
+        recorder.hand_out(processed.request_outputs)
     engine.output_processor.update_scheduler_stats(core_outputs.scheduler_stats)
     # Requests that hit a stop string finish in the output processor; the core must drop them too.
     if processed.reqs_to_abort:
