@@ -116,7 +116,13 @@ def test_mixed_batch_and_n_samples(llm):
             assert ca.token_ids == cb.token_ids
             assert isinstance(ca.logprobs, SampledLogprobs) == (i % 2 == 0)
             assert sampled(ca) == sampled(cb)
-            assert ca.logprobs.token_logprobs if i % 2 == 0 else True
+            if i % 2 == 0:  # reads as vLLM's list of {token: Logprob}, slices too
+                assert len(ca.logprobs) == len(ca.token_ids) == NEW
+                assert ca.logprobs[1:3] == [ca.logprobs[1], ca.logprobs[2]]
+                assert (
+                    list(ca.logprobs[0]) == [ca.token_ids[0]]
+                    and ca.logprobs[0][ca.token_ids[0]].rank is None
+                )
 
 
 def test_aborted_requests_keep_what_they_sampled_and_leave_nothing_behind(llm):

@@ -14,6 +14,9 @@ single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `
 `record_routed_experts(llm)` (routing.py) makes `execute` record, for a mixture-of-experts model, the experts each token was routed
 to (vLLM's router capture hook) and hand them out on each finished sample as `CompletionOutput.routed_experts`.
 
+`record_sampled_logprobs(llm)` (sampled_logprobs.py, installed by `build_llm` where it applies) gives requests that want
+only their sampled tokens' log-probs those values from one gather per step instead of vLLM's per-request entries.
+
 `build_llm` / `shutdown` (engine.py) start and end the engine. `check_internals(llm)` asserts every private attribute this relies on; `build_llm` calls it, and
 tests/integration/test_generation_engine.py checks it and compares a split-step run with `LLM.generate`
 token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
