@@ -121,9 +121,8 @@ class _SampledLogprobRecorder:
 def applies(llm: LLM) -> bool:
     """Whether `record_sampled_logprobs` can serve this engine: its workers in this process, raw log-probs, no
     speculative decoding."""
-    from chatgen.generation.vllm.adapter.engine import (
-        in_process_workers,
-    )  # engine.py imports this module
+    # here, not at the top: engine.py imports this module
+    from chatgen.generation.vllm.adapter.engine import in_process_workers
 
     config = llm.llm_engine.vllm_config
     return (
