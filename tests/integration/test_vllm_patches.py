@@ -19,17 +19,36 @@ def test_every_patch_finds_what_it_relies_on():
 
 
 def test_every_patch_of_the_adapter_declares_its_needs():
-    """A patch function added to patches.py without a RELIES_ON entry would escape the check above."""
+    """A patch function added to patches.py without a RELIES_ON entry would escape the check above; an entry
+    for a wrapper in another adapter file (sampled_logprobs.record_sampled_logprobs) must name one."""
+    import importlib
     import inspect
+    import pkgutil
 
+    from chatgen.generation.vllm import adapter
     from chatgen.generation.vllm.adapter import patches
 
-    functions = {
-        name
-        for name, f in inspect.getmembers(patches, inspect.isfunction)
-        if f.__module__ == patches.__name__ and not name.startswith("_") and name != "check"
-    }
-    assert functions - set(RELIES_ON_EXEMPT) == set(patches.RELIES_ON)
+    def public_functions(module):
+        return {
+            name
+            for name, f in inspect.getmembers(module, inspect.isfunction)
+            if f.__module__ == module.__name__ and not name.startswith("_")
+        }
+
+    functions = public_functions(patches) - {"check"}
+    declared = set(patches.RELIES_ON)
+    assert functions - set(RELIES_ON_EXEMPT) == declared & functions
+    elsewhere = set().union(
+        *(
+            public_functions(importlib.import_module(f"{adapter.__name__}.{m.name}"))
+            for m in pkgutil.iter_modules(adapter.__path__)
+            if m.name != "patches"
+        )
+    )
+    assert declared - functions <= elsewhere, (
+        f"RELIES_ON names no adapter function: {declared - functions - elsewhere}"
+    )
+    assert "record_sampled_logprobs" in declared
 
 
 # patches that need nothing of vLLM's internals beyond public API, or that degrade to a no-op when it is gone

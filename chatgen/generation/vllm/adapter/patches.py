@@ -1,7 +1,8 @@
 """Every vLLM-0.32-specific patch of chatgen, in one place: each works around a behaviour of that version
 (named in its docstring) by replacing or wrapping a vLLM internal. `RELIES_ON` lists what each patch needs of
-vLLM, and `check()` returns what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails
-loudly on an upgrade that moves any of it, before a patch silently stops applying.
+vLLM (and what the adapter's other wrappers of vLLM internals need: sampled_logprobs.record_sampled_logprobs), and
+`check()` returns what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails loudly on an
+upgrade that moves any of it, before a patch silently stops applying.
 """
 
 import importlib
