@@ -18,6 +18,7 @@ from collections.abc import Sequence
 
 from vllm import LLM
 from vllm.logprobs import Logprob
+from vllm.sampling_params import RequestOutputKind
 
 
 class SampledLogprobs(Sequence):
@@ -53,6 +54,16 @@ class _SampledLogprobRecorder:
         self.runner = runner
         self.token_logprobs = {}  # engine request id -> [float], one per generated token
         self.sample = {}  # (request id, sample index) -> engine request id
+
+    @staticmethod
+    def takes(params, output_kind) -> bool:
+        """Whether a request with these params is served here: only its sampled tokens' log-probs, one output
+        when it finishes (a stream, top-k log-probs or chosen token ids keep vLLM's entries)."""
+        return (
+            output_kind == RequestOutputKind.FINAL_ONLY
+            and params.logprobs == 0
+            and params.logprob_token_ids is None
+        )
 
     def want(self, request_id: str, output_processor) -> None:
         for rid in output_processor.external_req_ids.get(request_id, ()):
@@ -133,13 +144,12 @@ def applies(llm: LLM) -> bool:
 
 
 def record_sampled_logprobs(llm: LLM) -> None:
-    """From now on requests that want only their sampled tokens' log-probs get them from one gather per step (see
-    `_SampledLogprobRecorder`); `split_step.add_request` picks them. Needs `applies(llm)`."""
+    """Where it `applies(llm)`, from now on requests that want only their sampled tokens' log-probs get them from
+    one gather per step (see `_SampledLogprobRecorder`; `split_step.add_request` picks them); elsewhere the engine
+    keeps vLLM's path (`llm.chatgen_sampled_logprobs` None)."""
+    llm.chatgen_sampled_logprobs = None
     if not applies(llm):
-        raise ValueError(
-            "sampled log-probs at tensor speed need the engine's workers in this process, "
-            "logprobs_mode raw and no speculative decoding"
-        )
+        return
 
     def install(worker):
         runner = worker.model_runner

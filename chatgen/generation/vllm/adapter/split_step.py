@@ -140,14 +140,10 @@ def add_request(
     """
     params.output_kind = output_kind
     sampled = getattr(llm, "chatgen_sampled_logprobs", None)
-    if not (
-        sampled is not None
-        and output_kind == RequestOutputKind.FINAL_ONLY
-        and params.logprobs == 0
-        and params.logprob_token_ids is None
-    ):
-        sampled = None
-    else:  # vLLM computes none; sampled_logprobs.py gathers them (a copy: the caller may reuse params)
+    gathered = sampled is not None and sampled.takes(params, output_kind)
+    if (
+        gathered
+    ):  # vLLM computes none; sampled_logprobs.py gathers them (a copy: the caller may reuse params)
         params = copy.copy(params)
         params.logprobs = None
     prompt = TokensPrompt(prompt_token_ids=list(prompt_ids))
@@ -158,7 +154,7 @@ def add_request(
     engine = llm.llm_engine
     engine.add_request(request_id, prompt, params, lora_request=lora_request)
     processor = engine.output_processor
-    if sampled is not None:
+    if gathered:
         sampled.want(request_id, processor)
     # a request with n samples has n
     for internal_id in processor.external_req_ids.get(request_id, ()):
