@@ -354,3 +354,27 @@ def wait_until_serving(proc, client, seconds: float) -> None:
         except openai.APIConnectionError:
             assert time.time() < deadline, "chatgen serve did not come up"
             time.sleep(0.5)
+
+
+# ---- the policy loss on plain tensors
+
+
+def policy_loss(logprobs, old, advantages, mask, ref_logprobs=None, is_weights=None, **knobs):
+    """chatgen.rlhf.losses.policy_loss with the batch's tensors given one by one and its options as
+    keywords, the YAML's names for the registered ones (ratio_level, loss_aggregation)."""
+    from chatgen.core.train_batch import TrainBatch
+    from chatgen.rlhf import losses, recipe
+
+    if "ratio_level" in knobs:
+        knobs["log_ratio"] = recipe.ratio.get(knobs.pop("ratio_level"))
+    if "loss_aggregation" in knobs:
+        knobs["aggregation"] = recipe.aggregation.get(knobs.pop("loss_aggregation"))
+    batch = TrainBatch(
+        input_ids=torch.zeros(old.shape[0], old.shape[1] + 1, dtype=torch.long),
+        loss_mask=mask,
+        old_logprobs=old,
+        advantages=advantages,
+        ref_logprobs=ref_logprobs,
+        is_weights=is_weights,
+    )
+    return losses.policy_loss(logprobs, batch, losses.PolicyLossOptions(**knobs))

@@ -2,7 +2,7 @@
 
     batch = policy.run_generation(items)          # VLLMModule.decode_internal returns a RolloutBatch
     batch.input_ids, batch.loss_mask, batch.infer_logprobs, batch.texts, batch.metadata
-    data = {**batch.trainer_inputs(), "old_logprobs": ..., "advantages": ...}   # what a trainer step takes
+    data = batch.trainer_inputs().replace(old_logprobs=..., advantages=...)   # what a trainer step takes
 
 S samples, sample j of prompt i at row i * n + j (prompt-major, in the order the prompts were given);
 L = the longest prompt + response. Per-token tensors have L - 1 columns, aligned with a trainer's per-token
@@ -22,6 +22,8 @@ reference model's). Pure torch: no vLLM, Megatron or Ray import.
 import dataclasses
 
 import torch
+
+from chatgen.core.train_batch import TrainBatch
 
 
 @dataclasses.dataclass
@@ -84,17 +86,16 @@ class RolloutBatch:
         positions = torch.arange(self.input_ids.shape[1])
         return (positions[None, :] < (self.prompt_lengths + self.response_lengths)[:, None]).long()
 
-    def trainer_inputs(self) -> dict:
+    def trainer_inputs(self) -> TrainBatch:
         """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1); plus
-        routed_experts (S, L, layers, k) when the engine recorded them."""
-        inputs = {
-            "input_ids": self.input_ids,
-            "attention_mask": self.attention_mask,
-            "loss_mask": self.loss_mask,
-        }
-        if self.routed_experts is not None:
-            inputs["routed_experts"] = self.routed_experts
-        return inputs
+        routed_experts (S, L, layers, k) when the engine recorded them. An algorithm adds its own
+        fields with `.replace(old_logprobs=..., advantages=...)`."""
+        return TrainBatch(
+            input_ids=self.input_ids,
+            attention_mask=self.attention_mask,
+            loss_mask=self.loss_mask,
+            routed_experts=self.routed_experts,
+        )
 
     def select(self, index) -> "RolloutBatch":
         """The samples at `index` (a list or 1-D tensor of rows), in that order."""

@@ -53,9 +53,11 @@ def slices(flat: torch.Tensor):
     return flat_of
 
 
-def select(data: dict, index: torch.Tensor) -> dict:
-    """Rows `index` of every per-sample tensor of a batch dict (tensors whose first dimension is the batch's
-    sample count, taken from `input_ids`); other values are kept as they are."""
+def select(data, index: torch.Tensor):
+    """Rows `index` of every per-sample tensor of a batch dict or TrainBatch (tensors whose first
+    dimension is the batch's sample count, taken from `input_ids`); other values are kept as they are."""
+    if not isinstance(data, dict):
+        return data.select(index)
     n = data["input_ids"].shape[0]
     return {
         k: v[index] if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n else v

@@ -5,7 +5,7 @@ requests continue under the new weights (partial rollouts by construction, not b
     with handover.hold_after(4, version=policy.weight_version):   # this thread's generation calls
         batch = policy.run_generation(items)       # returns once the weights changed and it finished
 
-chatgen.rlhf.async_rollout marks the batches generating ahead of the trainer with it
+chatgen.rlhf.algorithms.grpo.loop marks the batches generating ahead of the trainer with it
 (runtime.algorithm.handover_step, docs/async_rl.md). The engine (chatgen.generation.vllm.engine_loop)
 stops stepping only while every running call is such a call, past its steps, with the engine at its
 version: a call nobody marked (the trainer's next batch, an evaluation, a server's request) always runs,

@@ -26,7 +26,6 @@ from safetensors.torch import save_file
 
 from chatgen import models
 from chatgen.core import dcp
-from chatgen.models import lora_format
 from chatgen.core.checkpoint_io import (
     atomic_directory,
     copy_hf_side_files,
@@ -36,7 +35,7 @@ from chatgen.core.checkpoint_io import (
     read_megatron_shard,
     write_megatron_meta,
 )
-from chatgen.models import layout
+from chatgen.models import layout, lora_format
 
 
 def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> Path:

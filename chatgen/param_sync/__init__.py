@@ -15,6 +15,7 @@ It reads the trainer only through `hf_weights()` and the engine only through the
 import it. `chatgen check-sync` (chatgen.tools.check_sync) proves a sync exact. docs/param_sync.md.
 """
 
+from chatgen.param_sync.adapter_sync import AdapterSender, sync_adapter
 from chatgen.param_sync.checks import SyncError, SyncReport, check_manifest, plan_manifest
 from chatgen.param_sync.group import (
     BroadcastReceiver,
@@ -24,7 +25,6 @@ from chatgen.param_sync.group import (
     SyncReceiver,
     SyncSender,
 )
-from chatgen.param_sync.adapter_sync import AdapterSender, sync_adapter
 from chatgen.param_sync.local import LocalSender, sync_weights
 from chatgen.param_sync.shm import (
     IpcSender,

@@ -172,7 +172,7 @@ def trainer_rows(cfg, algorithm) -> int:
 
 def policy_sampling_problems(cfg):
     """For policy-gradient algorithms: the policy must sample from the distribution the trainer
-    scores. The trainer scores logits / temperature (grpo.score_at_sampling_temperature), so a
+    scores. The trainer scores logits / temperature (its logits_temperature, derived from the policy's: rlhf.config), so a
     temperature > 0 is honoured exactly when the engine reports the log-probs of that same
     distribution (logprobs_mode: processed); top-p / top-k / min-p / repetition penalty would need
     the trainer to renormalise over the engine's kept tokens, which it does not: refused, each

@@ -101,6 +101,7 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
     # against every configured name: an entry with errors of its own is not "unknown"
     if runtime is not None:
         check_colocation(runtime, models_data, where, errors)
+    _sampling_temperature(models, roles, where, errors)
     if errors:
         raise ConfigError(errors)
     for section in (runtime, runtime.algorithm, *(entry.config for entry in models.values())):
@@ -278,6 +279,27 @@ def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
             return None
         return FUNCTION
     return getattr(cls, "config_class", dict)
+
+
+def _sampling_temperature(models: dict, roles: dict, where: dict, errors: list) -> None:
+    """A model whose role scores the policy's samples scores logits / the policy's sampling
+    temperature: the distribution the engine sampled from (read once, when the trainer is built)."""
+    policy = models.get("policy")
+    temperature = getattr(getattr(policy, "config", None), "temperature", None)
+    if temperature is None or temperature <= 0:  # no policy, or greedy (refused elsewhere)
+        return
+    for name, role in roles.items():
+        cfg = getattr(models.get(name), "config", None)
+        if not role.scores_samples or not hasattr(cfg, "logits_temperature"):
+            continue
+        if cfg.logits_temperature is None:
+            cfg.logits_temperature = temperature
+        elif cfg.logits_temperature != temperature:
+            errors.append(
+                f"{name}.logits_temperature: {cfg.logits_temperature} differs from "
+                f"policy.temperature={temperature}, the distribution the samples it scores come "
+                "from; remove it (it is derived)"
+            )
 
 
 def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:

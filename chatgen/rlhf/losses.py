@@ -7,7 +7,9 @@ Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a
 1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
 """
 
+import dataclasses
 import math
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -210,43 +212,42 @@ def overlong_penalty(
     return -factor * over.clamp(max=1.0)
 
 
-LOSS_AGGREGATIONS = (
-    "token_mean",
-    "seq_mean_token_mean",
-    "seq_mean_token_sum",
-    "seq_mean_token_sum_norm",
-)
+# ---- loss aggregations (verl's loss_agg_mode): (B, T) per-token loss -> scalar; registered by name
+# in chatgen.rlhf.recipe.aggregation
 
 
-def aggregate_loss(
-    per_token: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str = "token_mean",
-    norm_length: int | None = None,
-) -> torch.Tensor:
-    """Reduce a (B, T) per-token loss to a scalar (verl's loss_agg_mode).
+def token_mean(per_token, mask, norm_length=None):
+    """Every unmasked token of the batch weighs the same (long responses weigh more; DAPO)."""
+    return masked_mean(per_token, mask)
 
-    token_mean: sum over every unmasked token / their count (long responses weigh more; DAPO);
-    seq_mean_token_mean: each row's token mean, then the mean over rows (GRPO paper; GSPO);
-    seq_mean_token_sum: each row's token sum, then the mean over rows;
-    seq_mean_token_sum_norm: each row's token sum / norm_length (a constant, e.g. the generation
-    budget), then the mean over rows (Dr. GRPO: no length bias).
-    """
-    if mode == "token_mean":
-        return masked_mean(per_token, mask)
-    if mode == "seq_mean_token_mean":
-        return masked_mean(per_token, mask, dim=1).mean()
-    if mode == "seq_mean_token_sum":
-        return masked_sum(per_token, mask, dim=1).mean()
-    if mode == "seq_mean_token_sum_norm":
-        if not norm_length:
-            raise ValueError(
-                "loss aggregation seq_mean_token_sum_norm needs norm_length (the constant divisor)"
-            )
-        return (masked_sum(per_token, mask, dim=1) / norm_length).mean()
-    raise ValueError(
-        f"unknown loss aggregation {mode!r}: use one of {', '.join(LOSS_AGGREGATIONS)}"
-    )
+
+def seq_mean_token_mean(per_token, mask, norm_length=None):
+    """Each row's token mean, then the mean over rows (GRPO paper; GSPO)."""
+    return masked_mean(per_token, mask, dim=1).mean()
+
+
+def seq_mean_token_sum(per_token, mask, norm_length=None):
+    """Each row's token sum, then the mean over rows."""
+    return masked_sum(per_token, mask, dim=1).mean()
+
+
+def seq_mean_token_sum_norm(per_token, mask, norm_length=None):
+    """Each row's token sum / norm_length (a constant, e.g. the generation budget), then the mean
+    over rows (Dr. GRPO: no length bias)."""
+    if not norm_length:
+        raise ValueError(
+            "loss aggregation seq_mean_token_sum_norm needs norm_length (the constant divisor)"
+        )
+    return (masked_sum(per_token, mask, dim=1) / norm_length).mean()
+
+
+# ---- policy ratios: (B, T) log-ratios whose exp is the clipped ratio; registered by name in
+# chatgen.rlhf.recipe.ratio
+
+
+def token_log_ratio(logprobs, old_logprobs, mask):
+    """One importance ratio per token (PPO, GRPO): log pi - log pi_old."""
+    return logprobs - old_logprobs
 
 
 def sequence_log_ratio(
@@ -259,73 +260,71 @@ def sequence_log_ratio(
     return logprobs - logprobs.detach() + seq.unsqueeze(1)
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float = 0.2,
-    ref_logprobs: torch.Tensor = None,
-    kl_coef: float = 0.0,
-    kl_kind: str = "k3",
-    is_weights: torch.Tensor = None,
-    clip_eps_high: float = None,
-    dual_clip: float = None,
-    ratio_level: str = "token",
-    loss_aggregation: str = "token_mean",
-    norm_length: int = None,
-    entropy_coef: float = 0.0,
-):
+@dataclasses.dataclass(frozen=True)
+class PolicyLossOptions:
+    """policy_loss's knobs, built once per run from runtime.algorithm (grpo's step.loss_options).
+    log_ratio and aggregation are functions (chatgen.rlhf.recipe's registries); module-level ones,
+    so that the options pickle by reference to a trainer process."""
+
+    clip_eps: float = 0.2  # the ratio's lower clip 1 - clip_eps
+    clip_eps_high: Optional[float] = None  # upper clip 1 + clip_eps_high; None = clip_eps
+    dual_clip: Optional[float] = None  # c > 1: a negative advantage A loses at most -c A
+    kl_coef: float = 0.0  # weight of the KL(policy, reference) penalty
+    kl_kind: str = "k3"
+    entropy_coef: float = 0.0
+    log_ratio: Callable = token_log_ratio
+    aggregation: Callable = token_mean
+    norm_length: Optional[int] = None  # the constant of seq_mean_token_sum_norm
+
+
+def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = PolicyLossOptions()):
     """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
 
-    logprobs: (B, T) under the policy being trained (requires grad); old_logprobs: (B, T) under
-    the policy that sampled (before this train step); advantages: (B, T) or (B,) (broadcast over
-    tokens); ref_logprobs: (B, T) under the frozen reference, used when kl_coef > 0; is_weights:
-    (B, T) or (B,), optional importance weights (truncated_importance_weights,
-    sequence_importance_weights).
-    Per token: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with r = exp(logp - old)
-    (ratio_level token) or GSPO's sequence ratio (ratio_level sequence: sequence_log_ratio);
-    clip_eps_high None = clip_eps (symmetric; larger is DAPO's clip-higher); dual_clip c > 1: for
-    A < 0 the loss is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
+    logprobs: (B, T) under the policy being trained (requires grad). batch (a TrainBatch):
+    old_logprobs (B, T) under the policy that sampled (before this train step); advantages (B, T)
+    or (B,) (broadcast over tokens); loss_mask (B, T); ref_logprobs (B, T) under the frozen
+    reference, used when set; is_weights (B, T) or (B,), optional importance weights.
+    Per token: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with r = exp(log_ratio)
+    (options.log_ratio: per token, or GSPO's sequence ratio); dual_clip c > 1: for A < 0 the loss
+    is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
     entropy_coef * logp^2 / 2, whose gradient is -entropy_coef times an unbiased sample estimate of
-    the entropy's (the entropy bonus from sampled tokens). Reduced by
-    `aggregate_loss(loss_aggregation, norm_length)`; the defaults: the mean over unmasked tokens.
+    the entropy's (the entropy bonus from sampled tokens). Reduced by options.aggregation.
     Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference),
     entropy (mean -logp of the sampled tokens: an estimate of the sampling distribution's entropy),
     and old_logprob_diff_max: the largest |logprobs - old_logprobs| over unmasked tokens (before a
     step's update with old log-probs from the engine, that is the train/inference mismatch).
     """
+    old_logprobs, advantages, mask = batch.old_logprobs, batch.advantages, batch.loss_mask
+    o = options
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
-    if ratio_level == "sequence":
-        ratio = torch.exp(sequence_log_ratio(logprobs, old_logprobs, mask))
-    else:
-        ratio = torch.exp(logprobs - old_logprobs)
+    ratio = torch.exp(o.log_ratio(logprobs, old_logprobs, mask))
     unclipped = ratio * advantages
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    clipped = ratio.clamp(1 - clip_eps, 1 + high) * advantages
+    high = o.clip_eps if o.clip_eps_high is None else o.clip_eps_high
+    clipped = ratio.clamp(1 - o.clip_eps, 1 + high) * advantages
     per_token = -torch.minimum(unclipped, clipped)
-    if dual_clip is not None:
-        dual_clipped = (advantages < 0) & (-dual_clip * advantages < per_token)
-        per_token = torch.where(dual_clipped, -dual_clip * advantages, per_token)
-    if is_weights is not None:
-        per_token = per_token * (is_weights.unsqueeze(1) if is_weights.dim() == 1 else is_weights)
+    if o.dual_clip is not None:
+        dual_clipped = (advantages < 0) & (-o.dual_clip * advantages < per_token)
+        per_token = torch.where(dual_clipped, -o.dual_clip * advantages, per_token)
+    weights = batch.is_weights
+    if weights is not None:
+        per_token = per_token * (weights.unsqueeze(1) if weights.dim() == 1 else weights)
     stats = {}
-    if ref_logprobs is not None:
-        kl = kl_estimate(logprobs, ref_logprobs, kl_kind)
+    if batch.ref_logprobs is not None:
+        kl = kl_estimate(logprobs, batch.ref_logprobs, o.kl_kind)
         stats["kl"] = masked_mean(kl.detach(), mask)
-        if kl_coef:
-            per_token = per_token + kl_coef * kl
-    if entropy_coef:
+        if o.kl_coef:
+            per_token = per_token + o.kl_coef * kl
+    if o.entropy_coef:
         # grad(-H) = E[log p * grad log p] = E[grad(log p ^ 2 / 2)] over tokens from the policy
-        per_token = per_token + entropy_coef * 0.5 * logprobs**2
-    loss = aggregate_loss(per_token, mask, loss_aggregation, norm_length)
+        per_token = per_token + o.entropy_coef * 0.5 * logprobs**2
+    loss = o.aggregation(per_token, mask, o.norm_length)
     with torch.no_grad():
         stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
         stats["approx_kl"] = masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask)
         stats["old_logprob_diff_max"] = ((logprobs.detach() - old_logprobs).abs() * mask).max()
         stats["entropy"] = masked_mean(-logprobs.detach(), mask)
-        if dual_clip is not None:
+        if o.dual_clip is not None:
             stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask)
     return loss, stats
 
@@ -440,43 +439,24 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
     return rows, preferred.repeat_interleave(2)
 
 
-# ---- trainer loss closures: loss_fn(logprobs (b, T-1) with grad, micro_batch dict) -> (loss, {name: scalar})
+# ---- trainer loss functions: loss_fn(logprobs (b, T-1) with grad, micro-batch: a TrainBatch) -> (loss,
+# {name: scalar}).
 # Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
-
-
-def policy_loss_fn(logprobs, mb, clip_eps=0.2, kl_coef=0.0, kl_kind="k3", **options):
-    """GRPO/PPO policy loss on a micro-batch with old_logprobs, advantages, loss_mask (all (b, T-1) or (b,)),
-    optional ref_logprobs (KL term) and is_weights (importance sampling). options: policy_loss's
-    keywords (clip_eps_high, dual_clip, ratio_level, loss_aggregation, norm_length,
-    entropy_coef)."""
-    loss, stats = policy_loss(
-        logprobs,
-        mb["old_logprobs"],
-        mb["advantages"],
-        mb["loss_mask"],
-        clip_eps=clip_eps,
-        ref_logprobs=mb.get("ref_logprobs"),
-        kl_coef=kl_coef,
-        kl_kind=kl_kind,
-        is_weights=mb.get("is_weights"),
-        **options,
-    )
-    return loss, stats
 
 
 def value_loss_fn(values, mb, clip_eps=0.2):
     """PPO critic loss on a micro-batch with old_values, returns, loss_mask (b, T-1)."""
-    return value_loss(values, mb["old_values"], mb["returns"], mb["loss_mask"], clip_eps=clip_eps)
+    return value_loss(values, mb.old_values, mb.returns, mb.loss_mask, clip_eps=clip_eps)
 
 
 def nll_loss_fn(logprobs, mb):
     """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b, T-1) is 1."""
-    return -masked_mean(logprobs, mb["loss_mask"]), {}
+    return -masked_mean(logprobs, mb.loss_mask), {}
 
 
 def dpo_loss_fn(logprobs, mb, beta=0.1):
     """DPO on a micro-batch of (chosen, rejected) row pairs (rows 2k, 2k + 1) with loss_mask and ref_logprobs
     (b, T-1), and optional pair_weights (b,) (both rows of a pair carry the pair's weight)."""
-    weights = mb.get("pair_weights")
-    chosen, rejected = pair_logratios(logprobs, mb["ref_logprobs"], mb["loss_mask"])
+    weights = mb.pair_weights
+    chosen, rejected = pair_logratios(logprobs, mb.ref_logprobs, mb.loss_mask)
     return dpo_loss(chosen, rejected, beta, None if weights is None else weights[0::2])

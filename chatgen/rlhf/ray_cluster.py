@@ -13,7 +13,6 @@ import shutil
 from chatgen.core.imports import project_dirs, require
 from chatgen.core.process_tuning import PASSIVE_OPENMP
 
-
 # The driver's variables every actor gets: chatgen's, vLLM's and Hugging Face's, and the communication and CUDA
 # tuning of a cluster (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, PYTORCH_CUDA_ALLOC_CONF, CUDA_DEVICE_MAX_CONNECTIONS,
 # ...), which a multi-node job sets on the driver and which must reach the processes that communicate.

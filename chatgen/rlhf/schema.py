@@ -59,6 +59,8 @@ class Role:
     trainable: Optional[bool] = None  # True: must be trainable; False: must be frozen; None: either
     optional: bool = False
     syncs_to: Optional[str] = None  # e.g. policy_trainer -> "policy"
+    # its token scores are of the policy's samples: it scores logits / the policy's temperature
+    scores_samples: bool = False
     doc: str = ""
 
 

@@ -37,6 +37,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
+from chatgen.serving.endpoints import OpenAIServer
+
 # DEFAULT_MAX_REQUEST_BYTES, APIError, api_key_dependency, ...: importable from here too
 from chatgen.serving.http import (
     DEFAULT_MAX_REQUEST_BYTES,
@@ -48,7 +50,6 @@ from chatgen.serving.http import (
     error_response,
     require_json,
 )
-from chatgen.serving.endpoints import OpenAIServer
 from chatgen.serving.requests import pydantic_errors
 from chatgen.serving.responses import json_response
 

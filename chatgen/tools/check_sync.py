@@ -91,11 +91,11 @@ def _score(trainer, sequences) -> list:
 def _start_trainer(config, temperature: float) -> MegatronModule:
     """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF
     run's trainer does)."""
+    if temperature > 0:
+        config = {**config, "logits_temperature": temperature}
     trainer = MegatronModule(config).start()
     if config.get("lora"):  # B = 0 would leave the base: random adapters, the same at every layout
         lora.randomize(trainer, seed=1)
-    if temperature > 0:
-        trainer.set_logits_temperature(temperature)
     return trainer
 
 

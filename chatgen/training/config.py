@@ -5,7 +5,6 @@ from typing import Any, ClassVar, Literal, Optional
 
 from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
 
-
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -137,6 +136,11 @@ class MegatronConfig:
     micro_batch_size: Optional[int] = opt(
         None, "samples per forward/backward; null = runtime.train_micro_batch_size"
     )
+    logits_temperature: Optional[float] = opt(
+        None,
+        "score tokens under softmax(logits / T); null = 1, or in an RLHF run the policy's sampling "
+        "temperature for the trainers whose role scores its samples (policy_trainer, reference)",
+    )
     global_batch_size: Optional[int] = opt(
         None,
         "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size",
@@ -167,6 +171,8 @@ class MegatronConfig:
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
+        if self.logits_temperature is not None and self.logits_temperature <= 0:
+            yield "logits_temperature", f"must be > 0 or null, got {self.logits_temperature}"
         for key in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from chatgen.core.metrics import reduce_metrics
+from chatgen.core.train_batch import TrainBatch
 
 
 class Schedule:
@@ -32,10 +33,7 @@ class Schedule:
                 "max_position_embeddings) or cut prompts / responses"
             )
         device = self.device
-        micro_batches = [
-            {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
-            for mb in micro_batches
-        ]
+        micro_batches = [mb.to(device) for mb in micro_batches]
         b, t = micro_batches[0]["input_ids"].shape
         width = t  # of the (B, T-1) outputs
         # forward only: packed when a loss mask says which outputs are read (forward_tokens)
@@ -154,23 +152,10 @@ class Schedule:
         return metrics
 
 
-def split_batch(data: dict, micro_batch_size: int) -> list[dict]:
-    n = data["input_ids"].shape[0]
-    if n % micro_batch_size:
-        raise ValueError(
-            f"batch of {n} samples is not a multiple of micro_batch_size={micro_batch_size}"
-        )
-    return [
-        {
-            k: (
-                v[i : i + micro_batch_size]
-                if torch.is_tensor(v) and v.dim() > 0 and v.shape[0] == n
-                else v
-            )
-            for k, v in data.items()
-        }
-        for i in range(0, n, micro_batch_size)
-    ]
+def split_batch(data, micro_batch_size: int) -> list:
+    """`data` (a TrainBatch, or a dict of its fields and extras) as consecutive TrainBatch
+    micro-batches of `micro_batch_size` rows."""
+    return TrainBatch.of(data).split(micro_batch_size)
 
 
 def first_scored_position(loss_mask: torch.Tensor | None) -> int:

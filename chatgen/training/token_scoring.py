@@ -34,15 +34,9 @@ class TokenScoring:
         labels = input_ids[:, 1:].contiguous()
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
 
-    logits_temperature = 1.0  # token_outputs' divisor; set_logits_temperature changes it
-
-    def set_logits_temperature(self, temperature: float) -> None:
-        """Score tokens under softmax(logits / temperature) from now on: the distribution a policy
-        sampling at that temperature draws from (an RLHF run sets it on the policy's trainer and
-        the reference; 1.0 = the model's own). A head that overrides token_outputs (a critic)
-        ignores it."""
-        if temperature <= 0:
-            raise ValueError(
-                f"{self.name}.set_logits_temperature: {temperature}; a temperature must be > 0"
-            )
-        self.logits_temperature = float(temperature)
+    @property
+    def logits_temperature(self) -> float:
+        """token_outputs' divisor: the config's logits_temperature (an RLHF run derives it from the
+        policy's sampling temperature when the model's role scores the policy's samples); 1.0 =
+        the model's own distribution. A head that overrides token_outputs (a critic) ignores it."""
+        return self.config.logits_temperature or 1.0

@@ -125,7 +125,7 @@ def warm_model(tiny_llama_dir, tmp_path_factory):
 
 def record_trained_versions(monkeypatch) -> list:
     """Each episode's (weight_versions, loss_mask, current version) as the update received them."""
-    from chatgen.rlhf import async_rollout
+    from chatgen.rlhf.algorithms.grpo import loop as async_rollout
 
     seen, real = [], async_rollout.update
 

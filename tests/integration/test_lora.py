@@ -196,7 +196,7 @@ def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(
     import json
     from pathlib import Path
 
-    from chatgen.rlhf import grpo_step
+    from chatgen.rlhf.algorithms.grpo import step as grpo_step
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.config import load_config
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 from helpers import make_spec, random_hf_state
+from safetensors.torch import load_file, save_file
 
 from chatgen import models
 from chatgen.cli import main

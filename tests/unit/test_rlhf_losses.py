@@ -6,8 +6,10 @@ import sys
 
 import pytest
 import torch
+from helpers import policy_loss
 
 from chatgen.core.metrics import reduce_metrics
+from chatgen.core.train_batch import TrainBatch
 from chatgen.rlhf import losses as A
 
 
@@ -124,7 +126,7 @@ def test_policy_loss_on_policy_equals_minus_mean_advantage():
     logp = torch.randn(2, 4)
     adv = torch.tensor([1.5, -0.5])
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float)
-    loss, stats = A.policy_loss(logp, logp, adv, mask)
+    loss, stats = policy_loss(logp, logp, adv, mask)
     # ratio == 1: loss = -(mean over tokens of advantage) = -(3 * 1.5 + 2 * -0.5) / 5
     assert loss.item() == pytest.approx(-(3 * 1.5 - 2 * 0.5) / 5)
     assert stats["clip_fraction"].item() == 0.0
@@ -135,7 +137,7 @@ def test_old_logprob_diff_max_ignores_masked_tokens():
     old = torch.zeros(2, 3)
     logp = torch.tensor([[0.1, -0.3, 9.0], [0.05, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.float)  # the 9.0 is padding
-    _, stats = A.policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask)
+    _, stats = policy_loss(logp, old, torch.tensor([1.0, -1.0]), mask)
     assert stats["old_logprob_diff_max"].item() == pytest.approx(0.3)
 
 
@@ -151,7 +153,7 @@ def test_policy_loss_gradient_pushes_toward_positive_advantage():
     old = torch.log(torch.tensor([[0.5, 0.5]]))
     logp = old.clone().requires_grad_(True)
     adv = torch.tensor([[1.0, -1.0]])
-    loss, _ = A.policy_loss(logp, old, adv, torch.ones(1, 2))
+    loss, _ = policy_loss(logp, old, adv, torch.ones(1, 2))
     loss.backward()
     # descending raises token 0, lowers 1
     assert logp.grad[0, 0].item() < 0 < logp.grad[0, 1].item()
@@ -161,7 +163,7 @@ def test_policy_loss_clipping_stops_gradient():
     old = torch.zeros(1, 2)
     # Ratio 1.5 with positive advantage: beyond 1 + eps, the clipped branch wins, no gradient.
     logp = torch.tensor([[math.log(1.5), 0.0]], requires_grad=True)
-    loss, stats = A.policy_loss(
+    loss, stats = policy_loss(
         logp, old, torch.tensor([1.0]), torch.tensor([[1.0, 0.0]]), clip_eps=0.2
     )
     loss.backward()
@@ -176,14 +178,14 @@ def test_policy_loss_kl_term_and_is_weights():
     ref = torch.randn(2, 3)
     adv = torch.zeros(2)
     mask = torch.ones(2, 3)
-    loss, stats = A.policy_loss(logp, logp, adv, mask, ref_logprobs=ref, kl_coef=0.5)
+    loss, stats = policy_loss(logp, logp, adv, mask, ref_logprobs=ref, kl_coef=0.5)
     assert loss.item() == pytest.approx(0.5 * A.kl_estimate(logp, ref).mean().item(), rel=1e-5)
     assert stats["kl"].item() == pytest.approx(A.kl_estimate(logp, ref).mean().item(), rel=1e-5)
     # Weights scale the surrogate term token by token.
     adv = torch.ones(2)
     w = torch.full((2, 3), 0.5)
-    base, _ = A.policy_loss(logp, logp, adv, mask)
-    weighted, _ = A.policy_loss(logp, logp, adv, mask, is_weights=w)
+    base, _ = policy_loss(logp, logp, adv, mask)
+    weighted, _ = policy_loss(logp, logp, adv, mask, is_weights=w)
     assert weighted.item() == pytest.approx(0.5 * base.item())
 
 
@@ -281,11 +283,12 @@ def test_dpo_loss_fn_pairs_rows_and_reads_pair_weights():
     logprobs = torch.tensor(
         [[-1.0, -2.0], [-3.0, -1.0], [-1.0, -1.0], [-2.0, -2.0]], requires_grad=True
     )
-    mb = {
-        "ref_logprobs": torch.full((4, 2), -1.5),
-        "loss_mask": torch.ones(4, 2),
-        "pair_weights": torch.tensor([1.0, 1.0, 0.0, 0.0]),
-    }
+    mb = TrainBatch(
+        input_ids=torch.zeros(4, 3, dtype=torch.long),
+        ref_logprobs=torch.full((4, 2), -1.5),
+        loss_mask=torch.ones(4, 2),
+        pair_weights=torch.tensor([1.0, 1.0, 0.0, 0.0]),
+    )
     loss, stats = A.dpo_loss_fn(logprobs, mb, beta=1.0)
     # pair 0: chosen ratio -3 + 3 = 0, rejected -4 + 3 = -1: margin 1; pair 1 weighted 0
     assert loss.item() == pytest.approx(math.log(1 + math.exp(-1.0)) / 2)

@@ -9,8 +9,9 @@ import torch
 
 from chatgen import cli
 from chatgen.core.rollout import RolloutBatch
-from chatgen.rlhf import grpo_step
+from chatgen.core.train_batch import TrainBatch
 from chatgen.rlhf import losses as L
+from chatgen.rlhf.algorithms.grpo import step as grpo_step
 from chatgen.rlhf.config import load_config
 
 
@@ -152,7 +153,9 @@ def test_recipes_and_temperature_accepted(main_yaml, capsys):
 
 def test_loss_options_defaults_are_todays_call(main_yaml):
     cfg = load_config(main_yaml)
-    assert grpo_step.loss_options(cfg) == {"clip_eps": 0.2, "kl_coef": 0.0, "kl_kind": "k3"}
+    assert grpo_step.loss_options(cfg) == L.PolicyLossOptions(
+        clip_eps=0.2, kl_coef=0.0, kl_kind="k3"
+    )
     cfg = load_config(
         main_yaml,
         [
@@ -162,21 +165,21 @@ def test_loss_options_defaults_are_todays_call(main_yaml):
         ],
     )
     # Dr. GRPO's constant: the generation budget
-    assert grpo_step.loss_options(cfg) == {
-        "clip_eps": 0.2,
-        "kl_coef": 0.0,
-        "kl_kind": "k3",
-        "clip_eps_high": 0.28,
-        "entropy_coef": 0.01,
-        "loss_aggregation": "seq_mean_token_sum_norm",
-        "norm_length": 32,
-    }
+    assert grpo_step.loss_options(cfg) == L.PolicyLossOptions(
+        clip_eps=0.2,
+        kl_coef=0.0,
+        kl_kind="k3",
+        clip_eps_high=0.28,
+        entropy_coef=0.01,
+        aggregation=L.seq_mean_token_sum_norm,
+        norm_length=32,
+    )
 
 
 def test_advantage_estimators_follow_the_keys(main_yaml):
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0])
     mask = torch.ones(8, 3)
-    data = {"old_logprobs": torch.zeros(8, 3)}
+    data = TrainBatch(input_ids=torch.zeros(8, 4, dtype=torch.long), old_logprobs=torch.zeros(8, 3))
 
     def adv(*keys):
         return grpo_step.advantages(

@@ -7,8 +7,10 @@ import math
 
 import pytest
 import torch
+from helpers import policy_loss
 
 from chatgen.rlhf import losses as A
+from chatgen.rlhf import recipe
 
 
 def _policy_loss_before_issue_35(
@@ -47,7 +49,7 @@ def test_defaults_give_todays_loss_and_gradient_bit_for_bit():
     for kwargs in ({}, {"ref_logprobs": ref, "kl_coef": 0.1}, {"is_weights": w, "clip_eps": 0.1}):
         new_lp = (old + 0.3 * torch.randn(4, 7)).requires_grad_()
         before_lp = new_lp.detach().clone().requires_grad_()
-        loss, _ = A.policy_loss(new_lp, old, adv, mask, **kwargs)
+        loss, _ = policy_loss(new_lp, old, adv, mask, **kwargs)
         before = _policy_loss_before_issue_35(before_lp, old, adv, mask, **kwargs)
         loss.backward(), before.backward()
         assert loss.item() == before.item()  # bit for bit
@@ -89,7 +91,7 @@ def test_clip_higher_asymmetric_bounds():
     old = torch.zeros(1, 2)
     # ratios 1.25 and 0.75: with (low 0.2, high 0.28) 1.25 is inside, 0.75 is clipped up to 0.8
     logp = torch.log(torch.tensor([[1.25, 0.75]])).requires_grad_()
-    loss, stats = A.policy_loss(
+    loss, stats = policy_loss(
         logp, old, torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), clip_eps=0.2, clip_eps_high=0.28
     )
     # token 0: -min(1.25, 1.25) = -1.25; token 1 (A = -1): -min(-0.75, -0.8) = 0.8
@@ -104,11 +106,11 @@ def test_dual_clip_caps_negative_advantage_loss():
     old = torch.zeros(1, 2)
     logp = torch.log(torch.tensor([[5.0, 5.0]])).requires_grad_()
     adv = torch.tensor([[-1.0, 1.0]])
-    loss, stats = A.policy_loss(logp, old, adv, torch.ones(1, 2), clip_eps=0.2, dual_clip=3.0)
+    loss, stats = policy_loss(logp, old, adv, torch.ones(1, 2), clip_eps=0.2, dual_clip=3.0)
     # token 0: -min(-5, -1.2) = 5, capped at -c A = 3; token 1: -min(5, 1.2) = -1.2
     assert loss.item() == pytest.approx((3.0 - 1.2) / 2)
     assert stats["dual_clip_fraction"].item() == pytest.approx(0.5)
-    plain, _ = A.policy_loss(logp, old, adv, torch.ones(1, 2), clip_eps=0.2)
+    plain, _ = policy_loss(logp, old, adv, torch.ones(1, 2), clip_eps=0.2)
     assert plain.item() == pytest.approx((5.0 - 1.2) / 2)
 
 
@@ -121,7 +123,7 @@ def test_gspo_sequence_ratio_value_and_gradient():
     assert log_r[0, :2].tolist() == pytest.approx([0.2, 0.2])
     assert log_r[1].tolist() == pytest.approx([0.01, 0.01, 0.01])
     adv = torch.tensor([1.0, 1.0])
-    loss, _ = A.policy_loss(
+    loss, _ = policy_loss(
         logp,
         old,
         adv,
@@ -150,23 +152,23 @@ def test_gspo_sequence_ratio_value_and_gradient():
 def test_loss_aggregation_by_hand(mode, expected):
     x = torch.tensor([[1.0, 2.0, 100.0], [3.0, 4.0, 5.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    assert A.aggregate_loss(x, mask, mode, norm_length=4).item() == pytest.approx(expected)
+    assert recipe.aggregation.get(mode)(x, mask, 4).item() == pytest.approx(expected)
 
 
 def test_loss_aggregation_errors():
     with pytest.raises(ValueError, match="norm_length"):
-        A.aggregate_loss(torch.ones(1, 2), torch.ones(1, 2), "seq_mean_token_sum_norm")
+        recipe.aggregation.get("seq_mean_token_sum_norm")(torch.ones(1, 2), torch.ones(1, 2), None)
     with pytest.raises(ValueError, match="token_mean"):
-        A.aggregate_loss(torch.ones(1, 2), torch.ones(1, 2), "sum")
+        recipe.aggregation.get("sum")
 
 
 def test_entropy_metric_and_bonus_gradient():
     logp = torch.tensor([[-0.5, -2.0, -9.0]]).requires_grad_()
     mask = torch.tensor([[1.0, 1.0, 0.0]])
-    base, stats = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask)
+    base, stats = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask)
     # mean -log p of sampled tokens
     assert stats["entropy"].item() == pytest.approx((0.5 + 2.0) / 2)
-    loss, _ = A.policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, entropy_coef=0.1)
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([0.0]), mask, entropy_coef=0.1)
     assert loss.item() == pytest.approx(0.1 * 0.5 * (0.25 + 4.0) / 2)
     loss.backward()
     # d/dlogp of 0.1 * logp^2 / 2, over the 2 tokens of the mean
@@ -201,7 +203,7 @@ def test_sequence_importance_weights_by_hand():
     assert capped[0].item() == pytest.approx(2.0)
     # a (B,) weight scales each row of the loss
     logp = old.clone()
-    loss, _ = A.policy_loss(logp, old, torch.tensor([1.0, 1.0]), mask, is_weights=product)
+    loss, _ = policy_loss(logp, old, torch.tensor([1.0, 1.0]), mask, is_weights=product)
     assert loss.item() == pytest.approx(-(2 * product[0].item() + 3 * 1.0) / 5)
 
 

@@ -15,9 +15,9 @@ from chatgen.rlhf import checkpoint as ckpt
 from chatgen.rlhf.health import (
     RunHealthError,
     StepHealth,
-    checked_rewards,
     check_cut_prompts,
     check_rewards,
+    checked_rewards,
     zero_variance_groups,
 )
 

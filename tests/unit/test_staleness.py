@@ -1,10 +1,10 @@
 """chatgen.rlhf.staleness (per-token weight versions -> staleness), the async keys' checks, and what the async loop
-does with groups past the bound (async_rollout.enforce_bound, with a stand-in run)."""
+does with groups past the bound (loop.enforce_bound, with a stand-in run)."""
 
 import pytest
 import torch
 
-from chatgen.rlhf import staleness as st
+from chatgen.rlhf.algorithms.grpo import staleness as st
 
 # 3 samples, 5 token columns; -1 = prompt / padding. Sample 0: all version 3; sample 1: started under 1,
 # finished under 2 (a partial rollout); sample 2: no generated token.
@@ -116,7 +116,7 @@ def test_batches_ahead_of_the_trainers_are_marked_for_the_handover():
     import types
 
     from chatgen.generation import handover
-    from chatgen.rlhf.async_rollout import Rollouts
+    from chatgen.rlhf.algorithms.grpo.loop import Rollouts
 
     marks, lock = {}, threading.Lock()
 
@@ -200,7 +200,7 @@ def batch_of(versions: list, first_prompt=0):
 
 @pytest.mark.parametrize("stale_samples", ["drop", "regenerate"])
 def test_groups_past_the_bound_are_dropped_or_regenerated(stale_samples):
-    from chatgen.rlhf.async_rollout import enforce_bound
+    from chatgen.rlhf.algorithms.grpo.loop import enforce_bound
 
     run = FakeRun(stale_samples)
     batch = batch_of([9, 8, 6, 9, 7, 7])  # at version 9, k = 2: group 1 (a sample at 6) is past it
@@ -217,7 +217,7 @@ def test_groups_past_the_bound_are_dropped_or_regenerated(stale_samples):
 
 
 def test_a_token_newer_than_the_trainer_is_a_bug():
-    from chatgen.rlhf.async_rollout import enforce_bound
+    from chatgen.rlhf.algorithms.grpo.loop import enforce_bound
 
     with pytest.raises(RuntimeError, match="newer than the trainer"):
         enforce_bound(FakeRun("drop"), [0], batch_of([3, 5]), torch.zeros(2), 4, 2)

@@ -145,7 +145,7 @@ class PreferenceEval:
         chosen, rejected = [], []
         for inputs, ref, real in self.chunks:
             c, r = L.pair_logratios(
-                run.forward_tokens("policy_trainer", inputs), ref, inputs["loss_mask"]
+                run.forward_tokens("policy_trainer", inputs), ref, inputs.loss_mask
             )
             chosen.append(c[:real])
             rejected.append(r[:real])
@@ -186,7 +186,7 @@ def train(cfg, resume: bool = False, log=print) -> dict:
             batch = pair_batch(tokenizer, [run.records[i] for i in run.next_prompts()])
             data = batch.trainer_inputs()  # (2P, L) rows: chosen_0, rejected_0, chosen_1, ...
             with timer("reference"):
-                data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
+                data = data.replace(ref_logprobs=run.forward_tokens("reference", data))
             with timer("train"):
                 # shuffles whole pairs
                 stats = run.train("policy_trainer", data, loss_fn, group_size=2)

@@ -28,8 +28,8 @@ from typing import Optional
 from chatgen.config import opt
 from chatgen.core.imports import import_class
 from chatgen.core.rollout import RolloutBatch, Sample
-from chatgen.rlhf import grpo_step
 from chatgen.rlhf.algorithms import grpo
+from chatgen.rlhf.algorithms.grpo import step as grpo_step
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.placement import plan_groups
 from chatgen.rlhf.run import Run
@@ -76,9 +76,7 @@ class Config(grpo.Config):
 
 MODELS = {
     "policy": Role("generation", doc="serves the environments' chat requests (OpenAI HTTP)"),
-    "policy_trainer": Role(
-        "megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"
-    ),
+    "policy_trainer": grpo.MODELS["policy_trainer"],
     "reference": grpo.MODELS["reference"],
 }
 
@@ -211,7 +209,6 @@ def train(cfg, resume=False, log=print) -> dict:
         env = env_class(url, api_key, "policy")
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}
-        grpo.score_at_sampling_temperature(run)
         run.evaluate_start()
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()

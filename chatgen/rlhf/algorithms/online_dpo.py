@@ -94,9 +94,10 @@ def train(cfg, resume: bool = False, log=print) -> dict:
                 rewards = run.score(batch)  # (S,)
             rows, weights = L.best_worst_pairs(rewards, n)  # (2P,) best_0, worst_0, best_1, ...
             pairs = batch.select(rows)
-            data = {**pairs.trainer_inputs(), "pair_weights": weights}
+            data = pairs.trainer_inputs().replace(pair_weights=weights)
             with timer("reference"):
-                data["ref_logprobs"] = run.forward_tokens("reference", data)  # (2P, L-1)
+                # (2P, L-1)
+                data = data.replace(ref_logprobs=run.forward_tokens("reference", data))
             # not in the loss: checks that vLLM sampled with the trainer's weights
             with timer("old_logprobs"):
                 old = run.forward_tokens("policy_trainer", data)

@@ -17,7 +17,6 @@ from typing import Literal, Optional
 from chatgen.config import opt
 from chatgen.core.metrics import reduce_metrics
 from chatgen.rlhf import losses as L
-from chatgen.rlhf.algorithms.grpo import score_at_sampling_temperature
 from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
@@ -72,7 +71,11 @@ class Config(AlgorithmConfig):
 MODELS = {
     "policy": Role("generation", doc="samples responses"),
     "policy_trainer": Role(
-        "megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"
+        "megatron",
+        trainable=True,
+        syncs_to="policy",
+        scores_samples=True,
+        doc="the policy's trainable copy",
     ),
     "value_trainer": Role(
         "megatron",
@@ -84,6 +87,7 @@ MODELS = {
         "megatron",
         trainable=False,
         optional=True,
+        scores_samples=True,
         doc="frozen initial policy for the KL penalty; without one the penalty is 0",
     ),
 }
@@ -111,12 +115,12 @@ def train(cfg, resume=False, log=print) -> dict:
     False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     n = cfg.models["policy"].config.n
-    policy_loss_fn = partial(L.policy_loss_fn, clip_eps=algo.clip_eps)  # the KL is in the rewards
+    # the KL is in the rewards, not the loss
+    policy_loss_fn = partial(L.policy_loss, options=L.PolicyLossOptions(clip_eps=algo.clip_eps))
     value_loss_fn = partial(L.value_loss_fn, clip_eps=algo.value_clip_eps)
 
     with Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run:
         timer, metrics = run.timer, {}
-        score_at_sampling_temperature(run)  # logits / T, T the policy's sampling temperature
         run.evaluate_start()  # episode 0: where the policy starts
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()
@@ -140,14 +144,14 @@ def train(cfg, resume=False, log=print) -> dict:
                 old_values = run.forward_tokens("value_trainer", inputs)
             rewards = L.kl_shaped_rewards(scores, old, ref, mask, algo.kl_coef, algo.kl_estimator)
             advantages, returns = L.gae(rewards, old_values, mask, algo.gamma, algo.lam)
-            policy_data = {
-                **inputs,
-                "old_logprobs": old,
-                "advantages": L.masked_whiten(advantages, mask) * mask,
-            }
+            policy_data = inputs.replace(
+                old_logprobs=old, advantages=L.masked_whiten(advantages, mask) * mask
+            )
             if algo.importance_sampling_cap:
-                policy_data["is_weights"] = L.truncated_importance_weights(
-                    old, batch.infer_logprobs, algo.importance_sampling_cap
+                policy_data = policy_data.replace(
+                    is_weights=L.truncated_importance_weights(
+                        old, batch.infer_logprobs, algo.importance_sampling_cap
+                    )
                 )
             with timer("train"):
                 policy_steps = run.train(
@@ -155,15 +159,13 @@ def train(cfg, resume=False, log=print) -> dict:
                 )
                 value_stats = run.train(
                     "value_trainer",
-                    {**inputs, "old_values": old_values, "returns": returns},
+                    inputs.replace(old_values=old_values, returns=returns),
                     value_loss_fn,
                 )
             with timer("sync"):
                 run.sync_policy()
             metrics = {
-                **sample_metrics(
-                    scores, batch, old, rt.solved_reward, policy_data.get("is_weights")
-                ),
+                **sample_metrics(scores, batch, old, rt.solved_reward, policy_data.is_weights),
                 **prefixed("policy", reduce_metrics(policy_steps)),
                 **prefixed("value", value_stats),
                 "value/mean": L.masked_mean(old_values, mask).item(),

@@ -1,6 +1,8 @@
-"""GRPO's step once a batch is sampled and scored, shared by the loops that sample it (grpo.py,
-grpo_multiturn.py): shaped rewards, the advantage estimators, the loss's options, rollout correction,
-the update itself (reference and old log-probs, train, sync) and DAPO's dynamic sampling.
+"""GRPO's step once a batch is sampled and scored, shared by the loops that sample it (loop.py,
+grpo_multiturn.py): shaped rewards, the loss's options, rollout correction, the update itself
+(reference and old log-probs, advantages, train, sync) and DAPO's dynamic sampling. The knobs it
+calls (advantage estimator, ratio, aggregation, importance weights) are chatgen.rlhf.recipe's
+registered functions, found by the keys that name them.
 
 The algorithm's keys are chatgen.rlhf.algorithms.grpo's Config (the `algo` argument below);
 docs/algorithms.md has each recipe.
@@ -12,10 +14,12 @@ import torch
 
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.rollout import RolloutBatch
+from chatgen.core.train_batch import TrainBatch
 from chatgen.rlhf import losses as L
+from chatgen.rlhf import recipe
+from chatgen.rlhf.algorithms.grpo.staleness import MISMATCH_KEYS, on_policy_mismatch
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
-from chatgen.rlhf.staleness import MISMATCH_KEYS, on_policy_mismatch
 
 
 def lora_reference(cfg) -> bool:
@@ -42,58 +46,40 @@ def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
     )
 
 
-def advantages(algo, rewards, n: int, data: dict, mask):
-    """The advantage estimator: (S,) per sample (grpo, rloo) or (S, L-1) per token (reinforce_pp).
-    rewards: (S,); data: old_logprobs and (with kl_in_reward) ref_logprobs, (S, L-1); mask:
-    (S, L-1), the response tokens."""
-    if algo.advantage_estimator == "rloo":
-        return L.rloo_advantages(rewards, n)
-    if algo.advantage_estimator == "reinforce_pp":
-        kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
-        old = data["old_logprobs"]
-        token_rewards = L.kl_shaped_rewards(
-            rewards, old, data.get("ref_logprobs", old), mask, kl_coef, algo.kl_estimator
-        )
-        return L.reinforce_pp_advantages(token_rewards, mask)
-    return L.group_advantages(rewards, n, normalize_std=algo.normalize_advantage_std)
+def advantages(algo, rewards, n: int, data: TrainBatch, mask):
+    """The advantage estimator runtime.algorithm.advantage_estimator names: (S,) per sample or
+    (S, L-1) per token. rewards: (S,); data: old_logprobs and (with kl_in_reward) ref_logprobs,
+    (S, L-1); mask: (S, L-1), the response tokens."""
+    estimator = recipe.advantage.get(algo.advantage_estimator)
+    return estimator(rewards, n, data.replace(loss_mask=mask), algo)
 
 
-def loss_options(cfg) -> dict:
-    """policy_loss_fn's keywords for this run's algorithm section."""
+def loss_options(cfg) -> L.PolicyLossOptions:
+    """policy_loss's options for this run's algorithm section."""
     algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
-    options = dict(
-        clip_eps=algo.clip_eps,
-        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
-        kl_kind=algo.kl_estimator,
-    )
-    # only what differs from policy_loss's defaults: today's runs call it exactly as before
-    token_mean = algo.loss_aggregation == "token_mean"
-    recipe = dict(
-        clip_eps=algo.clip_eps_low,
+    norm = algo.loss_aggregation == "seq_mean_token_sum_norm"
+    return L.PolicyLossOptions(
+        clip_eps=algo.clip_eps if algo.clip_eps_low is None else algo.clip_eps_low,
         clip_eps_high=algo.clip_eps_high,
         dual_clip=algo.dual_clip,
-        ratio_level=None if algo.ratio_level == "token" else algo.ratio_level,
-        loss_aggregation=None if token_mean else algo.loss_aggregation,
-        entropy_coef=algo.entropy_coef or None,
+        kl_coef=0.0 if algo.kl_in_reward else algo.kl_coef,
+        kl_kind=algo.kl_estimator,
+        entropy_coef=algo.entropy_coef,
+        log_ratio=recipe.ratio.get(algo.ratio_level),
+        aggregation=recipe.aggregation.get(algo.loss_aggregation),
+        norm_length=(algo.loss_norm_length or pc.max_new_tokens) if norm else None,
     )
-    options.update({k: v for k, v in recipe.items() if v is not None})
-    if algo.loss_aggregation == "seq_mean_token_sum_norm":
-        options["norm_length"] = algo.loss_norm_length or pc.max_new_tokens
-    return options
 
 
-def rollout_correction(algo, data: dict, infer_logprobs) -> dict:
-    """Importance weights (data["is_weights"]) and outlier masking (data["loss_mask"]) for the
-    train/inference mismatch, from old (data) vs inference log-probs; returns their metrics
-    (rollout_correction/*)."""
-    old, mask, metrics = data["old_logprobs"], data["loss_mask"], {}
-    cap, level = algo.importance_sampling_cap, algo.importance_sampling_level
-    if cap and level == "token":
-        data["is_weights"] = L.truncated_importance_weights(old, infer_logprobs, cap)
-    elif cap:
-        data["is_weights"] = L.sequence_importance_weights(
-            old, infer_logprobs, mask, cap, geometric=level == "geometric"
-        )
+def rollout_correction(algo, data: TrainBatch, infer_logprobs):
+    """Importance weights (is_weights) and outlier masking (loss_mask) for the train/inference
+    mismatch, from old (data) vs inference log-probs; returns (data with them, their metrics
+    rollout_correction/*)."""
+    old, mask, metrics = data.old_logprobs, data.loss_mask, {}
+    cap = algo.importance_sampling_cap
+    if cap:
+        weigh = recipe.correction.get(algo.importance_sampling_level)
+        data = data.replace(is_weights=weigh(old, infer_logprobs, mask, cap))
     if algo.rejection_level is not None:
         keep = L.outlier_mask(
             old, infer_logprobs, mask, algo.rejection_low, algo.rejection_high, algo.rejection_level
@@ -106,8 +92,8 @@ def rollout_correction(algo, data: dict, infer_logprobs) -> dict:
         metrics["rollout_correction/masked_sequence_fraction"] = (
             dropped.sum() / answered.sum().clamp(min=1)
         ).item()
-        data["loss_mask"] = keep
-    return metrics
+        data = data.replace(loss_mask=keep)
+    return data, metrics
 
 
 def update(run, batch, rewards, n: int, sync: bool = True, current_version=None) -> dict:
@@ -122,32 +108,36 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     # the penalty, or (kl_coef 0) kl/reference only; a LoRA trainer's base (adapters off) when
     # there is no reference model
     use_reference = "reference" in cfg.models or lora_reference(cfg)
-    loss_fn = partial(L.policy_loss_fn, **loss_options(cfg))
+    loss_fn = partial(L.policy_loss, options=loss_options(cfg))
     data, recipe_metrics = batch.trainer_inputs(), {}
     if algo.mask_truncated:  # DAPO's overlong filtering: a cut response says nothing of its end
         cut = torch.tensor([r == "length" for r in batch.finish_reasons], dtype=torch.float32)
-        data["loss_mask"] = data["loss_mask"] * (1 - cut).unsqueeze(1)
+        data = data.replace(loss_mask=data.loss_mask * (1 - cut).unsqueeze(1))
         recipe_metrics["response/truncated_fraction"] = cut.mean().item()
     if use_reference:
         with timer("reference"):
-            data["ref_logprobs"] = (  # (S, L-1)
+            ref = (  # (S, L-1)
                 run.forward_tokens("reference", data, scored_only=True)
                 if "reference" in cfg.models
                 # LoRA: adapters off
                 else run.forward_tokens("policy_trainer", data, base=True, scored_only=True)
             )
+            data = data.replace(ref_logprobs=ref)
     if algo.old_logprobs == "rollout":
         # the sampling weights' log-probs, as the engine computed them
-        data["old_logprobs"] = batch.infer_logprobs
+        data = data.replace(old_logprobs=batch.infer_logprobs)
     else:
         with timer("old_logprobs"):
             # the weights the engine sampled with
-            data["old_logprobs"] = run.forward_tokens("policy_trainer", data, scored_only=True)
-    recipe_metrics.update(rollout_correction(algo, data, batch.infer_logprobs))
+            old = run.forward_tokens("policy_trainer", data, scored_only=True)
+            data = data.replace(old_logprobs=old)
+    data, correction_metrics = rollout_correction(algo, data, batch.infer_logprobs)
+    recipe_metrics.update(correction_metrics)
     shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
     if shaped is not rewards:
         recipe_metrics["reward/overlong_penalty"] = (shaped - rewards).mean().item()
-    data["advantages"] = advantages(algo, shaped, n, data, batch.loss_mask)  # (S,) or (S, L-1)
+    # (S,) or (S, L-1)
+    data = data.replace(advantages=advantages(algo, shaped, n, data, batch.loss_mask)).check()
     with timer("train"):
         # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
         # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
@@ -157,11 +147,11 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     if sync:
         with timer("sync"):
             run.sync_policy()
-    weights = data.get("is_weights")
+    weights = data.is_weights
     if weights is not None and weights.dim() == 1:  # per sequence: on each of its tokens
         weights = weights.unsqueeze(1).expand_as(batch.loss_mask)
     metrics = {
-        **sample_metrics(rewards, batch, data["old_logprobs"], cfg.runtime.solved_reward, weights),
+        **sample_metrics(rewards, batch, data.old_logprobs, cfg.runtime.solved_reward, weights),
         **prefixed("policy", stats),
         **recipe_metrics,
         # steps without any signal (every group of the step all-equal)
@@ -172,7 +162,7 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
             del metrics[key]
         metrics.update(
             on_policy_mismatch(
-                data["old_logprobs"],
+                data.old_logprobs,
                 batch.infer_logprobs,
                 batch.loss_mask,
                 batch.weight_versions,
@@ -188,7 +178,7 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
             metrics["mismatch/logprob_max_abs"] = steps[0]["old_logprob_diff_max"]
     if use_reference:
         metrics["kl/reference"] = L.masked_mean(
-            L.kl_estimate(data["old_logprobs"], data["ref_logprobs"], algo.kl_estimator),
+            L.kl_estimate(data.old_logprobs, data.ref_logprobs, algo.kl_estimator),
             batch.loss_mask,
         ).item()
     return metrics

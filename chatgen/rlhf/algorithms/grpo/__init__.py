@@ -6,23 +6,21 @@ Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n r
 model scores them; each response's advantage is its reward relative to the other responses to the same prompt;
 the trainer (Megatron) takes clipped policy-gradient steps (with a KL penalty to the reference when kl_coef > 0);
 the new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
-The step after sampling (advantages, old log-probs, train, sync) is chatgen.rlhf.grpo_step's.
+The step after sampling (advantages, old log-probs, train, sync) is step.py's; the loop, loop.py's.
 With overlap_generation the next episode's samples are generated while the trainer trains (one step off-policy).
 The recipes of 2025-26 are keys of this section, not algorithms of their own: Dr. GRPO, RLOO and
 REINFORCE++ advantages, clip-higher, dual clip, GSPO's sequence ratio, loss aggregation, entropy
 bonus, DAPO's dynamic sampling and overlong shaping, rollout correction (docs/algorithms.md).
 """
 
-import concurrent.futures
 import dataclasses
-import time
 from typing import Literal, Optional
 
 from chatgen.config import opt
-from chatgen.rlhf import async_rollout
+from chatgen.rlhf import recipe
+from chatgen.rlhf.algorithms.grpo import loop
+from chatgen.rlhf.algorithms.grpo.step import lora_reference
 from chatgen.rlhf.checks import policy_sampling_problems
-from chatgen.rlhf.grpo_step import lora_reference, sample_full_groups, update
-from chatgen.rlhf.run import Run
 from chatgen.rlhf.schema import AlgorithmConfig, Role
 
 
@@ -57,8 +55,9 @@ class Config(AlgorithmConfig):
         "importance_sampling_cap or old_logprobs: rollout to correct for the stale samples",
     )
     # --- recipes (docs/algorithms.md: each key's formula, paper, and verl's / TRL's name for it)
-    advantage_estimator: Literal["grpo", "rloo", "reinforce_pp"] = opt(
+    advantage_estimator: str = opt(
         "grpo",
+        "a registered estimator (chatgen.rlhf.recipe.advantage) or 'module:function'; "
         "grpo: reward minus its group's mean (over the group's std when "
         "normalize_advantage_std); rloo: minus the mean of the group's other samples; "
         "reinforce_pp: REINFORCE++, each token's return (with the KL penalty in it when "
@@ -82,17 +81,16 @@ class Config(AlgorithmConfig):
         None,
         "dual clip c > 1: a token with a negative advantage A loses at most -c * A; null = off",
     )
-    ratio_level: Literal["token", "sequence"] = opt(
+    ratio_level: str = opt(
         "token",
-        "token: one importance ratio per token (PPO/GRPO); sequence: GSPO's "
+        "a registered ratio (chatgen.rlhf.recipe.ratio) or 'module:function'; token: one importance ratio per token (PPO/GRPO); sequence: GSPO's "
         "length-normalised sequence ratio, clipped per sequence (clip_eps_low/high "
         "around 3e-4/4e-4)",
     )
-    loss_aggregation: Literal[
-        "token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"
-    ] = opt(
+    loss_aggregation: str = opt(
         "token_mean",
-        "token losses -> the loss: token_mean (all tokens of the batch; DAPO), "
+        "token losses -> the loss, a registered aggregation (chatgen.rlhf.recipe.aggregation) "
+        "or 'module:function': token_mean (all tokens of the batch; DAPO), "
         "seq_mean_token_mean (GRPO paper, GSPO), seq_mean_token_sum, "
         "seq_mean_token_sum_norm (token sums / loss_norm_length: Dr. GRPO)",
     )
@@ -125,9 +123,10 @@ class Config(AlgorithmConfig):
         "leave responses cut at the token limit (finish_reason length) out of the loss "
         "(DAPO's overlong filtering)",
     )
-    importance_sampling_level: Literal["token", "sequence", "geometric"] = opt(
+    importance_sampling_level: str = opt(
         "token",
-        "importance_sampling_cap's weights: per token; per sequence (the product of its "
+        "importance_sampling_cap's weights, a registered correction (chatgen.rlhf.recipe."
+        "correction) or 'module:function': per token; per sequence (the product of its "
         "token ratios); or per sequence as their geometric mean",
     )
     rejection_level: Optional[Literal["token", "sequence"]] = opt(
@@ -138,7 +137,7 @@ class Config(AlgorithmConfig):
     )
     rejection_low: float = opt(0.5, "lower ratio bound of rejection_level")
     rejection_high: float = opt(2.0, "upper ratio bound of rejection_level")
-    # --- fully asynchronous RL (chatgen.rlhf.async_rollout, docs/async_rl.md)
+    # --- fully asynchronous RL (loop.py, docs/async_rl.md)
     max_staleness: Optional[int] = opt(
         None,
         "generate ahead of the trainer: no trained token comes from weights more than this many "
@@ -185,7 +184,7 @@ class Config(AlgorithmConfig):
                 ),
             )
         yield from self.check_recipe()
-        yield from async_rollout.check_keys(self)
+        yield from loop.check_keys(self)
 
     def check_recipe(self):
         """The recipe keys' ranges and combinations (docs/algorithms.md)."""
@@ -206,41 +205,17 @@ class Config(AlgorithmConfig):
             yield "clip_eps_low", f"{low} clips ratios below {1 - low} <= 0; use (0, 1), e.g. 0.2"
         if self.dual_clip is not None and self.dual_clip <= 1:
             yield "dual_clip", f"must be > 1 or null, got {self.dual_clip}; 3.0 is usual"
-        if (
-            self.ratio_level == "sequence"
-            and self.importance_sampling_cap is not None
-            and self.importance_sampling_level == "token"
-        ):
-            yield (
-                "ratio_level",
-                (
-                    "sequence (GSPO) with token-level importance_sampling_cap "
-                    "weights mixes a sequence ratio with per-token corrections; set "
-                    "importance_sampling_level: sequence or geometric (or "
-                    "importance_sampling_cap: null)"
-                ),
-            )
+        for registry in (recipe.advantage, recipe.ratio, recipe.aggregation, recipe.correction):
+            value = getattr(self, registry.key)
+            problem = registry.problem(value)
+            if problem:
+                yield registry.key, problem
+            else:
+                yield from registry.rules(value, self)
         if self.loss_norm_length is not None and self.loss_norm_length < 1:
             yield "loss_norm_length", f"must be >= 1 or null, got {self.loss_norm_length}"
         if self.entropy_coef < 0:
             yield "entropy_coef", f"must be >= 0, got {self.entropy_coef}; 0 turns the bonus off"
-        if self.kl_in_reward and self.advantage_estimator != "reinforce_pp":
-            yield (
-                "kl_in_reward",
-                (
-                    f"only reinforce_pp has token rewards to put the KL in "
-                    f"(advantage_estimator is {self.advantage_estimator}); set "
-                    "kl_in_reward: false or advantage_estimator: reinforce_pp"
-                ),
-            )
-        if not self.normalize_advantage_std and self.advantage_estimator != "grpo":
-            yield (
-                "normalize_advantage_std",
-                (
-                    f"is a grpo option; {self.advantage_estimator} never "
-                    "divides by the group std: remove the key"
-                ),
-            )
         if self.dynamic_sampling_max_rounds < 0:
             yield (
                 "dynamic_sampling_max_rounds",
@@ -267,13 +242,18 @@ class Config(AlgorithmConfig):
 MODELS = {
     "policy": Role("generation", doc="samples n responses per prompt"),
     "policy_trainer": Role(
-        "megatron", trainable=True, syncs_to="policy", doc="the policy's trainable copy"
+        "megatron",
+        trainable=True,
+        syncs_to="policy",
+        scores_samples=True,
+        doc="the policy's trainable copy",
     ),
     "reward": Role("python", doc="scores the responses (e.g. chatgen.rlhf.rewards:RuleReward)"),
     "reference": Role(
         "megatron",
         trainable=False,
         optional=True,
+        scores_samples=True,
         doc="frozen initial policy for the KL penalty (needed when kl_coef > 0)",
     ),
 }
@@ -285,7 +265,7 @@ def check(cfg):
     if pc is not None and pc.n < 2:
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
-    yield from async_rollout.check_run(cfg)
+    yield from loop.check_run(cfg)
     if algo.kl_coef > 0 and "reference" not in cfg.models and not lora_reference(cfg):
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
@@ -342,59 +322,9 @@ def check(cfg):
 PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def score_at_sampling_temperature(run) -> None:
-    """Make the policy's trainer and the reference score logits / T, T the policy's sampling
-    temperature: the distribution the engine sampled from and reports log-probs of (logprobs_mode
-    processed; rlhf.config's policy_sampling_problems refuses what cannot be matched). Nothing to
-    do at T = 1."""
-    temperature = run.cfg.models["policy"].config.temperature
-    if temperature != 1.0:
-        for name in ("policy_trainer", "reference"):
-            if name in run.cfg.models:
-                run.runtime[name].call("set_logits_temperature", temperature)
-
-
 def train(cfg, resume=False, log=print) -> dict:
-    """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
-    False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
-    rt = cfg.runtime
-    if rt.algorithm.max_staleness is not None:  # fully asynchronous (chatgen.rlhf.async_rollout)
-        return async_rollout.train(cfg, resume, log, PHASES, score_at_sampling_temperature)
-    n = cfg.models["policy"].config.n
-    overlap = rt.algorithm.overlap_generation  # one-step off-policy: sample k+1 while training on k
-    with (
-        Run(cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n) as run,
-        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="chatgen-prefetch") as prefetch,
-    ):
-        timer, metrics, batch = run.timer, {}, None
-        score_at_sampling_temperature(run)
-        run.evaluate_start()  # episode 0: where the policy starts
-        for episode in range(run.start_episode, rt.num_episode + 1):
-            start = time.perf_counter()
-            if batch is None:
-                with timer("generate"):
-                    # S = prompts * n samples, prompt-major
-                    batch = run.generate(run.next_prompts())
-            with timer("reward"):
-                rewards = run.score(batch)  # (S,)
-            sampling = {}
-            if rt.algorithm.dynamic_sampling:  # groups with no gradient out, fresh ones in
-                batch, rewards, sampling = sample_full_groups(run, batch, rewards, n)
-            # a checkpoint's data position: before k+1
-            sampler_state, upcoming = (
-                run.sampler.state_dict(),
-                None,
-            )
-            # the engine still holds the weights that sampled `batch`
-            if overlap and episode < rt.num_episode:
-                upcoming = prefetch.submit(run.generate, run.next_prompts())
-            # advantages, old log-probs, train
-            metrics = {**update(run, batch, rewards, n, sync=upcoming is None), **sampling}
-            batch = None
-            if upcoming is not None:
-                with timer("generate"):  # what training did not hide
-                    batch = upcoming.result()
-                with timer("sync"):  # only once the engine is idle
-                    run.sync_policy()
-            run.end_episode(episode, metrics, start, sampler_state)  # eval, checkpoint, log
-    return metrics
+    """Run GRPO as configured; returns the last episode's metrics. Actors are stopped however it
+    ends. resume: False, True (the latest checkpoint) or a checkpoint (path or episode directory
+    name). One loop for every schedule: synchronous, overlap_generation (one step ahead) and
+    max_staleness k (chatgen.rlhf.algorithms.grpo.loop)."""
+    return loop.train(cfg, resume, log, PHASES)

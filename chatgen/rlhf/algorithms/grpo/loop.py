@@ -1,11 +1,19 @@
-"""Fully asynchronous GRPO (`runtime.algorithm.max_staleness: k`): generation runs ahead of the trainer by
-at most k weight versions, partial rollouts continue under new weights, and the staleness is measured
-from the engine's per-token weight versions.
+"""GRPO's one episode loop, for every schedule: k = the number of weight versions generation may run
+ahead of the trainer.
+
+    k = 0   synchronous: generate, score, update, sync                       (no key)
+    k = 1   one step off-policy: episode j+1 samples while j trains      (overlap_generation: true)
+    k >= 1  fully asynchronous, with partial rollouts                   (max_staleness: k)
 
     runtime: {algorithm: {name: grpo, max_staleness: 2, importance_sampling_cap: 2.0}}
     chatgen train configs/grpo_tiny_async.yaml
 
-The loop (`train`, GRPO's when max_staleness is set; docs/async_rl.md):
+overlap_generation is k = 1 with the weights handed over only once the engine is idle (sync mode
+`wait`: no sample spans two versions, and the data position of a checkpoint is its own episode's while
+the next batch generates); max_staleness hands them over with requests in flight (mode `keep`),
+stamps every token's weight version and holds the bound on the samples themselves.
+
+The asynchronous loop (max_staleness; docs/async_rl.md):
 - Batches. Batch j is the j-th episode's prompts (sample_per_episode / n of them, drawn in order on the
   trainer's thread, so the data order is the synchronous run's). Its generation is submitted to the engine
   from a small thread pool as soon as the staleness bound admits it, and several batches generate at once
@@ -23,14 +31,14 @@ The loop (`train`, GRPO's when max_staleness is set; docs/async_rl.md):
   this moves the idle time into the batch, so its remaining tokens come from weights one version fresher
   and every sample longer than s tokens spans two versions: partial rollouts by construction, not by
   timing. The trainer's own batch is never marked (its update is what the others wait for).
-- The bound is checked on the samples themselves (chatgen.rlhf.staleness): a group whose oldest token is
+- The bound is checked on the samples themselves (staleness.py): a group whose oldest token is
   more than k versions behind is dropped from the loss (`stale_samples: drop`) or generated again now
   (`regenerate`), and counted (async/stale_groups). Admission makes this a safety net, not a routine.
 - Checkpoints: no batch is submitted past the next checkpoint's episode, so at a checkpoint nothing is in
   flight and the saved data position is exact: a resumed run neither replays nor loses a sample.
 - Correction: the behaviour policy is the engine's per-token log-probs; with old_logprobs: recompute the
   proximal policy is the trainer's pass before the update, and importance_sampling_cap caps the weight
-  between them (AReaL's decoupled PPO; grpo_step.rollout_correction).
+  between them (AReaL's decoupled PPO; step.rollout_correction).
 
 Metrics: async/staleness_mean and async/staleness_max (over trained tokens), async/samples_spanning_versions,
 async/buffer_fill (batches generated and waiting when the trainer took its own, over k + 1),
@@ -51,8 +59,8 @@ import torch
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import handover
-from chatgen.rlhf import staleness as st
-from chatgen.rlhf.grpo_step import update
+from chatgen.rlhf.algorithms.grpo import staleness as st
+from chatgen.rlhf.algorithms.grpo.step import sample_full_groups, update
 from chatgen.rlhf.placement import plan_groups
 from chatgen.rlhf.run import Run
 from chatgen.rlhf.runtime import launcher
@@ -134,7 +142,8 @@ class Rollouts:
     def __init__(self, run, k: int, handover_step: int | None = None):
         self.run, self.k, self.handover_step = run, k, handover_step
         self.pool = concurrent.futures.ThreadPoolExecutor(k + 1, thread_name_prefix="chatgen-async")
-        self.queue = deque()  # (episode, record indices, future of the RolloutBatch), in order
+        # (episode, record indices, future of the RolloutBatch, data position before its draw), in order
+        self.queue = deque()
         self.next_episode = None
         self._lock = threading.Lock()
         self._running, self._idle_since, self.engine_idle = 0, time.perf_counter(), 0.0
@@ -143,7 +152,7 @@ class Rollouts:
         return self
 
     def __exit__(self, exc_type, *exc):
-        for _, _, future in self.queue:
+        for _, _, future, _ in self.queue:
             future.cancel()
         # what runs ends with the engine's calls; after an error, with their failure when the run
         # stops the engine (a batch held for weights that will not come would wait for good)
@@ -156,21 +165,26 @@ class Rollouts:
         if self.next_episode is None:
             self.next_episode = episode
         while self.next_episode <= min(episode + self.k, limit):
+            position = self.run.sampler.state_dict()
             index = self.run.next_prompts()
             # handover_step: a batch ahead of `episode`'s may wait for that update's weights; the
             # trainer's own batch never does (the update waits on it)
             hold = (self.handover_step, version) if self.next_episode > episode else (None,)
-            self.queue.append(
-                (self.next_episode, index, self.pool.submit(self._generate, index, hold))
-            )
+            future = self.pool.submit(self._generate, index, hold)
+            self.queue.append((self.next_episode, index, future, position))
             self.next_episode += 1
 
     def take(self, episode: int):
         """(record indices, RolloutBatch) of `episode`, once generated; and how many batches were ready."""
-        got, index, future = self.queue.popleft()
-        assert got == episode, f"async rollout: expected episode {episode}'s batch, got {got}'s"
-        ready = 1 + sum(f.done() for _, _, f in self.queue) if future.done() else 0
+        got, index, future, _ = self.queue.popleft()
+        assert got == episode, f"rollout: expected episode {episode}'s batch, got {got}'s"
+        ready = 1 + sum(entry[2].done() for entry in self.queue) if future.done() else 0
         return index, future.result(), ready
+
+    def data_position(self) -> dict | None:
+        """The data position a checkpoint records now: from before the first batch drawn ahead of
+        the trainer (None: nothing is ahead, the sampler's own state is it)."""
+        return self.queue[0][3] if self.queue else None
 
     def _generate(self, index, hold):
         with self._lock:
@@ -243,54 +257,76 @@ def enforce_bound(run, index, batch, rewards, current: int, n: int):
     return out, torch.cat(scores), None, metrics
 
 
-def train(cfg, resume, log, phases: list, prepare) -> dict:
-    """GRPO with generation up to runtime.algorithm.max_staleness versions ahead (the module docstring).
-    prepare(run): the algorithm's set-up before the first evaluation. Returns the last episode's metrics."""
-    rt = cfg.runtime
-    n, k = cfg.models["policy"].config.n, rt.algorithm.max_staleness
+def schedule(algo) -> tuple:
+    """(k, asynchronous): how many versions generation runs ahead, and whether weights reach the
+    engine with requests in flight (max_staleness) or once it is idle (sync, overlap_generation)."""
+    if algo.max_staleness is not None:
+        return algo.max_staleness, True
+    return int(algo.overlap_generation), False
+
+
+def train(cfg, resume, log, phases: list) -> dict:
+    """GRPO's episodes, k versions ahead (the module docstring). Returns the last episode's metrics."""
+    rt, algo = cfg.runtime, cfg.runtime.algorithm
+    n = cfg.models["policy"].config.n
+    k, asynchronous = schedule(algo)
+    mode = "keep" if asynchronous else "wait"  # keep: requests in flight go on under new weights
     with (
         Run(cfg, resume, phases, log, records_per_episode=rt.sample_per_episode // n) as run,
-        Rollouts(run, k, rt.algorithm.handover_step) as rollouts,
+        Rollouts(run, k, algo.handover_step) as rollouts,
     ):
         timer, metrics = run.timer, {}
-        prepare(run)
         run.evaluate_start()
-        current = run.policy.weight_versions()[0]  # the engine's version of the trainer's weights
+        current = run.policy.weight_versions()[0] if asynchronous else None
         for episode in range(run.start_episode, rt.num_episode + 1):
             start = time.perf_counter()
-            rollouts.fill(episode, next_checkpoint(run, episode), current)
+            # asynchronous: nothing in flight at a checkpoint (its resume is exact)
+            limit = next_checkpoint(run, episode) if asynchronous else rt.num_episode
+            rollouts.fill(episode, limit, current)
             waited = time.perf_counter()
             with timer("generate"):  # what the trainer waits for: its idle time
                 index, batch, ready = rollouts.take(episode)
             waited = time.perf_counter() - waited
-            if batch.weight_versions is None:
-                raise RuntimeError(
-                    "runtime.algorithm.max_staleness: the policy's batches carry no per-token "
-                    "weight_versions (RolloutBatch.weight_versions); use the vllm backend, or "
-                    "a decode_internal that keeps them"
-                )
             with timer("reward"):
-                rewards = run.score(batch)
-            batch, rewards, keep, bound = enforce_bound(run, index, batch, rewards, current, n)
-            if keep is not None:
-                batch.loss_mask = batch.loss_mask * keep.unsqueeze(1)
-            observed = st.staleness_metrics(batch.weight_versions, batch.loss_mask, current)
+                rewards = run.score(batch)  # (S,)
+            extra = {}
+            if algo.dynamic_sampling:  # k = 0: groups with no gradient out, fresh ones in
+                batch, rewards, extra = sample_full_groups(run, batch, rewards, n)
+            if asynchronous:
+                batch, rewards, extra = bounded(run, index, batch, rewards, current, n)
             metrics = update(
                 run, batch, rewards, n, sync=False, current_version=current if k else None
             )
-            with timer("sync"):  # requests in flight continue under the new weights
-                run.sync_policy(mode="keep")
-            current = run.policy.weight_versions()[0]
-            elapsed = time.perf_counter() - start
-            metrics.update(
-                observed,
-                **bound,
-                **{
-                    "async/buffer_fill": ready / (k + 1),
-                    "async/trainer_idle_fraction": waited / elapsed,
-                    "async/engine_idle_fraction": min(1.0, rollouts.pop_engine_idle() / elapsed),
-                },
-            )
-            # nothing was drawn past a checkpoint's episode: the sampler's state is its data position
-            run.end_episode(episode, metrics, start)
+            metrics.update(extra)
+            with timer("sync"):  # wait: the batch generating ahead (k = 1) finishes first
+                run.sync_policy(mode=mode)
+            if asynchronous:
+                current = run.policy.weight_versions()[0]
+                elapsed = time.perf_counter() - start
+                metrics.update(
+                    {
+                        "async/buffer_fill": ready / (k + 1),
+                        "async/trainer_idle_fraction": waited / elapsed,
+                        "async/engine_idle_fraction": min(
+                            1.0, rollouts.pop_engine_idle() / elapsed
+                        ),
+                    }
+                )
+            run.end_episode(episode, metrics, start, rollouts.data_position())
     return metrics
+
+
+def bounded(run, index, batch, rewards, current: int, n: int):
+    """The staleness bound on a batch of an asynchronous run: (batch, rewards, metrics) with the
+    groups past it dropped from the loss or regenerated (enforce_bound) and the staleness observed."""
+    if batch.weight_versions is None:
+        raise RuntimeError(
+            "runtime.algorithm.max_staleness: the policy's batches carry no per-token "
+            "weight_versions (RolloutBatch.weight_versions); use the vllm backend, or "
+            "a decode_internal that keeps them"
+        )
+    batch, rewards, keep, metrics = enforce_bound(run, index, batch, rewards, current, n)
+    if keep is not None:
+        batch.loss_mask = batch.loss_mask * keep.unsqueeze(1)
+    metrics.update(st.staleness_metrics(batch.weight_versions, batch.loss_mask, current))
+    return batch, rewards, metrics
