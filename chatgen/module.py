@@ -59,6 +59,41 @@ def startup_gc():
             gc.enable()
 
 
+# How the run dispatches a declared method over a model's worker ranks (chatgen.rlhf.runtime's ModelHandle):
+DISPATCH = {
+    "all": "every rank (a collective call); one result per rank",
+    "first": "every rank; rank 0's result",
+    "split": "every rank, the batch (first argument) split over the data-parallel ranks; one result per "
+    "DP rank",
+}
+
+
+def remote(dispatch: str = "all"):
+    """Declare a method the run calls from the driver, and how (DISPATCH); verl declares its workers'
+    methods the same way (`@register(dispatch_mode=...)`). The run calls it as a method of the model's
+    handle: `runtime["policy_trainer"].train_step(batch, loss_fn)`; an undeclared method is not callable
+    there, so what a trainer offers the run is read off its class. An override in a subclass keeps its
+    base's declaration."""
+    if dispatch not in DISPATCH:
+        raise ValueError(f"dispatch {dispatch!r}: use one of {', '.join(DISPATCH)}")
+
+    def declare(method):
+        method.chatgen_dispatch = dispatch
+        return method
+
+    return declare
+
+
+def remote_methods(cls) -> dict:
+    """{method name: dispatch} of every method `cls` or a base of it declares with `remote`."""
+    declared = {}
+    for klass in reversed(cls.__mro__):
+        for name, value in vars(klass).items():
+            if hasattr(value, "chatgen_dispatch"):
+                declared[name] = value.chatgen_dispatch
+    return declared
+
+
 class Module:
     """Base of VLLMModule, MegatronModule and user Python modules; see the module docstring."""
 

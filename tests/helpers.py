@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from chatgen import models
+from chatgen.models import layout
 
 REPO = Path(__file__).resolve().parents[1]
 TOL = 1e-4  # fp32: two implementations' log-probs of the same weights agree within this
@@ -116,7 +117,7 @@ def make_spec(
 
 def random_hf_state(spec, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = models.hf_param_shapes(spec)
+    shapes = layout.hf_param_shapes(spec)
     return {name: torch.randn(shape, generator=g) for name, shape in shapes.items()}
 
 

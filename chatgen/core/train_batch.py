@@ -66,6 +66,9 @@ class TrainBatch:
     def items(self) -> list:
         return [(k, self[k]) for k in self.keys()]
 
+    def __iter__(self):
+        return iter(self.keys())
+
     def __contains__(self, key) -> bool:
         return key in self.keys()
 

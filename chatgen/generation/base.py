@@ -41,6 +41,7 @@ from chatgen.core.imports import load_plugin, plugins
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
 from chatgen.generation.batching import generation_output, iter_samples, rollout_batch, unpad_batch
+from chatgen.models import layout
 from chatgen.module import Module
 
 logger = logging.getLogger(__name__)
@@ -344,7 +345,7 @@ class GenerationModule(Module):
 
     def weight_manifest(self) -> dict:
         """{HF name: shape} of every weight the model takes (what a full sync must send), from its config.json."""
-        return models.hf_param_shapes(models.spec_from_hf_config(self.hf_config))
+        return layout.hf_param_shapes(models.spec_from_hf_config(self.hf_config))
 
     def load_weights(self, buckets, mode: str = "wait") -> int:
         """Write HF-named weights: `buckets`, an iterable of lists of (HF name, full tensor), each bucket holding

@@ -2,7 +2,7 @@
 
     from chatgen import models
     spec = models.spec_from_hf_config(json.load(open("DIR/config.json")))   # dispatches on model_type
-    models.hf_param_shapes(spec)          # {HF name: shape}: the manifest a weight sync must deliver
+    layout.hf_param_shapes(spec)          # (chatgen.models.layout) {HF name: shape}: what a sync delivers
     models.family(spec).param_mappings(spec)
 
 A family is the module `chatgen/models/<model_type>.py` (llama.py, qwen2.py, qwen3.py) with four functions:
@@ -72,22 +72,11 @@ def spec_from_hf_config(hf_config: dict) -> ModelSpec:
     return family(hf_config.get("model_type")).spec_from_hf(hf_config)
 
 
-def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
-    """Every HF tensor name -> shape, in checkpoint order (embedding, layers, final norm, head)."""
-    # layout imports this package: import it when called
-    from chatgen.models.layout import (
-        stage_params,
-    )
-
-    return {name: shape for sp in stage_params(spec, 1, 0) for name, shape in sp.hf.items()}
-
-
 __all__ = [
     "ModelSpec",
     "ParamMapping",
     "family",
     "spec_from_hf_config",
-    "hf_param_shapes",
     "register_family",
     "supported",
 ]

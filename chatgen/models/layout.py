@@ -267,3 +267,8 @@ def megatron_to_hf(shards: dict, spec: ModelSpec, tp: int, pp: int) -> dict:
                 ) from None
             hf.update(zip(sp.hf_names, tensors))
     return hf
+
+
+def hf_param_shapes(spec: ModelSpec) -> dict[str, tuple]:
+    """Every HF tensor name -> shape, in checkpoint order (embedding, layers, final norm, head)."""
+    return {name: shape for sp in stage_params(spec, 1, 0) for name, shape in sp.hf.items()}

@@ -16,22 +16,20 @@ import it. `chatgen check-sync` (chatgen.tools.check_sync) proves a sync exact. 
 """
 
 from chatgen.param_sync.adapter_sync import AdapterSender, sync_adapter
-from chatgen.param_sync.checks import SyncError, SyncReport, check_manifest, plan_manifest
-from chatgen.param_sync.group import (
-    BroadcastReceiver,
-    BroadcastSender,
-    GroupReceiver,
-    GroupSender,
-    SyncReceiver,
-    SyncSender,
+from chatgen.param_sync.checks import (
+    Receiver,
+    Sender,
+    SyncError,
+    SyncReport,
+    check_manifest,
+    plan_manifest,
 )
+from chatgen.param_sync.group import GroupReceiver, GroupSender
 from chatgen.param_sync.local import LocalSender, sync_weights
 from chatgen.param_sync.shm import (
-    IpcSender,
     SharedMemoryUnavailable,
     ShmReceiver,
     ShmSender,
-    load_ipc,
     load_shm,
     remove_stale_segments,
 )
@@ -51,15 +49,10 @@ __all__ = [
     "load_shm",
     "remove_stale_segments",
     "SyncReport",
+    "Sender",
+    "Receiver",
     "SyncError",
     "SharedMemoryUnavailable",
     "check_manifest",
     "plan_manifest",
-    # earlier names of the same transports
-    "SyncSender",
-    "SyncReceiver",
-    "BroadcastSender",
-    "BroadcastReceiver",
-    "IpcSender",
-    "load_ipc",
 ]

@@ -11,12 +11,43 @@ import dataclasses
 import hashlib
 import hmac
 import json
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
 
 from chatgen.core.tensors import numel
 
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16)}
+
+
+@runtime_checkable
+class Sender(Protocol):
+    """The trainer's end of a transport (LocalSender, GroupSender, ShmSender, AdapterSender)."""
+
+    def send(self, source, validate: bool = False, bucket_bytes: int = ...) -> "SyncReport":
+        """Deliver `source`'s weights (chatgen.param_sync.weight_source); collective over its ranks."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Receiver(Protocol):
+    """The engine's end of a transport that crosses processes (GroupReceiver, ShmReceiver)."""
+
+    def receive_into(
+        self,
+        target,
+        mode: str = "wait",
+        *,
+        header: Optional[dict] = None,
+        alive: Optional[Callable[[], bool]] = None,
+    ) -> "SyncReport":
+        """Load one sync into `target` (a generation module), in `mode` (its requests in flight).
+        header: the trainer's sync header when the transport hands it over out of band (shm: the
+        handshake; a group reads its own from the wire); alive: polled while waiting for a transport
+        that waits (group), False ends the sync with a SyncError."""
+
+    def close(self) -> None: ...
 
 
 class SyncError(RuntimeError):

@@ -280,11 +280,14 @@ class GroupReceiver:
         self._pg = self._store = None
         self._open = False
 
-    def receive_into(self, target, mode: str = "wait", alive=None) -> SyncReport:
+    def receive_into(
+        self, target, mode: str = "wait", *, header: dict | None = None, alive=None
+    ) -> SyncReport:
         """Receive one sync and load it into `target` (a generation module: chatgen.generation.base); blocks until
         it arrives, is refused, or a deadline passes (with `timeout`: the trainer gets that long to connect, the
         first time, and prove the token, then as long again for the manifest, each bucket and the end).
-        mode: what the target does with requests in flight (`GenerationModule.load_weights`). alive: optional
+        mode: what the target does with requests in flight (`GenerationModule.load_weights`). header:
+        unused (the trainer's comes over the group's own wire); the Receiver protocol's. alive: optional
         callable polled while waiting; returning False (the trainer died, the server's operator stopped the
         update) ends the sync with a SyncError. A listening engine checks every value for NaN / inf itself,
         whatever the trainer's header says (a run's engine ranks rely on their trainer's check: one sum less per
@@ -418,22 +421,3 @@ class GroupReceiver:
             patience.check()
             time.sleep(0.05)
         self._pg = process_group(self._store, 1, timeout=patience.remaining())
-
-
-def SyncSender(host: str, port: int, token: str) -> GroupSender:  # noqa: N802 - the name it had as a class
-    """The sender to one engine that hosts the rendezvous: `GroupSender.to(host, port, token)`."""
-    return GroupSender.to(host, port, token)
-
-
-def SyncReceiver(
-    host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S
-) -> GroupReceiver:  # noqa: N802
-    """One engine rank hosting the rendezvous: `GroupReceiver.listen(host, port, timeout)`."""
-    return GroupReceiver.listen(host, port, timeout)
-
-
-# the names of a run's generation group
-BroadcastSender, BroadcastReceiver = (
-    GroupSender,
-    GroupReceiver,
-)

@@ -214,10 +214,18 @@ class ShmReceiver:
         self.path = os.path.join(self.directory, f"weights-{secrets.token_hex(8)}")
         return self.path
 
-    def receive_into(self, target, mode: str = "wait", *, header: dict) -> SyncReport:
+    def receive_into(
+        self, target, mode: str = "wait", *, header: dict | None = None, alive=None
+    ) -> SyncReport:
         """Check the trainer's `header` (a `sync_header`, handed over by the handshake) against `target` (a
         generation module), then load the weights from the file named last. Any failure drops the file
-        (SyncError; before the load, the engine keeps its old weights)."""
+        (SyncError; before the load, the engine keeps its old weights). alive: unused (the file is
+        written before this is called: nothing to wait for); the Receiver protocol's."""
+        if header is None:
+            raise SyncError(
+                "ShmReceiver.receive_into needs the trainer's sync header (header=...), handed over "
+                "by the handshake that names the file; the engine keeps its old weights"
+            )
         start = time.perf_counter()
         try:
             check_header(header, target)
@@ -355,10 +363,3 @@ def _running(pid: int) -> bool:
     except PermissionError:  # another user's process: running
         return True
     return True
-
-
-# the names of NeMo RL's update_weights_via_ipc path
-IpcSender, load_ipc = (
-    ShmSender.owned,
-    load_shm,
-)

@@ -21,6 +21,7 @@ import typing
 from pathlib import Path
 
 from chatgen.config import ConfigError
+from chatgen.rlhf.ray_cluster import cluster_address
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK")
 
@@ -273,3 +274,15 @@ def ranks_by_node(bundle_nodes: list) -> list:
     for node in bundle_nodes:
         first.setdefault(node, len(first))
     return sorted(range(len(bundle_nodes)), key=lambda b: (first[bundle_nodes[b]], b))
+
+
+def launcher(cfg, plans: list) -> str:
+    """ "local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
+    choice = cfg.runtime.launcher
+    fits = len(plans) == 1 and plans[0].world == 1 and not cluster_address(cfg.runtime)
+    if choice == "local" and not fits:
+        raise ValueError(
+            "runtime.launcher: local needs every model in one colocation group of one rank and no "
+            "cluster (runtime.ray_address, RAY_ADDRESS); use launcher: ray (or auto) for this run"
+        )
+    return "local" if choice == "local" or (choice == "auto" and fits) else "ray"

@@ -311,8 +311,8 @@ class Run:
             else ("input_ids", "attention_mask")
         )
         data = {k: data[k] for k in keys}
-        method = "base_forward_tokens" if base else "forward_tokens"
-        return torch.cat(self.runtime[name].split_call(method, data))
+        model = self.runtime[name]
+        return torch.cat((model.base_forward_tokens if base else model.forward_tokens)(data))
 
     def train(self, name: str, data: dict, loss_fn, group_size: int = 1, per_step: bool = False):
         """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),
@@ -334,7 +334,7 @@ class Run:
             ).reshape(-1)
             for start in range(0, n, rt.train_global_batch_size):
                 shard = select(data, order[start : start + rt.train_global_batch_size])
-                steps.append(self.runtime[name].split_call("train_step", shard, loss_fn)[0])
+                steps.append(self.runtime[name].train_step(shard, loss_fn)[0])
                 self.health.check(name, steps[-1])
         return steps if per_step else reduce_metrics(steps)
 
@@ -355,7 +355,7 @@ class Run:
         """Checkpoint every trainer and the driver state atomically (chatgen.rlhf.checkpoint)."""
         tmp = ckpt.begin_checkpoint(self.save_dir, episode)
         for name in self.trainers:
-            self.runtime[name].call("save_checkpoint", str(tmp / name))
+            self.runtime[name].save_checkpoint(str(tmp / name))
         # what a resume compares its config with (_check_restored_keys)
         state = {
             "episode": episode,
@@ -370,7 +370,7 @@ class Run:
     def _resume(self, path: Path) -> None:
         state = ckpt.load_state(path)
         for name in self.trainers:
-            self.runtime[name].call("load_checkpoint", str(path / name))
+            self.runtime[name].load_checkpoint(str(path / name))
         self.data.sampler.load_state_dict(state["sampler"])
         self.start_episode = state["episode"] + 1
         if self.links.pairs:
@@ -424,7 +424,7 @@ class Run:
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})
         for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
             # memory/*: peaks of the trainer's process
-            metrics.update(self.runtime[name].first("memory_stats"))
+            metrics.update(self.runtime[name].memory_stats())
         metrics.update(self._generation_metrics(), **self.pending_metrics)
         self.pending_metrics = {}
         self.logger.log(episode, metrics)

@@ -1,7 +1,7 @@
 """The runtime: each model of the main YAML runs as a group of workers with ranks and a master address.
 
     runtime = Runtime.start(cfg)          # Ray actors (or one in-process worker), model init
-    runtime["policy_trainer"].call("train_step", batch, loss_fn)     # on every rank -> [result per rank]
+    runtime["policy_trainer"].train_step(batch, loss_fn)  # as the method declares (@remote("split"))
     runtime.shutdown()                    # kill the actors; stop Ray if we started it
 
 `runtime.launcher` picks how: `ray` runs every group as Ray actors (`ActorGroup`); `local` runs the one group
@@ -27,6 +27,7 @@ running.
 """
 
 import dataclasses
+import functools
 import os
 import time
 import traceback
@@ -39,12 +40,13 @@ from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class, require
 from chatgen.core.tensors import select
 from chatgen.generation.base import load_backend
-from chatgen.module import startup_gc
+from chatgen.module import remote_methods, startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
 from chatgen.rlhf.checks import backend_kind
 from chatgen.rlhf.generation_group import GenerationGroup
 from chatgen.rlhf.placement import (
     engine_tp,
+    launcher,
     placement_problems,
     plan_groups,
     ranks_by_node,
@@ -285,11 +287,11 @@ class LocalGroup:
     def kill(self) -> None:
         self.worker.stop()
         # the driver is no rank once its models are gone
-        for (
-            key,
-            value,
-        ) in self.driver_ranks.items():
-            os.environ.pop(key, None) if value is None else os.environ.update({key: value})
+        for key, value in self.driver_ranks.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 class ModelHandle:
@@ -299,6 +301,18 @@ class ModelHandle:
         self.name, self.entry, self.group = name, entry, group
         self.backend = entry.backend
         self.dp_ranks = None  # Megatron: data-parallel rank of each actor (set by Runtime.start)
+        self.declared = {}  # {method: dispatch} its class declares with chatgen.module.remote
+
+    def __getattr__(self, method: str):
+        """A method its class declares with `@remote(dispatch)`: all -> call, split -> split_call."""
+        declared = self.__dict__.get("declared") or {}
+        if method.startswith("_") or method not in declared:
+            raise AttributeError(
+                f"{self.__dict__.get('name')}: {method!r} is not a method its class declares for the "
+                f"run (@chatgen.module.remote); declared: {', '.join(sorted(declared)) or 'none'}"
+            )
+        dispatch = {"all": self.call, "first": self.first, "split": self.split_call}
+        return functools.partial(dispatch[declared[method]], method)
 
     def call(self, method: str, *args, **kwargs) -> list:
         return self.group.get(
@@ -419,6 +433,10 @@ class Runtime:
             # data-parallel rank of each actor (None for a model without DP)
             for h in handles.values():
                 h.dp_ranks = h.group.get(h.group.run_async(_dp_rank, h.name), "dp rank")
+                if isinstance(h, ModelHandle):  # what its class declares (chatgen.module.remote)
+                    h.declared = h.group.get(h.group.run_async(_remote_methods, h.name), "methods")[
+                        0
+                    ]
         except BaseException:
             cls(groups, handles, started).shutdown()
             raise
@@ -450,6 +468,10 @@ def _dp_rank(worker, name):
     return getattr(worker.models[name], "dp_rank", None)
 
 
+def _remote_methods(worker, name):  # chatgen.module.remote
+    return remote_methods(type(worker.models[name]))
+
+
 def call_model(worker, name, method, *args):
     """`models[name].method(*args)` in a worker (for `run_each`, which passes each rank its own arguments)."""
     return getattr(worker.models[name], method)(*args)
@@ -475,15 +497,3 @@ def require_packages(cfg, local: bool) -> None:
         if backend_kind(entry.backend) == "generation" and not entry.model_class:
             for package in getattr(load_backend(entry.backend), "REQUIRES", ()):
                 require(package, f"models.{name} (backend: {entry.backend})")
-
-
-def launcher(cfg, plans: list) -> str:
-    """ "local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
-    choice = cfg.runtime.launcher
-    fits = len(plans) == 1 and plans[0].world == 1 and not cluster_address(cfg.runtime)
-    if choice == "local" and not fits:
-        raise ValueError(
-            "runtime.launcher: local needs every model in one colocation group of one rank and no "
-            "cluster (runtime.ray_address, RAY_ADDRESS); use launcher: ray (or auto) for this run"
-        )
-    return "local" if choice == "local" or (choice == "auto" and fits) else "ray"

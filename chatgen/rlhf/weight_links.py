@@ -147,7 +147,7 @@ class WeightLinks:
 
     def _offload(self, weights: bool) -> None:
         for name in self.offloading:
-            self.runtime[name].call("offload", weights)
+            self.runtime[name].offload(weights)
 
 
 def engine_death(target_name: str, receiving: list) -> ActorFailure | None:

@@ -23,12 +23,14 @@ from chatgen.core.checkpoint_io import (
 )
 from chatgen.models import layout
 from chatgen.models.lora_format import CHECKPOINT_DIR
+from chatgen.module import remote
 from chatgen.training import dist_checkpoint, lora, lora_peft
 
 
 class Checkpoints:
     """save_checkpoint / load_checkpoint (hooks a subclass may override) and what they read and write."""
 
+    @remote("all")
     def save_checkpoint(self, path) -> str:
         """Write weights + optimizer state to directory `path` atomically, as a megatron-core distributed
         checkpoint: each rank writes its own shards, and `load_checkpoint` reads it back at any TP x PP x DP
@@ -73,6 +75,7 @@ class Checkpoints:
         dist.barrier()
         return str(path)
 
+    @remote("all")
     def load_checkpoint(self, path) -> None:
         """Load weights from an HF directory (converted to this rank's shard) or a chatgen Megatron checkpoint.
 

@@ -327,29 +327,6 @@ def adapter_disabled(model):
             m.enabled = True
 
 
-class LoRAHooks:
-    """`MegatronModule`'s LoRA methods (a mixin): its base as the KL reference, its adapter for a sync."""
-
-    def base_forward_tokens(self, data: dict) -> torch.Tensor:
-        """`forward_tokens` of the base model (every adapter off): a LoRA policy's KL reference, from the same
-        weights, no second copy. Without adapters it is `forward_tokens`."""
-        with adapter_disabled(self.model):
-            return self.forward_tokens(data)
-
-    def adapter_weights(self):
-        """The adapter alone as a weight source (PEFT's names), for an adapter-only sync
-        (chatgen.param_sync.adapter_sync); collective at its first use."""
-        from chatgen.training.lora_sync import AdapterWeights
-
-        return AdapterWeights(self)
-
-    def export_adapter(self, directory) -> str:
-        """Write the adapter as a PEFT adapter directory (chatgen/training/lora_peft.py); collective."""
-        from chatgen.training.lora_peft import export_peft
-
-        return export_peft(self, directory)
-
-
 @torch.no_grad()
 def randomize(trainer, seed: int, std: float = 0.1) -> None:
     """Give every adapter a random B (N(0, std), the same full tensor at any layout), so that the adapted model

@@ -40,11 +40,12 @@ from chatgen import models
 from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
 from chatgen.core.distributed import init_process_group
 from chatgen.models import layout
-from chatgen.module import Module
+from chatgen.module import Module, remote
 from chatgen.training import cpu_compat, lora, lora_peft
 from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
+from chatgen.training.lora_hooks import LoRAHooks
 from chatgen.training.memory import MemoryHandoff
 from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
@@ -158,7 +159,7 @@ class MegatronModule(
     ModelBuild,
     TokenScoring,
     Schedule,
-    lora.LoRAHooks,
+    LoRAHooks,
     Module,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
@@ -358,6 +359,7 @@ class MegatronModule(
             **fam.gpt_model_kwargs(self.spec),
         )
 
+    @remote("split")
     @torch.no_grad()
     def forward_tokens(self, data: dict) -> torch.Tensor:
         """The model's per-token outputs for a batch, without gradient: what the framework asks a trainer or
@@ -381,6 +383,7 @@ class MegatronModule(
         }
         return self.run_schedule(split_batch(batch, mbs), loss_fn=None, forward_only=True)
 
+    @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches.
 

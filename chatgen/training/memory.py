@@ -13,6 +13,8 @@ pageable memory. Weight buffers here include the expert-parallel ones (a mixture
 
 import torch
 
+from chatgen.module import remote
+
 
 def weight_storages(ddp) -> set:
     """Data pointers of the model's weight buffers (dense and expert-parallel): an optimizer tensor that lives in
@@ -65,6 +67,7 @@ def move_optimizer_state(
 class MemoryHandoff:
     """offload / onload / memory_stats; `self._offloaded` and `self._memory_peaks` are set by the class."""
 
+    @remote("all")
     def offload(self, params: bool = True) -> None:
         """Before a colocated engine takes the GPU: move the training state the config names to host memory
         (`offload_grads`: the gradient buffers are freed, they hold nothing between steps; `offload_optimizer`:
@@ -96,6 +99,7 @@ class MemoryHandoff:
         self._offloaded = tuple(sorted(moved))
         torch.cuda.empty_cache()
 
+    @remote("all")
     def onload(self, pieces=("params", "grads", "optimizer")) -> None:
         """Bring back to the GPU what `offload` moved of `pieces` (gradient buffers come back zeroed): a forward
         pass or a weight sync needs only the params. Not collective."""
@@ -131,6 +135,7 @@ class MemoryHandoff:
             pin=torch.cuda.is_available(),
         )
 
+    @remote("first")
     def memory_stats(self) -> dict:
         """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
         allocated through torch: `memory/trainer_peak_gib` while this model held its state (forward passes,

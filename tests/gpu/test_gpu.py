@@ -423,10 +423,10 @@ def test_grpo_smollm2_colocated_on_one_gpu(smollm2_dir, tmp_path, monkeypatch):
 
 def _nccl_sender(model_dir, port):
     """The trainer process (GPU 1): one validated sync over the NCCL channel into the engine's process."""
-    from chatgen.param_sync import SyncSender, sync_weights
+    from chatgen.param_sync import GroupSender, sync_weights
 
     module = trainer(model_dir, dtype="bfloat16")
-    return sync_weights(module, SyncSender("127.0.0.1", port), validate=True).tensors
+    return sync_weights(module, GroupSender.to("127.0.0.1", port), validate=True).tensors
 
 
 @needs_vllm
@@ -434,12 +434,12 @@ def _nccl_sender(model_dir, port):
 def test_nccl_weight_channel_between_processes(tiny_llama_dir, monkeypatch):
     """Trainer on GPU 1 in its own process, engine on GPU 0 in this one: the weights cross over a private NCCL
     group, each tensor checked by its fingerprint on arrival."""
-    from chatgen.param_sync import SyncReceiver
+    from chatgen.param_sync import GroupReceiver
     from chatgen.training.launcher import DistributedJob
 
     torch.cuda.set_device(0)
     llm = engine(tiny_llama_dir, dtype="bfloat16")
-    rx = SyncReceiver()
+    rx = GroupReceiver.listen()
     # The child's CUDA must see GPU 1 only from its first CUDA call, which importing this module makes
     # (torch.cuda.device_count above): it inherits this process's environment when it is spawned.
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")

@@ -27,9 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from timeouts import scaled
 
 from chatgen.cli.init import RECIPES
-from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 

@@ -196,8 +196,8 @@ def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(
     import json
     from pathlib import Path
 
-    from chatgen.rlhf.algorithms.grpo import step as grpo_step
     from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.algorithms.grpo import step as grpo_step
     from chatgen.rlhf.config import load_config
 
     repo = Path(__file__).resolve().parents[2]
@@ -360,9 +360,10 @@ def test_check_sync_lora_both_ways(llama, tmp_path, how, train_tp, backend):
     assert result["max_abs_logprob_diff"] < TOL
     from chatgen import models
     from chatgen.core.checkpoint_io import read_hf_config
+    from chatgen.models import layout
 
     spec = models.spec_from_hf_config(read_hf_config(llama))
-    full = sum(4 * math.prod(s) for s in models.hf_param_shapes(spec).values())  # fp32, merged
+    full = sum(4 * math.prod(s) for s in layout.hf_param_shapes(spec).values())  # fp32, merged
     assert (result["sync_bytes"] < 0.05 * full) == (how == "adapter")
     # the adapters are not zero: the base model's log-probs are elsewhere
     base = base_model_diff(llama, result["samples"])

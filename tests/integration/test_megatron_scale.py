@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
+from helpers import batch, build, nll_loss, optimizer_state
 from safetensors.torch import load as from_bytes
 from safetensors.torch import save as to_bytes
-from helpers import batch, build, nll_loss, optimizer_state
 
 pytestmark = pytest.mark.integration
 

@@ -138,21 +138,20 @@ def test_disaggregated_replicas_then_one_dies_mid_episode(
 def test_weights_through_shared_memory_into_an_engine(tiny_llama_dir):
     """update_weights_via_ipc's engine end: the trainer's signed file in /dev/shm, mapped and loaded by a real
     engine (started on random weights: only the load can make it the model); a wrong token is refused first."""
-    from safetensors.torch import load_file
     from helpers import engine, generate, generated_diff_vs_hf
+    from safetensors.torch import load_file
 
-    from chatgen.param_sync import SyncError
-    from chatgen.param_sync import IpcSender, load_ipc
+    from chatgen.param_sync import ShmSender, SyncError, load_shm
 
     llm = engine(tiny_llama_dir)
     try:
         state = load_file(str(tiny_llama_dir / "model.safetensors"))
-        sender = IpcSender("secret")
+        sender = ShmSender.owned("secret")
         handles = sender.write(list(state.items()))
         with pytest.raises(SyncError, match="not signed with this run's token"):
-            load_ipc(llm, handles, "another")
+            load_shm(llm, handles, "another")
         assert generated_diff_vs_hf(tiny_llama_dir, generate(llm)) > 1e-2
-        report = load_ipc(llm, handles, "secret")
+        report = load_shm(llm, handles, "secret")
         assert report.tensors == len(state) and llm.weight_version == 1
         assert generated_diff_vs_hf(tiny_llama_dir, generate(llm)) < SYNC_TOL
         sender.close()

@@ -72,7 +72,7 @@ def sampled(completion):
 
 
 def test_engine_records_sampled_logprobs(llm):
-    assert adapter.sampled_logprobs.applies(llm)
+    assert adapter.sampled_logprobs.applies(llm, adapter.engine.in_process_workers(llm))
     assert llm.chatgen_sampled_logprobs is not None
 
 

@@ -145,10 +145,10 @@ def _cross_process_trainer(model_dir, layouts, port, token):
     DP = 2: two replicas of the whole model, rank 0 sends."""
     from megatron.core import parallel_state as ps
 
-    from chatgen.param_sync import SyncSender
+    from chatgen.param_sync import GroupSender
     from chatgen.training.megatron_module import MegatronModule
 
-    tx = SyncSender("127.0.0.1", port, token)
+    tx = GroupSender.to("127.0.0.1", port, token)
     for tp, pp in layouts:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
@@ -164,12 +164,12 @@ def _cross_process_trainer(model_dir, layouts, port, token):
 def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
     """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, then DP 2 -> 1, over a private
     gloo group."""
-    from chatgen.param_sync import SyncReceiver
+    from chatgen.param_sync import GroupReceiver
     from chatgen.training.launcher import DistributedJob
 
     model_dir = models[name]
     llm = engine(model_dir)
-    rx = SyncReceiver()
+    rx = GroupReceiver.listen()
     layouts = [(2, 1), (1, 2), (1, 1)]
     job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
     try:

@@ -405,7 +405,7 @@ def test_mixtral_maps_its_checkpoint_names_and_renormalises():
         True,
         False,
     )
-    hf = set(models.hf_param_shapes(spec))
+    hf = set(layout.hf_param_shapes(spec))
     assert {
         "model.layers.0.block_sparse_moe.gate.weight",
         "model.layers.3.block_sparse_moe.experts.3.w3.weight",

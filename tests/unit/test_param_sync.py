@@ -8,7 +8,6 @@ import pytest
 import torch
 from helpers import make_spec
 
-from chatgen import models
 from chatgen.core.distributed import free_port
 from chatgen.core.tensors import numel
 from chatgen.models import layout
@@ -22,7 +21,7 @@ def test_plan_sends_every_hf_tensor_once_within_bucket_bounds(tp, pp):
     padded = spec.padded_vocab_size(tp, 16)
     bucket_bytes = 20_000
     plan = hf_export.plan_buckets(spec, tp, pp, padded, itemsize=4, bucket_bytes=bucket_bytes)
-    shapes = models.hf_param_shapes(spec)
+    shapes = layout.hf_param_shapes(spec)
     assert checks.plan_manifest([b.hf for b in plan]) == {n: tuple(s) for n, s in shapes.items()}
     assert len(plan) > pp  # small buckets: several per stage
     for b in plan:
@@ -41,7 +40,7 @@ def test_plan_keeps_a_layers_experts_in_one_bucket():
     plan = hf_export.plan_buckets(
         spec, 1, 1, spec.padded_vocab_size(1, 16), itemsize=4, bucket_bytes=1
     )
-    assert checks.plan_manifest([b.hf for b in plan]) == dict(models.hf_param_shapes(spec))
+    assert checks.plan_manifest([b.hf for b in plan]) == dict(layout.hf_param_shapes(spec))
     expert_buckets = [b for b in plan if any(sp.expert is not None for sp in b.params)]
     assert len(expert_buckets) == 2  # one per layer, holding all 4 experts' gate_up and down
     for b in expert_buckets:
@@ -54,7 +53,7 @@ def test_plan_shard_shapes_match_the_conversion():
     tp = 2
     padded = spec.padded_vocab_size(tp, 16)
     plan = hf_export.plan_buckets(spec, tp, 1, padded, itemsize=4, bucket_bytes=1 << 30)
-    hf = {n: torch.zeros(s) for n, s in models.hf_param_shapes(spec).items()}
+    hf = {n: torch.zeros(s) for n, s in layout.hf_param_shapes(spec).items()}
     real = layout.hf_to_megatron(hf, spec, tp, 1, padded)[(0, 0)]
     (bucket,) = plan
     assert {sp.local_name: s for sp, s in zip(bucket.params, bucket.shard_shapes)} == {

@@ -429,6 +429,9 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
             calls.append((self.name, method, *args))
             return [None]
 
+        def offload(self, *args):  # a trainer's declared method (chatgen.module.remote)
+            return self.call("offload", *args)
+
         def get(self, refs, what):
             return refs
 

@@ -16,7 +16,7 @@ from helpers import REPO, load
 from chatgen import tasks
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch, Sample
-from chatgen.param_sync import BroadcastReceiver, BroadcastSender, IpcSender, SyncError, load_ipc
+from chatgen.param_sync import GroupReceiver, GroupSender, ShmSender, SyncError, load_shm
 from chatgen.rlhf import registry
 from chatgen.rlhf.checks import check_run
 from chatgen.rlhf.generation_group import GenerationGroup, assign
@@ -363,11 +363,11 @@ class _Target:
 
 
 def _channel(receivers: int, token: str = "secret"):
-    tx = BroadcastSender("secret", 1 + receivers)
+    tx = GroupSender("secret", 1 + receivers)
     rxs = [None] * receivers
 
     def join(i):
-        rxs[i] = BroadcastReceiver(tx.host, tx.port, i + 1, 1 + receivers, token)
+        rxs[i] = GroupReceiver(tx.host, tx.port, i + 1, 1 + receivers, token)
 
     threads = [threading.Thread(target=join, args=(i,)) for i in range(receivers)]
     [t.start() for t in threads]
@@ -427,22 +427,22 @@ def test_a_receiver_without_the_run_s_token_writes_nothing():
 
 def test_shared_memory_handles_load_into_each_engine_on_the_host(tmp_path):
     weights = [("a", torch.randn(6, 3)), ("b", torch.randn(7))]
-    sender = IpcSender("secret", root=str(tmp_path))
+    sender = ShmSender.owned("secret", root=str(tmp_path))
     handles = sender.write(weights)
     assert oct(Path(handles["path"]).parent.stat().st_mode & 0o777) == "0o700"
     targets = [_Target({n: tuple(t.shape) for n, t in weights}) for _ in range(2)]
     for target in targets:
-        assert load_ipc(target, handles, "secret").tensors == 2
+        assert load_shm(target, handles, "secret").tensors == 2
         assert all(torch.equal(target.written[n], t) for n, t in weights)
     with pytest.raises(SyncError, match="not signed with this run's token"):
-        load_ipc(_Target({}), handles, "other")
+        load_shm(_Target({}), handles, "other")
     # the old signature
     forged = {
         **handles,
         "header": {**handles["header"], "buckets": [[["a", [18]]]]},
     }
     with pytest.raises(SyncError, match="not signed"):
-        load_ipc(_Target({"a": (18,)}), forged, "secret")
+        load_shm(_Target({"a": (18,)}), forged, "secret")
     sender.close()
     assert not Path(handles["path"]).exists()
 

@@ -126,7 +126,11 @@ def test_batches_ahead_of_the_trainers_are_marked_for_the_handover():
         return index
 
     prompts = iter(range(100))
-    run = types.SimpleNamespace(generate=generate, next_prompts=lambda: [next(prompts)])
+    run = types.SimpleNamespace(
+        generate=generate,
+        next_prompts=lambda: [next(prompts)],
+        sampler=types.SimpleNamespace(state_dict=dict),
+    )
     with Rollouts(run, 2, handover_step=4) as rollouts:
         rollouts.fill(1, limit=10, version=0)  # batches 1, 2, 3 (prompts 0, 1, 2)
         assert rollouts.take(1)[1] == [0]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from chatgen import models
-from chatgen.models import tiny
+from chatgen.models import layout, tiny
 
 
 def test_spec_rejects_unsupported_head_size_and_names_the_fix(tmp_path):
@@ -97,7 +97,7 @@ def test_transformers_loads_model_with_spec_shapes(make_tiny, name):
         with safe_open(str(path / "model.safetensors"), "pt") as f:
             saved = set(f.keys())
         hf_spec = models.spec_from_hf_config(cfg)
-        assert saved == set(models.hf_param_shapes(hf_spec))
+        assert saved == set(layout.hf_param_shapes(hf_spec))
         assert (
             hf_spec.num_experts == spec.num_experts
             and hf_spec.moe_router_topk == spec.num_experts_per_tok

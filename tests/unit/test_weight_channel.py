@@ -1,4 +1,4 @@
-"""The cross-process weight channel (chatgen.param_sync.group: SyncReceiver / SyncSender over a real TCPStore and
+"""The cross-process weight channel (chatgen.param_sync.group: GroupReceiver / GroupSender over a real TCPStore and
 gloo group) against strangers and stalled trainers, with an engine stand-in that holds plain tensors.
 
     python -m pytest tests/unit/test_weight_channel.py
@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from chatgen.param_sync import SyncError, SyncReceiver, SyncSender, checks, sync_weights, wire
+from chatgen.param_sync import GroupReceiver, GroupSender, SyncError, checks, sync_weights, wire
 from chatgen.training import launcher
 
 pytestmark = pytest.mark.faults
@@ -93,7 +93,7 @@ def _old_protocol_stranger(port):
 
 def test_a_stranger_speaking_the_unauthenticated_protocol_writes_nothing():
     """It used to be: whoever connects first is the trainer (weight_version 6 -> 7, an LM head of zeros)."""
-    engine, rx = Engine(), SyncReceiver(timeout=4)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=4)
     thread, out = receive_in_background(rx, engine)
     stranger = launcher.DistributedJob(_old_protocol_stranger, 1, args=(rx.port,))
     thread.join(30)
@@ -122,7 +122,7 @@ def _stranger_in_the_group(port, proof):
 
 
 def test_a_stranger_in_the_trainers_place_is_refused_before_the_manifest():
-    engine, rx = Engine(), SyncReceiver(timeout=20)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=20)
     thread, out = receive_in_background(rx, engine)
     proof = checks.mac(rx.token, b"rendezvous").hex()  # as a legitimate trainer would have set it
     stranger = launcher.DistributedJob(_stranger_in_the_group, 1, args=(rx.port, proof))
@@ -140,14 +140,14 @@ def test_a_stranger_in_the_trainers_place_is_refused_before_the_manifest():
 def test_a_forged_rendezvous_proof_starts_no_group_and_the_trainer_still_can():
     """A wrong proof in the rendezvous does not make the engine join anything; the trainer's own proof (it
     overwrites the key) does, and its weights land."""
-    engine, rx = Engine(), SyncReceiver(timeout=20)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=20)
     thread, out = receive_in_background(rx, engine)
     store = wire.rendezvous_store("127.0.0.1", rx.port, is_server=False)
     store.set(wire.PROOF_KEY, "00" * 32)
     time.sleep(0.5)
     assert thread.is_alive() and rx._pg is None
     new = {name: t + 1 for name, t in WEIGHTS.items()}
-    assert sync_weights(new, SyncSender("127.0.0.1", rx.port, rx.token)).tensors == 2
+    assert sync_weights(new, GroupSender.to("127.0.0.1", rx.port, rx.token)).tensors == 2
     thread.join(20)
     assert out["report"].tensors == 2 and engine.weight_version == 1
     assert torch.equal(engine.weights["model.norm.weight"], new["model.norm.weight"])
@@ -156,8 +156,8 @@ def test_a_forged_rendezvous_proof_starts_no_group_and_the_trainer_still_can():
 def test_each_update_proves_its_own_token_over_the_open_group():
     """A group stays open between one client's updates; each update's token (a new one per begin, as the server
     hands them out) is proven again over it, so an old token sends nothing."""
-    engine, rx = Engine(), SyncReceiver(timeout=20)
-    tx = SyncSender("127.0.0.1", rx.port, rx.token)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=20)
+    tx = GroupSender.to("127.0.0.1", rx.port, rx.token)
     thread, _ = receive_in_background(rx, engine)
     sync_weights(zeros(), tx)
     thread.join(20)
@@ -198,9 +198,9 @@ class Stalls:
 
 
 def test_a_trainer_stalling_mid_sync_costs_one_sync_not_the_engine():
-    engine, rx = Engine(), SyncReceiver(timeout=2)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=2)
     thread, out = receive_in_background(rx, engine)
-    tx = SyncSender("127.0.0.1", rx.port, rx.token)
+    tx = GroupSender.to("127.0.0.1", rx.port, rx.token)
     start = time.monotonic()
     with pytest.raises(Exception):  # the engine left: the trainer's next operation fails
         sync_weights(Stalls(4), tx)
@@ -211,16 +211,16 @@ def test_a_trainer_stalling_mid_sync_costs_one_sync_not_the_engine():
     )
     # honest: the engine says it needs a re-sync
     assert engine.needs_resync is not None and rx.closed
-    rx = SyncReceiver(timeout=20)  # a new channel: the next sync repairs the engine
+    rx = GroupReceiver.listen(timeout=20)  # a new channel: the next sync repairs the engine
     thread, out = receive_in_background(rx, engine)
-    sync_weights(WEIGHTS, SyncSender("127.0.0.1", rx.port, rx.token))
+    sync_weights(WEIGHTS, GroupSender.to("127.0.0.1", rx.port, rx.token))
     thread.join(20)
     assert engine.needs_resync is None and engine.weight_version == 1
 
 
 def test_a_stopped_wait_ends_at_once_and_a_deadline_ends_the_connect():
     engine, stop = Engine(), threading.Event()
-    rx = SyncReceiver(timeout=60)
+    rx = GroupReceiver.listen(timeout=60)
     thread, out = receive_in_background(rx, engine, alive=lambda: not stop.is_set())
     time.sleep(0.3)
     start = time.monotonic()
@@ -253,8 +253,8 @@ class LiesAboutNaN:
 
 
 def test_the_engine_finds_nan_itself_whatever_the_header_says():
-    engine, rx = Engine(), SyncReceiver(timeout=20)
-    tx = SyncSender("127.0.0.1", rx.port, rx.token)
+    engine, rx = Engine(), GroupReceiver.listen(timeout=20)
+    tx = GroupSender.to("127.0.0.1", rx.port, rx.token)
     thread, out = receive_in_background(rx, engine)
     with pytest.raises(
         SyncError,

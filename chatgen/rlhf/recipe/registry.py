@@ -14,7 +14,7 @@ function reads: its rules sit beside it. The function itself (not its name) trav
 process, where pickling names its module, which that process imports.
 """
 
-from chatgen.config.typed import closest
+from chatgen.config.typed import did_you_mean
 from chatgen.core.imports import import_object
 
 
@@ -61,9 +61,11 @@ class Registry:
             if not callable(fn):
                 raise ValueError(f"{value!r} is not a function: a {self.kind} is {self.signature}")
             return fn
+        close = did_you_mean(value, self.functions)
+        hint = f"did you mean {close!r}? " if close else ""
         raise ValueError(
-            f"unknown {self.kind} {value!r}; {closest(value, self.functions, 'names')}, or the path "
-            f"of your own function ('my_module:name', {self.signature}; docs/extending.md)"
+            f"unknown {self.kind} {value!r}; {hint}valid names: {', '.join(self.names())}, or the "
+            f"path of your own function ('my_module:name', {self.signature}; docs/extending.md)"
         )
 
     def rules(self, value: str, algo):

@@ -129,26 +129,24 @@ class _SampledLogprobRecorder:
             del self.sample[key]
 
 
-def applies(llm: LLM) -> bool:
-    """Whether `record_sampled_logprobs` can serve this engine: its workers in this process, raw log-probs, no
-    speculative decoding."""
-    # here, not at the top: engine.py imports this module
-    from chatgen.generation.vllm.adapter.engine import in_process_workers
-
+def applies(llm: LLM, in_process: bool) -> bool:
+    """Whether `record_sampled_logprobs` can serve this engine: its workers in this process (`in_process`:
+    engine.in_process_workers, which builds the engine and this recorder), raw log-probs, no speculative
+    decoding."""
     config = llm.llm_engine.vllm_config
     return (
-        in_process_workers(llm)
+        in_process
         and config.model_config.logprobs_mode == "raw_logprobs"
         and config.speculative_config is None
     )
 
 
-def record_sampled_logprobs(llm: LLM) -> None:
-    """Where it `applies(llm)`, from now on requests that want only their sampled tokens' log-probs get them from
+def record_sampled_logprobs(llm: LLM, in_process: bool) -> None:
+    """Where it `applies(llm, in_process)`, from now on requests that want only their sampled tokens' log-probs get them from
     one gather per step (see `_SampledLogprobRecorder`; `split_step.add_request` picks them); elsewhere the engine
     keeps vLLM's path (`llm.chatgen_sampled_logprobs` None)."""
     llm.chatgen_sampled_logprobs = None
-    if not applies(llm):
+    if not applies(llm, in_process):
         return
 
     def install(worker):

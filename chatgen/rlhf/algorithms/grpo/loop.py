@@ -61,9 +61,8 @@ from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import handover
 from chatgen.rlhf.algorithms.grpo import staleness as st
 from chatgen.rlhf.algorithms.grpo.step import sample_full_groups, update
-from chatgen.rlhf.placement import plan_groups
+from chatgen.rlhf.placement import launcher, plan_groups
 from chatgen.rlhf.run import Run
-from chatgen.rlhf.runtime import launcher
 
 
 def check_keys(algo):

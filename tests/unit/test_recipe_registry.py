@@ -1,0 +1,147 @@
+"""The recipe registries (chatgen.rlhf.recipe): a knob is a function found by the YAML value that names
+it, a registered name or the path of the user's own function; a bad value is refused naming the key.
+
+    pytest tests/unit/test_recipe_registry.py
+"""
+
+import textwrap
+
+import pytest
+import torch
+
+from chatgen.config import ConfigError
+from chatgen.rlhf import losses as L
+from chatgen.rlhf import recipe
+from chatgen.rlhf.recipe.registry import Registry
+
+PLUGIN = """
+import torch
+
+from chatgen.rlhf.recipe import advantage, aggregation
+
+CALLS = []
+
+
+@advantage("plugin_sign")
+def sign(rewards, n, batch, algo):
+    CALLS.append(("advantage", tuple(rewards.shape)))
+    grouped = rewards.view(-1, n)
+    return torch.sign(grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
+
+
+@aggregation("plugin_half_sum")
+def half_sum(per_token, mask, norm_length=None):
+    CALLS.append(("aggregation", tuple(per_token.shape)))
+    return (per_token * mask).sum() / 2
+"""
+
+
+def write(path, text):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """A module outside chatgen that registers an estimator and an aggregation."""
+    write(tmp_path / "my_recipe_plugin.py", PLUGIN)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "my_recipe_plugin"
+
+
+@pytest.fixture
+def main_yaml(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    write(tmp_path / "train.jsonl", '{"prompt": "p", "answer": "a"}\n')
+    write(tmp_path / "policy.yaml", "load: /models/tiny\nn: 4\n")
+    write(tmp_path / "trainer.yaml", "load: /models/tiny\n")
+    return write(
+        tmp_path / "main.yaml",
+        """
+        runtime:
+          sample_per_episode: 16
+          data_path: train.jsonl
+          algorithm: {name: grpo}
+        models:
+          policy: {backend: vllm, model_config_file: policy.yaml}
+          policy_trainer: {backend: megatron, trainable: true, model_config_file: trainer.yaml}
+          reward: {backend: python, model_class: "chatgen.rlhf.rewards:RuleReward"}
+        """,
+    )
+
+
+def test_the_builtins_are_registered_under_their_yaml_names():
+    assert recipe.advantage.names() == ["grpo", "reinforce_pp", "rloo"]
+    assert recipe.ratio.get("token") is L.token_log_ratio
+    assert recipe.aggregation.get("token_mean") is L.token_mean
+    assert set(recipe.correction.names()) == {"token", "sequence", "geometric"}
+
+
+def test_a_plugin_path_names_the_function_and_registers_its_module(plugin):
+    fn = recipe.advantage.get(f"{plugin}:sign")
+    assert (
+        fn.__name__ == "sign" and recipe.advantage.get("plugin_sign") is fn
+    )  # imported: registered
+    adv = fn(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, None, None)
+    assert adv.tolist() == [1.0, -1.0, -1.0, -1.0]
+
+
+def test_the_yaml_names_a_plugin_and_the_config_uses_it(main_yaml, plugin):
+    from chatgen.rlhf.algorithms.grpo import step
+    from chatgen.rlhf.config import load_config
+
+    cfg = load_config(
+        main_yaml,
+        [
+            f"runtime.algorithm.advantage_estimator={plugin}:sign",
+            f"runtime.algorithm.loss_aggregation={plugin}:half_sum",
+        ],
+    )
+    options = step.loss_options(cfg)
+    assert options.aggregation.__name__ == "half_sum"
+    assert options.aggregation(torch.ones(2, 3), torch.ones(2, 3)).item() == 3.0
+
+
+@pytest.mark.parametrize(
+    "key, value, expected",
+    [
+        ("advantage_estimator", "rlooo", "did you mean 'rloo'"),
+        ("loss_aggregation", "token_sum", "valid names"),
+        ("ratio_level", "no_such_module:fn", "no module 'no_such_module'"),
+    ],
+)
+def test_an_unknown_value_is_refused_naming_the_key(main_yaml, key, value, expected):
+    from chatgen.rlhf.config import load_config
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(main_yaml, [f"runtime.algorithm.{key}={value}"])
+    message = str(raised.value)
+    assert key in message and expected in message
+
+
+def test_a_registration_carries_its_rules(main_yaml):
+    from chatgen.rlhf.config import load_config
+
+    with pytest.raises(ConfigError, match="normalize_advantage_std"):
+        load_config(
+            main_yaml,
+            [
+                "runtime.algorithm.advantage_estimator=rloo",
+                "runtime.algorithm.normalize_advantage_std=false",
+            ],
+        )
+
+
+def test_two_functions_under_one_name_are_refused():
+    registry = Registry("thing", "thing_key", "fn()")
+
+    @registry("a")
+    def first():
+        pass
+
+    registry("a")(first)  # the same function again (a module imported twice) is fine
+    with pytest.raises(ValueError, match="registered twice"):
+
+        @registry("a")
+        def second():
+            pass
