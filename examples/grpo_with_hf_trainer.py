@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from chatgen import VLLMGeneration  # noqa: E402
 from chatgen.core.jsonl import read_prompt_records  # noqa: E402
-from chatgen.rlhf.losses import group_advantages, policy_loss  # noqa: E402
+from chatgen.core.train_batch import TrainBatch  # noqa: E402
+from chatgen.rlhf.losses import PolicyLossOptions, group_advantages, policy_loss  # noqa: E402
 from chatgen.tasks import sort_digits  # noqa: E402
 
 
@@ -148,9 +149,13 @@ def main(argv=None):
                     mismatch = (
                         ((logprobs.detach() - old_logprobs[rows]).abs() * mask[rows]).max().item()
                     )
-                loss, stats = policy_loss(
-                    logprobs, old_logprobs[rows], advantages[rows], mask[rows], clip_eps=0.2
+                batch = TrainBatch(
+                    input_ids=ids[rows],
+                    loss_mask=mask[rows],
+                    old_logprobs=old_logprobs[rows],
+                    advantages=advantages[rows],
                 )
+                loss, stats = policy_loss(logprobs, batch, PolicyLossOptions(clip_eps=0.2))
                 optimizer.zero_grad()
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
