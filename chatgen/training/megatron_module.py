@@ -152,7 +152,6 @@ def _groups_alive(ps) -> bool:
 
 class MegatronModule(
     Checkpoints,
-    MemoryHandoff,
     HFExport,
     MoERouting,
     PackingHooks,
@@ -183,8 +182,8 @@ class MegatronModule(
         self.optimizer = None  # megatron-core's distributed optimizer
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
-        self._offloaded = ()  # what offload() moved to host memory
-        self._memory_peaks = {}  # phase -> peak bytes allocated (memory_stats)
+        # where the training state is between a colocated engine's turns (chatgen/training/memory.py)
+        self.memory = MemoryHandoff(self.config, lambda: (self.ddp, self.optimizer))
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -445,6 +444,24 @@ class MegatronModule(
         self.iteration += 1
         metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0)
         return metrics
+
+    # ---- memory handoff (MemoryHandoff) ------------------------------------------------------------
+
+    @remote("all")
+    def offload(self, params: bool = True) -> None:
+        """Before a colocated engine takes the GPU: the training state the config names (offload_grads,
+        offload_optimizer, offload_params when `params`) to host memory; a no-op without CUDA."""
+        self.memory.offload(params)
+
+    @remote("all")
+    def onload(self, pieces=("params", "grads", "optimizer")) -> None:
+        """Back to the GPU, what `offload` moved of `pieces` (a forward pass needs only the params)."""
+        self.memory.onload(pieces)
+
+    @remote("first")
+    def memory_stats(self) -> dict:
+        """`memory/*` figures since the last call, in GiB (MemoryHandoff.stats)."""
+        return self.memory.stats()
 
     # ---- internals --------------------------------------------------------------------------------
 

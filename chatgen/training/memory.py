@@ -1,7 +1,9 @@
 """`MegatronModule`'s memory handoff: `offload()` / `onload()` move the training state to host memory and back
 around a colocated engine's turn on the GPU; `memory_stats()` reports the peaks of each phase.
 
-`MemoryHandoff` is a mixin of `chatgen.training.megatron_module.MegatronModule` (its DDP buffers and optimizer).
+`MemoryHandoff` is an object `chatgen.training.megatron_module.MegatronModule` holds (`self.memory`): it keeps
+what is offloaded and each phase's peak itself, and reads the module's DDP buffers and optimizer when it moves
+them; the module's `offload` / `onload` / `memory_stats` are its declared entry points.
 
 The optimizer's state moves through `move_optimizer_state`, not megatron's `offload_to_cpu` / `restore_from_cpu`,
 which (megatron-core 0.16) replace every parameter of the optimizer by a pageable host copy and back: the fp32
@@ -12,8 +14,6 @@ pageable memory. Weight buffers here include the expert-parallel ones (a mixture
 """
 
 import torch
-
-from chatgen.module import remote
 
 
 def weight_storages(ddp) -> set:
@@ -65,9 +65,17 @@ def move_optimizer_state(
 
 
 class MemoryHandoff:
-    """offload / onload / memory_stats; `self._offloaded` and `self._memory_peaks` are set by the class."""
+    """A Megatron trainer's training state between its turns on the GPU (see the module docstring)."""
 
-    @remote("all")
+    def __init__(self, config, parts):
+        self.config = config
+        self.parts = (
+            parts  # () -> (megatron DDP, its distributed optimizer), built by the module's setup
+        )
+        self.offloaded = ()  # what offload() moved to host memory
+        self.peaks = {}  # phase -> peak bytes allocated (stats)
+        self.optimizer_host = {}  # the host copies of the optimizer's tensors, kept across offloads
+
     def offload(self, params: bool = True) -> None:
         """Before a colocated engine takes the GPU: move the training state the config names to host memory
         (`offload_grads`: the gradient buffers are freed, they hold nothing between steps; `offload_optimizer`:
@@ -77,49 +85,49 @@ class MemoryHandoff:
         Not collective."""
         if not torch.cuda.is_available():
             return
-        cfg, moved = self.config, set(self._offloaded)
+        (ddp, _), cfg, moved = self.parts(), self.config, set(self.offloaded)
         torch.cuda.synchronize()
         if cfg.offload_grads and "grads" not in moved:
-            self.ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
+            ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
             moved.add("grads")
         if cfg.offload_optimizer and "optimizer" not in moved:
-            self._move_optimizer(to_host=True)
+            self.move_optimizer(to_host=True)
             moved.add("optimizer")
         if params and cfg.offload_params and "params" not in moved:
             # the weights are views of these buffers (pinned copies)
-            for buffer in _all_buffers(self.ddp):
+            for buffer in _all_buffers(ddp):
                 buffer.offload_to_cpu(move_params=True, move_grads=False)
             moved.add("params")
         torch.cuda.synchronize()
-        if moved and not self._offloaded:  # the peak of the phase that ends here: this model's own
-            self._memory_peaks["trainer"] = max(
-                self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated()
+        if moved and not self.offloaded:  # the peak of the phase that ends here: this model's own
+            self.peaks["trainer"] = max(
+                self.peaks.get("trainer", 0), torch.cuda.max_memory_allocated()
             )
             torch.cuda.reset_peak_memory_stats()
-        self._offloaded = tuple(sorted(moved))
+        self.offloaded = tuple(sorted(moved))
         torch.cuda.empty_cache()
 
-    @remote("all")
     def onload(self, pieces=("params", "grads", "optimizer")) -> None:
         """Bring back to the GPU what `offload` moved of `pieces` (gradient buffers come back zeroed): a forward
         pass or a weight sync needs only the params. Not collective."""
-        back = [piece for piece in self._offloaded if piece in pieces]
+        back = [piece for piece in self.offloaded if piece in pieces]
         if not back:
             return
-        if len(back) == len(self._offloaded) or "params" in back:  # the offloaded phase ends here
-            self._memory_peaks["offloaded"] = max(
-                self._memory_peaks.get("offloaded", 0), torch.cuda.max_memory_allocated()
+        ddp, _ = self.parts()
+        if len(back) == len(self.offloaded) or "params" in back:  # the offloaded phase ends here
+            self.peaks["offloaded"] = max(
+                self.peaks.get("offloaded", 0), torch.cuda.max_memory_allocated()
             )
             torch.cuda.reset_peak_memory_stats()
         if "params" in back:
-            for buffer in _all_buffers(self.ddp):
+            for buffer in _all_buffers(ddp):
                 buffer.reload_from_cpu(move_params=True, move_grads=False)
         if "optimizer" in back:
-            self._move_optimizer(to_host=False)
+            self.move_optimizer(to_host=False)
         if "grads" in back:
-            self.ddp.restore_grad_buffers(synchronize=False)
+            ddp.restore_grad_buffers(synchronize=False)
         torch.cuda.synchronize()
-        self._offloaded = tuple(piece for piece in self._offloaded if piece not in back)
+        self.offloaded = tuple(piece for piece in self.offloaded if piece not in back)
 
     def _move_optimizer(self, to_host: bool) -> None:
         """The distributed optimizer's fp32 masters and Adam moments to pinned host memory or back (see
@@ -135,8 +143,7 @@ class MemoryHandoff:
             pin=torch.cuda.is_available(),
         )
 
-    @remote("first")
-    def memory_stats(self) -> dict:
+    def stats(self) -> dict:
         """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
         allocated through torch: `memory/trainer_peak_gib` while this model held its state (forward passes,
         training, the sync), `memory/offloaded_peak_gib` while it was offloaded (a colocated engine generating;
@@ -151,12 +158,12 @@ class MemoryHandoff:
             }
         # (the phase still running)
         peaks, now = (
-            self._memory_peaks,
-            "offloaded" if self._offloaded else "trainer",
+            self.peaks,
+            "offloaded" if self.offloaded else "trainer",
         )
         peaks[now] = max(peaks.get(now, 0), torch.cuda.max_memory_allocated())
         torch.cuda.reset_peak_memory_stats()
-        self._memory_peaks = {}
+        self.peaks = {}
         free, total = torch.cuda.mem_get_info()
         return {
             **{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},

@@ -213,7 +213,7 @@ def test_trainer_offload_and_onload_round_trip(tiny_llama_dir):
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
     module.offload()
-    assert module._offloaded == ("grads", "optimizer", "params")
+    assert module.memory.offloaded == ("grads", "optimizer", "params")
     freed = allocated - torch.cuda.memory_allocated()
     assert freed > 0.9 * (grad_bytes + param_bytes + state_bytes), (
         freed,
@@ -223,13 +223,13 @@ def test_trainer_offload_and_onload_round_trip(tiny_llama_dir):
     )
     # weights came back for it
     assert all(torch.equal(module.hf_state_dict()[k], w) for k, w in weights.items())
-    assert module._offloaded == ("grads", "optimizer")
+    assert module.memory.offloaded == ("grads", "optimizer")
     module.onload()
-    assert not module._offloaded
+    assert not module.memory.offloaded
     assert all(torch.equal(a, b) for a, b in zip(optimizer_state(module), state, strict=True))
     first = module.train_step({"input_ids": ids()}, nll)["loss"]
     module.offload(params=False)  # what a run does before waking the engine for a sync
-    assert module._offloaded == ("grads", "optimizer")
+    assert module.memory.offloaded == ("grads", "optimizer")
     assert module.train_step({"input_ids": ids()}, nll)["loss"] < first  # train_step onloads itself
 
 

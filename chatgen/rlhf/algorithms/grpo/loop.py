@@ -21,7 +21,7 @@ The asynchronous loop (max_staleness; docs/async_rl.md):
 - Admission (AReaL's max_head_offpolicyness): the trainer holding weight version v takes batch v - v0 next
   (v0: the version it started at), so batch j may start once the weights are at version >= v0 + j - k. Every
   token of it is then at most k versions older than the weights it trains against. k = 0 is the
-  synchronous loop (generate, train, sync), k = 1 today's overlap_generation, k > 1 fully asynchronous.
+  synchronous loop (generate, train, sync), k = 1 overlap_generation's schedule, k > 1 fully asynchronous.
 - Weights go to the engine after each episode's update in mode `keep`: requests in flight continue under
   the new weights (partial rollouts); their tokens carry the versions that sampled them.
 - Handover (`handover_step: s`, k >= 2, in process): the batches submitted ahead of the episode being
