@@ -7,6 +7,7 @@ and a resumed run continues the same tracker run.
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,8 @@ def test_wandb_offline_run_holds_the_metrics_and_the_masked_config_and_resume_co
 ):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # issue 50, finding 8: wandb records the command line, where an override may hold a secret
+    monkeypatch.setattr(sys, "argv", ["chatgen", "train", "x.yaml", f"policy.args.token={SECRET}"])
     out = tmp_path / "run"
     (first,) = run_episodes(config(data, out, "wandb"), out, [1, 2], resume=False)
     (again,) = run_episodes(config(data, out, "wandb"), out, [3], resume=True)
@@ -126,6 +129,8 @@ def test_wandb_offline_run_holds_the_metrics_and_the_masked_config_and_resume_co
         params["runtime"]["seed"] == 1234
         and params["models"]["policy"]["config"]["args"]["api_key"] == MASK
     )
+    leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaked == [] and sys.argv[-1] == f"policy.args.token={MASK}"
 
 
 def test_mlflow_file_store_holds_the_metrics_and_params_and_resume_continues_the_run(
