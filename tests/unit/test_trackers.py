@@ -180,3 +180,30 @@ def test_trackers_are_imported_only_when_named(data, tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip() == "[]" and not (tmp_path / IDS_NAME).exists()
+
+
+def test_a_tracker_failing_mid_run_is_reported_once_and_dropped(
+    data, tmp_path, monkeypatch, caplog
+):
+    """Issue 50, finding 12: a tracker failing mid-run (a full disk, its store gone) stopped the run
+    with the library's raw traceback."""
+    import shutil
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    trackers = start_trackers(config(data, out, "mlflow"), out, resume=False)
+    logger = MetricsLogger(out, [], 3, tensorboard=False, trackers=trackers)
+    logger.log(1, {"reward/mean": 0.1})
+    shutil.rmtree(out / "mlruns")  # the store is gone under the run
+    with caplog.at_level("WARNING", logger="chatgen.rlhf.metrics"):
+        logger.log(2, {"reward/mean": 0.2})
+        logger.log(3, {"reward/mean": 0.3})
+        logger.close()
+    failed = [
+        r.getMessage() for r in caplog.records if "runtime.loggers: mlflow failed" in r.getMessage()
+    ]
+    assert len(failed) == 1 and "at episode 2" in failed[0] and logger.trackers == []
+    episodes = [
+        json.loads(line)["episode"] for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert episodes == [1, 2, 3]
