@@ -20,6 +20,7 @@ runtime.allow_data_order_change says otherwise. docs/data_and_rewards.md.
 import hashlib
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -159,9 +160,16 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
         if suffix == "save_to_disk":
             table = datasets.load_from_disk(os.fspath(path))
         else:
-            table = datasets.load_dataset(
-                FORMATS[suffix], split="train", data_files=[str(f.resolve()) for f in files]
-            )
+            # a cache of this read only, gone after it: `datasets`' shared cache knows a file by
+            # its path, size and modification time, and served a replaced file's old rows
+            with tempfile.TemporaryDirectory(prefix="chatgen-data-") as cache:
+                table = datasets.load_dataset(
+                    FORMATS[suffix],
+                    split="train",
+                    data_files=[str(f.resolve()) for f in files],
+                    cache_dir=cache,
+                    keep_in_memory=True,
+                )
     except Exception as e:  # noqa: BLE001 (pyarrow, json and csv readers each raise their own)
         raise ValueError(
             f"{key}: {path}: the datasets library could not read it "
