@@ -506,3 +506,33 @@ def test_sigterm_ends_the_command_even_when_a_thread_holds_the_exit():
         proc.kill()
     assert proc.returncode == 143 and 2.0 <= took < 20, (proc.returncode, took)
     assert "did not finish within 2 s of SIGTERM" in proc.stderr.read()
+
+
+def test_serve_fits_max_new_tokens_to_a_short_context_unless_given(tiny_llama_dir, tmp_path):
+    """Issue 50, finding 16: `chatgen serve --model M` of a 256-token model failed at start
+    (`max_new_tokens: 256 leaves no room for a prompt`); the server bounds each request itself."""
+    import argparse
+    import json
+    import shutil
+
+    from chatgen.cli import serve
+    from chatgen.config import ConfigError
+    from chatgen.generation.config import resolve_seq_length
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def resolved(*argv):
+        args = parser.parse_args(["--model", str(model), *argv])
+        module = serve.build_module(args)
+        serve.fit_max_new_tokens(module, args)
+        return resolve_seq_length(module.config, model)  # what the engine's setup checks
+
+    assert resolved().max_new_tokens == 128
+    assert resolved("max_new_tokens=100").max_new_tokens == 100
+    with pytest.raises(ConfigError, match="max_new_tokens: 256 leaves no room"):
+        resolved("max_new_tokens=256")  # the user's own value is checked, not changed
