@@ -172,7 +172,7 @@ class GenerationModule(Module):
                 raise ValueError(
                     f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it"
                 )
-            if len(prompt) > budget:
+            if len(prompt) > budget and hasattr(self.tokenizer, "get_vocab"):
                 # cut, before tokenizing, to what `budget` tokens can span (the longest token's
                 # length each): a 10 MB prompt would otherwise be tokenized whole to keep its start
                 span = span or budget * max(map(len, self.tokenizer.get_vocab()))
