@@ -15,6 +15,10 @@ import urllib.parse
 MAX_ANSWER_BYTES = 1 << 20  # a reward service's answer: a list of numbers, far below this
 
 
+class RedirectRefused(ValueError):
+    """A 3xx answer while redirects are not followed."""
+
+
 class HTTPStatusError(OSError):
     def __init__(self, status: int, reason: str):
         super().__init__(f"HTTP {status} {reason}")
@@ -51,7 +55,7 @@ def post_json(url: str, data: bytes, timeout: float, follow_redirects: bool = Fa
             if 300 <= response.status < 400:
                 target = urllib.parse.urljoin(url, response.getheader("Location") or "")
                 if not follow_redirects:
-                    raise ValueError(
+                    raise RedirectRefused(
                         f"redirected ({response.status}) to {target}; set follow_redirects: true to "
                         "follow it, or give that URL"
                     )

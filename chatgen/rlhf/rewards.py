@@ -39,7 +39,7 @@ import torch
 
 from chatgen.config import REQUIRED, opt
 from chatgen.config.typed import build, did_you_mean
-from chatgen.core.http_post import HTTPStatusError, post_json
+from chatgen.core.http_post import HTTPStatusError, RedirectRefused, post_json
 from chatgen.core.imports import import_object
 from chatgen.module import Module
 from chatgen.rlhf.health import checked_rewards
@@ -342,10 +342,11 @@ class RemoteTerm:
                 last = str(e)
                 if e.status < 500:
                     break
-            except ValueError as e:  # a redirect, an answer too long or not JSON: not retried
+            except RedirectRefused as e:  # never tried again
                 last = f"{type(e).__name__}: {e}"
-                if "redirect" in str(e):
-                    break
+                break
+            except ValueError as e:  # an answer too long, or not JSON
+                last = f"{type(e).__name__}: {e}"
             except (OSError, KeyError, TypeError) as e:  # timeout, refused, reset, no "rewards"
                 last = f"{type(e).__name__}: {e}"
         raise ConnectionError(
