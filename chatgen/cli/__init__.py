@@ -82,8 +82,32 @@ class Terminated(BaseException):
     writes) runs; a BaseException, so no `except Exception` of a model's code swallows it."""
 
 
+TERM_GRACE_S = (
+    20.0  # after SIGTERM, a `chatgen` process's stop gets this long; then it exits anyway
+)
+
+
 def _terminate(signum, frame):
     raise Terminated()
+
+
+def _terminate_within_grace(signum, frame):
+    """SIGTERM in a `chatgen` command's own process: stop as _terminate does, and exit 143 after
+    TERM_GRACE_S even if something of the stop never returns (a peer's stuck read, a hung actor)."""
+    if not any(t.name == "chatgen-term-grace" for t in threading.enumerate()):
+        grace = threading.Timer(TERM_GRACE_S, _exit_now, (143,))
+        grace.name, grace.daemon = "chatgen-term-grace", True
+        grace.start()
+    raise Terminated()
+
+
+def _exit_now(code: int) -> None:
+    print(
+        f"chatgen: the stop did not finish within {TERM_GRACE_S:g} s of SIGTERM; exiting now",
+        file=sys.stderr,
+        flush=True,
+    )
+    os._exit(code)
 
 
 def main(argv=None) -> int:
@@ -133,7 +157,7 @@ def main(argv=None) -> int:
         extra = [a for a in extra if a not in overrides]
     if extra:
         parser.parse_args(argv)  # argparse's own "unrecognized arguments" message, exit code 2
-    previous = signal.signal(signal.SIGTERM, _terminate)
+    previous = signal.signal(signal.SIGTERM, _terminate_within_grace if as_command else _terminate)
     try:
         code = int(args._run(args) or 0)
     except Terminated:

@@ -12,7 +12,7 @@ runs wherever DIR is, writes its outputs under DIR/outputs, and runs the chatgen
 Nothing is overwritten: a file that exists in DIR is an error naming it.
 """
 
-import shutil
+import os
 from pathlib import Path
 
 import chatgen
@@ -168,6 +168,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--list", action="store_true", help="list the recipes")
 
 
+def copy_new(source: Path, target: Path) -> None:
+    """Copy `source` to a file made anew at `target` (O_EXCL | O_NOFOLLOW: a link or file planted there
+    since the check is refused, never written through), keeping its mode (the scripts stay executable)."""
+    mode = source.stat().st_mode & 0o777
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    with os.fdopen(fd, "wb") as out:
+        out.write(source.read_bytes())
+
+
 def recipe_files(name: str) -> list:
     """Every file of recipe `name`, the launch script first, as paths relative to the project root."""
     _, script, files = RECIPES[name]
@@ -195,15 +204,17 @@ def run(args) -> int:
             f"{', '.join(missing)} (install chatgen from a clone: pip install -e <clone>)"
         )
     project = Path(args.dir)
-    existing = [f for f in files if (project / f).exists()]
-    if existing:
+    # a link counts as there, dangling or not (a write through it would land on its target)
+    existing = [f for f in files if os.path.lexists(project / f)]
+    linked = sorted({str(d) for f in files for d in Path(f).parents if (project / d).is_symlink()})
+    if existing or linked:
         raise FileExistsError(
-            f"{args.dir} already has {', '.join(existing)}; choose a new directory (nothing was "
-            "copied)"
+            f"{args.dir} already has {', '.join(existing + [d + '/ (a link)' for d in linked])}; "
+            "choose a new directory (nothing was copied)"
         )
     for f in files:
         (project / f).parent.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(SOURCE / f, project / f)  # keeps the scripts executable
+        copy_new(SOURCE / f, project / f)
     print(
         f"{args.recipe}: {RECIPES[args.recipe][0]}\ncopied {len(files)} files into {args.dir}; run it with\n\n"
         f"    bash {project / RECIPES[args.recipe][1]}\n\n"

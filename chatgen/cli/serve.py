@@ -141,6 +141,23 @@ def lora_modules(items: list, served: str) -> tuple[dict, int]:
     return modules, rank
 
 
+def fit_max_new_tokens(module, args) -> None:
+    """Without a max_new_tokens of the user's (an override or --config), one that leaves room for a
+    prompt in the model's context: the server bounds each request's own max_tokens by what its prompt
+    leaves (as vLLM's does), so the default (256) need not fit a 256-token model whole."""
+    import dataclasses
+
+    from chatgen.config.loader import read_yaml
+
+    given = any(o.partition("=")[0].strip() == "max_new_tokens" for o in args.overrides)
+    if args.config and not given:
+        given = "max_new_tokens" in read_yaml(args.config, [], [])[0]
+    cfg = module.config
+    context = cfg.seq_length or read_hf_config(args.model, "--model").get("max_position_embeddings")
+    if not given and context and cfg.max_new_tokens >= context:
+        module.config = dataclasses.replace(cfg, max_new_tokens=max(1, context // 2))
+
+
 def lora_overrides(overrides: list, rank: int) -> list:
     """The engine keys --lora-modules needs, unless the user gave them: enable_lora, max_lora_rank."""
     given = {o.partition("=")[0] for o in overrides}
@@ -209,6 +226,7 @@ def run(args) -> int:
     sock = listen(args.host, args.port)  # a port in use is an error before the engine loads
     try:
         module = build_module(args)
+        fit_max_new_tokens(module, args)
         # before the engine's minutes of start-up
         require_tokenizer(module, args.model, "the chat and text endpoints need")
         with heartbeat(f"starting the engine for {args.model}"):

@@ -163,7 +163,7 @@ class GenerationModule(Module):
             )
         budget = gc.prompt_budget(self.config)
         template = self.config.prompt_template
-        texts, chats = [], {}
+        texts, chats, trimmed, span = [], {}, set(), None
         for i, prompt in enumerate(prompts):
             if isinstance(prompt, list) and prompt:  # a chat: rendered whole, no prompt_template
                 chats[i] = prompt
@@ -173,6 +173,13 @@ class GenerationModule(Module):
                 raise ValueError(
                     f"build_dataset: prompt {i} is empty or not a string ({prompt!r}); drop it"
                 )
+            if len(prompt) > budget and hasattr(self.tokenizer, "get_vocab"):
+                # cut, before tokenizing, to what `budget` tokens can span (the longest token's
+                # length each): a 10 MB prompt would otherwise be tokenized whole to keep its start
+                span = span or budget * max(map(len, self.tokenizer.get_vocab()))
+                if len(prompt) > span:
+                    prompt = prompt[:span]
+                    trimmed.add(i)
             texts.append(template.replace("{prompt}", prompt) if template else prompt)
         encoded = []
         # batched calls (the fast tokenizer's batch path: one encode per prompt took seconds for 20k prompts), a
@@ -197,7 +204,7 @@ class GenerationModule(Module):
         items, cut = [], []
         for i, (prompt, ids) in enumerate(zip(prompts, encoded)):
             item = {"input_ids": list(ids), "prompt": texts[i] if i in chats else prompt}
-            if len(ids) > budget:
+            if len(ids) > budget or i in trimmed:
                 cut.append(i)
                 item.update(input_ids=list(ids[:budget]), prompt_cut=True)
             items.append(item)

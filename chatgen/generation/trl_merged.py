@@ -19,6 +19,7 @@ several processes (one engine per process of a multi-process job is chatgen's ru
 """
 
 from chatgen.generation.standalone import VLLMGeneration as Engine
+from chatgen.param_sync.checks import SyncError, nonfinite
 
 
 class VLLMGeneration:
@@ -146,6 +147,14 @@ class VLLMGeneration:
         """Write the wrapped model's current weights into the engine (checked before anything is written)."""
         model = self.model
         if hasattr(model, "merge_adapter"):  # PEFT: the merged weights under the base model's names
+            # before the merge: merging a NaN adapter into the base and out again leaves the base NaN
+            bad = nonfinite((n, p) for n, p in model.named_parameters() if model.prefix in n)
+            if bad:
+                raise SyncError(
+                    f"weight sync refused, the engine and the model are as they were: the adapter holds "
+                    f"NaN or inf in {len(bad)} tensor(s): {', '.join(bad[:5])}; the training step "
+                    "that made them diverged (lower the learning rate, check the loss)"
+                )
             model.merge_adapter()
             try:
                 self.engine.sync_weights(_peft_weights(model))

@@ -85,7 +85,24 @@ def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
         )
     with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
         tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open is not a mapping
+    try:
+        check_finite_adapter(tensors, f"{key}: {directory / WEIGHTS_FILE}")
+    except ValueError as e:
+        raise ConfigError([str(e)]) from None
     return config, tensors
+
+
+def check_finite_adapter(tensors: dict, what: str) -> None:
+    """Refuse (ValueError naming `what` and the tensors) a LoRA adapter holding NaN or inf, before any
+    engine applies it: its answers would be NaN, and the NaN it leaves in freed KV blocks would reach
+    other requests of the base model."""
+    bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
+    if bad:
+        raise ValueError(
+            f"{what}: the LoRA adapter holds NaN or inf in {len(bad)} tensor(s): "
+            f"{', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}; nothing was loaded (the "
+            "training that made it diverged: an earlier checkpoint's adapter, a lower learning rate)"
+        )
 
 
 def adapted_weights(tensors: dict) -> list[str]:

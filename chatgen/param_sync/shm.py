@@ -26,6 +26,8 @@ whose `finish` fails removes the file it made. Directories are named with the ow
 """
 
 import contextlib
+import hashlib
+import hmac
 import mmap
 import os
 import re
@@ -166,7 +168,10 @@ class ShmSender:
 
     def _keep_handles(self, body: dict) -> None:
         if "header" in body:
-            self.handles = {"path": self.path, "header": signed(body["header"], self.token)}
+            # the signature binds the file too: its path, size and content (the engine loads no other)
+            written = {"path": self.path, "size": len(self._map), "sha256": _digest(self._map)}
+            header = signed({**body["header"], "file": written}, self.token)
+            self.handles = {"path": self.path, "header": header}
 
     def close(self) -> None:
         """Let go of the mapping (its memory is freed once the engine lets go too); an owning sender also
@@ -295,26 +300,42 @@ def load_shm(target, handles: dict, token: str, mode: str = "wait") -> SyncRepor
     dtype = DTYPES[header["dtype"]]
     plan = [[(n, tuple(s)) for n, s in b] for b in header["buckets"]]
     nbytes = plan_bytes(plan, dtype)
+    written = header.get("file") or {}
+    refused = "weight sync refused, the engine keeps its old weights"
+    path = written.get("path")
+    if path != handles.get("path") or written.get("size") != nbytes:
+        raise SyncError(
+            f"{refused}: the handles name {handles.get('path')} of {nbytes} bytes, the signed header "
+            f"{path} of {written.get('size')} bytes"
+        )
     try:
-        fd = os.open(handles["path"], os.O_RDWR | os.O_NOFOLLOW)
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
     except FileNotFoundError:
         raise SyncError(
-            f"weight sync refused, the engine keeps its old weights: {handles['path']} does not exist "
-            "here (is the engine on another host? use the collective: update_weights_from_collective)"
+            f"{refused}: {path} does not exist here (is the engine on another host? use the "
+            "collective: update_weights_from_collective)"
         ) from None
     try:
         if os.fstat(fd).st_size != nbytes:
             raise SyncError(
-                f"weight sync refused, the engine keeps its old weights: {handles['path']} holds "
-                f"{os.fstat(fd).st_size} bytes, the trainer's manifest {nbytes}"
+                f"{refused}: {path} holds {os.fstat(fd).st_size} bytes, the trainer's manifest {nbytes}"
             )
         mapping = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)
+    if not hmac.compare_digest(_digest(mapping), str(written.get("sha256"))):
+        raise SyncError(
+            f"{refused}: {path} is not the file the trainer signed (its content changed)"
+        )
     n = _load_flat(
         target, torch.frombuffer(mapping, dtype=dtype), plan, header, mode, "of the trainer's file"
     )
     return SyncReport(time.perf_counter() - start, nbytes, n, len(plan), bool(header["validated"]))
+
+
+def _digest(buffer) -> str:
+    """SHA-256 of a mapped file (hashlib reads the mapping in place, without the GIL)."""
+    return hashlib.sha256(buffer).hexdigest()
 
 
 def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, where: str) -> int:

@@ -14,9 +14,12 @@ checkpoint intact and `latest` pointing at it. The trainer actors write into the
 multi-node cluster `save_dir` must be on a filesystem every node sees. A checkpoint damaged afterwards (a
 file deleted or truncated) is refused at resume with the file named and the previous checkpoint suggested.
 
-`lock_output_dir` keeps two runs from writing into one output directory.
+`lock_output_dir` keeps two runs from writing into one output directory. A new output directory and every
+checkpoint are this user's only (0700), engine_state.json, manifest.json and `latest` 0600; the config kept in
+engine_state.json is masked like every config chatgen writes (chatgen.config.loader.mask_secrets).
 """
 
+import errno
 import fcntl
 import json
 import os
@@ -26,7 +29,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from chatgen.core.checkpoint_io import atomic_file, begin_directory, commit_directory, staging_path
+from chatgen.config.loader import mask_secrets
+from chatgen.core.checkpoint_io import (
+    begin_directory,
+    commit_directory,
+    staging_path,
+    write_private_text,
+)
 
 STATE_FILE = "engine_state.json"
 MANIFEST_FILE = "manifest.json"
@@ -39,12 +48,20 @@ class CheckpointError(RuntimeError):
 
 def lock_output_dir(out_dir):
     """Hold an exclusive lock on `out_dir` for this process's life (released when it exits, however it exits);
-    a second run into the same directory fails at once naming the first one's pid."""
+    a second run into the same directory fails at once naming the first one's pid. A new `out_dir` is made
+    0700; the lock file is opened without following a link planted at its name (its target would be
+    truncated)."""
     out_dir = Path(out_dir)
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        handle = open(out_dir / LOCK_FILE, "a+")
+        out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        handle = os.fdopen(os.open(out_dir / LOCK_FILE, flags, 0o600), "r+")
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise OSError(
+                f"{out_dir / LOCK_FILE} is a symbolic link; chatgen opens no lock through a link (its "
+                "target would be overwritten): remove the link"
+            ) from None
         raise OSError(
             f"runtime.output_dir: cannot write into {out_dir} ({e.strerror or e}); choose a directory "
             "this user can create and write"
@@ -70,13 +87,18 @@ def episode_dir_name(episode: int) -> str:
 
 
 def begin_checkpoint(save_dir, episode: int) -> Path:
-    """Create (fresh) the staging directory the checkpoint of `episode` is written into; returns it."""
-    return begin_directory(Path(save_dir) / episode_dir_name(episode))
+    """Create (fresh) the staging directory the checkpoint of `episode` is written into (0700, as is a new
+    save_dir); returns it."""
+    Path(save_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
+    staging = begin_directory(Path(save_dir) / episode_dir_name(episode))
+    staging.chmod(0o700)
+    return staging
 
 
 def commit_checkpoint(staging: Path, state: dict) -> Path:
     """Write `state` as engine_state.json into the staged checkpoint (from `begin_checkpoint`), move it into place
-    (replacing the same episode's checkpoint after a resume), then point `latest` at it."""
+    (replacing the same episode's checkpoint after a resume), then point `latest` at it. A `config` in
+    `state` is written masked (mask_secrets: secret-named keys, text read through ${VAR})."""
     final = Path(staging).parent / episode_dir_name(state["episode"])
     if Path(staging) != staging_path(final):
         raise ValueError(f"{staging} is not the staging directory of episode {state['episode']}")
@@ -86,14 +108,13 @@ def commit_checkpoint(staging: Path, state: dict) -> Path:
         for f in sorted(Path(staging).rglob("*"))
         if f.is_file()
     }
-    with atomic_file(Path(staging) / MANIFEST_FILE) as tmp:
-        tmp.write_text(json.dumps(files, indent=1))
+    write_private_text(Path(staging) / MANIFEST_FILE, json.dumps(files, indent=1))
+    if "config" in state:
+        state = {**state, "config": mask_secrets(state["config"])}
     # last: its presence marks a complete checkpoint
-    with atomic_file(Path(staging) / STATE_FILE) as tmp:
-        tmp.write_text(json.dumps(state, indent=1))
+    write_private_text(Path(staging) / STATE_FILE, json.dumps(state, indent=1))
     commit_directory(final)
-    with atomic_file(Path(save_dir) / "latest") as tmp:
-        tmp.write_text(final.name + "\n")
+    write_private_text(Path(save_dir) / "latest", final.name + "\n")
     return final
 
 

@@ -8,6 +8,8 @@ saving) imports these, and re-exports check_run, trainer_rows and policy_samplin
 code that imports them from there.
 """
 
+import inspect
+
 from chatgen.config import ConfigError
 from chatgen.config.loader import at
 from chatgen.config.typed import closest
@@ -144,7 +146,7 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
             "{\"prompt\": ..., \"answer\": ...}, or a .json, .parquet, .arrow or .csv "
             "file: docs/data_and_rewards.md)"
         )
-    errors += [f"{where}: {problem}" for problem in data_problems(rt)]
+    errors += [f"{where}: {problem}" for problem in data_problems(rt, reward_columns(cfg))]
     if rt.eval_episode_interval and not rt.eval_data_path:
         errors.append(
             f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both"
@@ -218,3 +220,31 @@ def policy_sampling_problems(cfg):
             f"runtime.sample_per_episode: {cfg.runtime.sample_per_episode} is not a multiple of policy n={pc.n} "
             "(samples per prompt); make it one"
         )
+
+
+def reward_columns(cfg) -> dict:
+    """{record field: which reward takes it} of the run's rewards: RuleReward's `answer`, and each
+    reward function's parameters without a default besides completions and prompts (the data
+    columns it is called with), so that a record lacking one is refused before any model starts."""
+    from chatgen.rlhf.rewards import RewardsConfig, RuleRewardConfig, reward_function
+
+    needed = {}
+    for name, entry in cfg.models.items():
+        if isinstance(entry.config, RuleRewardConfig):
+            needed.setdefault("answer", f"models.{name} (RuleReward)")
+        terms = entry.config.terms if isinstance(entry.config, RewardsConfig) else {}
+        for term, spec in terms.items() if isinstance(terms, dict) else ():
+            try:
+                params = inspect.signature(reward_function(spec["function"])).parameters.values()
+            except (KeyError, TypeError, ValueError):  # not a function term, or refused elsewhere
+                continue
+            for p in params:
+                if (
+                    p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+                    and p.default is p.empty
+                    and p.name not in ("completions", "prompts")
+                ):
+                    needed.setdefault(
+                        p.name, f"models.{name}.config.terms.{term} ({spec['function']})"
+                    )
+    return needed

@@ -20,6 +20,7 @@ runtime.allow_data_order_change says otherwise. docs/data_and_rewards.md.
 import hashlib
 import os
 import re
+import tempfile
 from pathlib import Path
 
 import torch
@@ -159,9 +160,16 @@ def read_rows(path, key: str = "runtime.data_path") -> list[dict]:
         if suffix == "save_to_disk":
             table = datasets.load_from_disk(os.fspath(path))
         else:
-            table = datasets.load_dataset(
-                FORMATS[suffix], split="train", data_files=[str(f.resolve()) for f in files]
-            )
+            # a cache of this read only, gone after it: `datasets`' shared cache knows a file by
+            # its path, size and modification time, and served a replaced file's old rows
+            with tempfile.TemporaryDirectory(prefix="chatgen-data-") as cache:
+                table = datasets.load_dataset(
+                    FORMATS[suffix],
+                    split="train",
+                    data_files=[str(f.resolve()) for f in files],
+                    cache_dir=cache,
+                    keep_in_memory=True,
+                )
     except Exception as e:  # noqa: BLE001 (pyarrow, json and csv readers each raise their own)
         raise ValueError(
             f"{key}: {path}: the datasets library could not read it "
@@ -271,17 +279,28 @@ def read_prompt_file(path, rt, key: str = "runtime.data_path") -> list[dict]:
     return prompt_records(read_rows(path, key), rt, path, key)
 
 
-def data_problems(rt) -> list[str]:
+def data_problems(rt, needed: dict | None = None) -> list[str]:
     """What is wrong with runtime.data_path / eval_data_path under the runtime's column keys, each
     problem naming the key, the file and the fix: read in full, before any model starts
-    (chatgen.rlhf.checks.check_run)."""
+    (chatgen.rlhf.checks.check_run). `needed`: {field: what takes it} every record must hold (the
+    columns the rewards are called with)."""
     problems = []
     for key in ("data_path", "eval_data_path"):
-        if getattr(rt, key):
+        path = getattr(rt, key)
+        if path:
             try:
-                read_prompt_file(getattr(rt, key), rt, f"runtime.{key}")
+                records = read_prompt_file(path, rt, f"runtime.{key}")
             except ValueError as e:
                 problems.append(str(e))
+                continue
+            for field, taker in (needed or {}).items():
+                i = next((i for i, r in enumerate(records, 1) if field not in r), None)
+                if i is not None:
+                    problems.append(
+                        f"runtime.{key}: {path}, record {i} has no field {field!r}, which {taker} "
+                        f"takes; give every record one (its columns: {', '.join(records[i - 1])})"
+                        + ("; or map a column to it with runtime.answer_key" * (field == "answer"))
+                    )
     return problems
 
 

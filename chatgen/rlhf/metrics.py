@@ -183,9 +183,29 @@ class MetricsLogger:
                 if key != "episode" and math.isfinite(value):
                     self.writer.add_scalar(key, value, episode)
             self.writer.flush()
-        for tracker in self.trackers:
-            tracker.log(episode, {k: v for k, v in record.items() if k != "episode"})
+        for tracker in list(self.trackers):
+            self._tracked(
+                tracker, "log", episode, {k: v for k, v in record.items() if k != "episode"}
+            )
         self.show_episode(record)
+
+    def _tracked(self, tracker, method: str, *args) -> None:
+        """A tracker's call; one that fails (a full disk, a lost server) is reported once, naming it
+        and the episode, and dropped: the run and metrics.jsonl go on without it."""
+        try:
+            getattr(tracker, method)(*args)
+        except Exception as e:  # noqa: BLE001 - whatever the tracker's library raises
+            self.trackers.remove(tracker)
+            name = type(tracker).__module__.rpartition(".")[2].removesuffix("_tracker")
+            at = f" at episode {args[0]}" if method == "log" else ""
+            logger.warning(
+                "runtime.loggers: %s failed%s (%s: %s); it is dropped for the rest of the run, "
+                "metrics.jsonl keeps every episode",
+                name,
+                at,
+                type(e).__name__,
+                e,
+            )
 
     def show_phase(self, phase: str) -> None:
         self.status["phase"] = phase
@@ -223,8 +243,8 @@ class MetricsLogger:
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
-        for tracker in self.trackers:
-            tracker.close()
+        for tracker in list(self.trackers):
+            self._tracked(tracker, "close")
         return plot_metrics(self.jsonl, self.out_dir / "metrics.png")
 
 

@@ -28,17 +28,18 @@ import dataclasses
 import inspect
 import json
 import os
+import queue
 import socket
+import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 from typing import Any, Literal, Optional
 
 import torch
 
 from chatgen.config import REQUIRED, opt
 from chatgen.config.typed import build, did_you_mean
+from chatgen.core.http_post import HTTPStatusError, RedirectRefused, post_json
 from chatgen.core.imports import import_object
 from chatgen.module import Module
 from chatgen.rlhf.health import checked_rewards
@@ -86,7 +87,14 @@ class RewardTerm:
     weight: float = opt(1.0, "this term's weight in the total reward")
     batch_size: int = opt(16, "model: sequences per forward pass; url: completions per request")
     max_length: int = opt(2048, "model: prompt + response tokens kept (the left is cut)")
-    timeout: float = opt(30.0, "url: seconds a request may take")
+    timeout: float = opt(
+        30.0, "url: seconds a request may take, start to last byte (a trickling answer included)"
+    )
+    follow_redirects: bool = opt(
+        False,
+        "url: follow an http(s) redirect (up to 5) to wherever it points; off: a redirect is an "
+        "error naming its target (an answer from another host is never taken as rewards)",
+    )
     retries: int = opt(
         2, "url: further tries of a request that timed out, failed to connect or got a 5xx"
     )
@@ -290,15 +298,31 @@ class ModelTerm:
 
 class RemoteTerm:
     """POST chunks of batch_size completions to `url` ({"completions": [...], "prompts": [...], <column>: [...]},
-    JSON), max_concurrency at a time; each answers {"rewards": [...]}. A request that times out, cannot connect
-    or gets a 5xx is tried again (retries, backoff 0.5 s, 1 s, ...); a 4xx is not. One still failing: on_error
-    fail stops the run naming the URL and the error; zero scores its completions 0 and counts them."""
+    JSON), max_concurrency at a time; each answers {"rewards": [...]}. A request that times out (`timeout`:
+    wall-clock seconds for the whole answer), cannot connect or gets a 5xx is tried again (retries, backoff
+    0.5 s, 1 s, ...); a 4xx or a redirect is not. One still failing: on_error fail stops the run naming the
+    URL and the error; zero scores its completions 0 and counts them. The requests run on daemon threads:
+    one stuck in a read never holds the process's exit."""
 
     def __init__(self, name: str, term: RewardTerm):
         self.name, self.term, self.errors = name, term, 0
-        self.pool = concurrent.futures.ThreadPoolExecutor(
-            term.max_concurrency, thread_name_prefix=f"reward-{name}"
-        )
+        self.jobs = queue.SimpleQueue()
+        for i in range(term.max_concurrency):
+            threading.Thread(target=self._work, name=f"reward-{name}-{i}", daemon=True).start()
+
+    def _work(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            future, body, n = job
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(self._post(body, n))
+                except BaseException as e:  # noqa: BLE001 - handed to the waiting caller
+                    future.set_exception(e)
+
+    def _submit(self, body: dict, n: int) -> concurrent.futures.Future:
+        future = concurrent.futures.Future()
+        self.jobs.put((future, body, n))
+        return future
 
     def _post(self, body: dict, n: int) -> list:
         data = json.dumps(body, default=_plain).encode()
@@ -306,20 +330,24 @@ class RemoteTerm:
         for attempt in range(self.term.retries + 1):
             if attempt:
                 time.sleep(0.5 * 2 ** (attempt - 1))
-            request = urllib.request.Request(
-                self.term.url, data=data, headers={"Content-Type": "application/json"}
-            )
             try:
-                with urllib.request.urlopen(request, timeout=self.term.timeout) as response:
-                    rewards = json.loads(response.read())["rewards"]
+                answer = post_json(
+                    self.term.url, data, self.term.timeout, self.term.follow_redirects
+                )
+                rewards = json.loads(answer)["rewards"]
                 if not isinstance(rewards, list) or len(rewards) != n:
-                    raise ValueError(f"answered {rewards!r}, not {n} rewards")
+                    raise ValueError(f"answered {rewards!r:.200}, not {n} rewards")
                 return rewards
-            except urllib.error.HTTPError as e:
-                last = f"HTTP {e.code}"
-                if e.code < 500:
+            except HTTPStatusError as e:
+                last = str(e)
+                if e.status < 500:
                     break
-            except (OSError, ValueError, KeyError) as e:  # timeout, refused, reset, bad JSON
+            except RedirectRefused as e:  # never tried again
+                last = f"{type(e).__name__}: {e}"
+                break
+            except ValueError as e:  # an answer too long, or not JSON
+                last = f"{type(e).__name__}: {e}"
+            except (OSError, KeyError, TypeError) as e:  # timeout, refused, reset, no "rewards"
                 last = f"{type(e).__name__}: {e}"
         raise ConnectionError(
             f"reward {self.name}: {self.term.url} failed after {self.term.retries + 1} tries "
@@ -330,8 +358,7 @@ class RemoteTerm:
         b = self.term.batch_size
         chunks = [(s, min(s + b, len(texts))) for s in range(0, len(texts), b)]
         futures = [
-            self.pool.submit(
-                self._post,
+            self._submit(
                 {"completions": texts[s:e], **{k: v[s:e] for k, v in columns.items()}},
                 e - s,
             )
@@ -352,7 +379,8 @@ class RemoteTerm:
         return scores
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        for _ in range(self.term.max_concurrency):
+            self.jobs.put(None)
 
 
 def _plain(value):

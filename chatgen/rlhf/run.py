@@ -26,7 +26,7 @@ import torch
 from tqdm import tqdm
 
 from chatgen.config import ConfigError
-from chatgen.config.loader import show
+from chatgen.config.loader import mask_secrets, show
 from chatgen.core import quiet
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.process_tuning import HeapBound
@@ -126,7 +126,8 @@ class Run:
             ):
                 now = getattr(entry.config, key)
                 now = dataclasses.asdict(now) if dataclasses.is_dataclass(now) else now  # a section
-                if key in before and before[key] != now:
+                # the checkpoint keeps its config masked: text read through ${VAR} reads `${VAR}`
+                if key in before and before[key] not in (now, mask_secrets({key: now})[key]):
                     problems.append(
                         f"--resume from {path}: models.{name}.config.{key}: {before[key]!r} -> {now!r}: the "
                         f"checkpoint carries this setting (a trainer's weights, optimizer, LR schedule and RNG come "

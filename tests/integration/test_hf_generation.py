@@ -331,3 +331,23 @@ def test_tied_embeddings_qwen2(make_tiny):
         n = out["unpadded_sequence_lengths"][row].item()
         expected = model_logprobs(reference, out["output_ids"][row, :n].tolist())[p - 1 :]
         assert (out["logprobs"][row, p:n] - expected).abs().max().item() <= TOL
+
+
+def test_a_huge_prompt_is_cut_before_it_is_tokenized(hf, monkeypatch):
+    """Issue 50, finding 14: a 10 MB prompt was tokenized whole before build_dataset cut it to the
+    prompt budget. Now the tokenizer sees at most what the budget's tokens can span, and the item is
+    the same as the cut of the whole text would be."""
+    huge, short = "3 1 2 " * 1_750_000, "3 1 2 " * 200  # 10.5 MB; 1200 characters, over budget too
+    (want,) = hf.build_dataset([short])
+    seen, tokenize = [], type(hf.tokenizer).__call__
+
+    def spy(self, texts, *args, **kwargs):
+        seen.extend([texts] if isinstance(texts, str) else texts)
+        return tokenize(self, texts, *args, **kwargs)
+
+    monkeypatch.setattr(type(hf.tokenizer), "__call__", spy)
+    (item,) = hf.build_dataset([huge])
+    assert item["prompt_cut"] and want["prompt_cut"]
+    assert item["input_ids"] == want["input_ids"]
+    budget = 128 - MAX_NEW
+    assert max(map(len, seen)) <= budget * max(map(len, hf.tokenizer.get_vocab()))

@@ -470,3 +470,69 @@ def test_heap_bound_trims_only_when_the_heap_grew_past_its_slack(monkeypatch):
     assert bound.trims == len(trims) == 3 and bound.reference == 100
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so")
     assert process_tuning.HeapBound()._trim is None
+
+
+HELD_EXIT = """
+import signal, threading, time
+from chatgen import cli
+cli.TERM_GRACE_S = 2.0
+signal.signal(signal.SIGTERM, cli._terminate_within_grace)  # as `chatgen` installs it for itself
+threading.Thread(target=time.sleep, args=(600,)).start()  # a thread that never ends holds the exit
+print("ready", flush=True)
+try:
+    time.sleep(600)
+except cli.Terminated:
+    print("stopping", flush=True)
+"""
+
+
+def test_sigterm_ends_the_command_even_when_a_thread_holds_the_exit():
+    """Issue 50, finding 2: after SIGTERM printed 'stopped cleanly' the process waited forever on
+    a thread stuck in a peer's read. A `chatgen` process now exits 143 TERM_GRACE_S after SIGTERM
+    whatever still runs."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HELD_EXIT], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and 2.0 <= took < 20, (proc.returncode, took)
+    assert "did not finish within 2 s of SIGTERM" in proc.stderr.read()
+
+
+def test_serve_fits_max_new_tokens_to_a_short_context_unless_given(tiny_llama_dir, tmp_path):
+    """Issue 50, finding 16: `chatgen serve --model M` of a 256-token model failed at start
+    (`max_new_tokens: 256 leaves no room for a prompt`); the server bounds each request itself."""
+    import argparse
+    import json
+    import shutil
+
+    from chatgen.cli import serve
+    from chatgen.config import ConfigError
+    from chatgen.generation.config import resolve_seq_length
+
+    model = tmp_path / "short"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 256}))
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+
+    def resolved(*argv):
+        args = parser.parse_args(["--model", str(model), *argv])
+        module = serve.build_module(args)
+        serve.fit_max_new_tokens(module, args)
+        return resolve_seq_length(module.config, model)  # what the engine's setup checks
+
+    assert resolved().max_new_tokens == 128
+    assert resolved("max_new_tokens=100").max_new_tokens == 100
+    with pytest.raises(ConfigError, match="max_new_tokens: 256 leaves no room"):
+        resolved("max_new_tokens=256")  # the user's own value is checked, not changed

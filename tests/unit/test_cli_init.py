@@ -58,6 +58,32 @@ def test_init_overwrites_nothing_and_names_what_is_in_the_way(tmp_path, capsys):
     assert [p.name for p in project.rglob("*")] == ["configs", "grpo_tiny.yaml"]
 
 
+def test_init_writes_through_no_planted_link(tmp_path, capsys):
+    """Issue 50, finding 15: a dangling link planted at a recipe file's path (or a linked
+    directory) had the copy written to its target."""
+    import os
+
+    victim = tmp_path / "victim.txt"
+    project = tmp_path / "p"
+    (project / "configs").mkdir(parents=True)
+    os.symlink(victim, project / "configs" / "grpo_tiny.yaml")  # dangling: exists() is False
+    assert main(["init", str(project)]) == 2
+    assert "configs/grpo_tiny.yaml" in capsys.readouterr().err and not os.path.lexists(victim)
+    elsewhere, other = tmp_path / "elsewhere", tmp_path / "q"
+    elsewhere.mkdir()
+    other.mkdir()
+    os.symlink(elsewhere, other / "configs")
+    assert main(["init", str(other)]) == 2
+    assert "configs/ (a link)" in capsys.readouterr().err and not list(elsewhere.iterdir())
+    # a link planted between the check and the copy is refused by the open itself
+    from chatgen.cli.init import SOURCE, copy_new
+
+    os.symlink(victim, tmp_path / "late")
+    with pytest.raises(FileExistsError):
+        copy_new(SOURCE / "configs" / "grpo_tiny.yaml", tmp_path / "late")
+    assert not os.path.lexists(victim)
+
+
 def test_list_names_every_recipe_and_its_command(capsys):
     assert main(["init", "--list"]) == 0
     out = capsys.readouterr().out

@@ -226,3 +226,20 @@ def test_the_csv_file_is_read_by_datasets_not_by_hand(tmp_path):
     ]
     # plain values: they travel to Ray actors and into logs
     assert json.dumps(read_prompt_file(path, rt()))
+
+
+def test_a_file_replaced_with_the_same_size_and_time_is_read_anew(tmp_path):
+    """Issue 50, finding 7: `datasets` knows a file by path, size and modification time, so a file
+    replaced by one of the same size and time was read from its cache: the old rows."""
+    import os
+
+    from chatgen.rlhf.data import read_rows
+
+    path = tmp_path / "train.csv"
+    path.write_text("prompt,answer\naaaa,1\n")
+    stat = path.stat()
+    assert read_rows(path) == [{"prompt": "aaaa", "answer": 1}]
+    path.write_text("prompt,answer\nbbbb,2\n")
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert path.stat().st_size == stat.st_size and path.stat().st_mtime_ns == stat.st_mtime_ns
+    assert read_rows(path) == [{"prompt": "bbbb", "answer": 2}]

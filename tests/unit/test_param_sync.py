@@ -317,3 +317,44 @@ def test_every_transport_speaks_the_one_protocol():
             "mode",
         ], cls
         assert callable(cls.close), cls
+
+
+class Recorder:
+    """The generation-module face load_shm writes into: its manifest, and the tensors it was given."""
+
+    needs_resync = None
+
+    def __init__(self):
+        self.loaded = {}
+
+    def weight_manifest(self):
+        return {"a": (2, 3), "b": (2,)}
+
+    def load_weights(self, buckets, mode="wait"):
+        self.loaded.update({n: t.clone() for bucket in buckets for n, t in bucket})
+
+
+def test_shm_handles_are_signed_over_the_files_path_size_and_content(tmp_path):
+    """Issue 50, finding 11: the handles' signature bound the header only, so another file (another
+    path, or the same path with other bytes) loaded under a good signature."""
+    import shutil
+
+    from chatgen.param_sync import ShmSender, load_shm
+
+    token, weights = "the run's token", [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))]
+    tx = ShmSender.owned(token, root=str(tmp_path))
+    handles = tx.write(weights)
+    target = Recorder()
+    load_shm(target, handles, token)
+    assert target.loaded["a"].tolist() == [[0, 1, 2], [3, 4, 5]]
+    other = tmp_path / "copy"
+    shutil.copy(handles["path"], other)
+    with pytest.raises(SyncError, match="the handles name .*copy of 32 bytes, the signed header"):
+        load_shm(Recorder(), {**handles, "path": str(other)}, token)
+    with open(handles["path"], "r+b") as f:  # the same path and size, other bytes
+        f.write(torch.full((2,), 9.0).numpy().tobytes())
+    refused = Recorder()
+    with pytest.raises(SyncError, match="is not the file the trainer signed"):
+        load_shm(refused, handles, token)
+    assert refused.loaded == {}
+    tx.close()

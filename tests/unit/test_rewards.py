@@ -425,3 +425,34 @@ def test_a_reward_model_scores_a_batch_as_running_it_by_hand(reward_model_dir):
         ]
     assert scores.tolist() == pytest.approx(by_hand, abs=1e-5)
     assert len(set(by_hand)) == 4  # distinct sequences, distinct scores: a mix-up would show
+
+
+def test_a_record_without_a_field_a_reward_takes_is_refused_before_anything_starts(
+    tmp_path, capsys
+):
+    """Issue 50, finding 13: a data file without the `answer` RuleReward scores against (or the
+    column a reward function takes) failed in the first scoring, after every model started, naming
+    no file or record."""
+    from chatgen import cli
+
+    (tmp_path / "train.jsonl").write_text(
+        '{"prompt": "3 1 2", "answer": "1 2 3"}\n{"prompt": "2 1"}\n'
+    )
+    rule = REPO / "configs" / "grpo_tiny.yaml"
+    base = [
+        f"runtime.data_path={tmp_path}/train.jsonl",
+        "runtime.eval_data_path=null",
+        "runtime.eval_episode_interval=null",
+    ]
+    assert cli.main(["config", str(rule), *base]) == 2
+    err = capsys.readouterr().err
+    assert f"runtime.data_path: {tmp_path}/train.jsonl, record 2 has no field 'answer'" in err
+    assert "models.reward (RuleReward) takes" in err
+    main = project(
+        tmp_path,
+        "    model_class: mytask/reward.py:brevity\n",
+        {"mytask/reward.py": REWARD_PY.replace("answer", "solution")},
+    )
+    assert cli.main(["config", str(main), *base]) == 2
+    err = capsys.readouterr().err
+    assert "record 1 has no field 'solution', which models.reward.config.terms.brevity" in err

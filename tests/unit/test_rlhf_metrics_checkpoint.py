@@ -118,6 +118,38 @@ def test_crash_while_writing_keeps_last_good_checkpoint(tmp_path):
     assert list(again.iterdir()) == []
 
 
+def test_checkpoints_keep_no_secret_and_are_this_users_only(tmp_path, monkeypatch):
+    """Issue 50, findings 1 and 9: engine_state.json held the unmasked config (0644, in a 0755 output
+    dir), and the lock file followed a link planted at its name."""
+    import os
+
+    from chatgen.config import loader
+
+    monkeypatch.setattr(loader, "_from_env", {"sk-from-env-123": "JUDGE_KEY"})
+    out = tmp_path / "run"
+    lock = ckpt.lock_output_dir(out)
+    config = {
+        "models": {"policy": {"config": {"args": {"password": "pw-1", "u": "x sk-from-env-123"}}}}
+    }
+    final = ckpt.commit_checkpoint(
+        ckpt.begin_checkpoint(out / "checkpoints", 1), {"episode": 1, "config": config}
+    )
+    lock.close()
+    text = (final / ckpt.STATE_FILE).read_text()
+    assert "pw-1" not in text and "sk-from-env-123" not in text and "${JUDGE_KEY}" in text
+    modes = {p.name: p.stat().st_mode & 0o777 for p in [out, *out.rglob("*")]}
+    assert modes["run"] == modes["checkpoints"] == modes["episode_000001"] == 0o700
+    assert modes[ckpt.STATE_FILE] == modes[ckpt.MANIFEST_FILE] == modes["latest"] == 0o600
+    assert modes[ckpt.LOCK_FILE] == 0o600
+    victim, planted = tmp_path / "victim.txt", tmp_path / "planted"
+    victim.write_text("keep")
+    planted.mkdir()
+    os.symlink(victim, planted / ckpt.LOCK_FILE)
+    with pytest.raises(OSError, match="symbolic link"):
+        ckpt.lock_output_dir(planted)
+    assert victim.read_text() == "keep"
+
+
 def test_rng_state_roundtrip_through_json():
     random.seed(1)
     torch.manual_seed(1)

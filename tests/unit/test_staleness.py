@@ -59,6 +59,19 @@ def test_on_policy_mismatch_ignores_stale_tokens():
     assert st.on_policy_mismatch(old, infer, mask, VERSIONS, 7) == {}  # nothing that fresh
 
 
+def test_on_policy_mismatch_leaves_out_partial_rollouts():
+    """Issue 50, finding 6: a partial rollout's tokens of the current version were compared with the
+    trainer's weights, though the engine computed them on KV of older weights: the metric fired on
+    every partial rollout of a healthy run."""
+    mask = (VERSIONS >= 0).float()
+    old = torch.zeros(3, 5)
+    infer = torch.where(VERSIONS == 3, -0.001, -1.0)  # sample 1's version-2 token differs by 1
+    m = st.on_policy_mismatch(old, infer, mask, VERSIONS, 2)
+    assert m == {}  # only sample 1 has version-2 tokens, and it began under version 1
+    m = st.on_policy_mismatch(old, infer, mask, VERSIONS, 3)
+    assert m["mismatch/logprob_max_abs"] == pytest.approx(0.001)
+
+
 @pytest.mark.parametrize(
     "keys, problem",
     [

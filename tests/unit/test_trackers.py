@@ -7,6 +7,7 @@ and a resumed run continues the same tracker run.
 
 import json
 import struct
+import sys
 from pathlib import Path
 
 import pytest
@@ -95,6 +96,8 @@ def test_wandb_offline_run_holds_the_metrics_and_the_masked_config_and_resume_co
 ):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    # issue 50, finding 8: wandb records the command line, where an override may hold a secret
+    monkeypatch.setattr(sys, "argv", ["chatgen", "train", "x.yaml", f"policy.args.token={SECRET}"])
     out = tmp_path / "run"
     (first,) = run_episodes(config(data, out, "wandb"), out, [1, 2], resume=False)
     (again,) = run_episodes(config(data, out, "wandb"), out, [3], resume=True)
@@ -126,6 +129,8 @@ def test_wandb_offline_run_holds_the_metrics_and_the_masked_config_and_resume_co
         params["runtime"]["seed"] == 1234
         and params["models"]["policy"]["config"]["args"]["api_key"] == MASK
     )
+    leaked = [p for p in out.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
+    assert leaked == [] and sys.argv[-1] == f"policy.args.token={MASK}"
 
 
 def test_mlflow_file_store_holds_the_metrics_and_params_and_resume_continues_the_run(
@@ -175,3 +180,30 @@ def test_trackers_are_imported_only_when_named(data, tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True
     )
     assert out.stdout.strip() == "[]" and not (tmp_path / IDS_NAME).exists()
+
+
+def test_a_tracker_failing_mid_run_is_reported_once_and_dropped(
+    data, tmp_path, monkeypatch, caplog
+):
+    """Issue 50, finding 12: a tracker failing mid-run (a full disk, its store gone) stopped the run
+    with the library's raw traceback."""
+    import shutil
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    trackers = start_trackers(config(data, out, "mlflow"), out, resume=False)
+    logger = MetricsLogger(out, [], 3, tensorboard=False, trackers=trackers)
+    logger.log(1, {"reward/mean": 0.1})
+    shutil.rmtree(out / "mlruns")  # the store is gone under the run
+    with caplog.at_level("WARNING", logger="chatgen.rlhf.metrics"):
+        logger.log(2, {"reward/mean": 0.2})
+        logger.log(3, {"reward/mean": 0.3})
+        logger.close()
+    failed = [
+        r.getMessage() for r in caplog.records if "runtime.loggers: mlflow failed" in r.getMessage()
+    ]
+    assert len(failed) == 1 and "at episode 2" in failed[0] and logger.trackers == []
+    episodes = [
+        json.loads(line)["episode"] for line in (out / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert episodes == [1, 2, 3]

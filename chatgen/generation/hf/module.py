@@ -386,12 +386,13 @@ class HFGeneration(GenerationModule):
         in fp32), replacing the previous adapter: the base of each adapted weight is kept from the first adapter
         on (adapter-only sync, docs/lora.md; a later load_weights makes its weights the base). Needs
         enable_lora. Returns the new weight version."""
-        from chatgen.models.lora_format import adapted_weights, merge_lora
+        from chatgen.models.lora_format import adapted_weights, check_finite_adapter, merge_lora
 
         if not self.config.enable_lora:
             raise ValueError(
                 f"{self.name}: load_lora_tensors needs enable_lora: true in its config"
             )
+        check_finite_adapter(tensors, f"{self.name}: load_lora_tensors")
         parameters = dict(self.model.named_parameters())
         with self._lock, torch.no_grad():
             self._lora_base = self._lora_base or {}

@@ -67,6 +67,7 @@ class EngineLoop(WeightUpdates):
         self.lora_request = (
             None  # the LoRA adapter new requests sample with (lora_adapter.py); None = the base
         )
+        self.lora_held = None  # (config, tensors) of that adapter when given in memory
         self.steps_run = 0  # engine steps since the loop started
         self.paused = False  # no engine step while set (`pause`); commands, weight updates included, still run
         self.broken = (

@@ -276,10 +276,13 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         PEFT name) on top of the base weights, replacing the previous one in place under the same adapter id
         (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls. A new weight version: requests
         added after it never reuse prefix-cache blocks computed under the previous adapter. Returns it."""
+        from chatgen.models.lora_format import check_finite_adapter
+
         if not self.config.enable_lora:
             raise ValueError(
                 f"{self.name}: load_lora_tensors needs enable_lora: true in its config"
             )
+        check_finite_adapter(tensors, f"{self.name}: load_lora_tensors")
         loop = self.engine_loop
 
         def swap():
@@ -288,6 +291,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
                     f"{self.name}: a LoRA adapter load while requests run; load it between calls"
                 )
             loop.lora_request = adapter.replace_lora(loop.llm, 1, config, tensors)
+            loop.lora_held = (config, tensors)  # put back after a full weight load (weight_updates)
             loop.weight_version += 1
             return loop.weight_version
 

@@ -111,6 +111,10 @@ class WeightUpdates:
             self._fail_all(RuntimeError(self.broken))
             raise
         self.broken = None
+        if self.lora_request is not None and self.lora_held is not None:
+            # vLLM's reload drops the adapters it holds in memory (later requests naming it would
+            # fail): the held one goes back, on top of the new weights
+            self.lora_request = adapter.replace_lora(self.llm, 1, *self.lora_held)
         self.weight_version += 1
         for key, count in counts.items():
             if key[0] in self._calls and key[0] not in self._streamed:

@@ -15,7 +15,7 @@ import importlib
 import json
 
 from chatgen.config.loader import MASK, mask_secrets  # noqa: F401 (MASK: what a masked value reads)
-from chatgen.core.checkpoint_io import atomic_file
+from chatgen.core.checkpoint_io import write_private_text
 from chatgen.rlhf.config import to_dict
 
 IDS_NAME = "trackers.json"
@@ -54,6 +54,5 @@ def start_trackers(cfg, out_dir, resume: bool) -> list:
             tracker.close()
         raise
     if trackers:
-        with atomic_file(ids_path) as tmp:
-            tmp.write_text(json.dumps(ids, indent=1) + "\n")
+        write_private_text(ids_path, json.dumps(ids, indent=1) + "\n")
     return trackers

@@ -55,10 +55,12 @@ def staleness_metrics(versions: torch.Tensor, loss_mask: torch.Tensor, current: 
 
 
 def on_policy_mismatch(old_logprobs, infer_logprobs, loss_mask, versions, current: int) -> dict:
-    """The train/inference mismatch (mismatch/logprob_*) over the tokens the trainer's current weights
-    sampled (version == current): what the weight sync gets wrong, without the staleness an
-    asynchronous batch adds on purpose. {} when no trained token is that fresh."""
-    fresh = loss_mask * (versions == current)
+    """The train/inference mismatch (mismatch/logprob_*) over the samples the trainer's current weights
+    sampled whole (every token version == current): what the weight sync gets wrong, without the
+    staleness an asynchronous batch adds on purpose. A partial rollout's current tokens are left out
+    too: the engine read its older tokens' KV, computed with older weights. {} when none is fresh."""
+    whole = sample_staleness(versions, current) == 0  # (S,): its oldest token is current
+    fresh = loss_mask * (versions == current) * whole.unsqueeze(1)
     if fresh.sum() == 0:
         return {}
     diff = (old_logprobs - infer_logprobs).abs() * fresh
