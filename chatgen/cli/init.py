@@ -72,7 +72,6 @@ RECIPES = {
         "examples/train_grpo_multiturn_tiny.sh",
         [
             *TINY,
-            "examples/calculator_env.py",
             "configs/grpo_multiturn_tiny.yaml",
             "configs/grpo_multiturn_tiny/policy.yaml",
             "configs/grpo_multiturn_tiny/trainer.yaml",
