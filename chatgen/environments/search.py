@@ -4,8 +4,11 @@
     runtime.algorithm: {environment: search, environment_args: {corpus: outputs/search_tiny/corpus.jsonl}}
 
 The corpus (JSONL, one {"id", "text"} per passage) is indexed once per process with bm25s. The model
-may call `search(query)`: the tool message holds the top `k` passages. The first reply without a call
-is the answer: reward 1.0 when it contains the record's answer (case-insensitive), else 0.0. The task
+searches either with a `search(query)` tool call (parsed by the server's tool-call parser; the tool
+message holds the top `k` passages) or, as in Search-R1, by writing `<search>query</search>` (any
+model, no parser: the passages come back as a user turn `<information>...</information>`). The first
+reply that does neither is the answer: reward 1.0 when it contains the record's answer
+(case-insensitive), else 0.0. The task
 this file writes is made-up facts ("The capital of Velmora is Quistar."), so no model knows them: it
 has to search. Needs `pip install 'chatgen[search]'` (bm25s).
 """
@@ -14,6 +17,7 @@ import argparse
 import functools
 import json
 import random
+import re
 from pathlib import Path
 
 from chatgen.core.imports import require
@@ -21,7 +25,11 @@ from chatgen.core.jsonl import write_records
 from chatgen.environments.base import Environment, Step
 from chatgen.environments.tools import Tool, run_tool_calls
 
-SYSTEM = "Answer the question. Call search(query) to look facts up; then give the answer."
+SYSTEM = (
+    "Answer the question. To look a fact up, write <search>your query</search> and stop; the "
+    "results come back as <information>...</information>. Then give the answer."
+)
+TAG = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
 @functools.lru_cache(maxsize=4)
@@ -71,6 +79,13 @@ class SearchEnv(Environment):
         if message.get("tool_calls"):
             self.calls += len(message["tool_calls"])
             return Step(messages=run_tool_calls({"search": self.tool}, message))
+        query = TAG.search(message.get("content") or "")
+        if query:
+            self.calls += 1
+            found = self.tool.fn(query.group(1).strip())
+            return Step(
+                messages=[{"role": "user", "content": f"<information>{found}</information>"}]
+            )
         found = self.answer.lower() in (message.get("content") or "").lower()
         return Step(reward=float(found), done=True, metrics={"searches": float(self.calls)})
 

@@ -181,3 +181,9 @@ def test_the_search_tool_finds_the_fact_it_was_asked_for(tmp_path):
     assert error is None and episode.reward == 1.0 and episode.metrics["searches"] == 1.0
     assert record["answer"] in seen[1][0][-1]["content"]
     assert play(env, scripted("I do not know.")[0], record, 4, 30, "search")[0].reward == 0.0
+    # Search-R1's text tags: any model, no tool-call parser
+    chat, seen = scripted(f"<search>{query}</search>", f"{record['answer']}")
+    assert play(env, chat, record, 4, 30, "search")[0].reward == 1.0
+    information = seen[1][0][-1]
+    assert information["role"] == "user" and record["answer"] in information["content"]
+    assert information["content"].startswith("<information>[1] ")
