@@ -209,3 +209,17 @@ def test_without_a_parser_only_tool_choice_none_is_served(tokenizer):
         assert out.message.content == module.reply and not out.message.tool_calls
     finally:
         server.close()
+
+
+def test_chatgen_serve_refuses_an_unknown_parser_before_the_engine(tiny_llama_dir, capsys):
+    from chatgen import cli
+
+    model = ["serve", "--model", str(tiny_llama_dir), "--port", "0"]
+    assert cli.main([*model, "--enable-auto-tool-choice", "--tool-call-parser", "hermez"]) == 2
+    err = capsys.readouterr().err
+    assert "--tool-call-parser 'hermez': no such tool-call parser" in err and "llama3_json" in err
+    assert cli.main([*model, "--tool-call-parser", "hermes"]) == 2
+    assert (
+        "--enable-auto-tool-choice and --tool-call-parser NAME go together"
+        in capsys.readouterr().err
+    )
