@@ -70,7 +70,13 @@ class ToolCalls:
 
     def __init__(self, name: str, tokenizer):
         self.name, self.cls, self.tokenizer = name, parser_class(name), tokenizer
-        self.cls(tokenizer)  # a tokenizer without the parser's marker tokens fails here, at start
+        try:  # a tokenizer without the parser's marker tokens fails here, at start
+            self.cls(tokenizer)
+        except Exception as e:
+            raise ValueError(
+                f"--tool-call-parser {name}: vLLM's parser does not fit this model's tokenizer "
+                f"({type(e).__name__}: {e}); choose the parser of the model's tool-call format"
+            ) from e
 
     def applies(self, req) -> bool:
         return bool(req.tools) and req.tool_choice != "none"

@@ -197,6 +197,14 @@ def test_an_unknown_parser_is_refused_naming_the_flag_and_the_valid_names(tokeni
         ToolCalls("nope", tokenizer)
 
 
+def test_a_parser_that_does_not_fit_the_tokenizer_is_refused_at_start(tiny_llama_dir):
+    plain = get_cached_tokenizer(AutoTokenizer.from_pretrained(tiny_llama_dir))  # no <|python_tag|>
+    with pytest.raises(
+        ValueError, match="--tool-call-parser llama3_json: vLLM's parser does not fit"
+    ):
+        ToolCalls("llama3_json", plain)
+
+
 def test_without_a_parser_only_tool_choice_none_is_served(tokenizer):
     module = ScriptedModule(tokenizer)
     module.reply = REPLIES["hermes"]
