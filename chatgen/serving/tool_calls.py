@@ -142,12 +142,15 @@ class Streamer:
 
 def template_messages(messages: list) -> list:
     """Assistant tool calls with their `arguments` as objects, as vLLM hands them to chat templates
-    (OpenAI sends them as JSON strings; templates write them with `tojson`)."""
+    (OpenAI sends them as JSON strings; templates write them with `tojson`), and a call's null
+    content as "" (templates that write `'...' + message['content']`, as SmolLM2's, fail on null)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")
         if calls:
             m = {**m, "tool_calls": [_arguments_as_object(c) for c in calls]}
+            if m.get("content") is None:
+                m["content"] = ""
         out.append(m)
     return out
 

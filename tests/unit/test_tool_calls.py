@@ -18,10 +18,11 @@ from chatgen.serving.embedded import EmbeddedServer
 from chatgen.serving.tool_calls import ToolCalls, parser_class
 
 KEY = "k"
-# renders the tools, the assistant's calls (arguments as JSON objects) and the tool's answers
+# renders the tools, the assistant's calls (arguments as JSON objects) and the tool's answers; a null
+# content would fail it, as it fails SmolLM2's template
 TEMPLATE = (
     "{% if tools %}<|system|>{% for t in tools %}{{ t['function']['name'] }} {% endfor %}{% endif %}"
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] or '' }}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
     "{% for c in m['tool_calls'] or [] %}CALL {{ c['function']['name'] }} "
     "{{ c['function']['arguments'] | tojson }}{% endfor %}{{ eos_token }}{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
