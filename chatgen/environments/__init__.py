@@ -63,10 +63,15 @@ class Runner:
     """The run's environment as multi-turn GRPO calls it: `episode(record, temperature, max_tokens)`
     plays one protocol episode through the policy's OpenAI endpoint."""
 
-    def __init__(self, make, name, base_url, api_key, model, max_turns=8, step_timeout_s=60.0):
+    def __init__(
+        self, make, name, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+    ):
         import openai
 
         self.make, self.name, self.model = make, name, model
+        # without a tool-call parser the tools are still rendered (tool_choice none) and the model's
+        # calls reach the environment as text (e.g. Search-R1's <search> tags)
+        self.tool_choice = {} if parse else {"tool_choice": "none"}
         self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
         self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
         self.reported = False
@@ -78,7 +83,7 @@ class Runner:
                 messages=messages,
                 temperature=temperature,
                 max_tokens=max_tokens,
-                **({"tools": tools} if tools else {}),
+                **({"tools": tools, **self.tool_choice} if tools else {}),
             )
             # with the token ids and log-probs, and the parsed tool_calls
             return response.choices[0].message.model_dump(exclude_none=True)
@@ -92,9 +97,12 @@ class Runner:
         return episode
 
 
-def build(name: str, args: dict, base_url, api_key, model, max_turns=8, step_timeout_s=60.0):
-    """The run's environment object (a Runner, or the instance of a class with `episode`)."""
+def build(
+    name: str, args: dict, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+):
+    """The run's environment object (a Runner, or the instance of a class with `episode`); parse:
+    the server parses tool calls (a tool_call_parser is set)."""
     make, protocol = factory(name, args)
     if not protocol:
         return make(base_url, api_key, model)
-    return Runner(make, name, base_url, api_key, model, max_turns, step_timeout_s)
+    return Runner(make, name, base_url, api_key, model, max_turns, step_timeout_s, parse)

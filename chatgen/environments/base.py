@@ -17,7 +17,8 @@ The episode's reward is the sum of its turn rewards (`Episode.turn_rewards` keep
 Errors of an environment are named (`EnvironmentStepError` and subclasses): a reward that is not a
 number, a step that does not return within `step_timeout_s` (a tool that never returns). After the
 first model turn such an error ends the episode with reward 0 and `env/errors` 1 (its tokens still
-train, as any other episode's): one bad episode does not stop a run.
+train, as any other episode's): one bad episode does not stop a run. A request the server refuses after
+the first turn (a chat grown past `seq_length`) ends the episode too, truncated, with the rewards so far.
 """
 
 import concurrent.futures
@@ -122,7 +123,14 @@ def play(env, chat, record: dict, max_turns: int, step_timeout_s: float, name: s
     messages = list(env.reset(record))
     turns, rewards, metrics, truncated = [], [], {}, False
     for _ in range(max_turns):
-        reply = chat(messages, list(getattr(env, "tools", None) or []))
+        try:
+            reply = chat(messages, list(getattr(env, "tools", None) or []))
+        except Exception as e:
+            if not turns:  # nothing to train on: a server or config problem, said as it is
+                raise
+            # a later turn the server refuses (the chat outgrew seq_length): the episode ends there
+            rewards, text = rewards + [0.0] * (len(turns) - len(rewards)), turns[-1].get("content")
+            return Episode(turns, sum(rewards), text or "", {"errors": 1.0}, rewards, True), e
         turns.append(reply)
         messages.append(reply)
         try:

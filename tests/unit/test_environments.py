@@ -187,3 +187,23 @@ def test_the_search_tool_finds_the_fact_it_was_asked_for(tmp_path):
     information = seen[1][0][-1]
     assert information["role"] == "user" and record["answer"] in information["content"]
     assert information["content"].startswith("<information>[1] ")
+
+
+def test_a_later_turn_the_server_refuses_ends_the_episode_truncated():
+    seen = []
+
+    def chat(messages, tools):
+        seen.append(1)
+        if len(seen) == 2:
+            raise RuntimeError("400: the prompt is longer than seq_length")
+        return {"role": "assistant", "content": " 3 2 1"}
+
+    episode, error = play(CalculatorEnv(), chat, RECORD, 8, 10, "calculator")
+    assert "seq_length" in str(error) and episode.truncated and len(episode.turns) == 1
+    assert episode.metrics == {"errors": 1.0} and episode.turn_rewards == [0.0]
+
+    def refused(messages, tools):
+        raise RuntimeError("400: tool_choice auto needs --tool-call-parser")
+
+    with pytest.raises(RuntimeError, match="tool-call-parser"):  # no turn: said as it is
+        play(CalculatorEnv(), refused, RECORD, 8, 10, "calculator")

@@ -214,6 +214,7 @@ def train(cfg, resume=False, log=print) -> dict:
             "policy",
             algo.max_turns,
             algo.step_timeout_s,
+            parse=algo.tool_call_parser is not None,
         )
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}
