@@ -95,6 +95,7 @@ RECIPES = {
         "examples/train_search_tiny.sh",
         [
             "examples/env.sh",
+            "examples/sft_warm_start.py",
             "configs/search_tiny.yaml",
             "configs/agents_smollm2/policy.yaml",
             "configs/agents_smollm2/trainer.yaml",

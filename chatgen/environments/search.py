@@ -125,7 +125,41 @@ def write_task(out: Path, n_entities: int = 200, n_eval: int = 64, seed: int = 0
     return f"wrote {len(corpus)} passages, {len(train)} train and {len(eval_rows)} eval questions to {out}"
 
 
+def demonstrations(model_dir: Path, task_dir: Path, fraction: float = 0.5, seed: int = 0) -> str:
+    """sft.jsonl in task_dir: the first turn of train questions rendered with the model's chat
+    template, answered with a search (`fraction` of them) or a made-up guess (the rest): a warm
+    start that sometimes searches (examples/sft_warm_start.py), for RL to do the rest."""
+    from transformers import AutoTokenizer
+
+    tokenizer, rng = AutoTokenizer.from_pretrained(model_dir), random.Random(seed)
+    rows = []
+    for line in (task_dir / "train.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        chat = [
+            {"role": "system", "content": SYSTEM},
+            {"role": "user", "content": record["prompt"]},
+        ]
+        prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        guess = "".join(rng.sample(SYLLABLES, 2)).capitalize()
+        answer = f"<search>{record['prompt']}</search>" if rng.random() < fraction else guess
+        rows.append({"prompt": prompt, "answer": answer})
+    write_records(task_dir / "sft.jsonl", rows)
+    return (
+        f"wrote {len(rows)} demonstrations ({fraction:.0%} searching) to {task_dir / 'sft.jsonl'}"
+    )
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write-task", type=Path, required=True, metavar="DIR")
-    print(write_task(parser.parse_args().write_task))
+    parser.add_argument(
+        "--demonstrations-for",
+        type=Path,
+        metavar="MODEL_DIR",
+        help="also write DIR/sft.jsonl: warm-start demonstrations in this model's chat template",
+    )
+    args = parser.parse_args()
+    if not (args.write_task / "train.jsonl").exists():
+        print(write_task(args.write_task))
+    if args.demonstrations_for:
+        print(demonstrations(args.demonstrations_for, args.write_task))
