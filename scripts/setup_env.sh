@@ -17,6 +17,13 @@ stamp="$venv/.chatgen-stamp"
 unneeded="$(sed -n 's/^# chatgen-remove: *//p' "$reqs")"
 want="$(cat "$reqs" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
 
+# bubblewrap isolates the code sandbox (chatgen/sandbox.py, docs/agents.md); without it the sandbox
+# falls back to weaker isolation. Installed where this runs as root with apt; skipped silently otherwise.
+if ! command -v bwrap >/dev/null && [[ $EUID -eq 0 ]] && command -v apt-get >/dev/null; then
+  (apt-get install -y -qq bubblewrap || (apt-get update -qq && apt-get install -y -qq bubblewrap)) \
+    >/dev/null 2>&1 || true
+fi
+
 check_imports() {
   # The four must import together in one process: this is what the torchvision trap breaks.
   (cd / && "$venv/bin/python" -c "import transformers, vllm, megatron.core, ray, sentencepiece, chatgen") 2>/dev/null

@@ -72,10 +72,44 @@ RECIPES = {
         "examples/train_grpo_multiturn_tiny.sh",
         [
             *TINY,
-            "examples/calculator_env.py",
             "configs/grpo_multiturn_tiny.yaml",
             "configs/grpo_multiturn_tiny/policy.yaml",
             "configs/grpo_multiturn_tiny/trainer.yaml",
+        ],
+    ),
+    "gymnasium_tiny": (
+        "multi-turn GRPO on a gymnasium text environment through chatgen's adapter; CPU "
+        "(docs/agents.md)",
+        "examples/train_grpo_gymnasium_tiny.sh",
+        [
+            *TINY,
+            "configs/grpo_gymnasium_tiny.yaml",
+            "configs/grpo_multiturn_tiny.yaml",
+            "configs/grpo_multiturn_tiny/policy.yaml",
+            "configs/grpo_multiturn_tiny/trainer.yaml",
+        ],
+    ),
+    "search_tiny": (
+        "a Search-R1-style agent: SmolLM2-135M-Instruct searches a generated corpus with BM25; CPU "
+        "(docs/agents.md)",
+        "examples/train_search_tiny.sh",
+        [
+            "examples/env.sh",
+            "examples/sft_warm_start.py",
+            "configs/search_tiny.yaml",
+            "configs/agents_smollm2/policy.yaml",
+            "configs/agents_smollm2/trainer.yaml",
+        ],
+    ),
+    "tool_math_smollm2": (
+        "tool calls: SmolLM2-135M-Instruct calls a sandboxed python tool for chat arithmetic; CPU "
+        "(docs/agents.md)",
+        "examples/train_tool_math_smollm2.sh",
+        [
+            "examples/env.sh",
+            "configs/tool_math_smollm2.yaml",
+            "configs/agents_smollm2/policy.yaml",
+            "configs/agents_smollm2/trainer.yaml",
         ],
     ),
     "grpo_smollm2": (

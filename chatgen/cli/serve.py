@@ -4,6 +4,7 @@
     CHATGEN_API_KEY=KEY chatgen serve --model DIR --config configs/models/tiny_llama.yaml --port 8001 seq_length=512
     chatgen serve --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn --model DIR
     chatgen serve --model DIR --lora-modules mine=outputs/run/adapter  # a PEFT adapter as model "mine" beside the base
+    chatgen serve --model DIR --enable-auto-tool-choice --tool-call-parser hermes   # replies carry tool_calls
 
 Binds to 127.0.0.1 unless --host says otherwise; with an API key (the CHATGEN_API_KEY environment variable,
 --api-key-file, or --api-key, which every user of the machine can read in the process list) every endpoint
@@ -110,6 +111,18 @@ def add_arguments(parser) -> None:
         "sets enable_lora and max_lora_rank unless given (docs/lora.md)",
     )
     parser.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="parse the model's tool calls into OpenAI `tool_calls` (vLLM's flag; needs "
+        "--tool-call-parser; docs/agents.md)",
+    )
+    parser.add_argument(
+        "--tool-call-parser",
+        metavar="NAME",
+        help="vLLM's tool-call parser for the model's format: hermes, llama3_json, mistral, pythonic, "
+        "qwen3_xml, ... (an unknown name lists them)",
+    )
+    parser.add_argument(
         "overrides", nargs="*", metavar="key=value", help="any per-model key, e.g. seq_length=512"
     )
 
@@ -212,6 +225,15 @@ def run(args) -> int:
             f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
             "running requests may take to finish on SIGTERM, e.g. 10"
         )
+    if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
+        raise ValueError(
+            "--enable-auto-tool-choice and --tool-call-parser NAME go together (vLLM's flags): give "
+            "both to parse tool calls, or neither"
+        )
+    if args.tool_call_parser is not None:
+        from chatgen.serving.tool_calls import parser_class
+
+        parser_class(args.tool_call_parser)  # an unknown name: before the engine starts
     served = args.served_model_name or args.model
     adapters, rank = lora_modules(args.lora_modules, served)  # before the engine starts
     if adapters:
@@ -250,6 +272,7 @@ def run(args) -> int:
             routers=routers,
             max_request_bytes=args.max_request_bytes,
             allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))],
+            tool_call_parser=args.tool_call_parser,
         )
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(

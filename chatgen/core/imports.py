@@ -151,6 +151,8 @@ EXTRAS = {
     "uvicorn": "serve",
     "datasets": "data",
     "math_verify": "math",
+    "gymnasium": "gymnasium",
+    "bm25s": "search",
     "wandb": "wandb",
     "mlflow": "mlflow",
 }

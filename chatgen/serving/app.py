@@ -52,6 +52,7 @@ from chatgen.serving.http import (
 )
 from chatgen.serving.requests import pydantic_errors
 from chatgen.serving.responses import json_response
+from chatgen.serving.tool_calls import ToolCalls
 
 
 def build_app(
@@ -62,6 +63,7 @@ def build_app(
     routers=(),
     max_request_bytes: int | None = None,
     allowed_hosts=(),
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
 
@@ -72,6 +74,8 @@ def build_app(
     max_request_bytes: a larger request body is answered 413 without being read (None: 16 MiB).
     allowed_hosts: names clients may give in the Host header beyond IP addresses, localhost and this
     machine's names ("*": any; `HostCheck`). A POST must be JSON (`require_json`).
+    tool_call_parser: vLLM's tool-call parser by name (`--tool-call-parser`; chatgen.serving.tool_calls):
+    chat replies are parsed into `tool_calls` (None: `tool_choice` other than "none" is a 400).
     """
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import VLLMClientError
@@ -92,6 +96,8 @@ def build_app(
     app.add_middleware(HostCheck, allowed_hosts=allowed_hosts)  # outermost: before the body
     app.state.module, app.state.model_name = module, name
     server = OpenAIServer(module, name)
+    if tool_call_parser is not None:
+        server.tool_calls = ToolCalls(tool_call_parser, module.tokenizer)
 
     @app.exception_handler(APIError)
     async def api_error(request, e: APIError):

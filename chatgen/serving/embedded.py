@@ -53,7 +53,8 @@ def listen(host: str, port: int) -> socket.socket:
 
 class EmbeddedServer:
     """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is `http://HOST:PORT/v1` (for
-    `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise."""
+    `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise.
+    tool_call_parser: vLLM's parser name (chatgen.serving.tool_calls): replies carry parsed `tool_calls`."""
 
     def __init__(
         self,
@@ -62,8 +63,11 @@ class EmbeddedServer:
         port: int = 0,
         api_key: str | None = None,
         model_name: str | None = None,
+        tool_call_parser: str | None = None,
     ):
-        app = build_app(module, api_key=api_key, model_name=model_name)
+        app = build_app(
+            module, api_key=api_key, model_name=model_name, tool_call_parser=tool_call_parser
+        )
         sock = listen(host, port)
         self._server = uvicorn.Server(uvicorn_config(app))
         self._thread = threading.Thread(

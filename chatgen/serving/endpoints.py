@@ -12,6 +12,7 @@ from fastapi.responses import StreamingResponse
 
 from chatgen.serving.http import APIError, error_body
 from chatgen.serving.requests import Job
+from chatgen.serving.tool_calls import named_function
 from chatgen.serving.responses import (
     ResponseBuilder,
     chain,
@@ -91,6 +92,14 @@ class OpenAIServer(ResponseBuilder):
         def logprobs_of(sample):
             return self.chat_logprobs(sample, req.top_logprobs or 0) if req.logprobs else None
 
+        tools = self.tool_calls if self.tool_calls and self.tool_calls.applies(req) else None
+
+        def finish_reason(sample, called: bool):  # OpenAI's: "stop" after a named function's call
+            reason = sample.finish_reason or "stop"
+            return (
+                "tool_calls" if called and reason == "stop" and not named_function(req) else reason
+            )
+
         if req.stream:
             created, response_id = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
             include_usage, continuous = should_include_usage(req.stream_options, False)
@@ -107,6 +116,7 @@ class OpenAIServer(ResponseBuilder):
 
             async def events(first, outputs):
                 generated, cached = [0] * n, None
+                streamers = [tools.streamer(req) for _ in range(n)] if tools else None
                 usage = (
                     (lambda i: self.usage(len(prompt), generated[i]))
                     if continuous
@@ -153,14 +163,22 @@ class OpenAIServer(ResponseBuilder):
                         ):
                             continue  # a chunked prefill step: nothing to say yet
                         generated[sample.index] += len(sample.token_ids)
+                        delta, called = DeltaMessage(content=sample.text), False
+                        if streamers:  # the parser may hold text back (a partial marker): None
+                            streamer = streamers[sample.index]
+                            delta = streamer.delta(
+                                sample.text, sample.token_ids, bool(sample.finish_reason)
+                            )
+                            delta, called = delta or DeltaMessage(), streamer.called
                         yield sse_event(
                             chunk(
                                 [
                                     ChatCompletionResponseStreamChoice(
                                         index=sample.index,
-                                        delta=DeltaMessage(content=sample.text),
+                                        delta=delta,
                                         logprobs=logprobs_of(sample),
-                                        finish_reason=sample.finish_reason,
+                                        finish_reason=sample.finish_reason
+                                        and finish_reason(sample, called),
                                         **(
                                             {"stop_reason": sample.stop_reason}
                                             if sample.finish_reason
@@ -182,22 +200,25 @@ class OpenAIServer(ResponseBuilder):
             return await self.streamed(job, events)
 
         ((_, output),) = [o async for o in self.run(job, stream=False)]
+        samples = sorted(output.outputs, key=lambda s: s.index)
+        parsed = [tools.parse(s.text, req) if tools else (s.text, []) for s in samples]
         choices = [
             ChatCompletionResponseChoice(
                 index=s.index,
-                finish_reason=s.finish_reason or "stop",
+                finish_reason=finish_reason(s, bool(calls)),
                 stop_reason=s.stop_reason,
                 logprobs=logprobs_of(s),
                 message=ChatMessage(
                     role="assistant",
-                    content=echo + s.text,
+                    content=echo + content if content is not None or echo else None,
+                    tool_calls=calls,
                     prompt_token_ids=prompt,
                     generation_token_ids=list(s.token_ids),
                     generation_log_probs=sampled_logprobs(s),
                     generation_weight_versions=s.weight_versions,
                 ),
             )
-            for s in sorted(output.outputs, key=lambda s: s.index)
+            for s, (content, calls) in zip(samples, parsed)
         ]
         generated = sum(len(s.token_ids) for s in output.outputs)
         return json_response(

@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from chatgen.generation.chat_tokens import replace_prefix_tokens
 from chatgen.serving.http import APIError
+from chatgen.serving.tool_calls import check_tool_schemas, template_messages
 
 # Request fields the server refuses rather than silently ignore: (field, is it set?, why)
 UNSUPPORTED = (
@@ -29,12 +30,6 @@ UNSUPPORTED = (
         lambda v: v is not None,
         "a chat template sent with the request is not run (vLLM's default, without --trust-request-chat-template); "
         "the model's own template renders every chat",
-    ),
-    (
-        "tool_choice",
-        lambda v: v not in (None, "none"),
-        "chatgen parses no tool calls: send tool_choice 'none' to render the tools into the prompt with the chat "
-        "template, and read the calls from the reply yourself",
     ),
 )
 
@@ -120,6 +115,7 @@ class RequestReader:
 
     def __init__(self, module, name: str):
         self.module, self.name = module, name
+        self.tool_calls = None  # chatgen.serving.tool_calls.ToolCalls: --enable-auto-tool-choice
         cfg = module.config
         self.defaults = {
             "temperature": cfg.temperature,
@@ -251,7 +247,9 @@ class RequestReader:
         if getattr(req, "documents", None):
             kwargs["documents"] = req.documents
         try:
-            return self.tokenizer.apply_chat_template(plain, tokenize=False, **kwargs)
+            return self.tokenizer.apply_chat_template(
+                template_messages(plain), tokenize=False, **kwargs
+            )
         except Exception as e:  # a template that raises on these messages (e.g. roles out of order)
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages")
 
@@ -368,8 +366,29 @@ class RequestReader:
 
         req = parse_request(ChatCompletionRequest, read_json(raw))
         adapter = self.check_model(req.model)
+        self.check_tools(req)
         prompt = self.chat_prompt(req, req.build_tok_params(self.limits))
         return Job(req, [prompt], [None], [self.sampling_params(req, len(prompt))], adapter=adapter)
+
+    def check_tools(self, req) -> None:
+        """A request's tools: valid JSON Schemas, and a tool_choice that parses calls only with a
+        parser (vLLM's rule); markers such as <tool_call> may be special tokens, so they stay in the
+        text the parser reads."""
+        if not req.tools:
+            return
+        check_tool_schemas(req.tools)
+        if req.tool_choice == "none":
+            return
+        if self.tool_calls is None:
+            raise APIError(
+                400,
+                f"tool_choice {req.tool_choice if isinstance(req.tool_choice, str) else 'named'}: parsing "
+                "tool calls needs --enable-auto-tool-choice and --tool-call-parser NAME (chatgen serve; "
+                "EmbeddedServer(tool_call_parser=NAME)); or send tool_choice 'none' to render the tools "
+                "into the prompt and read the calls from the reply yourself",
+                "tool_choice",
+            )
+        req.skip_special_tokens = False
 
     def tokenize(self, raw: bytes):
         from vllm.entrypoints.serve.tokenize.protocol import (

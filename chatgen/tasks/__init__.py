@@ -7,16 +7,21 @@ A record is one JSON object per line: {"prompt": str, "answer": str}; the reward
 text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere: inside the
 reward actor, in a unit test, or on a held-out set after training. One file per task: sort_digits.py (the tiny
 examples' task, with its SFT and DPO data), arithmetic.py (chat questions for an instruct model), math_words.py
-(GSM8K-style word problems, also written as parquet, and the math-verify rewards). REWARDS names the rules a
+(GSM8K-style word problems, also written as parquet, and the math-verify rewards), code_exec.py (a program run
+with tests in chatgen.sandbox). REWARDS names the rules a
 `chatgen.rlhf.rewards:RuleReward` can use.
 """
 
 from pathlib import Path
 
 from chatgen.core.jsonl import write_records
-from chatgen.tasks import arithmetic, math_words, sort_digits
+from chatgen.tasks import arithmetic, code_exec, math_words, sort_digits
 
-REWARDS = {"sort_digits": sort_digits.reward, "final_number": arithmetic.final_number_reward}
+REWARDS = {
+    "sort_digits": sort_digits.reward,
+    "final_number": arithmetic.final_number_reward,
+    "code_exec": code_exec.reward,  # the response's program + the answer's tests, in the sandbox
+}
 TASKS = ("sort_digits", "arithmetic", "math_words")
 
 

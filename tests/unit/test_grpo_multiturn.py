@@ -83,15 +83,16 @@ def test_env_metrics_average_each_key():
     assert env_metrics(episodes, "env/") == {"env/a": 0.5}
 
 
-def test_config_needs_the_environment_class():
-    assert dict(Config(environment="examples.calculator_env:CalculatorEnv").check()) == {}
+def test_config_needs_the_environment():
+    for good in ("examples.calculator_env:CalculatorEnv", "calculator", "gymnasium:X-v0"):
+        assert dict(Config(environment=good).check()) == {}
     for bad in (None, "examples.calculator_env"):
         (problem,) = [p for key, p in Config(environment=bad).check() if key == "environment"]
-        assert "'package.module:Class'" in problem
+        assert "'package.module:Object'" in problem and "calculator" in problem
 
 
 def test_calculator_sorts_the_prompts_digits():
-    from examples.calculator_env import calculator
+    from chatgen.environments.calculator import calculator
 
     assert calculator("sort: 3 1 4 1 5 =") == " 1 1 3 4 5"
 

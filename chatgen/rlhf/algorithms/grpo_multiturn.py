@@ -11,7 +11,10 @@ token, trained on where the model generated it (`response_mask` 1) and not where
 environment wrote it (0), with the server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs,
 clipped policy-gradient steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
 
-An environment is a class named by `runtime.algorithm.environment` ('package.module:Class'):
+`runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a built-in
+(`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own 'package.module:Object': a
+reset/step protocol environment, played turn by turn with its tools and the server's parsed `tool_calls`
+(`tool_call_parser`), or a class with `episode`:
 
     class MyEnv:
         def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
@@ -25,9 +28,10 @@ import secrets
 import time
 from typing import Optional
 
+from chatgen import environments
 from chatgen.config import opt
-from chatgen.core.imports import import_class
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.environments.base import Episode
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.algorithms.grpo import step as grpo_step
 from chatgen.rlhf.health import RunHealthError
@@ -40,8 +44,18 @@ from chatgen.rlhf.schema import Role
 class Config(grpo.Config):
     environment: Optional[str] = opt(
         None,
-        "the environment class, 'package.module:Class' (importable from the "
-        "directory you run in), e.g. examples.calculator_env:CalculatorEnv",
+        "the environment: a built-in (calculator, tool_math, search), gymnasium:ENV_ID, or "
+        "'package.module:Object' (importable from the directory you run in; docs/agents.md)",
+    )
+    environment_args: dict = opt({}, "keyword arguments of the environment (or gymnasium.make)")
+    max_turns: int = opt(8, "protocol environments: model turns per episode, then truncated")
+    step_timeout_s: float = opt(
+        60.0, "protocol environments: seconds a step may take (a tool that never returns)"
+    )
+    tool_call_parser: Optional[str] = opt(
+        None,
+        "vLLM's tool-call parser the run's server reads the policy's tool calls with (hermes, "
+        "llama3_json, mistral, pythonic, ...; chatgen serve --tool-call-parser)",
     )
 
     def check(self):
@@ -64,14 +78,11 @@ class Config(grpo.Config):
                     "episode and does not refill dropped groups; set it false"
                 ),
             )
-        if not self.environment or ":" not in self.environment:
-            yield (
-                "environment",
-                (
-                    f"must name the environment class as 'package.module:Class', got "
-                    f"{self.environment!r}; e.g. examples.calculator_env:CalculatorEnv"
-                ),
-            )
+        problem = environments.check_name(self.environment)
+        if problem:
+            yield "environment", problem
+        if self.max_turns < 1:
+            yield "max_turns", f"must be at least 1, got {self.max_turns}"
 
 
 MODELS = {
@@ -94,23 +105,6 @@ def check(cfg):
                 "its server needs one engine of one rank: num_replicas 1 and tensor_parallel_size 1, colocated "
                 "only with one-rank models (or in a group of its own)"
             )
-
-
-@dataclasses.dataclass
-class Episode:
-    """What an environment returns for one episode.
-
-    turns: the server's assistant messages, in order, as dicts (`message.model_dump()`): each holds
-    `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (docs/serving.md); every turn's prompt
-    must begin with the previous turn's prompt + generation (send each assistant message back to the server as
-    it came: its token ids keep the chat token-exact). reward: the episode's reward. text: the final reply.
-    metrics: more per-episode numbers to log (averaged, as `env/<key>`).
-    """
-
-    turns: list
-    reward: float
-    text: str = ""
-    metrics: dict = dataclasses.field(default_factory=dict)
 
 
 def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | None = None) -> Sample:
@@ -165,23 +159,27 @@ def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int
 
 
 def env_metrics(episodes: list, prefix: str) -> dict:
-    """The mean of each of the episodes' own `metrics`, as `<prefix><key>`."""
+    """The mean of each of the episodes' own `metrics`, as `<prefix><key>` (over the episodes that
+    report the key: a failed episode reports fewer)."""
+    keys = dict.fromkeys(key for e in episodes for key in e.metrics)
     return {
-        f"{prefix}{key}": sum(e.metrics[key] for e in episodes) / len(episodes)
-        for key in episodes[0].metrics
+        f"{prefix}{key}": sum(vals) / len(vals)
+        for key in keys
+        if (vals := [e.metrics[key] for e in episodes if key in e.metrics])
     }
 
 
 PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def _serve(worker, name: str, api_key: str) -> str:
+def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
     """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed with the worker)."""
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
-    return worker.attach(
-        name, "openai_server", EmbeddedServer(worker.models[name], api_key=api_key, model_name=name)
-    ).url
+    server = EmbeddedServer(
+        worker.models[name], api_key=api_key, model_name=name, tool_call_parser=tool_call_parser
+    )
+    return worker.attach(name, "openai_server", server).url
 
 
 def train(cfg, resume=False, log=print) -> dict:
@@ -190,7 +188,7 @@ def train(cfg, resume=False, log=print) -> dict:
 
     algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
     n = pc.n
-    env_class = import_class(algo.environment)
+    environments.factory(algo.environment, algo.environment_args)  # a bad name: before the engines
     env = None
 
     def evaluate(run) -> dict:  # every held-out record, one episode each, at the eval temperature
@@ -205,8 +203,17 @@ def train(cfg, resume=False, log=print) -> dict:
         cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate
     ) as run:
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
-        url = run.policy.run(_serve, "policy", api_key)[0]
-        env = env_class(url, api_key, "policy")
+        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser)[0]
+        env = environments.build(
+            algo.environment,
+            algo.environment_args,
+            url,
+            api_key,
+            "policy",
+            algo.max_turns,
+            algo.step_timeout_s,
+            parse=algo.tool_call_parser is not None,
+        )
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}
         run.evaluate_start()

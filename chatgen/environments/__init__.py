@@ -1,0 +1,108 @@
+"""Environments of multi-turn RL, named by `runtime.algorithm.environment` (docs/agents.md):
+
+    calculator                the built-in sort-digits + calculator chat (configs/grpo_multiturn_tiny.yaml)
+    tool_math                 chat arithmetic with a `python` tool run in chatgen.sandbox
+    search                    Search-R1-style questions with a local BM25 `search` tool (bm25s)
+    gymnasium:ENV_ID          a gymnasium environment with text observations and actions (extra: gymnasium)
+    package.module:Object     your own: a protocol environment class or factory (reset / step), or a
+                              class with `episode(record, temperature, max_tokens)` (docs/multiturn_rl.md)
+
+Protocol environments are played by `Runner` (chatgen.environments.base.play) over the policy's OpenAI
+endpoint; an adapter's library is imported only when a config names it.
+"""
+
+import sys
+
+from chatgen.core.imports import import_object, require
+from chatgen.environments.base import Environment, Episode, Step, play  # noqa: F401
+
+BUILT_IN = {
+    "calculator": "chatgen.environments.calculator:CalculatorEnv",
+    "tool_math": "chatgen.environments.tool_math:ToolMathEnv",
+    "search": "chatgen.environments.search:SearchEnv",
+}
+# adapter name -> (its class, the package it needs)
+ADAPTERS = {"gymnasium": ("chatgen.environments.gymnasium_env:GymnasiumEnv", "gymnasium")}
+
+
+def check_name(name) -> str | None:
+    """Why `name` names no environment (None: it does; a user's module is imported at start)."""
+    if not isinstance(name, str) or not name:
+        return f"give an environment: one of {', '.join(BUILT_IN)}, ADAPTER:ID or 'package.module:Object'"
+    adapter, sep, rest = name.partition(":")
+    if name in BUILT_IN or (adapter in ADAPTERS and rest) or (sep and rest and adapter):
+        return None
+    return (
+        f"{name!r} is no environment: use a built-in ({', '.join(BUILT_IN)}), an adapter "
+        f"({', '.join(a + ':ID' for a in ADAPTERS)}) or 'package.module:Object'"
+    )
+
+
+def factory(name: str, args: dict):
+    """(make, is_protocol): `make()` builds one protocol environment per episode; for a class with
+    `episode` (the older interface) make(url, api_key, model) builds the one instance of the run."""
+    problem = check_name(name)
+    if problem:
+        raise ValueError(f"runtime.algorithm.environment: {problem}")
+    adapter, _, rest = name.partition(":")
+    if name in BUILT_IN:
+        obj = import_object(BUILT_IN[name], "class")
+    elif adapter in ADAPTERS:
+        path, package = ADAPTERS[adapter]
+        require(package, f"the {adapter} environment adapter")
+        cls = import_object(path, "class")
+        return (lambda: cls(rest, **args)), True
+    else:
+        obj = import_object(name, "object")
+    if hasattr(obj, "episode"):
+        return obj, False
+    return (lambda: obj(**args)), True
+
+
+class Runner:
+    """The run's environment as multi-turn GRPO calls it: `episode(record, temperature, max_tokens)`
+    plays one protocol episode through the policy's OpenAI endpoint."""
+
+    def __init__(
+        self, make, name, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+    ):
+        import openai
+
+        self.make, self.name, self.model = make, name, model
+        # without a tool-call parser the tools are still rendered (tool_choice none) and the model's
+        # calls reach the environment as text (e.g. Search-R1's <search> tags)
+        self.tool_choice = {} if parse else {"tool_choice": "none"}
+        self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
+        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        self.reported = False
+
+    def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:
+        def chat(messages, tools):
+            response = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                temperature=temperature,
+                max_tokens=max_tokens,
+                **({"tools": tools, **self.tool_choice} if tools else {}),
+            )
+            # with the token ids and log-probs, and the parsed tool_calls
+            return response.choices[0].message.model_dump(exclude_none=True)
+
+        episode, error = play(
+            self.make(), chat, record, self.max_turns, self.step_timeout_s, self.name
+        )
+        if error is not None and not self.reported:  # counted in env/errors; said once
+            self.reported = True
+            print(f"[chatgen] environment {self.name}: an episode failed: {error}", file=sys.stderr)
+        return episode
+
+
+def build(
+    name: str, args: dict, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+):
+    """The run's environment object (a Runner, or the instance of a class with `episode`); parse:
+    the server parses tool calls (a tool_call_parser is set)."""
+    make, protocol = factory(name, args)
+    if not protocol:
+        return make(base_url, api_key, model)
+    return Runner(make, name, base_url, api_key, model, max_turns, step_timeout_s, parse)
