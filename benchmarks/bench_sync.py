@@ -90,6 +90,7 @@ SIZES = {  # name -> HF config overrides (Llama, GQA, head_dim 32/64/128 as vLLM
 
 def make_model(path: Path, overrides: dict) -> int:
     from chatgen import models
+    from chatgen.models import layout
 
     config = dict(
         model_type="llama",
@@ -108,7 +109,7 @@ def make_model(path: Path, overrides: dict) -> int:
     path.mkdir(parents=True)
     (path / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(0)
-    shapes = models.hf_param_shapes(models.spec_from_hf_config(config))
+    shapes = layout.hf_param_shapes(models.spec_from_hf_config(config))
     state = {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()}
     save_file(state, str(path / "model.safetensors"))
     return sum(t.numel() for t in state.values())
