@@ -230,3 +230,41 @@ def test_grpo_tiny_fsdp_learns_from_the_warm_start(tiny_llama_dir, tmp_path, mon
     assert sorted(metrics) == list(range(episodes + 1))
     assert metrics[episodes]["eval/reward"] > metrics[0]["eval/reward"] + 0.3
     assert (out / "run" / "checkpoints").exists()
+
+
+def test_ppo_with_every_trainer_on_fsdp(tiny_llama_dir, tmp_path, monkeypatch):
+    """configs/ppo_tiny.yaml with policy trainer, reference and critic (FSDPCriticModule) on fsdp, in one
+    process: the critic learns (its loss falls), the reference is the starting policy (KL 0 before the
+    first update, > 0 after), the sync stays exact."""
+    from helpers import shipped_warm_start
+
+    from chatgen import tasks
+    from chatgen.rlhf.algorithms import ppo
+    from chatgen.rlhf.config import load_config
+
+    monkeypatch.chdir(REPO)
+    warm, data, out = shipped_warm_start(tiny_llama_dir), tmp_path / "task", tmp_path / "run"
+    tasks.write_task_data(str(data), n_train=64, n_eval=8, seed=1)
+    items = {
+        "runtime.data_path": f"{data}/train.jsonl",
+        "runtime.eval_data_path": "null",
+        "runtime.eval_episode_interval": "null",
+        "runtime.output_dir": str(out),
+        "runtime.num_episode": 2,
+        "runtime.save_episode_interval": "null",
+        "runtime.sample_per_episode": 32,
+        "runtime.train_micro_batch_size": 16,
+        "runtime.train_global_batch_size": 32,
+        "runtime.colocation": "[[policy, reward, policy_trainer, reference, value_trainer]]",
+        "models.value_trainer.model_class": "chatgen.training.critic:FSDPCriticModule",
+        "policy.load": warm,
+    }
+    for name in ("policy_trainer", "reference", "value_trainer"):
+        items.update({f"models.{name}.backend": "fsdp", f"{name}.load": warm})
+    cfg = load_config(REPO / "configs/ppo_tiny.yaml", [f"{k}={v}" for k, v in items.items()])
+    ppo.train(cfg, log=lambda *_: None)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    metrics = {r["episode"]: r for r in map(json.loads, lines)}
+    assert metrics[2]["value/loss"] < metrics[1]["value/loss"]
+    assert metrics[1]["kl/reference"] < 1e-6 < metrics[2]["kl/reference"]
+    assert max(metrics[e]["mismatch/logprob_max_abs"] for e in (1, 2)) < 1e-4
