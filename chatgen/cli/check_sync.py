@@ -25,6 +25,19 @@ def add_arguments(p):
     p.add_argument(
         "--train-ep", type=positive_int, default=1, help="trainer expert-parallel size (MoE models)"
     )
+    p.add_argument(
+        "--trainer-backend",
+        choices=["megatron", "fsdp"],
+        default="megatron",
+        help="the trainer to sync from: megatron (default; families of chatgen/models) or fsdp "
+        "(transformers' model under FSDP2: any family; docs/fsdp_backend.md)",
+    )
+    p.add_argument(
+        "--train-dp",
+        type=positive_int,
+        default=1,
+        help="data-parallel trainer ranks of --trainer-backend fsdp (FSDP shards over them)",
+    )
     p.add_argument("--infer-tp", type=positive_int, default=1, help="vLLM tensor-parallel size")
     p.add_argument(
         "--backend",

@@ -28,7 +28,7 @@ from chatgen.rlhf.config import format_config, load_config, resolve_schema, sche
 from chatgen.rlhf.ray_cluster import cluster_address, cluster_nodes
 from chatgen.rlhf.rewards import RewardsConfig, RewardTerm
 from chatgen.rlhf.schema import ModelEntry, RuntimeConfig
-from chatgen.training.config import LoRAConfig, MegatronConfig
+from chatgen.training.config import FSDPConfig, LoRAConfig, MegatronConfig
 
 
 def checked_run_config(path, overrides) -> tuple:
@@ -69,6 +69,12 @@ def sections() -> list:
         ("megatron", "per-model YAML of a `backend: megatron` model", MegatronConfig),
         ("megatron.lora", "`lora:` of a `backend: megatron` model; docs/lora.md", LoRAConfig),
         (
+            "fsdp",
+            "per-model YAML of a `backend: fsdp` model; Megatron-only keys must keep their defaults; "
+            "docs/fsdp_backend.md",
+            FSDPConfig,
+        ),
+        (
             "rewards",
             "config of a `model_class: chatgen.rlhf.rewards:Rewards` reward; docs/rewards.md",
             RewardsConfig,
@@ -86,7 +92,7 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--schema",
-        help="validate PATH as one per-model YAML: vllm, megatron, python or "
+        help="validate PATH as one per-model YAML: vllm, megatron, fsdp, python or "
         "package.module:DataclassName",
     )
     parser.add_argument(

@@ -52,6 +52,19 @@ RECIPES = {
             "configs/grpo_tiny/trainer.yaml",
         ],
     ),
+    "grpo_tiny_fsdp": (
+        "grpo_tiny with the fsdp trainer (transformers + torch FSDP2, any HF family); CPU "
+        "(docs/fsdp_backend.md)",
+        "examples/train_grpo_tiny_fsdp.sh",
+        [
+            *TINY,
+            "configs/grpo_tiny_fsdp.yaml",
+            "configs/grpo_tiny_fsdp/trainer.yaml",
+            "configs/grpo_tiny.yaml",
+            "configs/grpo_tiny/policy.yaml",
+            "configs/grpo_tiny/trainer.yaml",
+        ],
+    ),
     "online_dpo_tiny": (
         "Online DPO on the same task: best and worst of 8 samples as the pair; CPU, a few minutes",
         "examples/train_online_dpo_tiny.sh",

@@ -228,3 +228,17 @@ def atomic_file(path):
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
+
+
+def hf_weight_shapes(path) -> dict:
+    """{HF name: shape} of every tensor of the *.safetensors files of HF directory `path`, from their headers
+    (nothing is read): what a model of a family chatgen/models does not map takes in a weight sync."""
+    shapes = {}
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            shapes.update({k: tuple(f.get_slice(k).get_shape()) for k in f.keys()})
+    if not shapes:
+        raise FileNotFoundError(
+            f"{path}: no *.safetensors files; chatgen reads HF checkpoints in safetensors"
+        )
+    return shapes

@@ -58,3 +58,30 @@ def init_process_group(
     """`dist.init_process_group` over a `tcp_store` (rank 0 serves it)."""
     store = tcp_store(host, port, world_size, rank == 0, timeout)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def join_world() -> None:
+    """Join torch.distributed unless joined: NCCL on GPU (this process's LOCAL_RANK device), gloo on
+    CPU. Launched ranks (`torchrun`, chatgen.training.launcher, Ray actors) give RANK / WORLD_SIZE /
+    MASTER_ADDR / MASTER_PORT; a lone process gets a private one-rank world on a port picked as it is
+    bound. Every trainer backend starts here."""
+    import os
+
+    import torch
+
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    env = os.environ
+    if "RANK" in env and "MASTER_PORT" in env:
+        init_process_group(
+            backend,
+            int(env["RANK"]),
+            int(env["WORLD_SIZE"]),
+            env.get("MASTER_ADDR", "127.0.0.1"),
+            int(env["MASTER_PORT"]),
+        )
+    else:
+        init_process_group(backend, 0, 1, "127.0.0.1", 0)

@@ -37,6 +37,7 @@ import logging
 
 from chatgen import generation, models
 from chatgen.config import ConfigError
+from chatgen.core.checkpoint_io import hf_weight_shapes
 from chatgen.core.imports import load_plugin, plugins
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
@@ -351,7 +352,10 @@ class GenerationModule(Module):
     # ------------------------------------------------------------------ weights
 
     def weight_manifest(self) -> dict:
-        """{HF name: shape} of every weight the model takes (what a full sync must send), from its config.json."""
+        """{HF name: shape} of every weight the model takes (what a full sync must send): from its config.json
+        for a family of chatgen/models, else (any family an fsdp trainer trains) the checkpoint's own."""
+        if self.hf_config.get("model_type") not in models.supported():
+            return hf_weight_shapes(self.model_provider())
         return layout.hf_param_shapes(models.spec_from_hf_config(self.hf_config))
 
     def load_weights(self, buckets, mode: str = "wait") -> int:

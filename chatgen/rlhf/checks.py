@@ -16,6 +16,7 @@ from chatgen.config.typed import closest
 from chatgen.rlhf.data import data_problems
 from chatgen.rlhf.placement import (
     model_world_size,
+    TRAINER_BACKENDS,
     placement_problems,
     plan_groups,
     topology_problems,
@@ -23,8 +24,11 @@ from chatgen.rlhf.placement import (
 
 
 def backend_kind(backend: str) -> str:
-    """ "megatron", "python", or "generation" (any other name: a generation backend) for a `backend:` value."""
-    return backend if backend in ("megatron", "python") else "generation"
+    """ "megatron" (a trainer: megatron or fsdp), "python", or "generation" (any other name: a generation
+    backend) for a `backend:` value."""
+    if backend in TRAINER_BACKENDS:
+        return "megatron"
+    return backend if backend == "python" else "generation"
 
 
 def check_colocation(runtime, models: dict, where: dict, errors: list) -> None:
@@ -103,7 +107,7 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         model,
         entry,
     ) in cfg.models.items():
-        if entry.backend != "megatron" or entry.config is None:
+        if entry.backend not in TRAINER_BACKENDS or entry.config is None:
             continue
         mc = entry.config
         model_parallel = mc.tensor_model_parallel_size * mc.pipeline_model_parallel_size

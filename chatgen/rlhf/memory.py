@@ -9,7 +9,7 @@ and generating (the trainer offloaded as its offload_* keys say).
 import json
 from pathlib import Path
 
-from chatgen.rlhf.placement import engine_tp, model_world_size
+from chatgen.rlhf.placement import TRAINER_BACKENDS, engine_tp, model_world_size
 from chatgen.training.memory_estimate import GIB, Shape, engine_memory, trainer_memory
 
 CONTEXT_BYTES = GIB  # a CUDA context + NCCL buffers per process, roughly
@@ -85,7 +85,7 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
             for g in groups
             if name in g
             for n in g
-            if cfg.models[n].backend not in ("megatron", "python")
+            if cfg.models[n].backend not in (*TRAINER_BACKENDS, "python")
         ]
         for engine in engines:
             e_entry = cfg.models[engine]

@@ -24,6 +24,8 @@ from chatgen.config import ConfigError
 from chatgen.rlhf.ray_cluster import cluster_address
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK")
+# the trainer backends: their models train and score (a Role of backend "megatron" takes either)
+TRAINER_BACKENDS = ("megatron", "fsdp")
 
 
 class GroupPlan(typing.NamedTuple):
@@ -47,7 +49,7 @@ def engine_tp(entry) -> int:
 
 def model_world_size(entry) -> int:
     """Ranks a model needs (see the module docstring)."""
-    if entry.backend == "megatron":
+    if entry.backend in TRAINER_BACKENDS:
         c = entry.config
         # default: one replica of a dense model's weights
         dp = c.data_parallel_size or c.expert_model_parallel_size
@@ -64,7 +66,7 @@ def tp_sizes(cfg, names) -> dict:
         entry = cfg.models[name]
         tp = (
             entry.config.tensor_model_parallel_size
-            if entry.backend == "megatron"
+            if entry.backend in TRAINER_BACKENDS
             else engine_tp(entry)
             if entry.backend != "python"
             else 1
@@ -83,7 +85,7 @@ def plan_groups(cfg) -> list:
     for names in grouped:
         entries = {n: cfg.models[n] for n in names}
         worlds = {n: model_world_size(e) for n, e in entries.items()}
-        trainers = {n: w for n, w in worlds.items() if entries[n].backend == "megatron"}
+        trainers = {n: w for n, w in worlds.items() if entries[n].backend in TRAINER_BACKENDS}
         world = max(trainers.values()) if trainers else max(worlds.values())
         if len(set(trainers.values())) > 1:
             problems.append(
@@ -91,7 +93,7 @@ def plan_groups(cfg) -> list:
                 "Megatron models need the same num_gpu (GPU) or TP x PP x DP (CPU)"
             )
         for n, e in entries.items():
-            if e.backend in ("megatron", "python") or worlds[n] == world:
+            if e.backend in (*TRAINER_BACKENDS, "python") or worlds[n] == world:
                 continue
             tp = engine_tp(e)
             if trainers:
@@ -135,7 +137,7 @@ def topology_problems(cfg) -> list:
     for name, entry in cfg.models.items():
         if entry.config is None or entry.backend == "python":
             continue
-        if entry.backend == "megatron":
+        if entry.backend in TRAINER_BACKENDS:
             tp, key, kv_rule = (
                 entry.config.tensor_model_parallel_size,
                 "tensor_model_parallel_size",

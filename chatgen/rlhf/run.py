@@ -423,7 +423,9 @@ class Run:
                 self.save(episode, sampler_state)
         # phases + overhead
         metrics.update(timer.pop(), **{"time/episode": time.perf_counter() - start})
-        for name in [n for n in self.trainers if self.cfg.models[n].backend == "megatron"][:1]:
+        for name in [
+            n for n in self.trainers if backend_kind(self.cfg.models[n].backend) == "megatron"
+        ][:1]:
             # memory/*: peaks of the trainer's process
             metrics.update(self.runtime[name].memory_stats())
         metrics.update(self._generation_metrics(), **self.pending_metrics)

@@ -13,21 +13,24 @@ from chatgen.config import REQUIRED, opt
 from chatgen.config.typed import closest
 from chatgen.generation.base import load_backend
 from chatgen.rlhf.checks import backend_kind
-from chatgen.training.config import MegatronConfig
+from chatgen.training.config import FSDPConfig, MegatronConfig
 
 LOGGERS = ("jsonl", "tensorboard", "wandb", "mlflow")  # runtime.loggers (chatgen.rlhf.trackers)
 TRAINER_CLASS = "chatgen.training.megatron_module:MegatronModule"
+FSDP_TRAINER_CLASS = "chatgen.training.fsdp_module:FSDPModule"
 
 
 def backend_schema(backend: str):
     """The per-model config dataclass of a megatron or generation backend (ValueError naming the choices)."""
     if backend == "megatron":
         return MegatronConfig
+    if backend == "fsdp":
+        return FSDPConfig
     try:
         return load_backend(backend).Config
     except ValueError as e:
         raise ValueError(
-            f"{e}; or megatron (a trainer), python (your class, model_class)"
+            f"{e}; or megatron / fsdp (a trainer), python (your class, model_class)"
         ) from None
 
 
@@ -35,7 +38,9 @@ def model_class(entry) -> str:
     """'package.module:ClassName' a model entry runs: its model_class, else its backend's default class."""
     if entry.model_class:
         return entry.model_class
-    return TRAINER_CLASS if entry.backend == "megatron" else load_backend(entry.backend).MODULE
+    if entry.backend in ("megatron", "fsdp"):
+        return TRAINER_CLASS if entry.backend == "megatron" else FSDP_TRAINER_CLASS
+    return load_backend(entry.backend).MODULE
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -229,7 +234,8 @@ class RuntimeConfig:
 class ModelEntry:
     backend: str = opt(
         REQUIRED,
-        "a generation backend (vllm; hf: transformers, the reference), megatron (training, forward), or "
+        "a generation backend (vllm; hf: transformers, the reference), megatron or fsdp (training, "
+        "forward: docs/fsdp_backend.md), or "
         "python (user code, e.g. a rule reward); a generation backend of your own: its module's dotted path",
     )
     model_config_file: Optional[str] = opt(

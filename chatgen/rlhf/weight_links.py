@@ -20,6 +20,7 @@ rank must hold the same weight version: a replica that missed an update stops th
 """
 
 from chatgen.param_sync import GroupSender, plan_manifest, sync_weights, weight_source
+from chatgen.rlhf.placement import TRAINER_BACKENDS
 from chatgen.rlhf.runtime import ActorFailure, rendezvous_host
 
 ENGINE_DEATH_WAIT_S = 10.0  # after a failed sync: how long the engines may take to report a death
@@ -86,7 +87,7 @@ class WeightLinks:
             self.offloading = [
                 name
                 for name, h in runtime.handles.items()
-                if h.backend == "megatron" and any(h.group is g for g in groups)
+                if h.backend in TRAINER_BACKENDS and any(h.group is g for g in groups)
             ]
 
     def sync(self, mode: str = "wait") -> None:

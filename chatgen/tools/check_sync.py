@@ -4,8 +4,10 @@ computes.
     chatgen check-sync --hf-checkpoint outputs/tiny-llama --train-tp 2 --train-pp 1 --infer-tp 1 \\
         --input prompts.jsonl --output check.json --max-new-tokens 16 [--backend vllm|hf]
     chatgen check-sync --hf-checkpoint outputs/tiny-qwen3-moe --train-ep 2 --input prompts.jsonl --output check.json
+    chatgen check-sync --trainer-backend fsdp --train-dp 2 --hf-checkpoint DIR --input prompts.jsonl --output check.json
 
-Loads the checkpoint into Megatron with the training layout (TP x PP ranks), starts a generation engine (a
+Loads the checkpoint into Megatron with the training layout (TP x PP ranks; or, --trainer-backend fsdp, into
+transformers' model sharded by FSDP2 over --train-dp ranks: any family transformers has), starts a generation engine (a
 backend of chatgen.generation: vLLM by default; `hf`, transformers, the reference) with the inference TP and
 *random* weights (load_format: dummy), syncs the trainer's weights into it, generates greedily for each
 `{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the trainer. Writes {"samples":
@@ -38,6 +40,8 @@ from chatgen.generation.config import check_prompt_ids
 from chatgen.models import layout
 from chatgen.param_sync import GroupReceiver, GroupSender, sync_adapter, sync_weights
 from chatgen.training import lora
+from chatgen.training.config import hf_family_problem
+from chatgen.training.fsdp_module import FSDPModule
 from chatgen.training.launcher import DistributedJob, ctx_queue
 from chatgen.training.megatron_module import MegatronModule
 
@@ -68,6 +72,8 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 
 def _trainer_config(args) -> dict:
+    if args.trainer_backend == "fsdp":
+        return dict(load=args.hf_checkpoint, dtype=args.dtype)
     lora = dict(lora=dict(rank=args.lora, alpha=2.0 * args.lora)) if args.lora else {}
     return dict(
         load=args.hf_checkpoint,
@@ -88,22 +94,22 @@ def _score(trainer, sequences) -> list:
     return out
 
 
-def _start_trainer(config, temperature: float) -> MegatronModule:
-    """The trainer, scoring logits / temperature when the engine samples at one (as an RLHF
-    run's trainer does)."""
+def _start_trainer(config, temperature: float, backend: str = "megatron"):
+    """The trainer (MegatronModule, or FSDPModule for backend fsdp), scoring logits / temperature when
+    the engine samples at one (as an RLHF run's trainer does)."""
     if temperature > 0:
         config = {**config, "logits_temperature": temperature}
-    trainer = MegatronModule(config).start()
+    trainer = (FSDPModule if backend == "fsdp" else MegatronModule)(config).start()
     if config.get("lora"):  # B = 0 would leave the base: random adapters, the same at every layout
         lora.randomize(trainer, seed=1)
     return trainer
 
 
 def _trainer_rank(
-    config, temperature, port, token, bucket_bytes, validate, to_trainer, from_trainer
+    config, temperature, port, token, bucket_bytes, validate, to_trainer, from_trainer, backend
 ):
     """A trainer rank of the cross-process check: sync, then score what the engine generated."""
-    trainer = _start_trainer(config, temperature)
+    trainer = _start_trainer(config, temperature, backend)
     report = GroupSender.to("127.0.0.1", port, token).send(trainer, validate, bucket_bytes)
     box = [to_trainer.get() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box, 0)
@@ -160,15 +166,23 @@ def check_sync(args) -> dict:
             f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
             "directory (e.g. one from `chatgen make-tiny-model`)"
         )
-    spec = models.spec_from_hf_config(
-        json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
-    )
+    hf_config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
+    fsdp = args.trainer_backend == "fsdp"
+    spec = None if fsdp else models.spec_from_hf_config(hf_config)
     # here, once: not in every rank's traceback
-    layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)
-    prompts = read_prompts(args.input, spec.vocab_size)
+    if fsdp:
+        _check_fsdp_args(args)
+    else:
+        layout.check_layout(spec, args.train_tp, args.train_pp, args.train_ep)
+        if args.train_dp > 1:
+            raise ValueError(
+                "--train-dp: the data-parallel ranks of --trainer-backend fsdp; a Megatron trainer "
+                "here runs TP x PP x EP ranks: drop --train-dp"
+            )
+    prompts = read_prompts(args.input, hf_config["vocab_size"])
     bucket_bytes = int(args.bucket_mb * (1 << 20))
     config = _trainer_config(args)
-    world = args.train_tp * args.train_pp * args.train_ep
+    world = args.train_dp if fsdp else args.train_tp * args.train_pp * args.train_ep
     if args.lora and args.lora_sync == "adapter" and (world, args.infer_tp) != (1, 1):
         raise ValueError(
             "--lora-sync adapter: check-sync runs a multi-rank trainer in processes of its own, and the "
@@ -178,7 +192,7 @@ def check_sync(args) -> dict:
         )
     if world == 1 and args.infer_tp == 1:
         mode = "colocated"
-        trainer = _start_trainer(config, args.temperature)
+        trainer = _start_trainer(config, args.temperature, args.trainer_backend)
         engine = _engine(args)
         try:
             report = (
@@ -207,6 +221,7 @@ def check_sync(args) -> dict:
             args.validate,
             to_trainer,
             from_trainer,
+            args.trainer_backend,
         )
         job = DistributedJob(_trainer_rank, world, args=rank_args)
         try:
@@ -246,6 +261,8 @@ def check_sync(args) -> dict:
         validated=report.validated,
         mode=mode,
         backend=args.backend,
+        trainer_backend=args.trainer_backend,
+        train_dp=args.train_dp,
         train_tp=args.train_tp,
         train_pp=args.train_pp,
         train_ep=args.train_ep,
@@ -265,12 +282,27 @@ def check_sync(args) -> dict:
     return result
 
 
+def _check_fsdp_args(args) -> None:
+    """What an fsdp trainer cannot take (every rank shards the whole model; no LoRA), and a family it
+    cannot sync (chatgen.training.config.hf_family_problem), before anything starts."""
+    for flag in ("train_tp", "train_pp", "train_ep"):
+        if getattr(args, flag) > 1:
+            raise ValueError(
+                f"--{flag.replace('_', '-')} {getattr(args, flag)}: a Megatron-only layout; "
+                "--trainer-backend fsdp shards over data-parallel ranks: use --train-dp"
+            )
+    if args.lora:
+        raise ValueError("--lora: LoRA trains on --trainer-backend megatron only; drop --lora")
+    if problem := hf_family_problem(args.hf_checkpoint):
+        raise ValueError(f"--hf-checkpoint {problem}")
+
+
 def expert_weight_diffs(engine, spec, hf_checkpoint) -> dict:
     """{HF name of an expert weight: max |engine - checkpoint|} over every expert of every MoE layer ({} for a dense
     model, or an engine that cannot read its experts back): the engine's fused weights (w13 = [gate; up], w2 =
     down per expert, `VLLMModule.expert_weights`) split by the layout kind of the family's mapping, against the
     checkpoint cast to the engine's dtype. What the sync wrote, exactly."""
-    if not spec.is_moe or not hasattr(engine, "expert_weights"):
+    if spec is None or not spec.is_moe or not hasattr(engine, "expert_weights"):
         return {}
     params = [sp for sp in layout.stage_params(spec, 1, 0) if sp.expert is not None]
     ckpt = read_hf_safetensors(

@@ -1,6 +1,8 @@
 """The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads (docs/megatron_module.md)."""
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional
 
 from chatgen.config import DTYPES, USER_KEYS_DOC, args_problem, opt
@@ -252,3 +254,96 @@ class MegatronConfig:
             )
         if problem := args_problem(self):
             yield "args", problem
+
+
+# Keys of MegatronConfig an fsdp trainer has no use for, at the only value it runs them with, and the fix.
+MEGATRON_ONLY = {
+    "tensor_model_parallel_size": (1, "FSDP shards every parameter over all ranks (data parallel)"),
+    "pipeline_model_parallel_size": (1, "FSDP runs the whole model on every rank"),
+    "expert_model_parallel_size": (1, "FSDP shards the experts like every other weight"),
+    "sequence_parallel": (False, "it needs tensor parallelism"),
+    "moe_routing_replay": (False, "routing replay patches megatron-core's router"),
+    "moe_aux_loss_coeff": (0.0, "the load-balancing loss is added by megatron-core's router"),
+    "overlap_grad_reduce": (False, "FSDP2 overlaps its reduce-scatters by itself"),
+    "grad_reduce_dtype": (None, "FSDP reduces in float32 (dtype: bfloat16 is mixed precision)"),
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class FSDPConfig(MegatronConfig):
+    """The keys of a `backend: fsdp` trainer (chatgen/training/fsdp_module.py, docs/fsdp_backend.md):
+    MegatronConfig's, where they mean the same (load, dtype, optimizer, batch sizes, offload_*,
+    seq_length, activation_recompute), plus FSDP2's own. dtype bfloat16/float16 is mixed precision:
+    fp32 parameters and optimizer state, computation in the dtype, gradients reduced in fp32."""
+
+    reshard_after_forward: bool = opt(
+        True,
+        "free each layer's gathered weights after its forward and gather them again for the backward "
+        "(FSDP2's default, ZeRO-3 memory); false keeps them until the backward (ZeRO-2-like: less "
+        "communication, the full weights in memory during a step)",
+    )
+
+    def check(self):
+        yield from super().check()
+        for key, (allowed, why) in MEGATRON_ONLY.items():
+            if getattr(self, key) != allowed:
+                yield (
+                    key,
+                    f"{getattr(self, key)} is a Megatron-only setting ({why}); remove the key for "
+                    "backend: fsdp, or set backend: megatron to use it",
+                )
+        if self.activation_recompute == "selective":
+            yield (
+                "activation_recompute",
+                "selective recomputation is megatron-core's; backend: fsdp checkpoints whole layers: "
+                "set full (or none)",
+            )
+        if self.lora.rank:
+            yield (
+                "lora",
+                "LoRA trains on backend: megatron only for now; set lora.rank: 0 or backend: megatron",
+            )
+        if self.load and (problem := hf_family_problem(self.load)):
+            yield "load", problem
+
+
+# Families transformers trains but a weight sync cannot serve, each with why (measured on vLLM 0.32 CPU).
+ENGINE_REFUSED = {
+    "deepseek_v3": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
+    "deepseek_v2": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
+    # its loader copies experts and attention sinks into the parameters directly, past the layer-wise
+    # reload a sync goes through, which then puts the old tensors back (a synced tiny GPT-OSS: 0.60 off)
+    "gpt_oss": "vLLM 0.32 keeps its old experts and attention sinks after a weight reload",
+}
+
+
+def hf_family_problem(load) -> str | None:
+    """Why an fsdp trainer cannot take the model at `load` (an HF directory, or a checkpoint an fsdp
+    trainer wrote: both hold config.json), or None: a model_type transformers has no causal LM for, one
+    whose transformers code renames the checkpoint's weights as it loads them (the names an engine takes
+    would differ from the model's), or one the engine cannot serve (ENGINE_REFUSED). A missing
+    config.json is left to the trainer's start, which names the path."""
+    config = Path(load) / "config.json"
+    if not config.is_file():
+        return None
+    model_type = json.loads(config.read_text()).get("model_type")
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    if model_type in ENGINE_REFUSED:
+        return (
+            f"{load}: model_type {model_type!r} is refused: {ENGINE_REFUSED[model_type]}; pick a family "
+            "of docs/models.md"
+        )
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return (
+            f"{load}: model_type {model_type!r} has no causal LM in transformers; backend: fsdp trains "
+            "AutoModelForCausalLM models (docs/models.md lists the tested families)"
+        )
+    if get_checkpoint_conversion_mapping(model_type):
+        return (
+            f"{load}: model_type {model_type!r} is renamed by transformers as it loads (its experts "
+            "fused), so its parameters are not the checkpoint's names a weight sync sends; train it "
+            "with backend: megatron"
+        )
+    return None

@@ -31,14 +31,13 @@ pipeline schedule over micro-batches).
 
 import gc
 import math
-import os
 
 import torch
 import torch.distributed as dist
 
 from chatgen import models
 from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
-from chatgen.core.distributed import init_process_group
+from chatgen.core.distributed import join_world
 from chatgen.models import layout
 from chatgen.module import Module, remote
 from chatgen.training import cpu_compat, lora, lora_peft
@@ -69,22 +68,7 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
-    if not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        # launched: env:// semantics, loopback-safe
-        if "RANK" in os.environ and "MASTER_PORT" in os.environ:
-            env = os.environ
-            init_process_group(
-                backend,
-                int(env["RANK"]),
-                int(env["WORLD_SIZE"]),
-                env.get("MASTER_ADDR", "127.0.0.1"),
-                int(env["MASTER_PORT"]),
-            )
-        else:  # a single process: a private one-rank world
-            init_process_group(backend, 0, 1, "127.0.0.1", 0)  # the port picked as it is bound
+    join_world()
     world = dist.get_world_size()
     if world % (tp * pp * ep):
         raise ValueError(

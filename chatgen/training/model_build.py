@@ -122,12 +122,17 @@ class ModelBuild:
         return spec
 
     def _lr_factor(self, step: int) -> float:
-        cfg = self.config
-        if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
-            return (step + 1) / cfg.lr_warmup_iters
-        decay = getattr(cfg, "lr_decay_iters", None)
-        if not decay:
-            return 1.0
-        progress = min(1.0, (step - cfg.lr_warmup_iters) / decay)
-        min_ratio = cfg.min_lr / cfg.lr
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return lr_factor(self.config, step)
+
+
+def lr_factor(cfg, step: int) -> float:
+    """The learning rate's factor at optimizer step `step`: linear warm-up over lr_warmup_iters, then a
+    cosine from lr to min_lr over lr_decay_iters (constant without it). Every trainer backend's schedule."""
+    if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
+        return (step + 1) / cfg.lr_warmup_iters
+    decay = getattr(cfg, "lr_decay_iters", None)
+    if not decay:
+        return 1.0
+    progress = min(1.0, (step - cfg.lr_warmup_iters) / decay)
+    min_ratio = cfg.min_lr / cfg.lr
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))

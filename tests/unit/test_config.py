@@ -533,7 +533,7 @@ def test_model_entry_checks(main_yaml):
     )
     assert errors[1].startswith(
         "command line: models.reward.backend: unknown generation backend 'pytorch'; chatgen ships "
-    ) and errors[1].endswith("or megatron (a trainer), python (your class, model_class)")
+    ) and errors[1].endswith("or megatron / fsdp (a trainer), python (your class, model_class)")
     assert errors[2] == (
         "command line: runtime.colocation: 'polcy' is not a configured model; "
         "did you mean 'policy'?"
