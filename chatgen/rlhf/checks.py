@@ -15,8 +15,8 @@ from chatgen.config.loader import at
 from chatgen.config.typed import closest
 from chatgen.rlhf.data import data_problems
 from chatgen.rlhf.placement import (
-    model_world_size,
     TRAINER_BACKENDS,
+    model_world_size,
     placement_problems,
     plan_groups,
     topology_problems,

@@ -12,7 +12,6 @@ from fastapi.responses import StreamingResponse
 
 from chatgen.serving.http import APIError, error_body
 from chatgen.serving.requests import Job
-from chatgen.serving.tool_calls import named_function
 from chatgen.serving.responses import (
     ResponseBuilder,
     chain,
@@ -21,6 +20,7 @@ from chatgen.serving.responses import (
     sampled_logprobs,
     sse_event,
 )
+from chatgen.serving.tool_calls import named_function
 
 
 class OpenAIServer(ResponseBuilder):

@@ -15,8 +15,8 @@ keeps 1/DP of every weight, gradient and Adam moment, gathers a layer's weights 
 and reduce-scatters (averages) its gradients. Every method is collective, as MegatronModule's: call it on
 every rank with that rank's share of the batch.
 
-The contract matches MegatronModule's (same keys, hooks and returns): `token_outputs` / `set_logits_temperature`
-(chatgen.training.token_scoring), micro-batches from chatgen.training.schedule.split_batch handed to the
+The contract matches MegatronModule's (same keys, hooks, declared methods and returns): `token_outputs` at the
+config's `logits_temperature` (chatgen.training.token_scoring), micro-batches from chatgen.training.schedule.split_batch handed to the
 `loss_fn` as they come, a NaN/inf gradient skips the step, `offload` / `onload` / `memory_stats`, atomic
 checkpoints (torch.distributed.checkpoint: every rank writes its own shards; a checkpoint loads at another DP).
 """
@@ -38,7 +38,7 @@ from chatgen.core.checkpoint_io import (
 from chatgen.core.distributed import join_world
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
-from chatgen.module import Module
+from chatgen.module import Module, remote
 from chatgen.training.config import FSDPConfig
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
@@ -51,7 +51,7 @@ FSDP_META = (
 )
 
 
-class FSDPModule(MemoryHandoff, TokenScoring, Module):
+class FSDPModule(TokenScoring, Module):
     """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as MegatronModule's: `init()`
     joins torch.distributed; `setup()` builds the model (`model_provider`), shards it, builds AdamW and
     loads a checkpoint this class wrote when `load` is one. Then `forward_tokens` / `train_step` per batch,
@@ -67,8 +67,8 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
         self.optimizer = None  # torch AdamW over the DTensor shards
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
-        self._offloaded = ()  # what offload() moved to host memory
-        self._memory_peaks = {}  # phase -> peak bytes allocated (memory_stats)
+        # where the training state is between a colocated engine's turns (chatgen/training/memory.py)
+        self.memory = MemoryHandoff(self.config, fsdp_movers(self))
 
     # ---- lifecycle --------------------------------------------------------------------------------
 
@@ -171,6 +171,7 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
             logits.reshape(b * t, -1), labels.reshape(-1), reduction="none"
         ).view(b, t)
 
+    @remote("split")
     @torch.no_grad()
     def forward_tokens(self, data: dict) -> torch.Tensor:
         """The model's per-token outputs for a batch, without gradient (MegatronModule.forward_tokens).
@@ -182,6 +183,7 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
         out = [self._outputs(mb, first=0) for mb in split_batch(batch, mbs)]
         return torch.cat(out).cpu()
 
+    @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches:
         MegatronModule.train_step's contract (the loss averaged over micro-batches and DP ranks; logits only
@@ -268,6 +270,7 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
         """The whole model as an HF state dict (a full copy; for tests and exports). Collective."""
         return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
 
+    @remote("all")
     def save_checkpoint(self, path) -> str:
         """Write weights + optimizer state to directory `path` atomically: a torch.distributed.checkpoint
         (each rank writes its shards; it loads at another DP) beside chatgen_fsdp.json (iteration), the
@@ -298,6 +301,7 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
         dist.barrier()
         return str(path)
 
+    @remote("all")
     def load_checkpoint(self, path) -> None:
         """Restore weights, optimizer state and iteration from a checkpoint of `save_checkpoint` (any DP).
         Read without unpickling anything freely (chatgen.core.dcp.read_safely)."""
@@ -326,49 +330,22 @@ class FSDPModule(MemoryHandoff, TokenScoring, Module):
         meta = json.loads((path / FSDP_META).read_text())
         self.iteration, self.skipped_steps = meta["iteration"], meta.get("skipped_steps", 0)
 
+    @remote("all")
     def offload(self, params: bool = True) -> None:
         """Before a colocated engine takes the GPU: the optimizer state (`offload_optimizer`) and, with
-        `params`, the weight shards (`offload_params`) to host memory (gradients are freed after every step
-        already); the cached blocks go back to the device. A no-op without CUDA. Not collective."""
-        if not torch.cuda.is_available():
-            return
-        cfg, moved = self.config, set(self._offloaded)
-        torch.cuda.synchronize()
-        if cfg.offload_optimizer and "optimizer" not in moved:
-            self._move_optimizer(to_host=True)
-            moved.add("optimizer")
-        if params and cfg.offload_params and "params" not in moved:
-            self.model.to("cpu")
-            moved.add("params")
-        torch.cuda.synchronize()
-        if moved and not self._offloaded:  # the peak of the phase that ends here: this model's own
-            self._memory_peaks["trainer"] = max(
-                self._memory_peaks.get("trainer", 0), torch.cuda.max_memory_allocated()
-            )
-            torch.cuda.reset_peak_memory_stats()
-        self._offloaded = tuple(sorted(moved))
-        torch.cuda.empty_cache()
+        `params`, the weight shards (`offload_params`) to host memory (gradients are freed after every
+        step already); a no-op without CUDA. Not collective."""
+        self.memory.offload(params)
 
+    @remote("all")
     def onload(self, pieces=("params", "grads", "optimizer")) -> None:
-        """Bring back to the GPU what `offload` moved of `pieces`. Not collective."""
-        back = [piece for piece in self._offloaded if piece in pieces]
-        if not back:
-            return
-        if len(back) == len(self._offloaded) or "params" in back:  # the offloaded phase ends here
-            self._memory_peaks["offloaded"] = max(
-                self._memory_peaks.get("offloaded", 0), torch.cuda.max_memory_allocated()
-            )
-            torch.cuda.reset_peak_memory_stats()
-        if "params" in back:
-            self.model.to(self.device)
-        if "optimizer" in back:
-            self._move_optimizer(to_host=False)
-        torch.cuda.synchronize()
-        self._offloaded = tuple(piece for piece in self._offloaded if piece not in back)
+        """Back to the GPU, what `offload` moved of `pieces`. Not collective."""
+        self.memory.onload(pieces)
 
-    def _move_optimizer(self, to_host: bool) -> None:
-        host = self.__dict__.setdefault("_optimizer_host", {})
-        move_optimizer_state([self.optimizer], host, to_host, set(), self.device, pin=True)
+    @remote("first")
+    def memory_stats(self) -> dict:
+        """`memory/*` figures since the last call, in GiB (MemoryHandoff.stats)."""
+        return self.memory.stats()
 
     @property
     def device(self) -> torch.device:
@@ -403,3 +380,17 @@ def _on_device(mb, device):
     if hasattr(mb, "to"):
         return mb.to(device)
     return {k: v.to(device) if torch.is_tensor(v) else v for k, v in mb.items()}
+
+
+def fsdp_movers(module) -> dict:
+    """How an FSDPModule's pieces move (MemoryHandoff): AdamW's moments to pinned host memory and back;
+    the weight shards with the model."""
+    host = {}  # the optimizer's host copies, kept across offloads
+
+    def optimizer(to_host: bool):
+        move_optimizer_state([module.optimizer], host, to_host, set(), module.device, pin=True)
+
+    return {
+        "optimizer": (lambda: optimizer(True), lambda: optimizer(False)),
+        "params": (lambda: module.model.to("cpu"), lambda: module.model.to(module.device)),
+    }

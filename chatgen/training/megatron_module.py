@@ -45,7 +45,7 @@ from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
 from chatgen.training.lora_hooks import LoRAHooks
-from chatgen.training.memory import MemoryHandoff
+from chatgen.training.memory import MemoryHandoff, megatron_movers
 from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
@@ -167,7 +167,7 @@ class MegatronModule(
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
         # where the training state is between a colocated engine's turns (chatgen/training/memory.py)
-        self.memory = MemoryHandoff(self.config, lambda: (self.ddp, self.optimizer))
+        self.memory = MemoryHandoff(self.config, megatron_movers(self))
 
     # ---- lifecycle --------------------------------------------------------------------------------
 

@@ -65,39 +65,33 @@ def move_optimizer_state(
 
 
 class MemoryHandoff:
-    """A Megatron trainer's training state between its turns on the GPU (see the module docstring)."""
+    """A trainer's training state between its turns on the GPU (see the module docstring); each backend
+    says how a piece moves (`movers`), this keeps which pieces are away and each phase's peak."""
 
-    def __init__(self, config, parts):
+    def __init__(self, config, movers: dict):
         self.config = config
-        self.parts = (
-            parts  # () -> (megatron DDP, its distributed optimizer), built by the module's setup
-        )
+        # {piece: (to_host(), to_device())} in offload order; onload runs them in reverse. A piece moves
+        # when the config's `offload_<piece>` key is true (a backend without the key never moves it)
+        self.movers = movers
         self.offloaded = ()  # what offload() moved to host memory
         self.peaks = {}  # phase -> peak bytes allocated (stats)
-        self.optimizer_host = {}  # the host copies of the optimizer's tensors, kept across offloads
 
     def offload(self, params: bool = True) -> None:
-        """Before a colocated engine takes the GPU: move the training state the config names to host memory
-        (`offload_grads`: the gradient buffers are freed, they hold nothing between steps; `offload_optimizer`:
-        fp32 main weights and Adam moments; `offload_params`, when `params`: the weights) and return the cached
-        blocks to the device (torch.cuda.empty_cache), so the engine can use the memory. Every method that needs
-        the state brings it back first (`onload`). A no-op without CUDA: everything already lives in host memory.
-        Not collective."""
+        """Before a colocated engine takes the GPU: move the pieces the config names to host memory
+        (with `params` false, not the weights) and return the cached blocks to the device, so the
+        engine can use the memory. Every method that needs the state brings it back first (`onload`).
+        A no-op without CUDA: everything already lives in host memory. Not collective."""
         if not torch.cuda.is_available():
             return
-        (ddp, _), cfg, moved = self.parts(), self.config, set(self.offloaded)
+        moved = set(self.offloaded)
         torch.cuda.synchronize()
-        if cfg.offload_grads and "grads" not in moved:
-            ddp.offload_grad_buffers(synchronize=False, empty_cache=False)
-            moved.add("grads")
-        if cfg.offload_optimizer and "optimizer" not in moved:
-            self.move_optimizer(to_host=True)
-            moved.add("optimizer")
-        if params and cfg.offload_params and "params" not in moved:
-            # the weights are views of these buffers (pinned copies)
-            for buffer in _all_buffers(ddp):
-                buffer.offload_to_cpu(move_params=True, move_grads=False)
-            moved.add("params")
+        for piece, (to_host, _) in self.movers.items():
+            wanted = getattr(self.config, f"offload_{piece}", False) and (
+                params or piece != "params"
+            )
+            if wanted and piece not in moved:
+                to_host()
+                moved.add(piece)
         torch.cuda.synchronize()
         if moved and not self.offloaded:  # the peak of the phase that ends here: this model's own
             self.peaks["trainer"] = max(
@@ -108,40 +102,21 @@ class MemoryHandoff:
         torch.cuda.empty_cache()
 
     def onload(self, pieces=("params", "grads", "optimizer")) -> None:
-        """Bring back to the GPU what `offload` moved of `pieces` (gradient buffers come back zeroed): a forward
-        pass or a weight sync needs only the params. Not collective."""
+        """Bring back to the GPU what `offload` moved of `pieces` (a forward pass or a weight sync needs
+        only the params). Not collective."""
         back = [piece for piece in self.offloaded if piece in pieces]
         if not back:
             return
-        ddp, _ = self.parts()
         if len(back) == len(self.offloaded) or "params" in back:  # the offloaded phase ends here
             self.peaks["offloaded"] = max(
                 self.peaks.get("offloaded", 0), torch.cuda.max_memory_allocated()
             )
             torch.cuda.reset_peak_memory_stats()
-        if "params" in back:
-            for buffer in _all_buffers(ddp):
-                buffer.reload_from_cpu(move_params=True, move_grads=False)
-        if "optimizer" in back:
-            self.move_optimizer(to_host=False)
-        if "grads" in back:
-            ddp.restore_grad_buffers(synchronize=False)
+        for piece in reversed(list(self.movers)):
+            if piece in back:
+                self.movers[piece][1]()
         torch.cuda.synchronize()
         self.offloaded = tuple(piece for piece in self.offloaded if piece not in back)
-
-    def _move_optimizer(self, to_host: bool) -> None:
-        """The distributed optimizer's fp32 masters and Adam moments to pinned host memory or back (see
-        move_optimizer_state); its views of the weights stay in the weight buffers."""
-        inner = [chained.optimizer for chained in self.optimizer.chained_optimizers]
-        host = self.__dict__.setdefault("_optimizer_host", {})
-        move_optimizer_state(
-            inner,
-            host,
-            to_host,
-            weight_storages(self.ddp),
-            torch.cuda.current_device(),
-            pin=torch.cuda.is_available(),
-        )
 
     def stats(self) -> dict:
         """`memory/*` figures since the last call (then reset), in GiB. On GPU, this process's peak of memory
@@ -169,3 +144,34 @@ class MemoryHandoff:
             **{f"memory/{phase}_peak_gib": v / 2**30 for phase, v in peaks.items()},
             "memory/device_used_gib": (total - free) / 2**30,
         }
+
+
+def megatron_movers(module) -> dict:
+    """How a MegatronModule's pieces move: the gradient buffers are freed and come back zeroed (they hold
+    nothing between steps); the distributed optimizer's fp32 masters and Adam moments go to pinned host
+    memory (move_optimizer_state: its views of the weights stay in the weight buffers); the weights are
+    views of megatron's buffers, moved whole. Read at each move: `module.ddp` is built by setup."""
+    host = {}  # the optimizer's host copies, kept across offloads
+
+    def optimizer(to_host: bool):
+        inner = [chained.optimizer for chained in module.optimizer.chained_optimizers]
+        shared = weight_storages(module.ddp)
+        move_optimizer_state(
+            inner, host, to_host, shared, torch.cuda.current_device(), pin=torch.cuda.is_available()
+        )
+
+    def params(to_host: bool):
+        for buffer in _all_buffers(module.ddp):
+            if to_host:
+                buffer.offload_to_cpu(move_params=True, move_grads=False)
+            else:
+                buffer.reload_from_cpu(move_params=True, move_grads=False)
+
+    return {
+        "grads": (
+            lambda: module.ddp.offload_grad_buffers(synchronize=False, empty_cache=False),
+            lambda: module.ddp.restore_grad_buffers(synchronize=False),
+        ),
+        "optimizer": (lambda: optimizer(True), lambda: optimizer(False)),
+        "params": (lambda: params(True), lambda: params(False)),
+    }

@@ -101,8 +101,8 @@ def test_backend_fsdp_in_a_main_yaml_runs_fsdp_module_and_refuses_tensor_paralle
 
 def test_an_fsdp_trainer_fills_a_trainer_role():
     from chatgen.rlhf.checks import backend_kind
-    from chatgen.rlhf.placement import model_world_size
     from chatgen.rlhf.config import load_config
+    from chatgen.rlhf.placement import model_world_size
 
     assert backend_kind("fsdp") == backend_kind("megatron") == "megatron"
     cfg = load_config(REPO / "configs/grpo_tiny_fsdp.yaml", ["policy_trainer.data_parallel_size=2"])
