@@ -138,7 +138,6 @@ class MegatronModule(
     Checkpoints,
     HFExport,
     MoERouting,
-    PackingHooks,
     ModelBuild,
     TokenScoring,
     Schedule,
@@ -226,7 +225,6 @@ class MegatronModule(
         # adapters on the frozen base: before DDP and the optimizer see the parameters
         if cfg.lora.rank:
             self.lora_stats = lora.attach(self)
-        self._logits_from, self._slices_logits, self._rope_positions = 0, False, None
         from megatron.core.transformer.moe.router import TopKRouter
 
         # this stage's, layer order
@@ -238,30 +236,22 @@ class MegatronModule(
             router.register_forward_hook(self._count_routed_tokens)
             if cfg.moe_routing_replay:
                 router.router_replay = RoutingReplay()
-        output_layer = getattr(self.model, "output_layer", None) if self.is_last_stage else None
-        if output_layer is not None:  # train_step computes logits only where a loss reads them
-            output_layer.register_forward_pre_hook(self._select_logit_positions)
-            self._slices_logits = True
-        # shared-prefix packing needs the output layer's position selection (last stage), attention that reads the
-        # explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal type instead: not
-        # verified, so not packed) and rotary embeddings that follow position ids: all stages must decide alike. Not
-        # with EP > 1 (the EP ranks exchange tokens in equal shares: micro-batches keep one shape) nor with
-        # moe_routing_replay (the replayed experts belong to the tokens of the unpacked rows)
-        self._packs = (
-            cfg.pack_shared_prefix
-            and self._attention_reads_the_mask()
-            and (self._slices_logits or not self.is_last_stage)
-            and self._rope_follows_position_ids()
-            and (self.ep == 1 and not cfg.moe_routing_replay)
+        # packing keeps micro-batches of one shape with EP > 1 (the EP ranks exchange tokens in equal
+        # shares) and with moe_routing_replay (the replayed experts are the unpacked rows' tokens)
+        self.packing = PackingHooks(
+            self.model,
+            self.is_last_stage,
+            self.pp,
+            cfg.pack_shared_prefix and self.ep == 1 and not cfg.moe_routing_replay,
         )
         if self.pp > 1:
             from megatron.core import parallel_state as ps
 
-            flag = torch.tensor([float(self._packs)], device=self.device)
+            flag = torch.tensor([float(self.packing.packs)], device=self.device)
             dist.all_reduce(
                 flag, op=dist.ReduceOp.MIN, group=ps.get_pipeline_model_parallel_group()
             )
-            self._packs = bool(flag.item())
+            self.packing.packs = bool(flag.item())
         self._build_optimizer()
         # after the optimizer: a chatgen checkpoint restores its state and LR step
         self.load_checkpoint(cfg.load)

@@ -2,8 +2,12 @@
 output layer computes, and rotary embeddings that follow each packed row's position ids
 (the plans themselves: chatgen/training/prefix_packing.py).
 
-`PackingHooks` is a mixin of `chatgen.training.megatron_module.MegatronModule`.
+`PackingHooks` is an object `chatgen.training.megatron_module.MegatronModule` holds (`self.packing`): it
+installs its hooks on the model once and keeps the positions they read while a micro-batch runs
+(`positions`, set by `run_schedule`).
 """
+
+import contextlib
 
 import torch
 
@@ -11,9 +15,41 @@ from chatgen.training.prefix_packing import pack_shared_prefix
 
 
 class PackingHooks:
-    """Set up by `setup()`, driven per micro-batch by `run_schedule`."""
+    """One model chunk's logit slicing and shared-prefix packing (see the module docstring)."""
 
-    def _pack(self, micro_batches: list) -> list:
+    def __init__(self, model, is_last_stage: bool, pp: int, wanted: bool):
+        """Install the hooks on `model`; `wanted`: the config allows packing (pack_shared_prefix) and
+        the model's other features do (no expert parallelism, no routing replay)."""
+        self.model, self.pp = model, pp
+        self._logits_from, self._rope_positions = 0, None
+        output_layer = getattr(model, "output_layer", None) if is_last_stage else None
+        # train_step computes logits only where a loss reads them
+        self.slices_logits = output_layer is not None
+        if self.slices_logits:
+            output_layer.register_forward_pre_hook(self._select_logit_positions)
+        # shared-prefix packing needs the output layer's position selection (last stage), attention that
+        # reads the explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal
+        # type instead: not verified, so not packed) and rotary embeddings that follow position ids; all
+        # pipeline stages must decide alike (MegatronModule.setup agrees them)
+        self.packs = (
+            wanted
+            and self._attention_reads_the_mask()
+            and (self.slices_logits or not is_last_stage)
+            and self._rope_follows_position_ids()
+        )
+
+    @contextlib.contextmanager
+    def positions(self, logits_from=0, rope_positions=None):
+        """While a micro-batch runs: the output layer computes logits from position `logits_from` (an
+        int, 0 = all; or (b, K) positions per row), the rotary embedding reads `rope_positions` (b, T) or
+        its own 0..T-1; a later plain call of the model computes every position."""
+        self._logits_from, self._rope_positions = logits_from, rope_positions
+        try:
+            yield
+        finally:
+            self._logits_from, self._rope_positions = 0, None
+
+    def plans(self, micro_batches: list) -> list:
         """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
         pipeline stages exchange activations; [None, ...] (train unpacked) unless every micro-batch packs."""
         plans = [

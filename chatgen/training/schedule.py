@@ -3,7 +3,7 @@ log-probs, or forward and backward, for a train step), and the micro-batches' po
 
 A mixin of MegatronModule (chatgen.training.megatron_module), which calls `run_schedule` from
 `forward_tokens` and `train_step`; the packing and logit-slicing hooks it drives per micro-batch are
-PackingHooks' (packing_hooks.py).
+the PackingHooks the module holds (packing_hooks.py).
 """
 
 import torch
@@ -38,8 +38,8 @@ class Schedule:
         width = t  # of the (B, T-1) outputs
         # forward only: packed when a loss mask says which outputs are read (forward_tokens)
         plans = (
-            self._pack(micro_batches)
-            if self._packs and (not forward_only or "loss_mask" in micro_batches[0])
+            self.packing.plans(micro_batches)
+            if self.packing.packs and (not forward_only or "loss_mask" in micro_batches[0])
             else [None] * len(micro_batches)
         )
         # the pipeline schedule exchanges (T, b, H) activations of the packed shape
@@ -51,13 +51,10 @@ class Schedule:
             mb, plan = next(data_iterator)
             # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
             if plan is not None:
-                self._logits_from, self._rope_positions = plan.logit_positions, plan.position_ids
                 # no pad in the router's figures
                 moe = {"padding_mask": plan.segments < 0} if self.spec.is_moe else {}
-                try:
+                with self.packing.positions(plan.logit_positions, plan.position_ids):
                     logits = model(plan.input_ids, plan.position_ids, plan.attention_mask, **moe)
-                finally:  # a later plain call of the model computes every position at 0..T-1
-                    self._logits_from, self._rope_positions = 0, None
                 if not self.is_last_stage:
                     return logits, None
                 # (b, T-1), 0 where unread
@@ -75,14 +72,11 @@ class Schedule:
             # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
             first = (
                 first_scored_position(mb.get("loss_mask"))
-                if self._slices_logits and not forward_only
+                if self.packing.slices_logits and not forward_only
                 else 0
             )
-            self._logits_from = first
-            try:
+            with self.packing.positions(first):
                 logits = model(ids, position_ids, mask, **moe)
-            finally:
-                self._logits_from = 0
             if not self.is_last_stage:
                 return logits, None
             # (b, T-1-first): as if the rows began there

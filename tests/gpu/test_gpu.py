@@ -295,7 +295,7 @@ def test_shared_prefix_packing_on_gpu(tiny_llama_dir):
     from chatgen.core.rollout import RolloutBatch, Sample
 
     module = trainer(tiny_llama_dir, lr=1e-12, clip_grad=0.0)
-    if not module._packs:
+    if not module.packing.packs:
         pytest.skip("Transformer Engine's layer spec: shared-prefix packing is off by design")
     gen = torch.Generator().manual_seed(0)
     samples = []
@@ -317,7 +317,7 @@ def test_shared_prefix_packing_on_gpu(tiny_llama_dir):
         return -(logprobs * mask).sum() / mask.sum(), {}
 
     packed = module.train_step(data, masked)["loss"]
-    module._packs = False
+    module.packing.packs = False
     assert module.train_step(data, masked)["loss"] == pytest.approx(packed, rel=1e-5)
 
 

@@ -97,7 +97,7 @@ def test_train_step_computes_logits_only_where_the_loss_mask_reads(models):
     trainer = build(models["llama"], lr=1e-12, clip_grad=0.0)
 
     def grads_after(slices):
-        trainer._slices_logits = slices
+        trainer.packing.slices_logits = slices
         metrics = trainer.train_step({"input_ids": ids, "loss_mask": loss_mask}, masked_nll)
         return metrics, main_grads(trainer)
 
@@ -143,7 +143,7 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     data = grouped_batch()
     # an update below fp32 resolution: same weights
     trainer = build(models[name], lr=1e-12, clip_grad=0.0)
-    assert trainer._packs
+    assert trainer.packing.packs
     rows_seen = []
     trainer.model.embedding.register_forward_pre_hook(
         lambda _m, args, kwargs: rows_seen.append(tuple(kwargs["input_ids"].shape)),
@@ -151,7 +151,7 @@ def test_shared_prefix_packing_trains_like_one_row_per_sample(models, name):
     )
 
     def step(packs):
-        trainer._packs, seen = packs, []
+        trainer.packing.packs, seen = packs, []
 
         def loss_fn(logprobs, mb):
             seen.append(logprobs.detach().clone())
@@ -200,7 +200,7 @@ def test_long_tail_groups_share_packed_rows_in_training_and_in_forward_tokens(mo
     assert (scored_lp * (1 - mask)).abs().max() == 0
 
     def step(packs):
-        trainer._packs = packs
+        trainer.packing.packs = packs
         rows_seen.clear()
         metrics = trainer.train_step(data, masked_nll)
         return metrics, main_grads(trainer), list(rows_seen)
@@ -400,7 +400,7 @@ def _parallel_layouts(models, cases, refs):
                     float((weights[k] - w).abs().max()) for k, w in ref_weights.items()
                 ),
             )
-            assert trainer._packs
+            assert trainer.packing.packs
             trainer.config.micro_batch_size = (
                 3  # one group per micro-batch, each of its own packed length
             )
@@ -436,7 +436,7 @@ def test_tp2_pp2_dp2_match_hf_and_tp1_training(models):
             metrics,
             (trainer.forward_tokens({"input_ids": ids}), trainer.hf_state_dict()),
         )
-        trainer._packs = (
+        trainer.packing.packs = (
             False  # then one row per sample: the reference of the packed step at each layout
         )
         trainer.config.micro_batch_size = 3
