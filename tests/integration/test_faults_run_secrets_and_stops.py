@@ -202,3 +202,28 @@ def test_sigterm_while_a_reward_is_stuck_exits_within_30_s(project, tiny_llama_d
     assert proc.returncode == 143, output[-3000:]
     assert took < 30, f"{took:.1f} s"
     assert "terminated (SIGTERM)" in output
+
+
+def test_sigterm_while_the_models_start_exits_within_30_s(project, tiny_llama_dir):
+    """The other slow phase of a run: SIGTERM while the engine and the trainer are being built."""
+    proc = subprocess.Popen(
+        command(project, "starting"),
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=environment(tiny_llama_dir),
+    )
+    try:
+        for line in proc.stdout:  # the run's first line: the models start next
+            if line.startswith("[chatgen] grpo:"):
+                break
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        took = time.monotonic() - sent
+        output = proc.stdout.read()
+    finally:
+        proc.kill()
+    assert proc.returncode == 143 and took < 30, (proc.returncode, took, output[-3000:])
+    assert "terminated (SIGTERM)" in output
