@@ -20,7 +20,7 @@ class PackingHooks:
     def __init__(self, model, is_last_stage: bool, pp: int, wanted: bool):
         """Install the hooks on `model`; `wanted`: the config allows packing (pack_shared_prefix) and
         the model's other features do (no expert parallelism, no routing replay)."""
-        self.model, self.pp = model, pp
+        self.pp = pp  # (the model is not kept: its hooks hold this object, not the other way round)
         self._logits_from, self._rope_positions = 0, None
         output_layer = getattr(model, "output_layer", None) if is_last_stage else None
         # train_step computes logits only where a loss reads them
@@ -33,9 +33,9 @@ class PackingHooks:
         # pipeline stages must decide alike (MegatronModule.setup agrees them)
         self.packs = (
             wanted
-            and self._attention_reads_the_mask()
+            and self._attention_reads_the_mask(model)
             and (self.slices_logits or not is_last_stage)
-            and self._rope_follows_position_ids()
+            and self._rope_follows_position_ids(model)
         )
 
     @contextlib.contextmanager
@@ -79,31 +79,28 @@ class PackingHooks:
             return (args[0][at:], *args[1:])
         return None
 
-    def _attention_reads_the_mask(self) -> bool:
+    def _attention_reads_the_mask(self, model) -> bool:
         """Every layer's core attention is megatron's DotProductAttention (the local spec), which applies the
         explicit attention mask it is given."""
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
-        layers = getattr(getattr(self.model, "decoder", None), "layers", [])
+        layers = getattr(getattr(model, "decoder", None), "layers", [])
         return all(
             type(layer.self_attention.core_attention) is DotProductAttention for layer in layers
         )
 
-    def _rope_follows_position_ids(self) -> bool:
+    def _rope_follows_position_ids(self, model) -> bool:
         """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
         so that packed rows keep their own positions; False for a model whose positions cannot follow them."""
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-        kind = getattr(self.model, "position_embedding_type", None)
+        kind = getattr(model, "position_embedding_type", None)
         if kind == "learned_absolute":  # the embedding reads position_ids itself
             return True
-        if (
-            kind != "rope"
-            or type(getattr(self.model, "rotary_pos_emb", None)) is not RotaryEmbedding
-        ):
+        if kind != "rope" or type(getattr(model, "rotary_pos_emb", None)) is not RotaryEmbedding:
             return False
         # one hook per model: setup() calls this once for each model it builds
-        self.model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
+        model.rotary_pos_emb.register_forward_hook(self._rope_at_positions)
         return True
 
     def _rope_at_positions(self, _module, _args, emb):
