@@ -2,7 +2,7 @@
 against it runs with only the import changed.
 
     from chatgen.compat.trl import VLLMGeneration                  # TRL: from trl.generation.vllm_generation
-    gen = VLLMGeneration(model, accelerator, False, tokenizer, max_completion_length=32)
+    gen = VLLMGeneration(model, accelerator, tokenizer, max_completion_length=32)  # 2026-06: (.., False, tokenizer)
     prompt_ids, completion_ids, logprobs, logprob_token_ids = gen.generate(prompts, None, num_generations)
     ...an optimizer step on `model`...
     gen.sync_weights()                                             # reads the wrapped model, as TRL's does
