@@ -53,6 +53,7 @@ setup(
             "import-linter==2.16",
             "ruff==0.17.6",
             "peft==0.21.2",
+            "trl==1.16.0",
             "openai",
             "requests",
         ],

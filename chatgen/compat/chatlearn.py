@@ -156,8 +156,28 @@ _FOREIGN = dict(
     foreign_fix="a ChatLearn YAML with Megatron-LM keys loads with `config_dialect: chatlearn`, "
     "docs/migrating_from_chatlearn.md",
 )
+
+
+def read_chatgen(data: dict, where: dict, schema, errors: list, label: str) -> dict:
+    """chatgen's own dialect: the keys as written, checked after this. A file holding Megatron-LM arguments
+    that are no chatgen key (a ChatLearn per-model YAML) gets one first error naming the chatlearn dialect,
+    before the error per key."""
+    fields = (
+        {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else ()
+    )
+    foreign = sorted(k for k in data if k in megatron_lm_keys() and k not in fields)
+    if foreign:
+        errors.append(
+            f"{label}: {len(foreign)} key(s) are Megatron-LM arguments ({', '.join(foreign[:5])}"
+            f"{', ...' if len(foreign) > 5 else ''}): a ChatLearn per-model YAML; load it with "
+            "`config_dialect: chatlearn` (the model entry's key, or --config-dialect chatlearn), "
+            "docs/migrating_from_chatlearn.md"
+        )
+    return data
+
+
 # every key checked; a Megatron-LM key is named as one
-CHATGEN = Dialect("chatgen", None, **_FOREIGN)
+CHATGEN = Dialect("chatgen", read_chatgen, **_FOREIGN)
 CHATLEARN = Dialect("chatlearn", read_chatlearn, **_FOREIGN)
 DIALECTS = {d.name: d for d in (CHATGEN, CHATLEARN)}
 

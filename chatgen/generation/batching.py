@@ -78,7 +78,8 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
 
     data: {"input_ids" (B, T), "input_lengths" (B,)} (a generation input) or {"output_ids" (B, L),
     "unpadded_sequence_lengths" (B,)} (a generation output). Returns (True, None), or (False, message) naming
-    each offending row and the positions that hold something other than the pad; raise_error raises a
+    each offending row: a length beyond the row's width, positions past the length that hold something other
+    than the pad; raise_error raises a
     ValueError with that message instead.
     """
     for ids_key, lengths_key in (
@@ -93,12 +94,15 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
             f"unpadded_sequence_lengths; it has {sorted(data)}"
         )
     ids, lengths = torch.as_tensor(data[ids_key]), torch.as_tensor(data[lengths_key])
+    problems = [  # a length past the row's width (NeMo RL refuses it too)
+        f"{lengths_key}[{row}]={int(lengths[row])} exceeds the width {ids.shape[1]} of {ids_key}"
+        for row in (lengths > ids.shape[1]).nonzero().flatten().tolist()
+    ]
     positions = torch.arange(ids.shape[1])[None, :]
     # (B, T): a non-pad token after the length
     bad = (positions >= lengths[:, None]) & (ids != pad_value)
-    if not bad.any():
+    if not bad.any() and not problems:
         return True, None
-    problems = []
     for row in bad.any(dim=1).nonzero().flatten().tolist():
         cols = bad[row].nonzero().flatten().tolist()
         shown = ", ".join(map(str, cols[:8])) + (", ..." if len(cols) > 8 else "")
@@ -106,7 +110,9 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
             f"row {row} is not right-padded: {lengths_key}[{row}]={int(lengths[row])} but "
             f"{ids_key}[{row}] holds tokens other than the pad {pad_value} at positions {shown}"
         )
-    message = "; ".join(problems) + "; put each sequence first and the padding after it"
+    message = "; ".join(problems) + (
+        "; put each sequence first and the padding after it, lengths within the width"
+    )
     if raise_error:
         raise ValueError(f"generate(): {message}" if ids_key == "input_ids" else message)
     return False, message

@@ -2,7 +2,7 @@
 against it runs with only the import changed.
 
     from chatgen.compat.trl import VLLMGeneration                  # TRL: from trl.generation.vllm_generation
-    gen = VLLMGeneration(model, accelerator, False, tokenizer, max_completion_length=32)
+    gen = VLLMGeneration(model, accelerator, tokenizer, max_completion_length=32)  # 2026-06: (.., False, tokenizer)
     prompt_ids, completion_ids, logprobs, logprob_token_ids = gen.generate(prompts, None, num_generations)
     ...an optimizer step on `model`...
     gen.sync_weights()                                             # reads the wrapped model, as TRL's does
@@ -18,18 +18,46 @@ What chatgen's engine does not do is refused by name: structured outputs, images
 several processes (one engine per process of a multi-process job is chatgen's run, docs/rlhf_engine.md).
 """
 
+import contextlib
+
 from chatgen.generation.standalone import VLLMGeneration as Engine
 from chatgen.param_sync.checks import SyncError, nonfinite
 
+# TRL's constructor after (model, accelerator), in order: its current shape, and the 2026-06 one (with
+# is_fsdp_enabled third, removed on 2026-06-11; no trust_remote_code). A bool third argument or the keyword
+# is_fsdp_enabled tells the 2026-06 shape (a processing_class is never a bool).
+CURRENT = (
+    "processing_class", "mode", "structured_outputs_regex", "server_base_url", "server_host",
+    "server_port", "server_timeout", "group_port", "tensor_parallel_size", "gpu_memory_utilization",
+    "max_model_length", "max_num_seqs", "enable_sleep_mode", "model_impl", "trust_remote_code",
+    "repetition_penalty", "temperature", "top_p", "top_k", "min_p", "max_completion_length",
+    "logprobs", "generation_kwargs",
+)  # fmt: skip
+JUNE_2026 = ("is_fsdp_enabled",) + tuple(name for name in CURRENT if name != "trust_remote_code")
+
 
 class VLLMGeneration:
-    """TRL's merged class (see the module docstring); arguments as TRL names and defaults them."""
+    """TRL's merged class (see the module docstring); arguments as TRL names and defaults them, positional
+    ones in TRL's current order or its 2026-06 one (CURRENT, JUNE_2026)."""
 
-    def __init__(
+    def __init__(self, model, accelerator, *args, **kwargs):
+        names = (
+            JUNE_2026 if "is_fsdp_enabled" in kwargs or args[:1] in ((True,), (False,)) else CURRENT
+        )
+        if len(args) > len(names):
+            raise TypeError(
+                f"VLLMGeneration takes {2 + len(names)} positional arguments, {2 + len(args)} given"
+            )
+        for name, value in zip(names, args):
+            if name in kwargs:
+                raise TypeError(f"VLLMGeneration got multiple values for argument {name!r}")
+            kwargs[name] = value
+        self._start(model, accelerator, **kwargs)
+
+    def _start(
         self,
         model,
         accelerator,
-        is_fsdp_enabled: bool = False,
         processing_class=None,
         mode: str = "colocate",
         structured_outputs_regex: str | None = None,
@@ -44,14 +72,16 @@ class VLLMGeneration:
         max_num_seqs: int | None = None,
         enable_sleep_mode: bool = False,
         model_impl: str = "auto",
+        trust_remote_code: bool = False,  # chatgen loads the model families it knows, never remote code
         repetition_penalty: float = 1.0,
         temperature: float = 1.0,
         top_p: float = 1.0,
-        top_k: int = 0,
-        min_p: float = 0.0,
+        top_k: int | None = 0,
+        min_p: float | None = 0.0,
         max_completion_length: int = 16,
         logprobs: int | None = 0,
         generation_kwargs: dict | None = None,
+        is_fsdp_enabled: bool = False,
         *,
         api_key: str | None = None,
         **engine_kwargs,
@@ -86,8 +116,8 @@ class VLLMGeneration:
         sampling = dict(
             temperature=temperature,
             top_p=top_p,
-            top_k=top_k,
-            min_p=min_p,
+            top_k=top_k or 0,  # TRL's trainers pass None for off
+            min_p=min_p or 0.0,
             repetition_penalty=repetition_penalty,
             max_completion_length=max_completion_length,
         )
@@ -111,6 +141,12 @@ class VLLMGeneration:
             if self.enable_sleep_mode:
                 self.engine.module.sleep()
 
+    @property
+    def llm(self):
+        """The colocated engine's `vllm.LLM` (TRL's trainers read its model_config); None in server mode."""
+        module = getattr(self.engine, "module", None)
+        return getattr(module, "engine", None)
+
     def generate(self, prompts: list, images, num_generations: int, profiler=None) -> tuple:
         """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one entry per entry of `prompts` (token-id
         lists, each prompt num_generations times in a row)."""
@@ -130,7 +166,10 @@ class VLLMGeneration:
         if self.enable_sleep_mode:
             self.engine.module.wake_up()
         try:
-            prompt_ids, completion_ids, logprobs = self.engine.generate(unique, num_generations=n)
+            with profiler or contextlib.nullcontext():  # TRL's profiling_context, timing the call
+                prompt_ids, completion_ids, logprobs = self.engine.generate(
+                    unique, num_generations=n
+                )
         finally:
             if self.enable_sleep_mode:
                 self.engine.module.sleep()
@@ -180,11 +219,14 @@ def _model_dir(model) -> str:
 
 
 def _peft_weights(model) -> list:
-    """(HF name, tensor) of a merged PEFT model, by the base model's names (TRL's renaming)."""
+    """(HF name, tensor) of a merged PEFT model, by the base model's names (TRL's renaming); a tied model's
+    lm_head.weight left out (the engine's head is its embedding)."""
+    config = getattr(model, "config", None)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     pairs = []
     for name, tensor in model.state_dict().items():
         name = name.removeprefix("base_model.model.").replace(".base_layer", "")
-        if model.prefix in name or "original_module" in name:
+        if model.prefix in name or "original_module" in name or name in tied:
             continue
         pairs.append((name.replace("modules_to_save.default.", ""), tensor))
     return pairs

@@ -33,6 +33,16 @@ from chatgen.generation.batching import assign
 from chatgen.generation.workers import IpcStream, VllmGenerationWorker
 
 PLACEMENTS = ("process", "ray")
+# calls that change what a worker's later calls see: each later call of that worker waits for them
+ORDERED = {
+    "init_collective",
+    "prepare_refit_info",
+    "update_weights_from_collective",
+    "update_weights_from_ipc_handles",
+    "update_weights_via_ipc_zmq",
+    "prepare_for_generation",
+    "finish_generation",
+}
 # padding of (S, L) outputs; None: the pad id; others 0
 FILL = {
     "output_ids": None,
@@ -65,7 +75,8 @@ class VllmGeneration(NemoRLRefit):
         cluster, config = (
             (None, cluster_or_config) if config is None else (cluster_or_config, config)
         )
-        keys, _ = engine_config(config)  # checked once here; each worker adds the config's stops
+        nemo = engine_config(config)  # checked once here; each worker adds the config's stops
+        keys, self.cfg, self.colocated = nemo.keys, config, nemo.colocated
         self.tp = keys.get("tensor_parallel_size", 1)
         if num_workers is None:
             size = getattr(cluster, "world_size", None)
@@ -81,7 +92,8 @@ class VllmGeneration(NemoRLRefit):
         self.workers = []
         # threads for one call per worker at a time, plus as many again: a refit waiting on the trainer and a
         # generate call must not queue behind each other
-        self._pool = ThreadPoolExecutor(2 * num_workers, thread_name_prefix=name_prefix)
+        self._pool = ThreadPoolExecutor(4 * num_workers, thread_name_prefix=name_prefix)
+        self._ordered = [None] * num_workers  # each worker's last ORDERED call (see _start)
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
         seed = keys.get("seed", 1234)
@@ -175,8 +187,9 @@ class VllmGeneration(NemoRLRefit):
         return all(self._all("prepare_for_generation"))
 
     def finish_generation(self, *args, **kwargs) -> bool:
-        """Put every worker's engine to sleep (the memory goes to a colocated trainer). True."""
-        return all(self._all("finish_generation"))
+        """Colocated (`colocated.enabled`, the default): put every worker's engine to sleep (the memory goes
+        to the trainer). Not colocated: only reset every prefix cache, as NeMo RL does. True."""
+        return all(self._all("finish_generation" if self.colocated else "reset_prefix_cache"))
 
     def start_gpu_profiling(self) -> None:
         """Every worker's CUDA profiler range starts (nothing on CPU)."""
@@ -249,7 +262,7 @@ class VllmGeneration(NemoRLRefit):
                 "the weights with ShmSender.owned(generation.token).write(model) and call "
                 "update_weights_from_ipc_handles(handles)"
             )
-        return [self._pool.submit(w.update_weights_via_ipc_zmq) for w in self.workers]
+        return [self._start(i, "update_weights_via_ipc_zmq") for i in range(len(self.workers))]
 
     def ipc_stream(self) -> IpcStream:
         """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's stream_weights_via_ipc_zmq)."""
@@ -258,11 +271,24 @@ class VllmGeneration(NemoRLRefit):
     # ---- helpers ------------------------------------------------------------------------------------
 
     def _start(self, i: int, method: str, *args):
-        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns)."""
+        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns).
+        Per worker, a call issued after an ORDERED one (a refit, sleep / wake) starts once that one ended,
+        whether or not the caller waited for it, as an actor runs its calls in order; its failure is raised
+        by the calls that waited for it."""
         worker = self.workers[i]
         if self.placement == "ray":
             return getattr(worker, method).remote(*args)
-        return self._pool.submit(getattr(worker, method), *args)
+        with self._lock:
+            before = self._ordered_before(i)
+            call = self._pool.submit(_after, before, getattr(worker, method), *args)
+            if method in ORDERED:
+                self._ordered[i] = call
+        return call
+
+    def _ordered_before(self, i: int):
+        """Worker i's ORDERED call still running (None: none; one that ended is no later call's concern)."""
+        before = self._ordered[i]
+        return None if before is None or before.done() else before
 
     def _wait(self, calls: list) -> list:
         if self.placement == "ray":
@@ -277,7 +303,9 @@ class VllmGeneration(NemoRLRefit):
     def _stream(self, i: int, method: str, *args):
         """Worker i's async generator `method`: itself here, through Ray's streaming generator on Ray."""
         if self.placement == "process":
-            return getattr(self.workers[i], method)(*args)
+            with self._lock:
+                before = self._ordered_before(i)
+            return _stream_after(before, getattr(self.workers[i], method)(*args))
         return _ray_stream(
             getattr(self.workers[i], method).options(num_returns="streaming").remote(*args)
         )
@@ -323,6 +351,33 @@ class VllmGeneration(NemoRLRefit):
                 else:
                     merged[key][index] = out[key]
         return merged
+
+
+def _after(before, fn, *args):
+    """fn(*args) once `before` (an ORDERED call of the same worker, or None) ended."""
+    if before is not None and before.exception() is not None:
+        raise _failed_before(fn.__name__, before.exception())
+    return fn(*args)
+
+
+async def _stream_after(before, stream):
+    """The items of `stream` once `before` (as in _after) ended."""
+    if before is not None:
+        await asyncio.wait([asyncio.wrap_future(before)])
+        if before.exception() is not None:
+            raise _failed_before("generate_async", before.exception())
+    async with contextlib.aclosing(stream) as rows:
+        async for item in rows:
+            yield item
+
+
+def _failed_before(name: str, error: BaseException) -> RuntimeError:
+    failed = RuntimeError(
+        f"{name}: the weight update or sleep issued before this call on its worker failed ({error}); "
+        "the engine may hold other weights than the caller expects"
+    )
+    failed.__cause__ = error
+    return failed
 
 
 def _rows(batch: Mapping, share: list) -> dict:

@@ -29,14 +29,57 @@ import threading
 import torch
 
 from chatgen.compat.nemo_rl import refit_shapes
-from chatgen.compat.nemo_rl.config import engine_config, with_stops
+from chatgen.compat.nemo_rl.config import engine_config
 from chatgen.generation.vllm.module import VLLMModule
 from chatgen.param_sync import GroupReceiver, ShmSender, check_manifest, load_shm
 
 IPC_WAIT_S = 600.0  # how long update_weights_via_ipc_zmq waits for the trainer's write
-# vLLM keeps the running step's forward context in a module global, one per process: engines of one process
-# that step at once overwrite each other's (an assertion, or memory corrupted). Workers take turns per step.
-_STEP = threading.Lock()
+
+
+class _Turns:
+    """When the engines of this process may step and load. vLLM keeps the running step's forward context in a
+    module global, and shares modules between engines of one process (its rotary-embedding cache): an engine
+    that steps while another steps, or while another's reload has put those modules on the meta device, crashes
+    (an assertion, a meta-tensor copy, or memory corrupted). So a step runs alone; loads run together (the
+    workers of a broadcast receive it at once), never beside a step."""
+
+    def __init__(self):
+        self._changed = threading.Condition()
+        self._stepping, self._loading = False, 0
+
+    @contextlib.contextmanager
+    def step(self):
+        with self._changed:
+            self._changed.wait_for(lambda: not self._stepping and not self._loading)
+            self._stepping = True
+        try:
+            yield
+        finally:
+            with self._changed:
+                self._stepping = False
+                self._changed.notify_all()
+
+    def loading(self, buckets, tied: bool):
+        """`buckets` passed through while holding a load turn from the first bucket to the end (a tied
+        model's lm_head.weight left out); receiving the first happens before the turn is taken."""
+        taken = False
+        try:
+            for bucket in buckets:
+                if not taken:
+                    with self._changed:
+                        self._changed.wait_for(lambda: not self._stepping)
+                        self._loading += 1
+                    taken = True
+                yield (item for item in bucket if not (tied and item[0] == TIED_HEAD))
+        finally:
+            if taken:
+                with self._changed:
+                    self._loading -= 1
+                    self._changed.notify_all()
+
+
+_TURNS = _Turns()
+TIED_HEAD = "lm_head.weight"  # a tied model's head: NeMo RL's trainers send it, the engine has no such weight
 
 
 class IpcStream:
@@ -94,7 +137,8 @@ class VllmGenerationWorker(VLLMModule):
     ):
         # NeMo RL's VllmConfig (it has model_name), else chatgen's keys; bundle_indices and fraction_of_gpus
         # place NeMo RL's Ray actor: this worker runs where it is built
-        keys, self.stops = engine_config(config) if "model_name" in config else (dict(config), {})
+        nemo = engine_config(config) if "model_name" in config else None
+        keys, self.stops = (nemo.keys, nemo.stops) if nemo else (dict(config), {})
         super().__init__(
             {**keys, **({} if seed is None else {"seed": seed})}, name=name or "vllm_policy"
         )
@@ -102,17 +146,21 @@ class VllmGenerationWorker(VLLMModule):
         self.weight_stream = stream or IpcStream(self.token)
         self.last_sync = None  # the SyncReport of the last refit
         self._receiver, self._streamed = None, 0
+        self._head_sent = False  # the trainer's refit info names lm_head.weight of a tied model
         self.start()
 
-    def generate(self, data, greedy=False) -> dict:
-        return super().generate(with_stops(data, self.stops), greedy)
-
-    async def generate_async(self, data, greedy=False):  # an async generator itself: Ray streams it
-        async with contextlib.aclosing(
-            super().generate_async(with_stops(data, self.stops), greedy)
-        ) as rows:
-            async for row in rows:
-                yield row
+    def sampling_params(self, prompt_len, *, stop_strings=(), stop_token_ids=(), **kwargs):
+        """VLLMModule's, with the config's stops before the row's own (NeMo RL merges them so): every call,
+        generate_text's too. A text keeps the stop string it ended at, as NeMo RL's (and HF's) do."""
+        params = super().sampling_params(
+            prompt_len,
+            stop_strings=[*self.stops.get("stop_strings", ()), *stop_strings],
+            stop_token_ids=[*self.stops.get("stop_token_ids", ()), *stop_token_ids],
+            **kwargs,
+        )
+        # what SamplingParams' constructor derives for include_stop_str_in_output=True (no text held back)
+        params.include_stop_str_in_output, params.output_text_buffer_length = True, 0
+        return params
 
     def limits(self) -> tuple:
         """(pad_token_id, max_new_tokens): what the group pads with and budgets by."""
@@ -123,8 +171,8 @@ class VllmGenerationWorker(VLLMModule):
         return self.last_sync
 
     def execute_step(self, data):
-        """One engine step, never at the same time as another worker's of this process (see _STEP)."""
-        with _STEP:
+        """One engine step, never beside another worker's step or load in this process (_Turns)."""
+        with _TURNS.step():
             return super().execute_step(data)
 
     def init_collective(
@@ -143,9 +191,29 @@ class VllmGenerationWorker(VLLMModule):
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
         """Check the trainer's {name: shape} or NeMo RL's {name: (shape, dtype)} against the engine now: a
-        SyncError naming each mismatch (the same check every refit makes)."""
+        SyncError naming each mismatch (the same check every refit makes). A tied model's lm_head.weight is
+        accepted (and left unloaded: the engine's head is its embedding)."""
         shapes = refit_shapes(state_dict_info)
+        self._head_sent = TIED_HEAD in shapes
         check_manifest({name: tuple(s) for name, s in shapes.items()}, self.weight_manifest())
+
+    def weight_manifest(self) -> dict:
+        manifest = super().weight_manifest()
+        if self._head_sent and self._tied() and TIED_HEAD not in manifest:
+            manifest[TIED_HEAD] = manifest["model.embed_tokens.weight"]
+        return manifest
+
+    def load_weights(self, buckets, mode: str = "wait") -> int:
+        """VLLMModule's, in a load turn (_Turns); a tied model's lm_head.weight is skipped (the engine's head is
+        its embedding)."""
+        stream = _TURNS.loading(buckets, self._tied())
+        try:
+            return super().load_weights(stream, mode)
+        finally:
+            stream.close()  # the turn ends even when the load failed midway
+
+    def _tied(self) -> bool:
+        return bool((self.hf_config or {}).get("tie_word_embeddings", False))
 
     def update_weights_from_collective(self, info: dict | None = None) -> bool:
         """Receive one broadcast of the trainer (it sends at the same time) and load it; `info` (the refit info,
@@ -162,6 +230,9 @@ class VllmGenerationWorker(VLLMModule):
     def update_weights_from_ipc_handles(self, ipc_handles: dict) -> bool:
         """Load the weights a trainer on this host wrote (IpcStream.send, or ShmSender.owned(token).write):
         {"path", "header" signed with this worker's token}. True once loaded."""
+        self._head_sent = any(
+            n == TIED_HEAD for b in ipc_handles["header"]["buckets"] for n, _ in b
+        )
         self.last_sync = load_shm(self, ipc_handles, self.token)
         return True
 

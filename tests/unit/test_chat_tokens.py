@@ -129,3 +129,7 @@ def test_verify_right_padding_names_rows_and_positions():
     assert not ok and "unpadded_sequence_lengths[0]=3" in message and "positions 3" in message
     with pytest.raises(ValueError, match="needs input_ids \\+ input_lengths or output_ids"):
         verify_right_padding({"input_ids": torch.ones(1, 2)})
+    # a length beyond the row (NeMo RL's verify_right_padding refuses it too)
+    long = {"input_ids": torch.tensor([[1, 5, 0]]), "input_lengths": torch.tensor([5])}
+    ok, message = verify_right_padding(long, pad_value=0)
+    assert not ok and "input_lengths[0]=5 exceeds the width 3" in message

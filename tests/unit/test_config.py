@@ -462,6 +462,10 @@ def test_unknown_keys_without_a_close_match_list_the_valid_keys_once_per_file(
     assert errors_of(
         functools.partial(load_model_config, dialect=dialect("chatgen")), "p.yaml", VLLMConfig
     ) == [
+        # first: the file reads as a ChatLearn per-model YAML (Megatron-LM arguments), and how to load it
+        "p.yaml: 2 key(s) are Megatron-LM arguments (hidden_size, num_layers): a ChatLearn per-model YAML; "
+        "load it with `config_dialect: chatlearn` (the model entry's key, or --config-dialect chatlearn), "
+        "docs/migrating_from_chatlearn.md",
         "base.yaml: num_layers: unknown key (a Megatron-LM argument)",
         "base.yaml: hidden_size: unknown key (a Megatron-LM argument)",
         "base.yaml: my_key: unknown key",
