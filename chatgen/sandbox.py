@@ -78,10 +78,11 @@ def isolation() -> str:
     if _ISOLATION is None:
         ok = shutil.which("bwrap") is not None
         if ok:
-            probe = subprocess.run(
+            probe = subprocess.run(  # as the user runs get (root's runs are not root)
                 ["bwrap", "--ro-bind", "/", "/", "--unshare-all", "--", "true"],
                 capture_output=True,
                 timeout=30,
+                preexec_fn=lambda: _drop(RUN_UIDS if os.geteuid() == 0 else None),
             )
             ok = probe.returncode == 0
         _ISOLATION = "bwrap" if ok else "fallback"
