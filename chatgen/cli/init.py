@@ -106,6 +106,9 @@ RECIPES = {
             ("gspo", "GSPO: one clipped importance ratio per response"),
             ("rloo", "RLOO: leave-one-out baseline"),
             ("reinforce_pp", "REINFORCE++: KL in the token rewards, batch-whitened returns"),
+            ("cispo", "CISPO: clipped, detached IS weight on the REINFORCE term"),
+            ("sapo", "SAPO: a soft sigmoid gate on the ratio instead of the hard clip"),
+            ("gmpo", "GMPO: geometric mean of the token ratios, clipped in log space"),
         ]
     },
     "dapo_smollm2": (

@@ -87,6 +87,16 @@ class Config(AlgorithmConfig):
         "length-normalised sequence ratio, clipped per sequence (clip_eps_low/high "
         "around 3e-4/4e-4)",
     )
+    policy_loss: str = opt(
+        "ppo_clip",
+        "the per-token loss, a registered policy loss (chatgen.rlhf.recipe.policy_loss) or "
+        "'module:function': ppo_clip (PPO's clipped surrogate); cispo (clipped, detached IS "
+        "weight on the REINFORCE term); sapo (a soft sigmoid gate, no hard clip); gmpo (the "
+        "geometric mean of the token ratios, clipped in log space). TRL: loss_type; verl: "
+        "policy_loss.loss_mode",
+    )
+    sapo_temperature_pos: float = opt(1.0, "sapo: the gate's temperature where A > 0")
+    sapo_temperature_neg: float = opt(1.05, "sapo: the gate's temperature where A <= 0")
     loss_aggregation: str = opt(
         "token_mean",
         "token losses -> the loss, a registered aggregation (chatgen.rlhf.recipe.aggregation) "
@@ -205,7 +215,13 @@ class Config(AlgorithmConfig):
             yield "clip_eps_low", f"{low} clips ratios below {1 - low} <= 0; use (0, 1), e.g. 0.2"
         if self.dual_clip is not None and self.dual_clip <= 1:
             yield "dual_clip", f"must be > 1 or null, got {self.dual_clip}; 3.0 is usual"
-        for registry in (recipe.advantage, recipe.ratio, recipe.aggregation, recipe.correction):
+        for registry in (
+            recipe.advantage,
+            recipe.ratio,
+            recipe.aggregation,
+            recipe.correction,
+            recipe.policy_loss,
+        ):
             value = getattr(self, registry.key)
             problem = registry.problem(value)
             if problem:
@@ -214,6 +230,9 @@ class Config(AlgorithmConfig):
                 yield from registry.rules(value, self)
         if self.loss_norm_length is not None and self.loss_norm_length < 1:
             yield "loss_norm_length", f"must be >= 1 or null, got {self.loss_norm_length}"
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(self, key) <= 0:
+                yield key, f"must be > 0, got {getattr(self, key)}; SAPO uses 1.0 and 1.05"
         if self.entropy_coef < 0:
             yield "entropy_coef", f"must be >= 0, got {self.entropy_coef}; 0 turns the bonus off"
         if self.dynamic_sampling_max_rounds < 0:

@@ -68,6 +68,9 @@ def loss_options(cfg) -> L.PolicyLossOptions:
         log_ratio=recipe.ratio.get(algo.ratio_level),
         aggregation=recipe.aggregation.get(algo.loss_aggregation),
         norm_length=(algo.loss_norm_length or pc.max_new_tokens) if norm else None,
+        surrogate=recipe.policy_loss.get(algo.policy_loss),
+        sapo_temperature_pos=algo.sapo_temperature_pos,
+        sapo_temperature_neg=algo.sapo_temperature_neg,
     )
 
 
