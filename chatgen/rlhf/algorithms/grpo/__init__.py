@@ -61,7 +61,8 @@ class Config(AlgorithmConfig):
         "grpo: reward minus its group's mean (over the group's std when "
         "normalize_advantage_std); rloo: minus the mean of the group's other samples; "
         "reinforce_pp: REINFORCE++, each token's return (with the KL penalty in it when "
-        "kl_in_reward) whitened over the batch",
+        "kl_in_reward) whitened over the batch; gdpo: each reward term (Rewards' terms:) "
+        "normalised in its group, then the weighted sum whitened over the batch",
     )
     normalize_advantage_std: bool = opt(
         True, "grpo: divide by the group's reward std; false = Dr. GRPO (no difficulty bias)"

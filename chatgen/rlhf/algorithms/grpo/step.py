@@ -20,6 +20,7 @@ from chatgen.rlhf import recipe
 from chatgen.rlhf.algorithms.grpo.staleness import MISMATCH_KEYS, on_policy_mismatch
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.recipe import gdpo
 
 
 def lora_reference(cfg) -> bool:
@@ -46,12 +47,14 @@ def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
     )
 
 
-def advantages(algo, rewards, n: int, data: TrainBatch, mask):
+def advantages(algo, rewards, n: int, data: TrainBatch, mask, extras=None):
     """The advantage estimator runtime.algorithm.advantage_estimator names: (S,) per sample or
     (S, L-1) per token. rewards: (S,); data: old_logprobs and (with kl_in_reward) ref_logprobs,
-    (S, L-1); mask: (S, L-1), the response tokens."""
+    (S, L-1); mask: (S, L-1), the response tokens; extras: what the estimator sees beside them
+    (the reward terms: gdpo.with_terms), not sent to the trainer."""
     estimator = recipe.advantage.get(algo.advantage_estimator)
-    return estimator(rewards, n, data.replace(loss_mask=mask), algo)
+    view = data.replace(loss_mask=mask, extras={**data.extras, **(extras or {})})
+    return estimator(rewards, n, view, algo)
 
 
 def loss_options(cfg) -> L.PolicyLossOptions:
@@ -139,8 +142,14 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
     if shaped is not rewards:
         recipe_metrics["reward/overlong_penalty"] = (shaped - rewards).mean().item()
+    terms = gdpo.with_terms(batch, rewards, shaped)
+    if terms and algo.advantage_estimator == "gdpo":  # each term's own signal
+        recipe_metrics.update(
+            gdpo.term_metrics(terms["reward_terms"], n, algo.normalize_advantage_std)
+        )
     # (S,) or (S, L-1)
-    data = data.replace(advantages=advantages(algo, shaped, n, data, batch.loss_mask)).check()
+    adv = advantages(algo, shaped, n, data, batch.loss_mask, terms)
+    data = data.replace(advantages=adv).check()
     with timer("train"):
         # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
         # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
