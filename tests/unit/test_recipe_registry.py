@@ -180,3 +180,16 @@ def test_the_yaml_names_the_policy_loss(main_yaml):
     options = step.loss_options(cfg)
     assert options.surrogate is recipe.policy_loss.get("sapo")
     assert options.sapo_temperature_pos == 0.5
+
+
+def test_the_length_penalty_needs_solved_reward(main_yaml):
+    from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
+
+    items = ["runtime.algorithm.length_penalty_coef=1.0"]
+    assert not list(grpo.check(load_config(main_yaml, items)))
+    cfg = load_config(main_yaml, [*items, "runtime.solved_reward=null"])
+    (problem,) = grpo.check(cfg)
+    assert (
+        problem.startswith("runtime.algorithm.length_penalty_coef") and "solved_reward" in problem
+    )

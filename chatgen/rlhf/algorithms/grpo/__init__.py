@@ -129,6 +129,17 @@ class Config(AlgorithmConfig):
         "max_new_tokens loses up to overlong_penalty_factor of reward, linearly; null = off",
     )
     overlong_penalty_factor: float = opt(1.0, "the largest overlong penalty (at max_new_tokens)")
+    length_penalty_coef: Optional[float] = opt(
+        None,
+        "Kimi k1.5's group length penalty: reward += coef * (0.5 - (len - min) / (max - min)) "
+        "over the response's group for a correct response (reward >= runtime.solved_reward), "
+        "and coef * min(0, that) for a wrong one; null = off",
+    )
+    stop_properly_penalty_coef: Optional[float] = opt(
+        None,
+        "ProRL's stop-properly penalty: a response cut at the token limit (finish_reason "
+        "length) keeps this share of a positive reward (0 = none of it); null = off",
+    )
     mask_truncated: bool = opt(
         False,
         "leave responses cut at the token limit (finish_reason length) out of the loss "
@@ -246,6 +257,18 @@ class Config(AlgorithmConfig):
                 "overlong_buffer_length",
                 (f"must be >= 1 or null, got {self.overlong_buffer_length}"),
             )
+        if self.length_penalty_coef is not None and self.length_penalty_coef < 0:
+            yield (
+                "length_penalty_coef",
+                f"must be >= 0 or null, got {self.length_penalty_coef}; Kimi k1.5 uses 1 "
+                "with 0/1 rewards",
+            )
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and not 0 <= coef <= 1:
+            yield (
+                "stop_properly_penalty_coef",
+                f"is the share of the reward a cut response keeps: in [0, 1] or null, got {coef}",
+            )
         if (
             self.rejection_level is not None
             and not 0 < self.rejection_low < 1 < self.rejection_high
@@ -327,6 +350,11 @@ def check(cfg):
                 f"not below {budget}; make the buffer a part of the budget (DAPO: 4096 of "
                 "20480)"
             )
+    if algo.length_penalty_coef and cfg.runtime.solved_reward is None:
+        yield (
+            "runtime.algorithm.length_penalty_coef: tells correct from wrong responses by "
+            "runtime.solved_reward, which is null; set it (e.g. 1.0) or length_penalty_coef: null"
+        )
     if (
         algo.loss_aggregation == "seq_mean_token_sum_norm"
         and algo.loss_norm_length is None

@@ -20,7 +20,7 @@ from chatgen.rlhf import recipe
 from chatgen.rlhf.algorithms.grpo.staleness import MISMATCH_KEYS, on_policy_mismatch
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
-from chatgen.rlhf.recipe import gdpo
+from chatgen.rlhf.recipe import gdpo, shaping
 
 
 def lora_reference(cfg) -> bool:
@@ -35,16 +35,32 @@ def lora_reference(cfg) -> bool:
     )
 
 
-def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
-    """(S,) rewards the advantages see: the scores plus DAPO's overlong penalty when it is on."""
-    if algo.overlong_buffer_length is None:
-        return rewards
-    return rewards + L.overlong_penalty(
-        batch.response_lengths,
-        max_new_tokens,
-        algo.overlong_buffer_length,
-        algo.overlong_penalty_factor,
-    )
+def shaped_rewards(cfg, batch, rewards):
+    """(S,) rewards the advantages see, and each shaping's mean change (reward/<shaping>): the
+    scores plus DAPO's overlong penalty, Kimi's group length penalty and ProRL's stop-properly
+    penalty, each when its key is on (docs/algorithms.md). rewards: (S,) of a RolloutBatch."""
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
+    shaped, metrics = rewards, {}
+    if algo.overlong_buffer_length is not None:
+        penalty = L.overlong_penalty(
+            batch.response_lengths,
+            pc.max_new_tokens,
+            algo.overlong_buffer_length,
+            algo.overlong_penalty_factor,
+        )
+        shaped, metrics["reward/overlong_penalty"] = shaped + penalty, penalty.mean().item()
+    if algo.length_penalty_coef:
+        correct = rewards >= cfg.runtime.solved_reward
+        bonus = algo.length_penalty_coef * shaping.group_length_penalty(
+            batch.response_lengths, correct, pc.n
+        )
+        shaped, metrics["reward/length_penalty"] = shaped + bonus, bonus.mean().item()
+    if algo.stop_properly_penalty_coef is not None:
+        cut = torch.tensor([r == "length" for r in batch.finish_reasons])
+        after = shaping.stop_properly_penalty(shaped, cut, algo.stop_properly_penalty_coef)
+        metrics["reward/stop_properly_penalty"] = (after - shaped).mean().item()
+        shaped = after
+    return shaped, metrics
 
 
 def advantages(algo, rewards, n: int, data: TrainBatch, mask, extras=None):
@@ -139,9 +155,8 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
             data = data.replace(old_logprobs=old)
     data, correction_metrics = rollout_correction(algo, data, batch.infer_logprobs)
     recipe_metrics.update(correction_metrics)
-    shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
-    if shaped is not rewards:
-        recipe_metrics["reward/overlong_penalty"] = (shaped - rewards).mean().item()
+    shaped, shaping_metrics = shaped_rewards(cfg, batch, rewards)
+    recipe_metrics.update(shaping_metrics)
     terms = gdpo.with_terms(batch, rewards, shaped)
     if terms and algo.advantage_estimator == "gdpo":  # each term's own signal
         recipe_metrics.update(
@@ -205,7 +220,7 @@ def sample_full_groups(run, batch, rewards, n: int):
     wanted = len(batch) // n
     kept, dropped, rounds = [], [], 0
     while True:
-        flat = equal_reward_groups(shaped_rewards(algo, batch, rewards, pc.max_new_tokens), n)
+        flat = equal_reward_groups(shaped_rewards(run.cfg, batch, rewards)[0], n)
         for g, flat_group in enumerate(flat.tolist()):
             (dropped if flat_group else kept).append((batch, rewards, g))
         if len(kept) >= wanted or rounds == algo.dynamic_sampling_max_rounds:
