@@ -64,6 +64,11 @@ class Config(grpo.Config):
                     "episode and does not refill dropped groups; set it false"
                 ),
             )
+        if self.replay_buffer_size:
+            yield (
+                "replay_buffer_size",
+                "grpo_multiturn's loop has no replay of stored groups; set it 0",
+            )
         if not self.environment or ":" not in self.environment:
             yield (
                 "environment",

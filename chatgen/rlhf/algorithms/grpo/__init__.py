@@ -18,7 +18,7 @@ from typing import Literal, Optional
 
 from chatgen.config import opt
 from chatgen.rlhf import recipe
-from chatgen.rlhf.algorithms.grpo import loop
+from chatgen.rlhf.algorithms.grpo import loop, replay
 from chatgen.rlhf.algorithms.grpo.step import lora_reference
 from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.schema import AlgorithmConfig, Role
@@ -159,6 +159,16 @@ class Config(AlgorithmConfig):
     )
     rejection_low: float = opt(0.5, "lower ratio bound of rejection_level")
     rejection_high: float = opt(2.0, "upper ratio bound of rejection_level")
+    # --- a replay of informative groups (replay.py)
+    replay_buffer_size: int = opt(
+        0,
+        "replace each zero-variance group (all n rewards equal) by a stored group of a recent "
+        "episode with the highest reward std; this many groups are kept; 0 = off (TRL: "
+        "GRPOWithReplayBufferTrainer, replay_buffer_size)",
+    )
+    replay_max_age: int = opt(
+        4, "replay_buffer_size: a stored group older than this many episodes is forgotten"
+    )
     # --- fully asynchronous RL (loop.py, docs/async_rl.md)
     max_staleness: Optional[int] = opt(
         None,
@@ -207,6 +217,7 @@ class Config(AlgorithmConfig):
             )
         yield from self.check_recipe()
         yield from loop.check_keys(self)
+        yield from replay.check_keys(self)
 
     def check_recipe(self):
         """The recipe keys' ranges and combinations (docs/algorithms.md)."""
