@@ -14,7 +14,7 @@ normalised advantage is logged as advantage/<term> (its mean absolute value; ter
 """
 
 from chatgen.rlhf import losses as L
-from chatgen.rlhf.recipe.advantages import _no_kl_in_reward
+from chatgen.rlhf.recipe.advantages import no_kl_in_reward
 from chatgen.rlhf.recipe.registry import advantage
 
 EPS = 1e-6
@@ -46,7 +46,7 @@ def term_metrics(terms: dict, n: int, normalize_std: bool = True) -> dict:
     }
 
 
-@advantage("gdpo", check=_no_kl_in_reward)
+@advantage("gdpo", check=no_kl_in_reward)
 def gdpo(rewards, n, batch, algo):
     """GDPO (module docstring): per-term group normalisation, weighted sum, batch whitening."""
     terms, weights = batch.extras.get("reward_terms"), batch.extras.get("reward_weights")
