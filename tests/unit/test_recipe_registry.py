@@ -71,7 +71,7 @@ def main_yaml(tmp_path, monkeypatch):
 
 
 def test_the_builtins_are_registered_under_their_yaml_names():
-    assert recipe.advantage.names() == ["gdpo", "grpo", "reinforce_pp", "rloo"]
+    assert recipe.advantage.names() == ["gdpo", "grpo", "opd", "reinforce_pp", "rloo"]
     assert recipe.ratio.get("token") is L.token_log_ratio
     assert recipe.aggregation.get("token_mean") is L.token_mean
     assert set(recipe.correction.names()) == {"token", "sequence", "geometric"}

@@ -18,6 +18,7 @@ from typing import Literal, Optional
 
 from chatgen.config import opt
 from chatgen.rlhf import recipe
+from chatgen.rlhf.recipe import distill
 from chatgen.rlhf.algorithms.grpo import loop, replay
 from chatgen.rlhf.algorithms.grpo.step import lora_reference
 from chatgen.rlhf.checks import policy_sampling_problems
@@ -63,6 +64,16 @@ class Config(AlgorithmConfig):
         "reinforce_pp: REINFORCE++, each token's return (with the KL penalty in it when "
         "kl_in_reward) whitened over the batch; gdpo: each reward term (Rewards' terms:) "
         "normalised in its group, then the weighted sum whitened over the batch",
+    )
+    teacher_kl_coef: float = opt(
+        1.0,
+        "opd: weight of the per-token reverse KL to the `teacher` in the advantage, "
+        "A_t -= coef * (log pi(y_t) - log pi_teacher(y_t))",
+    )
+    task_reward_coef: float = opt(
+        0.0,
+        "opd: weight of the task reward's group advantage (grpo's) added to every token; "
+        "0 = distillation only",
     )
     normalize_advantage_std: bool = opt(
         True, "grpo: divide by the group's reward std; false = Dr. GRPO (no difficulty bias)"
@@ -310,6 +321,14 @@ MODELS = {
         scores_samples=True,
         doc="frozen initial policy for the KL penalty (needed when kl_coef > 0)",
     ),
+    "teacher": Role(
+        "megatron",
+        trainable=False,
+        optional=True,
+        scores_samples=True,
+        doc="on-policy distillation's teacher: scores the student's tokens (advantage_estimator: "
+        "opd); the student's tokenizer",
+    ),
 }
 
 
@@ -320,6 +339,7 @@ def check(cfg):
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
     yield from loop.check_run(cfg)
+    yield from distill.run_problems(cfg)
     if algo.kl_coef > 0 and "reference" not in cfg.models and not lora_reference(cfg):
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
@@ -378,7 +398,17 @@ def check(cfg):
         )
 
 
-PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
+PHASES = [
+    "generate",
+    "reward",
+    "reference",
+    "teacher",
+    "old_logprobs",
+    "train",
+    "sync",
+    "checkpoint",
+    "eval",
+]
 
 
 def train(cfg, resume=False, log=print) -> dict:

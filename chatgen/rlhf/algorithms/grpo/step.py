@@ -20,7 +20,7 @@ from chatgen.rlhf import recipe
 from chatgen.rlhf.algorithms.grpo.staleness import MISMATCH_KEYS, on_policy_mismatch
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
-from chatgen.rlhf.recipe import gdpo, shaping
+from chatgen.rlhf.recipe import distill, gdpo, shaping
 
 
 def lora_reference(cfg) -> bool:
@@ -145,6 +145,10 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
                 else run.forward_tokens("policy_trainer", data, base=True, scored_only=True)
             )
             data = data.replace(ref_logprobs=ref)
+    teacher = None
+    if "teacher" in cfg.models:  # on-policy distillation (recipe/distill.py)
+        with timer("teacher"):
+            teacher = run.forward_tokens("teacher", data, scored_only=True)
     if algo.old_logprobs == "rollout":
         # the sampling weights' log-probs, as the engine computed them
         data = data.replace(old_logprobs=batch.infer_logprobs)
@@ -157,13 +161,18 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     recipe_metrics.update(correction_metrics)
     shaped, shaping_metrics = shaped_rewards(cfg, batch, rewards)
     recipe_metrics.update(shaping_metrics)
-    terms = gdpo.with_terms(batch, rewards, shaped)
-    if terms and algo.advantage_estimator == "gdpo":  # each term's own signal
+    extras = gdpo.with_terms(batch, rewards, shaped)  # what the estimator sees beside the batch
+    if teacher is not None:
+        extras["teacher_logprobs"] = teacher
+        recipe_metrics["distill/reverse_kl"] = distill.reverse_kl(
+            data.old_logprobs, teacher, batch.loss_mask
+        )
+    if "reward_terms" in extras and algo.advantage_estimator == "gdpo":  # each term's signal
         recipe_metrics.update(
-            gdpo.term_metrics(terms["reward_terms"], n, algo.normalize_advantage_std)
+            gdpo.term_metrics(extras["reward_terms"], n, algo.normalize_advantage_std)
         )
     # (S,) or (S, L-1)
-    adv = advantages(algo, shaped, n, data, batch.loss_mask, terms)
+    adv = advantages(algo, shaped, n, data, batch.loss_mask, extras)
     data = data.replace(advantages=adv).check()
     with timer("train"):
         # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
