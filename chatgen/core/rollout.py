@@ -76,6 +76,10 @@ class RolloutBatch:
     )
     #                                             (MoE, return_routed_experts); -1 where it routed none (the last
     #                                             token, padding): a replaying trainer routes those itself
+    # {term name: (S,) float}: each reward term's values, and {term name: weight}, when the reward
+    # is a weighted sum of terms (chatgen.rlhf.rewards:Rewards; set by Run.score; GDPO reads them)
+    reward_terms: dict | None = None
+    reward_weights: dict | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -108,6 +112,10 @@ class RolloutBatch:
                 fields[f.name] = value[index]
             elif isinstance(value, list):
                 fields[f.name] = [value[i] for i in rows]
+            elif isinstance(value, dict):  # per-sample tensors by name, other values kept
+                fields[f.name] = {
+                    k: v[index] if torch.is_tensor(v) else v for k, v in value.items()
+                }
             else:
                 fields[f.name] = value
         return RolloutBatch(**fields)
@@ -126,6 +134,11 @@ class RolloutBatch:
                 fields[f.name] = [x for value in values for x in value]
             elif any(v is None for v in values):
                 fields[f.name] = None  # weight versions that not every batch has
+            elif isinstance(values[0], dict):
+                fields[f.name] = {
+                    k: torch.cat([v[k] for v in values]) if torch.is_tensor(x) else x
+                    for k, x in values[0].items()
+                }
             elif values[0].dim() == 2:  # (S, L) or (S, L-1): pad to the common width
                 cols = width + values[0].shape[1] - batches[0].input_ids.shape[1]
                 fields[f.name] = torch.cat(

@@ -260,6 +260,17 @@ def sequence_log_ratio(
     return logprobs - logprobs.detach() + seq.unsqueeze(1)
 
 
+def ppo_clip(log_ratio, logprobs, advantages, mask, o):
+    """PPO's clipped surrogate per token, -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with
+    r = exp(log_ratio); returns (per_token, clipped) with clipped where the clip changed r A. The
+    default policy loss (runtime.algorithm.policy_loss: ppo_clip; others in chatgen.rlhf.recipe)."""
+    ratio = torch.exp(log_ratio)
+    unclipped = ratio * advantages
+    high = o.clip_eps if o.clip_eps_high is None else o.clip_eps_high
+    clipped = ratio.clamp(1 - o.clip_eps, 1 + high) * advantages
+    return -torch.minimum(unclipped, clipped), unclipped != clipped
+
+
 @dataclasses.dataclass(frozen=True)
 class PolicyLossOptions:
     """policy_loss's knobs, built once per run from runtime.algorithm (grpo's step.loss_options).
@@ -275,6 +286,9 @@ class PolicyLossOptions:
     log_ratio: Callable = token_log_ratio
     aggregation: Callable = token_mean
     norm_length: Optional[int] = None  # the constant of seq_mean_token_sum_norm
+    surrogate: Callable = ppo_clip  # the per-token loss runtime.algorithm.policy_loss names
+    sapo_temperature_pos: float = 1.0  # SAPO's gate temperature where A > 0
+    sapo_temperature_neg: float = 1.05  # and where A <= 0
 
 
 def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = PolicyLossOptions()):
@@ -284,9 +298,9 @@ def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = Poli
     old_logprobs (B, T) under the policy that sampled (before this train step); advantages (B, T)
     or (B,) (broadcast over tokens); loss_mask (B, T); ref_logprobs (B, T) under the frozen
     reference, used when set; is_weights (B, T) or (B,), optional importance weights.
-    Per token: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with r = exp(log_ratio)
-    (options.log_ratio: per token, or GSPO's sequence ratio); dual_clip c > 1: for A < 0 the loss
-    is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
+    Per token: options.surrogate (ppo_clip: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A))
+    of the log-ratio (options.log_ratio: per token, or GSPO's sequence ratio) with r = its exp;
+    dual_clip c > 1: for A < 0 the loss is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
     entropy_coef * logp^2 / 2, whose gradient is -entropy_coef times an unbiased sample estimate of
     the entropy's (the entropy bonus from sampled tokens). Reduced by options.aggregation.
     Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference),
@@ -298,11 +312,8 @@ def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = Poli
     o = options
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1).expand_as(logprobs)
-    ratio = torch.exp(o.log_ratio(logprobs, old_logprobs, mask))
-    unclipped = ratio * advantages
-    high = o.clip_eps if o.clip_eps_high is None else o.clip_eps_high
-    clipped = ratio.clamp(1 - o.clip_eps, 1 + high) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
+    log_ratio = o.log_ratio(logprobs, old_logprobs, mask)
+    per_token, clipped = o.surrogate(log_ratio, logprobs, advantages, mask, o)
     if o.dual_clip is not None:
         dual_clipped = (advantages < 0) & (-o.dual_clip * advantages < per_token)
         per_token = torch.where(dual_clipped, -o.dual_clip * advantages, per_token)
@@ -320,7 +331,7 @@ def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = Poli
         per_token = per_token + o.entropy_coef * 0.5 * logprobs**2
     loss = o.aggregation(per_token, mask, o.norm_length)
     with torch.no_grad():
-        stats["clip_fraction"] = masked_mean((unclipped != clipped).float(), mask)
+        stats["clip_fraction"] = masked_mean(clipped.float(), mask)
         stats["approx_kl"] = masked_mean(kl_estimate(old_logprobs, logprobs.detach(), "k3"), mask)
         stats["old_logprob_diff_max"] = ((logprobs.detach() - old_logprobs).abs() * mask).max()
         stats["entropy"] = masked_mean(-logprobs.detach(), mask)

@@ -404,7 +404,8 @@ class Rewards(Module):
 
     def score(self, data: dict) -> dict:
         """data: {"texts": S responses, plus each record field as a list of length S}. Returns {"rewards": (S,)
-        weighted total, "terms": {name: (S,)}, "metrics": {"<name>/errors": n} for remote terms}."""
+        weighted total, "terms": {name: (S,)}, "weights": {name: weight}, "metrics":
+        {"<name>/errors": n} for remote terms}."""
         texts = data["texts"]
         columns = {k: v for k, v in data.items() if k != "texts"}
         prompts = columns.get("prompt", columns.get("messages"))
@@ -419,8 +420,9 @@ class Rewards(Module):
             )
             if isinstance(term, RemoteTerm):
                 metrics[f"{name}/errors"] = term.errors - before
-        total = sum(self.specs[name].weight * value for name, value in terms.items())
-        return {"rewards": total, "terms": terms, "metrics": metrics}
+        weights = {name: self.specs[name].weight for name in terms}
+        total = sum(weights[name] * value for name, value in terms.items())
+        return {"rewards": total, "terms": terms, "weights": weights, "metrics": metrics}
 
     def shutdown(self) -> None:
         for term in getattr(self, "terms", {}).values():

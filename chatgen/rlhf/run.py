@@ -278,7 +278,8 @@ class Run:
         field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
         "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
         and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`; `prefix`
-        instead of either when given, e.g. eval/greedy/reward/)."""
+        instead of either when given, e.g. eval/greedy/reward/). With "weights": {name: weight} too, the
+        batch keeps the terms and their weights (RolloutBatch.reward_terms, reward_weights)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
         entry = self.cfg.models["reward"]
@@ -286,10 +287,14 @@ class Run:
         who = f"models.reward ({model_class(entry)}).score"
         prefix = prefix or ("eval/reward/" if self._evaluating else "reward/")
         if isinstance(out, dict) and "rewards" in out:  # a weighted sum of terms, each logged
-            for name, values in out.get("terms", {}).items():
-                self.pending_metrics[f"{prefix}{name}"] = (
-                    checked_rewards(values, batch.texts, who).mean().item()
-                )
+            terms = {
+                name: checked_rewards(values, batch.texts, who)
+                for name, values in out.get("terms", {}).items()
+            }
+            for name, values in terms.items():
+                self.pending_metrics[f"{prefix}{name}"] = values.mean().item()
+            if terms and "weights" in out:  # kept with the batch (GDPO normalises each term)
+                batch.reward_terms, batch.reward_weights = terms, dict(out["weights"])
             self.pending_metrics.update(
                 {f"{prefix}{k}": v for k, v in out.get("metrics", {}).items()}
             )

@@ -153,6 +153,11 @@ class MegatronConfig:
         "groups sharing packed rows no wider than the longest (same loss and gradients); false = one row per "
         "sample",
     )
+    optimizer: Literal["adam", "muon"] = opt(
+        "adam",
+        "adam: megatron's distributed AdamW; muon is refused here (the distributed optimizer "
+        "keeps no weight matrix whole; chatgen/training/muon.py serves plain torch trainers)",
+    )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
     weight_decay: float = opt(0.0, "AdamW weight decay")
@@ -173,6 +178,14 @@ class MegatronConfig:
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
+        if self.optimizer == "muon":
+            yield (
+                "optimizer",
+                "muon orthogonalises whole weight matrices, and megatron's distributed optimizer "
+                "holds each weight as flat slices over the data-parallel ranks (megatron-core's "
+                "own Muon needs the emerging_optimizers package and no distributed optimizer); "
+                "use optimizer: adam on this backend (docs/algorithms.md, Muon)",
+            )
         if self.logits_temperature is not None and self.logits_temperature <= 0:
             yield "logits_temperature", f"must be > 0 or null, got {self.logits_temperature}"
         for key in (

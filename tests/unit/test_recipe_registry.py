@@ -71,7 +71,7 @@ def main_yaml(tmp_path, monkeypatch):
 
 
 def test_the_builtins_are_registered_under_their_yaml_names():
-    assert recipe.advantage.names() == ["grpo", "reinforce_pp", "rloo"]
+    assert recipe.advantage.names() == ["gdpo", "grpo", "opd", "reinforce_pp", "rloo"]
     assert recipe.ratio.get("token") is L.token_log_ratio
     assert recipe.aggregation.get("token_mean") is L.token_mean
     assert set(recipe.correction.names()) == {"token", "sequence", "geometric"}
@@ -145,3 +145,51 @@ def test_two_functions_under_one_name_are_refused():
         @registry("a")
         def second():
             pass
+
+
+@pytest.mark.parametrize(
+    "items, key",
+    [
+        (["runtime.algorithm.policy_loss=cispo", "runtime.algorithm.dual_clip=3.0"], "dual_clip"),
+        (
+            ["runtime.algorithm.policy_loss=gmpo", "runtime.algorithm.ratio_level=sequence"],
+            "ratio_level",
+        ),
+        (["runtime.algorithm.policy_loss=clipped_ppo"], "policy_loss"),
+        (["runtime.algorithm.sapo_temperature_neg=0"], "sapo_temperature_neg"),
+    ],
+)
+def test_a_policy_loss_is_refused_with_the_keys_it_cannot_take(main_yaml, items, key):
+    from chatgen.rlhf.config import load_config
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(main_yaml, items)
+    assert f"runtime.algorithm.{key}" in str(raised.value)
+
+
+def test_the_yaml_names_the_policy_loss(main_yaml):
+    from chatgen.rlhf.algorithms.grpo import step
+    from chatgen.rlhf.config import load_config
+
+    default = step.loss_options(load_config(main_yaml, []))
+    assert default.surrogate is L.ppo_clip
+    cfg = load_config(
+        main_yaml,
+        ["runtime.algorithm.policy_loss=sapo", "runtime.algorithm.sapo_temperature_pos=0.5"],
+    )
+    options = step.loss_options(cfg)
+    assert options.surrogate is recipe.policy_loss.get("sapo")
+    assert options.sapo_temperature_pos == 0.5
+
+
+def test_the_length_penalty_needs_solved_reward(main_yaml):
+    from chatgen.rlhf.algorithms import grpo
+    from chatgen.rlhf.config import load_config
+
+    items = ["runtime.algorithm.length_penalty_coef=1.0"]
+    assert not list(grpo.check(load_config(main_yaml, items)))
+    cfg = load_config(main_yaml, [*items, "runtime.solved_reward=null"])
+    (problem,) = grpo.check(cfg)
+    assert (
+        problem.startswith("runtime.algorithm.length_penalty_coef") and "solved_reward" in problem
+    )

@@ -187,6 +187,9 @@ def test_weighted_terms_sum_and_each_is_logged_as_its_own_metric(tmp_path):
     }
     # unweighted: the term's own mean
     assert run.pending_metrics["reward/acc"] == pytest.approx(2 / 3)
+    # the batch keeps each term and its weight (GDPO normalises them one by one)
+    assert batch.reward_terms["fmt"].tolist() == [1.0, 1.0, 0.0]
+    assert batch.reward_weights == {"acc": 1.0, "fmt": 0.5, "digits": 0.0}
 
 
 @pytest.mark.parametrize(

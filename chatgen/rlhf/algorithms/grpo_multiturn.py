@@ -78,6 +78,11 @@ class Config(grpo.Config):
                     "episode and does not refill dropped groups; set it false"
                 ),
             )
+        if self.replay_buffer_size:
+            yield (
+                "replay_buffer_size",
+                "grpo_multiturn's loop has no replay of stored groups; set it 0",
+            )
         problem = environments.check_name(self.environment)
         if problem:
             yield "environment", problem

@@ -18,7 +18,7 @@ def _no_std_option(algo):
         )
 
 
-def _no_kl_in_reward(algo):
+def no_kl_in_reward(algo):
     if algo.kl_in_reward:
         yield (
             "kl_in_reward",
@@ -29,12 +29,12 @@ def _no_kl_in_reward(algo):
 
 
 def _grpo_rules(algo):
-    yield from _no_kl_in_reward(algo)
+    yield from no_kl_in_reward(algo)
 
 
 def _rloo_rules(algo):
     yield from _no_std_option(algo)
-    yield from _no_kl_in_reward(algo)
+    yield from no_kl_in_reward(algo)
 
 
 @advantage("grpo", check=_grpo_rules)

@@ -94,3 +94,8 @@ correction = Registry(
     "importance_sampling_level",
     "fn(old_logprobs, infer_logprobs, mask, cap) -> (B,) or (B, T) detached weights",
 )
+policy_loss = Registry(
+    "policy loss",
+    "policy_loss",
+    "fn(log_ratio, logprobs, advantages, mask, options) -> (per_token (B, T), clipped (B, T) bool)",
+)

@@ -18,7 +18,8 @@ from typing import Literal, Optional
 
 from chatgen.config import opt
 from chatgen.rlhf import recipe
-from chatgen.rlhf.algorithms.grpo import loop
+from chatgen.rlhf.recipe import distill
+from chatgen.rlhf.algorithms.grpo import loop, replay
 from chatgen.rlhf.algorithms.grpo.step import lora_reference
 from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.schema import AlgorithmConfig, Role
@@ -61,7 +62,18 @@ class Config(AlgorithmConfig):
         "grpo: reward minus its group's mean (over the group's std when "
         "normalize_advantage_std); rloo: minus the mean of the group's other samples; "
         "reinforce_pp: REINFORCE++, each token's return (with the KL penalty in it when "
-        "kl_in_reward) whitened over the batch",
+        "kl_in_reward) whitened over the batch; gdpo: each reward term (Rewards' terms:) "
+        "normalised in its group, then the weighted sum whitened over the batch",
+    )
+    teacher_kl_coef: float = opt(
+        1.0,
+        "opd: weight of the per-token reverse KL to the `teacher` in the advantage, "
+        "A_t -= coef * (log pi(y_t) - log pi_teacher(y_t))",
+    )
+    task_reward_coef: float = opt(
+        0.0,
+        "opd: weight of the task reward's group advantage (grpo's) added to every token; "
+        "0 = distillation only",
     )
     normalize_advantage_std: bool = opt(
         True, "grpo: divide by the group's reward std; false = Dr. GRPO (no difficulty bias)"
@@ -87,6 +99,16 @@ class Config(AlgorithmConfig):
         "length-normalised sequence ratio, clipped per sequence (clip_eps_low/high "
         "around 3e-4/4e-4)",
     )
+    policy_loss: str = opt(
+        "ppo_clip",
+        "the per-token loss, a registered policy loss (chatgen.rlhf.recipe.policy_loss) or "
+        "'module:function': ppo_clip (PPO's clipped surrogate); cispo (clipped, detached IS "
+        "weight on the REINFORCE term); sapo (a soft sigmoid gate, no hard clip); gmpo (the "
+        "geometric mean of the token ratios, clipped in log space). TRL: loss_type; verl: "
+        "policy_loss.loss_mode",
+    )
+    sapo_temperature_pos: float = opt(1.0, "sapo: the gate's temperature where A > 0")
+    sapo_temperature_neg: float = opt(1.05, "sapo: the gate's temperature where A <= 0")
     loss_aggregation: str = opt(
         "token_mean",
         "token losses -> the loss, a registered aggregation (chatgen.rlhf.recipe.aggregation) "
@@ -118,6 +140,17 @@ class Config(AlgorithmConfig):
         "max_new_tokens loses up to overlong_penalty_factor of reward, linearly; null = off",
     )
     overlong_penalty_factor: float = opt(1.0, "the largest overlong penalty (at max_new_tokens)")
+    length_penalty_coef: Optional[float] = opt(
+        None,
+        "Kimi k1.5's group length penalty: reward += coef * (0.5 - (len - min) / (max - min)) "
+        "over the response's group for a correct response (reward >= runtime.solved_reward), "
+        "and coef * min(0, that) for a wrong one; null = off",
+    )
+    stop_properly_penalty_coef: Optional[float] = opt(
+        None,
+        "ProRL's stop-properly penalty: a response cut at the token limit (finish_reason "
+        "length) keeps this share of a positive reward (0 = none of it); null = off",
+    )
     mask_truncated: bool = opt(
         False,
         "leave responses cut at the token limit (finish_reason length) out of the loss "
@@ -137,6 +170,16 @@ class Config(AlgorithmConfig):
     )
     rejection_low: float = opt(0.5, "lower ratio bound of rejection_level")
     rejection_high: float = opt(2.0, "upper ratio bound of rejection_level")
+    # --- a replay of informative groups (replay.py)
+    replay_buffer_size: int = opt(
+        0,
+        "replace each zero-variance group (all n rewards equal) by a stored group of a recent "
+        "episode with the highest reward std; this many groups are kept; 0 = off (TRL: "
+        "GRPOWithReplayBufferTrainer, replay_buffer_size)",
+    )
+    replay_max_age: int = opt(
+        4, "replay_buffer_size: a stored group older than this many episodes is forgotten"
+    )
     # --- fully asynchronous RL (loop.py, docs/async_rl.md)
     max_staleness: Optional[int] = opt(
         None,
@@ -185,6 +228,7 @@ class Config(AlgorithmConfig):
             )
         yield from self.check_recipe()
         yield from loop.check_keys(self)
+        yield from replay.check_keys(self)
 
     def check_recipe(self):
         """The recipe keys' ranges and combinations (docs/algorithms.md)."""
@@ -205,7 +249,13 @@ class Config(AlgorithmConfig):
             yield "clip_eps_low", f"{low} clips ratios below {1 - low} <= 0; use (0, 1), e.g. 0.2"
         if self.dual_clip is not None and self.dual_clip <= 1:
             yield "dual_clip", f"must be > 1 or null, got {self.dual_clip}; 3.0 is usual"
-        for registry in (recipe.advantage, recipe.ratio, recipe.aggregation, recipe.correction):
+        for registry in (
+            recipe.advantage,
+            recipe.ratio,
+            recipe.aggregation,
+            recipe.correction,
+            recipe.policy_loss,
+        ):
             value = getattr(self, registry.key)
             problem = registry.problem(value)
             if problem:
@@ -214,6 +264,9 @@ class Config(AlgorithmConfig):
                 yield from registry.rules(value, self)
         if self.loss_norm_length is not None and self.loss_norm_length < 1:
             yield "loss_norm_length", f"must be >= 1 or null, got {self.loss_norm_length}"
+        for key in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            if getattr(self, key) <= 0:
+                yield key, f"must be > 0, got {getattr(self, key)}; SAPO uses 1.0 and 1.05"
         if self.entropy_coef < 0:
             yield "entropy_coef", f"must be >= 0, got {self.entropy_coef}; 0 turns the bonus off"
         if self.dynamic_sampling_max_rounds < 0:
@@ -225,6 +278,18 @@ class Config(AlgorithmConfig):
             yield (
                 "overlong_buffer_length",
                 (f"must be >= 1 or null, got {self.overlong_buffer_length}"),
+            )
+        if self.length_penalty_coef is not None and self.length_penalty_coef < 0:
+            yield (
+                "length_penalty_coef",
+                f"must be >= 0 or null, got {self.length_penalty_coef}; Kimi k1.5 uses 1 "
+                "with 0/1 rewards",
+            )
+        coef = self.stop_properly_penalty_coef
+        if coef is not None and not 0 <= coef <= 1:
+            yield (
+                "stop_properly_penalty_coef",
+                f"is the share of the reward a cut response keeps: in [0, 1] or null, got {coef}",
             )
         if (
             self.rejection_level is not None
@@ -256,6 +321,14 @@ MODELS = {
         scores_samples=True,
         doc="frozen initial policy for the KL penalty (needed when kl_coef > 0)",
     ),
+    "teacher": Role(
+        "megatron",
+        trainable=False,
+        optional=True,
+        scores_samples=True,
+        doc="on-policy distillation's teacher: scores the student's tokens (advantage_estimator: "
+        "opd); the student's tokenizer",
+    ),
 }
 
 
@@ -266,6 +339,7 @@ def check(cfg):
         yield "models.policy.n: GRPO compares the n samples of a prompt; set n >= 2"
     algo = cfg.runtime.algorithm
     yield from loop.check_run(cfg)
+    yield from distill.run_problems(cfg)
     if algo.kl_coef > 0 and "reference" not in cfg.models and not lora_reference(cfg):
         yield (
             f"runtime.algorithm.kl_coef: {algo.kl_coef} needs a `reference` model (backend: megatron, trainable: "
@@ -307,6 +381,11 @@ def check(cfg):
                 f"not below {budget}; make the buffer a part of the budget (DAPO: 4096 of "
                 "20480)"
             )
+    if algo.length_penalty_coef and cfg.runtime.solved_reward is None:
+        yield (
+            "runtime.algorithm.length_penalty_coef: tells correct from wrong responses by "
+            "runtime.solved_reward, which is null; set it (e.g. 1.0) or length_penalty_coef: null"
+        )
     if (
         algo.loss_aggregation == "seq_mean_token_sum_norm"
         and algo.loss_norm_length is None
@@ -319,7 +398,17 @@ def check(cfg):
         )
 
 
-PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
+PHASES = [
+    "generate",
+    "reward",
+    "reference",
+    "teacher",
+    "old_logprobs",
+    "train",
+    "sync",
+    "checkpoint",
+    "eval",
+]
 
 
 def train(cfg, resume=False, log=print) -> dict:

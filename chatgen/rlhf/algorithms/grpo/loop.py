@@ -59,6 +59,7 @@ import torch
 from chatgen.config import ConfigError
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import handover
+from chatgen.rlhf.algorithms.grpo import replay as rp
 from chatgen.rlhf.algorithms.grpo import staleness as st
 from chatgen.rlhf.algorithms.grpo.step import sample_full_groups, update
 from chatgen.rlhf.placement import launcher, plan_groups
@@ -275,6 +276,7 @@ def train(cfg, resume, log, phases: list) -> dict:
         Rollouts(run, k, algo.handover_step) as rollouts,
     ):
         timer, metrics = run.timer, {}
+        buffer = rp.ReplayBuffer(algo.replay_buffer_size, algo.replay_max_age)
         run.evaluate_start()
         current = run.policy.weight_versions()[0] if asynchronous else None
         for episode in range(run.start_episode, rt.num_episode + 1):
@@ -288,15 +290,18 @@ def train(cfg, resume, log, phases: list) -> dict:
             waited = time.perf_counter() - waited
             with timer("reward"):
                 rewards = run.score(batch)  # (S,)
-            extra = {}
+            extra, replayed = {}, {}
             if algo.dynamic_sampling:  # k = 0: groups with no gradient out, fresh ones in
                 batch, rewards, extra = sample_full_groups(run, batch, rewards, n)
-            if asynchronous:
+            if algo.replay_buffer_size:  # groups with no gradient out, stored varied ones in
+                batch, rewards, replayed = rp.refill(buffer, cfg, batch, rewards, n, episode)
+            if asynchronous:  # after the replay: the bound holds for replayed groups too
                 batch, rewards, extra = bounded(run, index, batch, rewards, current, n)
             metrics = update(
                 run, batch, rewards, n, sync=False, current_version=current if k else None
             )
             metrics.update(extra)
+            metrics.update(replayed)
             with timer("sync"):  # wait: the batch generating ahead (k = 1) finishes first
                 run.sync_policy(mode=mode)
             if asynchronous:

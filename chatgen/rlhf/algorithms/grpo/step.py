@@ -20,6 +20,7 @@ from chatgen.rlhf import recipe
 from chatgen.rlhf.algorithms.grpo.staleness import MISMATCH_KEYS, on_policy_mismatch
 from chatgen.rlhf.health import equal_reward_groups, zero_variance_groups
 from chatgen.rlhf.metrics import prefixed, sample_metrics
+from chatgen.rlhf.recipe import distill, gdpo, shaping
 
 
 def lora_reference(cfg) -> bool:
@@ -34,24 +35,42 @@ def lora_reference(cfg) -> bool:
     )
 
 
-def shaped_rewards(algo, batch, rewards, max_new_tokens: int):
-    """(S,) rewards the advantages see: the scores plus DAPO's overlong penalty when it is on."""
-    if algo.overlong_buffer_length is None:
-        return rewards
-    return rewards + L.overlong_penalty(
-        batch.response_lengths,
-        max_new_tokens,
-        algo.overlong_buffer_length,
-        algo.overlong_penalty_factor,
-    )
+def shaped_rewards(cfg, batch, rewards):
+    """(S,) rewards the advantages see, and each shaping's mean change (reward/<shaping>): the
+    scores plus DAPO's overlong penalty, Kimi's group length penalty and ProRL's stop-properly
+    penalty, each when its key is on (docs/algorithms.md). rewards: (S,) of a RolloutBatch."""
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
+    shaped, metrics = rewards, {}
+    if algo.overlong_buffer_length is not None:
+        penalty = L.overlong_penalty(
+            batch.response_lengths,
+            pc.max_new_tokens,
+            algo.overlong_buffer_length,
+            algo.overlong_penalty_factor,
+        )
+        shaped, metrics["reward/overlong_penalty"] = shaped + penalty, penalty.mean().item()
+    if algo.length_penalty_coef:
+        correct = rewards >= cfg.runtime.solved_reward
+        bonus = algo.length_penalty_coef * shaping.group_length_penalty(
+            batch.response_lengths, correct, pc.n
+        )
+        shaped, metrics["reward/length_penalty"] = shaped + bonus, bonus.mean().item()
+    if algo.stop_properly_penalty_coef is not None:
+        cut = torch.tensor([r == "length" for r in batch.finish_reasons])
+        after = shaping.stop_properly_penalty(shaped, cut, algo.stop_properly_penalty_coef)
+        metrics["reward/stop_properly_penalty"] = (after - shaped).mean().item()
+        shaped = after
+    return shaped, metrics
 
 
-def advantages(algo, rewards, n: int, data: TrainBatch, mask):
+def advantages(algo, rewards, n: int, data: TrainBatch, mask, extras=None):
     """The advantage estimator runtime.algorithm.advantage_estimator names: (S,) per sample or
     (S, L-1) per token. rewards: (S,); data: old_logprobs and (with kl_in_reward) ref_logprobs,
-    (S, L-1); mask: (S, L-1), the response tokens."""
+    (S, L-1); mask: (S, L-1), the response tokens; extras: what the estimator sees beside them
+    (the reward terms: gdpo.with_terms), not sent to the trainer."""
     estimator = recipe.advantage.get(algo.advantage_estimator)
-    return estimator(rewards, n, data.replace(loss_mask=mask), algo)
+    view = data.replace(loss_mask=mask, extras={**data.extras, **(extras or {})})
+    return estimator(rewards, n, view, algo)
 
 
 def loss_options(cfg) -> L.PolicyLossOptions:
@@ -68,6 +87,9 @@ def loss_options(cfg) -> L.PolicyLossOptions:
         log_ratio=recipe.ratio.get(algo.ratio_level),
         aggregation=recipe.aggregation.get(algo.loss_aggregation),
         norm_length=(algo.loss_norm_length or pc.max_new_tokens) if norm else None,
+        surrogate=recipe.policy_loss.get(algo.policy_loss),
+        sapo_temperature_pos=algo.sapo_temperature_pos,
+        sapo_temperature_neg=algo.sapo_temperature_neg,
     )
 
 
@@ -123,6 +145,10 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
                 else run.forward_tokens("policy_trainer", data, base=True, scored_only=True)
             )
             data = data.replace(ref_logprobs=ref)
+    teacher = None
+    if "teacher" in cfg.models:  # on-policy distillation (recipe/distill.py)
+        with timer("teacher"):
+            teacher = run.forward_tokens("teacher", data, scored_only=True)
     if algo.old_logprobs == "rollout":
         # the sampling weights' log-probs, as the engine computed them
         data = data.replace(old_logprobs=batch.infer_logprobs)
@@ -133,11 +159,21 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
             data = data.replace(old_logprobs=old)
     data, correction_metrics = rollout_correction(algo, data, batch.infer_logprobs)
     recipe_metrics.update(correction_metrics)
-    shaped = shaped_rewards(algo, batch, rewards, pc.max_new_tokens)
-    if shaped is not rewards:
-        recipe_metrics["reward/overlong_penalty"] = (shaped - rewards).mean().item()
+    shaped, shaping_metrics = shaped_rewards(cfg, batch, rewards)
+    recipe_metrics.update(shaping_metrics)
+    extras = gdpo.with_terms(batch, rewards, shaped)  # what the estimator sees beside the batch
+    if teacher is not None:
+        extras["teacher_logprobs"] = teacher
+        recipe_metrics["distill/reverse_kl"] = distill.reverse_kl(
+            data.old_logprobs, teacher, batch.loss_mask
+        )
+    if "reward_terms" in extras and algo.advantage_estimator == "gdpo":  # each term's signal
+        recipe_metrics.update(
+            gdpo.term_metrics(extras["reward_terms"], n, algo.normalize_advantage_std)
+        )
     # (S,) or (S, L-1)
-    data = data.replace(advantages=advantages(algo, shaped, n, data, batch.loss_mask)).check()
+    adv = advantages(algo, shaped, n, data, batch.loss_mask, extras)
+    data = data.replace(advantages=adv).check()
     with timer("train"):
         # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
         # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
@@ -193,7 +229,7 @@ def sample_full_groups(run, batch, rewards, n: int):
     wanted = len(batch) // n
     kept, dropped, rounds = [], [], 0
     while True:
-        flat = equal_reward_groups(shaped_rewards(algo, batch, rewards, pc.max_new_tokens), n)
+        flat = equal_reward_groups(shaped_rewards(run.cfg, batch, rewards)[0], n)
         for g, flat_group in enumerate(flat.tolist()):
             (dropped if flat_group else kept).append((batch, rewards, g))
         if len(kept) >= wanted or rounds == algo.dynamic_sampling_max_rounds:
