@@ -69,6 +69,16 @@ class Role:
     doc: str = ""
 
 
+# the policy's trainable copy, as every policy-gradient algorithm declares it
+POLICY_TRAINER = Role(
+    "megatron",
+    trainable=True,
+    syncs_to="policy",
+    scores_samples=True,
+    doc="the policy's trainable copy",
+)
+
+
 @dataclasses.dataclass(kw_only=True)
 class RuntimeConfig:
     num_episode: int = opt(

@@ -38,20 +38,21 @@ from chatgen.core.checkpoint_io import (
 from chatgen.core.distributed import join_world
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
-from chatgen.module import Module, remote
+from chatgen.module import remote
 from chatgen.training.config import FSDPConfig
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
 from chatgen.training.model_build import lr_factor
 from chatgen.training.schedule import first_scored_position, positions_and_mask, split_batch
 from chatgen.training.token_scoring import TokenScoring
+from chatgen.training.trainer import Trainer
 
 FSDP_META = (
     "chatgen_fsdp.json"  # marks a checkpoint an FSDPModule wrote: iteration, optimizer saved
 )
 
 
-class FSDPModule(TokenScoring, Module):
+class FSDPModule(TokenScoring, Trainer):
     """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as MegatronModule's: `init()`
     joins torch.distributed; `setup()` builds the model (`model_provider`), shards it, builds AdamW and
     loads a checkpoint this class wrote when `load` is one. Then `forward_tokens` / `train_step` per batch,
@@ -329,32 +330,6 @@ class FSDPModule(TokenScoring, Module):
         )
         meta = json.loads((path / FSDP_META).read_text())
         self.iteration, self.skipped_steps = meta["iteration"], meta.get("skipped_steps", 0)
-
-    @remote("all")
-    def offload(self, params: bool = True) -> None:
-        """Before a colocated engine takes the GPU: the optimizer state (`offload_optimizer`) and, with
-        `params`, the weight shards (`offload_params`) to host memory (gradients are freed after every
-        step already); a no-op without CUDA. Not collective."""
-        self.memory.offload(params)
-
-    @remote("all")
-    def onload(self, pieces=("params", "grads", "optimizer")) -> None:
-        """Back to the GPU, what `offload` moved of `pieces`. Not collective."""
-        self.memory.onload(pieces)
-
-    @remote("first")
-    def memory_stats(self) -> dict:
-        """`memory/*` figures since the last call, in GiB (MemoryHandoff.stats)."""
-        return self.memory.stats()
-
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's parameters live (the current CUDA device, or the CPU)."""
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )
 
 
 def decoder_layers(model: torch.nn.Module) -> list:

@@ -39,7 +39,7 @@ from chatgen import models
 from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
 from chatgen.core.distributed import join_world
 from chatgen.models import layout
-from chatgen.module import Module, remote
+from chatgen.module import remote
 from chatgen.training import cpu_compat, lora, lora_peft
 from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
@@ -51,6 +51,7 @@ from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
 from chatgen.training.schedule import Schedule, split_batch
 from chatgen.training.token_scoring import TokenScoring
+from chatgen.training.trainer import Trainer
 
 # RoutingReplay: re-exported from moe_routing
 __all__ = [
@@ -142,7 +143,7 @@ class MegatronModule(
     TokenScoring,
     Schedule,
     LoRAHooks,
-    Module,
+    Trainer,
 ):
     """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
 
@@ -418,32 +419,3 @@ class MegatronModule(
         self.iteration += 1
         metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0)
         return metrics
-
-    # ---- memory handoff (MemoryHandoff) ------------------------------------------------------------
-
-    @remote("all")
-    def offload(self, params: bool = True) -> None:
-        """Before a colocated engine takes the GPU: the training state the config names (offload_grads,
-        offload_optimizer, offload_params when `params`) to host memory; a no-op without CUDA."""
-        self.memory.offload(params)
-
-    @remote("all")
-    def onload(self, pieces=("params", "grads", "optimizer")) -> None:
-        """Back to the GPU, what `offload` moved of `pieces` (a forward pass needs only the params)."""
-        self.memory.onload(pieces)
-
-    @remote("first")
-    def memory_stats(self) -> dict:
-        """`memory/*` figures since the last call, in GiB (MemoryHandoff.stats)."""
-        return self.memory.stats()
-
-    # ---- internals --------------------------------------------------------------------------------
-
-    @property
-    def device(self) -> torch.device:
-        """Where this rank's parameters live (the current CUDA device, or the CPU)."""
-        return (
-            torch.device("cuda", torch.cuda.current_device())
-            if torch.cuda.is_available()
-            else torch.device("cpu")
-        )

@@ -20,7 +20,7 @@ from chatgen.rlhf import losses as L
 from chatgen.rlhf.checks import policy_sampling_problems
 from chatgen.rlhf.metrics import prefixed, sample_metrics
 from chatgen.rlhf.run import Run
-from chatgen.rlhf.schema import AlgorithmConfig, Role
+from chatgen.rlhf.schema import POLICY_TRAINER, AlgorithmConfig, Role
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -70,13 +70,7 @@ class Config(AlgorithmConfig):
 
 MODELS = {
     "policy": Role("generation", doc="samples responses"),
-    "policy_trainer": Role(
-        "megatron",
-        trainable=True,
-        syncs_to="policy",
-        scores_samples=True,
-        doc="the policy's trainable copy",
-    ),
+    "policy_trainer": POLICY_TRAINER,
     "value_trainer": Role(
         "megatron",
         trainable=True,

@@ -18,11 +18,11 @@ from typing import Literal, Optional
 
 from chatgen.config import opt
 from chatgen.rlhf import recipe
-from chatgen.rlhf.recipe import distill
 from chatgen.rlhf.algorithms.grpo import loop, replay
 from chatgen.rlhf.algorithms.grpo.step import lora_reference
 from chatgen.rlhf.checks import policy_sampling_problems
-from chatgen.rlhf.schema import AlgorithmConfig, Role
+from chatgen.rlhf.recipe import distill
+from chatgen.rlhf.schema import POLICY_TRAINER, AlgorithmConfig, Role
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -306,13 +306,7 @@ class Config(AlgorithmConfig):
 
 MODELS = {
     "policy": Role("generation", doc="samples n responses per prompt"),
-    "policy_trainer": Role(
-        "megatron",
-        trainable=True,
-        syncs_to="policy",
-        scores_samples=True,
-        doc="the policy's trainable copy",
-    ),
+    "policy_trainer": POLICY_TRAINER,
     "reward": Role("python", doc="scores the responses (e.g. chatgen.rlhf.rewards:RuleReward)"),
     "reference": Role(
         "megatron",
