@@ -126,7 +126,7 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     mismatch, trainer, KL). Shared by grpo_multiturn. current_version (asynchronous runs): the engine
     version of the trainer's weights; the mismatch is then measured on the tokens it sampled only."""
     cfg, timer = run.cfg, run.timer
-    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
+    algo = cfg.runtime.algorithm
     # the penalty, or (kl_coef 0) kl/reference only; a LoRA trainer's base (adapters off) when
     # there is no reference model
     use_reference = "reference" in cfg.models or lora_reference(cfg)
