@@ -11,7 +11,8 @@ resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
 - DP 2 (2 spawned gloo ranks, each half the batch) takes the same steps as DP 1: loss and gradient norm
   within 1e-5 relative, weights within 1e-5 after 3 steps.
 - save_checkpoint after 2 steps, then a 3rd step, equals a fresh trainer loading that checkpoint and
-  taking the 3rd step: every weight bit for bit, the iteration restored.
+  taking the 3rd step: every weight bit for bit, the iteration restored; transformers loads the
+  checkpoint directory as an HF model with the saved weights.
 - configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3 in
   10 episodes.
 """
@@ -186,6 +187,7 @@ def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     for _ in range(2):
         trainer.train_step(batch, _nll)
     trainer.save_checkpoint(tmp_path / "ckpt")
+    saved = trainer.hf_state_dict()
     straight = trainer.train_step(batch, _nll)
     weights = trainer.hf_state_dict()
     trainer.shutdown()
@@ -198,6 +200,11 @@ def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     other = resumed.hf_state_dict()
     resumed.shutdown()
     assert all(torch.equal(weights[k], other[k]) for k in weights)
+    # the checkpoint is an HF directory too: transformers loads the saved weights from it
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert all(torch.equal(p, saved[name]) for name, p in hf.named_parameters())
 
 
 def test_grpo_tiny_fsdp_learns_from_the_warm_start(tiny_llama_dir, tmp_path, monkeypatch):
