@@ -14,7 +14,8 @@ resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
   taking the 3rd step: every weight bit for bit, the iteration restored; transformers loads the
   checkpoint directory as an HF model with the saved weights.
 - configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3 in
-  10 episodes.
+  10 episodes; configs/ppo_tiny.yaml with every trainer (policy, reference, critic) on fsdp trains.
+- bfloat16 mixed precision with activation checkpointing trains, fp32 weights, a bf16 sync.
 """
 
 import json
@@ -275,3 +276,19 @@ def test_ppo_with_every_trainer_on_fsdp(tiny_llama_dir, tmp_path, monkeypatch):
     assert metrics[2]["value/loss"] < metrics[1]["value/loss"]
     assert metrics[1]["kl/reference"] < 1e-6 < metrics[2]["kl/reference"]
     assert max(metrics[e]["mismatch/logprob_max_abs"] for e in (1, 2)) < 1e-4
+
+
+def test_bf16_mixed_precision_with_activation_checkpointing(tiny_llama_dir):
+    """dtype bfloat16 is mixed precision (fp32 weights and Adam state, bf16 compute, the sync in bf16) and
+    activation_recompute: full checkpoints every layer; both train (on CPU here, as on GPU)."""
+    from chatgen.training.fsdp_module import FSDPModule
+
+    config = dict(load=str(tiny_llama_dir), dtype="bfloat16", lr=1e-3, activation_recompute="full")
+    trainer = FSDPModule(config).start()
+    losses = [trainer.train_step(_batch(), _nll)["loss"] for _ in range(3)]
+    assert losses[2] < losses[0]
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    weights = trainer.hf_weights()
+    assert weights.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for _, t in next(iter(weights.buckets())))
+    trainer.shutdown()
