@@ -1,15 +1,16 @@
-"""The fsdp trainer (chatgen.training.fsdp_module.FSDPModule: transformers' model under torch FSDP2) on CPU,
-with the real vLLM: every family of docs/models.md syncs exactly, DP 2 trains like DP 1, a checkpoint
-resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
+"""The fsdp trainer (chatgen.training.fsdp_module.FSDPModule: transformers' model under torch FSDP2)
+on CPU, with the real vLLM: every family of docs/models.md syncs exactly, DP 2 trains like DP 1, a
+checkpoint resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
 
     python -m pytest tests/integration/test_fsdp_backend.py
 
-- `chatgen check-sync --trainer-backend fsdp`: a tiny random checkpoint of each family (made here, head
-  size 32, cached for the session) loads into the trainer, syncs by HF names into a vLLM engine on
-  random weights (every tensor validated bit for bit), and the engine's greedy log-probs equal the
-  trainer's within 1e-5 (fp32); Llama also from 2 data-parallel ranks (the cross-process sync).
-- DP 2 (2 spawned gloo ranks, each half the batch) takes the same steps as DP 1: loss and gradient norm
-  within 1e-5 relative, weights within 1e-5 after 3 steps.
+- `chatgen check-sync --trainer-backend fsdp`: a tiny random checkpoint of each family, GPT-OSS's
+  mixture of experts included (made here, head size 32, cached for the session), loads into the
+  trainer, syncs by HF names into a vLLM engine on random weights (every tensor validated bit for
+  bit), and the engine's greedy log-probs equal the trainer's within 1e-5 (fp32); Llama also from 2
+  data-parallel ranks (the cross-process sync).
+- DP 2 (2 spawned gloo ranks, each half the batch) takes the same steps as DP 1: loss and gradient
+  norm within 1e-5 relative, weights within 1e-5 after 3 steps.
 - save_checkpoint after 2 steps, then a 3rd step, equals a fresh trainer loading that checkpoint and
   taking the 3rd step: every weight bit for bit, the iteration restored; transformers loads the
   checkpoint directory as an HF model with the saved weights.
@@ -45,8 +46,19 @@ SIZES = dict(
 FAMILY_KEYS = {
     "gemma3_text": dict(sliding_window=64),
     "phi3": dict(head_dim=None),  # hidden_size / heads
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
 }
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "smollm3"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "smollm3",
+    "gpt_oss",
+]
 
 
 @pytest.fixture(scope="session")
@@ -78,7 +90,7 @@ def tiny_family(root: Path, family: str) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name.endswith(".sinks"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     shutil.copytree(root / "_tokenizer", out)
     model.save_pretrained(out)
