@@ -14,8 +14,8 @@ checkpoint resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
 - save_checkpoint after 2 steps, then a 3rd step, equals a fresh trainer loading that checkpoint and
   taking the 3rd step: every weight bit for bit, the iteration restored; transformers loads the
   checkpoint directory as an HF model with the saved weights.
-- configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3 in
-  10 episodes; configs/ppo_tiny.yaml with every trainer (policy, reference, critic) on fsdp trains.
+- configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3
+  in 10 episodes; configs/ppo_tiny.yaml with every trainer (policy, reference, critic) on fsdp trains.
 - bfloat16 mixed precision with activation checkpointing trains, fp32 weights, a bf16 sync.
 """
 
