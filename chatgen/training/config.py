@@ -324,9 +324,6 @@ class FSDPConfig(MegatronConfig):
 ENGINE_REFUSED = {
     "deepseek_v3": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
     "deepseek_v2": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
-    # its loader copies experts and attention sinks into the parameters directly, past the layer-wise
-    # reload a sync goes through, which then puts the old tensors back (a synced tiny GPT-OSS: 0.60 off)
-    "gpt_oss": "vLLM 0.32 keeps its old experts and attention sinks after a weight reload",
 }
 
 

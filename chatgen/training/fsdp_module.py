@@ -274,8 +274,9 @@ class FSDPModule(TokenScoring, Trainer):
     @remote("all")
     def save_checkpoint(self, path) -> str:
         """Write weights + optimizer state to directory `path` atomically: a torch.distributed.checkpoint
-        (each rank writes its shards; it loads at another DP) beside chatgen_fsdp.json (iteration), the
-        model's config.json and the tokenizer / generation files of `load`. Ranks write into a staging
+        (each rank writes its shards; it loads at another DP) beside chatgen_fsdp.json (iteration), and an HF
+        checkpoint of the weights (`_write_hf`) with the model's config.json and the tokenizer / generation
+        files of `load`, so the directory also serves and exports as it is. Ranks write into a staging
         directory that rank 0 moves into place. Returns the path."""
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -291,6 +292,7 @@ class FSDPModule(TokenScoring, Trainer):
             {"model": model_state, "optimizer": optim_state},
             storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
         )
+        self._write_hf(tmp)
         if dist.get_rank() == 0:
             meta = dict(iteration=self.iteration, skipped_steps=self.skipped_steps, dp=self.dp)
             (tmp / FSDP_META).write_text(json.dumps(meta, indent=1))
@@ -301,6 +303,28 @@ class FSDPModule(TokenScoring, Trainer):
             commit_directory(path)
         dist.barrier()
         return str(path)
+
+    def _write_hf(self, directory: Path) -> None:
+        """The weights as an HF checkpoint in `directory` (collective; rank 0 writes): one safetensors file
+        per sync bucket plus model.safetensors.index.json, so that the checkpoint directory serves and exports
+        as it is (vLLM, `chatgen serve`, transformers). One bucket of full tensors in memory at a time."""
+        from safetensors.torch import save_file
+
+        weights = self.hf_weights()
+        n, index = len(weights.plan), {}
+        for i, bucket in enumerate(weights.buckets()):
+            if dist.get_rank() == 0:
+                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+                save_file(
+                    {k: t.detach().cpu().contiguous() for k, t in bucket},
+                    str(directory / name),
+                    metadata={"format": "pt"},
+                )
+                index.update({k: name for k, _ in bucket})
+        if dist.get_rank() == 0:
+            (directory / "model.safetensors.index.json").write_text(
+                json.dumps({"metadata": {}, "weight_map": index}, indent=1)
+            )
 
     @remote("all")
     def load_checkpoint(self, path) -> None:

@@ -1,19 +1,22 @@
-"""The fsdp trainer (chatgen.training.fsdp_module.FSDPModule: transformers' model under torch FSDP2) on CPU,
-with the real vLLM: every family of docs/models.md syncs exactly, DP 2 trains like DP 1, a checkpoint
-resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
+"""The fsdp trainer (chatgen.training.fsdp_module.FSDPModule: transformers' model under torch FSDP2)
+on CPU, with the real vLLM: every family of docs/models.md syncs exactly, DP 2 trains like DP 1, a
+checkpoint resumes bit for bit, and the grpo_tiny_fsdp recipe learns.
 
     python -m pytest tests/integration/test_fsdp_backend.py
 
-- `chatgen check-sync --trainer-backend fsdp`: a tiny random checkpoint of each family (made here, head
-  size 32, cached for the session) loads into the trainer, syncs by HF names into a vLLM engine on
-  random weights (every tensor validated bit for bit), and the engine's greedy log-probs equal the
-  trainer's within 1e-5 (fp32); Llama also from 2 data-parallel ranks (the cross-process sync).
-- DP 2 (2 spawned gloo ranks, each half the batch) takes the same steps as DP 1: loss and gradient norm
-  within 1e-5 relative, weights within 1e-5 after 3 steps.
+- `chatgen check-sync --trainer-backend fsdp`: a tiny random checkpoint of each family, GPT-OSS's
+  mixture of experts included (made here, head size 32, cached for the session), loads into the
+  trainer, syncs by HF names into a vLLM engine on random weights (every tensor validated bit for
+  bit), and the engine's greedy log-probs equal the trainer's within 1e-5 (fp32); Llama also from 2
+  data-parallel ranks (the cross-process sync).
+- DP 2 (2 spawned gloo ranks, each half the batch) takes the same steps as DP 1: loss and gradient
+  norm within 1e-5 relative, weights within 1e-5 after 3 steps.
 - save_checkpoint after 2 steps, then a 3rd step, equals a fresh trainer loading that checkpoint and
-  taking the 3rd step: every weight bit for bit, the iteration restored.
-- configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3 in
-  10 episodes.
+  taking the 3rd step: every weight bit for bit, the iteration restored; transformers loads the
+  checkpoint directory as an HF model with the saved weights.
+- configs/grpo_tiny_fsdp.yaml from the shipped warm start: the held-out reward rises by more than 0.3
+  in 10 episodes; configs/ppo_tiny.yaml with every trainer (policy, reference, critic) on fsdp trains.
+- bfloat16 mixed precision with activation checkpointing trains, fp32 weights, a bf16 sync.
 """
 
 import json
@@ -43,8 +46,19 @@ SIZES = dict(
 FAMILY_KEYS = {
     "gemma3_text": dict(sliding_window=64),
     "phi3": dict(head_dim=None),  # hidden_size / heads
+    "gpt_oss": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=64),
 }
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "smollm3"]
+FAMILIES = [
+    "llama",
+    "qwen2",
+    "qwen3",
+    "mistral",
+    "gemma3_text",
+    "phi3",
+    "olmo2",
+    "smollm3",
+    "gpt_oss",
+]
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +90,7 @@ def tiny_family(root: Path, family: str) -> Path:
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
                 p.add_(0.1 * torch.randn(p.shape, generator=gen))
-            elif name.endswith(".bias"):
+            elif name.endswith(".bias") or name.endswith(".sinks"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=gen))
     shutil.copytree(root / "_tokenizer", out)
     model.save_pretrained(out)
@@ -186,6 +200,7 @@ def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     for _ in range(2):
         trainer.train_step(batch, _nll)
     trainer.save_checkpoint(tmp_path / "ckpt")
+    saved = trainer.hf_state_dict()
     straight = trainer.train_step(batch, _nll)
     weights = trainer.hf_state_dict()
     trainer.shutdown()
@@ -198,6 +213,11 @@ def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     other = resumed.hf_state_dict()
     resumed.shutdown()
     assert all(torch.equal(weights[k], other[k]) for k in weights)
+    # the checkpoint is an HF directory too: transformers loads the saved weights from it
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", dtype=torch.float32)
+    assert all(torch.equal(p, saved[name]) for name, p in hf.named_parameters())
 
 
 def test_grpo_tiny_fsdp_learns_from_the_warm_start(tiny_llama_dir, tmp_path, monkeypatch):
@@ -268,3 +288,19 @@ def test_ppo_with_every_trainer_on_fsdp(tiny_llama_dir, tmp_path, monkeypatch):
     assert metrics[2]["value/loss"] < metrics[1]["value/loss"]
     assert metrics[1]["kl/reference"] < 1e-6 < metrics[2]["kl/reference"]
     assert max(metrics[e]["mismatch/logprob_max_abs"] for e in (1, 2)) < 1e-4
+
+
+def test_bf16_mixed_precision_with_activation_checkpointing(tiny_llama_dir):
+    """dtype bfloat16 is mixed precision (fp32 weights and Adam state, bf16 compute, the sync in bf16) and
+    activation_recompute: full checkpoints every layer; both train (on CPU here, as on GPU)."""
+    from chatgen.training.fsdp_module import FSDPModule
+
+    config = dict(load=str(tiny_llama_dir), dtype="bfloat16", lr=1e-3, activation_recompute="full")
+    trainer = FSDPModule(config).start()
+    losses = [trainer.train_step(_batch(), _nll)["loss"] for _ in range(3)]
+    assert losses[2] < losses[0]
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    weights = trainer.hf_weights()
+    assert weights.dtype == torch.bfloat16
+    assert all(t.dtype == torch.bfloat16 for _, t in next(iter(weights.buckets())))
+    trainer.shutdown()

@@ -61,8 +61,6 @@ def _model_dir(tmp_path, model_type):
     [
         # transformers has it, vLLM's CPU path does not serve it
         ("deepseek_v3", "latent attention"),
-        # vLLM serves it, but a weight reload leaves its experts and sinks as they were
-        ("gpt_oss", "old experts and attention sinks"),
         ("not_a_family", "no causal LM in transformers"),
         # its experts fused on load: not the checkpoint's names
         ("mixtral", "renamed by transformers"),
@@ -78,7 +76,7 @@ def test_a_family_that_cannot_sync_is_refused_by_name_before_start(tmp_path, mod
 
 @pytest.mark.parametrize(
     "model_type",
-    ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "smollm3"],
+    ["llama", "qwen2", "qwen3", "mistral", "gemma3_text", "phi3", "olmo2", "smollm3", "gpt_oss"],
 )
 def test_the_tested_families_are_accepted(tmp_path, model_type):
     assert hf_family_problem(_model_dir(tmp_path, model_type)) is None

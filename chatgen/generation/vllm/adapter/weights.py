@@ -2,6 +2,7 @@
 `expert_weights` (an MoE model's experts as the engine holds them, for `chatgen check-sync`).
 """
 
+import re
 from typing import Iterable
 
 from vllm import LLM
@@ -22,10 +23,16 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
     keeps the cache apart itself (chatgen.generation.vllm.engine_loop).
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
+    past, held = LOADED_PAST_RELOAD.get(llm.llm_engine.model_config.hf_config.model_type), []
+    if past is not None:
+        weights = _withholding(weights, past, held)
+        weights = weights if in_process_workers(llm) else list(weights)
     try:
         llm.collective_rpc(
             "reload_weights", kwargs=dict(weights_iterator=weights, is_checkpoint_format=True)
         )
+        if held:
+            llm.collective_rpc(_load_past_reload, kwargs=dict(weights=held))
     except BaseException:
         llm.collective_rpc(patches.abandon_reload)  # so that the next reload (the re-sync) can work
         raise
@@ -37,6 +44,32 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
             "cached prompts would reuse KV computed with the old weights; sync only between "
             "generation calls, when no request is running"
         )
+
+
+# Checkpoint names that a family's vLLM loader copies into the parameters itself, not through their weight
+# loaders: vLLM 0.32's layer-wise reload (its parameters on the meta device meanwhile) never sees them and
+# puts the old tensors back. GPT-OSS: the experts' fused tensors and the attention sinks (a synced tiny
+# GPT-OSS kept its random experts: 0.60 off in log-prob). They load after the reload, as a first load does.
+LOADED_PAST_RELOAD = {"gpt_oss": re.compile(r"\.mlp\.experts\.|\.sinks$")}
+
+
+def _withholding(weights, pattern, held: list):
+    """`weights` without the names `pattern` finds, which go to `held` as the stream passes."""
+    for name, tensor in weights:
+        if pattern.search(name):
+            held.append((name, tensor))
+        else:
+            yield name, tensor
+
+
+def _load_past_reload(worker, weights) -> None:
+    """In a worker: the model's own loader writes `weights` into the live parameters, then each
+    mixture-of-experts layer redoes its post-load processing (the CPU backend's prepack of w13 / w2)."""
+    model = worker.model_runner.get_model()
+    model.load_weights(iter(weights))
+    for module in model.modules():
+        if hasattr(module, "w13_weight") and hasattr(module, "quant_method"):
+            module.quant_method.process_weights_after_loading(module)
 
 
 def expert_weights(llm: LLM) -> list:
