@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from chatgen.compat.nemo_rl import NemoRLRefit, prompt_texts
+from chatgen.compat.nemo_rl import NemoRLRefit, RayHandles, prompt_texts
 from chatgen.compat.nemo_rl.config import engine_config
 from chatgen.generation.batching import assign
 from chatgen.generation.workers import IpcStream, VllmGenerationWorker
@@ -94,6 +94,7 @@ class VllmGeneration(NemoRLRefit):
         # generate call must not queue behind each other
         self._pool = ThreadPoolExecutor(4 * num_workers, thread_name_prefix=name_prefix)
         self._ordered = [None] * num_workers  # each worker's last ORDERED call (see _start)
+        self._ray_handles, self._handed = None, 0  # the RayHandles actor (see _handles), keys given
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
         seed = keys.get("seed", 1234)
@@ -219,6 +220,11 @@ class VllmGeneration(NemoRLRefit):
             worker.shutdown()
         self.weight_stream.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._ray_handles is not None:
+            import ray
+
+            ray.kill(self._ray_handles)
+            self._ray_handles = None
         return True
 
     # ---- refit: the chatgen calls NemoRLRefit names ----------------------------------------------------
@@ -234,16 +240,20 @@ class VllmGeneration(NemoRLRefit):
                 "init_collective: workers with tensor_parallel_size > 1 in this process take their weights "
                 "through update_weights_from_ipc_handles; the collective needs one member per engine rank"
             )
-        return [
-            self._start(i, "init_collective", 1 + i, ip, port, world_size)
-            for i in range(len(self.workers))
-        ]
+        return self._handles(
+            [
+                self._start(i, "init_collective", 1 + i, ip, port, world_size)
+                for i in range(len(self.workers))
+            ]
+        )
 
     def check_weight_manifest(self, manifest: dict) -> None:
         self._all("prepare_refit_info", manifest)
 
     def receive_weights(self) -> list:
-        return [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
+        return self._handles(
+            [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
+        )
 
     def load_shared_weights(self, handles: dict) -> list:
         self._all("update_weights_from_ipc_handles", handles)
@@ -262,7 +272,9 @@ class VllmGeneration(NemoRLRefit):
                 "the weights with ShmSender.owned(generation.token).write(model) and call "
                 "update_weights_from_ipc_handles(handles)"
             )
-        return [self._start(i, "update_weights_via_ipc_zmq") for i in range(len(self.workers))]
+        return self._handles(
+            [self._start(i, "update_weights_via_ipc_zmq") for i in range(len(self.workers))]
+        )
 
     def ipc_stream(self) -> IpcStream:
         """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's stream_weights_via_ipc_zmq)."""
@@ -284,6 +296,30 @@ class VllmGeneration(NemoRLRefit):
             if method in ORDERED:
                 self._ordered[i] = call
         return call
+
+    def _handles(self, calls: list) -> list:
+        """The refit calls in flight as the caller waits on them: as they are (Ray ObjectRefs on Ray, Futures
+        in process), but Futures become ObjectRefs when Ray runs in this process (NeMo RL's code calls
+        `ray.get` on them), made ready by a RayHandles actor when each call ends."""
+        if self.placement == "ray" or not calls:
+            return calls
+        import ray
+
+        if not ray.is_initialized():
+            return calls
+        if self._ray_handles is None:
+            self._ray_handles = ray.remote(RayHandles).options(num_cpus=0).remote()
+        broker, refs = self._ray_handles, []
+        for call in calls:
+            self._handed += 1
+            refs.append(broker.result.remote(self._handed))
+
+            def done(call, key=self._handed):
+                error = call.exception()
+                broker.put.remote(key, error is None, call.result() if error is None else error)
+
+            call.add_done_callback(done)
+        return refs
 
     def _ordered_before(self, i: int):
         """Worker i's ORDERED call still running (None: none; one that ended is no later call's concern)."""
