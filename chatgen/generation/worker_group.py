@@ -68,6 +68,7 @@ class VllmGeneration(NemoRLRefit):
         config: Mapping | None = None,
         name_prefix: str = "vllm_policy",
         workers_per_node=None,
+        defer_model_load: bool = False,
         *,
         num_workers: int | None = None,
         placement: str = "process",
@@ -97,11 +98,20 @@ class VllmGeneration(NemoRLRefit):
         self._ray_handles, self._handed = None, 0  # the RayHandles actor (see _handles), keys given
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
-        seed = keys.get("seed", 1234)
-        try:  # seeds differ: two workers never draw the same samples
-            for i in range(num_workers):
-                self.workers.append(self._worker(config, seed + i, f"{name_prefix}_{i}"))
+        # NeMo RL's: no HTTP servers here (expose_http_server is refused); the engines' devices once loaded
+        self.dp_openai_server_base_urls, self.device_uuids = [None] * num_workers, None
+        seed = keys.get("seed", 1234)  # seeds differ: two workers never draw the same samples
+        self._to_load = [(config, seed + i, f"{name_prefix}_{i}") for i in range(num_workers)]
+        if not defer_model_load:
+            self.load_and_start()
+
+    def load_and_start(self) -> None:
+        """Start the engines (at construction unless defer_model_load=True: NeMo RL's overlapped start)."""
+        try:
+            while self._to_load:
+                self.workers.append(self._worker(*self._to_load.pop(0)))
             self.pad_token_id, self.max_new_tokens = self._wait([self._start(0, "limits")])[0]
+            self.device_uuids = self.devices()
         except BaseException:
             self.shutdown()
             raise
@@ -207,7 +217,7 @@ class VllmGeneration(NemoRLRefit):
 
     def shutdown(self) -> bool:
         """Stop every worker's engine, free its memory, end the threads, remove the IPC file. True."""
-        workers, self.workers = self.workers, []
+        workers, self.workers, self._to_load = self.workers, [], []
         if self.placement == "ray" and workers:
             import ray
 
@@ -350,7 +360,11 @@ class VllmGeneration(NemoRLRefit):
     def _spread(self, lengths: list, greedy: bool):
         """Which rows each worker generates (counted outstanding while the call runs)."""
         if not self.workers:
-            raise RuntimeError("VllmGeneration: shut down; build a new one")
+            raise RuntimeError(
+                "VllmGeneration: not started (defer_model_load=True): call load_and_start() first"
+                if self._to_load
+                else "VllmGeneration: shut down; build a new one"
+            )
         n = 1 if greedy else self.samples
         costs = [n * (length + self.max_new_tokens) for length in lengths]
         with self._lock:
