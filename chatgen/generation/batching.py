@@ -1,10 +1,14 @@
 """Token batches in and out of `VLLMModule.generate`: right-padding checks (`verify_right_padding`, public in
-chatgen.generation) and the output tensors (no vLLM).
+chatgen.generation), the output tensors, the rows of a batch one worker takes (`select_rows`) and several
+workers' row streams merged as they come (`interleave`) (no vLLM).
 
 Input: right-padded `input_ids` (B, T) + `input_lengths` (B,). Output: S = B x n rows, sample j of prompt i at
 row i * n + j, each prompt + generation right-padded to T + the longest generation. Unit-tested in
 tests/unit/test_generation.py on stand-ins for vLLM's RequestOutput.
 """
+
+import asyncio
+import contextlib
 
 import torch
 
@@ -116,6 +120,52 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
     if raise_error:
         raise ValueError(f"generate(): {message}" if ids_key == "input_ids" else message)
     return False, message
+
+
+def select_rows(batch, share: list) -> dict:
+    """The rows `share` of a batch: tensors and per-row lists indexed, other entries as they are."""
+    rows = len(batch["input_ids"])
+    out = {}
+    for key, value in batch.items():
+        if torch.is_tensor(value) and value.dim() and len(value) == rows:
+            out[key] = value[share]
+        elif isinstance(value, list) and len(value) == rows:
+            out[key] = [value[i] for i in share]
+        else:
+            out[key] = value
+    return out
+
+
+async def interleave(streams: list):
+    """(share, row, output) of several async iterators [(share, iterator)] as each yields; closing this one
+    cancels them all (each closes its iterator: the worker aborts the requests left)."""
+    queue, done = asyncio.Queue(), object()
+
+    async def pump(share, stream):
+        try:
+            async with contextlib.aclosing(stream) as rows:
+                async for row, out in rows:
+                    queue.put_nowait((share, row, out))
+        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait(e)
+        finally:
+            queue.put_nowait(done)
+
+    tasks = [asyncio.ensure_future(pump(share, stream)) for share, stream in streams]
+    left = len(tasks)
+    try:
+        while left:
+            item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def iter_samples(request_outputs):

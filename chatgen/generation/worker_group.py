@@ -13,12 +13,11 @@ largest first, to the worker with the fewest tokens outstanding across concurren
 at once and the rows come back in the caller's order: with n samples per prompt (the `n` key under
 vllm_kwargs; NeMo RL repeats prompts instead and keeps n = 1), sample j of row i at row i * n + j, as one worker
 returns them. Refit: chatgen.compat.nemo_rl.NemoRLRefit's calls over the workers' (chatgen.generation.workers);
-the asynchronous ones (init_collective, update_weights_from_collective, update_weights_via_ipc_zmq) return
-concurrent.futures.Future objects in this process (wait with `[f.result() for f in refs]`), Ray ObjectRefs on
-Ray (`ray.get(refs)`, as NeMo RL's code does).
+the asynchronous ones return Futures in this process, Ray ObjectRefs on Ray or when Ray runs here (_handles).
 """
 
 import asyncio
+import concurrent.futures
 import contextlib
 import secrets
 import threading
@@ -27,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from chatgen.compat.nemo_rl import NemoRLRefit, prompt_texts
+from chatgen.compat.nemo_rl import NemoRLRefit, RayHandles, prompt_texts
 from chatgen.compat.nemo_rl.config import engine_config
-from chatgen.generation.batching import assign
+from chatgen.generation.batching import assign, interleave, select_rows
 from chatgen.generation.workers import IpcStream, VllmGenerationWorker
 
 PLACEMENTS = ("process", "ray")
@@ -42,6 +41,11 @@ ORDERED = {
     "update_weights_via_ipc_zmq",
     "prepare_for_generation",
     "finish_generation",
+}
+UPDATES = {  # ORDERED calls that load weights (see _start)
+    "update_weights_from_collective",
+    "update_weights_from_ipc_handles",
+    "update_weights_via_ipc_zmq",
 }
 # padding of (S, L) outputs; None: the pad id; others 0
 FILL = {
@@ -68,6 +72,7 @@ class VllmGeneration(NemoRLRefit):
         config: Mapping | None = None,
         name_prefix: str = "vllm_policy",
         workers_per_node=None,
+        defer_model_load: bool = False,
         *,
         num_workers: int | None = None,
         placement: str = "process",
@@ -90,17 +95,30 @@ class VllmGeneration(NemoRLRefit):
         self.token = secrets.token_hex(16)
         self.weight_stream = IpcStream(self.token)
         self.workers = []
-        # threads for one call per worker at a time, plus as many again: a refit waiting on the trainer and a
-        # generate call must not queue behind each other
+        # threads for calls waiting on others (_start) beside the running ones
         self._pool = ThreadPoolExecutor(4 * num_workers, thread_name_prefix=name_prefix)
         self._ordered = [None] * num_workers  # each worker's last ORDERED call (see _start)
+        self._in_flight = {
+            True: set(),
+            False: set(),
+        }  # updates / other calls in flight (see _start)
+        self._ray_handles, self._handed = None, 0  # the RayHandles actor (see _handles), keys given
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
-        seed = keys.get("seed", 1234)
-        try:  # seeds differ: two workers never draw the same samples
-            for i in range(num_workers):
-                self.workers.append(self._worker(config, seed + i, f"{name_prefix}_{i}"))
+        # NeMo RL's: no HTTP servers here (expose_http_server is refused); the engines' devices once loaded
+        self.dp_openai_server_base_urls, self.device_uuids = [None] * num_workers, None
+        seed = keys.get("seed", 1234)  # seeds differ: two workers never draw the same samples
+        self._to_load = [(config, seed + i, f"{name_prefix}_{i}") for i in range(num_workers)]
+        if not defer_model_load:
+            self.load_and_start()
+
+    def load_and_start(self) -> None:
+        """Start the engines (at construction unless defer_model_load=True: NeMo RL's overlapped start)."""
+        try:
+            while self._to_load:
+                self.workers.append(self._worker(*self._to_load.pop(0)))
             self.pad_token_id, self.max_new_tokens = self._wait([self._start(0, "limits")])[0]
+            self.device_uuids = self.devices()
         except BaseException:
             self.shutdown()
             raise
@@ -130,7 +148,9 @@ class VllmGeneration(NemoRLRefit):
         lengths = data["input_lengths"].tolist()
         with self._spread(lengths, greedy) as shares:
             used = [(i, share) for i, share in enumerate(shares) if share]
-            outs = self._wait([self._start(i, "generate", _rows(data, s), greedy) for i, s in used])
+            outs = self._wait(
+                [self._start(i, "generate", select_rows(data, s), greedy) for i, s in used]
+            )
             parts = [(share, out) for (_, share), out in zip(used, outs)]
         return self._merge(parts, len(lengths))
 
@@ -142,11 +162,11 @@ class VllmGeneration(NemoRLRefit):
         n = 1 if greedy else self.samples
         with self._spread(lengths, greedy) as shares:
             streams = [
-                (share, self._stream(i, "generate_async", _rows(batch, share), greedy))
+                (share, self._stream(i, "generate_async", select_rows(batch, share), greedy))
                 for i, share in enumerate(shares)
                 if share
             ]
-            async for share, row, out in _interleave(streams):
+            async for share, row, out in interleave(streams):
                 yield share[row // n] * n + row % n, out
 
     def generate_text(self, prompts, greedy: bool = False):
@@ -179,7 +199,7 @@ class VllmGeneration(NemoRLRefit):
                 for w, share in enumerate(shares)
                 if share
             ]
-            async for share, row, out in _interleave(streams):
+            async for share, row, out in interleave(streams):
                 yield share[row // n] * n + row % n, out
 
     def prepare_for_generation(self, *args, **kwargs) -> bool:
@@ -206,7 +226,7 @@ class VllmGeneration(NemoRLRefit):
 
     def shutdown(self) -> bool:
         """Stop every worker's engine, free its memory, end the threads, remove the IPC file. True."""
-        workers, self.workers = self.workers, []
+        workers, self.workers, self._to_load = self.workers, [], []
         if self.placement == "ray" and workers:
             import ray
 
@@ -219,6 +239,11 @@ class VllmGeneration(NemoRLRefit):
             worker.shutdown()
         self.weight_stream.close()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._ray_handles is not None:
+            import ray
+
+            ray.kill(self._ray_handles)
+            self._ray_handles = None
         return True
 
     # ---- refit: the chatgen calls NemoRLRefit names ----------------------------------------------------
@@ -234,16 +259,20 @@ class VllmGeneration(NemoRLRefit):
                 "init_collective: workers with tensor_parallel_size > 1 in this process take their weights "
                 "through update_weights_from_ipc_handles; the collective needs one member per engine rank"
             )
-        return [
-            self._start(i, "init_collective", 1 + i, ip, port, world_size)
-            for i in range(len(self.workers))
-        ]
+        return self._handles(
+            [
+                self._start(i, "init_collective", 1 + i, ip, port, world_size)
+                for i in range(len(self.workers))
+            ]
+        )
 
     def check_weight_manifest(self, manifest: dict) -> None:
         self._all("prepare_refit_info", manifest)
 
     def receive_weights(self) -> list:
-        return [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
+        return self._handles(
+            [self._start(i, "update_weights_from_collective") for i in range(len(self.workers))]
+        )
 
     def load_shared_weights(self, handles: dict) -> list:
         self._all("update_weights_from_ipc_handles", handles)
@@ -262,7 +291,9 @@ class VllmGeneration(NemoRLRefit):
                 "the weights with ShmSender.owned(generation.token).write(model) and call "
                 "update_weights_from_ipc_handles(handles)"
             )
-        return [self._start(i, "update_weights_via_ipc_zmq") for i in range(len(self.workers))]
+        return self._handles(
+            [self._start(i, "update_weights_via_ipc_zmq") for i in range(len(self.workers))]
+        )
 
     def ipc_stream(self) -> IpcStream:
         """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's stream_weights_via_ipc_zmq)."""
@@ -274,16 +305,58 @@ class VllmGeneration(NemoRLRefit):
         """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns).
         Per worker, a call issued after an ORDERED one (a refit, sleep / wake) starts once that one ended,
         whether or not the caller waited for it, as an actor runs its calls in order; its failure is raised
-        by the calls that waited for it."""
+        by the calls that waited for it. Weight updates and generate calls of the group never overlap, on any
+        worker: an update waits for the calls in flight, a later call for every update in flight (engines
+        of one process share modules a reload empties, workers._Turns; and a broadcast some workers load
+        while others still generate would wait on them forever)."""
         worker = self.workers[i]
         if self.placement == "ray":
             return getattr(worker, method).remote(*args)
         with self._lock:
-            before = self._ordered_before(i)
-            call = self._pool.submit(_after, before, getattr(worker, method), *args)
+            others = self._others(method)
+            call = self._pool.submit(
+                _after, self._ordered_before(i), others, getattr(worker, method), *args
+            )
             if method in ORDERED:
                 self._ordered[i] = call
+            if method in UPDATES or method not in ORDERED:
+                self._in_flight[method in UPDATES].add(call)
+        call.add_done_callback(self._ended)
         return call
+
+    def _others(self, method: str) -> list:
+        """The calls of other kinds a call of `method` waits for (see _start); under self._lock."""
+        if method in UPDATES:
+            return [c for c in self._in_flight[False] if not c.done()]
+        return [] if method in ORDERED else [c for c in self._in_flight[True] if not c.done()]
+
+    def _ended(self, call) -> None:
+        with self._lock:
+            for calls in self._in_flight.values():
+                calls.discard(call)
+
+    def _handles(self, calls: list) -> list:
+        """Refit calls in flight as NeMo RL waits on them (`ray.get`): Futures become ObjectRefs when Ray runs
+        in this process, each made ready by a RayHandles actor when its call ends."""
+        if self.placement == "ray" or not calls:
+            return calls
+        import ray
+
+        if not ray.is_initialized():
+            return calls
+        if self._ray_handles is None:
+            self._ray_handles = ray.remote(RayHandles).options(num_cpus=0).remote()
+        broker, refs = self._ray_handles, []
+        for call in calls:
+            self._handed += 1
+            refs.append(broker.result.remote(self._handed))
+
+            def done(call, key=self._handed):
+                error = call.exception()
+                broker.put.remote(key, error is None, call.result() if error is None else error)
+
+            call.add_done_callback(done)
+        return refs
 
     def _ordered_before(self, i: int):
         """Worker i's ORDERED call still running (None: none; one that ended is no later call's concern)."""
@@ -304,8 +377,8 @@ class VllmGeneration(NemoRLRefit):
         """Worker i's async generator `method`: itself here, through Ray's streaming generator on Ray."""
         if self.placement == "process":
             with self._lock:
-                before = self._ordered_before(i)
-            return _stream_after(before, getattr(self.workers[i], method)(*args))
+                before, others = self._ordered_before(i), self._others(method)
+            return _stream_after(before, others, getattr(self.workers[i], method)(*args))
         return _ray_stream(
             getattr(self.workers[i], method).options(num_returns="streaming").remote(*args)
         )
@@ -314,7 +387,11 @@ class VllmGeneration(NemoRLRefit):
     def _spread(self, lengths: list, greedy: bool):
         """Which rows each worker generates (counted outstanding while the call runs)."""
         if not self.workers:
-            raise RuntimeError("VllmGeneration: shut down; build a new one")
+            raise RuntimeError(
+                "VllmGeneration: not started (defer_model_load=True): call load_and_start() first"
+                if self._to_load
+                else "VllmGeneration: shut down; build a new one"
+            )
         n = 1 if greedy else self.samples
         costs = [n * (length + self.max_new_tokens) for length in lengths]
         with self._lock:
@@ -353,19 +430,22 @@ class VllmGeneration(NemoRLRefit):
         return merged
 
 
-def _after(before, fn, *args):
-    """fn(*args) once `before` (an ORDERED call of the same worker, or None) ended."""
+def _after(before, others: list, fn, *args):
+    """fn(*args) once `before` (an ORDERED call of the same worker, or None) and the calls `others` ended;
+    a failure of `before` is raised (the caller expected its effect)."""
+    concurrent.futures.wait(others)
     if before is not None and before.exception() is not None:
         raise _failed_before(fn.__name__, before.exception())
     return fn(*args)
 
 
-async def _stream_after(before, stream):
-    """The items of `stream` once `before` (as in _after) ended."""
-    if before is not None:
-        await asyncio.wait([asyncio.wrap_future(before)])
-        if before.exception() is not None:
-            raise _failed_before("generate_async", before.exception())
+async def _stream_after(before, others: list, stream):
+    """The items of `stream` once `before` and `others` (as in _after) ended."""
+    waits = [asyncio.wrap_future(c) for c in [before, *others] if c is not None]
+    if waits:
+        await asyncio.wait(waits)
+    if before is not None and before.exception() is not None:
+        raise _failed_before("generate_async", before.exception())
     async with contextlib.aclosing(stream) as rows:
         async for item in rows:
             yield item
@@ -380,20 +460,6 @@ def _failed_before(name: str, error: BaseException) -> RuntimeError:
     return failed
 
 
-def _rows(batch: Mapping, share: list) -> dict:
-    """The rows `share` of a batch: tensors and per-row lists indexed, other entries as they are."""
-    rows = len(batch["input_ids"])
-    out = {}
-    for key, value in batch.items():
-        if torch.is_tensor(value) and value.dim() and len(value) == rows:
-            out[key] = value[share]
-        elif isinstance(value, list) and len(value) == rows:
-            out[key] = [value[i] for i in share]
-        else:
-            out[key] = value
-    return out
-
-
 async def _ray_stream(refs):
     """The items of a Ray streaming generator; closed early, it cancels the actor's call (which aborts its
     requests)."""
@@ -405,35 +471,3 @@ async def _ray_stream(refs):
     finally:
         with contextlib.suppress(Exception):  # a finished call has nothing to cancel
             ray.cancel(refs)
-
-
-async def _interleave(streams: list):
-    """(share, row, output) of several async iterators [(share, iterator)] as each yields; closing this one
-    cancels them all (each closes its iterator: the worker aborts the requests left)."""
-    queue, done = asyncio.Queue(), object()
-
-    async def pump(share, stream):
-        try:
-            async with contextlib.aclosing(stream) as rows:
-                async for row, out in rows:
-                    queue.put_nowait((share, row, out))
-        except Exception as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            queue.put_nowait(e)
-        finally:
-            queue.put_nowait(done)
-
-    tasks = [asyncio.ensure_future(pump(share, stream)) for share, stream in streams]
-    left = len(tasks)
-    try:
-        while left:
-            item = await queue.get()
-            if item is done:
-                left -= 1
-            elif isinstance(item, Exception):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

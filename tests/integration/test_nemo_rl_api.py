@@ -180,6 +180,34 @@ def test_refit_by_ipc_zmq_and_ipc_handles_are_signed(generation, hf_model):
     assert [w.weight_version for w in generation.workers] == [v + 1 for v in versions]
 
 
+def test_a_broadcast_refit_issued_while_both_workers_generate(generation, hf_model):
+    """The update waits for the generate calls in flight (engines of one process never load beside a step, and
+    a broadcast half the workers load while the others still generate would wait forever); the next generate
+    runs on the new weights."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    trainer = perturbed(hf_model, seed=8)
+    sender = GroupSender(generation.token, 1 + generation.inference_world_size)
+    futures = generation.init_collective(
+        sender.host, sender.port, 1 + generation.inference_world_size
+    )
+    sender.connect()
+    assert all(f.result(timeout=120) is None for f in futures)
+    rows = [[1, 5, 9, 13], [1, 7], [1, 2, 3]]
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(generation.generate, right_padded(rows), False)
+        while not generation._in_flight[False]:  # the workers' calls in flight
+            time.sleep(0.005)
+        futures = generation.update_weights_from_collective()
+        sender.send(trainer)
+        assert all(f.result(timeout=120) for f in futures)
+        assert len(running.result(timeout=120)["output_ids"]) == 3
+    out = generation.generate(right_padded(rows), greedy=False)
+    assert max_diff_vs_hf(trainer, *zip(*completions(out))) < SYNC_TOL
+    sender.close()
+
+
 def test_one_worker_by_the_seeds_calls(tiny_llama_dir, hf_model):
     """Seed 002's VllmGenerationWorker: init_collective(rank_prefix, ip, port, world_size) with a training world
     of 2 ranks (the seed's count), update_weights_from_collective(info), report_device_id, shutdown."""

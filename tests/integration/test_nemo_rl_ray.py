@@ -65,3 +65,46 @@ def test_two_ray_workers_in_order_then_the_refit_sequence(ray_session, tiny_llam
         sender.close()
     finally:
         assert generation.shutdown()
+
+
+def test_in_process_workers_hand_out_ray_waitable_refit_handles(ray_session, tiny_llama_dir):
+    """NeMo RL's code waits on refit calls with `ray.get`: with Ray up, workers in this process hand out
+    ObjectRefs too; a failed refit raises through ray.get; an unawaited one still precedes the next generate."""
+    import ray
+    from transformers import AutoModelForCausalLM
+
+    from chatgen.param_sync import SyncError
+
+    config = {
+        "backend": "vllm",
+        "model_name": str(tiny_llama_dir),
+        "max_new_tokens": 6,
+        "pad_token_id": 0,
+        "vllm_cfg": {"max_model_len": 256, "logprobs_mode": "raw_logprobs"},
+        "vllm_kwargs": {"kv_cache_memory_bytes": 32 << 20, "enforce_eager": True},
+    }
+    generation = VllmGeneration(config, num_workers=2)
+    try:
+        trainer = perturbed(
+            AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32), seed=6
+        )
+        refs = generation.update_weights_via_ipc_zmq()
+        assert all(isinstance(ref, ray.ObjectRef) for ref in refs)
+        generation.ipc_stream().send(trainer)
+        out = generation.generate(right_padded([[1, 5, 9], [1, 4]]), greedy=True)  # not waited on
+        assert max_diff_vs_hf(trainer.eval(), *zip(*completions(out))) < SYNC_TOL
+        assert ray.get(refs) == [True, True]
+
+        sender = GroupSender(generation.token, 1 + generation.inference_world_size)
+        refs = generation.init_collective(sender.host, sender.port, 1 + 2)
+        sender.connect()
+        assert ray.get(refs) == [None, None]
+        refs = generation.update_weights_from_collective()
+        sender.token = "not the group's token"
+        with pytest.raises(SyncError, match="token"):
+            sender.send(trainer)
+        with pytest.raises(SyncError, match="token"):
+            ray.get(refs)
+        sender.close()
+    finally:
+        assert generation.shutdown()

@@ -85,7 +85,7 @@ def test_the_example_yaml_as_configure_generation_config_leaves_it(caplog):
         "load_format": "dummy",  # configure_generation_config: weights come from the first refit
     }
     assert nemo.stops == {"stop_token_ids": [2], "stop_strings": []}  # EOS, as it sets
-    assert nemo.colocated and not nemo.http_server
+    assert nemo.colocated
     ignored = [r.getMessage() for r in caplog.records if "accepted and unused" in r.getMessage()]
     assert len(ignored) == 1
     for key in (
@@ -123,6 +123,7 @@ def test_nemo_rl_test_config_spellings():
         ("top", "_mtp_weights_from_refit", True, "MTP"),
         ("vllm_kwargs", "speculative_config", {"method": "mtp"}, "speculative decoding"),
         ("vllm_cfg", "max_num_seqz", 8, "max_num_seqz"),
+        ("vllm_cfg", "expose_http_server", True, "EmbeddedServer"),
     ],
 )
 def test_refused_only_where_it_asks_for_what_chatgen_cannot_do(where, key, value, named):

@@ -296,3 +296,23 @@ def test_vllm_refit_non_colocated_update_weights(tokenizer, test_input_data, mod
         assert max_diff_vs_hf(lm_policy.model.eval(), *zip(*completions(outputs))) < SYNC_TOL
     finally:
         vllm_generation.shutdown()
+
+
+def test_vllm_deferred_model_load(cluster, tokenizer, model_dir, test_input_data):
+    """The peer's deferred start, without its HTTP server (chatgen's facade refuses expose_http_server, naming
+    chatgen's EmbeddedServer): nothing loaded until load_and_start(), then the engines' devices known."""
+    generation_config = configure_generation_config(
+        basic_vllm_test_config(model_dir), tokenizer, is_eval=True
+    )
+    generation_config["temperature"] = 0.0
+    vllm_generation = VllmGeneration(cluster, generation_config, defer_model_load=True)
+    try:
+        assert len(vllm_generation.dp_openai_server_base_urls) == cluster.num_gpus_per_node
+        assert vllm_generation.device_uuids is None
+        with pytest.raises(RuntimeError, match="load_and_start"):
+            vllm_generation.generate(test_input_data)
+        vllm_generation.load_and_start()
+        assert len(vllm_generation.device_uuids) == cluster.num_gpus_per_node
+        assert vllm_generation.generate(test_input_data)["output_ids"].shape[0] == 2
+    finally:
+        vllm_generation.shutdown()

@@ -149,6 +149,33 @@ def refit_shapes(state_dict_info: dict) -> dict:
     }
 
 
+class RayHandles:
+    """A Ray actor (async) that holds the results of calls running in the driver's process, so that NeMo RL's
+    `ray.get(refs)` waits on them: `ref = handles.result.remote(key)` is the ObjectRef handed out, and
+    `handles.put.remote(key, ok, value)` (when the call ended) makes it ready, with the value or the error.
+    Defined here, import-light, because the actor's process imports it."""
+
+    def __init__(self):
+        self._results, self._ready = {}, {}
+
+    def _event(self, key):
+        import asyncio
+
+        return self._ready.setdefault(key, asyncio.Event())
+
+    async def put(self, key: int, ok: bool, value) -> None:
+        self._results[key] = (ok, value)
+        self._event(key).set()
+
+    async def result(self, key: int):
+        await self._event(key).wait()
+        ok, value = self._results.pop(key)
+        del self._ready[key]
+        if not ok:
+            raise value
+        return value
+
+
 # NeMo RL's classes over chatgen's engines live with the engines (chatgen.generation: vLLM, param_sync), above this
 # floor; loaded on first use, as the package root loads its classes, so this module stays import-light.
 _LAZY = {

@@ -7,7 +7,7 @@ stops it adds to every row, and the facade's own switches.
     # nemo.keys: {"load": path, "new_token_limit": True, "max_new_tokens": 128, "temperature": 0.7,
     #             "seq_length": 2048}
     # nemo.stops: {"stop_token_ids": [2], "stop_strings": []}: merged into each row's own (NeMo RL merges them)
-    # nemo.colocated: colocated.enabled (True when absent); nemo.http_server: vllm_cfg.expose_http_server
+    # nemo.colocated: colocated.enabled (True when absent)
 
 Every key NeMo RL writes is one of three kinds: mapped to chatgen's (MAPPED tables), accepted and unused (IGNORED,
 named in one log line per config), or accepted only at a value chatgen can honour (REFUSED_UNLESS: any other
@@ -56,7 +56,7 @@ IGNORED = {
         "async_engine", "skip_tokenizer_init", "use_tqdm", "enable_vllm_metrics_logger",
         "vllm_metrics_logger_interval", "http_refit_api_key_env_var",
         "reset_encoder_cache_after_weight_update", "http_refit_server_port",
-        "zmq_refit_server_port", "cap_max_tokens_to_context", "expose_http_server",
+        "zmq_refit_server_port", "cap_max_tokens_to_context",
     },
     "vllm_kwargs": {"distributed_executor_backend", "compilation_config", "enable_prefix_caching"},
 }  # fmt: skip
@@ -92,6 +92,13 @@ REFUSED_UNLESS = {
         "tool_parser_plugin": (OFF, "a vLLM tool parser plugin"),
         "reasoning_parser_plugin": (OFF, "a vLLM reasoning parser plugin"),
         "http_server_serving_chat_kwargs": (OFF, "vLLM's chat serving options"),
+        "expose_http_server": (
+            OFF,
+            (
+                "an HTTP server per worker, which the generation floor cannot start: serve a worker with "
+                "chatgen.serving.embedded.EmbeddedServer(generation.workers[i]) (docs/serving.md)"
+            ),
+        ),
     },
     "vllm_kwargs": {"speculative_config": (OFF, "speculative decoding")},
 }
@@ -111,7 +118,6 @@ class NemoRLConfig:
     keys: dict
     stops: dict
     colocated: bool = True
-    http_server: bool = False
 
 
 def engine_config(config: Mapping) -> NemoRLConfig:
@@ -178,7 +184,6 @@ def engine_config(config: Mapping) -> NemoRLConfig:
         keys,
         {key: list(config.get(key) or []) for key in STOPS},
         colocated=bool(colocated.get("enabled", True)),
-        http_server=bool(_value("expose_http_server", vllm_cfg.get("expose_http_server", False))),
     )
 
 
