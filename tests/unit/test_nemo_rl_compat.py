@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from chatgen.compat.nemo_rl import NemoRLRefit
-from chatgen.compat.nemo_rl.config import engine_config, with_stops
+from chatgen.compat.nemo_rl.config import engine_config
 from chatgen.generation.config import GenerationConfig
 
 
 def test_seed_000s_config_becomes_chatgen_keys_every_one_known():
-    keys, stops = engine_config(
+    nemo = engine_config(
         {
             "backend": "vllm",
             "max_new_tokens": 128,
@@ -32,6 +32,7 @@ def test_seed_000s_config_becomes_chatgen_keys_every_one_known():
             "vllm_kwargs": {"enforce_eager": True},
         }
     )
+    keys, stops = nemo.keys, nemo.stops
     assert keys == {
         "load": "/models/llama",
         "max_new_tokens": 128,
@@ -58,14 +59,14 @@ def test_seed_000s_config_becomes_chatgen_keys_every_one_known():
 @pytest.mark.parametrize(
     "config, match",
     [
-        ({"model_name": "m", "max_tokens": 3}, r"unknown config key\(s\) \['max_tokens'\]"),
+        ({"model_name": "m", "max_tokens": 3}, "max_tokens is not a key of NeMo RL's config"),
         (
             {"model_name": "m", "vllm_cfg": {"max_len": 3}},
-            r"unknown vllm_cfg key\(s\) \['max_len'\]",
+            "vllm_cfg.max_len is not a key of NeMo RL's config",
         ),
         ({"model_name": "m", "vllm_cfg": {"pipeline_parallel_size": 2}}, "pipeline_parallel_size"),
         ({"model_name": "m", "backend": "hf"}, "backend='hf'"),
-        ({"max_new_tokens": 3}, "needs model_name"),
+        ({"max_new_tokens": 3}, "Missing required keys in VllmConfig: model_name"),
     ],
 )
 def test_a_key_chatgen_cannot_honour_is_named(config, match):
@@ -73,11 +74,30 @@ def test_a_key_chatgen_cannot_honour_is_named(config, match):
         engine_config(config)
 
 
-def test_the_configs_stops_join_each_rows_own():
-    batch = {"input_ids": torch.zeros(2, 3), "stop_token_ids": [[7], None]}
-    out = with_stops(batch, {"stop_token_ids": [2], "stop_strings": ["</a>"]})
-    assert out["stop_token_ids"] == [[2, 7], [2]] and out["stop_strings"] == [["</a>"], ["</a>"]]
-    assert batch["stop_token_ids"] == [[7], None]  # the caller's batch untouched
+def test_the_configs_stops_come_before_each_rows_own(monkeypatch):
+    """VllmGenerationWorker.sampling_params: the config's stops (NeMo RL's stop_token_ids /
+    stop_strings) joined before a row's own, for every call; the texts keep their stop string."""
+    import types
+
+    from chatgen.generation import workers
+    from chatgen.generation.vllm.module import VLLMModule
+
+    monkeypatch.setattr(
+        VLLMModule, "sampling_params", lambda self, n, **kw: types.SimpleNamespace(**kw)
+    )
+
+    def worker(stops):  # no engine: only what sampling_params reads
+        w = workers.VllmGenerationWorker.__new__(workers.VllmGenerationWorker)
+        w.stops = stops
+        return w
+
+    params = worker({"stop_token_ids": [2], "stop_strings": ["</a>"]}).sampling_params(
+        3, stop_token_ids=[7], stop_strings=()
+    )
+    assert params.stop_token_ids == [2, 7] and params.stop_strings == ["</a>"]
+    assert params.include_stop_str_in_output is True and params.output_text_buffer_length == 0
+    bare = worker({}).sampling_params(3, stop_token_ids=[7])
+    assert bare.stop_token_ids == [7] and bare.stop_strings == []
 
 
 class _Group(NemoRLRefit):
