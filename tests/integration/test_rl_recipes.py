@@ -6,7 +6,8 @@ DAPO-style GRPO at temperature 0.7: after every sync the trainer's log-probs of 
 (logits / T) equal the engine's processed log-probs within 1e-4, and dynamic sampling leaves no
 optimizer step without a gradient (its cost in dynamic_sampling/*). REINFORCE++ with the KL in the
 reward, GSPO's sequence ratio, geometric sequence IS and token rejection: the per-token advantages
-and per-sequence weights reach the trainer and the run trains.
+and per-sequence weights reach the trainer and the run trains. On-policy distillation: the teacher
+scores the student's samples and the reverse KL falls.
 """
 
 import json
@@ -99,3 +100,35 @@ def test_reinforce_pp_gspo_and_rollout_correction_train(
     assert m["policy/grad_norm"] > 0 and m["kl/reference"] == pytest.approx(0.0, abs=1e-4)
     assert m["rollout_correction/masked_token_fraction"] == 0.0  # exact sync: no outliers to mask
     assert m["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+def test_opd_student_moves_towards_the_teacher(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    """On-policy distillation: a tiny Llama after 4 SFT steps (the student) learns from the same
+    model after 20 (the teacher, one tokenizer); the per-token reverse KL falls."""
+    from helpers import quick_warm_start
+
+    from chatgen.core.jsonl import read_prompt_records
+
+    monkeypatch.chdir(REPO)
+    sft = read_prompt_records(data_dir / "sft.jsonl")
+    teacher = quick_warm_start(tiny_llama_dir, sft, tmp_path / "teacher", steps=20)
+    student = quick_warm_start(tiny_llama_dir, sft, tmp_path / "student", steps=4)
+    metrics = run_grpo(
+        "configs/grpo_tiny.yaml",
+        student,
+        data_dir,
+        tmp_path / "opd",
+        **{
+            "runtime.num_episode": 6,
+            "runtime.algorithm.advantage_estimator": "opd",
+            "runtime.algorithm.kl_coef": 0.0,
+            "models.teacher.backend": "megatron",
+            "models.teacher.trainable": "false",
+            "teacher.load": teacher,
+            "policy_trainer.lr": 2e-3,
+        },
+    )
+    kl = [metrics[e]["distill/reverse_kl"] for e in range(1, 7)]
+    assert kl[0] > 0.1, kl  # the student's tokens are less likely under the teacher
+    assert kl[-1] < 0.8 * kl[0], kl
+    assert all(metrics[e]["policy/grad_norm"] > 0 for e in range(1, 7))

@@ -62,7 +62,7 @@ def test_terms_ride_with_the_batch_through_select_and_concat():
     )  # not every batch has them
 
 
-def test_the_estimator_reads_the_terms_and_a_shaping_is_one_more_term():
+def test_the_estimator_reads_the_terms_and_a_shaping_is_centred_not_normalised():
     batch = _batch(dict(TERMS), dict(WEIGHTS))
     algo = Config(name="grpo", advantage_estimator="gdpo")
     data = batch.trainer_inputs()
@@ -73,10 +73,18 @@ def test_the_estimator_reads_the_terms_and_a_shaping_is_one_more_term():
     assert (
         data.extras == {}
     )  # the terms are the estimator's view only: nothing travels to the trainer
-    penalty = torch.tensor([0.0, -1.0, 0.0, 0.0])
+    penalty = torch.tensor([0.0, -0.1, 0.0, 0.0])
     extras = gdpo.with_terms(batch, rewards, rewards + penalty)
-    assert extras["reward_terms"]["shaping"].tolist() == penalty.tolist()
-    assert extras["reward_weights"]["shaping"] == 1.0
+    assert torch.allclose(extras["reward_shaping"], penalty)
+    adv = step.advantages(algo, rewards + penalty, 2, data, batch.loss_mask, extras)
+    # the sum before whitening: h / 2 * [1, -1, 1, -1] (above) plus the centred penalty
+    # [0.05, -0.05, 0, 0]: a small penalty stays small (normalised it would weigh as much as acc)
+    h = 1 / 2**0.5
+    total = torch.tensor([h / 2 + 0.05, -h / 2 - 0.05, h / 2, -h / 2])
+    expected = (total - total.mean()) / (total.std() + gdpo.EPS)
+    assert torch.allclose(adv, expected, atol=1e-5)
+    metrics = gdpo.term_metrics(TERMS, 2, shaping=penalty)
+    assert metrics["advantage/shaping"] == pytest.approx(0.05 / 2)
 
 
 def test_gdpo_without_terms_is_refused_naming_the_key_and_the_fix():

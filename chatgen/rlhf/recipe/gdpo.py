@@ -8,9 +8,12 @@ sum collapses them), then the sum is whitened over the batch:
     A = sum_k w_k A_k;   A <- (A - mean_batch A) / (std_batch A + eps)
 
 The terms come with the batch (Run.score keeps them: RolloutBatch.reward_terms, reward_weights) and
-reach the estimator as the batch's extras `reward_terms` and `reward_weights`; a reward shaping
-(DAPO's overlong penalty, the length penalties) is one more term, `shaping`, of weight 1. Each term's
-normalised advantage is logged as advantage/<term> (its mean absolute value; term_metrics).
+reach the estimator as the batch's extras `reward_terms` and `reward_weights`. A reward shaping
+(DAPO's overlong penalty, the length penalties: shaped minus scored reward, the extra
+`reward_shaping`) is centred in its group and added to the sum before the whitening, not divided by
+its std: dividing would give a penalty of coefficient 0.01 the weight of a whole reward term, while
+centred its coefficients keep setting its size. Each term's normalised advantage is logged as
+advantage/<term> (its mean absolute value; term_metrics), the centred shaping as advantage/shaping.
 """
 
 from chatgen.rlhf import losses as L
@@ -28,22 +31,29 @@ def term_advantages(terms: dict, n: int, normalize_std: bool = True) -> dict:
     }
 
 
-def gdpo_advantages(terms: dict, weights: dict, n: int, normalize_std: bool = True):
-    """(S,) GDPO advantages: the weighted sum of the terms' group-normalised advantages, whitened
-    over the batch (unbiased std)."""
+def gdpo_advantages(terms: dict, weights: dict, n: int, normalize_std: bool = True, shaping=None):
+    """(S,) GDPO advantages: the weighted sum of the terms' group-normalised advantages, plus the
+    group-centred shaping (S,) when given, whitened over the batch (unbiased std)."""
     per_term = term_advantages(terms, n, normalize_std)
     total = sum(weights[name] * adv for name, adv in per_term.items())
+    if shaping is not None:
+        total = total + L.group_advantages(shaping.float(), n, normalize_std=False)
     if total.numel() < 2:
         return total - total.mean()
     return (total - total.mean()) / (total.std() + EPS)
 
 
-def term_metrics(terms: dict, n: int, normalize_std: bool = True) -> dict:
-    """advantage/<term>: the mean |A_k| of each term (0: no group saw that term vary)."""
-    return {
+def term_metrics(terms: dict, n: int, normalize_std: bool = True, shaping=None) -> dict:
+    """advantage/<term>: the mean |A_k| of each term (0: no group saw that term vary); with a
+    shaping, advantage/shaping: the mean |group-centred shaping|."""
+    metrics = {
         f"advantage/{name}": adv.abs().mean().item()
         for name, adv in term_advantages(terms, n, normalize_std).items()
     }
+    if shaping is not None:
+        centred = L.group_advantages(shaping.float(), n, normalize_std=False)
+        metrics["advantage/shaping"] = centred.abs().mean().item()
+    return metrics
 
 
 @advantage("gdpo", check=no_kl_in_reward)
@@ -56,15 +66,20 @@ def gdpo(rewards, n, batch, algo):
             "models.reward gave none: use model_class: chatgen.rlhf.rewards:Rewards with "
             "config.terms (docs/rewards.md), or advantage_estimator: grpo"
         )
-    return gdpo_advantages(terms, weights, n, algo.normalize_advantage_std).to(rewards.dtype)
+    shaping = batch.extras.get("reward_shaping")
+    adv = gdpo_advantages(terms, weights, n, algo.normalize_advantage_std, shaping)
+    return adv.to(rewards.dtype)
 
 
 def with_terms(batch, rewards, shaped) -> dict:
-    """The extras the estimator reads: the batch's reward terms and weights, plus `shaping` (the
-    shaped minus the scored reward, weight 1) when a shaping is on; {} without terms."""
+    """The extras the estimator reads: the batch's reward terms and weights, and `reward_shaping`
+    (the shaped minus the scored reward) when a shaping is on; {} without terms."""
     if not batch.reward_terms:
         return {}
-    terms, weights = dict(batch.reward_terms), dict(batch.reward_weights)
+    extras = {
+        "reward_terms": dict(batch.reward_terms),
+        "reward_weights": dict(batch.reward_weights),
+    }
     if shaped is not rewards:
-        terms["shaping"], weights["shaping"] = shaped - rewards, 1.0
-    return {"reward_terms": terms, "reward_weights": weights}
+        extras["reward_shaping"] = shaped - rewards
+    return extras

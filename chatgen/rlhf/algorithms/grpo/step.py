@@ -169,7 +169,12 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
         )
     if "reward_terms" in extras and algo.advantage_estimator == "gdpo":  # each term's signal
         recipe_metrics.update(
-            gdpo.term_metrics(extras["reward_terms"], n, algo.normalize_advantage_std)
+            gdpo.term_metrics(
+                extras["reward_terms"],
+                n,
+                algo.normalize_advantage_std,
+                extras.get("reward_shaping"),
+            )
         )
     # (S,) or (S, L-1)
     adv = advantages(algo, shaped, n, data, batch.loss_mask, extras)
