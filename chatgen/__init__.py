@@ -1,7 +1,9 @@
-"""chatgen: RLHF post-training with a step-driven vLLM generation module and a Megatron-core trainer.
+"""chatgen: RLHF post-training with a step-driven vLLM generation module and a Megatron-core
+trainer.
 
-Importing `chatgen` is cheap: the classes that pull in vLLM, Megatron or Ray load on first use, so the
-algorithm math (`chatgen.rlhf.losses`), the rollout contract and the config system import without them.
+Importing `chatgen` is cheap: the classes that pull in vLLM, Megatron or Ray load on first use, so
+the algorithm math (`chatgen.rlhf.losses`), the rollout contract and the config system import
+without them.
 
     from chatgen import VLLMModule, VLLMGeneration, MegatronModule, Module, RolloutBatch
 """

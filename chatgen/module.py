@@ -1,22 +1,24 @@
-"""The one lifecycle of every chatgen model: vLLM generation, Megatron training, plain Python (a reward).
+"""The one lifecycle of every chatgen model: vLLM generation, Megatron training, plain Python (a
+reward).
 
     module = MyModule(config, name="policy")   # config: a dict, a per-model YAML path, or the typed config
     module.start()                             # = module.init(); module.setup()
     ...                                        # the role's own calls (generate, train_step, score, ...)
     module.shutdown()
 
-- `__init__(config, *, name, config_dialect="chatgen")` stores the config after the config loader has checked
-  it, the same way for every module type: a dict or a YAML path goes through `chatgen.config.load_model_config`
-  against the class's `config_class` (unknown keys, types and ranges reported together, each with its fix); a
-  typed instance (loaded already, or built in code) only has its range rules checked; `config_dialect="chatlearn"`
-  reads a YAML path written for ChatLearn.
+- `__init__(config, *, name, config_dialect="chatgen")` stores the config after the config loader
+  has checked it, the same way for every module type: a dict or a YAML path goes through
+  `chatgen.config.load_model_config` against the class's `config_class` (unknown keys, types and
+  ranges reported together, each with its fix); a typed instance (loaded already, or built in code)
+  only has its range rules checked; `config_dialect="chatlearn"` reads a YAML path written for
+  ChatLearn.
 - `init()` is the framework's part: whatever must exist before a model is built (Megatron joins
   torch.distributed and its parallel groups; vLLM picks its executor). Users do not override it.
-- `setup()` is the user hook (ChatLearn's name): build the model / engine and anything around it. The
-  defaults build everything; an override does its own work around `super().setup()`.
+- `setup()` is the user hook (ChatLearn's name): build the model / engine and anything around it.
+  The defaults build everything; an override does its own work around `super().setup()`.
 
-The Ray runtime (chatgen/rlhf/runtime.py) constructs every model of a run this way, whatever its backend.
-A reward model is a plain subclass:
+The Ray runtime (chatgen/rlhf/runtime.py) constructs every model of a run this way, whatever its
+backend. A reward model is a plain subclass:
 
     class LengthReward(chatgen.Module):
         def score(self, data):                       # data: {"texts": [...], record fields...}
@@ -31,23 +33,26 @@ import os
 from chatgen.compat.chatlearn import dialect as compat_dialect
 from chatgen.config import ConfigError, load_model_config
 
-# Objects still frozen at exit are never freed, and native extensions report them as leaks: a process that never
-# shut its Megatron model down printed 60 lines of "nanobind: leaked ... triton" (megatron-core imports Triton).
+# Objects still frozen at exit are never freed, and native extensions report them as leaks: a
+# process that never shut its Megatron model down printed 60 lines of "nanobind: leaked ... triton"
+# (megatron-core imports Triton).
 atexit.register(gc.unfreeze)
 
 
 @contextlib.contextmanager
 def startup_gc():
-    """Python's cyclic garbage collector paused while models are imported and built; what they made, frozen after.
+    """Python's cyclic garbage collector paused while models are imported and built; what they made,
+    frozen after.
 
-    Importing torch, vLLM and megatron-core and building the models leaves ~660k long-lived objects. Python starts
-    a full collection, a scan of all of them (up to 0.4 s on a 2-core CPU), each time that heap grows by a
-    quarter: 2.0 s of collections before the tiny GRPO run's first evaluation, 0.005 s with this pause.
-    Inside this block collection is off; on leaving it every object alive is frozen (`gc.freeze`: left out of
-    every later collection, as vLLM's engine does with its own heap after warm-up) and collection resumes as it
-    was. Objects are still freed by reference counting; reference cycles made before the freeze wait for a
-    module's shutdown, which unfreezes (vLLM's engine shutdown and MegatronModule.shutdown do), or the
-    process's exit. Nested blocks are one pause (the outermost resumes collection).
+    Importing torch, vLLM and megatron-core and building the models leaves ~660k long-lived objects.
+    Python starts a full collection, a scan of all of them (up to 0.4 s on a 2-core CPU), each time
+    that heap grows by a quarter: 2.0 s of collections before the tiny GRPO run's first evaluation,
+    0.005 s with this pause. Inside this block collection is off; on leaving it every object alive
+    is frozen (`gc.freeze`: left out of every later collection, as vLLM's engine does with its own
+    heap after warm-up) and collection resumes as it was. Objects are still freed by reference
+    counting; reference cycles made before the freeze wait for a module's shutdown, which unfreezes
+    (vLLM's engine shutdown and MegatronModule.shutdown do), or the process's exit. Nested blocks
+    are one pause (the outermost resumes collection).
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -59,7 +64,8 @@ def startup_gc():
             gc.enable()
 
 
-# How the run dispatches a declared method over a model's worker ranks (chatgen.rlhf.runtime's ModelHandle):
+# How the run dispatches a declared method over a model's worker ranks (chatgen.rlhf.runtime's
+# ModelHandle):
 DISPATCH = {
     "all": "every rank (a collective call); one result per rank",
     "first": "every rank; rank 0's result",
@@ -69,11 +75,11 @@ DISPATCH = {
 
 
 def remote(dispatch: str = "all"):
-    """Declare a method the run calls from the driver, and how (DISPATCH); verl declares its workers'
-    methods the same way (`@register(dispatch_mode=...)`). The run calls it as a method of the model's
-    handle: `runtime["policy_trainer"].train_step(batch, loss_fn)`; an undeclared method is not callable
-    there, so what a trainer offers the run is read off its class. An override in a subclass keeps its
-    base's declaration."""
+    """Declare a method the run calls from the driver, and how (DISPATCH); verl declares its
+    workers' methods the same way (`@register(dispatch_mode=...)`). The run calls it as a method
+    of the model's handle: `runtime["policy_trainer"].train_step(batch, loss_fn)`; an undeclared
+    method is not callable there, so what a trainer offers the run is read off its class. An
+    override in a subclass keeps its base's declaration."""
     if dispatch not in DISPATCH:
         raise ValueError(f"dispatch {dispatch!r}: use one of {', '.join(DISPATCH)}")
 
@@ -105,13 +111,14 @@ class Module:
 
     @classmethod
     def config_problems(cls, config):
-        """(key, problem) pairs beyond the schema's own checks (e.g. what this platform cannot do)."""
+        """(key, problem) pairs beyond the schema's own checks (e.g. what this platform cannot
+        do)."""
         return ()
 
     def _checked_config(self, config, dialect: str = "chatgen"):
-        """The typed config: a YAML path or a dict goes through the loader (every problem in one ConfigError);
-        an instance of the schema (loaded already, or built in code) has its range rules and this platform's
-        checked, without being read a second time."""
+        """The typed config: a YAML path or a dict goes through the loader (every problem in one
+        ConfigError); an instance of the schema (loaded already, or built in code) has its range
+        rules and this platform's checked, without being read a second time."""
         schema = self.config_class
         if config is None:
             config = {}
@@ -139,14 +146,16 @@ class Module:
         )
 
     def init(self) -> None:
-        """Framework: prepare what must exist before the model is built. Called once, before `setup()`."""
+        """Framework: prepare what must exist before the model is built. Called once, before
+        `setup()`."""
 
     def setup(self) -> None:
-        """User hook: build the model (the defaults of VLLMModule / MegatronModule build it). Called once."""
+        """User hook: build the model (the defaults of VLLMModule / MegatronModule build it).
+        Called once."""
 
     def start(self):
-        """`init()` then `setup()`: how the framework (and a standalone script) brings a module up, with garbage
-        collection paused meanwhile (`startup_gc`). Returns self."""
+        """`init()` then `setup()`: how the framework (and a standalone script) brings a module
+        up, with garbage collection paused meanwhile (`startup_gc`). Returns self."""
         with startup_gc():
             self.init()
             self.setup()

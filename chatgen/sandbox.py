@@ -1,4 +1,5 @@
-"""A local sandbox for code that a model wrote: the `python` tool and the `code_exec` reward run it here.
+"""A local sandbox for code that a model wrote: the `python` tool and the `code_exec` reward run it
+here.
 
     result = run_python("print(1 + 1)", Limits(wall_s=5))
     result.ok, result.stdout, result.error      # True, "2\\n", None
@@ -73,7 +74,8 @@ class Result:
 
 
 def isolation() -> str:
-    """The isolation runs get on this machine: 'bwrap' when bubblewrap works here, else 'fallback'."""
+    """The isolation runs get on this machine: 'bwrap' when bubblewrap works here, else
+    'fallback'."""
     global _ISOLATION
     if _ISOLATION is None:
         ok = shutil.which("bwrap") is not None
@@ -93,8 +95,9 @@ _ISOLATION = None
 
 
 def run_python(code: str, limits: Limits | None = None, mode: str | None = None) -> Result:
-    """`code` run by a Python interpreter (-I: no user site, no PYTHON* variables) in the sandbox:
-    this one, or the system's python3 when the sandbox's user (not root) cannot reach this one."""
+    """`code` run by a Python interpreter (-I: no user site, no PYTHON* variables) in the
+    sandbox: this one, or the system's python3 when the sandbox's user (not root) cannot reach
+    this one."""
     return run([python_executable(), "-I", "-c", code], limits, mode)
 
 

@@ -1,14 +1,16 @@
 """The `chatgen` console entry point: `chatgen --help` lists the subcommands.
 
-Each subcommand is one thin module of this package (argument parsing and exit codes; the work is in the
-library) exposing `add_arguments(parser)` and `run(args) -> int`; only the chosen one is imported, so
-`chatgen --help` does not pay for importing vLLM or Megatron. Bad input (ValueError, including ConfigError, and
-OSError such as a missing file) is reported here, once for every subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage error: the
-input must change. Exit code 1 means the input was fine and the work failed (a run stopped, a check failed).
-`key=value` overrides may stand anywhere on the command line (`chatgen train X.yaml --resume a=1` as well as
-`chatgen train X.yaml a=1 --resume`). SIGTERM stops a command as Ctrl-C does (every actor, engine and Ray
-process stopped, checkpoints and outputs whole), with exit code 143. Third-party notices known to be harmless are
-filtered (chatgen.core.quiet); `-v` / `--verbose`, anywhere on the command line, shows everything they say.
+Each subcommand is one thin module of this package (argument parsing and exit codes; the work is in
+the library) exposing `add_arguments(parser)` and `run(args) -> int`; only the chosen one is
+imported, so `chatgen --help` does not pay for importing vLLM or Megatron. Bad input (ValueError,
+including ConfigError, and OSError such as a missing file) is reported here, once for every
+subcommand, as `chatgen <command>: <message>` with exit code 2, the code argparse gives a usage
+error: the input must change. Exit code 1 means the input was fine and the work failed (a run
+stopped, a check failed). `key=value` overrides may stand anywhere on the command line (`chatgen
+train X.yaml --resume a=1` as well as `chatgen train X.yaml a=1 --resume`). SIGTERM stops a command
+as Ctrl-C does (every actor, engine and Ray process stopped, checkpoints and outputs whole), with
+exit code 143. Third-party notices known to be harmless are filtered (chatgen.core.quiet); `-v` /
+`--verbose`, anywhere on the command line, shows everything they say.
 """
 
 import argparse
@@ -78,8 +80,9 @@ COMMANDS = {
 
 
 class Terminated(BaseException):
-    """SIGTERM arrived: raised in the main thread, so every `finally` on the way out (actors, engines, Ray, atomic
-    writes) runs; a BaseException, so no `except Exception` of a model's code swallows it."""
+    """SIGTERM arrived: raised in the main thread, so every `finally` on the way out (actors,
+    engines, Ray, atomic writes) runs; a BaseException, so no `except Exception` of a model's
+    code swallows it."""
 
 
 TERM_GRACE_S = (
@@ -184,7 +187,8 @@ def main(argv=None) -> int:
 
 
 def positive_int(text: str) -> int:
-    """argparse type of a size or count flag (--tp, --n, ...): an int >= 1, else a usage error naming the value."""
+    """argparse type of a size or count flag (--tp, --n, ...): an int >= 1, else a usage error
+    naming the value."""
     try:
         value = int(text)
     except ValueError:

@@ -6,11 +6,12 @@
     chatgen config --reference                                                      # key reference (markdown)
 
 A main YAML gets every check `chatgen train` makes before it starts a model, by the same function
-(`checked_run_config`): the imports of the user code it names, chatgen.rlhf.checks.check_run (the algorithm's
-models, batch sizes, every line of the data files, the layout of the ranks: TP against the model's heads, replicas x
-TP against the devices), and, when the run would attach to a Ray cluster (runtime.ray_address or RAY_ADDRESS),
-whether its groups fit on that cluster's nodes (it connects to read them; it starts nothing there).
-Exit status 2 with every problem listed (file, key, fix) when the config is invalid (as every command).
+(`checked_run_config`): the imports of the user code it names, chatgen.rlhf.checks.check_run (the
+algorithm's models, batch sizes, every line of the data files, the layout of the ranks: TP against
+the model's heads, replicas x TP against the devices), and, when the run would attach to a Ray
+cluster (runtime.ray_address or RAY_ADDRESS), whether its groups fit on that cluster's nodes (it
+connects to read them; it starts nothing there). Exit status 2 with every problem listed (file, key,
+fix) when the config is invalid (as every command).
 """
 
 import dataclasses
@@ -46,7 +47,8 @@ def checked_run_config(path, overrides) -> tuple:
 
 
 def sections() -> list:
-    """(title, where, dataclass) of every config section, the shipped algorithms' and backends' included."""
+    """(title, where, dataclass) of every config section, the shipped algorithms' and backends'
+    included."""
     return [
         ("runtime", "main YAML, `runtime:`", RuntimeConfig),
         *[
@@ -101,7 +103,8 @@ def add_arguments(parser) -> None:
 
 
 def key_reference() -> str:
-    """Markdown tables of every section's keys: type, default, meaning (pasted into docs/configuration.md)."""
+    """Markdown tables of every section's keys: type, default, meaning (pasted into
+    docs/configuration.md)."""
     out = []
     for title, where, cls in sections():
         out += [
@@ -139,7 +142,8 @@ def _is_main_yaml(path) -> bool:
 
 
 def print_memory_estimate(cfg) -> None:
-    """The per-GPU memory estimate (chatgen.rlhf.memory) as YAML comments after the config; warnings on stderr."""
+    """The per-GPU memory estimate (chatgen.rlhf.memory) as YAML comments after the config;
+    warnings on stderr."""
     import torch
 
     from chatgen.rlhf.memory import memory_report

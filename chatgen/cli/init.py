@@ -1,4 +1,5 @@
-"""`chatgen init`: start a project of your own from a working recipe (torchtune's `tune ls` / `tune cp`).
+"""`chatgen init`: start a project of your own from a working recipe (torchtune's `tune ls` / `tune
+cp`).
 
     chatgen init --list                               # the recipes, what each does, the command that runs it
     chatgen init my_project                           # = --from grpo_tiny, the README's main job
@@ -6,10 +7,11 @@
     bash my_project/examples/train_grpo_multiturn_tiny.sh     # the command `chatgen init` prints
 
 A recipe is a list of files of this checkout (the main YAML, its per-model YAMLs, the model and data
-preparation, your own code such as a reward or an environment, the launch script), copied into DIR under the
-same relative paths. The launch scripts work from the directory above their own (`cd` there first), so the copy
-runs wherever DIR is, writes its outputs under DIR/outputs, and runs the chatgen on PATH (examples/env.sh).
-Nothing is overwritten: a file that exists in DIR is an error naming it.
+preparation, your own code such as a reward or an environment, the launch script), copied into DIR
+under the same relative paths. The launch scripts work from the directory above their own (`cd`
+there first), so the copy runs wherever DIR is, writes its outputs under DIR/outputs, and runs the
+chatgen on PATH (examples/env.sh). Nothing is overwritten: a file that exists in DIR is an error
+naming it.
 """
 
 import os
@@ -231,8 +233,9 @@ def add_arguments(parser) -> None:
 
 
 def copy_new(source: Path, target: Path) -> None:
-    """Copy `source` to a file made anew at `target` (O_EXCL | O_NOFOLLOW: a link or file planted there
-    since the check is refused, never written through), keeping its mode (the scripts stay executable)."""
+    """Copy `source` to a file made anew at `target` (O_EXCL | O_NOFOLLOW: a link or file planted
+    there since the check is refused, never written through), keeping its mode (the scripts stay
+    executable)."""
     mode = source.stat().st_mode & 0o777
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
     with os.fdopen(fd, "wb") as out:
@@ -240,7 +243,8 @@ def copy_new(source: Path, target: Path) -> None:
 
 
 def recipe_files(name: str) -> list:
-    """Every file of recipe `name`, the launch script first, as paths relative to the project root."""
+    """Every file of recipe `name`, the launch script first, as paths relative to the project
+    root."""
     _, script, files = RECIPES[name]
     return [script, *dict.fromkeys(files)]
 

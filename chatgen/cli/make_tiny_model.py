@@ -1,5 +1,5 @@
-"""`chatgen make-tiny-model`: a tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral HF checkpoint with a locally trained tokenizer
-(chatgen.models.tiny; docs/tiny_models.md).
+"""`chatgen make-tiny-model`: a tiny Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mixtral HF checkpoint with
+a locally trained tokenizer (chatgen.models.tiny; docs/tiny_models.md).
 
     chatgen make-tiny-model --output outputs/tiny-llama
     chatgen make-tiny-model --config configs/models/tiny_qwen3.yaml --output outputs/tiny-qwen3 num_hidden_layers=4

@@ -6,11 +6,11 @@
     chatgen serve --model DIR --lora-modules mine=outputs/run/adapter  # a PEFT adapter as model "mine" beside the base
     chatgen serve --model DIR --enable-auto-tool-choice --tool-call-parser hermes   # replies carry tool_calls
 
-Binds to 127.0.0.1 unless --host says otherwise; with an API key (the CHATGEN_API_KEY environment variable,
---api-key-file, or --api-key, which every user of the machine can read in the process list) every endpoint
-needs `Authorization: Bearer KEY`. --control adds the weight-update endpoints (chatgen/serving/control.py). Trailing
-`key=value` arguments set any per-model key (docs/generation_keys.md).
-Endpoints and fields: docs/serving.md.
+Binds to 127.0.0.1 unless --host says otherwise; with an API key (the CHATGEN_API_KEY environment
+variable, --api-key-file, or --api-key, which every user of the machine can read in the process
+list) every endpoint needs `Authorization: Bearer KEY`. --control adds the weight-update endpoints
+(chatgen/serving/control.py). Trailing `key=value` arguments set any per-model key
+(docs/generation_keys.md). Endpoints and fields: docs/serving.md.
 """
 
 import argparse
@@ -131,8 +131,8 @@ LORA_RANKS = (8, 16, 32, 64, 128)  # vLLM's max_lora_rank choices
 
 
 def lora_modules(items: list, served: str) -> tuple[dict, int]:
-    """({NAME: DIR}, the largest rank) of --lora-modules, each DIR read as a PEFT LoRA adapter; a ValueError or
-    ConfigError naming the flag and the fix otherwise (before any engine starts)."""
+    """({NAME: DIR}, the largest rank) of --lora-modules, each DIR read as a PEFT LoRA adapter; a
+    ValueError or ConfigError naming the flag and the fix otherwise (before any engine starts)."""
     from chatgen.models.lora_format import read_peft
 
     modules, rank = {}, 0
@@ -155,9 +155,9 @@ def lora_modules(items: list, served: str) -> tuple[dict, int]:
 
 
 def fit_max_new_tokens(module, args) -> None:
-    """Without a max_new_tokens of the user's (an override or --config), one that leaves room for a
-    prompt in the model's context: the server bounds each request's own max_tokens by what its prompt
-    leaves (as vLLM's does), so the default (256) need not fit a 256-token model whole."""
+    """Without a max_new_tokens of the user's (an override or --config), one that leaves room for
+    a prompt in the model's context: the server bounds each request's own max_tokens by what its
+    prompt leaves (as vLLM's does), so the default (256) need not fit a 256-token model whole."""
     import dataclasses
 
     from chatgen.config.loader import read_yaml
@@ -172,7 +172,8 @@ def fit_max_new_tokens(module, args) -> None:
 
 
 def lora_overrides(overrides: list, rank: int) -> list:
-    """The engine keys --lora-modules needs, unless the user gave them: enable_lora, max_lora_rank."""
+    """The engine keys --lora-modules needs, unless the user gave them: enable_lora,
+    max_lora_rank."""
     given = {o.partition("=")[0] for o in overrides}
     extra = [] if "enable_lora" in given else ["enable_lora=true"]
     if "max_lora_rank" not in given:

@@ -5,8 +5,10 @@
     chatgen train configs/grpo_tiny.yaml --resume                # continue from the latest checkpoint
     chatgen train configs/grpo_tiny.yaml --resume-from episode_000020   # from an earlier one (e.g. latest damaged)
 
-The whole config is loaded and checked before Ray or any actor starts, by the function `chatgen config` runs
-(chatgen.cli.config.checked_run_config), so a bad YAML fails in seconds with every problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay intact.
+The whole config is loaded and checked before Ray or any actor starts, by the function `chatgen
+config` runs (chatgen.cli.config.checked_run_config), so a bad YAML fails in seconds with every
+problem listed. Ctrl-C or a failing actor stops every actor; checkpoints already written stay
+intact.
 """
 
 import sys

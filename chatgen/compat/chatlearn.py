@@ -1,4 +1,5 @@
-"""ChatLearn's spellings in chatgen: its per-model YAML (the chatlearn config dialect) and its module calls.
+"""ChatLearn's spellings in chatgen: its per-model YAML (the chatlearn config dialect) and its
+module calls.
 
     policy:
       backend: vllm
@@ -10,9 +11,10 @@
             return self._add_request_internal(data["prompt"], data["input_ids"], is_eval)
         ... self.model_args["my_key"] ... self.tokenizer.tokenizer ...
 
-CHATLEARN / CHATGEN are the two `chatgen.config.Dialect`s (`dialect(name)` picks one); `ChatLearnGeneration` is
-the mixin that gives a generation module ChatLearn's calls (`model_args`, `_add_request_internal`, a dataset
-with a `collate_fn`). docs/migrating_from_chatlearn.md is the guide.
+CHATLEARN / CHATGEN are the two `chatgen.config.Dialect`s (`dialect(name)` picks one);
+`ChatLearnGeneration` is the mixin that gives a generation module ChatLearn's calls (`model_args`,
+`_add_request_internal`, a dataset with a `collate_fn`). docs/migrating_from_chatlearn.md is the
+guide.
 """
 
 import copy
@@ -32,15 +34,17 @@ logger = logging.getLogger(__name__)
 
 @functools.cache
 def megatron_lm_keys() -> frozenset:
-    """Megatron-LM's argument names, from megatron_lm_keys.txt (its header says how the list was made)."""
+    """Megatron-LM's argument names, from megatron_lm_keys.txt (its header says how the list was
+    made)."""
     text = Path(__file__).with_name("megatron_lm_keys.txt").read_text(encoding="utf-8")
     return frozenset(
         line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")
     )
 
 
-# ChatLearn's spellings of chatgen keys: ChatLearn key -> (chatgen key, chatgen value of a ChatLearn value; None =
-# sets nothing). Each applies where the schema has the chatgen key and not the ChatLearn one.
+# ChatLearn's spellings of chatgen keys: ChatLearn key -> (chatgen key, chatgen value of a ChatLearn
+# value; None = sets nothing). Each applies where the schema has the chatgen key and not the
+# ChatLearn one.
 CHATLEARN_SPELLINGS = {
     "bf16": ("dtype", lambda on: "bfloat16" if on else None),
     "fp16": ("dtype", lambda on: "float16" if on else None),
@@ -54,13 +58,14 @@ CHATLEARN_SPELLINGS = {
 def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) -> dict:
     """The keys of a ChatLearn-style per-model YAML as chatgen reads them (the chatlearn dialect).
 
-    A key of the schema is read as usual. A ChatLearn spelling of a chatgen key (CHATLEARN_SPELLINGS:
-    `bf16: true` -> `dtype: bfloat16`, a vLLM model's `tensor_model_parallel_size` -> `tensor_parallel_size`)
-    is read as that key unless the file set the chatgen key itself; ChatLearn's `lora:` keys (enable_lora,
-    lora_dim, ...) are read as chatgen's (chatgen/compat/chatlearn_lora.py). Any other Megatron-LM argument
-    (megatron_lm_keys.txt) is ignored. Every remaining key is the user's and goes to `args:`, where an explicit
-    `args:` entry wins; a key one typo away from a chatgen key is an error instead. One log line each lists
-    the ignored keys, the spellings read and the keys sent to `args:`.
+    A key of the schema is read as usual. A ChatLearn spelling of a chatgen key
+    (CHATLEARN_SPELLINGS: `bf16: true` -> `dtype: bfloat16`, a vLLM model's
+    `tensor_model_parallel_size` -> `tensor_parallel_size`) is read as that key unless the file set
+    the chatgen key itself; ChatLearn's `lora:` keys (enable_lora, lora_dim, ...) are read as
+    chatgen's (chatgen/compat/chatlearn_lora.py). Any other Megatron-LM argument
+    (megatron_lm_keys.txt) is ignored. Every remaining key is the user's and goes to `args:`, where
+    an explicit `args:` entry wins; a key one typo away from a chatgen key is an error instead. One
+    log line each lists the ignored keys, the spellings read and the keys sent to `args:`.
     """
     if schema is dict:
         return data  # a python model: every key is the user's already
@@ -137,10 +142,11 @@ def read_chatlearn(data: dict, where: dict, schema, errors: list, label: str) ->
 
 
 def model_args(config) -> dict:
-    """ChatLearn's `model_args` of a per-model config: its typed keys and its `args` keys in one flat dict.
+    """ChatLearn's `model_args` of a per-model config: its typed keys and its `args` keys in one
+    flat dict.
 
-    A new dict (deep copy): changing it leaves the config as it is. A user key that repeats a typed key is an
-    error (the loader refuses it already; this catches a config built in code).
+    A new dict (deep copy): changing it leaves the config as it is. A user key that repeats a typed
+    key is an error (the loader refuses it already; this catches a config built in code).
     """
     if problem := args_problem(config):
         raise ConfigError([f"args: {problem}"])
@@ -159,9 +165,9 @@ _FOREIGN = dict(
 
 
 def read_chatgen(data: dict, where: dict, schema, errors: list, label: str) -> dict:
-    """chatgen's own dialect: the keys as written, checked after this. A file holding Megatron-LM arguments
-    that are no chatgen key (a ChatLearn per-model YAML) gets one first error naming the chatlearn dialect,
-    before the error per key."""
+    """chatgen's own dialect: the keys as written, checked after this. A file holding Megatron-LM
+    arguments that are no chatgen key (a ChatLearn per-model YAML) gets one first error naming
+    the chatlearn dialect, before the error per key."""
     fields = (
         {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else ()
     )
@@ -190,23 +196,25 @@ def dialect(name: str) -> Dialect:
 
 
 class ChatLearnGeneration:
-    """ChatLearn's calls on a generation module (a mixin of VLLMModule): `model_args`, `_add_request_internal`,
-    `self.tokenizer.tokenizer`, and a `build_dataset` that returns a dataset with a `collate_fn` (the batch
-    `_add_request` gets is then collated, as ChatLearn's data loader does)."""
+    """ChatLearn's calls on a generation module (a mixin of VLLMModule): `model_args`,
+    `_add_request_internal`, `self.tokenizer.tokenizer`, and a `build_dataset` that returns a
+    dataset with a `collate_fn` (the batch `_add_request` gets is then collated, as ChatLearn's
+    data loader does)."""
 
     _collate_fns: dict  # is_eval -> the collate_fn of the dataset build_dataset returned
 
     @property
     def model_args(self) -> types.MappingProxyType:
-        """ChatLearn's `model_args`: every key of this model's config, its `args:` (user) keys included, as one
-        flat read-only mapping of the current values (seq_length as resolved by `setup()`). Change a value
-        through `module.config.<key>` (typed keys; sampling keys take effect at the next call)."""
+        """ChatLearn's `model_args`: every key of this model's config, its `args:` (user) keys
+        included, as one flat read-only mapping of the current values (seq_length as resolved by
+        `setup()`). Change a value through `module.config.<key>` (typed keys; sampling keys take
+        effect at the next call)."""
         return types.MappingProxyType(model_args(self.config))
 
     def prepare_dataset(self, prompts, is_eval=False) -> list:
-        """Framework: `build_dataset(prompts, is_eval)` as a list of items. A dataset with a `collate_fn` (a
-        ChatLearn `torch.utils.data.Dataset`) is remembered: `run_generation` then hands `_add_request` the
-        collated batch, as ChatLearn's data loader does."""
+        """Framework: `build_dataset(prompts, is_eval)` as a list of items. A dataset with a
+        `collate_fn` (a ChatLearn `torch.utils.data.Dataset`) is remembered: `run_generation`
+        then hands `_add_request` the collated batch, as ChatLearn's data loader does."""
         dataset = self.build_dataset(prompts, is_eval)
         self._collate_fns = {
             **getattr(self, "_collate_fns", {}),
@@ -215,14 +223,16 @@ class ChatLearnGeneration:
         return [dataset[i] for i in range(len(dataset))]
 
     def collate(self, data, is_eval=False):
-        """The batch `_add_request` gets: `data` collated by the dataset's `collate_fn` when it had one."""
+        """The batch `_add_request` gets: `data` collated by the dataset's `collate_fn` when it
+        had one."""
         collate = getattr(self, "_collate_fns", {}).get(bool(is_eval))
         return collate(list(data)) if collate is not None else data
 
     def _add_request_internal(self, prompt_list, prompt_token_id_list, is_eval=False) -> list:
-        """ChatLearn's call: queue prompts (their texts, or None) with their token ids (lists or 1-D tensors)
-        with the train or eval sampling parameters; returns the request ids. A prompt over the budget
-        seq_length - max_new_tokens is an error naming it (cut prompts in `build_dataset`)."""
+        """ChatLearn's call: queue prompts (their texts, or None) with their token ids (lists or
+        1-D tensors) with the train or eval sampling parameters; returns the request ids. A
+        prompt over the budget seq_length - max_new_tokens is an error naming it (cut prompts in
+        `build_dataset`)."""
         if len(prompt_list) != len(prompt_token_id_list):
             raise ValueError(
                 f"_add_request_internal: {len(prompt_list)} prompts but {len(prompt_token_id_list)} "

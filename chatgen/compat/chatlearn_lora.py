@@ -1,6 +1,7 @@
-"""ChatLearn's `lora:` keys (its LoraConfig: enable_lora, lora_dim, lora_scaling, lora_dropout, lora_layer,
-column_only_qkv, part_module_name) read as chatgen's `lora:` of a trainer model (chatgen/training/config.py), in the
-chatlearn config dialect (chatgen/compat/chatlearn.py calls `read_lora`).
+"""ChatLearn's `lora:` keys (its LoraConfig: enable_lora, lora_dim, lora_scaling, lora_dropout,
+lora_layer, column_only_qkv, part_module_name) read as chatgen's `lora:` of a trainer model
+(chatgen/training/config.py), in the chatlearn config dialect (chatgen/compat/chatlearn.py calls
+`read_lora`).
 
     lora:                                   # ChatLearn                  ->  chatgen
       enable_lora: true                     # false: no LoRA             ->  (no lora section: rank 0)
@@ -10,8 +11,9 @@ chatlearn config dialect (chatgen/compat/chatlearn.py calls `read_lora`).
       lora_layer: ColumnParallelLinear,RowParallelLinear   # classes    ->  target_modules: q/k/v/gate/up, o/down
       column_only_qkv: true                 # the QKV projection only    ->  target_modules: [q_proj, k_proj, v_proj]
 
-What has no chatgen meaning is refused by name: `part_module_name` (chatgen names targets, `lora.target_modules`),
-an embedding class in `lora_layer` (chatgen adapts linear layers only), a key ChatLearn does not have.
+What has no chatgen meaning is refused by name: `part_module_name` (chatgen names targets,
+`lora.target_modules`), an embedding class in `lora_layer` (chatgen adapts linear layers only), a
+key ChatLearn does not have.
 """
 
 from chatgen.config.loader import at

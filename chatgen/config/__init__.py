@@ -1,4 +1,5 @@
-"""chatgen's config system: YAML + `includes:` + `${VAR:default}` + `key=value` overrides, typed by dataclasses.
+"""chatgen's config system: YAML + `includes:` + `${VAR:default}` + `key=value` overrides, typed by
+dataclasses.
 
     from chatgen.config import load_model_config, opt
     cfg = load_model_config("configs/grpo_tiny/policy.yaml", VLLMConfig, ["temperature=0.5"])

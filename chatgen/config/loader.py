@@ -1,13 +1,15 @@
-"""Load a config: YAML files + `includes:` + `${VAR:default}` + command-line `key=value` overrides, merged into
-one tree (chatgen.config.typed then checks it against a dataclass and builds it).
+"""Load a config: YAML files + `includes:` + `${VAR:default}` + command-line `key=value` overrides,
+merged into one tree (chatgen.config.typed then checks it against a dataclass and builds it).
 
-Layers, lowest first: included files (in list order), the including file, command-line overrides. Mappings
-merge key by key; anything else is replaced whole. `${VAR}` is substituted after merging, so only the values
-that survive need their variables. Validation runs against a dataclass (schema.py's `opt` fields) and
-collects every problem into one ConfigError, one line each: `<file>: <dotted.key>: <problem>; <fix>`.
+Layers, lowest first: included files (in list order), the including file, command-line overrides.
+Mappings merge key by key; anything else is replaced whole. `${VAR}` is substituted after merging,
+so only the values that survive need their variables. Validation runs against a dataclass
+(schema.py's `opt` fields) and collects every problem into one ConfigError, one line each: `<file>:
+<dotted.key>: <problem>; <fix>`.
 
-This module knows no schema: the main YAML (runtime + models + algorithm) is assembled with these pieces by
-chatgen.rlhf.config.load_config, a per-model YAML by chatgen.config.typed.load_model_config.
+This module knows no schema: the main YAML (runtime + models + algorithm) is assembled with these
+pieces by chatgen.rlhf.config.load_config, a per-model YAML by
+chatgen.config.typed.load_model_config.
 """
 
 import logging
@@ -34,13 +36,15 @@ class ConfigError(ValueError):
 
 
 def show(path) -> str:
-    """A path (str or os.PathLike) as the user would type it: relative to the current directory when below it."""
+    """A path (str or os.PathLike) as the user would type it: relative to the current directory
+    when below it."""
     path = os.fspath(path)
     rel = os.path.relpath(path)
     return path if rel.startswith("..") else rel
 
 
-# --- provenance: `where` maps a key path (tuple) to (file, shown key prefix) -------------------------------
+# --- provenance: `where` maps a key path (tuple) to (file, shown key prefix)
+# -------------------------------
 
 
 def source_of(where: dict, path: tuple) -> tuple[str, str]:
@@ -49,7 +53,8 @@ def source_of(where: dict, path: tuple) -> tuple[str, str]:
 
 
 def at(where: dict, path: tuple) -> str:
-    """'<file>: <dotted.key>' for error lines; the file is the one that set the key (or its nearest parent)."""
+    """'<file>: <dotted.key>' for error lines; the file is the one that set the key (or its
+    nearest parent)."""
     file, prefix = source_of(where, path)
     return f"{file}: {prefix}{'.'.join(map(str, path))}" if path else file
 
@@ -62,7 +67,8 @@ def key_paths(data: dict, prefix: tuple = ()):
 
 
 def merge(dst: dict, dst_where: dict, src: dict, src_where: dict, prefix: tuple = ()) -> None:
-    """Deep-merge `src` into `dst` in place: `src` wins; mappings merge key by key, other values are replaced."""
+    """Deep-merge `src` into `dst` in place: `src` wins; mappings merge key by key, other values
+    are replaced."""
     for key, value in src.items():
         path = (*prefix, key)
         if isinstance(value, dict) and isinstance(dst.get(key), dict):
@@ -74,13 +80,15 @@ def merge(dst: dict, dst_where: dict, src: dict, src_where: dict, prefix: tuple 
         dst_where.update((p, w) for p, w in src_where.items() if p[: len(path)] == path)
 
 
-# --- reading files ------------------------------------------------------------------------------------------
+# --- reading files
+# ------------------------------------------------------------------------------------------
 
 
 def read_yaml(
     path: str, errors: list, files: list, ref: str | None = None, stack: tuple = ()
 ) -> tuple[dict, dict]:
-    """(data, where) of one YAML file with its `includes:` merged under it (the including file wins)."""
+    """(data, where) of one YAML file with its `includes:` merged under it (the including file
+    wins)."""
     path = os.path.abspath(os.path.expanduser(path))
     shown = show(path)
     empty = {}, {(): (shown, "")}
@@ -153,10 +161,10 @@ _from_env = {}  # the text of each environment variable a config used -> its nam
 
 
 def mask_secrets(data, key: str = ""):
-    """`data` (plain dicts / lists / scalars) fit to show or write: the value of a key named like a
-    secret (SECRET_KEY: api_key, hf_token, *secret*, *password*, ...) is MASK, and the text of an
-    environment variable a config read through ${VAR} is written back as `${VAR}` (so a file written
-    from it reads the same once loaded again, in the same environment)."""
+    """`data` (plain dicts / lists / scalars) fit to show or write: the value of a key named like
+    a secret (SECRET_KEY: api_key, hf_token, *secret*, *password*, ...) is MASK, and the text of
+    an environment variable a config read through ${VAR} is written back as `${VAR}` (so a file
+    written from it reads the same once loaded again, in the same environment)."""
     if isinstance(data, dict):
         return {k: mask_secrets(v, str(k)) for k, v in data.items()}
     if isinstance(data, list):
@@ -177,12 +185,14 @@ def _read_env(name: str):
 
 
 def substitute(value, where: dict, errors: list, path: tuple = ()):
-    """Replace `${VAR}` / `${VAR:default}`, reading a whole value the way ChatLearn's YAML parser does.
+    """Replace `${VAR}` / `${VAR:default}`, reading a whole value the way ChatLearn's YAML parser
+    does.
 
-    A value that is one whole `${...}` gets the YAML type of its text (from the environment, else the
-    default), except that `None` is null as in ChatLearn (`${X:None}`); an unset variable with no default
-    makes it null, with one warning naming the variable and the key. Inside a longer string the result stays
-    a string, and there an unset variable with no default is an error (null cannot be part of a string).
+    A value that is one whole `${...}` gets the YAML type of its text (from the environment, else
+    the default), except that `None` is null as in ChatLearn (`${X:None}`); an unset variable with
+    no default makes it null, with one warning naming the variable and the key. Inside a longer
+    string the result stays a string, and there an unset variable with no default is an error (null
+    cannot be part of a string).
     """
     if isinstance(value, dict):
         return {k: substitute(v, where, errors, (*path, k)) for k, v in value.items()}
@@ -228,7 +238,8 @@ def substitute(value, where: dict, errors: list, path: tuple = ()):
 
 
 def parse_overrides(items: list[str]) -> dict:
-    """`["a.b=1", "x=[1,2]"]` -> `{"a": {"b": 1}, "x": [1, 2]}`; values are typed as YAML reads them."""
+    """`["a.b=1", "x=[1,2]"]` -> `{"a": {"b": 1}, "x": [1, 2]}`; values are typed as YAML reads
+    them."""
     errors = []
     out = parse_override_tree(items, errors)
     if errors:
@@ -256,9 +267,10 @@ def parse_override_tree(items, errors: list) -> dict:
 
 
 def _override_value(raw: str):
-    """A command-line value typed as YAML reads it (3 -> int, true -> bool, [1, 2] -> list), except where YAML
-    would silently change the text: `Question: ;</s>` (a mapping), `#dir` (a comment, i.e. null) or a YAML
-    syntax error stay the string as typed. Write `{a: 1}` for a mapping and `null` for null."""
+    """A command-line value typed as YAML reads it (3 -> int, true -> bool, [1, 2] -> list),
+    except where YAML would silently change the text: `Question: ;</s>` (a mapping), `#dir` (a
+    comment, i.e. null) or a YAML syntax error stay the string as typed. Write `{a: 1}` for a
+    mapping and `null` for null."""
     text = raw.strip()
     try:
         value = parse_yaml(raw)

@@ -7,9 +7,10 @@ import re
 
 import yaml
 
-# A config is a few kB. The bounds stop what a hostile or broken file could do to a loader that trusts it: a
-# "billion laughs" file (aliases of aliases: a few hundred bytes that expand to 10^9 values) used to run the
-# process out of memory (MemoryError) once anything walked the data, and a huge file takes PyYAML minutes.
+# A config is a few kB. The bounds stop what a hostile or broken file could do to a loader that
+# trusts it: a "billion laughs" file (aliases of aliases: a few hundred bytes that expand to 10^9
+# values) used to run the process out of memory (MemoryError) once anything walked the data, and a
+# huge file takes PyYAML minutes.
 MAX_YAML_CHARS = 1 << 20
 MAX_YAML_VALUES = (
     100_000  # scalars, lists and mappings of one document, every alias counted as what it repeats
@@ -17,12 +18,13 @@ MAX_YAML_VALUES = (
 
 
 class YAMLTooLarge(yaml.YAMLError):
-    """A YAML text over MAX_YAML_CHARS, or a document over MAX_YAML_VALUES values once its aliases are expanded."""
+    """A YAML text over MAX_YAML_CHARS, or a document over MAX_YAML_VALUES values once its
+    aliases are expanded."""
 
 
 def _expanded_values(node, memo: dict) -> int:
-    """Values in the document under `node` with every alias (a repeat of an anchored node) counted in full; a
-    node that contains itself (`&a [*a]`) is refused."""
+    """Values in the document under `node` with every alias (a repeat of an anchored node)
+    counted in full; a node that contains itself (`&a [*a]`) is refused."""
     key = id(node)
     if key in memo:
         if memo[key] is None:
@@ -46,10 +48,11 @@ def _expanded_values(node, memo: dict) -> int:
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain strings, refuses
-    a key given twice in one mapping (PyYAML would keep the last value without a word; merge keys
-    `<<` are YAML's own overrides and pass), and refuses a document
-    whose aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is built)."""
+    """SafeLoader that reads `1e-5` as a float (YAML 1.1 wants `1.0e-5`) and dates as plain
+    strings, refuses a key given twice in one mapping (PyYAML would keep the last value without a
+    word; merge keys `<<` are YAML's own overrides and pass), and refuses a document whose
+    aliases expand it past MAX_YAML_VALUES values (checked on the node graph, before any value is
+    built)."""
 
     def compose_document(self):
         node = super().compose_document()
@@ -93,7 +96,8 @@ ConfigLoader.add_implicit_resolver(
 
 
 def parse_yaml(text):
-    """The YAML value of a string or a text file, within the bounds above (YAMLTooLarge otherwise)."""
+    """The YAML value of a string or a text file, within the bounds above (YAMLTooLarge
+    otherwise)."""
     if not isinstance(text, str):
         text = text.read(MAX_YAML_CHARS + 1)
     if len(text) > MAX_YAML_CHARS:

@@ -1,6 +1,6 @@
-"""Typed configs: a merged YAML tree checked against a dataclass schema and built into it (`build`: every
-problem collected, with the file and key it came from and a fix), and `load_model_config`, one per-model YAML
-(read, merged and substituted by chatgen.config.loader) as its dataclass.
+"""Typed configs: a merged YAML tree checked against a dataclass schema and built into it (`build`:
+every problem collected, with the file and key it came from and a fix), and `load_model_config`, one
+per-model YAML (read, merged and substituted by chatgen.config.loader) as its dataclass.
 
     vllm_cfg = load_model_config("configs/grpo_tiny/policy.yaml", VLLMConfig, ["temperature=0"])
 
@@ -31,7 +31,8 @@ from chatgen.config.loader import (
 )
 from chatgen.config.safe_yaml import parse_yaml
 
-# --- validation against the dataclasses ---------------------------------------------------------------------
+# --- validation against the dataclasses
+# ---------------------------------------------------------------------
 
 
 def did_you_mean(word, choices, cutoff=0.6) -> str | None:
@@ -53,10 +54,10 @@ def closest(word, choices, what="keys") -> str:
 class Dialect:
     """How a per-model YAML's keys are read (chatgen.compat has chatgen's own and ChatLearn's).
 
-    read(data, where, schema, errors, label) -> data: rewrites the keys before validation (None: as written).
-    foreign_keys() -> the keys of another system (e.g. Megatron-LM's arguments) that a file written for it
-    holds: an unknown one is reported as `foreign_name` instead of with a near-miss guess, and the file's line
-    of valid keys ends with `foreign_fix`.
+    read(data, where, schema, errors, label) -> data: rewrites the keys before validation (None: as
+    written). foreign_keys() -> the keys of another system (e.g. Megatron-LM's arguments) that a
+    file written for it holds: an unknown one is reported as `foreign_name` instead of with a
+    near-miss guess, and the file's line of valid keys ends with `foreign_fix`.
     """
 
     name: str
@@ -67,7 +68,8 @@ class Dialect:
 
 
 def _valid_keys(file: str, path: tuple, fields, unknown: list, dialect) -> str:
-    """The one line per file that follows its unknown keys: the section's valid keys, and where others go."""
+    """The one line per file that follows its unknown keys: the section's valid keys, and where
+    others go."""
     section = f" of {'.'.join(map(str, path))}" if path else ""
     line = f"{file}: valid keys{section}: {', '.join(sorted(fields))}"
     if "args" in fields:
@@ -92,7 +94,8 @@ def type_name(tp) -> str:
 
 
 def _convert(value, tp) -> tuple[bool, Any]:
-    """(ok, value) for `value` read from YAML against annotation `tp`; ints pass as floats, bools never as ints."""
+    """(ok, value) for `value` read from YAML against annotation `tp`; ints pass as floats, bools
+    never as ints."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if tp is Any:
         return True, value
@@ -149,8 +152,9 @@ def build(
     extra_check=None,
     dialect: Dialect | None = None,
 ):
-    """An instance of dataclass `cls` from mapping `data` (None if it has errors); `dict` = any mapping. Each
-    problem is appended to `errors`; `extra_check(obj)` yields more (key, problem) pairs."""
+    """An instance of dataclass `cls` from mapping `data` (None if it has errors); `dict` = any
+    mapping. Each problem is appended to `errors`; `extra_check(obj)` yields more (key, problem)
+    pairs."""
     if not isinstance(data, dict):
         errors.append(
             f"{at(where, path)}: expected a mapping of `key: value`, got {type(data).__name__} "
@@ -208,8 +212,8 @@ def build(
     if any(name not in kwargs for name in required):
         return None
     # Run the range checks even when other keys were wrong, so that one load reports every problem.
-    # The object is returned only when every key was read; failing range checks alone still return it, so the
-    # checks that look across sections (colocation, batch sizes) also run.
+    # The object is returned only when every key was read; failing range checks alone still return
+    # it, so the checks that look across sections (colocation, batch sizes) also run.
     complete = len(errors) == before
     obj = cls(**kwargs)
     problems = [*getattr(obj, "check", tuple)(), *(extra_check(obj) if extra_check else ())]
@@ -219,7 +223,8 @@ def build(
     return obj if complete else None
 
 
-# --- public entry points ------------------------------------------------------------------------------------
+# --- public entry points
+# ------------------------------------------------------------------------------------
 
 
 def load_model_config(
@@ -229,15 +234,16 @@ def load_model_config(
     extra_check=None,
     dialect: Dialect | None = None,
 ):
-    """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema` (a
-    dataclass, or `dict` for a free mapping).
+    """One per-model YAML (flat keys; includes, ${VAR}) plus flat `key=value` overrides, as `schema`
+    (a dataclass, or `dict` for a free mapping).
 
-    `path=None` starts from the schema's defaults. `overrides` may also be a dict of typed values (keys set
-    from code, e.g. `load_model_config(None, VLLMConfig, {"load": d, "n": 4})`), checked the same way.
-    `extra_check(obj)` yields (key, problem) pairs for checks that need more than the config (e.g. the
-    platform it runs on); they are reported with every other problem. `dialect` (chatgen.compat.dialect(name))
-    says how the file's keys are read, e.g. ChatLearn's (Megatron-LM keys ignored, unknown keys -> `args:`;
-    docs/migrating_from_chatlearn.md). Raises ConfigError listing every problem.
+    `path=None` starts from the schema's defaults. `overrides` may also be a dict of typed values
+    (keys set from code, e.g. `load_model_config(None, VLLMConfig, {"load": d, "n": 4})`), checked
+    the same way. `extra_check(obj)` yields (key, problem) pairs for checks that need more than the
+    config (e.g. the platform it runs on); they are reported with every other problem. `dialect`
+    (chatgen.compat.dialect(name)) says how the file's keys are read, e.g. ChatLearn's (Megatron-LM
+    keys ignored, unknown keys -> `args:`; docs/migrating_from_chatlearn.md). Raises ConfigError
+    listing every problem.
     """
     errors, files = [], []
     source = "overrides" if isinstance(overrides, dict) else CLI

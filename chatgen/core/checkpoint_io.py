@@ -1,5 +1,5 @@
-"""Checkpoint file I/O shared by the trainer, the RLHF runs, `chatgen convert` and the model makers, and the
-one way chatgen writes anything that must never be seen half-written.
+"""Checkpoint file I/O shared by the trainer, the RLHF runs, `chatgen convert` and the model makers,
+and the one way chatgen writes anything that must never be seen half-written.
 
     from chatgen.core.checkpoint_io import atomic_directory, atomic_file, read_hf_safetensors, read_megatron_shard
     hf = read_hf_safetensors("outputs/tiny-llama", tie_word_embeddings=False)   # {HF name: tensor}
@@ -9,11 +9,12 @@ one way chatgen writes anything that must never be seen half-written.
     with atomic_file("outputs/run/metrics.png") as tmp:                         # a file, the same way
         fig.savefig(tmp)
 
-Atomic writes: everything is written under a hidden staging name beside the target (`.NAME.tmp`) and renamed
-into place with os.replace once complete, so a crash at any point leaves the previous version (or nothing)
-under the final name. Processes that write one directory together (the ranks of a trainer, the actors of
-a run) use `begin_directory` / `commit_directory`, the two halves of `atomic_directory`.
-Weights are read with safetensors only (never pickle). Imports neither Megatron nor vLLM.
+Atomic writes: everything is written under a hidden staging name beside the target (`.NAME.tmp`) and
+renamed into place with os.replace once complete, so a crash at any point leaves the previous
+version (or nothing) under the final name. Processes that write one directory together (the ranks of
+a trainer, the actors of a run) use `begin_directory` / `commit_directory`, the two halves of
+`atomic_directory`. Weights are read with safetensors only (never pickle). Imports neither Megatron
+nor vLLM.
 """
 
 import contextlib
@@ -25,8 +26,8 @@ from pathlib import Path
 from safetensors import safe_open
 
 MEGATRON_META = "chatgen_megatron.json"  # HF config, TP, PP, padded vocab, iteration of a chatgen Megatron checkpoint
-# Tokenizer and generation files an HF directory carries beside the weights (copied by whatever derives a new
-# HF directory from an old one: convert, the SFT warm start, a trainer's checkpoint).
+# Tokenizer and generation files an HF directory carries beside the weights (copied by whatever
+# derives a new HF directory from an old one: convert, the SFT warm start, a trainer's checkpoint).
 HF_SIDE_FILES = (
     "tokenizer.model",
     "tokenizer.json",
@@ -53,11 +54,13 @@ def write_megatron_meta(
     dp: int = 1,
     ep: int = 1,
 ) -> None:
-    """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen convert` read).
-    distributed: the weights are megatron-core's distributed checkpoint in the same directory (what the trainer
-    saves, loadable at any TP x PP x DP: chatgen/training/dist_checkpoint.py), not model_tp*_pp*.safetensors
-    (what `chatgen convert --to megatron` writes); `optimizer`: it holds the optimizer state too, which a load
-    then requires; tp, pp, dp, ep: the layout it was saved at (the weights hold every expert whatever the EP)."""
+    """The chatgen_megatron.json of a chatgen Megatron checkpoint (what `load` and `chatgen
+    convert` read). distributed: the weights are megatron-core's distributed checkpoint in the
+    same directory (what the trainer saves, loadable at any TP x PP x DP:
+    chatgen/training/dist_checkpoint.py), not model_tp*_pp*.safetensors (what `chatgen convert
+    --to megatron` writes); `optimizer`: it holds the optimizer state too, which a load then
+    requires; tp, pp, dp, ep: the layout it was saved at (the weights hold every expert whatever
+    the EP)."""
     (Path(directory) / MEGATRON_META).write_text(
         json.dumps(
             dict(
@@ -77,14 +80,15 @@ def write_megatron_meta(
 
 
 def read_megatron_meta(directory) -> dict | None:
-    """The chatgen_megatron.json of `directory`, or None when it is not a chatgen Megatron checkpoint."""
+    """The chatgen_megatron.json of `directory`, or None when it is not a chatgen Megatron
+    checkpoint."""
     path = Path(directory) / MEGATRON_META
     return json.loads(path.read_text()) if path.exists() else None
 
 
 def read_hf_config(path, what: str = "load") -> dict:
-    """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint; a
-    FileNotFoundError naming `what` (the key or flag that gave the path) when it is neither."""
+    """config.json of an HF directory, or the HF config stored in a chatgen Megatron checkpoint;
+    a FileNotFoundError naming `what` (the key or flag that gave the path) when it is neither."""
     path = Path(path)
     meta = read_megatron_meta(path)
     if meta is not None:
@@ -105,7 +109,8 @@ def copy_hf_side_files(src, dst) -> None:
 
 
 def megatron_shard_file(path, t: int, p: int) -> Path:
-    """The weights of tensor-parallel rank t, pipeline stage p in a chatgen Megatron checkpoint directory."""
+    """The weights of tensor-parallel rank t, pipeline stage p in a chatgen Megatron checkpoint
+    directory."""
     return Path(path) / f"model_tp{t}_pp{p}.safetensors"
 
 
@@ -115,7 +120,8 @@ def read_megatron_shard(path, t: int, p: int) -> dict:
 
 
 def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
-    """All tensors of the *.safetensors files in HF directory `path` (only those in `names` when given).
+    """All tensors of the *.safetensors files in HF directory `path` (only those in `names` when
+    given).
 
     With tied embeddings a checkpoint may store the matrix only as lm_head.weight; it then also serves as
     model.embed_tokens.weight.
@@ -141,15 +147,15 @@ def read_hf_safetensors(path, tie_word_embeddings: bool, names=None) -> dict:
 
 
 def staging_path(path) -> Path:
-    """Where the directory `path` is written before `commit_directory` moves it into place (the same name in every
-    process, so the ranks of a job find it)."""
+    """Where the directory `path` is written before `commit_directory` moves it into place (the
+    same name in every process, so the ranks of a job find it)."""
     path = Path(path)
     return path.with_name(f".{path.name}.tmp")
 
 
 def begin_directory(path) -> Path:
-    """Create (fresh) the staging directory for `path` and return it; its parent is created. The name is
-    derived from `path`, so every process writing into it finds the same one."""
+    """Create (fresh) the staging directory for `path` and return it; its parent is created. The
+    name is derived from `path`, so every process writing into it finds the same one."""
     path = Path(path)
     tmp = staging_path(path)
     if tmp.exists():  # left over from a crash while writing
@@ -160,8 +166,9 @@ def begin_directory(path) -> Path:
 
 
 def commit_directory(path) -> Path:
-    """Move the complete staging directory of `path` into place, replacing an existing `path` (the old one
-    is renamed away first and removed last, so `path` is never missing a file it had)."""
+    """Move the complete staging directory of `path` into place, replacing an existing `path`
+    (the old one is renamed away first and removed last, so `path` is never missing a file it
+    had)."""
     path = Path(path)
     old = path.with_name(f".{path.name}.old")
     if old.exists():
@@ -175,8 +182,9 @@ def commit_directory(path) -> Path:
 
 @contextlib.contextmanager
 def atomic_directory(path, replace: bool = False):
-    """Yield a fresh staging directory, moved to `path` when the block succeeds and removed when it fails,
-    so `path` is either complete or as it was. An existing `path` is an error unless `replace`."""
+    """Yield a fresh staging directory, moved to `path` when the block succeeds and removed when
+    it fails, so `path` is either complete or as it was. An existing `path` is an error unless
+    `replace`."""
     path = Path(path)
     if path.exists() and not replace:
         raise FileExistsError(f"{path} exists; remove it or choose another path")
@@ -190,9 +198,9 @@ def atomic_directory(path, replace: bool = False):
 
 
 def write_private_text(path, text: str) -> None:
-    """Write `text` to `path` readable by this user only (0600), atomically (a staging file created
-    anew beside it, then os.replace). A symbolic link at `path` is refused, not followed: whoever
-    planted it would have the write land on its target."""
+    """Write `text` to `path` readable by this user only (0600), atomically (a staging file
+    created anew beside it, then os.replace). A symbolic link at `path` is refused, not followed:
+    whoever planted it would have the write land on its target."""
     path = Path(path)
     if path.is_symlink():
         raise OSError(
@@ -214,8 +222,8 @@ def write_private_text(path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path):
-    """Yield a staging path for one file beside `path`; it replaces `path` (fsynced) when the block succeeds
-    and is removed when it fails."""
+    """Yield a staging path for one file beside `path`; it replaces `path` (fsynced) when the
+    block succeeds and is removed when it fails."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     # keeps the suffix: writers pick formats by it
@@ -231,8 +239,9 @@ def atomic_file(path):
 
 
 def hf_weight_shapes(path) -> dict:
-    """{HF name: shape} of every tensor of the *.safetensors files of HF directory `path`, from their headers
-    (nothing is read): what a model of a family chatgen/models does not map takes in a weight sync."""
+    """{HF name: shape} of every tensor of the *.safetensors files of HF directory `path`, from
+    their headers (nothing is read): what a model of a family chatgen/models does not map takes
+    in a weight sync."""
     shapes = {}
     for file in sorted(Path(path).glob("*.safetensors")):
         with safe_open(str(file), "pt") as f:

@@ -1,14 +1,16 @@
-"""torch.distributed.checkpoint files (megatron-core's `torch_dist` format) read safely, in one process.
+"""torch.distributed.checkpoint files (megatron-core's `torch_dist` format) read safely, in one
+process.
 
     tensors = read_full_tensors(directory)      # {key: whole tensor}, no torch.distributed, no Megatron import
     read_safely()                               # from here on torch's checkpoint reader unpickles nothing freely
 
-The index file that torch.distributed.checkpoint writes (`.metadata`) is a pickle: it is read with an unpickler
-that builds only torch's checkpoint-metadata classes and the plain types they hold, so a tampered checkpoint
-cannot run code when it is loaded. The non-tensor values it stores as bytes (optimizer hyper-parameters, modules'
-extra state) are read with `torch.load(weights_only=True)` (torch's reader uses weights_only=False there). Writing
-and resharded loading of a trainer's checkpoint are chatgen.training.dist_checkpoint's; this is the ground-floor
-part that an engine starting from a checkpoint, and `chatgen convert`, need too.
+The index file that torch.distributed.checkpoint writes (`.metadata`) is a pickle: it is read with
+an unpickler that builds only torch's checkpoint-metadata classes and the plain types they hold, so
+a tampered checkpoint cannot run code when it is loaded. The non-tensor values it stores as bytes
+(optimizer hyper-parameters, modules' extra state) are read with `torch.load(weights_only=True)`
+(torch's reader uses weights_only=False there). Writing and resharded loading of a trainer's
+checkpoint are chatgen.training.dist_checkpoint's; this is the ground-floor part that an engine
+starting from a checkpoint, and `chatgen convert`, need too.
 """
 
 import io
@@ -24,10 +26,10 @@ METADATA_FILE = (
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds torch.distributed.checkpoint's metadata classes and plain values only (see the module docstring): a
-    class of the modules that define that metadata (a dataclass or an enum: building one runs no other code),
-    torch's dtypes, layouts and memory formats, and a few plain types. Never a function, which a pickle could call
-    with arguments of its choosing."""
+    """Builds torch.distributed.checkpoint's metadata classes and plain values only (see the
+    module docstring): a class of the modules that define that metadata (a dataclass or an enum:
+    building one runs no other code), torch's dtypes, layouts and memory formats, and a few plain
+    types. Never a function, which a pickle could call with arguments of its choosing."""
 
     _MODULES = {
         "torch.distributed.checkpoint.metadata",
@@ -65,7 +67,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 class _SafePickle:
-    """The `pickle` that torch.distributed.checkpoint's file reader sees: loads through `_MetadataUnpickler`."""
+    """The `pickle` that torch.distributed.checkpoint's file reader sees: loads through
+    `_MetadataUnpickler`."""
 
     def __getattr__(self, name):
         return getattr(pickle, name)
@@ -80,7 +83,8 @@ class _SafePickle:
 
 
 class _TorchLoadsWeightsOnly:
-    """The `torch` that torch.distributed.checkpoint's load planner sees: `load` with weights_only=True."""
+    """The `torch` that torch.distributed.checkpoint's load planner sees: `load` with
+    weights_only=True."""
 
     def __getattr__(self, name):
         return getattr(torch, name)
@@ -91,7 +95,8 @@ class _TorchLoadsWeightsOnly:
 
 
 def read_safely() -> None:
-    """From here on torch.distributed.checkpoint's reader unpickles nothing freely (see the module docstring)."""
+    """From here on torch.distributed.checkpoint's reader unpickles nothing freely (see the
+    module docstring)."""
     from torch.distributed.checkpoint import default_planner, filesystem
 
     filesystem.pickle = _SafePickle()
@@ -103,8 +108,9 @@ def is_dist_checkpoint(directory) -> bool:
 
 
 def read_full_tensors(directory, skip: tuple = ()) -> dict:
-    """{key: whole tensor} of every tensor in the checkpoint whose key does not start with one of `skip`, in this
-    process alone (no torch.distributed, no Megatron import): what `chatgen convert` reads."""
+    """{key: whole tensor} of every tensor in the checkpoint whose key does not start with one of
+    `skip`, in this process alone (no torch.distributed, no Megatron import): what `chatgen
+    convert` reads."""
     from torch.distributed import checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 

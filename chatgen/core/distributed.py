@@ -1,10 +1,11 @@
 """torch.distributed rendezvous that stays on this machine unless told otherwise.
 
-torch's `TCPStore` server listens on every network interface, whatever host name it is given, so a plain
-`init_process_group(init_method="tcp://127.0.0.1:PORT")` opens PORT to the whole network. chatgen binds the
-listening socket itself to the address the host names and hands it to the store (`master_listen_fd`): a
-loopback host keeps the rendezvous on this machine, a node's address (a multi-node Ray cluster, `chatgen serve
---host`) on that interface only. Only a wildcard host ("0.0.0.0", "::") listens everywhere.
+torch's `TCPStore` server listens on every network interface, whatever host name it is given, so a
+plain `init_process_group(init_method="tcp://127.0.0.1:PORT")` opens PORT to the whole network.
+chatgen binds the listening socket itself to the address the host names and hands it to the store
+(`master_listen_fd`): a loopback host keeps the rendezvous on this machine, a node's address (a
+multi-node Ray cluster, `chatgen serve --host`) on that interface only. Only a wildcard host
+("0.0.0.0", "::") listens everywhere.
 
     store = tcp_store("127.0.0.1", port, world_size=2, is_server=True)
     init_process_group("gloo", rank, world_size, "127.0.0.1", port)
@@ -27,9 +28,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def tcp_store(host: str, port: int, world_size: int, is_server: bool, timeout=DEFAULT_TIMEOUT):
-    """A `TCPStore`; as the server it listens on the address `host` names only (loopback for a loopback host).
-    Port 0 (server on a named host only): a port the OS picks as the store binds it, so no other process can take
-    it between a `free_port()` and the bind (that race failed one-rank trainers while a test suite ran)."""
+    """A `TCPStore`; as the server it listens on the address `host` names only (loopback for a
+    loopback host). Port 0 (server on a named host only): a port the OS picks as the store binds
+    it, so no other process can take it between a `free_port()` and the bind (that race failed
+    one-rank trainers while a test suite ran)."""
     listen_fd = None
     if is_server and host not in ("0.0.0.0", "::", ""):
         family, _, _, _, address = socket.getaddrinfo(
@@ -61,10 +63,10 @@ def init_process_group(
 
 
 def join_world() -> None:
-    """Join torch.distributed unless joined: NCCL on GPU (this process's LOCAL_RANK device), gloo on
-    CPU. Launched ranks (`torchrun`, chatgen.training.launcher, Ray actors) give RANK / WORLD_SIZE /
-    MASTER_ADDR / MASTER_PORT; a lone process gets a private one-rank world on a port picked as it is
-    bound. Every trainer backend starts here."""
+    """Join torch.distributed unless joined: NCCL on GPU (this process's LOCAL_RANK device), gloo
+    on CPU. Launched ranks (`torchrun`, chatgen.training.launcher, Ray actors) give RANK /
+    WORLD_SIZE / MASTER_ADDR / MASTER_PORT; a lone process gets a private one-rank world on a
+    port picked as it is bound. Every trainer backend starts here."""
     import os
 
     import torch

@@ -1,9 +1,11 @@
-"""One JSON POST to a peer chatgen does not control (a remote reward service), bounded in time and size.
+"""One JSON POST to a peer chatgen does not control (a remote reward service), bounded in time and
+size.
 
     body = post_json("http://127.0.0.1:8000/score", b'{"completions": []}', timeout=30.0)
 
-The timeout bounds the whole request, start to the body's last byte, against a monotonic clock: a socket
-timeout alone bounds each read, so a peer that sends a byte every few seconds would hold the caller forever.
+The timeout bounds the whole request, start to the body's last byte, against a monotonic clock: a
+socket timeout alone bounds each read, so a peer that sends a byte every few seconds would hold the
+caller forever.
 """
 
 import http.client
@@ -26,11 +28,12 @@ class HTTPStatusError(OSError):
 
 
 def post_json(url: str, data: bytes, timeout: float, follow_redirects: bool = False) -> bytes:
-    """POST `data` (JSON) to `url` and return the answer's body, all of it within `timeout` seconds of
-    wall-clock time (a monotonic deadline; a timer shuts the socket at it, so an answer trickling a byte
-    at a time ends there too: TimeoutError). The body is read up to MAX_ANSWER_BYTES (ValueError past
-    it); a 3xx is an error naming its target unless `follow_redirects` (then up to 5 http(s) hops under
-    the same deadline); a 4xx / 5xx is HTTPStatusError."""
+    """POST `data` (JSON) to `url` and return the answer's body, all of it within `timeout`
+    seconds of wall-clock time (a monotonic deadline; a timer shuts the socket at it, so an
+    answer trickling a byte at a time ends there too: TimeoutError). The body is read up to
+    MAX_ANSWER_BYTES (ValueError past it); a 3xx is an error naming its target unless
+    `follow_redirects` (then up to 5 http(s) hops under the same deadline); a 4xx / 5xx is
+    HTTPStatusError."""
     deadline = time.monotonic() + timeout
     for _ in range(6):
         parts = urllib.parse.urlsplit(url)

@@ -1,12 +1,14 @@
-"""Classes, functions and modules named in configs ('package.module:ClassName', 'file.py:function', a plugin's
-name), imported with an error that says what to fix; `require`: an optional dependency (vLLM, Ray, the
-server's stack) checked where a part needs it, with an error naming the setup.py extra that installs it.
+"""Classes, functions and modules named in configs ('package.module:ClassName', 'file.py:function',
+a plugin's name), imported with an error that says what to fix; `require`: an optional dependency
+(vLLM, Ray, the server's stack) checked where a part needs it, with an error naming the setup.py
+extra that installs it.
 
-User code imports from the **project directory** (`project_dir`: the directory above the main YAML's `configs/`
-folder, where `chatgen init DIR` puts them, else the main YAML's own directory) and then the current directory.
-`add_project_dir` puts a directory at the front of this process's import path and records it in the variable
-CHATGEN_PROJECT_DIRS, which the run's workers inherit (Ray actors on any node: chatgen.rlhf.runtime.worker_env
-forwards it and puts the directories on their PYTHONPATH), so they search the same directories.
+User code imports from the **project directory** (`project_dir`: the directory above the main YAML's
+`configs/` folder, where `chatgen init DIR` puts them, else the main YAML's own directory) and then
+the current directory. `add_project_dir` puts a directory at the front of this process's import path
+and records it in the variable CHATGEN_PROJECT_DIRS, which the run's workers inherit (Ray actors on
+any node: chatgen.rlhf.runtime.worker_env forwards it and puts the directories on their PYTHONPATH),
+so they search the same directories.
 """
 
 import difflib
@@ -21,14 +23,15 @@ PROJECT_DIRS_VAR = "CHATGEN_PROJECT_DIRS"  # os.pathsep-separated, first = searc
 
 
 def project_dir(main_yaml) -> str:
-    """The project directory of a main YAML: DIR for DIR/configs/<main>.yaml (the layout `chatgen init` makes),
-    else the YAML's own directory. Absolute."""
+    """The project directory of a main YAML: DIR for DIR/configs/<main>.yaml (the layout `chatgen
+    init` makes), else the YAML's own directory. Absolute."""
     here = Path(os.path.abspath(os.fspath(main_yaml))).parent
     return str(here.parent if here.name == "configs" else here)
 
 
 def add_project_dir(directory) -> None:
-    """Put `directory` first on this process's import path (once) and record it for the run's workers."""
+    """Put `directory` first on this process's import path (once) and record it for the run's
+    workers."""
     directory = os.path.abspath(os.fspath(directory))
     dirs = project_dirs()
     if dirs[:1] == [directory] and directory in sys.path:
@@ -40,23 +43,27 @@ def add_project_dir(directory) -> None:
 
 
 def project_dirs() -> list[str]:
-    """The project directories added in this process or its parent (CHATGEN_PROJECT_DIRS), first first."""
+    """The project directories added in this process or its parent (CHATGEN_PROJECT_DIRS), first
+    first."""
     return [d for d in os.environ.get(PROJECT_DIRS_VAR, "").split(os.pathsep) if d]
 
 
 def search_dirs() -> list[str]:
-    """Where user code is looked for, in order: the project directories, then the current directory."""
+    """Where user code is looked for, in order: the project directories, then the current
+    directory."""
     return list(dict.fromkeys([*project_dirs(), os.getcwd()]))
 
 
 def import_object(path: str, what: str = "object"):
-    """'package.module:name' or 'path/to/file.py:name' (relative to the search_dirs, or absolute) -> the object.
+    """'package.module:name' or 'path/to/file.py:name' (relative to the search_dirs, or absolute)
+    -> the object.
 
-    A file is imported under the dotted name of its path below the search directory it is found in (so that
-    it is the module a plain `import` of it would give, and its own imports of sibling modules work). A
-    ValueError names the path, the file looked for and the directories searched; the user module's own import
-    errors (a SyntaxError, a missing package) come as a ValueError naming the module and the error (the original
-    chained), not disguised as a missing file."""
+    A file is imported under the dotted name of its path below the search directory it is found
+    in (so that it is the module a plain `import` of it would give, and its own imports of
+    sibling modules work). A ValueError names the path, the file looked for and the directories
+    searched; the user module's own import errors (a SyntaxError, a missing package) come as a
+    ValueError naming the module and the error (the original chained), not disguised as a missing
+    file."""
     module, _, name = str(path).partition(":")
     if not name or not module:
         raise ValueError(f"{path!r}: write a {what} as 'package.module:name' or 'file.py:name'")
@@ -139,8 +146,9 @@ def getattr_or_fail(module, name: str, path: str):
 
 
 class MissingPackage(ImportError, ValueError):
-    """An optional dependency of the part being used is not installed; the message names the extra to install.
-    Also a ValueError: like a bad config value, the CLI prints it without a traceback (chatgen.cli.main)."""
+    """An optional dependency of the part being used is not installed; the message names the
+    extra to install. Also a ValueError: like a bad config value, the CLI prints it without a
+    traceback (chatgen.cli.main)."""
 
 
 # which of setup.py's extras installs each optional top-level package (keep the two in step)
@@ -159,9 +167,9 @@ EXTRAS = {
 
 
 def require(package: str, what: str) -> None:
-    """Raise MissingPackage unless `package` (a top-level module in EXTRAS) can be imported; `what` names the part
-    that needs it (a backend, a command). Checked before the import, so the user reads what to install instead of
-    a ModuleNotFoundError from deep inside chatgen."""
+    """Raise MissingPackage unless `package` (a top-level module in EXTRAS) can be imported;
+    `what` names the part that needs it (a backend, a command). Checked before the import, so the
+    user reads what to install instead of a ModuleNotFoundError from deep inside chatgen."""
     if importlib.util.find_spec(package) is None:
         extra = EXTRAS[package]
         raise MissingPackage(
@@ -173,14 +181,14 @@ def require(package: str, what: str) -> None:
 
 
 def import_class(path: str):
-    """'package.module:ClassName' (or 'file.py:ClassName') -> the class; a ValueError names the path, the file
-    looked for and the directories searched (import_object)."""
+    """'package.module:ClassName' (or 'file.py:ClassName') -> the class; a ValueError names the
+    path, the file looked for and the directories searched (import_object)."""
     return import_object(path, "class")
 
 
 def plugins(package, packages_only: bool = False) -> list[str]:
-    """Names of the modules of `package` (a module object; only its subpackages with packages_only): the plugins
-    chatgen ships."""
+    """Names of the modules of `package` (a module object; only its subpackages with
+    packages_only): the plugins chatgen ships."""
     return sorted(
         m.name
         for m in pkgutil.iter_modules(package.__path__)
@@ -197,9 +205,10 @@ def load_plugin(
     example: str,
     packages_only: bool = False,
 ):
-    """The plugin module `name`: a module of `package` (e.g. "grpo" in chatgen.rlhf.algorithms), or the dotted
-    path of the user's own module; it must define every attribute of `required`. A ValueError names the config
-    `key`, the choices (with the nearest one) and, for a module that lacks something, the `example` to follow."""
+    """The plugin module `name`: a module of `package` (e.g. "grpo" in chatgen.rlhf.algorithms),
+    or the dotted path of the user's own module; it must define every attribute of `required`. A
+    ValueError names the config `key`, the choices (with the nearest one) and, for a module that
+    lacks something, the `example` to follow."""
     shipped = plugins(package, packages_only)
     if not isinstance(name, str) or not name:
         raise ValueError(f"{key} must be a string, got {name!r}; one of {', '.join(shipped)}")

@@ -1,4 +1,5 @@
-"""JSON Lines input files (prompts, datasets): one object per line, errors that name the file and line."""
+"""JSON Lines input files (prompts, datasets): one object per line, errors that name the file and
+line."""
 
 import json
 from pathlib import Path
@@ -7,8 +8,8 @@ from pathlib import Path
 def read_records(path, check=None, what: str = "records") -> list[dict]:
     """The objects of a JSONL file, blank lines skipped.
 
-    `check(record)` returns None or a problem ("needs ..."), raised as `ValueError("<path>:<line>: <problem>")`.
-    A line that is not a JSON object, and a file with no records, are errors too.
+    `check(record)` returns None or a problem ("needs ..."), raised as `ValueError("<path>:<line>:
+    <problem>")`. A line that is not a JSON object, and a file with no records, are errors too.
     """
     records = []
     with open(path, "rb") as f:  # bytes, decoded line by line: a bad byte is reported with its line
@@ -49,7 +50,8 @@ def is_token_ids(value) -> bool:
 
 
 def read_prompt_records(path) -> list[dict]:
-    """Records of a JSONL prompt file; each line must have "prompt" (and "answer" for rule rewards)."""
+    """Records of a JSONL prompt file; each line must have "prompt" (and "answer" for rule
+    rewards)."""
     return read_records(
         path, lambda r: None if "prompt" in r else 'each line must be an object with a "prompt" key'
     )

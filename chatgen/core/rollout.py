@@ -4,19 +4,19 @@
     batch.input_ids, batch.loss_mask, batch.infer_logprobs, batch.texts, batch.metadata
     data = batch.trainer_inputs().replace(old_logprobs=..., advantages=...)   # what a trainer step takes
 
-S samples, sample j of prompt i at row i * n + j (prompt-major, in the order the prompts were given);
-L = the longest prompt + response. Per-token tensors have L - 1 columns, aligned with a trainer's per-token
-outputs (MegatronModule.forward_tokens): entry t belongs to token t + 1, the token predicted from the prefix
-up to t. So `loss_mask[s, t] = 1` says "train on predicting token t + 1 of sample s", and
-`infer_logprobs[s, t]` is vLLM's log-prob of that token when it sampled it.
+S samples, sample j of prompt i at row i * n + j (prompt-major, in the order the prompts were
+given); L = the longest prompt + response. Per-token tensors have L - 1 columns, aligned with a
+trainer's per-token outputs (MegatronModule.forward_tokens): entry t belongs to token t + 1, the
+token predicted from the prefix up to t. So `loss_mask[s, t] = 1` says "train on predicting token t
++ 1 of sample s", and `infer_logprobs[s, t]` is vLLM's log-prob of that token when it sampled it.
 
-A mixture-of-experts policy whose engine records routing (VLLMConfig.return_routed_experts) also fills
-`routed_experts` (S, L, layers, k): the experts the engine sent token t to in each MoE layer, what a trainer
-with moe_routing_replay computes with.
+A mixture-of-experts policy whose engine records routing (VLLMConfig.return_routed_experts) also
+fills `routed_experts` (S, L, layers, k): the experts the engine sent token t to in each MoE layer,
+what a trainer with moe_routing_replay computes with.
 
-Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` (the inference engine's, when
-it sampled), `old_logprobs` (the trainer's, before this episode's update), `ref_logprobs` (the frozen
-reference model's). Pure torch: no vLLM, Megatron or Ray import.
+Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` (the inference
+engine's, when it sampled), `old_logprobs` (the trainer's, before this episode's update),
+`ref_logprobs` (the frozen reference model's). Pure torch: no vLLM, Megatron or Ray import.
 """
 
 import dataclasses
@@ -28,7 +28,8 @@ from chatgen.core.train_batch import TrainBatch
 
 @dataclasses.dataclass
 class Sample:
-    """One prompt + response, the unit `RolloutBatch.from_samples` assembles (e.g. from a server's turns)."""
+    """One prompt + response, the unit `RolloutBatch.from_samples` assembles (e.g. from a
+    server's turns)."""
 
     prompt_ids: list  # list[int]
     response_ids: list  # list[int]
@@ -62,7 +63,7 @@ class RolloutBatch:
     loss_mask: torch.Tensor  # (S, L-1) float: 1 where token t+1 is a response token the loss sees
     # (S, L-1) float: the engine's log-prob of token t+1 (response tokens; prompt tokens
     infer_logprobs: torch.Tensor
-    #                               too when the engine computed them: VLLMConfig.prompt_logprobs), else 0
+    # too when the engine computed them: VLLMConfig.prompt_logprobs), else 0
     prompt_index: torch.Tensor  # (S,) long: which prompt of the call each sample answers
     texts: list  # list[str]: response texts ("" for a model without a tokenizer)
     prompt_texts: list  # list[str | None]
@@ -74,8 +75,8 @@ class RolloutBatch:
     routed_experts: torch.Tensor | None = (
         None  # (S, L, layers, k) long: the experts the engine routed token t to
     )
-    #                                             (MoE, return_routed_experts); -1 where it routed none (the last
-    #                                             token, padding): a replaying trainer routes those itself
+    # (MoE, return_routed_experts); -1 where it routed none (the last
+    # token, padding): a replaying trainer routes those itself
     # {term name: (S,) float}: each reward term's values, and {term name: weight}, when the reward
     # is a weighted sum of terms (chatgen.rlhf.rewards:Rewards; set by Run.score; GDPO reads them)
     reward_terms: dict | None = None
@@ -91,9 +92,9 @@ class RolloutBatch:
         return (positions[None, :] < (self.prompt_lengths + self.response_lengths)[:, None]).long()
 
     def trainer_inputs(self) -> TrainBatch:
-        """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1); plus
-        routed_experts (S, L, layers, k) when the engine recorded them. An algorithm adds its own
-        fields with `.replace(old_logprobs=..., advantages=...)`."""
+        """What every trainer call needs: input_ids (S, L), attention_mask (S, L), loss_mask (S,
+        L-1); plus routed_experts (S, L, layers, k) when the engine recorded them. An algorithm
+        adds its own fields with `.replace(old_logprobs=..., advantages=...)`."""
         return TrainBatch(
             input_ids=self.input_ids,
             attention_mask=self.attention_mask,
@@ -122,9 +123,10 @@ class RolloutBatch:
 
     @classmethod
     def concat(cls, batches: list, pad_token_id: int) -> "RolloutBatch":
-        """The samples of `batches`, one batch after the other, right-padded to the longest (input_ids with
-        pad_token_id, weight versions with -1, the other per-token tensors with 0). prompt_index is kept as it is:
-        make it unique first when the batches answer different prompts."""
+        """The samples of `batches`, one batch after the other, right-padded to the longest
+        (input_ids with pad_token_id, weight versions with -1, the other per-token tensors with
+        0). prompt_index is kept as it is: make it unique first when the batches answer different
+        prompts."""
         width = max(b.input_ids.shape[1] for b in batches)
         pads = {"input_ids": pad_token_id, "weight_versions": -1}
         fields = {}
@@ -155,8 +157,9 @@ class RolloutBatch:
 
     @classmethod
     def from_samples(cls, samples: list, pad_token_id: int) -> "RolloutBatch":
-        """Right-pad samples into a batch (see `Sample`). Each field is filled by one scatter of all samples'
-        values (a per-sample copy costs ~30 us a sample: 8 ms of a 256-sample episode on the tiny task)."""
+        """Right-pad samples into a batch (see `Sample`). Each field is filled by one scatter of
+        all samples' values (a per-sample copy costs ~30 us a sample: 8 ms of a 256-sample
+        episode on the tiny task)."""
         if not samples:
             raise ValueError("RolloutBatch.from_samples: no samples")
         prompt_lens = [len(s.prompt_ids) for s in samples]
@@ -233,8 +236,8 @@ class RolloutBatch:
 
 
 def _spans(starts: torch.Tensor, lengths: torch.Tensor, rows=None) -> tuple:
-    """(rows, cols) indexing, row after row, entries starts[i] .. starts[i] + lengths[i] - 1 of row rows[i]
-    (default: row i)."""
+    """(rows, cols) indexing, row after row, entries starts[i] .. starts[i] + lengths[i] - 1 of
+    row rows[i] (default: row i)."""
     k = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
     offsets = torch.cumsum(lengths, 0) - lengths  # where each span begins in the flat order
     cols = torch.arange(int(lengths.sum())) - offsets[k] + starts[k]

@@ -1,12 +1,13 @@
-"""Small tensor helpers every layer shares: sizes of shapes, flat buffers split back into tensors, batch rows.
+"""Small tensor helpers every layer shares: sizes of shapes, flat buffers split back into tensors,
+batch rows.
 
     numel((4, 8)) -> 32
     unflatten(flat, [(4, 8), (8,)]) -> [a (4, 8) view, a (8,) view] of `flat`
     unflatten_buckets(plan, flat_of) -> per bucket of plan [[(name, shape)]]: [(name, view)] of `flat_of(shapes)`
     select({"input_ids": (S, L), "note": "x"}, index) -> the rows `index` of every per-sample tensor
 
-DEFAULT_BUCKET_BYTES is the size of one weight-sync bucket: the trainer gathers, and the engine loads, this
-many bytes of parameters at a time (chatgen.param_sync, MegatronModule.hf_weights).
+DEFAULT_BUCKET_BYTES is the size of one weight-sync bucket: the trainer gathers, and the engine
+loads, this many bytes of parameters at a time (chatgen.param_sync, MegatronModule.hf_weights).
 """
 
 import torch
@@ -33,8 +34,9 @@ def unflatten(flat: torch.Tensor, shapes: list) -> list[torch.Tensor]:
 
 
 def unflatten_buckets(plan: list, flat_of):
-    """Per bucket of `plan` ([[(name, shape)], ...], the order a sync sends): [(name, tensor)], the tensors views of
-    the bucket's 1-D buffer `flat_of(shapes)` (received off a wire, or the next piece of one mapping: `slices`)."""
+    """Per bucket of `plan` ([[(name, shape)], ...], the order a sync sends): [(name, tensor)],
+    the tensors views of the bucket's 1-D buffer `flat_of(shapes)` (received off a wire, or the
+    next piece of one mapping: `slices`)."""
     for bucket in plan:
         shapes = [tuple(s) for _, s in bucket]
         yield [(n, t) for (n, _), t in zip(bucket, unflatten(flat_of(shapes), shapes))]
@@ -55,7 +57,8 @@ def slices(flat: torch.Tensor):
 
 def select(data, index: torch.Tensor):
     """Rows `index` of every per-sample tensor of a batch dict or TrainBatch (tensors whose first
-    dimension is the batch's sample count, taken from `input_ids`); other values are kept as they are."""
+    dimension is the batch's sample count, taken from `input_ids`); other values are kept as they
+    are."""
     if not isinstance(data, dict):
         return data.select(index)
     n = data["input_ids"].shape[0]

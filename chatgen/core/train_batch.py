@@ -5,14 +5,14 @@
     batch.check()                                          # shapes, once, before it travels
     for mb in batch.split(4): loss, stats = loss_fn(logprobs, mb)   # mb.advantages, mb.is_weights
 
-S samples of L tokens: `input_ids` and `attention_mask` are (S, L); every per-token field is (S, L-1)
-(entry t scores token t+1); per-sample fields are (S,). Optional fields are None when absent, and
-reading one is reading a declared attribute, never a string key that a typo turns into None.
+S samples of L tokens: `input_ids` and `attention_mask` are (S, L); every per-token field is (S,
+L-1) (entry t scores token t+1); per-sample fields are (S,). Optional fields are None when absent,
+and reading one is reading a declared attribute, never a string key that a typo turns into None.
 
-`extras` carries the tensors of a user's own loss (`MegatronModule.train_step` with keys of its own):
-`TrainBatch.of(dict)` files the keys it does not know there, and `mb["key"]` reads them. A trainer's
-internals read the fields through the same mapping view (`mb["input_ids"]`, `mb.get("loss_mask")`);
-a name that is neither a field nor an extra is a KeyError, not None.
+`extras` carries the tensors of a user's own loss (`MegatronModule.train_step` with keys of its
+own): `TrainBatch.of(dict)` files the keys it does not know there, and `mb["key"]` reads them. A
+trainer's internals read the fields through the same mapping view (`mb["input_ids"]`,
+`mb.get("loss_mask")`); a name that is neither a field nor an extra is a KeyError, not None.
 """
 
 import dataclasses
@@ -136,8 +136,8 @@ class TrainBatch:
         )
 
     def check(self) -> "TrainBatch":
-        """Shapes against input_ids (S, L), once, where an algorithm builds the batch; a ValueError
-        names the field, its shape and the one expected. Returns self."""
+        """Shapes against input_ids (S, L), once, where an algorithm builds the batch; a
+        ValueError names the field, its shape and the one expected. Returns self."""
         s, length = self.input_ids.shape
         per_token, per_sample = (s, length - 1), (s,)
         expected = {

@@ -7,8 +7,8 @@
     package.module:Object     your own: a protocol environment class or factory (reset / step), or a
                               class with `episode(record, temperature, max_tokens)` (docs/multiturn_rl.md)
 
-Protocol environments are played by `Runner` (chatgen.environments.base.play) over the policy's OpenAI
-endpoint; an adapter's library is imported only when a config names it.
+Protocol environments are played by `Runner` (chatgen.environments.base.play) over the policy's
+OpenAI endpoint; an adapter's library is imported only when a config names it.
 """
 
 import sys
@@ -39,8 +39,9 @@ def check_name(name) -> str | None:
 
 
 def factory(name: str, args: dict):
-    """(make, is_protocol): `make()` builds one protocol environment per episode; for a class with
-    `episode` (the older interface) make(url, api_key, model) builds the one instance of the run."""
+    """(make, is_protocol): `make()` builds one protocol environment per episode; for a class
+    with `episode` (the older interface) make(url, api_key, model) builds the one instance of the
+    run."""
     problem = check_name(name)
     if problem:
         raise ValueError(f"runtime.algorithm.environment: {problem}")
@@ -60,8 +61,8 @@ def factory(name: str, args: dict):
 
 
 class Runner:
-    """The run's environment as multi-turn GRPO calls it: `episode(record, temperature, max_tokens)`
-    plays one protocol episode through the policy's OpenAI endpoint."""
+    """The run's environment as multi-turn GRPO calls it: `episode(record, temperature,
+    max_tokens)` plays one protocol episode through the policy's OpenAI endpoint."""
 
     def __init__(
         self, make, name, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False

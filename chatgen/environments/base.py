@@ -1,4 +1,5 @@
-"""The environment protocol of multi-turn RL: reset / step over chat messages, with per-turn rewards.
+"""The environment protocol of multi-turn RL: reset / step over chat messages, with per-turn
+rewards.
 
     class MyEnv(Environment):
         tools = [PYTHON_TOOL.schema]                   # OpenAI tool schemas offered to the model
@@ -17,8 +18,9 @@ The episode's reward is the sum of its turn rewards (`Episode.turn_rewards` keep
 Errors of an environment are named (`EnvironmentStepError` and subclasses): a reward that is not a
 number, a step that does not return within `step_timeout_s` (a tool that never returns). After the
 first model turn such an error ends the episode with reward 0 and `env/errors` 1 (its tokens still
-train, as any other episode's): one bad episode does not stop a run. A request the server refuses after
-the first turn (a chat grown past `seq_length`) ends the episode too, truncated, with the rewards so far.
+train, as any other episode's): one bad episode does not stop a run. A request the server refuses
+after the first turn (a chat grown past `seq_length`) ends the episode too, truncated, with the
+rewards so far.
 """
 
 import concurrent.futures
@@ -44,11 +46,12 @@ class Episode:
     """One played episode, what multi-turn GRPO trains on.
 
     turns: the server's assistant messages, in order, as dicts (`message.model_dump()`): each holds
-    `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (docs/serving.md); every turn's prompt
-    must begin with the previous turn's prompt + generation (send each assistant message back to the server as
-    it came: its token ids keep the chat token-exact). reward: the episode's reward. text: the final reply.
-    metrics: more per-episode numbers to log (averaged, as `env/<key>`). turn_rewards: each model turn's
-    reward (protocol environments); truncated: cut by max_turns or by the environment.
+    `prompt_token_ids`, `generation_token_ids`, `generation_log_probs` (docs/serving.md); every
+    turn's prompt must begin with the previous turn's prompt + generation (send each assistant
+    message back to the server as it came: its token ids keep the chat token-exact). reward: the
+    episode's reward. text: the final reply. metrics: more per-episode numbers to log (averaged, as
+    `env/<key>`). turn_rewards: each model turn's reward (protocol environments); truncated: cut by
+    max_turns or by the environment.
     """
 
     turns: list
@@ -118,8 +121,8 @@ def call_with_timeout(fn, timeout_s: float, what: str):
 
 
 def play(env, chat, record: dict, max_turns: int, step_timeout_s: float, name: str) -> Episode:
-    """One episode of `env` (the protocol) on `record`; chat(messages, tools) -> the server's assistant
-    message as a dict. See the module docstring for the rules."""
+    """One episode of `env` (the protocol) on `record`; chat(messages, tools) -> the server's
+    assistant message as a dict. See the module docstring for the rules."""
     messages = list(env.reset(record))
     turns, rewards, metrics, truncated = [], [], {}, False
     for _ in range(max_turns):

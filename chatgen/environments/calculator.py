@@ -1,4 +1,5 @@
-"""The built-in `calculator` environment (multi-turn GRPO's tiny recipe): sort digits, read a calculator.
+"""The built-in `calculator` environment (multi-turn GRPO's tiny recipe): sort digits, read a
+calculator.
 
     chatgen train configs/grpo_multiturn_tiny.yaml    # runtime.algorithm.environment: calculator
     python -m chatgen.environments.calculator --write-template outputs/tiny-llama-sft   # its chat template
@@ -20,9 +21,9 @@ from chatgen.core.checkpoint_io import atomic_file
 from chatgen.environments.base import Environment, Step
 from chatgen.tasks import REWARDS
 
-# A plain-text chat template for the tiny model (its tokenizer has none): turn 1 renders exactly as the task's
-# prompt (what the warm start saw), each assistant turn ends with EOS (the server counts EOS tokens to keep
-# earlier turns token-exact), and a tool message reads " calculator: <result>".
+# A plain-text chat template for the tiny model (its tokenizer has none): turn 1 renders exactly as
+# the task's prompt (what the warm start saw), each assistant turn ends with EOS (the server counts
+# EOS tokens to keep earlier turns token-exact), and a tool message reads " calculator: <result>".
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for m in messages %}"
     "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}"
@@ -61,7 +62,8 @@ class CalculatorEnv(Environment):
 
 
 def write_template(model_dir: Path) -> None:
-    """Write CHAT_TEMPLATE as the model's chat_template.jinja (transformers reads it with the tokenizer)."""
+    """Write CHAT_TEMPLATE as the model's chat_template.jinja (transformers reads it with the
+    tokenizer)."""
     with atomic_file(model_dir / "chat_template.jinja") as tmp:
         Path(tmp).write_text(CHAT_TEMPLATE)
 

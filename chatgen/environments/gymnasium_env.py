@@ -1,4 +1,5 @@
-"""The gymnasium adapter: a gymnasium environment whose observations and actions are text, as a chat.
+"""The gymnasium adapter: a gymnasium environment whose observations and actions are text, as a
+chat.
 
     runtime.algorithm.environment: gymnasium:chatgen/SortDigits-v0     # any registered id
     runtime.algorithm.environment_args: {max_episode_steps: 3}         # gymnasium.make's keywords
@@ -42,9 +43,10 @@ class GymnasiumEnv(Environment):
 
 
 class SortDigitsText(gymnasium.Env):
-    """A text environment in gymnasium's own API (the gymnasium_tiny recipe): sort the digits of the
-    record's prompt; after a wrong first answer the observation is the digits sorted (a hint), and
-    the second answer is scored. Reward: the sort_digits rule (the fraction of positions right)."""
+    """A text environment in gymnasium's own API (the gymnasium_tiny recipe): sort the digits of
+    the record's prompt; after a wrong first answer the observation is the digits sorted (a
+    hint), and the second answer is scored. Reward: the sort_digits rule (the fraction of
+    positions right)."""
 
     observation_space = gymnasium.spaces.Text(256)
     action_space = gymnasium.spaces.Text(256)

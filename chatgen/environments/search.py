@@ -1,4 +1,5 @@
-"""The built-in `search` environment: Search-R1-style questions answered with a local BM25 `search` tool.
+"""The built-in `search` environment: Search-R1-style questions answered with a local BM25 `search`
+tool.
 
     python -m chatgen.environments.search --write-task outputs/search_tiny   # corpus + train/eval questions
     runtime.algorithm: {environment: search, environment_args: {corpus: outputs/search_tiny/corpus.jsonl}}

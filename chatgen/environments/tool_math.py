@@ -1,11 +1,13 @@
-"""The built-in `tool_math` environment: chat arithmetic with a `python` tool run in chatgen.sandbox.
+"""The built-in `tool_math` environment: chat arithmetic with a `python` tool run in
+chatgen.sandbox.
 
     runtime.algorithm: {environment: tool_math, tool_call_parser: hermes}   # the policy's call format
 
-Records are the arithmetic task's ({"prompt": question, "answer": "#### 42"}: `python -m chatgen.tasks
---task arithmetic`). The model may call `python` (its parsed `tool_calls`); each call's output comes
-back as a tool message; the first reply without a call is the answer, scored by the final_number rule
-(1.0 when its last number is the answer's). Tool calls earn nothing by themselves.
+Records are the arithmetic task's ({"prompt": question, "answer": "#### 42"}: `python -m
+chatgen.tasks --task arithmetic`). The model may call `python` (its parsed `tool_calls`); each
+call's output comes back as a tool message; the first reply without a call is the answer, scored by
+the final_number rule (1.0 when its last number is the answer's). Tool calls earn nothing by
+themselves.
 """
 
 from chatgen.environments.base import Environment, Step

@@ -1,4 +1,5 @@
-"""The generation contract: what every generation backend does, and the registry that `backend:` names.
+"""The generation contract: what every generation backend does, and the registry that `backend:`
+names.
 
     from chatgen.generation.base import load_backend
     backend = load_backend("vllm")                 # the package chatgen.generation.vllm (or your own module)
@@ -7,9 +8,10 @@
     out = policy.generate({"input_ids": ids, "input_lengths": lengths})      # token in / token out
     policy.load_weights(buckets)                   # named HF weights, as chatgen.param_sync streams them
 
-Everything outside a backend's own package (param_sync, serving, the runtime, the algorithms) uses only what
-`GenerationModule` declares here. A backend is a package of chatgen.generation (`vllm`, `hf`) or any importable
-module, named by a model entry's `backend:` (e.g. `backend: my_pkg.my_backend`); it defines
+Everything outside a backend's own package (param_sync, serving, the runtime, the algorithms) uses
+only what `GenerationModule` declares here. A backend is a package of chatgen.generation (`vllm`,
+`hf`) or any importable module, named by a model entry's `backend:` (e.g. `backend:
+my_pkg.my_backend`); it defines
     Config    its per-model config, a dataclass subclassing chatgen.generation.config.GenerationConfig
     MODULE    'package.module:ClassName' of its GenerationModule subclass (imported only when a model starts,
               so that checking a config never imports an engine)
@@ -25,10 +27,11 @@ What a backend implements (the rest is shared here):
     load_weights(buckets, mode)               write HF-named weights; `weight_version`, `needs_resync`
     health_problem                            why it cannot serve now (a hung engine), or None
     sleep(level) / wake_up() / is_sleeping(); pause() / resume() / reset_prefix_cache(); shutdown()
-A finished request is shaped like vLLM's `RequestOutput` (`request_id`, `prompt_token_ids`, `prompt`,
-`prompt_logprobs`, `outputs`: samples with `index`, `token_ids`, `logprobs` (one {token id: object with
-`.logprob`} per token), `text`, `finish_reason`, `stop_reason`, `weight_versions`); chatgen.generation.batching
-turns it into batches. A backend other than vLLM builds it from `Completion` and `FinishedRequest`.
+A finished request is shaped like vLLM's `RequestOutput` (`request_id`, `prompt_token_ids`,
+`prompt`, `prompt_logprobs`, `outputs`: samples with `index`, `token_ids`, `logprobs` (one {token
+id: object with `.logprob`} per token), `text`, `finish_reason`, `stop_reason`, `weight_versions`);
+chatgen.generation.batching turns it into batches. A backend other than vLLM builds it from
+`Completion` and `FinishedRequest`.
 """
 
 import contextlib
@@ -52,9 +55,11 @@ TOKENIZE_CHUNK = 1000  # prompts per tokenizer call in build_dataset
 
 
 def encode(tokenizer, texts: list, chat_template: bool) -> list:
-    """Token ids of text prompts, each rendered as a user turn with the chat template when chat_template."""
+    """Token ids of text prompts, each rendered as a user turn with the chat template when
+    chat_template."""
     if chat_template:
-        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its
+        # keys
         return tokenizer.apply_chat_template(
             [[{"role": "user", "content": t}] for t in texts],
             add_generation_prompt=True,
@@ -70,8 +75,8 @@ def available() -> list[str]:
 
 
 def load_backend(name: str):
-    """The backend module for a model entry's `backend:` (a package of chatgen.generation, or the dotted path of
-    your own module); a ValueError names the choices when there is none."""
+    """The backend module for a model entry's `backend:` (a package of chatgen.generation, or the
+    dotted path of your own module); a ValueError names the choices when there is none."""
     return load_plugin(
         name,
         generation,
@@ -92,7 +97,8 @@ class TokenLogprob:
 
 @dataclasses.dataclass
 class Completion:
-    """One sample of a finished request, shaped like vLLM's `CompletionOutput` (for backends other than vLLM)."""
+    """One sample of a finished request, shaped like vLLM's `CompletionOutput` (for backends
+    other than vLLM)."""
 
     index: int
     token_ids: list
@@ -116,10 +122,12 @@ class FinishedRequest:
 
 
 class GenerationModule(Module):
-    """Base of every generation backend's module (VLLMModule, the hf backend). See the module docstring.
+    """Base of every generation backend's module (VLLMModule, the hf backend). See the module
+    docstring.
 
-    Attributes after `setup()`: `tokenizer` (None for a model without one), `pad_token_id`, `vocab_size`,
-    `hf_config` (the model's config.json as a dict), `metrics` (figures of the last generation call), `config`.
+    Attributes after `setup()`: `tokenizer` (None for a model without one), `pad_token_id`,
+    `vocab_size`, `hf_config` (the model's config.json as a dict), `metrics` (figures of the last
+    generation call), `config`.
     """
 
     config_class = gc.GenerationConfig
@@ -133,8 +141,8 @@ class GenerationModule(Module):
         self.metrics = {}
 
     def model_provider(self) -> str:
-        """Which model to run. Called once by `setup()`. Returns the Hugging Face model directory (config.json
-        + safetensors). Default: the `load` key. Override to pick the model in code."""
+        """Which model to run. Called once by `setup()`. Returns the Hugging Face model directory
+        (config.json + safetensors). Default: the `load` key. Override to pick the model in code."""
         if not self.config.load:
             raise ConfigError(
                 ["load: not set; set it to the Hugging Face model directory to generate with"]
@@ -144,7 +152,8 @@ class GenerationModule(Module):
     # ------------------------------------------------------------------ prompts
 
     def build_dataset(self, prompts, is_eval=False) -> list:
-        """Turn prompt strings into dataset items. The framework calls it on the train / eval prompts.
+        """Turn prompt strings into dataset items. The framework calls it on the train / eval
+        prompts.
 
         prompts: list of str, or of chats (lists of {"role", "content"} messages:
         runtime.messages_key). Returns list[dict], one per prompt: {"input_ids": list[int],
@@ -183,8 +192,9 @@ class GenerationModule(Module):
                     trimmed.add(i)
             texts.append(template.replace("{prompt}", prompt) if template else prompt)
         encoded = []
-        # batched calls (the fast tokenizer's batch path: one encode per prompt took seconds for 20k prompts), a
-        # chunk at a time: one call over 20k prompts left ~40 MiB of its freed objects resident for the run
+        # batched calls (the fast tokenizer's batch path: one encode per prompt took seconds for 20k
+        # prompts), a chunk at a time: one call over 20k prompts left ~40 MiB of its freed objects
+        # resident for the run
         for start in range(0, len(texts), TOKENIZE_CHUNK):
             encoded += encode(
                 self.tokenizer, texts[start : start + TOKENIZE_CHUNK], self.config.chat_template
@@ -222,20 +232,23 @@ class GenerationModule(Module):
         return items
 
     def prepare_dataset(self, prompts, is_eval=False) -> list:
-        """Framework: `build_dataset(prompts, is_eval)` as a list of items (what `run_generation` takes)."""
+        """Framework: `build_dataset(prompts, is_eval)` as a list of items (what `run_generation`
+        takes)."""
         dataset = self.build_dataset(prompts, is_eval)
         return [dataset[i] for i in range(len(dataset))]
 
     def check_item(self, item: dict, name: str) -> None:
-        """A ValueError naming the item when its prompt is over the budget or holds an id outside the vocabulary."""
+        """A ValueError naming the item when its prompt is over the budget or holds an id outside
+        the vocabulary."""
         gc.check_prompt_length(self.config, len(item["input_ids"]), name)
         gc.check_prompt_ids(item["input_ids"], self.vocab_size, name)
 
     # ------------------------------------------------------------------ generation
 
     def run_generation(self, data, is_eval=False) -> RolloutBatch:
-        """Generate for a batch of dataset items (from `prepare_dataset`); returns a RolloutBatch of S = items x n
-        samples, prompt-major. An item over the prompt budget is an error naming it (never cut here)."""
+        """Generate for a batch of dataset items (from `prepare_dataset`); returns a RolloutBatch
+        of S = items x n samples, prompt-major. An item over the prompt budget is an error naming
+        it (never cut here)."""
         return rollout_batch(self.finished(data, is_eval=is_eval), self.pad_token_id)
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
@@ -247,7 +260,8 @@ class GenerationModule(Module):
     def generate(self, batch, greedy=False) -> dict:
         """Token in, token out (NeMo RL's generation interface), with the train sampling parameters.
 
-        batch: {"input_ids": (B, T) int tensor, right-padded with `pad_token_id`; "input_lengths": (B,) int tensor;
+        batch: {"input_ids": (B, T) int tensor, right-padded with `pad_token_id`; "input_lengths":
+        (B,) int tensor;
                 optional "stop_strings" / "stop_token_ids": lists (length B) of list[str] / list[int] or None,
                 added to stop_token_list (a token of stop_token_ids ends its row and is kept, as EOS is)}.
         Other keys of the batch (NeMo RL's BatchedDataDict carries its own) are not read.
@@ -269,11 +283,12 @@ class GenerationModule(Module):
         )
 
     async def generate_async(self, batch, greedy=False):
-        """`generate`, streaming: an async iterator of (row index, one-row output), each as soon as its prompt's
-        samples finish (rows i * n .. i * n + n - 1 of prompt i, one at a time).
+        """`generate`, streaming: an async iterator of (row index, one-row output), each as soon as
+        its prompt's samples finish (rows i * n .. i * n + n - 1 of prompt i, one at a time).
 
-        Each output has the keys of `generate` for one row, L = T + that row's generation. Requests of other
-        callers run alongside (continuous batching). Leaving the iterator early aborts this call's requests.
+        Each output has the keys of `generate` for one row, L = T + that row's generation. Requests
+        of other callers run alongside (continuous batching). Leaving the iterator early aborts this
+        call's requests.
         """
         items = self._token_items(batch, "generate_async()")
         params = [
@@ -296,8 +311,8 @@ class GenerationModule(Module):
                     yield i * n + j, {key: value[j : j + 1] for key, value in rows.items()}
 
     def _token_items(self, batch, name: str) -> list:
-        """The rows of a token batch as dataset items, every row checked before any is queued (never cut: the
-        trainer owns them)."""
+        """The rows of a token batch as dataset items, every row checked before any is queued
+        (never cut: the trainer owns them)."""
         prompts = unpad_batch(batch, self.pad_token_id)
         stops = batch.get("stop_strings") or [None] * len(prompts)
         stop_ids = batch.get("stop_token_ids") or [None] * len(prompts)
@@ -315,15 +330,17 @@ class GenerationModule(Module):
     def sampling_params(
         self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
     ):
-        """The backend's settings of one request of `prompt_len` tokens, from the config's sampling keys
-        (chatgen.generation.config.sampling_kwargs) plus `stop_strings` and `stop_token_ids`."""
+        """The backend's settings of one request of `prompt_len` tokens, from the config's
+        sampling keys (chatgen.generation.config.sampling_kwargs) plus `stop_strings` and
+        `stop_token_ids`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement sampling_params()")
 
     def sampling_kwargs(
         self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
     ) -> dict:
-        """What every backend's `sampling_params` builds from: config.sampling_kwargs with the stops of
-        stop_token_list added to `stop_strings` / `stop_token_ids`. Stop strings without a tokenizer: ValueError."""
+        """What every backend's `sampling_params` builds from: config.sampling_kwargs with the
+        stops of stop_token_list added to `stop_strings` / `stop_token_ids`. Stop strings without
+        a tokenizer: ValueError."""
         config_strings, config_ids = gc.parse_stop_list(self.config.stop_token_list, self.tokenizer)
         stop = [*config_strings, *stop_strings]
         if stop and self.tokenizer is None:
@@ -342,33 +359,37 @@ class GenerationModule(Module):
         )
 
     async def stream(self, prompts: list, params, deltas: bool = False):
-        """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params` result for all, or a
-        list with one per prompt); yield (prompt index, request output) as each finishes (deltas: every step's
-        new tokens as they come, the last one finished; each delta's samples carry the `weight_versions` of its
-        tokens). Leaving the iterator early aborts the rest."""
+        """Generate for `prompts` (lists of token ids) with `params` (one `sampling_params`
+        result for all, or a list with one per prompt); yield (prompt index, request output) as
+        each finishes (deltas: every step's new tokens as they come, the last one finished; each
+        delta's samples carry the `weight_versions` of its tokens). Leaving the iterator early
+        aborts the rest."""
         raise NotImplementedError(f"{type(self).__name__} does not stream")
         yield  # pragma: no cover
 
     # ------------------------------------------------------------------ weights
 
     def weight_manifest(self) -> dict:
-        """{HF name: shape} of every weight the model takes (what a full sync must send): from its config.json
-        for a family of chatgen/models, else (any family an fsdp trainer trains) the checkpoint's own."""
+        """{HF name: shape} of every weight the model takes (what a full sync must send): from
+        its config.json for a family of chatgen/models, else (any family an fsdp trainer trains)
+        the checkpoint's own."""
         if self.hf_config.get("model_type") not in models.supported():
             return hf_weight_shapes(self.model_provider())
         return layout.hf_param_shapes(models.spec_from_hf_config(self.hf_config))
 
     def load_weights(self, buckets, mode: str = "wait") -> int:
-        """Write HF-named weights: `buckets`, an iterable of lists of (HF name, full tensor), each bucket holding
-        whole layers (chatgen.param_sync streams them so). Returns the new weight version (0 = the weights the
-        model started with, +1 per call). mode, for requests in flight: wait (run them to the end under the old
-        weights first), keep (they continue under the new ones), recompute (they are re-prefilled under the new
-        ones), abort (they end now). If a write fails after the old weights were released, the module refuses to
+        """Write HF-named weights: `buckets`, an iterable of lists of (HF name, full tensor),
+        each bucket holding whole layers (chatgen.param_sync streams them so). Returns the new
+        weight version (0 = the weights the model started with, +1 per call). mode, for requests
+        in flight: wait (run them to the end under the old weights first), keep (they continue
+        under the new ones), recompute (they are re-prefilled under the new ones), abort (they
+        end now). If a write fails after the old weights were released, the module refuses to
         generate (`needs_resync` says why) until a later full write succeeds."""
         raise NotImplementedError(f"{type(self).__name__} does not take weights")
 
     def update_weights(self, named_tensors, mode: str = "wait") -> int:
-        """Write (HF name, tensor) pairs (any iterable; a generator streams) as one update; see `load_weights`."""
+        """Write (HF name, tensor) pairs (any iterable; a generator streams) as one update; see
+        `load_weights`."""
         return self.load_weights([named_tensors], mode)
 
     @property
@@ -392,14 +413,15 @@ class GenerationModule(Module):
         """Between episodes: free the device memory the engine holds, for a colocated trainer."""
 
     def wake_up(self, tags: list | None = None) -> None:
-        """Before generating again after `sleep`: everything, or only `tags` ("weights" first, for a weight sync
-        while a colocated trainer still holds its memory; then "kv_cache")."""
+        """Before generating again after `sleep`: everything, or only `tags` ("weights" first,
+        for a weight sync while a colocated trainer still holds its memory; then "kv_cache")."""
 
     def is_sleeping(self) -> bool:
         return False
 
     def pause(self) -> None:
-        """Stop running requests until `resume`; weights can still be updated (modes keep / recompute / abort)."""
+        """Stop running requests until `resume`; weights can still be updated (modes keep /
+        recompute / abort)."""
         raise NotImplementedError(f"{type(self).__name__} cannot pause")
 
     def resume(self) -> None:
@@ -410,8 +432,9 @@ class GenerationModule(Module):
         return True
 
     def check_tokenizer(self, tokenizer_from, model_dir) -> None:
-        """Setup's checks of the tokenizer (set) against the config and the model (vocab_size set): a chat template
-        when chat_template is true; no more tokens than the model has rows (ConfigError); fewer: a warning."""
+        """Setup's checks of the tokenizer (set) against the config and the model (vocab_size
+        set): a chat template when chat_template is true; no more tokens than the model has rows
+        (ConfigError); fewer: a warning."""
         if self.config.chat_template and not getattr(self.tokenizer, "chat_template", None):
             raise ConfigError(
                 [
@@ -427,9 +450,10 @@ class GenerationModule(Module):
                 logger.warning("%s: %s", self.name, mismatch)
 
     def _decode_texts(self, request_outputs) -> None:
-        """Fill the text of samples generated without detokenization, in one batch decode, so that hooks and
-        outputs always see texts. A sample that stopped on a stop string was detokenized (stop strings need it)
-        and its text cut before the string: it is left as it is, even when that text is empty."""
+        """Fill the text of samples generated without detokenization, in one batch decode, so
+        that hooks and outputs always see texts. A sample that stopped on a stop string was
+        detokenized (stop strings need it) and its text cut before the string: it is left as it
+        is, even when that text is empty."""
         if self.tokenizer is None:
             return
         todo = [

@@ -1,10 +1,10 @@
-"""Token batches in and out of `VLLMModule.generate`: right-padding checks (`verify_right_padding`, public in
-chatgen.generation), the output tensors, the rows of a batch one worker takes (`select_rows`) and several
-workers' row streams merged as they come (`interleave`) (no vLLM).
+"""Token batches in and out of `VLLMModule.generate`: right-padding checks (`verify_right_padding`,
+public in chatgen.generation), the output tensors, the rows of a batch one worker takes
+(`select_rows`) and several workers' row streams merged as they come (`interleave`) (no vLLM).
 
-Input: right-padded `input_ids` (B, T) + `input_lengths` (B,). Output: S = B x n rows, sample j of prompt i at
-row i * n + j, each prompt + generation right-padded to T + the longest generation. Unit-tested in
-tests/unit/test_generation.py on stand-ins for vLLM's RequestOutput.
+Input: right-padded `input_ids` (B, T) + `input_lengths` (B,). Output: S = B x n rows, sample j of
+prompt i at row i * n + j, each prompt + generation right-padded to T + the longest generation.
+Unit-tested in tests/unit/test_generation.py on stand-ins for vLLM's RequestOutput.
 """
 
 import asyncio
@@ -81,10 +81,10 @@ def verify_right_padding(data, pad_value: int = 0, raise_error: bool = False) ->
     """Check that every row of a batch is right-padded: its tokens first, then only `pad_value`.
 
     data: {"input_ids" (B, T), "input_lengths" (B,)} (a generation input) or {"output_ids" (B, L),
-    "unpadded_sequence_lengths" (B,)} (a generation output). Returns (True, None), or (False, message) naming
-    each offending row: a length beyond the row's width, positions past the length that hold something other
-    than the pad; raise_error raises a
-    ValueError with that message instead.
+    "unpadded_sequence_lengths" (B,)} (a generation output). Returns (True, None), or (False,
+    message) naming each offending row: a length beyond the row's width, positions past the length
+    that hold something other than the pad; raise_error raises a ValueError with that message
+    instead.
     """
     for ids_key, lengths_key in (
         ("input_ids", "input_lengths"),
@@ -137,8 +137,9 @@ def select_rows(batch, share: list) -> dict:
 
 
 async def interleave(streams: list):
-    """(share, row, output) of several async iterators [(share, iterator)] as each yields; closing this one
-    cancels them all (each closes its iterator: the worker aborts the requests left)."""
+    """(share, row, output) of several async iterators [(share, iterator)] as each yields;
+    closing this one cancels them all (each closes its iterator: the worker aborts the requests
+    left)."""
     queue, done = asyncio.Queue(), object()
 
     async def pump(share, stream):
@@ -169,7 +170,8 @@ async def interleave(streams: list):
 
 
 def iter_samples(request_outputs):
-    """(RequestOutput, CompletionOutput) for every sample: prompts in the given order, samples by index."""
+    """(RequestOutput, CompletionOutput) for every sample: prompts in the given order, samples by
+    index."""
     for request in request_outputs:
         for sample in sorted(request.outputs, key=lambda s: s.index):
             yield request, sample
@@ -184,7 +186,8 @@ def sample_logprobs(sample) -> list:
 
 
 def prompt_logprobs(request) -> list:
-    """log p(prompt[t] | prompt[:t]) for every prompt position, 0.0 at t = 0 (requires prompt_logprobs set)."""
+    """log p(prompt[t] | prompt[:t]) for every prompt position, 0.0 at t = 0 (requires
+    prompt_logprobs set)."""
     steps, tokens = request.prompt_logprobs, request.prompt_token_ids
     return [0.0] + [steps[t][tokens[t]].logprob for t in range(1, len(tokens))]
 
@@ -193,10 +196,10 @@ def generation_output(
     request_outputs, input_width: int, pad_token_id: int, dtype=torch.long
 ) -> dict:
     """Finished requests (sorted) -> output_ids / logprobs (S, L), generation_lengths /
-    unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation; plus
-    prompt_logprobs (S, L) (0 outside the prompt) when the requests asked for them, and weight_versions (S, L):
-    the engine's weight version of each generated token (`sample.weight_versions`, set by the engine loop),
-    -1 on prompt and padding."""
+    unpadded_sequence_lengths / truncated (S,), with L = input_width + the longest generation;
+    plus prompt_logprobs (S, L) (0 outside the prompt) when the requests asked for them, and
+    weight_versions (S, L): the engine's weight version of each generated token
+    (`sample.weight_versions`, set by the engine loop), -1 on prompt and padding."""
     samples = list(iter_samples(request_outputs))
     width = input_width + max((len(s.token_ids) for _, s in samples), default=0)
     output_ids = torch.full((len(samples), width), pad_token_id, dtype=dtype)
@@ -247,7 +250,8 @@ def call_metrics(request_outputs, elapsed: float) -> dict:
 
 
 def rollout_batch(request_outputs, pad_token_id: int):
-    """Finished requests (sorted by request id = prompt order) -> a `chatgen.core.rollout.RolloutBatch`, prompt-major."""
+    """Finished requests (sorted by request id = prompt order) -> a
+    `chatgen.core.rollout.RolloutBatch`, prompt-major."""
     samples = [
         Sample(
             prompt_ids=list(request.prompt_token_ids),
@@ -270,8 +274,9 @@ def rollout_batch(request_outputs, pad_token_id: int):
 
 
 def assign(costs: list, outstanding: list) -> list:
-    """Which prompts go to which replica: [prompt indices of replica i, ascending]. Largest first, each to the
-    replica with the fewest tokens outstanding (`outstanding`, plus what this call gave it so far)."""
+    """Which prompts go to which replica: [prompt indices of replica i, ascending]. Largest
+    first, each to the replica with the fewest tokens outstanding (`outstanding`, plus what this
+    call gave it so far)."""
     load, shares = list(outstanding), [[] for _ in outstanding]
     for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
         replica = min(range(len(load)), key=lambda r: load[r])

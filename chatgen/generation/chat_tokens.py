@@ -1,10 +1,12 @@
-"""Token-exact multi-turn chats: `replace_prefix_tokens` (public in chatgen.generation; pure Python).
+"""Token-exact multi-turn chats: `replace_prefix_tokens` (public in chatgen.generation; pure
+Python).
 
-An RL trainer learns from the token ids the engine generated. A chat server receives the history back as text
-and re-renders it with the chat template, which can tokenize an earlier answer differently (" 4" as one token
-where the model produced " " + "4"), so turn 2's prompt would no longer begin with turn 1's tokens. The fix
-(NeMo RL's `_replace_prefix_tokens`, written anew here): keep the exact tokens the model saw and produced up to
-the end of its last answer, and take the template's tokens only after that answer's EOS.
+An RL trainer learns from the token ids the engine generated. A chat server receives the history
+back as text and re-renders it with the chat template, which can tokenize an earlier answer
+differently (" 4" as one token where the model produced " " + "4"), so turn 2's prompt would no
+longer begin with turn 1's tokens. The fix (NeMo RL's `_replace_prefix_tokens`, written anew here):
+keep the exact tokens the model saw and produced up to the end of its last answer, and take the
+template's tokens only after that answer's EOS.
 
 Worked example (EOS = 2), the one in NeMo RL's docs:
 
@@ -13,9 +15,9 @@ Worked example (EOS = 2), the one in NeMo RL's docs:
     template_token_ids        = [11, 12, 13, 40, 41, 1001, 2, 21, 22, 40, 41]   ... plus the new user turn
     replace_prefix_tokens(...) = [11, 12, 13, 40, 41, 220, 17, 2, 21, 22, 40, 41]
 
-The answer's end is found by counting EOS tokens, not by position: the template prefix holds k EOS tokens,
-and the result continues from the k-th EOS of `template_token_ids`. So templates that rewrite history when a
-turn is added (Qwen3 drops the think blocks of older answers) still line up.
+The answer's end is found by counting EOS tokens, not by position: the template prefix holds k EOS
+tokens, and the result continues from the k-th EOS of `template_token_ids`. So templates that
+rewrite history when a turn is added (Qwen3 drops the think blocks of older answers) still line up.
 """
 
 
@@ -28,11 +30,11 @@ def replace_prefix_tokens(
     """The chat's token ids: `model_prefix_token_ids` up to (not including) its final EOS, then
     `template_token_ids` from the EOS that closes the same answer on.
 
-    tokenizer: anything with `eos_token_id`. model_prefix_token_ids: the previous turn's prompt + generated ids
-    (the EOS at the end may be missing, e.g. when that turn hit its token limit). template_prefix_token_ids: the
-    chat template's ids for the history up to and including that answer; template_token_ids: the template's
-    ids for the whole chat (that history + the new messages). With no model prefix the template's ids are
-    returned unchanged.
+    tokenizer: anything with `eos_token_id`. model_prefix_token_ids: the previous turn's prompt +
+    generated ids (the EOS at the end may be missing, e.g. when that turn hit its token limit).
+    template_prefix_token_ids: the chat template's ids for the history up to and including that
+    answer; template_token_ids: the template's ids for the whole chat (that history + the new
+    messages). With no model prefix the template's ids are returned unchanged.
     """
     model_prefix_token_ids = list(model_prefix_token_ids)
     if not model_prefix_token_ids:

@@ -1,9 +1,10 @@
 """The keys every generation backend reads (`GenerationConfig`) and what they mean for a request.
 
 A backend's own per-model config subclasses GenerationConfig with its engine keys (vLLM's:
-chatgen/generation/vllm/config.py). Everything here is pure Python: prompt budgets, sampling settings of one
-request (as a dict of vLLM `SamplingParams` keyword names, which every backend reads), stop lists, the
-sequence length from config.json, the pad token. Unit-tested in tests/unit/test_generation.py.
+chatgen/generation/vllm/config.py). Everything here is pure Python: prompt budgets, sampling
+settings of one request (as a dict of vLLM `SamplingParams` keyword names, which every backend
+reads), stop lists, the sequence length from config.json, the pad token. Unit-tested in
+tests/unit/test_generation.py.
 """
 
 import dataclasses
@@ -187,17 +188,19 @@ class GenerationConfig:
 
 
 def check_config(cfg) -> None:
-    """Raise one ConfigError listing every problem of a config built (or changed) in code: its schema's checks."""
+    """Raise one ConfigError listing every problem of a config built (or changed) in code: its
+    schema's checks."""
     problems = list(cfg.check())
     if problems:
         raise ConfigError([f"{key}: {msg}" for key, msg in problems])
 
 
 def prompt_budget(cfg) -> int:
-    """Prompt tokens at most: seq_length - max_new_tokens, whatever new_token_limit says (ChatLearn's
-    max_prompt_length). A prompt within it always leaves a response at least max_new_tokens: exactly that with
-    new_token_limit: true, the rest of seq_length with false. The one rule of build_dataset (which cuts longer
-    prompts), run_generation and generate (which refuse them)."""
+    """Prompt tokens at most: seq_length - max_new_tokens, whatever new_token_limit says
+    (ChatLearn's max_prompt_length). A prompt within it always leaves a response at least
+    max_new_tokens: exactly that with new_token_limit: true, the rest of seq_length with false.
+    The one rule of build_dataset (which cuts longer prompts), run_generation and generate (which
+    refuse them)."""
     if cfg.seq_length is None:
         raise ValueError(
             "seq_length is not resolved yet: the module's setup() sets it from the model "
@@ -207,7 +210,8 @@ def prompt_budget(cfg) -> int:
 
 
 def check_prompt_length(cfg, prompt_len: int, name: str) -> None:
-    """ValueError naming the prompt (`name`, e.g. "generate(): row 3") when it is over `prompt_budget`."""
+    """ValueError naming the prompt (`name`, e.g. "generate(): row 3") when it is over
+    `prompt_budget`."""
     budget = prompt_budget(cfg)
     if prompt_len > budget:
         raise ValueError(
@@ -218,8 +222,8 @@ def check_prompt_length(cfg, prompt_len: int, name: str) -> None:
 
 
 def check_prompt_ids(ids, vocab_size: int, name: str) -> None:
-    """ValueError naming the prompt when a token id is outside the model's vocabulary [0, vocab_size) (the
-    embedding lookup would abort the process)."""
+    """ValueError naming the prompt when a token id is outside the model's vocabulary [0,
+    vocab_size) (the embedding lookup would abort the process)."""
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(
@@ -229,10 +233,10 @@ def check_prompt_ids(ids, vocab_size: int, name: str) -> None:
 
 
 def check_vocab(tokenizer_size: int, vocab_size: int, tokenizer_from, model_dir) -> str | None:
-    """Setup check of the tokenizer against the model. A tokenizer with more tokens than the model has
-    embedding rows is a ConfigError naming both (its ids past the model's vocabulary would abort the process).
-    Fewer is the usual padded vocabulary (Qwen2.5: 151665 tokens, 151936 rows), returned as a warning: a sampled
-    id without text cannot be detokenized."""
+    """Setup check of the tokenizer against the model. A tokenizer with more tokens than the
+    model has embedding rows is a ConfigError naming both (its ids past the model's vocabulary
+    would abort the process). Fewer is the usual padded vocabulary (Qwen2.5: 151665 tokens,
+    151936 rows), returned as a warning: a sampled id without text cannot be detokenized."""
     where = (
         f"the tokenizer of {tokenizer_from} has {tokenizer_size} tokens, the model {model_dir}/config.json "
         f"has vocab_size={vocab_size}"
@@ -254,7 +258,8 @@ def check_vocab(tokenizer_size: int, vocab_size: int, tokenizer_from, model_dir)
 
 
 def max_tokens(cfg, prompt_len: int) -> int:
-    """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length leaves."""
+    """Tokens a response may take: max_new_tokens (new_token_limit: true) or what seq_length
+    leaves."""
     check_prompt_length(cfg, prompt_len, "a prompt")
     return cfg.max_new_tokens if cfg.new_token_limit else cfg.seq_length - prompt_len
 
@@ -304,9 +309,9 @@ def sampling_kwargs(
 def parse_stop_list(stop_token_list: str, tokenizer) -> tuple:
     """Split `stop_token_list` ("a;b;c") into (stop strings, stop token ids).
 
-    An entry that is one of the tokenizer's special tokens (e.g. "</s>", "<|im_end|>") stops on that token id:
-    special tokens are left out of the decoded text, so a string match would never see them. Any other entry
-    is a stop string matched on the decoded text.
+    An entry that is one of the tokenizer's special tokens (e.g. "</s>", "<|im_end|>") stops on that
+    token id: special tokens are left out of the decoded text, so a string match would never see
+    them. Any other entry is a stop string matched on the decoded text.
     """
     entries = [s for s in (stop_token_list or "").split(";") if s]
     special = {}
@@ -319,10 +324,11 @@ def parse_stop_list(stop_token_list: str, tokenizer) -> tuple:
 
 
 def resolve_seq_length(cfg, model_dir):
-    """`cfg` with `seq_length` set: null means the model's own limit (config.json max_position_embeddings).
+    """`cfg` with `seq_length` set: null means the model's own limit (config.json
+    max_position_embeddings).
 
-    A longer seq_length than the model's positions is an error naming both (RoPE past its trained range
-    gives garbage; vLLM refuses it too).
+    A longer seq_length than the model's positions is an error naming both (RoPE past its trained
+    range gives garbage; vLLM refuses it too).
     """
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     limit = hf.get("max_position_embeddings")
@@ -346,9 +352,10 @@ def resolve_seq_length(cfg, model_dir):
 
 
 def pad_token_id(tokenizer, model_dir, configured: int | None = None) -> int:
-    """The id that pads token batches: `configured` (the `pad_token_id` key) when set, else the tokenizer's pad
-    token, else its EOS. A token-only model (no tokenizer) uses its own: pad_token_id, else eos_token_id (the
-    first of a list), from generation_config.json then config.json; 0 if neither file names one."""
+    """The id that pads token batches: `configured` (the `pad_token_id` key) when set, else the
+    tokenizer's pad token, else its EOS. A token-only model (no tokenizer) uses its own:
+    pad_token_id, else eos_token_id (the first of a list), from generation_config.json then
+    config.json; 0 if neither file names one."""
     if configured is not None:
         return configured
     if tokenizer is not None:
@@ -362,8 +369,9 @@ def pad_token_id(tokenizer, model_dir, configured: int | None = None) -> int:
 
 
 def tokenizer_dir(cfg, model_dir):
-    """Where the tokenizer comes from: the `tokenizer` key, else the model directory. A `tokenizer` that holds none
-    is a ConfigError (a typo must not silently give a token-only model)."""
+    """Where the tokenizer comes from: the `tokenizer` key, else the model directory. A
+    `tokenizer` that holds none is a ConfigError (a typo must not silently give a token-only
+    model)."""
     if cfg.tokenizer and not has_tokenizer(cfg.tokenizer):
         raise ConfigError(
             [

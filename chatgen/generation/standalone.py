@@ -1,4 +1,5 @@
-"""`chatgen.VLLMGeneration`: vLLM generation for any PyTorch trainer: `generate` token ids, `sync_weights` from a model.
+"""`chatgen.VLLMGeneration`: vLLM generation for any PyTorch trainer: `generate` token ids,
+`sync_weights` from a model.
 
     from chatgen import VLLMGeneration
     gen = VLLMGeneration("outputs/tiny-llama-sft", max_completion_length=16)      # colocate: engine in this process
@@ -9,13 +10,14 @@
     gen.sync_weights(model)                  # nn.Module (HF names; DDP/FSDP/compile unwrapped), (name, tensor) pairs,
                                              # or a chatgen MegatronModule
 
-The generator knows nothing of the trainer: it is built from generation parameters and fed weights. Colocate mode
-runs a `VLLMModule` in this process and writes weights with `chatgen.param_sync.sync_weights`. Server mode sends
-`/v1/completions` requests to a server and pushes weights through its control endpoints
-(chatgen/serving/control.py): through a file in /dev/shm that both processes map when the server is on this
-machine (`weight_transport="shm"`), else over a private torch.distributed group (`"group"`); `"auto"` picks.
-Either way the manifest and finiteness are checked before anything is written: a refused sync leaves the
-engine on its old weights. Guide and example: docs/vllm_generation.md, examples/grpo_with_hf_trainer.py.
+The generator knows nothing of the trainer: it is built from generation parameters and fed weights.
+Colocate mode runs a `VLLMModule` in this process and writes weights with
+`chatgen.param_sync.sync_weights`. Server mode sends `/v1/completions` requests to a server and
+pushes weights through its control endpoints (chatgen/serving/control.py): through a file in
+/dev/shm that both processes map when the server is on this machine (`weight_transport="shm"`), else
+over a private torch.distributed group (`"group"`); `"auto"` picks. Either way the manifest and
+finiteness are checked before anything is written: a refused sync leaves the engine on its old
+weights. Guide and example: docs/vllm_generation.md, examples/grpo_with_hf_trainer.py.
 """
 
 import dataclasses
@@ -30,26 +32,26 @@ WEIGHT_TRANSPORTS = ("auto", "shm", "group")
 
 
 class VLLMGeneration:
-    """A vLLM engine on the HF model directory `model` (colocate), or a client of one (server), with default
-    sampling set at construction (each `generate` call may override it).
+    """A vLLM engine on the HF model directory `model` (colocate), or a client of one (server), with
+    default sampling set at construction (each `generate` call may override it).
 
-    Sampling: temperature, top_p, top_k (0 = off), min_p, repetition_penalty; max_completion_length tokens per
-    completion, stopping at EOS (kept in the completion). logprobs: 0 = return the log-prob of each sampled token
-    (the only value supported).
-    Colocate only (a server's engine is configured where it starts): tensor_parallel_size; max_model_length,
-    prompt + completion tokens at most (None = the model's max_position_embeddings; a longer prompt than
-    max_model_length - max_completion_length is an error); engine_kwargs, further per-model generation keys
-    (docs/generation_keys.md), e.g. dtype, seed, kv_cache_memory_bytes, enforce_eager, logprobs_mode ("raw" makes
-    log-probs those of the untempered model, what a trainer computes; the default "processed" is after
-    temperature / top-k / top-p).
-    Server: server_base_url (e.g. "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server;
-    weight_transport, how sync_weights moves the weights: "shm" (a file in /dev/shm both processes map: one copy;
-    the server must be on this machine, run by this user), "group" (a torch.distributed group: gloo over TCP on
-    CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address, CUDA is not in use
-    and the server's /dev/shm directory is reachable from here, else group); request_timeout, the seconds any
-    HTTP call to the server may wait for it (to connect, and between bytes of the answer: a generate call waits
-    for its whole batch, a weight update for the engine's load): a stalled server raises TimeoutError instead of
-    hanging the trainer.
+    Sampling: temperature, top_p, top_k (0 = off), min_p, repetition_penalty; max_completion_length
+    tokens per completion, stopping at EOS (kept in the completion). logprobs: 0 = return the
+    log-prob of each sampled token (the only value supported). Colocate only (a server's engine is
+    configured where it starts): tensor_parallel_size; max_model_length, prompt + completion tokens
+    at most (None = the model's max_position_embeddings; a longer prompt than max_model_length -
+    max_completion_length is an error); engine_kwargs, further per-model generation keys
+    (docs/generation_keys.md), e.g. dtype, seed, kv_cache_memory_bytes, enforce_eager, logprobs_mode
+    ("raw" makes log-probs those of the untempered model, what a trainer computes; the default
+    "processed" is after temperature / top-k / top-p). Server: server_base_url (e.g.
+    "http://127.0.0.1:8000") and api_key of a `chatgen serve --control` server; weight_transport,
+    how sync_weights moves the weights: "shm" (a file in /dev/shm both processes map: one copy; the
+    server must be on this machine, run by this user), "group" (a torch.distributed group: gloo over
+    TCP on CPU, NCCL on GPU; any machine), "auto" (shm when server_base_url is a loopback address,
+    CUDA is not in use and the server's /dev/shm directory is reachable from here, else group);
+    request_timeout, the seconds any HTTP call to the server may wait for it (to connect, and
+    between bytes of the answer: a generate call waits for its whole batch, a weight update for the
+    engine's load): a stalled server raises TimeoutError instead of hanging the trainer.
     """
 
     def __init__(
@@ -129,9 +131,9 @@ class VLLMGeneration:
                 )
             self.server = _Server(server_base_url, api_key, request_timeout)
             self.weight_transport = weight_transport
-            # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights device to device,
-            # without two trips through host memory); the first sync falls back to the group if the server's
-            # file cannot be created from here
+            # auto: shm for a loopback server on a CPU machine (on GPUs NCCL moves the weights
+            # device to device, without two trips through host memory); the first sync falls back to
+            # the group if the server's file cannot be created from here
             shm = weight_transport == "shm" or (
                 weight_transport == "auto"
                 and not torch.cuda.is_available()
@@ -179,16 +181,17 @@ class VLLMGeneration:
     ):
         """Sample `num_generations` completions of each prompt.
 
-        prompts: list of prompts, each a non-empty list[int] of token ids, a string (tokenized with the model's
-        tokenizer, special tokens such as BOS added, as vLLM's /v1/completions does) or a chat, a list of
-        {"role", "content"} messages (rendered with the model's chat template and the assistant prefix, as
-        /v1/chat/completions does); a batch may mix them. greedy: decode greedily (one completion per prompt:
-        num_generations must be 1). temperature, top_p, top_k (0 = off), min_p, repetition_penalty,
-        max_completion_length: this call's sampling, where given (else the constructor's).
-        Returns (prompt_ids, completion_ids, logprobs): three lists of len(prompts) * num_generations entries,
-        prompt-major (completion j of prompt i at i * num_generations + j): the prompt's ids, the completion's ids
-        (ending with EOS unless the length limit stopped it), and the log-prob of each completion token
-        (list[float], same length).
+        prompts: list of prompts, each a non-empty list[int] of token ids, a string (tokenized with
+        the model's tokenizer, special tokens such as BOS added, as vLLM's /v1/completions does) or
+        a chat, a list of {"role", "content"} messages (rendered with the model's chat template and
+        the assistant prefix, as /v1/chat/completions does); a batch may mix them. greedy: decode
+        greedily (one completion per prompt: num_generations must be 1). temperature, top_p, top_k
+        (0 = off), min_p, repetition_penalty, max_completion_length: this call's sampling, where
+        given (else the constructor's). Returns (prompt_ids, completion_ids, logprobs): three lists
+        of len(prompts) * num_generations entries, prompt-major (completion j of prompt i at i *
+        num_generations + j): the prompt's ids, the completion's ids (ending with EOS unless the
+        length limit stopped it), and the log-prob of each completion token (list[float], same
+        length).
         """
         if num_generations < 1:
             raise ValueError(f"generate: num_generations={num_generations}; ask for at least 1")
@@ -264,8 +267,8 @@ class VLLMGeneration:
         return prompt_ids, completion_ids, logprobs
 
     def _prompt_ids(self, prompts) -> list:
-        """Each prompt as token ids: ids as given, a string tokenized, a chat rendered with the chat template (the
-        server's /tokenize in server mode, so the server's tokenizer decides)."""
+        """Each prompt as token ids: ids as given, a string tokenized, a chat rendered with the
+        chat template (the server's /tokenize in server mode, so the server's tokenizer decides)."""
         if (
             isinstance(prompts, (str, dict))
             or not isinstance(prompts, (list, tuple))
@@ -296,7 +299,8 @@ class VLLMGeneration:
         return ids
 
     def _tokenize(self, request: dict) -> list:
-        """The token ids of a /tokenize request body ({"prompt"} or {"messages", "add_generation_prompt"})."""
+        """The token ids of a /tokenize request body ({"prompt"} or {"messages",
+        "add_generation_prompt"})."""
         if self.server is not None:
             return self.server.post("/tokenize", request)["tokens"]
         tokenizer = self.module.tokenizer
@@ -312,7 +316,8 @@ class VLLMGeneration:
                 "generate: a chat prompt needs a chat template, and this model's tokenizer has none; "
                 "pass a string or token ids"
             )
-        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its keys
+        # return_dict=False: transformers 5 returns a BatchEncoding by default, whose list() is its
+        # keys
         return list(
             tokenizer.apply_chat_template(
                 request["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
@@ -322,13 +327,14 @@ class VLLMGeneration:
     def sync_weights(self, source, mode="wait"):
         """Write `source`'s weights into the engine; returns a `chatgen.param_sync.SyncReport`.
 
-        source: a `torch.nn.Module` with Hugging Face parameter names (a transformers model; DDP / FSDP /
-        torch.compile wrappers unwrapped), an iterable of (HF name, tensor), or a chatgen `MegatronModule`.
-        Names, shapes and finiteness are checked before anything is written: on a mismatch a `SyncError` names
-        the parameters and the engine keeps its old weights. No request is served KV computed with the old
-        weights afterwards. mode: what requests in flight on the engine do (VLLMModule.update_weights: wait,
-        keep, recompute, abort); in colocate mode none are (generate returns when its requests are done).
-        Server mode with a multi-process trainer: call it on every rank (only rank 0 talks to the server).
+        source: a `torch.nn.Module` with Hugging Face parameter names (a transformers model; DDP /
+        FSDP / torch.compile wrappers unwrapped), an iterable of (HF name, tensor), or a chatgen
+        `MegatronModule`. Names, shapes and finiteness are checked before anything is written: on a
+        mismatch a `SyncError` names the parameters and the engine keeps its old weights. No request
+        is served KV computed with the old weights afterwards. mode: what requests in flight on the
+        engine do (VLLMModule.update_weights: wait, keep, recompute, abort); in colocate mode none
+        are (generate returns when its requests are done). Server mode with a multi-process trainer:
+        call it on every rank (only rank 0 talks to the server).
         """
         if self.server is None:
             return sync_weights(source, self.module, mode=mode)
@@ -344,31 +350,36 @@ class VLLMGeneration:
                 self._transport = "group"
         return self._group.send(source)
 
-    # The handshakes of `chatgen serve --control` (chatgen/serving/control.py), called by the senders on rank 0.
+    # The handshakes of `chatgen serve --control` (chatgen/serving/control.py), called by the
+    # senders on rank 0.
 
     def _begin_shm(self, held: str | None) -> str:
-        """POST /control/weights/begin of a shm sync: the path to write (`held`, the file still mapped, or new)."""
+        """POST /control/weights/begin of a shm sync: the path to write (`held`, the file still
+        mapped, or new)."""
         body = {"mode": self._mode, "transport": "shm", "path": held}
         return self.server.post("/control/weights/begin", body)["path"]
 
     def _finish_shm(self, body: dict) -> str | None:
-        """POST /control/weights/finish of a shm sync: None once the weights are in, else the server's reason."""
+        """POST /control/weights/finish of a shm sync: None once the weights are in, else the
+        server's reason."""
         answer = self.server.post("/control/weights/finish", body, check=False)
         return answer["error"]["message"] if "error" in answer else None
 
     def _begin_group(self, held: int | None) -> dict:
-        """POST /control/weights/begin of a group sync: the rendezvous and this update's one-time token (`held`:
-        the port of the group still open)."""
+        """POST /control/weights/begin of a group sync: the rendezvous and this update's one-time
+        token (`held`: the port of the group still open)."""
         return self.server.post(
             "/control/weights/begin", {"mode": self._mode, "transport": "group", "port": held}
         )
 
     def _finish_group(self, ok: bool) -> None:
-        """POST /control/weights/finish of a group sync (a failure raises, unless this end failed first)."""
+        """POST /control/weights/finish of a group sync (a failure raises, unless this end failed
+        first)."""
         self.server.post("/control/weights/finish", check=ok)
 
     def shutdown(self) -> None:
-        """Stop the engine and free its memory (colocate); close the connection and the shared memory (server)."""
+        """Stop the engine and free its memory (colocate); close the connection and the shared
+        memory (server)."""
         if self.module is not None:
             self.module.shutdown()
         if self.server is not None:
@@ -378,7 +389,8 @@ class VLLMGeneration:
 
 
 def check_sampling(sampling: dict, where: str) -> None:
-    """A ValueError naming the argument when a sampling setting is out of range (before any request is made)."""
+    """A ValueError naming the argument when a sampling setting is out of range (before any
+    request is made)."""
     problems = [
         (
             "temperature",
@@ -410,7 +422,8 @@ def check_sampling(sampling: dict, where: str) -> None:
 
 
 class _Server:
-    """HTTP calls to a `chatgen serve` server, with its API key and a timeout; errors carry the server's message."""
+    """HTTP calls to a `chatgen serve` server, with its API key and a timeout; errors carry the
+    server's message."""
 
     def __init__(self, base_url: str, api_key, timeout: float):
         import requests

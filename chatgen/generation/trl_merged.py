@@ -1,5 +1,5 @@
-"""TRL's merged `VLLMGeneration` (trl/generation/vllm_generation.py, 2026) over chatgen's engine: TRL code written
-against it runs with only the import changed.
+"""TRL's merged `VLLMGeneration` (trl/generation/vllm_generation.py, 2026) over chatgen's engine:
+TRL code written against it runs with only the import changed.
 
     from chatgen.compat.trl import VLLMGeneration                  # TRL: from trl.generation.vllm_generation
     gen = VLLMGeneration(model, accelerator, tokenizer, max_completion_length=32)  # 2026-06: (.., False, tokenizer)
@@ -7,15 +7,17 @@ against it runs with only the import changed.
     ...an optimizer step on `model`...
     gen.sync_weights()                                             # reads the wrapped model, as TRL's does
 
-The constructor's arguments are TRL's; the engine is chatgen's `VLLMGeneration` (chatgen.generation.standalone)
-on the model's directory (`model.name_or_path`), colocated in this process, or a `chatgen serve --control` server
-(mode="server"; chatgen's server wants an API key: the extra keyword `api_key`). `prompts` holds each prompt
-num_generations times in a row, as TRL's trainers build it; the result has one entry per entry of `prompts`, in
-order: logprobs[i][t] = [log-prob of the sampled token t] (logprobs=0: TRL's inner dimension 1),
-logprob_token_ids[i][t] = [that token]. A PEFT model is merged for the sync and unmerged after it (TRL's names:
-"base_model.model." and ".base_layer" removed, the adapters' own weights left out).
-What chatgen's engine does not do is refused by name: structured outputs, images, logprobs > 0, a trainer of
-several processes (one engine per process of a multi-process job is chatgen's run, docs/rlhf_engine.md).
+The constructor's arguments are TRL's; the engine is chatgen's `VLLMGeneration`
+(chatgen.generation.standalone) on the model's directory (`model.name_or_path`), colocated in this
+process, or a `chatgen serve --control` server (mode="server"; chatgen's server wants an API key:
+the extra keyword `api_key`). `prompts` holds each prompt num_generations times in a row, as TRL's
+trainers build it; the result has one entry per entry of `prompts`, in order: logprobs[i][t] =
+[log-prob of the sampled token t] (logprobs=0: TRL's inner dimension 1), logprob_token_ids[i][t] =
+[that token]. A PEFT model is merged for the sync and unmerged after it (TRL's names:
+"base_model.model." and ".base_layer" removed, the adapters' own weights left out). What chatgen's
+engine does not do is refused by name: structured outputs, images, logprobs > 0, a trainer of
+several processes (one engine per process of a multi-process job is chatgen's run,
+docs/rlhf_engine.md).
 """
 
 import contextlib
@@ -23,9 +25,9 @@ import contextlib
 from chatgen.generation.standalone import VLLMGeneration as Engine
 from chatgen.param_sync.checks import SyncError, nonfinite
 
-# TRL's constructor after (model, accelerator), in order: its current shape, and the 2026-06 one (with
-# is_fsdp_enabled third, removed on 2026-06-11; no trust_remote_code). A bool third argument or the keyword
-# is_fsdp_enabled tells the 2026-06 shape (a processing_class is never a bool).
+# TRL's constructor after (model, accelerator), in order: its current shape, and the 2026-06 one
+# (with is_fsdp_enabled third, removed on 2026-06-11; no trust_remote_code). A bool third argument
+# or the keyword is_fsdp_enabled tells the 2026-06 shape (a processing_class is never a bool).
 CURRENT = (
     "processing_class", "mode", "structured_outputs_regex", "server_base_url", "server_host",
     "server_port", "server_timeout", "group_port", "tensor_parallel_size", "gpu_memory_utilization",
@@ -37,8 +39,8 @@ JUNE_2026 = ("is_fsdp_enabled",) + tuple(name for name in CURRENT if name != "tr
 
 
 class VLLMGeneration:
-    """TRL's merged class (see the module docstring); arguments as TRL names and defaults them, positional
-    ones in TRL's current order or its 2026-06 one (CURRENT, JUNE_2026)."""
+    """TRL's merged class (see the module docstring); arguments as TRL names and defaults them,
+    positional ones in TRL's current order or its 2026-06 one (CURRENT, JUNE_2026)."""
 
     def __init__(self, model, accelerator, *args, **kwargs):
         names = (
@@ -143,13 +145,14 @@ class VLLMGeneration:
 
     @property
     def llm(self):
-        """The colocated engine's `vllm.LLM` (TRL's trainers read its model_config); None in server mode."""
+        """The colocated engine's `vllm.LLM` (TRL's trainers read its model_config); None in
+        server mode."""
         module = getattr(self.engine, "module", None)
         return getattr(module, "engine", None)
 
     def generate(self, prompts: list, images, num_generations: int, profiler=None) -> tuple:
-        """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one entry per entry of `prompts` (token-id
-        lists, each prompt num_generations times in a row)."""
+        """(prompt_ids, completion_ids, logprobs, logprob_token_ids), one entry per entry of
+        `prompts` (token-id lists, each prompt num_generations times in a row)."""
         if images is not None and any(image is not None for image in images):
             raise ValueError(
                 "VLLMGeneration.generate (chatgen.compat.trl): images are not supported; pass None"
@@ -183,10 +186,12 @@ class VLLMGeneration:
         )
 
     def sync_weights(self) -> None:
-        """Write the wrapped model's current weights into the engine (checked before anything is written)."""
+        """Write the wrapped model's current weights into the engine (checked before anything is
+        written)."""
         model = self.model
         if hasattr(model, "merge_adapter"):  # PEFT: the merged weights under the base model's names
-            # before the merge: merging a NaN adapter into the base and out again leaves the base NaN
+            # before the merge: merging a NaN adapter into the base and out again leaves the base
+            # NaN
             bad = nonfinite((n, p) for n, p in model.named_parameters() if model.prefix in n)
             if bad:
                 raise SyncError(
@@ -219,8 +224,8 @@ def _model_dir(model) -> str:
 
 
 def _peft_weights(model) -> list:
-    """(HF name, tensor) of a merged PEFT model, by the base model's names (TRL's renaming); a tied model's
-    lm_head.weight left out (the engine's head is its embedding)."""
+    """(HF name, tensor) of a merged PEFT model, by the base model's names (TRL's renaming); a
+    tied model's lm_head.weight left out (the engine's head is its embedding)."""
     config = getattr(model, "config", None)
     tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
     pairs = []

@@ -1,4 +1,5 @@
-"""NeMo RL's `VllmGeneration`: N vLLM workers behind one generation interface, in this process or on Ray.
+"""NeMo RL's `VllmGeneration`: N vLLM workers behind one generation interface, in this process or on
+Ray.
 
     from chatgen.compat.nemo_rl import VllmGeneration            # this class, by NeMo RL's name
     generation = VllmGeneration(vllm_config, num_workers=2)      # NeMo RL's VllmConfig (compat/nemo_rl/config.py)
@@ -7,13 +8,15 @@
     texts = generation.generate_text(["Once upon a time"])       # or {"prompts": [...]} -> {"texts": [...]}
     generation.prepare_for_generation(); generation.finish_generation(); generation.shutdown()
 
-Workers run in this process (placement="process") or as Ray actors (placement="ray", on the Ray this process
-started or joined). Each call spreads the batch's rows over the workers (chatgen.generation.batching.assign:
-largest first, to the worker with the fewest tokens outstanding across concurrent calls), the workers generate
-at once and the rows come back in the caller's order: with n samples per prompt (the `n` key under
-vllm_kwargs; NeMo RL repeats prompts instead and keeps n = 1), sample j of row i at row i * n + j, as one worker
-returns them. Refit: chatgen.compat.nemo_rl.NemoRLRefit's calls over the workers' (chatgen.generation.workers);
-the asynchronous ones return Futures in this process, Ray ObjectRefs on Ray or when Ray runs here (_handles).
+Workers run in this process (placement="process") or as Ray actors (placement="ray", on the Ray this
+process started or joined). Each call spreads the batch's rows over the workers
+(chatgen.generation.batching.assign: largest first, to the worker with the fewest tokens outstanding
+across concurrent calls), the workers generate at once and the rows come back in the caller's order:
+with n samples per prompt (the `n` key under vllm_kwargs; NeMo RL repeats prompts instead and keeps
+n = 1), sample j of row i at row i * n + j, as one worker returns them. Refit:
+chatgen.compat.nemo_rl.NemoRLRefit's calls over the workers' (chatgen.generation.workers); the
+asynchronous ones return Futures in this process, Ray ObjectRefs on Ray or when Ray runs here
+(_handles).
 """
 
 import asyncio
@@ -55,15 +58,18 @@ FILL = {
 
 
 class VllmGeneration(NemoRLRefit):
-    """NeMo RL's VllmGeneration(cluster, config, name_prefix, workers_per_node), or (config) as seed 000 builds
-    it, over `num_workers` chatgen engines (default: the cluster's world_size() / tensor_parallel_size, else 1).
+    """NeMo RL's VllmGeneration(cluster, config, name_prefix, workers_per_node), or (config) as seed
+    000 builds it, over `num_workers` chatgen engines (default: the cluster's world_size() /
+    tensor_parallel_size, else 1).
 
-    placement: "process" (the workers in this process, taking turns per engine step) or "ray" (each worker a Ray
-    actor of its own on the running Ray, one CPU each, tensor_parallel_size GPUs on a GPU machine; calls in
-    flight are Ray ObjectRefs, as NeMo RL's, and generate_async streams through Ray's streaming generators).
+    placement: "process" (the workers in this process, taking turns per engine step) or "ray" (each
+    worker a Ray actor of its own on the running Ray, one CPU each, tensor_parallel_size GPUs on a
+    GPU machine; calls in flight are Ray ObjectRefs, as NeMo RL's, and generate_async streams
+    through Ray's streaming generators).
 
-    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the trainer signs
-    weights with), `weight_stream` (the IpcStream of update_weights_via_ipc_zmq), `pad_token_id`.
+    Attributes: `workers` (VllmGenerationWorker each, or their actors), `token` (the secret the
+    trainer signs weights with), `weight_stream` (the IpcStream of update_weights_via_ipc_zmq),
+    `pad_token_id`.
     """
 
     def __init__(
@@ -105,7 +111,8 @@ class VllmGeneration(NemoRLRefit):
         self._ray_handles, self._handed = None, 0  # the RayHandles actor (see _handles), keys given
         self._lock = threading.Lock()
         self._outstanding, self._served = [0] * num_workers, [0] * num_workers
-        # NeMo RL's: no HTTP servers here (expose_http_server is refused); the engines' devices once loaded
+        # NeMo RL's: no HTTP servers here (expose_http_server is refused); the engines' devices once
+        # loaded
         self.dp_openai_server_base_urls, self.device_uuids = [None] * num_workers, None
         seed = keys.get("seed", 1234)  # seeds differ: two workers never draw the same samples
         self._to_load = [(config, seed + i, f"{name_prefix}_{i}") for i in range(num_workers)]
@@ -113,7 +120,8 @@ class VllmGeneration(NemoRLRefit):
             self.load_and_start()
 
     def load_and_start(self) -> None:
-        """Start the engines (at construction unless defer_model_load=True: NeMo RL's overlapped start)."""
+        """Start the engines (at construction unless defer_model_load=True: NeMo RL's overlapped
+        start)."""
         try:
             while self._to_load:
                 self.workers.append(self._worker(*self._to_load.pop(0)))
@@ -124,7 +132,8 @@ class VllmGeneration(NemoRLRefit):
             raise
 
     def _worker(self, config, seed: int, name: str):
-        """A worker in this process, or a Ray actor on a CPU (and tensor_parallel_size GPUs when CUDA is here)."""
+        """A worker in this process, or a Ray actor on a CPU (and tensor_parallel_size GPUs when
+        CUDA is here)."""
         if self.placement == "process":
             return VllmGenerationWorker(
                 config, seed=seed, token=self.token, stream=self.weight_stream, name=name
@@ -141,10 +150,12 @@ class VllmGeneration(NemoRLRefit):
         actor = ray.remote(VllmGenerationWorker).options(num_cpus=1, num_gpus=gpus)
         return actor.remote(config, seed=seed, token=self.token, name=name)
 
-    # ---- generation ---------------------------------------------------------------------------------
+    # ---- generation
+    # ---------------------------------------------------------------------------------
 
     def generate(self, data, greedy: bool = False) -> dict:
-        """chatgen.generation.base's `generate` over the workers: the same keys, rows in the caller's order."""
+        """chatgen.generation.base's `generate` over the workers: the same keys, rows in the
+        caller's order."""
         lengths = data["input_lengths"].tolist()
         with self._spread(lengths, greedy) as shares:
             used = [(i, share) for i, share in enumerate(shares) if share]
@@ -155,8 +166,9 @@ class VllmGeneration(NemoRLRefit):
         return self._merge(parts, len(lengths))
 
     async def generate_async(self, data, greedy: bool = False):
-        """`generate`, streaming from every worker at once: (row, one-row output) as each prompt finishes, row
-        in the caller's numbering. Leaving early aborts this call's requests on every worker."""
+        """`generate`, streaming from every worker at once: (row, one-row output) as each prompt
+        finishes, row in the caller's numbering. Leaving early aborts this call's requests on
+        every worker."""
         batch = data
         lengths = batch["input_lengths"].tolist()
         n = 1 if greedy else self.samples
@@ -170,8 +182,8 @@ class VllmGeneration(NemoRLRefit):
                 yield share[row // n] * n + row % n, out
 
     def generate_text(self, prompts, greedy: bool = False):
-        """Text in, text out over the workers: list[str] -> list[str] (prompt i's sample j at i * n + j), NeMo
-        RL's {"prompts": [...]} -> {"texts": [...]}."""
+        """Text in, text out over the workers: list[str] -> list[str] (prompt i's sample j at i *
+        n + j), NeMo RL's {"prompts": [...]} -> {"texts": [...]}."""
         texts = prompt_texts(prompts)
         with self._spread([len(t) for t in texts], greedy) as shares:
             used = [(w, share) for w, share in enumerate(shares) if share]
@@ -186,7 +198,8 @@ class VllmGeneration(NemoRLRefit):
         return {"texts": out} if isinstance(prompts, Mapping) else out
 
     async def generate_text_async(self, prompts, greedy: bool = False):
-        """`generate_text`, streaming: (row, text), or (row, {"texts": [text]}) for NeMo RL's batch."""
+        """`generate_text`, streaming: (row, text), or (row, {"texts": [text]}) for NeMo RL's
+        batch."""
         texts = prompt_texts(prompts)
         n = 1 if greedy else self.samples
         wrap = (lambda sub: {"prompts": sub}) if isinstance(prompts, Mapping) else list
@@ -203,12 +216,14 @@ class VllmGeneration(NemoRLRefit):
                 yield share[row // n] * n + row % n, out
 
     def prepare_for_generation(self, *args, **kwargs) -> bool:
-        """Wake every worker's engine (NeMo RL: before generating, after the trainer's turn). True."""
+        """Wake every worker's engine (NeMo RL: before generating, after the trainer's turn).
+        True."""
         return all(self._all("prepare_for_generation"))
 
     def finish_generation(self, *args, **kwargs) -> bool:
-        """Colocated (`colocated.enabled`, the default): put every worker's engine to sleep (the memory goes
-        to the trainer). Not colocated: only reset every prefix cache, as NeMo RL does. True."""
+        """Colocated (`colocated.enabled`, the default): put every worker's engine to sleep (the
+        memory goes to the trainer). Not colocated: only reset every prefix cache, as NeMo RL
+        does. True."""
         return all(self._all("finish_generation" if self.colocated else "reset_prefix_cache"))
 
     def start_gpu_profiling(self) -> None:
@@ -225,7 +240,8 @@ class VllmGeneration(NemoRLRefit):
         return {f"worker/{i}/samples": rows for i, rows in enumerate(served)}
 
     def shutdown(self) -> bool:
-        """Stop every worker's engine, free its memory, end the threads, remove the IPC file. True."""
+        """Stop every worker's engine, free its memory, end the threads, remove the IPC file.
+        True."""
         workers, self.workers, self._to_load = self.workers, [], []
         if self.placement == "ray" and workers:
             import ray
@@ -246,14 +262,16 @@ class VllmGeneration(NemoRLRefit):
             self._ray_handles = None
         return True
 
-    # ---- refit: the chatgen calls NemoRLRefit names ----------------------------------------------------
+    # ---- refit: the chatgen calls NemoRLRefit names
+    # ----------------------------------------------------
 
     @property
     def inference_world_size(self) -> int:
         return len(self.workers) * self.tp
 
     def open_weight_channel(self, ip: str, port: int, world_size: int) -> list:
-        """Every worker joins the trainer's group as member 1 + its index (world_size = 1 + workers)."""
+        """Every worker joins the trainer's group as member 1 + its index (world_size = 1 +
+        workers)."""
         if self.tp != 1:
             raise ValueError(
                 "init_collective: workers with tensor_parallel_size > 1 in this process take their weights "
@@ -296,19 +314,22 @@ class VllmGeneration(NemoRLRefit):
         )
 
     def ipc_stream(self) -> IpcStream:
-        """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's stream_weights_via_ipc_zmq)."""
+        """The trainer's end of update_weights_via_ipc_zmq (NeMo RL's
+        stream_weights_via_ipc_zmq)."""
         return self.weight_stream
 
-    # ---- helpers ------------------------------------------------------------------------------------
+    # ---- helpers
+    # ------------------------------------------------------------------------------------
 
     def _start(self, i: int, method: str, *args):
-        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo RL returns).
-        Per worker, a call issued after an ORDERED one (a refit, sleep / wake) starts once that one ended,
-        whether or not the caller waited for it, as an actor runs its calls in order; its failure is raised
-        by the calls that waited for it. Weight updates and generate calls of the group never overlap, on any
-        worker: an update waits for the calls in flight, a later call for every update in flight (engines
-        of one process share modules a reload empties, workers._Turns; and a broadcast some workers load
-        while others still generate would wait on them forever)."""
+        """Worker i's `method` in flight: a Future (this process) or a Ray ObjectRef (what NeMo
+        RL returns). Per worker, a call issued after an ORDERED one (a refit, sleep / wake)
+        starts once that one ended, whether or not the caller waited for it, as an actor runs its
+        calls in order; its failure is raised by the calls that waited for it. Weight updates and
+        generate calls of the group never overlap, on any worker: an update waits for the calls
+        in flight, a later call for every update in flight (engines of one process share modules
+        a reload empties, workers._Turns; and a broadcast some workers load while others still
+        generate would wait on them forever)."""
         worker = self.workers[i]
         if self.placement == "ray":
             return getattr(worker, method).remote(*args)
@@ -336,8 +357,8 @@ class VllmGeneration(NemoRLRefit):
                 calls.discard(call)
 
     def _handles(self, calls: list) -> list:
-        """Refit calls in flight as NeMo RL waits on them (`ray.get`): Futures become ObjectRefs when Ray runs
-        in this process, each made ready by a RayHandles actor when its call ends."""
+        """Refit calls in flight as NeMo RL waits on them (`ray.get`): Futures become ObjectRefs
+        when Ray runs in this process, each made ready by a RayHandles actor when its call ends."""
         if self.placement == "ray" or not calls:
             return calls
         import ray
@@ -359,7 +380,8 @@ class VllmGeneration(NemoRLRefit):
         return refs
 
     def _ordered_before(self, i: int):
-        """Worker i's ORDERED call still running (None: none; one that ended is no later call's concern)."""
+        """Worker i's ORDERED call still running (None: none; one that ended is no later call's
+        concern)."""
         before = self._ordered[i]
         return None if before is None or before.done() else before
 
@@ -374,7 +396,8 @@ class VllmGeneration(NemoRLRefit):
         return self._wait([self._start(i, method, *args) for i in range(len(self.workers))])
 
     def _stream(self, i: int, method: str, *args):
-        """Worker i's async generator `method`: itself here, through Ray's streaming generator on Ray."""
+        """Worker i's async generator `method`: itself here, through Ray's streaming generator on
+        Ray."""
         if self.placement == "process":
             with self._lock:
                 before, others = self._ordered_before(i), self._others(method)
@@ -407,8 +430,8 @@ class VllmGeneration(NemoRLRefit):
                     self._outstanding[i] -= sum(costs[r] for r in share)
 
     def _merge(self, parts: list, rows: int) -> dict:
-        """One output of the workers' parts [(their rows, their output)]: sample j of row i at i * n + j, every
-        (S, L) tensor padded to the longest part."""
+        """One output of the workers' parts [(their rows, their output)]: sample j of row i at i
+        * n + j, every (S, L) tensor padded to the longest part."""
         n = len(parts[0][1]["generation_lengths"]) // len(parts[0][0])
         merged = {}
         for key, first in parts[0][1].items():
@@ -431,8 +454,8 @@ class VllmGeneration(NemoRLRefit):
 
 
 def _after(before, others: list, fn, *args):
-    """fn(*args) once `before` (an ORDERED call of the same worker, or None) and the calls `others` ended;
-    a failure of `before` is raised (the caller expected its effect)."""
+    """fn(*args) once `before` (an ORDERED call of the same worker, or None) and the calls
+    `others` ended; a failure of `before` is raised (the caller expected its effect)."""
     concurrent.futures.wait(others)
     if before is not None and before.exception() is not None:
         raise _failed_before(fn.__name__, before.exception())

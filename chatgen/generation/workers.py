@@ -1,4 +1,5 @@
-"""NeMo RL's `VllmGenerationWorker`: one chatgen vLLM engine with the seed's refit calls under their names.
+"""NeMo RL's `VllmGenerationWorker`: one chatgen vLLM engine with the seed's refit calls under their
+names.
 
     worker = VllmGenerationWorker(config, token=secret)      # chatgen's per-model keys (a VLLMModule), started
     worker.init_collective(rank_prefix, ip, port, world_size, train_world_size=1)   # joins the trainer's group
@@ -8,16 +9,17 @@
     worker.update_weights_via_ipc_zmq()                       # the next write of the group's IpcStream, loaded
     worker.generate(batch) / generate_text(prompts) / ...     # VLLMModule's calls (chatgen.compat.nemo_rl)
 
-Workers are what `chatgen.generation.worker_group.VllmGeneration` (NeMo RL's VllmGeneration) spreads a batch
-over; a user rarely builds one. World sizes are the seed's: the training world plus the inference world, a
-worker's `rank_prefix` its first rank in it. chatgen's trainer sends from its rank 0 only (one broadcast per
-bucket), so the group formed has 1 + the inference ranks as members, the trainer's other ranks staying out.
+Workers are what `chatgen.generation.worker_group.VllmGeneration` (NeMo RL's VllmGeneration) spreads
+a batch over; a user rarely builds one. World sizes are the seed's: the training world plus the
+inference world, a worker's `rank_prefix` its first rank in it. chatgen's trainer sends from its
+rank 0 only (one broadcast per bucket), so the group formed has 1 + the inference ranks as members,
+the trainer's other ranks staying out.
 
-Authentication as everywhere in chatgen: every channel proves `token`, the secret of the worker's group
-(`VllmGeneration.token`), which the trainer's sender signs with (chatgen.param_sync). NeMo RL's CUDA IPC handles
-are host shared memory here, on GPUs too: the same call, the same dict in, the engine checking the trainer's
-signed header before it maps a byte (chatgen.param_sync.shm). ZMQ is replaced by an `IpcStream`: the trainer
-writes, every waiting worker loads.
+Authentication as everywhere in chatgen: every channel proves `token`, the secret of the worker's
+group (`VllmGeneration.token`), which the trainer's sender signs with (chatgen.param_sync). NeMo
+RL's CUDA IPC handles are host shared memory here, on GPUs too: the same call, the same dict in, the
+engine checking the trainer's signed header before it maps a byte (chatgen.param_sync.shm). ZMQ is
+replaced by an `IpcStream`: the trainer writes, every waiting worker loads.
 """
 
 import asyncio
@@ -37,11 +39,12 @@ IPC_WAIT_S = 600.0  # how long update_weights_via_ipc_zmq waits for the trainer'
 
 
 class _Turns:
-    """When the engines of this process may step and load. vLLM keeps the running step's forward context in a
-    module global, and shares modules between engines of one process (its rotary-embedding cache): an engine
-    that steps while another steps, or while another's reload has put those modules on the meta device, crashes
-    (an assertion, a meta-tensor copy, or memory corrupted). So a step runs alone; loads run together (the
-    workers of a broadcast receive it at once), never beside a step."""
+    """When the engines of this process may step and load. vLLM keeps the running step's forward
+    context in a module global, and shares modules between engines of one process (its
+    rotary-embedding cache): an engine that steps while another steps, or while another's reload
+    has put those modules on the meta device, crashes (an assertion, a meta-tensor copy, or
+    memory corrupted). So a step runs alone; loads run together (the workers of a broadcast
+    receive it at once), never beside a step."""
 
     def __init__(self):
         self._changed = threading.Condition()
@@ -60,8 +63,9 @@ class _Turns:
                 self._changed.notify_all()
 
     def loading(self, buckets, tied: bool):
-        """`buckets` passed through while holding a load turn from the first bucket to the end (a tied
-        model's lm_head.weight left out); receiving the first happens before the turn is taken."""
+        """`buckets` passed through while holding a load turn from the first bucket to the end (a
+        tied model's lm_head.weight left out); receiving the first happens before the turn is
+        taken."""
         taken = False
         try:
             for bucket in buckets:
@@ -83,9 +87,10 @@ TIED_HEAD = "lm_head.weight"  # a tied model's head: NeMo RL's trainers send it,
 
 
 class IpcStream:
-    """The trainer end of `update_weights_via_ipc_zmq` (NeMo RL's `stream_weights_via_ipc_zmq`): `send(source)`
-    writes the weights once into a private file in /dev/shm, signed with the workers' token, and hands the
-    handles to every worker waiting in `update_weights_via_ipc_zmq`. One stream per group of workers."""
+    """The trainer end of `update_weights_via_ipc_zmq` (NeMo RL's `stream_weights_via_ipc_zmq`):
+    `send(source)` writes the weights once into a private file in /dev/shm, signed with the
+    workers' token, and hands the handles to every worker waiting in
+    `update_weights_via_ipc_zmq`. One stream per group of workers."""
 
     def __init__(self, token: str):
         self._sender = ShmSender.owned(token)
@@ -93,8 +98,9 @@ class IpcStream:
         self.version, self.handles = 0, None
 
     def send(self, source, validate: bool = False) -> dict:
-        """Write `source` (a torch.nn.Module with HF names, a MegatronModule, (name, tensor) pairs) and post it;
-        returns the handles (what update_weights_from_ipc_handles takes, too)."""
+        """Write `source` (a torch.nn.Module with HF names, a MegatronModule, (name, tensor)
+        pairs) and post it; returns the handles (what update_weights_from_ipc_handles takes,
+        too)."""
         handles = self._sender.write(source, validate)
         with self._changed:
             self.version, self.handles = self.version + 1, handles
@@ -102,7 +108,8 @@ class IpcStream:
         return handles
 
     def wait_newer(self, version: int, timeout: float) -> tuple:
-        """(version, handles) of the first write after `version`; TimeoutError after `timeout` seconds."""
+        """(version, handles) of the first write after `version`; TimeoutError after `timeout`
+        seconds."""
         with self._changed:
             if not self._changed.wait_for(lambda: self.version > version, timeout):
                 raise TimeoutError(
@@ -117,8 +124,8 @@ class IpcStream:
 
 
 class VllmGenerationWorker(VLLMModule):
-    """A started VLLMModule plus NeMo RL's worker-level refit calls. config: NeMo RL's VllmConfig (its stops
-    added to every row) or chatgen's per-model generation keys; seed: the sampling seed.
+    """A started VLLMModule plus NeMo RL's worker-level refit calls. config: NeMo RL's VllmConfig
+    (its stops added to every row) or chatgen's per-model generation keys; seed: the sampling seed.
 
     token: the secret every weight channel of this worker proves (None: a new one, `worker.token`).
     stream: the IpcStream whose writes `update_weights_via_ipc_zmq` loads (a group shares one).
@@ -135,8 +142,8 @@ class VllmGenerationWorker(VLLMModule):
         stream: IpcStream | None = None,
         name: str | None = None,
     ):
-        # NeMo RL's VllmConfig (it has model_name), else chatgen's keys; bundle_indices and fraction_of_gpus
-        # place NeMo RL's Ray actor: this worker runs where it is built
+        # NeMo RL's VllmConfig (it has model_name), else chatgen's keys; bundle_indices and
+        # fraction_of_gpus place NeMo RL's Ray actor: this worker runs where it is built
         nemo = engine_config(config) if "model_name" in config else None
         keys, self.stops = (nemo.keys, nemo.stops) if nemo else (dict(config), {})
         super().__init__(
@@ -150,15 +157,17 @@ class VllmGenerationWorker(VLLMModule):
         self.start()
 
     def sampling_params(self, prompt_len, *, stop_strings=(), stop_token_ids=(), **kwargs):
-        """VLLMModule's, with the config's stops before the row's own (NeMo RL merges them so): every call,
-        generate_text's too. A text keeps the stop string it ended at, as NeMo RL's (and HF's) do."""
+        """VLLMModule's, with the config's stops before the row's own (NeMo RL merges them so):
+        every call, generate_text's too. A text keeps the stop string it ended at, as NeMo RL's
+        (and HF's) do."""
         params = super().sampling_params(
             prompt_len,
             stop_strings=[*self.stops.get("stop_strings", ()), *stop_strings],
             stop_token_ids=[*self.stops.get("stop_token_ids", ()), *stop_token_ids],
             **kwargs,
         )
-        # what SamplingParams' constructor derives for include_stop_str_in_output=True (no text held back)
+        # what SamplingParams' constructor derives for include_stop_str_in_output=True (no text held
+        # back)
         params.include_stop_str_in_output, params.output_text_buffer_length = True, 0
         return params
 
@@ -178,8 +187,9 @@ class VllmGenerationWorker(VLLMModule):
     def init_collective(
         self, rank_prefix: int, ip: str, port: int, world_size: int, *, train_world_size: int = 1
     ) -> None:
-        """Join the trainer's broadcast group at ip:port (blocks until every member joined). rank_prefix: this
-        worker's first rank in the seed's world of world_size = training ranks + inference ranks."""
+        """Join the trainer's broadcast group at ip:port (blocks until every member joined).
+        rank_prefix: this worker's first rank in the seed's world of world_size = training ranks
+        + inference ranks."""
         member, size = 1 + rank_prefix - train_world_size, 1 + world_size - train_world_size
         if train_world_size < 1 or not 1 <= member < size:
             raise ValueError(
@@ -190,9 +200,10 @@ class VllmGenerationWorker(VLLMModule):
         self._receiver = GroupReceiver(ip, port, member, size, self.token)
 
     def prepare_refit_info(self, state_dict_info: dict) -> None:
-        """Check the trainer's {name: shape} or NeMo RL's {name: (shape, dtype)} against the engine now: a
-        SyncError naming each mismatch (the same check every refit makes). A tied model's lm_head.weight is
-        accepted (and left unloaded: the engine's head is its embedding)."""
+        """Check the trainer's {name: shape} or NeMo RL's {name: (shape, dtype)} against the
+        engine now: a SyncError naming each mismatch (the same check every refit makes). A tied
+        model's lm_head.weight is accepted (and left unloaded: the engine's head is its
+        embedding)."""
         shapes = refit_shapes(state_dict_info)
         self._head_sent = TIED_HEAD in shapes
         check_manifest({name: tuple(s) for name, s in shapes.items()}, self.weight_manifest())
@@ -204,8 +215,8 @@ class VllmGenerationWorker(VLLMModule):
         return manifest
 
     def load_weights(self, buckets, mode: str = "wait") -> int:
-        """VLLMModule's, in a load turn (_Turns); a tied model's lm_head.weight is skipped (the engine's head is
-        its embedding)."""
+        """VLLMModule's, in a load turn (_Turns); a tied model's lm_head.weight is skipped (the
+        engine's head is its embedding)."""
         stream = _TURNS.loading(buckets, self._tied())
         try:
             return super().load_weights(stream, mode)
@@ -216,8 +227,9 @@ class VllmGenerationWorker(VLLMModule):
         return bool((self.hf_config or {}).get("tie_word_embeddings", False))
 
     def update_weights_from_collective(self, info: dict | None = None) -> bool:
-        """Receive one broadcast of the trainer (it sends at the same time) and load it; `info` (the refit info,
-        as seed 002 passes it) is checked first. True once loaded; a SyncError leaves the old weights."""
+        """Receive one broadcast of the trainer (it sends at the same time) and load it; `info`
+        (the refit info, as seed 002 passes it) is checked first. True once loaded; a SyncError
+        leaves the old weights."""
         if self._receiver is None:
             raise RuntimeError(
                 "update_weights_from_collective: call init_collective(...) first (the trainer's group)"
@@ -228,8 +240,9 @@ class VllmGenerationWorker(VLLMModule):
         return True
 
     def update_weights_from_ipc_handles(self, ipc_handles: dict) -> bool:
-        """Load the weights a trainer on this host wrote (IpcStream.send, or ShmSender.owned(token).write):
-        {"path", "header" signed with this worker's token}. True once loaded."""
+        """Load the weights a trainer on this host wrote (IpcStream.send, or
+        ShmSender.owned(token).write): {"path", "header" signed with this worker's token}. True
+        once loaded."""
         self._head_sent = any(
             n == TIED_HEAD for b in ipc_handles["header"]["buckets"] for n, _ in b
         )
@@ -255,7 +268,8 @@ class VllmGenerationWorker(VLLMModule):
         return self.engine
 
     def start_gpu_profiling(self) -> None:
-        """Start the CUDA profiler's range (nsys --capture-range=cudaProfilerApi); nothing on CPU."""
+        """Start the CUDA profiler's range (nsys --capture-range=cudaProfilerApi); nothing on
+        CPU."""
         if torch.cuda.is_available():
             torch.cuda.profiler.start()
 
@@ -263,7 +277,8 @@ class VllmGenerationWorker(VLLMModule):
         if torch.cuda.is_available():
             torch.cuda.profiler.stop()
 
-    # NeMo RL's `_async` twins (its async engine's spellings): the same call, off the caller's event loop
+    # NeMo RL's `_async` twins (its async engine's spellings): the same call, off the caller's event
+    # loop
     async def init_collective_async(self, *args, **kwargs) -> None:
         return await asyncio.to_thread(self.init_collective, *args, **kwargs)
 

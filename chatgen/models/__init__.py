@@ -5,12 +5,13 @@
     layout.hf_param_shapes(spec)          # (chatgen.models.layout) {HF name: shape}: what a sync delivers
     models.family(spec).param_mappings(spec)
 
-A family is the module `chatgen/models/<model_type>.py` (llama.py, qwen2.py, qwen3.py) with four functions:
-`spec_from_hf(hf_config) -> ModelSpec` (refusing what Megatron cannot express), `param_mappings(spec)` (each
-Megatron parameter, its HF tensors with shapes and its layout kind), `transformer_config_kwargs(spec)` and
-`gpt_model_kwargs(spec)` (the megatron-core model). Adding a family adds that file and nothing else; a family
-kept outside chatgen registers itself with `register_family("my_type", module)`. Tensor layouts under TP/PP
-are in layout.py; shared types in spec.py. Nothing here imports Megatron or vLLM.
+A family is the module `chatgen/models/<model_type>.py` (llama.py, qwen2.py, qwen3.py) with four
+functions: `spec_from_hf(hf_config) -> ModelSpec` (refusing what Megatron cannot express),
+`param_mappings(spec)` (each Megatron parameter, its HF tensors with shapes and its layout kind),
+`transformer_config_kwargs(spec)` and `gpt_model_kwargs(spec)` (the megatron-core model). Adding a
+family adds that file and nothing else; a family kept outside chatgen registers itself with
+`register_family("my_type", module)`. Tensor layouts under TP/PP are in layout.py; shared types in
+spec.py. Nothing here imports Megatron or vLLM.
 """
 
 import importlib
@@ -54,7 +55,8 @@ def supported() -> list[str]:
 
 
 def family(spec_or_model_type):
-    """The family module for a ModelSpec or an HF `model_type`; a clear error lists the supported ones."""
+    """The family module for a ModelSpec or an HF `model_type`; a clear error lists the supported
+    ones."""
     name = getattr(spec_or_model_type, "family", spec_or_model_type)
     module = _REGISTERED.get(name) or (
         _is_family(name) if isinstance(name, str) and name.isidentifier() else None

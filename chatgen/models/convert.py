@@ -1,20 +1,22 @@
-"""HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model; a megatron-core
-distributed checkpoint (a trainer's, or a Megatron-LM run's `torch_dist` one) -> HF (`chatgen convert`).
+"""HF checkpoint <-> chatgen Megatron checkpoint, at any TP x PP that fits the model; a
+megatron-core distributed checkpoint (a trainer's, or a Megatron-LM run's `torch_dist` one) -> HF
+(`chatgen convert`).
 
     chatgen convert --to megatron --input outputs/tiny-llama --output outputs/tiny-llama-tp2pp2 --tp 2 --pp 2
     chatgen convert --to hf --input outputs/tiny-llama-tp2pp2 --output outputs/tiny-llama-back
     chatgen convert --to hf --input outputs/run/checkpoints/episode_000020/policy_trainer --output outputs/ep20-hf
     chatgen convert --to hf --input megatron_lm_run/iter_0001000 --hf-config outputs/tiny-llama --output outputs/x
 
-`--to megatron` writes chatgen_megatron.json (HF config, TP, PP, padded vocab) + model_tp{t}_pp{p}.safetensors
-per rank, with megatron-core local-spec parameter names and local layer numbers (weights only; `load` accepts
-it at that TP x PP). What `MegatronModule.save_checkpoint` writes is a megatron-core distributed checkpoint
-beside a chatgen_megatron.json: `--to hf` reads its whole tensors in this one process, whatever layout saved
-it. A Megatron-LM checkpoint in the same format (`--ckpt-format torch_dist`, the directory of one iteration)
-has no chatgen_megatron.json: `--hf-config` names the HF model (directory or config.json) of its architecture,
-whose tokenizer files are copied too. Pure tensor index arithmetic (chatgen/models/layout.py): HF -> Megatron ->
-HF is bit-exact. Imports neither Megatron nor vLLM. To change the layout of a weights-only Megatron checkpoint,
-convert it to HF and back.
+`--to megatron` writes chatgen_megatron.json (HF config, TP, PP, padded vocab) +
+model_tp{t}_pp{p}.safetensors per rank, with megatron-core local-spec parameter names and local
+layer numbers (weights only; `load` accepts it at that TP x PP). What
+`MegatronModule.save_checkpoint` writes is a megatron-core distributed checkpoint beside a
+chatgen_megatron.json: `--to hf` reads its whole tensors in this one process, whatever layout saved
+it. A Megatron-LM checkpoint in the same format (`--ckpt-format torch_dist`, the directory of one
+iteration) has no chatgen_megatron.json: `--hf-config` names the HF model (directory or config.json)
+of its architecture, whose tokenizer files are copied too. Pure tensor index arithmetic
+(chatgen/models/layout.py): HF -> Megatron -> HF is bit-exact. Imports neither Megatron nor vLLM. To
+change the layout of a weights-only Megatron checkpoint, convert it to HF and back.
 """
 
 import json
@@ -59,11 +61,11 @@ def hf_to_megatron_dir(src, dst, tp: int, pp: int, divisible_by: int = 128) -> P
 def megatron_to_hf_dir(
     src, dst, replace: bool = False, side_files_from=None, hf_config=None
 ) -> Path:
-    """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an HF
-    directory `dst` (written atomically; an existing one is replaced only with `replace`), with the
-    tokenizer, chat template and generation files of `src`, or of the HF directory `side_files_from`
-    (default with `hf_config`: that model's directory), and a generation_config.json made from the
-    model config when neither has one."""
+    """A chatgen Megatron checkpoint (or, with `hf_config`, a Megatron-LM distributed one) -> an
+    HF directory `dst` (written atomically; an existing one is replaced only with `replace`),
+    with the tokenizer, chat template and generation files of `src`, or of the HF directory
+    `side_files_from` (default with `hf_config`: that model's directory), and a
+    generation_config.json made from the model config when neither has one."""
     src, dst = Path(src), Path(dst)
     config, hf = megatron_checkpoint_to_hf(src, hf_config)
     side_files_from = side_files_source(src, side_files_from, hf_config)
@@ -103,8 +105,9 @@ def generation_config(hf_config: dict) -> dict:
 
 
 def hf_config_view(checkpoint) -> str:
-    """A new temporary HF directory holding a chatgen Megatron checkpoint's config.json and tokenizer files, for
-    an engine to start from before the checkpoint's weights are written into it; the caller removes it."""
+    """A new temporary HF directory holding a chatgen Megatron checkpoint's config.json and
+    tokenizer files, for an engine to start from before the checkpoint's weights are written into
+    it; the caller removes it."""
     view = tempfile.mkdtemp(prefix="chatgen-hf-view-")
     (Path(view) / "config.json").write_text(json.dumps(read_megatron_meta(checkpoint)["hf_config"]))
     copy_hf_side_files(checkpoint, view)
@@ -112,9 +115,9 @@ def hf_config_view(checkpoint) -> str:
 
 
 def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
-    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP (x DP), in memory;
-    with `hf_config` (an HF directory or config.json: the architecture) also of a Megatron-LM distributed
-    checkpoint, which carries no chatgen_megatron.json."""
+    """(HF config, {HF name: tensor}) of a chatgen Megatron checkpoint, whatever its TP x PP (x
+    DP), in memory; with `hf_config` (an HF directory or config.json: the architecture) also of a
+    Megatron-LM distributed checkpoint, which carries no chatgen_megatron.json."""
     src = Path(src)
     meta = read_megatron_meta(src)
     if meta is None and hf_config is not None and dcp.is_dist_checkpoint(src):
@@ -143,9 +146,9 @@ def megatron_checkpoint_to_hf(src, hf_config=None) -> tuple[dict, dict]:
     return meta["hf_config"], layout.megatron_to_hf(shards, spec, tp, pp)
 
 
-# megatron-core names the two norms of a layer as Transformer Engine fuses them into the next linear, in its
-# checkpoints whatever the layer spec, and in the model itself under the Transformer Engine spec; chatgen's
-# parameter mappings use the local spec's names
+# megatron-core names the two norms of a layer as Transformer Engine fuses them into the next
+# linear, in its checkpoints whatever the layer spec, and in the model itself under the Transformer
+# Engine spec; chatgen's parameter mappings use the local spec's names
 TE_NORM_NAMES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
     "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
@@ -153,10 +156,11 @@ TE_NORM_NAMES = {
 
 
 def dist_checkpoint_state(src, spec) -> dict:
-    """{local-spec name: tensor} of the whole model (TP = PP = 1) in a megatron-core distributed checkpoint,
-    whatever layout saved it: every tensor whole (chatgen.core.dcp.read_full_tensors); the checkpoint stacks each
-    layer parameter of the decoder into one (num_layers, ...) tensor, and a mixture-of-experts layer's experts into
-    one (num_layers, num_experts, ...) tensor."""
+    """{local-spec name: tensor} of the whole model (TP = PP = 1) in a megatron-core distributed
+    checkpoint, whatever layout saved it: every tensor whole
+    (chatgen.core.dcp.read_full_tensors); the checkpoint stacks each layer parameter of the
+    decoder into one (num_layers, ...) tensor, and a mixture-of-experts layer's experts into one
+    (num_layers, num_experts, ...) tensor."""
     full = dcp.read_full_tensors(src, skip=("optimizer.", "chained_"))
     state = {}
     for sp in layout.stage_params(spec, 1, 0):

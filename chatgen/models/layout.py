@@ -1,6 +1,8 @@
-"""HF <-> Megatron parameter layouts under tensor (TP) and pipeline (PP) parallelism: pure tensor functions.
+"""HF <-> Megatron parameter layouts under tensor (TP) and pipeline (PP) parallelism: pure tensor
+functions.
 
-Layout kinds (a family's `param_mappings`, e.g. chatgen/models/llama.py, names one per Megatron parameter):
+Layout kinds (a family's `param_mappings`, e.g. chatgen/models/llama.py, names one per Megatron
+parameter):
 
     replicated  same tensor on every TP rank (RMSNorm weights)
     column      split along dim 0 (output features)
@@ -12,16 +14,18 @@ Layout kinds (a family's `param_mappings`, e.g. chatgen/models/llama.py, names o
                 all-gathers it), so one rule covers both.
     gate_up     HF gate and up each split along dim 0; TP rank r holds [gate_r; up_r]
 
-Expert parallelism (EP, mixture-of-experts models): EP rank r holds experts [r*E/EP, (r+1)*E/EP) of every layer
-under local names `mlp.experts.local_experts.{0..E/EP-1}`; the rest of the model is replicated over EP (megatron
-carves EP out of the data-parallel ranks), and each expert is split over TP like a dense MLP. A checkpoint
-(`hf_to_megatron`, `chatgen convert`, `MegatronModule.save_checkpoint`) always holds every expert of a stage:
-EP is a runtime layout, like DP.
+Expert parallelism (EP, mixture-of-experts models): EP rank r holds experts [r*E/EP, (r+1)*E/EP) of
+every layer under local names `mlp.experts.local_experts.{0..E/EP-1}`; the rest of the model is
+replicated over EP (megatron carves EP out of the data-parallel ranks), and each expert is split
+over TP like a dense MLP. A checkpoint (`hf_to_megatron`, `chatgen convert`,
+`MegatronModule.save_checkpoint`) always holds every expert of a stage: EP is a runtime layout, like
+DP.
 
-Pipeline stage p of PP holds layers [p*L/PP, (p+1)*L/PP) under local names `decoder.layers.{0..L/PP-1}`,
-the embedding on the first stage and the final norm + output layer on the last. With tied embeddings and
-PP > 1 the last stage keeps its own copy of the embedding as `output_layer.weight` (kept equal by
-training); HF -> Megatron fills it, Megatron -> HF reads the embedding from the first stage.
+Pipeline stage p of PP holds layers [p*L/PP, (p+1)*L/PP) under local names
+`decoder.layers.{0..L/PP-1}`, the embedding on the first stage and the final norm + output layer on
+the last. With tied embeddings and PP > 1 the last stage keeps its own copy of the embedding as
+`output_layer.weight` (kept equal by training); HF -> Megatron fills it, Megatron -> HF reads the
+embedding from the first stage.
 
 Every function here is index arithmetic only, so HF -> Megatron -> HF gives back the same bits
 (tests/unit/test_convert.py). Imports neither Megatron nor vLLM.
@@ -41,13 +45,15 @@ def _split(t: torch.Tensor, n: int, dim: int, what: str) -> list[torch.Tensor]:
     return list(t.chunk(n, dim=dim))
 
 
-# ---- one parameter ------------------------------------------------------------------------------------
+# ---- one parameter
+# ------------------------------------------------------------------------------------
 
 
 def qkv_to_megatron(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int
 ) -> torch.Tensor:
-    """HF q (np*hn, ...), k, v (ng*hn, ...) -> Megatron fused ((np + 2ng)*hn, ...), grouped per query group."""
+    """HF q (np*hn, ...), k, v (ng*hn, ...) -> Megatron fused ((np + 2ng)*hn, ...), grouped per
+    query group."""
     ng, rest = num_query_groups, q.shape[1:]
     return torch.cat(
         [q.reshape(ng, -1, *rest), k.reshape(ng, -1, *rest), v.reshape(ng, -1, *rest)], dim=1
@@ -67,7 +73,8 @@ def qkv_to_hf(
 def to_megatron_shards(
     kind: str, hf: list[torch.Tensor], spec: ModelSpec, tp: int, padded_vocab: int, what: str = ""
 ) -> list[torch.Tensor]:
-    """HF tensors of one mapping -> the TP shards of the Megatron parameter (views where possible)."""
+    """HF tensors of one mapping -> the TP shards of the Megatron parameter (views where
+    possible)."""
     if kind == "replicated":
         return [hf[0]] * tp
     if kind == "column":
@@ -115,7 +122,8 @@ def to_hf(kind: str, shards: list[torch.Tensor], spec: ModelSpec) -> list[torch.
     raise ValueError(f"unknown layout kind {kind!r}")
 
 
-# ---- whole model --------------------------------------------------------------------------------------
+# ---- whole model
+# --------------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +144,8 @@ class StageParam:
 
 
 def check_layout(spec: ModelSpec, tp: int, pp: int, ep: int = 1) -> None:
-    """Raise one error listing every way TP/PP/EP does not fit the model's shapes (Megatron's own rules)."""
+    """Raise one error listing every way TP/PP/EP does not fit the model's shapes (Megatron's own
+    rules)."""
     what = f"layout TP={tp} PP={pp}" + (f" EP={ep}" if ep != 1 else "")
     if tp < 1 or pp < 1 or ep < 1:
         raise ValueError(f"{what}: tensor, pipeline and expert parallel sizes must be at least 1")
@@ -179,8 +188,8 @@ def stage_layers(spec: ModelSpec, pp: int, pp_rank: int) -> range:
 def stage_params(
     spec: ModelSpec, pp: int, pp_rank: int, ep: int = 1, ep_rank: int = 0
 ) -> list[StageParam]:
-    """The parameters stage `pp_rank` (and expert-parallel rank `ep_rank` of EP) holds, in HF checkpoint order;
-    with EP = 1 every expert, under its global number."""
+    """The parameters stage `pp_rank` (and expert-parallel rank `ep_rank` of EP) holds, in HF
+    checkpoint order; with EP = 1 every expert, under its global number."""
     model, layer = family(spec).param_mappings(spec)
     by_name = {m.megatron: m for m in model}
     first, last = pp_rank == 0, pp_rank == pp - 1
@@ -229,7 +238,8 @@ def stage_params(
 
 
 def hf_to_megatron(hf_state: dict, spec: ModelSpec, tp: int, pp: int, padded_vocab: int) -> dict:
-    """HF state dict -> {(pp_rank, tp_rank): Megatron state dict of that rank} (tensors may be views)."""
+    """HF state dict -> {(pp_rank, tp_rank): Megatron state dict of that rank} (tensors may be
+    views)."""
     check_layout(spec, tp, pp)
     out = {}
     for p in range(pp):

@@ -1,14 +1,14 @@
-"""Llama family (HF model_type "llama"): HF config -> Megatron model config, and the HF <-> Megatron parameter
-mapping, side by side. A family is this one file: chatgen.models finds it by model_type.
+"""Llama family (HF model_type "llama"): HF config -> Megatron model config, and the HF <-> Megatron
+parameter mapping, side by side. A family is this one file: chatgen.models finds it by model_type.
 
 Llama = RMSNorm, SwiGLU MLP, RoPE (plain, or Llama-3.1 "llama3" frequency scaling), grouped-query
-attention, tied or untied embeddings, no biases. Qwen2 (qwen2.py) and Qwen3 (qwen3.py) reuse this mapping;
-so do the mixture-of-experts families (qwen3_moe.py, mixtral.py): with `spec.num_experts` > 0 every layer's
-MLP is a router and that many SwiGLU experts (megatron-core's MoELayer, local experts), and the family names
-where its checkpoint keeps them (`MoENames`).
-The mapping names each Megatron parameter, the HF tensors it is made of with their shapes, and its layout
-kind (chatgen/models/layout.py says what each kind means under tensor parallelism). `{i}` in a name is the
-layer number: local to the pipeline stage on the Megatron side, global on the HF side.
+attention, tied or untied embeddings, no biases. Qwen2 (qwen2.py) and Qwen3 (qwen3.py) reuse this
+mapping; so do the mixture-of-experts families (qwen3_moe.py, mixtral.py): with `spec.num_experts` >
+0 every layer's MLP is a router and that many SwiGLU experts (megatron-core's MoELayer, local
+experts), and the family names where its checkpoint keeps them (`MoENames`). The mapping names each
+Megatron parameter, the HF tensors it is made of with their shapes, and its layout kind
+(chatgen/models/layout.py says what each kind means under tensor parallelism). `{i}` in a name is
+the layer number: local to the pipeline stage on the Megatron side, global on the HF side.
 
 Pure data and tensor shapes; imports neither Megatron nor vLLM:
 
@@ -21,8 +21,9 @@ import dataclasses
 
 from chatgen.models.spec import ModelSpec, ParamMapping
 
-# megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor` from
-# GPTModel(rope_scaling_factor=...); these three are fixed defaults there. Configs with other values are refused.
+# megatron-core 0.16 RotaryEmbedding._apply_scaling (its Llama-3.1 RoPE scaling) takes only `factor`
+# from GPTModel(rope_scaling_factor=...); these three are fixed defaults there. Configs with other
+# values are refused.
 MEGATRON_LLAMA3_ROPE = {
     "low_freq_factor": 1.0,
     "high_freq_factor": 4.0,
@@ -31,8 +32,9 @@ MEGATRON_LLAMA3_ROPE = {
 
 
 def _rope_scaling(hf_config: dict, problems: list) -> float | None:
-    """The "llama3" scaling factor of an HF config, None for plain RoPE; appends to `problems` what Megatron
-    cannot express. transformers 5 spells the block `rope_parameters`, 4.x `rope_scaling`; both are read."""
+    """The "llama3" scaling factor of an HF config, None for plain RoPE; appends to `problems`
+    what Megatron cannot express. transformers 5 spells the block `rope_parameters`, 4.x
+    `rope_scaling`; both are read."""
     for key in ("rope_parameters", "rope_scaling"):
         block = hf_config.get(key) or {}
         rope_type = block.get("rope_type", block.get("type", "default"))
@@ -62,7 +64,8 @@ def _rope_scaling(hf_config: dict, problems: list) -> float | None:
 def spec_from_hf(
     hf_config: dict, family: str = "llama", qkv_bias: bool = False, qk_norm: bool = False
 ) -> ModelSpec:
-    """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot express."""
+    """Read a Llama-architecture HF config dict; raise on features the Megatron model cannot
+    express."""
     unsupported = []
     rope_scaling_factor = _rope_scaling(hf_config, unsupported)
     if hf_config.get("mlp_bias"):
@@ -99,8 +102,8 @@ def spec_from_hf(
 def with_experts(
     spec: ModelSpec, num_experts, moe_ffn_hidden_size, topk, renormalize: bool, keys: str
 ) -> ModelSpec:
-    """`spec` with a mixture of experts in every layer; `keys` names the HF config keys the numbers came from,
-    for the error when one is missing or out of range."""
+    """`spec` with a mixture of experts in every layer; `keys` names the HF config keys the
+    numbers came from, for the error when one is missing or out of range."""
     numbers = (num_experts, moe_ffn_hidden_size, topk)
     if not all(isinstance(n, int) and n > 0 for n in numbers) or topk > num_experts:
         raise ValueError(
@@ -117,7 +120,8 @@ def with_experts(
 
 
 def transformer_config_kwargs(spec: ModelSpec) -> dict:
-    """megatron.core TransformerConfig arguments reproducing the HF model exactly (no dropout, no fusions)."""
+    """megatron.core TransformerConfig arguments reproducing the HF model exactly (no dropout, no
+    fusions)."""
     import torch
 
     return dict(
@@ -142,11 +146,13 @@ def transformer_config_kwargs(spec: ModelSpec) -> dict:
 
 
 def moe_config_kwargs(spec: ModelSpec) -> dict:
-    """The TransformerConfig arguments of the MoE layers (merged into transformer_config_kwargs for a MoE spec).
+    """The TransformerConfig arguments of the MoE layers (merged into transformer_config_kwargs
+    for a MoE spec).
 
-    Top-k over the router logits then a softmax over the k (= softmax over all experts renormalised over the
-    top k: Mixtral, Qwen3-MoE with norm_topk_prob); without renormalisation, top-k of the softmax over all
-    experts (Qwen3-MoE with norm_topk_prob false). No shared experts, no capacity limit (no token dropped)."""
+    Top-k over the router logits then a softmax over the k (= softmax over all experts
+    renormalised over the top k: Mixtral, Qwen3-MoE with norm_topk_prob); without
+    renormalisation, top-k of the softmax over all experts (Qwen3-MoE with norm_topk_prob false).
+    No shared experts, no capacity limit (no token dropped)."""
     return dict(
         num_moe_experts=spec.num_experts,
         moe_ffn_hidden_size=spec.moe_ffn_hidden_size,
@@ -176,7 +182,8 @@ def gpt_model_kwargs(spec: ModelSpec) -> dict:
 @dataclasses.dataclass(frozen=True)
 class MoENames:
     """Where a mixture-of-experts checkpoint keeps one layer's router and experts: HF names after
-    "model.layers.{i}.", `{e}` = the expert number (e.g. Qwen3-MoE "mlp.experts.{e}.gate_proj.weight")."""
+    "model.layers.{i}.", `{e}` = the expert number (e.g. Qwen3-MoE
+    "mlp.experts.{e}.gate_proj.weight")."""
 
     router: str  # (num_experts, hidden)
     gate: str  # (moe_ffn, hidden) per expert
@@ -185,8 +192,9 @@ class MoENames:
 
 
 def moe_mappings(spec: ModelSpec, names: MoENames) -> list[ParamMapping]:
-    """One MoE layer: the router (replicated: megatron's TopKRouter is not split over TP) and, per expert, the
-    SwiGLU weights split over TP like a dense MLP's (megatron's expert tensor parallelism = TP)."""
+    """One MoE layer: the router (replicated: megatron's TopKRouter is not split over TP) and,
+    per expert, the SwiGLU weights split over TP like a dense MLP's (megatron's expert tensor
+    parallelism = TP)."""
     h, ffn, layer = spec.hidden_size, spec.moe_ffn_hidden_size, "model.layers.{i}."
     expert = "decoder.layers.{i}.mlp.experts.local_experts.{e}."
     return [

@@ -1,12 +1,14 @@
-"""PEFT's LoRA adapter format, as chatgen reads and writes it: adapter_config.json + adapter_model.safetensors with
-HF names, `base_model.model.<HF module>.lora_A.weight` (r, in) and `.lora_B.weight` (out, r), scale lora_alpha / r.
+"""PEFT's LoRA adapter format, as chatgen reads and writes it: adapter_config.json +
+adapter_model.safetensors with HF names, `base_model.model.<HF module>.lora_A.weight` (r, in) and
+`.lora_B.weight` (out, r), scale lora_alpha / r.
 
     config, tensors = read_peft("outputs/run/adapter")   # safetensors only
     merge_peft(hf_state, "outputs/run/adapter")          # W += (alpha / r) B A, in place, for every adapted weight
     merge_lora(hf_state, config, tensors)                # the same from tensors in memory (adapter-only sync)
 
-The trainer writes and loads it (chatgen/training/lora_peft.py); `chatgen convert --to hf` merges the adapter a LoRA
-trainer's checkpoint carries (its `adapter/` directory). Pure tensors; imports neither Megatron nor vLLM.
+The trainer writes and loads it (chatgen/training/lora_peft.py); `chatgen convert --to hf` merges
+the adapter a LoRA trainer's checkpoint carries (its `adapter/` directory). Pure tensors; imports
+neither Megatron nor vLLM.
 """
 
 import json
@@ -23,12 +25,14 @@ CHECKPOINT_DIR = "adapter"  # where a LoRA trainer's checkpoint keeps its adapte
 
 
 def peft_name(hf_weight: str, matrix: str) -> str:
-    """model.layers.0.self_attn.q_proj.weight, lora_A -> base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
+    """model.layers.0.self_attn.q_proj.weight, lora_A ->
+    base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"""
     return PREFIX + hf_weight[: -len("weight")] + matrix + ".weight"
 
 
 def peft_config(rank: int, alpha: float, dropout: float, targets, base) -> dict:
-    """adapter_config.json of a plain LoRA adapter (PEFT's keys) of `rank` on the HF modules `targets`."""
+    """adapter_config.json of a plain LoRA adapter (PEFT's keys) of `rank` on the HF modules
+    `targets`."""
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -48,8 +52,9 @@ def peft_config(rank: int, alpha: float, dropout: float, targets, base) -> dict:
 
 
 def split_name(name: str) -> tuple[str, str]:
-    """base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight -> (model.layers.0.self_attn.q_proj.weight,
-    lora_A); a ValueError for a name that is not a PEFT LoRA tensor's."""
+    """base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight ->
+    (model.layers.0.self_attn.q_proj.weight, lora_A); a ValueError for a name that is not a PEFT
+    LoRA tensor's."""
     head, _, matrix = name[: -len(".weight")].rpartition(".")
     if not (
         name.startswith(PREFIX) and name.endswith(".weight") and matrix in ("lora_A", "lora_B")
@@ -59,8 +64,8 @@ def split_name(name: str) -> tuple[str, str]:
 
 
 def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
-    """(adapter_config.json, {PEFT name: tensor}) of a PEFT adapter directory; a ConfigError naming `key` when
-    a file is missing or the adapter is not plain LoRA."""
+    """(adapter_config.json, {PEFT name: tensor}) of a PEFT adapter directory; a ConfigError
+    naming `key` when a file is missing or the adapter is not plain LoRA."""
     directory = Path(directory)
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (directory / name).is_file():
@@ -93,9 +98,9 @@ def read_peft(directory, key: str = "lora.from_peft") -> tuple[dict, dict]:
 
 
 def check_finite_adapter(tensors: dict, what: str) -> None:
-    """Refuse (ValueError naming `what` and the tensors) a LoRA adapter holding NaN or inf, before any
-    engine applies it: its answers would be NaN, and the NaN it leaves in freed KV blocks would reach
-    other requests of the base model."""
+    """Refuse (ValueError naming `what` and the tensors) a LoRA adapter holding NaN or inf,
+    before any engine applies it: its answers would be NaN, and the NaN it leaves in freed KV
+    blocks would reach other requests of the base model."""
     bad = [name for name, t in tensors.items() if not torch.isfinite(t).all()]
     if bad:
         raise ValueError(
@@ -106,7 +111,8 @@ def check_finite_adapter(tensors: dict, what: str) -> None:
 
 
 def adapted_weights(tensors: dict) -> list[str]:
-    """The HF weight names a PEFT adapter's tensors adapt (model.layers.0.self_attn.q_proj.weight ...)."""
+    """The HF weight names a PEFT adapter's tensors adapt (model.layers.0.self_attn.q_proj.weight
+    ...)."""
     return sorted(
         k[len(PREFIX) : -len("lora_A.weight")] + "weight"
         for k in tensors
@@ -116,8 +122,9 @@ def adapted_weights(tensors: dict) -> list[str]:
 
 @torch.no_grad()
 def merge_peft(hf_state: dict, directory) -> list[str]:
-    """Add (lora_alpha / r) B A of the adapter in `directory` to the HF tensors it adapts (in fp32, cast back),
-    in place; returns the HF names merged. A KeyError names an adapted weight the state lacks."""
+    """Add (lora_alpha / r) B A of the adapter in `directory` to the HF tensors it adapts (in
+    fp32, cast back), in place; returns the HF names merged. A KeyError names an adapted weight
+    the state lacks."""
     return merge_lora(hf_state, *read_peft(directory, key=str(directory)), where=str(directory))
 
 
@@ -125,7 +132,8 @@ def merge_peft(hf_state: dict, directory) -> list[str]:
 def merge_lora(
     hf_state: dict, config: dict, tensors: dict, where: str = "the adapter"
 ) -> list[str]:
-    """`merge_peft` of an adapter held in memory: its adapter_config.json as a dict, its tensors by PEFT name."""
+    """`merge_peft` of an adapter held in memory: its adapter_config.json as a dict, its tensors
+    by PEFT name."""
     scale = float(config["lora_alpha"]) / int(config["r"])
     merged = []
     for hf_weight in adapted_weights(tensors):

@@ -1,11 +1,12 @@
-"""Mixtral family (HF model_type "mixtral", e.g. Mixtral-8x7B): Llama's attention (grouped-query, RoPE, no
-biases) with a mixture of experts in place of every layer's MLP.
+"""Mixtral family (HF model_type "mixtral", e.g. Mixtral-8x7B): Llama's attention (grouped-query,
+RoPE, no biases) with a mixture of experts in place of every layer's MLP.
 
-Each layer: a router `block_sparse_moe.gate` (num_local_experts x hidden, no bias) and num_local_experts SwiGLU
-experts `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down), each intermediate_size wide (the names
-transformers saves and vLLM loads). Each token goes to its num_experts_per_tok best experts, weighted by a
-softmax over their router logits (the top-k probabilities renormalised). `router_jitter_noise` is transformers'
-training-time noise, applied by neither the trainer nor vLLM. Refused: sliding-window attention.
+Each layer: a router `block_sparse_moe.gate` (num_local_experts x hidden, no bias) and
+num_local_experts SwiGLU experts `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up), `w2` (down),
+each intermediate_size wide (the names transformers saves and vLLM loads). Each token goes to its
+num_experts_per_tok best experts, weighted by a softmax over their router logits (the top-k
+probabilities renormalised). `router_jitter_noise` is transformers' training-time noise, applied by
+neither the trainer nor vLLM. Refused: sliding-window attention.
 
     spec = mixtral.spec_from_hf(json.load(open("DIR/config.json")))
 """

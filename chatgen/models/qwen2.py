@@ -1,8 +1,10 @@
-"""Qwen2 family (HF model_type "qwen2"): the Llama mapping (llama.py) plus a bias on the fused QKV projection.
+"""Qwen2 family (HF model_type "qwen2"): the Llama mapping (llama.py) plus a bias on the fused QKV
+projection.
 
-Qwen2 checkpoints often tie the output layer to the embedding (`tie_word_embeddings`); the Llama mapping
-handles that. Sliding-window attention is not mapped (Megatron would attend to the full context), nor a
-`head_dim` other than hidden_size / num_attention_heads (transformers would use it, vLLM's Qwen2 does not).
+Qwen2 checkpoints often tie the output layer to the embedding (`tie_word_embeddings`); the Llama
+mapping handles that. Sliding-window attention is not mapped (Megatron would attend to the full
+context), nor a `head_dim` other than hidden_size / num_attention_heads (transformers would use it,
+vLLM's Qwen2 does not).
 
     spec = qwen2.spec_from_hf(json.load(open("DIR/config.json")))
 """

@@ -1,16 +1,19 @@
 """Qwen3 family (HF model_type "qwen3", dense): the Llama mapping (llama.py) plus QK-norm.
 
 What differs from Llama:
-- QK-norm: before RoPE, every query head and every key head goes through an RMSNorm over head_dim (one
-  weight of head_dim shared by all heads, `self_attn.q_norm` / `k_norm`, same eps as the other norms).
-  Megatron's `qk_layernorm` is the same thing (`self_attention.q_layernorm` / `k_layernorm`, hidden size
-  kv_channels, applied per head before RoPE); the weights are replicated under tensor parallelism.
-- head_dim is its own config key and may differ from hidden_size / num_attention_heads (Qwen3-32B: 5120 /
-  64 heads, head_dim 128); transformers' Qwen3Config makes it 128 when config.json leaves it out.
-- No QKV bias (Qwen2 has one); `attention_bias=true` would also put a bias on o_proj, which neither the
-  Megatron model here nor vLLM's Qwen3 has, so it is refused.
-Sliding-window attention (`use_sliding_window`, `layer_types` other than full attention) is refused too:
-Megatron would attend to the full context. The MoE variant is model_type "qwen3_moe" (qwen3_moe.py).
+- QK-norm: before RoPE, every query head and every key head goes through an RMSNorm over head_dim
+  (one weight of head_dim shared by all heads, `self_attn.q_norm` / `k_norm`, same eps as the other
+  norms). Megatron's `qk_layernorm` is the same thing (`self_attention.q_layernorm` / `k_layernorm`,
+  hidden size kv_channels, applied per head before RoPE); the weights are replicated under tensor
+  parallelism.
+- head_dim is its own config key and may differ from hidden_size / num_attention_heads (Qwen3-32B:
+  5120 / 64 heads, head_dim 128); transformers' Qwen3Config makes it 128 when config.json leaves it
+  out.
+- No QKV bias (Qwen2 has one); `attention_bias=true` would also put a bias on o_proj, which neither
+  the Megatron model here nor vLLM's Qwen3 has, so it is refused.
+Sliding-window attention (`use_sliding_window`, `layer_types` other than full attention) is refused
+too: Megatron would attend to the full context. The MoE variant is model_type "qwen3_moe"
+(qwen3_moe.py).
 
     spec = qwen3.spec_from_hf(json.load(open("DIR/config.json")))
 """

@@ -1,14 +1,15 @@
-"""Qwen3-MoE family (HF model_type "qwen3_moe", e.g. Qwen3-30B-A3B): Qwen3 (qwen3.py: QK-norm, no biases)
-with a mixture of experts in place of every layer's MLP.
+"""Qwen3-MoE family (HF model_type "qwen3_moe", e.g. Qwen3-30B-A3B): Qwen3 (qwen3.py: QK-norm, no
+biases) with a mixture of experts in place of every layer's MLP.
 
 Each layer: a router `mlp.gate` (num_experts x hidden, no bias) and num_experts SwiGLU experts
-`mlp.experts.{e}.gate_proj / up_proj / down_proj` of width moe_intermediate_size (the names transformers saves
-and vLLM loads; transformers 5 fuses them in memory and splits them on save). Each token goes to its
-num_experts_per_tok best experts: softmax over the router logits, top k, renormalised to sum to 1 when
-`norm_topk_prob` (Qwen3-30B-A3B; transformers' default is false). The expert count is `num_experts` in the
-Hub's config.json files and `num_local_experts` in what transformers 5 writes; both are read. Refused:
-dense layers between the MoE ones (`mlp_only_layers`, `decoder_sparse_step` > 1). `head_dim` defaults to
-hidden_size / num_attention_heads, as in transformers' and vLLM's Qwen3-MoE (dense Qwen3 defaults to 128).
+`mlp.experts.{e}.gate_proj / up_proj / down_proj` of width moe_intermediate_size (the names
+transformers saves and vLLM loads; transformers 5 fuses them in memory and splits them on save).
+Each token goes to its num_experts_per_tok best experts: softmax over the router logits, top k,
+renormalised to sum to 1 when `norm_topk_prob` (Qwen3-30B-A3B; transformers' default is false). The
+expert count is `num_experts` in the Hub's config.json files and `num_local_experts` in what
+transformers 5 writes; both are read. Refused: dense layers between the MoE ones (`mlp_only_layers`,
+`decoder_sparse_step` > 1). `head_dim` defaults to hidden_size / num_attention_heads, as in
+transformers' and vLLM's Qwen3-MoE (dense Qwen3 defaults to 128).
 
     spec = qwen3_moe.spec_from_hf(json.load(open("DIR/config.json")))
 """

@@ -1,5 +1,6 @@
-"""What a model family tells the rest of chatgen: the architecture facts (`ModelSpec`) and, per Megatron
-parameter, the HF tensors it is made of (`ParamMapping`). Pure data; imports neither Megatron nor vLLM.
+"""What a model family tells the rest of chatgen: the architecture facts (`ModelSpec`) and, per
+Megatron parameter, the HF tensors it is made of (`ParamMapping`). Pure data; imports neither
+Megatron nor vLLM.
 """
 
 import dataclasses
@@ -8,7 +9,8 @@ import math
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """The architecture facts both sides need, read from an HF config.json by the family's `spec_from_hf`."""
+    """The architecture facts both sides need, read from an HF config.json by the family's
+    `spec_from_hf`."""
 
     family: str  # the HF model_type, also the name of the family's module in chatgen/models/
     num_layers: int
@@ -25,7 +27,8 @@ class ModelSpec:
     qkv_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on queries and keys before RoPE (Qwen3)
     rope_scaling_factor: float | None = None  # Llama-3.1 "llama3" RoPE scaling; None = plain RoPE
-    # Mixture of experts (every layer's MLP replaced by a router and num_experts SwiGLU experts); 0 = dense
+    # Mixture of experts (every layer's MLP replaced by a router and num_experts SwiGLU experts); 0
+    # = dense
     num_experts: int = 0
     moe_ffn_hidden_size: int = 0  # one expert's SwiGLU width
     moe_router_topk: int = 0  # experts per token
@@ -52,7 +55,8 @@ class ParamMapping:
     hf: {HF name: HF shape}, in the order the layout kind expects; `{i}` = the global layer number
     kind: how the tensors are laid out under tensor parallelism (chatgen/models/layout.py):
         replicated | column | row | vocab | qkv | gate_up
-    expert: one mapping per expert of a mixture-of-experts layer, `{e}` in both names = the expert number:
+    expert: one mapping per expert of a mixture-of-experts layer, `{e}` in both names = the expert
+    number:
         local to the expert-parallel rank on the Megatron side, global on the HF side (like `{i}`)
     """
 

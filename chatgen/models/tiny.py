@@ -1,29 +1,30 @@
-"""`chatgen make-tiny-model`: build a tiny model of a chatgen family (llama, qwen2, qwen3, qwen3_moe, mixtral) as a
-Hugging Face directory.
+"""`chatgen make-tiny-model`: build a tiny model of a chatgen family (llama, qwen2, qwen3,
+qwen3_moe, mixtral) as a Hugging Face directory.
 
     chatgen make-tiny-model --config configs/models/tiny_llama.yaml --output outputs/tiny-llama
     chatgen make-tiny-model --config configs/models/tiny_qwen2.yaml --output outputs/tiny-qwen2 num_key_value_heads=1
     chatgen make-tiny-model --family qwen3 --output outputs/tiny-qwen3     # the built-in defaults, as a Qwen3
     chatgen make-tiny-model --family mixtral --output outputs/tiny-mixtral # 4 experts, 2 per token
 
-The directory holds `config.json`, `model.safetensors` (fp32), `generation_config.json` and a sentencepiece
-tokenizer (`tokenizer.model`, plus the `tokenizer.json` transformers converts it to) trained on the corpus
-shipped in `chatgen/data/tiny_corpus.txt`. Nothing is downloaded. The result loads with
-`transformers.AutoModelForCausalLM.from_pretrained(DIR)` and with `vllm.LLM(DIR)`, the same loading code
-as a real checkpoint.
+The directory holds `config.json`, `model.safetensors` (fp32), `generation_config.json` and a
+sentencepiece tokenizer (`tokenizer.model`, plus the `tokenizer.json` transformers converts it to)
+trained on the corpus shipped in `chatgen/data/tiny_corpus.txt`. Nothing is downloaded. The result
+loads with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` and with `vllm.LLM(DIR)`, the
+same loading code as a real checkpoint.
 
-`--family NAME` sets the spec's `family` (the HF model_type; any of `chatgen.models.supported()`), over
-`--config` and under `key=value` overrides. The HF config is transformers' own class for that model_type
-(`AutoConfig.for_model`), so the maker holds no per-family code; the family module then checks the result
-(`spec_from_hf`), so a spec the family refuses fails here, before anything is built. The mixture-of-experts dials
-(`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`) go to the config under those names where
-transformers' config class for the family has them (a field or an alias: Qwen3-MoE has all three, Mixtral the
-first two, its experts being `intermediate_size` wide; dense families none), so they mean nothing to a dense
-family and need no per-family code either.
+`--family NAME` sets the spec's `family` (the HF model_type; any of `chatgen.models.supported()`),
+over `--config` and under `key=value` overrides. The HF config is transformers' own class for that
+model_type (`AutoConfig.for_model`), so the maker holds no per-family code; the family module then
+checks the result (`spec_from_hf`), so a spec the family refuses fails here, before anything is
+built. The mixture-of-experts dials (`num_experts`, `num_experts_per_tok`, `moe_intermediate_size`)
+go to the config under those names where transformers' config class for the family has them (a field
+or an alias: Qwen3-MoE has all three, Mixtral the first two, its experts being `intermediate_size`
+wide; dense families none), so they mean nothing to a dense family and need no per-family code
+either.
 
-Norm weights (including Qwen3's q_norm / k_norm) and QKV biases (Qwen2) are randomised rather than left at
-ones/zeros, so that a layout bug in a conversion or a weight sync changes the logits instead of hiding
-behind a constant.
+Norm weights (including Qwen3's q_norm / k_norm) and QKV biases (Qwen2) are randomised rather than
+left at ones/zeros, so that a layout bug in a conversion or a weight sync changes the logits instead
+of hiding behind a constant.
 """
 
 import dataclasses
@@ -82,7 +83,8 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 
 def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
-    """Every problem of the spec in one ValueError naming the keys, then the family's own check of the HF config."""
+    """Every problem of the spec in one ValueError naming the keys, then the family's own check
+    of the HF config."""
     errors = []
     if spec.family not in models.supported():
         errors.append(f"family: {spec.family!r} is not supported; use one of {models.supported()}")
@@ -126,10 +128,12 @@ def validate_spec(spec: TinyModelSpec, source: str = "<spec>") -> None:
 
 
 def load_spec(path: str | os.PathLike | None = None, overrides: list[str] = ()) -> TinyModelSpec:
-    """Read a spec YAML (flat keys of TinyModelSpec, `includes:` and `${VAR}` allowed) plus `key=value` overrides.
+    """Read a spec YAML (flat keys of TinyModelSpec, `includes:` and `${VAR}` allowed) plus
+    `key=value` overrides.
 
-    Goes through chatgen's config loader, so an unknown key names the closest valid one and every problem is
-    reported at once (ConfigError); checks that need the whole spec (head size, divisibility) follow.
+    Goes through chatgen's config loader, so an unknown key names the closest valid one and every
+    problem is reported at once (ConfigError); checks that need the whole spec (head size,
+    divisibility) follow.
     """
     spec = load_model_config(path, TinyModelSpec, list(overrides))
     validate_spec(spec, str(path or "overrides"))
@@ -137,7 +141,8 @@ def load_spec(path: str | os.PathLike | None = None, overrides: list[str] = ()) 
 
 
 def train_tokenizer(out_dir: Path, vocab_size: int, corpus: Path = CORPUS) -> None:
-    """Train a BPE sentencepiece model (digits split, byte fallback) and write transformers' files."""
+    """Train a BPE sentencepiece model (digits split, byte fallback) and write transformers'
+    files."""
     import sentencepiece as spm
 
     spm.SentencePieceTrainer.train(
@@ -172,8 +177,8 @@ MOE_KEYS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 
 
 def hf_config(spec: TinyModelSpec):
-    """The transformers config object for a spec: transformers' own config class for `spec.family`, with the MoE
-    dials that class has (a field or an alias)."""
+    """The transformers config object for a spec: transformers' own config class for
+    `spec.family`, with the MoE dials that class has (a field or an alias)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 

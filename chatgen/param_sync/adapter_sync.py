@@ -1,21 +1,23 @@
-"""The adapter-only transport: a LoRA trainer's adapter (A and B of each target, a few percent of the model) goes
-to an engine that keeps its base weights and samples with the adapter on top (vLLM's LoRA path; the hf backend
-merges it), instead of the merged weights of `sync_weights`. docs/lora.md says when each pays.
+"""The adapter-only transport: a LoRA trainer's adapter (A and B of each target, a few percent of
+the model) goes to an engine that keeps its base weights and samples with the adapter on top (vLLM's
+LoRA path; the hf backend merges it), instead of the merged weights of `sync_weights`. docs/lora.md
+says when each pays.
 
     report = sync_adapter(trainer, engine)          # on every trainer rank, each with its engine rank (or None)
     AdapterSender(engine).send(trainer)             # the same, as a sender
 
-The source is `trainer.adapter_weights()` (chatgen.training.lora_sync.AdapterWeights: PEFT's names, gathered over
-TP and PP, so any trainer layout sends the whole adapter) or a (adapter_config dict, {PEFT name: tensor}) pair.
-The checks are the full sync's (chatgen.param_sync.checks): the manifest (every pair's shapes against the
-engine's own weight of that name, the rank against the config), finiteness before a byte is written, the stream
-against its plan (`validate`: bit for bit against a second gather), and the engine's own check of the values it
-receives; then the engine swaps the adapter in place (`load_lora_tensors`, in memory: no file). A refused
-adapter leaves the engine's weights and adapter as they were.
+The source is `trainer.adapter_weights()` (chatgen.training.lora_sync.AdapterWeights: PEFT's names,
+gathered over TP and PP, so any trainer layout sends the whole adapter) or a (adapter_config dict,
+{PEFT name: tensor}) pair. The checks are the full sync's (chatgen.param_sync.checks): the manifest
+(every pair's shapes against the engine's own weight of that name, the rank against the config),
+finiteness before a byte is written, the stream against its plan (`validate`: bit for bit against a
+second gather), and the engine's own check of the values it receives; then the engine swaps the
+adapter in place (`load_lora_tensors`, in memory: no file). A refused adapter leaves the engine's
+weights and adapter as they were.
 
-In-process only: the engine is a generation module of this process (colocated). The group and shared-memory
-transports carry a full weight set into `load_weights`; an adapter through them is refused naming the fix
-(the merged sync, `sync_weights`, crosses processes with every check).
+In-process only: the engine is a generation module of this process (colocated). The group and
+shared-memory transports carry a full weight set into `load_weights`; an adapter through them is
+refused naming the fix (the merged sync, `sync_weights`, crosses processes with every check).
 """
 
 import time
@@ -36,8 +38,8 @@ REFUSED = "adapter-only sync refused, the engine keeps its weights and adapter"
 
 
 class AdapterTensors:
-    """An adapter held in this process, (adapter_config.json as a dict, {PEFT name: tensor}), as a weight source
-    (one bucket, in name order)."""
+    """An adapter held in this process, (adapter_config.json as a dict, {PEFT name: tensor}), as
+    a weight source (one bucket, in name order)."""
 
     def __init__(self, config: dict, tensors: dict):
         self.config, self._tensors = config, dict(sorted(tensors.items()))
@@ -58,7 +60,8 @@ class AdapterTensors:
 
 
 def adapter_source(source):
-    """The adapter weight source of a LoRA trainer (`adapter_weights()`) or of a (config, tensors) pair."""
+    """The adapter weight source of a LoRA trainer (`adapter_weights()`) or of a (config,
+    tensors) pair."""
     if isinstance(source, tuple) and len(source) == 2:
         return AdapterTensors(*source)
     lora = getattr(getattr(source, "config", None), "lora", None)
@@ -71,8 +74,9 @@ def adapter_source(source):
 
 
 def check_adapter_manifest(weights, engine_manifest: dict) -> None:
-    """Every adapted weight exists in the engine with (out, in) matching its pair's B (out, r) and A (r, in), each
-    pair complete, every rank the config's `r`; a SyncError listing every mismatch."""
+    """Every adapted weight exists in the engine with (out, in) matching its pair's B (out, r)
+    and A (r, in), each pair complete, every rank the config's `r`; a SyncError listing every
+    mismatch."""
     rank, pairs, problems = weights.config.get("r"), {}, []
     for name, shape in plan_manifest(weights.plan).items():
         try:
@@ -107,7 +111,8 @@ def check_adapter_manifest(weights, engine_manifest: dict) -> None:
 
 
 def check_engine(target) -> None:
-    """A SyncError unless `target` takes adapters: a generation module of this process with enable_lora."""
+    """A SyncError unless `target` takes adapters: a generation module of this process with
+    enable_lora."""
     if hasattr(target, "send"):
         raise SyncError(
             f"{REFUSED}: {type(target).__name__} carries full weight sets to an engine in another process, "
@@ -124,8 +129,9 @@ def check_engine(target) -> None:
 
 
 class AdapterSender:
-    """Swaps the adapter of `target`, a generation module of this process with `enable_lora` (None on a trainer
-    rank whose engine lives on another rank: it takes part in the gathers only)."""
+    """Swaps the adapter of `target`, a generation module of this process with `enable_lora`
+    (None on a trainer rank whose engine lives on another rank: it takes part in the gathers
+    only)."""
 
     def __init__(self, target):
         if target is not None:
@@ -135,8 +141,9 @@ class AdapterSender:
     def send(
         self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> SyncReport:
-        """Check and load `source`'s adapter (see the module docstring); collective over the trainer's ranks.
-        bucket_bytes: unused (the adapter is one bucket), for the senders' common signature."""
+        """Check and load `source`'s adapter (see the module docstring); collective over the
+        trainer's ranks. bucket_bytes: unused (the adapter is one bucket), for the senders'
+        common signature."""
         start = time.perf_counter()
         weights = adapter_source(source)
         if self.target is not None:
@@ -163,7 +170,7 @@ class AdapterSender:
 
 
 def sync_adapter(source, target, validate: bool = False) -> SyncReport:
-    """Load `source`'s adapter (a LoRA MegatronModule, or a (config, tensors) pair) into `target`, a generation
-    module of this process with enable_lora (None: this trainer rank only takes part); collective over the
-    trainer's ranks. See the module docstring."""
+    """Load `source`'s adapter (a LoRA MegatronModule, or a (config, tensors) pair) into
+    `target`, a generation module of this process with enable_lora (None: this trainer rank only
+    takes part); collective over the trainer's ranks. See the module docstring."""
     return AdapterSender(target).send(source, validate)

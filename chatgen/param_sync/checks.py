@@ -1,10 +1,12 @@
-"""The checks every weight sync makes, whatever carries the weights: the manifest (every parameter once, the
-engine's shapes), the header a trainer sends ahead of the data, finiteness, exact fingerprints of a validating
-sync, the stream against its plan, and the MAC / signature that authenticate a trainer (the group transport runs
-the challenge over its own wire: chatgen.param_sync.wire.authenticate). Also `load_into`, the one way weights
-enter a generation module, which turns a failure into a SyncError saying what the engine holds afterwards.
+"""The checks every weight sync makes, whatever carries the weights: the manifest (every parameter
+once, the engine's shapes), the header a trainer sends ahead of the data, finiteness, exact
+fingerprints of a validating sync, the stream against its plan, and the MAC / signature that
+authenticate a trainer (the group transport runs the challenge over its own wire:
+chatgen.param_sync.wire.authenticate). Also `load_into`, the one way weights enter a generation
+module, which turns a failure into a SyncError saying what the engine holds afterwards.
 
-Nothing here moves bytes between processes; every transport (local.py, group.py, shm.py) calls these.
+Nothing here moves bytes between processes; every transport (local.py, group.py, shm.py) calls
+these.
 """
 
 import dataclasses
@@ -25,7 +27,8 @@ class Sender(Protocol):
     """The trainer's end of a transport (LocalSender, GroupSender, ShmSender, AdapterSender)."""
 
     def send(self, source, validate: bool = False, bucket_bytes: int = ...) -> "SyncReport":
-        """Deliver `source`'s weights (chatgen.param_sync.weight_source); collective over its ranks."""
+        """Deliver `source`'s weights (chatgen.param_sync.weight_source); collective over its
+        ranks."""
 
     def close(self) -> None: ...
 
@@ -44,8 +47,8 @@ class Receiver(Protocol):
     ) -> "SyncReport":
         """Load one sync into `target` (a generation module), in `mode` (its requests in flight).
         header: the trainer's sync header when the transport hands it over out of band (shm: the
-        handshake; a group reads its own from the wire); alive: polled while waiting for a transport
-        that waits (group), False ends the sync with a SyncError."""
+        handshake; a group reads its own from the wire); alive: polled while waiting for a
+        transport that waits (group), False ends the sync with a SyncError."""
 
     def close(self) -> None: ...
 
@@ -92,7 +95,8 @@ def check_manifest(sent: dict, expected: dict, where: str = "engine") -> None:
 
 
 def plan_manifest(plan: list) -> dict:
-    """{HF name: shape} of a bucket plan ([[(name, shape)] per bucket]); a name sent twice is a SyncError."""
+    """{HF name: shape} of a bucket plan ([[(name, shape)] per bucket]); a name sent twice is a
+    SyncError."""
     out = {}
     for bucket in plan:
         for name, shape in bucket:
@@ -110,8 +114,9 @@ def plan_bytes(plan, dtype) -> int:
 
 
 def nonfinite(named_tensors) -> list[str]:
-    """Names of the (name, tensor) pairs holding NaN or inf. One fp32 sum per tensor, without a copy: NaN and
-    inf survive a sum (inf + -inf is NaN); a sum that overflows from finite values is ruled out exactly."""
+    """Names of the (name, tensor) pairs holding NaN or inf. One fp32 sum per tensor, without a
+    copy: NaN and inf survive a sum (inf + -inf is NaN); a sum that overflows from finite values
+    is ruled out exactly."""
     return [
         name
         for name, t in named_tensors
@@ -133,17 +138,19 @@ _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def fingerprint(t: torch.Tensor) -> list:
-    """Two integer sums over the tensor's bit patterns (plain and position-weighted, wrapping in int64):
-    exact and independent of summation order or thread count, and a permutation changes the second."""
+    """Two integer sums over the tensor's bit patterns (plain and position-weighted, wrapping in
+    int64): exact and independent of summation order or thread count, and a permutation changes
+    the second."""
     bits = t.detach().contiguous().reshape(-1).view(_INT_VIEW[t.element_size()]).long()
     w = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device) % 9973 + 1
     return [int(bits.sum()), int((bits * w).sum())]
 
 
 def load_into(target, buckets, mode: str = "wait") -> int:
-    """Feed bucket lists into a generation module (`load_weights`, chatgen.generation.base); returns tensors
-    written. If the write fails once the module began replacing its weights, it refuses to generate until a sync
-    completes (`needs_resync`), and the SyncError says the engine is partially updated."""
+    """Feed bucket lists into a generation module (`load_weights`, chatgen.generation.base);
+    returns tensors written. If the write fails once the module began replacing its weights, it
+    refuses to generate until a sync completes (`needs_resync`), and the SyncError says the
+    engine is partially updated."""
     written = [0]
 
     def counted(bucket):
@@ -170,8 +177,9 @@ def load_into(target, buckets, mode: str = "wait") -> int:
 
 
 def checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None, finite=False):
-    """Pass buckets through, checking names/shapes against the plan and, when asked, every value (against
-    `weights.reference(i)`, or the sender's `fingerprints`; `finite`: no NaN / inf, whatever the sender said)."""
+    """Pass buckets through, checking names/shapes against the plan and, when asked, every value
+    (against `weights.reference(i)`, or the sender's `fingerprints`; `finite`: no NaN / inf,
+    whatever the sender said)."""
     for index, (bucket, items) in enumerate(zip(plan, buckets_iter)):
         bad = nonfinite(items) if finite else []
         if bad:
@@ -203,9 +211,10 @@ def checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None,
 
 
 def sync_header(weights, validate: bool) -> dict:
-    """What a trainer tells an engine in another process before the data (JSON): dtype, the bucket plan
-    [[[name, shape]]], the parameters holding NaN / inf, and (validate) each tensor's fingerprint by the
-    independent path. Collective over the source's ranks (`nonfinite`, `reference`)."""
+    """What a trainer tells an engine in another process before the data (JSON): dtype, the
+    bucket plan [[[name, shape]]], the parameters holding NaN / inf, and (validate) each tensor's
+    fingerprint by the independent path. Collective over the source's ranks (`nonfinite`,
+    `reference`)."""
     header = {
         "dtype": str(weights.dtype),
         "buckets": [[[n, list(s)] for n, s in b] for b in weights.plan],
@@ -223,9 +232,10 @@ def sync_header(weights, validate: bool) -> dict:
 
 
 def check_header(header: dict, target) -> None:
-    """The engine's checks of a `sync_header` before anything is written: known dtype, no name twice, the
-    manifest against `target`'s architecture, no parameter the trainer reports NaN / inf. (The engine checks
-    the values it receives itself too: `checked(..., finite=True)`.) A SyncError names what is wrong."""
+    """The engine's checks of a `sync_header` before anything is written: known dtype, no name
+    twice, the manifest against `target`'s architecture, no parameter the trainer reports NaN /
+    inf. (The engine checks the values it receives itself too: `checked(..., finite=True)`.) A
+    SyncError names what is wrong."""
     if header["dtype"] not in DTYPES:
         raise SyncError(
             f"weight sync refused, the engine keeps its old weights: dtype {header['dtype']} is not one "

@@ -1,6 +1,6 @@
 """The collective transport: trainer rank 0 -> N engine ranks (N >= 1, any nodes) over one private
-torch.distributed group of 1 + N members (gloo on CPU, NCCL on GPU), one broadcast per bucket, so the trainer
-sends each byte once whatever N.
+torch.distributed group of 1 + N members (gloo on CPU, NCCL on GPU), one broadcast per bucket, so
+the trainer sends each byte once whatever N.
 
     # the trainer hosts the rendezvous (a run's generation group: every engine rank of every replica joins)
     tx = GroupSender(token, 1 + N, host="127.0.0.1")    # every trainer rank; rank 0 listens: tx.host, tx.port
@@ -11,17 +11,18 @@ sends each byte once whatever N.
     rx = GroupReceiver.listen()                       # rx.port, rx.token (hand them to the trainer)
     rx.receive_into(policy)          |    GroupSender.to(rx_host, rx.port, rx.token).send(trainer)
 
-`begin` / `finish` (callables, rank 0 only) are the handshake of a server that opens the group per update:
-begin(held port or None) -> {"host", "port", "token"} before the data, finish(ok) after it.
+`begin` / `finish` (callables, rank 0 only) are the handshake of a server that opens the group per
+update: begin(held port or None) -> {"host", "port", "token"} before the data, finish(ok) after it.
 
 Every sync: each member proves the token over the group's own connections (chatgen.param_sync.wire
-.authenticate); the trainer sends its signed header (chatgen.param_sync.checks.sync_header); every engine rank
-checks it against its architecture and gives its verdict, and any refusal stops the sync for all before a byte
-is written (every engine keeps its old weights); then the buckets, each engine checking names, shapes, values
-(NaN / inf) and, on a validating sync, exact fingerprints; then every engine rank's verdict again. An engine
-rank that listens (`listen`) waits a bounded time at each step (`timeout`, and `alive` polled): a trainer that
-dies or stalls costs one failed sync, never a stuck engine. A sync that fails without both ends knowing where
-the other stands closes the receiver (`closed`): open a new one.
+.authenticate); the trainer sends its signed header (chatgen.param_sync.checks.sync_header); every
+engine rank checks it against its architecture and gives its verdict, and any refusal stops the sync
+for all before a byte is written (every engine keeps its old weights); then the buckets, each engine
+checking names, shapes, values (NaN / inf) and, on a validating sync, exact fingerprints; then every
+engine rank's verdict again. An engine rank that listens (`listen`) waits a bounded time at each
+step (`timeout`, and `alive` polled): a trainer that dies or stalls costs one failed sync, never a
+stuck engine. A sync that fails without both ends knowing where the other stands closes the receiver
+(`closed`): open a new one.
 """
 
 import hmac
@@ -65,13 +66,13 @@ from chatgen.param_sync.wire import (
 
 
 class GroupSender:
-    """Trainer end; construct on every trainer rank (global rank 0 talks to the engines, the other ranks take
-    part in reading the weights: `weight_source` is collective).
+    """Trainer end; construct on every trainer rank (global rank 0 talks to the engines, the other
+    ranks take part in reading the weights: `weight_source` is collective).
 
-    GroupSender(token, world_size, host, port=0): rank 0 hosts the rendezvous on `host` (port 0: a free one)
-    from construction on, and `connect()` forms the group with the engine ranks that join it.
-    GroupSender.to(host, port, token): the engine hosts it; rank 0 joins at its first send. `token` may be
-    replaced before each send (a server hands out one per update: `begin`).
+    GroupSender(token, world_size, host, port=0): rank 0 hosts the rendezvous on `host` (port 0: a
+    free one) from construction on, and `connect()` forms the group with the engine ranks that join
+    it. GroupSender.to(host, port, token): the engine hosts it; rank 0 joins at its first send.
+    `token` may be replaced before each send (a server hands out one per update: `begin`).
     """
 
     def __init__(
@@ -110,16 +111,17 @@ class GroupSender:
         return cls(token, 2, host, port, listen=False, begin=begin, finish=finish)
 
     def connect(self) -> None:
-        """Form the group; blocks until every engine rank joined too (`GroupReceiver`). Listening senders only."""
+        """Form the group; blocks until every engine rank joined too (`GroupReceiver`). Listening
+        senders only."""
         if _rank() == 0:
             self._pg = process_group(self._store, 0, self.world_size)
 
     def send(
         self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> SyncReport:
-        """Send `source`'s weights (see chatgen.param_sync.weight_source) to every engine rank; collective over
-        the source's ranks. SyncError when any engine refused (every engine keeps its old weights) or failed to
-        load (that engine says whether it is partially updated)."""
+        """Send `source`'s weights (see chatgen.param_sync.weight_source) to every engine rank;
+        collective over the source's ranks. SyncError when any engine refused (every engine keeps
+        its old weights) or failed to load (that engine says whether it is partially updated)."""
         start = time.perf_counter()
         # a source that cannot be read fails before any handshake
         weights = weight_source(source, bucket_bytes)
@@ -152,7 +154,8 @@ class GroupSender:
         self.token = endpoint["token"]
 
     def _send(self, weights, validate: bool) -> int:
-        """Rank 0's part: header, verdicts, buckets, verdicts; every step's outcome shared with the other ranks."""
+        """Rank 0's part: header, verdicts, buckets, verdicts; every step's outcome shared with
+        the other ranks."""
         header = sync_header(weights, validate)  # collective over the trainer ranks
         verdict = failure = None
         try:
@@ -211,9 +214,10 @@ def _rank() -> int:
 
 
 class GroupReceiver:
-    """Engine end: member `rank` (1..world_size-1) of the group a trainer hosts at host:port; joins at
-    construction (blocks until every member joined). `GroupReceiver.listen()` hosts the rendezvous instead.
-    timeout: the engine's patience, in seconds, at each step of a sync (None: wait as long as the trainer)."""
+    """Engine end: member `rank` (1..world_size-1) of the group a trainer hosts at host:port;
+    joins at construction (blocks until every member joined). `GroupReceiver.listen()` hosts the
+    rendezvous instead. timeout: the engine's patience, in seconds, at each step of a sync (None:
+    wait as long as the trainer)."""
 
     def __init__(
         self,
@@ -237,10 +241,10 @@ class GroupReceiver:
     def listen(
         cls, host: str = "127.0.0.1", port: int = 0, timeout: float = DEFAULT_TIMEOUT_S
     ) -> "GroupReceiver":
-        """One engine rank hosting the rendezvous on host:port (port 0 = a free one): create it before the
-        trainer starts and hand it `.port` and `.token` (the secret a sender must prove; hand it over a channel
-        that is itself private or authenticated). The group forms at the first sync, once the rendezvous holds
-        the token's proof."""
+        """One engine rank hosting the rendezvous on host:port (port 0 = a free one): create it
+        before the trainer starts and hand it `.port` and `.token` (the secret a sender must
+        prove; hand it over a channel that is itself private or authenticated). The group forms
+        at the first sync, once the rendezvous holds the token's proof."""
         self = cls.__new__(cls)
         # a named host binds port 0 itself (tcp_store): no race
         if port == 0 and host in (
@@ -266,7 +270,8 @@ class GroupReceiver:
         return self
 
     def new_token(self) -> str:
-        """Replace the token: the next sync must prove this one (a one-time token per update); returns it."""
+        """Replace the token: the next sync must prove this one (a one-time token per update);
+        returns it."""
         self.token = secrets.token_hex(32)
         return self.token
 
@@ -283,15 +288,16 @@ class GroupReceiver:
     def receive_into(
         self, target, mode: str = "wait", *, header: dict | None = None, alive=None
     ) -> SyncReport:
-        """Receive one sync and load it into `target` (a generation module: chatgen.generation.base); blocks until
-        it arrives, is refused, or a deadline passes (with `timeout`: the trainer gets that long to connect, the
-        first time, and prove the token, then as long again for the manifest, each bucket and the end).
-        mode: what the target does with requests in flight (`GenerationModule.load_weights`). header:
-        unused (the trainer's comes over the group's own wire); the Receiver protocol's. alive: optional
-        callable polled while waiting; returning False (the trainer died, the server's operator stopped the
-        update) ends the sync with a SyncError. A listening engine checks every value for NaN / inf itself,
-        whatever the trainer's header says (a run's engine ranks rely on their trainer's check: one sum less per
-        tensor and engine rank).
+        """Receive one sync and load it into `target` (a generation module:
+        chatgen.generation.base); blocks until it arrives, is refused, or a deadline passes (with
+        `timeout`: the trainer gets that long to connect, the first time, and prove the token, then
+        as long again for the manifest, each bucket and the end). mode: what the target does with
+        requests in flight (`GenerationModule.load_weights`). header: unused (the trainer's comes
+        over the group's own wire); the Receiver protocol's. alive: optional callable polled while
+        waiting; returning False (the trainer died, the server's operator stopped the update) ends
+        the sync with a SyncError. A listening engine checks every value for NaN / inf itself,
+        whatever the trainer's header says (a run's engine ranks rely on their trainer's check: one
+        sum less per tensor and engine rank).
         """
         if self.closed:
             raise SyncError(
@@ -412,7 +418,8 @@ class GroupReceiver:
         )
 
     def _connect(self, patience: Patience) -> None:
-        """Wait until the rendezvous holds the token's proof, then form the group (both within `patience`)."""
+        """Wait until the rendezvous holds the token's proof, then form the group (both within
+        `patience`)."""
         proof = mac(self.token, b"rendezvous").hex().encode()
         while not (
             self._store.check([PROOF_KEY])

@@ -1,12 +1,13 @@
-"""The in-process transport: trainer and engine in the same process (colocated), the weights written straight
-from the source's buckets into the engine, without a copy.
+"""The in-process transport: trainer and engine in the same process (colocated), the weights written
+straight from the source's buckets into the engine, without a copy.
 
     LocalSender(policy).send(trainer)               # on every trainer rank, each with its engine rank
     sync_weights(trainer, policy)                   # the same; sync_weights(trainer, sender) for any transport
 
-The manifest ({HF name: shape}) is checked against the engine's architecture and every weight checked finite
-before a byte is written; the stream is checked against the plan, and `validate` recomputes every tensor by an
-independent, unbucketed path and compares bit for bit (chatgen.param_sync.checks).
+The manifest ({HF name: shape}) is checked against the engine's architecture and every weight
+checked finite before a byte is written; the stream is checked against the plan, and `validate`
+recomputes every tensor by an independent, unbucketed path and compares bit for bit
+(chatgen.param_sync.checks).
 """
 
 import time
@@ -25,9 +26,9 @@ from chatgen.param_sync.source import weight_source
 
 
 class LocalSender:
-    """Writes into `target`, a generation module of this process (chatgen.generation.base: `weight_manifest`,
-    `load_weights`, `needs_resync`). mode: what it does with requests in flight (`GenerationModule.load_weights`:
-    wait, keep, recompute, abort)."""
+    """Writes into `target`, a generation module of this process (chatgen.generation.base:
+    `weight_manifest`, `load_weights`, `needs_resync`). mode: what it does with requests in
+    flight (`GenerationModule.load_weights`: wait, keep, recompute, abort)."""
 
     def __init__(self, target, mode: str = "wait"):
         self.target, self.mode = target, mode
@@ -62,10 +63,11 @@ def sync_weights(
     validate: bool = False,
     mode: str = "wait",
 ) -> SyncReport:
-    """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name, tensor) pairs; see
-    `weight_source`) into `target`: a generation module in this process (colocated: call on every trainer rank
-    with that rank's engine), or any sender of chatgen.param_sync (the engine lives elsewhere; its receiver picks
-    the mode). Collective over the source's ranks. mode: what a module in this process does with requests in
-    flight (`GenerationModule.load_weights`: wait, keep, recompute, abort)."""
+    """Copy `source`'s weights (a MegatronModule, a torch.nn.Module with HF names, or (name,
+    tensor) pairs; see `weight_source`) into `target`: a generation module in this process
+    (colocated: call on every trainer rank with that rank's engine), or any sender of
+    chatgen.param_sync (the engine lives elsewhere; its receiver picks the mode). Collective over
+    the source's ranks. mode: what a module in this process does with requests in flight
+    (`GenerationModule.load_weights`: wait, keep, recompute, abort)."""
     sender = target if hasattr(target, "send") else LocalSender(target, mode)
     return sender.send(source, validate, bucket_bytes)

@@ -1,8 +1,10 @@
-"""The shared-memory transport (trainer and engine on one host): the trainer copies every weight once into a file
-in /dev/shm that the engine maps, and the engine's reload reads the weights from there. Crossing processes then
-costs one memcpy, against a socket's several copies for the group transport (gloo over loopback).
+"""The shared-memory transport (trainer and engine on one host): the trainer copies every weight
+once into a file in /dev/shm that the engine maps, and the engine's reload reads the weights from
+there. Crossing processes then costs one memcpy, against a socket's several copies for the group
+transport (gloo over loopback).
 
-Whose the file is, and how the two ends tell each other about it, is the handshake, passed in as callables:
+Whose the file is, and how the two ends tell each other about it, is the handshake, passed in as
+callables:
 
     # the engine owns the directory (`chatgen serve --control`: HTTP begin / finish)
     rx = ShmReceiver()                                # engine: /dev/shm/chatgen-weights-<pid>-XXXX, mode 0700
@@ -15,14 +17,15 @@ Whose the file is, and how the two ends tell each other about it, is the handsha
     handles = tx.write(source)                        # rank 0: {"path", "header" signed with the token}
     load_shm(policy, handles, token)                  # every engine rank on this host; then tx.close()
 
-The file is created 0600 in a 0700 directory with its full size reserved up front (a full /dev/shm is an error,
-not a SIGBUS mid-copy). An engine opens only a name it made or one the trainer signed, checks the header
-(chatgen.param_sync.checks: dtype, names, shapes, finiteness) before reading a byte, checks the file's size, then
-maps it; an engine-owned file is unlinked once mapped, so from then on the memory lives only in the two mappings.
-The engine checks every value itself (NaN / inf refuse the sync, whatever the header says). Both ends keep an
-engine-owned mapping for the next sync of the same size; any failure drops the engine's mapping, and a trainer
-whose `finish` fails removes the file it made. Directories are named with the owning process id:
-`remove_stale_segments()` removes those of processes that no longer run (`chatgen serve --control` calls it).
+The file is created 0600 in a 0700 directory with its full size reserved up front (a full /dev/shm
+is an error, not a SIGBUS mid-copy). An engine opens only a name it made or one the trainer signed,
+checks the header (chatgen.param_sync.checks: dtype, names, shapes, finiteness) before reading a
+byte, checks the file's size, then maps it; an engine-owned file is unlinked once mapped, so from
+then on the memory lives only in the two mappings. The engine checks every value itself (NaN / inf
+refuse the sync, whatever the header says). Both ends keep an engine-owned mapping for the next sync
+of the same size; any failure drops the engine's mapping, and a trainer whose `finish` fails removes
+the file it made. Directories are named with the owning process id: `remove_stale_segments()`
+removes those of processes that no longer run (`chatgen serve --control` calls it).
 """
 
 import contextlib
@@ -68,19 +71,21 @@ _POPULATE = getattr(mmap, "MAP_POPULATE", 0)
 
 
 class SharedMemoryUnavailable(SyncError):
-    """The trainer cannot create the engine's file: the engine is on another machine (or in another /dev/shm), run
-    by another user, or /dev/shm is full. Raised before anything is written or any collective is called."""
+    """The trainer cannot create the engine's file: the engine is on another machine (or in
+    another /dev/shm), run by another user, or /dev/shm is full. Raised before anything is
+    written or any collective is called."""
 
 
 class ShmSender:
-    """Trainer end: copies the weights into the file `begin` names and keeps it mapped for the next sync of the
-    same size. Construct on every trainer rank: rank 0 writes and talks to the engine (`begin`, `finish`), the
-    other ranks take part in the source's collectives.
+    """Trainer end: copies the weights into the file `begin` names and keeps it mapped for the next
+    sync of the same size. Construct on every trainer rank: rank 0 writes and talks to the engine
+    (`begin`, `finish`), the other ranks take part in the source's collectives.
 
-    begin(held) -> the path to write: held is the path this sender still maps when the size is unchanged (the
-    engine hands it back while it maps it too), else None. finish(body) -> None once the engine loaded the
-    weights, or the message saying why it refused (a SyncError here, the engine keeps its old weights).
-    body: {"header": sync_header} once every byte is written, {"error": why} when this end failed.
+    begin(held) -> the path to write: held is the path this sender still maps when the size is
+    unchanged (the engine hands it back while it maps it too), else None. finish(body) -> None once
+    the engine loaded the weights, or the message saying why it refused (a SyncError here, the
+    engine keeps its old weights). body: {"header": sync_header} once every byte is written,
+    {"error": why} when this end failed.
     """
 
     def __init__(self, begin=None, finish=None):
@@ -89,8 +94,9 @@ class ShmSender:
 
     @classmethod
     def owned(cls, token: str, root: str = SHM_ROOT) -> "ShmSender":
-        """A sender that owns its file: each send writes a new one in a private directory of its own under `root`
-        (the one before removed) and keeps `handles` ({"path", "header" signed with `token`}) for the engines."""
+        """A sender that owns its file: each send writes a new one in a private directory of its
+        own under `root` (the one before removed) and keeps `handles` ({"path", "header" signed
+        with `token`}) for the engines."""
         self = cls()
         self.token, self.root, self.directory, self.handles = token, root, None, None
         self.begin, self.finish = self._own_path, self._keep_handles
@@ -99,7 +105,8 @@ class ShmSender:
     def send(
         self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> SyncReport:
-        """Write `source` (see `weight_source`) into the engine; collective over the source's ranks."""
+        """Write `source` (see `weight_source`) into the engine; collective over the source's
+        ranks."""
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
         nbytes = plan_bytes(weights.plan, weights.dtype)
@@ -143,14 +150,15 @@ class ShmSender:
     def write(
         self, source, validate: bool = False, bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ) -> dict | None:
-        """An owning sender's send: the handles every engine rank loads (`load_shm`) on rank 0, None on the
-        other ranks. Collective over the source's ranks."""
+        """An owning sender's send: the handles every engine rank loads (`load_shm`) on rank 0,
+        None on the other ranks. Collective over the source's ranks."""
         self.send(source, validate, bucket_bytes)
         return self.handles if _rank() == 0 else None
 
     def _finish(self, body: dict):
-        """`finish`, and the file this sender made removed when it fails (the engine never heard of the data: a
-        server killed between the write and its finish would leave the whole model in /dev/shm)."""
+        """`finish`, and the file this sender made removed when it fails (the engine never heard
+        of the data: a server killed between the write and its finish would leave the whole model
+        in /dev/shm)."""
         try:
             return self.finish(body)
         except BaseException:
@@ -168,14 +176,16 @@ class ShmSender:
 
     def _keep_handles(self, body: dict) -> None:
         if "header" in body:
-            # the signature binds the file too: its path, size and content (the engine loads no other)
+            # the signature binds the file too: its path, size and content (the engine loads no
+            # other)
             written = {"path": self.path, "size": len(self._map), "sha256": _digest(self._map)}
             header = signed({**body["header"], "file": written}, self.token)
             self.handles = {"path": self.path, "header": header}
 
     def close(self) -> None:
-        """Let go of the mapping (its memory is freed once the engine lets go too); an owning sender also
-        removes its last file (once every engine loaded it; each write removes the one before)."""
+        """Let go of the mapping (its memory is freed once the engine lets go too); an owning
+        sender also removes its last file (once every engine loaded it; each write removes the
+        one before)."""
         self.path = self._map = None
         if getattr(self, "directory", None) is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
@@ -200,8 +210,8 @@ def _create(path: str, nbytes: int) -> mmap.mmap:
 
 
 class ShmReceiver:
-    """Engine end: owns a private directory in /dev/shm, names the one file a trainer writes there, checks the
-    trainer's header, maps the file and loads from it."""
+    """Engine end: owns a private directory in /dev/shm, names the one file a trainer writes
+    there, checks the trainer's header, maps the file and loads from it."""
 
     def __init__(self, root: str = SHM_ROOT):
         # mode 0700
@@ -211,8 +221,8 @@ class ShmReceiver:
         self.path, self._map = None, None
 
     def name(self, held: str | None) -> str:
-        """The path the trainer writes next: `held` (the file it wrote last) while this end still maps it, else a
-        new name (the previous file is dropped)."""
+        """The path the trainer writes next: `held` (the file it wrote last) while this end still
+        maps it, else a new name (the previous file is dropped)."""
         if held is not None and held == self.path and self._map is not None:
             return held
         self.drop()
@@ -222,10 +232,11 @@ class ShmReceiver:
     def receive_into(
         self, target, mode: str = "wait", *, header: dict | None = None, alive=None
     ) -> SyncReport:
-        """Check the trainer's `header` (a `sync_header`, handed over by the handshake) against `target` (a
-        generation module), then load the weights from the file named last. Any failure drops the file
-        (SyncError; before the load, the engine keeps its old weights). alive: unused (the file is
-        written before this is called: nothing to wait for); the Receiver protocol's."""
+        """Check the trainer's `header` (a `sync_header`, handed over by the handshake) against
+        `target` (a generation module), then load the weights from the file named last. Any
+        failure drops the file (SyncError; before the load, the engine keeps its old weights).
+        alive: unused (the file is written before this is called: nothing to wait for); the
+        Receiver protocol's."""
         if header is None:
             raise SyncError(
                 "ShmReceiver.receive_into needs the trainer's sync header (header=...), handed over "
@@ -291,8 +302,9 @@ class ShmReceiver:
 
 
 def load_shm(target, handles: dict, token: str, mode: str = "wait") -> SyncReport:
-    """Engine end of an owning `ShmSender`: verify the trainer's signed header, check it against `target` (a
-    generation module), then map the file and load from it. A SyncError before the load leaves the old weights."""
+    """Engine end of an owning `ShmSender`: verify the trainer's signed header, check it against
+    `target` (a generation module), then map the file and load from it. A SyncError before the
+    load leaves the old weights."""
     start = time.perf_counter()
     header = handles["header"]
     verify(header, token)
@@ -339,8 +351,9 @@ def _digest(buffer) -> str:
 
 
 def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, where: str) -> int:
-    """Load the weights of a mapped file into `target`: every value checked finite first (never the trainer's
-    word for it), then the stream checked against the plan and, validating, the fingerprints."""
+    """Load the weights of a mapped file into `target`: every value checked finite first (never
+    the trainer's word for it), then the stream checked against the plan and, validating, the
+    fingerprints."""
 
     def buckets():
         return unflatten_buckets(plan, slices(flat))
@@ -357,9 +370,10 @@ def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, 
 
 
 def remove_stale_segments(root: str = SHM_ROOT) -> list:
-    """Remove the weight directories under `root` that this user's chatgen processes left when they were killed
-    (named `chatgen-weights-<pid>-` or `chatgen-refit-<pid>-`, owned by this user, of a pid that no longer runs);
-    never another user's, nor a running process's. Returns the paths removed."""
+    """Remove the weight directories under `root` that this user's chatgen processes left when
+    they were killed (named `chatgen-weights-<pid>-` or `chatgen-refit-<pid>-`, owned by this
+    user, of a pid that no longer runs); never another user's, nor a running process's. Returns
+    the paths removed."""
     removed = []
     pattern = re.compile(rf"^(?:{re.escape(ENGINE_PREFIX)}|{re.escape(TRAINER_PREFIX)})(\d+)-")
     with contextlib.suppress(OSError), os.scandir(root) as entries:

@@ -1,10 +1,11 @@
-"""Where a sync's weights come from: `weight_source(x)` turns a MegatronModule (its `hf_weights()` stream), a
-torch.nn.Module with HF parameter names, or (name, tensor) pairs into a weight source.
+"""Where a sync's weights come from: `weight_source(x)` turns a MegatronModule (its `hf_weights()`
+stream), a torch.nn.Module with HF parameter names, or (name, tensor) pairs into a weight source.
 
-A source is an object with: `plan` ([[(hf name, shape)] per bucket], the same on every rank of the source),
-`dtype`, `buckets()` (yields [(hf name, tensor)] per bucket of the plan; collective over the source's ranks),
-`reference(i)` (bucket i by an independent path, for validation) and `nonfinite()` (HF names of parameters
-holding NaN/inf). `MegatronModule.hf_weights()` is one; `LocalWeights` wraps tensors held in this process.
+A source is an object with: `plan` ([[(hf name, shape)] per bucket], the same on every rank of the
+source), `dtype`, `buckets()` (yields [(hf name, tensor)] per bucket of the plan; collective over
+the source's ranks), `reference(i)` (bucket i by an independent path, for validation) and
+`nonfinite()` (HF names of parameters holding NaN/inf). `MegatronModule.hf_weights()` is one;
+`LocalWeights` wraps tensors held in this process.
 """
 
 import torch
@@ -14,7 +15,8 @@ from chatgen.param_sync.checks import SyncError, nonfinite
 
 
 class LocalWeights:
-    """HF-named tensors held whole in this process (a transformers model, a list of pairs) as a weight source."""
+    """HF-named tensors held whole in this process (a transformers model, a list of pairs) as a
+    weight source."""
 
     def __init__(self, named_tensors, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self._tensors = [(name, t.detach()) for name, t in named_tensors]
@@ -53,7 +55,8 @@ _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_o
 
 
 def _module_tensors(module: torch.nn.Module):
-    """(HF name, full tensor) of a model's parameters, wrappers (DDP/FSDP `.module`, torch.compile) unwrapped."""
+    """(HF name, full tensor) of a model's parameters, wrappers (DDP/FSDP `.module`,
+    torch.compile) unwrapped."""
     while isinstance(getattr(module, "module", None), torch.nn.Module):  # DDP, FSDP1
         module = module.module
     module = getattr(module, "_orig_mod", module)  # torch.compile
@@ -68,7 +71,8 @@ def _module_tensors(module: torch.nn.Module):
 
 
 def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """The weight source (see above) of a MegatronModule, a torch.nn.Module, or an iterable of (name, tensor)."""
+    """The weight source (see above) of a MegatronModule, a torch.nn.Module, or an iterable of
+    (name, tensor)."""
     if hasattr(source, "hf_weights"):  # chatgen.MegatronModule
         return source.hf_weights(bucket_bytes)
     if isinstance(source, torch.nn.Module):

@@ -1,20 +1,23 @@
-"""The wire of the collective transport: a rendezvous store and a private torch.distributed group (gloo on CPU,
-NCCL on GPU), broadcasts with deadlines (`Patience`), JSON messages (never pickle: the peer is another process),
-the token challenge every member passes before each sync (`authenticate`), and the trainer ranks' shared verdict.
+"""The wire of the collective transport: a rendezvous store and a private torch.distributed group
+(gloo on CPU, NCCL on GPU), broadcasts with deadlines (`Patience`), JSON messages (never pickle: the
+peer is another process), the token challenge every member passes before each sync (`authenticate`),
+and the trainer ranks' shared verdict.
 
-The group: whoever hosts it (the engine, or a run's trainer) serves a torch TCPStore (the rendezvous) and the
-members form a private group (gloo on CPU, NCCL on GPU) that carries the weights. Anyone who reaches the store's
-port can read, write and delete its keys (list_keys included), and so take part in the group's rendezvous:
-nothing a stranger can do there may become a weight. So the members share a token (handed over by whoever set
-the channel up: the authenticated HTTP begin call, a Ray call, a child's arguments), and
-  1. an engine that hosts the rendezvous starts the group only once it holds an HMAC of the token (PROOF_KEY): a
-     stranger cannot make the engine connect anywhere;
-  2. before every sync, over the group's own connections (the ones the tensors will come through), every member
-     proves the token (`authenticate`): a fresh nonce from each, then HMAC-SHA256(token, role | the nonces) from
-     each, checked by all in constant time. A peer that joined in the trainer's place fails here, before the
-     manifest or any tensor is read; a trainer talking to a stranger in an engine's place sends nothing.
-Every wait of a listening engine has a deadline and can be stopped (`Patience`): a trainer that dies or stalls
-mid-sync costs one failed sync, never a stuck engine.
+The group: whoever hosts it (the engine, or a run's trainer) serves a torch TCPStore (the
+rendezvous) and the members form a private group (gloo on CPU, NCCL on GPU) that carries the
+weights. Anyone who reaches the store's port can read, write and delete its keys (list_keys
+included), and so take part in the group's rendezvous: nothing a stranger can do there may become a
+weight. So the members share a token (handed over by whoever set the channel up: the authenticated
+HTTP begin call, a Ray call, a child's arguments), and
+  1. an engine that hosts the rendezvous starts the group only once it holds an HMAC of the token
+     (PROOF_KEY): a stranger cannot make the engine connect anywhere;
+  2. before every sync, over the group's own connections (the ones the tensors will come through),
+     every member proves the token (`authenticate`): a fresh nonce from each, then
+     HMAC-SHA256(token, role | the nonces) from each, checked by all in constant time. A peer that
+     joined in the trainer's place fails here, before the manifest or any tensor is read; a trainer
+     talking to a stranger in an engine's place sends nothing.
+Every wait of a listening engine has a deadline and can be stopped (`Patience`): a trainer that dies
+or stalls mid-sync costs one failed sync, never a stuck engine.
 """
 
 import datetime
@@ -39,17 +42,19 @@ PROOF_KEY = "chatgen_weight_sync_proof"
 
 
 def rendezvous_store(host: str, port: int, is_server: bool, world_size: int = 2):
-    """The rendezvous of a group of `world_size` members (a loopback host: a loopback-only listener)."""
+    """The rendezvous of a group of `world_size` members (a loopback host: a loopback-only
+    listener)."""
     return tcp_store(host, port, world_size, is_server, timeout=TRAINER_TIMEOUT)
 
 
 def process_group(
     store, rank: int, world_size: int = 2, timeout: datetime.timedelta = TRAINER_TIMEOUT
 ):
-    """The members' own group (0 = trainer rank 0, the others engine ranks), independent of any default group:
-    NCCL when every member is on a GPU of its own, else gloo (through host memory). Chosen by where the members
-    are, which each writes into the rendezvous: NCCL cannot pair two ranks on one device (a trainer and `chatgen
-    serve --control` sharing a GPU), and a CPU member has no NCCL."""
+    """The members' own group (0 = trainer rank 0, the others engine ranks), independent of any
+    default group: NCCL when every member is on a GPU of its own, else gloo (through host
+    memory). Chosen by where the members are, which each writes into the rendezvous: NCCL cannot
+    pair two ranks on one device (a trainer and `chatgen serve --control` sharing a GPU), and a
+    CPU member has no NCCL."""
     keys = [f"chatgen_sync_device_{r}" for r in range(world_size)]
     store.set(keys[rank], where())
     # the caller's deadline (a listening engine's patience), not the store's
@@ -68,7 +73,8 @@ def where() -> str:
 
 
 def nccl_among(places: list) -> bool:
-    """Whether members at `places` (each one's `where()`) can form an NCCL group: all on GPUs, no two on one."""
+    """Whether members at `places` (each one's `where()`) can form an NCCL group: all on GPUs, no
+    two on one."""
     return all(p != "cpu" for p in places) and len(set(places)) == len(places)
 
 
@@ -80,15 +86,17 @@ def device(pg=None):
 
 
 class Patience:
-    """How long the engine waits for the trainer at one step of a sync (`what`), and whether it still should
-    (`alive()`, polled): an operation on the group that outlasts either raises SyncError."""
+    """How long the engine waits for the trainer at one step of a sync (`what`), and whether it
+    still should (`alive()`, polled): an operation on the group that outlasts either raises
+    SyncError."""
 
     def __init__(self, seconds: float, alive, what: str):
         self.seconds, self.alive, self.what = seconds, alive, what
         self.end = time.monotonic() + seconds
 
     def remaining(self) -> datetime.timedelta:
-        """For the operation's own timeout: a second past the deadline, so that `check` reports first."""
+        """For the operation's own timeout: a second past the deadline, so that `check` reports
+        first."""
         return datetime.timedelta(seconds=max(self.end - time.monotonic(), 0) + 1)
 
     def check(self) -> None:
@@ -148,10 +156,11 @@ def exchange(pg, mine: bytes, root: int, me: int, patience: Patience | None) -> 
 def authenticate(
     pg, token: str, me: int, patience: Patience | None = None, world_size: int = 2
 ) -> None:
-    """Every member of the group proves it holds `token` (see above): member 0 the trainer, the others engines.
-    SyncError at each member that finds a proof wrong (every member checks every proof, so all of them stop
-    together). The trainer proves first; an engine answers with its own proof only to a trainer that proved,
-    and with zeros otherwise, so that no member is left waiting."""
+    """Every member of the group proves it holds `token` (see above): member 0 the trainer, the
+    others engines. SyncError at each member that finds a proof wrong (every member checks every
+    proof, so all of them stop together). The trainer proves first; an engine answers with its
+    own proof only to a trainer that proved, and with zeros otherwise, so that no member is left
+    waiting."""
     nonces = [
         exchange(pg, secrets.token_bytes(32), root, me, patience) for root in range(world_size)
     ]
@@ -196,7 +205,8 @@ def share(obj):
 
 
 def verdicts(pg, mine, me: int, world_size: int, patience: Patience | None = None) -> list:
-    """Every engine rank's verdict ({"error": None or why}) on every member, one small broadcast per engine rank."""
+    """Every engine rank's verdict ({"error": None or why}) on every member, one small broadcast
+    per engine rank."""
     return [
         send_json(pg, mine if me == r else None, root=r, me=me, patience=patience)
         for r in range(1, world_size)
@@ -217,9 +227,9 @@ def refusal(verdicts: list) -> str | None:
 
 
 def follow(weights, validate: bool) -> int:
-    """A trainer rank other than 0 during any transport's send: the source's collectives in rank 0's order (the
-    header, every bucket) and rank 0's verdicts, shared after the header and at the end (`share`), so that every
-    rank returns or raises together. Returns the tensors read."""
+    """A trainer rank other than 0 during any transport's send: the source's collectives in rank
+    0's order (the header, every bucket) and rank 0's verdicts, shared after the header and at
+    the end (`share`), so that every rank returns or raises together. Returns the tensors read."""
     # collective over the trainer ranks (nonfinite, the fingerprints)
     sync_header(weights, validate)
     verdict = share(None)

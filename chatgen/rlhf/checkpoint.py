@@ -8,15 +8,17 @@ Layout under `save_dir`:
         policy_trainer/ ...      whatever each trainable model's save(path) wrote (weights, optimizer)
     latest                       text file naming the newest complete checkpoint ("episode_000010")
 
-A checkpoint is written into a hidden staging directory and moved into place once complete, and `latest` is
-replaced the same way (chatgen.core.checkpoint_io's atomic writes), so a crash at any point leaves the previous
-checkpoint intact and `latest` pointing at it. The trainer actors write into the staging directory, so on a
-multi-node cluster `save_dir` must be on a filesystem every node sees. A checkpoint damaged afterwards (a
-file deleted or truncated) is refused at resume with the file named and the previous checkpoint suggested.
+A checkpoint is written into a hidden staging directory and moved into place once complete, and
+`latest` is replaced the same way (chatgen.core.checkpoint_io's atomic writes), so a crash at any
+point leaves the previous checkpoint intact and `latest` pointing at it. The trainer actors write
+into the staging directory, so on a multi-node cluster `save_dir` must be on a filesystem every node
+sees. A checkpoint damaged afterwards (a file deleted or truncated) is refused at resume with the
+file named and the previous checkpoint suggested.
 
-`lock_output_dir` keeps two runs from writing into one output directory. A new output directory and every
-checkpoint are this user's only (0700), engine_state.json, manifest.json and `latest` 0600; the config kept in
-engine_state.json is masked like every config chatgen writes (chatgen.config.loader.mask_secrets).
+`lock_output_dir` keeps two runs from writing into one output directory. A new output directory and
+every checkpoint are this user's only (0700), engine_state.json, manifest.json and `latest` 0600;
+the config kept in engine_state.json is masked like every config chatgen writes
+(chatgen.config.loader.mask_secrets).
 """
 
 import errno
@@ -87,8 +89,8 @@ def episode_dir_name(episode: int) -> str:
 
 
 def begin_checkpoint(save_dir, episode: int) -> Path:
-    """Create (fresh) the staging directory the checkpoint of `episode` is written into (0700, as is a new
-    save_dir); returns it."""
+    """Create (fresh) the staging directory the checkpoint of `episode` is written into (0700, as
+    is a new save_dir); returns it."""
     Path(save_dir).mkdir(mode=0o700, parents=True, exist_ok=True)
     staging = begin_directory(Path(save_dir) / episode_dir_name(episode))
     staging.chmod(0o700)
@@ -96,9 +98,10 @@ def begin_checkpoint(save_dir, episode: int) -> Path:
 
 
 def commit_checkpoint(staging: Path, state: dict) -> Path:
-    """Write `state` as engine_state.json into the staged checkpoint (from `begin_checkpoint`), move it into place
-    (replacing the same episode's checkpoint after a resume), then point `latest` at it. A `config` in
-    `state` is written masked (mask_secrets: secret-named keys, text read through ${VAR})."""
+    """Write `state` as engine_state.json into the staged checkpoint (from `begin_checkpoint`),
+    move it into place (replacing the same episode's checkpoint after a resume), then point
+    `latest` at it. A `config` in `state` is written masked (mask_secrets: secret-named keys,
+    text read through ${VAR})."""
     final = Path(staging).parent / episode_dir_name(state["episode"])
     if Path(staging) != staging_path(final):
         raise ValueError(f"{staging} is not the staging directory of episode {state['episode']}")
@@ -136,8 +139,9 @@ def latest_checkpoint(save_dir) -> Path | None:
 
 
 def resume_point(save_dir, resume_from=None) -> Path:
-    """The checkpoint to resume from: `resume_from` (a checkpoint directory, or an episode directory name
-    under save_dir), else the latest. Verified (`verify_checkpoint`); a CheckpointError says what to do."""
+    """The checkpoint to resume from: `resume_from` (a checkpoint directory, or an episode
+    directory name under save_dir), else the latest. Verified (`verify_checkpoint`); a
+    CheckpointError says what to do."""
     save_dir = Path(save_dir)
     if resume_from is not None:
         path = Path(resume_from)
@@ -178,7 +182,8 @@ def available(save_dir) -> list[str]:
 
 
 def verify_checkpoint(path) -> list[str]:
-    """Problems of a checkpoint on disk: unreadable state, files of its manifest missing or of another size."""
+    """Problems of a checkpoint on disk: unreadable state, files of its manifest missing or of
+    another size."""
     path = Path(path)
     try:
         load_state(path)

@@ -24,8 +24,8 @@ from chatgen.rlhf.placement import (
 
 
 def backend_kind(backend: str) -> str:
-    """ "megatron" (a trainer: megatron or fsdp), "python", or "generation" (any other name: a generation
-    backend) for a `backend:` value."""
+    """ "megatron" (a trainer: megatron or fsdp), "python", or "generation" (any other name: a
+    generation backend) for a `backend:` value."""
     if backend in TRAINER_BACKENDS:
         return "megatron"
     return backend if backend == "python" else "generation"
@@ -51,10 +51,12 @@ def check_colocation(runtime, models: dict, where: dict, errors: list) -> None:
 
 
 def check_run(cfg, algorithm, nodes: list | None = None) -> None:
-    """Problems a schema cannot see (which models the algorithm needs, how they fit together, the layout of their
-    ranks: chatgen.rlhf.placement), all at once, before any actor starts. `algorithm` is the algorithm's module
-    (chatgen.rlhf.registry.load); `nodes`: the free resources of each node of the cluster the run will use
-    (chatgen.rlhf.ray_cluster.cluster_nodes), to check that the groups fit there. Raises ConfigError."""
+    """Problems a schema cannot see (which models the algorithm needs, how they fit together, the
+    layout of their ranks: chatgen.rlhf.placement), all at once, before any actor starts.
+    `algorithm` is the algorithm's module (chatgen.rlhf.registry.load); `nodes`: the free
+    resources of each node of the cluster the run will use
+    (chatgen.rlhf.ray_cluster.cluster_nodes), to check that the groups fit there. Raises
+    ConfigError."""
     name, where = cfg.runtime.algorithm.name, cfg.path or "config"
     errors = []
     for model, role in algorithm.MODELS.items():
@@ -167,8 +169,9 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
 
 
 def trainer_rows(cfg, algorithm) -> int:
-    """Rows each trainer call of an episode gets: the algorithm's `trainer_rows(cfg)` where it defines one (e.g.
-    Online DPO trains on one pair per prompt), else sample_per_episode (one row per sample)."""
+    """Rows each trainer call of an episode gets: the algorithm's `trainer_rows(cfg)` where it
+    defines one (e.g. Online DPO trains on one pair per prompt), else sample_per_episode (one row
+    per sample)."""
     return (
         algorithm.trainer_rows(cfg)
         if hasattr(algorithm, "trainer_rows")
@@ -178,11 +181,11 @@ def trainer_rows(cfg, algorithm) -> int:
 
 def policy_sampling_problems(cfg):
     """For policy-gradient algorithms: the policy must sample from the distribution the trainer
-    scores. The trainer scores logits / temperature (its logits_temperature, derived from the policy's: rlhf.config), so a
-    temperature > 0 is honoured exactly when the engine reports the log-probs of that same
-    distribution (logprobs_mode: processed); top-p / top-k / min-p / repetition penalty would need
-    the trainer to renormalise over the engine's kept tokens, which it does not: refused, each
-    naming its key."""
+    scores. The trainer scores logits / temperature (its logits_temperature, derived from the
+    policy's: rlhf.config), so a temperature > 0 is honoured exactly when the engine reports the
+    log-probs of that same distribution (logprobs_mode: processed); top-p / top-k / min-p /
+    repetition penalty would need the trainer to renormalise over the engine's kept tokens, which
+    it does not: refused, each naming its key."""
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
     if pc is not None:
         if pc.temperature <= 0:
@@ -227,8 +230,8 @@ def policy_sampling_problems(cfg):
 
 
 def reward_columns(cfg) -> dict:
-    """{record field: which reward takes it} of the run's rewards: RuleReward's `answer`, and each
-    reward function's parameters without a default besides completions and prompts (the data
+    """{record field: which reward takes it} of the run's rewards: RuleReward's `answer`, and
+    each reward function's parameters without a default besides completions and prompts (the data
     columns it is called with), so that a record lacking one is refused before any model starts."""
     from chatgen.rlhf.rewards import RewardsConfig, RuleRewardConfig, reward_function
 

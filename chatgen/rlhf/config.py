@@ -1,14 +1,16 @@
-"""The main YAML of a run: `runtime:` (with the algorithm's section) and `models:`, loaded and checked as one.
+"""The main YAML of a run: `runtime:` (with the algorithm's section) and `models:`, loaded and
+checked as one.
 
     from chatgen.rlhf.config import load_config
     cfg = load_config("configs/grpo_tiny.yaml", ["runtime.num_episode=3", "policy.temperature=0.5"])
     cfg.runtime.num_episode, cfg.models["policy"].config.temperature
 
-Each model entry's `backend:` picks the schema of its per-model YAML and the class it runs: a generation backend
-(chatgen.generation.base.load_backend: `vllm`, `hf`, or your own module), `megatron` (the trainer), or `python`
-(your class; its `config_class` is the schema). The algorithm (`runtime.algorithm.name`, chatgen.rlhf.algorithms)
-brings its own config section and the roles it needs. Assembled from the generic loader's pieces
-(chatgen.config.loader); every problem of every file comes back in one ConfigError. docs/configuration.md.
+Each model entry's `backend:` picks the schema of its per-model YAML and the class it runs: a
+generation backend (chatgen.generation.base.load_backend: `vllm`, `hf`, or your own module),
+`megatron` (the trainer), or `python` (your class; its `config_class` is the schema). The algorithm
+(`runtime.algorithm.name`, chatgen.rlhf.algorithms) brings its own config section and the roles it
+needs. Assembled from the generic loader's pieces (chatgen.config.loader); every problem of every
+file comes back in one ConfigError. docs/configuration.md.
 """
 
 import dataclasses
@@ -49,10 +51,12 @@ RESOLVED_NAME = "resolved_config.yaml"
 
 
 def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> ChatgenConfig:
-    """The main YAML (`runtime:` + `models:`), each model's `model_config_file`, and `key=value` overrides.
+    """The main YAML (`runtime:` + `models:`), each model's `model_config_file`, and `key=value`
+    overrides.
 
-    Override paths: `runtime.num_episode=3`, `models.policy.num_gpu=1` (entry keys), `models.policy.temperature=0.5`
-    or its shortcut `policy.temperature=0.5` (per-model keys). Raises ConfigError listing every problem.
+    Override paths: `runtime.num_episode=3`, `models.policy.num_gpu=1` (entry keys),
+    `models.policy.temperature=0.5` or its shortcut `policy.temperature=0.5` (per-model keys).
+    Raises ConfigError listing every problem.
     """
     errors, files = [], []
     main_yaml = os.path.abspath(os.fspath(main_yaml))
@@ -116,9 +120,9 @@ def load_config(main_yaml: str | os.PathLike, overrides: list[str] = ()) -> Chat
 
 
 def _absolute_paths(section) -> None:
-    """Make a typed section's path keys (`opt(..., path=True)`) absolute, against the current directory, where the
-    docs say relative paths start: the run's actors work in their raylet's directory, on other nodes too, so a
-    relative path would point elsewhere there."""
+    """Make a typed section's path keys (`opt(..., path=True)`) absolute, against the current
+    directory, where the docs say relative paths start: the run's actors work in their raylet's
+    directory, on other nodes too, so a relative path would point elsewhere there."""
     if not dataclasses.is_dataclass(section):
         return
     for f in dataclasses.fields(section):
@@ -128,7 +132,8 @@ def _absolute_paths(section) -> None:
 
 
 def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
-    """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` -> `models.<name>.config.<key>`."""
+    """`policy.x=` -> `models.policy.x`; `models.<name>.<per-model key>` ->
+    `models.<name>.config.<key>`."""
     models = dict(data.get("models")) if isinstance(data.get("models"), dict) else {}
     # a model added on the command line takes shortcuts too
     if isinstance(tree.get("models"), dict):
@@ -151,7 +156,8 @@ def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
         extra = {k: sub.pop(k) for k in list(sub) if k not in entry_keys}
         backend = models[name].get("backend") if isinstance(models.get(name), dict) else None
         for key in extra:
-            # a python model's keys are free: a near-miss of an entry key would vanish into them unnoticed
+            # a python model's keys are free: a near-miss of an entry key would vanish into them
+            # unnoticed
             if backend == "python" and difflib.get_close_matches(key, entry_keys, n=1, cutoff=0.8):
                 errors.append(
                     f"{CLI}: models.{name}.{key}: unknown model entry key; {closest(key, entry_keys)} "
@@ -162,7 +168,8 @@ def _route_overrides(tree: dict, data: dict, errors: list) -> dict:
 
 
 def _load_algorithm(runtime_data, where: dict, errors: list):
-    """(the algorithm's typed section, its MODELS roles) from `runtime.algorithm` (popped from runtime_data)."""
+    """(the algorithm's typed section, its MODELS roles) from `runtime.algorithm` (popped from
+    runtime_data)."""
     section = runtime_data.pop("algorithm", None) if isinstance(runtime_data, dict) else None
     section = {} if section is None else section
     name = section.get("name", "grpo") if isinstance(section, dict) else "grpo"
@@ -264,8 +271,9 @@ REWARDS_CLASS = "chatgen.rlhf.rewards:Rewards"
 
 
 def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
-    """A python model's config schema: its class's `config_class` (chatgen.Module), imported here in the driver so
-    that a bad key fails before anything starts; FUNCTION when model_class names a function (a reward)."""
+    """A python model's config schema: its class's `config_class` (chatgen.Module), imported here
+    in the driver so that a bad key fails before anything starts; FUNCTION when model_class names
+    a function (a reward)."""
     try:
         cls = import_class(entry.model_class)
     except ValueError as e:
@@ -303,7 +311,8 @@ def _sampling_temperature(models: dict, roles: dict, where: dict, errors: list) 
 
 
 def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:
-    """Fill a model's batch dials left at None from the runtime; a trainer's explicit ones must agree."""
+    """Fill a model's batch dials left at None from the runtime; a trainer's explicit ones must
+    agree."""
     cfg = entry.config
     if isinstance(cfg, GenerationConfig) and cfg.generation_batch_size is None:
         cfg.generation_batch_size = runtime.generation_batch_size
@@ -323,7 +332,8 @@ def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list
 
 
 def to_dict(cfg) -> dict:
-    """Plain dicts/lists/scalars of a ChatgenConfig (runtime + models) or of any schema dataclass."""
+    """Plain dicts/lists/scalars of a ChatgenConfig (runtime + models) or of any schema
+    dataclass."""
     if isinstance(cfg, ChatgenConfig):
         return {
             "runtime": dataclasses.asdict(cfg.runtime),
@@ -353,7 +363,8 @@ def mask_overrides(overrides: list) -> list:
 
 
 def save_resolved(cfg: ChatgenConfig, out_dir: str | os.PathLike | None = None) -> str:
-    """Write `<out_dir>/resolved_config.yaml` (default out_dir: runtime.output_dir); returns its path.
+    """Write `<out_dir>/resolved_config.yaml` (default out_dir: runtime.output_dir); returns its
+    path.
 
     Every include and override is applied and each model's keys are inline under `config:`, so
     `load_config(<that file>)` gives back the same config without the original files. Secrets are
@@ -385,11 +396,12 @@ SCHEMA_MARKER = re.compile(r"#\s*chatgen-schema:\s*(\S+)\s*(.*)")
 
 
 def schema_marker(path) -> tuple | None:
-    """(schema, reason) from a `# chatgen-schema: <schema> [reason]` line in a YAML's first 5 lines, else None.
+    """(schema, reason) from a `# chatgen-schema: <schema> [reason]` line in a YAML's first 5 lines,
+    else None.
 
-    A per-model YAML that no main YAML reads names its schema this way (`vllm`, `megatron`, `python`,
-    `package.module:DataclassName`, or `none <why>` for a YAML that is not a chatgen config), so that
-    `chatgen config FILE` and the shipped-config test know how to validate it.
+    A per-model YAML that no main YAML reads names its schema this way (`vllm`, `megatron`,
+    `python`, `package.module:DataclassName`, or `none <why>` for a YAML that is not a chatgen
+    config), so that `chatgen config FILE` and the shipped-config test know how to validate it.
     """
     with open(path, encoding="utf-8") as f:
         for _, line in zip(range(5), f):
@@ -399,8 +411,8 @@ def schema_marker(path) -> tuple | None:
 
 
 def resolve_schema(schema):
-    """A schema class from a backend name (vllm, hf, megatron; python: a free mapping), 'package.module:Class', or
-    a class (returned as it is)."""
+    """A schema class from a backend name (vllm, hf, megatron; python: a free mapping),
+    'package.module:Class', or a class (returned as it is)."""
     if not isinstance(schema, str):
         return schema
     if schema == "python":

@@ -1,4 +1,5 @@
-"""The run's prompts: train and held-out records, the items the policy made of them, and the order they are drawn in.
+"""The run's prompts: train and held-out records, the items the policy made of them, and the order
+they are drawn in.
 
     data = RunData(cfg.runtime, records_per_episode=8)    # reads runtime.data_path / eval_data_path
     data.prepare(policy_handle, log)                       # the policy's build_dataset on every record, once
@@ -42,10 +43,11 @@ URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 class PromptSampler:
-    """Deterministic batches of prompt indices: a fresh permutation per pass, resumable from (epoch, index).
+    """Deterministic batches of prompt indices: a fresh permutation per pass, resumable from (epoch,
+    index).
 
-    The state is two integers, so resuming at episode k+1 draws exactly the prompts an uninterrupted run
-    would have drawn.
+    The state is two integers, so resuming at episode k+1 draws exactly the prompts an uninterrupted
+    run would have drawn.
     """
 
     def __init__(self, num_prompts: int, batch_size: int, seed: int, shuffle: bool = True):
@@ -214,9 +216,9 @@ def _chat_problem(value) -> str | None:
 
 def prompt_records(rows: list, rt, path, key: str = "runtime.data_path") -> list[dict]:
     """Records of a data file's rows: each row's columns as they are, plus "prompt" (the
-    runtime.prompt_key column, a non-empty string, or the runtime.messages_key column, a chat) and
-    "answer" (the runtime.answer_key column as a string; unset: the row's "answer" column where it
-    has one, as it is). A ValueError names the key, the file, the record and the fix."""
+    runtime.prompt_key column, a non-empty string, or the runtime.messages_key column, a chat)
+    and "answer" (the runtime.answer_key column as a string; unset: the row's "answer" column
+    where it has one, as it is). A ValueError names the key, the file, the record and the fix."""
     column, column_key = (
         (rt.messages_key, "runtime.messages_key")
         if rt.messages_key
@@ -254,8 +256,8 @@ def prompt_records(rows: list, rt, path, key: str = "runtime.data_path") -> list
 
 
 def _answer(row: dict, column: str, where: str) -> str:
-    """The reference answer of a row: its `column` as a string (a CSV column of numbers is read as
-    integers); a ValueError naming runtime.answer_key for a missing column or another type."""
+    """The reference answer of a row: its `column` as a string (a CSV column of numbers is read
+    as integers); a ValueError naming runtime.answer_key for a missing column or another type."""
     if column not in row:
         raise ValueError(
             f"runtime.answer_key: {where} has no column {column!r} (its columns: "
@@ -280,8 +282,8 @@ def read_prompt_file(path, rt, key: str = "runtime.data_path") -> list[dict]:
 
 
 def data_problems(rt, needed: dict | None = None) -> list[str]:
-    """What is wrong with runtime.data_path / eval_data_path under the runtime's column keys, each
-    problem naming the key, the file and the fix: read in full, before any model starts
+    """What is wrong with runtime.data_path / eval_data_path under the runtime's column keys,
+    each problem naming the key, the file and the fix: read in full, before any model starts
     (chatgen.rlhf.checks.check_run). `needed`: {field: what takes it} every record must hold (the
     columns the rewards are called with)."""
     problems = []
@@ -346,8 +348,8 @@ class RunData:
         self.sampler = PromptSampler(len(self.records), self.sampler.batch_size, self.sampler.seed)
 
     def _within_budget(self, records: list, items: list, path, log) -> tuple[list, list]:
-        """(records, items) without the prompts build_dataset had to cut; runtime.overlong_prompts:
-        error refuses any (ValueError)."""
+        """(records, items) without the prompts build_dataset had to cut;
+        runtime.overlong_prompts: error refuses any (ValueError)."""
         cut = [i for i, item in enumerate(items) if item.get("prompt_cut")]
         if not cut:
             return records, items
@@ -367,7 +369,8 @@ class RunData:
         return [records[i] for i in keep], [items[i] for i in keep]
 
     def check_order(self, saved: dict, path, allow_change: bool) -> None:
-        """Refuse (CheckpointError) to resume checkpoint `path`, saved with data order `saved`, under another one."""
+        """Refuse (CheckpointError) to resume checkpoint `path`, saved with data order `saved`,
+        under another one."""
         changed = {k: (saved.get(k), v) for k, v in self.order.items() if saved.get(k) != v}
         if changed and not allow_change:
             raise CheckpointError(

@@ -1,4 +1,5 @@
-"""A generation model's engines as one model: its replicas behind the generation contract, as the run uses them.
+"""A generation model's engines as one model: its replicas behind the generation contract, as the
+run uses them.
 
     policy = runtime["policy"]                        # a GenerationGroup: num_replicas engines of T ranks each
     batch = policy.run_generation(items, is_eval)     # prompts spread over the replicas by load; one RolloutBatch
@@ -11,16 +12,18 @@
     policy.load_shared_weights(handles)                       # update_weights_via_ipc: same-host shared memory
     policy.devices()                                          # report_device_id
 
-Replica i is ranks i*T .. i*T + T - 1 of the model's group (chatgen.rlhf.placement): colocated with a trainer
-the replicas tile its ranks, alone they are a group of their own. `run_generation` gives each prompt (with its n
-samples: they share a prefix-cache entry) to the replica with the fewest outstanding tokens (prompt + budget of
-every sample of the prompts it is working on, across concurrent calls), largest prompts first; the replicas
-generate at once, each with the contract's `run_generation` on its own prompts, and the batches come back as one
-RolloutBatch in the caller's order. With one replica every call goes to the engine unchanged.
+Replica i is ranks i*T .. i*T + T - 1 of the model's group (chatgen.rlhf.placement): colocated with
+a trainer the replicas tile its ranks, alone they are a group of their own. `run_generation` gives
+each prompt (with its n samples: they share a prefix-cache entry) to the replica with the fewest
+outstanding tokens (prompt + budget of every sample of the prompts it is working on, across
+concurrent calls), largest prompts first; the replicas generate at once, each with the contract's
+`run_generation` on its own prompts, and the batches come back as one RolloutBatch in the caller's
+order. With one replica every call goes to the engine unchanged.
 
-The weight channel is chatgen.param_sync.group: the trainer's rank 0 broadcasts each bucket once to every
-engine rank of every replica; the trainer signs with `token`, this group's secret, which the run hands to the
-trainer through Ray (a NeMo RL caller gives `group.token` to its trainer's sender the same way).
+The weight channel is chatgen.param_sync.group: the trainer's rank 0 broadcasts each bucket once to
+every engine rank of every replica; the trainer signs with `token`, this group's secret, which the
+run hands to the trainer through Ray (a NeMo RL caller gives `group.token` to its trainer's sender
+the same way).
 """
 
 import secrets
@@ -40,8 +43,9 @@ RECEIVER = "group_receiver"
 
 
 class GenerationGroup(NemoRLRefit):
-    """The handle of a generation model (see the module docstring). Everything a model handle answers (`call`,
-    `first`, `run`, `get`, `group`, `entry`, `name`) goes to every rank, as for any model."""
+    """The handle of a generation model (see the module docstring). Everything a model handle
+    answers (`call`, `first`, `run`, `get`, `group`, `entry`, `name`) goes to every rank, as for
+    any model."""
 
     def __init__(self, handle):
         self.handle = handle
@@ -72,11 +76,13 @@ class GenerationGroup(NemoRLRefit):
     def get(self, refs, what, labels=None):
         return self.handle.get(refs, what, labels)
 
-    # ---- generation ---------------------------------------------------------------------------------
+    # ---- generation
+    # ---------------------------------------------------------------------------------
 
     def run_generation(self, items: list, is_eval: bool = False):
-        """The contract's `run_generation` over the replicas: S = items x n samples, prompt-major in the order of
-        `items` (a RolloutBatch; with one replica, whatever the engine's decode_internal returns)."""
+        """The contract's `run_generation` over the replicas: S = items x n samples, prompt-major
+        in the order of `items` (a RolloutBatch; with one replica, whatever the engine's
+        decode_internal returns)."""
         if self.replicas == 1:
             return self.first("run_generation", items, is_eval)
         costs = [
@@ -133,8 +139,9 @@ class GenerationGroup(NemoRLRefit):
         return self._pad_token_id
 
     def pop_metrics(self) -> dict:
-        """Per replica since the last call: `replica/<i>/samples` generated and `replica/<i>/tokens_per_s` (its
-        generated tokens over the seconds its engine worked on them); {} with one replica."""
+        """Per replica since the last call: `replica/<i>/samples` generated and
+        `replica/<i>/tokens_per_s` (its generated tokens over the seconds its engine worked on
+        them); {} with one replica."""
         if self.replicas == 1:
             return {}
         with self._lock:
@@ -147,19 +154,23 @@ class GenerationGroup(NemoRLRefit):
 
     @property
     def inference_world_size(self) -> int:
-        """The engine ranks of every replica (NeMo RL's inference world: init_collective's world_size counts it)."""
+        """The engine ranks of every replica (NeMo RL's inference world: init_collective's
+        world_size counts it)."""
         return self.group.world_size
 
     def weight_versions(self) -> list:
-        """The weight version of every engine rank (0 = the weights it started with, +1 per update)."""
+        """The weight version of every engine rank (0 = the weights it started with, +1 per
+        update)."""
         return self.run(_attribute, self.name, "weight_version")
 
-    # ---- weights from a trainer elsewhere (NeMo RL's refit calls: chatgen.compat.nemo_rl) -------------
+    # ---- weights from a trainer elsewhere (NeMo RL's refit calls: chatgen.compat.nemo_rl)
+    # -------------
 
     def open_weight_channel(self, ip: str, port: int, world_size: int) -> list:
-        """Every engine rank joins the trainer's broadcast group at ip:port as member 1 + its rank; world_size =
-        1 + this model's ranks (the trainer's rank 0 sends). Returns the calls in flight: wait for them with
-        `get` together with the trainer's `GroupSender.connect` (each side blocks until all joined)."""
+        """Every engine rank joins the trainer's broadcast group at ip:port as member 1 + its
+        rank; world_size = 1 + this model's ranks (the trainer's rank 0 sends). Returns the calls
+        in flight: wait for them with `get` together with the trainer's `GroupSender.connect`
+        (each side blocks until all joined)."""
         if world_size != 1 + self.group.world_size:
             raise ValueError(
                 f"{self.name}: world_size={world_size}, but the weight group is the trainer's sending "
@@ -174,15 +185,16 @@ class GenerationGroup(NemoRLRefit):
         )
 
     def check_weight_manifest(self, manifest: dict) -> None:
-        """Every engine rank checks a trainer's {HF name: shape} against its architecture now (the same check
-        every sync makes), so a wrong model fails before the first sync: a SyncError naming each mismatch."""
+        """Every engine rank checks a trainer's {HF name: shape} against its architecture now
+        (the same check every sync makes), so a wrong model fails before the first sync: a
+        SyncError naming each mismatch."""
         self.run(
             _check_manifest, self.name, {name: tuple(shape) for name, shape in manifest.items()}
         )
 
     def receive_weights(self, mode: str = "wait") -> list:
-        """Every engine rank receives one broadcast (the trainer sends at the same time) and loads it; returns the
-        calls in flight (each gives a chatgen.param_sync.SyncReport)."""
+        """Every engine rank receives one broadcast (the trainer sends at the same time) and
+        loads it; returns the calls in flight (each gives a chatgen.param_sync.SyncReport)."""
         return self.group.run_async(_receive_broadcast, self.name, mode)
 
     def load_shared_weights(self, handles: dict, mode: str = "wait") -> list:

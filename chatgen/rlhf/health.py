@@ -1,9 +1,10 @@
-"""The run stops, with a `RunHealthError` saying why and what to change, when it would train on nonsense:
+"""The run stops, with a `RunHealthError` saying why and what to change, when it would train on
+nonsense:
 
 - more than runtime.max_cut_prompt_fraction of the training prompts were cut to the prompt budget
   (`check_cut_prompts`, before the first episode);
-- a reward is NaN or inf (`check_rewards`, every scoring; `checked_rewards` also refuses a reward output of the
-  wrong type or length, naming the reward);
+- a reward is NaN or inf (`check_rewards`, every scoring; `checked_rewards` also refuses a reward
+  output of the wrong type or length, naming the reward);
 - runtime.max_bad_train_steps optimizer steps in a row had a non-finite loss or gradient norm, or
   as many episodes in a row had a train/inference log-prob mismatch that is not finite or jumped far
   above the run's own (`StepHealth`): what diverging training looks like.
@@ -26,11 +27,13 @@ MISMATCH_FLOOR = {
 
 
 class RunHealthError(RuntimeError):
-    """The run is training on nonsense (cut prompts, NaN rewards, collapsed or diverged gradients)."""
+    """The run is training on nonsense (cut prompts, NaN rewards, collapsed or diverged
+    gradients)."""
 
 
 def check_cut_prompts(items: list, limit: float, log) -> None:
-    """Stop when more than `limit` of the items' prompts were cut (their "prompt_cut"); warn when any were."""
+    """Stop when more than `limit` of the items' prompts were cut (their "prompt_cut"); warn when
+    any were."""
     cut = sum(1 for item in items if item.get("prompt_cut"))
     if cut and cut / len(items) > limit:
         raise RunHealthError(
@@ -46,7 +49,8 @@ def check_cut_prompts(items: list, limit: float, log) -> None:
 
 
 def check_rewards(rewards: torch.Tensor, texts: list, who: str = "reward.score") -> None:
-    """Stop on a NaN or inf reward, naming `who` returned it, the samples and one response that got it."""
+    """Stop on a NaN or inf reward, naming `who` returned it, the samples and one response that
+    got it."""
     if not torch.isfinite(rewards).all():
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         raise RunHealthError(
@@ -56,10 +60,11 @@ def check_rewards(rewards: torch.Tensor, texts: list, who: str = "reward.score")
 
 
 def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
-    """(S,) float32 rewards from what a reward returned for the S responses `texts`: a list, tuple, array or
-    tensor of S finite numbers. The one check of every reward output (each term of chatgen.rlhf.rewards:Rewards,
-    and what a reward model's `score` gives the run); anything else (None, a string, a dict, S' != S numbers,
-    NaN) is refused naming `who` and what it returned."""
+    """(S,) float32 rewards from what a reward returned for the S responses `texts`: a list,
+    tuple, array or tensor of S finite numbers. The one check of every reward output (each term
+    of chatgen.rlhf.rewards:Rewards, and what a reward model's `score` gives the run); anything
+    else (None, a string, a dict, S' != S numbers, NaN) is refused naming `who` and what it
+    returned."""
     n = len(texts)
     need = f"it must return {n} numbers, one per completion (a list of floats)"
     if value is None or isinstance(value, (str, bytes, dict)) or not hasattr(value, "__len__"):
@@ -84,8 +89,8 @@ def checked_rewards(value, texts: list, who: str) -> torch.Tensor:
 
 
 def _shown(value) -> str:
-    """`value` as an error message quotes it (120 characters at most). Only on an error: two reprs of a
-    256-reward tensor (~2.3 ms) ran on every score."""
+    """`value` as an error message quotes it (120 characters at most). Only on an error: two
+    reprs of a 256-reward tensor (~2.3 ms) ran on every score."""
     text = repr(value)
     return text if len(text) <= 120 else text[:117] + "..."
 

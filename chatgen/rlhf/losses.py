@@ -1,10 +1,13 @@
-"""RLHF algorithm math on plain tensors: advantages, KL estimators, policy/value/DPO losses, importance weights.
+"""RLHF algorithm math on plain tensors: advantages, KL estimators, policy/value/DPO losses,
+importance weights.
 
 Pure torch: no Ray, vLLM or Megatron import, so every formula here is unit-tested in milliseconds
-(`pytest tests/unit/test_rlhf_losses.py`) and reused unchanged by the algorithms (chatgen/rlhf/algorithms/).
+(`pytest tests/unit/test_rlhf_losses.py`) and reused unchanged by the algorithms
+(chatgen/rlhf/algorithms/).
 
-Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T) that is
-1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled token.
+Shapes: B sequences, T response tokens. Token tensors are (B, T) and come with a float `mask` (B, T)
+that is 1 on response tokens the loss should see and 0 on padding. Log-probs are of the sampled
+token.
 """
 
 import dataclasses
@@ -21,7 +24,8 @@ def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
-    """Mean of `x` over the positions where `mask` is 1; 0 where the mask is empty (no NaN from 0/0)."""
+    """Mean of `x` over the positions where `mask` is 1; 0 where the mask is empty (no NaN from
+    0/0)."""
     return masked_sum(x, mask, dim) / mask.sum(dim).clamp(min=1)
 
 
@@ -38,9 +42,9 @@ def group_advantages(
 ) -> torch.Tensor:
     """GRPO advantages: each reward minus the mean of its group, divided by the group's std.
 
-    rewards: (P * group_size,) with the `group_size` samples of each prompt contiguous.
-    Returns (P * group_size,). A group whose samples all got the same reward gets advantage 0 (no signal).
-    The std is the unbiased sample std (as in DeepSeekMath's GRPO); normalize_std=False gives Dr. GRPO.
+    rewards: (P * group_size,) with the `group_size` samples of each prompt contiguous. Returns (P *
+    group_size,). A group whose samples all got the same reward gets advantage 0 (no signal). The
+    std is the unbiased sample std (as in DeepSeekMath's GRPO); normalize_std=False gives Dr. GRPO.
     """
     if rewards.dim() != 1 or rewards.numel() % group_size:
         raise ValueError(
@@ -103,9 +107,9 @@ def gae(
 ):
     """Generalised advantage estimation over response tokens.
 
-    rewards, values, mask: (B, T). Token t's TD error is r_t + gamma * V_{t+1} - V_t with V past the last
-    unmasked token taken as 0 (the episode ends there). Returns (advantages, returns), both (B, T), zero on
-    masked positions; returns = advantages + values is the value-function target.
+    rewards, values, mask: (B, T). Token t's TD error is r_t + gamma * V_{t+1} - V_t with V past the
+    last unmasked token taken as 0 (the episode ends there). Returns (advantages, returns), both (B,
+    T), zero on masked positions; returns = advantages + values is the value-function target.
     """
     B, T = rewards.shape
     advantages = torch.zeros_like(rewards)
@@ -115,7 +119,8 @@ def gae(
         m = mask[:, t]
         delta = rewards[:, t] + gamma * next_value - values[:, t]
         adv = delta + gamma * lam * next_adv
-        # On padding keep carrying the values from the right (which are zeros past the sequence end).
+        # On padding keep carrying the values from the right (which are zeros past the sequence
+        # end).
         advantages[:, t] = adv * m
         next_value = torch.where(m > 0, values[:, t], next_value)
         next_adv = torch.where(m > 0, adv, next_adv)
@@ -126,7 +131,8 @@ def gae(
 def kl_estimate(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "k3"
 ) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL divergence").
+    """Per-token estimate of KL(pi || pi_ref) from samples of pi (Schulman, "Approximating KL
+    divergence").
 
     k1: log r with log r = logp - logp_ref; unbiased, can be negative.
     k2: (log r)^2 / 2; biased, non-negative.
@@ -148,9 +154,9 @@ def truncated_importance_weights(
 ) -> torch.Tensor:
     """Truncated importance-sampling weights for the train/inference mismatch (Yao et al., "TIS").
 
-    The samples come from the inference engine's distribution (inference_logprobs) while the loss treats
-    them as samples of the trainer's (old_logprobs): weight = min(pi_train / pi_infer, cap), per token,
-    detached. Equal log-probs give weight 1 exactly.
+    The samples come from the inference engine's distribution (inference_logprobs) while the loss
+    treats them as samples of the trainer's (old_logprobs): weight = min(pi_train / pi_infer, cap),
+    per token, detached. Equal log-probs give weight 1 exactly.
     """
     return torch.exp(old_logprobs - inference_logprobs).clamp(max=cap).detach()
 
@@ -253,17 +259,19 @@ def token_log_ratio(logprobs, old_logprobs, mask):
 def sequence_log_ratio(
     logprobs: torch.Tensor, old_logprobs: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """GSPO's per-token log-ratio (Zheng et al. 2025, GSPO-token): (B, T), whose value in row i is
-    the length-normalised sequence log-ratio mean_t (logp - old) of row i, and whose gradient is
-    each token's own (sg(s_i) * pi_t / sg(pi_t)): the ratio moves, and is clipped, per sequence."""
+    """GSPO's per-token log-ratio (Zheng et al. 2025, GSPO-token): (B, T), whose value in row i
+    is the length-normalised sequence log-ratio mean_t (logp - old) of row i, and whose gradient
+    is each token's own (sg(s_i) * pi_t / sg(pi_t)): the ratio moves, and is clipped, per
+    sequence."""
     seq = masked_mean(logprobs - old_logprobs, mask, dim=1).detach()
     return logprobs - logprobs.detach() + seq.unsqueeze(1)
 
 
 def ppo_clip(log_ratio, logprobs, advantages, mask, o):
-    """PPO's clipped surrogate per token, -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A) with
-    r = exp(log_ratio); returns (per_token, clipped) with clipped where the clip changed r A. The
-    default policy loss (runtime.algorithm.policy_loss: ppo_clip; others in chatgen.rlhf.recipe)."""
+    """PPO's clipped surrogate per token, -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A)
+    with r = exp(log_ratio); returns (per_token, clipped) with clipped where the clip changed r
+    A. The default policy loss (runtime.algorithm.policy_loss: ppo_clip; others in
+    chatgen.rlhf.recipe)."""
     ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     high = o.clip_eps if o.clip_eps_high is None else o.clip_eps_high
@@ -274,8 +282,8 @@ def ppo_clip(log_ratio, logprobs, advantages, mask, o):
 @dataclasses.dataclass(frozen=True)
 class PolicyLossOptions:
     """policy_loss's knobs, built once per run from runtime.algorithm (grpo's step.loss_options).
-    log_ratio and aggregation are functions (chatgen.rlhf.recipe's registries); module-level ones,
-    so that the options pickle by reference to a trainer process."""
+    log_ratio and aggregation are functions (chatgen.rlhf.recipe's registries); module-level
+    ones, so that the options pickle by reference to a trainer process."""
 
     clip_eps: float = 0.2  # the ratio's lower clip 1 - clip_eps
     clip_eps_high: Optional[float] = None  # upper clip 1 + clip_eps_high; None = clip_eps
@@ -295,18 +303,19 @@ def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = Poli
     """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
 
     logprobs: (B, T) under the policy being trained (requires grad). batch (a TrainBatch):
-    old_logprobs (B, T) under the policy that sampled (before this train step); advantages (B, T)
-    or (B,) (broadcast over tokens); loss_mask (B, T); ref_logprobs (B, T) under the frozen
-    reference, used when set; is_weights (B, T) or (B,), optional importance weights.
-    Per token: options.surrogate (ppo_clip: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A))
-    of the log-ratio (options.log_ratio: per token, or GSPO's sequence ratio) with r = its exp;
-    dual_clip c > 1: for A < 0 the loss is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL, plus
-    entropy_coef * logp^2 / 2, whose gradient is -entropy_coef times an unbiased sample estimate of
-    the entropy's (the entropy bonus from sampled tokens). Reduced by options.aggregation.
-    Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl (vs reference),
-    entropy (mean -logp of the sampled tokens: an estimate of the sampling distribution's entropy),
-    and old_logprob_diff_max: the largest |logprobs - old_logprobs| over unmasked tokens (before a
-    step's update with old log-probs from the engine, that is the train/inference mismatch).
+    old_logprobs (B, T) under the policy that sampled (before this train step); advantages (B, T) or
+    (B,) (broadcast over tokens); loss_mask (B, T); ref_logprobs (B, T) under the frozen reference,
+    used when set; is_weights (B, T) or (B,), optional importance weights. Per token:
+    options.surrogate (ppo_clip: -min(r A, clip(r, 1 - clip_eps, 1 + clip_eps_high) A)) of the
+    log-ratio (options.log_ratio: per token, or GSPO's sequence ratio) with r = its exp; dual_clip c
+    > 1: for A < 0 the loss is capped at -c A (Ye et al. 2020). Times is_weights, plus kl_coef * KL,
+    plus entropy_coef * logp^2 / 2, whose gradient is -entropy_coef times an unbiased sample
+    estimate of the entropy's (the entropy bonus from sampled tokens). Reduced by
+    options.aggregation. Returns (loss, stats) with stats: clip_fraction, approx_kl (old vs new), kl
+    (vs reference), entropy (mean -logp of the sampled tokens: an estimate of the sampling
+    distribution's entropy), and old_logprob_diff_max: the largest |logprobs - old_logprobs| over
+    unmasked tokens (before a step's update with old log-probs from the engine, that is the
+    train/inference mismatch).
     """
     old_logprobs, advantages, mask = batch.old_logprobs, batch.advantages, batch.loss_mask
     o = options
@@ -347,9 +356,11 @@ def value_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
 ):
-    """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), mean over unmasked tokens.
+    """Clipped value loss: 0.5 * max((V - R)^2, (clip(V, V_old +- eps) - R)^2), mean over unmasked
+    tokens.
 
-    values: (B, T) requires grad; old_values, returns: (B, T). Returns (loss, stats) with clip_fraction.
+    values: (B, T) requires grad; old_values, returns: (B, T). Returns (loss, stats) with
+    clip_fraction.
     """
     clipped_values = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
     loss_unclipped = (values - returns) ** 2
@@ -368,7 +379,8 @@ def kl_shaped_rewards(
     kl_coef: float,
     kl_kind: str = "k1",
 ) -> torch.Tensor:
-    """PPO token rewards: -kl_coef * KL per token, plus the sequence score on its last unmasked token.
+    """PPO token rewards: -kl_coef * KL per token, plus the sequence score on its last unmasked
+    token.
 
     scores: (B,); logprobs, ref_logprobs, mask: (B, T). Returns (B, T), zero on masked positions.
     """
@@ -386,11 +398,11 @@ def dpo_loss(
 ):
     """DPO loss (Rafailov et al. 2023; TRL's "sigmoid" loss) on P preference pairs.
 
-    chosen_logratios, rejected_logratios: (P,) log pi(y|x) - log pi_ref(y|x) of each pair's chosen and rejected
-    response, summed over its response tokens (`pair_logratios`). The pair's loss is
-    -log sigmoid(beta * (chosen - rejected)); the loss is its mean over the P pairs, each times its weight
-    (weights: (P,), e.g. 0 for a pair that states no preference; None = all 1).
-    Returns (loss, stats): accuracy (share of pairs whose chosen log-ratio is the larger; a tie counts 0.5),
+    chosen_logratios, rejected_logratios: (P,) log pi(y|x) - log pi_ref(y|x) of each pair's chosen
+    and rejected response, summed over its response tokens (`pair_logratios`). The pair's loss is
+    -log sigmoid(beta * (chosen - rejected)); the loss is its mean over the P pairs, each times its
+    weight (weights: (P,), e.g. 0 for a pair that states no preference; None = all 1). Returns
+    (loss, stats): accuracy (share of pairs whose chosen log-ratio is the larger; a tie counts 0.5),
     margin (beta * (chosen - rejected)), chosen_reward and rejected_reward (the implicit rewards
     beta * log-ratio), each a mean over the pairs of nonzero weight.
     """
@@ -415,9 +427,9 @@ def dpo_loss(
 
 
 def pair_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor):
-    """(chosen, rejected) sequence log-ratios, each (P,), of 2P rows holding P pairs: row 2k is pair k's chosen
-    response, row 2k + 1 its rejected one. logprobs, ref_logprobs, mask: (2P, T); a row's log-ratio is the sum
-    of logprobs - ref_logprobs over its masked (response) tokens."""
+    """(chosen, rejected) sequence log-ratios, each (P,), of 2P rows holding P pairs: row 2k is
+    pair k's chosen response, row 2k + 1 its rejected one. logprobs, ref_logprobs, mask: (2P, T);
+    a row's log-ratio is the sum of logprobs - ref_logprobs over its masked (response) tokens."""
     if logprobs.shape[0] % 2:
         raise ValueError(
             f"{logprobs.shape[0]} rows do not make (chosen, rejected) pairs; pass an even number"
@@ -429,10 +441,10 @@ def pair_logratios(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: tor
 def best_worst_pairs(rewards: torch.Tensor, group_size: int):
     """Online DPO's pairs: the best and the worst of each prompt's `group_size` responses.
 
-    rewards: (P * group_size,) with each prompt's responses contiguous. Returns (rows, weights), both (2P,):
-    rows[2k], rows[2k + 1] = the indices of prompt k's highest and lowest reward (the first one on a tie), and
-    weights 1 for both rows of a pair, 0 when all of the prompt's responses got the same reward (no preference:
-    the pair stays in the batch and adds nothing to the loss).
+    rewards: (P * group_size,) with each prompt's responses contiguous. Returns (rows, weights),
+    both (2P,): rows[2k], rows[2k + 1] = the indices of prompt k's highest and lowest reward (the
+    first one on a tie), and weights 1 for both rows of a pair, 0 when all of the prompt's responses
+    got the same reward (no preference: the pair stays in the batch and adds nothing to the loss).
     """
     if group_size < 2:
         raise ValueError(f"group_size={group_size}: a pair needs at least 2 responses per prompt")
@@ -450,9 +462,9 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
     return rows, preferred.repeat_interleave(2)
 
 
-# ---- trainer loss functions: loss_fn(logprobs (b, T-1) with grad, micro-batch: a TrainBatch) -> (loss,
-# {name: scalar}).
-# Module-level so they pickle by reference to a trainer actor (bind the knobs with functools.partial).
+# ---- trainer loss functions: loss_fn(logprobs (b, T-1) with grad, micro-batch: a TrainBatch) ->
+# (loss, {name: scalar}). Module-level so they pickle by reference to a trainer actor (bind the
+# knobs with functools.partial).
 
 
 def value_loss_fn(values, mb, clip_eps=0.2):
@@ -461,13 +473,15 @@ def value_loss_fn(values, mb, clip_eps=0.2):
 
 
 def nll_loss_fn(logprobs, mb):
-    """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b, T-1) is 1."""
+    """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b,
+    T-1) is 1."""
     return -masked_mean(logprobs, mb.loss_mask), {}
 
 
 def dpo_loss_fn(logprobs, mb, beta=0.1):
-    """DPO on a micro-batch of (chosen, rejected) row pairs (rows 2k, 2k + 1) with loss_mask and ref_logprobs
-    (b, T-1), and optional pair_weights (b,) (both rows of a pair carry the pair's weight)."""
+    """DPO on a micro-batch of (chosen, rejected) row pairs (rows 2k, 2k + 1) with loss_mask and
+    ref_logprobs (b, T-1), and optional pair_weights (b,) (both rows of a pair carry the pair's
+    weight)."""
     weights = mb.pair_weights
     chosen, rejected = pair_logratios(logprobs, mb.ref_logprobs, mb.loss_mask)
     return dpo_loss(chosen, rejected, beta, None if weights is None else weights[0::2])

@@ -1,7 +1,8 @@
-"""A run's per-GPU memory estimate, for `chatgen config`: each Megatron trainer's step (chatgen.training.
-memory_estimate) and, when a generation model shares its GPUs (runtime.colocation), the engine's share in the
-two phases a colocated run alternates: training (the engine asleep: its KV cache freed, weights in host memory)
-and generating (the trainer offloaded as its offload_* keys say).
+"""A run's per-GPU memory estimate, for `chatgen config`: each Megatron trainer's step
+(chatgen.training. memory_estimate) and, when a generation model shares its GPUs
+(runtime.colocation), the engine's share in the two phases a colocated run alternates: training (the
+engine asleep: its KV cache freed, weights in host memory) and generating (the trainer offloaded as
+its offload_* keys say).
 
     lines, warnings = memory_report(cfg, device_bytes=80 << 30)
 """
@@ -38,7 +39,8 @@ def _gib(n: float) -> str:
 
 
 def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
-    """(lines to print, warnings) for every Megatron model of `cfg` whose `load` has a readable config.json."""
+    """(lines to print, warnings) for every Megatron model of `cfg` whose `load` has a readable
+    config.json."""
     lines, warnings = [], []
     groups = [set(g) for g in cfg.runtime.colocation]
     for name, entry in cfg.models.items():

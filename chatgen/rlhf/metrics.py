@@ -1,4 +1,5 @@
-"""What a run reports: per-phase timers, one live progress line, JSONL + TensorBoard metrics, a PNG plot, a summary.
+"""What a run reports: per-phase timers, one live progress line, JSONL + TensorBoard metrics, a PNG
+plot, a summary.
 
     logger = MetricsLogger("outputs/run", phases=["generate", "train"], num_episodes=50)
     timer = PhaseTimer(on_start=logger.show_phase)
@@ -9,13 +10,14 @@
     say(summary(read_jsonl_metrics("outputs/run/metrics.jsonl"), ["generate", "train"], {"metrics": ...}))
 
 Files under the run directory: metrics.jsonl (one object per episode, {"episode": k, ...}),
-tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resuming from episode k keeps
-the records up to k and drops the later ones (they are about to be redone).
+tensorboard/ (`tensorboard --logdir outputs/run/tensorboard`), metrics.png. Resuming from episode k
+keeps the records up to k and drops the later ones (they are about to be redone).
 
-On a terminal (stdout a TTY) a run shows one live line: `episode |███   | 12/60, train · eval/reward 0.830 ·
-0.57 s/episode [00:08<00:27]` (the phase running now, the last held-out figure, the last episode's seconds,
-elapsed < ETA). Elsewhere (CI, a log file) each episode prints one plain line with the same figures.
-`progress_bar` and `say` give the warm start and `chatgen generate` the same line.
+On a terminal (stdout a TTY) a run shows one live line: `episode |███   | 12/60, train · eval/reward
+0.830 · 0.57 s/episode [00:08<00:27]` (the phase running now, the last held-out figure, the last
+episode's seconds, elapsed < ETA). Elsewhere (CI, a log file) each episode prints one plain line
+with the same figures. `progress_bar` and `say` give the warm start and `chatgen generate` the same
+line.
 """
 
 import datetime
@@ -49,9 +51,10 @@ MAX_ROWS = 16  # rows of the summary's curve: every evaluation of the 60-episode
 
 
 def progress_bar(total: int, what: str, initial: int = 0) -> tqdm:
-    """The one live line of a long job on stdout: `what |bar| k/total, <postfix> [elapsed<ETA]`. Disabled (every
-    call a no-op, `.disable` True) when stdout is not a terminal, or one of width 0 (a pseudo-terminal some CI
-    runners give, where tqdm draws nothing): the caller prints plain lines instead."""
+    """The one live line of a long job on stdout: `what |bar| k/total, <postfix> [elapsed<ETA]`.
+    Disabled (every call a no-op, `.disable` True) when stdout is not a terminal, or one of width
+    0 (a pseudo-terminal some CI runners give, where tqdm draws nothing): the caller prints plain
+    lines instead."""
     try:
         live = sys.stdout.isatty() and os.get_terminal_size(sys.stdout.fileno()).columns > 0
     except (OSError, ValueError):  # no file descriptor behind sys.stdout
@@ -74,8 +77,8 @@ def say(message: str) -> None:
 
 
 class PhaseTimer:
-    """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets. on_start(phase) is
-    called as each phase begins (the progress line shows it)."""
+    """Wall-clock seconds per named phase; `pop()` returns {"time/<phase>": s, ...} and resets.
+    on_start(phase) is called as each phase begins (the progress line shows it)."""
 
     def __init__(self, on_start=None):
         self.seconds = {}
@@ -98,9 +101,9 @@ class PhaseTimer:
 
 
 def read_jsonl_metrics(path) -> list[dict]:
-    """The episode records of a metrics.jsonl. A line that is not a whole record (what a kill or a full disk in the
-    middle of an append leaves) is dropped with a warning naming the file and line: the metrics of one episode
-    are lost, the run is not."""
+    """The episode records of a metrics.jsonl. A line that is not a whole record (what a kill or
+    a full disk in the middle of an append leaves) is dropped with a warning naming the file and
+    line: the metrics of one episode are lost, the run is not."""
     path = Path(path)
     if not path.exists():
         return []
@@ -128,10 +131,11 @@ def read_jsonl_metrics(path) -> list[dict]:
 class MetricsLogger:
     """Writes each episode's metrics to JSONL and TensorBoard and moves the run's progress line.
 
-    The live line shows on a terminal; when stdout is not one (a log file, CI) each episode prints one line
-    instead. `start_episode` is the first episode this process will run (1 for a fresh run, k+1 after resuming
-    from k). `phases`: the algorithm's phases, in order (the summary's time per phase follows it).
-    `trackers`: started chatgen.rlhf.trackers (wandb, mlflow), given every record, closed with it.
+    The live line shows on a terminal; when stdout is not one (a log file, CI) each episode prints
+    one line instead. `start_episode` is the first episode this process will run (1 for a fresh run,
+    k+1 after resuming from k). `phases`: the algorithm's phases, in order (the summary's time per
+    phase follows it). `trackers`: started chatgen.rlhf.trackers (wandb, mlflow), given every
+    record, closed with it.
     """
 
     def __init__(
@@ -190,8 +194,8 @@ class MetricsLogger:
         self.show_episode(record)
 
     def _tracked(self, tracker, method: str, *args) -> None:
-        """A tracker's call; one that fails (a full disk, a lost server) is reported once, naming it
-        and the episode, and dropped: the run and metrics.jsonl go on without it."""
+        """A tracker's call; one that fails (a full disk, a lost server) is reported once, naming
+        it and the episode, and dropped: the run and metrics.jsonl go on without it."""
         try:
             getattr(tracker, method)(*args)
         except Exception as e:  # noqa: BLE001 - whatever the tracker's library raises
@@ -212,8 +216,8 @@ class MetricsLogger:
         self.bar.set_postfix_str(" · ".join(v for v in self.status.values() if v))
 
     def show_episode(self, record: dict) -> None:
-        """Move the live line on by one episode (episode 0, the evaluation before training, only sets its figure),
-        or print the episode's plain line."""
+        """Move the live line on by one episode (episode 0, the evaluation before training, only
+        sets its figure), or print the episode's plain line."""
         episode, seconds = record["episode"], record.get("time/episode")
         evals = eval_keys([record])
         if not self.bar.disable:
@@ -238,8 +242,8 @@ class MetricsLogger:
         say(f"episode {episode}/{self.num_episodes}: " + " · ".join(figures))
 
     def close(self) -> Path | None:
-        """Close the progress line and the writer; plot the run's reward and KL per episode to metrics.png (None
-        if no data)."""
+        """Close the progress line and the writer; plot the run's reward and KL per episode to
+        metrics.png (None if no data)."""
         self.bar.close()
         if self.writer is not None:
             self.writer.close()
@@ -257,15 +261,17 @@ def headline_keys(records: list) -> list:
 
 
 def eval_keys(records: list) -> list:
-    """The held-out figures ("eval/...") that `records` hold, in the order logged, at most MAX_EVAL_KEYS."""
+    """The held-out figures ("eval/...") that `records` hold, in the order logged, at most
+    MAX_EVAL_KEYS."""
     keys = dict.fromkeys(k for r in records for k in r if k.startswith("eval/"))
     return list(keys)[:MAX_EVAL_KEYS]
 
 
 def summary(records: list, phases: list, places: dict, title: str = "") -> str:
-    """The end-of-run table: the curve (each evaluation, or a sample of episodes when there is none; at most
-    MAX_ROWS rows, the first and the last included) with the seconds of episodes so far, the median seconds of
-    each phase per episode it ran in, and `places` ({"metrics": path, ...}) one per line."""
+    """The end-of-run table: the curve (each evaluation, or a sample of episodes when there is
+    none; at most MAX_ROWS rows, the first and the last included) with the seconds of episodes so
+    far, the median seconds of each phase per episode it ran in, and `places` ({"metrics": path,
+    ...}) one per line."""
     columns = [*headline_keys(records), *eval_keys(records)]
     timed = [r for r in records if r["episode"] > 0]
     rows = [r for r in records if any(k in r for k in eval_keys(records))] or timed
@@ -371,7 +377,8 @@ def sample_metrics(
     solved_reward: float | None = 1.0,
     is_weights: torch.Tensor | None = None,
 ) -> dict:
-    """Reward, length and train/inference mismatch figures of one episode's samples (a RolloutBatch)."""
+    """Reward, length and train/inference mismatch figures of one episode's samples (a
+    RolloutBatch)."""
     mask = batch.loss_mask
     diff = (old_logprobs - batch.infer_logprobs).abs() * mask
     metrics = {
@@ -397,8 +404,8 @@ def prefixed(prefix: str, stats: dict) -> dict:
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """The unbiased estimator of pass@k (Chen et al. 2021, "Evaluating Large Language Models
-    Trained on Code"): the chance that at least one of k samples drawn without replacement from n,
-    c of them correct, is correct, 1 - C(n - c, k) / C(n, k)."""
+    Trained on Code"): the chance that at least one of k samples drawn without replacement from
+    n, c of them correct, is correct, 1 - C(n - c, k) / C(n, k)."""
     if not 0 <= c <= n or not 1 <= k <= n:
         raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
@@ -411,8 +418,8 @@ def eval_metrics(
     i*n+n-1): <prefix>/reward (mean), <prefix>/solved (share of samples with reward >=
     solved_reward), and with n > 1: <prefix>/mean@n (the mean over each prompt's n samples,
     averaged over prompts: <prefix>/reward under the name verl logs) and <prefix>/pass@k for k =
-    1, 2, 4, ... and n (a prompt passes when one of k samples is solved; the unbiased estimator over
-    its n samples)."""
+    1, 2, 4, ... and n (a prompt passes when one of k samples is solved; the unbiased estimator
+    over its n samples)."""
     metrics = {f"{prefix}/reward": rewards.mean().item()}
     if n > 1:
         metrics[f"{prefix}/mean@{n}"] = rewards.view(-1, n).mean(1).mean().item()

@@ -1,19 +1,21 @@
-"""Where a run's models go: groups of ranks, what one rank needs, and whether it all fits on a cluster. Pure
-Python (no Ray import): `chatgen config` checks a layout with it before anything starts, the runtime places by it.
+"""Where a run's models go: groups of ranks, what one rank needs, and whether it all fits on a
+cluster. Pure Python (no Ray import): `chatgen config` checks a layout with it before anything
+starts, the runtime places by it.
 
     plans = plan_groups(cfg)                    # [GroupPlan]: colocation groups first, then lone models
     problems = topology_problems(cfg)           # what no cluster can run: ranks that disagree, TP vs heads, devices
     problems = placement_problems(plans, nodes, "PACK", cfg)   # do the groups fit on these nodes' resources?
     order = ranks_by_node(bundle_nodes)         # the bundle of each rank, node by node
 
-Ranks of a model: a Megatron model its world (num_gpu on GPUs; on CPU TP x PP x data_parallel_size, whose default
-is the expert-parallel size: EP ranks for a mixture-of-experts model's experts), a generation model
-num_replicas x tensor_parallel_size engine ranks, a python model one. Replica i of a generation model is ranks
-i*T .. i*T + T - 1 (T = its tensor_parallel_size): consecutive ranks form its TP group (vLLM's "external data
-parallel" layout: every TP group generates on its own), so the runtime orders ranks node by node and a TP group
-stays on one node whenever each node holds a multiple of T of them. Models colocated in a group share its ranks,
-so they must agree on the count: colocated engines tile the trainer's ranks (num_replicas x tensor_parallel_size
-= the trainer's world), independent of its TP / PP / DP.
+Ranks of a model: a Megatron model its world (num_gpu on GPUs; on CPU TP x PP x data_parallel_size,
+whose default is the expert-parallel size: EP ranks for a mixture-of-experts model's experts), a
+generation model num_replicas x tensor_parallel_size engine ranks, a python model one. Replica i of
+a generation model is ranks i*T .. i*T + T - 1 (T = its tensor_parallel_size): consecutive ranks
+form its TP group (vLLM's "external data parallel" layout: every TP group generates on its own), so
+the runtime orders ranks node by node and a TP group stays on one node whenever each node holds a
+multiple of T of them. Models colocated in a group share its ranks, so they must agree on the count:
+colocated engines tile the trainer's ranks (num_replicas x tensor_parallel_size = the trainer's
+world), independent of its TP / PP / DP.
 """
 
 import json
@@ -43,7 +45,8 @@ class GroupPlan(typing.NamedTuple):
 
 
 def engine_tp(entry) -> int:
-    """Tensor-parallel ranks of one engine of a generation model (1 for a backend without the key)."""
+    """Tensor-parallel ranks of one engine of a generation model (1 for a backend without the
+    key)."""
     return getattr(entry.config, "tensor_parallel_size", 1) or 1
 
 
@@ -77,8 +80,8 @@ def tp_sizes(cfg, names) -> dict:
 
 
 def plan_groups(cfg) -> list:
-    """[GroupPlan]: the runtime.colocation groups first, then a group for each model in none. A ConfigError
-    names every group whose models need different numbers of ranks, with the fix."""
+    """[GroupPlan]: the runtime.colocation groups first, then a group for each model in none. A
+    ConfigError names every group whose models need different numbers of ranks, with the fix."""
     grouped = [list(g) for g in cfg.runtime.colocation]
     grouped += [[name] for name in cfg.models if not any(name in g for g in grouped)]
     plans, problems = [], []
@@ -130,9 +133,10 @@ def plan_groups(cfg) -> list:
 
 
 def topology_problems(cfg) -> list:
-    """Every layout problem of a run that no cluster can fix, each naming the key and the fix: ranks colocated
-    models disagree on, devices that do not match the engine ranks, TP sizes that do not divide the model's
-    attention heads (read from `load`/config.json where the driver can read it)."""
+    """Every layout problem of a run that no cluster can fix, each naming the key and the fix:
+    ranks colocated models disagree on, devices that do not match the engine ranks, TP sizes that
+    do not divide the model's attention heads (read from `load`/config.json where the driver can
+    read it)."""
     problems = []
     for name, entry in cfg.models.items():
         if entry.config is None or entry.backend == "python":
@@ -177,8 +181,8 @@ def topology_problems(cfg) -> list:
 
 
 def _attention_heads(config):
-    """(query heads, KV heads) from the config.json of a model's `load` directory, or None when it cannot be read
-    here (a path on the cluster only, a Megatron checkpoint)."""
+    """(query heads, KV heads) from the config.json of a model's `load` directory, or None when
+    it cannot be read here (a path on the cluster only, a Megatron checkpoint)."""
     try:
         hf = json.loads((Path(config.load) / "config.json").read_text())
         return hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -187,11 +191,12 @@ def _attention_heads(config):
 
 
 def placement_problems(plans: list, nodes: list, strategy: str, cfg) -> list:
-    """Whether the groups' bundles fit on `nodes` (each a dict of the resources it has free, as Ray reports
-    them), placed one group after the other as Ray's `strategy` would, greedily: PACK fills the nodes a group
-    already uses first, SPREAD puts each bundle on the node with the fewest of its group, STRICT_PACK needs one
-    node for the whole group. Also names a tensor-parallel group that would straddle two nodes. Greedy, as Ray
-    places bundles: for groups of equal bundles on nodes as sized by `ray start`, what it cannot place Ray cannot
+    """Whether the groups' bundles fit on `nodes` (each a dict of the resources it has free, as
+    Ray reports them), placed one group after the other as Ray's `strategy` would, greedily: PACK
+    fills the nodes a group already uses first, SPREAD puts each bundle on the node with the
+    fewest of its group, STRICT_PACK needs one node for the whole group. Also names a
+    tensor-parallel group that would straddle two nodes. Greedy, as Ray places bundles: for
+    groups of equal bundles on nodes as sized by `ray start`, what it cannot place Ray cannot
     either (Ray would wait for resources that never come)."""
     free = [dict(n) for n in nodes]
     problems = []
@@ -235,8 +240,8 @@ def placement_problems(plans: list, nodes: list, strategy: str, cfg) -> list:
 
 
 def tp_span_problems(cfg, names, counts: list) -> list:
-    """A problem for each model of a group whose tensor-parallel groups would straddle nodes, given the group's
-    ranks per node (`counts`, ranks ordered node by node)."""
+    """A problem for each model of a group whose tensor-parallel groups would straddle nodes,
+    given the group's ranks per node (`counts`, ranks ordered node by node)."""
     problems = []
     for name, tp in tp_sizes(cfg, names).items():
         if any(c % tp for c in counts):
@@ -270,8 +275,9 @@ def _show(resources: dict) -> str:
 
 
 def ranks_by_node(bundle_nodes: list) -> list:
-    """The bundle index of each rank: bundles grouped by node (nodes in order of first appearance), so that
-    consecutive ranks, and with them a TP group, share a node. bundle_nodes: the node id of each bundle."""
+    """The bundle index of each rank: bundles grouped by node (nodes in order of first
+    appearance), so that consecutive ranks, and with them a TP group, share a node. bundle_nodes:
+    the node id of each bundle."""
     first = {}
     for node in bundle_nodes:
         first.setdefault(node, len(first))
@@ -279,7 +285,8 @@ def ranks_by_node(bundle_nodes: list) -> list:
 
 
 def launcher(cfg, plans: list) -> str:
-    """ "local" or "ray" for runtime.launcher (see the module docstring); an impossible `local` is an error."""
+    """ "local" or "ray" for runtime.launcher (see the module docstring); an impossible `local`
+    is an error."""
     choice = cfg.runtime.launcher
     fits = len(plans) == 1 and plans[0].world == 1 and not cluster_address(cfg.runtime)
     if choice == "local" and not fits:

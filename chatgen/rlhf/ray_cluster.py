@@ -13,19 +13,20 @@ import shutil
 from chatgen.core.imports import project_dirs, require
 from chatgen.core.process_tuning import PASSIVE_OPENMP
 
-# The driver's variables every actor gets: chatgen's, vLLM's and Hugging Face's, and the communication and CUDA
-# tuning of a cluster (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME, PYTORCH_CUDA_ALLOC_CONF, CUDA_DEVICE_MAX_CONNECTIONS,
+# The driver's variables every actor gets: chatgen's, vLLM's and Hugging Face's, and the
+# communication and CUDA tuning of a cluster (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME,
+# PYTORCH_CUDA_ALLOC_CONF, CUDA_DEVICE_MAX_CONNECTIONS,
 # ...), which a multi-node job sets on the driver and which must reach the processes that communicate.
 FORWARDED_PREFIXES = ("CHATGEN_", "VLLM_", "HF_", "NCCL_", "GLOO_", "PYTORCH_", "CUDA_")
 NOT_FORWARDED = ("CUDA_VISIBLE_DEVICES",)  # Ray gives each actor its own devices
 
 
 def worker_env() -> dict:
-    """Environment of every actor, set before its process starts: the driver's import path (the project
-    directories of chatgen.core.imports and the current directory first, so examples/ and user modules import),
-    the driver's variables of FORWARDED_PREFIXES (with chatgen.core.quiet's: vLLM logging
-    errors only unless `chatgen -v`), and passive OpenMP waiting (on shared CPU cores, spinning OpenMP
-    threads slow a tiny model's steps ~10x)."""
+    """Environment of every actor, set before its process starts: the driver's import path (the
+    project directories of chatgen.core.imports and the current directory first, so examples/ and
+    user modules import), the driver's variables of FORWARDED_PREFIXES (with
+    chatgen.core.quiet's: vLLM logging errors only unless `chatgen -v`), and passive OpenMP
+    waiting (on shared CPU cores, spinning OpenMP threads slow a tiny model's steps ~10x)."""
     path = [
         *project_dirs(),
         os.getcwd(),
@@ -48,8 +49,9 @@ def worker_env() -> dict:
 
 
 def cluster_address(rt) -> str | None:
-    """The Ray cluster a run attaches to: runtime.ray_address, else the RAY_ADDRESS variable (`ray job submit`
-    sets it for the job's driver), else None (a Ray of this run's own, when Ray is used)."""
+    """The Ray cluster a run attaches to: runtime.ray_address, else the RAY_ADDRESS variable
+    (`ray job submit` sets it for the job's driver), else None (a Ray of this run's own, when Ray
+    is used)."""
     return rt.ray_address or os.environ.get("RAY_ADDRESS") or None
 
 
@@ -62,8 +64,8 @@ def alive_nodes() -> list:
 
 
 def cluster_nodes(address: str) -> list:
-    """`alive_nodes` of the cluster at `address`, for `chatgen config`: connects, reads, disconnects; starts
-    nothing on the cluster."""
+    """`alive_nodes` of the cluster at `address`, for `chatgen config`: connects, reads,
+    disconnects; starts nothing on the cluster."""
     require("ray", "reading a Ray cluster (runtime.ray_address)")
     import ray
 
@@ -75,19 +77,21 @@ def cluster_nodes(address: str) -> list:
 
 
 def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
-    """Connect to `address` (a cluster), or start a local Ray sized for this run, listening on loopback only.
+    """Connect to `address` (a cluster), or start a local Ray sized for this run, listening on
+    loopback only.
 
-    Returns the `LocalRay` started here (`Runtime.shutdown` stops it), None when connected to a cluster or when
-    Ray was already up.
+    Returns the `LocalRay` started here (`Runtime.shutdown` stops it), None when connected to a
+    cluster or when Ray was already up.
 
-    A local Ray binds every server (GCS, raylet, workers' gRPC, the agents, the autoscaler monitor) to 127.0.0.1:
-    `ray.init` itself turns a loopback node address into the machine's routable one, so chatgen switches Ray to
-    the single-machine mode it uses by default on macOS and Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read
-    when Ray resolves the node address) for the start. No dashboard. Its session files and sockets live in a
-    temporary directory of this run, not /tmp/ray. Ray's fatal-signal handler is taken off SIGTERM again (it
-    dumped a stack and aborted), so SIGTERM reaches the driver's own handler (chatgen.cli: a clean stop).
-    docs/failure_and_security.md covers a cluster (runtime.ray_address), where Ray must listen on the network:
-    its token authentication and firewall.
+    A local Ray binds every server (GCS, raylet, workers' gRPC, the agents, the autoscaler monitor)
+    to 127.0.0.1: `ray.init` itself turns a loopback node address into the machine's routable one,
+    so chatgen switches Ray to the single-machine mode it uses by default on macOS and Windows
+    (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when Ray resolves the node address) for the start. No
+    dashboard. Its session files and sockets live in a temporary directory of this run, not
+    /tmp/ray. Ray's fatal-signal handler is taken off SIGTERM again (it dumped a stack and aborted),
+    so SIGTERM reaches the driver's own handler (chatgen.cli: a clean stop).
+    docs/failure_and_security.md covers a cluster (runtime.ray_address), where Ray must listen on
+    the network: its token authentication and firewall.
     """
     import signal
     import tempfile
@@ -118,8 +122,9 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
             False,
         )
         try:
-            # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated models take
-            # turns on the same cores, so over-subscribing the logical count is what we want).
+            # Logical CPUs: enough for every actor of this run even on a 2-core laptop (colocated
+            # models take turns on the same cores, so over-subscribing the logical count is what we
+            # want).
             ray.init(
                 num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1),
                 _temp_dir=temp_dir,
@@ -152,13 +157,14 @@ _SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 class LocalRay:
-    """The Ray a run started on this machine: its temporary directory, and a reaper process that outlives a
-    killed driver. Ray's GCS and raylet die with the driver, but its agents linger about a minute (they try to
-    report the raylet's death to the dead GCS); the reaper waits for the driver's pipe to close, however the
-    driver ends, then kills every process that holds a file of the session directory open (each Ray process
-    logs there) and removes the directory."""
+    """The Ray a run started on this machine: its temporary directory, and a reaper process that
+    outlives a killed driver. Ray's GCS and raylet die with the driver, but its agents linger
+    about a minute (they try to report the raylet's death to the dead GCS); the reaper waits for
+    the driver's pipe to close, however the driver ends, then kills every process that holds a
+    file of the session directory open (each Ray process logs there) and removes the directory."""
 
-    # The reaper's code (argv[1]: the session directory); self-contained, so it runs whatever the import path.
+    # The reaper's code (argv[1]: the session directory); self-contained, so it runs whatever the
+    # import path.
     REAPER = """if True:
         import os, shutil, sys
         import psutil

@@ -31,7 +31,8 @@ def available() -> list[str]:
 
 
 def load(name: str):
-    """The algorithm module for `runtime.algorithm.name`; ValueError naming the choices when there is none."""
+    """The algorithm module for `runtime.algorithm.name`; ValueError naming the choices when
+    there is none."""
     return load_plugin(
         name,
         _package(),

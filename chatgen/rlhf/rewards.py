@@ -1,5 +1,5 @@
-"""Rewards (`backend: python` models): plain functions of your project, a reward model, a remote service, the
-shipped rules, weighted together. docs/rewards.md has every key.
+"""Rewards (`backend: python` models): plain functions of your project, a reward model, a remote
+service, the shipped rules, weighted together. docs/rewards.md has every key.
 
     reward:                                   # one function of your own (TRL's shape), nothing else
       backend: python
@@ -16,11 +16,12 @@ shipped rules, weighted together. docs/rewards.md has every key.
           judge:    {model: outputs/reward-model}            # an HF sequence-classification checkpoint
           service:  {url: "http://127.0.0.1:8000/score", on_error: zero}
 
-A reward function is `f(completions, **columns) -> list[float]`: `completions` are the S response texts,
-`prompts` the S prompts (each record's `prompt`, or its chat `messages`), and every other column of the data
-records comes as a keyword list of length S (`answer`, ...); take `**kwargs` for the ones you do not use.
-Every term's output, and the run's total, go through chatgen.rlhf.health.checked_rewards (one float per
-completion, finite; anything else is refused naming the term and what it returned).
+A reward function is `f(completions, **columns) -> list[float]`: `completions` are the S response
+texts, `prompts` the S prompts (each record's `prompt`, or its chat `messages`), and every other
+column of the data records comes as a keyword list of length S (`answer`, ...); take `**kwargs` for
+the ones you do not use. Every term's output, and the run's total, go through
+chatgen.rlhf.health.checked_rewards (one float per completion, finite; anything else is refused
+naming the term and what it returned).
 """
 
 import concurrent.futures
@@ -66,7 +67,8 @@ BUILTIN = {
 
 @dataclasses.dataclass(kw_only=True)
 class RewardTerm:
-    """One term of `Rewards`: exactly one of function, model, url; the rest are that kind's settings."""
+    """One term of `Rewards`: exactly one of function, model, url; the rest are that kind's
+    settings."""
 
     function: Optional[str] = opt(
         None,
@@ -165,8 +167,8 @@ class RewardsConfig:
 
 
 def _check_term(name: str, term: RewardTerm) -> None:
-    """What can be checked before anything starts: the function imports and takes `completions`; the reward
-    model's directory exists; the URL's host answers a connection."""
+    """What can be checked before anything starts: the function imports and takes `completions`;
+    the reward model's directory exists; the URL's host answers a connection."""
     if term.function:
         reward_function(term.function)
     elif term.model:
@@ -179,8 +181,9 @@ def _check_term(name: str, term: RewardTerm) -> None:
 
 
 def reward_function(spec: str):
-    """The function a term names: a BUILTIN name, or 'file.py:name' / 'package.module:name'. A ValueError names
-    what is wrong (not found: the file and directories searched; not a function; no `completions` parameter)."""
+    """The function a term names: a BUILTIN name, or 'file.py:name' / 'package.module:name'. A
+    ValueError names what is wrong (not found: the file and directories searched; not a function;
+    no `completions` parameter)."""
     if ":" not in spec:
         if spec not in BUILTIN:
             close = did_you_mean(spec, BUILTIN)
@@ -244,9 +247,9 @@ class FunctionTerm:
 
 
 class ModelTerm:
-    """An HF sequence-classification checkpoint scoring `prompt + response` (the record's chat messages through
-    the checkpoint's chat template when it has one), in batches of batch_size, right-padded; the score is the
-    model's single logit at the last token."""
+    """An HF sequence-classification checkpoint scoring `prompt + response` (the record's chat
+    messages through the checkpoint's chat template when it has one), in batches of batch_size,
+    right-padded; the score is the model's single logit at the last token."""
 
     def __init__(self, name: str, term: RewardTerm):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -297,12 +300,13 @@ class ModelTerm:
 
 
 class RemoteTerm:
-    """POST chunks of batch_size completions to `url` ({"completions": [...], "prompts": [...], <column>: [...]},
-    JSON), max_concurrency at a time; each answers {"rewards": [...]}. A request that times out (`timeout`:
-    wall-clock seconds for the whole answer), cannot connect or gets a 5xx is tried again (retries, backoff
-    0.5 s, 1 s, ...); a 4xx or a redirect is not. One still failing: on_error fail stops the run naming the
-    URL and the error; zero scores its completions 0 and counts them. The requests run on daemon threads:
-    one stuck in a read never holds the process's exit."""
+    """POST chunks of batch_size completions to `url` ({"completions": [...], "prompts": [...],
+    <column>: [...]}, JSON), max_concurrency at a time; each answers {"rewards": [...]}. A
+    request that times out (`timeout`: wall-clock seconds for the whole answer), cannot connect
+    or gets a 5xx is tried again (retries, backoff 0.5 s, 1 s, ...); a 4xx or a redirect is not.
+    One still failing: on_error fail stops the run naming the URL and the error; zero scores its
+    completions 0 and counts them. The requests run on daemon threads: one stuck in a read never
+    holds the process's exit."""
 
     def __init__(self, name: str, term: RewardTerm):
         self.name, self.term, self.errors = name, term, 0
@@ -384,7 +388,8 @@ class RemoteTerm:
 
 
 def _plain(value):
-    """A column value JSON cannot write as it is (a numpy number or array from a parquet file) as plain data."""
+    """A column value JSON cannot write as it is (a numpy number or array from a parquet file) as
+    plain data."""
     return value.tolist() if hasattr(value, "tolist") else str(value)
 
 
@@ -393,8 +398,9 @@ def make_term(name: str, term: RewardTerm):
 
 
 class Rewards(Module):
-    """The weighted sum of the configured terms (see the module docstring); `score` also gives each term's
-    rewards, which the run logs as reward/<name> (eval/reward/<name> on the held-out set)."""
+    """The weighted sum of the configured terms (see the module docstring); `score` also gives
+    each term's rewards, which the run logs as reward/<name> (eval/reward/<name> on the held-out
+    set)."""
 
     config_class = RewardsConfig
 
@@ -403,9 +409,9 @@ class Rewards(Module):
         self.terms = {name: make_term(name, term) for name, term in self.specs.items()}
 
     def score(self, data: dict) -> dict:
-        """data: {"texts": S responses, plus each record field as a list of length S}. Returns {"rewards": (S,)
-        weighted total, "terms": {name: (S,)}, "weights": {name: weight}, "metrics":
-        {"<name>/errors": n} for remote terms}."""
+        """data: {"texts": S responses, plus each record field as a list of length S}. Returns
+        {"rewards": (S,) weighted total, "terms": {name: (S,)}, "weights": {name: weight},
+        "metrics": {"<name>/errors": n} for remote terms}."""
         texts = data["texts"]
         columns = {k: v for k, v in data.items() if k != "texts"}
         prompts = columns.get("prompt", columns.get("messages"))
@@ -430,8 +436,8 @@ class Rewards(Module):
 
 
 def function_reward_config(path: str) -> dict:
-    """The `Rewards` config that runs the plain function `path` (a model_class naming a function) as its one term,
-    named after the function."""
+    """The `Rewards` config that runs the plain function `path` (a model_class naming a function)
+    as its one term, named after the function."""
     name = path.rpartition(":")[2]
     return {"terms": {name: {"function": path}}}
 
@@ -455,8 +461,9 @@ class RuleReward(Module):
     def score(self, data: dict) -> torch.Tensor:
         """Score S responses. Called by the run once per episode (and per evaluation).
 
-        data: {"texts": list[str] (S response texts), plus every field of the prompt records as lists of length S,
-        e.g. "prompt": list[str], "answer": list[str]}. Returns (S,) float32 rewards.
+        data: {"texts": list[str] (S response texts), plus every field of the prompt records as
+        lists of length S, e.g. "prompt": list[str], "answer": list[str]}. Returns (S,) float32
+        rewards.
         """
         if "answer" not in data:
             raise KeyError(

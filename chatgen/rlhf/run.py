@@ -1,5 +1,6 @@
-"""What every RLHF episode loop shares: start a run, generate, score, call the trainers, sync, checkpoint,
-evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<name>.py, each top to bottom.
+"""What every RLHF episode loop shares: start a run, generate, score, call the trainers, sync,
+checkpoint, evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<name>.py, each top to
+bottom.
 
     with Run(cfg, resume=False, phases=["generate", "reward", "train", "sync"], records_per_episode=32) as run:
         index = run.next_prompts()               # record indices of this episode
@@ -11,11 +12,12 @@ evaluate, log. The loops themselves are chatgen/rlhf/algorithms/<name>.py, each 
         run.end_episode(episode, metrics, start) # evaluate, checkpoint, log
     # leaving the block stops the actors and writes the plot (run.plot), however the loop ended
 
-Nothing here assumes a particular algorithm or backend: which models exist and which syncs into which comes from
-the algorithm's MODELS (chatgen.rlhf.schema.Role); a run without a generation policy (offline DPO) never
-generates. A Run holds the pieces it is made of: the data (chatgen.rlhf.data), the runtime's model groups
-(chatgen.rlhf.runtime), the weight links between trainers and engines (chatgen.rlhf.weight_links), the health
-checks (chatgen.rlhf.health), the checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
+Nothing here assumes a particular algorithm or backend: which models exist and which syncs into
+which comes from the algorithm's MODELS (chatgen.rlhf.schema.Role); a run without a generation
+policy (offline DPO) never generates. A Run holds the pieces it is made of: the data
+(chatgen.rlhf.data), the runtime's model groups (chatgen.rlhf.runtime), the weight links between
+trainers and engines (chatgen.rlhf.weight_links), the health checks (chatgen.rlhf.health), the
+checkpoints (chatgen.rlhf.checkpoint) and the metrics (chatgen.rlhf.metrics).
 """
 
 import dataclasses
@@ -53,7 +55,8 @@ from chatgen.rlhf.weight_links import WeightLinks
 
 
 class Run:
-    """One training run: config checked, outputs prepared, actors started, data loaded, resume applied.
+    """One training run: config checked, outputs prepared, actors started, data loaded, resume
+    applied.
 
     cfg: the loaded main config (its runtime.algorithm names the algorithm); records_per_episode: how many records of
     `runtime.data_path` an episode takes (e.g. sample_per_episode / n for GRPO); evaluate: the held-out
@@ -81,8 +84,8 @@ class Run:
         rt = cfg.runtime
         self.out_dir = Path(rt.output_dir)
         self.save_dir = self.out_dir / "checkpoints"
-        # everything that can refuse the inputs (the checkpoint, the data, a changed setting) before the lock:
-        # a refused run writes nothing
+        # everything that can refuse the inputs (the checkpoint, the data, a changed setting) before
+        # the lock: a refused run writes nothing
         if resume:  # True: the latest checkpoint; a path or episode directory name: that one
             last = ckpt.resume_point(self.save_dir, None if resume is True else resume)
         elif ckpt.latest_checkpoint(self.save_dir) is not None:
@@ -111,11 +114,12 @@ class Run:
         )
 
     def _check_restored_keys(self, saved: dict | None, path: Path) -> None:
-        """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries (a trainer's
-        optimizer, LR schedule, RNG, weights: its config's RESTORED_BY_CHECKPOINT): the resumed run would go on
-        with the saved value. Every other key is read from this run's config, so a change applies (and
-        resolved_config.yaml records it). `saved`: the config the checkpoint was written with (None: a
-        checkpoint from before chatgen recorded it, nothing to compare)."""
+        """Refuse (ConfigError) a resume that changes a key whose effect the checkpoint carries
+        (a trainer's optimizer, LR schedule, RNG, weights: its config's RESTORED_BY_CHECKPOINT):
+        the resumed run would go on with the saved value. Every other key is read from this run's
+        config, so a change applies (and resolved_config.yaml records it). `saved`: the config
+        the checkpoint was written with (None: a checkpoint from before chatgen recorded it,
+        nothing to compare)."""
         if saved is None:
             return
         problems = []
@@ -165,7 +169,8 @@ class Run:
                 )
                 if self.policy is not None:
                     self.data.prepare(self.policy, rt.max_cut_prompt_fraction, self.log)
-                # trainer -> the model its weights go to after each update (the algorithm's Role.syncs_to)
+                # trainer -> the model its weights go to after each update (the algorithm's
+                # Role.syncs_to)
                 self.links = WeightLinks(
                     self.runtime,
                     {
@@ -195,8 +200,8 @@ class Run:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
-        """Close however the loop ended; a failure while closing never hides the error that ended the loop. A run
-        that ended well prints its summary."""
+        """Close however the loop ended; a failure while closing never hides the error that ended
+        the loop. A run that ended well prints its summary."""
         try:
             self.close()
         except Exception as close_error:  # noqa: BLE001
@@ -211,7 +216,8 @@ class Run:
         return False
 
     def summary(self) -> str:
-        """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where the files are."""
+        """The end-of-run table (chatgen.rlhf.metrics.summary): the curve, time per phase, where
+        the files are."""
         board = (
             f"  (tensorboard --logdir {show(self.out_dir / 'tensorboard')})"
             if self.logger.writer
@@ -246,7 +252,8 @@ class Run:
     def sampler(self):
         return self.data.sampler
 
-    # ---- data, generation, reward ---------------------------------------------------------------------
+    # ---- data, generation, reward
+    # ---------------------------------------------------------------------
 
     def next_prompts(self) -> list:
         """Indices (into `records`) of this episode's records: `records_per_episode` of them."""
@@ -274,12 +281,13 @@ class Run:
         return batch
 
     def score(self, batch, prefix: str | None = None) -> torch.Tensor:
-        """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts": S texts, plus each
-        field of the samples' records as a list of length S} and returns S numbers, or {"rewards": S numbers,
-        "terms": {name: S numbers}, "metrics": {key: number}} (chatgen.rlhf.rewards:Rewards), whose term means
-        and metrics the next log shows as reward/<name> (eval/reward/<name> when scored by `evaluate`; `prefix`
-        instead of either when given, e.g. eval/greedy/reward/). With "weights": {name: weight} too, the
-        batch keeps the terms and their weights (RolloutBatch.reward_terms, reward_weights)."""
+        """(S,) rewards of a RolloutBatch's responses: the reward model's `score` gets {"texts":
+        S texts, plus each field of the samples' records as a list of length S} and returns S
+        numbers, or {"rewards": S numbers, "terms": {name: S numbers}, "metrics": {key: number}}
+        (chatgen.rlhf.rewards:Rewards), whose term means and metrics the next log shows as
+        reward/<name> (eval/reward/<name> when scored by `evaluate`; `prefix` instead of either
+        when given, e.g. eval/greedy/reward/). With "weights": {name: weight} too, the batch
+        keeps the terms and their weights (RolloutBatch.reward_terms, reward_weights)."""
         data = {key: [m.get(key) for m in batch.metadata] for key in batch.metadata[0]}
         data["texts"] = list(batch.texts)
         entry = self.cfg.models["reward"]
@@ -301,16 +309,17 @@ class Run:
             out = out["rewards"]
         return checked_rewards(out, batch.texts, who)
 
-    # ---- Megatron models (split over their DP ranks: ModelHandle.split_call) -------------------------
+    # ---- Megatron models (split over their DP ranks: ModelHandle.split_call)
+    # -------------------------
 
     def forward_tokens(
         self, name: str, data: dict, base: bool = False, scored_only: bool = False
     ) -> torch.Tensor:
-        """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a reference, values
-        for a critic. data: input_ids (S, L), attention_mask (S, L), loss_mask (S, L-1). base: of a LoRA
-        trainer's base (adapters off). scored_only: the entries loss_mask marks, each prompt run once for its
-        samples (MegatronModule.forward_tokens; an entry outside the mask may be 0): for log-probs that only
-        masked sums read."""
+        """(S, L-1) per-token outputs of a Megatron model, no grad: log-probs for a policy or a
+        reference, values for a critic. data: input_ids (S, L), attention_mask (S, L), loss_mask
+        (S, L-1). base: of a LoRA trainer's base (adapters off). scored_only: the entries
+        loss_mask marks, each prompt run once for its samples (MegatronModule.forward_tokens; an
+        entry outside the mask may be 0): for log-probs that only masked sums read."""
         keys = (
             ("input_ids", "attention_mask", "loss_mask")
             if scored_only
@@ -321,11 +330,12 @@ class Run:
         return torch.cat((model.base_forward_tokens if base else model.forward_tokens)(data))
 
     def train(self, name: str, data: dict, loss_fn, group_size: int = 1, per_step: bool = False):
-        """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel to the trainer),
-        in shuffled global batches of train_global_batch_size rows, one optimizer step each. Rows are shuffled in
-        whole groups of `group_size` consecutive rows (e.g. 2 for DPO's chosen/rejected pairs), so a group
-        never splits across steps. Returns the steps' metrics reduced by `reduce_metrics` (per_step: the list of
-        each step's metrics, in order)."""
+        """num_training_epoch passes over `data` (a dict of (S, ...) tensors, all of which travel
+        to the trainer), in shuffled global batches of train_global_batch_size rows, one
+        optimizer step each. Rows are shuffled in whole groups of `group_size` consecutive rows
+        (e.g. 2 for DPO's chosen/rejected pairs), so a group never splits across steps. Returns
+        the steps' metrics reduced by `reduce_metrics` (per_step: the list of each step's
+        metrics, in order)."""
         rt = self.cfg.runtime
         n = data["input_ids"].shape[0]
         if n % group_size or rt.train_global_batch_size % group_size:
@@ -345,12 +355,13 @@ class Run:
         return steps if per_step else reduce_metrics(steps)
 
     def sync_policy(self, mode: str = "wait") -> None:
-        """Each trainer's weights -> the model it syncs to (policy_trainer -> policy). The first sync of a run
-        validates every tensor. mode: what the engine does with requests in flight (wait, keep, recompute,
-        abort: GenerationModule.load_weights)."""
+        """Each trainer's weights -> the model it syncs to (policy_trainer -> policy). The first
+        sync of a run validates every tensor. mode: what the engine does with requests in flight
+        (wait, keep, recompute, abort: GenerationModule.load_weights)."""
         self.links.sync(mode)
 
-    # ---- checkpoint, resume, eval, log ---------------------------------------------------------------
+    # ---- checkpoint, resume, eval, log
+    # ---------------------------------------------------------------
 
     def should(self, interval, episode: int) -> bool:
         return bool(interval) and (
@@ -381,7 +392,8 @@ class Run:
         self.start_episode = state["episode"] + 1
         if self.links.pairs:
             self.links.sync()
-        # every process continues its random streams (vLLM's sampling included) where the checkpoint left them
+        # every process continues its random streams (vLLM's sampling included) where the checkpoint
+        # left them
         ckpt.set_rng_state(state["rng"])
         self.runtime.set_rng_states(state["actor_rng"])
         self.log(
@@ -396,7 +408,8 @@ class Run:
             self._evaluating = False
 
     def evaluate_start(self) -> None:
-        """On a fresh run with evaluation on, log the held-out metrics before any training as episode 0."""
+        """On a fresh run with evaluation on, log the held-out metrics before any training as
+        episode 0."""
         if (
             self.start_episode == 1
             and self.data.eval_records
@@ -409,16 +422,18 @@ class Run:
             self.pending_metrics = {}
 
     def _generation_metrics(self) -> dict:
-        """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for one replica)."""
+        """What each replica of the policy generated since the last log (`replica/<i>/*`; {} for
+        one replica)."""
         return self.policy.pop_metrics() if self.policy is not None else {}
 
     def end_episode(
         self, episode: int, metrics: dict, start: float, sampler_state: dict | None = None
     ) -> dict:
-        """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a resumed run
-        continues every random stream exactly where this one is), add the phase times, log one line.
-        sampler_state: the data position a checkpoint records when the loop already drew the next episode's
-        prompts (`sampler.state_dict()` from before that draw); default: the sampler's current state."""
+        """Every algorithm's episode tail: evaluate, checkpoint (after the evaluation, so that a
+        resumed run continues every random stream exactly where this one is), add the phase
+        times, log one line. sampler_state: the data position a checkpoint records when the loop
+        already drew the next episode's prompts (`sampler.state_dict()` from before that draw);
+        default: the sampler's current state."""
         rt, timer = self.cfg.runtime, self.timer
         if self.data.eval_records and self.should(rt.eval_episode_interval, episode):
             with timer("eval"):
@@ -441,7 +456,8 @@ class Run:
         return metrics
 
     def close(self) -> Path | None:
-        """Stop the actors, close the logs, write the plot (`self.plot`, also returned); release the output dir."""
+        """Stop the actors, close the logs, write the plot (`self.plot`, also returned); release
+        the output dir."""
         try:
             self.runtime.shutdown()
             self.plot = self.logger.close()

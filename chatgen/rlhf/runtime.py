@@ -1,21 +1,23 @@
-"""The runtime: each model of the main YAML runs as a group of workers with ranks and a master address.
+"""The runtime: each model of the main YAML runs as a group of workers with ranks and a master
+address.
 
     runtime = Runtime.start(cfg)          # Ray actors (or one in-process worker), model init
     runtime["policy_trainer"].train_step(batch, loss_fn)  # as the method declares (@remote("split"))
     runtime.shutdown()                    # kill the actors; stop Ray if we started it
 
-`runtime.launcher` picks how: `ray` runs every group as Ray actors (`ActorGroup`); `local` runs the one group
-of a run whose models all share one process of one rank inside the driver (`LocalGroup`: no Ray processes,
-no pickling of batches, ~7 s less start-up and a third of the memory on the tiny CPU job); `auto` (default)
-is `local` for such a run without a cluster (`runtime.ray_address`, `RAY_ADDRESS`), else `ray`. Both kinds of
-group answer the same calls; a generation model's handle is a chatgen.rlhf.generation_group.GenerationGroup (its
-replicas as one model).
+`runtime.launcher` picks how: `ray` runs every group as Ray actors (`ActorGroup`); `local` runs the
+one group of a run whose models all share one process of one rank inside the driver (`LocalGroup`:
+no Ray processes, no pickling of batches, ~7 s less start-up and a third of the memory on the tiny
+CPU job); `auto` (default) is `local` for such a run without a cluster (`runtime.ray_address`,
+`RAY_ADDRESS`), else `ray`. Both kinds of group answer the same calls; a generation model's handle
+is a chatgen.rlhf.generation_group.GenerationGroup (its replicas as one model).
 
-Colocation (`runtime.colocation: [[policy, policy_trainer, reference]]`) puts the models of one group in the
-SAME actor processes: rank r of the group hosts rank r of each of its models, on the same device(s). On GPUs
-they take turns on the memory (vLLM sleeps while the trainer trains) and the weight sync is an in-process
-copy; on a machine without a GPU they share the CPU cores. A model in no group gets actors of its own, and
-its weights travel to the policy over a private torch.distributed group (chatgen.rlhf.weight_links).
+Colocation (`runtime.colocation: [[policy, policy_trainer, reference]]`) puts the models of one
+group in the SAME actor processes: rank r of the group hosts rank r of each of its models, on the
+same device(s). On GPUs they take turns on the memory (vLLM sleeps while the trainer trains) and the
+weight sync is an in-process copy; on a machine without a GPU they share the CPU cores. A model in
+no group gets actors of its own, and its weights travel to the policy over a private
+torch.distributed group (chatgen.rlhf.weight_links).
 
 Ranks (chatgen.rlhf.placement): a group has world size = the Megatron world (num_gpu on GPU; TP x PP x DP on
 CPU, DP from the model's data_parallel_size), or num_replicas x tensor_parallel_size for a generation model, or 1;
@@ -27,7 +29,6 @@ running.
 """
 
 import dataclasses
-import functools
 import os
 import time
 import traceback
@@ -38,12 +39,12 @@ from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class, require
-from chatgen.core.tensors import select
 from chatgen.generation.base import load_backend
 from chatgen.module import remote_methods, startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
 from chatgen.rlhf.checks import backend_kind
 from chatgen.rlhf.generation_group import GenerationGroup
+from chatgen.rlhf.model_handle import ModelHandle
 from chatgen.rlhf.placement import (
     engine_tp,
     launcher,
@@ -65,12 +66,13 @@ from chatgen.rlhf.schema import model_class
 
 
 class ActorFailure(RuntimeError):
-    """A model's actor raised or died; the message names the model and carries the actor's traceback."""
+    """A model's actor raised or died; the message names the model and carries the actor's
+    traceback."""
 
 
 def rendezvous_host(multi_node: bool) -> str:
-    """Where this process's torch.distributed rendezvous listens: loopback on one machine (reachable from this
-    machine only), the node's address on a cluster."""
+    """Where this process's torch.distributed rendezvous listens: loopback on one machine
+    (reachable from this machine only), the node's address on a cluster."""
     if not multi_node:
         return "127.0.0.1"
     import ray
@@ -79,16 +81,15 @@ def rendezvous_host(multi_node: bool) -> str:
 
 
 class ModelWorker:
-    """One actor process: hosts rank `rank` of every model of its group (`self.models[name]`), and what the run
-    attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an HTTP server), closed before the
-    models shut down."""
+    """One actor process: hosts rank `rank` of every model of its group (`self.models[name]`),
+    and what the run attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an
+    HTTP server), closed before the models shut down."""
 
     def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
         os.environ.update(env)
         # Ray: own devices
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
-        import torch
 
         # before vLLM, which pins the thread count once it has started
         torch.set_num_threads(num_threads)
@@ -99,10 +100,10 @@ class ModelWorker:
         return host, free_port(host)
 
     def setup(self, master_addr: str, master_port: int, specs: list) -> None:
-        """Build and start this rank of each model of the group: specs = [(name, model_class, config)], each the
-        same way (chatgen.module: `cls(config, name=name).start()`). With several ranks the group's
-        torch.distributed world is joined first, on a rendezvous this process controls (loopback on one
-        machine), and every model of the group uses it."""
+        """Build and start this rank of each model of the group: specs = [(name, model_class,
+        config)], each the same way (chatgen.module: `cls(config, name=name).start()`). With
+        several ranks the group's torch.distributed world is joined first, on a rendezvous this
+        process controls (loopback on one machine), and every model of the group uses it."""
         world = int(os.environ["WORLD_SIZE"])
         # one rank has no rendezvous: a model that wants a world of its own binds port 0 for it
         if world > 1:
@@ -124,11 +125,13 @@ class ModelWorker:
         return getattr(self.models[name], method)(*args, **kwargs)
 
     def run(self, fn, *args, **kwargs):
-        """fn(worker, *args, **kwargs) in this process (module-level functions only): `worker.models[name]`."""
+        """fn(worker, *args, **kwargs) in this process (module-level functions only):
+        `worker.models[name]`."""
         return fn(self, *args, **kwargs)
 
     def attach(self, name: str, kind: str, obj):
-        """Keep `obj` (with an optional `close()`) for model `name` until the worker stops; returns it."""
+        """Keep `obj` (with an optional `close()`) for model `name` until the worker stops;
+        returns it."""
         self.attached[(name, kind)] = obj
         return obj
 
@@ -148,9 +151,9 @@ class ModelWorker:
 
 
 class ActorGroup:
-    """The Ray actors of one colocation group (a `placement.GroupPlan`): `world` ModelWorkers in one placement
-    group placed by `strategy`, one bundle per rank; rank r runs on the r-th bundle in node order
-    (`placement.ranks_by_node`), and `nodes[r]` is its node's id."""
+    """The Ray actors of one colocation group (a `placement.GroupPlan`): `world` ModelWorkers in
+    one placement group placed by `strategy`, one bundle per rank; rank r runs on the r-th bundle
+    in node order (`placement.ranks_by_node`), and `nodes[r]` is its node's id."""
 
     def __init__(self, plan, env: dict, multi_node: bool = False, strategy: str = "PACK"):
         import ray
@@ -189,9 +192,10 @@ class ActorGroup:
         )[0]
 
     def get(self, refs: list, what: str, labels: list | None = None):
-        """ray.get of `refs`, failing as soon as the first of them fails (the others may still be running): the
-        actor's traceback as an ActorFailure naming this group, `what` and the failing call's label (labels[i] for
-        refs[i]; default: its rank, when there is one ref per rank)."""
+        """ray.get of `refs`, failing as soon as the first of them fails (the others may still be
+        running): the actor's traceback as an ActorFailure naming this group, `what` and the
+        failing call's label (labels[i] for refs[i]; default: its rank, when there is one ref per
+        rank)."""
         import ray
 
         if labels is None and len(refs) == self.world_size > 1:
@@ -247,9 +251,10 @@ class ActorGroup:
 
 
 class LocalGroup:
-    """A group of one rank whose worker lives in the driver process (runtime.launcher: local). Same calls as
-    `ActorGroup`; a call runs when its result is asked for (`get`), and an exception in a model reaches the
-    driver as the same `ActorFailure`, with the model's traceback."""
+    """A group of one rank whose worker lives in the driver process (runtime.launcher: local).
+    Same calls as `ActorGroup`; a call runs when its result is asked for (`get`), and an
+    exception in a model reaches the driver as the same `ActorFailure`, with the model's
+    traceback."""
 
     multi_node = False
     world_size = 1
@@ -294,64 +299,6 @@ class LocalGroup:
                 os.environ[key] = value
 
 
-class ModelHandle:
-    """One model as the engine sees it: calls go to every rank of its group; results come back per rank."""
-
-    def __init__(self, name: str, entry, group: ActorGroup):
-        self.name, self.entry, self.group = name, entry, group
-        self.backend = entry.backend
-        self.dp_ranks = None  # Megatron: data-parallel rank of each actor (set by Runtime.start)
-        self.declared = {}  # {method: dispatch} its class declares with chatgen.module.remote
-
-    def __getattr__(self, method: str):
-        """A method its class declares with `@remote(dispatch)`: all -> call, split -> split_call."""
-        declared = self.__dict__.get("declared") or {}
-        if method.startswith("_") or method not in declared:
-            raise AttributeError(
-                f"{self.__dict__.get('name')}: {method!r} is not a method its class declares for the "
-                f"run (@chatgen.module.remote); declared: {', '.join(sorted(declared)) or 'none'}"
-            )
-        dispatch = {"all": self.call, "first": self.first, "split": self.split_call}
-        return functools.partial(dispatch[declared[method]], method)
-
-    def call(self, method: str, *args, **kwargs) -> list:
-        return self.group.get(
-            self.group.call_async(self.name, method, *args, **kwargs), f"{self.name}.{method}"
-        )
-
-    def first(self, method: str, *args, **kwargs):
-        """Call on every rank (collective), return rank 0's result."""
-        return self.call(method, *args, **kwargs)[0]
-
-    def run(self, fn, *args) -> list:
-        """`fn(worker, *args)` on every rank of the group (a module-level function; see ModelWorker.run)."""
-        return self.get(self.group.run_async(fn, *args), fn.__name__)
-
-    def get(self, refs, what, labels=None):
-        return self.group.get(refs, f"{self.name}.{what}", labels)
-
-    def split_call(self, method: str, data: dict, *args) -> list:
-        """`method(shard, *args)` on every rank, the batch's rows split over the model's DP
-        ranks (a Megatron model: `dp_ranks`); returns one result per DP rank, in DP order."""
-        dp = max(self.dp_ranks) + 1
-        n = data["input_ids"].shape[0]
-        if n % dp:
-            raise ValueError(
-                f"{self.name}: a batch of {n} samples does not split over {dp} data-parallel ranks"
-            )
-        shards = [select(data, torch.arange(d * n // dp, (d + 1) * n // dp)) for d in range(dp)]
-        results = self.get(
-            self.group.run_each(
-                call_model, [(self.name, method, shards[d], *args) for d in self.dp_ranks]
-            ),
-            method,
-        )
-        first = {}
-        for d, result in zip(self.dp_ranks, results):
-            first.setdefault(d, result)
-        return [first[d] for d in range(dp)]
-
-
 class Runtime:
     """All model groups of a run; `runtime[name]` is that model's ModelHandle."""
 
@@ -379,9 +326,10 @@ class Runtime:
 
     @classmethod
     def start(cls, cfg, log=print) -> "Runtime":
-        """Start every group of `cfg` (chatgen.rlhf.placement.plan_groups) and its models. On Ray, the groups are
-        checked against the cluster's nodes first: a layout that cannot be placed is a ConfigError naming the
-        key, at once, instead of a wait for resources that never come."""
+        """Start every group of `cfg` (chatgen.rlhf.placement.plan_groups) and its models. On
+        Ray, the groups are checked against the cluster's nodes first: a layout that cannot be
+        placed is a ConfigError naming the key, at once, instead of a wait for resources that
+        never come."""
         plans = plan_groups(cfg)
         local = launcher(cfg, plans) == "local"
         require_packages(cfg, local)
@@ -443,8 +391,8 @@ class Runtime:
         return cls(groups, handles, started)
 
     def shutdown(self) -> None:
-        """Kill every actor of this run and stop Ray if this run started it (leaving no Ray process or session
-        file); safe to call twice."""
+        """Kill every actor of this run and stop Ray if this run started it (leaving no Ray
+        process or session file); safe to call twice."""
         for group in self.groups:
             try:
                 group.kill()
@@ -457,8 +405,9 @@ class Runtime:
 
 
 def rank_config(entry, rank: int):
-    """A model's config on rank `rank` of its group: the config itself, except that each replica of a generation
-    model samples with its own seed (seed + replica index; the ranks of one replica must sample alike)."""
+    """A model's config on rank `rank` of its group: the config itself, except that each replica
+    of a generation model samples with its own seed (seed + replica index; the ranks of one
+    replica must sample alike)."""
     if entry.num_replicas == 1:
         return entry.config
     return dataclasses.replace(entry.config, seed=entry.config.seed + rank // engine_tp(entry))
@@ -472,11 +421,6 @@ def _remote_methods(worker, name):  # chatgen.module.remote
     return remote_methods(type(worker.models[name]))
 
 
-def call_model(worker, name, method, *args):
-    """`models[name].method(*args)` in a worker (for `run_each`, which passes each rank its own arguments)."""
-    return getattr(worker.models[name], method)(*args)
-
-
 def _rng_state(worker):
     return rng_state()
 
@@ -486,8 +430,9 @@ def _set_rng_state(worker, state):
 
 
 def require_packages(cfg, local: bool) -> None:
-    """Before anything starts: the optional packages this run needs are installed (Ray unless `local`; what each
-    model's generation backend lists in its REQUIRES), else a MissingPackage naming the setup.py extra."""
+    """Before anything starts: the optional packages this run needs are installed (Ray unless
+    `local`; what each model's generation backend lists in its REQUIRES), else a MissingPackage
+    naming the setup.py extra."""
     if not local:
         require(
             "ray",

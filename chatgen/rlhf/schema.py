@@ -1,8 +1,9 @@
-"""The main YAML's schema: `runtime:` (RuntimeConfig, with the algorithm's section: AlgorithmConfig),
-`models:` (ModelEntry each), the roles an algorithm asks for (Role) and the loaded whole
-(ChatgenConfig); which per-model schema and class a model entry's backend means.
+"""The main YAML's schema: `runtime:` (RuntimeConfig, with the algorithm's section:
+AlgorithmConfig), `models:` (ModelEntry each), the roles an algorithm asks for (Role) and the loaded
+whole (ChatgenConfig); which per-model schema and class a model entry's backend means.
 
-chatgen.rlhf.config reads the YAML files into these (load_config); docs/configuration.md lists every key.
+chatgen.rlhf.config reads the YAML files into these (load_config); docs/configuration.md lists every
+key.
 """
 
 import dataclasses
@@ -21,7 +22,8 @@ FSDP_TRAINER_CLASS = "chatgen.training.fsdp_module:FSDPModule"
 
 
 def backend_schema(backend: str):
-    """The per-model config dataclass of a megatron or generation backend (ValueError naming the choices)."""
+    """The per-model config dataclass of a megatron or generation backend (ValueError naming the
+    choices)."""
     if backend == "megatron":
         return MegatronConfig
     if backend == "fsdp":
@@ -35,7 +37,8 @@ def backend_schema(backend: str):
 
 
 def model_class(entry) -> str:
-    """'package.module:ClassName' a model entry runs: its model_class, else its backend's default class."""
+    """'package.module:ClassName' a model entry runs: its model_class, else its backend's default
+    class."""
     if entry.model_class:
         return entry.model_class
     if entry.backend in ("megatron", "fsdp"):
@@ -45,7 +48,8 @@ def model_class(entry) -> str:
 
 @dataclasses.dataclass(kw_only=True)
 class AlgorithmConfig:
-    """Base of every algorithm's own `runtime.algorithm:` section (chatgen/rlhf/algorithms/<name>.py: Config)."""
+    """Base of every algorithm's own `runtime.algorithm:` section
+    (chatgen/rlhf/algorithms/<name>.py: Config)."""
 
     name: str = opt(
         "grpo",
@@ -56,8 +60,8 @@ class AlgorithmConfig:
 
 @dataclasses.dataclass(frozen=True)
 class Role:
-    """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it may be left out,
-    and the model its weights are synced into after each update."""
+    """A model an algorithm needs (its MODELS): which backend, whether it is trained, whether it
+    may be left out, and the model its weights are synced into after each update."""
 
     # generation: any generation backend (vllm, hf, ...)
     backend: Literal["generation", "megatron", "python"]
@@ -315,7 +319,8 @@ class ModelEntry:
 
 @dataclasses.dataclass
 class ChatgenConfig:
-    """A loaded main config: `runtime` and the `models` (each entry's `.config` holds its typed per-model config)."""
+    """A loaded main config: `runtime` and the `models` (each entry's `.config` holds its typed
+    per-model config)."""
 
     runtime: RuntimeConfig
     models: dict[str, ModelEntry]

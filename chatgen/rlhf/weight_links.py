@@ -1,22 +1,25 @@
-"""Which trainer's weights go into which model after each update, and how (the algorithm's Role.syncs_to).
+"""Which trainer's weights go into which model after each update, and how (the algorithm's
+Role.syncs_to).
 
     links = WeightLinks(runtime, {"policy_trainer": "policy"})   # opens a channel for each non-colocated pair
     links.sync()        # every trainer -> its target; the first sync of a run validates every tensor
     links.wake()        # before generating: the engine back from sleep (GPU colocation)
     links.release()     # after generating: the engine sleeps, its memory to the colocated trainers (GPU only)
 
-Colocated on GPUs, the Megatron models of the engine's group hand the memory back before the engine wakes
-(`MegatronModule.offload`: gradients, optimizer state and, unless a sync is about to read them, weights; each
-trainer call brings back what it needs). For a sync the engine wakes its weights only, takes the new ones, and
-wakes its KV cache once the trainers' weights are out too: the two never hold the device at once.
+Colocated on GPUs, the Megatron models of the engine's group hand the memory back before the engine
+wakes (`MegatronModule.offload`: gradients, optimizer state and, unless a sync is about to read
+them, weights; each trainer call brings back what it needs). For a sync the engine wakes its weights
+only, takes the new ones, and wakes its KV cache once the trainers' weights are out too: the two
+never hold the device at once.
 
-A trainer in the same colocation group as its target (same actor processes) writes into it in place on every rank
-(chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP rank, takes the full tensors and
-keeps its own shard). Otherwise the target is a generation model on devices of its own (chatgen.rlhf
-.generation_group): the trainer's rank 0 and every engine rank of every replica form one broadcast group
-(chatgen.param_sync.group, through the target's refit calls; every member proves the run's token over the
-group before each sync), kept for the run on the workers (`ModelWorker.attach`). After every sync each engine
-rank must hold the same weight version: a replica that missed an update stops the run.
+A trainer in the same colocation group as its target (same actor processes) writes into it in place
+on every rank (chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP
+rank, takes the full tensors and keeps its own shard). Otherwise the target is a generation model on
+devices of its own (chatgen.rlhf .generation_group): the trainer's rank 0 and every engine rank of
+every replica form one broadcast group (chatgen.param_sync.group, through the target's refit calls;
+every member proves the run's token over the group before each sync), kept for the run on the
+workers (`ModelWorker.attach`). After every sync each engine rank must hold the same weight version:
+a replica that missed an update stops the run.
 """
 
 from chatgen.param_sync import GroupSender, plan_manifest, sync_weights, weight_source
@@ -91,8 +94,9 @@ class WeightLinks:
             ]
 
     def sync(self, mode: str = "wait") -> None:
-        """Each trainer's weights -> the model it syncs to; the first sync of a run validates every tensor.
-        mode: what the engine does with requests in flight (GenerationModule.load_weights)."""
+        """Each trainer's weights -> the model it syncs to; the first sync of a run validates
+        every tensor. mode: what the engine does with requests in flight
+        (GenerationModule.load_weights)."""
         validate = self.syncs == 0
         # weights first: the trainers keep theirs (what the sync sends) until it is done
         if self.asleep:
@@ -130,14 +134,16 @@ class WeightLinks:
         self.syncs += 1
 
     def wake(self) -> None:
-        """Wake the targets put to sleep by `release`, the colocated trainers' memory handed back first."""
+        """Wake the targets put to sleep by `release`, the colocated trainers' memory handed back
+        first."""
         if self.asleep:
             self._offload(weights=True)  # before the engine takes its memory back
             self._call_targets("wake_up")
             self.asleep = False
 
     def release(self) -> None:
-        """Colocated on GPUs: the targets sleep, freeing their memory for the trainers until `wake`."""
+        """Colocated on GPUs: the targets sleep, freeing their memory for the trainers until
+        `wake`."""
         if self.sleeps:
             self._call_targets("sleep")
             self.asleep = True
@@ -152,9 +158,9 @@ class WeightLinks:
 
 
 def engine_death(target_name: str, receiving: list) -> ActorFailure | None:
-    """An ActorFailure naming the engine when one of its actors died during a sync (`receiving`: the
-    engine ranks' calls); None otherwise. The trainer's send then fails too, usually first, and the
-    failure read as the trainer's own."""
+    """An ActorFailure naming the engine when one of its actors died during a sync (`receiving`:
+    the engine ranks' calls); None otherwise. The trainer's send then fails too, usually first,
+    and the failure read as the trainer's own."""
     if not receiving or type(receiving[0]).__name__ != "ObjectRef":  # in process: no actor to die
         return None
     import ray

@@ -1,30 +1,34 @@
-"""The OpenAI-compatible HTTP app over a started generation module (FastAPI; `chatgen serve` runs it with uvicorn).
+"""The OpenAI-compatible HTTP app over a started generation module (FastAPI; `chatgen serve` runs it
+with uvicorn).
 
     app = build_app(module, api_key="KEY")                       # module: a started VLLMModule
     app = build_app(module, api_key="KEY", routers=[control])    # more endpoints behind the same key
     uvicorn.run(app, host="127.0.0.1", port=8000)
 
-Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming or not),
-POST /tokenize and /detokenize. Requests and responses are vLLM's OpenAI protocol models, and a request is read
-the way vLLM's own server reads it: its sampling parameters by the protocol's `to_sampling_params`, its prompt's
-length limits and truncation by the protocol's `TokenizeParams`, the token strings of log-probs by vLLM's
-`convert_ids_list_to_tokens`; docs/serving.md lists what still differs. Every request is one `module.stream` call
-(the generation contract, chatgen.generation.base), so requests run together in the engine (continuous batching)
-and a weight update (`module.load_weights`) lands between two engine steps.
+Endpoints: GET /health, GET /v1/models, POST /v1/chat/completions and /v1/completions (streaming or
+not), POST /tokenize and /detokenize. Requests and responses are vLLM's OpenAI protocol models, and
+a request is read the way vLLM's own server reads it: its sampling parameters by the protocol's
+`to_sampling_params`, its prompt's length limits and truncation by the protocol's `TokenizeParams`,
+the token strings of log-probs by vLLM's `convert_ids_list_to_tokens`; docs/serving.md lists what
+still differs. Every request is one `module.stream` call (the generation contract,
+chatgen.generation.base), so requests run together in the engine (continuous batching) and a weight
+update (`module.load_weights`) lands between two engine steps.
 
-Beyond vLLM's fields, each chat choice's `message` carries `prompt_token_ids`, `generation_token_ids`,
-`generation_log_probs` and `generation_weight_versions` (completion choices: `prompt_token_ids`, `token_ids`, ...;
-streamed chunks: the same for their new tokens); a chat request may give `required_prefix_token_ids` (or carry
-them on its last assistant message as `prompt_token_ids` + `generation_token_ids`), and its prompt then begins with
-exactly those ids (chatgen.generation.chat_tokens).
+Beyond vLLM's fields, each chat choice's `message` carries `prompt_token_ids`,
+`generation_token_ids`, `generation_log_probs` and `generation_weight_versions` (completion choices:
+`prompt_token_ids`, `token_ids`, ...; streamed chunks: the same for their new tokens); a chat
+request may give `required_prefix_token_ids` (or carry them on its last assistant message as
+`prompt_token_ids` + `generation_token_ids`), and its prompt then begins with exactly those ids
+(chatgen.generation.chat_tokens).
 
-Bad requests get a 4xx with an OpenAI-style error body (vLLM's message for what vLLM validates: its client-error
-type is answered in one handler); bodies over `max_request_bytes` get 413 before they are parsed; parsing and
-tokenizing run on a worker thread, so a huge request never stalls /health or the streams of others.
+Bad requests get a 4xx with an OpenAI-style error body (vLLM's message for what vLLM validates: its
+client-error type is answered in one handler); bodies over `max_request_bytes` get 413 before they
+are parsed; parsing and tokenizing run on a worker thread, so a huge request never stalls /health or
+the streams of others.
 
-Next to it: chatgen.serving.endpoints (the generating endpoints), chatgen.serving.responses (the answers'
-shapes), chatgen.serving.http (error bodies, guards, middleware), chatgen.serving.requests (a request read
-and tokenized into a Job).
+Next to it: chatgen.serving.endpoints (the generating endpoints), chatgen.serving.responses (the
+answers' shapes), chatgen.serving.http (error bodies, guards, middleware), chatgen.serving.requests
+(a request read and tokenized into a Job).
 """
 
 from chatgen.core.imports import require
@@ -65,17 +69,18 @@ def build_app(
     allowed_hosts=(),
     tool_call_parser: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its `load` path).
+    """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its
+    `load` path).
 
-    api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer <api_key>`, and the
-    interactive docs (/docs, /redoc, /openapi.json) are off (a browser cannot send the key).
-    routers: more `fastapi.APIRouter`s to mount (e.g. weight-update control endpoints); they can reach the
-    module as `request.app.state.module`.
-    max_request_bytes: a larger request body is answered 413 without being read (None: 16 MiB).
-    allowed_hosts: names clients may give in the Host header beyond IP addresses, localhost and this
-    machine's names ("*": any; `HostCheck`). A POST must be JSON (`require_json`).
-    tool_call_parser: vLLM's tool-call parser by name (`--tool-call-parser`; chatgen.serving.tool_calls):
-    chat replies are parsed into `tool_calls` (None: `tool_choice` other than "none" is a 400).
+    api_key: when set, every endpoint (also those of `routers`) needs `Authorization: Bearer
+    <api_key>`, and the interactive docs (/docs, /redoc, /openapi.json) are off (a browser cannot
+    send the key). routers: more `fastapi.APIRouter`s to mount (e.g. weight-update control
+    endpoints); they can reach the module as `request.app.state.module`. max_request_bytes: a larger
+    request body is answered 413 without being read (None: 16 MiB). allowed_hosts: names clients may
+    give in the Host header beyond IP addresses, localhost and this machine's names ("*": any;
+    `HostCheck`). A POST must be JSON (`require_json`). tool_call_parser: vLLM's tool-call parser by
+    name (`--tool-call-parser`; chatgen.serving.tool_calls): chat replies are parsed into
+    `tool_calls` (None: `tool_choice` other than "none" is a 400).
     """
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import VLLMClientError

@@ -1,5 +1,6 @@
-"""Control endpoints of `chatgen serve --control`: pause / resume the engine, push new weights from a trainer,
-reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])` mounts behind the API key.
+"""Control endpoints of `chatgen serve --control`: pause / resume the engine, push new weights from
+a trainer, reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])` mounts
+behind the API key.
 
     POST /control/pause                 stop stepping the engine (running and new requests wait)
     POST /control/resume                step it again
@@ -21,18 +22,19 @@ reset the prefix cache. A FastAPI router that `build_app(module, routers=[...])`
                                         running is stopped (finish answers within seconds).
     POST /control/reset_prefix_cache    -> {"reset": bool} (false while running requests hold cache blocks)
 
-The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The transfer is one of
-chatgen.param_sync's cross-process transports (`GroupReceiver.listen()`, `ShmReceiver`): the
-trainer's manifest is checked against the engine before anything is written, the engine checks every value for
-NaN / inf itself, and the write goes through `module.load_weights` in `mode` (wait / keep / recompute / abort,
-see GenerationModule.load_weights). The group, or the mapped file, stays open between the updates of one client;
-another client gets a new one. Every control endpoint changes what the server computes, so beyond loopback it
-needs an API key: the router refuses to be built for a non-loopback bind without one; the weight channels it
-opens are authenticated too (the group by begin's one-time token, the shm file by the 0700 directory only the
+The trainer's side is `VLLMGeneration(mode="server")` (chatgen/generation/standalone.py). The
+transfer is one of chatgen.param_sync's cross-process transports (`GroupReceiver.listen()`,
+`ShmReceiver`): the trainer's manifest is checked against the engine before anything is written, the
+engine checks every value for NaN / inf itself, and the write goes through `module.load_weights` in
+`mode` (wait / keep / recompute / abort, see GenerationModule.load_weights). The group, or the
+mapped file, stays open between the updates of one client; another client gets a new one. Every
+control endpoint changes what the server computes, so beyond loopback it needs an API key: the
+router refuses to be built for a non-loopback bind without one; the weight channels it opens are
+authenticated too (the group by begin's one-time token, the shm file by the 0700 directory only the
 server's user can write; its directory is named with the server's pid, and a server removes at start
-the directories that killed servers of its user left, and its own at exit). No update locks out the next:
-every step has a deadline (`timeout`), after which the update is given up and the engine keeps its old
-weights (or, stopped mid-load, refuses to generate until the next complete sync).
+the directories that killed servers of its user left, and its own at exit). No update locks out the
+next: every step has a deadline (`timeout`), after which the update is given up and the engine keeps
+its old weights (or, stopped mid-load, refuses to generate until the next complete sync).
 """
 
 import asyncio
@@ -86,14 +88,15 @@ class FinishRequest(BaseModel):
 
 
 class _WeightUpdates:
-    """The update in progress, if any, and what carries the weights: a group receiver (rendezvous + group,
-    opened at a client's first group update) or a shared-memory receiver (its /dev/shm directory, made at the
-    first shm update, removed when the server exits).
+    """The update in progress, if any, and what carries the weights: a group receiver (rendezvous
+    + group, opened at a client's first group update) or a shared-memory receiver (its /dev/shm
+    directory, made at the first shm update, removed when the server exits).
 
-    No update can hold the slot for longer than its deadlines: a group update's thread gives up when the trainer
-    keeps it waiting `timeout` seconds at any step (connecting, the manifest, a bucket, the end), a shm update
-    whose trainer did not finish within `timeout` seconds of its begin gives way to the next begin, and finish
-    stops an update that is still running (at once while it waits; between buckets mid-stream)."""
+    No update can hold the slot for longer than its deadlines: a group update's thread gives up
+    when the trainer keeps it waiting `timeout` seconds at any step (connecting, the manifest, a
+    bucket, the end), a shm update whose trainer did not finish within `timeout` seconds of its
+    begin gives way to the next begin, and finish stops an update that is still running (at once
+    while it waits; between buckets mid-stream)."""
 
     def __init__(self, module, host: str, timeout: float):
         self.module, self.host, self.timeout = module, host, timeout
@@ -227,7 +230,8 @@ class _WeightUpdates:
 
 
 def check_bind(host: str, api_key: str | None) -> None:
-    """ValueError unless the control endpoints may run on `host`: beyond loopback only with an API key."""
+    """ValueError unless the control endpoints may run on `host`: beyond loopback only with an
+    API key."""
     if api_key is None and host not in LOOPBACK_HOSTS:
         raise ValueError(
             f"--control on --host {host} without an API key: anyone who reaches the port could replace "
@@ -238,12 +242,14 @@ def check_bind(host: str, api_key: str | None) -> None:
 def control_router(
     module, *, api_key: str | None, host: str, timeout: float = DEFAULT_TIMEOUT_S
 ) -> APIRouter:
-    """The control endpoints for `module` (a started generation module, chatgen.generation.base) served on `host`.
+    """The control endpoints for `module` (a started generation module, chatgen.generation.base)
+    served on `host`.
 
-    With api_key set, every endpoint needs `Authorization: Bearer <api_key>` (401 otherwise). Without one the
-    server must bind loopback only: a ValueError refuses a non-loopback `host`. timeout: the seconds a weight
-    update may keep the server waiting at any step before it is given up (the engine then keeps its old weights,
-    or refuses to generate until the next complete sync if it had begun loading).
+    With api_key set, every endpoint needs `Authorization: Bearer <api_key>` (401 otherwise).
+    Without one the server must bind loopback only: a ValueError refuses a non-loopback `host`.
+    timeout: the seconds a weight update may keep the server waiting at any step before it is given
+    up (the engine then keeps its old weights, or refuses to generate until the next complete sync
+    if it had begun loading).
     """
     check_bind(host, api_key)
     updates = _WeightUpdates(module, host, timeout)

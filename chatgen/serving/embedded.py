@@ -1,12 +1,13 @@
-"""An OpenAI server over a module of this process, on a daemon thread: how an RLHF run hands its policy to
-environments that chat with it over HTTP (docs/multiturn_rl.md), and how a script serves the model it holds.
+"""An OpenAI server over a module of this process, on a daemon thread: how an RLHF run hands its
+policy to environments that chat with it over HTTP (docs/multiturn_rl.md), and how a script serves
+the model it holds.
 
     server = EmbeddedServer(module, api_key="KEY")    # a started generation module; binds 127.0.0.1, a free port
     client = openai.OpenAI(base_url=server.url, api_key="KEY")
     server.close()
 
-The app is chatgen.serving.app's (the same endpoints as `chatgen serve`); requests join the module's engine loop
-alongside its other calls.
+The app is chatgen.serving.app's (the same endpoints as `chatgen serve`); requests join the module's
+engine loop alongside its other calls.
 """
 
 import errno
@@ -27,9 +28,10 @@ START_TIMEOUT_S = 60
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket listening on host:port (port 0: a free one), for uvicorn's `run(sockets=[...])`: taken before an
-    engine loads, so that a port in use (or a host that is not an address of this machine) is an OSError naming
-    it right away, and the port cannot be taken by anyone else meanwhile."""
+    """A socket listening on host:port (port 0: a free one), for uvicorn's `run(sockets=[...])`:
+    taken before an engine loads, so that a port in use (or a host that is not an address of this
+    machine) is an OSError naming it right away, and the port cannot be taken by anyone else
+    meanwhile."""
     try:
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     except socket.gaierror as e:
@@ -52,9 +54,10 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 class EmbeddedServer:
-    """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is `http://HOST:PORT/v1` (for
-    `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to loopback unless `host` says otherwise.
-    tool_call_parser: vLLM's parser name (chatgen.serving.tool_calls): replies carry parsed `tool_calls`."""
+    """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is
+    `http://HOST:PORT/v1` (for `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to
+    loopback unless `host` says otherwise. tool_call_parser: vLLM's parser name
+    (chatgen.serving.tool_calls): replies carry parsed `tool_calls`."""
 
     def __init__(
         self,

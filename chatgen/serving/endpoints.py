@@ -1,6 +1,7 @@
-"""The OpenAI server's endpoints that generate: /v1/chat/completions and /v1/completions, streamed or not.
-Each request is one `module.stream` call (the generation contract), answered in vLLM's protocol models with
-chatgen's fields; chatgen.serving.app routes to them, chatgen.serving.responses shapes the answers.
+"""The OpenAI server's endpoints that generate: /v1/chat/completions and /v1/completions, streamed
+or not. Each request is one `module.stream` call (the generation contract), answered in vLLM's
+protocol models with chatgen's fields; chatgen.serving.app routes to them, chatgen.serving.responses
+shapes the answers.
 """
 
 import contextlib
@@ -27,11 +28,12 @@ class OpenAIServer(ResponseBuilder):
     """The generating endpoints' answers: one `module.stream` call each, streamed or not; their
     shapes are ResponseBuilder's, reading the requests is RequestReader's."""
 
-    # ------------------------------------------------------------------ generation (on the event loop)
+    # ------------------------------------------------------------------ generation (on the event
+    # loop)
 
     async def run(self, job: Job, stream: bool):
-        """One `module.stream` call for the job's prompts: yields (prompt index, RequestOutput) (deltas when
-        streaming). Leaving the iterator early aborts the requests."""
+        """One `module.stream` call for the job's prompts: yields (prompt index, RequestOutput)
+        (deltas when streaming). Leaving the iterator early aborts the requests."""
         module = self.module
         if module.is_sleeping():
             raise APIError(503, "the engine is asleep (between RLHF episodes); retry after wake_up")
@@ -49,8 +51,9 @@ class OpenAIServer(ResponseBuilder):
                 yield i, output
 
     async def streamed(self, job: Job, events):
-        """A server-sent-event response of `events(first, outputs)`, after the job's first output (an error before
-        it is still an HTTP error); an error after it ends the stream with an error event, as vLLM's does."""
+        """A server-sent-event response of `events(first, outputs)`, after the job's first output
+        (an error before it is still an HTTP error); an error after it ends the stream with an
+        error event, as vLLM's does."""
         outputs = self.run(job, stream=True)
         try:
             first = await outputs.__anext__()
@@ -380,6 +383,6 @@ class OpenAIServer(ResponseBuilder):
 
 
 def adapter_of(job) -> dict:
-    """stream()'s keyword for the LoRA adapter a job's request named, if any (a backend without served adapters
-    never gets one: check_model refuses their names)."""
+    """stream()'s keyword for the LoRA adapter a job's request named, if any (a backend without
+    served adapters never gets one: check_model refuses their names)."""
     return {} if job.adapter is None else {"adapter": job.adapter}

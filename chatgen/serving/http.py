@@ -19,7 +19,8 @@ DEFAULT_MAX_REQUEST_BYTES = 16 << 20
 
 
 class APIError(Exception):
-    """An error answered to the client as `{"error": {"message", "type", "code"}}` with HTTP `status`."""
+    """An error answered to the client as `{"error": {"message", "type", "code"}}` with HTTP
+    `status`."""
 
     def __init__(self, status: int, message: str, param: str | None = None):
         super().__init__(message)
@@ -52,8 +53,9 @@ def error_response(status: int, message: str, param=None) -> JSONResponse:
 
 
 def api_key_dependency(api_key: str | None):
-    """A FastAPI dependency that refuses (401) requests without `Authorization: Bearer <api_key>`; a no-op
-    when api_key is None. `build_app` puts it on every route, including those of `routers`."""
+    """A FastAPI dependency that refuses (401) requests without `Authorization: Bearer
+    <api_key>`; a no-op when api_key is None. `build_app` puts it on every route, including those
+    of `routers`."""
 
     async def require_api_key(request: Request) -> None:
         if api_key is None:
@@ -70,8 +72,9 @@ def api_key_dependency(api_key: str | None):
 
 
 class BodyLimit:
-    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app reads any of it (by its
-    Content-Length, or as its chunks arrive), so an oversized request costs neither parsing nor memory."""
+    """ASGI middleware: a request body over `limit` bytes is answered 413 before the app reads
+    any of it (by its Content-Length, or as its chunks arrive), so an oversized request costs
+    neither parsing nor memory."""
 
     def __init__(self, app, limit: int):
         self.app, self.limit = app, limit
@@ -127,10 +130,10 @@ class BodyLimit:
 
 
 async def require_json(request: Request) -> None:
-    """A FastAPI dependency (after the API key's) on every route: a request with a body (any method
-    but GET and HEAD) must be `Content-Type: application/json`, 415 otherwise. A web page can send
-    text/plain, a form or no type at all to any server without asking it first; JSON it cannot
-    without a CORS preflight, which this server never approves (it sends no CORS headers)."""
+    """A FastAPI dependency (after the API key's) on every route: a request with a body (any
+    method but GET and HEAD) must be `Content-Type: application/json`, 415 otherwise. A web page
+    can send text/plain, a form or no type at all to any server without asking it first; JSON it
+    cannot without a CORS preflight, which this server never approves (it sends no CORS headers)."""
     if request.method in ("GET", "HEAD"):
         return
     given = request.headers.get("content-type")
@@ -148,8 +151,8 @@ class HostCheck:
     """ASGI middleware: the `Host` header must be an IP address or a name of this server (400
     otherwise, before anything else is read). DNS rebinding points a web page's own name at
     127.0.0.1: its requests then reach a server on the user's machine, carrying that name. Names:
-    localhost, this machine's host names and `allowed_hosts`; "*" accepts any (behind a proxy that
-    checks the name itself)."""
+    localhost, this machine's host names and `allowed_hosts`; "*" accepts any (behind a proxy
+    that checks the name itself)."""
 
     def __init__(self, app, allowed_hosts=()):
         self.app = app

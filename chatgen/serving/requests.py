@@ -77,7 +77,8 @@ def parse_request(model_class, body: dict):
 
 
 def refuse_non_int_token_ids(prompt) -> None:
-    """pydantic would read `[true, false]` (or 1.0) as token ids [1, 0]: a prompt of ids must hold integers."""
+    """pydantic would read `[true, false]` (or 1.0) as token ids [1, 0]: a prompt of ids must
+    hold integers."""
     if not isinstance(prompt, list):
         return
     for i, p in enumerate(prompt):
@@ -99,7 +100,8 @@ class ModelLimits:
 
 
 class Job:
-    """A parsed request, ready to run: its prompts (token ids), their texts where known, their sampling params."""
+    """A parsed request, ready to run: its prompts (token ids), their texts where known, their
+    sampling params."""
 
     adapter = None  # the served LoRA adapter its `model` names (chatgen serve --lora-modules); None: the base
 
@@ -126,9 +128,10 @@ class RequestReader:
         self.limits = ModelLimits(cfg.seq_length)
         # decoding (shared with the engine: decoding never changes it)
         self.tokenizer = module.tokenizer
-        # Encoding with vLLM's truncation settings changes the tokenizer's state (HF's set_truncation_and_padding),
-        # which would fail ("Already borrowed") while another thread encodes with it: the server encodes with its
-        # own copy, on its own single thread (which also keeps tokenizing off the event loop).
+        # Encoding with vLLM's truncation settings changes the tokenizer's state (HF's
+        # set_truncation_and_padding), which would fail ("Already borrowed") while another thread
+        # encodes with it: the server encodes with its own copy, on its own single thread (which
+        # also keeps tokenizing off the event loop).
         self.encoder = copy.deepcopy(module.tokenizer)
         self.worker = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="chatgen-server-tokenize"
@@ -139,7 +142,8 @@ class RequestReader:
         return await asyncio.get_running_loop().run_in_executor(self.worker, fn, raw)
 
     def check_model(self, model) -> str | None:
-        """The served LoRA adapter `model` names (None: the base model); a 404 for a name not served."""
+        """The served LoRA adapter `model` names (None: the base model); a 404 for a name not
+        served."""
         adapters = getattr(self.module, "lora_adapters", {})
         if model in adapters:
             return model
@@ -152,11 +156,12 @@ class RequestReader:
             )
         return None
 
-    # ------------------------------------------------------------------ prompts (on the worker thread)
+    # ------------------------------------------------------------------ prompts (on the worker
+    # thread)
 
     def tokenize_text(self, text: str, tok_params) -> list:
-        """vLLM's text path: a length check on characters (before any tokenizing), encode, truncate, a length check
-        on tokens; the rules are the request's `TokenizeParams`."""
+        """vLLM's text path: a length check on characters (before any tokenizing), encode,
+        truncate, a length check on tokens; the rules are the request's `TokenizeParams`."""
         text = tok_params.apply_pre_tokenization(self.encoder, {"prompt": text})["prompt"]
         return self.check_ids(
             self.encoder.encode(self.trim(text, tok_params), **tok_params.get_encode_kwargs()),
@@ -165,9 +170,10 @@ class RequestReader:
 
     def trim(self, text: str, tok_params) -> str:
         """A truncated prompt's text cut, before encoding, to what its kept tokens can span (the
-        model's max input tokens x its longest token, on the side truncation drops): the tokenizer
-        would otherwise encode all of a 15 MB text to keep 100 tokens, and every other request waits
-        on this thread meanwhile. vLLM cuts the same way when a request names truncation_side."""
+        model's max input tokens x its longest token, on the side truncation drops): the
+        tokenizer would otherwise encode all of a 15 MB text to keep 100 tokens, and every other
+        request waits on this thread meanwhile. vLLM cuts the same way when a request names
+        truncation_side."""
         limit = getattr(self.encoder, "max_chars_per_token", None)
         if not limit or None in (tok_params.truncate_prompt_tokens, tok_params.max_input_tokens):
             return text
@@ -196,8 +202,8 @@ class RequestReader:
     def render(
         self, req, messages=None, add_generation_prompt=None, continue_final_message=None
     ) -> str:
-        """A chat (the request's messages, or `messages`) rendered to text with the model's own chat template, with
-        the request's tools, documents and chat_template_kwargs."""
+        """A chat (the request's messages, or `messages`) rendered to text with the model's own
+        chat template, with the request's tools, documents and chat_template_kwargs."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise APIError(
                 400,
@@ -254,7 +260,8 @@ class RequestReader:
             raise APIError(400, f"messages: the chat template refused them: {e}", "messages")
 
     def chat_prompt(self, req, tok_params) -> list:
-        """The prompt ids of a chat: the template's, with the previous turn's exact ids as prefix when known."""
+        """The prompt ids of a chat: the template's, with the previous turn's exact ids as prefix
+        when known."""
         messages = req.messages
         prefix = getattr(req, "required_prefix_token_ids", None)
         last = max(
@@ -307,8 +314,9 @@ class RequestReader:
             raise APIError(400, str(e), "required_prefix_token_ids")
 
     def sampling_params(self, req, prompt_len: int):
-        """The request's SamplingParams for one prompt (vLLM's `get_max_tokens` and `to_sampling_params`; fields
-        the request leaves out take the per-model config's temperature, top_p, top_k and min_p)."""
+        """The request's SamplingParams for one prompt (vLLM's `get_max_tokens` and
+        `to_sampling_params`; fields the request leaves out take the per-model config's
+        temperature, top_p, top_k and min_p)."""
         from vllm.entrypoints.serve.utils.api_utils import get_max_tokens
 
         wanted = getattr(req, "max_completion_tokens", None)
@@ -372,8 +380,8 @@ class RequestReader:
 
     def check_tools(self, req) -> None:
         """A request's tools: valid JSON Schemas, and a tool_choice that parses calls only with a
-        parser (vLLM's rule); markers such as <tool_call> may be special tokens, so they stay in the
-        text the parser reads."""
+        parser (vLLM's rule); markers such as <tool_call> may be special tokens, so they stay in
+        the text the parser reads."""
         if not req.tools:
             return
         check_tool_schemas(req.tools)

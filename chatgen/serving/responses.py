@@ -1,6 +1,7 @@
 """What the OpenAI server answers with, apart from generating: a protocol model as a JSON body or a
-server-sent event, the log-probs in the OpenAI shapes (prompt, completion, chat), usage, and chatgen's own fields
-of a sample (its token ids, the engine's log-prob of each and the weight version each was sampled under).
+server-sent event, the log-probs in the OpenAI shapes (prompt, completion, chat), usage, and
+chatgen's own fields of a sample (its token ids, the engine's log-prob of each and the weight
+version each was sampled under).
 
 ResponseBuilder is the base of chatgen.serving.endpoints.OpenAIServer (which generates); reading a request is
 chatgen.serving.requests.RequestReader's.
@@ -12,8 +13,8 @@ from chatgen.serving.requests import RequestReader
 
 
 def json_response(obj) -> Response:
-    """A protocol model as the response body: pydantic's own JSON (FastAPI's generic encoder of a returned model
-    costs 0.25 ms per completion response, measured; this 0.007 ms)."""
+    """A protocol model as the response body: pydantic's own JSON (FastAPI's generic encoder of a
+    returned model costs 0.25 ms per completion response, measured; this 0.007 ms)."""
     return Response(obj.model_dump_json(), media_type="application/json")
 
 
@@ -26,8 +27,8 @@ def sampled_logprobs(sample) -> list:
 
 
 def generated_fields(sample) -> dict:
-    """chatgen's fields of a sample (or of a streamed delta: its new tokens): the ids, the engine's log-prob of
-    each and the weight version each was sampled under."""
+    """chatgen's fields of a sample (or of a streamed delta: its new tokens): the ids, the
+    engine's log-prob of each and the weight version each was sampled under."""
     return {
         "token_ids": list(sample.token_ids),
         "generation_log_probs": sampled_logprobs(sample),
@@ -49,7 +50,8 @@ class ResponseBuilder(RequestReader):
     # ------------------------------------------------------------------ outputs
 
     def token_text(self, token: int) -> str:
-        """A token's text in log-probs, as vLLM writes it (the leading space SentencePiece's decode drops kept)."""
+        """A token's text in log-probs, as vLLM writes it (the leading space SentencePiece's
+        decode drops kept)."""
         text = self.token_texts.get(token)
         if text is None:
             from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
@@ -58,7 +60,8 @@ class ResponseBuilder(RequestReader):
         return text
 
     def prompt_logprobs(self, output):
-        """The request's prompt log-probs as vLLM answers them: token texts filled in, -inf clamped to -9999."""
+        """The request's prompt log-probs as vLLM answers them: token texts filled in, -inf
+        clamped to -9999."""
         steps = output.prompt_logprobs
         for step in steps or ():
             for token, lp in (step or {}).items():
@@ -67,8 +70,9 @@ class ResponseBuilder(RequestReader):
         return steps
 
     def completion_logprobs(self, token_ids, steps, top: int, text_offset: int = 0):
-        """vLLM's completions `logprobs`: per token its text, log-prob, the first `top` + 1 entries of its step
-        (the sampled token first, then the most likely) and its offset in the text."""
+        """vLLM's completions `logprobs`: per token its text, log-prob, the first `top` + 1
+        entries of its step (the sampled token first, then the most likely) and its offset in the
+        text."""
         from vllm.entrypoints.openai.completion.protocol import CompletionLogProbs
 
         tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
@@ -96,8 +100,8 @@ class ResponseBuilder(RequestReader):
         )
 
     def chat_logprobs(self, sample, top: int):
-        """vLLM's chat `logprobs` of a sample: per token its text, bytes, log-prob and its step's first `top`
-        entries (the sampled token first, then the most likely)."""
+        """vLLM's chat `logprobs` of a sample: per token its text, bytes, log-prob and its step's
+        first `top` entries (the sampled token first, then the most likely)."""
         from vllm.entrypoints.openai.chat_completion.protocol import (
             ChatCompletionLogProb,
             ChatCompletionLogProbs,

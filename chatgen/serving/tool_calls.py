@@ -4,16 +4,17 @@ mistral, pythonic, qwen3_xml, ...) read the model's reply into OpenAI `tool_call
     chatgen serve --model DIR --enable-auto-tool-choice --tool-call-parser hermes
     EmbeddedServer(module, tool_call_parser="hermes")          # the server of a multi-turn RL run
 
-This file is the one adapter over vLLM's abstract `ToolParser` (its constructor, `extract_tool_calls`,
-`extract_tool_calls_streaming`, `get_remaining_unstreamed_args`, `ToolParserManager`); the endpoints
-call `ToolCalls.parse` on a finished reply and a `ToolCalls.streamer` per streamed choice.
+This file is the one adapter over vLLM's abstract `ToolParser` (its constructor,
+`extract_tool_calls`, `extract_tool_calls_streaming`, `get_remaining_unstreamed_args`,
+`ToolParserManager`); the endpoints call `ToolCalls.parse` on a finished reply and a
+`ToolCalls.streamer` per streamed choice.
 
-`tool_choice`: "none" renders the tools and parses nothing; "auto" (the default when tools are sent),
-"required" and a named function parse the reply with the server's parser. chatgen does not constrain
-decoding (no guided JSON), so "required" and a named function are parsed like "auto" (as vLLM does for
-parsers with `supports_required_and_named = False`): a reply may hold no call, and the answer then has
-none. finish_reason is "tool_calls" when calls were parsed (except for a named function: "stop", as
-OpenAI's API).
+`tool_choice`: "none" renders the tools and parses nothing; "auto" (the default when tools are
+sent), "required" and a named function parse the reply with the server's parser. chatgen does not
+constrain decoding (no guided JSON), so "required" and a named function are parsed like "auto" (as
+vLLM does for parsers with `supports_required_and_named = False`): a reply may hold no call, and the
+answer then has none. finish_reason is "tool_calls" when calls were parsed (except for a named
+function: "stop", as OpenAI's API).
 """
 
 import json
@@ -28,8 +29,8 @@ def parser_names() -> list:
 
 
 def parser_class(name: str):
-    """vLLM's ToolParser class registered as `name`; a ValueError naming --tool-call-parser and the
-    valid names otherwise (at start, before any engine loads)."""
+    """vLLM's ToolParser class registered as `name`; a ValueError naming --tool-call-parser and
+    the valid names otherwise (at start, before any engine loads)."""
     from vllm.tool_parsers import ToolParserManager
 
     names = parser_names()
@@ -41,8 +42,8 @@ def parser_class(name: str):
 
 
 def check_tool_schemas(tools) -> None:
-    """A 400 naming `tools.<i>.function.parameters` for a parameters object that is not a JSON Schema
-    (the parsers and chat templates would otherwise fail on it mid-reply)."""
+    """A 400 naming `tools.<i>.function.parameters` for a parameters object that is not a JSON
+    Schema (the parsers and chat templates would otherwise fail on it mid-reply)."""
     import jsonschema
 
     for i, tool in enumerate(tools or ()):
@@ -65,8 +66,8 @@ def named_function(req) -> str | None:
 
 
 class ToolCalls:
-    """The server's tool-call parser (`name`, vLLM's registry name) over the model's tokenizer; None
-    in the server when it was started without --enable-auto-tool-choice."""
+    """The server's tool-call parser (`name`, vLLM's registry name) over the model's tokenizer;
+    None in the server when it was started without --enable-auto-tool-choice."""
 
     def __init__(self, name: str, tokenizer):
         self.name, self.cls, self.tokenizer = name, parser_class(name), tokenizer
@@ -93,8 +94,8 @@ class ToolCalls:
 
 
 class Streamer:
-    """One streamed choice's parser state: `delta(text, ids, finished)` gives the DeltaMessage to send
-    for the new text (None: nothing yet, the parser holds it back, e.g. a partial marker)."""
+    """One streamed choice's parser state: `delta(text, ids, finished)` gives the DeltaMessage to
+    send for the new text (None: nothing yet, the parser holds it back, e.g. a partial marker)."""
 
     def __init__(self, parser, req):
         self.parser, self.req = parser, req
@@ -141,9 +142,10 @@ class Streamer:
 
 
 def template_messages(messages: list) -> list:
-    """Assistant tool calls with their `arguments` as objects, as vLLM hands them to chat templates
-    (OpenAI sends them as JSON strings; templates write them with `tojson`), and a call's null
-    content as "" (templates that write `'...' + message['content']`, as SmolLM2's, fail on null)."""
+    """Assistant tool calls with their `arguments` as objects, as vLLM hands them to chat
+    templates (OpenAI sends them as JSON strings; templates write them with `tojson`), and a
+    call's null content as "" (templates that write `'...' + message['content']`, as SmolLM2's,
+    fail on null)."""
     out = []
     for m in messages:
         calls = m.get("tool_calls")

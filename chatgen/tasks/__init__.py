@@ -1,15 +1,16 @@
-"""Toy prompt datasets with rule-based rewards: the tasks the examples, tests and benchmarks train on.
+"""Toy prompt datasets with rule-based rewards: the tasks the examples, tests and benchmarks train
+on.
 
     python -m chatgen.tasks --output outputs/sort_digits                      # train, eval, sft, preference_*.jsonl
     python -m chatgen.tasks --task arithmetic --output outputs/arithmetic     # train, eval.jsonl
 
-A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the model's response
-text with "answer". Rewards are pure functions of text (no model, no torch), so they run anywhere: inside the
-reward actor, in a unit test, or on a held-out set after training. One file per task: sort_digits.py (the tiny
-examples' task, with its SFT and DPO data), arithmetic.py (chat questions for an instruct model), math_words.py
-(GSM8K-style word problems, also written as parquet, and the math-verify rewards), code_exec.py (a program run
-with tests in chatgen.sandbox). REWARDS names the rules a
-`chatgen.rlhf.rewards:RuleReward` can use.
+A record is one JSON object per line: {"prompt": str, "answer": str}; the reward compares the
+model's response text with "answer". Rewards are pure functions of text (no model, no torch), so
+they run anywhere: inside the reward actor, in a unit test, or on a held-out set after training. One
+file per task: sort_digits.py (the tiny examples' task, with its SFT and DPO data), arithmetic.py
+(chat questions for an instruct model), math_words.py (GSM8K-style word problems, also written as
+parquet, and the math-verify rewards), code_exec.py (a program run with tests in chatgen.sandbox).
+REWARDS names the rules a `chatgen.rlhf.rewards:RuleReward` can use.
 """
 
 from pathlib import Path
@@ -33,7 +34,8 @@ def get_reward_fn(name: str):
 
 
 def write_parquet(path: Path, rows: list[dict]) -> None:
-    """`rows` as a parquet file (pyarrow, which the `datasets` library brings), written atomically."""
+    """`rows` as a parquet file (pyarrow, which the `datasets` library brings), written
+    atomically."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -45,8 +47,9 @@ def write_parquet(path: Path, rows: list[dict]) -> None:
 def held_out_split(
     make_records, n_train: int, n_eval: int, seed: int = 0, **kwargs
 ) -> tuple[list, list]:
-    """Train and held-out sets of a task (`make_records(n, seed, **kwargs)`, e.g. sort_digits.records) with no
-    prompt in common: eval prompts are drawn first, train skips them (and may repeat a prompt)."""
+    """Train and held-out sets of a task (`make_records(n, seed, **kwargs)`, e.g.
+    sort_digits.records) with no prompt in common: eval prompts are drawn first, train skips them
+    (and may repeat a prompt)."""
     eval_records = make_records(n_eval, seed + 1, **kwargs)
     held_out = {r["prompt"] for r in eval_records}
     train, k = [], 0
@@ -72,11 +75,12 @@ def write_task_data(
 ) -> str:
     """Write a task's JSONL files into the directory `output`; returns a one-line summary.
 
-    sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations, sft_descending_fraction of
-    them sorted the other way) and preference_{train,eval}.jsonl (DPO pairs of the same prompts); arithmetic:
-    train.jsonl and eval.jsonl; math_words: train and eval as .parquet and .jsonl (the same records), problems
-    whose worked solution takes min_steps to max_steps steps and whose question's numbers are at most
-    max_operand (the difficulty). max_operand: the arithmetic task's default is 20, math_words' none."""
+    sort_digits: train.jsonl, eval.jsonl, sft.jsonl (the warm start's demonstrations,
+    sft_descending_fraction of them sorted the other way) and preference_{train,eval}.jsonl (DPO
+    pairs of the same prompts); arithmetic: train.jsonl and eval.jsonl; math_words: train and
+    eval as .parquet and .jsonl (the same records), problems whose worked solution takes
+    min_steps to max_steps steps and whose question's numbers are at most max_operand (the
+    difficulty). max_operand: the arithmetic task's default is 20, math_words' none."""
     if task not in TASKS:
         raise ValueError(f"task {task!r} is unknown; use one of {', '.join(TASKS)}")
     out = Path(output)

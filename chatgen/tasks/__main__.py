@@ -1,5 +1,5 @@
-"""python -m chatgen.tasks --output DIR [--task sort_digits|arithmetic|math_words]: write a task's train/eval files
-(JSONL; math_words also parquet)."""
+"""python -m chatgen.tasks --output DIR [--task sort_digits|arithmetic|math_words]: write a
+task's train/eval files (JSONL; math_words also parquet)."""
 
 import argparse
 

@@ -1,16 +1,18 @@
-"""Math word problems in GSM8K's format, generated, and the math-verify rewards that score answers to them.
+"""Math word problems in GSM8K's format, generated, and the math-verify rewards that score answers
+to them.
 
     python -m chatgen.tasks --task math_words --output outputs/math_words   # train/eval .parquet and .jsonl
 
-A record: {"prompt": "Mia has 12 boxes of 6 pencils. She gives away 15 pencils ... How many ...? <instruction>",
-"answer": "12 * 6 = 72 pencils. 72 - 15 = 57. ... #### 57"}: two to four steps of sums, differences, products
-and quotients over small whole numbers, the worked solution, and GSM8K's "#### <number>" line.
+A record: {"prompt": "Mia has 12 boxes of 6 pencils. She gives away 15 pencils ... How many ...?
+<instruction>", "answer": "12 * 6 = 72 pencils. 72 - 15 = 57. ... #### 57"}: two to four steps of
+sums, differences, products and quotients over small whole numbers, the worked solution, and GSM8K's
+"#### <number>" line.
 
-Rewards (TRL's shape, `f(completions, answer, **columns) -> list[float]`; `function: math_verify` in a
-chatgen.rlhf.rewards:Rewards term):
-- `math_verify_reward`: 1.0 when the completion's final answer (`final_answer`: a "#### 42" line, else a
-  `\\boxed{}`, else its last number) equals the reference's, as the `math-verify` library judges it (LaTeX,
-  fractions: 0.5 == 1/2 == \\frac{1}{2}), else 0.0;
+Rewards (TRL's shape, `f(completions, answer, **columns) -> list[float]`; `function: math_verify` in
+a chatgen.rlhf.rewards:Rewards term):
+- `math_verify_reward`: 1.0 when the completion's final answer (`final_answer`: a "#### 42" line,
+  else a `\\boxed{}`, else its last number) equals the reference's, as the `math-verify` library
+  judges it (LaTeX, fractions: 0.5 == 1/2 == \\frac{1}{2}), else 0.0;
 - `math_format_reward`: 1.0 when the completion ends with a final answer in a form the check reads
   (`\\boxed{...}` or a "#### ..." line), else 0.0, to weight in while a model learns the format.
 """
@@ -153,7 +155,8 @@ def _spent(rng):
 
 
 NAMES = ["Mia", "Leo", "Ava", "Sam", "Noah", "Zoe"]
-# the steps of each problem's worked solution: `min_steps`/`max_steps` of `records` pick the difficulty
+# the steps of each problem's worked solution: `min_steps`/`max_steps` of `records` pick the
+# difficulty
 PROBLEMS = {
     _more: 1,
     _eaten: 1,
@@ -170,9 +173,10 @@ PROBLEMS = {
 def records(
     n: int, seed: int, min_steps: int = 2, max_steps: int = 4, max_operand: int | None = None
 ) -> list[dict]:
-    """`n` word problems from `seed`: {"prompt": question + INSTRUCTION, "answer": worked steps + "#### N"},
-    each of a problem kind whose solution takes `min_steps` to `max_steps` steps (PROBLEMS: 1 to 4) and, with
-    `max_operand`, whose question has no number above it (redrawn until so)."""
+    """`n` word problems from `seed`: {"prompt": question + INSTRUCTION, "answer": worked steps +
+    "#### N"}, each of a problem kind whose solution takes `min_steps` to `max_steps` steps
+    (PROBLEMS: 1 to 4) and, with `max_operand`, whose question has no number above it (redrawn
+    until so)."""
     kinds = [make for make, steps in PROBLEMS.items() if min_steps <= steps <= max_steps]
     if not kinds:
         raise ValueError(
@@ -203,9 +207,9 @@ LATEX = re.compile(r"\$|\\\(|\\\[|\\frac")
 
 
 def final_answer(text: str) -> str:
-    """The part of `text` holding its final answer: after the last "####"; else the whole text when it has
-    LaTeX (a \\boxed{}, $...$: math-verify reads those); else its last number, as GSM8K's graders read a
-    worked answer ("... so she has 57 left.")."""
+    """The part of `text` holding its final answer: after the last "####"; else the whole text
+    when it has LaTeX (a \\boxed{}, $...$: math-verify reads those); else its last number, as
+    GSM8K's graders read a worked answer ("... so she has 57 left.")."""
     found = FINAL.findall(text)
     if found:
         return found[-1].strip()
@@ -227,7 +231,8 @@ def _parse(text: str):
 
 
 def math_verify_reward(completions: list, answer: list, **_) -> list[float]:
-    """1.0 per completion whose final answer math-verify finds equal to its reference's, else 0.0."""
+    """1.0 per completion whose final answer math-verify finds equal to its reference's, else
+    0.0."""
     require("math_verify", "the math_verify reward")
     from math_verify import verify
 

@@ -6,21 +6,23 @@ computes.
     chatgen check-sync --hf-checkpoint outputs/tiny-qwen3-moe --train-ep 2 --input prompts.jsonl --output check.json
     chatgen check-sync --trainer-backend fsdp --train-dp 2 --hf-checkpoint DIR --input prompts.jsonl --output check.json
 
-Loads the checkpoint into Megatron with the training layout (TP x PP ranks; or, --trainer-backend fsdp, into
-transformers' model sharded by FSDP2 over --train-dp ranks: any family transformers has), starts a generation engine (a
-backend of chatgen.generation: vLLM by default; `hf`, transformers, the reference) with the inference TP and
-*random* weights (load_format: dummy), syncs the trainer's weights into it, generates greedily for each
-`{"prompt_ids": [...]}` line of IN.jsonl, and scores the generated tokens with the trainer. Writes {"samples":
-[{"prompt_ids", "output_ids", "engine_logprobs", "trainer_logprobs"}], "max_abs_logprob_diff", "sync_seconds" (the
-trainer's send, from its first collective to the engine's receipt), "trainer_start_seconds" (cross-process: what the
-engine waited for the trainer ranks to start, before the sync), ...} and exits 1 when the diff is above --threshold. For a
-mixture-of-experts model on the vllm backend it also reads every expert weight back from the engine (vLLM's fused
-layout) and reports its largest difference from the checkpoint, per HF name ("expert_weight_max_abs_diff"; the
-sync is exact, so any difference fails the check).
+Loads the checkpoint into Megatron with the training layout (TP x PP ranks; or, --trainer-backend
+fsdp, into transformers' model sharded by FSDP2 over --train-dp ranks: any family transformers has),
+starts a generation engine (a backend of chatgen.generation: vLLM by default; `hf`, transformers,
+the reference) with the inference TP and *random* weights (load_format: dummy), syncs the trainer's
+weights into it, generates greedily for each `{"prompt_ids": [...]}` line of IN.jsonl, and scores
+the generated tokens with the trainer. Writes {"samples": [{"prompt_ids", "output_ids",
+"engine_logprobs", "trainer_logprobs"}], "max_abs_logprob_diff", "sync_seconds" (the trainer's send,
+from its first collective to the engine's receipt), "trainer_start_seconds" (cross-process: what the
+engine waited for the trainer ranks to start, before the sync), ...} and exits 1 when the diff is
+above --threshold. For a mixture-of-experts model on the vllm backend it also reads every expert
+weight back from the engine (vLLM's fused layout) and reports its largest difference from the
+checkpoint, per HF name ("expert_weight_max_abs_diff"; the sync is exact, so any difference fails
+the check).
 
-A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the trainer
-ranks as child processes that stream to the engine in this process over torch.distributed (the
-cross-process path of chatgen.param_sync). docs/check_sync.md explains the output.
+A one-rank trainer with --infer-tp 1 runs colocated in this process; any other layout runs the
+trainer ranks as child processes that stream to the engine in this process over torch.distributed
+(the cross-process path of chatgen.param_sync). docs/check_sync.md explains the output.
 """
 
 import dataclasses
@@ -47,8 +49,9 @@ from chatgen.training.megatron_module import MegatronModule
 
 
 def read_prompts(path, vocab_size: int) -> list:
-    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line (also an id outside the
-    model's vocabulary [0, vocab_size): the embedding lookup would fail deep in the engine or the trainer)."""
+    """The `prompt_ids` of each line of a JSONL file, or a ValueError naming the bad line (also
+    an id outside the model's vocabulary [0, vocab_size): the embedding lookup would fail deep in
+    the engine or the trainer)."""
 
     def check(record):
         if not is_token_ids(record.get("prompt_ids")):
@@ -63,8 +66,9 @@ def read_prompts(path, vocab_size: int) -> list:
 
 
 def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
-    """Largest |a_i - b_i| (and `worst`); NaN when any side is NaN, which then fails every threshold.
-    (Python's max() would keep 0.0 over a NaN: a sync that wrote NaN weights must not pass.)"""
+    """Largest |a_i - b_i| (and `worst`); NaN when any side is NaN, which then fails every
+    threshold. (Python's max() would keep 0.0 over a NaN: a sync that wrote NaN weights must not
+    pass.)"""
     diffs = [abs(x - y) for x, y in zip(a, b)]
     if len(a) != len(b) or any(d != d for d in diffs):  # NaN != NaN
         return float("nan")
@@ -86,7 +90,8 @@ def _trainer_config(args) -> dict:
 
 
 def _score(trainer, sequences) -> list:
-    """Trainer log-probs of each sequence's generated tokens: [(prompt, output) -> [float] * len(output)]."""
+    """Trainer log-probs of each sequence's generated tokens: [(prompt, output) -> [float] *
+    len(output)]."""
     out = []
     for prompt, output in sequences:
         lp = trainer.forward_tokens({"input_ids": torch.tensor([prompt + output])})[0]
@@ -95,8 +100,8 @@ def _score(trainer, sequences) -> list:
 
 
 def _start_trainer(config, temperature: float, backend: str = "megatron"):
-    """The trainer (MegatronModule, or FSDPModule for backend fsdp), scoring logits / temperature when
-    the engine samples at one (as an RLHF run's trainer does)."""
+    """The trainer (MegatronModule, or FSDPModule for backend fsdp), scoring logits / temperature
+    when the engine samples at one (as an RLHF run's trainer does)."""
     if temperature > 0:
         config = {**config, "logits_temperature": temperature}
     trainer = (FSDPModule if backend == "fsdp" else MegatronModule)(config).start()
@@ -283,8 +288,8 @@ def check_sync(args) -> dict:
 
 
 def _check_fsdp_args(args) -> None:
-    """What an fsdp trainer cannot take (every rank shards the whole model; no LoRA), and a family it
-    cannot sync (chatgen.training.config.hf_family_problem), before anything starts."""
+    """What an fsdp trainer cannot take (every rank shards the whole model; no LoRA), and a
+    family it cannot sync (chatgen.training.config.hf_family_problem), before anything starts."""
     for flag in ("train_tp", "train_pp", "train_ep"):
         if getattr(args, flag) > 1:
             raise ValueError(
@@ -298,10 +303,11 @@ def _check_fsdp_args(args) -> None:
 
 
 def expert_weight_diffs(engine, spec, hf_checkpoint) -> dict:
-    """{HF name of an expert weight: max |engine - checkpoint|} over every expert of every MoE layer ({} for a dense
-    model, or an engine that cannot read its experts back): the engine's fused weights (w13 = [gate; up], w2 =
-    down per expert, `VLLMModule.expert_weights`) split by the layout kind of the family's mapping, against the
-    checkpoint cast to the engine's dtype. What the sync wrote, exactly."""
+    """{HF name of an expert weight: max |engine - checkpoint|} over every expert of every MoE
+    layer ({} for a dense model, or an engine that cannot read its experts back): the engine's
+    fused weights (w13 = [gate; up], w2 = down per expert, `VLLMModule.expert_weights`) split by
+    the layout kind of the family's mapping, against the checkpoint cast to the engine's dtype.
+    What the sync wrote, exactly."""
     if spec is None or not spec.is_moe or not hasattr(engine, "expert_weights"):
         return {}
     params = [sp for sp in layout.stage_params(spec, 1, 0) if sp.expert is not None]

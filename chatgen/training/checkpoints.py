@@ -1,9 +1,10 @@
-"""`MegatronModule`'s checkpoints in three formats: its own megatron-core distributed checkpoints (saved and
-loaded at any TP x PP x DP), the weights-only Megatron shards of `chatgen convert --to megatron` (loaded at
-their TP and PP), and HF directories (converted to this rank's shard as they load).
+"""`MegatronModule`'s checkpoints in three formats: its own megatron-core distributed checkpoints
+(saved and loaded at any TP x PP x DP), the weights-only Megatron shards of `chatgen convert --to
+megatron` (loaded at their TP and PP), and HF directories (converted to this rank's shard as they
+load).
 
-`Checkpoints` is a mixin of `chatgen.training.megatron_module.MegatronModule`: it reads the model, optimizer,
-spec and parallel ranks the class sets up.
+`Checkpoints` is a mixin of `chatgen.training.megatron_module.MegatronModule`: it reads the model,
+optimizer, spec and parallel ranks the class sets up.
 """
 
 from pathlib import Path
@@ -28,20 +29,22 @@ from chatgen.training import dist_checkpoint, lora, lora_peft
 
 
 class Checkpoints:
-    """save_checkpoint / load_checkpoint (hooks a subclass may override) and what they read and write."""
+    """save_checkpoint / load_checkpoint (hooks a subclass may override) and what they read and
+    write."""
 
     @remote("all")
     def save_checkpoint(self, path) -> str:
-        """Write weights + optimizer state to directory `path` atomically, as a megatron-core distributed
-        checkpoint: each rank writes its own shards, and `load_checkpoint` reads it back at any TP x PP x DP
-        (chatgen/training/dist_checkpoint.py). Returns the path.
+        """Write weights + optimizer state to directory `path` atomically, as a megatron-core
+        distributed checkpoint: each rank writes its own shards, and `load_checkpoint` reads it back
+        at any TP x PP x DP (chatgen/training/dist_checkpoint.py). Returns the path.
 
-        Layout: chatgen_megatron.json (HF config, TP, PP, DP, padded vocab, iteration) beside megatron's files
-        (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt), and the tokenizer / generation files of
-        `load` (chatgen.core.checkpoint_io.HF_SIDE_FILES), so `chatgen serve` and `convert --to hf` need no
-        other. Ranks write into the staging directory of
-        chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never leaves a half-written `path`.
-        A model that has not stepped yet has no optimizer state to save: its checkpoint holds the weights.
+        Layout: chatgen_megatron.json (HF config, TP, PP, DP, padded vocab, iteration) beside
+        megatron's files (metadata.json, .metadata, __<rank>_<n>.distcp, common.pt), and the
+        tokenizer / generation files of `load` (chatgen.core.checkpoint_io.HF_SIDE_FILES), so
+        `chatgen serve` and `convert --to hf` need no other. Ranks write into the staging directory
+        of chatgen.core.checkpoint_io, then rank 0 moves it into place, so a crash never leaves a
+        half-written `path`. A model that has not stepped yet has no optimizer state to save: its
+        checkpoint holds the weights.
         """
         path = Path(path)
         if dist.get_rank() == 0:
@@ -77,11 +80,13 @@ class Checkpoints:
 
     @remote("all")
     def load_checkpoint(self, path) -> None:
-        """Load weights from an HF directory (converted to this rank's shard) or a chatgen Megatron checkpoint.
+        """Load weights from an HF directory (converted to this rank's shard) or a chatgen Megatron
+        checkpoint.
 
-        A checkpoint this trainer saved loads at any TP x PP x DP (the padded vocab must agree: it depends on TP
-        and make_vocab_size_divisible_by) and restores iteration and optimizer state with the weights; one written
-        by `chatgen convert --to megatron` (weights only) must have this run's TP and PP.
+        A checkpoint this trainer saved loads at any TP x PP x DP (the padded vocab must agree: it
+        depends on TP and make_vocab_size_divisible_by) and restores iteration and optimizer state
+        with the weights; one written by `chatgen convert --to megatron` (weights only) must have
+        this run's TP and PP.
         """
         path = Path(path)
         meta = read_megatron_meta(path)
@@ -146,9 +151,10 @@ class Checkpoints:
         self._load_canonical_state(state, source=str(path))
 
     def _sharded_state_dict(self, optimizer: bool, loading: bool) -> dict:
-        """What a distributed checkpoint holds: the model's megatron ShardedTensors (global names and offsets, so
-        any layout can read them) and, with `optimizer`, the distributed optimizer's state in the same model
-        space (`fully_reshardable`: gathered to the DP group's first rank, through host memory, when saved)."""
+        """What a distributed checkpoint holds: the model's megatron ShardedTensors (global names
+        and offsets, so any layout can read them) and, with `optimizer`, the distributed
+        optimizer's state in the same model space (`fully_reshardable`: gathered to the DP
+        group's first rank, through host memory, when saved)."""
         model = self.model.sharded_state_dict()
         state = {"model": model}
         if optimizer:
@@ -167,8 +173,9 @@ class Checkpoints:
         return state
 
     def _stage_params(self, ep_rank: int | None = None) -> list:
-        """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank `ep_rank` (this rank's
-        by default). A checkpoint holds every expert of a stage, numbered globally (the layout at EP = 1)."""
+        """[(layout.StageParam, its name in a checkpoint)] of this rank's stage at EP rank
+        `ep_rank` (this rank's by default). A checkpoint holds every expert of a stage, numbered
+        globally (the layout at EP = 1)."""
         everything = {
             sp.hf_names[0]: sp.local_name
             for sp in layout.stage_params(self.spec, self.pp, self.pp_rank)
@@ -209,7 +216,8 @@ class Checkpoints:
 
 
 def _read_checkpoint_file(read, path, *args, **kwargs):
-    """`read(path, ...)` with a damaged file reported by its name rather than by the reader's internals."""
+    """`read(path, ...)` with a damaged file reported by its name rather than by the reader's
+    internals."""
     try:
         return read(path, *args, **kwargs)
     except FileNotFoundError:

@@ -1,4 +1,5 @@
-"""The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads (docs/megatron_module.md)."""
+"""The trainer's per-model config: `MegatronConfig`, the keys a `backend: megatron` model reads
+(docs/megatron_module.md)."""
 
 import dataclasses
 import json
@@ -12,7 +13,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 @dataclasses.dataclass(kw_only=True)
 class LoRAConfig:
-    """`lora:` of a trainer model: low-rank adapters on the frozen base (chatgen/training/lora.py, docs/lora.md)."""
+    """`lora:` of a trainer model: low-rank adapters on the frozen base
+    (chatgen/training/lora.py, docs/lora.md)."""
 
     rank: int = opt(
         0, "adapter rank r (verl: lora_rank; PEFT: r); 0 = no LoRA, every parameter trains"
@@ -55,9 +57,10 @@ class LoRAConfig:
 
 @dataclasses.dataclass(kw_only=True)
 class MegatronConfig:
-    # What a resumed trainer takes from its checkpoint, not from these keys: the weights, the RNG streams, the
-    # optimizer's state and the LR schedule's. A resume that changes one of them is refused (chatgen.rlhf.run):
-    # the run would go on with the saved value while resolved_config.yaml showed the new one.
+    # What a resumed trainer takes from its checkpoint, not from these keys: the weights, the RNG
+    # streams, the optimizer's state and the LR schedule's. A resume that changes one of them is
+    # refused (chatgen.rlhf.run): the run would go on with the saved value while
+    # resolved_config.yaml showed the new one.
     RESTORED_BY_CHECKPOINT: ClassVar[tuple] = (
         "load",
         "seed",
@@ -269,7 +272,8 @@ class MegatronConfig:
             yield "args", problem
 
 
-# Keys of MegatronConfig an fsdp trainer has no use for, at the only value it runs them with, and the fix.
+# Keys of MegatronConfig an fsdp trainer has no use for, at the only value it runs them with, and
+# the fix.
 MEGATRON_ONLY = {
     "tensor_model_parallel_size": (1, "FSDP shards every parameter over all ranks (data parallel)"),
     "pipeline_model_parallel_size": (1, "FSDP runs the whole model on every rank"),
@@ -284,10 +288,11 @@ MEGATRON_ONLY = {
 
 @dataclasses.dataclass(kw_only=True)
 class FSDPConfig(MegatronConfig):
-    """The keys of a `backend: fsdp` trainer (chatgen/training/fsdp_module.py, docs/fsdp_backend.md):
-    MegatronConfig's, where they mean the same (load, dtype, optimizer, batch sizes, offload_*,
-    seq_length, activation_recompute), plus FSDP2's own. dtype bfloat16/float16 is mixed precision:
-    fp32 parameters and optimizer state, computation in the dtype, gradients reduced in fp32."""
+    """The keys of a `backend: fsdp` trainer (chatgen/training/fsdp_module.py,
+    docs/fsdp_backend.md): MegatronConfig's, where they mean the same (load, dtype, optimizer,
+    batch sizes, offload_*, seq_length, activation_recompute), plus FSDP2's own. dtype
+    bfloat16/float16 is mixed precision: fp32 parameters and optimizer state, computation in the
+    dtype, gradients reduced in fp32."""
 
     reshard_after_forward: bool = opt(
         True,
@@ -320,7 +325,8 @@ class FSDPConfig(MegatronConfig):
             yield "load", problem
 
 
-# Families transformers trains but a weight sync cannot serve, each with why (measured on vLLM 0.32 CPU).
+# Families transformers trains but a weight sync cannot serve, each with why (measured on vLLM 0.32
+# CPU).
 ENGINE_REFUSED = {
     "deepseek_v3": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
     "deepseek_v2": "vLLM's CPU path fails on its multi-head latent attention (a shape error)",
@@ -328,11 +334,11 @@ ENGINE_REFUSED = {
 
 
 def hf_family_problem(load) -> str | None:
-    """Why an fsdp trainer cannot take the model at `load` (an HF directory, or a checkpoint an fsdp
-    trainer wrote: both hold config.json), or None: a model_type transformers has no causal LM for, one
-    whose transformers code renames the checkpoint's weights as it loads them (the names an engine takes
-    would differ from the model's), or one the engine cannot serve (ENGINE_REFUSED). A missing
-    config.json is left to the trainer's start, which names the path."""
+    """Why an fsdp trainer cannot take the model at `load` (an HF directory, or a checkpoint an
+    fsdp trainer wrote: both hold config.json), or None: a model_type transformers has no causal
+    LM for, one whose transformers code renames the checkpoint's weights as it loads them (the
+    names an engine takes would differ from the model's), or one the engine cannot serve
+    (ENGINE_REFUSED). A missing config.json is left to the trainer's start, which names the path."""
     config = Path(load) / "config.json"
     if not config.is_file():
         return None

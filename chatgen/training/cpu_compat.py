@@ -1,7 +1,7 @@
 """Run megatron-core 0.16 on a CPU-only machine (gloo): every patch chatgen needs, in one place.
 
-Megatron-core is written for CUDA. On a machine without a GPU (CI, laptops) `apply()` patches, once per
-process and only when CUDA is absent:
+Megatron-core is written for CUDA. On a machine without a GPU (CI, laptops) `apply()` patches, once
+per process and only when CUDA is absent:
 
 1. `torch.cuda.current_device()` answers "cpu": megatron allocates gather buffers, RoPE frequencies,
    pipeline receive buffers and its DDP's contiguous param / grad buffers with
@@ -10,32 +10,36 @@ process and only when CUDA is absent:
 3. While a model is built (`building_model()`), `Tensor.cuda()` returns the tensor itself: with tied
    embeddings and PP > 1, megatron moves the last stage's embedding copy with `.cuda()` before the
    all-reduce that makes it equal to the first stage's.
-4. Tensors megatron allocates with a hard-coded `device="cuda"` (the pipeline schedules' token counter; the
-   optimizer's found-inf / overflow flags; clip_grads' and megatron.core.utils' grad-norm results): those
-   modules see a `torch` whose tensor factories put "cuda" on the CPU (every other name is torch's).
-5. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen installs
-   the inference tracker, whose `fork()` is a no-op (dropout draws from torch's CPU generator).
-6. While megatron's optimizer is built or steps (`cuda_type_names()`), `Tensor.type()` names a CPU tensor
-   by its CUDA type ("torch.cuda.FloatTensor"): the distributed optimizer sorts parameters into fp32 and
-   16-bit groups, and clip_grads asserts fp32 grads, by those strings.
+4. Tensors megatron allocates with a hard-coded `device="cuda"` (the pipeline schedules' token
+   counter; the optimizer's found-inf / overflow flags; clip_grads' and megatron.core.utils'
+   grad-norm results): those modules see a `torch` whose tensor factories put "cuda" on the CPU
+   (every other name is torch's).
+5. The RNG tracker: megatron's `CudaRNGStatesTracker` stores CUDA generator states; on CPU chatgen
+   installs the inference tracker, whose `fork()` is a no-op (dropout draws from torch's CPU
+   generator).
+6. While megatron's optimizer is built or steps (`cuda_type_names()`), `Tensor.type()` names a CPU
+   tensor by its CUDA type ("torch.cuda.FloatTensor"): the distributed optimizer sorts parameters
+   into fp32 and 16-bit groups, and clip_grads asserts fp32 grads, by those strings.
 
-gloo itself needs no patch any more: torch 2.13's gloo has reduce-scatter (megatron's DDP reduce-scatters
-grads for the distributed optimizer; its attention all-gather's backward when `num_query_groups < TP`),
-all-gather into a tensor, AVG and coalesced collectives. What megatron-core offers but chatgen cannot use
-on gloo is listed in docs/megatron_module.md.
+gloo itself needs no patch any more: torch 2.13's gloo has reduce-scatter (megatron's DDP
+reduce-scatters grads for the distributed optimizer; its attention all-gather's backward when
+`num_query_groups < TP`), all-gather into a tensor, AVG and coalesced collectives. What
+megatron-core offers but chatgen cannot use on gloo is listed in docs/megatron_module.md.
 
-8. Activation recompute (`activation_recompute`): megatron's checkpoint function saves and restores the CUDA RNG
-   state around a layer's recomputation (`tensor_parallel.random._get_cuda_rng_state` / `_set_cuda_rng_state`);
-   on CPU there is none (the CPU generator's state is saved beside it): they get / set nothing.
+8. Activation recompute (`activation_recompute`): megatron's checkpoint function saves and restores
+   the CUDA RNG state around a layer's recomputation (`tensor_parallel.random._get_cuda_rng_state` /
+   `_set_cuda_rng_state`); on CPU there is none (the CPU generator's state is saved beside it): they
+   get / set nothing.
 
 And on any machine without Transformer Engine (CPU or GPU):
 
-7. megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests `te_general_gemm is not
-   None`, a name bound only when Transformer Engine imports: it is set to None so the router uses torch.mm.
+7. megatron-core 0.16.1's MoE router GEMM (`moe_utils.RouterGatingLinearFunction`) tests
+   `te_general_gemm is not None`, a name bound only when Transformer Engine imports: it is set to
+   None so the router uses torch.mm.
 
 Two more rules that are not patches, followed by `MegatronModule`: models are built with
-`use_cpu_initialization=True` and the local layer spec (no Transformer Engine), and the forward always
-receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
+`use_cpu_initialization=True` and the local layer spec (no Transformer Engine), and the forward
+always receives an explicit causal `attention_mask` (megatron builds a CUDA tensor when it is None).
 `tests/integration/test_megatron_module.py` fails loudly when an upgrade breaks one of these.
 """
 
@@ -55,7 +59,8 @@ def _on_cpu(factory):
 
 
 class _TorchOnCpu:
-    """`torch`, except that its tensor factories allocate device="cuda" tensors on the CPU (point 4)."""
+    """`torch`, except that its tensor factories allocate device="cuda" tensors on the CPU (point
+    4)."""
 
     tensor, zeros, ones, empty, full = (
         _on_cpu(torch.tensor),
@@ -79,7 +84,8 @@ _CUDA_BY_NAME = (
 
 
 def apply() -> bool:
-    """Patch torch / megatron-core for CPU if CUDA is absent; returns True when patches are active."""
+    """Patch torch / megatron-core for CPU if CUDA is absent; returns True when patches are
+    active."""
     global _APPLIED
     from megatron.core.transformer.moe import moe_utils
 
@@ -137,7 +143,8 @@ _TENSOR_TYPE = torch.Tensor.type
 
 @contextlib.contextmanager
 def cuda_type_names():
-    """Within this block `Tensor.type()` names a CPU tensor by its CUDA type when CUDA is absent (point 6)."""
+    """Within this block `Tensor.type()` names a CPU tensor by its CUDA type when CUDA is absent
+    (point 6)."""
     if torch.cuda.is_available():
         yield
         return

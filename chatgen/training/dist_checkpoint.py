@@ -1,34 +1,36 @@
-"""megatron-core's distributed checkpoint format (`torch_dist`), as chatgen writes and reads it: the one place
-that touches megatron.core.dist_checkpointing.
+"""megatron-core's distributed checkpoint format (`torch_dist`), as chatgen writes and reads it: the
+one place that touches megatron.core.dist_checkpointing.
 
     save(sharded_state_dict, directory)        # collective: every rank writes its own shards
     state = load(sharded_state_dict, directory)  # collective: every rank reads what its layout needs
     tensors = chatgen.core.dcp.read_full_tensors(directory)   # one process, no torch.distributed
 
-A sharded state dict maps names to megatron `ShardedTensor`s (a local tensor plus where it sits in the global
-one: `GPTModel.sharded_state_dict()`, `DistributedOptimizer.sharded_state_dict(...)`). Saving writes each
-global tensor once, split over the ranks that hold it; loading asks for the slices the *current* layout
-needs, so a checkpoint saved at one TP x PP x DP loads at another.
+A sharded state dict maps names to megatron `ShardedTensor`s (a local tensor plus where it sits in
+the global one: `GPTModel.sharded_state_dict()`, `DistributedOptimizer.sharded_state_dict(...)`).
+Saving writes each global tensor once, split over the ranks that hold it; loading asks for the
+slices the *current* layout needs, so a checkpoint saved at one TP x PP x DP loads at another.
 
 Three changes to how megatron does it:
 
-- Writing happens in this process. megatron's torch_dist writer forks one writer process per file and starts a
-  multiprocessing Manager, even for a synchronous save: a process that hosts a vLLM engine (colocated runs)
-  should not fork, and a daemonic process (a test rank) cannot have children.
-- Nothing is unpickled freely, so a tampered checkpoint cannot run code when it is loaded (chatgen.core.dcp:
-  `.metadata` through an allow-list unpickler, bytes values and tensors with `torch.load(weights_only=True)`, as
-  megatron's `common.pt` is by torch's default).
-- Restoring the distributed optimizer's state into torch's AdamW (no Transformer Engine or Apex: every CPU run)
-  gives each parameter its own restored step count: megatron 0.16 shares one step tensor between all of them
-  (AdamW would then count it up once per parameter) and looks the step up in the checkpoint, which does not
-  store it (`_restore_adamw_step_separately`).
+- Writing happens in this process. megatron's torch_dist writer forks one writer process per file
+  and starts a multiprocessing Manager, even for a synchronous save: a process that hosts a vLLM
+  engine (colocated runs) should not fork, and a daemonic process (a test rank) cannot have
+  children.
+- Nothing is unpickled freely, so a tampered checkpoint cannot run code when it is loaded
+  (chatgen.core.dcp: `.metadata` through an allow-list unpickler, bytes values and tensors with
+  `torch.load(weights_only=True)`, as megatron's `common.pt` is by torch's default).
+- Restoring the distributed optimizer's state into torch's AdamW (no Transformer Engine or Apex:
+  every CPU run) gives each parameter its own restored step count: megatron 0.16 shares one step
+  tensor between all of them (AdamW would then count it up once per parameter) and looks the step up
+  in the checkpoint, which does not store it (`_restore_adamw_step_separately`).
 """
 
 from chatgen.core.dcp import read_safely
 
 
 def _strategies():
-    """megatron's torch_dist save strategy writing in this process, and its load strategy (reading safely)."""
+    """megatron's torch_dist save strategy writing in this process, and its load strategy
+    (reading safely)."""
     from megatron.core.dist_checkpointing.strategies import torch as mcore_torch
     from torch.distributed import checkpoint as dcp
 
@@ -52,7 +54,8 @@ def _strategies():
 
 
 def save(sharded_state_dict: dict, directory) -> None:
-    """Write `sharded_state_dict` into the existing directory `directory`; collective over every rank."""
+    """Write `sharded_state_dict` into the existing directory `directory`; collective over every
+    rank."""
     from megatron.core import dist_checkpointing
 
     save_strategy, _ = _strategies()
@@ -60,7 +63,8 @@ def save(sharded_state_dict: dict, directory) -> None:
 
 
 def load(sharded_state_dict: dict, directory) -> dict:
-    """The state `sharded_state_dict` asks for (its tensors filled in), read from `directory`; collective."""
+    """The state `sharded_state_dict` asks for (its tensors filled in), read from `directory`;
+    collective."""
     from megatron.core import dist_checkpointing
     from torch.distributed.checkpoint.api import CheckpointException
 
@@ -77,11 +81,12 @@ def load(sharded_state_dict: dict, directory) -> dict:
 
 
 def _restore_adamw_step_separately() -> None:
-    """megatron's DistributedOptimizer, loading its `fully_reshardable` state into torch's AdamW (no Transformer
-    Engine / Apex: every CPU run), sets every parameter's "step" to ONE shared tensor (AdamW then increments it
-    once per parameter at the next step, so the bias correction of parameter k uses step + k), then copies each
-    per-parameter state tensor from the checkpoint, "step" included, which that format does not store. Each
-    parameter gets its own copy of the restored step instead, and the copy from the checkpoint skips it."""
+    """megatron's DistributedOptimizer, loading its `fully_reshardable` state into torch's AdamW
+    (no Transformer Engine / Apex: every CPU run), sets every parameter's "step" to ONE shared
+    tensor (AdamW then increments it once per parameter at the next step, so the bias correction
+    of parameter k uses step + k), then copies each per-parameter state tensor from the
+    checkpoint, "step" included, which that format does not store. Each parameter gets its own
+    copy of the restored step instead, and the copy from the checkpoint skips it."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     setter = DistributedOptimizer._set_main_param_and_optimizer_states

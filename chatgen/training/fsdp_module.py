@@ -1,5 +1,5 @@
-"""`FSDPModule`: the trainer contract of `MegatronModule` on any Hugging Face causal LM, sharded with
-torch's FSDP2 (`backend: fsdp`; docs/fsdp_backend.md).
+"""`FSDPModule`: the trainer contract of `MegatronModule` on any Hugging Face causal LM, sharded
+with torch's FSDP2 (`backend: fsdp`; docs/fsdp_backend.md).
 
     from chatgen.training.fsdp_module import FSDPModule
     trainer = FSDPModule(dict(load="outputs/tiny-llama", lr=1e-5)).start()
@@ -7,18 +7,20 @@ torch's FSDP2 (`backend: fsdp`; docs/fsdp_backend.md).
     metrics = trainer.train_step(batch, loss_fn)             # one optimizer step
     for bucket in trainer.hf_weights().buckets(): ...        # weights as HF tensors (chatgen.param_sync)
 
-The model is transformers' own `AutoModelForCausalLM` code for the checkpoint in `config.load`, so any family
-transformers implements trains without a mapping (what a weight sync cannot serve is refused when the config
-is checked: chatgen.training.config.hf_family_problem). `fully_shard` wraps each decoder layer and then the
-whole model over every rank of the world (all ranks are data-parallel; gloo on CPU, NCCL on GPU): each rank
-keeps 1/DP of every weight, gradient and Adam moment, gathers a layer's weights for its forward and backward,
-and reduce-scatters (averages) its gradients. Every method is collective, as MegatronModule's: call it on
-every rank with that rank's share of the batch.
+The model is transformers' own `AutoModelForCausalLM` code for the checkpoint in `config.load`, so
+any family transformers implements trains without a mapping (what a weight sync cannot serve is
+refused when the config is checked: chatgen.training.config.hf_family_problem). `fully_shard` wraps
+each decoder layer and then the whole model over every rank of the world (all ranks are
+data-parallel; gloo on CPU, NCCL on GPU): each rank keeps 1/DP of every weight, gradient and Adam
+moment, gathers a layer's weights for its forward and backward, and reduce-scatters (averages) its
+gradients. Every method is collective, as MegatronModule's: call it on every rank with that rank's
+share of the batch.
 
-The contract matches MegatronModule's (same keys, hooks, declared methods and returns): `token_outputs` at the
-config's `logits_temperature` (chatgen.training.token_scoring), micro-batches from chatgen.training.schedule.split_batch handed to the
-`loss_fn` as they come, a NaN/inf gradient skips the step, `offload` / `onload` / `memory_stats`, atomic
-checkpoints (torch.distributed.checkpoint: every rank writes its own shards; a checkpoint loads at another DP).
+The contract matches MegatronModule's (same keys, hooks, declared methods and returns):
+`token_outputs` at the config's `logits_temperature` (chatgen.training.token_scoring), micro-batches
+from chatgen.training.schedule.split_batch handed to the `loss_fn` as they come, a NaN/inf gradient
+skips the step, `offload` / `onload` / `memory_stats`, atomic checkpoints
+(torch.distributed.checkpoint: every rank writes its own shards; a checkpoint loads at another DP).
 """
 
 import json
@@ -53,10 +55,11 @@ FSDP_META = (
 
 
 class FSDPModule(TokenScoring, Trainer):
-    """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as MegatronModule's: `init()`
-    joins torch.distributed; `setup()` builds the model (`model_provider`), shards it, builds AdamW and
-    loads a checkpoint this class wrote when `load` is one. Then `forward_tokens` / `train_step` per batch,
-    `hf_weights()` for a sync, `save_checkpoint`, `offload()` / `onload()` around a colocated engine."""
+    """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as
+    MegatronModule's: `init()` joins torch.distributed; `setup()` builds the model
+    (`model_provider`), shards it, builds AdamW and loads a checkpoint this class wrote when
+    `load` is one. Then `forward_tokens` / `train_step` per batch, `hf_weights()` for a sync,
+    `save_checkpoint`, `offload()` / `onload()` around a colocated engine."""
 
     config_class = FSDPConfig
 
@@ -68,13 +71,16 @@ class FSDPModule(TokenScoring, Trainer):
         self.optimizer = None  # torch AdamW over the DTensor shards
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
-        # where the training state is between a colocated engine's turns (chatgen/training/memory.py)
+        # where the training state is between a colocated engine's turns
+        # (chatgen/training/memory.py)
         self.memory = MemoryHandoff(self.config, fsdp_movers(self))
 
-    # ---- lifecycle --------------------------------------------------------------------------------
+    # ---- lifecycle
+    # --------------------------------------------------------------------------------
 
     def init(self) -> None:
-        """Framework: join torch.distributed (every rank data-parallel); read the model's config.json."""
+        """Framework: join torch.distributed (every rank data-parallel); read the model's
+        config.json."""
         cfg = self.config
         if cfg.load is None:
             raise ValueError(
@@ -99,15 +105,16 @@ class FSDPModule(TokenScoring, Trainer):
         self.dtype = getattr(torch, cfg.dtype)
 
     def setup(self) -> None:
-        """Build the model (`model_provider`), shard it, build AdamW, and restore `load` when it is a
-        checkpoint of this class. Override to add work around it and call `super().setup()`."""
+        """Build the model (`model_provider`), shard it, build AdamW, and restore `load` when it
+        is a checkpoint of this class. Override to add work around it and call `super().setup()`."""
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         cfg = self.config
         model = self.model_provider()
-        # vLLM's Transformers backend (olmo2 and smollm3 on vLLM 0.32) swaps the __call__ of transformers'
-        # base model classes for its compiling one, which reads this attribute: a trainer sharing an engine's
-        # process (colocated) would fail on it. True runs the plain forward.
+        # vLLM's Transformers backend (olmo2 and smollm3 on vLLM 0.32) swaps the __call__ of
+        # transformers' base model classes for its compiling one, which reads this attribute: a
+        # trainer sharing an engine's process (colocated) would fail on it. True runs the plain
+        # forward.
         for module in model.modules():
             module.do_not_compile = True
         if cfg.activation_recompute == "full":  # each layer's forward again in the backward
@@ -134,19 +141,20 @@ class FSDPModule(TokenScoring, Trainer):
             self.load_checkpoint(cfg.load)
 
     def shutdown(self) -> None:
-        """Release the model and the process group, so that this process can start another model. Safe to
-        call twice."""
+        """Release the model and the process group, so that this process can start another model.
+        Safe to call twice."""
         self.model = self.optimizer = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- user hooks -------------------------------------------------------------------------------
+    # ---- user hooks
+    # -------------------------------------------------------------------------------
 
     def model_provider(self) -> torch.nn.Module:
-        """Build the whole model on this rank, in float32 (the weights FSDP shards and AdamW updates; a
-        bfloat16 `dtype` computes in bf16 through FSDP's mixed precision); called once by `setup()`.
-        Default: `AutoModelForCausalLM` from `config.load` (a checkpoint of this class: built from its
-        config.json, its weights restored after sharding)."""
+        """Build the whole model on this rank, in float32 (the weights FSDP shards and AdamW
+        updates; a bfloat16 `dtype` computes in bf16 through FSDP's mixed precision); called once
+        by `setup()`. Default: `AutoModelForCausalLM` from `config.load` (a checkpoint of this
+        class: built from its config.json, its weights restored after sharding)."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         load = self.config.load
@@ -159,10 +167,11 @@ class FSDPModule(TokenScoring, Trainer):
         return model.to(self.device)
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hook: the per-token outputs from the model's logits (b, T, V) and input_ids (b, T): (b, T-1)
-        float32, entry t belongs to token t+1. Default: its log-prob under softmax(logits / temperature)
-        (MegatronModule's, without vocab parallelism). Override for a head that is not a token
-        distribution (a critic: chatgen.training.critic.FSDPCriticModule)."""
+        """Hook: the per-token outputs from the model's logits (b, T, V) and input_ids (b, T):
+        (b, T-1) float32, entry t belongs to token t+1. Default: its log-prob under
+        softmax(logits / temperature) (MegatronModule's, without vocab parallelism). Override for
+        a head that is not a token distribution (a critic:
+        chatgen.training.critic.FSDPCriticModule)."""
         logits = logits[:, :-1].float()
         if self.logits_temperature != 1.0:
             logits = logits / self.logits_temperature
@@ -175,8 +184,9 @@ class FSDPModule(TokenScoring, Trainer):
     @remote("split")
     @torch.no_grad()
     def forward_tokens(self, data: dict) -> torch.Tensor:
-        """The model's per-token outputs for a batch, without gradient (MegatronModule.forward_tokens).
-        data: {"input_ids": (B, T), optional "attention_mask": (B, T)}; returns (B, T-1) float32."""
+        """The model's per-token outputs for a batch, without gradient
+        (MegatronModule.forward_tokens). data: {"input_ids": (B, T), optional "attention_mask":
+        (B, T)}; returns (B, T-1) float32."""
         self.onload(("params",))
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
@@ -186,10 +196,11 @@ class FSDPModule(TokenScoring, Trainer):
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
-        """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches:
-        MegatronModule.train_step's contract (the loss averaged over micro-batches and DP ranks; logits only
-        from the first position a "loss_mask" marks; returns the loss_fn metrics reduced over micro-batches
-        and ranks plus "grad_norm" before clipping, "lr" and "skipped_step")."""
+        """One optimizer step on `data` (this DP rank's share of the global batch), split in
+        micro-batches: MegatronModule.train_step's contract (the loss averaged over micro-batches
+        and DP ranks; logits only from the first position a "loss_mask" marks; returns the
+        loss_fn metrics reduced over micro-batches and ranks plus "grad_norm" before clipping,
+        "lr" and "skipped_step")."""
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
         if gbs and n * self.dp != gbs:
             raise ValueError(
@@ -237,8 +248,8 @@ class FSDPModule(TokenScoring, Trainer):
         return metrics
 
     def _outputs(self, mb: dict, first: int) -> torch.Tensor:
-        """token_outputs (b, T-1) of a micro-batch, the logits computed from position `first` on (the
-        entries before it are 0: no loss reads them)."""
+        """token_outputs (b, T-1) of a micro-batch, the logits computed from position `first` on
+        (the entries before it are 0: no loss reads them)."""
         ids = _on_device(mb, self.device)["input_ids"]
         mask = mb.get("attention_mask")
         if self.seq_length and ids.shape[1] > self.seq_length:
@@ -259,11 +270,12 @@ class FSDPModule(TokenScoring, Trainer):
         out = self.token_outputs(logits, ids[:, first:])
         return torch.nn.functional.pad(out, (first, 0)) if first else out
 
-    # ---- weights, checkpoints, memory -------------------------------------------------------------
+    # ---- weights, checkpoints, memory
+    # -------------------------------------------------------------
 
     def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> FSDPWeights:
-        """This model's weights as HF-named full tensors, bucket by bucket (chatgen/training/fsdp_weights.py):
-        the weight source of chatgen.param_sync. Collective."""
+        """This model's weights as HF-named full tensors, bucket by bucket
+        (chatgen/training/fsdp_weights.py): the weight source of chatgen.param_sync. Collective."""
         self.onload(("params",))
         return FSDPWeights(self, bucket_bytes)
 
@@ -273,11 +285,12 @@ class FSDPModule(TokenScoring, Trainer):
 
     @remote("all")
     def save_checkpoint(self, path) -> str:
-        """Write weights + optimizer state to directory `path` atomically: a torch.distributed.checkpoint
-        (each rank writes its shards; it loads at another DP) beside chatgen_fsdp.json (iteration), and an HF
-        checkpoint of the weights (`_write_hf`) with the model's config.json and the tokenizer / generation
-        files of `load`, so the directory also serves and exports as it is. Ranks write into a staging
-        directory that rank 0 moves into place. Returns the path."""
+        """Write weights + optimizer state to directory `path` atomically: a
+        torch.distributed.checkpoint (each rank writes its shards; it loads at another DP) beside
+        chatgen_fsdp.json (iteration), and an HF checkpoint of the weights (`_write_hf`) with the
+        model's config.json and the tokenizer / generation files of `load`, so the directory also
+        serves and exports as it is. Ranks write into a staging directory that rank 0 moves into
+        place. Returns the path."""
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -305,9 +318,10 @@ class FSDPModule(TokenScoring, Trainer):
         return str(path)
 
     def _write_hf(self, directory: Path) -> None:
-        """The weights as an HF checkpoint in `directory` (collective; rank 0 writes): one safetensors file
-        per sync bucket plus model.safetensors.index.json, so that the checkpoint directory serves and exports
-        as it is (vLLM, `chatgen serve`, transformers). One bucket of full tensors in memory at a time."""
+        """The weights as an HF checkpoint in `directory` (collective; rank 0 writes): one
+        safetensors file per sync bucket plus model.safetensors.index.json, so that the
+        checkpoint directory serves and exports as it is (vLLM, `chatgen serve`, transformers).
+        One bucket of full tensors in memory at a time."""
         from safetensors.torch import save_file
 
         weights = self.hf_weights()
@@ -328,8 +342,8 @@ class FSDPModule(TokenScoring, Trainer):
 
     @remote("all")
     def load_checkpoint(self, path) -> None:
-        """Restore weights, optimizer state and iteration from a checkpoint of `save_checkpoint` (any DP).
-        Read without unpickling anything freely (chatgen.core.dcp.read_safely)."""
+        """Restore weights, optimizer state and iteration from a checkpoint of `save_checkpoint`
+        (any DP). Read without unpickling anything freely (chatgen.core.dcp.read_safely)."""
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -357,8 +371,9 @@ class FSDPModule(TokenScoring, Trainer):
 
 
 def decoder_layers(model: torch.nn.Module) -> list:
-    """The modules FSDP wraps one by one: those of the classes transformers names as never to split
-    (`_no_split_modules`, e.g. LlamaDecoderLayer), else the children of the model's `layers` list."""
+    """The modules FSDP wraps one by one: those of the classes transformers names as never to
+    split (`_no_split_modules`, e.g. LlamaDecoderLayer), else the children of the model's
+    `layers` list."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if layers:
@@ -382,8 +397,8 @@ def _on_device(mb, device):
 
 
 def fsdp_movers(module) -> dict:
-    """How an FSDPModule's pieces move (MemoryHandoff): AdamW's moments to pinned host memory and back;
-    the weight shards with the model."""
+    """How an FSDPModule's pieces move (MemoryHandoff): AdamW's moments to pinned host memory and
+    back; the weight shards with the model."""
     host = {}  # the optimizer's host copies, kept across offloads
 
     def optimizer(to_host: bool):

@@ -1,4 +1,5 @@
-"""An FSDP2-sharded transformers model as HF-named full tensors, bucket by bucket: `FSDPModule.hf_weights()`.
+"""An FSDP2-sharded transformers model as HF-named full tensors, bucket by bucket:
+`FSDPModule.hf_weights()`.
 
     weights = trainer.hf_weights(bucket_bytes=256 << 20)   # on every rank (collective below)
     weights.plan            # [[(hf name, shape), ...] per bucket], the same on every rank
@@ -6,17 +7,18 @@
     weights.reference(i)    # bucket i again by an independent gather (validation)
     weights.nonfinite()     # HF names of parameters holding NaN/inf (any rank)
 
-The weight-source protocol of chatgen.param_sync (source.py), as `MegatronModule.hf_weights()` gives it, so
-every transport, manifest, fingerprint and finiteness check applies unchanged. The names are the model's own
-parameter names, which for the families an fsdp trainer takes are the checkpoint's (families whose
-transformers code renames checkpoint weights are refused: chatgen.training.config.hf_family_problem), so
-no per-family mapping exists: vLLM's loader takes HF names. A tied LM head is one parameter, sent once under
-the embedding's name, as save_pretrained writes it.
+The weight-source protocol of chatgen.param_sync (source.py), as `MegatronModule.hf_weights()` gives
+it, so every transport, manifest, fingerprint and finiteness check applies unchanged. The names are
+the model's own parameter names, which for the families an fsdp trainer takes are the checkpoint's
+(families whose transformers code renames checkpoint weights are refused:
+chatgen.training.config.hf_family_problem), so no per-family mapping exists: vLLM's loader takes HF
+names. A tied LM head is one parameter, sent once under the embedding's name, as save_pretrained
+writes it.
 
-A bucket is a run of whole decoder layers (or the embedding, the final norm and the head) whose size in the
-sync dtype stays under `bucket_bytes` (a larger layer gets a bucket of its own). Each parameter's shards are
-all-gathered (`DTensor.full_tensor()`); the bucket is yielded and dropped before the next one, so the extra
-memory of a sync is about one bucket, never a copy of the model.
+A bucket is a run of whole decoder layers (or the embedding, the final norm and the head) whose size
+in the sync dtype stays under `bucket_bytes` (a larger layer gets a bucket of its own). Each
+parameter's shards are all-gathered (`DTensor.full_tensor()`); the bucket is yielded and dropped
+before the next one, so the extra memory of a sync is about one bucket, never a copy of the model.
 """
 
 import re
@@ -40,8 +42,9 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 
 
 class FSDPWeights:
-    """One FSDP trainer's weights as HF tensors in buckets (see the module docstring). Build it with
-    `FSDPModule.hf_weights(bucket_bytes)`; every method is collective over the trainer's ranks."""
+    """One FSDP trainer's weights as HF tensors in buckets (see the module docstring). Build it
+    with `FSDPModule.hf_weights(bucket_bytes)`; every method is collective over the trainer's
+    ranks."""
 
     def __init__(self, trainer, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.dtype = trainer.dtype
@@ -67,8 +70,8 @@ class FSDPWeights:
 
     @torch.no_grad()
     def reference(self, index: int) -> list[torch.Tensor]:
-        """Bucket `index` by another path: every rank's local shard (dim 0 pieces, rank order) exchanged as
-        objects and concatenated, not DTensor's all-gather."""
+        """Bucket `index` by another path: every rank's local shard (dim 0 pieces, rank order)
+        exchanged as objects and concatenated, not DTensor's all-gather."""
         out = []
         for _, p in self._buckets[index]:
             local = p.to_local() if hasattr(p, "to_local") else p
@@ -81,8 +84,8 @@ class FSDPWeights:
 
     @torch.no_grad()
     def nonfinite(self) -> list[str]:
-        """HF names of the parameters with a NaN or inf on any rank: a sum of each local shard (NaN and inf
-        survive a sum) and one exchange of the names."""
+        """HF names of the parameters with a NaN or inf on any rank: a sum of each local shard
+        (NaN and inf survive a sum) and one exchange of the names."""
         bad = []
         for bucket in self._buckets:
             for name, p in bucket:

@@ -1,4 +1,5 @@
-"""A sharded Megatron model as a stream of HF-named tensors, bucket by bucket: `MegatronModule.hf_weights()`.
+"""A sharded Megatron model as a stream of HF-named tensors, bucket by bucket:
+`MegatronModule.hf_weights()`.
 
     weights = trainer.hf_weights(bucket_bytes=256 << 20)   # on every rank (collective below)
     weights.plan            # [[(hf name, shape), ...] per bucket], the same on every rank and for a receiver
@@ -13,18 +14,21 @@ This is the trainer's one public way out for its weights (chatgen.param_sync con
 A bucket is a run of Megatron parameters of one pipeline stage whose gathered size stays under
 `bucket_bytes` (a single larger parameter gets a bucket of its own). Per bucket, collectively:
 
-1. the owning stage's TP ranks flatten their shards into one buffer and all-gather it (one collective);
+1. the owning stage's TP ranks flatten their shards into one buffer and all-gather it (one
+   collective);
 2. each parameter's TP shards are turned into HF tensors (chatgen/models/layout.py: un-interleave
    QKV per query group, split gate/up, drop vocab padding; layer numbers get the stage offset);
-3. with EP > 1 (experts spread over expert-parallel ranks) the stage's EP ranks all-gather the HF tensors of
-   the experts each holds (one collective): a bucket never splits one layer's experts, and every EP rank
-   holds the same number of them, so the pieces are equal;
-4. with PP > 1 the HF tensors are broadcast from the owning stage to the other stages (one collective).
+3. with EP > 1 (experts spread over expert-parallel ranks) the stage's EP ranks all-gather the HF
+   tensors of the experts each holds (one collective): a bucket never splits one layer's experts,
+   and every EP rank holds the same number of them, so the pieces are equal;
+4. with PP > 1 the HF tensors are broadcast from the owning stage to the other stages (one
+   collective).
 
-Every tensor comes in the trainer's dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model: they are
-cast, as the HF checkpoint and the engine hold them). Every rank then holds the bucket's full HF tensors; the next bucket reuses nothing, so peak extra memory
-is about two buckets, never a copy of the model. The plan (names, shapes, bucket boundaries) is computed
-from the model spec alone, identically on every rank and on a receiver in another process.
+Every tensor comes in the trainer's dtype (megatron's local RMSNorm keeps fp32 weights in a bf16
+model: they are cast, as the HF checkpoint and the engine hold them). Every rank then holds the
+bucket's full HF tensors; the next bucket reuses nothing, so peak extra memory is about two buckets,
+never a copy of the model. The plan (names, shapes, bucket boundaries) is computed from the model
+spec alone, identically on every rank and on a receiver in another process.
 """
 
 import dataclasses
@@ -52,8 +56,9 @@ class Bucket:
 def plan_buckets(
     spec, tp: int, pp: int, padded_vocab: int, itemsize: int, bucket_bytes: int
 ) -> list[Bucket]:
-    """Bucket boundaries for a layout; shapes come from meta tensors pushed through the layout functions. The
-    experts of one layer stay in one bucket (one EP all-gather), so the plan does not depend on EP."""
+    """Bucket boundaries for a layout; shapes come from meta tensors pushed through the layout
+    functions. The experts of one layer stay in one bucket (one EP all-gather), so the plan does
+    not depend on EP."""
     buckets = []
     for stage in range(pp):
         units = []  # [StageParam]: one parameter, or the experts of one layer
@@ -90,7 +95,8 @@ def plan_buckets(
 
 class HFWeights:
     """One trainer's weights as HF tensors in buckets (see the module docstring). Build it with
-    `MegatronModule.hf_weights(bucket_bytes)`; every method is collective over the trainer's ranks."""
+    `MegatronModule.hf_weights(bucket_bytes)`; every method is collective over the trainer's
+    ranks."""
 
     def __init__(self, trainer, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self._trainer = trainer
@@ -100,7 +106,8 @@ class HFWeights:
             trainer.spec, trainer.tp, trainer.pp, trainer.padded_vocab_size, itemsize, bucket_bytes
         )
         self.plan = [list(b.hf) for b in self._buckets]
-        # this rank's parameters by their first HF name (an expert's local name depends on the EP rank)
+        # this rank's parameters by their first HF name (an expert's local name depends on the EP
+        # rank)
         self._mine = {
             sp.hf_names[0]: sp
             for sp in layout.stage_params(
@@ -165,8 +172,9 @@ class HFWeights:
 
     @torch.no_grad()
     def reference(self, index: int) -> list[torch.Tensor]:
-        """Bucket `index`'s HF tensors by an independent, unbucketed path (per-parameter all_gather of a list,
-        a broadcast per tensor): what validation compares the stream against."""
+        """Bucket `index`'s HF tensors by an independent, unbucketed path (per-parameter
+        all_gather of a list, a broadcast per tensor): what validation compares the stream
+        against."""
         t = self._trainer
         bucket = self._buckets[index]
         tp_group, pp_group = _groups()
@@ -204,8 +212,9 @@ class HFWeights:
 
     @torch.no_grad()
     def nonfinite(self) -> list[str]:
-        """HF names of the parameters with a NaN or inf on any rank (empty when all are finite). One pass over
-        this rank's shards (a sum per parameter: NaN and inf survive a sum) and one all-reduce."""
+        """HF names of the parameters with a NaN or inf on any rank (empty when all are finite).
+        One pass over this rank's shards (a sum per parameter: NaN and inf survive a sum) and one
+        all-reduce."""
         t = self._trainer
         params = [
             sp
@@ -233,7 +242,8 @@ def _groups():
 
 
 def _gather_shards(local: list[torch.Tensor], tp: int, tp_group) -> list[list[torch.Tensor]]:
-    """[this rank's shard per param] -> [[shard of TP rank r for r in range(tp)] per param], one all-gather."""
+    """[this rank's shard per param] -> [[shard of TP rank r for r in range(tp)] per param], one
+    all-gather."""
     if tp == 1:
         return [[t] for t in local]
     flat = torch.cat([t.reshape(-1) for t in local])
@@ -249,13 +259,14 @@ def _gather_shards(local: list[torch.Tensor], tp: int, tp_group) -> list[list[to
 
 
 class HFExport:
-    """`MegatronModule`'s way out for its weights, as a mixin: hf_weights / hf_state_dict, and its parameters by
-    name (local_param, used by param_sync)."""
+    """`MegatronModule`'s way out for its weights, as a mixin: hf_weights / hf_state_dict, and
+    its parameters by name (local_param, used by param_sync)."""
 
     def hf_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> HFWeights:
-        """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP), bucket by bucket:
-        the trainer's one public way out for its weights (chatgen/training/hf_export.py). Collective: call on
-        every rank; at most about two buckets of extra memory, never a copy of the model."""
+        """This model's weights as HF-named full tensors (gathered over TP, broadcast over PP),
+        bucket by bucket: the trainer's one public way out for its weights
+        (chatgen/training/hf_export.py). Collective: call on every rank; at most about two
+        buckets of extra memory, never a copy of the model."""
         self.onload(("params",))
         if self.config.lora.rank:  # W + (alpha / r) B A under the base names: any engine takes it
             from chatgen.training.lora_sync import MergedWeights
@@ -264,7 +275,8 @@ class HFExport:
         return HFWeights(self, bucket_bytes)
 
     def hf_state_dict(self) -> dict:
-        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`). Collective."""
+        """The whole model as an HF state dict (a full copy; for tests and `chatgen convert`).
+        Collective."""
         return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
 
     def _to_module_name(self, name: str) -> str:

@@ -4,11 +4,12 @@
     results = run_distributed(my_fn, world_size=2, args=(x,))   # [result of rank 0, result of rank 1]
     job = DistributedJob(my_fn, 2, args=(q,)); ...parent work...; results = job.join()
 
-Each child gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, plus `env`,
-then calls `fn(*args)`; `fn` must be importable (module level) and return something picklable. If a
-rank raises, the others are stopped and a RuntimeError carries that rank's traceback; a rank that dies
-without one (killed by the OS) is reported within about a second, with its exit code. Used by the
-multi-process tests and by `chatgen check-sync` for layouts that need several trainer ranks.
+Each child gets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR=127.0.0.1 and a free MASTER_PORT, plus
+`env`, then calls `fn(*args)`; `fn` must be importable (module level) and return something
+picklable. If a rank raises, the others are stopped and a RuntimeError carries that rank's
+traceback; a rank that dies without one (killed by the OS) is reported within about a second, with
+its exit code. Used by the multi-process tests and by `chatgen check-sync` for layouts that need
+several trainer ranks.
 """
 
 import os
@@ -47,8 +48,8 @@ def _child(rank, world_size, port, env, fn, args, results):
 class DistributedJob:
     """`fn(*args)` running on `world_size` spawned ranks; `join()` returns the per-rank results.
 
-    Start it, do the parent's side of the work (e.g. host an inference engine the ranks talk to), join.
-    Pass `ctx_queue()` queues in `args` to exchange data with the ranks while they run.
+    Start it, do the parent's side of the work (e.g. host an inference engine the ranks talk to),
+    join. Pass `ctx_queue()` queues in `args` to exchange data with the ranks while they run.
     """
 
     context = mp.get_context("spawn")
@@ -69,7 +70,8 @@ class DistributedJob:
             p.start()
 
     def poll(self) -> bool:
-        """True while the ranks run; raises the traceback of a rank that failed (without waiting)."""
+        """True while the ranks run; raises the traceback of a rank that failed (without
+        waiting)."""
         while True:
             try:
                 rank, ok, value = self._results.get_nowait()
@@ -85,7 +87,8 @@ class DistributedJob:
         return len(self._done) < self.world_size and any(p.is_alive() for p in self._procs)
 
     def _raise_if_a_rank_died(self) -> None:
-        """A rank that exited without a result (killed by the OS, os._exit): stop the others and say which."""
+        """A rank that exited without a result (killed by the OS, os._exit): stop the others and
+        say which."""
         dead = [r for r, p in enumerate(self._procs) if r not in self._done and not p.is_alive()]
         # a rank's result is in the queue before its process ends
         if dead and self._results.empty():

@@ -1,29 +1,33 @@
-"""LoRA on the Megatron trainer: low-rank adapters beside the frozen base weights (`lora:` of a trainer model).
+"""LoRA on the Megatron trainer: low-rank adapters beside the frozen base weights (`lora:` of a
+trainer model).
 
     lora:                        # in a `backend: megatron` model's YAML (docs/lora.md)
       rank: 8                    # 0 = off: every parameter trains
       alpha: 16                  # the adapter's output is scaled by alpha / rank
       target_modules: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj]
 
-A target is named as in the HF checkpoint (q_proj ... down_proj); it adapts the Megatron linear layer that holds
-it: q/k/v_proj live in the fused `linear_qkv`, gate/up_proj in `linear_fc1`, o_proj in `linear_proj`,
-down_proj in `linear_fc2`. Each target has its own pair, exactly PEFT's: `W x + (alpha / r) B A x` with A (r, in)
-and B (out, r) in HF layout, so a target inside a fused layer adapts only its slice of the fused output (the
-other slices get nothing) and export / import to PEFT is a renaming. The targets come from the family's own
-parameter mapping (chatgen/models/<family>.py), so a family is LoRA-ready when it is mapped.
+A target is named as in the HF checkpoint (q_proj ... down_proj); it adapts the Megatron linear
+layer that holds it: q/k/v_proj live in the fused `linear_qkv`, gate/up_proj in `linear_fc1`, o_proj
+in `linear_proj`, down_proj in `linear_fc2`. Each target has its own pair, exactly PEFT's: `W x +
+(alpha / r) B A x` with A (r, in) and B (out, r) in HF layout, so a target inside a fused layer
+adapts only its slice of the fused output (the other slices get nothing) and export / import to PEFT
+is a renaming. The targets come from the family's own parameter mapping
+(chatgen/models/<family>.py), so a family is LoRA-ready when it is mapped.
 
-Tensor parallelism follows the base weight: a column-parallel layer (qkv, fc1) splits B along its output rows
-(its TP rank's heads / its share of gate and up) and keeps A whole; a row-parallel one (proj, fc2) splits A along
-its input columns and keeps B whole. The whole A of a column layer gets its gradient summed over TP (`h = A x`
-enters the sharded B through megatron's copy-to-TP region), the partial `A x` of a row layer is summed over TP
-before B (reduce-from-TP region), so every rank computes the exact full-model forward and gradients.
+Tensor parallelism follows the base weight: a column-parallel layer (qkv, fc1) splits B along its
+output rows (its TP rank's heads / its share of gate and up) and keeps A whole; a row-parallel one
+(proj, fc2) splits A along its input columns and keeps B whole. The whole A of a column layer gets
+its gradient summed over TP (`h = A x` enters the sharded B through megatron's copy-to-TP region),
+the partial `A x` of a row layer is summed over TP before B (reduce-from-TP region), so every rank
+computes the exact full-model forward and gradients.
 
-The base weights are frozen before megatron's DDP and optimizer are built: they get no gradient buffer and no
-optimizer state (megatron-core skips parameters with requires_grad False). The adapters are children of the
-attention / MLP module, so the distributed checkpoint holds them (and their optimizer state) as TP-sharded
-tensors in HF layout. `hf_weights()` sends W + (alpha / r) B A under the base names (`MergedWeights`), so every
-sync transport and engine takes a LoRA trainer unchanged; `adapter_disabled(model)` runs the base model, the
-KL reference, without a second copy of the weights.
+The base weights are frozen before megatron's DDP and optimizer are built: they get no gradient
+buffer and no optimizer state (megatron-core skips parameters with requires_grad False). The
+adapters are children of the attention / MLP module, so the distributed checkpoint holds them (and
+their optimizer state) as TP-sharded tensors in HF layout. `hf_weights()` sends W + (alpha / r) B A
+under the base names (`MergedWeights`), so every sync transport and engine takes a LoRA trainer
+unchanged; `adapter_disabled(model)` runs the base model, the KL reference, without a second copy of
+the weights.
 """
 
 import contextlib
@@ -38,7 +42,8 @@ from chatgen.models import family
 
 log = logging.getLogger(__name__)
 
-# What each HF target is inside Megatron's fused layers: the layout kinds of chatgen/models/layout.py.
+# What each HF target is inside Megatron's fused layers: the layout kinds of
+# chatgen/models/layout.py.
 COLUMN_KINDS = ("qkv", "gate_up", "column")  # output features split over TP: B is sharded
 ROW_KINDS = ("row",)  # input features split over TP: A is sharded
 SUFFIX = "_lora"  # the adapter of `linear_qkv` is the sibling module `linear_qkv_lora`
@@ -46,7 +51,8 @@ SUFFIX = "_lora"  # the adapter of `linear_qkv` is the sibling module `linear_qk
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One HF target (e.g. q_proj) of a layer: the Megatron linear that holds it, and its slot there."""
+    """One HF target (e.g. q_proj) of a layer: the Megatron linear that holds it, and its slot
+    there."""
 
     name: str  # q_proj
     module: str  # self_attention.linear_qkv (within a decoder layer)
@@ -58,8 +64,8 @@ class Target:
 
 
 def family_targets(spec) -> dict[str, Target]:
-    """{HF target name: Target} of a model: every dense linear weight of a decoder layer (no experts, no
-    biases, no norms), in the family's checkpoint order."""
+    """{HF target name: Target} of a model: every dense linear weight of a decoder layer (no
+    experts, no biases, no norms), in the family's checkpoint order."""
     _, layer = family(spec).param_mappings(spec)
     out = {}
     for m in layer:
@@ -73,7 +79,8 @@ def family_targets(spec) -> dict[str, Target]:
 
 
 def check_targets(lora, spec, tp: int) -> dict[str, Target]:
-    """The Targets `lora.target_modules` names on this model; a ConfigError naming the key otherwise."""
+    """The Targets `lora.target_modules` names on this model; a ConfigError naming the key
+    otherwise."""
     have = family_targets(spec)
     unknown = [t for t in lora.target_modules if t not in have]
     if unknown:
@@ -124,7 +131,8 @@ class LoRAPair(torch.nn.Module):
 
 
 class LoRAAdapter(torch.nn.Module):
-    """The adapters of one fused Megatron linear layer; its forward hook adds their output to the layer's."""
+    """The adapters of one fused Megatron linear layer; its forward hook adds their output to the
+    layer's."""
 
     def __init__(self, targets: list[Target], pairs: dict, scale: float, dropout: float, tp: int):
         super().__init__()
@@ -144,7 +152,8 @@ class LoRAAdapter(torch.nn.Module):
         return out + self.delta(args[0], module), bias
 
     def delta(self, x: torch.Tensor, module) -> torch.Tensor:
-        """(T, b, in or in/TP) -> the adapters' contribution to the layer's local output (T, b, out_local)."""
+        """(T, b, in or in/TP) -> the adapters' contribution to the layer's local output (T, b,
+        out_local)."""
         from megatron.core.tensor_parallel.mappings import (
             copy_to_tensor_model_parallel_region,
             reduce_from_tensor_model_parallel_region,
@@ -166,7 +175,8 @@ class LoRAAdapter(torch.nn.Module):
         return self._fuse(parts, x, module)
 
     def _fuse(self, parts: dict, x: torch.Tensor, module) -> torch.Tensor:
-        """Per-target outputs -> the fused layer's local layout (zeros for the slots with no adapter)."""
+        """Per-target outputs -> the fused layer's local layout (zeros for the slots with no
+        adapter)."""
         if self.kind in ("column", "row"):
             return next(iter(parts.values()))
         lead, by_slot = x.shape[:-1], {t.slot: t.name for t in self.targets.values()}
@@ -181,8 +191,8 @@ class LoRAAdapter(torch.nn.Module):
         return torch.cat([p.reshape(*lead, groups, -1) for p in pieces], dim=-1).reshape(*lead, -1)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
-        """megatron's distributed-checkpoint view: each matrix whole in HF layout, split over TP like the base
-        weight (the parent attention / MLP module asks its children for theirs)."""
+        """megatron's distributed-checkpoint view: each matrix whole in HF layout, split over TP
+        like the base weight (the parent attention / MLP module asks its children for theirs)."""
         from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
         axes = {
@@ -207,9 +217,9 @@ def _slot_widths(kind: str, cfg, tp: int) -> list[int]:
 
 
 def attach(trainer) -> dict:
-    """Add the configured adapters to `trainer.model` (before its DDP and optimizer are built), freeze every
-    other parameter, and log the trainable share. Returns {"trainable": n, "total": n, "share": f} over the
-    whole model (every stage, every TP rank's shard counted once)."""
+    """Add the configured adapters to `trainer.model` (before its DDP and optimizer are built),
+    freeze every other parameter, and log the trainable share. Returns {"trainable": n, "total":
+    n, "share": f} over the whole model (every stage, every TP rank's shard counted once)."""
     cfg, spec = trainer.config.lora, trainer.spec
     targets = check_targets(cfg, spec, trainer.tp)
     scale = cfg.alpha / cfg.rank
@@ -264,7 +274,8 @@ def _decoder_layers(model):
 
 
 def _mark_tp(param, axis: int | None) -> None:
-    """Megatron's TP attributes: a split tensor counts once per TP rank in the grad norm, a whole one once."""
+    """Megatron's TP attributes: a split tensor counts once per TP rank in the grad norm, a whole
+    one once."""
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
     set_tensor_model_parallel_attributes(param, axis is not None, axis or 0, 1)
@@ -273,8 +284,9 @@ def _mark_tp(param, axis: int | None) -> None:
 def init_pair(
     target: Target, rank: int, seed: int, layer: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A target's full initial (A, B) in fp32, the same at every TP layout: A uniform in +-1/sqrt(in) (PEFT's
-    kaiming_uniform(a=sqrt(5)) bound), B zero (the adapted model starts as the base)."""
+    """A target's full initial (A, B) in fp32, the same at every TP layout: A uniform in
+    +-1/sqrt(in) (PEFT's kaiming_uniform(a=sqrt(5)) bound), B zero (the adapted model starts as
+    the base)."""
     g = torch.Generator().manual_seed(
         seed * 100_003 + layer * 101 + target.slot + hash_name(target)
     )
@@ -289,7 +301,8 @@ def hash_name(target: Target) -> int:
 
 
 def counts(spec, targets: dict, rank: int) -> dict:
-    """Trainable (adapter) and total parameters of the whole model, from the spec's shapes (no collective)."""
+    """Trainable (adapter) and total parameters of the whole model, from the spec's shapes (no
+    collective)."""
     from chatgen.models import layout
 
     base = sum(
@@ -329,8 +342,9 @@ def adapter_disabled(model):
 
 @torch.no_grad()
 def randomize(trainer, seed: int, std: float = 0.1) -> None:
-    """Give every adapter a random B (N(0, std), the same full tensor at any layout), so that the adapted model
-    differs from the base: for a check that a sync moves the adapter (check-sync --lora) without training."""
+    """Give every adapter a random B (N(0, std), the same full tensor at any layout), so that the
+    adapted model differs from the base: for a check that a sync moves the adapter (check-sync
+    --lora) without training."""
     for layer in _decoder_layers(trainer.model):
         for module in layer.modules():
             if not isinstance(module, LoRAAdapter):

@@ -1,6 +1,7 @@
-"""`MegatronModule`'s LoRA methods (chatgen/training/lora.py has the adapters themselves): its base as the
-KL reference, its adapter alone as a weight source, and the adapter exported as PEFT's directory. A file of
-its own because it uses lora_sync.py and lora_peft.py, which build on lora.py."""
+"""`MegatronModule`'s LoRA methods (chatgen/training/lora.py has the adapters themselves): its
+base as the KL reference, its adapter alone as a weight source, and the adapter exported as
+PEFT's directory. A file of its own because it uses lora_sync.py and lora_peft.py, which build on
+lora.py."""
 
 import torch
 
@@ -11,12 +12,13 @@ from chatgen.training.lora_sync import AdapterWeights
 
 
 class LoRAHooks:
-    """`MegatronModule`'s LoRA methods (a mixin): its base as the KL reference, its adapter for a sync."""
+    """`MegatronModule`'s LoRA methods (a mixin): its base as the KL reference, its adapter for a
+    sync."""
 
     @remote("split")
     def base_forward_tokens(self, data: dict) -> torch.Tensor:
-        """`forward_tokens` of the base model (every adapter off): a LoRA policy's KL reference, from the same
-        weights, no second copy. Without adapters it is `forward_tokens`."""
+        """`forward_tokens` of the base model (every adapter off): a LoRA policy's KL reference,
+        from the same weights, no second copy. Without adapters it is `forward_tokens`."""
         with lora.adapter_disabled(self.model):
             return self.forward_tokens(data)
 
@@ -26,5 +28,6 @@ class LoRAHooks:
         return AdapterWeights(self)
 
     def export_adapter(self, directory) -> str:
-        """Write the adapter as a PEFT adapter directory (chatgen/training/lora_peft.py); collective."""
+        """Write the adapter as a PEFT adapter directory (chatgen/training/lora_peft.py);
+        collective."""
         return export_peft(self, directory)

@@ -1,13 +1,14 @@
-"""A LoRA trainer's adapter in PEFT's format, out and in: the directory `peft.PeftModel.from_pretrained(base,
-DIR)` loads onto the HF base model (and vLLM's LoRARequest reads).
+"""A LoRA trainer's adapter in PEFT's format, out and in: the directory
+`peft.PeftModel.from_pretrained(base, DIR)` loads onto the HF base model (and vLLM's LoRARequest
+reads).
 
     export_peft(trainer, "outputs/run/adapter")   # collective; rank 0 writes adapter_config.json +
                                                   # adapter_model.safetensors, atomically
     load_peft(trainer, "outputs/run/adapter")     # collective; the trainer's `lora.from_peft` key calls it
 
-Names are PEFT's: `base_model.model.` + the HF weight's module + `.lora_A.weight` (r, in) / `.lora_B.weight`
-(out, r), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; the scale is lora_alpha / r
-(PEFT without rsLoRA), the same as the trainer's.
+Names are PEFT's: `base_model.model.` + the HF weight's module + `.lora_A.weight` (r, in) /
+`.lora_B.weight` (out, r), e.g. base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight; the
+scale is lora_alpha / r (PEFT without rsLoRA), the same as the trainer's.
 """
 
 import json
@@ -29,8 +30,8 @@ from chatgen.training.lora_sync import full_adapters
 
 
 def export_peft(trainer, directory) -> str:
-    """Write the trainer's adapter as a PEFT LoRA adapter directory (replacing one there); collective: call on
-    every rank. Returns the directory."""
+    """Write the trainer's adapter as a PEFT LoRA adapter directory (replacing one there);
+    collective: call on every rank. Returns the directory."""
     import torch.distributed as dist
 
     cfg = trainer.config.lora
@@ -55,7 +56,8 @@ def export_peft(trainer, directory) -> str:
 
 
 def _mismatches(config: dict, tensors: dict, cfg, directory) -> list[str]:
-    """What keeps the adapter in `directory` from being this trainer's, each naming the key and the fix."""
+    """What keeps the adapter in `directory` from being this trainer's, each naming the key and
+    the fix."""
     problems = []
     if config.get("peft_type", "LORA") != "LORA":
         problems.append(
@@ -83,8 +85,9 @@ def _mismatches(config: dict, tensors: dict, cfg, directory) -> list[str]:
 
 @torch.no_grad()
 def load_peft(trainer, directory) -> None:
-    """Copy a PEFT adapter into the trainer's adapters (this rank's shards); the optimizer's fp32 copies follow.
-    A ConfigError when its rank, alpha or targets differ from the `lora` keys, or a tensor is missing."""
+    """Copy a PEFT adapter into the trainer's adapters (this rank's shards); the optimizer's fp32
+    copies follow. A ConfigError when its rank, alpha or targets differ from the `lora` keys, or
+    a tensor is missing."""
     config, tensors = read_peft(directory)
     cfg = trainer.config.lora
     problems = _mismatches(config, tensors, cfg, directory)

@@ -1,15 +1,16 @@
-"""A LoRA trainer's weights as the engine needs them: W + (alpha / r) B A under the base HF names (merged sync),
-and its adapters whole in HF layout (PEFT export, merging).
+"""A LoRA trainer's weights as the engine needs them: W + (alpha / r) B A under the base HF names
+(merged sync), and its adapters whole in HF layout (PEFT export, merging).
 
     adapters = full_adapters(trainer)     # {HF weight name: (A (r, in), B (out, r))}, fp32, on every rank
     weights = trainer.hf_weights()        # a MergedWeights when lora.rank > 0 (chatgen/training/hf_export.py)
     adapter = trainer.adapter_weights()   # an AdapterWeights: the adapter alone, PEFT's names (adapter-only sync)
 
-`MergedWeights` is the weight source of chatgen.param_sync (plan / dtype / buckets / reference / nonfinite) over
-the base's `HFWeights`: the same plan and names, each adapted tensor plus its low-rank update, so every
-transport and engine (vLLM, hf, another trainer) takes a LoRA trainer unchanged. The merge is computed per
-bucket, in fp32, from adapters gathered once per stream (rank r x (in + out) per target: small). `AdapterWeights`
-is the same protocol over the adapter alone (chatgen.param_sync.adapter_sync sends it).
+`MergedWeights` is the weight source of chatgen.param_sync (plan / dtype / buckets / reference /
+nonfinite) over the base's `HFWeights`: the same plan and names, each adapted tensor plus its
+low-rank update, so every transport and engine (vLLM, hf, another trainer) takes a LoRA trainer
+unchanged. The merge is computed per bucket, in fp32, from adapters gathered once per stream (rank r
+x (in + out) per target: small). `AdapterWeights` is the same protocol over the adapter alone
+(chatgen.param_sync.adapter_sync sends it).
 """
 
 import torch
@@ -22,8 +23,9 @@ from chatgen.training import lora
 
 @torch.no_grad()
 def full_adapters(trainer) -> dict:
-    """{HF weight name (model.layers.N.self_attn.q_proj.weight): (A, B)} of the whole model, fp32, on every
-    rank: gathered over TP (one all-gather per matrix) and, with PP > 1, exchanged between the stages."""
+    """{HF weight name (model.layers.N.self_attn.q_proj.weight): (A, B)} of the whole model,
+    fp32, on every rank: gathered over TP (one all-gather per matrix) and, with PP > 1, exchanged
+    between the stages."""
     from megatron.core import parallel_state as ps
 
     mine = {}
@@ -56,7 +58,8 @@ def scale_of(trainer) -> float:
 
 
 class MergedWeights:
-    """The base `HFWeights` of a LoRA trainer with each adapted tensor merged: W + scale * B A (see above)."""
+    """The base `HFWeights` of a LoRA trainer with each adapted tensor merged: W + scale * B A
+    (see above)."""
 
     def __init__(self, trainer, base):
         self._trainer, self._base = trainer, base
@@ -93,10 +96,11 @@ class MergedWeights:
 
 
 class AdapterWeights:
-    """A LoRA trainer's adapter as a weight source (plan / dtype / buckets / reference / nonfinite, see
-    chatgen.param_sync.source) under PEFT's names, one bucket, fp32, whole (gathered over TP and PP once, at the
-    first use, on every rank: collective), and `config`, its adapter_config.json as a dict. The plan comes from
-    the config alone, so it is the same on every rank without a collective."""
+    """A LoRA trainer's adapter as a weight source (plan / dtype / buckets / reference /
+    nonfinite, see chatgen.param_sync.source) under PEFT's names, one bucket, fp32, whole
+    (gathered over TP and PP once, at the first use, on every rank: collective), and `config`,
+    its adapter_config.json as a dict. The plan comes from the config alone, so it is the same on
+    every rank without a collective."""
 
     def __init__(self, trainer):
         cfg = trainer.config.lora

@@ -1,4 +1,5 @@
-"""`chatgen.MegatronModule`: the trainer side of chatgen, a megatron-core GPTModel with RLHF-shaped hooks.
+"""`chatgen.MegatronModule`: the trainer side of chatgen, a megatron-core GPTModel with RLHF-shaped
+hooks.
 
     from chatgen import MegatronModule
     trainer = MegatronModule(dict(load="outputs/tiny-llama", tensor_model_parallel_size=1, lr=1e-5))
@@ -7,26 +8,28 @@
     metrics = trainer.train_step(batch, loss_fn)                # one optimizer step
     for bucket in trainer.hf_weights().buckets(): ...           # weights as HF tensors (chatgen.param_sync)
 
-Run with several ranks (`torchrun`, `chatgen.training.launcher.run_distributed`, or Ray actors setting RANK /
-WORLD_SIZE / MASTER_ADDR / MASTER_PORT): `init()` joins torch.distributed (gloo on CPU, NCCL on GPU) and
-builds megatron-core's TP x PP x DP groups, DP = world / (TP * PP). Every method is collective: call it on
-every rank with that rank's data (ranks of one DP replica get the same batch).
+Run with several ranks (`torchrun`, `chatgen.training.launcher.run_distributed`, or Ray actors
+setting RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT): `init()` joins torch.distributed (gloo on
+CPU, NCCL on GPU) and builds megatron-core's TP x PP x DP groups, DP = world / (TP * PP). Every
+method is collective: call it on every rank with that rank's data (ranks of one DP replica get the
+same batch).
 
 Subclass and override the hooks (`model_provider`, `setup`, `token_outputs`, `train_step`,
-`save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (any family
-of chatgen/models), converted on the fly. Training uses megatron-core's own machinery, on CPU (gloo) as on
-GPU: its `DistributedDataParallel` (gradients in contiguous buffers, reduced over DP in buckets; its
-`finalize_model_grads` also sums the tied embedding across pipeline stages and QK-norm weights over TP) and its
-distributed optimizer (Adam moments and, under bf16/fp16, fp32 master weights sharded over DP ranks).
-Checkpoints are megatron-core distributed checkpoints: every rank writes its own shards, and a checkpoint
-loads at another TP x PP x DP. `offload()` / `onload()` move the training state to host memory and back
-while a colocated engine generates. docs/megatron_module.md says more.
+`save_checkpoint`, `load_checkpoint`); the default model is the HF checkpoint in `config.load` (any
+family of chatgen/models), converted on the fly. Training uses megatron-core's own machinery, on CPU
+(gloo) as on GPU: its `DistributedDataParallel` (gradients in contiguous buffers, reduced over DP in
+buckets; its `finalize_model_grads` also sums the tied embedding across pipeline stages and QK-norm
+weights over TP) and its distributed optimizer (Adam moments and, under bf16/fp16, fp32 master
+weights sharded over DP ranks). Checkpoints are megatron-core distributed checkpoints: every rank
+writes its own shards, and a checkpoint loads at another TP x PP x DP. `offload()` / `onload()` move
+the training state to host memory and back while a colocated engine generates.
+docs/megatron_module.md says more.
 
-The class keeps the lifecycle and the train/forward steps; its other jobs are mixins in sibling files:
-checkpoints.py (three formats), memory.py (offload / onload / memory_stats), moe_routing.py (routing replay,
-expert figures), hf_export.py (the weights as HF tensors), packing_hooks.py (shared-prefix packing and logit
-slicing), model_build.py (layer spec, DDP + distributed optimizer, LR schedule), schedule.py (megatron-core's
-pipeline schedule over micro-batches).
+The class keeps the lifecycle and the train/forward steps; its other jobs are mixins in sibling
+files: checkpoints.py (three formats), memory.py (offload / onload / memory_stats), moe_routing.py
+(routing replay, expert figures), hf_export.py (the weights as HF tensors), packing_hooks.py
+(shared-prefix packing and logit slicing), model_build.py (layer spec, DDP + distributed optimizer,
+LR schedule), schedule.py (megatron-core's pipeline schedule over micro-batches).
 """
 
 import gc
@@ -63,9 +66,10 @@ __all__ = [
 
 
 def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> None:
-    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel groups; `dp`
-    (the data_parallel_size key), when given, must be what the world makes of TP x PP; EP: expert-parallel ranks
-    of a mixture-of-experts model, carved out of the data-parallel ones."""
+    """Join (or start, for a single process) torch.distributed and build megatron-core's parallel
+    groups; `dp` (the data_parallel_size key), when given, must be what the world makes of TP x
+    PP; EP: expert-parallel ranks of a mixture-of-experts model, carved out of the data-parallel
+    ones."""
     from megatron.core import parallel_state as ps
 
     cpu_compat.apply()
@@ -105,11 +109,12 @@ def init_distributed(tp: int, pp: int, dp: int | None = None, ep: int = 1) -> No
 
 
 def release_parallel_state() -> None:
-    """megatron-core's destroy_model_parallel, plus what it leaves holding process groups (megatron-core 0.16):
-    parallel_state globals it does not reset (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin),
-    the MoE loss tracker's groups and RotaryEmbedding.forward's lru_cache, which keeps every rotary embedding built, with its cp_group,
-    alive. Each keeps its groups' gloo threads running after the world is destroyed: a test session that
-    built a trainer per test ended holding 325 threads."""
+    """megatron-core's destroy_model_parallel, plus what it leaves holding process groups
+    (megatron-core 0.16): parallel_state globals it does not reset
+    (_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP and its gloo twin), the MoE loss tracker's groups
+    and RotaryEmbedding.forward's lru_cache, which keeps every rotary embedding built, with its
+    cp_group, alive. Each keeps its groups' gloo threads running after the world is destroyed: a
+    test session that built a trainer per test ended holding 325 threads."""
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -145,14 +150,15 @@ class MegatronModule(
     LoRAHooks,
     Trainer,
 ):
-    """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an optimizer.
+    """Trainer-side base class: a megatron-core GPTModel sharded over TP x PP x DP, with an
+    optimizer.
 
     Lifecycle (chatgen.module): `MegatronModule(config, name=...)` checks the config; `init()` joins
     torch.distributed and builds megatron-core's parallel groups; `setup()` builds the model with
-    `model_provider`, megatron's DDP and optimizer, and loads `config.load` (weights; from a chatgen checkpoint
-    also iteration and optimizer state, hence the LR schedule). `start()` does both. Then `forward_tokens` /
-    `train_step` per batch, `save_checkpoint` when asked, `hf_weights()` for a weight sync, `offload()` /
-    `onload()` around a colocated engine's turn on the GPU.
+    `model_provider`, megatron's DDP and optimizer, and loads `config.load` (weights; from a chatgen
+    checkpoint also iteration and optimizer state, hence the LR schedule). `start()` does both. Then
+    `forward_tokens` / `train_step` per batch, `save_checkpoint` when asked, `hf_weights()` for a
+    weight sync, `offload()` / `onload()` around a colocated engine's turn on the GPU.
     """
 
     config_class = MegatronConfig
@@ -166,13 +172,16 @@ class MegatronModule(
         self.optimizer = None  # megatron-core's distributed optimizer
         self.iteration = 0  # optimizer steps taken
         self.skipped_steps = 0  # train steps skipped for a NaN/inf gradient
-        # where the training state is between a colocated engine's turns (chatgen/training/memory.py)
+        # where the training state is between a colocated engine's turns
+        # (chatgen/training/memory.py)
         self.memory = MemoryHandoff(self.config, megatron_movers(self))
 
-    # ---- lifecycle --------------------------------------------------------------------------------
+    # ---- lifecycle
+    # --------------------------------------------------------------------------------
 
     def init(self) -> None:
-        """Framework: join torch.distributed and build the TP x PP x DP groups; read the model's architecture."""
+        """Framework: join torch.distributed and build the TP x PP x DP groups; read the model's
+        architecture."""
         from megatron.core import parallel_state as ps
 
         cfg = self.config
@@ -212,9 +221,11 @@ class MegatronModule(
         self.is_first_stage, self.is_last_stage = self.pp_rank == 0, self.pp_rank == self.pp - 1
 
     def setup(self) -> None:
-        """Build this rank's model (`model_provider`), DDP and optimizer, then load `config.load` into them.
+        """Build this rank's model (`model_provider`), DDP and optimizer, then load `config.load`
+        into them.
 
-        Override to add work around it (datasets, metrics, extra modules) and call `super().setup()`.
+        Override to add work around it (datasets, metrics, extra modules) and call
+        `super().setup()`.
         """
         cfg = self.config
         with cpu_compat.building_model():
@@ -237,8 +248,9 @@ class MegatronModule(
             router.register_forward_hook(self._count_routed_tokens)
             if cfg.moe_routing_replay:
                 router.router_replay = RoutingReplay()
-        # packing keeps micro-batches of one shape with EP > 1 (the EP ranks exchange tokens in equal
-        # shares) and with moe_routing_replay (the replayed experts are the unpacked rows' tokens)
+        # packing keeps micro-batches of one shape with EP > 1 (the EP ranks exchange tokens in
+        # equal shares) and with moe_routing_replay (the replayed experts are the unpacked rows'
+        # tokens)
         self.packing = PackingHooks(
             self.model,
             self.is_last_stage,
@@ -261,12 +273,14 @@ class MegatronModule(
             lora_peft.load_peft(self, cfg.lora.from_peft)
 
     def shutdown(self) -> None:
-        """Release the model and megatron-core's parallel groups (and torch.distributed), so that this process can
-        start another model, e.g. the next run of a test session. Safe to call twice."""
+        """Release the model and megatron-core's parallel groups (and torch.distributed), so that
+        this process can start another model, e.g. the next run of a test session. Safe to call
+        twice."""
         if self.ddp is not None:
             # megatron's DDP is held by the hooks on the parameters' gradient accumulators, which an
-            # autograd graph stored in the model (an MoE dispatcher's routing probabilities) keeps alive
-            # through C++, out of the collector's sight: emptied, it lets the model and its groups go
+            # autograd graph stored in the model (an MoE dispatcher's routing probabilities) keeps
+            # alive through C++, out of the collector's sight: emptied, it lets the model and its
+            # groups go
             self.ddp.__dict__.clear()
         self.model = self.ddp = self.optimizer = None
         # (model, its parameters by name): would keep the model alive
@@ -276,15 +290,17 @@ class MegatronModule(
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    # ---- user hooks -------------------------------------------------------------------------------
+    # ---- user hooks
+    # -------------------------------------------------------------------------------
 
     def model_provider(self, pre_process: bool, post_process: bool):
         """Build this rank's model chunk; called once by `setup()`.
 
-        pre_process: this pipeline stage holds the embedding; post_process: the final norm + output layer.
-        Must return a megatron-core `GPTModel` whose parameter names follow the local layer spec (the names
-        the parameter mapping in chatgen/models/<family>.py uses). Default: the `config.load` architecture,
-        local spec on CPU, Transformer Engine spec where TE is installed.
+        pre_process: this pipeline stage holds the embedding; post_process: the final norm + output
+        layer. Must return a megatron-core `GPTModel` whose parameter names follow the local layer
+        spec (the names the parameter mapping in chatgen/models/<family>.py uses). Default: the
+        `config.load` architecture, local spec on CPU, Transformer Engine spec where TE is
+        installed.
         """
         from megatron.core.models.gpt import GPTModel
         from megatron.core.transformer import TransformerConfig
@@ -312,8 +328,9 @@ class MegatronModule(
             **(
                 dict(
                     expert_model_parallel_size=self.ep,
-                    # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter); megatron's all-to-all
-                    # one needs CUDA streams. Every EP rank must then route the same number of tokens per micro-batch
+                    # the all-gather dispatcher runs on gloo (all-gather + reduce-scatter);
+                    # megatron's all-to-all one needs CUDA streams. Every EP rank must then route
+                    # the same number of tokens per micro-batch
                     moe_token_dispatcher_type="allgather",
                     moe_router_load_balancing_type="aux_loss"
                     if cfg.moe_aux_loss_coeff > 0
@@ -336,16 +353,17 @@ class MegatronModule(
     @remote("split")
     @torch.no_grad()
     def forward_tokens(self, data: dict) -> torch.Tensor:
-        """The model's per-token outputs for a batch, without gradient: what the framework asks a trainer or
-        a reference for (old / reference log-probs; a critic's values, see `token_outputs`).
+        """The model's per-token outputs for a batch, without gradient: what the framework asks a
+        trainer or a reference for (old / reference log-probs; a critic's values, see
+        `token_outputs`).
 
-        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding, optional
-        "routed_experts": (B, T, layers, k) the experts the engine chose (read with moe_routing_replay), optional
-        "loss_mask": (B, T-1) the entries the caller reads: rows that share their unscored prefix run it once and
-        only those entries are computed, as in train_step (shared-prefix packing; an entry outside the mask is
-        then 0, or computed where a micro-batch cannot pack)}.
-        Returns (B, T-1) float32 on every rank: entry t belongs to token t+1 (for the default head,
-        log p(input_ids[:, t+1] | input_ids[:, :t+1])).
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T) 1 = token, 0 = padding,
+        optional "routed_experts": (B, T, layers, k) the experts the engine chose (read with
+        moe_routing_replay), optional "loss_mask": (B, T-1) the entries the caller reads: rows that
+        share their unscored prefix run it once and only those entries are computed, as in
+        train_step (shared-prefix packing; an entry outside the mask is then 0, or computed where a
+        micro-batch cannot pack)}. Returns (B, T-1) float32 on every rank: entry t belongs to token
+        t+1 (for the default head, log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
         self.onload(("params",))
         self.model.eval()
@@ -359,18 +377,20 @@ class MegatronModule(
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
-        """One optimizer step on `data` (this DP rank's share of the global batch), split in micro-batches.
+        """One optimizer step on `data` (this DP rank's share of the global batch), split in
+        micro-batches.
 
-        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample tensors
-        (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,), "loss_mask" (B, T-1)}.
-        loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b, ...) slices) -> (loss scalar,
-        {name: scalar tensor}); the loss is averaged over micro-batches and DP ranks. With a "loss_mask", the
-        logits of positions before the first one it marks in the micro-batch are not computed: logprobs is 0
-        there (a loss reads only masked positions).
-        Returns {metric: float} over micro-batches and DP ranks (the mean; the largest for a name ending in
-        `_max`: chatgen.core.metrics.reduce_metrics), plus "grad_norm" (before clipping), "lr" (this step's) and
-        "skipped_step": 1.0 when the gradient was NaN/inf, in which case no weight, optimizer state, LR or
-        iteration changes (`self.skipped_steps` counts them); else 0.0.
+        data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample
+        tensors (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,),
+        "loss_mask" (B, T-1)}. loss_fn(logprobs (b, T-1) float32 with grad, micro_batch: dict of (b,
+        ...) slices) -> (loss scalar, {name: scalar tensor}); the loss is averaged over
+        micro-batches and DP ranks. With a "loss_mask", the logits of positions before the first one
+        it marks in the micro-batch are not computed: logprobs is 0 there (a loss reads only masked
+        positions). Returns {metric: float} over micro-batches and DP ranks (the mean; the largest
+        for a name ending in `_max`: chatgen.core.metrics.reduce_metrics), plus "grad_norm" (before
+        clipping), "lr" (this step's) and "skipped_step": 1.0 when the gradient was NaN/inf, in
+        which case no weight, optimizer state, LR or iteration changes (`self.skipped_steps` counts
+        them); else 0.0.
         """
         gbs, n = self.config.global_batch_size, data["input_ids"].shape[0]
         if self.spec.is_moe and self.tp > 1:

@@ -1,23 +1,30 @@
-"""Per-GPU memory of a Megatron trainer step and of a vLLM engine beside it: one pure function each, no torch.
+"""Per-GPU memory of a Megatron trainer step and of a vLLM engine beside it: one pure function each,
+no torch.
 
     from chatgen.training.memory_estimate import Shape, trainer_memory, engine_memory
     shape = Shape.from_hf_config(json.load(open("Qwen2.5-7B/config.json")))
     trainer_memory(shape, tp=4, dp=2, seq_length=2048, micro_batch_size=4, dtype="bfloat16")   # {part: bytes}
 
-`chatgen config` prints both for a run (chatgen.rlhf.memory) and warns when a phase exceeds the device;
-docs/scaling.md's tables come from them. What is counted (bytes per GPU, the worst pipeline stage):
-- weights: parameters / (TP x PP) in `dtype` (the first stage also holds the embedding, the last the output layer);
-- gradients: the same count in float32 (megatron's DDP buffers; `grad_reduce_dtype` = dtype: 2 bytes);
-- optimizer: Adam's two float32 moments, plus float32 master weights under bf16/fp16, / DP (distributed optimizer);
-- activations: what the backward keeps, per layer and micro-batch, after Korthikanti et al. 2022 ("Reducing
-  Activation Recomputation in Large Transformer Models", table 2): s·b·h·(10 + 24/t + 5·a·s/(h·t)) bytes in
-  16-bit (34/t instead of 10 + 24/t with sequence parallelism; selective recompute drops the a·s term; full keeps
-  2·s·b·h per layer, /t with SP, plus one layer's full set while it is recomputed), x the layers (with PP, 1F1B
-  keeps PP micro-batches of L/PP layers in flight on the first stage: L layers' worth), doubled for float32;
-  the formula is for GPT's 4h MLP and multi-head attention: SwiGLU and grouped KV heads change it by ~10%;
-- logits: float32 logits and their log-softmax over the vocabulary / TP for every token of a micro-batch.
-Not counted: the CUDA context and NCCL buffers (~1-2 GB a process), allocator fragmentation, temporary buffers of
-the optimizer step. Treat the figures as +-20%.
+`chatgen config` prints both for a run (chatgen.rlhf.memory) and warns when a phase exceeds the
+device; docs/scaling.md's tables come from them. What is counted (bytes per GPU, the worst pipeline
+stage):
+- weights: parameters / (TP x PP) in `dtype` (the first stage also holds the embedding, the last the
+  output layer);
+- gradients: the same count in float32 (megatron's DDP buffers; `grad_reduce_dtype` = dtype: 2
+  bytes);
+- optimizer: Adam's two float32 moments, plus float32 master weights under bf16/fp16, / DP
+  (distributed optimizer);
+- activations: what the backward keeps, per layer and micro-batch, after Korthikanti et al. 2022
+  ("Reducing Activation Recomputation in Large Transformer Models", table 2): s·b·h·(10 + 24/t +
+  5·a·s/(h·t)) bytes in 16-bit (34/t instead of 10 + 24/t with sequence parallelism; selective
+  recompute drops the a·s term; full keeps 2·s·b·h per layer, /t with SP, plus one layer's full set
+  while it is recomputed), x the layers (with PP, 1F1B keeps PP micro-batches of L/PP layers in
+  flight on the first stage: L layers' worth), doubled for float32; the formula is for GPT's 4h MLP
+  and multi-head attention: SwiGLU and grouped KV heads change it by ~10%;
+- logits: float32 logits and their log-softmax over the vocabulary / TP for every token of a
+  micro-batch.
+Not counted: the CUDA context and NCCL buffers (~1-2 GB a process), allocator fragmentation,
+temporary buffers of the optimizer step. Treat the figures as +-20%.
 """
 
 import dataclasses
@@ -107,7 +114,8 @@ def trainer_memory(
     recompute: str = "none",
     sequence_parallel: bool = False,
 ) -> dict:
-    """{weights, gradients, optimizer, activations, logits, total}: bytes on the busiest GPU of a training step."""
+    """{weights, gradients, optimizer, activations, logits, total}: bytes on the busiest GPU of a
+    training step."""
     layers = -(-shape.layers // pp) * shape.layer_params()
     embedding = shape.vocab * shape.hidden
     # first stage; the last is no bigger
@@ -137,8 +145,9 @@ def engine_memory(
     device_bytes: int,
     gpu_memory_utilization: float = 0.9,
 ) -> dict:
-    """{weights, kv_cache, kv_tokens, total}: a vLLM engine rank's share (vLLM takes gpu_memory_utilization of the
-    device and fills what its weights leave with KV cache; ~1 GB of it goes to CUDA graphs and activations)."""
+    """{weights, kv_cache, kv_tokens, total}: a vLLM engine rank's share (vLLM takes
+    gpu_memory_utilization of the device and fills what its weights leave with KV cache; ~1 GB of
+    it goes to CUDA graphs and activations)."""
     total = int(gpu_memory_utilization * device_bytes)
     weights = shape.params() * BYTES[dtype] // tp
     kv = max(0, total - weights - GIB)

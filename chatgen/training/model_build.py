@@ -1,5 +1,5 @@
-"""`MegatronModule`'s model and optimizer: the layer spec (local or Transformer Engine), megatron-core's
-DistributedDataParallel and distributed optimizer, and the learning-rate schedule.
+"""`MegatronModule`'s model and optimizer: the layer spec (local or Transformer Engine),
+megatron-core's DistributedDataParallel and distributed optimizer, and the learning-rate schedule.
 
 `ModelBuild` is a mixin of `chatgen.training.megatron_module.MegatronModule`; `setup()` calls it.
 """
@@ -12,8 +12,9 @@ from chatgen.training import cpu_compat
 
 
 def recompute_kwargs(mode: str) -> dict:
-    """megatron-core TransformerConfig keys for `activation_recompute` (verl: override_transformer_config's
-    recompute_granularity / recompute_method / recompute_num_layers)."""
+    """megatron-core TransformerConfig keys for `activation_recompute` (verl:
+    override_transformer_config's recompute_granularity / recompute_method /
+    recompute_num_layers)."""
     if mode == "full":  # every layer's input is kept, its forward run again in the backward
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
@@ -28,15 +29,17 @@ class ModelBuild:
     """_layer_spec / _build_optimizer / _lr_factor."""
 
     def _build_optimizer(self) -> None:
-        """megatron-core's DistributedDataParallel around the model and its distributed optimizer over it.
+        """megatron-core's DistributedDataParallel around the model and its distributed optimizer
+        over it.
 
-        DDP keeps the gradients in contiguous buffers (fp32 under bf16/fp16, so that micro-batches accumulate
-        without rounding) and reduce-scatters them over DP in buckets, overlapped with the backward when
-        `overlap_grad_reduce`; `finalize_model_grads` (called by the pipeline schedule) also sums the tied
-        embedding across the first and last stage and QK-norm weights over TP. The optimizer is Adam(W) on fp32
-        main parameters (bf16/fp16 weights cannot take small updates: lr 1e-6 on a weight of 0.02 is below half a
-        bf16 step) whose state and masters are sharded over the DP ranks; after each step every DP rank gathers
-        the updated weights.
+        DDP keeps the gradients in contiguous buffers (fp32 under bf16/fp16, so that micro-batches
+        accumulate without rounding) and reduce-scatters them over DP in buckets, overlapped with
+        the backward when `overlap_grad_reduce`; `finalize_model_grads` (called by the pipeline
+        schedule) also sums the tied embedding across the first and last stage and QK-norm weights
+        over TP. The optimizer is Adam(W) on fp32 main parameters (bf16/fp16 weights cannot take
+        small updates: lr 1e-6 on a weight of 0.02 is below half a bf16 step) whose state and
+        masters are sharded over the DP ranks; after each step every DP rank gathers the updated
+        weights.
         """
         from megatron.core.distributed import (
             DistributedDataParallel,
@@ -65,8 +68,9 @@ class ModelBuild:
         # the schedule holds the reduce back until the last micro-batch's backward
         if cfg.overlap_grad_reduce:
             tconfig.no_sync_func = self.ddp.no_sync
-        # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model): megatron 0.16's
-        # distributed optimizer maps a mixed group's Adam states to the wrong parameters in its checkpoints.
+        # One param group per dtype (megatron's local RMSNorm keeps fp32 weights in a bf16 model):
+        # megatron 0.16's distributed optimizer maps a mixed group's Adam states to the wrong
+        # parameters in its checkpoints.
         fp32 = ParamKey(
             predicate=ParamPredicate(name="fp32", fn=lambda p: p.dtype == torch.float32)
         )
@@ -126,8 +130,9 @@ class ModelBuild:
 
 
 def lr_factor(cfg, step: int) -> float:
-    """The learning rate's factor at optimizer step `step`: linear warm-up over lr_warmup_iters, then a
-    cosine from lr to min_lr over lr_decay_iters (constant without it). Every trainer backend's schedule."""
+    """The learning rate's factor at optimizer step `step`: linear warm-up over lr_warmup_iters,
+    then a cosine from lr to min_lr over lr_decay_iters (constant without it). Every trainer
+    backend's schedule."""
     if cfg.lr_warmup_iters and step < cfg.lr_warmup_iters:
         return (step + 1) / cfg.lr_warmup_iters
     decay = getattr(cfg, "lr_decay_iters", None)

@@ -1,7 +1,9 @@
 """`MegatronModule`'s mixture-of-experts routing: replaying the experts the engine chose
-(moe_routing_replay, `RoutingReplay`), counting the tokens each expert gets, and the `moe/*` metrics.
+(moe_routing_replay, `RoutingReplay`), counting the tokens each expert gets, and the `moe/*`
+metrics.
 
-`MoERouting` is a mixin of `chatgen.training.megatron_module.MegatronModule` (its routers, set up in `setup()`).
+`MoERouting` is a mixin of `chatgen.training.megatron_module.MegatronModule` (its routers, set up in
+`setup()`).
 """
 
 import torch
@@ -14,10 +16,12 @@ class MoERouting:
     """The routers' forward hooks and figures for train_step."""
 
     def _replay_routing(self, routed: torch.Tensor | None, shape) -> None:
-        """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in the next forward.
+        """Make this stage's MoE layers use the experts the engine chose (moe_routing_replay) in
+        the next forward.
 
-        routed: (b, T, num_layers, k) long, the batch's `routed_experts` (chatgen.rollout.RolloutBatch); -1 where
-        the engine routed nothing (padding, a sample's last token), where the router chooses itself."""
+        routed: (b, T, num_layers, k) long, the batch's `routed_experts`
+        (chatgen.rollout.RolloutBatch); -1 where the engine routed nothing (padding, a sample's
+        last token), where the router chooses itself."""
         if routed is None:
             raise ValueError(
                 f"{self.name}: moe_routing_replay is true but the batch has no routed_experts; have the "
@@ -37,8 +41,9 @@ class MoERouting:
             router.router_replay.target = routed[:, :, j].reshape(-1, k)
 
     def _count_routed_tokens(self, _router, args, output):
-        """Forward hook of every MoE router: add, while training, how many real tokens (not padding: the router's
-        second argument, True = pad) each expert got to `self._expert_tokens`."""
+        """Forward hook of every MoE router: add, while training, how many real tokens (not
+        padding: the router's second argument, True = pad) each expert got to
+        `self._expert_tokens`."""
         if not (self.model.training and torch.is_grad_enabled()):
             return
         routing_map = output[1].detach()  # (tokens, E) bool: the experts each token goes to
@@ -51,10 +56,10 @@ class MoERouting:
 
     @torch.no_grad()
     def _moe_metrics(self, num_micro_batches: int) -> dict:
-        """This train_step's router figures, over every layer, micro-batch and data-parallel rank:
-        moe/expert_usage/<e> = expert e's share of the routed token slots (1/E each when balanced) and, with
-        moe_aux_loss_coeff > 0, moe/load_balancing_loss (megatron's aux loss before its coefficient, layer mean).
-        Collective over PP and DP."""
+        """This train_step's router figures, over every layer, micro-batch and data-parallel
+        rank: moe/expert_usage/<e> = expert e's share of the routed token slots (1/E each when
+        balanced) and, with moe_aux_loss_coeff > 0, moe/load_balancing_loss (megatron's aux loss
+        before its coefficient, layer mean). Collective over PP and DP."""
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe.moe_utils import (
             clear_aux_losses_tracker,
@@ -92,10 +97,11 @@ class MoERouting:
 
 
 class RoutingReplay:
-    """A router's top-k from recorded experts (moe_routing_replay): megatron-core's TopKRouter asks its
-    `router_replay` for the top-k (`get_replay_topk`, the interface of megatron's RouterReplay); this one answers
-    with `target` (tokens, k), each token's recorded experts, and with the router's own choice on rows of -1
-    (nothing recorded). The router then takes its probabilities at those experts, so gradients flow as usual."""
+    """A router's top-k from recorded experts (moe_routing_replay): megatron-core's TopKRouter
+    asks its `router_replay` for the top-k (`get_replay_topk`, the interface of megatron's
+    RouterReplay); this one answers with `target` (tokens, k), each token's recorded experts, and
+    with the router's own choice on rows of -1 (nothing recorded). The router then takes its
+    probabilities at those experts, so gradients flow as usual."""
 
     target = None  # (tokens, k) long, set before each forward by MegatronModule._replay_routing
 

@@ -4,9 +4,9 @@ weight matrices, AdamW on every other parameter, in one optimizer object.
     from chatgen.training import muon
     optimizer = muon.build(model.named_parameters(), lr=5e-4)     # .step(), .zero_grad() as usual
 
-Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training") replaces each update of a
-2-D weight by the orthogonalised momentum (Newton-Schulz iterations: every singular value pushed towards 1),
-which is defined for matrices only. The split (`split`):
+Muon (Jordan et al. 2024; Liu et al. 2025, "Muon is Scalable for LLM Training") replaces each update
+of a 2-D weight by the orthogonalised momentum (Newton-Schulz iterations: every singular value
+pushed towards 1), which is defined for matrices only. The split (`split`):
 
     Muon:   every trainable 2-D weight of a hidden layer (attention q/k/v/o, MLP up/gate/down, router)
     AdamW:  the token embedding and the output head (a lookup table and a classifier, not linear maps
@@ -14,10 +14,10 @@ which is defined for matrices only. The split (`split`):
             tied head is the embedding), norms' gains and biases (1-D), any other non-2-D tensor
 
 Both share the learning rate: Muon's is scaled per matrix to AdamW's update RMS (adjust_lr_fn
-"match_rms_adamw", Moonlight's rule), so an AdamW lr carries over. megatron's trainer does not take it
-(its distributed optimizer keeps each weight as flat slices over the data-parallel ranks, where no matrix
-is whole; chatgen.training.config.MegatronConfig refuses `optimizer: muon` naming the key); a trainer of
-plain torch parameters does (examples/grpo_with_hf_trainer.py --optimizer muon).
+"match_rms_adamw", Moonlight's rule), so an AdamW lr carries over. megatron's trainer does not take
+it (its distributed optimizer keeps each weight as flat slices over the data-parallel ranks, where
+no matrix is whole; chatgen.training.config.MegatronConfig refuses `optimizer: muon` naming the
+key); a trainer of plain torch parameters does (examples/grpo_with_hf_trainer.py --optimizer muon).
 """
 
 import torch
@@ -31,7 +31,8 @@ def available() -> bool:
 
 
 def split(named_parameters) -> tuple:
-    """(Muon's parameters, AdamW's parameters), each a list of (name, parameter) that requires grad."""
+    """(Muon's parameters, AdamW's parameters), each a list of (name, parameter) that requires
+    grad."""
     matrices, others = [], []
     for name, p in named_parameters:
         if not p.requires_grad:
@@ -42,7 +43,8 @@ def split(named_parameters) -> tuple:
 
 
 class MuonAdamW:
-    """torch.optim.Muon and torch.optim.AdamW stepping together (param_groups: Muon's, then AdamW's)."""
+    """torch.optim.Muon and torch.optim.AdamW stepping together (param_groups: Muon's, then
+    AdamW's)."""
 
     def __init__(self, muon, adamw):
         self.optimizers = [o for o in (muon, adamw) if o is not None]

@@ -1,10 +1,10 @@
-"""The model hooks behind `MegatronModule`'s shared-prefix packing and logit slicing: which positions the
-output layer computes, and rotary embeddings that follow each packed row's position ids
-(the plans themselves: chatgen/training/prefix_packing.py).
+"""The model hooks behind `MegatronModule`'s shared-prefix packing and logit slicing: which
+positions the output layer computes, and rotary embeddings that follow each packed row's position
+ids (the plans themselves: chatgen/training/prefix_packing.py).
 
-`PackingHooks` is an object `chatgen.training.megatron_module.MegatronModule` holds (`self.packing`): it
-installs its hooks on the model once and keeps the positions they read while a micro-batch runs
-(`positions`, set by `run_schedule`).
+`PackingHooks` is an object `chatgen.training.megatron_module.MegatronModule` holds
+(`self.packing`): it installs its hooks on the model once and keeps the positions they read while a
+micro-batch runs (`positions`, set by `run_schedule`).
 """
 
 import contextlib
@@ -18,8 +18,8 @@ class PackingHooks:
     """One model chunk's logit slicing and shared-prefix packing (see the module docstring)."""
 
     def __init__(self, model, is_last_stage: bool, pp: int, wanted: bool):
-        """Install the hooks on `model`; `wanted`: the config allows packing (pack_shared_prefix) and
-        the model's other features do (no expert parallelism, no routing replay)."""
+        """Install the hooks on `model`; `wanted`: the config allows packing (pack_shared_prefix)
+        and the model's other features do (no expert parallelism, no routing replay)."""
         self.pp = pp  # (the model is not kept: its hooks hold this object, not the other way round)
         self._logits_from, self._rope_positions = 0, None
         output_layer = getattr(model, "output_layer", None) if is_last_stage else None
@@ -27,10 +27,10 @@ class PackingHooks:
         self.slices_logits = output_layer is not None
         if self.slices_logits:
             output_layer.register_forward_pre_hook(self._select_logit_positions)
-        # shared-prefix packing needs the output layer's position selection (last stage), attention that
-        # reads the explicit mask (megatron's own; Transformer Engine's fused kernels may apply their causal
-        # type instead: not verified, so not packed) and rotary embeddings that follow position ids; all
-        # pipeline stages must decide alike (MegatronModule.setup agrees them)
+        # shared-prefix packing needs the output layer's position selection (last stage), attention
+        # that reads the explicit mask (megatron's own; Transformer Engine's fused kernels may apply
+        # their causal type instead: not verified, so not packed) and rotary embeddings that follow
+        # position ids; all pipeline stages must decide alike (MegatronModule.setup agrees them)
         self.packs = (
             wanted
             and self._attention_reads_the_mask(model)
@@ -40,9 +40,10 @@ class PackingHooks:
 
     @contextlib.contextmanager
     def positions(self, logits_from=0, rope_positions=None):
-        """While a micro-batch runs: the output layer computes logits from position `logits_from` (an
-        int, 0 = all; or (b, K) positions per row), the rotary embedding reads `rope_positions` (b, T) or
-        its own 0..T-1; a later plain call of the model computes every position."""
+        """While a micro-batch runs: the output layer computes logits from position `logits_from`
+        (an int, 0 = all; or (b, K) positions per row), the rotary embedding reads
+        `rope_positions` (b, T) or its own 0..T-1; a later plain call of the model computes every
+        position."""
         self._logits_from, self._rope_positions = logits_from, rope_positions
         try:
             yield
@@ -50,8 +51,9 @@ class PackingHooks:
             self._logits_from, self._rope_positions = 0, None
 
     def plans(self, micro_batches: list) -> list:
-        """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of one shape when
-        pipeline stages exchange activations; [None, ...] (train unpacked) unless every micro-batch packs."""
+        """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of
+        one shape when pipeline stages exchange activations; [None, ...] (train unpacked) unless
+        every micro-batch packs."""
         plans = [
             pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
             for mb in micro_batches
@@ -65,9 +67,10 @@ class PackingHooks:
         return plans
 
     def _select_logit_positions(self, _layer, args):
-        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence first, only where
-        logits are needed: from position `self._logits_from` on when it is an int (0 = all), or at the positions
-        of a (b, K) tensor, per row (shared-prefix packing). Set per micro-batch by `run_schedule`."""
+        """Forward pre-hook of the output layer: its input hidden states (T, b, H), sequence
+        first, only where logits are needed: from position `self._logits_from` on when it is an
+        int (0 = all), or at the positions of a (b, K) tensor, per row (shared-prefix packing).
+        Set per micro-batch by `run_schedule`."""
         at = self._logits_from
         if torch.is_tensor(at):
             hidden = args[0]
@@ -80,8 +83,8 @@ class PackingHooks:
         return None
 
     def _attention_reads_the_mask(self, model) -> bool:
-        """Every layer's core attention is megatron's DotProductAttention (the local spec), which applies the
-        explicit attention mask it is given."""
+        """Every layer's core attention is megatron's DotProductAttention (the local spec), which
+        applies the explicit attention mask it is given."""
         from megatron.core.transformer.dot_product_attention import DotProductAttention
 
         layers = getattr(getattr(model, "decoder", None), "layers", [])
@@ -90,8 +93,9 @@ class PackingHooks:
         )
 
     def _rope_follows_position_ids(self, model) -> bool:
-        """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1 whatever the ids),
-        so that packed rows keep their own positions; False for a model whose positions cannot follow them."""
+        """Make the model's rotary embedding honour the position ids (megatron's uses 0..T-1
+        whatever the ids), so that packed rows keep their own positions; False for a model whose
+        positions cannot follow them."""
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         kind = getattr(model, "position_embedding_type", None)
@@ -104,8 +108,9 @@ class PackingHooks:
         return True
 
     def _rope_at_positions(self, _module, _args, emb):
-        """Forward hook of the rotary embedding: (T, 1, 1, D) for positions 0..T-1 -> (T, b, 1, D) at each row's
-        `self._rope_positions` (b, T) while a packed micro-batch runs; unchanged otherwise."""
+        """Forward hook of the rotary embedding: (T, 1, 1, D) for positions 0..T-1 -> (T, b, 1,
+        D) at each row's `self._rope_positions` (b, T) while a packed micro-batch runs; unchanged
+        otherwise."""
         if self._rope_positions is None:
             return None
         return emb[:, 0, 0][self._rope_positions.t()].unsqueeze(2)

@@ -1,24 +1,26 @@
 """Shared-prefix packing: train the n samples of a prompt with the prompt computed once.
 
-A GRPO group is n rows that begin with the same prompt. Trained as n rows, the prompt's forward and backward run n
-times; yet its hidden states are the same in every row (a token attends only to earlier tokens), and the gradient
-of a sum of losses through them is the sum of the rows' gradients. Packing puts each group in ONE row: the prompt
-once, then every sample's own tokens, each segment attending to the prompt and causally to itself, with the
-positions (RoPE) it had in its own row. Logits are computed only where a loss reads them. Loss and gradients are
-those of the unpacked batch up to float summation order (tests/integration/test_megatron_module.py). For 8
-samples of a 50-token prompt with 16-token answers, a row of 178 tokens replaces 8 of 66: 2.97x fewer tokens.
-Groups then share rows (first-fit decreasing, no row longer than the longest group): one group of long answers
-no longer widens every other group's row to its length. In bench_async's long tail (one prompt in 8 answered
-at 112 tokens, n = 4) 2 rows of 463 tokens replace 8.
+A GRPO group is n rows that begin with the same prompt. Trained as n rows, the prompt's forward and
+backward run n times; yet its hidden states are the same in every row (a token attends only to
+earlier tokens), and the gradient of a sum of losses through them is the sum of the rows' gradients.
+Packing puts each group in ONE row: the prompt once, then every sample's own tokens, each segment
+attending to the prompt and causally to itself, with the positions (RoPE) it had in its own row.
+Logits are computed only where a loss reads them. Loss and gradients are those of the unpacked batch
+up to float summation order (tests/integration/test_megatron_module.py). For 8 samples of a 50-token
+prompt with 16-token answers, a row of 178 tokens replaces 8 of 66: 2.97x fewer tokens. Groups then
+share rows (first-fit decreasing, no row longer than the longest group): one group of long answers
+no longer widens every other group's row to its length. In bench_async's long tail (one prompt in 8
+answered at 112 tokens, n = 4) 2 rows of 463 tokens replace 8.
 
     plan = pack_shared_prefix(input_ids, attention_mask, loss_mask)   # None: nothing to share / cannot pack
     model(plan.input_ids, plan.position_ids, plan.attention_mask)      # output layer sees plan.logit_positions
     logprobs = plan.unpack(outputs)                                     # (b, T-1), 0 where no output was computed
 
-The shared part of a row is its tokens up to and including the position that predicts its first loss-masked
-token (loss_mask entry t scores token t + 1, predicted from position t); rows with the same such prefix form a
-group. A row is packable when it is right-padded (attention_mask a run of ones, then zeros) and its loss mask
-reads only its own tokens. Used by MegatronModule.train_step (`pack_shared_prefix`, default on).
+The shared part of a row is its tokens up to and including the position that predicts its first
+loss-masked token (loss_mask entry t scores token t + 1, predicted from position t); rows with the
+same such prefix form a group. A row is packable when it is right-padded (attention_mask a run of
+ones, then zeros) and its loss mask reads only its own tokens. Used by MegatronModule.train_step
+(`pack_shared_prefix`, default on).
 """
 
 from dataclasses import dataclass
@@ -28,14 +30,16 @@ import torch
 
 @dataclass
 class PackedBatch:
-    """Packed rows for a micro-batch of b rows of T tokens; P packed rows of S tokens, K outputs each."""
+    """Packed rows for a micro-batch of b rows of T tokens; P packed rows of S tokens, K outputs
+    each."""
 
     input_ids: torch.Tensor  # (P, S) long; padding 0
     position_ids: torch.Tensor  # (P, S) each token's position in its own unpacked row
-    # (P, S) the segment of each token: a group's shared prefix or one row's own tokens (ids unique in their
-    # packed row); -1 = padding
+    # (P, S) the segment of each token: a group's shared prefix or one row's own tokens (ids unique
+    # in their packed row); -1 = padding
     segments: torch.Tensor
-    # (P, S) the segment of the shared prefix each token reads besides its own (a prefix token: its own)
+    # (P, S) the segment of the shared prefix each token reads besides its own (a prefix token: its
+    # own)
     prefixes: torch.Tensor
     # (P, 1, S, S) bool, True = do not attend (megatron's convention): `_mask(segments, prefixes)`
     attention_mask: torch.Tensor
@@ -48,15 +52,16 @@ class PackedBatch:
     tokens_after: int  # real tokens the packed rows run
 
     def unpack(self, outputs: torch.Tensor) -> torch.Tensor:
-        """(P, K) per-output values (with gradient) -> (b, T-1) in the unpacked layout, 0 elsewhere."""
+        """(P, K) per-output values (with gradient) -> (b, T-1) in the unpacked layout, 0
+        elsewhere."""
         rows, entries, packed_rows, outputs_k = self.index
         out = outputs.new_zeros(self.shape)
         out[rows, entries] = outputs[packed_rows, outputs_k]
         return out
 
     def padded(self, rows: int, length: int) -> "PackedBatch":
-        """The same batch with all-padding rows / positions appended up to (rows, length) (pipeline stages
-        exchange tensors of one shape for every micro-batch)."""
+        """The same batch with all-padding rows / positions appended up to (rows, length)
+        (pipeline stages exchange tensors of one shape for every micro-batch)."""
         p, s = self.input_ids.shape
         if (p, s) == (rows, length):
             return self
@@ -97,8 +102,8 @@ def _mask(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
 
 
 def _first_fit_decreasing(lengths: list) -> list:
-    """Bins of item indices, longest item first, each into the first bin it fits, no bin over the longest
-    item: fewer rows, none wider than before."""
+    """Bins of item indices, longest item first, each into the first bin it fits, no bin over the
+    longest item: fewer rows, none wider than before."""
     capacity, bins, room = max(lengths), [], []
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
         j = next((j for j, free in enumerate(room) if lengths[i] <= free), len(bins))
@@ -113,8 +118,9 @@ def _first_fit_decreasing(lengths: list) -> list:
 def pack_shared_prefix(
     input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loss_mask: torch.Tensor | None
 ) -> PackedBatch | None:
-    """Pack rows sharing their unscored prefix (module docstring). None when no two rows share one, when a row
-    has nothing to score, is not right-padded, or its loss mask reads past its last token (then train unpacked)."""
+    """Pack rows sharing their unscored prefix (module docstring). None when no two rows share
+    one, when a row has nothing to score, is not right-padded, or its loss mask reads past its
+    last token (then train unpacked)."""
     if loss_mask is None:
         return None
     b, t = input_ids.shape
@@ -159,7 +165,8 @@ def pack_shared_prefix(
                 row_pos += range(f + 1, n)
                 row_seg += [segment] * (n - f - 1)
                 row_prefix += [own] * (n - f - 1)
-                # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else its own
+                # entry e predicts token e + 1 from position e: the prefix's last position for e =
+                # f, else its own
                 row_at += [at_prefix_end] + list(range(start, start + n - f - 2))
                 row_labels += tokens[r][f + 1 : n]
                 rows += [r] * (n - f - 1)

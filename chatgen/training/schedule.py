@@ -1,5 +1,6 @@
-"""How MegatronModule runs a batch: megatron-core's pipeline schedule over micro-batches (forward only, for
-log-probs, or forward and backward, for a train step), and the micro-batches' positions and masks.
+"""How MegatronModule runs a batch: megatron-core's pipeline schedule over micro-batches (forward
+only, for log-probs, or forward and backward, for a train step), and the micro-batches' positions
+and masks.
 
 A mixin of MegatronModule (chatgen.training.megatron_module), which calls `run_schedule` from
 `forward_tokens` and `train_step`; the packing and logit-slicing hooks it drives per micro-batch are
@@ -20,7 +21,8 @@ class Schedule:
         """Run megatron's pipeline schedule over micro-batches (all the same T).
 
         forward_only: returns logprobs (B, T-1) gathered over micro-batches, on every rank.
-        Otherwise runs backward too and returns the loss_fn metrics averaged over micro-batches and DP.
+        Otherwise runs backward too and returns the loss_fn metrics averaged over micro-batches and
+        DP.
         """
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -68,8 +70,9 @@ class Schedule:
                 moe["padding_mask"] = ~mb["attention_mask"].bool()
             if self.config.moe_routing_replay:
                 self._replay_routing(mb.get("routed_experts"), ids.shape)
-            # Training: no logits before the first position any row's loss reads (the prompt); the output layer
-            # is the largest matmul of a small model and its (b, T, vocab) result the largest tensor.
+            # Training: no logits before the first position any row's loss reads (the prompt); the
+            # output layer is the largest matmul of a small model and its (b, T, vocab) result the
+            # largest tensor.
             first = (
                 first_scored_position(mb.get("loss_mask"))
                 if self.packing.slices_logits and not forward_only
@@ -153,8 +156,8 @@ def split_batch(data, micro_batch_size: int) -> list:
 
 
 def first_scored_position(loss_mask: torch.Tensor | None) -> int:
-    """The first position t whose entry (b, T-1) loss_mask[:, t] is 1 in any row (entry t scores token t+1,
-    predicted from position t); 0 without a mask or when it is empty."""
+    """The first position t whose entry (b, T-1) loss_mask[:, t] is 1 in any row (entry t scores
+    token t+1, predicted from position t); 0 without a mask or when it is empty."""
     if loss_mask is None:
         return 0
     scored = loss_mask.any(dim=0).nonzero()
@@ -162,8 +165,9 @@ def first_scored_position(loss_mask: torch.Tensor | None) -> int:
 
 
 def positions_and_mask(input_ids: torch.Tensor, attention_mask: torch.Tensor | None):
-    """Position ids (b, T) and megatron's boolean mask (b, 1, T, T), True = do not attend: causal, plus
-    padding keys when attention_mask is given (positions then count real tokens, so left padding works)."""
+    """Position ids (b, T) and megatron's boolean mask (b, 1, T, T), True = do not attend:
+    causal, plus padding keys when attention_mask is given (positions then count real tokens, so
+    left padding works)."""
     b, t = input_ids.shape
     causal = torch.triu(torch.ones(t, t, dtype=torch.bool, device=input_ids.device), diagonal=1)
     if attention_mask is None:

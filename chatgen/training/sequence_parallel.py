@@ -1,10 +1,11 @@
-"""`sequence_parallel` with megatron-core's local layer spec (no Transformer Engine, no Apex: CPU, or a GPU without
-them): the norms become ones whose weights megatron knows to reduce over TP.
+"""`sequence_parallel` with megatron-core's local layer spec (no Transformer Engine, no Apex: CPU,
+or a GPU without them): the norms become ones whose weights megatron knows to reduce over TP.
 
-Under sequence parallelism each TP rank holds 1/TP of the tokens between the attention and MLP blocks, so each rank's
-gradient of a norm weight covers its tokens only; megatron sums those over TP (finalize_model_grads) for weights
-marked `sequence_parallel`. Its fallback norm (`WrappedTorchNorm`) refuses sequence parallelism instead of marking
-them; `SequenceParallelNorm` is torch's norm with the mark. Transformer Engine's and Apex's norms do this themselves.
+Under sequence parallelism each TP rank holds 1/TP of the tokens between the attention and MLP
+blocks, so each rank's gradient of a norm weight covers its tokens only; megatron sums those over TP
+(finalize_model_grads) for weights marked `sequence_parallel`. Its fallback norm
+(`WrappedTorchNorm`) refuses sequence parallelism instead of marking them; `SequenceParallelNorm` is
+torch's norm with the mark. Transformer Engine's and Apex's norms do this themselves.
 """
 
 import dataclasses
@@ -13,8 +14,9 @@ import torch
 
 
 class SequenceParallelNorm:
-    """What megatron's WrappedTorchNorm builds (torch's RMSNorm / LayerNorm, same parameter names), with the weight
-    (and bias) marked `sequence_parallel` as megatron's own norms mark theirs."""
+    """What megatron's WrappedTorchNorm builds (torch's RMSNorm / LayerNorm, same parameter
+    names), with the weight (and bias) marked `sequence_parallel` as megatron's own norms mark
+    theirs."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_):
         norm = {"RMSNorm": torch.nn.RMSNorm, "LayerNorm": torch.nn.LayerNorm}[config.normalization]
@@ -25,8 +27,9 @@ class SequenceParallelNorm:
 
 
 def with_sequence_parallel_norms(spec, tconfig, pp_rank: int):
-    """The local layer `spec` with every WrappedTorchNorm replaced by SequenceParallelNorm, as the block spec that
-    also names the final norm (a layer spec alone gets megatron's default final norm, the refusing one)."""
+    """The local layer `spec` with every WrappedTorchNorm replaced by SequenceParallelNorm, as
+    the block spec that also names the final norm (a layer spec alone gets megatron's default
+    final norm, the refusing one)."""
     from megatron.core.transformer.spec_utils import ModuleSpec
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
     from megatron.core.transformer.transformer_block import (

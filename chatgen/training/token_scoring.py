@@ -13,13 +13,14 @@ class TokenScoring:
     `spec` and `name`)."""
 
     def token_outputs(self, logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage by
-        `forward_tokens` and `train_step` (with gradient).
+        """Hook: the model's per-token outputs, from its logits. Called on the last pipeline stage
+        by `forward_tokens` and `train_step` (with gradient).
 
-        logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T).
-        Returns (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
-        log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is HF's).
-        Override for a head that is not a token distribution, e.g. a PPO critic (chatgen/training/critic.py).
+        logits: (b, T, V/TP) vocab-parallel (this rank's vocab shard); input_ids: (b, T). Returns
+        (b, T-1) float32: entry t belongs to token t+1. Default: its log-prob (vocab-parallel
+        log-softmax; padded vocab rows, ids >= the HF vocab, are masked so the distribution is
+        HF's). Override for a head that is not a token distribution, e.g. a PPO critic
+        (chatgen/training/critic.py).
         """
         from megatron.core import tensor_parallel
 
@@ -36,7 +37,8 @@ class TokenScoring:
 
     @property
     def logits_temperature(self) -> float:
-        """token_outputs' divisor: the config's logits_temperature (an RLHF run derives it from the
-        policy's sampling temperature when the model's role scores the policy's samples); 1.0 =
-        the model's own distribution. A head that overrides token_outputs (a critic) ignores it."""
+        """token_outputs' divisor: the config's logits_temperature (an RLHF run derives it from
+        the policy's sampling temperature when the model's role scores the policy's samples); 1.0
+        = the model's own distribution. A head that overrides token_outputs (a critic) ignores
+        it."""
         return self.config.logits_temperature or 1.0

@@ -141,6 +141,36 @@ def test_a_long_file_is_caught(tmp_path):
     assert long_files(tmp_path / "chatgen") == [f"chatgen/long.py: {MAX_FILE_LINES + 1} lines"]
 
 
+MAX_WIDE_SHARE = 0.03  # of chatgen's non-blank lines over 100 columns
+
+
+def wide_share(root: Path) -> float:
+    """The share of non-blank lines of the Python files under `root` wider than 100 columns: the prose
+    `ruff format` leaves as written (docstrings, comments, string literals)."""
+    lines = [
+        line
+        for path in root.rglob("*.py")
+        for line in path.read_text().splitlines()
+        if line.strip()
+    ]
+    return sum(len(line) > 100 for line in lines) / max(1, len(lines))
+
+
+def test_prose_is_wrapped_at_100_columns():
+    share = wide_share(REPO / "chatgen")
+    assert share <= MAX_WIDE_SHARE, (
+        f"{share:.1%} of chatgen's lines are over 100 columns (at most {MAX_WIDE_SHARE:.0%}): "
+        "python scripts/wrap_prose.py chatgen/ wraps docstrings and comments"
+    )
+
+
+def test_a_wide_tree_is_caught(tmp_path):
+    (tmp_path / "a.py").write_text("x = 1\n" * 96 + "# " + "w" * 120 + "\n" * 1 + "y = 2\n" * 3)
+    assert wide_share(tmp_path) == pytest.approx(0.01)
+    (tmp_path / "b.py").write_text(('"""' + "long words " * 20 + '"""\n') * 5)
+    assert wide_share(tmp_path) > MAX_WIDE_SHARE
+
+
 def test_the_megatron_module_class_is_under_350_lines():
     path = REPO / "chatgen" / "training" / "megatron_module.py"
     (cls,) = [

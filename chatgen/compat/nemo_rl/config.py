@@ -1,6 +1,6 @@
-"""NeMo RL's generation config (its VllmConfig: GenerationConfig + vllm_cfg + vllm_kwargs, as its YAMLs and its
-`configure_generation_config` write it) as chatgen's per-model generation keys (docs/generation_keys.md), the
-stops it adds to every row, and the facade's own switches.
+"""NeMo RL's generation config (its VllmConfig: GenerationConfig + vllm_cfg + vllm_kwargs, as its
+YAMLs and its `configure_generation_config` write it) as chatgen's per-model generation keys
+(docs/generation_keys.md), the stops it adds to every row, and the facade's own switches.
 
     nemo = engine_config({"backend": "vllm", "model_name": path, "max_new_tokens": 128, "temperature": 0.7,
                           "stop_token_ids": [2], "vllm_cfg": {"max_model_len": 2048}})
@@ -9,11 +9,12 @@ stops it adds to every row, and the facade's own switches.
     # nemo.stops: {"stop_token_ids": [2], "stop_strings": []}: merged into each row's own (NeMo RL merges them)
     # nemo.colocated: colocated.enabled (True when absent)
 
-Every key NeMo RL writes is one of three kinds: mapped to chatgen's (MAPPED tables), accepted and unused (IGNORED,
-named in one log line per config), or accepted only at a value chatgen can honour (REFUSED_UNLESS: any other
-value is an error naming what it asks for). `vllm_kwargs` are vllm.LLM's keyword arguments in NeMo RL; here
-chatgen's generation keys as they are (kv_cache_memory_bytes, enforce_eager, seed, ...), NeMo RL's vLLM ones
-in the same three kinds. Any other key is an error naming it.
+Every key NeMo RL writes is one of three kinds: mapped to chatgen's (MAPPED tables), accepted and
+unused (IGNORED, named in one log line per config), or accepted only at a value chatgen can honour
+(REFUSED_UNLESS: any other value is an error naming what it asks for). `vllm_kwargs` are vllm.LLM's
+keyword arguments in NeMo RL; here chatgen's generation keys as they are (kv_cache_memory_bytes,
+enforce_eager, seed, ...), NeMo RL's vLLM ones in the same three kinds. Any other key is an error
+naming it.
 """
 
 import dataclasses
@@ -43,8 +44,9 @@ VLLM_CFG = {  # NeMo RL's vllm_cfg key -> chatgen's
 }
 STOPS = ("stop_token_ids", "stop_strings")
 FACADE = {"colocated", "vllm_cfg", "vllm_kwargs"}  # read by the facade itself (VllmGeneration)
-# accepted and unused: what chatgen decides itself (placement, executor, tokenizer, engine stepping) or what
-# belongs to NeMo RL's other paths (validation sampling of NeMo-Gym, Megatron inference, metrics, ports)
+# accepted and unused: what chatgen decides itself (placement, executor, tokenizer, engine stepping)
+# or what belongs to NeMo RL's other paths (validation sampling of NeMo-Gym, Megatron inference,
+# metrics, ports)
 IGNORED = {
     "top": {
         "backend", "tokenizer", "model_name_or_path", "dtype", "val_temperature", "val_top_p",
@@ -113,7 +115,8 @@ class MissingKeys(ValueError, AssertionError):
 
 @dataclasses.dataclass
 class NemoRLConfig:
-    """A NeMo RL config read: chatgen's generation keys, the stops every row gets, the facade's switches."""
+    """A NeMo RL config read: chatgen's generation keys, the stops every row gets, the facade's
+    switches."""
 
     keys: dict
     stops: dict
@@ -121,8 +124,8 @@ class NemoRLConfig:
 
 
 def engine_config(config: Mapping) -> NemoRLConfig:
-    """The NemoRLConfig of a NeMo RL generation config; a ValueError names each key chatgen cannot honour and
-    its fix, after one log line naming the keys accepted and unused."""
+    """The NemoRLConfig of a NeMo RL generation config; a ValueError names each key chatgen
+    cannot honour and its fix, after one log line naming the keys accepted and unused."""
     if not isinstance(config, Mapping):
         raise TypeError(
             f"VllmGeneration: the config must be a dict (NeMo RL's VllmConfig), got {type(config).__name__}"
@@ -188,7 +191,8 @@ def engine_config(config: Mapping) -> NemoRLConfig:
 
 
 def _value(key: str, value):
-    """NeMo RL's value as chatgen's: precision names, processed/raw_logprobs, booleans written as strings."""
+    """NeMo RL's value as chatgen's: precision names, processed/raw_logprobs, booleans written as
+    strings."""
     if key == "precision":
         if value not in PRECISIONS:
             raise ValueError(

@@ -1,4 +1,5 @@
-"""`HFGeneration` (`backend: hf`): generation with a transformers model, one token at a time, in this process.
+"""`HFGeneration` (`backend: hf`): generation with a transformers model, one token at a time, in
+this process.
 
     from chatgen.generation.hf.module import HFGeneration        # or a model entry's `backend: hf`
     policy = HFGeneration({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16}).start()
@@ -6,15 +7,17 @@
     out = policy.generate({"input_ids": ids, "input_lengths": lengths}, greedy=True)     # token in / token out
     chatgen.param_sync.sync_weights(trainer, policy)                           # HF names, copied in place
 
-A call's prompts run in batches of whole prompts (up to generation_batch_size sequences: each of a prompt's n
-samples is a row), left-padded with an attention mask, prefilled once, then decoded with the KV cache one forward
-per token until every row has stopped. Each token is chosen as vLLM's sampler chooses it (sampling.py) and each
-row stops as vLLM stops a request: the tokenizer's EOS (finish_reason "stop"), a stop token id (generation
-config EOS ids and special-token entries of stop_token_list; stop_reason = the id), a stop string on the decoded
-text (stop_reason = the string, the text cut before it), else max_tokens ("length").
+A call's prompts run in batches of whole prompts (up to generation_batch_size sequences: each of a
+prompt's n samples is a row), left-padded with an attention mask, prefilled once, then decoded with
+the KV cache one forward per token until every row has stopped. Each token is chosen as vLLM's
+sampler chooses it (sampling.py) and each row stops as vLLM stops a request: the tokenizer's EOS
+(finish_reason "stop"), a stop token id (generation config EOS ids and special-token entries of
+stop_token_list; stop_reason = the id), a stop string on the decoded text (stop_reason = the string,
+the text cut before it), else max_tokens ("length").
 
-One generation call or weight write runs at a time (a lock): a write waits for the running call, so every
-`load_weights` mode acts as "wait" and every token of a call has one weight version. docs/hf_backend.md.
+One generation call or weight write runs at a time (a lock): a write waits for the running call, so
+every `load_weights` mode acts as "wait" and every token of a call has one weight version.
+docs/hf_backend.md.
 """
 
 import asyncio
@@ -49,12 +52,14 @@ DEFAULT_BATCH_SEQUENCES = 256  # generation_batch_size: null (vLLM's max_num_seq
 
 
 class HFGeneration(GenerationModule):
-    """A transformers generation model. Construct with its per-model config, `start()` it, then generate.
+    """A transformers generation model. Construct with its per-model config, `start()` it, then
+    generate.
 
-    config: an `HFConfig`, a dict of its keys, or the path of a per-model YAML (docs/generation_keys.md).
-    Attributes after `setup()`: `model` (the transformers model, eval mode, on CUDA when there is one, else CPU),
-    `tokenizer`, `pad_token_id`, `vocab_size`, `hf_config`, `metrics` (figures of the last call), `config`.
-    Sampling keys are read at every call.
+    config: an `HFConfig`, a dict of its keys, or the path of a per-model YAML
+    (docs/generation_keys.md). Attributes after `setup()`: `model` (the transformers model, eval
+    mode, on CUDA when there is one, else CPU), `tokenizer`, `pad_token_id`, `vocab_size`,
+    `hf_config`, `metrics` (figures of the last call), `config`. Sampling keys are read at every
+    call.
     """
 
     config_class = HFConfig
@@ -75,9 +80,9 @@ class HFGeneration(GenerationModule):
     # ------------------------------------------------------------------ setup
 
     def setup(self) -> None:
-        """Load the model and tokenizer of `model_provider()` (load_format dummy: random weights of its shape,
-        seeded by `seed`, for a policy whose weights come from a trainer's sync). Override to add work around it
-        and call `super().setup()`."""
+        """Load the model and tokenizer of `model_provider()` (load_format dummy: random weights
+        of its shape, seeded by `seed`, for a policy whose weights come from a trainer's sync).
+        Override to add work around it and call `super().setup()`."""
         model_dir = self.model_provider()
         if not (Path(model_dir) / "config.json").is_file():
             raise ConfigError(
@@ -105,8 +110,8 @@ class HFGeneration(GenerationModule):
         self.vocab_size = hf.vocab_size
         self.pad_token_id = gc.pad_token_id(self.tokenizer, model_dir, self.config.pad_token_id)
         self.check_tokenizer(tokenizer_dir, model_dir)
-        # vLLM's EOS rule (SamplingParams.update_from_generation_config): the tokenizer's EOS, and the EOS ids of
-        # generation_config.json (else of config.json) as stop tokens
+        # vLLM's EOS rule (SamplingParams.update_from_generation_config): the tokenizer's EOS, and
+        # the EOS ids of generation_config.json (else of config.json) as stop tokens
         try:
             generation = GenerationConfig.from_pretrained(model_dir)
         except OSError:
@@ -123,8 +128,8 @@ class HFGeneration(GenerationModule):
     def sampling_params(
         self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
     ) -> SamplingParams:
-        """The settings of one prompt of `prompt_len` tokens (config.sampling_kwargs): train or eval sampling keys,
-        stop_token_list plus `stop_strings` and `stop_token_ids`."""
+        """The settings of one prompt of `prompt_len` tokens (config.sampling_kwargs): train or
+        eval sampling keys, stop_token_list plus `stop_strings` and `stop_token_ids`."""
         return SamplingParams(
             **self.sampling_kwargs(
                 prompt_len,
@@ -154,7 +159,8 @@ class HFGeneration(GenerationModule):
         )
         batches = list(self._batches(prompts, params, texts))
         outputs = [output for batch in batches for _, output in batch]
-        # forward passes: a batch runs until its longest sample ends (the prefill gives its first token)
+        # forward passes: a batch runs until its longest sample ends (the prefill gives its first
+        # token)
         steps = sum(
             max(len(s.token_ids) for _, output in batch for s in output.outputs)
             for batch in batches
@@ -163,9 +169,9 @@ class HFGeneration(GenerationModule):
         return outputs
 
     async def stream(self, prompts: list, params, deltas: bool = False):
-        """See GenerationModule.stream. Each batch of prompts runs on a worker thread; its prompts are yielded
-        when it ends, each as one finished output (with deltas too: one delta holding every token). Leaving
-        the iterator early drops the batches not started."""
+        """See GenerationModule.stream. Each batch of prompts runs on a worker thread; its
+        prompts are yielded when it ends, each as one finished output (with deltas too: one delta
+        holding every token). Leaving the iterator early drops the batches not started."""
         per_prompt = list(params) if isinstance(params, list) else [params] * len(prompts)
         for i, ids in enumerate(prompts):
             if not ids:
@@ -178,8 +184,9 @@ class HFGeneration(GenerationModule):
                 yield i, output
 
     def _batches(self, prompts, params, texts=None):
-        """Generate `prompts` (token id lists, one SamplingParams each) in batches of whole prompts of at most
-        generation_batch_size sequences; yield each batch's [(prompt index, FinishedRequest)] as it ends."""
+        """Generate `prompts` (token id lists, one SamplingParams each) in batches of whole
+        prompts of at most generation_batch_size sequences; yield each batch's [(prompt index,
+        FinishedRequest)] as it ends."""
         limit = self.config.generation_batch_size or DEFAULT_BATCH_SEQUENCES
         groups, size = [[]], 0
         for i, p in enumerate(params):
@@ -201,8 +208,9 @@ class HFGeneration(GenerationModule):
 
     @torch.inference_mode()
     def _generate(self, prompts: list, params: list) -> list:
-        """One batch: a FinishedRequest per prompt, its params.n samples each (rows prompt-major). Each prompt is
-        prefilled once; its KV cache is then copied to each of its samples' rows."""
+        """One batch: a FinishedRequest per prompt, its params.n samples each (rows
+        prompt-major). Each prompt is prefilled once; its KV cache is then copied to each of its
+        samples' rows."""
         device, width = self.device, max(map(len, prompts))
         ids = torch.full((len(prompts), width), self.pad_token_id, dtype=torch.long)
         mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -302,8 +310,9 @@ class HFGeneration(GenerationModule):
         return requests
 
     def _stop(self, tokens: list, params: SamplingParams):
-        """(finish_reason, stop_reason, text cut before a stop string or None) once a row's last token stops it,
-        else None. vLLM's order: EOS, stop token ids, stop strings, then the token limit."""
+        """(finish_reason, stop_reason, text cut before a stop string or None) once a row's last
+        token stops it, else None. vLLM's order: EOS, stop token ids, stop strings, then the
+        token limit."""
         last = tokens[-1]
         if last == self._eos and not params.ignore_eos:
             return "stop", None, None
@@ -320,8 +329,9 @@ class HFGeneration(GenerationModule):
 
     @staticmethod
     def _prompt_logprobs(logits, prompt: list, n: int) -> list:
-        """vLLM's prompt_logprobs of one prompt from its row's (width, V) logits (left-padded): None for the first
-        token, then {token id: TokenLogprob} of each prompt token (and the n most likely) under the raw model."""
+        """vLLM's prompt_logprobs of one prompt from its row's (width, V) logits (left-padded):
+        None for the first token, then {token id: TokenLogprob} of each prompt token (and the n
+        most likely) under the raw model."""
         logprobs = logits[logits.shape[0] - len(prompt) : -1].float().log_softmax(dim=-1)
         return [None] + [
             {t: TokenLogprob(lp) for t, lp in top_logprobs(row, token, n).items()}
@@ -337,11 +347,12 @@ class HFGeneration(GenerationModule):
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, buckets, mode: str = "wait") -> int:
-        """See GenerationModule.load_weights. Each bucket is checked (names and shapes against the model's
-        parameters) before any of its tensors is copied in; a tied LM head is the embedding (an `lm_head.weight`
-        sent for a tied model is skipped, as vLLM skips it). A write waits for the running generation call, so
-        every mode acts as "wait". If it fails once a tensor was copied, the module refuses to generate
-        (`needs_resync`) until a later write of every parameter succeeds."""
+        """See GenerationModule.load_weights. Each bucket is checked (names and shapes against
+        the model's parameters) before any of its tensors is copied in; a tied LM head is the
+        embedding (an `lm_head.weight` sent for a tied model is skipped, as vLLM skips it). A
+        write waits for the running generation call, so every mode acts as "wait". If it fails
+        once a tensor was copied, the module refuses to generate (`needs_resync`) until a later
+        write of every parameter succeeds."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"load_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
         if self.model is None:
@@ -382,10 +393,11 @@ class HFGeneration(GenerationModule):
         self.load_lora_tensors(*read_peft(directory, key=str(directory)))
 
     def load_lora_tensors(self, config: dict, tensors: dict) -> int:
-        """Run the base weights plus this LoRA adapter (adapter_config.json as a dict, tensors by PEFT name; merged
-        in fp32), replacing the previous adapter: the base of each adapted weight is kept from the first adapter
-        on (adapter-only sync, docs/lora.md; a later load_weights makes its weights the base). Needs
-        enable_lora. Returns the new weight version."""
+        """Run the base weights plus this LoRA adapter (adapter_config.json as a dict, tensors by
+        PEFT name; merged in fp32), replacing the previous adapter: the base of each adapted
+        weight is kept from the first adapter on (adapter-only sync, docs/lora.md; a later
+        load_weights makes its weights the base). Needs enable_lora. Returns the new weight
+        version."""
         from chatgen.models.lora_format import adapted_weights, check_finite_adapter, merge_lora
 
         if not self.config.enable_lora:

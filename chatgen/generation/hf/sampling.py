@@ -1,4 +1,5 @@
-"""The hf backend's request settings and its choice of each next token, as vLLM 0.32's sampler makes them.
+"""The hf backend's request settings and its choice of each next token, as vLLM 0.32's sampler makes
+them.
 
     params = SamplingParams(**chatgen.generation.config.sampling_kwargs(cfg, prompt_len))   # one request
     rows = RowSettings.of([params_of_each_row])                                              # (B,) tensors
@@ -68,14 +69,15 @@ class RowSettings:
 
 
 def apply_repetition_penalty(logits, seen, penalty):
-    """Where a row's token is in `seen` (B, V) (its prompt or its output so far): positive logits divided by the
-    row's penalty, negative ones multiplied (vLLM's apply_repetition_penalties)."""
+    """Where a row's token is in `seen` (B, V) (its prompt or its output so far): positive logits
+    divided by the row's penalty, negative ones multiplied (vLLM's apply_repetition_penalties)."""
     scale = torch.where(seen, penalty[:, None], torch.ones_like(logits))
     return logits * torch.where(logits > 0, 1.0 / scale, scale)
 
 
 def apply_min_p(logits, min_p):
-    """Drop tokens whose probability is under min_p times the row's top probability (rows with min_p 0 keep all)."""
+    """Drop tokens whose probability is under min_p times the row's top probability (rows with
+    min_p 0 keep all)."""
     probs = logits.softmax(dim=-1)
     return logits.masked_fill(
         probs < probs.amax(dim=-1, keepdim=True) * min_p[:, None], float("-inf")
@@ -83,8 +85,9 @@ def apply_min_p(logits, min_p):
 
 
 def apply_top_k_top_p(logits, top_k, top_p):
-    """Keep each row's top_k logits (0 = all), then the smallest set of them holding top_p of the probability
-    (1.0 = all; the top token always stays); the rest become -inf. vLLM's apply_top_k_top_p_pytorch."""
+    """Keep each row's top_k logits (0 = all), then the smallest set of them holding top_p of the
+    probability (1.0 = all; the top token always stays); the rest become -inf. vLLM's
+    apply_top_k_top_p_pytorch."""
     vocab = logits.shape[-1]
     ordered, index = logits.sort(dim=-1)  # ascending
     k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
@@ -98,12 +101,14 @@ def apply_top_k_top_p(logits, top_k, top_p):
 
 
 def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
-    """One step's tokens for B rows: (tokens (B,) long, logprobs (B, V) float32), where `logprobs` is the
-    distribution the sampled token's log-prob is read from (logprobs_mode raw: the model's own; processed:
-    after the penalty, temperature, min_p, top-k and top-p, what the token was drawn from).
+    """One step's tokens for B rows: (tokens (B,) long, logprobs (B, V) float32), where
+    `logprobs` is the distribution the sampled token's log-prob is read from (logprobs_mode raw:
+    the model's own; processed: after the penalty, temperature, min_p, top-k and top-p, what the
+    token was drawn from).
 
-    logits: (B, V) of the last position; seen: (B, V) bool, the tokens of each row's prompt and output (None when
-    no row has a repetition penalty); generator: the torch.Generator the draws come from."""
+    logits: (B, V) of the last position; seen: (B, V) bool, the tokens of each row's prompt and
+    output (None when no row has a repetition penalty); generator: the torch.Generator the draws
+    come from."""
     logits = logits.float()
     raw = logits.log_softmax(dim=-1)
     if seen is not None:
@@ -118,21 +123,23 @@ def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
         scaled = apply_min_p(scaled, rows.min_p)
     if (rows.top_k > 0).any() or (rows.top_p < 1).any():
         scaled = apply_top_k_top_p(scaled, rows.top_k, rows.top_p)
-    # vLLM's draw (random_sample): argmax of p / q with q ~ Exp(1), which picks a token with probability p; on
-    # CPU it is ~10x faster than torch.multinomial over a large vocabulary
+    # vLLM's draw (random_sample): argmax of p / q with q ~ Exp(1), which picks a token with
+    # probability p; on CPU it is ~10x faster than torch.multinomial over a large vocabulary
     noise = torch.empty_like(scaled).exponential_(generator=generator)
     drawn = (scaled.softmax(dim=-1) / noise).argmax(dim=-1)
     tokens = torch.where(greedy, logits.argmax(dim=-1), drawn)
     if logprobs_mode == "raw":
         return tokens, raw
-    # processed: greedy rows report the penalised logits' distribution (vLLM: no temperature or filters on them)
+    # processed: greedy rows report the penalised logits' distribution (vLLM: no temperature or
+    # filters on them)
     return tokens, torch.where(
         greedy[:, None], logits.log_softmax(dim=-1), scaled.log_softmax(dim=-1)
     )
 
 
 def top_logprobs(logprobs, token: int, n: int) -> dict:
-    """{token id: log-prob} of `token` and the n most likely tokens of one (V,) row (vLLM's logprobs=n)."""
+    """{token id: log-prob} of `token` and the n most likely tokens of one (V,) row (vLLM's
+    logprobs=n)."""
     ids = [token, *logprobs.topk(n).indices.tolist()] if n else [token]
     return {i: float(logprobs[i]) for i in ids}
 

@@ -1,8 +1,9 @@
-"""The vLLM backend's per-model config: `VLLMConfig` (the shared generation keys plus vLLM's engine keys) and its
-mapping to `vllm.LLM(...)` arguments. Pure: imports neither vLLM nor torch.
+"""The vLLM backend's per-model config: `VLLMConfig` (the shared generation keys plus vLLM's engine
+keys) and its mapping to `vllm.LLM(...)` arguments. Pure: imports neither vLLM nor torch.
 
-Every key of docs/generation_keys.md is either mapped here (engine keys) or in chatgen.generation.config (prompts
-and sampling), or rejected by `check()` with the reason and the fix; nothing is silently ignored.
+Every key of docs/generation_keys.md is either mapped here (engine keys) or in
+chatgen.generation.config (prompts and sampling), or rejected by `check()` with the reason and the
+fix; nothing is silently ignored.
 """
 
 import dataclasses
@@ -13,7 +14,8 @@ from typing import Literal, Optional
 from chatgen.config import ConfigError, opt
 from chatgen.generation.config import GenerationConfig, has_tokenizer, tokenizer_dir
 
-# logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after temperature/top-k/top-p
+# logprobs_mode -> vLLM's: log-softmax of the model's raw logits, or of the logits after
+# temperature/top-k/top-p
 LOGPROBS_MODES = {"raw": "raw_logprobs", "processed": "processed_logprobs"}
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MAX_LORA_RANK = (
@@ -81,7 +83,8 @@ class VLLMConfig(GenerationConfig):
                     "and bound a step with max_num_batched_tokens instead"
                 ),
             )
-        # Keys vLLM V1 cannot honour: rejected here, with the fix, so they come out with every other error.
+        # Keys vLLM V1 cannot honour: rejected here, with the fix, so they come out with every other
+        # error.
         if self.swap_space is not None:
             yield (
                 "swap_space",
@@ -136,7 +139,8 @@ def platform_problems(cfg, cpu: bool):
 
 
 def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) -> dict:
-    """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's defaults."""
+    """Keyword arguments for `vllm.LLM(model_dir, **kwargs)`; unset (None) keys keep vLLM's
+    defaults."""
     tokenizer = tokenizer_dir(cfg, model_dir)
     kwargs = dict(
         tokenizer=str(tokenizer),
@@ -156,7 +160,8 @@ def engine_kwargs(cfg, model_dir, cpu: bool, distributed_executor_backend=None) 
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         logprobs_mode=LOGPROBS_MODES[cfg.logprobs_mode],
         load_format=cfg.load_format if cfg.load_format != "auto" else None,
-        # recorded routing must cover every prompt token of every sample: no prompt served from the cache
+        # recorded routing must cover every prompt token of every sample: no prompt served from the
+        # cache
         enable_prefix_caching=False if cfg.return_routed_experts else None,
         **(
             dict(enable_lora=True, max_lora_rank=cfg.max_lora_rank, max_loras=1)
@@ -173,9 +178,9 @@ CPU_DEFAULT_BLOCK_SIZE = 128  # vLLM 0.32's CPU attention default
 
 
 def default_cpu_kv_cache_bytes(model_dir, cfg) -> int:
-    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens, each rounded up to whole
-    KV blocks (vLLM refuses a cache that cannot hold one full-length sequence). vLLM's own CPU default
-    reserves most of the machine's RAM."""
+    """KV cache for (generation_batch_size or 8) sequences of seq_length tokens, each rounded up
+    to whole KV blocks (vLLM refuses a cache that cannot hold one full-length sequence). vLLM's
+    own CPU default reserves most of the machine's RAM."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     heads = hf["num_attention_heads"]
     head_dim = hf.get("head_dim") or hf["hidden_size"] // heads

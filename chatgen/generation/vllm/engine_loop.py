@@ -1,25 +1,29 @@
-"""`EngineLoop`: the one thread that steps a vLLM engine; every generation call and weight update goes through it.
+"""`EngineLoop`: the one thread that steps a vLLM engine; every generation call and weight update
+goes through it.
 
     loop = EngineLoop.of(llm)                      # one loop per engine, started on first use
     outputs, stats = loop.run(module, add)         # submit and wait (VLLMModule.run_generation / generate)
     async for output in loop.stream(module, add):  # each RequestOutput as the engine emits it (generate_async, server)
     loop.update_weights(buckets, mode="keep")      # between two engine steps (VLLMModule.load_weights)
 
-Commands (start a call, abort one, update weights, any function) arrive through a thread-safe queue and run on
-the engine thread between engine steps, so requests join while others run (continuous batching) and nothing
-else ever touches the engine concurrently. Each step is ChatLearn's: `schedule` -> the `forward_step` hook of the
-oldest running call's module (which calls `execute_step` once) -> finished outputs routed to their calls.
+Commands (start a call, abort one, update weights, any function) arrive through a thread-safe queue
+and run on the engine thread between engine steps, so requests join while others run (continuous
+batching) and nothing else ever touches the engine concurrently. Each step is ChatLearn's:
+`schedule` -> the `forward_step` hook of the oldest running call's module (which calls
+`execute_step` once) -> finished outputs routed to their calls.
 
-With several processes per engine (external_launcher, WORLD_SIZE > 1) every rank must step its engine in
-lockstep with the others, and a thread would let requests join at different steps on different ranks. There
-the loop has no thread (`threaded=False`): the caller runs the same loop body until its own call is done.
+With several processes per engine (external_launcher, WORLD_SIZE > 1) every rank must step its
+engine in lockstep with the others, and a thread would let requests join at different steps on
+different ranks. There the loop has no thread (`threaded=False`): the caller runs the same loop body
+until its own call is done.
 
-Weights: the loop counts versions (0 = the weights the engine started with, +1 per update). Every finished
-sample carries `weight_versions` (list[int], the version each generated token was sampled under; set on vLLM's
-`CompletionOutput`); so does every delta of a streamed request, for its new tokens. Requests added after an update carry a new cache salt, so they never hit prefix-cache
-blocks computed with older weights, whatever still holds those blocks.
-A call made inside chatgen.generation.handover.hold_after(s, v) waits for the next update after s steps while
-the weights are version v and only such calls run (`_held`); without a thread the loop never holds.
+Weights: the loop counts versions (0 = the weights the engine started with, +1 per update). Every
+finished sample carries `weight_versions` (list[int], the version each generated token was sampled
+under; set on vLLM's `CompletionOutput`); so does every delta of a streamed request, for its new
+tokens. Requests added after an update carry a new cache salt, so they never hit prefix-cache blocks
+computed with older weights, whatever still holds those blocks. A call made inside
+chatgen.generation.handover.hold_after(s, v) waits for the next update after s steps while the
+weights are version v and only such calls run (`_held`); without a thread the loop never holds.
 
 Watchdog: `health_problem()` names what keeps the loop from serving (its thread died, or one engine
 step or command has run for over `stall_s` seconds without progress), which the server's /health
@@ -49,7 +53,8 @@ SHUTDOWN_WAIT_S = 10.0  # how long `shutdown` waits for the thread before leavin
 
 
 class _Call:
-    """One submitted generation call: its module (hooks), its request ids and where its outputs go."""
+    """One submitted generation call: its module (hooks), its request ids and where its outputs
+    go."""
 
     def __init__(self, owner, add, notify, is_eval=False):
         self.owner, self.add, self.notify, self.is_eval = owner, add, notify, is_eval
@@ -59,7 +64,8 @@ class _Call:
 
 
 class EngineLoop(WeightUpdates):
-    """Steps one vLLM engine; see the module docstring. Use `EngineLoop.of(llm)`, not the constructor."""
+    """Steps one vLLM engine; see the module docstring. Use `EngineLoop.of(llm)`, not the
+    constructor."""
 
     def __init__(self, llm, threaded: bool = True):
         self.llm = llm
@@ -108,9 +114,9 @@ class EngineLoop(WeightUpdates):
     def add_request(
         self, prompt_ids, params, prompt_text=None, stream: bool = False, lora_request=None
     ) -> str:
-        """Add one request to the engine for the call being started (from inside its `add()`, on the engine
-        thread); returns its id: decimal, increasing (outputs sort by int(request_id)). stream: a DELTA output
-        every step instead of one when it finishes."""
+        """Add one request to the engine for the call being started (from inside its `add()`, on
+        the engine thread); returns its id: decimal, increasing (outputs sort by
+        int(request_id)). stream: a DELTA output every step instead of one when it finishes."""
         if self._starting is None:
             raise RuntimeError(
                 "add_request: requests are added from inside a call's add() (run / stream), on the "
@@ -135,11 +141,13 @@ class EngineLoop(WeightUpdates):
 
     @property
     def cache_salt(self):
-        """The prefix-cache salt of requests added now: None under the starting weights, else per version."""
+        """The prefix-cache salt of requests added now: None under the starting weights, else per
+        version."""
         return None if self.weight_version == 0 else f"chatgen-weights-{self.weight_version}"
 
     def call(self, fn):
-        """Run `fn()` on the engine thread between two steps; return its result or raise its exception."""
+        """Run `fn()` on the engine thread between two steps; return its result or raise its
+        exception."""
         if self._thread is None:  # no thread: commands queued before this one run first, here
             self._run_commands()
             return fn()
@@ -183,10 +191,11 @@ class EngineLoop(WeightUpdates):
         return None
 
     def run(self, owner, add, is_eval=False, on_finished=None) -> tuple:
-        """Submit a call and wait for it: `add()` queues requests through `add_request` (on the engine
-        thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call) while it is the oldest
-        call; `on_finished(output)`, if given, sees each request as it finishes (on this thread). Returns
-        (finished RequestOutputs sorted by request id, {"engine_steps", "kv_cache_usage_peak"})."""
+        """Submit a call and wait for it: `add()` queues requests through `add_request` (on the
+        engine thread); steps run `owner.forward_step` (`owner.eval_forward` for an eval call)
+        while it is the oldest call; `on_finished(output)`, if given, sees each request as it
+        finishes (on this thread). Returns (finished RequestOutputs sorted by request id,
+        {"engine_steps", "kv_cache_usage_peak"})."""
         events = queue.SimpleQueue()
         call = _Call(owner, add, events.put, is_eval)
         self._post(lambda: self._start(call))
@@ -210,9 +219,9 @@ class EngineLoop(WeightUpdates):
         return finished, {"engine_steps": call.steps, "kv_cache_usage_peak": call.kv_peak}
 
     async def stream(self, owner, add):
-        """Submit a call; yield each RequestOutput the engine emits for it (finished ones; every step's delta
-        for requests added with a DELTA output kind). Leaving the iterator early aborts the call's requests
-        and frees their KV blocks."""
+        """Submit a call; yield each RequestOutput the engine emits for it (finished ones; every
+        step's delta for requests added with a DELTA output kind). Leaving the iterator early
+        aborts the call's requests and frees their KV blocks."""
         events = queue.SimpleQueue()
         aio = asyncio.get_running_loop()
         wake = asyncio.Event()
@@ -250,16 +259,17 @@ class EngineLoop(WeightUpdates):
                     self._run_commands()
 
     def update_weights(self, buckets, mode: str = "wait") -> int:
-        """Write `buckets` (lists of (HF name, tensor)) into the engine between two steps, in `mode` (see
-        GenerationModule.load_weights); returns the new weight version."""
+        """Write `buckets` (lists of (HF name, tensor)) into the engine between two steps, in
+        `mode` (see GenerationModule.load_weights); returns the new weight version."""
         if mode not in UPDATE_MODES:
             raise ValueError(f"update_weights: mode={mode!r}; use one of {', '.join(UPDATE_MODES)}")
         return self.call(lambda: self._update(buckets, mode))
 
     def pause(self) -> None:
-        """Stop stepping the engine: running requests keep their state and wait, new ones are admitted and wait
-        too. Commands still run, so weights can be updated while paused (an update in mode "wait" would run the
-        waiting requests to their end first: use "keep", "recompute" or "abort"). `resume` undoes it."""
+        """Stop stepping the engine: running requests keep their state and wait, new ones are
+        admitted and wait too. Commands still run, so weights can be updated while paused (an
+        update in mode "wait" would run the waiting requests to their end first: use "keep",
+        "recompute" or "abort"). `resume` undoes it."""
         self.call(lambda: setattr(self, "paused", True))
 
     def resume(self) -> None:
@@ -367,7 +377,8 @@ class EngineLoop(WeightUpdates):
         return events.get()
 
     def _start(self, call) -> None:
-        """Queue a call's requests (its module's `_add_request` hooks run here); fail it if that raises."""
+        """Queue a call's requests (its module's `_add_request` hooks run here); fail it if that
+        raises."""
         if self.broken:
             call.notify(RuntimeError(self.broken))
             call.done = True

@@ -1,20 +1,21 @@
-"""`chatgen.VLLMModule`: vLLM generation that the framework drives one engine step at a time, in this process.
+"""`chatgen.VLLMModule`: vLLM generation that the framework drives one engine step at a time, in
+this process.
 
     from chatgen import VLLMModule
     module = VLLMModule({"load": "outputs/tiny-llama", "new_token_limit": True, "max_new_tokens": 16}).start()
     batch = module.run_generation(module.build_dataset(["sort: 3 1 2 ="]))   # a chatgen.core.rollout.RolloutBatch
     out = module.generate({"input_ids": ids, "input_lengths": lens}, greedy=True)   # token in / token out
 
-Subclass it and override the hooks to shape what a generation call returns; docs/vllm_module.md walks through
-examples/policy_inference.py. The framework owns the loop (`run_generation`):
+Subclass it and override the hooks to shape what a generation call returns; docs/vllm_module.md
+walks through examples/policy_inference.py. The framework owns the loop (`run_generation`):
 
     _add_request(batch) -> while requests remain: schedule -> forward_step -> collect finished -> decode_internal
 
-The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can write new
-weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` / `wake_up`). What every
-generation backend does is chatgen.generation.base (prompts, token batches, the contract); ChatLearn's and
-NeMo RL's spellings come from chatgen.compat; everything that touches vLLM internals is adapter/; serving it
-over HTTP is chatgen.serving.
+The vLLM engine stays in this process (no engine subprocess), so a trainer in the same process can
+write new weights into it in place (`load_weights`) and put it to sleep between episodes (`sleep` /
+`wake_up`). What every generation backend does is chatgen.generation.base (prompts, token batches,
+the contract); ChatLearn's and NeMo RL's spellings come from chatgen.compat; everything that touches
+vLLM internals is adapter/; serving it over HTTP is chatgen.serving.
 """
 
 import contextlib
@@ -40,15 +41,17 @@ logger = logging.getLogger(__name__)
 class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     """A vLLM generation model. Construct with its per-model config, `start()` it, then generate.
 
-    config: a `VLLMConfig`, a dict of its keys, or the path of a per-model YAML (docs/generation_keys.md).
-    Lifecycle (chatgen.module): `init()` picks vLLM's executor: "external_launcher" (one engine rank in each
-    process of an existing torch.distributed job, e.g. colocated with a Megatron TP group) when the process
-    has WORLD_SIZE > 1, else vLLM's default; `setup()` builds the engine.
+    config: a `VLLMConfig`, a dict of its keys, or the path of a per-model YAML
+    (docs/generation_keys.md). Lifecycle (chatgen.module): `init()` picks vLLM's executor:
+    "external_launcher" (one engine rank in each process of an existing torch.distributed job, e.g.
+    colocated with a Megatron TP group) when the process has WORLD_SIZE > 1, else vLLM's default;
+    `setup()` builds the engine.
 
-    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer`, `pad_token_id`, `vocab_size`, `metrics`
-    (figures of the last generation call), `config`, `iteration` (engine steps over the module's life, what
-    `forward_step` / `eval_forward` receive). Sampling keys are read at every call (changing
-    `module.config.temperature` between calls takes effect); engine keys at `setup()`.
+    Attributes after `setup()`: `engine` (the `vllm.LLM`), `tokenizer`, `pad_token_id`,
+    `vocab_size`, `metrics` (figures of the last generation call), `config`, `iteration` (engine
+    steps over the module's life, what `forward_step` / `eval_forward` receive). Sampling keys are
+    read at every call (changing `module.config.temperature` between calls takes effect); engine
+    keys at `setup()`.
     """
 
     config_class = VLLMConfig
@@ -70,7 +73,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return platform_problems(config, cpu=adapter.on_cpu())
 
     def init(self) -> None:
-        """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else one engine."""
+        """Framework: one engine rank per process of a multi-process job (WORLD_SIZE > 1), else
+        one engine."""
         if int(os.environ.get("WORLD_SIZE", "1")) > 1:
             self.distributed_executor_backend = "external_launcher"
 
@@ -79,12 +83,13 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def setup(self) -> None:
         """Build the engine. Called once, before the first generation call.
 
-        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir = `model_provider()`) in
-        this process and reads the tokenizer. `model_dir` may also be a chatgen Megatron checkpoint (what
-        `MegatronModule.save_checkpoint` writes, any TP x PP, as ChatLearn's vLLM module starts from its
-        trainer's checkpoint): the engine then starts from its HF config with placeholder weights and the
-        checkpoint's weights are written in through the weight-sync path, no conversion on disk.
-        Override to add work around it (load a checkpoint, ...) and call `super().setup()`.
+        Default: starts `vllm.LLM(model_dir, **self.engine_kwargs(model_dir))` (model_dir =
+        `model_provider()`) in this process and reads the tokenizer. `model_dir` may also be a
+        chatgen Megatron checkpoint (what `MegatronModule.save_checkpoint` writes, any TP x PP, as
+        ChatLearn's vLLM module starts from its trainer's checkpoint): the engine then starts from
+        its HF config with placeholder weights and the checkpoint's weights are written in through
+        the weight-sync path, no conversion on disk. Override to add work around it (load a
+        checkpoint, ...) and call `super().setup()`.
         """
         model_dir = self.model_provider()
         megatron = read_megatron_meta(model_dir) is not None
@@ -117,11 +122,12 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         """Queue a batch in the engine with the train (or eval) sampling parameters.
 
         Called by `run_generation` at the start of a call. data: list of dataset items (dicts with
-        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]); or, when the dataset
-        `build_dataset` returned has a `collate_fn` (ChatLearn), what it made of those items, e.g. a dict of
-        lists {"input_ids": [...], "prompt": [...]}. Returns the request ids (in batch order). Override to set
-        per-item sampling (call `self.add_request` for each item), or call
-        `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's modules do.
+        "input_ids": list[int], optional "prompt": str and "stop_strings": list[str]); or, when the
+        dataset `build_dataset` returned has a `collate_fn` (ChatLearn), what it made of those
+        items, e.g. a dict of lists {"input_ids": [...], "prompt": [...]}. Returns the request ids
+        (in batch order). Override to set per-item sampling (call `self.add_request` for each item),
+        or call `self._add_request_internal(prompts, prompt_token_ids, is_eval)` as ChatLearn's
+        modules do.
         """
         if isinstance(data, dict):  # a collated batch
             return self._add_request_internal(
@@ -130,36 +136,40 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return self._queue(data, is_eval=is_eval)
 
     def forward_step(self, data, iteration):
-        """Run one engine step on the batch the scheduler picked. Called once per step of a train-mode call.
+        """Run one engine step on the batch the scheduler picked. Called once per step of a
+        train-mode call.
 
         data: `adapter.ScheduledBatch` (`request_ids`, `num_tokens` {request id: tokens this step},
-        `total_tokens`); iteration: `self.iteration`, the engine steps this module has run before this one (over
-        its life, as ChatLearn counts). Must call `self.execute_step(data)` exactly once and return its result
-        (the `RequestOutput`s that finished).
+        `total_tokens`); iteration: `self.iteration`, the engine steps this module has run before
+        this one (over its life, as ChatLearn counts). Must call `self.execute_step(data)` exactly
+        once and return its result (the `RequestOutput`s that finished).
         """
         return self.execute_step(data)
 
     def eval_forward(self, data, iteration=0):
-        """`forward_step` of an evaluation call (`run_generation(..., is_eval=True)`), as ChatLearn calls it.
-        Default: `forward_step(data, iteration)`."""
+        """`forward_step` of an evaluation call (`run_generation(..., is_eval=True)`), as
+        ChatLearn calls it. Default: `forward_step(data, iteration)`."""
         return self.forward_step(data, iteration)
 
     def decode_internal(self, batched_outputs):
-        """Turn the finished requests of a call into the module's output. Called once per `run_generation`.
+        """Turn the finished requests of a call into the module's output. Called once per
+        `run_generation`.
 
-        batched_outputs: list of vLLM `RequestOutput`, sorted by request id (= batch order); each has
-        `prompt_token_ids`, `prompt` (text or None) and `outputs` (n `CompletionOutput`s with `token_ids`,
-        `logprobs`, `text`, `finish_reason`). Default: a `chatgen.core.rollout.RolloutBatch` of S = prompts x n
-        samples (sample j of prompt i at row i * n + j), what every RLHF algorithm consumes. Override to return
-        something else for your own loop, or to post-process the batch (e.g. zero `loss_mask` on tokens the
-        policy should not be trained on).
+        batched_outputs: list of vLLM `RequestOutput`, sorted by request id (= batch order); each
+        has `prompt_token_ids`, `prompt` (text or None) and `outputs` (n `CompletionOutput`s with
+        `token_ids`, `logprobs`, `text`, `finish_reason`). Default: a
+        `chatgen.core.rollout.RolloutBatch` of S = prompts x n samples (sample j of prompt i at row
+        i * n + j), what every RLHF algorithm consumes. Override to return something else for your
+        own loop, or to post-process the batch (e.g. zero `loss_mask` on tokens the policy should
+        not be trained on).
         """
         return rollout_batch(batched_outputs, self.pad_token_id)
 
     # ------------------------------------------------------------------ framework API
 
     def engine_kwargs(self, model_dir) -> dict:
-        """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config (config.engine_kwargs)."""
+        """Keyword arguments for `vllm.LLM(model_dir, ...)`, derived from the config
+        (config.engine_kwargs)."""
         return engine_kwargs(
             self.config, model_dir, adapter.on_cpu(), self.distributed_executor_backend
         )
@@ -169,9 +179,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     ):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see config.sampling_kwargs).
 
-        Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature / eval_top_p /
-        eval_top_k where set. Greedy yields one response per prompt. Stops: stop_token_list plus `stop_strings`
-        and `stop_token_ids`.
+        Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature /
+        eval_top_p / eval_top_k where set. Greedy yields one response per prompt. Stops:
+        stop_token_list plus `stop_strings` and `stop_token_ids`.
         """
         kwargs = self.sampling_kwargs(
             prompt_len,
@@ -180,9 +190,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             stop_strings=stop_strings,
             stop_token_ids=stop_token_ids,
         )
-        # Incremental detokenization (and the text of every log-prob entry) costs about a third of a small model's
-        # engine step on CPU; it is needed only to match stop strings. Without any, texts are decoded once at the
-        # end of the call (`_decode_texts`).
+        # Incremental detokenization (and the text of every log-prob entry) costs about a third of a
+        # small model's engine step on CPU; it is needed only to match stop strings. Without any,
+        # texts are decoded once at the end of the call (`_decode_texts`).
         return adapter.SamplingParams(
             **kwargs, detokenize=self.tokenizer is not None and bool(kwargs["stop"])
         )
@@ -190,10 +200,12 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def add_request(
         self, prompt_ids, params, prompt_text=None, *, stream: bool = False, lora_request=None
     ) -> str:
-        """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request id.
+        """Queue one prompt (list[int]) with `params` (from `sampling_params`); returns its request
+        id.
 
-        Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new tokens
-        (a DELTA output each step, for `stream`) instead of one output when the request finishes.
+        Runs on the engine thread, inside a call's `_add_request`. stream: emit every step's new
+        tokens (a DELTA output each step, for `stream`) instead of one output when the request
+        finishes.
         """
         if not prompt_ids:
             raise ValueError(
@@ -204,16 +216,17 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         )
 
     def execute_step(self, data):
-        """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that finished."""
+        """Run the model on a scheduled batch (`forward_step`'s data); returns the requests that
+        finished."""
         return adapter.execute(self.engine, data)
 
     def run_generation(self, data, is_eval=False):
         """Generate for a batch of dataset items with the hooks: the framework-owned loop.
 
-        data: list of items from `build_dataset` (collated first when `prepare_dataset` saw a `collate_fn`). An
-        item over the prompt budget seq_length - max_new_tokens is an error naming it (never cut here). Steps go
-        to `forward_step`, or to `eval_forward` when is_eval. Returns `decode_internal(...)`; `self.metrics`
-        has the call's figures.
+        data: list of items from `build_dataset` (collated first when `prepare_dataset` saw a
+        `collate_fn`). An item over the prompt budget seq_length - max_new_tokens is an error naming
+        it (never cut here). Steps go to `forward_step`, or to `eval_forward` when is_eval. Returns
+        `decode_internal(...)`; `self.metrics` has the call's figures.
         """
         batch = self.collate(data, is_eval)
         return self.decode_internal(self._drive(lambda: self._add_request(batch, is_eval), is_eval))
@@ -222,8 +235,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return self._drive(lambda: self._queue(items, is_eval, greedy), is_eval)
 
     async def stream(self, prompts: list, params, deltas: bool = False, adapter: str | None = None):
-        """GenerationModule.stream; adapter: the name of a served LoRA adapter (`add_lora_adapter`) to sample
-        with instead of the base."""
+        """GenerationModule.stream; adapter: the name of a served LoRA adapter
+        (`add_lora_adapter`) to sample with instead of the base."""
         self._check_ready()
         shared = not isinstance(params, list)
         index = {}  # request id -> prompt index
@@ -245,9 +258,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     # ------------------------------------------------------------------ weights, memory, control
 
     def load_weights(self, buckets, mode: str = "wait") -> int:
-        """See GenerationModule.load_weights. Every generated token reports the version it was sampled under
-        (`weight_versions` in the outputs); requests added after an update never reuse prefix-cache blocks
-        computed with older weights. Names and layouts: see `adapter.load_weights`."""
+        """See GenerationModule.load_weights. Every generated token reports the version it was
+        sampled under (`weight_versions` in the outputs); requests added after an update never
+        reuse prefix-cache blocks computed with older weights. Names and layouts: see
+        `adapter.load_weights`."""
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
         return self.engine_loop.update_weights(buckets, mode)
@@ -255,9 +269,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     lora_adapters: dict = {}  # name -> LoRARequest of the adapters served beside the base (add_lora_adapter)
 
     def add_lora_adapter(self, name: str, directory) -> None:
-        """Serve the PEFT LoRA adapter in `directory` as model `name` beside the base (`chatgen serve
-        --lora-modules`): `stream(..., adapter=name)` samples with it. vLLM reads the directory (again, should it
-        evict the adapter), so it must stay. Needs `enable_lora`."""
+        """Serve the PEFT LoRA adapter in `directory` as model `name` beside the base (`chatgen
+        serve --lora-modules`): `stream(..., adapter=name)` samples with it. vLLM reads the
+        directory (again, should it evict the adapter), so it must stay. Needs `enable_lora`."""
         if not self.config.enable_lora:
             raise ValueError(f"{self.name}: add_lora_adapter needs enable_lora: true in its config")
         lora_id = 2 + len(self.lora_adapters)  # 1: the synced adapter (load_lora_tensors)
@@ -266,16 +280,18 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         self.lora_adapters = {**self.lora_adapters, name: request}
 
     def load_lora_adapter(self, directory) -> None:
-        """`load_lora_tensors` of the PEFT LoRA adapter in `directory` (read now: it may go away after)."""
+        """`load_lora_tensors` of the PEFT LoRA adapter in `directory` (read now: it may go away
+        after)."""
         from chatgen.models.lora_format import read_peft
 
         self.load_lora_tensors(*read_peft(directory, key=str(directory)))
 
     def load_lora_tensors(self, config: dict, tensors: dict) -> int:
-        """Sample every later request with this LoRA adapter (its adapter_config.json as a dict, its tensors by
-        PEFT name) on top of the base weights, replacing the previous one in place under the same adapter id
-        (adapter-only sync, docs/lora.md); needs `enable_lora`. Between calls. A new weight version: requests
-        added after it never reuse prefix-cache blocks computed under the previous adapter. Returns it."""
+        """Sample every later request with this LoRA adapter (its adapter_config.json as a dict,
+        its tensors by PEFT name) on top of the base weights, replacing the previous one in place
+        under the same adapter id (adapter-only sync, docs/lora.md); needs `enable_lora`. Between
+        calls. A new weight version: requests added after it never reuse prefix-cache blocks
+        computed under the previous adapter. Returns it."""
         from chatgen.models.lora_format import check_finite_adapter
 
         if not self.config.enable_lora:
@@ -311,17 +327,17 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
 
     @property
     def engine_loop(self):
-        """The `EngineLoop` stepping this module's engine (one per engine; threadless with external_launcher,
-        whose ranks must step in lockstep)."""
+        """The `EngineLoop` stepping this module's engine (one per engine; threadless with
+        external_launcher, whose ranks must step in lockstep)."""
         return EngineLoop.of(
             self.engine, threaded=self.distributed_executor_backend != "external_launcher"
         )
 
     def sleep(self, level: int = 1) -> None:
-        """Level 1: drop the KV cache, offload weights to CPU; level 2: drop both (sync all weights after
-        `wake_up`). On CPU vLLM 0.32 frees nothing (its CPU worker's sleep is a no-op): the engine pauses and
-        the prefix cache is cleared; size the CPU cache with kv_cache_memory_bytes. Generating while asleep
-        is an error."""
+        """Level 1: drop the KV cache, offload weights to CPU; level 2: drop both (sync all
+        weights after `wake_up`). On CPU vLLM 0.32 frees nothing (its CPU worker's sleep is a
+        no-op): the engine pauses and the prefix cache is cleared; size the CPU cache with
+        kv_cache_memory_bytes. Generating while asleep is an error."""
         self.engine_loop.call(lambda: adapter.sleep(self.engine, level))
 
     def wake_up(self, tags: list | None = None) -> None:
@@ -340,7 +356,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         return self.engine_loop.call(lambda: adapter.reset_prefix_cache(self.engine))
 
     def expert_weights(self) -> list:
-        """[(w13, w2)] per MoE layer as the engine computes with them (for check-sync's per-expert check)."""
+        """[(w13, w2)] per MoE layer as the engine computes with them (for check-sync's
+        per-expert check)."""
         return self.engine_loop.call(lambda: adapter.expert_weights(self.engine))
 
     def shutdown(self) -> None:
@@ -361,9 +378,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     # ------------------------------------------------------------------ the loop
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
-        """add_request for each dataset item, with its own prompt length and stop strings (greedy:
-        one greedy response; so for an item with "greedy": True); returns request ids. An item over
-        the prompt budget is an error naming it."""
+        """add_request for each dataset item, with its own prompt length and stop strings
+        (greedy: one greedy response; so for an item with "greedy": True); returns request ids.
+        An item over the prompt budget is an error naming it."""
         request_ids = []
         for i, item in enumerate(items):
             self.check_item(item, f"run_generation: item {i}")
@@ -386,9 +403,10 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise RuntimeError(f"{type(self).__name__} is asleep: call wake_up() before generating")
 
     def _drive(self, add_requests, is_eval=False) -> list:
-        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine thread; each
-        step goes through `forward_step`, or `eval_forward` when is_eval) and wait until all its requests
-        finish; returns the finished `RequestOutput`s sorted by request id and records `self.metrics`."""
+        """Submit a call to the engine loop (`add_requests()` queues its requests, on the engine
+        thread; each step goes through `forward_step`, or `eval_forward` when is_eval) and wait
+        until all its requests finish; returns the finished `RequestOutput`s sorted by request id
+        and records `self.metrics`."""
         self._check_ready()
         start = time.perf_counter()
         finished, stats = self.engine_loop.run(self, add_requests, is_eval, self.on_finished)

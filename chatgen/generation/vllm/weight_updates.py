@@ -14,8 +14,8 @@ class WeightUpdates:
     """EngineLoop's weight updates and version stamps; they use the loop's state and steps."""
 
     def _stamp_versions(self, output) -> None:
-        """Set `weight_versions` (one per token it holds) on each sample of a finished RequestOutput, or of any
-        delta of a streamed request."""
+        """Set `weight_versions` (one per token it holds) on each sample of a finished
+        RequestOutput, or of any delta of a streamed request."""
         # a delta's tokens were all sampled in the step just run
         if output.request_id in self._streamed:
             for sample in output.outputs:
@@ -32,8 +32,9 @@ class WeightUpdates:
             sample.weight_versions = versions
 
     def _held(self) -> bool:
-        """Whether the engine waits for the next weight update instead of stepping: every running call
-        asked for it (chatgen.generation.handover) at the current version and has run its steps."""
+        """Whether the engine waits for the next weight update instead of stepping: every running
+        call asked for it (chatgen.generation.handover) at the current version and has run its
+        steps."""
         return bool(self._active) and all(
             call.hold is not None
             and call.hold[1] == self.weight_version
@@ -42,10 +43,10 @@ class WeightUpdates:
         )
 
     def _abort_returning_outputs(self) -> None:
-        """End every running request now, each call getting what its requests generated so far. vLLM gives one
-        output per request, or for a streamed request of n samples one per sample, all with the request's id
-        (only the last one `finished`): each is routed to its call, and a request leaves the books once all of
-        its outputs are out."""
+        """End every running request now, each call getting what its requests generated so far.
+        vLLM gives one output per request, or for a streamed request of n samples one per sample,
+        all with the request's id (only the last one `finished`): each is routed to its call, and
+        a request leaves the books once all of its outputs are out."""
         by_request = {}
         for output in adapter.abort_with_outputs(self.llm, list(self._calls)):
             by_request.setdefault(output.request_id, []).append(output)
@@ -63,7 +64,8 @@ class WeightUpdates:
                 self._finish(call)
 
     def _update(self, buckets, mode: str) -> int:
-        """Apply a weight update on the engine thread (see GenerationModule.load_weights for the modes)."""
+        """Apply a weight update on the engine thread (see GenerationModule.load_weights for the
+        modes)."""
         if mode == "wait" and self.paused:
             raise RuntimeError(
                 'update_weights: the engine is paused, and mode "wait" would run its waiting requests '
@@ -119,9 +121,9 @@ class WeightUpdates:
         for key, count in counts.items():
             if key[0] in self._calls and key[0] not in self._streamed:
                 self._marks.setdefault(key, []).append((count, self.weight_version))
-        # No request may reuse KV computed with the old weights: recompute preempts the running requests
-        # (they re-prefill prompt + generated tokens); otherwise the cache is cleared where nothing holds
-        # blocks, and new requests carry a new cache salt either way.
+        # No request may reuse KV computed with the old weights: recompute preempts the running
+        # requests (they re-prefill prompt + generated tokens); otherwise the cache is cleared where
+        # nothing holds blocks, and new requests carry a new cache salt either way.
         adapter.reset_prefix_cache(self.llm, preempt_running=mode == "recompute")
         self.last_update_s = time.perf_counter() - start
         return self.weight_version

@@ -1,8 +1,9 @@
-"""RLHF algorithms, one file each: grpo.py, grpo_multiturn.py, ppo.py, dpo.py, online_dpo.py (or your own module).
+"""RLHF algorithms, one file each: grpo.py, grpo_multiturn.py, ppo.py, dpo.py, online_dpo.py (or
+your own module).
 
-`runtime.algorithm.name` in the main YAML picks one: a name here (`grpo`), or the dotted path of your own module
-(`my_pkg.my_algo`, importable from the directory you run in). An algorithm module declares everything about
-itself; nothing else in chatgen lists algorithms:
+`runtime.algorithm.name` in the main YAML picks one: a name here (`grpo`), or the dotted path of
+your own module (`my_pkg.my_algo`, importable from the directory you run in). An algorithm module
+declares everything about itself; nothing else in chatgen lists algorithms:
 
     Config      a dataclass subclassing chatgen.rlhf.schema.AlgorithmConfig: its own keys of the `runtime.algorithm:`
                 section, each `name: type = opt(default, "doc")`, with a `check()` for ranges (typed, typo-checked
@@ -15,7 +16,7 @@ itself; nothing else in chatgen lists algorithms:
     train(cfg, resume=False, log=print) -> dict   the episode loop, top to bottom (chatgen.rlhf.run.Run
                 gives it data, generation, scoring, trainer calls, sync, checkpoints, eval and logging)
 
-chatgen.rlhf.registry finds them (`load`, `available`); this package imports nothing, so the algorithms
-can import chatgen.rlhf.config and chatgen.rlhf.run without an arrow pointing back up.
+chatgen.rlhf.registry finds them (`load`, `available`); this package imports nothing, so the
+algorithms can import chatgen.rlhf.config and chatgen.rlhf.run without an arrow pointing back up.
 docs/extending.md walks through adding one.
 """

@@ -1,14 +1,16 @@
-"""DPO (Direct Preference Optimization, Rafailov et al. 2023), offline: the algorithm, its config section, its loop.
+"""DPO (Direct Preference Optimization, Rafailov et al. 2023), offline: the algorithm, its config
+section, its loop.
 
     chatgen train configs/dpo_tiny.yaml            # runtime.algorithm.name: dpo
 
-The data are preference pairs, runtime.data_path / eval_data_path JSONL lines {"prompt", "chosen", "rejected"}.
-Each episode: take sample_per_episode / 2 pairs; tokenize them in the driver into trainer rows [chosen_0,
-rejected_0, chosen_1, ...] (BOS + prompt + response + EOS, the loss on response + EOS, as the SFT warm start
-builds them); the frozen reference gives each row's per-token log-probs; the trainer (Megatron) takes DPO steps
-on whole pairs: -log sigmoid(beta * ((log pi - log ref)(chosen) - (log pi - log ref)(rejected))). Held-out:
-preference accuracy (how often the chosen response's log-ratio is the larger) and reward margin on the eval
-pairs. No generation, no reward model, no weight sync. docs/rlhf_engine.md has the details.
+The data are preference pairs, runtime.data_path / eval_data_path JSONL lines {"prompt", "chosen",
+"rejected"}. Each episode: take sample_per_episode / 2 pairs; tokenize them in the driver into
+trainer rows [chosen_0, rejected_0, chosen_1, ...] (BOS + prompt + response + EOS, the loss on
+response + EOS, as the SFT warm start builds them); the frozen reference gives each row's per-token
+log-probs; the trainer (Megatron) takes DPO steps on whole pairs: -log sigmoid(beta * ((log pi - log
+ref)(chosen) - (log pi - log ref)(rejected))). Held-out: preference accuracy (how often the chosen
+response's log-ratio is the larger) and reward margin on the eval pairs. No generation, no reward
+model, no weight sync. docs/rlhf_engine.md has the details.
 """
 
 import dataclasses
@@ -58,8 +60,9 @@ MODELS = {
 
 
 def pair_problems(cfg):
-    """For algorithms whose trainer rows come in (chosen, rejected) pairs: a micro-batch (the runtime's; a trainer
-    takes it) must hold whole pairs; whole micro-batches then also make whole global batches and DP shards."""
+    """For algorithms whose trainer rows come in (chosen, rejected) pairs: a micro-batch (the
+    runtime's; a trainer takes it) must hold whole pairs; whole micro-batches then also make
+    whole global batches and DP shards."""
     micro = cfg.runtime.train_micro_batch_size
     if micro % 2:
         yield (
@@ -102,9 +105,10 @@ def check(cfg):
 
 
 def pair_batch(tokenizer, records: list):
-    """Trainer rows of preference records: a chatgen.core.rollout.RolloutBatch of 2 x len(records) rows, row 2k the
-    k-th record's prompt + chosen, row 2k + 1 its prompt + rejected. Each row is BOS + prompt + response + EOS
-    (the tokenizer adds BOS to the prompt as it does for generation), loss_mask 1 on the response and EOS."""
+    """Trainer rows of preference records: a chatgen.core.rollout.RolloutBatch of 2 x
+    len(records) rows, row 2k the k-th record's prompt + chosen, row 2k + 1 its prompt +
+    rejected. Each row is BOS + prompt + response + EOS (the tokenizer adds BOS to the prompt as
+    it does for generation), loss_mask 1 on the response and EOS."""
     samples = []
     for k, record in enumerate(records):
         prompt = tokenizer.encode(record["prompt"])
@@ -121,10 +125,11 @@ def pair_batch(tokenizer, records: list):
 
 
 class PreferenceEval:
-    """The held-out evaluation (Run's `evaluate=`): preference accuracy and reward margin of the policy on the eval
-    pairs. The pairs and their reference log-probs are computed once (the reference is frozen); each evaluation
-    runs the policy over them, in chunks of an episode's pairs (a size every model's batch split accepts), the
-    last chunk filled up with copies of its first pair that are left out of the figures."""
+    """The held-out evaluation (Run's `evaluate=`): preference accuracy and reward margin of the
+    policy on the eval pairs. The pairs and their reference log-probs are computed once (the
+    reference is frozen); each evaluation runs the policy over them, in chunks of an episode's
+    pairs (a size every model's batch split accepts), the last chunk filled up with copies of its
+    first pair that are left out of the figures."""
 
     def __init__(self, tokenizer, pairs_per_call: int, beta: float):
         self.tokenizer, self.pairs_per_call, self.beta = tokenizer, pairs_per_call, beta
@@ -161,7 +166,8 @@ PHASES = ["reference", "train", "checkpoint", "eval"]
 
 
 def train(cfg, resume: bool = False, log=print) -> dict:
-    """Run DPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
+    """Run DPO as configured; returns the last episode's metrics. Actors are stopped however it
+    ends."""
     from transformers import AutoTokenizer
 
     algo, rt = cfg.runtime.algorithm, cfg.runtime

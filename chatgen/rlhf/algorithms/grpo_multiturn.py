@@ -1,20 +1,22 @@
-"""Multi-turn GRPO: environments talk to the policy over OpenAI HTTP; GRPO trains on the token ids it served.
+"""Multi-turn GRPO: environments talk to the policy over OpenAI HTTP; GRPO trains on the token ids
+it served.
 
     chatgen train configs/grpo_multiturn_tiny.yaml    # runtime.algorithm: {name: grpo_multiturn, environment: ...}
 
-The run serves its policy (`VLLMModule.serve`: chatgen's OpenAI-compatible server on a loopback port of the
-process holding the engine). Each episode: take sample_per_episode / n records; run n episodes of the
-environment per record at once (threads, so the server batches their requests); each episode is a chat the
-environment drives with the official `openai` client (user turn, model turn, tool turn, model turn, ...) and
-ends with the episode's reward. Each episode becomes one training sample: its first prompt, then every later
-token, trained on where the model generated it (`response_mask` 1) and not where the chat template or the
-environment wrote it (0), with the server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs,
-clipped policy-gradient steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
+The run serves its policy (`VLLMModule.serve`: chatgen's OpenAI-compatible server on a loopback port
+of the process holding the engine). Each episode: take sample_per_episode / n records; run n
+episodes of the environment per record at once (threads, so the server batches their requests); each
+episode is a chat the environment drives with the official `openai` client (user turn, model turn,
+tool turn, model turn, ...) and ends with the episode's reward. Each episode becomes one training
+sample: its first prompt, then every later token, trained on where the model generated it
+(`response_mask` 1) and not where the chat template or the environment wrote it (0), with the
+server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs, clipped policy-gradient
+steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
 
-`runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a built-in
-(`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own 'package.module:Object': a
-reset/step protocol environment, played turn by turn with its tools and the server's parsed `tool_calls`
-(`tool_call_parser`), or a class with `episode`:
+`runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a
+built-in (`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own
+'package.module:Object': a reset/step protocol environment, played turn by turn with its tools and
+the server's parsed `tool_calls` (`tool_call_parser`), or a class with `episode`:
 
     class MyEnv:
         def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
@@ -113,9 +115,10 @@ def check(cfg):
 
 
 def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | None = None) -> Sample:
-    """One training Sample of an episode: prompt = the first turn's prompt ids; response = every later token;
-    response_mask 1 on the tokens the model generated (every turn) and 0 on those the template or the
-    environment wrote between them; response_logprobs = the server's (0 where masked)."""
+    """One training Sample of an episode: prompt = the first turn's prompt ids; response = every
+    later token; response_mask 1 on the tokens the model generated (every turn) and 0 on those
+    the template or the environment wrote between them; response_logprobs = the server's (0 where
+    masked)."""
     if not episode.turns:
         raise ValueError(
             "the episode has no turns; an environment's episode must call the policy at least once"
@@ -152,8 +155,8 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
 
 
 def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
-    """n episodes of every record, all at once (one thread each, so the server batches their requests);
-    episode j of record i at index i * n + j."""
+    """n episodes of every record, all at once (one thread each, so the server batches their
+    requests); episode j of record i at index i * n + j."""
     jobs = [record for record in records for _ in range(n)]
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=len(jobs), thread_name_prefix="episode"
@@ -164,8 +167,8 @@ def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int
 
 
 def env_metrics(episodes: list, prefix: str) -> dict:
-    """The mean of each of the episodes' own `metrics`, as `<prefix><key>` (over the episodes that
-    report the key: a failed episode reports fewer)."""
+    """The mean of each of the episodes' own `metrics`, as `<prefix><key>` (over the episodes
+    that report the key: a failed episode reports fewer)."""
     keys = dict.fromkeys(key for e in episodes for key in e.metrics)
     return {
         f"{prefix}{key}": sum(vals) / len(vals)
@@ -178,7 +181,8 @@ PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint"
 
 
 def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
-    """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed with the worker)."""
+    """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed
+    with the worker)."""
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
     server = EmbeddedServer(
@@ -188,7 +192,8 @@ def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
 
 
 def train(cfg, resume=False, log=print) -> dict:
-    """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as grpo.train."""
+    """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as
+    grpo.train."""
     import torch
 
     algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config

@@ -1,14 +1,14 @@
-"""Online DPO (as TRL's OnlineDPOTrainer and ChatLearn's OnlineDPOEngine ship it): the algorithm, its config
-section and its loop.
+"""Online DPO (as TRL's OnlineDPOTrainer and ChatLearn's OnlineDPOEngine ship it): the algorithm,
+its config section and its loop.
 
     chatgen train configs/online_dpo_tiny.yaml            # runtime.algorithm.name: online_dpo
 
-Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n >= 2 responses to each; the
-reward model scores them; each prompt's best and worst response make a (chosen, rejected) pair (a prompt whose
-responses all tie states no preference: its pair stays in the batch with weight 0); the frozen reference gives
-the pairs' per-token log-probs; the trainer (Megatron) takes DPO steps on whole pairs; the new weights are
-synced into vLLM; then checkpoint, eval (the policy's held-out reward, as for GRPO) and log.
-docs/rlhf_engine.md has the details.
+Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n >= 2 responses to
+each; the reward model scores them; each prompt's best and worst response make a (chosen, rejected)
+pair (a prompt whose responses all tie states no preference: its pair stays in the batch with weight
+0); the frozen reference gives the pairs' per-token log-probs; the trainer (Megatron) takes DPO
+steps on whole pairs; the new weights are synced into vLLM; then checkpoint, eval (the policy's
+held-out reward, as for GRPO) and log. docs/rlhf_engine.md has the details.
 """
 
 import dataclasses
@@ -78,7 +78,8 @@ PHASES = ["generate", "reward", "reference", "old_logprobs", "train", "sync", "c
 
 
 def train(cfg, resume: bool = False, log=print) -> dict:
-    """Run Online DPO as configured; returns the last episode's metrics. Actors are stopped however it ends."""
+    """Run Online DPO as configured; returns the last episode's metrics. Actors are stopped
+    however it ends."""
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     n = cfg.models["policy"].config.n
     loss_fn = partial(L.dpo_loss_fn, beta=algo.beta)

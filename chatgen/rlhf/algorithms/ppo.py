@@ -2,11 +2,12 @@
 
     chatgen train configs/ppo_tiny.yaml            # runtime.algorithm.name: ppo
 
-Each episode: the policy (vLLM) samples one or more responses per prompt; the reward model scores them; the
-sequence score lands on the last response token and a per-token KL penalty to the reference is subtracted;
-the critic (value_trainer) gives per-token values; GAE turns rewards and values into advantages and returns;
-the policy trainer takes clipped policy-gradient steps and the critic clipped value steps; the policy's
-new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
+Each episode: the policy (vLLM) samples one or more responses per prompt; the reward model scores
+them; the sequence score lands on the last response token and a per-token KL penalty to the
+reference is subtracted; the critic (value_trainer) gives per-token values; GAE turns rewards and
+values into advantages and returns; the policy trainer takes clipped policy-gradient steps and the
+critic clipped value steps; the policy's new weights are synced into vLLM; then checkpoint, eval and
+log. docs/rlhf_engine.md has the details.
 """
 
 import dataclasses
@@ -105,8 +106,9 @@ PHASES = [
 
 
 def train(cfg, resume=False, log=print) -> dict:
-    """Run PPO as configured; returns the last episode's metrics. Actors are stopped however it ends. resume:
-    False, True (the latest checkpoint) or a checkpoint (path or episode directory name)."""
+    """Run PPO as configured; returns the last episode's metrics. Actors are stopped however it
+    ends. resume: False, True (the latest checkpoint) or a checkpoint (path or episode directory
+    name)."""
     algo, rt = cfg.runtime.algorithm, cfg.runtime
     n = cfg.models["policy"].config.n
     # the KL is in the rewards, not the loss

@@ -9,10 +9,11 @@ that names it (chatgen.rlhf.recipe.registry):
                                                                                        (corrections.py)
     policy_loss   runtime.algorithm.policy_loss     ppo_clip, cispo, sapo, gmpo        (policy_losses.py)
 
-shaping.py holds the length shapers grpo's step.shaped_rewards applies (no registry: keys turn them on).
+shaping.py holds the length shapers grpo's step.shaped_rewards applies (no registry: keys turn them
+on).
 
-Every module of this package is imported here, so a new built-in is a new file that registers itself;
-a user's own function is named by its path in the YAML (docs/extending.md).
+Every module of this package is imported here, so a new built-in is a new file that registers
+itself; a user's own function is named by its path in the YAML (docs/extending.md).
 """
 
 import importlib

@@ -39,7 +39,8 @@ def _rloo_rules(algo):
 
 @advantage("grpo", check=_grpo_rules)
 def grpo(rewards, n, batch, algo):
-    """Reward minus its group's mean, over the group's std (normalize_advantage_std; off: Dr. GRPO)."""
+    """Reward minus its group's mean, over the group's std (normalize_advantage_std; off: Dr.
+    GRPO)."""
     return L.group_advantages(rewards, n, normalize_std=algo.normalize_advantage_std)
 
 
@@ -51,8 +52,8 @@ def rloo(rewards, n, batch, algo):
 
 @advantage("reinforce_pp", check=_no_std_option)
 def reinforce_pp(rewards, n, batch, algo):
-    """REINFORCE++: each token's return (with kl_coef * KL in the token rewards when kl_in_reward),
-    whitened over the batch (Hu 2025)."""
+    """REINFORCE++: each token's return (with kl_coef * KL in the token rewards when
+    kl_in_reward), whitened over the batch (Hu 2025)."""
     kl_coef = algo.kl_coef if algo.kl_in_reward else 0.0
     old = batch.old_logprobs
     ref = old if batch.ref_logprobs is None else batch.ref_logprobs

@@ -1,6 +1,7 @@
-"""Importance weights for the train/inference mismatch, `runtime.algorithm.importance_sampling_level`
-(with importance_sampling_cap): fn(old_logprobs, infer_logprobs, mask, cap) -> detached weights,
-(B, T) per token or (B,) per sequence (docs/algorithms.md: TIS, verl's rollout_is)."""
+"""Importance weights for the train/inference mismatch,
+`runtime.algorithm.importance_sampling_level` (with importance_sampling_cap): fn(old_logprobs,
+infer_logprobs, mask, cap) -> detached weights, (B, T) per token or (B,) per sequence
+(docs/algorithms.md: TIS, verl's rollout_is)."""
 
 from chatgen.rlhf import losses as L
 from chatgen.rlhf.recipe.registry import correction

@@ -51,8 +51,8 @@ def reverse_kl(old_logprobs, teacher_logprobs, mask) -> float:
 
 
 def _vocabulary(directory):
-    """What identifies a tokenizer's token ids in an HF directory: tokenizer.json's model and added
-    tokens, else tokenizer.model's bytes; None when it holds neither."""
+    """What identifies a tokenizer's token ids in an HF directory: tokenizer.json's model and
+    added tokens, else tokenizer.model's bytes; None when it holds neither."""
     d = Path(directory)
     if (d / "tokenizer.json").exists():
         data = json.loads((d / "tokenizer.json").read_text())

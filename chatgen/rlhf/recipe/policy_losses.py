@@ -1,7 +1,7 @@
-"""Policy losses, `runtime.algorithm.policy_loss`: fn(log_ratio, logprobs, advantages, mask, options)
--> (per_token (B, T), clipped (B, T) bool), the per-token loss before importance weights, KL and
-entropy terms and the aggregation (chatgen.rlhf.losses.policy_loss). log_ratio is the ratio the
-registry `ratio` names (log pi - log pi_old per token by default); logprobs carry the gradient;
+"""Policy losses, `runtime.algorithm.policy_loss`: fn(log_ratio, logprobs, advantages, mask,
+options) -> (per_token (B, T), clipped (B, T) bool), the per-token loss before importance weights,
+KL and entropy terms and the aggregation (chatgen.rlhf.losses.policy_loss). log_ratio is the ratio
+the registry `ratio` names (log pi - log pi_old per token by default); logprobs carry the gradient;
 advantages are (B, T); options the PolicyLossOptions (clip_eps = the low clip, clip_eps_high).
 `clipped` marks the tokens the loss bounded: policy/clip_fraction. docs/algorithms.md has each
 formula and paper; TRL's name is GRPOConfig.loss_type, verl's actor.policy_loss.loss_mode.
@@ -41,8 +41,9 @@ policy_loss("ppo_clip")(L.ppo_clip)
 
 @policy_loss("cispo", check=_no_dual_clip)
 def cispo(log_ratio, logprobs, advantages, mask, o):
-    """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - clip_eps, 1 + clip_eps_high)) A log pi per token:
-    REINFORCE weighted by the clipped, detached importance ratio; no token loses its gradient."""
+    """CISPO (MiniMax-M1, 2025): -sg(clip(r, 1 - clip_eps, 1 + clip_eps_high)) A log pi per
+    token: REINFORCE weighted by the clipped, detached importance ratio; no token loses its
+    gradient."""
     ratio = torch.exp(log_ratio)
     weight = ratio.clamp(1 - o.clip_eps, 1 + _high(o)).detach()
     return -weight * advantages * logprobs, weight != ratio.detach()
@@ -50,9 +51,9 @@ def cispo(log_ratio, logprobs, advantages, mask, o):
 
 @policy_loss("sapo", check=_no_dual_clip)
 def sapo(log_ratio, logprobs, advantages, mask, o):
-    """SAPO (Gao et al. 2025, Soft Adaptive Policy Optimization): -(4 / tau) sigmoid(tau (r - 1)) A,
-    tau = sapo_temperature_pos where A > 0, else sapo_temperature_neg: a smooth gate instead of the
-    hard clip, whose gradient weight 4 s (1 - s) is 1 at r = 1 and fades as r leaves it."""
+    """SAPO (Gao et al. 2025, Soft Adaptive Policy Optimization): -(4 / tau) sigmoid(tau (r - 1))
+    A, tau = sapo_temperature_pos where A > 0, else sapo_temperature_neg: a smooth gate instead
+    of the hard clip, whose gradient weight 4 s (1 - s) is 1 at r = 1 and fades as r leaves it."""
     ratio = torch.exp(log_ratio)
     tau = torch.where(advantages > 0, o.sapo_temperature_pos, o.sapo_temperature_neg)
     gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
@@ -61,10 +62,10 @@ def sapo(log_ratio, logprobs, advantages, mask, o):
 
 @policy_loss("gmpo", check=_gmpo_rules)
 def gmpo(log_ratio, logprobs, advantages, mask, o):
-    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization): each token's log-ratio clipped
-    pessimistically in log space to [-clip_eps, clip_eps_high] (the side that would lower the loss
-    for sign(A)), then the row's geometric-mean ratio R_i = exp(mean_t clipped log r); every token
-    of row i carries -A R_i, so seq_mean_token_mean gives GMPO's mean_i -A_i R_i."""
+    """GMPO (Zhao et al. 2025, Geometric-Mean Policy Optimization): each token's log-ratio
+    clipped pessimistically in log space to [-clip_eps, clip_eps_high] (the side that would lower
+    the loss for sign(A)), then the row's geometric-mean ratio R_i = exp(mean_t clipped log r);
+    every token of row i carries -A R_i, so seq_mean_token_mean gives GMPO's mean_i -A_i R_i."""
     sign = torch.sign(advantages)
     bounded = sign * torch.minimum(sign * log_ratio, sign * log_ratio.clamp(-o.clip_eps, _high(o)))
     geometric = torch.exp(L.masked_mean(bounded, mask, dim=1)).unsqueeze(1)

@@ -53,7 +53,8 @@ class Registry:
         return None
 
     def get(self, value: str):
-        """The function `value` names: a registered name, or 'module:function' / 'file.py:function'."""
+        """The function `value` names: a registered name, or 'module:function' /
+        'file.py:function'."""
         if value in self.functions:
             return self.functions[value]
         if isinstance(value, str) and ":" in value:

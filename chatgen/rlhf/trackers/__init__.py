@@ -37,8 +37,8 @@ def flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def start_trackers(cfg, out_dir, resume: bool) -> list:
-    """The trackers runtime.loggers names, each started on `cfg`'s masked resolved config; resume:
-    continue the run ids `<out_dir>/trackers.json` recorded."""
+    """The trackers runtime.loggers names, each started on `cfg`'s masked resolved config;
+    resume: continue the run ids `<out_dir>/trackers.json` recorded."""
     rt, ids_path = cfg.runtime, out_dir / IDS_NAME
     ids = json.loads(ids_path.read_text()) if resume and ids_path.exists() else {}
     params = mask_secrets(to_dict(cfg))

@@ -2,8 +2,8 @@
 runtime.project_name, at MLFLOW_TRACKING_URI; unset, a local file store <output_dir>/mlruns
 (`mlflow ui --backend-store-uri file:...`), which MLflow 3 keeps in maintenance mode:
 MLFLOW_ALLOW_FILE_STORE=true is set for it. The config goes in as parameters (dotted keys); a
-resumed run adds the keys it did not log before (MLflow never changes a logged parameter) and logs
-its metrics at their episode. MLflow names allow letters, digits, _ - . : / and space only:
+resumed run adds the keys it did not log before (MLflow never changes a logged parameter) and
+logs its metrics at their episode. MLflow names allow letters, digits, _ - . : / and space only:
 eval/pass@4 is logged as eval/pass_at_4."""
 
 import math

@@ -15,8 +15,8 @@ from chatgen.rlhf.config import mask_overrides
 class Tracker:
     def __init__(self, out_dir, project: str, name: str, params: dict, run_id: str | None):
         """Start (or with run_id, continue) the wandb run; params: the masked resolved config."""
-        # wandb records the command line (its metadata's `args`, read from sys.argv whenever it writes
-        # them): an override holding a secret is masked there as everywhere else
+        # wandb records the command line (its metadata's `args`, read from sys.argv whenever it
+        # writes them): an override holding a secret is masked there as everywhere else
         sys.argv[1:] = mask_overrides(sys.argv[1:])
         self.run = wandb.init(
             project=project,

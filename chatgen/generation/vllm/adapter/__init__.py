@@ -1,34 +1,40 @@
-"""The one place in chatgen that touches vLLM internals (written against vLLM 0.32), one file per topic.
+"""The one place in chatgen that touches vLLM internals (written against vLLM 0.32), one file per
+topic.
 
-`VLLMModule` drives vLLM one engine step at a time so that the framework, not vLLM, owns the loop. The public
-`LLMEngine.step()` fuses "schedule" and "run the model"; this module splits them:
+`VLLMModule` drives vLLM one engine step at a time so that the framework, not vLLM, owns the loop.
+The public `LLMEngine.step()` fuses "schedule" and "run the model"; this module splits them:
 
     schedule(llm)            -> ScheduledBatch     scheduler.schedule()
     execute(llm, batch)      -> [RequestOutput]    executor.execute_model + sample_tokens,
                                                    scheduler.update_from_output, output_processor
 
-(split_step.py) which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.step()` for an in-process,
-single-batch-queue engine. Everything else here uses vLLM's public API (`LLM`, `SamplingParams`,
-`LLMEngine.add_request`, `collective_rpc`).
+(split_step.py) which is exactly `EngineCore.step()` + `InprocClient.get_output()` +
+`LLMEngine.step()` for an in-process, single-batch-queue engine. Everything else here uses vLLM's
+public API (`LLM`, `SamplingParams`, `LLMEngine.add_request`, `collective_rpc`).
 
-`record_routed_experts(llm)` (routing.py) makes `execute` record, for a mixture-of-experts model, the experts each token was routed
-to (vLLM's router capture hook) and hand them out on each finished sample as `CompletionOutput.routed_experts`.
+`record_routed_experts(llm)` (routing.py) makes `execute` record, for a mixture-of-experts model,
+the experts each token was routed to (vLLM's router capture hook) and hand them out on each finished
+sample as `CompletionOutput.routed_experts`.
 
-`record_sampled_logprobs(llm)` (sampled_logprobs.py, installed by `build_llm` where it applies) gives requests that want
-only their sampled tokens' log-probs those values from one gather per step instead of vLLM's per-request entries.
+`record_sampled_logprobs(llm)` (sampled_logprobs.py, installed by `build_llm` where it applies)
+gives requests that want only their sampled tokens' log-probs those values from one gather per step
+instead of vLLM's per-request entries.
 
-`build_llm` / `shutdown` (engine.py) start and end the engine. `check_internals(llm)` asserts every private attribute this relies on; `build_llm` calls it, and
-tests/integration/test_generation_engine.py checks it and compares a split-step run with `LLM.generate`
-token for token, so a vLLM upgrade that moves any of it fails loudly there instead of generating garbage.
-Every workaround of a vLLM 0.32 behaviour is in patches.py, whose `check()` (tests/integration/
-test_vllm_patches.py) names what of vLLM each patch relies on.
+`build_llm` / `shutdown` (engine.py) start and end the engine. `check_internals(llm)` asserts every
+private attribute this relies on; `build_llm` calls it, and
+tests/integration/test_generation_engine.py checks it and compares a split-step run with
+`LLM.generate` token for token, so a vLLM upgrade that moves any of it fails loudly there instead of
+generating garbage. Every workaround of a vLLM 0.32 behaviour is in patches.py, whose `check()`
+(tests/integration/ test_vllm_patches.py) names what of vLLM each patch relies on.
 
-Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)` (weights.py).
+Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)`
+(weights.py).
 """
 
 import os
 
-# The engine core must live in this process: the framework steps it and syncs weights into it in place.
+# The engine core must live in this process: the framework steps it and syncs weights into it in
+# place.
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 from chatgen.core.imports import require  # noqa: E402

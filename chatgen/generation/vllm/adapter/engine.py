@@ -1,5 +1,6 @@
-"""Building and ending an in-process vLLM engine: `build_llm` (vLLM's `LLM` with the adapter's patches and checks
-installed), `shutdown`, and what an engine's life needs around them (its IPC directory, the startup collections).
+"""Building and ending an in-process vLLM engine: `build_llm` (vLLM's `LLM` with the adapter's
+patches and checks installed), `shutdown`, and what an engine's life needs around them (its IPC
+directory, the startup collections).
 """
 
 import atexit
@@ -16,23 +17,26 @@ from chatgen.generation.vllm.adapter import patches, sampled_logprobs
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
 from chatgen.generation.vllm.lean_imports import without_unused_imports
 
-# On CPU every linear layer of the engine over patches.PLAIN_LINEAR_MAX_BYTES (smaller fp32 ones run torch's
-# linear: patches.plain_small_linears) is a oneDNN matmul with one primitive per row count M (tokens in the
-# step), and a decode step's M is the number of running sequences: a run meets hundreds of distinct M. Each layer
-# keeps its 32 latest primitives; oneDNN's process-wide cache (1024 by default) keeps the rest, ~200 KB apiece,
-# so it grew ~5 MiB per generate on the tiny task (peak RSS 1.39 -> 1.17 GiB over 60 episodes with this cap).
-# The primitives compute the same bits either way; a capped cache only rebuilds evicted ones (~3 ms an episode).
-# Read once, at vLLM's first primitive: set before the first engine of the process (a user's value wins).
+# On CPU every linear layer of the engine over patches.PLAIN_LINEAR_MAX_BYTES (smaller fp32 ones run
+# torch's linear: patches.plain_small_linears) is a oneDNN matmul with one primitive per row count M
+# (tokens in the step), and a decode step's M is the number of running sequences: a run meets
+# hundreds of distinct M. Each layer keeps its 32 latest primitives; oneDNN's process-wide cache
+# (1024 by default) keeps the rest, ~200 KB apiece, so it grew ~5 MiB per generate on the tiny task
+# (peak RSS 1.39 -> 1.17 GiB over 60 episodes with this cap). The primitives compute the same bits
+# either way; a capped cache only rebuilds evicted ones (~3 ms an episode). Read once, at vLLM's
+# first primitive: set before the first engine of the process (a user's value wins).
 ONEDNN_PRIMITIVE_CACHE_CAPACITY = 64
 
 
 def build_llm(model: str, **engine_kwargs) -> LLM:
-    """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals we use.
+    """Start an in-process vLLM engine (`vllm.LLM(model, **engine_kwargs)`) and check the internals
+    we use.
 
-    Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there; on CPU
-    with external_launcher, TP groups get per-job shared memory (see `patches.per_job_cpu_shm`). vLLM's IPC sockets
-    (multiprocess executor, TP > 1) go to a directory of this engine (VLLM_RPC_BASE_PATH, unless set), which
-    `shutdown` removes: vLLM leaves them in /tmp.
+    Sleep mode is enabled where the platform has it (CUDA), so `sleep()` really frees memory there;
+    on CPU with external_launcher, TP groups get per-job shared memory (see
+    `patches.per_job_cpu_shm`). vLLM's IPC sockets (multiprocess executor, TP > 1) go to a directory
+    of this engine (VLLM_RPC_BASE_PATH, unless set), which `shutdown` removes: vLLM leaves them in
+    /tmp.
     """
     from vllm.platforms import current_platform
 
@@ -97,12 +101,14 @@ def shutdown(llm: LLM) -> None:
 
 @contextlib.contextmanager
 def host_memory_only_gc(active: bool):
-    """Within: gc.collect() of the oldest generation (what vLLM calls while it loads, warms up and shuts down,
-    to hand freed device memory back before measuring it) does nothing. On CPU there is no device memory to hand
-    back, and each such collection walks the ~70k objects vLLM's imports leave: 0.25-0.5 s apiece, five per
-    engine life (1-2 s of a tiny run's startup). What they would free, Python's own collections free later.
-    While collection is paused (`chatgen.module.startup_gc`, around every module's start) the young generations
-    hold every object made since the pause, so collecting them is that same walk: nothing is collected then."""
+    """Within: gc.collect() of the oldest generation (what vLLM calls while it loads, warms up
+    and shuts down, to hand freed device memory back before measuring it) does nothing. On CPU
+    there is no device memory to hand back, and each such collection walks the ~70k objects
+    vLLM's imports leave: 0.25-0.5 s apiece, five per engine life (1-2 s of a tiny run's
+    startup). What they would free, Python's own collections free later. While collection is
+    paused (`chatgen.module.startup_gc`, around every module's start) the young generations hold
+    every object made since the pause, so collecting them is that same walk: nothing is collected
+    then."""
     if not active:
         yield
         return
@@ -132,8 +138,8 @@ def on_cpu() -> bool:
 
 
 def in_process_workers(llm: LLM) -> bool:
-    """True when the engine's workers run in this process (uniproc, external_launcher): tensors handed to
-    `load_weights` are then used directly, never pickled."""
+    """True when the engine's workers run in this process (uniproc, external_launcher): tensors
+    handed to `load_weights` are then used directly, never pickled."""
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     # also covers external_launcher

@@ -1,8 +1,9 @@
-"""Every vLLM-0.32-specific patch of chatgen, in one place: each works around a behaviour of that version
-(named in its docstring) by replacing or wrapping a vLLM internal. `RELIES_ON` lists what each patch needs of
-vLLM (and what the adapter's other wrappers of vLLM internals need: sampled_logprobs.record_sampled_logprobs), and
-`check()` returns what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails loudly on an
-upgrade that moves any of it, before a patch silently stops applying.
+"""Every vLLM-0.32-specific patch of chatgen, in one place: each works around a behaviour of that
+version (named in its docstring) by replacing or wrapping a vLLM internal. `RELIES_ON` lists what
+each patch needs of vLLM (and what the adapter's other wrappers of vLLM internals need:
+sampled_logprobs.record_sampled_logprobs), and `check()` returns what of it an installed vLLM lacks:
+tests/integration/test_vllm_patches.py fails loudly on an upgrade that moves any of it, before a
+patch silently stops applying.
 """
 
 import importlib
@@ -16,13 +17,15 @@ TESTED_VLLM = "0.32"
 
 
 def per_job_cpu_shm() -> None:
-    """Per-job names for the CPU shared memory of a TP group, unlinked once every rank has opened them.
+    """Per-job names for the CPU shared memory of a TP group, unlinked once every rank has opened
+    them.
 
-    vLLM 0.32 on CPU names that memory after the init method, the constant "env://" under external_launcher:
-    two such jobs on one machine, or the leftovers of a killed one, collide with "create shm in SHMManager
-    failed. errno: 17". So MASTER_PORT (one per job, the same on all its ranks) is appended to the name. And
-    vLLM never unlinks the segments when ranks end with os._exit (multiprocessing, Ray): each rank unlinks
-    its own right after vLLM's join barrier, when the name is no longer needed (the mapping stays).
+    vLLM 0.32 on CPU names that memory after the init method, the constant "env://" under
+    external_launcher: two such jobs on one machine, or the leftovers of a killed one, collide with
+    "create shm in SHMManager failed. errno: 17". So MASTER_PORT (one per job, the same on all its
+    ranks) is appended to the name. And vLLM never unlinks the segments when ranks end with os._exit
+    (multiprocessing, Ray): each rank unlinks its own right after vLLM's join barrier, when the name
+    is no longer needed (the mapping stays).
     """
     from vllm.distributed.device_communicators.cpu_communicator import _CPUSHMDistributed
 
@@ -45,10 +48,10 @@ def per_job_cpu_shm() -> None:
 
 
 def eager_token_ranks() -> None:
-    """vLLM 0.32 compiles the token-rank count of its log-prob gather (`sampler.batched_count_greater_than`) with
-    torch.compile even under enforce_eager: 2.3 s of compilation on the first generation call on CPU, and no
-    faster afterwards (measured on the tiny model: 0.28 s per eval call either way). An eager engine uses the
-    plain function."""
+    """vLLM 0.32 compiles the token-rank count of its log-prob gather
+    (`sampler.batched_count_greater_than`) with torch.compile even under enforce_eager: 2.3 s of
+    compilation on the first generation call on CPU, and no faster afterwards (measured on the
+    tiny model: 0.28 s per eval call either way). An eager engine uses the plain function."""
     from vllm.v1.sample import sampler
 
     compiled = sampler.batched_count_greater_than
@@ -56,9 +59,10 @@ def eager_token_ranks() -> None:
 
 
 def quiet_numa_notice() -> None:
-    """vLLM's CPU worker binds its memory to a NUMA node and says so with a C++ TORCH_WARN ("NUMA binding: Using
-    MEMBIND policy ...") on every engine start; no Python filter reaches it (chatgen.core.quiet). This wraps that
-    one op so its stderr goes to /dev/null; the binding itself, and any error it raises, are unchanged."""
+    """vLLM's CPU worker binds its memory to a NUMA node and says so with a C++ TORCH_WARN ("NUMA
+    binding: Using MEMBIND policy ...") on every engine start; no Python filter reaches it
+    (chatgen.core.quiet). This wraps that one op so its stderr goes to /dev/null; the binding
+    itself, and any error it raises, are unchanged."""
     import torch
     from vllm.platforms import current_platform
 
@@ -85,23 +89,27 @@ def quiet_numa_notice() -> None:
     )
 
 
-# The largest fp32 weight (bytes) that `plain_small_linears` leaves to torch: the tiny Llama's layers (hidden 128:
-# 64-360 KiB) run as fast on it and hold ~90 MiB less at the peak; SmolLM2's (hidden 576: 1.3-7 MiB, lm_head
-# 108 MiB) generate ~25% faster on oneDNN (benchmarks/bench_hf_vs_vllm.py with and without, 3 rounds each).
+# The largest fp32 weight (bytes) that `plain_small_linears` leaves to torch: the tiny Llama's
+# layers (hidden 128: 64-360 KiB) run as fast on it and hold ~90 MiB less at the peak; SmolLM2's
+# (hidden 576: 1.3-7 MiB, lm_head 108 MiB) generate ~25% faster on oneDNN
+# (benchmarks/bench_hf_vs_vllm.py with and without, 3 rounds each).
 PLAIN_LINEAR_MAX_BYTES = 1 << 20
 
 
 def plain_small_linears() -> None:
-    """Small fp32 linear layers of a CPU engine use torch's linear instead of a oneDNN matmul handler.
+    """Small fp32 linear layers of a CPU engine use torch's linear instead of a oneDNN matmul
+    handler.
 
-    vLLM 0.32 on CPU makes every unquantized linear layer a oneDNN matmul that keeps its 32 latest primitives,
-    one per row count M, ~200 KB apiece (engine.py, ONEDNN_PRIMITIVE_CACHE_CAPACITY); a decode step's M is the
-    number of running sequences, so they are rebuilt and freed all run long. On a small layer that memory is many
-    times the weight and buys no speed: the tiny GRPO run's glibc heap held ~42 MiB more in use and ~45 MiB more in
-    freed fragments with them (peak RSS 904 -> 816 MiB without, episode time the same; docs/rlhf_engine.md). A
-    layer whose weight is at most PLAIN_LINEAR_MAX_BYTES keeps its weight and calls torch.nn.functional.linear
-    (what vLLM itself falls back to); larger ones, and other dtypes (bf16 small layers have vLLM's own small-GEMM
-    kernel), are dispatched by vLLM as before. Reloading weights dispatches again, so a synced layer stays plain."""
+    vLLM 0.32 on CPU makes every unquantized linear layer a oneDNN matmul that keeps its 32
+    latest primitives, one per row count M, ~200 KB apiece (engine.py,
+    ONEDNN_PRIMITIVE_CACHE_CAPACITY); a decode step's M is the number of running sequences, so
+    they are rebuilt and freed all run long. On a small layer that memory is many times the
+    weight and buys no speed: the tiny GRPO run's glibc heap held ~42 MiB more in use and ~45 MiB
+    more in freed fragments with them (peak RSS 904 -> 816 MiB without, episode time the same;
+    docs/rlhf_engine.md). A layer whose weight is at most PLAIN_LINEAR_MAX_BYTES keeps its weight
+    and calls torch.nn.functional.linear (what vLLM itself falls back to); larger ones, and other
+    dtypes (bf16 small layers have vLLM's own small-GEMM kernel), are dispatched by vLLM as
+    before. Reloading weights dispatches again, so a synced layer stays plain."""
     import torch
     from vllm.model_executor.layers import utils
 
@@ -126,9 +134,10 @@ def plain_small_linears() -> None:
 
 
 class _ComputedBufferReloadFilter(logging.Filter):
-    """Drops vLLM 0.32's "RotaryEmbedding: Failed to load weights" warning, logged on every reload: the layer's
-    only tensor is its cos/sin cache, computed at start, which no checkpoint carries. Other layers' warnings
-    pass (and chatgen.param_sync's manifest check already refuses a sync that misses a parameter)."""
+    """Drops vLLM 0.32's "RotaryEmbedding: Failed to load weights" warning, logged on every
+    reload: the layer's only tensor is its cos/sin cache, computed at start, which no checkpoint
+    carries. Other layers' warnings pass (and chatgen.param_sync's manifest check already refuses
+    a sync that misses a parameter)."""
 
     LAYERS = ("RotaryEmbedding",)
 
@@ -141,14 +150,16 @@ class _ComputedBufferReloadFilter(logging.Filter):
 
 
 def install_reload_log_filter(worker=None) -> None:
-    """Install the filter in this process (called in each worker through collective_rpc); idempotent."""
+    """Install the filter in this process (called in each worker through collective_rpc);
+    idempotent."""
     reload_logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, _ComputedBufferReloadFilter) for f in reload_logger.filters):
         reload_logger.addFilter(_ComputedBufferReloadFilter())
 
 
 def cpu_experts(layer):
-    """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None elsewhere: GPU, zentorch)."""
+    """The CPU grouped-GEMM experts of a vLLM MoE layer that prepack its w13 / w2 (None
+    elsewhere: GPU, zentorch)."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     experts = getattr(
@@ -162,10 +173,11 @@ def cpu_experts(layer):
 
 
 def prepack_cpu_experts_on_reload(worker=None) -> None:
-    """vLLM 0.32 on CPU: a weight reload re-runs `UnquantizedFusedMoEMethod._setup_kernel` with the new expert
-    weights but skips, on an update, the experts' own `process_weights_after_loading`, which is where the CPU
-    backend prepacks w13 / w2 into its GEMM layout; the kernel then reads the new, unpacked weights as packed (a
-    tiny Qwen3-MoE synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
+    """vLLM 0.32 on CPU: a weight reload re-runs `UnquantizedFusedMoEMethod._setup_kernel` with
+    the new expert weights but skips, on an update, the experts' own
+    `process_weights_after_loading`, which is where the CPU backend prepacks w13 / w2 into its
+    GEMM layout; the kernel then reads the new, unpacked weights as packed (a tiny Qwen3-MoE
+    synced into an engine scored 2e-2 off in log-prob). Run it on updates too. Installed in every
     worker process by `build_llm` (idempotent)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
         UnquantizedFusedMoEMethod,
@@ -186,12 +198,13 @@ def prepack_cpu_experts_on_reload(worker=None) -> None:
 
 
 def abandon_reload(worker) -> None:
-    """vLLM 0.32's layer-wise reload keeps state per layer from its start to its end (the weights received so
-    far, the layer's tensors swapped for meta ones, wrapped weight loaders). A reload whose weights stop coming
-    half-way (a trainer lost mid-sync, a refused bucket) never reaches its end, and every later reload then failed
-    ("'Parameter' object has no attribute 'weight_loader'"): the engine could not be repaired. Drop what was
-    buffered and end the reload, which puts each unfinished layer's own tensors back (old values: the engine
-    loop refuses to generate until a complete sync)."""
+    """vLLM 0.32's layer-wise reload keeps state per layer from its start to its end (the weights
+    received so far, the layer's tensors swapped for meta ones, wrapped weight loaders). A reload
+    whose weights stop coming half-way (a trainer lost mid-sync, a refused bucket) never reaches
+    its end, and every later reload then failed ("'Parameter' object has no attribute
+    'weight_loader'"): the engine could not be repaired. Drop what was buffered and end the
+    reload, which puts each unfinished layer's own tensors back (old values: the engine loop
+    refuses to generate until a complete sync)."""
     from vllm.model_executor.model_loader.reload.layerwise import (
         finalize_layerwise_reload,
         get_layerwise_info,
@@ -206,9 +219,9 @@ def abandon_reload(worker) -> None:
 
 
 def refresh_tied_lm_head(worker) -> None:
-    """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload writes
-    embed_tokens but never re-packs lm_head, which would keep computing logits with the old weights.
-    Re-run its post-load processing (idempotent; a no-op on GPU)."""
+    """vLLM 0.32 on CPU packs the LM head's weight for its GEMM; with tied embeddings a reload
+    writes embed_tokens but never re-packs lm_head, which would keep computing logits with the
+    old weights. Re-run its post-load processing (idempotent; a no-op on GPU)."""
     model = worker.model_runner.get_model()
     head = getattr(model, "lm_head", None)
     if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and hasattr(
@@ -218,11 +231,11 @@ def refresh_tied_lm_head(worker) -> None:
 
 
 def replace_lora_in_worker(worker, lora_id: int, config: dict, tensors: dict) -> None:
-    """vLLM 0.32 loads a LoRA adapter only from a directory. In a vLLM worker (collective_rpc): replace the adapter
-    of id `lora_id` by one built from `tensors` (PEFT names) and `config` (its adapter_config.json): what
-    `WorkerLoRAManager._load_adapter` does from a directory, then the in-place swap of
-    `LRUCacheWorkerLoRAManager.add_adapter` (load_inplace). Building comes first, so an adapter vLLM refuses
-    leaves the previous one in place (adapter/lora.py)."""
+    """vLLM 0.32 loads a LoRA adapter only from a directory. In a vLLM worker (collective_rpc):
+    replace the adapter of id `lora_id` by one built from `tensors` (PEFT names) and `config`
+    (its adapter_config.json): what `WorkerLoRAManager._load_adapter` does from a directory, then
+    the in-place swap of `LRUCacheWorkerLoRAManager.add_adapter` (load_inplace). Building comes
+    first, so an adapter vLLM refuses leaves the previous one in place (adapter/lora.py)."""
     from vllm.lora.lora_model import LoRAModel
     from vllm.lora.peft_helper import PEFTHelper
 
@@ -256,8 +269,9 @@ _CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquanti
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
 _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
 
-# patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source must contain the
-# text (an attribute set in __init__, a log message); (target, (names,)) its parameters must be these.
+# patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source
+# must contain the text (an attribute set in __init__, a log message); (target, (names,)) its
+# parameters must be these.
 RELIES_ON = {
     "per_job_cpu_shm": [
         f"{_CPU_SHM}.make_group_name",
@@ -310,7 +324,8 @@ RELIES_ON = {
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.add_adapter",
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.activate_adapter",
     ],
-    # sampled_logprobs.py wraps the sampler's forward, reads the rows vLLM discards, labels rows by request
+    # sampled_logprobs.py wraps the sampler's forward, reads the rows vLLM discards, labels rows by
+    # request
     "record_sampled_logprobs": [
         ("vllm.v1.sample.sampler:Sampler.forward", ("self", "logits", "sampling_metadata")),
         ("vllm.v1.sample.sampler:Sampler.forward", "raw_logprobs = self.compute_logprobs(logits)"),
@@ -335,8 +350,8 @@ RELIES_ON = {
 
 
 def check() -> list:
-    """What an installed vLLM lacks of `RELIES_ON`, one line per miss naming the patch; [] when every patch
-    still fits."""
+    """What an installed vLLM lacks of `RELIES_ON`, one line per miss naming the patch; [] when
+    every patch still fits."""
     problems = []
     for patch, needs in RELIES_ON.items():
         for need in needs:

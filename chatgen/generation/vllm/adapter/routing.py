@@ -1,5 +1,6 @@
-"""MoE routing capture: `record_routed_experts(llm)` makes the split step record the experts vLLM routes every token
-to, handed out on each finished sample as `CompletionOutput.routed_experts` (moe_routing_replay).
+"""MoE routing capture: `record_routed_experts(llm)` makes the split step record the experts vLLM
+routes every token to, handed out on each finished sample as `CompletionOutput.routed_experts`
+(moe_routing_replay).
 """
 
 from vllm import LLM
@@ -10,13 +11,14 @@ from chatgen.generation.vllm.adapter.engine import in_process_workers
 class _RoutingRecorder:
     """The experts each token of each request was routed to, as vLLM's MoE routers chose them.
 
-    Every MoE layer's router calls `capture(layer, topk_ids)` during the forward (vLLM's `BaseRouter` capture
-    hook; ids (tokens, k) in the model runner's token order); `end_step` files the step's rows per request
-    and position (a request's tokens are its run of `num_scheduled_tokens` in the runner's batch order, at
-    positions from its `num_computed_tokens`); `hand_out` puts each finished sample's array on its
-    `CompletionOutput.routed_experts` (vLLM's own field): (positions, num_layers, k) int16, position t = the
-    token the model read at t, -1 where none was routed here (a prompt prefix served from the prefix cache).
-    A recomputed position (preemption) keeps its last routing."""
+    Every MoE layer's router calls `capture(layer, topk_ids)` during the forward (vLLM's
+    `BaseRouter` capture hook; ids (tokens, k) in the model runner's token order); `end_step`
+    files the step's rows per request and position (a request's tokens are its run of
+    `num_scheduled_tokens` in the runner's batch order, at positions from its
+    `num_computed_tokens`); `hand_out` puts each finished sample's array on its
+    `CompletionOutput.routed_experts` (vLLM's own field): (positions, num_layers, k) int16,
+    position t = the token the model read at t, -1 where none was routed here (a prompt prefix
+    served from the prefix cache). A recomputed position (preemption) keeps its last routing."""
 
     def __init__(self, runner, num_layers: int, topk: int):
         self.runner, self.num_layers, self.topk = runner, num_layers, topk

@@ -1,17 +1,18 @@
-"""Sampled-token log-probs at tensor speed: `record_sampled_logprobs(llm)` makes the split step hand each request
-that asks for its sampled tokens' log-probs only (`SamplingParams.logprobs == 0`, one output when it finishes)
-a `SampledLogprobs` on `CompletionOutput.logprobs`, gathered once per step for the whole batch, instead of vLLM's
-per-request machinery.
+"""Sampled-token log-probs at tensor speed: `record_sampled_logprobs(llm)` makes the split step hand
+each request that asks for its sampled tokens' log-probs only (`SamplingParams.logprobs == 0`, one
+output when it finishes) a `SampledLogprobs` on `CompletionOutput.logprobs`, gathered once per step
+for the whole batch, instead of vLLM's per-request machinery.
 
-Why: for such a request vLLM 0.32 ranks the sampled token over the vocabulary (`batched_count_greater_than`),
-slices a `LogprobsLists` per request in the scheduler and builds a `{token: Logprob}` dict per token in the
-output processor, at every step. On the tiny GRPO job (256 samples of ~13 tokens per call, a 2-layer model)
-that was 11% of a generation call (engine only, 30 calls each way, alternating, in one process: 258 vs 290 ms
-with log-probs turned off altogether). Here the sampler's own computation, `Sampler.compute_logprobs` of the raw
-logits (vLLM's `logprobs_mode` "raw_logprobs", chatgen's `logprobs_mode: raw`), is gathered at the sampled
-tokens: the values are the bits vLLM returns (tests/integration/test_sampled_logprobs.py), without the rank.
-An engine in "processed" mode, with speculative decoding, or with its workers in other processes keeps vLLM's
-path (`build_llm` installs this only where it applies).
+Why: for such a request vLLM 0.32 ranks the sampled token over the vocabulary
+(`batched_count_greater_than`), slices a `LogprobsLists` per request in the scheduler and builds a
+`{token: Logprob}` dict per token in the output processor, at every step. On the tiny GRPO job (256
+samples of ~13 tokens per call, a 2-layer model) that was 11% of a generation call (engine only, 30
+calls each way, alternating, in one process: 258 vs 290 ms with log-probs turned off altogether).
+Here the sampler's own computation, `Sampler.compute_logprobs` of the raw logits (vLLM's
+`logprobs_mode` "raw_logprobs", chatgen's `logprobs_mode: raw`), is gathered at the sampled tokens:
+the values are the bits vLLM returns (tests/integration/test_sampled_logprobs.py), without the rank.
+An engine in "processed" mode, with speculative decoding, or with its workers in other processes
+keeps vLLM's path (`build_llm` installs this only where it applies).
 """
 
 from collections.abc import Sequence
@@ -22,8 +23,9 @@ from vllm.sampling_params import RequestOutputKind
 
 
 class SampledLogprobs(Sequence):
-    """A sample's log-probs as vLLM gives them for `logprobs=0`, one `{token: Logprob}` per generated token,
-    built when read from `token_logprobs` (each sampled token's log-prob; `Logprob.rank` is None: not computed)."""
+    """A sample's log-probs as vLLM gives them for `logprobs=0`, one `{token: Logprob}` per
+    generated token, built when read from `token_logprobs` (each sampled token's log-prob;
+    `Logprob.rank` is None: not computed)."""
 
     __slots__ = ("token_ids", "token_logprobs")
 
@@ -45,10 +47,11 @@ class SampledLogprobs(Sequence):
 class _SampledLogprobRecorder:
     """Each wanted request's sampled-token log-probs, one per step it was sampled in.
 
-    `want` (after the request is added) files its engine request ids (n of them for n samples); the wrapped
-    `Sampler.forward` computes the raw log-probs of those rows before vLLM samples (vLLM scales the logits in
-    place after), gathers them at the sampled tokens and appends each, skipping the rows vLLM discards (a
-    prefill chunk that is not a prompt's last); `hand_out` puts them on each finished sample."""
+    `want` (after the request is added) files its engine request ids (n of them for n samples);
+    the wrapped `Sampler.forward` computes the raw log-probs of those rows before vLLM samples
+    (vLLM scales the logits in place after), gathers them at the sampled tokens and appends each,
+    skipping the rows vLLM discards (a prefill chunk that is not a prompt's last); `hand_out`
+    puts them on each finished sample."""
 
     def __init__(self, runner):
         self.runner = runner
@@ -57,8 +60,9 @@ class _SampledLogprobRecorder:
 
     @staticmethod
     def takes(params, output_kind) -> bool:
-        """Whether a request with these params is served here: only its sampled tokens' log-probs, one output
-        when it finishes (a stream, top-k log-probs or chosen token ids keep vLLM's entries)."""
+        """Whether a request with these params is served here: only its sampled tokens'
+        log-probs, one output when it finishes (a stream, top-k log-probs or chosen token ids
+        keep vLLM's entries)."""
         return (
             output_kind == RequestOutputKind.FINAL_ONLY
             and params.logprobs == 0
@@ -142,9 +146,10 @@ def applies(llm: LLM, in_process: bool) -> bool:
 
 
 def record_sampled_logprobs(llm: LLM, in_process: bool) -> None:
-    """Where it `applies(llm, in_process)`, from now on requests that want only their sampled tokens' log-probs get them from
-    one gather per step (see `_SampledLogprobRecorder`; `split_step.add_request` picks them); elsewhere the engine
-    keeps vLLM's path (`llm.chatgen_sampled_logprobs` None)."""
+    """Where it `applies(llm, in_process)`, from now on requests that want only their sampled
+    tokens' log-probs get them from one gather per step (see `_SampledLogprobRecorder`;
+    `split_step.add_request` picks them); elsewhere the engine keeps vLLM's path
+    (`llm.chatgen_sampled_logprobs` None)."""
     llm.chatgen_sampled_logprobs = None
     if not applies(llm, in_process):
         return

@@ -4,9 +4,10 @@
     execute(llm, batch)      -> [RequestOutput]    executor.execute_model + sample_tokens,
                                                    scheduler.update_from_output, output_processor
 
-which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.step()` for an in-process,
-single-batch-queue engine; plus the request calls around it (add, abort, counts, prefix cache, sleep).
-`check_internals(llm)` asserts every private attribute the split relies on (`build_llm` calls it).
+which is exactly `EngineCore.step()` + `InprocClient.get_output()` + `LLMEngine.step()` for an
+in-process, single-batch-queue engine; plus the request calls around it (add, abort, counts, prefix
+cache, sleep). `check_internals(llm)` asserts every private attribute the split relies on
+(`build_llm` calls it).
 """
 
 import copy
@@ -24,8 +25,9 @@ from chatgen.generation.vllm.adapter.patches import TESTED_VLLM
 class ScheduledBatch:
     """What the scheduler picked for one engine step; `forward_step` receives it.
 
-    num_tokens: {request id: tokens to run this step}: a prefill chunk (> 1) or one decode token each.
-    scheduler_output: vLLM's `SchedulerOutput`, opaque to user code: hand the batch to `execute_step`.
+    num_tokens: {request id: tokens to run this step}: a prefill chunk (> 1) or one decode token
+    each. scheduler_output: vLLM's `SchedulerOutput`, opaque to user code: hand the batch to
+    `execute_step`.
     """
 
     num_tokens: dict
@@ -45,7 +47,8 @@ def engine_core(llm: LLM):
 
 
 def check_internals(llm: LLM) -> None:
-    """Raise a RuntimeError naming each vLLM internal that the split step needs and that is missing."""
+    """Raise a RuntimeError naming each vLLM internal that the split step needs and that is
+    missing."""
     problems = []
     engine = llm.llm_engine
     client = getattr(engine, "engine_core", None)
@@ -132,11 +135,12 @@ def add_request(
 ) -> None:
     """Queue one prompt (token ids, optional text kept for the output) with its sampling parameters.
 
-    output_kind: FINAL_ONLY (one output when the request finishes, as LLM.generate) or DELTA (every step's new
-    tokens, for streaming). lora_request: the vLLM LoRA adapter to sample with (None: the base). cache_salt: requests share prefix-cache blocks only with requests of the same salt.
-    Log-prob entries carry no token text (`decoded_token` None) even when the request detokenizes its output:
-    vLLM would decode every entry on the engine thread (measured: 15% of a serving engine step of the tiny
-    model), and chatgen reads only their values.
+    output_kind: FINAL_ONLY (one output when the request finishes, as LLM.generate) or DELTA (every
+    step's new tokens, for streaming). lora_request: the vLLM LoRA adapter to sample with (None: the
+    base). cache_salt: requests share prefix-cache blocks only with requests of the same salt.
+    Log-prob entries carry no token text (`decoded_token` None) even when the request detokenizes
+    its output: vLLM would decode every entry on the engine thread (measured: 15% of a serving
+    engine step of the tiny model), and chatgen reads only their values.
     """
     params.output_kind = output_kind
     sampled = getattr(llm, "chatgen_sampled_logprobs", None)
@@ -168,7 +172,8 @@ def has_unfinished_requests(llm: LLM) -> bool:
 
 
 def abort(llm: LLM, request_ids: list) -> None:
-    """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty engine."""
+    """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty
+    engine."""
     processor = llm.llm_engine.output_processor
     engine_ids = [rid for r in request_ids for rid in processor.external_req_ids.get(r, ())]
     for recorder in _recorders(llm):
@@ -189,8 +194,8 @@ def _recorders(llm: LLM) -> list:
 
 
 def abort_with_outputs(llm: LLM, request_ids: list) -> list:
-    """Abort requests and return, for each, a finished RequestOutput holding what it generated so far
-    (finish_reason "abort"; a request with n samples gives one output with all n)."""
+    """Abort requests and return, for each, a finished RequestOutput holding what it generated so
+    far (finish_reason "abort"; a request with n samples gives one output with all n)."""
     from vllm.v1.engine import FinishReason
 
     wanted, outputs = set(request_ids), []
@@ -216,20 +221,23 @@ def output_token_counts(llm: LLM) -> dict:
 
 
 def reset_prefix_cache(llm: LLM, preempt_running: bool = False) -> bool:
-    """Drop every cached KV block that no request holds; with preempt_running, first preempt the running
-    requests (they re-prefill prompt + generated tokens when next scheduled), so the reset always succeeds.
-    Returns whether the cache was reset (False: running requests hold blocks)."""
+    """Drop every cached KV block that no request holds; with preempt_running, first preempt the
+    running requests (they re-prefill prompt + generated tokens when next scheduled), so the
+    reset always succeeds. Returns whether the cache was reset (False: running requests hold
+    blocks)."""
     return llm.reset_prefix_cache(reset_running_requests=preempt_running) is not False
 
 
 def schedule(llm: LLM) -> ScheduledBatch:
-    """Ask vLLM's scheduler which requests run next and how many tokens each (first half of EngineCore.step)."""
+    """Ask vLLM's scheduler which requests run next and how many tokens each (first half of
+    EngineCore.step)."""
     out = engine_core(llm).scheduler.schedule()
     return ScheduledBatch(out.num_scheduled_tokens, out)
 
 
 def execute(llm: LLM, batch: ScheduledBatch) -> list:
-    """Run the model on a scheduled batch, sample, and update request states (second half of EngineCore.step).
+    """Run the model on a scheduled batch, sample, and update request states (second half of
+    EngineCore.step).
 
     Returns the `RequestOutput`s this step finished (requests are added with FINAL_ONLY output).
     """
@@ -268,7 +276,8 @@ def kv_cache_usage(llm: LLM) -> float:
 
 
 def sleep(llm: LLM, level: int = 1) -> None:
-    """Pause the engine and (on GPU) discard the KV cache and offload weights (level 1) or drop them (level 2).
+    """Pause the engine and (on GPU) discard the KV cache and offload weights (level 1) or drop them
+    (level 2).
 
     On CPU this pauses scheduling and clears the prefix cache; memory stays allocated.
     """
@@ -276,8 +285,8 @@ def sleep(llm: LLM, level: int = 1) -> None:
 
 
 def wake_up(llm: LLM, tags: list | None = None) -> None:
-    """Reallocate what `sleep` released: everything, or only `tags` ("weights", "kv_cache"; all of them must be
-    woken before the engine generates again)."""
+    """Reallocate what `sleep` released: everything, or only `tags` ("weights", "kv_cache"; all
+    of them must be woken before the engine generates again)."""
     llm.wake_up(tags)
 
 

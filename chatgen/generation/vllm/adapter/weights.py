@@ -14,13 +14,14 @@ from chatgen.generation.vllm.adapter.engine import in_process_workers
 def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = True) -> None:
     """Write HF-format `(name, tensor)` pairs into the running engine, in place, on every rank.
 
-    Names and layouts are those of the HF checkpoint (`model.layers.0.self_attn.q_proj.weight`, unfused q/k/v
-    and gate/up, full unsharded tensors): vLLM's own loader fuses, shards and (on CPU) repacks them. With an
-    in-process executor (uniproc, external_launcher) the iterable is consumed lazily, so a generator streams
-    without holding a second copy; with the multiprocess executor it is materialised and pickled to each worker.
-    A subset of the weights is fine. Afterwards a tied LM head is re-packed (CPU) and (reset_prefix_cache) the
-    prefix cache is reset, so no KV computed with the old weights is reused; the engine loop passes False and
-    keeps the cache apart itself (chatgen.generation.vllm.engine_loop).
+    Names and layouts are those of the HF checkpoint (`model.layers.0.self_attn.q_proj.weight`,
+    unfused q/k/v and gate/up, full unsharded tensors): vLLM's own loader fuses, shards and (on CPU)
+    repacks them. With an in-process executor (uniproc, external_launcher) the iterable is consumed
+    lazily, so a generator streams without holding a second copy; with the multiprocess executor it
+    is materialised and pickled to each worker. A subset of the weights is fine. Afterwards a tied
+    LM head is re-packed (CPU) and (reset_prefix_cache) the prefix cache is reset, so no KV computed
+    with the old weights is reused; the engine loop passes False and keeps the cache apart itself
+    (chatgen.generation.vllm.engine_loop).
     """
     weights = named_tensors if in_process_workers(llm) else list(named_tensors)
     past, held = LOADED_PAST_RELOAD.get(llm.llm_engine.model_config.hf_config.model_type), []
@@ -46,10 +47,11 @@ def load_weights(llm: LLM, named_tensors: Iterable, reset_prefix_cache: bool = T
         )
 
 
-# Checkpoint names that a family's vLLM loader copies into the parameters itself, not through their weight
-# loaders: vLLM 0.32's layer-wise reload (its parameters on the meta device meanwhile) never sees them and
-# puts the old tensors back. GPT-OSS: the experts' fused tensors and the attention sinks (a synced tiny
-# GPT-OSS kept its random experts: 0.60 off in log-prob). They load after the reload, as a first load does.
+# Checkpoint names that a family's vLLM loader copies into the parameters itself, not through their
+# weight loaders: vLLM 0.32's layer-wise reload (its parameters on the meta device meanwhile) never
+# sees them and puts the old tensors back. GPT-OSS: the experts' fused tensors and the attention
+# sinks (a synced tiny GPT-OSS kept its random experts: 0.60 off in log-prob). They load after the
+# reload, as a first load does.
 LOADED_PAST_RELOAD = {"gpt_oss": re.compile(r"\.mlp\.experts\.|\.sinks$")}
 
 
@@ -64,7 +66,8 @@ def _withholding(weights, pattern, held: list):
 
 def _load_past_reload(worker, weights) -> None:
     """In a worker: the model's own loader writes `weights` into the live parameters, then each
-    mixture-of-experts layer redoes its post-load processing (the CPU backend's prepack of w13 / w2)."""
+    mixture-of-experts layer redoes its post-load processing (the CPU backend's prepack of w13 /
+    w2)."""
     model = worker.model_runner.get_model()
     model.load_weights(iter(weights))
     for module in model.modules():
@@ -73,10 +76,11 @@ def _load_past_reload(worker, weights) -> None:
 
 
 def expert_weights(llm: LLM) -> list:
-    """Each MoE layer's expert weights as the engine holds them, in layer order: [(w13, w2)] with w13 (E, 2I, H) =
-    [gate; up] per expert and w2 (E, H, I) = down (vLLM's fused expert layout, `FusedMoE.w13_weight` / `w2_weight`),
-    put back together over the engine's TP ranks (each holds an I/TP slice of every expert). Empty for a dense
-    model. Used by `chatgen check-sync` to check every expert weight after a sync."""
+    """Each MoE layer's expert weights as the engine holds them, in layer order: [(w13, w2)] with
+    w13 (E, 2I, H) = [gate; up] per expert and w2 (E, H, I) = down (vLLM's fused expert layout,
+    `FusedMoE.w13_weight` / `w2_weight`), put back together over the engine's TP ranks (each
+    holds an I/TP slice of every expert). Empty for a dense model. Used by `chatgen check-sync`
+    to check every expert weight after a sync."""
     import torch
 
     per_rank = llm.collective_rpc(_expert_weights)
@@ -111,9 +115,10 @@ def _expert_weights(worker) -> list:
 
 
 def _unpacked(packed, isa: str):
-    """Expert weights (E, N, K) as they were before the CPU backend's prepack. The prepack moves elements without
-    changing them, the same way in every expert: prepacking one expert's element indices (in base-256 digits, which
-    every float dtype holds exactly) says where each element went."""
+    """Expert weights (E, N, K) as they were before the CPU backend's prepack. The prepack moves
+    elements without changing them, the same way in every expert: prepacking one expert's element
+    indices (in base-256 digits, which every float dtype holds exactly) says where each element
+    went."""
     import torch
     from vllm import _custom_ops as ops
 

@@ -1,16 +1,18 @@
-"""GRPO (Group Relative Policy Optimization, DeepSeekMath): the algorithm, its config section and its loop.
+"""GRPO (Group Relative Policy Optimization, DeepSeekMath): the algorithm, its config section and
+its loop.
 
     chatgen train configs/grpo_tiny.yaml            # runtime.algorithm.name: grpo
 
-Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n responses to each; the reward
-model scores them; each response's advantage is its reward relative to the other responses to the same prompt;
-the trainer (Megatron) takes clipped policy-gradient steps (with a KL penalty to the reference when kl_coef > 0);
-the new weights are synced into vLLM; then checkpoint, eval and log. docs/rlhf_engine.md has the details.
-The step after sampling (advantages, old log-probs, train, sync) is step.py's; the loop, loop.py's.
-With overlap_generation the next episode's samples are generated while the trainer trains (one step off-policy).
-The recipes of 2025-26 are keys of this section, not algorithms of their own: Dr. GRPO, RLOO and
-REINFORCE++ advantages, clip-higher, dual clip, GSPO's sequence ratio, loss aggregation, entropy
-bonus, DAPO's dynamic sampling and overlong shaping, rollout correction (docs/algorithms.md).
+Each episode: take sample_per_episode / n prompts; the policy (vLLM) samples n responses to each;
+the reward model scores them; each response's advantage is its reward relative to the other
+responses to the same prompt; the trainer (Megatron) takes clipped policy-gradient steps (with a KL
+penalty to the reference when kl_coef > 0); the new weights are synced into vLLM; then checkpoint,
+eval and log. docs/rlhf_engine.md has the details. The step after sampling (advantages, old
+log-probs, train, sync) is step.py's; the loop, loop.py's. With overlap_generation the next
+episode's samples are generated while the trainer trains (one step off-policy). The recipes of
+2025-26 are keys of this section, not algorithms of their own: Dr. GRPO, RLOO and REINFORCE++
+advantages, clip-higher, dual clip, GSPO's sequence ratio, loss aggregation, entropy bonus, DAPO's
+dynamic sampling and overlong shaping, rollout correction (docs/algorithms.md).
 """
 
 import dataclasses

@@ -9,44 +9,49 @@ ahead of the trainer.
     chatgen train configs/grpo_tiny_async.yaml
 
 overlap_generation is k = 1 with the weights handed over only once the engine is idle (sync mode
-`wait`: no sample spans two versions, and the data position of a checkpoint is its own episode's while
-the next batch generates); max_staleness hands them over with requests in flight (mode `keep`),
-stamps every token's weight version and holds the bound on the samples themselves.
+`wait`: no sample spans two versions, and the data position of a checkpoint is its own episode's
+while the next batch generates); max_staleness hands them over with requests in flight (mode
+`keep`), stamps every token's weight version and holds the bound on the samples themselves.
 
 The asynchronous loop (max_staleness; docs/async_rl.md):
-- Batches. Batch j is the j-th episode's prompts (sample_per_episode / n of them, drawn in order on the
-  trainer's thread, so the data order is the synchronous run's). Its generation is submitted to the engine
-  from a small thread pool as soon as the staleness bound admits it, and several batches generate at once
-  (the engine batches their requests continuously).
-- Admission (AReaL's max_head_offpolicyness): the trainer holding weight version v takes batch v - v0 next
-  (v0: the version it started at), so batch j may start once the weights are at version >= v0 + j - k. Every
-  token of it is then at most k versions older than the weights it trains against. k = 0 is the
-  synchronous loop (generate, train, sync), k = 1 overlap_generation's schedule, k > 1 fully asynchronous.
-- Weights go to the engine after each episode's update in mode `keep`: requests in flight continue under
-  the new weights (partial rollouts); their tokens carry the versions that sampled them.
-- Handover (`handover_step: s`, k >= 2, in process): the batches submitted ahead of the episode being
-  trained are marked (chatgen.generation.handover): after s engine steps under the weights of their
-  submission, while nothing else generates, the engine waits for the next weights rather than finishing
-  them under the old ones. When generation outpaces training, the engine would idle at the bound anyway;
-  this moves the idle time into the batch, so its remaining tokens come from weights one version fresher
-  and every sample longer than s tokens spans two versions: partial rollouts by construction, not by
-  timing. The trainer's own batch is never marked (its update is what the others wait for).
-- The bound is checked on the samples themselves (staleness.py): a group whose oldest token is
-  more than k versions behind is dropped from the loss (`stale_samples: drop`) or generated again now
-  (`regenerate`), and counted (async/stale_groups). Admission makes this a safety net, not a routine.
-- Checkpoints: no batch is submitted past the next checkpoint's episode, so at a checkpoint nothing is in
-  flight and the saved data position is exact: a resumed run neither replays nor loses a sample.
-- Correction: the behaviour policy is the engine's per-token log-probs; with old_logprobs: recompute the
-  proximal policy is the trainer's pass before the update, and importance_sampling_cap caps the weight
-  between them (AReaL's decoupled PPO; step.rollout_correction).
+- Batches. Batch j is the j-th episode's prompts (sample_per_episode / n of them, drawn in order on
+  the trainer's thread, so the data order is the synchronous run's). Its generation is submitted to
+  the engine from a small thread pool as soon as the staleness bound admits it, and several batches
+  generate at once (the engine batches their requests continuously).
+- Admission (AReaL's max_head_offpolicyness): the trainer holding weight version v takes batch v -
+  v0 next (v0: the version it started at), so batch j may start once the weights are at version >=
+  v0 + j - k. Every token of it is then at most k versions older than the weights it trains against.
+  k = 0 is the synchronous loop (generate, train, sync), k = 1 overlap_generation's schedule, k > 1
+  fully asynchronous.
+- Weights go to the engine after each episode's update in mode `keep`: requests in flight continue
+  under the new weights (partial rollouts); their tokens carry the versions that sampled them.
+- Handover (`handover_step: s`, k >= 2, in process): the batches submitted ahead of the episode
+  being trained are marked (chatgen.generation.handover): after s engine steps under the weights of
+  their submission, while nothing else generates, the engine waits for the next weights rather than
+  finishing them under the old ones. When generation outpaces training, the engine would idle at the
+  bound anyway; this moves the idle time into the batch, so its remaining tokens come from weights
+  one version fresher and every sample longer than s tokens spans two versions: partial rollouts by
+  construction, not by timing. The trainer's own batch is never marked (its update is what the
+  others wait for).
+- The bound is checked on the samples themselves (staleness.py): a group whose oldest token is more
+  than k versions behind is dropped from the loss (`stale_samples: drop`) or generated again now
+  (`regenerate`), and counted (async/stale_groups). Admission makes this a safety net, not a
+  routine.
+- Checkpoints: no batch is submitted past the next checkpoint's episode, so at a checkpoint nothing
+  is in flight and the saved data position is exact: a resumed run neither replays nor loses a
+  sample.
+- Correction: the behaviour policy is the engine's per-token log-probs; with old_logprobs: recompute
+  the proximal policy is the trainer's pass before the update, and importance_sampling_cap caps the
+  weight between them (AReaL's decoupled PPO; step.rollout_correction).
 
-Metrics: async/staleness_mean and async/staleness_max (over trained tokens), async/samples_spanning_versions,
-async/buffer_fill (batches generated and waiting when the trainer took its own, over k + 1),
-async/engine_idle_fraction and async/trainer_idle_fraction (of the episode's wall time), async/stale_groups.
+Metrics: async/staleness_mean and async/staleness_max (over trained tokens),
+async/samples_spanning_versions, async/buffer_fill (batches generated and waiting when the trainer
+took its own, over k + 1), async/engine_idle_fraction and async/trainer_idle_fraction (of the
+episode's wall time), async/stale_groups.
 
-With runtime.launcher: local (one process) the engine takes the weights between two steps while requests
-run. A disaggregated engine in a Ray actor serves one call at a time: the sync waits for the batches already
-submitted to it (no partial rollouts there), the bound still holds.
+With runtime.launcher: local (one process) the engine takes the weights between two steps while
+requests run. A disaggregated engine in a Ray actor serves one call at a time: the sync waits for
+the batches already submitted to it (no partial rollouts there), the bound still holds.
 """
 
 import concurrent.futures
@@ -106,8 +111,8 @@ def check_keys(algo):
 
 
 def in_process(cfg) -> bool:
-    """Whether the run's models live in the driver process (runtime.launcher: local, or auto resolving
-    to it), where a generation call's handover mark reaches the engine."""
+    """Whether the run's models live in the driver process (runtime.launcher: local, or auto
+    resolving to it), where a generation call's handover mark reaches the engine."""
     try:
         return launcher(cfg, plan_groups(cfg)) == "local"
     except (ValueError, ConfigError):  # the layout's own problem, which other checks name
@@ -115,7 +120,8 @@ def in_process(cfg) -> bool:
 
 
 def check_run(cfg):
-    """Run-level problems: a policy sharing GPUs with its trainer sleeps while the trainer trains."""
+    """Run-level problems: a policy sharing GPUs with its trainer sleeps while the trainer
+    trains."""
     if cfg.runtime.algorithm.max_staleness and "policy" in cfg.models:
         policy = cfg.models["policy"]
         shared = any(
@@ -136,13 +142,14 @@ def check_run(cfg):
 
 
 class Rollouts:
-    """The batches in flight or waiting (see the module docstring): `fill` submits what the bound admits,
-    `take` waits for the next one. Also counts the engine's and the trainer's idle time."""
+    """The batches in flight or waiting (see the module docstring): `fill` submits what the bound
+    admits, `take` waits for the next one. Also counts the engine's and the trainer's idle time."""
 
     def __init__(self, run, k: int, handover_step: int | None = None):
         self.run, self.k, self.handover_step = run, k, handover_step
         self.pool = concurrent.futures.ThreadPoolExecutor(k + 1, thread_name_prefix="chatgen-async")
-        # (episode, record indices, future of the RolloutBatch, data position before its draw), in order
+        # (episode, record indices, future of the RolloutBatch, data position before its draw), in
+        # order
         self.queue = deque()
         self.next_episode = None
         self._lock = threading.Lock()
@@ -160,8 +167,8 @@ class Rollouts:
         return False
 
     def fill(self, episode: int, limit: int, version: int) -> None:
-        """Submit the batches of episodes up to min(episode + k, limit) not submitted yet; `version`:
-        the engine's weight version now, which `episode`'s update moves on."""
+        """Submit the batches of episodes up to min(episode + k, limit) not submitted yet;
+        `version`: the engine's weight version now, which `episode`'s update moves on."""
         if self.next_episode is None:
             self.next_episode = episode
         while self.next_episode <= min(episode + self.k, limit):
@@ -175,7 +182,8 @@ class Rollouts:
             self.next_episode += 1
 
     def take(self, episode: int):
-        """(record indices, RolloutBatch) of `episode`, once generated; and how many batches were ready."""
+        """(record indices, RolloutBatch) of `episode`, once generated; and how many batches were
+        ready."""
         got, index, future, _ = self.queue.popleft()
         assert got == episode, f"rollout: expected episode {episode}'s batch, got {got}'s"
         ready = 1 + sum(entry[2].done() for entry in self.queue) if future.done() else 0
@@ -225,9 +233,9 @@ def next_checkpoint(run, episode: int) -> int:
 
 
 def enforce_bound(run, index, batch, rewards, current: int, n: int):
-    """The groups whose oldest token is more than k versions behind `current`: dropped from the loss
-    (stale_samples: drop) or generated again now (regenerate). Returns (batch, rewards, loss_keep or
-    None, metrics)."""
+    """The groups whose oldest token is more than k versions behind `current`: dropped from the
+    loss (stale_samples: drop) or generated again now (regenerate). Returns (batch, rewards,
+    loss_keep or None, metrics)."""
     algo = run.cfg.runtime.algorithm
     stale = st.sample_staleness(batch.weight_versions, current)
     if (stale < 0).any():
@@ -266,7 +274,8 @@ def schedule(algo) -> tuple:
 
 
 def train(cfg, resume, log, phases: list) -> dict:
-    """GRPO's episodes, k versions ahead (the module docstring). Returns the last episode's metrics."""
+    """GRPO's episodes, k versions ahead (the module docstring). Returns the last episode's
+    metrics."""
     rt, algo = cfg.runtime, cfg.runtime.algorithm
     n = cfg.models["policy"].config.n
     k, asynchronous = schedule(algo)
@@ -322,7 +331,8 @@ def train(cfg, resume, log, phases: list) -> dict:
 
 def bounded(run, index, batch, rewards, current: int, n: int):
     """The staleness bound on a batch of an asynchronous run: (batch, rewards, metrics) with the
-    groups past it dropped from the loss or regenerated (enforce_bound) and the staleness observed."""
+    groups past it dropped from the loss or regenerated (enforce_bound) and the staleness
+    observed."""
     if batch.weight_versions is None:
         raise RuntimeError(
             "runtime.algorithm.max_staleness: the policy's batches carry no per-token "

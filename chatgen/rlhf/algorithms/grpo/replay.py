@@ -72,7 +72,8 @@ class ReplayBuffer:
         return before - len(self.groups)
 
     def take(self, count: int) -> list:
-        """Up to `count` stored groups, highest reward std first (ties: the newest), each removed."""
+        """Up to `count` stored groups, highest reward std first (ties: the newest), each
+        removed."""
         self.groups.sort(key=lambda g: (g[0], g[1]), reverse=True)
         taken, self.groups = self.groups[:count], self.groups[count:]
         return taken
@@ -86,8 +87,9 @@ class ReplayBuffer:
 
 
 def refill(buffer: ReplayBuffer, cfg, batch, rewards, n: int, episode: int):
-    """`batch` with its zero-variance groups replaced by stored ones, then its varied groups stored.
-    Returns (batch, rewards, metrics); the batch and rewards unchanged when nothing was replaced."""
+    """`batch` with its zero-variance groups replaced by stored ones, then its varied groups
+    stored. Returns (batch, rewards, metrics); the batch and rewards unchanged when nothing was
+    replaced."""
     expired = buffer.expire(episode)
     std = shaped_rewards(cfg, batch, rewards)[0].view(-1, n).std(dim=1)
     flat = (std == 0).tolist()

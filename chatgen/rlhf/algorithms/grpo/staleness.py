@@ -4,11 +4,12 @@
     spans = spans_versions(batch.weight_versions)               # (S,) bool: tokens of 2+ versions
     over = groups_over(stale, n, k)                             # (G,) bool: a sample of the group > k
 
-`weight_versions` (S, L-1) long is chatgen.core.rollout.RolloutBatch's: the engine's weight version of each
-generated token (0 = the weights it started with, +1 per sync), -1 on prompt and padding. `current` is the
-engine version of the weights the trainer holds now (the ones the next update starts from). A token's
-staleness is current - its version; a sample's is its oldest token's, AReaL's definition (a sample that
-began under version v is as stale as v, however many of its tokens came later). Pure torch.
+`weight_versions` (S, L-1) long is chatgen.core.rollout.RolloutBatch's: the engine's weight version
+of each generated token (0 = the weights it started with, +1 per sync), -1 on prompt and padding.
+`current` is the engine version of the weights the trainer holds now (the ones the next update
+starts from). A token's staleness is current - its version; a sample's is its oldest token's,
+AReaL's definition (a sample that began under version v is as stale as v, however many of its tokens
+came later). Pure torch.
 """
 
 import torch
@@ -21,8 +22,9 @@ def _generated(versions: torch.Tensor) -> torch.Tensor:
 
 
 def sample_staleness(versions: torch.Tensor, current: int) -> torch.Tensor:
-    """(S,) long: current - the oldest version among each sample's generated tokens (0 for a sample
-    without any). A negative value means a token newer than `current`: a bookkeeping error."""
+    """(S,) long: current - the oldest version among each sample's generated tokens (0 for a
+    sample without any). A negative value means a token newer than `current`: a bookkeeping
+    error."""
     big = torch.iinfo(versions.dtype).max
     oldest = torch.where(_generated(versions), versions, big).min(dim=1).values
     return torch.where(oldest == big, 0, current - oldest)
@@ -38,7 +40,8 @@ def spans_versions(versions: torch.Tensor) -> torch.Tensor:
 
 
 def groups_over(staleness: torch.Tensor, n: int, bound: int) -> torch.Tensor:
-    """(S / n,) bool: groups (n consecutive samples, one prompt) with a sample staler than `bound`."""
+    """(S / n,) bool: groups (n consecutive samples, one prompt) with a sample staler than
+    `bound`."""
     return (staleness > bound).view(-1, n).any(dim=1)
 
 
@@ -55,10 +58,11 @@ def staleness_metrics(versions: torch.Tensor, loss_mask: torch.Tensor, current: 
 
 
 def on_policy_mismatch(old_logprobs, infer_logprobs, loss_mask, versions, current: int) -> dict:
-    """The train/inference mismatch (mismatch/logprob_*) over the samples the trainer's current weights
-    sampled whole (every token version == current): what the weight sync gets wrong, without the
-    staleness an asynchronous batch adds on purpose. A partial rollout's current tokens are left out
-    too: the engine read its older tokens' KV, computed with older weights. {} when none is fresh."""
+    """The train/inference mismatch (mismatch/logprob_*) over the samples the trainer's current
+    weights sampled whole (every token version == current): what the weight sync gets wrong,
+    without the staleness an asynchronous batch adds on purpose. A partial rollout's current
+    tokens are left out too: the engine read its older tokens' KV, computed with older weights.
+    {} when none is fresh."""
     whole = sample_staleness(versions, current) == 0  # (S,): its oldest token is current
     fresh = loss_mask * (versions == current) * whole.unsqueeze(1)
     if fresh.sum() == 0:

@@ -24,8 +24,8 @@ from chatgen.rlhf.recipe import distill, gdpo, shaping
 
 
 def lora_reference(cfg) -> bool:
-    """Whether the KL reference is the LoRA policy trainer's own base (adapters off): kl_coef > 0, no
-    `reference` model, and a policy trainer with `lora.rank` > 0 (docs/lora.md)."""
+    """Whether the KL reference is the LoRA policy trainer's own base (adapters off): kl_coef >
+    0, no `reference` model, and a policy trainer with `lora.rank` > 0 (docs/lora.md)."""
     trainer = cfg.models.get("policy_trainer")
     lora = getattr(getattr(trainer, "config", None), "lora", None)
     return (
@@ -120,11 +120,12 @@ def rollout_correction(algo, data: TrainBatch, infer_logprobs):
 
 def update(run, batch, rewards, n: int, sync: bool = True, current_version=None) -> dict:
     """GRPO's step once a batch is sampled and scored: reference and old log-probs, rollout
-    correction, advantages (runtime.algorithm.advantage_estimator), clipped policy-gradient steps,
-    sync into the policy (unless sync=False: the caller syncs later). batch: a RolloutBatch of
-    S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's metrics (rewards,
-    mismatch, trainer, KL). Shared by grpo_multiturn. current_version (asynchronous runs): the engine
-    version of the trainer's weights; the mismatch is then measured on the tokens it sampled only."""
+    correction, advantages (runtime.algorithm.advantage_estimator), clipped policy-gradient
+    steps, sync into the policy (unless sync=False: the caller syncs later). batch: a
+    RolloutBatch of S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's
+    metrics (rewards, mismatch, trainer, KL). Shared by grpo_multiturn. current_version
+    (asynchronous runs): the engine version of the trainer's weights; the mismatch is then
+    measured on the tokens it sampled only."""
     cfg, timer = run.cfg, run.timer
     algo = cfg.runtime.algorithm
     # the penalty, or (kl_coef 0) kl/reference only; a LoRA trainer's base (adapters off) when
@@ -180,8 +181,9 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     adv = advantages(algo, shaped, n, data, batch.loss_mask, extras)
     data = data.replace(advantages=adv).check()
     with timer("train"):
-        # whole groups per step (when they fit): a micro-batch then holds a prompt's samples together, and the
-        # trainer runs that prompt once for all of them (shared-prefix packing, MegatronConfig.pack_shared_prefix)
+        # whole groups per step (when they fit): a micro-batch then holds a prompt's samples
+        # together, and the trainer runs that prompt once for all of them (shared-prefix packing,
+        # MegatronConfig.pack_shared_prefix)
         group = n if cfg.runtime.train_global_batch_size % n == 0 else 1
         steps = run.train("policy_trainer", data, loss_fn, group_size=group, per_step=True)
     stats = reduce_metrics(steps)
@@ -226,8 +228,8 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
 
 
 def sample_full_groups(run, batch, rewards, n: int):
-    """DAPO's dynamic sampling: drop the groups of `batch` whose (shaped) rewards are all equal and
-    generate more prompts' groups until the batch has its P groups again, for at most
+    """DAPO's dynamic sampling: drop the groups of `batch` whose (shaped) rewards are all equal
+    and generate more prompts' groups until the batch has its P groups again, for at most
     dynamic_sampling_max_rounds extra rounds; a batch still short is filled with dropped groups.
     Returns (batch, rewards, metrics)."""
     algo, pc = run.cfg.runtime.algorithm, run.cfg.models["policy"].config
