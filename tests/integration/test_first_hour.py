@@ -185,7 +185,21 @@ SMALL = {
     "grpo_smollm2": [o for o in SMOLLM2_SMALL if not o.startswith("runtime.eval_episode_interval")],
     "grpo_smollm2_lora": SMOLLM2_SMALL,
     "grpo_smollm2_math": SMOLLM2_SMALL,
-    **{f"{name}_tiny": TINY_SMALL for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp")},
+    **{
+        f"{name}_tiny": TINY_SMALL
+        for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "cispo", "sapo", "gmpo")
+    },
+    "grpo_tiny_fsdp": TINY_SMALL,
+    "opd_tiny": TINY_SMALL,  # its teacher: the warm start (TEACHER_LOAD), not a 20-episode run
+    "gymnasium_tiny": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+    ],
+    # the agentic SmolLM2 recipes: one small episode of short turns
+    "search_tiny": SMOLLM2_SMALL,
+    "tool_math_smollm2": SMOLLM2_SMALL,
     "dapo_smollm2": SMOLLM2_SMALL,
     "grpo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
     "ppo_llama": ["policy.n=4", "runtime.generation_batch_size=8"],
@@ -207,13 +221,22 @@ def sort_digits(tmp_path_factory, make_tiny):
     return data, make_tiny("tiny_llama")
 
 
-SMOLLM2 = ("grpo_smollm2", "grpo_smollm2_math", "dapo_smollm2", "grpo_smollm2_lora")
+SMOLLM2 = (
+    "grpo_smollm2",
+    "grpo_smollm2_math",
+    "dapo_smollm2",
+    "grpo_smollm2_lora",
+    "search_tiny",
+    "tool_math_smollm2",
+)
 
 
 def recipe_env(recipe, tmp_path, sort_digits, smollm2) -> dict:
     """The variables that point a recipe at small data and a ready model (its preparation steps then skip)."""
     from chatgen import tasks
 
+    if recipe == "search_tiny":  # its script writes the task; SmolLM2 itself is the warm start
+        return environment(MODEL=smollm2, POLICY_LOAD=smollm2, DATA_DIR=tmp_path / "search")
     if recipe in SMOLLM2:
         data = tmp_path / "data"
         if (
@@ -245,7 +268,9 @@ def recipe_env(recipe, tmp_path, sort_digits, smollm2) -> dict:
             MICRO_BATCH_SIZE=4,
             GLOBAL_BATCH_SIZE=8,
         )
-    return environment(MODEL=tiny, DATA_DIR=data, POLICY_LOAD=warm_start)
+    # opd_tiny's teacher: the warm start itself (its script would otherwise train one for 20 episodes)
+    teacher = {"TEACHER_LOAD": warm_start} if recipe == "opd_tiny" else {}
+    return environment(MODEL=tiny, DATA_DIR=data, POLICY_LOAD=warm_start, **teacher)
 
 
 def run_recipe(recipe, tmp_path, sort_digits, smollm2=None) -> tuple:
