@@ -41,6 +41,7 @@ def sum_over_rows(per_token, mask, norm_length=None):
 
 
 def test_a_plugin_estimator_and_aggregation_train(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+    from chatgen.rlhf import recipe
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.config import load_config
 
@@ -65,9 +66,16 @@ def test_a_plugin_estimator_and_aggregation_train(tiny_llama_dir, data_dir, tmp_
         "policy.n": 4,
         "policy_trainer.load": tiny_llama_dir,
     }
-    cfg = load_config(REPO / "configs/grpo_tiny.yaml", [f"{k}={v}" for k, v in items.items()])
-    grpo.train(cfg, log=lambda *_: None)
-    calls = sys.modules["my_recipe_plugin"].CALLS
+    registries = (recipe.advantage, recipe.aggregation)
+    before = [dict(r.functions) for r in registries]
+    try:
+        cfg = load_config(REPO / "configs/grpo_tiny.yaml", [f"{k}={v}" for k, v in items.items()])
+        grpo.train(cfg, log=lambda *_: None)
+        calls = sys.modules["my_recipe_plugin"].CALLS
+    finally:  # the registries are process-wide: later tests see chatgen's own only
+        for registry, functions in zip(registries, before):
+            registry.functions = functions
+        sys.modules.pop("my_recipe_plugin", None)
     assert ("advantage", (16,)) in calls  # the estimator saw the episode's 16 rewards
     # the trainer's loss went through the plugin: one call per micro-batch, (b, T-1) token losses
     assert any(kind == "aggregation" and shape[0] == 16 for kind, shape in calls)

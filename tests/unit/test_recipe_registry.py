@@ -22,14 +22,14 @@ from chatgen.rlhf.recipe import advantage, aggregation
 CALLS = []
 
 
-@advantage("plugin_sign")
+@advantage("unit_sign")
 def sign(rewards, n, batch, algo):
     CALLS.append(("advantage", tuple(rewards.shape)))
     grouped = rewards.view(-1, n)
     return torch.sign(grouped - grouped.mean(dim=1, keepdim=True)).reshape(-1)
 
 
-@aggregation("plugin_half_sum")
+@aggregation("unit_half_sum")
 def half_sum(per_token, mask, norm_length=None):
     CALLS.append(("aggregation", tuple(per_token.shape)))
     return (per_token * mask).sum() / 2
@@ -43,10 +43,19 @@ def write(path, text):
 
 @pytest.fixture
 def plugin(tmp_path, monkeypatch):
-    """A module outside chatgen that registers an estimator and an aggregation."""
-    write(tmp_path / "my_recipe_plugin.py", PLUGIN)
+    """A module outside chatgen that registers an estimator and an aggregation; its registrations and
+    the module are gone after the test (the registries are process-wide)."""
+    import sys
+
+    name = "unit_recipe_plugin"
+    write(tmp_path / f"{name}.py", PLUGIN)
     monkeypatch.syspath_prepend(str(tmp_path))
-    return "my_recipe_plugin"
+    registries = (recipe.advantage, recipe.aggregation)
+    before = [dict(r.functions) for r in registries]
+    yield name
+    for registry, functions in zip(registries, before):
+        registry.functions = functions
+    sys.modules.pop(name, None)
 
 
 @pytest.fixture
@@ -71,7 +80,10 @@ def main_yaml(tmp_path, monkeypatch):
 
 
 def test_the_builtins_are_registered_under_their_yaml_names():
-    assert recipe.advantage.names() == ["gdpo", "grpo", "opd", "reinforce_pp", "rloo"]
+    def builtins(registry):  # another test's plugin may be registered in this process too
+        return [n for n in registry.names() if registry.get(n).__module__.startswith("chatgen.")]
+
+    assert builtins(recipe.advantage) == ["gdpo", "grpo", "opd", "reinforce_pp", "rloo"]
     assert recipe.ratio.get("token") is L.token_log_ratio
     assert recipe.aggregation.get("token_mean") is L.token_mean
     assert set(recipe.correction.names()) == {"token", "sequence", "geometric"}
@@ -79,9 +91,7 @@ def test_the_builtins_are_registered_under_their_yaml_names():
 
 def test_a_plugin_path_names_the_function_and_registers_its_module(plugin):
     fn = recipe.advantage.get(f"{plugin}:sign")
-    assert (
-        fn.__name__ == "sign" and recipe.advantage.get("plugin_sign") is fn
-    )  # imported: registered
+    assert fn.__name__ == "sign" and recipe.advantage.get("unit_sign") is fn  # imported: registered
     adv = fn(torch.tensor([1.0, 0.0, 0.0, 0.0]), 4, None, None)
     assert adv.tolist() == [1.0, -1.0, -1.0, -1.0]
 
