@@ -1,6 +1,6 @@
 """A multi-turn tool environment for chatgen's multi-turn GRPO (what a user writes): sort digits, ask a calculator.
 
-    python examples/calculator_env.py --write-template outputs/tiny-llama-sft   # give the tiny model a chat template
+    python -m chatgen.environments.calculator --write-template outputs/tiny-llama-sft   # its chat template
     chatgen train configs/grpo_multiturn_tiny.yaml runtime.algorithm.environment=examples.calculator_env:CalculatorEnv
 
 An environment written as a class with `episode` (the other way to write one is the reset/step protocol of
@@ -19,14 +19,11 @@ generation_token_ids), so the server keeps the chat token-exact and the episode 
 trainer can learn from (chatgen/rlhf/algorithms/grpo_multiturn.py). docs/multiturn_rl.md walks through it.
 """
 
-import argparse
-from pathlib import Path
-
 import openai
 
-# the tool, the chat template and its writer are the built-in environment's (chatgen.environments.calculator,
+# the tool is the built-in environment's (chatgen.environments.calculator, which also writes the chat template;
 # the same episode written in the reset/step protocol: what configs/grpo_multiturn_tiny.yaml runs)
-from chatgen.environments.calculator import calculator, write_template
+from chatgen.environments.calculator import calculator
 from chatgen.rlhf.algorithms.grpo_multiturn import Episode
 from chatgen.tasks import REWARDS
 
@@ -62,21 +59,3 @@ class CalculatorEnv:
             text=final["content"],
             metrics={"first_turn_reward": rule(first["content"], record["answer"])},
         )
-
-
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument(
-        "--write-template",
-        type=Path,
-        required=True,
-        metavar="MODEL_DIR",
-        help="write the environment's chat template into this Hugging Face model directory",
-    )
-    args = parser.parse_args()
-    if not (args.write_template / "config.json").is_file():
-        raise SystemExit(
-            f"--write-template {args.write_template}: no config.json there; give a model directory"
-        )
-    write_template(args.write_template)
-    print(f"wrote {args.write_template / 'chat_template.jinja'}")

@@ -22,7 +22,8 @@ import torch
 
 pytestmark = pytest.mark.integration
 
-from examples.calculator_env import CalculatorEnv, write_template  # noqa: E402
+from chatgen.environments.calculator import write_template  # noqa: E402
+from examples.calculator_env import CalculatorEnv  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 SYNC_TOL = 1e-4  # fp32: vLLM vs Megatron log-probs of the same weights differ by ~1e-6
