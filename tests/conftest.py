@@ -131,18 +131,29 @@ def smollm2_dir() -> Path:
         pytest.skip(f"SmolLM2 is not available: {e}")
 
 
+def _slow_selected(config) -> bool:
+    """Slow tests run when asked for: CHATGEN_RUN_SLOW=1, or a -m expression that names them."""
+    return os.environ.get("CHATGEN_RUN_SLOW") == "1" or "slow" in (config.option.markexpr or "")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need CUDA; elsewhere they are skipped with the reason, never silently dropped."""
+    """Tests marked `gpu` need CUDA and tests marked `slow` need asking for; both are skipped with the
+    reason where they do not run, never silently dropped."""
     import torch
 
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(
+    no_gpu = pytest.mark.skip(
         reason="needs a CUDA GPU (torch.cuda.is_available() is False on this machine)"
     )
+    not_asked = pytest.mark.skip(
+        reason="slow (minutes of real-model runs): runs with CHATGEN_RUN_SLOW=1 or -m slow"
+    )
+    run_slow = _slow_selected(config)
     for item in items:
-        if item.get_closest_marker("gpu"):  # not `in item.keywords`: that holds folder names too
-            item.add_marker(skip)
+        # get_closest_marker, not `in item.keywords`: that holds folder names too
+        if item.get_closest_marker("gpu") and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
+        if item.get_closest_marker("slow") and not run_slow:
+            item.add_marker(not_asked)
 
 
 MAX_THREADS = 100  # threads the pytest process may hold when the session ends
