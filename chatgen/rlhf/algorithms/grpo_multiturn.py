@@ -11,7 +11,10 @@ tool turn, model turn, ...) and ends with the episode's reward. Each episode bec
 sample: its first prompt, then every later token, trained on where the model generated it
 (`response_mask` 1) and not where the chat template or the environment wrote it (0), with the
 server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs, clipped policy-gradient
-steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
+steps, sync into the policy the server runs. The loop is GRPO's (grpo/loop.py), so max_staleness k
+runs the conversations of the next k episodes while the trainer trains, with the weights pushed
+mid-conversation (mode keep) and each token stamped with its version. docs/multiturn_rl.md has the
+details.
 
 `runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a
 built-in (`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own
@@ -27,7 +30,6 @@ the server's parsed `tool_calls` (`tool_call_parser`), or a class with `episode`
 import concurrent.futures
 import dataclasses
 import secrets
-import time
 from typing import Optional
 
 from chatgen import environments
@@ -35,10 +37,9 @@ from chatgen.config import opt
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.environments.base import Episode
 from chatgen.rlhf.algorithms import grpo
-from chatgen.rlhf.algorithms.grpo import step as grpo_step
+from chatgen.rlhf.algorithms.grpo import loop as grpo_loop
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.placement import plan_groups
-from chatgen.rlhf.run import Run
 from chatgen.rlhf.schema import Role
 
 
@@ -62,14 +63,21 @@ class Config(grpo.Config):
 
     def check(self):
         yield from super().check()
-        if self.max_staleness is not None:
-            yield "max_staleness", "grpo_multiturn has no asynchronous loop; remove the key"
         if self.overlap_generation:
             yield (
                 "overlap_generation",
                 (
-                    "grpo_multiturn plays each episode's conversations through the server and "
-                    "has no one-step off-policy mode; set it false"
+                    "hands the weights over once the engine is idle, which a conversation "
+                    "waiting on its tool can be mid-episode; use max_staleness: 1 (per-token "
+                    "versions, the bound checked on the samples)"
+                ),
+            )
+        if self.handover_step is not None:
+            yield (
+                "handover_step",
+                (
+                    "marks the generating thread's calls, and a conversation's requests reach "
+                    "the engine through the server's threads; set it null"
                 ),
             )
         if self.dynamic_sampling:
@@ -186,17 +194,21 @@ def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
     server = EmbeddedServer(
-        worker.models[name], api_key=api_key, model_name=name, tool_call_parser=tool_call_parser
+        worker.models[name],
+        api_key=api_key,
+        model_name=name,
+        tool_call_parser=tool_call_parser,
     )
     return worker.attach(name, "openai_server", server).url
 
 
 def train(cfg, resume=False, log=print) -> dict:
     """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as
-    grpo.train."""
+    grpo.train. The loop is GRPO's (grpo/loop.py: synchronous, or max_staleness k with weights
+    pushed mid-conversation); what it generates is conversations."""
     import torch
 
-    algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
     n = pc.n
     environments.factory(algo.environment, algo.environment_args)  # a bad name: before the engines
     env = None
@@ -205,15 +217,13 @@ def train(cfg, resume=False, log=print) -> dict:
         episodes = run_episodes(env, run.eval_records, 1, pc.eval_temperature, pc.max_new_tokens)
         rewards = torch.tensor([e.reward for e in episodes])
         metrics = {"eval/reward": rewards.mean().item(), **env_metrics(episodes, "eval/env/")}
-        if rt.solved_reward is not None:
-            metrics["eval/solved"] = (rewards >= rt.solved_reward).float().mean().item()
+        if cfg.runtime.solved_reward is not None:
+            metrics["eval/solved"] = (rewards >= cfg.runtime.solved_reward).float().mean().item()
         return metrics
 
-    with Run(
-        cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate
-    ) as run:
+    def play(run):
+        nonlocal env
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
-        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser)[0]
         env = environments.build(
             algo.environment,
             algo.environment_args,
@@ -225,27 +235,43 @@ def train(cfg, resume=False, log=print) -> dict:
             parse=algo.tool_call_parser is not None,
         )
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
-        timer, metrics = run.timer, {}
-        run.evaluate_start()
-        for episode in range(run.start_episode, rt.num_episode + 1):
-            start = time.perf_counter()
-            index = run.next_prompts()
-            with timer("generate"):
-                records = [run.records[i] for i in index]
-                episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
-            samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
-            # right padding: masked everywhere
-            batch = RolloutBatch.from_samples(samples, pad_token_id=0)
-            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
-            if not torch.isfinite(rewards).all():
-                raise RunHealthError(
-                    f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
-                    "returns a finite number for every episode"
-                )
-            metrics = {
-                **grpo_step.update(run, batch, rewards, n),
-                **env_metrics(episodes, "env/"),
-                "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
-            }
-            run.end_episode(episode, metrics, start)
-    return metrics
+        return rollout_of(run, env, n, pc, algo.environment)
+
+    return grpo_loop.train(cfg, resume, log, PHASES, play=play, evaluate=evaluate)
+
+
+def rollout_of(run, env, n: int, pc, name: str):
+    """The loop's rollout: n episodes of `env` per record, as a batch."""
+
+    def rollout(index):
+        records = [run.records[i] for i in index]
+        episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
+        return episodes_batch(episodes, records, n, name)
+
+    return rollout
+
+
+def episodes_batch(episodes: list, records: list, n: int, name: str):
+    """(RolloutBatch, (S,) rewards, metrics) of the episodes of `records` (n each, record-major).
+    A group's episodes are ordered by their tokens, so that the batch does not depend on which
+    thread finished first (seeded requests give a run that repeats exactly)."""
+    import torch
+
+    samples, rewards = [], []
+    for g, record in enumerate(records):
+        group = [(episode_sample(e, g, record), e.reward) for e in episodes[g * n : (g + 1) * n]]
+        group.sort(key=lambda pair: (pair[0].prompt_ids, pair[0].response_ids))
+        samples += [s for s, _ in group]
+        rewards += [r for _, r in group]
+    rewards = torch.tensor(rewards, dtype=torch.float32)  # (S,)
+    if not torch.isfinite(rewards).all():
+        raise RunHealthError(
+            f"{name} returned a NaN/inf reward; fix the environment so it returns a finite "
+            "number for every episode"
+        )
+    metrics = {
+        **env_metrics(episodes, "env/"),
+        "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
+    }
+    # right padding: masked everywhere
+    return RolloutBatch.from_samples(samples, pad_token_id=0), rewards, metrics
