@@ -7,6 +7,9 @@
     package.module:Object     your own: a protocol environment class or factory (reset / step), or a
                               class with `episode(record, temperature, max_tokens)` (docs/multiturn_rl.md)
 
+An unmodified agent program (`runtime.algorithm.agent: 'package.module:function'`) plays its episodes
+itself through the agent gateway: chatgen.environments.agent.
+
 Protocol environments are played by `Runner` (chatgen.environments.base.play) over the policy's
 OpenAI endpoint; an adapter's library is imported only when a config names it.
 """

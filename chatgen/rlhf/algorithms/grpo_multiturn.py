@@ -25,6 +25,10 @@ the server's parsed `tool_calls` (`tool_call_parser`), or a class with `episode`
         def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
         def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode: ...
             # called from many threads at once; reaches the policy only through openai.OpenAI(base_url, api_key)
+
+`runtime.algorithm.agent: 'package.module:function'` instead trains an unmodified agent program
+through the agent gateway (chatgen.environments.agent, chatgen.serving.gateway): one gateway session
+per episode, the function called with (base_url, api_key, task record).
 """
 
 import concurrent.futures
@@ -34,7 +38,9 @@ from typing import Optional
 
 from chatgen import environments
 from chatgen.config import opt
+from chatgen.core.imports import import_object
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.environments import agent as agent_runner
 from chatgen.environments.base import Episode
 from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.algorithms.grpo import loop as grpo_loop
@@ -54,6 +60,16 @@ class Config(grpo.Config):
     max_turns: int = opt(8, "protocol environments: model turns per episode, then truncated")
     step_timeout_s: float = opt(
         60.0, "protocol environments: seconds a step may take (a tool that never returns)"
+    )
+    agent: Optional[str] = opt(
+        None,
+        "instead of an environment: an agent program's entry point 'package.module:function', "
+        "called per episode with (base_url, api_key, task record) and talking to the policy "
+        "through the agent gateway with the plain openai SDK; returns the reward, or None when "
+        "the harness POSTs it (docs/agents.md)",
+    )
+    agent_timeout_s: float = opt(
+        600.0, "agent: seconds an episode's session may stay open; then it is dropped and counted"
     )
     tool_call_parser: Optional[str] = opt(
         None,
@@ -93,9 +109,18 @@ class Config(grpo.Config):
                 "replay_buffer_size",
                 "grpo_multiturn's loop has no replay of stored groups; set it 0",
             )
-        problem = environments.check_name(self.environment)
-        if problem:
-            yield "environment", problem
+        if self.agent is not None:
+            problem = agent_runner.check_name(self.agent)
+            if problem:
+                yield "agent", problem
+            if self.environment is not None:
+                yield "agent", "an agent plays the episodes itself: remove environment, or agent"
+            if self.agent_timeout_s <= 0:
+                yield "agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}"
+        else:
+            problem = environments.check_name(self.environment)
+            if problem:
+                yield "environment", problem
         if self.max_turns < 1:
             yield "max_turns", f"must be at least 1, got {self.max_turns}"
 
@@ -162,6 +187,19 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
     )
 
 
+def dropped_sample(prompt_index: int, metadata: dict) -> Sample:
+    """A dropped episode's row: one token, trained on nothing."""
+    return Sample(
+        prompt_ids=[0],
+        response_ids=[0],
+        response_logprobs=[0.0],
+        response_mask=[0],
+        weight_versions=[-1],
+        prompt_index=prompt_index,
+        metadata=metadata,
+    )
+
+
 def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
     """n episodes of every record, all at once (one thread each, so the server batches their
     requests); episode j of record i at index i * n + j."""
@@ -188,9 +226,9 @@ def env_metrics(episodes: list, prefix: str) -> dict:
 PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
+def _serve(worker, name: str, api_key: str, tool_call_parser=None, gateway=False) -> str:
     """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed
-    with the worker)."""
+    with the worker); gateway: record agent sessions (chatgen.serving.gateway)."""
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
     server = EmbeddedServer(
@@ -198,6 +236,7 @@ def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
         api_key=api_key,
         model_name=name,
         tool_call_parser=tool_call_parser,
+        gateway=gateway,
     )
     return worker.attach(name, "openai_server", server).url
 
@@ -210,7 +249,10 @@ def train(cfg, resume=False, log=print) -> dict:
 
     algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
     n = pc.n
-    environments.factory(algo.environment, algo.environment_args)  # a bad name: before the engines
+    if algo.agent is None:  # a bad name: before the engines
+        environments.factory(algo.environment, algo.environment_args)
+    else:
+        import_object(algo.agent, "function")
     env = None
 
     def evaluate(run) -> dict:  # every held-out record, one episode each, at the eval temperature
@@ -224,6 +266,12 @@ def train(cfg, resume=False, log=print) -> dict:
     def play(run):
         nonlocal env
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
+        gateway = algo.agent is not None
+        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser, gateway)[0]
+        if gateway:
+            env = agent_runner.AgentRunner(algo.agent, url, api_key, algo.agent_timeout_s)
+            log(f"[chatgen] policy served at {url} (agent gateway); agent {algo.agent}")
+            return rollout_of(run, env, n, pc, algo.agent)
         env = environments.build(
             algo.environment,
             algo.environment_args,
@@ -259,8 +307,13 @@ def episodes_batch(episodes: list, records: list, n: int, name: str):
 
     samples, rewards = [], []
     for g, record in enumerate(records):
-        group = [(episode_sample(e, g, record), e.reward) for e in episodes[g * n : (g + 1) * n]]
+        played = episodes[g * n : (g + 1) * n]
+        group = [(episode_sample(e, g, record), e.reward) for e in played if not e.dropped]
         group.sort(key=lambda pair: (pair[0].prompt_ids, pair[0].response_ids))
+        # a dropped episode: nothing to train on, and the group's mean reward (no signal of its
+        # own; the others' advantages keep their signs)
+        mean = sum(r for _, r in group) / len(group) if group else 0.0
+        group += [(dropped_sample(g, record), mean) for e in played if e.dropped]
         samples += [s for s, _ in group]
         rewards += [r for _, r in group]
     rewards = torch.tensor(rewards, dtype=torch.float32)  # (S,)
@@ -272,6 +325,7 @@ def episodes_batch(episodes: list, records: list, n: int, name: str):
     metrics = {
         **env_metrics(episodes, "env/"),
         "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
+        "env/dropped_episodes": float(sum(e.dropped for e in episodes)),
     }
     # right padding: masked everywhere
     return RolloutBatch.from_samples(samples, pad_token_id=0), rewards, metrics
