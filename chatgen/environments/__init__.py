@@ -63,6 +63,19 @@ def factory(name: str, args: dict):
     return (lambda: obj(**args)), True
 
 
+# chatgen's server closes a connection idle for 5 s (chatgen.serving.limits.IDLE_TIMEOUT_S), and
+# httpx keeps one for 5 s too: a request sent on a connection the server is closing at that moment
+# is reset (seen with hundreds of conversations pausing between turns). Ours expire first.
+KEEPALIVE_S = 2.0
+
+
+def http_client(timeout_s: float = 600.0):
+    """An httpx client for the run's server whose idle connections expire before the server's."""
+    import httpx
+
+    return httpx.Client(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+
+
 class Runner:
     """The run's environment as multi-turn GRPO calls it: `episode(record, temperature,
     max_tokens)` plays one protocol episode through the policy's OpenAI endpoint."""
@@ -77,7 +90,9 @@ class Runner:
         # calls reach the environment as text (e.g. Search-R1's <search> tags)
         self.tool_choice = {} if parse else {"tool_choice": "none"}
         self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        self.client = openai.OpenAI(
+            base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client()
+        )
         self.reported = False
 
     def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:

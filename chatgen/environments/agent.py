@@ -11,11 +11,11 @@
 Per episode `AgentRunner.episode` opens a gateway session with the policy's sampling (temperature,
 per-turn token limit), calls the function on a daemon thread with that session's base_url, posts the
 reward it returns (None: waits for the harness to post it), and reads the session's recorded turns
-back over HTTP: the gateway may run in another process (the policy's Ray actor). A session not closed
-within `agent_timeout_s` is dropped (Episode.dropped: counted, none of its tokens train); an agent that
-raises after its first request ends its episode with reward 0 and `env/errors` 1, as a protocol
-environment's failed step does; one that raises before it stops the run (nothing was played: a bug
-or a config problem, said as it is).
+back over HTTP: the gateway may run in another process (the policy's Ray actor). A session not
+closed within `agent_timeout_s` is dropped (Episode.dropped: counted, none of its tokens train); an
+agent that raises after its first request ends its episode with reward 0 and `env/errors` 1, as a
+protocol environment's failed step does; one that raises before it stops the run (nothing was
+played: a bug or a config problem, said as it is).
 """
 
 import concurrent.futures
@@ -31,7 +31,9 @@ def check_name(name) -> str | None:
     """Why `name` names no agent entry point (None: it has the form; imported at start)."""
     module, _, function = str(name).partition(":")
     if not isinstance(name, str) or not module or not function:
-        return f"{name!r}: name the agent function as 'package.module:function' (or 'file.py:function')"
+        return (
+            f"{name!r}: name the agent function as 'package.module:function' or 'file.py:function'"
+        )
     return None
 
 
@@ -40,14 +42,14 @@ class AgentRunner:
     max_tokens)` runs the agent function once, in a gateway session of its own."""
 
     def __init__(self, entry: str, base_url: str, api_key: str, timeout_s: float):
-        import httpx
+        from chatgen.environments import http_client
 
         self.entry, self.timeout_s = entry, timeout_s
         self.agent = import_object(entry, "function")
         self.root, self.api_key = base_url.removesuffix("/v1"), api_key
-        self.http = httpx.Client(
-            base_url=self.root, headers={"Authorization": f"Bearer {api_key}"}, timeout=None
-        )
+        self.http = http_client(timeout_s=None)
+        self.http.base_url = self.root
+        self.http.headers["Authorization"] = f"Bearer {api_key}"
         self.reported = False
 
     def call(self, method: str, path: str, **kwargs) -> dict:

@@ -1,27 +1,27 @@
 """The agent gateway: the OpenAI server's chat completions, recorded per session, token-exactly, for
 training an unmodified agent program (docs/agents.md, "The agent gateway").
 
-    app = build_app(module, api_key="KEY", gateway=Gateway())       # or EmbeddedServer(..., gateway=True)
+    app = build_app(module, api_key="KEY", gateway=Gateway())  # EmbeddedServer(..., gateway=True)
 
-    POST /sessions                          {"sampling": {"temperature": 1.0, "max_tokens": 64}}
-                                            -> {"session_id": "s-...", "base_url": "/sessions/s-.../v1"}
-    POST /sessions/{id}/v1/chat/completions the agent's requests (openai.OpenAI(base_url=HOST + base_url))
-    POST /v1/chat/completions               the same, with the header X-Session-Id: {id}
-    GET  /sessions/{id}/v1/models           what the SDK lists
-    POST /sessions/{id}/reward              {"reward": 0.5}: closes the session (the harness)
-    GET  /sessions/{id}?wait=S              the trajectory, once closed or after S seconds
-    DELETE /sessions/{id}                   forget a closed session; drop an open one (its later
-                                            requests get 409)
+    POST /sessions            {"sampling": {"temperature": 1.0, "max_tokens": 64}}
+                              -> {"session_id": "s-...", "base_url": "/sessions/s-.../v1"}
+    POST /sessions/{id}/v1/chat/completions     the agent's requests (base_url=HOST + base_url)
+    POST /v1/chat/completions   the same, with the header X-Session-Id: {id}
+    GET  /sessions/{id}/v1/models               what the SDK lists
+    POST /sessions/{id}/reward  {"reward": 0.5}: closes the session (the harness)
+    GET  /sessions/{id}?wait=S  the trajectory, once closed or after S seconds
+    DELETE /sessions/{id}       forget a closed session; drop an open one (its later requests: 409)
 
 Every endpoint is behind the app's API key (a reward changes what trains). A session is one linear
 chat: each request must send back the previous reply's text as its last assistant message (plain
-`{"role": "assistant", "content": reply}` is enough), and the gateway then starts the prompt with the
-exact ids of that reply (`required_prefix_token_ids`, chatgen.generation.chat_tokens), so the session
-is one token sequence whatever the text re-tokenizes to. Each turn is recorded with what the engine
-returned: prompt ids (the chat template's rendering), generated ids, their log-probs and weight
-versions. A session's `sampling` overrides the agent's (the policy's temperature and per-turn limit:
-the trainer's log-probs assume them); the agent's model name is ignored (it names whatever model it
-was written for). Streaming and n > 1 are refused with a 400 (one recorded reply per request).
+`{"role": "assistant", "content": reply}` is enough), and the gateway then starts the prompt with
+the exact ids of that reply (`required_prefix_token_ids`, chatgen.generation.chat_tokens), so the
+session is one token sequence whatever the text re-tokenizes to. Each turn is recorded with what the
+engine returned: prompt ids (the chat template's rendering), generated ids, their log-probs and
+weight versions. A session's `sampling` overrides the agent's (the policy's temperature and per-turn
+limit: the trainer's log-probs assume them); the agent's model name is ignored (it names whatever
+model it was written for). Streaming and n > 1 are refused with a 400 (one recorded reply per
+request).
 """
 
 import asyncio
@@ -116,14 +116,14 @@ class Gateway:
         if body.get("n") not in (None, 1):
             raise APIError(400, "a session records one reply per request: set n 1", "n")
         body["model"] = server.name
-        if session.sampling:
+        if session.sampling:  # the agent may ask for fewer tokens, not for more
+            asked = [body.get(k) for k in ("max_tokens", "max_completion_tokens")]
             for key in RESHAPING:
                 body.pop(key, None)
-            limit = session.sampling.get("max_tokens")
-            if limit is not None and body.get("max_tokens") is not None:
-                body["max_tokens"] = min(body["max_tokens"], limit)
-            body.update({k: v for k, v in session.sampling.items() if k != "max_tokens"})
-            body.setdefault("max_tokens", limit)
+            body.update(session.sampling)
+            limits = [v for v in (session.sampling.get("max_tokens"), *asked) if type(v) is int]
+            if limits:
+                body["max_tokens"] = min(limits)
         if session.turns:
             body["required_prefix_token_ids"] = self.prefix(sid, session, body.get("messages"))
         session.busy = True
