@@ -32,7 +32,7 @@ def score(reply: str, answer: str) -> float:
 
 
 def solve(base_url: str, api_key: str, task: dict) -> float:
-    client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+    client = openai.OpenAI(base_url=base_url, api_key=api_key)
     messages = [{"role": "user", "content": task["prompt"]}]
     first = ask(client, messages)
     messages += [

@@ -63,17 +63,14 @@ def factory(name: str, args: dict):
     return (lambda: obj(**args)), True
 
 
-# chatgen's server closes a connection idle for 5 s (chatgen.serving.limits.IDLE_TIMEOUT_S), and
-# httpx keeps one for 5 s too: a request sent on a connection the server is closing at that moment
-# is reset (seen with hundreds of conversations pausing between turns). Ours expire first.
-KEEPALIVE_S = 2.0
-
-
-def http_client(timeout_s: float = 600.0):
-    """An httpx client for the run's server whose idle connections expire before the server's."""
+def http_client(timeout_s: float | None = 600.0):
+    """An httpx client for the run's server that opens a connection per request (loopback: cheap).
+    Reusing idle ones raced the server closing them (it closes a connection idle for 5 s, and httpx
+    keeps one for 5 s too): with hundreds of conversations pausing between turns, a request sent
+    on a connection being closed was reset and stopped the run."""
     import httpx
 
-    return httpx.Client(timeout=timeout_s, limits=httpx.Limits(keepalive_expiry=KEEPALIVE_S))
+    return httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
 
 
 class Runner:

@@ -28,7 +28,6 @@ import asyncio
 import json
 import math
 import secrets
-import time
 
 from fastapi import APIRouter, Request
 
@@ -59,7 +58,7 @@ class Session:
     def __init__(self, sampling: dict):
         self.sampling, self.turns, self.status, self.reward = sampling, [], "open", None
         self.busy, self.closed = False, asyncio.Event()
-        self.opened = time.monotonic()
+        self.last_messages = None  # of the request that made turns[-1]: a retry sends them again
 
     def state(self, sid: str) -> dict:
         return {
@@ -124,8 +123,13 @@ class Gateway:
             limits = [v for v in (session.sampling.get("max_tokens"), *asked) if type(v) is int]
             if limits:
                 body["max_tokens"] = min(limits)
-        if session.turns:
-            body["required_prefix_token_ids"] = self.prefix(sid, session, body.get("messages"))
+        # the SDK retries a request whose answer it lost (a dropped connection): the same messages
+        # again, answered anew in place of the turn they made
+        messages = json.dumps(body.get("messages"), sort_keys=True)
+        retry = bool(session.turns) and messages == session.last_messages
+        before = session.turns[:-1] if retry else session.turns
+        if before:
+            body["required_prefix_token_ids"] = self.prefix(sid, before[-1], body.get("messages"))
         session.busy = True
         try:
             job = await server.off_loop(server.prepare_chat, json.dumps(body).encode())
@@ -135,14 +139,14 @@ class Gateway:
         message = json.loads(response.body)["choices"][0]["message"]
         if session.status == "open":  # not dropped meanwhile
             turn = {key: message.get(key) for key in TURN_FIELDS}
-            session.turns.append({**turn, "content": message.get("content") or ""})
+            session.turns = [*before, {**turn, "content": message.get("content") or ""}]
+            session.last_messages = messages
         return response
 
     @staticmethod
-    def prefix(sid: str, session: Session, messages) -> list:
+    def prefix(sid: str, last: dict, messages) -> list:
         """The previous turn's prompt + generated ids, which this request's prompt begins with; a
         409 when the request does not continue that turn."""
-        last = session.turns[-1]
         assistant = [
             m for m in messages or [] if isinstance(m, dict) and m.get("role") == "assistant"
         ]

@@ -237,6 +237,12 @@ def test_bad_input_gets_named_errors_and_the_gateway_keeps_serving(gateway_serve
         f"{root}/v1/chat/completions", json=chat, headers={**auth, "X-Session-Id": sid}, timeout=60
     )
     assert r.status_code == 200, r.text
+    # the same request again (an SDK retrying a lost answer): answered anew, in place of that turn
+    r = httpx.post(
+        f"{root}/sessions/{sid}/v1/chat/completions", json=chat, headers=auth, timeout=60
+    )
+    assert r.status_code == 200, r.text
+    retried = r.json()["choices"][0]["message"]["generation_token_ids"]
     wrong = {**chat, "messages": chat["messages"] + [{"role": "assistant", "content": "not it"}]}
     r = httpx.post(
         f"{root}/sessions/{sid}/v1/chat/completions", json=wrong, headers=auth, timeout=60
@@ -250,6 +256,7 @@ def test_bad_input_gets_named_errors_and_the_gateway_keeps_serving(gateway_serve
     )
     state = httpx.get(f"{root}/sessions/{sid}", headers=auth).json()
     assert state["status"] == "closed" and state["reward"] == 0.5 and len(state["turns"]) == 1
+    assert state["turns"][0]["generation_token_ids"] == retried
     assert httpx.get(f"{root}/health", headers=auth).status_code == 200  # still serving
 
 
