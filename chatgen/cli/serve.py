@@ -73,6 +73,12 @@ def add_arguments(parser) -> None:
         "reset; chatgen/serving/control.py); beyond loopback they need an API key",
     )
     parser.add_argument(
+        "--gateway",
+        action="store_true",
+        help="record chat completions per agent session (/sessions/{id}/v1; reward POSTs close a "
+        "session; chatgen/serving/gateway.py, docs/agents.md); needs an API key",
+    )
+    parser.add_argument(
         "--control-timeout",
         type=float,
         default=None,
@@ -219,12 +225,18 @@ def run(args) -> int:
     from chatgen.serving.app import build_app
     from chatgen.serving.control import DEFAULT_TIMEOUT_S, check_bind, control_router
     from chatgen.serving.embedded import listen
+    from chatgen.serving.gateway import Gateway
     from chatgen.serving.limits import SHUTDOWN_GRACE_S, uvicorn_config
 
     if args.shutdown_timeout is not None and not args.shutdown_timeout >= 0:
         raise ValueError(
             f"--shutdown-timeout {args.shutdown_timeout}: give the seconds "
             "running requests may take to finish on SIGTERM, e.g. 10"
+        )
+    if args.gateway and not key:
+        raise ValueError(
+            f"--gateway: its reward endpoint decides what trains; give an API key ({API_KEY_ENV}=KEY "
+            "or --api-key-file PATH)"
         )
     if args.enable_auto_tool_choice != (args.tool_call_parser is not None):
         raise ValueError(
@@ -274,6 +286,7 @@ def run(args) -> int:
             max_request_bytes=args.max_request_bytes,
             allowed_hosts=[args.host, *filter(None, args.allowed_hosts.split(","))],
             tool_call_parser=args.tool_call_parser,
+            gateway=Gateway() if args.gateway else None,
         )
         host = f"[{args.host}]" if ":" in args.host else args.host
         print(

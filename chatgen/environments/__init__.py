@@ -7,6 +7,9 @@
     package.module:Object     your own: a protocol environment class or factory (reset / step), or a
                               class with `episode(record, temperature, max_tokens)` (docs/multiturn_rl.md)
 
+An unmodified agent program (`runtime.algorithm.agent: 'package.module:function'`) plays its episodes
+itself through the agent gateway: chatgen.environments.agent.
+
 Protocol environments are played by `Runner` (chatgen.environments.base.play) over the policy's
 OpenAI endpoint; an adapter's library is imported only when a config names it.
 """
@@ -60,6 +63,16 @@ def factory(name: str, args: dict):
     return (lambda: obj(**args)), True
 
 
+def http_client(timeout_s: float | None = 600.0):
+    """An httpx client for the run's server that opens a connection per request (loopback: cheap).
+    Reusing idle ones raced the server closing them (it closes a connection idle for 5 s, and httpx
+    keeps one for 5 s too): with hundreds of conversations pausing between turns, a request sent
+    on a connection being closed was reset and stopped the run."""
+    import httpx
+
+    return httpx.Client(timeout=timeout_s, limits=httpx.Limits(max_keepalive_connections=0))
+
+
 class Runner:
     """The run's environment as multi-turn GRPO calls it: `episode(record, temperature,
     max_tokens)` plays one protocol episode through the policy's OpenAI endpoint."""
@@ -74,7 +87,9 @@ class Runner:
         # calls reach the environment as text (e.g. Search-R1's <search> tags)
         self.tool_choice = {} if parse else {"tool_choice": "none"}
         self.max_turns, self.step_timeout_s = max_turns, step_timeout_s
-        self.client = openai.OpenAI(base_url=base_url, api_key=api_key, max_retries=0, timeout=600)
+        self.client = openai.OpenAI(
+            base_url=base_url, api_key=api_key, max_retries=0, http_client=http_client()
+        )
         self.reported = False
 
     def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:

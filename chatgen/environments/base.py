@@ -51,7 +51,8 @@ class Episode:
     message back to the server as it came: its token ids keep the chat token-exact). reward: the
     episode's reward. text: the final reply. metrics: more per-episode numbers to log (averaged, as
     `env/<key>`). turn_rewards: each model turn's reward (protocol environments); truncated: cut by
-    max_turns or by the environment.
+    max_turns or by the environment. dropped: the episode never ended (an agent session that was
+    not closed in time, chatgen.environments.agent): none of its tokens train, and it is counted.
     """
 
     turns: list
@@ -60,6 +61,7 @@ class Episode:
     metrics: dict = dataclasses.field(default_factory=dict)
     turn_rewards: list = dataclasses.field(default_factory=list)
     truncated: bool = False
+    dropped: bool = False
 
 
 class Environment:

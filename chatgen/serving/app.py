@@ -68,6 +68,7 @@ def build_app(
     max_request_bytes: int | None = None,
     allowed_hosts=(),
     tool_call_parser: str | None = None,
+    gateway=None,
 ) -> FastAPI:
     """The FastAPI app serving `module` (a started VLLMModule) under `model_name` (default: its
     `load` path).
@@ -80,7 +81,9 @@ def build_app(
     give in the Host header beyond IP addresses, localhost and this machine's names ("*": any;
     `HostCheck`). A POST must be JSON (`require_json`). tool_call_parser: vLLM's tool-call parser by
     name (`--tool-call-parser`; chatgen.serving.tool_calls): chat replies are parsed into
-    `tool_calls` (None: `tool_choice` other than "none" is a 400).
+    `tool_calls` (None: `tool_choice` other than "none" is a 400). gateway: a
+    chatgen.serving.gateway.Gateway: chat completions are recorded per agent session, and one
+    without a session id is a 400 (the agent gateway, docs/agents.md).
     """
     from vllm.entrypoints.serve.exception_handling.error_response import create_error_response
     from vllm.exceptions import VLLMClientError
@@ -171,6 +174,9 @@ def build_app(
     @router.post("/v1/chat/completions")
     @cancel_on_disconnect
     async def chat(request: Request):
+        if gateway is not None:  # the session id in a header
+            sid = request.headers.get("x-session-id")
+            return await gateway.chat(server, await request.body(), sid)
         return await server.chat(await server.off_loop(server.prepare_chat, await request.body()))
 
     @router.post("/v1/completions")
@@ -181,6 +187,8 @@ def build_app(
         )
 
     app.include_router(router)
+    if gateway is not None:
+        app.include_router(gateway.router(server), dependencies=guards)
     for extra in routers:
         app.include_router(extra, dependencies=guards)
     return app

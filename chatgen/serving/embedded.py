@@ -22,6 +22,7 @@ require("uvicorn", "the embedded OpenAI server (chatgen.serving.embedded)")
 import uvicorn  # noqa: E402
 
 from chatgen.serving.app import build_app  # noqa: E402
+from chatgen.serving.gateway import Gateway  # noqa: E402
 from chatgen.serving.limits import uvicorn_config  # noqa: E402
 
 START_TIMEOUT_S = 60
@@ -57,7 +58,8 @@ class EmbeddedServer:
     """uvicorn serving `build_app(module, ...)` from a daemon thread. `url` is
     `http://HOST:PORT/v1` (for `openai.OpenAI(base_url=...)`); port 0 picks a free port. Binds to
     loopback unless `host` says otherwise. tool_call_parser: vLLM's parser name
-    (chatgen.serving.tool_calls): replies carry parsed `tool_calls`."""
+    (chatgen.serving.tool_calls): replies carry parsed `tool_calls`. gateway: record chat
+    completions per agent session (chatgen.serving.gateway)."""
 
     def __init__(
         self,
@@ -67,9 +69,14 @@ class EmbeddedServer:
         api_key: str | None = None,
         model_name: str | None = None,
         tool_call_parser: str | None = None,
+        gateway: bool = False,
     ):
         app = build_app(
-            module, api_key=api_key, model_name=model_name, tool_call_parser=tool_call_parser
+            module,
+            api_key=api_key,
+            model_name=model_name,
+            tool_call_parser=tool_call_parser,
+            gateway=Gateway() if gateway else None,
         )
         sock = listen(host, port)
         self._server = uvicorn.Server(uvicorn_config(app))

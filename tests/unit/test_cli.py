@@ -536,3 +536,12 @@ def test_serve_fits_max_new_tokens_to_a_short_context_unless_given(tiny_llama_di
     assert resolved("max_new_tokens=100").max_new_tokens == 100
     with pytest.raises(ConfigError, match="max_new_tokens: 256 leaves no room"):
         resolved("max_new_tokens=256")  # the user's own value is checked, not changed
+
+
+def test_serve_gateway_needs_an_api_key(tiny_llama_dir, monkeypatch, capsys):
+    """--gateway's reward endpoint decides what trains: refused without a key, before an engine starts."""
+    from chatgen.cli import main
+
+    monkeypatch.delenv("CHATGEN_API_KEY", raising=False)
+    assert main(["serve", "--model", str(tiny_llama_dir), "--gateway"]) == 2
+    assert "--gateway: its reward endpoint decides what trains" in capsys.readouterr().err

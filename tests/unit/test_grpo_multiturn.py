@@ -114,3 +114,36 @@ def test_the_served_policy_must_be_a_one_rank_engine():
         ConfigError, match="runtime.colocation: the policy shares a group of 2 ranks"
     ):
         check_run(cfg, load("grpo_multiturn"))
+
+
+def test_config_takes_an_agent_instead_of_an_environment():
+    assert dict(Config(agent="examples.gateway_agent:solve").check()) == {}
+    problems = [p for k, p in Config(agent="gateway_agent", environment="calculator").check()]
+    assert any("'package.module:function'" in p for p in problems)
+    assert any("remove environment, or agent" in p for p in problems)
+    assert "agent_timeout_s" in dict(Config(agent="a:b", agent_timeout_s=0).check())
+    # asynchronous multi-turn is GRPO's loop; overlap_generation and handover_step are refused
+    assert (
+        dict(Config(environment="calculator", max_staleness=2, old_logprobs="rollout").check())
+        == {}
+    )
+    problems = dict(
+        Config(
+            environment="calculator", max_staleness=2, old_logprobs="rollout", handover_step=4
+        ).check()
+    )
+    assert "server's threads" in problems["handover_step"]
+
+
+def test_a_dropped_episode_trains_on_nothing_and_is_counted():
+    from chatgen.rlhf.algorithms.grpo_multiturn import episodes_batch
+
+    played = [
+        Episode([turn([1, 5, 6], [7, EOS], [-0.5, -0.1], [0, 0])], reward)
+        for reward in (1.0, 0.0, 0.5)
+    ]
+    dropped = Episode([], 0.0, dropped=True)
+    batch, rewards, metrics = episodes_batch([played[0], dropped, *played[1:]], [{}], 4, "agent")
+    assert metrics["env/dropped_episodes"] == 1.0
+    assert batch.loss_mask[:3].sum(dim=1).tolist() == [2.0, 2.0, 2.0]
+    assert batch.loss_mask[3].sum() == 0 and rewards[3] == 0.5  # the group's mean: no signal

@@ -144,7 +144,7 @@ def test_batches_ahead_of_the_trainers_are_marked_for_the_handover():
         next_prompts=lambda: [next(prompts)],
         sampler=types.SimpleNamespace(state_dict=dict),
     )
-    with Rollouts(run, 2, handover_step=4) as rollouts:
+    with Rollouts(run, 2, generate, handover_step=4) as rollouts:
         rollouts.fill(1, limit=10, version=0)  # batches 1, 2, 3 (prompts 0, 1, 2)
         assert rollouts.take(1)[1] == [0]
         rollouts.fill(2, limit=10, version=1)  # batch 4 (prompt 3)
@@ -152,7 +152,7 @@ def test_batches_ahead_of_the_trainers_are_marked_for_the_handover():
             rollouts.take(episode)
     assert marks == {0: None, 1: (4, 0), 2: (4, 0), 3: (4, 1)}
     assert handover.requested() is None  # the mark stays with the call
-    with Rollouts(run, 2) as rollouts:  # handover_step null: nothing marked
+    with Rollouts(run, 2, generate) as rollouts:  # handover_step null: nothing marked
         rollouts.fill(1, limit=1, version=0)
         rollouts.take(1)
     assert marks[4] is None
@@ -217,12 +217,14 @@ def batch_of(versions: list, first_prompt=0):
 
 @pytest.mark.parametrize("stale_samples", ["drop", "regenerate"])
 def test_groups_past_the_bound_are_dropped_or_regenerated(stale_samples):
-    from chatgen.rlhf.algorithms.grpo.loop import enforce_bound
+    from chatgen.rlhf.algorithms.grpo.loop import enforce_bound, generated
 
     run = FakeRun(stale_samples)
     batch = batch_of([9, 8, 6, 9, 7, 7])  # at version 9, k = 2: group 1 (a sample at 6) is past it
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
-    out, out_rewards, keep, metrics = enforce_bound(run, [10, 11, 12], batch, rewards, 9, 2)
+    out, out_rewards, keep, metrics = enforce_bound(
+        run, generated(run), [10, 11, 12], batch, rewards, 9, 2
+    )
     assert metrics == {"async/stale_groups": 1}
     if stale_samples == "drop":
         assert out is batch and keep.tolist() == [1, 1, 0, 0, 1, 1] and run.generated == []
@@ -237,7 +239,7 @@ def test_a_token_newer_than_the_trainer_is_a_bug():
     from chatgen.rlhf.algorithms.grpo.loop import enforce_bound
 
     with pytest.raises(RuntimeError, match="newer than the trainer"):
-        enforce_bound(FakeRun("drop"), [0], batch_of([3, 5]), torch.zeros(2), 4, 2)
+        enforce_bound(FakeRun("drop"), None, [0], batch_of([3, 5]), torch.zeros(2), 4, 2)
 
 
 def test_an_async_policy_sharing_gpus_with_its_trainer_is_refused(tmp_path, monkeypatch, capsys):

@@ -11,7 +11,10 @@ tool turn, model turn, ...) and ends with the episode's reward. Each episode bec
 sample: its first prompt, then every later token, trained on where the model generated it
 (`response_mask` 1) and not where the chat template or the environment wrote it (0), with the
 server's log-probs. Then GRPO as grpo.py: group advantages, old log-probs, clipped policy-gradient
-steps, sync into the policy the server runs. docs/multiturn_rl.md has the details.
+steps, sync into the policy the server runs. The loop is GRPO's (grpo/loop.py), so max_staleness k
+runs the conversations of the next k episodes while the trainer trains, with the weights pushed
+mid-conversation (mode keep) and each token stamped with its version. docs/multiturn_rl.md has the
+details.
 
 `runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a
 built-in (`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own
@@ -22,23 +25,27 @@ the server's parsed `tool_calls` (`tool_call_parser`), or a class with `episode`
         def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
         def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode: ...
             # called from many threads at once; reaches the policy only through openai.OpenAI(base_url, api_key)
+
+`runtime.algorithm.agent: 'package.module:function'` instead trains an unmodified agent program
+through the agent gateway (chatgen.environments.agent, chatgen.serving.gateway): one gateway session
+per episode, the function called with (base_url, api_key, task record).
 """
 
 import concurrent.futures
 import dataclasses
 import secrets
-import time
 from typing import Optional
 
 from chatgen import environments
 from chatgen.config import opt
+from chatgen.core.imports import import_object
 from chatgen.core.rollout import RolloutBatch, Sample
+from chatgen.environments import agent as agent_runner
 from chatgen.environments.base import Episode
 from chatgen.rlhf.algorithms import grpo
-from chatgen.rlhf.algorithms.grpo import step as grpo_step
+from chatgen.rlhf.algorithms.grpo import loop as grpo_loop
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.placement import plan_groups
-from chatgen.rlhf.run import Run
 from chatgen.rlhf.schema import Role
 
 
@@ -54,6 +61,16 @@ class Config(grpo.Config):
     step_timeout_s: float = opt(
         60.0, "protocol environments: seconds a step may take (a tool that never returns)"
     )
+    agent: Optional[str] = opt(
+        None,
+        "instead of an environment: an agent program's entry point 'package.module:function', "
+        "called per episode with (base_url, api_key, task record) and talking to the policy "
+        "through the agent gateway with the plain openai SDK; returns the reward, or None when "
+        "the harness POSTs it (docs/agents.md)",
+    )
+    agent_timeout_s: float = opt(
+        600.0, "agent: seconds an episode's session may stay open; then it is dropped and counted"
+    )
     tool_call_parser: Optional[str] = opt(
         None,
         "vLLM's tool-call parser the run's server reads the policy's tool calls with (hermes, "
@@ -62,14 +79,21 @@ class Config(grpo.Config):
 
     def check(self):
         yield from super().check()
-        if self.max_staleness is not None:
-            yield "max_staleness", "grpo_multiturn has no asynchronous loop; remove the key"
         if self.overlap_generation:
             yield (
                 "overlap_generation",
                 (
-                    "grpo_multiturn plays each episode's conversations through the server and "
-                    "has no one-step off-policy mode; set it false"
+                    "hands the weights over once the engine is idle, which a conversation "
+                    "waiting on its tool can be mid-episode; use max_staleness: 1 (per-token "
+                    "versions, the bound checked on the samples)"
+                ),
+            )
+        if self.handover_step is not None:
+            yield (
+                "handover_step",
+                (
+                    "marks the generating thread's calls, and a conversation's requests reach "
+                    "the engine through the server's threads; set it null"
                 ),
             )
         if self.dynamic_sampling:
@@ -85,9 +109,18 @@ class Config(grpo.Config):
                 "replay_buffer_size",
                 "grpo_multiturn's loop has no replay of stored groups; set it 0",
             )
-        problem = environments.check_name(self.environment)
-        if problem:
-            yield "environment", problem
+        if self.agent is not None:
+            problem = agent_runner.check_name(self.agent)
+            if problem:
+                yield "agent", problem
+            if self.environment is not None:
+                yield "agent", "an agent plays the episodes itself: remove environment, or agent"
+            if self.agent_timeout_s <= 0:
+                yield "agent_timeout_s", f"must be > 0, got {self.agent_timeout_s}"
+        else:
+            problem = environments.check_name(self.environment)
+            if problem:
+                yield "environment", problem
         if self.max_turns < 1:
             yield "max_turns", f"must be at least 1, got {self.max_turns}"
 
@@ -154,6 +187,19 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
     )
 
 
+def dropped_sample(prompt_index: int, metadata: dict) -> Sample:
+    """A dropped episode's row: one token, trained on nothing."""
+    return Sample(
+        prompt_ids=[0],
+        response_ids=[0],
+        response_logprobs=[0.0],
+        response_mask=[0],
+        weight_versions=[-1],
+        prompt_index=prompt_index,
+        metadata=metadata,
+    )
+
+
 def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
     """n episodes of every record, all at once (one thread each, so the server batches their
     requests); episode j of record i at index i * n + j."""
@@ -180,40 +226,52 @@ def env_metrics(episodes: list, prefix: str) -> dict:
 PHASES = ["generate", "reference", "old_logprobs", "train", "sync", "checkpoint", "eval"]
 
 
-def _serve(worker, name: str, api_key: str, tool_call_parser=None) -> str:
+def _serve(worker, name: str, api_key: str, tool_call_parser=None, gateway=False) -> str:
     """In the policy's actor: serve it over OpenAI HTTP on loopback for the run's life (closed
-    with the worker)."""
+    with the worker); gateway: record agent sessions (chatgen.serving.gateway)."""
     from chatgen.serving.embedded import EmbeddedServer  # the server's stack, in the actor only
 
     server = EmbeddedServer(
-        worker.models[name], api_key=api_key, model_name=name, tool_call_parser=tool_call_parser
+        worker.models[name],
+        api_key=api_key,
+        model_name=name,
+        tool_call_parser=tool_call_parser,
+        gateway=gateway,
     )
     return worker.attach(name, "openai_server", server).url
 
 
 def train(cfg, resume=False, log=print) -> dict:
     """Run multi-turn GRPO as configured; returns the last episode's metrics. resume: as
-    grpo.train."""
+    grpo.train. The loop is GRPO's (grpo/loop.py: synchronous, or max_staleness k with weights
+    pushed mid-conversation); what it generates is conversations."""
     import torch
 
-    algo, rt, pc = cfg.runtime.algorithm, cfg.runtime, cfg.models["policy"].config
+    algo, pc = cfg.runtime.algorithm, cfg.models["policy"].config
     n = pc.n
-    environments.factory(algo.environment, algo.environment_args)  # a bad name: before the engines
+    if algo.agent is None:  # a bad name: before the engines
+        environments.factory(algo.environment, algo.environment_args)
+    else:
+        import_object(algo.agent, "function")
     env = None
 
     def evaluate(run) -> dict:  # every held-out record, one episode each, at the eval temperature
         episodes = run_episodes(env, run.eval_records, 1, pc.eval_temperature, pc.max_new_tokens)
         rewards = torch.tensor([e.reward for e in episodes])
         metrics = {"eval/reward": rewards.mean().item(), **env_metrics(episodes, "eval/env/")}
-        if rt.solved_reward is not None:
-            metrics["eval/solved"] = (rewards >= rt.solved_reward).float().mean().item()
+        if cfg.runtime.solved_reward is not None:
+            metrics["eval/solved"] = (rewards >= cfg.runtime.solved_reward).float().mean().item()
         return metrics
 
-    with Run(
-        cfg, resume, PHASES, log, records_per_episode=rt.sample_per_episode // n, evaluate=evaluate
-    ) as run:
+    def play(run):
+        nonlocal env
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
-        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser)[0]
+        gateway = algo.agent is not None
+        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser, gateway)[0]
+        if gateway:
+            env = agent_runner.AgentRunner(algo.agent, url, api_key, algo.agent_timeout_s)
+            log(f"[chatgen] policy served at {url} (agent gateway); agent {algo.agent}")
+            return rollout_of(run, env, n, pc, algo.agent)
         env = environments.build(
             algo.environment,
             algo.environment_args,
@@ -225,27 +283,49 @@ def train(cfg, resume=False, log=print) -> dict:
             parse=algo.tool_call_parser is not None,
         )
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
-        timer, metrics = run.timer, {}
-        run.evaluate_start()
-        for episode in range(run.start_episode, rt.num_episode + 1):
-            start = time.perf_counter()
-            index = run.next_prompts()
-            with timer("generate"):
-                records = [run.records[i] for i in index]
-                episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
-            samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
-            # right padding: masked everywhere
-            batch = RolloutBatch.from_samples(samples, pad_token_id=0)
-            rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
-            if not torch.isfinite(rewards).all():
-                raise RunHealthError(
-                    f"{algo.environment} returned a NaN/inf reward; fix the environment so it "
-                    "returns a finite number for every episode"
-                )
-            metrics = {
-                **grpo_step.update(run, batch, rewards, n),
-                **env_metrics(episodes, "env/"),
-                "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
-            }
-            run.end_episode(episode, metrics, start)
-    return metrics
+        return rollout_of(run, env, n, pc, algo.environment)
+
+    return grpo_loop.train(cfg, resume, log, PHASES, play=play, evaluate=evaluate)
+
+
+def rollout_of(run, env, n: int, pc, name: str):
+    """The loop's rollout: n episodes of `env` per record, as a batch."""
+
+    def rollout(index):
+        records = [run.records[i] for i in index]
+        episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
+        return episodes_batch(episodes, records, n, name)
+
+    return rollout
+
+
+def episodes_batch(episodes: list, records: list, n: int, name: str):
+    """(RolloutBatch, (S,) rewards, metrics) of the episodes of `records` (n each, record-major).
+    A group's episodes are ordered by their tokens, so that the batch does not depend on which
+    thread finished first (seeded requests give a run that repeats exactly)."""
+    import torch
+
+    samples, rewards = [], []
+    for g, record in enumerate(records):
+        played = episodes[g * n : (g + 1) * n]
+        group = [(episode_sample(e, g, record), e.reward) for e in played if not e.dropped]
+        group.sort(key=lambda pair: (pair[0].prompt_ids, pair[0].response_ids))
+        # a dropped episode: nothing to train on, and the group's mean reward (no signal of its
+        # own; the others' advantages keep their signs)
+        mean = sum(r for _, r in group) / len(group) if group else 0.0
+        group += [(dropped_sample(g, record), mean) for e in played if e.dropped]
+        samples += [s for s, _ in group]
+        rewards += [r for _, r in group]
+    rewards = torch.tensor(rewards, dtype=torch.float32)  # (S,)
+    if not torch.isfinite(rewards).all():
+        raise RunHealthError(
+            f"{name} returned a NaN/inf reward; fix the environment so it returns a finite "
+            "number for every episode"
+        )
+    metrics = {
+        **env_metrics(episodes, "env/"),
+        "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
+        "env/dropped_episodes": float(sum(e.dropped for e in episodes)),
+    }
+    # right padding: masked everywhere
+    return RolloutBatch.from_samples(samples, pad_token_id=0), rewards, metrics

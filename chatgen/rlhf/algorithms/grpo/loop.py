@@ -145,8 +145,8 @@ class Rollouts:
     """The batches in flight or waiting (see the module docstring): `fill` submits what the bound
     admits, `take` waits for the next one. Also counts the engine's and the trainer's idle time."""
 
-    def __init__(self, run, k: int, handover_step: int | None = None):
-        self.run, self.k, self.handover_step = run, k, handover_step
+    def __init__(self, run, k: int, rollout, handover_step: int | None = None):
+        self.run, self.k, self.rollout, self.handover_step = run, k, rollout, handover_step
         self.pool = concurrent.futures.ThreadPoolExecutor(k + 1, thread_name_prefix="chatgen-async")
         # (episode, record indices, future of the RolloutBatch, data position before its draw), in
         # order
@@ -182,8 +182,8 @@ class Rollouts:
             self.next_episode += 1
 
     def take(self, episode: int):
-        """(record indices, RolloutBatch) of `episode`, once generated; and how many batches were
-        ready."""
+        """(record indices, `rollout`'s (batch, rewards, metrics)) of `episode`, once generated;
+        and how many batches were ready."""
         got, index, future, _ = self.queue.popleft()
         assert got == episode, f"rollout: expected episode {episode}'s batch, got {got}'s"
         ready = 1 + sum(entry[2].done() for entry in self.queue) if future.done() else 0
@@ -201,7 +201,7 @@ class Rollouts:
             self._running += 1
         try:
             with handover.hold_after(*hold):
-                return self.run.generate(index)
+                return self.rollout(index)
         finally:
             with self._lock:
                 self._running -= 1
@@ -232,10 +232,10 @@ def next_checkpoint(run, episode: int) -> int:
     )
 
 
-def enforce_bound(run, index, batch, rewards, current: int, n: int):
+def enforce_bound(run, rollout, index, batch, rewards, current: int, n: int):
     """The groups whose oldest token is more than k versions behind `current`: dropped from the
-    loss (stale_samples: drop) or generated again now (regenerate). Returns (batch, rewards,
-    loss_keep or None, metrics)."""
+    loss (stale_samples: drop) or generated again now with `rollout` (regenerate). Returns (batch,
+    rewards, loss_keep or None, metrics)."""
     algo = run.cfg.runtime.algorithm
     stale = st.sample_staleness(batch.weight_versions, current)
     if (stale < 0).any():
@@ -251,9 +251,10 @@ def enforce_bound(run, index, batch, rewards, current: int, n: int):
         return batch, rewards, (~over).repeat_interleave(n).float(), metrics
     redo = [index[g] for g in over.nonzero().flatten().tolist()]
     with run.timer("generate"):
-        fresh = run.generate(redo)
-    with run.timer("reward"):
-        fresh_rewards = run.score(fresh)
+        fresh, fresh_rewards, _ = rollout(redo)
+    if fresh_rewards is None:
+        with run.timer("reward"):
+            fresh_rewards = run.score(fresh)
     parts, scores, redone = [], [], iter(range(len(redo)))
     for g, is_over in enumerate(over.tolist()):  # the batch's group order, stale groups replaced
         source, score, at = (fresh, fresh_rewards, next(redone)) if is_over else (batch, rewards, g)
@@ -273,16 +274,32 @@ def schedule(algo) -> tuple:
     return int(algo.overlap_generation), False
 
 
-def train(cfg, resume, log, phases: list) -> dict:
+def generated(run):
+    """Single-turn GRPO's rollout: the policy's batch for the record indices, scored later on the
+    trainer's thread (rewards None)."""
+    return lambda index: (run.generate(index), None, {})
+
+
+def train(cfg, resume, log, phases: list, play=generated, evaluate=None) -> dict:
     """GRPO's episodes, k versions ahead (the module docstring). Returns the last episode's
-    metrics."""
+    metrics. play(run) -> rollout, made once the run's models are up: rollout(record indices) ->
+    (RolloutBatch, (S,) rewards or None to score it with run.score, metrics to log); multi-turn
+    GRPO's plays conversations (grpo_multiturn.py). evaluate: Run's held-out evaluation (None:
+    the policy's own)."""
     rt, algo = cfg.runtime, cfg.runtime.algorithm
     n = cfg.models["policy"].config.n
     k, asynchronous = schedule(algo)
     mode = "keep" if asynchronous else "wait"  # keep: requests in flight go on under new weights
     with (
-        Run(cfg, resume, phases, log, records_per_episode=rt.sample_per_episode // n) as run,
-        Rollouts(run, k, algo.handover_step) as rollouts,
+        Run(
+            cfg,
+            resume,
+            phases,
+            log,
+            records_per_episode=rt.sample_per_episode // n,
+            evaluate=evaluate,
+        ) as run,
+        Rollouts(run, k, rollout := play(run), algo.handover_step) as rollouts,
     ):
         timer, metrics = run.timer, {}
         buffer = rp.ReplayBuffer(algo.replay_buffer_size, algo.replay_max_age)
@@ -295,20 +312,22 @@ def train(cfg, resume, log, phases: list) -> dict:
             rollouts.fill(episode, limit, current)
             waited = time.perf_counter()
             with timer("generate"):  # what the trainer waits for: its idle time
-                index, batch, ready = rollouts.take(episode)
+                index, (batch, rewards, played), ready = rollouts.take(episode)
             waited = time.perf_counter() - waited
-            with timer("reward"):
-                rewards = run.score(batch)  # (S,)
+            if rewards is None:
+                with timer("reward"):
+                    rewards = run.score(batch)  # (S,)
             extra, replayed = {}, {}
             if algo.dynamic_sampling:  # k = 0: groups with no gradient out, fresh ones in
                 batch, rewards, extra = sample_full_groups(run, batch, rewards, n)
             if algo.replay_buffer_size:  # groups with no gradient out, stored varied ones in
                 batch, rewards, replayed = rp.refill(buffer, cfg, batch, rewards, n, episode)
             if asynchronous:  # after the replay: the bound holds for replayed groups too
-                batch, rewards, extra = bounded(run, index, batch, rewards, current, n)
+                batch, rewards, extra = bounded(run, rollout, index, batch, rewards, current, n)
             metrics = update(
                 run, batch, rewards, n, sync=False, current_version=current if k else None
             )
+            metrics.update(played)
             metrics.update(extra)
             metrics.update(replayed)
             with timer("sync"):  # wait: the batch generating ahead (k = 1) finishes first
@@ -329,7 +348,7 @@ def train(cfg, resume, log, phases: list) -> dict:
     return metrics
 
 
-def bounded(run, index, batch, rewards, current: int, n: int):
+def bounded(run, rollout, index, batch, rewards, current: int, n: int):
     """The staleness bound on a batch of an asynchronous run: (batch, rewards, metrics) with the
     groups past it dropped from the loss or regenerated (enforce_bound) and the staleness
     observed."""
@@ -339,7 +358,7 @@ def bounded(run, index, batch, rewards, current: int, n: int):
             "weight_versions (RolloutBatch.weight_versions); use the vllm backend, or "
             "a decode_internal that keeps them"
         )
-    batch, rewards, keep, metrics = enforce_bound(run, index, batch, rewards, current, n)
+    batch, rewards, keep, metrics = enforce_bound(run, rollout, index, batch, rewards, current, n)
     if keep is not None:
         batch.loss_mask = batch.loss_mask * keep.unsqueeze(1)
     metrics.update(st.staleness_metrics(batch.weight_versions, batch.loss_mask, current))
