@@ -247,6 +247,13 @@ def seq_mean_token_sum_norm(per_token, mask, norm_length=None):
     return (masked_sum(per_token, mask, dim=1) / norm_length).mean()
 
 
+# What each mean runs over, for a trainer's micro-batches of unequal size
+# (chatgen.training.micro_batches.loss_unit): a micro-batch's loss weighs its share of these.
+token_mean.normalized_by = "tokens"
+for _aggregation in (seq_mean_token_mean, seq_mean_token_sum, seq_mean_token_sum_norm):
+    _aggregation.normalized_by = "samples"
+
+
 # ---- policy ratios: (B, T) log-ratios whose exp is the clipped ratio; registered by name in
 # chatgen.rlhf.recipe.ratio
 
@@ -347,6 +354,12 @@ def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = Poli
         if o.dual_clip is not None:
             stats["dual_clip_fraction"] = masked_mean(dual_clipped.float(), mask)
     return loss, stats
+
+
+# an aggregation of a user's own without the attribute: a sequence mean
+policy_loss.normalized_by = lambda options=PolicyLossOptions(), **_: getattr(
+    options.aggregation, "normalized_by", "samples"
+)
 
 
 def value_loss(
@@ -485,3 +498,7 @@ def dpo_loss_fn(logprobs, mb, beta=0.1):
     weights = mb.pair_weights
     chosen, rejected = pair_logratios(logprobs, mb.ref_logprobs, mb.loss_mask)
     return dpo_loss(chosen, rejected, beta, None if weights is None else weights[0::2])
+
+
+value_loss_fn.normalized_by = nll_loss_fn.normalized_by = "tokens"
+dpo_loss_fn.normalized_by, dpo_loss_fn.rows_together = "samples", 2  # a mean over pairs
