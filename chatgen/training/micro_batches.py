@@ -60,15 +60,17 @@ def first_fit_decreasing(sizes: list, capacity: int, rows: list | None = None) -
 def loss_unit(loss_fn) -> str:
     """What a loss function's mean runs over: "tokens" (a token mean: SFT's NLL, token_mean
     policy losses, the critic's) or "samples" (a sequence mean: DPO, the seq_mean_*
-    aggregations). Declared by the function's `normalized_by` attribute (a string, or a function of
-    the functools.partial keywords it was bound with); undeclared (a user's loss): samples, as
-    verl scales a micro-batch's loss by its share of the samples."""
+    aggregations), as chatgen.core.train_batch.loss_declares declares it (a function of the
+    functools.partial keywords may give another function, whose unit holds). Undeclared (a user's
+    loss or aggregation): samples, as verl scales a micro-batch's loss by its share of the
+    samples."""
     fn, keywords = loss_fn, {}
     while isinstance(fn, functools.partial):
         keywords = {**fn.keywords, **keywords}
         fn = fn.func
     unit = getattr(fn, "normalized_by", "samples")
-    return unit(**keywords) if callable(unit) else unit
+    unit = unit(**keywords) if callable(unit) else unit
+    return unit if isinstance(unit, str) else loss_unit(unit)
 
 
 def rows_together(loss_fn) -> int:
