@@ -383,7 +383,8 @@ class MegatronModule(
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in
-        micro-batches.
+        micro-batches: of micro_batch_size samples, or of at most max_tokens_per_micro_batch tokens,
+        whose losses are then weighted to the global batch's mean (chatgen.training.micro_batches).
 
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample
         tensors (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,),

@@ -45,6 +45,7 @@ def relative(a: list, b: list) -> float:
 LOSSES = {
     "sft": (L.nll_loss_fn, False),
     "dpo": (functools.partial(L.dpo_loss_fn, beta=0.5), True),
+    "ppo": (functools.partial(L.policy_loss, options=L.PolicyLossOptions()), False),  # token_mean
     "seq_mean": (  # a sequence-mean policy loss: micro-batches weigh by samples, not tokens
         functools.partial(
             L.policy_loss, options=L.PolicyLossOptions(aggregation=L.seq_mean_token_mean)
@@ -139,3 +140,30 @@ def test_fsdp_token_micro_batches_pack_and_train_like_one_micro_batch(tiny_llama
     assert tokens["loss"] == pytest.approx(whole["loss"], rel=REL)
     assert relative(grads[1], grads[0]) < REL
     assert tokens["padding_tokens_trained"] == 0 < whole["padding_tokens_trained"]
+
+
+def _fsdp_step(model_dir, budget):
+    """One train step of this rank's half of the DPO batch (all of it in a one-rank world)."""
+    from chatgen.training.fsdp_module import FSDPModule
+
+    loss_fn, pairs = LOSSES["dpo"]
+    trainer = FSDPModule(
+        dict(load=str(model_dir), lr=1e-12, clip_grad=0.0, max_tokens_per_micro_batch=budget)
+    ).start()
+    data, rows = long_tailed(pairs=pairs), 16 // trainer.dp
+    share = data.select(list(range(trainer.dp_rank * rows, (trainer.dp_rank + 1) * rows)))
+    metrics = trainer.train_step(share, loss_fn)
+    trainer.shutdown()
+    return metrics
+
+
+def test_fsdp_two_ranks_of_token_micro_batches_train_like_one_micro_batch(tiny_llama_dir):
+    """The weights are shares of the global batch over both ranks, and the ranks run as many
+    micro-batches (FSDP's collectives pair up) although their halves bin differently."""
+    from chatgen.training.launcher import run_distributed
+
+    whole = _fsdp_step(tiny_llama_dir, None)
+    two = run_distributed(_fsdp_step, 2, args=(tiny_llama_dir, 64))
+    assert two[0]["loss"] == pytest.approx(whole["loss"], rel=REL)
+    assert two[0]["grad_norm"] == pytest.approx(whole["grad_norm"], rel=1e-5)
+    assert two[0]["padding_tokens_trained"] == 0
