@@ -23,6 +23,21 @@ import torch
 Tensor = torch.Tensor
 
 
+def loss_declares(normalized_by, rows_together: int = 1):
+    """Decorator of a trainer loss function (loss_fn(logprobs, micro_batch)): what its mean runs
+    over, "tokens" (the loss-masked ones) or "samples" (or a function of the functools.partial
+    keywords it is bound with, giving a unit or a function whose declared unit holds: policy_loss
+    gives its aggregation), and how many consecutive rows it reads together (2:
+    DPO's (chosen, rejected) pairs). Token micro-batches (chatgen.training.micro_batches) weigh
+    each micro-batch's loss by its share of those units and keep such rows in one micro-batch."""
+
+    def mark(fn):
+        fn.normalized_by, fn.rows_together = normalized_by, rows_together
+        return fn
+
+    return mark
+
+
 @dataclasses.dataclass
 class TrainBatch:
     input_ids: Tensor  # (S, L) long

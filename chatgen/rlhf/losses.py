@@ -17,6 +17,8 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from chatgen.core.train_batch import loss_declares
+
 
 def masked_sum(x: torch.Tensor, mask: torch.Tensor, dim=None) -> torch.Tensor:
     """Sum of `x` where `mask` is 1 (over all elements, or along `dim`)."""
@@ -222,21 +224,25 @@ def overlong_penalty(
 # in chatgen.rlhf.recipe.aggregation
 
 
+@loss_declares("tokens")
 def token_mean(per_token, mask, norm_length=None):
     """Every unmasked token of the batch weighs the same (long responses weigh more; DAPO)."""
     return masked_mean(per_token, mask)
 
 
+@loss_declares("samples")
 def seq_mean_token_mean(per_token, mask, norm_length=None):
     """Each row's token mean, then the mean over rows (GRPO paper; GSPO)."""
     return masked_mean(per_token, mask, dim=1).mean()
 
 
+@loss_declares("samples")
 def seq_mean_token_sum(per_token, mask, norm_length=None):
     """Each row's token sum, then the mean over rows."""
     return masked_sum(per_token, mask, dim=1).mean()
 
 
+@loss_declares("samples")
 def seq_mean_token_sum_norm(per_token, mask, norm_length=None):
     """Each row's token sum / norm_length (a constant, e.g. the generation budget), then the mean
     over rows (Dr. GRPO: no length bias)."""
@@ -299,6 +305,7 @@ class PolicyLossOptions:
     sapo_temperature_neg: float = 1.05  # and where A <= 0
 
 
+@loss_declares(lambda options=PolicyLossOptions(), **_: options.aggregation)  # its unit
 def policy_loss(logprobs: torch.Tensor, batch, options: PolicyLossOptions = PolicyLossOptions()):
     """PPO/GRPO clipped surrogate loss, optionally with a KL penalty to the reference policy.
 
@@ -467,17 +474,20 @@ def best_worst_pairs(rewards: torch.Tensor, group_size: int):
 # knobs with functools.partial).
 
 
+@loss_declares("tokens")
 def value_loss_fn(values, mb, clip_eps=0.2):
     """PPO critic loss on a micro-batch with old_values, returns, loss_mask (b, T-1)."""
     return value_loss(values, mb.old_values, mb.returns, mb.loss_mask, clip_eps=clip_eps)
 
 
+@loss_declares("tokens")
 def nll_loss_fn(logprobs, mb):
     """Supervised fine-tuning: mean negative log-likelihood of the tokens where loss_mask (b,
     T-1) is 1."""
     return -masked_mean(logprobs, mb.loss_mask), {}
 
 
+@loss_declares("samples", rows_together=2)
 def dpo_loss_fn(logprobs, mb, beta=0.1):
     """DPO on a micro-batch of (chosen, rejected) row pairs (rows 2k, 2k + 1) with loss_mask and
     ref_logprobs (b, T-1), and optional pair_weights (b,) (both rows of a pair carry the pair's

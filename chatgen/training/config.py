@@ -141,6 +141,13 @@ class MegatronConfig:
     micro_batch_size: Optional[int] = opt(
         None, "samples per forward/backward; null = runtime.train_micro_batch_size"
     )
+    max_tokens_per_micro_batch: Optional[int] = opt(
+        None,
+        "micro-batches by tokens (verl: use_dynamic_bsz + ppo_max_token_len_per_gpu): whole samples (a DPO "
+        "pair, a packed group sharing its prompt) binned into micro-batches of at most this many tokens, "
+        "packed into one row each where the trainer packs; the loss weighted to the global batch's token "
+        "or sample mean (docs/long_context.md); null = micro_batch_size samples each",
+    )
     logits_temperature: Optional[float] = opt(
         None,
         "score tokens under softmax(logits / T); null = 1, or in an RLHF run the policy's sampling "
@@ -215,6 +222,16 @@ class MegatronConfig:
                     key,
                     f"must be >= 1 or null, got {getattr(self, key)}; null takes the runtime's value",
                 )
+        if (budget := self.max_tokens_per_micro_batch) is not None:
+            if budget < 1:
+                yield "max_tokens_per_micro_batch", f"must be >= 1 or null, got {budget}"
+            for key in ("pipeline_model_parallel_size", "expert_model_parallel_size"):
+                if getattr(self, key) > 1:
+                    yield (
+                        "max_tokens_per_micro_batch",
+                        f"needs {key}: 1 (its stages / expert ranks exchange micro-batches of one "
+                        "shape, and token bins differ in shape); set it to null or the key to 1",
+                    )
         if (
             self.micro_batch_size
             and self.global_batch_size

@@ -18,7 +18,8 @@ share of the batch.
 
 The contract matches MegatronModule's (same keys, hooks, declared methods and returns):
 `token_outputs` at the config's `logits_temperature` (chatgen.training.token_scoring), micro-batches
-from chatgen.training.schedule.split_batch handed to the `loss_fn` as they come, a NaN/inf gradient
+from chatgen.training.micro_batches handed to the `loss_fn` as they come (token micro-batches
+packed into one row each: a block-diagonal 4D mask, positions per sample), a NaN/inf gradient
 skips the step, `offload` / `onload` / `memory_stats`, atomic checkpoints
 (torch.distributed.checkpoint: every rank writes its own shards; a checkpoint loads at another DP).
 """
@@ -45,7 +46,9 @@ from chatgen.training.config import FSDPConfig
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
 from chatgen.training.model_build import lr_factor
-from chatgen.training.schedule import first_scored_position, positions_and_mask, split_batch
+from chatgen.training.micro_batches import padding_positions, weighted_metrics
+from chatgen.training.prefix_packing import pack_shared_prefix
+from chatgen.training.schedule import first_scored_position, positions_and_mask
 from chatgen.training.token_scoring import TokenScoring
 from chatgen.training.trainer import Trainer
 
@@ -189,10 +192,13 @@ class FSDPModule(TokenScoring, Trainer):
         (B, T)}; returns (B, T-1) float32."""
         self.onload(("params",))
         self.model.eval()
-        mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
-        out = [self._outputs(mb, first=0) for mb in split_batch(batch, mbs)]
-        return torch.cat(out).cpu()
+        plan = self.micro_batch_plan(batch, dp_group=dist.group.WORLD)
+        out = [self._outputs(mb, first=0)[0] for mb in plan.micro_batches]
+        if self.config.max_tokens_per_micro_batch is None:
+            return torch.cat(out).cpu()
+        width = max(o.shape[1] for o in out)
+        return plan.assemble(torch.cat([pad_to(o, width) for o in out])).cpu()
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -207,27 +213,34 @@ class FSDPModule(TokenScoring, Trainer):
                 f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                 f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
             )
-        micro_batches = split_batch(data, self.config.micro_batch_size or n)
+        plan = self.micro_batch_plan(data, loss_fn, packs=True, dp_group=dist.group.WORLD)
+        micro_batches = plan.micro_batches
+        weights = self.loss_weights(plan, loss_fn, dist.group.WORLD)
         self.onload()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        collected = []
-        for mb in micro_batches:
+        collected, padding = [], 0
+        for i, mb in enumerate(micro_batches):
             mb = _on_device(mb, self.device)
-            logprobs = self._outputs(mb, first=first_scored_position(mb.get("loss_mask")))
+            logprobs, pad = self._outputs(mb, first=first_scored_position(mb.get("loss_mask")))
             loss, metrics = loss_fn(logprobs, mb)
-            (loss / len(micro_batches)).backward()
+            (loss / len(micro_batches) if weights is None else loss * weights[i]).backward()
+            padding += pad
             collected.append(
                 {
                     k: float(v.detach() if torch.is_tensor(v) else v)
                     for k, v in {"loss": loss, **metrics}.items()
                 }
             )
-        metrics = reduce_metrics(collected)
+        metrics = (
+            reduce_metrics(collected) if weights is None else weighted_metrics(collected, weights)
+        )
+        metrics["padding_tokens_trained"] = float(padding)
         if self.dp > 1:
             parts = [None] * self.dp
             dist.all_gather_object(parts, metrics)
             metrics = reduce_metrics(parts)
+            metrics["padding_tokens_trained"] = sum(p["padding_tokens_trained"] for p in parts)
         params = [p for p in self.model.parameters() if p.grad is not None]
         norm = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
@@ -247,9 +260,11 @@ class FSDPModule(TokenScoring, Trainer):
         metrics.update(grad_norm=grad_norm, lr=lr, skipped_step=0.0)
         return metrics
 
-    def _outputs(self, mb: dict, first: int) -> torch.Tensor:
+    def _outputs(self, mb: dict, first: int) -> tuple:
         """token_outputs (b, T-1) of a micro-batch, the logits computed from position `first` on
-        (the entries before it are 0: no loss reads them)."""
+        (the entries before it are 0: no loss reads them), and the positions without a token the
+        model ran. A token micro-batch with a loss mask runs packed in one row (its samples side
+        by side, each attending only to itself and its group's shared prompt)."""
         ids = _on_device(mb, self.device)["input_ids"]
         mask = mb.get("attention_mask")
         if self.seq_length and ids.shape[1] > self.seq_length:
@@ -259,6 +274,11 @@ class FSDPModule(TokenScoring, Trainer):
                 "max_position_embeddings) or cut prompts / responses"
             )
         mask = None if mask is None else mask.to(ids.device)
+        budget = self.config.max_tokens_per_micro_batch
+        if budget and mb.get("loss_mask") is not None:
+            plan = pack_shared_prefix(ids, mask, mb.get("loss_mask"), budget)
+            if plan is not None:
+                return self._packed_outputs(plan), padding_positions(mb, plan)
         position_ids = positions_and_mask(ids, mask)[0] if mask is not None else None
         logits = self.model(
             input_ids=ids,
@@ -268,7 +288,23 @@ class FSDPModule(TokenScoring, Trainer):
             use_cache=False,
         ).logits
         out = self.token_outputs(logits, ids[:, first:])
-        return torch.nn.functional.pad(out, (first, 0)) if first else out
+        return (torch.nn.functional.pad(out, (first, 0)) if first else out), padding_positions(mb)
+
+    def _packed_outputs(self, plan) -> torch.Tensor:
+        """token_outputs (b, T-1) of a packed micro-batch (chatgen.training.prefix_packing): the
+        model on its rows under the plan's block mask (a 4D additive mask, which transformers
+        takes as it is) and per-sample positions, logits at the positions a loss reads."""
+        blocked = torch.zeros(plan.attention_mask.shape, dtype=self.dtype, device=self.device)
+        blocked = blocked.masked_fill(plan.attention_mask, torch.finfo(self.dtype).min)
+        logits = self.model(
+            input_ids=plan.input_ids,
+            attention_mask=blocked,
+            position_ids=plan.position_ids,
+            use_cache=False,
+        ).logits  # (P, S, V)
+        at = plan.logit_positions  # (P, K + 1)
+        logits = logits.gather(1, at.unsqueeze(-1).expand(-1, -1, logits.shape[-1]))
+        return plan.unpack(self.token_outputs(logits, plan.labels))
 
     # ---- weights, checkpoints, memory
     # -------------------------------------------------------------
@@ -385,6 +421,11 @@ def decoder_layers(model: torch.nn.Module) -> list:
             "`layers` list); override FSDPModule.model_provider or use another model"
         )
     return list(found[0])
+
+
+def pad_to(out: torch.Tensor, width: int) -> torch.Tensor:
+    """(b, w) outputs right-padded with 0 to (b, width)."""
+    return torch.nn.functional.pad(out, (0, width - out.shape[1]))
 
 
 def _on_device(mb, device):

@@ -52,7 +52,7 @@ from chatgen.training.memory import MemoryHandoff, megatron_movers
 from chatgen.training.model_build import ModelBuild, recompute_kwargs
 from chatgen.training.moe_routing import MoERouting, RoutingReplay
 from chatgen.training.packing_hooks import PackingHooks
-from chatgen.training.schedule import Schedule, split_batch
+from chatgen.training.schedule import Schedule
 from chatgen.training.token_scoring import TokenScoring
 from chatgen.training.trainer import Trainer
 
@@ -365,20 +365,26 @@ class MegatronModule(
         micro-batch cannot pack)}. Returns (B, T-1) float32 on every rank: entry t belongs to token
         t+1 (for the default head, log p(input_ids[:, t+1] | input_ids[:, :t+1])).
         """
+        from megatron.core import parallel_state as ps
+
         self.onload(("params",))
         self.model.eval()
-        mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         batch = {
             k: data[k]
             for k in ("input_ids", "attention_mask", "routed_experts", "loss_mask")
             if data.get(k) is not None
         }
-        return self.run_schedule(split_batch(batch, mbs), loss_fn=None, forward_only=True)
+        plan = self.micro_batch_plan(
+            batch, packs=self.packing.packs, dp_group=ps.get_data_parallel_group()
+        )
+        out = self.run_schedule(plan.micro_batches, loss_fn=None, forward_only=True)
+        return out if self.config.max_tokens_per_micro_batch is None else plan.assemble(out)
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
         """One optimizer step on `data` (this DP rank's share of the global batch), split in
-        micro-batches.
+        micro-batches: of micro_batch_size samples, or of at most max_tokens_per_micro_batch tokens,
+        whose losses are then weighted to the global batch's mean (chatgen.training.micro_batches).
 
         data: {"input_ids": (B, T) long, optional "attention_mask": (B, T), plus any per-sample
         tensors (B, ...) the loss needs, e.g. "old_logprobs" (B, T-1), "advantages" (B,),
@@ -406,14 +412,22 @@ class MegatronModule(
                 f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                 f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
             )
-        mbs = self.config.micro_batch_size or n
-        micro_batches = split_batch(data, mbs)
+        from megatron.core import parallel_state as ps
+
+        group = ps.get_data_parallel_group()
+        plan = self.micro_batch_plan(data, loss_fn, packs=self.packing.packs, dp_group=group)
+        micro_batches = plan.micro_batches
         self.onload()  # a no-op unless offload() moved the training state to the host
         self.model.train()
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
         # grads reduced over DP, PP, TP
-        metrics = self.run_schedule(micro_batches, loss_fn, forward_only=False)
+        metrics = self.run_schedule(
+            micro_batches,
+            loss_fn,
+            forward_only=False,
+            weights=self.loss_weights(plan, loss_fn, group),
+        )
         if self.spec.is_moe:
             metrics.update(self._moe_metrics(len(micro_batches)))
         lr = self.config.lr * self._lr_factor(self.iteration)

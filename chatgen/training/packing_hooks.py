@@ -50,12 +50,14 @@ class PackingHooks:
         finally:
             self._logits_from, self._rope_positions = 0, None
 
-    def plans(self, micro_batches: list) -> list:
+    def plans(self, micro_batches: list, capacity: int | None = None) -> list:
         """Shared-prefix plans for the micro-batches (chatgen.training.prefix_packing), all of
         one shape when pipeline stages exchange activations; [None, ...] (train unpacked) unless
-        every micro-batch packs."""
+        every micro-batch packs. `capacity`: token micro-batches' budget (every row packs)."""
         plans = [
-            pack_shared_prefix(mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"))
+            pack_shared_prefix(
+                mb["input_ids"], mb.get("attention_mask"), mb.get("loss_mask"), capacity
+            )
             for mb in micro_batches
         ]
         if any(plan is None for plan in plans):

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
+from chatgen.training.micro_batches import first_fit_decreasing
+
 
 @dataclass
 class PackedBatch:
@@ -101,26 +103,17 @@ def _mask(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
     return ~torch.where(seg_q < 0, eye, allowed).unsqueeze(1)
 
 
-def _first_fit_decreasing(lengths: list) -> list:
-    """Bins of item indices, longest item first, each into the first bin it fits, no bin over the
-    longest item: fewer rows, none wider than before."""
-    capacity, bins, room = max(lengths), [], []
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        j = next((j for j, free in enumerate(room) if lengths[i] <= free), len(bins))
-        if j == len(bins):
-            bins.append([])
-            room.append(capacity)
-        bins[j].append(i)
-        room[j] -= lengths[i]
-    return bins
-
-
 def pack_shared_prefix(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, loss_mask: torch.Tensor | None
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    loss_mask: torch.Tensor | None,
+    capacity: int | None = None,
 ) -> PackedBatch | None:
     """Pack rows sharing their unscored prefix (module docstring). None when no two rows share
     one, when a row has nothing to score, is not right-padded, or its loss mask reads past its
-    last token (then train unpacked)."""
+    last token (then train unpacked). With `capacity` (a token budget: max_tokens_per_micro_batch)
+    every row packs, sharing or not, into rows of up to that many tokens (one row for a
+    micro-batch binned under it: no padding)."""
     if loss_mask is None:
         return None
     b, t = input_ids.shape
@@ -139,7 +132,7 @@ def pack_shared_prefix(
         if not len(hits) or int(hits[-1]) > lengths[r] - 2:
             return None
         groups.setdefault(tuple(tokens[r][: int(hits[0]) + 1]), []).append(r)
-    if len(groups) == b:
+    if len(groups) == b and capacity is None:
         return None
 
     groups = list(groups.items())
@@ -148,7 +141,7 @@ def pack_shared_prefix(
     ]
     packed = []  # per packed row: (tokens, positions, segments, prefixes, logit positions, labels)
     rows, entries, packed_rows, outputs_k = [], [], [], []
-    for j, in_row in enumerate(_first_fit_decreasing(sizes)):
+    for j, in_row in enumerate(first_fit_decreasing(sizes, max(capacity or 0, *sizes))):
         row_ids, row_pos, row_seg, row_prefix, row_at, row_labels = [], [], [], [], [], []
         segment = 0
         for prefix, members in (groups[g] for g in in_row):

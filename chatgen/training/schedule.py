@@ -12,17 +12,21 @@ import torch.distributed as dist
 
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.train_batch import TrainBatch
+from chatgen.training.micro_batches import padding_positions, weighted_metrics
 
 
 class Schedule:
     """megatron-core's forward(-backward) schedule over micro-batches, for MegatronModule."""
 
-    def run_schedule(self, micro_batches: list, loss_fn, forward_only: bool):
-        """Run megatron's pipeline schedule over micro-batches (all the same T).
+    def run_schedule(self, micro_batches: list, loss_fn, forward_only: bool, weights=None):
+        """Run megatron's pipeline schedule over micro-batches (all the same T, except token
+        micro-batches, which run at pipeline_model_parallel_size 1).
 
-        forward_only: returns logprobs (B, T-1) gathered over micro-batches, on every rank.
-        Otherwise runs backward too and returns the loss_fn metrics averaged over micro-batches and
-        DP.
+        forward_only: returns logprobs (B, T-1) gathered over micro-batches (each right-padded
+        with 0 to the widest), on every rank. Otherwise runs backward too and returns the loss_fn
+        metrics averaged over micro-batches and DP, plus "padding_tokens_trained": positions
+        without a token the model ran, over micro-batches and DP. `weights`: each micro-batch's
+        loss weight (chatgen.training.micro_batches.loss_weights; None = their mean).
         """
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -37,20 +41,24 @@ class Schedule:
         device = self.device
         micro_batches = [mb.to(device) for mb in micro_batches]
         b, t = micro_batches[0]["input_ids"].shape
-        width = t  # of the (B, T-1) outputs
+        width = max(mb["input_ids"].shape[1] for mb in micro_batches)  # of the (B, T-1) outputs
         # forward only: packed when a loss mask says which outputs are read (forward_tokens)
         plans = (
-            self.packing.plans(micro_batches)
+            self.packing.plans(micro_batches, self.config.max_tokens_per_micro_batch)
             if self.packing.packs and (not forward_only or "loss_mask" in micro_batches[0])
             else [None] * len(micro_batches)
         )
         # the pipeline schedule exchanges (T, b, H) activations of the packed shape
         if plans[0] is not None:
             b, t = plans[0].input_ids.shape
-        collected = []
+        collected, padding = [], [0]
+        # megatron divides each micro-batch's loss by their number: a weight w counts as w
+        scales = [1.0] * len(micro_batches) if weights is None else weights
+        scales = [w * len(micro_batches) for w in scales]
 
         def forward_step_func(data_iterator, model):
-            mb, plan = next(data_iterator)
+            mb, plan, scale = next(data_iterator)
+            padding[0] += padding_positions(mb, plan)
             # shared-prefix packing: each prompt once (chatgen.training.prefix_packing)
             if plan is not None:
                 # no pad in the router's figures
@@ -61,7 +69,7 @@ class Schedule:
                     return logits, None
                 # (b, T-1), 0 where unread
                 logprobs = plan.unpack(self.token_outputs(logits, plan.labels))
-                return logprobs, loss_func_for(mb)
+                return logprobs, loss_func_for(mb, scale)
             ids = mb["input_ids"]
             position_ids, mask = positions_and_mask(ids, mb.get("attention_mask"))
             moe = {}
@@ -87,9 +95,9 @@ class Schedule:
             if first:
                 # (b, T-1), 0 where no loss reads
                 logprobs = torch.nn.functional.pad(logprobs, (first, 0))
-            return logprobs, loss_func_for(mb)
+            return logprobs, loss_func_for(mb, scale)
 
-        def loss_func_for(mb):
+        def loss_func_for(mb, scale):
             def loss_func(output):
                 if loss_fn is None:
                     collected.append(output.detach())
@@ -101,13 +109,13 @@ class Schedule:
                         for k, v in {"loss": loss, **metrics}.items()
                     }
                 )
-                return loss, {}
+                return (loss if weights is None else loss * scale), {}
 
             return loss_func
 
         get_forward_backward_func()(
             forward_step_func=forward_step_func,
-            data_iterator=iter(zip(micro_batches, plans)),
+            data_iterator=iter(zip(micro_batches, plans, scales)),
             model=[self.ddp],
             num_microbatches=len(micro_batches),
             seq_length=t,
@@ -116,6 +124,10 @@ class Schedule:
         )
 
         if forward_only:  # logprobs live on the last stage: send them to every stage
+            if any(o.shape[1] != width - 1 for o in collected):  # token micro-batches
+                collected = [
+                    torch.nn.functional.pad(o, (0, width - 1 - o.shape[1])) for o in collected
+                ]
             out = (
                 torch.cat(collected)
                 if self.is_last_stage
@@ -133,7 +145,12 @@ class Schedule:
                     group=ps.get_pipeline_model_parallel_group(),
                 )
             return out.cpu()
-        metrics = reduce_metrics(collected) if collected else None
+        if not collected:
+            metrics = None
+        elif weights is None:
+            metrics = reduce_metrics(collected)
+        else:
+            metrics = weighted_metrics(collected, weights)
         if self.pp > 1:  # metrics live on the last stage
             box = [metrics]
             dist.broadcast_object_list(
@@ -146,7 +163,10 @@ class Schedule:
             parts = [None] * self.dp
             dist.all_gather_object(parts, metrics, group=ps.get_data_parallel_group())
             metrics = reduce_metrics(parts)
-        return metrics
+        padding = torch.tensor(padding, dtype=torch.float64)
+        if self.dp > 1:
+            dist.all_reduce(padding, group=ps.get_data_parallel_group())
+        return {**metrics, "padding_tokens_trained": float(padding)}
 
 
 def split_batch(data, micro_batch_size: int) -> list:

@@ -1,10 +1,13 @@
 """`Trainer`: what every trainer backend (MegatronModule, FSDPModule) offers the run besides its
 own steps: the memory handoff's declared entry points (its MemoryHandoff:
-chatgen/training/memory.py) and the device its parameters live on."""
+chatgen/training/memory.py), the device its parameters live on and how a batch becomes
+micro-batches (chatgen/training/micro_batches.py)."""
 
 import torch
 
+from chatgen.core.train_batch import TrainBatch
 from chatgen.module import Module, remote
+from chatgen.training import micro_batches
 
 
 class Trainer(Module):
@@ -28,6 +31,28 @@ class Trainer(Module):
     def memory_stats(self) -> dict:
         """`memory/*` figures since the last call, in GiB (MemoryHandoff.stats)."""
         return self.memory.stats()
+
+    def micro_batch_plan(self, data, loss_fn=None, packs: bool = False, dp_group=None):
+        """`data`'s micro-batches under this trainer's micro_batch_size or
+        max_tokens_per_micro_batch (chatgen.training.micro_batches.plan_micro_batches), with
+        loss_fn's pairs kept together; `packs`: the trainer packs each one."""
+        cfg = self.config
+        return micro_batches.plan_micro_batches(
+            data,
+            cfg.micro_batch_size or len(TrainBatch.of(data)),
+            cfg.max_tokens_per_micro_batch,
+            packs=packs,
+            together=1 if loss_fn is None else micro_batches.rows_together(loss_fn),
+            dp_group=dp_group,
+        )
+
+    def loss_weights(self, plan, loss_fn, dp_group=None) -> list | None:
+        """Each micro-batch's weight in the step's loss under token micro-batches
+        (micro_batches.loss_weights); None with fixed micro-batches: their mean."""
+        if self.config.max_tokens_per_micro_batch is None:
+            return None
+        unit = micro_batches.loss_unit(loss_fn)
+        return micro_batches.loss_weights(plan.micro_batches, unit, dp_group)
 
     @property
     def device(self) -> torch.device:
