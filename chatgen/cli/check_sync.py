@@ -57,6 +57,16 @@ def add_arguments(p):
         "(as an RLHF run at that temperature)",
     )
     p.add_argument(
+        "--top-k",
+        type=int,
+        default=0,
+        help="with --temperature: the engine samples from its top-k (0: off) and the trainer "
+        "renormalises over the same set",
+    )
+    p.add_argument(
+        "--top-p", type=float, default=1.0, help="the same for top-p (1.0: off; after top-k)"
+    )
+    p.add_argument(
         "--threshold", type=float, default=1e-4, help="max |vLLM - trainer| log-prob allowed"
     )
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

@@ -158,6 +158,11 @@ RECIPES = {
             ("cispo", "CISPO: clipped, detached IS weight on the REINFORCE term"),
             ("sapo", "SAPO: a soft sigmoid gate on the ratio instead of the hard clip"),
             ("gmpo", "GMPO: geometric mean of the token ratios, clipped in log space"),
+            ("length_penalty", "Kimi k1.5's group length penalty as a reward shaper"),
+            (
+                "stop_properly",
+                "ProRL's stop-properly penalty: a cut response keeps 0.1 of its reward",
+            ),
         ]
     },
     "opd_tiny": (

@@ -183,30 +183,35 @@ def policy_sampling_problems(cfg):
     """For policy-gradient algorithms: the policy must sample from the distribution the trainer
     scores. The trainer scores logits / temperature (its logits_temperature, derived from the
     policy's: rlhf.config), so a temperature > 0 is honoured exactly when the engine reports the
-    log-probs of that same distribution (logprobs_mode: processed); top-p / top-k / min-p /
-    repetition penalty would need the trainer to renormalise over the engine's kept tokens, which
-    it does not: refused, each naming its key."""
+    log-probs of that same distribution (logprobs_mode: processed); top-k / top-p likewise, the
+    trainer renormalising over the set vLLM keeps (logits_top_k / logits_top_p, derived there too);
+    min-p / repetition penalty would need the same and are refused, each naming its key."""
     pc = cfg.models["policy"].config if "policy" in cfg.models else None
     if pc is not None:
+        truncated = [key for key, on in (("top_k", pc.top_k > 0), ("top_p", pc.top_p < 1)) if on]
         if pc.temperature <= 0:
             yield (
                 f"models.policy.temperature: {pc.temperature} is greedy decoding; a "
                 "policy-gradient run samples: set a temperature > 0 (1.0: the model's own)"
             )
-        elif pc.temperature != 1.0 and pc.logprobs_mode != "processed":
+        elif (pc.temperature != 1.0 or truncated) and pc.logprobs_mode != "processed":
+            what = " and ".join(
+                [f"temperature {pc.temperature}"] * (pc.temperature != 1.0)
+                + [f"{key} {getattr(pc, key)}" for key in truncated]
+            )
             yield (
-                f"models.policy.logprobs_mode: {pc.logprobs_mode} reports untempered log-probs, "
-                f"but the trainer scores logits / temperature ({pc.temperature}); set "
+                f"models.policy.logprobs_mode: {pc.logprobs_mode} reports the log-probs before "
+                f"{what}, but the trainer scores the distribution the engine sampled from; set "
                 "logprobs_mode: processed"
             )
-        off = {"top_p": 1.0, "top_k": -1, "min_p": 0.0, "repetition_penalty": 1.0}
+        off = {"min_p": 0.0, "repetition_penalty": 1.0}
         for key, value in off.items():
-            if getattr(pc, key) != value and not (key == "top_k" and pc.top_k == 0):
+            if getattr(pc, key) != value:
                 yield (
-                    f"models.policy.{key}: {getattr(pc, key)}: the trainer scores the full "
-                    f"(tempered) distribution and cannot renormalise over what {key} keeps, so "
-                    f"every update would be off-policy; set {key}: {value} (temperature "
-                    "sharpens sampling)"
+                    f"models.policy.{key}: {getattr(pc, key)}: the trainer scores the tempered, "
+                    f"top-k / top-p distribution and cannot renormalise over what {key} keeps, so "
+                    f"every update would be off-policy; set {key}: {value} (temperature, top_k or "
+                    "top_p shape sampling)"
                 )
     # the experts a trainer replays are the ones the engine recorded
     for (

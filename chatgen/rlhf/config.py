@@ -291,23 +291,31 @@ def _class_schema(entry: ModelEntry, where: dict, path: tuple, errors: list):
 
 def _sampling_temperature(models: dict, roles: dict, where: dict, errors: list) -> None:
     """A model whose role scores the policy's samples scores logits / the policy's sampling
-    temperature: the distribution the engine sampled from (read once, when the trainer is built)."""
-    policy = models.get("policy")
-    temperature = getattr(getattr(policy, "config", None), "temperature", None)
+    temperature, renormalised over its top-k / top-p set: the distribution the engine sampled from
+    (read once, when the trainer is built)."""
+    policy = getattr(models.get("policy"), "config", None)
+    temperature = getattr(policy, "temperature", None)
     if temperature is None or temperature <= 0:  # no policy, or greedy (refused elsewhere)
         return
+    top_k, top_p = getattr(policy, "top_k", 0), getattr(policy, "top_p", 1.0)
+    derived = {  # trainer key: (policy key, value; None = off)
+        "logits_temperature": ("temperature", temperature),
+        "logits_top_k": ("top_k", top_k if top_k > 0 else None),
+        "logits_top_p": ("top_p", top_p if top_p < 1 else None),
+    }
     for name, role in roles.items():
         cfg = getattr(models.get(name), "config", None)
         if not role.scores_samples or not hasattr(cfg, "logits_temperature"):
             continue
-        if cfg.logits_temperature is None:
-            cfg.logits_temperature = temperature
-        elif cfg.logits_temperature != temperature:
-            errors.append(
-                f"{name}.logits_temperature: {cfg.logits_temperature} differs from "
-                f"policy.temperature={temperature}, the distribution the samples it scores come "
-                "from; remove it (it is derived)"
-            )
+        for key, (policy_key, value) in derived.items():
+            if getattr(cfg, key) is None:
+                setattr(cfg, key, value)
+            elif getattr(cfg, key) != value:
+                errors.append(
+                    f"{name}.{key}: {getattr(cfg, key)} differs from policy.{policy_key}="
+                    f"{getattr(policy, policy_key)}, the distribution the samples it scores come "
+                    "from; remove it (it is derived)"
+                )
 
 
 def _derive(entry: ModelEntry, runtime: RuntimeConfig, where: dict, errors: list) -> None:

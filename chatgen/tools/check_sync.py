@@ -76,10 +76,13 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 
 
 def _trainer_config(args) -> dict:
+    # the trainer renormalises over the engine's top-k / top-p set, as an RLHF run's does
+    truncation = dict(logits_top_k=args.top_k or None, logits_top_p=args.top_p)
     if args.trainer_backend == "fsdp":
-        return dict(load=args.hf_checkpoint, dtype=args.dtype)
+        return dict(load=args.hf_checkpoint, dtype=args.dtype, **truncation)
     lora = dict(lora=dict(rank=args.lora, alpha=2.0 * args.lora)) if args.lora else {}
     return dict(
+        **truncation,
         load=args.hf_checkpoint,
         tensor_model_parallel_size=args.train_tp,
         pipeline_model_parallel_size=args.train_pp,
@@ -135,6 +138,8 @@ def _engine(args):
         dtype=args.dtype,
         seed=0,
         temperature=args.temperature,
+        top_k=args.top_k or -1,
+        top_p=args.top_p,
         new_token_limit=True,
         max_new_tokens=args.max_new_tokens,
         logprobs_mode="processed" if args.temperature > 0 else "raw",
@@ -170,6 +175,11 @@ def check_sync(args) -> dict:
         raise ValueError(
             f"--hf-checkpoint {args.hf_checkpoint}: no config.json there; point it at an HF model "
             "directory (e.g. one from `chatgen make-tiny-model`)"
+        )
+    if (args.top_k > 0 or args.top_p < 1) and args.temperature <= 0:
+        raise ValueError(
+            f"--top-k {args.top_k} / --top-p {args.top_p}: greedy decoding keeps no sampling set; "
+            "add --temperature T > 0 (1.0: the model's own) or drop them"
         )
     hf_config = json.loads((Path(args.hf_checkpoint) / "config.json").read_text())
     fsdp = args.trainer_backend == "fsdp"
@@ -274,6 +284,8 @@ def check_sync(args) -> dict:
         infer_tp=args.infer_tp,
         dtype=args.dtype,
         temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
         threshold=args.threshold,
     )
     if mode == "cross-process":

@@ -153,6 +153,15 @@ class MegatronConfig:
         "score tokens under softmax(logits / T); null = 1, or in an RLHF run the policy's sampling "
         "temperature for the trainers whose role scores its samples (policy_trainer, reference)",
     )
+    logits_top_k: Optional[int] = opt(
+        None,
+        "score tokens under the top-k of softmax(logits / T), renormalised (vLLM's truncation; the "
+        "scored token always stays); null or <= 0 = off; an RLHF run derives it from the policy's top_k",
+    )
+    logits_top_p: Optional[float] = opt(
+        None,
+        "the same for top-p (after top-k, as vLLM); null or 1.0 = off; derived from the policy's top_p",
+    )
     global_batch_size: Optional[int] = opt(
         None,
         "samples per optimizer step over all DP ranks (train_step checks it); null = runtime.train_global_batch_size",
@@ -165,8 +174,8 @@ class MegatronConfig:
     )
     optimizer: Literal["adam", "muon"] = opt(
         "adam",
-        "adam: megatron's distributed AdamW; muon is refused here (the distributed optimizer "
-        "keeps no weight matrix whole; chatgen/training/muon.py serves plain torch trainers)",
+        "adam: AdamW (megatron's distributed one on backend: megatron); muon: torch.optim.Muon on the "
+        "hidden matrices and AdamW on the rest (chatgen/training/muon.py), backend: fsdp only",
     )
     lr: float = opt(1e-6, "peak learning rate")
     min_lr: float = opt(0.0, "learning rate at the end of the decay")
@@ -188,16 +197,19 @@ class MegatronConfig:
     args: dict[str, Any] = opt({}, USER_KEYS_DOC)
 
     def check(self):
-        if self.optimizer == "muon":
+        if self.optimizer == "muon" and type(self) is MegatronConfig:
             yield (
                 "optimizer",
                 "muon orthogonalises whole weight matrices, and megatron's distributed optimizer "
                 "holds each weight as flat slices over the data-parallel ranks (megatron-core's "
                 "own Muon needs the emerging_optimizers package and no distributed optimizer); "
-                "use optimizer: adam on this backend (docs/algorithms.md, Muon)",
+                "use optimizer: adam on this backend, or backend: fsdp, whose trainer takes "
+                "optimizer: muon (docs/algorithms.md, Muon)",
             )
         if self.logits_temperature is not None and self.logits_temperature <= 0:
             yield "logits_temperature", f"must be > 0 or null, got {self.logits_temperature}"
+        if self.logits_top_p is not None and not 0 < self.logits_top_p <= 1:
+            yield "logits_top_p", f"must be in (0, 1] or null, got {self.logits_top_p}"
         for key in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",

@@ -45,6 +45,7 @@ from chatgen.module import remote
 from chatgen.training.config import FSDPConfig
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
+from chatgen.training import muon
 from chatgen.training.model_build import lr_factor
 from chatgen.training.micro_batches import padding_positions, weighted_metrics
 from chatgen.training.prefix_packing import pack_shared_prefix
@@ -133,15 +134,30 @@ class FSDPModule(TokenScoring, Trainer):
         for layer in decoder_layers(model):
             fully_shard(layer, **kwargs)
         self.model = fully_shard(model, **kwargs)
-        self.optimizer = torch.optim.AdamW(
-            [p for p in self.model.parameters() if p.requires_grad],
-            lr=cfg.lr,
-            betas=(cfg.adam_beta1, cfg.adam_beta2),
-            eps=cfg.adam_eps,
-            weight_decay=cfg.weight_decay,
-        )
+        if cfg.optimizer == "muon":  # Muon on the hidden matrices, AdamW on the rest
+            self.optimizer = muon.build(
+                self.model.named_parameters(),
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                adam_betas=(cfg.adam_beta1, cfg.adam_beta2),
+                adam_eps=cfg.adam_eps,
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(
+                [p for p in self.model.parameters() if p.requires_grad],
+                lr=cfg.lr,
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_eps,
+                weight_decay=cfg.weight_decay,
+            )
         if (Path(cfg.load) / FSDP_META).is_file():
             self.load_checkpoint(cfg.load)
+
+    @property
+    def torch_optimizers(self) -> list:
+        """The torch optimizers `optimizer` steps: [AdamW], or Muon's and AdamW's
+        (chatgen.training.muon.MuonAdamW); what checkpoints and offloading walk."""
+        return getattr(self.optimizer, "optimizers", [self.optimizer])
 
     def shutdown(self) -> None:
         """Release the model and the process group, so that this process can start another model.
@@ -179,6 +195,8 @@ class FSDPModule(TokenScoring, Trainer):
         if self.logits_temperature != 1.0:
             logits = logits / self.logits_temperature
         labels = input_ids[:, 1:]
+        if self.truncates:  # top-k / top-p sampling: the engine's renormalised distribution
+            logits = self.truncate(logits, labels)
         b, t = labels.shape
         return -torch.nn.functional.cross_entropy(
             logits.reshape(b * t, -1), labels.reshape(-1), reduction="none"
@@ -336,7 +354,7 @@ class FSDPModule(TokenScoring, Trainer):
         dist.barrier()
         tmp = staging_path(path)
         self.onload()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
         dcp.save(
             {"model": model_state, "optimizer": optim_state},
             storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
@@ -393,12 +411,12 @@ class FSDPModule(TokenScoring, Trainer):
             )
         read_safely()
         self.onload()
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
         state = {"model": model_state, "optimizer": optim_state}
         dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "dcp")))
         set_state_dict(
             self.model,
-            self.optimizer,
+            self.torch_optimizers,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
         )
@@ -443,7 +461,7 @@ def fsdp_movers(module) -> dict:
     host = {}  # the optimizer's host copies, kept across offloads
 
     def optimizer(to_host: bool):
-        move_optimizer_state([module.optimizer], host, to_host, set(), module.device, pin=True)
+        move_optimizer_state(module.torch_optimizers, host, to_host, set(), module.device, pin=True)
 
     return {
         "optimizer": (lambda: optimizer(True), lambda: optimizer(False)),

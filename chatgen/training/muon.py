@@ -14,10 +14,12 @@ pushed towards 1), which is defined for matrices only. The split (`split`):
             tied head is the embedding), norms' gains and biases (1-D), any other non-2-D tensor
 
 Both share the learning rate: Muon's is scaled per matrix to AdamW's update RMS (adjust_lr_fn
-"match_rms_adamw", Moonlight's rule), so an AdamW lr carries over. megatron's trainer does not take
-it (its distributed optimizer keeps each weight as flat slices over the data-parallel ranks, where
-no matrix is whole; chatgen.training.config.MegatronConfig refuses `optimizer: muon` naming the
-key); a trainer of plain torch parameters does (examples/grpo_with_hf_trainer.py --optimizer muon).
+"match_rms_adamw", Moonlight's rule), so an AdamW lr carries over. The fsdp trainer takes it
+(`optimizer: muon`: FSDP2's sharded DTensors, whose matrix products see each whole matrix), and so
+does a trainer of plain torch parameters (examples/grpo_with_hf_trainer.py --optimizer muon).
+megatron's trainer does not (its distributed optimizer keeps each weight as flat slices over the
+data-parallel ranks, where no matrix is whole; chatgen.training.config.MegatronConfig refuses
+`optimizer: muon` naming the key and the fix).
 """
 
 import torch

@@ -33,7 +33,42 @@ class TokenScoring:
             col = torch.arange(first, first + shard, device=logits.device)
             logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
         labels = input_ids[:, 1:].contiguous()
+        if self.truncates:
+            logits = self.truncate(logits, labels, first, self.tp > 1)
         return -tensor_parallel.vocab_parallel_cross_entropy(logits.contiguous(), labels)
+
+    @property
+    def truncates(self) -> bool:
+        """Whether token_outputs renormalises over a top-k / top-p set (the config's logits_top_k
+        / logits_top_p; an RLHF run derives them from the policy's sampling)."""
+        top_k = getattr(self.config, "logits_top_k", None)  # a user config class may lack them
+        top_p = getattr(self.config, "logits_top_p", None)
+        return bool(top_k and top_k > 0) or (top_p is not None and top_p < 1)
+
+    def truncate(self, logits, labels, first: int = 0, vocab_parallel: bool = False):
+        """logits (b, T-1, V/TP) after the temperature, with the tokens outside vLLM's top-k then
+        top-p set of each position at -1e30 (chatgen.core.truncation), so that the log-softmax
+        is the engine's processed log-prob. Under tensor parallelism the set is decided on the
+        whole vocabulary (the shards gathered, without gradient) and each rank keeps its slice
+        from `first`. The scored token (labels, (b, T-1)) always stays: a token the engine drew
+        is in its set anyway, and a prompt token or one an update pushed out keeps a finite
+        log-prob."""
+        from chatgen.core.truncation import top_k_top_p_keep
+
+        with torch.no_grad():
+            whole = logits
+            if vocab_parallel:
+                from megatron.core import tensor_parallel
+
+                whole = tensor_parallel.gather_from_tensor_model_parallel_region(logits.detach())
+            rows = whole.reshape(-1, whole.shape[-1])
+            keep = top_k_top_p_keep(
+                rows, self.config.logits_top_k or 0, self.config.logits_top_p or 1.0
+            )
+            keep = keep.view(*whole.shape)[..., first : first + logits.shape[-1]]
+            col = torch.arange(first, first + logits.shape[-1], device=logits.device)
+            keep = keep | (col == labels[..., None])
+        return logits.masked_fill(~keep, -1e30)
 
     @property
     def logits_temperature(self) -> float:

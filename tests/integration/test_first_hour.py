@@ -187,7 +187,10 @@ SMALL = {
     "grpo_smollm2_math": SMOLLM2_SMALL,
     **{
         f"{name}_tiny": TINY_SMALL
-        for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "cispo", "sapo", "gmpo")
+        for name in (
+            *("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "cispo", "sapo", "gmpo"),
+            *("length_penalty", "stop_properly"),
+        )
     },
     "grpo_tiny_fsdp": TINY_SMALL,
     "opd_tiny": TINY_SMALL,  # its teacher: the warm start (TEACHER_LOAD), not a 20-episode run

@@ -77,4 +77,7 @@ def test_megatron_refuses_muon_naming_the_key():
     assert not list(MegatronConfig().check())
     problems = dict(MegatronConfig(optimizer="muon").check())
     assert "distributed optimizer" in problems["optimizer"]
-    assert "optimizer: adam" in problems["optimizer"]
+    assert "optimizer: adam" in problems["optimizer"] and "backend: fsdp" in problems["optimizer"]
+    from chatgen.training.config import FSDPConfig
+
+    assert "optimizer" not in dict(FSDPConfig(optimizer="muon").check())  # its trainer takes it

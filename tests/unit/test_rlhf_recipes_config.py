@@ -119,8 +119,23 @@ def config_errors(main_yaml, capsys, *overrides) -> str:
             ["policy.temperature=0"],
             ["temperature 0", "set temperature > 0"],
         ),  # (caught per model first)
-        (["policy.top_k=20"], ["models.policy.top_k: 20", "set top_k: -1"]),
-        (["policy.top_p=0.9"], ["models.policy.top_p: 0.9", "set top_p: 1.0"]),
+        (
+            ["policy.top_p=0.9", "policy.logprobs_mode=raw"],  # top-p with raw log-probs
+            [
+                "models.policy.logprobs_mode: raw",
+                "before top_p 0.9",
+                "set logprobs_mode: processed",
+            ],
+        ),
+        (
+            ["policy.top_k=20", "policy.logprobs_mode=raw"],
+            ["models.policy.logprobs_mode: raw", "before top_k 20", "set logprobs_mode: processed"],
+        ),
+        (["policy.min_p=0.1"], ["models.policy.min_p: 0.1", "set min_p: 0.0"]),
+        (
+            ["policy.top_p=0.9", "policy_trainer.logits_top_p=0.8"],
+            ["policy_trainer.logits_top_p: 0.8 differs from policy.top_p=0.9", "remove it"],
+        ),
     ],
 )
 def test_bad_combinations_are_refused_naming_keys(main_yaml, capsys, overrides, expected):
@@ -149,6 +164,14 @@ def test_recipes_and_temperature_accepted(main_yaml, capsys):
         "runtime.algorithm.loss_aggregation=seq_mean_token_mean",
     ]
     assert config_errors(main_yaml, capsys, *gspo) == ""
+    # top-k / top-p with processed log-probs: the trainers that score the samples renormalise
+    truncated = ["policy.top_p=0.9", "policy.top_k=20", "policy.logprobs_mode=processed"]
+    assert config_errors(main_yaml, capsys, *truncated) == ""
+    cfg = load_config(main_yaml, truncated)
+    trainer = cfg.models["policy_trainer"].config
+    assert (trainer.logits_top_p, trainer.logits_top_k) == (0.9, 20)
+    trainer = load_config(main_yaml).models["policy_trainer"].config
+    assert (trainer.logits_top_p, trainer.logits_top_k) == (None, None)  # defaults: no truncation
 
 
 def test_loss_options_defaults_are_todays_call(main_yaml):

@@ -15,6 +15,8 @@ import dataclasses
 
 import torch
 
+from chatgen.core.truncation import top_k_top_p_keep
+
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it is greedy
 
 
@@ -86,18 +88,9 @@ def apply_min_p(logits, min_p):
 
 def apply_top_k_top_p(logits, top_k, top_p):
     """Keep each row's top_k logits (0 = all), then the smallest set of them holding top_p of the
-    probability (1.0 = all; the top token always stays); the rest become -inf. vLLM's
-    apply_top_k_top_p_pytorch."""
-    vocab = logits.shape[-1]
-    ordered, index = logits.sort(dim=-1)  # ascending
-    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)
-    kth = ordered.gather(1, (vocab - k)[:, None])  # (B, 1) the k-th largest logit
-    ordered = ordered.masked_fill(ordered < kth, float("-inf"))
-    cumulative = ordered.softmax(dim=-1).cumsum(dim=-1)
-    drop = cumulative <= 1 - top_p[:, None]
-    drop[:, -1] = False
-    ordered = ordered.masked_fill(drop, float("-inf"))
-    return torch.empty_like(logits).scatter_(1, index, ordered)
+    probability (1.0 = all; the top token always stays); the rest become -inf
+    (chatgen.core.truncation, vLLM's apply_top_k_top_p_pytorch)."""
+    return logits.masked_fill(~top_k_top_p_keep(logits, top_k, top_p), float("-inf"))
 
 
 def next_tokens(logits, rows: RowSettings, seen, generator, logprobs_mode: str):
