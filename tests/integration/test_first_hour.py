@@ -216,6 +216,8 @@ SLOW = {
         f"{name}_tiny"
         for name in ("dapo", "dr_grpo", "gspo", "rloo", "reinforce_pp", "sapo", "gmpo")
     ),
+    "length_penalty_tiny",
+    "stop_properly_tiny",
     "grpo_smollm2_math",
     "grpo_smollm2_lora",
     "dapo_smollm2",
