@@ -184,6 +184,7 @@ SMALL = {
     # grpo_smollm2 keeps its one held-out evaluation
     "grpo_smollm2": [o for o in SMOLLM2_SMALL if not o.startswith("runtime.eval_episode_interval")],
     "grpo_smollm2_lora": SMOLLM2_SMALL,
+    "grpo_smollm2_fsdp": SMOLLM2_SMALL,
     "grpo_smollm2_math": SMOLLM2_SMALL,
     **{
         f"{name}_tiny": TINY_SMALL
@@ -226,6 +227,7 @@ SMOLLM2 = (
     "grpo_smollm2_math",
     "dapo_smollm2",
     "grpo_smollm2_lora",
+    "grpo_smollm2_fsdp",
     "search_tiny",
     "tool_math_smollm2",
 )
