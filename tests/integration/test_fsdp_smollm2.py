@@ -37,5 +37,5 @@ def test_grpo_smollm2_fsdp_learns(smollm2_dir, tmp_path, monkeypatch):
     )
     grpo.train(cfg, log=lambda *_: None)
     metrics = {r["episode"]: r for r in map(json.loads, (out / "metrics.jsonl").open())}
-    # measured (docs/fsdp_backend.md): 0.383 -> see the note; Megatron's recipe 0.383 -> 0.656
-    assert metrics[episodes]["eval/reward"] > metrics[0]["eval/reward"] + 0.15
+    # one run each (docs/fsdp_backend.md): fsdp 0.383 -> 0.703, the Megatron recipe 0.383 -> 0.656
+    assert metrics[episodes]["eval/reward"] > metrics[0]["eval/reward"] + 0.2
