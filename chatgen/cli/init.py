@@ -201,6 +201,18 @@ RECIPES = {
             "configs/grpo_smollm2/trainer.yaml",
         ],
     ),
+    "grpo_smollm2_fsdp": (
+        "grpo_smollm2 with the fsdp trainer (transformers + torch FSDP2); CPU (docs/fsdp_backend.md)",
+        "examples/train_grpo_smollm2_fsdp.sh",
+        [
+            "examples/env.sh",
+            "configs/grpo_smollm2_fsdp.yaml",
+            "configs/grpo_smollm2_fsdp/trainer.yaml",
+            "configs/grpo_smollm2.yaml",
+            "configs/grpo_smollm2/policy.yaml",
+            "configs/grpo_smollm2/trainer.yaml",
+        ],
+    ),
     "grpo_smollm2_math": (
         "GRPO on SmolLM2-135M-Instruct, GSM8K-style word problems, math-verify reward; CPU",
         "examples/train_grpo_smollm2_math.sh",

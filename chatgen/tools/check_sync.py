@@ -41,7 +41,7 @@ from chatgen.generation.batching import iter_samples, sample_logprobs
 from chatgen.generation.config import check_prompt_ids
 from chatgen.models import layout
 from chatgen.param_sync import GroupReceiver, GroupSender, sync_adapter, sync_weights
-from chatgen.training import lora
+from chatgen.training import fsdp_lora, lora
 from chatgen.training.config import hf_family_problem
 from chatgen.training.fsdp_module import FSDPModule
 from chatgen.training.launcher import DistributedJob, ctx_queue
@@ -78,9 +78,9 @@ def max_abs_diff(a: list, b: list, worst: float = 0.0) -> float:
 def _trainer_config(args) -> dict:
     # the trainer renormalises over the engine's top-k / top-p set, as an RLHF run's does
     truncation = dict(logits_top_k=args.top_k or None, logits_top_p=args.top_p)
-    if args.trainer_backend == "fsdp":
-        return dict(load=args.hf_checkpoint, dtype=args.dtype, **truncation)
     lora = dict(lora=dict(rank=args.lora, alpha=2.0 * args.lora)) if args.lora else {}
+    if args.trainer_backend == "fsdp":
+        return dict(load=args.hf_checkpoint, dtype=args.dtype, **truncation, **lora)
     return dict(
         **truncation,
         load=args.hf_checkpoint,
@@ -109,7 +109,7 @@ def _start_trainer(config, temperature: float, backend: str = "megatron"):
         config = {**config, "logits_temperature": temperature}
     trainer = (FSDPModule if backend == "fsdp" else MegatronModule)(config).start()
     if config.get("lora"):  # B = 0 would leave the base: random adapters, the same at every layout
-        lora.randomize(trainer, seed=1)
+        (fsdp_lora if backend == "fsdp" else lora).randomize(trainer, seed=1)
     return trainer
 
 
@@ -300,16 +300,14 @@ def check_sync(args) -> dict:
 
 
 def _check_fsdp_args(args) -> None:
-    """What an fsdp trainer cannot take (every rank shards the whole model; no LoRA), and a
-    family it cannot sync (chatgen.training.config.hf_family_problem), before anything starts."""
+    """What an fsdp trainer cannot take (every rank shards the whole model), and a family it
+    cannot sync (chatgen.training.config.hf_family_problem), before anything starts."""
     for flag in ("train_tp", "train_pp", "train_ep"):
         if getattr(args, flag) > 1:
             raise ValueError(
                 f"--{flag.replace('_', '-')} {getattr(args, flag)}: a Megatron-only layout; "
                 "--trainer-backend fsdp shards over data-parallel ranks: use --train-dp"
             )
-    if args.lora:
-        raise ValueError("--lora: LoRA trains on --trainer-backend megatron only; drop --lora")
     if problem := hf_family_problem(args.hf_checkpoint):
         raise ValueError(f"--hf-checkpoint {problem}")
 

@@ -345,11 +345,6 @@ class FSDPConfig(MegatronConfig):
                 "selective recomputation is megatron-core's; backend: fsdp checkpoints whole layers: "
                 "set full (or none)",
             )
-        if self.lora.rank:
-            yield (
-                "lora",
-                "LoRA trains on backend: megatron only for now; set lora.rank: 0 or backend: megatron",
-            )
         if self.load and (problem := hf_family_problem(self.load)):
             yield "load", problem
 

@@ -43,6 +43,7 @@ from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.module import remote
 from chatgen.training.config import FSDPConfig
+from chatgen.training.fsdp_lora import FSDPLoRAHooks, FSDPMergedWeights, attach
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
 from chatgen.training import muon
@@ -58,7 +59,7 @@ FSDP_META = (
 )
 
 
-class FSDPModule(TokenScoring, Trainer):
+class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
     """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as
     MegatronModule's: `init()` joins torch.distributed; `setup()` builds the model
     (`model_provider`), shards it, builds AdamW and loads a checkpoint this class wrote when
@@ -121,6 +122,8 @@ class FSDPModule(TokenScoring, Trainer):
         # forward.
         for module in model.modules():
             module.do_not_compile = True
+        # LoRA (chatgen/training/fsdp_lora.py): PEFT's layers injected before sharding
+        self.lora_targets = attach(model, cfg.lora, self.name) if cfg.lora.rank else []
         if cfg.activation_recompute == "full":  # each layer's forward again in the backward
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -331,7 +334,7 @@ class FSDPModule(TokenScoring, Trainer):
         """This model's weights as HF-named full tensors, bucket by bucket
         (chatgen/training/fsdp_weights.py): the weight source of chatgen.param_sync. Collective."""
         self.onload(("params",))
-        return FSDPWeights(self, bucket_bytes)
+        return (FSDPMergedWeights if self.config.lora.rank else FSDPWeights)(self, bucket_bytes)
 
     def hf_state_dict(self) -> dict:
         """The whole model as an HF state dict (a full copy; for tests and exports). Collective."""
@@ -359,9 +362,12 @@ class FSDPModule(TokenScoring, Trainer):
             {"model": model_state, "optimizer": optim_state},
             storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
         )
-        self._write_hf(tmp)
+        self._write_hf(tmp)  # merged, for a LoRA trainer: the directory serves as it is
+        if self.config.lora.rank:  # and the adapter as PEFT's directory
+            self.export_adapter(tmp / "adapter")
         if dist.get_rank() == 0:
             meta = dict(iteration=self.iteration, skipped_steps=self.skipped_steps, dp=self.dp)
+            meta.update(lora=_lora_keys(self.config.lora))
             (tmp / FSDP_META).write_text(json.dumps(meta, indent=1))
             (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=1))
             copy_hf_side_files(self.config.load, tmp)
@@ -409,6 +415,12 @@ class FSDPModule(TokenScoring, Trainer):
                 f"{path}: not a checkpoint of an fsdp trainer ({FSDP_META} missing); an HF directory "
                 "loads through the `load` key"
             )
+        saved = json.loads((path / FSDP_META).read_text()).get("lora")
+        if saved != _lora_keys(self.config.lora):  # its tensors are of that rank and targets
+            raise ValueError(
+                f"{self.name}: {path} holds a trainer with lora {saved}, this config has "
+                f"{_lora_keys(self.config.lora)}; set the `lora:` keys as the checkpoint's"
+            )
         read_safely()
         self.onload()
         model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
@@ -422,6 +434,13 @@ class FSDPModule(TokenScoring, Trainer):
         )
         meta = json.loads((path / FSDP_META).read_text())
         self.iteration, self.skipped_steps = meta["iteration"], meta.get("skipped_steps", 0)
+
+
+def _lora_keys(cfg) -> dict | None:
+    """The `lora:` keys a checkpoint's tensors depend on (None: no LoRA)."""
+    return (
+        dict(rank=cfg.rank, alpha=cfg.alpha, targets=list(cfg.target_modules)) if cfg.rank else None
+    )
 
 
 def decoder_layers(model: torch.nn.Module) -> list:

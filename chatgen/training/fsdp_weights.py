@@ -37,8 +37,20 @@ def _unit(name: str) -> str:
     return match.group(1) if match else name
 
 
-def _full(p: torch.Tensor) -> torch.Tensor:
+def full_tensor(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole: its DTensor shards all-gathered (collective), or the tensor itself."""
     return p.full_tensor() if hasattr(p, "full_tensor") else p
+
+
+def gather_by_objects(p: torch.Tensor) -> torch.Tensor:
+    """A parameter whole by another path than `full_tensor`: every rank's local shard (dim 0
+    pieces, rank order) exchanged as objects and concatenated (collective), for validation."""
+    local = p.to_local() if hasattr(p, "to_local") else p
+    if hasattr(p, "to_local") and dist.is_initialized() and dist.get_world_size() > 1:
+        pieces = [None] * dist.get_world_size()
+        dist.all_gather_object(pieces, local.detach().cpu())
+        local = torch.cat([x for x in pieces if x.numel()]).view(p.shape).to(_full_device(p))
+    return local
 
 
 class FSDPWeights:
@@ -50,7 +62,7 @@ class FSDPWeights:
         self.dtype = trainer.dtype
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         self._buckets, size, last_unit = [], 0, None
-        for name, p in trainer.model.named_parameters():
+        for name, p in self.named(trainer.model):
             nbytes = numel(p.shape) * itemsize
             unit = _unit(name)
             if not self._buckets or (
@@ -62,25 +74,32 @@ class FSDPWeights:
             size, last_unit = size + nbytes, unit
         self.plan = [[(name, tuple(p.shape)) for name, p in bucket] for bucket in self._buckets]
 
+    def named(self, model) -> list:
+        """[(HF name, parameter)] of every weight the sync sends: the model's own."""
+        return list(model.named_parameters())
+
+    def parts(self, name: str, p) -> tuple:
+        """The parameters whose full tensors make HF weight `name` (a LoRA subclass adds A, B)."""
+        return (p,)
+
+    def combine(self, name: str, parts: list) -> torch.Tensor:
+        """HF weight `name` from its parts' full tensors."""
+        return parts[0]
+
+    def _value(self, name, p, gather) -> torch.Tensor:
+        return self.combine(name, [gather(x) for x in self.parts(name, p)]).to(self.dtype)
+
     @torch.no_grad()
     def buckets(self):
         """Yield [(hf name, full tensor)] per bucket of `plan`, on every rank."""
         for bucket in self._buckets:
-            yield [(name, _full(p).to(self.dtype)) for name, p in bucket]
+            yield [(name, self._value(name, p, full_tensor)) for name, p in bucket]
 
     @torch.no_grad()
     def reference(self, index: int) -> list[torch.Tensor]:
         """Bucket `index` by another path: every rank's local shard (dim 0 pieces, rank order)
         exchanged as objects and concatenated, not DTensor's all-gather."""
-        out = []
-        for _, p in self._buckets[index]:
-            local = p.to_local() if hasattr(p, "to_local") else p
-            if hasattr(p, "to_local") and dist.is_initialized() and dist.get_world_size() > 1:
-                pieces = [None] * dist.get_world_size()
-                dist.all_gather_object(pieces, local.detach().cpu())
-                local = torch.cat([x for x in pieces if x.numel()]).view(p.shape)
-            out.append(local.to(self.dtype).to(_full_device(p)))
-        return out
+        return [self._value(name, p, gather_by_objects) for name, p in self._buckets[index]]
 
     @torch.no_grad()
     def nonfinite(self) -> list[str]:
@@ -89,10 +108,12 @@ class FSDPWeights:
         bad = []
         for bucket in self._buckets:
             for name, p in bucket:
-                local = p.to_local() if hasattr(p, "to_local") else p
-                total = float(local.detach().float().sum()) if local.numel() else 0.0
-                if total != total or abs(total) == float("inf"):
-                    bad.append(name)
+                for x in self.parts(name, p):
+                    local = x.to_local() if hasattr(x, "to_local") else x
+                    total = float(local.detach().float().sum()) if local.numel() else 0.0
+                    if total != total or abs(total) == float("inf"):
+                        bad.append(name)
+                        break
         if dist.is_initialized() and dist.get_world_size() > 1:
             box = [None] * dist.get_world_size()
             dist.all_gather_object(box, bad)

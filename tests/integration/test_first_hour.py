@@ -184,6 +184,7 @@ SMALL = {
     # grpo_smollm2 keeps its one held-out evaluation
     "grpo_smollm2": [o for o in SMOLLM2_SMALL if not o.startswith("runtime.eval_episode_interval")],
     "grpo_smollm2_lora": SMOLLM2_SMALL,
+    "grpo_smollm2_fsdp": SMOLLM2_SMALL,
     "grpo_smollm2_math": SMOLLM2_SMALL,
     **{
         f"{name}_tiny": TINY_SMALL
@@ -222,6 +223,7 @@ SLOW = {
     "grpo_smollm2_lora",
     "dapo_smollm2",
     "tool_math_smollm2",
+    "grpo_smollm2_fsdp",  # grpo_smollm2's episode with the trainer of grpo_tiny_fsdp
 }
 
 
@@ -248,6 +250,7 @@ SMOLLM2 = (
     "grpo_smollm2_math",
     "dapo_smollm2",
     "grpo_smollm2_lora",
+    "grpo_smollm2_fsdp",
     "search_tiny",
     "tool_math_smollm2",
 )

@@ -39,11 +39,12 @@ def test_a_megatron_only_key_is_refused_naming_the_key_and_the_fix(key, value):
     assert key in MEGATRON_ONLY
 
 
-def test_selective_recompute_and_lora_are_refused_full_recompute_is_not():
+def test_selective_recompute_is_refused_full_recompute_and_lora_are_not():
     with pytest.raises(ConfigError, match="activation_recompute.*set full"):
         load_fsdp({"activation_recompute": "selective"})
-    with pytest.raises(ConfigError, match="lora.*backend: megatron"):
-        load_fsdp({"lora": {"rank": 4}})
+    assert (
+        load_fsdp({"lora": {"rank": 4}}).lora.rank == 4
+    )  # through PEFT: chatgen/training/fsdp_lora.py
     assert load_fsdp({"activation_recompute": "full"}).activation_recompute == "full"
     # the keys the recipes share with Megatron, at the values fsdp runs: accepted
     assert load_fsdp({"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}).dtype
@@ -105,3 +106,41 @@ def test_an_fsdp_trainer_fills_a_trainer_role():
     assert backend_kind("fsdp") == backend_kind("megatron") == "megatron"
     cfg = load_config(REPO / "configs/grpo_tiny_fsdp.yaml", ["policy_trainer.data_parallel_size=2"])
     assert model_world_size(cfg.models["policy_trainer"]) == 2
+
+
+def test_lora_targets_the_model_lacks_are_refused_naming_the_key():
+    """A mixture-of-experts model's experts are no linear layers: adapting only them is refused, and
+    the message lists the linear layers there are."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from chatgen.training.config import LoRAConfig
+    from chatgen.training.fsdp_lora import attach
+
+    sizes = dict(hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    config = AutoConfig.for_model(
+        "gpt_oss", num_key_value_heads=1, head_dim=32, vocab_size=64, **sizes
+    )
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"policy_trainer.lora.target_modules: .*q_proj"):
+        attach(model, LoRAConfig(rank=2, target_modules=["gate_proj", "up_proj"]), "policy_trainer")
+    assert attach(model, LoRAConfig(rank=2), "policy_trainer") == [
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+    ]
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_" in n for n in trainable)
+
+
+def test_the_smollm2_recipe_runs_its_trainer_on_fsdp():
+    from chatgen.rlhf.config import load_config
+
+    cfg = load_config(REPO / "configs/grpo_smollm2_fsdp.yaml", [])
+    entry = cfg.models["policy_trainer"]
+    assert isinstance(entry.config, FSDPConfig) and entry.backend == "fsdp"
+    assert (
+        cfg.runtime.num_episode
+        == load_config(REPO / "configs/grpo_smollm2.yaml", []).runtime.num_episode
+    )
