@@ -42,6 +42,7 @@ from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.module import remote
 from chatgen.training.config import FSDPConfig
+from chatgen.training.context_parallel import CPU_REFUSAL, cp_meshes, cp_token_outputs, group_batch
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
 from chatgen.training.model_build import lr_factor
@@ -86,12 +87,20 @@ class FSDPModule(TokenScoring, Trainer):
             raise ValueError(
                 f"{self.name}: `load` is required (an HF model directory or a chatgen fsdp checkpoint)"
             )
+        self.cp_mesh = None  # the context-parallel sub-mesh (chatgen/training/context_parallel.py)
+        if cfg.context_parallel_size > 1 and self.device.type == "cpu":
+            raise ValueError(f"{self.name}: {CPU_REFUSAL}")
         join_world()
         self.dp, self.dp_rank = dist.get_world_size(), dist.get_rank()
         if cfg.data_parallel_size and cfg.data_parallel_size != self.dp:
             raise ValueError(
                 f"{self.name}: data_parallel_size={cfg.data_parallel_size} but {self.dp} ranks were "
                 f"launched; set data_parallel_size: {self.dp} or null"
+            )
+        if self.dp % cfg.context_parallel_size:
+            raise ValueError(
+                f"{self.name}: context_parallel_size={cfg.context_parallel_size} does not divide the "
+                f"{self.dp} ranks launched"
             )
         torch.manual_seed(cfg.seed)
         self.hf_config = read_hf_config(cfg.load)
@@ -121,7 +130,10 @@ class FSDPModule(TokenScoring, Trainer):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.dp,))
+        if cfg.context_parallel_size > 1:
+            mesh, self.cp_mesh = cp_meshes(self.device.type, self.dp, cfg.context_parallel_size)
+        else:
+            mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.dp,))
         policy = MixedPrecisionPolicy(
             param_dtype=None if self.dtype == torch.float32 else self.dtype,
             reduce_dtype=torch.float32,
@@ -191,8 +203,13 @@ class FSDPModule(TokenScoring, Trainer):
         self.model.eval()
         mbs = self.config.micro_batch_size or data["input_ids"].shape[0]
         batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
-        out = [self._outputs(mb, first=0) for mb in split_batch(batch, mbs)]
-        return torch.cat(out).cpu()
+        if self.cp_mesh is None:
+            return torch.cat([self._outputs(mb, first=0) for mb in split_batch(batch, mbs)]).cpu()
+        n, r = batch["input_ids"].shape[0], self.cp_mesh.get_local_rank()
+        out = [
+            self._outputs(mb, first=0) for mb in split_batch(group_batch(batch, self.cp_mesh), mbs)
+        ]
+        return torch.cat(out)[r * n : (r + 1) * n].cpu()  # this rank's own samples
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -207,7 +224,11 @@ class FSDPModule(TokenScoring, Trainer):
                 f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                 f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
             )
-        micro_batches = split_batch(data, self.config.micro_batch_size or n)
+        if self.cp_mesh is not None:  # a CP group scores its ranks' samples together
+            data = group_batch(data, self.cp_mesh)
+        micro_batches = split_batch(
+            data, self.config.micro_batch_size or data["input_ids"].shape[0]
+        )
         self.onload()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
@@ -259,6 +280,8 @@ class FSDPModule(TokenScoring, Trainer):
                 "max_position_embeddings) or cut prompts / responses"
             )
         mask = None if mask is None else mask.to(ids.device)
+        if self.cp_mesh is not None:
+            return cp_token_outputs(self, ids, mask, self.cp_mesh)
         position_ids = positions_and_mask(ids, mask)[0] if mask is not None else None
         logits = self.model(
             input_ids=ids,
