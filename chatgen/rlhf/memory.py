@@ -143,7 +143,8 @@ def host_estimate(cfg) -> dict:
     """{part: bytes} of a CPU run's memory: every model of the run in one process (colocated, as
     the CPU recipes run), its peak while training: HOST_BASE_BYTES, each Megatron trainer's step
     (trainer_memory at its seq_length, micro-batch, dtype and recompute: weights, fp32 gradients,
-    Adam, the backward's activations, fp32 logits), and each vLLM engine's weights and KV cache
+    Adam, the backward's activations, fp32 logits; plus the two s x s attention gradients of one
+    layer's backward), and each vLLM engine's weights and KV cache
     (kv_cache_memory_bytes; on CPU the engine keeps it while the trainer trains), plus "total"."""
     out = {"base": HOST_BASE_BYTES}
     for name, entry in cfg.models.items():
@@ -159,6 +160,12 @@ def host_estimate(cfg) -> dict:
             recompute=c.activation_recompute,
         )
         out.update({f"{name}/{k}": v for k, v in t.items() if k != "total"})
+        # megatron-core's local attention (the only one on CPU) is unfused: a layer's backward also
+        # holds the gradients of its (b, a, s, s) probabilities and scores, in float32 (measured:
+        # Korthikanti's stored activations alone miss ~40% of the peak at 4K tokens)
+        s = c.seq_length or shape_positions(c.load)
+        b = c.micro_batch_size or cfg.runtime.train_micro_batch_size
+        out[f"{name}/attention_backward"] = 2 * 4 * shape.heads * s * s * b
         for engine, e_entry in cfg.models.items():
             load = getattr(e_entry.config, "load", None)
             if e_entry.backend == "vllm" and str(load) == str(c.load) and f"{engine}/kv" not in out:

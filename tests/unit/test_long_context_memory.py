@@ -60,6 +60,8 @@ def test_the_host_estimate_counts_each_part_by_its_formula(tmp_path, recompute):
     else:  # each layer's input kept, one layer's whole set while it is recomputed
         assert e["policy_trainer/activations"] == int(2 * (layers * 2 * s * b * h + per_layer))
     assert e["policy_trainer/logits"] == 2 * 4 * s * b * vocab  # fp32 logits and log-softmax
+    # one layer's backward: the float32 gradients of its probabilities and scores
+    assert e["policy_trainer/attention_backward"] == 2 * 4 * a * s * s * b
     assert e["policy/kv"] == cfg.models["policy"].config.kv_cache_memory_bytes
     assert e["base"] == HOST_BASE_BYTES
     assert e["total"] == sum(v for k, v in e.items() if k != "total")
@@ -116,3 +118,27 @@ def test_a_gpu_engine_whose_kv_cache_holds_no_whole_sequence_is_warned(tmp_path)
     (kv,) = [w for w in report(0.22) if "KV cache" in w]
     assert "gpu_memory_utilization" in kv and "seq_length 16384" in kv
     assert not [w for w in report(0.9) if "KV cache" in w]
+
+
+def test_chatgen_config_prints_the_host_estimate_and_warns_before_the_run(tmp_path, capsys):
+    from chatgen.cli.config import print_memory_estimate
+
+    print_memory_estimate(_config(tmp_path, 1024))
+    out, err = capsys.readouterr()
+    assert "host memory estimate of this CPU run" in out and "policy_trainer/activations" in out
+    assert err == ""
+    # 64 heads at 16K tokens: the attention's s x s gradients alone are ~128 GiB
+    wide = dict(TINY, num_attention_heads=64, head_dim=2)
+    (tmp_path / "wide").mkdir()
+    (tmp_path / "wide" / "config.json").write_text(json.dumps(wide))
+    cfg = _config(
+        tmp_path,
+        16000,
+        f"policy.load={tmp_path / 'wide'}",
+        f"policy_trainer.load={tmp_path / 'wide'}",
+    )
+    print_memory_estimate(cfg)
+    err = capsys.readouterr().err
+    assert (
+        "chatgen config: warning:" in err and "seq_length" in err and "activation_recompute" in err
+    )
