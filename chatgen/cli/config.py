@@ -144,11 +144,24 @@ def _is_main_yaml(path) -> bool:
 def print_memory_estimate(cfg) -> None:
     """The per-GPU memory estimate (chatgen.rlhf.memory) as YAML comments after the config;
     warnings on stderr."""
+    import os
+
     import torch
 
-    from chatgen.rlhf.memory import memory_report
+    from chatgen.rlhf.memory import GIB, host_estimate, host_warnings, memory_report
 
     on_gpu = torch.cuda.is_available()
+    if not on_gpu and not any(e.num_gpu for e in cfg.models.values()):  # a CPU run: host memory
+        estimate = host_estimate(cfg)
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        print(
+            "# host memory estimate of this CPU run, one process (docs/long_context.md): "
+            + ", ".join(f"{k} {v / GIB:.2f}" for k, v in estimate.items())
+            + f" GiB of {host / GIB:.1f}"
+        )
+        for warning in host_warnings(cfg, estimate, host):
+            print(f"chatgen config: warning: {warning}", file=sys.stderr)
+        return
     device = torch.cuda.get_device_properties(0).total_memory if on_gpu else 80 << 30
     lines, warnings = memory_report(cfg, device)
     where = "this machine's GPU" if on_gpu else "an 80 GiB GPU assumed (no CUDA here)"

@@ -11,9 +11,18 @@ import json
 from pathlib import Path
 
 from chatgen.rlhf.placement import TRAINER_BACKENDS, engine_tp, model_world_size
-from chatgen.training.memory_estimate import GIB, Shape, engine_memory, trainer_memory
+from chatgen.training.memory_estimate import (
+    BYTES,
+    GIB,
+    Shape,
+    engine_memory,
+    trainer_memory,
+)
 
 CONTEXT_BYTES = GIB  # a CUDA context + NCCL buffers per process, roughly
+# a CPU run's process before any tensor of its own: torch, vLLM, megatron-core and the tokenizer
+# resident (measured: the tiny GRPO job's process, benchmarks/bench_long_context.py)
+HOST_BASE_BYTES = int(0.75 * GIB)
 
 
 def _shape(load) -> Shape | str:
@@ -105,6 +114,13 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
                 f"{engine} (TP {engine_tp(e_entry)}, gpu_memory_utilization {util}): weights "
                 f"{_gib(e['weights'])}, KV cache {_gib(e['kv_cache'])} GiB = {e['kv_tokens']:,} tokens"
             )
+            longest = getattr(e_entry.config, "seq_length", None) or seq
+            if e["kv_tokens"] < longest:  # vLLM refuses to start: not one sequence fits
+                warnings.append(
+                    f"{engine}: its KV cache holds ~{e['kv_tokens']:,} tokens, less than one "
+                    f"sequence of seq_length {longest}; raise gpu_memory_utilization (or "
+                    "kv_cache_memory_bytes), more TP, or a shorter seq_length / max_new_tokens"
+                )
             generate_phase += e["total"]
             train_phase += CONTEXT_BYTES  # the sleeping engine's process
         lines.append(
@@ -121,3 +137,52 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
                     + (" / gpu_memory_utilization" if phase == "generating" else "")
                 )
     return lines, warnings
+
+
+def host_estimate(cfg) -> dict:
+    """{part: bytes} of a CPU run's memory: every model of the run in one process (colocated, as
+    the CPU recipes run), its peak while training: HOST_BASE_BYTES, each Megatron trainer's step
+    (trainer_memory at its seq_length, micro-batch, dtype and recompute: weights, fp32 gradients,
+    Adam, the backward's activations, fp32 logits; plus the two s x s attention gradients of one
+    layer's backward), and each vLLM engine's weights and KV cache
+    (kv_cache_memory_bytes; on CPU the engine keeps it while the trainer trains), plus "total"."""
+    out = {"base": HOST_BASE_BYTES}
+    for name, entry in cfg.models.items():
+        c = entry.config
+        if entry.backend != "megatron" or isinstance(shape := _shape(c.load), str):
+            continue
+        t = trainer_memory(
+            shape,
+            seq_length=c.seq_length or shape_positions(c.load),
+            micro_batch_size=c.micro_batch_size or cfg.runtime.train_micro_batch_size,
+            dtype=c.dtype,
+            grad_reduce_dtype=c.grad_reduce_dtype,
+            recompute=c.activation_recompute,
+        )
+        out.update({f"{name}/{k}": v for k, v in t.items() if k != "total"})
+        # megatron-core's local attention (the only one on CPU) is unfused: a layer's backward also
+        # holds the gradients of its (b, a, s, s) probabilities and scores, in float32 (measured:
+        # Korthikanti's stored activations alone miss ~40% of the peak at 4K tokens)
+        s = c.seq_length or shape_positions(c.load)
+        b = c.micro_batch_size or cfg.runtime.train_micro_batch_size
+        out[f"{name}/attention_backward"] = 2 * 4 * shape.heads * s * s * b
+        for engine, e_entry in cfg.models.items():
+            load = getattr(e_entry.config, "load", None)
+            if e_entry.backend == "vllm" and str(load) == str(c.load) and f"{engine}/kv" not in out:
+                out[f"{engine}/weights"] = shape.params() * BYTES[e_entry.config.dtype]
+                out[f"{engine}/kv"] = e_entry.config.kv_cache_memory_bytes or 0
+    out["total"] = sum(out.values())
+    return out
+
+
+def host_warnings(cfg, estimate: dict, host_bytes: int) -> list[str]:
+    """A warning naming the keys to change when a CPU run's estimate exceeds the host's memory."""
+    if estimate["total"] <= host_bytes:
+        return []
+    biggest = max((k for k in estimate if k not in ("total", "base")), key=estimate.get)
+    return [
+        f"the run needs ~{_gib(estimate['total'])} GiB of host memory, more than this machine's "
+        f"{_gib(host_bytes)} (the most: {biggest} {_gib(estimate[biggest])} GiB); lower the trainer's "
+        "seq_length or micro_batch_size (max_new_tokens of the policy), set its "
+        "activation_recompute: full, or lower the policy's kv_cache_memory_bytes"
+    ]

@@ -329,9 +329,23 @@ class FSDPConfig(MegatronConfig):
         "(FSDP2's default, ZeRO-3 memory); false keeps them until the backward (ZeRO-2-like: less "
         "communication, the full weights in memory during a step)",
     )
+    context_parallel_size: int = opt(
+        1,
+        "ranks each sequence is split over (torch's ring attention; verl's "
+        "ulysses_sequence_parallel_size, NeMo RL's context_parallel_size): CUDA only and not yet "
+        "run, refused on CPU (docs/long_context.md)",
+    )
 
     def check(self):
         yield from super().check()
+        if self.context_parallel_size < 1:
+            yield "context_parallel_size", f"must be >= 1, got {self.context_parallel_size}"
+        if self.context_parallel_size > 1 and self.max_tokens_per_micro_batch is not None:
+            yield (
+                "max_tokens_per_micro_batch",
+                "token micro-batches pack samples into one row, which the context-parallel split "
+                "does not take; remove the key or set context_parallel_size: 1",
+            )
         for key, (allowed, why) in MEGATRON_ONLY.items():
             if getattr(self, key) != allowed:
                 yield (

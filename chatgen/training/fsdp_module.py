@@ -24,25 +24,20 @@ skips the step, `offload` / `onload` / `memory_stats`, atomic checkpoints
 (torch.distributed.checkpoint: every rank writes its own shards; a checkpoint loads at another DP).
 """
 
-import json
 import math
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from chatgen.core.checkpoint_io import (
-    begin_directory,
-    commit_directory,
-    copy_hf_side_files,
-    read_hf_config,
-    staging_path,
-)
+from chatgen.core.checkpoint_io import read_hf_config
 from chatgen.core.distributed import join_world
 from chatgen.core.metrics import reduce_metrics
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.module import remote
 from chatgen.training.config import FSDPConfig
+from chatgen.training.context_parallel import CPU_REFUSAL, cp_meshes, cp_token_outputs, group_batch
+from chatgen.training.fsdp_checkpoints import FSDP_META, FSDPCheckpoints
 from chatgen.training.fsdp_lora import FSDPLoRAHooks, FSDPMergedWeights, attach
 from chatgen.training.fsdp_weights import FSDPWeights
 from chatgen.training.memory import MemoryHandoff, move_optimizer_state
@@ -54,12 +49,8 @@ from chatgen.training.schedule import first_scored_position, positions_and_mask
 from chatgen.training.token_scoring import TokenScoring
 from chatgen.training.trainer import Trainer
 
-FSDP_META = (
-    "chatgen_fsdp.json"  # marks a checkpoint an FSDPModule wrote: iteration, optimizer saved
-)
 
-
-class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
+class FSDPModule(FSDPCheckpoints, FSDPLoRAHooks, TokenScoring, Trainer):
     """Trainer-side base class on FSDP2 (see the module docstring). Lifecycle as
     MegatronModule's: `init()` joins torch.distributed; `setup()` builds the model
     (`model_provider`), shards it, builds AdamW and loads a checkpoint this class wrote when
@@ -91,12 +82,20 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
             raise ValueError(
                 f"{self.name}: `load` is required (an HF model directory or a chatgen fsdp checkpoint)"
             )
+        self.cp_mesh = None  # the context-parallel sub-mesh (chatgen/training/context_parallel.py)
+        if cfg.context_parallel_size > 1 and self.device.type == "cpu":
+            raise ValueError(f"{self.name}: {CPU_REFUSAL}")
         join_world()
         self.dp, self.dp_rank = dist.get_world_size(), dist.get_rank()
         if cfg.data_parallel_size and cfg.data_parallel_size != self.dp:
             raise ValueError(
                 f"{self.name}: data_parallel_size={cfg.data_parallel_size} but {self.dp} ranks were "
                 f"launched; set data_parallel_size: {self.dp} or null"
+            )
+        if self.dp % cfg.context_parallel_size:
+            raise ValueError(
+                f"{self.name}: context_parallel_size={cfg.context_parallel_size} does not divide the "
+                f"{self.dp} ranks launched"
             )
         torch.manual_seed(cfg.seed)
         self.hf_config = read_hf_config(cfg.load)
@@ -128,7 +127,10 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
-        mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.dp,))
+        if cfg.context_parallel_size > 1:
+            mesh, self.cp_mesh = cp_meshes(self.device.type, self.dp, cfg.context_parallel_size)
+        else:
+            mesh = torch.distributed.device_mesh.init_device_mesh(self.device.type, (self.dp,))
         policy = MixedPrecisionPolicy(
             param_dtype=None if self.dtype == torch.float32 else self.dtype,
             reduce_dtype=torch.float32,
@@ -214,12 +216,17 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
         self.onload(("params",))
         self.model.eval()
         batch = {k: data[k] for k in ("input_ids", "attention_mask") if data.get(k) is not None}
+        if self.cp_mesh is not None:  # a CP group scores its ranks' samples together
+            n, r = batch["input_ids"].shape[0], self.cp_mesh.get_local_rank()
+            batch = group_batch(batch, self.cp_mesh)
         plan = self.micro_batch_plan(batch, dp_group=dist.group.WORLD)
         out = [self._outputs(mb, first=0)[0] for mb in plan.micro_batches]
         if self.config.max_tokens_per_micro_batch is None:
-            return torch.cat(out).cpu()
-        width = max(o.shape[1] for o in out)
-        return plan.assemble(torch.cat([pad_to(o, width) for o in out])).cpu()
+            out = torch.cat(out)
+        else:
+            width = max(o.shape[1] for o in out)
+            out = plan.assemble(torch.cat([pad_to(o, width) for o in out]))
+        return (out if self.cp_mesh is None else out[r * n : (r + 1) * n]).cpu()  # own samples
 
     @remote("split")
     def train_step(self, data: dict, loss_fn) -> dict:
@@ -234,6 +241,8 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
                 f"{self.name}.train_step: {n} samples x {self.dp} data-parallel ranks != "
                 f"global_batch_size={gbs}; pass {gbs // self.dp} samples per rank or change the key"
             )
+        if self.cp_mesh is not None:  # a CP group scores its ranks' samples together
+            data = group_batch(data, self.cp_mesh)
         plan = self.micro_batch_plan(data, loss_fn, packs=True, dp_group=dist.group.WORLD)
         micro_batches = plan.micro_batches
         weights = self.loss_weights(plan, loss_fn, dist.group.WORLD)
@@ -295,6 +304,8 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
                 "max_position_embeddings) or cut prompts / responses"
             )
         mask = None if mask is None else mask.to(ids.device)
+        if self.cp_mesh is not None:
+            return cp_token_outputs(self, ids, mask, self.cp_mesh), padding_positions(mb)
         budget = self.config.max_tokens_per_micro_batch
         if budget and mb.get("loss_mask") is not None:
             plan = pack_shared_prefix(ids, mask, mb.get("loss_mask"), budget)
@@ -339,108 +350,6 @@ class FSDPModule(FSDPLoRAHooks, TokenScoring, Trainer):
     def hf_state_dict(self) -> dict:
         """The whole model as an HF state dict (a full copy; for tests and exports). Collective."""
         return {name: t.clone() for bucket in self.hf_weights().buckets() for name, t in bucket}
-
-    @remote("all")
-    def save_checkpoint(self, path) -> str:
-        """Write weights + optimizer state to directory `path` atomically: a
-        torch.distributed.checkpoint (each rank writes its shards; it loads at another DP) beside
-        chatgen_fsdp.json (iteration), and an HF checkpoint of the weights (`_write_hf`) with the
-        model's config.json and the tokenizer / generation files of `load`, so the directory also
-        serves and exports as it is. Ranks write into a staging directory that rank 0 moves into
-        place. Returns the path."""
-        from torch.distributed import checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        path = Path(path)
-        if dist.get_rank() == 0:
-            begin_directory(path)
-        dist.barrier()
-        tmp = staging_path(path)
-        self.onload()
-        model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
-        dcp.save(
-            {"model": model_state, "optimizer": optim_state},
-            storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
-        )
-        self._write_hf(tmp)  # merged, for a LoRA trainer: the directory serves as it is
-        if self.config.lora.rank:  # and the adapter as PEFT's directory
-            self.export_adapter(tmp / "adapter")
-        if dist.get_rank() == 0:
-            meta = dict(iteration=self.iteration, skipped_steps=self.skipped_steps, dp=self.dp)
-            meta.update(lora=_lora_keys(self.config.lora))
-            (tmp / FSDP_META).write_text(json.dumps(meta, indent=1))
-            (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=1))
-            copy_hf_side_files(self.config.load, tmp)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            commit_directory(path)
-        dist.barrier()
-        return str(path)
-
-    def _write_hf(self, directory: Path) -> None:
-        """The weights as an HF checkpoint in `directory` (collective; rank 0 writes): one
-        safetensors file per sync bucket plus model.safetensors.index.json, so that the
-        checkpoint directory serves and exports as it is (vLLM, `chatgen serve`, transformers).
-        One bucket of full tensors in memory at a time."""
-        from safetensors.torch import save_file
-
-        weights = self.hf_weights()
-        n, index = len(weights.plan), {}
-        for i, bucket in enumerate(weights.buckets()):
-            if dist.get_rank() == 0:
-                name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
-                save_file(
-                    {k: t.detach().cpu().contiguous() for k, t in bucket},
-                    str(directory / name),
-                    metadata={"format": "pt"},
-                )
-                index.update({k: name for k, _ in bucket})
-        if dist.get_rank() == 0:
-            (directory / "model.safetensors.index.json").write_text(
-                json.dumps({"metadata": {}, "weight_map": index}, indent=1)
-            )
-
-    @remote("all")
-    def load_checkpoint(self, path) -> None:
-        """Restore weights, optimizer state and iteration from a checkpoint of `save_checkpoint`
-        (any DP). Read without unpickling anything freely (chatgen.core.dcp.read_safely)."""
-        from torch.distributed import checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        from chatgen.core.dcp import read_safely
-
-        path = Path(path)
-        if not (path / FSDP_META).is_file():
-            raise ValueError(
-                f"{path}: not a checkpoint of an fsdp trainer ({FSDP_META} missing); an HF directory "
-                "loads through the `load` key"
-            )
-        saved = json.loads((path / FSDP_META).read_text()).get("lora")
-        if saved != _lora_keys(self.config.lora):  # its tensors are of that rank and targets
-            raise ValueError(
-                f"{self.name}: {path} holds a trainer with lora {saved}, this config has "
-                f"{_lora_keys(self.config.lora)}; set the `lora:` keys as the checkpoint's"
-            )
-        read_safely()
-        self.onload()
-        model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
-        state = {"model": model_state, "optimizer": optim_state}
-        dcp.load(state, storage_reader=dcp.FileSystemReader(str(path / "dcp")))
-        set_state_dict(
-            self.model,
-            self.torch_optimizers,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-        meta = json.loads((path / FSDP_META).read_text())
-        self.iteration, self.skipped_steps = meta["iteration"], meta.get("skipped_steps", 0)
-
-
-def _lora_keys(cfg) -> dict | None:
-    """The `lora:` keys a checkpoint's tensors depend on (None: no LoRA)."""
-    return (
-        dict(rank=cfg.rank, alpha=cfg.alpha, targets=list(cfg.target_modules)) if cfg.rank else None
-    )
 
 
 def decoder_layers(model: torch.nn.Module) -> list:

@@ -381,19 +381,27 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         """add_request for each dataset item, with its own prompt length and stop strings
         (greedy: one greedy response; so for an item with "greedy": True); returns request ids.
         An item over the prompt budget is an error naming it."""
-        request_ids = []
-        for i, item in enumerate(items):
-            self.check_item(item, f"run_generation: item {i}")
-            params = self.sampling_params(
-                len(item["input_ids"]),
-                is_eval=is_eval,
-                greedy=greedy or item.get("greedy", False),
-                stop_strings=item.get("stop_strings") or (),
-                stop_token_ids=item.get("stop_token_ids") or (),
-            )
-            request_ids.append(
-                self.add_request(item["input_ids"], params, prompt_text=item.get("prompt"))
-            )
+        request_ids, made = [], {}  # items of the same kind share one params object
+        with adapter.request_batch(self.engine):
+            for i, item in enumerate(items):
+                self.check_item(item, f"run_generation: item {i}")
+                kind = (
+                    len(item["input_ids"]),
+                    greedy or item.get("greedy", False),
+                    tuple(item.get("stop_strings") or ()),
+                    tuple(item.get("stop_token_ids") or ()),
+                )
+                if kind not in made:
+                    made[kind] = self.sampling_params(
+                        kind[0],
+                        is_eval=is_eval,
+                        greedy=kind[1],
+                        stop_strings=kind[2],
+                        stop_token_ids=kind[3],
+                    )
+                request_ids.append(
+                    self.add_request(item["input_ids"], made[kind], prompt_text=item.get("prompt"))
+                )
         return request_ids
 
     def _check_ready(self) -> None:
