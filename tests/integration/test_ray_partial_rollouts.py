@@ -87,7 +87,9 @@ def test_weights_land_while_a_ray_hosted_engine_generates(ray_session, tiny_llam
 
 
 @pytest.mark.slow
-def test_async_grpo_with_the_policy_in_its_own_actor(ray_session, tiny_llama_dir, data_dir, tmp_path):
+def test_async_grpo_with_the_policy_in_its_own_actor(
+    ray_session, tiny_llama_dir, data_dir, tmp_path
+):
     """max_staleness 2 with the policy disaggregated on Ray: the weights reach the engine actor while
     the batches ahead generate (handover_step 4 holds them for it), so samples span two versions, and
     no trained token is more than 2 versions stale (per token, as the update received them)."""
