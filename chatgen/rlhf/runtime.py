@@ -199,7 +199,7 @@ class ActorGroup:
         order = ranks_by_node([placed[b] for b in range(plan.world)])
         self.nodes = [placed[b] for b in order]
         worker = ray.remote(ModelWorker)
-        # apart: every actor a world of one, serving calls on CONCURRENT_CALLS threads
+        # apart: every actor a world of one (RANK still its index), serving CONCURRENT_CALLS calls
         world = 1 if engines_apart else plan.world
         self.actors = [
             worker.options(
@@ -211,7 +211,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(0 if engines_apart else r, world, max(1, int(plan.cpus)), env)
+            ).remote(r, world, max(1, int(plan.cpus)), env)
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
