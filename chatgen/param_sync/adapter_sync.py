@@ -15,48 +15,31 @@ second gather), and the engine's own check of the values it receives; then the e
 adapter in place (`load_lora_tensors`, in memory: no file). A refused adapter leaves the engine's
 weights and adapter as they were.
 
-In-process only: the engine is a generation module of this process (colocated). The group and
-shared-memory transports carry a full weight set into `load_weights`; an adapter through them is
-refused naming the fix (the merged sync, `sync_weights`, crosses processes with every check).
+Here the engine is a generation module of this process (colocated). Across processes the group and
+shared-memory transports carry an adapter the same way: `sender.send(trainer.adapter_weights())`
+(or a (config, tensors) pair); the header names the adapter's config, the engine makes the same
+checks (chatgen.param_sync.checks: check_adapter_manifest, finiteness, fingerprints) and swaps it
+with `load_lora_tensors` (`load_into(..., adapter=config)`).
 """
 
 import time
 
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
-from chatgen.models.lora_format import split_name
 from chatgen.param_sync.checks import (
+    ADAPTER_REFUSED,
     SyncError,
     SyncReport,
+    check_adapter_manifest,
+    check_adapter_target,
     check_finite,
     checked,
-    nonfinite,
+    load_into,
     plan_bytes,
     plan_manifest,
 )
+from chatgen.param_sync.source import AdapterTensors
 
-REFUSED = "adapter-only sync refused, the engine keeps its weights and adapter"
-
-
-class AdapterTensors:
-    """An adapter held in this process, (adapter_config.json as a dict, {PEFT name: tensor}), as
-    a weight source (one bucket, in name order)."""
-
-    def __init__(self, config: dict, tensors: dict):
-        self.config, self._tensors = config, dict(sorted(tensors.items()))
-        dtypes = {t.dtype for t in self._tensors.values()}
-        if len(dtypes) != 1:
-            raise SyncError(f"{REFUSED}: the adapter holds {len(dtypes)} dtypes ({dtypes})")
-        self.dtype = dtypes.pop()
-        self.plan = [[(name, tuple(t.shape)) for name, t in self._tensors.items()]]
-
-    def buckets(self):
-        yield list(self._tensors.items())
-
-    def reference(self, index: int) -> list:
-        return list(self._tensors.values())
-
-    def nonfinite(self) -> list[str]:
-        return nonfinite(self._tensors.items())
+REFUSED = ADAPTER_REFUSED
 
 
 def adapter_source(source):
@@ -73,59 +56,15 @@ def adapter_source(source):
     return source.adapter_weights()
 
 
-def check_adapter_manifest(weights, engine_manifest: dict) -> None:
-    """Every adapted weight exists in the engine with (out, in) matching its pair's B (out, r)
-    and A (r, in), each pair complete, every rank the config's `r`; a SyncError listing every
-    mismatch."""
-    rank, pairs, problems = weights.config.get("r"), {}, []
-    for name, shape in plan_manifest(weights.plan).items():
-        try:
-            hf_weight, matrix = split_name(name)
-        except ValueError as e:
-            problems.append(str(e))
-            continue
-        pairs.setdefault(hf_weight, {})[matrix] = shape
-    for hf_weight, pair in pairs.items():
-        if set(pair) != {"lora_A", "lora_B"}:
-            problems.append(
-                f"{hf_weight}: the adapter sends {sorted(pair)} only, not lora_A and lora_B"
-            )
-            continue
-        (r_a, n_in), (n_out, r_b) = pair["lora_A"], pair["lora_B"]
-        if r_a != rank or r_b != rank:
-            problems.append(
-                f"{hf_weight}: rank {r_a} / {r_b} (lora_A / lora_B), the adapter's config says r={rank}"
-            )
-        want = engine_manifest.get(hf_weight)
-        if want is None:
-            problems.append(f"{hf_weight}: the adapter adapts it, the engine has no such weight")
-        elif tuple(want) != (n_out, n_in):
-            problems.append(
-                f"{hf_weight}: the adapter is for shape {(n_out, n_in)}, the engine's is {tuple(want)}"
-            )
-    if problems:
-        raise SyncError(
-            f"{REFUSED}; {len(problems)} mismatch(es) between the adapter and the engine:\n  "
-            + "\n  ".join(problems[:50])
-        )
-
-
 def check_engine(target) -> None:
     """A SyncError unless `target` takes adapters: a generation module of this process with
-    enable_lora."""
+    enable_lora (a transport's sender carries an adapter too: `send(trainer.adapter_weights())`)."""
     if hasattr(target, "send"):
         raise SyncError(
-            f"{REFUSED}: {type(target).__name__} carries full weight sets to an engine in another process, "
-            "not adapters; colocate the engine with the trainer for an adapter-only sync, or sync the merged "
-            "weights (sync_weights) through it"
+            f"{REFUSED}: {type(target).__name__} is a sender; send the adapter through it "
+            "(sender.send(trainer.adapter_weights()), or a (config, tensors) pair)"
         )
-    if not callable(getattr(target, "load_lora_tensors", None)) or not getattr(
-        getattr(target, "config", None), "enable_lora", False
-    ):
-        raise SyncError(
-            f"{REFUSED}: {type(target).__name__} has no LoRA adapter support enabled; set enable_lora: true in "
-            "the engine's config, or sync the merged weights (sync_weights)"
-        )
+    check_adapter_target(target)
 
 
 class AdapterSender:
@@ -147,16 +86,15 @@ class AdapterSender:
         start = time.perf_counter()
         weights = adapter_source(source)
         if self.target is not None:
-            check_adapter_manifest(weights, self.target.weight_manifest())
+            check_adapter_manifest(
+                weights.config, plan_manifest(weights.plan), self.target.weight_manifest()
+            )
         check_finite(weights)  # collective: the gather, on every rank
         tensors = {}
         for bucket in checked(weights.buckets(), weights.plan, weights, validate, finite=True):
             tensors.update(bucket)
         if self.target is not None:
-            try:
-                self.target.load_lora_tensors(weights.config, tensors)
-            except Exception as e:  # built before the swap: the previous adapter stays
-                raise SyncError(f"{REFUSED}: the engine refused it: {type(e).__name__}: {e}") from e
+            load_into(self.target, [list(tensors.items())], adapter=weights.config)
         return SyncReport(
             time.perf_counter() - start,
             plan_bytes(weights.plan, weights.dtype),

@@ -134,6 +134,60 @@ def check_finite(weights) -> None:
         )
 
 
+ADAPTER_REFUSED = "adapter-only sync refused, the engine keeps its weights and adapter"
+
+
+def check_adapter_target(target) -> None:
+    """A SyncError unless `target` takes adapters: a generation module with enable_lora."""
+    if not callable(getattr(target, "load_lora_tensors", None)) or not getattr(
+        getattr(target, "config", None), "enable_lora", False
+    ):
+        raise SyncError(
+            f"{ADAPTER_REFUSED}: {type(target).__name__} has no LoRA adapter support enabled; set "
+            "enable_lora: true in the engine's config (chatgen serve enable_lora=true), or sync the "
+            "merged weights (sync_weights)"
+        )
+
+
+def check_adapter_manifest(config: dict, sent: dict, engine_manifest: dict) -> None:
+    """An adapter's {PEFT name: shape} against the engine: every adapted weight exists in the
+    engine with (out, in) matching its pair's B (out, r) and A (r, in), each pair complete, every
+    rank the config's `r`; a SyncError listing every mismatch."""
+    from chatgen.models.lora_format import split_name
+
+    rank, pairs, problems = config.get("r"), {}, []
+    for name, shape in sent.items():
+        try:
+            hf_weight, matrix = split_name(name)
+        except ValueError as e:
+            problems.append(str(e))
+            continue
+        pairs.setdefault(hf_weight, {})[matrix] = tuple(shape)
+    for hf_weight, pair in pairs.items():
+        if set(pair) != {"lora_A", "lora_B"}:
+            problems.append(
+                f"{hf_weight}: the adapter sends {sorted(pair)} only, not lora_A and lora_B"
+            )
+            continue
+        (r_a, n_in), (n_out, r_b) = pair["lora_A"], pair["lora_B"]
+        if r_a != rank or r_b != rank:
+            problems.append(
+                f"{hf_weight}: rank {r_a} / {r_b} (lora_A / lora_B), the adapter's config says r={rank}"
+            )
+        want = engine_manifest.get(hf_weight)
+        if want is None:
+            problems.append(f"{hf_weight}: the adapter adapts it, the engine has no such weight")
+        elif tuple(want) != (n_out, n_in):
+            problems.append(
+                f"{hf_weight}: the adapter is for shape {(n_out, n_in)}, the engine's is {tuple(want)}"
+            )
+    if problems:
+        raise SyncError(
+            f"{ADAPTER_REFUSED}; {len(problems)} mismatch(es) between the adapter and the engine:\n  "
+            + "\n  ".join(problems[:50])
+        )
+
+
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -146,11 +200,23 @@ def fingerprint(t: torch.Tensor) -> list:
     return [int(bits.sum()), int((bits * w).sum())]
 
 
-def load_into(target, buckets, mode: str = "wait") -> int:
+def load_into(target, buckets, mode: str = "wait", adapter: dict | None = None) -> int:
     """Feed bucket lists into a generation module (`load_weights`, chatgen.generation.base);
     returns tensors written. If the write fails once the module began replacing its weights, it
     refuses to generate until a sync completes (`needs_resync`), and the SyncError says the
-    engine is partially updated."""
+    engine is partially updated. adapter: the buckets are a LoRA adapter alone with this
+    adapter_config: every tensor is received first, then the engine swaps its adapter at once
+    (`load_lora_tensors`; a refusal leaves the previous one)."""
+    if adapter is not None:
+        # copies: the engine keeps them (a mapped file or a received buffer is reused)
+        tensors = {name: t.clone() for bucket in buckets for name, t in bucket}
+        try:
+            target.load_lora_tensors(adapter, tensors)
+        except Exception as e:  # built before the swap: the previous adapter stays
+            raise SyncError(
+                f"{ADAPTER_REFUSED}: the engine refused it: {type(e).__name__}: {e}"
+            ) from e
+        return len(tensors)
     written = [0]
 
     def counted(bucket):
@@ -210,10 +276,17 @@ def checked(buckets_iter, plan, weights=None, validate=False, fingerprints=None,
         yield items
 
 
+def adapter_config(weights) -> dict | None:
+    """The adapter_config.json (a dict) of a source that is a LoRA adapter alone (its `config`:
+    chatgen.training.lora_sync.AdapterWeights, source.AdapterTensors), else None."""
+    config = getattr(weights, "config", None)
+    return config if isinstance(config, dict) else None
+
+
 def sync_header(weights, validate: bool) -> dict:
     """What a trainer tells an engine in another process before the data (JSON): dtype, the
-    bucket plan [[[name, shape]]], the parameters holding NaN / inf, and (validate) each tensor's
-    fingerprint by the independent path. Collective over the source's ranks (`nonfinite`,
+    bucket plan [[[name, shape]]], the parameters holding NaN / inf, for an adapter alone its
+    config (`adapter`), and (validate) each tensor's fingerprint by the independent path. Collective over the source's ranks (`nonfinite`,
     `reference`)."""
     header = {
         "dtype": str(weights.dtype),
@@ -221,6 +294,8 @@ def sync_header(weights, validate: bool) -> dict:
         "validated": validate,
         "fingerprints": None,
         "nonfinite": weights.nonfinite(),
+        # an adapter alone (adapter_config.json as a dict): the engine swaps its LoRA adapter
+        "adapter": adapter_config(weights),
     }
     if validate:
         header["fingerprints"] = {
@@ -247,7 +322,11 @@ def check_header(header: dict, target) -> None:
             "weight sync refused, the engine keeps its old weights: the trainer's manifest "
             "names a parameter twice"
         )
-    check_manifest(sent, target.weight_manifest())
+    if header.get("adapter") is None:
+        check_manifest(sent, target.weight_manifest())
+    else:
+        check_adapter_target(target)
+        check_adapter_manifest(header["adapter"], sent, target.weight_manifest())
     if header["nonfinite"]:
         raise SyncError(
             f"weight sync refused, the engine keeps its old weights: "

@@ -394,6 +394,7 @@ class GroupReceiver:
                     finite=self.checks_values,
                 ),
                 mode,
+                header.get("adapter"),
             )
         except BaseException as e:
             if received["lost"] or not isinstance(e, SyncError):

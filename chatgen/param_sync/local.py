@@ -15,6 +15,9 @@ import time
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
 from chatgen.param_sync.checks import (
     SyncReport,
+    adapter_config,
+    check_adapter_manifest,
+    check_adapter_target,
     check_finite,
     check_manifest,
     checked,
@@ -39,10 +42,20 @@ class LocalSender:
         """Copy `source`'s weights into the target; collective over the source's ranks."""
         start = time.perf_counter()
         weights = weight_source(source, bucket_bytes)
-        check_manifest(plan_manifest(weights.plan), self.target.weight_manifest())
+        adapter = adapter_config(weights)
+        if adapter is None:
+            check_manifest(plan_manifest(weights.plan), self.target.weight_manifest())
+        else:  # a LoRA adapter alone: the engine swaps it (adapter_sync.py's checks)
+            check_adapter_target(self.target)
+            check_adapter_manifest(
+                adapter, plan_manifest(weights.plan), self.target.weight_manifest()
+            )
         check_finite(weights)
         n = load_into(
-            self.target, checked(weights.buckets(), weights.plan, weights, validate), self.mode
+            self.target,
+            checked(weights.buckets(), weights.plan, weights, validate),
+            self.mode,
+            adapter,
         )
         return SyncReport(
             time.perf_counter() - start,

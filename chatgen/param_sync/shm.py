@@ -366,7 +366,12 @@ def _load_flat(target, flat: torch.Tensor, plan: list, header: dict, mode: str, 
             f"{', ...' if len(bad) > 10 else ''}) although the trainer's header said none; the "
             "training step that made them diverged (lower the learning rate, check the loss)"
         )
-    return load_into(target, checked(buckets(), plan, fingerprints=header["fingerprints"]), mode)
+    return load_into(
+        target,
+        checked(buckets(), plan, fingerprints=header["fingerprints"]),
+        mode,
+        header.get("adapter"),
+    )
 
 
 def remove_stale_segments(root: str = SHM_ROOT) -> list:

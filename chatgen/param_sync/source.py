@@ -11,7 +11,7 @@ the source's ranks), `reference(i)` (bucket i by an independent path, for valida
 import torch
 
 from chatgen.core.tensors import DEFAULT_BUCKET_BYTES
-from chatgen.param_sync.checks import SyncError, nonfinite
+from chatgen.param_sync.checks import ADAPTER_REFUSED, SyncError, nonfinite
 
 
 class LocalWeights:
@@ -51,6 +51,29 @@ class LocalWeights:
         return nonfinite(self._tensors)
 
 
+class AdapterTensors:
+    """A LoRA adapter held in this process, (adapter_config.json as a dict, {PEFT name: tensor}),
+    as a weight source (one bucket, in name order); its `config` marks it an adapter
+    (checks.adapter_config)."""
+
+    def __init__(self, config: dict, tensors: dict):
+        self.config, self._tensors = config, dict(sorted(tensors.items()))
+        dtypes = {t.dtype for t in self._tensors.values()}
+        if len(dtypes) != 1:
+            raise SyncError(f"{ADAPTER_REFUSED}: the adapter holds {len(dtypes)} dtypes ({dtypes})")
+        self.dtype = dtypes.pop()
+        self.plan = [[(name, tuple(t.shape)) for name, t in self._tensors.items()]]
+
+    def buckets(self):
+        yield list(self._tensors.items())
+
+    def reference(self, index: int) -> list:
+        return list(self._tensors.values())
+
+    def nonfinite(self) -> list[str]:
+        return nonfinite(self._tensors.items())
+
+
 _WRAPPER_PREFIXES = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 
 
@@ -71,8 +94,13 @@ def _module_tensors(module: torch.nn.Module):
 
 
 def weight_source(source, bucket_bytes: int = DEFAULT_BUCKET_BYTES):
-    """The weight source (see above) of a MegatronModule, a torch.nn.Module, or an iterable of
-    (name, tensor)."""
+    """The weight source (see above) of a MegatronModule, a torch.nn.Module, an iterable of
+    (name, tensor), a LoRA adapter alone (`trainer.adapter_weights()`, or an (adapter_config,
+    {PEFT name: tensor}) pair), or a weight source already."""
+    if isinstance(source, tuple) and len(source) == 2 and isinstance(source[0], dict):
+        return AdapterTensors(*source)
+    if callable(getattr(source, "buckets", None)) and hasattr(source, "plan"):
+        return source  # a weight source (AdapterWeights)
     if hasattr(source, "hf_weights"):  # chatgen.MegatronModule
         return source.hf_weights(bucket_bytes)
     if isinstance(source, torch.nn.Module):

@@ -18,7 +18,9 @@ each prompt (with its n samples: they share a prefix-cache entry) to the replica
 outstanding tokens (prompt + budget of every sample of the prompts it is working on, across
 concurrent calls), largest prompts first; the replicas generate at once, each with the contract's
 `run_generation` on its own prompts, and the batches come back as one RolloutBatch in the caller's
-order. With one replica every call goes to the engine unchanged.
+order. With one replica every call goes to the engine unchanged. A call made inside
+chatgen.generation.handover.hold_after carries its mark to the engines (their actors serve calls
+concurrently when they are apart: chatgen.rlhf.runtime.engines_apart).
 
 The weight channel is chatgen.param_sync.group: the trainer's rank 0 broadcasts each bucket once to
 every engine rank of every replica; the trainer signs with `token`, this group's secret, which the
@@ -35,6 +37,7 @@ import torch
 from chatgen.compat.nemo_rl import NemoRLRefit
 from chatgen.core.rollout import RolloutBatch
 from chatgen.generation import config as gc
+from chatgen.generation import handover
 from chatgen.generation.batching import assign
 from chatgen.param_sync import GroupReceiver, check_manifest, load_shm
 from chatgen.rlhf.placement import engine_tp
@@ -83,8 +86,11 @@ class GenerationGroup(NemoRLRefit):
         """The contract's `run_generation` over the replicas: S = items x n samples, prompt-major
         in the order of `items` (a RolloutBatch; with one replica, whatever the engine's
         decode_internal returns)."""
-        if self.replicas == 1:
+        hold = handover.requested()  # the caller's mark, carried into the actors' threads
+        if self.replicas == 1 and hold is None:
             return self.first("run_generation", items, is_eval)
+        if self.replicas == 1:
+            return self.run(_generate, self.name, items, is_eval, hold)[0][0]
         costs = [
             self._samples(is_eval) * (len(item["input_ids"]) + self.entry.config.max_new_tokens)
             for item in items
@@ -96,7 +102,7 @@ class GenerationGroup(NemoRLRefit):
         try:
             # a replica without prompts is not called
             per_rank = [
-                (self.name, [items[i] for i in shares[r // self.tp]], is_eval)
+                (self.name, [items[i] for i in shares[r // self.tp]], is_eval, hold)
                 if shares[r // self.tp]
                 else None
                 for r in range(self.group.world_size)
@@ -211,9 +217,10 @@ class GenerationGroup(NemoRLRefit):
 # Functions run inside the actors (ModelWorker.run): module level, so Ray pickles them by reference.
 
 
-def _generate(worker, name, items, is_eval):
+def _generate(worker, name, items, is_eval, hold=None):
     model = worker.models[name]
-    return model.run_generation(items, is_eval), dict(model.metrics)
+    with handover.hold_after(*(hold or (None,))):
+        return model.run_generation(items, is_eval), dict(model.metrics)
 
 
 def _attribute(worker, name, attribute):

@@ -65,6 +65,18 @@ from chatgen.rlhf.ray_cluster import (
 from chatgen.rlhf.schema import model_class
 
 
+CONCURRENT_CALLS = 16  # an apart engine actor's threads: generation calls, a sync, metrics at once
+
+
+def engines_apart(cfg, names) -> bool:
+    """Whether a group's ranks are independent engines: vLLM engines of one rank each (replicas of
+    tensor_parallel_size 1) and python models, no trainer (its calls are one at a time)."""
+    entries = [cfg.models[n] for n in names]
+    return any(e.backend == "vllm" for e in entries) and all(
+        e.backend == "python" or (e.backend == "vllm" and engine_tp(e) == 1) for e in entries
+    )
+
+
 class ActorFailure(RuntimeError):
     """A model's actor raised or died; the message names the model and carries the actor's
     traceback."""
@@ -153,9 +165,22 @@ class ModelWorker:
 class ActorGroup:
     """The Ray actors of one colocation group (a `placement.GroupPlan`): `world` ModelWorkers in
     one placement group placed by `strategy`, one bundle per rank; rank r runs on the r-th bundle
-    in node order (`placement.ranks_by_node`), and `nodes[r]` is its node's id."""
+    in node order (`placement.ranks_by_node`), and `nodes[r]` is its node's id.
 
-    def __init__(self, plan, env: dict, multi_node: bool = False, strategy: str = "PACK"):
+    `engines_apart` (`engines_apart(cfg, names)`: engines of one rank, no trainer): each actor
+    is a process of its own (no group-wide torch.distributed world; its engine steps on its own
+    thread) and serves up to CONCURRENT_CALLS calls at once, so a weight update or a server's
+    request reaches the engine between two engine steps while generation calls run (partial
+    rollouts across processes; the engine loop orders everything that touches the engine)."""
+
+    def __init__(
+        self,
+        plan,
+        env: dict,
+        multi_node: bool = False,
+        strategy: str = "PACK",
+        engines_apart: bool = False,
+    ):
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -174,8 +199,11 @@ class ActorGroup:
         order = ranks_by_node([placed[b] for b in range(plan.world)])
         self.nodes = [placed[b] for b in order]
         worker = ray.remote(ModelWorker)
+        # apart: every actor a world of one (RANK still its index), serving CONCURRENT_CALLS calls
+        world = 1 if engines_apart else plan.world
         self.actors = [
             worker.options(
+                max_concurrency=CONCURRENT_CALLS if engines_apart else 1,
                 num_cpus=plan.cpus,
                 num_gpus=plan.gpus,
                 resources=plan.resources or None,
@@ -183,7 +211,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(r, plan.world, max(1, int(plan.cpus)), env)
+            ).remote(r, world, max(1, int(plan.cpus)), env)
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
@@ -347,7 +375,13 @@ class Runtime:
                     os.environ.update(env)  # what a Ray actor would get, before vLLM is imported
                     group = LocalGroup(plan.names, plan.cpus, env)
                 else:
-                    group = ActorGroup(plan, env, multi_node=bool(address), strategy=strategy)
+                    group = ActorGroup(
+                        plan,
+                        env,
+                        multi_node=bool(address),
+                        strategy=strategy,
+                        engines_apart=engines_apart(cfg, plan.names),
+                    )
                 groups.append(group)
                 if not local and (
                     problems := tp_span_problems(

@@ -79,6 +79,7 @@ class WeightHeader(BaseModel):
     nonfinite: list[str]
     validated: bool = False
     fingerprints: dict[str, list[int]] | None = None
+    adapter: dict | None = None  # a LoRA adapter alone: its adapter_config.json
 
 
 # shm only: the header once the file is written, or why the trainer stopped

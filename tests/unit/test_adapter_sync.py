@@ -83,14 +83,15 @@ def test_a_bad_adapter_is_refused_before_the_engine_is_touched(changes, message)
     assert e.match(message) and engine.loaded == []
 
 
-def test_an_engine_without_adapters_or_in_another_process_is_refused_naming_the_fix():
+def test_an_engine_without_adapters_or_a_sender_as_target_is_refused_naming_the_fix():
     class Plain(Engine):
         class config:
             enable_lora = False
 
     with pytest.raises(SyncError, match="set enable_lora: true"):
         AdapterSender(Plain())
-    with pytest.raises(SyncError, match=r"GroupSender carries full weight sets .*\(sync_weights\)"):
+    # a transport's sender carries the adapter itself (sender.send(adapter)), it is no engine
+    with pytest.raises(SyncError, match=r"GroupSender is a sender; send the adapter through it"):
         sync_adapter(adapter(), GroupSender.__new__(GroupSender))
     with pytest.raises(SyncError, match="set lora.rank > 0"):
         sync_adapter(torch.nn.Linear(2, 2), Engine())

@@ -46,6 +46,7 @@ from chatgen.rlhf.algorithms import grpo
 from chatgen.rlhf.algorithms.grpo import loop as grpo_loop
 from chatgen.rlhf.health import RunHealthError
 from chatgen.rlhf.placement import plan_groups
+from chatgen.rlhf.runtime import engines_apart
 from chatgen.rlhf.schema import Role
 
 
@@ -139,11 +140,11 @@ def check(cfg):
     except ValueError:  # groups that do not fit together: the runtime's own error says so at start
         return
     for plan in plans:
-        if "policy" in plan.names and plan.world > 1:
+        if "policy" in plan.names and plan.world > 1 and not engines_apart(cfg, plan.names):
             yield (
                 f"runtime.colocation: the policy shares a group of {plan.world} ranks ({', '.join(plan.names)}); "
-                "its server needs one engine of one rank: num_replicas 1 and tensor_parallel_size 1, colocated "
-                "only with one-rank models (or in a group of its own)"
+                "each of its servers needs an engine of one rank: tensor_parallel_size 1, and replicas "
+                "(num_replicas) in a group without a trainer"
             )
 
 
@@ -200,15 +201,21 @@ def dropped_sample(prompt_index: int, metadata: dict) -> Sample:
     )
 
 
-def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
-    """n episodes of every record, all at once (one thread each, so the server batches their
-    requests); episode j of record i at index i * n + j."""
-    jobs = [record for record in records for _ in range(n)]
+def run_episodes(envs, records: list, n: int, temperature: float, max_tokens: int) -> list:
+    """n episodes of every record, all at once (one thread each, so the servers batch their
+    requests and no episode waits on another's slow tool); episode j of record i at index i * n + j.
+    envs: the environment, or one per engine (replica): record i's n episodes play against
+    envs[i % len(envs)], every turn of a session on one engine (its prefix cache holds the chat)."""
+    envs = envs if isinstance(envs, list) else [envs]
+    jobs = [(envs[i % len(envs)], record) for i, record in enumerate(records) for _ in range(n)]
     with concurrent.futures.ThreadPoolExecutor(
         max_workers=len(jobs), thread_name_prefix="episode"
     ) as pool:
         return list(
-            pool.map(lambda r: env.episode(r, temperature=temperature, max_tokens=max_tokens), jobs)
+            pool.map(
+                lambda job: job[0].episode(job[1], temperature=temperature, max_tokens=max_tokens),
+                jobs,
+            )
         )
 
 
@@ -267,22 +274,29 @@ def train(cfg, resume=False, log=print) -> dict:
         nonlocal env
         api_key = secrets.token_urlsafe(16)  # only this run's environments can reach the policy
         gateway = algo.agent is not None
-        url = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser, gateway)[0]
+        # one server per engine (replica), one environment (or agent runner) per server
+        urls = run.policy.run(_serve, "policy", api_key, algo.tool_call_parser, gateway)
         if gateway:
-            env = agent_runner.AgentRunner(algo.agent, url, api_key, algo.agent_timeout_s)
-            log(f"[chatgen] policy served at {url} (agent gateway); agent {algo.agent}")
+            env = [
+                agent_runner.AgentRunner(algo.agent, url, api_key, algo.agent_timeout_s)
+                for url in urls
+            ]
+            log(f"[chatgen] policy served at {', '.join(urls)} (agent gateway); agent {algo.agent}")
             return rollout_of(run, env, n, pc, algo.agent)
-        env = environments.build(
-            algo.environment,
-            algo.environment_args,
-            url,
-            api_key,
-            "policy",
-            algo.max_turns,
-            algo.step_timeout_s,
-            parse=algo.tool_call_parser is not None,
-        )
-        log(f"[chatgen] policy served at {url}; environment {algo.environment}")
+        env = [
+            environments.build(
+                algo.environment,
+                algo.environment_args,
+                url,
+                api_key,
+                "policy",
+                algo.max_turns,
+                algo.step_timeout_s,
+                parse=algo.tool_call_parser is not None,
+            )
+            for url in urls
+        ]
+        log(f"[chatgen] policy served at {', '.join(urls)}; environment {algo.environment}")
         return rollout_of(run, env, n, pc, algo.environment)
 
     return grpo_loop.train(cfg, resume, log, PHASES, play=play, evaluate=evaluate)

@@ -49,9 +49,12 @@ async/samples_spanning_versions, async/buffer_fill (batches generated and waitin
 took its own, over k + 1), async/engine_idle_fraction and async/trainer_idle_fraction (of the
 episode's wall time), async/stale_groups.
 
-With runtime.launcher: local (one process) the engine takes the weights between two steps while
-requests run. A disaggregated engine in a Ray actor serves one call at a time: the sync waits for
-the batches already submitted to it (no partial rollouts there), the bound still holds.
+The engine takes the weights between two steps while requests run both in process
+(runtime.launcher: local) and in Ray actors of its own (a policy of tensor_parallel_size 1 in a
+group without a trainer: chatgen.rlhf.runtime.engines_apart, whose actors serve calls
+concurrently; the handover mark travels with the call). A policy sharing actors with a trainer, or
+of several ranks per engine, serves one call at a time: the sync waits for the batches already
+submitted to it (no partial rollouts there), the bound still holds.
 """
 
 import concurrent.futures
@@ -69,6 +72,7 @@ from chatgen.rlhf.algorithms.grpo import staleness as st
 from chatgen.rlhf.algorithms.grpo.step import sample_full_groups, update
 from chatgen.rlhf.placement import launcher, plan_groups
 from chatgen.rlhf.run import Run
+from chatgen.rlhf.runtime import engines_apart
 
 
 def check_keys(algo):
@@ -133,12 +137,22 @@ def check_run(cfg):
                 "(runtime.colocation), and sleeps while it trains: nothing generates ahead; give "
                 "the policy devices of its own, or remove max_staleness"
             )
-    if cfg.runtime.algorithm.handover_step is not None and not in_process(cfg):
+    if cfg.runtime.algorithm.handover_step is not None and not engine_steps_apart(cfg):
         yield (
-            "runtime.algorithm.handover_step: the policy runs in Ray actors (runtime.launcher), where "
-            "a batch cannot wait for the next weights mid-generation (an actor serves one call at a "
-            "time); use runtime.launcher: local (one process, one rank), or remove handover_step"
+            "runtime.algorithm.handover_step: the policy shares Ray actors with other models or "
+            "spans several ranks per engine, where a batch cannot wait for the next weights "
+            "mid-generation (such an actor serves one call at a time); give the policy a group of "
+            "its own with tensor_parallel_size 1 (runtime.colocation), use runtime.launcher: local, "
+            "or remove handover_step"
         )
+
+
+def engine_steps_apart(cfg) -> bool:
+    """Whether the policy's engine takes weights between its steps while calls run: in the driver
+    (runtime.launcher: local), or in Ray actors apart (chatgen.rlhf.runtime.engines_apart)."""
+    if in_process(cfg):
+        return True
+    return any("policy" in p.names and engines_apart(cfg, p.names) for p in plan_groups(cfg))
 
 
 class Rollouts:

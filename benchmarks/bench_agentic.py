@@ -1,0 +1,247 @@
+# PYTHONPATH=. .venv/bin/python benchmarks/bench_agentic.py --rounds 2 --steps 4 --output /tmp/bench_agentic.json --plot docs/agentic_timeline.png
+"""Agentic episodes over engines: episodes/s, engine and trainer idle fractions for synchronous vs
+asynchronous (k = 2) steps, with 1 and 2 engine replicas, on a multi-turn environment with
+long-tailed turn counts and a slow tool.
+
+The policy (the tiny Llama with the calculator's chat template) runs as 2 replicas in Ray actors apart
+(chatgen.rlhf.runtime.engines_apart), each serving OpenAI HTTP (chatgen.serving.embedded); the
+episodes are chatgen.rlhf.algorithms.grpo_multiturn.run_episodes over one or both servers (a record's
+sessions pinned to one engine). The environment (`LongTail`, below): each session takes 1-12 model
+turns (long-tailed: 56% take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in 8 sleeps
+8x as long: the slow tool). The trainer is a stand-in: `--train-s` seconds per step (no gradient), then
+the weights go to every engine through shared memory (`load_shared_weights`): mode `wait` when
+synchronous, mode `keep` with sessions in flight when asynchronous. Asynchronous k = 2: batch j starts
+once the engines hold version >= j - 2 (the staleness bound of docs/async_rl.md), on a thread of its
+own, so the next batches' sessions run while the trainer trains. Modes alternate within each round.
+Prints one line per run and a JSON summary (--output); --plot draws the engine / trainer timeline of
+the last round.
+"""
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+
+import openai  # noqa: E402
+
+from chatgen.environments.base import Episode  # noqa: E402
+
+
+class LongTail:
+    """A session: the model answers, a tool (a sleep) replies, for a long-tailed number of turns."""
+
+    tool_s = 0.05
+
+    def __init__(self, base_url, api_key, model):
+        self.client, self.model = openai.OpenAI(base_url=base_url, api_key=api_key), model
+
+    def episode(self, record, temperature, max_tokens):
+        rng = random.Random(record["prompt"] + str(record.get("round", 0)))
+        turns_n = min(12, int(rng.paretovariate(1.2)))  # 1 turn: 56%, 4+: 19%, 8+: 8%
+        messages, turns = [{"role": "user", "content": record["prompt"]}], []
+        for turn in range(turns_n):
+            r = self.client.chat.completions.create(
+                model=self.model, messages=messages, temperature=temperature, max_tokens=max_tokens
+            )
+            message = r.choices[0].message.model_dump(exclude_none=True)
+            turns.append(message)
+            time.sleep(self.tool_s * (8 if rng.random() < 1 / 8 else 1))  # the tool
+            messages += [message, {"role": "tool", "content": f" result {turn}"}]
+        return Episode(turns=turns, reward=0.0)
+
+
+def _steps_run(worker, name):
+    return worker.models[name].engine_loop.steps_run
+
+
+def busy(intervals, t0, t1) -> float:
+    """Seconds of [t0, t1] covered by the union of `intervals`."""
+    total, end = 0.0, t0
+    for a, b in sorted(intervals):
+        a, b = max(a, end), min(b, t1)
+        if b > a:
+            total += b - a
+            end = b
+    return total
+
+
+def run_mode(policy, envs, records, k, steps, batch, train_s, push):
+    """`steps` steps of `batch` records each; k = 0 synchronous, else async with bound k. Returns
+    (metrics, engine intervals, trainer intervals)."""
+    from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
+
+    gen, train, lock = [], [], threading.Lock()
+    version = [0]
+    cond = threading.Condition()
+
+    def generate(j):
+        with cond:  # admission: the engines hold version >= j - k
+            cond.wait_for(lambda: version[0] >= j - k)
+        start = time.perf_counter()
+        out = run_episodes(envs, records[j * batch : (j + 1) * batch], 1, 1.0, 8)
+        with lock:
+            gen.append((start, time.perf_counter()))
+        return out
+
+    t0 = time.perf_counter()
+    episodes = 0
+    with concurrent.futures.ThreadPoolExecutor(k + 1) as pool:
+        futures = {}
+        for j in range(steps):
+            for i in range(j, min(steps, j + k + 1)):
+                if i not in futures:
+                    futures[i] = pool.submit(generate, i)
+            episodes += len(futures[j].result())
+            start = time.perf_counter()
+            time.sleep(train_s)  # the trainer stand-in
+            train.append((start, time.perf_counter()))
+            push("keep" if k else "wait")
+            with cond:
+                version[0] += 1
+                cond.notify_all()
+    t1 = time.perf_counter()
+    wall = t1 - t0
+    metrics = {
+        "s_per_step": wall / steps,
+        "episodes_per_s": episodes / wall,
+        "engine_idle_fraction": 1 - busy(gen, t0, t1) / wall,
+        "trainer_idle_fraction": 1 - busy(train, t0, t1) / wall,
+    }
+    return metrics, [(a - t0, b - t0) for a, b in gen], [(a - t0, b - t0) for a, b in train]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--batch", type=int, default=16, help="sessions per step")
+    p.add_argument(
+        "--train-s", type=float, default=1.0, help="the trainer stand-in's seconds per step"
+    )
+    p.add_argument("--tool-s", type=float, default=0.05)
+    p.add_argument("--output", default="/tmp/bench_agentic.json")
+    p.add_argument("--plot", default=None, help="a PNG of the last round's timelines")
+    args = p.parse_args(argv)
+    LongTail.tool_s = args.tool_s
+
+    from conftest import build_tiny_model
+    from safetensors.torch import load_file
+
+    from chatgen.environments.calculator import write_template
+    from chatgen.param_sync import ShmSender
+    from chatgen.rlhf.algorithms.grpo_multiturn import _serve
+    from chatgen.rlhf.config import load_config
+    from chatgen.rlhf.runtime import Runtime
+
+    model = Path("/tmp/bench_agentic/model")
+    if not (model / "chat_template.jinja").exists():
+        model.mkdir(parents=True, exist_ok=True)
+        for f in build_tiny_model("tiny_llama").iterdir():
+            (model / f.name).write_bytes(f.read_bytes())
+        write_template(model)
+    cfg = load_config(
+        REPO / "configs/grpo_multiturn_tiny.yaml",
+        [
+            f"policy.load={model}",
+            f"policy_trainer.load={model}",
+            "models.policy.num_cpu=1",
+            "policy.seq_length=320",  # 12 turns of 8 tokens, tool replies between
+        ],
+    )
+    runtime = dataclasses.replace(cfg.runtime, colocation=[], launcher="ray")
+    policy_entry = dataclasses.replace(cfg.models["policy"], num_replicas=2)
+    cfg = dataclasses.replace(cfg, runtime=runtime, models={"policy": policy_entry})
+    rt = Runtime.start(cfg, log=print)
+    state = list(load_file(str(model / "model.safetensors")).items())
+    try:
+        policy = rt["policy"]
+        urls = policy.run(_serve, "policy", "bench-key", None)
+        envs = [LongTail(url, "bench-key", "policy") for url in urls]
+        sender = ShmSender.owned(policy.token)
+
+        def push(mode):
+            policy.load_shared_weights(sender.write(state), mode=mode)
+
+        results, timelines = {}, {}
+        modes = [(r, k) for r in (1, 2) for k in (0, 2)]
+        for rnd in range(args.rounds):
+            for replicas, k in modes if rnd % 2 == 0 else modes[::-1]:  # alternating
+                name = f"{'sync' if k == 0 else f'async_k{k}'}_{replicas}rep"
+                records = [
+                    {
+                        "prompt": f"sort: {i % 10} {(i * 7) % 10} {(i * 3) % 10} =",
+                        "round": rnd * 100 + i,
+                    }
+                    for i in range(args.steps * args.batch)
+                ]
+                load = os.getloadavg()[0]
+                m, gen, train = run_mode(
+                    policy, envs[:replicas], records, k, args.steps, args.batch, args.train_s, push
+                )
+                m["load"] = load
+                results.setdefault(name, []).append(m)
+                timelines[name] = {"engine": gen, "trainer": train}
+                print(name, json.dumps({key: round(v, 3) for key, v in m.items()}), flush=True)
+        sender.close()
+    finally:
+        rt.shutdown()
+    summary = {
+        name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
+        for name, runs in results.items()
+    }
+    ratios = {
+        "episodes_per_s_2rep_over_1rep_sync": summary["sync_2rep"]["episodes_per_s"]
+        / summary["sync_1rep"]["episodes_per_s"],
+        "s_per_step_async_over_sync_1rep": summary["async_k2_1rep"]["s_per_step"]
+        / summary["sync_1rep"]["s_per_step"],
+        "s_per_step_async_over_sync_2rep": summary["async_k2_2rep"]["s_per_step"]
+        / summary["sync_2rep"]["s_per_step"],
+    }
+    out = {
+        "args": vars(args),
+        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "runs": results,
+        "median": summary,
+        "ratios": ratios,
+        "timelines_last_round": timelines,
+    }
+    print(json.dumps({"median": summary, "ratios": ratios, "uptime": out["uptime"]}, indent=1))
+    Path(args.output).write_text(json.dumps(out, indent=1))
+    if args.plot:
+        plot(timelines, args.plot)
+    return 0
+
+
+def plot(timelines: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(timelines), 1, figsize=(10, 1.3 * len(timelines)), sharex=True)
+    for ax, (name, tl) in zip(axes, sorted(timelines.items())):
+        for row, (side, color) in enumerate((("engine", "tab:blue"), ("trainer", "tab:orange"))):
+            ax.broken_barh(
+                [(a, b - a) for a, b in tl[side]], (row * 10, 8), facecolors=color, alpha=0.6
+            )
+        ax.set_yticks([4, 14], ["engines (batches)", "trainer"])
+        ax.set_title(name, fontsize=9, loc="left")
+    axes[-1].set_xlabel("seconds")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
