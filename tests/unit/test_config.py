@@ -676,9 +676,9 @@ def test_cli_prints_resolved_config_or_every_error(main_yaml, capsys):
     assert cli.main(["config", str(main_yaml), "policy.temprature=0.1", "runtime.sed=1"]) == 2
     assert "2 config error(s)" in capsys.readouterr().err
     # the checks of a whole run too, the ones `chatgen train` makes before it starts anything
-    assert cli.main(["config", str(main_yaml), "policy.top_p=0.9"]) == 2
+    assert cli.main(["config", str(main_yaml), "policy.min_p=0.1"]) == 2
     err = capsys.readouterr().err
-    assert "models.policy.top_p: 0.9" in err and "runtime.data_path: required" in err
+    assert "models.policy.min_p: 0.1" in err and "runtime.data_path: required" in err
     assert cli.main(["config", "--schema", "vllm", "models/policy.yaml", "n=2"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["n"] == 2
 
