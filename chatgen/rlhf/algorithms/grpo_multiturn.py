@@ -51,6 +51,17 @@ class Config(grpo.Config):
     )
     environment_args: dict = opt({}, "keyword arguments of the environment (or gymnasium.make)")
     max_turns: int = opt(8, "protocol environments: model turns per episode, then truncated")
+    max_episode_tokens: Optional[int] = opt(
+        None,
+        "protocol environments: tokens of an episode after its first prompt (model, template and "
+        "environment tokens); the episode stops there, truncated, and tokens past it are cut",
+    )
+    step_advantage_weight: float = opt(
+        1.0, "advantage_estimator gigpo: the weight of the step advantage beside the episode's"
+    )
+    step_discount: float = opt(
+        0.95, "advantage_estimator gigpo: the discount of later turns' rewards in a step's return"
+    )
     step_timeout_s: float = opt(
         60.0, "protocol environments: seconds a step may take (a tool that never returns)"
     )
@@ -90,6 +101,13 @@ class Config(grpo.Config):
             yield "environment", problem
         if self.max_turns < 1:
             yield "max_turns", f"must be at least 1, got {self.max_turns}"
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            yield (
+                "max_episode_tokens",
+                f"must be at least 1 (or null), got {self.max_episode_tokens}",
+            )
+        if not 0.0 <= self.step_discount <= 1.0:
+            yield "step_discount", f"is a discount in [0, 1], got {self.step_discount}"
 
 
 MODELS = {
@@ -114,18 +132,18 @@ def check(cfg):
             )
 
 
-def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | None = None) -> Sample:
-    """One training Sample of an episode: prompt = the first turn's prompt ids; response = every
-    later token; response_mask 1 on the tokens the model generated (every turn) and 0 on those
-    the template or the environment wrote between them; response_logprobs = the server's (0 where
-    masked)."""
+def episode_tokens(episode: Episode, max_tokens: int | None = None):
+    """(prompt, response, turn_of_token, logprobs, versions) of an episode: prompt = the first
+    turn's prompt ids; response = every later token; turn_of_token = the model turn that generated
+    each response token (-1 where the template or the environment wrote it); the server's
+    log-probs (0 where not generated). max_tokens: the response cut there (max_episode_tokens)."""
     if not episode.turns:
         raise ValueError(
             "the episode has no turns; an environment's episode must call the policy at least once"
         )
     seen = list(episode.turns[0]["prompt_token_ids"])
     prompt_len = len(seen)
-    response, mask, logprobs, versions = [], [], [], []
+    response, owner, logprobs, versions = [], [], [], []
     for k, turn in enumerate(episode.turns):
         prompt, generated = list(turn["prompt_token_ids"]), list(turn["generation_token_ids"])
         if prompt[: len(seen)] != seen:
@@ -136,22 +154,53 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
             )
         between = prompt[len(seen) :]  # template and environment tokens: not trained on
         response += between + generated
-        mask += [0] * len(between) + [1] * len(generated)
+        owner += [-1] * len(between) + [k] * len(generated)
         logprobs += [0.0] * len(between) + list(turn["generation_log_probs"])
         versions += [-1] * len(between) + list(
             turn.get("generation_weight_versions") or [-1] * len(generated)
         )
         seen = prompt + generated
+    cut = slice(None, max_tokens)  # tokens past the episode's budget: never trained on
+    return seen[:prompt_len], response[cut], owner[cut], logprobs[cut], versions[cut]
+
+
+def episode_sample(
+    episode: Episode, prompt_index: int = 0, metadata: dict | None = None, max_tokens=None
+) -> Sample:
+    """One training Sample of an episode (episode_tokens): response_mask 1 on the tokens the model
+    generated (every turn) and 0 on those the template or the environment wrote between them;
+    finish_reason "length" when the episode was truncated (max_turns, max_episode_tokens, the
+    environment), which `mask_truncated` masks and `response/truncated_fraction` counts."""
+    prompt, response, owner, logprobs, versions = episode_tokens(episode, max_tokens)
     return Sample(
-        prompt_ids=seen[:prompt_len],
+        prompt_ids=prompt,
         response_ids=response,
         response_logprobs=logprobs,
-        response_mask=mask,
+        response_mask=[int(k >= 0) for k in owner],
         weight_versions=versions,
         prompt_index=prompt_index,
         text=episode.text,
+        finish_reason="length" if episode.truncated else "stop",
         metadata=metadata or {},
     )
+
+
+def turn_extras(episodes: list, batch: RolloutBatch, max_tokens=None) -> dict:
+    """What a per-turn advantage estimator (recipe/gigpo.py) sees beside the batch: turn_index
+    (S, L-1) long, the model turn of each response token at its loss position (-1 elsewhere);
+    turn_rewards and turn_states, per episode a list per model turn."""
+    import torch
+
+    index = torch.full(batch.loss_mask.shape, -1, dtype=torch.long)
+    for row, episode in enumerate(episodes):
+        owner = episode_tokens(episode, max_tokens)[2]
+        start = int(batch.prompt_lengths[row]) - 1  # response token k is predicted at p - 1 + k
+        index[row, start : start + len(owner)] = torch.tensor(owner, dtype=torch.long)
+    return {
+        "turn_index": index,
+        "turn_rewards": [list(e.turn_rewards) or [e.reward] for e in episodes],
+        "turn_states": [list(e.turn_states) for e in episodes],
+    }
 
 
 def run_episodes(env, records: list, n: int, temperature: float, max_tokens: int) -> list:
@@ -223,6 +272,7 @@ def train(cfg, resume=False, log=print) -> dict:
             algo.max_turns,
             algo.step_timeout_s,
             parse=algo.tool_call_parser is not None,
+            max_episode_tokens=algo.max_episode_tokens,
         )
         log(f"[chatgen] policy served at {url}; environment {algo.environment}")
         timer, metrics = run.timer, {}
@@ -233,7 +283,10 @@ def train(cfg, resume=False, log=print) -> dict:
             with timer("generate"):
                 records = [run.records[i] for i in index]
                 episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
-            samples = [episode_sample(e, k // n, records[k // n]) for k, e in enumerate(episodes)]
+            cap = algo.max_episode_tokens
+            samples = [
+                episode_sample(e, k // n, records[k // n], cap) for k, e in enumerate(episodes)
+            ]
             # right padding: masked everywhere
             batch = RolloutBatch.from_samples(samples, pad_token_id=0)
             rewards = torch.tensor([e.reward for e in episodes], dtype=torch.float32)  # (S,)
@@ -243,7 +296,9 @@ def train(cfg, resume=False, log=print) -> dict:
                     "returns a finite number for every episode"
                 )
             metrics = {
-                **grpo_step.update(run, batch, rewards, n),
+                **grpo_step.update(
+                    run, batch, rewards, n, extras=turn_extras(episodes, batch, cap)
+                ),
                 **env_metrics(episodes, "env/"),
                 "response/turns": sum(len(e.turns) for e in episodes) / len(episodes),
             }
