@@ -112,6 +112,15 @@ def test_turn_index_lines_up_with_the_trained_tokens():
     assert adv[index < 0].abs().sum() == 0
 
 
+def test_an_unknown_tool_call_parser_is_refused_before_the_run_starts():
+    assert dict(Config(environment="tool_math", tool_call_parser="hermes").check()) == {}
+    problems = dict(Config(environment="tool_math", tool_call_parser="hermess").check())
+    assert (
+        "'hermess' is no vLLM tool-call parser; did you mean 'hermes'?"
+        in problems["tool_call_parser"]
+    )
+
+
 def test_gigpo_is_refused_outside_multiturn():
     problems = dict(grpo.Config(advantage_estimator="gigpo").check())
     assert "grpo_multiturn" in problems["advantage_estimator"]

@@ -32,6 +32,7 @@ from typing import Optional
 
 from chatgen import environments
 from chatgen.config import opt
+from chatgen.config.typed import did_you_mean
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.environments.base import Episode
 from chatgen.rlhf.algorithms import grpo
@@ -101,6 +102,18 @@ class Config(grpo.Config):
             yield "environment", problem
         if self.max_turns < 1:
             yield "max_turns", f"must be at least 1, got {self.max_turns}"
+        if self.tool_call_parser is not None:  # an unknown name: before any engine starts
+            from chatgen.serving.tool_calls import parser_names
+
+            names = parser_names()
+            if self.tool_call_parser not in names:
+                close = did_you_mean(self.tool_call_parser, names)
+                hint = f"did you mean {close!r}? " if close else ""
+                yield (
+                    "tool_call_parser",
+                    f"{self.tool_call_parser!r} is no vLLM tool-call parser; {hint}vLLM's are "
+                    f"{', '.join(sorted(names))}",
+                )
         if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
             yield (
                 "max_episode_tokens",
