@@ -14,7 +14,8 @@ themselves.
 writes DIR/sft.jsonl: first turns of DIR/train.jsonl's questions rendered with MODEL_DIR's chat
 template and answered with a hermes tool call (`<tool_call>{"name": "python", ...}</tool_call>`),
 the warm start examples/train_tool_math_smollm2.sh gives SmolLM2-135M-Instruct, which writes no
-call from its template alone. What follows the tool's answer is left for RL to learn.
+call from its template alone. What follows the tool's answer is left for RL (not learned in the
+measured run: docs/agents.md).
 """
 
 import argparse

@@ -1,8 +1,7 @@
 """tool_math_smollm2 on the real engine: SmolLM2-135M-Instruct warm-started on tool-call demonstrations
 (`python -m chatgen.environments.tool_math --demonstrations-for`, examples/sft_warm_start.py) writes a
 call that the run's server parses with vLLM's hermes parser into `tool_calls` for the official `openai`
-client; and the whole recipe (examples/train_tool_math_smollm2.sh) lifts held-out accuracy by 0.15.
-Both are slow (a SmolLM2 warm start on CPU takes minutes; the recipe tens of minutes).
+client. Slow: a SmolLM2 warm start on CPU takes minutes.
 
     CHATGEN_RUN_SLOW=1 .venv/bin/python -m pytest tests/integration/test_tool_math_smollm2.py
 """
@@ -75,22 +74,3 @@ def test_warm_started_smollm2_calls_the_python_tool_through_the_parser(smollm2_d
         if server is not None:
             server.close()
         module.shutdown()
-
-
-def test_the_recipe_lifts_held_out_accuracy(smollm2_dir, tmp_path):
-    """The shipped recipe, shortened to 8 episodes (the documented run: docs/agents.md)."""
-    out = tmp_path / "run"
-    env = {
-        **os.environ,
-        "MODEL": str(smollm2_dir),
-        "POLICY_LOAD": str(tmp_path / "sft"),
-        "DATA_DIR": str(tmp_path / "data"),
-        "OUTPUT_DIR": str(out),
-        "NUM_EPISODE": "8",
-        "EVAL_INTERVAL": "8",
-        "SFT_STEPS": "12",
-    }
-    subprocess.run(["bash", "examples/train_tool_math_smollm2.sh"], check=True, cwd=REPO, env=env)
-    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    accuracy = [m["eval/reward"] for m in lines if "eval/reward" in m]
-    assert accuracy[-1] - accuracy[0] >= 0.15, accuracy
