@@ -78,11 +78,21 @@ class Runner:
     max_tokens)` plays one protocol episode through the policy's OpenAI endpoint."""
 
     def __init__(
-        self, make, name, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+        self,
+        make,
+        name,
+        base_url,
+        api_key,
+        model,
+        max_turns=8,
+        step_timeout_s=60.0,
+        parse=False,
+        max_episode_tokens=None,
     ):
         import openai
 
         self.make, self.name, self.model = make, name, model
+        self.max_episode_tokens = max_episode_tokens
         # without a tool-call parser the tools are still rendered (tool_choice none) and the model's
         # calls reach the environment as text (e.g. Search-R1's <search> tags)
         self.tool_choice = {} if parse else {"tool_choice": "none"}
@@ -93,19 +103,27 @@ class Runner:
         self.reported = False
 
     def episode(self, record: dict, temperature: float, max_tokens: int) -> Episode:
-        def chat(messages, tools):
+        turn_tokens = max_tokens
+
+        def chat(messages, tools, max_tokens=max_tokens):  # play's: what the episode has left
             response = self.client.chat.completions.create(
                 model=self.model,
                 messages=messages,
                 temperature=temperature,
-                max_tokens=max_tokens,
+                max_tokens=min(max_tokens, turn_tokens),
                 **({"tools": tools, **self.tool_choice} if tools else {}),
             )
             # with the token ids and log-probs, and the parsed tool_calls
             return response.choices[0].message.model_dump(exclude_none=True)
 
         episode, error = play(
-            self.make(), chat, record, self.max_turns, self.step_timeout_s, self.name
+            self.make(),
+            chat,
+            record,
+            self.max_turns,
+            self.step_timeout_s,
+            self.name,
+            self.max_episode_tokens,
         )
         if error is not None and not self.reported:  # counted in env/errors; said once
             self.reported = True
@@ -114,11 +132,21 @@ class Runner:
 
 
 def build(
-    name: str, args: dict, base_url, api_key, model, max_turns=8, step_timeout_s=60.0, parse=False
+    name: str,
+    args: dict,
+    base_url,
+    api_key,
+    model,
+    max_turns=8,
+    step_timeout_s=60.0,
+    parse=False,
+    max_episode_tokens=None,
 ):
     """The run's environment object (a Runner, or the instance of a class with `episode`); parse:
     the server parses tool calls (a tool_call_parser is set)."""
     make, protocol = factory(name, args)
     if not protocol:
         return make(base_url, api_key, model)
-    return Runner(make, name, base_url, api_key, model, max_turns, step_timeout_s, parse)
+    return Runner(
+        make, name, base_url, api_key, model, max_turns, step_timeout_s, parse, max_episode_tokens
+    )

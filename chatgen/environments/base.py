@@ -13,7 +13,11 @@ One instance per episode (made by a factory: the class, called with no arguments
 environment's tools, hands each assistant message to `step` as the server returned it (content,
 `tool_calls` parsed by the server's tool-call parser, the token ids), appends the messages `step`
 answers with, and stops at `done`, at `truncated`, or after `max_turns` model turns (truncated).
-The episode's reward is the sum of its turn rewards (`Episode.turn_rewards` keeps each one).
+The episode's reward is the sum of its turn rewards (`Episode.turn_rewards` keeps each one, and
+`Episode.turn_states` the state each turn answered: a digest of the messages the environment wrote
+before it, what the step-wise `gigpo` advantage groups turns by). With `max_episode_tokens` each
+request asks for at most the tokens left of the budget (every token after the first prompt), and the
+episode stops, truncated, once the budget is spent.
 
 Errors of an environment are named (`EnvironmentStepError` and subclasses): a reward that is not a
 number, a step that does not return within `step_timeout_s` (a tool that never returns). After the
@@ -25,6 +29,8 @@ rewards so far.
 
 import concurrent.futures
 import dataclasses
+import hashlib
+import json
 import math
 import numbers
 import threading
@@ -51,8 +57,9 @@ class Episode:
     message back to the server as it came: its token ids keep the chat token-exact). reward: the
     episode's reward. text: the final reply. metrics: more per-episode numbers to log (averaged, as
     `env/<key>`). turn_rewards: each model turn's reward (protocol environments); truncated: cut by
-    max_turns or by the environment. dropped: the episode never ended (an agent session that was
-    not closed in time, chatgen.environments.agent): none of its tokens train, and it is counted.
+    max_turns, max_episode_tokens or the environment. turn_states: per model turn, a digest of the
+    state it answered (state_key). dropped: the episode never ended (an agent session that was not
+    closed in time, chatgen.environments.agent): none of its tokens train, and it is counted.
     """
 
     turns: list
@@ -61,6 +68,7 @@ class Episode:
     metrics: dict = dataclasses.field(default_factory=dict)
     turn_rewards: list = dataclasses.field(default_factory=list)
     truncated: bool = False
+    turn_states: list = dataclasses.field(default_factory=list)
     dropped: bool = False
 
 
@@ -122,22 +130,59 @@ def call_with_timeout(fn, timeout_s: float, what: str):
         ) from None
 
 
-def play(env, chat, record: dict, max_turns: int, step_timeout_s: float, name: str) -> Episode:
+def state_key(messages: list) -> str:
+    """A digest of the messages the environment wrote before a model turn: the state that turn
+    answered (GiGPO's anchor state). Equal observations give equal keys across episodes."""
+    text = json.dumps(messages, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def used_tokens(turns: list) -> int:
+    """Tokens of the episode after its first prompt (what max_episode_tokens bounds)."""
+    last, first = turns[-1], turns[0]
+    return (
+        len(last["prompt_token_ids"])
+        + len(last["generation_token_ids"])
+        - len(first["prompt_token_ids"])
+    )
+
+
+def play(
+    env,
+    chat,
+    record: dict,
+    max_turns: int,
+    step_timeout_s: float,
+    name: str,
+    max_episode_tokens: int | None = None,
+) -> Episode:
     """One episode of `env` (the protocol) on `record`; chat(messages, tools) -> the server's
-    assistant message as a dict. See the module docstring for the rules."""
+    assistant message as a dict (chat(messages, tools, max_tokens=LEFT) under max_episode_tokens).
+    See the module docstring for the rules."""
     messages = list(env.reset(record))
-    turns, rewards, metrics, truncated = [], [], {}, False
+    turns, rewards, states, metrics, truncated = [], [], [], {}, False
+    seen = 0  # messages before this one belong to earlier states
     for _ in range(max_turns):
+        budget = {}
+        if max_episode_tokens is not None:
+            left = max_episode_tokens - (used_tokens(turns) if turns else 0)
+            if left <= 0:
+                truncated = True
+                break
+            budget = {"max_tokens": left}
         try:
-            reply = chat(messages, list(getattr(env, "tools", None) or []))
+            reply = chat(messages, list(getattr(env, "tools", None) or []), **budget)
         except Exception as e:
             if not turns:  # nothing to train on: a server or config problem, said as it is
                 raise
             # a later turn the server refuses (the chat outgrew seq_length): the episode ends there
             rewards, text = rewards + [0.0] * (len(turns) - len(rewards)), turns[-1].get("content")
-            return Episode(turns, sum(rewards), text or "", {"errors": 1.0}, rewards, True), e
+            failed = {"errors": 1.0}
+            return Episode(turns, sum(rewards), text or "", failed, rewards, True, states), e
+        states.append(state_key(messages[seen:]))
         turns.append(reply)
         messages.append(reply)
+        seen = len(messages)
         try:
             step = call_with_timeout(lambda: env.step(reply), step_timeout_s, f"{name}.step")
             if not isinstance(step, Step):
@@ -148,9 +193,9 @@ def play(env, chat, record: dict, max_turns: int, step_timeout_s: float, name: s
             rewards.append(checked_reward(step.reward, f"{name}.step"))
         except EnvironmentStepError as e:
             rewards.append(0.0)
-            return Episode(
-                turns, 0.0, reply.get("content") or "", {"errors": 1.0}, rewards, True
-            ), e
+            failed = {"errors": 1.0}
+            text = reply.get("content") or ""
+            return Episode(turns, 0.0, text, failed, rewards, True, states), e
         metrics.update(step.metrics)
         messages += step.messages
         if step.done or step.truncated:
@@ -158,6 +203,8 @@ def play(env, chat, record: dict, max_turns: int, step_timeout_s: float, name: s
             break
     else:
         truncated = True
+    if max_episode_tokens is not None and used_tokens(turns) > max_episode_tokens:
+        truncated = True  # the environment's tokens took the last turn past the budget: cut
     text = turns[-1].get("content") or ""
     metrics = {**metrics, "errors": 0.0, "truncated": float(truncated)}
-    return Episode(turns, sum(rewards), text, metrics, rewards, truncated), None
+    return Episode(turns, sum(rewards), text, metrics, rewards, truncated, states), None

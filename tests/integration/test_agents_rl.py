@@ -6,6 +6,9 @@ answering a reward that is not a number.
 
 Checked: every episode played both turns through the server; the failing episodes are counted
 (`env/errors`) and the run goes on; the trainer's log-probs equal the server's; the weights trained.
+Then credit over turns: a reward on each turn, the step-wise `gigpo` advantage and a token budget
+(`max_episode_tokens`) that cuts every episode: marked truncated, the sample cut at the budget, the
+trainer's log-probs still the server's.
 """
 
 import itertools
@@ -40,9 +43,18 @@ class ChecksumCalculator(CalculatorEnv):
         return step
 
 
-def test_protocol_environment_trains_and_a_bad_episode_is_counted(
-    tiny_llama_dir, tmp_path, monkeypatch
-):
+class TurnRewardCalculator(CalculatorEnv):
+    """The calculator episode with a checksum reward on each of its turns."""
+
+    def step(self, message):
+        step = super().step(message)
+        text = message.get("content") or ""
+        step.reward = sum((i + 1) * ord(c) for i, c in enumerate(text)) % 101 / 100
+        return step
+
+
+def run_calculator(tiny_llama_dir, tmp_path, monkeypatch, environment, **more) -> list:
+    """Two episodes of 2 prompts x 4 of `environment` on the tiny Llama; the metrics lines."""
     from chatgen import tasks
     from chatgen.rlhf.algorithms import grpo_multiturn
     from chatgen.rlhf.config import load_config
@@ -56,7 +68,7 @@ def test_protocol_environment_trains_and_a_bad_episode_is_counted(
     tasks.write_task_data(str(tmp_path / "data"), n_train=32, n_eval=4)
     out = tmp_path / "run"
     overrides = {
-        "runtime.algorithm.environment": f"{__name__}:ChecksumCalculator",
+        "runtime.algorithm.environment": f"{__name__}:{environment}",
         "runtime.num_episode": 2,
         "runtime.sample_per_episode": 8,
         "policy.n": 4,
@@ -69,14 +81,42 @@ def test_protocol_environment_trains_and_a_bad_episode_is_counted(
         "runtime.output_dir": out,
         "policy.load": model,
         "policy_trainer.load": model,
+        **more,
     }
     cfg = load_config(
         REPO / "configs/grpo_multiturn_tiny.yaml", [f"{k}={v}" for k, v in overrides.items()]
     )
     grpo_multiturn.train(cfg, log=lambda *_: None)
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_protocol_environment_trains_and_a_bad_episode_is_counted(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    metrics = run_calculator(tiny_llama_dir, tmp_path, monkeypatch, "ChecksumCalculator")
     assert [m["episode"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["response/turns"] == 2 and m["env/truncated"] == 0.0
         assert m["env/errors"] == 0.25  # 2 of each episode's 8 environments
+        assert m["mismatch/logprob_max_abs"] < 1e-4 and m["policy/grad_norm"] > 0
+
+
+def test_turn_rewards_reach_gigpo_and_a_token_budget_cuts_the_episodes(
+    tiny_llama_dir, tmp_path, monkeypatch
+):
+    budget = 12  # below the calculator turn's own tokens: every episode is cut
+    metrics = run_calculator(
+        tiny_llama_dir,
+        tmp_path,
+        monkeypatch,
+        "TurnRewardCalculator",
+        **{
+            "runtime.algorithm.advantage_estimator": "gigpo",
+            "runtime.algorithm.max_episode_tokens": budget,
+        },
+    )
+    assert [m["episode"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["env/truncated"] == 1.0 and m["env/errors"] == 0.0
+        assert m["response/length"] <= budget
         assert m["mismatch/logprob_max_abs"] < 1e-4 and m["policy/grad_norm"] > 0

@@ -38,6 +38,7 @@ from typing import Optional
 
 from chatgen import environments
 from chatgen.config import opt
+from chatgen.config.typed import did_you_mean
 from chatgen.core.imports import import_object
 from chatgen.core.rollout import RolloutBatch, Sample
 from chatgen.environments import agent as agent_runner
@@ -59,6 +60,17 @@ class Config(grpo.Config):
     )
     environment_args: dict = opt({}, "keyword arguments of the environment (or gymnasium.make)")
     max_turns: int = opt(8, "protocol environments: model turns per episode, then truncated")
+    max_episode_tokens: Optional[int] = opt(
+        None,
+        "protocol environments: tokens of an episode after its first prompt (model, template and "
+        "environment tokens); the episode stops there, truncated, and tokens past it are cut",
+    )
+    step_advantage_weight: float = opt(
+        1.0, "advantage_estimator gigpo: the weight of the step advantage beside the episode's"
+    )
+    step_discount: float = opt(
+        0.95, "advantage_estimator gigpo: the discount of later turns' rewards in a step's return"
+    )
     step_timeout_s: float = opt(
         60.0, "protocol environments: seconds a step may take (a tool that never returns)"
     )
@@ -124,6 +136,25 @@ class Config(grpo.Config):
                 yield "environment", problem
         if self.max_turns < 1:
             yield "max_turns", f"must be at least 1, got {self.max_turns}"
+        if self.tool_call_parser is not None:  # an unknown name: before any engine starts
+            from chatgen.serving.tool_calls import parser_names
+
+            names = parser_names()
+            if self.tool_call_parser not in names:
+                close = did_you_mean(self.tool_call_parser, names)
+                hint = f"did you mean {close!r}? " if close else ""
+                yield (
+                    "tool_call_parser",
+                    f"{self.tool_call_parser!r} is no vLLM tool-call parser; {hint}vLLM's are "
+                    f"{', '.join(sorted(names))}",
+                )
+        if self.max_episode_tokens is not None and self.max_episode_tokens < 1:
+            yield (
+                "max_episode_tokens",
+                f"must be at least 1 (or null), got {self.max_episode_tokens}",
+            )
+        if not 0.0 <= self.step_discount <= 1.0:
+            yield "step_discount", f"is a discount in [0, 1], got {self.step_discount}"
 
 
 MODELS = {
@@ -148,18 +179,18 @@ def check(cfg):
             )
 
 
-def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | None = None) -> Sample:
-    """One training Sample of an episode: prompt = the first turn's prompt ids; response = every
-    later token; response_mask 1 on the tokens the model generated (every turn) and 0 on those
-    the template or the environment wrote between them; response_logprobs = the server's (0 where
-    masked)."""
+def episode_tokens(episode: Episode, max_tokens: int | None = None):
+    """(prompt, response, turn_of_token, logprobs, versions) of an episode: prompt = the first
+    turn's prompt ids; response = every later token; turn_of_token = the model turn that generated
+    each response token (-1 where the template or the environment wrote it); the server's
+    log-probs (0 where not generated). max_tokens: the response cut there (max_episode_tokens)."""
     if not episode.turns:
         raise ValueError(
             "the episode has no turns; an environment's episode must call the policy at least once"
         )
     seen = list(episode.turns[0]["prompt_token_ids"])
     prompt_len = len(seen)
-    response, mask, logprobs, versions = [], [], [], []
+    response, owner, logprobs, versions = [], [], [], []
     for k, turn in enumerate(episode.turns):
         prompt, generated = list(turn["prompt_token_ids"]), list(turn["generation_token_ids"])
         if prompt[: len(seen)] != seen:
@@ -170,20 +201,33 @@ def episode_sample(episode: Episode, prompt_index: int = 0, metadata: dict | Non
             )
         between = prompt[len(seen) :]  # template and environment tokens: not trained on
         response += between + generated
-        mask += [0] * len(between) + [1] * len(generated)
+        owner += [-1] * len(between) + [k] * len(generated)
         logprobs += [0.0] * len(between) + list(turn["generation_log_probs"])
         versions += [-1] * len(between) + list(
             turn.get("generation_weight_versions") or [-1] * len(generated)
         )
         seen = prompt + generated
+    cut = slice(None, max_tokens)  # tokens past the episode's budget: never trained on
+    return seen[:prompt_len], response[cut], owner[cut], logprobs[cut], versions[cut]
+
+
+def episode_sample(
+    episode: Episode, prompt_index: int = 0, metadata: dict | None = None, max_tokens=None
+) -> Sample:
+    """One training Sample of an episode (episode_tokens): response_mask 1 on the tokens the model
+    generated (every turn) and 0 on those the template or the environment wrote between them;
+    finish_reason "length" when the episode was truncated (max_turns, max_episode_tokens, the
+    environment), which `mask_truncated` masks and `response/truncated_fraction` counts."""
+    prompt, response, owner, logprobs, versions = episode_tokens(episode, max_tokens)
     return Sample(
-        prompt_ids=seen[:prompt_len],
+        prompt_ids=prompt,
         response_ids=response,
         response_logprobs=logprobs,
-        response_mask=mask,
+        response_mask=[int(k >= 0) for k in owner],
         weight_versions=versions,
         prompt_index=prompt_index,
         text=episode.text,
+        finish_reason="length" if episode.truncated else "stop",
         metadata=metadata or {},
     )
 
@@ -199,6 +243,39 @@ def dropped_sample(prompt_index: int, metadata: dict) -> Sample:
         prompt_index=prompt_index,
         metadata=metadata,
     )
+
+
+def turn_extras(batch: RolloutBatch) -> dict:
+    """What a per-turn advantage estimator (recipe/gigpo.py) sees beside the batch, from each
+    sample's TURNS metadata (so it follows the rows through sorting, replay and the staleness
+    bound): turn_index (S, L-1) long, the model turn of each response token at its loss position
+    (-1 elsewhere); turn_rewards and turn_states, per sample a list per model turn."""
+    import torch
+
+    index = torch.full(batch.loss_mask.shape, -1, dtype=torch.long)
+    rewards, states = [], []
+    for row, meta in enumerate(batch.metadata):
+        turns = meta.get(TURNS, {"owner": [], "rewards": [], "states": []})
+        start = int(batch.prompt_lengths[row]) - 1  # response token k is predicted at p - 1 + k
+        owner = turns["owner"]
+        index[row, start : start + len(owner)] = torch.tensor(owner, dtype=torch.long)
+        rewards.append(turns["rewards"])
+        states.append(turns["states"])
+    return {"turn_index": index, "turn_rewards": rewards, "turn_states": states}
+
+
+def with_turns(record: dict, episode: Episode, max_tokens=None) -> dict:
+    """The sample's metadata: the record and its episode's turns (TURNS, read by turn_extras)."""
+    owner = episode_tokens(episode, max_tokens)[2]
+    turns = {
+        "owner": owner,
+        "rewards": list(episode.turn_rewards) or [episode.reward],
+        "states": list(episode.turn_states),
+    }
+    return {**record, TURNS: turns}
+
+
+TURNS = "_turns"  # per-sample metadata key of turn_extras' inputs
 
 
 def run_episodes(envs, records: list, n: int, temperature: float, max_tokens: int) -> list:
@@ -282,7 +359,7 @@ def train(cfg, resume=False, log=print) -> dict:
                 for url in urls
             ]
             log(f"[chatgen] policy served at {', '.join(urls)} (agent gateway); agent {algo.agent}")
-            return rollout_of(run, env, n, pc, algo.agent)
+            return rollout_of(run, env, n, pc, algo.agent, algo.max_episode_tokens)
         env = [
             environments.build(
                 algo.environment,
@@ -293,27 +370,31 @@ def train(cfg, resume=False, log=print) -> dict:
                 algo.max_turns,
                 algo.step_timeout_s,
                 parse=algo.tool_call_parser is not None,
+                max_episode_tokens=algo.max_episode_tokens,
             )
             for url in urls
         ]
         log(f"[chatgen] policy served at {', '.join(urls)}; environment {algo.environment}")
-        return rollout_of(run, env, n, pc, algo.environment)
+        return rollout_of(run, env, n, pc, algo.environment, algo.max_episode_tokens)
 
-    return grpo_loop.train(cfg, resume, log, PHASES, play=play, evaluate=evaluate)
+    return grpo_loop.train(
+        cfg, resume, log, PHASES, play=play, evaluate=evaluate, extras=turn_extras
+    )
 
 
-def rollout_of(run, env, n: int, pc, name: str):
-    """The loop's rollout: n episodes of `env` per record, as a batch."""
+def rollout_of(run, env, n: int, pc, name: str, max_tokens=None):
+    """The loop's rollout: n episodes of `env` per record, as a batch (responses cut at
+    max_tokens: max_episode_tokens)."""
 
     def rollout(index):
         records = [run.records[i] for i in index]
         episodes = run_episodes(env, records, n, pc.temperature, pc.max_new_tokens)
-        return episodes_batch(episodes, records, n, name)
+        return episodes_batch(episodes, records, n, name, max_tokens)
 
     return rollout
 
 
-def episodes_batch(episodes: list, records: list, n: int, name: str):
+def episodes_batch(episodes: list, records: list, n: int, name: str, max_tokens=None):
     """(RolloutBatch, (S,) rewards, metrics) of the episodes of `records` (n each, record-major).
     A group's episodes are ordered by their tokens, so that the batch does not depend on which
     thread finished first (seeded requests give a run that repeats exactly)."""
@@ -322,7 +403,11 @@ def episodes_batch(episodes: list, records: list, n: int, name: str):
     samples, rewards = [], []
     for g, record in enumerate(records):
         played = episodes[g * n : (g + 1) * n]
-        group = [(episode_sample(e, g, record), e.reward) for e in played if not e.dropped]
+        group = [
+            (episode_sample(e, g, with_turns(record, e, max_tokens), max_tokens), e.reward)
+            for e in played
+            if not e.dropped
+        ]
         group.sort(key=lambda pair: (pair[0].prompt_ids, pair[0].response_ids))
         # a dropped episode: nothing to train on, and the group's mean reward (no signal of its
         # own; the others' advantages keep their signs)

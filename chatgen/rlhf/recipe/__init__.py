@@ -2,7 +2,8 @@
 that names it (chatgen.rlhf.recipe.registry):
 
     advantage     runtime.algorithm.advantage_estimator   grpo, rloo, reinforce_pp     (advantages.py)
-                                                          gdpo (gdpo.py), opd (distill.py)
+                                                          gdpo (gdpo.py), opd (distill.py),
+                                                          gigpo (gigpo.py: per turn)
     ratio         runtime.algorithm.ratio_level           token, sequence (GSPO)       (ratios.py)
     aggregation   runtime.algorithm.loss_aggregation      token_mean, seq_mean_...     (aggregations.py)
     correction    runtime.algorithm.importance_sampling_level   token, sequence, geometric

@@ -294,12 +294,13 @@ def generated(run):
     return lambda index: (run.generate(index), None, {})
 
 
-def train(cfg, resume, log, phases: list, play=generated, evaluate=None) -> dict:
+def train(cfg, resume, log, phases: list, play=generated, evaluate=None, extras=None) -> dict:
     """GRPO's episodes, k versions ahead (the module docstring). Returns the last episode's
     metrics. play(run) -> rollout, made once the run's models are up: rollout(record indices) ->
     (RolloutBatch, (S,) rewards or None to score it with run.score, metrics to log); multi-turn
     GRPO's plays conversations (grpo_multiturn.py). evaluate: Run's held-out evaluation (None:
-    the policy's own)."""
+    the policy's own). extras(batch) -> dict: more for the advantage estimator to see (the
+    turns of multi-turn GRPO's conversations, for recipe/gigpo.py)."""
     rt, algo = cfg.runtime, cfg.runtime.algorithm
     n = cfg.models["policy"].config.n
     k, asynchronous = schedule(algo)
@@ -339,7 +340,13 @@ def train(cfg, resume, log, phases: list, play=generated, evaluate=None) -> dict
             if asynchronous:  # after the replay: the bound holds for replayed groups too
                 batch, rewards, extra = bounded(run, rollout, index, batch, rewards, current, n)
             metrics = update(
-                run, batch, rewards, n, sync=False, current_version=current if k else None
+                run,
+                batch,
+                rewards,
+                n,
+                sync=False,
+                current_version=current if k else None,
+                extras=extras(batch) if extras else None,
             )
             metrics.update(played)
             metrics.update(extra)

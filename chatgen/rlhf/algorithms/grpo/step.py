@@ -118,14 +118,17 @@ def rollout_correction(algo, data: TrainBatch, infer_logprobs):
     return data, metrics
 
 
-def update(run, batch, rewards, n: int, sync: bool = True, current_version=None) -> dict:
+def update(
+    run, batch, rewards, n: int, sync: bool = True, current_version=None, extras=None
+) -> dict:
     """GRPO's step once a batch is sampled and scored: reference and old log-probs, rollout
     correction, advantages (runtime.algorithm.advantage_estimator), clipped policy-gradient
     steps, sync into the policy (unless sync=False: the caller syncs later). batch: a
     RolloutBatch of S = prompts x n samples (prompt-major); rewards: (S,). Returns the episode's
     metrics (rewards, mismatch, trainer, KL). Shared by grpo_multiturn. current_version
     (asynchronous runs): the engine version of the trainer's weights; the mismatch is then
-    measured on the tokens it sampled only."""
+    measured on the tokens it sampled only. extras: more for the advantage estimator to see
+    (grpo_multiturn's turns: recipe/gigpo.py)."""
     cfg, timer = run.cfg, run.timer
     algo = cfg.runtime.algorithm
     # the penalty, or (kl_coef 0) kl/reference only; a LoRA trainer's base (adapters off) when
@@ -162,7 +165,8 @@ def update(run, batch, rewards, n: int, sync: bool = True, current_version=None)
     recipe_metrics.update(correction_metrics)
     shaped, shaping_metrics = shaped_rewards(cfg, batch, rewards)
     recipe_metrics.update(shaping_metrics)
-    extras = gdpo.with_terms(batch, rewards, shaped)  # what the estimator sees beside the batch
+    # what the estimator sees beside the batch
+    extras = {**gdpo.with_terms(batch, rewards, shaped), **(extras or {})}
     if teacher is not None:
         extras["teacher_logprobs"] = teacher
         recipe_metrics["distill/reverse_kl"] = distill.reverse_kl(

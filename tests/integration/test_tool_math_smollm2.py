@@ -1,0 +1,76 @@
+"""tool_math_smollm2 on the real engine: SmolLM2-135M-Instruct warm-started on tool-call demonstrations
+(`python -m chatgen.environments.tool_math --demonstrations-for`, examples/sft_warm_start.py) writes a
+call that the run's server parses with vLLM's hermes parser into `tool_calls` for the official `openai`
+client. Slow: a SmolLM2 warm start on CPU takes minutes.
+
+    CHATGEN_RUN_SLOW=1 .venv/bin/python -m pytest tests/integration/test_tool_math_smollm2.py
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def warm_start(model: Path, work: Path, steps: int = 12) -> Path:
+    """SmolLM2 after `steps` SFT steps on first-turn hermes python calls."""
+    from chatgen import tasks
+    from chatgen.environments import tool_math
+
+    tasks.write_task_data(str(work), task="arithmetic", n_train=400, n_eval=8)
+    tool_math.demonstrations(model, work, n=400)
+    out = work / "sft"
+    subprocess.run(
+        [sys.executable, str(REPO / "examples/sft_warm_start.py"), "--load", str(model)]
+        + ["--data", str(work / "sft.jsonl"), "--output", str(out), "--steps", str(steps)]
+        + ["--batch-size", "16", "--lr", "2e-5"],
+        check=True,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
+    return out
+
+
+def test_warm_started_smollm2_calls_the_python_tool_through_the_parser(smollm2_dir, tmp_path):
+    import openai
+
+    from chatgen.environments.tool_math import SYSTEM
+    from chatgen.environments.tools import PYTHON_TOOL
+    from chatgen.generation.vllm.module import VLLMModule
+    from chatgen.serving.embedded import EmbeddedServer
+
+    model = warm_start(smollm2_dir, tmp_path)
+    module = VLLMModule(
+        dict(load=str(model), kv_cache_memory_bytes=128 << 20, enforce_eager=True, seq_length=512)
+    ).start()
+    server = None
+    try:
+        server = EmbeddedServer(module, api_key="k", model_name="p", tool_call_parser="hermes")
+        client = openai.OpenAI(base_url=server.url, api_key="k")
+        reply = client.chat.completions.create(
+            model="p",
+            messages=[
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "What is 23 + 19? Reply with only the result."},
+            ],
+            tools=[PYTHON_TOOL.schema],
+            max_tokens=64,
+            temperature=0,
+        )
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice.message.content
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "python"
+        code = json.loads(call.function.arguments)["code"]
+        assert "23" in code and "19" in code  # the question's numbers, to be computed by the tool
+    finally:
+        if server is not None:
+            server.close()
+        module.shutdown()
