@@ -273,7 +273,7 @@ def test_an_async_policy_sharing_gpus_with_its_trainer_is_refused(tmp_path, monk
         == 0
     )
     capsys.readouterr()
-    # handover_step needs the engine in this process: refused where the run uses Ray actors
+    # handover_step needs engine steps apart: refused where the policy shares Ray actors
     on_cpu = ["models.policy.num_gpu=0", "models.policy_trainer.num_gpu=0"]
     handover = ["runtime.algorithm.handover_step=4", *on_cpu]
     assert cli.main(["config", "main.yaml", *handover, "runtime.launcher=ray"]) == 2
