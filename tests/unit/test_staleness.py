@@ -277,6 +277,6 @@ def test_an_async_policy_sharing_gpus_with_its_trainer_is_refused(tmp_path, monk
     on_cpu = ["models.policy.num_gpu=0", "models.policy_trainer.num_gpu=0"]
     handover = ["runtime.algorithm.handover_step=4", *on_cpu]
     assert cli.main(["config", "main.yaml", *handover, "runtime.launcher=ray"]) == 2
-    assert "handover_step: the policy runs in Ray actors" in capsys.readouterr().err
+    assert "handover_step: the policy shares Ray actors" in capsys.readouterr().err
     local = "runtime.colocation=[[policy, policy_trainer, reward]]"
     assert cli.main(["config", "main.yaml", *handover, local]) == 0
