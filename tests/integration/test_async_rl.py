@@ -129,10 +129,10 @@ def record_trained_versions(monkeypatch) -> list:
 
     seen, real = [], async_rollout.update
 
-    def spy(run, batch, rewards, n, sync=True, current_version=None):
+    def spy(run, batch, rewards, n, **kw):
         current = run.policy.weight_versions()[0]
         seen.append((batch.weight_versions.clone(), batch.loss_mask.clone(), current))
-        return real(run, batch, rewards, n, sync=sync, current_version=current_version)
+        return real(run, batch, rewards, n, **kw)
 
     monkeypatch.setattr(async_rollout, "update", spy)
     return seen

@@ -148,10 +148,10 @@ def test_multiturn_k2_bounds_per_token_staleness(chat_model_dir, tmp_path, monke
     monkeypatch.chdir(REPO)
     seen, real = [], loop.update
 
-    def spy(run, batch, rewards, n, sync=True, current_version=None):
+    def spy(run, batch, rewards, n, **kw):
         current = run.policy.weight_versions()[0]
         seen.append((batch.weight_versions.clone(), batch.loss_mask.clone(), current))
-        return real(run, batch, rewards, n, sync=sync, current_version=current_version)
+        return real(run, batch, rewards, n, **kw)
 
     monkeypatch.setattr(loop, "update", spy)
     out = tmp_path / "k2"

@@ -101,7 +101,7 @@ def test_async_grpo_with_the_policy_in_its_own_actor(
     # each episode's (per-token weight versions, loss mask, the engine's version) as the update got them
     seen, real = [], loop.update
 
-    def spy(run, batch, rewards, n, sync=True, current_version=None):
+    def spy(run, batch, rewards, n, **kw):
         seen.append(
             (
                 batch.weight_versions.clone(),
@@ -109,7 +109,7 @@ def test_async_grpo_with_the_policy_in_its_own_actor(
                 run.policy.weight_versions()[0],
             )
         )
-        return real(run, batch, rewards, n, sync=sync, current_version=current_version)
+        return real(run, batch, rewards, n, **kw)
 
     monkeypatch = pytest.MonkeyPatch()
     monkeypatch.setattr(loop, "update", spy)
