@@ -201,6 +201,11 @@ class ActorGroup:
         worker = ray.remote(ModelWorker)
         # apart: every actor a world of one (RANK still its index), serving CONCURRENT_CALLS calls
         world = 1 if engines_apart else plan.world
+        threads = max(1, int(plan.cpus))
+        if engines_apart:  # calls step the engine from Ray's threads: each must plan and run its
+            # steps with the same OpenMP team (vLLM's CPU attention refuses a step planned for
+            # another), and torch.set_num_threads reaches only its calling thread
+            env = {**env, "OMP_NUM_THREADS": str(threads)}
         self.actors = [
             worker.options(
                 max_concurrency=CONCURRENT_CALLS if engines_apart else 1,
@@ -211,7 +216,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(r, world, max(1, int(plan.cpus)), env)
+            ).remote(r, world, threads, env)
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
