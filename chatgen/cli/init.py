@@ -122,6 +122,7 @@ RECIPES = {
         "examples/train_tool_math_smollm2.sh",
         [
             "examples/env.sh",
+            "examples/sft_warm_start.py",
             "configs/tool_math_smollm2.yaml",
             "configs/agents_smollm2/policy.yaml",
             "configs/agents_smollm2/trainer.yaml",

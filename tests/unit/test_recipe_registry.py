@@ -83,7 +83,7 @@ def test_the_builtins_are_registered_under_their_yaml_names():
     def builtins(registry):  # another test's plugin may be registered in this process too
         return [n for n in registry.names() if registry.get(n).__module__.startswith("chatgen.")]
 
-    assert builtins(recipe.advantage) == ["gdpo", "grpo", "opd", "reinforce_pp", "rloo"]
+    assert builtins(recipe.advantage) == ["gdpo", "gigpo", "grpo", "opd", "reinforce_pp", "rloo"]
     assert recipe.ratio.get("token") is L.token_log_ratio
     assert recipe.aggregation.get("token_mean") is L.token_mean
     assert set(recipe.correction.names()) == {"token", "sequence", "geometric"}
