@@ -29,7 +29,6 @@ as another user the limit counts that user's processes too (it is raised by what
 import dataclasses
 import itertools
 import os
-import resource
 import selectors
 import shutil
 import signal
@@ -136,15 +135,16 @@ def run(argv: list, limits: Limits | None = None, mode: str | None = None) -> Re
         else:
             command = _unshare_net(uid) + list(argv)
         start = time.monotonic()
+        # limits and the user by util-linux's setpriv / prlimit, not a preexec_fn: Python code in
+        # the fork of a many-threaded process (the run's trainers, engines) can crash there
         proc = subprocess.Popen(
-            command,
+            _limited(command, limits, uid, mode),
             cwd=scratch,
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             start_new_session=True,
-            preexec_fn=lambda: _limit(limits, uid, mode),
         )
         out, err, error = _collect(proc, limits, start)
         returncode = proc.returncode
@@ -195,18 +195,25 @@ def _unshare_net(uid: int | None) -> list:
 _UNSHARE = None
 
 
-def _limit(limits: Limits, uid: int | None, mode: str) -> None:
-    """In the child, before exec: the rlimits, then (as root) the run's own user."""
+def _limited(command: list, limits: Limits, uid: int | None, mode: str) -> list:
+    """`command` run as the run's own user (as root) under the rlimits: setpriv, then prlimit."""
     mb = 1 << 20
-    resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-    resource.setrlimit(resource.RLIMIT_AS, (limits.memory_mb * mb, limits.memory_mb * mb))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_mb * mb, limits.file_mb * mb))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     processes = limits.processes + (3 if mode == "bwrap" else 0)  # bwrap, its init
     if uid is None:  # the count is the user's: leave room for what it already runs
         processes += sum(1 for p in os.listdir("/proc") if p.isdigit())
-    resource.setrlimit(resource.RLIMIT_NPROC, (processes, processes))
-    _drop(uid)
+    prefix = []
+    if uid is not None:
+        prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
+    prefix += [
+        "prlimit",
+        f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+        f"--as={limits.memory_mb * mb}",
+        f"--fsize={limits.file_mb * mb}",
+        "--core=0",
+        f"--nproc={processes}",
+        "--",
+    ]
+    return prefix + list(command)
 
 
 def _drop(uid: int | None) -> None:
