@@ -80,10 +80,12 @@ def isolation() -> str:
         ok = shutil.which("bwrap") is not None
         if ok:
             probe = subprocess.run(  # as the user runs get (root's runs are not root)
-                ["bwrap", "--ro-bind", "/", "/", "--unshare-all", "--", "true"],
+                _as_user(
+                    ["bwrap", "--ro-bind", "/", "/", "--unshare-all", "--", "true"],
+                    RUN_UIDS if os.geteuid() == 0 else None,
+                ),
                 capture_output=True,
                 timeout=30,
-                preexec_fn=lambda: _drop(RUN_UIDS if os.geteuid() == 0 else None),
             )
             ok = probe.returncode == 0
         _ISOLATION = "bwrap" if ok else "fallback"
@@ -183,10 +185,7 @@ def _unshare_net(uid: int | None) -> list:
     if _UNSHARE is None:
         prefix = ["unshare", "--user", "--net"]
         ok = shutil.which("unshare") and (
-            subprocess.run(
-                [*prefix, "true"], capture_output=True, preexec_fn=lambda: _drop(uid)
-            ).returncode
-            == 0
+            subprocess.run(_as_user([*prefix, "true"], uid), capture_output=True).returncode == 0
         )
         _UNSHARE = prefix if ok else []
     return _UNSHARE
@@ -201,10 +200,7 @@ def _limited(command: list, limits: Limits, uid: int | None, mode: str) -> list:
     processes = limits.processes + (3 if mode == "bwrap" else 0)  # bwrap, its init
     if uid is None:  # the count is the user's: leave room for what it already runs
         processes += sum(1 for p in os.listdir("/proc") if p.isdigit())
-    prefix = []
-    if uid is not None:
-        prefix = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--"]
-    prefix += [
+    limited = [
         "prlimit",
         f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
         f"--as={limits.memory_mb * mb}",
@@ -213,14 +209,14 @@ def _limited(command: list, limits: Limits, uid: int | None, mode: str) -> list:
         f"--nproc={processes}",
         "--",
     ]
-    return prefix + list(command)
+    return _as_user(limited + list(command), uid)
 
 
-def _drop(uid: int | None) -> None:
-    if uid is not None:
-        os.setgroups([])
-        os.setgid(uid)
-        os.setuid(uid)
+def _as_user(command: list, uid: int | None) -> list:
+    """`command` as user and group `uid` with no supplementary groups (None: as this process)."""
+    if uid is None:
+        return list(command)
+    return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *command]
 
 
 def _collect(proc, limits: Limits, start: float) -> tuple:
