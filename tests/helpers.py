@@ -128,6 +128,24 @@ def batch(vocab=500, b=2, t=12, seed=0):
     return torch.randint(0, vocab, (b, t), generator=torch.Generator().manual_seed(seed))
 
 
+def masked_batch(vocab=500, rows=4, left_padded=False):
+    """A trainer batch of `rows` 16-token samples whose last 10 positions are the loss's
+    (loss_mask (rows, 15)); left_padded: the first row's first 3 tokens are padding."""
+    ids = torch.randint(4, vocab, (rows, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(rows, 15)
+    mask[:, 6:] = 1
+    attention = torch.ones(rows, 16, dtype=torch.long)
+    if left_padded:
+        attention[0, :3] = 0
+    return {"input_ids": ids, "attention_mask": attention, "loss_mask": mask}
+
+
+def masked_nll(logprobs, micro_batch):
+    """The token-mean NLL over a micro-batch's loss_mask (a train_step loss_fn)."""
+    mask = micro_batch["loss_mask"]
+    return -(logprobs * mask).sum() / mask.sum(), {"tokens": mask.sum()}
+
+
 def nll_loss(logprobs, micro_batch):
     loss = -logprobs.mean()
     return loss, {"nll": loss.detach()}

@@ -25,6 +25,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from helpers import masked_batch, masked_nll
 import torch
 
 pytestmark = pytest.mark.integration
@@ -153,23 +154,8 @@ def test_check_sync_refuses_tensor_parallel_and_an_unservable_family(family_root
 ROWS = 4
 
 
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 500, (ROWS, 16), generator=gen)
-    mask = torch.zeros(ROWS, 15)
-    mask[:, 6:] = 1
-    attention = torch.ones(ROWS, 16, dtype=torch.long)
-    attention[0, :3] = 0  # left padding in one row
-    return {"input_ids": ids, "attention_mask": attention, "loss_mask": mask}
-
-
-def _nll(logprobs, mb):
-    mask = mb["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {"tokens": mask.sum()}
-
-
 def _train(model_dir, steps: int, weights_file):
-    """`steps` train_steps on this rank's share of _batch() (2 rows a micro-batch): the metrics of each
+    """`steps` train_steps on this rank's share of masked_batch() (2 rows a micro-batch): the metrics of each
     step; rank 0 writes the weights to `weights_file` (tensors do not cross a process boundary whole)."""
     from safetensors.torch import save_file
 
@@ -178,9 +164,10 @@ def _train(model_dir, steps: int, weights_file):
     trainer = FSDPModule(dict(load=str(model_dir), lr=1e-3, micro_batch_size=2)).start()
     rows = ROWS // trainer.dp
     share = {
-        k: v[trainer.dp_rank * rows : (trainer.dp_rank + 1) * rows] for k, v in _batch().items()
+        k: v[trainer.dp_rank * rows : (trainer.dp_rank + 1) * rows]
+        for k, v in masked_batch(rows=ROWS, left_padded=True).items()
     }
-    metrics = [trainer.train_step(share, _nll) for _ in range(steps)]
+    metrics = [trainer.train_step(share, masked_nll) for _ in range(steps)]
     weights = trainer.hf_state_dict()
     if trainer.dp_rank == 0:
         save_file({k: v.contiguous() for k, v in weights.items()}, str(weights_file))
@@ -207,20 +194,20 @@ def test_dp2_trains_like_dp1(tiny_llama_dir, tmp_path):
 def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     from chatgen.training.fsdp_module import FSDPModule
 
-    batch = _batch()
+    batch = masked_batch(rows=ROWS, left_padded=True)
     trainer = FSDPModule(dict(load=str(tiny_llama_dir), lr=1e-3, lr_decay_iters=4)).start()
     for _ in range(2):
-        trainer.train_step(batch, _nll)
+        trainer.train_step(batch, masked_nll)
     trainer.save_checkpoint(tmp_path / "ckpt")
     saved = trainer.hf_state_dict()
-    straight = trainer.train_step(batch, _nll)
+    straight = trainer.train_step(batch, masked_nll)
     weights = trainer.hf_state_dict()
     trainer.shutdown()
     assert not (tmp_path / ".ckpt.tmp").exists()
 
     resumed = FSDPModule(dict(load=str(tmp_path / "ckpt"), lr=1e-3, lr_decay_iters=4)).start()
     assert resumed.iteration == 2
-    again = resumed.train_step(batch, _nll)
+    again = resumed.train_step(batch, masked_nll)
     assert again == straight
     other = resumed.hf_state_dict()
     resumed.shutdown()
@@ -309,7 +296,10 @@ def test_bf16_mixed_precision_with_activation_checkpointing(tiny_llama_dir):
 
     config = dict(load=str(tiny_llama_dir), dtype="bfloat16", lr=1e-3, activation_recompute="full")
     trainer = FSDPModule(config).start()
-    losses = [trainer.train_step(_batch(), _nll)["loss"] for _ in range(3)]
+    losses = [
+        trainer.train_step(masked_batch(rows=ROWS, left_padded=True), masked_nll)["loss"]
+        for _ in range(3)
+    ]
     assert losses[2] < losses[0]
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     weights = trainer.hf_weights()

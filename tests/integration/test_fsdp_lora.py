@@ -14,28 +14,12 @@ on CPU with the real PEFT and vLLM.
 import json
 
 import pytest
+from helpers import masked_batch, masked_nll
 import torch
 
 pytestmark = pytest.mark.integration
 
 LORA = dict(rank=4, alpha=8.0)
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 200, (4, 16), generator=gen)
-    mask = torch.zeros(4, 15)
-    mask[:, 6:] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones(4, 16, dtype=torch.long),
-        "loss_mask": mask,
-    }
-
-
-def _nll(logprobs, mb):
-    mask = mb["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {}
 
 
 def test_lora_on_fsdp_trains_the_adapter_and_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
@@ -45,7 +29,7 @@ def test_lora_on_fsdp_trains_the_adapter_and_resumes_bit_for_bit(tiny_llama_dir,
     from chatgen.training.fsdp_module import FSDPModule
 
     config = dict(load=str(tiny_llama_dir), lr=1e-2, lr_decay_iters=4, lora=LORA)
-    batch = _batch()
+    batch = masked_batch(vocab=200)
     plain = FSDPModule(dict(load=str(tiny_llama_dir))).start()
     start = plain.forward_tokens(batch)
     plain.shutdown()
@@ -53,17 +37,17 @@ def test_lora_on_fsdp_trains_the_adapter_and_resumes_bit_for_bit(tiny_llama_dir,
     trainer = FSDPModule(config).start()
     trainable = {n for n, p in trainer.model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
-    losses = [trainer.train_step(batch, _nll)["loss"] for _ in range(2)]
+    losses = [trainer.train_step(batch, masked_nll)["loss"] for _ in range(2)]
     assert losses[1] < losses[0]
     assert torch.equal(trainer.base_forward_tokens(batch), start)  # the base is frozen
     trainer.save_checkpoint(tmp_path / "ckpt")
     saved = trainer.forward_tokens(batch)
-    straight = trainer.train_step(batch, _nll)
+    straight = trainer.train_step(batch, masked_nll)
     weights = trainer.hf_state_dict()
     trainer.shutdown()
 
     resumed = FSDPModule({**config, "load": str(tmp_path / "ckpt")}).start()
-    assert resumed.iteration == 2 and resumed.train_step(batch, _nll) == straight
+    assert resumed.iteration == 2 and resumed.train_step(batch, masked_nll) == straight
     other = resumed.hf_state_dict()
     resumed.shutdown()
     assert weights.keys() == other.keys() and all(

@@ -8,26 +8,10 @@ optimizers' state). One data-parallel rank (two: docs/algorithms.md, Muon, measu
 """
 
 import pytest
+from helpers import masked_batch, masked_nll
 import torch
 
 pytestmark = pytest.mark.integration
-
-
-def _batch():
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(4, 500, (4, 16), generator=gen)
-    mask = torch.zeros(4, 15)
-    mask[:, 6:] = 1
-    return {
-        "input_ids": ids,
-        "attention_mask": torch.ones(4, 16, dtype=torch.long),
-        "loss_mask": mask,
-    }
-
-
-def _nll(logprobs, mb):
-    mask = mb["loss_mask"]
-    return -(logprobs * mask).sum() / mask.sum(), {"tokens": mask.sum()}
 
 
 MUON = dict(lr=1e-3, micro_batch_size=2, optimizer="muon")
@@ -37,7 +21,7 @@ def _train(model_dir, steps: int, config=MUON):
     from chatgen.training.fsdp_module import FSDPModule
 
     trainer = FSDPModule(dict(load=str(model_dir), **config)).start()
-    losses = [trainer.train_step(_batch(), _nll)["loss"] for _ in range(steps)]
+    losses = [trainer.train_step(masked_batch(), masked_nll)["loss"] for _ in range(steps)]
     trainer.shutdown()
     return losses
 
@@ -52,16 +36,16 @@ def test_muon_trains_other_steps_than_adamw(tiny_llama_dir):
 def test_muon_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     from chatgen.training.fsdp_module import FSDPModule
 
-    batch = _batch()
+    batch = masked_batch()
     trainer = FSDPModule(dict(load=str(tiny_llama_dir), **MUON)).start()
     for _ in range(2):
-        trainer.train_step(batch, _nll)
+        trainer.train_step(batch, masked_nll)
     trainer.save_checkpoint(tmp_path / "ckpt")
-    straight = trainer.train_step(batch, _nll)
+    straight = trainer.train_step(batch, masked_nll)
     weights = trainer.hf_state_dict()
     trainer.shutdown()
     resumed = FSDPModule(dict(load=str(tmp_path / "ckpt"), **MUON)).start()
-    again = resumed.train_step(batch, _nll)
+    again = resumed.train_step(batch, masked_nll)
     other = resumed.hf_state_dict()
     resumed.shutdown()
     assert again == straight
