@@ -19,6 +19,7 @@ import functools
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
 from chatgen.core.imports import require
@@ -33,11 +34,27 @@ SYSTEM = (
 TAG = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
+def _bm25s():
+    """bm25s, imported with numba hidden where nothing loaded it yet: bm25s loads numba when it can
+    (for a backend this environment does not use), and vLLM 0.32's kernel rebinding at engine start
+    then fails on llvmlite's ffi wrapper (`'_lib_fn_wrapper' object has no attribute 'get'`), so no
+    engine could start later in the process."""
+    require("bm25s", "the search environment")
+    hide = "numba" not in sys.modules
+    if hide:
+        sys.modules["numba"] = None  # `import numba` raises ImportError; bm25s falls back to numpy
+    try:
+        import bm25s
+    finally:
+        if hide:
+            del sys.modules["numba"]
+    return bm25s
+
+
 @functools.lru_cache(maxsize=4)
 def index(corpus: str):
     """(bm25s retriever, passages) of a corpus file, built once per process."""
-    require("bm25s", "the search environment")
-    import bm25s
+    bm25s = _bm25s()
 
     passages = [json.loads(line)["text"] for line in Path(corpus).read_text().splitlines() if line]
     if not passages:
@@ -51,7 +68,7 @@ def index(corpus: str):
 
 def search(corpus: str, query: str, k: int) -> str:
     retriever, passages = index(corpus)
-    tokens = __import__("bm25s").tokenize([query], stopwords="en", show_progress=False)
+    tokens = _bm25s().tokenize([query], stopwords="en", show_progress=False)
     if not tokens.vocab:  # a query of stopwords only
         return "no results"
     found, _ = retriever.retrieve(tokens, k=min(k, len(passages)), show_progress=False)

@@ -84,3 +84,27 @@ def test_chatgen_cli_lists_subcommands():
     )
     assert proc.returncode == 0
     assert "make-tiny-model" in proc.stdout
+
+
+def test_an_engine_starts_after_the_search_index_is_built(tiny_llama_dir, tmp_path):
+    """The search environment's bm25s would load numba, after which vLLM 0.32 could start no engine in
+    that process (its kernel rebinding fails on llvmlite's ffi wrapper): a fresh process builds the
+    index, then starts an engine and generates."""
+    from pathlib import Path
+
+    tests = Path(__file__).resolve().parents[1]
+    code = (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tests)!r})\n"
+        "from chatgen.environments import search\n"
+        f"search.write_task(__import__('pathlib').Path({str(tmp_path)!r}), 20, 4)\n"
+        f"search.index({str(tmp_path / 'corpus.jsonl')!r})\n"
+        "import helpers\n"
+        f"out = helpers.generate(helpers.engine({str(tiny_llama_dir)!r}))\n"
+        "print('numba' in sys.modules, len(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300)
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-2:] == ["False", str(len(__import__("helpers").SYNC_PROMPTS))]
