@@ -272,6 +272,14 @@ def max_diff_vs_hf(model, prompt_ids, completion_ids, logprobs) -> float:
     return worst
 
 
+def assert_same_generation(after, before, tol=1e-5) -> None:
+    """Two (prompt ids, completion ids, log-probs) results of one engine's greedy generate agree: the same
+    tokens, log-probs at float noise (requests that arrive apart under load are batched otherwise, and a
+    batch of other shapes sums in another order), far below what any weight change moves."""
+    assert after[:2] == before[:2]
+    assert max(abs(a - b) for x, y in zip(after[2], before[2]) for a, b in zip(x, y)) < tol
+
+
 def right_padded(rows, pad=0):
     """NeMo RL's token batch of `rows` (lists of ids): input_ids right-padded with `pad`, input_lengths."""
     ids = torch.full((len(rows), max(map(len, rows))), pad, dtype=torch.long)
@@ -357,6 +365,45 @@ def shipped_warm_start(model_dir) -> Path:
                 raise
             shutil.rmtree(f"{tmp}/model", ignore_errors=True)
     return out
+
+
+def chatgen_serve(model, port: int, *args, env=None):
+    """`chatgen serve --model MODEL --port PORT ARGS...` in its own process, vLLM's logging quiet and
+    its stderr dropped (wait for it with `wait_healthy`)."""
+    import os
+    import subprocess
+    import sys
+
+    argv = [
+        sys.executable,
+        "-m",
+        "chatgen.cli",
+        "serve",
+        "--model",
+        str(model),
+        "--port",
+        str(port),
+    ]
+    return subprocess.Popen(
+        [*argv, *map(str, args)],
+        env=dict(env if env is not None else os.environ, VLLM_LOGGING_LEVEL="ERROR"),
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def wait_healthy(proc, url: str, key: str, seconds: float) -> None:
+    """Poll `url`/health with the API key until the server answers; fail if `proc` exits first or
+    after `seconds`."""
+    import requests
+
+    deadline = time.time() + seconds
+    while True:
+        assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
+        try:
+            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}).ok:
+                return
+        except requests.ConnectionError:
+            time.sleep(0.3)
 
 
 def wait_until_serving(proc, client, seconds: float) -> None:

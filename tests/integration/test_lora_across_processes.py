@@ -5,15 +5,9 @@ checks; the server's log-probs then equal the trainer's within 1e-4 (fp32, real 
     python -m pytest tests/integration/test_lora_across_processes.py   # ~1 min on 2 idle CPU cores
 """
 
-import os
-import subprocess
-import sys
-import time
-
 import pytest
-import requests
 import torch
-from helpers import SYNC_PROMPTS, batch, build, nll_loss
+from helpers import SYNC_PROMPTS, batch, build, chatgen_serve, nll_loss, wait_healthy
 
 pytestmark = pytest.mark.integration
 
@@ -32,40 +26,24 @@ def lora_server(llama):
     """`chatgen serve --control` on the base weights, taking adapters of rank <= 8."""
     from chatgen.core.distributed import free_port
 
-    url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "chatgen.cli",
-            "serve",
-            "--model",
-            str(llama),
-            "--port",
-            url.rsplit(":", 1)[1],
-            "--api-key",
-            KEY,
-            "--control",
-            "dtype=float32",
-            "enable_lora=true",
-            "max_lora_rank=8",
-            "logprobs_mode=raw",
-            "seq_length=64",
-            "max_new_tokens=16",
-            "enforce_eager=true",
-            "kv_cache_memory_bytes=33554432",
-        ],
-        env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"),
-        stderr=subprocess.DEVNULL,
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = chatgen_serve(
+        llama,
+        port,
+        "--api-key",
+        KEY,
+        "--control",
+        "dtype=float32",
+        "enable_lora=true",
+        "max_lora_rank=8",
+        "logprobs_mode=raw",
+        "seq_length=64",
+        "max_new_tokens=16",
+        "enforce_eager=true",
+        "kv_cache_memory_bytes=33554432",
     )
-    deadline = time.time() + 240
-    while True:
-        assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
-        try:
-            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}).ok:
-                break
-        except requests.ConnectionError:
-            time.sleep(0.3)
+    wait_healthy(proc, url, KEY, 240)
     yield url
     proc.terminate()
     proc.wait(timeout=30)

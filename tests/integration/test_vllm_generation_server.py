@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import threading
-import time
 
 import pytest
 import requests
@@ -21,7 +20,16 @@ import torch
 
 pytestmark = pytest.mark.integration
 
-from helpers import TOL, ListedWeights, max_diff_vs_hf, perturbed, quick_warm_start  # noqa: E402
+from helpers import (  # noqa: E402
+    TOL,
+    ListedWeights,
+    assert_same_generation,
+    chatgen_serve,
+    max_diff_vs_hf,
+    perturbed,
+    quick_warm_start,
+    wait_healthy,
+)
 
 KEY = "test-key"
 CONTROL = [
@@ -65,34 +73,18 @@ def shm_files(pid):
 def server_process(data_and_model):
     from chatgen.core.distributed import free_port
 
-    url = f"http://127.0.0.1:{free_port()}"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "chatgen.cli",
-            "serve",
-            "--model",
-            str(data_and_model[1]),
-            "--port",
-            url.rsplit(":", 1)[1],
-            "--api-key",
-            KEY,
-            "--control",
-            "max_new_tokens=16",
-            *(f"{k}={v}" for k, v in ENGINE.items()),
-        ],
-        env=dict(os.environ, VLLM_LOGGING_LEVEL="ERROR"),
-        stderr=subprocess.DEVNULL,
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = chatgen_serve(
+        data_and_model[1],
+        port,
+        "--api-key",
+        KEY,
+        "--control",
+        "max_new_tokens=16",
+        *(f"{k}={v}" for k, v in ENGINE.items()),
     )
-    deadline = time.time() + 120
-    while True:
-        assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
-        try:
-            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {KEY}"}).ok:
-                break
-        except requests.ConnectionError:
-            time.sleep(0.3)
+    wait_healthy(proc, url, KEY, 120)
     yield url, proc
     proc.terminate()
     proc.wait(timeout=30)
@@ -233,7 +225,7 @@ def test_refused_sync_keeps_the_server_weights(
         SyncError, match=r"model.norm.weight: trainer sends shape \(7,\), the engine expects"
     ):
         client.sync_weights(list(state.items()))
-    assert client.generate(PROMPTS, greedy=True) == before
+    assert_same_generation(client.generate(PROMPTS, greedy=True), before)
     model = perturbed(model, seed=6)
     client.sync_weights(model)  # the channel is still usable
     after = client.generate(PROMPTS, greedy=True)
@@ -246,7 +238,7 @@ def test_refused_sync_keeps_the_server_weights(
         SyncError, match=r"1 parameter\(s\) hold NaN or inf: model.layers.0.mlp.up_proj.weight"
     ):
         client.sync_weights(list(state.items()))
-    assert client.generate(PROMPTS, greedy=True) == after
+    assert_same_generation(client.generate(PROMPTS, greedy=True), after)
     assert shm_files(server_process[1].pid)[1:] == []
 
 
@@ -274,7 +266,7 @@ def test_a_trainer_dying_mid_copy_leaves_the_server_weights_alone(
     with pytest.raises(RuntimeError, match="the trainer died mid-sync"):
         remote.sync_weights(_DiesMidSync(model))
     # the engine read nothing of the half-written file
-    assert remote.generate(PROMPTS, greedy=True) == before
+    assert_same_generation(remote.generate(PROMPTS, greedy=True), before)
     assert shm_files(server_process[1].pid)[1:] == []  # the server removed it
     remote.sync_weights(model)
     assert max_diff_vs_hf(model, *remote.generate(PROMPTS, greedy=True)) < TOL
