@@ -231,8 +231,12 @@ FILE_SECONDS = collections.Counter()  # test file -> seconds of its tests' setup
 SLOWEST_FILES = 15  # as many as pytest.ini's --durations lists tests
 
 
+TEST_SECONDS = collections.Counter()  # test id -> seconds of its setup, call and teardown
+
+
 def pytest_runtest_logreport(report):
     FILE_SECONDS[report.nodeid.split("::", 1)[0]] += report.duration
+    TEST_SECONDS[report.nodeid] += report.duration
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -243,3 +247,13 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_sep("=", f"slowest {SLOWEST_FILES} test files")
     for path, seconds in FILE_SECONDS.most_common(SLOWEST_FILES):
         terminalreporter.write_line(f"{seconds:8.2f}s {path}")
+    if os.environ.get("CHATGEN_TEST_DURATIONS"):  # every test's and file's seconds, for trimming
+        with open(os.environ["CHATGEN_TEST_DURATIONS"], "w") as f:
+            json.dump(
+                {
+                    "files": dict(FILE_SECONDS.most_common()),
+                    "tests": dict(TEST_SECONDS.most_common()),
+                },
+                f,
+                indent=1,
+            )

@@ -224,6 +224,11 @@ SLOW = {
     "dapo_smollm2",
     "tool_math_smollm2",
     "grpo_smollm2_fsdp",  # grpo_smollm2's episode with the trainer of grpo_tiny_fsdp
+    # the config run in-process by another test: test_lora's GRPO with LoRA, test_fsdp_backend's
+    # GRPO from the warm start, test_rl_recipes' distillation with a teacher
+    "grpo_tiny_lora",
+    "grpo_tiny_fsdp",
+    "opd_tiny",
 }
 
 
