@@ -145,9 +145,9 @@ step grpo 120 "$python" -m chatgen.cli train configs/grpo_tiny_hf.yaml "policy.l
 [[ -f $work/grpo/metrics.jsonl ]] && cp "$work/grpo/metrics.jsonl" "$out/grpo_metrics.jsonl"
 [[ -d $work/grpo/checkpoints/episode_000002 ]] && note "grpo: checkpoint episode_000002 written"
 
-# 4b. the same two episodes with the trainer on fsdp (needs torch and transformers only); megatron hidden
-# too, so that an import of it fails here and not only where it is absent
-step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron" \
+# 4b. the same two episodes with the trainer on fsdp (needs torch and transformers only); megatron-core and
+# PEFT hidden too, so that an import of either fails here and not only where it is absent
+step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron,peft" \
   "$python" -m chatgen.cli train configs/grpo_tiny_fsdp_hf.yaml "policy.load=$model" \
   "policy_trainer.load=$model" "runtime.data_path=$work/data/train.jsonl" "runtime.eval_data_path=$work/data/eval.jsonl" \
   "runtime.output_dir=$work/grpo_fsdp_hf" runtime.num_episode=2 runtime.sample_per_episode=16 \
