@@ -13,8 +13,8 @@ Atomic writes: everything is written under a hidden staging name beside the targ
 renamed into place with os.replace once complete, so a crash at any point leaves the previous
 version (or nothing) under the final name. Processes that write one directory together (the ranks of
 a trainer, the actors of a run) use `begin_directory` / `commit_directory`, the two halves of
-`atomic_directory`; the ranks of one torch.distributed job, `ranks_write_directory`. Weights are read with safetensors only (never pickle). Imports neither Megatron
-nor vLLM.
+`atomic_directory`; the ranks of one torch.distributed job, `ranks_write_directory`. Weights are
+read with safetensors only (never pickle). Imports neither Megatron nor vLLM.
 """
 
 import contextlib
