@@ -9,6 +9,8 @@
 #   3. chatgen check-sync --backend hf, fp32 and bf16: the trainer's weights synced into an hf engine
 #   4. chatgen train configs/grpo_tiny_hf.yaml, 2 episodes on one GPU, bf16 (NCCL world, the trainer offloaded and
 #      onloaded each episode, a checkpoint from the GPU)
+#   4b. chatgen train configs/grpo_tiny_fsdp_hf.yaml, the same on the fsdp trainer (transformers + FSDP2, bf16
+#      mixed precision): an RL loop with neither vLLM nor megatron-core; its metrics go into summary.json
 #   5. scripts/gpu_probe.py: a ~360M-parameter model's train step, offload/onload, sync, generation, peak memory
 # Each step is bounded with `timeout`; all together stay within CHATGEN_GPU_BUDGET_S (450). Without CUDA it runs
 # in simulation (the GPU checks skipped with the reason, the probe at the tiny model's size): CI runs it so
@@ -143,6 +145,15 @@ step grpo 120 "$python" -m chatgen.cli train configs/grpo_tiny_hf.yaml "policy.l
 [[ -f $work/grpo/metrics.jsonl ]] && cp "$work/grpo/metrics.jsonl" "$out/grpo_metrics.jsonl"
 [[ -d $work/grpo/checkpoints/episode_000002 ]] && note "grpo: checkpoint episode_000002 written"
 
+# 4b. the same two episodes with the trainer on fsdp (needs torch and transformers only); megatron-core and
+# PEFT hidden too, so that an import of either fails here and not only where it is absent
+step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron,peft" \
+  "$python" -m chatgen.cli train configs/grpo_tiny_fsdp_hf.yaml "policy.load=$model" \
+  "policy_trainer.load=$model" "runtime.data_path=$work/data/train.jsonl" "runtime.eval_data_path=$work/data/eval.jsonl" \
+  "runtime.output_dir=$work/grpo_fsdp_hf" runtime.num_episode=2 runtime.sample_per_episode=16 \
+  runtime.train_micro_batch_size=16 runtime.train_global_batch_size=16 runtime.save_episode_interval=2 \
+  runtime.eval_episode_interval=2 runtime.max_bad_train_steps=100 policy.n=4 "${gpu_keys[@]}"
+
 # 5. the probe (the tiny model's size in simulation)
 small=()
 [[ $mode == simulation ]] && small=(--small)
@@ -150,10 +161,12 @@ step probe 150 "$python" scripts/gpu_probe.py --output "$out/probe.json" "${smal
 
 # summary: every step's status, the figures that matter
 for k in "${!status[@]}"; do echo "$k=${status[$k]}"; done > "$work/status.txt"
-"$python" - "$out" "$mode" "$budget" "$(( budget - (deadline - $(date +%s)) ))" "$work/status.txt" <<'PY'
+"$python" - "$out" "$mode" "$budget" "$(( budget - (deadline - $(date +%s)) ))" "$work/status.txt" \
+  "$work/grpo_fsdp_hf" <<'PY'
 import json, sys
 from pathlib import Path
 out, mode, budget, used, status_file = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+fsdp_run = Path(sys.argv[6])
 steps = dict(line.rstrip("\n").split("=", 1) for line in open(status_file) if "=" in line)
 def read(name):
     p = out / name
@@ -164,11 +177,18 @@ for short in ("fp32", "bf16"):
     if r:
         figures[f"check_sync_{short}"] = dict(max_abs_logprob_diff=r["max_abs_logprob_diff"], validated=r["validated"],
                                               sync_seconds=r["sync_seconds"], sync_bytes=r["sync_bytes"])
+def episode_figures(line):
+    return {k: v for k, v in json.loads(line).items() if k.startswith(("memory/", "time/", "mismatch/"))
+            or k in ("episode", "reward/mean", "eval/reward", "policy/loss", "policy/grad_norm")}
 metrics = out / "grpo_metrics.jsonl"
 if metrics.exists():
-    last = [json.loads(line) for line in metrics.read_text().splitlines()][-1]
-    figures["grpo_last_episode"] = {k: v for k, v in last.items() if k.startswith(("memory/", "time/", "mismatch/"))
-                                    or k in ("episode", "reward/mean", "eval/reward", "policy/grad_norm")}
+    figures["grpo_last_episode"] = episode_figures(metrics.read_text().splitlines()[-1])
+# the fsdp run's metrics live here (the output folder keeps to 8 files): every episode, and its checkpoint
+if (fsdp_run / "metrics.jsonl").exists():
+    checkpoint = fsdp_run / "checkpoints" / "episode_000002" / "policy_trainer"
+    figures["grpo_fsdp_hf"] = dict(
+        episodes=[episode_figures(line) for line in (fsdp_run / "metrics.jsonl").read_text().splitlines()],
+        checkpoint=sorted(p.name for p in checkpoint.iterdir()) if checkpoint.is_dir() else None)
 if (probe := read("probe.json")):
     figures["probe"] = probe
 pytest_txt = out / "pytest.txt"

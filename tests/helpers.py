@@ -146,6 +146,28 @@ def masked_nll(logprobs, micro_batch):
     return -(logprobs * mask).sum() / mask.sum(), {"tokens": mask.sum()}
 
 
+def fsdp_train_steps(model_dir, steps: int, weights_file, config=None, rows: int = 4) -> list:
+    """`steps` train_steps of an FSDPModule (lr 1e-3 and 2 rows a micro-batch unless `config` says
+    otherwise) on this rank's share of masked_batch(rows=rows, left_padded=True): the metrics of each
+    step; rank 0 writes the weights (merged, for LoRA) to `weights_file` (tensors do not cross a
+    process boundary whole). Run it in one process and under run_distributed to compare DP sizes."""
+    from safetensors.torch import save_file
+
+    from chatgen.training.fsdp_module import FSDPModule
+
+    config = {"load": str(model_dir), "lr": 1e-3, "micro_batch_size": 2, **(config or {})}
+    trainer = FSDPModule(config).start()
+    share = rows // trainer.dp
+    mine = slice(trainer.dp_rank * share, (trainer.dp_rank + 1) * share)
+    part = {k: v[mine] for k, v in masked_batch(rows=rows, left_padded=True).items()}
+    metrics = [trainer.train_step(part, masked_nll) for _ in range(steps)]
+    weights = trainer.hf_state_dict()
+    if trainer.dp_rank == 0:
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(weights_file))
+    trainer.shutdown()
+    return metrics
+
+
 def nll_loss(logprobs, micro_batch):
     loss = -logprobs.mean()
     return loss, {"nll": loss.detach()}

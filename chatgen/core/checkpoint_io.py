@@ -13,8 +13,8 @@ Atomic writes: everything is written under a hidden staging name beside the targ
 renamed into place with os.replace once complete, so a crash at any point leaves the previous
 version (or nothing) under the final name. Processes that write one directory together (the ranks of
 a trainer, the actors of a run) use `begin_directory` / `commit_directory`, the two halves of
-`atomic_directory`. Weights are read with safetensors only (never pickle). Imports neither Megatron
-nor vLLM.
+`atomic_directory`; the ranks of one torch.distributed job, `ranks_write_directory`. Weights are
+read with safetensors only (never pickle). Imports neither Megatron nor vLLM.
 """
 
 import contextlib
@@ -178,6 +178,26 @@ def commit_directory(path) -> Path:
     os.replace(staging_path(path), path)
     shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+@contextlib.contextmanager
+def ranks_write_directory(path):
+    """The atomic directory the ranks of a torch.distributed job write together (a trainer's
+    checkpoint): rank 0 creates the staging directory, every rank writes into the one yielded, and
+    once all have finished (a barrier) rank 0 moves it into place; the ranks leave together (a
+    second barrier), so none reads `path` before it is complete. Collective: every rank of the
+    default group enters it. A rank that fails inside leaves `path` as it was."""
+    import torch.distributed as dist
+
+    path = Path(path)
+    if dist.get_rank() == 0:
+        begin_directory(path)
+    dist.barrier()
+    yield staging_path(path)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        commit_directory(path)
+    dist.barrier()
 
 
 @contextlib.contextmanager

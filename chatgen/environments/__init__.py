@@ -84,11 +84,16 @@ class Runner:
         base_url,
         api_key,
         model,
+        *,
         max_turns=8,
         step_timeout_s=60.0,
         parse=False,
         max_episode_tokens=None,
     ):
+        """make: builds one protocol environment per episode; name: the config's environment
+        name; the policy's OpenAI endpoint (base_url, api_key, model); max_turns, step_timeout_s
+        and max_episode_tokens bound an episode (chatgen.environments.base.play); parse: the
+        server parses tool calls (a tool_call_parser is set)."""
         import openai
 
         self.make, self.name, self.model = make, name, model
@@ -131,22 +136,11 @@ class Runner:
         return episode
 
 
-def build(
-    name: str,
-    args: dict,
-    base_url,
-    api_key,
-    model,
-    max_turns=8,
-    step_timeout_s=60.0,
-    parse=False,
-    max_episode_tokens=None,
-):
-    """The run's environment object (a Runner, or the instance of a class with `episode`); parse:
-    the server parses tool calls (a tool_call_parser is set)."""
+def build(name: str, args: dict, base_url, api_key, model, **runner_args):
+    """The run's environment object: a Runner of the protocol environment `name` (built with
+    `args`; `runner_args` are Runner's keywords: max_turns, step_timeout_s, parse,
+    max_episode_tokens), or the instance of a class with `episode`, which plays on its own."""
     make, protocol = factory(name, args)
     if not protocol:
         return make(base_url, api_key, model)
-    return Runner(
-        make, name, base_url, api_key, model, max_turns, step_timeout_s, parse, max_episode_tokens
-    )
+    return Runner(make, name, base_url, api_key, model, **runner_args)

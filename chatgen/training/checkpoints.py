@@ -13,13 +13,11 @@ import torch
 import torch.distributed as dist
 
 from chatgen.core.checkpoint_io import (
-    begin_directory,
-    commit_directory,
     copy_hf_side_files,
+    ranks_write_directory,
     read_hf_safetensors,
     read_megatron_meta,
     read_megatron_shard,
-    staging_path,
     write_megatron_meta,
 )
 from chatgen.models import layout
@@ -46,36 +44,28 @@ class Checkpoints:
         half-written `path`. A model that has not stepped yet has no optimizer state to save: its
         checkpoint holds the weights.
         """
-        path = Path(path)
-        if dist.get_rank() == 0:
-            begin_directory(path)
-        dist.barrier()
-        tmp = staging_path(path)
         stepped = self.iteration > 0
         self.onload()
-        dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
-        # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
-        if self.config.lora.rank:
-            lora_peft.export_peft(self, tmp / CHECKPOINT_DIR)
-        if dist.get_rank() == 0:
-            write_megatron_meta(
-                tmp,
-                self.hf_config,
-                self.tp,
-                self.pp,
-                self.padded_vocab_size,
-                self.iteration,
-                optimizer=stepped,
-                distributed=True,
-                dp=self.dp,
-                ep=self.ep,
-            )
-            if self.config.load:  # its tokenizer and generation files: it serves and exports whole
-                copy_hf_side_files(self.config.load, tmp)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            commit_directory(path)
-        dist.barrier()
+        with ranks_write_directory(path) as tmp:
+            dist_checkpoint.save(self._sharded_state_dict(optimizer=stepped, loading=False), tmp)
+            # the adapter in PEFT's format too: convert --to hf merges it, PEFT loads it
+            if self.config.lora.rank:
+                lora_peft.export_peft(self, tmp / CHECKPOINT_DIR)
+            if dist.get_rank() == 0:
+                write_megatron_meta(
+                    tmp,
+                    self.hf_config,
+                    self.tp,
+                    self.pp,
+                    self.padded_vocab_size,
+                    self.iteration,
+                    optimizer=stepped,
+                    distributed=True,
+                    dp=self.dp,
+                    ep=self.ep,
+                )
+                if self.config.load:  # its tokenizer and generation files: serves, exports whole
+                    copy_hf_side_files(self.config.load, tmp)
         return str(path)
 
     @remote("all")

@@ -7,12 +7,7 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from chatgen.core.checkpoint_io import (
-    begin_directory,
-    commit_directory,
-    copy_hf_side_files,
-    staging_path,
-)
+from chatgen.core.checkpoint_io import copy_hf_side_files, ranks_write_directory
 from chatgen.module import remote
 
 FSDP_META = (
@@ -35,30 +30,22 @@ class FSDPCheckpoints:
         from torch.distributed import checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        path = Path(path)
-        if dist.get_rank() == 0:
-            begin_directory(path)
-        dist.barrier()
-        tmp = staging_path(path)
         self.onload()
-        model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
-        dcp.save(
-            {"model": model_state, "optimizer": optim_state},
-            storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
-        )
-        self._write_hf(tmp)  # merged, for a LoRA trainer: the directory serves as it is
-        if self.config.lora.rank:  # and the adapter as PEFT's directory
-            self.export_adapter(tmp / "adapter")
-        if dist.get_rank() == 0:
-            meta = dict(iteration=self.iteration, skipped_steps=self.skipped_steps, dp=self.dp)
-            meta.update(lora=_lora_keys(self.config.lora))
-            (tmp / FSDP_META).write_text(json.dumps(meta, indent=1))
-            (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=1))
-            copy_hf_side_files(self.config.load, tmp)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            commit_directory(path)
-        dist.barrier()
+        with ranks_write_directory(path) as tmp:
+            model_state, optim_state = get_state_dict(self.model, self.torch_optimizers)
+            dcp.save(
+                {"model": model_state, "optimizer": optim_state},
+                storage_writer=dcp.FileSystemWriter(str(tmp / "dcp"), thread_count=1),
+            )
+            self._write_hf(tmp)  # merged, for a LoRA trainer: the directory serves as it is
+            if self.config.lora.rank:  # and the adapter as PEFT's directory
+                self.export_adapter(tmp / "adapter")
+            if dist.get_rank() == 0:
+                meta = dict(iteration=self.iteration, skipped_steps=self.skipped_steps, dp=self.dp)
+                meta.update(lora=_lora_keys(self.config.lora))
+                (tmp / FSDP_META).write_text(json.dumps(meta, indent=1))
+                (tmp / "config.json").write_text(json.dumps(self.hf_config, indent=1))
+                copy_hf_side_files(self.config.load, tmp)
         return str(path)
 
     def _write_hf(self, directory: Path) -> None:

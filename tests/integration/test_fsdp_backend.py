@@ -25,7 +25,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers import masked_batch, masked_nll
+from helpers import fsdp_train_steps, masked_batch, masked_nll
 import torch
 
 pytestmark = pytest.mark.integration
@@ -151,37 +151,14 @@ def test_check_sync_refuses_tensor_parallel_and_an_unservable_family(family_root
     assert "'deepseek_v3' is refused" in capsys.readouterr().err
 
 
-ROWS = 4
-
-
-def _train(model_dir, steps: int, weights_file):
-    """`steps` train_steps on this rank's share of masked_batch() (2 rows a micro-batch): the metrics of each
-    step; rank 0 writes the weights to `weights_file` (tensors do not cross a process boundary whole)."""
-    from safetensors.torch import save_file
-
-    from chatgen.training.fsdp_module import FSDPModule
-
-    trainer = FSDPModule(dict(load=str(model_dir), lr=1e-3, micro_batch_size=2)).start()
-    rows = ROWS // trainer.dp
-    share = {
-        k: v[trainer.dp_rank * rows : (trainer.dp_rank + 1) * rows]
-        for k, v in masked_batch(rows=ROWS, left_padded=True).items()
-    }
-    metrics = [trainer.train_step(share, masked_nll) for _ in range(steps)]
-    weights = trainer.hf_state_dict()
-    if trainer.dp_rank == 0:
-        save_file({k: v.contiguous() for k, v in weights.items()}, str(weights_file))
-    trainer.shutdown()
-    return metrics
-
-
 def test_dp2_trains_like_dp1(tiny_llama_dir, tmp_path):
     from safetensors.torch import load_file
 
     from chatgen.training.launcher import run_distributed
 
-    one = _train(tiny_llama_dir, 3, tmp_path / "dp1.safetensors")  # this process: a one-rank world
-    two = run_distributed(_train, 2, args=(tiny_llama_dir, 3, tmp_path / "dp2.safetensors"))[0]
+    one = fsdp_train_steps(tiny_llama_dir, 3, tmp_path / "dp1.safetensors")  # a one-rank world
+    args = (tiny_llama_dir, 3, tmp_path / "dp2.safetensors")
+    two = run_distributed(fsdp_train_steps, 2, args=args)[0]
     for a, b in zip(one, two):
         for key in ("loss", "grad_norm", "tokens"):
             assert b[key] == pytest.approx(a[key], rel=TOL), key
@@ -194,7 +171,7 @@ def test_dp2_trains_like_dp1(tiny_llama_dir, tmp_path):
 def test_a_checkpoint_resumes_bit_for_bit(tiny_llama_dir, tmp_path):
     from chatgen.training.fsdp_module import FSDPModule
 
-    batch = masked_batch(rows=ROWS, left_padded=True)
+    batch = masked_batch(left_padded=True)
     trainer = FSDPModule(dict(load=str(tiny_llama_dir), lr=1e-3, lr_decay_iters=4)).start()
     for _ in range(2):
         trainer.train_step(batch, masked_nll)
@@ -297,8 +274,7 @@ def test_bf16_mixed_precision_with_activation_checkpointing(tiny_llama_dir):
     config = dict(load=str(tiny_llama_dir), dtype="bfloat16", lr=1e-3, activation_recompute="full")
     trainer = FSDPModule(config).start()
     losses = [
-        trainer.train_step(masked_batch(rows=ROWS, left_padded=True), masked_nll)["loss"]
-        for _ in range(3)
+        trainer.train_step(masked_batch(left_padded=True), masked_nll)["loss"] for _ in range(3)
     ]
     assert losses[2] < losses[0]
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())

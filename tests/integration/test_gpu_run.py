@@ -8,6 +8,7 @@ real checks (docs/gpu.md).
 """
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -56,7 +57,7 @@ def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
     )
     assert all(
         summary["steps"][s] == "ok"
-        for s in ("pytest", "check_sync_fp32", "check_sync_bf16", "grpo", "probe")
+        for s in ("pytest", "check_sync_fp32", "check_sync_bf16", "grpo", "grpo_fsdp_hf", "probe")
     ), summary["steps"]
     # the GPU tests skipped, with the reason in pytest.txt
     assert "skipped" in summary["figures"]["pytest"]
@@ -67,6 +68,14 @@ def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
         and figures["check_sync_fp32"]["max_abs_logprob_diff"] < 1e-4
     )
     assert figures["grpo_last_episode"]["episode"] == 2
+    # the fsdp trainer with the hf engine (megatron-core hidden): both episodes, finite figures, the
+    # engine scoring as the trainer after the sync (fp32 here; bf16 on a GPU), its checkpoint written
+    fsdp = figures["grpo_fsdp_hf"]
+    # episode 0 is the evaluation before training
+    assert [e["episode"] for e in fsdp["episodes"]] == [0, 1, 2], fsdp
+    assert all(math.isfinite(v) for e in fsdp["episodes"] for v in e.values()), fsdp
+    assert fsdp["episodes"][2]["mismatch/logprob_max_abs"] < 1e-4, fsdp
+    assert {"chatgen_fsdp.json", "dcp", "model.safetensors.index.json"} <= set(fsdp["checkpoint"])
     assert set(figures["probe"]["phases"]) == {
         "build_model",
         "trainer_start",

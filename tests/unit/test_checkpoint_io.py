@@ -7,6 +7,7 @@ from safetensors.torch import save_file
 from chatgen.core.checkpoint_io import (
     atomic_directory,
     megatron_shard_file,
+    ranks_write_directory,
     read_hf_safetensors,
     read_megatron_shard,
 )
@@ -28,6 +29,34 @@ def test_atomic_directory_appears_complete_or_not_at_all(tmp_path):
     assert not failed.exists()
     # the temporary directory is gone too
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sub"]
+
+
+def test_ranks_write_directory_replaces_whole_or_leaves_the_old(tmp_path):
+    """The trainers' checkpoint directory (a one-rank gloo world here): a failure inside keeps
+    the old checkpoint; a success replaces it whole."""
+    import torch.distributed as dist
+
+    from chatgen.core.distributed import join_world
+
+    owned = not dist.is_initialized()
+    join_world()
+    try:
+        out = tmp_path / "ckpt"
+        out.mkdir()
+        (out / "old.txt").write_text("old")
+        with pytest.raises(RuntimeError):
+            with ranks_write_directory(out) as tmp:
+                (tmp / "half.txt").write_text("half")
+                raise RuntimeError("a rank failed while writing")
+        assert sorted(p.name for p in out.iterdir()) == ["old.txt"]
+        with ranks_write_directory(out) as tmp:
+            (tmp / "new.txt").write_text("new")
+            assert not (out / "new.txt").exists()  # nothing under the final name while writing
+        assert sorted(p.name for p in out.iterdir()) == ["new.txt"]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no staging left
+    finally:
+        if owned:
+            dist.destroy_process_group()
 
 
 def test_read_hf_safetensors_merges_files_filters_and_unties(tmp_path):

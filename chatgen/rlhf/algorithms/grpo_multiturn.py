@@ -367,8 +367,8 @@ def train(cfg, resume=False, log=print) -> dict:
                 url,
                 api_key,
                 "policy",
-                algo.max_turns,
-                algo.step_timeout_s,
+                max_turns=algo.max_turns,
+                step_timeout_s=algo.step_timeout_s,
                 parse=algo.tool_call_parser is not None,
                 max_episode_tokens=algo.max_episode_tokens,
             )
