@@ -201,6 +201,12 @@ SMALL = {
         "runtime.train_micro_batch_size=8",
         "runtime.train_global_batch_size=8",
     ],
+    "verifiers_tiny": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+    ],
     # the agentic SmolLM2 recipes: one small episode of short turns
     "search_tiny": SMOLLM2_SMALL,
     "tool_math_smollm2": SMOLLM2_SMALL,
@@ -224,6 +230,8 @@ SLOW = {
     "dapo_smollm2",
     "tool_math_smollm2",
     "grpo_smollm2_fsdp",  # grpo_smollm2's episode with the trainer of grpo_tiny_fsdp
+    # gymnasium_tiny's episode with the verifiers adapter (trained on in test_env_adapters_rl.py)
+    "verifiers_tiny",
 }
 
 
