@@ -54,7 +54,8 @@ class TurnRewardCalculator(CalculatorEnv):
 
 
 def run_calculator(tiny_llama_dir, tmp_path, monkeypatch, environment, **more) -> list:
-    """Two episodes of 2 prompts x 4 of `environment` on the tiny Llama; the metrics lines."""
+    """Two episodes of 2 prompts x 4 of `environment` (a class of this file, or any environment name
+    with a colon) on the tiny Llama; the metrics lines."""
     from chatgen import tasks
     from chatgen.rlhf.algorithms import grpo_multiturn
     from chatgen.rlhf.config import load_config
@@ -68,7 +69,9 @@ def run_calculator(tiny_llama_dir, tmp_path, monkeypatch, environment, **more) -
     tasks.write_task_data(str(tmp_path / "data"), n_train=32, n_eval=4)
     out = tmp_path / "run"
     overrides = {
-        "runtime.algorithm.environment": f"{__name__}:{environment}",
+        "runtime.algorithm.environment": (
+            environment if ":" in environment else f"{__name__}:{environment}"
+        ),
         "runtime.num_episode": 2,
         "runtime.sample_per_episode": 8,
         "policy.n": 4,
