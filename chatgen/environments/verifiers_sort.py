@@ -47,8 +47,10 @@ def load_environment(n_train: int = 256, n_eval: int = 64, seed: int = 0) -> vf.
     def rows(n, s):
         return [{"question": r["prompt"], "answer": r["answer"]} for r in sort_digits.records(n, s)]
 
-    return SortDigitsHint(
-        dataset=Dataset.from_list(rows(n_train, seed)),
-        eval_dataset=Dataset.from_list(rows(n_eval, seed + 1)),
-        rubric=vf.Rubric(funcs=[sorted_right]),
+    return (
+        SortDigitsHint(  # datasets built when verifiers asks (a chatgen run plays its own records)
+            dataset=lambda: Dataset.from_list(rows(n_train, seed)),
+            eval_dataset=lambda: Dataset.from_list(rows(n_eval, seed + 1)),
+            rubric=vf.Rubric(funcs=[sorted_right]),
+        )
     )

@@ -230,7 +230,7 @@ SLOW = {
     "dapo_smollm2",
     "tool_math_smollm2",
     "grpo_smollm2_fsdp",  # grpo_smollm2's episode with the trainer of grpo_tiny_fsdp
-    # gymnasium_tiny's episode with the verifiers adapter (trained on in test_env_adapters_rl.py)
+    # gymnasium_tiny's episode with the verifiers adapter (trained on in test_agents_rl.py)
     "verifiers_tiny",
 }
 

@@ -2,7 +2,7 @@
 the libraries' real code: a verifiers environment (vf.MultiTurnEnv + vf.Rubric) and an OpenEnv
 environment server (openenv-core's create_app, served by uvicorn on loopback), played by `play`
 with the policy's replies scripted; their bad input as named errors.
-tests/integration/test_env_adapters_rl.py trains through both with the real engine.
+tests/integration/test_agents_rl.py trains through both with the real engine.
 
     .venv/bin/python -m pytest tests/unit/test_env_adapters.py
 """
