@@ -31,13 +31,38 @@ def load_environment(answer="0.5"):
     return vf.SingleTurnEnv(dataset=rows, rubric=vf.Rubric(funcs=[reward]))
 '''
 
+TOOL_ENV = '''
+import verifiers as vf
+from datasets import Dataset
+
+
+def load_environment():
+    def add(a: int, b: int) -> str:
+        """Adds two numbers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return str(a + b)
+
+    def right(completion, answer, parser) -> float:
+        return float((parser.parse_answer(completion) or "").strip() == answer)
+
+    rows = Dataset.from_list([{"question": "1+2?", "answer": "3"}])
+    return vf.ToolEnv(tools=[add], max_turns=3, dataset=rows, rubric=vf.Rubric(funcs=[right]))
+'''
+
 
 def scripted(*replies):
     seen = []
 
     def chat(messages, tools):
         seen.append(list(messages))
-        return {"role": "assistant", "content": replies[len(seen) - 1], "prompt_token_ids": [1]}
+        reply = replies[len(seen) - 1]
+        if isinstance(reply, str):
+            reply = {"role": "assistant", "content": reply}
+        return {**reply, "prompt_token_ids": [1]}
 
     return chat, seen
 
@@ -61,6 +86,25 @@ def test_a_verifiers_environment_hints_then_its_rubric_rewards(vf):
     assert right_away.metrics["sorted_right"] == 1.0 and right_away.metrics["num_turns"] == 1.0
     half, _ = play(make(), scripted(" 3 2 1", " 1 3 2")[0], RECORD, 8, 30, VERIFIERS)
     assert half.reward == pytest.approx(1 / 3)  # the sort_digits rule on the last answer
+
+
+def test_a_verifiers_tool_env_gets_the_parsed_tool_calls_and_runs_its_tool(
+    vf, tmp_path, monkeypatch
+):
+    (tmp_path / "add_tool_env.py").write_text(TOOL_ENV)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    make, _ = environments.factory("verifiers:add_tool_env", {})
+    env = make()
+    (tool,) = env.tools  # verifiers' schema of its python function, as an OpenAI tool
+    assert tool["function"]["name"] == "add"
+    assert tool["function"]["parameters"]["required"] == ["a", "b"]
+    function = {"name": "add", "arguments": '{"a": 1, "b": 2}'}  # as the server's parser gives it
+    call = {"id": "call_1", "type": "function", "function": function}
+    chat, seen = scripted({"role": "assistant", "content": None, "tool_calls": [call]}, "3")
+    episode, error = play(env, chat, {"prompt": "1+2?", "answer": "3"}, 8, 30, "tools")
+    assert error is None and episode.turn_rewards == [0.0, 1.0]
+    assert seen[1][-1] == {"role": "tool", "tool_call_id": "call_1", "content": "3"}
+    assert episode.metrics["add_calls"] == 1.0 and episode.metrics["right"] == 1.0
 
 
 def test_a_verifiers_rubric_that_returns_no_number_ends_the_episode_named(
