@@ -134,15 +134,17 @@ def call_with_timeout(fn, timeout_s: float, what: str):
 _loop, _loop_lock = None, threading.Lock()
 
 
-def run_async(coro):
+def run_async(coro, wait: bool = True):
     """Runs `coro` on the process's one event loop for async environment libraries (a daemon
-    thread): chatgen's episodes call reset / step on threads of their own."""
+    thread): chatgen's episodes call reset / step on threads of their own. wait=False: only
+    schedules it (from a finalizer, which may run on the loop's own thread)."""
     global _loop
     with _loop_lock:
         if _loop is None:
             _loop = asyncio.new_event_loop()
             threading.Thread(target=_loop.run_forever, daemon=True, name="env-async").start()
-    return asyncio.run_coroutine_threadsafe(coro, _loop).result()
+    future = asyncio.run_coroutine_threadsafe(coro, _loop)
+    return future.result() if wait else future
 
 
 def state_key(messages: list) -> str:

@@ -140,9 +140,8 @@ class OpenEnvEnv(Environment):
         spec(target, **args)
 
     def __init__(self, target: str, **args):
-        self.name = f"openenv:{target}"
+        self.name, self.client = f"openenv:{target}", None
         self.url, self.action_field, self.observation_field = spec(target, **args)
-        self.client = None
 
     def text(self, observation: dict) -> list:
         return [{"role": "user", "content": str(observation.get(self.observation_field, ""))}]
@@ -164,13 +163,10 @@ class OpenEnvEnv(Environment):
         observation = [] if result.done else self.text(result.observation)
         return Step(messages=observation, reward=reward, done=bool(result.done))
 
-    def close(self):
+    def close(self, wait: bool = True):
         if self.client is not None:
-            run_async(self.client.disconnect())
-            self.client = None
+            client, self.client = self.client, None
+            run_async(client.disconnect(), wait)
 
     def __del__(self):  # an episode cut by max_turns: its session closed with it
-        try:
-            self.close()
-        except Exception:
-            pass
+        self.close(wait=False)
