@@ -7,6 +7,8 @@ tests/integration/test_agents_rl.py trains through both with the real engine.
     .venv/bin/python -m pytest tests/unit/test_env_adapters.py
 """
 
+import sys
+
 import pytest
 
 from chatgen import environments
@@ -157,3 +159,15 @@ def test_openenv_bad_names_are_named_errors(openenv_app, tmp_path):
         environments.factory(OPENENV, {"action_field": "code"})
     with pytest.raises(ValueError, match="no OpenEnv schema at http://127.0.0.1:9"):
         environments.factory("openenv:http://127.0.0.1:9", {})
+
+
+@pytest.mark.parametrize("name", [VERIFIERS, OPENENV])
+def test_an_adapter_without_its_library_names_the_extra(name, monkeypatch):
+    from chatgen.core.imports import MissingPackage
+
+    adapter = name.split(":")[0]
+    monkeypatch.setitem(sys.modules, adapter, None)  # Python's own "not importable" mark
+    with pytest.raises(
+        MissingPackage, match=rf"{adapter} environment adapter.*chatgen\[{adapter}\]"
+    ):
+        environments.factory(name, {})
