@@ -43,6 +43,7 @@ from chatgen.environments.base import (
 
 STANDARD = {"done", "reward", "metadata"}  # fields of every OpenEnv observation
 _servers, _lock = {}, threading.Lock()  # target -> (url, its /schema)
+_served = []  # the app servers this process started
 
 
 def stop(proc: subprocess.Popen) -> None:
@@ -54,6 +55,15 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+@atexit.register
+def stop_served() -> None:
+    """Stops every app server this process started (at exit; a test may call it sooner)."""
+    with _lock:
+        while _served:
+            stop(_served.pop())
+        _servers.clear()
 
 
 def serve(name: str, app: str, timeout_s: float) -> str:
@@ -69,7 +79,7 @@ def serve(name: str, app: str, timeout_s: float) -> str:
         stderr=subprocess.STDOUT,
         start_new_session=True,
     )
-    atexit.register(stop, proc)
+    _served.append(proc)
     url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:

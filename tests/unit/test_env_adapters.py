@@ -9,6 +9,7 @@ tests/integration/test_agents_rl.py trains through both with the real engine.
 
 import sys
 
+import httpx
 import pytest
 
 from chatgen import environments
@@ -134,7 +135,14 @@ def test_an_unknown_verifiers_environment_is_a_named_error(vf, tmp_path, monkeyp
 @pytest.fixture(scope="module")
 def openenv_app():
     pytest.importorskip("openenv", reason="the openenv extra (openenv-core) is not installed")
-    return environments.factory(OPENENV, {})[0]  # served once for the module
+    from chatgen.environments import openenv_env
+
+    make = environments.factory(OPENENV, {})[0]  # served once for the module
+    yield make
+    url = make().url
+    openenv_env.stop_served()  # (else at exit) nothing left serving
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(url + "/health", timeout=5)
 
 
 def test_an_openenv_server_plays_episodes_one_session_each(openenv_app):
