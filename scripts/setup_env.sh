@@ -15,7 +15,9 @@ py="${CHATGEN_PYTHON:-$(command -v python3.11 || command -v python3)}"
 stamp="$venv/.chatgen-stamp"
 # What the pin file brings that chatgen removes again: its "# chatgen-remove:" line (why: in the file).
 unneeded="$(sed -n 's/^# chatgen-remove: *//p' "$reqs")"
-want="$(cat "$reqs" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
+# the environment adapters' packages, installed without their declared dependencies (why: in the file)
+nodeps="$repo/requirements-verifiers.txt"
+want="$(cat "$reqs" "$nodeps" "$repo/setup.py" | sha256sum | cut -d' ' -f1)"
 
 # bubblewrap isolates the code sandbox (chatgen/sandbox.py, docs/agents.md); without it the sandbox
 # falls back to weaker isolation. Installed where this runs as root with apt; skipped silently otherwise.
@@ -56,6 +58,7 @@ pip_run() {
 [[ -x "$venv/bin/python" ]] || "$py" -m venv "$venv"
 pip_run install --upgrade pip
 pip_run install -r "$reqs"
+pip_run install --no-deps -r "$nodeps"
 [[ -z "$unneeded" ]] || pip_run uninstall -y $unneeded
 pip_run install --no-deps --no-build-isolation -e "$repo"
 if ! check_imports; then

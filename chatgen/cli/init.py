@@ -104,6 +104,18 @@ RECIPES = {
             "configs/grpo_multiturn_tiny/trainer.yaml",
         ],
     ),
+    "verifiers_tiny": (
+        "multi-turn GRPO on an environment written in verifiers' API, through chatgen's adapter; "
+        "CPU (docs/agents.md)",
+        "examples/train_verifiers_tiny.sh",
+        [
+            *TINY,
+            "configs/verifiers_tiny.yaml",
+            "configs/grpo_multiturn_tiny.yaml",
+            "configs/grpo_multiturn_tiny/policy.yaml",
+            "configs/grpo_multiturn_tiny/trainer.yaml",
+        ],
+    ),
     "search_tiny": (
         "a Search-R1-style agent: SmolLM2-135M-Instruct searches a generated corpus with BM25; CPU "
         "(docs/agents.md)",

@@ -160,6 +160,8 @@ EXTRAS = {
     "datasets": "data",
     "math_verify": "math",
     "gymnasium": "gymnasium",
+    "verifiers": "verifiers",
+    "openenv": "openenv",
     "bm25s": "search",
     "wandb": "wandb",
     "mlflow": "mlflow",

@@ -4,6 +4,9 @@
     tool_math                 chat arithmetic with a `python` tool run in chatgen.sandbox
     search                    Search-R1-style questions with a local BM25 `search` tool (bm25s)
     gymnasium:ENV_ID          a gymnasium environment with text observations and actions (extra: gymnasium)
+    verifiers:ENV_ID          a verifiers environment (vf.load_environment's id; extra: verifiers)
+    openenv:URL | openenv:package.module:app
+                              an OpenEnv environment server, running or served by chatgen (extra: openenv)
     package.module:Object     your own: a protocol environment class or factory (reset / step), or a
                               class with `episode(record, temperature, max_tokens)` (docs/multiturn_rl.md)
 
@@ -25,7 +28,11 @@ BUILT_IN = {
     "search": "chatgen.environments.search:SearchEnv",
 }
 # adapter name -> (its class, the package it needs)
-ADAPTERS = {"gymnasium": ("chatgen.environments.gymnasium_env:GymnasiumEnv", "gymnasium")}
+ADAPTERS = {
+    "gymnasium": ("chatgen.environments.gymnasium_env:GymnasiumEnv", "gymnasium"),
+    "verifiers": ("chatgen.environments.verifiers_env:VerifiersEnv", "verifiers"),
+    "openenv": ("chatgen.environments.openenv_env:OpenEnvEnv", "openenv"),
+}
 
 
 def check_name(name) -> str | None:
@@ -55,6 +62,8 @@ def factory(name: str, args: dict):
         path, package = ADAPTERS[adapter]
         require(package, f"the {adapter} environment adapter")
         cls = import_object(path, "class")
+        if hasattr(cls, "prepare"):  # what it loads once, on the run's main thread
+            cls.prepare(rest, args)
         return (lambda: cls(rest, **args)), True
     else:
         obj = import_object(name, "object")

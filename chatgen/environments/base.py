@@ -27,6 +27,7 @@ after the first turn (a chat grown past `seq_length`) ends the episode too, trun
 rewards so far.
 """
 
+import asyncio
 import concurrent.futures
 import dataclasses
 import hashlib
@@ -128,6 +129,22 @@ def call_with_timeout(fn, timeout_s: float, what: str):
             f"{what} did not return within {timeout_s:g} s (step_timeout_s); a tool that "
             "never returns needs its own time limit (chatgen.sandbox)"
         ) from None
+
+
+_loop, _loop_lock = None, threading.Lock()
+
+
+def run_async(coro, wait: bool = True):
+    """Runs `coro` on the process's one event loop for async environment libraries (a daemon
+    thread): chatgen's episodes call reset / step on threads of their own. wait=False: only
+    schedules it (from a finalizer, which may run on the loop's own thread)."""
+    global _loop
+    with _loop_lock:
+        if _loop is None:
+            _loop = asyncio.new_event_loop()
+            threading.Thread(target=_loop.run_forever, daemon=True, name="env-async").start()
+    future = asyncio.run_coroutine_threadsafe(coro, _loop)
+    return future.result() if wait else future
 
 
 def state_key(messages: list) -> str:

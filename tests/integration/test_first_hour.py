@@ -201,6 +201,12 @@ SMALL = {
         "runtime.train_micro_batch_size=8",
         "runtime.train_global_batch_size=8",
     ],
+    "verifiers_tiny": [
+        "runtime.sample_per_episode=8",
+        "policy.n=4",
+        "runtime.train_micro_batch_size=8",
+        "runtime.train_global_batch_size=8",
+    ],
     # the agentic SmolLM2 recipes: one small episode of short turns
     "search_tiny": SMOLLM2_SMALL,
     "tool_math_smollm2": SMOLLM2_SMALL,
@@ -229,6 +235,8 @@ SLOW = {
     "grpo_tiny_lora",
     "grpo_tiny_fsdp",
     "opd_tiny",
+    # gymnasium_tiny's episode with the verifiers adapter (trained on in test_agents_rl.py)
+    "verifiers_tiny",
 }
 
 

@@ -30,9 +30,11 @@ def setup_extras() -> dict:
 def test_every_optional_package_has_its_extra_in_setup_py():
     extras = setup_extras()
     for package, extra in imports.EXTRAS.items():
-        # a distribution's name may differ from its module's: math-verify / math_verify, mlflow-skinny / mlflow
+        # a distribution's name may differ from its module's: math-verify / math_verify, mlflow-skinny /
+        # mlflow, openenv-core / openenv
         names = [req.split("=")[0].split(">")[0].replace("-", "_") for req in extras[extra]]
-        assert any(n in (package, f"{package}_cpu", f"{package}_skinny") for n in names), (
+        suffixes = ("", "_cpu", "_skinny", "_core")
+        assert any(n in [package + s for s in suffixes] for n in names), (
             package,
             extra,
             names,

@@ -17,9 +17,10 @@ mid-conversation (mode keep) and each token stamped with its version. docs/multi
 details.
 
 `runtime.algorithm.environment` names the environment (chatgen.environments, docs/agents.md): a
-built-in (`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`), or your own
-'package.module:Object': a reset/step protocol environment, played turn by turn with its tools and
-the server's parsed `tool_calls` (`tool_call_parser`), or a class with `episode`:
+built-in (`calculator`, `tool_math`, `search`), an adapter (`gymnasium:ENV_ID`, `verifiers:ENV_ID`,
+`openenv:URL`), or your own 'package.module:Object': a reset/step protocol environment, played turn
+by turn with its tools and the server's parsed `tool_calls` (`tool_call_parser`), or a class with
+`episode`:
 
     class MyEnv:
         def __init__(self, base_url: str, api_key: str, model: str): ...   # once per run
@@ -55,10 +56,13 @@ from chatgen.rlhf.schema import Role
 class Config(grpo.Config):
     environment: Optional[str] = opt(
         None,
-        "the environment: a built-in (calculator, tool_math, search), gymnasium:ENV_ID, or "
+        "the environment: a built-in (calculator, tool_math, search), an adapter "
+        "(gymnasium:ENV_ID, verifiers:ENV_ID, openenv:URL or openenv:module:app), or "
         "'package.module:Object' (importable from the directory you run in; docs/agents.md)",
     )
-    environment_args: dict = opt({}, "keyword arguments of the environment (or gymnasium.make)")
+    environment_args: dict = opt(
+        {}, "keyword arguments of the environment (or gymnasium.make, vf.load_environment)"
+    )
     max_turns: int = opt(8, "protocol environments: model turns per episode, then truncated")
     max_episode_tokens: Optional[int] = opt(
         None,
