@@ -168,16 +168,27 @@ EXTRAS = {
 }
 
 
+# extras whose declared dependencies would change the stack beside vLLM: their pinned set installs
+# without resolution (the file says why)
+NO_DEPS = {"verifiers": "requirements-verifiers.txt", "openenv": "requirements-verifiers.txt"}
+
+
 def require(package: str, what: str) -> None:
     """Raise MissingPackage unless `package` (a top-level module in EXTRAS) can be imported;
     `what` names the part that needs it (a backend, a command). Checked before the import, so the
     user reads what to install instead of a ModuleNotFoundError from deep inside chatgen."""
     if importlib.util.find_spec(package) is None:
         extra = EXTRAS[package]
+        how = (
+            f"`pip install --no-deps -r {NO_DEPS[extra]}` beside vLLM (`pip install "
+            f"'chatgen[{extra}]'` alone would resolve their dependencies against it)"
+            if extra in NO_DEPS
+            else f"`pip install 'chatgen[{extra}]'` (the tested versions: requirements.txt on "
+            "CPU, requirements-gpu.txt on CUDA)"
+        )
         raise MissingPackage(
             f"{what} needs the Python package {package!r}, which is not installed in this "
-            f"environment; install it with `pip install 'chatgen[{extra}]'` (the tested versions: "
-            "requirements.txt on CPU, requirements-gpu.txt on CUDA)",
+            f"environment; install it with {how}",
             name=package,
         )
 

@@ -176,6 +176,8 @@ def test_an_adapter_without_its_library_names_the_extra(name, monkeypatch):
     adapter = name.split(":")[0]
     monkeypatch.setitem(sys.modules, adapter, None)  # Python's own "not importable" mark
     with pytest.raises(
-        MissingPackage, match=rf"{adapter} environment adapter.*chatgen\[{adapter}\]"
+        MissingPackage,
+        match=rf"{adapter} environment adapter.*--no-deps -r requirements-verifiers.txt.*"
+        rf"chatgen\[{adapter}\]",
     ):
         environments.factory(name, {})
