@@ -67,3 +67,21 @@ def test_fast_path_generates_what_vllms_path_does(module, monkeypatch):
     assert all(len(tokens) == 40 for tokens, _ in fast)
     # vLLM's path: every request at every step; the fast path's fall-throughs: prefill and new blocks
     assert len(slow_calls) >= 4 * 40 and steps_fast < len(slow_calls) / 4, (steps_fast, slow_calls)
+
+
+def test_a_call_gets_each_finished_request_once_in_order(module, monkeypatch):
+    """The engine loop hands a call each step's finished outputs as one list: every request still
+    reaches `on_finished` once and the call returns them all, sorted by request id."""
+    seen = []
+    monkeypatch.setattr(module, "on_finished", seen.append)
+    items = module.build_dataset(PROMPTS * 3)
+    first = [o.outputs[0].token_ids for o in module.finished(items[:4], greedy=True)]
+    for i, item in enumerate(items[4:]):  # stopping at their 1st or 5th token: different steps
+        item["stop_token_ids"] = [first[i % 4][0 if i < 4 else 4]]
+    seen.clear()
+    outputs = module.finished(items, greedy=True)
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    assert lengths[:4] == [40] * 4 and max(lengths[4:8]) == 1 and max(lengths[8:]) <= 5
+    ids = [int(o.request_id) for o in outputs]
+    assert ids == sorted(ids) and len(ids) == 12
+    assert sorted(int(o.request_id) for o in seen) == ids and all(o.finished for o in seen)
