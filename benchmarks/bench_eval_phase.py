@@ -1,14 +1,19 @@
 # .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5]
-"""The main job's held-out evaluation (configs/grpo_tiny.yaml: 256 greedy prompts, one engine call),
-before and after the batched request path (chatgen.generation.vllm.adapter.request_batch), alternating
-in one process so that the machine's load hits both alike.
+"""The main job's held-out evaluation (configs/grpo_tiny.yaml: 256 greedy prompts, one engine call)
+against TRL's (its GRPOTrainer evaluates, in benchmarks/bench_vs_trl.py, with HF transformers'
+`model.generate`, greedy, of the same left-padded token ids), and before and after the batched
+request path (chatgen.generation.vllm.adapter.request_batch): "after", "before" and "hf"
+alternate in one process so that the machine's load hits them alike.
 
 "before" is VLLMModule._queue as it was: a SamplingParams built per prompt and each prompt through
 vLLM's whole input processing (validation, rendering, a deep copy of the params); "after" is the
 shipped _queue: one params object per kind of prompt, vLLM's processing once per kind and a copy of
 the processed request for the rest. Both give the same tokens (the script asserts the metrics are
-equal). Writes {"before_s": [...], "after_s": [...], "ratio": median after / median before,
-"load": the 1-minute load average at start and end} to --output.
+equal). "hf" is `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL
+worker of bench_vs_trl runs. Writes {"before_s", "after_s", "hf_s": [wall s per evaluation],
+"cpu_s": {variant: [process CPU s per evaluation]}, "ratio": median after / median before,
+"after_over_hf", "cpu_after_over_hf": the same of the CPU time (the less load-sensitive figure on a
+shared machine), "load": the 1-minute load average at start and end} to --output.
 """
 
 import argparse
@@ -40,6 +45,37 @@ def queue_before(self, items, is_eval=False, greedy=False) -> list:
     return request_ids
 
 
+def hf_generate(cfg, prompts: list):
+    """TRL's held-out evaluation as bench_vs_trl's TRL worker runs it: the policy's weights in HF
+    transformers, greedy `model.generate` of the left-padded prompts, max_new_tokens and EOS as
+    the policy's; returns a function that runs it once (texts decoded, as the worker does)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    policy = cfg.models["policy"].config  # the VLLMConfig the run's engine was built from
+    tokenizer = AutoTokenizer.from_pretrained(policy.load)
+    model = AutoModelForCausalLM.from_pretrained(policy.load, dtype=torch.float32).eval()
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    width = max(map(len, prompts))
+    inputs = {
+        "input_ids": torch.tensor([[pad] * (width - len(p)) + p for p in prompts]),
+        "attention_mask": torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts]),
+    }
+
+    def run() -> list:
+        with torch.no_grad():
+            ids = model.generate(
+                **inputs,
+                max_new_tokens=policy.max_new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+                eos_token_id=tokenizer.eos_token_id,
+            )
+        return tokenizer.batch_decode(ids[:, width:], skip_special_tokens=True)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
@@ -58,37 +94,53 @@ def main() -> None:
         [f"runtime.output_dir={out_dir}/run", "runtime.save_episode_interval=null"],
     )
     after = VLLMModule._queue
-    times = {"before": [], "after": []}
+    times = {"after": [], "before": [], "hf": []}
+    cpu = {name: [] for name in times}
     results = {}
     load = [os.getloadavg()[0]]
     try:
         with Run(cfg, False, grpo.PHASES, print, records_per_episode=32) as run:
+            hf = hf_generate(cfg, [item["input_ids"] for item in run.data.eval_items])
             run.evaluate()  # warm-up
+            hf()
             for _ in range(args.rounds):
-                for name, queue in (("before", queue_before), ("after", after)):
-                    VLLMModule._queue = queue
+                for name in times:
+                    VLLMModule._queue = queue_before if name == "before" else after
                     for _ in range(args.evals):
-                        start = time.perf_counter()
-                        results[name] = run.evaluate()
+                        start, start_cpu = time.perf_counter(), time.process_time()
+                        if name == "hf":
+                            hf()
+                        else:
+                            results[name] = run.evaluate()
                         times[name].append(time.perf_counter() - start)
+                        cpu[name].append(time.process_time() - start_cpu)
     finally:
         VLLMModule._queue = after
         shutil.rmtree(out_dir, ignore_errors=True)
     load.append(os.getloadavg()[0])
     assert results["before"] == results["after"], results  # the same greedy tokens, scored
+    median = {name: statistics.median(values) for name, values in times.items()}
+    median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
     report = {
         "before_s": times["before"],
         "after_s": times["after"],
-        "median_before_s": statistics.median(times["before"]),
-        "median_after_s": statistics.median(times["after"]),
-        "ratio": statistics.median(times["after"]) / statistics.median(times["before"]),
+        "hf_s": times["hf"],
+        "cpu_s": cpu,
+        "median_before_s": median["before"],
+        "median_after_s": median["after"],
+        "median_hf_s": median["hf"],
+        "median_cpu_s": median_cpu,
+        "ratio": median["after"] / median["before"],
+        "after_over_hf": median["after"] / median["hf"],
+        "cpu_after_over_hf": median_cpu["after"] / median_cpu["hf"],
         "load": load,
         "cpus": os.cpu_count(),
     }
     print(json.dumps({k: v for k, v in report.items() if not k.endswith("_s")}, indent=1))
     print(
-        f"median per evaluation: before {report['median_before_s']:.3f} s, after "
-        f"{report['median_after_s']:.3f} s"
+        f"median per evaluation: before {median['before']:.3f} s, after {median['after']:.3f} s, "
+        f"HF generate (TRL's) {median['hf']:.3f} s; CPU s: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in median_cpu.items())
     )
     with open(args.output, "w") as f:
         json.dump(report, f, indent=1)

@@ -29,6 +29,7 @@ import atexit
 import contextlib
 import gc
 import os
+import threading
 
 from chatgen.compat.chatlearn import dialect as compat_dialect
 from chatgen.config import ConfigError, load_model_config
@@ -62,6 +63,37 @@ def startup_gc():
         gc.freeze()
         if enabled:
             gc.enable()
+
+
+_pauses = 0  # collection_paused blocks open now, over all threads
+_resume = False  # whether collection was on when the first of them began
+_pauses_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """Python's cyclic garbage collector off inside the block (what was collected before, and
+    whether collection was on, unchanged after it).
+
+    A generation call makes and drops thousands of small objects per engine step (vLLM's per-request
+    scheduler and output records): ~6% of the tiny model's 256-prompt evaluation went to the
+    young-generation collections they set off, which find almost nothing (their objects are freed by
+    reference counting). Blocks may overlap across threads (a server's calls): collection resumes
+    when the last one ends, and only if it was on when the first began.
+    """
+    global _pauses, _resume
+    with _pauses_lock:
+        if _pauses == 0:
+            _resume = gc.isenabled()
+            gc.disable()
+        _pauses += 1
+    try:
+        yield
+    finally:
+        with _pauses_lock:
+            _pauses -= 1
+            if _pauses == 0 and _resume:
+                gc.enable()
 
 
 # How the run dispatches a declared method over a model's worker ranks (chatgen.rlhf.runtime's

@@ -1,10 +1,12 @@
-"""chatgen.module: the garbage-collection pause around model startup (`startup_gc`)."""
+"""chatgen.module: the garbage-collection pauses around model startup (`startup_gc`) and generation
+calls (`collection_paused`)."""
 
 import gc
+import threading
 
 import pytest
 
-from chatgen.module import Module, startup_gc
+from chatgen.module import Module, collection_paused, startup_gc
 
 
 @pytest.fixture(autouse=True)
@@ -63,3 +65,30 @@ def test_module_start_builds_with_collection_paused():
     gc.enable()
     probe = Probe().start()
     assert seen == [False, False] and gc.isenabled() and made_inside_is_frozen(probe.built)
+
+
+def test_generation_pause_resumes_after_the_last_of_overlapping_blocks():
+    """Blocks of two threads that overlap (a server's calls): collection stays off until the last
+    one ends, is on after it, and nothing is frozen."""
+    gc.enable()
+    entered, leave = threading.Event(), threading.Event()
+
+    def other_call():
+        with collection_paused():
+            entered.set()
+            leave.wait(10)
+
+    with collection_paused():
+        made = [[]]
+        thread = threading.Thread(target=other_call)
+        thread.start()
+        assert entered.wait(10) and not gc.isenabled()
+    assert not gc.isenabled()  # the other call still runs
+    leave.set()
+    thread.join(10)
+    assert gc.isenabled() and not made_inside_is_frozen(made)
+    gc.disable()
+    with pytest.raises(RuntimeError, match="call failed"):
+        with collection_paused():
+            raise RuntimeError("call failed")
+    assert not gc.isenabled()  # off before: off after

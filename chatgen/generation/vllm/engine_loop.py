@@ -56,8 +56,11 @@ class _Call:
     """One submitted generation call: its module (hooks), its request ids and where its outputs
     go."""
 
-    def __init__(self, owner, add, notify, is_eval=False):
+    def __init__(self, owner, add, notify, is_eval=False, batched=False):
         self.owner, self.add, self.notify, self.is_eval = owner, add, notify, is_eval
+        # batched: a step's outputs arrive as one list (one wake-up of the waiting thread per step
+        # rather than per request: `run`); else one event per output (`stream`)
+        self.batched = batched
         self.request_ids, self.unfinished = [], set()
         self.steps, self.kv_peak, self.done, self.error = 0, 0.0, False, None
         self.hold = handover.requested()  # (steps, weight version) or None: WeightUpdates._held
@@ -197,7 +200,7 @@ class EngineLoop(WeightUpdates):
         finishes (on this thread). Returns (finished RequestOutputs sorted by request id,
         {"engine_steps", "kv_cache_usage_peak"})."""
         events = queue.SimpleQueue()
-        call = _Call(owner, add, events.put, is_eval)
+        call = _Call(owner, add, events.put, is_eval, batched=True)
         self._post(lambda: self._start(call))
         finished = []
         try:
@@ -207,10 +210,11 @@ class EngineLoop(WeightUpdates):
                     break
                 if isinstance(event, BaseException):
                     raise event
-                if event.finished:
-                    finished.append(event)
-                    if on_finished is not None:
-                        on_finished(event)
+                for output in event if isinstance(event, list) else (event,):
+                    if output.finished:
+                        finished.append(output)
+                        if on_finished is not None:
+                            on_finished(output)
         except BaseException:  # leave the engine empty of this call's requests
             if not call.done:
                 self._post(lambda: self._abort(call))
@@ -432,6 +436,7 @@ class EngineLoop(WeightUpdates):
         for call in self._active:
             call.steps += 1
             call.kv_peak = max(call.kv_peak, usage)
+        routed = {}  # call -> its outputs of this step, in order
         for output in outputs:
             call = self._calls.get(output.request_id)
             if call is None:  # a request someone added to the engine directly: not ours to route
@@ -441,7 +446,14 @@ class EngineLoop(WeightUpdates):
             if output.finished:
                 del self._calls[output.request_id]
                 call.unfinished.discard(output.request_id)
-            call.notify(output)
+            if call.batched:
+                routed.setdefault(call, []).append(output)
+            else:
+                call.notify(output)
+                if not call.unfinished:
+                    self._finish(call)
+        for call, delivered in routed.items():
+            call.notify(delivered)
             if not call.unfinished:
                 self._finish(call)
 

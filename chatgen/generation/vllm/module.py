@@ -34,6 +34,7 @@ from chatgen.generation.vllm import adapter
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
+from chatgen.module import collection_paused
 
 logger = logging.getLogger(__name__)
 
@@ -417,7 +418,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         and records `self.metrics`."""
         self._check_ready()
         start = time.perf_counter()
-        finished, stats = self.engine_loop.run(self, add_requests, is_eval, self.on_finished)
+        with collection_paused():  # see chatgen.module.collection_paused
+            finished, stats = self.engine_loop.run(self, add_requests, is_eval, self.on_finished)
         self._decode_texts(finished)
         self.metrics = {**call_metrics(finished, time.perf_counter() - start), **stats}
         return finished
