@@ -181,3 +181,25 @@ def exit_without_teardown(code: int) -> None:
     except (OSError, AttributeError):
         pass
     os._exit(code)
+
+
+def own_cores(slot: int, each: int, allowed: set) -> set | None:
+    """The cores of the `slot`-th engine apart on a node (its engines of `each` OpenMP threads
+    take the node's `allowed` cores in order, `each` apiece), or None when the node has fewer
+    cores than that slot needs: then the engine floats. Two tiny-model engines that floated on the
+    same 2 cores served their sessions no faster than one (benchmarks/bench_agentic.py)."""
+    cores = sorted(allowed)
+    if each < 1 or (slot + 1) * each > len(cores):
+        return None
+    return set(cores[slot * each : (slot + 1) * each])
+
+
+def pin_process(cores: set) -> None:
+    """Every thread of this process on `cores`, and the threads it starts later (a thread
+    inherits its creator's mask): os.sched_setaffinity sets one thread's (Linux), and a Ray
+    actor has started its own threads before its constructor runs."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass

@@ -39,6 +39,7 @@ from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class, require
+from chatgen.core.process_tuning import own_cores, pin_process
 from chatgen.generation.base import load_backend
 from chatgen.module import remote_methods, startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
@@ -97,8 +98,14 @@ class ModelWorker:
     and what the run attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an
     HTTP server), closed before the models shut down."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
+    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict, slot=None):
         os.environ.update(env)
+        # an engine apart on a CPU node: the slot-th `num_threads` cores of the node its own,
+        # unless VLLM_CPU_OMP_THREADS_BIND says otherwise (nobind, or cores of its own choosing)
+        if slot is not None and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            cores = own_cores(slot, num_threads, os.sched_getaffinity(0))
+            if cores is not None:
+                pin_process(cores)
         # Ray: own devices
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
@@ -206,6 +213,11 @@ class ActorGroup:
             # steps with the same OpenMP team (vLLM's CPU attention refuses a step planned for
             # another), and torch.set_num_threads reaches only its calling thread
             env = {**env, "OMP_NUM_THREADS": str(threads)}
+        # on CPU nodes each engine apart gets cores of its own: its slot among the node's engines
+        slots = [
+            self.nodes[:r].count(node) if engines_apart and not plan.gpus else None
+            for r, node in enumerate(self.nodes)
+        ]
         self.actors = [
             worker.options(
                 max_concurrency=CONCURRENT_CALLS if engines_apart else 1,
@@ -216,7 +228,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(r, world, threads, env)
+            ).remote(r, world, threads, env, slots[r])
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
