@@ -3,7 +3,7 @@
 asynchronous (k = 2) steps, with 1 and 2 engine replicas, on a multi-turn environment with
 long-tailed turn counts and a slow tool.
 
-The policy (the tiny Llama widened to --hidden 512, so that an engine step's time is the model's
+The policy (the tiny Llama widened to --hidden 1024, so that an engine step's time is the model's
 work, as with real models, rather than Python's per-step overhead, which a hidden size of 128 is
 all) runs as 2 replicas in Ray actors apart, one core each (tests/helpers.served_replicas:
 chatgen.rlhf.runtime.engines_apart), each serving OpenAI HTTP (chatgen.serving.embedded); the
@@ -142,7 +142,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--batch", type=int, default=32, help="sessions per step (any replica count)")
     p.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn")
-    p.add_argument("--hidden", type=int, default=512, help="the tiny Llama's hidden size")
+    p.add_argument("--hidden", type=int, default=1024, help="the tiny Llama's hidden size")
     p.add_argument(
         "--train-s", type=float, default=1.0, help="the trainer stand-in's seconds per step"
     )
@@ -158,7 +158,12 @@ def main(argv=None) -> int:
 
     from chatgen.param_sync import ShmSender
 
-    width = {"hidden_size": args.hidden, "intermediate_size": args.hidden * 11 // 4}
+    width = {  # the tiny Llama's proportions; heads of 128
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 11 // 4,
+        "num_attention_heads": args.hidden // 128,
+        "num_key_value_heads": max(1, args.hidden // 256),
+    }
     model = chat_model(
         build_tiny_model("tiny_llama", max_position_embeddings=1024, **width),
         Path(f"/tmp/bench_agentic/model-{args.hidden}"),
