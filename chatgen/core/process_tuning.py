@@ -183,15 +183,15 @@ def exit_without_teardown(code: int) -> None:
     os._exit(code)
 
 
-def own_cores(slot: int, each: int, allowed: set) -> set | None:
-    """The cores of the `slot`-th engine apart on a node (its engines of `each` OpenMP threads
-    take the node's `allowed` cores in order, `each` apiece), or None when the node has fewer
-    cores than that slot needs: then the engine floats. Two tiny-model engines that floated on the
-    same 2 cores served their sessions no faster than one (benchmarks/bench_agentic.py)."""
+def own_cores(first: int, count: int, allowed: set) -> set | None:
+    """The cores of an engine apart on a node: the node's engines take its `allowed` cores in
+    order, `count` apiece (their OpenMP threads), this one from index `first`; None when the node
+    has too few left: then the engine floats. Two tiny-model engines that floated on the same 2
+    cores served their sessions no faster than one (benchmarks/bench_agentic.py)."""
     cores = sorted(allowed)
-    if each < 1 or (slot + 1) * each > len(cores):
+    if count < 1 or first + count > len(cores):
         return None
-    return set(cores[slot * each : (slot + 1) * each])
+    return set(cores[first : first + count])
 
 
 def pin_process(cores: set) -> None:

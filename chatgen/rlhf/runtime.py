@@ -98,12 +98,12 @@ class ModelWorker:
     and what the run attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an
     HTTP server), closed before the models shut down."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict, slot=None):
+    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict, first_core=None):
         os.environ.update(env)
-        # an engine apart on a CPU node: the slot-th `num_threads` cores of the node its own,
-        # unless VLLM_CPU_OMP_THREADS_BIND says otherwise (nobind, or cores of its own choosing)
-        if slot is not None and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
-            cores = own_cores(slot, num_threads, os.sched_getaffinity(0))
+        # an engine apart on a CPU node: `num_threads` of the node's cores its own, from index
+        # first_core, unless VLLM_CPU_OMP_THREADS_BIND says otherwise (nobind, or its own cores)
+        if first_core is not None and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            cores = own_cores(first_core, num_threads, os.sched_getaffinity(0))
             if cores is not None:
                 pin_process(cores)
         # Ray: own devices
@@ -187,6 +187,7 @@ class ActorGroup:
         multi_node: bool = False,
         strategy: str = "PACK",
         engines_apart: bool = False,
+        taken: dict | None = None,
     ):
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
@@ -213,11 +214,13 @@ class ActorGroup:
             # steps with the same OpenMP team (vLLM's CPU attention refuses a step planned for
             # another), and torch.set_num_threads reaches only its calling thread
             env = {**env, "OMP_NUM_THREADS": str(threads)}
-        # on CPU nodes each engine apart gets cores of its own: its slot among the node's engines
-        slots = [
-            self.nodes[:r].count(node) if engines_apart and not plan.gpus else None
-            for r, node in enumerate(self.nodes)
-        ]
+        # on CPU nodes each engine apart gets cores of its own, after those of the engines apart
+        # of the groups before (taken: node -> the cores they hold)
+        taken, first_core = ({} if taken is None else taken), []
+        for node in self.nodes:
+            first_core.append(taken.get(node, 0) if engines_apart and not plan.gpus else None)
+            if first_core[-1] is not None:
+                taken[node] = first_core[-1] + threads
         self.actors = [
             worker.options(
                 max_concurrency=CONCURRENT_CALLS if engines_apart else 1,
@@ -228,7 +231,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(r, world, threads, env, slots[r])
+            ).remote(r, world, threads, env, first_core[r])
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
@@ -385,7 +388,7 @@ class Runtime:
             strategy = cfg.runtime.placement_strategy
             if not local and (problems := placement_problems(plans, alive_nodes(), strategy, cfg)):
                 raise ConfigError(problems)
-            env = worker_env()
+            env, taken = worker_env(), {}  # taken: node -> cores its engines apart hold
             for plan in plans:
                 t0 = time.perf_counter()
                 if local:
@@ -398,6 +401,7 @@ class Runtime:
                         multi_node=bool(address),
                         strategy=strategy,
                         engines_apart=engines_apart(cfg, plan.names),
+                        taken=taken,
                     )
                 groups.append(group)
                 if not local and (

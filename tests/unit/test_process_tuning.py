@@ -10,12 +10,12 @@ from chatgen.core.process_tuning import own_cores
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_each_engine_slot_takes_its_own_cores_in_order_or_floats_when_they_run_out():
+def test_each_engine_takes_its_own_cores_in_order_or_floats_when_they_run_out():
     allowed = {3, 0, 5, 1}
-    assert [own_cores(slot, 1, allowed) for slot in range(4)] == [{0}, {1}, {3}, {5}]
-    assert own_cores(1, 2, allowed) == {3, 5}
+    assert [own_cores(first, 1, allowed) for first in range(4)] == [{0}, {1}, {3}, {5}]
+    assert own_cores(1, 2, allowed) == {1, 3}
     assert own_cores(4, 1, allowed) is None  # a fifth engine on four cores floats
-    assert own_cores(2, 2, allowed) is None
+    assert own_cores(3, 2, allowed) is None
 
 
 def test_pinning_reaches_the_threads_already_running_and_those_started_later():
