@@ -1,25 +1,29 @@
-# PYTHONPATH=. .venv/bin/python benchmarks/bench_agentic.py --rounds 2 --steps 4 --output /tmp/bench_agentic.json --plot docs/agentic_timeline.png
+# PYTHONPATH=. .venv/bin/python benchmarks/bench_agentic.py --output /tmp/bench_agentic.json --plot docs/agentic_timeline.png
 """Agentic episodes over engines: episodes/s, engine and trainer idle fractions for synchronous vs
 asynchronous (k = 2) steps, with 1 and 2 engine replicas, on a multi-turn environment with
 long-tailed turn counts and a slow tool.
 
-The policy (the tiny Llama with the calculator's chat template) runs as 2 replicas in Ray actors apart
-(chatgen.rlhf.runtime.engines_apart), each serving OpenAI HTTP (chatgen.serving.embedded); the
-episodes are chatgen.rlhf.algorithms.grpo_multiturn.run_episodes over one or both servers (a record's
-sessions pinned to one engine). The environment (`LongTail`, below): each session takes 1-12 model
-turns (long-tailed: 56% take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in 8 sleeps
-8x as long: the slow tool). The trainer is a stand-in: `--train-s` seconds per step (no gradient), then
-the weights go to every engine through shared memory (`load_shared_weights`): mode `wait` when
-synchronous, mode `keep` with sessions in flight when asynchronous. Asynchronous k = 2: batch j starts
-once the engines hold version >= j - 2 (the staleness bound of docs/async_rl.md), on a thread of its
-own, so the next batches' sessions run while the trainer trains. Modes alternate within each round.
-Prints one line per run and a JSON summary (--output); --plot draws the engine / trainer timeline of
-the last round.
+The policy (the tiny Llama widened to --hidden 1024, so that an engine step's time is the model's
+work, as with real models, rather than Python's per-step overhead, which a hidden size of 128 is
+all) runs as 2 replicas in Ray actors apart, one core each (tests/helpers.served_replicas:
+chatgen.rlhf.runtime.engines_apart), each serving OpenAI HTTP (chatgen.serving.embedded); the
+episodes are chatgen.rlhf.algorithms.grpo_multiturn.run_episodes over one or both servers (a
+record's sessions start on the engine with the fewest in flight, and stay there). The environment
+(`LongTail`, below): each session takes 1-12 model turns of up to --max-tokens (long-tailed: 56%
+take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in 8 sleeps 8x as long: the slow
+tool). The trainer is a stand-in: `--train-s` seconds per step (no gradient), then the weights go to
+every engine through shared memory (`load_shared_weights`): mode `wait` when synchronous, mode `keep`
+with sessions in flight when asynchronous. Asynchronous k = 2: batch j starts once the engines hold
+version >= j - 2 (the staleness bound of docs/async_rl.md), on a thread of its own, so the next
+batches' sessions run while the trainer trains and while a batch's longest sessions finish. A step
+plays --batch sessions whatever the replica count (the same work: 2 replicas must play it faster).
+Modes alternate within each round. Prints one line per run (with the CPU each replica's process and
+the driver used, in cores) and a JSON summary (--output); --plot draws the engine / trainer
+timeline of the last round.
 """
 
 import argparse
 import concurrent.futures
-import dataclasses
 import json
 import os
 import random
@@ -62,10 +66,6 @@ class LongTail:
         return Episode(turns=turns, reward=0.0)
 
 
-def _steps_run(worker, name):
-    return worker.models[name].engine_loop.steps_run
-
-
 def busy(intervals, t0, t1) -> float:
     """Seconds of [t0, t1] covered by the union of `intervals`."""
     total, end = 0.0, t0
@@ -77,7 +77,7 @@ def busy(intervals, t0, t1) -> float:
     return total
 
 
-def run_mode(policy, envs, records, k, steps, batch, train_s, push):
+def run_mode(envs, records, k, steps, batch, train_s, push, args):
     """`steps` steps of `batch` records each; k = 0 synchronous, else async with bound k. Returns
     (metrics, engine intervals, trainer intervals)."""
     from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
@@ -90,7 +90,7 @@ def run_mode(policy, envs, records, k, steps, batch, train_s, push):
         with cond:  # admission: the engines hold version >= j - k
             cond.wait_for(lambda: version[0] >= j - k)
         start = time.perf_counter()
-        out = run_episodes(envs, records[j * batch : (j + 1) * batch], 1, 1.0, 8)
+        out = run_episodes(envs, records[j * batch : (j + 1) * batch], 1, 1.0, args.max_tokens)
         with lock:
             gen.append((start, time.perf_counter()))
         return out
@@ -122,11 +122,27 @@ def run_mode(policy, envs, records, k, steps, batch, train_s, push):
     return metrics, [(a - t0, b - t0) for a, b in gen], [(a - t0, b - t0) for a, b in train]
 
 
+def cpu_seconds(pids: list) -> list:
+    """User + system CPU seconds each process has run (Linux /proc/PID/stat)."""
+    tick, out = os.sysconf("SC_CLK_TCK"), []
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        out.append((int(fields[11]) + int(fields[12])) / tick)  # utime, stime
+    return out
+
+
+def _pid(worker):
+    return os.getpid()
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=16, help="sessions per step")
+    p.add_argument("--batch", type=int, default=32, help="sessions per step (any replica count)")
+    p.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn")
+    p.add_argument("--hidden", type=int, default=1024, help="the tiny Llama's hidden size")
     p.add_argument(
         "--train-s", type=float, default=1.0, help="the trainer stand-in's seconds per step"
     )
@@ -137,37 +153,27 @@ def main(argv=None) -> int:
     LongTail.tool_s = args.tool_s
 
     from conftest import build_tiny_model
+    from helpers import chat_model, served_replicas
     from safetensors.torch import load_file
 
-    from chatgen.environments.calculator import write_template
     from chatgen.param_sync import ShmSender
-    from chatgen.rlhf.algorithms.grpo_multiturn import _serve
-    from chatgen.rlhf.config import load_config
-    from chatgen.rlhf.runtime import Runtime
 
-    model = Path("/tmp/bench_agentic/model")
-    if not (model / "chat_template.jinja").exists():
-        model.mkdir(parents=True, exist_ok=True)
-        for f in build_tiny_model("tiny_llama").iterdir():
-            (model / f.name).write_bytes(f.read_bytes())
-        write_template(model)
-    cfg = load_config(
-        REPO / "configs/grpo_multiturn_tiny.yaml",
-        [
-            f"policy.load={model}",
-            f"policy_trainer.load={model}",
-            "models.policy.num_cpu=1",
-            "policy.seq_length=320",  # 12 turns of 8 tokens, tool replies between
-        ],
+    width = {  # the tiny Llama's proportions; heads of 128
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 11 // 4,
+        "num_attention_heads": args.hidden // 128,
+        "num_key_value_heads": max(1, args.hidden // 256),
+    }
+    model = chat_model(
+        build_tiny_model("tiny_llama", max_position_embeddings=1024, **width),
+        Path(f"/tmp/bench_agentic/model-{args.hidden}"),
     )
-    runtime = dataclasses.replace(cfg.runtime, colocation=[], launcher="ray")
-    policy_entry = dataclasses.replace(cfg.models["policy"], num_replicas=2)
-    cfg = dataclasses.replace(cfg, runtime=runtime, models={"policy": policy_entry})
-    rt = Runtime.start(cfg, log=print)
     state = list(load_file(str(model / "model.safetensors")).items())
-    try:
+    # 12 turns of --max-tokens, the template's and the tool's tokens between
+    overrides = ["policy.seq_length=1024"]
+    with served_replicas(model, 2, "bench-key", overrides) as (rt, urls):
         policy = rt["policy"]
-        urls = policy.run(_serve, "policy", "bench-key", None)
+        pids = policy.run(_pid) + [os.getpid()]  # replica 0, replica 1, the driver
         envs = [LongTail(url, "bench-key", "policy") for url in urls]
         sender = ShmSender.owned(policy.token)
 
@@ -182,33 +188,36 @@ def main(argv=None) -> int:
                 records = [
                     {
                         "prompt": f"sort: {i % 10} {(i * 7) % 10} {(i * 3) % 10} =",
-                        "round": rnd * 100 + i,
+                        "round": rnd * 1000 + i,
                     }
                     for i in range(args.steps * args.batch)
                 ]
-                load = os.getloadavg()[0]
+                load, cpu0 = os.getloadavg()[0], cpu_seconds(pids)
                 m, gen, train = run_mode(
-                    policy, envs[:replicas], records, k, args.steps, args.batch, args.train_s, push
+                    envs[:replicas], records, k, args.steps, args.batch, args.train_s, push, args
                 )
-                m["load"] = load
+                cpu = [b - a for a, b in zip(cpu0, cpu_seconds(pids))]
+                wall = m["s_per_step"] * args.steps
+                # how busy each replica's process (engine, server) and the driver kept a core
+                m.update({f"cpu_replica{i}": cpu[i] / wall for i in range(2)})
+                m.update(cpu_driver=cpu[2] / wall, load=load)
                 results.setdefault(name, []).append(m)
                 timelines[name] = {"engine": gen, "trainer": train}
                 print(name, json.dumps({key: round(v, 3) for key, v in m.items()}), flush=True)
         sender.close()
-    finally:
-        rt.shutdown()
     summary = {
         name: {key: statistics.median(r[key] for r in runs) for key in runs[0]}
         for name, runs in results.items()
     }
-    ratios = {
-        "episodes_per_s_2rep_over_1rep_sync": summary["sync_2rep"]["episodes_per_s"]
-        / summary["sync_1rep"]["episodes_per_s"],
-        "s_per_step_async_over_sync_1rep": summary["async_k2_1rep"]["s_per_step"]
-        / summary["sync_1rep"]["s_per_step"],
-        "s_per_step_async_over_sync_2rep": summary["async_k2_2rep"]["s_per_step"]
-        / summary["sync_2rep"]["s_per_step"],
-    }
+    ratios = {}
+    for k in ("sync", "async_k2"):
+        ratios[f"episodes_per_s_2rep_over_1rep_{k}"] = (
+            summary[f"{k}_2rep"]["episodes_per_s"] / summary[f"{k}_1rep"]["episodes_per_s"]
+        )
+    for r in (1, 2):
+        ratios[f"s_per_step_async_over_sync_{r}rep"] = (
+            summary[f"async_k2_{r}rep"]["s_per_step"] / summary[f"sync_{r}rep"]["s_per_step"]
+        )
     out = {
         "args": vars(args),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

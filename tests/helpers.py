@@ -469,3 +469,44 @@ def policy_loss(logprobs, old, advantages, mask, ref_logprobs=None, is_weights=N
         is_weights=is_weights,
     )
     return losses.policy_loss(logprobs, batch, losses.PolicyLossOptions(**knobs))
+
+
+# ---- multi-turn policy replicas (tests/integration/test_multiturn_replicas.py, bench_agentic.py)
+
+
+def chat_model(source: Path, out: Path) -> Path:
+    """A copy of the tiny model at `source` in `out` with the calculator's chat template."""
+    from chatgen.environments.calculator import write_template
+
+    out.mkdir(parents=True, exist_ok=True)
+    for f in source.iterdir():
+        (out / f.name).write_bytes(f.read_bytes())
+    write_template(out)
+    return out
+
+
+@contextlib.contextmanager
+def served_replicas(model: Path, replicas: int, api_key: str, overrides=(), log=print):
+    """configs/grpo_multiturn_tiny.yaml's policy (`model`: a chat_model) as `replicas` engines apart
+    (Ray actors in a group without a trainer, one core each, runtime.engines_apart), each serving
+    OpenAI HTTP as the multi-turn loop starts them: yields (runtime, server urls); shuts down."""
+    import dataclasses
+
+    from chatgen.rlhf.algorithms.grpo_multiturn import _serve
+    from chatgen.rlhf.config import load_config
+    from chatgen.rlhf.runtime import Runtime, engines_apart
+
+    cfg = load_config(
+        REPO / "configs/grpo_multiturn_tiny.yaml",
+        [f"policy.load={model}", f"policy_trainer.load={model}", "models.policy.num_cpu=1"]
+        + list(overrides),
+    )
+    runtime = dataclasses.replace(cfg.runtime, colocation=[], launcher="ray")
+    policy = dataclasses.replace(cfg.models["policy"], num_replicas=replicas)
+    cfg = dataclasses.replace(cfg, runtime=runtime, models={"policy": policy})
+    assert engines_apart(cfg, ["policy"])
+    rt = Runtime.start(cfg, log=log)
+    try:
+        yield rt, rt["policy"].run(_serve, "policy", api_key, None)
+    finally:
+        rt.shutdown()

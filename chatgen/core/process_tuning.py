@@ -181,3 +181,25 @@ def exit_without_teardown(code: int) -> None:
     except (OSError, AttributeError):
         pass
     os._exit(code)
+
+
+def own_cores(first: int, count: int, allowed: set) -> set | None:
+    """The cores of an engine apart on a node: the node's engines take its `allowed` cores in
+    order, `count` apiece (their OpenMP threads), this one from index `first`; None when the node
+    has too few left: then the engine floats. Two tiny-model engines that floated on the same 2
+    cores served their sessions no faster than one (benchmarks/bench_agentic.py)."""
+    cores = sorted(allowed)
+    if count < 1 or first + count > len(cores):
+        return None
+    return set(cores[first : first + count])
+
+
+def pin_process(cores: set) -> None:
+    """Every thread of this process on `cores`, and the threads it starts later (a thread
+    inherits its creator's mask): os.sched_setaffinity sets one thread's (Linux), and a Ray
+    actor has started its own threads before its constructor runs."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass

@@ -39,6 +39,7 @@ from chatgen.config import ConfigError
 from chatgen.core import quiet
 from chatgen.core.distributed import free_port, init_process_group
 from chatgen.core.imports import import_class, require
+from chatgen.core.process_tuning import own_cores, pin_process
 from chatgen.generation.base import load_backend
 from chatgen.module import remote_methods, startup_gc
 from chatgen.rlhf.checkpoint import rng_state, set_rng_state
@@ -97,8 +98,14 @@ class ModelWorker:
     and what the run attaches to them (`self.attached[(name, kind)]`: a weight-sync channel, an
     HTTP server), closed before the models shut down."""
 
-    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict):
+    def __init__(self, rank: int, world_size: int, num_threads: int, env: dict, first_core=None):
         os.environ.update(env)
+        # an engine apart on a CPU node: `num_threads` of the node's cores its own, from index
+        # first_core, unless VLLM_CPU_OMP_THREADS_BIND says otherwise (nobind, or its own cores)
+        if first_core is not None and os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") == "auto":
+            cores = own_cores(first_core, num_threads, os.sched_getaffinity(0))
+            if cores is not None:
+                pin_process(cores)
         # Ray: own devices
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         quiet.apply()  # before the models import their libraries (CHATGEN_VERBOSE came with env)
@@ -180,6 +187,7 @@ class ActorGroup:
         multi_node: bool = False,
         strategy: str = "PACK",
         engines_apart: bool = False,
+        taken: dict | None = None,
     ):
         import ray
         from ray.util.placement_group import placement_group, placement_group_table
@@ -206,6 +214,13 @@ class ActorGroup:
             # steps with the same OpenMP team (vLLM's CPU attention refuses a step planned for
             # another), and torch.set_num_threads reaches only its calling thread
             env = {**env, "OMP_NUM_THREADS": str(threads)}
+        # on CPU nodes each engine apart gets cores of its own, after those of the engines apart
+        # of the groups before (taken: node -> the cores they hold)
+        taken, first_core = ({} if taken is None else taken), []
+        for node in self.nodes:
+            first_core.append(taken.get(node, 0) if engines_apart and not plan.gpus else None)
+            if first_core[-1] is not None:
+                taken[node] = first_core[-1] + threads
         self.actors = [
             worker.options(
                 max_concurrency=CONCURRENT_CALLS if engines_apart else 1,
@@ -216,7 +231,7 @@ class ActorGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     self.pg, placement_group_bundle_index=b
                 ),
-            ).remote(r, world, threads, env)
+            ).remote(r, world, threads, env, first_core[r])
             for r, b in enumerate(order)
         ]
         self.multi_node = multi_node
@@ -373,7 +388,7 @@ class Runtime:
             strategy = cfg.runtime.placement_strategy
             if not local and (problems := placement_problems(plans, alive_nodes(), strategy, cfg)):
                 raise ConfigError(problems)
-            env = worker_env()
+            env, taken = worker_env(), {}  # taken: node -> cores its engines apart hold
             for plan in plans:
                 t0 = time.perf_counter()
                 if local:
@@ -386,6 +401,7 @@ class Runtime:
                         multi_node=bool(address),
                         strategy=strategy,
                         engines_apart=engines_apart(cfg, plan.names),
+                        taken=taken,
                     )
                 groups.append(group)
                 if not local and (

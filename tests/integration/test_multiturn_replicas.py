@@ -5,19 +5,16 @@ engine plays them (sampling seeded per request).
     python -m pytest tests/integration/test_multiturn_replicas.py   # ~1 min on 2 idle CPU cores
 """
 
-import dataclasses
+import os
 import threading
-from pathlib import Path
 
 import openai
 import pytest
 
 from chatgen.environments.base import Episode
-from chatgen.environments.calculator import write_template
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
 TURNS = 3
 
 
@@ -56,34 +53,21 @@ def _steps_run(worker, name):
     return worker.models[name].engine_loop.steps_run
 
 
+def _cores(worker):
+    return sorted(os.sched_getaffinity(0))
+
+
 def test_two_replicas_serve_pinned_sessions_like_one(
     ray_session, tiny_llama_dir, data_dir, tmp_path
 ):
-    from chatgen.core.jsonl import read_prompt_records
-    from chatgen.rlhf.algorithms.grpo_multiturn import _serve, episode_sample, run_episodes
-    from chatgen.rlhf.config import load_config
-    from chatgen.rlhf.runtime import Runtime, engines_apart
+    from helpers import chat_model, served_replicas
 
-    model = tmp_path / "tiny-llama-chat"
-    model.mkdir()
-    for f in tiny_llama_dir.iterdir():
-        (model / f.name).write_bytes(f.read_bytes())
-    write_template(model)
-    cfg = load_config(
-        REPO / "configs/grpo_multiturn_tiny.yaml",
-        [
-            f"policy.load={model}",
-            f"policy_trainer.load={model}",
-            f"runtime.data_path={data_dir}/train.jsonl",
-        ],
-    )
-    runtime = dataclasses.replace(cfg.runtime, colocation=[], launcher="ray")
-    policy = dataclasses.replace(cfg.models["policy"], num_replicas=2)
-    cfg = dataclasses.replace(cfg, runtime=runtime, models={"policy": policy})
-    assert engines_apart(cfg, ["policy"])
-    rt = Runtime.start(cfg, log=lambda *_: None)
-    try:
-        urls = rt["policy"].run(_serve, "policy", "key", None)
+    from chatgen.core.jsonl import read_prompt_records
+    from chatgen.rlhf.algorithms.grpo_multiturn import episode_sample, run_episodes
+
+    model = chat_model(tiny_llama_dir, tmp_path / "tiny-llama-chat")
+    overrides = [f"runtime.data_path={data_dir}/train.jsonl"]
+    with served_replicas(model, 2, "key", overrides, log=lambda *_: None) as (rt, urls):
         assert len(set(urls)) == 2  # one server per engine
         envs = [SeededChat(url, "key", "policy") for url in urls]
         records = read_prompt_records(data_dir / "train.jsonl")[:8]
@@ -94,8 +78,9 @@ def test_two_replicas_serve_pinned_sessions_like_one(
         assert all(
             steps > 0 for steps in rt["policy"].run(_steps_run, "policy")
         )  # both engines worked
-    finally:
-        rt.shutdown()
+        cores = rt["policy"].run(_cores)
+    if len(os.sched_getaffinity(0)) >= 2:  # a core of its own for each engine
+        assert all(len(c) == 1 for c in cores) and cores[0] != cores[1], cores
     # every session's turns went to one engine; the batch used both
     assert all(len(turns) == TURNS and len(set(turns)) == 1 for turns in both.values())
     assert {turns[0] for turns in both.values()} == set(urls)

@@ -147,3 +147,32 @@ def test_a_dropped_episode_trains_on_nothing_and_is_counted():
     assert metrics["env/dropped_episodes"] == 1.0
     assert batch.loss_mask[:3].sum(dim=1).tolist() == [2.0, 2.0, 2.0]
     assert batch.loss_mask[3].sum() == 0 and rewards[3] == 0.5  # the group's mean: no signal
+
+
+def test_a_record_starts_on_the_engine_with_the_fewest_sessions_in_flight():
+    import threading
+
+    from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
+
+    release, started = threading.Event(), threading.Semaphore(0)
+
+    class Engine:  # an environment of one engine; records which records played on it
+        def __init__(self):
+            self.played = []
+
+        def episode(self, record, temperature, max_tokens):
+            self.played.append(record["prompt"])
+            if record["prompt"] == "long":  # a long-tailed session of an earlier batch
+                started.release()
+                release.wait(10)
+            return Episode(turns=[], reward=0.0)
+
+    a, b = Engine(), Engine()
+    earlier = threading.Thread(target=run_episodes, args=([a, b], [{"prompt": "long"}], 2, 1, 8))
+    earlier.start()
+    started.acquire(timeout=10), started.acquire(timeout=10)  # both of its sessions on a
+    run_episodes([a, b], [{"prompt": p} for p in "xyz"], 1, 1.0, 8)
+    release.set()
+    earlier.join()
+    # a holds 2 sessions: x and y go to b (0, then 1 < 2), z to the first of a tie (2, 2)
+    assert a.played == ["long", "long", "z"] and b.played == ["x", "y"]

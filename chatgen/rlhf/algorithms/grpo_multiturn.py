@@ -35,6 +35,7 @@ per episode, the function called with (base_url, api_key, task record).
 import concurrent.futures
 import dataclasses
 import secrets
+import threading
 from typing import Optional
 
 from chatgen import environments
@@ -285,19 +286,35 @@ TURNS = "_turns"  # per-sample metadata key of turn_extras' inputs
 def run_episodes(envs, records: list, n: int, temperature: float, max_tokens: int) -> list:
     """n episodes of every record, all at once (one thread each, so the servers batch their
     requests and no episode waits on another's slow tool); episode j of record i at index i * n + j.
-    envs: the environment, or one per engine (replica): record i's n episodes play against
-    envs[i % len(envs)], every turn of a session on one engine (its prefix cache holds the chat)."""
+    envs: the environment, or one per engine (replica): record i's n episodes play against the
+    engine with the fewest sessions in flight when the call starts (counting the calls still
+    playing: asynchronous batches overlap, and a batch's long tail holds one engine), every turn of
+    a session on that engine (its prefix cache holds the chat)."""
     envs = envs if isinstance(envs, list) else [envs]
-    jobs = [(envs[i % len(envs)], record) for i, record in enumerate(records) for _ in range(n)]
+    with _PLAYING_LOCK:
+        jobs = []
+        for record in records:
+            env = min(envs, key=lambda e: _PLAYING.get(id(e), 0))  # ties: the first
+            _PLAYING[id(env)] = _PLAYING.get(id(env), 0) + n
+            jobs += [(env, record)] * n
+
+    def play(job):
+        env, record = job
+        try:
+            return env.episode(record, temperature=temperature, max_tokens=max_tokens)
+        finally:
+            with _PLAYING_LOCK:
+                _PLAYING[id(env)] -= 1
+                if not _PLAYING[id(env)]:
+                    del _PLAYING[id(env)]
+
     with concurrent.futures.ThreadPoolExecutor(
-        max_workers=len(jobs), thread_name_prefix="episode"
+        max_workers=max(1, len(jobs)), thread_name_prefix="episode"
     ) as pool:
-        return list(
-            pool.map(
-                lambda job: job[0].episode(job[1], temperature=temperature, max_tokens=max_tokens),
-                jobs,
-            )
-        )
+        return list(pool.map(play, jobs))
+
+
+_PLAYING, _PLAYING_LOCK = {}, threading.Lock()  # id(environment) -> its sessions in flight
 
 
 def env_metrics(episodes: list, prefix: str) -> dict:
