@@ -12,11 +12,11 @@ themselves.
     python -m chatgen.environments.tool_math --demonstrations-for MODEL_DIR --data DIR
 
 writes DIR/tool_math_sft.jsonl: whole episodes of DIR/train.jsonl's questions in MODEL_DIR's chat
-template, one row per model turn. 25% (--call-fraction) go through the tool: the first turn a hermes
-call that prints the arithmetic (`<tool_call>{"name": "python", ...}</tool_call>`), the second,
-after the tool's output, the number; the rest answer the number directly (demonstration_rows). A
-short SFT on them (examples/train_tool_math_smollm2.sh) is the warm start of SmolLM2-135M-Instruct,
-which writes no call from its template alone; RL then learns that the tool's episodes score.
+template, one row per model turn. 17.5% (--call-fraction) go through the tool: the first turn a
+hermes call that prints the arithmetic (`<tool_call>{"name": "python", ...}</tool_call>`), the
+second, after the tool's output, the number; the rest answer the number directly
+(demonstration_rows). A short SFT on them (examples/train_tool_math_smollm2.sh) is the warm start of
+SmolLM2-135M-Instruct, which writes no call from its template alone.
 """
 
 import argparse
@@ -88,12 +88,13 @@ def demonstration_rows(record: dict, render, system: str = SYSTEM, call: bool = 
 
 
 def demonstrations(
-    model_dir: Path, data_dir: Path, n: int = 2000, system: str = SYSTEM, call_fraction=0.25
+    model_dir: Path, data_dir: Path, n: int = 2000, system: str = SYSTEM, call_fraction=0.175
 ) -> str:
     """SFT_FILE in data_dir: n train questions' episodes in the model's chat template
     (demonstration_rows), a call_fraction of them through the tool, the rest answered directly.
-    After the recipe's 12 SFT steps SmolLM2 calls in about half its first turns, so RL has both
-    paths to compare (all calls: nothing left to learn; none: nothing to find; docs/agents.md)."""
+    After the recipe's 12 SFT steps SmolLM2 calls in ~4% of its sampled first turns and greedy
+    never, so RL has both paths to compare (from 0.2 on greedy always calls and the warm start
+    already solves the held-out set; docs/agents.md)."""
     from transformers import AutoTokenizer
 
     tokenizer, rows, calls, episodes = AutoTokenizer.from_pretrained(model_dir), [], 0, 0
@@ -116,7 +117,7 @@ if __name__ == "__main__":
     parser.add_argument("--demonstrations-for", type=Path, required=True, metavar="MODEL_DIR")
     parser.add_argument("--data", type=Path, required=True, metavar="DIR", help="has train.jsonl")
     parser.add_argument(
-        "--call-fraction", type=float, default=0.25, help="episodes demonstrated through the tool"
+        "--call-fraction", type=float, default=0.175, help="episodes demonstrated through the tool"
     )
     args = parser.parse_args()
     if not 0 <= args.call_fraction <= 1:

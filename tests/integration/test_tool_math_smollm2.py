@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def warm_start(model: Path, work: Path, steps: int = 12) -> Path:
     """SmolLM2 after `steps` SFT steps on demonstrations of episodes through the tool (all of them,
-    not the recipe's 25%: here greedy must take the tool's path)."""
+    not the recipe's 17.5%: here greedy must take the tool's path)."""
     from chatgen import tasks
     from chatgen.environments import tool_math
 
@@ -83,7 +83,7 @@ def test_warm_started_smollm2_calls_the_python_tool_and_answers_from_its_output(
         for a, b in ((31, 12), (9, 17), (40, 25)):
             question = f"What is {a} + {b}? Reply with only the result, as a number."
             episode = runner.episode({"prompt": question, "answer": str(a + b)}, 0.0, 64)
-            assert episode.metrics["tool_calls"] == 1.0, episode.turns
+            assert episode.metrics.get("tool_calls") == 1.0, episode.turns
             assert episode.reward == 1.0 and not episode.truncated, episode.turns
     finally:
         if server is not None:
