@@ -11,15 +11,17 @@ themselves.
 
     python -m chatgen.environments.tool_math --demonstrations-for MODEL_DIR --data DIR
 
-writes DIR/sft.jsonl: first turns of DIR/train.jsonl's questions rendered with MODEL_DIR's chat
-template and answered with a hermes tool call (`<tool_call>{"name": "python", ...}</tool_call>`),
-the warm start examples/train_tool_math_smollm2.sh gives SmolLM2-135M-Instruct, which writes no
-call from its template alone. What follows the tool's answer is left for RL (not learned in the
-measured run: docs/agents.md).
+writes DIR/tool_math_sft.jsonl: whole episodes of DIR/train.jsonl's questions in MODEL_DIR's chat
+template, one row per model turn. 17.5% (--call-fraction) go through the tool: the first turn a
+hermes call that prints the arithmetic (`<tool_call>{"name": "python", ...}</tool_call>`), the
+second, after the tool's output, the number; the rest answer the number directly
+(demonstration_rows). A short SFT on them (examples/train_tool_math_smollm2.sh) is the warm start of
+SmolLM2-135M-Instruct, which writes no call from its template alone.
 """
 
 import argparse
 import json
+import random
 import re
 from pathlib import Path
 
@@ -28,6 +30,7 @@ from chatgen.environments.base import Environment, Step
 from chatgen.environments.tools import PYTHON_TOOL, run_tool_calls
 from chatgen.tasks import REWARDS
 
+SFT_FILE = "tool_math_sft.jsonl"  # beside train.jsonl, which other recipes share
 SYSTEM = "Answer the question. You may call the python tool to compute; end with the final number."
 
 
@@ -61,29 +64,62 @@ def tool_call_text(code: str) -> str:
     return f"<tool_call>\n{json.dumps(call)}\n</tool_call>"
 
 
-def demonstrations(model_dir: Path, data_dir: Path, n: int = 2000, system: str = SYSTEM) -> str:
-    """sft.jsonl in data_dir: the first turn of n train questions in the model's chat template
-    (the environment's system turn and the question), answered with a python tool call that
-    prints the arithmetic."""
+def demonstration_rows(record: dict, render, system: str = SYSTEM, call: bool = True) -> list:
+    """SFT rows ({"prompt", "answer"}) for the whole episode of one arithmetic record, a row per
+    model turn. With `call`: the first turn answered by a python call printing the arithmetic, the
+    second (after the tool's output, "27\n" as the sandbox prints it) by the number; the output lies
+    in the second row's prompt, so the SFT loss never trains on it. Without: one turn, the number
+    (the model's own arithmetic). `render(messages)`: the chat in the model's template with the
+    generation prompt."""
+    a, op, b = QUESTION.search(record["prompt"]).groups()
+    result = str(int(a) + int(b) if op == "+" else int(a) - int(b))
+    chat = [{"role": "system", "content": system}, {"role": "user", "content": record["prompt"]}]
+    if not call:
+        return [{"prompt": render(chat), "answer": result}]
+    code = tool_call_text(f"print({a} {op} {b})")
+    observed = chat + [
+        {"role": "assistant", "content": code},
+        {"role": "tool", "name": "python", "content": result + "\n"},
+    ]
+    return [
+        {"prompt": render(chat), "answer": code},
+        {"prompt": render(observed), "answer": result},
+    ]
+
+
+def demonstrations(
+    model_dir: Path, data_dir: Path, n: int = 2000, system: str = SYSTEM, call_fraction=0.175
+) -> str:
+    """SFT_FILE in data_dir: n train questions' episodes in the model's chat template
+    (demonstration_rows), a call_fraction of them through the tool, the rest answered directly.
+    After the recipe's 12 SFT steps SmolLM2 calls in ~4% of its sampled first turns and greedy
+    never, so RL has both paths to compare (from 0.2 on greedy always calls and the warm start
+    already solves the held-out set; docs/agents.md)."""
     from transformers import AutoTokenizer
 
-    tokenizer, rows = AutoTokenizer.from_pretrained(model_dir), []
+    tokenizer, rows, calls, episodes = AutoTokenizer.from_pretrained(model_dir), [], 0, 0
+    rng = random.Random(0)
+
+    def render(chat):
+        return tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+
     for line in (data_dir / "train.jsonl").read_text().splitlines()[:n]:
-        record = json.loads(line)
-        a, op, b = QUESTION.search(record["prompt"]).groups()
-        chat = [
-            {"role": "system", "content": system},
-            {"role": "user", "content": record["prompt"]},
-        ]
-        prompt = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        rows.append({"prompt": prompt, "answer": tool_call_text(f"print({a} {op} {b})")})
-    write_records(data_dir / "sft.jsonl", rows)
-    return f"wrote {len(rows)} tool-call demonstrations to {data_dir / 'sft.jsonl'}"
+        call = rng.random() < call_fraction
+        calls, episodes = calls + call, episodes + 1
+        rows += demonstration_rows(json.loads(line), render, system, call)
+    write_records(data_dir / SFT_FILE, rows)
+    through = f"{calls} of {episodes} episodes through the tool"
+    return f"wrote {len(rows)} demonstration turns ({through}) to {data_dir / SFT_FILE}"
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--demonstrations-for", type=Path, required=True, metavar="MODEL_DIR")
     parser.add_argument("--data", type=Path, required=True, metavar="DIR", help="has train.jsonl")
+    parser.add_argument(
+        "--call-fraction", type=float, default=0.175, help="episodes demonstrated through the tool"
+    )
     args = parser.parse_args()
-    print(demonstrations(args.demonstrations_for, args.data))
+    if not 0 <= args.call_fraction <= 1:
+        parser.error(f"--call-fraction {args.call_fraction} is not a fraction: give 0 to 1")
+    print(demonstrations(args.demonstrations_for, args.data, call_fraction=args.call_fraction))

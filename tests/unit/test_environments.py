@@ -207,3 +207,32 @@ def test_a_later_turn_the_server_refuses_ends_the_episode_truncated():
 
     with pytest.raises(RuntimeError, match="tool-call-parser"):  # no turn: said as it is
         play(CalculatorEnv(), refused, RECORD, 8, 10, "calculator")
+
+
+def test_tool_math_demonstrations_teach_both_turns_with_the_tools_output_unlearned():
+    from chatgen.environments.tool_math import SYSTEM, demonstration_rows
+    from chatgen.tasks import REWARDS
+
+    def render(chat):  # a plain chat template, with the generation prompt
+        return "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in chat) + "<assistant>"
+
+    question = "What is 17 - 9? Reply with only the result, as a number."
+    first, second = demonstration_rows({"prompt": question, "answer": "8"}, render)
+    assert first["prompt"] == f"<system>{SYSTEM}</system><user>{question}</user><assistant>"
+    # the call as vLLM's hermes parser reads it (JSON between the tags), run by the real tool
+    assert first["answer"].startswith("<tool_call>\n") and first["answer"].endswith(
+        "\n</tool_call>"
+    )
+    body = json.loads(first["answer"][len("<tool_call>\n") : -len("\n</tool_call>")])
+    (observed,) = run_tool_calls({"python": PYTHON_TOOL}, call(body["name"], **body["arguments"]))
+    # the second turn's prompt holds the call and the tool's output exactly as the sandbox prints
+    # it, so the SFT loss (on answers only) never trains on the output
+    assert observed["content"] == "8\n"
+    assert second["prompt"] == (
+        first["prompt"] + first["answer"] + "</assistant><tool>8\n</tool><assistant>"
+    )
+    assert "8\n" not in first["answer"] + second["answer"]
+    assert second["answer"] == "8" and REWARDS["final_number"](second["answer"], "8") == 1.0
+    # an episode without the tool: the number, at once
+    (direct,) = demonstration_rows({"prompt": question, "answer": "8"}, render, call=False)
+    assert direct == {"prompt": first["prompt"], "answer": "8"}
