@@ -23,7 +23,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def warm_start(model: Path, work: Path, steps: int = 12) -> Path:
     """SmolLM2 after `steps` SFT steps on demonstrations of episodes through the tool (all of them,
-    not the recipe's 17.5%: here greedy must take the tool's path)."""
+    not the recipe's 18.5%: here greedy must take the tool's path)."""
     from chatgen import tasks
     from chatgen.environments import tool_math
 
