@@ -24,9 +24,10 @@ starts once the engines hold version >= j - 2 (the staleness bound of docs/async
 every trained token's version), on a thread of its own, so the next batches' sessions run while the
 trainer trains and while a batch's longest sessions finish.
 
-Measured in steady state, as in a run of many steps: from the end of step 0 (whose wait is the
-pipeline's one-time fill) to the end of the last step, the k batches past it admitted as a longer
-run would (they finish unmeasured); the whole run's s per step is reported beside it. Modes alternate
+Measured in steady state, as in a run of many steps: from the end of step 2 (the asynchronous runs'
+batches 0-2 start together: the pipeline's one-time fill) to the end of the last step, the k batches
+past it admitted as a longer run would (they finish unmeasured), the same window in every mode; the
+whole run's s per step is reported beside it. Modes alternate
 within each round. Prints one line per run (with the CPU each replica's process and the driver used,
 in cores) and a JSON summary (--output); --plot draws the engine / trainer timeline of the last
 round, the measured window shaded.
@@ -87,11 +88,16 @@ def busy(intervals, t0, t1) -> float:
     return total
 
 
+FILL = 3  # k + 1 for the asynchronous runs' k = 2
+
+
 def run_mode(envs, records, k, steps, batch, push, versions, cpu, args):
     """`steps` trainer steps of `batch` records each; k = 0 synchronous, else async with bound k,
     the generation of k batches past the last step admitted as in a longer run (the pipeline
-    stays full; they finish unmeasured). Measured in steady state: from the end of step 0 (whose
-    wait is the pipeline's one-time fill) to the end of the last step. Returns (metrics, the
+    stays full; they finish unmeasured). Measured in steady state, the same window in every mode:
+    from the end of step FILL - 1 (the asynchronous runs' first FILL batches start together: the
+    pipeline's one-time fill) to the end of the last step, each end a batch admitted after a
+    training step on either side. Returns (metrics, the
     engine's, the trainer's intervals and the window, from the start). Asserts the staleness bound on every trained token: batch j
     trains against version v0 + j, and its tokens carry the versions that sampled them
     (`generation_weight_versions`)."""
@@ -133,11 +139,11 @@ def run_mode(envs, records, k, steps, batch, push, versions, cpu, args):
                 version[0] += 1
                 cond.notify_all()
             marks.append((time.perf_counter(), cpu(), len(played)))
-    (w0, cpu0, _), (w1, cpu1, _) = marks[0], marks[-1]
-    window, measured = w1 - w0, steps - 1
+    (w0, cpu0, _), (w1, cpu1, _) = marks[FILL - 1], marks[-1]
+    window, measured = w1 - w0, steps - FILL
     metrics = {
         "s_per_step": window / measured,
-        "episodes_per_s": sum(m[2] for m in marks[1:]) / window,
+        "episodes_per_s": sum(m[2] for m in marks[FILL:]) / window,
         "s_per_step_whole_run": (w1 - t0) / steps,  # the fill included
         "engine_idle_fraction": 1 - busy(gen, w0, w1) / window,
         "trainer_idle_fraction": 1 - busy(train, w0, w1) / window,
@@ -172,8 +178,8 @@ def _pid(worker):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=64, help="sessions per step (any replica count)")
+    p.add_argument("--steps", type=int, default=6, help=f"trainer steps a run, {FILL} unmeasured")
+    p.add_argument("--batch", type=int, default=48, help="sessions per step (any replica count)")
     p.add_argument("--max-tokens", type=int, default=8, help="tokens per model turn")
     p.add_argument("--hidden", type=int, default=1024, help="the tiny Llama's hidden size")
     p.add_argument(
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="/tmp/bench_agentic.json")
     p.add_argument("--plot", default=None, help="a PNG of the last round's timelines")
     args = p.parse_args(argv)
+    if args.steps <= FILL:
+        p.error(f"--steps {args.steps}: the first {FILL} are the pipeline's fill; give more")
     LongTail.tool_s = args.tool_s
 
     from conftest import build_tiny_model
