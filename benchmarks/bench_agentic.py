@@ -17,7 +17,7 @@ play it faster), enough that two engines each batch a few dozen.
 The trainer is a stand-in on hardware of its own, as in a disaggregated run (no CPU): it sleeps
 --train-s-per-turn per model turn of the batch it trains on (a trainer's time grows with the tokens
 it trains on; the turn counts are the same in every mode), sized so that training is comparable to
-generation, generation the larger part (about a third of a one-replica synchronous step), then the
+generation, generation the larger part (about a quarter of a one-replica synchronous step), then the
 weights go to every engine through shared memory (`load_shared_weights`): mode `wait` when
 synchronous, mode `keep` with sessions in flight when asynchronous. Asynchronous k = 2: batch j
 starts once the engines hold version >= j - 2 (the staleness bound of docs/async_rl.md, asserted on
@@ -27,10 +27,10 @@ trainer trains and while a batch's longest sessions finish.
 Measured in steady state, as in a run of many steps: from the end of step 2 (the asynchronous runs'
 batches 0-2 start together: the pipeline's one-time fill) to the end of the last step, the k batches
 past it admitted as a longer run would (they finish unmeasured), the same window in every mode; the
-whole run's s per step is reported beside it. Modes alternate
-within each round. Prints one line per run (with the CPU each replica's process and the driver used,
-in cores) and a JSON summary (--output); --plot draws the engine / trainer timeline of the last
-round, the measured window shaded.
+whole run's s per step is reported beside it. Modes alternate within each round. Prints one line per
+run (with the CPU each replica's process and the driver used, in cores) and a JSON summary
+(--output); --plot draws the engine / trainer timeline of the last round, the measured window
+shaded.
 """
 
 import argparse
@@ -93,14 +93,13 @@ FILL = 3  # k + 1 for the asynchronous runs' k = 2
 
 def run_mode(envs, records, k, steps, batch, push, versions, cpu, args):
     """`steps` trainer steps of `batch` records each; k = 0 synchronous, else async with bound k,
-    the generation of k batches past the last step admitted as in a longer run (the pipeline
-    stays full; they finish unmeasured). Measured in steady state, the same window in every mode:
-    from the end of step FILL - 1 (the asynchronous runs' first FILL batches start together: the
-    pipeline's one-time fill) to the end of the last step, each end a batch admitted after a
-    training step on either side. Returns (metrics, the
-    engine's, the trainer's intervals and the window, from the start). Asserts the staleness bound on every trained token: batch j
-    trains against version v0 + j, and its tokens carry the versions that sampled them
-    (`generation_weight_versions`)."""
+    the generation of k batches past the last step admitted as in a longer run (the pipeline stays full;
+    they finish unmeasured). Measured in steady state, the same window in every mode: from the end
+    of step FILL - 1 (the asynchronous runs' first FILL batches start together: the pipeline's
+    one-time fill) to the end of the last step. Returns (metrics, timeline: the engine's and the
+    trainer's intervals and the window, in seconds from the start). Asserts the staleness bound on
+    every trained token: batch j trains against version v0 + j, and its tokens carry the versions
+    that sampled them (`generation_weight_versions`)."""
     from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
 
     gen, train, lock = [], [], threading.Lock()
