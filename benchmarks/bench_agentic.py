@@ -93,13 +93,13 @@ FILL = 3  # k + 1 for the asynchronous runs' k = 2
 
 def run_mode(envs, records, k, steps, batch, push, versions, cpu, args):
     """`steps` trainer steps of `batch` records each; k = 0 synchronous, else async with bound k,
-    the generation of k batches past the last step admitted as in a longer run (the pipeline stays
-    full; they finish unmeasured). Measured in steady state, the same window in every mode: from the end
-    of step FILL - 1 (the asynchronous runs' first FILL batches start together: the pipeline's
-    one-time fill) to the end of the last step. Returns (metrics, timeline: the engine's and the
-    trainer's intervals and the window, in seconds from the start). Asserts the staleness bound on
-    every trained token: batch j trains against version v0 + j, and its tokens carry the versions
-    that sampled them (`generation_weight_versions`)."""
+    the generation of k batches past the last step admitted as in a longer run (the pipeline
+    stays full; they finish unmeasured). Measured in steady state, the same window in every
+    mode: from the end of step FILL - 1 (the asynchronous runs' first FILL batches start
+    together: the pipeline's one-time fill) to the end of the last step. Returns (metrics,
+    timeline: the engine's and the trainer's intervals and the window, in seconds from the
+    start). Asserts the staleness bound on every trained token: batch j trains against version
+    v0 + j, and its tokens carry the versions that sampled them (`generation_weight_versions`)."""
     from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
 
     gen, train, lock = [], [], threading.Lock()
