@@ -1,4 +1,4 @@
-# PYTHONPATH=. .venv/bin/python benchmarks/bench_agentic.py --output /tmp/bench_agentic.json --plot docs/agentic_timeline.png
+# PYTHONPATH=. VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv/bin/python benchmarks/bench_agentic.py --output /tmp/bench_agentic.json --plot docs/agentic_timeline.png
 """Agentic episodes over engines: episodes/s, engine and trainer idle fractions for synchronous vs
 asynchronous (k = 2) steps, with 1 and 2 engine replicas, on a multi-turn environment with
 long-tailed turn counts and a slow tool.
@@ -11,15 +11,26 @@ episodes are chatgen.rlhf.algorithms.grpo_multiturn.run_episodes over one or bot
 record's sessions start on the engine with the fewest in flight, and stay there). The environment
 (`LongTail`, below): each session takes 1-12 model turns of up to --max-tokens (long-tailed: 56%
 take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in 8 sleeps 8x as long: the slow
-tool). The trainer is a stand-in: `--train-s` seconds per step (no gradient), then the weights go to
-every engine through shared memory (`load_shared_weights`): mode `wait` when synchronous, mode `keep`
-with sessions in flight when asynchronous. Asynchronous k = 2: batch j starts once the engines hold
-version >= j - 2 (the staleness bound of docs/async_rl.md), on a thread of its own, so the next
-batches' sessions run while the trainer trains and while a batch's longest sessions finish. A step
-plays --batch sessions whatever the replica count (the same work: 2 replicas must play it faster).
-Modes alternate within each round. Prints one line per run (with the CPU each replica's process and
-the driver used, in cores) and a JSON summary (--output); --plot draws the engine / trainer
-timeline of the last round.
+tool). A step plays --batch sessions whatever the replica count (the same work: 2 replicas must
+play it faster), enough that two engines each batch a few dozen.
+
+The trainer is a stand-in on hardware of its own, as in a disaggregated run (no CPU): it sleeps
+--train-s-per-turn per model turn of the batch it trains on (a trainer's time grows with the tokens
+it trains on; the turn counts are the same in every mode), sized so that training is comparable to
+generation, generation the larger part (about a quarter of a one-replica synchronous step), then the
+weights go to every engine through shared memory (`load_shared_weights`): mode `wait` when
+synchronous, mode `keep` with sessions in flight when asynchronous. Asynchronous k = 2: batch j
+starts once the engines hold version >= j - 2 (the staleness bound of docs/async_rl.md, asserted on
+every trained token's version), on a thread of its own, so the next batches' sessions run while the
+trainer trains and while a batch's longest sessions finish.
+
+Measured in steady state, as in a run of many steps: from the end of step 2 (the asynchronous runs'
+batches 0-2 start together: the pipeline's one-time fill) to the end of the last step, the k batches
+past it admitted as a longer run would (they finish unmeasured), the same window in every mode; the
+whole run's s per step is reported beside it. Modes alternate within each round. Prints one line per
+run (with the CPU each replica's process and the driver used, in cores) and a JSON summary
+(--output); --plot draws the engine / trainer timeline of the last round, the measured window
+shaded.
 """
 
 import argparse
@@ -77,14 +88,23 @@ def busy(intervals, t0, t1) -> float:
     return total
 
 
-def run_mode(envs, records, k, steps, batch, train_s, push, args):
-    """`steps` steps of `batch` records each; k = 0 synchronous, else async with bound k. Returns
-    (metrics, engine intervals, trainer intervals)."""
+FILL = 3  # k + 1 for the asynchronous runs' k = 2
+
+
+def run_mode(envs, records, k, steps, batch, push, versions, cpu, args):
+    """`steps` trainer steps of `batch` records each; k = 0 synchronous, else async with bound k,
+    the generation of k batches past the last step admitted as in a longer run (the pipeline
+    stays full; they finish unmeasured). Measured in steady state, the same window in every
+    mode: from the end of step FILL - 1 (the asynchronous runs' first FILL batches start
+    together: the pipeline's one-time fill) to the end of the last step. Returns (metrics,
+    timeline: the engine's and the trainer's intervals and the window, in seconds from the
+    start). Asserts the staleness bound on every trained token: batch j trains against version
+    v0 + j, and its tokens carry the versions that sampled them (`generation_weight_versions`)."""
     from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
 
     gen, train, lock = [], [], threading.Lock()
-    version = [0]
-    cond = threading.Condition()
+    version, cond = [0], threading.Condition()
+    v0 = versions()
 
     def generate(j):
         with cond:  # admission: the engines hold version >= j - k
@@ -96,30 +116,48 @@ def run_mode(envs, records, k, steps, batch, train_s, push, args):
         return out
 
     t0 = time.perf_counter()
-    episodes = 0
+    marks, pushes, oldest = [], [], 0  # marks: (time, CPU seconds, episodes) after each step
     with concurrent.futures.ThreadPoolExecutor(k + 1) as pool:
         futures = {}
         for j in range(steps):
-            for i in range(j, min(steps, j + k + 1)):
+            for i in range(j, j + k + 1):
                 if i not in futures:
                     futures[i] = pool.submit(generate, i)
-            episodes += len(futures[j].result())
+            played = futures[j].result()
+            stamps = [v for e in played for t in e.turns for v in t["generation_weight_versions"]]
+            stale = v0 + j - min(stamps)
+            assert 0 <= stale <= k, f"batch {j}: a token {stale} versions stale (bound {k})"
+            oldest = max(oldest, stale)
             start = time.perf_counter()
-            time.sleep(train_s)  # the trainer stand-in
+            # the trainer stand-in: seconds in proportion to what it trains on
+            time.sleep(args.train_s_per_turn * sum(len(e.turns) for e in played))
             train.append((start, time.perf_counter()))
             push("keep" if k else "wait")
+            pushes.append(time.perf_counter() - train[-1][1])
             with cond:
                 version[0] += 1
                 cond.notify_all()
-    t1 = time.perf_counter()
-    wall = t1 - t0
+            marks.append((time.perf_counter(), cpu(), len(played)))
+    (w0, cpu0, _), (w1, cpu1, _) = marks[FILL - 1], marks[-1]
+    window, measured = w1 - w0, steps - FILL
     metrics = {
-        "s_per_step": wall / steps,
-        "episodes_per_s": episodes / wall,
-        "engine_idle_fraction": 1 - busy(gen, t0, t1) / wall,
-        "trainer_idle_fraction": 1 - busy(train, t0, t1) / wall,
+        "s_per_step": window / measured,
+        "episodes_per_s": sum(m[2] for m in marks[FILL:]) / window,
+        "s_per_step_whole_run": (w1 - t0) / steps,  # the fill included
+        "engine_idle_fraction": 1 - busy(gen, w0, w1) / window,
+        "trainer_idle_fraction": 1 - busy(train, w0, w1) / window,
+        "push_s": statistics.mean(pushes),
+        "staleness_max": oldest,
     }
-    return metrics, [(a - t0, b - t0) for a, b in gen], [(a - t0, b - t0) for a, b in train]
+    # how busy each replica's process (engine, server) and the driver kept a core
+    metrics.update({f"cpu_replica{i}": (cpu1[i] - cpu0[i]) / window for i in range(2)})
+    metrics["cpu_driver"] = (cpu1[2] - cpu0[2]) / window
+    timeline = {
+        "engine": [(a - t0, b - t0) for a, b in gen],
+        "trainer": [(a - t0, b - t0) for a, b in train],
+        "window": (w0 - t0, w1 - t0),
+    }
+    return metrics, timeline
 
 
 def cpu_seconds(pids: list) -> list:
@@ -139,17 +177,23 @@ def _pid(worker):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch", type=int, default=32, help="sessions per step (any replica count)")
-    p.add_argument("--max-tokens", type=int, default=16, help="tokens per model turn")
+    p.add_argument("--steps", type=int, default=6, help=f"trainer steps a run, {FILL} unmeasured")
+    p.add_argument("--batch", type=int, default=48, help="sessions per step (any replica count)")
+    p.add_argument("--max-tokens", type=int, default=8, help="tokens per model turn")
     p.add_argument("--hidden", type=int, default=1024, help="the tiny Llama's hidden size")
     p.add_argument(
-        "--train-s", type=float, default=1.0, help="the trainer stand-in's seconds per step"
+        "--train-s-per-turn",
+        type=float,
+        default=0.02,
+        help="the trainer stand-in's seconds per model turn of the batch it trains on",
     )
+    p.add_argument("--kv-mib", type=int, default=256, help="each engine's KV cache, MiB")
     p.add_argument("--tool-s", type=float, default=0.05)
     p.add_argument("--output", default="/tmp/bench_agentic.json")
     p.add_argument("--plot", default=None, help="a PNG of the last round's timelines")
     args = p.parse_args(argv)
+    if args.steps <= FILL:
+        p.error(f"--steps {args.steps}: the first {FILL} are the pipeline's fill; give more")
     LongTail.tool_s = args.tool_s
 
     from conftest import build_tiny_model
@@ -169,8 +213,8 @@ def main(argv=None) -> int:
         Path(f"/tmp/bench_agentic/model-{args.hidden}"),
     )
     state = list(load_file(str(model / "model.safetensors")).items())
-    # 12 turns of --max-tokens, the template's and the tool's tokens between
-    overrides = ["policy.seq_length=1024"]
+    # the KV cache holds every session in flight: k + 1 batches of --batch sessions, up to 12 turns
+    overrides = ["policy.seq_length=1024", f"policy.kv_cache_memory_bytes={args.kv_mib << 20}"]
     with served_replicas(model, 2, "bench-key", overrides) as (rt, urls):
         policy = rt["policy"]
         pids = policy.run(_pid) + [os.getpid()]  # replica 0, replica 1, the driver
@@ -179,6 +223,10 @@ def main(argv=None) -> int:
 
         def push(mode):
             policy.load_shared_weights(sender.write(state), mode=mode)
+
+        def versions():
+            (v,) = set(policy.weight_versions())  # every engine gets every push
+            return v
 
         results, timelines = {}, {}
         modes = [(r, k) for r in (1, 2) for k in (0, 2)]
@@ -190,19 +238,23 @@ def main(argv=None) -> int:
                         "prompt": f"sort: {i % 10} {(i * 7) % 10} {(i * 3) % 10} =",
                         "round": rnd * 1000 + i,
                     }
-                    for i in range(args.steps * args.batch)
+                    for i in range((args.steps + k) * args.batch)
                 ]
-                load, cpu0 = os.getloadavg()[0], cpu_seconds(pids)
-                m, gen, train = run_mode(
-                    envs[:replicas], records, k, args.steps, args.batch, args.train_s, push, args
+                load = os.getloadavg()[0]
+                m, timeline = run_mode(
+                    envs[:replicas],
+                    records,
+                    k,
+                    args.steps,
+                    args.batch,
+                    push,
+                    versions,
+                    lambda: cpu_seconds(pids),
+                    args,
                 )
-                cpu = [b - a for a, b in zip(cpu0, cpu_seconds(pids))]
-                wall = m["s_per_step"] * args.steps
-                # how busy each replica's process (engine, server) and the driver kept a core
-                m.update({f"cpu_replica{i}": cpu[i] / wall for i in range(2)})
-                m.update(cpu_driver=cpu[2] / wall, load=load)
+                m["load"] = load
                 results.setdefault(name, []).append(m)
-                timelines[name] = {"engine": gen, "trainer": train}
+                timelines[name] = timeline
                 print(name, json.dumps({key: round(v, 3) for key, v in m.items()}), flush=True)
         sender.close()
     summary = {
@@ -245,6 +297,7 @@ def plot(timelines: dict, path: str) -> None:
             ax.broken_barh(
                 [(a, b - a) for a, b in tl[side]], (row * 10, 8), facecolors=color, alpha=0.6
             )
+        ax.axvspan(*tl["window"], color="0.9", zorder=0)  # the measured steps
         ax.set_yticks([4, 14], ["engines (batches)", "trainer"])
         ax.set_title(name, fontsize=9, loc="left")
     axes[-1].set_xlabel("seconds")
