@@ -11,6 +11,7 @@ any node: chatgen.rlhf.runtime.worker_env forwards it and puts the directories o
 so they search the same directories.
 """
 
+import contextlib
 import difflib
 import importlib
 import importlib.util
@@ -191,6 +192,23 @@ def require(package: str, what: str) -> None:
             f"environment; install it with {how}",
             name=package,
         )
+
+
+@contextlib.contextmanager
+def hidden_imports(names):
+    """Within it, importing a package of `names` raises ImportError (which a library's optional
+    import handles as "not installed") unless it was imported before; afterwards each imports as
+    usual. For the optional packages a library imports at import time that chatgen never has it
+    use (chatgen.generation.vllm.lean_imports; megatron-core's wandb)."""
+    hidden = [name for name in names if name not in sys.modules]
+    for name in hidden:
+        sys.modules[name] = None  # the import system's "not importable" marker
+    try:
+        yield
+    finally:
+        for name in hidden:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def import_class(path: str):

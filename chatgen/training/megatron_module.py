@@ -41,6 +41,7 @@ import torch.distributed as dist
 from chatgen import models
 from chatgen.core.checkpoint_io import read_hf_config, read_megatron_meta
 from chatgen.core.distributed import join_world
+from chatgen.core.imports import hidden_imports
 from chatgen.models import layout
 from chatgen.module import remote
 from chatgen.training import cpu_compat, lora, lora_peft
@@ -182,7 +183,10 @@ class MegatronModule(
     def init(self) -> None:
         """Framework: join torch.distributed and build the TP x PP x DP groups; read the model's
         architecture."""
-        from megatron.core import parallel_state as ps
+        # megatron-core imports wandb for its dynamic inference context, which chatgen never runs:
+        # ~0.5 s of CPU at start-up; a wandb logger (chatgen.rlhf.trackers) imports it as usual
+        with hidden_imports(("wandb",)):
+            from megatron.core import parallel_state as ps
 
         cfg = self.config
         if cfg.load is None:

@@ -3,9 +3,66 @@ logits (divided by a sampling temperature when set); a head that is not a token 
 overrides `token_outputs` (the PPO critic, chatgen/training/critic.py).
 
 `TokenScoring` is a mixin of `chatgen.training.megatron_module.MegatronModule`.
+
+Without tensor parallelism or top-k / top-p truncation the log-probs come from `token_logprobs`, which
+holds no tensor of vocabulary width but the logits themselves: megatron-core's cross entropy copies
+the (b, T-1, V) slice of the logits, keeps its softmax for the backward and the slice's backward makes
+a third (b, T, V) tensor; at SmolLM2's 49152-token vocabulary each is 0.2 GiB for a 16-sample
+micro-batch (docs/long_context.md, "SmolLM2's memory, per phase").
 """
 
 import torch
+
+# rows of logits a step of token_logprobs works on: ~32 MiB of fp32 temporaries at a 49152 vocabulary
+CHUNK_ELEMENTS = 8 << 20
+
+
+class _TokenLogProbs(torch.autograd.Function):
+    """log-softmax(logits)[label] per position, computed and differentiated a chunk of rows at a
+    time; the backward writes the gradient into the saved logits (nothing else reads them: the output
+    layer's backward needs its input and weight, not its output). The arithmetic is megatron-core's
+    `_VocabParallelCrossEntropy` at TP 1 (max subtracted, exp, sum, log; grad softmax - onehot), so
+    values and gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, logits, labels):
+        v = logits.shape[-1]
+        rows, targets = logits.view(-1, v), labels.reshape(-1)
+        maxes = torch.empty(rows.shape[0], dtype=rows.dtype, device=rows.device)
+        sums, out = torch.empty_like(maxes), torch.empty_like(maxes)
+        step = max(1, CHUNK_ELEMENTS // v)
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i : i + step]
+            m = torch.max(chunk, dim=-1)[0]
+            shifted = chunk - m.unsqueeze(-1)
+            picked = shifted.gather(-1, targets[i : i + step, None]).squeeze(-1)
+            s = torch.exp(shifted, out=shifted).sum(dim=-1)
+            maxes[i : i + step], sums[i : i + step] = m, s
+            out[i : i + step] = -(torch.log(s) - picked)
+        ctx.save_for_backward(logits, targets, maxes, sums)
+        return out.view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, targets, maxes, sums = ctx.saved_tensors
+        v = logits.shape[-1]
+        rows, grads = logits.view(-1, v), grad_out.reshape(-1)
+        step = max(1, CHUNK_ELEMENTS // v)
+        for i in range(0, rows.shape[0], step):
+            chunk = rows[i : i + step]  # becomes this chunk's gradient, in place
+            chunk.sub_(maxes[i : i + step, None]).exp_().div_(sums[i : i + step, None])
+            index = torch.arange(chunk.shape[0], device=chunk.device)
+            chunk[index, targets[i : i + step]] -= 1.0
+            chunk.mul_(-grads[i : i + step, None])
+        return logits, None
+
+
+def token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """log p(labels[i, t]) under softmax(logits[i, t]): logits (b, T, V) float32, labels (b, T) long;
+    returns (b, T) float32, differentiable in logits. A row it scores for nothing still needs a valid
+    label (any id; its output is ignored, its gradient is then 0 as the caller's is). Backward
+    overwrites the logits with their gradient: pass a tensor no one else reads."""
+    return _TokenLogProbs.apply(logits.contiguous(), labels)
 
 
 class TokenScoring:
@@ -24,7 +81,8 @@ class TokenScoring:
         """
         from megatron.core import tensor_parallel
 
-        logits = logits[:, :-1].float()
+        whole = self.tp == 1 and not self.truncates  # every position at once: token_logprobs
+        logits = logits.float() if whole else logits[:, :-1].float()
         if self.logits_temperature != 1.0:  # what a policy sampling at that temperature draws from
             logits = logits / self.logits_temperature
         shard = logits.shape[-1]
@@ -32,6 +90,9 @@ class TokenScoring:
         if first + shard > self.spec.vocab_size:
             col = torch.arange(first, first + shard, device=logits.device)
             logits = logits.masked_fill(col >= self.spec.vocab_size, -1e30)
+        if whole:
+            # the last position scores nothing: label 0 there, its output dropped, its gradient 0
+            return token_logprobs(logits, torch.nn.functional.pad(input_ids[:, 1:], (0, 1)))[:, :-1]
         labels = input_ids[:, 1:].contiguous()
         if self.truncates:
             logits = self.truncate(logits, labels, first, self.tp > 1)

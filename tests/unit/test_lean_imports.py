@@ -65,3 +65,20 @@ def test_adapter_imports_vllm_without_ray_or_opentelemetry():
         "adapter.LLM.__name__)\n"
     )
     assert out.split() == ["False", "False", "False", "LLM"]
+
+
+def test_megatron_core_loads_without_wandb_which_imports_as_usual_after():
+    # MegatronModule.init imports megatron-core inside hidden_imports(("wandb",)): nothing chatgen
+    # imports before it (the CLI, the trainer's module) may have loaded megatron-core already
+    out = run(
+        "import sys\n"
+        "import chatgen.cli.train, chatgen.training.megatron_module\n"
+        "print('megatron.core' in sys.modules)\n"
+        "from chatgen.core.imports import hidden_imports\n"
+        "with hidden_imports(('wandb',)):\n"
+        "    from megatron.core import parallel_state\n"
+        "print('wandb' in sys.modules)\n"
+        "import wandb\n"
+        "print(callable(wandb.init))\n"
+    )
+    assert out.split()[-3:] == ["False", "False", "True"]

@@ -43,3 +43,32 @@ print(len(masks), sorted(set(map(frozenset, masks.values())), key=sorted))
     ).stdout.split(" ", 1)
     assert int(out[0]) >= 3  # the main thread, the early and the late one
     assert out[1].strip() == f"[frozenset({{{core}}})]"
+
+
+def test_exit_without_teardown_flushes_a_file_left_open_and_skips_the_heap_walk_without_one(
+    tmp_path,
+):
+    script = """
+import sys
+from chatgen.core.process_tuning import exit_without_teardown, open_written_files
+before = open_written_files()
+if sys.argv[1] != "-":
+    log = open(sys.argv[1], "w")  # never closed: its buffered line is lost unless flushed
+    log.write("last line\\n")
+print(before, open_written_files(), end="")  # buffered stdout: flushed too
+exit_without_teardown(0)
+"""
+    for target in ("-", str(tmp_path / "log.txt")):
+        done = subprocess.run(
+            [sys.executable, "-c", script, target],
+            check=False,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        if target == "-":
+            assert done.stdout == "False False"
+        else:
+            assert done.stdout == "False True"
+            assert (tmp_path / "log.txt").read_text() == "last line\n"

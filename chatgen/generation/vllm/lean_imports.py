@@ -16,22 +16,12 @@ Where a package was imported before (a Ray worker; a tracker that loaded opentel
 changes; after the block each imports as usual.
 """
 
-import contextlib
-import sys
+from chatgen.core.imports import hidden_imports
 
 UNUSED = ("ray", "opentelemetry")
 
 
-@contextlib.contextmanager
 def without_unused_imports():
     """Within it, importing a package of UNUSED raises ImportError (which vLLM handles as "not
     installed") unless it was imported before; afterwards each imports as usual."""
-    hidden = [name for name in UNUSED if name not in sys.modules]
-    for name in hidden:
-        sys.modules[name] = None  # the import system's "not importable" marker
-    try:
-        yield
-    finally:
-        for name in hidden:
-            if name in sys.modules and sys.modules[name] is None:
-                del sys.modules[name]
+    return hidden_imports(UNUSED)
