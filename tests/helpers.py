@@ -391,7 +391,7 @@ def shipped_warm_start(model_dir) -> Path:
 
 def chatgen_serve(model, port: int, *args, env=None):
     """`chatgen serve --model MODEL --port PORT ARGS...` in its own process, vLLM's logging quiet and
-    its stderr dropped (wait for it with `wait_healthy`)."""
+    its stderr dropped (wait for it with `wait_until_serving`)."""
     import os
     import subprocess
     import sys
@@ -413,35 +413,24 @@ def chatgen_serve(model, port: int, *args, env=None):
     )
 
 
-def wait_healthy(proc, url: str, key: str, seconds: float) -> None:
-    """Poll `url`/health with the API key until the server answers; fail if `proc` exits first or
-    after `seconds`."""
+def wait_until_serving(proc, url: str, seconds: float, key: str | None = None) -> None:
+    """Poll a server's `url`/health (with the API key, if it has one) until it answers 200; fail
+    if its process `proc` exits first (with its stderr, where piped) or after `seconds`."""
     import requests
 
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     deadline = time.time() + seconds
     while True:
-        assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
+        if proc.poll() is not None:
+            said = proc.stderr.read()[-3000:] if proc.stderr else "(stderr not piped)"
+            raise AssertionError(f"the server exited with {proc.returncode}: {said}")
+        assert time.time() < deadline, f"the server did not come up within {seconds:.0f} s"
         try:
-            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}).ok:
+            if requests.get(f"{url}/health", headers=headers, timeout=5).ok:
                 return
-        except requests.ConnectionError:
-            time.sleep(0.3)
-
-
-def wait_until_serving(proc, client, seconds: float) -> None:
-    """Poll `chatgen serve` (subprocess `proc`, its stderr piped) through an openai `client` until it lists its
-    models; fail with the server's stderr if it exits, or after `seconds`."""
-    import openai
-
-    deadline = time.time() + seconds
-    while True:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        try:
-            client.models.list()
-            return
-        except openai.APIConnectionError:
-            assert time.time() < deadline, "chatgen serve did not come up"
-            time.sleep(0.5)
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
 
 
 # ---- the policy loss on plain tensors

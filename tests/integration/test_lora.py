@@ -440,7 +440,7 @@ def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, 
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
         )
-        wait_until_serving(proc, client, scaled(300))
+        wait_until_serving(proc, f"http://127.0.0.1:{port}", scaled(300))
         assert {m.id for m in client.models.list()} == set(want)
         for name, tokens in want.items():
             r = client.completions.create(

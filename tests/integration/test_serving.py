@@ -919,7 +919,7 @@ def test_chatgen_serve_command(tiny_llama_dir):
     )
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        wait_until_serving(proc, client, scaled(120))
+        wait_until_serving(proc, f"http://127.0.0.1:{port}", scaled(120), KEY)
         r = client.completions.create(model="tiny", prompt=[1, 5, 6], max_tokens=4, temperature=0)
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
         assert (
