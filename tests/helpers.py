@@ -325,27 +325,49 @@ def completions(out):
 
 def quick_warm_start(model_dir, sft_records, out, steps=20):
     """A few plain-torch SFT steps so that the tiny model writes digits: its rewards then vary within a group
-    and GRPO's updates are not zero (a random model scores 0 everywhere)."""
+    and GRPO's updates are not zero (a random model scores 0 everywhere). Written to `out`; made once per
+    machine for each model, records and steps (several test files ask for the same one) and cached beside
+    the model."""
+    import hashlib
+    import inspect
+    import json
+    import os
+    import shutil
+    import tempfile
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from examples.sft_warm_start import sft_batch
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for step in range(steps):
-        b = sft_batch(
-            tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)]
-        )
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
-        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    key = hashlib.sha256(f"{Path(model_dir).name} {steps} {json.dumps(sft_records)}".encode())
+    key.update(inspect.getsource(quick_warm_start).encode() + inspect.getsource(sft_batch).encode())
+    cached = Path(model_dir).parent / f"{Path(model_dir).name}-quick-sft-{key.hexdigest()[:12]}"
+    if not (cached / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        torch.manual_seed(0)
+        for step in range(steps):
+            b = sft_batch(
+                tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)]
+            )
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            logprobs = torch.log_softmax(logits[:, :-1], -1)
+            logprobs = logprobs.gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+            loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        tmp = tempfile.mkdtemp(dir=cached.parent, prefix=".quick-sft-")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)  # atomic: a directory is there whole or not at all
+        except OSError:  # another test process won the race: its directory is complete
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (cached / "config.json").exists():
+                raise
+    shutil.copytree(cached, out)
     return out
 
 
