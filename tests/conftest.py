@@ -138,7 +138,7 @@ def _slow_selected(config) -> bool:
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA and tests marked `slow` need asking for; both are skipped with the
-    reason where they do not run, never silently dropped."""
+    reason where they do not run, never silently dropped. The modules on Ray run last."""
     import torch
 
     no_gpu = pytest.mark.skip(
@@ -148,6 +148,10 @@ def pytest_collection_modifyitems(config, items):
         reason="slow (minutes of real-model runs): runs with CHATGEN_RUN_SLOW=1 or -m slow"
     )
     run_slow = _slow_selected(config)
+    # the modules on the session's one Ray (tests/integration/conftest.py: ray_session) run last,
+    # together, each in its own order
+    on_ray = {item.path for item in items if "ray_session" in item.fixturenames}
+    items[:] = [i for i in items if i.path not in on_ray] + [i for i in items if i.path in on_ray]
     for item in items:
         # get_closest_marker, not `in item.keywords`: that holds folder names too
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():

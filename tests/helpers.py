@@ -325,27 +325,49 @@ def completions(out):
 
 def quick_warm_start(model_dir, sft_records, out, steps=20):
     """A few plain-torch SFT steps so that the tiny model writes digits: its rewards then vary within a group
-    and GRPO's updates are not zero (a random model scores 0 everywhere)."""
+    and GRPO's updates are not zero (a random model scores 0 everywhere). Written to `out`; made once per
+    machine for each model, records and steps (several test files ask for the same one) and cached beside
+    the model."""
+    import hashlib
+    import inspect
+    import json
+    import os
+    import shutil
+    import tempfile
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from examples.sft_warm_start import sft_batch
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    torch.manual_seed(0)
-    for step in range(steps):
-        b = sft_batch(
-            tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)]
-        )
-        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[:, :-1]
-        logprobs = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, 1:, None])[..., 0]
-        loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    key = hashlib.sha256(f"{Path(model_dir).name} {steps} {json.dumps(sft_records)}".encode())
+    key.update(inspect.getsource(quick_warm_start).encode() + inspect.getsource(sft_batch).encode())
+    cached = Path(model_dir).parent / f"{Path(model_dir).name}-quick-sft-{key.hexdigest()[:12]}"
+    if not (cached / "config.json").exists():
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        torch.manual_seed(0)
+        for step in range(steps):
+            b = sft_batch(
+                tokenizer, [sft_records[(step * 32 + i) % len(sft_records)] for i in range(32)]
+            )
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+            logprobs = torch.log_softmax(logits[:, :-1], -1)
+            logprobs = logprobs.gather(-1, b["input_ids"][:, 1:, None])[..., 0]
+            loss = -(logprobs * b["loss_mask"]).sum() / b["loss_mask"].sum()
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        tmp = tempfile.mkdtemp(dir=cached.parent, prefix=".quick-sft-")
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.rename(tmp, cached)  # atomic: a directory is there whole or not at all
+        except OSError:  # another test process won the race: its directory is complete
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not (cached / "config.json").exists():
+                raise
+    shutil.copytree(cached, out)
     return out
 
 
@@ -391,7 +413,7 @@ def shipped_warm_start(model_dir) -> Path:
 
 def chatgen_serve(model, port: int, *args, env=None):
     """`chatgen serve --model MODEL --port PORT ARGS...` in its own process, vLLM's logging quiet and
-    its stderr dropped (wait for it with `wait_healthy`)."""
+    its stderr dropped (wait for it with `wait_until_serving`)."""
     import os
     import subprocess
     import sys
@@ -413,35 +435,24 @@ def chatgen_serve(model, port: int, *args, env=None):
     )
 
 
-def wait_healthy(proc, url: str, key: str, seconds: float) -> None:
-    """Poll `url`/health with the API key until the server answers; fail if `proc` exits first or
-    after `seconds`."""
+def wait_until_serving(proc, url: str, seconds: float, key: str | None = None) -> None:
+    """Poll a server's `url`/health (with the API key, if it has one) until it answers 200; fail
+    if its process `proc` exits first (with its stderr, where piped) or after `seconds`."""
     import requests
 
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
     deadline = time.time() + seconds
     while True:
-        assert proc.poll() is None and time.time() < deadline, "chatgen serve did not start"
+        if proc.poll() is not None:
+            said = proc.stderr.read()[-3000:] if proc.stderr else "(stderr not piped)"
+            raise AssertionError(f"the server exited with {proc.returncode}: {said}")
+        assert time.time() < deadline, f"the server did not come up within {seconds:.0f} s"
         try:
-            if requests.get(f"{url}/health", headers={"Authorization": f"Bearer {key}"}).ok:
+            if requests.get(f"{url}/health", headers=headers, timeout=5).ok:
                 return
-        except requests.ConnectionError:
-            time.sleep(0.3)
-
-
-def wait_until_serving(proc, client, seconds: float) -> None:
-    """Poll `chatgen serve` (subprocess `proc`, its stderr piped) through an openai `client` until it lists its
-    models; fail with the server's stderr if it exits, or after `seconds`."""
-    import openai
-
-    deadline = time.time() + seconds
-    while True:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        try:
-            client.models.list()
-            return
-        except openai.APIConnectionError:
-            assert time.time() < deadline, "chatgen serve did not come up"
-            time.sleep(0.5)
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
 
 
 # ---- the policy loss on plain tensors

@@ -19,7 +19,6 @@ import functools
 import json
 import random
 import re
-import sys
 from pathlib import Path
 
 from chatgen.core.imports import require
@@ -35,19 +34,9 @@ TAG = re.compile(r"<search>(.*?)</search>", re.DOTALL)
 
 
 def _bm25s():
-    """bm25s, imported with numba hidden where nothing loaded it yet: bm25s loads numba when it can
-    (for a backend this environment does not use), and vLLM 0.32's kernel rebinding at engine start
-    then fails on llvmlite's ffi wrapper (`'_lib_fn_wrapper' object has no attribute 'get'`), so no
-    engine could start later in the process."""
     require("bm25s", "the search environment")
-    hide = "numba" not in sys.modules
-    if hide:
-        sys.modules["numba"] = None  # `import numba` raises ImportError; bm25s falls back to numpy
-    try:
-        import bm25s
-    finally:
-        if hide:
-            del sys.modules["numba"]
+    import bm25s
+
     return bm25s
 
 

@@ -11,11 +11,13 @@ import pytest
 from helpers import TASK_N_EVAL
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def ray_session():
-    """A local Ray for the module's runs, started as a run starts it (loopback only; None: Ray was
+    """A local Ray for the session's runs, started as a run starts it (loopback only; None: Ray was
     already up), its workers importing from tests/integration (the tests' own model classes) and
-    tests/ (helpers.py, which those test modules import)."""
+    tests/ (helpers.py, which those test modules import). One for all: each start costs seconds
+    of Ray's processes; the modules that use it run last (tests/conftest.py), so that no other
+    module runs beside it."""
     from chatgen.rlhf.runtime import Runtime, init_ray
 
     here = Path(__file__).parent

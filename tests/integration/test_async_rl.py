@@ -257,13 +257,16 @@ def test_async_resume_continues_from_its_checkpoint(
 
 
 @pytest.mark.faults
+# the resume (a second Ray run) with the slow tests: a failed run's resume is test_rlhf_runs.py's
+# test_grpo_fails_cleanly_then_resumes, an async run's test_async_resume_continues_from_its_checkpoint
+@pytest.mark.parametrize("resume", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_async_replica_dies_mid_run(
-    ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch, capsys
+    ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch, capsys, resume
 ):
     """Two disaggregated replicas (Ray actors), max_staleness 2: replica 1's process ends while two batches
     generate. Its generation calls: eval 0 (1), batches 1 and 2 submitted together (2, 3), evals 1 and 2
     (4, 5), batch 3 (6): it dies there, after checkpoint 2, with batch 4 submitted beside it. --resume then
-    continues from checkpoint 2."""
+    continues from checkpoint 2 (`resume`)."""
     from chatgen.cli import main
     from chatgen.rlhf import checkpoint as ckpt
 
@@ -299,6 +302,8 @@ def test_async_replica_dies_mid_run(
         ckpt.load_state(out / "checkpoints" / "episode_000002")["sampler"]["index"]
         == 2 * SAMPLES // N
     )
+    if not resume:
+        return
     # --resume continues from checkpoint 2 as a synchronous resume does: episodes 3 and 4, the data on from 2
     dying = ("models.policy.model_class", "policy.args.")
     healthy = [a for a in args if not a.startswith(dying)]

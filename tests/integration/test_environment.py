@@ -7,23 +7,74 @@ with the other packages of requirements.txt's `# chatgen-remove:` line.
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
+IMPORT_TOGETHER = (
+    "import transformers, vllm, megatron.core, ray, sentencepiece, torch\n"
+    "from transformers import AutoModelForCausalLM\n"
+    "from megatron.core.models.gpt import GPTModel\n"
+    "print(torch.__version__, vllm.__version__, transformers.__version__, ray.__version__)\n"
+)
+NO_TRITON = "import sys, vllm.entrypoints.llm; print('triton' in sys.modules)"
 
-def test_transformers_vllm_megatron_ray_import_together():
-    code = (
-        "import transformers, vllm, megatron.core, ray, sentencepiece, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "from megatron.core.models.gpt import GPTModel\n"
-        "print(torch.__version__, vllm.__version__, transformers.__version__, ray.__version__)\n"
+
+def engine_after_search(tiny_llama_dir, tmp_path) -> str:
+    """A fresh process's code: build the search environment's index, then start an engine and
+    generate."""
+    tests = Path(__file__).resolve().parents[1]
+    return (
+        "import sys\n"
+        f"sys.path.insert(0, {str(tests)!r})\n"
+        "from chatgen.environments import search\n"
+        f"search.write_task(__import__('pathlib').Path({str(tmp_path)!r}), 20, 4)\n"
+        f"search.index({str(tmp_path / 'corpus.jsonl')!r})\n"
+        "import helpers\n"
+        f"out = helpers.generate(helpers.engine({str(tiny_llama_dir)!r}))\n"
+        "print('numba' in sys.modules, len(out))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300)
-    )
+
+
+@pytest.fixture(scope="module")
+def processes(request, tiny_llama_dir, tmp_path_factory):
+    """test name -> its fresh Python process, all started when the module begins (each is seconds
+    of imports, mostly on one core: CI's two cores work at once); only the selected tests'."""
+    codes = {
+        "test_transformers_vllm_megatron_ray_import_together": lambda: IMPORT_TOGETHER,
+        "test_packages_the_pin_file_removes_are_absent": lambda: NO_TRITON,
+        "test_an_engine_starts_after_the_search_index_is_built": lambda: engine_after_search(
+            tiny_llama_dir, tmp_path_factory.mktemp("search")
+        ),
+    }
+    selected = {item.originalname for item in request.session.items if item.path == Path(__file__)}
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code()],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name, code in codes.items()
+        if name in selected
+    }
+    yield started
+    for proc in started.values():  # a test that failed before reading its process
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def finished(processes, name) -> subprocess.CompletedProcess:
+    out, err = processes[name].communicate(timeout=scaled(300))
+    return subprocess.CompletedProcess(processes[name].args, processes[name].returncode, out, err)
+
+
+def test_transformers_vllm_megatron_ray_import_together(processes):
+    proc = finished(processes, "test_transformers_vllm_megatron_ray_import_together")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # torch must be the build vLLM was made for (CPU: 2.13.0+cpu; CUDA: whatever the vllm wheel pins)
     import importlib.metadata as metadata
@@ -44,12 +95,11 @@ def test_transformers_vllm_megatron_ray_import_together():
     )
 
 
-def test_packages_the_pin_file_removes_are_absent():
+def test_packages_the_pin_file_removes_are_absent(processes):
     """requirements.txt's `# chatgen-remove:` line (torchvision & co., triton, opencv) is gone from the venv:
     the torchvision trap breaks `import transformers`; triton (no CPU backend) costs every vLLM process 70 MiB
     through torch._dynamo's import of it (this process must not have imported it either)."""
     import importlib.metadata as metadata
-    from pathlib import Path
 
     pins = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
     removed = next(
@@ -69,12 +119,7 @@ def test_packages_the_pin_file_removes_are_absent():
         f"{leftover} installed: requirements.txt's chatgen-remove line says why each must go; "
         "run scripts/setup_env.sh"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys, vllm.entrypoints.llm; print('triton' in sys.modules)"],
-        capture_output=True,
-        text=True,
-        timeout=scaled(300),
-    )
+    proc = finished(processes, "test_packages_the_pin_file_removes_are_absent")
     assert proc.returncode == 0 and proc.stdout.split()[-1] == "False", proc.stderr[-2000:]
 
 
@@ -86,25 +131,12 @@ def test_chatgen_cli_lists_subcommands():
     assert "make-tiny-model" in proc.stdout
 
 
-def test_an_engine_starts_after_the_search_index_is_built(tiny_llama_dir, tmp_path):
-    """The search environment's bm25s would load numba, after which vLLM 0.32 could start no engine in
-    that process (its kernel rebinding fails on llvmlite's ffi wrapper): a fresh process builds the
-    index, then starts an engine and generates."""
-    from pathlib import Path
-
-    tests = Path(__file__).resolve().parents[1]
-    code = (
-        "import sys\n"
-        f"sys.path.insert(0, {str(tests)!r})\n"
-        "from chatgen.environments import search\n"
-        f"search.write_task(__import__('pathlib').Path({str(tmp_path)!r}), 20, 4)\n"
-        f"search.index({str(tmp_path / 'corpus.jsonl')!r})\n"
-        "import helpers\n"
-        f"out = helpers.generate(helpers.engine({str(tiny_llama_dir)!r}))\n"
-        "print('numba' in sys.modules, len(out))\n"
-    )
-    proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=scaled(300)
-    )
+def test_an_engine_starts_after_the_search_index_is_built(processes):
+    """The search environment's bm25s loads numba, after which vLLM 0.32 could start no engine in
+    that process (its kernel rebinding fails on llvmlite's ffi wrapper: the adapter's
+    patches.rebind_kernels_past_odd_namespaces): a fresh process builds the index, then starts an
+    engine and generates."""
+    proc = finished(processes, "test_an_engine_starts_after_the_search_index_is_built")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-2:] == ["False", str(len(__import__("helpers").SYNC_PROMPTS))]
+    # numba loaded: the case the patch is for
+    assert proc.stdout.split()[-2:] == ["True", str(len(__import__("helpers").SYNC_PROMPTS))]

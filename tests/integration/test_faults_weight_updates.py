@@ -29,7 +29,7 @@ from helpers import (  # noqa: E402
     chatgen_serve,
     max_diff_vs_hf,
     perturbed,
-    wait_healthy,
+    wait_until_serving,
 )
 
 KEY = "key-read-from-a-file-" + "x" * 20
@@ -66,7 +66,7 @@ def server(tiny_llama_dir, tmp_path_factory):
         env=env,
     )
     url = f"http://127.0.0.1:{port}"
-    wait_healthy(proc, url, KEY, 120)
+    wait_until_serving(proc, url, scaled(120), KEY)
     yield url, proc
     proc.terminate()
     proc.wait(timeout=scaled(30))

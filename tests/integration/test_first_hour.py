@@ -235,6 +235,9 @@ SLOW = {
     "grpo_tiny_lora",
     "grpo_tiny_fsdp",
     "opd_tiny",
+    # and test_rlhf_runs' DPO and online DPO runs (their scripts: prepare_tiny.sh, then the config)
+    "dpo_tiny",
+    "online_dpo_tiny",
     # gymnasium_tiny's episode with the verifiers adapter (trained on in test_agents_rl.py)
     "verifiers_tiny",
 }

@@ -542,13 +542,23 @@ def test_tensor_parallel_2_external_launcher_matches_tp1(module, tiny_llama_dir)
 # ---------------------------------------------------------------- chatgen generate (its own process)
 
 
-def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
-    """The real entry point in a subprocess (vLLM keeps process-wide state: one engine per process)."""
-    ids = module.build_dataset(PROMPTS[:1])[0]["input_ids"]
-    (tmp_path / "in.jsonl").write_text(
+@pytest.fixture(scope="module", autouse=True)
+def cli_generate(request, tiny_llama_dir, tmp_path_factory):
+    """`chatgen generate` of test_cli_generate_matches_the_module, started when the module begins
+    (when that test is selected): seconds of imports and an engine's start in a process of its own,
+    beside the in-process engine tests. (its output file, the process)"""
+    if not any(
+        item.path == Path(__file__) and item.originalname == "test_cli_generate_matches_the_module"
+        for item in request.session.items
+    ):
+        yield None
+        return
+    tmp = tmp_path_factory.mktemp("cli-generate")
+    ids = request.getfixturevalue("module").build_dataset(PROMPTS[:1])[0]["input_ids"]
+    (tmp / "in.jsonl").write_text(
         json.dumps({"prompt_ids": ids}) + "\n" + json.dumps({"prompt": PROMPTS[1]}) + "\n"
     )
-    proc = subprocess.run(
+    proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
@@ -557,9 +567,9 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
             "--model",
             str(tiny_llama_dir),
             "--input",
-            str(tmp_path / "in.jsonl"),
+            str(tmp / "in.jsonl"),
             "--output",
-            str(tmp_path / "out.jsonl"),
+            str(tmp / "out.jsonl"),
             "--max-new-tokens",
             str(MAX_NEW),
             "--temperature",
@@ -570,14 +580,24 @@ def test_cli_generate_matches_the_module(module, tiny_llama_dir, tmp_path):
             "ignore_eos=true",
             "logprobs_mode=raw",
         ],
-        capture_output=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=300,
         cwd=REPO,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "engine steps" in proc.stderr
-    lines = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    yield tmp / "out.jsonl", proc
+    if proc.poll() is None:  # the test failed before it read the process
+        proc.kill()
+        proc.communicate()
+
+
+def test_cli_generate_matches_the_module(module, cli_generate):
+    """The real entry point in a subprocess (vLLM keeps process-wide state: one engine per process)."""
+    out, proc = cli_generate
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 0, stderr[-3000:]
+    assert "engine steps" in stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["index"], r["sample"]) for r in lines] == [(0, 0), (1, 0)]
     expected = module.generate(padded(module, PROMPTS[:2]), greedy=True)
     for row, record in enumerate(lines):

@@ -406,17 +406,6 @@ def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, 
     assert main(["serve", "--model", str(llama), "--lora", f"bad={tmp_path}", "--port", "0"]) != 0
     assert "--lora-modules bad: " in capsys.readouterr().err  # ... has no adapter_config.json
 
-    prompt = "the cat"
-    tokenizer = AutoTokenizer.from_pretrained(llama)
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
-    greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
-    base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
-    with torch.no_grad():
-        want = {str(llama): base.generate(ids, **greedy)[0, ids.shape[1] :].tolist()}
-        peft_model = PeftModel.from_pretrained(base, adapter).eval()
-        want["mine"] = peft_model.generate(input_ids=ids, **greedy)[0, ids.shape[1] :].tolist()
-    assert want["mine"] != want[str(llama)]  # the adapter changes the greedy output
-
     port = free_port()
     args = [
         "serve",
@@ -436,11 +425,21 @@ def test_serve_lora_modules_serves_the_adapter_beside_the_base(llama, tmp_path, 
     proc = subprocess.Popen(
         [sys.executable, "-m", "chatgen.cli", *args], stderr=subprocess.PIPE, text=True
     )
-    try:
+    try:  # what PEFT generates, while the server starts
+        prompt = "the cat"
+        tokenizer = AutoTokenizer.from_pretrained(llama)
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        greedy = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+        base = AutoModelForCausalLM.from_pretrained(llama, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = {str(llama): base.generate(ids, **greedy)[0, ids.shape[1] :].tolist()}
+            peft_model = PeftModel.from_pretrained(base, adapter).eval()
+            want["mine"] = peft_model.generate(input_ids=ids, **greedy)[0, ids.shape[1] :].tolist()
+        assert want["mine"] != want[str(llama)]  # the adapter changes the greedy output
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
         )
-        wait_until_serving(proc, client, scaled(300))
+        wait_until_serving(proc, f"http://127.0.0.1:{port}", scaled(300))
         assert {m.id for m in client.models.list()} == set(want)
         for name, tokens in want.items():
             r = client.completions.create(

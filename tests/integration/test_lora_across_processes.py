@@ -7,7 +7,8 @@ checks; the server's log-probs then equal the trainer's within 1e-4 (fp32, real 
 
 import pytest
 import torch
-from helpers import SYNC_PROMPTS, batch, build, chatgen_serve, nll_loss, wait_healthy
+from helpers import SYNC_PROMPTS, batch, build, chatgen_serve, nll_loss, wait_until_serving
+from timeouts import scaled
 
 pytestmark = pytest.mark.integration
 
@@ -43,7 +44,7 @@ def lora_server(llama):
         "enforce_eager=true",
         "kv_cache_memory_bytes=33554432",
     )
-    wait_healthy(proc, url, KEY, 240)
+    wait_until_serving(proc, url, scaled(240), KEY)
     yield url
     proc.terminate()
     proc.wait(timeout=30)

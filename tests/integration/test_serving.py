@@ -884,13 +884,21 @@ def test_after_shutdown_connections_are_refused(served):
         httpx.get(f"{served.url}/health")
 
 
-def test_chatgen_serve_command(tiny_llama_dir):
-    """The real entry point in its own process: loopback only, API key, a completion, stops on
-    SIGTERM within its --shutdown-timeout even with a stream that can never end (the engine
-    paused; issue 28, finding 9)."""
+@pytest.fixture(scope="module", autouse=True)
+def serve_command(request, tiny_llama_dir):
+    """The process of test_chatgen_serve_command, started when the module begins (when that test is
+    selected): seconds of imports and an engine's start beside the in-process server's tests. (its
+    port, the process)"""
     import subprocess
     import sys
+    from pathlib import Path
 
+    if not any(
+        item.path == Path(__file__) and item.originalname == "test_chatgen_serve_command"
+        for item in request.session.items
+    ):
+        yield None
+        return
     port = free_port()
     proc = subprocess.Popen(
         [
@@ -917,9 +925,22 @@ def test_chatgen_serve_command(tiny_llama_dir):
         stderr=subprocess.PIPE,
         text=True,
     )
+    yield port, proc
+    if proc.poll() is None:  # the test failed before it stopped the server
+        proc.kill()
+        proc.wait()
+
+
+def test_chatgen_serve_command(serve_command):
+    """The real entry point in its own process: loopback only, API key, a completion, stops on
+    SIGTERM within its --shutdown-timeout even with a stream that can never end (the engine
+    paused; issue 28, finding 9)."""
+    import subprocess
+
+    port, proc = serve_command
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key=KEY, max_retries=0)
-        wait_until_serving(proc, client, scaled(120))
+        wait_until_serving(proc, f"http://127.0.0.1:{port}", scaled(120), KEY)
         r = client.completions.create(model="tiny", prompt=[1, 5, 6], max_tokens=4, temperature=0)
         assert len(r.choices[0].token_ids) == 4 and r.choices[0].prompt_token_ids == [1, 5, 6]
         assert (

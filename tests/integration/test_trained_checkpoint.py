@@ -98,7 +98,7 @@ def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0
         )
-        wait_until_serving(proc, client, scaled(300))
+        wait_until_serving(proc, f"http://127.0.0.1:{port}", scaled(300))
         r = client.completions.create(
             model=checkpoint,
             prompt=PROMPT,

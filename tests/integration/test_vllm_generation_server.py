@@ -28,8 +28,9 @@ from helpers import (  # noqa: E402
     max_diff_vs_hf,
     perturbed,
     quick_warm_start,
-    wait_healthy,
+    wait_until_serving,
 )
+from timeouts import scaled  # noqa: E402
 
 KEY = "test-key"
 CONTROL = [
@@ -84,7 +85,7 @@ def server_process(data_and_model):
         "max_new_tokens=16",
         *(f"{k}={v}" for k, v in ENGINE.items()),
     )
-    wait_healthy(proc, url, KEY, 120)
+    wait_until_serving(proc, url, scaled(120), KEY)
     yield url, proc
     proc.terminate()
     proc.wait(timeout=30)

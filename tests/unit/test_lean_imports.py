@@ -12,58 +12,84 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run(code: str) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip()
+HIDDEN_INSIDE = (
+    "import sys\n"
+    "from chatgen.generation.vllm.lean_imports import without_unused_imports\n"
+    "with without_unused_imports():\n"
+    "    for name in ('ray', 'opentelemetry.trace'):\n"
+    "        try:\n"
+    "            __import__(name)\n"
+    "            print('imported')\n"
+    "        except ImportError:\n"
+    "            print('hidden')\n"
+    "print('ray' in sys.modules, 'opentelemetry' in sys.modules)\n"
+    "import ray\n"
+    "from opentelemetry import trace\n"
+    "print(ray.is_initialized(), callable(trace.get_tracer))\n"
+)
+LEFT_ALONE = (
+    "import ray, sys\n"
+    "from chatgen.generation.vllm.lean_imports import without_unused_imports\n"
+    "with without_unused_imports():\n"
+    "    import ray as again\n"
+    "print(again is ray, sys.modules['ray'] is ray)\n"
+)
+ADAPTER = (
+    "import sys\n"
+    "from chatgen.generation.vllm import adapter\n"
+    "print('ray' in sys.modules, 'opentelemetry' in sys.modules, 'grpc' in sys.modules, "
+    "adapter.LLM.__name__)\n"
+)
+CODES = {
+    "test_hidden_inside_importable_after": HIDDEN_INSIDE,
+    "test_left_alone_once_imported": LEFT_ALONE,
+    "test_adapter_imports_vllm_without_ray_or_opentelemetry": ADAPTER,
+}
 
 
-def test_hidden_inside_importable_after():
-    out = run(
-        "import sys\n"
-        "from chatgen.generation.vllm.lean_imports import without_unused_imports\n"
-        "with without_unused_imports():\n"
-        "    for name in ('ray', 'opentelemetry.trace'):\n"
-        "        try:\n"
-        "            __import__(name)\n"
-        "            print('imported')\n"
-        "        except ImportError:\n"
-        "            print('hidden')\n"
-        "print('ray' in sys.modules, 'opentelemetry' in sys.modules)\n"
-        "import ray\n"
-        "from opentelemetry import trace\n"
-        "print(ray.is_initialized(), callable(trace.get_tracer))\n"
-    )
+@pytest.fixture(scope="module")
+def processes(request):
+    """test name -> its fresh interpreter, all started when the module begins (each is seconds of
+    imports on one core); only the selected tests'."""
+    selected = {item.originalname for item in request.session.items if item.path == Path(__file__)}
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
+        for name, code in CODES.items()
+        if name in selected
+    }
+    yield started
+    for proc in started.values():  # a test that failed before reading its process
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def run(processes, name: str) -> str:
+    out, err = processes[name].communicate(timeout=600)
+    assert processes[name].returncode == 0, err[-3000:]
+    return out.strip()
+
+
+def test_hidden_inside_importable_after(processes):
+    out = run(processes, "test_hidden_inside_importable_after")
     assert out.split() == ["hidden", "hidden", "False", "False", "False", "True"]
 
 
-def test_left_alone_once_imported():
-    out = run(
-        "import ray, sys\n"
-        "from chatgen.generation.vllm.lean_imports import without_unused_imports\n"
-        "with without_unused_imports():\n"
-        "    import ray as again\n"
-        "print(again is ray, sys.modules['ray'] is ray)\n"
-    )
+def test_left_alone_once_imported(processes):
+    out = run(processes, "test_left_alone_once_imported")
     assert out.split() == ["True", "True"]
 
 
 @pytest.mark.integration
-def test_adapter_imports_vllm_without_ray_or_opentelemetry():
-    out = run(
-        "import sys\n"
-        "from chatgen.generation.vllm import adapter\n"
-        "print('ray' in sys.modules, 'opentelemetry' in sys.modules, 'grpc' in sys.modules, "
-        "adapter.LLM.__name__)\n"
-    )
+def test_adapter_imports_vllm_without_ray_or_opentelemetry(processes):
+    out = run(processes, "test_adapter_imports_vllm_without_ray_or_opentelemetry")
     assert out.split() == ["False", "False", "False", "LLM"]
 
 

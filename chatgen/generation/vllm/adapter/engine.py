@@ -51,6 +51,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
         )
         patches.plain_small_linears()
+        patches.rebind_kernels_past_odd_namespaces()
     if (
         current_platform.is_cpu()
         and engine_kwargs.get("distributed_executor_backend") == "external_launcher"

@@ -89,6 +89,36 @@ def quiet_numa_notice() -> None:
     )
 
 
+def rebind_kernels_past_odd_namespaces() -> None:
+    """vLLM 0.32 points every module global holding a Triton kernel at its CPU fallback when a
+    worker starts (`dispatcher._rebind_kernels`), reading `vars(value).get("kernel")` of each
+    global. llvmlite's `ffi.lib` (loaded with numba: by bm25s, for one) answers vars() with a
+    wrapper, not a mapping: "'_lib_fn_wrapper' object has no attribute 'get'", and no engine could
+    start in that process. The same scan, past namespaces that are not mappings."""
+    from collections.abc import Mapping
+
+    from vllm.triton_utils import dispatcher
+
+    if getattr(dispatcher._rebind_kernels, "chatgen_past_odd", False):
+        return
+
+    def rebind_kernels(overrides):
+        wrappers = {id(original): wrapper for original, wrapper in overrides}  # by identity
+        for module in list(sys.modules.values()):
+            for attr, value in list((getattr(module, "__dict__", None) or {}).items()):
+                if id(value) in wrappers:
+                    setattr(module, attr, wrappers[id(value)])
+                    continue
+                inner = getattr(value, "__dict__", None)  # a warmup owner's own `kernel`
+                if isinstance(inner, Mapping) and id(inner.get("kernel")) in wrappers:
+                    value.kernel = wrappers[id(inner["kernel"])]
+                    if not isinstance(value, type):
+                        value.__dict__.pop("_kernel_arg_names", None)
+
+    rebind_kernels.chatgen_past_odd = True
+    dispatcher._rebind_kernels = rebind_kernels  # register_kernels looks it up at each call
+
+
 # The largest fp32 weight (bytes) that `plain_small_linears` leaves to torch: the tiny Llama's
 # layers (hidden 128: 64-360 KiB) run as fast on it and hold ~90 MiB less at the peak; SmolLM2's
 # (hidden 576: 1.3-7 MiB, lm_head 108 MiB) generate ~25% faster on oneDNN
@@ -329,6 +359,14 @@ _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantiz
 # must contain the text (an attribute set in __init__, a log message); (target, (names,)) its
 # parameters must be these.
 RELIES_ON = {
+    "rebind_kernels_past_odd_namespaces": [
+        ("vllm.triton_utils.dispatcher:_rebind_kernels", ("overrides",)),
+        (
+            "vllm.triton_utils.dispatcher:_rebind_kernels",
+            'wrapper = lookup(vars(value).get("kernel"))',
+        ),
+        ("vllm.triton_utils.dispatcher:register_kernels", "_rebind_kernels(["),
+    ],
     "per_job_cpu_shm": [
         f"{_CPU_SHM}.make_group_name",
         (f"{_CPU_SHM}._init_cpu_shm", ("self",)),
