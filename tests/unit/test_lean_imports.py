@@ -40,10 +40,24 @@ ADAPTER = (
     "print('ray' in sys.modules, 'opentelemetry' in sys.modules, 'grpc' in sys.modules, "
     "adapter.LLM.__name__)\n"
 )
+# MegatronModule.init imports megatron-core inside hidden_imports(("wandb",)): nothing chatgen
+# imports before it (the CLI, the trainer's module) may have loaded megatron-core already
+WANDB_HIDDEN = (
+    "import sys\n"
+    "import chatgen.cli.train, chatgen.training.megatron_module\n"
+    "print('megatron.core' in sys.modules)\n"
+    "from chatgen.core.imports import hidden_imports\n"
+    "with hidden_imports(('wandb',)):\n"
+    "    from megatron.core import parallel_state\n"
+    "print('wandb' in sys.modules)\n"
+    "import wandb\n"
+    "print(callable(wandb.init))\n"
+)
 CODES = {
     "test_hidden_inside_importable_after": HIDDEN_INSIDE,
     "test_left_alone_once_imported": LEFT_ALONE,
     "test_adapter_imports_vllm_without_ray_or_opentelemetry": ADAPTER,
+    "test_megatron_core_loads_without_wandb_which_imports_as_usual_after": WANDB_HIDDEN,
 }
 
 
@@ -93,18 +107,6 @@ def test_adapter_imports_vllm_without_ray_or_opentelemetry(processes):
     assert out.split() == ["False", "False", "False", "LLM"]
 
 
-def test_megatron_core_loads_without_wandb_which_imports_as_usual_after():
-    # MegatronModule.init imports megatron-core inside hidden_imports(("wandb",)): nothing chatgen
-    # imports before it (the CLI, the trainer's module) may have loaded megatron-core already
-    out = run(
-        "import sys\n"
-        "import chatgen.cli.train, chatgen.training.megatron_module\n"
-        "print('megatron.core' in sys.modules)\n"
-        "from chatgen.core.imports import hidden_imports\n"
-        "with hidden_imports(('wandb',)):\n"
-        "    from megatron.core import parallel_state\n"
-        "print('wandb' in sys.modules)\n"
-        "import wandb\n"
-        "print(callable(wandb.init))\n"
-    )
+def test_megatron_core_loads_without_wandb_which_imports_as_usual_after(processes):
+    out = run(processes, "test_megatron_core_loads_without_wandb_which_imports_as_usual_after")
     assert out.split()[-3:] == ["False", "False", "True"]
