@@ -411,6 +411,33 @@ def shipped_warm_start(model_dir) -> Path:
     return out
 
 
+def fresh_interpreters(request, test_file, codes: dict, **popen):
+    """Fixture body (`yield from`): test name -> a fresh `python -c CODE` process, started at once for
+    the tests of `test_file` this session runs (each is seconds of imports, mostly on one core, so
+    CI's two cores work at once). codes: test name -> the code, or a callable making it (to build
+    only what a selected test needs). A process a failed test left running is killed at the end."""
+    import subprocess
+    import sys
+
+    selected = {i.originalname for i in request.session.items if i.path == Path(test_file)}
+    started = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", code() if callable(code) else code],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            **popen,
+        )
+        for name, code in codes.items()
+        if name in selected
+    }
+    yield started
+    for proc in started.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
 def chatgen_serve(model, port: int, *args, env=None):
     """`chatgen serve --model MODEL --port PORT ARGS...` in its own process, vLLM's logging quiet and
     its stderr dropped (wait for it with `wait_until_serving`)."""

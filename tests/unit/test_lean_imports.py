@@ -3,11 +3,10 @@
 
 Each check runs in a fresh interpreter, whose sys.modules has not seen ray yet."""
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import fresh_interpreters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -65,24 +64,9 @@ CODES = {
 def processes(request):
     """test name -> its fresh interpreter, all started when the module begins (each is seconds of
     imports on one core); only the selected tests'."""
-    selected = {item.originalname for item in request.session.items if item.path == Path(__file__)}
-    started = {
-        name: subprocess.Popen(
-            [sys.executable, "-c", code],
-            cwd=REPO,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
-        )
-        for name, code in CODES.items()
-        if name in selected
-    }
-    yield started
-    for proc in started.values():  # a test that failed before reading its process
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    yield from fresh_interpreters(
+        request, __file__, CODES, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}
+    )
 
 
 def run(processes, name: str) -> str:

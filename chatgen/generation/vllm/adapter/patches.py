@@ -95,6 +95,7 @@ def rebind_kernels_past_odd_namespaces() -> None:
     global. llvmlite's `ffi.lib` (loaded with numba: by bm25s, for one) answers vars() with a
     wrapper, not a mapping: "'_lib_fn_wrapper' object has no attribute 'get'", and no engine could
     start in that process. The same scan, past namespaces that are not mappings."""
+    import warnings
     from collections.abc import Mapping
 
     from vllm.triton_utils import dispatcher
@@ -104,18 +105,21 @@ def rebind_kernels_past_odd_namespaces() -> None:
 
     def rebind_kernels(overrides):
         wrappers = {id(original): wrapper for original, wrapper in overrides}  # by identity
-        for module in list(sys.modules.values()):
-            for attr, value in list((getattr(module, "__dict__", None) or {}).items()):
-                if id(value) in wrappers:
-                    setattr(module, attr, wrappers[id(value)])
-                    continue
-                inner = getattr(value, "__dict__", None)  # a warmup owner's own `kernel`
-                if isinstance(inner, Mapping) and id(inner.get("kernel")) in wrappers:
-                    value.kernel = wrappers[id(inner["kernel"])]
-                    if not isinstance(value, type):
-                        value.__dict__.pop("_kernel_arg_names", None)
+        with warnings.catch_warnings():  # reading every global touches deprecated ones (torch's)
+            warnings.simplefilter("ignore")
+            for module in list(sys.modules.values()):
+                for attr, value in list((getattr(module, "__dict__", None) or {}).items()):
+                    if id(value) in wrappers:
+                        setattr(module, attr, wrappers[id(value)])
+                        continue
+                    inner = getattr(value, "__dict__", None)  # a warmup owner's own `kernel`
+                    if isinstance(inner, Mapping) and id(inner.get("kernel")) in wrappers:
+                        value.kernel = wrappers[id(inner["kernel"])]
+                        if not isinstance(value, type):
+                            value.__dict__.pop("_kernel_arg_names", None)
 
     rebind_kernels.chatgen_past_odd = True
+    rebind_kernels.__wrapped__ = dispatcher._rebind_kernels  # what `check` reads (inspect follows)
     dispatcher._rebind_kernels = rebind_kernels  # register_kernels looks it up at each call
 
 
