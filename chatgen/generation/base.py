@@ -66,7 +66,8 @@ def encode(tokenizer, texts: list, chat_template: bool) -> list:
             tokenize=True,
             return_dict=False,
         )
-    return tokenizer(texts)["input_ids"]
+    # only the ids: the attention masks and token type ids of 20k prompts were ~40% of the call
+    return tokenizer(texts, return_attention_mask=False, return_token_type_ids=False)["input_ids"]
 
 
 def available() -> list[str]:

@@ -195,7 +195,7 @@ def test_max_tokens_follow_new_token_limit():
 class Chars:
     """A tokenizer stand-in: one token per character (called on a batch, as HF tokenizers are)."""
 
-    def __call__(self, texts):
+    def __call__(self, texts, return_attention_mask=True, return_token_type_ids=True):
         return {"input_ids": [[ord(c) for c in text] for text in texts]}
 
 
@@ -542,7 +542,7 @@ KEY_DESTINATIONS = {
 class CharTokenizer:
     """Stand-in tokenizer: one id per character; a chat turn is wrapped in markers (a batch of chats, as HF)."""
 
-    def __call__(self, texts):
+    def __call__(self, texts, return_attention_mask=True, return_token_type_ids=True):
         return {"input_ids": [[ord(c) for c in text] for text in texts]}
 
     def apply_chat_template(self, chats, add_generation_prompt, tokenize, return_dict):

@@ -84,17 +84,17 @@ def quiet_numa_notice() -> None:
             os.close(devnull)
 
     init_cpu_memory_env.chatgen_quiet = True
-    torch.ops._C.init_cpu_memory_env = (
-        init_cpu_memory_env  # vLLM looks the op up on the namespace at each call
-    )
+    # vLLM looks the op up on the namespace at each call
+    torch.ops._C.init_cpu_memory_env = init_cpu_memory_env
 
 
 def rebind_kernels_past_odd_namespaces() -> None:
     """vLLM 0.32 points every module global holding a Triton kernel at its CPU fallback when a
     worker starts (`dispatcher._rebind_kernels`), reading `vars(value).get("kernel")` of each
-    global. llvmlite's `ffi.lib` (loaded with numba: by bm25s, for one) answers vars() with a
-    wrapper, not a mapping: "'_lib_fn_wrapper' object has no attribute 'get'", and no engine could
-    start in that process. The same scan, past namespaces that are not mappings."""
+    global. llvmlite's `ffi.lib` (loaded with numba: by bm25s) answers vars() with a wrapper, not a
+    mapping ("'_lib_fn_wrapper' object has no attribute 'get'"): no engine could start. The same
+    scan, past namespaces that are not mappings, reading a warmup class's own `kernel` only in
+    vLLM's modules, where such classes live (every global of all ~6k modules: 0.2-0.4 s a start)."""
     import warnings
     from collections.abc import Mapping
 
@@ -107,12 +107,12 @@ def rebind_kernels_past_odd_namespaces() -> None:
         wrappers = {id(original): wrapper for original, wrapper in overrides}  # by identity
         with warnings.catch_warnings():  # reading every global touches deprecated ones (torch's)
             warnings.simplefilter("ignore")
-            for module in list(sys.modules.values()):
+            for name, module in list(sys.modules.items()):
                 for attr, value in list((getattr(module, "__dict__", None) or {}).items()):
                     if id(value) in wrappers:
                         setattr(module, attr, wrappers[id(value)])
                         continue
-                    inner = getattr(value, "__dict__", None)  # a warmup owner's own `kernel`
+                    inner = getattr(value, "__dict__", None) if name.startswith("vllm") else None
                     if isinstance(inner, Mapping) and id(inner.get("kernel")) in wrappers:
                         value.kernel = wrappers[id(inner["kernel"])]
                         if not isinstance(value, type):
