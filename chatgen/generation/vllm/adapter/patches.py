@@ -91,12 +91,11 @@ def quiet_numa_notice() -> None:
 def rebind_kernels_past_odd_namespaces() -> None:
     """vLLM 0.32 points every module global holding a Triton kernel at its CPU fallback when a
     worker starts (`dispatcher._rebind_kernels`), reading `vars(value).get("kernel")` of each
-    global. llvmlite's `ffi.lib` (loaded with numba: by bm25s) answers vars() with a wrapper, not a
-    mapping ("'_lib_fn_wrapper' object has no attribute 'get'"): no engine could start. The same
-    scan, past namespaces that are not mappings, reading a warmup class's own `kernel` only in
-    vLLM's modules, where such classes live (every global of all ~6k modules: 0.2-0.4 s a start)."""
+    global; llvmlite's `ffi.lib` (numba's, loaded by bm25s) answers vars() with a wrapper, not a
+    mapping, and no engine could start. The same scan past such namespaces, reading a warmup class's
+    own `kernel` in vLLM's modules only, where they live (~6k modules' globals: 0.2-0.4 s)."""
     import warnings
-    from collections.abc import Mapping
+    from types import MappingProxyType
 
     from vllm.triton_utils import dispatcher
 
@@ -105,6 +104,7 @@ def rebind_kernels_past_odd_namespaces() -> None:
 
     def rebind_kernels(overrides):
         wrappers = {id(original): wrapper for original, wrapper in overrides}  # by identity
+        spaces = (dict, MappingProxyType)  # what vars() gives of an instance, of a class
         with warnings.catch_warnings():  # reading every global touches deprecated ones (torch's)
             warnings.simplefilter("ignore")
             for name, module in list(sys.modules.items()):
@@ -113,7 +113,7 @@ def rebind_kernels_past_odd_namespaces() -> None:
                         setattr(module, attr, wrappers[id(value)])
                         continue
                     inner = getattr(value, "__dict__", None) if name.startswith("vllm") else None
-                    if isinstance(inner, Mapping) and id(inner.get("kernel")) in wrappers:
+                    if isinstance(inner, spaces) and id(inner.get("kernel")) in wrappers:
                         value.kernel = wrappers[id(inner["kernel"])]
                         if not isinstance(value, type):
                             value.__dict__.pop("_kernel_arg_names", None)
