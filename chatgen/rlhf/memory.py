@@ -76,6 +76,7 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
             dtype=c.dtype,
             grad_reduce_dtype=c.grad_reduce_dtype,
             recompute=c.activation_recompute,
+            recompute_layers=c.recompute_num_layers,
             sequence_parallel=c.sequence_parallel,
         )
         lines.append(
@@ -158,6 +159,7 @@ def host_estimate(cfg) -> dict:
             dtype=c.dtype,
             grad_reduce_dtype=c.grad_reduce_dtype,
             recompute=c.activation_recompute,
+            recompute_layers=c.recompute_num_layers,
         )
         out.update({f"{name}/{k}": v for k, v in t.items() if k != "total"})
         # megatron-core's local attention (the only one on CPU) is unfused: a layer's backward also
