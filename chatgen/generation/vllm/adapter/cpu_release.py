@@ -30,7 +30,8 @@ from chatgen.generation.vllm.adapter.engine import in_process_workers
 
 
 def release(llm: LLM) -> None:
-    """Free the engine's weights and KV cache on every rank (again: a no-op)."""
+    """Free the engine's weights and KV cache on every rank (again: a no-op). Only in-process
+    workers: the storages and handlers are this process's objects."""
     if not in_process_workers(llm):
         raise NotImplementedError(
             "release_during_training needs the engine in this process (CPU, uniproc executor)"
@@ -48,7 +49,7 @@ def check_rewritten(llm: LLM) -> str | None:
     """After a weight sync into an engine whose weights were regrown: None when it wrote every
     weight `release` freed (every handler rebuilt, no NaN left), else which one it missed. None
     at once when no regrow came before."""
-    return llm.collective_rpc(_missed)[0]
+    return next((missed for missed in llm.collective_rpc(_missed) if missed), None)
 
 
 def _released_linear(x, weight, bias):
