@@ -157,6 +157,7 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         errors.append(
             f"{where}: runtime.eval_episode_interval: set, but runtime.eval_data_path is not; set both"
         )
+    errors += [f"{where}: {problem}" for problem in release_problems(cfg)]
     layout = topology_problems(cfg)
     errors += [f"{where}: {problem}" for problem in layout]
     if nodes is not None and not layout:
@@ -166,6 +167,39 @@ def check_run(cfg, algorithm, nodes: list | None = None) -> None:
         ]
     if errors:
         raise ConfigError(errors)
+
+
+def release_problems(cfg):
+    """A generation model's release_during_training (chatgen.rlhf.weight_links) needs a CPU
+    engine colocated with a trainer, in a synchronous run (an asynchronous one generates while
+    the trainer trains)."""
+    algo = cfg.runtime.algorithm
+    for name, entry in cfg.models.items():
+        if not getattr(entry.config, "release_during_training", False):
+            continue
+        key = f"models.{name}: release_during_training"
+        with_trainer = any(
+            name in group
+            and any(cfg.models[m].backend in TRAINER_BACKENDS for m in group if m in cfg.models)
+            for group in cfg.runtime.colocation
+        )
+        if entry.num_gpu:
+            yield (
+                f"{key} is for CPU engines: on GPUs the engine colocated with its trainer sleeps "
+                "while it trains already; remove the key"
+            )
+        elif not with_trainer:
+            yield (
+                f"{key} needs {name} in a runtime.colocation group with the trainer that syncs "
+                "into it (the engine's memory goes to that trainer); colocate them or remove the key"
+            )
+        if getattr(algo, "max_staleness", None) is not None or getattr(
+            algo, "overlap_generation", False
+        ):
+            yield (
+                f"{key}: runtime.algorithm.max_staleness / overlap_generation generate while the "
+                "trainer trains, when the released engine has no weights; remove one of them"
+            )
 
 
 def trainer_rows(cfg, algorithm) -> int:

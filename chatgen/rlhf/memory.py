@@ -76,6 +76,7 @@ def memory_report(cfg, device_bytes: int) -> tuple[list[str], list[str]]:
             dtype=c.dtype,
             grad_reduce_dtype=c.grad_reduce_dtype,
             recompute=c.activation_recompute,
+            recompute_layers=c.recompute_num_layers,
             sequence_parallel=c.sequence_parallel,
         )
         lines.append(
@@ -145,7 +146,8 @@ def host_estimate(cfg) -> dict:
     (trainer_memory at its seq_length, micro-batch, dtype and recompute: weights, fp32 gradients,
     Adam, the backward's activations, fp32 logits; plus the two s x s attention gradients of one
     layer's backward), and each vLLM engine's weights and KV cache
-    (kv_cache_memory_bytes; on CPU the engine keeps it while the trainer trains), plus "total"."""
+    (kv_cache_memory_bytes; on CPU the engine keeps both while the trainer trains, unless its
+    release_during_training frees them), plus "total"."""
     out = {"base": HOST_BASE_BYTES}
     for name, entry in cfg.models.items():
         c = entry.config
@@ -158,6 +160,7 @@ def host_estimate(cfg) -> dict:
             dtype=c.dtype,
             grad_reduce_dtype=c.grad_reduce_dtype,
             recompute=c.activation_recompute,
+            recompute_layers=c.recompute_num_layers,
         )
         out.update({f"{name}/{k}": v for k, v in t.items() if k != "total"})
         # megatron-core's local attention (the only one on CPU) is unfused: a layer's backward also
@@ -168,7 +171,13 @@ def host_estimate(cfg) -> dict:
         out[f"{name}/attention_backward"] = 2 * 4 * shape.heads * s * s * b
         for engine, e_entry in cfg.models.items():
             load = getattr(e_entry.config, "load", None)
-            if e_entry.backend == "vllm" and str(load) == str(c.load) and f"{engine}/kv" not in out:
+            released = getattr(e_entry.config, "release_during_training", False)
+            if (
+                e_entry.backend == "vllm"
+                and str(load) == str(c.load)
+                and f"{engine}/kv" not in out
+                and not released
+            ):
                 out[f"{engine}/weights"] = shape.params() * BYTES[e_entry.config.dtype]
                 out[f"{engine}/kv"] = e_entry.config.kv_cache_memory_bytes or 0
     out["total"] = sum(out.values())

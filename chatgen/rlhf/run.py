@@ -336,6 +336,7 @@ class Run:
         (e.g. 2 for DPO's chosen/rejected pairs), so a group never splits across steps. Returns
         the steps' metrics reduced by `reduce_metrics` (per_step: the list of each step's
         metrics, in order)."""
+        self.links.before_training()  # release_during_training: the engine's memory to the trainer
         rt = self.cfg.runtime
         n = data["input_ids"].shape[0]
         if n % group_size or rt.train_global_batch_size % group_size:

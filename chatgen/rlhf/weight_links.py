@@ -5,12 +5,19 @@ Role.syncs_to).
     links.sync()        # every trainer -> its target; the first sync of a run validates every tensor
     links.wake()        # before generating: the engine back from sleep (GPU colocation)
     links.release()     # after generating: the engine sleeps, its memory to the colocated trainers (GPU only)
+    links.before_training()  # CPU, release_during_training: the engine frees its weights and KV cache
 
 Colocated on GPUs, the Megatron models of the engine's group hand the memory back before the engine
 wakes (`MegatronModule.offload`: gradients, optimizer state and, unless a sync is about to read
 them, weights; each trainer call brings back what it needs). For a sync the engine wakes its weights
 only, takes the new ones, and wakes its KV cache once the trainers' weights are out too: the two
 never hold the device at once.
+
+Colocated on CPU, vLLM's sleep frees nothing; an engine whose config sets release_during_training
+sleeps at level 2 when training begins (`before_training`: its weights and KV cache freed,
+chatgen.generation.vllm.adapter.cpu_release) and the sync that follows, which writes every weight,
+wakes it as above. Not after generating: an evaluation's generation comes after the sync, and the
+next episode's generation follows it with no sync between.
 
 A trainer in the same colocation group as its target (same actor processes) writes into it in place
 on every rank (chatgen.param_sync.sync_weights; each rank's engine, whatever its replica and TP
@@ -64,11 +71,16 @@ class WeightLinks:
         self.runtime, self.pairs = runtime, dict(pairs)
         self.colocated, self.syncs, self.asleep, self.sleeps = {}, 0, False, False
         self.offloading = []  # the Megatron models that hand the GPUs to an engine while it is awake
+        self.releasing = []  # the CPU engines that free their memory while their trainers train
         for trainer_name, target_name in self.pairs.items():
             trainer, target = runtime[trainer_name], runtime[target_name]
             colocated = self.colocated[trainer_name] = trainer.group is target.group
             if colocated:
                 self.sleeps = self.sleeps or target.entry.num_gpu > 0  # CPU: sleep frees nothing
+                if not target.entry.num_gpu and getattr(
+                    target.entry.config, "release_during_training", False
+                ):
+                    self.releasing.append(target_name)
                 continue
             # the trainer's rank 0 sends, every engine rank receives
             world = 1 + target.group.world_size
@@ -146,6 +158,14 @@ class WeightLinks:
         `wake`."""
         if self.sleeps:
             self._call_targets("sleep")
+            self.asleep = True
+
+    def before_training(self) -> None:
+        """Colocated on CPU: the engines with release_during_training free their weights and KV
+        cache until the next `sync`, which writes every weight."""
+        if self.releasing and not self.asleep:
+            for target_name in self.releasing:
+                self.runtime[target_name].call("sleep", 2)
             self.asleep = True
 
     def _call_targets(self, method: str, *args) -> None:

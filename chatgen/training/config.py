@@ -116,6 +116,12 @@ class MegatronConfig:
         "selective = each layer's attention scores and softmax (most of the memory of long sequences, little "
         "compute), full = every layer's whole forward from its input (least memory, ~1/3 more compute)",
     )
+    recompute_num_layers: Optional[int] = opt(
+        None,
+        "with activation_recompute: full, only the first N layers of each pipeline stage recompute "
+        "(megatron's recompute_method: block); null = every layer. A dial between none and full: "
+        "N/layers of full's memory saving for N/layers of its extra compute",
+    )
     sequence_parallel: bool = opt(
         False,
         "with tensor_model_parallel_size > 1: split the norms' and dropouts' activations over the TP ranks "
@@ -205,6 +211,15 @@ class MegatronConfig:
                 "own Muon needs the emerging_optimizers package and no distributed optimizer); "
                 "use optimizer: adam on this backend, or backend: fsdp, whose trainer takes "
                 "optimizer: muon (docs/algorithms.md, Muon)",
+            )
+        if self.recompute_num_layers is not None and (
+            self.activation_recompute != "full" or self.recompute_num_layers < 1
+        ):
+            yield (
+                "recompute_num_layers",
+                f"{self.recompute_num_layers} with activation_recompute: "
+                f"{self.activation_recompute}; it takes a number of layers >= 1 and "
+                "activation_recompute: full (or remove the key)",
             )
         if self.logits_temperature is not None and self.logits_temperature <= 0:
             yield "logits_temperature", f"must be > 0 or null, got {self.logits_temperature}"
@@ -312,6 +327,7 @@ MEGATRON_ONLY = {
     "moe_aux_loss_coeff": (0.0, "the load-balancing loss is added by megatron-core's router"),
     "overlap_grad_reduce": (False, "FSDP2 overlaps its reduce-scatters by itself"),
     "grad_reduce_dtype": (None, "FSDP reduces in float32 (dtype: bfloat16 is mixed precision)"),
+    "recompute_num_layers": (None, "FSDP checkpoints every layer with activation_recompute: full"),
 }
 
 

@@ -328,7 +328,7 @@ class MegatronModule(
             bias_dropout_fusion=False,
             apply_rope_fusion=False,
             sequence_parallel=cfg.sequence_parallel,
-            **recompute_kwargs(cfg.activation_recompute),
+            **recompute_kwargs(cfg.activation_recompute, cfg.recompute_num_layers),
             **(
                 dict(
                     expert_model_parallel_size=self.ep,

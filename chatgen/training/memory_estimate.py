@@ -86,17 +86,19 @@ def activation_bytes(
     dtype: str = "bfloat16",
     recompute: str = "none",
     sequence_parallel: bool = False,
+    recompute_layers: int | None = None,
 ) -> int:
-    """Activation memory the backward needs on one GPU (see the module docstring), in bytes."""
+    """Activation memory the backward needs on one GPU (see the module docstring), in bytes.
+    recompute_layers: with recompute full, only that many layers recompute (recompute_num_layers);
+    the others keep all of theirs."""
     s, b, h, a, t = seq_length, micro_batch_size, shape.hidden, shape.heads, tp
     scale = BYTES[dtype] / 2  # the formula counts 16-bit activations
-    if recompute == "full":
-        kept = 2 * s * b * h / (t if sequence_parallel else 1)
-        one_layer = (
-            s * b * h * ((34 / t if sequence_parallel else 10 + 24 / t) + 5 * a * s / (h * t))
-        )
-        return int(scale * (shape.layers * kept + one_layer))
     per_token = 34 / t if sequence_parallel else 10 + 24 / t
+    whole_layer = s * b * h * (per_token + 5 * a * s / (h * t))
+    if recompute == "full":
+        n = shape.layers if recompute_layers is None else min(recompute_layers, shape.layers)
+        kept = 2 * s * b * h / (t if sequence_parallel else 1)
+        return int(scale * (n * kept + (shape.layers - n + 1) * whole_layer))
     attention = 0 if recompute == "selective" else 5 * a * s / (h * t)
     return int(scale * shape.layers * s * b * h * (per_token + attention))
 
@@ -113,6 +115,7 @@ def trainer_memory(
     grad_reduce_dtype: str | None = None,
     recompute: str = "none",
     sequence_parallel: bool = False,
+    recompute_layers: int | None = None,
 ) -> dict:
     """{weights, gradients, optimizer, activations, logits, total}: bytes on the busiest GPU of a
     training step."""
@@ -128,7 +131,14 @@ def trainer_memory(
         gradients=params * grad,
         optimizer=optimizer,
         activations=activation_bytes(
-            shape, seq_length, micro_batch_size, tp, dtype, recompute, sequence_parallel
+            shape,
+            seq_length,
+            micro_batch_size,
+            tp,
+            dtype,
+            recompute,
+            sequence_parallel,
+            recompute_layers,
         ),
         logits=2 * 4 * seq_length * micro_batch_size * shape.vocab / tp,
     )

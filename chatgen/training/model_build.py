@@ -11,10 +11,14 @@ import torch
 from chatgen.training import cpu_compat
 
 
-def recompute_kwargs(mode: str) -> dict:
-    """megatron-core TransformerConfig keys for `activation_recompute` (verl:
-    override_transformer_config's recompute_granularity / recompute_method /
-    recompute_num_layers)."""
+def recompute_kwargs(mode: str, num_layers: int | None = None) -> dict:
+    """megatron-core TransformerConfig keys for `activation_recompute` and
+    `recompute_num_layers` (verl: override_transformer_config's recompute_granularity /
+    recompute_method / recompute_num_layers)."""
+    if mode == "full" and num_layers is not None:  # the first num_layers of each stage
+        return dict(
+            recompute_granularity="full", recompute_method="block", recompute_num_layers=num_layers
+        )
     if mode == "full":  # every layer's input is kept, its forward run again in the backward
         return dict(
             recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1

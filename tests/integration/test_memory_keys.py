@@ -86,6 +86,15 @@ def test_activation_recompute_same_loss_less_activation_memory(tiny_llama_dir):
     assert full[3] < 0.6 * plain[3]  # only each layer's input is kept
 
 
+def test_recompute_num_layers_recomputes_only_that_many_layers(tiny_llama_dir):
+    """activation_recompute: full with recompute_num_layers: 1 of the tiny Llama's 2 layers: the
+    same losses, an activation peak between none's and full's."""
+    plain, full = (two_steps(tiny_llama_dir, activation_recompute=m) for m in ("none", "full"))
+    half = two_steps(tiny_llama_dir, activation_recompute="full", recompute_num_layers=1)
+    assert half[:3] == pytest.approx(plain[:3], rel=REL), (half, plain)
+    assert full[3] < half[3] < plain[3], (plain[3], half[3], full[3])
+
+
 def _tp2(model_dir, sequence_parallel):
     return two_steps(model_dir, tensor_model_parallel_size=2, sequence_parallel=sequence_parallel)
 

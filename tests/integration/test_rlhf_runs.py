@@ -173,10 +173,17 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(
     tiny_llama_dir, data_dir, tmp_path, monkeypatch
 ):
     """old_logprobs: rollout skips the trainer's old log-prob pass (the mismatch is then measured in the first
-    optimizer step); overlap_generation samples episode k+1 with the weights before episode k's update."""
+    optimizer step); overlap_generation samples episode k+1 with the weights before episode k's update. The
+    first run also has the engine release its weights and KV cache while the trainer trains
+    (release_during_training): the engine's log-probs still match the trainer's in every episode."""
+    from chatgen.generation.vllm.adapter import cpu_release
     from chatgen.rlhf import checkpoint as ckpt
     from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.config import load_config
+
+    releases = []
+    real_release = cpu_release.release
+    monkeypatch.setattr(cpu_release, "release", lambda llm: releases.append(1) or real_release(llm))
 
     monkeypatch.chdir(REPO)
     rollout = {
@@ -188,10 +195,18 @@ def test_grpo_rollout_logprobs_and_overlapped_generation(
     out = tmp_path / "rollout"
     grpo.train(
         load_config(
-            REPO / "configs/grpo_tiny.yaml", overrides(tiny_llama_dir, data_dir, out, **rollout)
+            REPO / "configs/grpo_tiny.yaml",
+            overrides(
+                tiny_llama_dir,
+                data_dir,
+                out,
+                **rollout,
+                **{"policy.release_during_training": True},
+            ),
         ),
         log=lambda *_: None,
     )
+    assert len(releases) == 3  # once an episode, when training began
     metrics = read_metrics(out)
     for episode in (1, 2, 3):
         m = metrics[episode]

@@ -142,3 +142,12 @@ def test_chatgen_config_prints_the_host_estimate_and_warns_before_the_run(tmp_pa
     assert (
         "chatgen config: warning:" in err and "seq_length" in err and "activation_recompute" in err
     )
+
+
+def test_host_estimate_leaves_out_an_engine_released_during_training(tmp_path):
+    from chatgen.rlhf.memory import host_estimate
+
+    kept = host_estimate(_config(tmp_path, 1024))
+    released = host_estimate(_config(tmp_path, 1024, "policy.release_during_training=true"))
+    assert kept["policy/weights"] > 0 and "policy/weights" not in released
+    assert kept["total"] - released["total"] == kept["policy/weights"] + kept["policy/kv"]

@@ -138,3 +138,15 @@ def test_memory_keys_are_checked():
             activation_recompute="full",
         ).check()
     )
+
+
+def test_partial_recompute_lies_between_none_and_full():
+    """recompute_num_layers: N of L layers recompute, the others keep everything: N = L is full,
+    and each layer less recomputed adds what one layer of `none` keeps beyond full's input."""
+    at = lambda **kw: activation_bytes(LLAMA_70B, 1024, 2, **kw)  # noqa: E731
+    full, none = at(recompute="full"), at(recompute="none")
+    layers = LLAMA_70B.layers
+    assert at(recompute="full", recompute_layers=layers) == full
+    partial = [at(recompute="full", recompute_layers=n) for n in range(layers, 0, -1)]
+    assert full < partial[-1] and partial == sorted(partial)
+    assert partial[-1] < none + none // layers  # one layer recomputed: about none's

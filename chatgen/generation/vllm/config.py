@@ -48,6 +48,12 @@ class VLLMConfig(GenerationConfig):
         None,
         "KV cache size in bytes; null = from gpu_memory_utilization (on CPU the module picks a small size)",
     )
+    release_during_training: bool = opt(
+        False,
+        "colocated on CPU with the trainer that syncs into it: the engine frees its weights and KV cache while "
+        "the trainer trains and the full weight sync that follows rebuilds them (peak memory down by about "
+        "both; on GPUs the colocated engine sleeps anyway); a synchronous run with full syncs only",
+    )
     # parallelism
     tensor_parallel_size: int = opt(1, "tensor-parallel ranks of the engine")
     return_routed_experts: bool = opt(
@@ -69,6 +75,12 @@ class VLLMConfig(GenerationConfig):
 
     def check(self):
         yield from super().check()
+        if self.release_during_training and self.enable_lora:
+            yield (
+                "release_during_training",
+                "needs syncs that write every weight, and enable_lora's adapter-only sync writes the "
+                "adapter alone; set one of them to false",
+            )
         if self.max_lora_rank != MAX_LORA_RANK and not self.enable_lora:
             yield (
                 "max_lora_rank",

@@ -31,6 +31,7 @@ from chatgen.generation import config as gc
 from chatgen.generation.base import GenerationModule
 from chatgen.generation.batching import call_metrics, rollout_batch
 from chatgen.generation.vllm import adapter
+from chatgen.generation.vllm.adapter import cpu_release
 from chatgen.generation.vllm.config import VLLMConfig, engine_kwargs, platform_problems
 from chatgen.generation.vllm.engine_loop import EngineLoop
 from chatgen.models.convert import hf_config_view, megatron_checkpoint_to_hf
@@ -262,10 +263,25 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         """See GenerationModule.load_weights. Every generated token reports the version it was
         sampled under (`weight_versions` in the outputs); requests added after an update never
         reuse prefix-cache blocks computed with older weights. Names and layouts: see
-        `adapter.load_weights`."""
+        `adapter.load_weights`. On CPU, weights that `sleep(2)` released are regrown first and
+        checked after: a write that missed one fails and leaves the module refusing to
+        generate."""
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
-        return self.engine_loop.update_weights(buckets, mode)
+        if not adapter.on_cpu():
+            return self.engine_loop.update_weights(buckets, mode)
+        loop = self.engine_loop
+        loop.call(lambda: cpu_release.regrow(self.engine, "weights"))
+        version = loop.update_weights(buckets, mode)
+        missed = loop.call(lambda: cpu_release.check_rewritten(self.engine))
+        if missed is not None:
+            loop.broken = (
+                f"the weights released while the trainer trained (sleep level 2, "
+                f"release_during_training) were not all written again: {missed}; a weight sync "
+                "of the full set brings them back"
+            )
+            raise RuntimeError(loop.broken)
+        return version
 
     lora_adapters: dict = {}  # name -> LoRARequest of the adapters served beside the base (add_lora_adapter)
 
@@ -337,12 +353,31 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
     def sleep(self, level: int = 1) -> None:
         """Level 1: drop the KV cache, offload weights to CPU; level 2: drop both (sync all
         weights after `wake_up`). On CPU vLLM 0.32 frees nothing (its CPU worker's sleep is a
-        no-op): the engine pauses and the prefix cache is cleared; size the CPU cache with
-        kv_cache_memory_bytes. Generating while asleep is an error."""
-        self.engine_loop.call(lambda: adapter.sleep(self.engine, level))
+        no-op): at level 1 the engine pauses and the prefix cache is cleared; level 2 frees the
+        weights and the KV cache here (adapter/cpu_release.py, what release_during_training
+        uses), and the engine refuses to generate until a weight sync has written every weight
+        again. Generating while asleep is an error."""
+        loop = self.engine_loop
+
+        def sleep():
+            adapter.sleep(self.engine, level)
+            if level == 2 and adapter.on_cpu():
+                cpu_release.release(self.engine)
+                loop.broken = (
+                    "the engine's weights were released (sleep level 2, release_during_training); "
+                    "a weight sync of the full set brings them back"
+                )
+
+        loop.call(sleep)
 
     def wake_up(self, tags: list | None = None) -> None:
-        self.engine_loop.call(lambda: adapter.wake_up(self.engine, tags))
+        def wake_up():
+            if adapter.on_cpu():  # what sleep(2) released; the weights' values come with a sync
+                for what in tags or ("weights", "kv_cache"):
+                    cpu_release.regrow(self.engine, what)
+            adapter.wake_up(self.engine, tags)
+
+        self.engine_loop.call(wake_up)
 
     def is_sleeping(self) -> bool:
         return adapter.is_sleeping(self.engine)

@@ -28,7 +28,8 @@ generating garbage. Every workaround of a vLLM 0.32 behaviour is in patches.py, 
 (tests/integration/ test_vllm_patches.py) names what of vLLM each patch relies on.
 
 Weight sync (chatgen.param_sync) writes into the engine with `load_weights(llm, named_tensors)`
-(weights.py).
+(weights.py). On CPU, cpu_release.py frees the weights and KV cache for sleep level 2 (vLLM's CPU
+worker frees nothing) and gives them back before the next full sync.
 """
 
 import os

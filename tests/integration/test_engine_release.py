@@ -1,0 +1,98 @@
+"""release_during_training's engine side (chatgen.generation.vllm.adapter.cpu_release) on CPU with
+real vLLM and megatron-core: a colocated engine put to sleep at level 2 frees its weights and its KV
+cache (the process's RSS drops by most of their bytes) and refuses to generate; after the full sync
+that follows a train step its greedy log-probs equal the trainer's as before; a sync that misses a
+weight fails, and the engine refuses to generate until a full one.
+
+    python -m pytest tests/integration/test_engine_release.py
+"""
+
+import ctypes
+
+import pytest
+import torch
+from helpers import SYNC_PROMPTS, engine, generate, worst_abs_diff
+
+pytestmark = pytest.mark.integration
+
+from chatgen.core.process_tuning import resident_bytes  # noqa: E402
+from chatgen.param_sync import sync_weights  # noqa: E402
+
+TOL = 1e-4
+KV_BYTES = 32 << 20  # helpers.engine's kv_cache_memory_bytes
+
+
+@pytest.fixture(scope="module")
+def pair(make_tiny):
+    """An engine on random weights and its trainer, on a tiny Llama wide enough that its linear
+    layers get oneDNN handlers (> 1 MiB each) and its weights (47 MiB) stand out of the RSS."""
+    from chatgen.training.megatron_module import MegatronModule
+
+    model_dir = make_tiny(
+        "tiny_llama", hidden_size=512, intermediate_size=1408, num_hidden_layers=4
+    )
+    llm = engine(model_dir)
+    yield llm, MegatronModule(dict(load=str(model_dir), lr=1e-2)).start()
+    llm.shutdown()
+
+
+def diff_vs_trainer(trainer, llm) -> float:
+    return worst_abs_diff(
+        trainer.forward_tokens({"input_ids": torch.tensor([prompt + ids])})[0, len(prompt) - 1 :]
+        - torch.tensor(lp)
+        for prompt, (ids, lp) in zip(SYNC_PROMPTS, generate(llm))
+    )
+
+
+def train_step(trainer) -> None:
+    trainer.train_step(
+        {"input_ids": torch.tensor([SYNC_PROMPTS[1] * 2])}, lambda lp, mb: (-lp.mean(), {})
+    )
+
+
+def test_released_engine_frees_memory_and_a_full_sync_brings_it_back(pair):
+    llm, trainer = pair
+    sync_weights(trainer, llm, validate=True)
+    assert diff_vs_trainer(trainer, llm) < TOL
+    weight_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    ctypes.CDLL(None).malloc_trim(0)  # only what the release frees counts
+    before = resident_bytes()
+    llm.sleep(2)
+    dropped = before - resident_bytes()
+    # the packed weights, the embeddings and norms, and the KV cache
+    assert dropped > 0.8 * (weight_bytes + KV_BYTES), (dropped, weight_bytes)
+    llm.wake_up(["weights"])  # as chatgen.rlhf.weight_links does: weights, sync, then the cache
+    train_step(trainer)  # the engine must follow the new weights, not the ones it let go of
+    sync_weights(trainer, llm)
+    llm.wake_up(["kv_cache"])
+    assert diff_vs_trainer(trainer, llm) < TOL
+    # a second round: what the reload built is released again
+    llm.sleep(2)
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match="weights were released"):  # awake, but nothing synced
+        generate(llm)
+    train_step(trainer)
+    sync_weights(trainer, llm, bucket_bytes=300_000)  # several buckets
+    assert diff_vs_trainer(trainer, llm) < TOL
+
+
+@pytest.mark.parametrize(
+    "left_out, named",
+    [
+        ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj"),  # oneDNN handler
+        ("model.norm.weight", "model.norm.weight"),  # a tensor of its own
+    ],
+)
+def test_a_sync_that_misses_a_weight_fails_and_the_engine_refuses(pair, left_out, named):
+    from chatgen.training.hf_export import HFWeights
+
+    llm, trainer = pair
+    weights = [(name, t.clone()) for bucket in HFWeights(trainer).buckets() for name, t in bucket]
+    llm.sleep(2)
+    llm.wake_up()
+    with pytest.raises(RuntimeError, match=f"not all written again: {named}"):
+        llm.load_weights([[(n, t) for n, t in weights if n != left_out]])
+    with pytest.raises(RuntimeError, match="not all written again"):
+        generate(llm)
+    llm.load_weights([weights])  # the full set repairs it
+    assert diff_vs_trainer(trainer, llm) < TOL
