@@ -191,6 +191,11 @@ def main(argv=None) -> int:
     p.add_argument("--tool-s", type=float, default=0.05)
     p.add_argument("--output", default="/tmp/bench_agentic.json")
     p.add_argument("--plot", default=None, help="a PNG of the last round's timelines")
+    p.add_argument(
+        "--modes",
+        default="sync_1rep,async_k2_1rep,sync_2rep,async_k2_2rep",
+        help="the modes to run (comma-separated; the ratios need all four)",
+    )
     args = p.parse_args(argv)
     if args.steps <= FILL:
         p.error(f"--steps {args.steps}: the first {FILL} are the pipeline's fill; give more")
@@ -218,6 +223,7 @@ def main(argv=None) -> int:
     with served_replicas(model, 2, "bench-key", overrides) as (rt, urls):
         policy = rt["policy"]
         pids = policy.run(_pid) + [os.getpid()]  # replica 0, replica 1, the driver
+        print("pids (replica 0, replica 1, driver):", pids, flush=True)
         envs = [LongTail(url, "bench-key", "policy") for url in urls]
         sender = ShmSender.owned(policy.token)
 
@@ -233,6 +239,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for replicas, k in modes if rnd % 2 == 0 else modes[::-1]:  # alternating
                 name = f"{'sync' if k == 0 else f'async_k{k}'}_{replicas}rep"
+                if name not in args.modes.split(","):
+                    continue
                 records = [
                     {
                         "prompt": f"sort: {i % 10} {(i * 7) % 10} {(i * 3) % 10} =",
@@ -263,13 +271,15 @@ def main(argv=None) -> int:
     }
     ratios = {}
     for k in ("sync", "async_k2"):
-        ratios[f"episodes_per_s_2rep_over_1rep_{k}"] = (
-            summary[f"{k}_2rep"]["episodes_per_s"] / summary[f"{k}_1rep"]["episodes_per_s"]
-        )
+        if f"{k}_2rep" in summary and f"{k}_1rep" in summary:
+            ratios[f"episodes_per_s_2rep_over_1rep_{k}"] = (
+                summary[f"{k}_2rep"]["episodes_per_s"] / summary[f"{k}_1rep"]["episodes_per_s"]
+            )
     for r in (1, 2):
-        ratios[f"s_per_step_async_over_sync_{r}rep"] = (
-            summary[f"async_k2_{r}rep"]["s_per_step"] / summary[f"sync_{r}rep"]["s_per_step"]
-        )
+        if f"async_k2_{r}rep" in summary and f"sync_{r}rep" in summary:
+            ratios[f"s_per_step_async_over_sync_{r}rep"] = (
+                summary[f"async_k2_{r}rep"]["s_per_step"] / summary[f"sync_{r}rep"]["s_per_step"]
+            )
     out = {
         "args": vars(args),
         "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),

@@ -87,7 +87,8 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
     to 127.0.0.1: `ray.init` itself turns a loopback node address into the machine's routable one,
     so chatgen switches Ray to the single-machine mode it uses by default on macOS and Windows
     (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when Ray resolves the node address) for the start. No
-    dashboard. Its session files and sockets live in a temporary directory of this run, not
+    dashboard; the actors at the driver's priority, without Ray's metrics or idle workers
+    (LOCAL_SYSTEM_CONFIG). Its session files and sockets live in a temporary directory of this run, not
     /tmp/ray. Ray's fatal-signal handler is taken off SIGTERM again (it dumped a stack and aborted),
     so SIGTERM reaches the driver's own handler (chatgen.cli: a clean stop).
     docs/failure_and_security.md covers a cluster (runtime.ray_address), where Ray must listen on
@@ -128,6 +129,7 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
             ray.init(
                 num_cpus=max(int(num_cpus_needed + 0.999), os.cpu_count() or 1),
                 _temp_dir=temp_dir,
+                _system_config=LOCAL_SYSTEM_CONFIG,
                 **kwargs,
             )
         except BaseException:
@@ -154,6 +156,19 @@ def init_ray(address: str | None, num_cpus_needed: float) -> "LocalRay | None":
 
 
 _SINGLE_MACHINE = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+# A run's own Ray: its actors (the engines, the trainers) at the driver's priority, where Ray starts
+# workers at niceness 15 (its default, so that its raylet stays responsive): at 15 every other
+# process of the machine (the driver's environments and tools, another job) takes a shared core
+# first, and two engines on a 2-core machine ran ~0.75 core each. Left out: Ray's Prometheus metrics
+# (an exporter in every process; a run logs its own) and the idle workers the raylet starts ahead
+# of any actor (one Python process per CPU). docs/async_rl.md, "Agentic episodes over engines".
+LOCAL_SYSTEM_CONFIG = {
+    "worker_niceness": 0,
+    "enable_metrics_collection": False,
+    "enable_worker_prestart": False,
+    "prestart_worker_first_driver": False,
+}
 
 
 class LocalRay:

@@ -367,6 +367,10 @@ def test_a_ray_driver_listens_on_loopback_only_and_leaves_nothing_when_killed(si
         f"listening beyond loopback: {found}"
     )
     assert session.is_dir() and any(session.iterdir())  # Ray's session files: here, not in /tmp/ray
+    # the run's actors at the driver's priority (Ray's default is niceness 15), no idle workers
+    workers = [p for p in ray_processes if p.name().startswith("ray::ModelWorker")]
+    assert workers and {p.nice() for p in workers} == {os.nice(0)}, [p.nice() for p in workers]
+    assert not [p for p in ray_processes if p.name() == "ray::IDLE"]
     start = time.monotonic()
     driver.send_signal(getattr(signal, sig))
     rc = driver.wait(timeout=60)
