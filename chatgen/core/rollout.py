@@ -16,11 +16,12 @@ what a trainer with moe_routing_replay computes with.
 
 Names used across chatgen for the log-probs of sampled tokens: `infer_logprobs` (the inference
 engine's, when it sampled), `old_logprobs` (the trainer's, before this episode's update),
-`ref_logprobs` (the frozen reference model's). Pure torch: no vLLM, Megatron or Ray import.
+`ref_logprobs` (the frozen reference model's). Pure torch (and numpy): no vLLM, Megatron or Ray import.
 """
 
 import dataclasses
 
+import numpy
 import torch
 
 from chatgen.core.train_batch import TrainBatch
@@ -237,8 +238,10 @@ class RolloutBatch:
 
 def _spans(starts: torch.Tensor, lengths: torch.Tensor, rows=None) -> tuple:
     """(rows, cols) indexing, row after row, entries starts[i] .. starts[i] + lengths[i] - 1 of
-    row rows[i] (default: row i)."""
-    k = torch.repeat_interleave(torch.arange(len(lengths)), lengths)
+    row rows[i] (default: row i). The row of each entry comes from numpy's repeat: torch's
+    `repeat_interleave` with a tensor of repeats runs as a parallel loop that waits for torch's
+    other intra-op thread (measured on 2 cores at load 7-15: 2-17 ms a call against ~10 us)."""
+    k = torch.from_numpy(numpy.repeat(numpy.arange(len(lengths)), lengths.numpy()))
     offsets = torch.cumsum(lengths, 0) - lengths  # where each span begins in the flat order
     cols = torch.arange(int(lengths.sum())) - offsets[k] + starts[k]
     return (k if rows is None else rows[k]), cols

@@ -5,7 +5,10 @@
 `decode_slots_fast_path`: a running request whose KV blocks already hold the step's tokens skips vLLM's
 allocate_slots. The same prompts generate the same tokens and log-probs with and without it, across KV
 block boundaries and with prompts sharing cached prefix blocks, and it is taken for most steps.
+A batch of prompts gets internal request ids of vLLM's form (split_step._submit draws their suffix).
 """
+
+import re
 
 import pytest
 
@@ -85,3 +88,22 @@ def test_a_call_gets_each_finished_request_once_in_order(module, monkeypatch):
     ids = [int(o.request_id) for o in outputs]
     assert ids == sorted(ids) and len(ids) == 12
     assert sorted(int(o.request_id) for o in seen) == ids and all(o.finished for o in seen)
+
+
+def test_a_batch_gets_internal_ids_of_vllms_form(module, monkeypatch):
+    """Every request added through the batched path gets the id "<request id>-<8 hex digits>"
+    (vLLM's `assign_request_id`), distinct within the call, with its own id kept as external."""
+    client = module.engine.llm_engine.engine_core
+    added = []
+
+    def recording(request):
+        added.append((request.request_id, request.external_req_id))
+        return vllm_add(request)
+
+    vllm_add = client.add_request
+    monkeypatch.setattr(client, "add_request", recording)
+    outputs = module.finished(module.build_dataset(PROMPTS * 8), greedy=True)
+    assert len(added) == len(outputs) == 32
+    assert sorted(external for _, external in added) == sorted(o.request_id for o in outputs)
+    assert all(re.fullmatch(re.escape(e) + "-[0-9a-f]{8}", i) for i, e in added), added
+    assert len({i for i, _ in added}) == 32

@@ -1,10 +1,8 @@
 """Every vLLM-0.32-specific patch of chatgen, in one place: each works around a behaviour of that
 version (named in its docstring) by replacing or wrapping a vLLM internal. `RELIES_ON` lists what
-each patch needs of vLLM (and what the adapter's other wrappers of vLLM internals need:
-sampled_logprobs.record_sampled_logprobs), and `check()` returns what of it an installed vLLM lacks:
-tests/integration/test_vllm_patches.py fails loudly on an upgrade that moves any of it, before a
-patch silently stops applying.
-"""
+each patch (and the adapter's other code that mirrors vLLM internals) needs of vLLM, and `check()`
+what of it an installed vLLM lacks: tests/integration/test_vllm_patches.py fails loudly on an
+upgrade that moves any of it, before a patch silently stops applying."""
 
 import importlib
 import inspect
@@ -357,6 +355,7 @@ _MOE_METHOD = (
 )
 _CPU_EXPERTS = "vllm.model_executor.layers.fused_moe.experts.cpu_moe:CPUUnquantizedExperts"
 _LAYERWISE = "vllm.model_executor.model_loader.reload.layerwise"
+_INPUTS = "vllm.v1.engine.input_processor:InputProcessor"
 _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
 
 # patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source
@@ -460,6 +459,7 @@ RELIES_ON = {
         ("vllm.v1.engine.output_processor:RequestState", "self.request_index = "),
         "vllm.logprobs:Logprob",
     ],
+    "add_request": [(f"{_INPUTS}.assign_request_id", "-{random_uuid():.8}")],
     "abandon_reload": [
         f"{_LAYERWISE}:finalize_layerwise_reload",
         f"{_LAYERWISE}:get_layerwise_info",
