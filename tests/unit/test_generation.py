@@ -531,6 +531,7 @@ KEY_DESTINATIONS = {
     ),  # prefix caching off (and setup() records the routing)
     "enforce_eager": ({"engine"}, True),
     "enable_lora": ({"engine"}, True),
+    "release_during_training": ({"links"}, True),  # the run's WeightLinks releases the engine
     "max_lora_rank": ({"rejected"}, 32),  # read only with enable_lora
     "args": (
         {"user"},
@@ -569,6 +570,19 @@ def test_build_dataset_applies_prompt_template_then_chat_template():
         config(load="/m", prompt_template="Q:")
 
 
+def releasing_engines(policy_config) -> list:
+    """The engines a run's WeightLinks frees while their colocated trainer trains, for a CPU
+    policy with `policy_config` (fakes for the actor handles: the choice is WeightLinks' own)."""
+    from chatgen.rlhf.weight_links import WeightLinks
+
+    group = object()
+    handles = {
+        name: SimpleNamespace(group=group, entry=SimpleNamespace(num_gpu=0, config=cfg))
+        for name, cfg in [("trainer", SimpleNamespace()), ("policy", policy_config)]
+    }
+    return WeightLinks(handles, {"trainer": "policy"}).releasing
+
+
 def test_every_config_key_is_passed_on_or_rejected(tmp_path):
     """Changing any VLLMConfig key changes what vLLM receives, or is refused: no key is silently ignored."""
     from chatgen.generation.vllm.module import VLLMModule
@@ -596,6 +610,7 @@ def test_every_config_key_is_passed_on_or_rejected(tmp_path):
         ),
         "user": model_args,
         "pad": lambda c: gc.pad_token_id(None, tmp_path / "model", c.pad_token_id),
+        "links": releasing_engines,
     }
     base = config(load=str(tmp_path / "model"), seq_length=512, max_new_tokens=64)
     vc.check_vllm_config(base, cpu=True)

@@ -422,7 +422,7 @@ def test_colocated_on_gpus_the_megatron_models_hand_the_memory_to_the_engine_bef
                 name,
                 backend,
                 group,
-                SimpleNamespace(num_gpu=num_gpu),
+                SimpleNamespace(num_gpu=num_gpu, config=SimpleNamespace()),
             )
 
         def call(self, method, *args):
