@@ -110,6 +110,29 @@ def resident_bytes() -> int:
         return 0
 
 
+# Allocators that, preloaded, take malloc over from glibc (and hand pages back themselves)
+PRELOADED_ALLOCATORS = ("libjemalloc", "libtcmalloc", "libmimalloc")
+
+
+def glibc_malloc_trim():
+    """glibc's `malloc_trim` when glibc's malloc serves this process, else None (another libc, or a
+    preloaded allocator whose pages glibc does not hold). Which allocator is in use is read from the
+    libraries mapped into the process, not from LD_PRELOAD: vLLM's CPU platform rewrites that
+    variable (libgomp, for its children) once an engine starts, so it no longer says what this
+    process was started with."""
+    try:
+        with open("/proc/self/maps") as maps:
+            if any(name in line for line in maps for name in PRELOADED_ALLOCATORS):
+                return None
+    except OSError:  # no /proc: fall back to what the environment says
+        if os.environ.get("LD_PRELOAD"):
+            return None
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
 class HeapBound:
     """Keeps glibc's heap from growing without bound over a long run. glibc's one arena keeps
     what a train step freed as free chunks, and fragments of them, so the RSS at the end of an
@@ -126,10 +149,7 @@ class HeapBound:
 
     def __init__(self, slack: int = 128 << 20):
         self.slack, self.reference, self.trims = slack, None, 0
-        try:
-            self._trim = None if os.environ.get("LD_PRELOAD") else ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):  # not glibc
-            self._trim = None
+        self._trim = glibc_malloc_trim()
 
     def check(self) -> bool:
         """Trim the heap if it grew past the bound; returns whether it did."""

@@ -468,8 +468,34 @@ def test_heap_bound_trims_only_when_the_heap_grew_past_its_slack(monkeypatch):
     bound._trim = trims.append
     assert [bound.check() for _ in range(6)] == [False, False, True, True, False, True]
     assert bound.trims == len(trims) == 3 and bound.reference == 100
-    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/libjemalloc.so")
-    assert process_tuning.HeapBound()._trim is None
+
+
+def test_malloc_trim_is_glibcs_unless_an_allocator_is_mapped_in():
+    """The trim (HeapBound, the engine's release) follows the allocator mapped into the process:
+    none with jemalloc preloaded; glibc's when LD_PRELOAD is only set later, as vLLM's CPU platform
+    sets it for its children once an engine starts."""
+    import os
+
+    from chatgen.core import process_tuning
+
+    probe = "from chatgen.core.process_tuning import glibc_malloc_trim as t; print(t() is None)"
+    later = "import os; os.environ['LD_PRELOAD'] = 'libgomp.so.1'; " + probe
+    env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
+    outs = [
+        subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+        for code in (probe, later)
+    ]
+    assert [p.stdout.split() for p in outs] == [["False"], ["False"]], outs
+    library = process_tuning.jemalloc_library()
+    if library is None:
+        pytest.skip("no jemalloc on this machine to preload")
+    preloaded = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "LD_PRELOAD": library},
+        capture_output=True,
+        text=True,
+    )
+    assert preloaded.stdout.split() == ["True"], preloaded.stderr
 
 
 HELD_EXIT = """

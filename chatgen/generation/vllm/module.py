@@ -268,12 +268,13 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         generate."""
         if self.engine is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before writing weights")
-        if not adapter.on_cpu():
+        if not self.weights_released:  # nothing to regrow or check: no engine-thread round trips
             return self.engine_loop.update_weights(buckets, mode)
         loop = self.engine_loop
         loop.call(lambda: cpu_release.regrow(self.engine, "weights"))
         version = loop.update_weights(buckets, mode)
         missed = loop.call(lambda: cpu_release.check_rewritten(self.engine))
+        self.weights_released = missed is not None
         if missed is not None:
             loop.broken = (
                 f"the weights released while the trainer trained (sleep level 2, "
@@ -283,6 +284,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             raise RuntimeError(loop.broken)
         return version
 
+    weights_released = False  # sleep(2) on CPU freed them: the next sync regrows and checks them
     lora_adapters: dict = {}  # name -> LoRARequest of the adapters served beside the base (add_lora_adapter)
 
     def add_lora_adapter(self, name: str, directory) -> None:
@@ -363,6 +365,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             adapter.sleep(self.engine, level)
             if level == 2 and adapter.on_cpu():
                 cpu_release.release(self.engine)
+                self.weights_released = True
                 loop.broken = (
                     "the engine's weights were released (sleep level 2, release_during_training); "
                     "a weight sync of the full set brings them back"

@@ -21,11 +21,11 @@ The freed blocks are large (a layer's weight, the KV cache): glibc hands them to
 where they were mmapped, and `release` trims the heap for the rest, so the process's RSS drops.
 """
 
-import ctypes
 import math
 
 from vllm import LLM
 
+from chatgen.core.process_tuning import glibc_malloc_trim
 from chatgen.generation.vllm.adapter.engine import in_process_workers
 
 
@@ -138,7 +138,5 @@ def _missed(worker) -> str | None:
 
 
 def _trim_heap() -> None:
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    if (trim := glibc_malloc_trim()) is not None:
+        trim(0)
