@@ -94,9 +94,9 @@ class PackedBatch:
 def _mask(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
     """(P, S) segments and prefixes -> (P, 1, S, S) megatron mask: query i may read key j <= i of its own
     segment or of its group's prefix; a padding query (-1) reads itself only (a row of nothing would softmax to
-    NaN). Built in numpy: a handful of element-wise passes over P x S x S booleans, each of which torch
-    would split over its intra-op threads (on a busy 2-core machine each pass then waits for the other
-    thread: 30-100 ms a micro-batch against ~1 ms in one thread)."""
+    NaN). Built in numpy, one thread: torch splits each element-wise pass over P x S x S booleans
+    over its intra-op threads, and on a busy 2-core machine every pass then waits for the other
+    thread (tens of ms a micro-batch against ~1 ms)."""
     seg, pre = segments.cpu().numpy(), prefixes.cpu().numpy()
     return torch.from_numpy(_mask_np(seg, pre)).to(segments.device)
 
@@ -107,7 +107,7 @@ def _mask_np(seg: np.ndarray, pre: np.ndarray) -> np.ndarray:
     seg_q, seg_k = seg[:, :, None], seg[:, None, :]
     allowed = (seg_k == pre[:, :, None]) | (seg_k == seg_q)
     allowed &= np.tri(s, dtype=bool)
-    pad = seg_q[..., 0] < 0  # (P, S) padding queries: themselves only
+    pad = seg < 0  # (P, S) padding queries: themselves only
     allowed[pad] = False
     rows, cols = pad.nonzero()
     allowed[rows, cols, cols] = True
