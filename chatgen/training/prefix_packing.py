@@ -25,6 +25,7 @@ ones, then zeros) and its loss mask reads only its own tokens. Used by MegatronM
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from chatgen.training.micro_batches import first_fit_decreasing
@@ -93,14 +94,24 @@ class PackedBatch:
 def _mask(segments: torch.Tensor, prefixes: torch.Tensor) -> torch.Tensor:
     """(P, S) segments and prefixes -> (P, 1, S, S) megatron mask: query i may read key j <= i of its own
     segment or of its group's prefix; a padding query (-1) reads itself only (a row of nothing would softmax to
-    NaN)."""
-    s = segments.shape[1]
-    seg_q, seg_k = segments.unsqueeze(2), segments.unsqueeze(1)
-    eye = torch.eye(s, dtype=torch.bool, device=segments.device)
-    allowed = torch.ones(s, s, dtype=torch.bool, device=segments.device).tril() & (
-        (seg_k == prefixes.unsqueeze(2)) | (seg_k == seg_q)
-    )
-    return ~torch.where(seg_q < 0, eye, allowed).unsqueeze(1)
+    NaN). Built in numpy, one thread: torch splits each element-wise pass over P x S x S booleans
+    over its intra-op threads, and on a busy 2-core machine every pass then waits for the other
+    thread (tens of ms a micro-batch against ~1 ms)."""
+    seg, pre = segments.cpu().numpy(), prefixes.cpu().numpy()
+    return torch.from_numpy(_mask_np(seg, pre)).to(segments.device)
+
+
+def _mask_np(seg: np.ndarray, pre: np.ndarray) -> np.ndarray:
+    """`_mask` of numpy (P, S) segments and prefixes: (P, 1, S, S) bool, True = do not attend."""
+    s = seg.shape[1]
+    seg_q, seg_k = seg[:, :, None], seg[:, None, :]
+    allowed = (seg_k == pre[:, :, None]) | (seg_k == seg_q)
+    allowed &= np.tri(s, dtype=bool)
+    pad = seg < 0  # (P, S) padding queries: themselves only
+    allowed[pad] = False
+    rows, cols = pad.nonzero()
+    allowed[rows, cols, cols] = True
+    return ~allowed[:, None]
 
 
 def pack_shared_prefix(
@@ -113,85 +124,114 @@ def pack_shared_prefix(
     one, when a row has nothing to score, is not right-padded, or its loss mask reads past its
     last token (then train unpacked). With `capacity` (a token budget: max_tokens_per_micro_batch)
     every row packs, sharing or not, into rows of up to that many tokens (one row for a
-    micro-batch binned under it: no padding)."""
+    micro-batch binned under it: no padding). The layout is planned per piece (a prefix, a row's
+    own tokens) in Python and laid out per token with numpy index arithmetic: it runs for every
+    micro-batch of every train step."""
     if loss_mask is None:
         return None
     b, t = input_ids.shape
-    scored = loss_mask.cpu().bool()
+    ids = input_ids.cpu().numpy()
+    scored = loss_mask.cpu().bool().numpy()
+    columns = np.arange(t)
     if attention_mask is None:
-        lengths = [t] * b
+        lengths = np.full(b, t)
     else:
-        keep = attention_mask.cpu().bool()
-        lengths = keep.sum(-1).tolist()
-        if any(not keep[r, :n].all() for r, n in enumerate(lengths)):  # left or inner padding
+        keep = attention_mask.cpu().bool().numpy()
+        lengths = keep.sum(-1)
+        if (keep != (columns < lengths[:, None])).any():  # left or inner padding
             return None
-    tokens = input_ids.tolist()
-    groups: dict = {}
+    if not scored.any(-1).all():
+        return None
+    first = scored.argmax(-1)  # each row's first scored entry, its last scored one below
+    last = scored.shape[1] - 1 - scored[:, ::-1].argmax(-1)
+    if (last > lengths - 2).any():
+        return None
+    groups: dict = {}  # prefix bytes -> member rows; equal bytes of int64 ids = equal prefixes
     for r in range(b):
-        hits = scored[r].nonzero()
-        if not len(hits) or int(hits[-1]) > lengths[r] - 2:
-            return None
-        groups.setdefault(tuple(tokens[r][: int(hits[0]) + 1]), []).append(r)
+        groups.setdefault(ids[r, : first[r] + 1].tobytes(), []).append(r)
     if len(groups) == b and capacity is None:
         return None
 
-    groups = list(groups.items())
-    sizes = [
-        len(prefix) + sum(lengths[r] - len(prefix) for r in members) for prefix, members in groups
-    ]
-    packed = []  # per packed row: (tokens, positions, segments, prefixes, logit positions, labels)
-    rows, entries, packed_rows, outputs_k = [], [], [], []
+    lengths = lengths.tolist()
+    groups = [(int(first[members[0]]), members) for members in groups.values()]
+    sizes = [f + 1 + sum(lengths[r] - f - 1 for r in members) for f, members in groups]
+    # pieces of the packed rows, in order: (packed row, source row, first column, end column,
+    # segment, prefix segment); the outputs: (packed row, source row, f, n, the prefix's last
+    # packed position, the member's first packed position)
+    pieces, outputs = [], []
+    widths, counts = [], []  # per packed row: tokens, outputs
     for j, in_row in enumerate(first_fit_decreasing(sizes, max(capacity or 0, *sizes))):
-        row_ids, row_pos, row_seg, row_prefix, row_at, row_labels = [], [], [], [], [], []
-        segment = 0
-        for prefix, members in (groups[g] for g in in_row):
-            f, own = len(prefix) - 1, segment
-            row_ids += prefix
-            row_pos += range(f + 1)
-            row_seg += [own] * (f + 1)
-            row_prefix += [own] * (f + 1)
-            at_prefix_end = len(row_ids) - 1
+        at, segment, count = 0, 0, 0
+        for f, members in (groups[g] for g in in_row):
+            own = segment
+            pieces.append((j, members[0], 0, f + 1, own, own))
+            at += f + 1
+            prefix_end = at - 1
             for r in members:
                 segment += 1
-                start, n = len(row_ids), lengths[r]
-                row_ids += tokens[r][f + 1 : n]
-                row_pos += range(f + 1, n)
-                row_seg += [segment] * (n - f - 1)
-                row_prefix += [own] * (n - f - 1)
-                # entry e predicts token e + 1 from position e: the prefix's last position for e =
-                # f, else its own
-                row_at += [at_prefix_end] + list(range(start, start + n - f - 2))
-                row_labels += tokens[r][f + 1 : n]
-                rows += [r] * (n - f - 1)
-                entries += range(f, n - 1)
-                packed_rows += [j] * (n - f - 1)
-                outputs_k += range(len(row_at) - (n - f - 1), len(row_at))
+                n = lengths[r]
+                pieces.append((j, r, f + 1, n, segment, own))
+                outputs.append((j, r, f, n, prefix_end, at))
+                at += n - f - 1
+                count += n - f - 1
             segment += 1
-        packed.append((row_ids, row_pos, row_seg, row_prefix, row_at, row_labels))
+        widths.append(at)
+        counts.append(count)
 
-    p, s, k = len(packed), max(len(row[0]) for row in packed), max(len(row[4]) for row in packed)
+    p, s, k = len(widths), max(widths), max(counts)
+    pj, pr, pa, pe, pseg, ppre = np.array(pieces, dtype=np.int64).T
+    span = pe - pa
+    piece = np.repeat(np.arange(len(pieces)), span)  # each packed token's piece
+    within = np.arange(len(piece)) - np.repeat(np.cumsum(span) - span, span)
+    column = pa[piece] + within  # the token's column (and position) in its own row
+    new_row = np.r_[True, pj[1:] != pj[:-1]]
+    starts = np.cumsum(span) - span
+    offset = starts - np.maximum.accumulate(
+        np.where(new_row, starts, 0)
+    )  # each piece's first packed position
+    packed_row, packed_at = pj[piece], offset[piece] + within
+
+    def laid_out(values, fill, width=s):
+        out = np.full((p, width), fill, dtype=np.int64)
+        out[packed_row, packed_at] = values
+        return out
+
+    seg_np, pre_np = laid_out(pseg[piece], -1), laid_out(ppre[piece], -1)
+
+    oj, orow, of, on, oprefix, ostart = np.array(outputs, dtype=np.int64).T
+    m = on - of - 1  # outputs per member: entries f .. n-2
+    member = np.repeat(np.arange(len(outputs)), m)
+    kk = np.arange(len(member)) - np.repeat(np.cumsum(m) - m, m)  # output index within member
+    # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else
+    # its own
+    logit_at = np.where(kk == 0, oprefix[member], ostart[member] + kk - 1)
+    o_row = oj[member]
+    first_out = np.r_[True, oj[1:] != oj[:-1]]
+    o_starts = np.cumsum(m) - m
+    o_offset = o_starts - np.maximum.accumulate(np.where(first_out, o_starts, 0))
+    outputs_k = o_offset[member] + kk
+    rows, entries = orow[member], of[member] + kk
+    labels_v = ids[rows, entries + 1]
+    at_np = np.zeros((p, k + 1), dtype=np.int64)
+    at_np[o_row, outputs_k] = logit_at
+    labels_np = np.zeros((p, k + 1), dtype=np.int64)
+    labels_np[o_row, outputs_k + 1] = labels_v
+
     device = input_ids.device
 
-    def stack(i, width, fill, shift=0):  # field i of every packed row, right-padded with `fill`
-        out = torch.full((p, width), fill, dtype=torch.long)
-        for j, row in enumerate(packed):
-            out[j, shift : shift + len(row[i])] = torch.tensor(row[i], dtype=torch.long)
-        return out.to(device)
+    def tensor(x):
+        return torch.from_numpy(np.ascontiguousarray(x, dtype=np.int64)).to(device)
 
-    segments, prefixes = stack(2, s, -1), stack(3, s, -1)
     return PackedBatch(
-        input_ids=stack(0, s, 0),
-        position_ids=stack(1, s, 0),
-        segments=segments,
-        prefixes=prefixes,
-        attention_mask=_mask(segments, prefixes),
-        logit_positions=stack(4, k + 1, 0),
-        labels=stack(5, k + 1, 0, shift=1),
-        index=tuple(
-            torch.tensor(x, dtype=torch.long, device=device)
-            for x in (rows, entries, packed_rows, outputs_k)
-        ),
+        input_ids=tensor(laid_out(ids[pr[piece], column], 0)),
+        position_ids=tensor(laid_out(column, 0)),
+        segments=tensor(seg_np),
+        prefixes=tensor(pre_np),
+        attention_mask=torch.from_numpy(_mask_np(seg_np, pre_np)).to(device),
+        logit_positions=tensor(at_np),
+        labels=tensor(labels_np),
+        index=tuple(tensor(x) for x in (rows, entries, o_row, outputs_k)),
         shape=(b, t - 1),
         tokens_before=sum(lengths),
-        tokens_after=sum(len(row[0]) for row in packed),
+        tokens_after=sum(widths),
     )

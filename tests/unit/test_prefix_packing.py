@@ -5,6 +5,8 @@ The model-level equality (loss and gradients) is in tests/integration/test_megat
     python -m pytest tests/unit/test_prefix_packing.py
 """
 
+import random
+
 import torch
 
 from chatgen.core.rollout import RolloutBatch, Sample
@@ -148,3 +150,52 @@ def test_groups_share_rows_no_wider_than_the_longest_group():
         if plan.segments[short_row, q] >= 0:
             readable = {int(plan.segments[short_row, j]) for j in visible[q].nonzero()[:, 0]}
             assert readable <= {int(plan.segments[short_row, q]), int(prefixes[q])}
+
+
+def test_random_batches_pack_to_rows_that_see_what_each_row_saw():
+    # the layout is index arithmetic over pieces (prefixes, rows' own tokens): random batches of
+    # shared and distinct prompts, ragged answers, unscored gaps, token budgets and no attention mask
+    rng = random.Random(0)
+    packed = 0
+    for _ in range(150):
+        prompts = [[rng.randint(4, 9) for _ in range(rng.randint(1, 5))] for _ in range(3)]
+        rows, prompt_lens = [], []
+        for _ in range(rng.randint(2, 10)):
+            prompt = rng.choice(prompts)
+            rows.append(prompt + [rng.randint(4, 30) for _ in range(rng.randint(1, 7))])
+            prompt_lens.append(len(prompt))
+        ids, keep, loss_mask = right_padded(rows, prompt_lens)
+        gaps = loss_mask.clone()  # unscored entries inside an answer, the first one kept
+        for r, p in enumerate(prompt_lens):
+            for e in range(p, len(rows[r]) - 2):
+                if rng.random() < 0.3:
+                    gaps[r, e] = 0
+        full = rng.random() < 0.2
+        if full:  # every row as long as the batch: no attention mask
+            ids, keep = ids[keep.sum(1) == ids.shape[1]], None
+            gaps = gaps[: len(ids)]
+            if not len(ids):
+                continue
+        capacity = rng.choice([None, None, 64])
+        plan = pack_shared_prefix(ids, keep, gaps, capacity)
+        if plan is None:
+            continue
+        packed += 1
+        lengths = torch.full((len(ids),), ids.shape[1]) if keep is None else keep.sum(1)
+        check_equivalent(plan, ids, torch.ones_like(ids) if keep is None else keep, gaps)
+        assert plan.tokens_before == int(lengths.sum())
+        assert plan.tokens_after == int((plan.segments >= 0).sum())
+        seg, pre = plan.segments, plan.prefixes
+        for row in range(seg.shape[0]):
+            for q in range(seg.shape[1]):
+                reads = [
+                    j
+                    for j in range(seg.shape[1])
+                    if (
+                        j == q
+                        if seg[row, q] < 0
+                        else j <= q and seg[row, j] in (seg[row, q], pre[row, q])
+                    )
+                ]
+                assert (~plan.attention_mask[row, 0, q]).nonzero()[:, 0].tolist() == reads
+    assert packed > 50
