@@ -119,3 +119,13 @@ def test_an_error_answer_raises_the_sdks_error(server):
     answers[0] = (503, {"error": {"message": "overloaded"}})
     with pytest.raises(openai.InternalServerError, match="overloaded"):
         ChatClient(url, "k").create(**REQUEST)
+
+
+def test_a_server_gone_raises_the_sdks_connection_error():
+    import socket
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with pytest.raises(openai.APIConnectionError):
+        ChatClient(f"http://127.0.0.1:{port}/v1", "k").create(**REQUEST)
