@@ -9,9 +9,10 @@ all) runs as 2 replicas in Ray actors apart, one core each (tests/helpers.served
 chatgen.rlhf.runtime.engines_apart), each serving OpenAI HTTP (chatgen.serving.embedded); the
 episodes are chatgen.rlhf.algorithms.grpo_multiturn.run_episodes over one or both servers (a
 record's sessions start on the engine with the fewest in flight, and stay there). The environment
-(`LongTail`, below): each session takes 1-12 model turns of up to --max-tokens (long-tailed: 56%
-take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in 8 sleeps 8x as long: the slow
-tool). A step plays --batch sessions whatever the replica count (the same work: 2 replicas must
+(`LongTail`, below, a protocol environment played by chatgen.environments.Runner: the client and
+episode loop a `grpo_multiturn` run uses): each session takes 1-12 model turns of up to
+--max-tokens (long-tailed: 56% take 1, 8% take 8 or more), every tool call sleeps `--tool-s` (one in
+8 sleeps 8x as long: the slow tool). A step plays --batch sessions whatever the replica count (the same work: 2 replicas must
 play it faster), enough that two engines each batch a few dozen.
 
 The trainer is a stand-in on hardware of its own, as in a disaggregated run (no CPU): it sleeps
@@ -49,32 +50,27 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-import openai  # noqa: E402
-
-from chatgen.environments.base import Episode  # noqa: E402
+from chatgen.environments import Environment, Runner, Step  # noqa: E402
 
 
-class LongTail:
-    """A session: the model answers, a tool (a sleep) replies, for a long-tailed number of turns."""
+class LongTail(Environment):
+    """A session: the model answers, a tool (a sleep) replies, for a long-tailed number of turns.
+    A protocol environment, played by chatgen.environments.Runner as a `grpo_multiturn` run plays
+    one (its client, its episode loop)."""
 
     tool_s = 0.05
 
-    def __init__(self, base_url, api_key, model):
-        self.client, self.model = openai.OpenAI(base_url=base_url, api_key=api_key), model
+    def reset(self, record):
+        self.rng = random.Random(record["prompt"] + str(record.get("round", 0)))
+        self.turns_n = min(12, int(self.rng.paretovariate(1.2)))  # 1 turn: 56%, 4+: 19%, 8+: 8%
+        self.turn = 0
+        return [{"role": "user", "content": record["prompt"]}]
 
-    def episode(self, record, temperature, max_tokens):
-        rng = random.Random(record["prompt"] + str(record.get("round", 0)))
-        turns_n = min(12, int(rng.paretovariate(1.2)))  # 1 turn: 56%, 4+: 19%, 8+: 8%
-        messages, turns = [{"role": "user", "content": record["prompt"]}], []
-        for turn in range(turns_n):
-            r = self.client.chat.completions.create(
-                model=self.model, messages=messages, temperature=temperature, max_tokens=max_tokens
-            )
-            message = r.choices[0].message.model_dump(exclude_none=True)
-            turns.append(message)
-            time.sleep(self.tool_s * (8 if rng.random() < 1 / 8 else 1))  # the tool
-            messages += [message, {"role": "tool", "content": f" result {turn}"}]
-        return Episode(turns=turns, reward=0.0)
+    def step(self, message):
+        time.sleep(self.tool_s * (8 if self.rng.random() < 1 / 8 else 1))  # the tool
+        self.turn += 1
+        reply = {"role": "tool", "content": f" result {self.turn - 1}"}
+        return Step(messages=[reply], done=self.turn >= self.turns_n)
 
 
 def busy(intervals, t0, t1) -> float:
@@ -224,7 +220,9 @@ def main(argv=None) -> int:
         policy = rt["policy"]
         pids = policy.run(_pid) + [os.getpid()]  # replica 0, replica 1, the driver
         print("pids (replica 0, replica 1, driver):", pids, flush=True)
-        envs = [LongTail(url, "bench-key", "policy") for url in urls]
+        envs = [
+            Runner(LongTail, "LongTail", url, "bench-key", "policy", max_turns=12) for url in urls
+        ]
         sender = ShmSender.owned(policy.token)
 
         def push(mode):
