@@ -114,6 +114,13 @@ def _mask_np(seg: np.ndarray, pre: np.ndarray) -> np.ndarray:
     return ~allowed[:, None]
 
 
+def _ragged(counts: np.ndarray) -> tuple:
+    """For owners of `counts[i]` consecutive elements each: every element's owner and its index
+    within the owner's run."""
+    owner = np.repeat(np.arange(len(counts)), counts)
+    return owner, np.arange(len(owner)) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def pack_shared_prefix(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -156,22 +163,22 @@ def pack_shared_prefix(
     groups = [(int(first[members[0]]), members) for members in groups.values()]
     sizes = [f + 1 + sum(lengths[r] - f - 1 for r in members) for f, members in groups]
     # pieces of the packed rows, in order: (packed row, source row, first column, end column,
-    # segment, prefix segment); the outputs: (packed row, source row, f, n, the prefix's last
-    # packed position, the member's first packed position)
+    # segment, prefix segment, first packed position); the outputs: (packed row, source row, f, n,
+    # the prefix's last packed position, the member's first packed position, its first output)
     pieces, outputs = [], []
     widths, counts = [], []  # per packed row: tokens, outputs
     for j, in_row in enumerate(first_fit_decreasing(sizes, max(capacity or 0, *sizes))):
         at, segment, count = 0, 0, 0
         for f, members in (groups[g] for g in in_row):
             own = segment
-            pieces.append((j, members[0], 0, f + 1, own, own))
+            pieces.append((j, members[0], 0, f + 1, own, own, at))
             at += f + 1
             prefix_end = at - 1
             for r in members:
                 segment += 1
                 n = lengths[r]
-                pieces.append((j, r, f + 1, n, segment, own))
-                outputs.append((j, r, f, n, prefix_end, at))
+                pieces.append((j, r, f + 1, n, segment, own, at))
+                outputs.append((j, r, f, n, prefix_end, at, count))
                 at += n - f - 1
                 count += n - f - 1
             segment += 1
@@ -179,17 +186,10 @@ def pack_shared_prefix(
         counts.append(count)
 
     p, s, k = len(widths), max(widths), max(counts)
-    pj, pr, pa, pe, pseg, ppre = np.array(pieces, dtype=np.int64).T
-    span = pe - pa
-    piece = np.repeat(np.arange(len(pieces)), span)  # each packed token's piece
-    within = np.arange(len(piece)) - np.repeat(np.cumsum(span) - span, span)
+    pj, pr, pa, pe, pseg, ppre, pstart = np.array(pieces, dtype=np.int64).T
+    piece, within = _ragged(pe - pa)  # each packed token's piece, its index there
     column = pa[piece] + within  # the token's column (and position) in its own row
-    new_row = np.r_[True, pj[1:] != pj[:-1]]
-    starts = np.cumsum(span) - span
-    offset = starts - np.maximum.accumulate(
-        np.where(new_row, starts, 0)
-    )  # each piece's first packed position
-    packed_row, packed_at = pj[piece], offset[piece] + within
+    packed_row, packed_at = pj[piece], pstart[piece] + within
 
     def laid_out(values, fill, width=s):
         out = np.full((p, width), fill, dtype=np.int64)
@@ -198,18 +198,14 @@ def pack_shared_prefix(
 
     seg_np, pre_np = laid_out(pseg[piece], -1), laid_out(ppre[piece], -1)
 
-    oj, orow, of, on, oprefix, ostart = np.array(outputs, dtype=np.int64).T
-    m = on - of - 1  # outputs per member: entries f .. n-2
-    member = np.repeat(np.arange(len(outputs)), m)
-    kk = np.arange(len(member)) - np.repeat(np.cumsum(m) - m, m)  # output index within member
+    oj, orow, of, on, oprefix, ostart, ocount = np.array(outputs, dtype=np.int64).T
+    # outputs per member: entries f .. n-2; each output's member, its index there
+    member, kk = _ragged(on - of - 1)
     # entry e predicts token e + 1 from position e: the prefix's last position for e = f, else
     # its own
     logit_at = np.where(kk == 0, oprefix[member], ostart[member] + kk - 1)
     o_row = oj[member]
-    first_out = np.r_[True, oj[1:] != oj[:-1]]
-    o_starts = np.cumsum(m) - m
-    o_offset = o_starts - np.maximum.accumulate(np.where(first_out, o_starts, 0))
-    outputs_k = o_offset[member] + kk
+    outputs_k = ocount[member] + kk
     rows, entries = orow[member], of[member] + kk
     labels_v = ids[rows, entries + 1]
     at_np = np.zeros((p, k + 1), dtype=np.int64)
