@@ -1,17 +1,17 @@
 # .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5]
 """The main job's held-out evaluation (configs/grpo_tiny.yaml: 256 greedy prompts, one engine call)
 against TRL's (its GRPOTrainer evaluates, in benchmarks/bench_vs_trl.py, with HF transformers'
-`model.generate`, greedy, of the same left-padded token ids), and before and after the batched
-request path (chatgen.generation.vllm.adapter.request_batch): "after", "before" and "hf"
-alternate in one process so that the machine's load hits them alike.
+`model.generate`, greedy, of the same left-padded token ids), and before and after the evaluation
+stopped asking for log-probs: "after", "before" and "hf" alternate in one process so that the
+machine's load hits them alike.
 
-"before" is VLLMModule._queue as it was: a SamplingParams built per prompt and each prompt through
-vLLM's whole input processing (validation, rendering, a deep copy of the params); "after" is the
-shipped _queue: one params object per kind of prompt, vLLM's processing once per kind and a copy of
-the processed request for the rest. Both give the same tokens (the script asserts the metrics are
-equal). "hf" is `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL
-worker of bench_vs_trl runs. Writes {"before_s", "after_s", "hf_s": [wall s per evaluation],
-"cpu_s": {variant: [process CPU s per evaluation]}, "ratio": median after / median before,
+"before" is `evaluate_policy` as it was: the held-out items generated with their sampled tokens'
+log-probs (gathered every engine step, one list per sample), which the evaluation never reads;
+"after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
+Both give the same tokens (the script asserts the metrics are equal). "hf" is
+`model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL worker of
+bench_vs_trl runs. Writes {"before_s", "after_s", "hf_s": [wall s per evaluation], "cpu_s":
+{variant: [process CPU s per evaluation]}, "ratio": median after / median before,
 "after_over_hf", "cpu_after_over_hf": the same of the CPU time (the less load-sensitive figure on a
 shared machine), "load": the 1-minute load average at start and end} to --output.
 """
@@ -27,22 +27,17 @@ import time
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def queue_before(self, items, is_eval=False, greedy=False) -> list:
-    """VLLMModule._queue before the batched path (kept here for the comparison)."""
-    request_ids = []
-    for i, item in enumerate(items):
-        self.check_item(item, f"run_generation: item {i}")
-        params = self.sampling_params(
-            len(item["input_ids"]),
-            is_eval=is_eval,
-            greedy=greedy or item.get("greedy", False),
-            stop_strings=item.get("stop_strings") or (),
-            stop_token_ids=item.get("stop_token_ids") or (),
-        )
-        request_ids.append(
-            self.add_request(item["input_ids"], params, prompt_text=item.get("prompt"))
-        )
-    return request_ids
+def evaluate_before(run) -> dict:
+    """evaluate_policy before the evaluation dropped log-probs (kept here for the comparison)."""
+    from chatgen.rlhf.metrics import eval_metrics
+
+    rt, index, metrics = run.cfg.runtime, list(range(len(run.eval_records))), {}
+    for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][: 1 + rt.eval_greedy]:
+        batch = run.generate(index, is_eval=True, greedy=greedy)
+        samples = len(batch) // len(index)
+        rewards = run.score(batch, f"{prefix}/reward/")
+        metrics.update(eval_metrics(rewards, samples, rt.solved_reward, prefix))
+    return metrics
 
 
 def hf_generate(cfg, prompts: list):
@@ -84,16 +79,14 @@ def main() -> None:
     args = parser.parse_args()
 
     from chatgen.cli.config import checked_run_config
-    from chatgen.generation.vllm.module import VLLMModule
     from chatgen.rlhf.algorithms import grpo
-    from chatgen.rlhf.run import Run
+    from chatgen.rlhf.run import Run, evaluate_policy
 
     out_dir = tempfile.mkdtemp(prefix="bench_eval_phase_")
     cfg, _ = checked_run_config(
         "configs/grpo_tiny.yaml",
         [f"runtime.output_dir={out_dir}/run", "runtime.save_episode_interval=null"],
     )
-    after = VLLMModule._queue
     times = {"after": [], "before": [], "hf": []}
     cpu = {name: [] for name in times}
     results = {}
@@ -105,7 +98,7 @@ def main() -> None:
             hf()
             for _ in range(args.rounds):
                 for name in times:
-                    VLLMModule._queue = queue_before if name == "before" else after
+                    run._evaluate = evaluate_before if name == "before" else evaluate_policy
                     for _ in range(args.evals):
                         start, start_cpu = time.perf_counter(), time.process_time()
                         if name == "hf":
@@ -115,7 +108,6 @@ def main() -> None:
                         times[name].append(time.perf_counter() - start)
                         cpu[name].append(time.process_time() - start_cpu)
     finally:
-        VLLMModule._queue = after
         shutil.rmtree(out_dir, ignore_errors=True)
     load.append(os.getloadavg()[0])
     assert results["before"] == results["after"], results  # the same greedy tokens, scored

@@ -254,8 +254,10 @@ class GenerationModule(Module):
 
     def finished(self, items: list, is_eval: bool = False, greedy: bool = False) -> list:
         """Generate for dataset items ({"input_ids", optional "prompt", "stop_strings",
-        "stop_token_ids", "greedy"}); returns their finished requests in item order, each with n
-        samples (1 when greedy, or for an item with "greedy": True). Records `self.metrics`."""
+        "stop_token_ids", "greedy", "logprobs"}); returns their finished requests in item order,
+        each with n samples (1 when greedy, or for an item with "greedy": True). An item with
+        "logprobs": False says the caller reads no log-probs (a backend may skip them: its
+        samples' `logprobs` None). Records `self.metrics`."""
         raise NotImplementedError(f"{type(self).__name__} does not implement finished()")
 
     def generate(self, batch, greedy=False) -> dict:

@@ -178,7 +178,10 @@ def iter_samples(request_outputs):
 
 
 def sample_logprobs(sample) -> list:
-    """The logprob of each generated token of a `CompletionOutput` (requested with logprobs=0)."""
+    """The logprob of each generated token of a `CompletionOutput` (requested with logprobs=0);
+    0.0 each when it was requested without (an item with "logprobs": False)."""
+    if sample.logprobs is None:
+        return [0.0] * len(sample.token_ids)
     values = getattr(sample.logprobs, "token_logprobs", None)  # vllm/adapter/sampled_logprobs.py
     if values is not None:
         return list(values)

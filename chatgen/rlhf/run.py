@@ -259,15 +259,22 @@ class Run:
         """Indices (into `records`) of this episode's records: `records_per_episode` of them."""
         return self.data.sampler.next_batch()
 
-    def generate(self, index: list, is_eval: bool = False, greedy: bool = False):
+    def generate(
+        self, index: list, is_eval: bool = False, greedy: bool = False, logprobs: bool = True
+    ):
         """The policy's samples for records `index` (of eval_records when is_eval; greedy: one
         greedy response each): a RolloutBatch whose `metadata` holds each sample's record (every
-        column of its data row)."""
+        column of its data row). logprobs=False: the caller reads none (the items say so, and a
+        backend may then skip computing them: the batch's are zeros)."""
         data = self.data
         records, items = (
             (data.eval_records, data.eval_items) if is_eval else (data.records, data.items)
         )
-        items = [{**items[i], "greedy": True} if greedy else items[i] for i in index]
+        marks = {
+            **({"greedy": True} if greedy else {}),
+            **({} if logprobs else {"logprobs": False}),
+        }
+        items = [{**items[i], **marks} if marks else items[i] for i in index]
         self.links.wake()
         batch = self.policy.run_generation(items, is_eval)  # over its replicas, by load
         if not isinstance(batch, RolloutBatch):
@@ -475,7 +482,8 @@ def evaluate_policy(run) -> dict:
     response per prompt as eval/greedy/*."""
     rt, index, metrics = run.cfg.runtime, list(range(len(run.eval_records))), {}
     for greedy, prefix in [(False, "eval"), (True, "eval/greedy")][: 1 + rt.eval_greedy]:
-        batch = run.generate(index, is_eval=True, greedy=greedy)
+        # scored by their texts: no log-probs (vLLM's sampler, one gather a step, 256 lists)
+        batch = run.generate(index, is_eval=True, greedy=greedy, logprobs=False)
         samples = len(batch) // len(index)
         rewards = run.score(batch, f"{prefix}/reward/")  # greedy terms apart from the sampled ones
         metrics.update(eval_metrics(rewards, samples, rt.solved_reward, prefix))

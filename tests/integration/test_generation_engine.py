@@ -637,3 +637,23 @@ def test_engine_build_on_cpu_skips_only_full_collections(monkeypatch):
     # a GPU hands freed memory back: every collection runs
     with vllm_adapter.host_memory_only_gc(False):
         assert gc.collect() == 7
+
+
+def test_items_without_logprobs_give_the_same_tokens(module, monkeypatch):
+    # what the run's evaluation asks (rlhf.run.evaluate_policy): the same greedy tokens and texts,
+    # no log-prob computed or kept for them (the batch's are zeros)
+    monkeypatch.setattr(module.config, "eval_temperature", 0.0)
+    items = module.build_dataset(PROMPTS, is_eval=True)
+    recorder = module.engine.chatgen_sampled_logprobs
+    assert recorder is not None
+    gathered = []
+    want = recorder.want
+    monkeypatch.setattr(recorder, "want", lambda *a: gathered.append(a) or want(*a))
+    plain = module.run_generation(items, is_eval=True)
+    assert len(gathered) == len(items)
+    gathered.clear()
+    bare = module.run_generation([{**item, "logprobs": False} for item in items], is_eval=True)
+    assert gathered == [] and recorder.token_logprobs == {} and recorder.sample == {}
+    assert torch.equal(bare.input_ids, plain.input_ids) and bare.texts == plain.texts
+    assert (plain.infer_logprobs[plain.loss_mask.bool()] < 0).all()
+    assert not bare.infer_logprobs.any()

@@ -177,13 +177,21 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
         )
 
     def sampling_params(
-        self, prompt_len, *, is_eval=False, greedy=False, stop_strings=(), stop_token_ids=()
+        self,
+        prompt_len,
+        *,
+        is_eval=False,
+        greedy=False,
+        stop_strings=(),
+        stop_token_ids=(),
+        logprobs=True,
     ):
         """vLLM `SamplingParams` for one prompt of `prompt_len` tokens (see config.sampling_kwargs).
 
         Train: n, temperature, top_p, top_k, min_p, repetition_penalty; eval: eval_temperature /
         eval_top_p / eval_top_k where set. Greedy yields one response per prompt. Stops:
-        stop_token_list plus `stop_strings` and `stop_token_ids`.
+        stop_token_list plus `stop_strings` and `stop_token_ids`. logprobs=False: none computed
+        (the outputs' `logprobs` None).
         """
         kwargs = self.sampling_kwargs(
             prompt_len,
@@ -192,6 +200,8 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
             stop_strings=stop_strings,
             stop_token_ids=stop_token_ids,
         )
+        if not logprobs:
+            kwargs["logprobs"] = None
         # Incremental detokenization (and the text of every log-prob entry) costs about a third of a
         # small model's engine step on CPU; it is needed only to match stop strings. Without any,
         # texts are decoded once at the end of the call (`_decode_texts`).
@@ -418,8 +428,9 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
 
     def _queue(self, items, is_eval=False, greedy=False) -> list:
         """add_request for each dataset item, with its own prompt length and stop strings
-        (greedy: one greedy response; so for an item with "greedy": True); returns request ids.
-        An item over the prompt budget is an error naming it."""
+        (greedy: one greedy response; so for an item with "greedy": True; an item with
+        "logprobs": False computes none); returns request ids. An item over the prompt budget is
+        an error naming it."""
         request_ids, made = [], {}  # items of the same kind share one params object
         with adapter.request_batch(self.engine):
             for i, item in enumerate(items):
@@ -429,6 +440,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
                     greedy or item.get("greedy", False),
                     tuple(item.get("stop_strings") or ()),
                     tuple(item.get("stop_token_ids") or ()),
+                    item.get("logprobs", True),
                 )
                 if kind not in made:
                     made[kind] = self.sampling_params(
@@ -437,6 +449,7 @@ class VLLMModule(ChatLearnGeneration, NemoRLGeneration, GenerationModule):
                         greedy=kind[1],
                         stop_strings=kind[2],
                         stop_token_ids=kind[3],
+                        logprobs=kind[4],
                     )
                 request_ids.append(
                     self.add_request(item["input_ids"], made[kind], prompt_text=item.get("prompt"))
