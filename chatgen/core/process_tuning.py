@@ -17,7 +17,10 @@ from chatgen.core.checkpoint_io import read_hf_config
 M_ARENA_MAX = -8  # glibc's mallopt parameter number (malloc.h)
 # Idle OpenMP threads sleep instead of spinning. On shared CPU cores (vLLM and Megatron in one
 # process, or several processes) spinning made the tiny model's steps 3-10x slower (measured).
-# Export OMP_WAIT_POLICY=ACTIVE to opt out.
+# Export OMP_WAIT_POLICY=ACTIVE to opt out. Inside `chatgen train` the trainer's thread and the
+# engine thread each have a team, more threads than cores: libgomp then spins at most 1000
+# iterations whatever GOMP_SPINCOUNT says, and ACTIVE's 1000 measured no faster than this
+# (SmolLM2, docs/long_context.md, "What is left of SmolLM2's episode").
 PASSIVE_OPENMP = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 

@@ -1,8 +1,8 @@
 """release_during_training's engine side (chatgen.generation.vllm.adapter.cpu_release) on CPU with
 real vLLM and megatron-core: a colocated engine put to sleep at level 2 frees its weights and its KV
-cache (the process's RSS drops by most of their bytes) and refuses to generate; after the full sync
-that follows a train step its greedy log-probs equal the trainer's as before; a sync that misses a
-weight fails, and the engine refuses to generate until a full one.
+cache (the process's RSS drops by most of their bytes; the cache comes back zeroed) and refuses to
+generate; after the full sync that follows a train step its greedy log-probs equal the trainer's as
+before; a sync that misses a weight fails, and the engine refuses to generate until a full one.
 
     python -m pytest tests/integration/test_engine_release.py
 """
@@ -44,6 +44,15 @@ def diff_vs_trainer(trainer, llm) -> float:
     )
 
 
+def kv_cache_written(llm) -> bool:
+    """Whether any byte of the engine's KV cache is nonzero."""
+
+    def written(worker) -> bool:
+        return any(bool(t.any()) for t in worker.model_runner.kv_caches)
+
+    return any(llm.engine_loop.call(lambda: llm.engine.collective_rpc(written)))
+
+
 def train_step(trainer) -> None:
     trainer.train_step(
         {"input_ids": torch.tensor([SYNC_PROMPTS[1] * 2])}, lambda lp, mb: (-lp.mean(), {})
@@ -54,6 +63,7 @@ def test_released_engine_frees_memory_and_a_full_sync_brings_it_back(pair):
     llm, trainer = pair
     sync_weights(trainer, llm, validate=True)
     assert diff_vs_trainer(trainer, llm) < TOL
+    assert kv_cache_written(llm)
     weight_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
     ctypes.CDLL(None).malloc_trim(0)  # only what the release frees counts
     before = resident_bytes()
@@ -65,6 +75,7 @@ def test_released_engine_frees_memory_and_a_full_sync_brings_it_back(pair):
     train_step(trainer)  # the engine must follow the new weights, not the ones it let go of
     sync_weights(trainer, llm)
     llm.wake_up(["kv_cache"])
+    assert not kv_cache_written(llm)  # what the release let go of comes back zeroed
     assert diff_vs_trainer(trainer, llm) < TOL
     # a second round: what the reload built is released again
     llm.sleep(2)

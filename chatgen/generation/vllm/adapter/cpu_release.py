@@ -14,14 +14,17 @@ tensors, which it keeps. So `release` drops every `cpu_linear` handler (the relo
 ones) and shrinks the storage of every other weight tensor (embeddings, norms, the layers
 `patches.plain_small_linears` leaves to torch) to 0 bytes; `regrow` gives the storage back,
 filled with NaN, so that a tensor the sync did not write shows as NaN in `check_rewritten`, which
-the caller runs after the reload. The KV cache's storage is shrunk the same way; the prefix cache
-is reset by every sync, so nothing reads the old contents, and it comes back zeroed.
+the caller runs after the reload. The KV cache keeps its allocation and hands its pages to the
+kernel instead (`_drop_pages`); the prefix cache is reset by every sync, so nothing reads the old
+contents, and it comes back zeroed.
 
 The freed blocks are large (a layer's weight, the KV cache): glibc hands them to the kernel on free
 where they were mmapped, and `release` trims the heap for the rest, so the process's RSS drops.
 """
 
+import ctypes
 import math
+import mmap
 
 from vllm import LLM
 
@@ -75,7 +78,7 @@ def _release(worker) -> None:
                 module.cpu_linear = _released_linear  # the handler and its packed weight go
         state["weights"] = _shrink(model.parameters())
     if not state["kv_cache"]:
-        state["kv_cache"] = _shrink(worker.model_runner.kv_caches)
+        state["kv_cache"] = _drop_pages(worker.model_runner.kv_caches)
     _trim_heap()
 
 
@@ -93,6 +96,45 @@ def _shrink(tensors) -> list:
     for storage, _ in out:
         storage.resize_(0)
     return out
+
+
+MADV_DONTNEED = 4  # Linux madvise(2): a private anonymous page reads as zeros after it
+
+
+def _drop_pages(tensors) -> list:
+    """The KV cache's release: the whole pages of each of `tensors`' storages handed back to the
+    kernel (madvise MADV_DONTNEED), the allocation kept; the partial pages at its ends zeroed. A
+    private anonymous page (what malloc gives) then reads as zeros and is faulted in when first
+    written, so the wake has nothing to regrow or zero, and a generation faults in only the blocks
+    it writes. Against shrinking the storage and zeroing all of it at the wake: SmolLM2's 320 MiB
+    cache, 60% of it written after, 0.18-0.21 s of CPU against 0.42-0.47 (3 rounds, load ~30).
+    Each storage is probed first (a byte written in its first whole page must read 0 after): one
+    that is not dropped so (no madvise, a shared mapping) is shrunk instead; returns those, as
+    `_shrink` does, for the wake to regrow and zero."""
+    kept = []
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    except (OSError, AttributeError):
+        madvise = None
+    seen = set()
+    for t in tensors:
+        storage = t.untyped_storage()
+        start, nbytes = storage.data_ptr(), storage.nbytes()
+        if nbytes == 0 or start in seen:
+            continue
+        seen.add(start)
+        first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = (start + nbytes) // mmap.PAGESIZE * mmap.PAGESIZE
+        probe = ctypes.c_ubyte.from_address(first) if end > first else None
+        if probe is not None and madvise is not None:
+            probe.value = 1
+            if madvise(first, end - first, MADV_DONTNEED) == 0 and probe.value == 0:
+                ctypes.memset(start, 0, first - start)
+                ctypes.memset(end, 0, start + nbytes - end)
+                continue
+        kept.append(t)
+    return _shrink(kept)
 
 
 def _regrow(worker, what: str) -> None:
