@@ -27,8 +27,9 @@ its BLAKE3 digest: the trainer takes it tensor by tensor as it copies, each engi
 that also checks every value, before it loads (BLAKE3 reads ~5 GB/s on one core, SHA-256 with the
 CPU's SHA instructions ~1.4). Both ends keep an engine-owned mapping for the next sync of the same
 size, an owning sender its file; any failure drops the engine's mapping, and a trainer whose
-`finish` fails removes the file it made. Directories are named with the owning process id: `remove_stale_segments()`
-removes those of processes that no longer run (`chatgen serve --control` calls it).
+`finish` fails removes the file it made. Directories are named with the owning process id:
+`remove_stale_segments()` removes those of processes that no longer run (`chatgen serve --control`
+calls it).
 """
 
 import contextlib
