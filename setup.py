@@ -28,6 +28,7 @@ setup(
         "transformers>=5.16,<5.20",
         "pyyaml",
         "safetensors",
+        "blake3",  # the shared-memory weight transport's file digest (chatgen.param_sync.shm)
         "sentencepiece",
         "tqdm",
         "protobuf",  # sentencepiece tokenizers load through it (without it transformers asks for tiktoken)

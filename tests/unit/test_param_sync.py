@@ -358,3 +358,29 @@ def test_shm_handles_are_signed_over_the_files_path_size_and_content(tmp_path):
         load_shm(refused, handles, token)
     assert refused.loaded == {}
     tx.close()
+
+
+def test_shm_rewrites_its_file_in_place_and_an_earlier_writes_handles_are_refused(tmp_path):
+    """An owning sender rewrites its file when the size is unchanged (new pages would cost the
+    trainer as much as the copy); the digest it signs, taken tensor by tensor during the copy, is
+    the whole file's BLAKE3, so the handles of an earlier write no longer load."""
+    import blake3
+
+    from chatgen.param_sync import ShmSender, load_shm
+
+    token, weights = "the run's token", [("a", torch.arange(6.0).view(2, 3)), ("b", torch.ones(2))]
+    tx = ShmSender.owned(token, root=str(tmp_path))
+    first = tx.write(weights)
+    second = tx.write([(n, t + 1) for n, t in weights])
+    assert second["path"] == first["path"]
+    with open(second["path"], "rb") as f:
+        assert second["header"]["file"]["blake3"] == blake3.blake3(f.read()).hexdigest()
+    refused = Recorder()
+    with pytest.raises(SyncError, match="is not the file the trainer signed"):
+        load_shm(refused, first, token)
+    assert refused.loaded == {}
+    target = Recorder()
+    load_shm(target, second, token)
+    assert target.loaded["a"].tolist() == [[1, 2, 3], [4, 5, 6]]
+    tx.close()
+    assert list(tmp_path.iterdir()) == []
