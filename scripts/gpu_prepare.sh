@@ -2,7 +2,8 @@
 # bash scripts/gpu_prepare.sh   (here, with network to PyPI; then on the GPU machine: bash scripts/gpu_run.sh)
 #
 # Makes the carry folder (.gpu, ignored by git) that scripts/gpu_run.sh needs on the offline GPU machine:
-#   .gpu/wheels/       cp312 manylinux wheels, no dependencies: megatron-core 0.16.1 (not on that machine), and
+#   .gpu/wheels/       cp312 manylinux wheels, no dependencies: megatron-core 0.16.1 and blake3 1.0.11 (not on that
+#                      machine: vLLM brings blake3 here; the shared-memory weight push imports it), and
 #                      protobuf, tensorboard (+ its data server), matplotlib, which gpu_run.sh installs only if
 #                      that machine lacks them (its image had them when last read)
 #   .gpu/test-models/  the tiny test models, prebuilt (tests/conftest.py's cache, keyed by the maker's source)
@@ -19,7 +20,7 @@ python="${CHATGEN_PYTHON:-$default}"
 mkdir -p "$carry/wheels" "$carry/test-models"
 
 # the versions: megatron-core as requirements*.txt pin it; the others as the CPU stack has them
-wheels=(megatron-core==0.16.1 protobuf==7.36.2 tensorboard==2.21.0 tensorboard-data-server==0.7.2 matplotlib==3.11.2)
+wheels=(megatron-core==0.16.1 blake3==1.0.11 protobuf==7.36.2 tensorboard==2.21.0 tensorboard-data-server==0.7.2 matplotlib==3.11.2)
 for spec in "${wheels[@]}"; do
   name=${spec%%==*}
   if compgen -G "$carry/wheels/${name//-/_}-${spec##*==}-*.whl" > /dev/null; then

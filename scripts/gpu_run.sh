@@ -3,7 +3,7 @@
 #
 # The offline GPU tier: the first checks of chatgen on a GPU, within a fixed budget, on a machine with no network
 # and no vLLM / Ray (the one lent to sessions: one H100 or H200, python3 3.12 with torch and transformers).
-#   1. installs what is missing from .gpu/wheels (megatron-core; protobuf, tensorboard, matplotlib if absent)
+#   1. installs what is missing from .gpu/wheels (megatron-core; blake3, protobuf, tensorboard, matplotlib if absent)
 #      with pip --no-index --target, into a temporary directory (the machine's environment is not changed)
 #   2. pytest tests/gpu (the tests that need only megatron-core; the vLLM ones skip with the reason)
 #   3. chatgen check-sync --backend hf, fp32 and bf16: the trainer's weights synced into an hf engine
@@ -68,8 +68,8 @@ step() {
 # 1. what is missing, from the carried wheels
 missing=$("$python" - <<'PY'
 import importlib.util
-need = {"megatron": "megatron_core", "google.protobuf": "protobuf", "tensorboard": "tensorboard",
-        "matplotlib": "matplotlib"}
+need = {"megatron": "megatron_core", "blake3": "blake3", "google.protobuf": "protobuf",
+        "tensorboard": "tensorboard", "matplotlib": "matplotlib"}
 def absent(module):
     try:
         return importlib.util.find_spec(module) is None
