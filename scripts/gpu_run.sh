@@ -179,11 +179,11 @@ settle
 # summary: every step's status, the figures that matter
 for f in "$work"/status/*; do echo "$(basename "$f")=$(cat "$f")"; done > "$work/status.txt"
 "$python" - "$out" "$mode" "$budget" "$(( budget - (deadline - $(date +%s)) ))" "$work/status.txt" \
-  "$work/grpo_fsdp_hf" <<'PY'
+  "$work/grpo_fsdp_hf" "$work/grpo" <<'PY'
 import json, sys
 from pathlib import Path
 out, mode, budget, used, status_file = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-fsdp_run = Path(sys.argv[6])
+fsdp_run, grpo_run = Path(sys.argv[6]), Path(sys.argv[7])
 steps = dict(line.rstrip("\n").split("=", 1) for line in open(status_file) if "=" in line)
 def read(name):
     p = out / name
@@ -201,6 +201,12 @@ metrics = out / "grpo_metrics.jsonl"
 if metrics.exists():
     figures["grpo_last_episode"] = episode_figures(metrics.read_text().splitlines()[-1])
 # the fsdp run's metrics live here (the output folder keeps to 8 files): every episode, and its checkpoint
+# what the grpo run left besides its metrics: its plot, its tensorboard events, its checkpoints
+if grpo_run.is_dir():
+    figures["grpo_outputs"] = dict(
+        files=sorted(p.name for p in grpo_run.iterdir()),
+        tensorboard_files=sum(1 for _ in (grpo_run / "tensorboard").rglob("*")),
+        checkpoints=sorted(p.name for p in (grpo_run / "checkpoints").glob("episode_*")))
 if (fsdp_run / "metrics.jsonl").exists():
     checkpoint = fsdp_run / "checkpoints" / "episode_000002" / "policy_trainer"
     figures["grpo_fsdp_hf"] = dict(
