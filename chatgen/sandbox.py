@@ -148,7 +148,7 @@ def run(argv: list, limits: Limits | None = None, mode: str | None = None) -> Re
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        out, err, error = _collect(proc, limits, start)
+        out, err, error = _collect(proc, limits, start, mode)
         returncode = proc.returncode
         if (
             mode == "bwrap" and 128 < returncode < 160
@@ -219,7 +219,7 @@ def _as_user(command: list, uid: int | None) -> list:
     return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "--", *command]
 
 
-def _collect(proc, limits: Limits, start: float) -> tuple:
+def _collect(proc, limits: Limits, start: float, mode: str) -> tuple:
     """(stdout, stderr, error): the outputs read until exit, the wall limit or the output limit;
     at a limit the session's processes are killed."""
     chunks = {proc.stdout: [], proc.stderr: []}
@@ -248,27 +248,30 @@ def _collect(proc, limits: Limits, start: float) -> tuple:
     finally:
         selector.close()
         if error:
-            _kill(proc)
+            _kill(proc, mode)
         try:
             proc.wait(timeout=max(0.1, start + limits.wall_s - time.monotonic()))
         except subprocess.TimeoutExpired:
             error = error or f"killed at the wall-time limit ({limits.wall_s:g} s)"
-        _kill(proc)  # whatever of the session is left (a daemonized child), and reap
+        _kill(proc, mode)  # whatever of the session is left (a daemonized child), and reap
         proc.stdout.close()
         proc.stderr.close()
     out, err = b"".join(chunks[proc.stdout]), b"".join(chunks[proc.stderr])
     return out[: limits.output_bytes], err[: limits.output_bytes], error
 
 
-def _kill(proc) -> None:
-    """Every process of the run gone before this returns: bwrap's PID-namespace init first (the
-    kernel kills the namespace with it, and bwrap exits once it reaped it), then the session."""
+def _kill(proc, mode: str) -> None:
+    """Every process of the run gone before this returns: `proc`'s children first (bwrap's
+    PID-namespace init: the kernel kills the namespace with it, and bwrap exits once it reaped it),
+    then the session. In the fallback `proc` is the program itself, which nothing of that ends: no
+    wait for it."""
     for pid in _children(proc.pid):
         _signal(pid)
-    try:
-        proc.wait(timeout=2)
-    except subprocess.TimeoutExpired:
-        pass
+    if mode == "bwrap":
+        try:
+            proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            pass
     _signal(proc.pid, group=True)
     proc.wait()
     deadline = time.monotonic() + 5

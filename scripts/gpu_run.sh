@@ -41,7 +41,8 @@ export PYTHONUNBUFFERED=1 CHATGEN_HIDE_PACKAGES=vllm,ray,fastapi,uvicorn
 export CHATGEN_TEST_CACHE="${CHATGEN_TEST_CACHE:-$repo/$carry/test-models}"
 export PYTHONPATH="$repo/scripts/hide_packages:$repo${PYTHONPATH:+:$PYTHONPATH}"
 
-declare -A status
+# each step's status, one file per step (a step may run in the background: see `beside`)
+mkdir "$work/status"
 note() { echo "[gpu_run $(date -u +%H:%M:%S)] $*"; }
 
 # step NAME SECONDS COMMAND...: run COMMAND bounded by SECONDS and by what is left of the budget
@@ -52,7 +53,7 @@ step() {
   (( left < limit )) && limit=$left
   if (( limit < 10 )); then
     note "$name: skipped, ${left}s of the ${budget}s budget left"
-    status[$name]="skipped: budget"
+    echo "skipped: budget" > "$work/status/$name"
     return 0
   fi
   note "$name: start (at most ${limit}s)"
@@ -60,9 +61,21 @@ step() {
   timeout --kill-after=10 "$limit" "$@"
   rc=$?
   note "$name: exit $rc after $(( $(date +%s) - t0 ))s"
-  if (( rc == 124 || rc == 137 )); then status[$name]="timeout after ${limit}s"
-  elif (( rc == 0 )); then status[$name]="ok"
-  else status[$name]="failed: exit $rc"; fi
+  if (( rc == 124 || rc == 137 )); then echo "timeout after ${limit}s"
+  elif (( rc == 0 )); then echo "ok"
+  else echo "failed: exit $rc"; fi > "$work/status/$name"
+}
+
+# beside COMMAND...: a step that runs beside the next one. In simulation the steps share no device,
+# so two run at a time (CI's two cores; each is mostly one core of imports); on the GPU one at a
+# time, in this order. `settle` waits for it (by its id: a bare `wait` would wait for the tee too).
+beside_pid=
+beside() {
+  if [[ $mode == simulation ]]; then "$@" & beside_pid=$!; else "$@"; fi
+}
+settle() {
+  [[ -n $beside_pid ]] && wait "$beside_pid"
+  beside_pid=
 }
 
 # 1. what is missing, from the carried wheels
@@ -91,7 +104,7 @@ if (( ${#wheels[@]} )); then
   export PYTHONPATH="$work/site:$PYTHONPATH"
 else
   note "install: nothing missing"
-  status[install]="nothing missing"
+  echo "nothing missing" > "$work/status/install"
 fi
 
 cuda=$("$python" -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null || echo 0)
@@ -121,16 +134,18 @@ model=$("$python" -c "import sys; sys.path.insert(0, 'tests'); from conftest imp
 printf '{"prompt_ids": [5, 17, 99, 200]}\n{"prompt_ids": [1, 2, 3, 4, 5, 6, 7]}\n' > "$work/prompts.jsonl"
 
 # 2. the gpu tests (on CPU they all skip: still collected, so an import error fails here too)
-step pytest 170 bash -c "'$python' -m pytest tests/gpu -rs -q -p no:cacheprovider > '$out/pytest.txt' 2>&1; \
+beside step pytest 170 bash -c "'$python' -m pytest tests/gpu -rs -q -p no:cacheprovider > '$out/pytest.txt' 2>&1; \
   rc=\$?; tail -25 '$out/pytest.txt'; exit \$rc"
 
 # 3. check-sync, hf backend, fp32 and bf16; thresholds of tests/gpu (GPU kernels differ more than CPU ones)
-for check in "fp32 float32 1e-3" "bf16 bfloat16 0.25"; do
-  read -r short dtype threshold <<< "$check"
-  step "check_sync_$short" 60 "$python" -m chatgen.cli check-sync --backend hf --hf-checkpoint "$model" \
-    --input "$work/prompts.jsonl" --output "$out/check_sync_$short.json" --max-new-tokens 6 --validate \
-    --dtype "$dtype" --threshold "$threshold"
-done
+check_sync() {
+  step "check_sync_$1" 60 "$python" -m chatgen.cli check-sync --backend hf --hf-checkpoint "$model" \
+    --input "$work/prompts.jsonl" --output "$out/check_sync_$1.json" --max-new-tokens 6 --validate \
+    --dtype "$2" --threshold "$3"
+}
+check_sync fp32 float32 1e-3
+settle
+beside check_sync bf16 bfloat16 0.25
 
 # 4. two GRPO episodes, hf backend, one GPU, bf16
 "$python" -m chatgen.tasks --output "$work/data" --n-train 64 --n-eval 8 > /dev/null
@@ -142,12 +157,13 @@ step grpo 120 "$python" -m chatgen.cli train configs/grpo_tiny_hf.yaml "policy.l
   "runtime.output_dir=$work/grpo" runtime.num_episode=2 runtime.sample_per_episode=32 \
   runtime.train_micro_batch_size=16 runtime.train_global_batch_size=16 runtime.save_episode_interval=2 \
   runtime.eval_episode_interval=2 runtime.max_bad_train_steps=100 policy.n=4 "${gpu_keys[@]}"
+settle
 [[ -f $work/grpo/metrics.jsonl ]] && cp "$work/grpo/metrics.jsonl" "$out/grpo_metrics.jsonl"
 [[ -d $work/grpo/checkpoints/episode_000002 ]] && note "grpo: checkpoint episode_000002 written"
 
 # 4b. the same two episodes with the trainer on fsdp (needs torch and transformers only); megatron-core and
 # PEFT hidden too, so that an import of either fails here and not only where it is absent
-step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron,peft" \
+beside step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron,peft" \
   "$python" -m chatgen.cli train configs/grpo_tiny_fsdp_hf.yaml "policy.load=$model" \
   "policy_trainer.load=$model" "runtime.data_path=$work/data/train.jsonl" "runtime.eval_data_path=$work/data/eval.jsonl" \
   "runtime.output_dir=$work/grpo_fsdp_hf" runtime.num_episode=2 runtime.sample_per_episode=16 \
@@ -158,15 +174,16 @@ step grpo_fsdp_hf 100 env CHATGEN_HIDE_PACKAGES="$CHATGEN_HIDE_PACKAGES,megatron
 small=()
 [[ $mode == simulation ]] && small=(--small)
 step probe 150 "$python" scripts/gpu_probe.py --output "$out/probe.json" "${small[@]}"
+settle
 
 # summary: every step's status, the figures that matter
-for k in "${!status[@]}"; do echo "$k=${status[$k]}"; done > "$work/status.txt"
+for f in "$work"/status/*; do echo "$(basename "$f")=$(cat "$f")"; done > "$work/status.txt"
 "$python" - "$out" "$mode" "$budget" "$(( budget - (deadline - $(date +%s)) ))" "$work/status.txt" \
-  "$work/grpo_fsdp_hf" <<'PY'
+  "$work/grpo_fsdp_hf" "$work/grpo" <<'PY'
 import json, sys
 from pathlib import Path
 out, mode, budget, used, status_file = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
-fsdp_run = Path(sys.argv[6])
+fsdp_run, grpo_run = Path(sys.argv[6]), Path(sys.argv[7])
 steps = dict(line.rstrip("\n").split("=", 1) for line in open(status_file) if "=" in line)
 def read(name):
     p = out / name
@@ -184,6 +201,12 @@ metrics = out / "grpo_metrics.jsonl"
 if metrics.exists():
     figures["grpo_last_episode"] = episode_figures(metrics.read_text().splitlines()[-1])
 # the fsdp run's metrics live here (the output folder keeps to 8 files): every episode, and its checkpoint
+# what the grpo run left besides its metrics: its plot, its tensorboard events, its checkpoints
+if grpo_run.is_dir():
+    figures["grpo_outputs"] = dict(
+        files=sorted(p.name for p in grpo_run.iterdir()),
+        tensorboard_files=sum(1 for _ in (grpo_run / "tensorboard").rglob("*")),
+        checkpoints=sorted(p.name for p in (grpo_run / "checkpoints").glob("episode_*")))
 if (fsdp_run / "metrics.jsonl").exists():
     checkpoint = fsdp_run / "checkpoints" / "episode_000002" / "policy_trainer"
     figures["grpo_fsdp_hf"] = dict(

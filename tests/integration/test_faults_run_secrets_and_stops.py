@@ -68,37 +68,40 @@ def environment(tiny, **extra) -> dict:
     return env
 
 
-def test_no_secret_reaches_a_file_of_the_run_checkpoints_included(project, tiny_llama_dir):
-    proc = subprocess.run(
-        [
-            *command(project, "secrets"),
-            "-v",  # the resolved config printed too
-            "policy.args.header=Bearer ${JUDGE_KEY}",
-            f"policy.args.password={OVERRIDE_SECRET}",
-            "runtime.loggers=[jsonl,tensorboard]",
-        ],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env=environment(tiny_llama_dir, JUDGE_KEY=ENV_SECRET),
+@pytest.fixture(scope="module", autouse=True)
+def secrets_run(request, project, tiny_llama_dir):
+    """The run of test_no_secret_reaches_a_file_of_the_run_checkpoints_included, started when the
+    module begins (when that test is selected): a whole run in a process of its own, beside the
+    runs of the other tests (each is seconds of imports on about one core; CI has two). (the
+    process, its stdout, its stderr: files, so that no pipe nobody reads yet fills)"""
+    import tempfile
+
+    wanted = any(
+        item.path == Path(__file__)
+        and item.originalname == "test_no_secret_reaches_a_file_of_the_run_checkpoints_included"
+        for item in request.session.items
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = project / "secrets"
-    files = [p for p in out.rglob("*") if p.is_file()]
-    assert any(p.name == "engine_state.json" for p in files)
-    for secret in (ENV_SECRET, OVERRIDE_SECRET):
-        assert [str(p) for p in files if secret.encode() in p.read_bytes()] == []
-        assert secret not in proc.stdout + proc.stderr
-    state = next(p for p in files if p.name == "engine_state.json").read_text()
-    assert "Bearer ${JUDGE_KEY}" in state  # written as the config gave it
-    assert out.stat().st_mode & 0o777 == 0o700
-    # what the trainers write inside a checkpoint is behind these
-    for p in [out / "checkpoints", *(out / "checkpoints").glob("episode_*")]:
-        assert p.stat().st_mode & 0o777 == 0o700, p
-    for p in out.rglob("*"):
-        if p.name in ("engine_state.json", "resolved_config.yaml", ".chatgen.lock", "latest"):
-            assert p.stat().st_mode & 0o777 == 0o600, p
+    if not wanted:
+        yield None
+        return
+    with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
+        proc = subprocess.Popen(
+            [
+                *command(project, "secrets"),
+                "-v",  # the resolved config printed too
+                "policy.args.header=Bearer ${JUDGE_KEY}",
+                f"policy.args.password={OVERRIDE_SECRET}",
+                "runtime.loggers=[jsonl,tensorboard]",
+            ],
+            cwd=project,
+            stdout=stdout,
+            stderr=stderr,
+            text=True,
+            env=environment(tiny_llama_dir, JUDGE_KEY=ENV_SECRET),
+        )
+        yield proc, stdout, stderr
+        proc.kill()
+        proc.wait()
 
 
 class Trickle(http.server.BaseHTTPRequestHandler):
@@ -227,3 +230,28 @@ def test_sigterm_while_the_models_start_exits_within_30_s(project, tiny_llama_di
         proc.kill()
     assert proc.returncode == 143 and took < 30, (proc.returncode, took, output[-3000:])
     assert "terminated (SIGTERM)" in output
+
+
+# last: its run started with the module (secrets_run) and went on beside the runs above
+def test_no_secret_reaches_a_file_of_the_run_checkpoints_included(secrets_run, project):
+    proc, stdout, stderr = secrets_run
+    proc.wait(timeout=900)
+    stdout.seek(0)
+    stderr.seek(0)
+    printed = stdout.read() + stderr.read()
+    assert proc.returncode == 0, printed[-6000:]
+    out = project / "secrets"
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert any(p.name == "engine_state.json" for p in files)
+    for secret in (ENV_SECRET, OVERRIDE_SECRET):
+        assert [str(p) for p in files if secret.encode() in p.read_bytes()] == []
+        assert secret not in printed
+    state = next(p for p in files if p.name == "engine_state.json").read_text()
+    assert "Bearer ${JUDGE_KEY}" in state  # written as the config gave it
+    assert out.stat().st_mode & 0o777 == 0o700
+    # what the trainers write inside a checkpoint is behind these
+    for p in [out / "checkpoints", *(out / "checkpoints").glob("episode_*")]:
+        assert p.stat().st_mode & 0o777 == 0o700, p
+    for p in out.rglob("*"):
+        if p.name in ("engine_state.json", "resolved_config.yaml", ".chatgen.lock", "latest"):
+            assert p.stat().st_mode & 0o777 == 0o600, p

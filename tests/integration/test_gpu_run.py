@@ -67,7 +67,16 @@ def test_gpu_run_passes_end_to_end_in_simulation(tmp_path, tiny_llama_dir):
         figures["check_sync_fp32"]["validated"]
         and figures["check_sync_fp32"]["max_abs_logprob_diff"] < 1e-4
     )
-    assert figures["grpo_last_episode"]["episode"] == 2
+    # the grpo run (configs/grpo_tiny_hf.yaml with vLLM, Ray, fastapi and uvicorn hidden: the
+    # environment of `pip install chatgen` without extras, in CI too): every episode, its plot,
+    # tensorboard events and last checkpoint
+    grpo = [json.loads(line) for line in (out / "grpo_metrics.jsonl").read_text().splitlines()]
+    assert [e["episode"] for e in grpo] == [0, 1, 2] and figures["grpo_last_episode"][
+        "episode"
+    ] == 2
+    outputs = figures["grpo_outputs"]
+    assert "metrics.png" in outputs["files"] and outputs["tensorboard_files"] > 0, outputs
+    assert "episode_000002" in outputs["checkpoints"], outputs
     # the fsdp trainer with the hf engine (megatron-core hidden): both episodes, finite figures, the
     # engine scoring as the trainer after the sync (fp32 here; bf16 on a GPU), its checkpoint written
     fsdp = figures["grpo_fsdp_hf"]

@@ -231,27 +231,40 @@ def test_grpo_with_lora_syncs_exactly_and_takes_its_kl_reference_from_the_base(
     assert metrics[2]["kl/reference"] > 1e-6  # the adapters moved; the base did not
 
 
-def _layout_step(model_dir, tp, pp, ids):
-    """Each rank: a LoRA trainer at TP x PP (DP = the rest) takes one step on its share of `ids`."""
+LAYOUTS = [(1, 2), (1, 1)]  # (TP, PP) of two ranks: PP 2; DP 2
+
+
+def _layout_steps(model_dir, ids):
+    """Each rank: at each of LAYOUTS (DP = the rest), a LoRA trainer takes one step on its share of
+    `ids` (one job for both: each start of ranks is seconds of imports; each trainer starts
+    afresh)."""
+    from megatron.core import parallel_state as ps
+
     from chatgen.training.megatron_module import MegatronModule
 
-    trainer = MegatronModule(
-        dict(
-            load=str(model_dir),
-            tensor_model_parallel_size=tp,
-            pipeline_model_parallel_size=pp,
-            lr=1e-2,
-            lora=ALL,
+    results = []
+    for tp, pp in LAYOUTS:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        trainer = MegatronModule(
+            dict(
+                load=str(model_dir),
+                tensor_model_parallel_size=tp,
+                pipeline_model_parallel_size=pp,
+                lr=1e-2,
+                lora=ALL,
+            )
+        ).start()
+        mine = ids[trainer.dp_rank :: trainer.dp]  # DP 2: one sample each, the same mean loss
+        grad_norm = trainer.train_step({"input_ids": mine}, nll_loss)["grad_norm"]
+        merged = trainer.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]
+        results.append(
+            (grad_norm, trainer.forward_tokens({"input_ids": ids}).tolist(), merged.tolist())
         )
-    ).start()
-    mine = ids[trainer.dp_rank :: trainer.dp]  # DP 2: one sample each, the same mean loss
-    grad_norm = trainer.train_step({"input_ids": mine}, nll_loss)["grad_norm"]
-    merged = trainer.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]
-    return grad_norm, trainer.forward_tokens({"input_ids": ids}).tolist(), merged.tolist()
+    return results
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (1, 1)])  # PP 2; DP 2
-def test_pp2_and_dp2_train_like_one_rank(make_tiny, tp, pp):
+def test_pp2_and_dp2_train_like_one_rank(make_tiny):
     """qwen2 (QKV bias, tied embeddings: the frozen embedding of the last stage gets no gradient exchange)."""
     from chatgen.training.launcher import run_distributed
 
@@ -261,10 +274,11 @@ def test_pp2_and_dp2_train_like_one_rank(make_tiny, tp, pp):
     want = one.forward_tokens({"input_ids": ids})
     want_q = one.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]
     one.shutdown()
-    for norm, logprobs, merged in run_distributed(_layout_step, 2, args=(model_dir, tp, pp, ids)):
-        assert norm == pytest.approx(grad_norm, rel=1e-6)
-        assert (torch.tensor(logprobs) - want).abs().max() < 1e-5
-        assert (torch.tensor(merged) - want_q).abs().max() < 1e-6
+    for rank in run_distributed(_layout_steps, 2, args=(model_dir, ids)):
+        for layout, (norm, logprobs, merged) in zip(LAYOUTS, rank, strict=True):
+            assert norm == pytest.approx(grad_norm, rel=1e-6), layout
+            assert (torch.tensor(logprobs) - want).abs().max() < 1e-5, layout
+            assert (torch.tensor(merged) - want_q).abs().max() < 1e-6, layout
 
 
 def lora_engine(model_dir, tensor_parallel_size=1):

@@ -81,15 +81,21 @@ def test_dp2_trains_like_dp1_on_the_same_global_batch(tiny_llama_dir):
     assert all(b < 0.55 * dp1_bytes for b in dp2_bytes) and sum(dp2_bytes) >= dp1_bytes
 
 
-def _save_at_dp2(model_dir, data, path):
-    """Rank body: TP 1 x PP 1 x DP 2, bf16; two steps, save, then the next step (what a resume must reproduce)."""
+def _save_at_dp2_then_resave_at(model_dir, data, path, layouts, out):
+    """Rank body: TP 1 x PP 1 x DP 2, bf16; two steps, save, then the next step (what a resume must reproduce);
+    then, in the same two ranks (one job: each start of ranks is seconds of imports), _resave_at."""
+    import torch.distributed as dist
+
     trainer = build(model_dir, dtype="bfloat16", lr=1e-3, micro_batch_size=2, global_batch_size=4)
     half = slice(2 * trainer.dp_rank, 2 * trainer.dp_rank + 2)
     for _ in range(2):
         trainer.train_step({"input_ids": data[half]}, nll_loss)
     trainer.save_checkpoint(path)
     saved = trainer.hf_state_dict()
-    return to_bytes(saved), trainer.train_step({"input_ids": data[half]}, nll_loss)["loss"]
+    next_loss = trainer.train_step({"input_ids": data[half]}, nll_loss)["loss"]
+    del trainer  # what the layouts load comes from the checkpoint alone
+    dist.barrier()  # every rank's part of it written before any rank loads it
+    return to_bytes(saved), next_loss, _resave_at(model_dir, data, path, layouts, out)
 
 
 def _resave_at(model_dir, data, src, layouts, out):
@@ -134,10 +140,13 @@ def test_a_distributed_checkpoint_resumes_exactly_at_another_layout(tiny_llama_d
     from chatgen.training.launcher import run_distributed
 
     data = batch(b=4, seed=5)
-    saved, next_loss = run_distributed(
-        _save_at_dp2, 2, args=(tiny_llama_dir, data, tmp_path / "dp2")
-    )[0]
-    saved = from_bytes(saved)
+    layouts = [(2, 1), (1, 2)]
+    ranks = run_distributed(
+        _save_at_dp2_then_resave_at,
+        2,
+        args=(tiny_llama_dir, data, tmp_path / "dp2", layouts, tmp_path),
+    )
+    saved, next_loss = from_bytes(ranks[0][0]), ranks[0][1]
     meta = json.loads((tmp_path / "dp2" / "chatgen_megatron.json").read_text())
     assert (
         meta["data_parallel_size"],
@@ -145,11 +154,7 @@ def test_a_distributed_checkpoint_resumes_exactly_at_another_layout(tiny_llama_d
         meta["optimizer"],
         meta["distributed"],
     ) == (2, 2, True, True)
-    layouts = [(2, 1), (1, 2)]
-    resaved = run_distributed(
-        _resave_at, 2, args=(tiny_llama_dir, data, tmp_path / "dp2", layouts, tmp_path)
-    )
-    for rank in resaved:
+    for *_, rank in ranks:
         for (tp, pp), (iteration, loaded, loss) in zip(layouts, rank):
             loaded = from_bytes(loaded)
             assert iteration == 2 and all(torch.equal(loaded[k], saved[k]) for k in saved), (tp, pp)

@@ -140,54 +140,68 @@ def test_failure_mid_stream_says_engine_is_partially_updated(models, engines, mo
     assert max_diff_vs_trainer(tr, generate(llm)) < TOL
 
 
-def _cross_process_trainer(model_dir, layouts, port, token):
-    """Trainer ranks: one sync per (TP, PP) layout of the 2 ranks into the engine in the parent process; (1, 1) is
-    DP = 2: two replicas of the whole model, rank 0 sends."""
+def _cross_process_trainer(model_dirs, layouts, port, token):
+    """Trainer ranks: for each model, one sync per (TP, PP) layout of the 2 ranks into its engine in the parent
+    process; (1, 1) is DP = 2: two replicas of the whole model, rank 0 sends. (One job for every model: each start
+    of ranks is seconds of imports; each trainer starts afresh.)"""
     from megatron.core import parallel_state as ps
 
     from chatgen.param_sync import GroupSender
     from chatgen.training.megatron_module import MegatronModule
 
     tx = GroupSender.to("127.0.0.1", port, token)
-    for tp, pp in layouts:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        module = MegatronModule(
-            dict(
-                load=str(model_dir), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
-            )
-        ).start()
-        sync_weights(module, tx, validate=True, bucket_bytes=300_000)
+    for model_dir in model_dirs:
+        for tp, pp in layouts:
+            if ps.model_parallel_is_initialized():
+                ps.destroy_model_parallel()
+            module = MegatronModule(
+                dict(
+                    load=str(model_dir),
+                    tensor_model_parallel_size=tp,
+                    pipeline_model_parallel_size=pp,
+                )
+            ).start()
+            sync_weights(module, tx, validate=True, bucket_bytes=300_000)
 
 
-@pytest.mark.parametrize("name", ["llama_1kv", "qwen3"])
-def test_cross_process_tp2_and_pp2_to_tp1_engine(models, name):
-    """TP 2 -> 1 (llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm), then PP 2 -> 1, then DP 2 -> 1, over a private
-    gloo group."""
+CROSS_PROCESS = ["llama_1kv", "qwen3"]  # llama_1kv: num_query_groups=1 < TP; qwen3: QK-norm
+
+
+def test_cross_process_tp2_and_pp2_to_tp1_engine(models):
+    """TP 2 -> 1, then PP 2 -> 1, then DP 2 -> 1, over a private gloo group, for each of CROSS_PROCESS."""
     from chatgen.param_sync import GroupReceiver
     from chatgen.training.launcher import DistributedJob
 
-    model_dir = models[name]
-    llm = engine(model_dir)
+    llms = {name: engine(models[name]) for name in CROSS_PROCESS}
     rx = GroupReceiver.listen()
     layouts = [(2, 1), (1, 2), (1, 1)]
-    job = DistributedJob(_cross_process_trainer, 2, args=(model_dir, layouts, rx.port, rx.token))
+    job = DistributedJob(
+        _cross_process_trainer,
+        2,
+        args=([models[name] for name in CROSS_PROCESS], layouts, rx.port, rx.token),
+    )
     try:
-        for layout in layouts:
-            # engine holds random weights
-            assert generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2
-            report = rx.receive_into(llm, alive=job.poll)
-            assert report.validated and report.buckets > 1
-            assert generated_diff_vs_hf(model_dir, generate(llm)) < TOL, layout
-            # scramble the engine again so the next layout's sync has to do the work
-            g = torch.Generator().manual_seed(1)
-            llm.update_weights(
-                [(n, 0.05 * torch.randn(s, generator=g)) for n, s in llm.weight_manifest().items()]
-            )
+        for name, llm in llms.items():
+            model_dir = models[name]
+            for layout in layouts:
+                # engine holds random weights
+                assert generated_diff_vs_hf(model_dir, generate(llm)) > 1e-2, (name, layout)
+                report = rx.receive_into(llm, alive=job.poll)
+                assert report.validated and report.buckets > 1, (name, layout)
+                assert generated_diff_vs_hf(model_dir, generate(llm)) < TOL, (name, layout)
+                # scramble the engine again so the next layout's sync has to do the work
+                g = torch.Generator().manual_seed(1)
+                llm.update_weights(
+                    [
+                        (n, 0.05 * torch.randn(s, generator=g))
+                        for n, s in llm.weight_manifest().items()
+                    ]
+                )
         job.join()
     finally:
         job.stop()
-        llm.shutdown()
+        for llm in llms.values():
+            llm.shutdown()
 
 
 def _colocated_tp2(model_dir, prompts):

@@ -44,6 +44,14 @@ def trained(chat_model_dir, tmp_path_factory):
     trainer.shutdown()
 
 
+SERVE_FLAGS = [
+    "enforce_eager=true",
+    "seq_length=128",
+    "max_new_tokens=16",
+    f"kv_cache_memory_bytes={64 << 20}",
+]
+
+
 def serve(model, port):
     return subprocess.Popen(
         [
@@ -53,10 +61,7 @@ def serve(model, port):
             str(model),
             "--port",
             str(port),
-            "enforce_eager=true",
-            "seq_length=128",
-            "max_new_tokens=16",
-            f"kv_cache_memory_bytes={64 << 20}",
+            *SERVE_FLAGS,
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -116,7 +121,8 @@ def test_hf_export_of_a_trained_checkpoint_reproduces_trainer_and_engine(
         assert proc.wait(timeout=scaled(60)) == 143
 
 
-def test_a_checkpoint_without_tokenizer_is_refused_before_the_engine(trained, tmp_path):
+def test_a_checkpoint_without_tokenizer_is_refused_before_the_engine(trained, tmp_path, capfd):
+    from chatgen.cli import main
     from chatgen.core.checkpoint_io import HF_SIDE_FILES
 
     checkpoint, _ = trained
@@ -124,31 +130,18 @@ def test_a_checkpoint_without_tokenizer_is_refused_before_the_engine(trained, tm
     shutil.copytree(checkpoint, bare, ignore=lambda d, names: set(names) & set(HF_SIDE_FILES))
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}) + "\n")
-    # both commands at once: each is seconds of imports on one core, then the refusal
-    proc = serve(bare, 0)
-    gen = subprocess.Popen(
-        [
-            *CHATGEN,
-            "generate",
-            "--model",
-            str(bare),
-            "--input",
-            str(prompts),
-            "--output",
-            str(tmp_path / "out.jsonl"),
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+    # the commands' own code in this process (chatgen.cli.main, as the console script runs it):
+    # a refusal before the engine is seconds of vLLM imports in a subprocess, and the exit code of
+    # a refused command in its own process is test_cli's
+    serve = main(["serve", "--model", str(bare), "--port", "0", *SERVE_FLAGS])
+    err = capfd.readouterr().err
+    assert serve == 2, err[-2000:]
+    assert "tokenizer=DIR" in err and "Traceback" not in err, err[-2000:]
+    assert "starting the engine" not in err  # refused before it
+    out = tmp_path / "out.jsonl"
+    generate = main(
+        ["generate", "--model", str(bare), "--input", str(prompts), "--output", str(out)]
     )
-    try:
-        _, err = proc.communicate(timeout=scaled(300))
-        assert proc.returncode == 2, err[-2000:]
-        assert "tokenizer=DIR" in err and "Traceback" not in err, err[-2000:]
-        assert "starting the engine" not in err  # refused before it
-        _, err = gen.communicate(timeout=scaled(300))
-    finally:
-        for p in (proc, gen):
-            p.kill()
-    assert gen.returncode == 2 and "tokenizer=DIR" in err and "[rank0]" not in err, err[-2000:]
-    assert "starting the engine" not in err and not (tmp_path / "out.jsonl").exists()
+    err = capfd.readouterr().err
+    assert generate == 2 and "tokenizer=DIR" in err and "[rank0]" not in err, err[-2000:]
+    assert "starting the engine" not in err and not out.exists()

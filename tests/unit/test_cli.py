@@ -19,6 +19,29 @@ def chatgen(*args, env=None):
     )
 
 
+def chatgen_at_once(*commands) -> list:
+    """`chatgen` of each command, all started at once (each is a second or more of imports on one
+    core); their CompletedProcess, in order."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "chatgen.cli", *command],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for command in commands
+    ]
+    try:
+        outputs = [proc.communicate(timeout=120) for proc in procs]
+        return [
+            subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+            for proc, (out, err) in zip(procs, outputs)
+        ]
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
 def test_help_lists_every_subcommand():
     from chatgen.cli import COMMANDS
 
@@ -106,55 +129,41 @@ def test_make_tiny_model_family_flag_sets_the_family_over_config(tmp_path):
 def test_overrides_after_a_flag_reach_the_config(tmp_path):
     """docs/quickstart.md's `bash examples/train_grpo_tiny.sh --resume runtime.num_episode=100`: a key=value after
     a flag is an override (here a misspelt one, so the config loader stops the run before anything starts)."""
-    proc = chatgen("train", "configs/grpo_tiny.yaml", "--resume", "runtime.num_episod=100")
-    assert proc.returncode == 2 and "did you mean 'num_episode'" in proc.stderr
-    assert "unrecognized arguments" not in proc.stderr
-    proc = chatgen("train", "configs/grpo_tiny.yaml", "--resume", "--bogus-flag")
-    assert proc.returncode == 2 and "unrecognized arguments: --bogus-flag" in proc.stderr
+    misspelt, flag = chatgen_at_once(
+        ["train", "configs/grpo_tiny.yaml", "--resume", "runtime.num_episod=100"],
+        ["train", "configs/grpo_tiny.yaml", "--resume", "--bogus-flag"],
+    )
+    assert misspelt.returncode == 2 and "did you mean 'num_episode'" in misspelt.stderr
+    assert "unrecognized arguments" not in misspelt.stderr
+    assert flag.returncode == 2 and "unrecognized arguments: --bogus-flag" in flag.stderr
 
 
 @pytest.mark.faults
 def test_sizes_and_layouts_are_usage_errors_with_exit_code_2(tiny_llama_dir, tmp_path):
-    proc = chatgen(
-        "convert",
-        "--to",
-        "megatron",
-        "--input",
-        str(tiny_llama_dir),
-        "--output",
-        str(tmp_path / "m"),
-        "--tp",
-        "0",
-    )
-    assert (
-        proc.returncode == 2
-        and "--tp: 0 must be at least 1" in proc.stderr
-        and "Traceback" not in proc.stderr
-    )
     (tmp_path / "in.jsonl").write_text('{"prompt_ids": [1, 2]}\n')
-    proc = chatgen(
-        "check-sync",
-        "--hf-checkpoint",
-        str(tiny_llama_dir),
-        "--train-tp",
-        "3",
-        "--input",
-        str(tmp_path / "in.jsonl"),
-        "--output",
-        str(tmp_path / "c.json"),
-    )
-    # one message, from the driver, before any engine or trainer process starts
-    assert proc.returncode == 2 and proc.stderr.count("layout TP=3 PP=1 does not fit") == 1
-    assert "Traceback" not in proc.stderr and not (tmp_path / "c.json").exists()
     bad = tmp_path / "bad.yaml"
     bad.write_text("runtime:\n  seed: 1\n  seed: 2\nmodels: {}\n")
-    # one exit code for a bad config, any command
-    for command in (
+    convert, check_sync, *bad_config = chatgen_at_once(
+        ["convert", "--to", "megatron", "--input", str(tiny_llama_dir)]
+        + ["--output", str(tmp_path / "m"), "--tp", "0"],
+        ["check-sync", "--hf-checkpoint", str(tiny_llama_dir), "--train-tp", "3"]
+        + ["--input", str(tmp_path / "in.jsonl"), "--output", str(tmp_path / "c.json")],
+        # one exit code for a bad config, any command
         ["config", str(bad)],
         ["train", str(bad)],
-    ):
-        proc = chatgen(*command)
-        assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, command
+    )
+    assert (
+        convert.returncode == 2
+        and "--tp: 0 must be at least 1" in convert.stderr
+        and "Traceback" not in convert.stderr
+    )
+    # one message, from the driver, before any engine or trainer process starts
+    assert (
+        check_sync.returncode == 2 and check_sync.stderr.count("layout TP=3 PP=1 does not fit") == 1
+    )
+    assert "Traceback" not in check_sync.stderr and not (tmp_path / "c.json").exists()
+    for proc in bad_config:
+        assert proc.returncode == 2 and "'seed' appears twice" in proc.stderr, proc.args
 
 
 @pytest.mark.faults
