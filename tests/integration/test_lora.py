@@ -238,23 +238,15 @@ def _layout_steps(model_dir, ids):
     """Each rank: at each of LAYOUTS (DP = the rest), a LoRA trainer takes one step on its share of
     `ids` (one job for both: each start of ranks is seconds of imports; each trainer starts
     afresh)."""
-    from megatron.core import parallel_state as ps
-
-    from chatgen.training.megatron_module import MegatronModule
-
     results = []
     for tp, pp in LAYOUTS:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        trainer = MegatronModule(
-            dict(
-                load=str(model_dir),
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-                lr=1e-2,
-                lora=ALL,
-            )
-        ).start()
+        trainer = build(
+            model_dir,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            lr=1e-2,
+            lora=ALL,
+        )
         mine = ids[trainer.dp_rank :: trainer.dp]  # DP 2: one sample each, the same mean loss
         grad_norm = trainer.train_step({"input_ids": mine}, nll_loss)["grad_norm"]
         merged = trainer.hf_state_dict()["model.layers.1.self_attn.q_proj.weight"]

@@ -101,24 +101,16 @@ def _save_at_dp2_then_resave_at(model_dir, data, path, layouts, out):
 def _resave_at(model_dir, data, src, layouts, out):
     """Rank body: load the DP2 checkpoint at each (TP, PP) layout of 2 ranks, save it again there, take the next
     step on the whole batch (DP = 1)."""
-    from megatron.core import parallel_state as ps
-
-    from chatgen.training.megatron_module import MegatronModule
-
     results = []
     for tp, pp in layouts:
-        if ps.model_parallel_is_initialized():
-            ps.destroy_model_parallel()
-        trainer = MegatronModule(
-            dict(
-                load=str(src),
-                dtype="bfloat16",
-                lr=1e-3,
-                tensor_model_parallel_size=tp,
-                pipeline_model_parallel_size=pp,
-                micro_batch_size=2,
-            )
-        ).start()
+        trainer = build(
+            src,
+            dtype="bfloat16",
+            lr=1e-3,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
+            micro_batch_size=2,
+        )
         loaded = trainer.hf_state_dict()
         trainer.save_checkpoint(f"{out}/tp{tp}pp{pp}")
         results.append(

@@ -55,27 +55,18 @@ def build(model_dir, **kw):
 
 def _layouts(models, ids, refs, ckpt_root):
     """Rank body of the 2-process job: per family, TP 2 then EP 2 (floats back: picklable)."""
-    from megatron.core import parallel_state as ps
     from safetensors.torch import load_file
 
     from chatgen.models.convert import megatron_checkpoint_to_hf
-    from chatgen.training.megatron_module import MegatronModule
 
     out = {}
     for name, model_dir in models.items():
         hf_ref, (metrics, weights) = refs[name]
         original = load_file(str(model_dir / "model.safetensors"))
         for tp, ep in ((2, 1), (1, 2)):
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            trainer = MegatronModule(
-                dict(
-                    load=str(model_dir),
-                    tensor_model_parallel_size=tp,
-                    expert_model_parallel_size=ep,
-                    lr=1e-3,
-                )
-            ).start()
+            trainer = build(
+                model_dir, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, lr=1e-3
+            )
             res = {
                 "logprob_diff": float(
                     (trainer.forward_tokens({"input_ids": ids}) - hf_ref).abs().max()

@@ -144,23 +144,14 @@ def _cross_process_trainer(model_dirs, layouts, port, token):
     """Trainer ranks: for each model, one sync per (TP, PP) layout of the 2 ranks into its engine in the parent
     process; (1, 1) is DP = 2: two replicas of the whole model, rank 0 sends. (One job for every model: each start
     of ranks is seconds of imports; each trainer starts afresh.)"""
-    from megatron.core import parallel_state as ps
-
     from chatgen.param_sync import GroupSender
-    from chatgen.training.megatron_module import MegatronModule
 
     tx = GroupSender.to("127.0.0.1", port, token)
     for model_dir in model_dirs:
         for tp, pp in layouts:
-            if ps.model_parallel_is_initialized():
-                ps.destroy_model_parallel()
-            module = MegatronModule(
-                dict(
-                    load=str(model_dir),
-                    tensor_model_parallel_size=tp,
-                    pipeline_model_parallel_size=pp,
-                )
-            ).start()
+            module = trainer(
+                model_dir, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+            )
             sync_weights(module, tx, validate=True, bucket_bytes=300_000)
 
 
