@@ -411,6 +411,11 @@ def shipped_warm_start(model_dir) -> Path:
     return out
 
 
+def selected_tests(request, test_file) -> set:
+    """The names of `test_file`'s tests this session runs (a fixture starts their slow work early)."""
+    return {i.originalname for i in request.session.items if i.path == Path(test_file)}
+
+
 def fresh_interpreters(request, test_file, codes: dict, **popen):
     """Fixture body (`yield from`): test name -> a fresh `python -c CODE` process, started at once for
     the tests of `test_file` this session runs (each is seconds of imports, mostly on one core, so
@@ -419,7 +424,7 @@ def fresh_interpreters(request, test_file, codes: dict, **popen):
     import subprocess
     import sys
 
-    selected = {i.originalname for i in request.session.items if i.path == Path(test_file)}
+    selected = selected_tests(request, test_file)
     started = {
         name: subprocess.Popen(
             [sys.executable, "-c", code() if callable(code) else code],

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import psutil
 import pytest
-from helpers import is_loopback, listeners
+from helpers import is_loopback, listeners, selected_tests
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -29,12 +29,9 @@ def multiprocess_engine(request, tiny_llama_dir):
     import sys
     import tempfile
 
-    wanted = any(
-        item.path == Path(__file__)
-        and item.originalname == "test_a_multiprocess_engine_leaves_no_socket_in_tmp"
-        for item in request.session.items
-    )
-    if not wanted:
+    if "test_a_multiprocess_engine_leaves_no_socket_in_tmp" not in selected_tests(
+        request, __file__
+    ):
         yield None
         return
     tmp = Path(tempfile.mkdtemp(dir="/tmp"))  # short: a Unix socket's path holds at most 107 bytes

@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import selected_tests
 
 pytestmark = [pytest.mark.integration, pytest.mark.faults]
 
@@ -76,12 +77,8 @@ def secrets_run(request, project, tiny_llama_dir):
     process, its stdout, its stderr: files, so that no pipe nobody reads yet fills)"""
     import tempfile
 
-    wanted = any(
-        item.path == Path(__file__)
-        and item.originalname == "test_no_secret_reaches_a_file_of_the_run_checkpoints_included"
-        for item in request.session.items
-    )
-    if not wanted:
+    wanted = "test_no_secret_reaches_a_file_of_the_run_checkpoints_included"
+    if wanted not in selected_tests(request, __file__):
         yield None
         return
     with tempfile.TemporaryFile("w+") as stdout, tempfile.TemporaryFile("w+") as stderr:
