@@ -11,6 +11,8 @@ import os
 import sys
 from pathlib import Path
 
+from chatgen.generation.vllm.adapter import fast_step
+
 TESTED_VLLM = "0.32"
 
 
@@ -65,8 +67,7 @@ def quiet_numa_notice() -> None:
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()  # registers torch.ops._C (idempotent)
-    op = getattr(torch.ops._C, "init_cpu_memory_env", None)
-    # gone in a later vLLM: its notice shows, nothing else
+    op = getattr(torch.ops._C, "init_cpu_memory_env", None)  # gone later: the notice shows
     if op is None or getattr(op, "chatgen_quiet", False):
         return
 
@@ -359,8 +360,7 @@ _INPUTS = "vllm.v1.engine.input_processor:InputProcessor"
 _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
 
 # patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source
-# must contain the text (an attribute set in __init__, a log message); (target, (names,)) its
-# parameters must be these.
+# must contain the text; (target, (names,)) its parameters must be these (fast_step.py's too).
 RELIES_ON = {
     "rebind_kernels_past_odd_namespaces": [
         ("vllm.triton_utils.dispatcher:_rebind_kernels", ("overrides",)),
@@ -445,8 +445,7 @@ RELIES_ON = {
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.add_adapter",
         "vllm.lora.model_manager:LRUCacheLoRAModelManager.activate_adapter",
     ],
-    # sampled_logprobs.py wraps the sampler's forward, reads the rows vLLM discards, labels rows by
-    # request
+    # sampled_logprobs.py wraps the sampler's forward, reads discarded rows, labels rows by request
     "record_sampled_logprobs": [
         ("vllm.v1.sample.sampler:Sampler.forward", ("self", "logits", "sampling_metadata")),
         ("vllm.v1.sample.sampler:Sampler.forward", "raw_logprobs = self.compute_logprobs(logits)"),
@@ -468,6 +467,7 @@ RELIES_ON = {
             for name in ("def can_load", "loaded_weights", "load_numel")
         ],
     ],
+    **fast_step.RELIES_ON,
 }
 
 

