@@ -1,4 +1,4 @@
-# .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5]
+# .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5] [--variants after,no_fast_step,hf]
 """The main job's held-out evaluation (configs/grpo_tiny.yaml: 256 greedy prompts, one engine call)
 against TRL's (its GRPOTrainer evaluates, in benchmarks/bench_vs_trl.py, with HF transformers'
 `model.generate`, greedy, of the same left-padded token ids), and before and after the evaluation
@@ -8,12 +8,17 @@ machine's load hits them alike.
 "before" is `evaluate_policy` as it was: the held-out items generated with their sampled tokens'
 log-probs (gathered every engine step, one list per sample), which the evaluation never reads;
 "after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
-Both give the same tokens (the script asserts the metrics are equal). "hf" is
+"no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
+chatgen's exact shortcuts through it (adapter/fast_step.py). All give the same tokens (the script
+asserts the metrics are equal). "train" and "train_no_fast_step" are a training generation call
+instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
+shortcuts (their tokens are not compared: the samples differ call to call). "hf" is
 `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL worker of
-bench_vs_trl runs. Writes {"before_s", "after_s", "hf_s": [wall s per evaluation], "cpu_s":
-{variant: [process CPU s per evaluation]}, "ratio": median after / median before,
-"after_over_hf", "cpu_after_over_hf": the same of the CPU time (the less load-sensitive figure on a
-shared machine), "load": the 1-minute load average at start and end} to --output.
+bench_vs_trl runs. Writes {"<variant>_s": [wall s per call], "cpu_s": {variant: [process CPU s
+per call]}, "ratio": median after / median before, "after_over_hf", "fast_step_ratio" (after /
+no_fast_step), "train_fast_step_ratio" (train / train_no_fast_step), each also as "cpu_<ratio>" of
+the CPU time (the less load-sensitive figure on a shared machine), "load": the 1-minute load
+average at start and end} to --output (the ratios of the variants run).
 """
 
 import argparse
@@ -71,11 +76,35 @@ def hf_generate(cfg, prompts: list):
     return run
 
 
+def fast_step_switch():
+    """A function setting whether the in-process policy engine's scheduler takes fast_step's
+    shortcuts (installed on the instance: removing it leaves vLLM's own method)."""
+    from chatgen.generation.vllm import engine_loop
+    from chatgen.generation.vllm.adapter.split_step import engine_core
+
+    (loop,) = [loop for loop in engine_loop._loops.values() if not loop._stopped]
+    scheduler = engine_core(loop.llm).scheduler
+    shortcut = vars(scheduler)["update_from_output"]
+
+    def use(on: bool) -> None:
+        if on:
+            scheduler.update_from_output = shortcut
+        else:
+            vars(scheduler).pop("update_from_output", None)
+
+    return lambda on: loop.call(lambda: use(on))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--evals", type=int, default=5, help="evaluations per round and variant")
+    parser.add_argument(
+        "--variants",
+        default="after,before,hf",
+        help="comma-separated: after, before, no_fast_step, train, train_no_fast_step, hf",
+    )
     args = parser.parse_args()
 
     from chatgen.cli.config import checked_run_config
@@ -87,7 +116,7 @@ def main() -> None:
         "configs/grpo_tiny.yaml",
         [f"runtime.output_dir={out_dir}/run", "runtime.save_episode_interval=null"],
     )
-    times = {"after": [], "before": [], "hf": []}
+    times = {name: [] for name in args.variants.split(",")}
     cpu = {name: [] for name in times}
     results = {}
     load = [os.getloadavg()[0]]
@@ -96,13 +125,17 @@ def main() -> None:
             hf = hf_generate(cfg, [item["input_ids"] for item in run.data.eval_items])
             run.evaluate()  # warm-up
             hf()
+            fast_step = fast_step_switch()
             for _ in range(args.rounds):
                 for name in times:
                     run._evaluate = evaluate_before if name == "before" else evaluate_policy
+                    fast_step(not name.endswith("no_fast_step"))
                     for _ in range(args.evals):
                         start, start_cpu = time.perf_counter(), time.process_time()
                         if name == "hf":
                             hf()
+                        elif name.startswith("train"):
+                            run.generate(list(range(32)))
                         else:
                             results[name] = run.evaluate()
                         times[name].append(time.perf_counter() - start)
@@ -110,28 +143,31 @@ def main() -> None:
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
     load.append(os.getloadavg()[0])
-    assert results["before"] == results["after"], results  # the same greedy tokens, scored
+    assert all(r == results["after"] for r in results.values()), results  # same tokens, scored
     median = {name: statistics.median(values) for name, values in times.items()}
     median_cpu = {name: statistics.median(values) for name, values in cpu.items()}
     report = {
-        "before_s": times["before"],
-        "after_s": times["after"],
-        "hf_s": times["hf"],
+        **{f"{name}_s": values for name, values in times.items()},
         "cpu_s": cpu,
-        "median_before_s": median["before"],
-        "median_after_s": median["after"],
-        "median_hf_s": median["hf"],
+        **{f"median_{name}_s": value for name, value in median.items()},
         "median_cpu_s": median_cpu,
-        "ratio": median["after"] / median["before"],
-        "after_over_hf": median["after"] / median["hf"],
-        "cpu_after_over_hf": median_cpu["after"] / median_cpu["hf"],
         "load": load,
         "cpus": os.cpu_count(),
     }
+    for key, one, other in (
+        ("ratio", "after", "before"),
+        ("after_over_hf", "after", "hf"),
+        ("fast_step_ratio", "after", "no_fast_step"),
+        ("train_fast_step_ratio", "train", "train_no_fast_step"),
+    ):
+        if one in median and other in median:
+            report[key] = median[one] / median[other]
+            report[f"cpu_{key}"] = median_cpu[one] / median_cpu[other]
     print(json.dumps({k: v for k, v in report.items() if not k.endswith("_s")}, indent=1))
     print(
-        f"median per evaluation: before {median['before']:.3f} s, after {median['after']:.3f} s, "
-        f"HF generate (TRL's) {median['hf']:.3f} s; CPU s: "
+        "median per evaluation, wall s: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in median.items())
+        + "; CPU s: "
         + ", ".join(f"{k} {v:.3f}" for k, v in median_cpu.items())
     )
     with open(args.output, "w") as f:
