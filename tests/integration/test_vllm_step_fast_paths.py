@@ -66,11 +66,12 @@ def requests(stops: dict):
     return made
 
 
-def run(llm, made, eos: dict, abort_step=3) -> dict:
+def run(llm, made, eos: dict, abort_step=3) -> tuple:
     """The split-step loop over `made` from a fixed generator state; request r5 is aborted after
     `abort_step` steps; eos: {request index: a token that ends it as the model's EOS does} (the
     tiny model's own EOS is rare), set where vLLM's stop check reads it. Returns {request id:
-    [(token ids, log-probs, finish, stop reason)]}."""
+    [(token ids, log-probs, finish, stop reason)]} and, per step, {request id: its block hashes}
+    (what the prefix cache keys blocks by)."""
     torch.manual_seed(1234)
     for i, (prompt, params) in enumerate(made):
         adapter.add_request(llm, f"r{i}", prompt, params.clone())
@@ -78,11 +79,13 @@ def run(llm, made, eos: dict, abort_step=3) -> dict:
         index = int(request_id.split("-")[0][1:])
         if index in eos:
             request.sampling_params._eos_token_id = eos[index]
-    results, step = {}, 0
+    results, hashes, step, requests = {}, [], 0, engine_core(llm).scheduler.requests
     while adapter.has_unfinished_requests(llm):
         batch = adapter.schedule(llm)
         if step == abort_step:
             adapter.abort(llm, ["r5"])  # scheduled, then dropped before the step's output
+        # the prefix cache's block hashes of the requests still running, as this step starts
+        hashes.append({k.split("-")[0]: list(r.block_hashes) for k, r in requests.items()})
         for out in adapter.execute(llm, batch):
             results[out.request_id] = [
                 (
@@ -96,7 +99,7 @@ def run(llm, made, eos: dict, abort_step=3) -> dict:
                 for c in out.outputs
             ]
         step += 1
-    return results
+    return results, hashes
 
 
 def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
@@ -111,17 +114,21 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
 
     monkeypatch.setattr(scheduler, "_update_request_with_output", counting)
     # stop tokens and EOS tokens that requests meet mid-run: tokens of their own first outputs
-    first = {int(k[1:]): v[0][0] for k, v in run(llm, requests({}), {}).items()}
+    first = {int(k[1:]): v[0][0] for k, v in run(llm, requests({}), {})[0].items()}
     stops = {i: first[i][len(first[i]) // 2] for i in first if i % 6 in (1, 2)}
     eos = {i: first[i][3] for i in first if i % 6 == 3 and i % 7 != 3}
     made = requests(stops)
     filed_by_vllm.clear()
-    fast = run(llm, made, eos)
+    fast, fast_hashes = run(llm, made, eos)
     fast_filed = len(filed_by_vllm)
     monkeypatch.delitem(vars(scheduler), "update_from_output")  # vLLM's own method again
     filed_by_vllm.clear()
-    slow = run(llm, made, eos)
+    slow, slow_hashes = run(llm, made, eos)
     assert fast == slow
+    assert fast_hashes == slow_hashes
+    # blocks filled by generated tokens (hashed in the shortcut's filing) are among them
+    filled = {r for s in fast_hashes[2:] for r, h in s.items() if len(h) > len(fast_hashes[1][r])}
+    assert len(filled) >= 5, filled
     assert "r5" not in fast and len(fast) == 35  # the aborted one gives no final output
     reasons = [(c[2], c[3]) for outs in fast.values() for c in outs]
     assert reasons.count(("stop", None)) >= 3 and ("length", None) in reasons, reasons

@@ -36,6 +36,19 @@ RELIES_ON = {
         ),
         ("vllm.v1.core.sched.utils:check_stop", "repetition_detection = sampling_params."),
         ("vllm.v1.request:Request.update_block_hashes", "self._block_hasher(self)"),
+        ("vllm.v1.request:Request.take_events", "if not self.events:"),
+        (
+            "vllm.v1.core.kv_cache_utils:get_request_block_hasher",
+            "start_token_idx = len(request.block_hashes) * hash_block_size",
+        ),
+        (
+            "vllm.v1.core.kv_cache_utils:get_request_block_hasher",
+            "if start_token_idx + hash_block_size > num_tokens:",
+        ),
+        (
+            "vllm.v1.core.kv_cache_utils:get_request_block_hasher",
+            "def request_block_hasher(request: Request) -> list[BlockHash]:",
+        ),
         ("vllm.v1.request:Request.take_prefill_stats", "self.prefill_stats = None"),
         ("vllm.v1.engine:EngineCoreOutputs", "outputs: list[EngineCoreOutput]"),
         ("vllm.v1.engine:EngineCoreOutput", "num_nans_in_logits: int = 0"),
@@ -72,6 +85,7 @@ def plain_output_fast_path(scheduler) -> None:
     ):
         return
     update = scheduler.update_from_output
+    hashers = [None, None]  # the requests' block hasher (one per engine) and its block size
     requests, max_model_len, running = (
         scheduler.requests,
         scheduler.max_model_len,
@@ -123,11 +137,16 @@ def plain_output_fast_path(scheduler) -> None:
                 rest[req_id] = num_tokens
                 continue
             request.num_in_flight_tokens -= num_tokens
-            token = new_token_ids[0]
+            token, all_token_ids = new_token_ids[0], request._all_token_ids
             request._output_token_ids.append(token)
-            request._all_token_ids.append(token)
-            if request._block_hasher is not None:
-                request.block_hashes.extend(request._block_hasher(request))
+            all_token_ids.append(token)
+            hasher = request._block_hasher
+            if hasher is not None:
+                if hasher is not hashers[0]:
+                    hashers[:] = hasher, _closure_value(hasher, "hash_block_size")
+                # the hasher's own early stop (no new full block: it returns []), without the call
+                if (len(request.block_hashes) + 1) * hashers[1] <= len(all_token_ids):
+                    request.block_hashes.extend(hasher(request))
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:
                 client_outputs = outputs[request.client_index] = []
@@ -141,7 +160,7 @@ def plain_output_fast_path(scheduler) -> None:
                         else None
                     ),
                     stop_reason=request.stop_reason,
-                    events=request.take_events(),
+                    events=request.take_events() if request.events else None,
                     trace_headers=request.trace_headers,
                     num_nans_in_logits=request.num_nans_in_logits,
                 )
@@ -168,3 +187,8 @@ def plain_output_fast_path(scheduler) -> None:
 
     scheduler.update_from_output = update_from_output
     scheduler.chatgen_fast_output = True
+
+
+def _closure_value(function, name: str):
+    """The value of the variable `name` that `function` closes over."""
+    return function.__closure__[function.__code__.co_freevars.index(name)].cell_contents
