@@ -6,9 +6,9 @@
 One batch of requests of mixed prompt lengths (so they finish in different steps) runs through the
 split-step loop with and without the shortcuts, from the same state of torch's generator: greedy
 and sampled (some with their own seed), with no log-probs, sampled-token log-probs and top-2
-log-probs, stopping at EOS, at max_tokens, at a stop token id (one under min_tokens), one aborted
-mid-run. Token ids, log-probs, finish and stop reasons must be equal, and the shortcut must have
-filed most of the decode steps' requests.
+log-probs, stopping at EOS, at max_tokens, at a stop token id (some with min_tokens), one aborted
+mid-run. Token ids, log-probs, finish and stop reasons, prefix-cache counts and every step's block
+hashes must be equal, and the shortcut must have filed most of the decode steps' requests.
 """
 
 import random
@@ -67,11 +67,13 @@ def requests(stops: dict):
 
 
 def run(llm, made, eos: dict, abort_step=3) -> tuple:
-    """The split-step loop over `made` from a fixed generator state; request r5 is aborted after
-    `abort_step` steps; eos: {request index: a token that ends it as the model's EOS does} (the
-    tiny model's own EOS is rare), set where vLLM's stop check reads it. Returns {request id:
-    [(token ids, log-probs, finish, stop reason)]} and, per step, {request id: its block hashes}
+    """The split-step loop over `made` from a fixed generator state and an empty prefix cache;
+    request r5 is aborted after `abort_step` steps; eos: {request index: a token that ends it as
+    the model's EOS does} (the tiny model's own EOS is rare), set where vLLM's stop check reads
+    it. Returns {request id: [(token ids, log-probs, finish, stop reason), (its prompt's cached
+    tokens, the tokens it added to the cache)]} and, per step, {request id: its block hashes}
     (what the prefix cache keys blocks by)."""
+    assert adapter.reset_prefix_cache(llm)
     torch.manual_seed(1234)
     for i, (prompt, params) in enumerate(made):
         adapter.add_request(llm, f"r{i}", prompt, params.clone())
@@ -97,7 +99,7 @@ def run(llm, made, eos: dict, abort_step=3) -> tuple:
                     c.stop_reason,
                 )
                 for c in out.outputs
-            ]
+            ] + [(out.num_cached_tokens, out.num_cache_creation_tokens)]
         step += 1
     return results, hashes
 
@@ -130,10 +132,11 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     filled = {r for s in fast_hashes[2:] for r, h in s.items() if len(h) > len(fast_hashes[1][r])}
     assert len(filled) >= 5, filled
     assert "r5" not in fast and len(fast) == 35  # the aborted one gives no final output
-    reasons = [(c[2], c[3]) for outs in fast.values() for c in outs]
+    reasons = [(c[2], c[3]) for outs in fast.values() for c in outs[:-1]]
+    assert sum(outs[-1][1] > 0 for outs in fast.values()) >= 5  # prompts that fill a block
     assert reasons.count(("stop", None)) >= 3 and ("length", None) in reasons, reasons
     assert sum(reason == "stop" and stop is not None for reason, stop in reasons) >= 6, reasons
-    assert any(c[1] is not None and len(c[1][0]) >= 2 for outs in fast.values() for c in outs)
+    assert any(c[1] is not None and len(c[1][0]) >= 2 for outs in fast.values() for c in outs[:-1])
     # vLLM's loop: every request at every step; the shortcut's leftovers: prefill and last tokens
     assert len(filed_by_vllm) > 200 and fast_filed < len(filed_by_vllm) / 3, (
         fast_filed,

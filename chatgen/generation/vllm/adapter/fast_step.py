@@ -30,6 +30,11 @@ RELIES_ON = {
             "for req_id, num_tokens_scheduled in num_scheduled_tokens",
         ),
         (f"{_SCHEDULER}.update_from_output", "outputs[request.client_index].append("),
+        (f"{_SCHEDULER}.update_from_output", "prefill_stats = request.take_prefill_stats()"),
+        (
+            f"{_SCHEDULER}.update_from_output",
+            "self.kv_cache_manager.estimate_cached_tokens(request)",
+        ),
         (
             "vllm.v1.core.sched.utils:check_stop",
             "request.num_output_tokens < sampling_params.min_tokens",
@@ -60,16 +65,16 @@ def plain_output_fast_path(scheduler) -> None:
     """vLLM 0.32's `Scheduler.update_from_output` files each request's sampled tokens with ~8 us
     of Python per request and step (stale-output, speculative-decoding, encoder, pooling,
     structured-output, stop and connector branches around two calls). A step's plain requests
-    are filed here first: a running request with no stale output, no encoder inputs, no grammar
-    and no pending prefill stats that sampled one token which stops nothing (not EOS, no stop
-    token, under max_tokens, min_tokens not the question, the model's length, no repetition
-    check) gets exactly what vLLM does to it: the token appended (block hashes too), the
-    in-flight count dropped, its EngineCoreOutput (with its log-probs' slice, its events). vLLM's
-    method then runs on the rest of the step (requests that finish, prefill, anything else) and
-    everything after its loop (freeing, stats, events), and the outputs keep vLLM's order. A step
-    with speculative tokens, pooling, NaN counts, prompt log-probs or a KV connector output goes
-    to vLLM whole; so does every step of a scheduler with connectors, async scheduling, sampling
-    masks, aux outputs or MFU metrics."""
+    are filed here first: a running request with no stale output, no encoder inputs and no
+    grammar that sampled one token which stops nothing (not EOS, no stop token, under max_tokens
+    and the model's length, no repetition check past min_tokens) gets exactly what vLLM does to
+    it: the token appended (block hashes too), the in-flight count dropped, its prefill stats
+    finalized after its prompt, its EngineCoreOutput (with its log-probs' slice, its events).
+    vLLM's method then runs on the rest of the step (requests that finish, partial prefills,
+    anything else) and everything after its loop (freeing, stats, events), and the outputs keep
+    vLLM's order. A step with speculative tokens, pooling, NaN counts, prompt log-probs or a KV
+    connector output goes to vLLM whole; so does every step of a scheduler with connectors, async
+    scheduling, sampling masks, aux outputs or MFU metrics."""
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
@@ -115,7 +120,6 @@ def plain_output_fast_path(scheduler) -> None:
                 or request.num_stale_output_tokens
                 or request.has_encoder_inputs
                 or request.structured_output_request is not None
-                or request.prefill_stats is not None
             ):
                 rest[req_id] = num_tokens
                 continue
@@ -147,6 +151,10 @@ def plain_output_fast_path(scheduler) -> None:
                 # the hasher's own early stop (no new full block: it returns []), without the call
                 if (len(request.block_hashes) + 1) * hashers[1] <= len(all_token_ids):
                     request.block_hashes.extend(hasher(request))
+            prefill_stats = request.prefill_stats  # the first token after the prompt: its stats
+            if prefill_stats is not None:
+                request.prefill_stats = None
+                prefill_stats.finalize(scheduler.kv_cache_manager.estimate_cached_tokens(request))
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:
                 client_outputs = outputs[request.client_index] = []
@@ -161,6 +169,7 @@ def plain_output_fast_path(scheduler) -> None:
                     ),
                     stop_reason=request.stop_reason,
                     events=request.take_events() if request.events else None,
+                    prefill_stats=prefill_stats,
                     trace_headers=request.trace_headers,
                     num_nans_in_logits=request.num_nans_in_logits,
                 )
