@@ -137,7 +137,7 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     assert reasons.count(("stop", None)) >= 3 and ("length", None) in reasons, reasons
     assert sum(reason == "stop" and stop is not None for reason, stop in reasons) >= 6, reasons
     assert any(c[1] is not None and len(c[1][0]) >= 2 for outs in fast.values() for c in outs[:-1])
-    # vLLM's loop: every request at every step; the shortcut's leftovers: prefill and last tokens
+    # vLLM's loop: every request at every step; the shortcut leaves it the last tokens
     assert len(filed_by_vllm) > 200 and fast_filed < len(filed_by_vllm) / 3, (
         fast_filed,
         len(filed_by_vllm),
