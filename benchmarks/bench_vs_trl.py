@@ -60,7 +60,7 @@ into chatgen's own environment. TRL generates with HF transformers: its vLLM col
 | reward | RuleReward final_number: 1.0 when the response's last number is the answer | `final_number_reward` on the completion's text |
 | policy updates per generation | num_training_epoch 1; old log-probs: the engine's (`old_logprobs: rollout`, exact sync), no pass | num_iterations 1; TRL skips the old log-prob pass (one optimizer step per generation: ratio 1 by construction) |
 | held-out eval | greedy on the 128 eval.jsonl questions every --eval-interval episodes and before the first | the same 128, model.generate greedy on the same token ids |
-| activations | trainer activation_recompute: full on 4 of the 30 layers (recompute_num_layers: 4: ~0.12 GiB less peak, ~0.4 s more CPU a step) | kept (gradient_checkpointing off, TRL's default): a trade only chatgen's side makes |
+| activations | kept (trainer activation_recompute: none) | kept (gradient_checkpointing off, TRL's default) |
 | engine memory while training | policy release_during_training: the engine's weights and KV cache freed, rebuilt by the sync (~0.5 GiB less peak) | no second copy: TRL generates with the trained model itself (HF transformers, above) |
 | time to held-out accuracy | 0.6 (0.38 before GRPO, ~0.66 at episode 6 in docs/models.md) | 0.6 |
 

@@ -29,6 +29,53 @@ def recompute_kwargs(mode: str, num_layers: int | None = None) -> dict:
     return {}
 
 
+def skip_single_rank_collectives(ddp) -> int:
+    """Where megatron-core's DDP would reduce-scatter the grads and all-gather the params over a
+    group of one rank (DP 1, not overlapped), do what those collectives leave behind without
+    running them: the grads scaled by the bucket's factor (and megatron's NaN / large-grad check
+    when configured), the params as they are. Over one rank a sum or average is the input and a
+    gather is the input, so the bits are the same; gloo's one-rank reduce-scatter and all-gather
+    each copy the whole buffer through a fresh temporary, for SmolLM2 2 x 540 MB a train step,
+    ~0.28 M page faults (docs/long_context.md, "SmolLM2's episode, per phase"). Returns how many
+    bucket groups take the short path (megatron's `_ParamAndGradBucketGroup` internals:
+    tests/unit/test_single_rank_collectives.py fails if they change)."""
+    skipped = 0
+    for group in [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]:
+        cfg = group.ddp_config
+        if (
+            not cfg.use_distributed_optimizer
+            or group.intra_distributed_optimizer_instance_size != 1
+            or cfg.num_distributed_optimizer_instances != 1
+            or cfg.overlap_grad_reduce
+            or cfg.overlap_param_gather
+        ):
+            continue
+        group.start_grad_sync = _scale_grads_only.__get__(group)
+        group.start_param_sync = _params_gathered.__get__(group)
+        skipped += 1
+    return skipped
+
+
+def _scale_grads_only(group, force_all_reduce: bool = False) -> None:
+    # megatron's start_grad_sync up to its collective
+    cfg = group.ddp_config
+    if cfg.check_for_nan_in_grad or cfg.check_for_large_grads:
+        group.check_grads(
+            check_for_nan_or_inf=cfg.check_for_nan_in_grad,
+            check_for_large=cfg.check_for_large_grads,
+        )
+    for bucket in group.buckets:
+        if bucket.gradient_scaling_factor != 1.0:
+            bucket.grad_data *= bucket.gradient_scaling_factor
+    group.grad_reduce_handle = None
+
+
+def _params_gathered(group, force_sync: bool = False) -> None:
+    # megatron's start_param_sync after a synchronous gather
+    group.param_gather_handle = None
+    group.param_gather_dispatched = True
+
+
 class ModelBuild:
     """_layer_spec / _build_optimizer / _lr_factor."""
 
@@ -69,6 +116,7 @@ class ModelBuild:
             self.model,
         )
         tconfig.finalize_model_grads_func = finalize_model_grads
+        skip_single_rank_collectives(self.ddp)
         # the schedule holds the reduce back until the last micro-batch's backward
         if cfg.overlap_grad_reduce:
             tconfig.no_sync_func = self.ddp.no_sync
