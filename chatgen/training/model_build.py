@@ -38,7 +38,7 @@ def skip_single_rank_collectives(ddp) -> int:
     each copy the whole buffer through a fresh temporary, for SmolLM2 2 x 540 MB a train step,
     ~0.28 M page faults (docs/long_context.md, "SmolLM2's episode, per phase"). Returns how many
     bucket groups take the short path (megatron's `_ParamAndGradBucketGroup` internals:
-    tests/unit/test_single_rank_collectives.py fails if they change)."""
+    tests/integration/test_single_rank_collectives.py fails if they change)."""
     skipped = 0
     for group in [*ddp.bucket_groups, *ddp.expert_parallel_bucket_groups]:
         cfg = group.ddp_config
