@@ -223,6 +223,23 @@ def engine(model_dir, tensor_parallel_size=1):
     ).start()
 
 
+def adapter_engine(model_dir, **engine_kwargs):
+    """A bare vLLM engine (adapter.build_llm) on the model at `model_dir` with the tests' common
+    settings (fp32, eager, seed 0, 128 tokens in blocks of 32, raw log-probs); `engine_kwargs` add
+    the cache size and limits a test needs. Shut it down with adapter.shutdown."""
+    from chatgen.generation.vllm import adapter
+
+    settings = dict(
+        dtype="float32",
+        enforce_eager=True,
+        seed=0,
+        max_model_len=128,
+        block_size=32,
+        logprobs_mode="raw_logprobs",
+    )
+    return adapter.build_llm(str(model_dir), **{**settings, **engine_kwargs})
+
+
 def generate(llm, prompts=SYNC_PROMPTS):
     """[(output ids, vLLM log-probs of them)] for greedy decoding."""
     from chatgen.generation.batching import sample_logprobs

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.integration
 from chatgen.generation.vllm import adapter  # noqa: E402
 from chatgen.generation.vllm.adapter.sampled_logprobs import SampledLogprobs  # noqa: E402
 from chatgen.generation.vllm.adapter.split_step import engine_core  # noqa: E402
+from helpers import adapter_engine  # noqa: E402
 
 PROMPT_TOKENS = 70  # over max_num_batched_tokens: every prompt is prefilled in chunks
 NEW = 40  # 70 + 40 tokens: a fourth block when generation crosses 96
@@ -28,17 +29,11 @@ NEW = 40  # 70 + 40 tokens: a fourth block when generation crosses 96
 def llm(tiny_llama_dir):
     # 12 blocks of 32 tokens: 8 requests of up to 110 tokens (4 blocks each) cannot all run, so some are preempted
     # and recomputed; a 48-token step budget splits every prompt's prefill
-    engine = adapter.build_llm(
-        str(tiny_llama_dir),
-        dtype="float32",
-        enforce_eager=True,
-        seed=0,
-        max_model_len=128,
-        block_size=32,
+    engine = adapter_engine(
+        tiny_llama_dir,
         kv_cache_memory_bytes=12 * 32 * 1024,
         max_num_batched_tokens=48,
         max_num_seqs=8,
-        logprobs_mode="raw_logprobs",
     )
     yield engine
     adapter.shutdown(engine)

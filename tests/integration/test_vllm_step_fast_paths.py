@@ -20,23 +20,14 @@ pytestmark = pytest.mark.integration
 
 from chatgen.generation.vllm import adapter  # noqa: E402
 from chatgen.generation.vllm.adapter.split_step import engine_core  # noqa: E402
+from helpers import adapter_engine  # noqa: E402
 
 NEW = 24
 
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    engine = adapter.build_llm(
-        str(tiny_llama_dir),
-        dtype="float32",
-        enforce_eager=True,
-        seed=0,
-        max_model_len=128,
-        block_size=32,
-        kv_cache_memory_bytes=64 << 20,
-        max_num_seqs=64,
-        logprobs_mode="raw_logprobs",
-    )
+    engine = adapter_engine(tiny_llama_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=64)
     yield engine
     adapter.shutdown(engine)
 
