@@ -136,6 +136,19 @@ def _slow_selected(config) -> bool:
     return os.environ.get("CHATGEN_RUN_SLOW") == "1" or "slow" in (config.option.markexpr or "")
 
 
+def fork_ranks():
+    """The ranks of the session's multi-process jobs (chatgen.training.launcher) are forked from one
+    server that imports torch, megatron-core, transformers and vLLM once (tests/rank_preload.py),
+    started now so that its imports overlap the first tests, not spawned as fresh interpreters that
+    each import them: seconds less per rank of each of ~30 jobs. For a session with integration
+    tests on CPU (a GPU tier spawns its ranks, as `chatgen check-sync` does; the unit tests' few
+    jobs import little)."""
+    from chatgen.training import launcher
+
+    launcher.fork_ranks_from(["rank_preload"], pythonpath=[Path(__file__).parent])
+    launcher.start_server()
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` need CUDA and tests marked `slow` need asking for; both are skipped with the
     reason where they do not run, never silently dropped. The modules on Ray run last."""
@@ -152,6 +165,8 @@ def pytest_collection_modifyitems(config, items):
     # together, each in its own order
     on_ray = {item.path for item in items if "ray_session" in item.fixturenames}
     items[:] = [i for i in items if i.path not in on_ray] + [i for i in items if i.path in on_ray]
+    if not torch.cuda.is_available() and any(i.get_closest_marker("integration") for i in items):
+        fork_ranks()
     for item in items:
         # get_closest_marker, not `in item.keywords`: that holds folder names too
         if item.get_closest_marker("gpu") and not torch.cuda.is_available():

@@ -10,12 +10,20 @@ picklable. If a rank raises, the others are stopped and a RuntimeError carries t
 traceback; a rank that dies without one (killed by the OS) is reported within about a second, with
 its exit code. Used by the multi-process tests and by `chatgen check-sync` for layouts that need
 several trainer ranks.
+
+Each rank is a fresh interpreter (multiprocessing's spawn). A caller that starts many jobs (the test
+suite) can call `fork_ranks_from(modules)` once: later ranks are forked from one server process
+that imported those modules when it started (multiprocessing's forkserver), still one fresh process
+per rank and job, seeing the caller's current environment and stdout/stderr as a spawned one does.
 """
 
+import atexit
 import os
 import queue
+import sys
 import time
 import traceback
+from multiprocessing import reduction
 
 import torch.multiprocessing as mp
 
@@ -28,6 +36,40 @@ from chatgen.core.distributed import free_port
 # set only afterwards).
 if getattr(mp.current_process(), "_inheriting", False) or mp.parent_process() is not None:
     quiet.apply()
+
+
+class _CallersView:
+    """What a spawned rank inherits from its caller and a forked one would take from the server
+    instead: the caller's environment now and its stdout/stderr (passed as descriptors)."""
+
+    def __init__(self):
+        self.environ = dict(os.environ)
+
+    def __reduce__(self):  # (pickled while the rank starts: DupFd hands the descriptors over)
+        return _adopt, (self.environ, reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt(environ, stdout, stderr):
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(stdout.detach(), 1)
+    os.dup2(stderr.detach(), 2)
+    os.environ.clear()
+    os.environ.update(environ)
+    return True
+
+
+def _forked_child(adopted, rank, world_size, port, env, fn, args, results):
+    """A rank forked from the server: the caller's view (`_adopt`, unpickled first) is in place."""
+    quiet.apply()  # (its environment defaults: the caller's environment replaced the server's)
+    if "torch" in sys.modules and "OMP_NUM_THREADS" in env:  # the server's torch read it unset
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    _child(rank, world_size, port, env, fn, args, results)
+    # a forked process ends in os._exit, a spawned one by the interpreter's exit: its atexit
+    # handlers (what the job registered, e.g. vLLM's) run here
+    atexit._run_exitfuncs()
 
 
 def _child(rank, world_size, port, env, fn, args, results):
@@ -60,9 +102,15 @@ class DistributedJob:
         self._results = self.context.Queue()
         self._done = {}
         port = free_port()
+        forked = self.context.get_start_method() == "forkserver"
+        if forked:
+            start_server()
         self._procs = [
             self.context.Process(
-                target=_child, args=(r, world_size, port, env, fn, args, self._results), daemon=True
+                target=_forked_child if forked else _child,
+                args=((_CallersView(),) if forked else ())
+                + (r, world_size, port, env, fn, args, self._results),
+                daemon=True,
             )
             for r in range(world_size)
         ]
@@ -136,6 +184,48 @@ class DistributedJob:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+_server_environ = {}  # the environment the server starts in, until it has started
+
+
+def fork_ranks_from(modules: list, pythonpath: tuple = ()) -> None:
+    """Start the ranks of later jobs by forking a server that imports `modules` once (seconds of
+    torch / megatron-core imports less per rank). The server starts with the first such job, in
+    this process's environment of now with `pythonpath` first on PYTHONPATH (where `modules` are)."""
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(modules))
+    DistributedJob.context = context
+    path = [*map(str, pythonpath), os.environ.get("PYTHONPATH", "")]
+    _server_environ.update(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
+
+
+def start_server() -> None:
+    """Start the server of fork_ranks_from now (it imports its modules in the background), in the
+    environment fork_ranks_from recorded (a test may have changed this process's since; each rank
+    takes the caller's of its own start: _CallersView); the first job does otherwise."""
+    from multiprocessing import forkserver
+
+    if not _server_environ:
+        return
+    saved, streams = dict(os.environ), (os.dup(1), os.dup(2))
+    os.environ.clear()
+    os.environ.update(_server_environ)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # what the server's imports say is nobody's news (its ranks write the
+    os.dup2(devnull, 2)  # caller's output)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for fd, stream in zip((1, 2), streams):
+            os.dup2(stream, fd)
+            os.close(stream)
+        os.close(devnull)
+        os.environ.clear()
+        os.environ.update(saved)
+    _server_environ.clear()
 
 
 def ctx_queue():

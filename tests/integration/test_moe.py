@@ -357,12 +357,12 @@ def test_trainer_replays_the_recorded_experts(recorded):
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_grpo_on_the_tiny_moe_replays_routing_and_logs_the_router(
-    moe_models, tmp_path, monkeypatch, ep
+    ray_session, moe_models, tmp_path, monkeypatch, ep
 ):
     """configs/grpo_tiny_moe.yaml for two small episodes: the engine records routing, the trainer replays it (the
     first step's log-probs equal the engine's), the router's figures are in the metrics. EP 2: the trainer runs as
     two Ray actors (its experts split between them, two data-parallel ranks), apart from the engine, and its
-    checkpoint holds every expert."""
+    checkpoint holds every expert (on the session's Ray: tests/integration/conftest.py)."""
     from pathlib import Path
 
     from chatgen import tasks

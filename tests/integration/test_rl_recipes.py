@@ -107,9 +107,12 @@ def test_reinforce_pp_gspo_and_rollout_correction_train(
     assert m["mismatch/is_weight_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
-def test_opd_student_moves_towards_the_teacher(tiny_llama_dir, data_dir, tmp_path, monkeypatch):
+def test_opd_student_moves_towards_the_teacher(
+    ray_session, tiny_llama_dir, data_dir, tmp_path, monkeypatch
+):
     """On-policy distillation: a tiny Llama after 4 SFT steps (the student) learns from the same
-    model after 20 (the teacher, one tokenizer); the per-token reverse KL falls."""
+    model after 20 (the teacher, one tokenizer); the per-token reverse KL falls. Its teacher is a
+    group of its own: the run's actors on the session's Ray (tests/integration/conftest.py)."""
     from helpers import quick_warm_start
 
     from chatgen.core.jsonl import read_prompt_records

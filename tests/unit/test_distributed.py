@@ -36,8 +36,19 @@ needs_ss = pytest.mark.skipif(
 )
 
 
+@pytest.fixture
+def spawned_ranks(monkeypatch):
+    """Ranks started as `chatgen check-sync` starts them, fresh interpreters (the suite forks the
+    others from a server: tests/conftest.py)."""
+    import multiprocessing
+
+    from chatgen.training import launcher
+
+    monkeypatch.setattr(launcher.DistributedJob, "context", multiprocessing.get_context("spawn"))
+
+
 @needs_ss
-def test_two_rank_gloo_group_listens_on_loopback_only():
+def test_two_rank_gloo_group_listens_on_loopback_only(spawned_ranks):
     results = run_distributed(_all_reduce_and_report, 2)
     assert [total for total, _ in results] == [3.0, 3.0]  # the group works
     addresses = [a for _, listening in results for a in listening]
