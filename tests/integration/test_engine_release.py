@@ -69,8 +69,12 @@ def test_released_engine_frees_memory_and_a_full_sync_brings_it_back(pair):
     before = resident_bytes()
     llm.sleep(2)
     dropped = before - resident_bytes()
-    # the packed weights, the embeddings and norms, and the KV cache
-    assert dropped > 0.8 * (weight_bytes + KV_BYTES), (dropped, weight_bytes)
+    # the packed weights, the embeddings and norms, and the KV cache: all of them (99.96%) in a
+    # process of its own; after other tests in the same process glibc's heap keeps part of what is
+    # freed (0.90 after two files, 0.79 once in the whole suite), and that history only ever makes
+    # the drop smaller. 0.6 still fails when either part stays: the weights alone are 0.595 of
+    # the sum, the KV cache 0.405.
+    assert dropped > 0.6 * (weight_bytes + KV_BYTES), (dropped, weight_bytes)
     llm.wake_up(["weights"])  # as chatgen.rlhf.weight_links does: weights, sync, then the cache
     train_step(trainer)  # the engine must follow the new weights, not the ones it let go of
     sync_weights(trainer, llm)
