@@ -62,7 +62,7 @@ def _adopt(environ, stdout, stderr):
 def _forked_child(adopted, rank, world_size, port, env, fn, args, results):
     """A rank forked from the server: the caller's view (`_adopt`, unpickled first) is in place."""
     quiet.apply()  # (its environment defaults: the caller's environment replaced the server's)
-    if "torch" in sys.modules and "OMP_NUM_THREADS" in env:  # the server's torch read it unset
+    if "torch" in sys.modules:  # the server's torch read OMP_NUM_THREADS unset; a job's env has it
         import torch
 
         torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
