@@ -87,6 +87,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     check_internals(llm)
     patches.decode_slots_fast_path(engine_core(llm).scheduler.kv_cache_manager)
     fast_step.plain_output_fast_path(engine_core(llm).scheduler)
+    fast_step.plain_decode_schedule_fast_path(engine_core(llm).scheduler)  # after the slots'
     sampled_logprobs.record_sampled_logprobs(llm, in_process_workers(llm))  # where it applies
     llm.collective_rpc(patches.install_reload_log_filter)
     llm.collective_rpc(patches.prepack_cpu_experts_on_reload)

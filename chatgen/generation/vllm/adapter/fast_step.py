@@ -58,6 +58,46 @@ RELIES_ON = {
         ("vllm.v1.engine:EngineCoreOutputs", "outputs: list[EngineCoreOutput]"),
         ("vllm.v1.engine:EngineCoreOutput", "num_nans_in_logits: int = 0"),
     ],
+    "plain_decode_schedule_fast_path": [
+        (f"{_SCHEDULER}.schedule", ("self", "throttle_prefills")),
+        # the running loop's tests, in its order, and its one call per request
+        (f"{_SCHEDULER}.schedule", "request.num_output_placeholders > 0"),
+        (f"{_SCHEDULER}.schedule", "self.current_step < request.next_decode_eligible_step"),
+        (f"{_SCHEDULER}.schedule", "request.num_tokens_with_spec"),
+        (f"{_SCHEDULER}.schedule", "- self.num_sampled_tokens_per_step,"),
+        (f"{_SCHEDULER}.schedule", "if request.has_encoder_inputs:"),
+        (f"{_SCHEDULER}.schedule", "num_lookahead_tokens=self.num_lookahead_tokens,"),
+        (f"{_SCHEDULER}.schedule", "if self.policy == SchedulingPolicy.PRIORITY:"),
+        (f"{_SCHEDULER}.schedule", "assert len(scheduled_loras) <= self.lora_config.max_loras"),
+        # the waiting loop, which an empty queue leaves at once, and what follows it
+        (f"{_SCHEDULER}.schedule", "request_queue = self.kv_holding_waiting"),
+        (
+            f"{_SCHEDULER}.schedule",
+            "self.prefill_capacity_bound = num_waiting > len(self.deferred_waiting)",
+        ),
+        (f"{_SCHEDULER}.schedule", "self.prev_step_scheduled_req_ids.update("),
+        (f"{_SCHEDULER}.schedule", "self.kv_cache_manager.take_boundary_state_offloads()"),
+        (f"{_SCHEDULER}.schedule", "self.kv_cache_manager.take_kv_cache_block_copies()"),
+        (f"{_SCHEDULER}.schedule", "free_encoder_mm_hashes=self.encoder_cache_manager"),
+        (f"{_SCHEDULER}.schedule", "new_block_ids_to_zero=self._get_new_block_ids_to_zero(),"),
+        (f"{_SCHEDULER}.schedule", "ec_manager_metadata=self.encoder_cache_manager"),
+        (f"{_SCHEDULER}._make_cached_request_data", "req.all_token_ids.copy()"),
+        (
+            f"{_SCHEDULER}._make_cached_request_data",
+            "req_to_new_blocks[req_id].get_block_ids(allow_none=True)",
+        ),
+        (f"{_SCHEDULER}._update_after_schedule", "request.num_in_flight_tokens += num_scheduled"),
+        (f"{_SCHEDULER}._update_after_schedule", "request.use_structured_output and not"),
+        (f"{_SCHEDULER}._update_after_schedule", "self._inflight_prefills.discard(request)"),
+        (f"{_SCHEDULER}._update_after_schedule", "self.reset_preempted_req_ids = set()"),
+        # a running request's blocks to allocate, with one full-attention group
+        (
+            "vllm.v1.core.single_type_kv_cache_manager:SingleTypeKVCacheManager.get_num_blocks_to_allocate",
+            "return max(num_required_blocks - num_req_blocks, 0)",
+        ),
+        ("vllm.v1.core.sched.output:SchedulerOutput", "num_spec_tokens_to_schedule: int = 0"),
+        ("vllm.v1.core.sched.output:CachedRequestData", "num_output_tokens: list[int]"),
+    ],
 }
 
 
@@ -196,6 +236,158 @@ def plain_output_fast_path(scheduler) -> None:
 
     scheduler.update_from_output = update_from_output
     scheduler.chatgen_fast_output = True
+
+
+def plain_decode_schedule_fast_path(scheduler) -> None:
+    """vLLM 0.32's `Scheduler.schedule` spends ~8 us of Python per running request and step in
+    its running loop, its `_make_cached_request_data` and its `_update_after_schedule` (async
+    placeholders, pipeline cadence, prefill deferral, encoder inputs, Mamba splits, MTP
+    lookahead, preemption, speculative tokens around one `allocate_slots` each). A step in which
+    every running request is a plain decode (one new token, no placeholders, no speculative
+    tokens, no encoder inputs, room in the model's length), nothing waits, the scheduler is not
+    paused or throttled and the pool's free blocks cover every block the step allocates (so
+    nothing is preempted) is scheduled here in one loop: the same `SchedulerOutput` and the same
+    state (each request's blocks from vLLM's `allocate_slots` unless, as in
+    `patches.decode_slots_fast_path`, it has nothing to do; the counters, the step's finished and
+    preempted ids handed over and reset, the drained block lists). Any other step is vLLM's
+    whole method; so is every step of a scheduler with speculative decoding, connectors,
+    pipeline parallelism, the v2 model runner or a KV cache other than one full-attention group
+    (where `decode_slots_fast_path` did not install)."""
+    from vllm.utils.math_utils import cdiv
+    from vllm.v1.core.sched.interface import PauseState
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    manager = scheduler.kv_cache_manager
+    if (
+        getattr(scheduler, "chatgen_fast_schedule", False)
+        or type(scheduler) is not Scheduler  # AsyncScheduler schedules placeholders
+        or not getattr(manager, "chatgen_fast_slots", False)  # one full-attention group
+        or scheduler.vllm_config.speculative_config is not None
+        or scheduler.num_lookahead_tokens
+        or scheduler.connector is not None
+        or scheduler.ec_connector is not None
+        or scheduler.aux_output_connector is not None
+        or scheduler.defer_block_free
+        or scheduler.use_pp
+        or scheduler.use_v2_model_runner
+        or scheduler.need_mamba_block_aligned_split
+        or scheduler.num_sampled_tokens_per_step != 1
+    ):
+        return
+    schedule = scheduler.schedule
+    (group,) = manager.coordinator.single_type_managers
+    blocks, cached, partial = group.req_to_blocks, group.num_cached_block, group._partial_hit_reqs
+    block_size, free_blocks = group.block_size, manager.block_pool.get_num_free_blocks
+    allocate = manager.allocate_slots
+    max_model_len, unpaused = scheduler.max_model_len, PauseState.UNPAUSED
+    encoder_cache, prev_scheduled = (
+        scheduler.encoder_cache_manager,
+        scheduler.prev_step_scheduled_req_ids,
+    )
+
+    def fast_schedule(throttle_prefills: bool = False):
+        running, step = scheduler.running, scheduler.current_step + 1
+        if (
+            throttle_prefills
+            or not running
+            or scheduler.waiting
+            or scheduler.kv_holding_waiting
+            or scheduler._pause_state != unpaused
+            or partial
+            # the token and input budgets hold one token of every running request
+            or len(running) > scheduler.max_num_scheduled_tokens
+            or len(running) > scheduler.scheduler_config.max_num_batched_tokens
+        ):
+            return schedule(throttle_prefills)
+        to_allocate, num_new_blocks = set(), 0
+        for request in running:
+            tokens = request.num_computed_tokens + 1  # after this step
+            if (
+                request.num_output_placeholders
+                or step < request.next_decode_eligible_step
+                or request.spec_token_ids
+                or len(request._all_token_ids) != tokens  # one new token: a decode
+                or tokens >= max_model_len  # vLLM keeps a slot for the token it samples
+                or request.has_encoder_inputs
+            ):
+                return schedule(throttle_prefills)
+            request_id = request.request_id
+            held = len(blocks.get(request_id, ()))
+            if tokens > held * block_size or tokens // block_size > cached.get(request_id, 0):
+                to_allocate.add(request_id)  # a block to allocate, or a full one to cache
+                num_new_blocks += max(cdiv(tokens, block_size) - held, 0)
+        if num_new_blocks > free_blocks():  # vLLM would preempt
+            return schedule(throttle_prefills)
+
+        scheduler.current_step = step
+        manager.new_step_starts()
+        num_scheduled, new_block_ids, num_computed, num_output, all_token_ids = {}, [], [], [], {}
+        structured, inflight = False, scheduler._inflight_prefills
+        for request in running:
+            request_id = request.request_id
+            new_blocks = None
+            if request_id in to_allocate:
+                new_blocks = allocate(request, 1, num_lookahead_tokens=0)
+                assert new_blocks is not None, "counted blocks to allocate"
+                new_blocks = new_blocks.get_block_ids(allow_none=True)
+            new_block_ids.append(new_blocks)
+            num_scheduled[request_id] = 1
+            if request_id not in prev_scheduled:
+                all_token_ids[request_id] = request.all_token_ids.copy()
+            num_computed.append(request.num_computed_tokens)
+            num_output.append(len(request._output_token_ids))
+            # _update_after_schedule
+            request.num_computed_tokens += 1
+            request.num_in_flight_tokens += 1
+            request.is_prefill_chunk = False
+            structured |= request.structured_output_request is not None
+            if inflight:
+                inflight.discard(request)
+        if scheduler.lora_config:
+            loras = {r.lora_request.lora_int_id for r in running if r.lora_request}
+            assert len({i for i in loras if i > 0}) <= scheduler.lora_config.max_loras
+        # the waiting loop finds nothing to admit
+        scheduler.prefill_capacity_bound = False
+        prev_scheduled.clear()
+        prev_scheduled.update(num_scheduled)
+        manager.take_boundary_state_offloads()  # drained every step; no connector takes them
+        copies, cow_retained_blocks = manager.take_kv_cache_block_copies()
+        if copies:
+            scheduler._free_cow_retained_blocks(cow_retained_blocks, scheduler.sched_step_seq + 1)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[],
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=list(num_scheduled),
+                resumed_req_ids=set(),
+                new_token_ids=[],
+                all_token_ids=all_token_ids,
+                new_block_ids=new_block_ids,
+                num_computed_tokens=num_computed,
+                num_output_tokens=num_output,
+            ),
+            num_scheduled_tokens=num_scheduled,
+            total_num_scheduled_tokens=len(num_scheduled),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            scheduled_encoder_input_stats=None,  # what vLLM's stats of no encoder input are
+            preempted_req_ids=scheduler.reset_preempted_req_ids,
+            finished_req_ids=scheduler.finished_req_ids,
+            free_encoder_mm_hashes=encoder_cache.get_freed_mm_hashes(),
+            new_block_ids_to_zero=scheduler._get_new_block_ids_to_zero(),
+            has_sync_kv_loads=False,
+            kv_cache_block_copies=copies or None,
+            kv_connector_block_state=None,
+            num_spec_tokens_to_schedule=scheduler.num_spec_tokens,
+            ec_manager_metadata=encoder_cache.get_manager_metadata(),
+            has_structured_output_requests=structured,
+        )
+        scheduler.finished_req_ids = set()
+        scheduler.reset_preempted_req_ids = set()
+        return output
+
+    scheduler.schedule = fast_schedule
+    scheduler.chatgen_fast_schedule = True
 
 
 def _closure_value(function, name: str):
