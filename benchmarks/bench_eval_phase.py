@@ -1,4 +1,4 @@
-# .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5] [--variants after,no_fast_step,hf]
+# .venv/bin/python benchmarks/bench_eval_phase.py --output /tmp/bench_eval_phase.json [--rounds 6] [--evals 5] [--variants after,no_fast_step,no_fast_schedule,hf]
 """The main job's held-out evaluation (configs/grpo_tiny.yaml: 256 greedy prompts, one engine call)
 against TRL's (its GRPOTrainer evaluates, in benchmarks/bench_vs_trl.py, with HF transformers'
 `model.generate`, greedy, of the same left-padded token ids), and before and after the evaluation
@@ -9,18 +9,19 @@ machine's load hits them alike.
 log-probs (gathered every engine step, one list per sample), which the evaluation never reads;
 "after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
-chatgen's exact shortcuts through it (adapter/fast_step.py). All give the same tokens (the script
-asserts the metrics are equal). "train" and "train_no_fast_step" are a training generation call
-instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
+chatgen's exact shortcuts through it (adapter/fast_step.py); "no_fast_schedule" without only the
+one through vLLM's `Scheduler.schedule`. All give the same tokens (the script asserts the metrics
+are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
+call instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
 shortcuts (their tokens are not compared: the samples differ call to call). "hf" is
 `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL worker of
 bench_vs_trl runs. Writes {"<variant>_s": [wall s per call], "cpu_s": {variant: [process CPU s
 per call]}, "ratio": median after / median before, "after_over_hf", "fast_step_ratio" (after /
-no_fast_step), "train_fast_step_ratio" (train / train_no_fast_step), each also as "cpu_<ratio>" of
-the CPU time (the less load-sensitive figure on a shared machine), "engine_cpu_<ratio>" (but
-against hf) of the engine thread's own CPU clock (the steadiest: no other thread's waiting in
-it), "load": the 1-minute load average at start and end} to --output (the ratios of the variants
-run).
+no_fast_step), "fast_schedule_ratio" (after / no_fast_schedule), "train_fast_step_ratio" and
+"train_fast_schedule_ratio" (the same of train), each also as "cpu_<ratio>" of the CPU time (the
+less load-sensitive figure on a shared machine), "engine_cpu_<ratio>" (but against hf) of the
+engine thread's own CPU clock (the steadiest: no other thread's waiting in it), "load": the
+1-minute load average at start and end} to --output (the ratios of the variants run).
 """
 
 import argparse
@@ -87,20 +88,22 @@ def engine_loop():
 
 
 def fast_step_switch(loop):
-    """A function setting whether the engine's scheduler takes fast_step's shortcuts (installed
-    on the instance: removing it leaves vLLM's own method)."""
+    """A function setting which of fast_step's shortcuts the engine's scheduler takes (a set of
+    the methods they replace; each is installed on the instance: removing it leaves vLLM's own
+    method)."""
     from chatgen.generation.vllm.adapter.split_step import engine_core
 
     scheduler = engine_core(loop.llm).scheduler
-    shortcut = vars(scheduler)["update_from_output"]
+    shortcuts = {m: vars(scheduler)[m] for m in ("update_from_output", "schedule")}
 
-    def use(on: bool) -> None:
-        if on:
-            scheduler.update_from_output = shortcut
-        else:
-            vars(scheduler).pop("update_from_output", None)
+    def use(methods: set) -> None:
+        for method, shortcut in shortcuts.items():
+            if method in methods:
+                setattr(scheduler, method, shortcut)
+            else:
+                vars(scheduler).pop(method, None)
 
-    return lambda on: loop.call(lambda: use(on))
+    return lambda methods: loop.call(lambda: use(methods))
 
 
 def main() -> None:
@@ -111,7 +114,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="after,before,hf",
-        help="comma-separated: after, before, no_fast_step, train, train_no_fast_step, hf",
+        help="comma-separated: after, before, no_fast_step, no_fast_schedule, train, "
+        "train_no_fast_step, train_no_fast_schedule, hf",
     )
     args = parser.parse_args()
 
@@ -139,7 +143,13 @@ def main() -> None:
             for _ in range(args.rounds):
                 for name in times:
                     run._evaluate = evaluate_before if name == "before" else evaluate_policy
-                    fast_step(not name.endswith("no_fast_step"))
+                    fast_step(
+                        set()
+                        if name.endswith("no_fast_step")
+                        else {"update_from_output"}
+                        if name.endswith("no_fast_schedule")
+                        else {"update_from_output", "schedule"}
+                    )
                     for _ in range(args.evals):
                         start_engine = loop.call(time.thread_time)
                         start, start_cpu = time.perf_counter(), time.process_time()
@@ -173,7 +183,9 @@ def main() -> None:
         ("ratio", "after", "before"),
         ("after_over_hf", "after", "hf"),
         ("fast_step_ratio", "after", "no_fast_step"),
+        ("fast_schedule_ratio", "after", "no_fast_schedule"),
         ("train_fast_step_ratio", "train", "train_no_fast_step"),
+        ("train_fast_schedule_ratio", "train", "train_no_fast_schedule"),
     ):
         if one in median and other in median:
             report[key] = median[one] / median[other]
