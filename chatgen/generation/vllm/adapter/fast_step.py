@@ -5,7 +5,9 @@ it has (speculative decoding, pooling, KV and encoder connectors, structured out
 sessions). On the tiny model's 256-prompt evaluation that is ~20 us a request and step, a large
 share of the call (docs/long_context.md, issue 52's evaluation item). Each shortcut here covers
 only a request, or a step, for which vLLM's own code does nothing but the plain work, and does
-that work; anything else goes to vLLM's code. `RELIES_ON` names the vLLM code each shortcut
+that work; anything else goes to vLLM's code: `plain_decode_schedule_fast_path` schedules a step
+of plain decodes (`Scheduler.schedule`), `plain_output_fast_path` files a step's sampled tokens
+(`Scheduler.update_from_output`). `RELIES_ON` names the vLLM code each shortcut
 mirrors (checked with adapter/patches.py's, tests/integration/test_vllm_patches.py), and
 tests/integration/test_vllm_step_fast_paths.py generates with and without them and compares.
 """
