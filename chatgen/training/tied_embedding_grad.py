@@ -10,10 +10,10 @@ its gradient to the embedding's backward (`_OutputWeight`), which adds the embed
 (`_TiedEmbedding`): the embedding's gradient is summed per touched row into a compact (rows, H)
 tensor in the order F.embedding's backward sums it, then added to the output layer's rows; every
 other row gets + 0.0, which is what adding F.embedding's zero does (a -0.0 becomes 0.0). The
-shared weight's gradient has the same bits (tests/unit/test_tied_embedding_grad.py against
+shared weight's gradient has the same bits (tests/unit/test_tied_embedding_sums.py against
 F.embedding's backward, tests/integration/test_tied_embedding_grad.py on a megatron trainer).
 
-    install(model)   # a megatron GPTModel chunk; returns whether it applies
+    install(model)   # a megatron GPTModel chunk on the CPU; returns whether it applies
 """
 
 import torch
@@ -77,15 +77,16 @@ class _OutputWeight(torch.autograd.Function):
 
 def install(model) -> bool:
     """Route `model`'s tied embedding gradient through one tensor (module docstring), when the
-    embedding and the output layer are in this chunk, share their weight, and are not split over
-    tensor-parallel ranks (megatron's VocabParallelEmbedding then is F.embedding), and no
-    multi-token prediction head reads the output layer too. Returns whether it did."""
+    embedding and the output layer are on the CPU, in this chunk, share their weight, and are not
+    split over tensor-parallel ranks (megatron's VocabParallelEmbedding then is F.embedding), and
+    no multi-token prediction head reads the output layer too. Returns whether it did."""
     embedding = getattr(getattr(model, "embedding", None), "word_embeddings", None)
     if not (
         getattr(model, "share_embeddings_and_output_weights", False)
         and model.pre_process
         and model.post_process
         and embedding is not None
+        and embedding.weight.device.type == "cpu"  # CUDA's F.embedding backward sums otherwise
         and embedding.tp_group.size() == 1
         and not embedding.deterministic_mode
         and not embedding.reduce_scatter_embeddings

@@ -2,7 +2,7 @@
 have the bits of F.embedding's backward (repeated ids, signed zeros), and a tied weight's gradient
 through `_TiedEmbedding` / `_OutputWeight` has the bits of autograd's sum of the two uses'.
 
-    python -m pytest tests/unit/test_tied_embedding_grad.py
+    python -m pytest tests/unit/test_tied_embedding_sums.py
 """
 
 import pytest
