@@ -44,7 +44,7 @@ from chatgen.core.distributed import join_world
 from chatgen.core.imports import hidden_imports
 from chatgen.models import layout
 from chatgen.module import remote
-from chatgen.training import cpu_compat, lora, lora_peft
+from chatgen.training import cpu_compat, lora, lora_peft, tied_embedding_grad
 from chatgen.training.checkpoints import Checkpoints
 from chatgen.training.config import MegatronConfig
 from chatgen.training.hf_export import HFExport
@@ -255,6 +255,8 @@ class MegatronModule(
         # packing keeps micro-batches of one shape with EP > 1 (the EP ranks exchange tokens in
         # equal shares) and with moe_routing_replay (the replayed experts are the unpacked rows'
         # tokens)
+        if not cfg.lora.rank:  # the tied embedding's gradient summed in one tensor (same bits)
+            tied_embedding_grad.install(self.model)
         self.packing = PackingHooks(
             self.model,
             self.is_last_stage,
