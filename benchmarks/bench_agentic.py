@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from chatgen.environments import Environment, Runner, Step  # noqa: E402
+from chatgen.environments import Environment, Runner, Step
 
 
 class LongTail(Environment):
@@ -170,6 +170,26 @@ def _pid(worker):
     return os.getpid()
 
 
+def bench_model(hidden: int):
+    """The bench's policy: the tiny Llama at width `hidden` (heads of 128), as a chat model
+    directory, and its weights as (name, tensor) pairs for the pushes."""
+    from conftest import build_tiny_model
+    from helpers import chat_model
+    from safetensors.torch import load_file
+
+    width = {  # the tiny Llama's proportions; heads of 128
+        "hidden_size": hidden,
+        "intermediate_size": hidden * 11 // 4,
+        "num_attention_heads": hidden // 128,
+        "num_key_value_heads": max(1, hidden // 256),
+    }
+    model = chat_model(
+        build_tiny_model("tiny_llama", max_position_embeddings=1024, **width),
+        Path(f"/tmp/bench_agentic/model-{hidden}"),
+    )
+    return model, list(load_file(str(model / "model.safetensors")).items())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
@@ -197,23 +217,11 @@ def main(argv=None) -> int:
         p.error(f"--steps {args.steps}: the first {FILL} are the pipeline's fill; give more")
     LongTail.tool_s = args.tool_s
 
-    from conftest import build_tiny_model
-    from helpers import chat_model, served_replicas
-    from safetensors.torch import load_file
+    from helpers import served_replicas
 
     from chatgen.param_sync import ShmSender
 
-    width = {  # the tiny Llama's proportions; heads of 128
-        "hidden_size": args.hidden,
-        "intermediate_size": args.hidden * 11 // 4,
-        "num_attention_heads": args.hidden // 128,
-        "num_key_value_heads": max(1, args.hidden // 256),
-    }
-    model = chat_model(
-        build_tiny_model("tiny_llama", max_position_embeddings=1024, **width),
-        Path(f"/tmp/bench_agentic/model-{args.hidden}"),
-    )
-    state = list(load_file(str(model / "model.safetensors")).items())
+    model, state = bench_model(args.hidden)
     # the KV cache holds every session in flight: k + 1 batches of --batch sessions, up to 12 turns
     overrides = ["policy.seq_length=1024", f"policy.kv_cache_memory_bytes={args.kv_mib << 20}"]
     with served_replicas(model, 2, "bench-key", overrides) as (rt, urls):
@@ -280,7 +288,9 @@ def main(argv=None) -> int:
             )
     out = {
         "args": vars(args),
-        "uptime": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+        "uptime": subprocess.run(
+            ["uptime"], check=False, capture_output=True, text=True
+        ).stdout.strip(),
         "runs": results,
         "median": summary,
         "ratios": ratios,

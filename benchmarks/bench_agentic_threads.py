@@ -22,7 +22,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_agentic import LongTail  # its import puts the repository and tests/ on sys.path
+# bench_agentic's import puts the repository and tests/ on sys.path
+from bench_agentic import LongTail, bench_model
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -88,25 +89,13 @@ def main(argv=None) -> int:
     p.add_argument("--output", default="/tmp/bench_agentic_threads.json")
     args = p.parse_args(argv)
 
-    from conftest import build_tiny_model
-    from helpers import chat_model, served_replicas
-    from safetensors.torch import load_file
+    from helpers import served_replicas
 
     from chatgen.environments import Runner
     from chatgen.param_sync import ShmSender
     from chatgen.rlhf.algorithms.grpo_multiturn import run_episodes
 
-    width = {  # bench_agentic.py's
-        "hidden_size": args.hidden,
-        "intermediate_size": args.hidden * 11 // 4,
-        "num_attention_heads": args.hidden // 128,
-        "num_key_value_heads": max(1, args.hidden // 256),
-    }
-    model = chat_model(
-        build_tiny_model("tiny_llama", max_position_embeddings=1024, **width),
-        Path(f"/tmp/bench_agentic/model-{args.hidden}"),
-    )
-    state = list(load_file(str(model / "model.safetensors")).items())
+    model, state = bench_model(args.hidden)
     overrides = ["policy.seq_length=1024", f"policy.kv_cache_memory_bytes={args.kv_mib << 20}"]
     with served_replicas(model, 2, "bench-key", overrides) as (rt, urls):
         policy = rt["policy"]
