@@ -244,46 +244,6 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     assert len(scheduled_by_vllm) == len(slow_steps) > 20 and fast_scheduled <= 3, fast_scheduled
 
 
-def test_shortcuts_preempt_and_resume_as_vllm_does(tiny_llama_dir, monkeypatch):
-    """A KV cache of 8 blocks for 6 requests that grow to 2-3 blocks each: vLLM preempts some of
-    them (the schedule shortcut must leave those steps to it) and resumes them later."""
-    engine = adapter_engine(tiny_llama_dir, kv_cache_memory_bytes=8 * 32 * 1024, max_num_seqs=16)
-    try:
-        scheduler = engine_core(engine).scheduler
-        preempted = vllm_calls(monkeypatch, scheduler, "_preempt_request")
-        scheduled_by_vllm = vllm_calls(monkeypatch, scheduler, "_make_cached_request_data")
-        rng = random.Random(1)
-        made = [
-            (
-                [rng.randrange(4, 250) for _ in range(rng.randrange(20, 30))],
-                adapter.SamplingParams(
-                    temperature=1.0 if i % 2 else 0.0,
-                    seed=i if i % 4 == 1 else None,
-                    max_tokens=40,
-                    ignore_eos=True,
-                    logprobs=0,
-                    detokenize=False,
-                ),
-            )
-            for i in range(6)
-        ]
-        run(engine, made, {}, abort_step=-1, late=0)  # what the runs below start from
-        preempted.clear()
-        scheduled_by_vllm.clear()
-        fast, fast_steps = run(engine, made, {}, abort_step=-1, late=0)
-        fast_preempted, fast_scheduled = len(preempted), len(scheduled_by_vllm)
-        without_shortcuts(monkeypatch, scheduler)
-        slow, slow_steps = run(engine, made, {}, abort_step=-1, late=0)
-        assert fast == slow
-        assert fast_steps == slow_steps
-        assert fast_preempted > 0 and len(preempted) == 2 * fast_preempted
-        assert any(dict(s[0])["scheduled_cached_reqs"][1][1] for s in fast_steps)  # resumed
-        # vLLM's schedule: the steps with requests waiting; the shortcut the others
-        assert 0 < fast_scheduled < len(slow_steps) - 10, (fast_scheduled, len(slow_steps))
-    finally:
-        adapter.shutdown(engine)
-
-
 @pytest.mark.parametrize("engine", ["llm", "chunked_llm"])
 def test_runner_shortcuts_generate_what_vllm_does(engine, request):
     llm, chunked = request.getfixturevalue(engine), engine == "chunked_llm"
@@ -337,3 +297,45 @@ def test_runner_shortcuts_generate_what_vllm_does(engine, request):
     assert all(fast[f"r{i}"][-1][0] >= 32 for i in range(len(made) - LATE, len(made)))
     assert taken["slots"] == taken["steps"] > 10, taken
     assert taken["discarding"] >= 3 or not chunked, taken  # steps with a prompt's partial chunk
+
+
+def test_shortcuts_preempt_and_resume_as_vllm_does(tiny_llama_dir, monkeypatch):
+    """A KV cache of 8 blocks for 6 requests that grow to 2-3 blocks each: vLLM preempts some of
+    them (the schedule shortcut must leave those steps to it) and resumes them later. Last in the
+    file: shutting its engine down resets vLLM's process-wide parallel state, which the module's
+    engines need."""
+    engine = adapter_engine(tiny_llama_dir, kv_cache_memory_bytes=8 * 32 * 1024, max_num_seqs=16)
+    try:
+        scheduler = engine_core(engine).scheduler
+        preempted = vllm_calls(monkeypatch, scheduler, "_preempt_request")
+        scheduled_by_vllm = vllm_calls(monkeypatch, scheduler, "_make_cached_request_data")
+        rng = random.Random(1)
+        made = [
+            (
+                [rng.randrange(4, 250) for _ in range(rng.randrange(20, 30))],
+                adapter.SamplingParams(
+                    temperature=1.0 if i % 2 else 0.0,
+                    seed=i if i % 4 == 1 else None,
+                    max_tokens=40,
+                    ignore_eos=True,
+                    logprobs=0,
+                    detokenize=False,
+                ),
+            )
+            for i in range(6)
+        ]
+        run(engine, made, {}, abort_step=-1, late=0)  # what the runs below start from
+        preempted.clear()
+        scheduled_by_vllm.clear()
+        fast, fast_steps = run(engine, made, {}, abort_step=-1, late=0)
+        fast_preempted, fast_scheduled = len(preempted), len(scheduled_by_vllm)
+        without_shortcuts(monkeypatch, scheduler)
+        slow, slow_steps = run(engine, made, {}, abort_step=-1, late=0)
+        assert fast == slow
+        assert fast_steps == slow_steps
+        assert fast_preempted > 0 and len(preempted) == 2 * fast_preempted
+        assert any(dict(s[0])["scheduled_cached_reqs"][1][1] for s in fast_steps)  # resumed
+        # vLLM's schedule: the steps with requests waiting; the shortcut the others
+        assert 0 < fast_scheduled < len(slow_steps) - 10, (fast_scheduled, len(slow_steps))
+    finally:
+        adapter.shutdown(engine)
