@@ -11,14 +11,16 @@ log-probs (gathered every engine step, one list per sample), which the evaluatio
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
 chatgen's exact shortcuts through it (adapter/fast_step.py); "no_fast_schedule" without only the
 one through vLLM's `Scheduler.schedule`; "no_fast_runner" with vLLM's own model-runner code
-instead of adapter/fast_runner.py's shortcuts. All give the same tokens (the script asserts the metrics
+instead of adapter/fast_runner.py's shortcuts; "one_thread" with the engine thread's OpenMP team at
+one thread instead of the cores' (two here). All give the same tokens (the script asserts the metrics
 are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
 call instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
 shortcuts (their tokens are not compared: the samples differ call to call). "hf" is
 `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL worker of
 bench_vs_trl runs. Writes {"<variant>_s": [wall s per call], "cpu_s": {variant: [process CPU s
 per call]}, "ratio": median after / median before, "after_over_hf", "fast_step_ratio" (after /
-no_fast_step), "fast_schedule_ratio" (after / no_fast_schedule), "train_fast_step_ratio" and
+no_fast_step), "fast_schedule_ratio" (after / no_fast_schedule), "threads_ratio" (after /
+one_thread), "train_fast_step_ratio" and
 "train_fast_schedule_ratio" (the same of train), each also as "cpu_<ratio>" of the CPU time (the
 less load-sensitive figure on a shared machine), "engine_cpu_<ratio>" (but against hf) of the
 engine thread's own CPU clock (the steadiest: no other thread's waiting in it), "load": the
@@ -26,6 +28,7 @@ engine thread's own CPU clock (the steadiest: no other thread's waiting in it), 
 """
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -133,9 +136,11 @@ def main() -> None:
         "--variants",
         default="after,before,hf",
         help="comma-separated: after, before, no_fast_step, no_fast_schedule, no_fast_runner, "
-        "train, train_no_fast_step, train_no_fast_schedule, hf",
+        "one_thread, train, train_no_fast_step, train_no_fast_schedule, hf",
     )
     args = parser.parse_args()
+
+    import torch
 
     from chatgen.cli.config import checked_run_config
     from chatgen.rlhf.algorithms import grpo
@@ -158,6 +163,7 @@ def main() -> None:
             hf()
             loop = engine_loop()
             fast_step, fast_runner = fast_step_switch(loop), fast_runner_switch(loop)
+            threads = loop.call(torch.get_num_threads)  # the engine thread's OpenMP team
             for _ in range(args.rounds):
                 for name in times:
                     run._evaluate = evaluate_before if name == "before" else evaluate_policy
@@ -169,6 +175,9 @@ def main() -> None:
                         else {"update_from_output", "schedule"}
                     )
                     fast_runner(name != "no_fast_runner")
+                    # torch._C's: vLLM's CPU worker replaces torch.set_num_threads by a no-op
+                    team = 1 if name == "one_thread" else threads
+                    loop.call(functools.partial(torch._C.set_num_threads, team))
                     for _ in range(args.evals):
                         start_engine = loop.call(time.thread_time)
                         start, start_cpu = time.perf_counter(), time.process_time()
@@ -204,6 +213,7 @@ def main() -> None:
         ("fast_step_ratio", "after", "no_fast_step"),
         ("fast_schedule_ratio", "after", "no_fast_schedule"),
         ("fast_runner_ratio", "after", "no_fast_runner"),
+        ("threads_ratio", "after", "one_thread"),
         ("train_fast_step_ratio", "train", "train_no_fast_step"),
         ("train_fast_schedule_ratio", "train", "train_no_fast_schedule"),
     ):
