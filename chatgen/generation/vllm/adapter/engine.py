@@ -13,7 +13,7 @@ import tempfile
 from vllm import LLM
 
 from chatgen.core import quiet
-from chatgen.generation.vllm.adapter import fast_runner, fast_step, patches, sampled_logprobs
+from chatgen.generation.vllm.adapter import fast_step, patches, sampled_logprobs
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
 from chatgen.generation.vllm.lean_imports import without_unused_imports
 
@@ -88,7 +88,6 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
     patches.decode_slots_fast_path(engine_core(llm).scheduler.kv_cache_manager)
     fast_step.plain_output_fast_path(engine_core(llm).scheduler)
     fast_step.plain_decode_schedule_fast_path(engine_core(llm).scheduler)  # after the slots'
-    llm.collective_rpc(fast_runner.plain_step_fast_paths)
     sampled_logprobs.record_sampled_logprobs(llm, in_process_workers(llm))  # where it applies
     llm.collective_rpc(patches.install_reload_log_filter)
     llm.collective_rpc(patches.prepack_cpu_experts_on_reload)

@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from chatgen.generation.vllm.adapter import fast_runner, fast_step
+from chatgen.generation.vllm.adapter import fast_step
 
 TESTED_VLLM = "0.32"
 
@@ -360,7 +360,7 @@ _INPUTS = "vllm.v1.engine.input_processor:InputProcessor"
 _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
 
 # patch -> what it needs of vLLM: "module:attribute.path" must exist; (target, "text") its source
-# must contain the text; (target, (names,)) its parameters must be these (fast_*.py's too).
+# must contain the text; (target, (names,)) its parameters must be these (fast_step.py's too).
 RELIES_ON = {
     "rebind_kernels_past_odd_namespaces": [
         ("vllm.triton_utils.dispatcher:_rebind_kernels", ("overrides",)),
@@ -467,7 +467,7 @@ RELIES_ON = {
             for name in ("def can_load", "loaded_weights", "load_numel")
         ],
     ],
-    **(fast_step.RELIES_ON | fast_runner.RELIES_ON),
+    **fast_step.RELIES_ON,
 }
 
 
