@@ -102,16 +102,18 @@ def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_mode
     assert max_diff_vs_hf(model, *after) < TOL
     # sampled, temperature 1
     assert max_diff_vs_hf(model, *gen.generate(PROMPTS, num_generations=2)) < TOL
-    # every linear layer of the tiny model is under PLAIN_LINEAR_MAX_BYTES: each ran torch's linear on its own
-    # weight (patches.plain_small_linears), and the sync's reload kept it so
-    plain = gen.module.engine.collective_rpc(_plain_linears)[0]
-    assert plain and all(plain.values()), plain
+    # every linear layer of the tiny model is under SMALL_LINEAR_MAX_BYTES: each ran the bucketed oneDNN
+    # matmul (patches.bucketed_small_linears), and the sync's reload built it again on the new weights (the
+    # outputs above match HF's)
+    bucketed = gen.module.engine.collective_rpc(_bucketed_linears)[0]
+    assert bucketed and all(bucketed.values()), bucketed
 
 
-def _plain_linears(worker) -> dict:
-    """In the vLLM worker: {layer name: runs torch's linear} for every layer with a CPU GEMM dispatch."""
+def _bucketed_linears(worker) -> dict:
+    """In the vLLM worker: {layer name: runs the bucketed oneDNN matmul} for every layer with a CPU GEMM
+    dispatch."""
     return {
-        name: m.cpu_linear is torch.nn.functional.linear
+        name: getattr(m.cpu_linear, "chatgen_bucketed", False)
         for name, m in worker.model_runner.get_model().named_modules()
         if hasattr(m, "cpu_linear")
     }

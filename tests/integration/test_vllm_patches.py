@@ -77,36 +77,89 @@ def test_a_moved_internal_is_named(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "shape, dtype, plain",
+    "shape, dtype, bucketed",
     [
         ((352 * 2, 128), torch.float32, True),  # the tiny Llama's gate_up: 352 KiB
-        ((1024, 256), torch.float32, True),  # exactly PLAIN_LINEAR_MAX_BYTES
+        ((1024, 256), torch.float32, True),  # exactly SMALL_LINEAR_MAX_BYTES
         ((1024, 257), torch.float32, False),  # one column over: vLLM's oneDNN handler
         ((576 * 5 // 3, 576), torch.float32, False),  # SmolLM2's qkv, 2.2 MB
         ((352 * 2, 128), torch.bfloat16, False),  # another dtype: vLLM decides
     ],
 )
-def test_small_fp32_linears_keep_their_weight_and_use_torch(shape, dtype, plain):
-    """plain_small_linears on vLLM's real CPU dispatch: a small fp32 layer runs torch's linear on the weight it
-    keeps; a larger one, or a bf16 one, gets what vLLM gives it (a packed kernel that drops the weight). Either
-    way the layer computes x @ W.T."""
+def test_small_fp32_linears_run_at_bucketed_row_counts(shape, dtype, bucketed):
+    """bucketed_small_linears on vLLM's real CPU dispatch: a small fp32 layer gets the bucketed oneDNN matmul;
+    a larger one, or a bf16 one, gets what vLLM gives it. Either way the layer computes x @ W.T and, as vLLM
+    does with remove_weight, drops the weight for its packed copy."""
+    from vllm import _custom_ops as ops
+
     from chatgen.generation.vllm.adapter import patches
 
-    patches.plain_small_linears()
-    patches.plain_small_linears()  # idempotent: wrapping once
+    assert ops._supports_onednn  # this CPU build has oneDNN: the bucketed path is the one tested
+    patches.bucketed_small_linears()
+    patches.bucketed_small_linears()  # idempotent: wrapping once
     from vllm.model_executor.layers import utils
 
-    assert getattr(utils.dispatch_cpu_unquantized_gemm, "chatgen_plain_small", False)
+    assert getattr(utils.dispatch_cpu_unquantized_gemm, "chatgen_small_linears", False)
     torch.manual_seed(0)
     weight = torch.randn(shape).to(dtype)
     layer = torch.nn.Module()
     layer.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
     utils.dispatch_cpu_unquantized_gemm(layer, remove_weight=True)
-    assert (layer.cpu_linear is torch.nn.functional.linear) == plain
-    assert (layer.weight.numel() == weight.numel()) == plain
+    assert getattr(layer.cpu_linear, "chatgen_bucketed", False) == bucketed
+    assert layer.weight.numel() == 0
     x = torch.randn(5, shape[1]).to(dtype)
     got = utils.cpu_unquantized_gemm(layer, x, layer.weight, None)
     want = x.float() @ weight.float().T
     # bf16 keeps 8 bits of mantissa
     tol = {"rtol": 1e-2, "atol": 0.1} if dtype == torch.bfloat16 else {"atol": 1e-4}
     assert torch.allclose(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("k, n, bias", [(128, 704, False), (352, 128, False), (128, 256, True)])
+def test_bucketed_onednn_linear_gives_vllms_numbers_at_every_row_count(k, n, bias):
+    """The padded calls give, bit for bit, what vLLM's own handler gives at the exact row count (a oneDNN
+    primitive computes each row the same way whatever M it was built for: what the bucketing relies on), at
+    row counts that are buckets, that are not, over BULK_ROWS (a bulk plus a padded rest), one, and none;
+    for 3-D input too. Each is within float noise of torch's linear."""
+    from vllm import _custom_ops as ops
+
+    from chatgen.generation.vllm.adapter import patches
+
+    torch.manual_seed(0)
+    weight, b = torch.randn(n, k), (torch.randn(n) if bias else None)
+    linear, exact = patches.bucketed_onednn_linear(weight), ops.create_onednn_mm(weight.t(), 64)
+    x = torch.randn(3 * patches.BULK_ROWS + 77, k) * 3
+    for m in (
+        0,
+        1,
+        3,
+        32,
+        33,
+        58,
+        123,
+        186,
+        256,
+        257,
+        3 * patches.BULK_ROWS,
+        3 * patches.BULK_ROWS + 77,
+    ):
+        got = linear(x[:m], None, b)
+        assert got.shape == (m, n)
+        assert torch.equal(got, ops.onednn_mm(exact, x[:m], b)), m
+        assert torch.allclose(
+            got, torch.nn.functional.linear(x[:m], weight, b), rtol=1e-5, atol=1e-4
+        ), m
+    got = linear(x[:60].view(4, 15, k), None, b)
+    assert got.shape == (4, 15, n) and torch.equal(got.view(60, n), linear(x[:60], None, b))
+    # a bucket's padding rows take no part: the same rows with other rows beside them give the same
+    assert torch.equal(linear(x[:186], None, b)[:100], linear(x[:100], None, b))
+
+
+def test_row_buckets_are_few_and_cover_their_rows():
+    """A run meets at most 13 row counts up to BULK_ROWS (the point: one primitive each, not one per batch
+    size), each >= the rows it holds and under twice them."""
+    from chatgen.generation.vllm.adapter.patches import BULK_ROWS, _row_bucket
+
+    buckets = {_row_bucket(m) for m in range(1, BULK_ROWS + 1)}
+    assert len(buckets) == 13 and max(buckets) == BULK_ROWS
+    assert all(m <= _row_bucket(m) < 2 * m or m == 1 for m in range(1, BULK_ROWS + 1))
