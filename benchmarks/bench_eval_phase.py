@@ -3,14 +3,17 @@
 against TRL's (its GRPOTrainer evaluates, in benchmarks/bench_vs_trl.py, with HF transformers'
 `model.generate`, greedy, of the same left-padded token ids), and before and after the evaluation
 stopped asking for log-probs: "after", "before" and "hf" alternate in one process so that the
-machine's load hits them alike.
+machine's load hits them alike. Both sides load the policy's `load` (the warm start); with
+POLICY_LOAD=<an HF export of a trained checkpoint> (`chatgen convert --to hf`) both load that:
+the weights the main job's later evaluations run, whose answers are longer.
 
 "before" is `evaluate_policy` as it was: the held-out items generated with their sampled tokens'
 log-probs (gathered every engine step, one list per sample), which the evaluation never reads;
 "after" is the shipped `evaluate_policy`: items marked "logprobs": False, so vLLM computes none.
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
 chatgen's exact shortcuts through it (adapter/fast_step.py); "no_fast_schedule" without only the
-one through vLLM's `Scheduler.schedule`; "one_thread" with the engine thread's OpenMP team at
+one through vLLM's `Scheduler.schedule`; "no_hold" with every step's output of every request
+handed to vLLM's output processor (fast_step's held outputs off); "one_thread" with the engine thread's OpenMP team at
 one thread instead of the cores' (two here); "torch_linear" (and "train_torch_linear") with the
 small linear layers on torch's linear (MKL) instead of their bucketed oneDNN matmul
 (patches.bucketed_small_linears; the numbers differ at float noise, so the variant's own metrics
@@ -22,7 +25,7 @@ shortcuts (their tokens are not compared: the samples differ call to call). "hf"
 bench_vs_trl runs. Writes {"<variant>_s": [wall s per call], "cpu_s": {variant: [process CPU s
 per call]}, "ratio": median after / median before, "after_over_hf", "fast_step_ratio" (after /
 no_fast_step), "fast_schedule_ratio" (after / no_fast_schedule), "threads_ratio" (after /
-one_thread), "onednn_ratio" (after / torch_linear), "train_onednn_ratio", "train_fast_step_ratio" and
+one_thread), "hold_ratio" (after / no_hold), "onednn_ratio" (after / torch_linear), "train_onednn_ratio", "train_fast_step_ratio" and
 "train_fast_schedule_ratio" (the same of train), each also as "cpu_<ratio>" of the CPU time (the
 less load-sensitive figure on a shared machine), "engine_cpu_<ratio>" (but against hf) of the
 engine thread's own CPU clock (the steadiest: no other thread's waiting in it), "load": the
@@ -160,7 +163,7 @@ def main() -> None:
     parser.add_argument(
         "--variants",
         default="after,before,hf",
-        help="comma-separated: after, before, no_fast_step, no_fast_schedule, one_thread, "
+        help="comma-separated: after, before, no_fast_step, no_fast_schedule, no_hold, one_thread, "
         "torch_linear, train_torch_linear, "
         "train, train_no_fast_step, train_no_fast_schedule, hf",
     )
@@ -170,6 +173,7 @@ def main() -> None:
 
     from chatgen.cli.config import checked_run_config
     from chatgen.rlhf.algorithms import grpo
+    from chatgen.generation.vllm.adapter.split_step import engine_core
     from chatgen.rlhf.run import Run, evaluate_policy
 
     out_dir = tempfile.mkdtemp(prefix="bench_eval_phase_")
@@ -190,6 +194,7 @@ def main() -> None:
             hf()
             loop = engine_loop()
             fast_step = fast_step_switch(loop)
+            scheduler = engine_core(loop.llm).scheduler
             threads = loop.call(torch.get_num_threads)  # the engine thread's OpenMP team
             for _ in range(args.rounds):
                 for name in times:
@@ -203,6 +208,7 @@ def main() -> None:
                     )
                     # torch._C's: vLLM's CPU worker replaces torch.set_num_threads by a no-op
                     team = 1 if name == "one_thread" else threads
+                    scheduler.chatgen_hold_outputs = name != "no_hold"  # for requests added now
                     if torch_linear is not None:
                         torch_linear(loop, name.endswith("torch_linear"))
                     loop.call(functools.partial(torch._C.set_num_threads, team))
@@ -242,6 +248,7 @@ def main() -> None:
         ("fast_step_ratio", "after", "no_fast_step"),
         ("fast_schedule_ratio", "after", "no_fast_schedule"),
         ("threads_ratio", "after", "one_thread"),
+        ("hold_ratio", "after", "no_hold"),
         ("onednn_ratio", "after", "torch_linear"),
         ("train_onednn_ratio", "train", "train_torch_linear"),
         ("train_fast_step_ratio", "train", "train_no_fast_step"),

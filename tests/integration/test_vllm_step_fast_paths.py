@@ -7,10 +7,13 @@ One batch of requests of mixed prompt lengths (so they finish in different steps
 split-step loop with and without the shortcuts, from the same state of torch's generator: greedy
 and sampled (some with their own seed), with no log-probs, sampled-token log-probs and top-2
 log-probs, stopping at EOS, at max_tokens, at a stop token id (some with min_tokens), one aborted
-mid-run, four more arriving mid-run whose prompts hit the prefix cache. Token ids, log-probs,
-finish and stop reasons, prefix-cache counts, every step's `SchedulerOutput` (every field) and the
-scheduler's and each request's state after every schedule (counters, block hashes, blocks) must be
-equal, and the shortcuts must have taken most of the decode steps. A second engine with a KV cache
+mid-run, four more arriving mid-run whose prompts hit the prefix cache; before they arrive every
+request's token count is read and one more is aborted with its partial output (the requests
+without log-probs have their outputs held until they finish: these read the output processor's
+state mid-run). Token ids, log-probs, finish and stop reasons, prefix-cache counts, the mid-run
+reads, every step's `SchedulerOutput` (every field) and the scheduler's and each request's state
+after every schedule (counters, block hashes, blocks) must be equal, and the shortcuts must have
+taken most of the decode steps and held most of those requests' outputs. A second engine with a KV cache
 too small for its requests makes vLLM preempt and resume them, with and without the shortcuts.
 """
 
@@ -67,7 +70,7 @@ def requests(stops: dict):
     return made
 
 
-def run(llm, made, eos: dict, abort_step=3, late=LATE) -> tuple:
+def run(llm, made, eos: dict, abort_step=3, late=LATE, probe_step=None) -> tuple:
     """The split-step loop over `made` from a fixed generator state and an empty prefix cache;
     the last `late` requests are added after ARRIVAL steps, request r5 is aborted after
     `abort_step` steps; eos: {request index: a token that ends it as the model's EOS does} (the
@@ -75,7 +78,10 @@ def run(llm, made, eos: dict, abort_step=3, late=LATE) -> tuple:
     [(token ids, log-probs, finish, stop reason), (its prompt's cached tokens, the tokens it added
     to the cache)]} and, per step, its `SchedulerOutput` and the scheduler's state after it
     (`scheduled`), with request ids as added and block ids in order of first appearance (each run
-    gets new internal ids, and the pool hands out blocks in an order the previous run left)."""
+    gets new internal ids, and the pool hands out blocks in an order the previous run left).
+    probe_step: at that step, before it is scheduled, read every request's token count and abort
+    r3 with its partial output (what reads the output processor's state mid-run, and what the
+    held outputs must be flushed for): returned as a third item."""
     assert adapter.reset_prefix_cache(llm)
     torch.manual_seed(1234)
     scheduler, labels = engine_core(llm).scheduler, {}
@@ -90,11 +96,18 @@ def run(llm, made, eos: dict, abort_step=3, late=LATE) -> tuple:
                 request.sampling_params._eos_token_id = eos[index]
 
     add(range(len(made) - late))
-    results, steps, step = {}, [], 0
+    results, steps, step, probes = {}, [], 0, {}
     while adapter.has_unfinished_requests(llm):
         assert step < 300, "the requests do not finish"
         if step == ARRIVAL:
             add(range(len(made) - late, len(made)))
+        if step == probe_step:
+            probes["counts"] = sorted(adapter.output_token_counts(llm).items())
+            probes["r3"] = [
+                (list(c.token_ids), c.finish_reason)
+                for out in adapter.abort_with_outputs(llm, ["r3"])
+                for c in out.outputs
+            ]
         batch = adapter.schedule(llm)
         steps.append(scheduled(scheduler, batch.scheduler_output, labels, first_step))
         if step == abort_step:
@@ -112,7 +125,7 @@ def run(llm, made, eos: dict, abort_step=3, late=LATE) -> tuple:
                 for c in out.outputs
             ] + [(out.num_cached_tokens, out.num_cache_creation_tokens)]
         step += 1
-    return results, steps
+    return results, steps, probes
 
 
 BLOCK_ID_FIELDS = {"block_ids", "new_block_ids", "new_block_ids_to_zero"}
@@ -183,6 +196,22 @@ def vllm_calls(monkeypatch, scheduler, method: str) -> list:
     return calls
 
 
+PROBE = 3  # the step before which the first test reads token counts and aborts r3 (before ARRIVAL)
+
+
+def processed_outputs(monkeypatch, llm) -> list:
+    """Every EngineCoreOutput the output processor is handed, from now (request ids)."""
+    processor, seen = llm.llm_engine.output_processor, []
+    own = processor.process_outputs
+
+    def counting(outputs, *args, **kwargs):
+        seen.extend(o.request_id for o in outputs)
+        return own(outputs, *args, **kwargs)
+
+    monkeypatch.setattr(processor, "process_outputs", counting)
+    return seen
+
+
 def without_shortcuts(monkeypatch, scheduler) -> None:
     for method in ("schedule", "update_from_output"):  # installed on the instance by build_llm
         monkeypatch.delitem(vars(scheduler), method)  # vLLM's own method again
@@ -199,13 +228,21 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     made = requests(stops)
     filed_by_vllm.clear()
     scheduled_by_vllm.clear()
-    fast, fast_steps = run(llm, made, eos)
+    processed = processed_outputs(monkeypatch, llm)
+    fast, fast_steps, fast_probes = run(llm, made, eos, probe_step=PROBE)
     fast_filed, fast_scheduled = len(filed_by_vllm), len(scheduled_by_vllm)
+    fast_processed = len(processed)
     without_shortcuts(monkeypatch, scheduler)
     filed_by_vllm.clear()
     scheduled_by_vllm.clear()
-    slow, slow_steps = run(llm, made, eos)
+    processed.clear()
+    slow, slow_steps, slow_probes = run(llm, made, eos, probe_step=PROBE)
     assert fast == slow
+    # read mid-run, the held tokens flushed: the counts and r3's partial output are vLLM's
+    assert fast_probes == slow_probes and len(fast_probes["r3"][0][0]) == PROBE  # one a step
+    # outputs of requests that want neither log-probs nor text until the end were held: the output
+    # processor saw the rest, and the finals
+    assert fast_processed < 0.8 * len(processed), (fast_processed, len(processed))
     assert len(fast_steps) == len(slow_steps)
     for step, (fast_step, slow_step) in enumerate(zip(fast_steps, slow_steps)):
         assert fast_step[0] == slow_step[0], f"step {step}: SchedulerOutput"
@@ -214,7 +251,8 @@ def test_shortcuts_generate_what_vllm_does(llm, monkeypatch):
     # blocks filled by generated tokens (hashed in the shortcut's filing) are among them
     filled = {r for s in hashes[2:] for r, h in s.items() if len(h) > len(hashes[1].get(r, h))}
     assert len(filled) >= 5, filled
-    assert "r5" not in fast and len(fast) == 35 + LATE  # the aborted one gives no final output
+    # the aborted ones give no final output
+    assert "r5" not in fast and "r3" not in fast and len(fast) == 34 + LATE
     reasons = [(c[2], c[3]) for outs in fast.values() for c in outs[:-1]]
     assert sum(outs[-1][1] > 0 for outs in fast.values()) >= 5  # prompts that fill a block
     assert all(fast[f"r{i}"][-1][0] == 32 for i in range(36, 36 + LATE))  # prefix-cache hits
@@ -256,10 +294,10 @@ def test_shortcuts_preempt_and_resume_as_vllm_does(tiny_llama_dir, monkeypatch):
         run(engine, made, {}, abort_step=-1, late=0)  # what the runs below start from
         preempted.clear()
         scheduled_by_vllm.clear()
-        fast, fast_steps = run(engine, made, {}, abort_step=-1, late=0)
+        fast, fast_steps, _ = run(engine, made, {}, abort_step=-1, late=0)
         fast_preempted, fast_scheduled = len(preempted), len(scheduled_by_vllm)
         without_shortcuts(monkeypatch, scheduler)
-        slow, slow_steps = run(engine, made, {}, abort_step=-1, late=0)
+        slow, slow_steps, _ = run(engine, made, {}, abort_step=-1, late=0)
         assert fast == slow
         assert fast_steps == slow_steps
         assert fast_preempted > 0 and len(preempted) == 2 * fast_preempted

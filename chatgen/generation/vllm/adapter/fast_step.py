@@ -7,7 +7,8 @@ share of the call (docs/long_context.md, issue 52's evaluation item). Each short
 only a request, or a step, for which vLLM's own code does nothing but the plain work, and does
 that work; anything else goes to vLLM's code: `plain_decode_schedule_fast_path` schedules a step
 of plain decodes (`Scheduler.schedule`), `plain_output_fast_path` files a step's sampled tokens
-(`Scheduler.update_from_output`). `RELIES_ON` names the vLLM code each shortcut
+(`Scheduler.update_from_output`) and holds the outputs of requests that want only their final
+one (`flush_held_outputs` hands them over before anything reads the requests' state mid-run). `RELIES_ON` names the vLLM code each shortcut
 mirrors (checked with adapter/patches.py's, tests/integration/test_vllm_patches.py), and
 tests/integration/test_vllm_step_fast_paths.py generates with and without them and compares.
 """
@@ -59,6 +60,23 @@ RELIES_ON = {
         ("vllm.v1.request:Request.take_prefill_stats", "self.prefill_stats = None"),
         ("vllm.v1.engine:EngineCoreOutputs", "outputs: list[EngineCoreOutput]"),
         ("vllm.v1.engine:EngineCoreOutput", "num_nans_in_logits: int = 0"),
+        # held outputs: what the output processor does with a held request's unfinished output
+        ("vllm.v1.engine.output_processor:RequestState.from_new_request", "tokenizer = None"),
+        ("vllm.v1.engine.detokenizer:IncrementalDetokenizer.update", "self.token_ids.extend("),
+        (
+            "vllm.v1.engine.output_processor:RequestState.make_request_output",
+            "if not finished and final_only:",
+        ),
+        (
+            "vllm.v1.engine.output_processor:OutputProcessor.process_outputs",
+            "engine_core_output.prefill_stats.num_cached_tokens",
+        ),
+        (
+            "vllm.v1.engine.output_processor:OutputProcessor._update_stats_from_output",
+            "if iteration_stats is None:",
+        ),
+        ("vllm.v1.engine.logprobs:LogprobsProcessor.update_from_output", "if output.new_logprobs"),
+        ("vllm.v1.request:Request.is_finished", "def is_finished(self) -> bool:"),
     ],
     "plain_decode_schedule_fast_path": [
         (f"{_SCHEDULER}.schedule", ("self", "throttle_prefills")),
@@ -116,7 +134,17 @@ def plain_output_fast_path(scheduler) -> None:
     anything else) and everything after its loop (freeing, stats, events), and the outputs keep
     vLLM's order. A step with speculative tokens, pooling, NaN counts, prompt log-probs or a KV
     connector output goes to vLLM whole; so does every step of a scheduler with connectors, async
-    scheduling, sampling masks, aux outputs or MFU metrics."""
+    scheduling, sampling masks, aux outputs or MFU metrics.
+
+    Held outputs: the output processor does nothing with a token of a request that wants only
+    its final output (FINAL_ONLY), no log-probs and no text until it finishes but add it to the
+    request's list (its detokenizer without a tokenizer; ~3 us an output with the output itself,
+    ~2,300 of them in the main job's evaluation), so without stats (`log_stats` off) such a
+    request's tokens are held here instead: its first output carries every token since the last
+    one (vLLM's final output, or `flush_held_outputs` before anything reads the request states
+    mid-run), with the prefill stats of its first token. The processor's state after that output,
+    and the RequestOutput it makes, are the same."""
+    from vllm.sampling_params import RequestOutputKind
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
     from vllm.v1.request import RequestStatus
@@ -138,6 +166,24 @@ def plain_output_fast_path(scheduler) -> None:
         scheduler.max_model_len,
         RequestStatus.RUNNING,
     )
+    # request id -> [request, tokens held, its first token's prefill stats]
+    holding = scheduler.chatgen_holding = {}
+    final_only, log_stats = RequestOutputKind.FINAL_ONLY, scheduler.log_stats
+    scheduler.chatgen_hold_outputs = True  # read for each new request (a bench's switch)
+
+    def held_back(request) -> bool:
+        params = request.sampling_params
+        held = (
+            not log_stats
+            and scheduler.chatgen_hold_outputs
+            and params.output_kind == final_only
+            and params.logprobs is None
+            and params.prompt_logprobs is None
+            and not params.detokenize
+            and not request.resumable
+        )
+        request.chatgen_hold = held
+        return held
 
     def update_from_output(scheduler_output, model_runner_output):
         sampled = model_runner_output.sampled_token_ids
@@ -151,9 +197,9 @@ def plain_output_fast_path(scheduler) -> None:
             or model_runner_output.prompt_logprobs_dict
             or model_runner_output.prompt_token_id_logprobs_dict
         ):
-            return update(scheduler_output, model_runner_output)
+            return _with_held(update(scheduler_output, model_runner_output), holding, scheduled)
         logprobs, index = model_runner_output.logprobs, model_runner_output.req_id_to_index
-        outputs, rest = {}, {}
+        outputs, rest, filed = {}, {}, False
         for req_id, num_tokens in scheduled.items():
             request = requests.get(req_id)
             if (
@@ -182,6 +228,7 @@ def plain_output_fast_path(scheduler) -> None:
             ):
                 rest[req_id] = num_tokens
                 continue
+            filed = True
             request.num_in_flight_tokens -= num_tokens
             token, all_token_ids = new_token_ids[0], request._all_token_ids
             request._output_token_ids.append(token)
@@ -197,6 +244,14 @@ def plain_output_fast_path(scheduler) -> None:
             if prefill_stats is not None:
                 request.prefill_stats = None
                 prefill_stats.finalize(scheduler.kv_cache_manager.estimate_cached_tokens(request))
+            hold = request.__dict__.get("chatgen_hold")
+            if hold if hold is not None else held_back(request):
+                entry = holding.get(req_id)
+                if entry is None:
+                    holding[req_id] = [request, 1, prefill_stats]
+                else:
+                    entry[1] += 1
+                continue
             client_outputs = outputs.get(request.client_index)
             if client_outputs is None:
                 client_outputs = outputs[request.client_index] = []
@@ -216,28 +271,79 @@ def plain_output_fast_path(scheduler) -> None:
                     num_nans_in_logits=request.num_nans_in_logits,
                 )
             )
-        if not outputs:
-            return update(scheduler_output, model_runner_output)
+        if not filed:
+            return _with_held(update(scheduler_output, model_runner_output), holding, scheduled)
         scheduler_output.num_scheduled_tokens = rest  # vLLM's loop files the rest
         try:
-            result = update(scheduler_output, model_runner_output)
+            result = _with_held(update(scheduler_output, model_runner_output), holding, rest)
         finally:
             scheduler_output.num_scheduled_tokens = scheduled
-        for client, filed in outputs.items():
+        for client, filed_outputs in outputs.items():
             core_outputs = result.get(client)
             if core_outputs is None:
-                result[client] = EngineCoreOutputs(outputs=filed)
+                result[client] = EngineCoreOutputs(outputs=filed_outputs)
             elif not core_outputs.outputs:
-                core_outputs.outputs = filed
+                core_outputs.outputs = filed_outputs
             else:  # vLLM's order: the step's requests as scheduled, then its error outputs
                 order = {req_id: i for i, req_id in enumerate(scheduled)}
-                filed.extend(core_outputs.outputs)
-                filed.sort(key=lambda o: order.get(o.request_id, len(order)))
-                core_outputs.outputs = filed
+                filed_outputs.extend(core_outputs.outputs)
+                filed_outputs.sort(key=lambda o: order.get(o.request_id, len(order)))
+                core_outputs.outputs = filed_outputs
         return result
 
     scheduler.update_from_output = update_from_output
     scheduler.chatgen_fast_output = True
+
+
+def _with_held(result: dict, holding: dict, filed_by_vllm) -> dict:
+    """vLLM's outputs of a step, each of a request with tokens held carrying them too (before its
+    own tokens: they came first), with its first token's prefill stats; `filed_by_vllm`: the
+    requests vLLM's loop filed this step. A held request vLLM dropped without an output (aborted
+    inside the engine) is forgotten."""
+    if not holding or not any(req_id in holding for req_id in filed_by_vllm):
+        return result
+    for core_outputs in result.values():
+        for output in core_outputs.outputs:
+            entry = holding.pop(output.request_id, None)
+            if entry is not None:
+                request, held, prefill_stats = entry
+                tokens = request._output_token_ids
+                output.new_token_ids = tokens[len(tokens) - held - len(output.new_token_ids) :]
+                if output.prefill_stats is None:
+                    output.prefill_stats = prefill_stats
+    for req_id in filed_by_vllm:
+        entry = holding.get(req_id)
+        if entry is not None and entry[0].is_finished():
+            del holding[req_id]
+    return result
+
+
+def flush_held_outputs(scheduler, output_processor) -> None:
+    """Hand the output processor every token `plain_output_fast_path` holds, as the outputs it
+    would have had (so its request states, e.g. each request's token count, are vLLM's): before
+    anything reads those states mid-run or aborts requests. The requests want only their final
+    output, so this makes none."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    holding = getattr(scheduler, "chatgen_holding", None)
+    if not holding:
+        return
+    outputs = []
+    for req_id, (request, held, prefill_stats) in holding.items():
+        tokens = request._output_token_ids
+        outputs.append(
+            EngineCoreOutput(
+                request_id=req_id,
+                new_token_ids=tokens[len(tokens) - held :],
+                stop_reason=request.stop_reason,
+                prefill_stats=prefill_stats,
+                trace_headers=request.trace_headers,
+                num_nans_in_logits=request.num_nans_in_logits,
+            )
+        )
+    holding.clear()
+    made = output_processor.process_outputs(outputs, engine_core_timestamp=None)
+    assert not made.request_outputs and not made.reqs_to_abort, "held outputs are never final"
 
 
 def plain_decode_schedule_fast_path(scheduler) -> None:

@@ -23,6 +23,7 @@ from vllm import LLM, SamplingParams, envs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind
 
+from chatgen.generation.vllm.adapter.fast_step import flush_held_outputs
 from chatgen.generation.vllm.adapter.patches import TESTED_VLLM
 
 
@@ -251,6 +252,7 @@ def abort(llm: LLM, request_ids: list) -> None:
     """Drop requests (e.g. after an exception mid-loop) so the next call starts from an empty
     engine."""
     processor = llm.llm_engine.output_processor
+    flush_held_outputs(engine_core(llm).scheduler, processor)
     engine_ids = [rid for r in request_ids for rid in processor.external_req_ids.get(r, ())]
     for recorder in _recorders(llm):
         recorder.forget(engine_ids)
@@ -275,6 +277,7 @@ def abort_with_outputs(llm: LLM, request_ids: list) -> list:
     from vllm.v1.engine import FinishReason
 
     wanted, outputs = set(request_ids), []
+    flush_held_outputs(engine_core(llm).scheduler, llm.llm_engine.output_processor)
     for state in list(llm.llm_engine.output_processor.request_states.values()):
         if state.external_req_id in wanted:
             output = state.make_request_output([], None, FinishReason.ABORT, None)
@@ -289,6 +292,7 @@ def abort_with_outputs(llm: LLM, request_ids: list) -> list:
 
 def output_token_counts(llm: LLM) -> dict:
     """{(request id, sample index): tokens generated so far} for every unfinished request."""
+    flush_held_outputs(engine_core(llm).scheduler, llm.llm_engine.output_processor)
     return {
         (state.external_req_id, state.request_index): state.detokenizer.num_output_tokens()
         for state in llm.llm_engine.output_processor.request_states.values()
