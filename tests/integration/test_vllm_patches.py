@@ -163,3 +163,27 @@ def test_row_buckets_are_few_and_cover_their_rows():
     buckets = {_row_bucket(m) for m in range(1, BULK_ROWS + 1)}
     assert len(buckets) == 13 and max(buckets) == BULK_ROWS
     assert all(m <= _row_bucket(m) < 2 * m or m == 1 for m in range(1, BULK_ROWS + 1))
+
+
+def test_bucketed_onednn_linear_traced_into_a_graph_is_vllms_call():
+    """An engine without enforce_eager traces its model once with a symbolic row count (vLLM's
+    DYNAMO_TRACE_ONCE); the bucketing's Python, fixed at the traced count, would then pad every later
+    call to it (oneDNN wrote past the output: test_chatlearn_port's engine aborted). Traced, the
+    layer is vLLM's own call: one graph gives every row count its numbers."""
+    from vllm import _custom_ops as ops
+
+    from chatgen.generation.vllm.adapter import patches
+
+    torch.manual_seed(0)
+    weight = torch.randn(704, 128)
+    linear, exact = patches.bucketed_onednn_linear(weight), ops.create_onednn_mm(weight.t(), 64)
+    traced = torch.compile(  # as vLLM compiles: once, then no guard decides to trace again
+        lambda x: linear(x, None, None),
+        backend="eager",
+        dynamic=True,
+        fullgraph=True,
+        options={"guard_filter_fn": torch.compiler.skip_all_guards_unsafe},
+    )
+    x = torch.randn(300, 128)
+    for m in (5, 37, 186, 300):
+        assert torch.equal(traced(x[:m]), ops.onednn_mm(exact, x[:m], None)), m

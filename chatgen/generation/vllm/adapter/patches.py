@@ -154,7 +154,9 @@ def bucketed_onednn_linear(weight):
     for bit), so the padded call gives the numbers of vLLM's own handler. On an AMD EPYC
     (AVX-512) oneDNN ran these layers in 0.6-0.9x the time of torch's linear (MKL)
     (docs/long_context.md). The result of a padded call is a view of its first rows (a copy
-    would cost a parallel region, ~0.1 ms, on this small a tensor)."""
+    would cost a parallel region, ~0.1 ms, on this small a tensor). Traced into a compiled
+    graph (an engine without enforce_eager), whose row count is symbolic, it is vLLM's own call
+    (one primitive per row count, as vLLM has it)."""
     import torch
     from vllm import _custom_ops as ops
 
@@ -162,6 +164,8 @@ def bucketed_onednn_linear(weight):
     k, n, pointer, run = handler.k, handler.n, handler.handler_tensor, torch.ops._C.onednn_mm
 
     def linear(x, _weight, bias):
+        if torch.compiler.is_compiling():  # a compiled graph has no fixed row count: vLLM's call
+            return ops.onednn_mm(handler, x, bias)
         rows = x.reshape(-1, k)
         m = rows.shape[0]
         bucket = _row_bucket(m) if m else 0
