@@ -16,7 +16,7 @@ one through vLLM's `Scheduler.schedule`; "no_hold" with every step's output of e
 handed to vLLM's output processor (fast_step's held outputs off); "one_thread" with the engine thread's OpenMP team at
 one thread instead of the cores' (two here); "torch_linear" (and "train_torch_linear") with the
 small linear layers on torch's linear (MKL) instead of their bucketed oneDNN matmul
-(patches.bucketed_small_linears; the numbers differ at float noise, so the variant's own metrics
+(small_linears.bucketed_small_linears; the numbers differ at float noise, so the variant's own metrics
 are not compared). All give the same tokens (the script asserts the metrics
 are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
 call instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
@@ -120,17 +120,17 @@ def keep_torch_weights():
     torch_linear variants); returns a function setting which of the two each small layer runs."""
     import torch
 
-    from chatgen.generation.vllm.adapter import patches
+    from chatgen.generation.vllm.adapter import small_linears
     from chatgen.generation.vllm.adapter.split_step import engine_core
 
-    bucketed = patches.bucketed_onednn_linear
+    bucketed = small_linears.bucketed_onednn_linear
 
     def keeping(weight):
         linear = bucketed(weight)
         linear.torch_weight = weight.detach().clone()
         return linear
 
-    patches.bucketed_onednn_linear = keeping
+    small_linears.bucketed_onednn_linear = keeping
 
     def use(loop, torch_linear: bool) -> None:
         model = engine_core(loop.llm).model_executor.driver_worker.worker.model_runner.model

@@ -103,7 +103,7 @@ def test_sync_from_transformers_matches_a_transformers_forward_pass(gen, hf_mode
     # sampled, temperature 1
     assert max_diff_vs_hf(model, *gen.generate(PROMPTS, num_generations=2)) < TOL
     # every linear layer of the tiny model is under SMALL_LINEAR_MAX_BYTES: each ran the bucketed oneDNN
-    # matmul (patches.bucketed_small_linears), and the sync's reload built it again on the new weights (the
+    # matmul (small_linears.bucketed_small_linears), and the sync's reload built it again on the new weights (the
     # outputs above match HF's)
     bucketed = gen.module.engine.collective_rpc(_bucketed_linears)[0]
     assert bucketed and all(bucketed.values()), bucketed

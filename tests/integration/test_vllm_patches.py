@@ -92,11 +92,11 @@ def test_small_fp32_linears_run_at_bucketed_row_counts(shape, dtype, bucketed):
     does with remove_weight, drops the weight for its packed copy."""
     from vllm import _custom_ops as ops
 
-    from chatgen.generation.vllm.adapter import patches
+    from chatgen.generation.vllm.adapter import small_linears
 
     assert ops._supports_onednn  # this CPU build has oneDNN: the bucketed path is the one tested
-    patches.bucketed_small_linears()
-    patches.bucketed_small_linears()  # idempotent: wrapping once
+    small_linears.bucketed_small_linears()
+    small_linears.bucketed_small_linears()  # idempotent: wrapping once
     from vllm.model_executor.layers import utils
 
     assert getattr(utils.dispatch_cpu_unquantized_gemm, "chatgen_small_linears", False)
@@ -123,12 +123,15 @@ def test_bucketed_onednn_linear_gives_vllms_numbers_at_every_row_count(k, n, bia
     for 3-D input too. Each is within float noise of torch's linear."""
     from vllm import _custom_ops as ops
 
-    from chatgen.generation.vllm.adapter import patches
+    from chatgen.generation.vllm.adapter import small_linears
 
     torch.manual_seed(0)
     weight, b = torch.randn(n, k), (torch.randn(n) if bias else None)
-    linear, exact = patches.bucketed_onednn_linear(weight), ops.create_onednn_mm(weight.t(), 64)
-    x = torch.randn(3 * patches.BULK_ROWS + 77, k) * 3
+    linear, exact = (
+        small_linears.bucketed_onednn_linear(weight),
+        ops.create_onednn_mm(weight.t(), 64),
+    )
+    x = torch.randn(3 * small_linears.BULK_ROWS + 77, k) * 3
     for m in (
         0,
         1,
@@ -140,8 +143,8 @@ def test_bucketed_onednn_linear_gives_vllms_numbers_at_every_row_count(k, n, bia
         186,
         256,
         257,
-        3 * patches.BULK_ROWS,
-        3 * patches.BULK_ROWS + 77,
+        3 * small_linears.BULK_ROWS,
+        3 * small_linears.BULK_ROWS + 77,
     ):
         got = linear(x[:m], None, b)
         assert got.shape == (m, n)
@@ -158,7 +161,7 @@ def test_bucketed_onednn_linear_gives_vllms_numbers_at_every_row_count(k, n, bia
 def test_row_buckets_are_few_and_cover_their_rows():
     """A run meets at most 13 row counts up to BULK_ROWS (the point: one primitive each, not one per batch
     size), each >= the rows it holds and under twice them."""
-    from chatgen.generation.vllm.adapter.patches import BULK_ROWS, _row_bucket
+    from chatgen.generation.vllm.adapter.small_linears import BULK_ROWS, _row_bucket
 
     buckets = {_row_bucket(m) for m in range(1, BULK_ROWS + 1)}
     assert len(buckets) == 13 and max(buckets) == BULK_ROWS
@@ -172,11 +175,14 @@ def test_bucketed_onednn_linear_traced_into_a_graph_is_vllms_call():
     layer is vLLM's own call: one graph gives every row count its numbers."""
     from vllm import _custom_ops as ops
 
-    from chatgen.generation.vllm.adapter import patches
+    from chatgen.generation.vllm.adapter import small_linears
 
     torch.manual_seed(0)
     weight = torch.randn(704, 128)
-    linear, exact = patches.bucketed_onednn_linear(weight), ops.create_onednn_mm(weight.t(), 64)
+    linear, exact = (
+        small_linears.bucketed_onednn_linear(weight),
+        ops.create_onednn_mm(weight.t(), 64),
+    )
     traced = torch.compile(  # as vLLM compiles: once, then no guard decides to trace again
         lambda x: linear(x, None, None),
         backend="eager",

@@ -13,12 +13,12 @@ import tempfile
 from vllm import LLM
 
 from chatgen.core import quiet
-from chatgen.generation.vllm.adapter import fast_step, patches, sampled_logprobs
+from chatgen.generation.vllm.adapter import fast_step, patches, sampled_logprobs, small_linears
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
 from chatgen.generation.vllm.lean_imports import without_unused_imports
 
-# On CPU every linear layer of the engine over patches.SMALL_LINEAR_MAX_BYTES (smaller fp32 ones run
-# at a few row counts: patches.bucketed_small_linears) is a oneDNN matmul with one primitive per row
+# On CPU every linear layer of the engine over small_linears.SMALL_LINEAR_MAX_BYTES (smaller fp32 ones run
+# at a few row counts: small_linears.bucketed_small_linears) is a oneDNN matmul with one primitive per row
 # count M (tokens in the step), and a decode step's M is the number of running sequences: a run meets
 # hundreds of distinct M. Each layer keeps its 32 latest primitives; oneDNN's process-wide cache
 # (1024 by default) keeps the rest, ~200 KB apiece, so it grew ~5 MiB per generate on the tiny task
@@ -50,7 +50,7 @@ def build_llm(model: str, **engine_kwargs) -> LLM:
         os.environ.setdefault(
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY", str(ONEDNN_PRIMITIVE_CACHE_CAPACITY)
         )
-        patches.bucketed_small_linears()
+        small_linears.bucketed_small_linears()
         patches.rebind_kernels_past_odd_namespaces()
     if (
         current_platform.is_cpu()

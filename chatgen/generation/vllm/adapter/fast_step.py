@@ -136,14 +136,11 @@ def plain_output_fast_path(scheduler) -> None:
     connector output goes to vLLM whole; so does every step of a scheduler with connectors, async
     scheduling, sampling masks, aux outputs or MFU metrics.
 
-    Held outputs: the output processor does nothing with a token of a request that wants only
-    its final output (FINAL_ONLY), no log-probs and no text until it finishes but add it to the
-    request's list (its detokenizer without a tokenizer; ~3 us an output with the output itself,
-    ~2,300 of them in the main job's evaluation), so without stats (`log_stats` off) such a
-    request's tokens are held here instead: its first output carries every token since the last
-    one (vLLM's final output, or `flush_held_outputs` before anything reads the request states
-    mid-run), with the prefill stats of its first token. The processor's state after that output,
-    and the RequestOutput it makes, are the same."""
+    Held outputs: vLLM's output processor only appends a step's token of a request that wants
+    its final output alone (FINAL_ONLY), no log-probs and no text (~3 us an output, ~2,300 in the
+    main job's evaluation), so without stats such tokens are held here: the request's next output
+    (vLLM's final one, or `flush_held_outputs`'s) carries them and its first token's prefill stats;
+    the processor's state after it, and its RequestOutput, are the same."""
     from vllm.sampling_params import RequestOutputKind
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
