@@ -13,19 +13,20 @@ log-probs (gathered every engine step, one list per sample), which the evaluatio
 "no_fast_step" is the shipped `evaluate_policy` with vLLM's own per-step code instead of
 chatgen's exact shortcuts through it (adapter/fast_step.py); "no_fast_schedule" without only the
 one through vLLM's `Scheduler.schedule`; "no_hold" with every step's output of every request
-handed to vLLM's output processor (fast_step's held outputs off); "one_thread" with the engine thread's OpenMP team at
-one thread instead of the cores' (two here); "torch_linear" (and "train_torch_linear") with the
-small linear layers on torch's linear (MKL) instead of their bucketed oneDNN matmul
-(small_linears.bucketed_small_linears; the numbers differ at float noise, so the variant's own metrics
-are not compared). All give the same tokens (the script asserts the metrics
-are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
+handed to vLLM's output processor (fast_step's held outputs off); "one_thread" with the engine
+thread's OpenMP team at one thread instead of the cores' (two here); "torch_linear" (and
+"train_torch_linear") with the small linear layers on torch's linear (MKL) instead of their
+bucketed oneDNN matmul (small_linears.bucketed_small_linears; the numbers differ at float noise,
+so the variant's own metrics are not compared). All give the same tokens (the script asserts the
+metrics are equal). "train", "train_no_fast_step" and "train_no_fast_schedule" are a training generation
 call instead (32 prompts x the policy's n samples, sampled, with log-probs), with and without the
 shortcuts (their tokens are not compared: the samples differ call to call). "hf" is
 `model.generate(max_new_tokens, do_sample=False)` of the warm start, what the TRL worker of
 bench_vs_trl runs. Writes {"<variant>_s": [wall s per call], "cpu_s": {variant: [process CPU s
 per call]}, "ratio": median after / median before, "after_over_hf", "fast_step_ratio" (after /
 no_fast_step), "fast_schedule_ratio" (after / no_fast_schedule), "threads_ratio" (after /
-one_thread), "hold_ratio" (after / no_hold), "onednn_ratio" (after / torch_linear), "train_onednn_ratio", "train_fast_step_ratio" and
+one_thread), "hold_ratio" (after / no_hold), "onednn_ratio" (after / torch_linear),
+"train_onednn_ratio", "train_fast_step_ratio" and
 "train_fast_schedule_ratio" (the same of train), each also as "cpu_<ratio>" of the CPU time (the
 less load-sensitive figure on a shared machine), "engine_cpu_<ratio>" (but against hf) of the
 engine thread's own CPU clock (the steadiest: no other thread's waiting in it), "load": the
@@ -172,8 +173,8 @@ def main() -> None:
     import torch
 
     from chatgen.cli.config import checked_run_config
-    from chatgen.rlhf.algorithms import grpo
     from chatgen.generation.vllm.adapter.split_step import engine_core
+    from chatgen.rlhf.algorithms import grpo
     from chatgen.rlhf.run import Run, evaluate_policy
 
     out_dir = tempfile.mkdtemp(prefix="bench_eval_phase_")

@@ -119,7 +119,7 @@ def test_small_fp32_linears_run_at_bucketed_row_counts(shape, dtype, bucketed):
 def test_bucketed_onednn_linear_gives_vllms_numbers_at_every_row_count(k, n, bias):
     """The padded calls give, bit for bit, what vLLM's own handler gives at the exact row count (a oneDNN
     primitive computes each row the same way whatever M it was built for: what the bucketing relies on), at
-    row counts that are buckets, that are not, over BULK_ROWS (a bulk plus a padded rest), one, and none;
+    row counts that are buckets, that are not, over BULK_ROWS (padded to its multiple), one, and none;
     for 3-D input too. Each is within float noise of torch's linear."""
     from vllm import _custom_ops as ops
 

@@ -12,9 +12,9 @@ matmul handler that holds a packed copy of a linear layer's weight, `layer.cpu_l
 weight itself is then a 0-element placeholder) and copies the result into the layer's old
 tensors, which it keeps. So `release` drops every `cpu_linear` handler (the reload builds new
 ones) and shrinks the storage of every other weight tensor (embeddings, norms, a small layer's
-weight where `small_linears.bucketed_small_linears` leaves it to torch) to 0 bytes; `regrow` gives the
-storage back, filled with NaN, so that a tensor the sync did not write shows as NaN in `check_rewritten`, which
-the caller runs after the reload. The KV cache keeps its allocation and hands its pages to the
+weight where `small_linears.bucketed_small_linears` leaves it to torch) to 0 bytes; `regrow`
+gives the storage back, filled with NaN, so that a tensor the sync did not write shows as NaN in
+`check_rewritten`, which the caller runs after the reload. The KV cache keeps its allocation and hands its pages to the
 kernel instead (`_drop_pages`); the prefix cache is reset by every sync, so nothing reads the old
 contents, and it comes back zeroed.
 

@@ -17,10 +17,10 @@ from chatgen.generation.vllm.adapter import fast_step, patches, sampled_logprobs
 from chatgen.generation.vllm.adapter.split_step import check_internals, engine_core
 from chatgen.generation.vllm.lean_imports import without_unused_imports
 
-# On CPU every linear layer of the engine over small_linears.SMALL_LINEAR_MAX_BYTES (smaller fp32 ones run
-# at a few row counts: small_linears.bucketed_small_linears) is a oneDNN matmul with one primitive per row
-# count M (tokens in the step), and a decode step's M is the number of running sequences: a run meets
-# hundreds of distinct M. Each layer keeps its 32 latest primitives; oneDNN's process-wide cache
+# On CPU every linear layer of the engine over small_linears.SMALL_LINEAR_MAX_BYTES (smaller fp32
+# ones run at a few row counts: small_linears.bucketed_small_linears) is a oneDNN matmul with one
+# primitive per row count M (tokens in the step), and a decode step's M is the number of running
+# sequences: a run meets hundreds of distinct M. Each layer keeps its 32 latest primitives; oneDNN's process-wide cache
 # (1024 by default) keeps the rest, ~200 KB apiece, so it grew ~5 MiB per generate on the tiny task
 # (peak RSS 1.39 -> 1.17 GiB over 60 episodes with this cap). The primitives compute the same bits
 # either way; a capped cache only rebuilds evicted ones (~3 ms an episode). Read once, at vLLM's

@@ -8,8 +8,8 @@ only a request, or a step, for which vLLM's own code does nothing but the plain 
 that work; anything else goes to vLLM's code: `plain_decode_schedule_fast_path` schedules a step
 of plain decodes (`Scheduler.schedule`), `plain_output_fast_path` files a step's sampled tokens
 (`Scheduler.update_from_output`) and holds the outputs of requests that want only their final
-one (`flush_held_outputs` hands them over before anything reads the requests' state mid-run). `RELIES_ON` names the vLLM code each shortcut
-mirrors (checked with adapter/patches.py's, tests/integration/test_vllm_patches.py), and
+one (`flush_held_outputs` hands them over before anything reads the requests' state mid-run).
+`RELIES_ON` names the vLLM code each mirrors (checked with patches.py's), and
 tests/integration/test_vllm_step_fast_paths.py generates with and without them and compares.
 """
 

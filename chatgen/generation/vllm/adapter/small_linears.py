@@ -6,9 +6,9 @@ own handler with a fraction of its primitives, and on an AMD EPYC faster than to
 
 _DISPATCH = "from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm"
 
-# The largest fp32 weight (bytes) that `bucketed_small_linears` gives a oneDNN matmul of its own: the
-# tiny Llama's layers (hidden 128: 64-360 KiB) are under it; SmolLM2's (hidden 576: 1.3-7 MiB, lm_head
-# 108 MiB) are over it and keep vLLM's own oneDNN handler.
+# The largest fp32 weight (bytes) that `bucketed_small_linears` gives a oneDNN matmul of its own:
+# the tiny Llama's layers (hidden 128: 64-360 KiB) are under it; SmolLM2's (hidden 576: 1.3-7 MiB,
+# lm_head 108 MiB) are over it and keep vLLM's own oneDNN handler.
 SMALL_LINEAR_MAX_BYTES = 1 << 20
 # The row counts a small layer's matmul runs at (`_row_bucket`): up to BULK_ROWS the next power of
 # two up to 32, then the next multiple of 32; over it the next multiple of BULK_ROWS.
